@@ -230,3 +230,13 @@ def sample_next(logits: Tensor, *, temperature: float, top_k: int | None,
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain GPT inside DDP and/or torch.compile wrappers.
+
+    Save and load state dicts through this: a DDP-wrapped model prefixes every key with `module.`
+    and a compiled one with `_orig_mod.`, and such checkpoints do not load into a plain model.
+    """
+    model = getattr(model, "module", model)  # DDP
+    return getattr(model, "_orig_mod", model)  # torch.compile
