@@ -1,0 +1,281 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2.config import GPT2_VOCAB_SIZE, ModelConfig, count_params_formula, model_preset
+from gpt2.model import GPT, KVCache, sample_next, unwrap
+
+
+def tiny(**overrides) -> ModelConfig:
+    return ModelConfig(**{**dict(n_layer=2, n_head=4, n_embd=64, block_size=32), **overrides})
+
+
+def make_model(cfg: ModelConfig, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(cfg).eval()
+    # GPT-2 init zeroes biases and sets LayerNorms to identity; randomise them so a mix-up in
+    # their handling would show in the comparisons below.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    return model
+
+
+def reference_attention(x, attn, n_head, n_kv_head, start=0):
+    """softmax(QK^T/sqrt(d) + causal mask)V, head by head, from the module's own weights.
+
+    x is the whole sequence (B, T, C); the output is for the queries at positions [start, T).
+    """
+    B, T, C = x.shape
+    hd = C // n_head
+    qkv = x @ attn.c_attn.weight.T + attn.c_attn.bias
+    q, k, v = qkv.split([C, n_kv_head * hd, n_kv_head * hd], dim=-1)
+    group = n_head // n_kv_head
+    outs = []
+    for h in range(n_head):
+        kv = h // group  # query head h reads kv head h // group (repeat_interleave order)
+        qh = q[:, start:, h * hd:(h + 1) * hd]
+        kh, vh = k[:, :, kv * hd:(kv + 1) * hd], v[:, :, kv * hd:(kv + 1) * hd]
+        scores = qh @ kh.transpose(1, 2) / math.sqrt(hd)  # (B, Tq, T)
+        future = torch.arange(T)[None, :] > torch.arange(start, T)[:, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        outs.append(torch.softmax(scores, dim=-1) @ vh)
+    return torch.cat(outs, dim=-1) @ attn.c_proj.weight.T + attn.c_proj.bias
+
+
+def test_gpt2_preset_has_124_439_808_params():
+    cfg = model_preset("gpt2", vocab_size=GPT2_VOCAB_SIZE)
+    with torch.device("meta"):  # shapes only: no memory, no init time
+        model = GPT(cfg)
+    assert model.num_params() == 124_439_808
+    assert count_params_formula(cfg) == 124_439_808
+
+
+def test_param_formula_matches_module_for_padded_vocab():
+    cfg = tiny()
+    assert GPT(cfg).num_params() == count_params_formula(cfg)
+
+
+HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "sdpa_mask", "explicit"])
+@pytest.mark.parametrize("kind", sorted(HEADS))
+def test_attention_equals_explicit_reference(kind, impl):
+    n_head, n_kv_head = HEADS[kind]
+    torch.manual_seed(1)
+    attn = make_model(tiny(n_head=n_head, n_kv_head=n_kv_head, attn_impl=impl)).transformer.h[0].attn
+    with torch.no_grad():
+        attn.c_attn.bias.normal_()
+        attn.c_proj.bias.normal_()
+    x = torch.randn(2, 13, 64)
+    with torch.no_grad():
+        got = attn(x)
+        want = reference_attention(x, attn, n_head, n_kv_head)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "sdpa_mask", "explicit"])
+@pytest.mark.parametrize("kind", sorted(HEADS))
+def test_kv_cache_multi_token_with_offset_equals_reference(kind, impl):
+    n_head, n_kv_head = HEADS[kind]
+    cfg = tiny(n_head=n_head, n_kv_head=n_kv_head, attn_impl=impl)
+    attn = make_model(cfg).transformer.h[0].attn
+    x = torch.randn(2, 11, 64)
+    cache = KVCache(cfg, 2, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        attn(x[:, :5], cache)  # positions 0..4 into the cache
+        cache.pos = 5  # GPT.forward advances the cache; the bare layer does not
+        got = attn(x[:, 5:], cache)  # 6 queries at positions 5..10 over 11 keys
+        want = reference_attention(x, attn, n_head, n_kv_head, start=5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "sdpa_mask", "explicit"])
+def test_cached_forward_in_chunks_equals_full_forward(impl):
+    cfg = tiny(n_kv_head=2, attn_impl=impl)
+    model = make_model(cfg)
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 20))
+    cache = KVCache(cfg, 2, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        full, _ = model(idx)
+        chunks = [model(idx[:, a:b], kv_cache=cache)[0] for a, b in [(0, 7), (7, 8), (8, 15), (15, 20)]]
+    assert cache.pos == 20
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_forward_refuses_sequences_longer_than_block_size():
+    model = GPT(tiny(block_size=8))
+    with pytest.raises(ValueError, match="block_size=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_fresh_model_loss_is_near_ln_vocab():
+    torch.manual_seed(0)
+    model = GPT(model_preset("debug"))
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (4, 64))
+    # Targets independent of the inputs: with targets == inputs the tied embedding makes the
+    # model "copy" its input and the loss drops below ln(V).
+    targets = torch.randint(0, GPT2_VOCAB_SIZE, (4, 64))
+    with torch.no_grad():
+        _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(GPT2_VOCAB_SIZE)) < 0.3, loss.item()
+
+
+def test_ignore_index_targets_do_not_count():
+    model = make_model(tiny())
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (1, 10))
+    targets = torch.randint(0, GPT2_VOCAB_SIZE, (1, 10))
+    masked = targets.clone()
+    masked[:, 5:] = -1
+    with torch.no_grad():
+        _, loss_masked = model(idx, masked)
+        logits, _ = model(idx[:, :5])
+    torch.testing.assert_close(loss_masked, F.cross_entropy(logits[0], targets[0, :5]))
+
+
+def test_padded_vocab_has_zero_probability_and_zero_gradient():
+    model = make_model(tiny())
+    assert model.config.vocab_size > GPT2_VOCAB_SIZE
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
+    logits, loss = model(idx, torch.randint(0, GPT2_VOCAB_SIZE, (2, 16)))
+    assert torch.isneginf(logits[..., GPT2_VOCAB_SIZE:]).all()
+    assert torch.isfinite(logits[..., :GPT2_VOCAB_SIZE]).all()
+    probs = F.softmax(logits.float(), dim=-1)
+    assert (probs[..., GPT2_VOCAB_SIZE:] == 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 16))
+    loss.backward()
+    # No probability, no gradient: padded rows never move (inputs never use them either).
+    grad = model.transformer.wte.weight.grad
+    assert (grad[GPT2_VOCAB_SIZE:] == 0).all() and (grad[:GPT2_VOCAB_SIZE] != 0).any()
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (5.0, None), (1.0, 50)])
+def test_padded_logits_are_never_sampled(temperature, top_k):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(256, 50304, generator=gen)
+    logits[:, GPT2_VOCAB_SIZE:] = 100.0  # even huge padded logits (no bias applied) are ignored
+    tokens = sample_next(logits, temperature=temperature, top_k=top_k, generator=gen)
+    assert tokens.shape == (256, 1)
+    assert (tokens < GPT2_VOCAB_SIZE).all()
+
+
+def test_top_k_samples_only_the_top_k():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, GPT2_VOCAB_SIZE, generator=gen)
+    top = torch.topk(logits, 3).indices
+    tokens = sample_next(logits, temperature=1.0, top_k=3, generator=gen)
+    assert (tokens == top).any(dim=1).all()
+    greedy = sample_next(logits, temperature=0.0, top_k=None, generator=None)
+    assert torch.equal(greedy[:, 0], logits.argmax(-1))
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 1])
+@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, 20)])
+def test_cached_generation_equals_uncached(temperature, top_k, n_kv_head):
+    # Prompt 5 + 30 new tokens runs past block_size=16, so the cache's rebuild is exercised too.
+    model = make_model(tiny(block_size=16, n_kv_head=n_kv_head))
+    prompt = torch.randint(0, GPT2_VOCAB_SIZE, (2, 5))
+    outs = []
+    for use_cache in (True, False):
+        gen = torch.Generator().manual_seed(123)
+        outs.append(model.generate(prompt, 30, temperature=temperature, top_k=top_k,
+                                   generator=gen, use_cache=use_cache))
+    assert outs[0].shape == (2, 35)
+    assert torch.equal(outs[0][:, :5], prompt)
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0] < GPT2_VOCAB_SIZE).all()
+
+
+def test_cached_generation_from_prompt_longer_than_block():
+    model = make_model(tiny(block_size=8))
+    prompt = torch.randint(0, GPT2_VOCAB_SIZE, (1, 12))
+    cached = model.generate(prompt, 6, temperature=0.0, use_cache=True)
+    uncached = model.generate(prompt, 6, temperature=0.0, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def test_generate_needs_a_prompt():
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        GPT(tiny()).generate(torch.zeros(1, 0, dtype=torch.long), 3)
+
+
+def test_init_follows_gpt2():
+    torch.manual_seed(0)
+    model = GPT(model_preset("debug"))
+    n_layer = model.config.n_layer
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert abs(model.transformer.wte.weight.std().item() - 0.02) < 1e-3
+    block = model.transformer.h[0]
+    assert abs(block.mlp.c_fc.weight.std().item() - 0.02) < 1e-3
+    scaled = 0.02 / math.sqrt(2 * n_layer)
+    assert abs(block.attn.c_proj.weight.std().item() - scaled) < 0.05 * scaled
+    assert abs(block.mlp.c_proj.weight.std().item() - scaled) < 0.05 * scaled
+    assert (block.attn.c_attn.bias == 0).all() and (block.ln_1.weight == 1).all()
+
+
+def _train_step(model, idx, targets):
+    _, loss = model(idx, targets)
+    loss.backward()
+    return loss
+
+
+def test_forward_backward_under_torch_compile():
+    torch.manual_seed(0)
+    cfg = tiny(n_layer=1, block_size=16)
+    model = GPT(cfg)
+    compiled = torch.compile(model)
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
+    targets = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
+    loss = _train_step(compiled, idx, targets)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    eager_loss = _train_step(model, idx, targets)
+    torch.testing.assert_close(loss, eager_loss, atol=1e-4, rtol=1e-4)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-4, rtol=1e-3, msg=name)
+    # Saved through unwrap(), the compiled model's state dict has plain keys.
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    assert list(unwrap(compiled).state_dict()) == list(model.state_dict())
+
+
+def test_forward_backward_under_bf16_autocast():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
+    targets = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(idx, targets)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert abs(loss.item() - math.log(GPT2_VOCAB_SIZE)) < 0.3
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+    assert torch.isneginf(logits[..., GPT2_VOCAB_SIZE:]).all()
+
+
+def test_unwrap_removes_ddp_and_compile_prefixes(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = GPT(tiny(n_layer=1))
+    plain_keys = list(model.state_dict())
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ddp = DDP(model)
+        assert all(k.startswith("module.") for k in ddp.state_dict())
+        wrapped = {"ddp": ddp, "ddp(compile)": DDP(torch.compile(model)),
+                   "compile(ddp)": torch.compile(DDP(model))}
+        for name, w in wrapped.items():
+            assert unwrap(w) is model, name
+            keys = list(unwrap(w).state_dict())
+            assert keys == plain_keys, name
+            assert not any(k.startswith(("module.", "_orig_mod.")) for k in keys), name
+    finally:
+        dist.destroy_process_group()
+    assert unwrap(model) is model
