@@ -1,0 +1,87 @@
+import dataclasses
+
+import pytest
+import torch
+
+from gpt2.config import (GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig,
+                         count_params_formula, model_preset)
+from gpt2.model import GPT
+
+# ---- ModelConfig ----
+
+# Parameter counts Hugging Face reports for the four OpenAI releases (vocab 50,257).
+HF_PARAM_COUNTS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168,
+                   "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}
+
+
+@pytest.mark.parametrize("name", sorted(HF_PARAM_COUNTS))
+def test_preset_param_counts_match_hugging_face(name):
+    cfg = model_preset(name, vocab_size=GPT2_VOCAB_SIZE)
+    assert count_params_formula(cfg) == HF_PARAM_COUNTS[name]
+    with torch.device("meta"):
+        assert GPT(cfg).num_params() == HF_PARAM_COUNTS[name]
+
+
+def test_presets_default_to_padded_vocab_and_mha():
+    for name in MODEL_PRESETS:
+        cfg = model_preset(name)
+        assert cfg.vocab_size == PADDED_VOCAB_SIZE == 50304 and PADDED_VOCAB_SIZE % 128 == 0
+        assert cfg.n_kv_head == cfg.n_head and cfg.bias and cfg.attn_impl == "sdpa"
+        assert cfg.head_dim * cfg.n_head == cfg.n_embd
+
+
+def test_debug_preset_is_tiny():
+    assert count_params_formula(model_preset("debug")) < 8_000_000
+
+
+def test_preset_overrides_and_unknown_preset():
+    assert model_preset("gpt2", n_kv_head=4).n_kv_head == 4
+    with pytest.raises(ValueError, match="unknown preset 'gpt3'.*gpt2-medium"):
+        model_preset("gpt3")
+
+
+def test_config_is_frozen_and_replace_validates():
+    cfg = ModelConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.n_layer = 3
+    assert cfg.replace(n_layer=3).n_layer == 3 and cfg.n_layer == 12
+    with pytest.raises(ValueError, match="n_head=5"):
+        cfg.replace(n_head=5)
+    with pytest.raises(TypeError):
+        ModelConfig(12)  # keyword-only: positional shapes are too easy to get in the wrong order
+
+
+def test_to_dict_round_trips():
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=16)
+    assert ModelConfig(**cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(n_embd=100, n_head=12), "n_embd=100 is not divisible by n_head=12; choose n_head among"),
+    (dict(n_head=12, n_kv_head=5), "n_head=12 is not divisible by n_kv_head=5"),
+    (dict(vocab_size=50000), "vocab_size=50000 is smaller than the GPT-2 tokenizer's 50257"),
+    (dict(dropout=1.0), r"dropout=1.0 must be in \[0, 1\)"),
+    (dict(dropout=-0.1), r"dropout=-0.1 must be in \[0, 1\)"),
+    (dict(attn_impl="flash"), "attn_impl='flash' must be one of"),
+    (dict(n_layer=0), "n_layer=0 must be a positive integer"),
+    (dict(block_size=-1), "block_size=-1 must be a positive integer"),
+    (dict(n_embd=768.0), "n_embd=768.0 must be a positive integer"),
+    (dict(n_head=True), "n_head=True must be a positive integer"),
+])
+def test_invalid_model_config_is_refused_with_the_fix(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**fields)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ValueError) as err:
+        ModelConfig(n_embd=100, n_head=12, vocab_size=100, dropout=2.0, attn_impl="x")
+    text = str(err.value)
+    for fragment in ("n_embd=100", "vocab_size=100", "dropout=2.0", "attn_impl='x'"):
+        assert fragment in text
+
+
+def test_mqa_and_gqa_shapes_are_accepted():
+    assert ModelConfig(n_head=12, n_kv_head=1).n_kv_head == 1
+    assert ModelConfig(n_head=12, n_kv_head=4).n_kv_head == 4
+    assert ModelConfig(vocab_size=GPT2_VOCAB_SIZE).vocab_size == GPT2_VOCAB_SIZE
