@@ -1,0 +1,82 @@
+import time
+
+import pytest
+import torch
+
+from gpt2.config import ModelConfig, model_preset
+from gpt2.flops import (device_peak_flops, flops_per_token, gpu_table_peak, matmul_peak_flops, mfu,
+                        param_count)
+from gpt2.model import GPT
+
+
+def test_flops_per_token_matches_hand_count():
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=4, block_size=8, vocab_size=50257)
+    wte = 50257 * 4
+    layer = (4 + 4) * 2 + (4 * 12 + 12) + (4 * 4 + 4) + (4 * 16 + 16) + (16 * 4 + 4)
+    ln_f = 4 + 4
+    n_no_pos = wte + layer + ln_f
+    assert param_count(cfg, include_position=False) == n_no_pos
+    assert param_count(cfg) == n_no_pos + 8 * 4
+    attention = 12 * 1 * 4 * 8  # 12 * L * h * T
+    assert flops_per_token(cfg) == 6 * n_no_pos + attention
+    assert flops_per_token(cfg, seq_len=2) == 6 * n_no_pos + 12 * 1 * 4 * 2
+
+
+def test_flops_per_token_gpt2_known_value():
+    # nanoGPT's estimate for 124M at T=1024: 6 * 123.65M (no wpe, vocab 50257) + 12*12*768*1024.
+    cfg = model_preset("gpt2", vocab_size=50257)
+    n = 124_439_808 - 1024 * 768
+    assert flops_per_token(cfg) == 6 * n + 12 * 12 * 768 * 1024
+    assert flops_per_token(cfg) == pytest.approx(0.8552e9, rel=1e-3)
+
+
+def test_param_count_matches_module_for_gqa_and_no_bias():
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, bias=False)
+    assert param_count(cfg) == GPT(cfg).num_params()
+
+
+def test_flops_per_token_rejects_seq_len_beyond_block():
+    with pytest.raises(ValueError, match="block_size"):
+        flops_per_token(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8), seq_len=9)
+
+
+def test_mfu_arithmetic():
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=4, block_size=8, vocab_size=50257)
+    f = flops_per_token(cfg)
+    assert mfu(1000.0, cfg, peak=1000.0 * f) == pytest.approx(1.0)
+    assert mfu(250.0, cfg, peak=1000.0 * f) == pytest.approx(0.25)
+    assert mfu(250.0, cfg, peak=1000.0 * f, seq_len=4) < 0.25  # fewer attention FLOPs
+    with pytest.raises(ValueError, match="positive"):
+        mfu(1.0, cfg, peak=0.0)
+
+
+def test_matmul_peak_flops_small_and_cached():
+    t0 = time.perf_counter()
+    peak = matmul_peak_flops("cpu", torch.float32, n=128, repeats=2)
+    assert 1e8 < peak < 1e14  # at least 0.1 GFLOP/s, below any CPU's peak
+    assert time.perf_counter() - t0 < 5
+    t0 = time.perf_counter()
+    assert matmul_peak_flops("cpu", torch.float32, n=128, repeats=2) == peak  # cached
+    assert time.perf_counter() - t0 < 0.01
+    assert matmul_peak_flops("cpu", torch.bfloat16, n=128, repeats=2) > 0
+
+
+def test_gpu_table_peaks():
+    assert gpu_table_peak("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
+    assert gpu_table_peak("NVIDIA A100-PCIE-40GB", torch.float32) == 19.5e12
+    assert gpu_table_peak("NVIDIA A100-PCIE-40GB", torch.float32, tf32=True) == 156e12
+    assert gpu_table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert gpu_table_peak("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert gpu_table_peak("NVIDIA H200", torch.bfloat16) == 989e12
+    assert gpu_table_peak("Tesla V100-SXM2-32GB", torch.float32, tf32=True) == 15.7e12  # no TF32
+    assert gpu_table_peak("Tesla V100-SXM2-32GB", torch.bfloat16) is None
+    assert gpu_table_peak("Some Future GPU", torch.bfloat16) is None
+
+
+def test_device_peak_flops_measures_on_cpu():
+    assert device_peak_flops("cpu", torch.float32) == matmul_peak_flops("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+def test_device_peak_flops_cuda_is_positive():
+    assert device_peak_flops("cuda", torch.bfloat16) > 1e12
