@@ -73,7 +73,6 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         "model_type": "gpt2",
         "vocab_size": GPT2_VOCAB_SIZE,
         "n_positions": cfg.block_size,
-        "n_ctx": cfg.block_size,
         "n_embd": cfg.n_embd,
         "n_layer": cfg.n_layer,
         "n_head": cfg.n_head,
@@ -91,7 +90,6 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         "bos_token_id": EOT_TOKEN,
         "eos_token_id": EOT_TOKEN,
         "use_cache": True,
-        "torch_dtype": "float32",
     }
 
 
@@ -158,7 +156,7 @@ def _check_keys(expected: dict[str, Tensor], got: dict[str, Tensor]) -> None:
     problems += [f"{k}: shape {tuple(got[k].shape)}, expected {tuple(v.shape)}"
                  for k, v in expected.items() if k in got and got[k].shape != v.shape]
     if problems:
-        raise ValueError("state dict does not match a GPT-2 of the inferred shape (is n_head right?):"
+        raise ValueError("state dict does not match a GPT-2 of the shape its embeddings imply:"
                          "\n  - " + "\n  - ".join(problems[:20]))
 
 
