@@ -34,7 +34,8 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
-def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                       dropout_p: float = 0.0) -> Tensor:
     """softmax(QK^T / sqrt(d) + mask) V with a materialised (T_q, T_k) score matrix.
 
     q is (B, nh, Tq, hd); k, v are (B, nkv, Tk, hd) with nh a multiple of nkv. `mask` is boolean,
@@ -47,7 +48,10 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> 
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, Tq, Tk)
     if mask is not None:
         att = att.masked_fill(~mask, float("-inf"))
-    return F.softmax(att, dim=-1) @ v  # (B, nh, Tq, hd)
+    att = F.softmax(att, dim=-1)
+    if dropout_p > 0:  # on the attention weights, as SDPA's dropout_p
+        att = F.dropout(att, p=dropout_p)
+    return att @ v  # (B, nh, Tq, hd)
 
 
 def causal_mask(t_q: int, t_k: int, device) -> Tensor:
@@ -95,7 +99,7 @@ class CausalSelfAttention(nn.Module):
                 q, k, v, dropout_p=dropout_p, is_causal=t_q == t_k and t_q > 1, enable_gqa=gqa)
         mask = causal_mask(t_q, t_k, q.device)
         if self.attn_impl == "explicit":
-            return explicit_attention(q, k, v, mask)
+            return explicit_attention(q, k, v, mask, dropout_p)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
 

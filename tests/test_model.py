@@ -80,6 +80,18 @@ def test_attention_equals_explicit_reference(kind, impl):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "sdpa_mask", "explicit"])
+def test_attention_dropout_acts_in_training_only(impl):
+    attn = make_model(tiny(dropout=0.5, attn_impl=impl)).transformer.h[0].attn
+    attn.resid_dropout.p = 0.0  # isolate the dropout on the attention weights
+    x = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        want = reference_attention(x, attn, 4, 4)
+        torch.testing.assert_close(attn.eval()(x), want, atol=1e-5, rtol=1e-5)
+        attn.train()
+        assert not torch.allclose(attn(x), want, atol=1e-3)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "sdpa_mask", "explicit"])
 @pytest.mark.parametrize("kind", sorted(HEADS))
 def test_kv_cache_multi_token_with_offset_equals_reference(kind, impl):
     n_head, n_kv_head = HEADS[kind]
