@@ -111,3 +111,154 @@ def count_params_formula(cfg: ModelConfig) -> int:
     """
     V, T, L, h = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_embd
     return V * h + T * h + L * (12 * h * h + 13 * h) + 2 * h
+
+
+DTYPES = ("bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    data_dir: str = ""
+    """Directory holding *train*.bin and *val*.bin token shards (ours or llm.c/modded-nanogpt's)."""
+    out_dir: str = ""
+    """Run directory: metrics.jsonl, config.json, checkpoints/, loss curve."""
+    device: str = "auto"
+    """auto (CUDA if present, else CPU), cpu or cuda. Each rank uses cuda:LOCAL_RANK."""
+    dtype: str = "bfloat16"
+    """Autocast dtype for matmuls; float32 disables autocast. Weights and optimizer stay fp32."""
+    compile: bool = True
+    """torch.compile the model (inductor on CUDA and CPU)."""
+    tf32: bool = True
+    """Allow TF32 matmuls on CUDA (no effect on CPU)."""
+    fused_adamw: bool = True
+    """Use the fused AdamW kernel where the device has one (CUDA)."""
+    pin_memory: bool = True
+    """Pinned host buffers and non-blocking copies on CUDA (no effect on CPU)."""
+    num_threads: int = 0
+    """CPU threads per rank for intra-op parallelism; 0 = cores / ranks on this node."""
+    micro_batch_size: int = 64
+    """Sequences per rank per forward/backward."""
+    total_batch_size: int = 524_288
+    """Tokens per optimizer step, summed over all ranks and accumulation steps."""
+    max_steps: int = 19_073
+    """Optimizer steps to train for (19,073 x 524,288 tokens = 10B tokens)."""
+    lr: float = 6e-4
+    """Peak learning rate, reached after warmup."""
+    min_lr: float = 6e-5
+    """Learning rate at the end of cosine decay."""
+    warmup_steps: int = 715
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to 2-D weights only (not biases, LayerNorm)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    eval_interval: int = 250
+    """Steps between validation-loss evaluations; 0 disables them (except at the end)."""
+    eval_tokens: int = 10_485_760
+    """Validation tokens per evaluation: the first eval_tokens of the val shards, the same on every run."""
+    sample_interval: int = 1000
+    """Steps between text samples printed by rank 0; 0 disables them."""
+    sample_tokens: int = 32
+    """Tokens generated per sample."""
+    sample_prompt: str = ""
+    """Prompt for samples; empty starts from <|endoftext|>."""
+    log_interval: int = 1
+    """Steps between log lines and metrics.jsonl records."""
+    ckpt_interval: int = 1000
+    """Steps between checkpoints (one is always written at the end); 0 writes only the final one."""
+    keep_checkpoints: int = 3
+    """How many recent checkpoints to keep."""
+    resume: str = "auto"
+    """auto (newest valid checkpoint in out_dir, else fresh), never, or a checkpoint path."""
+    seed: int = 1337
+    """Seed for initialisation and data order."""
+    dist_timeout_s: float = 600.0
+    """Timeout of collective operations: a dead peer raises an error instead of hanging."""
+    max_bad_steps: int = 3
+    """Consecutive non-finite losses/gradient norms (each update skipped) before the run stops."""
+    plot: bool = True
+    """Write loss_curve.png in out_dir at the end (needs matplotlib)."""
+    tensorboard: bool = False
+    """Also log to TensorBoard in out_dir/tb (needs tensorboard)."""
+    wandb_project: str = ""
+    """Also log to this Weights & Biases project (needs wandb)."""
+    inject_nan_step: int = -1
+    """Testing hook: poison the loss at this step with NaN to exercise the non-finite guard."""
+
+    def __post_init__(self) -> None:
+        problems = train_config_problems(self)
+        if problems:
+            raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def train_config_problems(cfg: TrainConfig) -> list[str]:
+    p = []
+    positive = ("micro_batch_size", "total_batch_size", "max_steps", "log_interval", "keep_checkpoints",
+                "sample_tokens", "max_bad_steps")
+    non_negative = ("warmup_steps", "eval_interval", "eval_tokens", "sample_interval", "ckpt_interval",
+                    "num_threads")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            p.append(f"{name}={getattr(cfg, name)} must be >= 1")
+    for name in non_negative:
+        if getattr(cfg, name) < 0:
+            p.append(f"{name}={getattr(cfg, name)} must be >= 0")
+    if cfg.device not in DEVICES:
+        p.append(f"device={cfg.device!r} must be one of {DEVICES}")
+    if cfg.dtype not in DTYPES:
+        p.append(f"dtype={cfg.dtype!r} must be one of {DTYPES}")
+    if not cfg.lr > 0:
+        p.append(f"lr={cfg.lr} must be > 0")
+    if not 0 <= cfg.min_lr <= cfg.lr:
+        p.append(f"min_lr={cfg.min_lr} must be between 0 and lr={cfg.lr}")
+    if cfg.warmup_steps > cfg.max_steps:
+        p.append(f"warmup_steps={cfg.warmup_steps} exceeds max_steps={cfg.max_steps}")
+    if cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.eps <= 0:
+        p.append("weight_decay and grad_clip must be >= 0 and eps > 0")
+    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
+        p.append(f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
+    if cfg.dist_timeout_s <= 0:
+        p.append(f"dist_timeout_s={cfg.dist_timeout_s} must be > 0")
+    if cfg.resume in ("", None):
+        p.append("resume must be auto, never, or a checkpoint path")
+    return p
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a training run needs: the model and how to train it."""
+    model: ModelConfig
+    train: TrainConfig
+
+    def to_dict(self) -> dict:
+        return {"model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        return cls(ModelConfig(**d["model"]), TrainConfig(**d["train"]))
+
+
+# Training presets: model shape plus the training recipe that goes with it.
+TRAIN_PRESETS: dict[str, dict] = {
+    # GPT-2 124M on one 8xA100 node: 524,288 tokens/step (64 x 1024 x 8 ranks, no accumulation),
+    # 10B tokens, max lr 6e-4 with 715 warmup steps and cosine decay to 10%.
+    "gpt2": dict(micro_batch_size=64, total_batch_size=524_288, max_steps=19_073, lr=6e-4, min_lr=6e-5,
+                 warmup_steps=715),
+    "gpt2-medium": dict(micro_batch_size=32, total_batch_size=524_288, max_steps=19_073, lr=3e-4,
+                        min_lr=3e-5, warmup_steps=715),
+    "gpt2-large": dict(micro_batch_size=16, total_batch_size=524_288, max_steps=19_073, lr=2.5e-4,
+                       min_lr=2.5e-5, warmup_steps=715),
+    "gpt2-xl": dict(micro_batch_size=8, total_batch_size=524_288, max_steps=19_073, lr=2e-4, min_lr=2e-5,
+                    warmup_steps=715),
+    # Trains in minutes on 2 CPU cores: 8 x 128 tokens per rank, 2,048 tokens per step.
+    "debug": dict(micro_batch_size=8, total_batch_size=2048, max_steps=200, lr=1e-3, min_lr=1e-4,
+                  warmup_steps=20, eval_interval=50, eval_tokens=16_384, sample_interval=100,
+                  log_interval=10, ckpt_interval=100, compile=False),
+}

@@ -1,0 +1,188 @@
+"""Rank-aware loading of token shards.
+
+The training data is one token stream: the train shards concatenated, their order reshuffled each
+epoch from the seed. Optimizer step s consumes the stream's tokens [s*G, s*G + G] (G = total batch
+tokens; the extra token is the last target). Inside that span, micro-step m of rank r reads
+sequences (m*world + r)*B ... +B. So the sequence of global batches depends only on the seed and
+G, never on the world size or the accumulation steps (2 ranks x accum 2 see exactly what 1 rank x
+accum 4 sees), ranks read disjoint parts of every batch, and the loader's whole state is one
+number: the stream position.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpt2.shards import HEADER_BYTES, TOKEN_DTYPE, ShardError, read_header
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    paths: tuple[Path, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.sizes)
+
+    def fingerprint(self) -> list[list]:
+        return [[p.name, n] for p, n in zip(self.paths, self.sizes)]
+
+
+def find_shards(data_dir: str | Path, split: str) -> ShardSet:
+    """All *{split}*.bin shards in data_dir, sorted by name, each header validated.
+
+    Raises ShardError naming the directory or the bad file, before any training starts.
+    """
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise ShardError(f"--data-dir {data_dir}: no such directory; prepare one with "
+                         "`python -m data_prep --source FILES --out DIR`")
+    paths = sorted(p for p in data_dir.glob(f"*{split}*.bin") if p.is_file())
+    if not paths:
+        raise ShardError(f"--data-dir {data_dir}: no *{split}*.bin shards; prepare them with "
+                         "`python -m data_prep --source FILES --out DIR`")
+    sizes = []
+    for p in paths:
+        n = read_header(p)
+        if n == 0:
+            raise ShardError(f"{p}: shard holds no tokens; delete it or re-run data_prep")
+        sizes.append(n)
+    return ShardSet(tuple(paths), tuple(sizes))
+
+
+class TokenStream:
+    """Random access into the shards concatenated, epoch after epoch.
+
+    With shuffle, epoch e visits the shards in a permutation drawn from (seed, e).
+    """
+
+    def __init__(self, shards: ShardSet, *, seed: int, shuffle: bool) -> None:
+        self.shards, self.seed, self.shuffle = shards, seed, shuffle
+        self._epoch, self._order, self._starts = -1, None, None
+
+    def _layout(self, epoch: int) -> tuple[np.ndarray, list[int]]:
+        if epoch != self._epoch:
+            n = len(self.shards.paths)
+            order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                     else np.arange(n))
+            starts = np.concatenate([[0], np.cumsum([self.shards.sizes[i] for i in order])]).tolist()
+            self._epoch, self._order, self._starts = epoch, order, starts
+        return self._order, self._starts
+
+    def epoch_of(self, position: int) -> int:
+        return position // self.shards.total_tokens
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens at stream positions [start, start + n) as int64."""
+        out = np.empty(n, dtype=np.int64)
+        filled, epoch_len = 0, self.shards.total_tokens
+        while filled < n:
+            epoch, offset = divmod(start + filled, epoch_len)
+            order, starts = self._layout(epoch)
+            k = bisect.bisect_right(starts, offset) - 1
+            shard = int(order[k])
+            begin = offset - starts[k]
+            take = min(n - filled, self.shards.sizes[shard] - begin)
+            # A fresh memmap per read: nothing of a 10B-token corpus stays mapped between batches.
+            mm = np.memmap(self.shards.paths[shard], dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES,
+                           shape=(self.shards.sizes[shard],))
+            out[filled:filled + take] = mm[begin:begin + take]
+            del mm
+            filled += take
+        return out
+
+
+def to_device(x: np.ndarray, device: torch.device, pin: bool) -> torch.Tensor:
+    t = torch.from_numpy(x)
+    if device.type == "cuda":
+        if pin:
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+    return t
+
+
+class TrainLoader:
+    """This rank's micro-batches of each optimizer step."""
+
+    def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, total_batch_size: int,
+                 rank: int, world_size: int, seed: int, device: torch.device, pin_memory: bool = True) -> None:
+        per_micro = micro_batch_size * seq_len * world_size
+        assert total_batch_size % per_micro == 0, "batch maths is validated before the loader is built"
+        if shards.total_tokens < total_batch_size + 1:
+            raise ShardError(f"the train shards hold {shards.total_tokens} tokens, fewer than one optimizer "
+                             f"step needs ({total_batch_size + 1}); lower --total-batch-size or add data")
+        self.shards = shards
+        self.stream = TokenStream(shards, seed=seed, shuffle=True)
+        self.B, self.T, self.G = micro_batch_size, seq_len, total_batch_size
+        self.rank, self.world_size = rank, world_size
+        self.accum_steps = total_batch_size // per_micro
+        self.seed, self.device, self.pin = seed, device, pin_memory
+        self.position = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.stream.epoch_of(self.position)
+
+    def micro_batch(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of shape (B, T) for one micro-step of the current optimizer step."""
+        first_seq = (micro_step * self.world_size + self.rank) * self.B
+        span = self.stream.read(self.position + first_seq * self.T, self.B * self.T + 1)
+        x = span[:-1].reshape(self.B, self.T)
+        y = span[1:].reshape(self.B, self.T)
+        return to_device(x, self.device, self.pin), to_device(y, self.device, self.pin)
+
+    def advance(self) -> None:
+        """Move to the next optimizer step's global batch."""
+        self.position += self.G
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "shards": self.shards.fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["shards"] != self.shards.fingerprint():
+            raise ValueError("the train shards differ from the ones this checkpoint was trained on "
+                             f"(saved {len(state['shards'])} shards, found {len(self.shards.paths)}); "
+                             "point --data-dir at the original data, or start fresh with --resume never")
+        if state["seed"] != self.seed:
+            raise ValueError(f"the checkpoint's data order used seed {state['seed']}, this run has "
+                             f"--seed {self.seed}; keep the seed to resume exactly")
+        self.position = int(state["position"])
+
+
+class EvalLoader:
+    """A fixed validation set: the first eval_tokens of the val stream, as full sequences.
+
+    Rank r evaluates sequences r, r+W, r+2W, ... in micro-batches of B; a short last batch is padded
+    with ignored targets (-1) so shapes stay fixed (no recompiles). Sum of losses and token counts
+    are reduced over ranks, so the result does not depend on the world size.
+    """
+
+    def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, eval_tokens: int,
+                 rank: int, world_size: int, device: torch.device, pin_memory: bool = True) -> None:
+        self.stream = TokenStream(shards, seed=0, shuffle=False)
+        available = (shards.total_tokens - 1) // seq_len
+        self.n_seqs = min(eval_tokens // seq_len, available)
+        self.clamped = eval_tokens // seq_len > available
+        self.B, self.T, self.rank, self.world_size = micro_batch_size, seq_len, rank, world_size
+        self.device, self.pin = device, pin_memory
+
+    @property
+    def tokens(self) -> int:
+        return self.n_seqs * self.T
+
+    def __iter__(self):
+        mine = list(range(self.rank, self.n_seqs, self.world_size))
+        for i in range(0, len(mine), self.B):
+            seqs = mine[i:i + self.B]
+            x = np.zeros((self.B, self.T), dtype=np.int64)
+            y = np.full((self.B, self.T), -1, dtype=np.int64)
+            for row, s in enumerate(seqs):
+                span = self.stream.read(s * self.T, self.T + 1)
+                x[row], y[row] = span[:-1], span[1:]
+            yield to_device(x, self.device, self.pin), to_device(y, self.device, self.pin)

@@ -1,0 +1,128 @@
+"""Rank-0 logging: one stdout line per logged step, RUN/metrics.jsonl, optional TensorBoard / W&B.
+
+Every method is safe to call on every rank; only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from gpt2.dist import Dist
+
+
+def _fmt(value, spec: str) -> str:
+    return "nan" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
+
+
+class Metrics:
+    def __init__(self, dist: Dist, out_dir: str | Path, *, tensorboard: bool = False, wandb_project: str = "",
+                 run_config: dict | None = None) -> None:
+        self.active = dist.is_main
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self._tb = self._wandb = None
+        if not self.active:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            self._tb = SummaryWriter(str(Path(out_dir) / "tb"))
+        if wandb_project:
+            import wandb
+            self._wandb = wandb.init(project=wandb_project, config=run_config, dir=str(out_dir), resume="allow")
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: keep only records up to `step`, so the log reads like one uninterrupted run."""
+        if not self.active or not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and _record_step(line) <= step]
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix="metrics.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def info(self, message: str) -> None:
+        if self.active:
+            print(message, flush=True)
+
+    def warn(self, message: str) -> None:
+        if self.active:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def record(self, rec: dict) -> None:
+        """Append one JSON record (train step, eval, sample or event) to metrics.jsonl."""
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, rec["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=rec["step"])
+
+    def log_step(self, rec: dict, max_steps: int) -> None:
+        self.record(rec)
+        skipped = "  SKIPPED (non-finite)" if rec.get("skipped") else ""
+        self.info(
+            f"step {rec['step']:>6}/{max_steps} | loss {_fmt(rec['loss'], '.4f')} | lr {rec['lr']:.3e} | "
+            f"norm {_fmt(rec['grad_norm'], '.3f')} | {rec['step_s'] * 1000:7.1f} ms | "
+            f"{rec['tok_per_s']:>9,.0f} tok/s | mfu {rec['mfu'] * 100:5.1f}% | mem {rec['mem_mb']:,.0f} MB{skipped}")
+
+    def log_eval(self, step: int, tokens: int, val_loss: float) -> None:
+        self.record({"step": step, "tokens": tokens, "val_loss": val_loss})
+        self.info(f"step {step:>6} | val loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50)):.2f}")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _record_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except ValueError:
+        return 1 << 62  # a torn last line from a crash: dropped
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_loss_curve(metrics_path: str | Path, out_png: str | Path) -> Path | None:
+    """Train and val loss over tokens as a PNG; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    recs = read_metrics(metrics_path)
+    train = [(r["tokens"], r["loss"]) for r in recs if "loss" in r and r.get("loss") is not None
+             and math.isfinite(r["loss"])]
+    val = [(r["tokens"], r["val_loss"]) for r in recs if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="val loss")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out_png = Path(out_png)
+    tmp = out_png.with_name(out_png.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, out_png)
+    return out_png

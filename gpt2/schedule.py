@@ -1,0 +1,32 @@
+"""Pure functions for the learning-rate schedule and batch maths."""
+
+from __future__ import annotations
+
+import math
+
+
+def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
+    """Linear warmup to max_lr over warmup_steps, then cosine decay to min_lr at max_steps.
+
+    step counts from 0. Warmup reaches max_lr at step warmup_steps-1, decay starts from max_lr at
+    warmup_steps, so the curve is continuous; past max_steps the rate stays at min_lr.
+    """
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if step >= max_steps:
+        return min_lr
+    ratio = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
+
+
+def grad_accum_steps(total_tokens: int, micro_batch: int, seq_len: int, world_size: int) -> int:
+    """Micro-steps per optimizer step so that all ranks together see total_tokens per step."""
+    per_step = micro_batch * seq_len * world_size
+    if total_tokens % per_step:
+        ok = [m for m in range(1, micro_batch + 1) if total_tokens % (m * seq_len * world_size) == 0]
+        hint = f"; micro-batch sizes that divide: {ok[-3:]}" if ok else ""
+        raise ValueError(
+            f"total_batch_size={total_tokens} is not a multiple of micro_batch_size*block_size*world_size"
+            f" = {micro_batch}*{seq_len}*{world_size} = {per_step}; change --total-batch-size or "
+            f"--micro-batch-size{hint}")
+    return total_tokens // per_step

@@ -1,0 +1,356 @@
+"""The training loop: build(), train_step(), evaluate(), train(). Importable and testable.
+
+Everything distributed goes through the `Dist` passed in; nothing reads the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import resource
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpt2 import checkpoint as ckpt
+from gpt2.config import RunConfig, TrainConfig
+from gpt2.data import EvalLoader, ShardSet, TrainLoader, find_shards
+from gpt2.dist import Dist, all_gather_object, all_reduce_sum, barrier
+from gpt2.flops import device_peak_flops, flops_per_token
+from gpt2.metrics import Metrics, plot_loss_curve
+from gpt2.model import GPT
+from gpt2.optim import make_optimizer
+from gpt2.schedule import grad_accum_steps, lr_at
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite steps: the run stops without checkpointing the bad state."""
+
+
+class StopRequest:
+    """Records SIGTERM / SIGUSR1 (what SLURM sends before a time limit or preemption).
+
+    The handler only sets a flag, so a second signal during a checkpoint write changes nothing;
+    ranks agree on stopping at the next step boundary through the per-step all-reduce.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def __enter__(self) -> "StopRequest":
+        for s in self.SIGNALS:
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+
+@dataclass
+class Parts:
+    """What build() makes: the raw model (for checkpoints and sampling) and the wrapped one (to train)."""
+    model: GPT
+    train_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: TrainLoader
+    val_loader: EvalLoader | None
+    accum_steps: int
+    step: int = 0
+
+
+def autocast_context(cfg: TrainConfig, device: torch.device):
+    if cfg.dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, cfg.dtype))
+
+
+def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
+    if dist.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    else:
+        # Each rank on a node gets an equal share of the cores (torchrun defaults to 1 thread).
+        threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // dist.local_world_size)
+        torch.set_num_threads(threads)
+
+
+def check_data(cfg: RunConfig, world_size: int) -> tuple[ShardSet, ShardSet | None, int]:
+    """Validate shards and batch maths before any process group or model exists."""
+    tc = cfg.train
+    accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
+    train_shards = find_shards(tc.data_dir, "train")
+    val_shards = find_shards(tc.data_dir, "val") if tc.eval_tokens > 0 else None
+    return train_shards, val_shards, accum
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+MODEL_SHAPE_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias")
+
+
+def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
+    """Refuse a checkpoint of a different model or tokenizer; log other changed settings."""
+    old_model, old_train = saved["config"]["model"], saved["config"]["train"]
+    shape = [f"{k}: checkpoint {old_model[k]} vs now {getattr(cfg.model, k)}"
+             for k in MODEL_SHAPE_FIELDS if old_model[k] != getattr(cfg.model, k)]
+    if shape:
+        raise ckpt.CheckpointError("the checkpoint's model shape differs from this run's: " + "; ".join(shape)
+                                   + ". Use the same shape flags, or start fresh with --resume never")
+    if saved.get("tokenizer") != "gpt2":
+        raise ckpt.CheckpointError(f"checkpoint tokenizer {saved.get('tokenizer')!r} is not gpt2")
+    changed = {k: (v, getattr(cfg.train, k)) for k, v in old_train.items()
+               if k not in ("resume",) and getattr(cfg.train, k, v) != v}
+    for k, (old, new) in changed.items():
+        log.info(f"resume: {k} changed from {old!r} to {new!r}")
+
+
+def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None, int]) -> Parts:
+    tc, mc = cfg.train, cfg.model
+    train_shards, val_shards, accum = shards
+    torch.manual_seed(tc.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    model = GPT(mc).to(dist.device)
+    optimizer = make_optimizer(model, tc, dist.device)
+    loader = TrainLoader(train_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
+                         total_batch_size=tc.total_batch_size, rank=dist.rank, world_size=dist.world_size,
+                         seed=tc.seed, device=dist.device, pin_memory=tc.pin_memory)
+    val_loader = None
+    if val_shards is not None:
+        val_loader = EvalLoader(val_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
+                                eval_tokens=tc.eval_tokens, rank=dist.rank, world_size=dist.world_size,
+                                device=dist.device, pin_memory=tc.pin_memory)
+        if val_loader.clamped:
+            log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all "
+                     f"{val_loader.tokens} tokens")
+    parts = Parts(model, model, optimizer, loader, val_loader, accum)
+    resume_from = ckpt.resolve_resume(tc.resume, tc.out_dir, warn=log.warn)
+    if resume_from is not None:
+        restore(parts, resume_from, cfg, dist, log)
+    train_model = torch.compile(model) if tc.compile else model
+    if dist.is_distributed:
+        train_model = DDP(train_model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None)
+    parts.train_model = train_model
+    return parts
+
+
+def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
+    state = ckpt.load_checkpoint(path)
+    check_compatible(state, cfg, log)
+    parts.model.load_state_dict(state["model"])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    for group in parts.optimizer.param_groups:  # the schedule sets lr each step; keep new hyper-parameters
+        group["weight_decay"] = cfg.train.weight_decay if group["weight_decay"] else 0.0
+    parts.loader.load_state_dict(state["loader"])
+    rngs = state["rng"]
+    # Same world size: each rank gets its own RNG back. Otherwise rank r takes saved rank r mod W.
+    set_rng_state(rngs[dist.rank % len(rngs)])
+    parts.step = state["step"]
+    if state["world_size"] != dist.world_size:
+        log.info(f"resume: world size {state['world_size']} -> {dist.world_size}; "
+                 f"accumulation is now {parts.accum_steps} micro-steps")
+    log.info(f"resumed from {path} at step {parts.step} ({state['tokens']:,} tokens)")
+    log.truncate_after(parts.step)
+
+
+def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
+    """Every rank contributes its RNG state; rank 0 writes; everyone waits for the write."""
+    rngs = all_gather_object(rng_state(), dist)
+    if dist.is_main:
+        state = {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+                 "config": cfg.to_dict(), "tokenizer": "gpt2", "loader": parts.loader.state_dict(),
+                 "rng": rngs, "world_size": dist.world_size,
+                 "tokens": parts.step * cfg.train.total_batch_size, "torch_version": torch.__version__}
+        path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
+        log.info(f"saved checkpoint {path}")
+    barrier(dist)
+
+
+def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -> dict:
+    """One optimizer step: accumulate micro-batches, sync gradients on the last, clip, update.
+
+    Returns loss (mean over micro-steps and ranks), grad_norm, lr, whether any rank asked to stop,
+    and whether the update was skipped because the loss or the gradient norm was not finite.
+    """
+    tc = cfg.train
+    lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps)
+    for group in parts.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=dist.device)
+    autocast = autocast_context(tc, dist.device)
+    for micro_step in range(parts.accum_steps):
+        x, y = parts.loader.micro_batch(micro_step)
+        # Decide gradient sync before the forward pass: DDP registers its hooks during forward.
+        last = micro_step == parts.accum_steps - 1
+        sync = contextlib.nullcontext() if last or not dist.is_distributed else parts.train_model.no_sync()
+        with sync:
+            with autocast:
+                _, loss = parts.train_model(x, y)
+            if parts.step == tc.inject_nan_step:
+                loss = loss * float("nan")
+            loss = loss / parts.accum_steps
+            loss_sum += loss.detach()
+            loss.backward()
+    clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip)
+    # One all-reduce carries the loss and the stop flag: every rank sees the same values, so
+    # every rank takes the same skip / stop decision.
+    stats = torch.stack([loss_sum.float(), torch.tensor(float(stop_requested), device=dist.device)])
+    all_reduce_sum(stats, dist)
+    loss_mean, stop = (stats[0] / dist.world_size).item(), stats[1].item() > 0
+    grad_norm = grad_norm.item()
+    skipped = not (math.isfinite(loss_mean) and math.isfinite(grad_norm))
+    if not skipped:
+        parts.optimizer.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    parts.loader.advance()
+    parts.step += 1
+    return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "stop": stop, "skipped": skipped}
+
+
+@torch.no_grad()
+def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
+    """Mean loss per token over the fixed validation set, reduced over ranks."""
+    model = parts.train_model.module if isinstance(parts.train_model, DDP) else parts.train_model
+    model.eval()
+    totals = torch.zeros(2, device=dist.device, dtype=torch.float64)
+    with autocast_context(cfg.train, dist.device):
+        for x, y in parts.val_loader:
+            _, loss = model(x, y)
+            n = (y != -1).sum()
+            totals += torch.stack([loss.double() * n, n.double()])
+    model.train()
+    all_reduce_sum(totals, dist)
+    return (totals[0] / totals[1]).item()
+
+
+def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
+    """A text sample from rank 0's model (KV-cache generation, its own RNG: training is unaffected)."""
+    from gpt2 import tokenizer
+
+    tc = cfg.train
+    prompt = tokenizer.encode(tc.sample_prompt) if tc.sample_prompt else [tokenizer.EOT_TOKEN]
+    prompt = prompt[-cfg.model.block_size:]
+    gen = torch.Generator(device=dist.device).manual_seed(tc.seed + parts.step)
+    idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
+    parts.model.eval()
+    with autocast_context(tc, dist.device):
+        out = parts.model.generate(idx, tc.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+    parts.model.train()
+    return tokenizer.decode(out[0, len(prompt):].tolist())
+
+
+def memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float) -> None:
+    if not dist.is_main:
+        return
+    import tiktoken
+
+    info = {"config": cfg.to_dict(), "world_size": dist.world_size, "device": str(dist.device),
+            "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else platform.processor(),
+            "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
+            "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                         "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
+    path = Path(cfg.train.out_dir) / "config.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, path)
+
+
+def train(cfg: RunConfig, dist: Dist, shards=None) -> int:
+    """Run training to max_steps (or until a stop signal). Returns the process exit code."""
+    tc = cfg.train
+    Path(tc.out_dir).mkdir(parents=True, exist_ok=True)
+    configure_backends(tc, dist)
+    log = Metrics(dist, tc.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
+                  run_config=cfg.to_dict())
+    shards = shards or check_data(cfg, dist.world_size)
+    parts = build(cfg, dist, log, shards)
+    peak = device_peak_flops(dist.device, getattr(torch, tc.dtype))
+    flops_tok = flops_per_token(cfg.model)
+    write_run_info(cfg, dist, parts, peak)
+    log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
+             f"{parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
+             f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}")
+    if parts.step == 0 and parts.val_loader is not None:
+        log.log_eval(0, 0, evaluate(parts, cfg, dist))
+    bad_steps = 0
+    try:
+        with StopRequest() as stop_request:
+            while parts.step < tc.max_steps:
+                t0 = time.perf_counter()
+                out = train_step(parts, cfg, dist, stop_request.signum is not None)
+                if dist.device.type == "cuda":
+                    torch.cuda.synchronize(dist.device)
+                dt = time.perf_counter() - t0
+                step = parts.step
+                bad_steps = bad_steps + 1 if out["skipped"] else 0
+                if step % tc.log_interval == 0 or out["skipped"] or step == tc.max_steps:
+                    tok_s = tc.total_batch_size / dt
+                    log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+                                  "tokens": step * tc.total_batch_size, "step_s": dt, "tok_per_s": tok_s,
+                                  "mfu": tok_s * flops_tok / (peak * dist.world_size),
+                                  "mem_mb": memory_mb(dist.device), "skipped": out["skipped"]}, tc.max_steps)
+                if bad_steps >= tc.max_bad_steps:
+                    raise NonFiniteError(
+                        f"{bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
+                        " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
+                        "--warmup-steps or check the data, then resume from the last checkpoint")
+                done = step == tc.max_steps
+                if parts.val_loader is not None and (done or (tc.eval_interval and step % tc.eval_interval == 0)):
+                    log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist))
+                if dist.is_main and tc.sample_interval and (done or step % tc.sample_interval == 0):
+                    text = sample_text(parts, cfg, dist)
+                    log.record({"step": step, "sample": text})
+                    log.info(f"sample at step {step}: {text!r}")
+                if out["stop"] or done or (tc.ckpt_interval and step % tc.ckpt_interval == 0):
+                    save(parts, cfg, dist, log)
+                if out["stop"]:
+                    log.info(f"stopped by signal at step {step}; checkpoint written; exit {ckpt.EXIT_REQUEUE} "
+                             "(requeue and resume with --resume auto)")
+                    return ckpt.EXIT_REQUEUE
+        if dist.is_main and tc.plot:
+            png = plot_loss_curve(log.path, Path(tc.out_dir) / "loss_curve.png")
+            log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")
+        return 0
+    finally:
+        log.close()
