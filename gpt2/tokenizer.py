@@ -74,6 +74,9 @@ def seed_tiktoken_cache(cache_dir: str | None = None) -> bool:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        # mkstemp makes the file 0600; the default cache is in /tmp, shared by every user of the
+        # node, and tiktoken would fail on a file another user cached but cannot read.
+        os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     return ok
 

@@ -65,6 +65,8 @@ def test_seeding_writes_verified_files_tiktoken_accepts(tmp_path, monkeypatch):
     for name, (_, sha) in GPT2_FILES.items():
         data = (tmp_path / _cache_name(name)).read_bytes()
         assert hashlib.sha256(data).hexdigest() == sha
+        # Readable by other users: the default cache in /tmp is shared on a node.
+        assert (tmp_path / _cache_name(name)).stat().st_mode & 0o044 == 0o044
     assert not list(tmp_path.glob("*.tmp"))
     # tiktoken, pointed at this cache, builds the encoding without any download.
     from tiktoken.core import Encoding
