@@ -1,0 +1,146 @@
+# Shared by the sbatch scripts in slurm/ (sourced, defines functions only): finding the repository
+# and environment, counting GPUs, the run directory, and turning a SLURM signal into a checkpoint and
+# a requeue. Nothing here is specific to one script.
+#
+# How preemption and time limits work, end to end:
+#  1. `#SBATCH --signal=B:USR1@120` makes SLURM send USR1 to the batch shell 120 s before the time
+#     limit (`scancel --signal=USR1 --batch JOB` does the same by hand). Only the batch shell gets it.
+#  2. The batch shell runs its launcher as `cmd & wait` so the trap runs at once (bash runs a trap
+#     only when the foreground command returns), remembers the signal, and forwards it once:
+#       - to torchrun as SIGTERM: torchrun forwards SIGTERM to every worker; it does not handle USR1
+#         (before torch 2.9) and would simply die, orphaning the workers. torchrun itself is started
+#         with USR1 ignored for the same reason, in case a USR1 reaches it directly.
+#       - to srun as USR1: srun relays USR1 to every process of the step (each node's srun_task.sh
+#         turns it into SIGTERM for its torchrun). A SIGTERM would make srun cancel the step instead.
+#  3. Every rank stops at the next step boundary, rank 0 saves a checkpoint, all exit 3. torchrun
+#     reports that as a failure (exit 1) like any other, so the shell relies on having been signalled.
+#  4. Signalled with USR1 and the launcher did not exit 0: `scontrol requeue $SLURM_JOB_ID`. The job
+#     keeps its ID, hence its OUT_DIR, and the rerun passes `--resume auto` to continue from there.
+#  A SIGTERM to the batch shell (plain `scancel`, preemption with a grace time, the hard time limit)
+#  is forwarded the same way so the trainer checkpoints, but never requeued from here: SLURM decides.
+
+gpt2_log() { echo "[slurm $(date -u +%H:%M:%S)] $*"; }
+gpt2_die() { echo "[slurm $(date -u +%H:%M:%S)] ERROR: $*" >&2; exit 2; }
+
+# Print the number of trainer processes per node: GPUS_PER_NODE if set (CPU-only nodes, tests),
+# else what SLURM allocated (--gpus-per-node / --gres), so the count is written only once.
+gpt2_gpus_per_node() {
+  local n=${GPUS_PER_NODE:-}
+  if [[ -z $n && -n ${SLURM_GPUS_ON_NODE:-} ]]; then n=$SLURM_GPUS_ON_NODE; fi
+  if [[ -z $n && -n ${SLURM_GPUS_PER_NODE:-} ]]; then n=${SLURM_GPUS_PER_NODE##*:}; fi  # "a100:8" -> 8
+  if ! [[ $n =~ ^[0-9]+$ ]] || (( n < 1 )); then
+    gpt2_die "no GPU count (GPUS_PER_NODE='${GPUS_PER_NODE:-}', SLURM_GPUS_ON_NODE='${SLURM_GPUS_ON_NODE:-}'):" \
+             "request GPUs with --gpus-per-node=N, or on CPU-only nodes set GPUS_PER_NODE=N (processes per node)"
+  fi
+  echo "$n"
+}
+
+# Set REPO_DIR, GPUS_PER_NODE, OUT_DIR and TRAIN_ARGS (the trainer's arguments: --out-dir, then the
+# user's "$@", then --resume auto on a requeued run); cd to the repository; export the environment.
+gpt2_prepare() {
+  local arg
+  for arg in "$@"; do
+    if [[ $arg == --out-dir || $arg == --out-dir=* || $arg == --out_dir* ]]; then
+      gpt2_die "do not pass --out-dir to the sbatch script: set OUT_DIR=... instead (it is also where a requeued run looks for its checkpoint)"
+    fi
+  done
+  # sbatch runs a copy of the script from its spool directory, so the repository is found from the
+  # submit directory, not from $0.
+  REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
+  [[ -f $REPO_DIR/train_ddp.py ]] \
+    || gpt2_die "no train_ddp.py in '$REPO_DIR': submit from the repository root or set REPO_DIR=/path/to/gpt2-ddp"
+  cd "$REPO_DIR" || gpt2_die "cannot cd to $REPO_DIR"
+  # sbatch exports the submitting shell's environment, so an activated venv carries over; otherwise
+  # VENV=/path/to/venv, or the repository's own .venv.
+  if [[ -n ${VENV:-} ]]; then
+    # shellcheck disable=SC1091
+    source "$VENV/bin/activate" || gpt2_die "cannot activate VENV=$VENV"
+  elif [[ -z ${VIRTUAL_ENV:-} && -f .venv/bin/activate ]]; then
+    # shellcheck disable=SC1091
+    source .venv/bin/activate
+  fi
+  command -v torchrun >/dev/null \
+    || gpt2_die "torchrun not found: activate the Python environment before sbatch, or set VENV=/path/to/venv"
+
+  GPUS_PER_NODE=$(gpt2_gpus_per_node) || exit 2
+  export GPUS_PER_NODE
+  # Same job ID after a requeue, so the rerun finds the checkpoints of the first run.
+  OUT_DIR=${OUT_DIR:-runs/${SLURM_JOB_NAME:-gpt2}-${SLURM_JOB_ID:-local}}
+  mkdir -p "$OUT_DIR" || gpt2_die "cannot create OUT_DIR=$OUT_DIR"
+  export OUT_DIR
+
+  # Each rank's intra-op threads share the task's CPUs; torchrun would otherwise set 1.
+  local cpus=${SLURM_CPUS_PER_TASK:-$(nproc)}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus / GPUS_PER_NODE > 0 ? cpus / GPUS_PER_NODE : 1 ))}
+  # After forwarding SIGTERM torchrun waits this long for the workers before SIGKILL (default 30 s),
+  # too short for a multi-GB checkpoint on a slow shared filesystem. Keep it below the --signal lead
+  # time (120 s) so the requeue still happens before the time limit. Older torch ignores it (30 s).
+  export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-90}
+
+  TRAIN_ARGS=(--out-dir "$OUT_DIR" "$@")
+  if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
+    # Last flag wins: a requeued run continues from its own newest checkpoint even if the first run
+    # was started with --resume never or --resume PATH.
+    TRAIN_ARGS+=(--resume auto)
+  fi
+  gpt2_log "job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}:" \
+           "${SLURM_NNODES:-1} node(s) x ${GPUS_PER_NODE} process(es), OMP_NUM_THREADS=${OMP_NUM_THREADS}, OUT_DIR=${OUT_DIR}"
+}
+
+# Run "$@" in the background and wait for it, forwarding the first USR1/TERM this shell receives to
+# it as signal $1 (once: a second SIGTERM to torchrun aborts its graceful shutdown). Returns the
+# command's exit status; sets GPT2_GOT_USR1 / GPT2_GOT_TERM.
+gpt2_run_forwarding() {
+  GPT2_FORWARD=$1
+  shift
+  GPT2_GOT_USR1="" GPT2_GOT_TERM="" GPT2_FORWARDED="" GPT2_CHILD=""
+  trap 'gpt2_on_signal USR1' USR1
+  trap 'gpt2_on_signal TERM' TERM
+  if [[ $GPT2_FORWARD == TERM ]]; then
+    # The child is torchrun: ignoring USR1 survives exec, and the trainer installs its own handler.
+    ( trap '' USR1; exec "$@" ) &
+  else
+    "$@" &
+  fi
+  GPT2_CHILD=$!
+  if [[ -n $GPT2_GOT_USR1$GPT2_GOT_TERM ]]; then gpt2_forward; fi  # signalled while starting
+  # `wait` returns early (status > 128) whenever a trapped signal arrives; wait until the child is
+  # gone, then once more: bash remembers the child's exit status.
+  while kill -0 "$GPT2_CHILD" 2>/dev/null; do wait "$GPT2_CHILD"; done
+  wait "$GPT2_CHILD"
+}
+
+gpt2_on_signal() {
+  if [[ $1 == USR1 ]]; then GPT2_GOT_USR1=1; else GPT2_GOT_TERM=1; fi
+  gpt2_log "got SIG$1"
+  gpt2_forward
+}
+
+gpt2_forward() {
+  [[ -n $GPT2_CHILD && -z $GPT2_FORWARDED ]] || return 0
+  GPT2_FORWARDED=1
+  gpt2_log "forwarding SIG$GPT2_FORWARD to pid $GPT2_CHILD ($(ps -o comm= -p "$GPT2_CHILD" 2>/dev/null)) so every rank checkpoints and stops"
+  kill -s "$GPT2_FORWARD" "$GPT2_CHILD" 2>/dev/null || true
+}
+
+# Exit the batch script: requeue when the run was stopped by USR1 before finishing.
+gpt2_finish() {
+  local rc=$1
+  if [[ -n ${GPT2_GOT_USR1:-} && $rc -ne 0 && -n ${SLURM_JOB_ID:-} ]]; then
+    gpt2_log "stopped on USR1 (launcher exit $rc; newest checkpoint: $(gpt2_latest_checkpoint)): requeueing job $SLURM_JOB_ID"
+    if scontrol requeue "$SLURM_JOB_ID"; then
+      exit 0
+    fi
+    gpt2_log "scontrol requeue failed (submitted with --no-requeue?); resubmit with OUT_DIR=$OUT_DIR to resume"
+  fi
+  gpt2_log "launcher exited with $rc"
+  exit "$rc"
+}
+
+gpt2_latest_checkpoint() {
+  local latest=$OUT_DIR/checkpoints/latest
+  if [[ -L $latest ]]; then readlink "$latest"
+  elif [[ -f $latest ]]; then head -c 200 "$latest"
+  else echo "none"
+  fi
+}
