@@ -1,0 +1,412 @@
+"""Memory and compute planner: will this model train on this hardware, and how long will it take?
+
+    python -m gpt2.plan --preset gpt2 --micro-batch-size 16 --world-size 8 --gpu A100-40GB \\
+        --total-batch-size 524288 --tokens 10e9
+
+Memory is per GPU, counted from what this code base actually keeps alive (checked against the
+CPU allocator in tests/test_plan.py):
+  weights      fp32 master parameters, 4N bytes; under bf16 autocast also the bf16 copy of every
+               matmul weight, which autocast makes once per forward and autograd saves for backward
+  gradients    fp32, 4N (plus DDP's bucket copy, 4N, when world_size > 1)
+  optimizer    AdamW's two fp32 moments, 8N
+  activations  what autograd saves for backward in the embeddings, blocks and final LayerNorm;
+               "explicit" attention also saves the (B, nh, T, T) attention probabilities, fused
+               SDPA kernels ("flash") save only q, k, v, the output and a log-sum-exp
+  logits       the loss peak: the (B, T, V) logits the model returns, the fp32 log-probabilities
+               cross-entropy saves, and inside its backward two more fp32 (B, T, V) gradients
+The total is an upper bound on the step's peak: gradients are counted in full although, with
+zero_grad(set_to_none=True) and one micro-step, they are allocated while activations are freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from gpt2.config import MODEL_PRESETS, ModelConfig, count_params_formula, model_preset
+from gpt2.flops import flops_per_token, gpu_table_peak, param_count
+
+GIB = 1024 ** 3
+DTYPES = ("bf16", "fp32", "tf32")
+# CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation: memory a run never gets.
+CUDA_RESERVE_BYTES = 2 * GIB
+
+# Memory as torch.cuda.get_device_properties().total_memory reports it (a little under the label),
+# and the data-sheet name flops.gpu_table_peak() matches.
+GPUS: dict[str, tuple[float, str]] = {
+    "A100-40GB": (39.4 * GIB, "NVIDIA A100-SXM4-40GB"),
+    "A100-80GB": (79.1 * GIB, "NVIDIA A100-SXM4-80GB"),
+    "H100-80GB": (79.1 * GIB, "NVIDIA H100 80GB HBM3"),
+    "H200": (139.8 * GIB, "NVIDIA H200"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    """Shown in the summary."""
+    memory_bytes: int
+    """Total device memory of one GPU (for a CPU run: host RAM)."""
+    peak_flops: float
+    """Dense peak FLOP/s of one device in the plan's dtype."""
+    device_type: str = "cuda"
+    """'cuda' or 'cpu': autocast keeps different ops in fp32 on each."""
+    reserve_bytes: int = CUDA_RESERVE_BYTES
+    """Memory the run cannot use (CUDA context, workspaces, fragmentation)."""
+
+
+def gpu_hardware(name: str, dtype: str) -> Hardware:
+    """One of the GPUS by name, with its data-sheet peak for dtype."""
+    if name not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; choose one of {sorted(GPUS)} or give "
+                         f"--gpu-memory-gb and --gpu-peak-tflops")
+    memory, sheet_name = GPUS[name]
+    peak = gpu_table_peak(sheet_name, _torch_dtype(dtype), tf32=dtype == "tf32")
+    return Hardware(name=name, memory_bytes=int(memory), peak_flops=peak)
+
+
+def device_hardware(device: torch.device | str, dtype: str, peak_flops: float) -> Hardware:
+    """The hardware a run is on: a CUDA device's memory, or host RAM for a CPU run."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return Hardware(name=props.name, memory_bytes=props.total_memory, peak_flops=peak_flops)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Hardware(name="cpu", memory_bytes=ram, peak_flops=peak_flops, device_type="cpu",
+                    reserve_bytes=GIB)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """Bytes per device, by what holds them."""
+    weights: int
+    autocast_weights: int
+    gradients: int
+    ddp_buckets: int
+    optimizer: int
+    activations_flash: int
+    activations_explicit: int
+    activations: int
+    """The one of the two above that the config's attn_impl uses."""
+    logits: int
+
+    @property
+    def static(self) -> int:
+        """Independent of the micro-batch."""
+        return self.weights + self.autocast_weights + self.gradients + self.ddp_buckets + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.static + self.activations + self.logits
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    cfg: ModelConfig
+    micro_batch_size: int
+    seq_len: int
+    world_size: int
+    dtype: str
+    hardware: Hardware
+    total_batch_size: int
+    """Tokens per optimizer step over all devices."""
+    tokens: int | None
+    """Training budget in tokens, or None."""
+    mfu: float
+    """Assumed model FLOPs utilisation for the time estimates."""
+    n_params: int
+    n_params_formula: int
+    memory: Memory
+    max_micro_batch_size: int
+    """Largest micro-batch whose total fits in hardware memory minus its reserve (0 if none)."""
+    flops_per_token: float
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.hardware.memory_bytes - self.hardware.reserve_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.usable_bytes
+
+    @property
+    def tokens_per_micro_step(self) -> int:
+        """Over all devices."""
+        return self.micro_batch_size * self.seq_len * self.world_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.total_batch_size // self.tokens_per_micro_step
+
+    @property
+    def tokens_per_s(self) -> float:
+        """All devices together, at the assumed MFU."""
+        return self.world_size * self.hardware.peak_flops * self.mfu / self.flops_per_token
+
+    @property
+    def step_time_s(self) -> float:
+        return self.total_batch_size / self.tokens_per_s
+
+    @property
+    def hours(self) -> float | None:
+        return None if self.tokens is None else self.tokens / self.tokens_per_s / 3600
+
+
+def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len: int | None = None,
+         world_size: int = 1, dtype: str = "bf16", total_batch_size: int | None = None,
+         tokens: int | None = None, mfu: float = 0.4) -> Plan:
+    """Memory per device, the largest micro-batch that fits, and time estimates. Pure arithmetic.
+
+    total_batch_size defaults to one micro-step on every device (no accumulation); it must be a
+    multiple of micro_batch_size * seq_len * world_size.
+    """
+    seq_len = cfg.block_size if seq_len is None else seq_len
+    problems = _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens)
+    if problems:
+        raise ValueError("invalid plan:\n  - " + "\n  - ".join(problems))
+    per_micro_step = micro_batch_size * seq_len * world_size
+    if total_batch_size is None:
+        total_batch_size = per_micro_step
+    if total_batch_size < per_micro_step or total_batch_size % per_micro_step:
+        k = max(1, round(total_batch_size / per_micro_step))
+        raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of "
+                         f"micro_batch_size*seq_len*world_size={per_micro_step}; "
+                         f"use {k * per_micro_step} ({k} accumulation steps)")
+    mem = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
+                 device_type=hardware.device_type)
+    return Plan(cfg=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
+                dtype=dtype, hardware=hardware, total_batch_size=total_batch_size, tokens=tokens,
+                mfu=mfu, n_params=param_count(cfg), n_params_formula=count_params_formula(cfg),
+                memory=mem, flops_per_token=flops_per_token(cfg, seq_len),
+                max_micro_batch_size=max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size,
+                                                          dtype=dtype))
+
+
+def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens) -> list[str]:
+    p = []
+    if micro_batch_size < 1:
+        p.append(f"micro_batch_size={micro_batch_size} must be >= 1")
+    if not 1 <= seq_len <= cfg.block_size:
+        p.append(f"seq_len={seq_len} must be in [1, block_size={cfg.block_size}]")
+    if world_size < 1:
+        p.append(f"world_size={world_size} must be >= 1")
+    if dtype not in DTYPES:
+        p.append(f"dtype={dtype!r} must be one of {DTYPES}")
+    if not 0 < mfu <= 1:
+        p.append(f"mfu={mfu} must be a fraction in (0, 1], e.g. 0.4")
+    if tokens is not None and tokens < 1:
+        p.append(f"tokens={tokens} must be positive")
+    return p
+
+
+def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int = 1,
+           dtype: str = "bf16", device_type: str = "cuda") -> Memory:
+    """Bytes per device for one training micro-step (see the module docstring)."""
+    n = param_count(cfg)
+    autocast = dtype == "bf16"
+    flash = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
+                             flash=True)
+    explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
+                                flash=False)
+    # The logits the model returns (compute dtype, kept alive by `_, loss = model(x, y)`), the fp32
+    # log-probs cross-entropy saves, and in its backward the gradients w.r.t. both: 2 x fp32.
+    logits = micro_batch_size * seq_len * cfg.vocab_size * ((2 if autocast else 4) + 4 + 8)
+    return Memory(
+        weights=4 * n,
+        autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
+        gradients=4 * n,
+        ddp_buckets=4 * n if world_size > 1 else 0,  # DDP's default gradient_as_bucket_view=False
+        optimizer=8 * n,
+        activations_flash=flash,
+        activations_explicit=explicit,
+        activations=explicit if cfg.attn_impl == "explicit" else flash,
+        logits=logits,
+    )
+
+
+def matmul_weight_count(cfg: ModelConfig) -> int:
+    """Elements of every weight that goes through a matmul (autocast keeps a bf16 copy of each)."""
+    h = cfg.n_embd
+    qkv_out = h + 2 * cfg.n_kv_head * cfg.head_dim
+    return cfg.n_layer * (h * qkv_out + h * h + 8 * h * h) + cfg.vocab_size * h
+
+
+def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str = "bf16",
+                     device_type: str = "cuda", flash: bool = True) -> int:
+    """Bytes autograd saves for backward outside the loss: embeddings, blocks, final LayerNorm.
+
+    s is the matmul dtype's size. Under autocast the residual stream and LayerNorms stay fp32, so
+    every LayerNorm saves a 4-byte input plus fp32 mean and rstd per token.
+    """
+    s = 2 if dtype == "bf16" else 4
+    h, nh, L, T = cfg.n_embd, cfg.n_head, cfg.n_layer, seq_len
+    qkv_out = h + 2 * cfg.n_kv_head * cfg.head_dim
+    layer_norm = 4 * h + 8
+    mlp = s * h + s * 4 * h + s * 4 * h  # inputs of c_fc, GELU, c_proj
+    if flash:
+        # SDPA saves the (views of the) c_attn output as q, k, v, its own output and a
+        # log-sum-exp per head; c_proj's input is a second, contiguous copy of that output.
+        attn = s * h + s * qkv_out + s * h + 4 * nh + s * h
+        per_layer_mask = 0
+    else:
+        # explicit_attention saves contiguous q, k (k expanded to n_head under GQA), v and the
+        # softmax output; no SDPA output copy. CUDA autocast runs softmax in fp32 and then the
+        # AV matmul saves its own bf16 copy of the probabilities: 4 + 2 bytes. CPU autocast
+        # keeps softmax in bf16.
+        probs = 6 if (dtype == "bf16" and device_type == "cuda") else s
+        attn = s * h + 3 * s * h + probs * nh * T + s * h
+        per_layer_mask = T * T  # the boolean causal mask, built per layer
+    dropout = (3 * h if cfg.dropout > 0 else 0)  # two residual dropout masks + embedding's, 1 byte
+    per_token_layer = 2 * layer_norm + attn + mlp + dropout
+    per_token_rest = 8 + 8 + layer_norm + s * h  # token ids, targets, ln_f, LM-head input
+    return batch * T * (L * per_token_layer + per_token_rest) + L * per_layer_mask
+
+
+def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int = 1,
+                         dtype: str = "bf16") -> int:
+    """Largest micro-batch whose total fits in memory minus the reserve (0: not even one sequence).
+
+    Memory is affine in the micro-batch (static + B * per-sequence), so this is solved directly.
+    """
+    usable = hardware.memory_bytes - hardware.reserve_bytes
+    m1 = memory(cfg, 1, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type)
+    m2 = memory(cfg, 2, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type)
+    per_seq = m2.total - m1.total
+    fixed = m1.total - per_seq
+    return max(0, (usable - fixed) // per_seq)
+
+
+def check_fits(p: Plan) -> None:
+    """Refuse a plan that clearly cannot fit (total above the device's whole memory).
+
+    A plan that only overflows the reserve is allowed: the reserve is an estimate and the run
+    finds out at its first step.
+    """
+    if p.memory.total <= p.hardware.memory_bytes:
+        return
+    if p.max_micro_batch_size == 0:
+        fix = ("not even micro_batch_size=1 fits: use a smaller model, a shorter block_size, "
+               "bf16, or more memory per device")
+    else:
+        b = p.max_micro_batch_size
+        fix = f"use --micro-batch-size {b} or less"
+        per_total = b * p.seq_len * p.world_size
+        if p.total_batch_size % per_total == 0:
+            fix += f" (the same total batch with {p.total_batch_size // per_total} accumulation steps)"
+    raise ValueError(f"micro_batch_size={p.micro_batch_size} needs {_gib(p.memory.total)} per device "
+                     f"but {p.hardware.name} has {_gib(p.hardware.memory_bytes)}; {fix}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:g}"
+
+
+def format_plan(p: Plan) -> str:
+    """The planner's summary, as printed by `python -m gpt2.plan` and at trainer start-up."""
+    c, m, hw = p.cfg, p.memory, p.hardware
+    lines = [
+        f"model      n_layer={c.n_layer} n_head={c.n_head} n_kv_head={c.n_kv_head} n_embd={c.n_embd} "
+        f"block_size={c.block_size} vocab_size={c.vocab_size} attn_impl={c.attn_impl}",
+        f"params     {p.n_params:,} exact ({_human(p.n_params)}); formula V*h + T*h + L*(12h^2+13h) + 2h "
+        f"= {p.n_params_formula:,}",
+        f"hardware   {p.world_size} x {hw.name}: {_gib(hw.memory_bytes)}, peak "
+        f"{hw.peak_flops / 1e12:.1f} TFLOP/s ({p.dtype}) each",
+        f"batch      micro_batch_size={p.micro_batch_size} x seq_len={p.seq_len} x world_size={p.world_size}"
+        f" = {p.tokens_per_micro_step:,} tokens/micro-step; total_batch_size={p.total_batch_size:,} "
+        f"-> {p.grad_accum_steps} accumulation step(s)",
+        "memory per device:",
+        f"  weights                {_gib(m.weights)}  (fp32, 4 B/param)",
+    ]
+    if m.autocast_weights:
+        lines.append(f"  autocast bf16 copies   {_gib(m.autocast_weights)}  (matmul weights, saved for backward)")
+    lines.append(f"  gradients              {_gib(m.gradients)}  (fp32)")
+    if m.ddp_buckets:
+        lines.append(f"  DDP gradient buckets   {_gib(m.ddp_buckets)}  (fp32 copy)")
+    flash_mark, explicit_mark = ("<-", "  ") if c.attn_impl != "explicit" else ("  ", "<-")
+    lines += [
+        f"  optimizer (AdamW)      {_gib(m.optimizer)}  (two fp32 moments)",
+        f"  activations, flash     {_gib(m.activations_flash)} {flash_mark}",
+        f"  activations, explicit  {_gib(m.activations_explicit)} {explicit_mark} (stores B*nh*T*T probabilities)",
+        f"  logits + loss peak     {_gib(m.logits)}  (B*T*V: logits, fp32 log-probs, 2 fp32 grads)",
+        f"  total                  {_gib(m.total)}  of {_gib(p.usable_bytes)} usable "
+        f"({_gib(hw.reserve_bytes)} reserved)",
+        f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
+        f"compute    {_human(p.flops_per_token)}FLOP/token (6N + 12*L*h*T); at {p.mfu:.0%} MFU: "
+        f"{_human(p.tokens_per_s)} tokens/s, {p.step_time_s:.3f} s/step",
+    ]
+    if p.hours is not None:
+        lines.append(f"budget     {_human(p.tokens)} tokens: {p.tokens / p.total_batch_size:,.0f} steps, "
+                     f"{p.hours:.2f} h ({p.hours * p.world_size:.1f} device-hours)")
+    return "\n".join(lines)
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    return torch.bfloat16 if dtype == "bf16" else torch.float32
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m gpt2.plan", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="gpt2", choices=sorted(MODEL_PRESETS))
+    for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size"):
+        ap.add_argument("--" + name.replace("_", "-"), type=int, help="override the preset's " + name)
+    ap.add_argument("--attn-impl", choices=("sdpa", "sdpa_mask", "explicit"))
+    ap.add_argument("--block-size", type=int, help="sequence length (default: the preset's)")
+    ap.add_argument("--micro-batch-size", type=int, default=16)
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--dtype", default="bf16", choices=DTYPES)
+    ap.add_argument("--gpu", default="A100-80GB", choices=sorted(GPUS))
+    ap.add_argument("--gpu-memory-gb", type=float, help="custom device memory in GiB (overrides --gpu)")
+    ap.add_argument("--gpu-peak-tflops", type=float, help="custom peak TFLOP/s in --dtype (overrides --gpu)")
+    ap.add_argument("--total-batch-size", type=int, help="tokens per optimizer step (default: no accumulation)")
+    ap.add_argument("--tokens", type=float, help="training budget in tokens, e.g. 10e9")
+    ap.add_argument("--mfu", type=float, default=0.4, help="assumed MFU for time estimates (default 0.4)")
+    return ap
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size",
+                                                "attn_impl", "block_size") if getattr(args, k) is not None}
+    cfg = model_preset(args.preset, **overrides)
+    hw = gpu_hardware(args.gpu, args.dtype)
+    if args.gpu_memory_gb is not None or args.gpu_peak_tflops is not None:
+        hw = dataclasses.replace(
+            hw, name="custom" if args.gpu_memory_gb is not None else hw.name,
+            memory_bytes=int(args.gpu_memory_gb * GIB) if args.gpu_memory_gb is not None else hw.memory_bytes,
+            peak_flops=args.gpu_peak_tflops * 1e12 if args.gpu_peak_tflops is not None else hw.peak_flops)
+    tokens = None if args.tokens is None else int(args.tokens)
+    return plan(cfg, micro_batch_size=args.micro_batch_size, hardware=hw, world_size=args.world_size,
+                dtype=args.dtype, total_batch_size=args.total_batch_size, tokens=tokens, mfu=args.mfu)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        p = plan_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(p))
+    if p.memory.total > p.hardware.memory_bytes:
+        try:
+            check_fits(p)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+import contextlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from gpt2.config import MODEL_PRESETS, ModelConfig, model_preset
+from gpt2.model import GPT
+from gpt2.plan import (GIB, GPUS, Hardware, activation_bytes, check_fits, gpu_hardware, matmul_weight_count,
+                       max_micro_batch_size, memory, plan, format_plan)
+
+CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+@pytest.mark.parametrize("vocab", [50257, 50304])
+def test_param_count_equals_module(name, vocab):
+    cfg = model_preset(name, vocab_size=vocab)
+    with torch.device("meta"):  # gpt2-xl without allocating 6 GB
+        model = GPT(cfg)
+    p = plan(cfg, micro_batch_size=1, hardware=gpu_hardware("H200", "bf16"))
+    assert p.n_params == model.num_params()
+    assert p.n_params_formula == p.n_params  # MHA with biases: the closed form is exact
+
+
+def test_known_gpt2_numbers():
+    p = plan(model_preset("gpt2", vocab_size=50257), micro_batch_size=1, hardware=gpu_hardware("A100-80GB", "bf16"))
+    assert p.n_params == 124_439_808  # "124M"
+    assert p.memory.weights == 4 * 124_439_808
+    assert p.memory.optimizer == 8 * 124_439_808
+    assert p.flops_per_token == pytest.approx(6 * (124_439_808 - 1024 * 768) + 12 * 12 * 768 * 1024)
+
+
+def _body(model, idx):
+    """Embeddings, blocks and final LayerNorm: everything activation_bytes counts but the LM head."""
+    t = model.transformer
+    x = t.drop(t.wte(idx) + t.wpe(torch.arange(idx.size(1))))
+    for block in t.h:
+        x = block(x)
+    return t.ln_f(x)
+
+
+def _autocast(dtype):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "sdpa_mask", "explicit"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_saved_tensor_bytes_match_estimate(attn_impl, dtype):
+    # Exact check of every term: the unique storages autograd saves for backward (parameters
+    # excluded) = activations + autocast weight copies + the loss's fp32 log-probs.
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, attn_impl=attn_impl)
+    model = GPT(cfg)
+    B, T = 2, 64
+    x, y = torch.randint(0, 50257, (2, B, T))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(dtype):
+        model(x, y)
+    m = memory(cfg, B, T, dtype=dtype, device_type="cpu")
+    expected = m.activations + m.autocast_weights + 4 * B * T * cfg.vocab_size
+    assert sum(saved.values()) == pytest.approx(expected, rel=0.03)
+
+
+def _peak_allocated_increase(fn) -> int:
+    """Peak bytes allocated by fn above what was live when it started, from the CPU allocator's
+    own allocation/free events as the profiler records them (the CPU analogue of
+    torch.cuda.max_memory_allocated: real tensors and workspaces, transients included)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    assert events, "the profiler recorded no allocations"
+    return peak
+
+
+@pytest.mark.parametrize("attn_impl,dtype", [("sdpa", "bf16"), ("explicit", "fp32")])
+def test_activation_estimate_within_25pct_of_measured_peak(attn_impl, dtype):
+    # Forward + backward of the transformer body (no LM head, so the activations are the bulk of
+    # the memory rather than the 50k-wide logits). Measured: the allocator's peak above the start,
+    # which also holds the backward's transients and the gradients as they appear.
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=256, attn_impl=attn_impl)
+    model = GPT(cfg)
+    # The tied embedding's dense 50k-row gradient (counted under "gradients" by the planner) would
+    # otherwise be the peak, at the end of backward, for a body this small.
+    model.transformer.wte.weight.requires_grad_(False)
+    B, T = 4, 256
+    idx = torch.randint(0, 50257, (B, T))
+    grad = torch.randn(B, T, cfg.n_embd)
+
+    def forward_backward():
+        with _autocast(dtype):
+            out = _body(model, idx)
+        out.backward(grad)
+
+    forward_backward()  # oneDNN primitives and the like are created once, outside the measurement
+    model.zero_grad(set_to_none=True)
+    measured = _peak_allocated_increase(forward_backward)
+    s = 2 if dtype == "bf16" else 4
+    lm_head_input_and_targets = B * T * (s * cfg.n_embd + 8)  # counted by the planner, absent here
+    estimate = (activation_bytes(cfg, B, T, dtype=dtype, device_type="cpu", flash=attn_impl != "explicit")
+                - lm_head_input_and_targets)
+    if dtype == "bf16":
+        estimate += 2 * (matmul_weight_count(cfg) - cfg.vocab_size * cfg.n_embd)
+    assert estimate == pytest.approx(measured, rel=0.25)
+
+
+def test_total_within_25pct_of_measured_training_step_peak():
+    # A whole step (bf16 autocast forward, loss, backward, AdamW) against the planner's total.
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=128, block_size=128)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    B, T = 4, 128
+    x, y = torch.randint(0, 50257, (2, B, T))
+
+    def step():
+        with _autocast("bf16"):
+            _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # creates AdamW's moments, which are then live at the start like the parameters
+    already_live = sum(p.numel() * 4 for p in model.parameters()) + sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    measured = already_live + _peak_allocated_increase(step)
+    estimate = memory(cfg, B, T, dtype="bf16", device_type="cpu").total
+    assert estimate == pytest.approx(measured, rel=0.25)
+
+
+def test_max_micro_batch_size_monotonic_and_tight():
+    cfg = model_preset("gpt2")
+    sizes = [max_micro_batch_size(cfg, 1024, gpu_hardware(g, "bf16")) for g in ("A100-40GB", "A100-80GB", "H200")]
+    assert 0 < sizes[0] < sizes[1] < sizes[2]
+    by_len = [max_micro_batch_size(cfg, t, gpu_hardware("A100-40GB", "bf16")) for t in (256, 512, 1024)]
+    assert by_len[0] > by_len[1] > by_len[2]
+    explicit = max_micro_batch_size(cfg.replace(attn_impl="explicit"), 1024, gpu_hardware("A100-40GB", "bf16"))
+    assert explicit < sizes[0]
+    fp32 = max_micro_batch_size(cfg, 1024, gpu_hardware("A100-40GB", "fp32"), dtype="fp32")
+    assert fp32 < sizes[0]
+    hw = gpu_hardware("A100-40GB", "bf16")
+    b = sizes[0]
+    assert plan(cfg, micro_batch_size=b, hardware=hw).fits
+    assert not plan(cfg, micro_batch_size=b + 1, hardware=hw).fits
+    assert max_micro_batch_size(model_preset("gpt2-xl"), 1024, Hardware(name="tiny", memory_bytes=GIB,
+                                                                       peak_flops=1e12)) == 0
+
+
+def test_check_fits_refuses_with_the_fix():
+    cfg = model_preset("gpt2")
+    hw = gpu_hardware("A100-40GB", "bf16")
+    check_fits(plan(cfg, micro_batch_size=16, hardware=hw))  # fits: no error
+    p = plan(cfg, micro_batch_size=128, hardware=hw, total_batch_size=524288)
+    assert p.memory.total > hw.memory_bytes
+    with pytest.raises(ValueError, match=rf"--micro-batch-size {p.max_micro_batch_size} or less"):
+        check_fits(p)
+
+
+def test_batch_and_time_arithmetic():
+    hw = gpu_hardware("A100-40GB", "bf16")
+    assert hw.peak_flops == 312e12
+    p = plan(model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8,
+             total_batch_size=524288, tokens=10 * 10**9, mfu=0.5)
+    assert p.tokens_per_micro_step == 16 * 1024 * 8
+    assert p.grad_accum_steps == 4
+    tokens_per_s = 8 * 312e12 * 0.5 / p.flops_per_token
+    assert p.step_time_s == pytest.approx(524288 / tokens_per_s)
+    assert p.hours == pytest.approx(1e10 / tokens_per_s / 3600)
+    assert p.memory.ddp_buckets == p.memory.gradients  # DDP's second gradient copy
+    text = format_plan(p)
+    assert "4 accumulation step(s)" in text and "fits       yes" in text
+
+
+def test_plan_rejects_bad_input_with_every_problem():
+    with pytest.raises(ValueError, match="total_batch_size=500000 is not a multiple.*use 524288"):
+        plan(model_preset("gpt2"), micro_batch_size=16, hardware=CPU, world_size=8, total_batch_size=500000)
+    with pytest.raises(ValueError) as e:
+        plan(model_preset("gpt2"), micro_batch_size=0, hardware=CPU, dtype="fp8", mfu=40)
+    assert all(s in str(e.value) for s in ("micro_batch_size=0", "dtype='fp8'", "mfu=40"))
+    with pytest.raises(ValueError, match="unknown GPU"):
+        gpu_hardware("T4", "bf16")
+
+
+def test_cli_runs():
+    ok = subprocess.run([sys.executable, "-m", "gpt2.plan", "--preset", "gpt2", "--micro-batch-size", "16",
+                         "--world-size", "8", "--gpu", "A100-40GB", "--total-batch-size", "524288",
+                         "--tokens", "10e9"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert "124,475,904" in ok.stdout and "4 accumulation step(s)" in ok.stdout and "h (" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "gpt2.plan", "--preset", "gpt2", "--micro-batch-size", "64",
+                          "--gpu-memory-gb", "24", "--gpu-peak-tflops", "100"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1
+    assert "fits       NO" in bad.stdout and "--micro-batch-size" in bad.stderr
