@@ -82,6 +82,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
             f.write(data.tobytes())
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; shards are read by other users' jobs on a cluster
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

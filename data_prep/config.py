@@ -1,0 +1,91 @@
+"""What one data_prep job does: a frozen, validated description built from the command line."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_SHARD_TOKENS = 100_000_000
+DEFAULT_MAX_VAL_TOKENS = 10_000_000
+"""Default val budget cap (modded-nanogpt evaluates on a fixed ~10M tokens)."""
+DECODE_ERROR_MODES = ("fail", "skip", "replace")
+TXT_SAMPLE_BY = ("document", "paragraph")
+MAX_HEADER_INT = 2**31 - 1  # n_tokens lives in an int32 header field
+
+
+class UserError(ValueError):
+    """A problem the user can fix (bad path, bad input line, wrong output directory).
+
+    The CLI prints its message on one line and exits with status 2, without a traceback.
+    """
+
+
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepConfig:
+    out: Path
+    """Output directory for val_*.bin, train_*.bin and manifest.json."""
+    sources: tuple[str, ...] = ()
+    """Local files or directories (.txt, .jsonl, .json, .parquet)."""
+    hf_dataset: str | None = None
+    """A Hugging Face dataset name (or a builder name such as 'json' with hf_data_files), streamed."""
+    hf_config: str | None = None
+    hf_split: str = "train"
+    hf_data_files: tuple[str, ...] = ()
+    """data_files passed to load_dataset (lets --hf-dataset json/parquet/text read local files)."""
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    """Tokens per shard; every shard of a split holds exactly this many except the split's last."""
+    val_tokens: int | None = None
+    """Tokens (whole documents) for val; None: min(10M, 1% of the estimated corpus), see sources.py."""
+    workers: int = 1
+    """Tokenizer processes; 1 tokenizes in this process."""
+    text_field: str = "text"
+    """Field of a .jsonl/.json record or .parquet column holding the document text."""
+    on_decode_error: str = "fail"
+    """.txt files that are not valid UTF-8: fail, skip the file, or replace bad bytes with U+FFFD."""
+    txt_sample_by: str = "document"
+    """A .txt file is one document, or one document per blank-line separated paragraph."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out", Path(self.out))
+        problems = config_problems(self)
+        if problems:
+            raise UserError("; ".join(problems))
+
+    @property
+    def settings(self) -> dict:
+        """Everything besides the sources that decides the output bytes (workers and progress do not)."""
+        return {"shard_tokens": self.shard_tokens, "text_field": self.text_field,
+                "on_decode_error": self.on_decode_error, "txt_sample_by": self.txt_sample_by}
+
+
+def config_problems(cfg: PrepConfig) -> list[str]:
+    p = []
+    if bool(cfg.sources) == bool(cfg.hf_dataset):
+        p.append("give exactly one of --source PATH [PATH ...] or --hf-dataset NAME")
+    if cfg.hf_data_files and not cfg.hf_dataset:
+        p.append("--hf-data-files only applies with --hf-dataset (e.g. --hf-dataset json --hf-data-files a.jsonl)")
+    if not 1 <= cfg.shard_tokens <= MAX_HEADER_INT:
+        p.append(f"--shard-tokens must be in 1..{MAX_HEADER_INT} (the shard header stores it as int32), "
+                 f"got {cfg.shard_tokens}")
+    if cfg.val_tokens is not None and cfg.val_tokens < 0:
+        p.append(f"--val-tokens must be >= 0 (0 means no val split), got {cfg.val_tokens}")
+    if cfg.workers < 1:
+        p.append(f"--workers must be >= 1, got {cfg.workers}")
+    if cfg.on_decode_error not in DECODE_ERROR_MODES:
+        p.append(f"--on-decode-error must be one of {', '.join(DECODE_ERROR_MODES)}, got {cfg.on_decode_error!r}")
+    if cfg.txt_sample_by not in TXT_SAMPLE_BY:
+        p.append(f"--txt-sample-by must be one of {', '.join(TXT_SAMPLE_BY)}, got {cfg.txt_sample_by!r}")
+    if not cfg.text_field:
+        p.append("--text-field must not be empty")
+    if cfg.out.exists() and not cfg.out.is_dir():
+        p.append(f"--out {cfg.out} exists and is not a directory")
+    return p

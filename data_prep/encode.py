@@ -1,0 +1,157 @@
+"""Records -> GPT-2 tokens, in order, in parallel processes with bounded memory.
+
+Named encode.py, not tokenize.py, so it cannot shadow the standard library's `tokenize` module.
+
+Each document becomes [EOT] + encode_ordinary(text). Long documents are cut into pieces at points
+where the GPT-2 pre-tokenizer regex splits anyway, so the pieces tokenize to exactly the tokens of
+the whole text (see split_text); this keeps batches small enough to spread over workers and keeps
+a 100 MB .txt file from turning into a 3 GB Python list of ints in one worker.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+import signal
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from gpt2.config import EOT_TOKEN
+
+BATCH_CHARS = 1 << 18
+"""Characters per batch sent to a worker (~60 ms of tiktoken work): large enough that pickling and
+queueing cost little, small enough that 2 workers x a few batches in flight stay a few MB."""
+IN_FLIGHT_PER_WORKER = 4
+"""Batches queued or running per worker: enough to keep workers busy while the main process reads."""
+UINT16_MAX = 65535
+
+# A cut before position i is exact when text[i] is ' ' or '\n' and text[i-1] is not whitespace:
+# none of the GPT-2 pattern's alternatives ('s|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
+# \s+(?!\S)|\s+) can match across a non-space -> space boundary, and the pattern has no lookbehind,
+# so the pre-tokenized pieces (and hence the BPE tokens) on each side are those of the whole text.
+# Python's \S is stricter than Unicode White_Space (it also treats \x1c-\x1f as space), so a char
+# that is \S here is also non-space for tiktoken's regex.
+_SAFE_CUT = re.compile(r"\S(?=[ \n])")
+
+
+def split_text(text: str, max_chars: int) -> list[str]:
+    """Pieces of at most ~max_chars whose tokens, concatenated, equal the tokens of text."""
+    if len(text) <= max_chars:
+        return [text]
+    pieces = []
+    start = 0
+    while len(text) - start > max_chars:
+        cut = _last_safe_cut(text, start + max_chars // 2, start + max_chars)
+        if cut is None:  # no space in the window (e.g. minified data): take the next safe point
+            m = _SAFE_CUT.search(text, start + max_chars)
+            if m is None:
+                break
+            cut = m.end()
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _last_safe_cut(text: str, lo: int, hi: int) -> int | None:
+    i = hi
+    while True:
+        i = max(text.rfind(" ", lo, i), text.rfind("\n", lo, i))
+        if i <= lo:
+            return None
+        if not text[i - 1].isspace():
+            return i
+
+
+@dataclass
+class Batch:
+    """Pieces of documents sent to a worker together, with where each belongs."""
+    texts: list[str] = field(default_factory=list)
+    records: list[int] = field(default_factory=list)
+    first: list[bool] = field(default_factory=list)
+    """The piece starts its document (gets the EOT)."""
+    last: list[bool] = field(default_factory=list)
+    """The piece ends its document."""
+    chars: int = 0
+
+    def add(self, text: str, record: int, first: bool, last: bool) -> None:
+        self.texts.append(text)
+        self.records.append(record)
+        self.first.append(first)
+        self.last.append(last)
+        self.chars += len(text)
+
+
+def make_batches(records: Iterator[str], start: int, batch_chars: int = BATCH_CHARS) -> Iterator[Batch]:
+    """Group record texts (numbered from start) into batches of about batch_chars characters."""
+    batch = Batch()
+    for record, text in enumerate(records, start):
+        pieces = split_text(text, batch_chars)
+        for k, piece in enumerate(pieces):
+            batch.add(piece, record, k == 0, k == len(pieces) - 1)
+            if batch.chars >= batch_chars:
+                yield batch
+                batch = Batch()
+    if batch.texts:
+        yield batch
+
+
+_encoding = None
+
+
+def init_worker(ignore_sigint: bool = True) -> None:
+    """Pool initializer: load the encoding once per process; Ctrl-C is the parent's to handle."""
+    global _encoding
+    from gpt2.tokenizer import get_encoding
+
+    if ignore_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _encoding = get_encoding()
+
+
+def encode_pieces(job: tuple[list[str], list[bool]]) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens of the pieces concatenated (uint16), and each piece's token count (EOT included)."""
+    texts, first = job
+    tokens: list[int] = []
+    counts = np.empty(len(texts), dtype=np.int64)
+    for i, (text, starts_doc) in enumerate(zip(texts, first)):
+        before = len(tokens)
+        if starts_doc:
+            tokens.append(EOT_TOKEN)
+        tokens.extend(_encoding.encode_ordinary(text))
+        counts[i] = len(tokens) - before
+    array = np.array(tokens, dtype=np.int64)
+    if array.size and (array.max() > UINT16_MAX or array.min() < 0):
+        from data_prep.config import UserError
+        raise UserError(f"token id {int(array.max())} does not fit in uint16 (0..{UINT16_MAX}); "
+                        "the llm.c shard format only holds GPT-2-sized vocabularies")
+    return array.astype(np.uint16), counts
+
+
+def encode_batches(batches: Iterator[Batch], workers: int) -> Iterator[tuple[Batch, np.ndarray, np.ndarray]]:
+    """(batch, tokens, counts) in input order, tokenized by `workers` processes.
+
+    Pool.imap would do the ordering, but its feeder thread drains the input iterator as fast as it
+    can (Pool.imap is not lazy), i.e. reads the whole corpus into the task queue. A window of
+    apply_async results keeps at most workers * IN_FLIGHT_PER_WORKER batches in memory.
+    """
+    if workers == 1:
+        init_worker(ignore_sigint=False)
+        for batch in batches:
+            yield (batch, *encode_pieces((batch.texts, batch.first)))
+        return
+    # spawn, not fork: the parent holds datasets/pyarrow threads, and forking threads can deadlock.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=init_worker) as pool:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append((batch, pool.apply_async(encode_pieces, ((batch.texts, batch.first),))))
+            if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
+                done, result = pending.popleft()
+                yield (done, *result.get())
+        while pending:
+            done, result = pending.popleft()
+            yield (done, *result.get())

@@ -1,0 +1,385 @@
+"""Where documents come from: local files read through `datasets` builders, or a streamed HF dataset.
+
+A *record* is what a builder yields: one .txt file (or one paragraph with --txt-sample-by paragraph),
+one .jsonl/.json record, one .parquet row, one row of a Hugging Face dataset. Records are numbered in
+source order (the --source order, directories walked in sorted order) and that number is the resume
+position: a rerun skips the records already written without tokenizing them again.
+
+Everything is streamed (`load_dataset(..., streaming=True)`): nothing is converted into the Arrow
+cache and at most one builder chunk (10 MB) is held at a time. One exception: datasets' text builder
+reads a whole .txt file as one string in document mode, so each single .txt file must fit in memory;
+very large corpora belong in .jsonl or .parquet files.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator
+
+from data_prep.config import DEFAULT_MAX_VAL_TOKENS, PrepConfig, UserError
+
+KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+BYTES_PER_TOKEN = 4
+"""GPT-2 BPE averages ~4 bytes of English per token (Shakespeare 3.3, web text ~4.5): the default
+val budget is estimated from source bytes with this ratio."""
+READ_BATCH_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str
+    """Absolute path."""
+    kind: str
+    """The datasets builder that reads it: text, json or parquet."""
+    bytes: int
+    mtime_ns: int
+
+    def describe(self) -> dict:
+        return {"path": self.path, "kind": self.kind, "bytes": self.bytes, "mtime_ns": self.mtime_ns}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Files read by one load_dataset call (or the HF dataset: files empty)."""
+    kind: str
+    files: tuple[SourceFile, ...] = ()
+
+
+@dataclass(frozen=True)
+class Corpus:
+    groups: tuple[Group, ...]
+    description: dict
+    """Goes into the manifest and the fingerprint: paths, sizes, mtimes (or the HF dataset spec)."""
+    estimated_tokens: int | None
+    """From source bytes; None for a streamed HF dataset whose size is unknown up front."""
+    skipped_files: tuple[str, ...] = field(default=())
+    """.txt files left out because they are not valid UTF-8 (--on-decode-error skip)."""
+
+
+def stat_source(path: Path, kind: str) -> SourceFile:
+    st = path.stat()
+    return SourceFile(str(path.resolve()), kind, st.st_size, st.st_mtime_ns)
+
+
+def discover(paths: tuple[str, ...], exclude: Path) -> list[SourceFile]:
+    """The source files in order: arguments in the order given, directories walked sorted."""
+    exclude = exclude.resolve()
+    found: list[SourceFile] = []
+    for arg in paths:
+        path = Path(arg)
+        if not path.exists():
+            raise UserError(f"--source {arg}: no such file or directory")
+        if path.is_file():
+            kind = KINDS.get(path.suffix.lower())
+            if kind is None:
+                raise UserError(f"--source {arg}: unsupported file type {path.suffix or '(none)'!r}; "
+                                f"use {', '.join(KINDS)} files")
+            found.append(stat_source(path, kind))
+            continue
+        in_dir = [stat_source(p, KINDS[p.suffix.lower()]) for p in walk_sorted(path, exclude)]
+        if not in_dir:
+            raise UserError(f"--source {arg}: the directory holds no {', '.join(KINDS)} files")
+        found.extend(in_dir)
+    seen = set()
+    for f in found:
+        if f.path in seen:
+            raise UserError(f"--source: {f.path} is listed twice (directly or through a directory); "
+                            "each file may be read once")
+        seen.add(f.path)
+    return found
+
+
+def walk_sorted(root: Path, exclude: Path) -> Iterator[Path]:
+    """Supported files under root, sorted by path; hidden entries and the output dir are skipped."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                             and (here / d).resolve() != exclude)
+        for name in sorted(filenames):
+            if not name.startswith(".") and Path(name).suffix.lower() in KINDS:
+                yield here / name
+
+
+def plan_local(cfg: PrepConfig) -> Corpus:
+    """Find and stat the local sources (cheap: enough for the fingerprint and the val estimate)."""
+    files = discover(cfg.sources, exclude=cfg.out)
+    if sum(f.bytes for f in files) == 0:
+        raise UserError(f"empty corpus: the {len(files)} source file(s) hold 0 bytes")
+    return Corpus(groups=group_files(files, cfg.txt_sample_by),
+                  description={"files": [f.describe() for f in files]},
+                  estimated_tokens=sum(text_bytes(f, cfg.text_field) for f in files) // BYTES_PER_TOKEN)
+
+
+def check(corpus: Corpus, cfg: PrepConfig) -> Corpus:
+    """Every check that needs no tokenizing, before any work: JSON lines and parquet schemas, and
+    UTF-8 of .txt files (one streaming read each; skipped files leave the corpus)."""
+    files = [f for g in corpus.groups for f in g.files]
+    for f in files:
+        if f.kind == "json" and f.path.endswith(".jsonl"):
+            check_first_jsonl_record(f.path, cfg.text_field)
+        elif f.kind == "parquet":
+            check_parquet_schema(f.path, cfg.text_field)
+    skipped = []
+    if cfg.on_decode_error != "replace":
+        for f in files:
+            if f.kind == "text" and (bad := first_bad_utf8(f.path)) is not None:
+                offset, line = bad
+                if cfg.on_decode_error == "fail":
+                    raise UserError(f"{f.path}:{line}: byte {offset} is not valid UTF-8; fix the file or pass "
+                                    "--on-decode-error skip (leave such files out) or replace (U+FFFD)")
+                skipped.append(f.path)
+    if not skipped:
+        return corpus
+    kept = [f for f in files if f.path not in set(skipped)]
+    if not kept:
+        raise UserError("empty corpus: every source file was skipped as undecodable")
+    return replace(corpus, groups=group_files(kept, cfg.txt_sample_by), skipped_files=tuple(skipped))
+
+
+def single_document(corpus: Corpus, cfg: PrepConfig) -> str | None:
+    """The path of the corpus's only document, when that is known without reading it."""
+    files = [f for g in corpus.groups for f in g.files]
+    if len(files) == 1 and files[0].kind == "text" and cfg.txt_sample_by == "document":
+        return files[0].path
+    return None
+
+
+def group_files(files: list[SourceFile], txt_sample_by: str) -> tuple[Group, ...]:
+    """Consecutive .txt files in document mode share one load_dataset call (record i is file i, and
+    a call per file would cost ~15 ms on directories of many small files); other files get one each
+    so that errors name the file."""
+    groups: list[Group] = []
+    for f in files:
+        if f.kind == "text" and txt_sample_by == "document" and groups and groups[-1].kind == "text":
+            groups[-1] = Group("text", groups[-1].files + (f,))
+        else:
+            groups.append(Group(f.kind, (f,)))
+    return tuple(groups)
+
+
+def plan_hf(cfg: PrepConfig) -> Corpus:
+    data_files = []
+    for name in cfg.hf_data_files:
+        p = Path(name)
+        if p.exists():
+            data_files.append(stat_source(p, "hf").describe())
+        elif not any(ch in name for ch in "*?[") and "://" not in name:
+            raise UserError(f"--hf-data-files {name}: no such file")
+        else:
+            data_files.append({"path": name})
+    return Corpus(groups=(Group("hf"),),
+                  description={"hf_dataset": cfg.hf_dataset, "hf_config": cfg.hf_config,
+                               "hf_split": cfg.hf_split, "hf_data_files": data_files},
+                  estimated_tokens=None)
+
+
+def plan(cfg: PrepConfig) -> Corpus:
+    return plan_local(cfg) if cfg.sources else plan_hf(cfg)
+
+
+def default_val_tokens(corpus: Corpus) -> tuple[int, str]:
+    """The --val-tokens default and the rule that produced it (recorded in the manifest)."""
+    if corpus.estimated_tokens is None:
+        return DEFAULT_MAX_VAL_TOKENS, f"default for a streamed dataset of unknown size: {DEFAULT_MAX_VAL_TOKENS}"
+    val = min(DEFAULT_MAX_VAL_TOKENS, corpus.estimated_tokens // 100)
+    return val, (f"min({DEFAULT_MAX_VAL_TOKENS}, 1% of ~{corpus.estimated_tokens} tokens estimated as "
+                 f"source bytes / {BYTES_PER_TOKEN})")
+
+
+def text_bytes(f: SourceFile, text_field: str) -> int:
+    """Bytes of text a file holds; for parquet the uncompressed size of the text column."""
+    if f.kind != "parquet":
+        return f.bytes
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(f.path).metadata
+    except Exception:  # not parquet: check() reports it with a clear message
+        return f.bytes
+    total = 0
+    for rg in range(meta.num_row_groups):
+        group = meta.row_group(rg)
+        for c in range(group.num_columns):
+            if group.column(c).path_in_schema == text_field:
+                total += group.column(c).total_uncompressed_size
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks that run before any tokenizing
+
+
+def first_bad_utf8(path: str, chunk_bytes: int = 1 << 24) -> tuple[int, int] | None:
+    """(byte offset, line number) of the first invalid UTF-8 byte, or None; reads in bounded chunks."""
+    offset = lines = 0
+    pending = b""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            data = pending + chunk
+            try:
+                _, used = codecs.utf_8_decode(data, "strict", not chunk)
+            except UnicodeDecodeError as e:
+                return offset + e.start, lines + data.count(b"\n", 0, e.start) + 1
+            lines += data.count(b"\n", 0, used)
+            offset += used
+            pending = data[used:]
+            if not chunk:
+                return None
+
+
+def check_first_jsonl_record(path: str, text_field: str) -> None:
+    """Catch the common mistakes (not JSON lines, wrong --text-field) before any work."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                problem = jsonl_line_problem(raw, text_field)
+                if problem:
+                    raise UserError(f"{path}:{lineno}: {problem}")
+                return
+
+
+def jsonl_line_problem(raw: bytes, text_field: str) -> str | None:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return f"byte {e.start} of the line is not valid UTF-8 (JSON must be UTF-8)"
+    except json.JSONDecodeError as e:
+        return f"not valid JSON ({e.msg} at column {e.colno})"
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object with a {text_field!r} field"
+    if text_field not in record:
+        keys = ", ".join(list(record)[:8])
+        return f"record has no {text_field!r} field (fields: {keys}); choose one with --text-field"
+    if not isinstance(record[text_field], str):
+        return f"field {text_field!r} is {type(record[text_field]).__name__}, not a string"
+    return None
+
+
+def locate_json_problem(path: str, text_field: str) -> str | None:
+    """'file:line: problem' for the first bad line of a JSON-lines file, or None if none is found."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip() and (problem := jsonl_line_problem(raw, text_field)):
+                if lineno == 1 and raw.lstrip().startswith(b"["):
+                    return None  # a JSON array file: line numbers mean nothing
+                return f"{path}:{lineno}: {problem}"
+    return None
+
+
+def check_parquet_schema(path: str, text_field: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{path}: not a readable parquet file ({e})") from None
+    if text_field not in schema.names:
+        raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names[:8])}); "
+                        "choose one with --text-field")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise UserError(f"{path}: column {text_field!r} has type {kind}, not string")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class RecordReader:
+    """Yields record texts in source order from a given record number.
+
+    `group_records` holds the record count of every group read to its end (and those known from an
+    earlier run), so that a resumed run skips whole groups without opening them.
+    """
+
+    def __init__(self, corpus: Corpus, cfg: PrepConfig, group_records: list[int] | None = None):
+        self.corpus = corpus
+        self.cfg = cfg
+        self.group_records = list(group_records or [])
+
+    def records(self, start: int = 0) -> Iterator[str]:
+        first = 0  # record number of the group's first record
+        for gi, group in enumerate(self.corpus.groups):
+            if gi < len(self.group_records) and first + self.group_records[gi] <= start:
+                first += self.group_records[gi]
+                continue
+            n = yield from self.read_group(group, skip=max(0, start - first))
+            if gi == len(self.group_records):
+                self.group_records.append(n)
+            first += n
+
+    def read_group(self, group: Group, skip: int) -> Iterator[str]:
+        """Yield the group's records after the first `skip`; return the group's record count."""
+        if group.kind == "text" and self.cfg.txt_sample_by == "document":
+            # record i is file i: skip by leaving files out rather than reading them
+            files = group.files[skip:]
+            yield from self.read_builder(Group("text", files), 0) if files else ()
+            return len(group.files)
+        n = yield from self.read_builder(group, skip)
+        return n
+
+    def read_builder(self, group: Group, skip: int) -> Iterator[str]:
+        import pyarrow as pa
+
+        n = 0
+        try:
+            ds = self.load(group)
+            for batch in ds.iter(batch_size=READ_BATCH_ROWS):
+                texts = batch.get(self.field(group))
+                if texts is None:
+                    raise self.bad_record(group, n, f"no {self.cfg.text_field!r} field")
+                for text in texts:
+                    if n >= skip:
+                        if not isinstance(text, str):
+                            raise self.bad_record(group, n, f"{self.cfg.text_field!r} is missing or not a string")
+                        yield text
+                    n += 1
+        except (pa.ArrowException, UnicodeDecodeError, ValueError) as e:
+            if isinstance(e, UserError):
+                raise
+            raise self.bad_record(group, n, f"cannot be read: {str(e).splitlines()[0]}") from None
+        return n
+
+    def field(self, group: Group) -> str:
+        return "text" if group.kind == "text" else self.cfg.text_field
+
+    def bad_record(self, group: Group, record: int, problem: str) -> UserError:
+        """The clearest message available: file:line for JSON lines, else the record number."""
+        if group.kind == "json":
+            located = locate_json_problem(group.files[0].path, self.cfg.text_field)
+            if located:
+                return UserError(located)
+        where = group.files[min(record, len(group.files) - 1)].path if group.files else self.cfg.hf_dataset
+        return UserError(f"{where}: record {record + 1}: {problem}")
+
+    def load(self, group: Group):
+        import datasets
+
+        cfg = self.cfg
+        if group.kind == "hf":
+            try:
+                ds = datasets.load_dataset(cfg.hf_dataset, cfg.hf_config, split=cfg.hf_split, streaming=True,
+                                           data_files=list(cfg.hf_data_files) or None)
+            except Exception as e:  # hub, network and builder errors alike: the user must act
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise UserError(f"--hf-dataset {cfg.hf_dataset}: cannot open it: {first}") from None
+            if ds.column_names is not None and cfg.text_field not in ds.column_names:
+                raise UserError(f"--hf-dataset {cfg.hf_dataset}: no column {cfg.text_field!r} "
+                                f"(columns: {', '.join(ds.column_names[:8])}); choose one with --text-field")
+            if ds.column_names is not None:
+                ds = ds.select_columns([cfg.text_field])
+            return ds
+        paths = [f.path for f in group.files]
+        kwargs: dict = {}
+        if group.kind == "text":
+            kwargs = {"sample_by": cfg.txt_sample_by,
+                      "encoding_errors": "replace" if cfg.on_decode_error == "replace" else "strict"}
+        elif group.kind == "parquet":
+            kwargs = {"columns": [cfg.text_field]}
+        return datasets.load_dataset(group.kind, data_files=paths, split="train", streaming=True, **kwargs)

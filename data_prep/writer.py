@@ -1,0 +1,206 @@
+"""Token stream -> val/train shards, with a manifest that makes the job restartable.
+
+Split rule: documents go to val, in source order, until val holds at least --val-tokens tokens; the
+document that crosses the --val-tokens mark goes to val whole (so val may exceed --val-tokens by less
+than one document, and the trainer can always evaluate exactly --val-tokens tokens). Every later
+document goes to train. Within a split, shards hold exactly --shard-tokens tokens except the last,
+and a document may continue from one shard into the next (as llm.c's fineweb.py does).
+
+Restart: after every shard the manifest records the shard's sha256 and the resume position: the
+next record to read and how many of its tokens (`carry_tokens`) are already in shards. A rerun skips
+those records, drops the carried tokens and continues, producing the bytes of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
+from gpt2.shards import HEADER_BYTES, MAGIC, VERSION, fsync_dir, make_header, write_shard
+from data_prep.config import UserError
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+TOKENIZER = "tiktoken gpt2, encode_ordinary, each document = [EOT] + tokens"
+SHARD_RE = re.compile(r"^(val|train)_\d{6}\.bin$")
+TEMP_RE = re.compile(r"^((val|train)_\d{6}\.bin|manifest\.json)\..*\.tmp$")
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:06d}.bin"
+
+
+def fingerprint(sources: dict, settings: dict) -> str:
+    """Identifies the output bytes: sources (paths, sizes, mtimes) and settings, not --workers."""
+    blob = json.dumps({"sources": sources, "settings": settings, "tokenizer": TOKENIZER}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def new_manifest(sources: dict, settings: dict, val_tokens_rule: str) -> dict:
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "format": {"magic": MAGIC, "version": VERSION, "header_bytes": HEADER_BYTES, "dtype": "uint16 little-endian"},
+        "tokenizer": TOKENIZER, "vocab_size": GPT2_VOCAB_SIZE, "eot_token": EOT_TOKEN,
+        "fingerprint": fingerprint(sources, settings),
+        "settings": settings, "val_tokens_rule": val_tokens_rule,
+        "sources": sources,
+        "complete": False,
+        "shards": [],
+        "group_records": [],
+        "totals": None,
+    }
+
+
+def load_manifest(out: Path) -> dict | None:
+    path = out / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        manifest["fingerprint"], manifest["shards"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is unreadable ({e}); delete {out} to start over") from None
+    return manifest
+
+
+def save_manifest(out: Path, manifest: dict) -> None:
+    """Atomic: a crash leaves the previous manifest or this one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=MANIFEST + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; others read the manifest with the shards
+        os.replace(tmp, out / MANIFEST)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(out)
+
+
+def explain_difference(old: dict, new: dict) -> str:
+    """What changed between an existing manifest and this job, for the refusal message."""
+    changes = [f"{k} {old['settings'].get(k)} -> {v}" for k, v in new["settings"].items()
+               if old.get("settings", {}).get(k) != v]
+    old_src, new_src = old.get("sources", {}), new["sources"]
+    if "files" in old_src and "files" in new_src:
+        before = {f["path"]: f for f in old_src["files"]}
+        after = {f["path"]: f for f in new_src["files"]}
+        changes += [f"new source {p}" for p in after if p not in before]
+        changes += [f"missing source {p}" for p in before if p not in after]
+        changes += [f"{p} changed (size or mtime)" for p in after if p in before and before[p] != after[p]]
+        if not changes and list(before) != list(after):
+            changes.append("source order")
+    elif old_src != new_src:
+        changes.append("different sources")
+    return "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "") or "tokenizer"
+
+
+def open_output(out: Path, manifest: dict) -> dict:
+    """The manifest to continue from: a fresh one, or the existing one of the same job.
+
+    Refuses directories holding shards of another job. Removes temp files a crash left behind.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    old = load_manifest(out)
+    if old is None:
+        stray = sorted(p.name for p in out.iterdir() if SHARD_RE.match(p.name))
+        if stray:
+            raise UserError(f"--out {out} holds shards ({stray[0]}, ...) but no {MANIFEST}: they are not from "
+                            "this job; use an empty directory or delete them")
+        return manifest
+    if old["fingerprint"] != manifest["fingerprint"]:
+        raise UserError(f"--out {out} holds shards made from different sources or settings "
+                        f"({explain_difference(old, manifest)}); use another --out, or delete {out} to start over")
+    for p in out.iterdir():
+        if TEMP_RE.match(p.name):
+            p.unlink(missing_ok=True)
+    return old
+
+
+def _test_hook(event: str, count: int) -> None:
+    """Test-only crash/throttle points, set by the test suite through the environment."""
+    if os.environ.get("DATA_PREP_TEST_KILL") == f"{event}:{count}":
+        os.kill(os.getpid(), signal.SIGKILL)  # exactly what kill -9 does: no cleanup runs
+    if event == "manifest" and (delay := os.environ.get("DATA_PREP_TEST_SHARD_SLEEP_S")):
+        time.sleep(float(delay))
+
+
+class ShardWriter:
+    """Fills one preallocated shard buffer, writes it out when full, keeps the manifest current."""
+
+    def __init__(self, out: Path, manifest: dict, *, shard_tokens: int, val_tokens: int, group_records: list[int]):
+        self.out = out
+        self.manifest = manifest
+        self.shard_tokens = shard_tokens
+        self.val_tokens = val_tokens
+        self.group_records = group_records  # the reader's list, copied into the manifest at each shard
+        self.buffer = np.empty(shard_tokens, dtype=np.uint16)
+        self.fill = 0
+        shards = manifest["shards"]
+        self.totals = {s: sum(x["tokens"] for x in shards if x["split"] == s) for s in ("val", "train")}
+        self.index = {s: sum(1 for x in shards if x["split"] == s) for s in ("val", "train")}
+        self.split = "train" if self.index["train"] else "val"
+        self.start_record = shards[-1]["next_record"] if shards else 0
+        self.drop = shards[-1]["carry_tokens"] if shards else 0
+        """Tokens of start_record already in shards: dropped, and its split is already decided."""
+        self.record = self.start_record
+        self.record_written = 0
+        self.shards_this_run = 0
+
+    def add(self, tokens: np.ndarray, record: int, first: bool, last: bool) -> None:
+        """Append one piece of a document (tokens start with EOT when first)."""
+        if first:
+            self.record, self.record_written = record, 0
+            if not self.drop and self.split == "val" and self.totals["val"] >= self.val_tokens:
+                self._flush(next_record=record, carry=0)  # val ends before this document
+                self.split = "train"
+        if self.drop:
+            k = min(self.drop, len(tokens))
+            tokens, self.drop, self.record_written = tokens[k:], self.drop - k, self.record_written + k
+        while len(tokens):
+            n = min(self.shard_tokens - self.fill, len(tokens))
+            self.buffer[self.fill:self.fill + n] = tokens[:n]
+            tokens = tokens[n:]
+            self.fill += n
+            self.record_written += n
+            self.totals[self.split] += n
+            if self.fill == self.shard_tokens:
+                ends_record = last and not len(tokens)
+                self._flush(next_record=record + 1 if ends_record else record,
+                            carry=0 if ends_record else self.record_written)
+
+    def finish(self, n_records: int, totals: dict) -> None:
+        self._flush(next_record=n_records, carry=0)
+        self.manifest["complete"] = True
+        self.manifest["totals"] = totals
+        save_manifest(self.out, self.manifest)
+
+    def _flush(self, *, next_record: int, carry: int) -> None:
+        if not self.fill:
+            return
+        data = self.buffer[:self.fill]
+        name = shard_name(self.split, self.index[self.split])
+        digest = hashlib.sha256(make_header(self.fill).tobytes())
+        digest.update(data)
+        write_shard(self.out / name, data)
+        self.shards_this_run += 1
+        _test_hook("shard", self.shards_this_run)
+        self.manifest["shards"].append({"file": name, "split": self.split, "tokens": int(self.fill),
+                                        "sha256": digest.hexdigest(), "next_record": next_record,
+                                        "carry_tokens": carry})
+        self.manifest["group_records"] = list(self.group_records)
+        save_manifest(self.out, self.manifest)
+        _test_hook("manifest", self.shards_this_run)
+        self.index[self.split] += 1
+        self.fill = 0
