@@ -100,18 +100,20 @@ def _split_file_values(data: dict, path: str) -> dict[str, dict]:
     """Flat or sectioned TOML -> {"model": {...}, "train": {...}}; unknown keys are errors."""
     known = {section: {f.name: typ for s, f, typ in _fields() if s == section} for section in ("model", "train")}
     out: dict[str, dict] = {"model": {}, "train": {}}
-    flat = {}
+    flat, shown = {}, {}
     for key, value in data.items():
         if key in ("model", "train") and isinstance(value, dict):
             for k, v in value.items():
                 flat[(key, k.replace("-", "_"))] = v
+                shown[(key, k.replace("-", "_"))] = f"{key}.{k}"
         elif key == "preset":
             out["preset"] = value
         else:
             name = key.replace("-", "_")
             section = "model" if name in known["model"] else "train"
             flat[(section, name)] = value
-    unknown = [f"{s}.{k}" if s else k for (s, k) in flat if k not in known[s]]
+            shown[(section, name)] = key
+    unknown = [shown[(s, k)] for (s, k) in flat if k not in known[s]]
     if unknown:
         raise ValueError(f"--config {path}: unknown keys {unknown}; see train_ddp.py --help for the fields")
     for (section, name), value in flat.items():

@@ -218,8 +218,6 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"lr={cfg.lr} must be > 0")
     if not 0 <= cfg.min_lr <= cfg.lr:
         p.append(f"min_lr={cfg.min_lr} must be between 0 and lr={cfg.lr}")
-    if cfg.warmup_steps > cfg.max_steps:
-        p.append(f"warmup_steps={cfg.warmup_steps} exceeds max_steps={cfg.max_steps}")
     if cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.eps <= 0:
         p.append("weight_decay and grad_clip must be >= 0 and eps > 0")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):

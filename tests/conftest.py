@@ -30,3 +30,34 @@ def _torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+TINY_MODEL_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64"]
+"""A model small enough that a torchrun test step takes milliseconds; vocab stays GPT-2's 50304."""
+
+
+@pytest.fixture(scope="session")
+def shakespeare_shards(tmp_path_factory, shakespeare_path) -> Path:
+    """The shared Shakespeare prepared by data_prep exactly as a user would (val + 2 train shards)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("shakespeare_shards")
+    subprocess.run([sys.executable, "-m", "data_prep", "--source", str(shakespeare_path), "--out", str(out),
+                    "--txt-sample-by", "paragraph", "--val-tokens", "20000", "--shard-tokens", "160000",
+                    "--workers", "1", "--no-progress"], check=True, cwd=REPO, capture_output=True)
+    return out
+
+
+def run_trainer(args: list[str], *, nproc: int = 1, timeout: float = 600, env: dict | None = None):
+    """Run train_ddp.py as users do: `python train_ddp.py` for one process, torchrun for several."""
+    import subprocess
+    import sys
+
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / "train_ddp.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "train_ddp.py"), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)

@@ -1,0 +1,97 @@
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from gpt2.cli import parse_config
+from gpt2.config import TRAIN_PRESETS, TrainConfig
+
+BASE = ["--data-dir", "d", "--out-dir", "o"]
+
+
+def test_defaults_are_the_fast_settings():
+    cfg = parse_config(BASE)
+    assert cfg.train.dtype == "bfloat16" and cfg.train.compile is True
+    assert cfg.model.vocab_size == 50304 and cfg.model.attn_impl == "sdpa"
+    assert cfg.train.total_batch_size == 524_288
+
+
+def test_precedence_defaults_preset_file_flags(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('lr = 2e-3\nmax_steps = 77\n[model]\nn_layer = 3\n')
+    cfg = parse_config(BASE + ["--preset", "debug"])
+    assert cfg.model.n_layer == 4 and cfg.train.lr == TRAIN_PRESETS["debug"]["lr"]  # preset over defaults
+    assert cfg.train.weight_decay == TrainConfig().weight_decay  # default where the preset is silent
+    cfg = parse_config(BASE + ["--preset", "debug", "--config", str(toml)])
+    assert cfg.model.n_layer == 3 and cfg.train.lr == 2e-3 and cfg.train.max_steps == 77  # file over preset
+    assert cfg.model.n_embd == 128  # still the preset's
+    cfg = parse_config(BASE + ["--preset", "debug", "--config", str(toml), "--lr", "5e-4", "--n-layer", "2"])
+    assert cfg.train.lr == 5e-4 and cfg.model.n_layer == 2 and cfg.train.max_steps == 77  # flags over file
+
+
+def test_every_field_is_a_kebab_case_flag():
+    import dataclasses
+
+    from gpt2.cli import build_parser
+    from gpt2.config import ModelConfig
+
+    flags = {a for action in build_parser()._actions for a in action.option_strings}
+    for cls in (ModelConfig, TrainConfig):
+        for f in dataclasses.fields(cls):
+            assert "--" + f.name.replace("_", "-") in flags
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--no-such-flag", "1"], "unrecognized arguments"),
+    (["--n-head", "5"], "not divisible by n_head"),
+    (["--compile", "maybe"], "expected true or false"),
+    (["--dtype", "float8"], "dtype='float8'"),
+    (["--micro-batch-size", "0"], "micro_batch_size=0"),
+    (["--min-lr", "1.0"], "min_lr=1.0"),
+])
+def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(BASE + argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_required_dirs(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--preset", "debug"])
+    assert "--data-dir and --out-dir are required" in capsys.readouterr().err
+
+
+def test_toml_errors(tmp_path, capsys):
+    bad_key = tmp_path / "a.toml"
+    bad_key.write_text("n_layers = 3\n")
+    with pytest.raises(SystemExit):
+        parse_config(BASE + ["--config", str(bad_key)])
+    assert "unknown keys ['n_layers']" in capsys.readouterr().err
+    bad_type = tmp_path / "b.toml"
+    bad_type.write_text('n_layer = "three"\n')
+    with pytest.raises(SystemExit):
+        parse_config(BASE + ["--config", str(bad_type)])
+    assert "should be of type int" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(BASE + ["--config", str(tmp_path / "missing.toml")])
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_bad_config_fails_before_any_process_group(tmp_path):
+    """A batch that does not divide and a missing data dir are reported by the real entry point, fast."""
+    run = subprocess.run([sys.executable, "train_ddp.py", "--preset", "debug", "--data-dir", str(tmp_path / "nope"),
+                          "--out-dir", str(tmp_path / "run"), "--device", "cpu"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "no such directory" in run.stderr and "data_prep" in run.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_batch_that_does_not_divide_is_refused(tmp_path, shakespeare_shards):
+    run = subprocess.run([sys.executable, "train_ddp.py", "--preset", "debug", "--data-dir", str(shakespeare_shards),
+                          "--out-dir", str(tmp_path / "run"), "--device", "cpu", "--total-batch-size", "3000"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "total_batch_size=3000 is not a multiple" in run.stderr

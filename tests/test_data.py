@@ -1,0 +1,156 @@
+import numpy as np
+import pytest
+import torch
+
+from gpt2.data import EvalLoader, TokenStream, TrainLoader, find_shards
+from gpt2.shards import HEADER_BYTES, ShardError, make_header, write_shard
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def shard_dir(tmp_path):
+    """Three train shards of distinct sizes whose tokens encode their stream position."""
+    sizes = [1000, 1700, 1300]
+    start = 0
+    for i, n in enumerate(sizes):
+        write_shard(tmp_path / f"train_{i:06d}.bin", (np.arange(start, start + n) % 50000).astype(np.uint16))
+        start += n
+    write_shard(tmp_path / "val_000000.bin", np.arange(900, dtype=np.uint16))
+    return tmp_path
+
+
+def loader(shards, world, rank, B=2, T=16, G=256, seed=7):
+    return TrainLoader(shards, micro_batch_size=B, seq_len=T, total_batch_size=G, rank=rank, world_size=world,
+                       seed=seed, device=CPU)
+
+
+def global_batches(shards, world, steps=12, B=2, T=16, G=256):
+    """Each step's sequences in global order: (micro_step*world + rank) ordering."""
+    loaders = [loader(shards, world, r, B, T, G) for r in range(world)]
+    out = []
+    for _ in range(steps):
+        seqs = {}
+        for r, ld in enumerate(loaders):
+            for m in range(ld.accum_steps):
+                x, y = ld.micro_batch(m)
+                seqs[m * world + r] = (x, y)
+            ld.advance()
+        out.append(torch.cat([seqs[k][0] for k in sorted(seqs)]))
+    return out
+
+
+def test_global_batches_do_not_depend_on_world_size(shard_dir):
+    shards = find_shards(shard_dir, "train")
+    one = global_batches(shards, 1)  # 1 rank x accum 8
+    two = global_batches(shards, 2)  # 2 ranks x accum 4
+    four = global_batches(shards, 4)  # 4 ranks x accum 2
+    for a, b, c in zip(one, two, four):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_ranks_read_disjoint_parts_and_targets_are_next_tokens(shard_dir):
+    shards = find_shards(shard_dir, "train")
+    lds = [loader(shards, 2, r) for r in range(2)]
+    seen = []
+    for ld in lds:
+        for m in range(ld.accum_steps):
+            x, y = ld.micro_batch(m)
+            assert torch.equal(x[:, 1:], y[:, :-1])
+            seen.extend(tuple(row.tolist()) for row in x)
+    assert len(seen) == len(set(seen)) == 256 // 16  # every sequence of the global batch exactly once
+
+
+def test_stream_crosses_shards_and_reshuffles_each_epoch(shard_dir):
+    shards = find_shards(shard_dir, "train")
+    stream = TokenStream(shards, seed=3, shuffle=True)
+    order0, _ = stream._layout(0)
+    order0 = order0.copy()
+    order1, _ = stream._layout(1)
+    assert sorted(order0) == [0, 1, 2]
+    orders = {tuple(TokenStream(shards, seed=3, shuffle=True)._layout(e)[0]) for e in range(6)}
+    assert len(orders) > 1  # reshuffled across epochs
+    assert tuple(TokenStream(shards, seed=3, shuffle=True)._layout(0)[0]) == tuple(order0)  # deterministic
+    # a read spanning every shard and the epoch boundary equals the concatenation in epoch order
+    data = [np.arange(s, s + n) % 50000 for s, n in ((0, 1000), (1000, 1700), (2700, 1300))]
+    epoch0 = np.concatenate([data[i] for i in order0])
+    epoch1 = np.concatenate([data[i] for i in order1])
+    got = stream.read(3500, 1000)
+    assert np.array_equal(got, np.concatenate([epoch0, epoch1])[3500:4500])
+
+
+def test_state_round_trip_resumes_the_same_batches(shard_dir):
+    shards = find_shards(shard_dir, "train")
+    a = loader(shards, 2, 1)
+    for _ in range(5):
+        a.advance()
+    state = a.state_dict()
+    b = loader(shards, 2, 1)
+    b.load_state_dict(state)
+    for m in range(a.accum_steps):
+        assert all(torch.equal(u, v) for u, v in zip(a.micro_batch(m), b.micro_batch(m)))
+    c = loader(shards, 1, 0)  # a different world size continues from the same global batch
+    c.load_state_dict(state)
+    assert c.position == a.position
+    with pytest.raises(ValueError, match="seed"):
+        loader(shards, 2, 1, seed=8).load_state_dict(state)
+
+
+def test_state_refuses_different_shards(shard_dir, tmp_path_factory):
+    shards = find_shards(shard_dir, "train")
+    state = loader(shards, 1, 0).state_dict()
+    (shard_dir / "train_000002.bin").unlink()
+    with pytest.raises(ValueError, match="differ"):
+        loader(find_shards(shard_dir, "train"), 1, 0).load_state_dict(state)
+
+
+def test_eval_loader_covers_the_first_sequences_once_whatever_the_world(shard_dir):
+    shards = find_shards(shard_dir, "val")
+    for world in (1, 2, 3):
+        rows = []
+        for r in range(world):
+            ev = EvalLoader(shards, micro_batch_size=2, seq_len=16, eval_tokens=16 * 7, rank=r, world_size=world,
+                            device=CPU)
+            for x, y in ev:
+                assert x.shape == (2, 16)
+                rows += [int(row[0]) for row, t in zip(x, y) if t[0] != -1]
+        assert sorted(rows) == [16 * i for i in range(7)]
+    clamped = EvalLoader(shards, micro_batch_size=2, seq_len=16, eval_tokens=10**6, rank=0, world_size=1, device=CPU)
+    assert clamped.clamped and clamped.n_seqs == (900 - 1) // 16
+
+
+def test_find_shards_reports_bad_files_by_name(tmp_path):
+    with pytest.raises(ShardError, match="no such directory"):
+        find_shards(tmp_path / "missing", "train")
+    with pytest.raises(ShardError, match=r"no \*train\*\.bin"):
+        find_shards(tmp_path, "train")
+    write_shard(tmp_path / "train_000000.bin", np.arange(10, dtype=np.uint16))
+    bad = tmp_path / "train_000001.bin"
+    bad.write_bytes(b"\x00" * 2000)
+    with pytest.raises(ShardError, match="train_000001.bin: bad magic"):
+        find_shards(tmp_path, "train")
+    header = make_header(100).tobytes()
+    bad.write_bytes(header + b"\x00" * 50)
+    with pytest.raises(ShardError, match="train_000001.bin: header says 100 tokens"):
+        find_shards(tmp_path, "train")
+    write_shard(bad, np.zeros(0, dtype=np.uint16))
+    with pytest.raises(ShardError, match="train_000001.bin: shard holds no tokens"):
+        find_shards(tmp_path, "train")
+
+
+def test_llmc_named_shards_are_found(tmp_path):
+    """llm.c / modded-nanogpt name shards fineweb_train_000001.bin; written here by hand, byte by byte."""
+    tokens = np.arange(5000, dtype="<u2")
+    with open(tmp_path / "fineweb_train_000001.bin", "wb") as f:
+        header = np.zeros(256, dtype="<i4")
+        header[0], header[1], header[2] = 20240520, 1, len(tokens)
+        f.write(header.tobytes())
+        f.write(tokens.tobytes())
+    shards = find_shards(tmp_path, "train")
+    assert shards.sizes == (5000,) and (tmp_path / "fineweb_train_000001.bin").stat().st_size == HEADER_BYTES + 10000
+    assert np.array_equal(TokenStream(shards, seed=0, shuffle=False).read(0, 5000), tokens)
+
+
+def test_loader_refuses_too_little_data(shard_dir):
+    with pytest.raises(ShardError, match="fewer than one optimizer step"):
+        loader(find_shards(shard_dir, "train"), 1, 0, B=2, T=16, G=2 ** 13 * 16 // 16 * 2)

@@ -1,0 +1,46 @@
+import math
+
+import pytest
+
+from gpt2.schedule import grad_accum_steps, lr_at
+
+KW = dict(max_lr=6e-4, min_lr=6e-5, warmup_steps=10, max_steps=100)
+
+
+def test_warmup_is_linear_and_reaches_max():
+    assert lr_at(0, **KW) == pytest.approx(6e-4 / 10)
+    assert lr_at(4, **KW) == pytest.approx(6e-4 * 5 / 10)
+    assert lr_at(9, **KW) == pytest.approx(6e-4)
+
+
+def test_decay_is_continuous_at_warmup_end_and_ends_at_min():
+    assert lr_at(10, **KW) == pytest.approx(6e-4)
+    assert abs(lr_at(10, **KW) - lr_at(9, **KW)) < 1e-12
+    assert lr_at(55, **KW) == pytest.approx((6e-4 + 6e-5) / 2)  # cosine midpoint
+    assert lr_at(100, **KW) == pytest.approx(6e-5)
+    assert lr_at(10_000, **KW) == pytest.approx(6e-5)
+
+
+def test_decay_is_monotone_and_smooth():
+    lrs = [lr_at(s, **KW) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    # no jump bigger than the steepest cosine slope allows
+    max_step = (6e-4 - 6e-5) * math.pi / 2 / 90
+    assert max(a - b for a, b in zip(lrs, lrs[1:])) <= max_step * 1.01
+
+
+def test_no_warmup():
+    assert lr_at(0, max_lr=1.0, min_lr=0.1, warmup_steps=0, max_steps=10) == pytest.approx(1.0)
+
+
+def test_grad_accum_steps_gpt2_recipe():
+    assert grad_accum_steps(524_288, 64, 1024, 8) == 1
+    assert grad_accum_steps(524_288, 64, 1024, 4) == 2
+    assert grad_accum_steps(524_288, 16, 1024, 1) == 32
+
+
+def test_grad_accum_steps_rejects_non_dividing_batch_with_the_numbers():
+    with pytest.raises(ValueError) as e:
+        grad_accum_steps(500_000, 64, 1024, 8)
+    msg = str(e.value)
+    assert "total_batch_size=500000" in msg and "64*1024*8" in msg and "--micro-batch-size" in msg
