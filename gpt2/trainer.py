@@ -193,7 +193,7 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
         state = {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
                  "config": cfg.to_dict(), "tokenizer": "gpt2", "loader": parts.loader.state_dict(),
                  "rng": rngs, "world_size": dist.world_size,
-                 "tokens": parts.step * cfg.train.total_batch_size, "torch_version": torch.__version__}
+                 "tokens": parts.step * cfg.train.total_batch_size, "torch_version": str(torch.__version__)}
         path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
         log.info(f"saved checkpoint {path}")
     barrier(dist)
