@@ -35,8 +35,9 @@ gpt2_gpus_per_node() {
   echo "$n"
 }
 
-# Set REPO_DIR, GPUS_PER_NODE, OUT_DIR and TRAIN_ARGS (the trainer's arguments: --out-dir, then the
-# user's "$@", then --resume auto on a requeued run); cd to the repository; export the environment.
+# Set REPO_DIR, GPUS_PER_NODE, OUT_DIR and TRAIN_ARGS (the trainer's arguments: --out-dir and
+# --num-threads, then the user's "$@", then --resume auto on a requeued run); cd to the repository;
+# export the environment.
 gpt2_prepare() {
   local arg
   for arg in "$@"; do
@@ -65,7 +66,7 @@ gpt2_prepare() {
   GPUS_PER_NODE=$(gpt2_gpus_per_node) || exit 2
   export GPUS_PER_NODE
   # Same job ID after a requeue, so the rerun finds the checkpoints of the first run.
-  OUT_DIR=${OUT_DIR:-runs/${SLURM_JOB_NAME:-gpt2}-${SLURM_JOB_ID:-local}}
+  OUT_DIR=${OUT_DIR:-${OUT_ROOT:-runs}/${SLURM_JOB_NAME:-gpt2}-${SLURM_JOB_ID:-local}}
   mkdir -p "$OUT_DIR" || gpt2_die "cannot create OUT_DIR=$OUT_DIR"
   export OUT_DIR
 
@@ -77,7 +78,9 @@ gpt2_prepare() {
   # time (120 s) so the requeue still happens before the time limit. Older torch ignores it (30 s).
   export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-90}
 
-  TRAIN_ARGS=(--out-dir "$OUT_DIR" "$@")
+  # The trainer's default thread count divides os.cpu_count(), which under SLURM is the whole node's
+  # cores, not the --cpus-per-task it was given: pass the allocation's share (a flag in "$@" wins).
+  TRAIN_ARGS=(--out-dir "$OUT_DIR" --num-threads "$OMP_NUM_THREADS" "$@")
   if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
     # Last flag wins: a requeued run continues from its own newest checkpoint even if the first run
     # was started with --resume never or --resume PATH.

@@ -7,8 +7,8 @@
 #   bash tests/slurm/teardown_local_slurm.sh       # stop the daemons (add --purge to remove the config)
 #
 # Exit status: 0 when the node is up and accepting jobs; 77 (the automake/pytest "skip" convention)
-# when this machine cannot host it (not root, packages not installable, a foreign slurm.conf present);
-# anything else is a real failure. The reason is always the last line on stderr.
+# when this machine cannot host it (not root, packages not installable); anything else, including a
+# slurm.conf this script did not write (a real cluster's: never overwritten), is a failure. The reason is always the last line on stderr.
 set -euo pipefail
 
 SKIP=77
@@ -92,7 +92,8 @@ write_conf() {
   local new
   new=$(render_conf)
   if [[ -f $CONF ]] && ! grep -qF "$MARKER" "$CONF"; then
-    skip "$CONF exists and was not written by this script; refusing to overwrite a real SLURM config"
+    die "$CONF exists and was not written by this script; refusing to overwrite a real SLURM config" \
+        "(run the tests with -m 'not slurm' on this machine)"
   fi
   if [[ -f $CONF ]] && [[ "$(cat "$CONF")" == "$new" ]]; then
     return 0
