@@ -93,15 +93,15 @@ def discover(paths: tuple[str, ...], exclude: Path) -> list[SourceFile]:
     return found
 
 
-def walk_sorted(root: Path, exclude: Path) -> Iterator[Path]:
-    """Supported files under root, sorted by path; hidden entries and the output dir are skipped."""
+def walk_sorted(root: Path, exclude: Path) -> list[Path]:
+    """Supported files under root sorted by relative path (as `sorted(rglob)` would, component-wise);
+    hidden entries and the output directory are skipped."""
+    found = []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
-                             and (here / d).resolve() != exclude)
-        for name in sorted(filenames):
-            if not name.startswith(".") and Path(name).suffix.lower() in KINDS:
-                yield here / name
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and (here / d).resolve() != exclude]
+        found += [here / n for n in filenames if not n.startswith(".") and Path(n).suffix.lower() in KINDS]
+    return sorted(found, key=lambda p: p.relative_to(root).parts)
 
 
 def plan_local(cfg: PrepConfig) -> Corpus:
@@ -129,7 +129,7 @@ def check(corpus: Corpus, cfg: PrepConfig) -> Corpus:
             if f.kind == "text" and (bad := first_bad_utf8(f.path)) is not None:
                 offset, line = bad
                 if cfg.on_decode_error == "fail":
-                    raise UserError(f"{f.path}:{line}: byte {offset} is not valid UTF-8; fix the file or pass "
+                    raise UserError(f"{f.path}:{line}: byte offset {offset} is not valid UTF-8; fix the file or pass "
                                     "--on-decode-error skip (leave such files out) or replace (U+FFFD)")
                 skipped.append(f.path)
     if not skipped:

@@ -1,0 +1,521 @@
+"""data_prep: corpus -> GPT-2 token shards. Bytes are checked against a plain sequential tokenization."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep.config import PrepConfig, UserError
+from data_prep.encode import BATCH_CHARS, IN_FLIGHT_PER_WORKER, Batch, encode_batches, split_text
+from data_prep.pipeline import prepare
+from gpt2.config import EOT_TOKEN
+from gpt2.shards import HEADER_BYTES, MAGIC, load_tokens, read_header, write_shard
+from gpt2.tokenizer import get_encoding
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def expected_tokens(docs: list[str]) -> np.ndarray:
+    """The definition: each document is [EOT] + encode_ordinary(document), in source order."""
+    enc = get_encoding()
+    out: list[int] = []
+    for doc in docs:
+        out.append(EOT_TOKEN)
+        out.extend(enc.encode_ordinary(doc))
+    return np.array(out, dtype=np.uint16)
+
+
+def split_files(out: Path, split: str) -> list[Path]:
+    return sorted(out.glob(f"{split}_*.bin"))
+
+
+def split_tokens(out: Path, split: str) -> np.ndarray:
+    parts = [np.asarray(load_tokens(p)) for p in split_files(out, split)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+
+def all_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.bin"))}
+
+
+def run(cfg_kwargs: dict) -> None:
+    prepare(PrepConfig(progress=False, **cfg_kwargs), log=lambda m: None)
+
+
+def cli(*args: str, env: dict | None = None, check_rc: int | None = 0, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "--no-progress", *args] if args[:1] != ("verify",)
+                          else [sys.executable, "-m", "data_prep", *args],
+                          capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})},
+                          timeout=120, **kw)
+    if check_rc is not None:
+        assert proc.returncode == check_rc, f"rc={proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}"
+    return proc
+
+
+def main_inproc(*args: str, capsys) -> tuple[int, str, str]:
+    """The CLI's main() in this process (no interpreter start-up): (exit status, stdout, stderr)."""
+    from data_prep.__main__ import main
+
+    capsys.readouterr()
+    rc = main(list(args) if args[:1] == ("verify",) else ["--no-progress", *args])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.fixture(autouse=True)
+def _keep_datasets_torch_setting(monkeypatch):
+    # main() does os.environ.setdefault("USE_TORCH", "0"); keep that from leaking into other tests.
+    monkeypatch.setenv("USE_TORCH", os.environ.get("USE_TORCH", "AUTO"))
+    monkeypatch.setenv("USE_TF", os.environ.get("USE_TF", "AUTO"))
+
+
+@pytest.fixture(scope="module")
+def paragraphs(shakespeare_path) -> list[str]:
+    return [p for p in shakespeare_path.read_text().split("\n\n") if p]
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    with open(path, "w") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"id": i, field: d, "meta": {"n": i}}) + "\n")
+    return path
+
+
+def write_parquet(path: Path, docs: list[str]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), path, row_group_size=100)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- round trips
+
+
+def test_txt_dir_round_trip_equals_sequential_tokenization(tmp_path, paragraphs):
+    src = tmp_path / "src"
+    (src / "b_sub").mkdir(parents=True)
+    docs = {"a.txt": paragraphs[0], "b_sub/x.txt": "\n\n".join(paragraphs[1:40]),
+            "b_sub/y.txt": "", "c.txt": "\n\n".join(paragraphs[40:300]), "z.txt": paragraphs[300],
+            "notes.md": "not a source", ".hidden.txt": "hidden files are skipped"}
+    for name, text in docs.items():
+        (src / name).write_text(text)
+    order = ["a.txt", "b_sub/x.txt", "b_sub/y.txt", "c.txt", "z.txt"]  # sorted walk; .md and hidden skipped
+    out = tmp_path / "out"
+    run(dict(sources=(str(src),), out=out, shard_tokens=1000, val_tokens=5))
+
+    want = expected_tokens([docs[n] for n in order])
+    got = np.concatenate([split_tokens(out, "val"), split_tokens(out, "train")])
+    np.testing.assert_array_equal(got, want)
+    # Val: the first document alone (it crosses the 5-token mark and goes to val whole).
+    np.testing.assert_array_equal(split_tokens(out, "val"), expected_tokens([docs["a.txt"]]))
+    train = split_files(out, "train")
+    sizes = [read_header(p) for p in train]
+    assert sizes[:-1] == [1000] * (len(train) - 1) and 0 < sizes[-1] <= 1000
+    assert sum(sizes) == len(want) - len(expected_tokens([docs["a.txt"]]))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json_array", "parquet"])
+def test_records_round_trip(tmp_path, paragraphs, fmt):
+    docs = paragraphs[:400]
+    if fmt == "jsonl":
+        src = write_jsonl(tmp_path / "c.jsonl", docs)
+    elif fmt == "json_array":
+        src = tmp_path / "c.json"
+        src.write_text(json.dumps([{"text": d, "n": i} for i, d in enumerate(docs)]))
+    else:
+        src = write_parquet(tmp_path / "c.parquet", docs)
+    out = tmp_path / "out"
+    run(dict(sources=(str(src),), out=out, shard_tokens=4096, val_tokens=300))
+    got = np.concatenate([split_tokens(out, "val"), split_tokens(out, "train")])
+    np.testing.assert_array_equal(got, expected_tokens(docs))
+
+
+def test_several_sources_keep_argument_order(tmp_path, paragraphs):
+    a = write_jsonl(tmp_path / "a.jsonl", paragraphs[:50])
+    b = write_parquet(tmp_path / "b.parquet", paragraphs[50:120])
+    c = tmp_path / "c.txt"
+    c.write_text(paragraphs[120])
+    out = tmp_path / "out"
+    run(dict(sources=(str(c), str(b), str(a)), out=out, shard_tokens=2000, val_tokens=0))
+    assert not split_files(out, "val")
+    np.testing.assert_array_equal(split_tokens(out, "train"),
+                                  expected_tokens([paragraphs[120]] + paragraphs[50:120] + paragraphs[:50]))
+
+
+def test_workers_1_and_2_write_identical_bytes(tmp_path, paragraphs, shakespeare_path):
+    # One long document (the whole play, > BATCH_CHARS) is cut into pieces; the bytes must not show it.
+    whole = shakespeare_path.read_text()
+    assert len(whole) > 3 * BATCH_CHARS
+    docs = paragraphs[:1500] + [whole] + paragraphs[1500:2500]
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    outs = {1: tmp_path / "out1", 2: tmp_path / "out2"}
+    run(dict(sources=(str(src),), out=outs[1], shard_tokens=50000, val_tokens=20000, workers=1))
+    cli("--source", str(src), "--out", str(outs[2]), "--shard-tokens", "50000", "--val-tokens", "20000",
+        "--workers", "2")
+    assert all_bytes(outs[1]) == all_bytes(outs[2])
+    got = np.concatenate([split_tokens(outs[2], "val"), split_tokens(outs[2], "train")])
+    np.testing.assert_array_equal(got, expected_tokens(docs))
+
+
+# ---------------------------------------------------------------------------------------------- split rule
+
+
+def test_val_takes_whole_documents_crossing_the_mark_goes_to_val(tmp_path, paragraphs):
+    docs = paragraphs[:60]
+    lengths = [len(expected_tokens([d])) for d in docs]
+    cum = np.cumsum(lengths)
+    mark = int(cum[9]) + 1  # one token into document 10: document 10 crosses the mark
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    out = tmp_path / "out"
+    run(dict(sources=(str(src),), out=out, shard_tokens=10**6, val_tokens=mark))
+    np.testing.assert_array_equal(split_tokens(out, "val"), expected_tokens(docs[:11]))
+    np.testing.assert_array_equal(split_tokens(out, "train"), expected_tokens(docs[11:]))
+    # Exactly on a document boundary: that document is the last one in val.
+    out2 = tmp_path / "out2"
+    run(dict(sources=(str(src),), out=out2, shard_tokens=10**6, val_tokens=int(cum[9])))
+    np.testing.assert_array_equal(split_tokens(out2, "val"), expected_tokens(docs[:10]))
+
+
+def test_val_larger_than_a_shard_spans_several_val_shards(tmp_path, paragraphs):
+    docs = paragraphs[:300]
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    out = tmp_path / "out"
+    run(dict(sources=(str(src),), out=out, shard_tokens=1000, val_tokens=3500))
+    val = split_files(out, "val")
+    assert [p.name for p in val] == ["val_000000.bin", "val_000001.bin", "val_000002.bin", "val_000003.bin"]
+    assert [read_header(p) for p in val[:3]] == [1000] * 3 and read_header(val[3]) >= 500
+    got = np.concatenate([split_tokens(out, "val"), split_tokens(out, "train")])
+    np.testing.assert_array_equal(got, expected_tokens(docs))
+    val_tokens = split_tokens(out, "val")
+    assert val_tokens[-1] != EOT_TOKEN and split_tokens(out, "train")[0] == EOT_TOKEN
+
+
+def test_default_val_tokens_is_one_percent_of_estimated_small_corpus(tmp_path, paragraphs):
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:2000])
+    out = tmp_path / "out"
+    run(dict(sources=(str(src),), out=out, shard_tokens=10**6))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["settings"]["val_tokens"] == src.stat().st_size // 4 // 100
+    assert "1%" in manifest["val_tokens_rule"]
+    assert manifest["settings"]["val_tokens"] <= manifest["totals"]["val_tokens"]
+
+
+# ---------------------------------------------------------------------------------------------- manifest, verify
+
+
+def test_manifest_records_tokenizer_sources_shards_and_checksums(tmp_path, paragraphs):
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:500])
+    out = tmp_path / "out"
+    run(dict(sources=(str(src),), out=out, shard_tokens=5000, val_tokens=1000))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["complete"] is True and m["vocab_size"] == 50257 and m["eot_token"] == EOT_TOKEN
+    assert "gpt2" in m["tokenizer"] and m["format"]["magic"] == MAGIC
+    assert m["sources"]["files"] == [{"path": str(src.resolve()), "kind": "json", "bytes": src.stat().st_size,
+                                      "mtime_ns": src.stat().st_mtime_ns}]
+    names = [s["file"] for s in m["shards"]]
+    assert names == [p.name for p in split_files(out, "val") + split_files(out, "train")]
+    for s in m["shards"]:
+        data = (out / s["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == s["sha256"]
+        assert s["tokens"] == (len(data) - HEADER_BYTES) // 2
+    assert m["totals"]["documents"] == 500
+    assert m["totals"]["tokens"] == sum(s["tokens"] for s in m["shards"]) == len(expected_tokens(paragraphs[:500]))
+
+
+def test_verify_names_corrupted_and_truncated_shards(tmp_path, paragraphs):
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:800])
+    out = tmp_path / "out"
+    run(dict(sources=(str(src),), out=out, shard_tokens=3000, val_tokens=100))
+    assert cli("verify", str(out)).stdout.strip().endswith("OK")
+    corrupt, truncated = out / "train_000001.bin", out / "train_000003.bin"
+    data = bytearray(corrupt.read_bytes())
+    data[HEADER_BYTES + 10] ^= 0x01
+    corrupt.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:-2])
+    proc = cli("verify", str(out), check_rc=1)
+    bad = [line for line in proc.stderr.splitlines() if line.startswith("BAD")]
+    assert len(bad) == 2, proc.stderr
+    assert "train_000001.bin" in bad[0] and "sha256" in bad[0]
+    assert "train_000003.bin" in bad[1] and "truncated" in bad[1]
+    assert "train_000002.bin" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- restart
+
+
+@pytest.fixture(scope="module")
+def kill_corpus(tmp_path_factory, paragraphs) -> tuple[Path, dict[str, bytes], list]:
+    """A corpus of ~40 shards and the bytes of its uninterrupted run."""
+    root = tmp_path_factory.mktemp("kill")
+    src = write_jsonl(root / "c.jsonl", paragraphs[:3000])
+    clean = root / "clean"
+    run(dict(sources=(str(src),), out=clean, shard_tokens=4000, val_tokens=3000, workers=1))
+    manifest = json.loads((clean / "manifest.json").read_text())
+    return src, all_bytes(clean), manifest["shards"]
+
+
+@pytest.mark.parametrize("point", ["shard:3", "manifest:5"])
+def test_resume_after_kill_point_gives_identical_bytes(tmp_path, kill_corpus, point):
+    """kill -9 (SIGKILL to itself) right after a shard file (before its manifest entry) or after both."""
+    src, clean_bytes, clean_shards = kill_corpus
+    out = tmp_path / "out"
+    args = ("--source", str(src), "--out", str(out), "--shard-tokens", "4000", "--val-tokens", "3000",
+            "--workers", "2")
+    killed = cli(*args, env={"DATA_PREP_TEST_KILL": point}, check_rc=None)
+    assert killed.returncode == -signal.SIGKILL
+    listed = json.loads((out / "manifest.json").read_text())["shards"]
+    assert len(listed) == (2 if point == "shard:3" else 5)
+    resumed = cli(*args[:-1], "1")  # resume with another --workers: same job, same bytes
+    assert "resuming" in resumed.stderr
+    assert all_bytes(out) == clean_bytes
+    assert json.loads((out / "manifest.json").read_text())["shards"] == clean_shards
+    assert not list(out.glob("*.tmp"))
+
+
+def test_resume_after_external_kill_9_of_the_process_group(tmp_path, kill_corpus):
+    src, clean_bytes, _ = kill_corpus
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "data_prep", "--no-progress", "--source", str(src), "--out", str(out),
+            "--shard-tokens", "4000", "--val-tokens", "3000", "--workers", "2"]
+    proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "DATA_PREP_TEST_SHARD_SLEEP_S": "0.1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 60
+    try:
+        while time.time() < deadline:
+            try:
+                if len(json.loads((out / "manifest.json").read_text())["shards"]) >= 4:
+                    break
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)  # the parent and its pool workers, as kill -9 of a job would
+    finally:
+        proc.wait(timeout=30)
+    m = json.loads((out / "manifest.json").read_text())
+    assert not m["complete"] and len(m["shards"]) < len(clean_bytes)
+    cli(*args[3:])
+    assert all_bytes(out) == clean_bytes
+
+
+def test_rerun_of_finished_job_does_nothing(tmp_path, paragraphs, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:300])
+    out = tmp_path / "out"
+    args = ("--source", str(src), "--out", str(out), "--shard-tokens", "2000", "--val-tokens", "100", "--workers", "1")
+    assert main_inproc(*args, capsys=capsys)[0] == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    rc, stdout, _ = main_inproc(*args, "--workers", "2", capsys=capsys)  # workers does not change the job
+    assert rc == 0 and "nothing to do" in stdout
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_refuses_output_dir_of_a_different_source_or_setting(tmp_path, paragraphs):
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:100])
+    out = tmp_path / "out"
+    job = dict(sources=(str(src),), out=out, shard_tokens=2000, val_tokens=100)
+    run(job)
+    before = all_bytes(out)
+    with pytest.raises(UserError, match=r"different sources or settings \(shard_tokens 2000 -> 3000\)"):
+        run({**job, "shard_tokens": 3000})
+    with pytest.raises(UserError, match=r"val_tokens 100 -> 200"):
+        run({**job, "val_tokens": 200})
+    write_jsonl(src, paragraphs[:101])
+    with pytest.raises(UserError, match=f"{src.resolve()} changed"):
+        run(job)
+    other = tmp_path / "foreign"
+    other.mkdir()
+    write_shard(other / "train_000000.bin", np.arange(10))
+    with pytest.raises(UserError, match="no manifest.json"):
+        run({**job, "out": other})
+    assert all_bytes(out) == before
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path, paragraphs, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:3000])
+    lines = src.read_text().splitlines()
+    lines[2500] = '{"text": "unterminated'
+    src.write_text("\n".join(lines) + "\n")
+    rc, _, err = main_inproc("--source", str(src), "--out", str(tmp_path / "o1"), "--val-tokens", "0",
+                             "--workers", "1", capsys=capsys)
+    assert rc == 2 and err.startswith(f"error: {src.resolve()}:2501: not valid JSON")
+    lines[2500] = json.dumps({"body": "no text field"})
+    src.write_text("\n".join(lines) + "\n")
+    rc, _, err = main_inproc("--source", str(src), "--out", str(tmp_path / "o2"), "--val-tokens", "0",
+                             "--workers", "1", capsys=capsys)
+    assert rc == 2 and f"{src.resolve()}:2501: record has no 'text' field" in err
+    # A wrong --text-field is caught from the first line, before any tokenizing.
+    rc, _, err = main_inproc("--source", str(src), "--out", str(tmp_path / "o3"), "--text-field", "content",
+                             capsys=capsys)
+    assert rc == 2 and f"{src.resolve()}:1:" in err and "--text-field" in err
+    assert not (tmp_path / "o3").exists() or not list((tmp_path / "o3").glob("*.bin"))
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "unsupported", "one_document", "bad_utf8", "parquet_column",
+                                  "bad_flag"])
+def test_user_errors_are_one_line_exit_2(tmp_path, case, capsys):
+    src = tmp_path / "in"
+    src.mkdir()
+    args = ["--out", str(tmp_path / "out"), "--source"]
+    if case == "missing":
+        args.append(str(tmp_path / "nope.txt"))
+        want = "no such file or directory"
+    elif case == "empty":
+        (src / "a.txt").write_text("")
+        args.append(str(src))
+        want = "empty corpus"
+    elif case == "unsupported":
+        (src / "a.csv").write_text("x")
+        args.append(str(src / "a.csv"))
+        want = "unsupported file type"
+    elif case == "one_document":
+        (src / "a.txt").write_text("hello world " * 100)
+        args.append(str(src / "a.txt"))
+        want = "--txt-sample-by paragraph"
+    elif case == "bad_utf8":
+        (src / "a.txt").write_bytes(b"fine\nalso fine\nbad \xff byte\n")
+        (src / "b.txt").write_text("ok")
+        args.append(str(src))
+        want = f"{(src / 'a.txt').resolve()}:3: byte offset 19 is not valid UTF-8"
+    elif case == "parquet_column":
+        write_parquet(src / "a.parquet", ["x", "y"])
+        args += [str(src / "a.parquet"), "--text-field", "body"]
+        want = "no column 'body'"
+    else:
+        args += [str(src), "--shard-tokens", "0"]
+        want = "--shard-tokens must be in"
+    rc, out, err = main_inproc(*args, capsys=capsys)
+    assert rc == 2 and want in err
+    assert err.startswith("error: ") and err.count("\n") == 1 and not out
+
+
+def test_user_error_through_the_real_command_has_no_traceback(tmp_path):
+    proc = cli("--source", str(tmp_path / "nope"), "--out", str(tmp_path / "out"), check_rc=2)
+    assert proc.stderr == f"error: --source {tmp_path / 'nope'}: no such file or directory\n"
+
+
+def test_decode_error_skip_and_replace(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.txt").write_text("first document")
+    (src / "b.txt").write_bytes(b"caf\xe9 latin-1 here")
+    (src / "c.txt").write_text("third document")
+    out = tmp_path / "skip"
+    run(dict(sources=(str(src),), out=out, val_tokens=0, on_decode_error="skip"))
+    np.testing.assert_array_equal(split_tokens(out, "train"), expected_tokens(["first document", "third document"]))
+    assert json.loads((out / "manifest.json").read_text())["skipped_files"] == [str((src / "b.txt").resolve())]
+    out = tmp_path / "replace"
+    run(dict(sources=(str(src),), out=out, val_tokens=0, on_decode_error="replace"))
+    np.testing.assert_array_equal(split_tokens(out, "train"),
+                                  expected_tokens(["first document", "caf\ufffd latin-1 here", "third document"]))
+
+
+def test_token_ids_beyond_uint16_are_rejected(monkeypatch):
+    import data_prep.encode as encode
+
+    class HugeVocab:
+        def encode_ordinary(self, text):
+            return [70_000]
+
+    monkeypatch.setattr(encode, "_encoding", HugeVocab())
+    with pytest.raises(UserError, match="does not fit in uint16"):
+        encode.encode_pieces((["x"], [True]))
+
+
+# ---------------------------------------------------------------------------------------------- HF path
+
+
+@pytest.mark.parametrize("builder", ["json", "parquet"])
+def test_hf_dataset_streaming_path_with_local_files(tmp_path, paragraphs, builder, capsys):
+    docs = paragraphs[:200]
+    src = write_jsonl(tmp_path / "c.jsonl", docs) if builder == "json" else write_parquet(tmp_path / "c.parquet", docs)
+    out = tmp_path / "out"
+    rc, stdout, _ = main_inproc("--hf-dataset", builder, "--hf-data-files", str(src), "--hf-split", "train",
+                                "--out", str(out), "--shard-tokens", "3000", "--val-tokens", "500", "--workers", "1",
+                                capsys=capsys)
+    assert rc == 0 and "documents 200" in stdout
+    got = np.concatenate([split_tokens(out, "val"), split_tokens(out, "train")])
+    np.testing.assert_array_equal(got, expected_tokens(docs))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["sources"]["hf_dataset"] == builder and m["val_tokens_rule"] == "--val-tokens"
+    rc, _, err = main_inproc("--hf-dataset", builder, "--hf-data-files", str(src), "--out", str(tmp_path / "o2"),
+                             "--text-field", "body", capsys=capsys)
+    assert rc == 2 and "no column 'body'" in err
+
+
+# ---------------------------------------------------------------------------------------------- format, internals
+
+
+def test_shards_interoperate_with_an_independent_llmc_style_writer(tmp_path, paragraphs):
+    # llm.c / modded-nanogpt write: np.int32 header [20240520, 1, n, 0...] then uint16 tokens.
+    tokens = expected_tokens(paragraphs[:50])
+    theirs = tmp_path / "theirs.bin"
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = 20240520, 1, len(tokens)
+    with open(theirs, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.tobytes())
+    np.testing.assert_array_equal(load_tokens(theirs), tokens)
+    # ...and modded-nanogpt's reader (torch.from_file-style: header ints, then uint16 after 1024 bytes).
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:50])
+    out = tmp_path / "out"
+    run(dict(sources=(str(src),), out=out, val_tokens=0))
+    ours = out / "train_000000.bin"
+    head = np.fromfile(ours, dtype=np.int32, count=256)
+    assert head[0] == 20240520 and head[1] == 1 and head[2] == len(tokens) and not head[3:].any()
+    body = np.fromfile(ours, dtype=np.uint16, offset=256 * 4)
+    np.testing.assert_array_equal(body, tokens)
+    assert ours.read_bytes() == theirs.read_bytes()
+
+
+def test_split_text_pieces_tokenize_like_the_whole(shakespeare_path):
+    enc = get_encoding()
+    text = shakespeare_path.read_text()[:200_000]
+    full = enc.encode_ordinary(text)
+    for max_chars in (40, 333, 5000):
+        pieces = split_text(text, max_chars)
+        assert "".join(pieces) == text and len(pieces) > len(text) // max_chars // 2
+        assert [t for p in pieces for t in enc.encode_ordinary(p)] == full
+    rng = random.Random(0)
+    alphabet = list("ab c\n\t  .,'s1\u00a0\u3000\x1c\u2028é漢🙂'll  \r")
+    for _ in range(500):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 120)))
+        pieces = split_text(s, rng.randint(2, 20))
+        assert [t for p in pieces for t in enc.encode_ordinary(p)] == enc.encode_ordinary(s), repr(s)
+
+
+def test_encode_batches_keeps_order_and_reads_input_lazily():
+    pulled = []
+
+    def batches():
+        for i in range(40):
+            pulled.append(i)
+            b = Batch()
+            b.add(f"batch number {i} " * (1 + i % 7), i, True, True)
+            yield b
+
+    workers = 2
+    out = encode_batches(batches(), workers)
+    first = next(out)
+    # Bounded in flight: the window, not the whole input, was read before the first result.
+    assert len(pulled) <= workers * IN_FLIGHT_PER_WORKER + 1
+    results = [first] + list(out)
+    assert [b.records[0] for b, _, _ in results] == list(range(40))
+    for b, tokens, counts in results:
+        np.testing.assert_array_equal(tokens, expected_tokens(b.texts))
+        assert counts.tolist() == [len(tokens)]
