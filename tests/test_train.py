@@ -1,0 +1,95 @@
+"""End-to-end trainer tests through real processes: `python train_ddp.py` and `torchrun` (gloo)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL_FLAGS, run_trainer
+from gpt2.metrics import read_metrics
+
+FP32 = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0", "--plot", "false"]
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def val_losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r}
+
+
+def check(run):
+    assert run.returncode == 0, f"exit {run.returncode}\nstdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-3000:]}"
+
+
+def test_two_ranks_equal_one_rank_with_accumulation(tmp_path, shakespeare_shards):
+    """2 ranks x micro-batch 4 == 1 rank x 2 accumulation steps x micro-batch 4, same global batch."""
+    common = [*TINY_MODEL_FLAGS, *FP32, "--data-dir", str(shakespeare_shards), "--micro-batch-size", "4",
+              "--total-batch-size", "512", "--max-steps", "10", "--warmup-steps", "3", "--lr", "3e-3",
+              "--eval-interval", "0", "--eval-tokens", "2048", "--ckpt-interval", "0", "--log-interval", "1"]
+    two = run_trainer([*common, "--out-dir", str(tmp_path / "two")], nproc=2)
+    check(two)
+    one = run_trainer([*common, "--out-dir", str(tmp_path / "one")], nproc=1)
+    check(one)
+    a, b = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
+    assert sorted(a) == sorted(b) == list(range(1, 11))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], abs=1e-5), (step, a[step], b[step])
+    assert a[10] < a[1]  # it did learn something, so equality is not trivial
+    info = json.loads((tmp_path / "one" / "config.json").read_text())
+    assert info["accum_steps"] == 2 and info["world_size"] == 1
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["accum_steps"] == 1
+    ua, ub = val_losses(tmp_path / "two"), val_losses(tmp_path / "one")
+    assert ua[10] == pytest.approx(ub[10], abs=1e-5)  # validation is averaged across ranks exactly
+
+
+def test_torchrun_training_on_shakespeare_lowers_validation_loss(tmp_path, shakespeare_shards):
+    run_dir = tmp_path / "run"
+    run = run_trainer([*TINY_MODEL_FLAGS, *FP32[:-2], "--data-dir", str(shakespeare_shards), "--out-dir",
+                       str(run_dir), "--micro-batch-size", "8", "--total-batch-size", "2048", "--max-steps", "30",
+                       "--warmup-steps", "5", "--lr", "3e-3", "--eval-interval", "15", "--eval-tokens", "4096",
+                       "--sample-interval", "30", "--log-interval", "5", "--ckpt-interval", "0"], nproc=2)
+    check(run)
+    val = val_losses(run_dir)
+    assert sorted(val) == [0, 15, 30]
+    assert val[0] == pytest.approx(math.log(50257), abs=0.3)
+    assert val[30] < val[15] < val[0] - 2.0
+    recs = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in steps] == [5, 10, 15, 20, 25, 30]
+    for r in steps:
+        assert {"step", "loss", "lr", "grad_norm", "tokens", "step_s", "tok_per_s", "mfu"} <= set(r)
+        assert r["tokens"] == r["step"] * 2048
+    samples = [r["sample"] for r in recs if "sample" in r]
+    assert len(samples) == 1 and len(samples[0]) > 0
+    assert "sample at step 30" in run.stdout
+    assert (run_dir / "loss_curve.png").stat().st_size > 1000
+    assert (run_dir / "checkpoints" / "latest").is_file()  # always a final checkpoint
+    # rank 0 alone logs: one line per logged step, not one per rank
+    assert run.stdout.count("step     30/30") == 1
+
+
+def test_compiled_bf16_run_logs_sane_numbers(tmp_path, shakespeare_shards):
+    run_dir = tmp_path / "run"
+    run = run_trainer([*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "bfloat16", "--compile", "true",
+                       "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir), "--micro-batch-size", "4",
+                       "--total-batch-size", "512", "--max-steps", "6", "--warmup-steps", "2", "--lr", "3e-3",
+                       "--eval-interval", "0", "--eval-tokens", "1024", "--sample-interval", "0", "--log-interval", "1",
+                       "--ckpt-interval", "0", "--plot", "false"], nproc=1)
+    check(run)
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert len(steps) == 6
+    for r in steps:
+        assert math.isfinite(r["loss"]) and 0 < r["loss"] < 11.5
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+        assert r["tok_per_s"] > 0 and 0 < r["mfu"] < 1 and r["mem_mb"] > 0
+        assert not r["skipped"]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    info = json.loads((run_dir / "config.json").read_text())
+    assert info["config"]["train"]["compile"] is True and info["config"]["train"]["dtype"] == "bfloat16"
+    assert info["versions"]["torch"] == torch.__version__
+    # the checkpoint of a compiled model has no _orig_mod. prefix
+    state = torch.load(run_dir / "checkpoints" / "step_00000006.pt", map_location="cpu", weights_only=True)
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in state["model"])
