@@ -249,9 +249,10 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
     layer_norm = 4 * h + 8
     mlp = s * h + s * 4 * h + s * 4 * h  # inputs of c_fc, GELU, c_proj
     if flash:
-        # SDPA saves the (views of the) c_attn output as q, k, v, its own output and a
-        # log-sum-exp per head; c_proj's input is a second, contiguous copy of that output.
-        attn = s * h + s * qkv_out + s * h + 4 * nh + s * h
+        # SDPA saves the (views of the) c_attn output as q, k, v, its output and a log-sum-exp
+        # per head. Fused kernels write the output as (B, T, nh, hd), so the .contiguous() before
+        # c_proj is free and c_proj saves that same storage.
+        attn = s * h + s * qkv_out + s * h + 4 * nh
         per_layer_mask = 0
     else:
         # explicit_attention saves contiguous q, k (k expanded to n_head under GQA), v and the
@@ -261,9 +262,22 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
         probs = 6 if (dtype == "bf16" and device_type == "cuda") else s
         attn = s * h + 3 * s * h + probs * nh * T + s * h
         per_layer_mask = T * T  # the boolean causal mask, built per layer
-    dropout = (3 * h if cfg.dropout > 0 else 0)  # two residual dropout masks + embedding's, 1 byte
+    # Dropout (0 in pretraining): CUDA saves a 1-byte boolean mask per element; CPU saves a mask
+    # in the input's dtype. Explicit attention also saves the dropped probabilities. Fused SDPA
+    # on CUDA regenerates its mask from the RNG state; on CPU it falls back to the math kernel,
+    # which keeps about 12 bytes per attention element and, under autocast, another copy of
+    # q, k, v (measured with saved_tensors_hooks).
+    dropout = 0
+    if cfg.dropout > 0:
+        cuda = device_type == "cuda"
+        dropout = 2 * h * (1 if cuda else s)
+        if not flash:
+            dropout += nh * T * ((1 if cuda else s) + s)
+        elif not cuda:
+            dropout += nh * T * 12 + (3 * s * h if dtype == "bf16" else 0)
     per_token_layer = 2 * layer_norm + attn + mlp + dropout
     per_token_rest = 8 + 8 + layer_norm + s * h  # token ids, targets, ln_f, LM-head input
+    per_token_rest += (h if device_type == "cuda" else 4 * h) if cfg.dropout > 0 else 0  # embedding's
     return batch * T * (L * per_token_layer + per_token_rest) + L * per_layer_mask
 
 
@@ -279,6 +293,40 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
     per_seq = m2.total - m1.total
     fixed = m1.total - per_seq
     return max(0, (usable - fixed) // per_seq)
+
+
+def measured_peak_bytes(fn, device: torch.device | str) -> int:
+    """Peak bytes allocated while fn() runs, above what was allocated when it started.
+
+    CUDA: the caching allocator's max_memory_allocated. CPU: the CPU allocator's own allocation
+    and free events as torch.profiler records them (profile_memory=True), replayed in time order:
+    real tensors and workspaces, transients included, unlike RSS (which also moves with glibc's
+    caching and page faults) or the tensors saved for backward (which miss the transients).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak
 
 
 def check_fits(p: Plan) -> None:
