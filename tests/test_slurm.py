@@ -1,4 +1,5 @@
-"""slurm/*.sbatch on a real one-node SLURM (brought up by tests/slurm/setup_local_slurm.sh).
+"""slurm/: the shell logic on its own (fast, no SLURM), then the sbatch files on a real one-node SLURM
+brought up by tests/slurm/setup_local_slurm.sh (marker `slurm`).
 
 The jobs submit the very files users submit; only sbatch options (no GPU request, 2 CPUs, a log
 directory, a time limit) and environment variables (GPUS_PER_NODE, OUT_ROOT) differ. The model is
@@ -19,8 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slurm
-
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / "tests" / "slurm" / "setup_local_slurm.sh"
 SKIP_STATUS = 77  # setup_local_slurm.sh: this machine cannot host SLURM (not root, apt cannot install)
@@ -30,12 +29,109 @@ STOP_AFTER_STEP = 5  # signal the job once this step is logged, well before MAX_
 # 128 tokens per step, one micro-step. No periodic checkpoint: a mid-run one can only be the stop's.
 TRAINER_ARGS = ["--preset", "debug", "--device", "cpu", "--compile", "false",
                 "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
-                "--micro-batch-size", "2", "--total-batch-size", "128", "--max-steps", str(MAX_STEPS),
-                "--log-interval", "1", "--eval-interval", "0", "--eval-tokens", "256",
+                "--micro-batch-size", "2", "--total-batch-size", "128", "--log-interval", "1", "--eval-interval", "0", "--eval-tokens", "256",
                 "--sample-interval", "0", "--ckpt-interval", "0", "--plot", "false"]
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
+
+# ---------------------------------------------------------------- slurm/common.sh without SLURM
+
+GPU_VARS = ("GPUS_PER_NODE", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
+
+
+def run_common(script: str, env: dict[str, str] | None = None, path_prefix: Path | None = None):
+    """Run bash with slurm/common.sh sourced, in a clean SLURM-free environment plus `env`."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in GPU_VARS}
+    # torchrun from the interpreter running the tests, whether or not its venv is activated.
+    base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
+    if path_prefix:
+        base["PATH"] = f"{path_prefix}{os.pathsep}{base['PATH']}"
+    return subprocess.run(["bash", "-c", f"source {REPO}/slurm/common.sh\n{script}"],
+                          env={**base, **(env or {})}, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"GPUS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "8"}, "2"),   # the environment wins (CPU nodes, tests)
+    ({"SLURM_GPUS_ON_NODE": "4"}, "4"),                        # else what SLURM allocated
+    ({"SLURM_GPUS_PER_NODE": "a100:8"}, "8"),                  # typed --gpus-per-node=a100:8
+])
+def test_gpus_per_node_comes_from_env_or_allocation(env, expected):
+    r = run_common("gpt2_gpus_per_node", env)
+    assert (r.returncode, r.stdout.strip()) == (0, expected), r.stderr
+
+
+def test_gpus_per_node_without_gpus_names_the_fix():
+    r = run_common("gpt2_gpus_per_node", {"SLURM_GPUS_PER_NODE": "0"})
+    assert r.returncode == 2
+    assert "GPUS_PER_NODE=N" in r.stderr and "--gpus-per-node" in r.stderr
+
+
+def test_prepare_refuses_out_dir_flag_because_requeues_must_find_the_run():
+    r = run_common("gpt2_prepare --preset debug --out-dir elsewhere", {"GPUS_PER_NODE": "1"})
+    assert r.returncode == 2 and "set OUT_DIR=" in r.stderr
+
+
+def test_prepare_derives_out_dir_threads_and_resume_on_restart(tmp_path):
+    env = {"REPO_DIR": str(REPO), "GPUS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "6", "OUT_ROOT": str(tmp_path),
+           "SLURM_JOB_NAME": "exp", "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}
+    r = run_common('unset OMP_NUM_THREADS; gpt2_prepare --resume never --lr 1e-3 >/dev/null\n'
+                   'echo "$OUT_DIR|$OMP_NUM_THREADS|${TRAIN_ARGS[*]}"', env)
+    assert r.returncode == 0, r.stderr
+    out_dir, threads, args = r.stdout.strip().split("|")
+    assert out_dir == f"{tmp_path}/exp-77" and Path(out_dir).is_dir()
+    assert threads == "3"  # 6 CPUs / 2 processes
+    # A requeued run resumes from its own checkpoints whatever the first run was told (last flag wins).
+    assert args == f"--out-dir {tmp_path}/exp-77 --num-threads 3 --resume never --lr 1e-3 --resume auto"
+
+
+CHILD = """
+import signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+print("usr1 ignored:", signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN, flush=True)
+end = time.monotonic() + 20
+while not got and time.monotonic() < end:
+    time.sleep(0.02)
+time.sleep(1.0)  # a second SIGTERM would arrive in this window
+print("sigterms:", len(got), flush=True)
+sys.exit(3)
+"""
+
+
+def test_usr1_reaches_the_launcher_once_as_sigterm_and_is_remembered(tmp_path):
+    """Two USR1 and a TERM to the batch shell: torchrun (here a stand-in) must get exactly one SIGTERM
+    (a second one aborts torchrun's graceful shutdown) and must run with USR1 ignored."""
+    (tmp_path / "child.py").write_text(CHILD)
+    r = run_common(f"""
+        ( sleep 1; kill -USR1 $$; sleep 0.2; kill -USR1 $$; sleep 0.2; kill -TERM $$ ) &
+        gpt2_run_forwarding TERM {sys.executable} {tmp_path}/child.py
+        echo "rc=$? usr1=$GPT2_GOT_USR1 term=$GPT2_GOT_TERM"
+    """)
+    assert "usr1 ignored: True" in r.stdout, r.stdout + r.stderr
+    assert "sigterms: 1" in r.stdout, r.stdout + r.stderr
+    assert "rc=3 usr1=1 term=1" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("usr1, term, rc, requeued, exit_status", [
+    ("1", "", 1, True, 0),     # USR1 and the trainer stopped (torchrun reports 1): requeue
+    ("1", "", 0, False, 0),    # USR1 but training had finished: nothing to resume
+    ("", "1", 1, False, 1),    # SIGTERM alone (scancel, preemption): SLURM decides, no requeue
+    ("", "", 1, False, 1),     # a crash: never requeued (it would crash again)
+])
+def test_finish_requeues_only_a_run_stopped_by_usr1(tmp_path, usr1, term, rc, requeued, exit_status):
+    calls = tmp_path / "calls"
+    stub = tmp_path / "bin" / "scontrol"  # records its arguments instead of talking to SLURM
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/bash\necho "$@" >> {calls}\n')
+    stub.chmod(0o755)
+    r = run_common(f"OUT_DIR={tmp_path}; GPT2_GOT_USR1={usr1}; GPT2_GOT_TERM={term}; gpt2_finish {rc}",
+                   {"SLURM_JOB_ID": "42"}, path_prefix=stub.parent)
+    assert r.returncode == exit_status, r.stdout + r.stderr
+    assert (calls.read_text() if calls.exists() else "") == ("requeue 42\n" if requeued else "")
+
+
+# ---------------------------------------------------------------- the sbatch files on a real SLURM
 
 @pytest.fixture(scope="module")
 def slurm() -> None:
@@ -65,17 +161,31 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("slurm_jobs")
 
 
-def submit(script: str, work: Path, data_dir: Path, *, gpus_per_node: int, sbatch_opts=()) -> str:
+SUBMITTED: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cancel_leftover_jobs():
+    """A failed test must not leave its job holding the node's two CPUs for the next one."""
+    yield
+    if SUBMITTED:
+        subprocess.run(["scancel", *SUBMITTED], capture_output=True, timeout=30)
+
+
+def submit(script: str, work: Path, data_dir: Path, *, gpus_per_node: int, sbatch_opts=(),
+           max_steps: int = MAX_STEPS) -> str:
     env = dict(os.environ)
     # torchrun from the interpreter running the tests, whether or not its venv is activated.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(GPUS_PER_NODE=str(gpus_per_node), OUT_ROOT=str(work))
     cmd = ["sbatch", "--parsable", "--partition=local", "--time=10", "--gpus-per-node=0",
            f"--output={work}/%x-%j.out", *sbatch_opts,
-           str(REPO / "slurm" / script), "--data-dir", str(data_dir), *TRAINER_ARGS]
+           str(REPO / "slurm" / script), "--data-dir", str(data_dir), *TRAINER_ARGS, "--max-steps", str(max_steps)]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"sbatch failed: {r.stderr}"
-    return r.stdout.strip().split(";")[0]
+    job = r.stdout.strip().split(";")[0]
+    SUBMITTED.append(job)
+    return job
 
 
 def job_info(job: str) -> dict[str, str]:
@@ -130,10 +240,10 @@ def signal_when_training(job: str, run: Path, work: Path, timeout_s: float = 180
     assert r.returncode == 0, r.stderr
 
 
-def assert_finished(info: dict[str, str], run: Path, log: str) -> None:
+def assert_finished(info: dict[str, str], run: Path, log: str, max_steps: int = MAX_STEPS) -> None:
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log}"
     latest = (run / "checkpoints" / "latest").read_text().strip()
-    assert latest == f"step_{MAX_STEPS:08d}.pt", log
+    assert latest == f"step_{max_steps:08d}.pt", log
     assert (run / "checkpoints" / latest).is_file()
 
 
@@ -160,6 +270,7 @@ def uninterrupted(slurm, work, data_dir) -> dict:
     return dict(info=info, run=run, losses=step_losses(run), log=job_log(work, job))
 
 
+@pytest.mark.slurm
 def test_train_1node_trains_through_torchrun_and_checkpoints(uninterrupted):
     info, run, losses, log = (uninterrupted[k] for k in ("info", "run", "losses", "log"))
     assert "1 node(s) x 2 process(es)" in log, log
@@ -172,6 +283,7 @@ def test_train_1node_trains_through_torchrun_and_checkpoints(uninterrupted):
     assert np.mean([losses[s] for s in range(MAX_STEPS - 4, MAX_STEPS + 1)]) < losses[1] - 0.3, losses
 
 
+@pytest.mark.slurm
 def test_train_1node_usr1_checkpoints_requeues_and_resumes_exactly(uninterrupted, work, data_dir):
     reference = uninterrupted["losses"]
     job = submit("train_1node.sbatch", work, data_dir, gpus_per_node=2, sbatch_opts=["--cpus-per-task=2"])
@@ -186,6 +298,7 @@ def test_train_1node_usr1_checkpoints_requeues_and_resumes_exactly(uninterrupted
     assert step_losses(run) == reference, "a stop, requeue and resume must not change a single loss"
 
 
+@pytest.mark.slurm
 def test_train_multinode_two_agents_rendezvous_and_resume_exactly(uninterrupted, work, data_dir):
     """Two torchrun agents (srun tasks) on one node meet through the c10d rendezvous: world size 2,
     one rank each. USR1 goes batch shell -> srun -> each task's torchrun -> workers."""
@@ -202,3 +315,15 @@ def test_train_multinode_two_agents_rendezvous_and_resume_exactly(uninterrupted,
     assert_stopped_and_resumed(info, run, log)
     # Same world size and global batch as the one-node reference: the same losses, bit for bit.
     assert step_losses(run) == reference
+
+
+@pytest.mark.slurm
+def test_debug_1gpu_runs_the_debug_preset_on_one_process(slurm, work, data_dir):
+    job = submit("debug_1gpu.sbatch", work, data_dir, gpus_per_node=1, sbatch_opts=["--cpus-per-task=1"],
+                 max_steps=3)
+    info = wait_for_job(job, work)
+    run = work / f"gpt2-debug-{job}"
+    log = job_log(work, job)
+    assert_finished(info, run, log, max_steps=3)
+    assert "1 node(s) x 1 process(es)" in log and "world size 1" in log, log
+    assert sorted(step_losses(run)) == [1, 2, 3]
