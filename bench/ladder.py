@@ -1,0 +1,363 @@
+"""The acceleration ladder: one switch at a time, from plain fp32 to the fast configuration.
+
+    python bench/ladder.py                                   # CPU: a few minutes
+    python bench/ladder.py --preset gpt2 --block-size 1024   # a GPU
+
+Each rung keeps every switch of the rung before it and adds one:
+  base     fp32, eager, explicit masked attention (softmax(QK^T)V), vocab 50257
+  tf32     TF32 tensor-core matmuls for fp32 (CUDA only; shown as n/a on a CPU)
+  bf16     bf16 autocast
+  compile  torch.compile
+  flash    fused SDPA with is_causal (flash / memory-efficient kernels)
+  vocab    vocab padded to 50304 (a multiple of 128)
+A rung is a whole training step (forward, loss, backward, AdamW) on random tokens, timed after
+warm-up (compilation happens there) as the median of --steps steps. Then the attention kernels
+alone: explicit mask vs SDPA with attn_mask vs SDPA is_causal, forward+backward, with a check that
+their outputs and gradients agree. Prints Markdown tables; writes a PNG bar chart to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gpt2.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, model_preset
+from gpt2.flops import device_peak_flops, flops_per_token, param_count
+from gpt2.model import GPT, causal_mask, explicit_attention
+from gpt2.optim import param_groups
+from gpt2.plan import measured_peak_bytes
+
+# build-nanogpt's A100 measurements (GPT-2 124M, B=16, T=1024), as quoted in the issue.
+DOC_A100_TOKENS_PER_S = {"base": 16_000, "tf32": 49_000, "bf16": 54_500, "compile": 126_000,
+                         "flash": 170_000, "vocab": 175_000}
+DOC_A100_ATTENTION_MS = {"explicit": 154, "sdpa_mask": 147, "sdpa": 130}  # ms per batch, whole model
+CPU_SHAPE = dict(n_layer=4, n_head=6, n_embd=384, block_size=256)
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    switch: str
+    tf32: bool
+    bf16: bool
+    compile: bool
+    attn_impl: str
+    vocab_size: int
+
+
+LADDER = (
+    Rung("base", "fp32, eager, explicit attention, vocab 50257", False, False, False, "explicit", GPT2_VOCAB_SIZE),
+    Rung("tf32", "+ TF32 matmuls", True, False, False, "explicit", GPT2_VOCAB_SIZE),
+    Rung("bf16", "+ bf16 autocast", True, True, False, "explicit", GPT2_VOCAB_SIZE),
+    Rung("compile", "+ torch.compile", True, True, True, "explicit", GPT2_VOCAB_SIZE),
+    Rung("flash", "+ SDPA is_causal (flash)", True, True, True, "sdpa", GPT2_VOCAB_SIZE),
+    Rung("vocab", "+ vocab 50304", True, True, True, "sdpa", PADDED_VOCAB_SIZE),
+)
+
+
+@dataclass(frozen=True)
+class RungResult:
+    rung: Rung
+    ms_per_step: float | None = None
+    """None when the rung does not apply to the device."""
+    tokens_per_s: float | None = None
+    mfu_bf16: float | None = None
+    """Against the bf16 peak, for every rung: one yardstick for the whole ladder."""
+    mfu_own: float | None = None
+    """Against the peak of the rung's own matmul dtype (fp32, TF32 or bf16)."""
+    own_peak_name: str = ""
+    peak_memory_bytes: int | None = None
+    first_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class AttentionResult:
+    impl: str
+    dtype: torch.dtype
+    ms: float
+    max_diff: float
+    """Largest |difference| from the explicit kernel over the output and the q, k, v gradients."""
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def matmul_precision(tf32: bool):
+    """TF32 for fp32 matmuls on CUDA inside the block; restored afterwards."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def run_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.device, *, steps: int,
+             warmup: int, peaks: dict[str, float]) -> RungResult:
+    """Time one rung's full training step; n/a for TF32 off CUDA."""
+    if rung.name == "tf32" and device.type != "cuda":
+        return RungResult(rung)
+    cfg = shape.replace(attn_impl=rung.attn_impl, vocab_size=rung.vocab_size)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95),
+                            fused=True if device.type == "cuda" else None)
+    forward = torch.compile(model) if rung.compile else model
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, GPT2_VOCAB_SIZE, (2, batch, cfg.block_size), generator=gen).to(device)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if rung.bf16 else contextlib.nullcontext())
+
+    def step() -> float:
+        with autocast:
+            _, loss = forward(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    with matmul_precision(rung.tf32):
+        first_loss = step()
+        for _ in range(max(warmup - 1, 1 if rung.compile else 0)):
+            step()
+        times = []
+        for _ in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        state = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+            t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+            if isinstance(t, torch.Tensor))
+        peak_memory = state + measured_peak_bytes(step, device)
+    if rung.compile:
+        torch._dynamo.reset()  # free the compiled graphs before the next rung
+    seconds = statistics.median(times)
+    tokens_per_s = batch * cfg.block_size / seconds
+    own = "bf16" if rung.bf16 else ("tf32" if rung.tf32 and device.type == "cuda" else "fp32")
+    achieved = tokens_per_s * flops_per_token(cfg)
+    return RungResult(rung, ms_per_step=seconds * 1e3, tokens_per_s=tokens_per_s,
+                      mfu_bf16=achieved / peaks["bf16"], mfu_own=achieved / peaks[own], own_peak_name=own,
+                      peak_memory_bytes=peak_memory, first_loss=first_loss)
+
+
+def attend(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The model's three attention paths, on (B, nh, T, hd) tensors, mask built as the model does."""
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = causal_mask(q.size(2), k.size(2), q.device)
+    if impl == "explicit":
+        return explicit_attention(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def run_attention(cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, *,
+                  repeats: int) -> list[AttentionResult]:
+    """ms per forward+backward of attention alone, and agreement with the explicit kernel."""
+    gen = torch.Generator().manual_seed(2)
+    shape = (batch, cfg.n_head, cfg.block_size, cfg.head_dim)
+    base = [torch.randn(shape, generator=gen).to(device, dtype) for _ in range(3)]
+    grad_out = torch.randn(shape, generator=gen).to(device, dtype)
+    outputs, results = {}, []
+    for impl in ("explicit", "sdpa_mask", "sdpa"):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+
+        def fwd_bwd():
+            out = attend(impl, q, k, v)
+            out.backward(grad_out)
+            return out
+
+        fwd_bwd()
+        times = []
+        for _ in range(repeats):
+            q.grad = k.grad = v.grad = None
+            sync(device)
+            t0 = time.perf_counter()
+            out = fwd_bwd()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        outputs[impl] = [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+        diff = max((a - b).abs().max().item() for a, b in zip(outputs[impl], outputs["explicit"]))
+        results.append(AttentionResult(impl, dtype, statistics.median(times) * 1e3, diff))
+    return results
+
+
+def attention_tolerance(dtype: torch.dtype) -> float:
+    # bf16 keeps 8 mantissa bits: kernels that round in different places differ by ~1e-2.
+    return 5e-2 if dtype == torch.bfloat16 else 1e-4
+
+
+def _fmt(x: float | None, spec: str, none: str = "n/a") -> str:
+    return none if x is None else format(x, spec)
+
+
+def ladder_table(results: list[RungResult], device: torch.device) -> str:
+    rows = ["| rung | switch | ms/step | tokens/s | MFU vs bf16 peak | MFU vs own dtype peak | peak memory MiB "
+            "| x base | x previous | loss (step 1) | A100 (docs) tokens/s | A100 x previous |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = next((r.tokens_per_s for r in results if r.tokens_per_s), None)
+    prev = None
+    doc_prev = None
+    for r in results:
+        doc = DOC_A100_TOKENS_PER_S[r.rung.name]
+        doc_x = f"{doc / doc_prev:.2f}" if doc_prev else "1.00"
+        doc_prev = doc
+        if r.tokens_per_s is None:
+            note = "n/a (CUDA only)" if r.rung.name == "tf32" else "n/a"
+            rows.append(f"| {r.rung.name} | {r.rung.switch} | {note} | | | | | | | | {doc:,} | {doc_x} |")
+            continue
+        x_prev = f"{r.tokens_per_s / prev:.2f}" if prev else "1.00"
+        prev = r.tokens_per_s
+        rows.append(
+            f"| {r.rung.name} | {r.rung.switch} | {r.ms_per_step:.0f} | {r.tokens_per_s:,.0f} | "
+            f"{r.mfu_bf16:.1%} | {r.mfu_own:.1%} ({r.own_peak_name}) | {r.peak_memory_bytes / 2**20:,.0f} | "
+            f"{r.tokens_per_s / base:.2f} | {x_prev} | {r.first_loss:.4f} | {doc:,} | {doc_x} |")
+    if device.type != "cuda":
+        rows.append("\nOn a CPU the TF32 rung is skipped, so the bf16 rung's \"x previous\" is against base.")
+    return "\n".join(rows)
+
+
+def attention_table(results: list[AttentionResult]) -> str:
+    rows = ["| kernel | dtype | ms fwd+bwd | x explicit | max abs diff vs explicit | agrees | "
+            "A100 (docs) ms/batch, whole model |",
+            "|---|---|---:|---:|---:|---|---:|"]
+    explicit = {r.dtype: r.ms for r in results if r.impl == "explicit"}
+    names = {"explicit": "explicit mask", "sdpa_mask": "SDPA attn_mask", "sdpa": "SDPA is_causal"}
+    for r in results:
+        ok = "yes" if r.max_diff <= attention_tolerance(r.dtype) else "NO"
+        rows.append(f"| {names[r.impl]} | {str(r.dtype).removeprefix('torch.')} | {r.ms:.2f} | "
+                    f"{explicit[r.dtype] / r.ms:.2f} | {r.max_diff:.1e} | {ok} | {DOC_A100_ATTENTION_MS[r.impl]} |")
+    return "\n".join(rows)
+
+
+def write_chart(results: list[RungResult], attention: list[AttentionResult], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw=dict(width_ratios=[3, 2]))
+    names = [r.rung.name for r in results]
+    values = [r.tokens_per_s or 0 for r in results]
+    bars = ax1.bar(names, values, color=["#bbbbbb" if v == 0 else "#3b75af" for v in values])
+    base = next((v for v in values if v), 1.0)
+    for bar, v in zip(bars, values):
+        label = f"{v / base:.2f}x" if v else "n/a"
+        ax1.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax1.set_ylabel("tokens/s")
+    ax1.set_title("training step, one switch per rung")
+    dtypes = sorted({r.dtype for r in attention}, key=str)
+    impls = ["explicit", "sdpa_mask", "sdpa"]
+    width = 0.8 / len(dtypes)
+    for i, dt in enumerate(dtypes):
+        ms = [next(r.ms for r in attention if r.impl == impl and r.dtype == dt) for impl in impls]
+        ax2.bar([j + i * width for j in range(len(impls))], ms, width, label=str(dt).removeprefix("torch."))
+    ax2.set_xticks([j + width * (len(dtypes) - 1) / 2 for j in range(len(impls))], impls)
+    ax2.set_ylabel("ms per forward+backward")
+    ax2.set_title("attention kernels")
+    ax2.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def model_shape(args: argparse.Namespace, device: torch.device) -> ModelConfig:
+    base = dict(MODEL_PRESETS[args.preset]) if args.preset else dict(CPU_SHAPE)
+    for name in ("n_layer", "n_head", "n_embd", "block_size"):
+        if getattr(args, name) is not None:
+            base[name] = getattr(args, name)
+    return ModelConfig(**base)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="CPU default shape: " + ", ".join(f"{k}={v}" for k, v in CPU_SHAPE.items()))
+    ap.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="model shape (default: a small CPU shape)")
+    ap.add_argument("--n-layer", type=int)
+    ap.add_argument("--n-head", type=int)
+    ap.add_argument("--n-embd", type=int)
+    ap.add_argument("--block-size", type=int)
+    ap.add_argument("--micro-batch-size", type=int, help="default 4 on CPU, 16 on CUDA")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per rung (median)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per rung first")
+    ap.add_argument("--rungs", default=",".join(r.name for r in LADDER), help="comma-separated subset")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads for a CPU run")
+    ap.add_argument("--out", type=Path, default=Path("ladder.png"), help="bar chart PNG")
+    ap.add_argument("--md", type=Path, help="also write the Markdown report here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    wanted = args.rungs.split(",")
+    unknown = sorted(set(wanted) - {r.name for r in LADDER})
+    if unknown:
+        print(f"error: unknown rung(s) {unknown}; choose from {[r.name for r in LADDER]}", file=sys.stderr)
+        return 2
+    try:
+        shape = model_shape(args, device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    batch = args.micro_batch_size or (16 if device.type == "cuda" else 4)
+    peaks = {"bf16": device_peak_flops(device, torch.bfloat16),
+             "fp32": device_peak_flops(device, torch.float32, tf32=False)}
+    if device.type == "cuda":
+        peaks["tf32"] = device_peak_flops(device, torch.float32, tf32=True)
+    command = "python bench/ladder.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if device.type == "cuda":
+        where, peak_source = torch.cuda.get_device_name(device), "data sheet, or measured if the GPU is unlisted"
+    else:
+        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        peak_source = "measured: best 2048^3 matmul"
+    header = [
+        f"command: `{command.strip()}`",
+        f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; device: {device} ({where})",
+        f"model: n_layer={shape.n_layer} n_head={shape.n_head} n_embd={shape.n_embd}, "
+        f"{param_count(shape.replace(vocab_size=GPT2_VOCAB_SIZE)) / 1e6:.1f}M params; micro-batch {batch} x "
+        f"block {shape.block_size} = {batch * shape.block_size:,} tokens/step; median of {args.steps} steps "
+        f"after {args.warmup} warm-up",
+        f"peaks ({peak_source}): " + ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in peaks.items()),
+    ]
+    print("\n".join(header), flush=True)
+    results = []
+    for rung in LADDER:
+        if rung.name not in wanted:
+            continue
+        r = run_rung(rung, shape, batch, device, steps=args.steps, warmup=args.warmup, peaks=peaks)
+        status = "n/a" if r.ms_per_step is None else f"{r.ms_per_step:.0f} ms/step, {r.tokens_per_s:,.0f} tokens/s"
+        print(f"  {rung.name}: {status}", file=sys.stderr, flush=True)
+        results.append(r)
+    attention = []
+    for dtype in (torch.float32, torch.bfloat16):
+        attention += run_attention(shape, batch, device, dtype, repeats=max(args.steps, 5))
+    report = "\n".join(header) + "\n\n" + ladder_table(results, device) + "\n\nAttention alone (B=" + \
+        f"{batch}, nh={shape.n_head}, T={shape.block_size}, hd={shape.head_dim}):\n\n" + attention_table(attention)
+    print("\n" + report.split("\n\n", 1)[1])
+    if args.md:
+        args.md.write_text(report + "\n")
+    write_chart(results, attention, args.out, header[2])
+    print(f"\nchart: {args.out}", file=sys.stderr)
+    return 0 if all(r.max_diff <= attention_tolerance(r.dtype) for r in attention) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
