@@ -91,15 +91,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def quiet_datasets() -> None:
-    """datasets logs builder errors we report ourselves, and draws its own progress bars."""
+    """datasets logs builder errors we report ourselves, and draws its own progress bars.
+
+    Through the environment when datasets is not imported yet, so that a user error found before any
+    reading (a wrong path) is reported at once instead of after a multi-second import.
+    """
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+        datasets.disable_progress_bars()
+        return
+    os.environ.setdefault("DATASETS_VERBOSITY", "critical")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     # datasets imports torch (seconds) when it is installed, only to share an epoch counter with
     # DataLoader workers; nothing here uses torch.
     os.environ.setdefault("USE_TORCH", "0")
     os.environ.setdefault("USE_TF", "0")
-    import datasets
-
-    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
-    datasets.disable_progress_bars()
 
 
 if __name__ == "__main__":

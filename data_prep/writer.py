@@ -119,6 +119,9 @@ def open_output(out: Path, manifest: dict) -> dict:
             raise UserError(f"--out {out} holds shards ({stray[0]}, ...) but no {MANIFEST}: they are not from "
                             "this job; use an empty directory or delete them")
         return manifest
+    if old["fingerprint"] != manifest["fingerprint"] and not old["shards"] and not any(
+            SHARD_RE.match(p.name) for p in out.iterdir()):
+        return manifest  # an earlier job that wrote nothing (e.g. failed on its input): nothing to protect
     if old["fingerprint"] != manifest["fingerprint"]:
         raise UserError(f"--out {out} holds shards made from different sources or settings "
                         f"({explain_difference(old, manifest)}); use another --out, or delete {out} to start over")

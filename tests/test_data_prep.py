@@ -77,9 +77,13 @@ def main_inproc(*args: str, capsys) -> tuple[int, str, str]:
 
 @pytest.fixture(autouse=True)
 def _keep_datasets_torch_setting(monkeypatch):
-    # main() does os.environ.setdefault("USE_TORCH", "0"); keep that from leaking into other tests.
-    monkeypatch.setenv("USE_TORCH", os.environ.get("USE_TORCH", "AUTO"))
-    monkeypatch.setenv("USE_TF", os.environ.get("USE_TF", "AUTO"))
+    # main() may set these with os.environ.setdefault; keep that from leaking into other tests.
+    for name in ("USE_TORCH", "USE_TF", "DATASETS_VERBOSITY", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:  # setenv records "unset" for the undo; delenv alone would not
+            monkeypatch.setenv(name, "")
+            monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +167,8 @@ def test_workers_1_and_2_write_identical_bytes(tmp_path, paragraphs, shakespeare
     docs = paragraphs[:1500] + [whole] + paragraphs[1500:2500]
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     outs = {1: tmp_path / "out1", 2: tmp_path / "out2"}
-    run(dict(sources=(str(src),), out=outs[1], shard_tokens=50000, val_tokens=20000, workers=1))
-    cli("--source", str(src), "--out", str(outs[2]), "--shard-tokens", "50000", "--val-tokens", "20000",
-        "--workers", "2")
+    for workers, out in outs.items():  # (the CLI with --workers 2 runs in the kill tests below)
+        run(dict(sources=(str(src),), out=out, shard_tokens=50000, val_tokens=20000, workers=workers))
     assert all_bytes(outs[1]) == all_bytes(outs[2])
     got = np.concatenate([split_tokens(outs[2], "val"), split_tokens(outs[2], "train")])
     np.testing.assert_array_equal(got, expected_tokens(docs))
@@ -259,55 +262,67 @@ def test_verify_names_corrupted_and_truncated_shards(tmp_path, paragraphs):
 
 @pytest.fixture(scope="module")
 def kill_corpus(tmp_path_factory, paragraphs) -> tuple[Path, dict[str, bytes], list]:
-    """A corpus of ~40 shards and the bytes of its uninterrupted run."""
+    """A corpus of ~19 shards and the bytes of its uninterrupted run."""
     root = tmp_path_factory.mktemp("kill")
-    src = write_jsonl(root / "c.jsonl", paragraphs[:3000])
+    src = write_jsonl(root / "c.jsonl", paragraphs[:1500])
     clean = root / "clean"
     run(dict(sources=(str(src),), out=clean, shard_tokens=4000, val_tokens=3000, workers=1))
     manifest = json.loads((clean / "manifest.json").read_text())
     return src, all_bytes(clean), manifest["shards"]
 
 
-@pytest.mark.parametrize("point", ["shard:3", "manifest:5"])
-def test_resume_after_kill_point_gives_identical_bytes(tmp_path, kill_corpus, point):
-    """kill -9 (SIGKILL to itself) right after a shard file (before its manifest entry) or after both."""
+def test_resume_after_kill_points_gives_identical_bytes(tmp_path, kill_corpus):
+    """kill -9 (SIGKILL to itself) right after a shard file is renamed into place but before the
+    manifest lists it; then, in the resumed run, right after a manifest update; then finish."""
     src, clean_bytes, clean_shards = kill_corpus
     out = tmp_path / "out"
     args = ("--source", str(src), "--out", str(out), "--shard-tokens", "4000", "--val-tokens", "3000",
             "--workers", "2")
-    killed = cli(*args, env={"DATA_PREP_TEST_KILL": point}, check_rc=None)
+    killed = cli(*args, env={"DATA_PREP_TEST_KILL": "shard:3"}, check_rc=None)
     assert killed.returncode == -signal.SIGKILL
-    listed = json.loads((out / "manifest.json").read_text())["shards"]
-    assert len(listed) == (2 if point == "shard:3" else 5)
-    resumed = cli(*args[:-1], "1")  # resume with another --workers: same job, same bytes
-    assert "resuming" in resumed.stderr
+    assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 2
+    assert (out / "train_000001.bin").exists()  # written, not yet listed: the rerun rewrites it
+    killed = cli(*args, env={"DATA_PREP_TEST_KILL": "manifest:4"}, check_rc=None)
+    assert killed.returncode == -signal.SIGKILL and "resuming" in killed.stderr
+    assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 2 + 4
+    run(dict(sources=(str(src),), out=out, shard_tokens=4000, val_tokens=3000, workers=1))
     assert all_bytes(out) == clean_bytes
     assert json.loads((out / "manifest.json").read_text())["shards"] == clean_shards
     assert not list(out.glob("*.tmp"))
 
 
-def test_resume_after_external_kill_9_of_the_process_group(tmp_path, kill_corpus):
-    src, clean_bytes, _ = kill_corpus
-    out = tmp_path / "out"
-    args = [sys.executable, "-m", "data_prep", "--no-progress", "--source", str(src), "--out", str(out),
-            "--shard-tokens", "4000", "--val-tokens", "3000", "--workers", "2"]
+def interrupt_when(out: Path, n_shards: int, sig: int, args: list[str]) -> subprocess.CompletedProcess:
+    """Run data_prep (throttled) and send sig to its whole process group once n_shards are listed."""
     proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "DATA_PREP_TEST_SHARD_SLEEP_S": "0.1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 60
     try:
-        while time.time() < deadline:
+        while time.time() < deadline and proc.poll() is None:
             try:
-                if len(json.loads((out / "manifest.json").read_text())["shards"]) >= 4:
+                if len(json.loads((out / "manifest.json").read_text())["shards"]) >= n_shards:
                     break
             except (FileNotFoundError, ValueError):
                 pass
             time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)  # the parent and its pool workers, as kill -9 of a job would
+        os.killpg(proc.pid, sig)  # the parent and its pool workers, as Ctrl-C or kill -9 of a job would
     finally:
-        proc.wait(timeout=30)
+        stdout, stderr = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+
+
+def test_ctrl_c_then_kill_9_of_the_process_group_then_resume(tmp_path, kill_corpus):
+    src, clean_bytes, _ = kill_corpus
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "data_prep", "--no-progress", "--source", str(src), "--out", str(out),
+            "--shard-tokens", "4000", "--val-tokens", "3000", "--workers", "2"]
+    stopped = interrupt_when(out, 3, signal.SIGINT, args)
+    assert stopped.returncode == 130, stopped.stderr
+    assert "rerun the same command to resume" in stopped.stderr and "Traceback" not in stopped.stderr
+    killed = interrupt_when(out, 7, signal.SIGKILL, args)
+    assert killed.returncode == -signal.SIGKILL and "resuming" not in killed.stdout
     m = json.loads((out / "manifest.json").read_text())
-    assert not m["complete"] and len(m["shards"]) < len(clean_bytes)
-    cli(*args[3:])
+    assert not m["complete"] and 7 <= len(m["shards"]) < len(clean_bytes)
+    run(dict(sources=(str(src),), out=out, shard_tokens=4000, val_tokens=3000, workers=1))
     assert all_bytes(out) == clean_bytes
 
 
