@@ -1,0 +1,255 @@
+"""Text from a trained model: `python -m gpt2.sample --checkpoint RUN [--prompt TEXT] ...`.
+
+Loads one of our checkpoints (a step_*.pt file, a run directory or its checkpoints/ directory: the
+newest valid checkpoint) or a local Hugging Face GPT-2 directory (config.json + weights), then
+generates with the KV cache and prints text as each token arrives.
+
+A prompt longer than the model's block_size is an error, not a silent truncation: the model would
+not see the start of the text the user wrote. Generation itself may run past block_size (the
+context window slides over the last block_size tokens, as GPT.generate does).
+
+Samples are drawn one after another from one seeded generator, so the CLI and `sample()` print
+the same text for the same seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from gpt2.checkpoint import CheckpointError, load_model
+from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
+from gpt2.hf import WEIGHT_FILES, load_hf_dir
+from gpt2.model import GPT, KVCache, sample_next, unwrap
+from gpt2.tokenizer import encode, get_encoding
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def load_any(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
+    """A GPT in eval mode from our checkpoint (file, run dir, checkpoints dir) or a Hugging Face dir.
+
+    Returns (model, info) with info["source"] "checkpoint" or "hf", plus "path" and, for our
+    checkpoints, "step". Raises CheckpointError (a ValueError) naming what is wrong and what to pass.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"--checkpoint {path}: no such file or directory; pass a step_*.pt file, "
+                              "a run directory (--out-dir of train_ddp.py) or a Hugging Face GPT-2 directory")
+    if path.is_dir() and not _is_our_dir(path):
+        if not any((path / name).is_file() for name in WEIGHT_FILES):
+            raise CheckpointError(f"--checkpoint {path}: neither a run directory (no checkpoints/ or step_*.pt) "
+                                  f"nor a Hugging Face directory (none of {', '.join(WEIGHT_FILES)})")
+        try:
+            model = load_hf_dir(path)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"--checkpoint {path}: cannot load as Hugging Face GPT-2: {e}") from None
+        return model.to(device).eval(), {"source": "hf", "path": str(path)}
+    try:
+        model, state = load_model(path, device)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        # Weights that do not fit the saved config (RuntimeError from load_state_dict), a config with
+        # fields this version does not know (TypeError), or a dict that is not a training state.
+        raise CheckpointError(f"--checkpoint {path}: incompatible with this program's GPT "
+                              f"({type(e).__name__}: {_one_line(e)})") from None
+    if state.get("tokenizer") != "gpt2":
+        raise CheckpointError(f"--checkpoint {path}: trained with tokenizer {state.get('tokenizer')!r}; "
+                              "only the GPT-2 BPE ('gpt2') is supported")
+    return model, {"source": "checkpoint", "path": str(path), "step": state.get("step")}
+
+
+def _is_our_dir(path: Path) -> bool:
+    return (path / "checkpoints").is_dir() or any(path.glob("step_*.pt"))
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def autocast(dtype: str, device: torch.device):
+    """Autocast to dtype on device ('auto': bfloat16 on CUDA when supported, else float32)."""
+    dtype = resolve_dtype(dtype, device)
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype={dtype!r} must be one of {DTYPE_CHOICES}")
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+
+
+def encode_prompt(prompt: str, block_size: int) -> list[int]:
+    """Token ids of the prompt ([EOT] for an empty one); ValueError if longer than block_size."""
+    ids = encode(prompt) if prompt else [EOT_TOKEN]
+    if len(ids) > block_size:
+        raise ValueError(f"the prompt is {len(ids)} tokens but the model's block_size is {block_size}; "
+                         f"shorten it to at most {block_size} tokens (e.g. keep its end)")
+    return ids
+
+
+@torch.no_grad()
+def stream_tokens(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float,
+                  top_k: int | None, generator: torch.Generator | None) -> Iterator[Tensor]:
+    """Yield each new (B,) token as GPT.generate would append it (same tokens for the same RNG).
+
+    GPT.generate returns only when done; this is its KV-cache loop as a generator, so text can be
+    shown while the model works. tests/test_tools.py checks the two agree, also past block_size.
+    """
+    model = unwrap(model)
+    if idx.size(1) == 0:
+        raise ValueError("generation needs at least one prompt token (e.g. the EOT token 50256)")
+    block = model.config.block_size
+    cache = None
+    for _ in range(max_new_tokens):
+        if cache is None or cache.pos >= block:
+            # First step, or the window has to slide: positions are absolute, so rebuild the cache.
+            param = model.lm_head.weight
+            cache = KVCache(model.config, idx.size(0), device=param.device, dtype=param.dtype)
+            logits, _ = model(idx[:, -block:], kv_cache=cache)
+        else:
+            logits, _ = model(idx[:, -1:], kv_cache=cache)
+        next_tok = sample_next(logits[:, -1, :].float(), temperature=temperature, top_k=top_k,
+                               generator=generator)
+        idx = torch.cat([idx, next_tok], dim=1)
+        yield next_tok[:, 0]
+
+
+class TextStream:
+    """Token ids in, text out as soon as it is complete UTF-8.
+
+    One GPT-2 token can hold part of a character (an emoji is often 2-3 byte-level tokens), so the
+    bytes of a token are not always decodable alone: an incremental UTF-8 decoder holds them back
+    until the character is complete. Concatenated output equals tokenizer.decode of all tokens.
+    """
+
+    def __init__(self) -> None:
+        self._enc = get_encoding()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        if not 0 <= token < GPT2_VOCAB_SIZE:  # padded-vocab rows are never sampled; be safe anyway
+            return ""
+        return self._decoder.decode(self._enc.decode_single_token_bytes(token))
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character becomes U+FFFD)."""
+        return self._decoder.decode(b"", final=True)
+
+
+def sample(model: GPT, prompt: str = "", *, num_samples: int = 1, max_new_tokens: int = 100,
+           temperature: float = 1.0, top_k: int | None = 200, seed: int = 1337, dtype: str = "auto",
+           on_text: Callable[[int, str], None] | None = None) -> list[str]:
+    """Generate num_samples continuations of prompt; return their text (without the prompt).
+
+    temperature=0 is greedy. For streaming, on_text(i, piece) is called with "" when sample i
+    starts and then with each piece of its text as it is decoded. Runs on the model's device; the
+    global RNG state is untouched (a generator seeded with `seed` draws every sample).
+    """
+    problems = _sampling_problems(num_samples, max_new_tokens, temperature, top_k)
+    if problems:
+        raise ValueError("; ".join(problems))
+    model = unwrap(model)
+    device = model.lm_head.weight.device
+    ids = encode_prompt(prompt, model.config.block_size)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    texts = []
+    try:
+        with autocast(dtype, device):
+            for i in range(num_samples):
+                idx = torch.tensor([ids], dtype=torch.long, device=device)
+                stream, pieces = TextStream(), []
+                if on_text is not None:
+                    on_text(i, "")
+                tokens = stream_tokens(model, idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                       generator=generator)
+                for tok in tokens:
+                    pieces.append(stream.push(int(tok)))
+                    if on_text is not None and pieces[-1]:
+                        on_text(i, pieces[-1])
+                pieces.append(stream.flush())
+                if on_text is not None and pieces[-1]:
+                    on_text(i, pieces[-1])
+                texts.append("".join(pieces))
+    finally:
+        model.train(was_training)
+    return texts
+
+
+def _sampling_problems(num_samples, max_new_tokens, temperature, top_k) -> list[str]:
+    p = []
+    if num_samples < 1:
+        p.append(f"num_samples={num_samples} must be >= 1")
+    if max_new_tokens < 0:
+        p.append(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if temperature < 0:
+        p.append(f"temperature={temperature} must be >= 0 (0 is greedy)")
+    if top_k is not None and top_k < 1:
+        p.append(f"top_k={top_k} must be >= 1 (or omitted for no top-k filtering)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gpt2.sample", allow_abbrev=False,
+                                     description="Sample text from a checkpoint or a Hugging Face GPT-2 directory.")
+    parser.add_argument("--checkpoint", required=True,
+                        help="step_*.pt file, run directory (newest valid checkpoint), or Hugging Face directory")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start from <|endoftext|>)")
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy decoding")
+    parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens; 0 disables")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="autocast dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gpt2.dist import resolve_device
+
+    args = build_parser().parse_args(argv)
+    top_k = args.top_k or None
+    try:  # everything the user can get wrong, before any generation
+        problems = _sampling_problems(args.num_samples, args.max_new_tokens, args.temperature, top_k)
+        if problems:
+            raise ValueError("; ".join(problems))
+        device = resolve_device(args.device, 0)
+        model, info = load_any(args.checkpoint, device)
+        encode_prompt(args.prompt, model.config.block_size)
+    except ValueError as e:
+        print(f"gpt2.sample: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    step = f" step {info['step']}" if "step" in info else ""
+    print(f"loaded {info['source']}{step} from {info['path']}: {model.num_params():,} parameters on {device}",
+          file=sys.stderr)
+    separator = "\n" + "-" * 40
+
+    def show(i: int, piece: str) -> None:
+        if not piece:  # sample i starts
+            print((separator + "\n" if i else "") + args.prompt, end="", flush=True)
+        print(piece, end="", flush=True)
+
+    sample(model, args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+           temperature=args.temperature, top_k=top_k, seed=args.seed, dtype=args.dtype, on_text=show)
+    print(separator, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
