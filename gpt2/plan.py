@@ -32,7 +32,9 @@ from gpt2.config import MODEL_PRESETS, ModelConfig, count_params_formula, model_
 from gpt2.flops import flops_per_token, gpu_table_peak, param_count
 
 GIB = 1024 ** 3
-DTYPES = ("bf16", "fp32", "tf32")
+DTYPES = ("bf16", "fp16", "fp32", "tf32")
+"""bf16/fp16: autocast over fp32 weights; tf32: fp32 with TF32 matmuls (fp32 memory, TF32 peak)."""
+AUTOCAST_DTYPES = ("bf16", "fp16")
 # CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation: memory a run never gets.
 CUDA_RESERVE_BYTES = 2 * GIB
 
@@ -70,15 +72,25 @@ def gpu_hardware(name: str, dtype: str) -> Hardware:
     return Hardware(name=name, memory_bytes=int(memory), peak_flops=peak)
 
 
-def device_hardware(device: torch.device | str, dtype: str, peak_flops: float) -> Hardware:
-    """The hardware a run is on: a CUDA device's memory, or host RAM for a CPU run."""
+def plan_dtype(train_dtype: str, *, tf32: bool = False) -> str:
+    """The planner's name for TrainConfig.dtype ('bfloat16', 'float16', 'float32')."""
+    names = {"bfloat16": "bf16", "float16": "fp16", "float32": "tf32" if tf32 else "fp32"}
+    if train_dtype not in names:
+        raise ValueError(f"dtype={train_dtype!r} must be one of {sorted(names)}")
+    return names[train_dtype]
+
+
+def device_hardware(device: torch.device | str, peak_flops: float, *, processes_per_host: int = 1) -> Hardware:
+    """The hardware a run is on: a CUDA device's memory, or for a CPU run this host's RAM shared
+    by the processes_per_host ranks on it."""
     device = torch.device(device)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return Hardware(name=props.name, memory_bytes=props.total_memory, peak_flops=peak_flops)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Hardware(name="cpu", memory_bytes=ram, peak_flops=peak_flops, device_type="cpu",
-                    reserve_bytes=GIB)
+    return Hardware(name=f"cpu (1/{processes_per_host} of host RAM)" if processes_per_host > 1 else "cpu",
+                    memory_bytes=ram // processes_per_host, peak_flops=peak_flops, device_type="cpu",
+                    reserve_bytes=GIB // processes_per_host)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +220,7 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
            dtype: str = "bf16", device_type: str = "cuda") -> Memory:
     """Bytes per device for one training micro-step (see the module docstring)."""
     n = param_count(cfg)
-    autocast = dtype == "bf16"
+    autocast = dtype in AUTOCAST_DTYPES
     flash = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
                              flash=True)
     explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
@@ -243,7 +255,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
     s is the matmul dtype's size. Under autocast the residual stream and LayerNorms stay fp32, so
     every LayerNorm saves a 4-byte input plus fp32 mean and rstd per token.
     """
-    s = 2 if dtype == "bf16" else 4
+    s = 2 if dtype in AUTOCAST_DTYPES else 4
     h, nh, L, T = cfg.n_embd, cfg.n_head, cfg.n_layer, seq_len
     qkv_out = h + 2 * cfg.n_kv_head * cfg.head_dim
     layer_norm = 4 * h + 8
@@ -259,7 +271,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
         # softmax output; no SDPA output copy. CUDA autocast runs softmax in fp32 and then the
         # AV matmul saves its own bf16 copy of the probabilities: 4 + 2 bytes. CPU autocast
         # keeps softmax in bf16.
-        probs = 6 if (dtype == "bf16" and device_type == "cuda") else s
+        probs = 6 if (dtype in AUTOCAST_DTYPES and device_type == "cuda") else s
         attn = s * h + 3 * s * h + probs * nh * T + s * h
         per_layer_mask = T * T  # the boolean causal mask, built per layer
     # Dropout (0 in pretraining): CUDA saves a 1-byte boolean mask per element; CPU saves a mask
@@ -274,7 +286,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
         if not flash:
             dropout += nh * T * ((1 if cuda else s) + s)
         elif not cuda:
-            dropout += nh * T * 12 + (3 * s * h if dtype == "bf16" else 0)
+            dropout += nh * T * 12 + (3 * s * h if dtype in AUTOCAST_DTYPES else 0)
     per_token_layer = 2 * layer_norm + attn + mlp + dropout
     per_token_rest = 8 + 8 + layer_norm + s * h  # token ids, targets, ln_f, LM-head input
     per_token_rest += (h if device_type == "cuda" else 4 * h) if cfg.dropout > 0 else 0  # embedding's
@@ -401,7 +413,7 @@ def format_plan(p: Plan) -> str:
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
-    return torch.bfloat16 if dtype == "bf16" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
 
 
 def build_parser() -> argparse.ArgumentParser:

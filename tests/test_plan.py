@@ -7,8 +7,8 @@ import torch
 
 from gpt2.config import MODEL_PRESETS, ModelConfig, model_preset
 from gpt2.model import GPT
-from gpt2.plan import (GIB, GPUS, Hardware, activation_bytes, check_fits, gpu_hardware, matmul_weight_count,
-                       max_micro_batch_size, measured_peak_bytes, memory, plan, format_plan)
+from gpt2.plan import (GIB, Hardware, activation_bytes, check_fits, device_hardware, format_plan, gpu_hardware,
+                       matmul_weight_count, max_micro_batch_size, measured_peak_bytes, memory, plan, plan_dtype)
 
 CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
 
@@ -193,3 +193,18 @@ def test_cli_runs():
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1
     assert "fits       NO" in bad.stdout and "--micro-batch-size" in bad.stderr
+
+
+def test_trainer_helpers():
+    assert [plan_dtype(d) for d in ("bfloat16", "float16", "float32")] == ["bf16", "fp16", "fp32"]
+    assert plan_dtype("float32", tf32=True) == "tf32"
+    with pytest.raises(ValueError, match="must be one of"):
+        plan_dtype("fp8")
+    hw = device_hardware("cpu", 1e11, processes_per_host=2)
+    assert hw.device_type == "cpu" and 0 < hw.memory_bytes < 2**50
+    assert device_hardware("cpu", 1e11).memory_bytes == pytest.approx(2 * hw.memory_bytes, abs=1)
+    cfg = model_preset("gpt2")
+    assert memory(cfg, 4, 1024, dtype="fp16") == memory(cfg, 4, 1024, dtype="bf16")
+    assert memory(cfg, 4, 1024, dtype="tf32") == memory(cfg, 4, 1024, dtype="fp32")
+    assert gpu_hardware("H100-80GB", "fp16").peak_flops == 989e12
+    assert gpu_hardware("A100-80GB", "tf32").peak_flops == 156e12
