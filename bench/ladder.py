@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpt2.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, model_preset
+from gpt2.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig
 from gpt2.flops import device_peak_flops, flops_per_token, param_count
 from gpt2.model import GPT, causal_mask, explicit_attention
 from gpt2.optim import param_groups
@@ -274,7 +274,7 @@ def write_chart(results: list[RungResult], attention: list[AttentionResult], pat
     plt.close(fig)
 
 
-def model_shape(args: argparse.Namespace, device: torch.device) -> ModelConfig:
+def model_shape(args: argparse.Namespace) -> ModelConfig:
     base = dict(MODEL_PRESETS[args.preset]) if args.preset else dict(CPU_SHAPE)
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
         if getattr(args, name) is not None:
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown rung(s) {unknown}; choose from {[r.name for r in LADDER]}", file=sys.stderr)
         return 2
     try:
-        shape = model_shape(args, device)
+        shape = model_shape(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
