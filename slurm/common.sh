@@ -69,6 +69,7 @@ gpt2_prepare() {
   OUT_DIR=${OUT_DIR:-${OUT_ROOT:-runs}/${SLURM_JOB_NAME:-gpt2}-${SLURM_JOB_ID:-local}}
   mkdir -p "$OUT_DIR" || gpt2_die "cannot create OUT_DIR=$OUT_DIR"
   export OUT_DIR
+  GPT2_START_CHECKPOINT=$(gpt2_latest_checkpoint)  # gpt2_finish: did this run make progress?
 
   # Each rank's intra-op threads share the task's CPUs; torchrun would otherwise set 1.
   local cpus=${SLURM_CPUS_PER_TASK:-$(nproc)}
@@ -126,15 +127,24 @@ gpt2_forward() {
   kill -s "$GPT2_FORWARD" "$GPT2_CHILD" 2>/dev/null || true
 }
 
-# Exit the batch script: requeue when the run was stopped by USR1 before finishing.
+# Exit the batch script: requeue when the run was stopped by USR1 before finishing, unless a requeued
+# run stopped again without a new checkpoint: when start-up takes longer than the time between start
+# and the signal, requeueing would loop forever without progress (seen with --time=1 --signal=B:USR1@40).
 gpt2_finish() {
-  local rc=$1
+  local rc=$1 latest
   if [[ -n ${GPT2_GOT_USR1:-} && $rc -ne 0 && -n ${SLURM_JOB_ID:-} ]]; then
-    gpt2_log "stopped on USR1 (launcher exit $rc; newest checkpoint: $(gpt2_latest_checkpoint)): requeueing job $SLURM_JOB_ID"
-    if scontrol requeue "$SLURM_JOB_ID"; then
-      exit 0
+    latest=$(gpt2_latest_checkpoint)
+    if (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ $latest == "${GPT2_START_CHECKPOINT:-none}" ]]; then
+      gpt2_log "stopped on USR1 with no checkpoint newer than the one this run started from ($latest):" \
+               "not requeueing, it would loop without progress. Give the job more time than start-up plus" \
+               "the --signal lead (sbatch --time), then resubmit with OUT_DIR=$OUT_DIR"
+    else
+      gpt2_log "stopped on USR1 (launcher exit $rc; newest checkpoint: $latest): requeueing job $SLURM_JOB_ID"
+      if scontrol requeue "$SLURM_JOB_ID"; then
+        exit 0
+      fi
+      gpt2_log "scontrol requeue failed (submitted with --no-requeue?); resubmit with OUT_DIR=$OUT_DIR to resume"
     fi
-    gpt2_log "scontrol requeue failed (submitted with --no-requeue?); resubmit with OUT_DIR=$OUT_DIR to resume"
   fi
   gpt2_log "launcher exited with $rc"
   exit "$rc"

@@ -113,20 +113,26 @@ def test_usr1_reaches_the_launcher_once_as_sigterm_and_is_remembered(tmp_path):
     assert "rc=3 usr1=1 term=1" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("usr1, term, rc, requeued, exit_status", [
-    ("1", "", 1, True, 0),     # USR1 and the trainer stopped (torchrun reports 1): requeue
-    ("1", "", 0, False, 0),    # USR1 but training had finished: nothing to resume
-    ("", "1", 1, False, 1),    # SIGTERM alone (scancel, preemption): SLURM decides, no requeue
-    ("", "", 1, False, 1),     # a crash: never requeued (it would crash again)
+@pytest.mark.parametrize("usr1, term, rc, restart, start_ckpt, requeued, exit_status", [
+    ("1", "", 1, 0, "none", True, 0),                 # USR1, trainer stopped (torchrun says 1): requeue
+    ("1", "", 1, 1, "step_00000005.pt", True, 0),     # a requeued run that made progress: again
+    ("1", "", 1, 1, "step_00000009.pt", False, 1),    # a requeued run without a new checkpoint: stop looping
+    ("1", "", 0, 0, "none", False, 0),                # USR1 but training had finished: nothing to resume
+    ("", "1", 1, 0, "none", False, 1),                # SIGTERM alone (scancel, preemption): SLURM decides
+    ("", "", 1, 0, "none", False, 1),                 # a crash: never requeued (it would crash again)
 ])
-def test_finish_requeues_only_a_run_stopped_by_usr1(tmp_path, usr1, term, rc, requeued, exit_status):
+def test_finish_requeues_only_a_run_stopped_by_usr1(tmp_path, usr1, term, rc, restart, start_ckpt,
+                                                    requeued, exit_status):
     calls = tmp_path / "calls"
     stub = tmp_path / "bin" / "scontrol"  # records its arguments instead of talking to SLURM
     stub.parent.mkdir()
     stub.write_text(f'#!/bin/bash\necho "$@" >> {calls}\n')
     stub.chmod(0o755)
-    r = run_common(f"OUT_DIR={tmp_path}; GPT2_GOT_USR1={usr1}; GPT2_GOT_TERM={term}; gpt2_finish {rc}",
-                   {"SLURM_JOB_ID": "42"}, path_prefix=stub.parent)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000009.pt\n")  # written by the stop
+    r = run_common(f"OUT_DIR={tmp_path}; GPT2_GOT_USR1={usr1}; GPT2_GOT_TERM={term}; "
+                   f"GPT2_START_CHECKPOINT={start_ckpt}; gpt2_finish {rc}",
+                   {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restart)}, path_prefix=stub.parent)
     assert r.returncode == exit_status, r.stdout + r.stderr
     assert (calls.read_text() if calls.exists() else "") == ("requeue 42\n" if requeued else "")
 
