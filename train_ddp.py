@@ -3,8 +3,16 @@
     torchrun --standalone --nproc_per_node=8 train_ddp.py --preset gpt2 --data-dir DIR --out-dir RUN
     python train_ddp.py --preset debug --data-dir DIR --out-dir RUN --device cpu
 
-Exit codes: 0 done, 1 failed, 2 bad configuration or data (nothing was started),
-3 stopped by SIGTERM/SIGUSR1 after writing a checkpoint (requeue; --resume auto continues).
+Exit codes:
+    0  done; or, under torchrun, stopped by SIGTERM/SIGUSR1 after a checkpoint (see below)
+    1  failed (a crash, non-finite losses, a collective timeout: a dead or hung peer)
+    2  bad configuration, data or checkpoint (nothing was trained)
+    3  stopped by SIGTERM/SIGUSR1 after writing a checkpoint, without torchrun: requeue, then
+       --resume auto continues exactly
+Under torchrun a stopped worker exits 0, not 3: torchrun turns any non-zero worker exit into its
+own exit 1, and with --max-restarts it would restart the group into a new run rather than stop.
+Whether launched by torchrun or not, a stop leaves RUN/requeue next to the checkpoint, and a batch
+script requeues when that file exists (gpt2/checkpoint.py's docstring has the whole contract).
 """
 
 from __future__ import annotations
@@ -13,11 +21,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpt2.checkpoint import CheckpointError
+    from gpt2.checkpoint import EXIT_REQUEUE, CheckpointError, under_torchrun
     from gpt2.cli import parse_config
     from gpt2.dist import resolve_device, setup, teardown, world_from_env
     from gpt2.shards import ShardError
-    from gpt2.trainer import check_data, train
+    from gpt2.trainer import NonFiniteError, check_data, train
 
     cfg = parse_config(argv)  # exits 2 with a message on bad flags or values
     dist = None
@@ -31,12 +39,36 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"train_ddp.py: error: {e}", file=sys.stderr)
             return 2
         dist = setup(info, device, cfg.train.dist_timeout_s)
-        return train(cfg, dist, shards)
+        code = train(cfg, dist, shards)
+        return 0 if code == EXIT_REQUEUE and under_torchrun() else code
     except CheckpointError as e:
         print(f"train_ddp.py: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        if dist is None or dist.is_main:
+            print(f"train_ddp.py: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        # A peer died (connection closed) or hangs (--dist-timeout-s expired). Saying so beats a
+        # bare traceback; torchrun --max-restarts or a requeue then resumes from the checkpoint.
+        if not collective_failed(e):
+            raise
+        rank = dist.rank if dist is not None else "?"
+        print(f"train_ddp.py: error: rank {rank}: a collective operation failed ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); another rank died or stopped responding "
+              f"within --dist-timeout-s {cfg.train.dist_timeout_s:g}. Resume with --resume auto",
+              file=sys.stderr)
+        return 1
     finally:
         teardown(dist)
+
+
+def collective_failed(e: BaseException) -> bool:
+    """Whether an error comes from the process group (gloo and NCCL raise plain RuntimeErrors)."""
+    from torch.distributed import DistError
+
+    text = str(e)
+    return isinstance(e, DistError) or any(k in text for k in ("gloo", "Gloo", "NCCL", "Timed out", "timed out"))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,20 @@ Layout of RUN/checkpoints/:
     latest                name of the newest complete checkpoint
 A checkpoint counts only when its sidecar exists and its bytes match, so a process killed while
 writing (or a truncated copy) is never selected: `auto` falls back to the previous one.
+
+Stop signals and requeueing (the contract slurm/* relies on):
+  SIGTERM or SIGUSR1 to the trainer (torchrun forwards SIGTERM to every worker; it does not handle
+  SIGUSR1) makes every rank stop at the same step boundary; rank 0 writes a checkpoint, then
+  RUN/requeue (JSON: step, signal, checkpoint). RUN/requeue exists exactly when the last run in RUN
+  ended on a stop signal after a complete checkpoint: every run deletes it when it starts.
+  Exit codes of train_ddp.py:
+    - plain `python train_ddp.py`: 3 (EXIT_REQUEUE).
+    - under torchrun: 0. torchrun cannot pass a worker's code on (any failed worker makes it exit 1),
+      and with --max-restarts N a non-zero exit would restart the group into a new run instead of
+      stopping. torchrun itself exits 1 when it was the process signalled (it re-raises the signal
+      as an error after its workers exit), 0 when only the workers were signalled.
+  So a batch script decides "requeue" by `[[ -f $OUT_DIR/requeue ]]` (or exit code 3 without
+  torchrun), never by torchrun's exit code; the requeued run passes --resume auto.
 """
 
 from __future__ import annotations
@@ -26,6 +40,8 @@ from gpt2.shards import fsync_dir
 FORMAT_VERSION = 1
 EXIT_REQUEUE = 3
 """Exit code of a run stopped by SIGTERM/SIGUSR1 after writing a checkpoint: "please requeue"."""
+REQUEUE_MARKER = "requeue"
+"""File in the run directory written after the checkpoint of a signal stop (see the module docstring)."""
 
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 
@@ -69,11 +85,12 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int) -> Path:
     """Write state as step_{step}.pt (temp file, fsync, rename), its sidecar, then `latest`.
 
-    Called by rank 0 only. Older checkpoints beyond `keep` are deleted afterwards, so the one just
-    written (the newest valid one) is never among them.
+    Called by rank 0 only (the single writer). Then retention: see prune_checkpoints.
     """
     ckdir = checkpoint_dir(out_dir)
     ckdir.mkdir(parents=True, exist_ok=True)
+    for stale in ckdir.glob("*.tmp"):  # left by a writer that was killed; nobody else writes here
+        stale.unlink(missing_ok=True)
     path = ckdir / f"step_{step:08d}.pt"
     fd, tmp = tempfile.mkstemp(dir=ckdir, prefix=path.name + ".", suffix=".tmp")
     try:
@@ -90,10 +107,60 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int) -
     _atomic_write_bytes(path.with_suffix(".json"), json.dumps(meta).encode())
     _atomic_write_bytes(ckdir / "latest", (path.name + "\n").encode())
     fsync_dir(ckdir)
-    for old in list_checkpoints(out_dir)[keep:]:
+    prune_checkpoints(out_dir, path, keep=keep)
+    return path
+
+
+def _looks_complete(path: Path) -> bool:
+    """Sidecar present and size matching: the cheap part of verify_checkpoint (no re-hashing)."""
+    try:
+        return json.loads(path.with_suffix(".json").read_text()).get("bytes") == path.stat().st_size
+    except (OSError, ValueError):
+        return False
+
+
+def prune_checkpoints(out_dir: str | Path, newest: Path, *, keep: int) -> list[Path]:
+    """Keep `newest` and the keep-1 most recent complete checkpoints of earlier steps; delete the rest.
+
+    Incomplete ones (no sidecar, wrong size) never count towards `keep`, so a run of failed writes
+    cannot push out the last good checkpoint. Checkpoints of later steps than `newest` (left by a run
+    that was resumed from an earlier checkpoint) are not touched. Returns the deleted files.
+    """
+    step = int(_NAME.match(newest.name).group(1))
+    kept, deleted = 1, []
+    for old in list_checkpoints(out_dir):
+        if int(_NAME.match(old.name).group(1)) >= step:
+            continue
+        if kept < keep and _looks_complete(old):
+            kept += 1
+            continue
         old.with_suffix(".json").unlink(missing_ok=True)
         old.unlink(missing_ok=True)
+        deleted.append(old)
+    return deleted
+
+
+def write_requeue_marker(out_dir: str | Path, info: dict) -> Path:
+    """RUN/requeue: this run stopped on a signal after writing a complete checkpoint (rank 0 only)."""
+    path = Path(out_dir) / REQUEUE_MARKER
+    _atomic_write_bytes(path, (json.dumps(info) + "\n").encode())
+    fsync_dir(path.parent)
     return path
+
+
+def clear_requeue_marker(out_dir: str | Path) -> None:
+    (Path(out_dir) / REQUEUE_MARKER).unlink(missing_ok=True)
+
+
+def under_torchrun(env=None) -> bool:
+    """True in a worker started by torchrun (its elastic agent sets TORCHELASTIC_RUN_ID)."""
+    env = os.environ if env is None else env
+    return "TORCHELASTIC_RUN_ID" in env
+
+
+def stop_exit_code(env=None) -> int:
+    """Exit code of a run stopped by a signal: EXIT_REQUEUE, or 0 under torchrun (see the docstring)."""
+    return 0 if under_torchrun(env) else EXIT_REQUEUE
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:

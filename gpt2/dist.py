@@ -73,9 +73,25 @@ def setup(info: WorldInfo, device: torch.device, timeout_s: float) -> Dist:
         torch.cuda.set_device(device)
     if info.world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        tdist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                 device_id=device if device.type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _restart_store(os.environ, timeout)
+        kwargs = {} if store is None else {"store": store, "rank": info.rank, "world_size": info.world_size}
+        tdist.init_process_group(backend=backend, timeout=timeout,
+                                 device_id=device if device.type == "cuda" else None, **kwargs)
     return Dist(info.rank, info.local_rank, info.world_size, info.local_world_size, device)
+
+
+def _restart_store(env, timeout: datetime.timedelta):
+    """torchrun's store seen under a prefix of this restart round's own, or None outside torchrun.
+
+    torchrun (torch 2.13) keeps one store for all the rounds of --max-restarts, so the workers of a
+    restarted group read the dead group's addresses from it and fail ("Gloo connectFullMesh failed
+    ... Connection refused"). A prefix per TORCHELASTIC_RESTART_COUNT keeps the rounds apart.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = tdist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return tdist.PrefixStore(f"gpt2/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def teardown(dist: Dist | None) -> None:

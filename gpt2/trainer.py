@@ -297,9 +297,18 @@ def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float) -> Non
 
 
 def train(cfg: RunConfig, dist: Dist, shards=None) -> int:
-    """Run training to max_steps (or until a stop signal). Returns the process exit code."""
+    """Run training to max_steps (or until a stop signal). Returns 0, or EXIT_REQUEUE after a signal."""
+    # Signals are recorded from the start: one that arrives while building or restoring stops the
+    # run at the first step boundary (with a checkpoint) instead of killing the process.
+    with StopRequest() as stop_request:
+        return _train(cfg, dist, shards, stop_request)
+
+
+def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int:
     tc = cfg.train
     Path(tc.out_dir).mkdir(parents=True, exist_ok=True)
+    if dist.is_main:  # RUN/requeue says "the last run stopped on a signal": not true of this one
+        ckpt.clear_requeue_marker(tc.out_dir)
     configure_backends(tc, dist)
     log = Metrics(dist, tc.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
                   run_config=cfg.to_dict())
@@ -315,39 +324,41 @@ def train(cfg: RunConfig, dist: Dist, shards=None) -> int:
         log.log_eval(0, 0, evaluate(parts, cfg, dist))
     bad_steps = 0
     try:
-        with StopRequest() as stop_request:
-            while parts.step < tc.max_steps:
-                t0 = time.perf_counter()
-                out = train_step(parts, cfg, dist, stop_request.signum is not None)
-                if dist.device.type == "cuda":
-                    torch.cuda.synchronize(dist.device)
-                dt = time.perf_counter() - t0
-                step = parts.step
-                bad_steps = bad_steps + 1 if out["skipped"] else 0
-                if step % tc.log_interval == 0 or out["skipped"] or step == tc.max_steps:
-                    tok_s = tc.total_batch_size / dt
-                    log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                                  "tokens": step * tc.total_batch_size, "step_s": dt, "tok_per_s": tok_s,
-                                  "mfu": tok_s * flops_tok / (peak * dist.world_size),
-                                  "mem_mb": memory_mb(dist.device), "skipped": out["skipped"]}, tc.max_steps)
-                if bad_steps >= tc.max_bad_steps:
-                    raise NonFiniteError(
-                        f"{bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
-                        " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
-                        "--warmup-steps or check the data, then resume from the last checkpoint")
-                done = step == tc.max_steps
-                if parts.val_loader is not None and (done or (tc.eval_interval and step % tc.eval_interval == 0)):
-                    log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist))
-                if dist.is_main and tc.sample_interval and (done or step % tc.sample_interval == 0):
-                    text = sample_text(parts, cfg, dist)
-                    log.record({"step": step, "sample": text})
-                    log.info(f"sample at step {step}: {text!r}")
-                if out["stop"] or done or (tc.ckpt_interval and step % tc.ckpt_interval == 0):
-                    save(parts, cfg, dist, log)
-                if out["stop"]:
-                    log.info(f"stopped by signal at step {step}; checkpoint written; exit {ckpt.EXIT_REQUEUE} "
-                             "(requeue and resume with --resume auto)")
-                    return ckpt.EXIT_REQUEUE
+        while parts.step < tc.max_steps:
+            t0 = time.perf_counter()
+            out = train_step(parts, cfg, dist, stop_request.signum is not None)
+            if dist.device.type == "cuda":
+                torch.cuda.synchronize(dist.device)
+            dt = time.perf_counter() - t0
+            step = parts.step
+            bad_steps = bad_steps + 1 if out["skipped"] else 0
+            if step % tc.log_interval == 0 or out["skipped"] or step == tc.max_steps:
+                tok_s = tc.total_batch_size / dt
+                log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+                              "tokens": step * tc.total_batch_size, "step_s": dt, "tok_per_s": tok_s,
+                              "mfu": tok_s * flops_tok / (peak * dist.world_size),
+                              "mem_mb": memory_mb(dist.device), "skipped": out["skipped"]}, tc.max_steps)
+            if bad_steps >= tc.max_bad_steps:
+                raise NonFiniteError(
+                    f"{bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
+                    " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
+                    "--warmup-steps or check the data, then resume from the last checkpoint")
+            done = step == tc.max_steps
+            if parts.val_loader is not None and (done or (tc.eval_interval and step % tc.eval_interval == 0)):
+                log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist))
+            if dist.is_main and tc.sample_interval and (done or step % tc.sample_interval == 0):
+                text = sample_text(parts, cfg, dist)
+                log.record({"step": step, "sample": text})
+                log.info(f"sample at step {step}: {text!r}")
+            if out["stop"] or done or (tc.ckpt_interval and step % tc.ckpt_interval == 0):
+                save(parts, cfg, dist, log)
+            if out["stop"]:
+                if dist.is_main:  # after the checkpoint: the marker promises a complete one
+                    ckpt.write_requeue_marker(tc.out_dir, {"step": step, "signal": stop_request.signum,
+                                                           "checkpoint": f"step_{step:08d}.pt"})
+                log.info(f"stopped by signal at step {step}; checkpoint written; wrote {tc.out_dir}/"
+                         f"{ckpt.REQUEUE_MARKER} (requeue and resume with --resume auto)")
+                return ckpt.EXIT_REQUEUE
         if dist.is_main and tc.plot:
             png = plot_loss_curve(log.path, Path(tc.out_dir) / "loss_curve.png")
             log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")

@@ -1,0 +1,167 @@
+"""Shared by test_checkpoint.py and test_resume.py: launching the trainer as a process we can signal,
+waiting for a training step, and reading what a run left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conftest import REPO, TINY_MODEL_FLAGS
+
+FP32_CPU = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0",
+            "--plot", "false"]
+"""Deterministic settings: exact resume is promised for CPU, fp32, no compile."""
+
+
+def tiny_run_flags(data_dir: Path, *, max_steps: int, ckpt_interval: int, eval_tokens: int = 1024) -> list[str]:
+    """A 2-layer model, 512 tokens per step (2 ranks x 4 x 64, or 1 rank x 2 accumulation steps)."""
+    return [*TINY_MODEL_FLAGS, *FP32_CPU, "--data-dir", str(data_dir), "--micro-batch-size", "4",
+            "--total-batch-size", "512", "--max-steps", str(max_steps), "--warmup-steps", "3", "--lr", "3e-3",
+            "--eval-interval", "0", "--eval-tokens", str(eval_tokens), "--ckpt-interval", str(ckpt_interval),
+            "--keep-checkpoints", "100", "--log-interval", "1"]
+
+
+@dataclass
+class Launched:
+    """A trainer launched in the background; stdout/stderr go to files (no pipe can fill up)."""
+    proc: subprocess.Popen
+    log_dir: Path
+    started: float
+
+    @property
+    def stdout(self) -> str:
+        return (self.log_dir / "stdout.txt").read_text()
+
+    @property
+    def stderr(self) -> str:
+        return (self.log_dir / "stderr.txt").read_text()
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"trainer still running after {timeout} s\n{self.output()}") from None
+
+    def output(self) -> str:
+        return f"stdout:\n{self.stdout[-4000:]}\nstderr:\n{self.stderr[-4000:]}"
+
+    def workers(self) -> dict[int, int]:
+        """{rank: pid} of torchrun's current worker processes (its direct children)."""
+        found = {}
+        for pid in children(self.proc.pid):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+            if ranks:
+                found[int(ranks[0])] = pid
+        return found
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and its workers (each by pid), e.g. after a failed assertion."""
+        pids = children(self.proc.pid) if self.proc.poll() is None else []
+        for pid in [self.proc.pid, *pids]:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        self.proc.wait()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def launch(args: list[str], *, nproc: int, log_dir: Path, max_restarts: int = 0,
+           env: dict | None = None) -> Launched:
+    """`python train_ddp.py` for nproc=1 (unless max_restarts), else torchrun --standalone (gloo)."""
+    if nproc == 1 and not max_restarts:
+        cmd = [sys.executable, str(REPO / "train_ddp.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--max-restarts={max_restarts}", "--monitor-interval=0.2", str(REPO / "train_ddp.py"), *args]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # One thread per process keeps runs on 2 shared cores fast, and runs with equal thread counts
+    # compute bitwise the same. TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long torchrun waits after
+    # SIGTERM before SIGKILL (a SIGSTOPped worker never exits by itself).
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30", **(env or {})}
+    with open(log_dir / "stdout.txt", "w") as out, open(log_dir / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=full_env)
+    return Launched(proc, log_dir, time.monotonic())
+
+
+def run(args: list[str], *, nproc: int, log_dir: Path, timeout: float = 300, **kw) -> Launched:
+    launched = launch(args, nproc=nproc, log_dir=log_dir, **kw)
+    launched.wait(timeout)
+    return launched
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written right now
+            pass
+    return out
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """{step: loss} from metrics.jsonl; asserts each step appears once (the log reads as one run)."""
+    steps = [r for r in records(run_dir) if "loss" in r]
+    assert len({r["step"] for r in steps}) == len(steps), f"repeated steps in {run_dir}/metrics.jsonl"
+    return {r["step"]: r["loss"] for r in steps}
+
+
+def wait_for_step(launched: Launched, run_dir: Path, step: int, timeout: float = 180) -> None:
+    """Block until metrics.jsonl records `step` (the optimizer step has completed on every rank)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r.get("step", -1) >= step and "loss" in r for r in records(run_dir)):
+            return
+        if launched.proc.poll() is not None:
+            raise AssertionError(f"trainer exited {launched.proc.returncode} before step {step}\n"
+                                 f"{launched.output()}")
+        time.sleep(0.05)
+    launched.kill()
+    raise AssertionError(f"no step {step} within {timeout} s\n{launched.output()}")
+
+
+def load_ckpt(run_dir: Path, step: int) -> dict:
+    return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", map_location="cpu", weights_only=True)
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Bitwise equal weights, optimizer state, step, data position and RNG states."""
+    assert a["step"] == b["step"]
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"weight {k} differs"
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), f"optimizer state {i}.{k} differs"
+    assert a["loader"] == b["loader"]
+    for ra, rb in zip(a["rng"], b["rng"], strict=True):
+        assert torch.equal(ra["torch"], rb["torch"])
