@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -337,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         f"block {shape.block_size} = {batch * shape.block_size:,} tokens/step; median of {args.steps} steps "
         f"after {args.warmup} warm-up",
         f"peaks ({peak_source}): " + ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in peaks.items()),
+        f"load average at start (other processes compete for the cores): {os.getloadavg()[0]:.1f}",
     ]
     print("\n".join(header), flush=True)
     results = []
@@ -350,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     attention = []
     for dtype in (torch.float32, torch.bfloat16):
         attention += run_attention(shape, batch, device, dtype, repeats=max(args.steps, 5))
+    header.append(f"load average at end: {os.getloadavg()[0]:.1f}")
     report = "\n".join(header) + "\n\n" + ladder_table(results, device) + "\n\nAttention alone (B=" + \
         f"{batch}, nh={shape.n_head}, T={shape.block_size}, hd={shape.head_dim}):\n\n" + attention_table(attention)
     print("\n" + report.split("\n\n", 1)[1])
