@@ -17,7 +17,8 @@
 #  4. Signalled with USR1 and the launcher did not exit 0: `scontrol requeue $SLURM_JOB_ID`. The job
 #     keeps its ID, hence its OUT_DIR, and the rerun passes `--resume auto` to continue from there.
 #  A SIGTERM to the batch shell (plain `scancel`, preemption with a grace time, the hard time limit)
-#  is forwarded the same way so the trainer checkpoints, but never requeued from here: SLURM decides.
+#  is forwarded the same way so the trainer checkpoints, but is never requeued from here, even after
+#  a USR1: SLURM or the user decided. A crash (no signal) is never requeued either.
 
 gpt2_log() { echo "[slurm $(date -u +%H:%M:%S)] $*"; }
 gpt2_die() { echo "[slurm $(date -u +%H:%M:%S)] ERROR: $*" >&2; exit 2; }
@@ -127,14 +128,20 @@ gpt2_forward() {
   kill -s "$GPT2_FORWARD" "$GPT2_CHILD" 2>/dev/null || true
 }
 
-# Exit the batch script: requeue when the run was stopped by USR1 before finishing, unless a requeued
-# run stopped again without a new checkpoint: when start-up takes longer than the time between start
-# and the signal, requeueing would loop forever without progress (seen with --time=1 --signal=B:USR1@40).
+# Exit the batch script: requeue when the run was stopped by USR1 before finishing, unless a SIGTERM
+# came too, or a requeued run stopped again without a new checkpoint: when start-up takes longer than
+# the time between start and the signal, requeueing would loop forever without progress (measured
+# with --time=1 --signal=B:USR1@40).
 gpt2_finish() {
   local rc=$1 latest
   if [[ -n ${GPT2_GOT_USR1:-} && $rc -ne 0 && -n ${SLURM_JOB_ID:-} ]]; then
     latest=$(gpt2_latest_checkpoint)
-    if (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ $latest == "${GPT2_START_CHECKPOINT:-none}" ]]; then
+    if [[ -n ${GPT2_GOT_TERM:-} ]]; then
+      # A job being cancelled can still be requeued while it completes (measured on 22.05): a
+      # `scancel` during the stop would bring it back. SIGTERM means SLURM or the user decided.
+      gpt2_log "stopped on USR1, but a SIGTERM followed (scancel, preemption or the hard time limit):" \
+               "not requeueing. Resubmit with OUT_DIR=$OUT_DIR to resume from $latest"
+    elif (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ $latest == "${GPT2_START_CHECKPOINT:-none}" ]]; then
       gpt2_log "stopped on USR1 with no checkpoint newer than the one this run started from ($latest):" \
                "not requeueing, it would loop without progress. Give the job more time than start-up plus" \
                "the --signal lead (sbatch --time), then resubmit with OUT_DIR=$OUT_DIR"

@@ -119,6 +119,7 @@ def test_usr1_reaches_the_launcher_once_as_sigterm_and_is_remembered(tmp_path):
     ("1", "", 1, 1, "step_00000009.pt", False, 1),    # a requeued run without a new checkpoint: stop looping
     ("1", "", 0, 0, "none", False, 0),                # USR1 but training had finished: nothing to resume
     ("", "1", 1, 0, "none", False, 1),                # SIGTERM alone (scancel, preemption): SLURM decides
+    ("1", "1", 1, 0, "none", False, 1),               # scancel during the stop: requeue would undo it
     ("", "", 1, 0, "none", False, 1),                 # a crash: never requeued (it would crash again)
 ])
 def test_finish_requeues_only_a_run_stopped_by_usr1(tmp_path, usr1, term, rc, restart, start_ckpt,
