@@ -105,7 +105,7 @@ def download(url: str, dest: Path, timeout_s: float = 60.0) -> Path:
     except OSError as e:  # URLError, HTTPError, timeouts and disk errors are all OSErrors
         Path(tmp).unlink(missing_ok=True)
         raise ValueError(f"could not download {url} to {dest} ({e}); fetch the file where the network "
-                         f"allows and pass --data FILE") from None
+                         f"allows and pass its path (--data FILE; train_ddp.py: --hellaswag-file FILE)") from None
     return dest
 
 

@@ -145,6 +145,18 @@ def test_sample_streams_pieces_in_order(run_dir):
     assert len(seen[0]) > 2  # delivered piece by piece, not at the end
 
 
+def test_checkpoint_named_by_run_dir_checkpoints_dir_or_file(run_dir):
+    newest = run_dir / "checkpoints" / "step_00000005.pt"
+    models = []
+    for path in (run_dir, run_dir / "checkpoints", newest):
+        model, info = load_any(path)
+        assert info == {"source": "checkpoint", "path": str(newest), "step": 5}
+        assert not model.training
+        models.append(model)
+    for a, b in zip(models[0].parameters(), models[2].parameters()):
+        assert torch.equal(a, b)
+
+
 def test_prompt_longer_than_block_size_is_an_error(run_dir, capsys):
     from gpt2.sample import main
 
@@ -193,6 +205,9 @@ def test_incompatible_checkpoints_are_refused(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="neither a run directory"):
         load_any(tmp_path / "empty")
+    (tmp_path / "no_valid" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ckpt.CheckpointError, match="no valid checkpoint in"):
+        load_any(tmp_path / "no_valid")
     hf_like = tmp_path / "hf_relu"
     hf_like.mkdir()
     (hf_like / "config.json").write_text(json.dumps({"model_type": "gpt2", "activation_function": "relu"}))
@@ -421,6 +436,6 @@ def test_missing_data_file_is_downloaded_or_the_error_says_how_to_get_it(tmp_pat
     assert dest.read_bytes() == source.read_bytes() and len(examples) == 7
     assert len(prepare_hellaswag(dest, ONE, url="http://127.0.0.1:9/never-fetched", limit=3)) == 3  # cached
     missing = tmp_path / "other" / "hellaswag_val.jsonl"
-    with pytest.raises(ValueError, match=r"could not download .* pass --data FILE"):
+    with pytest.raises(ValueError, match=r"could not download .* pass its path \(--data FILE"):
         prepare_hellaswag(missing, ONE, url="http://127.0.0.1:9/hellaswag_val.jsonl")
     assert not missing.exists() and not list(missing.parent.glob("*.tmp"))  # no partial file left
