@@ -170,11 +170,16 @@ def test_prompt_longer_than_block_size_is_an_error(run_dir, capsys):
     assert sample(model, "the" + " the" * 63, max_new_tokens=3)  # exactly block_size is fine
 
 
-def test_missing_checkpoint_exits_2_with_one_line():
-    proc = run([sys.executable, "-m", "gpt2.sample", "--checkpoint", "/nonexistent/run", "--device", "cpu"])
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "no such file or directory" in lines[0] and "Traceback" not in proc.stderr
+def test_missing_checkpoint_exits_2_with_one_line(capsys):
+    from gpt2.eval import main as eval_main
+    from gpt2.export import main as export_main
+    from gpt2.sample import main as sample_main
+
+    for main, argv in ((sample_main, []), (eval_main, ["hellaswag"]), (eval_main, ["loss", "--data-dir", "."]),
+                       (export_main, ["--out", "/tmp/never-written"])):
+        assert main([*argv, "--checkpoint", "/nonexistent/run"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "/nonexistent/run: no such file or directory" in lines[0], lines
 
 
 def save_raw_checkpoint(out_dir: Path, model_sd: dict, model_cfg: dict, tokenizer="gpt2") -> Path:
@@ -232,11 +237,13 @@ def test_incompatible_checkpoints_are_refused(tmp_path, capsys):
 
 # ---- validation loss -----------------------------------------------------------------------------
 
-def test_loss_cli_reproduces_the_trainers_validation_loss(run_dir, data_dir):
+def test_loss_cli_reproduces_the_trainers_validation_loss(run_dir, data_dir, capsys):
+    from gpt2.eval import main
+
     # batch 3 (the trainer used 4): 16 sequences -> a padded last batch, whose ignored rows must not count.
-    proc = ok(run([sys.executable, "-m", "gpt2.eval", "loss", "--checkpoint", str(run_dir), "--data-dir",
-                   str(data_dir), "--eval-tokens", "1024", "--batch-size", "3", "--device", "cpu", "--num-threads", "1", "--json"]))
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert main(["loss", "--checkpoint", str(run_dir), "--data-dir", str(data_dir), "--eval-tokens", "1024",
+                 "--batch-size", "3", "--device", "cpu", "--num-threads", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     trainer_val = [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == 5
                    and "val_loss" in r]
     assert len(trainer_val) == 1
@@ -256,11 +263,13 @@ def test_loss_on_a_directory_without_val_shards_exits_2(run_dir, tmp_path, capsy
 
 # ---- Hugging Face export -------------------------------------------------------------------------
 
-def test_export_loads_in_transformers_with_same_logits_and_greedy_text(run_dir, tmp_path):
+def test_export_loads_in_transformers_with_same_logits_and_greedy_text(run_dir, tmp_path, capsys):
+    from gpt2.export import main
+
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    proc = ok(run([sys.executable, "-m", "gpt2.export", "--checkpoint", str(run_dir), "--out", str(out)]))
-    assert "step 5" in proc.stdout
+    assert main(["--checkpoint", str(run_dir), "--out", str(out)]) == 0
+    assert "step 5" in capsys.readouterr().out
     assert {"config.json", "model.safetensors", "vocab.json", "merges.txt"} <= {p.name for p in out.iterdir()}
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     assert hf.config.vocab_size == GPT2_VOCAB_SIZE
