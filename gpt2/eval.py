@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gpt2.config import EOT_TOKEN
 from gpt2.dist import Dist, all_reduce_sum, broadcast_object
 from gpt2.model import GPT, unwrap
 from gpt2.sample import DTYPE_CHOICES, autocast, load_any, resolve_dtype
@@ -135,7 +136,7 @@ def example_rows(ex: Example, block_size: int) -> tuple[torch.Tensor, torch.Tens
     A row longer than block_size loses tokens from the start of its context (the ending is what is
     scored); an ending that leaves no context token to predict its first token is an error.
     """
-    ctx = encode(ex.ctx)
+    ctx = encode(ex.ctx) or [EOT_TOKEN]  # an empty context still needs a token to predict the ending from
     rows, masks = [], []
     for ending in ex.endings:
         end = encode(" " + ending)  # GPT-2's BPE attaches the space to the following word
@@ -173,6 +174,8 @@ def hellaswag_eval(model: GPT, examples: list[Example], dist: Dist, device: torc
     unwrapped, run in eval mode and put back in its previous mode. Returns acc, acc_norm, correct,
     correct_norm and n (the number of examples).
     """
+    if not examples:
+        raise ValueError("no HellaSwag examples to evaluate")
     model = unwrap(model)
     was_training = model.training
     model.eval()

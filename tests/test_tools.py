@@ -410,6 +410,8 @@ def test_long_rows_lose_context_from_the_left_and_keep_the_ending():
     assert mask.sum(dim=1).tolist() == [2, 1, 3, 1]
     assert tokens[0, :2].tolist() == encode(" the the") and tokens[0, 14:].tolist() == encode(" red red")
     assert mask[0, 14:].all() and not mask[0, :14].any()
+    empty_ctx, mask = example_rows(Example(ctx="", endings=("red", "blue", "x y", "z"), label=0), block_size=16)
+    assert empty_ctx[0, :2].tolist() == [50256, *encode(" red")] and mask[0].tolist()[:3] == [False, True, False]
     with pytest.raises(ValueError, match="does not fit block_size"):
         example_rows(Example(ctx="a", endings=("x " * 20,) * 4, label=0), block_size=16)
 
