@@ -93,3 +93,23 @@ def test_compiled_bf16_run_logs_sane_numbers(tmp_path, shakespeare_shards):
     # the checkpoint of a compiled model has no _orig_mod. prefix
     state = torch.load(run_dir / "checkpoints" / "step_00000006.pt", map_location="cpu", weights_only=True)
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in state["model"])
+
+
+def test_readme_quickstart_script_runs(tmp_path):
+    """README's first training command, shortened by passing extra flags through to train_ddp.py."""
+    import os
+    import subprocess
+
+    from conftest import REPO
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "DATA_DIR": str(tmp_path / "pydoc"), "NPROC": "2"}
+    run = subprocess.run(["bash", "scripts/quickstart.sh", str(run_dir), "--max-steps", "3", "--eval-interval", "3",
+                          "--sample-interval", "3", "--sample-tokens", "8", "--plot", "false"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    check(run)
+    assert "sample at step 3" in run.stdout
+    val = val_losses(run_dir)
+    assert sorted(val) == [0, 3] and val[3] < val[0]
+    manifest = json.loads((tmp_path / "pydoc" / "shards" / "manifest.json").read_text())
+    assert manifest["totals"]["tokens"] > 100_000
