@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -45,17 +46,18 @@ def build_corpus(path: Path, target_bytes: int) -> int:
     return n
 
 
-def raw_tiktoken_rate(path: Path) -> tuple[float, int]:
-    """Single-thread encode_ordinary over the same documents (JSON decoding not timed)."""
+def raw_tiktoken_rate(path: Path) -> tuple[float, float, int]:
+    """Single-thread encode_ordinary over the same documents (JSON decoding not timed):
+    (tokens per wall second, tokens per CPU second, tokens)."""
     sys.path.insert(0, str(REPO))
     from gpt2.tokenizer import get_encoding
 
     enc = get_encoding()
     with open(path) as f:
         docs = [json.loads(line)["text"] for line in f]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     n = sum(len(enc.encode_ordinary(d)) + 1 for d in docs)  # +1: the EOT data_prep adds
-    return n / (time.perf_counter() - start), n
+    return n / (time.perf_counter() - start), n / (time.process_time() - cpu), n
 
 
 def tree_rss_bytes(pid: int) -> tuple[int, int]:
@@ -85,6 +87,7 @@ def tree_rss_bytes(pid: int) -> tuple[int, int]:
 def run_data_prep(corpus: Path, out: Path, workers: int) -> dict:
     cmd = [sys.executable, "-m", "data_prep", "--source", str(corpus), "--out", str(out), "--workers", str(workers),
            "--shard-tokens", str(SHARD_TOKENS), "--val-tokens", "0", "--no-progress"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak_sum = peak_one = 0
@@ -96,9 +99,12 @@ def run_data_prep(corpus: Path, out: Path, workers: int) -> dict:
     stdout, stderr = proc.communicate()
     if proc.returncode:
         raise SystemExit(f"data_prep failed ({proc.returncode}):\n{stderr}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # includes the pool workers (reaped by data_prep)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     m = re.search(r"tokens ([\d,]+) .*elapsed ([\d.]+) s", stdout)
     tokens, elapsed = int(m.group(1).replace(",", "")), float(m.group(2))
-    return {"tokens": tokens, "rate": tokens / elapsed, "wall_s": wall, "peak_sum": peak_sum, "peak_one": peak_one}
+    return {"tokens": tokens, "rate": tokens / elapsed, "wall_s": wall, "cpu_s": cpu,
+            "peak_sum": peak_sum, "peak_one": peak_one}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,12 +118,12 @@ def main(argv: list[str] | None = None) -> None:
         for mb in sizes:
             corpus = Path(tmp) / f"corpus_{mb}mb.jsonl"
             n_docs = build_corpus(corpus, mb * 2**20)
-            raw, raw_tokens = raw_tiktoken_rate(corpus)
+            raw, raw_cpu, raw_tokens = raw_tiktoken_rate(corpus)
             runs = {w: run_data_prep(corpus, Path(tmp) / f"out_{mb}_{w}", w) for w in (1, 2)}
             assert runs[1]["tokens"] == runs[2]["tokens"] == raw_tokens, (runs, raw_tokens)
             same = all((Path(tmp) / f"out_{mb}_1" / f.name).read_bytes() == f.read_bytes()
                        for f in sorted((Path(tmp) / f"out_{mb}_2").glob("*.bin")))
-            rows.append((mb, n_docs, raw_tokens, raw, runs, same))
+            rows.append((mb, n_docs, raw_tokens, raw, raw_cpu, runs, same))
             for w in (1, 2):
                 import shutil
                 shutil.rmtree(Path(tmp) / f"out_{mb}_{w}")
@@ -127,17 +133,19 @@ def main(argv: list[str] | None = None) -> None:
           f" (a shared machine: other jobs compete for the cores)")
     print(f"command: python bench/prep_throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     print()
-    print("| corpus | docs | tokens | raw tiktoken 1 thread tok/s | data_prep -w1 tok/s | data_prep -w2 tok/s "
-          "| w2/w1 | w2/raw | peak RSS tree -w1 | peak RSS tree -w2 (largest proc) | bytes w1 == w2 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for mb, n_docs, tokens, raw, runs, same in rows:
+    print("| corpus | tokens | raw tiktoken 1 thread tok/s | data_prep -w1 tok/s | data_prep -w2 tok/s | w2/w1 "
+          "| CPU s: raw / -w1 / -w2 | peak RSS tree -w1 | peak RSS tree -w2 (largest proc) | bytes w1 == w2 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for mb, n_docs, tokens, raw, raw_cpu, runs, same in rows:
         r1, r2 = runs[1], runs[2]
-        print(f"| {mb} MB | {n_docs:,} | {tokens:,} | {raw:,.0f} | {r1['rate']:,.0f} | {r2['rate']:,.0f} "
-              f"| {r2['rate'] / r1['rate']:.2f}x | {r2['rate'] / raw:.2f}x | {r1['peak_sum'] / mib:.0f} MiB "
-              f"| {r2['peak_sum'] / mib:.0f} MiB ({r2['peak_one'] / mib:.0f}) | {'yes' if same else 'NO'} |")
+        print(f"| {mb} MB ({n_docs:,} docs) | {tokens:,} | {raw:,.0f} | {r1['rate']:,.0f} | {r2['rate']:,.0f} "
+              f"| {r2['rate'] / r1['rate']:.2f}x | {tokens / raw_cpu:.1f} / {r1['cpu_s']:.1f} / {r2['cpu_s']:.1f} "
+              f"| {r1['peak_sum'] / mib:.0f} MiB | {r2['peak_sum'] / mib:.0f} MiB ({r2['peak_one'] / mib:.0f}) "
+              f"| {'yes' if same else 'NO'} |")
     print()
     print(f"tok/s = tokens / data_prep's own elapsed time (planning, pool start-up, tokenizing, writing shards "
-          f"with fsync); --shard-tokens {SHARD_TOKENS:,}, --val-tokens 0; corpus: JSON lines, "
+          f"with fsync); CPU s = user+sys of the whole process tree (robust to other jobs on the machine, unlike "
+          f"tok/s); --shard-tokens {SHARD_TOKENS:,}, --val-tokens 0; corpus: JSON lines, "
           f"~{PARAGRAPHS_PER_DOC} Shakespeare paragraphs per document.")
 
 
