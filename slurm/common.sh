@@ -12,10 +12,11 @@
 #         with USR1 ignored for the same reason, in case a USR1 reaches it directly.
 #       - to srun as USR1: srun relays USR1 to every process of the step (each node's srun_task.sh
 #         turns it into SIGTERM for its torchrun). A SIGTERM would make srun cancel the step instead.
-#  3. Every rank stops at the next step boundary, rank 0 saves a checkpoint, all exit 3. torchrun
-#     reports that as a failure (exit 1) like any other, so the shell relies on having been signalled.
-#  4. Signalled with USR1 and the launcher did not exit 0: `scontrol requeue $SLURM_JOB_ID`. The job
-#     keeps its ID, hence its OUT_DIR, and the rerun passes `--resume auto` to continue from there.
+#  3. Every rank stops at the next step boundary, rank 0 saves a checkpoint and then writes
+#     OUT_DIR/requeue. torchrun's exit code says nothing useful (1 whenever it was signalled), so the
+#     shell goes by that file and by having been signalled.
+#  4. USR1 and OUT_DIR/requeue: `scontrol requeue $SLURM_JOB_ID` (see gpt2_finish for the exceptions).
+#     The job keeps its ID, hence its OUT_DIR, and the rerun passes `--resume auto`.
 #  A SIGTERM to the batch shell (plain `scancel`, preemption with a grace time, the hard time limit)
 #  is forwarded the same way so the trainer checkpoints, but is never requeued from here, even after
 #  a USR1: SLURM or the user decided. A crash (no signal) is never requeued either.
@@ -71,6 +72,9 @@ gpt2_prepare() {
   mkdir -p "$OUT_DIR" || gpt2_die "cannot create OUT_DIR=$OUT_DIR"
   export OUT_DIR
   GPT2_START_CHECKPOINT=$(gpt2_latest_checkpoint)  # gpt2_finish: did this run make progress?
+  # OUT_DIR/requeue says "the last run stopped cleanly"; from now on only this run may say so (the
+  # trainer also clears it, but a run killed during start-up would leave the old one).
+  rm -f "$OUT_DIR/requeue"
 
   # Each rank's intra-op threads share the task's CPUs; torchrun would otherwise set 1.
   local cpus=${SLURM_CPUS_PER_TASK:-$(nproc)}
@@ -128,33 +132,47 @@ gpt2_forward() {
   kill -s "$GPT2_FORWARD" "$GPT2_CHILD" 2>/dev/null || true
 }
 
-# Exit the batch script: requeue when the run was stopped by USR1 before finishing, unless a SIGTERM
-# came too, or a requeued run stopped again without a new checkpoint: when start-up takes longer than
-# the time between start and the signal, requeueing would loop forever without progress (measured
-# with --time=1 --signal=B:USR1@40).
+# Exit the batch script. Requeue only when all of these hold: this shell got USR1 (the time limit, or
+# `scancel --signal=USR1 --batch`); the trainer confirmed a clean stop by writing OUT_DIR/requeue
+# after its checkpoint (torchrun's exit code cannot say it: see gpt2/checkpoint.py); no SIGTERM came
+# too (a job being cancelled can still be requeued while it completes, measured on 22.05, so a
+# `scancel` during the stop would be undone); and a requeued run made progress (when start-up takes
+# longer than the time before the signal, requeueing would loop forever: measured with --time=1
+# --signal=B:USR1@40). A stop that is not requeued exits 3, so the job shows as failed, not done.
 gpt2_finish() {
   local rc=$1 latest
-  if [[ -n ${GPT2_GOT_USR1:-} && $rc -ne 0 && -n ${SLURM_JOB_ID:-} ]]; then
-    latest=$(gpt2_latest_checkpoint)
-    if [[ -n ${GPT2_GOT_TERM:-} ]]; then
-      # A job being cancelled can still be requeued while it completes (measured on 22.05): a
-      # `scancel` during the stop would bring it back. SIGTERM means SLURM or the user decided.
-      gpt2_log "stopped on USR1, but a SIGTERM followed (scancel, preemption or the hard time limit):" \
-               "not requeueing. Resubmit with OUT_DIR=$OUT_DIR to resume from $latest"
-    elif (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ $latest == "${GPT2_START_CHECKPOINT:-none}" ]]; then
-      gpt2_log "stopped on USR1 with no checkpoint newer than the one this run started from ($latest):" \
-               "not requeueing, it would loop without progress. Give the job more time than start-up plus" \
-               "the --signal lead (sbatch --time), then resubmit with OUT_DIR=$OUT_DIR"
-    else
-      gpt2_log "stopped on USR1 (launcher exit $rc; newest checkpoint: $latest): requeueing job $SLURM_JOB_ID"
-      if scontrol requeue "$SLURM_JOB_ID"; then
-        exit 0
-      fi
-      gpt2_log "scontrol requeue failed (submitted with --no-requeue?); resubmit with OUT_DIR=$OUT_DIR to resume"
-    fi
+  if [[ -z ${GPT2_GOT_USR1:-} || -z ${SLURM_JOB_ID:-} ]]; then
+    gpt2_log "launcher exited with $rc"
+    exit "$rc"
   fi
-  gpt2_log "launcher exited with $rc"
-  exit "$rc"
+  latest=$(gpt2_latest_checkpoint)
+  if [[ ! -f $OUT_DIR/requeue ]]; then
+    if (( rc == 0 )); then
+      gpt2_log "got USR1, but training finished (no $OUT_DIR/requeue): done"
+      exit 0
+    fi
+    gpt2_log "got USR1, but the trainer did not confirm a clean stop (no $OUT_DIR/requeue; launcher exit $rc):" \
+             "not requeueing. Resubmit with OUT_DIR=$OUT_DIR to resume from $latest"
+    exit "$rc"
+  fi
+  if [[ -n ${GPT2_GOT_TERM:-} ]]; then
+    gpt2_log "stopped on USR1, but a SIGTERM followed (scancel, preemption or the hard time limit):" \
+             "not requeueing. Resubmit with OUT_DIR=$OUT_DIR to resume from $latest"
+    exit 3
+  fi
+  if (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ $latest == "${GPT2_START_CHECKPOINT:-none}" ]]; then
+    gpt2_log "stopped on USR1 with no checkpoint newer than the one this run started from ($latest):" \
+             "not requeueing, it would loop without progress. Give the job more time than start-up plus" \
+             "the --signal lead (sbatch --time), then resubmit with OUT_DIR=$OUT_DIR"
+    exit 3
+  fi
+  gpt2_log "stopped on USR1, clean stop confirmed by $OUT_DIR/requeue ($(head -c 300 "$OUT_DIR/requeue"));" \
+           "requeueing job $SLURM_JOB_ID"
+  if scontrol requeue "$SLURM_JOB_ID"; then
+    exit 0
+  fi
+  gpt2_log "scontrol requeue failed (submitted with --no-requeue?); resubmit with OUT_DIR=$OUT_DIR to resume"
+  exit 3
 }
 
 gpt2_latest_checkpoint() {

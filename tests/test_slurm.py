@@ -75,11 +75,14 @@ def test_prepare_refuses_out_dir_flag_because_requeues_must_find_the_run():
 def test_prepare_derives_out_dir_threads_and_resume_on_restart(tmp_path):
     env = {"REPO_DIR": str(REPO), "GPUS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "6", "OUT_ROOT": str(tmp_path),
            "SLURM_JOB_NAME": "exp", "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}
+    (tmp_path / "exp-77").mkdir()
+    (tmp_path / "exp-77" / "requeue").write_text("{}")  # left by the previous run's stop
     r = run_common('unset OMP_NUM_THREADS; gpt2_prepare --resume never --lr 1e-3 >/dev/null\n'
                    'echo "$OUT_DIR|$OMP_NUM_THREADS|${TRAIN_ARGS[*]}"', env)
     assert r.returncode == 0, r.stderr
     out_dir, threads, args = r.stdout.strip().split("|")
     assert out_dir == f"{tmp_path}/exp-77" and Path(out_dir).is_dir()
+    assert not (tmp_path / "exp-77" / "requeue").exists(), "only the run about to start may confirm a stop"
     assert threads == "3"  # 6 CPUs / 2 processes
     # A requeued run resumes from its own checkpoints whatever the first run was told (last flag wins).
     assert args == f"--out-dir {tmp_path}/exp-77 --num-threads 3 --resume never --lr 1e-3 --resume auto"
@@ -113,17 +116,19 @@ def test_usr1_reaches_the_launcher_once_as_sigterm_and_is_remembered(tmp_path):
     assert "rc=3 usr1=1 term=1" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("usr1, term, rc, restart, start_ckpt, requeued, exit_status", [
-    ("1", "", 1, 0, "none", True, 0),                 # USR1, trainer stopped (torchrun says 1): requeue
-    ("1", "", 1, 1, "step_00000005.pt", True, 0),     # a requeued run that made progress: again
-    ("1", "", 1, 1, "step_00000009.pt", False, 1),    # a requeued run without a new checkpoint: stop looping
-    ("1", "", 0, 0, "none", False, 0),                # USR1 but training had finished: nothing to resume
-    ("", "1", 1, 0, "none", False, 1),                # SIGTERM alone (scancel, preemption): SLURM decides
-    ("1", "1", 1, 0, "none", False, 1),               # scancel during the stop: requeue would undo it
-    ("", "", 1, 0, "none", False, 1),                 # a crash: never requeued (it would crash again)
+@pytest.mark.parametrize("usr1, term, rc, restart, start_ckpt, marker, requeued, exit_status", [
+    ("1", "", 1, 0, "none", True, True, 0),              # USR1 + clean stop (torchrun says 1): requeue
+    ("1", "", 0, 0, "none", True, True, 0),              # same when only the workers were signalled
+    ("1", "", 1, 1, "step_00000005.pt", True, True, 0),  # a requeued run that made progress: again
+    ("1", "", 1, 1, "step_00000009.pt", True, False, 3), # a requeued run without a new checkpoint: stop looping
+    ("1", "", 0, 0, "none", False, False, 0),            # USR1 but training had finished: nothing to resume
+    ("1", "", 1, 0, "none", False, False, 1),            # USR1 but no clean stop (died in start-up, crashed)
+    ("1", "1", 1, 0, "none", True, False, 3),            # scancel during the stop: a requeue would undo it
+    ("", "1", 1, 0, "none", True, False, 1),             # SIGTERM alone (scancel, preemption): SLURM decides
+    ("", "", 1, 0, "none", False, False, 1),             # a crash: never requeued (it would crash again)
 ])
-def test_finish_requeues_only_a_run_stopped_by_usr1(tmp_path, usr1, term, rc, restart, start_ckpt,
-                                                    requeued, exit_status):
+def test_finish_requeues_only_a_confirmed_stop_on_usr1(tmp_path, usr1, term, rc, restart, start_ckpt, marker,
+                                                       requeued, exit_status):
     calls = tmp_path / "calls"
     stub = tmp_path / "bin" / "scontrol"  # records its arguments instead of talking to SLURM
     stub.parent.mkdir()
@@ -131,6 +136,8 @@ def test_finish_requeues_only_a_run_stopped_by_usr1(tmp_path, usr1, term, rc, re
     stub.chmod(0o755)
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_00000009.pt\n")  # written by the stop
+    if marker:
+        (tmp_path / "requeue").write_text('{"step": 9, "signal": "SIGTERM", "checkpoint": "step_00000009.pt"}\n')
     r = run_common(f"OUT_DIR={tmp_path}; GPT2_GOT_USR1={usr1}; GPT2_GOT_TERM={term}; "
                    f"GPT2_START_CHECKPOINT={start_ckpt}; gpt2_finish {rc}",
                    {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restart)}, path_prefix=stub.parent)
@@ -262,7 +269,8 @@ def assert_stopped_and_resumed(info: dict[str, str], run: Path, log: str) -> int
     stop = int(stops[0])
     assert STOP_AFTER_STEP <= stop < MAX_STEPS, log
     assert (run / "checkpoints" / f"step_{stop:08d}.pt").is_file(), log
-    assert f"requeueing job {info['JobId']}" in log
+    assert re.search(rf"clean stop confirmed by {re.escape(str(run))}/requeue .*\"step\": {stop}\b.*"
+                     rf"requeueing job {info['JobId']}", log), log
     assert re.search(rf"restart 1 on .*OUT_DIR={re.escape(str(run))}", log), log
     assert re.search(rf"resumed from \S+step_{stop:08d}\.pt at step {stop}\b", log), log
     return stop
