@@ -185,6 +185,7 @@ class ShardWriter:
 
     def finish(self, n_records: int, totals: dict) -> None:
         self._flush(next_record=n_records, carry=0)
+        self.manifest["group_records"] = list(self.group_records)
         self.manifest["complete"] = True
         self.manifest["totals"] = totals
         save_manifest(self.out, self.manifest)

@@ -291,6 +291,38 @@ def test_resume_after_kill_points_gives_identical_bytes(tmp_path, kill_corpus):
     assert not list(out.glob("*.tmp"))
 
 
+class Crash(Exception):
+    pass
+
+
+def test_resume_from_every_crash_point_gives_identical_bytes(tmp_path, paragraphs, monkeypatch):
+    """In-process crash after every shard file and after every manifest update, with shards small
+    enough that documents straddle shard boundaries and the val/train boundary, and val spans shards."""
+    import data_prep.writer as writer
+
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:150])
+    job = dict(sources=(str(src),), out=tmp_path / "clean", shard_tokens=700, val_tokens=1500)
+    run(job)
+    clean = all_bytes(tmp_path / "clean")
+    assert len(clean) >= 8 and len([n for n in clean if n.startswith("val")]) >= 2
+    real_hook = writer._test_hook
+    for event in ("shard", "manifest"):
+        for k in range(1, len(clean)):
+            out = tmp_path / f"{event}{k}"
+
+            def crash(ev, count, event=event, k=k):
+                if (ev, count) == (event, k):
+                    raise Crash
+                real_hook(ev, count)
+
+            monkeypatch.setattr(writer, "_test_hook", crash)
+            with pytest.raises(Crash):
+                run({**job, "out": out})
+            monkeypatch.setattr(writer, "_test_hook", real_hook)
+            run({**job, "out": out})
+            assert all_bytes(out) == clean, (event, k)
+
+
 def interrupt_when(out: Path, n_shards: int, sig: int, args: list[str]) -> subprocess.CompletedProcess:
     """Run data_prep (throttled) and send sig to its whole process group once n_shards are listed."""
     proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "DATA_PREP_TEST_SHARD_SLEEP_S": "0.1"},
