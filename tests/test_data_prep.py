@@ -300,8 +300,8 @@ def test_resume_from_every_crash_point_gives_identical_bytes(tmp_path, paragraph
     enough that documents straddle shard boundaries and the val/train boundary, and val spans shards."""
     import data_prep.writer as writer
 
-    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:150])
-    job = dict(sources=(str(src),), out=tmp_path / "clean", shard_tokens=700, val_tokens=1500)
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:100])
+    job = dict(sources=(str(src),), out=tmp_path / "clean", shard_tokens=600, val_tokens=1300)
     run(job)
     clean = all_bytes(tmp_path / "clean")
     assert len(clean) >= 8 and len([n for n in clean if n.startswith("val")]) >= 2
