@@ -11,7 +11,8 @@ Each rung keeps every switch of the rung before it and adds one:
   flash    fused SDPA with is_causal (flash / memory-efficient kernels)
   vocab    vocab padded to 50304 (a multiple of 128)
 A rung is a whole training step (forward, loss, backward, AdamW) on random tokens, timed after
-warm-up (compilation happens there) as the median of --steps steps. Then the attention kernels
+warm-up (compilation happens there) as the median of --steps steps, taken in rounds of one step of
+every rung so that background load on a shared machine hits all rungs alike. Then the attention kernels
 alone: explicit mask vs SDPA with attn_mask vs SDPA is_causal, forward+backward, with a check that
 their outputs and gradients agree. Prints Markdown tables; writes a PNG bar chart to --out.
 """
@@ -27,6 +28,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -107,11 +109,20 @@ def matmul_precision(tf32: bool):
         torch.set_float32_matmul_precision(before)
 
 
-def run_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.device, *, steps: int,
-             warmup: int, peaks: dict[str, float]) -> RungResult:
-    """Time one rung's full training step; n/a for TF32 off CUDA."""
-    if rung.name == "tf32" and device.type != "cuda":
-        return RungResult(rung)
+@dataclass
+class PreparedRung:
+    rung: Rung
+    cfg: ModelConfig
+    step: Callable[[], float]
+    """One training step; returns the loss."""
+    first_loss: float
+    state_bytes: int
+    """Parameters and AdamW moments: live before every step."""
+
+
+def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.device, *,
+                 warmup: int) -> PreparedRung:
+    """Model, optimizer and data for one rung, warmed up (a compiled rung compiles here)."""
     cfg = shape.replace(attn_impl=rung.attn_impl, vocab_size=rung.vocab_size)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -120,40 +131,86 @@ def run_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.device, *
     forward = torch.compile(model) if rung.compile else model
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, GPT2_VOCAB_SIZE, (2, batch, cfg.block_size), generator=gen).to(device)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if rung.bf16 else contextlib.nullcontext())
 
     def step() -> float:
-        with autocast:
-            _, loss = forward(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with matmul_precision(rung.tf32):
+            with torch.autocast(device.type, dtype=torch.bfloat16) if rung.bf16 else contextlib.nullcontext():
+                _, loss = forward(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    with matmul_precision(rung.tf32):
-        first_loss = step()
-        for _ in range(max(warmup - 1, 1 if rung.compile else 0)):
-            step()
-        times = []
-        for _ in range(steps):
+    first_loss = step()  # same seed and tokens on every rung: these should agree closely
+    for _ in range(max(warmup - 1, 1 if rung.compile else 0)):
+        step()
+    state = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    return PreparedRung(rung, cfg, step, first_loss, state)
+
+
+def time_interleaved(prepared: list[PreparedRung], device: torch.device, rounds: int,
+                     peaks: dict[str, float]) -> dict[str, list[float]]:
+    """Seconds per step of each rung, one step of every rung per round.
+
+    Interleaving makes every rung see the same background load, so their ratios stay fair on a
+    shared machine. On a CPU each round also times a bf16 and an fp32 matmul, and `peaks` keeps
+    the best rate seen: the peak is measured under the same conditions as the steps.
+    """
+    times: dict[str, list[float]] = {p.rung.name: [] for p in prepared}
+    for _ in range(rounds):
+        for p in prepared:
             sync(device)
             t0 = time.perf_counter()
-            step()
+            p.step()
             sync(device)
-            times.append(time.perf_counter() - t0)
-        state = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-            t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-            if isinstance(t, torch.Tensor))
-        peak_memory = state + measured_peak_bytes(step, device)
-    if rung.compile:
-        torch._dynamo.reset()  # free the compiled graphs before the next rung
+            times[p.rung.name].append(time.perf_counter() - t0)
+        if device.type == "cpu":
+            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                peaks[name] = max(peaks[name], matmul_rate(dtype))
+    return times
+
+
+def matmul_rate(dtype: torch.dtype, n: int = 2048) -> float:
+    """FLOP/s of one n^3 CPU matmul (after one untimed call)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    return 2.0 * n ** 3 / (time.perf_counter() - t0)
+
+
+def rung_result(p: PreparedRung, times: list[float], batch: int, device: torch.device,
+                peaks: dict[str, float], peak_memory: int) -> RungResult:
     seconds = statistics.median(times)
-    tokens_per_s = batch * cfg.block_size / seconds
-    own = "bf16" if rung.bf16 else ("tf32" if rung.tf32 and device.type == "cuda" else "fp32")
-    achieved = tokens_per_s * flops_per_token(cfg)
-    return RungResult(rung, ms_per_step=seconds * 1e3, tokens_per_s=tokens_per_s,
+    tokens_per_s = batch * p.cfg.block_size / seconds
+    own = "bf16" if p.rung.bf16 else ("tf32" if p.rung.tf32 and device.type == "cuda" else "fp32")
+    achieved = tokens_per_s * flops_per_token(p.cfg)
+    return RungResult(p.rung, ms_per_step=seconds * 1e3, tokens_per_s=tokens_per_s,
                       mfu_bf16=achieved / peaks["bf16"], mfu_own=achieved / peaks[own], own_peak_name=own,
-                      peak_memory_bytes=peak_memory, first_loss=first_loss)
+                      peak_memory_bytes=peak_memory, first_loss=p.first_loss)
+
+
+def run_ladder(rungs: list[Rung], shape: ModelConfig, batch: int, device: torch.device, *, steps: int,
+               warmup: int, peaks: dict[str, float]) -> list[RungResult]:
+    """Every rung prepared, timed interleaved, then its step's peak memory measured alone."""
+    prepared = {}
+    for rung in rungs:
+        if rung.name == "tf32" and device.type != "cuda":
+            continue
+        t0 = time.perf_counter()
+        prepared[rung.name] = prepare_rung(rung, shape, batch, device, warmup=warmup)
+        print(f"  prepared {rung.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    times = time_interleaved(list(prepared.values()), device, steps, peaks)
+    results = []
+    for rung in rungs:
+        if rung.name not in prepared:
+            results.append(RungResult(rung))
+            continue
+        p = prepared[rung.name]
+        peak_memory = p.state_bytes + measured_peak_bytes(p.step, device)
+        results.append(rung_result(p, times[rung.name], batch, device, peaks, peak_memory))
+    return results
 
 
 def attend(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -166,35 +223,39 @@ def attend(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+ATTENTION_IMPLS = ("explicit", "sdpa_mask", "sdpa")
+
+
+def attention_fwd_bwd(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      grad_out: torch.Tensor) -> list[torch.Tensor]:
+    """Output and q, k, v gradients of one forward+backward, in fp32 for comparison."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attend(impl, q, k, v)
+    out.backward(grad_out)
+    return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+
 def run_attention(cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, *,
                   repeats: int) -> list[AttentionResult]:
-    """ms per forward+backward of attention alone, and agreement with the explicit kernel."""
+    """ms per forward+backward of attention alone (interleaved rounds, median), and the largest
+    difference of each kernel's output and gradients from the explicit kernel's."""
     gen = torch.Generator().manual_seed(2)
     shape = (batch, cfg.n_head, cfg.block_size, cfg.head_dim)
-    base = [torch.randn(shape, generator=gen).to(device, dtype) for _ in range(3)]
-    grad_out = torch.randn(shape, generator=gen).to(device, dtype)
-    outputs, results = {}, []
-    for impl in ("explicit", "sdpa_mask", "sdpa"):
-        q, k, v = (t.clone().requires_grad_() for t in base)
-
-        def fwd_bwd():
-            out = attend(impl, q, k, v)
-            out.backward(grad_out)
-            return out
-
-        fwd_bwd()
-        times = []
-        for _ in range(repeats):
-            q.grad = k.grad = v.grad = None
+    q, k, v, grad_out = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(4))
+    reference = attention_fwd_bwd("explicit", q, k, v, grad_out)
+    diffs = {impl: max((a - b).abs().max().item()
+                       for a, b in zip(attention_fwd_bwd(impl, q, k, v, grad_out), reference))
+             for impl in ATTENTION_IMPLS}
+    times: dict[str, list[float]] = {impl: [] for impl in ATTENTION_IMPLS}
+    for _ in range(repeats):
+        for impl in ATTENTION_IMPLS:
             sync(device)
             t0 = time.perf_counter()
-            out = fwd_bwd()
+            attention_fwd_bwd(impl, q, k, v, grad_out)
             sync(device)
-            times.append(time.perf_counter() - t0)
-        outputs[impl] = [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
-        diff = max((a - b).abs().max().item() for a, b in zip(outputs[impl], outputs["explicit"]))
-        results.append(AttentionResult(impl, dtype, statistics.median(times) * 1e3, diff))
-    return results
+            times[impl].append(time.perf_counter() - t0)
+    return [AttentionResult(impl, dtype, statistics.median(times[impl]) * 1e3, diffs[impl])
+            for impl in ATTENTION_IMPLS]
 
 
 def attention_tolerance(dtype: torch.dtype) -> float:
@@ -303,6 +364,30 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def peaks_line(device: torch.device, peaks: dict[str, float]) -> str:
+    source = ("data sheet, or measured if the GPU is unlisted" if device.type == "cuda"
+              else "measured: best 2048^3 matmul, before and between the timed steps")
+    return f"peaks ({source}): " + ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in peaks.items())
+
+
+def report_header(args: argparse.Namespace, argv: list[str] | None, device: torch.device, shape: ModelConfig,
+                  batch: int, peaks: dict[str, float]) -> list[str]:
+    command = "python bench/ladder.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    return [
+        f"command: `{command.strip()}`",
+        f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; device: {device} ({where})",
+        f"model: n_layer={shape.n_layer} n_head={shape.n_head} n_embd={shape.n_embd}, "
+        f"{param_count(shape.replace(vocab_size=GPT2_VOCAB_SIZE)) / 1e6:.1f}M params; micro-batch {batch} x "
+        f"block {shape.block_size} = {batch * shape.block_size:,} tokens/step; median of {args.steps} "
+        f"interleaved steps after {args.warmup} warm-up",
+        peaks_line(device, peaks),
+        f"load average at start (other processes compete for the cores): {os.getloadavg()[0]:.1f}",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
@@ -319,36 +404,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     batch = args.micro_batch_size or (16 if device.type == "cuda" else 4)
-    peaks = {"bf16": device_peak_flops(device, torch.bfloat16),
+    peaks = {"bf16": device_peak_flops(device, torch.bfloat16),  # the CPU ones are raised while timing
              "fp32": device_peak_flops(device, torch.float32, tf32=False)}
     if device.type == "cuda":
         peaks["tf32"] = device_peak_flops(device, torch.float32, tf32=True)
-    command = "python bench/ladder.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    if device.type == "cuda":
-        where, peak_source = torch.cuda.get_device_name(device), "data sheet, or measured if the GPU is unlisted"
-    else:
-        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-        peak_source = "measured: best 2048^3 matmul"
-    header = [
-        f"command: `{command.strip()}`",
-        f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; device: {device} ({where})",
-        f"model: n_layer={shape.n_layer} n_head={shape.n_head} n_embd={shape.n_embd}, "
-        f"{param_count(shape.replace(vocab_size=GPT2_VOCAB_SIZE)) / 1e6:.1f}M params; micro-batch {batch} x "
-        f"block {shape.block_size} = {batch * shape.block_size:,} tokens/step; median of {args.steps} steps "
-        f"after {args.warmup} warm-up",
-        f"peaks ({peak_source}): " + ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in peaks.items()),
-        f"load average at start (other processes compete for the cores): {os.getloadavg()[0]:.1f}",
-    ]
+    header = report_header(args, argv, device, shape, batch, peaks)
     print("\n".join(header), flush=True)
-    results = []
-    for rung in LADDER:
-        if rung.name not in wanted:
-            continue
-        r = run_rung(rung, shape, batch, device, steps=args.steps, warmup=args.warmup, peaks=peaks)
-        status = "n/a" if r.ms_per_step is None else f"{r.ms_per_step:.0f} ms/step, {r.tokens_per_s:,.0f} tokens/s"
-        print(f"  {rung.name}: {status}", file=sys.stderr, flush=True)
-        results.append(r)
+    results = run_ladder([r for r in LADDER if r.name in wanted], shape, batch, device, steps=args.steps,
+                         warmup=args.warmup, peaks=peaks)
+    header[3] = peaks_line(device, peaks)  # raised by the matmuls timed between the steps
     attention = []
     for dtype in (torch.float32, torch.bfloat16):
         attention += run_attention(shape, batch, device, dtype, repeats=max(args.steps, 5))
