@@ -54,6 +54,11 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         self.signum = signum
 
+    @property
+    def name(self) -> str | None:
+        """SIGTERM / SIGUSR1, or None when the stop came from another rank's signal."""
+        return None if self.signum is None else signal.Signals(self.signum).name
+
     def __enter__(self) -> "StopRequest":
         for s in self.SIGNALS:
             self._previous[s] = signal.signal(s, self._handle)
@@ -352,9 +357,9 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
                 log.info(f"sample at step {step}: {text!r}")
             if out["stop"] or done or (tc.ckpt_interval and step % tc.ckpt_interval == 0):
                 save(parts, cfg, dist, log)
-            if out["stop"]:
+            if out["stop"] and not done:  # a signal at the last step changes nothing: the run is complete
                 if dist.is_main:  # after the checkpoint: the marker promises a complete one
-                    ckpt.write_requeue_marker(tc.out_dir, {"step": step, "signal": stop_request.signum,
+                    ckpt.write_requeue_marker(tc.out_dir, {"step": step, "signal": stop_request.name,
                                                            "checkpoint": f"step_{step:08d}.pt"})
                 log.info(f"stopped by signal at step {step}; checkpoint written; wrote {tc.out_dir}/"
                          f"{ckpt.REQUEUE_MARKER} (requeue and resume with --resume auto)")

@@ -79,6 +79,16 @@ class Launched:
         self.proc.wait()
 
 
+def import_train_ddp():
+    """train_ddp.py as a module, to call main() in this process (one rank, no process group)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_ddp", REPO / "train_ddp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):

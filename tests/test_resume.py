@@ -10,11 +10,14 @@ import signal
 import time
 
 import pytest
+import torch
 
-from _helpers import (assert_same_state, launch, load_ckpt, losses, records, run, tiny_run_flags,
-                      wait_for_step)
+from gpt2.checkpoint import verify_checkpoint
 
-MAX_STEPS = 10
+from _helpers import (assert_same_state, import_train_ddp, launch, load_ckpt, losses, records, run,
+                      tiny_run_flags, wait_for_step)
+
+MAX_STEPS = 8
 CKPT_INTERVAL = 3
 
 
@@ -36,7 +39,7 @@ def reference(tmp_path_factory, shakespeare_shards):
 
 
 def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shakespeare_shards, reference):
-    kill_after = random.Random().randint(CKPT_INTERVAL + 1, MAX_STEPS - 2)
+    kill_after = random.Random().randint(CKPT_INTERVAL + 1, MAX_STEPS - 2)  # a step after a checkpoint
     run_dir = tmp_path / "run"
     job = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path, max_restarts=1)
     try:
@@ -59,23 +62,25 @@ def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shak
 def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(tmp_path, shakespeare_shards,
                                                                            reference):
     run_dir = tmp_path / "run"
-    stop_after = random.Random().randint(1, MAX_STEPS - 2)
-    first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first")
+    stop_after = random.Random().randint(1, MAX_STEPS - 4)
+    # --max-restarts 1: a signalled torchrun shuts down instead of restarting its workers
+    first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first", max_restarts=1)
     try:
         wait_for_step(first, run_dir, stop_after)
         first.proc.send_signal(signal.SIGTERM)  # to the agent, which forwards SIGTERM to its workers
         code = first.wait()
     finally:
         first.kill()
-    # torchrun re-raises the signal it got as an error: exit 1 whatever the workers returned. Workers
-    # exit 0 under torchrun (a stop must not look like a failure to --max-restarts).
+    # torchrun re-raises the signal it got as an error: exit 1, whatever its workers returned (0 here).
     assert code == 1, first.output()
+    assert first.stdout.count("model ") == 1, "torchrun restarted the workers"
     marker = json.loads((run_dir / "requeue").read_text())
     stopped = marker["step"]
     assert stop_after <= stopped < MAX_STEPS, (stop_after, first.output())
-    assert marker["signal"] == "SIGTERM" and marker["checkpoint"] == f"step_{stopped:08d}.pt"
+    assert marker == {"step": stopped, "signal": "SIGTERM", "checkpoint": f"step_{stopped:08d}.pt"}
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == marker["checkpoint"]
     assert f"stopped by signal at step {stopped}" in first.stdout
+    assert max(losses(run_dir)) == stopped
 
     second = run(flags(shakespeare_shards, run_dir, "--resume", "auto"), nproc=2, log_dir=tmp_path / "second")
     assert second.proc.returncode == 0, second.output()
@@ -85,81 +90,98 @@ def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(tmp
     assert_same_state(load_ckpt(run_dir, MAX_STEPS), load_ckpt(reference, MAX_STEPS))
 
 
-def test_signal_to_one_worker_stops_all_ranks_without_an_elastic_restart(tmp_path, shakespeare_shards):
-    """SIGUSR1 straight to rank 1 under --max-restarts 1: every rank stops at one step boundary, exits 0,
-    and torchrun ends (exit 0) instead of restarting the group into a new run."""
+def test_nan_step_skipped_then_signal_to_one_worker_stops_every_rank_without_restart(tmp_path, shakespeare_shards):
+    """--inject-nan-step: that update is skipped on every rank and training goes on. Then SIGUSR1 straight
+    to rank 1 under --max-restarts 1: all ranks stop at one step boundary and exit 0, so torchrun ends
+    (exit 0) instead of restarting the group into a new run."""
     run_dir = tmp_path / "run"
-    job = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path, max_restarts=1)
+    job = launch(flags(shakespeare_shards, run_dir, "--ckpt-interval", "1", "--inject-nan-step", "1"), nproc=2,
+                 log_dir=tmp_path, max_restarts=1)
     try:
-        wait_for_step(job, run_dir, 2)
+        wait_for_step(job, run_dir, 3)
         os.kill(job.workers()[1], signal.SIGUSR1)
         assert job.wait() == 0, job.output()
     finally:
         job.kill()
-    marker = json.loads((run_dir / "requeue").read_text())
-    assert marker["signal"] is None  # rank 0 writes the marker; rank 1 got the signal
     assert job.stdout.count("model ") == 1, "torchrun restarted the workers"
-    assert max(losses(run_dir)) == marker["step"] < MAX_STEPS
+    marker = json.loads((run_dir / "requeue").read_text())
+    assert marker["signal"] is None  # rank 0 writes the marker; only rank 1 got the signal
+    steps = {r["step"]: r for r in records(run_dir) if "loss" in r}
+    assert sorted(steps) == list(range(1, marker["step"] + 1)) and marker["step"] < MAX_STEPS
+    # inject_nan_step counts optimizer steps from 0: the second one, logged as step 2
+    assert [s for s, r in steps.items() if r["skipped"]] == [2]
+    assert steps[2]["loss"] is None or steps[2]["loss"] != steps[2]["loss"]  # NaN
+    assert all(r["loss"] == r["loss"] for s, r in steps.items() if s != 2)
+    assert "SKIPPED" in job.stdout
+    before, skipped, after = load_ckpt(run_dir, 1), load_ckpt(run_dir, 2), load_ckpt(run_dir, 3)
+    for k in before["model"]:  # the update was not applied ...
+        assert torch.equal(before["model"][k], skipped["model"][k]), k
+    assert skipped["loader"]["position"] == before["loader"]["position"] + 512  # ... but its batch was used
+    assert not all(torch.equal(after["model"][k], skipped["model"][k]) for k in after["model"])
 
 
-def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path, shakespeare_shards, reference):
+def test_two_rank_checkpoint_resumes_on_one_rank_and_sigterm_exits_3(tmp_path, shakespeare_shards, reference):
+    """A 2-rank checkpoint continues on 1 process (2 accumulation steps) with the same losses; plain
+    `python train_ddp.py` stopped by SIGTERM (twice: the second lands during the step or the save)
+    exits 3 with a loadable checkpoint."""
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     for suffix in (".pt", ".json"):
         src = reference / "checkpoints" / f"step_{CKPT_INTERVAL:08d}{suffix}"
         (run_dir / "checkpoints" / src.name).write_bytes(src.read_bytes())
-    one = run(flags(shakespeare_shards, run_dir), nproc=1, log_dir=tmp_path)
-    assert one.proc.returncode == 0, one.output()
+    one = launch(flags(shakespeare_shards, run_dir), nproc=1, log_dir=tmp_path)
+    try:
+        wait_for_step(one, run_dir, CKPT_INTERVAL + 2)
+        one.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        one.proc.send_signal(signal.SIGTERM)
+        code = one.wait()
+    finally:
+        one.kill()
+    assert code == 3, one.output()
     assert "resume: world size 2 -> 1; accumulation is now 2 micro-steps" in one.stdout
+    stopped = json.loads((run_dir / "requeue").read_text())["step"]
     got, want = losses(run_dir), losses(reference)
-    assert sorted(got) == list(range(CKPT_INTERVAL + 1, MAX_STEPS + 1))
+    assert sorted(got) == list(range(CKPT_INTERVAL + 1, stopped + 1)) and stopped < MAX_STEPS
     for step in got:
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped:08d}.pt")
+    assert load_ckpt(run_dir, stopped)["world_size"] == 1
 
 
-def test_nan_step_is_skipped_and_the_run_continues(tmp_path, shakespeare_shards):
+def test_consecutive_nan_steps_stop_the_run_without_a_checkpoint_of_them(tmp_path, shakespeare_shards, capsys):
+    train_ddp = import_train_ddp()  # in this process: one rank, no process group, no start-up cost
     run_dir = tmp_path / "run"
-    done = run([*tiny_run_flags(shakespeare_shards, max_steps=5, ckpt_interval=1), "--out-dir", str(run_dir),
-                "--inject-nan-step", "2"], nproc=2, log_dir=tmp_path)
-    assert done.proc.returncode == 0, done.output()
-    steps = {r["step"]: r for r in records(run_dir) if "loss" in r}
-    assert sorted(steps) == [1, 2, 3, 4, 5]
-    # inject_nan_step counts from 0: the third optimizer step, logged as step 3
-    assert [s for s, r in steps.items() if r["skipped"]] == [3]
-    assert steps[3]["loss"] is None or steps[3]["loss"] != steps[3]["loss"]  # NaN
-    assert "SKIPPED" in done.stdout
-    before, skipped = load_ckpt(run_dir, 2), load_ckpt(run_dir, 3)
-    for k in before["model"]:  # the update was not applied
-        assert (before["model"][k] == skipped["model"][k]).all(), k
-    after = load_ckpt(run_dir, 5)
-    assert all(v == v for v in [steps[4]["loss"], steps[5]["loss"]])
-    assert not all((after["model"][k] == skipped["model"][k]).all() for k in after["model"])
-
-
-def test_consecutive_nan_steps_stop_the_run_without_a_checkpoint_of_them(tmp_path, shakespeare_shards):
-    run_dir = tmp_path / "run"
-    done = run([*tiny_run_flags(shakespeare_shards, max_steps=6, ckpt_interval=1), "--out-dir", str(run_dir),
-                "--inject-nan-step", "2", "--max-bad-steps", "1"], nproc=1, log_dir=tmp_path)
-    assert done.proc.returncode == 1, done.output()
-    assert "train_ddp.py: error: 1 consecutive steps had a non-finite loss" in done.stderr
-    assert "Traceback" not in done.stderr
+    code = train_ddp.main([*tiny_run_flags(shakespeare_shards, max_steps=6, ckpt_interval=1, eval_tokens=256),
+                           "--out-dir", str(run_dir), "--inject-nan-step", "2", "--max-bad-steps", "1"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "train_ddp.py: error: 1 consecutive steps had a non-finite loss or gradient norm (last: step 3)" in err
+    assert "no checkpoint was written from them" in err
     ckdir = run_dir / "checkpoints"
     assert (ckdir / "latest").read_text().strip() == "step_00000002.pt"
     assert not (ckdir / "step_00000003.pt").exists()
+    assert [r["step"] for r in records(run_dir) if r.get("skipped")] == [3]
 
 
 def test_dead_peer_gives_an_error_within_the_timeout_not_a_hang(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
     job = launch([*tiny_run_flags(shakespeare_shards, max_steps=1000, ckpt_interval=0), "--out-dir", str(run_dir),
-                  "--dist-timeout-s", "5"], nproc=2, log_dir=tmp_path, env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"})
+                  "--dist-timeout-s", "3"], nproc=2, log_dir=tmp_path)
     try:
-        wait_for_step(job, run_dir, 2)
-        os.kill(job.workers()[1], signal.SIGSTOP)  # alive but silent: sockets stay open
+        wait_for_step(job, run_dir, 1)
+        workers = job.workers()
+        os.kill(workers[1], signal.SIGSTOP)  # alive but silent: its sockets stay open, nothing fails fast
         t0 = time.monotonic()
-        code = job.wait(timeout=90)
+        while "train_ddp.py: error:" not in job.stderr and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
         elapsed = time.monotonic() - t0
+        # torchrun would now wait 30 s (fixed, for a failed group) for the stopped rank before SIGKILL
+        os.kill(workers[1], signal.SIGKILL)
+        code = job.wait(timeout=60)
     finally:
         job.kill()
-    assert code == 1, job.output()
-    assert elapsed < 60, elapsed
     assert "train_ddp.py: error: rank 0: a collective operation failed" in job.stderr, job.output()
+    assert "another rank died or stopped responding within --dist-timeout-s 3" in job.stderr
+    assert elapsed < 25, elapsed  # 3 s timeout plus a busy machine's slack, not a hang
+    assert code == 1

@@ -1,0 +1,261 @@
+"""Checkpoint files: atomic writes, sidecars, retention, damaged files, compatibility, RNG, stop markers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2 import checkpoint as ckpt
+from gpt2.config import ModelConfig, RunConfig, TrainConfig
+from gpt2.trainer import StopRequest, check_compatible, rng_state, set_rng_state
+
+from _helpers import import_train_ddp, tiny_run_flags
+from conftest import REPO
+
+
+def state(step: int, n: int = 1000) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(n, generator=g)}, "note": f"step {step}"}
+
+
+def names(out_dir) -> list[str]:
+    return sorted(p.name for p in (out_dir / "checkpoints").iterdir())
+
+
+class Log:
+    """Stands in for Metrics: records what would be printed."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, message: str) -> None:
+        self.lines.append(message)
+
+    warn = info
+
+
+def test_save_writes_file_sidecar_and_latest_atomically(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 7, state(7), keep=3)
+    assert path == tmp_path / "checkpoints" / "step_00000007.pt"
+    assert names(tmp_path) == ["latest", "step_00000007.json", "step_00000007.pt"]  # no temp files left
+    meta = json.loads(path.with_suffix(".json").read_text())
+    data = path.read_bytes()
+    assert meta == {"step": 7, "file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000007.pt\n"
+    loaded = ckpt.load_checkpoint(path)
+    assert loaded["step"] == 7 and loaded["format"] == ckpt.FORMAT_VERSION and loaded["note"] == "step 7"
+    assert torch.equal(loaded["model"]["w"], state(7)["model"]["w"])
+    assert ckpt.resolve_resume("auto", tmp_path) == path
+    assert ckpt.resolve_resume("never", tmp_path) is None
+    assert ckpt.resolve_resume("auto", tmp_path / "elsewhere") is None  # fresh start
+
+
+def test_retention_keeps_the_newest_complete_checkpoints(tmp_path):
+    for step in range(1, 6):
+        ckpt.save_checkpoint(tmp_path, step, state(step), keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000005.pt", "step_00000004.pt"]
+    assert not list((tmp_path / "checkpoints").glob("step_0000000[123].json"))
+
+
+def test_retention_never_counts_or_keeps_incomplete_files_and_never_deletes_the_only_valid_one(tmp_path):
+    ckdir = tmp_path / "checkpoints"
+    ckpt.save_checkpoint(tmp_path, 1, state(1), keep=2)
+    # Two later writes that died between the rename and the sidecar: no sidecar, they do not count.
+    for step in (2, 3):
+        ckpt.save_checkpoint(tmp_path, step, state(step), keep=5)
+        (ckdir / f"step_{step:08d}.json").unlink()
+    ckpt.save_checkpoint(tmp_path, 4, state(4), keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000004.pt", "step_00000001.pt"]
+    # keep=1: only the one just written survives, and it is the valid one
+    ckpt.save_checkpoint(tmp_path, 5, state(5), keep=1)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000005.pt"]
+    ckpt.verify_checkpoint(ckdir / "step_00000005.pt")
+
+
+def test_retention_after_resuming_an_earlier_checkpoint_keeps_the_one_just_written(tmp_path):
+    """Resumed from step 2 while step 9 exists (an abandoned continuation): saving step 3 with keep=1 must
+    not delete step 3 (the newest by step is 9) and `latest` names step 3."""
+    for step in (2, 9):
+        ckpt.save_checkpoint(tmp_path, step, state(step), keep=5)
+    ckpt.save_checkpoint(tmp_path, 3, state(3), keep=1)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000009.pt", "step_00000003.pt"]
+    assert ckpt.resolve_resume("auto", tmp_path).name == "step_00000003.pt"  # `latest` wins over step order
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_sidecar", "garbage_sidecar"])
+def test_damaged_newest_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_path, damage):
+    good = ckpt.save_checkpoint(tmp_path, 1, state(1), keep=3)
+    bad = ckpt.save_checkpoint(tmp_path, 2, state(2), keep=3)
+    data = bytearray(bad.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        bad.write_bytes(bytes(data))
+    elif damage == "truncate":
+        bad.write_bytes(bytes(data[: len(data) // 3]))
+    elif damage == "no_sidecar":
+        bad.with_suffix(".json").unlink()
+    else:
+        bad.with_suffix(".json").write_text("{not json")
+    warnings = []
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) == good
+    assert len(warnings) == 1 and "skipping checkpoint" in warnings[0] and bad.name in warnings[0]
+    expected = {"flip": "sha256 does not match", "truncate": "truncated", "no_sidecar": "did not finish",
+                "garbage_sidecar": "did not finish"}[damage]
+    with pytest.raises(ckpt.CheckpointError, match=expected):
+        ckpt.resolve_resume(str(bad), tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match=expected):
+        ckpt.load_checkpoint(bad)
+    ckpt.load_checkpoint(good)
+
+
+def test_named_paths(tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match="no such checkpoint file"):
+        ckpt.resolve_resume(str(tmp_path / "nope.pt"), tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match="no valid checkpoint in that directory"):
+        ckpt.resolve_resume(str(tmp_path), tmp_path)
+    path = ckpt.save_checkpoint(tmp_path, 4, state(4), keep=3)
+    assert ckpt.resolve_resume(str(tmp_path), tmp_path / "other") == path  # a run directory
+    assert ckpt.resolve_resume(str(tmp_path / "checkpoints"), tmp_path / "other") == path
+    torch.save({"model": {}}, tmp_path / "foreign.pt")
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint of this program"):
+        ckpt.load_checkpoint(tmp_path / "foreign.pt", verify=False)
+
+
+KILLED_WRITER = """
+import os, signal, sys, torch
+from gpt2 import checkpoint as ckpt
+out = sys.argv[1]
+ckpt.save_checkpoint(out, 1, {"model": {"w": torch.ones(300_000)}}, keep=3)
+write = ckpt._HashingWriter.write
+def dying_write(self, data):
+    n = write(self, data)
+    if self.size > 400_000:  # well inside the second checkpoint's 1.2 MB of tensor data
+        self.f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return n
+ckpt._HashingWriter.write = dying_write
+ckpt.save_checkpoint(out, 2, {"model": {"w": torch.zeros(300_000)}}, keep=3)
+"""
+
+
+def test_process_killed_inside_torch_save_leaves_the_previous_checkpoint_selected(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED_WRITER), str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    ckdir = tmp_path / "checkpoints"
+    tmps = list(ckdir.glob("step_00000002.pt.*.tmp"))
+    assert len(tmps) == 1 and tmps[0].stat().st_size > 400_000  # a real half-written file
+    assert not (ckdir / "step_00000002.pt").exists()
+    assert (ckdir / "latest").read_text().strip() == "step_00000001.pt"
+    found = ckpt.resolve_resume("auto", tmp_path, warn=pytest.fail)
+    assert found.name == "step_00000001.pt"
+    assert torch.equal(ckpt.load_checkpoint(found)["model"]["w"], torch.ones(300_000))
+    # The next save (the resumed run's) removes the debris.
+    ckpt.save_checkpoint(tmp_path, 2, state(2), keep=3)
+    assert not list(ckdir.glob("*.tmp"))
+
+
+def run_config(**changes) -> RunConfig:
+    model = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64}
+    model.update({k: changes.pop(k) for k in list(changes) if k in ModelConfig.__dataclass_fields__})
+    return RunConfig(ModelConfig(**model),
+                     TrainConfig(data_dir="d", out_dir="o", **changes))
+
+
+def test_incompatible_model_shape_or_tokenizer_is_refused():
+    saved = {"config": run_config().to_dict(), "tokenizer": "gpt2"}
+    with pytest.raises(ckpt.CheckpointError, match=r"model shape differs.*n_layer: checkpoint 2 vs now 3.*"
+                                                    r"n_embd: checkpoint 64 vs now 128"):
+        check_compatible(saved, run_config(n_layer=3, n_embd=128), Log())
+    with pytest.raises(ckpt.CheckpointError, match="block_size"):
+        check_compatible(saved, run_config(block_size=128), Log())
+    with pytest.raises(ckpt.CheckpointError, match="tokenizer 'cl100k' is not gpt2"):
+        check_compatible({**saved, "tokenizer": "cl100k"}, run_config(), Log())
+
+
+def test_changed_learning_rate_and_max_steps_are_allowed_and_logged():
+    saved = {"config": run_config().to_dict(), "tokenizer": "gpt2"}
+    log = Log()
+    check_compatible(saved, run_config(lr=1e-4, max_steps=50, resume="never", dropout=0.1), log)
+    assert "resume: lr changed from 0.0006 to 0.0001" in log.lines
+    assert "resume: max_steps changed from 19073 to 50" in log.lines
+    assert not any("resume " in line or "dropout" in line for line in log.lines)  # not a shape field
+    assert len(log.lines) == 2
+
+
+def test_resume_through_main_refuses_another_shape_and_logs_a_new_lr(tmp_path, shakespeare_shards, capsys):
+    """train_ddp.main in this process (one rank, no process group): exit codes and messages users see."""
+    train_ddp = import_train_ddp()
+    base = [*tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=1, eval_tokens=256),
+            "--out-dir", str(tmp_path)]
+    assert train_ddp.main(base) == 0
+    capsys.readouterr()
+    assert train_ddp.main([*base, "--n-layer", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "train_ddp.py: error: the checkpoint's model shape differs from this run's: n_layer: checkpoint 2 vs " \
+           "now 3. Use the same shape flags, or start fresh with --resume never" in err
+    assert train_ddp.main([*base, "--max-steps", "3", "--lr", "1e-3"]) == 0
+    out = capsys.readouterr().out
+    assert "resume: max_steps changed from 2 to 3" in out and "resume: lr changed from 0.003 to 0.001" in out
+    assert "resumed from" in out and "at step 2" in out
+    ckdir = tmp_path / "checkpoints"
+    data = bytearray((ckdir / "step_00000003.pt").read_bytes())
+    data[-100] ^= 1
+    (ckdir / "step_00000003.pt").write_bytes(bytes(data))
+    assert train_ddp.main([*base, "--max-steps", "3", "--resume", str(ckdir / "step_00000003.pt")]) == 2
+    assert "sha256 does not match its sidecar; the file is corrupt" in capsys.readouterr().err
+
+
+def test_rng_states_survive_a_weights_only_checkpoint(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.random(), np.random.rand(), torch.rand(1), np.random.randn()  # move off the seeds
+    ckpt.save_checkpoint(tmp_path, 1, {"rng": [rng_state()]}, keep=1)
+    want = (random.random(), np.random.rand(3).tolist(), np.random.randn(), torch.rand(3))
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    set_rng_state(ckpt.load_checkpoint(ckpt.resolve_resume("auto", tmp_path))["rng"][0])
+    got = (random.random(), np.random.rand(3).tolist(), np.random.randn(), torch.rand(3))
+    assert got[:3] == want[:3] and torch.equal(got[3], want[3])
+
+
+def test_stop_request_records_repeated_signals_and_restores_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        assert stop.signum is None and stop.name is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal, e.g. during the save: only the flag moves
+        assert stop.name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_requeue_marker_and_exit_code_contract(tmp_path):
+    path = ckpt.write_requeue_marker(tmp_path, {"step": 5, "signal": "SIGUSR1", "checkpoint": "step_00000005.pt"})
+    assert path == tmp_path / "requeue"
+    assert json.loads(path.read_text())["step"] == 5
+    ckpt.clear_requeue_marker(tmp_path)
+    ckpt.clear_requeue_marker(tmp_path)  # idempotent
+    assert not path.exists()
+    assert ckpt.stop_exit_code({}) == ckpt.EXIT_REQUEUE == 3
+    assert ckpt.stop_exit_code({"TORCHELASTIC_RUN_ID": "x"}) == 0
+
+
+def test_load_model_from_a_run_directory(tmp_path):
+    from gpt2.model import GPT
+
+    cfg = run_config()
+    model = GPT(cfg.model)
+    ckpt.save_checkpoint(tmp_path, 3, {"model": model.state_dict(), "config": cfg.to_dict()}, keep=1)
+    loaded, saved = ckpt.load_model(tmp_path)
+    assert saved["step"] == 3 and not loaded.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
