@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         dist = setup(info, device, cfg.train.dist_timeout_s)
         code = train(cfg, dist, shards)
         return 0 if code == EXIT_REQUEUE and under_torchrun() else code
-    except CheckpointError as e:
-        print(f"train_ddp.py: error: {e}", file=sys.stderr)
+    except CheckpointError as e:  # every rank loads the checkpoint: one message is enough
+        if dist is None or dist.is_main:
+            print(f"train_ddp.py: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:
         if dist is None or dist.is_main:
@@ -55,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         rank = dist.rank if dist is not None else "?"
         print(f"train_ddp.py: error: rank {rank}: a collective operation failed ({type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''}); another rank died or stopped responding "
-              f"within --dist-timeout-s {cfg.train.dist_timeout_s:g}. Resume with --resume auto",
+              f"{str(e).splitlines()[0] if str(e) else ''}); another rank died, or did not answer within "
+              f"--dist-timeout-s {cfg.train.dist_timeout_s:g}: its own log says why. Restarting (torchrun "
+              "--max-restarts, a requeue) with --resume auto continues from the newest checkpoint",
               file=sys.stderr)
         return 1
     finally:

@@ -179,7 +179,10 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
     parts.optimizer.load_state_dict(state["optimizer"])
     for group in parts.optimizer.param_groups:  # the schedule sets lr each step; keep new hyper-parameters
         group["weight_decay"] = cfg.train.weight_decay if group["weight_decay"] else 0.0
-    parts.loader.load_state_dict(state["loader"])
+    try:
+        parts.loader.load_state_dict(state["loader"])
+    except ValueError as e:  # other data or seed: a user error with its fix in the message
+        raise ckpt.CheckpointError(f"{path}: {e}") from None
     rngs = state["rng"]
     # Same world size: each rank gets its own RNG back. Otherwise rank r takes saved rank r mod W.
     set_rng_state(rngs[dist.rank % len(rngs)])

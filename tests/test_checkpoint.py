@@ -204,6 +204,8 @@ def test_resume_through_main_refuses_another_shape_and_logs_a_new_lr(tmp_path, s
     err = capsys.readouterr().err
     assert "train_ddp.py: error: the checkpoint's model shape differs from this run's: n_layer: checkpoint 2 vs " \
            "now 3. Use the same shape flags, or start fresh with --resume never" in err
+    assert train_ddp.main([*base, "--seed", "7"]) == 2
+    assert "the checkpoint's data order used seed 1337, this run has --seed 7" in capsys.readouterr().err
     assert train_ddp.main([*base, "--max-steps", "3", "--lr", "1e-3"]) == 0
     out = capsys.readouterr().out
     assert "resume: max_steps changed from 2 to 3" in out and "resume: lr changed from 0.003 to 0.001" in out

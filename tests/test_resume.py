@@ -131,7 +131,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_and_sigterm_exits_3(tmp_path, s
         (run_dir / "checkpoints" / src.name).write_bytes(src.read_bytes())
     one = launch(flags(shakespeare_shards, run_dir), nproc=1, log_dir=tmp_path)
     try:
-        wait_for_step(one, run_dir, CKPT_INTERVAL + 2)
+        wait_for_step(one, run_dir, CKPT_INTERVAL + 1)
         one.proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         one.proc.send_signal(signal.SIGTERM)
@@ -182,6 +182,6 @@ def test_dead_peer_gives_an_error_within_the_timeout_not_a_hang(tmp_path, shakes
     finally:
         job.kill()
     assert "train_ddp.py: error: rank 0: a collective operation failed" in job.stderr, job.output()
-    assert "another rank died or stopped responding within --dist-timeout-s 3" in job.stderr
+    assert "another rank died, or did not answer within --dist-timeout-s 3" in job.stderr
     assert elapsed < 25, elapsed  # 3 s timeout plus a busy machine's slack, not a hang
     assert code == 1
