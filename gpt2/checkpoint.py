@@ -8,10 +8,12 @@ A checkpoint counts only when its sidecar exists and its bytes match, so a proce
 writing (or a truncated copy) is never selected: `auto` falls back to the previous one.
 
 Stop signals and requeueing (the contract slurm/* relies on):
-  SIGTERM or SIGUSR1 to the trainer (torchrun forwards SIGTERM to every worker; it does not handle
-  SIGUSR1) makes every rank stop at the same step boundary; rank 0 writes a checkpoint, then
-  RUN/requeue (JSON: step, signal, checkpoint). RUN/requeue exists exactly when the last run in RUN
-  ended on a stop signal after a complete checkpoint: every run deletes it when it starts.
+  SIGTERM or SIGUSR1 to any trainer process makes every rank stop at the same step boundary; rank 0
+  writes a checkpoint, then RUN/requeue (JSON: step, signal, checkpoint). Signal torchrun with
+  SIGTERM: it forwards that to every worker and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s)
+  before SIGKILL. SIGUSR1 kills torchrun at once (exit 138) and leaves its workers running.
+  RUN/requeue exists exactly when the last run in RUN ended on a stop signal after a complete
+  checkpoint: every run deletes it when it starts.
   Exit codes of train_ddp.py:
     - plain `python train_ddp.py`: 3 (EXIT_REQUEUE).
     - under torchrun: 0. torchrun cannot pass a worker's code on (any failed worker makes it exit 1),
