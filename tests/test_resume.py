@@ -39,24 +39,28 @@ def reference(tmp_path_factory, shakespeare_shards):
 
 
 def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shakespeare_shards, reference):
-    kill_after = random.Random().randint(CKPT_INTERVAL + 1, MAX_STEPS - 2)  # a step after a checkpoint
+    rng = random.Random()
+    victim = rng.choice([0, 1])  # rank 0 may die inside a checkpoint write
+    kill_after = rng.randint(CKPT_INTERVAL + 1, MAX_STEPS - 2)  # a step after a checkpoint
+    where = f"rank {victim} killed after step {kill_after}"
     run_dir = tmp_path / "run"
     job = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path, max_restarts=1)
     try:
         wait_for_step(job, run_dir, kill_after)
         pids = job.workers()
         assert sorted(pids) == [0, 1], pids
-        os.kill(pids[1], signal.SIGKILL)
-        assert job.wait() == 0, job.output()
+        os.kill(pids[victim], signal.SIGKILL)
+        assert job.wait() == 0, f"{where}\n{job.output()}"
     finally:
         job.kill()
     resumed = [int(line.split(" at step ")[1].split()[0]) for line in job.stdout.splitlines()
                if line.startswith("resumed from ")]
-    assert len(resumed) == 1 and 0 < resumed[0] <= kill_after, (kill_after, job.output())
+    assert len(resumed) == 1 and 0 < resumed[0] <= kill_after, f"{where}\n{job.output()}"
     assert resumed[0] % CKPT_INTERVAL == 0
-    assert losses(run_dir) == losses(reference), f"killed after step {kill_after}"
+    assert losses(run_dir) == losses(reference), where
     assert_same_state(load_ckpt(run_dir, MAX_STEPS), load_ckpt(reference, MAX_STEPS))
     assert not (run_dir / "requeue").exists()
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
 def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(tmp_path, shakespeare_shards,
