@@ -169,12 +169,14 @@ class GPT(nn.Module):
         """Parameters counted once each (the tied embedding/LM head is one tensor)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None, *,
-                kv_cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *, kv_cache: KVCache | None = None,
+                return_logits: bool = True) -> tuple[Tensor | None, Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, vocab_size) and, with targets, the mean loss.
 
         Targets equal to -1 are ignored. With a kv_cache, idx holds the tokens after position
-        kv_cache.pos and the cache advances past them.
+        kv_cache.pos and the cache advances past them. With targets and return_logits=False the
+        loss comes from `linear_cross_entropy` (same maths, no (B, T, vocab) logits kept: what
+        training wants) and the logits returned are None.
         """
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
@@ -187,6 +189,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
+        if targets is not None and not return_logits:
+            return None, linear_cross_entropy(x, self.lm_head.weight, self.logit_bias, targets)
         logits = F.linear(x, self.lm_head.weight, self.logit_bias)
         if targets is None:
             return logits, None
@@ -234,6 +238,84 @@ def sample_next(logits: Tensor, *, temperature: float, top_k: int | None,
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+# Most logits one chunk of `linear_cross_entropy` holds: 2**25 (128 MiB as fp32). Larger chunks
+# keep the LM-head matmuls large; smaller ones lower the peak memory of the loss.
+LOSS_CHUNK_LOGITS = 2**25
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *,
+                         chunk_rows: int | None = None) -> Tensor:
+    """Mean cross-entropy of F.linear(x, weight, bias) against targets (-1 = ignored), in chunks.
+
+    The maths of the model's plain path, `F.cross_entropy(logits.float(), targets,
+    ignore_index=-1)`, autocast included (matmuls in the autocast dtype, softmax in fp32), without
+    ever holding the (N, V) logits: each chunk of rows makes its logits, its loss and, when
+    gradients are wanted, its gradients at once, so backward only scales what forward left. The
+    full path keeps several (N, V) fp32 tensors (logits, log-probabilities, their gradients): for
+    2,048 tokens and 50,304 entries that is 412 MB each, written and read again.
+    """
+    h = x.size(-1)
+    x2, t = x.reshape(-1, h), targets.reshape(-1)
+    if x2.size(0) != t.size(0):
+        raise ValueError(f"{x2.size(0)} positions but {t.size(0)} targets; pass targets shaped like idx")
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    max_rows = chunk_rows or max(1, LOSS_CHUNK_LOGITS // weight.size(0))
+    n_chunks = -(-x2.size(0) // max_rows)
+    rows = -(-x2.size(0) // n_chunks)  # equal chunks: 2048 rows in 4 x 512, not 3 x 667 + 47
+    with torch.autocast(device_type, enabled=False):  # the dtypes are chosen explicitly below
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _LinearCrossEntropy.apply(x2, weight, bias, t, dtype, rows)
+        return _cross_entropy_chunks(x2, weight, bias, t, dtype, rows, grads=False)[0]
+
+
+def _cross_entropy_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                          dtype: torch.dtype, rows: int, *, grads: bool):
+    """(loss, grad_x, grad_weight) of the mean loss; the gradients only with grads, else None.
+
+    Matmuls run in `dtype` as autocast runs F.linear; logits are softmaxed in fp32. d loss / d
+    logits is (softmax - onehot(target)) / n on counted rows and 0 on ignored ones.
+    """
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    valid = targets != -1
+    n = valid.sum()
+    vocab = torch.arange(weight.size(0), device=x.device)
+    losses, grad_x, grad_w = [], [], None
+    for start in range(0, x.size(0), rows):
+        xs = x[start:start + rows].to(dtype)
+        ts, vs = targets[start:start + rows], valid[start:start + rows]
+        logits = (xs @ w.t() if b is None else torch.addmm(b, xs, w.t())).float()  # (rows, V)
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
+        losses.append(torch.where(vs, lse - picked, 0.0).sum())
+        if grads:
+            scale = torch.where(vs, 1.0 / n, 0.0)[:, None]
+            g = ((torch.exp(logits - lse[:, None]) - (vocab == ts[:, None]).float()) * scale).to(dtype)
+            grad_x.append((g @ w).to(x.dtype))
+            part = (g.t() @ xs).float()  # (V, h); summed in fp32 over chunks
+            grad_w = part if grad_w is None else grad_w + part
+    loss = torch.stack(losses).sum() / n
+    if not grads:
+        return loss, None, None
+    return loss, torch.cat(grad_x), grad_w.to(weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The loss with its gradients computed in forward (no recomputed LM-head matmul)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, dtype, rows):
+        loss, grad_x, grad_w = _cross_entropy_chunks(x, weight, bias, targets, dtype, rows, grads=True)
+        ctx.save_for_backward(grad_x, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None
 
 
 def unwrap(model: nn.Module) -> nn.Module:

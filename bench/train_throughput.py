@@ -1,0 +1,259 @@
+"""Training throughput and MFU of the real trainer on a fixed CPU workload.
+
+    python bench/train_throughput.py                 # a few minutes on an idle 2-core machine
+    python bench/train_throughput.py --steps 6 --md bench/train_throughput.md
+
+Workload: GPT-2 shape with 6 layers, 6 heads, width 384, block 256, vocab 50304, micro-batch 8,
+4,096 tokens per optimizer step (2 micro-batches on one process, 1 on each of two), random tokens.
+Rows, each timed after --warmup steps (compilation happens there) as the median of --steps steps:
+  fp32 eager / fp32 compiled / bf16 compiled    in this process, through gpt2.trainer.build() and
+                                                train_step(), cores/1 threads (configure_backends)
+  bf16 compiled, fused loss                     the same, the model called with return_logits=False
+                                                (gpt2.model.linear_cross_entropy)
+  1 x N threads vs N x 1 thread                 real `python train_ddp.py` / `torchrun
+                                                --nproc_per_node=N train_ddp.py` runs (gloo),
+                                                tokens/s read from RUN/metrics.jsonl
+DDP efficiency = (N processes x 1 thread tokens/s) / (1 process x N threads tokens/s).
+MFU = model FLOPs (gpt2.flops.flops_per_token: 6N + 12LhT) per second over the matmul peak
+measured in this run (best 2048^3 matmul, taken before, between and after the rows: the
+least-disturbed measurement). On a shared machine the wall-clock numbers move with the load, so
+the in-process rows also give MFU by CPU time: FLOPs per CPU-second over the peak's FLOPs per
+CPU-second (the same thread count), which load from other processes changes much less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpt2.cli import parse_config
+from gpt2.config import GPT2_VOCAB_SIZE, RunConfig
+from gpt2.dist import Dist
+from gpt2.flops import flops_per_token
+from gpt2.metrics import Metrics, read_metrics
+from gpt2.shards import write_shard
+from gpt2.trainer import build, check_data, configure_backends, train_step
+
+REPO = Path(__file__).resolve().parent.parent
+MICRO_BATCH, BLOCK, TOKENS_PER_STEP = 8, 256, 4096
+WORKLOAD = ["--device", "cpu", "--n-layer", "6", "--n-head", "6", "--n-embd", "384", "--block-size", str(BLOCK),
+            "--vocab-size", "50304", "--micro-batch-size", str(MICRO_BATCH), "--total-batch-size",
+            str(TOKENS_PER_STEP), "--eval-tokens", "0", "--sample-interval", "0", "--ckpt-interval", "0",
+            "--keep-checkpoints", "1", "--plot", "false", "--log-interval", "1", "--warmup-steps", "2",
+            "--lr", "3e-4", "--min-lr", "3e-5", "--seed", "1337"]
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    layout: str
+    """processes x threads"""
+    dtype: str
+    step_s: float
+    tokens_per_s: float
+    cpu_s: float | None = None
+    """CPU seconds per step, all threads (in-process rows only)."""
+    first_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class Peak:
+    wall: float
+    """Best FLOP/s."""
+    cpu: float
+    """Best FLOPs per CPU-second of the process (all threads)."""
+
+
+def measure_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> Peak:
+    """An n^3 matmul's best FLOP/s, by wall clock and by process CPU time (warmed up first)."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+    for _ in range(2):
+        torch.mm(a, b)
+    wall = cpu = float("inf")
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        torch.mm(a, b)
+        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
+    return Peak(2.0 * n ** 3 / wall, 2.0 * n ** 3 / cpu)
+
+
+class Peaks:
+    """The best of every peak measurement in the run, per dtype."""
+
+    def __init__(self) -> None:
+        self.best: dict[str, Peak] = {}
+
+    def measure(self) -> None:
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            p, old = measure_peak(dtype), self.best.get(name)
+            self.best[name] = p if old is None else Peak(max(p.wall, old.wall), max(p.cpu, old.cpu))
+
+
+def write_random_shards(data_dir: Path, n_tokens: int) -> None:
+    gen = np.random.default_rng(0)
+    write_shard(data_dir / "bench_train_000000.bin", gen.integers(0, GPT2_VOCAB_SIZE, n_tokens, dtype=np.int64))
+
+
+class FusedLossCall(torch.nn.Module):
+    """Calls the wrapped model with return_logits=False: what train_step does once it passes it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, targets=None):
+        return self.model(idx, targets, return_logits=False)
+
+
+def run_in_process(name: str, cfg: RunConfig, *, steps: int, warmup: int, fused_loss: bool) -> Row:
+    """Time gpt2.trainer.train_step on a one-process world (build() compiles as the trainer does)."""
+    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    configure_backends(cfg.train, dist)
+    with tempfile.TemporaryDirectory() as out:
+        log = Metrics(dist, out)
+        parts = build(cfg, dist, log, check_data(cfg, 1))
+        if fused_loss:
+            parts.train_model = FusedLossCall(parts.train_model)
+        first_loss, times = None, []
+        for i in range(warmup + steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            out_step = train_step(parts, cfg, dist, False)
+            if i >= warmup:
+                times.append((time.perf_counter() - t0, time.process_time() - c0))
+            first_loss = out_step["loss"] if first_loss is None else first_loss
+        log.close()
+    torch._dynamo.reset()  # free compiled graphs before the next row
+    step_s = statistics.median(t for t, _ in times)
+    return Row(name, f"1 x {torch.get_num_threads()}", cfg.train.dtype, step_s, TOKENS_PER_STEP / step_s,
+               cpu_s=statistics.median(c for _, c in times), first_loss=first_loss)
+
+
+def run_trainer(name: str, data_dir: Path, out_dir: Path, *, processes: int, threads: int, steps: int,
+                warmup: int) -> Row:
+    """A real train_ddp.py run (torchrun for more than one process); tokens/s from metrics.jsonl."""
+    args = ["train_ddp.py", *WORKLOAD, "--data-dir", str(data_dir), "--out-dir", str(out_dir),
+            "--num-threads", str(threads), "--max-steps", str(warmup + steps)]
+    if processes == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *args]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    records = [r for r in read_metrics(out_dir / "metrics.jsonl") if "tok_per_s" in r]
+    timed = [r for r in records if r["step"] > warmup]
+    step_s = statistics.median(r["step_s"] for r in timed)
+    return Row(name, f"{processes} x {threads}", "bfloat16", step_s, TOKENS_PER_STEP / step_s,
+               first_loss=records[0]["loss"])
+
+
+def table(rows: list[Row], cfg: RunConfig, peaks: Peaks) -> str:
+    flops_step = flops_per_token(cfg.model) * TOKENS_PER_STEP
+    own = {"float32": "fp32", "bfloat16": "bf16"}
+    out = ["| configuration | processes x threads | s/step | tokens/s | MFU vs bf16 peak | MFU vs own dtype peak "
+           "| MFU vs bf16 peak, CPU time | loss (step 1) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        achieved = flops_step / r.step_s
+        by_cpu = "" if r.cpu_s is None else f"{flops_step / r.cpu_s / peaks.best['bf16'].cpu:.1%}"
+        out.append(f"| {r.name} | {r.layout} | {r.step_s:.2f} | {r.tokens_per_s:,.0f} | "
+                   f"{achieved / peaks.best['bf16'].wall:.1%} | {achieved / peaks.best[own[r.dtype]].wall:.1%} "
+                   f"({own[r.dtype]}) | {by_cpu} | {r.first_loss:.4f} |")
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per row (median)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="cores to use: 1 process x THREADS vs THREADS processes x 1")
+    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: fp32,fp32c,bf16c,fused,ddp")
+    ap.add_argument("--md", type=Path, help="also write the Markdown report here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.steps < 1 or args.warmup < 1 or args.threads < 1:
+        print("error: --steps, --warmup and --threads must be at least 1", file=sys.stderr)
+        return 2
+    skip = set(filter(None, args.skip.split(",")))
+    base = WORKLOAD + ["--num-threads", str(args.threads), "--max-steps", str(args.warmup + args.steps)]
+    command = "python bench/train_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    start_load = os.getloadavg()[0]
+    peaks, rows = Peaks(), []
+    torch.set_num_threads(args.threads)
+    peaks.measure()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        data.mkdir()
+        write_random_shards(data, TOKENS_PER_STEP * (args.warmup + args.steps + 2) + 1)
+        plan = [("fp32", "fp32 eager", ["--dtype", "float32", "--compile", "false"], False),
+                ("fp32c", "fp32 compiled", ["--dtype", "float32", "--compile", "true"], False),
+                ("bf16c", "bf16 compiled", ["--dtype", "bfloat16", "--compile", "true"], False),
+                ("fused", "bf16 compiled, fused loss", ["--dtype", "bfloat16", "--compile", "true"], True)]
+        for key, name, flags, fused in plan:
+            if key in skip:
+                continue
+            cfg = parse_config(base + ["--data-dir", str(data), "--out-dir", str(Path(tmp) / key)] + flags)
+            rows.append(run_in_process(name, cfg, steps=args.steps, warmup=args.warmup, fused_loss=fused))
+            print(f"  {name}: {rows[-1].step_s:.2f} s/step", file=sys.stderr, flush=True)
+            torch.set_num_threads(args.threads)
+            peaks.measure()
+        ddp = None
+        if "ddp" not in skip and args.threads > 1:
+            one = run_trainer("train_ddp.py, bf16 compiled", data, Path(tmp) / "one", processes=1,
+                              threads=args.threads, steps=args.steps, warmup=args.warmup)
+            many = run_trainer("torchrun train_ddp.py, bf16 compiled", data, Path(tmp) / "many",
+                               processes=args.threads, threads=1, steps=args.steps, warmup=args.warmup)
+            rows += [one, many]
+            ddp = many.tokens_per_s / one.tokens_per_s
+            print(f"  DDP: {one.step_s:.2f} vs {many.step_s:.2f} s/step", file=sys.stderr, flush=True)
+            peaks.measure()
+    cfg = parse_config(base + ["--data-dir", "unused", "--out-dir", "unused"])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    header = [
+        f"command: `{command.strip()}`",
+        f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        f"workload: n_layer=6 n_head=6 n_embd=384 block=256 vocab=50304, micro-batch {MICRO_BATCH}, "
+        f"{TOKENS_PER_STEP:,} tokens/step; {flops_per_token(cfg.model) / 1e6:.1f} MFLOP/token; "
+        f"median of {args.steps} steps after {args.warmup} warm-up",
+        f"matmul peaks ({args.threads} threads, best 2048^3 of the run): "
+        + ", ".join(f"{k} {p.wall / 1e9:,.0f} GFLOP/s ({p.cpu / 1e9:,.0f} per CPU-second)"
+                    for k, p in peaks.best.items()),
+        f"load average (other processes on the cores): {start_load:.1f} at start, {os.getloadavg()[0]:.1f} at end",
+    ]
+    report = "\n".join(header) + "\n\n" + table(rows, cfg, peaks)
+    fused = next((r for r in rows if r.name == "bf16 compiled, fused loss"), None)
+    goals = []
+    if fused is not None:
+        m = flops_per_token(cfg.model) * fused.tokens_per_s / peaks.best["bf16"].wall
+        goals.append(f"bf16 compiled (fused loss) MFU {m:.1%} (goal >= 60%)")
+    if ddp is not None:
+        goals.append(f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%)")
+    report += "\n\n" + "; ".join(goals)
+    print(report)
+    if args.md:
+        args.md.write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""linear_cross_entropy (the chunked LM-head loss) against the plain logits path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2.config import GPT2_VOCAB_SIZE, ModelConfig
+from gpt2.model import GPT, linear_cross_entropy
+
+
+def tiny(**kw) -> ModelConfig:
+    return ModelConfig(**{**dict(n_layer=2, n_head=2, n_embd=32, block_size=16), **kw})
+
+
+def padded_head(vocab: int = 300, real: int = 257, h: int = 16, n: int = 40, seed: int = 0):
+    """x (n, h), weight (vocab, h), a -inf bias on the padded rows, targets with some -1."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=gen)
+    weight = torch.randn(vocab, h, generator=gen) * 0.5
+    bias = torch.zeros(vocab)
+    bias[real:] = float("-inf")
+    targets = torch.randint(0, real, (n,), generator=gen)
+    targets[::5] = -1
+    return x, weight, bias, targets
+
+
+def loss_and_grads(fn, x, weight, *, scale: float = 1.0):
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fn(x, weight)
+    (loss * scale).backward()
+    return loss.detach(), x.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 7, 40, 1000])
+def test_equals_cross_entropy_in_fp32(chunk_rows):
+    x, weight, bias, targets = padded_head()
+    plain = loss_and_grads(lambda a, w: F.cross_entropy(F.linear(a, w, bias), targets, ignore_index=-1),
+                           x, weight, scale=0.5)
+    fused = loss_and_grads(lambda a, w: linear_cross_entropy(a, w, bias, targets, chunk_rows=chunk_rows),
+                           x, weight, scale=0.5)
+    for name, a, b in zip(("loss", "grad x", "grad weight"), plain, fused):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    assert (fused[2][257:] == 0).all(), "padded rows get no gradient"
+
+
+def test_bf16_autocast_matches_within_bf16_tolerance():
+    x, weight, bias, targets = padded_head(n=64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = loss_and_grads(lambda a, w: F.cross_entropy(F.linear(a, w, bias).float(), targets,
+                                                            ignore_index=-1), x, weight)
+        fused = loss_and_grads(lambda a, w: linear_cross_entropy(a, w, bias, targets, chunk_rows=16),
+                               x, weight)
+    assert fused[0].dtype == torch.float32 and fused[1].dtype == fused[2].dtype == torch.float32
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=0)  # same bf16 logits, fp32 softmax
+    torch.testing.assert_close(fused[1], plain[1], rtol=0, atol=0)  # one chunk's rows: same matmul
+    # The weight gradient sums 4 chunks in fp32 where the plain path rounds one bf16 product.
+    torch.testing.assert_close(fused[2], plain[2], rtol=2e-2, atol=1e-3)
+
+
+def test_without_gradients_gives_the_same_loss():
+    x, weight, bias, targets = padded_head()
+    expected = F.cross_entropy(F.linear(x, weight, bias), targets, ignore_index=-1)
+    with torch.no_grad():
+        got = linear_cross_entropy(x, weight, bias, targets, chunk_rows=9)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
+def test_mismatched_targets_are_refused():
+    x, weight, bias, targets = padded_head()
+    with pytest.raises(ValueError, match="targets"):
+        linear_cross_entropy(x, weight, bias, targets[:-1])
+
+
+def test_model_fused_path_equals_plain_path_and_training_steps_agree():
+    # Same gradients (fp32) and two AdamW steps with the same losses. Parameters after Adam are not
+    # compared: the key bias's gradient is rounding noise around 0 (softmax ignores it) and Adam
+    # scales noise to full-size steps, on either path.
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(2))
+    targets[0, :3] = -1
+    runs = {}
+    for return_logits in (True, False):
+        torch.manual_seed(0)
+        model = GPT(tiny())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, grads = [], None
+        for _ in range(2):
+            logits, loss = model(idx, targets, return_logits=return_logits)
+            assert (logits is None) != return_logits
+            (loss / 2).backward()  # as the trainer scales by 1/accum_steps
+            grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        runs[return_logits] = losses, grads
+    assert runs[False][0] == pytest.approx(runs[True][0], rel=1e-6)
+    for name, grad in runs[True][1].items():
+        torch.testing.assert_close(runs[False][1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_callers_that_need_logits_still_get_them():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
+    targets = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
+    logits, loss = model(idx, targets)  # the default keeps nanoGPT's (logits, loss)
+    assert logits.shape == (2, 16, model.config.vocab_size) and loss.ndim == 0
+    only_logits, none = model(idx)
+    assert none is None
+    torch.testing.assert_close(only_logits, logits)
+    _, fused = model(idx, targets, return_logits=False)
+    torch.testing.assert_close(fused, loss, rtol=1e-6, atol=0)
+
+
+def test_fused_path_under_torch_compile_matches_eager():
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=1))
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
+    targets = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
+    _, eager = model(idx, targets, return_logits=False)
+    eager.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    _, compiled = torch.compile(model)(idx, targets, return_logits=False)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-5, msg=name)
