@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # a user error found after start-up (e.g. the model does not fit): same on every rank
+        if dist is None or dist.is_main:
+            print(f"train_ddp.py: error: {e}", file=sys.stderr)
+        return 2
     except NonFiniteError as e:
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)

@@ -160,6 +160,10 @@ class TrainConfig:
     """Steps between validation-loss evaluations; 0 disables them (except at the end)."""
     eval_tokens: int = 10_485_760
     """Validation tokens per evaluation: the first eval_tokens of the val shards, the same on every run."""
+    hellaswag_interval: int = 0
+    """Steps between HellaSwag evaluations (and one at the end); 0 disables them. Needs hellaswag_file."""
+    hellaswag_file: str = ""
+    """HellaSwag jsonl (ctx, endings, label); rank 0 downloads the validation set there if it is missing."""
     sample_interval: int = 1000
     """Steps between text samples printed by rank 0; 0 disables them."""
     sample_tokens: int = 32
@@ -203,7 +207,7 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     positive = ("micro_batch_size", "total_batch_size", "max_steps", "log_interval", "keep_checkpoints",
                 "sample_tokens", "max_bad_steps")
     non_negative = ("warmup_steps", "eval_interval", "eval_tokens", "sample_interval", "ckpt_interval",
-                    "num_threads")
+                    "num_threads", "hellaswag_interval")
     for name in positive:
         if getattr(cfg, name) < 1:
             p.append(f"{name}={getattr(cfg, name)} must be >= 1")
@@ -224,6 +228,8 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
     if cfg.dist_timeout_s <= 0:
         p.append(f"dist_timeout_s={cfg.dist_timeout_s} must be > 0")
+    if cfg.hellaswag_interval and not cfg.hellaswag_file:
+        p.append("hellaswag_interval needs hellaswag_file: a HellaSwag jsonl path (downloaded there if missing)")
     if cfg.resume in ("", None):
         p.append("resume must be auto, never, or a checkpoint path")
     return p

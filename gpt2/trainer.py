@@ -93,7 +93,8 @@ def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
         torch.backends.cudnn.allow_tf32 = cfg.tf32
     else:
         # Each rank on a node gets an equal share of the cores (torchrun defaults to 1 thread).
-        threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // dist.local_world_size)
+        # Count the CPUs this process may use (a SLURM or taskset allocation), not the whole node.
+        threads = cfg.num_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size)
         torch.set_num_threads(threads)
 
 
@@ -103,6 +104,9 @@ def check_data(cfg: RunConfig, world_size: int) -> tuple[ShardSet, ShardSet | No
     accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
     train_shards = find_shards(tc.data_dir, "train")
     val_shards = find_shards(tc.data_dir, "val") if tc.eval_tokens > 0 else None
+    if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
+        from gpt2.eval import load_examples
+        load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
     return train_shards, val_shards, accum
 
 
@@ -281,6 +285,28 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     return tokenizer.decode(out[0, len(prompt):].tolist())
 
 
+def check_memory(cfg: RunConfig, dist: Dist, peak: float, log: Metrics) -> None:
+    """Print the planner's summary and refuse a configuration that clearly cannot fit, before allocating."""
+    from gpt2.plan import check_fits, device_hardware, format_plan, plan, plan_dtype
+
+    tc = cfg.train
+    hardware = device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
+    p = plan(cfg.model, micro_batch_size=tc.micro_batch_size, hardware=hardware, world_size=dist.world_size,
+             dtype=plan_dtype(tc.dtype, tf32=tc.tf32 and dist.device.type == "cuda"),
+             total_batch_size=tc.total_batch_size, tokens=tc.max_steps * tc.total_batch_size)
+    log.info(format_plan(p))
+    check_fits(p)
+
+
+def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, examples, step: int) -> None:
+    from gpt2.eval import hellaswag_eval
+
+    hs = hellaswag_eval(parts.model, examples, dist, dist.device, dtype=cfg.train.dtype, progress=False)
+    log.record({"step": step, "tokens": step * cfg.train.total_batch_size, "hellaswag_acc": hs["acc"],
+                "hellaswag_acc_norm": hs["acc_norm"]})
+    log.info(f"step {step:>6} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['correct_norm']}/{hs['n']})")
+
+
 def memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -321,8 +347,9 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
     log = Metrics(dist, tc.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
                   run_config=cfg.to_dict())
     shards = shards or check_data(cfg, dist.world_size)
-    parts = build(cfg, dist, log, shards)
     peak = device_peak_flops(dist.device, getattr(torch, tc.dtype))
+    check_memory(cfg, dist, peak, log)
+    parts = build(cfg, dist, log, shards)
     flops_tok = flops_per_token(cfg.model)
     write_run_info(cfg, dist, parts, peak)
     log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
@@ -330,6 +357,10 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
              f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}")
     if parts.step == 0 and parts.val_loader is not None:
         log.log_eval(0, 0, evaluate(parts, cfg, dist))
+    hellaswag = None
+    if tc.hellaswag_interval:
+        from gpt2.eval import prepare_hellaswag
+        hellaswag = prepare_hellaswag(tc.hellaswag_file, dist)  # collective: rank 0 downloads if missing
     bad_steps = 0
     try:
         while parts.step < tc.max_steps:
@@ -354,6 +385,8 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
             done = step == tc.max_steps
             if parts.val_loader is not None and (done or (tc.eval_interval and step % tc.eval_interval == 0)):
                 log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist))
+            if hellaswag and (done or step % tc.hellaswag_interval == 0):
+                log_hellaswag(parts, cfg, dist, log, hellaswag, step)
             if dist.is_main and tc.sample_interval and (done or step % tc.sample_interval == 0):
                 text = sample_text(parts, cfg, dist)
                 log.record({"step": step, "sample": text})

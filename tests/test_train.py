@@ -47,10 +47,14 @@ def test_two_ranks_equal_one_rank_with_accumulation(tmp_path, shakespeare_shards
 
 def test_torchrun_training_on_shakespeare_lowers_validation_loss(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
+    hellaswag = tmp_path / "hellaswag.jsonl"  # the official schema; scored every 15 steps by both ranks
+    hellaswag.write_text("".join(json.dumps({"ctx": f"The king said {w}", "endings": [" and", " the", " of", " to"],
+                                             "label": i % 4}) + "\n" for i, w in enumerate(["that", "so", "no"])))
     run = run_trainer([*TINY_MODEL_FLAGS, *FP32[:-2], "--data-dir", str(shakespeare_shards), "--out-dir",
                        str(run_dir), "--micro-batch-size", "8", "--total-batch-size", "2048", "--max-steps", "30",
                        "--warmup-steps", "5", "--lr", "3e-3", "--eval-interval", "15", "--eval-tokens", "4096",
-                       "--sample-interval", "30", "--log-interval", "5", "--ckpt-interval", "0"], nproc=2)
+                       "--sample-interval", "30", "--log-interval", "5", "--ckpt-interval", "0",
+                       "--hellaswag-interval", "15", "--hellaswag-file", str(hellaswag)], nproc=2)
     check(run)
     val = val_losses(run_dir)
     assert sorted(val) == [0, 15, 30]
@@ -62,6 +66,9 @@ def test_torchrun_training_on_shakespeare_lowers_validation_loss(tmp_path, shake
     for r in steps:
         assert {"step", "loss", "lr", "grad_norm", "tokens", "step_s", "tok_per_s", "mfu"} <= set(r)
         assert r["tokens"] == r["step"] * 2048
+    hs = [r for r in recs if "hellaswag_acc_norm" in r]
+    assert [r["step"] for r in hs] == [15, 30] and all(0 <= r["hellaswag_acc_norm"] <= 1 for r in hs)
+    assert "params     " in run.stdout and "fits       yes" in run.stdout  # the planner's start-up summary
     samples = [r["sample"] for r in recs if "sample" in r]
     assert len(samples) == 1 and len(samples[0]) > 0
     assert "sample at step 30" in run.stdout
@@ -113,3 +120,11 @@ def test_readme_quickstart_script_runs(tmp_path):
     assert sorted(val) == [0, 3] and val[3] < val[0]
     manifest = json.loads((tmp_path / "pydoc" / "shards" / "manifest.json").read_text())
     assert manifest["totals"]["tokens"] > 100_000
+
+
+def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, shakespeare_shards):
+    run = run_trainer(["--preset", "gpt2-xl", "--device", "cpu", "--compile", "false", "--data-dir",
+                       str(shakespeare_shards), "--out-dir", str(tmp_path / "run"), "--micro-batch-size", "512"])
+    assert run.returncode == 2, run.stderr
+    assert "micro_batch_size=512 needs" in run.stderr and "use a smaller model" in run.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
