@@ -30,14 +30,13 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
+from gpt2.atomic import atomic_write, atomic_write_bytes, fsync_dir
 from gpt2.model import unwrap  # noqa: F401  (re-exported: checkpoints are saved through it)
-from gpt2.shards import fsync_dir
 
 FORMAT_VERSION = 1
 EXIT_REQUEUE = 3
@@ -71,19 +70,6 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int) -> Path:
     """Write state as step_{step}.pt (temp file, fsync, rename), its sidecar, then `latest`.
 
@@ -94,20 +80,12 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int) -
     for stale in ckdir.glob("*.tmp"):  # left by a writer that was killed; nobody else writes here
         stale.unlink(missing_ok=True)
     path = ckdir / f"step_{step:08d}.pt"
-    fd, tmp = tempfile.mkstemp(dir=ckdir, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save({**state, "format": FORMAT_VERSION, "step": step}, writer)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as f:
+        writer = _HashingWriter(f)
+        torch.save({**state, "format": FORMAT_VERSION, "step": step}, writer)
     meta = {"step": step, "file": path.name, "bytes": writer.size, "sha256": writer.sha.hexdigest()}
-    _atomic_write_bytes(path.with_suffix(".json"), json.dumps(meta).encode())
-    _atomic_write_bytes(ckdir / "latest", (path.name + "\n").encode())
+    atomic_write_bytes(path.with_suffix(".json"), json.dumps(meta).encode())
+    atomic_write_bytes(ckdir / "latest", (path.name + "\n").encode())
     fsync_dir(ckdir)
     prune_checkpoints(out_dir, path, keep=keep)
     return path
@@ -145,7 +123,7 @@ def prune_checkpoints(out_dir: str | Path, newest: Path, *, keep: int) -> list[P
 def write_requeue_marker(out_dir: str | Path, info: dict) -> Path:
     """RUN/requeue: this run stopped on a signal after writing a complete checkpoint (rank 0 only)."""
     path = Path(out_dir) / REQUEUE_MARKER
-    _atomic_write_bytes(path, (json.dumps(info) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(info) + "\n").encode())
     fsync_dir(path.parent)
     return path
 

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gpt2.atomic import atomic_write
 from gpt2.config import EOT_TOKEN
 from gpt2.dist import Dist, all_reduce_sum, broadcast_object
 from gpt2.model import GPT, unwrap
@@ -96,15 +96,11 @@ def default_data_path() -> Path:
 def download(url: str, dest: Path, timeout_s: float = 60.0) -> Path:
     """Fetch url into dest atomically (temp file + rename); ValueError with a fix if it fails."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with atomic_write(dest) as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
             while chunk := resp.read(1 << 20):
                 out.write(chunk)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
     except OSError as e:  # URLError, HTTPError, timeouts and disk errors are all OSErrors
-        Path(tmp).unlink(missing_ok=True)
         raise ValueError(f"could not download {url} to {dest} ({e}); fetch the file where the network "
                          f"allows and pass its path (--data FILE; train_ddp.py: --hellaswag-file FILE)") from None
     return dest

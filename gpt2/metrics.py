@@ -9,9 +9,9 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
+from gpt2.atomic import atomic_write_text
 from gpt2.dist import Dist
 
 
@@ -41,12 +41,7 @@ class Metrics:
             return
         kept = [line for line in self.path.read_text().splitlines()
                 if line.strip() and _record_step(line) <= step]
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix="metrics.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def info(self, message: str) -> None:
         if self.active:

@@ -7,10 +7,11 @@ Byte-compatible with llm.c and modded-nanogpt: a header of 256 little-endian int
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from gpt2.atomic import atomic_write, fsync_dir  # noqa: F401  (fsync_dir re-exported)
 
 MAGIC = 20240520
 VERSION = 1  # uint16 tokens (llm.c's version 2 holds uint32 tokens and is not GPT-2's)
@@ -75,30 +76,6 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
         raise ValueError(f"{path}: token ids must fit in uint16 (0..65535); got range "
                          f"[{tokens.min()}, {tokens.max()}]")
     data = tokens.astype(TOKEN_DTYPE, copy=False)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(make_header(len(data)).tobytes())
-            f.write(data.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; shards are read by other users' jobs on a cluster
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename in this directory durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with atomic_write(path) as f:
+        f.write(make_header(len(data)).tobytes())
+        f.write(data.tobytes())

@@ -16,6 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from gpt2.atomic import atomic_write_bytes
 from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 
 # (URL tiktoken fetches, sha256 tiktoken checks): see tiktoken_ext/openai_public.py.
@@ -73,13 +74,9 @@ def seed_tiktoken_cache(cache_dir: str | None = None) -> bool:
             ok = False  # not the file tiktoken expects: let tiktoken download the real one
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        # mkstemp makes the file 0600; the default cache is in /tmp, shared by every user of the
-        # node, and tiktoken would fail on a file another user cached but cannot read.
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
+        # 0644: the default cache is in /tmp, shared by every user of the node, and tiktoken would
+        # fail on a file another user cached but cannot read.
+        atomic_write_bytes(target, data)
     return ok
 
 

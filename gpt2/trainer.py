@@ -24,6 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt2 import checkpoint as ckpt
+from gpt2.atomic import atomic_write_text
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader, find_shards
 from gpt2.dist import Dist, all_gather_object, all_reduce_sum, barrier
@@ -324,10 +325,7 @@ def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float) -> Non
             "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
-    path = Path(cfg.train.out_dir) / "config.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, path)
+    atomic_write_text(Path(cfg.train.out_dir) / "config.json", json.dumps(info, indent=2))
 
 
 def train(cfg: RunConfig, dist: Dist, shards=None) -> int:
