@@ -152,8 +152,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay, applied to 2-D weights only (not biases, LayerNorm)."""
     beta1: float = 0.9
+    """AdamW beta1 (momentum)."""
     beta2: float = 0.95
+    """AdamW beta2 (GPT-3 used 0.95: steadier than 0.999 on large batches)."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     eval_interval: int = 250

@@ -105,6 +105,11 @@ def check_data(cfg: RunConfig, world_size: int) -> tuple[ShardSet, ShardSet | No
     accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
     train_shards = find_shards(tc.data_dir, "train")
     val_shards = find_shards(tc.data_dir, "val") if tc.eval_tokens > 0 else None
+    import importlib.util
+    for wanted, package, flag in ((tc.tensorboard, "tensorboard", "--tensorboard"),
+                                  (tc.wandb_project, "wandb", "--wandb-project")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ValueError(f"{flag} needs the {package} package: pip install {package}, or drop the flag")
     if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
         from gpt2.eval import load_examples
         load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group

@@ -89,6 +89,19 @@ def test_bad_config_fails_before_any_process_group(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
+def test_missing_optional_sink_is_refused_before_start(tmp_path, shakespeare_shards, monkeypatch):
+    import importlib.util
+
+    from gpt2.trainer import check_data
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    cfg = parse_config(["--preset", "debug", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path),
+                        "--wandb-project", "p"])
+    with pytest.raises(ValueError, match="--wandb-project needs the wandb package"):
+        check_data(cfg, 1)
+
+
 def test_batch_that_does_not_divide_is_refused(tmp_path, shakespeare_shards):
     run = subprocess.run([sys.executable, "train_ddp.py", "--preset", "debug", "--data-dir", str(shakespeare_shards),
                           "--out-dir", str(tmp_path / "run"), "--device", "cpu", "--total-batch-size", "3000"],

@@ -84,8 +84,9 @@ def test_compiled_bf16_run_logs_sane_numbers(tmp_path, shakespeare_shards):
                        "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir), "--micro-batch-size", "4",
                        "--total-batch-size", "512", "--max-steps", "6", "--warmup-steps", "2", "--lr", "3e-3",
                        "--eval-interval", "0", "--eval-tokens", "1024", "--sample-interval", "0", "--log-interval", "1",
-                       "--ckpt-interval", "0", "--plot", "false"], nproc=1)
+                       "--ckpt-interval", "0", "--plot", "false", "--tensorboard", "true"], nproc=1)
     check(run)
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))  # the optional TensorBoard sink
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert len(steps) == 6
     for r in steps:
