@@ -18,14 +18,14 @@ import json
 import os
 import re
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from gpt2.atomic import atomic_write_text
 from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
-from gpt2.shards import HEADER_BYTES, MAGIC, VERSION, fsync_dir, make_header, write_shard
+from gpt2.shards import HEADER_BYTES, MAGIC, VERSION, make_header, write_shard
 from data_prep.config import UserError
 
 MANIFEST = "manifest.json"
@@ -74,18 +74,7 @@ def load_manifest(out: Path) -> dict | None:
 
 def save_manifest(out: Path, manifest: dict) -> None:
     """Atomic: a crash leaves the previous manifest or this one, never half of one."""
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=MANIFEST + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; others read the manifest with the shards
-        os.replace(tmp, out / MANIFEST)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(out)
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
 
 
 def explain_difference(old: dict, new: dict) -> str:
