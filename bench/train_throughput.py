@@ -1,21 +1,24 @@
 """Training throughput and MFU of the real trainer on a fixed CPU workload.
 
     python bench/train_throughput.py                 # a few minutes on an idle 2-core machine
-    python bench/train_throughput.py --steps 6 --md bench/train_throughput.md
+    python bench/train_throughput.py --steps 6 --md /tmp/train_throughput.md
 
 Workload: GPT-2 shape with 6 layers, 6 heads, width 384, block 256, vocab 50304, micro-batch 8,
 4,096 tokens per optimizer step (2 micro-batches on one process, 1 on each of two), random tokens.
 Rows, each timed after --warmup steps (compilation happens there) as the median of --steps steps:
   fp32 eager / fp32 compiled / bf16 compiled    in this process, through gpt2.trainer.build() and
-                                                train_step(), cores/1 threads (configure_backends)
+                                                train_step(), cores/1 threads (configure_backends);
+                                                the in-process rows take one step each in turn
+                                                (round-robin), so they share the same load
   bf16 compiled, fused loss                     the same, the model called with return_logits=False
                                                 (gpt2.model.linear_cross_entropy)
+  ... + fused AdamW                             and AdamW(fused=True), which CPUs have since torch 2.4
   1 x N threads vs N x 1 thread                 real `python train_ddp.py` / `torchrun
                                                 --nproc_per_node=N train_ddp.py` runs (gloo),
                                                 tokens/s read from RUN/metrics.jsonl
 DDP efficiency = (N processes x 1 thread tokens/s) / (1 process x N threads tokens/s).
 MFU = model FLOPs (gpt2.flops.flops_per_token: 6N + 12LhT) per second over the matmul peak
-measured in this run (best 2048^3 matmul, taken before, between and after the rows: the
+measured in this run (best 2048^3 matmul, taken at the start and after every round: the
 least-disturbed measurement). On a shared machine the wall-clock numbers move with the load, so
 the in-process rows also give MFU by CPU time: FLOPs per CPU-second over the peak's FLOPs per
 CPU-second (the same thread count), which load from other processes changes much less.
@@ -24,9 +27,7 @@ CPU-second (the same thread count), which load from other processes changes much
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -45,8 +46,9 @@ from gpt2.config import GPT2_VOCAB_SIZE, RunConfig
 from gpt2.dist import Dist
 from gpt2.flops import flops_per_token
 from gpt2.metrics import Metrics, read_metrics
+from gpt2.optim import param_groups
 from gpt2.shards import write_shard
-from gpt2.trainer import build, check_data, configure_backends, train_step
+from gpt2.trainer import Parts, build, check_data, configure_backends, train_step
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO_BATCH, BLOCK, TOKENS_PER_STEP = 8, 256, 4096
@@ -120,27 +122,57 @@ class FusedLossCall(torch.nn.Module):
         return self.model(idx, targets, return_logits=False)
 
 
-def run_in_process(name: str, cfg: RunConfig, *, steps: int, warmup: int, fused_loss: bool) -> Row:
-    """Time gpt2.trainer.train_step on a one-process world (build() compiles as the trainer does)."""
-    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    configure_backends(cfg.train, dist)
-    with tempfile.TemporaryDirectory() as out:
-        log = Metrics(dist, out)
-        parts = build(cfg, dist, log, check_data(cfg, 1))
-        if fused_loss:
-            parts.train_model = FusedLossCall(parts.train_model)
-        first_loss, times = None, []
-        for i in range(warmup + steps):
+@dataclass
+class Contender:
+    """One in-process row: its own model, optimizer and loader, stepped in turn with the others."""
+    name: str
+    cfg: RunConfig
+    parts: Parts
+    times: list
+    first_loss: float | None = None
+
+
+def prepare(name: str, cfg: RunConfig, dist: Dist, *, fused_loss: bool, fused_adamw: bool) -> Contender:
+    """build() the trainer's parts (compiled as the trainer compiles) for one row.
+
+    fused_loss and fused_adamw preview two one-line changes to gpt2/trainer.py and gpt2/optim.py
+    (bench/NOTES.md): the model object train_step calls, and the optimizer it steps, are swapped.
+    """
+    parts = build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 1))
+    if fused_loss:
+        parts.train_model = FusedLossCall(parts.train_model)
+    if fused_adamw:
+        tc = cfg.train
+        parts.optimizer = torch.optim.AdamW(param_groups(parts.model, tc.weight_decay), lr=tc.lr,
+                                            betas=(tc.beta1, tc.beta2), eps=tc.eps, fused=True)
+    return Contender(name, cfg, parts, [])
+
+
+def run_in_process(contenders: list[Contender], dist: Dist, peaks: "Peaks", *, steps: int,
+                   warmup: int) -> list[Row]:
+    """Time gpt2.trainer.train_step for every row, one step of each in turn.
+
+    Round-robin, so that every row sees the same mix of load from other processes: on a shared
+    machine the ratios between rows then hold even when the absolute numbers drift. The matmul
+    peak is measured once per round too.
+    """
+    for i in range(warmup + steps):
+        for c in contenders:
             t0, c0 = time.perf_counter(), time.process_time()
-            out_step = train_step(parts, cfg, dist, False)
+            out = train_step(c.parts, c.cfg, dist, False)
             if i >= warmup:
-                times.append((time.perf_counter() - t0, time.process_time() - c0))
-            first_loss = out_step["loss"] if first_loss is None else first_loss
-        log.close()
-    torch._dynamo.reset()  # free compiled graphs before the next row
-    step_s = statistics.median(t for t, _ in times)
-    return Row(name, f"1 x {torch.get_num_threads()}", cfg.train.dtype, step_s, TOKENS_PER_STEP / step_s,
-               cpu_s=statistics.median(c for _, c in times), first_loss=first_loss)
+                c.times.append((time.perf_counter() - t0, time.process_time() - c0))
+            c.first_loss = out["loss"] if c.first_loss is None else c.first_loss
+        peaks.measure()
+        print(f"  round {i + 1}/{warmup + steps}: " + ", ".join(
+            f"{c.name} {c.times[-1][0]:.1f} s" for c in contenders if c.times), file=sys.stderr, flush=True)
+    rows = []
+    for c in contenders:
+        step_s = statistics.median(t for t, _ in c.times)
+        rows.append(Row(c.name, f"1 x {torch.get_num_threads()}", c.cfg.train.dtype, step_s,
+                        TOKENS_PER_STEP / step_s, cpu_s=statistics.median(cpu for _, cpu in c.times),
+                        first_loss=c.first_loss))
+    return rows
 
 
 def run_trainer(name: str, data_dir: Path, out_dir: Path, *, processes: int, threads: int, steps: int,
@@ -183,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="cores to use: 1 process x THREADS vs THREADS processes x 1")
-    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: fp32,fp32c,bf16c,fused,ddp")
+    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: fp32,fp32c,bf16c,fused,adamw,ddp")
     ap.add_argument("--md", type=Path, help="also write the Markdown report here")
     return ap
 
@@ -204,18 +236,24 @@ def main(argv: list[str] | None = None) -> int:
         data = Path(tmp) / "data"
         data.mkdir()
         write_random_shards(data, TOKENS_PER_STEP * (args.warmup + args.steps + 2) + 1)
-        plan = [("fp32", "fp32 eager", ["--dtype", "float32", "--compile", "false"], False),
-                ("fp32c", "fp32 compiled", ["--dtype", "float32", "--compile", "true"], False),
-                ("bf16c", "bf16 compiled", ["--dtype", "bfloat16", "--compile", "true"], False),
-                ("fused", "bf16 compiled, fused loss", ["--dtype", "bfloat16", "--compile", "true"], True)]
-        for key, name, flags, fused in plan:
+        plan = [("fp32", "fp32 eager", ["--dtype", "float32", "--compile", "false"]),
+                ("fp32c", "fp32 compiled", ["--dtype", "float32", "--compile", "true"]),
+                ("bf16c", "bf16 compiled", ["--dtype", "bfloat16", "--compile", "true"]),
+                ("fused", "bf16 compiled, fused loss", ["--dtype", "bfloat16", "--compile", "true"]),
+                ("adamw", "bf16 compiled, fused loss + fused AdamW", ["--dtype", "bfloat16", "--compile", "true"])]
+        dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+        contenders = []
+        for key, name, flags in plan:
             if key in skip:
                 continue
             cfg = parse_config(base + ["--data-dir", str(data), "--out-dir", str(Path(tmp) / key)] + flags)
-            rows.append(run_in_process(name, cfg, steps=args.steps, warmup=args.warmup, fused_loss=fused))
-            print(f"  {name}: {rows[-1].step_s:.2f} s/step", file=sys.stderr, flush=True)
-            torch.set_num_threads(args.threads)
-            peaks.measure()
+            configure_backends(cfg.train, dist)
+            contenders.append(prepare(name, cfg, dist, fused_loss=key in ("fused", "adamw"),
+                                      fused_adamw=key == "adamw"))
+        if contenders:
+            rows += run_in_process(contenders, dist, peaks, steps=args.steps, warmup=args.warmup)
+        del contenders
+        torch._dynamo.reset()
         ddp = None
         if "ddp" not in skip and args.threads > 1:
             one = run_trainer("train_ddp.py, bf16 compiled", data, Path(tmp) / "one", processes=1,
@@ -241,14 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         f"load average (other processes on the cores): {start_load:.1f} at start, {os.getloadavg()[0]:.1f} at end",
     ]
     report = "\n".join(header) + "\n\n" + table(rows, cfg, peaks)
-    fused = next((r for r in rows if r.name == "bf16 compiled, fused loss"), None)
     goals = []
-    if fused is not None:
-        m = flops_per_token(cfg.model) * fused.tokens_per_s / peaks.best["bf16"].wall
-        goals.append(f"bf16 compiled (fused loss) MFU {m:.1%} (goal >= 60%)")
+    for r in rows:
+        if r.name.startswith("bf16 compiled") and r.cpu_s is not None:
+            m = flops_per_token(cfg.model) * r.tokens_per_s / peaks.best["bf16"].wall
+            goals.append(f"{r.name}: MFU {m:.1%} (goal >= 60%)")
     if ddp is not None:
         goals.append(f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%)")
-    report += "\n\n" + "; ".join(goals)
+    report += "\n\n" + "\n".join(f"- {g}" for g in goals)
     print(report)
     if args.md:
         args.md.write_text(report + "\n")
