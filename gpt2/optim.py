@@ -16,6 +16,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    fused = cfg.fused_adamw and device.type == "cuda"  # the fused kernel is a CUDA one
+    # One kernel per step instead of ~10 small ops per tensor (CUDA, and CPU since torch 2.4).
+    fused = cfg.fused_adamw and device.type in ("cuda", "cpu")
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=fused or None)

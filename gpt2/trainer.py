@@ -236,7 +236,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
         sync = contextlib.nullcontext() if last or not dist.is_distributed else parts.train_model.no_sync()
         with sync:
             with autocast:
-                _, loss = parts.train_model(x, y)
+                _, loss = parts.train_model(x, y, return_logits=False)  # chunked loss: no (B,T,V) logits
             if parts.step == tc.inject_nan_step:
                 loss = loss * float("nan")
             loss = loss / parts.accum_steps
@@ -267,7 +267,7 @@ def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
     totals = torch.zeros(2, device=dist.device, dtype=torch.float64)
     with autocast_context(cfg.train, dist.device):
         for x, y in parts.val_loader:
-            _, loss = model(x, y)
+            _, loss = model(x, y, return_logits=False)
             n = (y != -1).sum()
             totals += torch.stack([loss.double() * n, n.double()])
     model.train()
