@@ -216,8 +216,29 @@ def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, token
     return p
 
 
+def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: bool = True) -> int:
+    """Peak bytes of the LM head + cross-entropy for `tokens` positions.
+
+    chunked (what the trainer runs: gpt2.model.linear_cross_entropy): one chunk of rows at a time
+    holds its logits in the matmul dtype and in fp32, the fp32 softmax and its gradient (fp32, then
+    in the matmul dtype); the finished input gradient (fp32, tokens x h) and the fp32 weight
+    gradient with the chunk's part being added to it stay. Plain (`_, loss = model(x, y)`): the
+    logits the model returns stay alive, cross-entropy saves fp32 log-probs, and its backward makes
+    two fp32 gradients of that size.
+    """
+    from gpt2.model import LOSS_CHUNK_LOGITS
+
+    s = 2 if dtype in AUTOCAST_DTYPES else 4
+    V, h = cfg.vocab_size, cfg.n_embd
+    if not chunked:
+        return tokens * V * (s + 4 + 8)
+    n_chunks = -(-tokens // max(1, LOSS_CHUNK_LOGITS // V))
+    rows = -(-tokens // n_chunks)
+    return rows * V * (2 * s + 12) + tokens * h * 4 + 2 * V * h * 4
+
+
 def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int = 1,
-           dtype: str = "bf16", device_type: str = "cuda") -> Memory:
+           dtype: str = "bf16", device_type: str = "cuda", chunked_loss: bool = True) -> Memory:
     """Bytes per device for one training micro-step (see the module docstring)."""
     n = param_count(cfg)
     autocast = dtype in AUTOCAST_DTYPES
@@ -225,9 +246,7 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
                              flash=True)
     explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
                                 flash=False)
-    # The logits the model returns (compute dtype, kept alive by `_, loss = model(x, y)`), the fp32
-    # log-probs cross-entropy saves, and in its backward the gradients w.r.t. both: 2 x fp32.
-    logits = micro_batch_size * seq_len * cfg.vocab_size * ((2 if autocast else 4) + 4 + 8)
+    logits = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=chunked_loss)
     return Memory(
         weights=4 * n,
         autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
@@ -297,14 +316,24 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
                          dtype: str = "bf16") -> int:
     """Largest micro-batch whose total fits in memory minus the reserve (0: not even one sequence).
 
-    Memory is affine in the micro-batch (static + B * per-sequence), so this is solved directly.
+    Memory grows with the micro-batch (activations linearly; the chunked loss by at most one chunk),
+    so the largest fitting size is found by doubling and then bisecting.
     """
     usable = hardware.memory_bytes - hardware.reserve_bytes
-    m1 = memory(cfg, 1, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type)
-    m2 = memory(cfg, 2, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type)
-    per_seq = m2.total - m1.total
-    fixed = m1.total - per_seq
-    return max(0, (usable - fixed) // per_seq)
+
+    def fits(b: int) -> bool:
+        return memory(cfg, b, seq_len, world_size=world_size, dtype=dtype,
+                      device_type=hardware.device_type).total <= usable
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def measured_peak_bytes(fn, device: torch.device | str) -> int:
@@ -399,7 +428,7 @@ def format_plan(p: Plan) -> str:
         f"  optimizer (AdamW)      {_gib(m.optimizer)}  (two fp32 moments)",
         f"  activations, flash     {_gib(m.activations_flash)} {flash_mark}",
         f"  activations, explicit  {_gib(m.activations_explicit)} {explicit_mark} (stores B*nh*T*T probabilities)",
-        f"  logits + loss peak     {_gib(m.logits)}  (B*T*V: logits, fp32 log-probs, 2 fp32 grads)",
+        f"  LM head + loss peak    {_gib(m.logits)}  (chunked: never all B*T*V logits at once)",
         f"  total                  {_gib(m.total)}  of {_gib(p.usable_bytes)} usable "
         f"({_gib(hw.reserve_bytes)} reserved)",
         f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
