@@ -8,6 +8,7 @@ This module does no printing and knows nothing of torch.distributed.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -201,7 +202,16 @@ class GPT(nn.Module):
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
                  use_cache: bool = True) -> Tensor:
-        """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy.
+        """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy."""
+        new = list(self.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                        generator=generator, use_cache=use_cache))
+        return torch.cat([idx, *new], dim=1)
+
+    @torch.no_grad()
+    def generate_stream(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                        top_k: int | None = None, generator: torch.Generator | None = None,
+                        use_cache: bool = True) -> Iterator[Tensor]:
+        """Yield each new (B, 1) token as it is sampled (so text can be shown as it comes).
 
         With use_cache, keys and values are kept between steps. Positions are learned and
         absolute, so once the sequence outgrows block_size the window shifts and the cache is
@@ -223,7 +233,7 @@ class GPT(nn.Module):
             next_tok = sample_next(logits[:, -1, :].float(), temperature=temperature, top_k=top_k,
                                    generator=generator)
             idx = torch.cat([idx, next_tok], dim=1)
-        return idx
+            yield next_tok
 
 
 def sample_next(logits: Tensor, *, temperature: float, top_k: int | None,

@@ -27,7 +27,7 @@ from torch import Tensor
 from gpt2.checkpoint import CheckpointError, checkpoint_dir, latest_valid, load_model
 from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 from gpt2.hf import WEIGHT_FILES, load_hf_dir
-from gpt2.model import GPT, KVCache, sample_next, unwrap
+from gpt2.model import GPT, unwrap
 from gpt2.tokenizer import encode, get_encoding
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -121,25 +121,11 @@ def stream_tokens(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: 
                   top_k: int | None, generator: torch.Generator | None) -> Iterator[Tensor]:
     """Yield each new (B,) token as GPT.generate would append it (same tokens for the same RNG).
 
-    GPT.generate returns only when done; this is its KV-cache loop as a generator, so text can be
-    shown while the model works. tests/test_tools.py checks the two agree, also past block_size.
+    GPT.generate returns only when done; GPT.generate_stream is the same KV-cache loop as a
+    generator, so text can be shown while the model works.
     """
-    model = unwrap(model)
-    if idx.size(1) == 0:
-        raise ValueError("generation needs at least one prompt token (e.g. the EOT token 50256)")
-    block = model.config.block_size
-    cache = None
-    for _ in range(max_new_tokens):
-        if cache is None or cache.pos >= block:
-            # First step, or the window has to slide: positions are absolute, so rebuild the cache.
-            param = model.lm_head.weight
-            cache = KVCache(model.config, idx.size(0), device=param.device, dtype=param.dtype)
-            logits, _ = model(idx[:, -block:], kv_cache=cache)
-        else:
-            logits, _ = model(idx[:, -1:], kv_cache=cache)
-        next_tok = sample_next(logits[:, -1, :].float(), temperature=temperature, top_k=top_k,
-                               generator=generator)
-        idx = torch.cat([idx, next_tok], dim=1)
+    for next_tok in unwrap(model).generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                                  generator=generator):
         yield next_tok[:, 0]
 
 
