@@ -73,6 +73,11 @@ def test_torchrun_training_on_shakespeare_lowers_validation_loss(tmp_path, shake
     assert len(samples) == 1 and len(samples[0]) > 0
     assert "sample at step 30" in run.stdout
     assert (run_dir / "loss_curve.png").stat().st_size > 1000
+    from gpt2.metrics import main as plot_main  # on request: `python -m gpt2.metrics RUN`
+    assert plot_main([str(run_dir), "--out", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        plot_main([str(tmp_path / "not_a_run")])
     assert (run_dir / "checkpoints" / "latest").is_file()  # always a final checkpoint
     # rank 0 alone logs: one line per logged step, not one per rank
     assert run.stdout.count("step     30/30") == 1
