@@ -132,7 +132,7 @@ class TrainConfig:
     tf32: bool = True
     """Allow TF32 matmuls on CUDA (no effect on CPU)."""
     fused_adamw: bool = True
-    """Use the fused AdamW kernel where the device has one (CUDA)."""
+    """Use the fused AdamW kernel (one kernel per step; CUDA, and CPU since torch 2.4)."""
     pin_memory: bool = True
     """Pinned host buffers and non-blocking copies on CUDA (no effect on CPU)."""
     num_threads: int = 0
