@@ -77,7 +77,7 @@ def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(tmp
         first.kill()
     # torchrun re-raises the signal it got as an error: exit 1, whatever its workers returned (0 here).
     assert code == 1, first.output()
-    assert first.stdout.count("model ") == 1, "torchrun restarted the workers"
+    assert first.stdout.count(" parameters | world size ") == 1, "torchrun restarted the workers"
     marker = json.loads((run_dir / "requeue").read_text())
     stopped = marker["step"]
     assert stop_after <= stopped < MAX_STEPS, (stop_after, first.output())
@@ -107,7 +107,7 @@ def test_nan_step_skipped_then_signal_to_one_worker_stops_every_rank_without_res
         assert job.wait() == 0, job.output()
     finally:
         job.kill()
-    assert job.stdout.count("model ") == 1, "torchrun restarted the workers"
+    assert job.stdout.count(" parameters | world size ") == 1, "torchrun restarted the workers"
     marker = json.loads((run_dir / "requeue").read_text())
     assert marker["signal"] is None  # rank 0 writes the marker; only rank 1 got the signal
     steps = {r["step"]: r for r in records(run_dir) if "loss" in r}
