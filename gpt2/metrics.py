@@ -90,8 +90,19 @@ def _record_step(line: str) -> int:
         return 1 << 62  # a torn last line from a crash: dropped
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def read_metrics(path: str | Path, *, missing_ok: bool = False) -> list[dict]:
+    """The records of a metrics.jsonl. A line that is not complete JSON (being written right now by a
+    live run, or torn by a crash) is skipped; a missing file is [] with missing_ok."""
+    path = Path(path)
+    if missing_ok and not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
 
 
 def plot_loss_curve(metrics_path: str | Path, out_png: str | Path) -> Path | None:

@@ -3,7 +3,6 @@ waiting for a training step, and reading what a run left behind."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from conftest import REPO, TINY_MODEL_FLAGS
+from gpt2.metrics import read_metrics
 
 FP32_CPU = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0",
             "--plot", "false"]
@@ -124,16 +124,7 @@ def run(args: list[str], *, nproc: int, log_dir: Path, timeout: float = 300, **k
 
 
 def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line being written right now
-            pass
-    return out
+    return read_metrics(run_dir / "metrics.jsonl", missing_ok=True)  # also while the run writes it
 
 
 def losses(run_dir: Path) -> dict[int, float]:

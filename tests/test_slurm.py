@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpt2 import metrics
+
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / "tests" / "slurm" / "setup_local_slurm.sh"
 SKIP_STATUS = 77  # setup_local_slurm.sh: this machine cannot host SLURM (not root, apt cannot install)
@@ -226,16 +228,7 @@ def wait_for_job(job: str, work: Path, *, restarts: int = 0, timeout_s: float = 
 
 
 def read_metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written right now
-            pass
-    return records
+    return metrics.read_metrics(run / "metrics.jsonl", missing_ok=True)  # also while the job writes it
 
 
 def step_losses(run: Path) -> dict[int, float]:

@@ -134,3 +134,12 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, shakespe
     assert run.returncode == 2, run.stderr
     assert "micro_batch_size=512 needs" in run.stderr and "use a smaller model" in run.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_read_metrics_skips_a_torn_line_and_a_missing_file_with_missing_ok(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 10.0}\n{"step": 2, "loss": 9.5}\n{"step": 3, "lo')  # being written
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    assert read_metrics(tmp_path / "none.jsonl", missing_ok=True) == []
+    with pytest.raises(FileNotFoundError):
+        read_metrics(tmp_path / "none.jsonl")
