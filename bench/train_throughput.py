@@ -7,15 +7,18 @@ Workload: GPT-2 shape with 6 layers, 6 heads, width 384, block 256, vocab 50304,
 4,096 tokens per optimizer step (2 micro-batches on one process, 1 on each of two), random tokens.
 Rows, each timed after --warmup steps (compilation happens there) as the median of --steps steps:
   fp32 eager / fp32 compiled / bf16 compiled    in this process, through gpt2.trainer.build() and
-                                                train_step(), cores/1 threads (configure_backends);
+                                                train_step() as the trainer runs them (chunked loss,
+                                                fused AdamW), cores/1 threads (configure_backends);
                                                 the in-process rows take one step each in turn
                                                 (round-robin), so they share the same load
-  bf16 compiled, fused loss                     the same, the model called with return_logits=False
-                                                (gpt2.model.linear_cross_entropy)
-  ... + fused AdamW                             and AdamW(fused=True), which CPUs have since torch 2.4
+  bf16 compiled, plain loss + for-loop AdamW    the trainer before issue 7's changes, for comparison:
+                                                the model's (B, T, V) logits and F.cross_entropy, and
+                                                AdamW(foreach=False, fused=False)
+  bf16 compiled, chunked loss + for-loop AdamW  the first change alone
   1 x N threads vs N x 1 thread                 real `python train_ddp.py` / `torchrun
                                                 --nproc_per_node=N train_ddp.py` runs (gloo),
-                                                tokens/s read from RUN/metrics.jsonl
+                                                tokens/s read from RUN/metrics.jsonl; the two run
+                                                alternately --ddp-rounds times (A B, B A, ...)
 DDP efficiency = (N processes x 1 thread tokens/s) / (1 process x N threads tokens/s).
 MFU = model FLOPs (gpt2.flops.flops_per_token: 6N + 12LhT) per second over the matmul peak
 measured in this run (best 2048^3 matmul, taken at the start and after every round: the
@@ -111,15 +114,15 @@ def write_random_shards(data_dir: Path, n_tokens: int) -> None:
     write_shard(data_dir / "bench_train_000000.bin", gen.integers(0, GPT2_VOCAB_SIZE, n_tokens, dtype=np.int64))
 
 
-class FusedLossCall(torch.nn.Module):
-    """Calls the wrapped model with return_logits=False: what train_step does once it passes it."""
+class PlainLossCall(torch.nn.Module):
+    """Calls the wrapped model as the trainer did before the chunked loss: full logits, plain loss."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, idx, targets=None):
-        return self.model(idx, targets, return_logits=False)
+    def forward(self, idx, targets=None, return_logits=True):
+        return self.model(idx, targets)
 
 
 @dataclass
@@ -132,19 +135,19 @@ class Contender:
     first_loss: float | None = None
 
 
-def prepare(name: str, cfg: RunConfig, dist: Dist, *, fused_loss: bool, fused_adamw: bool) -> Contender:
+def prepare(name: str, cfg: RunConfig, dist: Dist, *, plain_loss: bool, loop_adamw: bool) -> Contender:
     """build() the trainer's parts (compiled as the trainer compiles) for one row.
 
-    fused_loss and fused_adamw preview two one-line changes to gpt2/trainer.py and gpt2/optim.py
-    (bench/NOTES.md): the model object train_step calls, and the optimizer it steps, are swapped.
+    plain_loss and loop_adamw undo the two changes of bench/NOTES.md (v1, v2) for the comparison
+    rows: the model object train_step calls, and the optimizer it steps, are swapped.
     """
     parts = build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 1))
-    if fused_loss:
-        parts.train_model = FusedLossCall(parts.train_model)
-    if fused_adamw:
+    if plain_loss:
+        parts.train_model = PlainLossCall(parts.train_model)
+    if loop_adamw:
         tc = cfg.train
         parts.optimizer = torch.optim.AdamW(param_groups(parts.model, tc.weight_decay), lr=tc.lr,
-                                            betas=(tc.beta1, tc.beta2), eps=tc.eps, fused=True)
+                                            betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False, fused=False)
     return Contender(name, cfg, parts, [])
 
 
@@ -175,9 +178,10 @@ def run_in_process(contenders: list[Contender], dist: Dist, peaks: "Peaks", *, s
     return rows
 
 
-def run_trainer(name: str, data_dir: Path, out_dir: Path, *, processes: int, threads: int, steps: int,
-                warmup: int) -> Row:
-    """A real train_ddp.py run (torchrun for more than one process); tokens/s from metrics.jsonl."""
+def run_trainer(data_dir: Path, out_dir: Path, *, processes: int, threads: int, steps: int,
+                warmup: int) -> tuple[list[float], float]:
+    """A real train_ddp.py run (torchrun for more than one process): its timed step times and
+    first loss, from RUN/metrics.jsonl."""
     args = ["train_ddp.py", *WORKLOAD, "--data-dir", str(data_dir), "--out-dir", str(out_dir),
             "--num-threads", str(threads), "--max-steps", str(warmup + steps)]
     if processes == 1:
@@ -188,10 +192,36 @@ def run_trainer(name: str, data_dir: Path, out_dir: Path, *, processes: int, thr
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     records = [r for r in read_metrics(out_dir / "metrics.jsonl") if "tok_per_s" in r]
-    timed = [r for r in records if r["step"] > warmup]
-    step_s = statistics.median(r["step_s"] for r in timed)
-    return Row(name, f"{processes} x {threads}", "bfloat16", step_s, TOKENS_PER_STEP / step_s,
-               first_loss=records[0]["loss"])
+    return [r["step_s"] for r in records if r["step"] > warmup], records[0]["loss"]
+
+
+def run_ddp_pair(data_dir: Path, tmp: Path, *, threads: int, steps: int, warmup: int,
+                 rounds: int) -> tuple[Row, Row, list[float]]:
+    """1 process x THREADS vs THREADS processes x 1, run alternately (A B, B A, A B, ...).
+
+    The machine's load drifts over minutes; alternating the order puts both layouts under the same
+    drift, and every timed step of every round goes into one median per layout. Also returns each
+    round's efficiency, so the spread is visible.
+    """
+    times: dict[int, list[float]] = {1: [], threads: []}
+    losses, per_round = {}, []
+    for i in range(rounds):
+        round_s = {}
+        for processes in ((1, threads) if i % 2 == 0 else (threads, 1)):
+            step_times, losses[processes] = run_trainer(
+                data_dir, tmp / f"ddp_{i}_{processes}", processes=processes,
+                threads=1 if processes > 1 else threads, steps=steps, warmup=warmup)
+            times[processes] += step_times
+            round_s[processes] = statistics.median(step_times)
+        per_round.append(round_s[1] / round_s[threads])
+        print(f"  DDP round {i + 1}/{rounds}: 1 x {threads} {round_s[1]:.2f} vs {threads} x 1 "
+              f"{round_s[threads]:.2f} s/step ({per_round[-1]:.1%})", file=sys.stderr, flush=True)
+    rows = []
+    for processes, name in ((1, "train_ddp.py, bf16 compiled"), (threads, "torchrun train_ddp.py, bf16 compiled")):
+        step_s = statistics.median(times[processes])
+        rows.append(Row(name, f"{processes} x {1 if processes > 1 else threads}", "bfloat16", step_s,
+                        TOKENS_PER_STEP / step_s, first_loss=losses[processes]))
+    return rows[0], rows[1], per_round
 
 
 def table(rows: list[Row], cfg: RunConfig, peaks: Peaks) -> str:
@@ -215,15 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="cores to use: 1 process x THREADS vs THREADS processes x 1")
-    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: fp32,fp32c,bf16c,fused,adamw,ddp")
+    ap.add_argument("--ddp-rounds", type=int, default=2,
+                    help="alternating runs of each DDP layout (A B, B A, ...): the load drifts between runs")
+    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: fp32,fp32c,v0,v1,bf16c,ddp")
     ap.add_argument("--md", type=Path, help="also write the Markdown report here")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.steps < 1 or args.warmup < 1 or args.threads < 1:
-        print("error: --steps, --warmup and --threads must be at least 1", file=sys.stderr)
+    if min(args.steps, args.warmup, args.threads, args.ddp_rounds) < 1:
+        print("error: --steps, --warmup, --threads and --ddp-rounds must be at least 1", file=sys.stderr)
         return 2
     skip = set(filter(None, args.skip.split(",")))
     base = WORKLOAD + ["--num-threads", str(args.threads), "--max-steps", str(args.warmup + args.steps)]
@@ -236,11 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         data = Path(tmp) / "data"
         data.mkdir()
         write_random_shards(data, TOKENS_PER_STEP * (args.warmup + args.steps + 2) + 1)
+        bf16c = ["--dtype", "bfloat16", "--compile", "true"]
         plan = [("fp32", "fp32 eager", ["--dtype", "float32", "--compile", "false"]),
                 ("fp32c", "fp32 compiled", ["--dtype", "float32", "--compile", "true"]),
-                ("bf16c", "bf16 compiled", ["--dtype", "bfloat16", "--compile", "true"]),
-                ("fused", "bf16 compiled, fused loss", ["--dtype", "bfloat16", "--compile", "true"]),
-                ("adamw", "bf16 compiled, fused loss + fused AdamW", ["--dtype", "bfloat16", "--compile", "true"])]
+                ("v0", "bf16 compiled, plain loss + for-loop AdamW", bf16c),
+                ("v1", "bf16 compiled, chunked loss + for-loop AdamW", bf16c),
+                ("bf16c", "bf16 compiled", bf16c)]
         dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
         contenders = []
         for key, name, flags in plan:
@@ -248,21 +281,17 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cfg = parse_config(base + ["--data-dir", str(data), "--out-dir", str(Path(tmp) / key)] + flags)
             configure_backends(cfg.train, dist)
-            contenders.append(prepare(name, cfg, dist, fused_loss=key in ("fused", "adamw"),
-                                      fused_adamw=key == "adamw"))
+            contenders.append(prepare(name, cfg, dist, plain_loss=key == "v0", loop_adamw=key in ("v0", "v1")))
         if contenders:
             rows += run_in_process(contenders, dist, peaks, steps=args.steps, warmup=args.warmup)
         del contenders
         torch._dynamo.reset()
         ddp = None
         if "ddp" not in skip and args.threads > 1:
-            one = run_trainer("train_ddp.py, bf16 compiled", data, Path(tmp) / "one", processes=1,
-                              threads=args.threads, steps=args.steps, warmup=args.warmup)
-            many = run_trainer("torchrun train_ddp.py, bf16 compiled", data, Path(tmp) / "many",
-                               processes=args.threads, threads=1, steps=args.steps, warmup=args.warmup)
+            one, many, per_round = run_ddp_pair(data, Path(tmp), threads=args.threads, steps=args.steps,
+                                                warmup=args.warmup, rounds=args.ddp_rounds)
             rows += [one, many]
             ddp = many.tokens_per_s / one.tokens_per_s
-            print(f"  DDP: {one.step_s:.2f} vs {many.step_s:.2f} s/step", file=sys.stderr, flush=True)
             peaks.measure()
     cfg = parse_config(base + ["--data-dir", "unused", "--out-dir", "unused"])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -281,11 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n".join(header) + "\n\n" + table(rows, cfg, peaks)
     goals = []
     for r in rows:
-        if r.name.startswith("bf16 compiled") and r.cpu_s is not None:
+        if r.name == "bf16 compiled":  # the trainer's default path (the other bf16 rows are history)
             m = flops_per_token(cfg.model) * r.tokens_per_s / peaks.best["bf16"].wall
             goals.append(f"{r.name}: MFU {m:.1%} (goal >= 60%)")
     if ddp is not None:
-        goals.append(f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%)")
+        goals.append(f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%); "
+                     f"median of all {args.ddp_rounds * args.steps} timed steps of each layout over "
+                     f"{args.ddp_rounds} alternating rounds (per round: "
+                     + ", ".join(f"{e:.1%}" for e in per_round) + ")")
     report += "\n\n" + "\n".join(f"- {g}" for g in goals)
     print(report)
     if args.md:
