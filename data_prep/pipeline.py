@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 from data_prep import sources
 from data_prep.config import PrepConfig, UserError
@@ -107,11 +106,7 @@ def run_tokens_written(writer: ShardWriter, reader: sources.RecordReader, begin:
     try:
         batches = make_batches(reader.records(begin), begin)
         for batch, tokens, counts in encode_batches(batches, cfg.workers):
-            ends = np.cumsum(counts).tolist()
-            start = 0
-            for i, end in enumerate(ends):
-                writer.add(tokens[start:end], batch.records[i], batch.first[i], batch.last[i])
-                start = end
+            writer.add_batch(tokens, counts, batch.records, batch.first, batch.last)
             total += len(tokens)
             bar.update(len(tokens))
             bar.set_postfix(docs=f"{batch.records[-1] + 1:,}", shards=len(writer.manifest["shards"]),

@@ -328,13 +328,22 @@ class RecordReader:
         import pyarrow as pa
 
         n = 0
+        name = self.field(group)
         try:
-            ds = self.load(group)
-            for batch in ds.iter(batch_size=READ_BATCH_ROWS):
-                texts = batch.get(self.field(group))
-                if texts is None:
+            # Arrow tables, not the default Python format: unformatted, IterableDataset.iter builds
+            # a dict per example and then regroups them into a batch, which cost about as much CPU
+            # as tokenizing (all of it in the main process, so it also capped the parallel speedup).
+            ds = self.load(group).with_format("arrow")
+            # In document mode a .txt row is a whole file: one at a time, or a batch would hold
+            # READ_BATCH_ROWS files in memory at once.
+            rows = 1 if group.kind == "text" and self.cfg.txt_sample_by == "document" else READ_BATCH_ROWS
+            for table in ds.iter(batch_size=rows):
+                if n + table.num_rows <= skip:  # resuming: whole tables before the start are not converted
+                    n += table.num_rows
+                    continue
+                if name not in table.column_names:
                     raise self.bad_record(group, n, f"no {self.cfg.text_field!r} field")
-                for text in texts:
+                for text in table.column(name).to_pylist():
                     if n >= skip:
                         if not isinstance(text, str):
                             raise self.bad_record(group, n, f"{self.cfg.text_field!r} is missing or not a string")

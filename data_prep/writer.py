@@ -172,6 +172,33 @@ class ShardWriter:
                 self._flush(next_record=record + 1 if ends_record else record,
                             carry=0 if ends_record else self.record_written)
 
+    def add_batch(self, tokens: np.ndarray, counts: np.ndarray, records: list[int], first: list[bool],
+                  last: list[bool]) -> None:
+        """Append a worker's batch: pieces back to back in `tokens`, piece i holding counts[i] tokens.
+
+        Most batches land inside the current train shard, with no split decision or resume drop
+        pending: one copy then does what add() would do piece by piece (per-piece calls cost ~20 us
+        each, a tenth of the main process's time on a 200 MB corpus). Anything else goes through
+        add(), so there is one definition of the rules.
+        """
+        n = len(tokens)
+        if self.drop or self.split != "train" or self.fill + n >= self.shard_tokens:
+            start = 0
+            for i, end in enumerate(np.cumsum(counts).tolist()):
+                self.add(tokens[start:end], records[i], first[i], last[i])
+                start = end
+            return
+        self.buffer[self.fill:self.fill + n] = tokens
+        self.fill += n
+        self.totals["train"] += n
+        # The bookkeeping add() keeps: the last record, and how many of its tokens are written.
+        j = len(records) - 1
+        while j > 0 and records[j - 1] == records[-1]:
+            j -= 1
+        written = int(counts[j:].sum())
+        self.record = records[-1]
+        self.record_written = written if first[j] else self.record_written + written
+
     def finish(self, n_records: int, totals: dict) -> None:
         self._flush(next_record=n_records, carry=0)
         self.manifest["group_records"] = list(self.group_records)

@@ -567,3 +567,43 @@ def test_encode_batches_keeps_order_and_reads_input_lazily():
     for b, tokens, counts in results:
         np.testing.assert_array_equal(tokens, expected_tokens(b.texts))
         assert counts.tolist() == [len(tokens)]
+
+
+def test_writer_add_batch_equals_piece_by_piece_add(tmp_path):
+    """The batch fast path writes the same shards and manifest (resume positions included) as add()."""
+    from data_prep.writer import ShardWriter, new_manifest
+
+    rng = np.random.default_rng(0)
+    pieces = []  # (count, record, first, last): documents of 1-8 pieces
+    for record in range(400):
+        k = int(rng.integers(1, 9))
+        pieces += [(int(rng.integers(1, 40)), record, i == 0, i == k - 1) for i in range(k)]
+    batches, at = [], 0
+    while at < len(pieces):  # cut anywhere, so a document may span batches
+        chunk = pieces[at:at + int(rng.integers(1, 7))]
+        at += len(chunk)
+        counts = np.array([c for c, *_ in chunk])
+        tokens = rng.integers(0, 50257, int(counts.sum())).astype(np.uint16)
+        batches.append((tokens, counts, [r for _, r, _, _ in chunk], [f for *_, f, _ in chunk],
+                        [la for *_, la in chunk]))
+
+    def run(out: Path, batched: bool) -> dict:
+        out.mkdir()
+        manifest = new_manifest({"files": []}, {}, "test")
+        w = ShardWriter(out, manifest, shard_tokens=251, val_tokens=500, group_records=[])
+        for tokens, counts, records, first, last in batches:
+            if batched:
+                w.add_batch(tokens, counts, records, first, last)
+            else:
+                start = 0
+                for i, end in enumerate(np.cumsum(counts).tolist()):
+                    w.add(tokens[start:end], records[i], first[i], last[i])
+                    start = end
+        w.finish(400, {})
+        return manifest
+
+    a, b = run(tmp_path / "a", False), run(tmp_path / "b", True)
+    assert len(a["shards"]) > 5 and a["shards"] == b["shards"]
+    assert any(s["carry_tokens"] for s in a["shards"])  # some shard ended inside a document
+    for s in a["shards"]:
+        assert (tmp_path / "a" / s["file"]).read_bytes() == (tmp_path / "b" / s["file"]).read_bytes()
