@@ -5,7 +5,8 @@
 
 Builds a JSON-lines corpus from the shared Shakespeare (repeated; documents of ~20 paragraphs,
 ~3 KB, like web documents) in a temp dir, runs `python -m data_prep` on it as a subprocess, and
-prints a Markdown table. Peak RSS is sampled from /proc every 20 ms and summed over the whole
+prints a Markdown table. -w1 and -w2 run alternately, --rounds times each (the machine's speed drifts
+between runs; alternating puts both under the same drift), and the table gives medians. Peak RSS is sampled from /proc every 20 ms and summed over the whole
 process tree (main process + tokenizer workers); the largest single process is shown too.
 The machine may be shared: the 1-minute load average is printed with the table.
 """
@@ -17,6 +18,8 @@ import json
 import os
 import re
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,7 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--large", action="store_true", help="also run a 200 MB corpus")
     p.add_argument("--mb", type=int, nargs="*", help="corpus sizes in MB (default 20, or 20 200 with --large)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating runs of -w1 and -w2 per corpus size")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     sizes = args.mb or ([20, 200] if args.large else [20])
     rows = []
     with tempfile.TemporaryDirectory(prefix="prep_bench_") as tmp:
@@ -142,14 +148,24 @@ def main(argv: list[str] | None = None) -> None:
             n_docs = build_corpus(corpus, mb * 2**20)
             raw, raw_cpu, raw_tokens = raw_tiktoken_rate(corpus)
             raw2 = raw_tiktoken_two_process_rate(corpus)
-            runs = {w: run_data_prep(corpus, Path(tmp) / f"out_{mb}_{w}", w) for w in (1, 2)}
-            assert runs[1]["tokens"] == runs[2]["tokens"] == raw_tokens, (runs, raw_tokens)
-            same = all((Path(tmp) / f"out_{mb}_1" / f.name).read_bytes() == f.read_bytes()
-                       for f in sorted((Path(tmp) / f"out_{mb}_2").glob("*.bin")))
-            rows.append((mb, n_docs, raw_tokens, raw, raw_cpu, raw2, runs, same))
-            for w in (1, 2):
-                import shutil
-                shutil.rmtree(Path(tmp) / f"out_{mb}_{w}")
+            runs, ratios = {1: [], 2: []}, []
+            for r in range(args.rounds):  # alternate the order (1 2, 2 1, ...): the machine's speed drifts
+                for w in ((1, 2) if r % 2 == 0 else (2, 1)):
+                    runs[w].append(run_data_prep(corpus, Path(tmp) / f"out_{mb}_{w}", w))
+                assert runs[1][-1]["tokens"] == runs[2][-1]["tokens"] == raw_tokens, (runs, raw_tokens)
+                ratios.append(runs[2][-1]["rate"] / runs[1][-1]["rate"])
+                same = all((Path(tmp) / f"out_{mb}_1" / f.name).read_bytes() == f.read_bytes()
+                           for f in sorted((Path(tmp) / f"out_{mb}_2").glob("*.bin")))
+                for w in (1, 2):
+                    shutil.rmtree(Path(tmp) / f"out_{mb}_{w}")
+                print(f"  {mb} MB round {r + 1}/{args.rounds}: -w2/-w1 {ratios[-1]:.2f}x", file=sys.stderr, flush=True)
+                if not same:
+                    break
+            merged = {w: {"rate": statistics.median(x["rate"] for x in runs[w]),
+                          "cpu_s": statistics.median(x["cpu_s"] for x in runs[w]),
+                          "peak_sum": max(x["peak_sum"] for x in runs[w]),
+                          "peak_one": max(x["peak_one"] for x in runs[w])} for w in (1, 2)}
+            rows.append((mb, n_docs, raw_tokens, raw, raw_cpu, raw2, merged, same, ratios))
             corpus.unlink()
     mib = 2**20
     print(f"cores available: {len(os.sched_getaffinity(0))}; 1-min load average at the end: {os.getloadavg()[0]:.1f}"
@@ -157,17 +173,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"command: python bench/prep_throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     print()
     print("| corpus | tokens | raw tiktoken 1 proc tok/s | raw tiktoken 2 procs tok/s (ceiling) | data_prep -w1 tok/s "
-          "| data_prep -w2 tok/s | w2/w1 | CPU s: raw / -w1 / -w2 | peak RSS tree -w1 "
+          "| data_prep -w2 tok/s | w2/w1 (per round) | CPU s: raw / -w1 / -w2 | peak RSS tree -w1 "
           "| peak RSS tree -w2 (largest proc) | bytes w1 == w2 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for mb, n_docs, tokens, raw, raw_cpu, raw2, runs, same in rows:
+    for mb, n_docs, tokens, raw, raw_cpu, raw2, runs, same, ratios in rows:
         r1, r2 = runs[1], runs[2]
         print(f"| {mb} MB ({n_docs:,} docs) | {tokens:,} | {raw:,.0f} | {raw2:,.0f} ({raw2 / raw:.2f}x) "
               f"| {r1['rate']:,.0f} | {r2['rate']:,.0f} "
-              f"| {r2['rate'] / r1['rate']:.2f}x | {tokens / raw_cpu:.1f} / {r1['cpu_s']:.1f} / {r2['cpu_s']:.1f} "
+              f"| {r2['rate'] / r1['rate']:.2f}x ({', '.join(f'{x:.2f}' for x in ratios)}) | {tokens / raw_cpu:.1f} / {r1['cpu_s']:.1f} / {r2['cpu_s']:.1f} "
               f"| {r1['peak_sum'] / mib:.0f} MiB | {r2['peak_sum'] / mib:.0f} MiB ({r2['peak_one'] / mib:.0f}) "
               f"| {'yes' if same else 'NO'} |")
     print()
+    print(f"-w1 and -w2 ran alternately {args.rounds} times each (1 2, 2 1, ...); tok/s and CPU s are medians "
+          f"over the rounds, peak RSS the maximum. ", end="")
     print(f"tok/s = tokens / data_prep's own elapsed time (planning, pool start-up, tokenizing, writing shards "
           f"with fsync); CPU s = user+sys of the whole process tree (robust to other jobs on the machine, unlike "
           f"tok/s); --shard-tokens {SHARD_TOKENS:,}, --val-tokens 0; corpus: JSON lines, "
