@@ -178,9 +178,11 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     train_model = torch.compile(model) if tc.compile else model
     if dist.is_distributed:
         # Gradients as views into the all-reduce buckets: no second copy of every gradient (memory)
-        # and no copy in and out of the buckets each step (the maths is unchanged).
+        # and no copy in and out of the buckets each step (the maths is unchanged). No buffer
+        # broadcast: the only buffer (the padded vocab's -inf logit bias) is a constant every rank
+        # builds identically, and broadcasting it would add a collective before every forward.
         train_model = DDP(train_model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                          gradient_as_bucket_view=True)
+                          gradient_as_bucket_view=True, broadcast_buffers=False)
     parts.train_model = train_model
     return parts
 
