@@ -2,6 +2,7 @@
 
     python bench/prep_throughput.py            # 20 MB corpus
     python bench/prep_throughput.py --large    # 20 MB and 200 MB (memory must not grow with the corpus)
+    python bench/prep_throughput.py --mb 1024 --rounds 2    # ~13 min: start-up amortised
 
 Builds a JSON-lines corpus from the shared Shakespeare (repeated; documents of ~20 paragraphs,
 ~3 KB, like web documents) in a temp dir, runs `python -m data_prep` on it as a subprocess, and
