@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-
 from data_prep import sources
 from data_prep.config import PrepConfig, UserError
 from data_prep.encode import encode_batches, make_batches

@@ -607,3 +607,23 @@ def test_writer_add_batch_equals_piece_by_piece_add(tmp_path):
     assert any(s["carry_tokens"] for s in a["shards"])  # some shard ended inside a document
     for s in a["shards"]:
         assert (tmp_path / "a" / s["file"]).read_bytes() == (tmp_path / "b" / s["file"]).read_bytes()
+
+
+def test_record_reader_resumes_past_whole_read_batches(tmp_path):
+    """A resume position beyond the first read batches (1024 rows) skips them and yields the rest exactly."""
+    from data_prep import sources
+    from data_prep.sources import READ_BATCH_ROWS
+
+    docs = [f"document {i} " + "word " * (i % 13) for i in range(2 * READ_BATCH_ROWS + 500)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    more = [f"parquet row {i}" for i in range(30)]
+    pq.write_table(pa.table({"text": more}), tmp_path / "b.parquet")
+    cfg = PrepConfig(out=tmp_path / "out", sources=(str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")),
+                     progress=False)
+    corpus = sources.plan(cfg)
+    everything = docs + more
+    assert list(sources.RecordReader(corpus, cfg).records(0)) == everything
+    for start in (READ_BATCH_ROWS, READ_BATCH_ROWS + 1, 2 * READ_BATCH_ROWS + 499, len(docs), len(docs) + 7):
+        assert list(sources.RecordReader(corpus, cfg).records(start)) == everything[start:], start
