@@ -31,11 +31,24 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def int_or_auto(text: str) -> int | str:
+    """An integer, or the word auto (a field the trainer sizes itself, e.g. --micro-batch-size)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+
+
 def _field_type(cls, field: dataclasses.Field):
-    """The concrete scalar type of a dataclass field (Optional[int] -> int)."""
+    """The concrete scalar type of a dataclass field (Optional[int] -> int; int | str -> int_or_auto)."""
     hint = typing.get_type_hints(cls)[field.name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if set(args) == {int, str}:
+            return int_or_auto
+        hint = args[0]
     return hint
 
 
@@ -75,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs = dict(dest=f"{section}.{f.name}", default=None, help=f"{doc} (default: {f.default})")
         if typ is bool:
             kwargs.update(type=parse_bool, metavar="{true,false}")
+        elif typ is int_or_auto:
+            kwargs.update(type=typ, metavar="{INT,auto}")
         else:
             kwargs.update(type=typ, metavar=typ.__name__.upper())
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
@@ -120,6 +135,8 @@ def _split_file_values(data: dict, path: str) -> dict[str, dict]:
         typ = known[section][name]
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if typ is int_or_auto:
+            typ = int if value != "auto" else str
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             raise ValueError(f"--config {path}: {name} = {value!r} should be of type {typ.__name__}")
         out[section][name] = value

@@ -113,7 +113,6 @@ def count_params_formula(cfg: ModelConfig) -> int:
     return V * h + T * h + L * (12 * h * h + 13 * h) + 2 * h
 
 
-DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -125,8 +124,10 @@ class TrainConfig:
     """Run directory: metrics.jsonl, config.json, checkpoints/, loss curve."""
     device: str = "auto"
     """auto (CUDA if present, else CPU), cpu or cuda. Each rank uses cuda:LOCAL_RANK."""
-    dtype: str = "bfloat16"
-    """Autocast dtype for matmuls; float32 disables autocast. Weights and optimizer stay fp32."""
+    dtype: str = "auto"
+    """Autocast dtype for matmuls: auto, bfloat16, float16 (with a loss scaler) or float32 (no autocast).
+    auto picks bf16 on GPUs with native bf16, fp16 on older GPUs, and on a CPU bf16 only where it
+    measures faster than fp32 (gpt2/precision.py says why). Weights and optimizer stay fp32."""
     compile: bool = True
     """torch.compile the model (inductor on CUDA and CPU)."""
     tf32: bool = True
@@ -137,8 +138,9 @@ class TrainConfig:
     """Pinned host buffers and non-blocking copies on CUDA (no effect on CPU)."""
     num_threads: int = 0
     """CPU threads per rank for intra-op parallelism; 0 = cores / ranks on this node."""
-    micro_batch_size: int = 64
-    """Sequences per rank per forward/backward."""
+    micro_batch_size: int | str = 64
+    """Sequences per rank per forward/backward; auto: the largest that the planner says fits the device
+    and divides the global batch (logged with the plan)."""
     total_batch_size: int = 524_288
     """Tokens per optimizer step, summed over all ranks and accumulation steps."""
     max_steps: int = 19_073
@@ -206,11 +208,16 @@ class TrainConfig:
 
 
 def train_config_problems(cfg: TrainConfig) -> list[str]:
+    from gpt2.precision import DTYPES  # here, not at the top: data_prep imports this module without torch
+
     p = []
-    positive = ("micro_batch_size", "total_batch_size", "max_steps", "log_interval", "keep_checkpoints",
+    positive = ("total_batch_size", "max_steps", "log_interval", "keep_checkpoints",
                 "sample_tokens", "max_bad_steps")
     non_negative = ("warmup_steps", "eval_interval", "eval_tokens", "sample_interval", "ckpt_interval",
                     "num_threads", "hellaswag_interval")
+    mb = cfg.micro_batch_size
+    if mb != "auto" and (not isinstance(mb, int) or isinstance(mb, bool) or mb < 1):
+        p.append(f"micro_batch_size={mb!r} must be a positive integer or auto")
     for name in positive:
         if getattr(cfg, name) < 1:
             p.append(f"{name}={getattr(cfg, name)} must be >= 1")

@@ -32,7 +32,8 @@ from gpt2.atomic import atomic_write
 from gpt2.config import EOT_TOKEN
 from gpt2.dist import Dist, all_reduce_sum, broadcast_object
 from gpt2.model import GPT, unwrap
-from gpt2.sample import DTYPE_CHOICES, autocast, load_any, resolve_dtype
+from gpt2 import precision
+from gpt2.sample import load_any
 from gpt2.tokenizer import encode
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -179,7 +180,7 @@ def hellaswag_eval(model: GPT, examples: list[Example], dist: Dist, device: torc
     mine = examples[dist.rank::dist.world_size]
     bar = _progress(mine, enabled=progress and dist.is_main, world_size=dist.world_size)
     try:
-        with autocast(dtype, device):
+        with precision.autocast(dtype, device):
             for ex in bar:
                 tokens, mask = example_rows(ex, model.config.block_size)
                 total, mean = score_endings(model, tokens.to(device), mask.to(device))
@@ -216,7 +217,7 @@ def val_loss(model: GPT, data_dir: str | Path, dist: Dist, *, eval_tokens: int, 
                          f"{model.config.block_size} tokens (or the val shards are that short)")
     # trainer.evaluate reads only the model, the loader and the autocast dtype from these.
     parts = Parts(model=model, train_model=model, optimizer=None, loader=None, val_loader=loader, accum_steps=1)
-    cfg = RunConfig(model.config, TrainConfig(dtype=resolve_dtype(dtype, dist.device)))
+    cfg = RunConfig(model.config, TrainConfig(dtype=dtype))
     loss = evaluate(parts, cfg, dist)
     model.train(was_training)  # evaluate() leaves the model in training mode, as the trainer wants
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": loader.tokens,
@@ -231,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--checkpoint", required=True,
                         help="step_*.pt file, run directory (newest valid checkpoint), or Hugging Face directory")
     common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    common.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="autocast dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    common.add_argument("--dtype", choices=precision.DTYPES, default="auto",
+                        help="autocast dtype (auto: what this device runs fast, see gpt2/precision.py)")
     common.add_argument("--json", action="store_true", help="print the result as one JSON line")
     common.add_argument("--num-threads", type=int, default=0,
                         help="CPU threads per rank (0: the node's cores divided among its ranks)")
@@ -267,17 +268,19 @@ def main(argv: list[str] | None = None) -> int:
             model, source = load_any(args.checkpoint, device)
             dist = setup(info, device, timeout_s=600.0)
             _set_threads(dist, args.num_threads)
+            # rank 0 chooses for every rank (auto measures the CPU: ranks must not disagree)
+            dtype = broadcast_object(precision.resolve(args.dtype, device).dtype if dist.is_main else None, dist)
             if args.task == "hellaswag":
                 examples = prepare_hellaswag(args.data, dist, url=args.url, limit=args.limit)
             else:
                 result = val_loss(model, args.data_dir, dist, eval_tokens=args.eval_tokens,
-                                  batch_size=args.batch_size, dtype=args.dtype)
+                                  batch_size=args.batch_size, dtype=dtype)
         except ValueError as e:
             if info is None or info.rank == 0:
                 print(f"gpt2.eval: error: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
         if args.task == "hellaswag":
-            result = hellaswag_eval(model, examples, dist, device, dtype=resolve_dtype(args.dtype, device))
+            result = hellaswag_eval(model, examples, dist, device, dtype=dtype)
         if dist.is_main:
             print(json.dumps(result) if args.json else _describe(args.task, result, source))
         return 0

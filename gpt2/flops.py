@@ -15,12 +15,10 @@ kernel's work. Recomputation (activation checkpointing) is not counted: that is 
 
 from __future__ import annotations
 
-import functools
-import time
-
 import torch
 
 from gpt2.config import ModelConfig
+from gpt2.precision import matmul_rate
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets, FLOP/s. Matched against
 # torch.cuda.get_device_name() in order, so the more specific names come first.
@@ -99,9 +97,13 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *, tf32: b
     """Peak dense FLOP/s for matmuls in `dtype` on `device`.
 
     CUDA GPUs in the table get their data-sheet number (what MFU is conventionally quoted
-    against); CPUs and unlisted GPUs get a measured large-matmul rate (`matmul_peak_flops`), which
-    is an achievable peak rather than a theoretical one. For fp32 on CUDA, tf32=None reads
-    torch's current matmul precision: with TF32 enabled the tensor-core TF32 peak applies.
+    against); CPUs and unlisted GPUs get a measured matmul rate (`precision.matmul_rate`), an
+    achievable peak rather than a theoretical one. For fp32 on CUDA, tf32=None reads torch's
+    current matmul precision: with TF32 enabled the tensor-core TF32 peak applies.
+
+    On a CPU an autocast run's peak is the faster of its dtype's rate and fp32's: where bf16 is
+    emulated, compiled kernels may compute in fp32, and MFU must be measured against the kernels
+    that can actually run, so that it never exceeds 1.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -110,44 +112,7 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *, tf32: b
         peak = gpu_table_peak(torch.cuda.get_device_name(device), dtype, tf32=tf32)
         if peak is not None:
             return peak
-    return matmul_peak_flops(device, dtype)
-
-
-def matmul_peak_flops(device: torch.device | str, dtype: torch.dtype, n: int | None = None, *,
-                      repeats: int = 5) -> float:
-    """Best achieved FLOP/s of an n x n x n matmul on `device`, cached per process.
-
-    n defaults to 2048 on CPU (a second or two, large enough to reach the BLAS plateau) and 8192
-    on CUDA. Warms up first (oneDNN builds its kernel on the first call), then takes the best of
-    `repeats` timings: the least-disturbed run is the closest to what the hardware can do.
-    """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if n is None:
-        n = 2048 if device.type == "cpu" else 8192
-    if n < 1 or repeats < 1:
-        raise ValueError(f"n={n} and repeats={repeats} must be positive")
-    return _measure_matmul(str(device), dtype, n, repeats)
-
-
-@functools.lru_cache(maxsize=None)
-def _measure_matmul(device: str, dtype: torch.dtype, n: int, repeats: int) -> float:
-    dev = torch.device(device)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    a = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
-    b = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
-    # On CUDA one matmul can be shorter than the launch and timer overhead: time several.
-    per_timing = 1 if dev.type == "cpu" else 10
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        torch.mm(a, b)
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(per_timing):
-            torch.mm(a, b)
-        sync()
-        best = min(best, (time.perf_counter() - t0) / per_timing)
-    return 2.0 * n ** 3 / best
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return matmul_rate(str(device), dtype)
+    return max(matmul_rate(str(device), dtype), matmul_rate(str(device), torch.float32))

@@ -67,6 +67,8 @@ class Metrics:
     def log_step(self, rec: dict, max_steps: int) -> None:
         self.record(rec)
         skipped = "  SKIPPED (non-finite)" if rec.get("skipped") else ""
+        if rec.get("overflow"):  # fp16: the loss scaler's own skip, part of its normal working
+            skipped = f"  overflow: update skipped by the loss scaler (scale now {rec['loss_scale']:g})"
         self.info(
             f"step {rec['step']:>6}/{max_steps} | loss {_fmt(rec['loss'], '.4f')} | lr {rec['lr']:.3e} | "
             f"norm {_fmt(rec['grad_norm'], '.3f')} | {rec['step_s'] * 1000:7.1f} ms | "

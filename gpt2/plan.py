@@ -30,6 +30,7 @@ import torch
 
 from gpt2.config import MODEL_PRESETS, ModelConfig, count_params_formula, model_preset
 from gpt2.flops import flops_per_token, gpu_table_peak, param_count
+from gpt2.precision import SHORT_NAMES
 
 GIB = 1024 ** 3
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
@@ -73,11 +74,10 @@ def gpu_hardware(name: str, dtype: str) -> Hardware:
 
 
 def plan_dtype(train_dtype: str, *, tf32: bool = False) -> str:
-    """The planner's name for TrainConfig.dtype ('bfloat16', 'float16', 'float32')."""
-    names = {"bfloat16": "bf16", "float16": "fp16", "float32": "tf32" if tf32 else "fp32"}
-    if train_dtype not in names:
-        raise ValueError(f"dtype={train_dtype!r} must be one of {sorted(names)}")
-    return names[train_dtype]
+    """The planner's name for a resolved TrainConfig.dtype ('bfloat16', 'float16', 'float32')."""
+    if train_dtype not in SHORT_NAMES:
+        raise ValueError(f"dtype={train_dtype!r} must be one of {sorted(SHORT_NAMES)}")
+    return "tf32" if train_dtype == "float32" and tf32 else SHORT_NAMES[train_dtype]
 
 
 def device_hardware(device: torch.device | str, peak_flops: float, *, processes_per_host: int = 1) -> Hardware:
@@ -216,7 +216,8 @@ def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, token
     return p
 
 
-def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: bool = True) -> int:
+def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: bool = True,
+               device_type: str = "cuda") -> int:
     """Peak bytes of the LM head + cross-entropy for `tokens` positions.
 
     chunked (what the trainer runs: gpt2.model.linear_cross_entropy): one chunk of rows at a time
@@ -226,13 +227,13 @@ def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: b
     logits the model returns stay alive, cross-entropy saves fp32 log-probs, and its backward makes
     two fp32 gradients of that size.
     """
-    from gpt2.model import LOSS_CHUNK_LOGITS
+    from gpt2.model import loss_chunk_logits
 
     s = 2 if dtype in AUTOCAST_DTYPES else 4
     V, h = cfg.vocab_size, cfg.n_embd
     if not chunked:
         return tokens * V * (s + 4 + 8)
-    n_chunks = -(-tokens // max(1, LOSS_CHUNK_LOGITS // V))
+    n_chunks = -(-tokens // max(1, loss_chunk_logits(device_type) // V))
     rows = -(-tokens // n_chunks)
     return rows * V * (2 * s + 12) + tokens * h * 4 + 2 * V * h * 4
 
@@ -246,7 +247,7 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
                              flash=True)
     explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
                                 flash=False)
-    logits = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=chunked_loss)
+    logits = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=chunked_loss, device_type=device_type)
     return Memory(
         weights=4 * n,
         autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
@@ -334,6 +335,23 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def auto_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int,
+                          total_batch_size: int, dtype: str) -> int:
+    """--micro-batch-size auto: the largest micro-batch that fits (max_micro_batch_size) and divides
+    the global batch, so that accumulation stays a whole number of micro-steps."""
+    per_seq = seq_len * world_size
+    if total_batch_size % per_seq:
+        raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of block_size*world_size="
+                         f"{per_seq}, so no micro-batch divides it; choose a multiple of {per_seq}")
+    fits = max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size, dtype=dtype)
+    seqs = total_batch_size // per_seq  # sequences per rank per optimizer step
+    best = max((b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0), default=0)
+    if best == 0:
+        raise ValueError(f"not even micro_batch_size=1 fits in {_gib(hardware.memory_bytes)} ({hardware.name}): "
+                         "use a smaller model, a shorter block_size, bf16, or more memory per device")
+    return best
 
 
 def measured_peak_bytes(fn, device: torch.device | str) -> int:

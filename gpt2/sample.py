@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import contextlib
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -24,13 +23,13 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
+from gpt2 import precision
 from gpt2.checkpoint import CheckpointError, checkpoint_dir, latest_valid, load_model
 from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 from gpt2.hf import WEIGHT_FILES, load_hf_dir
 from gpt2.model import GPT, unwrap
 from gpt2.tokenizer import encode, get_encoding
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def load_any(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
@@ -92,19 +91,8 @@ def _one_line(e: BaseException) -> str:
 
 
 def autocast(dtype: str, device: torch.device):
-    """Autocast to dtype on device ('auto': bfloat16 on CUDA when supported, else float32)."""
-    dtype = resolve_dtype(dtype, device)
-    if dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> str:
-    if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype={dtype!r} must be one of {DTYPE_CHOICES}")
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    """Autocast for a dtype name, auto included (gpt2.precision picks what the device runs fast)."""
+    return precision.autocast(precision.resolve(dtype, device).dtype, device)
 
 
 def encode_prompt(prompt: str, block_size: int) -> list[int]:
@@ -217,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens; 0 disables")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="autocast dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--dtype", choices=precision.DTYPES, default="auto",
+                        help="autocast dtype (auto: what this device runs fast, see gpt2/precision.py)")
     return parser
 
 

@@ -24,10 +24,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt2 import checkpoint as ckpt
+from gpt2 import precision
 from gpt2.atomic import atomic_write_text
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader, find_shards
-from gpt2.dist import Dist, all_gather_object, all_reduce_sum, barrier
+from gpt2.dist import Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object
 from gpt2.flops import device_peak_flops, flops_per_token
 from gpt2.metrics import Metrics, plot_loss_curve
 from gpt2.model import GPT
@@ -79,13 +80,9 @@ class Parts:
     loader: TrainLoader
     val_loader: EvalLoader | None
     accum_steps: int
+    scaler: torch.amp.GradScaler
+    """Scales the loss under float16 (its gradients would underflow); disabled, a pass-through, otherwise."""
     step: int = 0
-
-
-def autocast_context(cfg: TrainConfig, device: torch.device):
-    if cfg.dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=getattr(torch, cfg.dtype))
 
 
 def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
@@ -99,10 +96,13 @@ def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
         torch.set_num_threads(threads)
 
 
-def check_data(cfg: RunConfig, world_size: int) -> tuple[ShardSet, ShardSet | None, int]:
+def check_data(cfg: RunConfig, world_size: int) -> tuple[ShardSet, ShardSet | None]:
     """Validate shards and batch maths before any process group or model exists."""
     tc = cfg.train
-    accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
+    if tc.micro_batch_size == "auto":  # sized later, by the planner: here only "some micro-batch divides"
+        grad_accum_steps(tc.total_batch_size, 1, cfg.model.block_size, world_size)
+    else:
+        grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
     train_shards = find_shards(tc.data_dir, "train")
     val_shards = find_shards(tc.data_dir, "val") if tc.eval_tokens > 0 else None
     import importlib.util
@@ -113,7 +113,35 @@ def check_data(cfg: RunConfig, world_size: int) -> tuple[ShardSet, ShardSet | No
     if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
         from gpt2.eval import load_examples
         load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
-    return train_shards, val_shards, accum
+    return train_shards, val_shards
+
+
+def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> tuple[RunConfig, precision.Precision]:
+    """--dtype auto and --micro-batch-size auto made concrete. Rank 0 measures and decides and every
+    rank takes its answer: ranks that chose differently would compute different things silently.
+
+    hardware: what the planner sizes the micro-batch for (default: this device; tests pass a cap).
+    """
+    from gpt2.plan import auto_micro_batch_size, device_hardware, plan_dtype
+
+    tc = cfg.train
+    decision = None
+    if dist.is_main:
+        prec = precision.resolve(tc.dtype, dist.device)
+        mb = tc.micro_batch_size
+        if mb == "auto":
+            hardware = hardware or device_hardware(dist.device, 0.0, processes_per_host=dist.local_world_size)
+            mb = auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=dist.world_size,
+                                       total_batch_size=tc.total_batch_size,
+                                       dtype=plan_dtype(prec.dtype, tf32=tc.tf32 and dist.device.type == "cuda"))
+        decision = (prec, mb, precision.emulation_warning(prec, dist.device))
+    prec, mb, warning = broadcast_object(decision, dist)
+    log.info(f"precision  {prec.dtype}: {prec.reason}")
+    if warning:
+        log.warn(warning)
+    if tc.micro_batch_size == "auto":
+        log.info(f"micro-batch auto: {mb} sequences, the largest that fits and divides the global batch")
+    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb)), prec
 
 
 def rng_state() -> dict:
@@ -156,7 +184,8 @@ def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
 
 def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None, int]) -> Parts:
     tc, mc = cfg.train, cfg.model
-    train_shards, val_shards, accum = shards
+    train_shards, val_shards = shards
+    accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, mc.block_size, dist.world_size)
     torch.manual_seed(tc.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
     model = GPT(mc).to(dist.device)
     optimizer = make_optimizer(model, tc, dist.device)
@@ -171,7 +200,7 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
         if val_loader.clamped:
             log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all "
                      f"{val_loader.tokens} tokens")
-    parts = Parts(model, model, optimizer, loader, val_loader, accum)
+    parts = Parts(model, model, optimizer, loader, val_loader, accum, precision.make_scaler(tc.dtype, dist.device))
     resume_from = ckpt.resolve_resume(tc.resume, tc.out_dir, warn=log.warn)
     if resume_from is not None:
         restore(parts, resume_from, cfg, dist, log)
@@ -192,6 +221,8 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
     check_compatible(state, cfg, log)
     parts.model.load_state_dict(state["model"])
     parts.optimizer.load_state_dict(state["optimizer"])
+    if parts.scaler.is_enabled() and state.get("scaler"):  # fp16 before and now: the scale goes on
+        parts.scaler.load_state_dict(state["scaler"])
     for group in parts.optimizer.param_groups:  # the schedule sets lr each step; keep new hyper-parameters
         group["weight_decay"] = cfg.train.weight_decay if group["weight_decay"] else 0.0
     try:
@@ -214,6 +245,7 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
     rngs = all_gather_object(rng_state(), dist)
     if dist.is_main:
         state = {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+                 "scaler": parts.scaler.state_dict(),
                  "config": cfg.to_dict(), "tokenizer": "gpt2", "loader": parts.loader.state_dict(),
                  "rng": rngs, "world_size": dist.world_size,
                  "tokens": parts.step * cfg.train.total_batch_size, "torch_version": str(torch.__version__)}
@@ -226,14 +258,15 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     """One optimizer step: accumulate micro-batches, sync gradients on the last, clip, update.
 
     Returns loss (mean over micro-steps and ranks), grad_norm, lr, whether any rank asked to stop,
-    and whether the update was skipped because the loss or the gradient norm was not finite.
+    whether the update was skipped because the loss or the gradient norm was not finite, and (fp16)
+    whether the loss scaler found an overflow and skipped the update itself, with its scale.
     """
     tc = cfg.train
     lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps)
     for group in parts.optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), device=dist.device)
-    autocast = autocast_context(tc, dist.device)
+    autocast = precision.autocast(tc.dtype, dist.device)
     for micro_step in range(parts.accum_steps):
         x, y = parts.loader.micro_batch(micro_step)
         # Decide gradient sync before the forward pass: DDP registers its hooks during forward.
@@ -246,7 +279,8 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
                 loss = loss * float("nan")
             loss = loss / parts.accum_steps
             loss_sum += loss.detach()
-            loss.backward()
+            parts.scaler.scale(loss).backward()
+    parts.scaler.unscale_(parts.optimizer)  # clip and measure the true gradients (a no-op unless fp16)
     clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip)
     # One all-reduce carries the loss and the stop flag: every rank sees the same values, so
@@ -255,13 +289,20 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     all_reduce_sum(stats, dist)
     loss_mean, stop = (stats[0] / dist.world_size).item(), stats[1].item() > 0
     grad_norm = grad_norm.item()
-    skipped = not (math.isfinite(loss_mean) and math.isfinite(grad_norm))
+    loss_ok, norm_ok = math.isfinite(loss_mean), math.isfinite(grad_norm)
+    # fp16: a finite loss with non-finite gradients is an overflow of the scaled gradients. The
+    # scaler skips that update and lowers its scale: its normal working, not a bad step.
+    overflow = parts.scaler.is_enabled() and loss_ok and not norm_ok
+    skipped = not (loss_ok and norm_ok) and not overflow
     if not skipped:
-        parts.optimizer.step()
+        parts.scaler.step(parts.optimizer)  # optimizer.step(), unless the scaler found an overflow
+    parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
     parts.loader.advance()
     parts.step += 1
-    return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "stop": stop, "skipped": skipped}
+    scale = parts.scaler.get_scale() if parts.scaler.is_enabled() else None
+    return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "stop": stop, "skipped": skipped,
+            "overflow": overflow, "loss_scale": scale}
 
 
 @torch.no_grad()
@@ -270,7 +311,7 @@ def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
     model = parts.train_model.module if isinstance(parts.train_model, DDP) else parts.train_model
     model.eval()
     totals = torch.zeros(2, device=dist.device, dtype=torch.float64)
-    with autocast_context(cfg.train, dist.device):
+    with precision.autocast(cfg.train.dtype, dist.device):
         for x, y in parts.val_loader:
             _, loss = model(x, y, return_logits=False)
             n = (y != -1).sum()
@@ -290,7 +331,7 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     gen = torch.Generator(device=dist.device).manual_seed(tc.seed + parts.step)
     idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
     parts.model.eval()
-    with autocast_context(tc, dist.device):
+    with precision.autocast(tc.dtype, dist.device):
         out = parts.model.generate(idx, tc.sample_tokens, temperature=1.0, top_k=50, generator=gen)
     parts.model.train()
     return tokenizer.decode(out[0, len(prompt):].tolist())
@@ -324,14 +365,14 @@ def memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float) -> None:
+def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float, prec: precision.Precision) -> None:
     if not dist.is_main:
         return
     import tiktoken
 
     info = {"config": cfg.to_dict(), "world_size": dist.world_size, "device": str(dist.device),
             "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else platform.processor(),
-            "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
+            "precision": prec.to_dict(), "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
             "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
@@ -355,14 +396,27 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
     log = Metrics(dist, tc.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
                   run_config=cfg.to_dict())
     shards = shards or check_data(cfg, dist.world_size)
-    peak = device_peak_flops(dist.device, getattr(torch, tc.dtype))
+    log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
+             f"building the model")
+    cfg, prec = resolve_auto(cfg, dist, log)
+    tc = cfg.train
+    peak = device_peak_flops(dist.device, precision.torch_dtype(tc.dtype))
     check_memory(cfg, dist, peak, log)
     parts = build(cfg, dist, log, shards)
+    if parts.step >= tc.max_steps:  # e.g. the quick start run a second time
+        log.info(f"nothing to train: {tc.out_dir} already finished step {parts.step} of --max-steps "
+                 f"{tc.max_steps}. Pass a larger --max-steps to continue this run, or another --out-dir "
+                 "(or --resume never) to start a new one")
+        log.close()
+        return 0
     flops_tok = flops_per_token(cfg.model)
-    write_run_info(cfg, dist, parts, peak)
+    write_run_info(cfg, dist, parts, peak, prec)
     log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
              f"{parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
              f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}")
+    if tc.compile:
+        log.info("compiling: the first step (and the first evaluation) compile the model, which can take "
+                 "a minute or more")
     if parts.step == 0 and parts.val_loader is not None:
         log.log_eval(0, 0, evaluate(parts, cfg, dist))
     hellaswag = None
@@ -378,13 +432,15 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
                 torch.cuda.synchronize(dist.device)
             dt = time.perf_counter() - t0
             step = parts.step
-            bad_steps = bad_steps + 1 if out["skipped"] else 0
-            if step % tc.log_interval == 0 or out["skipped"] or step == tc.max_steps:
+            bad_steps = bad_steps + 1 if out["skipped"] else (bad_steps if out["overflow"] else 0)
+            if step % tc.log_interval == 0 or out["skipped"] or out["overflow"] or step == tc.max_steps:
                 tok_s = tc.total_batch_size / dt
                 log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                               "tokens": step * tc.total_batch_size, "step_s": dt, "tok_per_s": tok_s,
                               "mfu": tok_s * flops_tok / (peak * dist.world_size),
-                              "mem_mb": memory_mb(dist.device), "skipped": out["skipped"]}, tc.max_steps)
+                              "mem_mb": memory_mb(dist.device), "skipped": out["skipped"],
+                              **({"overflow": out["overflow"], "loss_scale": out["loss_scale"]}
+                                 if out["loss_scale"] is not None else {})}, tc.max_steps)
             if bad_steps >= tc.max_bad_steps:
                 raise NonFiniteError(
                     f"{bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"

@@ -12,9 +12,20 @@ BASE = ["--data-dir", "d", "--out-dir", "o"]
 
 def test_defaults_are_the_fast_settings():
     cfg = parse_config(BASE)
-    assert cfg.train.dtype == "bfloat16" and cfg.train.compile is True
+    assert cfg.train.dtype == "auto" and cfg.train.compile is True  # auto: what the device runs fast
     assert cfg.model.vocab_size == 50304 and cfg.model.attn_impl == "sdpa"
     assert cfg.train.total_batch_size == 524_288
+
+
+def test_micro_batch_size_auto_from_flag_and_file(tmp_path):
+    assert parse_config(BASE + ["--micro-batch-size", "auto"]).train.micro_batch_size == "auto"
+    assert parse_config(BASE + ["--micro-batch-size", "12"]).train.micro_batch_size == 12
+    toml = tmp_path / "c.toml"
+    toml.write_text('micro_batch_size = "auto"\n')
+    assert parse_config(BASE + ["--config", str(toml)]).train.micro_batch_size == "auto"
+    toml.write_text('micro_batch_size = "many"\n')
+    with pytest.raises(SystemExit):
+        parse_config(BASE + ["--config", str(toml)])
 
 
 def test_precedence_defaults_preset_file_flags(tmp_path):
@@ -48,6 +59,7 @@ def test_every_field_is_a_kebab_case_flag():
     (["--compile", "maybe"], "expected true or false"),
     (["--dtype", "float8"], "dtype='float8'"),
     (["--micro-batch-size", "0"], "micro_batch_size=0"),
+    (["--micro-batch-size", "big"], "expected an integer or auto"),
     (["--min-lr", "1.0"], "min_lr=1.0"),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):

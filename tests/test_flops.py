@@ -1,12 +1,10 @@
-import time
-
 import pytest
 import torch
 
 from gpt2.config import ModelConfig, model_preset
-from gpt2.flops import (device_peak_flops, flops_per_token, gpu_table_peak, matmul_peak_flops, mfu,
-                        param_count)
+from gpt2.flops import device_peak_flops, flops_per_token, gpu_table_peak, mfu, param_count
 from gpt2.model import GPT
+from gpt2.precision import matmul_rate
 
 
 def test_flops_per_token_matches_hand_count():
@@ -50,17 +48,6 @@ def test_mfu_arithmetic():
         mfu(1.0, cfg, peak=0.0)
 
 
-def test_matmul_peak_flops_small_and_cached():
-    t0 = time.perf_counter()
-    peak = matmul_peak_flops("cpu", torch.float32, n=128, repeats=2)
-    assert 1e8 < peak < 1e14  # at least 0.1 GFLOP/s, below any CPU's peak
-    assert time.perf_counter() - t0 < 5
-    t0 = time.perf_counter()
-    assert matmul_peak_flops("cpu", torch.float32, n=128, repeats=2) == peak  # cached
-    assert time.perf_counter() - t0 < 0.01
-    assert matmul_peak_flops("cpu", torch.bfloat16, n=128, repeats=2) > 0
-
-
 def test_gpu_table_peaks():
     assert gpu_table_peak("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
     assert gpu_table_peak("NVIDIA A100-PCIE-40GB", torch.float32) == 19.5e12
@@ -73,8 +60,13 @@ def test_gpu_table_peaks():
     assert gpu_table_peak("Some Future GPU", torch.bfloat16) is None
 
 
-def test_device_peak_flops_measures_on_cpu():
-    assert device_peak_flops("cpu", torch.float32) == matmul_peak_flops("cpu", torch.float32)
+def test_device_peak_flops_measures_on_cpu_and_never_below_fp32():
+    """MFU is against the kernels that can run: where bf16 is emulated, compiled code may run fp32
+    kernels faster than the bf16 "peak", so an autocast peak is at least the fp32 rate."""
+    fp32 = matmul_rate("cpu", torch.float32)
+    assert device_peak_flops("cpu", torch.float32) == fp32
+    for dtype in (torch.bfloat16, torch.float16):
+        assert device_peak_flops("cpu", dtype) == max(fp32, matmul_rate("cpu", dtype))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,148 @@
+"""Precision: the compute dtypes, what `auto` picks on a device, and the autocast and loss scaler
+each one implies. The trainer, sampling, evaluation, the planner and the benchmarks all ask here.
+
+Weights, gradients and optimizer state stay fp32 in every mode. The dtype is what autocast runs
+matmuls in; float32 runs no autocast.
+
+What `auto` picks, and why:
+  CUDA with native bf16 (Ampere and newer): bfloat16. torch's `is_bf16_supported()` counts
+      emulation by default (a T4 or V100 says True), so we ask with including_emulation=False:
+      emulated bf16 is slow, inductor does not compile it, and the flash kernels need sm80.
+  CUDA without it: float16 with a GradScaler. fp16 has tensor cores from Volta on, but only 5
+      exponent bits: small gradients underflow to zero unless the loss is scaled up first.
+  CPU: bfloat16 only where a short measurement shows bf16 matmuls at least
+      CPU_BF16_MIN_SPEEDUP x faster than fp32 (AMX), else float32. We measure rather than read
+      /proc/cpuinfo because a flag does not say how fast: on an avx512_bf16 CPU without AMX bf16
+      ran at about half the fp32 rate, and with AVX2 only it is emulated at 1/40 to 1/60 of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""What a user may ask for; every name but auto is also what a run resolves to."""
+SHORT_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+"""The planner's and the peak tables' names."""
+CPU_BF16_MIN_SPEEDUP = 1.3
+"""bf16 must beat fp32 by this much on a CPU for auto to pick it (a margin over measurement noise)."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in SHORT_NAMES:
+        raise ValueError(f"dtype={name!r} must be one of {tuple(SHORT_NAMES)}")
+    return getattr(torch, name)
+
+
+def autocast(dtype: str, device: torch.device | str):
+    """The autocast context for a resolved dtype name (float32: none)."""
+    device = torch.device(device)
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch_dtype(dtype))
+
+
+def make_scaler(dtype: str, device: torch.device | str) -> torch.amp.GradScaler:
+    """A GradScaler that is active for float16 only (disabled, its calls pass straight through)."""
+    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved dtype and the reason it was chosen (logged, and written to config.json)."""
+    requested: str
+    dtype: str
+    reason: str
+
+    @property
+    def short(self) -> str:
+        return SHORT_NAMES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return {"requested": self.requested, "dtype": self.dtype, "reason": self.reason}
+
+
+def resolve(requested: str, device: torch.device | str) -> Precision:
+    """auto -> the fast dtype for device (see the module docstring); an explicit name is kept."""
+    if requested not in DTYPES:
+        raise ValueError(f"dtype={requested!r} must be one of {DTYPES}")
+    best, why = fast_dtype(torch.device(device))
+    if requested == "auto":
+        return Precision("auto", best, why)
+    if requested == best:
+        return Precision(requested, requested, f"requested ({why})")
+    return Precision(requested, requested, f"requested; auto would pick {best} ({why})")
+
+
+def emulation_warning(p: Precision, device: torch.device | str) -> str | None:
+    """A warning when an explicit bfloat16 or float16 is emulated (slow) on this device, else None."""
+    if p.requested == "auto" or p.dtype == "float32":
+        return None
+    device = torch.device(device)
+    if device.type == "cuda":
+        slow = p.dtype == "bfloat16" and not cuda_native_bf16(device)
+    else:
+        slow = matmul_rate(str(device), torch_dtype(p.dtype)) < matmul_rate(str(device), torch.float32)
+    if not slow:
+        return None
+    best, why = fast_dtype(device)
+    return (f"--dtype {p.dtype} is emulated or slower than float32 on this {device.type} and will run slowly; "
+            f"--dtype auto would pick {best} ({why})")
+
+
+def fast_dtype(device: torch.device) -> tuple[str, str]:
+    """(dtype name, reason) of what this device trains fastest in, correctly."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if cuda_native_bf16(device):
+            return "bfloat16", f"{name} has native bf16"
+        return "float16", f"{name} has no native bf16: fp16 with a loss scaler"
+    bf16, fp32 = matmul_rate(str(device), torch.bfloat16), matmul_rate(str(device), torch.float32)
+    pick = "bfloat16" if bf16 >= CPU_BF16_MIN_SPEEDUP * fp32 else "float32"
+    return pick, (f"CPU matmuls measured at bf16 {bf16 / 1e9:.1f} vs fp32 {fp32 / 1e9:.1f} GFLOP/s: "
+                  f"{'bf16' if pick == 'bfloat16' else 'fp32'} is faster")
+
+
+def cuda_native_bf16(device: torch.device) -> bool:
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_rate(device: str, dtype: torch.dtype, *, budget_s: float = 0.25, min_time_s: float = 0.004) -> float:
+    """Best FLOP/s of a square matmul on device in dtype, measured within about budget_s.
+
+    The size doubles from 128 until one matmul takes min_time_s (long enough for the timer and for
+    the BLAS to reach its plateau) or reaches the largest useful size; then it is timed until the
+    budget is spent and the best time taken. Bounded on any device and dtype: an emulated bf16
+    matmul (1 GFLOP/s) stops growing at n=256, a fast one at 1024-2048 (CPU) or 8192 (GPU).
+    Cached per process: the trainer, the planner and MFU share one measurement.
+    """
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    max_n = 8192 if dev.type == "cuda" else 2048
+    deadline = time.perf_counter() + budget_s
+    n, best = 128, None
+    while True:
+        a = torch.randn(n, n, device=dev).to(dtype)
+        b = torch.randn(n, n, device=dev).to(dtype)
+        torch.mm(a, b)  # the first call builds the kernel (oneDNN) or warms the clocks
+        sync()
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = time.perf_counter() - t0
+        if best >= min_time_s or n >= max_n or time.perf_counter() > deadline:
+            break
+        n *= 2
+    while time.perf_counter() + best < deadline:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Makes .venv and installs the project into it; a second run only checks and returns at once.
+# Usage: bash scripts/setup.sh [EXTRAS]   (EXTRAS: dev for the test suite, e.g. "dev"; none for training)
+# Needs only python3 (>= 3.10). TORCH_SPEC chooses the torch to install when .venv has none: the
+# default, torch==2.13.0, is the version this project is tested with (on a GPU machine pick the
+# build that matches your CUDA, e.g. TORCH_SPEC="torch==2.13.0 --index-url https://...").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS=${1:-}
+PY=.venv/bin/python
+[ -x "$PY" ] || python3 -m venv .venv
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q --upgrade pip
+  # torch first: the project's "torch>=2.5" would otherwise pull the newest (CUDA) build.
+  # shellcheck disable=SC2086
+  "$PY" -m pip install -q ${TORCH_SPEC:-torch==2.13.0}
+fi
+# Reinstall when pyproject.toml or the extras change (an editable install picks up code changes itself).
+# No extras asked for: any install of this pyproject.toml will do.
+stamp=".venv/.gpt2-ddp-installed"
+hash=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want="$hash extras=${EXTRAS}"
+if [ ! -f "$stamp" ] || ! { grep -qxF -- "$want" "$stamp" || { [ -z "$EXTRAS" ] && grep -q "^$hash " "$stamp"; }; }; then
+  "$PY" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,98 @@
+"""gpt2.precision: what --dtype auto picks per device, the bounded matmul measurement, the scaler."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from gpt2 import precision
+from gpt2.precision import emulation_warning, make_scaler, matmul_rate, resolve
+
+
+def fake_rates(monkeypatch, **gflops):
+    """Replace the CPU measurement: rates in GFLOP/s per dtype name."""
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    monkeypatch.setattr(precision, "matmul_rate", lambda device, dtype: gflops[names[dtype]] * 1e9)
+
+
+@pytest.mark.parametrize("bf16, fp32, expected", [
+    (400.0, 150.0, "bfloat16"),  # AMX: bf16 several times faster
+    (160.0, 300.0, "float32"),   # avx512_bf16 without AMX: bf16 native but half the fp32 rate
+    (1.3, 80.0, "float32"),      # AVX2 only: bf16 emulated, 60x slower
+    (110.0, 100.0, "float32"),   # within noise of each other: not "clearly faster"
+])
+def test_auto_on_cpu_follows_the_measurement(monkeypatch, bf16, fp32, expected):
+    fake_rates(monkeypatch, bfloat16=bf16, float32=fp32, float16=1.0)
+    p = resolve("auto", "cpu")
+    assert p.dtype == expected and p.requested == "auto"
+    assert f"bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s" in p.reason
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float16")])
+def test_auto_on_cuda_asks_for_native_bf16(monkeypatch, native, expected):
+    monkeypatch.setattr(precision, "cuda_native_bf16", lambda device: native)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4" if not native else "A100")
+    p = resolve("auto", torch.device("cuda", 0))
+    assert p.dtype == expected
+    assert ("loss scaler" in p.reason) == (not native)
+
+
+def test_cuda_native_bf16_excludes_emulation(monkeypatch):
+    """torch's default counts emulated bf16 (T4, V100) as supported; we must not."""
+    seen = {}
+
+    def fake(including_emulation=True):
+        seen["including_emulation"] = including_emulation
+        return including_emulation  # an emulating GPU: True only when emulation counts
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", fake)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    assert precision.cuda_native_bf16(torch.device("cuda", 0)) is False
+    assert seen == {"including_emulation": False}
+
+
+def test_explicit_dtype_is_kept_and_an_emulated_one_warns(monkeypatch):
+    fake_rates(monkeypatch, bfloat16=1.3, float32=80.0, float16=1.3)
+    p = resolve("bfloat16", "cpu")
+    assert p.dtype == "bfloat16" and "auto would pick float32" in p.reason
+    warning = emulation_warning(p, "cpu")
+    assert warning and "--dtype bfloat16" in warning and "auto would pick float32" in warning
+    assert emulation_warning(resolve("float32", "cpu"), "cpu") is None
+    assert emulation_warning(resolve("auto", "cpu"), "cpu") is None
+    fake_rates(monkeypatch, bfloat16=400.0, float32=150.0, float16=1.0)
+    assert emulation_warning(resolve("bfloat16", "cpu"), "cpu") is None
+    monkeypatch.setattr(precision, "cuda_native_bf16", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    warning = emulation_warning(resolve("bfloat16", torch.device("cuda", 0)), torch.device("cuda", 0))
+    assert warning and "auto would pick float16" in warning
+
+
+def test_unknown_dtype_is_an_error():
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve("fp8", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matmul_rate_is_bounded_and_cached(dtype):
+    """Well under a second on any dtype, emulated bf16/fp16 (1 GFLOP/s on AVX2) included."""
+    t0 = time.perf_counter()
+    rate = matmul_rate("cpu", dtype, budget_s=0.2)
+    assert time.perf_counter() - t0 < 0.8
+    assert 1e8 < rate < 1e14  # at least 0.1 GFLOP/s, below any CPU's peak
+    t0 = time.perf_counter()
+    assert matmul_rate("cpu", dtype, budget_s=0.2) == rate
+    assert time.perf_counter() - t0 < 0.01
+
+
+def test_auto_on_this_cpu_picks_the_faster_measured_dtype():
+    p = resolve("auto", "cpu")
+    bf16, fp32 = matmul_rate("cpu", torch.bfloat16), matmul_rate("cpu", torch.float32)
+    assert p.dtype == ("bfloat16" if bf16 >= precision.CPU_BF16_MIN_SPEEDUP * fp32 else "float32")
+
+
+def test_scaler_only_for_float16():
+    assert make_scaler("float16", "cpu").is_enabled()
+    assert not make_scaler("bfloat16", "cpu").is_enabled()
+    assert not make_scaler("float32", "cpu").is_enabled()
