@@ -185,6 +185,10 @@ class TrainConfig:
     """auto (newest valid checkpoint in out_dir, else fresh), never, or a checkpoint path."""
     seed: int = 1337
     """Seed for initialisation and data order."""
+    data_order: str = "shuffled"
+    """shuffled: each epoch visits every window of block_size+1 tokens once, in a random order (rows of a
+    batch from all over the corpus); sequential: consecutive windows of the token stream, for corpora
+    that are shuffled already. Validation is always the fixed first eval_tokens, in order."""
     dist_timeout_s: float = 600.0
     """Timeout of collective operations: a dead peer raises an error instead of hanging."""
     max_bad_steps: int = 3
@@ -226,6 +230,8 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
             p.append(f"{name}={getattr(cfg, name)} must be >= 0")
     if cfg.device not in DEVICES:
         p.append(f"device={cfg.device!r} must be one of {DEVICES}")
+    if cfg.data_order not in ("shuffled", "sequential"):
+        p.append(f"data_order={cfg.data_order!r} must be shuffled or sequential")
     if cfg.dtype not in DTYPES:
         p.append(f"dtype={cfg.dtype!r} must be one of {DTYPES}")
     if not cfg.lr > 0:

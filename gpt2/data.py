@@ -1,12 +1,24 @@
 """Rank-aware loading of token shards.
 
-The training data is one token stream: the train shards concatenated, their order reshuffled each
-epoch from the seed. Optimizer step s consumes the stream's tokens [s*G, s*G + G] (G = total batch
-tokens; the extra token is the last target). Inside that span, micro-step m of rank r reads
-sequences (m*world + r)*B ... +B. So the sequence of global batches depends only on the seed and
-G, never on the world size or the accumulation steps (2 ranks x accum 2 see exactly what 1 rank x
-accum 4 sees), ranks read disjoint parts of every batch, and the loader's whole state is one
-number: the stream position.
+The train tokens are read as windows of seq_len + 1 tokens at stride seq_len (the extra token is
+the last target). Optimizer step s takes windows [s*R, (s+1)*R) of the data order (R = global
+batch tokens / seq_len); inside them, micro-step m of rank r takes rows (m*world + r)*B ... +B. So
+the global batches depend only on the seed, the order and the global batch, never on the world
+size or the accumulation steps (2 ranks x accum 2 see exactly what 1 rank x accum 4 sees), ranks
+read disjoint rows, and the loader's whole state is one number: the position (windows consumed
+times seq_len).
+
+Two data orders (--data-order):
+  shuffled (default): window w is tokens [w*T, w*T + T + 1) of the shards concatenated in name
+      order, and epoch e visits every window exactly once in the order of a Permutation drawn
+      from (seed, e) (gpt2/permutation.py: O(1) memory, whatever the corpus size). The rows of a
+      batch come from all over the corpus, as nanoGPT's random windows do, but without
+      replacement. Real corpora are ordered (books, code by path, Wikipedia by title): a batch of
+      contiguous text comes from one or two documents and step after step walks the corpus in
+      order, which learns measurably worse per token (README, bench/data_order.py).
+  sequential: the stream of the shards concatenated, their order reshuffled each epoch, read in
+      order: consecutive windows. For corpora that are shuffled already (FineWeb), and the order
+      checkpoints written before data orders existed resume with.
 """
 
 from __future__ import annotations
@@ -18,7 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpt2.permutation import Permutation
 from gpt2.shards import HEADER_BYTES, TOKEN_DTYPE, ShardError, read_header
+
+DATA_ORDERS = ("shuffled", "sequential")
 
 
 @dataclass(frozen=True)
@@ -75,9 +90,6 @@ class TokenStream:
             self._epoch, self._order, self._starts = epoch, order, starts
         return self._order, self._starts
 
-    def epoch_of(self, position: int) -> int:
-        return position // self.shards.total_tokens
-
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens at stream positions [start, start + n) as int64."""
         out = np.empty(n, dtype=np.int64)
@@ -108,43 +120,63 @@ def to_device(x: np.ndarray, device: torch.device, pin: bool) -> torch.Tensor:
 
 
 class TrainLoader:
-    """This rank's micro-batches of each optimizer step."""
+    """This rank's micro-batches of each optimizer step (the module docstring has the layout)."""
 
     def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, total_batch_size: int,
-                 rank: int, world_size: int, seed: int, device: torch.device, pin_memory: bool = True) -> None:
+                 rank: int, world_size: int, seed: int, device: torch.device, pin_memory: bool = True,
+                 order: str = "shuffled") -> None:
         per_micro = micro_batch_size * seq_len * world_size
         assert total_batch_size % per_micro == 0, "batch maths is validated before the loader is built"
+        if order not in DATA_ORDERS:
+            raise ValueError(f"data order {order!r} must be one of {DATA_ORDERS}")
         if shards.total_tokens < total_batch_size + 1:
             raise ShardError(f"the train shards hold {shards.total_tokens} tokens, fewer than one optimizer "
                              f"step needs ({total_batch_size + 1}); lower --total-batch-size or add data")
-        self.shards = shards
-        self.stream = TokenStream(shards, seed=seed, shuffle=True)
+        self.shards, self.order = shards, order
+        self.stream = TokenStream(shards, seed=seed, shuffle=True)  # sequential: shard order per epoch
+        self.windows = TokenStream(shards, seed=seed, shuffle=False)  # shuffled: fixed shard order
+        self.n_windows = (shards.total_tokens - 1) // seq_len
+        self._perm: Permutation | None = None
         self.B, self.T, self.G = micro_batch_size, seq_len, total_batch_size
         self.rank, self.world_size = rank, world_size
         self.accum_steps = total_batch_size // per_micro
         self.seed, self.device, self.pin = seed, device, pin_memory
         self.position = 0
 
-    @property
-    def epoch(self) -> int:
-        return self.stream.epoch_of(self.position)
-
     def micro_batch(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of shape (B, T) for one micro-step of the current optimizer step."""
         first_seq = (micro_step * self.world_size + self.rank) * self.B
-        span = self.stream.read(self.position + first_seq * self.T, self.B * self.T + 1)
-        x = span[:-1].reshape(self.B, self.T)
-        y = span[1:].reshape(self.B, self.T)
+        if self.order == "sequential":
+            span = self.stream.read(self.position + first_seq * self.T, self.B * self.T + 1)
+            rows = np.lib.stride_tricks.sliding_window_view(span, self.T + 1)[::self.T]
+        else:
+            first = self.position // self.T + first_seq
+            rows = np.stack([self.windows.read(int(w) * self.T, self.T + 1)
+                             for w in self.window_ids(np.arange(first, first + self.B))])
+        x, y = rows[:, :-1].copy(), rows[:, 1:].copy()
         return to_device(x, self.device, self.pin), to_device(y, self.device, self.pin)
+
+    def window_ids(self, k: np.ndarray) -> np.ndarray:
+        """The windows at places k of the shuffled order (k counts on across epochs)."""
+        epoch, j = divmod(k, self.n_windows)
+        out = np.empty_like(k)
+        for e in np.unique(epoch):  # a batch can straddle an epoch boundary
+            if self._perm is None or self._perm_epoch != e:
+                self._perm, self._perm_epoch = Permutation(self.n_windows, seed=self.seed, epoch=int(e)), e
+            out[epoch == e] = self._perm(j[epoch == e])
+        return out
 
     def advance(self) -> None:
         """Move to the next optimizer step's global batch."""
         self.position += self.G
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "shards": self.shards.fingerprint()}
+        return {"position": self.position, "seed": self.seed, "shards": self.shards.fingerprint(),
+                "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume the order the checkpoint was written with: checkpoints from before data orders
+        existed (no "order") read the stream sequentially, and go on doing so."""
         if state["shards"] != self.shards.fingerprint():
             raise ValueError("the train shards differ from the ones this checkpoint was trained on "
                              f"(saved {len(state['shards'])} shards, found {len(self.shards.paths)}); "
@@ -152,6 +184,12 @@ class TrainLoader:
         if state["seed"] != self.seed:
             raise ValueError(f"the checkpoint's data order used seed {state['seed']}, this run has "
                              f"--seed {self.seed}; keep the seed to resume exactly")
+        saved = state.get("order", "sequential")
+        if "order" in state and saved != self.order:
+            raise ValueError(f"the checkpoint was trained with --data-order {saved}, this run asks for "
+                             f"{self.order}; pass --data-order {saved} to resume exactly, or start fresh "
+                             "with --resume never")
+        self.order = saved
         self.position = int(state["position"])
 
 

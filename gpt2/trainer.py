@@ -191,7 +191,7 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     optimizer = make_optimizer(model, tc, dist.device)
     loader = TrainLoader(train_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
                          total_batch_size=tc.total_batch_size, rank=dist.rank, world_size=dist.world_size,
-                         seed=tc.seed, device=dist.device, pin_memory=tc.pin_memory)
+                         seed=tc.seed, device=dist.device, pin_memory=tc.pin_memory, order=tc.data_order)
     val_loader = None
     if val_shards is not None:
         val_loader = EvalLoader(val_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
@@ -227,8 +227,11 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
         group["weight_decay"] = cfg.train.weight_decay if group["weight_decay"] else 0.0
     try:
         parts.loader.load_state_dict(state["loader"])
-    except ValueError as e:  # other data or seed: a user error with its fix in the message
+    except ValueError as e:  # other data, seed or order: a user error with its fix in the message
         raise ckpt.CheckpointError(f"{path}: {e}") from None
+    if parts.loader.order != cfg.train.data_order:
+        log.info(f"resume: {path} predates --data-order; continuing with the {parts.loader.order} order "
+                 "it was trained with (start fresh, --resume never, for the shuffled one)")
     rngs = state["rng"]
     # Same world size: each rank gets its own RNG back. Otherwise rank r takes saved rank r mod W.
     set_rng_state(rngs[dist.rank % len(rngs)])

@@ -8,12 +8,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=${1:-}
 PY=.venv/bin/python
+quiet() {  # pip's output only when it fails
+  "$@" > .venv/setup.log 2>&1 || { cat .venv/setup.log >&2; echo "setup: failed: $*" >&2; exit 1; }
+}
 [ -x "$PY" ] || python3 -m venv .venv
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q --upgrade pip
+  echo "setup: installing torch into .venv (once)"
+  quiet "$PY" -m pip install --upgrade pip
   # torch first: the project's "torch>=2.5" would otherwise pull the newest (CUDA) build.
   # shellcheck disable=SC2086
-  "$PY" -m pip install -q ${TORCH_SPEC:-torch==2.13.0}
+  quiet "$PY" -m pip install ${TORCH_SPEC:-torch==2.13.0}
 fi
 # Reinstall when pyproject.toml or the extras change (an editable install picks up code changes itself).
 # No extras asked for: any install of this pyproject.toml will do.
@@ -21,6 +25,7 @@ stamp=".venv/.gpt2-ddp-installed"
 hash=$(sha256sum pyproject.toml | cut -d' ' -f1)
 want="$hash extras=${EXTRAS}"
 if [ ! -f "$stamp" ] || ! { grep -qxF -- "$want" "$stamp" || { [ -z "$EXTRAS" ] && grep -q "^$hash " "$stamp"; }; }; then
-  "$PY" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+  echo "setup: installing this project into .venv${EXTRAS:+ with [$EXTRAS]}"
+  quiet "$PY" -m pip install -e ".${EXTRAS:+[$EXTRAS]}"
   echo "$want" > "$stamp"
 fi

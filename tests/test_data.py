@@ -20,14 +20,14 @@ def shard_dir(tmp_path):
     return tmp_path
 
 
-def loader(shards, world, rank, B=2, T=16, G=256, seed=7):
+def loader(shards, world, rank, B=2, T=16, G=256, seed=7, order="shuffled"):
     return TrainLoader(shards, micro_batch_size=B, seq_len=T, total_batch_size=G, rank=rank, world_size=world,
-                       seed=seed, device=CPU)
+                       seed=seed, device=CPU, order=order)
 
 
-def global_batches(shards, world, steps=12, B=2, T=16, G=256):
+def global_batches(shards, world, steps=12, B=2, T=16, G=256, order="shuffled"):
     """Each step's sequences in global order: (micro_step*world + rank) ordering."""
-    loaders = [loader(shards, world, r, B, T, G) for r in range(world)]
+    loaders = [loader(shards, world, r, B, T, G, order=order) for r in range(world)]
     out = []
     for _ in range(steps):
         seqs = {}
@@ -40,18 +40,47 @@ def global_batches(shards, world, steps=12, B=2, T=16, G=256):
     return out
 
 
-def test_global_batches_do_not_depend_on_world_size(shard_dir):
+ORDERS = pytest.mark.parametrize("order", ["shuffled", "sequential"])
+
+
+@ORDERS
+def test_global_batches_do_not_depend_on_world_size(shard_dir, order):
     shards = find_shards(shard_dir, "train")
-    one = global_batches(shards, 1)  # 1 rank x accum 8
-    two = global_batches(shards, 2)  # 2 ranks x accum 4
-    four = global_batches(shards, 4)  # 4 ranks x accum 2
+    one = global_batches(shards, 1, order=order)  # 1 rank x accum 8
+    two = global_batches(shards, 2, order=order)  # 2 ranks x accum 4
+    four = global_batches(shards, 4, order=order)  # 4 ranks x accum 2
     for a, b, c in zip(one, two, four):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_ranks_read_disjoint_parts_and_targets_are_next_tokens(shard_dir):
+def window_ids(shards, world, steps, *, B=1, T=16, G=96, order="shuffled"):
+    """The window (first token // T: the fixture's tokens are their positions) of every row, in global order."""
+    return [int(row[0]) // T for batch in global_batches(shards, world, steps, B, T, G, order) for row in batch]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])  # accumulation 6, 3 and 2 micro-steps
+def test_shuffled_visits_every_window_once_per_epoch_in_a_new_order(shard_dir, world):
     shards = find_shards(shard_dir, "train")
-    lds = [loader(shards, 2, r) for r in range(2)]
+    n = (shards.total_tokens - 1) // 16  # 249 windows of 17 tokens at stride 16
+    seen = window_ids(shards, world, steps=84)  # 504 rows: two epochs and a bit
+    first, second = seen[:n], seen[n:2 * n]
+    assert sorted(first) == sorted(second) == list(range(n))  # without replacement, crossing shards
+    assert first != second  # each epoch its own order
+    assert first != sorted(first)  # and not the stream order
+    assert seen == window_ids(shards, 1, steps=84)  # the same rows whatever the world size
+
+
+def test_sequential_reads_consecutive_windows(shard_dir):
+    shards = find_shards(shard_dir, "train")
+    seen = window_ids(shards, 2, steps=10, order="sequential")
+    first = seen[0]  # the epoch's shard order decides where the stream starts; every shard holds > 50 windows
+    assert seen[:50] == list(range(first, first + 50))
+
+
+@ORDERS
+def test_ranks_read_disjoint_parts_and_targets_are_next_tokens(shard_dir, order):
+    shards = find_shards(shard_dir, "train")
+    lds = [loader(shards, 2, r, order=order) for r in range(2)]
     seen = []
     for ld in lds:
         for m in range(ld.accum_steps):
@@ -79,21 +108,40 @@ def test_stream_crosses_shards_and_reshuffles_each_epoch(shard_dir):
     assert np.array_equal(got, np.concatenate([epoch0, epoch1])[3500:4500])
 
 
-def test_state_round_trip_resumes_the_same_batches(shard_dir):
+@ORDERS
+@pytest.mark.parametrize("steps", [0, 5, 31])  # 31: past the end of the first epoch
+def test_state_round_trip_resumes_the_same_batches(shard_dir, order, steps):
     shards = find_shards(shard_dir, "train")
-    a = loader(shards, 2, 1)
-    for _ in range(5):
+    a = loader(shards, 2, 1, order=order)
+    for _ in range(steps):
         a.advance()
     state = a.state_dict()
-    b = loader(shards, 2, 1)
+    b = loader(shards, 2, 1, order=order)
     b.load_state_dict(state)
     for m in range(a.accum_steps):
         assert all(torch.equal(u, v) for u, v in zip(a.micro_batch(m), b.micro_batch(m)))
-    c = loader(shards, 1, 0)  # a different world size continues from the same global batch
+    # a different world size continues from the same global batch
+    whole = global_batches(shards, 1, steps=steps + 2, order=order)
+    c = loader(shards, 1, 0, order=order)
     c.load_state_dict(state)
-    assert c.position == a.position
+    assert torch.equal(torch.cat([c.micro_batch(m)[0] for m in range(c.accum_steps)]), whole[steps])
     with pytest.raises(ValueError, match="seed"):
-        loader(shards, 2, 1, seed=8).load_state_dict(state)
+        loader(shards, 2, 1, seed=8, order=order).load_state_dict(state)
+    other = "sequential" if order == "shuffled" else "shuffled"
+    with pytest.raises(ValueError, match=f"--data-order {order}"):
+        loader(shards, 2, 1, order=other).load_state_dict(state)
+
+
+def test_a_checkpoint_from_before_data_orders_resumes_sequentially(shard_dir):
+    shards = find_shards(shard_dir, "train")
+    old = loader(shards, 2, 0, order="sequential")
+    for _ in range(3):
+        old.advance()
+    state = {k: v for k, v in old.state_dict().items() if k != "order"}  # what the old code saved
+    new = loader(shards, 2, 0)  # today's default, shuffled
+    new.load_state_dict(state)
+    assert new.order == "sequential"
+    assert torch.equal(new.micro_batch(0)[0], old.micro_batch(0)[0])
 
 
 def test_state_refuses_different_shards(shard_dir, tmp_path_factory):
@@ -154,3 +202,18 @@ def test_llmc_named_shards_are_found(tmp_path):
 def test_loader_refuses_too_little_data(shard_dir):
     with pytest.raises(ShardError, match="fewer than one optimizer step"):
         loader(find_shards(shard_dir, "train"), 1, 0, B=2, T=16, G=2 ** 13 * 16 // 16 * 2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 97, 256, 257, 1000, 4097])  # a prime, 2^k, 2^k + 1
+def test_permutation_is_a_bijection_for_small_and_awkward_n(n):
+    from gpt2.permutation import Permutation
+
+    for seed, epoch in ((0, 0), (7, 1)):
+        out = Permutation(n, seed=seed, epoch=epoch)(np.arange(n))
+        assert sorted(out.tolist()) == list(range(n))
+    if n >= 97:
+        a, b = Permutation(n, seed=1, epoch=0)(np.arange(n)), Permutation(n, seed=1, epoch=1)(np.arange(n))
+        assert not np.array_equal(a, b)
+        assert abs(np.corrcoef(np.arange(n), a)[0, 1]) < 0.3  # no visible trend with position
+    with pytest.raises(IndexError):
+        Permutation(n, seed=0, epoch=0)(np.array([n]))

@@ -7,7 +7,7 @@ import torch
 
 from gpt2.config import MODEL_PRESETS, ModelConfig, model_preset
 from gpt2.model import GPT
-from gpt2.plan import (GIB, Hardware, activation_bytes, check_fits, device_hardware, format_plan, gpu_hardware,
+from gpt2.plan import (GIB, Hardware, activation_bytes, auto_micro_batch_size, check_fits, device_hardware, format_plan, gpu_hardware,
                        matmul_weight_count, max_micro_batch_size, measured_peak_bytes, memory, plan, plan_dtype)
 
 CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
@@ -147,6 +147,32 @@ def test_max_micro_batch_size_monotonic_and_tight():
     assert not plan(cfg, micro_batch_size=b + 1, hardware=hw).fits
     assert max_micro_batch_size(model_preset("gpt2-xl"), 1024, Hardware(name="tiny", memory_bytes=GIB,
                                                                        peak_flops=1e12)) == 0
+
+
+@pytest.mark.parametrize("gib", [4, 5, 8, 24])
+def test_auto_micro_batch_is_the_largest_that_fits_and_divides(gib):
+    """--micro-batch-size auto on a CPU with a memory cap: gpt2 at block 1024, 32 sequences per rank."""
+    cfg = model_preset("gpt2")
+    hw = Hardware(name=f"cpu capped at {gib} GiB", memory_bytes=gib * GIB, peak_flops=1e11, device_type="cpu",
+                  reserve_bytes=GIB // 2)
+    total = 32 * 1024 * 2  # 2 ranks
+    b = auto_micro_batch_size(cfg, 1024, hw, world_size=2, total_batch_size=total, dtype="fp32")
+    fits = max_micro_batch_size(cfg, 1024, hw, world_size=2, dtype="fp32")
+    assert 1 <= b <= fits and 32 % b == 0
+    assert all(32 % c or c > fits for c in range(b + 1, 33))  # nothing larger both fits and divides
+    assert plan(cfg, micro_batch_size=b, hardware=hw, world_size=2, dtype="fp32").fits
+    if fits < 32:
+        assert not plan(cfg, micro_batch_size=fits + 1, hardware=hw, world_size=2, dtype="fp32").fits
+
+
+def test_auto_micro_batch_errors_name_the_problem():
+    cfg = model_preset("gpt2")
+    with pytest.raises(ValueError, match="not a multiple of block_size\\*world_size=2048"):
+        auto_micro_batch_size(cfg, 1024, CPU, world_size=2, total_batch_size=3000, dtype="fp32")
+    tiny = Hardware(name="tiny", memory_bytes=GIB, peak_flops=1e12, device_type="cpu", reserve_bytes=0)
+    with pytest.raises(ValueError, match="not even micro_batch_size=1 fits"):
+        auto_micro_batch_size(model_preset("gpt2-xl"), 1024, tiny, world_size=1, total_batch_size=8192,
+                              dtype="fp32")
 
 
 def test_check_fits_refuses_with_the_fix():

@@ -143,3 +143,53 @@ def test_read_metrics_skips_a_torn_line_and_a_missing_file_with_missing_ok(tmp_p
     assert read_metrics(tmp_path / "none.jsonl", missing_ok=True) == []
     with pytest.raises(FileNotFoundError):
         read_metrics(tmp_path / "none.jsonl")
+
+
+def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path, capsys):
+    """Rank 0 sizes the micro-batch with the planner; a memory cap passed to it gives a smaller one."""
+    from gpt2.config import ModelConfig, RunConfig, TrainConfig
+    from gpt2.dist import Dist
+    from gpt2.metrics import Metrics
+    from gpt2.plan import GIB, Hardware
+    from gpt2.trainer import resolve_auto
+
+    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=256),
+                    TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size="auto",
+                                total_batch_size=256 * 48))
+    log = Metrics(dist, tmp_path)
+    roomy, _ = resolve_auto(cfg, dist, log)
+    assert roomy.train.micro_batch_size == 48 and roomy.train.dtype == "float32"  # all 48 fit in host RAM
+    cap = Hardware(name="capped cpu", memory_bytes=int(1.2 * GIB), peak_flops=1e11, device_type="cpu",
+                   reserve_bytes=GIB // 2)
+    capped, _ = resolve_auto(cfg, dist, log, hardware=cap)
+    b = capped.train.micro_batch_size
+    assert isinstance(b, int) and 1 <= b < 48 and 48 % b == 0
+    assert "micro-batch auto: 48 sequences" in capsys.readouterr().out
+
+
+def test_micro_batch_size_auto_end_to_end(tmp_path, shakespeare_shards):
+    run_dir = tmp_path / "run"
+    run = run_trainer([*TINY_MODEL_FLAGS, *FP32, "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir),
+                       "--micro-batch-size", "auto", "--total-batch-size", "512", "--max-steps", "2",
+                       "--eval-interval", "0", "--eval-tokens", "512", "--ckpt-interval", "0"])
+    check(run)
+    assert "micro-batch auto: 8 sequences" in run.stdout  # 512 tokens = 8 x 64: one micro-step fits
+    info = json.loads((run_dir / "config.json").read_text())
+    assert info["config"]["train"]["micro_batch_size"] == 8 and info["accum_steps"] == 1
+
+
+def test_auto_dtype_is_logged_and_recorded_with_its_reason(tmp_path, shakespeare_shards):
+    run_dir = tmp_path / "run"
+    run = run_trainer([*TINY_MODEL_FLAGS, "--device", "cpu", "--compile", "false", "--sample-interval", "0",
+                       "--plot", "false", "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir),
+                       "--micro-batch-size", "8", "--total-batch-size", "512", "--max-steps", "1",
+                       "--eval-interval", "0", "--eval-tokens", "512", "--ckpt-interval", "0"])
+    check(run)
+    info = json.loads((run_dir / "config.json").read_text())
+    p = info["precision"]
+    assert p["requested"] == "auto" and p["dtype"] in ("bfloat16", "float32") and "GFLOP/s" in p["reason"]
+    assert info["config"]["train"]["dtype"] == p["dtype"]  # the run's config holds what actually ran
+    assert f"precision  {p['dtype']}: {p['reason']}" in run.stdout
+    # the first line comes before any measuring or building, so a slow start is never silent
+    assert run.stdout.splitlines()[0].startswith("starting ")
