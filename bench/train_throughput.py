@@ -19,6 +19,9 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
                                                 --nproc_per_node=N train_ddp.py` runs (gloo),
                                                 tokens/s read from RUN/metrics.jsonl; the two run
                                                 alternately --ddp-rounds times (A B, B A, ...)
+"bf16" in these names is the dtype --dtype auto picks on this CPU (gpt2/precision.py): where bf16
+matmuls are not measured faster than fp32 (AVX2 only, where bf16 is emulated ~50x slower), those
+rows run fp32 and are named so, the "fp32 compiled" row is not repeated, and no bf16 peak is taken.
 DDP efficiency = (N processes x 1 thread tokens/s) / (1 process x N threads tokens/s).
 MFU = model FLOPs (gpt2.flops.flops_per_token: 6N + 12LhT) per second over the matmul peak
 measured in this run (best 2048^3 matmul, taken at the start and after every round: the
@@ -44,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpt2 import precision
 from gpt2.cli import parse_config
 from gpt2.config import GPT2_VOCAB_SIZE, RunConfig
 from gpt2.dist import Dist
@@ -98,15 +102,19 @@ def measure_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> Peak:
 
 
 class Peaks:
-    """The best of every peak measurement in the run, per dtype."""
+    """The best of every peak measurement in the run, per dtype (fp32, and the auto dtype)."""
 
-    def __init__(self) -> None:
+    def __init__(self, low: str) -> None:
+        self.low = low
         self.best: dict[str, Peak] = {}
 
     def measure(self) -> None:
-        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for name, dtype in {"fp32": torch.float32, self.low: precision.torch_dtype(LOW_NAMES[self.low])}.items():
             p, old = measure_peak(dtype), self.best.get(name)
             self.best[name] = p if old is None else Peak(max(p.wall, old.wall), max(p.cpu, old.cpu))
+
+
+LOW_NAMES = {short: name for name, short in precision.SHORT_NAMES.items()}
 
 
 def write_random_shards(data_dir: Path, n_tokens: int) -> None:
@@ -179,11 +187,11 @@ def run_in_process(contenders: list[Contender], dist: Dist, peaks: "Peaks", *, s
 
 
 def run_trainer(data_dir: Path, out_dir: Path, *, processes: int, threads: int, steps: int,
-                warmup: int) -> tuple[list[float], float]:
+                warmup: int, dtype: str) -> tuple[list[float], float]:
     """A real train_ddp.py run (torchrun for more than one process): its timed step times and
     first loss, from RUN/metrics.jsonl."""
     args = ["train_ddp.py", *WORKLOAD, "--data-dir", str(data_dir), "--out-dir", str(out_dir),
-            "--num-threads", str(threads), "--max-steps", str(warmup + steps)]
+            "--num-threads", str(threads), "--max-steps", str(warmup + steps), "--dtype", dtype]
     if processes == 1:
         cmd = [sys.executable, *args]
     else:
@@ -196,7 +204,7 @@ def run_trainer(data_dir: Path, out_dir: Path, *, processes: int, threads: int, 
 
 
 def run_ddp_pair(data_dir: Path, tmp: Path, *, threads: int, steps: int, warmup: int,
-                 rounds: int) -> tuple[Row, Row, list[float]]:
+                 rounds: int, dtype: str) -> tuple[Row, Row, list[float]]:
     """1 process x THREADS vs THREADS processes x 1, run alternately (A B, B A, A B, ...).
 
     The machine's load drifts over minutes; alternating the order puts both layouts under the same
@@ -210,31 +218,32 @@ def run_ddp_pair(data_dir: Path, tmp: Path, *, threads: int, steps: int, warmup:
         for processes in ((1, threads) if i % 2 == 0 else (threads, 1)):
             step_times, losses[processes] = run_trainer(
                 data_dir, tmp / f"ddp_{i}_{processes}", processes=processes,
-                threads=1 if processes > 1 else threads, steps=steps, warmup=warmup)
+                threads=1 if processes > 1 else threads, steps=steps, warmup=warmup, dtype=dtype)
             times[processes] += step_times
             round_s[processes] = statistics.median(step_times)
         per_round.append(round_s[1] / round_s[threads])
         print(f"  DDP round {i + 1}/{rounds}: 1 x {threads} {round_s[1]:.2f} vs {threads} x 1 "
               f"{round_s[threads]:.2f} s/step ({per_round[-1]:.1%})", file=sys.stderr, flush=True)
     rows = []
-    for processes, name in ((1, "train_ddp.py, bf16 compiled"), (threads, "torchrun train_ddp.py, bf16 compiled")):
+    low = precision.SHORT_NAMES[dtype]
+    for processes, name in ((1, f"train_ddp.py, {low} compiled"), (threads, f"torchrun train_ddp.py, {low} compiled")):
         step_s = statistics.median(times[processes])
-        rows.append(Row(name, f"{processes} x {1 if processes > 1 else threads}", "bfloat16", step_s,
+        rows.append(Row(name, f"{processes} x {1 if processes > 1 else threads}", dtype, step_s,
                         TOKENS_PER_STEP / step_s, first_loss=losses[processes]))
     return rows[0], rows[1], per_round
 
 
 def table(rows: list[Row], cfg: RunConfig, peaks: Peaks) -> str:
     flops_step = flops_per_token(cfg.model) * TOKENS_PER_STEP
-    own = {"float32": "fp32", "bfloat16": "bf16"}
-    out = ["| configuration | processes x threads | s/step | tokens/s | MFU vs bf16 peak | MFU vs own dtype peak "
-           "| MFU vs bf16 peak, CPU time | loss (step 1) |",
+    own, low = precision.SHORT_NAMES, peaks.low
+    out = [f"| configuration | processes x threads | s/step | tokens/s | MFU vs {low} peak | MFU vs own dtype peak "
+           f"| MFU vs {low} peak, CPU time | loss (step 1) |",
            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         achieved = flops_step / r.step_s
-        by_cpu = "" if r.cpu_s is None else f"{flops_step / r.cpu_s / peaks.best['bf16'].cpu:.1%}"
+        by_cpu = "" if r.cpu_s is None else f"{flops_step / r.cpu_s / peaks.best[low].cpu:.1%}"
         out.append(f"| {r.name} | {r.layout} | {r.step_s:.2f} | {r.tokens_per_s:,.0f} | "
-                   f"{achieved / peaks.best['bf16'].wall:.1%} | {achieved / peaks.best[own[r.dtype]].wall:.1%} "
+                   f"{achieved / peaks.best[low].wall:.1%} | {achieved / peaks.best[own[r.dtype]].wall:.1%} "
                    f"({own[r.dtype]}) | {by_cpu} | {r.first_loss:.4f} |")
     return "\n".join(out)
 
@@ -261,19 +270,22 @@ def main(argv: list[str] | None = None) -> int:
     base = WORKLOAD + ["--num-threads", str(args.threads), "--max-steps", str(args.warmup + args.steps)]
     command = "python bench/train_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
     start_load = os.getloadavg()[0]
-    peaks, rows = Peaks(), []
     torch.set_num_threads(args.threads)
+    auto = precision.resolve("auto", "cpu")  # the dtype of the "bf16" rows, where bf16 is fast here
+    low = auto.short
+    peaks, rows = Peaks(low), []
     peaks.measure()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         data.mkdir()
         write_random_shards(data, TOKENS_PER_STEP * (args.warmup + args.steps + 2) + 1)
-        bf16c = ["--dtype", "bfloat16", "--compile", "true"]
+        lowc = ["--dtype", auto.dtype, "--compile", "true"]
         plan = [("fp32", "fp32 eager", ["--dtype", "float32", "--compile", "false"]),
                 ("fp32c", "fp32 compiled", ["--dtype", "float32", "--compile", "true"]),
-                ("v0", "bf16 compiled, plain loss + for-loop AdamW", bf16c),
-                ("v1", "bf16 compiled, chunked loss + for-loop AdamW", bf16c),
-                ("bf16c", "bf16 compiled", bf16c)]
+                ("v0", f"{low} compiled, plain loss + for-loop AdamW", lowc),
+                ("v1", f"{low} compiled, chunked loss + for-loop AdamW", lowc)]
+        if low != "fp32":
+            plan.append(("bf16c", f"{low} compiled", lowc))
         dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
         contenders = []
         for key, name, flags in plan:
@@ -289,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         ddp = None
         if "ddp" not in skip and args.threads > 1:
             one, many, per_round = run_ddp_pair(data, Path(tmp), threads=args.threads, steps=args.steps,
-                                                warmup=args.warmup, rounds=args.ddp_rounds)
+                                                warmup=args.warmup, rounds=args.ddp_rounds, dtype=auto.dtype)
             rows += [one, many]
             ddp = many.tokens_per_s / one.tokens_per_s
             peaks.measure()
@@ -310,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n".join(header) + "\n\n" + table(rows, cfg, peaks)
     goals = []
     for r in rows:
-        if r.name == "bf16 compiled":  # the trainer's default path (the other bf16 rows are history)
-            m = flops_per_token(cfg.model) * r.tokens_per_s / peaks.best["bf16"].wall
+        if r.name == f"{low} compiled":  # the trainer's default path here (the other rows are history)
+            m = flops_per_token(cfg.model) * r.tokens_per_s / peaks.best[low].wall
             goals.append(f"{r.name}: MFU {m:.1%} (goal >= 60%)")
     if ddp is not None:
         goals.append(f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%); "

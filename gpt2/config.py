@@ -278,7 +278,7 @@ TRAIN_PRESETS: dict[str, dict] = {
     "gpt2-xl": dict(micro_batch_size=8, total_batch_size=524_288, max_steps=19_073, lr=2e-4, min_lr=2e-5,
                     warmup_steps=715),
     # Trains in minutes on 2 CPU cores: 8 x 128 tokens per rank, 2,048 tokens per step.
-    "debug": dict(micro_batch_size=8, total_batch_size=2048, max_steps=200, lr=1e-3, min_lr=1e-4,
+    "debug": dict(micro_batch_size=8, total_batch_size=2048, max_steps=150, lr=1e-3, min_lr=1e-4,
                   warmup_steps=20, eval_interval=50, eval_tokens=8192, sample_interval=100,
-                  log_interval=10, ckpt_interval=100, compile=False),
+                  log_interval=10, ckpt_interval=50, compile=False),
 }

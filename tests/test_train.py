@@ -108,24 +108,33 @@ def test_compiled_bf16_run_logs_sane_numbers(tmp_path, shakespeare_shards):
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in state["model"])
 
 
-def test_readme_quickstart_script_runs(tmp_path):
-    """README's first training command, shortened by passing extra flags through to train_ddp.py."""
+def test_readme_quickstart_script_runs_twice(tmp_path):
+    """README's first command, shortened by flags passed through to train_ddp.py, run twice in a row:
+    the second run reuses the data and says the run is finished. PYTHON: the interpreter this test
+    runs under (not whatever `python` is on PATH)."""
     import os
     import subprocess
+    import sys
 
     from conftest import REPO
 
     run_dir = tmp_path / "run"
-    env = {**os.environ, "DATA_DIR": str(tmp_path / "pydoc"), "NPROC": "2"}
-    run = subprocess.run(["bash", "scripts/quickstart.sh", str(run_dir), "--max-steps", "3", "--eval-interval", "3",
-                          "--sample-interval", "3", "--sample-tokens", "8", "--plot", "false"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "DATA_DIR": str(tmp_path / "pydoc"), "NPROC": "2", "PYTHON": sys.executable}
+    cmd = ["bash", "scripts/quickstart.sh", str(run_dir), "--max-steps", "3", "--eval-interval", "3",
+           "--sample-interval", "3", "--sample-tokens", "8", "--plot", "false"]
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     check(run)
+    assert run.stdout.splitlines()[0].startswith("documents ")  # data_prep's summary: the data was made
     assert "sample at step 3" in run.stdout
     val = val_losses(run_dir)
     assert sorted(val) == [0, 3] and val[3] < val[0]
     manifest = json.loads((tmp_path / "pydoc" / "shards" / "manifest.json").read_text())
     assert manifest["totals"]["tokens"] > 100_000
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    check(again)
+    assert "nothing to do:" in again.stdout  # the same shards, not rebuilt
+    assert "nothing to train:" in again.stdout and "already finished step 3" in again.stdout
+    assert val_losses(run_dir) == val  # the finished run is left as it was
 
 
 def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, shakespeare_shards):
