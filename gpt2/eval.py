@@ -201,25 +201,41 @@ def _progress(items, *, enabled: bool, world_size: int):
     return tqdm(items, desc=f"hellaswag (rank 0 of {world_size})", unit="ex", file=sys.stderr, mininterval=1.0)
 
 
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, loader, dtype: str, dist: Dist) -> float:
+    """Mean loss per token over an EvalLoader's fixed set, reduced over ranks (the trainer's evaluation).
+
+    Runs the model (plain, compiled or DDP-wrapped: DDP's own wrapper is skipped) in eval mode and
+    puts it back in the mode it was in. Padded rows of a short last batch have targets -1 and do not count.
+    """
+    model = getattr(model, "module", model)  # DDP: no gradient hooks, no buffer sync for an evaluation
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, device=dist.device, dtype=torch.float64)
+    try:
+        with precision.autocast(dtype, dist.device):
+            for x, y in loader:
+                _, loss = model(x, y, return_logits=False)
+                n = (y != -1).sum()
+                totals += torch.stack([loss.double() * n, n.double()])
+    finally:
+        model.train(was_training)
+    all_reduce_sum(totals, dist)
+    return (totals[0] / totals[1]).item()
+
+
 def val_loss(model: GPT, data_dir: str | Path, dist: Dist, *, eval_tokens: int, batch_size: int,
              dtype: str = "float32") -> dict:
     """Mean loss per token over the first eval_tokens of the val shards (the trainer's evaluation)."""
-    from gpt2.config import RunConfig, TrainConfig
     from gpt2.data import EvalLoader, find_shards
-    from gpt2.trainer import Parts, evaluate
 
     model = unwrap(model)
-    was_training = model.training
     loader = EvalLoader(find_shards(data_dir, "val"), micro_batch_size=batch_size, seq_len=model.config.block_size,
                         eval_tokens=eval_tokens, rank=dist.rank, world_size=dist.world_size, device=dist.device)
     if loader.n_seqs == 0:
         raise ValueError(f"--eval-tokens {eval_tokens} is less than one sequence of block_size="
                          f"{model.config.block_size} tokens (or the val shards are that short)")
-    # trainer.evaluate reads only the model, the loader and the autocast dtype from these.
-    parts = Parts(model=model, train_model=model, optimizer=None, loader=None, val_loader=loader, accum_steps=1)
-    cfg = RunConfig(model.config, TrainConfig(dtype=dtype))
-    loss = evaluate(parts, cfg, dist)
-    model.train(was_training)  # evaluate() leaves the model in training mode, as the trainer wants
+    loss = validation_loss(model, loader, dtype, dist)
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": loader.tokens,
             "clamped": loader.clamped}
 

@@ -308,20 +308,11 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
             "overflow": overflow, "loss_scale": scale}
 
 
-@torch.no_grad()
 def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
     """Mean loss per token over the fixed validation set, reduced over ranks."""
-    model = parts.train_model.module if isinstance(parts.train_model, DDP) else parts.train_model
-    model.eval()
-    totals = torch.zeros(2, device=dist.device, dtype=torch.float64)
-    with precision.autocast(cfg.train.dtype, dist.device):
-        for x, y in parts.val_loader:
-            _, loss = model(x, y, return_logits=False)
-            n = (y != -1).sum()
-            totals += torch.stack([loss.double() * n, n.double()])
-    model.train()
-    all_reduce_sum(totals, dist)
-    return (totals[0] / totals[1]).item()
+    from gpt2.eval import validation_loss
+
+    return validation_loss(parts.train_model, parts.val_loader, cfg.train.dtype, dist)
 
 
 def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
