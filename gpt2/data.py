@@ -24,6 +24,8 @@ Two data orders (--data-order):
 from __future__ import annotations
 
 import bisect
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +112,41 @@ class TokenStream:
         return out
 
 
+    def read_rows(self, starts: list[int], n: int, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
+        """Rows [s, s + n) of epoch 0's stream for each start s, as int64 (len(starts), n).
+
+        Each row is one os.pread (two where it crosses a shard). With a pool they run in parallel:
+        pread releases the GIL, so a cold page cache is read with many requests in flight instead
+        of one random read after another (a memmap copy faults while holding the GIL).
+        """
+        order, starts_of = self._layout(0)
+        pieces = []  # (row, column, shard, begin, take)
+        for row, start in enumerate(starts):
+            filled = 0
+            while filled < n:
+                k = bisect.bisect_right(starts_of, start + filled) - 1
+                shard, begin = int(order[k]), start + filled - starts_of[k]
+                take = min(n - filled, self.shards.sizes[shard] - begin)
+                pieces.append((row, filled, shard, begin, take))
+                filled += take
+        out = np.empty((len(starts), n), dtype=TOKEN_DTYPE)
+        fds = {shard: os.open(self.shards.paths[shard], os.O_RDONLY) for shard in {p[2] for p in pieces}}
+
+        def fetch(piece) -> None:
+            row, column, shard, begin, take = piece
+            data = os.pread(fds[shard], take * 2, HEADER_BYTES + begin * 2)
+            if len(data) != take * 2:
+                raise ShardError(f"{self.shards.paths[shard]}: shorter than its header says; re-run data_prep")
+            out[row, column:column + take] = np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+        try:
+            list(pool.map(fetch, pieces)) if pool is not None else [fetch(p) for p in pieces]
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return out.astype(np.int64)
+
+
 def to_device(x: np.ndarray, device: torch.device, pin: bool) -> torch.Tensor:
     t = torch.from_numpy(x)
     if device.type == "cuda":
@@ -137,6 +174,7 @@ class TrainLoader:
         self.windows = TokenStream(shards, seed=seed, shuffle=False)  # shuffled: fixed shard order
         self.n_windows = (shards.total_tokens - 1) // seq_len
         self._perm: Permutation | None = None
+        self._pool: ThreadPoolExecutor | None = None  # made on first use: shuffled rows are read in parallel
         self.B, self.T, self.G = micro_batch_size, seq_len, total_batch_size
         self.rank, self.world_size = rank, world_size
         self.accum_steps = total_batch_size // per_micro
@@ -151,8 +189,10 @@ class TrainLoader:
             rows = np.lib.stride_tricks.sliding_window_view(span, self.T + 1)[::self.T]
         else:
             first = self.position // self.T + first_seq
-            rows = np.stack([self.windows.read(int(w) * self.T, self.T + 1)
-                             for w in self.window_ids(np.arange(first, first + self.B))])
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="gpt2-rows")
+            ids = self.window_ids(np.arange(first, first + self.B))
+            rows = self.windows.read_rows((ids * self.T).tolist(), self.T + 1, pool=self._pool)
         x, y = rows[:, :-1].copy(), rows[:, 1:].copy()
         return to_device(x, self.device, self.pin), to_device(y, self.device, self.pin)
 

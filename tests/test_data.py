@@ -217,3 +217,17 @@ def test_permutation_is_a_bijection_for_small_and_awkward_n(n):
         assert abs(np.corrcoef(np.arange(n), a)[0, 1]) < 0.3  # no visible trend with position
     with pytest.raises(IndexError):
         Permutation(n, seed=0, epoch=0)(np.array([n]))
+
+
+def test_parallel_row_reads_equal_the_stream_and_cross_shards(shard_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    shards = find_shards(shard_dir, "train")
+    stream = TokenStream(shards, seed=0, shuffle=False)
+    starts = [0, 990, 2690, 3000, 2000]  # 990 and 2690 cross into the next shard
+    with ThreadPoolExecutor(4) as pool:
+        rows = stream.read_rows(starts, 17, pool=pool)
+    assert rows.dtype == np.int64
+    for row, s in zip(rows, starts):
+        assert np.array_equal(row, stream.read(s, 17))
+        assert np.array_equal(row, np.arange(s, s + 17))  # the fixture's tokens are their positions
