@@ -173,7 +173,8 @@ class TrainLoader:
         self.stream = TokenStream(shards, seed=seed, shuffle=True)  # sequential: shard order per epoch
         self.windows = TokenStream(shards, seed=seed, shuffle=False)  # shuffled: fixed shard order
         self.n_windows = (shards.total_tokens - 1) // seq_len
-        self._perm: Permutation | None = None
+        self._perm: Permutation | None = None  # the current epoch's order, and that epoch
+        self._perm_epoch = -1
         self._pool: ThreadPoolExecutor | None = None  # made on first use: shuffled rows are read in parallel
         self.B, self.T, self.G = micro_batch_size, seq_len, total_batch_size
         self.rank, self.world_size = rank, world_size
@@ -201,7 +202,7 @@ class TrainLoader:
         epoch, j = divmod(k, self.n_windows)
         out = np.empty_like(k)
         for e in np.unique(epoch):  # a batch can straddle an epoch boundary
-            if self._perm is None or self._perm_epoch != e:
+            if self._perm_epoch != e:
                 self._perm, self._perm_epoch = Permutation(self.n_windows, seed=self.seed, epoch=int(e)), e
             out[epoch == e] = self._perm(j[epoch == e])
         return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from gpt2.config import ModelConfig
-from gpt2.precision import matmul_rate
+from gpt2.precision import SHORT_NAMES, matmul_rate
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets, FLOP/s. Matched against
 # torch.cuda.get_device_name() in order, so the more specific names come first.
@@ -39,7 +39,7 @@ _GPU_PEAKS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
     (("V100",), dict(fp16=125e12, fp32=15.7e12)),  # no bf16 or TF32 tensor cores
 )
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPE_NAMES = {getattr(torch, name): short for name, short in SHORT_NAMES.items()}
 
 
 def param_count(cfg: ModelConfig, *, include_position: bool = True) -> int:
