@@ -61,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         rank = dist.rank if dist is not None else "?"
         print(f"train_ddp.py: error: rank {rank}: a collective operation failed ({type(e).__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}); another rank died, or did not answer within "
-              f"--dist-timeout-s {cfg.train.dist_timeout_s:g}: its own log says why. Restarting (torchrun "
-              "--max-restarts, a requeue) with --resume auto continues from the newest checkpoint",
+              f"--dist-step-timeout-s {cfg.train.dist_step_timeout_s:g} (steady training) or --dist-timeout-s "
+              f"{cfg.train.dist_timeout_s:g} (start-up, checkpoints, evaluation): its own log says why. "
+              "Restarting (torchrun --max-restarts, a requeue) with --resume auto continues from the newest "
+              "checkpoint",
               file=sys.stderr)
         return 1
     finally:

@@ -174,13 +174,17 @@ def verify_checkpoint(path: str | Path) -> None:
         raise CheckpointError(f"{path}: sha256 does not match its sidecar; the file is corrupt")
 
 
-def load_checkpoint(path: str | Path, *, verify: bool = True) -> dict:
-    """Load a checkpoint dict on the CPU (tensors and primitives only)."""
+def load_checkpoint(path: str | Path, *, verify: bool = True, mmap: bool = True) -> dict:
+    """Load a checkpoint dict on the CPU (tensors and primitives only).
+
+    mmap (the default): tensors are mapped from the file, copy-on-write, and read on first use, so
+    processes on one host share the page cache instead of each holding a copy.
+    """
     path = Path(path)
     if verify:
         verify_checkpoint(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises several types for a damaged zip
         raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:

@@ -190,7 +190,12 @@ class TrainConfig:
     batch from all over the corpus); sequential: consecutive windows of the token stream, for corpora
     that are shuffled already. Validation is always the fixed first eval_tokens, in order."""
     dist_timeout_s: float = 600.0
-    """Timeout of collective operations: a dead peer raises an error instead of hanging."""
+    """Timeout of collectives in the slow phases: start-up (process group, resume, the first step and its
+    compilation) and every checkpoint, evaluation and sample plus the step after it. A dead peer raises
+    an error (gloo) or aborts the process (NCCL) instead of hanging."""
+    dist_step_timeout_s: float = 300.0
+    """Timeout of collectives in steady training (set after the first step): a peer that died or hangs
+    mid-run is found this fast. It bounds how far ranks may drift apart within one step."""
     max_bad_steps: int = 3
     """Consecutive non-finite losses/gradient norms (each update skipped) before the run stops."""
     plot: bool = True
@@ -242,8 +247,9 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append("weight_decay and grad_clip must be >= 0 and eps > 0")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         p.append(f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
-    if cfg.dist_timeout_s <= 0:
-        p.append(f"dist_timeout_s={cfg.dist_timeout_s} must be > 0")
+    for name in ("dist_timeout_s", "dist_step_timeout_s"):
+        if getattr(cfg, name) <= 0:
+            p.append(f"{name}={getattr(cfg, name)} must be > 0")
     if cfg.hellaswag_interval and not cfg.hellaswag_file:
         p.append("hellaswag_interval needs hellaswag_file: a HellaSwag jsonl path (downloaded there if missing)")
     if cfg.resume in ("", None):

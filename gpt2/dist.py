@@ -94,6 +94,17 @@ def _restart_store(env, timeout: datetime.timedelta):
     return tdist.PrefixStore(f"gpt2/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
+def set_timeout(dist: Dist, seconds: float) -> None:
+    """Change the default group's collective timeout from now on (local: no collective).
+
+    Each rank calls it at the same point of the run, so ranks agree on the phase they are in.
+    """
+    if dist.is_distributed:
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # what torchtitan uses after step 1
+
+        _set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
 def teardown(dist: Dist | None) -> None:
     if dist is not None and dist.is_distributed and tdist.is_initialized():
         tdist.destroy_process_group()

@@ -111,20 +111,24 @@ def prepare_hellaswag(path: str | Path | None, dist: Dist, *, url: str = HELLASW
                       limit: int | None = None) -> list[Example]:
     """The examples of path (default: the user cache), downloaded by rank 0 first if missing.
 
-    Collective under torchrun: every rank must call it. A failed download raises on every rank.
+    Collective under torchrun: every rank must call it. Rank 0 alone reads (and if need be
+    downloads) the file and sends the examples to the others, so the path need only exist on rank
+    0's node: other nodes may not see rank 0's cache. A failure raises on every rank.
     """
     path = Path(path) if path else default_data_path()
-    error = None
-    if dist.is_main and not path.is_file():
-        print(f"{path} not found: downloading {url}", file=sys.stderr, flush=True)
+    result = None
+    if dist.is_main:
         try:
-            download(url, path)
+            if not path.is_file():
+                print(f"{path} not found: downloading {url}", file=sys.stderr, flush=True)
+                download(url, path)
+            result = ("ok", load_examples(path, limit))
         except ValueError as e:
-            error = str(e)
-    error = broadcast_object(error, dist)  # also the barrier: the file exists once this returns
-    if error:
-        raise ValueError(error)
-    return load_examples(path, limit)
+            result = ("error", str(e))
+    kind, value = broadcast_object(result, dist)
+    if kind == "error":
+        raise ValueError(value)
+    return value
 
 
 def example_rows(ex: Example, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

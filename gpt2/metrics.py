@@ -15,6 +15,11 @@ from gpt2.atomic import atomic_write_text
 from gpt2.dist import Dist
 
 
+def _fmt_mfu(mfu: float | None) -> str:
+    """MFU as a percentage; n/a where the device's peak is unknown (see gpt2.flops.device_peak_flops)."""
+    return "  n/a " if mfu is None else f"{mfu * 100:5.1f}%"
+
+
 def _fmt(value, spec: str) -> str:
     return "nan" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
 
@@ -72,7 +77,7 @@ class Metrics:
         self.info(
             f"step {rec['step']:>6}/{max_steps} | loss {_fmt(rec['loss'], '.4f')} | lr {rec['lr']:.3e} | "
             f"norm {_fmt(rec['grad_norm'], '.3f')} | {rec['step_s'] * 1000:7.1f} ms | "
-            f"{rec['tok_per_s']:>9,.0f} tok/s | mfu {rec['mfu'] * 100:5.1f}% | mem {rec['mem_mb']:,.0f} MB{skipped}")
+            f"{rec['tok_per_s']:>9,.0f} tok/s | mfu {_fmt_mfu(rec.get('mfu'))} | mem {rec['mem_mb']:,.0f} MB{skipped}")
 
     def log_eval(self, step: int, tokens: int, val_loss: float) -> None:
         self.record({"step": step, "tokens": tokens, "val_loss": val_loss})

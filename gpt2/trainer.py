@@ -28,11 +28,12 @@ from gpt2 import precision
 from gpt2.atomic import atomic_write_text
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader, find_shards
-from gpt2.dist import Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object
+from gpt2.dist import Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object, set_timeout
 from gpt2.flops import device_peak_flops, flops_per_token
 from gpt2.metrics import Metrics, plot_loss_curve
 from gpt2.model import GPT
 from gpt2.optim import make_optimizer
+from gpt2.resume import agree_on_step, choose_resume
 from gpt2.schedule import grad_accum_steps, lr_at
 
 
@@ -188,6 +189,9 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, mc.block_size, dist.world_size)
     torch.manual_seed(tc.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
     model = GPT(mc).to(dist.device)
+    # From here on each rank draws its own random numbers: with one seed for all, every rank would
+    # drop out the same units (dropout > 0) and the ranks' noise would not average out.
+    torch.manual_seed(tc.seed + dist.rank)
     optimizer = make_optimizer(model, tc, dist.device)
     loader = TrainLoader(train_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
                          total_batch_size=tc.total_batch_size, rank=dist.rank, world_size=dist.world_size,
@@ -201,9 +205,14 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
             log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all "
                      f"{val_loader.tokens} tokens")
     parts = Parts(model, model, optimizer, loader, val_loader, accum, precision.make_scaler(tc.dtype, dist.device))
-    resume_from = ckpt.resolve_resume(tc.resume, tc.out_dir, warn=log.warn)
-    if resume_from is not None:
-        restore(parts, resume_from, cfg, dist, log)
+    point = choose_resume(tc.resume, tc.out_dir, dist, warn=log.warn)
+    if point is not None:
+        problem = None
+        try:
+            restore(parts, Path(point.path), cfg, dist, log)
+        except ckpt.CheckpointError as e:
+            problem = str(e)
+        agree_on_step(parts.step, problem, dist)  # the same error on every rank, or the same step
     train_model = torch.compile(model) if tc.compile else model
     if dist.is_distributed:
         # Gradients as views into the all-reduce buckets: no second copy of every gradient (memory)
@@ -217,7 +226,9 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
 
 
 def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
-    state = ckpt.load_checkpoint(path)
+    # Verified by choose_resume (hashed once per node). mmap: the tensors stay in the page cache,
+    # which the ranks of a node share, so host memory does not grow with ranks x checkpoint size.
+    state = ckpt.load_checkpoint(path, verify=False, mmap=True)
     check_compatible(state, cfg, log)
     parts.model.load_state_dict(state["model"])
     parts.optimizer.load_state_dict(state["optimizer"])
@@ -243,8 +254,13 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
     log.truncate_after(parts.step)
 
 
-def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
-    """Every rank contributes its RNG state; rank 0 writes; everyone waits for the write."""
+def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict | None = None) -> None:
+    """Every rank contributes its RNG state; rank 0 writes; everyone waits for the write.
+
+    requeue: a signal stop's RUN/requeue content. Rank 0 writes and fsyncs the marker after the
+    checkpoint and before the closing barrier, so no rank (on no node) can leave the stop path, and
+    let srun --kill-on-bad-exit end the job step, before the marker is on disk.
+    """
     rngs = all_gather_object(rng_state(), dist)
     if dist.is_main:
         state = {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
@@ -254,6 +270,8 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
                  "tokens": parts.step * cfg.train.total_batch_size, "torch_version": str(torch.__version__)}
         path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
         log.info(f"saved checkpoint {path}")
+        if requeue is not None:  # after the checkpoint: the marker promises a complete one
+            ckpt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
     barrier(dist)
 
 
@@ -262,7 +280,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
 
     Returns loss (mean over micro-steps and ranks), grad_norm, lr, whether any rank asked to stop,
     whether the update was skipped because the loss or the gradient norm was not finite, and (fp16)
-    whether the loss scaler found an overflow and skipped the update itself, with its scale.
+    whether the loss scaler found an overflow and skipped the update itself.
     """
     tc = cfg.train
     lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps)
@@ -287,11 +305,13 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip)
     # One all-reduce carries the loss and the stop flag: every rank sees the same values, so
-    # every rank takes the same skip / stop decision.
-    stats = torch.stack([loss_sum.float(), torch.tensor(float(stop_requested), device=dist.device)])
+    # every rank takes the same skip / stop decision. torch.full launches a fill, no host copy.
+    stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device)])
     all_reduce_sum(stats, dist)
-    loss_mean, stop = (stats[0] / dist.world_size).item(), stats[1].item() > 0
-    grad_norm = grad_norm.item()
+    # The step's one host sync: the skip decision below needs these three numbers on the host.
+    # (fp16 adds the GradScaler's own read of its overflow flag inside scaler.step.)
+    loss_total, stop_votes, grad_norm = torch.stack([stats[0], stats[1], grad_norm.float()]).tolist()
+    loss_mean, stop = loss_total / dist.world_size, stop_votes > 0
     loss_ok, norm_ok = math.isfinite(loss_mean), math.isfinite(grad_norm)
     # fp16: a finite loss with non-finite gradients is an overflow of the scaled gradients. The
     # scaler skips that update and lowers its scale: its normal working, not a bad step.
@@ -303,9 +323,8 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     parts.optimizer.zero_grad(set_to_none=True)
     parts.loader.advance()
     parts.step += 1
-    scale = parts.scaler.get_scale() if parts.scaler.is_enabled() else None
     return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "stop": stop, "skipped": skipped,
-            "overflow": overflow, "loss_scale": scale}
+            "overflow": overflow}
 
 
 def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
@@ -331,7 +350,7 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     return tokenizer.decode(out[0, len(prompt):].tolist())
 
 
-def check_memory(cfg: RunConfig, dist: Dist, peak: float, log: Metrics) -> None:
+def check_memory(cfg: RunConfig, dist: Dist, peak: float | None, log: Metrics) -> None:
     """Print the planner's summary and refuse a configuration that clearly cannot fit, before allocating."""
     from gpt2.plan import check_fits, device_hardware, format_plan, plan, plan_dtype
 
@@ -359,13 +378,17 @@ def memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float, prec: precision.Precision) -> None:
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+
+
+def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None, prec: precision.Precision) -> None:
     if not dist.is_main:
         return
     import tiktoken
 
     info = {"config": cfg.to_dict(), "world_size": dist.world_size, "device": str(dist.device),
-            "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else platform.processor(),
+            "device_name": device_name(dist.device),
             "precision": prec.to_dict(), "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
             "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
@@ -395,6 +418,8 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
     cfg, prec = resolve_auto(cfg, dist, log)
     tc = cfg.train
     peak = device_peak_flops(dist.device, precision.torch_dtype(tc.dtype))
+    if peak is None:
+        log.info(f"mfu n/a: {device_name(dist.device)} has no data-sheet peak in gpt2/flops.py (add it there)")
     check_memory(cfg, dist, peak, log)
     parts = build(cfg, dist, log, shards)
     if parts.step >= tc.max_steps:  # e.g. the quick start run a second time
@@ -418,12 +443,16 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
         from gpt2.eval import prepare_hellaswag
         hellaswag = prepare_hellaswag(tc.hellaswag_file, dist)  # collective: rank 0 downloads if missing
     bad_steps = 0
+    slow_phase = True  # start-up: collectives run under --dist-timeout-s until a step has completed
     try:
         while parts.step < tc.max_steps:
             t0 = time.perf_counter()
             out = train_step(parts, cfg, dist, stop_request.signum is not None)
-            if dist.device.type == "cuda":
-                torch.cuda.synchronize(dist.device)
+            if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
+                set_timeout(dist, tc.dist_step_timeout_s)
+                slow_phase = False
+            # No cuda.synchronize: train_step's host read waits for this step's forward and backward
+            # and for the previous step's optimizer update, so in steady state dt is one step's time.
             dt = time.perf_counter() - t0
             step = parts.step
             bad_steps = bad_steps + 1 if out["skipped"] else (bad_steps if out["overflow"] else 0)
@@ -431,30 +460,37 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
                 tok_s = tc.total_batch_size / dt
                 log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                               "tokens": step * tc.total_batch_size, "step_s": dt, "tok_per_s": tok_s,
-                              "mfu": tok_s * flops_tok / (peak * dist.world_size),
+                              "mfu": tok_s * flops_tok / (peak * dist.world_size) if peak else None,
                               "mem_mb": memory_mb(dist.device), "skipped": out["skipped"],
-                              **({"overflow": out["overflow"], "loss_scale": out["loss_scale"]}
-                                 if out["loss_scale"] is not None else {})}, tc.max_steps)
+                              **({"overflow": out["overflow"], "loss_scale": parts.scaler.get_scale()}
+                                 if parts.scaler.is_enabled() else {})}, tc.max_steps)
             if bad_steps >= tc.max_bad_steps:
                 raise NonFiniteError(
                     f"{bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
                     " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
                     "--warmup-steps or check the data, then resume from the last checkpoint")
             done = step == tc.max_steps
-            if parts.val_loader is not None and (done or (tc.eval_interval and step % tc.eval_interval == 0)):
+            stopping = out["stop"] and not done  # a signal at the last step changes nothing: the run is complete
+            evaluating = parts.val_loader is not None and (done or (tc.eval_interval and step % tc.eval_interval == 0))
+            hellaswag_now = hellaswag and (done or step % tc.hellaswag_interval == 0)
+            sampling = tc.sample_interval and (done or step % tc.sample_interval == 0)  # rank 0 samples alone
+            saving = stopping or done or (tc.ckpt_interval and step % tc.ckpt_interval == 0)
+            if evaluating or hellaswag_now or sampling or saving:
+                # Every rank decides this alike. The long timeout also covers the next step, whose
+                # collectives wait for the ranks still busy here (rank 0 sampling or writing).
+                set_timeout(dist, tc.dist_timeout_s)
+                slow_phase = True
+            if evaluating:
                 log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist))
-            if hellaswag and (done or step % tc.hellaswag_interval == 0):
+            if hellaswag_now:
                 log_hellaswag(parts, cfg, dist, log, hellaswag, step)
-            if dist.is_main and tc.sample_interval and (done or step % tc.sample_interval == 0):
+            if sampling and dist.is_main:
                 text = sample_text(parts, cfg, dist)
                 log.record({"step": step, "sample": text})
                 log.info(f"sample at step {step}: {text!r}")
-            if out["stop"] or done or (tc.ckpt_interval and step % tc.ckpt_interval == 0):
-                save(parts, cfg, dist, log)
-            if out["stop"] and not done:  # a signal at the last step changes nothing: the run is complete
-                if dist.is_main:  # after the checkpoint: the marker promises a complete one
-                    ckpt.write_requeue_marker(tc.out_dir, {"step": step, "signal": stop_request.name,
-                                                           "checkpoint": f"step_{step:08d}.pt"})
+            if saving:
+                save(parts, cfg, dist, log, requeue={"step": step, "signal": stop_request.name} if stopping else None)
+            if stopping:
                 log.info(f"stopped by signal at step {step}; checkpoint written; wrote {tc.out_dir}/"
                          f"{ckpt.REQUEUE_MARKER} (requeue and resume with --resume auto)")
                 return ckpt.EXIT_REQUEUE

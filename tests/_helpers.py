@@ -89,6 +89,27 @@ def import_train_ddp():
     return module
 
 
+PATCHED_TRAIN = """
+import sys
+sys.path.insert(0, {repo!r})
+{patch}
+sys.argv[0] = {train!r}
+import runpy
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+def patched_train_script(directory: Path, patch: str) -> Path:
+    """A script that runs `patch` (Python: monkeypatching gpt2 in each worker), then train_ddp.py.
+
+    How a test makes one step of a real multi-process run slow or faulty without a test hook in
+    the trainer: torchrun starts this script instead of train_ddp.py.
+    """
+    script = directory / "patched_train_ddp.py"
+    script.write_text(PATCHED_TRAIN.format(repo=str(REPO), patch=patch, train=str(REPO / "train_ddp.py")))
+    return script
+
+
 def children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
@@ -100,13 +121,13 @@ def children(pid: int) -> list[int]:
 
 
 def launch(args: list[str], *, nproc: int, log_dir: Path, max_restarts: int = 0,
-           env: dict | None = None) -> Launched:
+           env: dict | None = None, script: Path = REPO / "train_ddp.py") -> Launched:
     """`python train_ddp.py` for nproc=1 (unless max_restarts), else torchrun --standalone (gloo)."""
     if nproc == 1 and not max_restarts:
-        cmd = [sys.executable, str(REPO / "train_ddp.py"), *args]
+        cmd = [sys.executable, str(script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               f"--max-restarts={max_restarts}", "--monitor-interval=0.2", str(REPO / "train_ddp.py"), *args]
+               f"--max-restarts={max_restarts}", "--monitor-interval=0.2", str(script), *args]
     log_dir.mkdir(parents=True, exist_ok=True)
     # One thread per process keeps runs on 2 shared cores fast, and runs with equal thread counts
     # compute bitwise the same. TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long torchrun waits after

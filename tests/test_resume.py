@@ -14,8 +14,8 @@ import torch
 
 from gpt2.checkpoint import verify_checkpoint
 
-from _helpers import (assert_same_state, import_train_ddp, launch, load_ckpt, losses, records, run,
-                      tiny_run_flags, wait_for_step)
+from _helpers import (assert_same_state, import_train_ddp, launch, load_ckpt, losses, patched_train_script, records,
+                      run, tiny_run_flags, wait_for_step)
 
 MAX_STEPS = 8
 CKPT_INTERVAL = 3
@@ -168,12 +168,13 @@ def test_consecutive_nan_steps_stop_the_run_without_a_checkpoint_of_them(tmp_pat
     assert [r["step"] for r in records(run_dir) if r.get("skipped")] == [3]
 
 
-def test_dead_peer_gives_an_error_within_the_timeout_not_a_hang(tmp_path, shakespeare_shards):
+def test_dead_peer_gives_an_error_within_the_step_timeout_not_a_hang(tmp_path, shakespeare_shards):
+    """Start-up's long timeout (600 s) gives way to the steady-state one (3 s) after the first step."""
     run_dir = tmp_path / "run"
     job = launch([*tiny_run_flags(shakespeare_shards, max_steps=1000, ckpt_interval=0), "--out-dir", str(run_dir),
-                  "--dist-timeout-s", "3"], nproc=2, log_dir=tmp_path)
+                  "--dist-timeout-s", "600", "--dist-step-timeout-s", "3"], nproc=2, log_dir=tmp_path)
     try:
-        wait_for_step(job, run_dir, 1)
+        wait_for_step(job, run_dir, 2)
         workers = job.workers()
         os.kill(workers[1], signal.SIGSTOP)  # alive but silent: its sockets stay open, nothing fails fast
         t0 = time.monotonic()
@@ -186,6 +187,46 @@ def test_dead_peer_gives_an_error_within_the_timeout_not_a_hang(tmp_path, shakes
     finally:
         job.kill()
     assert "train_ddp.py: error: rank 0: a collective operation failed" in job.stderr, job.output()
-    assert "another rank died, or did not answer within --dist-timeout-s 3" in job.stderr
+    assert "another rank died, or did not answer within --dist-step-timeout-s 3 (steady training)" in job.stderr
     assert elapsed < 25, elapsed  # 3 s timeout plus a busy machine's slack, not a hang
     assert code == 1
+
+
+SLOW_RANK_0 = """
+import time
+import gpt2.checkpoint as ckpt
+import gpt2.trainer as trainer
+
+_save, _sample = ckpt.save_checkpoint, trainer.sample_text
+
+
+def slow_save(*args, **kwargs):  # a multi-GB checkpoint to a shared filesystem
+    time.sleep(6)
+    return _save(*args, **kwargs)
+
+
+def slow_sample(*args, **kwargs):  # rank 0 generates text while the others go on to the next step
+    time.sleep(6)
+    return _sample(*args, **kwargs)
+
+
+ckpt.save_checkpoint, trainer.sample_text = slow_save, slow_sample
+"""
+
+
+def test_checkpoints_and_samples_longer_than_the_step_timeout_run_under_the_long_one(tmp_path, shakespeare_shards):
+    run_dir = tmp_path / "run"
+    job = run([*tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2), "--out-dir", str(run_dir),
+               "--sample-interval", "3", "--sample-tokens", "4", "--dist-timeout-s", "60", "--dist-step-timeout-s", "2"],
+              nproc=2, log_dir=tmp_path, script=patched_train_script(tmp_path, SLOW_RANK_0))
+    assert job.proc.returncode == 0, job.output()
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4]
+    assert [r["step"] for r in records(run_dir) if "sample" in r] == [3, 4]
+
+
+def test_each_rank_draws_its_own_random_numbers(reference):
+    """Dropout masks come from the global torch RNG: one seed on every rank would drop the same units on
+    every rank. The ranks' saved RNG states differ."""
+    rngs = load_ckpt(reference, CKPT_INTERVAL)["rng"]
+    assert len(rngs) == 2
+    assert not torch.equal(rngs[0]["torch"], rngs[1]["torch"])

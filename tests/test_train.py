@@ -202,3 +202,44 @@ def test_auto_dtype_is_logged_and_recorded_with_its_reason(tmp_path, shakespeare
     assert f"precision  {p['dtype']}: {p['reason']}" in run.stdout
     # the first line comes before any measuring or building, so a slow start is never silent
     assert run.stdout.splitlines()[0].startswith("starting ")
+
+
+def test_a_training_step_reads_from_the_device_once(tmp_path, shakespeare_shards, monkeypatch):
+    """Loss, gradient norm and stop flag come to the host together: one sync per step, so a GPU's
+    queue never drains mid-step. Counted as the trainer's own reads of tensor values (item, tolist,
+    float(), bool(), ...) and synchronize calls; the loader's host-side index maths is not a device read."""
+    import sys
+    from pathlib import Path
+
+    import gpt2
+    from gpt2.cli import parse_config
+    from gpt2.dist import Dist
+    from gpt2.metrics import Metrics
+    from gpt2.trainer import build, check_data, train_step
+
+    cfg = parse_config([*TINY_MODEL_FLAGS, *FP32, "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path),
+                        "--micro-batch-size", "2", "--total-batch-size", "256", "--max-steps", "5"])
+    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    parts = build(cfg, dist, Metrics(dist, tmp_path), check_data(cfg, 1))
+    assert parts.accum_steps == 2
+    train_step(parts, cfg, dist, False)  # warm-up
+
+    package = str(Path(gpt2.__file__).parent)
+    host_side = {str(Path(package) / name) for name in ("data.py", "permutation.py")}
+    reads = []
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(package) and caller not in host_side:
+                reads.append(f"{name} from {Path(caller).name}:{sys._getframe(1).f_lineno}")
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.cuda, "synchronize", counting("synchronize", torch.cuda.synchronize))
+    for _ in range(3):
+        out = train_step(parts, cfg, dist, False)
+    assert len(reads) == 3, reads
+    assert math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]) and out["stop"] is False
