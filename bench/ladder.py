@@ -153,7 +153,7 @@ def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.devic
 
 
 def time_interleaved(prepared: list[PreparedRung], device: torch.device, rounds: int,
-                     peaks: dict[str, float]) -> dict[str, list[float]]:
+                     peaks: dict[str, float | None]) -> dict[str, list[float]]:
     """Seconds per step of each rung, one step of every rung per round.
 
     Interleaving makes every rung see the same background load, so their ratios stay fair on a
@@ -184,19 +184,24 @@ def matmul_rate(dtype: torch.dtype, n: int = 2048) -> float:
 
 
 def rung_result(p: PreparedRung, times: list[float], batch: int, device: torch.device,
-                peaks: dict[str, float], peak_memory: int) -> RungResult:
+                peaks: dict[str, float | None], peak_memory: int) -> RungResult:
     seconds = statistics.median(times)
     tokens_per_s = batch * p.cfg.block_size / seconds
     own = "bf16" if p.rung.bf16 else ("tf32" if p.rung.tf32 and device.type == "cuda" else "fp32")
     achieved = tokens_per_s * flops_per_token(p.cfg)
     return RungResult(p.rung, ms_per_step=seconds * 1e3, best_ms_per_step=min(times) * 1e3,
                       tokens_per_s=tokens_per_s,
-                      mfu_bf16=achieved / peaks["bf16"], mfu_own=achieved / peaks[own], own_peak_name=own,
-                      peak_memory_bytes=peak_memory, first_loss=p.first_loss)
+                      mfu_bf16=_ratio(achieved, peaks["bf16"]), mfu_own=_ratio(achieved, peaks[own]),
+                      own_peak_name=own, peak_memory_bytes=peak_memory, first_loss=p.first_loss)
+
+
+def _ratio(achieved: float, peak: float | None) -> float | None:
+    """MFU, or None where the GPU has no data-sheet peak (see gpt2.flops.device_peak_flops)."""
+    return None if peak is None else achieved / peak
 
 
 def run_ladder(rungs: list[Rung], shape: ModelConfig, batch: int, device: torch.device, *, steps: int,
-               warmup: int, peaks: dict[str, float]) -> list[RungResult]:
+               warmup: int, peaks: dict[str, float | None]) -> list[RungResult]:
     """Every rung prepared, timed interleaved, then its step's peak memory measured alone."""
     prepared = {}
     for rung in rungs:
@@ -291,7 +296,8 @@ def ladder_table(results: list[RungResult], device: torch.device) -> str:
         rows.append(
             f"| {r.rung.name} | {r.rung.switch} | {r.ms_per_step:.0f} ({r.best_ms_per_step:.0f}) | "
             f"{r.tokens_per_s:,.0f} | "
-            f"{r.mfu_bf16:.1%} | {r.mfu_own:.1%} ({r.own_peak_name}) | {r.peak_memory_bytes / 2**20:,.0f} | "
+            f"{_fmt(r.mfu_bf16, '.1%')} | {_fmt(r.mfu_own, '.1%')} ({r.own_peak_name}) | "
+            f"{r.peak_memory_bytes / 2**20:,.0f} | "
             f"{r.tokens_per_s / base:.2f} | {x_prev} | {r.first_loss:.4f} | {doc:,} | {doc_x} |")
     if device.type != "cuda":
         rows.append("\nOn a CPU the TF32 rung is skipped, so the bf16 rung's \"x previous\" is against base.")
@@ -369,14 +375,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def peaks_line(device: torch.device, peaks: dict[str, float]) -> str:
-    source = ("data sheet, or measured if the GPU is unlisted" if device.type == "cuda"
-              else "measured: best 2048^3 matmul, before and between the timed steps")
-    return f"peaks ({source}): " + ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in peaks.items())
+def peaks_line(device: torch.device, peaks: dict[str, float | None]) -> str:
+    source = ("data sheet; n/a for a GPU or dtype gpt2.flops does not list, so MFU is n/a too"
+              if device.type == "cuda" else "measured: best 2048^3 matmul, before and between the timed steps")
+    rates = (f"{k} n/a" if v is None else f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in peaks.items())
+    return f"peaks ({source}): " + ", ".join(rates)
 
 
 def report_header(args: argparse.Namespace, argv: list[str] | None, device: torch.device, shape: ModelConfig,
-                  batch: int, peaks: dict[str, float]) -> list[str]:
+                  batch: int, peaks: dict[str, float | None]) -> list[str]:
     command = "python bench/ladder.py " + " ".join(sys.argv[1:] if argv is None else argv)
     now = datetime.datetime.now(datetime.timezone.utc)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"

@@ -15,28 +15,52 @@ kernel's work. Recomputation (activation checkpointing) is not counted: that is 
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from gpt2.config import ModelConfig
 from gpt2.precision import SHORT_NAMES, matmul_rate
 
-# Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets, FLOP/s. Matched against
-# torch.cuda.get_device_name() in order, so the more specific names come first.
-#   (name substrings that must all appear, {dtype: peak})
+# Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets (for GeForce and RTX cards the
+# architecture whitepapers' "with FP32 accumulate" rows, which training's matmuls use), FLOP/s.
+# Matched against torch.cuda.get_device_name() on whole tokens, in order, so the more specific
+# names come first: "L4" must not match "NVIDIA L40", nor "A10" "NVIDIA A100".
+#   (tokens that must all appear in the name, {dtype: peak})
 _GPU_PEAKS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    # Hopper
     (("H100", "PCIe"), dict(bf16=756e12, fp16=756e12, tf32=378e12, fp32=51.2e12)),
     (("H100", "NVL"), dict(bf16=835e12, fp16=835e12, tf32=418e12, fp32=60e12)),
+    (("H200", "NVL"), dict(bf16=835e12, fp16=835e12, tf32=418e12, fp32=60e12)),  # sheet: 1671 / 835 sparse
     (("GH200",), dict(bf16=989e12, fp16=989e12, tf32=494e12, fp32=67e12)),
     (("H200",), dict(bf16=989e12, fp16=989e12, tf32=494e12, fp32=67e12)),
     (("H100",), dict(bf16=989e12, fp16=989e12, tf32=494e12, fp32=67e12)),  # SXM ("H100 80GB HBM3")
     (("H800",), dict(bf16=989e12, fp16=989e12, tf32=494e12, fp32=67e12)),
+    # Ampere
     (("A100",), dict(bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12)),
     (("A800",), dict(bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12)),
-    (("L40S",), dict(bf16=362e12, fp16=362e12, tf32=183e12, fp32=91.6e12)),
-    (("L4",), dict(bf16=121e12, fp16=121e12, tf32=60e12, fp32=30.3e12)),
+    (("A40",), dict(bf16=149.7e12, fp16=149.7e12, tf32=74.8e12, fp32=37.4e12)),  # sheet: 149.7 | 299.4 sparse
     (("A10",), dict(bf16=125e12, fp16=125e12, tf32=62.5e12, fp32=31.2e12)),
+    # AWS's A10G (G5 instances) has no public NVIDIA data sheet: these are the figures cloud
+    # providers publish for it, which agree with 80 GA102 SMs at 1.71 GHz with GeForce-rate
+    # FP32 accumulation (half the A10's tensor rate, a higher FP32 clock).
+    (("A10G",), dict(bf16=70e12, fp16=70e12, tf32=35e12, fp32=35e12)),
+    (("A6000",), dict(bf16=154.8e12, fp16=154.8e12, tf32=77.4e12, fp32=38.7e12)),  # "NVIDIA RTX A6000"
+    # GA102 whitepaper, "with FP32 accumulate" (half the FP16-accumulate rate on GeForce)
+    (("3090", "Ti"), dict(bf16=80e12, fp16=80e12, tf32=40e12, fp32=40e12)),
+    (("3090",), dict(bf16=71e12, fp16=71e12, tf32=35.6e12, fp32=35.6e12)),
+    # Ada Lovelace
+    (("L40S",), dict(bf16=362e12, fp16=362e12, tf32=183e12, fp32=91.6e12)),
+    # The L40 is the L40S's chip at half its FP32-accumulate tensor rate: sheet 181.05 | 362.1 sparse
+    (("L40",), dict(bf16=181e12, fp16=181e12, tf32=90.5e12, fp32=90.5e12)),
+    (("L4",), dict(bf16=121e12, fp16=121e12, tf32=60e12, fp32=30.3e12)),
+    (("6000", "Ada"), dict(bf16=364.2e12, fp16=364.2e12, tf32=182.1e12, fp32=91.1e12)),  # "RTX 6000 Ada Generation"
     (("4090",), dict(bf16=165e12, fp16=165e12, tf32=82.6e12, fp32=82.6e12)),
-    (("V100",), dict(fp16=125e12, fp32=15.7e12)),  # no bf16 or TF32 tensor cores
+    # Turing and Volta: no bf16 or TF32 tensor cores
+    (("T4",), dict(fp16=65e12, fp32=8.1e12)),  # sheet: "mixed precision (FP16/FP32) 65 TFLOPS"
+    (("V100S",), dict(fp16=130e12, fp32=16.4e12)),
+    (("V100", "PCIe"), dict(fp16=112e12, fp32=14e12)),
+    (("V100",), dict(fp16=125e12, fp32=15.7e12)),  # SXM2
 )
 
 _DTYPE_NAMES = {getattr(torch, name): short for name, short in SHORT_NAMES.items()}
@@ -84,35 +108,44 @@ def dtype_name(dtype: torch.dtype, *, tf32: bool = False) -> str:
     return "tf32" if name == "fp32" and tf32 else name
 
 
+def _name_tokens(gpu_name: str) -> set[str]:
+    """'NVIDIA A100-SXM4-80GB' -> {'nvidia', 'a100', 'sxm4', '80gb'}: whole tokens, so that a
+    short model name never matches inside a longer one."""
+    return set(re.findall(r"[a-z0-9]+", gpu_name.lower()))
+
+
 def gpu_table_peak(gpu_name: str, dtype: torch.dtype, *, tf32: bool = False) -> float | None:
-    """The data-sheet dense peak for a CUDA device name, or None if the GPU or dtype is not listed."""
+    """The data-sheet dense peak for a CUDA device name, or None if the GPU or dtype is not listed.
+
+    A GPU without TF32 tensor cores (Turing, Volta) gets its fp32 peak for tf32.
+    """
     key = dtype_name(dtype, tf32=tf32)
+    tokens = _name_tokens(gpu_name)
     for parts, peaks in _GPU_PEAKS:
-        if all(p.lower() in gpu_name.lower() for p in parts):
+        if all(p.lower() in tokens for p in parts):
             return peaks.get(key, peaks["fp32"] if key == "tf32" else None)
     return None
 
 
-def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *, tf32: bool | None = None) -> float:
-    """Peak dense FLOP/s for matmuls in `dtype` on `device`.
+def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *,
+                      tf32: bool | None = None) -> float | None:
+    """Peak dense FLOP/s for matmuls in `dtype` on `device`, or None for a CUDA GPU (or dtype) the
+    data-sheet table does not list.
 
-    CUDA GPUs in the table get their data-sheet number (what MFU is conventionally quoted
-    against); CPUs and unlisted GPUs get a measured matmul rate (`precision.matmul_rate`), an
-    achievable peak rather than a theoretical one. For fp32 on CUDA, tf32=None reads torch's
-    current matmul precision: with TF32 enabled the tensor-core TF32 peak applies.
+    A CUDA GPU in the table gets its data-sheet number, what MFU is conventionally quoted against.
+    An unlisted one gets None (callers show MFU as n/a), not a measured rate: a measured matmul
+    rate is an achievable rate, below the data-sheet peak, so MFU against it would be inflated and
+    not comparable with anyone else's. For fp32 on CUDA, tf32=None reads torch's current matmul
+    precision: with TF32 enabled the tensor-core TF32 peak applies.
 
-    On a CPU an autocast run's peak is the faster of its dtype's rate and fp32's: where bf16 is
-    emulated, compiled kernels may compute in fp32, and MFU must be measured against the kernels
-    that can actually run, so that it never exceeds 1.
+    A CPU has no data sheet to compare with, so it gets a measured matmul rate
+    (`precision.matmul_rate`). An autocast run's peak is the faster of its dtype's rate and fp32's:
+    where bf16 is emulated, compiled kernels may compute in fp32, and MFU must be measured against
+    the kernels that can actually run, so that it never exceeds 1.
     """
     device = torch.device(device)
     if device.type == "cuda":
         if tf32 is None:
             tf32 = torch.get_float32_matmul_precision() != "highest"
-        peak = gpu_table_peak(torch.cuda.get_device_name(device), dtype, tf32=tf32)
-        if peak is not None:
-            return peak
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return matmul_rate(str(device), dtype)
+        return gpu_table_peak(torch.cuda.get_device_name(device), dtype, tf32=tf32)
     return max(matmul_rate(str(device), dtype), matmul_rate(str(device), torch.float32))

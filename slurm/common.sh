@@ -6,15 +6,17 @@
 #  1. `#SBATCH --signal=B:USR1@120` makes SLURM send USR1 to the batch shell 120 s before the time
 #     limit (`scancel --signal=USR1 --batch JOB` does the same by hand). Only the batch shell gets it.
 #  2. The batch shell runs its launcher as `cmd & wait` so the trap runs at once (bash runs a trap
-#     only when the foreground command returns), remembers the signal, and forwards it once:
+#     only when the foreground command returns), remembers the signal, and forwards it once. The
+#     launcher is torchrun run as `python -m gpt2.launch` (see gpt2/launch.py): the same torchrun,
+#     which on a stop signal prints one line instead of a traceback that would read like a crash.
 #       - to torchrun as SIGTERM: torchrun forwards SIGTERM to every worker; it does not handle USR1
 #         (before torch 2.9) and would simply die, orphaning the workers. torchrun itself is started
 #         with USR1 ignored for the same reason, in case a USR1 reaches it directly.
 #       - to srun as USR1: srun relays USR1 to every process of the step (each node's srun_task.sh
 #         turns it into SIGTERM for its torchrun). A SIGTERM would make srun cancel the step instead.
 #  3. Every rank stops at the next step boundary, rank 0 saves a checkpoint and then writes
-#     OUT_DIR/requeue. torchrun's exit code says nothing useful (1 whenever it was signalled), so the
-#     shell goes by that file and by having been signalled.
+#     OUT_DIR/requeue. torchrun's exit code says nothing useful (1 whenever it was signalled, as
+#     for a crash), so the shell goes by that file and by having been signalled.
 #  4. USR1 and OUT_DIR/requeue: `scontrol requeue $SLURM_JOB_ID` (see gpt2_finish for the exceptions).
 #     The job keeps its ID, hence its OUT_DIR, and the rerun passes `--resume auto`.
 #  A SIGTERM to the batch shell (plain `scancel`, preemption with a grace time, the hard time limit)
@@ -37,9 +39,9 @@ gpt2_gpus_per_node() {
   echo "$n"
 }
 
-# Set REPO_DIR, GPUS_PER_NODE, OUT_DIR and TRAIN_ARGS (the trainer's arguments: --out-dir and
-# --num-threads, then the user's "$@", then --resume auto on a requeued run); cd to the repository;
-# export the environment.
+# Set REPO_DIR, GPT2_PYTHON (the environment's python, which runs the launcher), GPUS_PER_NODE,
+# OUT_DIR and TRAIN_ARGS (the trainer's arguments: --out-dir and --num-threads, then the user's "$@",
+# then --resume auto on a requeued run); cd to the repository; export the environment.
 gpt2_prepare() {
   local arg
   for arg in "$@"; do
@@ -62,8 +64,14 @@ gpt2_prepare() {
     # shellcheck disable=SC1091
     source .venv/bin/activate
   fi
-  command -v torchrun >/dev/null \
-    || gpt2_die "torchrun not found: activate the Python environment before sbatch, or set VENV=/path/to/venv"
+  # The launcher is `$GPT2_PYTHON -m gpt2.launch` (torchrun); exported for srun_task.sh on every node.
+  # find_spec rather than importing torch: it answers in milliseconds.
+  GPT2_PYTHON=$(command -v python || command -v python3)
+  [[ -n $GPT2_PYTHON ]] \
+    && "$GPT2_PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' \
+    || gpt2_die "no python with torch (${GPT2_PYTHON:-no python on PATH}): activate the Python environment" \
+                "before sbatch, or set VENV=/path/to/venv"
+  export GPT2_PYTHON
 
   GPUS_PER_NODE=$(gpt2_gpus_per_node) || exit 2
   export GPUS_PER_NODE

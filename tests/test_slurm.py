@@ -45,7 +45,8 @@ GPU_VARS = ("GPUS_PER_NODE", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
 def run_common(script: str, env: dict[str, str] | None = None, path_prefix: Path | None = None):
     """Run bash with slurm/common.sh sourced, in a clean SLURM-free environment plus `env`."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in GPU_VARS}
-    # torchrun from the interpreter running the tests, whether or not its venv is activated.
+    # python (with torch, for the launcher) from the interpreter running the tests, whether or not its
+    # venv is activated.
     base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
     if path_prefix:
         base["PATH"] = f"{path_prefix}{os.pathsep}{base['PATH']}"
@@ -80,14 +81,47 @@ def test_prepare_derives_out_dir_threads_and_resume_on_restart(tmp_path):
     (tmp_path / "exp-77").mkdir()
     (tmp_path / "exp-77" / "requeue").write_text("{}")  # left by the previous run's stop
     r = run_common('unset OMP_NUM_THREADS; gpt2_prepare --resume never --lr 1e-3 >/dev/null\n'
-                   'echo "$OUT_DIR|$OMP_NUM_THREADS|${TRAIN_ARGS[*]}"', env)
+                   'echo "$OUT_DIR|$OMP_NUM_THREADS|${TRAIN_ARGS[*]}|$GPT2_PYTHON"', env)
     assert r.returncode == 0, r.stderr
-    out_dir, threads, args = r.stdout.strip().split("|")
+    out_dir, threads, args, python = r.stdout.strip().split("|")
+    assert Path(python).parent == Path(sys.executable).parent  # the environment's, which runs gpt2.launch
     assert out_dir == f"{tmp_path}/exp-77" and Path(out_dir).is_dir()
     assert not (tmp_path / "exp-77" / "requeue").exists(), "only the run about to start may confirm a stop"
     assert threads == "3"  # 6 CPUs / 2 processes
     # A requeued run resumes from its own checkpoints whatever the first run was told (last flag wins).
     assert args == f"--out-dir {tmp_path}/exp-77 --num-threads 3 --resume never --lr 1e-3 --resume auto"
+
+
+def test_prepare_without_torch_names_the_fix(tmp_path):
+    fake = tmp_path / "bin" / "python"  # a python on PATH without torch
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/bash\nexit 1\n")
+    fake.chmod(0o755)
+    # VIRTUAL_ENV: an environment is "active", so gpt2_prepare does not activate the repository's .venv
+    env = {"REPO_DIR": str(REPO), "GPUS_PER_NODE": "1", "OUT_DIR": str(tmp_path / "run"),
+           "VIRTUAL_ENV": str(tmp_path)}
+    r = run_common("gpt2_prepare", env, path_prefix=fake.parent)
+    assert r.returncode == 2 and "no python with torch" in r.stderr and "VENV=" in r.stderr, r.stderr
+
+
+def test_a_forwarded_stop_leaves_one_line_from_the_launcher_not_a_traceback(tmp_path):
+    """USR1 to the batch shell -> one SIGTERM to `python -m gpt2.launch` (torchrun) -> its worker.
+    torchrun would end with a 30-line SignalException traceback; the launcher prints one line and
+    exits 1 as torchrun does, which gpt2_finish reads together with OUT_DIR/requeue."""
+    (tmp_path / "worker.py").write_text(
+        "import signal, sys, time\nfrom pathlib import Path\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(0))\n"
+        f"Path({str(tmp_path / 'ready')!r}).touch()\ntime.sleep(60)\nsys.exit(4)\n")
+    r = run_common(f"""
+        ( while [[ ! -f {tmp_path}/ready ]]; do sleep 0.1; done; kill -USR1 $$ ) &
+        OUT_DIR={tmp_path}/run gpt2_run_forwarding TERM python -m gpt2.launch --standalone --nproc_per_node=1 \
+            {tmp_path}/worker.py
+        echo "rc=$? usr1=$GPT2_GOT_USR1"
+    """, {"PYTHONPATH": str(REPO)})
+    assert "rc=1 usr1=1" in r.stdout, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert f"torchrun: stopped by SIGTERM; its workers were asked to stop and have exited " \
+           f"(a checkpointed stop leaves {tmp_path}/run/requeue)" in r.stderr, r.stderr
 
 
 CHILD = """
@@ -191,7 +225,8 @@ def _cancel_leftover_jobs():
 def submit(script: str, work: Path, data_dir: Path, *, gpus_per_node: int, sbatch_opts=(),
            max_steps: int = MAX_STEPS) -> str:
     env = dict(os.environ)
-    # torchrun from the interpreter running the tests, whether or not its venv is activated.
+    # python (with torch, for the launcher) from the interpreter running the tests, whether or not its
+    # venv is activated.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(GPUS_PER_NODE=str(gpus_per_node), OUT_ROOT=str(work))
     cmd = ["sbatch", "--parsable", "--partition=local", "--time=10", "--gpus-per-node=0",
@@ -266,6 +301,9 @@ def assert_stopped_and_resumed(info: dict[str, str], run: Path, log: str) -> int
                      rf"requeueing job {info['JobId']}", log), log
     assert re.search(rf"restart 1 on .*OUT_DIR={re.escape(str(run))}", log), log
     assert re.search(rf"resumed from \S+step_{stop:08d}\.pt at step {stop}\b", log), log
+    # The stop reads as a stop: gpt2.launch's one line, not torchrun's SignalException traceback.
+    assert "torchrun: stopped by SIGTERM" in log, log
+    assert "Traceback" not in log, log
     return stop
 
 
