@@ -256,10 +256,48 @@ def sample_next(logits: Tensor, *, temperature: float, top_k: int | None,
 # chunks cost a quarter of a small model's step (measured: 1.25 vs 1.05 s, 0.30 vs 0.07 s of sys).
 LOSS_CHUNK_LOGITS = {"cpu": 2**23}
 LOSS_CHUNK_LOGITS_DEFAULT = 2**25
+"""Devices with no rule of their own (neither CPU nor CUDA)."""
+
+# On CUDA a chunk is sized from the device's total memory, as large as a fixed share allows. Each
+# chunk, whatever its size, adds its (V, h) weight-gradient part to the fp32 sum: for GPT-2 it writes
+# a 77 MB bf16 part and reads and writes the 154 MB fp32 grad_w, ~0.45 GB of traffic per chunk
+# compiled (the fp32 cast fused into the add), ~0.75 GB eager. With 2**25-logit chunks the gpt2
+# preset's micro-batch (64 x 1024 tokens) is 99 chunks: ~45 GB per micro-step, ~8% of an A100
+# step, and 99 unrolled copies of the loop body for torch.compile to trace and compile. A chunk
+# holds 16 bytes per logit under bf16 (its logits in bf16 and fp32, the fp32 softmax gradient and
+# its bf16 copy; 20 in fp32; gpt2.plan.loss_bytes). With 1/16 of the memory per chunk that
+# micro-batch is 10 chunks of 6,554 rows (4.9 GiB held, ~4.5 GB of grad_w traffic) on an 80 GB
+# A100, 20 of 3,277 (2.5 GiB) on a 40 GB one, 34 of 1,928 (1.4 GiB) on a 24 GB card. A larger
+# share saves little more traffic for memory a micro-batch could use. The count is also bounded:
+# activations take ~0.32 GiB per 1024-token sequence, so any micro-batch that fits has at most
+# ~35 chunks whatever the device (planner: 34 at B=215 on 80 GB, 29 at B=54 on 24 GB).
+# Total memory, not free memory: it is the same on every rank and at every step, so all ranks chunk
+# identically and a run's losses do not depend on what else happens to be allocated.
+LOSS_CHUNK_MEMORY_SHARE = 16
+"""On CUDA one chunk holds at most 1/LOSS_CHUNK_MEMORY_SHARE of the device's total memory."""
+LOSS_CHUNK_BYTES_PER_LOGIT = 16
+"""Bytes one logit costs in a chunk under bf16 autocast (fp32 chunks take 20/16 of the share)."""
 
 
-def loss_chunk_logits(device_type: str) -> int:
-    return LOSS_CHUNK_LOGITS.get(device_type, LOSS_CHUNK_LOGITS_DEFAULT)
+def loss_chunk_logits(device: torch.device | str, total_memory: int | None = None) -> int:
+    """Most logits one loss chunk holds on device (see the comments above).
+
+    On CUDA from total_memory, the device's total bytes (default: asked of the device; give it to
+    get a pure function, as the planner does). Other devices have fixed sizes and ignore it.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return LOSS_CHUNK_LOGITS.get(device.type, LOSS_CHUNK_LOGITS_DEFAULT)
+    if total_memory is None:
+        total_memory = torch.cuda.get_device_properties(device).total_memory
+    return max(1, total_memory // (LOSS_CHUNK_MEMORY_SHARE * LOSS_CHUNK_BYTES_PER_LOGIT))
+
+
+def loss_chunks(n_rows: int, max_rows: int) -> tuple[int, int]:
+    """(chunks, rows per chunk) for n_rows in equal chunks of at most max_rows rows: 2048 rows in
+    4 x 512, not 3 x 667 + 47 (the last chunk may be shorter by less than one row per chunk)."""
+    n_chunks = -(-n_rows // max_rows)
+    return n_chunks, -(-n_rows // n_chunks)
 
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *,
@@ -279,9 +317,8 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Tensor | None, targets
         raise ValueError(f"{x2.size(0)} positions but {t.size(0)} targets; pass targets shaped like idx")
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    max_rows = chunk_rows or max(1, loss_chunk_logits(x.device.type) // weight.size(0))
-    n_chunks = -(-x2.size(0) // max_rows)
-    rows = -(-x2.size(0) // n_chunks)  # equal chunks: 2048 rows in 4 x 512, not 3 x 667 + 47
+    max_rows = chunk_rows or max(1, loss_chunk_logits(x.device) // weight.size(0))
+    _, rows = loss_chunks(x2.size(0), max_rows)
     with torch.autocast(device_type, enabled=False):  # the dtypes are chosen explicitly below
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return _LinearCrossEntropy.apply(x2, weight, bias, t, dtype, rows)

@@ -7,7 +7,8 @@ Memory is per GPU, counted from what this code base actually keeps alive (checke
 CPU allocator in tests/test_plan.py):
   weights      fp32 master parameters, 4N bytes; under bf16 autocast also the bf16 copy of every
                matmul weight, which autocast makes once per forward and autograd saves for backward
-  gradients    fp32, 4N (plus DDP's bucket copy, 4N, when world_size > 1)
+  gradients    fp32, 4N; DDP's all-reduce buckets add nothing: the trainer passes
+               gradient_as_bucket_view=True, so the gradients are views into the buckets
   optimizer    AdamW's two fp32 moments, 8N
   activations  what autograd saves for backward in the embeddings, blocks and final LayerNorm;
                "explicit" attention also saves the (B, nh, T, T) attention probabilities, fused
@@ -54,9 +55,11 @@ class Hardware:
     name: str
     """Shown in the summary."""
     memory_bytes: int
-    """Total device memory of one GPU (for a CPU run: host RAM)."""
-    peak_flops: float
-    """Dense peak FLOP/s of one device in the plan's dtype."""
+    """Total device memory of one GPU (for a CPU run: host RAM). On CUDA it also sizes the loss's
+    chunks, as gpt2.model.loss_chunk_logits does from the device's total_memory."""
+    peak_flops: float | None
+    """Dense peak FLOP/s of one device in the plan's dtype; None for a GPU without a data-sheet
+    peak (gpt2.flops.device_peak_flops), which leaves the time estimates out."""
     device_type: str = "cuda"
     """'cuda' or 'cpu': autocast keeps different ops in fp32 on each."""
     reserve_bytes: int = CUDA_RESERVE_BYTES
@@ -80,7 +83,8 @@ def plan_dtype(train_dtype: str, *, tf32: bool = False) -> str:
     return "tf32" if train_dtype == "float32" and tf32 else SHORT_NAMES[train_dtype]
 
 
-def device_hardware(device: torch.device | str, peak_flops: float, *, processes_per_host: int = 1) -> Hardware:
+def device_hardware(device: torch.device | str, peak_flops: float | None, *,
+                    processes_per_host: int = 1) -> Hardware:
     """The hardware a run is on: a CUDA device's memory, or for a CPU run this host's RAM shared
     by the processes_per_host ranks on it."""
     device = torch.device(device)
@@ -99,7 +103,6 @@ class Memory:
     weights: int
     autocast_weights: int
     gradients: int
-    ddp_buckets: int
     optimizer: int
     activations_flash: int
     activations_explicit: int
@@ -110,7 +113,7 @@ class Memory:
     @property
     def static(self) -> int:
         """Independent of the micro-batch."""
-        return self.weights + self.autocast_weights + self.gradients + self.ddp_buckets + self.optimizer
+        return self.weights + self.autocast_weights + self.gradients + self.optimizer
 
     @property
     def total(self) -> int:
@@ -156,17 +159,21 @@ class Plan:
         return self.total_batch_size // self.tokens_per_micro_step
 
     @property
-    def tokens_per_s(self) -> float:
-        """All devices together, at the assumed MFU."""
+    def tokens_per_s(self) -> float | None:
+        """All devices together, at the assumed MFU; None without a peak."""
+        if self.hardware.peak_flops is None:
+            return None
         return self.world_size * self.hardware.peak_flops * self.mfu / self.flops_per_token
 
     @property
-    def step_time_s(self) -> float:
-        return self.total_batch_size / self.tokens_per_s
+    def step_time_s(self) -> float | None:
+        return None if self.tokens_per_s is None else self.total_batch_size / self.tokens_per_s
 
     @property
     def hours(self) -> float | None:
-        return None if self.tokens is None else self.tokens / self.tokens_per_s / 3600
+        if self.tokens is None or self.tokens_per_s is None:
+            return None
+        return self.tokens / self.tokens_per_s / 3600
 
 
 def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len: int | None = None,
@@ -190,7 +197,7 @@ def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len
                          f"micro_batch_size*seq_len*world_size={per_micro_step}; "
                          f"use {k * per_micro_step} ({k} accumulation steps)")
     mem = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
-                 device_type=hardware.device_type)
+                 device_type=hardware.device_type, device_memory=hardware.memory_bytes)
     return Plan(cfg=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
                 dtype=dtype, hardware=hardware, total_batch_size=total_batch_size, tokens=tokens,
                 mfu=mfu, n_params=param_count(cfg), n_params_formula=count_params_formula(cfg),
@@ -217,7 +224,7 @@ def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, token
 
 
 def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: bool = True,
-               device_type: str = "cuda") -> int:
+               device_type: str = "cuda", device_memory: int | None = None) -> int:
     """Peak bytes of the LM head + cross-entropy for `tokens` positions.
 
     chunked (what the trainer runs: gpt2.model.linear_cross_entropy): one chunk of rows at a time
@@ -226,33 +233,39 @@ def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: b
     gradient with the chunk's part being added to it stay. Plain (`_, loss = model(x, y)`): the
     logits the model returns stay alive, cross-entropy saves fp32 log-probs, and its backward makes
     two fp32 gradients of that size.
+
+    The chunk is the one the model will use: on CUDA it is sized from device_memory (the device's
+    total bytes, Hardware.memory_bytes), which is then required.
     """
-    from gpt2.model import loss_chunk_logits
+    from gpt2.model import loss_chunk_logits, loss_chunks
 
     s = 2 if dtype in AUTOCAST_DTYPES else 4
     V, h = cfg.vocab_size, cfg.n_embd
     if not chunked:
         return tokens * V * (s + 4 + 8)
-    n_chunks = -(-tokens // max(1, loss_chunk_logits(device_type) // V))
-    rows = -(-tokens // n_chunks)
+    if device_type == "cuda" and device_memory is None:
+        raise ValueError("loss_bytes needs device_memory on cuda: the loss's chunk size depends on it")
+    _, rows = loss_chunks(tokens, max(1, loss_chunk_logits(device_type, device_memory) // V))
     return rows * V * (2 * s + 12) + tokens * h * 4 + 2 * V * h * 4
 
 
 def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int = 1,
-           dtype: str = "bf16", device_type: str = "cuda", chunked_loss: bool = True) -> Memory:
-    """Bytes per device for one training micro-step (see the module docstring)."""
+           dtype: str = "bf16", device_type: str = "cuda", chunked_loss: bool = True,
+           device_memory: int | None = None) -> Memory:
+    """Bytes per device for one training micro-step (see the module docstring). device_memory is the
+    device's total bytes, which sizes the loss's chunks on CUDA (see loss_bytes)."""
     n = param_count(cfg)
     autocast = dtype in AUTOCAST_DTYPES
     flash = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
                              flash=True)
     explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
                                 flash=False)
-    logits = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=chunked_loss, device_type=device_type)
+    logits = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=chunked_loss, device_type=device_type,
+                        device_memory=device_memory)
     return Memory(
         weights=4 * n,
         autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
-        gradients=4 * n,
-        ddp_buckets=4 * n if world_size > 1 else 0,  # DDP's default gradient_as_bucket_view=False
+        gradients=4 * n,  # also DDP's buckets: gradient_as_bucket_view=True makes them one storage
         optimizer=8 * n,
         activations_flash=flash,
         activations_explicit=explicit,
@@ -324,7 +337,7 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
 
     def fits(b: int) -> bool:
         return memory(cfg, b, seq_len, world_size=world_size, dtype=dtype,
-                      device_type=hardware.device_type).total <= usable
+                      device_type=hardware.device_type, device_memory=hardware.memory_bytes).total <= usable
 
     if not fits(1):
         return 0
@@ -429,7 +442,8 @@ def format_plan(p: Plan) -> str:
         f"params     {p.n_params:,} exact ({_human(p.n_params)}); formula V*h + T*h + L*(12h^2+13h) + 2h "
         f"= {p.n_params_formula:,}",
         f"hardware   {p.world_size} x {hw.name}: {_gib(hw.memory_bytes)}, peak "
-        f"{hw.peak_flops / 1e12:.1f} TFLOP/s ({p.dtype}) each",
+        + (f"{hw.peak_flops / 1e12:.1f} TFLOP/s ({p.dtype}) each" if hw.peak_flops is not None
+           else f"unknown ({p.dtype}: no data-sheet peak for this GPU)"),
         f"batch      micro_batch_size={p.micro_batch_size} x seq_len={p.seq_len} x world_size={p.world_size}"
         f" = {p.tokens_per_micro_step:,} tokens/micro-step; total_batch_size={p.total_batch_size:,} "
         f"-> {p.grad_accum_steps} accumulation step(s)",
@@ -439,8 +453,6 @@ def format_plan(p: Plan) -> str:
     if m.autocast_weights:
         lines.append(f"  autocast bf16 copies   {_gib(m.autocast_weights)}  (matmul weights, saved for backward)")
     lines.append(f"  gradients              {_gib(m.gradients)}  (fp32)")
-    if m.ddp_buckets:
-        lines.append(f"  DDP gradient buckets   {_gib(m.ddp_buckets)}  (fp32 copy)")
     flash_mark, explicit_mark = ("<-", "  ") if c.attn_impl != "explicit" else ("  ", "<-")
     lines += [
         f"  optimizer (AdamW)      {_gib(m.optimizer)}  (two fp32 moments)",
@@ -450,8 +462,9 @@ def format_plan(p: Plan) -> str:
         f"  total                  {_gib(m.total)}  of {_gib(p.usable_bytes)} usable "
         f"({_gib(hw.reserve_bytes)} reserved)",
         f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
-        f"compute    {_human(p.flops_per_token)}FLOP/token (6N + 12*L*h*T); at {p.mfu:.0%} MFU: "
-        f"{_human(p.tokens_per_s)} tokens/s, {p.step_time_s:.3f} s/step",
+        f"compute    {_human(p.flops_per_token)}FLOP/token (6N + 12*L*h*T); "
+        + (f"at {p.mfu:.0%} MFU: {_human(p.tokens_per_s)} tokens/s, {p.step_time_s:.3f} s/step"
+           if p.tokens_per_s is not None else "no time estimate without a peak"),
     ]
     if p.hours is not None:
         lines.append(f"budget     {_human(p.tokens)} tokens: {p.tokens / p.total_batch_size:,.0f} steps, "

@@ -10,10 +10,12 @@ What `auto` picks, and why:
       emulated bf16 is slow, inductor does not compile it, and the flash kernels need sm80.
   CUDA without it: float16 with a GradScaler. fp16 has tensor cores from Volta on, but only 5
       exponent bits: small gradients underflow to zero unless the loss is scaled up first.
-  CPU: bfloat16 only where a short measurement shows bf16 matmuls at least
-      CPU_BF16_MIN_SPEEDUP x faster than fp32 (AMX), else float32. We measure rather than read
-      /proc/cpuinfo because a flag does not say how fast: on an avx512_bf16 CPU without AMX bf16
-      ran at about half the fp32 rate, and with AVX2 only it is emulated at 1/40 to 1/60 of it.
+  CPU: float32 at once when /proc/cpuinfo lists no bf16 instructions (avx512_bf16, amx_bf16, or
+      Arm's bf16): bf16 is then emulated at 1/40 to 1/60 of the fp32 rate, and measuring would only
+      risk a wrong pick on a loaded machine (another process can stall the fp32 timing). Otherwise
+      bfloat16 only where a short measurement shows bf16 matmuls at least CPU_BF16_MIN_SPEEDUP x
+      faster than fp32 (AMX), else float32: the flag does not say how fast, and on an avx512_bf16
+      CPU without AMX bf16 ran at about half the fp32 rate.
 """
 
 from __future__ import annotations
@@ -102,10 +104,34 @@ def fast_dtype(device: torch.device) -> tuple[str, str]:
         if cuda_native_bf16(device):
             return "bfloat16", f"{name} has native bf16"
         return "float16", f"{name} has no native bf16: fp16 with a loss scaler"
+    if cpu_bf16_instructions() is False:
+        return "float32", "this CPU has no bf16 instructions (/proc/cpuinfo: no avx512_bf16, amx_bf16 or bf16): bf16 would be emulated"
     bf16, fp32 = matmul_rate(str(device), torch.bfloat16), matmul_rate(str(device), torch.float32)
     pick = "bfloat16" if bf16 >= CPU_BF16_MIN_SPEEDUP * fp32 else "float32"
     return pick, (f"CPU matmuls measured at bf16 {bf16 / 1e9:.1f} vs fp32 {fp32 / 1e9:.1f} GFLOP/s: "
                   f"{'bf16' if pick == 'bfloat16' else 'fp32'} is faster")
+
+
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+"""x86 (AVX512-BF16, AMX) and Arm (FEAT_BF16) feature names in /proc/cpuinfo."""
+
+
+def cpu_bf16_instructions(cpuinfo: str | None = None) -> bool | None:
+    """Whether the CPU lists bf16 instructions; None where /proc/cpuinfo cannot say (not Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    features = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            features.update(value.split())
+    if not features:
+        return None
+    return bool(features & CPU_BF16_FLAGS)
 
 
 def cuda_native_bf16(device: torch.device) -> bool:

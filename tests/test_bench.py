@@ -39,6 +39,21 @@ def test_eager_loss_compares_the_chunked_and_plain_loss_on_the_same_batch():
     assert rows[1].split("|")[4].strip() == "1.00x"
 
 
+def test_loss_bench_times_chunked_and_plain_eager_and_compiled():
+    # aot_eager compiles without a C++ toolchain run: seconds, and the compiled rows still go through dynamo
+    out = run_bench("bench/loss.py", "--device", "cpu", "--batch", "1", "--seq-len", "64", "--n-embd", "32",
+                    "--vocab-size", "512", "--rounds", "2", "--steps", "1", "--threads", "1",
+                    "--backend", "aot_eager", "--also-chunk-logits", "4096", timeout=300)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| row")]
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    assert [c[0] for c in cells] == ["chunked eager", "chunked compiled", "plain eager", "plain compiled",
+                                     "chunked compiled, 4,096 logits/chunk"]
+    assert cells[3][2] == "1.00x"  # the reference
+    assert [c[4] for c in cells] == ["1", "1", "-", "-", "8"]  # 64 rows: 2**23 logits on a CPU; 4096 // 512 = 8
+    losses = [float(c[5]) for c in cells]
+    assert max(losses) - min(losses) < 1e-4  # the same maths on every row
+
+
 @pytest.mark.slow
 def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     md = tmp_path / "report.md"

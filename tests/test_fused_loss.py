@@ -165,3 +165,41 @@ def test_fp16_autocast_keeps_every_lm_head_row_at_initialisation():
     row_err = (half[2][others] - ref[2][others]).norm(dim=1) / ref[2][others].norm(dim=1)
     assert row_err.max() < 0.05, row_err.max()
     torch.testing.assert_close(half[0], ref[0], rtol=1e-3, atol=0)
+
+
+GIB = 2**30
+GPT2_MICRO_BATCH_ROWS = 64 * 1024  # the gpt2 preset's micro-batch: 64 sequences of 1024 tokens
+
+
+@pytest.mark.parametrize("gib, chunks, rows", [(79.1, 10, 6554), (39.4, 20, 3277), (23.6, 34, 1928),
+                                               (139.8, 6, 10923)])
+def test_cuda_chunks_are_sized_from_total_memory(gib, chunks, rows):
+    """A100-80GB / A100-40GB / a 24 GB card / H200, as torch.cuda.get_device_properties reports them."""
+    from gpt2.config import PADDED_VOCAB_SIZE
+    from gpt2.model import loss_chunk_logits, loss_chunks
+
+    max_rows = loss_chunk_logits("cuda", int(gib * GIB)) // PADDED_VOCAB_SIZE
+    assert loss_chunks(GPT2_MICRO_BATCH_ROWS, max_rows) == (chunks, rows)
+    assert rows * PADDED_VOCAB_SIZE * 16 <= gib * GIB / 16  # a chunk holds at most 1/16 of memory (bf16)
+
+
+def test_cuda_chunk_defaults_to_the_devices_total_memory(monkeypatch):
+    from types import SimpleNamespace
+
+    from gpt2.model import loss_chunk_logits
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: asked.append(d) or SimpleNamespace(total_memory=40 * GIB))
+    assert loss_chunk_logits(torch.device("cuda", 1)) == loss_chunk_logits("cuda:1", 40 * GIB) == 40 * GIB // 256
+    assert asked == [torch.device("cuda", 1)]
+
+
+def test_cpu_chunks_are_unchanged():
+    """2**23 logits whatever the memory, so fixed-seed CPU losses stay bit for bit the same."""
+    from gpt2.model import LOSS_CHUNK_LOGITS_DEFAULT, loss_chunk_logits, loss_chunks
+
+    assert loss_chunk_logits("cpu") == loss_chunk_logits(torch.device("cpu"), 80 * GIB) == 2**23
+    assert loss_chunk_logits("mps") == LOSS_CHUNK_LOGITS_DEFAULT == 2**25
+    assert loss_chunks(2048, 2**23 // 50304) == (13, 158)
+    assert loss_chunks(2048, 512) == (4, 512) and loss_chunks(2049, 512) == (5, 410)

@@ -8,7 +8,7 @@ import torch
 from gpt2.config import MODEL_PRESETS, ModelConfig, model_preset
 from gpt2.model import GPT
 from gpt2.plan import (GIB, Hardware, activation_bytes, auto_micro_batch_size, check_fits, device_hardware, format_plan, gpu_hardware,
-                       matmul_weight_count, max_micro_batch_size, measured_peak_bytes, memory, plan, plan_dtype)
+                       loss_bytes, matmul_weight_count, max_micro_batch_size, measured_peak_bytes, memory, plan, plan_dtype)
 
 CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
 
@@ -195,9 +195,27 @@ def test_batch_and_time_arithmetic():
     tokens_per_s = 8 * 312e12 * 0.5 / p.flops_per_token
     assert p.step_time_s == pytest.approx(524288 / tokens_per_s)
     assert p.hours == pytest.approx(1e10 / tokens_per_s / 3600)
-    assert p.memory.ddp_buckets == p.memory.gradients  # DDP's second gradient copy
+    # gradient_as_bucket_view=True: DDP's buckets are the gradients, so 8 ranks cost each device
+    # no more than 1 does
+    one = plan(model_preset("gpt2"), micro_batch_size=16, hardware=hw, total_batch_size=524288)
+    assert p.memory == one.memory
+    m = p.memory
+    assert m.static == m.weights + m.autocast_weights + m.gradients + m.optimizer
     text = format_plan(p)
-    assert "4 accumulation step(s)" in text and "fits       yes" in text
+    assert "4 accumulation step(s)" in text and "fits       yes" in text and "DDP" not in text
+
+
+def test_plan_without_a_peak_leaves_the_time_estimates_out():
+    """An unlisted GPU has no data-sheet peak (gpt2.flops.device_peak_flops gives None)."""
+    a100 = gpu_hardware("A100-40GB", "bf16")
+    hw = Hardware(name="NVIDIA Future GPU", memory_bytes=a100.memory_bytes, peak_flops=None)
+    p = plan(model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8,
+             total_batch_size=524288, tokens=10 * 10**9)
+    assert p.tokens_per_s is None and p.step_time_s is None and p.hours is None
+    assert p.memory == plan(model_preset("gpt2"), micro_batch_size=16, hardware=a100, world_size=8,
+                            total_batch_size=524288).memory
+    text = format_plan(p)
+    assert "no data-sheet peak" in text and "no time estimate" in text and "budget" not in text
 
 
 def test_plan_rejects_bad_input_with_every_problem():
@@ -232,7 +250,41 @@ def test_trainer_helpers():
     assert hw.device_type == "cpu" and 0 < hw.memory_bytes < 2**50
     assert device_hardware("cpu", 1e11).memory_bytes == pytest.approx(2 * hw.memory_bytes, abs=1)
     cfg = model_preset("gpt2")
-    assert memory(cfg, 4, 1024, dtype="fp16") == memory(cfg, 4, 1024, dtype="bf16")
-    assert memory(cfg, 4, 1024, dtype="tf32") == memory(cfg, 4, 1024, dtype="fp32")
+    a100 = gpu_hardware("A100-80GB", "bf16").memory_bytes
+    assert memory(cfg, 4, 1024, dtype="fp16", device_memory=a100) == memory(cfg, 4, 1024, dtype="bf16", device_memory=a100)
+    assert memory(cfg, 4, 1024, dtype="tf32", device_memory=a100) == memory(cfg, 4, 1024, dtype="fp32", device_memory=a100)
     assert gpu_hardware("H100-80GB", "fp16").peak_flops == 989e12
     assert gpu_hardware("A100-80GB", "tf32").peak_flops == 156e12
+
+
+def test_loss_bytes_counts_the_chunk_the_model_uses(monkeypatch):
+    """The planner's LM head + loss term holds the rows of one chunk of the model's own loss."""
+    import gpt2.model
+
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=512)  # vocab 50304
+    V, h, tokens = cfg.vocab_size, cfg.n_embd, 2 * 512
+    seen = []
+    real = gpt2.model._cross_entropy_chunks
+    monkeypatch.setattr(gpt2.model, "_cross_entropy_chunks",
+                        lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))  # a[5]: rows per chunk
+    model = GPT(cfg)
+    model(torch.zeros(2, 512, dtype=torch.long), torch.zeros(2, 512, dtype=torch.long), return_logits=False)
+    rows = seen[0]
+    assert 0 < rows < tokens  # in several chunks
+    assert loss_bytes(cfg, tokens, dtype="fp32", device_type="cpu") == rows * V * 20 + tokens * h * 4 + 2 * V * h * 4
+
+
+def test_cuda_loss_bytes_follow_the_devices_memory():
+    from gpt2.model import loss_chunk_logits, loss_chunks
+
+    cfg, tokens = model_preset("gpt2"), 64 * 1024
+    V, h = cfg.vocab_size, cfg.n_embd
+    for gpu, chunk_rows in (("A100-80GB", 6554), ("A100-40GB", 3277)):
+        hw = gpu_hardware(gpu, "bf16")
+        assert loss_chunks(tokens, loss_chunk_logits("cuda", hw.memory_bytes) // V)[1] == chunk_rows
+        expected = chunk_rows * V * 16 + tokens * h * 4 + 2 * V * h * 4
+        assert loss_bytes(cfg, tokens, device_memory=hw.memory_bytes) == expected
+        assert plan(cfg, micro_batch_size=64, hardware=hw).memory.logits == expected
+    with pytest.raises(ValueError, match="device_memory"):
+        loss_bytes(cfg, tokens)  # on cuda the chunk depends on the device: no silent guess
+    assert loss_bytes(cfg, tokens, chunked=False) == tokens * V * 14  # the plain loss has no chunks

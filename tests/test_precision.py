@@ -12,9 +12,31 @@ from gpt2.precision import emulation_warning, make_scaler, matmul_rate, resolve
 
 
 def fake_rates(monkeypatch, **gflops):
-    """Replace the CPU measurement: rates in GFLOP/s per dtype name."""
+    """Replace the CPU measurement (rates in GFLOP/s per dtype name) on a CPU listing bf16 instructions."""
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     monkeypatch.setattr(precision, "matmul_rate", lambda device, dtype: gflops[names[dtype]] * 1e9)
+    monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: True)
+
+
+AVX2_CPUINFO = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\n"
+SPR_CPUINFO = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+ARM_CPUINFO = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_cpu_bf16_instructions_are_read_from_cpuinfo():
+    assert precision.cpu_bf16_instructions(AVX2_CPUINFO) is False
+    assert precision.cpu_bf16_instructions(SPR_CPUINFO) is True
+    assert precision.cpu_bf16_instructions(ARM_CPUINFO) is True
+    assert precision.cpu_bf16_instructions("") is None  # not Linux, or no flags line: measure instead
+
+
+def test_auto_on_a_cpu_without_bf16_instructions_picks_fp32_without_measuring(monkeypatch):
+    """A loaded machine can stall the fp32 timing and make emulated bf16 look faster: no flag, no bf16."""
+    parse = precision.cpu_bf16_instructions
+    monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: parse(AVX2_CPUINFO))
+    monkeypatch.setattr(precision, "matmul_rate", lambda device, dtype: pytest.fail("measured anyway"))
+    p = resolve("auto", "cpu")
+    assert p.dtype == "float32" and "no bf16 instructions" in p.reason
 
 
 @pytest.mark.parametrize("bf16, fp32, expected", [
@@ -86,8 +108,11 @@ def test_matmul_rate_is_bounded_and_cached(dtype):
     assert time.perf_counter() - t0 < 0.01
 
 
-def test_auto_on_this_cpu_picks_the_faster_measured_dtype():
+def test_auto_on_this_cpu_picks_fp32_without_bf16_instructions_else_the_faster_measured_dtype():
     p = resolve("auto", "cpu")
+    if precision.cpu_bf16_instructions() is False:
+        assert p.dtype == "float32"
+        return
     bf16, fp32 = matmul_rate("cpu", torch.bfloat16), matmul_rate("cpu", torch.float32)
     assert p.dtype == ("bfloat16" if bf16 >= precision.CPU_BF16_MIN_SPEEDUP * fp32 else "float32")
 
