@@ -197,7 +197,8 @@ def test_auto_dtype_is_logged_and_recorded_with_its_reason(tmp_path, shakespeare
     check(run)
     info = json.loads((run_dir / "config.json").read_text())
     p = info["precision"]
-    assert p["requested"] == "auto" and p["dtype"] in ("bfloat16", "float32") and "GFLOP/s" in p["reason"]
+    assert p["requested"] == "auto" and p["dtype"] in ("bfloat16", "float32")
+    assert "GFLOP/s" in p["reason"] or "no bf16 instructions" in p["reason"]  # measured, or not worth measuring
     assert info["config"]["train"]["dtype"] == p["dtype"]  # the run's config holds what actually ran
     assert f"precision  {p['dtype']}: {p['reason']}" in run.stdout
     # the first line comes before any measuring or building, so a slow start is never silent
