@@ -114,6 +114,7 @@ def count_params_formula(cfg: ModelConfig) -> int:
 
 
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +160,17 @@ class TrainConfig:
     """AdamW beta2 (GPT-3 used 0.95: steadier than 0.999 on large batches)."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    optimizer: str = "adamw"
+    """adamw, or muon: Muon (torch.optim.Muon's update) on the 2-D weights inside the transformer blocks
+    and AdamW (lr, betas, eps, weight_decay above) on embeddings, the tied LM head, biases and LayerNorm
+    (gpt2/optim.py says why). Every group follows the same warmup and cosine schedule."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (scaled by sqrt(max(1, out/in)) per matrix, Keller Jordan's rule as in
+    torch's adjust_lr_fn="original"); it decays with the schedule like lr."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
+    muon_weight_decay: float = 0.0
+    """Muon's decoupled weight decay (p *= 1 - muon_lr * muon_weight_decay each step)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     eval_interval: int = 250
@@ -243,6 +255,11 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"lr={cfg.lr} must be > 0")
     if not 0 <= cfg.min_lr <= cfg.lr:
         p.append(f"min_lr={cfg.min_lr} must be between 0 and lr={cfg.lr}")
+    if cfg.optimizer not in OPTIMIZERS:
+        p.append(f"optimizer={cfg.optimizer!r} must be one of {OPTIMIZERS}")
+    if cfg.muon_lr <= 0 or not 0 <= cfg.muon_momentum < 1 or cfg.muon_weight_decay < 0:
+        p.append(f"muon_lr={cfg.muon_lr} must be > 0, muon_momentum={cfg.muon_momentum} in [0, 1) and "
+                 f"muon_weight_decay={cfg.muon_weight_decay} >= 0")
     if cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.eps <= 0:
         p.append("weight_decay and grad_clip must be >= 0 and eps > 0")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):

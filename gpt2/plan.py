@@ -9,7 +9,8 @@ CPU allocator in tests/test_plan.py):
                matmul weight, which autocast makes once per forward and autograd saves for backward
   gradients    fp32, 4N; DDP's all-reduce buckets add nothing: the trainer passes
                gradient_as_bucket_view=True, so the gradients are views into the buckets
-  optimizer    AdamW's two fp32 moments, 8N
+  optimizer    AdamW's two fp32 moments, 8N; with Muon (--optimizer muon) one fp32 momentum buffer
+               for each block matrix (4 bytes each) and AdamW's 8 bytes for everything else
   activations  what autograd saves for backward in the embeddings, blocks and final LayerNorm;
                "explicit" attention also saves the (B, nh, T, T) attention probabilities, fused
                SDPA kernels ("flash") save only q, k, v, the output and a log-sum-exp
@@ -109,6 +110,8 @@ class Memory:
     activations: int
     """The one of the two above that the config's attn_impl uses."""
     logits: int
+    optimizer_name: str = "adamw"
+    """Which optimizer `optimizer` counts (not a byte count)."""
 
     @property
     def static(self) -> int:
@@ -178,7 +181,7 @@ class Plan:
 
 def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len: int | None = None,
          world_size: int = 1, dtype: str = "bf16", total_batch_size: int | None = None,
-         tokens: int | None = None, mfu: float = 0.4) -> Plan:
+         tokens: int | None = None, mfu: float = 0.4, optimizer: str = "adamw") -> Plan:
     """Memory per device, the largest micro-batch that fits, and time estimates. Pure arithmetic.
 
     total_batch_size defaults to one micro-step on every device (no accumulation); it must be a
@@ -197,13 +200,13 @@ def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len
                          f"micro_batch_size*seq_len*world_size={per_micro_step}; "
                          f"use {k * per_micro_step} ({k} accumulation steps)")
     mem = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
-                 device_type=hardware.device_type, device_memory=hardware.memory_bytes)
+                 device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer)
     return Plan(cfg=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
                 dtype=dtype, hardware=hardware, total_batch_size=total_batch_size, tokens=tokens,
                 mfu=mfu, n_params=param_count(cfg), n_params_formula=count_params_formula(cfg),
                 memory=mem, flops_per_token=flops_per_token(cfg, seq_len),
                 max_micro_batch_size=max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size,
-                                                          dtype=dtype))
+                                                          dtype=dtype, optimizer=optimizer))
 
 
 def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens) -> list[str]:
@@ -251,7 +254,7 @@ def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: b
 
 def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int = 1,
            dtype: str = "bf16", device_type: str = "cuda", chunked_loss: bool = True,
-           device_memory: int | None = None) -> Memory:
+           device_memory: int | None = None, optimizer: str = "adamw") -> Memory:
     """Bytes per device for one training micro-step (see the module docstring). device_memory is the
     device's total bytes, which sizes the loss's chunks on CUDA (see loss_bytes)."""
     n = param_count(cfg)
@@ -266,12 +269,25 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
         weights=4 * n,
         autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
         gradients=4 * n,  # also DDP's buckets: gradient_as_bucket_view=True makes them one storage
-        optimizer=8 * n,
+        optimizer=optimizer_bytes(cfg, optimizer),
         activations_flash=flash,
         activations_explicit=explicit,
         activations=explicit if cfg.attn_impl == "explicit" else flash,
         logits=logits,
+        optimizer_name=optimizer,
     )
+
+
+def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
+    """AdamW: two fp32 moments per parameter. Muon: one fp32 momentum per block matrix, AdamW's two
+    for the rest (embeddings, biases, LayerNorm; gpt2/optim.py)."""
+    n = param_count(cfg)
+    if optimizer == "adamw":
+        return 8 * n
+    if optimizer != "muon":
+        raise ValueError(f"optimizer={optimizer!r} must be adamw or muon")
+    block_matrices = matmul_weight_count(cfg) - cfg.vocab_size * cfg.n_embd
+    return 8 * (n - block_matrices) + 4 * block_matrices
 
 
 def matmul_weight_count(cfg: ModelConfig) -> int:
@@ -327,7 +343,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
 
 
 def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int = 1,
-                         dtype: str = "bf16") -> int:
+                         dtype: str = "bf16", optimizer: str = "adamw") -> int:
     """Largest micro-batch whose total fits in memory minus the reserve (0: not even one sequence).
 
     Memory grows with the micro-batch (activations linearly; the chunked loss by at most one chunk),
@@ -336,8 +352,8 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
     usable = hardware.memory_bytes - hardware.reserve_bytes
 
     def fits(b: int) -> bool:
-        return memory(cfg, b, seq_len, world_size=world_size, dtype=dtype,
-                      device_type=hardware.device_type, device_memory=hardware.memory_bytes).total <= usable
+        return memory(cfg, b, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type,
+                      device_memory=hardware.memory_bytes, optimizer=optimizer).total <= usable
 
     if not fits(1):
         return 0
@@ -351,14 +367,14 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
 
 
 def auto_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int,
-                          total_batch_size: int, dtype: str) -> int:
+                          total_batch_size: int, dtype: str, optimizer: str = "adamw") -> int:
     """--micro-batch-size auto: the largest micro-batch that fits (max_micro_batch_size) and divides
     the global batch, so that accumulation stays a whole number of micro-steps."""
     per_seq = seq_len * world_size
     if total_batch_size % per_seq:
         raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of block_size*world_size="
                          f"{per_seq}, so no micro-batch divides it; choose a multiple of {per_seq}")
-    fits = max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size, dtype=dtype)
+    fits = max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer)
     seqs = total_batch_size // per_seq  # sequences per rank per optimizer step
     best = max((b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0), default=0)
     if best == 0:
@@ -455,7 +471,8 @@ def format_plan(p: Plan) -> str:
     lines.append(f"  gradients              {_gib(m.gradients)}  (fp32)")
     flash_mark, explicit_mark = ("<-", "  ") if c.attn_impl != "explicit" else ("  ", "<-")
     lines += [
-        f"  optimizer (AdamW)      {_gib(m.optimizer)}  (two fp32 moments)",
+        (f"  optimizer (AdamW)      {_gib(m.optimizer)}  (two fp32 moments)" if m.optimizer_name == "adamw" else
+         f"  optimizer (Muon+AdamW) {_gib(m.optimizer)}  (fp32 momentum per block matrix, two moments for the rest)"),
         f"  activations, flash     {_gib(m.activations_flash)} {flash_mark}",
         f"  activations, explicit  {_gib(m.activations_explicit)} {explicit_mark} (stores B*nh*T*T probabilities)",
         f"  LM head + loss peak    {_gib(m.logits)}  (chunked: never all B*T*V logits at once)",
@@ -493,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--total-batch-size", type=int, help="tokens per optimizer step (default: no accumulation)")
     ap.add_argument("--tokens", type=float, help="training budget in tokens, e.g. 10e9")
     ap.add_argument("--mfu", type=float, default=0.4, help="assumed MFU for time estimates (default 0.4)")
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"), help="what the optimizer state counts")
     return ap
 
 
@@ -508,7 +526,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             peak_flops=args.gpu_peak_tflops * 1e12 if args.gpu_peak_tflops is not None else hw.peak_flops)
     tokens = None if args.tokens is None else int(args.tokens)
     return plan(cfg, micro_batch_size=args.micro_batch_size, hardware=hw, world_size=args.world_size,
-                dtype=args.dtype, total_batch_size=args.total_batch_size, tokens=tokens, mfu=args.mfu)
+                dtype=args.dtype, total_batch_size=args.total_batch_size, tokens=tokens, mfu=args.mfu,
+                optimizer=args.optimizer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from gpt2.dist import Dist, all_gather_object, all_reduce_sum, barrier, broadcas
 from gpt2.flops import device_peak_flops, flops_per_token
 from gpt2.metrics import Metrics, plot_loss_curve
 from gpt2.model import GPT
-from gpt2.optim import make_optimizer
+from gpt2.optim import make_optimizer, optimizer_kind
 from gpt2.resume import agree_on_step, choose_resume
 from gpt2.schedule import grad_accum_steps, lr_at
 
@@ -133,7 +133,7 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> tup
         if mb == "auto":
             hardware = hardware or device_hardware(dist.device, 0.0, processes_per_host=dist.local_world_size)
             mb = auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=dist.world_size,
-                                       total_batch_size=tc.total_batch_size,
+                                       total_batch_size=tc.total_batch_size, optimizer=tc.optimizer,
                                        dtype=plan_dtype(prec.dtype, tf32=tc.tf32 and dist.device.type == "cuda"))
         decision = (prec, mb, precision.emulation_warning(prec, dist.device))
     prec, mb, warning = broadcast_object(decision, dist)
@@ -175,6 +175,13 @@ def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
     if shape:
         raise ckpt.CheckpointError("the checkpoint's model shape differs from this run's: " + "; ".join(shape)
                                    + ". Use the same shape flags, or start fresh with --resume never")
+    saved_optimizer = optimizer_kind(saved.get("optimizer", {}))
+    if saved_optimizer != cfg.train.optimizer:
+        raise ckpt.CheckpointError(
+            f"the checkpoint was trained with --optimizer {saved_optimizer}, this run asks for "
+            f"--optimizer {cfg.train.optimizer}: their states differ (AdamW keeps two moments per parameter, "
+            f"Muon one momentum per block matrix). Resume with --optimizer {saved_optimizer}, or start fresh "
+            "with --resume never")
     if saved.get("tokenizer") != "gpt2":
         raise ckpt.CheckpointError(f"checkpoint tokenizer {saved.get('tokenizer')!r} is not gpt2")
     changed = {k: (v, getattr(cfg.train, k)) for k, v in old_train.items()
@@ -231,11 +238,14 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
     state = ckpt.load_checkpoint(path, verify=False, mmap=True)
     check_compatible(state, cfg, log)
     parts.model.load_state_dict(state["model"])
+    # The schedule sets lr each step; these come from this run's flags, not from the checkpoint.
+    fresh = [{k: g[k] for k in ("weight_decay", "momentum", "lr_scale") if k in g}
+             for g in parts.optimizer.param_groups]
     parts.optimizer.load_state_dict(state["optimizer"])
+    for group, keep in zip(parts.optimizer.param_groups, fresh, strict=True):
+        group.update(keep)
     if parts.scaler.is_enabled() and state.get("scaler"):  # fp16 before and now: the scale goes on
         parts.scaler.load_state_dict(state["scaler"])
-    for group in parts.optimizer.param_groups:  # the schedule sets lr each step; keep new hyper-parameters
-        group["weight_decay"] = cfg.train.weight_decay if group["weight_decay"] else 0.0
     try:
         parts.loader.load_state_dict(state["loader"])
     except ValueError as e:  # other data, seed or order: a user error with its fix in the message
@@ -285,7 +295,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     tc = cfg.train
     lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps)
     for group in parts.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
     loss_sum = torch.zeros((), device=dist.device)
     autocast = precision.autocast(tc.dtype, dist.device)
     for micro_step in range(parts.accum_steps):
@@ -358,7 +368,7 @@ def check_memory(cfg: RunConfig, dist: Dist, peak: float | None, log: Metrics) -
     hardware = device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
     p = plan(cfg.model, micro_batch_size=tc.micro_batch_size, hardware=hardware, world_size=dist.world_size,
              dtype=plan_dtype(tc.dtype, tf32=tc.tf32 and dist.device.type == "cuda"),
-             total_batch_size=tc.total_batch_size, tokens=tc.max_steps * tc.total_batch_size)
+             total_batch_size=tc.total_batch_size, tokens=tc.max_steps * tc.total_batch_size, optimizer=tc.optimizer)
     log.info(format_plan(p))
     check_fits(p)
 

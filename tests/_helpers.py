@@ -179,11 +179,15 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert a["model"].keys() == b["model"].keys()
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), f"weight {k} differs"
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for i in sa:
-        for k in sa[i]:
-            assert torch.equal(sa[i][k], sb[i][k]), f"optimizer state {i}.{k} differs"
+    # One optimizer's state_dict, or --optimizer muon's {"optimizers": {"adamw": ..., "muon": ...}}.
+    oa, ob = (x["optimizer"].get("optimizers", {"": x["optimizer"]}) for x in (a, b))
+    assert oa.keys() == ob.keys()
+    for name in oa:
+        sa, sb = oa[name]["state"], ob[name]["state"]
+        assert sa.keys() == sb.keys() and sa, name
+        for i in sa:
+            for k in sa[i]:
+                assert torch.equal(sa[i][k], sb[i][k]), f"optimizer {name} state {i}.{k} differs"
     assert a["loader"] == b["loader"]
     for ra, rb in zip(a["rng"], b["rng"], strict=True):
         assert torch.equal(ra["torch"], rb["torch"])

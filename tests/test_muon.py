@@ -1,0 +1,175 @@
+"""--optimizer muon: Muon on the blocks' matrices, AdamW on the rest, with everything AdamW has
+(DDP, accumulation, clipping, fp16's scaler, checkpoints and exact resume, the planner)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL_FLAGS, run_trainer
+from gpt2.config import ModelConfig, RunConfig, TrainConfig
+from gpt2.model import GPT
+from gpt2.muon import Muon, newton_schulz
+from gpt2.optim import Optimizers, make_optimizer, split_params
+
+from _helpers import assert_same_state, launch, load_ckpt, losses, run, tiny_run_flags, wait_for_step
+
+CPU = torch.device("cpu")
+
+
+def tiny_model(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, **kw))
+
+
+def test_every_parameter_is_in_exactly_one_group_and_muon_gets_only_block_matrices():
+    model = tiny_model()
+    opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer="muon"), CPU)
+    assert isinstance(opt, Optimizers) and set(opt.optimizers) == {"adamw", "muon"}
+    groups = {name: [p for g in o.param_groups for p in g["params"]] for name, o in opt.optimizers.items()}
+    everything = [p for ps in groups.values() for p in ps]
+    assert len({id(p) for p in everything}) == len(everything) == len(list(model.parameters()))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names = sorted(names[id(p)] for p in groups["muon"])
+    assert muon_names == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
+                                for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert all(p.dim() == 2 for p in groups["muon"])
+    # The tied embedding / LM head, the position embedding, biases and LayerNorm stay on AdamW.
+    adamw = {id(p) for p in groups["adamw"]}
+    assert id(model.transformer.wte.weight) in adamw and model.lm_head.weight is model.transformer.wte.weight
+    assert id(model.transformer.wpe.weight) in adamw
+    assert not any(p.dim() < 2 for p in groups["muon"])
+
+
+def test_split_params_and_plain_adamw_is_unchanged():
+    model = tiny_model()
+    muon, adamw = split_params(model)
+    assert len(muon) + len(adamw) == len(list(model.parameters()))
+    opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o"), CPU)
+    assert type(opt) is torch.optim.AdamW  # the default builds exactly what it built before
+
+
+def test_our_muon_is_torchs_bit_for_bit_in_bf16_and_close_in_fp32():
+    torch.manual_seed(0)
+    shapes = [(96, 32), (32, 32), (32, 128)]
+    params = {k: [torch.nn.Parameter(torch.randn(*s)) for s in shapes] for k in ("torch", "bf16", "fp32")}
+    for k in ("bf16", "fp32"):
+        for p, q in zip(params[k], params["torch"]):
+            p.data.copy_(q.data)
+    opts = {"torch": torch.optim.Muon(params["torch"], lr=0.02, weight_decay=0.1),
+            "bf16": Muon(params["bf16"], lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16),
+            "fp32": Muon(params["fp32"], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)}
+    for _ in range(3):
+        grads = [torch.randn(*s) for s in shapes]
+        for k, ps in params.items():
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opts[k].step()
+    for a, b, c in zip(params["torch"], params["bf16"], params["fp32"]):
+        assert torch.equal(a, b)
+        assert (a - c).abs().max() < 0.02 * 3 * 2  # bf16 vs fp32 iteration: within a fraction of an update
+        assert not torch.equal(a, c)
+    assert opts["bf16"].state_dict()["state"][0].keys() == {"momentum_buffer"}
+
+
+def test_newton_schulz_orthogonalises():
+    torch.manual_seed(0)
+    for shape in [(64, 16), (16, 64)]:
+        o = newton_schulz(torch.randn(*shape), (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+        s = torch.linalg.svdvals(o)
+        assert o.shape == shape and 0.5 < s.min() and s.max() < 1.5  # U S' V^T with S' ~ 1
+
+
+def test_planner_counts_muons_state_as_allocated():
+    from gpt2.plan import optimizer_bytes
+
+    model = tiny_model()
+    cfg = RunConfig(model.config, TrainConfig(data_dir="d", out_dir="o", optimizer="muon", fused_adamw=False))
+    opt = make_optimizer(model, cfg.train, CPU)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    allocated = sum(t.nbytes for s in opt.state.values() for t in s.values() if t.dim() > 0)
+    assert allocated == optimizer_bytes(model.config, "muon")
+    assert optimizer_bytes(model.config, "muon") < optimizer_bytes(model.config, "adamw")
+
+
+def test_checkpoint_of_one_optimizer_is_refused_by_the_other():
+    from gpt2 import checkpoint as ckpt
+    from gpt2.trainer import check_compatible
+
+    class Log:
+        def info(self, msg):
+            pass
+
+    model = tiny_model()
+    for saved_kind, now_kind in (("adamw", "muon"), ("muon", "adamw")):
+        tc = TrainConfig(data_dir="d", out_dir="o", optimizer=saved_kind)
+        saved = {"config": RunConfig(model.config, tc).to_dict(), "tokenizer": "gpt2",
+                 "optimizer": make_optimizer(model, tc, CPU).state_dict()}
+        now = RunConfig(model.config, TrainConfig(data_dir="d", out_dir="o", optimizer=now_kind))
+        with pytest.raises(ckpt.CheckpointError, match=f"trained with --optimizer {saved_kind}, this run asks for "
+                                                       f"--optimizer {now_kind}.*Resume with --optimizer {saved_kind}"):
+            check_compatible(saved, now, Log())
+
+
+MUON = ["--optimizer", "muon", "--muon-lr", "0.02"]
+
+
+def test_two_ranks_equal_one_rank_with_accumulation_under_muon(tmp_path, shakespeare_shards):
+    common = [*tiny_run_flags(shakespeare_shards, max_steps=8, ckpt_interval=0), *MUON]
+    two = run([*common, "--out-dir", str(tmp_path / "two")], nproc=2, log_dir=tmp_path / "log2")
+    one = run([*common, "--out-dir", str(tmp_path / "one")], nproc=1, log_dir=tmp_path / "log1")
+    assert two.proc.returncode == 0 and one.proc.returncode == 0, two.output() + one.output()
+    a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], abs=1e-5), (step, a[step], b[step])
+    assert a[8] < a[1] - 0.1
+
+
+def test_kill_9_and_resume_with_muon_is_bitwise_and_adamw_flag_is_refused(tmp_path, shakespeare_shards):
+    flags = [*tiny_run_flags(shakespeare_shards, max_steps=8, ckpt_interval=3), *MUON]
+    ref = run([*flags, "--out-dir", str(tmp_path / "ref")], nproc=2, log_dir=tmp_path / "ref_log")
+    assert ref.proc.returncode == 0, ref.output()
+    run_dir = tmp_path / "run"
+    job = launch([*flags, "--out-dir", str(run_dir)], nproc=2, log_dir=tmp_path / "log", max_restarts=1)
+    try:
+        wait_for_step(job, run_dir, 5)
+        os.kill(job.workers()[1], signal.SIGKILL)
+        assert job.wait() == 0, job.output()
+    finally:
+        job.kill()
+    assert "resumed from" in job.stdout and "at step 3" in job.stdout, job.output()
+    assert losses(run_dir) == losses(tmp_path / "ref")
+    assert_same_state(load_ckpt(run_dir, 8), load_ckpt(tmp_path / "ref", 8))
+    # The same run directory continued with AdamW: refused before anything is trained.
+    again = run_trainer([*tiny_run_flags(shakespeare_shards, max_steps=10, ckpt_interval=3),
+                         "--out-dir", str(run_dir)])
+    assert again.returncode == 2 and "trained with --optimizer muon" in again.stderr, again.stderr
+    assert max(losses(run_dir)) == 8
+
+
+def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, shakespeare_shards):
+    from gpt2.cli import parse_config
+    from gpt2.dist import Dist
+    from gpt2.metrics import Metrics
+    from gpt2.trainer import build, check_data, train_step
+
+    cfg = parse_config([*TINY_MODEL_FLAGS, "--device", "cpu", "--compile", "false", "--dtype", "float16",
+                        "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path), "--micro-batch-size", "2",
+                        "--total-batch-size", "128", "--max-steps", "4", "--grad-clip", "0.5", *MUON,
+                        "--inject-nan-step", "1"])
+    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
+    parts = build(cfg, dist, Metrics(dist, tmp_path), check_data(cfg, 1))
+    before = {n: p.detach().clone() for n, p in parts.model.named_parameters()}
+    outs = [train_step(parts, cfg, dist, False) for _ in range(3)]
+    assert [o["skipped"] for o in outs] == [False, True, False]  # step 1's NaN loss: no update at all
+    assert all(math.isfinite(o["loss"]) for o in (outs[0], outs[2]))
+    moved = {n for n, p in parts.model.named_parameters() if not torch.equal(p, before[n])}
+    assert "transformer.h.0.mlp.c_fc.weight" in moved and "transformer.wte.weight" in moved  # both optimizers
+    assert parts.scaler.is_enabled() and parts.scaler.get_scale() > 0
