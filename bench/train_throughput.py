@@ -15,6 +15,8 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
                                                 the model's (B, T, V) logits and F.cross_entropy, and
                                                 AdamW(foreach=False, fused=False)
   bf16 compiled, chunked loss + for-loop AdamW  the first change alone
+  bf16 compiled, --optimizer muon               the default path with Muon on the blocks' matrices
+                                                (issue 14): its step-time cost against AdamW's row
   1 x N threads vs N x 1 thread                 real `python train_ddp.py` / `torchrun
                                                 --nproc_per_node=N train_ddp.py` runs (gloo),
                                                 tokens/s read from RUN/metrics.jsonl; the two run
@@ -256,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cores to use: 1 process x THREADS vs THREADS processes x 1")
     ap.add_argument("--ddp-rounds", type=int, default=2,
                     help="alternating runs of each DDP layout (A B, B A, ...): the load drifts between runs")
-    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: fp32,fp32c,v0,v1,bf16c,ddp")
+    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: fp32,fp32c,v0,v1,bf16c,muon,ddp")
     ap.add_argument("--md", type=Path, help="also write the Markdown report here")
     return ap
 
@@ -286,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("v1", f"{low} compiled, chunked loss + for-loop AdamW", lowc)]
         if low != "fp32":
             plan.append(("bf16c", f"{low} compiled", lowc))
+        plan.append(("muon", f"{low} compiled, --optimizer muon", lowc + ["--optimizer", "muon"]))
         dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
         contenders = []
         for key, name, flags in plan:
@@ -325,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         if r.name == f"{low} compiled":  # the trainer's default path here (the other rows are history)
             m = flops_per_token(cfg.model) * r.tokens_per_s / peaks.best[low].wall
             goals.append(f"{r.name}: MFU {m:.1%} (goal >= 60%)")
+    by_name = {r.name: r for r in rows}
+    adamw_row = by_name.get(f"{low} compiled") or by_name.get("fp32 compiled")
+    if adamw_row is not None and f"{low} compiled, --optimizer muon" in by_name:
+        cost = by_name[f"{low} compiled, --optimizer muon"].step_s / adamw_row.step_s - 1
+        goals.append(f"--optimizer muon: {cost:+.1%} step time against AdamW's {adamw_row.name} row (goal < 10%)")
     if ddp is not None:
         goals.append(f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%); "
                      f"median of all {args.ddp_rounds * args.steps} timed steps of each layout over "
