@@ -35,6 +35,8 @@ from gpt2.dist import Dist
 from gpt2.metrics import Metrics
 from gpt2.trainer import build, check_data, configure_backends, evaluate, train_step
 
+from report import emit  # bench/report.py (a script's directory is on sys.path)
+
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 RECIPE = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--n-layer", "4", "--n-head", "4",
@@ -105,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     shuffled, sequential, ref = (results[n][last] for n in names)
     lines += ["", f"- shuffled - random (ref) at step {last}: {shuffled - ref:+.4f} (goal <= +0.05)",
               f"- sequential - random (ref) at step {last}: {sequential - ref:+.4f} (the gap of the sequential order)"]
-    text = "\n".join(lines)
-    print(text)
-    if args.md:
-        Path(args.md).write_text(text + "\n")
+    emit("\n".join(lines), args.md)
     return 0
 
 

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from gpt2.config import ModelConfig
 from gpt2.model import GPT
 
+from report import emit  # bench/report.py (a script's directory is on sys.path)
+
 
 def make_step(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *, chunked: bool):
     def step() -> float:
@@ -80,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         s = statistics.median(times[name])
         out.append(f"| {name} | {s:.3f} | {tokens / s:,.0f} | {s / plain:.2f}x | {first[name]:.4f} |")
-    text = "\n".join(out)
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(out), args.md)
     return 0
 
 

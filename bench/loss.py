@@ -40,6 +40,8 @@ from gpt2.model import linear_cross_entropy, loss_chunk_logits, loss_chunks
 from gpt2.plan import measured_peak_bytes
 from gpt2.precision import autocast, resolve
 
+from report import emit  # bench/report.py (a script's directory is on sys.path)
+
 MIB = 2**20
 
 
@@ -161,11 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = "n/a" if ref is None else f"{ms / 1e3 / ref:.2f}x"
         out.append(f"| {name} | {ms:.1f} | {ratio} | {peak[name] / MIB:,.1f} | {chunks[name]} | {loss[name]:.4f} |")
     out += [f"| {name} | out of memory | | | | |" for name in rows if name not in steps]
-    text = "\n".join(out)
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(out), args.md)
     return 0
 
 

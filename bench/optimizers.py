@@ -36,11 +36,12 @@ from gpt2.dist import Dist
 from gpt2.metrics import Metrics
 from gpt2.trainer import build, check_data, configure_backends, evaluate, train_step
 
+from report import emit  # bench/report.py (a script's directory is on sys.path)
+
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 COMMON = ["--device", "cpu", "--dtype", "float32", "--warmup-steps", "20", "--beta1", "0.9", "--beta2", "0.95",
-          "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "1337", "--eval-tokens", "10000000",
-          "--sample-interval", "0", "--ckpt-interval", "0", "--plot", "false"]
+          "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "1337", "--sample-interval", "0", "--ckpt-interval", "0", "--plot", "false"]
 SHAPES = {
     "small": ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "64", "--micro-batch-size", "16",
               "--total-batch-size", "1024", "--compile", "false"],
@@ -52,9 +53,9 @@ DEFAULT_MUON_LRS = {"small": "0.01,0.02,0.04", "medium": "0.02,0.04"}
 
 
 def run_one(shape: str, optimizer: str, lr: float, muon_lr: float | None, data: Path, out: Path, steps: int,
-            eval_every: int) -> dict:
+            eval_every: int, eval_tokens: int) -> dict:
     flags = [*COMMON, *SHAPES[shape], "--max-steps", str(steps), "--lr", str(lr), "--min-lr", str(lr / 10),
-             "--data-dir", str(data), "--out-dir", str(out), "--optimizer", optimizer]
+             "--data-dir", str(data), "--out-dir", str(out), "--optimizer", optimizer, "--eval-tokens", str(eval_tokens)]
     if muon_lr is not None:
         flags += ["--muon-lr", str(muon_lr)]
     cfg = parse_config(flags)
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--adamw-lrs", default=None, help="comma-separated (default per shape: " + str(DEFAULT_ADAMW_LRS) + ")")
     ap.add_argument("--muon-lrs", default=None, help="comma-separated (default per shape: " + str(DEFAULT_MUON_LRS) + ")")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the trainer's choice)")
+    ap.add_argument("--eval-tokens", type=int, default=10_000_000,
+                    help="val tokens per evaluation (default: all of them, 30,016)")
     ap.add_argument("--results", type=Path, default=None, help="JSON file of finished runs: read, extended, rewritten")
     ap.add_argument("--md", type=Path, default=None, help="also write the report here")
     ap.add_argument("--plot", type=Path, default=None, help="write the val-loss curves here (needs matplotlib)")
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 probe = {"shape": shape, "optimizer": "adamw", "lr": lr, "muon_lr": None, "steps": args.steps}
                 if key(probe) not in done:
                     remember(run_one(shape, "adamw", lr, None, data, Path(tmp) / key(probe).replace("/", "_"),
-                                     args.steps, args.eval_every))
+                                     args.steps, args.eval_every, args.eval_tokens))
             adamw = [r for r in runs if r["shape"] == shape and r["optimizer"] == "adamw" and r["steps"] == args.steps
                      and r["lr"] in adamw_lrs]
             best_lr = min(adamw, key=lambda r: r["val"][str(r["steps"])])["lr"]
@@ -188,17 +190,14 @@ def main(argv: list[str] | None = None) -> int:
                 probe = {"shape": shape, "optimizer": "muon", "lr": best_lr, "muon_lr": muon_lr, "steps": args.steps}
                 if key(probe) not in done:
                     remember(run_one(shape, "muon", best_lr, muon_lr, data, Path(tmp) / key(probe).replace("/", "_"),
-                                     args.steps, args.eval_every))
+                                     args.steps, args.eval_every, args.eval_tokens))
     selected = [r for r in runs if r["steps"] == args.steps and r["shape"] in shapes]
     lines = [f"validation loss by step (tinyshakespeare by paragraph, fp32, torch {torch.__version__}); "
              f"command: python bench/optimizers.py " + " ".join(sys.argv[1:] if argv is None else argv), ""]
     for shape in shapes:
         table, _ = report(selected, shape)
         lines += table + [""]
-    text = "\n".join(lines).rstrip()
-    print(text)
-    if args.md:
-        args.md.write_text(text + "\n")
+    emit("\n".join(lines).rstrip(), args.md)
     if args.plot:
         print(f"plot: {args.plot}" if plot(selected, args.plot) else "plot skipped: matplotlib is not installed")
     return 0

@@ -74,3 +74,19 @@ def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     assert re.search(r"- DDP efficiency 2 x 1 / 1 x 2: [\d.]+% \(goal >= 90%\)", out)
     assert re.search(rf"- --optimizer muon: [+-][\d.]+% step time against AdamW's {low} compiled row \(goal < 10%\)", out)
     assert md.read_text().strip() == out.strip()
+
+
+def test_optimizers_bench_prints_the_table_and_the_steps_ratio_and_reuses_finished_runs(tmp_path):
+    results = tmp_path / "runs.json"
+    args = ["bench/optimizers.py", "--shapes", "small", "--steps", "4", "--eval-every", "2", "--adamw-lrs", "1e-3,2e-3",
+            "--muon-lrs", "0.02", "--eval-tokens", "2048", "--results", str(results)]
+    out = run_bench(*args, timeout=600)
+    assert "| step | AdamW lr 0.001 | AdamW lr 0.002 | Muon 0.02 (AdamW part 0.002) |" in out
+    rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [r.split("|")[1].strip() for r in rows] == ["0", "2", "4"]
+    assert re.search(r"- steps for Muon to reach AdamW's final val loss: (\d+ of 4 = \*\*[\d.]+x\*\*|not reached)", out)
+    assert re.search(r"- best Muon: muon-lr 0.02, final val [\d.]+; [\d.]+ s/step \([+-][\d.]+% step time\)", out)
+    import json
+    assert len(json.loads(results.read_text())) == 3
+    again = run_bench(*args, timeout=120)  # every run is in the results file: nothing is trained again
+    assert again == out.replace(out.splitlines()[0], again.splitlines()[0])
