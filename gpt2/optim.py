@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from gpt2.config import OPTIMIZERS, TrainConfig  # noqa: F401  (OPTIMIZERS: the names this module makes)
-from gpt2.precision import fast_dtype
+from gpt2.precision import cuda_native_bf16
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -95,8 +95,11 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
 
     muon, adamw = split_params(model)
     # Newton-Schulz in bf16 where bf16 is native (as torch does), else fp32: emulated bf16 is ~40x
-    # slower on a CPU, and fp16's range is too narrow for the iteration's Gram matrices.
-    ns_dtype = torch.bfloat16 if fast_dtype(device)[0] == "bfloat16" else torch.float32
+    # slower on a CPU, and fp16's range is too narrow for the iteration's Gram matrices. Decided from
+    # what every rank agrees on (the GPU model; on a CPU the run's dtype, which rank 0 chose), never
+    # from a per-rank measurement: ranks orthogonalising in different dtypes would drift apart.
+    native = cuda_native_bf16(device) if device.type == "cuda" else cfg.dtype == "bfloat16"
+    ns_dtype = torch.bfloat16 if native else torch.float32
     return Optimizers(
         adamw=make_adamw([{"params": [p for _, p in adamw if p.dim() >= 2], "weight_decay": cfg.weight_decay,
                            "lr_scale": 1.0},

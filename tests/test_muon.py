@@ -173,3 +173,13 @@ def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, s
     moved = {n for n, p in parts.model.named_parameters() if not torch.equal(p, before[n])}
     assert "transformer.h.0.mlp.c_fc.weight" in moved and "transformer.wte.weight" in moved  # both optimizers
     assert parts.scaler.is_enabled() and parts.scaler.get_scale() > 0
+
+
+def test_newton_schulz_dtype_follows_the_runs_agreed_dtype_not_a_per_rank_measurement(monkeypatch):
+    import gpt2.precision
+
+    monkeypatch.setattr(gpt2.precision, "matmul_rate", lambda *a, **k: pytest.fail("measured on this rank"))
+    model = tiny_model()
+    for dtype, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float32)):
+        opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer="muon", dtype=dtype), CPU)
+        assert opt.optimizers["muon"].ns_dtype == expected
