@@ -91,7 +91,7 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int) -
     return path
 
 
-def _looks_complete(path: Path) -> bool:
+def looks_complete(path: Path) -> bool:
     """Sidecar present and size matching: the cheap part of verify_checkpoint (no re-hashing)."""
     try:
         return json.loads(path.with_suffix(".json").read_text()).get("bytes") == path.stat().st_size
@@ -111,7 +111,7 @@ def prune_checkpoints(out_dir: str | Path, newest: Path, *, keep: int) -> list[P
     for old in list_checkpoints(out_dir):
         if int(_NAME.match(old.name).group(1)) >= step:
             continue
-        if kept < keep and _looks_complete(old):
+        if kept < keep and looks_complete(old):
             kept += 1
             continue
         old.with_suffix(".json").unlink(missing_ok=True)

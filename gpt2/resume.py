@@ -51,13 +51,7 @@ def _point(path: Path) -> ResumePoint:
 
 def newest_seen(out_dir: str | Path) -> str | None:
     """Name of the newest checkpoint here that looks complete (sidecar and size; no hashing)."""
-    for path in ckpt.list_checkpoints(out_dir):
-        try:
-            if _sidecar(path).get("bytes") == path.stat().st_size:
-                return path.name
-        except (OSError, ValueError):
-            continue
-    return None
+    return next((p.name for p in ckpt.list_checkpoints(out_dir) if ckpt.looks_complete(p)), None)
 
 
 def check_visible(point: ResumePoint, *, rehash: bool) -> str | None:
