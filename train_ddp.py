@@ -12,7 +12,7 @@ Exit codes:
 Under torchrun a stopped worker exits 0, not 3: torchrun turns any non-zero worker exit into its
 own exit 1, and with --max-restarts it would restart the group into a new run rather than stop.
 Whether launched by torchrun or not, a stop leaves RUN/requeue next to the checkpoint, and a batch
-script requeues when that file exists (gpt2/checkpoint.py's docstring has the whole contract).
+script requeues when that file exists (gpt2/preempt.py's docstring has the whole contract).
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpt2.checkpoint import EXIT_REQUEUE, CheckpointError, under_torchrun
+    from torch.distributed import DistError
+
+    from gpt2.checkpoint import CheckpointError
     from gpt2.cli import parse_config
-    from gpt2.dist import resolve_device, setup, teardown, world_from_env
+    from gpt2.dist import CollectiveError, resolve_device, setup, teardown, world_from_env
+    from gpt2.preempt import EXIT_REQUEUE, stop_exit_code
     from gpt2.shards import ShardError
     from gpt2.trainer import NonFiniteError, check_data, train
 
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         dist = setup(info, device, cfg.train.dist_timeout_s)
         code = train(cfg, dist, shards)
-        return 0 if code == EXIT_REQUEUE and under_torchrun() else code
+        return stop_exit_code() if code == EXIT_REQUEUE else code
     except CheckpointError as e:  # every rank loads the checkpoint: one message is enough
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
@@ -53,30 +56,18 @@ def main(argv: list[str] | None = None) -> int:
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:
+    except (CollectiveError, DistError) as e:
         # A peer died (connection closed) or hangs (--dist-timeout-s expired). Saying so beats a
         # bare traceback; torchrun --max-restarts or a requeue then resumes from the checkpoint.
-        if not collective_failed(e):
-            raise
         rank = dist.rank if dist is not None else "?"
-        print(f"train_ddp.py: error: rank {rank}: a collective operation failed ({type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''}); another rank died, or did not answer within "
-              f"--dist-step-timeout-s {cfg.train.dist_step_timeout_s:g} (steady training) or --dist-timeout-s "
-              f"{cfg.train.dist_timeout_s:g} (start-up, checkpoints, evaluation): its own log says why. "
-              "Restarting (torchrun --max-restarts, a requeue) with --resume auto continues from the newest "
-              "checkpoint",
-              file=sys.stderr)
+        print(f"train_ddp.py: error: rank {rank}: a collective operation failed ({(str(e).splitlines() or [type(e).__name__])[0]}); "
+              f"another rank died, or did not answer within --dist-step-timeout-s {cfg.train.dist_step_timeout_s:g} "
+              f"(steady training) or --dist-timeout-s {cfg.train.dist_timeout_s:g} (start-up, checkpoints, "
+              "evaluation): its own log says why. Restarting (torchrun --max-restarts, a requeue) with --resume "
+              "auto continues from the newest checkpoint", file=sys.stderr)
         return 1
     finally:
         teardown(dist)
-
-
-def collective_failed(e: BaseException) -> bool:
-    """Whether an error comes from the process group (gloo and NCCL raise plain RuntimeErrors)."""
-    from torch.distributed import DistError
-
-    text = str(e)
-    return isinstance(e, DistError) or any(k in text for k in ("gloo", "Gloo", "NCCL", "Timed out", "timed out"))
 
 
 if __name__ == "__main__":

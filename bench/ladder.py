@@ -10,11 +10,15 @@ Each rung keeps every switch of the rung before it and adds one:
   compile  torch.compile
   flash    fused SDPA with is_causal (flash / memory-efficient kernels)
   vocab    vocab padded to 50304 (a multiple of 128)
-A rung is a whole training step (forward, loss, backward, AdamW) on random tokens, timed after
-warm-up (compilation happens there) as the median of --steps steps, taken in rounds of one step of
-every rung so that background load on a shared machine hits all rungs alike. Then the attention kernels
-alone: explicit mask vs SDPA with attn_mask vs SDPA is_causal, forward+backward, with a check that
-their outputs and gradients agree. Prints Markdown tables; writes a PNG bar chart to --out.
+A rung is the trainer's own training step, `gpt2.trainer.train_step`, on one fixed batch of random
+tokens: GPT.forward with its chunked loss (as in training), backward, gradient clipping and the
+project's fused AdamW (`gpt2.optim.make_optimizer`). The switches are the run's own settings
+(TrainConfig dtype, tf32, compile; ModelConfig attn_impl, vocab_size), so each rung runs the code
+a training run with those settings runs. Each is timed after warm-up (compilation happens there)
+as the median of --steps steps, taken in rounds of one step of every rung so that background load
+on a shared machine hits all rungs alike. Then the model's attention kernels alone (its
+CausalSelfAttention with attn_impl explicit, sdpa_mask and sdpa): forward+backward, with a check
+that their outputs and gradients agree. Prints Markdown tables; writes a PNG bar chart to --out.
 """
 
 from __future__ import annotations
@@ -32,13 +36,15 @@ from typing import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from gpt2.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig
+from gpt2 import precision
+from gpt2.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, RunConfig, TrainConfig
+from gpt2.dist import Dist
 from gpt2.flops import device_peak_flops, flops_per_token, param_count
-from gpt2.model import GPT, causal_mask, explicit_attention
-from gpt2.optim import param_groups
+from gpt2.model import GPT, CausalSelfAttention
+from gpt2.optim import make_optimizer
 from gpt2.plan import measured_peak_bytes
+from gpt2.trainer import Parts, train_step
 
 # build-nanogpt's A100 measurements (GPT-2 124M, B=16, T=1024), as quoted in the issue.
 DOC_A100_TOKENS_PER_S = {"base": 16_000, "tf32": 49_000, "bf16": 54_500, "compile": 126_000,
@@ -123,33 +129,56 @@ class PreparedRung:
     """Parameters and AdamW moments: live before every step."""
 
 
+class FixedBatch:
+    """The trainer's loader interface (micro_batch, advance) over one batch: every step and every
+    rung sees the same tokens, so their first losses are comparable."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def micro_batch(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x, self.y
+
+    def advance(self) -> None:
+        pass
+
+
+def rung_config(rung: Rung, shape: ModelConfig, batch: int, device: torch.device) -> RunConfig:
+    """The training run a rung is: its switches as the trainer's settings, one micro-batch per step."""
+    model = shape.replace(attn_impl=rung.attn_impl, vocab_size=rung.vocab_size)
+    train = TrainConfig(device=device.type, dtype="bfloat16" if rung.bf16 else "float32", compile=rung.compile,
+                        tf32=rung.tf32, micro_batch_size=batch, total_batch_size=batch * shape.block_size,
+                        lr=6e-4, warmup_steps=0, seed=0)
+    return RunConfig(model, train)
+
+
 def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.device, *,
                  warmup: int) -> PreparedRung:
-    """Model, optimizer and data for one rung, warmed up (a compiled rung compiles here)."""
-    cfg = shape.replace(attn_impl=rung.attn_impl, vocab_size=rung.vocab_size)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95),
-                            fused=True if device.type == "cuda" else None)
-    forward = torch.compile(model) if rung.compile else model
+    """The trainer's parts for one rung (model, optimizer, scaler, compiled as gpt2.trainer.build
+    compiles), warmed up: a compiled rung compiles here."""
+    cfg = rung_config(rung, shape, batch, device)
+    tc = cfg.train
+    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device)
+    torch.manual_seed(tc.seed)
+    model = GPT(cfg.model).to(device)
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randint(0, GPT2_VOCAB_SIZE, (2, batch, cfg.block_size), generator=gen).to(device)
+    x, y = torch.randint(0, GPT2_VOCAB_SIZE, (2, batch, shape.block_size), generator=gen).to(device)
+    parts = Parts(model=model, train_model=torch.compile(model) if tc.compile else model,
+                  optimizer=make_optimizer(model, tc, device), loader=FixedBatch(x, y), val_loader=None,
+                  accum_steps=1, scaler=precision.make_scaler(tc.dtype, device))
 
     def step() -> float:
-        with matmul_precision(rung.tf32):
-            with torch.autocast(device.type, dtype=torch.bfloat16) if rung.bf16 else contextlib.nullcontext():
-                _, loss = forward(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return loss.item()
+        # TF32 is set per step (the trainer sets it once, in configure_backends): rungs alternate.
+        with matmul_precision(tc.tf32 and device.type == "cuda"):
+            return train_step(parts, cfg, dist, False)["loss"]
 
     first_loss = step()  # same seed and tokens on every rung: these should agree closely
     for _ in range(max(warmup - 1, 1 if rung.compile else 0)):
         step()
     state = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-    return PreparedRung(rung, cfg, step, first_loss, state)
+        t.numel() * t.element_size() for s in parts.optimizer.state.values() for t in s.values()
+        if isinstance(t, torch.Tensor))
+    return PreparedRung(rung, cfg.model, step, first_loss, state)
 
 
 def time_interleaved(prepared: list[PreparedRung], device: torch.device, rounds: int,
@@ -157,8 +186,9 @@ def time_interleaved(prepared: list[PreparedRung], device: torch.device, rounds:
     """Seconds per step of each rung, one step of every rung per round.
 
     Interleaving makes every rung see the same background load, so their ratios stay fair on a
-    shared machine. On a CPU each round also times a bf16 and an fp32 matmul, and `peaks` keeps
-    the best rate seen: the peak is measured under the same conditions as the steps.
+    shared machine. On a CPU each round also measures the bf16 and fp32 matmul peaks
+    (`cpu_peaks`), and `peaks` keeps the best rate seen: the peak is measured under the same
+    conditions as the steps.
     """
     times: dict[str, list[float]] = {p.rung.name: [] for p in prepared}
     for _ in range(rounds):
@@ -169,18 +199,25 @@ def time_interleaved(prepared: list[PreparedRung], device: torch.device, rounds:
             sync(device)
             times[p.rung.name].append(time.perf_counter() - t0)
         if device.type == "cpu":
-            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-                peaks[name] = max(peaks[name], matmul_rate(dtype))
+            cpu_peaks(peaks)
     return times
 
 
-def matmul_rate(dtype: torch.dtype, n: int = 2048) -> float:
-    """FLOP/s of one n^3 CPU matmul (after one untimed call)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)
-    t0 = time.perf_counter()
-    torch.mm(a, b)
-    return 2.0 * n ** 3 / (time.perf_counter() - t0)
+PEAK_MEASUREMENT = dict(budget_s=1.0, min_time_s=0.05)
+"""The CPU peak's matmul (gpt2.precision.matmul_rate): the size doubles up to 2048 until one call
+takes 50 ms, then it is timed for the rest of about a second. A fast fp32 or bf16 matmul reaches
+2048^3 (under load too: a call of a small one can take 15 ms of thread wake-ups alone); an emulated
+bf16 one stops at 256-512 instead of spending a minute per 2048^3 call."""
+
+
+def cpu_peaks(peaks: dict[str, float | None]) -> None:
+    """Raise peaks["fp32"] and peaks["bf16"] to a fresh measurement where it is higher. As in
+    gpt2.flops.device_peak_flops, the bf16 peak is never below fp32's: where bf16 is emulated, the
+    compiled rungs can run fp32 kernels."""
+    rate = {name: precision.matmul_rate("cpu", dtype, fresh=True, **PEAK_MEASUREMENT)
+            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+    peaks["fp32"] = max(peaks["fp32"], rate["fp32"])
+    peaks["bf16"] = max(peaks["bf16"], rate["bf16"], peaks["fp32"])
 
 
 def rung_result(p: PreparedRung, times: list[float], batch: int, device: torch.device,
@@ -222,24 +259,21 @@ def run_ladder(rungs: list[Rung], shape: ModelConfig, batch: int, device: torch.
     return results
 
 
-def attend(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The model's three attention paths, on (B, nh, T, hd) tensors, mask built as the model does."""
-    if impl == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    mask = causal_mask(q.size(2), k.size(2), q.device)
-    if impl == "explicit":
-        return explicit_attention(q, k, v, mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
 ATTENTION_IMPLS = ("explicit", "sdpa_mask", "sdpa")
 
 
-def attention_fwd_bwd(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def attention_modules(cfg: ModelConfig, device: torch.device) -> dict[str, CausalSelfAttention]:
+    """The model's attention layer once per attn_impl. Only its kernel dispatch is run (`attend`,
+    on q, k, v): the c_attn and c_proj matmuls around it are not part of the comparison."""
+    return {impl: CausalSelfAttention(cfg.replace(attn_impl=impl, dropout=0.0), 0).to(device)
+            for impl in ATTENTION_IMPLS}
+
+
+def attention_fwd_bwd(attn: CausalSelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       grad_out: torch.Tensor) -> list[torch.Tensor]:
     """Output and q, k, v gradients of one forward+backward, in fp32 for comparison."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = attend(impl, q, k, v)
+    out = attn.attend(q, k, v)
     out.backward(grad_out)
     return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
 
@@ -251,16 +285,17 @@ def run_attention(cfg: ModelConfig, batch: int, device: torch.device, dtype: tor
     gen = torch.Generator().manual_seed(2)
     shape = (batch, cfg.n_head, cfg.block_size, cfg.head_dim)
     q, k, v, grad_out = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(4))
-    reference = attention_fwd_bwd("explicit", q, k, v, grad_out)
+    modules = attention_modules(cfg, device)
+    reference = attention_fwd_bwd(modules["explicit"], q, k, v, grad_out)
     diffs = {impl: max((a - b).abs().max().item()
-                       for a, b in zip(attention_fwd_bwd(impl, q, k, v, grad_out), reference))
+                       for a, b in zip(attention_fwd_bwd(modules[impl], q, k, v, grad_out), reference))
              for impl in ATTENTION_IMPLS}
     times: dict[str, list[float]] = {impl: [] for impl in ATTENTION_IMPLS}
     for _ in range(repeats):
         for impl in ATTENTION_IMPLS:
             sync(device)
             t0 = time.perf_counter()
-            attention_fwd_bwd(impl, q, k, v, grad_out)
+            attention_fwd_bwd(modules[impl], q, k, v, grad_out)
             sync(device)
             times[impl].append(time.perf_counter() - t0)
     return [AttentionResult(impl, dtype, statistics.median(times[impl]) * 1e3, diffs[impl])
@@ -377,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def peaks_line(device: torch.device, peaks: dict[str, float | None]) -> str:
     source = ("data sheet; n/a for a GPU or dtype gpt2.flops does not list, so MFU is n/a too"
-              if device.type == "cuda" else "measured: best 2048^3 matmul, before and between the timed steps")
+              if device.type == "cuda" else "measured: best square matmul of up to 2048^3, before and between the "
+              "timed steps; bf16's never below fp32's")
     rates = (f"{k} n/a" if v is None else f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in peaks.items())
     return f"peaks ({source}): " + ", ".join(rates)
 
@@ -416,10 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     batch = args.micro_batch_size or (16 if device.type == "cuda" else 4)
-    peaks = {"bf16": device_peak_flops(device, torch.bfloat16),  # the CPU ones are raised while timing
+    peaks = {"bf16": device_peak_flops(device, torch.bfloat16),  # the CPU ones are raised below and while timing
              "fp32": device_peak_flops(device, torch.float32, tf32=False)}
     if device.type == "cuda":
         peaks["tf32"] = device_peak_flops(device, torch.float32, tf32=True)
+    else:
+        cpu_peaks(peaks)
     header = report_header(args, argv, device, shape, batch, peaks)
     print("\n".join(header), flush=True)
     results = run_ladder([r for r in LADDER if r.name in wanted], shape, batch, device, steps=args.steps,

@@ -10,7 +10,7 @@ Shape: GPT-2 124M's LM head, the final LayerNorm's output x (B*T, 768) in fp32 a
 targets; the matmuls in --dtype under autocast as in training (fp32: no autocast; TF32 allowed on
 CUDA, the trainer's default). One row times loss.backward() from x and the weight (what the model's
 step spends past ln_f) in:
-  chunked eager     gpt2.model.linear_cross_entropy, what the trainer runs, uncompiled
+  chunked eager     gpt2.loss.linear_cross_entropy, what the trainer runs, uncompiled
   chunked compiled  the same under torch.compile (the trainer compiles the whole model)
   plain eager       F.cross_entropy(F.linear(x, w, bias).float(), y), the model's plain path
   plain compiled    the same under torch.compile: the reference of the ratio column
@@ -18,7 +18,7 @@ step spends past ln_f) in:
 Columns: median ms per forward + backward; that time over plain compiled's; the peak memory the
 step allocates above its inputs (CUDA: max_memory_allocated; CPU: the CPU allocator's own events
 under torch.profiler, as gpt2.plan.measured_peak_bytes); the chunks the loss runs in (the device's
-rule, gpt2.model.loss_chunk_logits); the loss, equal on every row up to the dtype's rounding.
+rule, gpt2.loss.loss_chunk_logits); the loss, equal on every row up to the dtype's rounding.
 Each row is warmed up twice (compilation happens there), then each round times --steps steps of
 every row, the order reversed every other round so that all rows see the same drift of a shared
 machine; a row's number is the median over all its timed steps.
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt2.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
-from gpt2.model import linear_cross_entropy, loss_chunk_logits, loss_chunks
+from gpt2.loss import linear_cross_entropy, loss_chunk_logits, loss_chunks
 from gpt2.plan import measured_peak_bytes
 from gpt2.precision import autocast, resolve
 

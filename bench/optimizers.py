@@ -11,7 +11,8 @@ first 30,000 tokens as val; fp32; seed 1337; warmup 20 steps, cosine to lr/10; c
   medium   6 layers, 6 heads, 384 wide, block 256, 8 sequences (2,048 tokens) per step, compiled
 Each shape runs AdamW at every --adamw-lrs value, then Muon at every --muon-lrs value with AdamW's
 best lr for the parameters Muon does not take (embeddings, biases, LayerNorm): a small sweep for
-both, so that neither optimizer is handicapped by one untuned lr. Every run goes through the
+both, so that neither optimizer is handicapped by one untuned lr; while a sweep's best lr is its
+lowest or highest, it goes on past that end, doubling or halving (--extend runs at most). Every run goes through the
 trainer's own build(), train_step() and evaluate(); the validation loss is over all val tokens every
 --eval-every steps. Reported per shape: the val loss table, and the first evaluated step at which the
 best Muon run reaches the best AdamW run's final val loss, as a fraction of AdamW's steps (goal: at
@@ -76,6 +77,24 @@ def run_one(shape: str, optimizer: str, lr: float, muon_lr: float | None, data: 
             "val": {str(k): v for k, v in val.items()}, "step_s": statistics.median(times[5:] or times)}
 
 
+def final_val(r: dict) -> float:
+    return r["val"][str(r["steps"])]
+
+
+def sweep(lrs: list[float], run, extend: int) -> float:
+    """The lr of the lowest final val loss: every lr of lrs, then, while the best is at an end of
+    the range tried, the lr twice past that end (at most `extend` more runs), so that no optimizer's
+    best lr lies outside its sweep. run(lr) returns a finished run's record."""
+    tried = {lr: final_val(run(lr)) for lr in sorted(lrs)}
+    for _ in range(extend):
+        best = min(tried, key=tried.get)
+        if len(tried) > 1 and min(tried) < best < max(tried):
+            break
+        edge = best * 2 if best == max(tried) else best / 2
+        tried[edge] = final_val(run(edge))
+    return min(tried, key=tried.get)
+
+
 def key(r: dict) -> str:
     return f"{r['shape']}/{r['optimizer']}/{r['lr']:g}/{r['muon_lr']}/{r['steps']}"
 
@@ -88,11 +107,11 @@ def steps_to_reach(val: dict[int, float], target: float) -> int | None:
 def report(runs: list[dict], shape: str) -> tuple[list[str], dict | None]:
     mine = [r for r in runs if r["shape"] == shape]
     adamw = [r for r in mine if r["optimizer"] == "adamw"]
-    muon = [r for r in mine if r["optimizer"] == "muon"]
     if not adamw:
         return [], None
     final = {id(r): r["val"][str(r["steps"])] for r in mine}
     best_a = min(adamw, key=lambda r: final[id(r)])
+    muon = [r for r in mine if r["optimizer"] == "muon" and r["lr"] == best_a["lr"]]  # Muon beside AdamW's best
     best_m = min(muon, key=lambda r: final[id(r)]) if muon else None
     names = [f"AdamW lr {r['lr']:g}" for r in adamw] + [f"Muon {r['muon_lr']:g} (AdamW part {r['lr']:g})" for r in muon]
     cols = adamw + muon
@@ -117,7 +136,7 @@ def report(runs: list[dict], shape: str) -> tuple[list[str], dict | None]:
                       f"{best_a['step_s']:.3f} s/step",
                   f"- best Muon: muon-lr {best_m['muon_lr']:g}, final val {final[id(best_m)]:.4f}; "
                   f"{best_m['step_s']:.3f} s/step ({cost:+.1%} step time)",
-                  f"- steps for Muon to reach AdamW's final val loss: "
+                  "- steps for Muon to reach AdamW's final val loss: "
                   + (f"{reached} of {best_a['steps']} = **{ratio:.2f}x** (goal <= 0.75x)" if reached is not None
                      else f"not reached within {best_m['steps']} steps")]
         summary = {"shape": shape, "ratio": ratio, "cost": cost}
@@ -155,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--muon-lrs", default=None, help="comma-separated (default per shape: " + str(DEFAULT_MUON_LRS) + ")")
     ap.add_argument("--eval-tokens", type=int, default=10_000_000,
                     help="val tokens per evaluation (default: all of them, 30,016)")
+    ap.add_argument("--extend", type=int, default=2,
+                    help="extra runs per sweep allowed to move past its lowest or highest lr while the best is there")
     ap.add_argument("--results", type=Path, default=None, help="JSON file of finished runs: read, extended, rewritten")
     ap.add_argument("--md", type=Path, default=None, help="also write the report here")
     ap.add_argument("--plot", type=Path, default=None, help="write the val-loss curves here (needs matplotlib)")
@@ -163,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [s for s in shapes if s not in SHAPES]:
         ap.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
     runs = json.loads(args.results.read_text()) if args.results and args.results.is_file() else []
-    done = {key(r) for r in runs}
 
     def remember(r: dict) -> None:
         runs.append(r)
@@ -178,19 +198,18 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             adamw_lrs = [float(x) for x in (args.adamw_lrs or DEFAULT_ADAMW_LRS[shape]).split(",")]
             muon_lrs = [float(x) for x in (args.muon_lrs or DEFAULT_MUON_LRS[shape]).split(",")]
-            for lr in adamw_lrs:
-                probe = {"shape": shape, "optimizer": "adamw", "lr": lr, "muon_lr": None, "steps": args.steps}
-                if key(probe) not in done:
-                    remember(run_one(shape, "adamw", lr, None, data, Path(tmp) / key(probe).replace("/", "_"),
+
+            def result(optimizer: str, lr: float, muon_lr: float | None) -> dict:
+                probe = {"shape": shape, "optimizer": optimizer, "lr": lr, "muon_lr": muon_lr, "steps": args.steps}
+                found = [r for r in runs if key(r) == key(probe)]
+                if not found:
+                    remember(run_one(shape, optimizer, lr, muon_lr, data, Path(tmp) / key(probe).replace("/", "_"),
                                      args.steps, args.eval_every, args.eval_tokens))
-            adamw = [r for r in runs if r["shape"] == shape and r["optimizer"] == "adamw" and r["steps"] == args.steps
-                     and r["lr"] in adamw_lrs]
-            best_lr = min(adamw, key=lambda r: r["val"][str(r["steps"])])["lr"]
-            for muon_lr in muon_lrs:
-                probe = {"shape": shape, "optimizer": "muon", "lr": best_lr, "muon_lr": muon_lr, "steps": args.steps}
-                if key(probe) not in done:
-                    remember(run_one(shape, "muon", best_lr, muon_lr, data, Path(tmp) / key(probe).replace("/", "_"),
-                                     args.steps, args.eval_every, args.eval_tokens))
+                    found = [runs[-1]]
+                return found[0]
+
+            best_lr = sweep(adamw_lrs, lambda lr: result("adamw", lr, None), args.extend)
+            sweep(muon_lrs, lambda m: result("muon", best_lr, m), args.extend)
     selected = [r for r in runs if r["steps"] == args.steps and r["shape"] in shapes]
     lines = [f"validation loss by step (tinyshakespeare by paragraph, fp32, torch {torch.__version__}); "
              f"command: python bench/optimizers.py " + " ".join(sys.argv[1:] if argv is None else argv), ""]

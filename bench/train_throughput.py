@@ -26,9 +26,9 @@ matmuls are not measured faster than fp32 (AVX2 only, where bf16 is emulated ~50
 rows run fp32 and are named so, the "fp32 compiled" row is not repeated, and no bf16 peak is taken.
 DDP efficiency = (N processes x 1 thread tokens/s) / (1 process x N threads tokens/s).
 MFU = model FLOPs (gpt2.flops.flops_per_token: 6N + 12LhT) per second over the matmul peak
-measured in this run (best 2048^3 matmul, taken at the start and after every round: the
-least-disturbed measurement). On a shared machine the wall-clock numbers move with the load, so
-the in-process rows also give MFU by CPU time: FLOPs per CPU-second over the peak's FLOPs per
+measured in this run (gpt2.precision.matmul_rate on a fixed 2048^3 matmul, taken at the start and
+after every round; the best of them, the least-disturbed measurement). On a shared machine the
+wall-clock numbers move with the load, so the in-process rows also give MFU by CPU time: FLOPs per CPU-second over the peak's FLOPs per
 CPU-second (the same thread count), which load from other processes changes much less.
 """
 
@@ -81,39 +81,27 @@ class Row:
     first_loss: float | None = None
 
 
-@dataclass(frozen=True)
-class Peak:
-    wall: float
-    """Best FLOP/s."""
-    cpu: float
-    """Best FLOPs per CPU-second of the process (all threads)."""
-
-
-def measure_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> Peak:
-    """An n^3 matmul's best FLOP/s, by wall clock and by process CPU time (warmed up first)."""
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
-    for _ in range(2):
-        torch.mm(a, b)
-    wall = cpu = float("inf")
-    for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
-        torch.mm(a, b)
-        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
-    return Peak(2.0 * n ** 3 / wall, 2.0 * n ** 3 / cpu)
+PEAK_N, PEAK_BUDGET_S = 2048, 1.0
+"""The peak's matmul: 2048^3, timed for about a second (5-8 calls of fp32 on 2 cores) per measurement."""
 
 
 class Peaks:
-    """The best of every peak measurement in the run, per dtype (fp32, and the auto dtype)."""
+    """The best of every peak measurement in the run, per dtype (fp32, and the auto dtype).
+
+    Each measurement is gpt2.precision.matmul_rate's fixed-size 2048^3 matmul, taken afresh (not
+    its per-process cache) with wall-clock and process CPU-time rates from the same calls.
+    """
 
     def __init__(self, low: str) -> None:
         self.low = low
-        self.best: dict[str, Peak] = {}
+        self.best: dict[str, precision.MatmulRate] = {}
 
     def measure(self) -> None:
         for name, dtype in {"fp32": torch.float32, self.low: precision.torch_dtype(LOW_NAMES[self.low])}.items():
-            p, old = measure_peak(dtype), self.best.get(name)
-            self.best[name] = p if old is None else Peak(max(p.wall, old.wall), max(p.cpu, old.cpu))
+            p = precision.matmul_rate("cpu", dtype, n=PEAK_N, budget_s=PEAK_BUDGET_S, fresh=True, cpu_time=True)
+            old = self.best.get(name)
+            self.best[name] = p if old is None else precision.MatmulRate(
+                max(p.wall, old.wall), max(p.cpu, old.cpu), p.n)
 
 
 LOW_NAMES = {short: name for name, short in precision.SHORT_NAMES.items()}

@@ -93,22 +93,31 @@ def main(argv: list[str] | None = None) -> int:
 def quiet_datasets() -> None:
     """datasets logs builder errors we report ourselves, and draws its own progress bars.
 
-    Through the environment when datasets is not imported yet, so that a user error found before any
-    reading (a wrong path) is reported at once instead of after a multi-second import.
+    Only if datasets is already imported (main() called inside a program that uses it): importing it
+    here would make a user error found before any reading (a wrong path) wait for a multi-second
+    import. The command gets the same settings through its own environment, see COMMAND_ENV.
     """
     if "datasets" in sys.modules:
         import datasets
 
         datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
         datasets.disable_progress_bars()
-        return
-    os.environ.setdefault("DATASETS_VERBOSITY", "critical")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    # datasets imports torch (seconds) when it is installed, only to share an epoch counter with
-    # DataLoader workers; nothing here uses torch.
-    os.environ.setdefault("USE_TORCH", "0")
-    os.environ.setdefault("USE_TF", "0")
+
+
+COMMAND_ENV = {
+    "DATASETS_VERBOSITY": "critical",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    # datasets imports torch when it creates a streaming dataset, only to share an epoch counter with
+    # DataLoader workers; nothing here uses torch. Measured on a tiny .jsonl: 3.2 s and 322 MB peak
+    # RSS to the first batch with torch, 1.1 s and 142 MB without.
+    "USE_TORCH": "0",
+    "USE_TF": "0",
+}
+"""Set (unless the user set them) by `python -m data_prep` in its own process, before datasets is imported
+(it reads them at import). main() leaves the environment of the process calling it alone."""
 
 
 if __name__ == "__main__":
+    for name, value in COMMAND_ENV.items():
+        os.environ.setdefault(name, value)
     sys.exit(main())

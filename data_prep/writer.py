@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -120,14 +117,6 @@ def open_output(out: Path, manifest: dict) -> dict:
     return old
 
 
-def _test_hook(event: str, count: int) -> None:
-    """Test-only crash/throttle points, set by the test suite through the environment."""
-    if os.environ.get("DATA_PREP_TEST_KILL") == f"{event}:{count}":
-        os.kill(os.getpid(), signal.SIGKILL)  # exactly what kill -9 does: no cleanup runs
-    if event == "manifest" and (delay := os.environ.get("DATA_PREP_TEST_SHARD_SLEEP_S")):
-        time.sleep(float(delay))
-
-
 class ShardWriter:
     """Fills one preallocated shard buffer, writes it out when full, keeps the manifest current."""
 
@@ -148,7 +137,6 @@ class ShardWriter:
         """Tokens of start_record already in shards: dropped, and its split is already decided."""
         self.record = self.start_record
         self.record_written = 0
-        self.shards_this_run = 0
 
     def add(self, tokens: np.ndarray, record: int, first: bool, last: bool) -> None:
         """Append one piece of a document (tokens start with EOT when first)."""
@@ -214,13 +202,10 @@ class ShardWriter:
         digest = hashlib.sha256(make_header(self.fill).tobytes())
         digest.update(data)
         write_shard(self.out / name, data)
-        self.shards_this_run += 1
-        _test_hook("shard", self.shards_this_run)
         self.manifest["shards"].append({"file": name, "split": self.split, "tokens": int(self.fill),
                                         "sha256": digest.hexdigest(), "next_record": next_record,
                                         "carry_tokens": carry})
         self.manifest["group_records"] = list(self.group_records)
         save_manifest(self.out, self.manifest)
-        _test_hook("manifest", self.shards_this_run)
         self.index[self.split] += 1
         self.fill = 0

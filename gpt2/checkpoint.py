@@ -7,28 +7,13 @@ Layout of RUN/checkpoints/:
 A checkpoint counts only when its sidecar exists and its bytes match, so a process killed while
 writing (or a truncated copy) is never selected: `auto` falls back to the previous one.
 
-Stop signals and requeueing (the contract slurm/* relies on):
-  SIGTERM or SIGUSR1 to any trainer process makes every rank stop at the same step boundary; rank 0
-  writes a checkpoint, then RUN/requeue (JSON: step, signal, checkpoint). Signal torchrun with
-  SIGTERM: it forwards that to every worker and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s)
-  before SIGKILL. SIGUSR1 kills torchrun at once (exit 138) and leaves its workers running.
-  RUN/requeue exists exactly when the last run in RUN ended on a stop signal after a complete
-  checkpoint: every run deletes it when it starts.
-  Exit codes of train_ddp.py:
-    - plain `python train_ddp.py`: 3 (EXIT_REQUEUE).
-    - under torchrun: 0. torchrun cannot pass a worker's code on (any failed worker makes it exit 1),
-      and with --max-restarts N a non-zero exit would restart the group into a new run instead of
-      stopping. torchrun itself exits 1 when it was the process signalled (it re-raises the signal
-      as an error after its workers exit), 0 when only the workers were signalled.
-  So a batch script decides "requeue" by `[[ -f $OUT_DIR/requeue ]]` (or exit code 3 without
-  torchrun), never by torchrun's exit code; the requeued run passes --resume auto.
+Stop signals, RUN/requeue and exit codes: gpt2/preempt.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import warnings
 from pathlib import Path
@@ -36,14 +21,8 @@ from pathlib import Path
 import torch
 
 from gpt2.atomic import atomic_write, atomic_write_bytes, fsync_dir
-from gpt2.model import unwrap  # noqa: F401  (re-exported: checkpoints are saved through it)
 
 FORMAT_VERSION = 1
-EXIT_REQUEUE = 3
-"""Exit code of a run stopped by SIGTERM/SIGUSR1 after writing a checkpoint: "please requeue"."""
-REQUEUE_MARKER = "requeue"
-"""File in the run directory written after the checkpoint of a signal stop (see the module docstring)."""
-
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 
 
@@ -118,29 +97,6 @@ def prune_checkpoints(out_dir: str | Path, newest: Path, *, keep: int) -> list[P
         old.unlink(missing_ok=True)
         deleted.append(old)
     return deleted
-
-
-def write_requeue_marker(out_dir: str | Path, info: dict) -> Path:
-    """RUN/requeue: this run stopped on a signal after writing a complete checkpoint (rank 0 only)."""
-    path = Path(out_dir) / REQUEUE_MARKER
-    atomic_write_bytes(path, (json.dumps(info) + "\n").encode())
-    fsync_dir(path.parent)
-    return path
-
-
-def clear_requeue_marker(out_dir: str | Path) -> None:
-    (Path(out_dir) / REQUEUE_MARKER).unlink(missing_ok=True)
-
-
-def under_torchrun(env=None) -> bool:
-    """True in a worker started by torchrun (its elastic agent sets TORCHELASTIC_RUN_ID)."""
-    env = os.environ if env is None else env
-    return "TORCHELASTIC_RUN_ID" in env
-
-
-def stop_exit_code(env=None) -> int:
-    """Exit code of a run stopped by a signal: EXIT_REQUEUE, or 0 under torchrun (see the docstring)."""
-    return 0 if under_torchrun(env) else EXIT_REQUEUE
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
@@ -228,15 +184,3 @@ def resolve_resume(resume: str, out_dir: str | Path, warn=warnings.warn) -> Path
         return found
     verify_checkpoint(path)
     return path
-
-
-def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """A GPT from a checkpoint file or run directory, in eval mode, plus the checkpoint dict."""
-    from gpt2.config import ModelConfig
-    from gpt2.model import GPT
-
-    ckpt_path = resolve_resume(str(path), Path(path))
-    state = load_checkpoint(ckpt_path)
-    model = GPT(ModelConfig(**state["config"]["model"]))
-    model.load_state_dict(state["model"])
-    return model.to(device).eval(), state

@@ -216,8 +216,6 @@ class TrainConfig:
     """Also log to TensorBoard in out_dir/tb (needs tensorboard)."""
     wandb_project: str = ""
     """Also log to this Weights & Biases project (needs wandb)."""
-    inject_nan_step: int = -1
-    """Testing hook: poison the loss at this step with NaN to exercise the non-finite guard."""
 
     def __post_init__(self) -> None:
         problems = train_config_problems(self)

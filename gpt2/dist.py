@@ -5,12 +5,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
+
+
+class CollectiveError(RuntimeError):
+    """A collective operation failed: a peer died, or did not answer within the group's timeout."""
+
+
+@contextlib.contextmanager
+def collective(what: str):
+    """Inside: process-group operations only, so a RuntimeError raised here is the group failing.
+
+    gloo reports a dead peer ("Connection closed by peer") or an expired timeout as a plain
+    RuntimeError, and NCCL as torch.distributed.DistBackendError (a RuntimeError): both become a
+    CollectiveError here, where the operation is known, rather than by reading the message later.
+    Out-of-memory is not a collective failure and passes through.
+    """
+    try:
+        yield
+    except (CollectiveError, torch.OutOfMemoryError):
+        raise
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CollectiveError(f"{what} failed ({type(e).__name__}: {first})") from e
 
 
 @dataclass(frozen=True)
@@ -62,10 +85,6 @@ class Dist:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
-    @property
-    def device_type(self) -> str:
-        return self.device.type
-
 
 def setup(info: WorldInfo, device: torch.device, timeout_s: float) -> Dist:
     """Start the process group (NCCL on CUDA, gloo on CPU) when there is more than one rank."""
@@ -76,8 +95,9 @@ def setup(info: WorldInfo, device: torch.device, timeout_s: float) -> Dist:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _restart_store(os.environ, timeout)
         kwargs = {} if store is None else {"store": store, "rank": info.rank, "world_size": info.world_size}
-        tdist.init_process_group(backend=backend, timeout=timeout,
-                                 device_id=device if device.type == "cuda" else None, **kwargs)
+        with collective("joining the process group"):
+            tdist.init_process_group(backend=backend, timeout=timeout,
+                                     device_id=device if device.type == "cuda" else None, **kwargs)
     return Dist(info.rank, info.local_rank, info.world_size, info.local_world_size, device)
 
 
@@ -105,6 +125,18 @@ def set_timeout(dist: Dist, seconds: float) -> None:
         _set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
+def set_cpu_threads(dist: Dist, num_threads: int = 0) -> None:
+    """On a CPU: num_threads torch threads, or (0) an equal share of the CPUs this process may use.
+
+    The ranks of a node share its cores (torchrun alone gives each worker 1 thread). The CPUs are
+    those of this process's affinity mask (a SLURM or taskset allocation), not the whole node's.
+    The trainer and gpt2.eval both follow this one rule.
+    """
+    if dist.device.type == "cpu":
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(num_threads or max(1, usable // dist.local_world_size))
+
+
 def teardown(dist: Dist | None) -> None:
     if dist is not None and dist.is_distributed and tdist.is_initialized():
         tdist.destroy_process_group()
@@ -112,24 +144,23 @@ def teardown(dist: Dist | None) -> None:
 
 def all_reduce_sum(t: torch.Tensor, dist: Dist) -> torch.Tensor:
     if dist.is_distributed:
-        tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
+        with collective("all_reduce"):
+            tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
     return t
-
-
-def all_reduce_mean(t: torch.Tensor, dist: Dist) -> torch.Tensor:
-    return all_reduce_sum(t, dist).div_(dist.world_size) if dist.is_distributed else t
 
 
 def barrier(dist: Dist) -> None:
     if dist.is_distributed:
-        tdist.barrier()
+        with collective("barrier"):
+            tdist.barrier()
 
 
 def all_gather_object(obj, dist: Dist) -> list:
     if not dist.is_distributed:
         return [obj]
     out = [None] * dist.world_size
-    tdist.all_gather_object(out, obj)
+    with collective("all_gather_object"):
+        tdist.all_gather_object(out, obj)
     return out
 
 
@@ -138,5 +169,6 @@ def broadcast_object(obj, dist: Dist):
     if not dist.is_distributed:
         return obj
     box = [obj]
-    tdist.broadcast_object_list(box, src=0)
+    with collective("broadcast_object"):
+        tdist.broadcast_object_list(box, src=0)
     return box[0]

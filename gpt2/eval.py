@@ -33,7 +33,7 @@ from gpt2.config import EOT_TOKEN
 from gpt2.dist import Dist, all_reduce_sum, broadcast_object
 from gpt2.model import GPT, unwrap
 from gpt2 import precision
-from gpt2.sample import load_any
+from gpt2.load import load_any
 from gpt2.tokenizer import encode
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpt2.dist import resolve_device, setup, teardown, world_from_env
+    from gpt2.dist import resolve_device, set_cpu_threads, setup, teardown, world_from_env
 
     args = build_parser().parse_args(argv)
     dist = None
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             device = resolve_device(args.device, info.local_rank)
             model, source = load_any(args.checkpoint, device)
             dist = setup(info, device, timeout_s=600.0)
-            _set_threads(dist, args.num_threads)
+            set_cpu_threads(dist, args.num_threads)
             # rank 0 chooses for every rank (auto measures the CPU: ranks must not disagree)
             dtype = broadcast_object(precision.resolve(args.dtype, device).dtype if dist.is_main else None, dist)
             if args.task == "hellaswag":
@@ -306,12 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         teardown(dist)
-
-
-def _set_threads(dist: Dist, num_threads: int) -> None:
-    # As the trainer does: ranks on one node share its cores (torchrun alone would give each 1 thread).
-    if dist.device.type == "cpu":
-        torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 1) // dist.local_world_size))
 
 
 def _describe(task: str, r: dict, source: dict) -> str:

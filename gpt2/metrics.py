@@ -44,9 +44,8 @@ class Metrics:
         """On resume: keep only records up to `step`, so the log reads like one uninterrupted run."""
         if not self.active or not self.path.is_file():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and _record_step(line) <= step]
-        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        kept = [rec for rec in parse_records(self.path.read_text(), self.path) if rec.get("step", 0) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
 
     def info(self, message: str) -> None:
         if self.active:
@@ -90,26 +89,33 @@ class Metrics:
             self._wandb.finish()
 
 
-def _record_step(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", 0))
-    except ValueError:
-        return 1 << 62  # a torn last line from a crash: dropped
+def parse_records(text: str, where: str | Path) -> list[dict]:
+    """The records of metrics.jsonl text. Only the last line may be incomplete (a live run is writing
+    it, or a crash tore it): it is dropped. Any other line that is not a JSON object is damage, and a
+    ValueError names it: dropping it silently would hide lost records."""
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict):
+            out.append(rec)
+        elif i < len(lines):
+            raise ValueError(f"{where}:{i}: not a JSON record ({line[:60]!r}); the metrics log is damaged. "
+                             "Repair or remove that line (or move the file away) and rerun")
+    return out
 
 
 def read_metrics(path: str | Path, *, missing_ok: bool = False) -> list[dict]:
-    """The records of a metrics.jsonl. A line that is not complete JSON (being written right now by a
-    live run, or torn by a crash) is skipped; a missing file is [] with missing_ok."""
+    """The records of a metrics.jsonl (see parse_records); a missing file is [] with missing_ok."""
     path = Path(path)
     if missing_ok and not path.is_file():
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return parse_records(path.read_text(), path)
 
 
 def plot_loss_curve(metrics_path: str | Path, out_png: str | Path) -> Path | None:

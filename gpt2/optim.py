@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from gpt2.config import OPTIMIZERS, TrainConfig  # noqa: F401  (OPTIMIZERS: the names this module makes)
+from gpt2.config import TrainConfig
 from gpt2.precision import cuda_native_bf16
 
 

@@ -57,7 +57,7 @@ class Hardware:
     """Shown in the summary."""
     memory_bytes: int
     """Total device memory of one GPU (for a CPU run: host RAM). On CUDA it also sizes the loss's
-    chunks, as gpt2.model.loss_chunk_logits does from the device's total_memory."""
+    chunks, as gpt2.loss.loss_chunk_logits does from the device's total_memory."""
     peak_flops: float | None
     """Dense peak FLOP/s of one device in the plan's dtype; None for a GPU without a data-sheet
     peak (gpt2.flops.device_peak_flops), which leaves the time estimates out."""
@@ -230,7 +230,7 @@ def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: b
                device_type: str = "cuda", device_memory: int | None = None) -> int:
     """Peak bytes of the LM head + cross-entropy for `tokens` positions.
 
-    chunked (what the trainer runs: gpt2.model.linear_cross_entropy): one chunk of rows at a time
+    chunked (what the trainer runs: gpt2.loss.linear_cross_entropy): one chunk of rows at a time
     holds its logits in the matmul dtype and in fp32, the fp32 softmax and its gradient (fp32, then
     in the matmul dtype); the finished input gradient (fp32, tokens x h) and the fp32 weight
     gradient with the chunk's part being added to it stay. Plain (`_, loss = model(x, y)`): the
@@ -240,7 +240,7 @@ def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: b
     The chunk is the one the model will use: on CUDA it is sized from device_memory (the device's
     total bytes, Hardware.memory_bytes), which is then required.
     """
-    from gpt2.model import loss_chunk_logits, loss_chunks
+    from gpt2.loss import loss_chunk_logits, loss_chunks
 
     s = 2 if dtype in AUTOCAST_DTYPES else 4
     V, h = cfg.vocab_size, cfg.n_embd

@@ -21,7 +21,6 @@ What `auto` picks, and why:
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass
 
@@ -139,36 +138,72 @@ def cuda_native_bf16(device: torch.device) -> bool:
         return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-@functools.lru_cache(maxsize=None)
-def matmul_rate(device: str, dtype: torch.dtype, *, budget_s: float = 0.25, min_time_s: float = 0.004) -> float:
+@dataclass(frozen=True)
+class MatmulRate:
+    """One matmul measurement's best rates (what `matmul_rate(..., cpu_time=True)` returns)."""
+    wall: float
+    """Best FLOP/s by the wall clock."""
+    cpu: float
+    """Best FLOPs per second of this process's CPU time (all threads; on a GPU, the host's time).
+    Load from other processes moves it much less than the wall-clock rate."""
+    n: int
+    """The square matrices' size."""
+
+
+_MATMUL_RATES: dict[tuple, MatmulRate] = {}
+"""matmul_rate's per-process cache, by (device, dtype, budget_s, min_time_s, n)."""
+
+
+def matmul_rate(device: str, dtype: torch.dtype, *, budget_s: float = 0.25, min_time_s: float = 0.004,
+                n: int | None = None, fresh: bool = False, cpu_time: bool = False) -> float | MatmulRate:
     """Best FLOP/s of a square matmul on device in dtype, measured within about budget_s.
 
     The size doubles from 128 until one matmul takes min_time_s (long enough for the timer and for
     the BLAS to reach its plateau) or reaches the largest useful size; then it is timed until the
     budget is spent and the best time taken. Bounded on any device and dtype: an emulated bf16
     matmul (1 GFLOP/s) stops growing at n=256, a fast one at 1024-2048 (CPU) or 8192 (GPU).
-    Cached per process: the trainer, the planner and MFU share one measurement.
+    With n, that size alone is timed (no search; one untimed call, then at least one timed call and
+    more while the budget lasts): a fixed workload such as a benchmark's 2048^3.
+
+    Cached per process by its arguments: the trainer, the planner and MFU share one measurement.
+    fresh=True measures again and leaves the cache alone (benchmarks re-measure between their timed
+    steps and keep the best, so that the peak sees the same load as the steps).
+    cpu_time=True returns a `MatmulRate`: the wall-clock rate and, from the same calls, the rate by
+    process CPU time; otherwise the wall-clock rate alone, a float.
     """
-    dev = torch.device(device)
+    key = (str(device), dtype, budget_s, min_time_s, n)
+    rate = None if fresh else _MATMUL_RATES.get(key)
+    if rate is None:
+        rate = _measure_matmul(torch.device(device), dtype, budget_s, min_time_s, n)
+        if not fresh:
+            _MATMUL_RATES[key] = rate
+    return rate if cpu_time else rate.wall
+
+
+def _measure_matmul(dev: torch.device, dtype: torch.dtype, budget_s: float, min_time_s: float,
+                    n: int | None) -> MatmulRate:
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def timed(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        torch.mm(a, b)
+        sync()
+        return time.perf_counter() - t0, time.process_time() - c0
+
     max_n = 8192 if dev.type == "cuda" else 2048
     deadline = time.perf_counter() + budget_s
-    n, best = 128, None
+    size = n or 128
     while True:
-        a = torch.randn(n, n, device=dev).to(dtype)
-        b = torch.randn(n, n, device=dev).to(dtype)
+        a = torch.randn(size, size, device=dev).to(dtype)
+        b = torch.randn(size, size, device=dev).to(dtype)
         torch.mm(a, b)  # the first call builds the kernel (oneDNN) or warms the clocks
         sync()
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        sync()
-        best = time.perf_counter() - t0
-        if best >= min_time_s or n >= max_n or time.perf_counter() > deadline:
+        wall, cpu = timed(a, b)
+        if n is not None or wall >= min_time_s or size >= max_n or time.perf_counter() > deadline:
             break
-        n *= 2
-    while time.perf_counter() + best < deadline:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n ** 3 / best
+        size *= 2
+    while time.perf_counter() + wall < deadline:
+        w, c = timed(a, b)
+        wall, cpu = min(wall, w), min(cpu, c)
+    flops = 2.0 * size ** 3
+    return MatmulRate(flops / wall, flops / max(cpu, 1e-9), size)

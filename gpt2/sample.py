@@ -17,91 +17,20 @@ from __future__ import annotations
 import argparse
 import codecs
 import sys
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from gpt2 import precision
-from gpt2.checkpoint import CheckpointError, checkpoint_dir, latest_valid, load_model
-from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
-from gpt2.hf import WEIGHT_FILES, load_hf_dir
+from gpt2.config import GPT2_VOCAB_SIZE
 from gpt2.model import GPT, unwrap
-from gpt2.tokenizer import encode, get_encoding
-
-
-
-def load_any(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
-    """A GPT in eval mode from our checkpoint (file, run dir, checkpoints dir) or a Hugging Face dir.
-
-    Returns (model, info): info["source"] is "checkpoint" or "hf", info["path"] the file or directory
-    loaded, info["step"] the training step of our checkpoints. Raises CheckpointError (a ValueError)
-    saying what is wrong and what to pass instead.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"--checkpoint {path}: no such file or directory; pass a step_*.pt file, "
-                              "a run directory (--out-dir of train_ddp.py) or a Hugging Face GPT-2 directory")
-    if path.is_dir() and not _is_run_dir(path):
-        return _load_hf(path, device)
-    file = path if path.is_file() else _newest_valid(path)
-    try:
-        model, state = load_model(file, device)
-    except CheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        # Weights that do not fit the saved config (RuntimeError from load_state_dict), a config with
-        # fields this version does not know (TypeError), or a dict that is not a training state.
-        raise CheckpointError(f"--checkpoint {file}: incompatible with this program's GPT "
-                              f"({type(e).__name__}: {_one_line(e)})") from None
-    if state.get("tokenizer") != "gpt2":
-        raise CheckpointError(f"--checkpoint {file}: trained with tokenizer {state.get('tokenizer')!r}; "
-                              "only the GPT-2 BPE ('gpt2') is supported")
-    return model, {"source": "checkpoint", "path": str(file), "step": state.get("step")}
-
-
-def _is_run_dir(path: Path) -> bool:
-    return (path / "checkpoints").is_dir() or path.name == "checkpoints"
-
-
-def _newest_valid(path: Path) -> Path:
-    run_dir = path.parent if path.name == "checkpoints" else path
-    found = latest_valid(run_dir)  # warns about each checkpoint it skips
-    if found is None:
-        raise CheckpointError(f"--checkpoint {path}: no valid checkpoint in {checkpoint_dir(run_dir)} (none "
-                              "there, or each lacks its .json sidecar or fails its checksum); pass a step_*.pt "
-                              "file or another run directory")
-    return found
-
-
-def _load_hf(path: Path, device) -> tuple[GPT, dict]:
-    if not any((path / name).is_file() for name in WEIGHT_FILES):
-        raise CheckpointError(f"--checkpoint {path}: neither a run directory (no checkpoints/ in it) nor a "
-                              f"Hugging Face directory (none of {', '.join(WEIGHT_FILES)})")
-    try:
-        model = load_hf_dir(path)
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"--checkpoint {path}: cannot load as Hugging Face GPT-2: {_one_line(e)}") from None
-    return model.to(device).eval(), {"source": "hf", "path": str(path)}
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
+from gpt2.tokenizer import encode_prompt, get_encoding
 
 
 def autocast(dtype: str, device: torch.device):
     """Autocast for a dtype name, auto included (gpt2.precision picks what the device runs fast)."""
     return precision.autocast(precision.resolve(dtype, device).dtype, device)
-
-
-def encode_prompt(prompt: str, block_size: int) -> list[int]:
-    """Token ids of the prompt ([EOT] for an empty one); ValueError if longer than block_size."""
-    ids = encode(prompt) if prompt else [EOT_TOKEN]
-    if len(ids) > block_size:
-        raise ValueError(f"the prompt is {len(ids)} tokens but the model's block_size is {block_size}; "
-                         f"shorten it to at most {block_size} tokens (e.g. keep its end)")
-    return ids
 
 
 @torch.no_grad()
@@ -212,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from gpt2.dist import resolve_device
+    from gpt2.load import load_any
 
     args = build_parser().parse_args(argv)
     top_k = args.top_k or None
@@ -223,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         model, info = load_any(args.checkpoint, device)
         encode_prompt(args.prompt, model.config.block_size)
     except ValueError as e:
-        print(f"gpt2.sample: error: {_one_line(e)}", file=sys.stderr)
+        print(f"gpt2.sample: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     step = f" step {info['step']}" if "step" in info else ""
     print(f"loaded {info['source']}{step} from {info['path']}: {model.num_params():,} parameters on {device}",

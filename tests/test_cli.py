@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
 from gpt2.cli import parse_config
@@ -120,3 +121,50 @@ def test_batch_that_does_not_divide_is_refused(tmp_path, shakespeare_shards):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "total_batch_size=3000 is not a multiple" in run.stderr
+
+
+def test_sample_prompt_longer_than_the_block_is_refused_before_start(tmp_path, shakespeare_shards):
+    """One prompt rule (gpt2.tokenizer.encode_prompt): too long is an error, here before training starts."""
+    from gpt2.trainer import check_data
+
+    flags = ["--preset", "debug", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path),
+             "--block-size", "16", "--sample-interval", "5"]
+    check_data(parse_config([*flags, "--sample-prompt", "To be or not to be"]), 1)  # fits: accepted
+    with pytest.raises(ValueError, match=r"--sample-prompt: the prompt is \d+ tokens but the model's block_size is 16"):
+        check_data(parse_config([*flags, "--sample-prompt", "word " * 40]), 1)
+    check_data(parse_config([*flags, "--sample-interval", "0", "--sample-prompt", "word " * 40]), 1)  # never sampled
+
+
+def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, shakespeare_shards, monkeypatch, capsys):
+    """A RuntimeError raised inside gpt2.dist.collective becomes a CollectiveError (exit 1 with the
+    dead-peer advice); any other RuntimeError propagates whatever its text says."""
+    import gpt2.trainer
+    from gpt2.dist import CollectiveError, collective
+    from _helpers import import_train_ddp
+
+    with pytest.raises(CollectiveError, match=r"barrier failed \(RuntimeError: Connection closed by peer\)"):
+        with collective("barrier"):
+            raise RuntimeError("Connection closed by peer\nmore detail")
+    with pytest.raises(torch.OutOfMemoryError):
+        with collective("all_reduce"):
+            raise torch.OutOfMemoryError("out of memory")
+
+    train_ddp = import_train_ddp()
+    flags = ["--preset", "debug", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path), "--device", "cpu"]
+
+    def fails_in_a_collective(*args, **kwargs):
+        with collective("the gradient all-reduce"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:39625")
+
+    monkeypatch.setattr(gpt2.trainer, "train", fails_in_a_collective)
+    assert train_ddp.main(flags) == 1
+    err = capsys.readouterr().err
+    assert "a collective operation failed (the gradient all-reduce failed (RuntimeError: [gloo/" in err
+    assert "another rank died, or did not answer within --dist-step-timeout-s" in err
+
+    def a_bug_mentioning_nccl(*args, **kwargs):
+        raise RuntimeError("NCCL gloo timed out: only words, raised outside any collective")
+
+    monkeypatch.setattr(gpt2.trainer, "train", a_bug_mentioning_nccl)
+    with pytest.raises(RuntimeError, match="only words"):
+        train_ddp.main(flags)

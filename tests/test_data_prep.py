@@ -55,11 +55,11 @@ def run(cfg_kwargs: dict) -> None:
     prepare(PrepConfig(progress=False, **cfg_kwargs), log=lambda m: None)
 
 
-def cli(*args: str, env: dict | None = None, check_rc: int | None = 0, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "--no-progress", *args] if args[:1] != ("verify",)
-                          else [sys.executable, "-m", "data_prep", *args],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})},
-                          timeout=120, **kw)
+def cli(*args: str, command: list[str] | None = None, check_rc: int | None = 0, **kw) -> subprocess.CompletedProcess:
+    """`python -m data_prep ARGS` (or `command`, e.g. patched_command(...), instead of `python -m data_prep`)."""
+    command = command or [sys.executable, "-m", "data_prep"]
+    proc = subprocess.run([*command, "--no-progress", *args] if args[:1] != ("verify",) else [*command, *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=120, **kw)
     if check_rc is not None:
         assert proc.returncode == check_rc, f"rc={proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}"
     return proc
@@ -75,15 +75,48 @@ def main_inproc(*args: str, capsys) -> tuple[int, str, str]:
     return rc, captured.out, captured.err
 
 
-@pytest.fixture(autouse=True)
-def _keep_datasets_torch_setting(monkeypatch):
-    # main() may set these with os.environ.setdefault; keep that from leaking into other tests.
-    for name in ("USE_TORCH", "USE_TF", "DATASETS_VERBOSITY", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
-        if name in os.environ:
-            monkeypatch.setenv(name, os.environ[name])
-        else:  # setenv records "unset" for the undo; delenv alone would not
-            monkeypatch.setenv(name, "")
-            monkeypatch.delenv(name)
+PATCHED_COMMAND = """\
+# `python -m data_prep ARGS`, with one function of data_prep.writer wrapped: after its WHEN-th call
+# (WHEN = every: after each call) the process kills itself with SIGKILL (ACTION = kill) or sleeps
+# ACTION seconds. Usage: python THIS NAME WHEN ACTION ARGS...
+import os, runpy, signal, sys, time
+
+if __name__ == "__main__":  # (nothing else runs on import)
+    sys.path.insert(0, {repo!r})
+    import data_prep.pipeline  # first, so that it keeps the real functions it imports from the writer
+    import data_prep.writer as writer
+
+    name, when, action, *args = sys.argv[1:]
+    real = getattr(writer, name)
+    calls = 0
+
+    def wrapped(*a, **kw):
+        global calls
+        result = real(*a, **kw)
+        calls += 1
+        if when in ("every", str(calls)):
+            if action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)  # exactly what kill -9 does: no cleanup runs
+            time.sleep(float(action))
+        return result
+
+    setattr(writer, name, wrapped)
+    sys.argv = ["data_prep", *args]
+    # As `python -m data_prep` runs it (its __main__ block included), so spawned workers start alike.
+    runpy.run_module("data_prep", run_name="__main__", alter_sys=True)
+"""
+
+
+def patched_command(tmp_path: Path, name: str, when: str, action: str) -> list[str]:
+    """The command line of `python -m data_prep` with data_prep.writer.<name> wrapped (see PATCHED_COMMAND).
+
+    write_shard and save_manifest are the ShardWriter's two steps per shard: a shard file is in place
+    after write_shard, and listed in the manifest after save_manifest. Only the ShardWriter's calls
+    count (pipeline.py's own save_manifest call does not).
+    """
+    script = tmp_path / "patched_data_prep.py"
+    script.write_text(PATCHED_COMMAND.format(repo=str(REPO)))
+    return [sys.executable, str(script), name, when, action]
 
 
 @pytest.fixture(scope="module")
@@ -279,11 +312,11 @@ def test_resume_after_kill_points_gives_identical_bytes(tmp_path, kill_corpus):
     out = tmp_path / "out"
     args = ("--source", str(src), "--out", str(out), "--shard-tokens", "4000", "--val-tokens", "3000",
             "--workers", "2")
-    killed = cli(*args, env={"DATA_PREP_TEST_KILL": "shard:3"}, check_rc=None)
+    killed = cli(*args, command=patched_command(tmp_path, "write_shard", "3", "kill"), check_rc=None)
     assert killed.returncode == -signal.SIGKILL
     assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 2
     assert (out / "train_000001.bin").exists()  # written, not yet listed: the rerun rewrites it
-    killed = cli(*args, env={"DATA_PREP_TEST_KILL": "manifest:4"}, check_rc=None)
+    killed = cli(*args, command=patched_command(tmp_path, "save_manifest", "4", "kill"), check_rc=None)
     assert killed.returncode == -signal.SIGKILL and "resuming" in killed.stderr
     assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 2 + 4
     run(dict(sources=(str(src),), out=out, shard_tokens=4000, val_tokens=3000, workers=1))
@@ -306,28 +339,30 @@ def test_resume_from_every_crash_point_gives_identical_bytes(tmp_path, paragraph
     run(job)
     clean = all_bytes(tmp_path / "clean")
     assert len(clean) >= 8 and len([n for n in clean if n.startswith("val")]) >= 2
-    real_hook = writer._test_hook
-    for event in ("shard", "manifest"):
+    for event in ("write_shard", "save_manifest"):  # the shard file is in place / the manifest lists it
+        real = getattr(writer, event)
         for k in range(1, len(clean)):
             out = tmp_path / f"{event}{k}"
+            calls = []
 
-            def crash(ev, count, event=event, k=k):
-                if (ev, count) == (event, k):
+            def crash_after_kth_call(*args, real=real, k=k, calls=calls):
+                real(*args)
+                calls.append(1)
+                if len(calls) == k:
                     raise Crash
-                real_hook(ev, count)
 
-            monkeypatch.setattr(writer, "_test_hook", crash)
+            monkeypatch.setattr(writer, event, crash_after_kth_call)
             with pytest.raises(Crash):
                 run({**job, "out": out})
-            monkeypatch.setattr(writer, "_test_hook", real_hook)
+            monkeypatch.setattr(writer, event, real)
             run({**job, "out": out})
             assert all_bytes(out) == clean, (event, k)
 
 
 def interrupt_when(out: Path, n_shards: int, sig: int, args: list[str]) -> subprocess.CompletedProcess:
-    """Run data_prep (throttled) and send sig to its whole process group once n_shards are listed."""
-    proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "DATA_PREP_TEST_SHARD_SLEEP_S": "0.1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    """Run args (data_prep, throttled) and send sig to its whole process group once n_shards are listed."""
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     deadline = time.time() + 60
     try:
         while time.time() < deadline and proc.poll() is None:
@@ -346,8 +381,9 @@ def interrupt_when(out: Path, n_shards: int, sig: int, args: list[str]) -> subpr
 def test_ctrl_c_then_kill_9_of_the_process_group_then_resume(tmp_path, kill_corpus):
     src, clean_bytes, _ = kill_corpus
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "data_prep", "--no-progress", "--source", str(src), "--out", str(out),
-            "--shard-tokens", "4000", "--val-tokens", "3000", "--workers", "2"]
+    # 0.1 s after each manifest update, so that the signal finds the job mid-run
+    args = [*patched_command(tmp_path, "save_manifest", "every", "0.1"), "--no-progress", "--source", str(src),
+            "--out", str(out), "--shard-tokens", "4000", "--val-tokens", "3000", "--workers", "2"]
     stopped = interrupt_when(out, 3, signal.SIGINT, args)
     assert stopped.returncode == 130, stopped.stderr
     assert "rerun the same command to resume" in stopped.stderr and "Traceback" not in stopped.stderr

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from gpt2.config import GPT2_VOCAB_SIZE, ModelConfig
-from gpt2.model import GPT, linear_cross_entropy
+from gpt2.loss import linear_cross_entropy
+from gpt2.model import GPT
 
 
 def tiny(**kw) -> ModelConfig:
@@ -176,7 +177,7 @@ GPT2_MICRO_BATCH_ROWS = 64 * 1024  # the gpt2 preset's micro-batch: 64 sequences
 def test_cuda_chunks_are_sized_from_total_memory(gib, chunks, rows):
     """A100-80GB / A100-40GB / a 24 GB card / H200, as torch.cuda.get_device_properties reports them."""
     from gpt2.config import PADDED_VOCAB_SIZE
-    from gpt2.model import loss_chunk_logits, loss_chunks
+    from gpt2.loss import loss_chunk_logits, loss_chunks
 
     max_rows = loss_chunk_logits("cuda", int(gib * GIB)) // PADDED_VOCAB_SIZE
     assert loss_chunks(GPT2_MICRO_BATCH_ROWS, max_rows) == (chunks, rows)
@@ -186,7 +187,7 @@ def test_cuda_chunks_are_sized_from_total_memory(gib, chunks, rows):
 def test_cuda_chunk_defaults_to_the_devices_total_memory(monkeypatch):
     from types import SimpleNamespace
 
-    from gpt2.model import loss_chunk_logits
+    from gpt2.loss import loss_chunk_logits
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -197,7 +198,7 @@ def test_cuda_chunk_defaults_to_the_devices_total_memory(monkeypatch):
 
 def test_cpu_chunks_are_unchanged():
     """2**23 logits whatever the memory, so fixed-seed CPU losses stay bit for bit the same."""
-    from gpt2.model import LOSS_CHUNK_LOGITS_DEFAULT, loss_chunk_logits, loss_chunks
+    from gpt2.loss import LOSS_CHUNK_LOGITS_DEFAULT, loss_chunk_logits, loss_chunks
 
     assert loss_chunk_logits("cpu") == loss_chunk_logits(torch.device("cpu"), 80 * GIB) == 2**23
     assert loss_chunk_logits("mps") == LOSS_CHUNK_LOGITS_DEFAULT == 2**25

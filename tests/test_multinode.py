@@ -144,9 +144,9 @@ def test_resume_is_rank_0s_decision_and_a_node_that_cannot_see_it_fails_before_t
 
 SLOW_MARKER = """
 import time
-import gpt2.checkpoint as ckpt
+import gpt2.preempt as preempt
 
-_write = ckpt.write_requeue_marker
+_write = preempt.write_requeue_marker
 
 
 def slow_write(*args, **kwargs):  # rank 0 is slow to write the marker (a loaded shared filesystem)
@@ -154,7 +154,7 @@ def slow_write(*args, **kwargs):  # rank 0 is slow to write the marker (a loaded
     return _write(*args, **kwargs)
 
 
-ckpt.write_requeue_marker = slow_write
+preempt.write_requeue_marker = slow_write
 """
 
 

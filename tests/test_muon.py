@@ -16,7 +16,7 @@ from gpt2.model import GPT
 from gpt2.muon import Muon, newton_schulz
 from gpt2.optim import Optimizers, make_optimizer, split_params
 
-from _helpers import assert_same_state, launch, load_ckpt, losses, run, tiny_run_flags, wait_for_step
+from _helpers import assert_same_state, inject_nan, launch, load_ckpt, losses, run, tiny_run_flags, wait_for_step
 
 CPU = torch.device("cpu")
 
@@ -154,7 +154,8 @@ def test_kill_9_and_resume_with_muon_is_bitwise_and_adamw_flag_is_refused(tmp_pa
     assert max(losses(run_dir)) == 8
 
 
-def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, shakespeare_shards):
+def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, shakespeare_shards, monkeypatch):
+    inject_nan(monkeypatch, 1)
     from gpt2.cli import parse_config
     from gpt2.dist import Dist
     from gpt2.metrics import Metrics
@@ -162,8 +163,7 @@ def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, s
 
     cfg = parse_config([*TINY_MODEL_FLAGS, "--device", "cpu", "--compile", "false", "--dtype", "float16",
                         "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path), "--micro-batch-size", "2",
-                        "--total-batch-size", "128", "--max-steps", "4", "--grad-clip", "0.5", *MUON,
-                        "--inject-nan-step", "1"])
+                        "--total-batch-size", "128", "--max-steps", "4", "--grad-clip", "0.5", *MUON])
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
     parts = build(cfg, dist, Metrics(dist, tmp_path), check_data(cfg, 1))
     before = {n: p.detach().clone() for n, p in parts.model.named_parameters()}

@@ -259,13 +259,13 @@ def test_trainer_helpers():
 
 def test_loss_bytes_counts_the_chunk_the_model_uses(monkeypatch):
     """The planner's LM head + loss term holds the rows of one chunk of the model's own loss."""
-    import gpt2.model
+    import gpt2.loss
 
     cfg = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=512)  # vocab 50304
     V, h, tokens = cfg.vocab_size, cfg.n_embd, 2 * 512
     seen = []
-    real = gpt2.model._cross_entropy_chunks
-    monkeypatch.setattr(gpt2.model, "_cross_entropy_chunks",
+    real = gpt2.loss._cross_entropy_chunks
+    monkeypatch.setattr(gpt2.loss, "_cross_entropy_chunks",
                         lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))  # a[5]: rows per chunk
     model = GPT(cfg)
     model(torch.zeros(2, 512, dtype=torch.long), torch.zeros(2, 512, dtype=torch.long), return_logits=False)
@@ -275,7 +275,7 @@ def test_loss_bytes_counts_the_chunk_the_model_uses(monkeypatch):
 
 
 def test_cuda_loss_bytes_follow_the_devices_memory():
-    from gpt2.model import loss_chunk_logits, loss_chunks
+    from gpt2.loss import loss_chunk_logits, loss_chunks
 
     cfg, tokens = model_preset("gpt2"), 64 * 1024
     V, h = cfg.vocab_size, cfg.n_embd

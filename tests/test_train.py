@@ -154,6 +154,21 @@ def test_read_metrics_skips_a_torn_line_and_a_missing_file_with_missing_ok(tmp_p
         read_metrics(tmp_path / "none.jsonl")
 
 
+def test_read_metrics_refuses_a_damaged_line_that_is_not_the_last(tmp_path):
+    """Only the last line can be torn (by a live writer or a crash); anywhere else it is damage."""
+    from gpt2.dist import Dist
+    from gpt2.metrics import Metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 10.0}\n{"step": 2, "lo\n{"step": 3, "loss": 9.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record .* the metrics log is damaged"):
+        read_metrics(path)
+    log = Metrics(Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")), tmp_path)
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        log.truncate_after(3)  # a resume says so rather than dropping step 2's record unseen
+    log.close()
+
+
 def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path, capsys):
     """Rank 0 sizes the micro-batch with the planner; a memory cap passed to it gives a smaller one."""
     from gpt2.config import ModelConfig, RunConfig, TrainConfig

@@ -1,0 +1,84 @@
+"""A trained GPT from wherever it is: one of our checkpoints or a Hugging Face GPT-2 directory.
+
+What `python -m gpt2.sample`, `gpt2.eval` and `gpt2.export` load. Our checkpoints (gpt2/checkpoint.py's
+format) may be named as a step_*.pt file, a run directory or its checkpoints/ directory (the newest
+valid checkpoint); a Hugging Face directory holds config.json and weights (gpt2/hf.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gpt2.checkpoint import CheckpointError, checkpoint_dir, latest_valid, load_checkpoint, resolve_resume
+from gpt2.config import ModelConfig
+from gpt2.hf import WEIGHT_FILES, load_hf_dir
+from gpt2.model import GPT
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
+    """A GPT from a checkpoint file or run directory, in eval mode, plus the checkpoint dict."""
+    ckpt_path = resolve_resume(str(path), Path(path))
+    state = load_checkpoint(ckpt_path)
+    model = GPT(ModelConfig(**state["config"]["model"]))
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), state
+
+
+def load_any(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
+    """A GPT in eval mode from our checkpoint (file, run dir, checkpoints dir) or a Hugging Face dir.
+
+    Returns (model, info): info["source"] is "checkpoint" or "hf", info["path"] the file or directory
+    loaded, info["step"] the training step of our checkpoints. Raises CheckpointError (a ValueError)
+    saying what is wrong and what to pass instead.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"--checkpoint {path}: no such file or directory; pass a step_*.pt file, "
+                              "a run directory (--out-dir of train_ddp.py) or a Hugging Face GPT-2 directory")
+    if path.is_dir() and not _is_run_dir(path):
+        return _load_hf(path, device)
+    file = path if path.is_file() else _newest_valid(path)
+    try:
+        model, state = load_model(file, device)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        # Weights that do not fit the saved config (RuntimeError from load_state_dict), a config with
+        # fields this version does not know (TypeError), or a dict that is not a training state.
+        raise CheckpointError(f"--checkpoint {file}: incompatible with this program's GPT "
+                              f"({type(e).__name__}: {_one_line(e)})") from None
+    if state.get("tokenizer") != "gpt2":
+        raise CheckpointError(f"--checkpoint {file}: trained with tokenizer {state.get('tokenizer')!r}; "
+                              "only the GPT-2 BPE ('gpt2') is supported")
+    return model, {"source": "checkpoint", "path": str(file), "step": state.get("step")}
+
+
+def _is_run_dir(path: Path) -> bool:
+    return (path / "checkpoints").is_dir() or path.name == "checkpoints"
+
+
+def _newest_valid(path: Path) -> Path:
+    run_dir = path.parent if path.name == "checkpoints" else path
+    found = latest_valid(run_dir)  # warns about each checkpoint it skips
+    if found is None:
+        raise CheckpointError(f"--checkpoint {path}: no valid checkpoint in {checkpoint_dir(run_dir)} (none "
+                              "there, or each lacks its .json sidecar or fails its checksum); pass a step_*.pt "
+                              "file or another run directory")
+    return found
+
+
+def _load_hf(path: Path, device) -> tuple[GPT, dict]:
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise CheckpointError(f"--checkpoint {path}: neither a run directory (no checkpoints/ in it) nor a "
+                              f"Hugging Face directory (none of {', '.join(WEIGHT_FILES)})")
+    try:
+        model = load_hf_dir(path)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"--checkpoint {path}: cannot load as Hugging Face GPT-2: {_one_line(e)}") from None
+    return model.to(device).eval(), {"source": "hf", "path": str(path)}
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())

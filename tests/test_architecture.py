@@ -1,0 +1,93 @@
+"""The shape of the package: no import cycle inside gpt2/, the trainer imported only by its entry
+point, and every module importable alone without side effects (README, "Architecture")."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "gpt2"
+MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+
+
+def imported_gpt2_modules(path: Path) -> set[str]:
+    """The gpt2 modules a file imports, at the top or inside functions (lazy imports count too)."""
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("gpt2."):
+                deps.add(node.module.split(".")[1])
+            elif node.module == "gpt2":
+                deps |= {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("gpt2.")}
+    return deps
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle_inside_the_package():
+    graph = {m: imported_gpt2_modules(PACKAGE / f"{m}.py") - {m} for m in MODULES}
+    assert all(dep in MODULES for deps in graph.values() for dep in deps), graph
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_only_the_entry_point_imports_the_trainer():
+    importers = sorted(str(p.relative_to(REPO)) for p in [*PACKAGE.glob("*.py"), *(REPO / "data_prep").glob("*.py")]
+                       if "trainer" in imported_gpt2_modules(p))
+    assert importers == [], importers
+    assert "trainer" in imported_gpt2_modules(REPO / "train_ddp.py")
+
+
+ALONE = """
+import importlib, json, os, sys
+import torch
+results = {}
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "gpt2" or m.startswith("gpt2.")]:
+        del sys.modules[loaded]
+    env, threads = dict(os.environ), torch.get_num_threads()
+    importlib.import_module("gpt2." + name)
+    changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
+    results[name] = {"env": changed, "threads_changed": torch.get_num_threads() != threads}
+print(json.dumps(results))
+"""
+
+
+def test_every_module_imports_alone_without_side_effects():
+    """Each module imported first in a fresh gpt2 (no other module of ours loaded before it): it
+    works whatever the import order, and changes neither the environment nor torch's threads."""
+    run = subprocess.run([sys.executable, "-c", ALONE, *MODULES], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    results = json.loads(run.stdout.splitlines()[-1])
+    assert sorted(results) == MODULES
+    assert {m: r for m, r in results.items() if r["env"] or r["threads_changed"]} == {}
