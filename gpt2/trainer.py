@@ -283,8 +283,9 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
                 _, loss = parts.train_model(x, y, return_logits=False)  # chunked loss: no (B,T,V) logits
             loss = loss / parts.accum_steps
             loss_sum += loss.detach()
-            # The last micro-step's backward all-reduces the gradients (DDP's hooks): its errors
-            # are the process group's. The others (no_sync) do no communication.
+            # The last micro-step's backward all-reduces the gradients (DDP's hooks), so its errors
+            # are reported as the process group's; a compute error there (rarer: the same backward
+            # runs in every micro-step) is reported the same way, with its own message kept.
             with collective("the gradient all-reduce") if last and dist.is_distributed else contextlib.nullcontext():
                 parts.scaler.scale(loss).backward()
     parts.scaler.unscale_(parts.optimizer)  # clip and measure the true gradients (a no-op unless fp16)
