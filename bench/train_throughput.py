@@ -19,8 +19,12 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
                                                 (issue 14): its step-time cost against AdamW's row
   1 x N threads vs N x 1 thread                 real `python train_ddp.py` / `torchrun
                                                 --nproc_per_node=N train_ddp.py` runs (gloo),
-                                                tokens/s read from RUN/metrics.jsonl; the two run
-                                                alternately --ddp-rounds times (A B, B A, ...)
+                                                tokens/s read from RUN/metrics.jsonl
+  N x 1 thread, --optimizer muon                the same torchrun run with Muon, whose
+                                                Newton-Schulz work is spread over the ranks
+                                                (gpt2/muon.py): its cost against AdamW's N x 1
+                                                The real-trainer rows run alternately --ddp-rounds
+                                                times (A B C, C B A, ...)
 "bf16" in these names is the dtype --dtype auto picks on this CPU (gpt2/precision.py): where bf16
 matmuls are not measured faster than fp32 (AVX2 only, where bf16 is emulated ~50x slower), those
 rows run fp32 and are named so, the "fp32 compiled" row is not repeated, and no bf16 peak is taken.
@@ -177,11 +181,11 @@ def run_in_process(contenders: list[Contender], dist: Dist, peaks: "Peaks", *, s
 
 
 def run_trainer(data_dir: Path, out_dir: Path, *, processes: int, threads: int, steps: int,
-                warmup: int, dtype: str) -> tuple[list[float], float]:
+                warmup: int, dtype: str, flags: tuple[str, ...] = ()) -> tuple[list[float], float]:
     """A real train_ddp.py run (torchrun for more than one process): its timed step times and
     first loss, from RUN/metrics.jsonl."""
     args = ["train_ddp.py", *WORKLOAD, "--data-dir", str(data_dir), "--out-dir", str(out_dir),
-            "--num-threads", str(threads), "--max-steps", str(warmup + steps), "--dtype", dtype]
+            "--num-threads", str(threads), "--max-steps", str(warmup + steps), "--dtype", dtype, *flags]
     if processes == 1:
         cmd = [sys.executable, *args]
     else:
@@ -193,34 +197,43 @@ def run_trainer(data_dir: Path, out_dir: Path, *, processes: int, threads: int, 
     return [r["step_s"] for r in records if r["step"] > warmup], records[0]["loss"]
 
 
-def run_ddp_pair(data_dir: Path, tmp: Path, *, threads: int, steps: int, warmup: int,
-                 rounds: int, dtype: str) -> tuple[Row, Row, list[float]]:
-    """1 process x THREADS vs THREADS processes x 1, run alternately (A B, B A, A B, ...).
+@dataclass(frozen=True)
+class Layout:
+    """One real-trainer row: processes x threads, and extra flags."""
+    name: str
+    processes: int
+    threads: int
+    flags: tuple[str, ...] = ()
 
-    The machine's load drifts over minutes; alternating the order puts both layouts under the same
+
+def run_alternating(data_dir: Path, tmp: Path, layouts: list[Layout], *, steps: int, warmup: int,
+                    rounds: int, dtype: str) -> tuple[list[Row], list[dict[str, float]]]:
+    """Real train_ddp.py runs of every layout, alternately (A B C, C B A, A B C, ...).
+
+    The machine's load drifts over minutes; alternating the order puts every layout under the same
     drift, and every timed step of every round goes into one median per layout. Also returns each
-    round's efficiency, so the spread is visible.
+    round's medians, so the spread of any ratio is visible.
     """
-    times: dict[int, list[float]] = {1: [], threads: []}
+    times: dict[str, list[float]] = {lay.name: [] for lay in layouts}
     losses, per_round = {}, []
     for i in range(rounds):
         round_s = {}
-        for processes in ((1, threads) if i % 2 == 0 else (threads, 1)):
-            step_times, losses[processes] = run_trainer(
-                data_dir, tmp / f"ddp_{i}_{processes}", processes=processes,
-                threads=1 if processes > 1 else threads, steps=steps, warmup=warmup, dtype=dtype)
-            times[processes] += step_times
-            round_s[processes] = statistics.median(step_times)
-        per_round.append(round_s[1] / round_s[threads])
-        print(f"  DDP round {i + 1}/{rounds}: 1 x {threads} {round_s[1]:.2f} vs {threads} x 1 "
-              f"{round_s[threads]:.2f} s/step ({per_round[-1]:.1%})", file=sys.stderr, flush=True)
+        for lay in (layouts if i % 2 == 0 else layouts[::-1]):
+            step_times, losses[lay.name] = run_trainer(
+                data_dir, tmp / f"run_{i}_{len(round_s)}", processes=lay.processes, threads=lay.threads,
+                steps=steps, warmup=warmup, dtype=dtype, flags=lay.flags)
+            times[lay.name] += step_times
+            round_s[lay.name] = statistics.median(step_times)
+        per_round.append(round_s)
+        print(f"  real-trainer round {i + 1}/{rounds}: " + ", ".join(
+            f"{lay.name} ({lay.processes} x {lay.threads}) {round_s[lay.name]:.2f} s/step" for lay in layouts),
+            file=sys.stderr, flush=True)
     rows = []
-    low = precision.SHORT_NAMES[dtype]
-    for processes, name in ((1, f"train_ddp.py, {low} compiled"), (threads, f"torchrun train_ddp.py, {low} compiled")):
-        step_s = statistics.median(times[processes])
-        rows.append(Row(name, f"{processes} x {1 if processes > 1 else threads}", dtype, step_s,
-                        TOKENS_PER_STEP / step_s, first_loss=losses[processes]))
-    return rows[0], rows[1], per_round
+    for lay in layouts:
+        step_s = statistics.median(times[lay.name])
+        rows.append(Row(lay.name, f"{lay.processes} x {lay.threads}", dtype, step_s, TOKENS_PER_STEP / step_s,
+                        first_loss=losses[lay.name]))
+    return rows, per_round
 
 
 def table(rows: list[Row], cfg: RunConfig, peaks: Peaks) -> str:
@@ -246,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cores to use: 1 process x THREADS vs THREADS processes x 1")
     ap.add_argument("--ddp-rounds", type=int, default=2,
                     help="alternating runs of each DDP layout (A B, B A, ...): the load drifts between runs")
-    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: fp32,fp32c,v0,v1,bf16c,muon,ddp")
+    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: fp32,fp32c,v0,v1,bf16c,muon,ddp,muon-ddp")
     ap.add_argument("--md", type=Path, help="also write the Markdown report here")
     return ap
 
@@ -289,12 +302,19 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_in_process(contenders, dist, peaks, steps=args.steps, warmup=args.warmup)
         del contenders
         torch._dynamo.reset()
-        ddp = None
+        layouts = []
+        one, many = f"train_ddp.py, {low} compiled", f"torchrun train_ddp.py, {low} compiled"
+        many_muon = f"torchrun train_ddp.py, {low} compiled, --optimizer muon"
         if "ddp" not in skip and args.threads > 1:
-            one, many, per_round = run_ddp_pair(data, Path(tmp), threads=args.threads, steps=args.steps,
-                                                warmup=args.warmup, rounds=args.ddp_rounds, dtype=auto.dtype)
-            rows += [one, many]
-            ddp = many.tokens_per_s / one.tokens_per_s
+            layouts += [Layout(one, 1, args.threads), Layout(many, args.threads, 1)]
+        if "muon-ddp" not in skip and args.threads > 1:
+            layouts += [lay for lay in [Layout(many, args.threads, 1)] if lay not in layouts]
+            layouts.append(Layout(many_muon, args.threads, 1, ("--optimizer", "muon")))
+        per_round = []
+        if layouts:
+            real, per_round = run_alternating(data, Path(tmp), layouts, steps=args.steps, warmup=args.warmup,
+                                              rounds=args.ddp_rounds, dtype=auto.dtype)
+            rows += real
             peaks.measure()
     cfg = parse_config(base + ["--data-dir", "unused", "--out-dir", "unused"])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -321,11 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     if adamw_row is not None and f"{low} compiled, --optimizer muon" in by_name:
         cost = by_name[f"{low} compiled, --optimizer muon"].step_s / adamw_row.step_s - 1
         goals.append(f"--optimizer muon: {cost:+.1%} step time against AdamW's {adamw_row.name} row (goal < 10%)")
-    if ddp is not None:
-        goals.append(f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%); "
-                     f"median of all {args.ddp_rounds * args.steps} timed steps of each layout over "
-                     f"{args.ddp_rounds} alternating rounds (per round: "
-                     + ", ".join(f"{e:.1%}" for e in per_round) + ")")
+    timed = f"median of all {args.ddp_rounds * args.steps} timed steps of each over {args.ddp_rounds} alternating rounds"
+    if one in by_name and many in by_name:
+        ddp = by_name[many].tokens_per_s / by_name[one].tokens_per_s
+        goals.append(f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%); {timed} "
+                     "(per round: " + ", ".join(f"{r[one] / r[many]:.1%}" for r in per_round) + ")")
+    if many_muon in by_name:
+        cost = by_name[many_muon].step_s / by_name[many].step_s - 1
+        goals.append(f"--optimizer muon under torchrun ({args.threads} x 1, the orthogonalisation spread over "
+                     f"ranks): {cost:+.1%} step time against AdamW's (goal < 10%); {timed} (per round: "
+                     + ", ".join(f"{r[many_muon] / r[many] - 1:+.1%}" for r in per_round) + ")")
     report += "\n\n" + "\n".join(f"- {g}" for g in goals)
     print(report)
     if args.md:

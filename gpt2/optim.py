@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from gpt2.config import TrainConfig
+from gpt2.dist import Dist
 from gpt2.precision import cuda_native_bf16
 
 
@@ -88,7 +89,8 @@ def make_adamw(params, cfg: TrainConfig, device: torch.device, weight_decay: flo
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device, dist: Dist | None = None):
+    """The run's optimizer; `dist` (several ranks) spreads Muon's orthogonalisation over them (gpt2/muon.py)."""
     if cfg.optimizer == "adamw":
         return make_adamw(param_groups(model, cfg.weight_decay), cfg, device, cfg.weight_decay)
     from gpt2.muon import Muon
@@ -107,5 +109,5 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
                          cfg, device, cfg.weight_decay),
         muon=Muon([{"params": [p for _, p in muon], "lr_scale": cfg.muon_lr / cfg.lr}], lr=cfg.muon_lr,
                   momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay, nesterov=True,
-                  adjust_lr_fn="original", ns_dtype=ns_dtype),
+                  adjust_lr_fn="original", ns_dtype=ns_dtype, dist=dist),
     )

@@ -170,7 +170,7 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     # From here on each rank draws its own random numbers: with one seed for all, every rank would
     # drop out the same units (dropout > 0) and the ranks' noise would not average out.
     torch.manual_seed(tc.seed + dist.rank)
-    optimizer = make_optimizer(model, tc, dist.device)
+    optimizer = make_optimizer(model, tc, dist.device, dist)
     loader = TrainLoader(train_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
                          total_batch_size=tc.total_batch_size, rank=dist.rank, world_size=dist.world_size,
                          seed=tc.seed, device=dist.device, pin_memory=tc.pin_memory, order=tc.data_order)

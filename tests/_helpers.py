@@ -233,3 +233,37 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert a["loader"] == b["loader"]
     for ra, rb in zip(a["rng"], b["rng"], strict=True):
         assert torch.equal(ra["torch"], rb["torch"])
+
+
+MUON_SHAPES = [(96, 32), (32, 32), (32, 128), (64, 64), (48, 16)]
+
+
+def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype: torch.dtype) -> None:
+    """Three Muon steps on MUON_SHAPES with the same seeded gradients on every rank (as after DDP's
+    all-reduce), one thread; saves the parameters, the state and how many matrices this rank
+    orthogonalised."""
+    import torch.distributed as tdist
+
+    import gpt2.muon
+    from gpt2.dist import Dist
+
+    torch.set_num_threads(1)
+    calls = []
+    plain = gpt2.muon.newton_schulz
+    gpt2.muon.newton_schulz = lambda g, *a: calls.append(tuple(g.shape)) or plain(g, *a)
+    if world > 1:
+        tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(*s)) for s in MUON_SHAPES]
+        dist = Dist(rank, rank, world, world, torch.device("cpu"))
+        opt = gpt2.muon.Muon(params, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, dist=dist)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        torch.save({"params": [p.detach() for p in params], "state": opt.state_dict(), "calls": calls},
+                   f"{out}/rank{rank}.pt")
+    finally:
+        if world > 1:
+            tdist.destroy_process_group()

@@ -85,12 +85,14 @@ def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     assert names == ["fp32 eager", "fp32 compiled", f"{low} compiled, plain loss + for-loop AdamW",
                      f"{low} compiled, chunked loss + for-loop AdamW", *([f"{low} compiled"] if low != "fp32" else []),
                      f"{low} compiled, --optimizer muon",
-                     f"train_ddp.py, {low} compiled", f"torchrun train_ddp.py, {low} compiled"]
+                     f"train_ddp.py, {low} compiled", f"torchrun train_ddp.py, {low} compiled",
+                     f"torchrun train_ddp.py, {low} compiled, --optimizer muon"]
     losses = {float(r.strip("|").split("|")[-1]) for r in rows}
     assert all(10.5 < x < 11.2 for x in losses)  # random tokens: ~ln(50257) at step 1
     assert re.search(rf"- {low} compiled: MFU [\d.]+% \(goal >= 60%\)", out)
     assert re.search(r"- DDP efficiency 2 x 1 / 1 x 2: [\d.]+% \(goal >= 90%\)", out)
     assert re.search(rf"- --optimizer muon: [+-][\d.]+% step time against AdamW's {low} compiled row \(goal < 10%\)", out)
+    assert re.search(r"- --optimizer muon under torchrun \(2 x 1, .*\): [+-][\d.]+% step time against AdamW's", out)
     assert md.read_text().strip() == out.strip()
 
 

@@ -84,6 +84,28 @@ def test_newton_schulz_orthogonalises():
         assert o.shape == shape and 0.5 < s.min() and s.max() < 1.5  # U S' V^T with S' ~ 1
 
 
+@pytest.mark.parametrize("shape", [(384, 1152), (1536, 384), (128, 512)])
+def test_gram_form_is_the_same_iteration_with_fewer_flops(shape):
+    """fp32's Gram form against the plain iteration in fp64, on a gradient-like spectrum (singular
+    values over 4 decades): ~1e-5 apart, where torch's own bf16 iteration is ~1e-2 away."""
+    from gpt2.muon import ns_flops, use_gram_form
+
+    coefficients = (3.4445, -4.775, 2.0315)
+    torch.manual_seed(0)
+    u, s, v = torch.linalg.svd(torch.randn(*shape), full_matrices=False)
+    g = u @ torch.diag(s * torch.logspace(0, -4, s.numel())) @ v
+    wide = tuple(sorted(shape))
+    assert use_gram_form(wide, 5, torch.float32)
+    assert not use_gram_form(wide, 5, torch.bfloat16) and not use_gram_form((384, 384), 5, torch.float32)
+    exact = newton_schulz(g, coefficients, 5, 1e-7, torch.float64)  # fp64: the plain loop
+    gram = newton_schulz(g, coefficients, 5, 1e-7, torch.float32)
+    assert gram.shape == g.shape and gram.dtype == torch.float32
+    assert (gram.double() - exact).abs().max() < 1e-4
+    assert (newton_schulz(g, coefficients, 5, 1e-7, torch.bfloat16).double() - exact).abs().max() > 1e-3
+    m, n = wide
+    assert ns_flops(shape, 5, torch.float32) < 0.75 * ns_flops(shape, 5, torch.float64) == 0.75 * 5 * (2 * m * m * n + m ** 3)
+
+
 def test_planner_counts_muons_state_as_allocated():
     from gpt2.plan import optimizer_bytes
 
@@ -183,3 +205,40 @@ def test_newton_schulz_dtype_follows_the_runs_agreed_dtype_not_a_per_rank_measur
     for dtype, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float32)):
         opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer="muon", dtype=dtype), CPU)
         assert opt.optimizers["muon"].ns_dtype == expected
+
+
+def test_owners_balance_the_iterations_flops_and_are_the_same_table_everywhere():
+    from gpt2.muon import ns_flops, owners
+
+    shapes = [(1152, 384), (384, 384), (1536, 384), (384, 1536)] * 6  # the medium shape's six blocks
+    assert owners(shapes, 1) == [0] * 24
+    for world in (2, 3, 8):
+        table = owners(shapes, world)
+        assert table == owners(list(shapes), world) and set(table) == set(range(world))
+        load = [sum(ns_flops(s, 5, torch.float32) for s, r in zip(shapes, table) if r == rank) for rank in range(world)]
+        assert max(load) - min(load) <= max(ns_flops(s, 5, torch.float32) for s in shapes)  # within one matrix
+    assert owners([(8, 8)], 4) == [0]  # more ranks than matrices: the rest own nothing
+
+
+@pytest.mark.parametrize("world,ns_dtype", [(3, torch.float32), (2, torch.bfloat16)])
+def test_spread_orthogonalisation_is_bitwise_the_single_process_step(tmp_path, world, ns_dtype):
+    """Each rank orthogonalises only the matrices it owns and receives the rest: the parameters and
+    momentum are bit for bit what one process computes, on every rank."""
+    import torch.multiprocessing as mp
+
+    from _helpers import MUON_SHAPES, muon_spread_worker
+    from gpt2.muon import owners
+
+    for w in (1, world):
+        (tmp_path / str(w)).mkdir()
+        mp.spawn(muon_spread_worker, args=(w, str(tmp_path / f"pg{w}"), str(tmp_path / str(w)), ns_dtype), nprocs=w)
+    ref = torch.load(tmp_path / "1" / "rank0.pt")
+    assert len(ref["calls"]) == 3 * len(MUON_SHAPES)
+    table = owners(MUON_SHAPES, world)
+    for rank in range(world):
+        got = torch.load(tmp_path / str(world) / f"rank{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"])), rank
+        for i in range(len(MUON_SHAPES)):
+            assert torch.equal(got["state"]["state"][i]["momentum_buffer"], ref["state"]["state"][i]["momentum_buffer"])
+        mine = sorted(s for s, r in zip(MUON_SHAPES, table) if r == rank)
+        assert sorted(got["calls"]) == sorted(mine * 3) and 0 < len(mine) < len(MUON_SHAPES)  # its share only
