@@ -154,7 +154,7 @@ def test_two_ranks_equal_one_rank_with_accumulation_under_muon(tmp_path, shakesp
     assert a[8] < a[1] - 0.1
 
 
-def test_kill_9_and_resume_with_muon_is_bitwise_and_adamw_flag_is_refused(tmp_path, shakespeare_shards):
+def test_kill_9_and_resume_with_muon_is_bitwise_continues_on_one_rank_and_adamw_flag_is_refused(tmp_path, shakespeare_shards):
     flags = [*tiny_run_flags(shakespeare_shards, max_steps=8, ckpt_interval=3), *MUON]
     ref = run([*flags, "--out-dir", str(tmp_path / "ref")], nproc=2, log_dir=tmp_path / "ref_log")
     assert ref.proc.returncode == 0, ref.output()
@@ -174,6 +174,17 @@ def test_kill_9_and_resume_with_muon_is_bitwise_and_adamw_flag_is_refused(tmp_pa
                          "--out-dir", str(run_dir)])
     assert again.returncode == 2 and "trained with --optimizer muon" in again.stderr, again.stderr
     assert max(losses(run_dir)) == 8
+    # The 2-rank step-3 checkpoint continued on one process (2 accumulation steps, no spreading).
+    other = tmp_path / "other" / "checkpoints"
+    other.mkdir(parents=True)
+    for suffix in (".pt", ".json"):
+        (other / f"step_00000003{suffix}").write_bytes((tmp_path / "ref" / "checkpoints" / f"step_00000003{suffix}").read_bytes())
+    one = run_trainer([*flags, "--out-dir", str(other.parent)])
+    assert one.returncode == 0 and "resume: world size 2 -> 1" in one.stdout, one.stderr
+    got, want = losses(other.parent), losses(tmp_path / "ref")
+    assert sorted(got) == list(range(4, 9))
+    for step in got:
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
 
 
 def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, shakespeare_shards, monkeypatch):
