@@ -60,8 +60,10 @@ def _gram_form(x: Tensor, coefficients: tuple[float, float, float], steps: int) 
     M A M^T = M (M A). So the iterates are x_k = R_k x_0 with R_k = M_{k-1} ... M_0, and x_0 is
     multiplied only twice (A_0 and R x_0): 2 m^2 n + (4 steps - 3) m^3 multiply-adds instead of
     steps (2 m^2 n + m^3). Exact in exact arithmetic; in fp32 it is within ~1e-5 of the fp64
-    iteration (tested), against ~1e-2 for torch's own bf16 iteration. Not used in 16-bit: errors in
-    A then grow through the products (Dao AI Lab's Gram Newton-Schulz needs restarts there).
+    iteration (tested), against ~1e-2 for torch's own bf16 iteration. This is "Gram Newton-Schulz"
+    (Amsel, Chen, Dao, Zhang, 2026: tridao.me/blog/2026/gram-newton-schulz), who find that in half
+    precision rounding gives A spurious negative eigenvalues that the products amplify, and restart
+    the iteration from x to stabilise it; we use it only in fp32 and keep torch's loop in 16-bit.
     """
     a, b, c = coefficients
     gram = x @ x.T
