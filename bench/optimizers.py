@@ -104,14 +104,15 @@ def steps_to_reach(val: dict[int, float], target: float) -> int | None:
     return next((s for s in sorted(val) if val[s] <= target), None)
 
 
-def report(runs: list[dict], shape: str) -> tuple[list[str], dict | None]:
+def report(runs: list[dict], shape: str) -> list[str]:
     mine = [r for r in runs if r["shape"] == shape]
-    adamw = [r for r in mine if r["optimizer"] == "adamw"]
+    adamw = sorted((r for r in mine if r["optimizer"] == "adamw"), key=lambda r: r["lr"])
     if not adamw:
-        return [], None
+        return []
     final = {id(r): r["val"][str(r["steps"])] for r in mine}
     best_a = min(adamw, key=lambda r: final[id(r)])
-    muon = [r for r in mine if r["optimizer"] == "muon" and r["lr"] == best_a["lr"]]  # Muon beside AdamW's best
+    muon = sorted((r for r in mine if r["optimizer"] == "muon" and r["lr"] == best_a["lr"]),  # beside AdamW's best
+                  key=lambda r: r["muon_lr"])
     best_m = min(muon, key=lambda r: final[id(r)]) if muon else None
     names = [f"AdamW lr {r['lr']:g}" for r in adamw] + [f"Muon {r['muon_lr']:g} (AdamW part {r['lr']:g})" for r in muon]
     cols = adamw + muon
@@ -126,7 +127,6 @@ def report(runs: list[dict], shape: str) -> tuple[list[str], dict | None]:
             text = "" if v is None else f"{v:.4f}"
             cells.append(f"**{text}**" if r in (best_a, best_m) and s == r["steps"] else text)
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    summary = None
     if best_m is not None:
         target = final[id(best_a)]
         reached = steps_to_reach({int(k): v for k, v in best_m["val"].items()}, target)
@@ -135,12 +135,12 @@ def report(runs: list[dict], shape: str) -> tuple[list[str], dict | None]:
         lines += ["", f"- best AdamW: lr {best_a['lr']:g}, final val {target:.4f} at step {best_a['steps']}; "
                       f"{best_a['step_s']:.3f} s/step",
                   f"- best Muon: muon-lr {best_m['muon_lr']:g}, final val {final[id(best_m)]:.4f}; "
-                  f"{best_m['step_s']:.3f} s/step ({cost:+.1%} step time)",
+                  f"{best_m['step_s']:.3f} s/step ({cost:+.1%}; runs at different moments, so only rough: "
+                  "bench/train_throughput.py measures the cost side by side)",
                   "- steps for Muon to reach AdamW's final val loss: "
                   + (f"{reached} of {best_a['steps']} = **{ratio:.2f}x** (goal <= 0.75x)" if reached is not None
                      else f"not reached within {best_m['steps']} steps")]
-        summary = {"shape": shape, "ratio": ratio, "cost": cost}
-    return lines, summary
+    return lines
 
 
 def plot(runs: list[dict], path: Path) -> bool:
@@ -153,7 +153,8 @@ def plot(runs: list[dict], path: Path) -> bool:
     shapes = sorted({r["shape"] for r in runs}, key=list(SHAPES).index)
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        for r in (r for r in runs if r["shape"] == shape):
+        for r in sorted((r for r in runs if r["shape"] == shape),
+                        key=lambda r: (r["optimizer"], r["lr"], r["muon_lr"] or 0)):
             xs = sorted(int(s) for s in r["val"])
             label = f"AdamW {r['lr']:g}" if r["optimizer"] == "adamw" else f"Muon {r['muon_lr']:g}"
             ax.plot(xs, [r["val"][str(x)] for x in xs], label=label,
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"validation loss by step (tinyshakespeare by paragraph, fp32, torch {torch.__version__}); "
              f"command: python bench/optimizers.py " + " ".join(sys.argv[1:] if argv is None else argv), ""]
     for shape in shapes:
-        table, _ = report(selected, shape)
+        table = report(selected, shape)
         lines += table + [""]
     emit("\n".join(lines).rstrip(), args.md)
     if args.plot:
