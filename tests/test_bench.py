@@ -105,7 +105,7 @@ def test_optimizers_bench_prints_the_table_and_the_steps_ratio_and_reuses_finish
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["0", "2", "4"]
     assert re.search(r"- steps for Muon to reach AdamW's final val loss: (\d+ of 4 = \*\*[\d.]+x\*\*|not reached)", out)
-    assert re.search(r"- best Muon: muon-lr 0.02, final val [\d.]+; [\d.]+ s/step \([+-][\d.]+% step time\)", out)
+    assert re.search(r"- best Muon: muon-lr 0.02, final val [\d.]+; [\d.]+ s/step \([+-][\d.]+%; runs at different", out)
     import json
     assert len(json.loads(results.read_text())) == 3
     again = run_bench(*args, timeout=120)  # every run is in the results file: nothing is trained again
@@ -133,3 +133,13 @@ def test_optimizer_sweeps_go_past_an_edge_while_the_best_lr_is_there():
     assert sweep([1e-3, 2e-3], bowl(1e-4), extend=2) == 2.5e-4 and tried == [1e-3, 2e-3, 5e-4, 2.5e-4]
     tried = []
     assert sweep([1e-3, 2e-3], bowl(1e-4), extend=0) == 1e-3 and tried == [1e-3, 2e-3]
+
+
+def test_muon_step_bench_times_both_optimizers_and_both_iterations():
+    out = run_bench("bench/muon_step.py", "--reps", "1", timeout=300)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "optimizer.step()" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "adamw (fused)", "muon, Gram-form Newton-Schulz (default in fp32)", "muon, plain Newton-Schulz"]
+    seconds = [float(r.split("|")[2]) for r in rows]
+    assert all(s > 0 for s in seconds) and seconds[1] > seconds[0]  # Newton-Schulz is real work
+    assert re.search(r"a training step of 4,096 tokens is [\d.]+ s at that peak", out)

@@ -1,0 +1,75 @@
+"""The optimizer step alone: AdamW against Muon (Gram-form and plain Newton-Schulz), side by side.
+
+    python bench/muon_step.py            # ~1 minute on 2 cores
+
+A whole training step on a shared 2-core machine varies by 10-30% from step to step (another tenant's
+load), more than Muon's cost, so bench/train_throughput.py's Muon rows need many steps to resolve it.
+Muon's extra work is all in optimizer.step(), which this times directly, alternately (A B C, A B C, ...)
+so that the three share the load: the model is bench/train_throughput.py's workload (6 layers, 384
+wide, vocab 50304, fp32), its gradients random. The extra time is then compared with the FLOPs of a
+training step of that workload at 4,096 tokens, through the matmul peak measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import gpt2.muon
+from gpt2 import precision
+from gpt2.config import ModelConfig, TrainConfig
+from gpt2.flops import flops_per_token
+from gpt2.model import GPT
+from gpt2.optim import make_optimizer
+
+TOKENS_PER_STEP = 4096
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=9, help="timed steps of each (median)")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    mc = ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=50304)
+    model = GPT(mc)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opts = {kind: make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer=kind, dtype="float32"),
+                                 torch.device("cpu")) for kind in ("adamw", "muon")}
+    gram = gpt2.muon.use_gram_form
+
+    def step(name: str) -> float:
+        gpt2.muon.use_gram_form = gram if name != "muon, plain Newton-Schulz" else (lambda *a: False)
+        t0 = time.perf_counter()
+        opts["muon" if name.startswith("muon") else "adamw"].step()
+        return time.perf_counter() - t0
+
+    names = ["adamw (fused)", "muon, Gram-form Newton-Schulz (default in fp32)", "muon, plain Newton-Schulz"]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    with torch.no_grad():
+        for i in range(args.reps + 1):  # the first round allocates the optimizers' state
+            for n in names:
+                dt = step(n)
+                if i:
+                    times[n].append(dt)
+    gpt2.muon.use_gram_form = gram
+    peak = precision.matmul_rate("cpu", torch.float32, n=2048, budget_s=1.0, fresh=True)
+    train_s = flops_per_token(mc) * TOKENS_PER_STEP / peak  # the training step's FLOPs at the peak rate
+    adamw = statistics.median(times[names[0]])
+    print(f"command: python bench/muon_step.py {' '.join(sys.argv[1:] if argv is None else argv)}\n"
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; "
+          f"a training step of {TOKENS_PER_STEP:,} tokens is {train_s:.2f} s at that peak\n")
+    print("| optimizer.step() | s (median of %d) | extra over AdamW, as a share of a training step at peak |" % args.reps)
+    print("|---|---:|---:|")
+    for n in names:
+        s = statistics.median(times[n])
+        print(f"| {n} | {s:.3f} | {(s - adamw) / train_s:+.1%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
