@@ -1,6 +1,7 @@
 """The optimizer step alone: AdamW against Muon (Gram-form and plain Newton-Schulz), side by side.
 
     python bench/muon_step.py            # ~1 minute on 2 cores
+    python bench/muon_step.py --small --bf16   # 4 layers, 128 wide, plus torch's own bf16 iteration
 
 A whole training step on a shared 2-core machine varies by 10-30% from step to step (another tenant's
 load), more than Muon's cost, so bench/train_throughput.py's Muon rows need many steps to resolve it.
@@ -32,9 +33,13 @@ TOKENS_PER_STEP = 4096
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=9, help="timed steps of each (median)")
+    ap.add_argument("--small", action="store_true", help="the 4-layer, 128-wide model (block 64) instead")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also time the iteration in bf16, as torch.optim.Muon runs it (slow where bf16 is emulated)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    mc = ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=50304)
+    mc = (ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=50304) if args.small
+          else ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=50304))
     model = GPT(mc)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
@@ -44,11 +49,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(name: str) -> float:
         gpt2.muon.use_gram_form = gram if name != "muon, plain Newton-Schulz" else (lambda *a: False)
+        opts["muon"].optimizers["muon"].ns_dtype = torch.bfloat16 if "bf16" in name else torch.float32
         t0 = time.perf_counter()
         opts["muon" if name.startswith("muon") else "adamw"].step()
         return time.perf_counter() - t0
 
     names = ["adamw (fused)", "muon, Gram-form Newton-Schulz (default in fp32)", "muon, plain Newton-Schulz"]
+    names += ["muon, bf16 Newton-Schulz (torch.optim.Muon's)"] if args.bf16 else []
     times: dict[str, list[float]] = {n: [] for n in names}
     with torch.no_grad():
         for i in range(args.reps + 1):  # the first round allocates the optimizers' state

@@ -2,8 +2,8 @@
 
 torch 2.13's Muon always orthogonalises in bfloat16. That is right on GPUs and on CPUs with native
 bf16 matmuls, but where bf16 is emulated (AVX2-only CPUs) it makes a Muon step of the 4-layer,
-128-wide model take 0.92 s instead of 0.05 s in fp32, far more than the training step itself
-(measured: `python bench/optimizers.py --ns-cost`). This subclass keeps torch's parameter groups,
+128-wide model take 0.90 s instead of 0.035 s in fp32, far more than the training step itself
+(`python bench/muon_step.py --small --bf16`). This subclass keeps torch's parameter groups,
 hyper-parameters and state (one `momentum_buffer` per matrix, so checkpoints are torch's format) and
 its update, term for term; only the dtype of the iteration is a parameter. With ns_dtype=bfloat16 it
 computes exactly what torch.optim.Muon computes (tested bitwise). In fp32, a wide matrix's
@@ -77,19 +77,21 @@ def _gram_form(x: Tensor, coefficients: tuple[float, float, float], steps: int) 
     return r @ x
 
 
+def _multiply_adds(m: int, n: int, steps: int, gram: bool) -> int:
+    return 2 * m * m * n + (4 * steps - 3) * m ** 3 if gram else steps * (2 * m * m * n + m ** 3)
+
+
 def ns_flops(shape: tuple[int, ...], steps: int, dtype: torch.dtype) -> int:
     """Multiply-adds of newton_schulz on a matrix of this shape."""
     m, n = sorted(shape)
-    if use_gram_form((m, n), steps, dtype):
-        return 2 * m * m * n + (4 * steps - 3) * m ** 3
-    return steps * (2 * m * m * n + m ** 3)
+    return _multiply_adds(m, n, steps, use_gram_form((m, n), steps, dtype))
 
 
 def use_gram_form(wide: tuple[int, int], steps: int, dtype: torch.dtype) -> bool:
     """fp32 (where it is accurate) and fewer multiply-adds: n > 1.5 m for 5 steps (the MLP's matrices
     and the stacked qkv, not the square attention projection)."""
     m, n = wide
-    return dtype == torch.float32 and 2 * m * m * n + (4 * steps - 3) * m ** 3 < steps * (2 * m * m * n + m ** 3)
+    return dtype == torch.float32 and _multiply_adds(m, n, steps, True) < _multiply_adds(m, n, steps, False)
 
 
 def owners(shapes: list[tuple[int, ...]], world_size: int, steps: int = 5,
@@ -135,7 +137,7 @@ class Muon(torch.optim.Muon):
                     if world == 1:  # apply at once: one matrix's update alive at a time
                         self._apply(group, params[i], ortho[i], lr)
                         ortho[i] = None
-            for src in range(world if world > 1 else 0):
+            for src in range(world) if world > 1 else ():
                 mine = [i for i in range(len(params)) if owner[i] == src]
                 if not mine:
                     continue

@@ -143,3 +143,7 @@ def test_muon_step_bench_times_both_optimizers_and_both_iterations():
     seconds = [float(r.split("|")[2]) for r in rows]
     assert all(s > 0 for s in seconds) and seconds[1] > seconds[0]  # Newton-Schulz is real work
     assert re.search(r"a training step of 4,096 tokens is [\d.]+ s at that peak", out)
+    small = run_bench("bench/muon_step.py", "--small", "--bf16", "--reps", "1", timeout=300)
+    bf16 = next(line for line in small.splitlines() if line.startswith("| muon, bf16 Newton-Schulz"))
+    assert float(bf16.split("|")[2]) > 0
+    assert re.search(r"a training step of 4,096 tokens is [\d.]+ s", small)
