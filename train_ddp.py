@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=8 train_ddp.py --preset gpt2 --data-dir DIR --out-dir RUN
     python train_ddp.py --preset debug --data-dir DIR --out-dir RUN --device cpu
+    python train_ddp.py --preset gpt2 --data-dir DIR --out-dir RUN --dry-run --world-size 32 --gpu A100-40GB
 
 Exit codes:
     0  done; or, under torchrun, stopped by SIGTERM/SIGUSR1 after a checkpoint (see below)
@@ -24,13 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import DistError
 
     from gpt2.checkpoint import CheckpointError
-    from gpt2.cli import parse_config
+    from gpt2.cli import parse_command
     from gpt2.dist import CollectiveError, resolve_device, setup, teardown, world_from_env
     from gpt2.preempt import EXIT_REQUEUE, stop_exit_code
     from gpt2.shards import ShardError
     from gpt2.trainer import NonFiniteError, check_data, train
 
-    cfg = parse_config(argv)  # exits 2 with a message on bad flags or values
+    cfg, rehearsal = parse_command(argv)  # exits 2 with a message on bad flags or values
+    if rehearsal is not None:
+        return dry_run(cfg, rehearsal)
     dist = None
     try:
         info = world_from_env()
@@ -68,6 +71,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         teardown(dist)
+
+
+def dry_run(cfg, rehearsal) -> int:
+    """--dry-run (gpt2/dryrun.py): 0, or 2 with the one-line error a real run would stop with."""
+    from gpt2.dist import world_from_env
+    from gpt2.dryrun import rehearse
+
+    main_rank = world_from_env().rank == 0  # under torchrun every rank rehearses, rank 0 prints
+    try:
+        return rehearse(cfg, rehearsal, out=print if main_rank else (lambda *_: None))
+    except ValueError as e:  # ShardError and CheckpointError are ValueErrors too
+        if main_rank:
+            print(f"train_ddp.py: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

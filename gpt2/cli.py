@@ -2,6 +2,10 @@
 
 Precedence: dataclass defaults < --preset < --config FILE.toml < flags. Nothing here touches
 torch.distributed: a bad flag or value fails before any process group starts.
+
+--dry-run and the flags that only make sense with it (--world-size, --nproc-per-node, --gpu,
+--gpu-memory-gb, --gpu-peak-tflops) are not config fields: they say where to rehearse the run
+(gpt2/dryrun.py), and parse_command returns them beside the RunConfig.
 """
 
 from __future__ import annotations
@@ -17,6 +21,22 @@ import typing
 from pathlib import Path
 
 from gpt2.config import MODEL_PRESETS, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rehearsal:
+    """train_ddp.py --dry-run: where to rehearse the run (gpt2/dryrun.py)."""
+    world_size: int | None = None
+    """Ranks of the hypothetical run; None: this launch's (torchrun's WORLD_SIZE, else 1)."""
+    nproc_per_node: int | None = None
+    """Ranks per node; None: all on one node (CPU), up to 8 per node (GPU)."""
+    gpu: str | None = None
+    """A GPU of the planner's table, instead of this machine's device."""
+    gpu_memory_gb: float | None = None
+    gpu_peak_tflops: float | None = None
+
+    @property
+    def hypothetical_gpu(self) -> bool:
+        return self.gpu is not None or self.gpu_memory_gb is not None
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -93,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kwargs.update(type=typ, metavar=typ.__name__.upper())
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    rehearsal = parser.add_argument_group(
+        "rehearsal", "--dry-run goes through everything up to the first step (config, precision, memory plan, "
+        "micro-batch, accumulation, each rank's first windows, checkpoint size, resume decision), prints it and "
+        "exits 0, or 2 with the error a real run would give; no process group, no weights. The other flags "
+        "here need --dry-run")
+    rehearsal.add_argument("--dry-run", action="store_true", help="rehearse the run, then exit")
+    rehearsal.add_argument("--world-size", type=int, metavar="N", help="ranks of the rehearsed run")
+    rehearsal.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per node of the rehearsed run")
+    rehearsal.add_argument("--gpu", metavar="NAME", help="rehearse on this GPU of python -m gpt2.plan's table, "
+                           "e.g. A100-40GB, H100-80GB, RTX4090-24GB")
+    rehearsal.add_argument("--gpu-memory-gb", type=float, metavar="GIB", help="or a GPU with this much memory")
+    rehearsal.add_argument("--gpu-peak-tflops", type=float, metavar="TFLOPS", help="and this peak in the run's dtype")
     return parser
 
 
@@ -145,12 +177,37 @@ def _split_file_values(data: dict, path: str) -> dict[str, dict]:
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
     """Parse the command line into a validated RunConfig (raises SystemExit(2) on bad input)."""
+    return parse_command(argv)[0]
+
+
+def parse_command(argv: list[str] | None = None) -> tuple[RunConfig, Rehearsal | None]:
+    """The RunConfig, and the Rehearsal under --dry-run (else None). SystemExit(2) on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return resolve(args)
+        return resolve(args), rehearsal_of(args)
     except ValueError as e:
         parser.exit(2, f"train_ddp.py: error: {e}\n")
+
+
+def rehearsal_of(args: argparse.Namespace) -> Rehearsal | None:
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Rehearsal) if getattr(args, f.name) is not None}
+    if not args.dry_run:
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise ValueError(f"{flags} only rehearse a run: add --dry-run (a real run takes its world size from "
+                             "torchrun and its device from the machine)")
+        return None
+    r = Rehearsal(**given)
+    for name in ("world_size", "nproc_per_node", "gpu_memory_gb", "gpu_peak_tflops"):
+        if getattr(r, name) is not None and not getattr(r, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(r, name)} must be > 0")
+    if r.nproc_per_node is not None and r.world_size is not None and r.world_size % r.nproc_per_node:
+        raise ValueError(f"--world-size {r.world_size} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
+                         "every node runs the same number of ranks")
+    if r.gpu_peak_tflops is not None and r.gpu is None and r.gpu_memory_gb is None:
+        raise ValueError("--gpu-peak-tflops needs --gpu-memory-gb (or --gpu): the planner needs the memory")
+    return r
 
 
 def resolve(args: argparse.Namespace) -> RunConfig:

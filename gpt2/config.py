@@ -288,20 +288,33 @@ class RunConfig:
         return cls(ModelConfig(**d["model"]), TrainConfig(**d["train"]))
 
 
-# Training presets: model shape plus the training recipe that goes with it.
+# Training presets: model shape plus the training recipe that goes with it. The GPU presets' micro-batch
+# is "auto": the largest the planner (gpt2/plan.py) says fits the device and divides the global batch at
+# the run's world size. A fixed number cannot be right everywhere: 64 x 1024 x W divides 524,288 only
+# for W <= 8, and 64 sequences of gpt2 do not fit a 24 GB or 40 GB card. `python -m gpt2.plan --preset X`
+# reads the same table, so the planner and the trainer plan the same run.
 TRAIN_PRESETS: dict[str, dict] = {
-    # GPT-2 124M on one 8xA100 node: 524,288 tokens/step (64 x 1024 x 8 ranks, no accumulation),
-    # 10B tokens, max lr 6e-4 with 715 warmup steps and cosine decay to 10%.
-    "gpt2": dict(micro_batch_size=64, total_batch_size=524_288, max_steps=19_073, lr=6e-4, min_lr=6e-5,
+    # GPT-2 124M: 524,288 tokens/step (on 8 A100-80GB: 64 x 1024 x 8 ranks, no accumulation), 10B
+    # tokens, max lr 6e-4 with 715 warmup steps and cosine decay to 10%.
+    "gpt2": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=6e-4, min_lr=6e-5,
                  warmup_steps=715),
-    "gpt2-medium": dict(micro_batch_size=32, total_batch_size=524_288, max_steps=19_073, lr=3e-4,
+    "gpt2-medium": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=3e-4,
                         min_lr=3e-5, warmup_steps=715),
-    "gpt2-large": dict(micro_batch_size=16, total_batch_size=524_288, max_steps=19_073, lr=2.5e-4,
+    "gpt2-large": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=2.5e-4,
                        min_lr=2.5e-5, warmup_steps=715),
-    "gpt2-xl": dict(micro_batch_size=8, total_batch_size=524_288, max_steps=19_073, lr=2e-4, min_lr=2e-5,
+    "gpt2-xl": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=2e-4, min_lr=2e-5,
                     warmup_steps=715),
     # Trains in minutes on 2 CPU cores: 8 x 128 tokens per rank, 2,048 tokens per step.
     "debug": dict(micro_batch_size=8, total_batch_size=2048, max_steps=150, lr=1e-3, min_lr=1e-4,
                   warmup_steps=20, eval_interval=50, eval_tokens=8192, sample_interval=100,
                   log_interval=10, ckpt_interval=50, compile=False),
 }
+
+
+def describe_model(cfg: ModelConfig) -> str:
+    """The preset a shape is (e.g. 'gpt2-xl'), else its shape fields: how errors name the model."""
+    for name, shape in MODEL_PRESETS.items():
+        if ModelConfig(**shape) == cfg:
+            return name
+    return (f"the model n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
+            f"block_size={cfg.block_size}")

@@ -1,7 +1,10 @@
 """Memory and compute planner: will this model train on this hardware, and how long will it take?
 
-    python -m gpt2.plan --preset gpt2 --micro-batch-size 16 --world-size 8 --gpu A100-40GB \\
-        --total-batch-size 524288 --tokens 10e9
+    python -m gpt2.plan --preset gpt2 --world-size 8 --gpu A100-40GB
+
+plans the run `train_ddp.py --preset gpt2` makes on 8 such GPUs: the training preset's global batch
+and budget (gpt2/config.py TRAIN_PRESETS) and its micro-batch (auto: the largest that fits and
+divides); --micro-batch-size, --total-batch-size and --tokens override them.
 
 Memory is per GPU, counted from what this code base actually keeps alive (checked against the
 CPU allocator in tests/test_plan.py):
@@ -30,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2.config import MODEL_PRESETS, ModelConfig, count_params_formula, model_preset
+from gpt2.config import (MODEL_PRESETS, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig, count_params_formula,
+                         describe_model, model_preset)
 from gpt2.flops import flops_per_token, gpu_table_peak, param_count
 from gpt2.precision import SHORT_NAMES
 
@@ -48,6 +52,10 @@ GPUS: dict[str, tuple[float, str]] = {
     "A100-80GB": (79.1 * GIB, "NVIDIA A100-SXM4-80GB"),
     "H100-80GB": (79.1 * GIB, "NVIDIA H100 80GB HBM3"),
     "H200": (139.8 * GIB, "NVIDIA H200"),
+    # A 24 GB card. 23.99 GiB is what CUDA reports as its total memory ("NVIDIA GeForce RTX 4090 (sm_89,
+    # 22.434 GiB / 23.988 GiB available)", github.com/pc2/GPUInspector.jl/issues/11); its peak is the Ada
+    # whitepaper's FP32-accumulate rate in gpt2/flops.py (165 TFLOP/s bf16).
+    "RTX4090-24GB": (23.99 * GIB, "NVIDIA GeForce RTX 4090"),
 }
 
 
@@ -75,6 +83,27 @@ def gpu_hardware(name: str, dtype: str) -> Hardware:
     memory, sheet_name = GPUS[name]
     peak = gpu_table_peak(sheet_name, _torch_dtype(dtype), tf32=dtype == "tf32")
     return Hardware(name=name, memory_bytes=int(memory), peak_flops=peak)
+
+
+def custom_hardware(gpu: str | None, dtype: str, *, memory_gb: float | None = None,
+                    peak_tflops: float | None = None) -> Hardware:
+    """--gpu NAME and/or --gpu-memory-gb/--gpu-peak-tflops (which override the named GPU's figures):
+    the device `python -m gpt2.plan` and `train_ddp.py --dry-run` plan for."""
+    if gpu is None and memory_gb is None:
+        raise ValueError("name a GPU (--gpu, one of " + ", ".join(GPUS) + ") or give --gpu-memory-gb")
+    if memory_gb is not None and not memory_gb > 0 or peak_tflops is not None and not peak_tflops > 0:
+        raise ValueError(f"--gpu-memory-gb {memory_gb} and --gpu-peak-tflops {peak_tflops} must be > 0")
+    hw = gpu_hardware(gpu, dtype) if gpu is not None else Hardware(name="custom", memory_bytes=0, peak_flops=None)
+    return dataclasses.replace(
+        hw, name="custom" if memory_gb is not None else hw.name,
+        memory_bytes=int(memory_gb * GIB) if memory_gb is not None else hw.memory_bytes,
+        peak_flops=peak_tflops * 1e12 if peak_tflops is not None else hw.peak_flops)
+
+
+def gpu_native_bf16(gpu: str | None) -> bool:
+    """Whether a GPUS entry has bf16 tensor cores (its data sheet lists a bf16 peak); a custom GPU
+    (None) is assumed to be Ampere or newer, like every GPU a GPT-2 run is planned on today."""
+    return gpu is None or gpu_table_peak(GPUS[gpu][1], torch.bfloat16) is not None
 
 
 def plan_dtype(train_dtype: str, *, tf32: bool = False) -> str:
@@ -370,17 +399,48 @@ def auto_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *,
                           total_batch_size: int, dtype: str, optimizer: str = "adamw") -> int:
     """--micro-batch-size auto: the largest micro-batch that fits (max_micro_batch_size) and divides
     the global batch, so that accumulation stays a whole number of micro-steps."""
-    per_seq = seq_len * world_size
-    if total_batch_size % per_seq:
-        raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of block_size*world_size="
-                         f"{per_seq}, so no micro-batch divides it; choose a multiple of {per_seq}")
+    from gpt2.schedule import grad_accum_steps
+
+    grad_accum_steps(total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
     fits = max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer)
-    seqs = total_batch_size // per_seq  # sequences per rank per optimizer step
-    best = max((b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0), default=0)
-    if best == 0:
-        raise ValueError(f"not even micro_batch_size=1 fits in {_gib(hardware.memory_bytes)} ({hardware.name}): "
-                         "use a smaller model, a shorter block_size, bf16, or more memory per device")
-    return best
+    if fits == 0:
+        raise ValueError(does_not_fit(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer))
+    seqs = total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
+    return max(b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0)
+
+
+def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int, dtype: str,
+                 optimizer: str = "adamw") -> str:
+    """The one message for a model that cannot train even one sequence per device: which model, where,
+    what it needs against what there is, and what to change."""
+    one = memory(cfg, 1, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type,
+                 device_memory=hardware.memory_bytes, optimizer=optimizer)
+    usable = hardware.memory_bytes - hardware.reserve_bytes
+    options = ["a smaller model (a smaller --preset or --n-layer/--n-embd)", "a shorter --block-size"]
+    if dtype not in AUTOCAST_DTYPES:
+        options.append("--dtype bfloat16 (or auto on a GPU with bf16)")
+    options.append("a device with more memory")
+    return (f"{describe_model(cfg)} does not fit on {hardware.name} ({_gib(hardware.memory_bytes)}) with DDP at "
+            f"world size {world_size}: micro_batch_size=1 needs {_gib(one.total)} per device ({_gib(one.static)} of "
+            f"weights, gradients and {optimizer} state, which DDP keeps whole on every rank, however many) but "
+            f"{_gib(usable)} is usable ({_gib(hardware.reserve_bytes)} reserved); use " + ", ".join(options[:-1])
+            + f" or {options[-1]}")
+
+
+def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int | None = None,
+             mfu: float = 0.4) -> Plan:
+    """The plan of a training run: what the trainer logs at start-up, `train_ddp.py --dry-run` prints and
+    `python -m gpt2.plan --preset X` shows, from one RunConfig. cfg.train.dtype is resolved (not auto);
+    micro_batch_size may be auto (auto_micro_batch_size); tokens default to max_steps x total_batch_size."""
+    tc = cfg.train
+    dtype = plan_dtype(tc.dtype, tf32=tc.tf32 and hardware.device_type == "cuda")
+    mb = tc.micro_batch_size
+    if mb == "auto":
+        mb = auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
+                                   total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer)
+    return plan(cfg.model, micro_batch_size=mb, hardware=hardware, world_size=world_size, dtype=dtype,
+                total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer,
+                tokens=tc.max_steps * tc.total_batch_size if tokens is None else tokens)
 
 
 def measured_peak_bytes(fn, device: torch.device | str) -> int:
@@ -426,14 +486,13 @@ def check_fits(p: Plan) -> None:
     if p.memory.total <= p.hardware.memory_bytes:
         return
     if p.max_micro_batch_size == 0:
-        fix = ("not even micro_batch_size=1 fits: use a smaller model, a shorter block_size, "
-               "bf16, or more memory per device")
-    else:
-        b = p.max_micro_batch_size
-        fix = f"use --micro-batch-size {b} or less"
-        per_total = b * p.seq_len * p.world_size
-        if p.total_batch_size % per_total == 0:
-            fix += f" (the same total batch with {p.total_batch_size // per_total} accumulation steps)"
+        raise ValueError(does_not_fit(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
+                                      optimizer=p.memory.optimizer_name))
+    b = p.max_micro_batch_size
+    fix = f"use --micro-batch-size {b} or less (auto: the largest that fits and divides)"
+    per_total = b * p.seq_len * p.world_size
+    if p.total_batch_size % per_total == 0:
+        fix += f" (the same total batch with {p.total_batch_size // per_total} accumulation steps)"
     raise ValueError(f"micro_batch_size={p.micro_batch_size} needs {_gib(p.memory.total)} per device "
                      f"but {p.hardware.name} has {_gib(p.hardware.memory_bytes)}; {fix}")
 
@@ -501,33 +560,47 @@ def build_parser() -> argparse.ArgumentParser:
         ap.add_argument("--" + name.replace("_", "-"), type=int, help="override the preset's " + name)
     ap.add_argument("--attn-impl", choices=("sdpa", "sdpa_mask", "explicit"))
     ap.add_argument("--block-size", type=int, help="sequence length (default: the preset's)")
-    ap.add_argument("--micro-batch-size", type=int, default=16)
+    ap.add_argument("--micro-batch-size", type=_int_or_auto, default="auto",
+                    help="sequences per device per micro-step (default auto, as the training presets)")
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--dtype", default="bf16", choices=DTYPES)
-    ap.add_argument("--gpu", default="A100-80GB", choices=sorted(GPUS))
+    ap.add_argument("--gpu", default="A100-80GB", choices=list(GPUS))
     ap.add_argument("--gpu-memory-gb", type=float, help="custom device memory in GiB (overrides --gpu)")
     ap.add_argument("--gpu-peak-tflops", type=float, help="custom peak TFLOP/s in --dtype (overrides --gpu)")
-    ap.add_argument("--total-batch-size", type=int, help="tokens per optimizer step (default: no accumulation)")
-    ap.add_argument("--tokens", type=float, help="training budget in tokens, e.g. 10e9")
+    ap.add_argument("--total-batch-size", type=int,
+                    help="tokens per optimizer step (default: the training preset's, e.g. 524288 for gpt2)")
+    ap.add_argument("--tokens", type=float,
+                    help="training budget in tokens, e.g. 10e9 (default: the preset's max_steps x total batch)")
     ap.add_argument("--mfu", type=float, default=0.4, help="assumed MFU for time estimates (default 0.4)")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"), help="what the optimizer state counts")
     return ap
 
 
+def _int_or_auto(text: str) -> int | str:
+    return "auto" if text == "auto" else int(text)
+
+
+# The planner's dtype names as the trainer's (--dtype, --tf32).
+_TRAIN_DTYPES = {"bf16": ("bfloat16", False), "fp16": ("float16", False), "fp32": ("float32", False),
+                 "tf32": ("float32", True)}
+
+
 def plan_from_args(args: argparse.Namespace) -> Plan:
+    """The run `train_ddp.py --preset P` would make (TRAIN_PRESETS[P]), with the flags' overrides."""
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size",
                                                 "attn_impl", "block_size") if getattr(args, k) is not None}
     cfg = model_preset(args.preset, **overrides)
-    hw = gpu_hardware(args.gpu, args.dtype)
-    if args.gpu_memory_gb is not None or args.gpu_peak_tflops is not None:
-        hw = dataclasses.replace(
-            hw, name="custom" if args.gpu_memory_gb is not None else hw.name,
-            memory_bytes=int(args.gpu_memory_gb * GIB) if args.gpu_memory_gb is not None else hw.memory_bytes,
-            peak_flops=args.gpu_peak_tflops * 1e12 if args.gpu_peak_tflops is not None else hw.peak_flops)
+    train = {**TRAIN_PRESETS.get(args.preset, {}), "micro_batch_size": args.micro_batch_size,
+             "optimizer": args.optimizer}
+    train["dtype"], train["tf32"] = _TRAIN_DTYPES[args.dtype]
+    if args.total_batch_size is not None:
+        train["total_batch_size"] = args.total_batch_size
+    if args.world_size < 1:
+        raise ValueError(f"world_size={args.world_size} must be >= 1")
+    hw = custom_hardware(args.gpu, args.dtype, memory_gb=args.gpu_memory_gb, peak_tflops=args.gpu_peak_tflops)
     tokens = None if args.tokens is None else int(args.tokens)
-    return plan(cfg, micro_batch_size=args.micro_batch_size, hardware=hw, world_size=args.world_size,
-                dtype=args.dtype, total_batch_size=args.total_batch_size, tokens=tokens, mfu=args.mfu,
-                optimizer=args.optimizer)
+    return plan_run(RunConfig(cfg, TrainConfig(**train)), hw, world_size=args.world_size, tokens=tokens,
+                    mfu=args.mfu)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,7 +72,11 @@ def resolve(requested: str, device: torch.device | str) -> Precision:
     """auto -> the fast dtype for device (see the module docstring); an explicit name is kept."""
     if requested not in DTYPES:
         raise ValueError(f"dtype={requested!r} must be one of {DTYPES}")
-    best, why = fast_dtype(torch.device(device))
+    return decide(requested, *fast_dtype(torch.device(device)))
+
+
+def decide(requested: str, best: str, why: str) -> Precision:
+    """requested (auto or a dtype name) given the device's best dtype and the reason for it."""
     if requested == "auto":
         return Precision("auto", best, why)
     if requested == best:

@@ -22,11 +22,17 @@ def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_ste
 def grad_accum_steps(total_tokens: int, micro_batch: int, seq_len: int, world_size: int) -> int:
     """Micro-steps per optimizer step so that all ranks together see total_tokens per step."""
     per_step = micro_batch * seq_len * world_size
+    if total_tokens < seq_len * world_size:  # e.g. 524,288 tokens over 1024 ranks of 1024-token sequences
+        most = total_tokens // seq_len
+        raise ValueError(
+            f"total_batch_size={total_tokens} is less than one sequence per rank (block_size*world_size = "
+            f"{seq_len}*{world_size} = {seq_len * world_size}); raise --total-batch-size to a multiple of "
+            f"{seq_len * world_size}" + (f", or use at most {most} ranks" if most else ""))
     if total_tokens % per_step:
         ok = [m for m in range(1, micro_batch + 1) if total_tokens % (m * seq_len * world_size) == 0]
         hint = f"; micro-batch sizes that divide: {ok[-3:]}" if ok else ""
         raise ValueError(
             f"total_batch_size={total_tokens} is not a multiple of micro_batch_size*block_size*world_size"
             f" = {micro_batch}*{seq_len}*{world_size} = {per_step}; change --total-batch-size or "
-            f"--micro-batch-size{hint}")
+            f"--micro-batch-size (auto: the largest that fits the device and divides){hint}")
     return total_tokens // per_step

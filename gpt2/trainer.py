@@ -62,15 +62,18 @@ def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
     set_cpu_threads(dist, cfg.num_threads)
 
 
-def check_data(cfg: RunConfig, world_size: int) -> tuple[ShardSet, ShardSet | None]:
-    """Validate shards and batch maths before any process group or model exists."""
+def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple[ShardSet | None, ShardSet | None]:
+    """Validate shards and batch maths before any process group or model exists.
+
+    shards=False checks everything but the shards (train_ddp.py --dry-run where --data-dir is absent).
+    """
     tc = cfg.train
     if tc.micro_batch_size == "auto":  # sized later, by the planner: here only "some micro-batch divides"
         grad_accum_steps(tc.total_batch_size, 1, cfg.model.block_size, world_size)
     else:
         grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
-    train_shards = find_shards(tc.data_dir, "train")
-    val_shards = find_shards(tc.data_dir, "val") if tc.eval_tokens > 0 else None
+    train_shards = find_shards(tc.data_dir, "train") if shards else None
+    val_shards = find_shards(tc.data_dir, "val") if shards and tc.eval_tokens > 0 else None
     import importlib.util
     for wanted, package, flag in ((tc.tensorboard, "tensorboard", "--tensorboard"),
                                   (tc.wandb_project, "wandb", "--wandb-project")):
@@ -88,31 +91,51 @@ def check_data(cfg: RunConfig, world_size: int) -> tuple[ShardSet, ShardSet | No
     return train_shards, val_shards
 
 
+def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> int:
+    """The run's micro-batch: the explicit one, or (auto) the planner's largest that fits hardware
+    and divides the global batch at world_size. dtype: the resolved TrainConfig.dtype."""
+    from gpt2.plan import auto_micro_batch_size, plan_dtype
+
+    tc = cfg.train
+    if tc.micro_batch_size != "auto":
+        return tc.micro_batch_size
+    return auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
+                                 total_batch_size=tc.total_batch_size, optimizer=tc.optimizer,
+                                 dtype=plan_dtype(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+
+
+def log_auto(cfg: RunConfig, prec: precision.Precision, mb: int, warning: str | None, log) -> None:
+    log.info(f"precision  {prec.dtype}: {prec.reason}")
+    if warning:
+        log.warn(warning)
+    if cfg.train.micro_batch_size == "auto":
+        log.info(f"micro-batch auto: {mb} sequences, the largest that fits and divides the global batch")
+
+
 def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> tuple[RunConfig, precision.Precision]:
     """--dtype auto and --micro-batch-size auto made concrete. Rank 0 measures and decides and every
     rank takes its answer: ranks that chose differently would compute different things silently.
+    A model that fits nowhere is rank 0's finding too: every rank raises its error, none waits.
 
     hardware: what the planner sizes the micro-batch for (default: this device; tests pass a cap).
     """
-    from gpt2.plan import auto_micro_batch_size, device_hardware, plan_dtype
+    from gpt2.plan import device_hardware
 
     tc = cfg.train
     decision = None
     if dist.is_main:
-        prec = precision.resolve(tc.dtype, dist.device)
-        mb = tc.micro_batch_size
-        if mb == "auto":
+        try:
+            prec = precision.resolve(tc.dtype, dist.device)
             hardware = hardware or device_hardware(dist.device, 0.0, processes_per_host=dist.local_world_size)
-            mb = auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=dist.world_size,
-                                       total_batch_size=tc.total_batch_size, optimizer=tc.optimizer,
-                                       dtype=plan_dtype(prec.dtype, tf32=tc.tf32 and dist.device.type == "cuda"))
-        decision = (prec, mb, precision.emulation_warning(prec, dist.device))
-    prec, mb, warning = broadcast_object(decision, dist)
-    log.info(f"precision  {prec.dtype}: {prec.reason}")
-    if warning:
-        log.warn(warning)
-    if tc.micro_batch_size == "auto":
-        log.info(f"micro-batch auto: {mb} sequences, the largest that fits and divides the global batch")
+            mb = auto_micro_batch(cfg, prec.dtype, hardware, dist.world_size)
+            decision = ("ok", (prec, mb, precision.emulation_warning(prec, dist.device)))
+        except ValueError as e:
+            decision = ("error", str(e))
+    kind, answer = broadcast_object(decision, dist)
+    if kind == "error":
+        raise ValueError(answer)
+    prec, mb, warning = answer
+    log_auto(cfg, prec, mb, warning, log)
     return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb)), prec
 
 
@@ -338,15 +361,20 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
 
 def check_memory(cfg: RunConfig, dist: Dist, peak: float | None, log: Metrics) -> None:
     """Print the planner's summary and refuse a configuration that clearly cannot fit, before allocating."""
-    from gpt2.plan import check_fits, device_hardware, format_plan, plan, plan_dtype
+    from gpt2.plan import device_hardware
 
-    tc = cfg.train
     hardware = device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
-    p = plan(cfg.model, micro_batch_size=tc.micro_batch_size, hardware=hardware, world_size=dist.world_size,
-             dtype=plan_dtype(tc.dtype, tf32=tc.tf32 and dist.device.type == "cuda"),
-             total_batch_size=tc.total_batch_size, tokens=tc.max_steps * tc.total_batch_size, optimizer=tc.optimizer)
+    check_plan(cfg, hardware, dist.world_size, log)
+
+
+def check_plan(cfg: RunConfig, hardware, world_size: int, log):
+    """The planner's summary for this run on hardware (logged), refused if it clearly cannot fit."""
+    from gpt2.plan import check_fits, format_plan, plan_run
+
+    p = plan_run(cfg, hardware, world_size=world_size)
     log.info(format_plan(p))
     check_fits(p)
+    return p
 
 
 def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, examples, step: int) -> None:

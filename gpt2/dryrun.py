@@ -1,0 +1,225 @@
+"""train_ddp.py --dry-run: a real run's start-up up to its first step, without a process group or weights.
+
+It takes the trainer's own steps in the trainer's order (gpt2/trainer.py: resolve_device, check_data,
+the auto precision and micro-batch, the memory plan, the batch maths, the loaders, choose_resume and
+check_compatible), so the first error it meets is the one a real run stops with, word for word, and
+the numbers it prints are the ones a real run would use. It writes nothing.
+
+Where to rehearse: this launch (torchrun's WORLD_SIZE, else one process, on this machine's device),
+or a hypothetical cluster: --world-size N [--nproc-per-node K] and a GPU, --gpu NAME (gpt2/plan.py
+GPUS) or --gpu-memory-gb X [--gpu-peak-tflops Y], as `python -m gpt2.plan` takes them. A hypothetical
+GPU's precision is what that GPU would pick, not this machine's: bf16 where its data sheet lists bf16
+tensor cores (every GPU in the table), a custom one is taken to have them.
+
+The data: a real run needs --data-dir, so when it exists here its shards are checked as a real run
+checks them and each rank's first windows are listed. When it does not (planning a cluster from a
+laptop), the dry run says `data SKIPPED`, quotes what a real run would say, plans the rest and lists
+each rank's rows of the first global batch instead of windows: still exit 0, since everything the
+dry run could check passed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from gpt2 import checkpoint as ckpt
+from gpt2 import precision
+from gpt2.cli import Rehearsal
+from gpt2.config import RunConfig, describe_model
+from gpt2.data import EvalLoader, TrainLoader, find_shards
+from gpt2.dist import Dist, resolve_device, world_from_env
+from gpt2.flops import device_peak_flops
+from gpt2.plan import GIB, Hardware, custom_hardware, device_hardware, gpu_native_bf16
+from gpt2.resume import choose_resume
+from gpt2.schedule import grad_accum_steps
+from gpt2.shards import ShardError
+from gpt2.trainer import auto_micro_batch, check_compatible, check_data, check_plan, log_auto
+
+GPUS_PER_NODE = 8
+"""A hypothetical GPU cluster's ranks per node unless --nproc-per-node says otherwise."""
+
+
+class Log:
+    """What the trainer's Metrics prints, without its files: info to out, warnings marked."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def info(self, message: str) -> None:
+        self.out(message)
+
+    def warn(self, message: str) -> None:
+        self.out(f"warning: {message}")
+
+
+def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
+    """Print the run up to its first step and return 0; raise the ValueError (ShardError,
+    CheckpointError) a real run would stop with."""
+    log = Log(out)
+    info = world_from_env(env)
+    world = r.world_size or info.world_size
+    per_node = nodes_layout(r, world, info)
+    tc = cfg.train
+    out(f"dry run    train_ddp.py --dry-run: start-up up to the first step; no process group, no weights, "
+        f"nothing written")
+    out(f"config     {describe_model(cfg.model)} | total_batch_size {tc.total_batch_size:,} tokens | "
+        f"micro_batch_size {tc.micro_batch_size} | max_steps {tc.max_steps:,} | {tc.optimizer} | "
+        f"dtype {tc.dtype} | data order {tc.data_order} | resume {tc.resume}")
+    prec, device_desc = choose_precision(cfg, r, info.local_rank)
+    out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
+    data_here = Path(tc.data_dir).is_dir()
+    train_shards, val_shards = check_data(cfg, world, shards=data_here)
+    report_data(cfg, train_shards, val_shards, out)
+    hardware = rehearsal_hardware(r, prec, per_node, info.local_rank, cfg)
+    mb = auto_micro_batch(cfg, prec.dtype, hardware, world)
+    warning = None if r.hypothetical_gpu else precision.emulation_warning(prec, hardware_device(cfg, info))
+    log_auto(cfg, prec, mb, warning, log)
+    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb))
+    tc = cfg.train
+    plan = check_plan(cfg, hardware, world, log)
+    accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world)  # as build() computes it
+    loaders = None
+    if train_shards is not None:  # the loaders a real run builds, one per rank, none of them reading
+        loaders = [TrainLoader(train_shards, micro_batch_size=mb, seq_len=cfg.model.block_size,
+                               total_batch_size=tc.total_batch_size, rank=rank, world_size=world, seed=tc.seed,
+                               device=torch.device("cpu"), order=tc.data_order) for rank in range(world)]
+        if val_shards is not None and EvalLoader(val_shards, micro_batch_size=mb, seq_len=cfg.model.block_size,
+                                                 eval_tokens=tc.eval_tokens, rank=0, world_size=world,
+                                                 device=torch.device("cpu")).clamped:
+            log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; a real run evaluates on all of them")
+    step, position = resume_decision(cfg, loaders, log)
+    report_checkpoint(cfg, plan, out)
+    if step >= tc.max_steps:
+        out(f"nothing to train: {tc.out_dir} already finished step {step} of --max-steps {tc.max_steps}; a real "
+            "run would say so and exit 0")
+        return 0
+    report_schedule(cfg, loaders, world, accum, mb, step, position, out)
+    out("dry run OK: a real run would now start the process group, build the model and train")
+    return 0
+
+
+def nodes_layout(r: Rehearsal, world: int, info) -> int:
+    """Ranks per node: --nproc-per-node, else torchrun's (this launch), else 8 per GPU node (or as many
+    as divide the world size), else all on this machine."""
+    if r.nproc_per_node is not None:
+        if world % r.nproc_per_node:
+            raise ValueError(f"--world-size {world} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
+                             "every node runs the same number of ranks")
+        return r.nproc_per_node
+    if r.world_size is None:
+        return info.local_world_size
+    return math.gcd(world, GPUS_PER_NODE) if r.hypothetical_gpu else world
+
+
+def choose_precision(cfg: RunConfig, r: Rehearsal, local_rank: int) -> tuple[precision.Precision, str]:
+    """The precision a real run would resolve, and the device it runs on (in words)."""
+    if not r.hypothetical_gpu:
+        device = resolve_device(cfg.train.device, local_rank)  # the real run's first check, same error
+        return precision.resolve(cfg.train.dtype, device), f"{device} (this machine)"
+    if cfg.train.device == "cpu":
+        raise ValueError("--gpu/--gpu-memory-gb rehearse a CUDA run, but --device cpu asks for the CPU: drop one")
+    name = r.gpu or f"a custom GPU ({r.gpu_memory_gb:g} GiB)"
+    if gpu_native_bf16(r.gpu):
+        why = (f"{r.gpu} has native bf16 (its data sheet's bf16 tensor-core peak)" if r.gpu else
+               "a custom GPU is taken to have native bf16 (Ampere or newer; pass --dtype float16 for an older one)")
+        best = "bfloat16"
+    else:
+        best, why = "float16", f"{r.gpu} has no native bf16: fp16 with a loss scaler"
+    return precision.decide(cfg.train.dtype, best, why), f"{name} per rank (hypothetical: not this machine)"
+
+
+def hardware_device(cfg: RunConfig, info) -> torch.device:
+    return resolve_device(cfg.train.device, info.local_rank)
+
+
+def rehearsal_hardware(r: Rehearsal, prec: precision.Precision, per_node: int, local_rank: int,
+                       cfg: RunConfig) -> Hardware:
+    """What the planner sizes for: the named or custom GPU, or this machine's device shared by the
+    per_node ranks on it (the trainer's device_hardware, with the peak the trainer's MFU uses)."""
+    from gpt2.plan import plan_dtype
+
+    tf32 = cfg.train.tf32
+    if r.hypothetical_gpu:
+        return custom_hardware(r.gpu, plan_dtype(prec.dtype, tf32=tf32), memory_gb=r.gpu_memory_gb,
+                               peak_tflops=r.gpu_peak_tflops)
+    device = resolve_device(cfg.train.device, local_rank)
+    peak = device_peak_flops(device, precision.torch_dtype(prec.dtype))
+    return device_hardware(device, peak, processes_per_host=per_node)
+
+
+def report_data(cfg: RunConfig, train_shards, val_shards, out) -> None:
+    tc = cfg.train
+    if train_shards is None:
+        try:
+            find_shards(tc.data_dir, "train")
+            problem = "(none)"
+        except ShardError as e:
+            problem = str(e)
+        out(f"data       SKIPPED: --data-dir {tc.data_dir} does not exist here. A real run needs it and stops "
+            f"with: {problem}")
+        return
+    val = f"val {val_shards.total_tokens:,} tokens in {len(val_shards.paths)} shard(s)" if val_shards else "no val"
+    out(f"data       {tc.data_dir}: train {train_shards.total_tokens:,} tokens in {len(train_shards.paths)} "
+        f"shard(s), {val}; headers checked")
+
+
+def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log) -> tuple[int, int]:
+    """What --resume would load (rank 0's decision, its sha256 verified; the weights are not read),
+    checked against this run as a real resume checks it. Returns (step, loader position)."""
+    tc = cfg.train
+    one = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    point = choose_resume(tc.resume, tc.out_dir, one, warn=log.warn)
+    if point is None:
+        why = "--resume never" if tc.resume == "never" else f"no valid checkpoint in {ckpt.checkpoint_dir(tc.out_dir)}"
+        log.info(f"resume     {why}: a fresh start at step 0")
+        return 0, 0
+    # mmap: the tensors stay in the file; only the config, loader and step are looked at.
+    state = ckpt.load_checkpoint(point.path, verify=False, mmap=True)
+    check_compatible(state, cfg, log)
+    position = int(state["loader"]["position"])
+    for loader in loaders or []:
+        try:
+            loader.load_state_dict(state["loader"])
+        except ValueError as e:  # as trainer.restore words it
+            raise ckpt.CheckpointError(f"{point.path}: {e}") from None
+    log.info(f"resume     would load {point.path} (step {point.step}, {state['tokens']:,} tokens, "
+             f"{point.bytes / GIB:.2f} GiB, sha256 {point.sha256[:12]}... verified; saved at world size "
+             f"{state['world_size']}) and continue at step {state['step']}")
+    return int(state["step"]), position
+
+
+def report_checkpoint(cfg: RunConfig, plan, out) -> None:
+    tc, m = cfg.train, plan.memory
+    size = m.weights + m.optimizer
+    kept = f", {tc.keep_checkpoints} kept: ~{tc.keep_checkpoints * size / GIB:.2f} GiB in {tc.out_dir}/checkpoints"
+    every = f"every {tc.ckpt_interval} steps and at the end" if tc.ckpt_interval else "at the end"
+    out(f"checkpoint ~{size / GIB:.2f} GiB per file (fp32 weights {m.weights / GIB:.2f} GiB + {m.optimizer_name} "
+        f"state {m.optimizer / GIB:.2f} GiB), written by rank 0 {every}{kept}")
+
+
+def report_schedule(cfg: RunConfig, loaders, world: int, accum: int, mb: int, step: int, position: int,
+                    out) -> None:
+    """Each rank's part of the first step (the module docstring of gpt2/data.py has the layout)."""
+    tc, T = cfg.train, cfg.model.block_size
+    rows = tc.total_batch_size // T
+    if loaders is None:
+        out(f"loader     step {step}: rows [0, {rows}) of its global batch (windows need the data); "
+            f"rank r, micro-step m takes rows (m*{world} + r)*{mb} ... +{mb}:")
+        for rank in range(world):
+            for m in range(accum):
+                first = (m * world + rank) * mb
+                out(f"  rank {rank:>3} micro-step {m:>3}: rows {first}..{first + mb - 1}")
+        return
+    n = loaders[0].n_windows
+    what = ("windows of the fixed shard order, in epoch " if tc.data_order == "shuffled"
+            else "windows of the stream (shards reshuffled each epoch), in epoch ")
+    out(f"loader     {tc.data_order}: {n:,} windows of {T + 1} tokens; step {step} takes places "
+        f"[{position // T:,}, {position // T + rows:,}) of the order ({what}{(position // T) // n}); each rank's "
+        "window indices:")
+    for rank, loader in enumerate(loaders):
+        for m in range(accum):
+            ids = loader.windows_of(m)
+            out(f"  rank {rank:>3} micro-step {m:>3}: " + " ".join(str(int(i)) for i in ids))
