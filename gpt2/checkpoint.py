@@ -182,5 +182,8 @@ def resolve_resume(resume: str, out_dir: str | Path, warn=warnings.warn) -> Path
         if found is None:
             raise CheckpointError(f"--resume {resume}: no valid checkpoint in that directory")
         return found
+    if not path.exists():
+        raise CheckpointError(f"--resume {resume}: no such checkpoint file; pass a step_*.pt that exists, a run "
+                              "directory (its newest valid checkpoint), auto or never")
     verify_checkpoint(path)
     return path

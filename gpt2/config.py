@@ -139,7 +139,7 @@ class TrainConfig:
     """Pinned host buffers and non-blocking copies on CUDA (no effect on CPU)."""
     num_threads: int = 0
     """CPU threads per rank for intra-op parallelism; 0 = cores / ranks on this node."""
-    micro_batch_size: int | str = 64
+    micro_batch_size: int | str = "auto"
     """Sequences per rank per forward/backward; auto: the largest that the planner says fits the device
     and divides the global batch (logged with the plan)."""
     total_batch_size: int = 524_288

@@ -77,12 +77,16 @@ class Hardware:
 
 def gpu_hardware(name: str, dtype: str) -> Hardware:
     """One of the GPUS by name, with its data-sheet peak for dtype."""
-    if name not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}; choose one of {sorted(GPUS)} or give "
-                         f"--gpu-memory-gb and --gpu-peak-tflops")
-    memory, sheet_name = GPUS[name]
+    memory, sheet_name = known_gpu(name)
     peak = gpu_table_peak(sheet_name, _torch_dtype(dtype), tf32=dtype == "tf32")
     return Hardware(name=name, memory_bytes=int(memory), peak_flops=peak)
+
+
+def known_gpu(name: str) -> tuple[float, str]:
+    if name not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; choose one of {list(GPUS)} or give "
+                         f"--gpu-memory-gb and --gpu-peak-tflops")
+    return GPUS[name]
 
 
 def custom_hardware(gpu: str | None, dtype: str, *, memory_gb: float | None = None,
@@ -103,7 +107,7 @@ def custom_hardware(gpu: str | None, dtype: str, *, memory_gb: float | None = No
 def gpu_native_bf16(gpu: str | None) -> bool:
     """Whether a GPUS entry has bf16 tensor cores (its data sheet lists a bf16 peak); a custom GPU
     (None) is assumed to be Ampere or newer, like every GPU a GPT-2 run is planned on today."""
-    return gpu is None or gpu_table_peak(GPUS[gpu][1], torch.bfloat16) is not None
+    return gpu is None or gpu_table_peak(known_gpu(gpu)[1], torch.bfloat16) is not None
 
 
 def plan_dtype(train_dtype: str, *, tf32: bool = False) -> str:

@@ -167,10 +167,13 @@ def test_auto_micro_batch_is_the_largest_that_fits_and_divides(gib):
 
 def test_auto_micro_batch_errors_name_the_problem():
     cfg = model_preset("gpt2")
-    with pytest.raises(ValueError, match="not a multiple of block_size\\*world_size=2048"):
+    with pytest.raises(ValueError, match=r"not a multiple of micro_batch_size\*block_size\*world_size = 1\*1024\*2"):
         auto_micro_batch_size(cfg, 1024, CPU, world_size=2, total_batch_size=3000, dtype="fp32")
+    with pytest.raises(ValueError, match="less than one sequence per rank .* or use at most 512 ranks"):
+        auto_micro_batch_size(cfg, 1024, CPU, world_size=1024, total_batch_size=524288, dtype="fp32")
     tiny = Hardware(name="tiny", memory_bytes=GIB, peak_flops=1e12, device_type="cpu", reserve_bytes=0)
-    with pytest.raises(ValueError, match="not even micro_batch_size=1 fits"):
+    with pytest.raises(ValueError, match=r"gpt2-xl does not fit on tiny \(1.00 GiB\) with DDP at world size 1: "
+                                         r"micro_batch_size=1 needs \d+\.\d\d GiB per device .* --dtype bfloat16"):
         auto_micro_batch_size(model_preset("gpt2-xl"), 1024, tiny, world_size=1, total_batch_size=8192,
                               dtype="fp32")
 
@@ -239,6 +242,13 @@ def test_cli_runs():
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1
     assert "fits       NO" in bad.stdout and "--micro-batch-size" in bad.stderr
+    # By default the training preset's run: its 524,288-token batch and budget, micro-batch auto
+    preset = subprocess.run([sys.executable, "-m", "gpt2.plan", "--preset", "gpt2", "--gpu", "A100-40GB",
+                             "--world-size", "32"], capture_output=True, text=True, timeout=60)
+    assert preset.returncode == 0, preset.stderr
+    assert ("micro_batch_size=16 x seq_len=1024 x world_size=32 = 524,288 tokens/micro-step; "
+            "total_batch_size=524,288 -> 1 accumulation step(s)") in preset.stdout
+    assert "budget     10.00B tokens: 19,073 steps" in preset.stdout
 
 
 def test_trainer_helpers():

@@ -141,8 +141,25 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, shakespe
     run = run_trainer(["--preset", "gpt2-xl", "--device", "cpu", "--compile", "false", "--data-dir",
                        str(shakespeare_shards), "--out-dir", str(tmp_path / "run"), "--micro-batch-size", "512"])
     assert run.returncode == 2, run.stderr
-    assert "micro_batch_size=512 needs" in run.stderr and "use a smaller model" in run.stderr
+    if "gpt2-xl does not fit on cpu" in run.stderr:  # a host with less than ~26 GiB: not even one sequence
+        assert "micro_batch_size=1 needs" in run.stderr and "use a smaller model" in run.stderr
+    else:
+        assert "micro_batch_size=512 needs" in run.stderr and "or less" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_model_that_fits_nowhere_stops_every_rank_with_one_error(tmp_path, shakespeare_shards):
+    """--micro-batch-size auto: rank 0 finds that not even one sequence fits and every rank stops with
+    its error (exit 2), none left waiting for rank 0's answer."""
+    run = run_trainer(["--n-layer", "48", "--n-head", "64", "--n-embd", "8192", "--device", "cpu", "--compile",
+                       "false", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path / "run"),
+                       "--micro-batch-size", "auto", "--total-batch-size", "2048", "--block-size", "1024"], nproc=2)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
+    assert len(errors) == 1, run.stderr[-3000:]
+    assert "does not fit on cpu (1/2 of host RAM)" in errors[0] and "world size 2" in errors[0]
+    assert "collective operation failed" not in run.stderr
 
 
 def test_read_metrics_skips_a_torn_line_and_a_missing_file_with_missing_ok(tmp_path):
