@@ -416,19 +416,26 @@ def auto_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *,
 def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int, dtype: str,
                  optimizer: str = "adamw") -> str:
     """The one message for a model that cannot train even one sequence per device: which model, where,
-    what it needs against what there is, and what to change."""
-    one = memory(cfg, 1, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type,
-                 device_memory=hardware.memory_bytes, optimizer=optimizer)
-    usable = hardware.memory_bytes - hardware.reserve_bytes
-    options = ["a smaller model (a smaller --preset or --n-layer/--n-embd)", "a shorter --block-size"]
-    if dtype not in AUTOCAST_DTYPES:
-        options.append("--dtype bfloat16 (or auto on a GPU with bf16)")
+    what it needs against what there is, and the changes that would make it fit."""
+    def one(**change) -> Memory:
+        kw = dict(world_size=world_size, dtype=dtype, device_type=hardware.device_type,
+                  device_memory=hardware.memory_bytes, optimizer=optimizer)
+        return memory(cfg, 1, seq_len, **{**kw, **change})
+
+    need, usable = one(), hardware.memory_bytes - hardware.reserve_bytes
+    options = ["a smaller model (a smaller --preset, or --n-layer/--n-embd)"]
+    if need.static <= usable:  # the micro-batch's own memory is what overflows: shorter or 16-bit helps
+        options.append("a shorter --block-size")
+        if dtype not in AUTOCAST_DTYPES:
+            options.append("--dtype bfloat16")
+    if optimizer == "adamw" and one(optimizer="muon").total <= usable:
+        options.append(f"--optimizer muon (one moment per block matrix: {_gib(one(optimizer='muon').total)})")
     options.append("a device with more memory")
     return (f"{describe_model(cfg)} does not fit on {hardware.name} ({_gib(hardware.memory_bytes)}) with DDP at "
-            f"world size {world_size}: micro_batch_size=1 needs {_gib(one.total)} per device ({_gib(one.static)} of "
-            f"weights, gradients and {optimizer} state, which DDP keeps whole on every rank, however many) but "
-            f"{_gib(usable)} is usable ({_gib(hardware.reserve_bytes)} reserved); use " + ", ".join(options[:-1])
-            + f" or {options[-1]}")
+            f"world size {world_size}: micro_batch_size=1 needs {_gib(need.total)} per device ({_gib(need.static)} of "
+            f"weights, gradients and {optimizer} state, which DDP keeps whole on every rank however many there "
+            f"are) but {_gib(usable)} is usable ({_gib(hardware.reserve_bytes)} reserved); use "
+            + ", ".join(options[:-1]) + f" or {options[-1]}")
 
 
 def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int | None = None,

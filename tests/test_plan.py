@@ -173,9 +173,14 @@ def test_auto_micro_batch_errors_name_the_problem():
         auto_micro_batch_size(cfg, 1024, CPU, world_size=1024, total_batch_size=524288, dtype="fp32")
     tiny = Hardware(name="tiny", memory_bytes=GIB, peak_flops=1e12, device_type="cpu", reserve_bytes=0)
     with pytest.raises(ValueError, match=r"gpt2-xl does not fit on tiny \(1.00 GiB\) with DDP at world size 1: "
-                                         r"micro_batch_size=1 needs \d+\.\d\d GiB per device .* --dtype bfloat16"):
+                                         r"micro_batch_size=1 needs \d+\.\d\d GiB per device .* a smaller model"):
         auto_micro_batch_size(model_preset("gpt2-xl"), 1024, tiny, world_size=1, total_batch_size=8192,
                               dtype="fp32")
+    # gpt2's state fits in 4 GiB, its fp32 activations for one 1024-token sequence do not: shorter or bf16
+    roomy = Hardware(name="small", memory_bytes=4 * GIB, peak_flops=1e12, device_type="cpu", reserve_bytes=0)
+    with pytest.raises(ValueError, match=r"a shorter --block-size, --dtype bfloat16"):
+        auto_micro_batch_size(model_preset("gpt2", block_size=8192), 8192, roomy, world_size=1,
+                              total_batch_size=8192, dtype="fp32")
 
 
 def test_check_fits_refuses_with_the_fix():
