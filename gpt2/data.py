@@ -200,7 +200,7 @@ class TrainLoader:
     def windows_of(self, micro_step: int) -> np.ndarray:
         """The windows (of T + 1 tokens at stride T) micro_batch(micro_step) reads, without reading them:
         window w is tokens [w*T, w*T + T + 1) of the shards concatenated in name order (shuffled), or
-        of this epoch's shard order (sequential). For train_ddp.py --dry-run's schedule."""
+        of the stream of epochs, each in its own shard order (sequential). For train_ddp.py --dry-run."""
         first_seq = (micro_step * self.world_size + self.rank) * self.B
         places = np.arange(self.position // self.T + first_seq, self.position // self.T + first_seq + self.B)
         return places if self.order == "sequential" else self.window_ids(places)

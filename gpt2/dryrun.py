@@ -68,14 +68,14 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     out(f"config     {describe_model(cfg.model)} | total_batch_size {tc.total_batch_size:,} tokens | "
         f"micro_batch_size {tc.micro_batch_size} | max_steps {tc.max_steps:,} | {tc.optimizer} | "
         f"dtype {tc.dtype} | data order {tc.data_order} | resume {tc.resume}")
-    prec, device_desc = choose_precision(cfg, r, info.local_rank)
+    prec, device, device_desc = choose_precision(cfg, r, info.local_rank)
     out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
     data_here = Path(tc.data_dir).is_dir()
     train_shards, val_shards = check_data(cfg, world, shards=data_here)
     report_data(cfg, train_shards, val_shards, out)
-    hardware = rehearsal_hardware(r, prec, per_node, info.local_rank, cfg)
+    hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
     mb = auto_micro_batch(cfg, prec.dtype, hardware, world)
-    warning = None if r.hypothetical_gpu else precision.emulation_warning(prec, hardware_device(cfg, info))
+    warning = None if device is None else precision.emulation_warning(prec, device)
     log_auto(cfg, prec, mb, warning, log)
     cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb))
     tc = cfg.train
@@ -114,11 +114,13 @@ def nodes_layout(r: Rehearsal, world: int, info) -> int:
     return math.gcd(world, GPUS_PER_NODE) if r.hypothetical_gpu else world
 
 
-def choose_precision(cfg: RunConfig, r: Rehearsal, local_rank: int) -> tuple[precision.Precision, str]:
-    """The precision a real run would resolve, and the device it runs on (in words)."""
+def choose_precision(cfg: RunConfig, r: Rehearsal,
+                     local_rank: int) -> tuple[precision.Precision, torch.device | None, str]:
+    """The precision a real run would resolve, this machine's device (None for a hypothetical GPU),
+    and the device in words."""
     if not r.hypothetical_gpu:
         device = resolve_device(cfg.train.device, local_rank)  # the real run's first check, same error
-        return precision.resolve(cfg.train.dtype, device), f"{device} (this machine)"
+        return precision.resolve(cfg.train.dtype, device), device, f"{device} (this machine)"
     if cfg.train.device == "cpu":
         raise ValueError("--gpu/--gpu-memory-gb rehearse a CUDA run, but --device cpu asks for the CPU: drop one")
     name = r.gpu or f"a custom GPU ({r.gpu_memory_gb:g} GiB)"
@@ -128,24 +130,19 @@ def choose_precision(cfg: RunConfig, r: Rehearsal, local_rank: int) -> tuple[pre
         best = "bfloat16"
     else:
         best, why = "float16", f"{r.gpu} has no native bf16: fp16 with a loss scaler"
-    return precision.decide(cfg.train.dtype, best, why), f"{name} per rank (hypothetical: not this machine)"
+    return precision.decide(cfg.train.dtype, best, why), None, f"{name} per rank (hypothetical: not this machine)"
 
 
-def hardware_device(cfg: RunConfig, info) -> torch.device:
-    return resolve_device(cfg.train.device, info.local_rank)
-
-
-def rehearsal_hardware(r: Rehearsal, prec: precision.Precision, per_node: int, local_rank: int,
+def rehearsal_hardware(r: Rehearsal, prec: precision.Precision, per_node: int, device: torch.device | None,
                        cfg: RunConfig) -> Hardware:
     """What the planner sizes for: the named or custom GPU, or this machine's device shared by the
     per_node ranks on it (the trainer's device_hardware, with the peak the trainer's MFU uses)."""
     from gpt2.plan import plan_dtype
 
     tf32 = cfg.train.tf32
-    if r.hypothetical_gpu:
+    if device is None:
         return custom_hardware(r.gpu, plan_dtype(prec.dtype, tf32=tf32), memory_gb=r.gpu_memory_gb,
                                peak_tflops=r.gpu_peak_tflops)
-    device = resolve_device(cfg.train.device, local_rank)
     peak = device_peak_flops(device, precision.torch_dtype(prec.dtype))
     return device_hardware(device, peak, processes_per_host=per_node)
 

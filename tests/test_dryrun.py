@@ -373,3 +373,23 @@ def test_the_24gb_card_is_in_both_tables():
     memory, sheet_name = GPUS["RTX4090-24GB"]
     assert 23 * GIB < memory < 24 * GIB
     assert gpu_table_peak(sheet_name, torch.bfloat16) == 165e12
+
+
+def test_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
+    """The dry run's checkpoint size (fp32 weights + optimizer state, from the planner) against
+    torch.save of a model and its AdamW state after one step."""
+    from gpt2.config import ModelConfig, TrainConfig
+    from gpt2.model import GPT
+    from gpt2.optim import make_optimizer
+    from gpt2.plan import memory
+
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
+    model = GPT(cfg)
+    opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", fused_adamw=False), torch.device("cpu"))
+    x = torch.randint(0, 50257, (2, 64))
+    model(x, x)[1].backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
+    m = memory(cfg, 1, 64, dtype="fp32", device_type="cpu")
+    written = (tmp_path / "c.pt").stat().st_size
+    assert abs(written - (m.weights + m.optimizer)) / written < 0.02, (written, m.weights + m.optimizer)
