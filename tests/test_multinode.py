@@ -1,6 +1,8 @@
-"""Several nodes simulated on one machine: two torchrun agents meeting through the c10d rendezvous, one
-rank each. The second "node" can get its own view of the run directory (a mount namespace with an
-empty tmpfs over it) and its own hostname (a UTS namespace), as a node-local --out-dir would give.
+"""Several nodes simulated on one machine: torchrun agents meeting through the c10d rendezvous. A "node"
+can get its own view of the run directory (a mount namespace with an empty tmpfs over it) and its own
+hostname (a UTS namespace, its name resolving through a private /etc/hosts), as a node-local --out-dir
+would give. Two agents of one rank each test the resume decision and the stop; four agents of two
+ranks, started as slurm/train_multinode.sbatch starts them, rehearse a node dying and the resume (slow).
 Needs root for the namespaces (as CI and this machine have); elsewhere these tests are skipped."""
 
 from __future__ import annotations
@@ -353,6 +355,9 @@ def test_four_nodes_as_the_sbatch_script_starts_them_survive_a_dead_node_and_res
     victim = next(a for a in agents if 0 not in ranks[a.name])
     victim.kill_tree()
     killed = time.monotonic()
+    # The script passes no --max-restarts (0): the other agents do not wait for a new rendezvous. Their
+    # ranks' collectives fail (gloo: connection closed), their workers exit 1, so do the agents, within
+    # the trainer's timeout plus torchrun's shutdown grace for the workers (common.sh sets it).
     survivors = [a for a in agents if a is not victim]
     grace = float(survivors[0].env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
     codes = wait_all(survivors, timeout=DIST_TIMEOUT_S + grace + 60)
