@@ -223,8 +223,32 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
         with collective("DDP's broadcast of the initial weights"):
             train_model = DDP(train_model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
                               gradient_as_bucket_view=True, broadcast_buffers=False)
+        settle_buckets(train_model, parts.loader.B, parts.loader.T, cfg.train.dtype, dist)
     parts.train_model = train_model
     return parts
+
+
+def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: str, dist: Dist) -> None:
+    """One synced backward of a dummy micro-batch, gradients and random numbers discarded: DDP's
+    buckets take their final layout before the first step.
+
+    DDP all-reduces a process's first backward as one bucket in parameter order and then rebuilds
+    its buckets in the order the gradients became ready. With 3 or more ranks a sum's rounding
+    depends on where an element sits in the all-reduced buffer (the ring's chunks), so a resumed
+    run's first step summed the gradients differently from the uninterrupted run's same step and
+    the runs drifted apart (found by the 4-node x 2-rank rehearsal in tests/test_multinode.py; with
+    2 ranks a sum is exact either way). Now every step of every run uses the same buckets. Costs one
+    micro-step's forward, backward and all-reduce at start-up.
+    """
+    saved = rng_state()  # dropout draws here must not shift the training's random numbers
+    x = torch.zeros(batch, seq_len, dtype=torch.long, device=dist.device)
+    with collective("DDP's first (bucket-settling) gradient all-reduce"):
+        with precision.autocast(dtype, dist.device):
+            _, loss = ddp_model(x, x, return_logits=False)
+        loss.backward()
+    for p in ddp_model.parameters():
+        p.grad = None
+    set_rng_state(saved)
 
 
 def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) -> None:

@@ -1,12 +1,15 @@
-"""Several nodes simulated on one machine: two torchrun agents meeting through the c10d rendezvous, one
-rank each. The second "node" can get its own view of the run directory (a mount namespace with an
-empty tmpfs over it) and its own hostname (a UTS namespace), as a node-local --out-dir would give.
+"""Several nodes simulated on one machine: torchrun agents meeting through the c10d rendezvous. A "node"
+can get its own view of the run directory (a mount namespace with an empty tmpfs over it) and its own
+hostname (a UTS namespace, its name resolving through a private /etc/hosts), as a node-local --out-dir
+would give. Two agents of one rank each test the resume decision and the stop; four agents of two
+ranks, started as slurm/train_multinode.sbatch starts them, rehearse a node dying and the resume (slow).
 Needs root for the namespaces (as CI and this machine have); elsewhere these tests are skipped."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,25 +32,29 @@ def free_port() -> int:
 
 
 class Agent:
-    """One torchrun agent of a two-node c10d rendezvous, optionally in its own namespaces."""
+    """One torchrun agent (one simulated node) of a c10d rendezvous, optionally in its own namespaces.
 
-    def __init__(self, name: str, script: Path, args: list[str], *, port: int, log_dir: Path,
-                 private_dir: Path | None = None, hostname: str | None = None) -> None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=multinode-test",
-               "--monitor-interval=0.2", str(script), *args]
+    `launcher` is the agent's command: torchrun(...) below, or the command the multi-node sbatch script
+    has srun start on every node. `env` replaces the test's environment (GLOO_SOCKET_IFNAME is added)."""
+
+    def __init__(self, name: str, launcher: list[str], *, log_dir: Path, env: dict | None = None,
+                 private_dir: Path | None = None, hostname: str | None = None, hosts: Path | None = None) -> None:
+        cmd = list(launcher)
         if private_dir is not None or hostname is not None:
             setup = []
             if private_dir is not None:
                 setup.append(f'mount -t tmpfs tmpfs "{private_dir}"')
             if hostname is not None:
                 setup.append(f"hostname {hostname}")
+                # torchrun's rank-0 agent binds the workers' store to its own hostname: it must resolve.
+                setup.append(f'mount --bind "{hosts or hosts_file(log_dir, [hostname])}" /etc/hosts')
             cmd = ["unshare", "-m", "-u", "sh", "-c", " && ".join(setup) + ' && exec "$@"', "sh", *cmd]
         self.name, self.log_dir = name, log_dir / name
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if env is None:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"}
         # gloo binds to the address of the hostname, which a renamed node cannot resolve: use loopback.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"}
+        self.env = env = {**env, "GLOO_SOCKET_IFNAME": "lo"}
         with open(self.log_dir / "out.txt", "w") as out, open(self.log_dir / "err.txt", "w") as err:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env,
                                          start_new_session=True)
@@ -56,26 +63,40 @@ class Agent:
     def output(self) -> str:
         return (self.log_dir / "out.txt").read_text() + (self.log_dir / "err.txt").read_text()
 
-    def worker_rank(self) -> int | None:
-        """The global rank of this agent's worker (found through its environment), once it runs."""
+    def worker_ranks(self) -> list[int]:
+        """The global ranks of this agent's workers (found through their environment), once they run."""
+        ranks = []
         for pid in _descendants(self.proc.pid):
             try:
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(e == b"TORCHELASTIC_RUN_ID=multinode-test" for e in env):
-                ranks = [int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK=")]
-                if ranks:
-                    return ranks[0]
-        return None
+            if any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env):
+                ranks += [int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK=")]
+        return sorted(ranks)
 
     def kill_tree(self) -> None:
-        """SIGKILL the agent and everything it started (what srun --kill-on-bad-exit does to a step)."""
+        """SIGKILL the agent and everything it started (what srun --kill-on-bad-exit does to a step, or a
+        node failing does): its process group, and each descendant in case one left the group."""
+        pids = _descendants(self.proc.pid) if self.proc.poll() is None else []
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
+
+
+def hosts_file(directory: Path, names: list[str]) -> Path:
+    """/etc/hosts plus one loopback address per node name (node i: 127.0.0.i+1), for the nodes' namespaces."""
+    path = directory / ("hosts-" + "-".join(names))
+    entries = "".join(f"127.0.0.{i} {name}\n" for i, name in enumerate(names, start=1))
+    path.write_text(Path("/etc/hosts").read_text().rstrip("\n") + "\n" + entries)
+    return path
 
 
 def _descendants(pid: int) -> list[int]:
@@ -87,12 +108,17 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def torchrun(script: Path, args: list[str], *, nnodes: int, port: int, nproc_per_node: int = 1) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+            f"--nproc_per_node={nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=multinode-test", "--monitor-interval=0.2", str(script), *args]
+
+
 def two_nodes(args: list[str], tmp_path: Path, tag: str, *, script: Path = REPO / "train_ddp.py",
               private_dir: Path | None = None) -> tuple[Agent, Agent]:
-    port = free_port()
-    a = Agent(f"{tag}-node1", script, args, port=port, log_dir=tmp_path)
-    b = Agent(f"{tag}-node2", script, args, port=port, log_dir=tmp_path, private_dir=private_dir,
-              hostname="node2")
+    launcher = torchrun(script, args, nnodes=2, port=free_port())
+    a = Agent(f"{tag}-node1", launcher, log_dir=tmp_path)
+    b = Agent(f"{tag}-node2", launcher, log_dir=tmp_path, private_dir=private_dir, hostname="node2")
     return a, b
 
 
@@ -171,7 +197,7 @@ def test_requeue_marker_is_on_disk_before_any_node_can_leave_the_stop(tmp_path, 
             assert time.monotonic() < deadline and all(a.proc.poll() is None for a in agents), \
                 "\n".join(a.output for a in agents)
             time.sleep(0.1)
-        rank0 = next(a for a in agents if a.worker_rank() == 0)
+        rank0 = next(a for a in agents if 0 in a.worker_ranks())
         other = next(a for a in agents if a is not rank0)
         os.kill(other.proc.pid, signal.SIGTERM)  # torchrun forwards it to its worker: every rank stops
         other.proc.wait(120)
@@ -189,6 +215,169 @@ def test_requeue_marker_is_on_disk_before_any_node_can_leave_the_stop(tmp_path, 
     from gpt2.checkpoint import verify_checkpoint
     verify_checkpoint(run_dir / "checkpoints" / info["checkpoint"])  # the marker promises a complete one
     assert info["checkpoint"] == f"step_{info['step']:08d}.pt"
+
+
+# ------------------------------------------ four nodes, launched as slurm/train_multinode.sbatch does
+
+SBATCH = REPO / "slurm" / "train_multinode.sbatch"
+FAKE_SRUN = """#!/bin/bash
+# Stands in for srun: records the command srun would start on every node, and its environment.
+printf '%s\\0' "$@" > "$SRUN_CAPTURE/argv"
+env -0 > "$SRUN_CAPTURE/env"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+# Stands in for `scontrol show hostnames LIST`: one host a line.
+[[ "$1 $2" == "show hostnames" ]] && tr , '\\n' <<< "$3"
+"""
+
+
+def documented_multinode_command(nodes_default: int = 2) -> tuple[int, list[str]]:
+    """(nodes, trainer arguments) of the usage line in train_multinode.sbatch's header."""
+    for line in SBATCH.read_text().splitlines():
+        if line.startswith("#") and "sbatch --nodes=" in line and "slurm/train_multinode.sbatch" in line:
+            words = shlex.split(line.lstrip("# "))
+            at = words.index("slurm/train_multinode.sbatch")
+            nodes = next(int(w.split("=")[1]) for w in words[:at] if w.startswith("--nodes="))
+            return nodes, words[at + 1:]
+    raise AssertionError(f"no `sbatch --nodes=N slurm/train_multinode.sbatch ...` line in {SBATCH}")
+
+
+def sbatch_node_command(trainer_args: list[str], work: Path, *, out_dir: Path, nodes: int, gpus_per_node: int,
+                        port: int, job_id: int) -> tuple[list[str], dict[str, str]]:
+    """The command, and its environment, that train_multinode.sbatch has srun start on each node.
+
+    The batch script runs for real (slurm/common.sh: OUT_DIR, --num-threads, the launcher, torchrun's
+    shutdown grace, the rendezvous options) with stand-ins for srun (records instead of starting)
+    and scontrol, so the test takes the script's flags without keeping a copy of them. One CPU per
+    rank (--cpus-per-task=gpus_per_node): one thread each, on any machine.
+    """
+    bin_dir, capture = work / "bin", work / "capture"
+    for d in (bin_dir, capture):
+        d.mkdir(parents=True, exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCH", "OMP_", "VIRTUAL_ENV"))
+           and k not in ("GPUS_PER_NODE", "MASTER_PORT", "OUT_DIR", "OUT_ROOT", "VENV", "REPO_DIR")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+               SRUN_CAPTURE=str(capture), SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_ID=str(job_id),
+               SLURM_JOB_NAME="gpt2-multinode", SLURM_NNODES=str(nodes), SLURM_NTASKS=str(nodes),
+               SLURM_JOB_NODELIST=",".join(node_names(nodes)),
+               SLURM_CPUS_PER_TASK=str(gpus_per_node), GPUS_PER_NODE=str(gpus_per_node),
+               MASTER_PORT=str(port), OUT_DIR=str(out_dir))
+    r = subprocess.run(["bash", str(SBATCH), *trainer_args], cwd=work, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    argv = (capture / "argv").read_text().split("\0")[:-1]
+    command = argv[next(i for i, a in enumerate(argv) if not a.startswith("-")):]  # after srun's options
+    assert command[:2] == ["bash", str(REPO / "slurm" / "srun_task.sh")], argv
+    node_env = dict(e.split("=", 1) for e in (capture / "env").read_text().split("\0") if "=" in e)
+    node_env.pop("SRUN_CAPTURE")
+    return command, node_env
+
+
+# The gpt2 preset's batch arithmetic at a tiny size, on 4 nodes x 2 ranks: total batch = micro-batch x
+# block x world size x accumulation, with accumulation 2, as the presets have at 8 ranks whenever the
+# micro-batch is below 64 (gpt2-medium, or gpt2 with a smaller micro-batch on a smaller card).
+RANKS_PER_NODE, MICRO_BATCH, BLOCK, ACCUM = 2, 2, 32, 2
+REHEARSAL_STEPS, REHEARSAL_CKPT = 16, 4
+# Generous for 8 processes on 2 shared cores, yet the test must still see a dead node noticed within them.
+DIST_TIMEOUT_S, DIST_STEP_TIMEOUT_S = 120, 60
+
+
+def rehearsal_args(data_dir: Path, documented: list[str], world_size: int) -> list[str]:
+    """The documented arguments (--preset gpt2 --data-dir ...) on this data, with a tiny model and batch
+    (later flags win), a checkpoint every few steps and timeouts short enough for a test."""
+    args = list(documented)
+    args[args.index("--data-dir") + 1] = str(data_dir)
+    total = MICRO_BATCH * BLOCK * world_size * ACCUM
+    return [*args, *tiny_run_flags(data_dir, max_steps=REHEARSAL_STEPS, ckpt_interval=REHEARSAL_CKPT),
+            "--n-embd", "32", "--block-size", str(BLOCK), "--micro-batch-size", str(MICRO_BATCH),
+            "--total-batch-size", str(total),
+            "--dist-timeout-s", str(DIST_TIMEOUT_S), "--dist-step-timeout-s", str(DIST_STEP_TIMEOUT_S)]
+
+
+def start_cluster(args: list[str], work: Path, *, run_dir: Path, nodes: int, job_id: int) -> list[Agent]:
+    """One agent per node, each with its own hostname, started as the multi-node sbatch script starts them."""
+    command, env = sbatch_node_command(args, work, out_dir=run_dir, nodes=nodes, gpus_per_node=RANKS_PER_NODE,
+                                       port=free_port(), job_id=job_id)
+    hosts = hosts_file(work, node_names(nodes))
+    return [Agent(name, command, log_dir=work, env=env, hostname=name, hosts=hosts) for name in node_names(nodes)]
+
+
+def node_names(nodes: int) -> list[str]:
+    return [f"node{i}" for i in range(1, nodes + 1)]
+
+
+def outputs(agents: list[Agent]) -> str:
+    return "\n".join(f"--- {a.name}\n{a.output[-6000:]}" for a in agents)
+
+
+def wait_for_file(path: Path, agents: list[Agent], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        running = all(a.proc.poll() is None for a in agents)
+        if not running or time.monotonic() > deadline:
+            for a in agents:
+                if a.proc.poll() is None:
+                    a.kill_tree()
+            raise AssertionError(f"no {path} within {timeout} s (all agents running: {running})\n{outputs(agents)}")
+        time.sleep(0.05)
+
+
+@needs_root
+@pytest.mark.slow
+def test_four_nodes_as_the_sbatch_script_starts_them_survive_a_dead_node_and_resume_bitwise(tmp_path,
+                                                                                             shakespeare_shards):
+    from gpt2.checkpoint import latest_valid
+
+    from _helpers import assert_same_state, load_ckpt
+
+    nodes, documented = documented_multinode_command()
+    world = nodes * RANKS_PER_NODE
+    args = rehearsal_args(shakespeare_shards, documented, world)
+    shape = f"world size {world} | {ACCUM} micro-steps of {MICRO_BATCH}x{BLOCK} per step"
+
+    # 1. The reference: the same command, left alone.
+    reference = tmp_path / "reference"
+    agents = start_cluster(args, tmp_path / "ref", run_dir=reference, nodes=nodes, job_id=4001)
+    assert wait_all(agents, timeout=900) == [0] * nodes, outputs(agents)
+    assert shape in outputs(agents), outputs(agents)
+    assert sorted(losses(reference)) == list(range(1, REHEARSAL_STEPS + 1))
+
+    # 2. Again; one node dies (SIGKILL to its agent and workers) once the first checkpoint is complete.
+    run = tmp_path / "run"
+    agents = start_cluster(args, tmp_path / "killed", run_dir=run, nodes=nodes, job_id=4002)
+    wait_for_file(run / "checkpoints" / f"step_{REHEARSAL_CKPT:08d}.json", agents, timeout=900)
+    ranks = {a.name: a.worker_ranks() for a in agents}
+    assert sorted(r for rs in ranks.values() for r in rs) == list(range(world)), ranks
+    victim = next(a for a in agents if 0 not in ranks[a.name])
+    victim.kill_tree()
+    killed = time.monotonic()
+    # The script passes no --max-restarts (0): the other agents do not wait for a new rendezvous. Their
+    # ranks' collectives fail (gloo: connection closed), their workers exit 1, so do the agents, within
+    # the trainer's timeout plus torchrun's shutdown grace for the workers (common.sh sets it).
+    survivors = [a for a in agents if a is not victim]
+    grace = float(survivors[0].env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    codes = wait_all(survivors, timeout=DIST_TIMEOUT_S + grace + 60)
+    noticed_s = time.monotonic() - killed
+    text = outputs(agents)
+    assert all(c != 0 for c in codes), text
+    assert "a collective operation failed" in text, text
+    assert not (run / "checkpoints" / f"step_{REHEARSAL_STEPS:08d}.pt").exists(), "the run was not interrupted"
+    newest = latest_valid(run)
+    resumed_at = int(newest.stem.split("_")[1])
+    assert REHEARSAL_CKPT <= resumed_at < REHEARSAL_STEPS, newest
+    print(f"survivors exited {noticed_s:.1f} s after the kill; newest checkpoint {newest.name}")
+
+    # 3. All nodes again with --resume auto: from the newest complete checkpoint, bitwise the reference.
+    agents = start_cluster([*args, "--resume", "auto"], tmp_path / "restart", run_dir=run, nodes=nodes, job_id=4003)
+    assert wait_all(agents, timeout=900) == [0] * nodes, outputs(agents)
+    text = outputs(agents)
+    assert "resumed from" in text and f"{newest.name} at step {resumed_at}" in text, text
+    assert losses(run) == losses(reference)  # ==: steps up to the checkpoint from run 2, the rest resumed
+    assert_same_state(load_ckpt(run, REHEARSAL_STEPS), load_ckpt(reference, REHEARSAL_STEPS))
 
 
 RSS_SCRIPT = '''
