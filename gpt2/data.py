@@ -156,7 +156,7 @@ class TrainLoader:
 
     def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, total_batch_size: int,
                  rank: int, world_size: int, seed: int, device: torch.device, pin_memory: bool = True,
-                 order: str = "shuffled", max_open_shards: int = 64) -> None:
+                 order: str = "shuffled", max_open_shards: int | None = None) -> None:
         per_micro = micro_batch_size * seq_len * world_size
         assert total_batch_size % per_micro == 0, "batch maths is validated before the loader is built"
         if order not in DATA_ORDERS:
@@ -252,7 +252,7 @@ class EvalLoader:
 
     def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, eval_tokens: int,
                  rank: int, world_size: int, device: torch.device, pin_memory: bool = True,
-                 max_open_shards: int = 64) -> None:
+                 max_open_shards: int | None = None) -> None:
         self.stream = TokenStream(shards, seed=0, shuffle=False,
                                   files=ShardFiles(shards.paths, shards.sizes, max_open_shards))
         available = (shards.total_tokens - 1) // seq_len

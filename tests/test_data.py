@@ -324,7 +324,6 @@ def test_more_shards_than_the_bound_stay_within_it_and_read_the_same_tokens(tmp_
     B, T, G = 16, 16, 16 * 32
     bounded = TrainLoader(shards, micro_batch_size=B, seq_len=T, total_batch_size=G, rank=0, world_size=1, seed=7,
                           device=CPU, max_open_shards=3)
-    assert loader(shards, 1, 0, B=B, T=T, G=G).files.max_open == 64  # the default
     n_windows = (shards.total_tokens - 1) // T
     for step in range(15):  # 480 rows: past the first epoch of 299 windows
         for m in range(bounded.accum_steps):
@@ -339,6 +338,17 @@ def test_more_shards_than_the_bound_stay_within_it_and_read_the_same_tokens(tmp_
     with pytest.raises(ValueError, match="at least one shard"):
         TrainLoader(shards, micro_batch_size=B, seq_len=T, total_batch_size=G, rank=0, world_size=1, seed=7,
                     device=CPU, max_open_shards=0)
+
+
+def test_the_default_bound_is_a_quarter_of_the_descriptor_limit(monkeypatch, shard_dir):
+    import resource
+
+    from gpt2.shards import default_max_open
+
+    for soft, bound in ((1024, 256), (65536, 1024), (resource.RLIM_INFINITY, 1024), (3, 1)):
+        monkeypatch.setattr(resource, "getrlimit", lambda which, soft=soft: (soft, resource.RLIM_INFINITY))
+        assert default_max_open() == bound
+    assert loader(find_shards(shard_dir, "train"), 1, 0).files.max_open == 1
 
 
 def test_sequential_reads_with_one_descriptor_equal_the_unbounded_loader(tmp_path):
