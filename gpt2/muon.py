@@ -156,8 +156,9 @@ class Muon(torch.optim.Muon):
         One collective per step whatever the world size: one broadcast per owner was up to W
         latency-bound calls one after another (48-64 at 64 ranks). Each rank sends its updates
         packed in owner-table order, padded to the largest rank's share (all-gather takes equal
-        sizes), so the gathered buffer holds all of them (~ the Muon matrices in ns_dtype, freed
-        after the step).
+        sizes), so the gathered buffer holds all of them: about the Muon matrices' size in
+        ns_dtype (more with padding at many ranks), allocated after backward has freed the
+        activations, so below the step's peak memory, and freed at the end of the step.
         """
         mine, length = gather_layout([p.numel() for p in params], owner, world)
         device = params[0].device
