@@ -24,7 +24,6 @@ Two data orders (--data-order):
 from __future__ import annotations
 
 import bisect
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from gpt2.permutation import Permutation
-from gpt2.shards import HEADER_BYTES, TOKEN_DTYPE, ShardError, read_header
+from gpt2.shards import TOKEN_DTYPE, ShardError, ShardFiles, read_header
 
 DATA_ORDERS = ("shuffled", "sequential")
 
@@ -76,11 +75,13 @@ def find_shards(data_dir: str | Path, split: str) -> ShardSet:
 class TokenStream:
     """Random access into the shards concatenated, epoch after epoch.
 
-    With shuffle, epoch e visits the shards in a permutation drawn from (seed, e).
+    With shuffle, epoch e visits the shards in a permutation drawn from (seed, e). Reads go through
+    `files` (kept descriptors, gpt2/shards.py ShardFiles), which streams over the same shards share.
     """
 
-    def __init__(self, shards: ShardSet, *, seed: int, shuffle: bool) -> None:
+    def __init__(self, shards: ShardSet, *, seed: int, shuffle: bool, files: ShardFiles | None = None) -> None:
         self.shards, self.seed, self.shuffle = shards, seed, shuffle
+        self.files = files if files is not None else ShardFiles(shards.paths, shards.sizes)
         self._epoch, self._order, self._starts = -1, None, None
 
     def _layout(self, epoch: int) -> tuple[np.ndarray, list[int]]:
@@ -94,7 +95,7 @@ class TokenStream:
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens at stream positions [start, start + n) as int64."""
-        out = np.empty(n, dtype=np.int64)
+        out = np.empty(n, dtype=TOKEN_DTYPE)
         filled, epoch_len = 0, self.shards.total_tokens
         while filled < n:
             epoch, offset = divmod(start + filled, epoch_len)
@@ -103,14 +104,10 @@ class TokenStream:
             shard = int(order[k])
             begin = offset - starts[k]
             take = min(n - filled, self.shards.sizes[shard] - begin)
-            # A fresh memmap per read: nothing of a 10B-token corpus stays mapped between batches.
-            mm = np.memmap(self.shards.paths[shard], dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES,
-                           shape=(self.shards.sizes[shard],))
-            out[filled:filled + take] = mm[begin:begin + take]
-            del mm
+            fd = self.files.acquire([shard])[shard]
+            self.files.read_into(fd, shard, begin, out[filled:filled + take])
             filled += take
-        return out
-
+        return out.astype(np.int64)
 
     def read_rows(self, starts: list[int], n: int, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
         """Rows [s, s + n) of epoch 0's stream for each start s, as int64 (len(starts), n).
@@ -120,30 +117,28 @@ class TokenStream:
         of one random read after another (a memmap copy faults while holding the GIL).
         """
         order, starts_of = self._layout(0)
-        pieces = []  # (row, column, shard, begin, take)
+        by_shard: dict[int, list[tuple[int, int, int, int]]] = {}  # shard -> (row, column, begin, take)
         for row, start in enumerate(starts):
             filled = 0
             while filled < n:
                 k = bisect.bisect_right(starts_of, start + filled) - 1
                 shard, begin = int(order[k]), start + filled - starts_of[k]
                 take = min(n - filled, self.shards.sizes[shard] - begin)
-                pieces.append((row, filled, shard, begin, take))
+                by_shard.setdefault(shard, []).append((row, filled, begin, take))
                 filled += take
         out = np.empty((len(starts), n), dtype=TOKEN_DTYPE)
-        fds = {shard: os.open(self.shards.paths[shard], os.O_RDONLY) for shard in {p[2] for p in pieces}}
+        shards = list(by_shard)
+        # In groups the descriptor cache can hold at once: it opens and closes only between groups,
+        # in this thread, so no read in flight ever sees its descriptor closed.
+        for i in range(0, len(shards), self.files.max_open):
+            fds = self.files.acquire(shards[i:i + self.files.max_open])
 
-        def fetch(piece) -> None:
-            row, column, shard, begin, take = piece
-            data = os.pread(fds[shard], take * 2, HEADER_BYTES + begin * 2)
-            if len(data) != take * 2:
-                raise ShardError(f"{self.shards.paths[shard]}: shorter than its header says; re-run data_prep")
-            out[row, column:column + take] = np.frombuffer(data, dtype=TOKEN_DTYPE)
+            def fetch(piece) -> None:
+                shard, (row, column, begin, take) = piece
+                self.files.read_into(fds[shard], shard, begin, out[row, column:column + take])
 
-        try:
+            pieces = [(shard, p) for shard in fds for p in by_shard[shard]]
             list(pool.map(fetch, pieces)) if pool is not None else [fetch(p) for p in pieces]
-        finally:
-            for fd in fds.values():
-                os.close(fd)
         return out.astype(np.int64)
 
 
@@ -161,7 +156,7 @@ class TrainLoader:
 
     def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, total_batch_size: int,
                  rank: int, world_size: int, seed: int, device: torch.device, pin_memory: bool = True,
-                 order: str = "shuffled") -> None:
+                 order: str = "shuffled", max_open_shards: int | None = None) -> None:
         per_micro = micro_batch_size * seq_len * world_size
         assert total_batch_size % per_micro == 0, "batch maths is validated before the loader is built"
         if order not in DATA_ORDERS:
@@ -170,8 +165,9 @@ class TrainLoader:
             raise ShardError(f"the train shards hold {shards.total_tokens} tokens, fewer than one optimizer "
                              f"step needs ({total_batch_size + 1}); lower --total-batch-size or add data")
         self.shards, self.order = shards, order
-        self.stream = TokenStream(shards, seed=seed, shuffle=True)  # sequential: shard order per epoch
-        self.windows = TokenStream(shards, seed=seed, shuffle=False)  # shuffled: fixed shard order
+        self.files = ShardFiles(shards.paths, shards.sizes, max_open_shards)  # close() closes them
+        self.stream = TokenStream(shards, seed=seed, shuffle=True, files=self.files)  # sequential: shard order per epoch
+        self.windows = TokenStream(shards, seed=seed, shuffle=False, files=self.files)  # shuffled: fixed shard order
         self.n_windows = (shards.total_tokens - 1) // seq_len
         self._perm: Permutation | None = None  # the current epoch's order, and that epoch
         self._perm_epoch = -1
@@ -219,6 +215,18 @@ class TrainLoader:
         """Move to the next optimizer step's global batch."""
         self.position += self.G
 
+    def close(self) -> None:
+        """Close the shard files and stop the read threads (also done when garbage-collected)."""
+        self.files.close()
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def __enter__(self) -> TrainLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "shards": self.shards.fingerprint(),
                 "order": self.order}
@@ -251,8 +259,10 @@ class EvalLoader:
     """
 
     def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, eval_tokens: int,
-                 rank: int, world_size: int, device: torch.device, pin_memory: bool = True) -> None:
-        self.stream = TokenStream(shards, seed=0, shuffle=False)
+                 rank: int, world_size: int, device: torch.device, pin_memory: bool = True,
+                 max_open_shards: int | None = None) -> None:
+        self.stream = TokenStream(shards, seed=0, shuffle=False,
+                                  files=ShardFiles(shards.paths, shards.sizes, max_open_shards))
         available = (shards.total_tokens - 1) // seq_len
         self.n_seqs = min(eval_tokens // seq_len, available)
         self.clamped = eval_tokens // seq_len > available
@@ -262,6 +272,16 @@ class EvalLoader:
     @property
     def tokens(self) -> int:
         return self.n_seqs * self.T
+
+    def close(self) -> None:
+        """Close the shard files (also done when garbage-collected)."""
+        self.stream.files.close()
+
+    def __enter__(self) -> EvalLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __iter__(self):
         mine = list(range(self.rank, self.n_seqs, self.world_size))

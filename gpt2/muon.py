@@ -13,11 +13,12 @@ the 6-layer, 384-wide model's matrices.
 Under DDP every rank holds the same all-reduced gradients and momentum, so every rank would run the
 same Newton-Schulz iterations on the same matrices: W times the work for one result. Given a `Dist`
 with several ranks, each matrix has one owner (`owners`: balanced by the iteration's FLOPs, decided
-from the shapes alone, so every rank computes the same table); the owner orthogonalises it and
-broadcasts the result, and every rank applies the owner's bits. The momentum update stays on every
-rank (elementwise, cheap) so the state, and checkpoints, are unchanged. It is exact: the result
-is the one iteration a single process would run on the same input, and the ranks cannot drift apart
-because they apply the same bytes. It is modded-nanogpt's scheme (there with an all-gather).
+from the shapes alone, so every rank computes the same table); the owner orthogonalises it, one
+all-gather per step hands every owner's results to every rank, and every rank applies the owner's
+bits. The momentum update stays on every rank (elementwise, cheap) so the state, and checkpoints,
+are unchanged. It is exact: the result is the one iteration a single process would run on the same
+input, and the ranks cannot drift apart because they apply the same bytes. It is modded-nanogpt's
+scheme.
 """
 
 from __future__ import annotations
@@ -105,6 +106,13 @@ def owners(shapes: list[tuple[int, ...]], world_size: int, steps: int = 5,
     return owner
 
 
+def gather_layout(numels: list[int], owner: list[int], world_size: int) -> tuple[list[list[int]], int]:
+    """Each rank's matrices (their indices, in order) and the length every rank sends to the
+    all-gather: the largest rank's total, so ranks owning less (or nothing) send padding."""
+    mine = [[i for i, r in enumerate(owner) if r == rank] for rank in range(world_size)]
+    return mine, max(sum(numels[i] for i in m) for m in mine)
+
+
 class Muon(torch.optim.Muon):
     """Momentum, then orthogonalisation of the (Nesterov) update, decoupled weight decay and a
     shape-adjusted lr: torch.optim.Muon's step with the iteration in `ns_dtype`."""
@@ -137,21 +145,38 @@ class Muon(torch.optim.Muon):
                     if world == 1:  # apply at once: one matrix's update alive at a time
                         self._apply(group, params[i], ortho[i], lr)
                         ortho[i] = None
-            for src in range(world) if world > 1 else ():
-                mine = [i for i in range(len(params)) if owner[i] == src]
-                if not mine:
-                    continue
-                if src == rank:
-                    flat = torch.cat([ortho[i].reshape(-1) for i in mine])
-                else:
-                    flat = torch.empty(sum(params[i].numel() for i in mine), dtype=self.ns_dtype,
-                                       device=params[mine[0]].device)
-                with collective("sharing Muon's orthogonalised updates"):
-                    tdist.broadcast(flat, src=src)
-                for i, part in zip(mine, flat.split([params[i].numel() for i in mine])):
-                    self._apply(group, params[i], part.view(params[i].shape), lr)
-                    ortho[i] = None
+            if world > 1 and params:
+                self._share(group, params, ortho, owner, rank, world, lr)
         return loss
+
+    def _share(self, group: dict, params: list[Tensor], ortho: list[Tensor | None], owner: list[int],
+               rank: int, world: int, lr: float) -> None:
+        """Every owner's updates to every rank in one all-gather, then each applied on every rank.
+
+        One collective per step whatever the world size: one broadcast per owner was up to W
+        latency-bound calls one after another (48-64 at 64 ranks). Each rank sends its updates
+        packed in owner-table order, padded to the largest rank's share (all-gather takes equal
+        sizes), so the gathered buffer holds all of them: about the Muon matrices' size in
+        ns_dtype (more with padding at many ranks), allocated after backward has freed the
+        activations, so below the step's peak memory, and freed at the end of the step.
+        """
+        mine, length = gather_layout([p.numel() for p in params], owner, world)
+        device = params[0].device
+        send = torch.empty(length, dtype=self.ns_dtype, device=device)
+        offset = 0
+        for i in mine[rank]:
+            n = params[i].numel()
+            send[offset:offset + n].copy_(ortho[i].reshape(-1))
+            ortho[i], offset = None, offset + n
+        send[offset:].zero_()  # the padding: sent, never read
+        gathered = torch.empty(world * length, dtype=self.ns_dtype, device=device)
+        with collective("sharing Muon's orthogonalised updates"):
+            tdist.all_gather_into_tensor(gathered, send)
+        for src in range(world):
+            sizes = [params[i].numel() for i in mine[src]]
+            parts = gathered[src * length:src * length + sum(sizes)].split(sizes)
+            for i, part in zip(mine[src], parts):
+                self._apply(group, params[i], part.view(params[i].shape), lr)
 
     @staticmethod
     def _apply(group: dict, param: Tensor, ortho: Tensor, lr: float) -> None:

@@ -537,3 +537,6 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
         return 0
     finally:
         log.close()
+        for loader in (parts.loader, parts.val_loader):  # the shard files they keep open
+            if loader is not None:
+                loader.close()

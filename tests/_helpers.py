@@ -240,17 +240,20 @@ MUON_SHAPES = [(96, 32), (32, 32), (32, 128), (64, 64), (48, 16)]
 
 def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype: torch.dtype) -> None:
     """Three Muon steps on MUON_SHAPES with the same seeded gradients on every rank (as after DDP's
-    all-reduce), one thread; saves the parameters, the state and how many matrices this rank
-    orthogonalised."""
+    all-reduce), one thread; saves the parameters, the state, the matrices this rank orthogonalised
+    and each step's calls of torch.distributed's collectives."""
     import torch.distributed as tdist
 
     import gpt2.muon
     from gpt2.dist import Dist
 
     torch.set_num_threads(1)
-    calls = []
+    calls, collectives = [], []
     plain = gpt2.muon.newton_schulz
     gpt2.muon.newton_schulz = lambda g, *a: calls.append(tuple(g.shape)) or plain(g, *a)
+    for name in ("all_gather_into_tensor", "all_gather", "broadcast", "all_reduce", "scatter", "send", "recv"):
+        real = getattr(tdist, name)
+        setattr(tdist, name, lambda *a, name=name, real=real, **k: collectives.append(name) or real(*a, **k))
     if world > 1:
         tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -258,12 +261,15 @@ def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype
         params = [torch.nn.Parameter(torch.randn(*s)) for s in MUON_SHAPES]
         dist = Dist(rank, rank, world, world, torch.device("cpu"))
         opt = gpt2.muon.Muon(params, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, dist=dist)
+        per_step = []
         for _ in range(3):
             for p in params:
                 p.grad = torch.randn_like(p)
+            before = len(collectives)
             opt.step()
-        torch.save({"params": [p.detach() for p in params], "state": opt.state_dict(), "calls": calls},
-                   f"{out}/rank{rank}.pt")
+            per_step.append(collectives[before:])
+        torch.save({"params": [p.detach() for p in params], "state": opt.state_dict(), "calls": calls,
+                    "collectives": per_step}, f"{out}/rank{rank}.pt")
     finally:
         if world > 1:
             tdist.destroy_process_group()

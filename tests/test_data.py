@@ -231,3 +231,182 @@ def test_parallel_row_reads_equal_the_stream_and_cross_shards(shard_dir):
     for row, s in zip(rows, starts):
         assert np.array_equal(row, stream.read(s, 17))
         assert np.array_equal(row, np.arange(s, s + 17))  # the fixture's tokens are their positions
+
+
+# Kept shard descriptors (issue 22, section 3): opening a shard per read is two metadata operations
+# on a parallel file system for every shard a micro-batch touches.
+
+def many_shards(tmp_path, n=12, size=400):
+    """n train shards of `size` tokens whose tokens are their stream positions."""
+    for i in range(n):
+        write_shard(tmp_path / f"train_{i:06d}.bin", np.arange(i * size, (i + 1) * size, dtype=np.uint16))
+    return find_shards(tmp_path, "train")
+
+
+@pytest.fixture
+def count_opens(monkeypatch):
+    """Every open of a file (os.open, builtins.open: np.memmap's way in) as a list of paths."""
+    import builtins
+    import os
+
+    opened = []
+    real_os_open, real_open = os.open, builtins.open
+
+    def os_open(path, *a, **k):
+        opened.append(str(path))
+        return real_os_open(path, *a, **k)
+
+    def open_(file, *a, **k):
+        opened.append(str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(builtins, "open", open_)
+    return opened
+
+
+def fds_into(directory) -> int:
+    """This process's open descriptors on files in `directory`, as the kernel sees them."""
+    import os
+
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory))
+        except OSError:  # the descriptor listdir itself used, closed by now
+            pass
+    return n
+
+
+def shards_of(x: torch.Tensor, size: int) -> set[int]:
+    return set((x.flatten() // size).tolist())  # the tokens are positions: shard = position // size
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+@ORDERS
+def test_a_steady_run_opens_each_shard_once_and_no_file_per_step(tmp_path, count_opens, order):
+    shards = many_shards(tmp_path, n=8)
+    ld = loader(shards, 1, 0, B=16, T=16, G=16 * 16 * 4, order=order)  # 64 rows a step
+    count_opens.clear()  # writing and validating the shards opened them
+    touched, opens_per_step = set(), []
+    for step in range(20):  # 1280 rows: more than five epochs of 199 windows
+        before, new = len(count_opens), set()
+        for m in range(ld.accum_steps):
+            x, _ = ld.micro_batch(m)
+            new |= shards_of(x, 400) - touched
+            touched |= new
+        ld.advance()
+        opens_per_step.append(len(count_opens) - before)
+        assert opens_per_step[-1] == len(new), (step, opens_per_step)  # an open only for a shard never read
+    assert sorted(count_opens) == sorted(str(p) for p in shards.paths)  # each shard opened once, nothing else
+    if order == "shuffled":  # the first step's 64 rows come from all over the corpus
+        assert opens_per_step[0] == 8 and not any(opens_per_step[1:])
+    assert fds_into(tmp_path) == 8
+    ld.close()
+    assert fds_into(tmp_path) == 0
+
+
+def test_evaluating_again_opens_nothing(shard_dir, count_opens):
+    ev = EvalLoader(find_shards(shard_dir, "val"), micro_batch_size=2, seq_len=16, eval_tokens=16 * 7, rank=0,
+                    world_size=1, device=CPU)
+    count_opens.clear()  # validating the shards opened them
+    first = [x for x, _ in ev]
+    assert len(count_opens) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, [x for x, _ in ev])) and len(count_opens) == 1
+    with ev:
+        pass
+    assert fds_into(shard_dir) == 0
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_more_shards_than_the_bound_stay_within_it_and_read_the_same_tokens(tmp_path):
+    shards = many_shards(tmp_path, n=12)
+    B, T, G = 16, 16, 16 * 32
+    bounded = TrainLoader(shards, micro_batch_size=B, seq_len=T, total_batch_size=G, rank=0, world_size=1, seed=7,
+                          device=CPU, max_open_shards=3)
+    n_windows = (shards.total_tokens - 1) // T
+    for step in range(15):  # 480 rows: past the first epoch of 299 windows
+        for m in range(bounded.accum_steps):
+            x, y = bounded.micro_batch(m)
+            assert len(shards_of(x, 400)) > 3  # each read needs more shards than stay open
+            assert bounded.files.open_count <= 3 and fds_into(tmp_path) <= 3
+            ids = bounded.window_ids(np.arange(step * 32 + m * B, step * 32 + (m + 1) * B))
+            assert np.all(ids < n_windows)
+            expected = torch.from_numpy(ids[:, None] * T + np.arange(T + 1))  # the raw tokens: positions
+            assert torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
+        bounded.advance()
+    with pytest.raises(ValueError, match="at least one shard"):
+        TrainLoader(shards, micro_batch_size=B, seq_len=T, total_batch_size=G, rank=0, world_size=1, seed=7,
+                    device=CPU, max_open_shards=0)
+
+
+def test_the_default_bound_is_a_quarter_of_the_descriptor_limit(monkeypatch, shard_dir):
+    import resource
+
+    from gpt2.shards import default_max_open
+
+    for soft, bound in ((1024, 256), (65536, 1024), (resource.RLIM_INFINITY, 1024), (3, 1)):
+        monkeypatch.setattr(resource, "getrlimit", lambda which, soft=soft: (soft, resource.RLIM_INFINITY))
+        assert default_max_open() == bound
+    assert loader(find_shards(shard_dir, "train"), 1, 0).files.max_open == 1
+
+
+def test_sequential_reads_with_one_descriptor_equal_the_unbounded_loader(tmp_path):
+    shards = many_shards(tmp_path, n=12)
+    a = TrainLoader(shards, micro_batch_size=8, seq_len=16, total_batch_size=256, rank=1, world_size=2, seed=7,
+                    device=CPU, order="sequential", max_open_shards=1)
+    b = loader(shards, 2, 1, B=8, T=16, G=256, order="sequential")
+    for _ in range(40):  # 10240 tokens: two epochs of 4800, each in its own shard order
+        for m in range(a.accum_steps):
+            assert all(torch.equal(u, v) for u, v in zip(a.micro_batch(m), b.micro_batch(m)))
+        assert a.files.open_count == 1
+        a.advance()
+        b.advance()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_descriptors_close_on_close_on_exit_and_when_collected(shard_dir):
+    import gc
+
+    shards = find_shards(shard_dir, "train")
+    with loader(shards, 1, 0) as ld:
+        ld.micro_batch(0)
+        assert fds_into(shard_dir) == ld.files.open_count > 0
+    assert fds_into(shard_dir) == 0
+    with pytest.raises(ValueError, match="closed"):
+        ld.micro_batch(0)
+    ld.close()  # twice is harmless
+    dropped = loader(shards, 1, 0)
+    dropped.micro_batch(0)
+    assert fds_into(shard_dir) > 0
+    del dropped
+    gc.collect()
+    assert fds_into(shard_dir) == 0
+
+
+def test_a_shard_changed_during_the_run_is_named(shard_dir):
+    shards = find_shards(shard_dir, "train")
+    write_shard(shard_dir / "train_000001.bin", np.arange(10, dtype=np.uint16))
+    stream = TokenStream(shards, seed=0, shuffle=False)
+    with pytest.raises(ShardError, match="train_000001.bin: now 1044 bytes, 4424 when it was validated"):
+        stream.read(990, 20)
+
+
+def test_the_trainer_closes_its_loaders(tmp_path, shakespeare_shards, monkeypatch):
+    from gpt2.cli import parse_config
+    from gpt2.data import EvalLoader as Eval, TrainLoader as Train
+    from gpt2.dist import Dist
+    from gpt2.trainer import train
+
+    from conftest import TINY_MODEL_FLAGS
+
+    closed = []
+    for cls in (Train, Eval):
+        monkeypatch.setattr(cls, "close", lambda self, real=cls.close: closed.append(type(self).__name__) or real(self))
+    cfg = parse_config([*TINY_MODEL_FLAGS, "--device", "cpu", "--compile", "false", "--dtype", "float32",
+                        "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path), "--micro-batch-size", "2",
+                        "--total-batch-size", "128", "--max-steps", "2", "--eval-tokens", "256",
+                        "--ckpt-interval", "0", "--plot", "false"])
+    assert train(cfg, Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)) == 0
+    assert sorted(closed) == ["EvalLoader", "TrainLoader"]
+    assert fds_into(shakespeare_shards) == 0

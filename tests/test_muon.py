@@ -231,25 +231,40 @@ def test_owners_balance_the_iterations_flops_and_are_the_same_table_everywhere()
     assert owners([(8, 8)], 4) == [0]  # more ranks than matrices: the rest own nothing
 
 
-@pytest.mark.parametrize("world,ns_dtype", [(3, torch.float32), (2, torch.bfloat16)])
-def test_spread_orthogonalisation_is_bitwise_the_single_process_step(tmp_path, world, ns_dtype):
-    """Each rank orthogonalises only the matrices it owns and receives the rest: the parameters and
-    momentum are bit for bit what one process computes, on every rank."""
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_spread_orthogonalisation_is_bitwise_the_single_process_step(tmp_path, ns_dtype):
+    """On 2 and 3 ranks, each rank orthogonalises only the matrices it owns and receives the rest in
+    one all-gather per step: the parameters and momentum are bit for bit what one process computes,
+    on every rank."""
     import torch.multiprocessing as mp
 
     from _helpers import MUON_SHAPES, muon_spread_worker
     from gpt2.muon import owners
 
-    for w in (1, world):
+    for w in (1, 2, 3):
         (tmp_path / str(w)).mkdir()
         mp.spawn(muon_spread_worker, args=(w, str(tmp_path / f"pg{w}"), str(tmp_path / str(w)), ns_dtype), nprocs=w)
     ref = torch.load(tmp_path / "1" / "rank0.pt")
-    assert len(ref["calls"]) == 3 * len(MUON_SHAPES)
-    table = owners(MUON_SHAPES, world)
-    for rank in range(world):
-        got = torch.load(tmp_path / str(world) / f"rank{rank}.pt")
-        assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"])), rank
-        for i in range(len(MUON_SHAPES)):
-            assert torch.equal(got["state"]["state"][i]["momentum_buffer"], ref["state"]["state"][i]["momentum_buffer"])
-        mine = sorted(s for s, r in zip(MUON_SHAPES, table) if r == rank)
-        assert sorted(got["calls"]) == sorted(mine * 3) and 0 < len(mine) < len(MUON_SHAPES)  # its share only
+    assert len(ref["calls"]) == 3 * len(MUON_SHAPES) and ref["collectives"] == [[]] * 3  # one process: none
+    for world in (2, 3):
+        table = owners(MUON_SHAPES, world)
+        for rank in range(world):
+            got = torch.load(tmp_path / str(world) / f"rank{rank}.pt")
+            assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"])), (world, rank)
+            for i in range(len(MUON_SHAPES)):
+                assert torch.equal(got["state"]["state"][i]["momentum_buffer"],
+                                   ref["state"]["state"][i]["momentum_buffer"])
+            mine = sorted(s for s, r in zip(MUON_SHAPES, table) if r == rank)
+            assert sorted(got["calls"]) == sorted(mine * 3) and 0 < len(mine) < len(MUON_SHAPES)  # its share only
+            assert got["collectives"] == [["all_gather_into_tensor"]] * 3  # one per step, whatever the world size
+
+
+def test_gather_layout_pads_every_rank_to_the_largest_share():
+    from gpt2.muon import gather_layout, owners
+
+    shapes = [(8, 8), (4, 4), (2, 2)]
+    table = owners(shapes, 4)
+    assert table == [0, 1, 2]  # rank 3 owns nothing
+    mine, length = gather_layout([a * b for a, b in shapes], table, 4)
+    assert mine == [[0], [1], [2], []] and length == 64
+    assert gather_layout([6, 5, 4], [1, 0, 1], 2) == ([[1], [0, 2]], 10)
