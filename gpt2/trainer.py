@@ -267,9 +267,8 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict |
                  "rng": [rng for rng, _ in gathered], "world_size": dist.world_size,
                  "tokens": parts.step * cfg.train.total_batch_size, "torch_version": str(torch.__version__)}
         if background:
-            copy_s = parts.writer.submit(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
-            log.info(f"checkpoint of step {parts.step}: copied to host memory in {copy_s:.2f} s, "
-                     "writing in the background")
+            parts.writer.submit(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
+            log.info(f"checkpoint of step {parts.step}: writing it in the background")
         else:
             path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
             log.info(f"saved checkpoint {path}")
@@ -289,7 +288,8 @@ def finish_background_write(parts: Parts, log: Metrics) -> str | None:
         return f"{e}. The newest complete checkpoint is the one before it; free space or fix the run directory, " \
                "then resume with --resume auto"
     if done is not None:
-        log.info(f"saved checkpoint {done['path']} (written in the background in {done['write_s']:.1f} s)")
+        log.info(f"saved checkpoint {done['path']} (in the background: copied in {done['copy_s']:.1f} s, "
+                 f"written in {done['write_s']:.1f} s)")
     return None
 
 
@@ -337,6 +337,8 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     # scaler skips that update and lowers its scale: its normal working, not a bad step.
     overflow = parts.scaler.is_enabled() and loss_ok and not norm_ok
     skipped = not (loss_ok and norm_ok) and not overflow
+    if parts.writer is not None:  # rank 0, a checkpoint being copied: the update below changes its tensors
+        parts.writer.wait_copied()
     if not skipped:
         parts.scaler.step(parts.optimizer)  # optimizer.step(), unless the scaler found an overflow
     parts.scaler.update()

@@ -76,6 +76,7 @@ def test_background_write_equals_a_synchronous_one_while_training_changes_the_st
     writer = CheckpointWriter(torch.device("cpu"))
     writer.submit(tmp_path / "async", 1, live_state(model, opt, 1), keep=3)
     assert gate.entered.wait(GUARD_S) and writer.in_flight
+    writer.wait_copied()  # what train_step does before the optimizer update
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for _ in range(2):  # training goes on (in place) while the write is held
         train_one_step(model, opt)
@@ -97,7 +98,10 @@ def test_background_write_equals_a_synchronous_one_while_training_changes_the_st
 def test_host_copy_is_a_real_copy_on_cpu():
     t = torch.arange(6.0)
     state = {"a": t, "view": t[2:4], "nested": [(t, 3)]}
-    host = HostCopier(pinned=False).copy(state)
+    copier = HostCopier(pinned=False)
+    host = copier.copy(state)
+    assert copier.copies_pending
+    copier.finish()
     t.add_(100)
     assert host["a"].tolist() == [0, 1, 2, 3, 4, 5] and host["view"].tolist() == [2, 3]
     assert host["nested"][0][0].data_ptr() == host["a"].data_ptr() and host["nested"][0][1] == 3
@@ -178,6 +182,8 @@ def test_training_runs_on_while_the_trainer_writes_and_matches_a_synchronous_run
     plain_step, during = trainer.train_step, []
 
     def train_step(parts, *args, **kwargs):
+        if parts.step + 1 == 3:  # step 2's state is copied, and its writer is in save_checkpoint, held
+            assert gate.entered.wait(GUARD_S)
         if gate.entered.is_set() and not gate.released.is_set():
             during.append(parts.step + 1)  # this step runs while step 2's checkpoint is being written
             assert not (tmp_path / "async" / "checkpoints" / "step_00000002.pt").exists()
