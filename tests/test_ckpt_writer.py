@@ -154,14 +154,14 @@ def test_pinned_buffers_are_reused_and_hold_the_values_at_the_step_boundary(tmp_
     model, opt = trained_parts("cuda")
     copier = HostCopier(pinned=True)
     first = copier.copy(live_state(model, opt, 1))
-    copier.ready()
+    copier.finish()
     want = {k: v.cpu() for k, v in model.state_dict().items()}
     train_one_step(model, opt)  # queued after the copies on the same stream
     assert all(torch.equal(first["model"][k], want[k]) for k in want)
     assert first["model"]["transformer.wte.weight"].is_pinned()
     ptrs = {k: v.data_ptr() for k, v in first["model"].items()}
     second = copier.copy(live_state(model, opt, 2))
-    copier.ready()
+    copier.finish()
     assert {k: v.data_ptr() for k, v in second["model"].items()} == ptrs
 
 
