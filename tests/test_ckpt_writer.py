@@ -202,17 +202,4 @@ def test_training_runs_on_while_the_trainer_writes_and_matches_a_synchronous_run
         assert a["loader"] == b["loader"] and a["tokens"] == b["tokens"]
 
 
-def test_a_failed_background_write_stops_the_run_with_an_error(tmp_path, shakespeare_shards, monkeypatch, capsys):
-    plain = ckpt.save_checkpoint
-
-    def full_disk(out_dir, step, state, *, keep):
-        if step == 2:
-            raise OSError(28, "No space left on device")
-        return plain(out_dir, step, state, keep=keep)
-
-    monkeypatch.setattr(ckpt, "save_checkpoint", full_disk)
-    assert run_main(tmp_path, shakespeare_shards, "run") == 1
-    err = capsys.readouterr().err
-    assert "train_ddp.py: error: writing the checkpoint of step 2 in the background failed (OSError: " \
-           "[Errno 28] No space left on device)" in err
-    assert ckpt.latest_valid(tmp_path / "run") is None
+# A failed write through the trainer, on 2 ranks: tests/test_resume.py
