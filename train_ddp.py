@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import DistError
 
     from gpt2.checkpoint import CheckpointError
+    from gpt2.ckpt_writer import CheckpointWriteError
     from gpt2.cli import parse_command
     from gpt2.dist import CollectiveError, resolve_device, setup, teardown, world_from_env
     from gpt2.preempt import EXIT_REQUEUE, stop_exit_code
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, CheckpointWriteError) as e:  # raised alike on every rank: one message
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
         return 1

@@ -195,6 +195,10 @@ class TrainConfig:
     """Steps between checkpoints (one is always written at the end); 0 writes only the final one."""
     keep_checkpoints: int = 3
     """How many recent checkpoints to keep."""
+    async_ckpt: bool = True
+    """Write periodic checkpoints in the background: training stalls only while rank 0 copies the state
+    to host memory (which then holds a second copy of it until the write ends). The final checkpoint
+    and a signal stop's are always written before the run ends."""
     resume: str = "auto"
     """auto (newest valid checkpoint in out_dir, else fresh), never, or a checkpoint path."""
     seed: int = 1337

@@ -323,6 +323,52 @@ def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
     return 8 * (n - block_matrices) + 4 * block_matrices
 
 
+WRITE_BYTES_PER_S = 1e9
+"""The write speed the SLURM stop budget assumes (README, "SLURM"): 1 GB/s, a parallel filesystem's
+share for one writer; measure yours (bench/checkpoint_stall.py prints it) and pass --write-gb-s."""
+STOP_MARGIN_S = 30
+"""Start-up of the save, the processes' exit and torchrun's own handling, on top of step and writes."""
+REQUEUE_MARGIN_S = 30
+"""Between torchrun's grace and the signal lead: the batch shell's `scontrol requeue` after it exits."""
+
+
+def checkpoint_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
+    """Bytes of a checkpoint: fp32 weights and the optimizer state (config, RNG and loader add KBs)."""
+    return 4 * param_count(cfg) + optimizer_bytes(cfg, optimizer)
+
+
+@dataclass(frozen=True)
+class StopBudget:
+    """What a stop signal needs before torchrun's grace runs out (gpt2/preempt.py, slurm/common.sh)."""
+    checkpoint_bytes: int
+    step_s: float
+    write_bytes_per_s: float
+
+    @property
+    def writes_s(self) -> float:
+        """A background write may just have started: the stop waits for it, then writes its own."""
+        return 2 * self.checkpoint_bytes / self.write_bytes_per_s
+
+    @property
+    def grace_s(self) -> int:
+        """TORCH_ELASTIC_SHUTDOWN_TIMEOUT at least: finish the step, both writes, a margin."""
+        return int(-(-(self.step_s + self.writes_s + STOP_MARGIN_S) // 1))
+
+    @property
+    def lead_s(self) -> int:
+        """sbatch --signal=B:USR1@lead at least: the grace, then the requeue."""
+        return self.grace_s + REQUEUE_MARGIN_S
+
+
+def format_stop(p: Plan, write_bytes_per_s: float = WRITE_BYTES_PER_S) -> str:
+    """One line: the checkpoint's size and the SLURM signal lead and grace it needs."""
+    b = StopBudget(checkpoint_bytes(p.cfg, p.memory.optimizer_name), p.step_time_s or 0.0, write_bytes_per_s)
+    step = f"{b.step_s:.1f} s step" if p.step_time_s is not None else "a step (no time estimate)"
+    return (f"stop       checkpoint {b.checkpoint_bytes / 1e9:.2f} GB; a signal stop needs {step} + 2 writes at "
+            f"{write_bytes_per_s / 1e9:g} GB/s ({b.writes_s:.1f} s) + {STOP_MARGIN_S} s: "
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT >= {b.grace_s}, sbatch --signal=B:USR1@{b.lead_s} or more")
+
+
 def matmul_weight_count(cfg: ModelConfig) -> int:
     """Elements of every weight that goes through a matmul (autocast keeps a bf16 copy of each)."""
     h = cfg.n_embd
@@ -584,6 +630,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="training budget in tokens, e.g. 10e9 (default: the preset's max_steps x total batch)")
     ap.add_argument("--mfu", type=float, default=0.4, help="assumed MFU for time estimates (default 0.4)")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"), help="what the optimizer state counts")
+    ap.add_argument("--write-gb-s", type=float, default=WRITE_BYTES_PER_S / 1e9,
+                    help="checkpoint write speed for the SLURM stop budget (default 1 GB/s)")
     return ap
 
 
@@ -622,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_plan(p))
+    print(format_stop(p, args.write_gb_s * 1e9))
     if p.memory.total > p.hardware.memory_bytes:
         try:
             check_fits(p)

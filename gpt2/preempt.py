@@ -2,7 +2,8 @@
 
   SIGTERM or SIGUSR1 (what SLURM sends before a time limit or a preemption) to any trainer process
   makes every rank stop at the same step boundary (`StopRequest` records the signal; the trainer's
-  per-step all-reduce carries the vote). Rank 0 writes a checkpoint, then RUN/requeue (JSON: step,
+  per-step all-reduce carries the vote). Rank 0 waits for a background checkpoint write in flight
+  (gpt2/ckpt_writer.py), writes the stop's checkpoint synchronously, then RUN/requeue (JSON: step,
   signal, checkpoint). Signal torchrun with SIGTERM: it forwards that to every worker and waits
   TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s) before SIGKILL. SIGUSR1 kills torchrun at once
   (exit 138) and leaves its workers running.

@@ -25,6 +25,7 @@ from gpt2 import checkpoint as ckpt
 from gpt2 import precision
 from gpt2 import preempt
 from gpt2.atomic import atomic_write_text
+from gpt2.ckpt_writer import CheckpointWriteError, CheckpointWriter
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader, find_shards
 from gpt2.dist import (Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object, collective, set_cpu_threads,
@@ -53,6 +54,8 @@ class Parts:
     scaler: torch.amp.GradScaler
     """Scales the loss under float16 (its gradients would underflow); disabled, a pass-through, otherwise."""
     step: int = 0
+    writer: CheckpointWriter | None = None
+    """Rank 0's background checkpoint writer (--async-ckpt); None on the other ranks and when off."""
 
 
 def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
@@ -286,25 +289,55 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
         raise ckpt.CheckpointError(str(e)) from None
 
 
-def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict | None = None) -> None:
-    """Every rank contributes its RNG state; rank 0 writes; everyone waits for the write.
+def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict | None = None, *,
+         background: bool = False) -> None:
+    """Every rank contributes its RNG state; rank 0 writes.
 
-    requeue: a signal stop's RUN/requeue content. Rank 0 writes and fsyncs the marker after the
-    checkpoint and before the closing barrier, so no rank (on no node) can leave the stop path, and
-    let srun --kill-on-bad-exit end the job step, before the marker is on disk.
+    background (the same on every rank; needs parts.writer on rank 0, gpt2/ckpt_writer.py): rank 0
+    copies the state to host memory, a thread writes it, and every rank goes on training. Otherwise
+    everyone waits for the write at a barrier. Either way rank 0 first waits for the write in flight,
+    and its error travels with the RNG states, so every rank raises the same CheckpointWriteError
+    (none is left waiting in a collective).
+    requeue: a signal stop's RUN/requeue content (always synchronous). Rank 0 writes and fsyncs the
+    marker after the checkpoint and before the closing barrier, so no rank (on no node) can leave
+    the stop path, and let srun --kill-on-bad-exit end the job step, before the marker is on disk.
     """
-    rngs = all_gather_object(rng_state(), dist)
+    problem = finish_background_write(parts, log) if dist.is_main else None
+    gathered = all_gather_object((rng_state(), problem), dist)
+    if gathered[0][1] is not None:
+        raise CheckpointWriteError(gathered[0][1])
+    background = background and requeue is None
     if dist.is_main:
         state = {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
                  "scaler": parts.scaler.state_dict(),
                  "config": cfg.to_dict(), "tokenizer": "gpt2", "loader": parts.loader.state_dict(),
-                 "rng": rngs, "world_size": dist.world_size,
+                 "rng": [rng for rng, _ in gathered], "world_size": dist.world_size,
                  "tokens": parts.step * cfg.train.total_batch_size, "torch_version": str(torch.__version__)}
-        path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
-        log.info(f"saved checkpoint {path}")
-        if requeue is not None:  # after the checkpoint: the marker promises a complete one
-            preempt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
-    barrier(dist)
+        if background:
+            parts.writer.submit(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
+            log.info(f"checkpoint of step {parts.step}: writing it in the background")
+        else:
+            path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
+            log.info(f"saved checkpoint {path}")
+            if requeue is not None:  # after the checkpoint: the marker promises a complete one
+                preempt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
+    if not background:
+        barrier(dist)
+
+
+def finish_background_write(parts: Parts, log: Metrics) -> str | None:
+    """Rank 0: wait for the checkpoint write in flight; its error as a message, or None."""
+    if parts.writer is None:
+        return None
+    try:
+        done = parts.writer.wait()
+    except CheckpointWriteError as e:
+        return f"{e}. The newest complete checkpoint is the one before it; free space or fix the run directory, " \
+               "then resume with --resume auto"
+    if done is not None:
+        log.info(f"saved checkpoint {done['path']} (in the background: copied in {done['copy_s']:.1f} s, "
+                 f"written in {done['write_s']:.1f} s)")
+    return None
 
 
 def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -> dict:
@@ -351,6 +384,8 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     # scaler skips that update and lowers its scale: its normal working, not a bad step.
     overflow = parts.scaler.is_enabled() and loss_ok and not norm_ok
     skipped = not (loss_ok and norm_ok) and not overflow
+    if parts.writer is not None:  # rank 0, a checkpoint being copied: the update below changes its tensors
+        parts.writer.wait_copied()
     if not skipped:
         parts.scaler.step(parts.optimizer)  # optimizer.step(), unless the scaler found an overflow
     parts.scaler.update()
@@ -479,6 +514,8 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if tc.hellaswag_interval:
         from gpt2.eval import prepare_hellaswag
         hellaswag = prepare_hellaswag(tc.hellaswag_file, dist)  # collective: rank 0 downloads if missing
+    if dist.is_main and tc.async_ckpt:
+        parts.writer = CheckpointWriter(dist.device)
     bad_steps = 0
     slow_phase = True  # start-up: collectives run under --dist-timeout-s until a step has completed
     try:
@@ -525,8 +562,9 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
                 text = sample_text(parts, cfg, dist)
                 log.record({"step": step, "sample": text})
                 log.info(f"sample at step {step}: {text!r}")
-            if saving:
-                save(parts, cfg, dist, log, requeue={"step": step, "signal": stop_request.name} if stopping else None)
+            if saving:  # the final and the stop's save are synchronous: the run ends with a durable one
+                save(parts, cfg, dist, log, requeue={"step": step, "signal": stop_request.name} if stopping else None,
+                     background=tc.async_ckpt and not (stopping or done))
             if stopping:
                 log.info(f"stopped by signal at step {step}; checkpoint written; wrote {tc.out_dir}/"
                          f"{preempt.REQUEUE_MARKER} (requeue and resume with --resume auto)")
@@ -536,6 +574,10 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
             log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")
         return 0
     finally:
+        if dist.is_main and parts.writer is not None:  # an error or a stop: let the write in flight finish
+            problem = finish_background_write(parts, log)
+            if problem:
+                log.warn(problem)
         log.close()
         for loader in (parts.loader, parts.val_loader):  # the shard files they keep open
             if loader is not None:

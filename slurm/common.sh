@@ -88,8 +88,10 @@ gpt2_prepare() {
   local cpus=${SLURM_CPUS_PER_TASK:-$(nproc)}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus / GPUS_PER_NODE > 0 ? cpus / GPUS_PER_NODE : 1 ))}
   # After forwarding SIGTERM torchrun waits this long for the workers before SIGKILL (default 30 s),
-  # too short for a multi-GB checkpoint on a slow shared filesystem. Keep it below the --signal lead
+  # too short for a multi-GB checkpoint on a slow shared filesystem: a stop finishes its step, waits
+  # for a background checkpoint write in flight and writes its own. Keep it below the --signal lead
   # time (120 s) so the requeue still happens before the time limit. Older torch ignores it (30 s).
+  # The rule and a table per preset: README, "SLURM"; `python -m gpt2.plan` prints a run's numbers.
   export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-90}
 
   # The trainer's default thread count divides os.cpu_count(), which under SLURM is the whole node's

@@ -147,3 +147,14 @@ def test_muon_step_bench_times_both_optimizers_and_both_iterations():
     bf16 = next(line for line in small.splitlines() if line.startswith("| muon, bf16 Newton-Schulz"))
     assert float(bf16.split("|")[2]) > 0
     assert re.search(r"a training step of 4,096 tokens is [\d.]+ s", small)
+
+
+def test_checkpoint_stall_bench_times_a_sync_and_a_background_save():
+    out = run_bench("bench/checkpoint_stall.py", "--preset", "debug", "--reps", "1", "--tokens", "64", timeout=300)
+    assert re.search(r"checkpoint of the debug preset: [\d.]+ GB on disk", out)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| round")]
+    assert [r.split("|")[1].strip() for r in rows] == ["warm-up (allocates the copy buffers)", "1", "median"]
+    for row in rows:
+        sync, stall, ratio, copy, write, fwd_bwd = (c.strip() for c in row.strip("|").split("|")[1:])
+        assert all(float(x) >= 0 for x in (sync, stall, copy, write, fwd_bwd)) and ratio.endswith("x")
+        assert float(sync) > 0 and float(write) > 0

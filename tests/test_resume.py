@@ -232,3 +232,86 @@ def test_each_rank_draws_its_own_random_numbers(reference):
     rngs = load_ckpt(reference, CKPT_INTERVAL)["rng"]
     assert len(rngs) == 2
     assert not torch.equal(rngs[0]["torch"], rngs[1]["torch"])
+
+
+HOLD_WRITE_OF_STEP_6 = """
+import threading
+from pathlib import Path
+import gpt2.checkpoint as ckpt
+
+_save, _write, _now = ckpt.save_checkpoint, ckpt._HashingWriter.write, {{"step": None}}
+
+
+def save_checkpoint(out_dir, step, state, **kwargs):  # runs in rank 0's writer thread
+    _now["step"] = step
+    return _save(out_dir, step, state, **kwargs)
+
+
+def write(self, data):  # step 6's file: some bytes reach the temp file, then the writer hangs
+    n = _write(self, data)
+    if _now["step"] == 6 and self.size > 0:
+        self.f.flush()
+        Path({marker!r}).touch()
+        threading.Event().wait()
+    return n
+
+
+ckpt.save_checkpoint, ckpt._HashingWriter.write = save_checkpoint, write
+"""
+
+
+def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, shakespeare_shards,
+                                                                               reference):
+    """Rank 0's writer thread hangs half-way through step 6's file; training goes on past it (step 7);
+    then kill -9 of the whole group. Step 3 is the newest valid checkpoint and --resume auto
+    reproduces the uninterrupted run bitwise."""
+    run_dir, marker = tmp_path / "run", tmp_path / "writing_step_6"
+    first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first",
+                   script=patched_train_script(tmp_path, HOLD_WRITE_OF_STEP_6.format(marker=str(marker))))
+    try:
+        wait_for_step(first, run_dir, 7)  # step 7 ran while step 6's checkpoint was being written ...
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and first.proc.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), first.output()  # ... and the write is still in flight
+    finally:
+        first.kill()  # SIGKILL: launcher and workers
+    ckdir = run_dir / "checkpoints"
+    assert list(ckdir.glob("step_00000006.pt.*.tmp")) and not (ckdir / "step_00000006.pt").exists()
+    assert (ckdir / "latest").read_text().strip() == "step_00000003.pt"
+    second = run(flags(shakespeare_shards, run_dir, "--resume", "auto"), nproc=2, log_dir=tmp_path / "second")
+    assert second.proc.returncode == 0, second.output()
+    assert f"resumed from {ckdir}/step_00000003.pt at step 3" in second.stdout
+    assert losses(run_dir) == losses(reference)
+    assert_same_state(load_ckpt(run_dir, MAX_STEPS), load_ckpt(reference, MAX_STEPS))
+    assert not list(ckdir.glob("*.tmp"))  # the next write cleared the dead one's temp file
+
+
+FAIL_WRITE_OF_STEP_3 = """
+import gpt2.checkpoint as ckpt
+
+_save = ckpt.save_checkpoint
+
+
+def save_checkpoint(out_dir, step, state, **kwargs):
+    if step == 3:
+        raise OSError(28, "No space left on device")
+    return _save(out_dir, step, state, **kwargs)
+
+
+ckpt.save_checkpoint = save_checkpoint
+"""
+
+
+def test_a_failed_background_write_stops_every_rank_with_one_error(tmp_path, shakespeare_shards):
+    """Rank 0's writer fails at step 3; at the next save (step 6) every rank learns it through the
+    save's all-gather and exits: no rank is left waiting in a collective."""
+    run_dir = tmp_path / "run"
+    job = run(flags(shakespeare_shards, run_dir, "--dist-timeout-s", "120"), nproc=2, log_dir=tmp_path,
+              script=patched_train_script(tmp_path, FAIL_WRITE_OF_STEP_3))
+    assert job.proc.returncode == 1, job.output()
+    assert job.stderr.count("train_ddp.py: error: writing the checkpoint of step 3 in the background failed "
+                            "(OSError: [Errno 28] No space left on device)") == 1, job.output()
+    assert "a collective operation failed" not in job.stderr
+    assert max(losses(run_dir)) == 6  # found at the step-6 save, not at the end
+    assert not (run_dir / "checkpoints" / "step_00000003.pt").exists()

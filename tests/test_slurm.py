@@ -70,6 +70,65 @@ def test_gpus_per_node_without_gpus_names_the_fix():
     assert "GPUS_PER_NODE=N" in r.stderr and "--gpus-per-node" in r.stderr
 
 
+# ---------------------------------------------------------------- the stop budget: README = scripts = rule
+
+SCRIPTS = sorted((REPO / "slurm").glob("*.sbatch"))
+GRACE_DEFAULT = re.compile(r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=\$\{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-(\d+)\}")
+
+
+def script_lead_and_grace(script: Path) -> tuple[int, int]:
+    """The script's #SBATCH signal lead and the torchrun grace it runs with (its own default, else common.sh's)."""
+    text = script.read_text()
+    leads = re.findall(r"^#SBATCH --signal=B:USR1@(\d+)\s*$", text, flags=re.M)
+    assert len(leads) == 1, f"{script.name}: want one #SBATCH --signal=B:USR1@N line, found {leads}"
+    assert "--signal" not in "".join(l for l in text.splitlines() if l.startswith("#SBATCH") and "USR1@" not in l)
+    graces = GRACE_DEFAULT.findall(text) or GRACE_DEFAULT.findall((REPO / "slurm" / "common.sh").read_text())
+    assert len(graces) == 1, f"{script.name}: want one default TORCH_ELASTIC_SHUTDOWN_TIMEOUT, found {graces}"
+    return int(leads[0]), int(graces[0])
+
+
+def readme_slurm_section() -> str:
+    text = (REPO / "README.md").read_text()
+    return text[text.index("\n## SLURM\n"):text.index("\n## ", text.index("\n## SLURM\n") + 1)]
+
+
+def test_readme_every_sbatch_script_and_common_sh_state_one_signal_lead_and_grace():
+    """(issue 26: the debug script said @60 where README said @120.)"""
+    values = {script.name: script_lead_and_grace(script) for script in SCRIPTS}
+    assert len(values) == 3 and len(set(values.values())) == 1, values
+    lead, grace = next(iter(values.values()))
+    section = readme_slurm_section()
+    readme_leads = {int(n) for n in re.findall(r"--signal=B:USR1@(\d+)`", section)}
+    readme_leads |= {int(n) for n in re.findall(r"signal lead[^|]*\| `[^`]*` \(default (\d+) s\)", section)}
+    readme_graces = {int(n) for n in re.findall(r"`TORCH_ELASTIC_SHUTDOWN_TIMEOUT` \(default (\d+) s\)", section)}
+    readme_graces |= {int(n) for n in re.findall(r"`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, (\d+) s in every script", section)}
+    assert readme_leads == {lead} and readme_graces == {grace}, (readme_leads, readme_graces, values)
+    assert f"the signal lead ({lead} s in every script)" in section
+    assert f"{lead} s before the time limit SLURM sends USR1" in section
+    common = (REPO / "slurm" / "common.sh").read_text()
+    assert {int(n) for n in re.findall(r"#SBATCH --signal=B:USR1@(\d+)", common)} == {lead}
+    assert {int(n) for n in re.findall(r"--signal lead\s*#?\s*time \((\d+) s\)", common)} == {lead}
+
+
+def test_readme_stop_budget_table_follows_the_planner_and_the_defaults_cover_every_preset():
+    from gpt2.config import MODEL_PRESETS, model_preset
+    from gpt2.plan import REQUEUE_MARGIN_S, StopBudget, checkpoint_bytes, gpu_hardware, plan
+
+    lead, grace = script_lead_and_grace(SCRIPTS[0])
+    rows = re.findall(r"^\| ([\w-]+) \| ([\d.]+) GB \| ([\d.]+) s \| ([\d.]+) s \| (\d+) s \| (\d+) s \|$",
+                      readme_slurm_section(), flags=re.M)
+    assert sorted(r[0] for r in rows) == sorted(MODEL_PRESETS)
+    for name, gb, step, writes, need_grace, need_lead in rows:
+        cfg = model_preset(name)
+        p = plan(cfg, micro_batch_size=1, hardware=gpu_hardware("A100-80GB", "bf16"), world_size=8,
+                 total_batch_size=524288)
+        b = StopBudget(checkpoint_bytes(cfg), p.step_time_s, 1e9)
+        assert (gb, step, writes) == (f"{b.checkpoint_bytes / 1e9:.2f}", f"{b.step_s:.1f}", f"{b.writes_s:.1f}"), name
+        assert (int(need_grace), int(need_lead)) == (b.grace_s, b.lead_s), name
+        assert b.grace_s <= grace and b.lead_s <= lead, f"{name}: the scripts' defaults do not cover it"
+    assert grace + REQUEUE_MARGIN_S <= lead
+
+
 def test_prepare_refuses_out_dir_flag_because_requeues_must_find_the_run():
     r = run_common("gpt2_prepare --preset debug --out-dir elsewhere", {"GPUS_PER_NODE": "1"})
     assert r.returncode == 2 and "set OUT_DIR=" in r.stderr

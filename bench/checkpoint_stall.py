@@ -1,0 +1,124 @@
+"""How long a checkpoint stops training: a synchronous save against a background one (--async-ckpt).
+
+    python bench/checkpoint_stall.py                  # the gpt2 preset (124M + AdamW, ~1.5 GB), ~2 min
+    python bench/checkpoint_stall.py --preset debug --reps 1   # seconds
+
+The state is what the trainer saves (weights, AdamW's two moments after one step, config, loader and
+RNG state), on the CPU. After a warm-up round (the writer's first save allocates the buffers it then
+reuses: that copy is 2-3x slower), each round times, alternately (so both see the same machine load):
+  sync    gpt2.checkpoint.save_checkpoint: torch.save, sha256, fsync, rename, sidecar, `latest`; the
+          training loop waits for all of it.
+  async   gpt2.ckpt_writer.CheckpointWriter: submit() at the step boundary, then the next micro-step's
+          forward and backward (--tokens) while the writer thread copies the state to host memory,
+          then wait_copied() before the optimizer update, as train_step does. The stall is the time
+          the loop spends in submit() and wait_copied(); the thread then writes exactly what the
+          synchronous save writes (background write).
+Files go to --dir (default: a temporary directory next to the system's, removed after), keep=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gpt2 import checkpoint as ckpt
+from gpt2.ckpt_writer import CheckpointWriter
+from gpt2.config import RunConfig, TrainConfig, model_preset
+from gpt2.model import GPT
+from gpt2.optim import make_optimizer
+
+
+def trainer_like_state(preset: str):
+    """A model of `preset`, AdamW after one step, and the dict gpt2/trainer.py save() would hand to the writer."""
+    torch.manual_seed(0)
+    mc = model_preset(preset)
+    tc = TrainConfig(data_dir="d", out_dir="o", dtype="float32")
+    model = GPT(mc)
+    opt = make_optimizer(model, tc, torch.device("cpu"))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt, {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": {},
+            "config": RunConfig(mc, tc).to_dict(), "tokenizer": "gpt2", "loader": {"position": 0},
+            "rng": [{"torch": torch.get_rng_state()}], "world_size": 1, "tokens": 0,
+            "torch_version": str(torch.__version__)}
+
+
+def tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from tensors(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="gpt2", help="model preset (gpt2/config.py)")
+    ap.add_argument("--reps", type=int, default=3, help="rounds of (sync, async), alternating which goes first")
+    ap.add_argument("--tokens", type=int, default=1024,
+                    help="tokens of the forward+backward that runs while the state is copied (one micro-step)")
+    ap.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
+    args = ap.parse_args(argv)
+    model, opt, state = trainer_like_state(args.preset)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # the tied weight once
+                for part in ("model", "optimizer") for t in tensors(state[part])}
+    state_bytes = sum(storages.values())
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        rows = run_rounds(model, opt, state, Path(tmp), args.reps, args.tokens)
+        size = next(Path(tmp, "sync", "checkpoints").glob("*.pt")).stat().st_size
+    print(f"checkpoint of the {args.preset} preset: {size / 1e9:.2f} GB on disk ({state_bytes / 1e9:.2f} GB of "
+          f"tensors); torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| round | sync save s | async stall s | ratio | copy s | background write s | fwd+bwd s |")
+    print("|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows):
+        print(f"| {i or 'warm-up (allocates the copy buffers)'} | {r['sync']:.2f} | {r['stall']:.2f} | {r['sync'] / r['stall']:.1f}x | {r['copy']:.2f} "
+              f"| {r['write']:.2f} | {r['fwd_bwd']:.2f} |")
+    med = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}
+    print(f"| median | {med['sync']:.2f} | {med['stall']:.2f} | {med['sync'] / med['stall']:.1f}x | "
+          f"{med['copy']:.2f} | {med['write']:.2f} | {med['fwd_bwd']:.2f} |")
+    print(f"sync save writes {size / 1e9 / med['sync']:.2f} GB/s here (torch.save + sha256 + fsync)")
+    return 0
+
+
+def run_rounds(model: GPT, opt, state: dict, root: Path, reps: int, tokens: int) -> list[dict]:
+    writer = CheckpointWriter(torch.device("cpu"))
+    x = torch.randint(0, 50257, (max(1, tokens // model.config.block_size), min(tokens, model.config.block_size)))
+    rows = []
+    for rep in range(reps + 1):  # round 0: the first background save allocates its buffers
+        row = {}
+        for kind in (("sync", "async") if rep % 2 else ("async", "sync")):
+            t0 = time.perf_counter()
+            if kind == "sync":
+                ckpt.save_checkpoint(root / "sync", rep, state, keep=1)
+                row["sync"] = time.perf_counter() - t0
+                continue
+            writer.submit(root / "async", rep, state, keep=1)
+            stall = time.perf_counter() - t0
+            t1 = time.perf_counter()  # the next step's forward and backward run while the state is copied
+            _, loss = model(x, x, return_logits=False)
+            loss.backward()
+            row["fwd_bwd"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            writer.wait_copied()  # what train_step does before the optimizer update
+            row["stall"] = stall + time.perf_counter() - t2
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            done = writer.wait()  # before the next timing: one thing at a time
+            row["copy"], row["write"] = done["copy_s"], done["write_s"]
+        rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Background checkpoint writes (gpt2/ckpt_writer.py): the same file as a synchronous save, training
+goes on while it is written, one write at a time, and a failed write is never lost.
+
+Nothing here waits on time: a writer is held by patching save_checkpoint to block on an Event the
+test sets; the timeouts only turn a broken implementation (a deadlock) into a failure.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gpt2 import checkpoint as ckpt
+from gpt2.ckpt_writer import CheckpointWriteError, CheckpointWriter, HostCopier
+from gpt2.config import ModelConfig, TrainConfig
+from gpt2.model import GPT
+from gpt2.optim import make_optimizer
+
+from _helpers import assert_same_state, import_train_ddp, losses, tiny_run_flags
+
+GUARD_S = 120  # a deadlock guard only: correct code never comes near it
+
+
+def trained_parts(device="cpu"):
+    """A tiny GPT (tied embedding/head) and AdamW after one step: every state tensor exists."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)).to(device)
+    opt = make_optimizer(model, TrainConfig(fused_adamw=False), torch.device(device))
+    train_one_step(model, opt)
+    return model, opt
+
+
+def train_one_step(model, opt) -> None:
+    x = torch.randint(0, 50257, (2, 16), device=next(model.parameters()).device)
+    _, loss = model(x, x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def live_state(model, opt, step: int) -> dict:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": [{"torch": torch.get_rng_state()}],
+            "loader": {"position": 512 * step, "epoch": 0}, "config": {"lr": 3e-3, "betas": (0.9, 0.95)},
+            "world_size": 1, "tokens": 512 * step}
+
+
+class Gate:
+    """Patches ckpt.save_checkpoint so that writing `step` blocks until open() (other steps pass)."""
+
+    def __init__(self, monkeypatch, step: int) -> None:
+        self.step, self.entered, self.released = step, threading.Event(), threading.Event()
+        self.log: list[str] = []
+        plain = ckpt.save_checkpoint
+
+        def gated(out_dir, step, state, *, keep):
+            self.log.append(f"start {step}")
+            if step == self.step:
+                self.entered.set()
+                assert self.released.wait(GUARD_S), "the test never released the writer"
+            path = plain(out_dir, step, state, keep=keep)
+            self.log.append(f"end {step}")
+            return path
+
+        monkeypatch.setattr(ckpt, "save_checkpoint", gated)
+
+    def open(self) -> None:
+        self.released.set()
+
+
+def test_background_write_equals_a_synchronous_one_while_training_changes_the_state(tmp_path, monkeypatch):
+    model, opt = trained_parts()
+    sync_path = ckpt.save_checkpoint(tmp_path / "sync", 1, live_state(model, opt, 1), keep=3)
+    gate = Gate(monkeypatch, 1)
+    writer = CheckpointWriter(torch.device("cpu"))
+    writer.submit(tmp_path / "async", 1, live_state(model, opt, 1), keep=3)
+    assert gate.entered.wait(GUARD_S) and writer.in_flight
+    writer.wait_copied()  # what train_step does before the optimizer update
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(2):  # training goes on (in place) while the write is held
+        train_one_step(model, opt)
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "async" / "checkpoints" / "step_00000001.pt").exists()
+    gate.open()
+    done = writer.wait()
+    assert done["path"] == tmp_path / "async" / "checkpoints" / "step_00000001.pt" and not writer.in_flight
+    # The same bytes (so the same sha256 in the sidecar) and, loaded, the same content.
+    assert done["path"].read_bytes() == sync_path.read_bytes()
+    a, b = ckpt.load_checkpoint(sync_path), ckpt.load_checkpoint(done["path"])
+    assert_same_state(a, b)
+    assert {k: v for k, v in a.items() if k not in ("model", "optimizer", "rng")} == \
+           {k: v for k, v in b.items() if k not in ("model", "optimizer", "rng")}
+    # Tied weights stay one storage in the file, as torch.save of the live state writes them.
+    assert b["model"]["lm_head.weight"].data_ptr() == b["model"]["transformer.wte.weight"].data_ptr()
+
+
+def test_host_copy_is_a_real_copy_on_cpu():
+    t = torch.arange(6.0)
+    state = {"a": t, "view": t[2:4], "nested": [(t, 3)]}
+    copier = HostCopier(pinned=False)
+    host = copier.copy(state)
+    assert copier.copies_pending
+    copier.finish()
+    t.add_(100)
+    assert host["a"].tolist() == [0, 1, 2, 3, 4, 5] and host["view"].tolist() == [2, 3]
+    assert host["nested"][0][0].data_ptr() == host["a"].data_ptr() and host["nested"][0][1] == 3
+
+
+def test_the_next_save_waits_for_the_write_in_flight(tmp_path, monkeypatch):
+    model, opt = trained_parts()
+    gate = Gate(monkeypatch, 1)
+    writer = CheckpointWriter(torch.device("cpu"))
+    writer.submit(tmp_path, 1, live_state(model, opt, 1), keep=3)
+    assert gate.entered.wait(GUARD_S)
+    plain_wait = writer.wait
+
+    def wait_then_release():  # the second submit must come through here while step 1 is still held
+        assert gate.log == ["start 1"]
+        gate.open()
+        return plain_wait()
+
+    monkeypatch.setattr(writer, "wait", wait_then_release)
+    writer.submit(tmp_path, 2, live_state(model, opt, 2), keep=3)
+    monkeypatch.setattr(writer, "wait", plain_wait)
+    writer.wait()
+    assert gate.log == ["start 1", "end 1", "start 2", "end 2"]
+    assert ckpt.latest_valid(tmp_path).name == "step_00000002.pt"
+
+
+def test_an_error_in_the_writer_is_raised_by_the_next_wait_and_the_writer_recovers(tmp_path, monkeypatch):
+    model, opt = trained_parts()
+    plain = ckpt.save_checkpoint
+
+    def full_disk(out_dir, step, state, *, keep):
+        if step == 2:
+            raise OSError(28, "No space left on device")
+        return plain(out_dir, step, state, keep=keep)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", full_disk)
+    writer = CheckpointWriter(torch.device("cpu"))
+    writer.submit(tmp_path, 1, live_state(model, opt, 1), keep=3)
+    writer.submit(tmp_path, 2, live_state(model, opt, 2), keep=3)
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint of step 2 .*No space left on device"):
+        writer.wait()
+    assert writer.wait() is None  # raised once; the writer is idle and usable again
+    assert ckpt.latest_valid(tmp_path).name == "step_00000001.pt"
+    writer.submit(tmp_path, 3, live_state(model, opt, 3), keep=3)
+    assert writer.wait()["step"] == 3
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_are_reused_and_hold_the_values_at_the_step_boundary(tmp_path):
+    model, opt = trained_parts("cuda")
+    copier = HostCopier(pinned=True)
+    first = copier.copy(live_state(model, opt, 1))
+    copier.finish()
+    want = {k: v.cpu() for k, v in model.state_dict().items()}
+    train_one_step(model, opt)  # queued after the copies on the same stream
+    assert all(torch.equal(first["model"][k], want[k]) for k in want)
+    assert first["model"]["transformer.wte.weight"].is_pinned()
+    ptrs = {k: v.data_ptr() for k, v in first["model"].items()}
+    second = copier.copy(live_state(model, opt, 2))
+    copier.finish()
+    assert {k: v.data_ptr() for k, v in second["model"].items()} == ptrs
+
+
+# ------------------------------------------------------------------ through the trainer (one process)
+
+def run_main(tmp_path, shards, name: str, *extra: str) -> int:
+    args = [*tiny_run_flags(shards, max_steps=6, ckpt_interval=2, eval_tokens=256), "--out-dir",
+            str(tmp_path / name), *extra]
+    return import_train_ddp().main(args)
+
+
+def test_training_runs_on_while_the_trainer_writes_and_matches_a_synchronous_run(tmp_path, shakespeare_shards,
+                                                                                 monkeypatch):
+    import gpt2.trainer as trainer
+
+    assert run_main(tmp_path, shakespeare_shards, "sync", "--async-ckpt", "false") == 0
+    gate = Gate(monkeypatch, 2)
+    plain_step, during = trainer.train_step, []
+
+    def train_step(parts, *args, **kwargs):
+        if parts.step + 1 == 3:  # step 2's state is copied, and its writer is in save_checkpoint, held
+            assert gate.entered.wait(GUARD_S)
+        if gate.entered.is_set() and not gate.released.is_set():
+            during.append(parts.step + 1)  # this step runs while step 2's checkpoint is being written
+            assert not (tmp_path / "async" / "checkpoints" / "step_00000002.pt").exists()
+            if parts.step + 1 == 4:
+                gate.open()
+        return plain_step(parts, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", train_step)
+    assert run_main(tmp_path, shakespeare_shards, "async") == 0
+    assert during == [3, 4]
+    assert losses(tmp_path / "async") == losses(tmp_path / "sync")
+    for step in (2, 4, 6):
+        name = f"checkpoints/step_{step:08d}.pt"
+        a, b = (ckpt.load_checkpoint(tmp_path / run / name) for run in ("sync", "async"))
+        assert_same_state(a, b)
+        assert a["loader"] == b["loader"] and a["tokens"] == b["tokens"]
+
+
+# A failed write through the trainer, on 2 ranks: tests/test_resume.py
