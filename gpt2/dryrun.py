@@ -189,8 +189,10 @@ def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log)
 
 
 def report_checkpoint(cfg: RunConfig, plan, out) -> None:
+    from gpt2.plan import checkpoint_bytes
+
     tc, m = cfg.train, plan.memory
-    size = m.weights + m.optimizer
+    size = checkpoint_bytes(plan.cfg, m.optimizer_name)  # the number the planner's stop budget uses
     kept = f", {tc.keep_checkpoints} kept: ~{tc.keep_checkpoints * size / GIB:.2f} GiB in {tc.out_dir}/checkpoints"
     every = f"every {tc.ckpt_interval} steps and at the end" if tc.ckpt_interval else "at the end"
     out(f"checkpoint ~{size / GIB:.2f} GiB per file (fp32 weights {m.weights / GIB:.2f} GiB + {m.optimizer_name} "

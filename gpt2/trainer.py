@@ -428,10 +428,11 @@ def check_memory(cfg: RunConfig, dist: Dist, peak: float | None, log: Metrics) -
 
 def check_plan(cfg: RunConfig, hardware, world_size: int, log):
     """The planner's summary for this run on hardware (logged), refused if it clearly cannot fit."""
-    from gpt2.plan import check_fits, format_plan, plan_run
+    from gpt2.plan import check_fits, format_plan, format_stop, plan_run
 
     p = plan_run(cfg, hardware, world_size=world_size)
     log.info(format_plan(p))
+    log.info(format_stop(p))  # the SLURM signal lead and grace this run's checkpoint needs
     check_fits(p)
     return p
 
