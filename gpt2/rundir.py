@@ -88,7 +88,24 @@ def move_aside(out_dir: str | Path, names: tuple[str, ...]) -> Path:
         raise FileExistsError(f"{out}: too many {stamp}* folders")
     for name in names:
         if os.path.lexists(out / name):  # the decision listed it; gone now only if a user moved it
-            os.rename(out / name, dest / name)
+            _move(out / name, dest)
     fsync_dir(dest)
     fsync_dir(out)
     return dest
+
+
+def _move(src: Path, dest: Path) -> None:
+    """src into dest/. A symlinked directory (RUN/checkpoints on a scratch filesystem) keeps its link,
+    so the new run's files go to that storage too: its entries move into a folder of the same name
+    inside it (a rename cannot cross filesystems), which dest/<name> links to."""
+    if not (src.is_symlink() and src.is_dir()):
+        os.rename(src, dest / src.name)
+        return
+    inner = src.resolve() / dest.name
+    inner.mkdir()
+    for entry in sorted(src.iterdir()):
+        if not entry.name.startswith(PREVIOUS_PREFIX):  # earlier fresh starts' folders stay beside it
+            os.rename(entry, inner / entry.name)
+    fsync_dir(inner)
+    fsync_dir(src.resolve())
+    os.symlink(inner, dest / src.name)

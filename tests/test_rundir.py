@@ -80,6 +80,30 @@ def test_move_aside_renames_the_trainers_records_and_deletes_nothing(tmp_path):
     assert (again / "metrics.jsonl").read_text() == "{}\n"
 
 
+def test_a_symlinked_checkpoints_directory_keeps_its_link_and_storage(tmp_path):
+    """RUN/checkpoints -> other storage: the link stays (the new run writes there too); the earlier
+    checkpoints move into a folder inside that storage, which previous-*/checkpoints points to."""
+    scratch = tmp_path / "scratch" / "ckpts"
+    scratch.mkdir(parents=True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(scratch)
+    save(run_dir, 3, "old-run")
+    run_info(run_dir, run_id="old-run")
+    dest = rundir.move_aside(run_dir, rundir.records_present(run_dir))
+    assert (run_dir / "checkpoints").resolve() == scratch and not ckpt.list_checkpoints(run_dir)
+    assert sorted(p.name for p in (dest / "checkpoints").iterdir()) == ["latest", "step_00000003.json",
+                                                                        "step_00000003.pt"]
+    assert (dest / "checkpoints").resolve() == scratch / dest.name
+    ckpt.verify_checkpoint(dest / "checkpoints" / "step_00000003.pt")
+    save(run_dir, 1, "new-run")
+    assert (scratch / "step_00000001.pt").is_file()
+    again = rundir.move_aside(run_dir, ("checkpoints",))  # a later fresh start leaves the first folder be
+    assert sorted(p.name for p in scratch.iterdir()) == sorted([dest.name, again.name])
+    assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["latest", "step_00000001.json",
+                                                                         "step_00000001.pt"]
+
+
 def test_resume_never_in_a_used_directory_plans_a_fresh_run_and_writes_nothing(tmp_path):
     """The decision only reads: a --dry-run may call it with a one-process Dist."""
     before = an_earlier_run(tmp_path)
