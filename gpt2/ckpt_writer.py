@@ -142,8 +142,10 @@ class CheckpointWriter:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def submit(self, out_dir: str | Path, step: int, state: dict, *, keep: int) -> None:
+    def submit(self, out_dir: str | Path, step: int, state: dict, *, keep: int, **save_kwargs) -> None:
         """Start writing state (after the previous write, whose error this raises).
+
+        save_kwargs go to ckpt.save_checkpoint (run_id, warn) as they are.
 
         The caller may run forward and backward at once, but must call wait_copied() before changing
         the state (the optimizer update).
@@ -153,7 +155,7 @@ class CheckpointWriter:
         self._result = {"step": step}
         if self.copier.copies_pending:
             self._copied.clear()
-        self._thread = threading.Thread(target=self._write, args=(Path(out_dir), step, host, keep, self._result),
+        self._thread = threading.Thread(target=self._write, args=(Path(out_dir), step, host, keep, self._result, save_kwargs),
                                         name=f"checkpoint-writer-{step}", daemon=True)
         self._thread.start()
 
@@ -161,7 +163,7 @@ class CheckpointWriter:
         """Block until the state's copy is complete (immediate on CUDA: stream order protects it)."""
         self._copied.wait()
 
-    def _write(self, out_dir: Path, step: int, host: dict, keep: int, result: dict) -> None:
+    def _write(self, out_dir: Path, step: int, host: dict, keep: int, result: dict, save_kwargs: dict) -> None:
         try:
             t0 = time.perf_counter()
             try:
@@ -170,7 +172,7 @@ class CheckpointWriter:
                 self._copied.set()  # also on an error: training must never wait for it forever
             t1 = time.perf_counter()
             # Looked up on the module at call time: tests patch ckpt.save_checkpoint.
-            result["path"] = ckpt.save_checkpoint(out_dir, step, host, keep=keep)
+            result["path"] = ckpt.save_checkpoint(out_dir, step, host, keep=keep, **save_kwargs)
             result["copy_s"], result["write_s"] = t1 - t0, time.perf_counter() - t1
         except BaseException as e:  # kept for wait(): an exception in a thread is otherwise only printed
             result["error"] = e

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gpt2.atomic import give_plain_mode
 from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig
 from gpt2.model import GPT, unwrap
 
@@ -186,6 +187,9 @@ def save_hf_dir(model: GPT, out_dir: str | os.PathLike) -> Path:
     tmp.mkdir()
     try:
         st.save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors (0.8) creates the file 0600 whatever the umask, so a teammate could not load
+        # the export: give it the mode a plain open() would have.
+        give_plain_mode(tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.config), indent=2) + "\n")
         if not out.exists():
             os.rename(tmp, out)

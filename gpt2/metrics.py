@@ -33,10 +33,18 @@ class Metrics:
         if not self.active:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if tensorboard:
+        self.open_sinks(tensorboard=tensorboard, wandb_project=wandb_project, run_config=run_config)
+
+    def open_sinks(self, *, tensorboard: bool = False, wandb_project: str = "", run_config: dict | None = None) -> None:
+        """Start TensorBoard (RUN/tb) and W&B (RUN/wandb). They write into RUN at once, so the trainer
+        opens them only after an earlier run's records there have been moved aside."""
+        if not self.active:
+            return
+        out_dir = self.path.parent
+        if tensorboard and self._tb is None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-            self._tb = SummaryWriter(str(Path(out_dir) / "tb"))
-        if wandb_project:
+            self._tb = SummaryWriter(str(out_dir / "tb"))
+        if wandb_project and self._wandb is None:
             import wandb
             self._wandb = wandb.init(project=wandb_project, config=run_config, dir=str(out_dir), resume="allow")
 

@@ -74,8 +74,9 @@ def seed_tiktoken_cache(cache_dir: str | None = None) -> bool:
             ok = False  # not the file tiktoken expects: let tiktoken download the real one
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        # 0644: the default cache is in /tmp, shared by every user of the node, and tiktoken would
-        # fail on a file another user cached but cannot read.
+        # The mode a plain open() gives (what tiktoken's own cache writes get): under the usual umask
+        # 022 other users can read it; the default cache is in /tmp, shared by every user of the node,
+        # and tiktoken would fail on a file another user cached but cannot read.
         atomic_write_bytes(target, data)
     return ok
 

@@ -34,7 +34,8 @@ from gpt2.flops import device_peak_flops, mfu
 from gpt2.metrics import Metrics, plot_loss_curve
 from gpt2.model import GPT
 from gpt2.optim import make_optimizer, optimizer_kind
-from gpt2.resume import agree_on_step, choose_resume
+from gpt2.resume import Start, agree_on_step, choose_start, set_aside_earlier_run
+from gpt2.rundir import RUN_INFO
 from gpt2.schedule import grad_accum_steps, lr_at
 
 
@@ -56,6 +57,8 @@ class Parts:
     step: int = 0
     writer: CheckpointWriter | None = None
     """Rank 0's background checkpoint writer (--async-ckpt); None on the other ranks and when off."""
+    run_id: str | None = None
+    """The run this one is (gpt2/rundir.py): recorded in config.json and in every checkpoint it writes."""
 
 
 def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
@@ -187,7 +190,13 @@ def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
         log.info(f"resume: {k} changed from {old!r} to {new!r}")
 
 
-def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None, int]) -> Parts:
+def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None, int],
+          start: Start | None = None) -> Parts:
+    """The model, optimizer and loaders, restored from start.point when resuming.
+
+    start: train()'s decision (choose_start, made before anything is written); None decides here,
+    for callers that build in a new directory (tests, benchmarks): nothing is moved aside then.
+    """
     tc, mc = cfg.train, cfg.model
     train_shards, val_shards = shards
     accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, mc.block_size, dist.world_size)
@@ -209,7 +218,10 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
             log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all "
                      f"{val_loader.tokens} tokens")
     parts = Parts(model, model, optimizer, loader, val_loader, accum, precision.make_scaler(tc.dtype, dist.device))
-    point = choose_resume(tc.resume, tc.out_dir, dist, warn=log.warn)
+    if start is None:
+        start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
+    parts.run_id = start.run_id
+    point = start.point
     if point is not None:
         problem = None
         try:
@@ -314,10 +326,12 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict |
                  "rng": [rng for rng, _ in gathered], "world_size": dist.world_size,
                  "tokens": parts.step * cfg.train.total_batch_size, "torch_version": str(torch.__version__)}
         if background:
-            parts.writer.submit(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
+            parts.writer.submit(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints,
+                                run_id=parts.run_id, warn=log.warn)
             log.info(f"checkpoint of step {parts.step}: writing it in the background")
         else:
-            path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints)
+            path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints,
+                                        run_id=parts.run_id, warn=log.warn)
             log.info(f"saved checkpoint {path}")
             if requeue is not None:  # after the checkpoint: the marker promises a complete one
                 preempt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
@@ -461,13 +475,13 @@ def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None,
         return
     import tiktoken
 
-    info = {"config": cfg.to_dict(), "world_size": dist.world_size, "device": str(dist.device),
+    info = {"run_id": parts.run_id, "config": cfg.to_dict(), "world_size": dist.world_size, "device": str(dist.device),
             "device_name": device_name(dist.device),
             "precision": prec.to_dict(), "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
             "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
-    atomic_write_text(Path(cfg.train.out_dir) / "config.json", json.dumps(info, indent=2))
+    atomic_write_text(Path(cfg.train.out_dir) / RUN_INFO, json.dumps(info, indent=2))
 
 
 def train(cfg: RunConfig, dist: Dist, shards=None) -> int:
@@ -484,8 +498,9 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if dist.is_main:  # RUN/requeue says "the last run stopped on a signal": not true of this one
         preempt.clear_requeue_marker(tc.out_dir)
     configure_backends(tc, dist)
-    log = Metrics(dist, tc.out_dir, tensorboard=tc.tensorboard, wandb_project=tc.wandb_project,
-                  run_config=cfg.to_dict())
+    # The console only, for now: TensorBoard and W&B write into RUN, which may still hold an earlier
+    # run's records until the start is decided and they are moved aside (below).
+    log = Metrics(dist, tc.out_dir)
     shards = shards or check_data(cfg, dist.world_size)
     log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
              f"building the model")
@@ -495,11 +510,20 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if peak is None:
         log.info(f"mfu n/a: {device_name(dist.device)} has no data-sheet peak in gpt2/flops.py (add it there)")
     check_memory(cfg, dist, peak, log)
-    parts = build(cfg, dist, log, shards)
+    # Decided after every check that can refuse the configuration, so a refused run moves nothing;
+    # the earlier run's records go aside before the first write into RUN (sinks, restore, config.json).
+    start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
+    moved = set_aside_earlier_run(start, tc.out_dir, dist)
+    if moved is not None:
+        why = "fresh start" if start.point is None else f"resuming run {start.run_id} from {start.point.path}"
+        log.info(f"{why}: moved the earlier run's {', '.join(start.set_aside)} from {tc.out_dir} into {moved}/ "
+                 "(nothing deleted)")
+    log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict())
+    parts = build(cfg, dist, log, shards, start)
     if parts.step >= tc.max_steps:  # e.g. the quick start run a second time
         log.info(f"nothing to train: {tc.out_dir} already finished step {parts.step} of --max-steps "
                  f"{tc.max_steps}. Pass a larger --max-steps to continue this run, or another --out-dir "
-                 "(or --resume never) to start a new one")
+                 "(or --resume never, which moves this run's files into a previous-* folder) to start a new one")
         log.close()
         return 0
     write_run_info(cfg, dist, parts, peak, prec)

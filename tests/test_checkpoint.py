@@ -95,6 +95,42 @@ def test_retention_after_resuming_an_earlier_checkpoint_keeps_the_one_just_writt
     assert ckpt.resolve_resume("auto", tmp_path).name == "step_00000003.pt"  # `latest` wins over step order
 
 
+def test_run_id_is_in_the_checkpoint_and_its_sidecar(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 7, state(7), keep=3, run_id="run-a")
+    assert json.loads(path.with_suffix(".json").read_text())["run_id"] == "run-a"
+    assert ckpt.load_checkpoint(path)["run_id"] == "run-a"
+
+
+def test_retention_neither_deletes_nor_counts_another_runs_checkpoints(tmp_path):
+    """An earlier run's checkpoints left in checkpoints/ (at lower and higher steps): retention of this
+    run keeps `keep` of its own, never deletes the others, and warns about them."""
+    for step in (1, 9):
+        ckpt.save_checkpoint(tmp_path, step, state(step), keep=10, run_id="old", warn=pytest.fail)
+    warnings = []
+    for step in (2, 3, 4):
+        ckpt.save_checkpoint(tmp_path, step, state(step), keep=2, run_id="new", warn=warnings.append)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
+        "step_00000009.pt", "step_00000004.pt", "step_00000003.pt", "step_00000001.pt"]
+    for step in (1, 9):  # intact
+        ckpt.verify_checkpoint(tmp_path / "checkpoints" / f"step_{step:08d}.pt")
+    assert len(warnings) == 6 and all("belongs to run old, not to this directory's run new" in w for w in warnings)
+    # keep=1: only this run's newest survives of its own; the other run's still stay
+    ckpt.save_checkpoint(tmp_path, 5, state(5), keep=1, run_id="new", warn=warnings.append)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000009.pt", "step_00000005.pt",
+                                                                 "step_00000001.pt"]
+
+
+def test_auto_takes_the_newest_of_the_directorys_run_not_the_pointer_to_another(tmp_path):
+    ckpt.save_checkpoint(tmp_path, 2, state(2), keep=10, run_id="ours")
+    ckpt.save_checkpoint(tmp_path, 9, state(9), keep=10, run_id="theirs", warn=lambda m: None)  # `latest` -> 9
+    (tmp_path / "config.json").write_text(json.dumps({"run_id": "ours"}))
+    warnings = []
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000002.pt"
+    assert len(warnings) == 1 and "step_00000009.pt: it belongs to run theirs" in warnings[0]
+    # Named explicitly, a file of any run is taken (the trainer decides what that means for the directory).
+    assert ckpt.resolve_resume(str(tmp_path / "checkpoints" / "step_00000009.pt"), tmp_path).name == "step_00000009.pt"
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_sidecar", "garbage_sidecar"])
 def test_damaged_newest_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_path, damage):
     good = ckpt.save_checkpoint(tmp_path, 1, state(1), keep=3)

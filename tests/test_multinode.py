@@ -445,7 +445,8 @@ def test_loading_a_checkpoint_on_two_local_ranks_holds_about_one_copy_in_host_me
 # ------------------------------------------------- the resume decision, one rank's view (no processes)
 
 def _view(monkeypatch, rank: int, local_rank: int, rank0_decision, others):
-    """Run choose_resume as `rank`, with rank 0's broadcast decision and the other ranks' reports given."""
+    """Run choose_resume as `rank`, with rank 0's broadcast decision (kind, Start or message, the newest
+    checkpoint rank 0 sees, its host, the run id whose checkpoints count) and the other ranks' reports given."""
     import torch
 
     from gpt2 import resume
@@ -472,7 +473,7 @@ def test_a_rank_that_sees_rank_0s_checkpoint_agrees_and_rehashes_once_per_node(t
     point = resume._point(path)
     hashed = []
     monkeypatch.setattr(resume.ckpt, "verify_checkpoint", lambda p: hashed.append(p))
-    decision = ("ok", point, path.name, "node1")
+    decision = ("ok", resume.Start(point, point.run_id), path.name, "node1", "*")
     for local_rank in (0, 1):
         dist = _view(monkeypatch, 1, local_rank, decision, [(0, "node1", None)])
         assert resume.choose_resume("auto", tmp_path, dist, warn=print) == point
@@ -487,7 +488,7 @@ def test_a_rank_that_sees_another_file_under_the_same_name_refuses(tmp_path, mon
     _checkpoint(tmp_path / "node2", 6, salt=0.5)  # another run's step 6 where node 2 looks
     point = resume.ResumePoint(str(tmp_path / "node2" / "checkpoints" / "step_00000006.pt"), 6, theirs.sha256,
                                theirs.bytes)
-    dist = _view(monkeypatch, 1, 1, ("ok", point, "step_00000006.pt", "node1"), [(0, "node1", None)])
+    dist = _view(monkeypatch, 1, 1, ("ok", resume.Start(point, None), "step_00000006.pt", "node1", "*"), [(0, "node1", None)])
     with pytest.raises(CheckpointError, match=r"rank 1 on \S+: sees a different step_00000006.pt"):
         resume.choose_resume(str(point.path), tmp_path / "node2", dist, warn=print)
 
@@ -497,7 +498,7 @@ def test_rank_0_starting_fresh_while_another_node_sees_a_checkpoint_is_refused(t
     from gpt2.checkpoint import CheckpointError
 
     _checkpoint(tmp_path, 6)  # what this rank (node 1) sees; rank 0 on node2 saw nothing
-    dist = _view(monkeypatch, 1, 0, ("ok", None, None, "node2"), [(0, "node2", None)])
+    dist = _view(monkeypatch, 1, 0, ("ok", resume.Start(None, "new-run"), None, "node2", "*"), [(0, "node2", None)])
     with pytest.raises(CheckpointError, match=r"rank 0 on node2 found no checkpoint .* would start fresh, but "
                                               r"rank 1 on \S+: sees step_00000006.pt as the newest"):
         resume.choose_resume("auto", tmp_path, dist, warn=print)
@@ -507,7 +508,7 @@ def test_rank_0s_error_is_raised_on_every_rank(tmp_path, monkeypatch):
     from gpt2 import resume
     from gpt2.checkpoint import CheckpointError
 
-    dist = _view(monkeypatch, 1, 0, ("error", "--resume x.pt: no such checkpoint file", None, "node1"), [])
+    dist = _view(monkeypatch, 1, 0, ("error", "--resume x.pt: no such checkpoint file", None, "node1", None), [])
     with pytest.raises(CheckpointError, match="no such checkpoint file"):
         resume.choose_resume("x.pt", tmp_path, dist, warn=print)
 

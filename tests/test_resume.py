@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from gpt2 import checkpoint as ckpt
 from gpt2.checkpoint import verify_checkpoint
 
 from _helpers import (assert_same_state, import_train_ddp, inject_nan, launch, load_ckpt, losses, nan_at_step,
@@ -315,3 +316,143 @@ def test_a_failed_background_write_stops_every_rank_with_one_error(tmp_path, sha
     assert "a collective operation failed" not in job.stderr
     assert max(losses(run_dir)) == 6  # found at the step-6 save, not at the end
     assert not (run_dir / "checkpoints" / "step_00000003.pt").exists()
+
+
+# ---- A fresh start in a used directory: the earlier run's records go to RUN/previous-*/ -------------
+
+def previous(run_dir):
+    """The one RUN/previous-*/ folder a fresh start made."""
+    found = sorted(run_dir.glob("previous-*"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def run_id(run_dir):
+    return json.loads((run_dir / "config.json").read_text())["run_id"]
+
+
+def sidecar_run_ids(run_dir) -> dict[str, str | None]:
+    return {p.stem: json.loads(p.read_text()).get("run_id") for p in (run_dir / "checkpoints").glob("step_*.json")}
+
+
+def in_process(args, capsys) -> tuple[int, str, str]:
+    """train_ddp.main in this process (one rank, no process group): exit code, stdout, stderr."""
+    capsys.readouterr()
+    code = import_train_ddp().main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def small(data_dir, run_dir, *extra, max_steps=4, ckpt_interval=2):
+    return [*tiny_run_flags(data_dir, max_steps=max_steps, ckpt_interval=ckpt_interval, eval_tokens=256),
+            "--out-dir", str(run_dir), *extra]
+
+
+def test_resume_never_in_a_used_directory_moves_the_earlier_run_aside(tmp_path, shakespeare_shards, capsys):
+    run_dir = tmp_path / "run"
+    assert in_process(small(shakespeare_shards, run_dir), capsys)[0] == 0
+    old_id, old_losses = run_id(run_dir), losses(run_dir)
+    old_bytes = (run_dir / "checkpoints" / "step_00000004.pt").read_bytes()
+    code, out, _ = in_process(small(shakespeare_shards, run_dir, "--resume", "never", "--max-steps", "3",
+                                    "--ckpt-interval", "3"), capsys)
+    assert code == 0
+    moved = previous(run_dir)
+    assert (f"fresh start: moved the earlier run's checkpoints, metrics.jsonl, config.json from {run_dir} into "
+            f"{moved}/ (nothing deleted)") in out
+    assert sorted(losses(run_dir)) == [1, 2, 3]  # only the new run's steps (and each once)
+    assert [r["step"] for r in records(run_dir) if "val_loss" in r] == [0, 3]
+    assert losses(moved) == old_losses and run_id(moved) == old_id  # the earlier run, whole
+    assert (moved / "checkpoints" / "step_00000004.pt").read_bytes() == old_bytes
+    assert sorted(sidecar_run_ids(moved)) == ["step_00000002", "step_00000004"]
+    new_id = run_id(run_dir)
+    assert new_id != old_id and sidecar_run_ids(run_dir) == {"step_00000003": new_id}
+    assert load_ckpt(run_dir, 3)["run_id"] == new_id
+
+
+def test_resume_auto_with_its_only_checkpoint_damaged_starts_apart(tmp_path, shakespeare_shards, capsys):
+    run_dir = tmp_path / "run"
+    assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0
+    damaged = run_dir / "checkpoints" / "step_00000002.pt"
+    data = damaged.read_bytes()[:5000]
+    damaged.write_bytes(data)
+    code, out, err = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3"), capsys)
+    assert code == 0
+    assert "skipping checkpoint" in err and "truncated" in err
+    assert "fresh start: moved the earlier run's checkpoints, metrics.jsonl, config.json" in out
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+    assert sorted(losses(previous(run_dir))) == [1, 2]
+    assert (previous(run_dir) / "checkpoints" / "step_00000002.pt").read_bytes() == data  # kept, as it was
+    assert sorted(sidecar_run_ids(run_dir)) == ["step_00000003"]
+
+
+def test_the_issues_scenario_auto_never_resumes_the_earlier_run(tmp_path, shakespeare_shards, capsys):
+    """Issue 26: a run to step 6, a fresh run (--resume never) to step 4, its newest checkpoint truncated:
+    --resume auto continues the new run from its step 2, exactly, not the old run from step 6."""
+    run_dir = tmp_path / "run"
+    assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "6", "--ckpt-interval", "3"), capsys)[0] == 0
+    assert in_process(small(shakespeare_shards, run_dir, "--resume", "never"), capsys)[0] == 0
+    fresh = losses(run_dir)
+    newest = run_dir / "checkpoints" / "step_00000004.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    code, out, _ = in_process(small(shakespeare_shards, run_dir), capsys)
+    assert code == 0
+    assert f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in out
+    assert "step_00000006" not in out and "moved" not in out
+    assert losses(run_dir) == fresh  # steps 1-4 once each; 3 and 4 recomputed bitwise
+    assert sorted(losses(previous(run_dir))) == list(range(1, 7))
+    assert set(sidecar_run_ids(run_dir).values()) == {run_id(run_dir)}
+
+
+def test_an_old_format_checkpoint_without_a_run_id_still_resumes(tmp_path, shakespeare_shards, capsys):
+    """A run directory written before run ids (no run_id in config.json, checkpoints or sidecars)."""
+    run_dir = tmp_path / "run"
+    assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0
+    for step in (2,):  # rewrite as the previous version wrote it
+        state = load_ckpt(run_dir, step)
+        for key in ("run_id", "format", "step"):
+            del state[key]
+        ckpt.save_checkpoint(run_dir, step, state, keep=100)
+    info = json.loads((run_dir / "config.json").read_text())
+    del info["run_id"]
+    (run_dir / "config.json").write_text(json.dumps(info))
+    assert sidecar_run_ids(run_dir) == {"step_00000002": None} and "run_id" not in load_ckpt(run_dir, 2)
+    code, out, _ = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3"), capsys)
+    assert code == 0
+    assert f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in out and "moved" not in out
+    assert sorted(losses(run_dir)) == [1, 2, 3] and not list(run_dir.glob("previous-*"))
+    assert run_id(run_dir) is None  # it goes on as a run without an id ...
+    assert sidecar_run_ids(run_dir) == {"step_00000002": None, "step_00000003": None}  # ... whose checkpoints match
+
+
+def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoint(tmp_path, reference):
+    """2 ranks: a fresh start in the reference run's directory (8 steps), its newest checkpoint
+    truncated, and the earlier run's step 8 put back into checkpoints/ (a stray, the highest step):
+    every rank resumes the new run from its step 3, retention keeps the stray, and the losses are
+    the fresh run's."""
+    import shutil
+
+    data_dir = json.loads((reference / "config.json").read_text())["config"]["train"]["data_dir"]
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    fresh = run(flags(data_dir, run_dir, "--resume", "never", "--max-steps", "5"), nproc=2, log_dir=tmp_path / "fresh")
+    assert fresh.proc.returncode == 0, fresh.output()
+    moved = previous(run_dir)
+    assert fresh.stdout.count(f"fresh start: moved the earlier run's checkpoints, metrics.jsonl, config.json from "
+                              f"{run_dir} into {moved}/") == 1
+    assert losses(moved) == losses(reference)
+    fresh_losses, new_id = losses(run_dir), run_id(run_dir)
+    assert sorted(fresh_losses) == [1, 2, 3, 4, 5] and new_id != run_id(reference)
+    newest = run_dir / "checkpoints" / "step_00000005.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    stray = run_dir / "checkpoints" / "step_00000008.pt"
+    for suffix in (".pt", ".json"):
+        shutil.copy(moved / "checkpoints" / stray.with_suffix(suffix).name, stray.with_suffix(suffix))
+    again = run(flags(data_dir, run_dir, "--max-steps", "5", "--keep-checkpoints", "1"), nproc=2,
+                log_dir=tmp_path / "again")
+    assert again.proc.returncode == 0, again.output()
+    assert f"resumed from {run_dir}/checkpoints/step_00000003.pt at step 3" in again.stdout
+    assert f"ignoring checkpoint {stray}: it belongs to run {run_id(reference)}" in again.stderr
+    assert losses(run_dir) == fresh_losses
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step_00000005.pt", "step_00000008.pt"]
+    verify_checkpoint(stray)  # never deleted by retention, though keep=1 and it is not the newest
+    assert sidecar_run_ids(run_dir) == {"step_00000005": new_id, "step_00000008": run_id(reference)}

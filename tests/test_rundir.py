@@ -1,0 +1,200 @@
+"""Run directories (gpt2/rundir.py) and the start decision (gpt2/resume.py choose_start): run ids, which
+checkpoints count, and moving an earlier run's records aside. One process, no training."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from gpt2 import checkpoint as ckpt
+from gpt2 import resume, rundir
+from gpt2.dist import Dist
+
+ONE = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+
+
+def save(run_dir, step: int, run_id: str | None, keep: int = 10):
+    """A checkpoint of run_id (retention's warnings about other runs' checkpoints are tested elsewhere)."""
+    return ckpt.save_checkpoint(run_dir, step, {"w": torch.arange(4.0) + step}, keep=keep, run_id=run_id,
+                                warn=lambda message: None)
+
+
+def run_info(run_dir, **info) -> None:
+    """RUN/config.json as the trainer writes it (only the fields that matter here)."""
+    (run_dir / "config.json").write_text(json.dumps({"config": {}, **info}))
+
+
+def an_earlier_run(run_dir, run_id: str | None = "old-run") -> dict[str, bytes]:
+    """RUN as a finished run leaves it (plus files that are not the trainer's); returns its files' bytes."""
+    save(run_dir, 3, run_id)
+    save(run_dir, 6, run_id)
+    run_info(run_dir, **({} if run_id is None else {"run_id": run_id}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0 - s}) + "\n" for s in range(7)))
+    (run_dir / "loss_curve.png").write_bytes(b"png")
+    (run_dir / "tb").mkdir()
+    (run_dir / "tb" / "events.out.tfevents.1").write_bytes(b"tb")
+    (run_dir / "hf").mkdir()  # an export: not the trainer's, it stays
+    (run_dir / "notes.txt").write_text("mine")
+    return files(run_dir)
+
+
+def files(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_run_ids_are_unique_and_name_their_start_time():
+    ids = {rundir.new_run_id() for _ in range(100)}
+    assert len(ids) == 100
+    assert all(re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{8}", i) for i in ids)
+
+
+def test_directory_run_id_from_config_json(tmp_path):
+    assert rundir.directory_run_id(tmp_path) == rundir.ANY_RUN  # nothing records a run: every checkpoint counts
+    run_info(tmp_path)
+    assert rundir.directory_run_id(tmp_path) is None  # written before run ids
+    run_info(tmp_path, run_id="abc")
+    assert rundir.directory_run_id(tmp_path) == "abc"
+    (tmp_path / "config.json").write_text('{"run_id": ')
+    with pytest.raises(ValueError, match=r"config.json is unreadable .* --resume never"):
+        rundir.directory_run_id(tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match="config.json is unreadable"):
+        ckpt.latest_valid(tmp_path)
+
+
+def test_move_aside_renames_the_trainers_records_and_deletes_nothing(tmp_path):
+    before = an_earlier_run(tmp_path)
+    names = rundir.records_present(tmp_path)
+    assert names == ("checkpoints", "metrics.jsonl", "loss_curve.png", "tb", "config.json")  # checkpoints first
+    dest = rundir.move_aside(tmp_path, names)
+    assert re.fullmatch(r"previous-\d{8}T\d{6}Z", dest.name) and dest.parent == tmp_path
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dest.name, "hf", "notes.txt"])
+    after = {(k.split("/", 1)[1] if k.startswith("previous-") else k): v for k, v in files(tmp_path).items()}
+    assert after == before  # every byte still there
+    # A second fresh start within the same second gets its own folder.
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    again = rundir.move_aside(tmp_path, ("metrics.jsonl",))
+    assert again != dest and again.name.startswith("previous-")
+    assert (again / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_a_symlinked_checkpoints_directory_keeps_its_link_and_storage(tmp_path):
+    """RUN/checkpoints -> other storage: the link stays (the new run writes there too); the earlier
+    checkpoints move into a folder inside that storage, which previous-*/checkpoints points to."""
+    scratch = tmp_path / "scratch" / "ckpts"
+    scratch.mkdir(parents=True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(scratch)
+    save(run_dir, 3, "old-run")
+    run_info(run_dir, run_id="old-run")
+    dest = rundir.move_aside(run_dir, rundir.records_present(run_dir))
+    assert (run_dir / "checkpoints").resolve() == scratch and not ckpt.list_checkpoints(run_dir)
+    assert sorted(p.name for p in (dest / "checkpoints").iterdir()) == ["latest", "step_00000003.json",
+                                                                        "step_00000003.pt"]
+    assert (dest / "checkpoints").resolve() == scratch / dest.name
+    ckpt.verify_checkpoint(dest / "checkpoints" / "step_00000003.pt")
+    save(run_dir, 1, "new-run")
+    assert (scratch / "step_00000001.pt").is_file()
+    again = rundir.move_aside(run_dir, ("checkpoints",))  # a later fresh start leaves the first folder be
+    assert sorted(p.name for p in scratch.iterdir()) == sorted([dest.name, again.name])
+    assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["latest", "step_00000001.json",
+                                                                         "step_00000001.pt"]
+
+
+def test_resume_never_in_a_used_directory_plans_a_fresh_run_and_writes_nothing(tmp_path):
+    """The decision only reads: a --dry-run may call it with a one-process Dist."""
+    before = an_earlier_run(tmp_path)
+    start = resume.choose_start("never", tmp_path, ONE, warn=pytest.fail)
+    assert start.point is None and start.run_id not in (None, "old-run")
+    assert start.set_aside == ("checkpoints", "metrics.jsonl", "loss_curve.png", "tb", "config.json")
+    assert files(tmp_path) == before
+    assert resume.set_aside_earlier_run(start, tmp_path, ONE) is not None
+    assert not rundir.records_present(tmp_path)
+
+
+def test_auto_with_its_only_checkpoint_damaged_starts_fresh_and_sets_everything_aside(tmp_path):
+    path = save(tmp_path, 2, "old-run")
+    run_info(tmp_path, run_id="old-run")
+    path.write_bytes(path.read_bytes()[:100])
+    warnings = []
+    start = resume.choose_start("auto", tmp_path, ONE, warn=warnings.append)
+    assert start.point is None and start.run_id != "old-run" and start.set_aside == ("checkpoints", "config.json")
+    assert len(warnings) == 1 and "truncated" in warnings[0]
+
+
+def test_auto_ignores_another_runs_checkpoint_even_when_it_is_newer(tmp_path):
+    ours = save(tmp_path, 2, "ours")
+    save(tmp_path, 9, "theirs")  # a stray: later step, and `latest` names it
+    run_info(tmp_path, run_id="ours")
+    warnings = []
+    start = resume.choose_start("auto", tmp_path, ONE, warn=warnings.append)
+    assert start.point.path == str(ours) and start.run_id == "ours" and start.set_aside == ()
+    assert len(warnings) == 1 and "step_00000009.pt: it belongs to run theirs, not to this directory's run ours" \
+        in warnings[0]
+    assert resume.newest_seen(tmp_path, "ours") == ours.name
+    assert resume.newest_seen(tmp_path) == "step_00000009.pt"  # ANY_RUN: every checkpoint
+
+
+def test_checkpoints_without_a_run_id_resume_where_nothing_or_no_id_is_recorded(tmp_path):
+    """Written before run ids: their directory's config.json has no run_id either, and they resume as a
+    run without one. A directory whose config.json names a run does not take them."""
+    legacy = save(tmp_path, 4, None)
+    assert "run_id" not in json.loads(legacy.with_suffix(".json").read_text())
+    assert "run_id" not in ckpt.load_checkpoint(legacy)
+    for info in (None, {}):  # no config.json, or one from before run ids
+        if info is not None:
+            run_info(tmp_path, **info)
+        start = resume.choose_start("auto", tmp_path, ONE, warn=pytest.fail)
+        assert start.point.path == str(legacy) and start.point.run_id is None and start.run_id is None
+        assert start.set_aside == ()
+    run_info(tmp_path, run_id="new")
+    warnings = []
+    start = resume.choose_start("auto", tmp_path, ONE, warn=warnings.append)
+    assert start.point is None and "belongs to run (no run id)" in warnings[0]
+
+
+def test_a_checkpoint_copied_into_a_new_directory_resumes_there_as_its_run(tmp_path):
+    src = save(tmp_path / "a", 5, "run-a")
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    for suffix in (".pt", ".json"):
+        (tmp_path / "b" / "checkpoints" / src.with_suffix(suffix).name).write_bytes(src.with_suffix(suffix).read_bytes())
+    start = resume.choose_start("auto", tmp_path / "b", ONE, warn=pytest.fail)
+    assert start.point.step == 5 and start.run_id == "run-a" and start.set_aside == ()
+
+
+def test_resuming_another_run_into_a_directory_that_holds_one_sets_that_one_aside(tmp_path):
+    other = save(tmp_path / "other", 5, "other-run")
+    an_earlier_run(tmp_path / "run")
+    start = resume.choose_start(str(other), tmp_path / "run", ONE, warn=pytest.fail)
+    assert start.point.path == str(other) and start.run_id == "other-run"
+    assert start.set_aside == ("checkpoints", "metrics.jsonl", "loss_curve.png", "tb", "config.json")
+    # The same run's directory: nothing to set aside.
+    assert resume.choose_start(str(other), tmp_path / "other", ONE, warn=pytest.fail).set_aside == ()
+    # A stray inside the directory cannot be resumed there: moving checkpoints/ would move it too.
+    stray = save(tmp_path / "run", 9, "stray-run", keep=100)
+    with pytest.raises(ckpt.CheckpointError, match=r"belongs to run stray-run, but .* holds run old-run .* new "
+                                                   r"--out-dir"):
+        resume.choose_start(str(stray), tmp_path / "run", ONE, warn=print)
+
+
+def test_a_failed_move_is_every_ranks_error(tmp_path, monkeypatch):
+    """Rank 0 cannot move the records: it and every other rank raise the same error (no rank waits)."""
+    an_earlier_run(tmp_path)
+    start = resume.choose_start("never", tmp_path, ONE, warn=pytest.fail)
+
+    def refused(*args):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "previous-x"))
+
+    monkeypatch.setattr(rundir, "move_aside", refused)
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot move the earlier run's checkpoints, .* nothing was "
+                                                   r"deleted\. Fix the directory's permissions"):
+        resume.set_aside_earlier_run(start, tmp_path, ONE)
+    # Rank 1's view: it moved nothing itself, rank 0's report arrives through the gather.
+    rank1 = Dist(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"))
+    monkeypatch.setattr(resume, "all_gather_object", lambda obj, d: ["rank 0: cannot move", obj])
+    with pytest.raises(ckpt.CheckpointError, match="rank 0: cannot move"):
+        resume.set_aside_earlier_run(start, tmp_path, rank1)
+    assert rundir.records_present(tmp_path)  # nothing was moved, and nothing deleted
