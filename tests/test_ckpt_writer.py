@@ -54,12 +54,12 @@ class Gate:
         self.log: list[str] = []
         plain = ckpt.save_checkpoint
 
-        def gated(out_dir, step, state, *, keep):
+        def gated(out_dir, step, state, *, keep, **kwargs):
             self.log.append(f"start {step}")
             if step == self.step:
                 self.entered.set()
                 assert self.released.wait(GUARD_S), "the test never released the writer"
-            path = plain(out_dir, step, state, keep=keep)
+            path = plain(out_dir, step, state, keep=keep, **kwargs)
             self.log.append(f"end {step}")
             return path
 
