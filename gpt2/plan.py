@@ -467,7 +467,7 @@ def format_plan(p: Plan) -> str:
         f"  weights                {_gib(m.weights)}  (fp32, 4 B/param)",
     ]
     if m.autocast_weights:
-        lines.append(f"  autocast bf16 copies   {_gib(m.autocast_weights)}  (matmul weights, saved for backward)")
+        lines.append(f"  autocast {p.dtype} copies   {_gib(m.autocast_weights)}  (matmul weights, saved for backward)")
     lines.append(f"  gradients              {_gib(m.gradients)}  (fp32)")
     flash_mark, explicit_mark = ("<-", "  ") if c.attn_impl != "explicit" else ("  ", "<-")
     lines += [

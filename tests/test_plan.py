@@ -288,3 +288,14 @@ def test_cuda_loss_bytes_follow_the_devices_memory():
     with pytest.raises(ValueError, match="device_memory"):
         loss_bytes(cfg, tokens)  # on cuda the chunk depends on the device: no silent guess
     assert loss_bytes(cfg, tokens, chunked=False) == tokens * V * 14  # the plain loss has no chunks
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_autocast_copies_line_names_the_plans_dtype(dtype):
+    """`python -m gpt2.plan --dtype fp16` once printed "autocast bf16 copies"."""
+    text = format_plan(plan(model_preset("gpt2"), micro_batch_size=4, hardware=gpu_hardware("A100-80GB", dtype),
+                            dtype=dtype))
+    other = {"bf16": "fp16", "fp16": "bf16"}[dtype]
+    assert f"autocast {dtype} copies" in text and f"autocast {other}" not in text
+    assert "autocast" not in format_plan(plan(model_preset("gpt2"), micro_batch_size=4, dtype="fp32",
+                                              hardware=gpu_hardware("A100-80GB", "fp32")))
