@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from gpt2.config import MODEL_PRESETS, ModelConfig, count_params_formula, model_preset
-from gpt2.flops import flops_per_token, gpu_table_peak, param_count
+from gpt2.flops import flops_per_token, format_flops, gpu_table_peak, param_count
 from gpt2.precision import SHORT_NAMES
 
 GIB = 1024 ** 3
@@ -458,8 +458,9 @@ def format_plan(p: Plan) -> str:
         f"params     {p.n_params:,} exact ({_human(p.n_params)}); formula V*h + T*h + L*(12h^2+13h) + 2h "
         f"= {p.n_params_formula:,}",
         f"hardware   {p.world_size} x {hw.name}: {_gib(hw.memory_bytes)}, peak "
-        + (f"{hw.peak_flops / 1e12:.1f} TFLOP/s ({p.dtype}) each" if hw.peak_flops is not None
-           else f"unknown ({p.dtype}: no data-sheet peak for this GPU)"),
+        + (f"{format_flops(hw.peak_flops)} ({p.dtype}) each" if hw.peak_flops is not None
+           else f"unknown ({p.dtype}: " + ("no data-sheet peak for this GPU)" if hw.device_type == "cuda"
+                                              else "the measured peak was not usable)")),
         f"batch      micro_batch_size={p.micro_batch_size} x seq_len={p.seq_len} x world_size={p.world_size}"
         f" = {p.tokens_per_micro_step:,} tokens/micro-step; total_batch_size={p.total_batch_size:,} "
         f"-> {p.grad_accum_steps} accumulation step(s)",
