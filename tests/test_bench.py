@@ -147,3 +147,28 @@ def test_muon_step_bench_times_both_optimizers_and_both_iterations():
     bf16 = next(line for line in small.splitlines() if line.startswith("| muon, bf16 Newton-Schulz"))
     assert float(bf16.split("|")[2]) > 0
     assert re.search(r"a training step of 4,096 tokens is [\d.]+ s", small)
+
+
+@pytest.mark.parametrize("script", ["bench/optimizers.py", "bench/data_order.py", "bench/prep_throughput.py"])
+def test_a_bench_without_its_corpus_says_so_in_one_line_and_exits_2(tmp_path, script):
+    missing = tmp_path / "no" / "tinyshakespeare.txt"
+    done = subprocess.run([sys.executable, script, "--corpus", str(missing)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    name = Path(script).name
+    assert done.stderr.splitlines() == [f"{name}: error: corpus {missing} not found: pass --corpus PATH (any "
+                                        "UTF-8 .txt file; README, 'Preparing data', says where to get tinyshakespeare)"]
+    assert done.stdout == ""
+    help_text = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
+                               timeout=120).stdout
+    assert "--corpus" in help_text and "tinyshakespeare.txt" in help_text  # the default is the shared file
+
+
+def test_a_corpus_data_prep_refuses_is_one_line_not_a_traceback(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine\n\n\xff\xfe not UTF-8\n")
+    done = subprocess.run([sys.executable, "bench/data_order.py", "--corpus", str(bad)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"data_order.py: error: data_prep failed on {bad}: ") and "not valid UTF-8" in line
