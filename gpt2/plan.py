@@ -23,6 +23,7 @@ zero_grad(set_to_none=True) and one micro-step, they are allocated while activat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -402,7 +403,7 @@ def measured_peak_bytes(fn, device: torch.device | str) -> int:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -415,6 +416,29 @@ def measured_peak_bytes(fn, device: torch.device | str) -> int:
         live += size
         peak = max(peak, live)
     return peak
+
+
+KINETO_QUIET_LEVEL = "6"
+"""Above kineto's highest log level, USDT (5): kineto (torch.profiler's backend) logs "USDT: ...
+profiler_start" and "profiler_stop" to stderr on every profile, at a level above ERROR, so no level
+keeps its errors and drops those lines."""
+
+
+@contextlib.contextmanager
+def _quiet_kineto():
+    """KINETO_LOG_LEVEL for the profiler's first start in this process, when kineto reads it once.
+
+    Our profile only counts allocations, so kineto's own logging is noise to a user; a level the
+    user set is left alone, and the variable is removed again afterwards.
+    """
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = KINETO_QUIET_LEVEL
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
 def check_fits(p: Plan) -> None:

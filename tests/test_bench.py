@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 def run_bench(*args: str, timeout: int) -> str:
     done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "USDT" not in done.stderr, done.stderr[-3000:]  # kineto's profiler_start/stop lines (gpt2.plan)
     return done.stdout
 
 
