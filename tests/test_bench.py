@@ -173,3 +173,14 @@ def test_a_corpus_data_prep_refuses_is_one_line_not_a_traceback(tmp_path):
     assert done.returncode == 2
     [line] = done.stderr.splitlines()
     assert line.startswith(f"data_order.py: error: data_prep failed on {bad}: ") and "not valid UTF-8" in line
+
+
+def test_ladder_chart_defaults_under_runs_not_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # wherever it is started from
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import ladder
+
+    out = ladder.build_parser().parse_args([]).out
+    assert out == REPO / "runs" / "bench" / "ladder.png" and out.is_absolute()
+    assert "/runs/" in (REPO / ".gitignore").read_text().splitlines()  # never committed by accident
+    assert ladder.build_parser().parse_args(["--out", "x/l.png"]).out == Path("x/l.png")
