@@ -140,9 +140,10 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *,
     precision: with TF32 enabled the tensor-core TF32 peak applies.
 
     A CPU has no data sheet to compare with, so it gets its measured matmul peak
-    (`precision.peak_rate`: best of several probes, cached per machine). An autocast run's peak is the faster of its dtype's rate and fp32's:
-    where bf16 is emulated, compiled kernels may compute in fp32, and MFU must be measured against
-    the kernels that can actually run, so that it never exceeds 1.
+    (`precision.peak_rates`: the best of several probes, cached per machine). An autocast run's
+    peak is the faster of its dtype's rate and fp32's: where bf16 is emulated, compiled kernels may
+    compute in fp32, and MFU must be measured against the kernels that can actually run, so that it
+    never exceeds 1.
     """
     device = torch.device(device)
     if device.type == "cuda":

@@ -174,8 +174,8 @@ def matmul_rate(device: str, dtype: torch.dtype, *, budget_s: float = 0.25, min_
     With n, that size alone is timed (no search; one untimed call, then at least one timed call and
     more while the budget lasts): a fixed workload such as a benchmark's 2048^3.
 
-    Cached per process by its arguments: the trainer, the planner and MFU share one measurement.
-    fresh=True measures again and leaves the cache alone (benchmarks re-measure between their timed
+    Cached per process by its arguments. The trainer's peaks (--dtype auto, MFU, the planner) are
+    `peak_rates`: several fresh probes of this, kept across runs. fresh=True measures again and leaves the cache alone (benchmarks re-measure between their timed
     steps and keep the best, so that the peak sees the same load as the steps).
     cpu_time=True returns a `MatmulRate`: the wall-clock rate and, from the same calls, the rate by
     process CPU time; otherwise the wall-clock rate alone, a float.

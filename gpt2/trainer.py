@@ -355,7 +355,7 @@ def mfu_peak(dist: Dist, dtype: str, log: Metrics) -> float | None:
 
 def forget_cpu_peak(device: torch.device, dtype: str) -> None:
     """An MFU above 100% proved the measured peak wrong: the next run must not read it from the cache.
-    device_peak_flops took the larger of the dtype's and fp32's peaks, so both go. Returns None (the peak now)."""
+    device_peak_flops took the larger of the dtype's and fp32's peaks, so both go."""
     if device.type == "cpu":
         for d in {precision.torch_dtype(dtype), torch.float32}:
             precision.forget_peak(str(device), d)
@@ -469,7 +469,8 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
                 step_mfu, why = checked_mfu(tok_s / dist.world_size, cfg.model, peak) if peak else (None, None)
                 if why:  # once: the peak is wrong for the rest of the run too
                     log.info(f"mfu n/a: {why}")
-                    peak = forget_cpu_peak(dist.device, tc.dtype)
+                    forget_cpu_peak(dist.device, tc.dtype)
+                    peak = None
                 log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                               "tokens": step * tc.total_batch_size, "step_s": dt, "tok_per_s": tok_s,
                               "mfu": step_mfu,

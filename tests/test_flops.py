@@ -179,7 +179,8 @@ def test_the_cpu_peak_is_the_best_of_several_probes_measured_once_and_cached_on_
 
 def test_a_comparison_measures_both_dtypes_alternately_under_the_same_load(peak_cache, monkeypatch):
     seen = []
-    rates = {torch.bfloat16: iter([100e9, 90e9, 110e9, 95e9, 99e9]), torch.float32: iter([200e9, 150e9, 210e9, 190e9, 180e9])}
+    rates = {torch.bfloat16: iter([100e9, 90e9, 110e9, 95e9, 99e9]),
+             torch.float32: iter([200e9, 150e9, 210e9, 190e9, 180e9])}
 
     def probe(device, dtype, **kwargs):
         seen.append(dtype)
