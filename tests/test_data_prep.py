@@ -368,6 +368,7 @@ def interrupt_when(out: Path, n_shards: int, sig: int, args: list[str]) -> subpr
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.time() + 300  # a safety net on a loaded machine, not a timing assumption
+    sent = False
     try:
         while True:
             try:
@@ -379,8 +380,9 @@ def interrupt_when(out: Path, n_shards: int, sig: int, args: list[str]) -> subpr
             assert time.time() < deadline, f"no {n_shards} shards listed within 300 s"
             time.sleep(0.02)
         os.killpg(proc.pid, sig)  # the parent and its pool workers, as Ctrl-C or kill -9 of a job would
+        sent = True
     finally:
-        if proc.poll() is None and time.time() >= deadline:
+        if not sent and proc.poll() is None:  # a failed wait: the job would wait for its signal forever
             os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
