@@ -5,7 +5,7 @@
 
 Recipe (issue 12; nanoGPT's small CPU recipe): 4 layers, 4 heads, 128 wide, block 64, micro-batch 16
 (1,024 tokens per step, one process), lr 1e-3 cosine to 1e-4, warmup 20, 200 steps, AdamW (0.9, 0.95),
-weight decay 0.1, clip 1.0, fp32, seed 1337. Data: ../shared/data/tinyshakespeare.txt through data_prep
+weight decay 0.1, clip 1.0, fp32, seed 1337. Data: --corpus (default ../shared/data/tinyshakespeare.txt) through data_prep
 with one document per paragraph and the first 30,000 tokens as val (documents in corpus order, so val
 is the beginning of the text). Every row runs the trainer's own build(), train_step() and evaluate();
 only the train loader differs:
@@ -20,7 +20,6 @@ Goal: shuffled <= random + 0.05 at the last step, and sequential shows the gap i
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,10 +34,9 @@ from gpt2.dist import Dist
 from gpt2.metrics import Metrics
 from gpt2.trainer import build, check_data, configure_backends, evaluate, train_step
 
+from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
 from report import emit  # bench/report.py (a script's directory is on sys.path)
 
-REPO = Path(__file__).resolve().parent.parent
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 RECIPE = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--n-layer", "4", "--n-head", "4",
           "--n-embd", "128", "--block-size", "64", "--micro-batch-size", "16", "--total-batch-size", "1024",
           "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "20", "--beta1", "0.9", "--beta2", "0.95",
@@ -90,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--md", default=None, help="also write the table to this file")
+    add_corpus_flag(ap)
     args = ap.parse_args(argv)
+    require_corpus(args.corpus, "data_order.py")
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "shakespeare"
-        subprocess.run([sys.executable, "-m", "data_prep", "--source", str(SHAKESPEARE), "--out", str(data),
-                        "--txt-sample-by", "paragraph", "--val-tokens", "30000", "--workers", "1", "--no-progress"],
-                       check=True, cwd=REPO, capture_output=True)
+        prepare_by_paragraph(args.corpus, data, "data_order.py")
         names = ["shuffled", "sequential", "random (ref)"]
         results = {n: run(n, data, Path(tmp) / f"run_{i}", args.steps, args.eval_every) for i, n in enumerate(names)}
     steps = sorted(results[names[0]])

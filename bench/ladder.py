@@ -391,6 +391,12 @@ def model_shape(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(**base)
 
 
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CHART = REPO / "runs" / "bench" / "ladder.png"
+"""Under runs/ (git-ignored), whatever the working directory: a run without --out once left
+ladder.png in the repository root."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="CPU default shape: " + ", ".join(f"{k}={v}" for k, v in CPU_SHAPE.items()))
@@ -405,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rungs", default=",".join(r.name for r in LADDER), help="comma-separated subset")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads for a CPU run")
-    ap.add_argument("--out", type=Path, default=Path("ladder.png"), help="bar chart PNG")
+    ap.add_argument("--out", type=Path, default=DEFAULT_CHART,
+                    help=f"bar chart PNG (default: {DEFAULT_CHART.relative_to(REPO)} in the repository, ignored by git)")
     ap.add_argument("--md", type=Path, help="also write the Markdown report here")
     return ap
 
@@ -472,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + report.split("\n\n", 1)[1])
     if args.md:
         args.md.write_text(report + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_chart(results, attention, args.out, header[2])
     print(f"\nchart: {args.out}", file=sys.stderr)
     return 0 if all(r.max_diff <= attention_tolerance(r.dtype) for r in attention) else 1

@@ -4,7 +4,7 @@
     python bench/optimizers.py --shapes small --steps 30 --eval-every 10   # a smoke run
     python bench/optimizers.py --results runs.json      # keep each run's curve; a rerun skips finished ones
 
-Shapes (data: ../shared/data/tinyshakespeare.txt through data_prep, one document per paragraph, the
+Shapes (data: --corpus, default ../shared/data/tinyshakespeare.txt, through data_prep, one document per paragraph, the
 first 30,000 tokens as val; fp32; seed 1337; warmup 20 steps, cosine to lr/10; clip 1.0; wd 0.1):
   small    4 layers, 4 heads, 128 wide, block 64, 16 sequences (1,024 tokens) per step, eager
            (bench/data_order.py's recipe, nanoGPT's small CPU one)
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,10 +36,9 @@ from gpt2.dist import Dist
 from gpt2.metrics import Metrics
 from gpt2.trainer import build, check_data, configure_backends, evaluate, train_step
 
+from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
 from report import emit  # bench/report.py (a script's directory is on sys.path)
 
-REPO = Path(__file__).resolve().parent.parent
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 COMMON = ["--device", "cpu", "--dtype", "float32", "--warmup-steps", "20", "--beta1", "0.9", "--beta2", "0.95",
           "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "1337", "--sample-interval", "0", "--ckpt-interval", "0", "--plot", "false"]
 SHAPES = {
@@ -180,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=None, help="JSON file of finished runs: read, extended, rewritten")
     ap.add_argument("--md", type=Path, default=None, help="also write the report here")
     ap.add_argument("--plot", type=Path, default=None, help="write the val-loss curves here (needs matplotlib)")
+    add_corpus_flag(ap)
     args = ap.parse_args(argv)
+    require_corpus(args.corpus, "optimizers.py")
     shapes = [s for s in args.shapes.split(",") if s]
     if unknown := [s for s in shapes if s not in SHAPES]:
         ap.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
@@ -193,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "shakespeare"
-        subprocess.run([sys.executable, "-m", "data_prep", "--source", str(SHAKESPEARE), "--out", str(data),
-                        "--txt-sample-by", "paragraph", "--val-tokens", "30000", "--workers", "1", "--no-progress"],
-                       check=True, cwd=REPO, capture_output=True)
+        prepare_by_paragraph(args.corpus, data, "optimizers.py")
         for shape in shapes:
             adamw_lrs = [float(x) for x in (args.adamw_lrs or DEFAULT_ADAMW_LRS[shape]).split(",")]
             muon_lrs = [float(x) for x in (args.muon_lrs or DEFAULT_MUON_LRS[shape]).split(",")]

@@ -4,7 +4,7 @@
     python bench/prep_throughput.py --large    # 20 MB and 200 MB (memory must not grow with the corpus)
     python bench/prep_throughput.py --mb 1024 --rounds 2    # ~13 min: start-up amortised
 
-Builds a JSON-lines corpus from the shared Shakespeare (repeated; documents of ~20 paragraphs,
+Builds a JSON-lines corpus from --corpus (default: the shared tinyshakespeare.txt; repeated; documents of ~20 paragraphs,
 ~3 KB, like web documents) in a temp dir, runs `python -m data_prep` on it as a subprocess, and
 prints a Markdown table. -w1 and -w2 run alternately, --rounds times each (the machine's speed drifts
 between runs; alternating puts both under the same drift), and the table gives medians. Peak RSS is sampled from /proc every 20 ms and summed over the whole
@@ -27,8 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from corpus import add_corpus_flag, require_corpus  # bench/corpus.py (a script's directory is on sys.path)
+
 REPO = Path(__file__).resolve().parent.parent
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 PARAGRAPHS_PER_DOC = 20
 SHARD_TOKENS = 1_000_000
 """Small shards so both corpus sizes span many shards: the shard buffer (2 bytes/token) is then the
@@ -36,9 +37,9 @@ same for both, and any growth of memory with the corpus would show. At the defau
 buffer alone is 200 MB, touched page by page as the first shard fills."""
 
 
-def build_corpus(path: Path, target_bytes: int) -> int:
-    """Write Shakespeare as JSON lines until target_bytes of text; return the number of documents."""
-    paragraphs = [p for p in SHAKESPEARE.read_text().split("\n\n") if p]
+def build_corpus(path: Path, target_bytes: int, source: Path) -> int:
+    """Write source (Shakespeare) as JSON lines until target_bytes of text; return the number of documents."""
+    paragraphs = [p for p in source.read_text().split("\n\n") if p]
     docs = ["\n\n".join(paragraphs[i:i + PARAGRAPHS_PER_DOC]) for i in range(0, len(paragraphs), PARAGRAPHS_PER_DOC)]
     written = n = 0
     with open(path, "w") as f:
@@ -138,7 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--large", action="store_true", help="also run a 200 MB corpus")
     p.add_argument("--mb", type=int, nargs="*", help="corpus sizes in MB (default 20, or 20 200 with --large)")
     p.add_argument("--rounds", type=int, default=3, help="alternating runs of -w1 and -w2 per corpus size")
+    add_corpus_flag(p)
     args = p.parse_args(argv)
+    require_corpus(args.corpus, "prep_throughput.py")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     sizes = args.mb or ([20, 200] if args.large else [20])
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="prep_bench_") as tmp:
         for mb in sizes:
             corpus = Path(tmp) / f"corpus_{mb}mb.jsonl"
-            n_docs = build_corpus(corpus, mb * 2**20)
+            n_docs = build_corpus(corpus, mb * 2**20, args.corpus)
             raw, raw_cpu, raw_tokens = raw_tiktoken_rate(corpus)
             raw2 = raw_tiktoken_two_process_rate(corpus)
             runs, ratios = {1: [], 2: []}, []

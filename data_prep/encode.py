@@ -11,8 +11,12 @@ a 100 MB .txt file from turning into a 3 GB Python list of ints in one worker.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import re
 import signal
+import sys
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -103,14 +107,45 @@ def make_batches(records: Iterator[str], start: int, batch_chars: int = BATCH_CH
 _encoding = None
 
 
-def init_worker(ignore_sigint: bool = True) -> None:
-    """Pool initializer: load the encoding once per process; Ctrl-C is the parent's to handle."""
+def init_worker(ignore_sigint: bool = True, parent_pid: int | None = None) -> None:
+    """Pool initializer: load the encoding once per process; Ctrl-C is the parent's to handle, and a
+    worker does not outlive its parent (parent_pid)."""
     global _encoding
     from gpt2.tokenizer import get_encoding
 
     if ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     _encoding = get_encoding()
+
+
+PR_SET_PDEATHSIG = 1
+"""<linux/prctl.h>: the signal a process gets when its parent exits."""
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this worker, without a word, as soon as parent_pid is gone.
+
+    After kill -9 of data_prep (or of its process group, by a scheduler or a shell) a worker that was
+    tokenizing has no one to send its tokens to: Pool's put() raised BrokenPipeError, and every
+    worker printed two tracebacks onto the job's log, which read like a crash of its own. Linux
+    delivers SIGKILL to the worker when its parent exits (PR_SET_PDEATHSIG); elsewhere a thread
+    polls for the parent. A parent that died before this ran is caught by the getppid() check.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    else:
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    if os.getppid() != parent_pid:
+        os._exit(0)
 
 
 def encode_pieces(job: tuple[list[str], list[bool]]) -> tuple[np.ndarray, np.ndarray]:
@@ -137,6 +172,17 @@ def encode_pieces(job: tuple[list[str], list[bool]]) -> tuple[np.ndarray, np.nda
     return array.astype(np.uint16), counts
 
 
+RESOURCE_TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+"""A -W option: after kill -9 of data_prep, multiprocessing's resource tracker (started with the pool,
+and given the parent's -W options) unlinks the pool's semaphores itself and warns that they "appear to
+be leaked": true, harmless, and the rerun resumes; to a user it read as a second failure."""
+
+
+def quiet_resource_tracker() -> None:
+    if RESOURCE_TRACKER_QUIET not in sys.warnoptions:
+        sys.warnoptions.append(RESOURCE_TRACKER_QUIET)
+
+
 def encode_batches(batches: Iterator[Batch], workers: int) -> Iterator[tuple[Batch, np.ndarray, np.ndarray]]:
     """(batch, tokens, counts) in input order, tokenized by `workers` processes.
 
@@ -151,7 +197,8 @@ def encode_batches(batches: Iterator[Batch], workers: int) -> Iterator[tuple[Bat
         return
     # spawn, not fork: the parent holds datasets/pyarrow threads, and forking threads can deadlock.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=init_worker) as pool:
+    quiet_resource_tracker()
+    with ctx.Pool(workers, initializer=init_worker, initargs=(True, os.getpid())) as pool:
         pending: deque = deque()
         for batch in batches:
             pending.append((batch, pool.apply_async(encode_pieces, ((batch.texts, batch.first),))))

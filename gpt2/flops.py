@@ -15,12 +15,13 @@ kernel's work. Recomputation (activation checkpointing) is not counted: that is 
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
 
 from gpt2.config import ModelConfig
-from gpt2.precision import SHORT_NAMES, matmul_rate
+from gpt2.precision import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, SHORT_NAMES, peak_rates
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets (for GeForce and RTX cards the
 # architecture whitepapers' "with FP32 accumulate" rows, which training's matmuls use), FLOP/s.
@@ -138,14 +139,46 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *,
     not comparable with anyone else's. For fp32 on CUDA, tf32=None reads torch's current matmul
     precision: with TF32 enabled the tensor-core TF32 peak applies.
 
-    A CPU has no data sheet to compare with, so it gets a measured matmul rate
-    (`precision.matmul_rate`). An autocast run's peak is the faster of its dtype's rate and fp32's:
-    where bf16 is emulated, compiled kernels may compute in fp32, and MFU must be measured against
-    the kernels that can actually run, so that it never exceeds 1.
+    A CPU has no data sheet to compare with, so it gets its measured matmul peak
+    (`precision.peak_rates`: the best of several probes, cached per machine). An autocast run's
+    peak is the faster of its dtype's rate and fp32's: where bf16 is emulated, compiled kernels may
+    compute in fp32, and MFU must be measured against the kernels that can actually run, so that it
+    never exceeds 1.
     """
     device = torch.device(device)
     if device.type == "cuda":
         if tf32 is None:
             tf32 = torch.get_float32_matmul_precision() != "highest"
         return gpu_table_peak(torch.cuda.get_device_name(device), dtype, tf32=tf32)
-    return max(matmul_rate(str(device), dtype), matmul_rate(str(device), torch.float32))
+    return max(peak_rates(str(device), (dtype, torch.float32)))
+
+
+def format_flops(flop_s: float) -> str:
+    """TFLOP/s with three significant digits and at least one decimal: '312.0', '0.151', '0.0123'.
+
+    A CPU's peak is a fraction of a TFLOP/s: one decimal printed 150 GFLOP/s as "0.1" and a
+    disturbed 40 GFLOP/s probe as "0.0"."""
+    t = flop_s / 1e12
+    if t <= 0:
+        return f"{t:g} TFLOP/s"
+    return f"{t:.{max(1, 2 - math.floor(math.log10(t)))}f} TFLOP/s"
+
+
+def peak_problem(peak: float, device: torch.device | str, threads: int) -> str | None:
+    """Why a peak cannot be used for MFU (a CPU probe below the sanity floor), or None."""
+    if torch.device(device).type != "cpu" or peak >= CPU_PEAK_FLOOR_PER_THREAD * threads:
+        return None
+    return (f"the measured CPU matmul peak {format_flops(peak)} is below {CPU_PEAK_FLOOR_PER_THREAD / 1e9:g} "
+            f"GFLOP/s per thread x {threads} thread(s): the probe was disturbed (a busy machine), so no MFU is "
+            f"shown; it is not cached, the next run measures again ({REFRESH_PEAK_ENV}=1 forces it)")
+
+
+def checked_mfu(tokens_per_s: float, cfg: ModelConfig, peak: float) -> tuple[float | None, str | None]:
+    """(MFU, None), or (None, why) when the MFU is above 100%: the peak is then certainly wrong (a CPU
+    probe slowed by another process), and any MFU against it would be too."""
+    value = mfu(tokens_per_s, cfg, peak)
+    if value <= 1.0:
+        return value, None
+    return None, (f"MFU {value:.0%} against a peak of {format_flops(peak)}: the peak is below what training "
+                  f"achieves, so it was measured on a busy machine; MFU is left out of this run, and a cached "
+                  f"CPU peak is dropped so that the next run measures it again")

@@ -26,6 +26,7 @@ zero_grad(set_to_none=True) and one micro-step, they are allocated while activat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -35,7 +36,7 @@ import torch
 
 from gpt2.config import (MODEL_PRESETS, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig, count_params_formula,
                          describe_model, model_preset)
-from gpt2.flops import flops_per_token, gpu_table_peak, param_count
+from gpt2.flops import flops_per_token, format_flops, gpu_table_peak, param_count
 from gpt2.precision import SHORT_NAMES
 
 GIB = 1024 ** 3
@@ -519,7 +520,7 @@ def measured_peak_bytes(fn, device: torch.device | str) -> int:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -532,6 +533,29 @@ def measured_peak_bytes(fn, device: torch.device | str) -> int:
         live += size
         peak = max(peak, live)
     return peak
+
+
+KINETO_QUIET_LEVEL = "6"
+"""Above kineto's highest log level, USDT (5): kineto (torch.profiler's backend) logs "USDT: ...
+profiler_start" and "profiler_stop" to stderr on every profile, at a level above ERROR, so no level
+keeps its errors and drops those lines."""
+
+
+@contextlib.contextmanager
+def _quiet_kineto():
+    """KINETO_LOG_LEVEL for the profiler's first start in this process, when kineto reads it once.
+
+    Our profile only counts allocations, so kineto's own logging is noise to a user; a level the
+    user set is left alone, and the variable is removed again afterwards.
+    """
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = KINETO_QUIET_LEVEL
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
 def check_fits(p: Plan) -> None:
@@ -574,8 +598,9 @@ def format_plan(p: Plan) -> str:
         f"params     {p.n_params:,} exact ({_human(p.n_params)}); formula V*h + T*h + L*(12h^2+13h) + 2h "
         f"= {p.n_params_formula:,}",
         f"hardware   {p.world_size} x {hw.name}: {_gib(hw.memory_bytes)}, peak "
-        + (f"{hw.peak_flops / 1e12:.1f} TFLOP/s ({p.dtype}) each" if hw.peak_flops is not None
-           else f"unknown ({p.dtype}: no data-sheet peak for this GPU)"),
+        + (f"{format_flops(hw.peak_flops)} ({p.dtype}) each" if hw.peak_flops is not None
+           else f"unknown ({p.dtype}: " + ("no data-sheet peak for this GPU)" if hw.device_type == "cuda"
+                                              else "the measured peak was not usable)")),
         f"batch      micro_batch_size={p.micro_batch_size} x seq_len={p.seq_len} x world_size={p.world_size}"
         f" = {p.tokens_per_micro_step:,} tokens/micro-step; total_batch_size={p.total_batch_size:,} "
         f"-> {p.grad_accum_steps} accumulation step(s)",
@@ -583,7 +608,7 @@ def format_plan(p: Plan) -> str:
         f"  weights                {_gib(m.weights)}  (fp32, 4 B/param)",
     ]
     if m.autocast_weights:
-        lines.append(f"  autocast bf16 copies   {_gib(m.autocast_weights)}  (matmul weights, saved for backward)")
+        lines.append(f"  autocast {p.dtype} copies   {_gib(m.autocast_weights)}  (matmul weights, saved for backward)")
     lines.append(f"  gradients              {_gib(m.gradients)}  (fp32)")
     flash_mark, explicit_mark = ("<-", "  ") if c.attn_impl != "explicit" else ("  ", "<-")
     lines += [

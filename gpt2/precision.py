@@ -13,7 +13,7 @@ What `auto` picks, and why:
   CPU: float32 at once when /proc/cpuinfo lists no bf16 instructions (avx512_bf16, amx_bf16, or
       Arm's bf16): bf16 is then emulated at 1/40 to 1/60 of the fp32 rate, and measuring would only
       risk a wrong pick on a loaded machine (another process can stall the fp32 timing). Otherwise
-      bfloat16 only where a short measurement shows bf16 matmuls at least CPU_BF16_MIN_SPEEDUP x
+      bfloat16 only where the measured peaks (`peak_rate`) show bf16 matmuls at least CPU_BF16_MIN_SPEEDUP x
       faster than fp32 (AMX), else float32: the flag does not say how fast, and on an avx512_bf16
       CPU without AMX bf16 ran at about half the fp32 rate.
 """
@@ -21,10 +21,18 @@ What `auto` picks, and why:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
+import platform
+import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from gpt2.atomic import atomic_write_text
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 """What a user may ask for; every name but auto is also what a run resolves to."""
@@ -92,7 +100,8 @@ def emulation_warning(p: Precision, device: torch.device | str) -> str | None:
     if device.type == "cuda":
         slow = p.dtype == "bfloat16" and not cuda_native_bf16(device)
     else:
-        slow = matmul_rate(str(device), torch_dtype(p.dtype)) < matmul_rate(str(device), torch.float32)
+        low, fp32 = peak_rates(str(device), (torch_dtype(p.dtype), torch.float32))
+        slow = low < fp32
     if not slow:
         return None
     best, why = fast_dtype(device)
@@ -109,7 +118,7 @@ def fast_dtype(device: torch.device) -> tuple[str, str]:
         return "float16", f"{name} has no native bf16: fp16 with a loss scaler"
     if cpu_bf16_instructions() is False:
         return "float32", "this CPU has no bf16 instructions (/proc/cpuinfo: no avx512_bf16, amx_bf16 or bf16): bf16 would be emulated"
-    bf16, fp32 = matmul_rate(str(device), torch.bfloat16), matmul_rate(str(device), torch.float32)
+    bf16, fp32 = peak_rates(str(device), (torch.bfloat16, torch.float32))
     pick = "bfloat16" if bf16 >= CPU_BF16_MIN_SPEEDUP * fp32 else "float32"
     return pick, (f"CPU matmuls measured at bf16 {bf16 / 1e9:.1f} vs fp32 {fp32 / 1e9:.1f} GFLOP/s: "
                   f"{'bf16' if pick == 'bfloat16' else 'fp32'} is faster")
@@ -169,8 +178,8 @@ def matmul_rate(device: str, dtype: torch.dtype, *, budget_s: float = 0.25, min_
     With n, that size alone is timed (no search; one untimed call, then at least one timed call and
     more while the budget lasts): a fixed workload such as a benchmark's 2048^3.
 
-    Cached per process by its arguments: the trainer, the planner and MFU share one measurement.
-    fresh=True measures again and leaves the cache alone (benchmarks re-measure between their timed
+    Cached per process by its arguments. The trainer's peaks (--dtype auto, MFU, the planner) are
+    `peak_rates`: several fresh probes of this, kept across runs. fresh=True measures again and leaves the cache alone (benchmarks re-measure between their timed
     steps and keep the best, so that the peak sees the same load as the steps).
     cpu_time=True returns a `MatmulRate`: the wall-clock rate and, from the same calls, the rate by
     process CPU time; otherwise the wall-clock rate alone, a float.
@@ -211,3 +220,115 @@ def _measure_matmul(dev: torch.device, dtype: torch.dtype, budget_s: float, min_
         wall, cpu = min(wall, w), min(cpu, c)
     flops = 2.0 * size ** 3
     return MatmulRate(flops / wall, flops / max(cpu, 1e-9), size)
+
+
+PEAK_PROBES = 5
+"""A CPU peak is the best of this many probes: another tenant's burst slows some of them, rarely all."""
+PEAK_PROBE_S = 0.3
+"""Each probe's time budget (seconds)."""
+PEAK_MIN_MATMUL_S = 0.05
+"""A probe's matmul grows until one call takes this long (or reaches n=2048): long enough that a
+scheduler tick or a cache miss does not decide the rate, as it could at matmul_rate's default 4 ms."""
+CPU_PEAK_FLOOR_PER_THREAD = 2e9
+"""fp32 FLOP/s per thread below which a CPU matmul peak is taken as a disturbed probe, not a property
+of the machine: one SSE2 core at 2 GHz does 16 GFLOP/s in fp32, and the peak of an autocast run is
+never below fp32's (gpt2.flops.device_peak_flops). Such a value is neither cached nor used for MFU."""
+REFRESH_PEAK_ENV = "GPT2_DDP_REFRESH_PEAK"
+"""Set to 1 to measure the CPU peaks again and overwrite the cached ones."""
+
+_PEAKS: dict[str, float] = {}
+"""peak_rate's per-process cache, by cache key."""
+
+
+def peak_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/gpt2-ddp (default ~/.cache/gpt2-ddp), where HellaSwag is cached too."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "gpt2-ddp"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_key(device: str, dtype: torch.dtype) -> dict:
+    """What a measured peak depends on: the machine, the dtype, the thread count and torch's kernels."""
+    return {"host": socket.gethostname(), "cpu": _cpu_model(), "cpus": os.cpu_count(), "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def peak_cache_path(key: dict) -> Path:
+    """One file per key: two ranks measuring different dtypes at once never overwrite each other."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return peak_cache_dir() / f"matmul-peak-{key['dtype']}-{digest}.json"
+
+
+def peak_rate(device: str, dtype: torch.dtype, *, refresh: bool | None = None) -> float:
+    """A CPU's peak matmul FLOP/s in dtype (see peak_rates)."""
+    return peak_rates(device, (dtype,), refresh=refresh)[0]
+
+
+def peak_rates(device: str, dtypes: tuple[torch.dtype, ...], *, refresh: bool | None = None) -> list[float]:
+    """A CPU's peak matmul FLOP/s in each dtype: the best of PEAK_PROBES probes, measured once per
+    machine, dtype, thread count and torch version and cached in peak_cache_dir() (written atomically).
+
+    When any of them must be measured, all are, their probes alternating: a comparison (bf16 against
+    fp32 for --dtype auto, an autocast peak against fp32's) is then between rates taken under the same
+    load. refresh=None reads GPT2_DDP_REFRESH_PEAK: 1 measures again and replaces the cached values
+    (once per process). An fp32 value below CPU_PEAK_FLOOR_PER_THREAD is returned but never cached:
+    the next run measures again (emulated bf16 or fp16 is genuinely that slow, so only fp32 has a
+    floor). An unreadable or unwritable cache only costs a measurement.
+    """
+    dtypes = tuple(dict.fromkeys(dtypes))
+    keys = [peak_key(device, d) for d in dtypes]
+    paths = [str(peak_cache_path(k)) for k in keys]
+    if all(p in _PEAKS for p in paths):  # a refresh happens once per process, not at every call
+        return [_PEAKS[p] for p in paths]
+    if refresh is None:
+        refresh = os.environ.get(REFRESH_PEAK_ENV, "") not in ("", "0")
+    cached = [None if refresh else _PEAKS.get(p) or _read_peak(Path(p), k) for p, k in zip(paths, keys)]
+    if any(r is None for r in cached):
+        probes = [[] for _ in dtypes]
+        for _ in range(PEAK_PROBES):
+            for i, d in enumerate(dtypes):
+                probes[i].append(matmul_rate(device, d, budget_s=PEAK_PROBE_S, min_time_s=PEAK_MIN_MATMUL_S,
+                                             fresh=True))
+        cached = [max(p) for p in probes]
+        for d, p, k, rate, ps in zip(dtypes, paths, keys, cached, probes):
+            if d != torch.float32 or rate >= CPU_PEAK_FLOOR_PER_THREAD * k["threads"]:
+                _write_peak(Path(p), k, rate, ps)
+    _PEAKS.update(zip(paths, cached))
+    return cached
+
+
+def forget_peak(device: str, dtype: torch.dtype) -> None:
+    """Drop a cached peak that training has shown to be wrong (an MFU above 100%): the next run measures again."""
+    path = peak_cache_path(peak_key(device, dtype))
+    _PEAKS.pop(str(path), None)
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
+def _read_peak(path: Path, key: dict) -> float | None:
+    try:
+        entry = json.loads(path.read_text())
+        return float(entry["flop_s"]) if entry.get("key") == key and entry["flop_s"] > 0 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_peak(path: Path, key: dict, rate: float, probes: list[float]) -> None:
+    entry = {"key": key, "flop_s": rate, "probes_flop_s": probes, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(entry, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only home: measured every run, which is what happened before the cache

@@ -29,10 +29,24 @@ def grad_accum_steps(total_tokens: int, micro_batch: int, seq_len: int, world_si
             f"{seq_len}*{world_size} = {seq_len * world_size}); raise --total-batch-size to a multiple of "
             f"{seq_len * world_size}" + (f", or use at most {most} ranks" if most else ""))
     if total_tokens % per_step:
-        ok = [m for m in range(1, micro_batch + 1) if total_tokens % (m * seq_len * world_size) == 0]
-        hint = f"; micro-batch sizes that divide: {ok[-3:]}" if ok else ""
         raise ValueError(
             f"total_batch_size={total_tokens} is not a multiple of micro_batch_size*block_size*world_size"
-            f" = {micro_batch}*{seq_len}*{world_size} = {per_step}; change --total-batch-size or "
-            f"--micro-batch-size (auto: the largest that fits the device and divides){hint}")
+            f" = {micro_batch}*{seq_len}*{world_size} = {per_step}; sizes that would divide: "
+            + dividing_sizes(total_tokens, micro_batch, seq_len, world_size))
     return total_tokens // per_step
+
+
+def dividing_sizes(total_tokens: int, micro_batch: int, seq_len: int, world_size: int) -> str:
+    """The nearest --total-batch-size values that divide, and the largest smaller --micro-batch-size values.
+
+    There is always a total that works (a multiple of per_step), so the message is never empty; a
+    micro-batch only exists when total_tokens is a multiple of block_size * world_size.
+    """
+    per_step = micro_batch * seq_len * world_size
+    below, above = (total_tokens // per_step) * per_step, (total_tokens // per_step + 1) * per_step
+    totals = " or ".join(str(t) for t in (below, above) if t > 0)
+    micro = [m for m in range(1, micro_batch) if total_tokens % (m * seq_len * world_size) == 0]
+    if micro:
+        return f"--total-batch-size {totals} (multiples of {per_step}), or --micro-batch-size {', '.join(map(str, micro[-4:]))}"
+    return (f"--total-batch-size {totals} (multiples of {per_step}); no smaller --micro-batch-size would, as "
+            f"{total_tokens} is not a multiple of block_size*world_size = {seq_len * world_size}")

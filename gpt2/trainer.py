@@ -30,7 +30,7 @@ from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader, find_shards
 from gpt2.dist import (Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object, collective, set_cpu_threads,
                        set_timeout)
-from gpt2.flops import device_peak_flops, mfu
+from gpt2.flops import checked_mfu, device_peak_flops, format_flops, peak_problem
 from gpt2.metrics import Metrics, plot_loss_curve
 from gpt2.model import GPT
 from gpt2.optim import make_optimizer, optimizer_kind
@@ -432,6 +432,31 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     return tokenizer.decode(out[0, len(prompt):].tolist())
 
 
+def mfu_peak(dist: Dist, dtype: str, log: Metrics) -> float | None:
+    """This rank's peak FLOP/s for MFU, or None (logged as "mfu n/a: why"): an unlisted GPU, or a CPU
+    probe that is clearly wrong."""
+    peak = device_peak_flops(dist.device, precision.torch_dtype(dtype))
+    if peak is None:
+        log.info(f"mfu n/a: {device_name(dist.device)} has no data-sheet peak in gpt2/flops.py (add it there)")
+        return None
+    if why := peak_problem(peak, dist.device, torch.get_num_threads()):
+        log.info(f"mfu n/a: {why}")
+        return None
+    if dist.device.type == "cpu":
+        log.info(f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
+                 f"{precision.PEAK_PROBES} matmul probes, cached in {precision.peak_cache_dir()} "
+                 f"({precision.REFRESH_PEAK_ENV}=1 measures again)")
+    return peak
+
+
+def forget_cpu_peak(device: torch.device, dtype: str) -> None:
+    """An MFU above 100% proved the measured peak wrong: the next run must not read it from the cache.
+    device_peak_flops took the larger of the dtype's and fp32's peaks, so both go."""
+    if device.type == "cpu":
+        for d in {precision.torch_dtype(dtype), torch.float32}:
+            precision.forget_peak(str(device), d)
+
+
 def check_memory(cfg: RunConfig, dist: Dist, peak: float | None, log: Metrics) -> None:
     """Print the planner's summary and refuse a configuration that clearly cannot fit, before allocating."""
     from gpt2.plan import device_hardware
@@ -506,9 +531,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
              f"building the model")
     cfg, prec = resolve_auto(cfg, dist, log)
     tc = cfg.train
-    peak = device_peak_flops(dist.device, precision.torch_dtype(tc.dtype))
-    if peak is None:
-        log.info(f"mfu n/a: {device_name(dist.device)} has no data-sheet peak in gpt2/flops.py (add it there)")
+    peak = mfu_peak(dist, tc.dtype, log)
     check_memory(cfg, dist, peak, log)
     # Decided after every check that can refuse the configuration, so a refused run moves nothing;
     # the earlier run's records go aside before the first write into RUN (sinks, restore, config.json).
@@ -557,9 +580,14 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
             bad_steps = bad_steps + 1 if out["skipped"] else (bad_steps if out["overflow"] else 0)
             if step % tc.log_interval == 0 or out["skipped"] or out["overflow"] or step == tc.max_steps:
                 tok_s = tc.total_batch_size / dt
+                step_mfu, why = checked_mfu(tok_s / dist.world_size, cfg.model, peak) if peak else (None, None)
+                if why:  # once: the peak is wrong for the rest of the run too
+                    log.info(f"mfu n/a: {why}")
+                    forget_cpu_peak(dist.device, tc.dtype)
+                    peak = None
                 log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                               "tokens": step * tc.total_batch_size, "step_s": dt, "tok_per_s": tok_s,
-                              "mfu": mfu(tok_s / dist.world_size, cfg.model, peak) if peak else None,
+                              "mfu": step_mfu,
                               "mem_mb": memory_mb(dist.device), "skipped": out["skipped"],
                               **({"overflow": out["overflow"], "loss_scale": parts.scaler.get_scale()}
                                  if parts.scaler.is_enabled() else {})}, tc.max_steps)

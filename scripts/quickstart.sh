@@ -5,7 +5,7 @@
 #   bash scripts/quickstart.sh [RUN_DIR] [extra train_ddp.py flags...]
 # Safe to run again: the data is reused, and a finished run says so (or continues with a larger
 # --max-steps). PYTHON chooses the interpreter (default: .venv/bin/python, set up on first use
-# by scripts/setup.sh).
+# by scripts/setup.sh with the plot extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${1:-runs/quickstart}
@@ -13,8 +13,16 @@ shift || true
 DATA_DIR=${DATA_DIR:-data/pydoc}
 NPROC=${NPROC:-2}
 if [ -z "${PYTHON:-}" ]; then
-  bash scripts/setup.sh
+  # The plot extra: the run ends by drawing RUN_DIR/loss_curve.png with matplotlib (which the dev
+  # extra installs too, so a test environment is not reinstalled).
+  if .venv/bin/python -c "import matplotlib" 2>/dev/null; then
+    bash scripts/setup.sh
+  else
+    bash scripts/setup.sh plot
+  fi
   PYTHON=.venv/bin/python
+elif ! "$PYTHON" -c "import matplotlib" 2>/dev/null; then
+  echo "quickstart: $PYTHON has no matplotlib, so there will be no loss_curve.png: pip install -e \".[plot]\"" >&2
 fi
 
 mkdir -p "$DATA_DIR"

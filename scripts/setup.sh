@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes .venv and installs the project into it; a second run only checks and returns at once.
-# Usage: bash scripts/setup.sh [EXTRAS]   (EXTRAS: dev for the test suite, e.g. "dev"; none for training)
+# Usage: bash scripts/setup.sh [EXTRAS]   (EXTRAS: "dev" for the test suite, "plot" for loss curves; none for training)
 # Needs only python3 (>= 3.10). TORCH_SPEC chooses the torch to install when .venv has none: the
 # default, torch==2.13.0, is the version this project is tested with (on a GPU machine pick the
 # build that matches your CUDA, e.g. TORCH_SPEC="torch==2.13.0 --index-url https://...").
@@ -27,5 +27,7 @@ want="$hash extras=${EXTRAS}"
 if [ ! -f "$stamp" ] || ! { grep -qxF -- "$want" "$stamp" || { [ -z "$EXTRAS" ] && grep -q "^$hash " "$stamp"; }; }; then
   echo "setup: installing this project into .venv${EXTRAS:+ with [$EXTRAS]}"
   quiet "$PY" -m pip install -e ".${EXTRAS:+[$EXTRAS]}"
-  echo "$want" > "$stamp"
+  # One line per extras installed from this pyproject.toml: `setup.sh plot` after `setup.sh dev`
+  # must not make the next `setup.sh dev` reinstall.
+  { grep "^$hash " "$stamp" 2>/dev/null || true; echo "$want"; } > "$stamp.new" && mv "$stamp.new" "$stamp"
 fi

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 def run_bench(*args: str, timeout: int) -> str:
     done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "USDT" not in done.stderr, done.stderr[-3000:]  # kineto's profiler_start/stop lines (gpt2.plan)
     return done.stdout
 
 
@@ -158,3 +159,39 @@ def test_checkpoint_stall_bench_times_a_sync_and_a_background_save():
         sync, stall, ratio, copy, write, fwd_bwd = (c.strip() for c in row.strip("|").split("|")[1:])
         assert all(float(x) >= 0 for x in (sync, stall, copy, write, fwd_bwd)) and ratio.endswith("x")
         assert float(sync) > 0 and float(write) > 0
+
+
+@pytest.mark.parametrize("script", ["bench/optimizers.py", "bench/data_order.py", "bench/prep_throughput.py"])
+def test_a_bench_without_its_corpus_says_so_in_one_line_and_exits_2(tmp_path, script):
+    missing = tmp_path / "no" / "tinyshakespeare.txt"
+    done = subprocess.run([sys.executable, script, "--corpus", str(missing)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    name = Path(script).name
+    assert done.stderr.splitlines() == [f"{name}: error: corpus {missing} not found: pass --corpus PATH (any "
+                                        "UTF-8 .txt file; README, 'Preparing data', says where to get tinyshakespeare)"]
+    assert done.stdout == ""
+    help_text = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
+                               timeout=120).stdout
+    assert "--corpus" in help_text and "tinyshakespeare.txt" in help_text  # the default is the shared file
+
+
+def test_a_corpus_data_prep_refuses_is_one_line_not_a_traceback(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine\n\n\xff\xfe not UTF-8\n")
+    done = subprocess.run([sys.executable, "bench/data_order.py", "--corpus", str(bad)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"data_order.py: error: data_prep failed on {bad}: ") and "not valid UTF-8" in line
+
+
+def test_ladder_chart_defaults_under_runs_not_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # wherever it is started from
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import ladder
+
+    out = ladder.build_parser().parse_args([]).out
+    assert out == REPO / "runs" / "bench" / "ladder.png" and out.is_absolute()
+    assert "/runs/" in (REPO / ".gitignore").read_text().splitlines()  # never committed by accident
+    assert ladder.build_parser().parse_args(["--out", "x/l.png"]).out == Path("x/l.png")

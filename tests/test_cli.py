@@ -115,12 +115,39 @@ def test_missing_optional_sink_is_refused_before_start(tmp_path, shakespeare_sha
         check_data(cfg, 1)
 
 
-def test_batch_that_does_not_divide_is_refused(tmp_path, shakespeare_shards):
+def _refuse_batch(launcher: list[str], shards, run_dir) -> subprocess.CompletedProcess:
+    # 5120 tokens, micro-batch 8 x block 128: 1024 per step in one process (divides), 2048 with two ranks
+    return subprocess.run([*launcher, "train_ddp.py", "--preset", "debug", "--data-dir", str(shards),
+                           "--out-dir", str(run_dir), "--device", "cpu", "--total-batch-size", "5120"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+
+
+def test_batch_that_does_not_divide_is_refused_with_the_sizes_that_would(tmp_path, shakespeare_shards):
+    """README: refused "with the sizes that would", exit code 2, under plain python."""
     run = subprocess.run([sys.executable, "train_ddp.py", "--preset", "debug", "--data-dir", str(shakespeare_shards),
                           "--out-dir", str(tmp_path / "run"), "--device", "cpu", "--total-batch-size", "3000"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
-    assert "total_batch_size=3000 is not a multiple" in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train_ddp.py: error: total_batch_size=3000 is not a multiple")
+    assert "sizes that would divide: --total-batch-size 2048 or 3072 (multiples of 1024)" in lines[0]
+
+
+def test_batch_refused_under_torchrun_shows_the_workers_line_with_the_sizes(tmp_path, shakespeare_shards):
+    """torchrun turns the worker's exit 2 into its own exit 1 and a ChildFailedError summary (README
+    says so); what matters is that the worker's one line, with the sizes, is in the output, once."""
+    run = _refuse_batch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+                        shakespeare_shards, tmp_path / "run")
+    assert run.returncode == 1, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
+    assert errors == ["train_ddp.py: error: total_batch_size=5120 is not a multiple of micro_batch_size*block_size"
+                      "*world_size = 8*128*2 = 2048; sizes that would divide: --total-batch-size 4096 or 6144 "
+                      "(multiples of 2048), or --micro-batch-size 1, 2, 4, 5"]  # rank 0 only
+    assert "exitcode  : 2" in run.stderr and "ChildFailedError" in run.stderr
+    assert not (tmp_path / "run").exists()
+    # the same flags divide in one process: the refusal is about the world size, not the numbers
+    from gpt2.schedule import grad_accum_steps
+    assert grad_accum_steps(5120, 8, 128, 1) == 5
 
 
 def test_sample_prompt_longer_than_the_block_is_refused_before_start(tmp_path, shakespeare_shards):

@@ -77,8 +77,8 @@ def main_inproc(*args: str, capsys) -> tuple[int, str, str]:
 
 PATCHED_COMMAND = """\
 # `python -m data_prep ARGS`, with one function of data_prep.writer wrapped: after its WHEN-th call
-# (WHEN = every: after each call) the process kills itself with SIGKILL (ACTION = kill) or sleeps
-# ACTION seconds. Usage: python THIS NAME WHEN ACTION ARGS...
+# (WHEN = every: after each call) the process kills itself with SIGKILL (ACTION = kill), waits for a
+# signal (ACTION = wait) or sleeps ACTION seconds. Usage: python THIS NAME WHEN ACTION ARGS...
 import os, runpy, signal, sys, time
 
 if __name__ == "__main__":  # (nothing else runs on import)
@@ -97,6 +97,9 @@ if __name__ == "__main__":  # (nothing else runs on import)
         if when in ("every", str(calls)):
             if action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)  # exactly what kill -9 does: no cleanup runs
+            if action == "wait":  # until a signal ends it: the test signals once it sees this state
+                while True:
+                    time.sleep(3600)
             time.sleep(float(action))
         return result
 
@@ -360,39 +363,99 @@ def test_resume_from_every_crash_point_gives_identical_bytes(tmp_path, paragraph
 
 
 def interrupt_when(out: Path, n_shards: int, sig: int, args: list[str]) -> subprocess.CompletedProcess:
-    """Run args (data_prep, throttled) and send sig to its whole process group once n_shards are listed."""
+    """Run args (data_prep, patched to wait after its n-th new shard) and, once the manifest lists
+    n_shards, send sig to its whole process group. The job cannot finish first: it waits for the signal."""
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    deadline = time.time() + 60
+    deadline = time.time() + 300  # a safety net on a loaded machine, not a timing assumption
+    sent = False
     try:
-        while time.time() < deadline and proc.poll() is None:
+        while True:
             try:
                 if len(json.loads((out / "manifest.json").read_text())["shards"]) >= n_shards:
                     break
             except (FileNotFoundError, ValueError):
                 pass
+            assert proc.poll() is None, f"data_prep ended before listing {n_shards} shards:\n{proc.stderr.read()}"
+            assert time.time() < deadline, f"no {n_shards} shards listed within 300 s"
             time.sleep(0.02)
         os.killpg(proc.pid, sig)  # the parent and its pool workers, as Ctrl-C or kill -9 of a job would
+        sent = True
     finally:
-        stdout, stderr = proc.communicate(timeout=60)
+        if not sent and proc.poll() is None:  # a failed wait: the job would wait for its signal forever
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 
 def test_ctrl_c_then_kill_9_of_the_process_group_then_resume(tmp_path, kill_corpus):
     src, clean_bytes, _ = kill_corpus
     out = tmp_path / "out"
-    # 0.1 s after each manifest update, so that the signal finds the job mid-run
-    args = [*patched_command(tmp_path, "save_manifest", "every", "0.1"), "--no-progress", "--source", str(src),
-            "--out", str(out), "--shard-tokens", "4000", "--val-tokens", "3000", "--workers", "2"]
-    stopped = interrupt_when(out, 3, signal.SIGINT, args)
+    common = ["--no-progress", "--source", str(src), "--out", str(out), "--shard-tokens", "4000", "--val-tokens",
+              "3000", "--workers", "2"]
+    # The job waits after its 3rd manifest update (a fresh start) for the SIGINT, then, resumed, after
+    # its 4th new one (3 + 4 = 7 listed) for the SIGKILL: never done before the signal arrives.
+    stopped = interrupt_when(out, 3, signal.SIGINT, [*patched_command(tmp_path, "save_manifest", "3", "wait"), *common])
     assert stopped.returncode == 130, stopped.stderr
     assert "rerun the same command to resume" in stopped.stderr and "Traceback" not in stopped.stderr
-    killed = interrupt_when(out, 7, signal.SIGKILL, args)
+    killed = interrupt_when(out, 7, signal.SIGKILL, [*patched_command(tmp_path, "save_manifest", "4", "wait"), *common])
     assert killed.returncode == -signal.SIGKILL and "resuming" in killed.stderr
+    assert "Traceback" not in killed.stderr and "leaked" not in killed.stderr, killed.stderr
     m = json.loads((out / "manifest.json").read_text())
-    assert not m["complete"] and 7 <= len(m["shards"]) < len(clean_bytes)
+    assert not m["complete"] and len(m["shards"]) == 7 < len(clean_bytes)
     run(dict(sources=(str(src),), out=out, shard_tokens=4000, val_tokens=3000, workers=1))
     assert all_bytes(out) == clean_bytes
+
+
+KILL_PARENT_MID_TASK = """\
+import multiprocessing, os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from data_prep.encode import encode_pieces, init_worker
+
+
+def cpu_ticks(pid):
+    utime, stime = open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[11:13]
+    return int(utime) + int(stime)
+
+if __name__ == "__main__":
+    pool = multiprocessing.get_context("spawn").Pool(2, initializer=init_worker, initargs=(True, os.getpid()))
+    pool.map(abs, range(4), chunksize=1)  # started and initialised
+    pids = sorted(p.pid for p in pool._pool)
+    print(*pids, flush=True)
+    text = open(sys.argv[1]).read() * 20
+    busy = {{pid: cpu_ticks(pid) for pid in pids}}
+    for _ in range(2):  # both workers busy tokenizing for seconds when their parent dies
+        pool.apply_async(encode_pieces, (([text], [True]),))
+    while any(cpu_ticks(pid) < busy[pid] + 5 for pid in pids):  # both have the task and are at work
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_pool_workers_end_quietly_when_data_prep_is_killed_mid_task(tmp_path, shakespeare_path):
+    """kill -9 of data_prep while its workers tokenize: each worker's put() of its tokens used to end
+    in BrokenPipeError tracebacks on the job's stderr. The workers now die with their parent."""
+    script = tmp_path / "kill_parent.py"
+    script.write_text(KILL_PARENT_MID_TASK.format(repo=str(REPO)))
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(script), str(shakespeare_path)], stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert proc.wait(timeout=120) == -signal.SIGKILL
+    assert len(pids) == 2
+    deadline = time.time() + 120  # without the fix they tokenize for seconds, then print and exit
+    while any(_alive(p) for p in pids):
+        assert time.time() < deadline, "a pool worker outlived data_prep by 120 s"
+        time.sleep(0.05)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
 
 
 def test_rerun_of_finished_job_does_nothing(tmp_path, paragraphs, capsys):

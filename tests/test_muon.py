@@ -212,6 +212,7 @@ def test_newton_schulz_dtype_follows_the_runs_agreed_dtype_not_a_per_rank_measur
     import gpt2.precision
 
     monkeypatch.setattr(gpt2.precision, "matmul_rate", lambda *a, **k: pytest.fail("measured on this rank"))
+    monkeypatch.setattr(gpt2.precision, "peak_rates", lambda *a, **k: pytest.fail("measured on this rank"))
     model = tiny_model()
     for dtype, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float32)):
         opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer="muon", dtype=dtype), CPU)

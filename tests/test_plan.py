@@ -1,4 +1,5 @@
 import contextlib
+import os
 import subprocess
 import sys
 
@@ -303,3 +304,28 @@ def test_cuda_loss_bytes_follow_the_devices_memory():
     with pytest.raises(ValueError, match="device_memory"):
         loss_bytes(cfg, tokens)  # on cuda the chunk depends on the device: no silent guess
     assert loss_bytes(cfg, tokens, chunked=False) == tokens * V * 14  # the plain loss has no chunks
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_autocast_copies_line_names_the_plans_dtype(dtype):
+    """`python -m gpt2.plan --dtype fp16` once printed "autocast bf16 copies"."""
+    text = format_plan(plan(model_preset("gpt2"), micro_batch_size=4, hardware=gpu_hardware("A100-80GB", dtype),
+                            dtype=dtype))
+    other = {"bf16": "fp16", "fp16": "bf16"}[dtype]
+    assert f"autocast {dtype} copies" in text and f"autocast {other}" not in text
+    assert "autocast" not in format_plan(plan(model_preset("gpt2"), micro_batch_size=4, dtype="fp32",
+                                              hardware=gpu_hardware("A100-80GB", "fp32")))
+
+
+def test_measuring_cpu_memory_leaves_no_profiler_lines_on_stderr():
+    """kineto printed "USDT: ... profiler_start/profiler_stop" under bench/ladder.py and bench/loss.py."""
+    code = ("import os, torch\nfrom gpt2.plan import measured_peak_bytes\n"
+            "print(measured_peak_bytes(lambda: torch.ones(256, 256) @ torch.ones(256, 256), 'cpu'))\n"
+            "print(measured_peak_bytes(lambda: torch.ones(64, 64) @ torch.ones(64, 64), 'cpu'))\n"
+            "print('KINETO_LOG_LEVEL' in os.environ)\n")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    first, second, left = run.stdout.split()
+    assert int(first) >= 256 * 256 * 4 and int(second) >= 64 * 64 * 4 and left == "False"  # env restored
+    assert "USDT" not in run.stderr and "profiler_st" not in run.stderr, run.stderr

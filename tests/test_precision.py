@@ -14,7 +14,7 @@ from gpt2.precision import emulation_warning, make_scaler, matmul_rate, resolve
 def fake_rates(monkeypatch, **gflops):
     """Replace the CPU measurement (rates in GFLOP/s per dtype name) on a CPU listing bf16 instructions."""
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-    monkeypatch.setattr(precision, "matmul_rate", lambda device, dtype: gflops[names[dtype]] * 1e9)
+    monkeypatch.setattr(precision, "peak_rates", lambda device, dtypes: [gflops[names[d]] * 1e9 for d in dtypes])
     monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: True)
 
 
@@ -34,7 +34,8 @@ def test_auto_on_a_cpu_without_bf16_instructions_picks_fp32_without_measuring(mo
     """A loaded machine can stall the fp32 timing and make emulated bf16 look faster: no flag, no bf16."""
     parse = precision.cpu_bf16_instructions
     monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: parse(AVX2_CPUINFO))
-    monkeypatch.setattr(precision, "matmul_rate", lambda device, dtype: pytest.fail("measured anyway"))
+    monkeypatch.setattr(precision, "peak_rates", lambda device, dtypes: pytest.fail("measured anyway"))
+    monkeypatch.setattr(precision, "matmul_rate", lambda *a, **k: pytest.fail("measured anyway"))
     p = resolve("auto", "cpu")
     assert p.dtype == "float32" and "no bf16 instructions" in p.reason
 
@@ -127,7 +128,7 @@ def test_auto_on_this_cpu_picks_fp32_without_bf16_instructions_else_the_faster_m
     if precision.cpu_bf16_instructions() is False:
         assert p.dtype == "float32"
         return
-    bf16, fp32 = matmul_rate("cpu", torch.bfloat16), matmul_rate("cpu", torch.float32)
+    bf16, fp32 = precision.peak_rate("cpu", torch.bfloat16), precision.peak_rate("cpu", torch.float32)
     assert p.dtype == ("bfloat16" if bf16 >= precision.CPU_BF16_MIN_SPEEDUP * fp32 else "float32")
 
 

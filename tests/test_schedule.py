@@ -44,3 +44,14 @@ def test_grad_accum_steps_rejects_non_dividing_batch_with_the_numbers():
         grad_accum_steps(500_000, 64, 1024, 8)
     msg = str(e.value)
     assert "total_batch_size=500000" in msg and "64*1024*8" in msg and "--micro-batch-size" in msg
+    assert "sizes that would divide: --total-batch-size 524288 (multiples of 524288)" in msg
+
+
+def test_the_refusal_lists_nearby_totals_and_smaller_micro_batches_that_divide():
+    with pytest.raises(ValueError) as e:
+        grad_accum_steps(5120, 8, 128, 2)  # 2048 per micro-step; 5120 = 20 * 256
+    assert str(e.value).endswith("--total-batch-size 4096 or 6144 (multiples of 2048), or --micro-batch-size 1, 2, 4, 5")
+    for m in (1, 2, 4, 5):
+        grad_accum_steps(5120, m, 128, 2)  # each size it lists does divide
+    with pytest.raises(ValueError, match=r"--total-batch-size 1024 \(multiples of 1024\); no smaller"):
+        grad_accum_steps(100, 8, 128, 1)  # no zero total is offered
