@@ -54,4 +54,6 @@ def test_the_refusal_lists_nearby_totals_and_smaller_micro_batches_that_divide()
     for m in (1, 2, 4, 5):
         grad_accum_steps(5120, m, 128, 2)  # each size it lists does divide
     with pytest.raises(ValueError, match=r"--total-batch-size 1024 \(multiples of 1024\); no smaller"):
-        grad_accum_steps(100, 8, 128, 1)  # no zero total is offered
+        grad_accum_steps(200, 8, 128, 1)  # no zero total is offered
+    with pytest.raises(ValueError, match=r"less than one sequence per rank .*raise --total-batch-size to a multiple of 128"):
+        grad_accum_steps(100, 8, 128, 1)
