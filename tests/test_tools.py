@@ -243,7 +243,7 @@ def test_loss_cli_reproduces_the_trainers_validation_loss(run_dir, data_dir, cap
 
     # batch 3 (the trainer used 4): 16 sequences -> a padded last batch, whose ignored rows must not count.
     assert main(["loss", "--checkpoint", str(run_dir), "--data-dir", str(data_dir), "--eval-tokens", "1024",
-                 "--batch-size", "3", "--device", "cpu", "--num-threads", "1", "--json"]) == 0
+                 "--batch-size", "3", "--device", "cpu", "--num-threads", "1", "--dtype", "float32", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     trainer_val = [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == 5
                    and "val_loss" in r]
