@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                     for k, p in peaks.best.items()),
         f"load average (other processes on the cores): {start_load:.1f} at start, {os.getloadavg()[0]:.1f} at end",
     ]
-    report = "\n".join(header) + "\n\n" + table(rows, cfg, peaks)
+    report = "\n".join(header) + ("\n\n" + table(rows, cfg, peaks) if rows else "")
     goals = []
     for r in rows:
         if r.name == f"{low} compiled":  # the trainer's default path here (the other rows are history)
@@ -428,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         goals.append(f"--optimizer muon under torchrun ({args.threads} x 1, the orthogonalisation spread over "
                      f"ranks): {cost:+.1%} step time against AdamW's (goal < 10%); {timed} (per round: "
                      + ", ".join(f"{r[many_muon] / r[many] - 1:+.1%}" for r in per_round) + ")")
-    report += "\n\n" + "\n".join(f"- {g}" for g in goals)
+    if goals:
+        report += "\n\n" + "\n".join(f"- {g}" for g in goals)
     if order_lines:
         report += ("\n\nDDP and torch.compile orders (" + ("2-layer 128-wide model, block 64, 512 tokens/step"
                    if args.order_model == "small" else "the workload") + f", fp32, 4 MiB buckets; median of "

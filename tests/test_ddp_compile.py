@@ -27,7 +27,7 @@ def _config(data_dir: Path, out_dir: Path, *, compile: bool):
                          "--device", "cpu", "--dtype", "float32", "--compile", str(compile).lower(),
                          "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--micro-batch-size", "2",
                          "--total-batch-size", "512", "--max-steps", str(STEPS + 1), "--lr", "3e-3",
-                         "--warmup-steps", "2", "--eval-tokens", "0", "--ddp-bucket-cap-mb", "1",
+                         "--warmup-steps", "2", "--eval-tokens", "512", "--ddp-bucket-cap-mb", "1",
                          "--num-threads", "1"])
 
 
@@ -38,7 +38,7 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
 
     from gpt2.dist import Dist
     from gpt2.metrics import Metrics
-    from gpt2.trainer import build, check_data, train_step
+    from gpt2.trainer import build, check_data, evaluate, train_step
 
     tdist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
     dist = Dist(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=torch.device("cpu"))
@@ -47,6 +47,9 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
     for compiled in (False, True):
         cfg = _config(Path(data_dir), Path(tmp) / f"run_{compiled}", compile=compiled)
         parts = build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 2))
+        # As the trainer does at step 0: the model is first compiled for evaluation, outside DDP's
+        # forward (eval mode, no grad); training must still get the graphs split at the buckets.
+        val_loss = evaluate(parts, cfg, dist)
         counters.clear()
         losses = [train_step(parts, cfg, dist, False)["loss"] for _ in range(STEPS)]
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -55,7 +58,7 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
         backward = [(s, e) for name, s, e in events if name == "CompiledFunctionBackward"]
         reduces = [s for name, s, _ in events if name == "c10d::allreduce_"]
         result[str(compiled)] = {
-            "losses": losses, "aot_graphs": counters["aot_autograd"]["total"],
+            "val_loss": val_loss, "losses": losses, "aot_graphs": counters["aot_autograd"]["total"],
             "backward_graphs_per_step": len(backward) // parts.accum_steps,
             "first_allreduce_start": min(reduces), "last_backward_end": max((e for _, e in backward), default=None),
             "state_keys": list(parts.model.state_dict()),
@@ -78,6 +81,7 @@ def test_compiled_ddp_losses_equal_uncompiled_ddp(overlap):
     eager, compiled = overlap["False"]["losses"], overlap["True"]["losses"]
     assert len(eager) == STEPS and eager[0] != eager[-1]  # the model trained
     assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-5, (eager, compiled)
+    assert abs(overlap["False"]["val_loss"] - overlap["True"]["val_loss"]) < 1e-5
 
 
 @pytest.mark.slow
@@ -100,3 +104,18 @@ def test_checkpoint_keys_of_a_compiled_ddp_model_have_no_wrapper_prefix(overlap)
     keys = overlap["True"]["state_keys"]
     assert keys == overlap["False"]["state_keys"]
     assert not [k for k in keys if k.startswith(("_orig_mod.", "module."))]
+
+
+def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare_shards, monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from gpt2.dist import Dist, usable_cpus
+    from gpt2.metrics import Metrics
+    from gpt2.trainer import build, check_data
+
+    monkeypatch.setattr(inductor_config, "compile_threads", 99)  # restored after the test
+    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    for compiled, expected in ((False, 99), (True, usable_cpus())):
+        cfg = _config(shakespeare_shards, tmp_path / str(compiled), compile=compiled)
+        build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 1))
+        assert inductor_config.compile_threads == expected
