@@ -30,10 +30,11 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
                                                 train_step(): compile then DDP (the trainer), DDP
                                                 then compile, each block compiled alone
                                                 (torchtitan's way), and eager DDP; each in a fresh
-                                                process group and inductor cache, the compile time
-                                                (the first step) and the median step beside the
-                                                trainer's. --order-model small: a 2-layer 128-wide
-                                                model at block 64 instead of the workload's shape
+                                                process group and inductor cache, --ddp-rounds
+                                                times alternately: the compile time (the first
+                                                step) and the median step beside the trainer's.
+                                                --order-model small: a 2-layer 128-wide model at
+                                                block 64 instead of the workload's shape
 "bf16" in these names is the dtype --dtype auto picks on this CPU (gpt2/precision.py): where bf16
 matmuls are not measured faster than fp32 (AVX2 only, where bf16 is emulated ~50x slower), those
 rows run fp32 and are named so, the "fp32 compiled" row is not repeated, and no bf16 peak is taken.
@@ -275,35 +276,56 @@ def _order_rank(rank: int, order: str, args: list[str], steps: int, warmup: int,
     tdist.destroy_process_group()
 
 
-def run_orders(data_dir: Path, tmp: Path, *, steps: int, warmup: int, small: bool) -> list[str]:
-    """The DDP/compile order rows: the lines of their own table (first step, s/step, ratio)."""
+def run_orders(data_dir: Path, tmp: Path, *, steps: int, warmup: int, small: bool, rounds: int) -> list[str]:
+    """The DDP/compile order rows: the lines of their own table (first step, s/step, ratio).
+
+    Each order runs `rounds` times, alternately (A B C D, D C B A, ...) as the real-trainer rows do:
+    compile times especially move with the machine's load. First steps: the median of the rounds';
+    s/step: the median of every round's timed steps.
+    """
+    tokens = 2 * 4 * 64 if small else TOKENS_PER_STEP
+    results = {name: {"first": [], "times": [], "losses": []} for name in ORDERS}
+    for i in range(rounds):
+        for name in (list(ORDERS) if i % 2 == 0 else list(ORDERS)[::-1]):
+            results[name] = _merge(results[name], _run_order(data_dir, tmp / f"order_{ORDERS[name]}_{i}", ORDERS[name],
+                                                             steps=steps, warmup=warmup, tokens=tokens, small=small))
+            print(f"  order round {i + 1}/{rounds}, {name}: first step {results[name]['first'][-1]:.1f} s",
+                  file=sys.stderr, flush=True)
+    base = statistics.median(results["compile, then DDP (the trainer)"]["times"])
+    lines = ["| DDP / compile order (2 x 1, gloo) | first step (compiles), s | s/step | step vs the trainer's "
+             "| loss (last step) |", "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        step_s = statistics.median(r["times"])
+        lines.append(f"| {name} | {statistics.median(r['first']):.1f} | {step_s:.3f} | {step_s / base:.2f}x | "
+                     f"{r['losses'][-1]:.4f} |")
+    return lines
+
+
+def _merge(pooled: dict, run: dict) -> dict:
+    return {k: pooled[k] + run[k] for k in pooled}
+
+
+def _run_order(data_dir: Path, run: Path, order: str, *, steps: int, warmup: int, tokens: int, small: bool) -> dict:
+    """One order's 2-rank run in a fresh process group and inductor cache: first step, timed steps, losses."""
     import json
 
     import torch.multiprocessing as mp
 
-    tokens = 2 * 4 * 64 if small else TOKENS_PER_STEP
-    results = {}
-    for name, order in ORDERS.items():
-        run = tmp / f"order_{order}"
-        run.mkdir()
-        args = [*WORKLOAD, *(SMALL_MODEL if small else []), "--dtype", "float32", "--num-threads", "1",
-                "--total-batch-size", str(tokens), "--ddp-bucket-cap-mb", "4", "--max-steps", str(warmup + steps),
-                "--data-dir", str(data_dir), "--out-dir", str(run / "out")]
-        old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(run / "inductor")  # every order compiles from scratch
-        try:
-            mp.spawn(_order_rank, args=(order, args, steps, warmup, str(run)), nprocs=2, join=True)
-        finally:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR") if old is None else os.environ.update(TORCHINDUCTOR_CACHE_DIR=old)
-        results[name] = json.loads((run / "times.json").read_text())
-        print(f"  order {name}: first step {results[name]['times'][0]:.1f} s", file=sys.stderr, flush=True)
-    base = statistics.median(results["compile, then DDP (the trainer)"]["times"][warmup:])
-    lines = ["| DDP / compile order (2 x 1, gloo) | first step (compiles), s | s/step | step vs the trainer's "
-                       "| loss (last step) |", "|---|---:|---:|---:|---:|"]
-    for name, r in results.items():
-        step_s = statistics.median(r["times"][warmup:])
-        lines.append(f"| {name} | {r['times'][0]:.1f} | {step_s:.3f} | {step_s / base:.2f}x | {r['losses'][-1]:.4f} |")
-    return lines
+    run.mkdir()
+    args = [*WORKLOAD, *(SMALL_MODEL if small else []), "--dtype", "float32", "--num-threads", "1",
+            "--total-batch-size", str(tokens), "--ddp-bucket-cap-mb", "4", "--max-steps", str(warmup + steps),
+            "--data-dir", str(data_dir), "--out-dir", str(run / "out")]
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(run / "inductor")  # every order compiles from scratch
+    try:
+        mp.spawn(_order_rank, args=(order, args, steps, warmup, str(run)), nprocs=2, join=True)
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+    r = json.loads((run / "times.json").read_text())
+    return {"first": [r["times"][0]], "times": r["times"][warmup:], "losses": r["losses"]}
 
 
 def table(rows: list[Row], cfg: RunConfig, peaks: Peaks) -> str:
@@ -392,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         order_lines = []
         if "order" not in skip:
             order_lines = run_orders(data, Path(tmp), steps=args.steps, warmup=args.warmup,
-                                        small=args.order_model == "small")
+                                     small=args.order_model == "small", rounds=args.ddp_rounds)
     cfg = parse_config(base + ["--data-dir", "unused", "--out-dir", "unused"])
     now = datetime.datetime.now(datetime.timezone.utc)
     header = [
@@ -433,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     if order_lines:
         report += ("\n\nDDP and torch.compile orders (" + ("2-layer 128-wide model, block 64, 512 tokens/step"
                    if args.order_model == "small" else "the workload") + f", fp32, 4 MiB buckets; median of "
-                   f"{args.steps} steps after {args.warmup}, each order with a fresh inductor cache):\n\n"
+                   f"all {args.ddp_rounds * args.steps} timed steps of {args.ddp_rounds} alternating rounds, each run "
+                   f"after {args.warmup} untimed and with a fresh inductor cache):\n\n"
                    + "\n".join(order_lines))
     print(report)
     if args.md:

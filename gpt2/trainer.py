@@ -25,11 +25,11 @@ from gpt2 import checkpoint as ckpt
 from gpt2 import precision
 from gpt2 import preempt
 from gpt2.atomic import atomic_write_text
+from gpt2.bandwidth import NetworkCost, format_network_cost, measure_network, network_warning
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader, find_shards
-from gpt2.bandwidth import NetworkCost, format_network_cost, measure_network, network_warning
-from gpt2.dist import (Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object, collective, set_compile_threads,
-                       set_cpu_threads, set_timeout)
+from gpt2.dist import (Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object, collective,
+                       set_compile_threads, set_cpu_threads, set_timeout)
 from gpt2.flops import device_peak_flops, mfu
 from gpt2.metrics import Metrics, plot_loss_curve
 from gpt2.model import GPT
