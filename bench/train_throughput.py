@@ -276,7 +276,8 @@ def _order_rank(rank: int, order: str, args: list[str], steps: int, warmup: int,
     tdist.destroy_process_group()
 
 
-def run_orders(data_dir: Path, tmp: Path, *, steps: int, warmup: int, small: bool, rounds: int) -> list[str]:
+def run_orders(data_dir: Path, tmp: Path, *, steps: int, warmup: int, small: bool, rounds: int,
+               skip: set[str] = frozenset()) -> list[str]:
     """The DDP/compile order rows: the lines of their own table (first step, s/step, ratio).
 
     Each order runs `rounds` times, alternately (A B C D, D C B A, ...) as the real-trainer rows do:
@@ -284,10 +285,11 @@ def run_orders(data_dir: Path, tmp: Path, *, steps: int, warmup: int, small: boo
     s/step: the median of every round's timed steps.
     """
     tokens = 2 * 4 * 64 if small else TOKENS_PER_STEP
-    results = {name: {"first": [], "times": [], "losses": []} for name in ORDERS}
+    orders = {name: order for name, order in ORDERS.items() if order == "compile_ddp" or order not in skip}
+    results = {name: {"first": [], "times": [], "losses": []} for name in orders}
     for i in range(rounds):
-        for name in (list(ORDERS) if i % 2 == 0 else list(ORDERS)[::-1]):
-            results[name] = _merge(results[name], _run_order(data_dir, tmp / f"order_{ORDERS[name]}_{i}", ORDERS[name],
+        for name in (list(orders) if i % 2 == 0 else list(orders)[::-1]):
+            results[name] = _merge(results[name], _run_order(data_dir, tmp / f"order_{orders[name]}_{i}", orders[name],
                                                              steps=steps, warmup=warmup, tokens=tokens, small=small))
             print(f"  order round {i + 1}/{rounds}, {name}: first step {results[name]['first'][-1]:.1f} s",
                   file=sys.stderr, flush=True)
@@ -352,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ddp-rounds", type=int, default=2,
                     help="alternating runs of each DDP layout (A B, B A, ...): the load drifts between runs")
     ap.add_argument("--skip", default="",
-                    help="comma-separated rows to leave out: fp32,fp32c,v0,v1,bf16c,muon,ddp,muon-ddp,order")
+                    help="comma-separated rows to leave out: fp32,fp32c,v0,v1,bf16c,muon,ddp,muon-ddp, and order "
+                    "(the DDP/compile order rows) or single order rows: ddp_compile,blocks,eager")
     ap.add_argument("--order-model", choices=("workload", "small"), default="workload",
                     help="the model of the DDP/compile order rows: the workload's, or a 2-layer 128-wide one")
     ap.add_argument("--md", type=Path, help="also write the Markdown report here")
@@ -414,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         order_lines = []
         if "order" not in skip:
             order_lines = run_orders(data, Path(tmp), steps=args.steps, warmup=args.warmup,
-                                     small=args.order_model == "small", rounds=args.ddp_rounds)
+                                     small=args.order_model == "small", rounds=args.ddp_rounds, skip=skip)
     cfg = parse_config(base + ["--data-dir", "unused", "--out-dir", "unused"])
     now = datetime.datetime.now(datetime.timezone.utc)
     header = [

@@ -206,16 +206,21 @@ DDP_DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
-    """DDP around the (compiled) model. Its all-reduces overlap the compiled backward:
+    """DDP around the (compiled) model; its all-reduces overlap the compiled backward.
 
-    torch.compile is lazy, so the model is first compiled at the first training step, inside DDP's
-    forward, and dynamo's DDPOptimizer (torch 2.13: whenever DDP's forward is active) then splits
-    the graph at DDP's bucket boundaries: one compiled backward per bucket, each bucket's
-    all-reduce starting as its backward graph ends (tests/test_ddp_compile.py shows the graphs and
-    a profile). Compiling the DDP module instead builds the same graphs (same compile and step
-    times, bench/train_throughput.py's "order" rows) but evaluation, which bypasses DDP, would
-    then run uncompiled; compiling each block alone (torchtitan's way) leaves the LM head and
-    loss uncompiled. Hence compile, then DDP.
+    torch.compile is lazy: the model is compiled at the first training step, inside DDP's forward,
+    where dynamo's DDPOptimizer (torch 2.13: any frame compiled while DDP's forward runs) splits the
+    graph at DDP's buckets. One compiled backward per bucket, each bucket's all-reduce starting when
+    its graph ends (tests/test_ddp_compile.py: the graphs, a profile, losses as eager DDP's). For
+    124M on NCCL that is ~500 MB of fp32 gradients in ~20 buckets of 25 MiB; the tied embedding's
+    154 MB is complete only after the embedding's backward, the last op, so its all-reduce is
+    exposed in any order. Chosen by bench/train_throughput.py's order rows (README, "DDP and
+    torch.compile"): compiling the DDP module builds the same graphs (same compile and step time
+    within noise) but evaluation, which bypasses DDP, would run eager. Compiling each block alone
+    (torchtitan's way) compiled 2.8x faster at the benchmark's shape, at a step time within this
+    machine's noise, but leaves the LM head and loss eager (on a GPU the memory-bound part compile
+    fuses) and would compile the blocks that sampling and HellaSwag share (KV-cache generation
+    recompiling per length): compile time is paid once a run, steps every step.
     """
     # Gradients as views into the all-reduce buckets: no second copy of every gradient (memory)
     # and no copy in and out of the buckets each step (the maths is unchanged). No buffer sync
