@@ -106,16 +106,16 @@ def test_checkpoint_keys_of_a_compiled_ddp_model_have_no_wrapper_prefix(overlap)
     assert not [k for k in keys if k.startswith(("_orig_mod.", "module."))]
 
 
-def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare_shards, monkeypatch):
+def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare_shards):
     import torch._inductor.config as inductor_config
 
     from gpt2.dist import Dist, usable_cpus
     from gpt2.metrics import Metrics
     from gpt2.trainer import build, check_data
 
-    monkeypatch.setattr(inductor_config, "compile_threads", 99)  # restored after the test
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    for compiled, expected in ((False, 99), (True, usable_cpus())):
-        cfg = _config(shakespeare_shards, tmp_path / str(compiled), compile=compiled)
-        build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 1))
-        assert inductor_config.compile_threads == expected
+    with inductor_config.patch(compile_threads=99):  # restored after (torch's own config patcher)
+        for compiled, expected in ((False, 99), (True, usable_cpus())):
+            cfg = _config(shakespeare_shards, tmp_path / str(compiled), compile=compiled)
+            build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 1))
+            assert inductor_config.compile_threads == expected

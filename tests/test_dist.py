@@ -16,14 +16,14 @@ def test_compile_threads_share_the_node_among_its_local_ranks():
     assert compile_threads(1, 0) == 1
 
 
-def test_set_compile_threads_takes_effect_in_inductor(monkeypatch):
+def test_set_compile_threads_takes_effect_in_inductor():
     from torch._inductor.async_compile import get_compile_threads
 
-    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)  # restored after
-    for local_ranks in (1, 2, 64):
-        dist = Dist(rank=0, local_rank=0, world_size=local_ranks, local_world_size=local_ranks,
-                    device=torch.device("cpu"))
-        expected = max(1, usable_cpus() // local_ranks)
-        assert set_compile_threads(dist) == expected
-        # what inductor's worker pool is sized from, when the first compilation creates it
-        assert inductor_config.compile_threads == get_compile_threads() == expected
+    with inductor_config.patch(compile_threads=99):  # restored after (torch's own config patcher)
+        for local_ranks in (1, 2, 64):
+            dist = Dist(rank=0, local_rank=0, world_size=local_ranks, local_world_size=local_ranks,
+                        device=torch.device("cpu"))
+            expected = max(1, usable_cpus() // local_ranks)
+            assert set_compile_threads(dist) == expected
+            # what inductor's worker pool is sized from, when the first compilation creates it
+            assert inductor_config.compile_threads == get_compile_threads() == expected
