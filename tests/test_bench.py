@@ -76,7 +76,7 @@ def test_ladder_runs_the_trainers_step_and_the_models_attention_kernels(tmp_path
 def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     md = tmp_path / "report.md"
     out = run_bench("bench/train_throughput.py", "--steps", "1", "--warmup", "1", "--ddp-rounds", "1",
-                    "--md", str(md), timeout=1500)
+                    "--order-model", "small", "--md", str(md), timeout=1500)
     main, orders = out.split("DDP and torch.compile orders")
     rows = [line for line in main.splitlines() if line.startswith("| ") and "configuration" not in line]
     names = [r.split("|")[1].strip() for r in rows]
