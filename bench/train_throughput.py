@@ -25,6 +25,16 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
                                                 (gpt2/muon.py): its cost against AdamW's N x 1
                                                 The real-trainer rows run alternately --ddp-rounds
                                                 times (A B C, C B A, ...)
+  DDP and torch.compile orders (issue 22)       2 gloo ranks x 1 thread (torch.multiprocessing),
+                                                fp32, --ddp-bucket-cap-mb 4, through build() and
+                                                train_step(): compile then DDP (the trainer), DDP
+                                                then compile, each block compiled alone
+                                                (torchtitan's way), and eager DDP; each in a fresh
+                                                process group and inductor cache, --ddp-rounds
+                                                times alternately: the compile time (the first
+                                                step) and the median step beside the trainer's.
+                                                --order-model small: a 2-layer 128-wide model at
+                                                block 64 instead of the workload's shape
 "bf16" in these names is the dtype --dtype auto picks on this CPU (gpt2/precision.py): where bf16
 matmuls are not measured faster than fp32 (AVX2 only, where bf16 is emulated ~50x slower), those
 rows run fp32 and are named so, the "fp32 compiled" row is not repeated, and no bf16 peak is taken.
@@ -62,6 +72,10 @@ from gpt2.metrics import Metrics, read_metrics
 from gpt2.optim import param_groups
 from gpt2.shards import write_shard
 from gpt2.trainer import Parts, build, check_data, configure_backends, train_step
+
+ORDERS = {"compile, then DDP (the trainer)": "compile_ddp", "DDP, then compile": "ddp_compile",
+          "each block compiled, then DDP": "blocks", "eager DDP": "eager"}
+SMALL_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "128", "--block-size", "64", "--micro-batch-size", "4"]
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO_BATCH, BLOCK, TOKENS_PER_STEP = 8, 256, 4096
@@ -236,6 +250,86 @@ def run_alternating(data_dir: Path, tmp: Path, layouts: list[Layout], *, steps: 
     return rows, per_round
 
 
+def _order_rank(rank: int, order: str, args: list[str], steps: int, warmup: int, tmp: str) -> None:
+    """One rank of an order row: build() as the trainer does, then the order's compile and DDP."""
+    import json
+
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    dist = Dist(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=torch.device("cpu"))
+    cfg = parse_config(args + ["--compile", str(order == "compile_ddp").lower()])
+    configure_backends(cfg.train, dist)
+    parts = build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 2))
+    if order == "ddp_compile":
+        parts.train_model = torch.compile(parts.train_model)
+    elif order == "blocks":  # in place: no _orig_mod. in the state dict; compiled at the first call
+        for block in parts.model.transformer.h:
+            block.compile()
+    times, losses = [], []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        losses.append(train_step(parts, cfg, dist, False)["loss"])
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        (Path(tmp) / "times.json").write_text(json.dumps({"times": times, "losses": losses}))
+    tdist.destroy_process_group()
+
+
+def run_orders(data_dir: Path, tmp: Path, *, steps: int, warmup: int, small: bool, rounds: int,
+               skip: set[str] = frozenset()) -> list[str]:
+    """The DDP/compile order rows: the lines of their own table (first step, s/step, ratio).
+
+    Each order runs `rounds` times, alternately (A B C D, D C B A, ...) as the real-trainer rows do:
+    compile times especially move with the machine's load. First steps: the median of the rounds';
+    s/step: the median of every round's timed steps.
+    """
+    tokens = 2 * 4 * 64 if small else TOKENS_PER_STEP
+    orders = {name: order for name, order in ORDERS.items() if order == "compile_ddp" or order not in skip}
+    results = {name: {"first": [], "times": [], "losses": []} for name in orders}
+    for i in range(rounds):
+        for name in (list(orders) if i % 2 == 0 else list(orders)[::-1]):
+            results[name] = _merge(results[name], _run_order(data_dir, tmp / f"order_{orders[name]}_{i}", orders[name],
+                                                             steps=steps, warmup=warmup, tokens=tokens, small=small))
+            print(f"  order round {i + 1}/{rounds}, {name}: first step {results[name]['first'][-1]:.1f} s",
+                  file=sys.stderr, flush=True)
+    base = statistics.median(results["compile, then DDP (the trainer)"]["times"])
+    lines = ["| DDP / compile order (2 x 1, gloo) | first step (compiles), s | s/step | step vs the trainer's "
+             "| loss (last step) |", "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        step_s = statistics.median(r["times"])
+        lines.append(f"| {name} | {statistics.median(r['first']):.1f} | {step_s:.3f} | {step_s / base:.2f}x | "
+                     f"{r['losses'][-1]:.4f} |")
+    return lines
+
+
+def _merge(pooled: dict, run: dict) -> dict:
+    return {k: pooled[k] + run[k] for k in pooled}
+
+
+def _run_order(data_dir: Path, run: Path, order: str, *, steps: int, warmup: int, tokens: int, small: bool) -> dict:
+    """One order's 2-rank run in a fresh process group and inductor cache: first step, timed steps, losses."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    run.mkdir()
+    args = [*WORKLOAD, *(SMALL_MODEL if small else []), "--dtype", "float32", "--num-threads", "1",
+            "--total-batch-size", str(tokens), "--ddp-bucket-cap-mb", "4", "--max-steps", str(warmup + steps),
+            "--data-dir", str(data_dir), "--out-dir", str(run / "out")]
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(run / "inductor")  # every order compiles from scratch
+    try:
+        mp.spawn(_order_rank, args=(order, args, steps, warmup, str(run)), nprocs=2, join=True)
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+    r = json.loads((run / "times.json").read_text())
+    return {"first": [r["times"][0]], "times": r["times"][warmup:], "losses": r["losses"]}
+
+
 def table(rows: list[Row], cfg: RunConfig, peaks: Peaks) -> str:
     flops_step = flops_per_token(cfg.model) * TOKENS_PER_STEP
     own, low = precision.SHORT_NAMES, peaks.low
@@ -259,7 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cores to use: 1 process x THREADS vs THREADS processes x 1")
     ap.add_argument("--ddp-rounds", type=int, default=2,
                     help="alternating runs of each DDP layout (A B, B A, ...): the load drifts between runs")
-    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: fp32,fp32c,v0,v1,bf16c,muon,ddp,muon-ddp")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated rows to leave out: fp32,fp32c,v0,v1,bf16c,muon,ddp,muon-ddp, and order "
+                    "(the DDP/compile order rows) or single order rows: ddp_compile,blocks,eager")
+    ap.add_argument("--order-model", choices=("workload", "small"), default="workload",
+                    help="the model of the DDP/compile order rows: the workload's, or a 2-layer 128-wide one")
     ap.add_argument("--md", type=Path, help="also write the Markdown report here")
     return ap
 
@@ -316,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
                                               rounds=args.ddp_rounds, dtype=auto.dtype)
             rows += real
             peaks.measure()
+        order_lines = []
+        if "order" not in skip:
+            order_lines = run_orders(data, Path(tmp), steps=args.steps, warmup=args.warmup,
+                                     small=args.order_model == "small", rounds=args.ddp_rounds, skip=skip)
     cfg = parse_config(base + ["--data-dir", "unused", "--out-dir", "unused"])
     now = datetime.datetime.now(datetime.timezone.utc)
     header = [
@@ -330,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                     for k, p in peaks.best.items()),
         f"load average (other processes on the cores): {start_load:.1f} at start, {os.getloadavg()[0]:.1f} at end",
     ]
-    report = "\n".join(header) + "\n\n" + table(rows, cfg, peaks)
+    report = "\n".join(header) + ("\n\n" + table(rows, cfg, peaks) if rows else "")
     goals = []
     for r in rows:
         if r.name == f"{low} compiled":  # the trainer's default path here (the other rows are history)
@@ -351,7 +453,14 @@ def main(argv: list[str] | None = None) -> int:
         goals.append(f"--optimizer muon under torchrun ({args.threads} x 1, the orthogonalisation spread over "
                      f"ranks): {cost:+.1%} step time against AdamW's (goal < 10%); {timed} (per round: "
                      + ", ".join(f"{r[many_muon] / r[many] - 1:+.1%}" for r in per_round) + ")")
-    report += "\n\n" + "\n".join(f"- {g}" for g in goals)
+    if goals:
+        report += "\n\n" + "\n".join(f"- {g}" for g in goals)
+    if order_lines:
+        report += ("\n\nDDP and torch.compile orders (" + ("2-layer 128-wide model, block 64, 512 tokens/step"
+                   if args.order_model == "small" else "the workload") + f", fp32, 4 MiB buckets; median of "
+                   f"all {args.ddp_rounds * args.steps} timed steps of {args.ddp_rounds} alternating rounds, each run "
+                   f"after {args.warmup} untimed and with a fresh inductor cache):\n\n"
+                   + "\n".join(order_lines))
     print(report)
     if args.md:
         args.md.write_text(report + "\n")

@@ -139,6 +139,10 @@ class TrainConfig:
     """Pinned host buffers and non-blocking copies on CUDA (no effect on CPU)."""
     num_threads: int = 0
     """CPU threads per rank for intra-op parallelism; 0 = cores / ranks on this node."""
+    ddp_bucket_cap_mb: float = 25.0
+    """DDP's gradient bucket size in MiB (DDP's own default, 25). Each bucket's all-reduce starts as soon as
+    backward has produced its gradients, also when compiled (one backward graph per bucket); the start-up
+    bandwidth test times one bucket. At least 1: torch.compile's first graph split is 1 MiB."""
     micro_batch_size: int | str = "auto"
     """Sequences per rank per forward/backward; auto: the largest that the planner says fits the device
     and divides the global batch (logged with the plan)."""
@@ -268,6 +272,9 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append("weight_decay and grad_clip must be >= 0 and eps > 0")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         p.append(f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
+    if not cfg.ddp_bucket_cap_mb >= 1:
+        p.append(f"ddp_bucket_cap_mb={cfg.ddp_bucket_cap_mb} must be >= 1 (MiB): torch.compile splits the "
+                 "backward at DDP's buckets and its first split is 1 MiB")
     for name in ("dist_timeout_s", "dist_step_timeout_s"):
         if getattr(cfg, name) <= 0:
             p.append(f"{name}={getattr(cfg, name)} must be > 0")

@@ -133,8 +133,35 @@ def set_cpu_threads(dist: Dist, num_threads: int = 0) -> None:
     The trainer and gpt2.eval both follow this one rule.
     """
     if dist.device.type == "cpu":
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(num_threads or max(1, usable // dist.local_world_size))
+        torch.set_num_threads(num_threads or max(1, usable_cpus() // dist.local_world_size))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (a SLURM or taskset allocation), not the node's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def compile_threads(cpus: int, local_world_size: int) -> int:
+    """torch.compile workers for one rank: the node's usable CPUs shared among its local ranks, at least 1.
+
+    inductor starts min(32, CPUs) compile workers in every process by default: 8 ranks of a
+    32-core node would start 256, all compiling at once, and each also receives the signals a
+    launcher relays to the process group (srun).
+    """
+    return max(1, cpus // max(1, local_world_size))
+
+
+def set_compile_threads(dist: Dist) -> int:
+    """Bound inductor's compile workers to this rank's share of the node (before the first compile).
+
+    Set on torch._inductor.config, which inductor reads when it creates its worker pool (the first
+    compilation), not TORCHINDUCTOR_COMPILE_THREADS: that variable is read once, when
+    torch._inductor.config is first imported, which may already have happened.
+    """
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = compile_threads(usable_cpus(), dist.local_world_size)
+    return inductor_config.compile_threads
 
 
 def teardown(dist: Dist | None) -> None:

@@ -25,11 +25,12 @@ from gpt2 import checkpoint as ckpt
 from gpt2 import precision
 from gpt2 import preempt
 from gpt2.atomic import atomic_write_text
+from gpt2.bandwidth import NetworkCost, format_network_cost, measure_network, network_warning
 from gpt2.ckpt_writer import CheckpointWriteError, CheckpointWriter
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader, find_shards
-from gpt2.dist import (Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object, collective, set_cpu_threads,
-                       set_timeout)
+from gpt2.dist import (Dist, all_gather_object, all_reduce_sum, barrier, broadcast_object, collective,
+                       set_compile_threads, set_cpu_threads, set_timeout)
 from gpt2.flops import checked_mfu, device_peak_flops, format_flops, peak_problem
 from gpt2.metrics import Metrics, plot_loss_curve
 from gpt2.model import GPT
@@ -229,15 +230,11 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
         except ckpt.CheckpointError as e:
             problem = str(e)
         agree_on_step(parts.step, problem, dist)  # the same error on every rank, or the same step
+    if tc.compile:
+        set_compile_threads(dist)  # before the first compilation, which starts inductor's workers
     train_model = torch.compile(model) if tc.compile else model
     if dist.is_distributed:
-        # Gradients as views into the all-reduce buckets: no second copy of every gradient (memory)
-        # and no copy in and out of the buckets each step (the maths is unchanged). No buffer
-        # broadcast: the only buffer (the padded vocab's -inf logit bias) is a constant every rank
-        # builds identically, and broadcasting it would add a collective before every forward.
-        with collective("DDP's broadcast of the initial weights"):
-            train_model = DDP(train_model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                              gradient_as_bucket_view=True, broadcast_buffers=False)
+        train_model = wrap_ddp(train_model, tc, dist)
         settle_buckets(train_model, parts.loader.B, parts.loader.T, cfg.train.dtype, dist)
     parts.train_model = train_model
     return parts
@@ -264,6 +261,40 @@ def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: 
     for p in ddp_model.parameters():
         p.grad = None
     set_rng_state(saved)
+
+
+DDP_DEFAULT_BUCKET_CAP_MB = 25.0
+"""torch's own default bucket size (TrainConfig.ddp_bucket_cap_mb's default)."""
+
+
+def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
+    """DDP around the (compiled) model; its all-reduces overlap the compiled backward.
+
+    torch.compile is lazy: the model is compiled at the first training step, inside DDP's forward,
+    where dynamo's DDPOptimizer (torch 2.13: any frame compiled while DDP's forward runs) splits the
+    graph at DDP's buckets. One compiled backward per bucket, each bucket's all-reduce starting when
+    its graph ends (tests/test_ddp_compile.py: the graphs, a profile, losses as eager DDP's). For
+    124M on NCCL that is ~500 MB of fp32 gradients in ~20 buckets of 25 MiB; the tied embedding's
+    154 MB is complete only after the embedding's backward, the last op, so its all-reduce is
+    exposed in any order. Chosen by bench/train_throughput.py's order rows (README, "DDP and
+    torch.compile"): compiling the DDP module builds the same graphs (same compile and step time
+    within noise) but evaluation, which bypasses DDP, would run eager. Compiling each block alone
+    (torchtitan's way) compiled 2.8x faster at the benchmark's shape, at a step time within this
+    machine's noise, but leaves the LM head and loss eager (on a GPU the memory-bound part compile
+    fuses) and would compile the blocks that sampling and HellaSwag share (KV-cache generation
+    recompiling per length): compile time is paid once a run, steps every step.
+    """
+    # Gradients as views into the all-reduce buckets: no second copy of every gradient (memory)
+    # and no copy in and out of the buckets each step (the maths is unchanged). No buffer sync
+    # before each forward: the only buffer (the padded vocab's -inf logit bias) is a constant every
+    # rank builds identically (forward_sync_buffers replaces torch 2.13's deprecated
+    # broadcast_buffers; it still syncs buffers once, at init). bucket_cap_mb=None at DDP's default
+    # keeps DDP's small first bucket (1 MiB, also dynamo's first split); any other value applies
+    # to every bucket.
+    cap = None if tc.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else tc.ddp_bucket_cap_mb
+    with collective("DDP's broadcast of the initial weights"):
+        return DDP(train_model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
+                   bucket_cap_mb=cap, gradient_as_bucket_view=True, forward_sync_buffers=False)
 
 
 def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
@@ -458,11 +489,12 @@ def forget_cpu_peak(device: torch.device, dtype: str) -> None:
 
 
 def check_memory(cfg: RunConfig, dist: Dist, peak: float | None, log: Metrics) -> None:
-    """Print the planner's summary and refuse a configuration that clearly cannot fit, before allocating."""
+    """Print the planner's summary and refuse a configuration that clearly cannot fit, before allocating.
+    Returns the plan (gpt2.plan.Plan)."""
     from gpt2.plan import device_hardware
 
     hardware = device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
-    check_plan(cfg, hardware, dist.world_size, log)
+    return check_plan(cfg, hardware, dist.world_size, log)
 
 
 def check_plan(cfg: RunConfig, hardware, world_size: int, log):
@@ -474,6 +506,19 @@ def check_plan(cfg: RunConfig, hardware, world_size: int, log):
     log.info(format_stop(p))  # the SLURM signal lead and grace this run's checkpoint needs
     check_fits(p)
     return p
+
+
+def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost | None:
+    """Several ranks: time one gradient bucket's all-reduce and say what a step's would cost against
+    the plan's compute per step (one line; a warning above WARN_SHARE). None on one process."""
+    cost = measure_network(dist, bucket_cap_mb=cfg.train.ddp_bucket_cap_mb, n_params=p.n_params,
+                           step_compute_s=p.step_time_s)
+    if cost is not None:
+        log.info(format_network_cost(cost) + (f" at the planner's {p.mfu:.0%} MFU" if cost.share is not None else ""))
+        warning = network_warning(cost)
+        if warning:
+            log.warn(warning)
+    return cost
 
 
 def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, examples, step: int) -> None:
@@ -495,7 +540,8 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
 
 
-def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None, prec: precision.Precision) -> None:
+def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None, prec: precision.Precision,
+                   network: NetworkCost | None = None) -> None:
     if not dist.is_main:
         return
     import tiktoken
@@ -506,6 +552,8 @@ def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None,
             "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
+    if network is not None:  # several ranks: the start-up all-reduce measurement (gpt2/bandwidth.py)
+        info["network"] = network.to_dict()
     atomic_write_text(Path(cfg.train.out_dir) / RUN_INFO, json.dumps(info, indent=2))
 
 
@@ -532,7 +580,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     cfg, prec = resolve_auto(cfg, dist, log)
     tc = cfg.train
     peak = mfu_peak(dist, tc.dtype, log)
-    check_memory(cfg, dist, peak, log)
+    network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
     # Decided after every check that can refuse the configuration, so a refused run moves nothing;
     # the earlier run's records go aside before the first write into RUN (sinks, restore, config.json).
     start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
@@ -549,13 +597,14 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
                  "(or --resume never, which moves this run's files into a previous-* folder) to start a new one")
         log.close()
         return 0
-    write_run_info(cfg, dist, parts, peak, prec)
+    write_run_info(cfg, dist, parts, peak, prec, network)
     log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
              f"{parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
              f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}")
     if tc.compile:
+        import torch._inductor.config as inductor_config
         log.info("compiling: the first step (and the first evaluation) compile the model, which can take "
-                 "a minute or more")
+                 f"a minute or more ({inductor_config.compile_threads} compile workers per rank)")
     if parts.step == 0 and parts.val_loader is not None:
         log.log_eval(0, 0, evaluate(parts, cfg, dist))
     hellaswag = None

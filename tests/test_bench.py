@@ -77,9 +77,15 @@ def test_ladder_runs_the_trainers_step_and_the_models_attention_kernels(tmp_path
 def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     md = tmp_path / "report.md"
     out = run_bench("bench/train_throughput.py", "--steps", "1", "--warmup", "1", "--ddp-rounds", "1",
-                    "--md", str(md), timeout=1500)
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "configuration" not in line]
+                    "--order-model", "small", "--md", str(md), timeout=1500)
+    main, orders = out.split("DDP and torch.compile orders")
+    rows = [line for line in main.splitlines() if line.startswith("| ") and "configuration" not in line]
     names = [r.split("|")[1].strip() for r in rows]
+    order_rows = [r.strip("|").split("|") for r in orders.splitlines() if r.startswith("| ") and "order" not in r]
+    assert [r[0].strip() for r in order_rows] == ["compile, then DDP (the trainer)", "DDP, then compile",
+                                                  "each block compiled, then DDP", "eager DDP"]
+    order_losses = [float(r[4]) for r in order_rows]
+    assert order_rows[0][3].strip() == "1.00x" and max(order_losses) - min(order_losses) < 1e-3  # the same maths
     from gpt2.precision import resolve
 
     low = resolve("auto", "cpu").short  # bf16 where it is fast on this CPU, else fp32 (no bf16 rows)

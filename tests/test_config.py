@@ -85,3 +85,11 @@ def test_mqa_and_gqa_shapes_are_accepted():
     assert ModelConfig(n_head=12, n_kv_head=1).n_kv_head == 1
     assert ModelConfig(n_head=12, n_kv_head=4).n_kv_head == 4
     assert ModelConfig(vocab_size=GPT2_VOCAB_SIZE).vocab_size == GPT2_VOCAB_SIZE
+
+
+def test_ddp_bucket_cap_below_one_mib_is_refused_with_the_reason():
+    from gpt2.config import TrainConfig
+
+    assert TrainConfig(ddp_bucket_cap_mb=1).ddp_bucket_cap_mb == 1
+    with pytest.raises(ValueError, match=r"ddp_bucket_cap_mb=0.5 must be >= 1 \(MiB\): torch.compile splits"):
+        TrainConfig(ddp_bucket_cap_mb=0.5)
