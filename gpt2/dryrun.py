@@ -1,7 +1,7 @@
 """train_ddp.py --dry-run: a real run's start-up up to its first step, without a process group or weights.
 
 It takes the trainer's own steps in the trainer's order (gpt2/trainer.py: resolve_device, check_data,
-the auto precision and micro-batch, the memory plan, the batch maths, the loaders, choose_resume and
+the auto precision and micro-batch, the memory plan, the batch maths, the loaders, choose_start and
 check_compatible), so the first error it meets is the one a real run stops with, word for word, and
 the numbers it prints are the ones a real run would use. It writes nothing.
 
@@ -33,7 +33,7 @@ from gpt2.data import EvalLoader, TrainLoader, find_shards
 from gpt2.dist import Dist, resolve_device, world_from_env
 from gpt2.flops import device_peak_flops
 from gpt2.plan import GIB, Hardware, custom_hardware, device_hardware, gpu_native_bf16
-from gpt2.resume import choose_resume
+from gpt2.resume import choose_start
 from gpt2.schedule import grad_accum_steps
 from gpt2.shards import ShardError
 from gpt2.trainer import auto_micro_batch, check_compatible, check_data, check_plan, log_auto
@@ -63,8 +63,8 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     world = r.world_size or info.world_size
     per_node = nodes_layout(r, world, info)
     tc = cfg.train
-    out(f"dry run    train_ddp.py --dry-run: start-up up to the first step; no process group, no weights, "
-        f"nothing written")
+    out("dry run    train_ddp.py --dry-run: start-up up to the first step; no process group, no weights, "
+        "nothing written")
     out(f"config     {describe_model(cfg.model)} | total_batch_size {tc.total_batch_size:,} tokens | "
         f"micro_batch_size {tc.micro_batch_size} | max_steps {tc.max_steps:,} | {tc.optimizer} | "
         f"dtype {tc.dtype} | data order {tc.data_order} | resume {tc.resume}")
@@ -168,7 +168,11 @@ def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log)
     checked against this run as a real resume checks it. Returns (step, loader position)."""
     tc = cfg.train
     one = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    point = choose_resume(tc.resume, tc.out_dir, one, warn=log.warn)
+    start = choose_start(tc.resume, tc.out_dir, one, warn=log.warn)
+    if start.set_aside:  # what set_aside_earlier_run would move before the run writes anything
+        log.info(f"run dir    {tc.out_dir} holds another run's {', '.join(start.set_aside)}: a real run moves them "
+                 "into a previous-<UTC time>/ folder there (nothing deleted)")
+    point = start.point
     if point is None:
         why = "--resume never" if tc.resume == "never" else f"no valid checkpoint in {ckpt.checkpoint_dir(tc.out_dir)}"
         log.info(f"resume     {why}: a fresh start at step 0")

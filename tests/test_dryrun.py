@@ -351,6 +351,24 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
     assert code == 2 and "model shape differs" in err, err
 
 
+def test_a_fresh_start_in_a_used_directory_says_what_a_real_run_moves(train_ddp, data_dir, tmp_path, capsys):
+    """--resume never over an earlier run: the dry run names the files a real run moves into previous-*/,
+    and moves nothing itself."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 10.0}\n')
+    before = sorted(p.name for p in run.iterdir())
+    code, out, err = dry(train_ddp, ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64",
+                                     "--micro-batch-size", "4", "--total-batch-size", "512", "--data-dir",
+                                     str(data_dir), "--out-dir", str(run), "--device", "cpu", "--dtype", "float32",
+                                     "--resume", "never"], capsys)
+    assert code == 0, err
+    [line] = [line for line in out.splitlines() if line.startswith("run dir")]
+    assert "metrics.jsonl" in line and "previous-<UTC time>/" in line
+    assert "--resume never: a fresh start at step 0" in out
+    assert sorted(p.name for p in run.iterdir()) == before  # a dry run writes nothing
+
+
 def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path, capsys):
     """`python -m gpt2.plan --preset gpt2 --gpu X --world-size W` prints the plan the dry run (and a real
     run's start-up) prints: the preset's 524,288-token batch and auto micro-batch, not a default of its own."""
