@@ -199,11 +199,11 @@ def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path,
                     TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size="auto",
                                 total_batch_size=256 * 48))
     log = Metrics(dist, tmp_path)
-    roomy, _ = resolve_auto(cfg, dist, log)
+    roomy, _, _ = resolve_auto(cfg, dist, log)
     assert roomy.train.micro_batch_size == 48 and roomy.train.dtype == "float32"  # all 48 fit in host RAM
     cap = Hardware(name="capped cpu", memory_bytes=300 * 2**20, peak_flops=1e11, device_type="cpu",
                    reserve_bytes=0)  # 30 sequences fit in 300 MiB: 24 is the largest that divides 48
-    capped, _ = resolve_auto(cfg, dist, log, hardware=cap)
+    capped, _, _ = resolve_auto(cfg, dist, log, hardware=cap)
     b = capped.train.micro_batch_size
     assert b == 24
     assert "micro-batch auto: 48 sequences" in capsys.readouterr().out
