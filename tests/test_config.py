@@ -85,3 +85,12 @@ def test_mqa_and_gqa_shapes_are_accepted():
     assert ModelConfig(n_head=12, n_kv_head=1).n_kv_head == 1
     assert ModelConfig(n_head=12, n_kv_head=4).n_kv_head == 4
     assert ModelConfig(vocab_size=GPT2_VOCAB_SIZE).vocab_size == GPT2_VOCAB_SIZE
+
+
+def test_loss_impl_is_validated_and_defaults_to_auto():
+    from gpt2.config import TrainConfig
+
+    assert TrainConfig().loss_impl == "auto"
+    assert TrainConfig(loss_impl="full").loss_impl == "full"
+    with pytest.raises(ValueError, match=r"loss_impl='fused' must be one of \('auto', 'chunked', 'full'\)"):
+        TrainConfig(loss_impl="fused")
