@@ -628,7 +628,8 @@ def format_plan(p: Plan) -> str:
         f"  activations, flash     {_gib(m.activations_flash)} {flash_mark}",
         f"  activations, explicit  {_gib(m.activations_explicit)} {explicit_mark} (stores B*nh*T*T probabilities)",
         f"  LM head + loss peak    {_gib(m.logits)}  "
-        + ("(chunked: never all B*T*V logits at once)" if m.chunked_loss else "(full logits: all B*T*V at once, F.cross_entropy)"),
+        + ("(chunked: never all B*T*V logits at once)" if m.chunked_loss else
+           "(full logits: all B*T*V at once, F.cross_entropy)"),
         f"  total                  {_gib(m.total)}  of {_gib(p.usable_bytes)} usable "
         f"({_gib(hw.reserve_bytes)} reserved)",
         f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",

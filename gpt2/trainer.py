@@ -450,7 +450,8 @@ def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None,
 
     info = {"config": cfg.to_dict(), "world_size": dist.world_size, "device": str(dist.device),
             "device_name": device_name(dist.device),
-            "precision": prec.to_dict(), "loss": loss.to_dict(), "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
+            "precision": prec.to_dict(), "loss": loss.to_dict(),
+            "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
             "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
