@@ -142,10 +142,10 @@ class TrainConfig:
     """CPU threads per rank for intra-op parallelism; 0 = cores / ranks on this node."""
     loss_impl: str = "auto"
     """How the LM head's loss is computed: full (F.cross_entropy over the (B, T, V) logits, the fastest
-    compiled), chunked (gpt2/loss.py: never all the logits at once) or auto: full when the planner's
-    peak of the full-logits loss is at most 1/8 of the device's usable memory and the whole plan with it
-    still fits, else chunked (gpt2/plan.py choose_loss_impl; logged with its reason). Both give the same
-    loss and gradients to float rounding."""
+    compiled), chunked (gpt2/loss.py: never all the logits at once) or auto: full when the model is
+    compiled, the planner's peak of the full-logits loss is at most 1/8 of the device's usable memory and
+    the whole plan with it still fits, else chunked (gpt2/plan.py choose_loss_impl; logged with its
+    reason). Both give the same loss and gradients to float rounding."""
     micro_batch_size: int | str = "auto"
     """Sequences per rank per forward/backward; auto: the largest that the planner says fits the device
     and divides the global batch (logged with the plan)."""

@@ -448,18 +448,21 @@ def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_si
 # Why a share at all, when "the plan fits" is also checked: the full path's peak is four (B, T, V)
 # tensors made and freed every micro-step, the largest single term of the plan, so an error in the
 # estimate or the allocator's fragmentation around such blocks costs most there; a CPU's "device"
-# is host RAM that the page cache, the data loader and other processes share. At 1/8 even an
-# estimate wrong by a whole (B, T, V) fp32 tensor (a quarter of the fp32 peak: 1/32 of the memory)
-# stays within what a device's reserve and the 7/8 left over absorb. Why not less: at 1/16 the
-# W1 workload (6 x 384, micro-batch 8 x 256, fp32: 1.54 GiB of full-logits peak, 7.3% of a
-# 22 GiB host) would stay chunked and pay the chunk loop's ~1.3x compiled LM-head time (issue
-# 23, bench/loss.py); 1/8 takes the full loss there and on the quick start, and keeps the chunked
+# is host RAM that the page cache, the data loader and other processes share. At 1/8 an estimate
+# wrong by a whole (B, T, V) fp32 tensor (a quarter of the fp32 peak) costs at most 1/32 of the
+# memory, and 7/8 stays for everything else. Why not less: at 1/16 the
+# W1 workload (6 x 384, micro-batch 8 x 256, fp32: 1.54 GiB of full-logits peak, 6.8% of the
+# 22.5 GiB a 23.5 GiB host leaves usable) would stay chunked and pay the chunk loop's ~1.3x
+# compiled LM-head time (issue 23, bench/loss.py); 1/8 takes the full loss there and on the quick start, and keeps the chunked
 # one where the logits are large, e.g. the gpt2 preset at 16 x 1024 under bf16 (10.7 GiB, 14% of
 # an 80 GB A100). Order: the micro-batch is chosen first (auto: the largest that fits with the
 # chunked loss, as before), then the loss path for that micro-batch. The micro-batch is the larger
 # lever (fewer accumulation steps, larger matmuls) and the chunked loss is what lets it grow, so a
 # joint choice would trade micro-batch for logits; and this way --loss-impl never changes the
-# micro-batch, so the two paths run the same batch maths and agree to rounding.
+# micro-batch, so the two paths run the same batch maths and agree to rounding. Uncompiled runs
+# (--compile false: the debug preset, the quick start) keep the chunked loss whatever the memory:
+# eager, it is as fast as the full one or faster (bench/eager_loss.py: 0.83x at 4 x 128 wide;
+# bench/loss.py at W1: 2,951 vs 2,970 ms), so the full logits would cost memory for nothing.
 FULL_LOSS_MEMORY_SHARE = 8
 """auto picks the full-logits loss when its peak is at most 1/FULL_LOSS_MEMORY_SHARE of usable memory."""
 
@@ -481,10 +484,11 @@ class LossChoice:
 
 
 def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int, hardware: Hardware,
-                     world_size: int = 1, dtype: str = "bf16", optimizer: str = "adamw",
+                     world_size: int = 1, dtype: str = "bf16", optimizer: str = "adamw", compiled: bool = True,
                      seq_len: int | None = None) -> LossChoice:
     """The loss path for a micro-batch already chosen (see FULL_LOSS_MEMORY_SHARE). requested: the
-    TrainConfig.loss_impl, auto, chunked or full. An explicit full that cannot fit the device's whole
+    TrainConfig.loss_impl, auto, chunked or full; compiled: TrainConfig.compile (auto keeps the chunked
+    loss uncompiled, where it is not slower). An explicit full that cannot fit the device's whole
     memory is refused, as check_fits refuses an explicit micro-batch (same threshold); one that only
     exceeds the share or the reserve is taken, and the reason says so."""
     seq_len = cfg.block_size if seq_len is None else seq_len
@@ -507,6 +511,9 @@ def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int,
         over = [] if peak <= share else [f"above the 1/{FULL_LOSS_MEMORY_SHARE} share auto allows"]
         over += [] if total <= usable else [f"plan {_gib(total)} over the {_gib(usable)} usable"]
         return LossChoice("full", f"--loss-impl full; {logits}" + (f", {' and '.join(over)}" if over else ""))
+    if not compiled:
+        return LossChoice("chunked", "auto: uncompiled, where the chunked loss is as fast as the full one or "
+                                     "faster (bench/eager_loss.py)")
     if peak > share:
         return LossChoice("chunked", f"auto: {logits} > 1/{FULL_LOSS_MEMORY_SHARE} of {_gib(usable)} usable")
     if total > usable:
@@ -529,7 +536,7 @@ def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int
         mb = auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
                                    total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer)
     loss = choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
-                            dtype=dtype, optimizer=tc.optimizer)
+                            dtype=dtype, optimizer=tc.optimizer, compiled=tc.compile)
     return plan(cfg.model, micro_batch_size=mb, hardware=hardware, world_size=world_size, dtype=dtype,
                 total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer,
                 chunked_loss=loss.impl == "chunked",

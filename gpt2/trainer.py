@@ -115,7 +115,7 @@ def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: in
 
     tc = cfg.train
     return choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
-                            optimizer=tc.optimizer,
+                            optimizer=tc.optimizer, compiled=tc.compile,
                             dtype=plan_dtype(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 

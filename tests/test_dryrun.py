@@ -397,10 +397,13 @@ def test_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
 
 def test_the_loss_path_is_chosen_and_printed_as_a_real_run_would(train_ddp, data_dir, tmp_path, capsys):
     """--loss-impl auto: full logits where they are a small share of the GPU (the debug preset's 8 x 128
-    tokens), chunked where the auto micro-batch fills it (gpt2); the plan counts the path it names; an
-    explicit full that cannot fit is one actionable line."""
+    tokens, compiled), chunked where the auto micro-batch fills it (gpt2) or the model runs eager (the
+    debug preset's default); the plan counts the path it names; an explicit full that cannot fit is one
+    actionable line."""
     base = ["--data-dir", str(data_dir), "--out-dir", str(tmp_path / "run"), "--gpu", "A100-80GB"]
     code, out, err = dry(train_ddp, [*base, "--preset", "debug"], capsys)
+    assert code == 0 and "loss       chunked: " in out and "(auto: uncompiled, where the chunked loss" in out
+    code, out, err = dry(train_ddp, [*base, "--preset", "debug", "--compile", "true"], capsys)
     assert code == 0, err
     assert re.search(r"^loss       full logits: .* \(auto: full-logits peak 0\.67 GiB at micro-batch 8 <= 1/8 of "
                      r"77\.10 GiB usable", out, re.M), out

@@ -316,9 +316,9 @@ def _cpu(gib: float) -> Hardware:
                     reserve_bytes=GIB)
 
 
-def _choose(requested, hw, mb=8, cfg=W1, dtype="fp32"):
+def _choose(requested, hw, mb=8, cfg=W1, dtype="fp32", compiled=True):
     from gpt2.plan import choose_loss_impl
-    return choose_loss_impl(cfg, requested, micro_batch_size=mb, hardware=hw, dtype=dtype)
+    return choose_loss_impl(cfg, requested, micro_batch_size=mb, hardware=hw, dtype=dtype, compiled=compiled)
 
 
 def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_one():
@@ -329,6 +329,9 @@ def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_
     assert big.impl == "full" and "auto: full-logits peak 1.54 GiB at micro-batch 8 <= 1/8 of 23.00 GiB" in big.reason
     small = _choose("auto", _cpu(8))  # 7 GiB usable: 1.54 GiB is more than 1/8
     assert small.impl == "chunked" and "> 1/8 of 7.00 GiB usable" in small.reason
+    eager = _choose("auto", _cpu(24), compiled=False)  # uncompiled the chunked loss is not slower: no reason for full
+    assert eager.impl == "chunked" and "auto: uncompiled" in eager.reason
+    assert _choose("full", _cpu(24), compiled=False).impl == "full"  # an explicit choice holds either way
     # The share is the boundary, to the byte: usable = 8 x peak takes the full loss, a byte less does not.
     edge = Hardware(name="edge", memory_bytes=FULL_LOSS_MEMORY_SHARE * peak + GIB, peak_flops=None,
                     device_type="cpu", reserve_bytes=GIB)
