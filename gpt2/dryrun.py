@@ -1,8 +1,8 @@
 """train_ddp.py --dry-run: a real run's start-up up to its first step, without a process group or weights.
 
 It takes the trainer's own steps in the trainer's order (gpt2/trainer.py: resolve_device, check_data,
-the auto precision, micro-batch and loss path, the memory plan, the batch maths, the loaders, choose_resume and
-check_compatible), so the first error it meets is the one a real run stops with, word for word, and
+the auto precision, micro-batch and loss path, the memory plan, the batch maths, the loaders,
+choose_resume and check_compatible), so the first error it meets is the one a real run stops with, word for word, and
 the numbers it prints are the ones a real run would use. It writes nothing.
 
 Where to rehearse: this launch (torchrun's WORLD_SIZE, else one process, on this machine's device),
