@@ -11,6 +11,10 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
                                                 fused AdamW), cores/1 threads (configure_backends);
                                                 the in-process rows take one step each in turn
                                                 (round-robin), so they share the same load
+  fp32 compiled, --loss-impl full               the same with the full-logits loss (issue 23): what
+                                                --loss-impl auto takes where the logits fit
+                                                comfortably; the rows above are built with the
+                                                chunked loss (build() without resolve_auto)
   bf16 compiled, plain loss + for-loop AdamW    the trainer before issue 7's changes, for comparison:
                                                 the model's (B, T, V) logits and F.cross_entropy, and
                                                 AdamW(foreach=False, fused=False)
@@ -354,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ddp-rounds", type=int, default=2,
                     help="alternating runs of each DDP layout (A B, B A, ...): the load drifts between runs")
     ap.add_argument("--skip", default="",
-                    help="comma-separated rows to leave out: fp32,fp32c,v0,v1,bf16c,muon,ddp,muon-ddp, and order "
+                    help="comma-separated rows to leave out: fp32,fp32c,full,v0,v1,bf16c,muon,ddp,muon-ddp, and order "
                     "(the DDP/compile order rows) or single order rows: ddp_compile,blocks,eager")
     ap.add_argument("--order-model", choices=("workload", "small"), default="workload",
                     help="the model of the DDP/compile order rows: the workload's, or a 2-layer 128-wide one")
@@ -383,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         lowc = ["--dtype", auto.dtype, "--compile", "true"]
         plan = [("fp32", "fp32 eager", ["--dtype", "float32", "--compile", "false"]),
                 ("fp32c", "fp32 compiled", ["--dtype", "float32", "--compile", "true"]),
+                ("full", "fp32 compiled, --loss-impl full", ["--dtype", "float32", "--compile", "true",
+                                                             "--loss-impl", "full"]),
                 ("v0", f"{low} compiled, plain loss + for-loop AdamW", lowc),
                 ("v1", f"{low} compiled, chunked loss + for-loop AdamW", lowc)]
         if low != "fp32":
@@ -443,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     if adamw_row is not None and f"{low} compiled, --optimizer muon" in by_name:
         cost = by_name[f"{low} compiled, --optimizer muon"].step_s / adamw_row.step_s - 1
         goals.append(f"--optimizer muon: {cost:+.1%} step time against AdamW's {adamw_row.name} row (goal < 10%)")
+    if "fp32 compiled" in by_name and "fp32 compiled, --loss-impl full" in by_name:
+        ratio = by_name["fp32 compiled"].step_s / by_name["fp32 compiled, --loss-impl full"].step_s
+        goals.append(f"fp32 compiled step time, chunked loss / full logits: {ratio:.2f}x (round-robin, same load)")
     timed = f"median of all {args.ddp_rounds * args.steps} timed steps of each over {args.ddp_rounds} alternating rounds"
     if one in by_name and many in by_name:
         ddp = by_name[many].tokens_per_s / by_name[one].tokens_per_s

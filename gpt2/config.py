@@ -115,6 +115,7 @@ def count_params_formula(cfg: ModelConfig) -> int:
 
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
+LOSS_IMPLS = ("auto", "chunked", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +144,12 @@ class TrainConfig:
     """DDP's gradient bucket size in MiB (DDP's own default, 25). Each bucket's all-reduce starts as soon as
     backward has produced its gradients, also when compiled (one backward graph per bucket); the start-up
     bandwidth test times one bucket. At least 1: torch.compile's first graph split is 1 MiB."""
+    loss_impl: str = "auto"
+    """How the LM head's loss is computed: full (F.cross_entropy over the (B, T, V) logits, the fastest
+    compiled), chunked (gpt2/loss.py: never all the logits at once) or auto: full when the model is
+    compiled, the planner's peak of the full-logits loss is at most 1/8 of the device's usable memory and
+    the whole plan with it still fits, else chunked (gpt2/plan.py choose_loss_impl; logged with its
+    reason). Both give the same loss and gradients to float rounding."""
     micro_batch_size: int | str = "auto"
     """Sequences per rank per forward/backward; auto: the largest that the planner says fits the device
     and divides the global batch (logged with the plan)."""
@@ -263,6 +270,8 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"lr={cfg.lr} must be > 0")
     if not 0 <= cfg.min_lr <= cfg.lr:
         p.append(f"min_lr={cfg.min_lr} must be between 0 and lr={cfg.lr}")
+    if cfg.loss_impl not in LOSS_IMPLS:
+        p.append(f"loss_impl={cfg.loss_impl!r} must be one of {LOSS_IMPLS}")
     if cfg.optimizer not in OPTIMIZERS:
         p.append(f"optimizer={cfg.optimizer!r} must be one of {OPTIMIZERS}")
     if cfg.muon_lr <= 0 or not 0 <= cfg.muon_momentum < 1 or cfg.muon_weight_decay < 0:

@@ -1,8 +1,8 @@
 """train_ddp.py --dry-run: a real run's start-up up to its first step, without a process group or weights.
 
 It takes the trainer's own steps in the trainer's order (gpt2/trainer.py: resolve_device, check_data,
-the auto precision and micro-batch, the memory plan, the batch maths, the loaders, choose_start and
-check_compatible), so the first error it meets is the one a real run stops with, word for word, and
+the auto precision, micro-batch and loss path, the memory plan, the batch maths, the loaders,
+choose_start and check_compatible), so the first error it meets is the one a real run stops with, word for word, and
 the numbers it prints are the ones a real run would use. It writes nothing.
 
 Where to rehearse: this launch (torchrun's WORLD_SIZE, else one process, on this machine's device),
@@ -36,7 +36,7 @@ from gpt2.plan import GIB, Hardware, custom_hardware, device_hardware, gpu_nativ
 from gpt2.resume import choose_start
 from gpt2.schedule import grad_accum_steps
 from gpt2.shards import ShardError
-from gpt2.trainer import auto_micro_batch, check_compatible, check_data, check_plan, log_auto
+from gpt2.trainer import auto_loss_impl, auto_micro_batch, check_compatible, check_data, check_plan, log_auto
 
 GPUS_PER_NODE = 8
 """A hypothetical GPU cluster's ranks per node unless --nproc-per-node says otherwise."""
@@ -75,9 +75,10 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     report_data(cfg, train_shards, val_shards, out)
     hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
     mb = auto_micro_batch(cfg, prec.dtype, hardware, world)
+    loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, world)
     warning = None if device is None else precision.emulation_warning(prec, device)
-    log_auto(cfg, prec, mb, warning, log)
-    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb))
+    log_auto(cfg, prec, mb, warning, log, loss)
+    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl))
     tc = cfg.train
     plan = check_plan(cfg, hardware, world, log)
     accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world)  # as build() computes it

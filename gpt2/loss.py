@@ -1,6 +1,8 @@
 """The LM head's cross-entropy in chunks: the loss and its gradients without the (N, V) logits.
 
-GPT.forward(x, y, return_logits=False), what training runs, calls `linear_cross_entropy`. It computes
+GPT.forward(x, y, return_logits=False), what training runs, calls `linear_cross_entropy` when the model's
+loss_impl is chunked (--loss-impl; gpt2/plan.py choose_loss_impl picks it where the logits do not fit
+comfortably). It computes
 what `F.cross_entropy(F.linear(x, W, b).float(), y, ignore_index=-1)` computes, autocast included,
 one chunk of rows at a time, with the gradients made in forward (a custom autograd Function) so that
 backward has no LM-head matmul to redo. The chunk size is the device's rule (`loss_chunk_logits`),

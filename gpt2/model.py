@@ -131,10 +131,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+LOSS_IMPLS = ("chunked", "full")
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, loss_impl: str = "chunked") -> None:
         super().__init__()
+        if loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"loss_impl={loss_impl!r} must be one of {LOSS_IMPLS} (the trainer resolves auto)")
         self.config = cfg
+        # How forward(x, y, return_logits=False) computes the loss: a plain attribute, fixed before
+        # torch.compile traces the model, so the compiled graph has one path (no graph break, no
+        # recompilation). The trainer sets it from the planner's choice (gpt2/plan.py choose_loss_impl).
+        self.loss_impl = loss_impl
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
@@ -177,8 +186,9 @@ class GPT(nn.Module):
 
         Targets equal to -1 are ignored. With a kv_cache, idx holds the tokens after position
         kv_cache.pos and the cache advances past them. With targets and return_logits=False the
-        loss comes from `linear_cross_entropy` (same maths, no (B, T, vocab) logits kept: what
-        training wants) and the logits returned are None.
+        logits returned are None (what training wants) and the loss takes self.loss_impl's path:
+        chunked, `linear_cross_entropy` (same maths, no (B, T, vocab) logits kept), or full, the
+        plain path below.
         """
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
@@ -191,13 +201,13 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
-        if targets is not None and not return_logits:
+        if targets is not None and not return_logits and self.loss_impl == "chunked":
             return None, linear_cross_entropy(x, self.lm_head.weight, self.logit_bias, targets)
         logits = F.linear(x, self.lm_head.weight, self.logit_bias)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
-        return logits, loss
+        return (logits if return_logits else None), loss
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,

@@ -146,6 +146,8 @@ class Memory:
     logits: int
     optimizer_name: str = "adamw"
     """Which optimizer `optimizer` counts (not a byte count)."""
+    chunked_loss: bool = True
+    """Which loss path `logits` counts: the chunked loss, or the full (B, T, V) logits."""
 
     @property
     def static(self) -> int:
@@ -215,11 +217,12 @@ class Plan:
 
 def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len: int | None = None,
          world_size: int = 1, dtype: str = "bf16", total_batch_size: int | None = None,
-         tokens: int | None = None, mfu: float = 0.4, optimizer: str = "adamw") -> Plan:
+         tokens: int | None = None, mfu: float = 0.4, optimizer: str = "adamw", chunked_loss: bool = True) -> Plan:
     """Memory per device, the largest micro-batch that fits, and time estimates. Pure arithmetic.
 
     total_batch_size defaults to one micro-step on every device (no accumulation); it must be a
-    multiple of micro_batch_size * seq_len * world_size.
+    multiple of micro_batch_size * seq_len * world_size. chunked_loss: the loss path the memory
+    counts; the largest micro-batch is always the chunked loss's (see choose_loss_impl).
     """
     seq_len = cfg.block_size if seq_len is None else seq_len
     problems = _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens)
@@ -234,7 +237,8 @@ def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len
                          f"micro_batch_size*seq_len*world_size={per_micro_step}; "
                          f"use {k * per_micro_step} ({k} accumulation steps)")
     mem = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
-                 device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer)
+                 device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
+                 chunked_loss=chunked_loss)
     return Plan(cfg=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
                 dtype=dtype, hardware=hardware, total_batch_size=total_batch_size, tokens=tokens,
                 mfu=mfu, n_params=param_count(cfg), n_params_formula=count_params_formula(cfg),
@@ -309,6 +313,7 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
         activations=explicit if cfg.attn_impl == "explicit" else flash,
         logits=logits,
         optimizer_name=optimizer,
+        chunked_loss=chunked_loss,
     )
 
 
@@ -485,19 +490,103 @@ def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_si
             + ", ".join(options[:-1]) + f" or {options[-1]}")
 
 
+# --loss-impl auto takes the full-logits loss when its peak (loss_bytes(chunked=False)) is at most
+# 1/FULL_LOSS_MEMORY_SHARE of the device's usable memory and the whole plan with it still fits.
+# Why a share at all, when "the plan fits" is also checked: the full path's peak is four (B, T, V)
+# tensors made and freed every micro-step, the largest single term of the plan, so an error in the
+# estimate or the allocator's fragmentation around such blocks costs most there; a CPU's "device"
+# is host RAM that the page cache, the data loader and other processes share. At 1/8 an estimate
+# wrong by a whole (B, T, V) fp32 tensor (a quarter of the fp32 peak) costs at most 1/32 of the
+# memory, and 7/8 stays for everything else. Why not less: at 1/16 the
+# W1 workload (6 x 384, micro-batch 8 x 256, fp32: 1.54 GiB of full-logits peak, 6.8% of the
+# 22.5 GiB a 23.5 GiB host leaves usable) would stay chunked and pay the chunk loop's ~1.3x
+# compiled LM-head time (issue 23, bench/loss.py); 1/8 takes the full loss there and on the quick start, and keeps the chunked
+# one where the logits are large, e.g. the gpt2 preset at 16 x 1024 under bf16 (10.7 GiB, 14% of
+# an 80 GB A100). Order: the micro-batch is chosen first (auto: the largest that fits with the
+# chunked loss, as before), then the loss path for that micro-batch. The micro-batch is the larger
+# lever (fewer accumulation steps, larger matmuls) and the chunked loss is what lets it grow, so a
+# joint choice would trade micro-batch for logits; and this way --loss-impl never changes the
+# micro-batch, so the two paths run the same batch maths and agree to rounding. Uncompiled runs
+# (--compile false: the debug preset, the quick start) keep the chunked loss whatever the memory:
+# eager, it is as fast as the full one or faster (bench/eager_loss.py: 0.83x at 4 x 128 wide;
+# bench/loss.py at W1: 2,951 vs 2,970 ms), so the full logits would cost memory for nothing.
+FULL_LOSS_MEMORY_SHARE = 8
+"""auto picks the full-logits loss when its peak is at most 1/FULL_LOSS_MEMORY_SHARE of usable memory."""
+
+
+@dataclass(frozen=True)
+class LossChoice:
+    """The loss path a run takes ('full' or 'chunked') and why, as logged and written to config.json."""
+    impl: str
+    reason: str
+
+    def describe(self) -> str:
+        """The start-up line."""
+        what = ("full logits: F.cross_entropy over the (B, T, V) logits" if self.impl == "full" else
+                "chunked: gpt2/loss.py's linear_cross_entropy, never all (B, T, V) logits at once")
+        return f"loss       {what} ({self.reason})"
+
+    def to_dict(self) -> dict:
+        return {"impl": self.impl, "reason": self.reason}
+
+
+def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int, hardware: Hardware,
+                     world_size: int = 1, dtype: str = "bf16", optimizer: str = "adamw", compiled: bool = True,
+                     seq_len: int | None = None) -> LossChoice:
+    """The loss path for a micro-batch already chosen (see FULL_LOSS_MEMORY_SHARE). requested: the
+    TrainConfig.loss_impl, auto, chunked or full; compiled: TrainConfig.compile (auto keeps the chunked
+    loss uncompiled, where it is not slower). An explicit full that cannot fit the device's whole
+    memory is refused, as check_fits refuses an explicit micro-batch (same threshold); one that only
+    exceeds the share or the reserve is taken, and the reason says so."""
+    seq_len = cfg.block_size if seq_len is None else seq_len
+    if requested == "chunked":
+        return LossChoice("chunked", "--loss-impl chunked")
+    if requested not in ("auto", "full"):
+        raise ValueError(f"loss_impl={requested!r} must be auto, chunked or full")
+    peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False)
+    total = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
+                   device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
+                   chunked_loss=False).total
+    usable = hardware.memory_bytes - hardware.reserve_bytes
+    share = usable // FULL_LOSS_MEMORY_SHARE
+    logits = f"full-logits peak {_gib(peak)} at micro-batch {micro_batch_size}"
+    if requested == "full":
+        if total > hardware.memory_bytes:
+            raise ValueError(f"--loss-impl full: the plan with the {logits} needs {_gib(total)} per device but "
+                             f"{hardware.name} has {_gib(hardware.memory_bytes)}; use --loss-impl chunked (or "
+                             f"auto), or a smaller --micro-batch-size")
+        over = [] if peak <= share else [f"above the 1/{FULL_LOSS_MEMORY_SHARE} share auto allows"]
+        over += [] if total <= usable else [f"plan {_gib(total)} over the {_gib(usable)} usable"]
+        return LossChoice("full", f"--loss-impl full; {logits}" + (f", {' and '.join(over)}" if over else ""))
+    if not compiled:
+        return LossChoice("chunked", "auto: uncompiled, where the chunked loss is as fast as the full one or "
+                                     "faster (bench/eager_loss.py)")
+    if peak > share:
+        return LossChoice("chunked", f"auto: {logits} > 1/{FULL_LOSS_MEMORY_SHARE} of {_gib(usable)} usable")
+    if total > usable:
+        return LossChoice("chunked", f"auto: {logits} is within 1/{FULL_LOSS_MEMORY_SHARE} of {_gib(usable)} "
+                                     f"usable but the plan with it, {_gib(total)}, does not fit")
+    return LossChoice("full", f"auto: {logits} <= 1/{FULL_LOSS_MEMORY_SHARE} of {_gib(usable)} usable, plan "
+                              f"with it {_gib(total)} fits; the faster path compiled")
+
+
 def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int | None = None,
              mfu: float = 0.4) -> Plan:
     """The plan of a training run: what the trainer logs at start-up, `train_ddp.py --dry-run` prints and
     `python -m gpt2.plan --preset X` shows, from one RunConfig. cfg.train.dtype is resolved (not auto);
-    micro_batch_size may be auto (auto_micro_batch_size); tokens default to max_steps x total_batch_size."""
+    micro_batch_size may be auto (auto_micro_batch_size) and loss_impl too (choose_loss_impl, for that
+    micro-batch); tokens default to max_steps x total_batch_size."""
     tc = cfg.train
     dtype = plan_dtype(tc.dtype, tf32=tc.tf32 and hardware.device_type == "cuda")
     mb = tc.micro_batch_size
     if mb == "auto":
         mb = auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
                                    total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer)
+    loss = choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
+                            dtype=dtype, optimizer=tc.optimizer, compiled=tc.compile)
     return plan(cfg.model, micro_batch_size=mb, hardware=hardware, world_size=world_size, dtype=dtype,
                 total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer,
+                chunked_loss=loss.impl == "chunked",
                 tokens=tc.max_steps * tc.total_batch_size if tokens is None else tokens)
 
 
@@ -616,7 +705,9 @@ def format_plan(p: Plan) -> str:
          f"  optimizer (Muon+AdamW) {_gib(m.optimizer)}  (fp32 momentum per block matrix, two moments for the rest)"),
         f"  activations, flash     {_gib(m.activations_flash)} {flash_mark}",
         f"  activations, explicit  {_gib(m.activations_explicit)} {explicit_mark} (stores B*nh*T*T probabilities)",
-        f"  LM head + loss peak    {_gib(m.logits)}  (chunked: never all B*T*V logits at once)",
+        f"  LM head + loss peak    {_gib(m.logits)}  "
+        + ("(chunked: never all B*T*V logits at once)" if m.chunked_loss else
+           "(full logits: all B*T*V at once, F.cross_entropy)"),
         f"  total                  {_gib(m.total)}  of {_gib(p.usable_bytes)} usable "
         f"({_gib(hw.reserve_bytes)} reserved)",
         f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
@@ -657,6 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"), help="what the optimizer state counts")
     ap.add_argument("--write-gb-s", type=float, default=WRITE_BYTES_PER_S / 1e9,
                     help="checkpoint write speed for the SLURM stop budget (default 1 GB/s)")
+    ap.add_argument("--loss-impl", default="auto", choices=("auto", "chunked", "full"),
+                    help="the loss path the memory counts (default auto: as train_ddp.py chooses it)")
     return ap
 
 
@@ -675,7 +768,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                                                 "attn_impl", "block_size") if getattr(args, k) is not None}
     cfg = model_preset(args.preset, **overrides)
     train = {**TRAIN_PRESETS.get(args.preset, {}), "micro_batch_size": args.micro_batch_size,
-             "optimizer": args.optimizer}
+             "optimizer": args.optimizer, "loss_impl": args.loss_impl}
     train["dtype"], train["tf32"] = _TRAIN_DTYPES[args.dtype]
     if args.total_batch_size is not None:
         train["total_batch_size"] = args.total_batch_size

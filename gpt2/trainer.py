@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ from gpt2.optim import make_optimizer, optimizer_kind
 from gpt2.resume import Start, agree_on_step, choose_start, set_aside_earlier_run
 from gpt2.rundir import RUN_INFO
 from gpt2.schedule import grad_accum_steps, lr_at
+
+if TYPE_CHECKING:
+    from gpt2.plan import LossChoice
 
 
 class NonFiniteError(RuntimeError):
@@ -111,16 +115,31 @@ def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> i
                                  dtype=plan_dtype(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
-def log_auto(cfg: RunConfig, prec: precision.Precision, mb: int, warning: str | None, log) -> None:
+def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int) -> LossChoice:
+    """The run's loss path (gpt2.plan.LossChoice) for its resolved dtype and micro-batch on hardware:
+    --loss-impl chunked/full, or (auto) the planner's rule, choose_loss_impl."""
+    from gpt2.plan import choose_loss_impl, plan_dtype
+
+    tc = cfg.train
+    return choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
+                            optimizer=tc.optimizer, compiled=tc.compile,
+                            dtype=plan_dtype(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+
+
+def log_auto(cfg: RunConfig, prec: precision.Precision, mb: int, warning: str | None, log,
+             loss: LossChoice) -> None:
     log.info(f"precision  {prec.dtype}: {prec.reason}")
     if warning:
         log.warn(warning)
     if cfg.train.micro_batch_size == "auto":
         log.info(f"micro-batch auto: {mb} sequences, the largest that fits and divides the global batch")
+    log.info(loss.describe())
 
 
-def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> tuple[RunConfig, precision.Precision]:
-    """--dtype auto and --micro-batch-size auto made concrete. Rank 0 measures and decides and every
+def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
+                 hardware=None) -> tuple[RunConfig, precision.Precision, LossChoice]:
+    """--dtype, --micro-batch-size and --loss-impl auto made concrete (the loss path is chosen for the
+    micro-batch, gpt2/plan.py FULL_LOSS_MEMORY_SHARE says why). Rank 0 measures and decides and every
     rank takes its answer: ranks that chose differently would compute different things silently.
     A model that fits nowhere is rank 0's finding too: every rank raises its error, none waits.
 
@@ -135,15 +154,16 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> tup
             prec = precision.resolve(tc.dtype, dist.device)
             hardware = hardware or device_hardware(dist.device, 0.0, processes_per_host=dist.local_world_size)
             mb = auto_micro_batch(cfg, prec.dtype, hardware, dist.world_size)
-            decision = ("ok", (prec, mb, precision.emulation_warning(prec, dist.device)))
+            loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, dist.world_size)
+            decision = ("ok", (prec, mb, loss, precision.emulation_warning(prec, dist.device)))
         except ValueError as e:
             decision = ("error", str(e))
     kind, answer = broadcast_object(decision, dist)
     if kind == "error":
         raise ValueError(answer)
-    prec, mb, warning = answer
-    log_auto(cfg, prec, mb, warning, log)
-    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb)), prec
+    prec, mb, loss, warning = answer
+    log_auto(cfg, prec, mb, warning, log, loss)
+    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl)), prec, loss
 
 
 def rng_state() -> dict:
@@ -202,7 +222,9 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     train_shards, val_shards = shards
     accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, mc.block_size, dist.world_size)
     torch.manual_seed(tc.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-    model = GPT(mc).to(dist.device)
+    # loss_impl is resolved by resolve_auto; callers that build without it (tests, benchmarks) and
+    # leave it auto get the chunked loss, the one that is safe on memory.
+    model = GPT(mc, loss_impl="full" if tc.loss_impl == "full" else "chunked").to(dist.device)
     # From here on each rank draws its own random numbers: with one seed for all, every rank would
     # drop out the same units (dropout > 0) and the ranks' noise would not average out.
     torch.manual_seed(tc.seed + dist.rank)
@@ -405,7 +427,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
         sync = contextlib.nullcontext() if last or not dist.is_distributed else parts.train_model.no_sync()
         with sync:
             with autocast:
-                _, loss = parts.train_model(x, y, return_logits=False)  # chunked loss: no (B,T,V) logits
+                _, loss = parts.train_model(x, y, return_logits=False)  # the model's loss_impl path
             loss = loss / parts.accum_steps
             loss_sum += loss.detach()
             # The last micro-step's backward all-reduces the gradients (DDP's hooks), so its errors
@@ -541,14 +563,15 @@ def device_name(device: torch.device) -> str:
 
 
 def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None, prec: precision.Precision,
-                   network: NetworkCost | None = None) -> None:
+                   loss: LossChoice, network: NetworkCost | None = None) -> None:
     if not dist.is_main:
         return
     import tiktoken
 
     info = {"run_id": parts.run_id, "config": cfg.to_dict(), "world_size": dist.world_size, "device": str(dist.device),
             "device_name": device_name(dist.device),
-            "precision": prec.to_dict(), "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
+            "precision": prec.to_dict(), "loss": loss.to_dict(),
+            "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
             "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
@@ -577,7 +600,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     shards = shards or check_data(cfg, dist.world_size)
     log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
              f"building the model")
-    cfg, prec = resolve_auto(cfg, dist, log)
+    cfg, prec, loss = resolve_auto(cfg, dist, log)
     tc = cfg.train
     peak = mfu_peak(dist, tc.dtype, log)
     network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
@@ -597,7 +620,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
                  "(or --resume never, which moves this run's files into a previous-* folder) to start a new one")
         log.close()
         return 0
-    write_run_info(cfg, dist, parts, peak, prec, network)
+    write_run_info(cfg, dist, parts, peak, prec, loss, network)
     log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
              f"{parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
              f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}")

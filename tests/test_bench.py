@@ -89,7 +89,8 @@ def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     from gpt2.precision import resolve
 
     low = resolve("auto", "cpu").short  # bf16 where it is fast on this CPU, else fp32 (no bf16 rows)
-    assert names == ["fp32 eager", "fp32 compiled", f"{low} compiled, plain loss + for-loop AdamW",
+    assert names == ["fp32 eager", "fp32 compiled", "fp32 compiled, --loss-impl full",
+                     f"{low} compiled, plain loss + for-loop AdamW",
                      f"{low} compiled, chunked loss + for-loop AdamW", *([f"{low} compiled"] if low != "fp32" else []),
                      f"{low} compiled, --optimizer muon",
                      f"train_ddp.py, {low} compiled", f"torchrun train_ddp.py, {low} compiled",
@@ -100,6 +101,7 @@ def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     assert re.search(r"- DDP efficiency 2 x 1 / 1 x 2: [\d.]+% \(goal >= 90%\)", out)
     assert re.search(rf"- --optimizer muon: [+-][\d.]+% step time against AdamW's {low} compiled row \(goal < 10%\)", out)
     assert re.search(r"- --optimizer muon under torchrun \(2 x 1, .*\): [+-][\d.]+% step time against AdamW's", out)
+    assert re.search(r"- fp32 compiled step time, chunked loss / full logits: [\d.]+x", out)
     assert md.read_text().strip() == out.strip()
 
 

@@ -93,3 +93,12 @@ def test_ddp_bucket_cap_below_one_mib_is_refused_with_the_reason():
     assert TrainConfig(ddp_bucket_cap_mb=1).ddp_bucket_cap_mb == 1
     with pytest.raises(ValueError, match=r"ddp_bucket_cap_mb=0.5 must be >= 1 \(MiB\): torch.compile splits"):
         TrainConfig(ddp_bucket_cap_mb=0.5)
+
+
+def test_loss_impl_is_validated_and_defaults_to_auto():
+    from gpt2.config import TrainConfig
+
+    assert TrainConfig().loss_impl == "auto"
+    assert TrainConfig(loss_impl="full").loss_impl == "full"
+    with pytest.raises(ValueError, match=r"loss_impl='fused' must be one of \('auto', 'chunked', 'full'\)"):
+        TrainConfig(loss_impl="fused")

@@ -411,3 +411,30 @@ def test_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
     m = memory(cfg, 1, 64, dtype="fp32", device_type="cpu")
     written = (tmp_path / "c.pt").stat().st_size
     assert abs(written - (m.weights + m.optimizer)) / written < 0.02, (written, m.weights + m.optimizer)
+
+
+def test_the_loss_path_is_chosen_and_printed_as_a_real_run_would(train_ddp, data_dir, tmp_path, capsys):
+    """--loss-impl auto: full logits where they are a small share of the GPU (the debug preset's 8 x 128
+    tokens, compiled), chunked where the auto micro-batch fills it (gpt2) or the model runs eager (the
+    debug preset's default); the plan counts the path it names; an explicit full that cannot fit is one
+    actionable line."""
+    base = ["--data-dir", str(data_dir), "--out-dir", str(tmp_path / "run"), "--gpu", "A100-80GB"]
+    code, out, err = dry(train_ddp, [*base, "--preset", "debug"], capsys)
+    assert code == 0 and "loss       chunked: " in out and "(auto: uncompiled, where the chunked loss" in out
+    code, out, err = dry(train_ddp, [*base, "--preset", "debug", "--compile", "true"], capsys)
+    assert code == 0, err
+    assert re.search(r"^loss       full logits: .* \(auto: full-logits peak 0\.67 GiB at micro-batch 8 <= 1/8 of "
+                     r"77\.10 GiB usable", out, re.M), out
+    assert "LM head + loss peak    0.67 GiB  (full logits" in out
+    code, out, err = dry(train_ddp, [*base, "--preset", "gpt2"], capsys)
+    assert code == 0, err
+    assert "micro-batch auto: 128 sequences" in out  # sized with the chunked loss first, then the loss path
+    assert re.search(r"^loss       chunked: .* \(auto: full-logits peak 85\.97 GiB at micro-batch 128 > 1/8", out, re.M)
+    assert "(chunked: never all B*T*V logits at once)" in out
+    code, out, err = dry(train_ddp, [*base, "--preset", "gpt2", "--loss-impl", "chunked"], capsys)
+    assert code == 0 and "loss       chunked: " in out and "(--loss-impl chunked)" in out
+    code, _, err = dry(train_ddp, [*base, "--preset", "gpt2", "--loss-impl", "full"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--loss-impl full: the plan with the full-logits peak 85.97 GiB" in err and "use --loss-impl chunked" in err
+    code, _, err = dry(train_ddp, [*base, "--preset", "debug", "--loss-impl", "fused"], capsys)
+    assert code == 2 and "loss_impl='fused' must be one of ('auto', 'chunked', 'full')" in err

@@ -204,3 +204,42 @@ def test_cpu_chunks_are_unchanged():
     assert loss_chunk_logits("mps") == LOSS_CHUNK_LOGITS_DEFAULT == 2**25
     assert loss_chunks(2048, 2**23 // 50304) == (13, 158)
     assert loss_chunks(2048, 512) == (4, 512) and loss_chunks(2049, 512) == (5, 410)
+
+
+def _train_loss_and_grads(model, idx, targets):
+    _, loss = model(idx, targets, return_logits=False)  # what train_step calls
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_loss_impl_full_and_chunked_agree_in_loss_and_gradients(compiled):
+    """The two paths --loss-impl chooses between give the same fp32 loss and gradients to 1e-5, eager and
+    under torch.compile (one graph per path: the choice is a model attribute fixed before tracing)."""
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16), generator=gen)
+    targets = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16), generator=gen)
+    targets[1, 5:9] = -1
+    runs = {}
+    for impl in ("chunked", "full"):
+        torch.manual_seed(0)
+        model = GPT(tiny(n_layer=1), loss_impl=impl)
+        assert model.loss_impl == impl
+        call = torch.compile(model, fullgraph=True) if compiled else model
+        runs[impl] = _train_loss_and_grads(call, idx, targets)
+    (chunked, g_chunked), (full, g_full) = runs["chunked"], runs["full"]
+    assert abs(chunked.item() - full.item()) <= 1e-5 and chunked.item() > 5  # ~ln(50257) at init
+    for name, grad in g_full.items():
+        torch.testing.assert_close(g_chunked[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_loss_impl_full_returns_no_logits_when_none_are_asked_for_and_bad_values_are_refused():
+    torch.manual_seed(0)
+    model = GPT(tiny(), loss_impl="full")
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
+    logits, loss = model(idx, idx, return_logits=False)
+    assert logits is None and loss.ndim == 0
+    logits, _ = model(idx, idx)  # callers that want logits get them on either path
+    assert logits.shape == (2, 16, model.config.vocab_size)
+    with pytest.raises(ValueError, match="loss_impl='auto' must be one of .*the trainer resolves auto"):
+        GPT(tiny(), loss_impl="auto")

@@ -1,3 +1,4 @@
+import dataclasses
 import contextlib
 import os
 import subprocess
@@ -329,3 +330,84 @@ def test_measuring_cpu_memory_leaves_no_profiler_lines_on_stderr():
     first, second, left = run.stdout.split()
     assert int(first) >= 256 * 256 * 4 and int(second) >= 64 * 64 * 4 and left == "False"  # env restored
     assert "USDT" not in run.stderr and "profiler_st" not in run.stderr, run.stderr
+
+
+# ---- the loss path: choose_loss_impl (--loss-impl auto|chunked|full) ----
+
+W1 = ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256)  # issue 23's workload, micro-batch 8, fp32
+
+
+def _cpu(gib: float) -> Hardware:
+    return Hardware(name=f"cpu-{gib:g}", memory_bytes=int(gib * GIB), peak_flops=1e11, device_type="cpu",
+                    reserve_bytes=GIB)
+
+
+def _choose(requested, hw, mb=8, cfg=W1, dtype="fp32", compiled=True):
+    from gpt2.plan import choose_loss_impl
+    return choose_loss_impl(cfg, requested, micro_batch_size=mb, hardware=hw, dtype=dtype, compiled=compiled)
+
+
+def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_one():
+    from gpt2.plan import FULL_LOSS_MEMORY_SHARE
+    peak = loss_bytes(W1, 8 * 256, dtype="fp32", chunked=False)
+    assert peak == 8 * 256 * 50304 * 16  # logits, log-probs and two gradients, fp32
+    big = _choose("auto", _cpu(24))  # this workload on a 24 GiB host: 1.54 GiB is 6.7% of 23 GiB usable
+    assert big.impl == "full" and "auto: full-logits peak 1.54 GiB at micro-batch 8 <= 1/8 of 23.00 GiB" in big.reason
+    small = _choose("auto", _cpu(8))  # 7 GiB usable: 1.54 GiB is more than 1/8
+    assert small.impl == "chunked" and "> 1/8 of 7.00 GiB usable" in small.reason
+    eager = _choose("auto", _cpu(24), compiled=False)  # uncompiled the chunked loss is not slower: no reason for full
+    assert eager.impl == "chunked" and "auto: uncompiled" in eager.reason
+    assert _choose("full", _cpu(24), compiled=False).impl == "full"  # an explicit choice holds either way
+    # The share is the boundary, to the byte: usable = 8 x peak takes the full loss, a byte less does not.
+    edge = Hardware(name="edge", memory_bytes=FULL_LOSS_MEMORY_SHARE * peak + GIB, peak_flops=None,
+                    device_type="cpu", reserve_bytes=GIB)
+    assert _choose("auto", edge).impl == "full"
+    assert _choose("auto", dataclasses.replace(edge, memory_bytes=edge.memory_bytes - FULL_LOSS_MEMORY_SHARE)).impl \
+        == "chunked"
+
+
+def test_auto_loss_impl_chunks_when_the_full_logits_are_within_the_share_but_the_plan_with_them_does_not_fit():
+    from gpt2.plan import FULL_LOSS_MEMORY_SHARE
+    cfg = model_preset("gpt2-xl")  # ~23 GiB of weights, gradients and AdamW: the logits are a small part
+    chunked = memory(cfg, 2, 1024, dtype="bf16", device_type="cpu", chunked_loss=True)
+    hw = Hardware(name="tight", memory_bytes=chunked.total + GIB, peak_flops=None, device_type="cpu",
+                  reserve_bytes=GIB)  # fits exactly with the chunked loss
+    full_peak = loss_bytes(cfg, 2 * 1024, dtype="bf16", chunked=False)
+    assert chunked.logits < full_peak <= chunked.total // FULL_LOSS_MEMORY_SHARE
+    choice = _choose("auto", hw, mb=2, cfg=cfg, dtype="bf16")
+    assert choice.impl == "chunked" and "is within 1/8" in choice.reason and "does not fit" in choice.reason
+
+
+def test_explicit_loss_impl_overrides_and_a_full_that_cannot_fit_is_refused():
+    assert _choose("chunked", _cpu(24)) == type(_choose("chunked", _cpu(24)))("chunked", "--loss-impl chunked")
+    forced = _choose("full", _cpu(8))  # over the share, but the device holds it: taken, and said so
+    assert forced.impl == "full" and "--loss-impl full" in forced.reason and "above the 1/8 share" in forced.reason
+    assert _choose("full", _cpu(24)).reason == "--loss-impl full; full-logits peak 1.54 GiB at micro-batch 8"
+    # As check_fits refuses an explicit micro-batch: an error only above the device's whole memory.
+    with pytest.raises(ValueError, match=r"--loss-impl full: the plan with the full-logits peak 1.54 GiB at "
+                                         r"micro-batch 8 needs 2.27 GiB per device but cpu-2 has 2.00 GiB; use "
+                                         r"--loss-impl chunked \(or auto\), or a smaller --micro-batch-size"):
+        _choose("full", _cpu(2))
+    with pytest.raises(ValueError, match="loss_impl='fused' must be auto, chunked or full"):
+        _choose("fused", _cpu(24))
+
+
+def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
+    from gpt2.config import RunConfig, TrainConfig
+    from gpt2.plan import plan_run
+
+    def run(cfg, hw, **train):
+        return plan_run(RunConfig(cfg, TrainConfig(dtype="float32", **train)), hw, world_size=1)
+
+    full = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048)
+    assert not full.memory.chunked_loss and full.memory.logits == loss_bytes(W1, 2048, dtype="fp32", chunked=False)
+    assert "LM head + loss peak    1.54 GiB  (full logits: all B*T*V at once" in format_plan(full)
+    chunked = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048, loss_impl="chunked")
+    assert chunked.memory.chunked_loss and "(chunked: never all B*T*V logits at once)" in format_plan(chunked)
+    assert chunked.memory.total < full.memory.total
+    # --micro-batch-size auto: the largest that fits with the chunked loss, whatever --loss-impl says; on
+    # a GPU that fills the device, so auto keeps the chunked loss there.
+    gpt2, a100 = model_preset("gpt2"), gpu_hardware("A100-80GB", "bf16")
+    auto = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16")), a100, world_size=1)
+    forced = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16", loss_impl="chunked")), a100, world_size=1)
+    assert auto.micro_batch_size == forced.micro_batch_size == 128 and auto.memory.chunked_loss

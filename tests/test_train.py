@@ -199,14 +199,70 @@ def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path,
                     TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size="auto",
                                 total_batch_size=256 * 48))
     log = Metrics(dist, tmp_path)
-    roomy, _ = resolve_auto(cfg, dist, log)
+    roomy, _, _ = resolve_auto(cfg, dist, log)
     assert roomy.train.micro_batch_size == 48 and roomy.train.dtype == "float32"  # all 48 fit in host RAM
     cap = Hardware(name="capped cpu", memory_bytes=300 * 2**20, peak_flops=1e11, device_type="cpu",
                    reserve_bytes=0)  # 30 sequences fit in 300 MiB: 24 is the largest that divides 48
-    capped, _ = resolve_auto(cfg, dist, log, hardware=cap)
+    capped, _, _ = resolve_auto(cfg, dist, log, hardware=cap)
     b = capped.train.micro_batch_size
     assert b == 24
     assert "micro-batch auto: 48 sequences" in capsys.readouterr().out
+
+
+def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path, capsys):
+    """resolve_auto makes --loss-impl concrete for the resolved micro-batch: full logits on a roomy device,
+    chunked on a small one (gpt2/plan.py choose_loss_impl), one start-up line with the reason."""
+    from gpt2.config import ModelConfig, RunConfig, TrainConfig
+    from gpt2.dist import Dist
+    from gpt2.metrics import Metrics
+    from gpt2.plan import GIB, Hardware
+    from gpt2.trainer import resolve_auto
+
+    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
+                    TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size=8,
+                                total_batch_size=512))  # 512 tokens: full-logits peak 0.38 GiB
+    log = Metrics(dist, tmp_path)
+    roomy = Hardware(name="roomy", memory_bytes=8 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
+    small = Hardware(name="small", memory_bytes=3 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
+    full, _, why_full = resolve_auto(cfg, dist, log, hardware=roomy)
+    chunked, _, why_chunked = resolve_auto(cfg, dist, log, hardware=small)
+    forced, _, _ = resolve_auto(RunConfig(cfg.model, cfg.train.replace(loss_impl="full")), dist, log, hardware=small)
+    log.close()
+    assert (full.train.loss_impl, chunked.train.loss_impl, forced.train.loss_impl) == ("full", "chunked", "full")
+    out = capsys.readouterr().out
+    assert f"loss       full logits: F.cross_entropy over the (B, T, V) logits ({why_full.reason})" in out
+    assert "auto: full-logits peak 0.38 GiB at micro-batch 8 > 1/8 of 2.00 GiB usable" in why_chunked.reason
+    assert f"({why_chunked.reason})" in out and "loss       chunked: " in out
+
+
+def test_loss_impl_full_and_chunked_train_alike_and_the_choice_is_logged_and_recorded(tmp_path, shakespeare_shards):
+    """Real runs with --loss-impl full and chunked: the same per-step losses to 1e-5 (fp32), the choice in the
+    start-up lines and config.json, and the dry run of the same command prints the same decision."""
+    common = [*TINY_MODEL_FLAGS, *FP32, "--data-dir", str(shakespeare_shards), "--micro-batch-size", "4",
+              "--total-batch-size", "512", "--max-steps", "4", "--warmup-steps", "2", "--lr", "3e-3",
+              "--eval-interval", "0", "--eval-tokens", "512", "--ckpt-interval", "0", "--log-interval", "1"]
+    runs = {}
+    for impl in ("full", "chunked"):
+        run = run_trainer([*common, "--out-dir", str(tmp_path / impl), "--loss-impl", impl])
+        check(run)
+        runs[impl] = run
+        info = json.loads((tmp_path / impl / "config.json").read_text())
+        assert info["config"]["train"]["loss_impl"] == impl and info["loss"]["impl"] == impl
+        line = [ln for ln in run.stdout.splitlines() if ln.startswith("loss       ")]
+        assert len(line) == 1 and f"--loss-impl {impl}" in line[0] and info["loss"]["reason"] in line[0]
+        label = "(full logits: all B*T*V at once" if impl == "full" else "(chunked: never all B*T*V logits"
+        assert "LM head + loss peak" in run.stdout and label in run.stdout
+    full, chunked = train_losses(tmp_path / "full"), train_losses(tmp_path / "chunked")
+    assert sorted(full) == sorted(chunked) == [1, 2, 3, 4]
+    for step in full:
+        assert full[step] == pytest.approx(chunked[step], abs=1e-5), (step, full[step], chunked[step])
+    assert full[4] < full[1]  # it learned: the agreement is over real updates
+    dry = run_trainer([*common, "--out-dir", str(tmp_path / "full"), "--loss-impl", "full", "--resume", "never",
+                       "--dry-run"])
+    check(dry)
+    assert [ln for ln in dry.stdout.splitlines() if ln.startswith("loss       ")] == \
+        [ln for ln in runs["full"].stdout.splitlines() if ln.startswith("loss       ")]
 
 
 def test_micro_batch_size_auto_end_to_end(tmp_path, shakespeare_shards):
