@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     from gpt2.dist import CollectiveError, resolve_device, setup, teardown, world_from_env
     from gpt2.preempt import EXIT_REQUEUE, stop_exit_code
     from gpt2.shards import ShardError
-    from gpt2.trainer import NonFiniteError, check_data, train
+    from gpt2.startup import check_data
+    from gpt2.trainer import NonFiniteError, train
 
     cfg, rehearsal = parse_command(argv)  # exits 2 with a message on bad flags or values
     if rehearsal is not None:

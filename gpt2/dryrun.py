@@ -1,9 +1,9 @@
 """train_ddp.py --dry-run: a real run's start-up up to its first step, without a process group or weights.
 
-It takes the trainer's own steps in the trainer's order (gpt2/trainer.py: resolve_device, check_data,
+It takes the trainer's own steps in the trainer's order (gpt2/startup.py: resolve_device, check_data,
 the auto precision, micro-batch and loss path, the memory plan, the batch maths, the loaders,
-choose_start and check_compatible), so the first error it meets is the one a real run stops with, word for word, and
-the numbers it prints are the ones a real run would use. It writes nothing.
+choose_start; gpt2/state.py: check_compatible), so the first error it meets is the one a real run
+stops with, word for word, and the numbers it prints are the ones a real run would use. It writes nothing.
 
 Where to rehearse: this launch (torchrun's WORLD_SIZE, else one process, on this machine's device),
 or a hypothetical cluster: --world-size N [--nproc-per-node K] and a GPU, --gpu NAME (gpt2/plan.py
@@ -36,7 +36,8 @@ from gpt2.plan import GIB, Hardware, custom_hardware, device_hardware, gpu_nativ
 from gpt2.resume import choose_start
 from gpt2.schedule import grad_accum_steps
 from gpt2.shards import ShardError
-from gpt2.trainer import auto_loss_impl, auto_micro_batch, check_compatible, check_data, check_plan, log_auto
+from gpt2.startup import auto_loss_impl, auto_micro_batch, check_data, check_plan, log_auto
+from gpt2.state import check_compatible
 
 GPUS_PER_NODE = 8
 """A hypothetical GPU cluster's ranks per node unless --nproc-per-node says otherwise."""
@@ -185,7 +186,7 @@ def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log)
     for loader in loaders or []:
         try:
             loader.load_state_dict(state["loader"])
-        except ValueError as e:  # as trainer.restore words it
+        except ValueError as e:  # as gpt2/state.py restore words it
             raise ckpt.CheckpointError(f"{point.path}: {e}") from None
     log.info(f"resume     would load {point.path} (step {point.step}, {state['tokens']:,} tokens, "
              f"{point.bytes / GIB:.2f} GiB, sha256 {point.sha256[:12]}... verified; saved at world size "

@@ -1,5 +1,6 @@
 """The shape of the package: no import cycle inside gpt2/, the trainer imported only by its entry
-point, and every module importable alone without side effects (README, "Architecture")."""
+point (its start-up and state below it), and every module importable alone without side effects
+(README, "Architecture")."""
 
 from __future__ import annotations
 
@@ -61,13 +62,25 @@ def test_no_import_cycle_inside_the_package():
 
 
 def test_only_the_entry_point_imports_the_trainer():
-    """train_ddp.py imports the trainer; so does its rehearsal, gpt2/dryrun.py (train_ddp.py --dry-run runs
-    the trainer's own start-up checks, not copies), which nothing but train_ddp.py imports in turn."""
+    """train_ddp.py imports the trainer and its rehearsal, gpt2/dryrun.py, which nothing else imports.
+    The rehearsal runs the trainer's own start-up checks, not copies: they live below the trainer, in
+    gpt2/startup.py (the start-up) and gpt2/state.py (what a checkpoint holds, check_compatible)."""
     sources = [*PACKAGE.glob("*.py"), *(REPO / "data_prep").glob("*.py")]
     importers = sorted(str(p.relative_to(REPO)) for p in sources if "trainer" in imported_gpt2_modules(p))
-    assert importers == ["gpt2/dryrun.py"], importers
+    assert importers == [], importers
     assert [str(p.relative_to(REPO)) for p in sources if "dryrun" in imported_gpt2_modules(p)] == []
     assert {"trainer", "dryrun"} <= imported_gpt2_modules(REPO / "train_ddp.py")
+    assert {"startup", "state"} <= imported_gpt2_modules(PACKAGE / "trainer.py")
+    assert {"startup", "state"} <= imported_gpt2_modules(PACKAGE / "dryrun.py")
+
+
+def test_the_trainers_layers_import_nothing_above_them():
+    """trainer -> startup -> (plan, resume, ...) and trainer -> state -> (checkpoint, ckpt_writer, ...):
+    the start-up and the training state never import the loop, its rehearsal or the command line,
+    and the state does not import the start-up."""
+    above = {"trainer", "dryrun", "cli"}
+    assert imported_gpt2_modules(PACKAGE / "startup.py") & above == set()
+    assert imported_gpt2_modules(PACKAGE / "state.py") & (above | {"startup"}) == set()
 
 
 ALONE = """

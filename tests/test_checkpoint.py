@@ -20,7 +20,7 @@ from gpt2.config import ModelConfig, RunConfig, TrainConfig
 from gpt2 import preempt
 from gpt2.load import load_model
 from gpt2.preempt import StopRequest
-from gpt2.trainer import check_compatible, rng_state, set_rng_state
+from gpt2.state import check_compatible, rng_state, set_rng_state
 
 from _helpers import import_train_ddp, tiny_run_flags
 from conftest import REPO

@@ -236,7 +236,7 @@ def test_an_mfu_above_100_percent_is_not_shown():
 
 
 def test_a_peak_proved_wrong_is_dropped_from_the_cache(peak_cache, monkeypatch):
-    from gpt2.trainer import forget_cpu_peak
+    from gpt2.startup import forget_cpu_peak
 
     peak_cache["rates"] = iter([50e9] * precision.PEAK_PROBES + [150e9] * precision.PEAK_PROBES)
     assert peak_rate("cpu", torch.float32) == 50e9

@@ -122,7 +122,7 @@ def test_planner_counts_muons_state_as_allocated():
 
 def test_checkpoint_of_one_optimizer_is_refused_by_the_other():
     from gpt2 import checkpoint as ckpt
-    from gpt2.trainer import check_compatible
+    from gpt2.state import check_compatible
 
     class Log:
         def info(self, msg):

@@ -192,7 +192,7 @@ def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path,
     from gpt2.dist import Dist
     from gpt2.metrics import Metrics
     from gpt2.plan import Hardware
-    from gpt2.trainer import resolve_auto
+    from gpt2.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=256),
@@ -216,7 +216,7 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
     from gpt2.dist import Dist
     from gpt2.metrics import Metrics
     from gpt2.plan import GIB, Hardware
-    from gpt2.trainer import resolve_auto
+    from gpt2.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),

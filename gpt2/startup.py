@@ -1,0 +1,264 @@
+"""A run's start-up, before its first step: everything that decides how it runs and can refuse it.
+
+check_data (before any process group), then prepare(): the precision, micro-batch and loss path
+(rank 0 decides, every rank takes its answer), the MFU peak, the memory plan, the network line,
+and where the run starts (a checkpoint or fresh, the earlier run's files moved aside); after the
+build, write_run_info and announce(). gpt2/dryrun.py rehearses the same functions without a
+process group, so its first error is a real run's.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from gpt2 import precision
+from gpt2.atomic import atomic_write_text
+from gpt2.bandwidth import NetworkCost, format_network_cost, measure_network, network_warning
+from gpt2.config import RunConfig, TrainConfig
+from gpt2.data import ShardSet, find_shards
+from gpt2.dist import Dist, broadcast_object, set_cpu_threads
+from gpt2.flops import device_peak_flops, format_flops, peak_problem
+from gpt2.metrics import Metrics
+from gpt2.resume import Start, choose_start, set_aside_earlier_run
+from gpt2.rundir import RUN_INFO
+from gpt2.schedule import grad_accum_steps
+
+if TYPE_CHECKING:
+    from gpt2.plan import LossChoice
+    from gpt2.state import Parts
+
+
+@dataclass(frozen=True)
+class Startup:
+    """What prepare() decided: the run's concrete config and what its log and run info report."""
+    cfg: RunConfig
+    """--dtype, --micro-batch-size and --loss-impl auto made concrete."""
+    prec: precision.Precision
+    loss: LossChoice
+    peak: float | None
+    """This rank's peak FLOP/s for MFU, or None (MFU n/a)."""
+    network: NetworkCost | None
+    start: Start
+    """Where every rank begins: a checkpoint to resume, or a fresh start (gpt2/resume.py)."""
+
+
+def prepare(cfg: RunConfig, dist: Dist, log: Metrics) -> Startup:
+    """Every check that can refuse the configuration, then the start decision: a refused run moves
+    nothing, and the earlier run's records go aside before the first write into RUN (the sinks
+    opened here, restore, config.json)."""
+    log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
+             f"building the model")
+    cfg, prec, loss = resolve_auto(cfg, dist, log)
+    tc = cfg.train
+    peak = mfu_peak(dist, tc.dtype, log)
+    network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
+    start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
+    moved = set_aside_earlier_run(start, tc.out_dir, dist)
+    if moved is not None:
+        why = "fresh start" if start.point is None else f"resuming run {start.run_id} from {start.point.path}"
+        log.info(f"{why}: moved the earlier run's {', '.join(start.set_aside)} from {tc.out_dir} into {moved}/ "
+                 "(nothing deleted)")
+    log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict())
+    return Startup(cfg, prec, loss, peak, network, start)
+
+
+def announce(cfg: RunConfig, dist: Dist, parts: Parts, log: Metrics) -> None:
+    """The run's shape in one line (and, compiled, why the first step takes long)."""
+    tc = cfg.train
+    log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
+             f"{parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
+             f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}")
+    if tc.compile:
+        import torch._inductor.config as inductor_config
+        log.info("compiling: the first step (and the first evaluation) compile the model, which can take "
+                 f"a minute or more ({inductor_config.compile_threads} compile workers per rank)")
+
+
+def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
+    if dist.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    set_cpu_threads(dist, cfg.num_threads)
+
+
+def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple[ShardSet | None, ShardSet | None]:
+    """Validate shards and batch maths before any process group or model exists.
+
+    shards=False checks everything but the shards (train_ddp.py --dry-run where --data-dir is absent).
+    """
+    tc = cfg.train
+    if tc.micro_batch_size == "auto":  # sized later, by the planner: here only "some micro-batch divides"
+        grad_accum_steps(tc.total_batch_size, 1, cfg.model.block_size, world_size)
+    else:
+        grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
+    train_shards = find_shards(tc.data_dir, "train") if shards else None
+    val_shards = find_shards(tc.data_dir, "val") if shards and tc.eval_tokens > 0 else None
+    import importlib.util
+    for wanted, package, flag in ((tc.tensorboard, "tensorboard", "--tensorboard"),
+                                  (tc.wandb_project, "wandb", "--wandb-project")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ValueError(f"{flag} needs the {package} package: pip install {package}, or drop the flag")
+    if tc.sample_interval:
+        from gpt2.tokenizer import encode_prompt
+        try:  # too long: an error now, not at the first sample
+            encode_prompt(tc.sample_prompt, cfg.model.block_size)
+        except ValueError as e:
+            raise ValueError(f"--sample-prompt: {e}") from None
+    if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
+        from gpt2.eval import load_examples
+        load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
+    return train_shards, val_shards
+
+
+def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> int:
+    """The run's micro-batch: the explicit one, or (auto) the planner's largest that fits hardware
+    and divides the global batch at world_size. dtype: the resolved TrainConfig.dtype."""
+    from gpt2.plan import auto_micro_batch_size, plan_dtype
+
+    tc = cfg.train
+    if tc.micro_batch_size != "auto":
+        return tc.micro_batch_size
+    return auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
+                                 total_batch_size=tc.total_batch_size, optimizer=tc.optimizer,
+                                 dtype=plan_dtype(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+
+
+def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int) -> LossChoice:
+    """The run's loss path (gpt2.plan.LossChoice) for its resolved dtype and micro-batch on hardware:
+    --loss-impl chunked/full, or (auto) the planner's rule, choose_loss_impl."""
+    from gpt2.plan import choose_loss_impl, plan_dtype
+
+    tc = cfg.train
+    return choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
+                            optimizer=tc.optimizer, compiled=tc.compile,
+                            dtype=plan_dtype(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+
+
+def log_auto(cfg: RunConfig, prec: precision.Precision, mb: int, warning: str | None, log,
+             loss: LossChoice) -> None:
+    log.info(f"precision  {prec.dtype}: {prec.reason}")
+    if warning:
+        log.warn(warning)
+    if cfg.train.micro_batch_size == "auto":
+        log.info(f"micro-batch auto: {mb} sequences, the largest that fits and divides the global batch")
+    log.info(loss.describe())
+
+
+def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
+                 hardware=None) -> tuple[RunConfig, precision.Precision, LossChoice]:
+    """--dtype, --micro-batch-size and --loss-impl auto made concrete (the loss path is chosen for the
+    micro-batch, gpt2/plan.py FULL_LOSS_MEMORY_SHARE says why). Rank 0 measures and decides and every
+    rank takes its answer: ranks that chose differently would compute different things silently.
+    A model that fits nowhere is rank 0's finding too: every rank raises its error, none waits.
+
+    hardware: what the planner sizes the micro-batch for (default: this device; tests pass a cap).
+    """
+    from gpt2.plan import device_hardware
+
+    tc = cfg.train
+    decision = None
+    if dist.is_main:
+        try:
+            prec = precision.resolve(tc.dtype, dist.device)
+            hardware = hardware or device_hardware(dist.device, 0.0, processes_per_host=dist.local_world_size)
+            mb = auto_micro_batch(cfg, prec.dtype, hardware, dist.world_size)
+            loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, dist.world_size)
+            decision = ("ok", (prec, mb, loss, precision.emulation_warning(prec, dist.device)))
+        except ValueError as e:
+            decision = ("error", str(e))
+    kind, answer = broadcast_object(decision, dist)
+    if kind == "error":
+        raise ValueError(answer)
+    prec, mb, loss, warning = answer
+    log_auto(cfg, prec, mb, warning, log, loss)
+    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl)), prec, loss
+
+
+def mfu_peak(dist: Dist, dtype: str, log: Metrics) -> float | None:
+    """This rank's peak FLOP/s for MFU, or None (logged as "mfu n/a: why"): an unlisted GPU, or a CPU
+    probe that is clearly wrong."""
+    peak = device_peak_flops(dist.device, precision.torch_dtype(dtype))
+    if peak is None:
+        log.info(f"mfu n/a: {device_name(dist.device)} has no data-sheet peak in gpt2/flops.py (add it there)")
+        return None
+    if why := peak_problem(peak, dist.device, torch.get_num_threads()):
+        log.info(f"mfu n/a: {why}")
+        return None
+    if dist.device.type == "cpu":
+        log.info(f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
+                 f"{precision.PEAK_PROBES} matmul probes, cached in {precision.peak_cache_dir()} "
+                 f"({precision.REFRESH_PEAK_ENV}=1 measures again)")
+    return peak
+
+
+def forget_cpu_peak(device: torch.device, dtype: str) -> None:
+    """An MFU above 100% proved the measured peak wrong: the next run must not read it from the cache.
+    device_peak_flops took the larger of the dtype's and fp32's peaks, so both go."""
+    if device.type == "cpu":
+        for d in {precision.torch_dtype(dtype), torch.float32}:
+            precision.forget_peak(str(device), d)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+
+
+def check_memory(cfg: RunConfig, dist: Dist, peak: float | None, log: Metrics) -> None:
+    """Print the planner's summary and refuse a configuration that clearly cannot fit, before allocating.
+    Returns the plan (gpt2.plan.Plan)."""
+    from gpt2.plan import device_hardware
+
+    hardware = device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
+    return check_plan(cfg, hardware, dist.world_size, log)
+
+
+def check_plan(cfg: RunConfig, hardware, world_size: int, log):
+    """The planner's summary for this run on hardware (logged), refused if it clearly cannot fit."""
+    from gpt2.plan import check_fits, format_plan, format_stop, plan_run
+
+    p = plan_run(cfg, hardware, world_size=world_size)
+    log.info(format_plan(p))
+    log.info(format_stop(p))  # the SLURM signal lead and grace this run's checkpoint needs
+    check_fits(p)
+    return p
+
+
+def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost | None:
+    """Several ranks: time one gradient bucket's all-reduce and say what a step's would cost against
+    the plan's compute per step (one line; a warning above WARN_SHARE). None on one process."""
+    cost = measure_network(dist, bucket_cap_mb=cfg.train.ddp_bucket_cap_mb, n_params=p.n_params,
+                           step_compute_s=p.step_time_s)
+    if cost is not None:
+        log.info(format_network_cost(cost) + (f" at the planner's {p.mfu:.0%} MFU" if cost.share is not None else ""))
+        warning = network_warning(cost)
+        if warning:
+            log.warn(warning)
+    return cost
+
+
+def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None, prec: precision.Precision,
+                   loss: LossChoice, network: NetworkCost | None = None) -> None:
+    if not dist.is_main:
+        return
+    import tiktoken
+
+    info = {"run_id": parts.run_id, "config": cfg.to_dict(), "world_size": dist.world_size, "device": str(dist.device),
+            "device_name": device_name(dist.device),
+            "precision": prec.to_dict(), "loss": loss.to_dict(),
+            "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
+            "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                         "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
+    if network is not None:  # several ranks: the start-up all-reduce measurement (gpt2/bandwidth.py)
+        info["network"] = network.to_dict()
+    atomic_write_text(Path(cfg.train.out_dir) / RUN_INFO, json.dumps(info, indent=2))

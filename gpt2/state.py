@@ -1,0 +1,254 @@
+"""The training state: what a checkpoint holds, how it is saved and how it is put back.
+
+A checkpoint is the state_dict() of five components, each with state_dict/load_state_dict (as
+torchtitan's checkpoint manager keeps its stateful components), plus the run's config and progress:
+
+    model       the raw GPT's weights (never the compiled or DDP wrapper's: no `_orig_mod.` prefix)
+    optimizer   AdamW's or Muon's state; this run's hyperparameters win over the saved ones
+    scaler      fp16's GradScaler (empty when disabled)
+    loader      the data position, seed, shard fingerprint and order (gpt2/data.py)
+    rng         every rank's Python, NumPy, torch (and CUDA) generators: one entry per rank
+
+check_compatible refuses a checkpoint of another model, optimizer or tokenizer before anything is
+loaded. The bytes go through gpt2/checkpoint.py (atomic file, sidecar hash, `latest`) and, in the
+background, gpt2/ckpt_writer.py.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from gpt2 import checkpoint as ckpt
+from gpt2 import preempt
+from gpt2.ckpt_writer import CheckpointWriteError, CheckpointWriter
+from gpt2.config import RunConfig
+from gpt2.data import EvalLoader, TrainLoader
+from gpt2.dist import Dist, all_gather_object, barrier
+from gpt2.metrics import Metrics
+from gpt2.model import GPT
+from gpt2.optim import optimizer_kind
+
+TOKENIZER = "gpt2"
+"""The tokenizer every checkpoint records; another is refused on resume."""
+
+
+@dataclass
+class Parts:
+    """What build() makes: the raw model (for checkpoints and sampling) and the wrapped one (to train)."""
+    model: GPT
+    train_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: TrainLoader
+    val_loader: EvalLoader | None
+    accum_steps: int
+    scaler: torch.amp.GradScaler
+    """Scales the loss under float16 (its gradients would underflow); disabled, a pass-through, otherwise."""
+    step: int = 0
+    writer: CheckpointWriter | None = None
+    """Rank 0's background checkpoint writer (--async-ckpt); None on the other ranks and when off."""
+    run_id: str | None = None
+    """The run this one is (gpt2/rundir.py): recorded in config.json and in every checkpoint it writes."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+# ------------------------------------------------------------------ the components
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@dataclass(frozen=True)
+class RankRng:
+    """This rank's generators. Saved: one entry per rank (save() gathers them). Loaded: the same
+    world size gives each rank its own back; otherwise rank r takes saved rank r mod W."""
+    rank: int
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, per_rank: list[dict]) -> None:
+        set_rng_state(per_rank[self.rank % len(per_rank)])
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The optimizer's moments and step counts. The schedule sets lr each step, and weight decay,
+    momentum and Muon's lr_scale come from this run's flags, not from the checkpoint."""
+    optimizer: torch.optim.Optimizer
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        fresh = [{k: g[k] for k in ("weight_decay", "momentum", "lr_scale") if k in g}
+                 for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state)
+        for group, keep in zip(self.optimizer.param_groups, fresh, strict=True):
+            group.update(keep)
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    """fp16's loss scale. Restored only when fp16 was on before and is now: the scale goes on."""
+    scaler: torch.amp.GradScaler
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.scaler.is_enabled() and state:
+            self.scaler.load_state_dict(state)
+
+
+def components(parts: Parts, dist: Dist) -> dict[str, Stateful]:
+    """The checkpoint's stateful components, by their key in the checkpoint."""
+    return {"model": parts.model, "optimizer": OptimizerState(parts.optimizer), "scaler": ScalerState(parts.scaler),
+            "loader": parts.loader, "rng": RankRng(dist.rank)}
+
+
+# ------------------------------------------------------------------ compatibility
+
+MODEL_SHAPE_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias")
+
+
+def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
+    """Refuse a checkpoint of a different model or tokenizer; log other changed settings."""
+    old_model, old_train = saved["config"]["model"], saved["config"]["train"]
+    shape = [f"{k}: checkpoint {old_model[k]} vs now {getattr(cfg.model, k)}"
+             for k in MODEL_SHAPE_FIELDS if old_model[k] != getattr(cfg.model, k)]
+    if shape:
+        raise ckpt.CheckpointError("the checkpoint's model shape differs from this run's: " + "; ".join(shape)
+                                   + ". Use the same shape flags, or start fresh with --resume never")
+    saved_optimizer = optimizer_kind(saved.get("optimizer", {}))
+    if saved_optimizer != cfg.train.optimizer:
+        raise ckpt.CheckpointError(
+            f"the checkpoint was trained with --optimizer {saved_optimizer}, this run asks for "
+            f"--optimizer {cfg.train.optimizer}: their states differ (AdamW keeps two moments per parameter, "
+            f"Muon one momentum per block matrix). Resume with --optimizer {saved_optimizer}, or start fresh "
+            "with --resume never")
+    if saved.get("tokenizer") != TOKENIZER:
+        raise ckpt.CheckpointError(f"checkpoint tokenizer {saved.get('tokenizer')!r} is not gpt2")
+    changed = {k: (v, getattr(cfg.train, k)) for k, v in old_train.items()
+               if k not in ("resume",) and getattr(cfg.train, k, v) != v}
+    for k, (old, new) in changed.items():
+        log.info(f"resume: {k} changed from {old!r} to {new!r}")
+
+
+# ------------------------------------------------------------------ put back
+
+def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
+    # Verified by choose_resume (hashed once per node). mmap: the tensors stay in the page cache,
+    # which the ranks of a node share, so host memory does not grow with ranks x checkpoint size.
+    state = ckpt.load_checkpoint(path, verify=False, mmap=True)
+    check_compatible(state, cfg, log)
+    load_components(components(parts, dist), state, path)
+    if parts.loader.order != cfg.train.data_order:
+        log.info(f"resume: {path} predates --data-order; continuing with the {parts.loader.order} order "
+                 "it was trained with (start fresh, --resume never, for the shuffled one)")
+    parts.step = state["step"]
+    if state["world_size"] != dist.world_size:
+        log.info(f"resume: world size {state['world_size']} -> {dist.world_size}; "
+                 f"accumulation is now {parts.accum_steps} micro-steps")
+    log.info(f"resumed from {path} at step {parts.step} ({state['tokens']:,} tokens)")
+    try:  # rank 0 alone reads the log: its problem must reach every rank (build's agree_on_step)
+        log.truncate_after(parts.step)
+    except ValueError as e:
+        raise ckpt.CheckpointError(str(e)) from None
+
+
+def load_components(states: dict[str, Stateful], saved: dict, path: Path) -> None:
+    """Each component's load_state_dict from its key (the order of `states`). A loader that refuses
+    the saved position (other data, seed or order) is a user error with its fix in the message."""
+    for key, component in states.items():
+        try:
+            component.load_state_dict(saved.get(key))
+        except ValueError as e:
+            if key != "loader":
+                raise
+            raise ckpt.CheckpointError(f"{path}: {e}") from None
+
+
+# ------------------------------------------------------------------ save
+
+def checkpoint_state(parts: Parts, cfg: RunConfig, dist: Dist, rngs: list[dict]) -> dict:
+    """Rank 0: the dict a checkpoint file holds (rngs: every rank's RankRng.state_dict())."""
+    states = {key: c.state_dict() for key, c in components(parts, dist).items() if key != "rng"}
+    return {"model": states["model"], "optimizer": states["optimizer"], "scaler": states["scaler"],
+            "config": cfg.to_dict(), "tokenizer": TOKENIZER, "loader": states["loader"],
+            "rng": rngs, "world_size": dist.world_size,
+            "tokens": parts.step * cfg.train.total_batch_size, "torch_version": str(torch.__version__)}
+
+
+def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict | None = None, *,
+         background: bool = False) -> None:
+    """Every rank contributes its RNG state; rank 0 writes.
+
+    background (the same on every rank; needs parts.writer on rank 0, gpt2/ckpt_writer.py): rank 0
+    copies the state to host memory, a thread writes it, and every rank goes on training. Otherwise
+    everyone waits for the write at a barrier. Either way rank 0 first waits for the write in flight,
+    and its error travels with the RNG states, so every rank raises the same CheckpointWriteError
+    (none is left waiting in a collective).
+    requeue: a signal stop's RUN/requeue content (always synchronous). Rank 0 writes and fsyncs the
+    marker after the checkpoint and before the closing barrier, so no rank (on no node) can leave
+    the stop path, and let srun --kill-on-bad-exit end the job step, before the marker is on disk.
+    """
+    problem = finish_background_write(parts, log) if dist.is_main else None
+    gathered = all_gather_object((RankRng(dist.rank).state_dict(), problem), dist)
+    if gathered[0][1] is not None:
+        raise CheckpointWriteError(gathered[0][1])
+    background = background and requeue is None
+    if dist.is_main:
+        state = checkpoint_state(parts, cfg, dist, [rng for rng, _ in gathered])
+        if background:
+            parts.writer.submit(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints,
+                                run_id=parts.run_id, warn=log.warn)
+            log.info(f"checkpoint of step {parts.step}: writing it in the background")
+        else:
+            path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints,
+                                        run_id=parts.run_id, warn=log.warn)
+            log.info(f"saved checkpoint {path}")
+            if requeue is not None:  # after the checkpoint: the marker promises a complete one
+                preempt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
+    if not background:
+        barrier(dist)
+
+
+def finish_background_write(parts: Parts, log: Metrics) -> str | None:
+    """Rank 0: wait for the checkpoint write in flight; its error as a message, or None."""
+    if parts.writer is None:
+        return None
+    try:
+        done = parts.writer.wait()
+    except CheckpointWriteError as e:
+        return f"{e}. The newest complete checkpoint is the one before it; free space or fix the run directory, " \
+               "then resume with --resume auto"
+    if done is not None:
+        log.info(f"saved checkpoint {done['path']} (in the background: copied in {done['copy_s']:.1f} s, "
+                 f"written in {done['write_s']:.1f} s)")
+    return None

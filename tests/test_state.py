@@ -1,0 +1,100 @@
+"""gpt2/state.py: what a checkpoint holds and how it is put back; a checkpoint written before the
+module existed (tests/data/checkpoint_v1) still resumes, and a new one has the same keys."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2 import checkpoint as ckpt
+from gpt2.metrics import read_metrics
+from gpt2.state import OptimizerState, RankRng, ScalerState, load_components, rng_state
+
+from conftest import run_trainer
+
+FIXTURE = Path(__file__).resolve().parent / "data" / "checkpoint_v1"
+"""Step 2 of a 4-step run written by the trainer before gpt2/state.py (expected.json: the command,
+and the losses of all 4 steps of that uninterrupted run)."""
+
+FIXTURE_FLAGS = ["--n-layer", "1", "--n-head", "1", "--n-embd", "4", "--block-size", "8", "--device", "cpu",
+                 "--dtype", "float32", "--compile", "false", "--micro-batch-size", "2", "--total-batch-size", "16",
+                 "--max-steps", "4", "--eval-interval", "0", "--eval-tokens", "0", "--ckpt-interval", "2",
+                 "--keep-checkpoints", "3", "--log-interval", "1", "--sample-interval", "0",
+                 "--hellaswag-interval", "0", "--seed", "1337", "--warmup-steps", "1", "--lr", "1e-3", "--plot",
+                 "false", "--async-ckpt", "false"]
+
+
+def key_shape(state: dict) -> dict:
+    """The structure a reader of a checkpoint relies on: keys, not values (config fields may grow)."""
+    return {"top": sorted(state), "model": sorted(state["model"]), "optimizer": sorted(state["optimizer"]),
+            "param_group": sorted(state["optimizer"]["param_groups"][0]), "loader": sorted(state["loader"]),
+            "rng": [sorted(r) for r in state["rng"]], "config": sorted(state["config"]),
+            "scaler": sorted(state["scaler"])}
+
+
+def test_a_checkpoint_from_before_resumes_and_trains_two_more_steps(tmp_path, shakespeare_shards):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    for name in ("step_00000002.pt", "step_00000002.json"):
+        shutil.copy(FIXTURE / name, run_dir / "checkpoints" / name)
+    old = run_dir / "checkpoints" / "step_00000002.pt"
+    run = run_trainer([*FIXTURE_FLAGS, "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir),
+                       "--resume", str(old)])
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"resumed from {old} at step 2 (32 tokens)" in run.stdout
+    losses = {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+    assert sorted(losses) == [3, 4]
+    expected = json.loads((FIXTURE / "expected.json").read_text())["losses"]
+    # Bitwise on the machine that wrote the fixture; other CPUs' fp32 kernels may round differently.
+    assert [losses[3], losses[4]] == pytest.approx([expected["3"], expected["4"]], abs=1e-5, rel=0)
+    new = ckpt.load_checkpoint(run_dir / "checkpoints" / "step_00000004.pt", verify=True)
+    before = ckpt.load_checkpoint(old, verify=True)
+    assert key_shape(new) == key_shape(before)
+    assert new["step"] == 4 and new["world_size"] == 1 and new["loader"]["position"] > before["loader"]["position"]
+
+
+def test_optimizer_state_keeps_this_runs_hyperparameters():
+    w = torch.nn.Parameter(torch.ones(3))
+    saved_opt = torch.optim.AdamW([w], lr=0.1, weight_decay=0.5)
+    w.grad = torch.ones(3)
+    saved_opt.step()
+    saved = OptimizerState(saved_opt).state_dict()
+    now = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, weight_decay=0.01)
+    OptimizerState(now).load_state_dict(saved)
+    assert now.param_groups[0]["weight_decay"] == 0.01  # the flag wins
+    assert torch.equal(now.state[now.param_groups[0]["params"][0]]["exp_avg"], saved["state"][0]["exp_avg"])
+
+
+def test_rank_rng_takes_its_own_entry_or_rank_mod_world_size():
+    torch.manual_seed(0)
+    a = rng_state()
+    torch.manual_seed(1)
+    b = rng_state()
+    RankRng(rank=3).load_state_dict([a, b])  # 4 ranks now, 2 saved: rank 3 takes saved rank 1
+    assert torch.equal(torch.get_rng_state(), b["torch"])
+    RankRng(rank=0).load_state_dict([a, b])
+    assert torch.equal(torch.get_rng_state(), a["torch"])
+
+
+def test_scaler_state_is_restored_only_when_fp16_is_on_now():
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    ScalerState(off).load_state_dict({"scale": 8.0})  # bf16/fp32 now: nothing to restore, no error
+    on = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    ScalerState(on).load_state_dict({})  # fp16 now, not before: starts at its own scale
+    assert on.get_scale() == 2.0**16
+
+
+def test_a_refused_loader_position_names_the_checkpoint():
+    class Refuses:
+        def load_state_dict(self, state):
+            raise ValueError("the train shards differ")
+
+    with pytest.raises(ckpt.CheckpointError, match=r"^/x/step_00000002.pt: the train shards differ$"):
+        load_components({"loader": Refuses()}, {"loader": {}}, Path("/x/step_00000002.pt"))
+    with pytest.raises(ValueError) as e:  # another component's ValueError is not reworded
+        load_components({"model": Refuses()}, {"model": {}}, Path("/x/step_00000002.pt"))
+    assert not isinstance(e.value, ckpt.CheckpointError)
