@@ -14,7 +14,7 @@ Rules:
   - a stop (SIGTERM/USR1) and the final save wait for any write in flight, then save synchronously,
     so RUN/requeue still follows a durable checkpoint (gpt2/preempt.py);
   - a write that failed is never lost: `wait()` raises it (CheckpointWriteError) at the next save,
-    stop or end of the run, and the trainer sends it to every rank (gpt2/trainer.py save).
+    stop or end of the run, and the trainer sends it to every rank (gpt2/state.py save).
 Memory: the copy is a second copy of the state in rank 0's host memory (a 124M AdamW run: ~1.5 GB;
 gpt2-xl: ~19 GB), from the first periodic save to the end of the run: its buffers are kept and reused
 (on CUDA they are pinned, which is slow to allocate and makes the device-to-host copy asynchronous;
