@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gpt2.config import (GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig,
-                         count_params_formula, model_preset)
+                         count_params_formula, model_preset, param_count, weight_shapes)
 from gpt2.model import GPT
 
 # ---- ModelConfig ----
@@ -19,7 +19,7 @@ def test_preset_param_counts_match_hugging_face(name):
     cfg = model_preset(name, vocab_size=GPT2_VOCAB_SIZE)
     assert count_params_formula(cfg) == HF_PARAM_COUNTS[name]
     with torch.device("meta"):
-        assert GPT(cfg).num_params() == HF_PARAM_COUNTS[name]
+        assert sum(p.numel() for p in GPT(cfg).parameters()) == param_count(cfg) == HF_PARAM_COUNTS[name]
 
 
 def test_presets_default_to_padded_vocab_and_mha():
