@@ -408,3 +408,27 @@ def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
     auto = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16")), a100, world_size=1)
     forced = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16", loss_impl="chunked")), a100, world_size=1)
     assert auto.micro_batch_size == forced.micro_batch_size == 128 and auto.memory.chunked_loss
+
+
+@pytest.mark.parametrize("shape", [{}, dict(n_kv_head=2), dict(bias=False, n_kv_head=1)])
+def test_weight_counts_are_the_modules(shape):
+    """The planner's matmul weights (autocast copies) and Muon's block matrices, derived from
+    config.weight_shapes, equal what the module and gpt2/optim.py hold, for any head layout."""
+    from gpt2.optim import is_muon_param
+    from gpt2.plan import block_matrix_count, optimizer_bytes
+
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, **shape)
+    params = dict(GPT(cfg).named_parameters())
+    matmul = sum(p.numel() for n, p in params.items() if p.dim() == 2 and n != "transformer.wpe.weight")
+    muon = sum(p.numel() for n, p in params.items() if is_muon_param(n, p))
+    assert matmul_weight_count(cfg) == matmul and block_matrix_count(cfg) == muon
+    n = sum(p.numel() for p in params.values())
+    assert optimizer_bytes(cfg, "muon") == 8 * (n - muon) + 4 * muon and optimizer_bytes(cfg) == 8 * n
+
+
+def test_plan_accumulation_is_the_schedules():
+    """One batch-divisibility rule: Plan.grad_accum_steps is schedule.grad_accum_steps."""
+    from gpt2.schedule import grad_accum_steps
+
+    p = plan(model_preset("debug"), micro_batch_size=2, hardware=CPU, world_size=2, total_batch_size=2048)
+    assert p.grad_accum_steps == grad_accum_steps(2048, 2, 128, 2) == 4
