@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 
 from gpt2 import precision
-from gpt2.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, RunConfig, TrainConfig
+from gpt2.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, RunConfig, TrainConfig, param_count
 from gpt2.dist import Dist
-from gpt2.flops import device_peak_flops, flops_per_token, param_count
+from gpt2.flops import device_peak_flops, flops_per_token
 from gpt2.model import GPT, CausalSelfAttention
 from gpt2.optim import make_optimizer
 from gpt2.plan import measured_peak_bytes
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     batch = args.micro_batch_size or (16 if device.type == "cuda" else 4)
-    peaks = {"bf16": device_peak_flops(device, torch.bfloat16),  # the CPU ones are raised below and while timing
+    peaks = {"bf16": device_peak_flops(device, torch.bfloat16, tf32=False),  # the CPU ones are raised below and while timing
              "fp32": device_peak_flops(device, torch.float32, tf32=False)}
     if device.type == "cuda":
         peaks["tf32"] = device_peak_flops(device, torch.float32, tf32=True)

@@ -83,13 +83,31 @@ def _run_id_field(run_id: str | None) -> dict:
     return {} if run_id is None else {"run_id": run_id}
 
 
+def read_sidecar(path: str | Path) -> dict:
+    """The sidecar of checkpoint path (step, file, bytes, sha256, run_id): the one reader of the format.
+    Raises OSError (FileNotFoundError when it is missing) or ValueError (not a JSON object)."""
+    meta = json.loads(Path(path).with_suffix(".json").read_text())
+    if not isinstance(meta, dict):
+        raise ValueError(f"{Path(path).with_suffix('.json')} holds no JSON object")
+    return meta
+
+
 def sidecar(path: Path) -> dict | None:
     """path's sidecar as a dict, or None when it is missing or unreadable (an unfinished write)."""
     try:
-        meta = json.loads(path.with_suffix(".json").read_text())
+        return read_sidecar(path)
     except (OSError, ValueError):
         return None
-    return meta if isinstance(meta, dict) else None
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a checkpoint file, read in 16 MiB chunks: the only place a checkpoint is hashed
+    after it was written (tests count the passes)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
 
 
 def run_id_of(meta: dict) -> str | None:
@@ -112,9 +130,10 @@ def stray_warning(path: Path, run_id: str | None) -> str:
 
 def looks_complete(path: Path) -> bool:
     """Sidecar present and size matching: the cheap part of verify_checkpoint (no re-hashing)."""
+    meta = sidecar(path)
     try:
-        return json.loads(path.with_suffix(".json").read_text()).get("bytes") == path.stat().st_size
-    except (OSError, ValueError):
+        return meta is not None and meta.get("bytes") == path.stat().st_size
+    except OSError:
         return False
 
 
@@ -161,20 +180,14 @@ def verify_checkpoint(path: str | Path) -> None:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    meta_path = path.with_suffix(".json")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError):
-        raise CheckpointError(f"{path}: its sidecar {meta_path.name} is missing or unreadable; the write "
-                              "did not finish") from None
+    meta = sidecar(path)
+    if meta is None:
+        raise CheckpointError(f"{path}: its sidecar {path.with_suffix('.json').name} is missing or unreadable; "
+                              "the write did not finish")
     size = path.stat().st_size
     if size != meta.get("bytes"):
         raise CheckpointError(f"{path}: {size} bytes but {meta.get('bytes')} were written; truncated")
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            sha.update(chunk)
-    if sha.hexdigest() != meta.get("sha256"):
+    if file_sha256(path) != meta.get("sha256"):
         raise CheckpointError(f"{path}: sha256 does not match its sidecar; the file is corrupt")
 
 

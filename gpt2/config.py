@@ -8,7 +8,9 @@ construction: a config that exists is a config that can be built.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import functools
+import math
+from dataclasses import dataclass, field
 
 # The GPT-2 BPE has 50,257 tokens (50,000 merges + 256 bytes + <|endoftext|>).
 GPT2_VOCAB_SIZE = 50257
@@ -17,23 +19,26 @@ EOT_TOKEN = 50256
 PADDED_VOCAB_SIZE = 50304
 
 ATTN_IMPLS = ("sdpa", "sdpa_mask", "explicit")
+SHAPE = {"shape": True}
+"""ModelConfig field metadata: the field changes the weights (their shapes, or what they mean), so a
+checkpoint with another value cannot be resumed (ModelConfig.shape_fields)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    n_layer: int = 12
+    n_layer: int = field(default=12, metadata=SHAPE)
     """Number of transformer blocks."""
-    n_head: int = 12
+    n_head: int = field(default=12, metadata=SHAPE)
     """Number of query heads."""
-    n_kv_head: int | None = None
+    n_kv_head: int | None = field(default=None, metadata=SHAPE)
     """Key/value heads: n_head (default) is multi-head, 1 is multi-query, else grouped-query."""
-    n_embd: int = 768
+    n_embd: int = field(default=768, metadata=SHAPE)
     """Width of the residual stream."""
-    block_size: int = 1024
+    block_size: int = field(default=1024, metadata=SHAPE)
     """Maximum sequence length (number of learned positions)."""
-    vocab_size: int = PADDED_VOCAB_SIZE
+    vocab_size: int = field(default=PADDED_VOCAB_SIZE, metadata=SHAPE)
     """Embedding rows. Rows past the tokenizer's 50,257 are padding: never sampled, no probability."""
-    bias: bool = True
+    bias: bool = field(default=True, metadata=SHAPE)
     """Biases in Linear and LayerNorm layers, as in GPT-2."""
     dropout: float = 0.0
     """Dropout on attention weights and residual branches (0 for pretraining)."""
@@ -48,9 +53,24 @@ class ModelConfig:
         if problems:
             raise ValueError("invalid model config:\n  - " + "\n  - ".join(problems))
 
+    @classmethod
+    def shape_fields(cls) -> tuple[str, ...]:
+        """The fields marked SHAPE, in declaration order: those a resumed checkpoint must match."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("shape"))
+
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def qkv_dim(self) -> int:
+        """Width of c_attn's output: the queries (n_embd) and n_kv_head keys and values."""
+        return self.n_embd + 2 * self.n_kv_head * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        """Width of the MLP's hidden layer."""
+        return 4 * self.n_embd
 
     def replace(self, **changes) -> "ModelConfig":
         """A new validated config with some fields changed."""
@@ -103,14 +123,52 @@ def model_preset(name: str, **overrides) -> ModelConfig:
 
 
 def count_params_formula(cfg: ModelConfig) -> int:
-    """N = V*h + T*h + L*(12h^2 + 13h) + 2h for the MHA/biased GPT-2 layout.
+    """N = V*h + T*h + L*(12h^2 + 13h) + 2h for the MHA/biased GPT-2 layout: a closed-form cross-check
+    of param_count (tests/test_config.py; `python -m gpt2.plan` prints both).
 
     Embeddings (tied LM head counted once), positions, per block: attention 4h^2+4h, MLP 8h^2+5h,
-    two LayerNorms 4h; then the final LayerNorm 2h. For GQA/MQA or bias=False the exact count from
-    the module differs; use `GPT.num_params()` for that.
+    two LayerNorms 4h; then the final LayerNorm 2h. For GQA/MQA or bias=False it differs from the
+    module; param_count is exact for every layout.
     """
     V, T, L, h = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_embd
     return V * h + T * h + L * (12 * h * h + 13 * h) + 2 * h
+
+
+POSITION_EMBEDDING = "transformer.wpe.weight"
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of `GPT(cfg)` by its state-dict name, with its shape, in the module's order (the
+    LM head is the token embedding, tied, so it is not listed again). The one description of the
+    weights that the parameter count, the planner's weight and optimizer bytes and the checks derive
+    from; tests/test_config.py checks it against the module."""
+    return dict(_weight_shapes(cfg))
+
+
+@functools.cache  # the planner asks for every micro-batch it tries; a gpt2-xl has 580 tensors
+def _weight_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    h = cfg.n_embd
+    norm = {"weight": (h,), **({"bias": (h,)} if cfg.bias else {})}
+
+    def linear(n_in: int, n_out: int) -> dict:
+        return {"weight": (n_out, n_in), **({"bias": (n_out,)} if cfg.bias else {})}
+
+    block = {"ln_1": norm, "attn.c_attn": linear(h, cfg.qkv_dim), "attn.c_proj": linear(h, h), "ln_2": norm,
+             "mlp.c_fc": linear(h, cfg.mlp_dim), "mlp.c_proj": linear(cfg.mlp_dim, h)}
+    shapes = {"transformer.wte.weight": (cfg.vocab_size, h), POSITION_EMBEDDING: (cfg.block_size, h)}
+    for i in range(cfg.n_layer):
+        shapes |= {f"transformer.h.{i}.{module}.{kind}": shape
+                   for module, params in block.items() for kind, shape in params.items()}
+    shapes |= {f"transformer.ln_f.{kind}": shape for kind, shape in norm.items()}
+    return tuple(shapes.items())
+
+
+def param_count(cfg: ModelConfig, *, include_position: bool = True) -> int:
+    """Exact parameter count of `GPT(cfg)` (tied LM head counted once), for any head layout: the one
+    counter (GPT.num_params, the planner, FLOPs per token). include_position=False leaves out the
+    position embeddings (a table lookup, no matmul: gpt2/flops.py)."""
+    return sum(math.prod(shape) for name, shape in _weight_shapes(cfg)
+               if include_position or name != POSITION_EMBEDDING)
 
 
 DEVICES = ("auto", "cpu", "cuda")

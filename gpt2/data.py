@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from gpt2.permutation import Permutation
+from gpt2.schedule import grad_accum_steps
 from gpt2.shards import TOKEN_DTYPE, ShardError, ShardFiles, read_header
 
 DATA_ORDERS = ("shuffled", "sequential")
@@ -157,8 +158,7 @@ class TrainLoader:
     def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, total_batch_size: int,
                  rank: int, world_size: int, seed: int, device: torch.device, pin_memory: bool = True,
                  order: str = "shuffled", max_open_shards: int | None = None) -> None:
-        per_micro = micro_batch_size * seq_len * world_size
-        assert total_batch_size % per_micro == 0, "batch maths is validated before the loader is built"
+        accum_steps = grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)
         if order not in DATA_ORDERS:
             raise ValueError(f"data order {order!r} must be one of {DATA_ORDERS}")
         if shards.total_tokens < total_batch_size + 1:
@@ -174,7 +174,7 @@ class TrainLoader:
         self._pool: ThreadPoolExecutor | None = None  # made on first use: shuffled rows are read in parallel
         self.B, self.T, self.G = micro_batch_size, seq_len, total_batch_size
         self.rank, self.world_size = rank, world_size
-        self.accum_steps = total_batch_size // per_micro
+        self.accum_steps = accum_steps
         self.seed, self.device, self.pin = seed, device, pin_memory
         self.position = 0
 

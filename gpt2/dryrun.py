@@ -139,13 +139,11 @@ def rehearsal_hardware(r: Rehearsal, prec: precision.Precision, per_node: int, d
                        cfg: RunConfig) -> Hardware:
     """What the planner sizes for: the named or custom GPU, or this machine's device shared by the
     per_node ranks on it (the trainer's device_hardware, with the peak the trainer's MFU uses)."""
-    from gpt2.plan import plan_dtype
-
     tf32 = cfg.train.tf32
     if device is None:
-        return custom_hardware(r.gpu, plan_dtype(prec.dtype, tf32=tf32), memory_gb=r.gpu_memory_gb,
+        return custom_hardware(r.gpu, precision.short_name(prec.dtype, tf32=tf32), memory_gb=r.gpu_memory_gb,
                                peak_tflops=r.gpu_peak_tflops)
-    peak = device_peak_flops(device, precision.torch_dtype(prec.dtype))
+    peak = device_peak_flops(device, precision.torch_dtype(prec.dtype), tf32=tf32)
     return device_hardware(device, peak, processes_per_host=per_node)
 
 

@@ -20,8 +20,8 @@ import re
 
 import torch
 
-from gpt2.config import ModelConfig
-from gpt2.precision import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, SHORT_NAMES, peak_rates
+from gpt2.config import ModelConfig, param_count
+from gpt2.precision import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, peak_name, peak_rates
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets (for GeForce and RTX cards the
 # architecture whitepapers' "with FP32 accumulate" rows, which training's matmuls use), FLOP/s.
@@ -64,23 +64,6 @@ _GPU_PEAKS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
     (("V100",), dict(fp16=125e12, fp32=15.7e12)),  # SXM2
 )
 
-_DTYPE_NAMES = {getattr(torch, name): short for name, short in SHORT_NAMES.items()}
-
-
-def param_count(cfg: ModelConfig, *, include_position: bool = True) -> int:
-    """Exact parameter count of `GPT(cfg)` (tied LM head counted once), for any head layout.
-
-    Unlike `config.count_params_formula` this handles grouped-query attention and bias=False.
-    """
-    h, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size
-    b = 1 if cfg.bias else 0
-    qkv_out = h + 2 * cfg.n_kv_head * cfg.head_dim
-    layer_norm = h + b * h
-    attn = h * qkv_out + b * qkv_out + h * h + b * h
-    mlp = h * 4 * h + b * 4 * h + 4 * h * h + b * h
-    n = V * h + L * (2 * layer_norm + attn + mlp) + layer_norm
-    return n + T * h if include_position else n
-
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     """Training FLOPs (forward + backward) per token: 6*N + 12*L*h*T (see the module docstring).
@@ -101,14 +84,6 @@ def mfu(tokens_per_s: float, cfg: ModelConfig, peak: float, seq_len: int | None 
     return tokens_per_s * flops_per_token(cfg, seq_len) / peak
 
 
-def dtype_name(dtype: torch.dtype, *, tf32: bool = False) -> str:
-    """'bf16', 'fp16', 'fp32' or (fp32 with TF32 matmuls) 'tf32'."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype={dtype} has no peak; use torch.bfloat16, torch.float16 or torch.float32")
-    name = _DTYPE_NAMES[dtype]
-    return "tf32" if name == "fp32" and tf32 else name
-
-
 def _name_tokens(gpu_name: str) -> set[str]:
     """'NVIDIA A100-SXM4-80GB' -> {'nvidia', 'a100', 'sxm4', '80gb'}: whole tokens, so that a
     short model name never matches inside a longer one."""
@@ -120,7 +95,7 @@ def gpu_table_peak(gpu_name: str, dtype: torch.dtype, *, tf32: bool = False) -> 
 
     A GPU without TF32 tensor cores (Turing, Volta) gets its fp32 peak for tf32.
     """
-    key = dtype_name(dtype, tf32=tf32)
+    key = peak_name(dtype, tf32=tf32)
     tokens = _name_tokens(gpu_name)
     for parts, peaks in _GPU_PEAKS:
         if all(p.lower() in tokens for p in parts):
@@ -128,16 +103,16 @@ def gpu_table_peak(gpu_name: str, dtype: torch.dtype, *, tf32: bool = False) -> 
     return None
 
 
-def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *,
-                      tf32: bool | None = None) -> float | None:
+def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *, tf32: bool) -> float | None:
     """Peak dense FLOP/s for matmuls in `dtype` on `device`, or None for a CUDA GPU (or dtype) the
     data-sheet table does not list.
 
     A CUDA GPU in the table gets its data-sheet number, what MFU is conventionally quoted against.
     An unlisted one gets None (callers show MFU as n/a), not a measured rate: a measured matmul
     rate is an achievable rate, below the data-sheet peak, so MFU against it would be inflated and
-    not comparable with anyone else's. For fp32 on CUDA, tf32=None reads torch's current matmul
-    precision: with TF32 enabled the tensor-core TF32 peak applies.
+    not comparable with anyone else's. tf32: whether fp32 matmuls run on TF32 tensor cores (the run's
+    TrainConfig.tf32), passed rather than read back from torch's global state; for fp32 on CUDA it
+    selects the TF32 peak.
 
     A CPU has no data sheet to compare with, so it gets its measured matmul peak
     (`precision.peak_rates`: the best of several probes, cached per machine). An autocast run's
@@ -147,8 +122,6 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *,
     """
     device = torch.device(device)
     if device.type == "cuda":
-        if tf32 is None:
-            tf32 = torch.get_float32_matmul_precision() != "highest"
         return gpu_table_peak(torch.cuda.get_device_name(device), dtype, tf32=tf32)
     return max(peak_rates(str(device), (dtype, torch.float32)))
 

@@ -55,15 +55,28 @@ def to_hf_state_dict(model: GPT) -> dict[str, Tensor]:
     return sd
 
 
+HF_SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+"""The ModelConfig.shape_fields GPT2Config can express (our padded vocab rows are cut off on export).
+Every other shape field must keep the value GPT-2's layout gives it, or the model cannot be exported."""
+
+
 def _check_exportable(cfg: ModelConfig) -> None:
-    problems = []
-    if cfg.n_kv_head != cfg.n_head:
-        problems.append(f"n_kv_head={cfg.n_kv_head} differs from n_head={cfg.n_head}: Hugging Face GPT-2 "
-                        f"has no grouped-query/multi-query attention; train with n_kv_head=n_head to export")
-    if not cfg.bias:
-        problems.append("bias=False: Hugging Face GPT-2 always has biases; train with bias=True to export")
+    gpt2_layout = ModelConfig(**{name: getattr(cfg, name) for name in HF_SHAPE_FIELDS})
+    problems = [_not_exportable(cfg, name, getattr(gpt2_layout, name)) for name in ModelConfig.shape_fields()
+                if getattr(cfg, name) != getattr(gpt2_layout, name)]
     if problems:
         raise ValueError("model cannot be exported as GPT2LMHeadModel:\n  - " + "\n  - ".join(problems))
+
+
+def _not_exportable(cfg: ModelConfig, name: str, gpt2_value) -> str:
+    """Why a shape field's value has no GPT2Config equivalent, and the value that would export."""
+    if name == "n_kv_head":
+        return (f"n_kv_head={cfg.n_kv_head} differs from n_head={cfg.n_head}: Hugging Face GPT-2 "
+                f"has no grouped-query/multi-query attention; train with n_kv_head=n_head to export")
+    if name == "bias":
+        return "bias=False: Hugging Face GPT-2 always has biases; train with bias=True to export"
+    return (f"{name}={getattr(cfg, name)!r}: Hugging Face GPT-2 has no such setting; train with "
+            f"{name}={gpt2_value!r} to export")
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:

@@ -19,8 +19,14 @@ from gpt2.model import GPT
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """A GPT from a checkpoint file or run directory, in eval mode, plus the checkpoint dict."""
-    ckpt_path = resolve_resume(str(path), Path(path))
-    state = load_checkpoint(ckpt_path)
+    ckpt_path = resolve_resume(str(path), Path(path))  # verifies (hashes) the file it returns
+    return _model_from(ckpt_path, device, verify=False)
+
+
+def _model_from(file: Path, device, *, verify: bool):
+    """The GPT in checkpoint file, and the checkpoint dict; verify: hash it first (False: already done,
+    each checkpoint is hashed once per load)."""
+    state = load_checkpoint(file, verify=verify)
     model = GPT(ModelConfig(**state["config"]["model"]))
     model.load_state_dict(state["model"])
     return model.to(device).eval(), state
@@ -39,9 +45,10 @@ def load_any(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT,
                               "a run directory (--out-dir of train_ddp.py) or a Hugging Face GPT-2 directory")
     if path.is_dir() and not _is_run_dir(path):
         return _load_hf(path, device)
-    file = path if path.is_file() else _newest_valid(path)
+    # A run directory's newest valid checkpoint is verified while it is chosen; a file is verified as it loads.
+    file, verified = (path, False) if path.is_file() else (_newest_valid(path), True)
     try:
-        model, state = load_model(file, device)
+        model, state = _model_from(file, device, verify=not verified)
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as e:

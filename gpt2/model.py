@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpt2.config import GPT2_VOCAB_SIZE, ModelConfig
+from gpt2.config import GPT2_VOCAB_SIZE, ModelConfig, param_count
 from gpt2.loss import linear_cross_entropy
 
 
@@ -70,9 +70,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.attn_impl = cfg.attn_impl
         self.dropout = cfg.dropout
-        kv_dim = cfg.n_kv_head * cfg.head_dim
         # q, k, v in one matmul; for MHA this is exactly GPT-2's c_attn (n_embd -> 3*n_embd).
-        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv_dim, bias=cfg.bias)
+        self.c_attn = nn.Linear(cfg.n_embd, cfg.qkv_dim, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_projection = True  # scaled init, see GPT._init_weights
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -108,8 +107,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_dim, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.mlp_dim, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_projection = True
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -177,8 +176,9 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self) -> int:
-        """Parameters counted once each (the tied embedding/LM head is one tensor)."""
-        return sum(p.numel() for p in self.parameters())
+        """Parameters counted once each (the tied embedding/LM head is one tensor): config.param_count,
+        the one counter, which tests check against self.parameters()."""
+        return param_count(self.config)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *, kv_cache: KVCache | None = None,
                 return_logits: bool = True) -> tuple[Tensor | None, Tensor | None]:

@@ -28,21 +28,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from gpt2.config import (MODEL_PRESETS, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig, count_params_formula,
-                         describe_model, model_preset)
-from gpt2.flops import flops_per_token, format_flops, gpu_table_peak, param_count
-from gpt2.precision import SHORT_NAMES
+from gpt2.config import (MODEL_PRESETS, POSITION_EMBEDDING, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig,
+                         count_params_formula, describe_model, model_preset, param_count, weight_shapes)
+from gpt2.flops import flops_per_token, format_flops, gpu_table_peak
+from gpt2.precision import AUTOCAST_DTYPES, PLAN_DTYPES, from_short_name, plan_torch_dtype, short_name
+from gpt2.schedule import grad_accum_steps
 
 GIB = 1024 ** 3
-DTYPES = ("bf16", "fp16", "fp32", "tf32")
-"""bf16/fp16: autocast over fp32 weights; tf32: fp32 with TF32 matmuls (fp32 memory, TF32 peak)."""
-AUTOCAST_DTYPES = ("bf16", "fp16")
 # CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation: memory a run never gets.
 CUDA_RESERVE_BYTES = 2 * GIB
 
@@ -79,7 +78,7 @@ class Hardware:
 def gpu_hardware(name: str, dtype: str) -> Hardware:
     """One of the GPUS by name, with its data-sheet peak for dtype."""
     memory, sheet_name = known_gpu(name)
-    peak = gpu_table_peak(sheet_name, _torch_dtype(dtype), tf32=dtype == "tf32")
+    peak = gpu_table_peak(sheet_name, plan_torch_dtype(dtype), tf32=dtype == "tf32")
     return Hardware(name=name, memory_bytes=int(memory), peak_flops=peak)
 
 
@@ -109,13 +108,6 @@ def gpu_native_bf16(gpu: str | None) -> bool:
     """Whether a GPUS entry has bf16 tensor cores (its data sheet lists a bf16 peak); a custom GPU
     (None) is assumed to be Ampere or newer, like every GPU a GPT-2 run is planned on today."""
     return gpu is None or gpu_table_peak(known_gpu(gpu)[1], torch.bfloat16) is not None
-
-
-def plan_dtype(train_dtype: str, *, tf32: bool = False) -> str:
-    """The planner's name for a resolved TrainConfig.dtype ('bfloat16', 'float16', 'float32')."""
-    if train_dtype not in SHORT_NAMES:
-        raise ValueError(f"dtype={train_dtype!r} must be one of {sorted(SHORT_NAMES)}")
-    return "tf32" if train_dtype == "float32" and tf32 else SHORT_NAMES[train_dtype]
 
 
 def device_hardware(device: torch.device | str, peak_flops: float | None, *,
@@ -195,7 +187,7 @@ class Plan:
 
     @property
     def grad_accum_steps(self) -> int:
-        return self.total_batch_size // self.tokens_per_micro_step
+        return grad_accum_steps(self.total_batch_size, self.micro_batch_size, self.seq_len, self.world_size)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -228,14 +220,9 @@ def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len
     problems = _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens)
     if problems:
         raise ValueError("invalid plan:\n  - " + "\n  - ".join(problems))
-    per_micro_step = micro_batch_size * seq_len * world_size
     if total_batch_size is None:
-        total_batch_size = per_micro_step
-    if total_batch_size < per_micro_step or total_batch_size % per_micro_step:
-        k = max(1, round(total_batch_size / per_micro_step))
-        raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of "
-                         f"micro_batch_size*seq_len*world_size={per_micro_step}; "
-                         f"use {k * per_micro_step} ({k} accumulation steps)")
+        total_batch_size = micro_batch_size * seq_len * world_size
+    grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)  # a whole number, else its error
     mem = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
                  device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
                  chunked_loss=chunked_loss)
@@ -255,8 +242,8 @@ def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, token
         p.append(f"seq_len={seq_len} must be in [1, block_size={cfg.block_size}]")
     if world_size < 1:
         p.append(f"world_size={world_size} must be >= 1")
-    if dtype not in DTYPES:
-        p.append(f"dtype={dtype!r} must be one of {DTYPES}")
+    if dtype not in PLAN_DTYPES:
+        p.append(f"dtype={dtype!r} must be one of {PLAN_DTYPES}")
     if not 0 < mfu <= 1:
         p.append(f"mfu={mfu} must be a fraction in (0, 1], e.g. 0.4")
     if tokens is not None and tokens < 1:
@@ -325,7 +312,7 @@ def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
         return 8 * n
     if optimizer != "muon":
         raise ValueError(f"optimizer={optimizer!r} must be adamw or muon")
-    block_matrices = matmul_weight_count(cfg) - cfg.vocab_size * cfg.n_embd
+    block_matrices = block_matrix_count(cfg)
     return 8 * (n - block_matrices) + 4 * block_matrices
 
 
@@ -376,10 +363,16 @@ def format_stop(p: Plan, write_bytes_per_s: float = WRITE_BYTES_PER_S) -> str:
 
 
 def matmul_weight_count(cfg: ModelConfig) -> int:
-    """Elements of every weight that goes through a matmul (autocast keeps a bf16 copy of each)."""
-    h = cfg.n_embd
-    qkv_out = h + 2 * cfg.n_kv_head * cfg.head_dim
-    return cfg.n_layer * (h * qkv_out + h * h + 8 * h * h) + cfg.vocab_size * h
+    """Elements of every weight that goes through a matmul (autocast keeps a bf16 copy of each): every
+    matrix of config.weight_shapes but the position embedding (a lookup; the token embedding is also
+    the tied LM head)."""
+    return sum(math.prod(s) for name, s in weight_shapes(cfg).items() if len(s) == 2 and name != POSITION_EMBEDDING)
+
+
+def block_matrix_count(cfg: ModelConfig) -> int:
+    """Elements of the matrices inside the transformer blocks: what Muon updates (gpt2/optim.py
+    is_muon_param: 2-D and under .h.)."""
+    return sum(math.prod(s) for name, s in weight_shapes(cfg).items() if len(s) == 2 and ".h." in f".{name}")
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str = "bf16",
@@ -391,9 +384,9 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
     """
     s = 2 if dtype in AUTOCAST_DTYPES else 4
     h, nh, L, T = cfg.n_embd, cfg.n_head, cfg.n_layer, seq_len
-    qkv_out = h + 2 * cfg.n_kv_head * cfg.head_dim
+    qkv_out = cfg.qkv_dim
     layer_norm = 4 * h + 8
-    mlp = s * h + s * 4 * h + s * 4 * h  # inputs of c_fc, GELU, c_proj
+    mlp = s * h + s * cfg.mlp_dim + s * cfg.mlp_dim  # inputs of c_fc, GELU, c_proj
     if flash:
         # SDPA saves the (views of the) c_attn output as q, k, v, its output and a log-sum-exp
         # per head. Fused kernels write the output as (B, T, nh, hd), so the .contiguous() before
@@ -455,8 +448,6 @@ def auto_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *,
                           total_batch_size: int, dtype: str, optimizer: str = "adamw") -> int:
     """--micro-batch-size auto: the largest micro-batch that fits (max_micro_batch_size) and divides
     the global batch, so that accumulation stays a whole number of micro-steps."""
-    from gpt2.schedule import grad_accum_steps
-
     grad_accum_steps(total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
     fits = max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer)
     if fits == 0:
@@ -577,7 +568,7 @@ def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int
     micro_batch_size may be auto (auto_micro_batch_size) and loss_impl too (choose_loss_impl, for that
     micro-batch); tokens default to max_steps x total_batch_size."""
     tc = cfg.train
-    dtype = plan_dtype(tc.dtype, tf32=tc.tf32 and hardware.device_type == "cuda")
+    dtype = short_name(tc.dtype, tf32=tc.tf32 and hardware.device_type == "cuda")
     mb = tc.micro_batch_size
     if mb == "auto":
         mb = auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
@@ -721,10 +712,6 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def _torch_dtype(dtype: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m gpt2.plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -736,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch-size", type=_int_or_auto, default="auto",
                     help="sequences per device per micro-step (default auto, as the training presets)")
     ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument("--dtype", default="bf16", choices=DTYPES)
+    ap.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES)
     ap.add_argument("--gpu", default="A100-80GB", choices=list(GPUS))
     ap.add_argument("--gpu-memory-gb", type=float, help="custom device memory in GiB (overrides --gpu)")
     ap.add_argument("--gpu-peak-tflops", type=float, help="custom peak TFLOP/s in --dtype (overrides --gpu)")
@@ -757,11 +744,6 @@ def _int_or_auto(text: str) -> int | str:
     return "auto" if text == "auto" else int(text)
 
 
-# The planner's dtype names as the trainer's (--dtype, --tf32).
-_TRAIN_DTYPES = {"bf16": ("bfloat16", False), "fp16": ("float16", False), "fp32": ("float32", False),
-                 "tf32": ("float32", True)}
-
-
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """The run `train_ddp.py --preset P` would make (TRAIN_PRESETS[P]), with the flags' overrides."""
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size",
@@ -769,7 +751,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     cfg = model_preset(args.preset, **overrides)
     train = {**TRAIN_PRESETS.get(args.preset, {}), "micro_batch_size": args.micro_batch_size,
              "optimizer": args.optimizer, "loss_impl": args.loss_impl}
-    train["dtype"], train["tf32"] = _TRAIN_DTYPES[args.dtype]
+    train["dtype"], train["tf32"] = from_short_name(args.dtype)
     if args.total_batch_size is not None:
         train["total_batch_size"] = args.total_batch_size
     if args.world_size < 1:

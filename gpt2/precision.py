@@ -35,17 +35,54 @@ import torch
 from gpt2.atomic import atomic_write_text
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-"""What a user may ask for; every name but auto is also what a run resolves to."""
+"""What a user may ask for (--dtype); every name but auto is also what a run resolves to."""
 SHORT_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-"""The planner's and the peak tables' names."""
+"""Each resolved dtype's short name: the planner's, the peak tables' and the log's."""
+PLAN_DTYPES = ("bf16", "fp16", "fp32", "tf32")
+"""The planner's dtypes (`python -m gpt2.plan --dtype`): the short names, and tf32, float32 with TF32
+matmuls (fp32 memory, the TF32 peak). bf16/fp16 are autocast over fp32 weights."""
+AUTOCAST_DTYPES = ("bf16", "fp16")
+"""The planner's dtypes that run matmuls in 16 bits under autocast."""
 CPU_BF16_MIN_SPEEDUP = 1.3
 """bf16 must beat fp32 by this much on a CPU for auto to pick it (a margin over measurement noise)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved name ('bfloat16', 'float16', 'float32')."""
     if name not in SHORT_NAMES:
         raise ValueError(f"dtype={name!r} must be one of {tuple(SHORT_NAMES)}")
     return getattr(torch, name)
+
+
+def short_name(name: str, *, tf32: bool = False) -> str:
+    """The planner's name for a resolved dtype name: 'bf16', 'fp16', 'fp32', or 'tf32' for float32 with
+    tf32 (the caller says whether TF32 matmuls are on: it is passed, never read back from torch)."""
+    if name not in SHORT_NAMES:
+        raise ValueError(f"dtype={name!r} must be one of {sorted(SHORT_NAMES)}")
+    return "tf32" if name == "float32" and tf32 else SHORT_NAMES[name]
+
+
+def peak_name(dtype: torch.dtype, *, tf32: bool = False) -> str:
+    """A torch dtype's short name, the peak tables' key: 'bf16', 'fp16', 'fp32' or (fp32 with TF32
+    matmuls) 'tf32'."""
+    names = {getattr(torch, name): name for name in SHORT_NAMES}
+    if dtype not in names:
+        raise ValueError(f"dtype={dtype} has no peak; use torch.bfloat16, torch.float16 or torch.float32")
+    return short_name(names[dtype], tf32=tf32)
+
+
+def from_short_name(short: str) -> tuple[str, bool]:
+    """A planner dtype as the trainer's settings (TrainConfig.dtype, TrainConfig.tf32): tf32 -> ('float32', True)."""
+    if short not in PLAN_DTYPES:
+        raise ValueError(f"dtype={short!r} must be one of {PLAN_DTYPES}")
+    if short == "tf32":
+        return "float32", True
+    return next(name for name, s in SHORT_NAMES.items() if s == short), False
+
+
+def plan_torch_dtype(short: str) -> torch.dtype:
+    """The matmul dtype of a planner dtype (tf32: float32, whose matmuls the tensor cores run in TF32)."""
+    return torch_dtype(from_short_name(short)[0])
 
 
 def autocast(dtype: str, device: torch.device | str):

@@ -25,7 +25,6 @@ alone would leave the others waiting in the next collective until the timeout.
 
 from __future__ import annotations
 
-import json
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,12 +60,8 @@ class Start:
     """RUN's records of another run (names in RUN), moved into RUN/previous-*/ before anything is written."""
 
 
-def _sidecar(path: Path) -> dict:
-    return json.loads(path.with_suffix(".json").read_text())
-
-
 def _point(path: Path) -> ResumePoint:
-    meta = _sidecar(path)
+    meta = ckpt.read_sidecar(path)
     return ResumePoint(str(path), int(meta["step"]), meta["sha256"], int(meta["bytes"]), ckpt.run_id_of(meta))
 
 
@@ -81,7 +76,7 @@ def check_visible(point: ResumePoint, *, rehash: bool) -> str | None:
     path = Path(point.path)
     try:
         size = path.stat().st_size
-        meta = _sidecar(path)
+        meta = ckpt.read_sidecar(path)
     except FileNotFoundError as e:
         return f"cannot see {e.filename}"
     except (OSError, ValueError) as e:

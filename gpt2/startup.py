@@ -60,7 +60,7 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics) -> Startup:
              f"building the model")
     cfg, prec, loss = resolve_auto(cfg, dist, log)
     tc = cfg.train
-    peak = mfu_peak(dist, tc.dtype, log)
+    peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
     network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
     start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
     moved = set_aside_earlier_run(start, tc.out_dir, dist)
@@ -123,25 +123,25 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
 def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> int:
     """The run's micro-batch: the explicit one, or (auto) the planner's largest that fits hardware
     and divides the global batch at world_size. dtype: the resolved TrainConfig.dtype."""
-    from gpt2.plan import auto_micro_batch_size, plan_dtype
+    from gpt2.plan import auto_micro_batch_size
 
     tc = cfg.train
     if tc.micro_batch_size != "auto":
         return tc.micro_batch_size
     return auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
                                  total_batch_size=tc.total_batch_size, optimizer=tc.optimizer,
-                                 dtype=plan_dtype(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+                                 dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
 def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int) -> LossChoice:
     """The run's loss path (gpt2.plan.LossChoice) for its resolved dtype and micro-batch on hardware:
     --loss-impl chunked/full, or (auto) the planner's rule, choose_loss_impl."""
-    from gpt2.plan import choose_loss_impl, plan_dtype
+    from gpt2.plan import choose_loss_impl
 
     tc = cfg.train
     return choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
                             optimizer=tc.optimizer, compiled=tc.compile,
-                            dtype=plan_dtype(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+                            dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
 def log_auto(cfg: RunConfig, prec: precision.Precision, mb: int, warning: str | None, log,
@@ -184,10 +184,10 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
     return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl)), prec, loss
 
 
-def mfu_peak(dist: Dist, dtype: str, log: Metrics) -> float | None:
+def mfu_peak(dist: Dist, dtype: str, log: Metrics, *, tf32: bool) -> float | None:
     """This rank's peak FLOP/s for MFU, or None (logged as "mfu n/a: why"): an unlisted GPU, or a CPU
     probe that is clearly wrong."""
-    peak = device_peak_flops(dist.device, precision.torch_dtype(dtype))
+    peak = device_peak_flops(dist.device, precision.torch_dtype(dtype), tf32=tf32)
     if peak is None:
         log.info(f"mfu n/a: {device_name(dist.device)} has no data-sheet peak in gpt2/flops.py (add it there)")
         return None

@@ -27,7 +27,7 @@ import torch
 from gpt2 import checkpoint as ckpt
 from gpt2 import preempt
 from gpt2.ckpt_writer import CheckpointWriteError, CheckpointWriter
-from gpt2.config import RunConfig
+from gpt2.config import ModelConfig, RunConfig
 from gpt2.data import EvalLoader, TrainLoader
 from gpt2.dist import Dist, all_gather_object, barrier
 from gpt2.metrics import Metrics
@@ -134,14 +134,11 @@ def components(parts: Parts, dist: Dist) -> dict[str, Stateful]:
 
 # ------------------------------------------------------------------ compatibility
 
-MODEL_SHAPE_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias")
-
-
 def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
     """Refuse a checkpoint of a different model or tokenizer; log other changed settings."""
     old_model, old_train = saved["config"]["model"], saved["config"]["train"]
     shape = [f"{k}: checkpoint {old_model[k]} vs now {getattr(cfg.model, k)}"
-             for k in MODEL_SHAPE_FIELDS if old_model[k] != getattr(cfg.model, k)]
+             for k in ModelConfig.shape_fields() if old_model[k] != getattr(cfg.model, k)]
     if shape:
         raise ckpt.CheckpointError("the checkpoint's model shape differs from this run's: " + "; ".join(shape)
                                    + ". Use the same shape flags, or start fresh with --resume never")

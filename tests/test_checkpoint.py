@@ -300,3 +300,64 @@ def test_load_model_from_a_run_directory(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
 
+
+
+def counting(monkeypatch, module, name: str) -> list:
+    """Replace module.name with a wrapper that records each call's first argument."""
+    calls, real = [], getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+def test_load_any_and_load_model_hash_the_checkpoint_once(tmp_path, monkeypatch):
+    """A run directory, its checkpoints/ directory or a step_*.pt file: one sha256 pass over the file each."""
+    from gpt2.load import load_any
+    from gpt2.model import GPT
+
+    cfg = run_config()
+    path = ckpt.save_checkpoint(tmp_path, 3, {"model": GPT(cfg.model).state_dict(), "config": cfg.to_dict(),
+                                              "tokenizer": "gpt2"}, keep=1)
+    for target in (tmp_path, tmp_path / "checkpoints", path):
+        hashed = counting(monkeypatch, ckpt, "file_sha256")
+        model, info = load_any(target)
+        assert hashed == [path] and info["step"] == 3, (target, hashed)
+        hashed = counting(monkeypatch, ckpt, "file_sha256")
+        load_model(target)
+        assert hashed == [path], (target, hashed)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))  # the one pass still catches a damaged file
+    with pytest.raises(ckpt.CheckpointError, match="sha256 does not match"):
+        load_any(path)
+
+
+def test_one_sidecar_reader(tmp_path, monkeypatch):
+    """Every reader of a sidecar (retention, verification, the resume decision) goes through read_sidecar."""
+    from gpt2 import resume
+
+    path = ckpt.save_checkpoint(tmp_path, 2, state(2), keep=1, run_id="run-a")
+    readers = {"looks_complete": lambda: ckpt.looks_complete(path),
+               "verify_checkpoint": lambda: ckpt.verify_checkpoint(path),
+               "belongs": lambda: ckpt.belongs(path, "run-a"),
+               "stray_warning": lambda: ckpt.stray_warning(path, "run-b"),
+               "resume._point": lambda: resume._point(path),
+               "resume.check_visible": lambda: resume.check_visible(resume._point(path), rehash=False)}
+    for name, read in readers.items():
+        calls = counting(monkeypatch, ckpt, "read_sidecar")
+        read()
+        assert calls and set(calls) == {path}, name
+    assert ckpt.read_sidecar(path)["run_id"] == "run-a" and resume._point(path).run_id == "run-a"
+    path.with_suffix(".json").write_text("[1, 2]")  # valid JSON, not a sidecar
+    with pytest.raises(ValueError, match="no JSON object"):
+        ckpt.read_sidecar(path)
+    assert ckpt.sidecar(path) is None and not ckpt.looks_complete(path)
+    assert "ValueError" in resume.check_visible(resume.ResumePoint(str(path), 2, "x", 1), rehash=False)
+    with pytest.raises(ckpt.CheckpointError, match="missing or unreadable; the write did not finish"):
+        ckpt.verify_checkpoint(path)
+    sources = {p.name: p.read_text() for p in (REPO / "gpt2").glob("*.py") if p.name != "checkpoint.py"}
+    assert [n for n, text in sources.items() if 'with_suffix(".json")' in text] == []

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gpt2.config import (GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig,
-                         count_params_formula, model_preset)
+                         count_params_formula, model_preset, param_count, weight_shapes)
 from gpt2.model import GPT
 
 # ---- ModelConfig ----
@@ -19,7 +19,7 @@ def test_preset_param_counts_match_hugging_face(name):
     cfg = model_preset(name, vocab_size=GPT2_VOCAB_SIZE)
     assert count_params_formula(cfg) == HF_PARAM_COUNTS[name]
     with torch.device("meta"):
-        assert GPT(cfg).num_params() == HF_PARAM_COUNTS[name]
+        assert sum(p.numel() for p in GPT(cfg).parameters()) == param_count(cfg) == HF_PARAM_COUNTS[name]
 
 
 def test_presets_default_to_padded_vocab_and_mha():
@@ -102,3 +102,37 @@ def test_loss_impl_is_validated_and_defaults_to_auto():
     assert TrainConfig(loss_impl="full").loss_impl == "full"
     with pytest.raises(ValueError, match=r"loss_impl='fused' must be one of \('auto', 'chunked', 'full'\)"):
         TrainConfig(loss_impl="fused")
+
+
+# ---- the one parameter counter and the weights it counts ----
+
+SHAPES = {"mha": {}, "gqa": dict(n_kv_head=2), "mqa": dict(n_kv_head=1), "no_bias": dict(bias=False),
+          "gqa_no_bias_unpadded": dict(n_kv_head=2, bias=False, vocab_size=GPT2_VOCAB_SIZE)}
+
+
+@pytest.mark.parametrize("layout", sorted(SHAPES))
+def test_weight_shapes_and_param_count_are_the_modules(layout):
+    """config.weight_shapes lists GPT(cfg)'s parameters, names, order and shapes; param_count (also what
+    GPT.num_params returns) is their size, for every head layout and with or without biases."""
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, **SHAPES[layout])
+    model = GPT(cfg)
+    params = dict(model.named_parameters())  # the tied LM head once, as the embedding
+    assert weight_shapes(cfg) == {name: tuple(p.shape) for name, p in params.items()}
+    assert list(weight_shapes(cfg)) == list(params)
+    assert param_count(cfg) == sum(p.numel() for p in params.values()) == model.num_params()
+    assert param_count(cfg, include_position=False) == param_count(cfg) - cfg.block_size * cfg.n_embd
+    assert (count_params_formula(cfg) == param_count(cfg)) == (layout == "mha")  # the closed form: MHA with biases
+
+
+def test_weight_shapes_cannot_be_changed_through_the_cache():
+    cfg = model_preset("debug")
+    weight_shapes(cfg)["transformer.wte.weight"] = (1, 1)
+    assert weight_shapes(cfg)["transformer.wte.weight"] == (cfg.vocab_size, cfg.n_embd)
+
+
+def test_shape_fields_are_the_marked_fields():
+    """What a resumed checkpoint must match, from the field markers (the trainer's compatibility check)."""
+    assert ModelConfig.shape_fields() == ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size",
+                                          "bias")
+    assert {f.name for f in dataclasses.fields(ModelConfig)} - set(ModelConfig.shape_fields()) == {"dropout",
+                                                                                                 "attn_impl"}

@@ -410,3 +410,11 @@ def test_the_trainer_closes_its_loaders(tmp_path, shakespeare_shards, monkeypatc
     assert train(cfg, Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)) == 0
     assert sorted(closed) == ["EvalLoader", "TrainLoader"]
     assert fds_into(shakespeare_shards) == 0
+
+
+def test_loader_checks_the_batch_maths_with_the_schedules_rule(shard_dir):
+    """The loader asks schedule.grad_accum_steps (the one check): a ValueError naming the fix, not an assert."""
+    shards = find_shards(shard_dir, "train")
+    assert loader(shards, 2, 0, B=2, T=16, G=256).accum_steps == 4
+    with pytest.raises(ValueError, match=r"total_batch_size=200 is not a multiple of .* = 2\*16\*2 = 64"):
+        loader(shards, 2, 0, B=2, T=16, G=200)

@@ -1,11 +1,9 @@
 import pytest
 import torch
 
-from gpt2.config import ModelConfig, model_preset
+from gpt2.config import ModelConfig, model_preset, param_count
 from gpt2 import precision
-from gpt2.flops import (checked_mfu, device_peak_flops, flops_per_token, format_flops, gpu_table_peak, mfu,
-                        param_count, peak_problem)
-from gpt2.model import GPT
+from gpt2.flops import checked_mfu, device_peak_flops, flops_per_token, format_flops, gpu_table_peak, mfu, peak_problem
 from gpt2.precision import peak_rate
 
 
@@ -28,11 +26,6 @@ def test_flops_per_token_gpt2_known_value():
     n = 124_439_808 - 1024 * 768
     assert flops_per_token(cfg) == 6 * n + 12 * 12 * 768 * 1024
     assert flops_per_token(cfg) == pytest.approx(0.8552e9, rel=1e-3)
-
-
-def test_param_count_matches_module_for_gqa_and_no_bias():
-    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16, bias=False)
-    assert param_count(cfg) == GPT(cfg).num_params()
 
 
 def test_flops_per_token_rejects_seq_len_beyond_block():
@@ -109,8 +102,24 @@ def _fake_cuda(monkeypatch, name: str) -> None:
 
 def test_device_peak_flops_cuda_uses_the_table(monkeypatch):
     _fake_cuda(monkeypatch, "NVIDIA L40")
-    assert device_peak_flops("cuda", torch.bfloat16) == 181e12
+    assert device_peak_flops("cuda", torch.bfloat16, tf32=False) == 181e12
     assert device_peak_flops("cuda:0", torch.float32, tf32=True) == 90.5e12
+
+
+def test_device_peak_flops_takes_tf32_as_passed_not_from_torch(monkeypatch):
+    """tf32 is the run's setting, passed in: torch's global matmul precision does not change the peak."""
+    _fake_cuda(monkeypatch, "NVIDIA A100-SXM4-80GB")
+    before = torch.get_float32_matmul_precision()
+    try:
+        for global_precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(global_precision)
+            assert device_peak_flops("cuda", torch.float32, tf32=False) == 19.5e12
+            assert device_peak_flops("cuda", torch.float32, tf32=True) == 156e12
+            assert device_peak_flops("cuda", torch.bfloat16, tf32=True) == 312e12  # tf32 is about fp32 only
+    finally:
+        torch.set_float32_matmul_precision(before)
+    with pytest.raises(TypeError):
+        device_peak_flops("cuda", torch.float32)  # no default: every caller says
 
 
 def test_device_peak_flops_unlisted_cuda_gpu_is_none_not_measured(monkeypatch):
@@ -122,25 +131,25 @@ def test_device_peak_flops_unlisted_cuda_gpu_is_none_not_measured(monkeypatch):
 
     monkeypatch.setattr(gpt2.flops, "peak_rates", no_measuring)
     _fake_cuda(monkeypatch, "Some Future GPU")
-    assert device_peak_flops("cuda", torch.bfloat16) is None
+    assert device_peak_flops("cuda", torch.bfloat16, tf32=False) is None
     _fake_cuda(monkeypatch, "Tesla T4")
-    assert device_peak_flops("cuda", torch.bfloat16) is None  # listed, but no bf16 tensor cores
-    assert device_peak_flops("cuda", torch.float16) == 65e12
+    assert device_peak_flops("cuda", torch.bfloat16, tf32=False) is None  # listed, but no bf16 tensor cores
+    assert device_peak_flops("cuda", torch.float16, tf32=False) == 65e12
 
 
 def test_device_peak_flops_measures_on_cpu_and_never_below_fp32():
     """MFU is against the kernels that can run: where bf16 is emulated, compiled code may run fp32
     kernels faster than the bf16 "peak", so an autocast peak is at least the fp32 rate."""
     fp32 = peak_rate("cpu", torch.float32)
-    assert device_peak_flops("cpu", torch.float32) == fp32
+    assert device_peak_flops("cpu", torch.float32, tf32=False) == fp32
     for dtype in (torch.bfloat16, torch.float16):
         # measured with fp32 again, alternately (gpt2.precision.peak_rates): compare with both as they now are
-        assert device_peak_flops("cpu", dtype) == max(peak_rate("cpu", torch.float32), peak_rate("cpu", dtype))
+        assert device_peak_flops("cpu", dtype, tf32=False) == max(peak_rate("cpu", torch.float32), peak_rate("cpu", dtype))
 
 
 @pytest.mark.gpu
 def test_device_peak_flops_cuda_is_the_table_entry():
-    peak = device_peak_flops("cuda", torch.bfloat16)
+    peak = device_peak_flops("cuda", torch.bfloat16, tf32=False)
     assert peak == gpu_table_peak(torch.cuda.get_device_name(), torch.bfloat16)
     assert peak is None or peak > 1e12
 
@@ -170,7 +179,7 @@ def test_the_cpu_peak_is_the_best_of_several_probes_measured_once_and_cached_on_
     assert precision.peak_cache_dir().parent.name == "cache"  # under $XDG_CACHE_HOME/gpt2-ddp
     assert not list(precision.peak_cache_dir().glob("*.tmp"))  # written through a temp file, renamed
     monkeypatch.setattr(precision, "_PEAKS", {})  # a new process on the same machine
-    assert peak_rate("cpu", torch.float32) == 151e9 and device_peak_flops("cpu", torch.float32) == 151e9
+    assert peak_rate("cpu", torch.float32) == 151e9 and device_peak_flops("cpu", torch.float32, tf32=False) == 151e9
     assert peak_cache["n"] == precision.PEAK_PROBES  # read back, not measured again
     torch.set_num_threads(torch.get_num_threads() + 1)  # another thread count is another peak
     peak_cache["rates"] = iter([300e9] * precision.PEAK_PROBES)
@@ -190,7 +199,7 @@ def test_a_comparison_measures_both_dtypes_alternately_under_the_same_load(peak_
     monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: True)
     assert precision.resolve("auto", "cpu").dtype == "float32"
     assert seen == [torch.bfloat16, torch.float32] * precision.PEAK_PROBES
-    assert device_peak_flops("cpu", torch.bfloat16) == 210e9 and len(seen) == 2 * precision.PEAK_PROBES  # shared
+    assert device_peak_flops("cpu", torch.bfloat16, tf32=False) == 210e9 and len(seen) == 2 * precision.PEAK_PROBES  # shared
 
 
 def test_the_refresh_variable_measures_the_cached_peak_again(peak_cache, monkeypatch):
@@ -217,7 +226,7 @@ def test_a_damaged_cache_file_is_measured_again(peak_cache, monkeypatch):
 def test_a_peak_below_the_sanity_floor_gives_no_mfu_and_is_not_cached(peak_cache, monkeypatch):
     threads = torch.get_num_threads()
     peak_cache["rates"] = iter([0.04e9] * precision.PEAK_PROBES)  # the "peak 0.0 TFLOP/s" of the issue
-    peak = device_peak_flops("cpu", torch.float32)
+    peak = device_peak_flops("cpu", torch.float32, tf32=False)
     assert peak == 0.04e9
     assert not list(precision.peak_cache_dir().glob("*.json"))  # the next run measures again
     why = peak_problem(peak, "cpu", threads)

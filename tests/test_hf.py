@@ -204,3 +204,18 @@ def test_configs_with_other_maths_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx=True.*activation_function='relu'"):
         load_hf_dir(tmp_path)
+
+
+def test_exportability_is_derived_from_the_shape_fields(monkeypatch):
+    """Every ModelConfig.shape_fields entry GPT2Config cannot express must keep GPT-2's value: a new shape
+    field is checked without touching gpt2/hf.py (simulated here by marking dropout as one)."""
+    from gpt2 import hf
+
+    assert set(hf.HF_SHAPE_FIELDS) < set(ModelConfig.shape_fields())
+    model = GPT(ModelConfig(**SHAPE, dropout=0.1))
+    to_hf_state_dict(model)  # dropout is not a shape field: exported (as resid_pdrop etc.)
+    shape_fields = ModelConfig.shape_fields()
+    monkeypatch.setattr(ModelConfig, "shape_fields", classmethod(lambda cls: (*shape_fields, "dropout")))
+    with pytest.raises(ValueError, match=r"dropout=0.1: Hugging Face GPT-2 has no such setting; train with "
+                                         r"dropout=0.0 to export"):
+        to_hf_state_dict(model)

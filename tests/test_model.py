@@ -50,13 +50,13 @@ def test_gpt2_preset_has_124_439_808_params():
     cfg = model_preset("gpt2", vocab_size=GPT2_VOCAB_SIZE)
     with torch.device("meta"):  # shapes only: no memory, no init time
         model = GPT(cfg)
-    assert model.num_params() == 124_439_808
+    assert sum(p.numel() for p in model.parameters()) == model.num_params() == 124_439_808
     assert count_params_formula(cfg) == 124_439_808
 
 
 def test_param_formula_matches_module_for_padded_vocab():
     cfg = tiny()
-    assert GPT(cfg).num_params() == count_params_formula(cfg)
+    assert sum(p.numel() for p in GPT(cfg).parameters()) == count_params_formula(cfg)
 
 
 HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}

@@ -10,7 +10,7 @@ import torch
 from gpt2.config import MODEL_PRESETS, ModelConfig, model_preset
 from gpt2.model import GPT
 from gpt2.plan import (GIB, Hardware, activation_bytes, auto_micro_batch_size, check_fits, device_hardware, format_plan, gpu_hardware,
-                       loss_bytes, matmul_weight_count, max_micro_batch_size, measured_peak_bytes, memory, plan, plan_dtype)
+                       loss_bytes, matmul_weight_count, max_micro_batch_size, measured_peak_bytes, memory, plan)
 
 CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
 
@@ -22,7 +22,7 @@ def test_param_count_equals_module(name, vocab):
     with torch.device("meta"):  # gpt2-xl without allocating 6 GB
         model = GPT(cfg)
     p = plan(cfg, micro_batch_size=1, hardware=gpu_hardware("H200", "bf16"))
-    assert p.n_params == model.num_params()
+    assert p.n_params == sum(t.numel() for t in model.parameters())  # the module, not the counter again
     assert p.n_params_formula == p.n_params  # MHA with biases: the closed form is exact
 
 
@@ -229,7 +229,8 @@ def test_plan_without_a_peak_leaves_the_time_estimates_out():
 
 
 def test_plan_rejects_bad_input_with_every_problem():
-    with pytest.raises(ValueError, match="total_batch_size=500000 is not a multiple.*use 524288"):
+    # The trainer's own check and text (schedule.grad_accum_steps), with the sizes that would divide.
+    with pytest.raises(ValueError, match=r"total_batch_size=500000 is not a multiple.*--total-batch-size 393216 or 524288"):
         plan(model_preset("gpt2"), micro_batch_size=16, hardware=CPU, world_size=8, total_batch_size=500000)
     with pytest.raises(ValueError) as e:
         plan(model_preset("gpt2"), micro_batch_size=0, hardware=CPU, dtype="fp8", mfu=40)
@@ -259,10 +260,6 @@ def test_cli_runs():
 
 
 def test_trainer_helpers():
-    assert [plan_dtype(d) for d in ("bfloat16", "float16", "float32")] == ["bf16", "fp16", "fp32"]
-    assert plan_dtype("float32", tf32=True) == "tf32"
-    with pytest.raises(ValueError, match="must be one of"):
-        plan_dtype("fp8")
     hw = device_hardware("cpu", 1e11, processes_per_host=2)
     assert hw.device_type == "cpu" and 0 < hw.memory_bytes < 2**50
     assert device_hardware("cpu", 1e11).memory_bytes == pytest.approx(2 * hw.memory_bytes, abs=1)
@@ -411,3 +408,27 @@ def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
     auto = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16")), a100, world_size=1)
     forced = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16", loss_impl="chunked")), a100, world_size=1)
     assert auto.micro_batch_size == forced.micro_batch_size == 128 and auto.memory.chunked_loss
+
+
+@pytest.mark.parametrize("shape", [{}, dict(n_kv_head=2), dict(bias=False, n_kv_head=1)])
+def test_weight_counts_are_the_modules(shape):
+    """The planner's matmul weights (autocast copies) and Muon's block matrices, derived from
+    config.weight_shapes, equal what the module and gpt2/optim.py hold, for any head layout."""
+    from gpt2.optim import is_muon_param
+    from gpt2.plan import block_matrix_count, optimizer_bytes
+
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, **shape)
+    params = dict(GPT(cfg).named_parameters())
+    matmul = sum(p.numel() for n, p in params.items() if p.dim() == 2 and n != "transformer.wpe.weight")
+    muon = sum(p.numel() for n, p in params.items() if is_muon_param(n, p))
+    assert matmul_weight_count(cfg) == matmul and block_matrix_count(cfg) == muon
+    n = sum(p.numel() for p in params.values())
+    assert optimizer_bytes(cfg, "muon") == 8 * (n - muon) + 4 * muon and optimizer_bytes(cfg) == 8 * n
+
+
+def test_plan_accumulation_is_the_schedules():
+    """One batch-divisibility rule: Plan.grad_accum_steps is schedule.grad_accum_steps."""
+    from gpt2.schedule import grad_accum_steps
+
+    p = plan(model_preset("debug"), micro_batch_size=2, hardware=CPU, world_size=2, total_batch_size=2048)
+    assert p.grad_accum_steps == grad_accum_steps(2048, 2, 128, 2) == 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpt2 import precision
-from gpt2.precision import emulation_warning, make_scaler, matmul_rate, resolve
+from gpt2.precision import Precision, emulation_warning, make_scaler, matmul_rate, resolve
 
 
 def fake_rates(monkeypatch, **gflops):
@@ -136,3 +136,22 @@ def test_scaler_only_for_float16():
     assert make_scaler("float16", "cpu").is_enabled()
     assert not make_scaler("bfloat16", "cpu").is_enabled()
     assert not make_scaler("float32", "cpu").is_enabled()
+
+
+def test_precision_owns_every_dtype_name_and_conversion():
+    """The three spellings (--dtype name, short/planner name, torch dtype) convert through precision only."""
+    from gpt2.precision import (AUTOCAST_DTYPES, PLAN_DTYPES, SHORT_NAMES, from_short_name, peak_name,
+                                plan_torch_dtype, short_name, torch_dtype)
+
+    for name in SHORT_NAMES:
+        assert from_short_name(short_name(name)) == (name, False)
+        assert peak_name(torch_dtype(name)) == short_name(name) == Precision("auto", name, "").short
+        assert plan_torch_dtype(short_name(name)) == torch_dtype(name)
+    assert short_name("float32", tf32=True) == peak_name(torch.float32, tf32=True) == "tf32"
+    assert short_name("bfloat16", tf32=True) == "bf16"  # tf32 is about fp32 matmuls only
+    assert from_short_name("tf32") == ("float32", True) and plan_torch_dtype("tf32") == torch.float32
+    assert set(PLAN_DTYPES) == {*SHORT_NAMES.values(), "tf32"} and set(AUTOCAST_DTYPES) < set(PLAN_DTYPES)
+    for bad, convert in (("fp8", short_name), ("auto", short_name), ("float32", from_short_name),
+                         (torch.int8, peak_name), ("bf16", torch_dtype)):
+        with pytest.raises(ValueError, match="must be one of|has no peak"):
+            convert(bad)
