@@ -97,7 +97,7 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
         except ValueError as e:
             raise ValueError(f"--sample-prompt: {e}") from None
     if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
-        from gpt2.eval import load_examples
+        from gpt2.hellaswag import load_examples
         load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
     return train_shards, val_shards
 
@@ -465,14 +465,15 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
 
 def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
     """Mean loss per token over the fixed validation set, reduced over ranks."""
-    from gpt2.eval import validation_loss
+    from gpt2.scoring import loader_loss
 
-    return validation_loss(parts.train_model, parts.val_loader, cfg.train.dtype, dist)
+    return loader_loss(parts.train_model, parts.val_loader, cfg.train.dtype, dist)
 
 
 def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     """A text sample from rank 0's model (KV-cache generation, its own RNG: training is unaffected)."""
     from gpt2 import tokenizer
+    from gpt2.model import TOP_K
 
     tc = cfg.train
     prompt = tokenizer.encode_prompt(tc.sample_prompt, cfg.model.block_size)  # checked in check_data
@@ -480,7 +481,7 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
     parts.model.eval()
     with precision.autocast(tc.dtype, dist.device):
-        out = parts.model.generate(idx, tc.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+        out = parts.model.generate(idx, tc.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen)
     parts.model.train()
     return tokenizer.decode(out[0, len(prompt):].tolist())
 
@@ -544,7 +545,7 @@ def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost
 
 
 def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, examples, step: int) -> None:
-    from gpt2.eval import hellaswag_eval
+    from gpt2.scoring import hellaswag_eval
 
     hs = hellaswag_eval(parts.model, examples, dist, dist.device, dtype=cfg.train.dtype, progress=False)
     log.record({"step": step, "tokens": step * cfg.train.total_batch_size, "hellaswag_acc": hs["acc"],
@@ -632,7 +633,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
         log.log_eval(0, 0, evaluate(parts, cfg, dist))
     hellaswag = None
     if tc.hellaswag_interval:
-        from gpt2.eval import prepare_hellaswag
+        from gpt2.hellaswag import prepare_hellaswag
         hellaswag = prepare_hellaswag(tc.hellaswag_file, dist)  # collective: rank 0 downloads if missing
     if dist.is_main and tc.async_ckpt:
         parts.writer = CheckpointWriter(dist.device)
