@@ -171,3 +171,10 @@ def test_every_module_imports_alone_without_side_effects():
     results = json.loads(run.stdout.splitlines()[-1])
     assert sorted(results) == MODULES
     assert {m: r for m, r in results.items() if r["env"] or r["threads_changed"]} == {}
+
+
+def test_readme_architecture_table_names_every_module():
+    """README's Architecture section is the map a reader starts from: a new module appears on it."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
+    assert [m for m in MODULES if f"`gpt2/{m}.py`" not in section] == []
