@@ -24,12 +24,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import DistError
 
-    from gpt2.checkpoint import CheckpointError
     from gpt2.ckpt_writer import CheckpointWriteError
     from gpt2.cli import parse_command
     from gpt2.dist import CollectiveError, resolve_device, setup, teardown, world_from_env
     from gpt2.preempt import EXIT_REQUEUE, stop_exit_code
-    from gpt2.shards import ShardError
     from gpt2.startup import check_data
     from gpt2.trainer import NonFiniteError, train
 
@@ -42,18 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         try:  # everything a user can get wrong is checked before the process group starts
             device = resolve_device(cfg.train.device, info.local_rank)
             shards = check_data(cfg, info.world_size)
-        except (ValueError, ShardError) as e:
+        except ValueError as e:  # ShardError is one too
             if info.rank == 0:
                 print(f"train_ddp.py: error: {e}", file=sys.stderr)
             return 2
         dist = setup(info, device, cfg.train.dist_timeout_s)
         code = train(cfg, dist, shards)
         return stop_exit_code() if code == EXIT_REQUEUE else code
-    except CheckpointError as e:  # every rank loads the checkpoint: one message is enough
-        if dist is None or dist.is_main:
-            print(f"train_ddp.py: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # a user error found after start-up (e.g. the model does not fit): same on every rank
+    except ValueError as e:  # found after start-up alike on every rank (a CheckpointError, a model that
+        # does not fit): one message is enough
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
         return 2

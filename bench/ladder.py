@@ -39,14 +39,15 @@ import torch
 
 from gpt2 import precision
 from gpt2.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig, RunConfig, TrainConfig, param_count
-from gpt2.dist import Dist
+from gpt2.dist import single_process
 from gpt2.flops import device_peak_flops, flops_per_token
 from gpt2.model import GPT, CausalSelfAttention
 from gpt2.optim import make_optimizer
 from gpt2.plan import measured_peak_bytes
-from gpt2.trainer import Parts, train_step
+from gpt2.state import Parts
+from gpt2.trainer import train_step
 
-# build-nanogpt's A100 measurements (GPT-2 124M, B=16, T=1024), as quoted in the issue.
+# build-nanogpt's A100 measurements (GPT-2 124M, B=16, T=1024).
 DOC_A100_TOKENS_PER_S = {"base": 16_000, "tf32": 49_000, "bf16": 54_500, "compile": 126_000,
                          "flash": 170_000, "vocab": 175_000}
 # ms per batch of the whole model; the docs' middle kernel is SDPA's math backend, ours SDPA with a mask.
@@ -158,7 +159,7 @@ def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.devic
     compiles), warmed up: a compiled rung compiles here."""
     cfg = rung_config(rung, shape, batch, device)
     tc = cfg.train
-    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device)
+    dist = single_process(device)
     torch.manual_seed(tc.seed)
     model = GPT(cfg.model).to(device)
     gen = torch.Generator().manual_seed(1)

@@ -3,7 +3,7 @@
     python bench/loader_throughput.py                      # ~1-2 minutes, ~1.6 GB of shards in a temp dir
     python bench/loader_throughput.py --shards 8 --steps 100 --dir /scratch
 
-Goal (issue 12): 20x what an A100 consumes training GPT-2 124M (~190k tokens/s per GPU, from
+Goal: 20x what an A100 consumes training GPT-2 124M (~190k tokens/s per GPU, from
 build-nanogpt's ~1.5M tokens/s on 8), so >= 3.8M tokens/s per rank. Layout: rank 0 of 8,
 micro-batch 64 x 1024 (524,288 tokens per step, no accumulation), shards of 100M random tokens
 (data_prep's default shard size). Each row times --steps calls of micro_batch() + advance() on a

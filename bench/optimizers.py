@@ -26,17 +26,14 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from gpt2.cli import parse_config
-from gpt2.dist import Dist
-from gpt2.metrics import Metrics
-from gpt2.trainer import build, check_data, configure_backends, evaluate, train_step
 
 from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
+from curve import val_curve  # bench/curve.py
 from report import emit  # bench/report.py (a script's directory is on sys.path)
 
 COMMON = ["--device", "cpu", "--dtype", "float32", "--warmup-steps", "20", "--beta1", "0.9", "--beta2", "0.95",
@@ -58,19 +55,9 @@ def run_one(shape: str, optimizer: str, lr: float, muon_lr: float | None, data: 
     if muon_lr is not None:
         flags += ["--muon-lr", str(muon_lr)]
     cfg = parse_config(flags)
-    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    configure_backends(cfg.train, dist)
-    torch._dynamo.reset()
-    parts = build(cfg, dist, Metrics(dist, out), check_data(cfg, 1))
-    val, times = {0: evaluate(parts, cfg, dist)}, []
-    while parts.step < steps:
-        t0 = time.perf_counter()
-        train_step(parts, cfg, dist, False)
-        times.append(time.perf_counter() - t0)
-        if parts.step % eval_every == 0 or parts.step == steps:
-            val[parts.step] = evaluate(parts, cfg, dist)
-            print(f"  {shape} {optimizer} lr {lr:g}{'' if muon_lr is None else f' muon-lr {muon_lr:g}'}: step "
-                  f"{parts.step} val {val[parts.step]:.4f} ({sum(times):.0f} s)", file=sys.stderr, flush=True)
+    torch._dynamo.reset()  # each run compiles its own model afresh
+    label = f"{shape} {optimizer} lr {lr:g}{'' if muon_lr is None else f' muon-lr {muon_lr:g}'}"
+    val, times = val_curve(cfg, out, label, eval_every)
     return {"shape": shape, "optimizer": optimizer, "lr": lr, "muon_lr": muon_lr, "steps": steps,
             "val": {str(k): v for k, v in val.items()}, "step_s": statistics.median(times[5:] or times)}
 

@@ -11,16 +11,16 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
                                                 fused AdamW), cores/1 threads (configure_backends);
                                                 the in-process rows take one step each in turn
                                                 (round-robin), so they share the same load
-  fp32 compiled, --loss-impl full               the same with the full-logits loss (issue 23): what
+  fp32 compiled, --loss-impl full               the same with the full-logits loss: what
                                                 --loss-impl auto takes where the logits fit
                                                 comfortably; the rows above are built with the
                                                 chunked loss (build() without resolve_auto)
-  bf16 compiled, plain loss + for-loop AdamW    the trainer before issue 7's changes, for comparison:
+  bf16 compiled, plain loss + for-loop AdamW    the trainer before its chunked loss and fused AdamW:
                                                 the model's (B, T, V) logits and F.cross_entropy, and
                                                 AdamW(foreach=False, fused=False)
   bf16 compiled, chunked loss + for-loop AdamW  the first change alone
   bf16 compiled, --optimizer muon               the default path with Muon on the blocks' matrices
-                                                (issue 14): its step-time cost against AdamW's row
+                                                (gpt2/muon.py): its step-time cost against AdamW's row
   1 x N threads vs N x 1 thread                 real `python train_ddp.py` / `torchrun
                                                 --nproc_per_node=N train_ddp.py` runs (gloo),
                                                 tokens/s read from RUN/metrics.jsonl
@@ -29,7 +29,7 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
                                                 (gpt2/muon.py): its cost against AdamW's N x 1
                                                 The real-trainer rows run alternately --ddp-rounds
                                                 times (A B C, C B A, ...)
-  DDP and torch.compile orders (issue 22)       2 gloo ranks x 1 thread (torch.multiprocessing),
+  DDP and torch.compile orders                 2 gloo ranks x 1 thread (torch.multiprocessing),
                                                 fp32, --ddp-bucket-cap-mb 4, through build() and
                                                 train_step(): compile then DDP (the trainer), DDP
                                                 then compile, each block compiled alone
@@ -70,12 +70,14 @@ import torch
 from gpt2 import precision
 from gpt2.cli import parse_config
 from gpt2.config import GPT2_VOCAB_SIZE, RunConfig
-from gpt2.dist import Dist
+from gpt2.dist import Dist, single_process
 from gpt2.flops import flops_per_token
 from gpt2.metrics import Metrics, read_metrics
 from gpt2.optim import param_groups
 from gpt2.shards import write_shard
-from gpt2.trainer import Parts, build, check_data, configure_backends, train_step
+from gpt2.startup import check_data, configure_backends
+from gpt2.state import Parts
+from gpt2.trainer import build, train_step
 
 ORDERS = {"compile, then DDP (the trainer)": "compile_ddp", "DDP, then compile": "ddp_compile",
           "each block compiled, then DDP": "blocks", "eager DDP": "eager"}
@@ -394,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         if low != "fp32":
             plan.append(("bf16c", f"{low} compiled", lowc))
         plan.append(("muon", f"{low} compiled, --optimizer muon", lowc + ["--optimizer", "muon"]))
-        dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+        dist = single_process("cpu")
         contenders = []
         for key, name, flags in plan:
             if key in skip:

@@ -361,10 +361,6 @@ class RunConfig:
     def to_dict(self) -> dict:
         return {"model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train)}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "RunConfig":
-        return cls(ModelConfig(**d["model"]), TrainConfig(**d["train"]))
-
 
 # Training presets: model shape plus the training recipe that goes with it. The GPU presets' micro-batch
 # is "auto": the largest the planner (gpt2/plan.py) says fits the device and divides the global batch at

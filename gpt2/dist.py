@@ -86,6 +86,11 @@ class Dist:
         return self.world_size > 1
 
 
+def single_process(device: torch.device | str = "cpu") -> Dist:
+    """The Dist of one process without a process group (benchmarks, tests, rehearsals): rank 0 of 1."""
+    return Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device(device))
+
+
 def setup(info: WorldInfo, device: torch.device, timeout_s: float) -> Dist:
     """Start the process group (NCCL on CUDA, gloo on CPU) when there is more than one rank."""
     if device.type == "cuda":

@@ -247,6 +247,9 @@ class GPT(nn.Module):
             yield next_tok
 
 
+TOP_K = 200  # sampling's top-k unless told otherwise: the trainer's samples and gpt2.sample (nanoGPT's)
+
+
 def sample_next(logits: Tensor, *, temperature: float, top_k: int | None,
                 generator: torch.Generator | None) -> Tensor:
     """(B, V) logits -> (B, 1) token ids. Padded-vocab logits are -inf and so never chosen."""

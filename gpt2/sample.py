@@ -24,7 +24,7 @@ from torch import Tensor
 
 from gpt2 import precision
 from gpt2.config import GPT2_VOCAB_SIZE
-from gpt2.model import GPT, unwrap
+from gpt2.model import GPT, TOP_K, unwrap
 from gpt2.tokenizer import encode_prompt, get_encoding
 
 
@@ -69,7 +69,7 @@ class TextStream:
 
 
 def sample(model: GPT, prompt: str = "", *, num_samples: int = 1, max_new_tokens: int = 100,
-           temperature: float = 1.0, top_k: int | None = 200, seed: int = 1337, dtype: str = "auto",
+           temperature: float = 1.0, top_k: int | None = TOP_K, seed: int = 1337, dtype: str = "auto",
            on_text: Callable[[int, str], None] | None = None) -> list[str]:
     """Generate num_samples continuations of prompt; return their text (without the prompt).
 
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy decoding")
-    parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens; 0 disables")
+    parser.add_argument("--top-k", type=int, default=TOP_K, help="sample from the k likeliest tokens; 0 disables")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--dtype", choices=precision.DTYPES, default="auto",

@@ -59,14 +59,6 @@ def read_header(path: str | os.PathLike) -> int:
     return n_tokens
 
 
-def load_tokens(path: str | os.PathLike) -> np.ndarray:
-    """The shard's tokens as a read-only uint16 memmap (validated first)."""
-    n_tokens = read_header(path)
-    if n_tokens == 0:
-        return np.zeros(0, dtype=TOKEN_DTYPE)
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
-
-
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
     """Write tokens atomically: temp file in the same directory, fsync, rename.
 

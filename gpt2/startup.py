@@ -115,7 +115,7 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
         except ValueError as e:
             raise ValueError(f"--sample-prompt: {e}") from None
     if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
-        from gpt2.eval import load_examples
+        from gpt2.hellaswag import load_examples
         load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
     return train_shards, val_shards
 

@@ -27,7 +27,7 @@ from gpt2.data import EvalLoader, ShardSet, TrainLoader
 from gpt2.dist import Dist, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.flops import checked_mfu
 from gpt2.metrics import Metrics, plot_loss_curve
-from gpt2.model import GPT
+from gpt2.model import GPT, TOP_K
 from gpt2.optim import make_optimizer
 from gpt2.resume import Start, agree_on_step, choose_start
 from gpt2.schedule import grad_accum_steps, lr_at
@@ -278,7 +278,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
         log.log_eval(0, 0, evaluate(parts, cfg, dist))
     hellaswag = None
     if tc.hellaswag_interval:
-        from gpt2.eval import prepare_hellaswag
+        from gpt2.hellaswag import prepare_hellaswag
         hellaswag = prepare_hellaswag(tc.hellaswag_file, dist)  # collective: rank 0 downloads if missing
     if dist.is_main and tc.async_ckpt:
         parts.writer = CheckpointWriter(dist.device)
@@ -380,9 +380,9 @@ def close_run(parts: Parts, dist: Dist, log: Metrics) -> None:
 
 def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
     """Mean loss per token over the fixed validation set, reduced over ranks."""
-    from gpt2.eval import validation_loss
+    from gpt2.scoring import loader_loss
 
-    return validation_loss(parts.train_model, parts.val_loader, cfg.train.dtype, dist)
+    return loader_loss(parts.train_model, parts.val_loader, cfg.train.dtype, dist)
 
 
 def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
@@ -395,13 +395,13 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
     parts.model.eval()
     with precision.autocast(tc.dtype, dist.device):
-        out = parts.model.generate(idx, tc.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+        out = parts.model.generate(idx, tc.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen)
     parts.model.train()
     return tokenizer.decode(out[0, len(prompt):].tolist())
 
 
 def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, examples, step: int) -> None:
-    from gpt2.eval import hellaswag_eval
+    from gpt2.scoring import hellaswag_eval
 
     hs = hellaswag_eval(parts.model, examples, dist, dist.device, dtype=cfg.train.dtype, progress=False)
     log.record({"step": step, "tokens": step * cfg.train.total_batch_size, "hellaswag_acc": hs["acc"],

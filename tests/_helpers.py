@@ -152,6 +152,51 @@ def inject_nan(monkeypatch, step: int) -> None:
     exec(nan_at_step(step), {})
 
 
+HOLD_AFTER_STEP = """
+import os, signal, time
+from pathlib import Path
+import gpt2.trainer as trainer
+
+_step_before_hold = trainer.train_step
+
+
+def step_after_hold(parts, *args, **kwargs):
+    # Step {step} is done and logged: every rank waits here until the test releases the run, saying on
+    # disk once its own stop signal has been received (the trainer's preempt.StopRequest recorded it).
+    if parts.step == {step}:
+        stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+        said = False
+        while not Path({release!r}).exists():
+            if not said and stop is not None and stop.signum is not None:
+                Path({release!r} + ".signalled." + os.environ.get("RANK", "0")).touch()
+                said = True
+            time.sleep(0.01)
+    return _step_before_hold(parts, *args, **kwargs)
+
+
+trainer.train_step = step_after_hold
+"""
+
+
+def hold_after_step(step: int, release: Path) -> str:
+    """Patch text (for patched_train_script): after optimizer step `step` every rank waits until the
+    file `release` exists. A test signals (or kills) the run there, then calls release_run: the run
+    cannot finish before the signal lands, however fast the machine."""
+    return HOLD_AFTER_STEP.format(step=step, release=str(release))
+
+
+def release_run(launched: Launched, release: Path, *, signalled_ranks: tuple[int, ...] = (),
+                timeout: float = 120) -> None:
+    """Let a run held by hold_after_step go on, once each of signalled_ranks has received its signal."""
+    deadline = time.monotonic() + timeout  # a safety net on a loaded machine, not a timing assumption
+    while not all(release.with_name(f"{release.name}.signalled.{r}").exists() for r in signalled_ranks):
+        if launched.proc.poll() is not None or time.monotonic() > deadline:
+            launched.kill()
+            raise AssertionError(f"ranks {signalled_ranks} did not all report their signal\n{launched.output()}")
+        time.sleep(0.02)
+    release.touch()
+
+
 def children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):

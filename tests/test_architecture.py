@@ -1,6 +1,7 @@
 """The shape of the package: no import cycle inside gpt2/, the trainer imported only by its entry
-point (its start-up and state below it), and every module importable alone without side effects
-(README, "Architecture")."""
+point (its start-up and state below it), training without checkpoint loading or Hugging Face
+conversion, every module importable alone without side effects, and benchmarks that use the library's
+public names only (README, "Architecture")."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "gpt2"
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+BENCH = REPO / "bench"
 
 
 def imported_gpt2_modules(path: Path) -> set[str]:
@@ -83,6 +85,81 @@ def test_the_trainers_layers_import_nothing_above_them():
     assert imported_gpt2_modules(PACKAGE / "state.py") & (above | {"startup"}) == set()
 
 
+def import_closure(module: str) -> set[str]:
+    """module and every gpt2 module it imports, directly or through others (lazy imports included)."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += imported_gpt2_modules(PACKAGE / f"{name}.py")
+    return seen
+
+
+def test_training_pulls_in_neither_checkpoint_loading_nor_hugging_face():
+    """The trainer scores with gpt2/scoring.py; load.py (any checkpoint or HF directory), hf.py (the
+    conversion) and eval.py (their command line) are for the tools, not for a training run."""
+    assert import_closure("trainer") & {"load", "hf", "eval"} == set()
+    assert import_closure("scoring") & {"load", "hf", "eval", "data"} == set()
+    assert {"load", "scoring", "hellaswag"} <= import_closure("eval")  # the CLI is where they meet
+
+
+def bench_imports(path: Path) -> tuple[list[tuple[str, str]], set[str], set[str]]:
+    """A bench script's ("gpt2.x", name) pairs from `from gpt2.x import name`, the local names bound
+    to gpt2 modules (`import gpt2.x`, `from gpt2 import x`), and its other top-level imports."""
+    names, modules, others = [], set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "gpt2":
+                modules |= {a.asname or a.name for a in node.names}
+            elif node.module.startswith("gpt2."):
+                names += [(node.module, a.name) for a in node.names]
+            else:
+                others.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("gpt2."):
+                    modules.add(a.asname or "gpt2")
+                else:
+                    others.add(a.name.split(".")[0])
+    return names, modules, others
+
+
+def test_the_library_never_imports_a_benchmark():
+    bench_names = {"bench"} | {p.stem for p in BENCH.glob("*.py")}
+    sources = [*PACKAGE.glob("*.py"), *(REPO / "data_prep").glob("*.py"), REPO / "train_ddp.py"]
+    for path in sources:
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+        assert not imported & bench_names, (path, imported & bench_names)
+
+
+def test_benchmarks_use_only_public_names_that_exist():
+    """A bench imports what the library exports, by names that exist (a renamed function breaks the
+    suite, not the next person to run the bench), and reaches into no private `_name` of ours."""
+    import importlib
+
+    checked = 0
+    for path in sorted(BENCH.glob("*.py")):
+        names, modules, _ = bench_imports(path)
+        for module, name in names:
+            assert not name.startswith("_"), f"{path.name}: from {module} import {name} (a private name)"
+            assert hasattr(importlib.import_module(module), name), f"{path.name}: {module} has no {name}"
+            checked += 1
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                assert not (isinstance(root, ast.Name) and root.id in modules), \
+                    f"{path.name}:{node.lineno}: uses the private {node.attr} of the library"
+    assert checked > 20  # the benches were read
+
+
 ALONE = """
 import importlib, json, os, sys
 import torch
@@ -107,3 +184,10 @@ def test_every_module_imports_alone_without_side_effects():
     results = json.loads(run.stdout.splitlines()[-1])
     assert sorted(results) == MODULES
     assert {m: r for m, r in results.items() if r["env"] or r["threads_changed"]} == {}
+
+
+def test_readme_architecture_table_names_every_module():
+    """README's Architecture section is the map a reader starts from: a new module appears on it."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
+    assert [m for m in MODULES if f"`gpt2/{m}.py`" not in section] == []

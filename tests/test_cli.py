@@ -105,7 +105,7 @@ def test_bad_config_fails_before_any_process_group(tmp_path):
 def test_missing_optional_sink_is_refused_before_start(tmp_path, shakespeare_shards, monkeypatch):
     import importlib.util
 
-    from gpt2.trainer import check_data
+    from gpt2.startup import check_data
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
@@ -152,7 +152,7 @@ def test_batch_refused_under_torchrun_shows_the_workers_line_with_the_sizes(tmp_
 
 def test_sample_prompt_longer_than_the_block_is_refused_before_start(tmp_path, shakespeare_shards):
     """One prompt rule (gpt2.tokenizer.encode_prompt): too long is an error, here before training starts."""
-    from gpt2.trainer import check_data
+    from gpt2.startup import check_data
 
     flags = ["--preset", "debug", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path),
              "--block-size", "16", "--sample-interval", "5"]

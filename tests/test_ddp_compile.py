@@ -38,7 +38,8 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
 
     from gpt2.dist import Dist
     from gpt2.metrics import Metrics
-    from gpt2.trainer import build, check_data, evaluate, train_step
+    from gpt2.startup import check_data
+    from gpt2.trainer import build, evaluate, train_step
 
     tdist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
     dist = Dist(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=torch.device("cpu"))
@@ -111,7 +112,8 @@ def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare
 
     from gpt2.dist import Dist, usable_cpus
     from gpt2.metrics import Metrics
-    from gpt2.trainer import build, check_data
+    from gpt2.startup import check_data
+    from gpt2.trainer import build
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     with inductor_config.patch(compile_threads=99):  # restored after (torch's own config patcher)

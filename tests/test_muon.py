@@ -16,7 +16,8 @@ from gpt2.model import GPT
 from gpt2.muon import Muon, newton_schulz
 from gpt2.optim import Optimizers, make_optimizer, split_params
 
-from _helpers import assert_same_state, inject_nan, launch, load_ckpt, losses, run, tiny_run_flags, wait_for_step
+from _helpers import (assert_same_state, hold_after_step, inject_nan, launch, load_ckpt, losses, patched_train_script,
+                      release_run, run, tiny_run_flags, wait_for_step)
 
 CPU = torch.device("cpu")
 
@@ -159,10 +160,13 @@ def test_kill_9_and_resume_with_muon_is_bitwise_continues_on_one_rank_and_adamw_
     ref = run([*flags, "--out-dir", str(tmp_path / "ref")], nproc=2, log_dir=tmp_path / "ref_log")
     assert ref.proc.returncode == 0, ref.output()
     run_dir = tmp_path / "run"
-    job = launch([*flags, "--out-dir", str(run_dir)], nproc=2, log_dir=tmp_path / "log", max_restarts=1)
+    release = tmp_path / "release"
+    job = launch([*flags, "--out-dir", str(run_dir)], nproc=2, log_dir=tmp_path / "log", max_restarts=1,
+                 script=patched_train_script(tmp_path, hold_after_step(5, release)))
     try:
-        wait_for_step(job, run_dir, 5)
+        wait_for_step(job, run_dir, 5)  # the ranks wait there: the run cannot end before the kill
         os.kill(job.workers()[1], signal.SIGKILL)
+        release_run(job, release)
         assert job.wait() == 0, job.output()
     finally:
         job.kill()
@@ -192,7 +196,8 @@ def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, s
     from gpt2.cli import parse_config
     from gpt2.dist import Dist
     from gpt2.metrics import Metrics
-    from gpt2.trainer import build, check_data, train_step
+    from gpt2.startup import check_data
+    from gpt2.trainer import build, train_step
 
     cfg = parse_config([*TINY_MODEL_FLAGS, "--device", "cpu", "--compile", "false", "--dtype", "float16",
                         "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path), "--micro-batch-size", "2",

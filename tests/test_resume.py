@@ -15,8 +15,8 @@ import torch
 from gpt2 import checkpoint as ckpt
 from gpt2.checkpoint import verify_checkpoint
 
-from _helpers import (assert_same_state, import_train_ddp, inject_nan, launch, load_ckpt, losses, nan_at_step,
-                      patched_train_script, records, run, tiny_run_flags, wait_for_step)
+from _helpers import (assert_same_state, hold_after_step, import_train_ddp, inject_nan, launch, load_ckpt, losses,
+                      nan_at_step, patched_train_script, records, release_run, run, tiny_run_flags, wait_for_step)
 
 MAX_STEPS = 8
 CKPT_INTERVAL = 3
@@ -45,12 +45,15 @@ def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shak
     kill_after = rng.randint(CKPT_INTERVAL + 1, MAX_STEPS - 2)  # a step after a checkpoint
     where = f"rank {victim} killed after step {kill_after}"
     run_dir = tmp_path / "run"
-    job = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path, max_restarts=1)
+    release = tmp_path / "release"
+    job = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path, max_restarts=1,
+                 script=patched_train_script(tmp_path, hold_after_step(kill_after, release)))
     try:
-        wait_for_step(job, run_dir, kill_after)
+        wait_for_step(job, run_dir, kill_after)  # the ranks wait there: the run cannot end first
         pids = job.workers()
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[victim], signal.SIGKILL)
+        release_run(job, release)  # the restarted ranks pass step kill_after without waiting
         assert job.wait() == 0, f"{where}\n{job.output()}"
     finally:
         job.kill()
@@ -69,10 +72,13 @@ def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(tmp
     run_dir = tmp_path / "run"
     stop_after = random.Random().randint(1, MAX_STEPS - 4)
     # --max-restarts 1: a signalled torchrun shuts down instead of restarting its workers
-    first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first", max_restarts=1)
+    release = tmp_path / "release"
+    first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first", max_restarts=1,
+                   script=patched_train_script(tmp_path, hold_after_step(stop_after, release)))
     try:
-        wait_for_step(first, run_dir, stop_after)
+        wait_for_step(first, run_dir, stop_after)  # the ranks wait there until both have the signal
         first.proc.send_signal(signal.SIGTERM)  # to the agent, which forwards SIGTERM to its workers
+        release_run(first, release, signalled_ranks=(0, 1))
         code = first.wait()
     finally:
         first.kill()
@@ -100,11 +106,13 @@ def test_nan_step_skipped_then_signal_to_one_worker_stops_every_rank_without_res
     to rank 1 under --max-restarts 1: all ranks stop at one step boundary and exit 0, so torchrun ends
     (exit 0) instead of restarting the group into a new run."""
     run_dir = tmp_path / "run"
-    job = launch(flags(shakespeare_shards, run_dir, "--ckpt-interval", "1"), nproc=2,
-                 log_dir=tmp_path, max_restarts=1, script=patched_train_script(tmp_path, nan_at_step(1)))
+    release = tmp_path / "release"
+    job = launch(flags(shakespeare_shards, run_dir, "--ckpt-interval", "1"), nproc=2, log_dir=tmp_path,
+                 max_restarts=1, script=patched_train_script(tmp_path, nan_at_step(1) + hold_after_step(3, release)))
     try:
         wait_for_step(job, run_dir, 3)
         os.kill(job.workers()[1], signal.SIGUSR1)
+        release_run(job, release, signalled_ranks=(1,))
         assert job.wait() == 0, job.output()
     finally:
         job.kill()
@@ -134,10 +142,13 @@ def test_two_rank_checkpoint_resumes_on_one_rank_and_sigterm_exits_3(tmp_path, s
     for suffix in (".pt", ".json"):
         src = reference / "checkpoints" / f"step_{CKPT_INTERVAL:08d}{suffix}"
         (run_dir / "checkpoints" / src.name).write_bytes(src.read_bytes())
-    one = launch(flags(shakespeare_shards, run_dir), nproc=1, log_dir=tmp_path)
+    release = tmp_path / "release"
+    one = launch(flags(shakespeare_shards, run_dir), nproc=1, log_dir=tmp_path,
+                 script=patched_train_script(tmp_path, hold_after_step(CKPT_INTERVAL + 1, release)))
     try:
         wait_for_step(one, run_dir, CKPT_INTERVAL + 1)
         one.proc.send_signal(signal.SIGTERM)
+        release_run(one, release, signalled_ranks=(0,))
         time.sleep(0.05)
         one.proc.send_signal(signal.SIGTERM)
         code = one.wait()

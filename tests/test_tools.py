@@ -19,7 +19,8 @@ import torch
 from gpt2 import checkpoint as ckpt
 from gpt2.config import GPT2_VOCAB_SIZE, ModelConfig
 from gpt2.dist import Dist
-from gpt2.eval import (Example, example_rows, hellaswag_eval, load_examples, prepare_hellaswag)
+from gpt2.hellaswag import Example, load_examples, prepare_hellaswag
+from gpt2.scoring import example_rows, hellaswag_eval
 from gpt2.metrics import read_metrics
 from gpt2.model import GPT
 from gpt2.load import load_any
@@ -482,14 +483,14 @@ def test_missing_data_file_is_downloaded_or_the_error_says_how_to_get_it(tmp_pat
 
 def test_hellaswag_examples_reach_other_ranks_without_the_file(tmp_path, monkeypatch):
     """Rank 0 reads (or downloads) the file and broadcasts the examples: another node need not see it."""
-    import gpt2.eval
+    import gpt2.hellaswag
 
     source = write_hellaswag(tmp_path / "rank0_only.jsonl")
     sent = []
-    monkeypatch.setattr(gpt2.eval, "broadcast_object", lambda obj, dist: sent.append(obj) or obj)
+    monkeypatch.setattr(gpt2.hellaswag, "broadcast_object", lambda obj, dist: sent.append(obj) or obj)
     examples = prepare_hellaswag(source, ONE, url="http://127.0.0.1:9/never-fetched")
     rank1 = Dist(rank=1, local_rank=0, world_size=2, local_world_size=1, device=torch.device("cpu"))
-    monkeypatch.setattr(gpt2.eval, "broadcast_object", lambda obj, dist: sent[0])  # what rank 0 sent
+    monkeypatch.setattr(gpt2.hellaswag, "broadcast_object", lambda obj, dist: sent[0])  # what rank 0 sent
     got = prepare_hellaswag(tmp_path / "not_on_this_node.jsonl", rank1, url="http://127.0.0.1:9/never-fetched")
     assert got == examples and len(got) == 7
     assert not (tmp_path / "not_on_this_node.jsonl").exists()  # rank 1 neither read nor downloaded

@@ -304,7 +304,8 @@ def test_a_training_step_reads_from_the_device_once(tmp_path, shakespeare_shards
     from gpt2.cli import parse_config
     from gpt2.dist import Dist
     from gpt2.metrics import Metrics
-    from gpt2.trainer import build, check_data, train_step
+    from gpt2.startup import check_data
+    from gpt2.trainer import build, train_step
 
     cfg = parse_config([*TINY_MODEL_FLAGS, *FP32, "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path),
                         "--micro-batch-size", "2", "--total-batch-size", "256", "--max-steps", "5"])
