@@ -39,7 +39,7 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive non-finite steps: the run stops without checkpointing the bad state."""
 
 
-def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None, int],
+def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None],
           start: Start | None = None) -> Parts:
     """The model, optimizer and loaders, restored from start.point when resuming.
 
@@ -245,8 +245,11 @@ def _every(step: int, interval: int) -> bool:
     return bool(interval) and step % interval == 0
 
 
-def train(cfg: RunConfig, dist: Dist, shards=None) -> int:
-    """Run training to max_steps (or until a stop signal). Returns 0, or EXIT_REQUEUE after a signal."""
+def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] | None = None) -> int:
+    """Run training to max_steps (or until a stop signal). Returns 0, or EXIT_REQUEUE after a signal.
+
+    shards: check_data's result; train_ddp.py checks before the process group starts, in-process
+    callers (tests) may leave it to this function."""
     # Signals are recorded from the start: one that arrives while building or restoring stops the
     # run at the first step boundary (with a checkpoint) instead of killing the process.
     with preempt.StopRequest() as stop_request:
@@ -262,7 +265,8 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     # The console only, for now: TensorBoard and W&B write into RUN, which may still hold an earlier
     # run's records until the start is decided and they are moved aside (prepare).
     log = Metrics(dist, tc.out_dir)
-    shards = shards or check_data(cfg, dist.world_size)
+    if shards is None:
+        shards = check_data(cfg, dist.world_size)
     run = prepare(cfg, dist, log)
     cfg, tc = run.cfg, run.cfg.train
     parts = build(cfg, dist, log, shards, run.start)

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import REPO
 
 STEPS = 10
 
