@@ -17,8 +17,10 @@ CPU allocator in tests/test_plan.py):
   activations  what autograd saves for backward in the embeddings, blocks and final LayerNorm;
                "explicit" attention also saves the (B, nh, T, T) attention probabilities, fused
                SDPA kernels ("flash") save only q, k, v, the output and a log-sum-exp
-  logits       the loss peak: the (B, T, V) logits the model returns, the fp32 log-probabilities
-               cross-entropy saves, and inside its backward two more fp32 (B, T, V) gradients
+  logits       the LM head + loss peak, for the loss path the run uses (--loss-impl, choose_loss_impl):
+               chunked, one chunk of rows' logits, fp32 softmax and gradients at a time (gpt2/loss.py);
+               full, the (B, T, V) logits, the fp32 log-probabilities cross-entropy saves, and inside its
+               backward two more fp32 (B, T, V) gradients (loss_bytes counts both)
 The total is an upper bound on the step's peak: gradients are counted in full although, with
 zero_grad(set_to_none=True) and one micro-step, they are allocated while activations are freed.
 """

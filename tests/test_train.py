@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -126,6 +127,10 @@ def test_readme_quickstart_script_runs_twice(tmp_path):
     check(run)
     assert run.stdout.splitlines()[0].startswith("documents ")  # data_prep's summary: the data was made
     assert "sample at step 3" in run.stdout
+    # the start-up network line (two ranks), recorded in config.json too; and no deprecation noise
+    assert re.search(r"network +all-reduce of [\d.]+ MiB over 2 ranks \(gloo\).*busbw [\d.]+ GB/s", run.stdout)
+    assert json.loads((run_dir / "config.json").read_text())["network"]["world_size"] == 2
+    assert "FutureWarning" not in run.stderr and "Traceback" not in run.stderr
     val = val_losses(run_dir)
     assert sorted(val) == [0, 3] and val[3] < val[0]
     manifest = json.loads((tmp_path / "pydoc" / "shards" / "manifest.json").read_text())
