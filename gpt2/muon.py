@@ -171,7 +171,7 @@ class Muon(torch.optim.Muon):
         send[offset:].zero_()  # the padding: sent, never read
         gathered = torch.empty(world * length, dtype=self.ns_dtype, device=device)
         with collective("sharing Muon's orthogonalised updates"):
-            tdist.all_gather_into_tensor(gathered, send)
+            tdist.all_gather_single(gathered, send)
         for src in range(world):
             sizes = [params[i].numel() for i in mine[src]]
             parts = gathered[src * length:src * length + sum(sizes)].split(sizes)

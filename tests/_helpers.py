@@ -296,7 +296,7 @@ def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype
     calls, collectives = [], []
     plain = gpt2.muon.newton_schulz
     gpt2.muon.newton_schulz = lambda g, *a: calls.append(tuple(g.shape)) or plain(g, *a)
-    for name in ("all_gather_into_tensor", "all_gather", "broadcast", "all_reduce", "scatter", "send", "recv"):
+    for name in ("all_gather_single", "all_gather_into_tensor", "all_gather", "broadcast", "all_reduce", "scatter", "send", "recv"):
         real = getattr(tdist, name)
         setattr(tdist, name, lambda *a, name=name, real=real, **k: collectives.append(name) or real(*a, **k))
     if world > 1:
@@ -315,6 +315,8 @@ def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype
             per_step.append(collectives[before:])
         torch.save({"params": [p.detach() for p in params], "state": opt.state_dict(), "calls": calls,
                     "collectives": per_step}, f"{out}/rank{rank}.pt")
+        if world > 1:  # no rank tears its connections down while a peer may still be sending on them
+            tdist.barrier()
     finally:
         if world > 1:
             tdist.destroy_process_group()

@@ -262,7 +262,7 @@ def test_spread_orthogonalisation_is_bitwise_the_single_process_step(tmp_path, n
                                    ref["state"]["state"][i]["momentum_buffer"])
             mine = sorted(s for s, r in zip(MUON_SHAPES, table) if r == rank)
             assert sorted(got["calls"]) == sorted(mine * 3) and 0 < len(mine) < len(MUON_SHAPES)  # its share only
-            assert got["collectives"] == [["all_gather_into_tensor"]] * 3  # one per step, whatever the world size
+            assert got["collectives"] == [["all_gather_single"]] * 3  # one per step, whatever the world size
 
 
 def test_gather_layout_pads_every_rank_to_the_largest_share():
