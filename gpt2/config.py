@@ -174,6 +174,7 @@ def param_count(cfg: ModelConfig, *, include_position: bool = True) -> int:
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
 LOSS_IMPLS = ("auto", "chunked", "full")
+PARALLELS = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +203,11 @@ class TrainConfig:
     """DDP's gradient bucket size in MiB (DDP's own default, 25). Each bucket's all-reduce starts as soon as
     backward has produced its gradients, also when compiled (one backward graph per bucket); the start-up
     bandwidth test times one bucket. At least 1: torch.compile's first graph split is 1 MiB."""
+    parallel: str = "ddp"
+    """How the ranks share the model: ddp (every rank holds all weights, gradients and optimizer state;
+    gradients all-reduced) or fsdp (PyTorch's FSDP2 `fully_shard` on each block and the root: each rank
+    holds 1/world_size of them and gathers a block's weights only while computing it; gpt2/fsdp.py).
+    fsdp is for models whose state does not fit one device under DDP (`python -m gpt2.plan` says)."""
     loss_impl: str = "auto"
     """How the LM head's loss is computed: full (F.cross_entropy over the (B, T, V) logits, the fastest
     compiled), chunked (gpt2/loss.py: never all the logits at once) or auto: full when the model is
@@ -328,6 +334,8 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"lr={cfg.lr} must be > 0")
     if not 0 <= cfg.min_lr <= cfg.lr:
         p.append(f"min_lr={cfg.min_lr} must be between 0 and lr={cfg.lr}")
+    if cfg.parallel not in PARALLELS:
+        p.append(f"parallel={cfg.parallel!r} must be one of {PARALLELS}")
     if cfg.loss_impl not in LOSS_IMPLS:
         p.append(f"loss_impl={cfg.loss_impl!r} must be one of {LOSS_IMPLS}")
     if cfg.optimizer not in OPTIMIZERS:

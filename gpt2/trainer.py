@@ -26,6 +26,8 @@ from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader
 from gpt2.dist import Dist, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.flops import checked_mfu
+from gpt2.fsdp import is_sharded, local_norm, no_grad_sync
+from gpt2.fsdp import shard as shard_fsdp
 from gpt2.metrics import Metrics, plot_loss_curve
 from gpt2.model import GPT, TOP_K
 from gpt2.optim import make_optimizer
@@ -53,6 +55,9 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     # loss_impl is resolved by resolve_auto; callers that build without it (tests, benchmarks) and
     # leave it auto get the chunked loss, the one that is safe on memory.
     model = GPT(mc, loss_impl="full" if tc.loss_impl == "full" else "chunked").to(dist.device)
+    fsdp = tc.parallel == "fsdp" and dist.is_distributed
+    if fsdp:  # before the optimizer: it must hold the shards, not the full weights
+        model = shard_fsdp(model, dist)
     # From here on each rank draws its own random numbers: with one seed for all, every rank would
     # drop out the same units (dropout > 0) and the ranks' noise would not average out.
     torch.manual_seed(tc.seed + dist.rank)
@@ -82,8 +87,14 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
         agree_on_step(parts.step, problem, dist)  # the same error on every rank, or the same step
     if tc.compile:
         set_compile_threads(dist)  # before the first compilation, which starts inductor's workers
-    train_model = torch.compile(model) if tc.compile else model
-    if dist.is_distributed:
+    if fsdp:  # FSDP's units each gather their weights: compile each block, not the whole (torchtitan's way)
+        train_model = model
+        if tc.compile:
+            for block in model.transformer.h:
+                block.compile()
+    else:
+        train_model = torch.compile(model) if tc.compile else model
+    if dist.is_distributed and not fsdp:
         train_model = wrap_ddp(train_model, tc, dist)
         settle_buckets(train_model, parts.loader.B, parts.loader.T, cfg.train.dtype, dist)
     parts.train_model = train_model
@@ -148,6 +159,11 @@ def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
 
 
 
+def no_sync(train_model: torch.nn.Module):
+    """The model's skip-the-gradient-sync context: DDP's no_sync, or FSDP's (no reduce-scatter)."""
+    return no_grad_sync(train_model) if is_sharded(train_model) else train_model.no_sync()
+
+
 def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -> dict:
     """One optimizer step: accumulate micro-batches, sync gradients on the last, clip, update.
 
@@ -165,7 +181,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
         x, y = parts.loader.micro_batch(micro_step)
         # Decide gradient sync before the forward pass: DDP registers its hooks during forward.
         last = micro_step == parts.accum_steps - 1
-        sync = contextlib.nullcontext() if last or not dist.is_distributed else parts.train_model.no_sync()
+        sync = contextlib.nullcontext() if last or not dist.is_distributed else no_sync(parts.train_model)
         with sync:
             with autocast:
                 _, loss = parts.train_model(x, y, return_logits=False)  # the model's loss_impl path
@@ -178,7 +194,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
                 parts.scaler.scale(loss).backward()
     parts.scaler.unscale_(parts.optimizer)  # clip and measure the true gradients (a no-op unless fp16)
     clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip)
+    grad_norm = local_norm(torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip))
     # One all-reduce carries the loss and the stop flag: every rank sees the same values, so
     # every rank takes the same skip / stop decision. torch.full launches a fill, no host copy.
     stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device)])
