@@ -68,7 +68,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
         "nothing written")
     out(f"config     {describe_model(cfg.model)} | total_batch_size {tc.total_batch_size:,} tokens | "
         f"micro_batch_size {tc.micro_batch_size} | max_steps {tc.max_steps:,} | {tc.optimizer} | "
-        f"dtype {tc.dtype} | data order {tc.data_order} | resume {tc.resume}")
+        f"dtype {tc.dtype} | parallel {tc.parallel} | data order {tc.data_order} | resume {tc.resume}")
     prec, device, device_desc = choose_precision(cfg, r, info.local_rank)
     out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
     data_here = Path(tc.data_dir).is_dir()
@@ -199,6 +199,10 @@ def report_checkpoint(cfg: RunConfig, plan, out) -> None:
     size = checkpoint_bytes(plan.cfg, m.optimizer_name)  # the number the planner's stop budget uses
     kept = f", {tc.keep_checkpoints} kept: ~{tc.keep_checkpoints * size / GIB:.2f} GiB in {tc.out_dir}/checkpoints"
     every = f"every {tc.ckpt_interval} steps and at the end" if tc.ckpt_interval else "at the end"
+    if m.shards > 1:  # the plan's weights and optimizer are one rank's shards: the checkpoint is all of them
+        out(f"checkpoint ~{size / GIB:.2f} GiB in all (fp32 weights + {m.optimizer_name} state), each of the "
+            f"{m.shards} ranks writing its ~{(m.weights + m.optimizer) / GIB:.2f} GiB shard {every}{kept}")
+        return
     out(f"checkpoint ~{size / GIB:.2f} GiB per file (fp32 weights {m.weights / GIB:.2f} GiB + {m.optimizer_name} "
         f"state {m.optimizer / GIB:.2f} GiB), written by rank 0 {every}{kept}")
 

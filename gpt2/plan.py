@@ -23,6 +23,31 @@ CPU allocator in tests/test_plan.py):
                backward two more fp32 (B, T, V) gradients (loss_bytes counts both)
 The total is an upper bound on the step's peak: gradients are counted in full although, with
 zero_grad(set_to_none=True) and one micro-step, they are allocated while activations are freed.
+
+--parallel fsdp (FSDP2's fully_shard on each block, then the root; gpt2/fsdp.py) at world size W > 1:
+  weights, gradients, optimizer
+               each parameter's 1/W shard: FSDP2 cuts dim 0 into W chunks padded to ceil(d0/W) rows,
+               so a rank holds ceil(d0/W) x the other dims (rank 0's real shard, the largest)
+  gathered     the unsharded weights in flight, in the compute dtype (bf16/fp16 under the mixed-
+               precision policy on CUDA, else fp32), padded: the root unit's (tied embedding/LM head,
+               wpe, ln_f) for the whole forward and backward (the root is not resharded until the
+               end), and two blocks: the one computing and the next, prefetched (FSDP2 all-gathers
+               one unit ahead in forward and backward)
+  unsharded gradients
+               the root's unsharded gradient through the whole backward (the LM head's part comes
+               first, the embedding's last), and one block's before its reduce-scatter, with the fp32
+               reduce-scatter input copied from it
+  no-sync gradients
+               gradient accumulation (several micro-steps) skips the reduce-scatter on all but the last
+               micro-step (FSDP2's set_requires_gradient_sync(False), as the trainer does): every
+               unit's UNSHARDED fp32 gradient then stays between micro-steps, the whole model's 4N
+               bytes per rank. A reduce-scatter per micro-step would keep only the shards; the plan
+               says when that choice is the difference between fitting and not (Plan.rs_total).
+  autocast copies
+               under the CUDA policy the gathered weights are already bf16: none. Without the policy
+               (CPU autocast), autocast's bf16 copies of the gathered weights are saved for backward,
+               as under DDP (the whole model's matmul weights).
+At world size 1 the trainer does not shard (no process group): the plan is DDP's.
 """
 
 from __future__ import annotations
@@ -37,8 +62,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2.config import (MODEL_PRESETS, POSITION_EMBEDDING, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig,
-                         count_params_formula, describe_model, model_preset, param_count, weight_shapes)
+from gpt2.config import (MODEL_PRESETS, PARALLELS, POSITION_EMBEDDING, TRAIN_PRESETS, ModelConfig, RunConfig,
+                         TrainConfig, count_params_formula, describe_model, model_preset, param_count, weight_shapes)
 from gpt2.flops import flops_per_token, format_flops, gpu_table_peak
 from gpt2.precision import AUTOCAST_DTYPES, PLAN_DTYPES, from_short_name, plan_torch_dtype, short_name
 from gpt2.schedule import grad_accum_steps
@@ -142,11 +167,21 @@ class Memory:
     """Which optimizer `optimizer` counts (not a byte count)."""
     chunked_loss: bool = True
     """Which loss path `logits` counts: the chunked loss, or the full (B, T, V) logits."""
+    shards: int = 1
+    """1: every rank holds everything (DDP, or fsdp at world size 1); W: FSDP over W ranks, and
+    weights, gradients and optimizer are each rank's padded 1/W shards (module docstring)."""
+    gathered: int = 0
+    """FSDP: unsharded weights in flight (the root unit's and two blocks', compute dtype)."""
+    unit_gradients: int = 0
+    """FSDP: the root's unsharded gradient through the backward and one block's before its reduce-scatter."""
+    accum_gradients: int = 0
+    """FSDP with accumulation: the whole model's unsharded fp32 gradients kept by no-sync between micro-steps."""
 
     @property
     def static(self) -> int:
         """Independent of the micro-batch."""
-        return self.weights + self.autocast_weights + self.gradients + self.optimizer
+        return (self.weights + self.autocast_weights + self.gradients + self.optimizer + self.gathered
+                + self.unit_gradients + self.accum_gradients)
 
     @property
     def total(self) -> int:
@@ -173,6 +208,8 @@ class Plan:
     max_micro_batch_size: int
     """Largest micro-batch whose total fits in hardware memory minus its reserve (0 if none)."""
     flops_per_token: float
+    parallel: str = "ddp"
+    """ddp or fsdp (TrainConfig.parallel): what memory counts (Memory.shards)."""
 
     @property
     def usable_bytes(self) -> int:
@@ -181,6 +218,12 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.usable_bytes
+
+    @property
+    def rs_total(self) -> int:
+        """FSDP: the total with a reduce-scatter per micro-step instead of no-sync accumulation (only the
+        shards kept between micro-steps); the total itself otherwise."""
+        return self.memory.total - self.memory.accum_gradients
 
     @property
     def tokens_per_micro_step(self) -> int:
@@ -211,7 +254,8 @@ class Plan:
 
 def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len: int | None = None,
          world_size: int = 1, dtype: str = "bf16", total_batch_size: int | None = None,
-         tokens: int | None = None, mfu: float = 0.4, optimizer: str = "adamw", chunked_loss: bool = True) -> Plan:
+         tokens: int | None = None, mfu: float = 0.4, optimizer: str = "adamw", chunked_loss: bool = True,
+         parallel: str = "ddp") -> Plan:
     """Memory per device, the largest micro-batch that fits, and time estimates. Pure arithmetic.
 
     total_batch_size defaults to one micro-step on every device (no accumulation); it must be a
@@ -219,25 +263,28 @@ def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len
     counts; the largest micro-batch is always the chunked loss's (see choose_loss_impl).
     """
     seq_len = cfg.block_size if seq_len is None else seq_len
-    problems = _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens)
+    problems = _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens, parallel)
     if problems:
         raise ValueError("invalid plan:\n  - " + "\n  - ".join(problems))
     if total_batch_size is None:
         total_batch_size = micro_batch_size * seq_len * world_size
-    grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)  # a whole number, else its error
+    accum = grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)  # whole, else its error
     mem = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
                  device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
-                 chunked_loss=chunked_loss)
+                 chunked_loss=chunked_loss, parallel=parallel, accum_steps=accum)
     return Plan(cfg=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
                 dtype=dtype, hardware=hardware, total_batch_size=total_batch_size, tokens=tokens,
                 mfu=mfu, n_params=param_count(cfg), n_params_formula=count_params_formula(cfg),
-                memory=mem, flops_per_token=flops_per_token(cfg, seq_len),
+                memory=mem, flops_per_token=flops_per_token(cfg, seq_len), parallel=parallel,
                 max_micro_batch_size=max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size,
-                                                          dtype=dtype, optimizer=optimizer))
+                                                          dtype=dtype, optimizer=optimizer, parallel=parallel,
+                                                          total_batch_size=total_batch_size))
 
 
-def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens) -> list[str]:
+def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens, parallel="ddp") -> list[str]:
     p = []
+    if parallel not in PARALLELS:
+        p.append(f"parallel={parallel!r} must be one of {PARALLELS}")
     if micro_batch_size < 1:
         p.append(f"micro_batch_size={micro_batch_size} must be >= 1")
     if not 1 <= seq_len <= cfg.block_size:
@@ -281,9 +328,11 @@ def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: b
 
 def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int = 1,
            dtype: str = "bf16", device_type: str = "cuda", chunked_loss: bool = True,
-           device_memory: int | None = None, optimizer: str = "adamw") -> Memory:
+           device_memory: int | None = None, optimizer: str = "adamw", parallel: str = "ddp",
+           accum_steps: int = 1) -> Memory:
     """Bytes per device for one training micro-step (see the module docstring). device_memory is the
-    device's total bytes, which sizes the loss's chunks on CUDA (see loss_bytes)."""
+    device's total bytes, which sizes the loss's chunks on CUDA (see loss_bytes). parallel: ddp or
+    fsdp; accum_steps > 1 under fsdp adds the no-sync gradients."""
     n = param_count(cfg)
     autocast = dtype in AUTOCAST_DTYPES
     flash = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
@@ -292,7 +341,7 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
                                 flash=False)
     logits = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=chunked_loss, device_type=device_type,
                         device_memory=device_memory)
-    return Memory(
+    mem = Memory(
         weights=4 * n,
         autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
         gradients=4 * n,  # also DDP's buckets: gradient_as_bucket_view=True makes them one storage
@@ -304,18 +353,63 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
         optimizer_name=optimizer,
         chunked_loss=chunked_loss,
     )
+    if parallel not in PARALLELS:
+        raise ValueError(f"parallel={parallel!r} must be one of {PARALLELS}")
+    if parallel == "ddp" or world_size == 1:  # fsdp at world size 1: the trainer does not shard
+        return mem
+    return fsdp_memory(mem, cfg, world_size, dtype=dtype, device_type=device_type, optimizer=optimizer,
+                       accum_steps=accum_steps)
 
 
-def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
+def fsdp_memory(mem: Memory, cfg: ModelConfig, world_size: int, *, dtype: str, device_type: str, optimizer: str,
+                accum_steps: int) -> Memory:
+    """DDP's memory made FSDP's over world_size ranks: the state sharded (padded), plus what is unsharded
+    in flight (module docstring). Activations and the loss are unchanged."""
+    shapes = weight_shapes(cfg)
+    policy = dtype in AUTOCAST_DTYPES and device_type == "cuda"  # the mixed-precision policy: bf16/fp16 params
+    s = 2 if policy else 4
+    root = {k: v for k, v in shapes.items() if ".h." not in f".{k}"}
+    block = {k: v for k, v in shapes.items() if k.startswith("transformer.h.0.")}
+    root_n = gathered_elements(root.values(), world_size)
+    block_n = gathered_elements(block.values(), world_size)
+    return dataclasses.replace(
+        mem, shards=world_size,
+        weights=4 * sharded_elements(shapes.values(), world_size),
+        gradients=4 * sharded_elements(shapes.values(), world_size),
+        optimizer=optimizer_bytes(cfg, optimizer, world_size=world_size),
+        autocast_weights=0 if policy else mem.autocast_weights,
+        gathered=s * (root_n + min(2, cfg.n_layer) * block_n),
+        unit_gradients=s * root_n + (s + 4) * block_n,
+        accum_gradients=4 * gathered_elements(shapes.values(), world_size) if accum_steps > 1 else 0)
+
+
+def shard_rows(rows: int, world_size: int) -> int:
+    """Rows of dim 0 in each rank's FSDP2 shard: torch.chunk's largest chunk, to which FSDP2 pads all."""
+    return -(-rows // world_size)
+
+
+def sharded_elements(shapes, world_size: int) -> int:
+    """Elements one rank holds of these parameters under FSDP2 (padding included); at world size 1, all."""
+    return sum(shard_rows(s[0], world_size) * math.prod(s[1:]) for s in shapes)
+
+
+def gathered_elements(shapes, world_size: int) -> int:
+    """Elements of these parameters all-gathered: world_size padded shards each (the all-gather's output)."""
+    return world_size * sharded_elements(shapes, world_size)
+
+
+def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw", *, world_size: int = 1) -> int:
     """AdamW: two fp32 moments per parameter. Muon: one fp32 momentum per block matrix, AdamW's two
-    for the rest (embeddings, biases, LayerNorm; gpt2/optim.py)."""
-    n = param_count(cfg)
-    if optimizer == "adamw":
-        return 8 * n
-    if optimizer != "muon":
+    for the rest (embeddings, biases, LayerNorm; gpt2/optim.py). world_size > 1: one rank's FSDP
+    shards of them (the moments are shaped like the sharded parameters, padding included)."""
+    if optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer={optimizer!r} must be adamw or muon")
-    block_matrices = block_matrix_count(cfg)
-    return 8 * (n - block_matrices) + 4 * block_matrices
+    shapes = weight_shapes(cfg)
+    if optimizer == "adamw":
+        return 8 * sharded_elements(shapes.values(), world_size)
+    muon = [s for name, s in shapes.items() if len(s) == 2 and ".h." in f".{name}"]  # as block_matrix_count
+    rest = [s for name, s in shapes.items() if not (len(s) == 2 and ".h." in f".{name}")]
+    return 8 * sharded_elements(rest, world_size) + 4 * sharded_elements(muon, world_size)
 
 
 WRITE_BYTES_PER_S = 1e9
@@ -423,63 +517,82 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
 
 
 def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int = 1,
-                         dtype: str = "bf16", optimizer: str = "adamw") -> int:
+                         dtype: str = "bf16", optimizer: str = "adamw", parallel: str = "ddp",
+                         total_batch_size: int | None = None, accumulate: bool | None = None) -> int:
     """Largest micro-batch whose total fits in memory minus the reserve (0: not even one sequence).
 
     Memory grows with the micro-batch (activations linearly; the chunked loss by at most one chunk),
-    so the largest fitting size is found by doubling and then bisecting.
+    so the largest fitting size is found by doubling and then bisecting. Under fsdp, a micro-batch
+    that needs accumulation also holds the no-sync gradients: the search assumes accumulation, then
+    the one micro-batch without it (all of a rank's total_batch_size sequences at once, if that
+    divides) is tried on its own. accumulate=False counts no no-sync gradients at any size (a
+    reduce-scatter per micro-step: the alternative the plan reports).
     """
     usable = hardware.memory_bytes - hardware.reserve_bytes
 
-    def fits(b: int) -> bool:
+    def fits(b: int, accum: int = 2 if accumulate is not False else 1) -> bool:
         return memory(cfg, b, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type,
-                      device_memory=hardware.memory_bytes, optimizer=optimizer).total <= usable
+                      device_memory=hardware.memory_bytes, optimizer=optimizer, parallel=parallel,
+                      accum_steps=accum).total <= usable
 
+    whole = None  # the micro-batch with no accumulation, when there is one
+    if total_batch_size is not None and total_batch_size % (seq_len * world_size) == 0:
+        whole = total_batch_size // (seq_len * world_size)
     if not fits(1):
-        return 0
+        return whole if whole is not None and fits(whole, 1) else 0
     lo, hi = 1, 2
     while fits(hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:  # fits(lo) and not fits(hi)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return whole if whole is not None and whole > lo and fits(whole, 1) else lo
 
 
 def auto_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int,
-                          total_batch_size: int, dtype: str, optimizer: str = "adamw") -> int:
+                          total_batch_size: int, dtype: str, optimizer: str = "adamw", parallel: str = "ddp") -> int:
     """--micro-batch-size auto: the largest micro-batch that fits (max_micro_batch_size) and divides
     the global batch, so that accumulation stays a whole number of micro-steps."""
     grad_accum_steps(total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
-    fits = max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer)
+    fits = max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer,
+                                parallel=parallel, total_batch_size=total_batch_size)
     if fits == 0:
-        raise ValueError(does_not_fit(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer))
+        raise ValueError(does_not_fit(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer,
+                                      parallel=parallel))
     seqs = total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
     return max(b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0)
 
 
 def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int, dtype: str,
-                 optimizer: str = "adamw") -> str:
+                 optimizer: str = "adamw", parallel: str = "ddp") -> str:
     """The one message for a model that cannot train even one sequence per device: which model, where,
     what it needs against what there is, and the changes that would make it fit."""
     def one(**change) -> Memory:
         kw = dict(world_size=world_size, dtype=dtype, device_type=hardware.device_type,
-                  device_memory=hardware.memory_bytes, optimizer=optimizer)
+                  device_memory=hardware.memory_bytes, optimizer=optimizer, parallel=parallel, accum_steps=2)
         return memory(cfg, 1, seq_len, **{**kw, **change})
 
     need, usable = one(), hardware.memory_bytes - hardware.reserve_bytes
+    sharded = parallel == "fsdp" and world_size > 1
     options = ["a smaller model (a smaller --preset, or --n-layer/--n-embd)"]
+    if not sharded and world_size > 1 and one(parallel="fsdp").total <= usable:
+        options.append(f"--parallel fsdp (state sharded over the {world_size} ranks: {_gib(one(parallel='fsdp').total)})")
+    if sharded and need.accum_gradients and need.total - need.accum_gradients <= usable:
+        options.append(f"no gradient accumulation (FSDP's no-sync keeps {_gib(need.accum_gradients)} of unsharded "
+                       f"gradients between micro-steps: a smaller --total-batch-size or more ranks)")
     if need.static <= usable:  # the micro-batch's own memory is what overflows: shorter or 16-bit helps
         options.append("a shorter --block-size")
         if dtype not in AUTOCAST_DTYPES:
             options.append("--dtype bfloat16")
     if optimizer == "adamw" and one(optimizer="muon").total <= usable:
         options.append(f"--optimizer muon (one moment per block matrix: {_gib(one(optimizer='muon').total)})")
-    options.append("a device with more memory")
-    return (f"{describe_model(cfg)} does not fit on {hardware.name} ({_gib(hardware.memory_bytes)}) with DDP at "
-            f"world size {world_size}: micro_batch_size=1 needs {_gib(need.total)} per device ({_gib(need.static)} of "
-            f"weights, gradients and {optimizer} state, which DDP keeps whole on every rank however many there "
-            f"are) but {_gib(usable)} is usable ({_gib(hardware.reserve_bytes)} reserved); use "
+    options.append("a device with more memory" if not sharded else "more ranks or a device with more memory")
+    state = ("which DDP keeps whole on every rank however many there are" if not sharded else
+             f"each rank's 1/{world_size} shard plus the gathered units and unsharded gradients FSDP holds")
+    return (f"{describe_model(cfg)} does not fit on {hardware.name} ({_gib(hardware.memory_bytes)}) with "
+            f"{'FSDP' if sharded else 'DDP'} at world size {world_size}: micro_batch_size=1 needs {_gib(need.total)} "
+            f"per device ({_gib(need.static)} of weights, gradients and {optimizer} state, {state}) but "
+            f"{_gib(usable)} is usable ({_gib(hardware.reserve_bytes)} reserved); use "
             + ", ".join(options[:-1]) + f" or {options[-1]}")
 
 
@@ -525,7 +638,7 @@ class LossChoice:
 
 def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int, hardware: Hardware,
                      world_size: int = 1, dtype: str = "bf16", optimizer: str = "adamw", compiled: bool = True,
-                     seq_len: int | None = None) -> LossChoice:
+                     seq_len: int | None = None, parallel: str = "ddp", accum_steps: int = 1) -> LossChoice:
     """The loss path for a micro-batch already chosen (see FULL_LOSS_MEMORY_SHARE). requested: the
     TrainConfig.loss_impl, auto, chunked or full; compiled: TrainConfig.compile (auto keeps the chunked
     loss uncompiled, where it is not slower). An explicit full that cannot fit the device's whole
@@ -539,7 +652,7 @@ def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int,
     peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False)
     total = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
                    device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
-                   chunked_loss=False).total
+                   chunked_loss=False, parallel=parallel, accum_steps=accum_steps).total
     usable = hardware.memory_bytes - hardware.reserve_bytes
     share = usable // FULL_LOSS_MEMORY_SHARE
     logits = f"full-logits peak {_gib(peak)} at micro-batch {micro_batch_size}"
@@ -574,11 +687,14 @@ def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int
     mb = tc.micro_batch_size
     if mb == "auto":
         mb = auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
-                                   total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer)
+                                   total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer,
+                                   parallel=tc.parallel)
+    accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world_size)
     loss = choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
-                            dtype=dtype, optimizer=tc.optimizer, compiled=tc.compile)
+                            dtype=dtype, optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel,
+                            accum_steps=accum)
     return plan(cfg.model, micro_batch_size=mb, hardware=hardware, world_size=world_size, dtype=dtype,
-                total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer,
+                total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer, parallel=tc.parallel,
                 chunked_loss=loss.impl == "chunked",
                 tokens=tc.max_steps * tc.total_batch_size if tokens is None else tokens)
 
@@ -650,7 +766,7 @@ def check_fits(p: Plan) -> None:
         return
     if p.max_micro_batch_size == 0:
         raise ValueError(does_not_fit(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
-                                      optimizer=p.memory.optimizer_name))
+                                      optimizer=p.memory.optimizer_name, parallel=p.parallel))
     b = p.max_micro_batch_size
     fix = f"use --micro-batch-size {b} or less (auto: the largest that fits and divides)"
     per_total = b * p.seq_len * p.world_size
@@ -686,16 +802,18 @@ def format_plan(p: Plan) -> str:
         f"batch      micro_batch_size={p.micro_batch_size} x seq_len={p.seq_len} x world_size={p.world_size}"
         f" = {p.tokens_per_micro_step:,} tokens/micro-step; total_batch_size={p.total_batch_size:,} "
         f"-> {p.grad_accum_steps} accumulation step(s)",
-        "memory per device:",
-        f"  weights                {_gib(m.weights)}  (fp32, 4 B/param)",
+        _memory_heading(p),
+        f"  weights                {_gib(m.weights)}  (fp32, 4 B/param{_per_shard(m)})",
     ]
     if m.autocast_weights:
         lines.append(f"  autocast {p.dtype} copies   {_gib(m.autocast_weights)}  (matmul weights, saved for backward)")
-    lines.append(f"  gradients              {_gib(m.gradients)}  (fp32)")
+    lines.append(f"  gradients              {_gib(m.gradients)}  (fp32{_per_shard(m)})")
     flash_mark, explicit_mark = ("<-", "  ") if c.attn_impl != "explicit" else ("  ", "<-")
     lines += [
-        (f"  optimizer (AdamW)      {_gib(m.optimizer)}  (two fp32 moments)" if m.optimizer_name == "adamw" else
-         f"  optimizer (Muon+AdamW) {_gib(m.optimizer)}  (fp32 momentum per block matrix, two moments for the rest)"),
+        (f"  optimizer (AdamW)      {_gib(m.optimizer)}  (two fp32 moments{_per_shard(m)})" if m.optimizer_name == "adamw"
+         else f"  optimizer (Muon+AdamW) {_gib(m.optimizer)}  (fp32 momentum per block matrix, two moments for the "
+              f"rest{_per_shard(m)})"),
+        *_fsdp_lines(p),
         f"  activations, flash     {_gib(m.activations_flash)} {flash_mark}",
         f"  activations, explicit  {_gib(m.activations_explicit)} {explicit_mark} (stores B*nh*T*T probabilities)",
         f"  LM head + loss peak    {_gib(m.logits)}  "
@@ -704,6 +822,7 @@ def format_plan(p: Plan) -> str:
         f"  total                  {_gib(m.total)}  of {_gib(p.usable_bytes)} usable "
         f"({_gib(hw.reserve_bytes)} reserved)",
         f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
+        *([accum] if (accum := format_accumulation(p)) else []),
         f"compute    {_human(p.flops_per_token)}FLOP/token (6N + 12*L*h*T); "
         + (f"at {p.mfu:.0%} MFU: {_human(p.tokens_per_s)} tokens/s, {p.step_time_s:.3f} s/step"
            if p.tokens_per_s is not None else "no time estimate without a peak"),
@@ -712,6 +831,55 @@ def format_plan(p: Plan) -> str:
         lines.append(f"budget     {_human(p.tokens)} tokens: {p.tokens / p.total_batch_size:,.0f} steps, "
                      f"{p.hours:.2f} h ({p.hours * p.world_size:.1f} device-hours)")
     return "\n".join(lines)
+
+
+def _memory_heading(p: Plan) -> str:
+    if p.memory.shards > 1:
+        return (f"memory per device (FSDP over {p.world_size} ranks: each holds a 1/{p.world_size} shard of every "
+                f"parameter, dim 0 padded to a multiple of {p.world_size}; `--parallel ddp` keeps it all on every rank):")
+    if p.parallel == "fsdp":
+        return "memory per device (--parallel fsdp at world size 1: nothing to shard, the plain model):"
+    return "memory per device:"
+
+
+def _per_shard(m: Memory) -> str:
+    return f", 1/{m.shards} shard" if m.shards > 1 else ""
+
+
+def _fsdp_lines(p: Plan) -> list[str]:
+    """FSDP's unsharded memory in flight, and how gradient accumulation is counted (module docstring)."""
+    m = p.memory
+    if m.shards == 1:
+        return []
+    dtype = p.dtype if p.dtype in AUTOCAST_DTYPES and p.hardware.device_type == "cuda" else "fp32"  # the policy
+    lines = [f"  gathered weights       {_gib(m.gathered)}  ({dtype}: the root unit (tied wte/LM head, wpe, ln_f) "
+             f"all step + 2 blocks, one prefetched)",
+             f"  unsharded gradients    {_gib(m.unit_gradients)}  (the root's through backward + one block's before "
+             f"its reduce-scatter)"]
+    if m.accum_gradients:
+        lines.append(f"  no-sync gradients      {_gib(m.accum_gradients)}  (fp32, whole model unsharded: kept between "
+                     f"the {p.grad_accum_steps} micro-steps)")
+    return lines
+
+
+def format_accumulation(p: Plan) -> str | None:
+    """FSDP with accumulation: which way the plan counts it, and when the other way is what fits."""
+    m = p.memory
+    if not m.accum_gradients:
+        return None
+    usable = p.usable_bytes
+    largest = max_micro_batch_size(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
+                                   optimizer=m.optimizer_name, parallel=p.parallel, accumulate=False)
+    rs = (f"a reduce-scatter per micro-step would keep only the shards: {_gib(p.rs_total)}, largest micro-batch "
+          f"{largest}")
+    if p.fits:
+        verdict = "fits as counted"
+    elif p.rs_total <= usable:
+        verdict = ("does NOT fit with no-sync but WOULD with a reduce-scatter per micro-step (the trainer uses "
+                   "no-sync); or fewer micro-steps: a larger micro-batch, a smaller --total-batch-size or more ranks")
+    else:
+        verdict = "fits neither way"
+    return f"accumulate FSDP no-sync (counted): {_gib(m.total)}; {rs}. {verdict}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -735,6 +903,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="training budget in tokens, e.g. 10e9 (default: the preset's max_steps x total batch)")
     ap.add_argument("--mfu", type=float, default=0.4, help="assumed MFU for time estimates (default 0.4)")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"), help="what the optimizer state counts")
+    ap.add_argument("--parallel", default="ddp", choices=PARALLELS,
+                    help="ddp (every rank holds everything) or fsdp (state sharded over --world-size ranks)")
     ap.add_argument("--write-gb-s", type=float, default=WRITE_BYTES_PER_S / 1e9,
                     help="checkpoint write speed for the SLURM stop budget (default 1 GB/s)")
     ap.add_argument("--loss-impl", default="auto", choices=("auto", "chunked", "full"),
@@ -752,7 +922,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                                                 "attn_impl", "block_size") if getattr(args, k) is not None}
     cfg = model_preset(args.preset, **overrides)
     train = {**TRAIN_PRESETS.get(args.preset, {}), "micro_batch_size": args.micro_batch_size,
-             "optimizer": args.optimizer, "loss_impl": args.loss_impl}
+             "optimizer": args.optimizer, "loss_impl": args.loss_impl, "parallel": args.parallel}
     train["dtype"], train["tf32"] = from_short_name(args.dtype)
     if args.total_batch_size is not None:
         train["total_batch_size"] = args.total_batch_size

@@ -122,14 +122,15 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
 
 def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> int:
     """The run's micro-batch: the explicit one, or (auto) the planner's largest that fits hardware
-    and divides the global batch at world_size. dtype: the resolved TrainConfig.dtype."""
+    and divides the global batch at world_size, counting --parallel's memory (fsdp: the sharded
+    state, the gathered units, no-sync gradients when it accumulates). dtype: the resolved TrainConfig.dtype."""
     from gpt2.plan import auto_micro_batch_size
 
     tc = cfg.train
     if tc.micro_batch_size != "auto":
         return tc.micro_batch_size
     return auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
-                                 total_batch_size=tc.total_batch_size, optimizer=tc.optimizer,
+                                 total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
                                  dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
@@ -140,7 +141,8 @@ def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: in
 
     tc = cfg.train
     return choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
-                            optimizer=tc.optimizer, compiled=tc.compile,
+                            optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel,
+                            accum_steps=grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world_size),
                             dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
