@@ -35,8 +35,9 @@ zero_grad(set_to_none=True) and one micro-step, they are allocated while activat
                one unit ahead in forward and backward)
   unsharded gradients
                the root's unsharded gradient through the whole backward (the LM head's part comes
-               first, the embedding's last), and one block's before its reduce-scatter, with the fp32
-               reduce-scatter input copied from it
+               first, the embedding's last) but for the tied weight's, which is the fp32 weight
+               gradient the LM head + loss term already counts; and one block's before its
+               reduce-scatter, with the fp32 reduce-scatter input copied from it
   no-sync gradients
                gradient accumulation (several micro-steps) skips the reduce-scatter on all but the last
                micro-step (FSDP2's set_requires_gradient_sync(False), as the trainer does): every
@@ -372,6 +373,7 @@ def fsdp_memory(mem: Memory, cfg: ModelConfig, world_size: int, *, dtype: str, d
     block = {k: v for k, v in shapes.items() if k.startswith("transformer.h.0.")}
     root_n = gathered_elements(root.values(), world_size)
     block_n = gathered_elements(block.values(), world_size)
+    tied_n = gathered_elements([shapes["transformer.wte.weight"]], world_size)  # its gradient: in loss_bytes
     return dataclasses.replace(
         mem, shards=world_size,
         weights=4 * sharded_elements(shapes.values(), world_size),
@@ -379,7 +381,7 @@ def fsdp_memory(mem: Memory, cfg: ModelConfig, world_size: int, *, dtype: str, d
         optimizer=optimizer_bytes(cfg, optimizer, world_size=world_size),
         autocast_weights=0 if policy else mem.autocast_weights,
         gathered=s * (root_n + min(2, cfg.n_layer) * block_n),
-        unit_gradients=s * root_n + (s + 4) * block_n,
+        unit_gradients=s * (root_n - tied_n) + (s + 4) * block_n,
         accum_gradients=4 * gathered_elements(shapes.values(), world_size) if accum_steps > 1 else 0)
 
 
@@ -577,6 +579,8 @@ def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_si
     options = ["a smaller model (a smaller --preset, or --n-layer/--n-embd)"]
     if not sharded and world_size > 1 and one(parallel="fsdp").total <= usable:
         options.append(f"--parallel fsdp (state sharded over the {world_size} ranks: {_gib(one(parallel='fsdp').total)})")
+    if parallel == "fsdp" and world_size == 1:
+        options.append("several ranks (--parallel fsdp shards over the ranks; one process holds everything)")
     if sharded and need.accum_gradients and need.total - need.accum_gradients <= usable:
         options.append(f"no gradient accumulation (FSDP's no-sync keeps {_gib(need.accum_gradients)} of unsharded "
                        f"gradients between micro-steps: a smaller --total-batch-size or more ranks)")
@@ -854,8 +858,8 @@ def _fsdp_lines(p: Plan) -> list[str]:
     dtype = p.dtype if p.dtype in AUTOCAST_DTYPES and p.hardware.device_type == "cuda" else "fp32"  # the policy
     lines = [f"  gathered weights       {_gib(m.gathered)}  ({dtype}: the root unit (tied wte/LM head, wpe, ln_f) "
              f"all step + 2 blocks, one prefetched)",
-             f"  unsharded gradients    {_gib(m.unit_gradients)}  (the root's through backward + one block's before "
-             f"its reduce-scatter)"]
+             f"  unsharded gradients    {_gib(m.unit_gradients)}  (one block's before its reduce-scatter, the root's "
+             f"through backward; the tied wte's is the loss term's)"]
     if m.accum_gradients:
         lines.append(f"  no-sync gradients      {_gib(m.accum_gradients)}  (fp32, whole model unsharded: kept between "
                      f"the {p.grad_accum_steps} micro-steps)")

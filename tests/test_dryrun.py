@@ -219,9 +219,14 @@ def test_every_documented_command_rehearses_at_every_size(train_ddp, data_dir, t
     # defaults, which are gpt2's), several-node ones included, starts at every size on every GPU; they
     # stopped at start-up above 8 ranks while the micro-batch was a fixed 64. (The debug preset's
     # 2,048-token batch cannot be split over 8+ ranks, and an explicit missing checkpoint is an error.)
+    # A --parallel fsdp command is there for a model DDP cannot hold: at one rank nothing is sharded
+    # (the trainer runs the plain model), so there it may only refuse, with the line checked above.
     recipe = {k: v for k, v in outcomes.items()
-              if v[3] and preset_of(v[2]) != "debug" and resume_of(v[2]) in ("auto", "never")}
+              if v[3] and preset_of(v[2]) != "debug" and resume_of(v[2]) in ("auto", "never")
+              and not (parallel_of(v[2]) == "fsdp" and k[1] == 1)}
     assert len(recipe) >= 8 * len(WORLD_SIZES) * len(GPUS)
+    fsdp = {k for k, v in recipe.items() if parallel_of(v[2]) == "fsdp"}
+    assert len({k[0] for k in fsdp}) >= 3  # README's plan-table, torchrun and sbatch FSDP commands
     assert all(v[0] == 0 for v in recipe.values()), {k: v[1] for k, v in recipe.items() if v[0]}
     several = {k[0] for k in recipe if "--nnodes=4" in k[0] or "--nodes=4" in k[0]}
     assert len(several) >= 2  # README's torchrun and sbatch lines
@@ -230,6 +235,11 @@ def test_every_documented_command_rehearses_at_every_size(train_ddp, data_dir, t
 def preset_of(args: list[str]) -> str | None:
     values = [b for a, b in zip(args, args[1:]) if a == "--preset"]
     return values[-1] if values else None
+
+
+def parallel_of(args: list[str]) -> str:
+    values = [b for a, b in zip(args, args[1:]) if a == "--parallel"]
+    return values[-1] if values else "ddp"
 
 
 def resume_of(args: list[str]) -> str:
@@ -438,3 +448,31 @@ def test_the_loss_path_is_chosen_and_printed_as_a_real_run_would(train_ddp, data
     assert "--loss-impl full: the plan with the full-logits peak 85.97 GiB" in err and "use --loss-impl chunked" in err
     code, _, err = dry(train_ddp, [*base, "--preset", "debug", "--loss-impl", "fused"], capsys)
     assert code == 2 and "loss_impl='fused' must be one of ('auto', 'chunked', 'full')" in err
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_fsdp_dry_run_shows_the_sharded_plan(train_ddp, data_dir, tmp_path, capsys, world):
+    """gpt2-xl with --parallel fsdp on 24 GB cards: refused with the fix at one rank (nothing to shard),
+    planned sharded from 8 ranks on, each rank's shard of the state and the checkpoint's shards named."""
+    args = ["--preset", "gpt2-xl", "--parallel", "fsdp", "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "run"),
+            "--world-size", str(world), "--gpu", "RTX4090-24GB", "--nproc-per-node", str(min(world, 8))]
+    code, out, err = dry(train_ddp, args, capsys)
+    if world == 1:
+        assert code == 2 and "does not fit on RTX4090-24GB" in err and "several ranks" in err, err
+        return
+    assert code == 0, err
+    assert "parallel fsdp" in out and f"FSDP over {world} ranks" in out and f"1/{world} shard" in out
+    assert "gathered weights" in out and "fits       yes" in out
+    assert f"each of the {world} ranks writing its" in out
+    ddp_code, _, ddp_err = dry(train_ddp, [a if a != "fsdp" else "ddp" for a in args], capsys)
+    assert ddp_code == 2 and "--parallel fsdp" in ddp_err  # what DDP cannot hold, and the fix named
+
+
+def test_fsdp_dry_run_on_this_cpu_at_two_ranks(train_ddp, data_dir, tmp_path, capsys):
+    """The bench's shape rehearsed on this machine (2 ranks sharing its RAM): the sharded plan, fp32."""
+    code, out, err = dry(train_ddp, ["--preset", "gpt2-medium", "--parallel", "fsdp", "--device", "cpu",
+                                     "--dtype", "float32", "--block-size", "128", "--micro-batch-size", "1",
+                                     "--total-batch-size", "256", "--data-dir", str(data_dir),
+                                     "--out-dir", str(tmp_path / "run"), "--world-size", "2"], capsys)
+    assert code == 0, err
+    assert "FSDP over 2 ranks" in out and "gathered weights" in out and "(fp32:" in out

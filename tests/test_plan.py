@@ -1,4 +1,5 @@
 import dataclasses
+import math
 import contextlib
 import os
 import subprocess
@@ -432,3 +433,119 @@ def test_plan_accumulation_is_the_schedules():
 
     p = plan(model_preset("debug"), micro_batch_size=2, hardware=CPU, world_size=2, total_batch_size=2048)
     assert p.grad_accum_steps == grad_accum_steps(2048, 2, 128, 2) == 4
+
+
+# ---- --parallel fsdp: the sharded memory ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-xl"])
+@pytest.mark.parametrize("world", [2, 3, 8, 64])
+def test_fsdp_state_per_rank_is_the_padded_shard(name, world):
+    """Weights, gradients and AdamW's moments per rank: 1/W of DDP's, plus at most one padding row per
+    parameter (FSDP2 pads dim 0 to a multiple of W); the rows are torch.chunk's largest chunk."""
+    from gpt2.config import weight_shapes
+    from gpt2.plan import shard_rows
+
+    cfg = model_preset(name)
+    shapes = weight_shapes(cfg).values()
+    for rows in {s[0] for s in shapes}:
+        assert shard_rows(rows, world) == max(len(c) for c in torch.arange(rows).chunk(world))
+    kw = dict(world_size=world, device_memory=24 * GIB)
+    ddp = memory(cfg, 1, 1024, **kw)
+    fsdp = memory(cfg, 1, 1024, **kw, parallel="fsdp")
+    one_row_each = sum(math.prod(s[1:]) for s in shapes)  # the most padding can add per rank
+    for term, per_element in (("weights", 4), ("gradients", 4), ("optimizer", 8)):
+        full, shard = getattr(ddp, term), getattr(fsdp, term)
+        assert full / world <= shard <= full / world + per_element * one_row_each, term
+    assert fsdp.shards == world and ddp.shards == 1
+    assert (fsdp.activations, fsdp.logits) == (ddp.activations, ddp.logits)  # activations as under DDP
+    assert fsdp.autocast_weights == 0 < ddp.autocast_weights  # CUDA's policy gathers bf16 weights: no copies
+    # in flight: the root unit (the tied wte/LM head, wpe, ln_f) and two blocks, in bf16
+    h, V = cfg.n_embd, cfg.vocab_size
+    root = world * shard_rows(V, world) * h + world * shard_rows(cfg.block_size, world) * h + 2 * world * shard_rows(h, world)
+    block = world * sum(shard_rows(rows, world) * cols for rows, cols in
+                        ((3 * h, h), (3 * h, 1), (h, h), (h, 1), (4 * h, h), (4 * h, 1), (h, 4 * h), (h, 1))) \
+        + 4 * world * shard_rows(h, world)  # c_attn, c_proj, c_fc, mlp.c_proj (weight, bias); ln_1, ln_2
+    assert block >= 12 * h * h + 13 * h
+    assert fsdp.gathered == 2 * (root + 2 * block)
+    muon = memory(cfg, 1, 1024, **kw, parallel="fsdp", optimizer="muon")
+    assert ddp.optimizer / 2 / world < muon.optimizer < fsdp.optimizer
+
+
+def test_fsdp_at_world_size_1_is_ddp():
+    """No process group, no sharding: the trainer runs the plain model, and the plan is DDP's to the byte."""
+    cfg = model_preset("gpt2")
+    for dtype in ("bf16", "fp32"):
+        kw = dict(dtype=dtype, device_memory=40 * GIB)
+        assert memory(cfg, 4, 1024, **kw, parallel="fsdp", accum_steps=8) == memory(cfg, 4, 1024, **kw)
+    text = format_plan(plan(cfg, micro_batch_size=4, hardware=gpu_hardware("A100-40GB", "bf16"), parallel="fsdp"))
+    assert "fsdp at world size 1: nothing to shard" in text and "gathered" not in text
+
+
+def test_gpt2_xl_on_8_24gb_cards_fits_with_fsdp_and_not_with_ddp():
+    from gpt2.config import TRAIN_PRESETS, RunConfig, TrainConfig
+    from gpt2.plan import plan_run
+
+    hw = gpu_hardware("RTX4090-24GB", "bf16")
+    train = dict(TRAIN_PRESETS["gpt2-xl"], data_dir="d", out_dir="o", dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"gpt2-xl does not fit on RTX4090-24GB .* with DDP at world size 8.*"
+                                         r"--parallel fsdp \(state sharded over the 8 ranks"):
+        plan_run(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train)), hw, world_size=8)
+    p = plan_run(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train, parallel="fsdp")), hw, world_size=8)
+    assert p.fits and p.micro_batch_size >= 1 and p.grad_accum_steps > 1
+    state = p.memory.weights + p.memory.gradients + p.memory.optimizer
+    assert state < 3.0 * GIB  # issue 25: 23.2 GiB of state -> 2.9 GiB per rank over 8
+    text = format_plan(p)
+    assert "FSDP over 8 ranks" in text and "1/8 shard" in text and "no-sync gradients" in text
+    assert "accumulate FSDP no-sync (counted)" in text and "fits as counted" in text
+
+
+def test_no_sync_accumulation_is_counted_and_the_reduce_scatter_choice_reported():
+    """Accumulating under FSDP's no-sync keeps the whole model's unsharded fp32 gradients; a plan that
+    only fits with a reduce-scatter per micro-step says so; without accumulation there is nothing kept."""
+    from gpt2.plan import gathered_elements
+    from gpt2.config import weight_shapes
+
+    cfg = model_preset("gpt2-xl")
+    a100 = gpu_hardware("A100-40GB", "bf16")
+    once = plan(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=8 * 1024 * 8)
+    accum = plan(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=4 * 8 * 1024 * 8)
+    assert once.memory.accum_gradients == 0 and once.rs_total == once.memory.total
+    assert accum.memory.accum_gradients == 4 * gathered_elements(weight_shapes(cfg).values(), 8)
+    assert accum.memory.total - once.memory.total == accum.memory.accum_gradients
+    # a device between the two totals: fits only with a reduce-scatter per micro-step
+    mid = Hardware(name="mid", memory_bytes=(accum.rs_total + accum.memory.total) // 2 + a100.reserve_bytes,
+                   peak_flops=None)
+    p = plan(cfg, micro_batch_size=8, hardware=mid, world_size=8, parallel="fsdp", total_batch_size=4 * 8 * 1024 * 8)
+    assert not p.fits and p.rs_total <= p.usable_bytes
+    assert "does NOT fit with no-sync but WOULD with a reduce-scatter per micro-step" in format_plan(p)
+    # the largest micro-batch: the one without accumulation counts no no-sync gradients
+    big = Hardware(name="big", memory_bytes=once.memory.total + a100.reserve_bytes, peak_flops=None)
+    assert max_micro_batch_size(cfg, 1024, big, world_size=8, parallel="fsdp", total_batch_size=8 * 1024 * 8) == 8
+    assert max_micro_batch_size(cfg, 1024, big, world_size=8, parallel="fsdp") < 8  # accumulation assumed
+
+
+def test_auto_micro_batch_under_fsdp_fits_and_divides():
+    cfg = model_preset("gpt2-large")
+    hw = gpu_hardware("RTX4090-24GB", "bf16")
+    for world in (2, 8, 64):
+        b = auto_micro_batch_size(cfg, 1024, hw, world_size=world, total_batch_size=524288, dtype="bf16",
+                                  parallel="fsdp")
+        seqs = 524288 // 1024 // world
+        assert seqs % b == 0
+        assert plan(cfg, micro_batch_size=b, hardware=hw, world_size=world, parallel="fsdp",
+                    total_batch_size=524288).fits
+        ddp = max_micro_batch_size(cfg, 1024, hw, world_size=world, total_batch_size=524288)
+        assert b >= min(ddp, seqs)  # sharding never makes the micro-batch smaller here
+
+
+def test_plan_cli_parallel_fsdp(capsys):
+    from gpt2.plan import main
+
+    argv = ["--preset", "gpt2-xl", "--gpu", "RTX4090-24GB", "--world-size", "8"]
+    assert main(argv) == 2
+    assert "--parallel fsdp" in capsys.readouterr().err
+    assert main([*argv, "--parallel", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "FSDP over 8 ranks" in out and "fits       yes" in out
+    with pytest.raises(SystemExit):
+        main([*argv, "--parallel", "zero3"])
