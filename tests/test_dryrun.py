@@ -226,7 +226,7 @@ def test_every_documented_command_rehearses_at_every_size(train_ddp, data_dir, t
               and not (parallel_of(v[2]) == "fsdp" and k[1] == 1)}
     assert len(recipe) >= 8 * len(WORLD_SIZES) * len(GPUS)
     fsdp = {k for k, v in recipe.items() if parallel_of(v[2]) == "fsdp"}
-    assert len({k[0] for k in fsdp}) >= 3  # README's plan-table, torchrun and sbatch FSDP commands
+    assert len({k[0] for k in fsdp}) >= 3  # README's torchrun and sbatch FSDP commands, the scripts' own
     assert all(v[0] == 0 for v in recipe.values()), {k: v[1] for k, v in recipe.items() if v[0]}
     several = {k[0] for k in recipe if "--nnodes=4" in k[0] or "--nodes=4" in k[0]}
     assert len(several) >= 2  # README's torchrun and sbatch lines
@@ -291,7 +291,8 @@ def test_what_does_not_fit_or_divide_is_one_actionable_line(train_ddp, data_dir,
                      r"micro_batch_size=1 needs \d+\.\d+ GiB per device .* but \d+\.\d+ GiB is usable", err), err
     # its weights, gradients and AdamW state alone exceed the card: a shorter block would not help
     assert "a smaller model" in err and "more memory" in err and "--block-size" not in err
-    assert "fsdp" not in err.lower()  # not available: not offered
+    # the state sharded over the 8 ranks would fit: --parallel fsdp is offered, with its total
+    assert re.search(r"--parallel fsdp \(state sharded over the 8 ranks: \d+\.\d+ GiB\)", err), err
     # 524,288 tokens over 1024 ranks of 1024-token sequences: not even one sequence each
     code, _, err = dry(train_ddp, [*base, "--preset", "gpt2", "--world-size", "1024", "--gpu", "H100-80GB"], capsys)
     assert code == 2 and "less than one sequence per rank" in err and "at most 512 ranks" in err, err
