@@ -773,6 +773,12 @@ def check_fits(p: Plan) -> None:
                                       optimizer=p.memory.optimizer_name, parallel=p.parallel))
     b = p.max_micro_batch_size
     fix = f"use --micro-batch-size {b} or less (auto: the largest that fits and divides)"
+    accumulating = max_micro_batch_size(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
+                                        optimizer=p.memory.optimizer_name, parallel=p.parallel)
+    if accumulating < b:  # fsdp: b is the micro-batch without accumulation, which keeps no no-sync gradients
+        fix = f"use --micro-batch-size {b} (one micro-step: no unsharded gradients kept)" + (
+            f" or, accumulating, {accumulating} or less" if accumulating else
+            ": with accumulation not even 1 fits (FSDP's no-sync keeps the whole model's gradients unsharded)")
     per_total = b * p.seq_len * p.world_size
     if p.total_batch_size % per_total == 0:
         fix += f" (the same total batch with {p.total_batch_size // per_total} accumulation steps)"

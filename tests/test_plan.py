@@ -522,6 +522,15 @@ def test_no_sync_accumulation_is_counted_and_the_reduce_scatter_choice_reported(
     big = Hardware(name="big", memory_bytes=once.memory.total + a100.reserve_bytes, peak_flops=None)
     assert max_micro_batch_size(cfg, 1024, big, world_size=8, parallel="fsdp", total_batch_size=8 * 1024 * 8) == 8
     assert max_micro_batch_size(cfg, 1024, big, world_size=8, parallel="fsdp") < 8  # accumulation assumed
+    # short sequences: the no-sync gradients outweigh half the micro-batch's activations, so an explicit
+    # micro-batch of 4 (two micro-steps) does not fit where 8 (one) does, and the fix says so
+    short = dict(seq_len=128, world_size=8, parallel="fsdp", total_batch_size=8 * 128 * 8)
+    whole = plan(cfg, micro_batch_size=8, hardware=a100, **short)
+    tight = Hardware(name="tight", memory_bytes=whole.memory.total + a100.reserve_bytes, peak_flops=None)
+    half = plan(cfg, micro_batch_size=4, hardware=tight, **short)
+    assert half.memory.total > tight.memory_bytes and half.max_micro_batch_size == 8
+    with pytest.raises(ValueError, match=r"use --micro-batch-size 8 \(one micro-step: no unsharded gradients kept\)"):
+        check_fits(half)
 
 
 def test_auto_micro_batch_under_fsdp_fits_and_divides():
