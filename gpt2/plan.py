@@ -780,7 +780,7 @@ def check_fits(p: Plan) -> None:
             f" or, accumulating, {accumulating} or less" if accumulating else
             ": with accumulation not even 1 fits (FSDP's no-sync keeps the whole model's gradients unsharded)")
     per_total = b * p.seq_len * p.world_size
-    if p.total_batch_size % per_total == 0:
+    if p.total_batch_size % per_total == 0 and p.total_batch_size > per_total:
         fix += f" (the same total batch with {p.total_batch_size // per_total} accumulation steps)"
     raise ValueError(f"micro_batch_size={p.micro_batch_size} needs {_gib(p.memory.total)} per device "
                      f"but {p.hardware.name} has {_gib(p.hardware.memory_bytes)}; {fix}")
