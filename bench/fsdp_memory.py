@@ -101,7 +101,10 @@ def run_mode(args: argparse.Namespace, data_dir: Path, tmp: Path, mode: str) -> 
                  nprocs=WORLD, join=True)
     finally:
         for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     return json.loads((run / "result.json").read_text())
 
 
