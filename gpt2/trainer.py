@@ -225,7 +225,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
 @dataclass(frozen=True)
 class Actions:
     """What a finished step owes before the next one. Every rank decides alike (sampling then runs
-    on rank 0 alone)."""
+    on rank 0 alone, or on every rank when the model is sharded)."""
     log: bool
     evaluate: bool
     hellaswag: bool
@@ -359,10 +359,13 @@ def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics
         log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist))
     if act.hellaswag:
         log_hellaswag(parts, cfg, dist, log, hellaswag, step)
-    if act.sample and dist.is_main:
+    # A sharded model's every forward all-gathers weights: every rank generates (same prompt, same
+    # seeded generator, so the same tokens), rank 0 logs. A replicated model samples on rank 0 alone.
+    if act.sample and (dist.is_main or is_sharded(parts.model)):
         text = sample_text(parts, cfg, dist)
-        log.record({"step": step, "sample": text})
-        log.info(f"sample at step {step}: {text!r}")
+        if dist.is_main:
+            log.record({"step": step, "sample": text})
+            log.info(f"sample at step {step}: {text!r}")
     if act.save:  # the final and the stop's save are synchronous: the run ends with a durable one
         save(parts, cfg, dist, log, requeue={"step": step, "signal": stop_request.name} if act.stop else None,
              background=tc.async_ckpt and not (act.stop or act.final))
@@ -407,7 +410,8 @@ def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
 
 
 def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
-    """A text sample from rank 0's model (KV-cache generation, its own RNG: training is unaffected)."""
+    """A text sample (KV-cache generation, its own RNG: training is unaffected). Rank 0's alone, or
+    under FSDP every rank's (a collective: each forward gathers the weights)."""
     from gpt2 import tokenizer
 
     tc = cfg.train
