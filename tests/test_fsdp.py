@@ -212,13 +212,14 @@ def test_fsdp_bf16_autocast_trains_like_ddp(tmp_path, shakespeare_shards):
     assert_same_steps(fsdp, ddp, tol=BF16_TOL)
 
 
-BF16_TOL = 1e-3
-"""bf16 fsdp vs ddp. Each rank computes its micro-batches with bitwise the same weights (the gathered
-shards are the whole fp32 weights) and the same autocast, so the local gradients are identical; what
-may differ is the order of the fp32 sums in the reduction (reduce-scatter vs all-reduce: exact for 2
-ranks) and so, at most, a few fp32 roundings of a bf16-noisy update per step. 1e-3 is ~1/10 of
-the step-to-step loss change late in the run and far above fp32 rounding; a wrong gradient (a
-missing shard, an unscaled accumulation) moves the loss by > 1e-2 within a few steps."""
+BF16_TOL = 1e-5
+"""bf16 autocast fsdp vs ddp on CPU. Each rank computes its micro-batches with bitwise the same weights
+(the gathered shards are the whole fp32 weights) under the same autocast, so its local gradients are
+bitwise DDP's; the fp32 reduction of 2 ranks' gradients is exact either way (a + b, then / 2) and the
+norm is summed in fp64. So bf16 needs no looser bound than fp32: measured bitwise equal here (max
+difference 0.0 in loss and grad norm over 10 steps). A wrong gradient (a missing shard, an unscaled
+accumulation) moves the loss by > 1e-3 within a few steps. (CUDA's bf16 MixedPrecisionPolicy casts the
+weights, not the ops, so it is a different computation from DDP's autocast: not covered by this bound.)"""
 
 
 @pytest.mark.slow
