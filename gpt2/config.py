@@ -367,11 +367,6 @@ def fsdp_problems(cfg: TrainConfig) -> list[str]:
     if cfg.parallel != "fsdp":
         return []
     p = []
-    if cfg.optimizer == "muon":
-        # gpt2/muon.py orthogonalises whole matrices (Newton-Schulz needs all of one): under FSDP each
-        # rank holds a row shard of every gradient. Gathering them is possible but not built.
-        p.append("optimizer=muon is not supported with parallel=fsdp (Newton-Schulz needs whole matrices, "
-                 "FSDP shards them): use --optimizer adamw with fsdp, or --parallel ddp with muon")
     if cfg.dtype == "float16":
         # fp16 needs a loss scaler whose inf/NaN check sees every rank's shard of the gradients;
         # torch's GradScaler checks only this rank's, so ranks could disagree on skipping a step.
