@@ -6,7 +6,6 @@ tests/test_fsdp_checkpoint.py's."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -255,4 +254,40 @@ def test_compiled_blocks_train_under_fsdp_and_evaluate_and_sample(tmp_path, shak
     assert [r["step"] for r in val] == [0, 5]
     assert [r["step"] for r in records(compiled) if "sample" in r] == [5]
     assert "compiling:" in launched.stdout
-    assert os.path.exists(compiled / "metrics.jsonl")
+
+
+def test_mixed_precision_policy_on_cuda_only_bf16_params_fp32_reduce():
+    """No CUDA needed: the policy is a plain object. CPU keeps autocast over fp32 shards (None)."""
+    from gpt2.fsdp import mixed_precision
+
+    policy = mixed_precision("bfloat16", torch.device("cuda", 0))
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert mixed_precision("float32", torch.device("cuda", 0)) is None
+    assert mixed_precision("bfloat16", torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8])
+def test_every_rank_runs_the_same_number_of_forwards_and_counts_each_example_once(n):
+    """HellaSwag's share per rank (gpt2/scoring.py) and the evaluation loader's batches (gpt2/data.py)."""
+    from gpt2.scoring import rank_share
+
+    for world in (1, 2, 3):
+        shares = [rank_share(n, Dist(r, r, world, world, torch.device("cpu"))) for r in range(world)]
+        assert len({len(s) for s in shares}) == 1
+        assert sorted(i for s in shares for i, counted in s if counted) == list(range(n))
+
+
+def test_eval_loader_gives_every_rank_the_same_number_of_batches(shakespeare_shards):
+    from gpt2.data import EvalLoader, find_shards
+
+    val = find_shards(shakespeare_shards, "val")
+    for n_seqs in (1, 8, 9, 13):
+        batches, targets = [], 0
+        for rank in range(3):
+            with EvalLoader(val, micro_batch_size=2, seq_len=16, eval_tokens=n_seqs * 16, rank=rank,
+                            world_size=3, device=torch.device("cpu"), pin_memory=False) as loader:
+                got = list(loader)
+            batches.append(len(got))
+            assert len(got) == len(loader)
+            targets += sum(int((y != -1).sum()) for _, y in got)
+        assert len(set(batches)) == 1 and targets == n_seqs * 16
