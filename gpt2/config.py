@@ -336,6 +336,7 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"min_lr={cfg.min_lr} must be between 0 and lr={cfg.lr}")
     if cfg.parallel not in PARALLELS:
         p.append(f"parallel={cfg.parallel!r} must be one of {PARALLELS}")
+    p += fsdp_problems(cfg)
     if cfg.loss_impl not in LOSS_IMPLS:
         p.append(f"loss_impl={cfg.loss_impl!r} must be one of {LOSS_IMPLS}")
     if cfg.optimizer not in OPTIMIZERS:
@@ -357,6 +358,20 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append("hellaswag_interval needs hellaswag_file: a HellaSwag jsonl path (downloaded there if missing)")
     if cfg.resume in ("", None):
         p.append("resume must be auto, never, or a checkpoint path")
+    return p
+
+
+def fsdp_problems(cfg: TrainConfig) -> list[str]:
+    """What --parallel fsdp cannot train (refused at any world size, so a config that starts on one
+    process does not fail later on eight)."""
+    if cfg.parallel != "fsdp":
+        return []
+    p = []
+    if cfg.dtype == "float16":
+        # fp16 needs a loss scaler whose inf/NaN check sees every rank's shard of the gradients;
+        # torch's GradScaler checks only this rank's, so ranks could disagree on skipping a step.
+        p.append("dtype=float16 is not supported with parallel=fsdp (the loss scaler would check only "
+                 "this rank's gradient shards): use --dtype bfloat16 (or float32), or --parallel ddp for fp16")
     return p
 
 

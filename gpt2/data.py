@@ -254,7 +254,8 @@ class EvalLoader:
     """A fixed validation set: the first eval_tokens of the val stream, as full sequences.
 
     Rank r evaluates sequences r, r+W, r+2W, ... in micro-batches of B; a short last batch is padded
-    with ignored targets (-1) so shapes stay fixed (no recompiles). Sum of losses and token counts
+    with ignored targets (-1) so shapes stay fixed (no recompiles), and every rank yields len(self)
+    batches. Sum of losses and token counts
     are reduced over ranks, so the result does not depend on the world size.
     """
 
@@ -283,9 +284,16 @@ class EvalLoader:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __len__(self) -> int:
+        """Micro-batches per rank, the same on every rank: a rank with one sequence fewer may get a
+        last batch of padding only (targets all -1). Under FSDP every forward is a collective, so no
+        rank may finish the evaluation a batch before the others."""
+        most = -(-self.n_seqs // self.world_size)  # sequences of the ranks with the most
+        return -(-most // self.B)
+
     def __iter__(self):
         mine = list(range(self.rank, self.n_seqs, self.world_size))
-        for i in range(0, len(mine), self.B):
+        for i in range(0, len(self) * self.B, self.B):
             seqs = mine[i:i + self.B]
             x = np.zeros((self.B, self.T), dtype=np.int64)
             y = np.full((self.B, self.T), -1, dtype=np.int64)

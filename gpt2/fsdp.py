@@ -6,6 +6,10 @@ and backward and freed after), and the root unit holds the rest: the tied token 
 the position embedding and the final LayerNorm. The tied weight is one parameter of the root unit,
 so it is sharded, gathered and reduced once. Parameters become DTensors sharded on dim 0; the
 optimizer must be made after shard() so it steps the shards.
+
+Every forward of a sharded model is a collective (each unit all-gathers its weights), so anything
+that runs the model (evaluation, sampling, HellaSwag) must run on every rank with the same number of
+forwards; rank 0 alone would wait forever for the others' share of the weights.
 """
 
 from __future__ import annotations
@@ -18,15 +22,37 @@ from gpt2.dist import Dist
 from gpt2.model import GPT
 
 
-def shard(model: GPT, dist: Dist) -> GPT:
+def mixed_precision(dtype: str, device: torch.device):
+    """FSDP2's MixedPrecisionPolicy for --dtype on CUDA, or None (fp32 everywhere, or CPU autocast).
+
+    On CUDA with bf16 the gathered weights are cast to bf16 once per unit (param_dtype): the
+    all-gather moves half the bytes and the matmuls run in bf16, while the sharded master weights,
+    the optimizer and the gradient reduce-scatter stay fp32 (reduce_dtype: a sum of W bf16 gradients
+    would lose the low bits of every update). torchtitan's default. The trainer's autocast stays on
+    around the forward: ops autocast keeps in fp32 (softmax, log-softmax, the loss) still get fp32.
+    On CPU the policy is not used: autocast over fp32 shards computes the same maths as DDP's autocast
+    (fp32 weights gathered, bf16 matmuls, fp32 gradients reduced), which is what the 2-rank gloo
+    tests compare; the bandwidth a bf16 gather saves matters on GPUs, not in a CPU test.
+    float16 never gets here: TrainConfig refuses it with fsdp (see train_config_problems).
+    """
+    if device.type != "cuda" or dtype not in ("bfloat16", "float16"):
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+
+
+def shard(model: GPT, dist: Dist, dtype: str = "float32") -> GPT:
     """fully_shard each block, then the root, over all ranks (in place; returns the model)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+    policy = mixed_precision(dtype, dist.device)
+    kwargs = {"mp_policy": policy} if policy is not None else {}
     for block in model.transformer.h:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     return model
 
 
@@ -47,8 +73,59 @@ def no_grad_sync(model: torch.nn.Module):
         model.set_requires_gradient_sync(True)
 
 
-def local_norm(norm: torch.Tensor) -> torch.Tensor:
-    """clip_grad_norm_ over DTensor gradients returns a (replicated) DTensor: the plain tensor."""
-    from torch.distributed.tensor import DTensor
+NORM_CHUNK = 1 << 22
+"""Elements per fp64 partial sum in grad_norm: bounds the fp64 temporary at 32 MiB per tensor."""
 
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+def _local(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A gradient's local tensor and whether it is a shard of a larger one (an FSDP DTensor)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor):
+        return t, False
+    assert not any(isinstance(p, Replicate) for p in t.placements), t.placements  # 1-D FSDP mesh: Shard(0)
+    return t.to_local(), True
+
+
+def grad_norm(grads: list[torch.Tensor], dist: Dist) -> torch.Tensor:
+    """The global L2 norm of the gradients (fp32 scalar), plain or FSDP-sharded, accumulated in fp64.
+
+    Why not clip_grad_norm_'s own norm: an fp32 norm over a 50304 x n_embd gradient loses ~1e-4 of
+    its value on a CPU (measured: the embedding's norm 0.28301 fp32 vs 0.28303 fp64), and it loses it
+    differently over a shard than over the whole tensor, so DDP and FSDP would clip by and log norms
+    1e-4 apart. Squares summed in fp64 (chunks of NORM_CHUNK) are exact to ~1e-12, so the norm no
+    longer depends on how the gradient is split. Under FSDP each rank sums its shards' squares
+    (shards are disjoint and unpadded in to_local) and one all-reduce adds them; DDP's gradients are
+    whole and equal on every rank, so no communication.
+    """
+    from gpt2.dist import all_reduce_sum
+
+    device = grads[0].device if grads else dist.device
+    whole = torch.zeros((), dtype=torch.float64, device=device)
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    any_shard = False
+    for g in grads:
+        local, is_shard = _local(g)
+        total = sum(torch.linalg.vector_norm(c, dtype=torch.float64).square()
+                    for c in local.reshape(-1).split(NORM_CHUNK))
+        if is_shard:
+            sharded += total
+            any_shard = True
+        else:
+            whole += total
+    if any_shard and dist.is_distributed:
+        all_reduce_sum(sharded, dist)
+    return (whole + sharded).sqrt().float()
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float, dist: Dist) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for plain or FSDP-sharded gradients, with grad_norm's norm:
+    every gradient (every shard, on every rank) is scaled by the same min(1, max_norm / (norm + 1e-6)).
+    Returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = grad_norm(grads, dist)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
+    for g in grads:
+        _local(g)[0].mul_(coef.to(g.device))  # the shard in place: to_local() is a view of it
+    return norm

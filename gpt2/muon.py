@@ -19,6 +19,15 @@ bits. The momentum update stays on every rank (elementwise, cheap) so the state,
 are unchanged. It is exact: the result is the one iteration a single process would run on the same
 input, and the ranks cannot drift apart because they apply the same bytes. It is modded-nanogpt's
 scheme.
+
+Under FSDP (--parallel fsdp) each rank holds a row shard of every matrix, its gradient and its
+momentum (DTensors). The momentum update stays sharded (elementwise); the Nesterov update of each
+matrix is all-gathered (`full_tensor`, one matrix at a time, in the same order on every rank) for its
+owner's Newton-Schulz, the owners' results are shared by the same one all-gather as under DDP, and
+each rank applies the rows of its own shard. Newton-Schulz needs the whole matrix: its result is not
+a row-wise function of the input. The inputs are bitwise DDP's, so the updates are too (tested).
+Costs over DDP: one all-gather per matrix (about one forward's weight gather) and, transiently, the
+shared results (the Muon matrices in ns_dtype once, as under DDP) on every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr
 
 from gpt2.dist import Dist, collective
@@ -138,13 +148,19 @@ class Muon(torch.optim.Muon):
             ortho: list[Tensor | None] = [None] * len(params)
             for i, (grad, buf) in enumerate(zip(grads, bufs)):
                 buf.lerp_(grad, 1 - momentum)
-                if owner[i] == rank:
+                sharded = isinstance(grad, DTensor)
+                if owner[i] == rank or sharded:  # a shard is gathered by every rank: the same collectives
                     update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                    if sharded:
+                        with collective("gathering a sharded matrix for Muon"):
+                            update = update.full_tensor()
+                if owner[i] == rank:
                     ortho[i] = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
                                              self.ns_dtype)
                     if world == 1:  # apply at once: one matrix's update alive at a time
                         self._apply(group, params[i], ortho[i], lr)
                         ortho[i] = None
+                update = None  # one gathered matrix alive at a time on the ranks that do not own it
             if world > 1 and params:
                 self._share(group, params, ortho, owner, rank, world, lr)
         return loss
@@ -180,5 +196,11 @@ class Muon(torch.optim.Muon):
 
     @staticmethod
     def _apply(group: dict, param: Tensor, ortho: Tensor, lr: float) -> None:
+        """The update of a whole matrix, or (FSDP) of this rank's shard of it: the same rows of the
+        whole orthogonalised matrix as the shard's (sliced here, no communication)."""
+        scale = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)  # the whole matrix's shape
+        if isinstance(param, DTensor):
+            ortho = distribute_tensor(ortho, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param = param.to_local()  # a view: updated in place
         param.mul_(1 - lr * group["weight_decay"])
-        param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+        param.add_(ortho, alpha=-scale)

@@ -45,7 +45,9 @@ def loader_loss(model: torch.nn.Module, loader, dtype: str, dist: Dist) -> float
             for x, y in loader:
                 _, loss = model(x, y, return_logits=False)
                 n = (y != -1).sum()
-                totals += torch.stack([loss.double() * n, n.double()])
+                # A batch of padding only (a rank with one sequence fewer, see EvalLoader) has a NaN
+                # mean loss over no tokens: it adds nothing (torch.where, no host sync).
+                totals += torch.stack([torch.where(n > 0, loss.double() * n, 0.0), n.double()])
     finally:
         model.train(was_training)
     all_reduce_sum(totals, dist)
@@ -102,20 +104,31 @@ def hellaswag_eval(model: GPT, examples: list[Example], dist: Dist, device: torc
     was_training = model.training
     model.eval()
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # correct, correct_norm, n
-    mine = examples[dist.rank::dist.world_size]
-    bar = _progress(mine, enabled=progress and dist.is_main, world_size=dist.world_size)
+    bar = _progress(rank_share(len(examples), dist), enabled=progress and dist.is_main, world_size=dist.world_size)
     try:
         with precision.autocast(dtype, device):
-            for ex in bar:
+            for i, counted in bar:
+                ex = examples[i]
                 tokens, mask = example_rows(ex, model.config.block_size)
                 total, mean = score_endings(model, tokens.to(device), mask.to(device))
-                counts += torch.tensor([int(total.argmax()) == ex.label, int(mean.argmax()) == ex.label, 1],
-                                       dtype=torch.float64, device=device)
+                if counted:
+                    counts += torch.tensor([int(total.argmax()) == ex.label, int(mean.argmax()) == ex.label, 1],
+                                           dtype=torch.float64, device=device)
     finally:
         model.train(was_training)
     correct, correct_norm, n = (int(v) for v in all_reduce_sum(counts, dist).tolist())
     return {"acc": correct / n, "acc_norm": correct_norm / n, "correct": correct, "correct_norm": correct_norm,
             "n": n}
+
+
+def rank_share(n: int, dist: Dist) -> list[tuple[int, bool]]:
+    """(example index, counted) for this rank: examples rank, rank+W, ..., then, on the ranks that
+    have one fewer, one more forward of example 0 that is not counted. Every rank runs the same
+    number of forwards: under FSDP each forward is a collective (its blocks all-gather weights), and
+    a rank that stopped one example early would leave the others waiting in their last gather."""
+    mine = [(i, True) for i in range(dist.rank, n, dist.world_size)]
+    rounds = -(-n // dist.world_size)
+    return mine + [(0, False)] * (rounds - len(mine))
 
 
 def _progress(items, *, enabled: bool, world_size: int):

@@ -76,12 +76,29 @@ def announce(cfg: RunConfig, dist: Dist, parts: Parts, log: Metrics) -> None:
     """The run's shape in one line (and, compiled, why the first step takes long)."""
     tc = cfg.train
     log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
-             f"{parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
+             f"parallel {tc.parallel} | {parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
              f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}")
+    for line in parallel_notes(tc, dist):
+        log.info(line)
     if tc.compile:
         import torch._inductor.config as inductor_config
         log.info("compiling: the first step (and the first evaluation) compile the model, which can take "
                  f"a minute or more ({inductor_config.compile_threads} compile workers per rank)")
+
+
+def parallel_notes(tc: TrainConfig, dist: Dist) -> list[str]:
+    """What --parallel fsdp does at this world size, and the flags it ignores (one line each)."""
+    if tc.parallel != "fsdp":
+        return []
+    if not dist.is_distributed:
+        return ["parallel   fsdp with one process: nothing to shard, training the plain model "
+                "(launch with torchrun --nproc_per_node=N to shard over N ranks)"]
+    notes = [f"parallel   fsdp: weights, gradients and optimizer state sharded over {dist.world_size} ranks "
+             "(fully_shard per block, then the root)"]
+    if tc.ddp_bucket_cap_mb != TrainConfig.__dataclass_fields__["ddp_bucket_cap_mb"].default:
+        notes.append(f"parallel   --ddp-bucket-cap-mb {tc.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
+                     "each block's gradients as one unit, it has no DDP buckets")
+    return notes
 
 
 def configure_backends(cfg: TrainConfig, dist: Dist) -> None:

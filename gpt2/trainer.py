@@ -26,7 +26,7 @@ from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader
 from gpt2.dist import Dist, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.flops import checked_mfu
-from gpt2.fsdp import is_sharded, local_norm, no_grad_sync
+from gpt2.fsdp import clip_grad_norm, is_sharded, no_grad_sync
 from gpt2.fsdp import shard as shard_fsdp
 from gpt2.metrics import Metrics, plot_loss_curve
 from gpt2.model import GPT, TOP_K
@@ -57,7 +57,7 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     model = GPT(mc, loss_impl="full" if tc.loss_impl == "full" else "chunked").to(dist.device)
     fsdp = tc.parallel == "fsdp" and dist.is_distributed
     if fsdp:  # before the optimizer: it must hold the shards, not the full weights
-        model = shard_fsdp(model, dist)
+        model = shard_fsdp(model, dist, tc.dtype)
     # From here on each rank draws its own random numbers: with one seed for all, every rank would
     # drop out the same units (dropout > 0) and the ranks' noise would not average out.
     torch.manual_seed(tc.seed + dist.rank)
@@ -194,7 +194,8 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
                 parts.scaler.scale(loss).backward()
     parts.scaler.unscale_(parts.optimizer)  # clip and measure the true gradients (a no-op unless fp16)
     clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-    grad_norm = local_norm(torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip))
+    # The global norm of every rank's shards under FSDP, and the same number under DDP (gpt2/fsdp.py).
+    grad_norm = clip_grad_norm(parts.model.parameters(), clip, dist)
     # One all-reduce carries the loss and the stop flag: every rank sees the same values, so
     # every rank takes the same skip / stop decision. torch.full launches a fill, no host copy.
     stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device)])
@@ -224,7 +225,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
 @dataclass(frozen=True)
 class Actions:
     """What a finished step owes before the next one. Every rank decides alike (sampling then runs
-    on rank 0 alone)."""
+    on rank 0 alone, or on every rank when the model is sharded)."""
     log: bool
     evaluate: bool
     hellaswag: bool
@@ -358,10 +359,13 @@ def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics
         log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist))
     if act.hellaswag:
         log_hellaswag(parts, cfg, dist, log, hellaswag, step)
-    if act.sample and dist.is_main:
+    # A sharded model's every forward all-gathers weights: every rank generates (same prompt, same
+    # seeded generator, so the same tokens), rank 0 logs. A replicated model samples on rank 0 alone.
+    if act.sample and (dist.is_main or is_sharded(parts.model)):
         text = sample_text(parts, cfg, dist)
-        log.record({"step": step, "sample": text})
-        log.info(f"sample at step {step}: {text!r}")
+        if dist.is_main:
+            log.record({"step": step, "sample": text})
+            log.info(f"sample at step {step}: {text!r}")
     if act.save:  # the final and the stop's save are synchronous: the run ends with a durable one
         save(parts, cfg, dist, log, requeue={"step": step, "signal": stop_request.name} if act.stop else None,
              background=tc.async_ckpt and not (act.stop or act.final))
@@ -406,7 +410,8 @@ def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
 
 
 def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
-    """A text sample from rank 0's model (KV-cache generation, its own RNG: training is unaffected)."""
+    """A text sample (KV-cache generation, its own RNG: training is unaffected). Rank 0's alone, or
+    under FSDP every rank's (a collective: each forward gathers the weights)."""
     from gpt2 import tokenizer
 
     tc = cfg.train
