@@ -32,6 +32,20 @@ def _checked(call, *args, **kwargs):
         raise RuntimeError(f"torch.distributed.checkpoint failed ({failures})") from None
 
 
+TIED = {"lm_head.weight": "transformer.wte.weight"}
+"""GPT-2's LM head is the token embedding (gpt2/model.py): a state dict names the one tensor twice,
+and DCP would store it twice (a quarter of a small model's checkpoint). Saved once, under the
+embedding's name; the head's entry is put back as the same tensor before loading."""
+
+
+def _untied(model_state: dict) -> dict:
+    return {k: v for k, v in model_state.items() if not (k in TIED and TIED[k] in model_state)}
+
+
+def _retied(loaded: dict, wanted: dict) -> dict:
+    return {**loaded, **{k: loaded[TIED[k]] for k in wanted if k in TIED and k not in loaded}}
+
+
 def inner_optimizers(optimizer) -> dict[str | None, torch.optim.Optimizer]:
     """{name: torch optimizer}: gpt2/optim.py's Optimizers pair by name, a single one under None."""
     return dict(getattr(optimizer, "optimizers", None) or {None: optimizer})
@@ -47,7 +61,7 @@ def _per_inner(optimizer, value_of) -> dict:
 def sharded_state(model: torch.nn.Module, optimizer) -> dict:
     """This rank's {"model", "optimizer"} state: DTensor shards under FSDP, whole tensors otherwise.
     (An optimizer without moments yet gets them initialised, as DCP's loading needs.)"""
-    return {"model": get_model_state_dict(model),
+    return {"model": _untied(get_model_state_dict(model)),
             "optimizer": _per_inner(optimizer, lambda o: get_optimizer_state_dict(model, o))}
 
 
@@ -65,7 +79,7 @@ def load(model: torch.nn.Module, optimizer, directory: Path) -> None:
 
     state = sharded_state(model, optimizer)
     _checked(dcp.load, state, checkpoint_id=str(directory))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, _retied(state["model"], model.state_dict()))
     inner = inner_optimizers(optimizer)
     for name, o in inner.items():
         set_optimizer_state_dict(model, o, state["optimizer"] if name is None else state["optimizer"][name])
@@ -76,9 +90,10 @@ def load_weights(model: torch.nn.Module, directory: Path) -> None:
     the model's entries are read."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": model.state_dict()}
+    wanted = model.state_dict()
+    state = {"model": _untied(wanted)}
     _checked(dcp.load, state, checkpoint_id=str(directory))
-    model.load_state_dict(state["model"])
+    model.load_state_dict(_retied(state["model"], wanted))
 
 
 def named_optimizer_state(saved: dict, model: torch.nn.Module, optimizer) -> dict:
