@@ -11,6 +11,7 @@ gpt2/checkpoint.py's. The .pt checkpoints (DDP) keep torch's param-id keyed opti
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,7 +26,9 @@ def _checked(call, *args, **kwargs):
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        return call(*args, **kwargs)
+        with warnings.catch_warnings():  # one process without a process group is meant (load_weights)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return call(*args, **kwargs)
     except CheckpointException as e:
         failures = "; ".join(f"rank {r}: {type(x).__name__}: {' '.join(str(x).split())[:300]}"
                              for r, (x, _trace) in sorted(e.failures.items()))
