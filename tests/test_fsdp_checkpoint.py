@@ -265,9 +265,12 @@ def test_sample_eval_and_export_load_a_two_rank_fsdp_checkpoint(tmp_path, refere
 
     assert gpt2.sample.main(["--checkpoint", str(step_dir(reference, MAX_STEPS)), "--max-new-tokens", "8",
                              "--device", "cpu", "--dtype", "float32"]) == 0
-    assert f"loaded checkpoint step {MAX_STEPS} from {step_dir(reference, MAX_STEPS)}" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert f"loaded checkpoint step {MAX_STEPS} from {step_dir(reference, MAX_STEPS)}:" in printed.err
+    assert printed.out.split("-" * 40)[0].strip()  # the sampled text
 
     assert gpt2.export.main(["--checkpoint", str(reference), "--out", str(tmp_path / "hf")]) == 0
     hf = load_hf_dir(tmp_path / "hf")
-    for k, v in hf.state_dict().items():
-        assert torch.equal(v, model.state_dict()[k]), k
+    for k, v in hf.state_dict().items():  # Hugging Face's vocabulary: 50257 of the padded 50304 rows
+        rows = 50257 if k in ("transformer.wte.weight", "lm_head.weight") else None
+        assert torch.equal(v[:rows], model.state_dict()[k][:rows]), k
