@@ -119,7 +119,8 @@ def test_damaged_or_unfinished_sharded_checkpoints_are_never_chosen(tmp_path, re
     assert ckpt.latest_valid(run_dir, warnings.append) == step_dir(run_dir, MAX_STEPS)
     # a missing shard file: named, with the fix; auto falls back to the one before
     (step_dir(run_dir, MAX_STEPS) / "__1_0.distcp").unlink()
-    with pytest.raises(ckpt.CheckpointError, match=r"__1_0\.distcp: missing from the sharded checkpoint.*--resume auto"):
+    missing = r"__1_0\.distcp: missing from the sharded checkpoint.*--resume auto"
+    with pytest.raises(ckpt.CheckpointError, match=missing):
         ckpt.verify_checkpoint(step_dir(run_dir, MAX_STEPS))
     assert ckpt.latest_valid(run_dir, warnings.append) == step_dir(run_dir, 6)
     # a flipped byte: the sha256 of that file, named
@@ -146,7 +147,8 @@ def test_an_incompatible_sharded_checkpoint_is_refused_before_loading(reference)
     wider = ModelConfig(**{**saved["config"]["model"], "n_embd": 128})
     with pytest.raises(ckpt.CheckpointError, match="model shape differs.*n_embd: checkpoint 64 vs now 128"):
         check_compatible(saved, RunConfig(wider, TrainConfig(data_dir="d", out_dir="o")), Log())
-    with pytest.raises(ckpt.CheckpointError, match="trained with --optimizer adamw, this run asks for --optimizer muon"):
+    other = "trained with --optimizer adamw, this run asks for --optimizer muon"
+    with pytest.raises(ckpt.CheckpointError, match=other):
         check_compatible(saved, RunConfig(model, TrainConfig(data_dir="d", out_dir="o", optimizer="muon")), Log())
     check_compatible(saved, RunConfig(model, TrainConfig(data_dir="d", out_dir="o")), Log())
 
@@ -171,7 +173,7 @@ def test_retention_keeps_k_directories_and_a_rewrite_replaces_the_step(tmp_path)
     ckpt.verify_checkpoint(step_dir(tmp_path, 3))
 
 
-# ------------------------------------------------------------------ resume: same world size, resharded, across parallelism
+# ------------------------------------------------------------------ resume: same size, resharded, DDP
 
 def test_kill_9_then_resume_auto_continues_bitwise(tmp_path, shakespeare_shards, reference):
     rng = random.Random()
