@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -288,7 +289,7 @@ def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, rngs: l
     1/world_size of the state, so the wait is short. Any rank's failure is every rank's
     CheckpointWriteError, and the newest valid checkpoint stays the one before.
     """
-    tc = cfg.train
+    tc, t0 = cfg.train, time.perf_counter()
     tmp = ckpt.sharded_temp_dir(tc.out_dir, parts.step)
     problem = _attempt(lambda: ckpt.begin_sharded(tc.out_dir, parts.step)) if dist.is_main else None
     _raise_any(all_gather_object(problem, dist), parts.step)  # the directory exists before anyone writes
@@ -309,7 +310,8 @@ def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, rngs: l
             tc.out_dir, parts.step, every, keep=tc.keep_checkpoints, run_id=parts.run_id, warn=log.warn)))
         if problem is None:
             sync = "; synchronous: --async-ckpt applies to .pt checkpoints" if tc.async_ckpt else ""
-            log.info(f"saved checkpoint {path[0]} (sharded: {len(every)} files from {dist.world_size} ranks{sync})")
+            log.info(f"saved checkpoint {path[0]} (sharded: {len(every)} files from {dist.world_size} ranks in "
+                     f"{time.perf_counter() - t0:.1f} s{sync})")
             if requeue is not None:  # after the checkpoint: the marker promises a complete one
                 preempt.write_requeue_marker(tc.out_dir, {**requeue, "checkpoint": path[0].name})
     _raise_any(all_gather_object(problem, dist), parts.step)  # nobody leaves before it is published
