@@ -4,6 +4,13 @@ Layout of RUN/checkpoints/:
     step_00001000.pt      torch.save of a plain dict (tensors and primitives only: weights_only loads)
     step_00001000.json    sidecar: step, size and sha256 of the .pt, run id; written after the .pt is complete
     latest                name of the newest complete checkpoint
+    step_00002000/        a sharded checkpoint (--parallel fsdp; torch.distributed.checkpoint, gpt2/dcp.py):
+        __<rank>_0.distcp     each rank's shards of the model and optimizer, written by that rank
+        .metadata             DCP's index of the shards (rank 0)
+        train.pt              rank 0: config, step, loader, every rank's RNG, scaler (no weights)
+    step_00002000.json    its sidecar: bytes and sha256 of every file in the directory (and of them all)
+A sharded checkpoint is written as step_*.tmp/, every rank's files fsynced and hashed by that rank,
+renamed when all are done, and only then given its sidecar: the same rule as a file's.
 A checkpoint counts only when its sidecar exists and its bytes match, so a process killed while
 writing (or a truncated copy) is never selected: `auto` falls back to the previous one. And only
 when it belongs to the directory's run (its run id, gpt2/rundir.py): retention and `auto` ignore,
@@ -16,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -26,7 +35,9 @@ from gpt2.atomic import atomic_write, atomic_write_bytes, fsync_dir
 from gpt2.rundir import ANY_RUN, directory_run_id
 
 FORMAT_VERSION = 1
-_NAME = re.compile(r"^step_(\d{8,})\.pt$")
+_NAME = re.compile(r"^step_(\d{8,})(\.pt)?$")
+TRAIN_FILE = "train.pt"
+"""In a sharded checkpoint's directory: what rank 0 alone saves (everything but model and optimizer)."""
 
 
 class CheckpointError(ValueError):
@@ -62,9 +73,9 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int, r
     """
     ckdir = checkpoint_dir(out_dir)
     ckdir.mkdir(parents=True, exist_ok=True)
-    for stale in ckdir.glob("*.tmp"):  # left by a writer that was killed; nobody else writes here
-        stale.unlink(missing_ok=True)
+    remove_stale(ckdir)
     path = ckdir / f"step_{step:08d}.pt"
+    _remove(path.with_suffix(""))  # a sharded checkpoint of this step would share the sidecar's name
     with atomic_write(path) as f:
         writer = _HashingWriter(f)
         torch.save({**state, "format": FORMAT_VERSION, "step": step, **_run_id_field(run_id)}, writer)
@@ -75,6 +86,132 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int, r
     fsync_dir(ckdir)
     prune_checkpoints(out_dir, path, keep=keep, run_id=run_id, warn=warn)
     return path
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint file or directory, or a temp one; nothing if it is not there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_stale(ckdir: Path) -> None:
+    """Temp files and directories left by a writer that was killed (rank 0 alone writes here)."""
+    for stale in ckdir.glob("*.tmp"):
+        _remove(stale)
+
+
+# ------------------------------------------------------------------ sharded checkpoints (DCP)
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """True for a sharded checkpoint's directory (step_XXXXXXXX/, what --parallel fsdp writes)."""
+    path = Path(path)
+    return path.is_dir() and _NAME.match(path.name) is not None and not path.name.endswith(".pt")
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """A checkpoint file or a sharded checkpoint's directory (not a run directory)."""
+    return Path(path).is_file() or is_sharded_checkpoint(path)
+
+
+def sharded_temp_dir(out_dir: str | Path, step: int) -> Path:
+    """Where every rank writes step's sharded checkpoint before it is complete."""
+    return checkpoint_dir(out_dir) / f"step_{step:08d}.tmp"
+
+
+def begin_sharded(out_dir: str | Path, step: int) -> Path:
+    """Rank 0, before any rank writes: an empty temp directory for step (stale temps removed)."""
+    ckdir = checkpoint_dir(out_dir)
+    ckdir.mkdir(parents=True, exist_ok=True)
+    remove_stale(ckdir)
+    tmp = sharded_temp_dir(out_dir, step)
+    tmp.mkdir()
+    return tmp
+
+
+def write_train_state(directory: Path, step: int, state: dict, run_id: str | None) -> None:
+    """Rank 0: the small part of a sharded checkpoint (train.pt), with the fields a .pt file has."""
+    with atomic_write(directory / TRAIN_FILE) as f:
+        torch.save({**state, "format": FORMAT_VERSION, "step": step, **_run_id_field(run_id)}, f)
+
+
+def own_files(directory: Path, rank: int) -> list[str]:
+    """The files of a sharded checkpoint that `rank` wrote: DCP's __<rank>_*.distcp; rank 0 also the
+    rest (.metadata, train.pt)."""
+    names = sorted(p.name for p in directory.iterdir() if p.is_file())
+    return [n for n in names if n.startswith(f"__{rank}_") or (rank == 0 and not n.startswith("__"))]
+
+
+def hash_files(directory: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {bytes, sha256}} of files in directory, each fsynced on the way (durable before the
+    rename that publishes them). Every rank hashes its own, in parallel."""
+    out = {}
+    for name in names:
+        path = directory / name
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        out[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    return out
+
+
+def _digest(files: dict[str, dict]) -> str:
+    """One sha256 for a sharded checkpoint: of its files' names, sizes and hashes (compared across ranks)."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def publish_sharded(out_dir: str | Path, step: int, files: dict[str, dict], *, keep: int,
+                    run_id: str | None = None, warn=warnings.warn) -> Path:
+    """Rank 0, after every rank has written, fsynced and hashed its files (`files`, all of them):
+    rename the temp directory to step_XXXXXXXX/, then its sidecar, then `latest`, then retention."""
+    ckdir = checkpoint_dir(out_dir)
+    tmp = sharded_temp_dir(out_dir, step)
+    present = {p.name for p in tmp.iterdir()}
+    if present != set(files):
+        raise OSError(f"{tmp} holds {sorted(present)} but the ranks hashed {sorted(files)}")
+    fsync_dir(tmp)
+    path = ckdir / f"step_{step:08d}"
+    for old in (path.with_suffix(".json"), path.with_suffix(".pt"), path):  # a rewrite of this step
+        _remove(old)
+    os.replace(tmp, path)
+    fsync_dir(ckdir)
+    meta = {"step": step, "file": path.name, "format": "dcp", "files": files,
+            "bytes": sum(f["bytes"] for f in files.values()), "sha256": _digest(files), **_run_id_field(run_id)}
+    atomic_write_bytes(path.with_suffix(".json"), json.dumps(meta).encode())
+    atomic_write_bytes(ckdir / "latest", (path.name + "\n").encode())
+    fsync_dir(ckdir)
+    prune_checkpoints(out_dir, path, keep=keep, run_id=run_id, warn=warn)
+    return path
+
+
+def checkpoint_size(path: str | Path) -> int:
+    """Bytes of a checkpoint file, or of the files its sidecar lists for a sharded one (what the
+    sidecar's "bytes" records). Raises OSError when a file is missing."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        return path.stat().st_size
+    meta = read_sidecar(path)
+    return sum((path / name).stat().st_size for name in meta.get("files", {}))
+
+
+def _verify_sharded(path: Path, meta: dict) -> None:
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{path}: its sidecar lists no files; it is not a complete sharded checkpoint")
+    fix = "copy the complete checkpoint directory again, or resume from an earlier one (--resume auto skips it)"
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing from the sharded checkpoint (its sidecar lists it); {fix}")
+        if file.stat().st_size != want.get("bytes"):
+            raise CheckpointError(f"{file}: {file.stat().st_size} bytes but {want.get('bytes')} were written; "
+                                  f"truncated; {fix}")
+        if file_sha256(file) != want.get("sha256"):
+            raise CheckpointError(f"{file}: sha256 does not match the sidecar {path.with_suffix('.json').name}; "
+                                  f"the file is corrupt; {fix}")
+    if _digest(files) != meta.get("sha256"):
+        raise CheckpointError(f"{path.with_suffix('.json')}: its files' hashes do not add up to its sha256; "
+                              "the sidecar is corrupt")
 
 
 def _run_id_field(run_id: str | None) -> dict:
@@ -132,8 +269,8 @@ def looks_complete(path: Path) -> bool:
     """Sidecar present and size matching: the cheap part of verify_checkpoint (no re-hashing)."""
     meta = sidecar(path)
     try:
-        return meta is not None and meta.get("bytes") == path.stat().st_size
-    except OSError:
+        return meta is not None and meta.get("bytes") == checkpoint_size(path)
+    except (OSError, ValueError):
         return False
 
 
@@ -160,14 +297,14 @@ def prune_checkpoints(out_dir: str | Path, newest: Path, *, keep: int, run_id: s
         if kept < keep and looks_complete(old):
             kept += 1
             continue
-        old.with_suffix(".json").unlink(missing_ok=True)
-        old.unlink(missing_ok=True)
+        old.with_suffix(".json").unlink(missing_ok=True)  # first: a half-deleted one is never valid
+        _remove(old)
         deleted.append(old)
     return deleted
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
-    """Checkpoint files in RUN/checkpoints, newest step first (valid or not)."""
+    """Checkpoints (files and sharded directories) in RUN/checkpoints, newest step first (valid or not)."""
     ckdir = checkpoint_dir(out_dir)
     if not ckdir.is_dir():
         return []
@@ -178,12 +315,15 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
 def verify_checkpoint(path: str | Path) -> None:
     """Raise CheckpointError unless path is complete and matches its sidecar's size and sha256."""
     path = Path(path)
-    if not path.is_file():
+    if not is_checkpoint(path):
         raise CheckpointError(f"{path}: no such checkpoint file")
     meta = sidecar(path)
     if meta is None:
         raise CheckpointError(f"{path}: its sidecar {path.with_suffix('.json').name} is missing or unreadable; "
                               "the write did not finish")
+    if path.is_dir():
+        _verify_sharded(path, meta)
+        return
     size = path.stat().st_size
     if size != meta.get("bytes"):
         raise CheckpointError(f"{path}: {size} bytes but {meta.get('bytes')} were written; truncated")
@@ -196,17 +336,20 @@ def load_checkpoint(path: str | Path, *, verify: bool = True, mmap: bool = True)
 
     mmap (the default): tensors are mapped from the file, copy-on-write, and read on first use, so
     processes on one host share the page cache instead of each holding a copy.
+    A sharded checkpoint's directory gives its train.pt (no "model" or "optimizer": gpt2/dcp.py
+    reads those) with "sharded": True.
     """
     path = Path(path)
     if verify:
         verify_checkpoint(path)
+    sharded = is_sharded_checkpoint(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        state = torch.load(path / TRAIN_FILE if sharded else path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises several types for a damaged zip
         raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: not a checkpoint of this program (format {FORMAT_VERSION})")
-    return state
+    return {**state, "sharded": True} if sharded else state
 
 
 _DIRECTORY_RUN = object()
@@ -253,13 +396,13 @@ def resolve_resume(resume: str, out_dir: str | Path, warn=warnings.warn, *, run_
     if resume == "auto":
         return latest_valid(out_dir, warn, run_id=run_id)
     path = Path(resume)
-    if path.is_dir():
+    if path.is_dir() and not is_sharded_checkpoint(path):
         found = latest_valid(path if (path / "checkpoints").is_dir() else path.parent, warn)
         if found is None:
             raise CheckpointError(f"--resume {resume}: no valid checkpoint in that directory")
         return found
     if not path.exists():
-        raise CheckpointError(f"--resume {resume}: no such checkpoint file; pass a step_*.pt that exists, a run "
-                              "directory (its newest valid checkpoint), auto or never")
+        raise CheckpointError(f"--resume {resume}: no such checkpoint file; pass a step_* file or directory that "
+                              "exists, a run directory (its newest valid checkpoint), auto or never")
     verify_checkpoint(path)
     return path

@@ -1,8 +1,9 @@
 """A trained GPT from wherever it is: one of our checkpoints or a Hugging Face GPT-2 directory.
 
 What `python -m gpt2.sample`, `gpt2.eval` and `gpt2.export` load. Our checkpoints (gpt2/checkpoint.py's
-format) may be named as a step_*.pt file, a run directory or its checkpoints/ directory (the newest
-valid checkpoint); a Hugging Face directory holds config.json and weights (gpt2/hf.py).
+format) may be named as a step_*.pt file, a sharded checkpoint's step_*/ directory (--parallel fsdp;
+read in this one process, no process group), a run directory or its checkpoints/ directory (the
+newest valid checkpoint); a Hugging Face directory holds config.json and weights (gpt2/hf.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-from gpt2.checkpoint import CheckpointError, checkpoint_dir, latest_valid, load_checkpoint, resolve_resume
+from gpt2 import dcp as dcp_io
+from gpt2.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, latest_valid, load_checkpoint,
+                             resolve_resume)
 from gpt2.config import ModelConfig
 from gpt2.hf import WEIGHT_FILES, load_hf_dir
 from gpt2.model import GPT
@@ -28,7 +31,10 @@ def _model_from(file: Path, device, *, verify: bool):
     each checkpoint is hashed once per load)."""
     state = load_checkpoint(file, verify=verify)
     model = GPT(ModelConfig(**state["config"]["model"]))
-    model.load_state_dict(state["model"])
+    if state.get("sharded"):
+        dcp_io.load_weights(model, file)
+    else:
+        model.load_state_dict(state["model"])
     return model.to(device).eval(), state
 
 
@@ -42,11 +48,12 @@ def load_any(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT,
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"--checkpoint {path}: no such file or directory; pass a step_*.pt file, "
-                              "a run directory (--out-dir of train_ddp.py) or a Hugging Face GPT-2 directory")
-    if path.is_dir() and not _is_run_dir(path):
+                              "a sharded step_*/ directory, a run directory (--out-dir of train_ddp.py) or a "
+                              "Hugging Face GPT-2 directory")
+    if path.is_dir() and not _is_run_dir(path) and not is_checkpoint(path):
         return _load_hf(path, device)
     # A run directory's newest valid checkpoint is verified while it is chosen; a file is verified as it loads.
-    file, verified = (path, False) if path.is_file() else (_newest_valid(path), True)
+    file, verified = (path, False) if is_checkpoint(path) else (_newest_valid(path), True)
     try:
         model, state = _model_from(file, device, verify=not verified)
     except CheckpointError:

@@ -75,8 +75,8 @@ def check_visible(point: ResumePoint, *, rehash: bool) -> str | None:
     """None if this process can use `point`'s file, else what is wrong with it here."""
     path = Path(point.path)
     try:
-        size = path.stat().st_size
         meta = ckpt.read_sidecar(path)
+        size = ckpt.checkpoint_size(path)  # a sharded checkpoint: the files its sidecar lists
     except FileNotFoundError as e:
         return f"cannot see {e.filename}"
     except (OSError, ValueError) as e:

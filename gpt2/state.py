@@ -12,11 +12,19 @@ torchtitan's checkpoint manager keeps its stateful components), plus the run's c
 check_compatible refuses a checkpoint of another model, optimizer or tokenizer before anything is
 loaded. The bytes go through gpt2/checkpoint.py (atomic file, sidecar hash, `latest`) and, in the
 background, gpt2/ckpt_writer.py.
+
+A sharded model (--parallel fsdp on several ranks) saves a sharded checkpoint instead: every rank
+writes its shards of model and optimizer through torch.distributed.checkpoint (gpt2/dcp.py), rank 0
+the rest (train.pt). Any checkpoint loads into any run of the same model: a sharded one into a
+sharded, a DDP or a one-process run (DCP reads each rank's slices by parameter name), a .pt file
+into a sharded run (every rank reads the whole tensors and keeps its slice).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -25,11 +33,13 @@ import numpy as np
 import torch
 
 from gpt2 import checkpoint as ckpt
+from gpt2 import dcp as dcp_io
 from gpt2 import preempt
 from gpt2.ckpt_writer import CheckpointWriteError, CheckpointWriter
 from gpt2.config import ModelConfig, RunConfig
 from gpt2.data import EvalLoader, TrainLoader
 from gpt2.dist import Dist, all_gather_object, barrier
+from gpt2.fsdp import is_sharded
 from gpt2.metrics import Metrics
 from gpt2.model import GPT
 from gpt2.optim import optimizer_kind
@@ -106,11 +116,18 @@ class OptimizerState:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        fresh = [{k: g[k] for k in ("weight_decay", "momentum", "lr_scale") if k in g}
-                 for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state)
-        for group, keep in zip(self.optimizer.param_groups, fresh, strict=True):
-            group.update(keep)
+        with this_runs_hyperparameters(self.optimizer):
+            self.optimizer.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def this_runs_hyperparameters(optimizer):
+    """Whatever loads the optimizer's state inside, its groups keep this run's weight decay,
+    momentum and lr_scale (the saved param_groups carry the old run's)."""
+    fresh = [{k: g[k] for k in ("weight_decay", "momentum", "lr_scale") if k in g} for g in optimizer.param_groups]
+    yield
+    for group, keep in zip(optimizer.param_groups, fresh, strict=True):
+        group.update(keep)
 
 
 @dataclass(frozen=True)
@@ -142,7 +159,7 @@ def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
     if shape:
         raise ckpt.CheckpointError("the checkpoint's model shape differs from this run's: " + "; ".join(shape)
                                    + ". Use the same shape flags, or start fresh with --resume never")
-    saved_optimizer = optimizer_kind(saved.get("optimizer", {}))
+    saved_optimizer = saved.get("optimizer_kind") or optimizer_kind(saved.get("optimizer", {}))
     if saved_optimizer != cfg.train.optimizer:
         raise ckpt.CheckpointError(
             f"the checkpoint was trained with --optimizer {saved_optimizer}, this run asks for "
@@ -164,7 +181,9 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
     # which the ranks of a node share, so host memory does not grow with ranks x checkpoint size.
     state = ckpt.load_checkpoint(path, verify=False, mmap=True)
     check_compatible(state, cfg, log)
-    load_components(components(parts, dist), state, path)
+    load_weights_and_moments(parts, path, state)
+    rest = {k: c for k, c in components(parts, dist).items() if k not in ("model", "optimizer")}
+    load_components(rest, state, path)
     if parts.loader.order != cfg.train.data_order:
         log.info(f"resume: {path} predates --data-order; continuing with the {parts.loader.order} order "
                  "it was trained with (start fresh, --resume never, for the shuffled one)")
@@ -177,6 +196,24 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
         log.truncate_after(parts.step)
     except ValueError as e:
         raise ckpt.CheckpointError(str(e)) from None
+
+
+def load_weights_and_moments(parts: Parts, path: Path, state: dict) -> None:
+    """Model and optimizer from any checkpoint into this run, sharded or not (module docstring)."""
+    if not state.get("sharded") and not is_sharded(parts.model):  # .pt into DDP or one process: as always
+        parts.model.load_state_dict(state["model"])
+        OptimizerState(parts.optimizer).load_state_dict(state["optimizer"])
+        return
+    try:
+        with this_runs_hyperparameters(parts.optimizer):
+            if state.get("sharded"):  # collective when there is a process group: every rank restores
+                dcp_io.load(parts.model, parts.optimizer, path)
+            else:
+                dcp_io.load_full(parts.model, parts.optimizer, state["model"],
+                                 dcp_io.named_optimizer_state(state["optimizer"], parts.model, parts.optimizer))
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{path}: its model or optimizer state does not load into this run "
+                                   f"({type(e).__name__}: {' '.join(str(e).split())[:500]})") from None
 
 
 def load_components(states: dict[str, Stateful], saved: dict, path: Path) -> None:
@@ -193,13 +230,15 @@ def load_components(states: dict[str, Stateful], saved: dict, path: Path) -> Non
 
 # ------------------------------------------------------------------ save
 
-def checkpoint_state(parts: Parts, cfg: RunConfig, dist: Dist, rngs: list[dict]) -> dict:
-    """Rank 0: the dict a checkpoint file holds (rngs: every rank's RankRng.state_dict())."""
-    states = {key: c.state_dict() for key, c in components(parts, dist).items() if key != "rng"}
-    return {"model": states["model"], "optimizer": states["optimizer"], "scaler": states["scaler"],
-            "config": cfg.to_dict(), "tokenizer": TOKENIZER, "loader": states["loader"],
-            "rng": rngs, "world_size": dist.world_size,
-            "tokens": parts.step * cfg.train.total_batch_size, "torch_version": str(torch.__version__)}
+def checkpoint_state(parts: Parts, cfg: RunConfig, dist: Dist, rngs: list[dict], *, sharded: bool = False) -> dict:
+    """Rank 0: the dict a checkpoint file holds (rngs: every rank's RankRng.state_dict()). sharded:
+    without model and optimizer (train.pt of a sharded checkpoint; DCP holds those)."""
+    small = {"scaler": parts.scaler.state_dict(), "config": cfg.to_dict(), "tokenizer": TOKENIZER,
+             "loader": parts.loader.state_dict(), "rng": rngs, "world_size": dist.world_size,
+             "tokens": parts.step * cfg.train.total_batch_size, "torch_version": str(torch.__version__)}
+    if sharded:
+        return {**small, "optimizer_kind": "muon" if hasattr(parts.optimizer, "optimizers") else "adamw"}
+    return {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(), **small}
 
 
 def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict | None = None, *,
@@ -220,6 +259,9 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict |
     if gathered[0][1] is not None:
         raise CheckpointWriteError(gathered[0][1])
     background = background and requeue is None
+    if is_sharded(parts.model):
+        save_sharded(parts, cfg, dist, log, [rng for rng, _ in gathered], requeue)
+        return
     if dist.is_main:
         state = checkpoint_state(parts, cfg, dist, [rng for rng, _ in gathered])
         if background:
@@ -234,6 +276,63 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict |
                 preempt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
     if not background:
         barrier(dist)
+
+
+def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, rngs: list[dict],
+                 requeue: dict | None) -> None:
+    """Every rank writes its shards into step_*.tmp/ (no rank gathers the model), fsyncs and hashes
+    them; rank 0 publishes the directory (rename, sidecar, `latest`, retention: checkpoint.publish_sharded).
+
+    Always synchronous, --async-ckpt or not: DCP's async_save would run its own collectives from a
+    background thread beside training's on the same process group (needing a second group) and the
+    rename and sidecar would have to wait for every rank's write at a later step. Each rank writes
+    1/world_size of the state, so the wait is short. Any rank's failure is every rank's
+    CheckpointWriteError, and the newest valid checkpoint stays the one before.
+    """
+    tc, t0 = cfg.train, time.perf_counter()
+    tmp = ckpt.sharded_temp_dir(tc.out_dir, parts.step)
+    problem = _attempt(lambda: ckpt.begin_sharded(tc.out_dir, parts.step)) if dist.is_main else None
+    _raise_any(all_gather_object(problem, dist), parts.step)  # the directory exists before anyone writes
+    problem = _attempt(lambda: dcp_io.save(parts.model, parts.optimizer, tmp))
+    if dist.is_main and problem is None:
+        problem = _attempt(lambda: ckpt.write_train_state(
+            tmp, parts.step, checkpoint_state(parts, cfg, dist, rngs, sharded=True), parts.run_id))
+    _raise_any(all_gather_object(problem, dist), parts.step)  # every rank's files are complete
+    files = {}
+    problem = _attempt(lambda: files.update(ckpt.hash_files(tmp, ckpt.own_files(tmp, dist.rank))))
+    reports = all_gather_object((files, problem), dist)
+    _raise_any([p for _, p in reports], parts.step)
+    problem = None
+    if dist.is_main:
+        every = {name: meta for f, _ in reports for name, meta in f.items()}
+        path = []
+        problem = _attempt(lambda: path.append(ckpt.publish_sharded(
+            tc.out_dir, parts.step, every, keep=tc.keep_checkpoints, run_id=parts.run_id, warn=log.warn)))
+        if problem is None:
+            sync = "; synchronous: --async-ckpt applies to .pt checkpoints" if tc.async_ckpt else ""
+            log.info(f"saved checkpoint {path[0]} (sharded: {len(every)} files from {dist.world_size} ranks in "
+                     f"{time.perf_counter() - t0:.1f} s{sync})")
+            if requeue is not None:  # after the checkpoint: the marker promises a complete one
+                preempt.write_requeue_marker(tc.out_dir, {**requeue, "checkpoint": path[0].name})
+    _raise_any(all_gather_object(problem, dist), parts.step)  # nobody leaves before it is published
+
+
+def _attempt(work) -> str | None:
+    """Run work(); its OSError or RuntimeError (DCP's) as a message, so every rank can raise it."""
+    try:
+        work()
+    except (OSError, RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
+    return None
+
+
+def _raise_any(problems: list[str | None], step: int) -> None:
+    bad = [(rank, p) for rank, p in enumerate(problems) if p]
+    if bad:
+        rank, p = bad[0]
+        raise CheckpointWriteError(f"writing the sharded checkpoint of step {step} failed on rank {rank} ({p}). "
+                                   "The newest complete checkpoint is the one before it; free space or fix the "
+                                   "run directory, then resume with --resume auto")
 
 
 def finish_background_write(parts: Parts, log: Metrics) -> str | None:
