@@ -172,7 +172,8 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     whether the loss scaler found an overflow and skipped the update itself.
     """
     tc = cfg.train
-    lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps)
+    lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
+               decay_steps=tc.decay_steps)
     for group in parts.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
     loss_sum = torch.zeros((), device=dist.device)
