@@ -247,7 +247,7 @@ class TrainConfig:
     """Muon's peak learning rate (scaled by sqrt(max(1, out/in)) per matrix, Keller Jordan's rule as in
     torch's adjust_lr_fn="original"); it decays with the schedule like lr. 0.02 was the best of
     0.01/0.02/0.04 in bench/optimizers.py's small shape and 0.01 in its medium one, each within 0.03
-    of the other (README, "AdamW against Muon"); 0.02 is also Keller Jordan's default."""
+    of the other (bench/README.md, "AdamW against Muon"); 0.02 is also Keller Jordan's default."""
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
     muon_weight_decay: float = 0.0
