@@ -66,22 +66,25 @@ class Shape:
     """nanoGPT's configurator values for the same."""
     tokens: int
     """Tokens per optimizer step."""
-    default_compile: bool
-    """What our trainer does with no --compile flag at this shape."""
+
+    @property
+    def default_compile(self) -> bool:
+        """What our trainer does with no --compile flag at this shape (the default, or the preset's)."""
+        return parse_config([*self.ours, "--data-dir", "unused", "--out-dir", "unused"]).train.compile
 
 
 SHAPES = {
     "w1": Shape("W1: 6L 6H 384w, block 256, 8 x 256", ("--n-layer", "6", "--n-head", "6", "--n-embd", "384",
                 "--block-size", "256", "--micro-batch-size", "8", "--total-batch-size", "2048"),
                 dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8, gradient_accumulation_steps=1),
-                2048, True),
+                2048),
     "debug": Shape("quick start: --preset debug, 4L 4H 128w, block 128, 2 x 8 x 128", ("--preset", "debug"),
                    dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=8, gradient_accumulation_steps=2),
-                   2048, False),
+                   2048),
     "tiny": Shape("tiny: 2L 2H 64w, block 32, 2 x 32", ("--n-layer", "2", "--n-head", "2", "--n-embd", "64",
                   "--block-size", "32", "--micro-batch-size", "2", "--total-batch-size", "64"),
                   dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=2, gradient_accumulation_steps=1),
-                  64, False),
+                  64),
 }
 QUIET = ("--device", "cpu", "--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0",
          "--ckpt-interval", "0", "--plot", "false", "--log-interval", "1", "--seed", "1337")
@@ -123,6 +126,8 @@ def run_ours(row: Row, shape: Shape, data: Path, out: Path, steps: int) -> tuple
         raise RuntimeError(f"train_ddp.py {' '.join(flags)} failed: {done.stderr.strip()[-2000:]}")
     records = [r for r in read_metrics(out / "metrics.jsonl") if "step_s" in r]
     conf = json.loads((out / "config.json").read_text())
+    if conf["config"]["train"]["compile"] != (row.mode == "compiled"):  # the row is what its name says
+        raise RuntimeError(f"{row.name}: train_ddp.py ran with compile={conf['config']['train']['compile']}")
     said = [line.split("]", 1)[-1].strip() for line in (done.stdout + done.stderr).splitlines()
             if "precision  " in line or "loss       " in line]
     return [r["step_s"] for r in sorted(records, key=lambda r: r["step"])], conf["config"]["train"]["dtype"], " / ".join(said)
