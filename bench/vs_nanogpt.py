@@ -178,7 +178,8 @@ def report_lines(rows: list[Row], shapes: dict[str, Shape], key: str) -> list[st
                      f"{shape.tokens / r.step_s:,.0f} | {vs} | {vs_best} | {mfu:.1%} |")
     default_mode = "compiled" if shape.default_compile else "eager"
     ours = next((r for r in mine if r.who == "ours" and r.mode == default_mode), None)
-    notes = [f"- ours at defaults here is `{default_mode}`; its start-up said: {ours.note}" if ours and ours.note else ""]
+    notes = [f"- ours at defaults here is `{default_mode}` (train_ddp.py with no --compile flag at this shape)"]
+    notes += [f"- {r.name}: its start-up said: {r.note}" for r in mine if r.who == "ours" and r.note]
     if ours and best:
         ratio = best.step_s / ours.step_s
         notes.append(f"- ours at defaults ({default_mode}) against nanoGPT's best ({best.name}): **{ratio:.2f}x** "

@@ -246,7 +246,8 @@ def test_vs_nanogpt_times_ours_at_defaults_and_fp32_without_nanogpt():
     assert [r[0] for r in rows] == ["ours eager", "ours fp32 eager"]
     assert rows[1][1] == "fp32" and rows[0][1] in ("fp32", "bf16")  # whatever --dtype auto picked here
     assert all(float(r[2]) > 0 and r[4] == "-" and r[6].endswith("%") for r in rows)
-    assert re.search(r"its start-up said: precision  \w+: .* / loss       ", out)  # auto's own lines
+    assert re.search(r"- ours eager: its start-up said: precision  \w+: .* / loss       ", out)  # auto's own lines
+    assert "- ours at defaults here is `compiled`" in out  # no preset: the trainer compiles by default
     assert "nanoGPT not run (--nanogpt none)" in out
 
 
