@@ -11,6 +11,8 @@ val.bin, headerless uint16) written from our shards, so both read the same token
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import re
 import subprocess
 import sys
@@ -146,6 +148,7 @@ def load_model(tree: Path, ckpt: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    model = module.GPT(module.GPTConfig(**state["model_args"]))
+    with contextlib.redirect_stdout(io.StringIO()):  # its "number of parameters" line, once per checkpoint
+        model = module.GPT(module.GPTConfig(**state["model_args"]))
     model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state["model"].items()})
     return model.eval()
