@@ -394,10 +394,10 @@ TRAIN_PRESETS: dict[str, dict] = {
     "debug": dict(micro_batch_size=8, total_batch_size=2048, max_steps=150, lr=1e-3, min_lr=1e-4,
                   warmup_steps=20, eval_interval=50, eval_tokens=8192, sample_interval=100,
                   log_interval=10, ckpt_interval=50, compile=False),
-    # nanoGPT's small Shakespeare model and batch (16 x 64 tokens), with the recipe that reaches nanoGPT's
-    # 200-step val loss soonest: each change was kept for what it did in `python bench/time_to_loss.py`'s
-    # ablation (README, "Planning and performance"): Muon on the block matrices, AdamW's part at 4e-3,
-    # a 5-step warmup, a 100-step horizon with warmup-stable-decay.
+    # nanoGPT's small Shakespeare model and batch (16 x 64 tokens), with a recipe made to reach nanoGPT's
+    # 200-step val loss sooner: Muon on the block matrices, AdamW's part at 4e-3, a 5-step warmup, a
+    # 100-step horizon with warmup-stable-decay; `python bench/time_to_loss.py` adds them one at a time
+    # (its ablation; README, "Planning and performance", says how far each got).
     "speed": dict(micro_batch_size=16, total_batch_size=1024, optimizer="muon", lr=4e-3, min_lr=4e-4,
                   warmup_steps=5, max_steps=100, decay_steps=40, dtype="float32", compile=False,
                   eval_interval=25, eval_tokens=8192, sample_interval=50, log_interval=10, ckpt_interval=50),
