@@ -259,8 +259,8 @@ def test_vs_nanogpt_runs_nanogpt_itself_beside_ours_on_the_same_shape():
     assert [r[0] for r in rows] == ["nanoGPT eager", "ours eager", "ours fp32 eager"]
     assert rows[0][1] == "fp32" and rows[0][4] == "1.00x"
     assert all(re.fullmatch(r"[\d.]+x", r[4]) for r in rows)
-    assert re.search(r"- ours at defaults \(eager\) against nanoGPT's best \(nanoGPT eager\): \*\*[\d.]+x\*\* speed "
-                     r"\(goal >= 1.00x\): (met|NOT met)", out)
+    # the tiny shape compiles by default: an eager-only run has no "at defaults" row, so it claims no goal
+    assert "- ours at defaults here is `compiled`" in out and "against nanoGPT's best" not in out
 
 
 def test_nanogpt_is_pinned_and_an_unreachable_source_is_one_clear_error(tmp_path):
