@@ -112,6 +112,7 @@ MODEL_PRESETS: dict[str, dict] = {
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),   # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),      # 1558M
     "debug": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    "speed": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),  # nanoGPT's small Shakespeare model
 }
 
 
@@ -227,6 +228,9 @@ class TrainConfig:
     """Learning rate at the end of cosine decay."""
     warmup_steps: int = 715
     """Linear warmup steps."""
+    decay_steps: int = 0
+    """0: cosine decay from warmup to max_steps. N > 0: warmup-stable-decay: the peak lr until
+    max_steps - N, then linear decay to min_lr over the last N steps."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to 2-D weights only (not biases, LayerNorm)."""
     beta1: float = 0.9
@@ -243,7 +247,7 @@ class TrainConfig:
     """Muon's peak learning rate (scaled by sqrt(max(1, out/in)) per matrix, Keller Jordan's rule as in
     torch's adjust_lr_fn="original"); it decays with the schedule like lr. 0.02 was the best of
     0.01/0.02/0.04 in bench/optimizers.py's small shape and 0.01 in its medium one, each within 0.03
-    of the other (README, "AdamW against Muon"); 0.02 is also Keller Jordan's default."""
+    of the other (bench/README.md, "AdamW against Muon"); 0.02 is also Keller Jordan's default."""
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
     muon_weight_decay: float = 0.0
@@ -313,7 +317,7 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     p = []
     positive = ("total_batch_size", "max_steps", "log_interval", "keep_checkpoints",
                 "sample_tokens", "max_bad_steps")
-    non_negative = ("warmup_steps", "eval_interval", "eval_tokens", "sample_interval", "ckpt_interval",
+    non_negative = ("warmup_steps", "decay_steps", "eval_interval", "eval_tokens", "sample_interval", "ckpt_interval",
                     "num_threads", "hellaswag_interval")
     mb = cfg.micro_batch_size
     if mb != "auto" and (not isinstance(mb, int) or isinstance(mb, bool) or mb < 1):
@@ -405,6 +409,13 @@ TRAIN_PRESETS: dict[str, dict] = {
     "debug": dict(micro_batch_size=8, total_batch_size=2048, max_steps=150, lr=1e-3, min_lr=1e-4,
                   warmup_steps=20, eval_interval=50, eval_tokens=8192, sample_interval=100,
                   log_interval=10, ckpt_interval=50, compile=False),
+    # nanoGPT's small Shakespeare model and batch (16 x 64 tokens), with a recipe made to reach nanoGPT's
+    # 200-step val loss sooner: Muon on the block matrices, AdamW's part at 4e-3, a 5-step warmup, a
+    # 100-step horizon with warmup-stable-decay; `python bench/time_to_loss.py` adds them one at a time
+    # (its ablation; README, "Planning and performance", says how far each got).
+    "speed": dict(micro_batch_size=16, total_batch_size=1024, optimizer="muon", lr=4e-3, min_lr=4e-4,
+                  warmup_steps=5, max_steps=100, decay_steps=40, dtype="float32", compile=False,
+                  eval_interval=25, eval_tokens=8192, sample_interval=50, log_interval=10, ckpt_interval=50),
 }
 
 

@@ -5,16 +5,24 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Linear warmup to max_lr over warmup_steps, then cosine decay to min_lr at max_steps.
+def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int,
+          decay_steps: int = 0) -> float:
+    """Linear warmup to max_lr over warmup_steps, then cosine decay to min_lr at max_steps; or, with
+    decay_steps > 0, warmup-stable-decay: max_lr until max_steps - decay_steps, then linear to min_lr.
 
     step counts from 0. Warmup reaches max_lr at step warmup_steps-1, decay starts from max_lr at
-    warmup_steps, so the curve is continuous; past max_steps the rate stays at min_lr.
+    warmup_steps (WSD: at max_steps - decay_steps), so the curve is continuous; past max_steps the
+    rate stays at min_lr.
     """
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     if step >= max_steps:
         return min_lr
+    if decay_steps:  # WSD: a high lr for longer, then a short anneal (the loss drops most there)
+        start = max(warmup_steps, max_steps - decay_steps)
+        if step < start:
+            return max_lr
+        return max_lr + (min_lr - max_lr) * (step - start) / max(1, max_steps - start)
     ratio = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
 

@@ -137,7 +137,7 @@ def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
     its graph ends (tests/test_ddp_compile.py: the graphs, a profile, losses as eager DDP's). For
     124M on NCCL that is ~500 MB of fp32 gradients in ~20 buckets of 25 MiB; the tied embedding's
     154 MB is complete only after the embedding's backward, the last op, so its all-reduce is
-    exposed in any order. Chosen by bench/train_throughput.py's order rows (README, "DDP and
+    exposed in any order. Chosen by bench/train_throughput.py's order rows (bench/README.md, "DDP and
     torch.compile"): compiling the DDP module builds the same graphs (same compile and step time
     within noise) but evaluation, which bypasses DDP, would run eager. Compiling each block alone
     (torchtitan's way) compiled 2.8x faster at the benchmark's shape, at a step time within this
@@ -172,7 +172,8 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     whether the loss scaler found an overflow and skipped the update itself.
     """
     tc = cfg.train
-    lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps)
+    lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
+               decay_steps=tc.decay_steps)
     for group in parts.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
     loss_sum = torch.zeros((), device=dist.device)

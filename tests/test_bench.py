@@ -6,6 +6,7 @@ Tiny settings: these check that the scripts work against the current code, not t
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -203,3 +204,119 @@ def test_ladder_chart_defaults_under_runs_not_the_working_directory(tmp_path, mo
     assert out == REPO / "runs" / "bench" / "ladder.png" and out.is_absolute()
     assert "/runs/" in (REPO / ".gitignore").read_text().splitlines()  # never committed by accident
     assert ladder.build_parser().parse_args(["--out", "x/l.png"]).out == Path("x/l.png")
+
+
+NANOGPT_MIRROR = Path("/work/.mirror/karpathy+nanoGPT/repo")
+
+
+def nanogpt_source() -> str | None:
+    """Where the nanoGPT rows can clone the pinned commit from: $NANOGPT_SOURCE, the benchmarks' cache
+    (already checked out), a local mirror, or GitHub when it answers; None when none is reachable."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import nanogpt
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    if os.environ.get("NANOGPT_SOURCE"):
+        return os.environ["NANOGPT_SOURCE"]
+    if (nanogpt.CACHE / f"nanogpt-{nanogpt.PINNED[:12]}" / ".git").exists() or NANOGPT_MIRROR.is_dir():
+        return str(NANOGPT_MIRROR) if NANOGPT_MIRROR.is_dir() else nanogpt.DEFAULT_SOURCE
+    try:
+        done = subprocess.run(["git", "ls-remote", nanogpt.DEFAULT_SOURCE, "HEAD"], capture_output=True, timeout=30)
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    return nanogpt.DEFAULT_SOURCE if done.returncode == 0 else None
+
+
+needs_nanogpt = pytest.mark.skipif(
+    nanogpt_source() is None,
+    reason="no nanoGPT source reachable: no $NANOGPT_SOURCE, no runs/bench/nanogpt-<sha> cache, no local mirror "
+           "and no network to github.com (the rows of ours are tested without it)")
+
+
+def table_rows(out: str, first_cell: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith(f"| {first_cell} ")]
+
+
+def test_vs_nanogpt_times_ours_at_defaults_and_fp32_without_nanogpt():
+    out = run_bench("bench/vs_nanogpt.py", "--nanogpt", "none", "--shapes", "tiny", "--modes", "eager", "--steps", "1",
+                    "--warmup", "1", "--rounds", "1", timeout=600)
+    rows = table_rows(out, "row")
+    assert [r[0] for r in rows] == ["ours eager", "ours fp32 eager"]
+    assert rows[1][1] == "fp32" and rows[0][1] in ("fp32", "bf16")  # whatever --dtype auto picked here
+    assert all(float(r[2]) > 0 and r[4] == "-" and r[6].endswith("%") for r in rows)
+    assert re.search(r"- ours eager: its start-up said: precision  \w+: .* / loss       ", out)  # auto's own lines
+    assert "- ours at defaults here is `compiled`" in out  # no preset: the trainer compiles by default
+    assert "nanoGPT not run (--nanogpt none)" in out
+
+
+@needs_nanogpt
+def test_vs_nanogpt_runs_nanogpt_itself_beside_ours_on_the_same_shape():
+    out = run_bench("bench/vs_nanogpt.py", "--nanogpt", nanogpt_source(), "--shapes", "tiny", "--modes", "eager",
+                    "--steps", "1", "--warmup", "1", "--rounds", "1", timeout=900)
+    rows = table_rows(out, "row")
+    assert [r[0] for r in rows] == ["nanoGPT eager", "ours eager", "ours fp32 eager"]
+    assert rows[0][1] == "fp32" and rows[0][4] == "1.00x"
+    assert all(re.fullmatch(r"[\d.]+x", r[4]) for r in rows)
+    # the tiny shape compiles by default: an eager-only run has no "at defaults" row, so it claims no goal
+    assert "- ours at defaults here is `compiled`" in out and "against nanoGPT's best" not in out
+
+
+def test_nanogpt_is_pinned_and_an_unreachable_source_is_one_clear_error(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import nanogpt
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    with pytest.raises(nanogpt.NanoGPTError, match=f"is not the pinned {nanogpt.PINNED}"):
+        nanogpt.checkout(str(NANOGPT_MIRROR), "0" * 40, cache=tmp_path)
+    with pytest.raises(nanogpt.NanoGPTError, match="cannot clone nanoGPT from .*--nanogpt none"):
+        nanogpt.checkout(str(tmp_path / "nowhere"), cache=tmp_path)
+    done = subprocess.run([sys.executable, "bench/vs_nanogpt.py", "--nanogpt-commit", "1" * 40], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("vs_nanogpt.py: error: --nanogpt-commit 1111")
+
+
+def test_time_to_loss_reports_steps_and_time_to_the_target_without_nanogpt():
+    out = run_bench("bench/time_to_loss.py", "--nanogpt", "none", "--target", "10.9", "--steps", "2",
+                    "--eval-every", "1", "--val-tokens", "256", "--seeds", "2", "--rows", "adamw,muon,preset",
+                    timeout=600)
+    rows = table_rows(out, "run")
+    assert [r[0] for r in rows] == ["ours AdamW (nanoGPT's recipe)", "ours Muon at its defaults",
+                                    *[f"--preset speed (+ warmup-stable-decay (linear decay over the last 40)), "
+                                      f"seed {s}" for s in (1337, 1338)]]
+    for r in rows:  # ln(50257) = 10.82 at step 0 < 10.9: every run is at the target after its first step
+        assert r[1] == "1" and float(r[3]) > 0 and r[4] == "-" and float(r[5]) < 10.9
+    assert "target: val 10.9000 (--target)" in out
+
+
+@needs_nanogpt
+def test_time_to_loss_takes_nanogpts_val_loss_as_the_target_by_the_same_estimator():
+    out = run_bench("bench/time_to_loss.py", "--nanogpt", nanogpt_source(), "--steps", "2", "--eval-every", "1",
+                    "--val-tokens", "256", "--rows", "muon", timeout=900)
+    target = float(re.search(r"target: val ([\d.]+) \(nanoGPT's at step 2\)", out)[1])
+    assert 9.5 < target < 11.0  # two steps from ~ln(50257)
+    rows = table_rows(out, "run")
+    assert [r[0] for r in rows] == ["nanoGPT train.py (2 runs, before and after ours)", "ours Muon at its defaults"]
+    assert rows[0][1] == "2" and rows[0][4] == "1.00x" and float(rows[0][5]) == pytest.approx(target, abs=1e-4)
+    assert re.fullmatch(r"[\d.]+x|-", rows[1][4])
+
+
+def test_the_speed_preset_is_the_last_row_of_the_time_to_loss_ablation():
+    """The preset is what the ablation measured: Muon on the recipe plus every change, nothing else."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import time_to_loss as ttl
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from gpt2.cli import parse_config
+
+    common = ["--data-dir", "d", "--out-dir", "o"]
+    last = parse_config(ttl.ablation_rows()[-1][1] + common)
+    preset = parse_config(["--preset", ttl.PRESET] + common)
+    learning = ("optimizer", "lr", "min_lr", "warmup_steps", "max_steps", "decay_steps", "micro_batch_size",
+                "total_batch_size", "muon_lr", "muon_momentum", "beta1", "beta2", "weight_decay", "grad_clip",
+                "dtype", "compile", "seed", "data_order")
+    assert {k: getattr(preset.train, k) for k in learning} == {k: getattr(last.train, k) for k in learning}
+    assert preset.model == last.model  # GPT-2's architecture at nanoGPT's small Shakespeare shape

@@ -57,3 +57,19 @@ def test_the_refusal_lists_nearby_totals_and_smaller_micro_batches_that_divide()
         grad_accum_steps(200, 8, 128, 1)  # no zero total is offered
     with pytest.raises(ValueError, match=r"less than one sequence per rank .*raise --total-batch-size to a multiple of 128"):
         grad_accum_steps(100, 8, 128, 1)
+
+
+WSD = dict(max_lr=1.0, min_lr=0.1, warmup_steps=5, max_steps=100, decay_steps=40)
+
+
+def test_warmup_stable_decay_holds_the_peak_then_decays_linearly_to_min():
+    assert lr_at(4, **WSD) == pytest.approx(1.0)  # warmup as with cosine
+    assert [lr_at(s, **WSD) for s in (5, 30, 59, 60)] == pytest.approx([1.0] * 4)  # stable until 100 - 40
+    assert lr_at(80, **WSD) == pytest.approx(0.55)  # half way down the line
+    assert lr_at(100, **WSD) == pytest.approx(0.1) and lr_at(500, **WSD) == pytest.approx(0.1)
+    lrs = [lr_at(s, **WSD) for s in range(60, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    # a decay longer than the steps after warmup starts at the end of warmup
+    assert lr_at(5, **{**WSD, "decay_steps": 1000}) == pytest.approx(1.0)
+    assert lr_at(52, **{**WSD, "decay_steps": 1000}) == pytest.approx(1.0 - 0.9 * 47 / 95)
+    assert lr_at(50, **{**WSD, "decay_steps": 0}) == lr_at(50, **{k: v for k, v in WSD.items() if k != "decay_steps"})

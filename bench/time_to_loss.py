@@ -1,0 +1,328 @@
+"""Time to quality: the wall-clock at which each run first reaches nanoGPT's step-200 validation loss.
+
+    python bench/time_to_loss.py                                    # ~25 min on 2 cores
+    python bench/time_to_loss.py --nanogpt /path/to/nanoGPT/clone   # no network: a local clone or mirror
+
+The recipe is nanoGPT's small Shakespeare one on GPT-2 tokens (--corpus through data_prep, one document
+per paragraph, the first 30,000 tokens as val): 4 layers, 4 heads, 128 wide, block 64, batch 16 (1,024
+tokens per step), AdamW 0.9/0.95, weight decay 0.1, clip 1.0, lr 1e-3 warmed up over 20 steps then cosine
+to 1e-4 at step 200, eager, fp32 (nanoGPT on a CPU always computes in fp32).
+Rows:
+  nanoGPT                 its own train.py (`--bias=True --dropout=0.0`, GPT-2's architecture), run twice:
+                          before and after ours; its step-200 val loss (first run) is the TARGET
+  ours AdamW              the trainer (gpt2.trainer build/train_step) on the same recipe
+  ours Muon               the same with --optimizer muon at its defaults
+  + <change> ...          the ablation: the speed preset's changes added one at a time, cumulatively
+  --preset speed          the last ablation row is the preset itself (gpt2/config.py), at --seeds seeds
+One validation estimator for all: the mean cross-entropy over the same fixed windows (the first
+--val-tokens val tokens, cut into block-size windows, each predicting its next tokens), fp32, applied
+to each run's weights every --eval-every steps: ours from the weights in this process, nanoGPT's from the
+checkpoint its train.py writes at every eval_interval (always_save_checkpoint=True; a wrapper keeps each
+as ckpt_<iter>.pt instead of overwriting ckpt.pt, train.py itself runs unchanged) loaded into nanoGPT's
+own model.py. A run of ours stops once it reaches the target.
+Wall-clock counts training steps only, measured the same way for both: each step's whole iteration
+(data, forward, backward, clip, update) timed by its own program (nanoGPT's printed per-iteration
+`time`; ours time.perf_counter around train_step), summed up to the step. Not counted: start-up, and
+the evaluations; nanoGPT's own evaluation-and-checkpoint falls inside its timed iteration 0 and each
+iteration at a multiple of eval_interval, so for both programs the first step and those steps count at
+the run's median step time. Ours' rows step round-robin (one step of each in turn), so they share the
+same load; nanoGPT's two runs bracket them, and its time is the mean of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpt2 import precision
+from gpt2.cli import parse_config
+from gpt2.config import RunConfig
+from gpt2.dist import single_process
+from gpt2.metrics import Metrics
+from gpt2.model import GPT
+from gpt2.startup import check_data, configure_backends
+from gpt2.trainer import build, train_step
+
+import nanogpt  # bench/nanogpt.py
+from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
+from report import emit  # bench/report.py (a script's directory is on sys.path)
+
+RECIPE_STEPS = 200
+QUIET = ["--device", "cpu", "--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0",
+         "--ckpt-interval", "0", "--plot", "false", "--log-interval", "1000"]
+RECIPE = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "64", "--micro-batch-size", "16",
+          "--total-batch-size", "1024", "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "20",
+          "--max-steps", str(RECIPE_STEPS), "--beta1", "0.9", "--beta2", "0.95", "--weight-decay", "0.1",
+          "--grad-clip", "1.0", "--compile", "false", "--dtype", "float32", "--data-order", "shuffled"]
+NANO_RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, gradient_accumulation_steps=1,
+                   learning_rate=1e-3, min_lr=1e-4, warmup_iters=20, beta1=0.9, beta2=0.95, weight_decay=0.1,
+                   grad_clip=1.0, compile=False, dtype="float32", bias=True, dropout=0.0, eval_iters=1,
+                   always_save_checkpoint=True, log_interval=1)
+MUON = ["--optimizer", "muon"]
+ABLATION = [
+    # (row label, flags added to the row before): cumulative, in order; the last row's flags are the preset.
+    ("+ AdamW part lr 4e-3 (embeddings, head, gains)", ["--lr", "4e-3", "--min-lr", "4e-4"]),
+    ("+ warmup 20 -> 5 steps", ["--warmup-steps", "5"]),
+    ("+ horizon 200 -> 100 steps (decay done by 100)", ["--max-steps", "100"]),
+    ("+ warmup-stable-decay (linear decay over the last 40)", ["--decay-steps", "40"]),
+]
+PRESET = "speed"
+
+
+def ablation_rows() -> list[tuple[str, list[str]]]:
+    """(label, full flags) of the Muon row and each cumulative ablation row after it."""
+    rows, flags = [("ours Muon at its defaults", RECIPE + MUON)], RECIPE + MUON
+    for label, extra in ABLATION:
+        flags = flags + extra
+        rows.append((label, flags))
+    return rows
+
+
+@dataclass
+class Contender:
+    label: str
+    cfg: RunConfig
+    parts: object = None
+    times: list = field(default_factory=list)
+    val: dict = field(default_factory=dict)
+    """{step: val loss}"""
+    reached: int | None = None
+
+
+def val_windows(data: Path, tokens: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed validation windows: the first `tokens` val tokens as (x, y) rows of block tokens."""
+    val = nanogpt.shard_tokens(data, "val").astype(np.int64)
+    n = min(tokens, len(val) - 1) // block
+    if n < 1:
+        raise ValueError(f"--val-tokens {tokens} is less than one window of {block} tokens")
+    x = torch.from_numpy(val[: n * block].reshape(n, block))
+    y = torch.from_numpy(val[1: n * block + 1].reshape(n, block))
+    return x, y
+
+
+@torch.no_grad()
+def estimate(forward, windows: tuple[torch.Tensor, torch.Tensor], batch: int = 32) -> float:
+    """Mean next-token cross-entropy over every window; forward(x, y) returns a batch's mean loss."""
+    x, y = windows
+    total = 0.0
+    for i in range(0, len(x), batch):
+        total += forward(x[i:i + batch], y[i:i + batch]).double().item() * len(x[i:i + batch])
+    return total / len(x)
+
+
+def ours_forward(model: torch.nn.Module):
+    return lambda x, y: model(x, y, return_logits=False)[1]
+
+
+def nano_forward(model: torch.nn.Module):
+    return lambda x, y: model(x, y)[1]
+
+
+def counted_times(times: list[float], uncounted: set[int]) -> list[float]:
+    """Per-step seconds with the steps at the indices `uncounted` (start-up or evaluation inside them)
+    replaced by the median of the others."""
+    rest = [t for i, t in enumerate(times) if i not in uncounted] or times
+    med = statistics.median(rest)
+    return [med if i in uncounted else t for i, t in enumerate(times)]
+
+
+def first_reach(val: dict[int, float], target: float) -> int | None:
+    return next((s for s in sorted(val) if s > 0 and val[s] <= target), None)
+
+
+def run_nanogpt(tree: Path, dataset: str, out: Path, steps: int, every: int, windows) -> dict:
+    """nanoGPT's train.py on the recipe: {step: val} by the shared estimator and the counted step times."""
+    flags = {**NANO_RECIPE, "dataset": dataset, "max_iters": steps, "lr_decay_iters": steps, "eval_interval": every}
+    r = nanogpt.run(tree, flags, out, wrapper=nanogpt.KEEP_CHECKPOINTS)
+    times = r.step_s[:steps]  # iterations 0..steps-1 are steps 1..steps (train.py runs one more, after its last eval)
+    val = {}
+    for ckpt in sorted(out.glob("ckpt_*.pt")):
+        step = int(ckpt.stem.split("_")[1])
+        val[step] = estimate(nano_forward(nanogpt.load_model(tree, ckpt)), windows)
+    return {"val": val, "times": counted_times(times, {i for i in range(len(times)) if i % every == 0})}
+
+
+def make_contender(label: str, flags: list[str], data: Path, out: Path, dist) -> Contender:
+    cfg = parse_config(flags + QUIET + ["--data-dir", str(data), "--out-dir", str(out)])
+    configure_backends(cfg.train, dist)
+    c = Contender(label, cfg)
+    c.parts = build(cfg, dist, Metrics(dist, out), check_data(cfg, 1))
+    return c
+
+
+def evaluate_ours(c: Contender, windows) -> float:
+    model = c.parts.model
+    eval_model = GPT(c.cfg.model, loss_impl="full")
+    eval_model.load_state_dict(model.state_dict())
+    return estimate(ours_forward(eval_model.eval()), windows)
+
+
+def run_ours(contenders: list[Contender], windows, target: float | None, every: int) -> None:
+    """Step every contender in turn (one step each, round-robin) until each reaches the target or its
+    last step; evaluate every `every` steps (untimed)."""
+    dist = single_process("cpu")
+    live = list(contenders)
+    for c in live:
+        c.val[0] = evaluate_ours(c, windows)
+    while live:
+        for c in list(live):
+            t0 = time.perf_counter()
+            train_step(c.parts, c.cfg, dist, False)
+            c.times.append(time.perf_counter() - t0)
+            step = c.parts.step
+            if step % every == 0 or step == c.cfg.train.max_steps:
+                c.val[step] = evaluate_ours(c, windows)
+                print(f"  {c.label}: step {step} val {c.val[step]:.4f} ({sum(c.times):.0f} s)", file=sys.stderr,
+                      flush=True)
+                if target is not None and c.val[step] <= target:
+                    c.reached = step
+            if c.reached is not None or step >= c.cfg.train.max_steps:
+                live.remove(c)
+                c.parts = None  # free the model and optimizer
+
+
+def time_to(times: list[float], step: int | None) -> float | None:
+    return None if step is None else sum(times[:step])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=RECIPE_STEPS,
+                    help="the recipe's steps (nanoGPT's and the recipe rows'; the target is nanoGPT's val there); "
+                    "other values only for a smoke run: every row of ours then stops there too")
+    ap.add_argument("--eval-every", type=int, default=10, help="steps between evaluations of every run")
+    ap.add_argument("--val-tokens", type=int, default=8192, help="val tokens of the shared estimator's windows")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds of the final (preset) row")
+    ap.add_argument("--rows", default="adamw,muon,ablation,preset",
+                    help="which rows of ours: adamw, muon, ablation (the cumulative changes), preset")
+    ap.add_argument("--nano-runs", type=int, choices=(1, 2), default=2,
+                    help="nanoGPT runs: 2 brackets ours (before and after), 1 runs it before ours only")
+    ap.add_argument("--target", type=float, default=None,
+                    help="the target val loss when nanoGPT is not run (--nanogpt none); else nanoGPT's")
+    ap.add_argument("--md", type=Path, help="also write the report here")
+    nanogpt.add_nanogpt_flags(ap)
+    add_corpus_flag(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    prog = "time_to_loss.py"
+    rows = set(args.rows.split(","))
+    if bad := rows - {"adamw", "muon", "ablation", "preset"}:
+        print(f"{prog}: error: unknown rows {sorted(bad)}: choose from adamw, muon, ablation, preset", file=sys.stderr)
+        return 2
+    if args.nanogpt == "none" and args.target is None:
+        print(f"{prog}: error: without nanoGPT (--nanogpt none) give the target: --target LOSS", file=sys.stderr)
+        return 2
+    if min(args.steps, args.eval_every, args.seeds, args.val_tokens) < 1:
+        print(f"{prog}: error: --steps, --eval-every, --seeds and --val-tokens must be at least 1", file=sys.stderr)
+        return 2
+    require_corpus(args.corpus, prog)
+    tree = None
+    if args.nanogpt != "none":
+        try:
+            tree = nanogpt.checkout(args.nanogpt, args.nanogpt_commit)
+        except nanogpt.NanoGPTError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+    command = "python bench/time_to_loss.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    load0 = os.getloadavg()[0]
+    torch.set_num_threads(os.cpu_count() or 1)
+    smoke = [] if args.steps == RECIPE_STEPS else ["--max-steps", str(args.steps), "--warmup-steps", "1",
+                                                   "--decay-steps", "0"]
+    plan: list[tuple[str, list[str]]] = []
+    if "adamw" in rows:
+        plan.append(("ours AdamW (nanoGPT's recipe)", RECIPE))
+    abl = ablation_rows()
+    if "muon" in rows:
+        plan.append(abl[0])
+    if "ablation" in rows:
+        plan += abl[1:-1]
+    if "preset" in rows:
+        plan += [(f"--preset {PRESET} ({ABLATION[-1][0]}), seed {1337 + i}", ["--preset", PRESET, "--seed", str(1337 + i)])
+                 for i in range(args.seeds)]
+    nano_runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "shakespeare"
+        prepare_by_paragraph(args.corpus, data, prog)
+        windows = val_windows(data, args.val_tokens, 64)
+        dataset = nanogpt.write_dataset(tree, f"ttl-{os.getpid()}", data) if tree else ""
+        try:
+            if tree:
+                nano_runs.append(run_nanogpt(tree, dataset, Path(tmp) / "nano0", args.steps, args.eval_every, windows))
+                print(f"  nanoGPT run 1: val {nano_runs[0]['val']}", file=sys.stderr, flush=True)
+            target = nano_runs[0]["val"][args.steps] if nano_runs else args.target
+            dist = single_process("cpu")
+            contenders = [make_contender(label, flags + smoke, data, Path(tmp) / f"ours{i}", dist)
+                          for i, (label, flags) in enumerate(plan)]
+            run_ours(contenders, windows, target, args.eval_every)
+            if tree and args.nano_runs == 2:
+                nano_runs.append(run_nanogpt(tree, dataset, Path(tmp) / "nano1", args.steps, args.eval_every, windows))
+        finally:
+            if tree:
+                import shutil
+                shutil.rmtree(tree / "data" / dataset, ignore_errors=True)
+    lines = header(command, load0, target, tree, args)
+    lines += table(nano_runs, contenders, target, args.steps)
+    emit("\n".join(lines), args.md)
+    return 0
+
+
+def header(command: str, load0: float, target: float, tree, args) -> list[str]:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return [f"command: `{command.strip()}`",
+            f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {platform.machine()}, {os.cpu_count()} cores, "
+            f"avx512_bf16: {precision.cpu_bf16_instructions()}; nanoGPT "
+            + (nanogpt.PINNED[:12] if tree else "not run (--nanogpt none)")
+            + f"; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end",
+            f"target: val {target:.4f} ("
+            + (f"nanoGPT's at step {args.steps}" if tree else "--target") + f"); estimator: the first "
+            f"{args.val_tokens:,} val tokens in 64-token windows, every {args.eval_every} steps", ""]
+
+
+def table(nano_runs: list[dict], contenders: list[Contender], target: float, steps: int) -> list[str]:
+    lines = ["| run | steps to target | s/step (median) | training s to target | time vs nanoGPT | "
+             "val at the last step run |", "|---|---:|---:|---:|---:|---:|"]
+    base = None
+    if nano_runs:
+        reach = [first_reach(r["val"], target) for r in nano_runs]
+        secs = [time_to(r["times"], s) for r, s in zip(nano_runs, reach)]
+        med = statistics.median(t for r in nano_runs for t in r["times"])
+        base = statistics.mean(s for s in secs if s is not None) if any(s is not None for s in secs) else None
+        runs = "2 runs, before and after ours" if len(nano_runs) == 2 else "1 run, before ours"
+        lines.append(f"| nanoGPT train.py ({runs}) | {reach[0]} | {med:.3f} | "
+                     + " / ".join("-" if s is None else f"{s:.1f}" for s in secs) + " | 1.00x | "
+                     f"{nano_runs[0]['val'][max(nano_runs[0]['val'])]:.4f} |")
+    preset_times = []
+    for c in contenders:
+        t = counted_times(c.times, {0}) if c.times else []
+        secs = time_to(t, c.reached)
+        ratio = "-" if secs is None or base is None else f"{secs / base:.2f}x"
+        if c.label.startswith("--preset") and secs is not None and base is not None:
+            preset_times.append(secs / base)
+        last = max(c.val)
+        lines.append(f"| {c.label} | {c.reached if c.reached is not None else f'not by {last}'} | "
+                     f"{statistics.median(t) if t else math.nan:.3f} | {'-' if secs is None else f'{secs:.1f}'} | "
+                     f"{ratio} | {c.val[last]:.4f} |")
+    if preset_times:
+        lines += ["", f"- --preset {PRESET} over {len(preset_times)} seed(s): time vs nanoGPT "
+                  f"{statistics.mean(preset_times):.2f}x (min {min(preset_times):.2f}x, max {max(preset_times):.2f}x); "
+                  f"goal <= 0.40x: {'met' if max(preset_times) <= 0.4 else 'NOT met'}"]
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
