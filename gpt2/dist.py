@@ -169,9 +169,32 @@ def set_compile_threads(dist: Dist) -> int:
     return inductor_config.compile_threads
 
 
-def teardown(dist: Dist | None) -> None:
-    if dist is not None and dist.is_distributed and tdist.is_initialized():
-        tdist.destroy_process_group()
+def teardown(dist: Dist | None, *, agreed: bool = False) -> None:
+    """Destroy the process group. agreed: every rank is known to get here (a normal end, or an error
+    every rank raised alike after a collective): the ranks first meet at a barrier, so no rank tears
+    its connections down while a peer is still inside a collective, and the group's last work holds
+    no tensors (an fsdp run's final sharded save ends in an all_gather_object; DDP's save already
+    ends in a barrier). Not agreed (a peer died, a collective failed, an error on one rank): no
+    barrier, which would only wait out the timeout for a rank that never comes. A barrier that
+    fails (a peer gone since) changes nothing: the group is destroyed either way.
+
+    Known remainder (torch 2.13 + Python 3.11, gloo): "terminate called without an active exception"
+    at exit is a gloo worker thread (ProcessGroupGloo::runLoop) still destroying a finished
+    all-gather whose tensors Python already dropped: their release needs the GIL, and a thread
+    that asks for the GIL while the interpreter finalizes is ended by pthread_exit through C++
+    frames that may not unwind (std::terminate). destroy_process_group does not join those threads
+    (the group object lives on in the device mesh), so no barrier can order it; the barrier only
+    takes the trainer's own last all-gather out of that window (core dump: gdb on a standalone
+    fully_shard + dcp.save + all_gather_object + destroy, 4 of 30 runs with or without a barrier).
+    """
+    if dist is None or not dist.is_distributed or not tdist.is_initialized():
+        return
+    if agreed:
+        try:
+            tdist.barrier()
+        except RuntimeError:  # a peer that left after the collective that made us agree: nothing to wait for
+            pass
+    tdist.destroy_process_group()
 
 
 def all_reduce_sum(t: torch.Tensor, dist: Dist) -> torch.Tensor:
