@@ -183,9 +183,9 @@ def teardown(dist: Dist | None, *, agreed: bool = False) -> None:
     all-gather whose tensors Python already dropped: their release needs the GIL, and a thread
     that asks for the GIL while the interpreter finalizes is ended by pthread_exit through C++
     frames that may not unwind (std::terminate). destroy_process_group does not join those threads
-    (the group object lives on in the device mesh), so no barrier can order it; the barrier only
-    takes the trainer's own last all-gather out of that window (core dump: gdb on a standalone
-    fully_shard + dcp.save + all_gather_object + destroy, 4 of 30 runs with or without a barrier).
+    (ProcessGroupGloo has no shutdown of its own), and barriers do not order it: a standalone
+    fully_shard + dcp.save + all_gather_object + destroy aborted in 4 of 30 runs without a barrier,
+    4 of 30 with one and 7 of 30 with two (core dump read with gdb). Not fixed here.
     """
     if dist is None or not dist.is_distributed or not tdist.is_initialized():
         return
