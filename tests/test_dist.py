@@ -89,3 +89,25 @@ def test_the_trainer_exits_through_the_barrier_when_every_rank_ends_alike(monkey
         monkeypatch.setattr(gpt2.trainer, "train", ending(outcome))
         assert train_ddp.main(argv) == code, outcome
         assert seen.pop() is agreed, outcome
+
+
+def test_a_rank_of_a_group_exits_with_its_code_and_its_buffered_output_but_without_finalizing(tmp_path):
+    """exit_after_group: a rank of several skips the interpreter's finalization (where gloo's worker
+    threads abort the process) yet keeps its exit code and its buffered stdout/stderr; one process
+    exits normally (its atexit handlers run)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = ("import atexit, sys\n"
+              "from gpt2.dist import WorldInfo, exit_after_group\n"
+              "atexit.register(lambda: print('finalized'))\n"
+              "print('buffered out'); print('buffered err', file=sys.stderr)\n"
+              "exit_after_group(3, WorldInfo(0, 0, int(sys.argv[1]), int(sys.argv[1])))\n")
+    for world, finalized in ((2, False), (1, True)):
+        done = subprocess.run([sys.executable, "-c", script, str(world)], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 3, done
+        assert done.stdout.splitlines() == ["buffered out", *(["finalized"] if finalized else [])], done
+        assert done.stderr.strip() == "buffered err", done
