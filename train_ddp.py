@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if rehearsal is not None:
         return dry_run(cfg, rehearsal)
     dist = None
+    agreed = False  # every rank ends the same way (teardown's barrier): set on each path where that is known
     try:
         info = world_from_env()
         try:  # everything a user can get wrong is checked before the process group starts
@@ -46,13 +47,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         dist = setup(info, device, cfg.train.dist_timeout_s)
         code = train(cfg, dist, shards)
+        agreed = True
         return stop_exit_code() if code == EXIT_REQUEUE else code
     except ValueError as e:  # found after start-up alike on every rank (a CheckpointError, a model that
         # does not fit): one message is enough
+        agreed = True
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
         return 2
     except (NonFiniteError, CheckpointWriteError) as e:  # raised alike on every rank: one message
+        agreed = True
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
         return 1
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
               "auto continues from the newest checkpoint", file=sys.stderr)
         return 1
     finally:
-        teardown(dist)
+        teardown(dist, agreed=agreed)
 
 
 def dry_run(cfg, rehearsal) -> int:
@@ -85,4 +89,11 @@ def dry_run(cfg, rehearsal) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gpt2.dist import exit_after_group, world_from_env
+
+    exit_code = main()
+    try:
+        world = world_from_env()
+    except ValueError:  # main() already said so (exit 2)
+        sys.exit(exit_code)
+    exit_after_group(exit_code, world)

@@ -42,6 +42,12 @@ def mixed_precision(dtype: str, device: torch.device):
     return MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
 
 
+def gathered_param_bytes(dtype: str, device: torch.device) -> int:
+    """Bytes per parameter an all-gather moves: the policy's param_dtype, else the fp32 shards'."""
+    policy = mixed_precision(dtype, device)
+    return 4 if policy is None else torch.empty((), dtype=policy.param_dtype).element_size()
+
+
 def shard(model: GPT, dist: Dist, dtype: str = "float32") -> GPT:
     """fully_shard each block, then the root, over all ranks (in place; returns the model)."""
     from torch.distributed.device_mesh import init_device_mesh

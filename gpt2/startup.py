@@ -23,11 +23,12 @@ import torch
 
 from gpt2 import precision
 from gpt2.atomic import atomic_write_text
-from gpt2.bandwidth import NetworkCost, format_network_cost, measure_network, network_warning
+from gpt2.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import ShardSet, find_shards
 from gpt2.dist import Dist, broadcast_object, set_cpu_threads
 from gpt2.flops import device_peak_flops, format_flops, peak_problem
+from gpt2.fsdp import gathered_param_bytes
 from gpt2.metrics import Metrics
 from gpt2.resume import Start, choose_start, set_aside_earlier_run
 from gpt2.rundir import RUN_INFO
@@ -253,10 +254,16 @@ def check_plan(cfg: RunConfig, hardware, world_size: int, log):
 
 
 def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost | None:
-    """Several ranks: time one gradient bucket's all-reduce and say what a step's would cost against
-    the plan's compute per step (one line; a warning above WARN_SHARE). None on one process."""
-    cost = measure_network(dist, bucket_cap_mb=cfg.train.ddp_bucket_cap_mb, n_params=p.n_params,
-                           step_compute_s=p.step_time_s)
+    """Several ranks: time one gradient bucket's all-reduce and say what a step's collectives would
+    cost against the plan's compute per step (DDP's all-reduce, or fsdp's all-gathers and
+    reduce-scatter; one line; a warning above WARN_SHARE). None on one process."""
+    tc = cfg.train
+    fsdp = None
+    if tc.parallel == "fsdp":
+        accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, dist.world_size)
+        fsdp = fsdp_traffic(p.n_params, gathered_param_bytes(tc.dtype, dist.device), accum)
+    cost = measure_network(dist, bucket_cap_mb=tc.ddp_bucket_cap_mb, n_params=p.n_params,
+                           step_compute_s=p.step_time_s, fsdp=fsdp)
     if cost is not None:
         log.info(format_network_cost(cost) + (f" at the planner's {p.mfu:.0%} MFU" if cost.share is not None else ""))
         warning = network_warning(cost)

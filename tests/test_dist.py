@@ -27,3 +27,87 @@ def test_set_compile_threads_takes_effect_in_inductor():
             assert set_compile_threads(dist) == expected
             # what inductor's worker pool is sized from, when the first compilation creates it
             assert inductor_config.compile_threads == get_compile_threads() == expected
+
+
+def _recording(monkeypatch, barrier_error=None):
+    """gpt2.dist's view of torch.distributed with its barrier and destroy recorded (a 2-rank Dist)."""
+    import torch.distributed as tdist
+
+    calls = []
+
+    def barrier():
+        calls.append("barrier")
+        if barrier_error is not None:
+            raise barrier_error
+
+    monkeypatch.setattr(tdist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tdist, "barrier", barrier)
+    monkeypatch.setattr(tdist, "destroy_process_group", lambda: calls.append("destroy"))
+    return calls, Dist(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"))
+
+
+def test_teardown_meets_at_a_barrier_before_destroying_when_every_rank_gets_there(monkeypatch):
+    from gpt2.dist import teardown
+
+    calls, dist = _recording(monkeypatch)
+    teardown(dist, agreed=True)
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    teardown(dist)  # a peer died or one rank failed: no barrier that would wait out the timeout
+    assert calls == ["destroy"]
+    calls, dist = _recording(monkeypatch, barrier_error=RuntimeError("Connection closed by peer"))
+    teardown(dist, agreed=True)  # a peer gone since: destroyed all the same, nothing raised
+    assert calls == ["barrier", "destroy"]
+
+
+def test_the_trainer_exits_through_the_barrier_when_every_rank_ends_alike(monkeypatch, tmp_path):
+    """train_ddp.main: a normal end and the errors every rank raises alike tear down with agreed=True;
+    a failed collective (a dead peer) without."""
+    import gpt2.dist
+    import gpt2.startup
+    import gpt2.trainer
+    import train_ddp
+    from gpt2.dist import CollectiveError
+    from gpt2.trainer import NonFiniteError
+
+    seen = []
+    monkeypatch.setattr(gpt2.dist, "world_from_env", lambda env=None: gpt2.dist.WorldInfo(0, 0, 2, 2))
+    monkeypatch.setattr(gpt2.dist, "setup", lambda info, device, timeout_s: Dist(0, 0, 2, 2, device))
+    monkeypatch.setattr(gpt2.dist, "teardown", lambda dist, agreed=False: seen.append(agreed))
+    monkeypatch.setattr(gpt2.startup, "check_data", lambda cfg, world_size: None)
+    argv = ["--preset", "debug", "--device", "cpu", "--data-dir", str(tmp_path), "--out-dir", str(tmp_path / "run")]
+
+    def ending(outcome):
+        def train(cfg, dist, shards):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        return train
+
+    for outcome, code, agreed in ((0, 0, True), (NonFiniteError("nan"), 1, True), (ValueError("no fit"), 2, True),
+                                  (CollectiveError("all_reduce failed"), 1, False)):
+        monkeypatch.setattr(gpt2.trainer, "train", ending(outcome))
+        assert train_ddp.main(argv) == code, outcome
+        assert seen.pop() is agreed, outcome
+
+
+def test_a_rank_of_a_group_exits_with_its_code_and_its_buffered_output_but_without_finalizing(tmp_path):
+    """exit_after_group: a rank of several skips the interpreter's finalization (where gloo's worker
+    threads abort the process) yet keeps its exit code and its buffered stdout/stderr; one process
+    exits normally (its atexit handlers run)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = ("import atexit, sys\n"
+              "from gpt2.dist import WorldInfo, exit_after_group\n"
+              "atexit.register(lambda: print('finalized'))\n"
+              "print('buffered out'); print('buffered err', file=sys.stderr)\n"
+              "exit_after_group(3, WorldInfo(0, 0, int(sys.argv[1]), int(sys.argv[1])))\n")
+    for world, finalized in ((2, False), (1, True)):
+        done = subprocess.run([sys.executable, "-c", script, str(world)], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 3, done
+        assert done.stdout.splitlines() == ["buffered out", *(["finalized"] if finalized else [])], done
+        assert done.stderr.strip() == "buffered err", done

@@ -44,6 +44,22 @@ def reference(tmp_path_factory, shakespeare_shards):
     return out / "run"
 
 
+MUON = ("--optimizer", "muon")
+
+
+@pytest.fixture(scope="module")
+def muon_reference(tmp_path_factory, shakespeare_shards):
+    """The uninterrupted 2-rank FSDP run with Muon (each sharded matrix gathered for Newton-Schulz)."""
+    out = tmp_path_factory.mktemp("fsdp_muon_reference")
+    done = run(flags(shakespeare_shards, out / "run", *MUON), nproc=2, log_dir=out)
+    assert done.proc.returncode == 0, done.output()
+    got = losses(out / "run")
+    assert sorted(got) == list(range(1, MAX_STEPS + 1))
+    assert got[MAX_STEPS] < got[1] - 0.1
+    assert ckpt.load_checkpoint(step_dir(out / "run", MAX_STEPS))["optimizer_kind"] == "muon"
+    return out / "run"
+
+
 def step_dir(run_dir, step):
     return run_dir / "checkpoints" / f"step_{step:08d}"
 
@@ -61,11 +77,16 @@ def assert_same_sharded_state(a: dict, b: dict) -> None:
     assert a["model"].keys() == b["model"].keys() and a["model"]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), f"weight {k} differs"
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys() and sa
-    for name in sa:
-        for k in sa[name]:
-            assert torch.equal(torch.as_tensor(sa[name][k]), torch.as_tensor(sb[name][k])), f"{name}.{k} differs"
+    # AdamW's state, or Muon's pair of optimizers ({"adamw": ..., "muon": ...}, gpt2/dcp.py)
+    inner = ["adamw", "muon"] if "state" not in a["optimizer"] else [None]
+    for which in inner:
+        oa, ob = (a["optimizer"], b["optimizer"]) if which is None else (a["optimizer"][which], b["optimizer"][which])
+        sa, sb = oa["state"], ob["state"]
+        assert sa.keys() == sb.keys() and sa, which
+        for name in sa:
+            for k in sa[name]:
+                assert torch.equal(torch.as_tensor(sa[name][k]), torch.as_tensor(sb[name][k])), \
+                    f"{which} {name}.{k} differs"
     assert a["train"]["step"] == b["train"]["step"]
     assert a["train"]["loader"] == b["train"]["loader"]
     for ra, rb in zip(a["train"]["rng"], b["train"]["rng"], strict=True):
@@ -175,13 +196,16 @@ def test_retention_keeps_k_directories_and_a_rewrite_replaces_the_step(tmp_path)
 
 # ------------------------------------------------------------------ resume: same size, resharded, DDP
 
-def test_kill_9_then_resume_auto_continues_bitwise(tmp_path, shakespeare_shards, reference):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_kill_9_then_resume_auto_continues_bitwise(tmp_path, shakespeare_shards, optimizer, request):
+    reference = request.getfixturevalue("reference" if optimizer == "adamw" else "muon_reference")
+    extra = MUON if optimizer == "muon" else ()
     rng = random.Random()
     victim = rng.choice([0, 1])
     kill_after = rng.randint(CKPT_INTERVAL + 1, MAX_STEPS - 2)
     where = f"rank {victim} killed after step {kill_after}"
     run_dir, release = tmp_path / "run", tmp_path / "release"
-    job = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path, max_restarts=1,
+    job = launch(flags(shakespeare_shards, run_dir, *extra), nproc=2, log_dir=tmp_path, max_restarts=1,
                  script=patched_train_script(tmp_path, hold_after_step(kill_after, release)))
     try:
         wait_for_step(job, run_dir, kill_after)
@@ -239,6 +263,17 @@ def test_fsdp_checkpoint_continues_under_ddp_and_back(tmp_path, shakespeare_shar
     assert f"resumed from {tmp_path}/fsdp/checkpoints/step_00000006.pt at step 6" in back.stdout
     assert_losses_close(losses(tmp_path / "fsdp"), losses(reference), range(7, MAX_STEPS + 1))
     assert ckpt.is_sharded_checkpoint(step_dir(tmp_path / "fsdp", MAX_STEPS))
+
+
+@pytest.mark.slow
+def test_muon_fsdp_checkpoint_continues_under_ddp(tmp_path, shakespeare_shards, muon_reference):
+    """Muon's pair of optimizers, FQN-keyed in DCP, into DDP's Muon (param-id keyed, each matrix's
+    momentum whole on every rank): steps 4..8 follow the uninterrupted FSDP Muon run."""
+    copy_checkpoint(step_dir(muon_reference, CKPT_INTERVAL), tmp_path / "ddp")
+    ddp = run(flags(shakespeare_shards, tmp_path / "ddp", *MUON, parallel="ddp"), nproc=2, log_dir=tmp_path)
+    assert ddp.proc.returncode == 0, ddp.output()
+    assert "resume: parallel changed from 'fsdp' to 'ddp'" in ddp.stdout
+    assert_losses_close(losses(tmp_path / "ddp"), losses(muon_reference), range(CKPT_INTERVAL + 1, MAX_STEPS + 1))
 
 
 # ------------------------------------------------------------------ the tools read it in one process
