@@ -89,11 +89,6 @@ def dry_run(cfg, rehearsal) -> int:
 
 
 if __name__ == "__main__":
-    from gpt2.dist import exit_after_group, world_from_env
+    from gpt2.dist import exit_rank
 
-    exit_code = main()
-    try:
-        world = world_from_env()
-    except ValueError:  # main() already said so (exit 2)
-        sys.exit(exit_code)
-    exit_after_group(exit_code, world)
+    exit_rank(main())

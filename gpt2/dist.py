@@ -230,6 +230,18 @@ def broadcast_object(obj, dist: Dist):
     return box[0]
 
 
+def exit_rank(code: int) -> None:
+    """A command's exit under torchrun or alone (train_ddp.py, gpt2.eval): exit_after_group for this
+    launch's world; an environment world_from_env refuses was reported by the command (exit 2)."""
+    import sys
+
+    try:
+        world = world_from_env()
+    except ValueError:
+        sys.exit(code)
+    exit_after_group(code, world)
+
+
 def exit_after_group(code: int, info: WorldInfo) -> None:
     """End a rank of a multi-rank run with code, skipping the interpreter's finalization (os._exit).
 

@@ -117,4 +117,6 @@ def _describe(task: str, r: dict, source: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gpt2.dist import exit_rank
+
+    exit_rank(main())  # under torchrun: past gloo's exit-time abort (gpt2/dist.py exit_after_group)
