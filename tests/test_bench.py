@@ -284,7 +284,7 @@ def test_time_to_loss_reports_steps_and_time_to_the_target_without_nanogpt():
                     timeout=600)
     rows = table_rows(out, "run")
     assert [r[0] for r in rows] == ["ours AdamW (nanoGPT's recipe)", "ours Muon at its defaults",
-                                    *[f"--preset speed (+ warmup-stable-decay (linear decay over the last 40)), "
+                                    *[f"--preset speed (+ warmup 20 -> 5 steps), "
                                       f"seed {s}" for s in (1337, 1338)]]
     for r in rows:  # ln(50257) = 10.82 at step 0 < 10.9: every run is at the target after its first step
         assert r[1] == "1" and float(r[3]) > 0 and r[4] == "-" and float(r[5]) < 10.9
