@@ -22,6 +22,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(argv)[0]
+
+
+def run(argv: list[str] | None = None) -> tuple[int, bool]:
+    """main's work: its exit code, and whether this process started a process group (exit_rank)."""
     from torch.distributed import DistError
 
     from gpt2.ckpt_writer import CheckpointWriteError
@@ -33,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg, rehearsal = parse_command(argv)  # exits 2 with a message on bad flags or values
     if rehearsal is not None:
-        return dry_run(cfg, rehearsal)
+        return dry_run(cfg, rehearsal), False
     dist = None
     agreed = False  # every rank ends the same way (teardown's barrier): set on each path where that is known
     try:
@@ -44,22 +49,22 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # ShardError is one too
             if info.rank == 0:
                 print(f"train_ddp.py: error: {e}", file=sys.stderr)
-            return 2
+            return 2, False  # no process group yet
         dist = setup(info, device, cfg.train.dist_timeout_s)
         code = train(cfg, dist, shards)
         agreed = True
-        return stop_exit_code() if code == EXIT_REQUEUE else code
+        return (stop_exit_code() if code == EXIT_REQUEUE else code), True
     except ValueError as e:  # found after start-up alike on every rank (a CheckpointError, a model that
         # does not fit): one message is enough
         agreed = True
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
-        return 2
+        return 2, dist is not None
     except (NonFiniteError, CheckpointWriteError) as e:  # raised alike on every rank: one message
         agreed = True
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
-        return 1
+        return 1, dist is not None
     except (CollectiveError, DistError) as e:
         # A peer died (connection closed) or hangs (--dist-timeout-s expired). Saying so beats a
         # bare traceback; torchrun --max-restarts or a requeue then resumes from the checkpoint.
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(steady training) or --dist-timeout-s {cfg.train.dist_timeout_s:g} (start-up, checkpoints, "
               "evaluation): its own log says why. Restarting (torchrun --max-restarts, a requeue) with --resume "
               "auto continues from the newest checkpoint", file=sys.stderr)
-        return 1
+        return 1, dist is not None
     finally:
         teardown(dist, agreed=agreed)
 
@@ -91,4 +96,4 @@ def dry_run(cfg, rehearsal) -> int:
 if __name__ == "__main__":
     from gpt2.dist import exit_rank
 
-    exit_rank(main())
+    exit_rank(*run())

@@ -230,11 +230,16 @@ def broadcast_object(obj, dist: Dist):
     return box[0]
 
 
-def exit_rank(code: int) -> None:
-    """A command's exit under torchrun or alone (train_ddp.py, gpt2.eval): exit_after_group for this
-    launch's world; an environment world_from_env refuses was reported by the command (exit 2)."""
+def exit_rank(code: int, grouped: bool) -> None:
+    """A command's exit under torchrun or alone (train_ddp.py, gpt2.eval). grouped: this process
+    started a process group, so gloo's threads may be live: exit_after_group. Without one (an error
+    found before the group starts, which every rank finds alike and rank 0 prints) the interpreter
+    exits normally: os._exit's faster exit let a silent rank 1 end first, and torchrun stopped rank 0
+    before it printed the error (seen once under load in CI's test_cli)."""
     import sys
 
+    if not grouped:
+        sys.exit(code)
     try:
         world = world_from_env()
     except ValueError:

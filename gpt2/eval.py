@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(argv)[0]
+
+
+def run(argv: list[str] | None = None) -> tuple[int, bool]:
+    """main's work: its exit code, and whether this process started a process group (exit_rank)."""
     from gpt2.dist import resolve_device, set_cpu_threads, setup, teardown, world_from_env
 
     args = build_parser().parse_args(argv)
@@ -97,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             if info is None or info.rank == 0:
                 print(f"gpt2.eval: error: {' '.join(str(e).split())}", file=sys.stderr)
-            return 2
+            return 2, dist is not None
         if args.task == "hellaswag":
             result = hellaswag_eval(model, examples, dist, device, dtype=dtype)
         if dist.is_main:
             print(json.dumps(result) if args.json else _describe(args.task, result, source))
-        return 0
+        return 0, dist is not None
     finally:
         teardown(dist)
 
@@ -119,4 +124,4 @@ def _describe(task: str, r: dict, source: dict) -> str:
 if __name__ == "__main__":
     from gpt2.dist import exit_rank
 
-    exit_rank(main())  # under torchrun: past gloo's exit-time abort (gpt2/dist.py exit_after_group)
+    exit_rank(*run())  # under torchrun: past gloo's exit-time abort (gpt2/dist.py exit_after_group)
