@@ -72,6 +72,12 @@ def checkout(source: str, commit: str = PINNED, cache: Path = CACHE) -> Path:
     return tree
 
 
+def tree_for(source: str, commit: str = PINNED) -> Path | None:
+    """A bench's --nanogpt: the checked-out tree, or None for 'none' (no nanoGPT rows); NanoGPTError
+    when it cannot be had."""
+    return None if source == "none" else checkout(source, commit)
+
+
 def _last(text: str) -> str:
     lines = text.strip().splitlines()
     return lines[-1] if lines else "no message"

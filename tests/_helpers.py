@@ -256,6 +256,17 @@ def wait_for_step(launched: Launched, run_dir: Path, step: int, timeout: float =
     raise AssertionError(f"no step {step} within {timeout} s\n{launched.output()}")
 
 
+def uninterrupted_run(args: list[str], out: Path, max_steps: int) -> Path:
+    """A 2-rank run (args write into out/run) that must finish and learn: the reference an interrupted
+    run is compared with. Returns its run directory."""
+    done = run(args, nproc=2, log_dir=out)
+    assert done.proc.returncode == 0, done.output()
+    got = losses(out / "run")
+    assert sorted(got) == list(range(1, max_steps + 1))
+    assert got[max_steps] < got[1] - 0.1  # it learns, so equal losses are not equal by accident
+    return out / "run"
+
+
 def load_ckpt(run_dir: Path, step: int) -> dict:
     return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", map_location="cpu", weights_only=True)
 

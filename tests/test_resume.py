@@ -16,7 +16,8 @@ from gpt2 import checkpoint as ckpt
 from gpt2.checkpoint import verify_checkpoint
 
 from _helpers import (assert_same_state, hold_after_step, import_train_ddp, inject_nan, launch, load_ckpt, losses,
-                      nan_at_step, patched_train_script, records, release_run, run, tiny_run_flags, wait_for_step)
+                      nan_at_step, patched_train_script, records, release_run, run, tiny_run_flags, uninterrupted_run,
+                      wait_for_step)
 
 MAX_STEPS = 8
 CKPT_INTERVAL = 3
@@ -31,12 +32,7 @@ def flags(data_dir, out_dir, *extra):
 def reference(tmp_path_factory, shakespeare_shards):
     """The uninterrupted 2-rank run every interrupted one must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    done = run(flags(shakespeare_shards, out / "run"), nproc=2, log_dir=out)
-    assert done.proc.returncode == 0, done.output()
-    got = losses(out / "run")
-    assert sorted(got) == list(range(1, MAX_STEPS + 1))
-    assert got[MAX_STEPS] < got[1] - 0.1  # it learns, so equal losses are not equal by accident
-    return out / "run"
+    return uninterrupted_run(flags(shakespeare_shards, out / "run"), out, MAX_STEPS)
 
 
 def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shakespeare_shards, reference):
