@@ -72,10 +72,14 @@ def checkout(source: str, commit: str = PINNED, cache: Path = CACHE) -> Path:
     return tree
 
 
-def tree_for(source: str, commit: str = PINNED) -> Path | None:
-    """A bench's --nanogpt: the checked-out tree, or None for 'none' (no nanoGPT rows); NanoGPTError
-    when it cannot be had."""
-    return None if source == "none" else checkout(source, commit)
+def tree_or_exit(source: str, commit: str, prog: str) -> Path | None:
+    """A bench's --nanogpt: the checked-out tree, or None for 'none' (no nanoGPT rows); when it cannot
+    be had, one line `PROG: error: ...` and exit 2."""
+    try:
+        return None if source == "none" else checkout(source, commit)
+    except NanoGPTError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _last(text: str) -> str:

@@ -247,11 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: error: --steps, --eval-every, --seeds and --val-tokens must be at least 1", file=sys.stderr)
         return 2
     require_corpus(args.corpus, prog)
-    try:
-        tree = nanogpt.tree_for(args.nanogpt, args.nanogpt_commit)
-    except nanogpt.NanoGPTError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+    tree = nanogpt.tree_or_exit(args.nanogpt, args.nanogpt_commit, prog)
     command = "python bench/time_to_loss.py " + " ".join(sys.argv[1:] if argv is None else argv)
     load0 = os.getloadavg()[0]
     torch.set_num_threads(os.cpu_count() or 1)

@@ -244,11 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: error: --steps, --warmup and --rounds must be at least 1", file=sys.stderr)
         return 2
     require_corpus(args.corpus, prog)
-    try:
-        tree = nanogpt.tree_for(args.nanogpt, args.nanogpt_commit)
-    except nanogpt.NanoGPTError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+    tree = nanogpt.tree_or_exit(args.nanogpt, args.nanogpt_commit, prog)
     command = "python bench/vs_nanogpt.py " + " ".join(sys.argv[1:] if argv is None else argv)
     load0 = os.getloadavg()[0]
     whos = (["nanoGPT"] if tree else []) + ["ours", "ours fp32"]
