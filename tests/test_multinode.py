@@ -337,7 +337,7 @@ def test_four_nodes_as_the_sbatch_script_starts_them_survive_a_dead_node_and_res
     nodes, documented = documented_multinode_command()
     world = nodes * RANKS_PER_NODE
     args = rehearsal_args(shakespeare_shards, documented, world)
-    shape = f"world size {world} | {ACCUM} micro-steps of {MICRO_BATCH}x{BLOCK} per step"
+    shape = f"world size {world} | parallel ddp | {ACCUM} micro-steps of {MICRO_BATCH}x{BLOCK} per step"
 
     # 1. The reference: the same command, left alone.
     reference = tmp_path / "reference"
