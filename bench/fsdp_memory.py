@@ -26,6 +26,7 @@ accumulation), its total per device: what `--micro-batch-size auto` and the star
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import resource
@@ -69,14 +70,17 @@ def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
     import torch.distributed as tdist
 
     from gpt2.cli import parse_config
-    from gpt2.dist import Dist, all_gather_object
+    from gpt2.dist import Dist, WorldInfo, all_gather_object, exit_after_group
     from gpt2.metrics import Metrics
     from gpt2.startup import check_data, configure_backends
     from gpt2.trainer import build, train_step
 
     cfg = parse_config(argv)
     baseline = rss_bytes()
-    tdist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
+    # A finite timeout: a rank that dies leaves the other failing, not waiting for gloo's default 30 minutes
+    # (a CI run of the smoke test hung until its 600 s limit once).
+    tdist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
+                             timeout=datetime.timedelta(seconds=120))
     dist = Dist(rank=rank, local_rank=rank, world_size=WORLD, local_world_size=WORLD, device=torch.device("cpu"))
     configure_backends(cfg.train, dist)
     parts = build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, WORLD))
@@ -87,6 +91,9 @@ def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
                                                          "accum": parts.accum_steps}))
     tdist.barrier()
     tdist.destroy_process_group()
+    # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/dist.py
+    # exit_after_group), as the trainer's ranks leave.
+    exit_after_group(0, WorldInfo(rank, rank, WORLD, WORLD))
 
 
 def run_mode(args: argparse.Namespace, data_dir: Path, tmp: Path, mode: str) -> dict:
