@@ -70,7 +70,7 @@ import torch
 from gpt2 import precision
 from gpt2.cli import parse_config
 from gpt2.config import GPT2_VOCAB_SIZE, RunConfig
-from gpt2.dist import Dist, single_process
+from gpt2.dist import Dist, WorldInfo, exit_after_group, single_process
 from gpt2.flops import flops_per_token
 from gpt2.metrics import Metrics, read_metrics
 from gpt2.optim import param_groups
@@ -279,7 +279,11 @@ def _order_rank(rank: int, order: str, args: list[str], steps: int, warmup: int,
         times.append(time.perf_counter() - t0)
     if rank == 0:
         (Path(tmp) / "times.json").write_text(json.dumps({"times": times, "losses": losses}))
+    tdist.barrier()
     tdist.destroy_process_group()
+    # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/dist.py
+    # exit_after_group), as the trainer's ranks leave.
+    exit_after_group(0, WorldInfo(rank, rank, 2, 2))
 
 
 def run_orders(data_dir: Path, tmp: Path, *, steps: int, warmup: int, small: bool, rounds: int,

@@ -291,6 +291,34 @@ def assert_same_state(a: dict, b: dict) -> None:
         assert torch.equal(ra["torch"], rb["torch"])
 
 
+def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs), each rank leaving as the trainer's ranks do.
+
+    A spawned rank that returns ends through Python's finalization, where a gloo worker thread still
+    releasing a finished collective's tensors can take the GIL and abort the process ("terminate
+    called without an active exception", SIGABRT: gpt2/dist.py exit_after_group). Every result a
+    worker writes is saved before it returns, so the rank flushes and leaves by os._exit: 0 when fn
+    returned, 1 (its traceback printed to the test's captured stderr) when it raised.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned_rank, args=(fn, *args), nprocs=nprocs, join=True)
+
+
+def _spawned_rank(rank: int, fn, *args) -> None:
+    import traceback
+
+    code = 0
+    try:
+        fn(rank, *args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 MUON_SHAPES = [(96, 32), (32, 32), (32, 128), (64, 64), (48, 16)]
 
 

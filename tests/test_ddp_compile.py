@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from _helpers import spawn_ranks
 
 
 STEPS = 10
@@ -72,7 +73,7 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
 def overlap(tmp_path_factory, shakespeare_shards):
     tmp = tmp_path_factory.mktemp("ddp_compile")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_rank, args=(str(shakespeare_shards), str(tmp)), nprocs=2, join=True)
+    spawn_ranks(_rank, (str(shakespeare_shards), str(tmp)), nprocs=2)
     return json.loads((tmp / "result.json").read_text())
 
 

@@ -9,9 +9,8 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from _helpers import FP32_CPU, losses, records, run
+from _helpers import FP32_CPU, losses, records, run, spawn_ranks
 from conftest import TINY_MODEL_FLAGS
 from gpt2.config import TrainConfig
 from gpt2.dist import Dist, single_process
@@ -120,7 +119,7 @@ def test_clip_grad_norm_of_sharded_gradients_is_the_global_norm_and_clips_every_
     gradient's (fp64 truth to 1e-6 relative, the same on both ranks), and after clipping every
     shard equals the whole model's clipped gradient. torch's own clip_grad_norm_ on DTensors is also
     the global norm, but only to its fp32 accuracy (~1e-4 here): why gpt2/fsdp.py sums in fp64."""
-    mp.spawn(_norm_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    spawn_ranks(_norm_worker, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert "Shard(dim=0)" in r0["placements"] and r0["shard_rows"] == 50304 // 2  # really sharded
     for r in (r0, r1):

@@ -381,7 +381,7 @@ def test_four_nodes_as_the_sbatch_script_starts_them_survive_a_dead_node_and_res
 
 
 RSS_SCRIPT = '''
-import json, sys
+import json, os, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, {repo!r})
@@ -411,6 +411,8 @@ if dist.get_rank() == 0:
     print(json.dumps(got))
 dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # past gloo's exit-time abort, as the trainer's ranks leave (gpt2/dist.py exit_after_group)
 '''
 
 

@@ -242,14 +242,12 @@ def test_spread_orthogonalisation_is_bitwise_the_single_process_step(tmp_path, n
     """On 2 and 3 ranks, each rank orthogonalises only the matrices it owns and receives the rest in
     one all-gather per step: the parameters and momentum are bit for bit what one process computes,
     on every rank."""
-    import torch.multiprocessing as mp
-
-    from _helpers import MUON_SHAPES, muon_spread_worker
+    from _helpers import MUON_SHAPES, muon_spread_worker, spawn_ranks
     from gpt2.muon import owners
 
     for w in (1, 2, 3):
         (tmp_path / str(w)).mkdir()
-        mp.spawn(muon_spread_worker, args=(w, str(tmp_path / f"pg{w}"), str(tmp_path / str(w)), ns_dtype), nprocs=w)
+        spawn_ranks(muon_spread_worker, (w, str(tmp_path / f"pg{w}"), str(tmp_path / str(w)), ns_dtype), nprocs=w)
     ref = torch.load(tmp_path / "1" / "rank0.pt")
     assert len(ref["calls"]) == 3 * len(MUON_SHAPES) and ref["collectives"] == [[]] * 3  # one process: none
     for world in (2, 3):
