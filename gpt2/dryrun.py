@@ -76,7 +76,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     report_data(cfg, train_shards, val_shards, out)
     hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
     mb = auto_micro_batch(cfg, prec.dtype, hardware, world)
-    loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, world)
+    loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, world, device)
     warning = None if device is None else precision.emulation_warning(prec, device)
     log_auto(cfg, prec, mb, warning, log, loss)
     cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl))

@@ -617,9 +617,9 @@ def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_si
 # lever (fewer accumulation steps, larger matmuls) and the chunked loss is what lets it grow, so a
 # joint choice would trade micro-batch for logits; and this way --loss-impl never changes the
 # micro-batch, so the two paths run the same batch maths and agree to rounding. Uncompiled runs
-# (--compile false: the debug preset, the quick start) keep the chunked loss whatever the memory:
-# eager, it is as fast as the full one or faster (bench/eager_loss.py: 0.83x at 4 x 128 wide;
-# bench/loss.py at W1: 2,951 vs 2,970 ms), so the full logits would cost memory for nothing.
+# (--compile false: the debug preset, the quick start) take the full loss where it fits only when
+# it measured clearly faster on this CPU at the run's shape (gpt2/loss_probe.py: faster at 384 wide,
+# slower at 128 wide on one CPU; the crossover moves with the CPU); unmeasured, the chunked one.
 FULL_LOSS_MEMORY_SHARE = 8
 """auto picks the full-logits loss when its peak is at most 1/FULL_LOSS_MEMORY_SHARE of usable memory."""
 
@@ -642,12 +642,16 @@ class LossChoice:
 
 def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int, hardware: Hardware,
                      world_size: int = 1, dtype: str = "bf16", optimizer: str = "adamw", compiled: bool = True,
-                     seq_len: int | None = None, parallel: str = "ddp", accum_steps: int = 1) -> LossChoice:
+                     seq_len: int | None = None, parallel: str = "ddp", accum_steps: int = 1,
+                     measure_eager=None) -> LossChoice:
     """The loss path for a micro-batch already chosen (see FULL_LOSS_MEMORY_SHARE). requested: the
-    TrainConfig.loss_impl, auto, chunked or full; compiled: TrainConfig.compile (auto keeps the chunked
-    loss uncompiled, where it is not slower). An explicit full that cannot fit the device's whole
-    memory is refused, as check_fits refuses an explicit micro-batch (same threshold); one that only
-    exceeds the share or the reserve is taken, and the reason says so."""
+    TrainConfig.loss_impl, auto, chunked or full; compiled: TrainConfig.compile. Uncompiled, auto takes
+    the full loss only where it also fits and measure_eager() (gpt2.loss_probe.EagerLossTimes of this
+    CPU at this shape, asked only then) found it clearly faster; with nothing to measure (None: a GPU, a
+    rehearsal for other hardware), the chunked one.
+    An explicit full that cannot fit the device's whole memory is refused, as check_fits refuses an
+    explicit micro-batch (same threshold); one that only exceeds the share or the reserve is taken,
+    and the reason says so."""
     seq_len = cfg.block_size if seq_len is None else seq_len
     if requested == "chunked":
         return LossChoice("chunked", "--loss-impl chunked")
@@ -668,16 +672,21 @@ def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int,
         over = [] if peak <= share else [f"above the 1/{FULL_LOSS_MEMORY_SHARE} share auto allows"]
         over += [] if total <= usable else [f"plan {_gib(total)} over the {_gib(usable)} usable"]
         return LossChoice("full", f"--loss-impl full; {logits}" + (f", {' and '.join(over)}" if over else ""))
-    if not compiled:
-        return LossChoice("chunked", "auto: uncompiled, where the chunked loss is as fast as the full one or "
-                                     "faster (bench/eager_loss.py)")
     if peak > share:
         return LossChoice("chunked", f"auto: {logits} > 1/{FULL_LOSS_MEMORY_SHARE} of {_gib(usable)} usable")
     if total > usable:
         return LossChoice("chunked", f"auto: {logits} is within 1/{FULL_LOSS_MEMORY_SHARE} of {_gib(usable)} "
                                      f"usable but the plan with it, {_gib(total)}, does not fit")
-    return LossChoice("full", f"auto: {logits} <= 1/{FULL_LOSS_MEMORY_SHARE} of {_gib(usable)} usable, plan "
-                              f"with it {_gib(total)} fits; the faster path compiled")
+    fits = f"{logits} <= 1/{FULL_LOSS_MEMORY_SHARE} of {_gib(usable)} usable, plan with it {_gib(total)} fits"
+    if not compiled:
+        if measure_eager is None:
+            return LossChoice("chunked", f"auto: uncompiled and not measured on {hardware.name}, the chunked loss "
+                                         "(the faster one uncompiled at small widths, bench/eager_loss.py)")
+        eager_times = measure_eager()
+        if not eager_times.full_is_faster:
+            return LossChoice("chunked", f"auto: uncompiled, {eager_times.describe()}")
+        return LossChoice("full", f"auto: {fits}; uncompiled, {eager_times.describe()}")
+    return LossChoice("full", f"auto: {fits}; the faster path compiled")
 
 
 def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int | None = None,

@@ -329,7 +329,7 @@ def peak_rates(device: str, dtypes: tuple[torch.dtype, ...], *, refresh: bool | 
     if all(p in _PEAKS for p in paths):  # a refresh happens once per process, not at every call
         return [_PEAKS[p] for p in paths]
     if refresh is None:
-        refresh = os.environ.get(REFRESH_PEAK_ENV, "") not in ("", "0")
+        refresh = refresh_requested()
     cached = [None if refresh else _PEAKS.get(p) or _read_peak(Path(p), k) for p, k in zip(paths, keys)]
     if any(r is None for r in cached):
         probes = [[] for _ in dtypes]
@@ -353,19 +353,39 @@ def forget_peak(device: str, dtype: torch.dtype) -> None:
         path.unlink(missing_ok=True)
 
 
-def _read_peak(path: Path, key: dict) -> float | None:
+def refresh_requested() -> bool:
+    """GPT2_DDP_REFRESH_PEAK=1: measure again what is cached (the matmul peaks, gpt2/loss_probe.py's times)."""
+    return os.environ.get(REFRESH_PEAK_ENV, "") not in ("", "0")
+
+
+def read_cache_entry(path: Path, key: dict) -> dict | None:
+    """A cached measurement (a JSON object) written for exactly this key, or None."""
     try:
         entry = json.loads(path.read_text())
-        return float(entry["flop_s"]) if entry.get("key") == key and entry["flop_s"] > 0 else None
-    except (OSError, ValueError, KeyError, TypeError):
+        return entry if isinstance(entry, dict) and entry.get("key") == key else None
+    except (OSError, ValueError):
         return None
 
 
-def _write_peak(path: Path, key: dict, rate: float, probes: list[float]) -> None:
-    entry = {"key": key, "flop_s": rate, "probes_flop_s": probes, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+def write_cache_entry(path: Path, key: dict, values: dict) -> None:
+    """values under key, with when and under what load they were measured, written atomically. An
+    unwritable cache only costs the next run a measurement."""
+    entry = {"key": key, **values, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
              "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(entry, indent=1) + "\n")
     except OSError:
         pass  # a read-only home: measured every run, which is what happened before the cache
+
+
+def _read_peak(path: Path, key: dict) -> float | None:
+    entry = read_cache_entry(path, key)
+    try:
+        return float(entry["flop_s"]) if entry is not None and entry["flop_s"] > 0 else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _write_peak(path: Path, key: dict, rate: float, probes: list[float]) -> None:
+    write_cache_entry(path, key, {"flop_s": rate, "probes_flop_s": probes})

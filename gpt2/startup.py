@@ -152,14 +152,23 @@ def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> i
                                  dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
-def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int) -> LossChoice:
+def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int,
+                   device: torch.device | None = None) -> LossChoice:
     """The run's loss path (gpt2.plan.LossChoice) for its resolved dtype and micro-batch on hardware:
-    --loss-impl chunked/full, or (auto) the planner's rule, choose_loss_impl."""
+    --loss-impl chunked/full, or (auto) the planner's rule, choose_loss_impl. device: this machine's
+    CPU when the run is on it (None: a rehearsal for other hardware), where an uncompiled auto run
+    asks gpt2.loss_probe which path is faster at its shape (cached; measured once per shape)."""
+    from gpt2.loss_probe import eager_loss_times
     from gpt2.plan import choose_loss_impl
 
     tc = cfg.train
+    measure = None
+    if device is not None and device.type == "cpu":
+        def measure():
+            return eager_loss_times(str(device), dtype, mb * cfg.model.block_size, cfg.model.n_embd,
+                                    cfg.model.vocab_size)
     return choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
-                            optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel,
+                            optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel, measure_eager=measure,
                             accum_steps=grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world_size),
                             dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
@@ -192,7 +201,7 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
             prec = precision.resolve(tc.dtype, dist.device)
             hardware = hardware or device_hardware(dist.device, 0.0, processes_per_host=dist.local_world_size)
             mb = auto_micro_batch(cfg, prec.dtype, hardware, dist.world_size)
-            loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, dist.world_size)
+            loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, dist.world_size, dist.device)
             decision = ("ok", (prec, mb, loss, precision.emulation_warning(prec, dist.device)))
         except ValueError as e:
             decision = ("error", str(e))

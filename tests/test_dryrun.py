@@ -431,7 +431,7 @@ def test_the_loss_path_is_chosen_and_printed_as_a_real_run_would(train_ddp, data
     actionable line."""
     base = ["--data-dir", str(data_dir), "--out-dir", str(tmp_path / "run"), "--gpu", "A100-80GB"]
     code, out, err = dry(train_ddp, [*base, "--preset", "debug"], capsys)
-    assert code == 0 and "loss       chunked: " in out and "(auto: uncompiled, where the chunked loss" in out
+    assert code == 0 and "loss       chunked: " in out and "(auto: uncompiled and not measured on A100-80GB" in out
     code, out, err = dry(train_ddp, [*base, "--preset", "debug", "--compile", "true"], capsys)
     assert code == 0, err
     assert re.search(r"^loss       full logits: .* \(auto: full-logits peak 0\.67 GiB at micro-batch 8 <= 1/8 of "

@@ -340,9 +340,10 @@ def _cpu(gib: float) -> Hardware:
                     reserve_bytes=GIB)
 
 
-def _choose(requested, hw, mb=8, cfg=W1, dtype="fp32", compiled=True):
+def _choose(requested, hw, mb=8, cfg=W1, dtype="fp32", compiled=True, measure_eager=None):
     from gpt2.plan import choose_loss_impl
-    return choose_loss_impl(cfg, requested, micro_batch_size=mb, hardware=hw, dtype=dtype, compiled=compiled)
+    return choose_loss_impl(cfg, requested, micro_batch_size=mb, hardware=hw, dtype=dtype, compiled=compiled,
+                            measure_eager=measure_eager)
 
 
 def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_one():
@@ -353,8 +354,8 @@ def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_
     assert big.impl == "full" and "auto: full-logits peak 1.54 GiB at micro-batch 8 <= 1/8 of 23.00 GiB" in big.reason
     small = _choose("auto", _cpu(8))  # 7 GiB usable: 1.54 GiB is more than 1/8
     assert small.impl == "chunked" and "> 1/8 of 7.00 GiB usable" in small.reason
-    eager = _choose("auto", _cpu(24), compiled=False)  # uncompiled the chunked loss is not slower: no reason for full
-    assert eager.impl == "chunked" and "auto: uncompiled" in eager.reason
+    eager = _choose("auto", _cpu(24), compiled=False)  # uncompiled and nothing measured: the chunked loss
+    assert eager.impl == "chunked" and "auto: uncompiled and not measured on cpu-24" in eager.reason
     assert _choose("full", _cpu(24), compiled=False).impl == "full"  # an explicit choice holds either way
     # The share is the boundary, to the byte: usable = 8 x peak takes the full loss, a byte less does not.
     edge = Hardware(name="edge", memory_bytes=FULL_LOSS_MEMORY_SHARE * peak + GIB, peak_flops=None,
@@ -362,6 +363,31 @@ def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_
     assert _choose("auto", edge).impl == "full"
     assert _choose("auto", dataclasses.replace(edge, memory_bytes=edge.memory_bytes - FULL_LOSS_MEMORY_SHARE)).impl \
         == "chunked"
+
+
+def test_uncompiled_auto_takes_the_full_loss_only_where_it_fits_and_measured_clearly_faster():
+    """gpt2/loss_probe.py's times decide an uncompiled run, with FULL_MARGIN against noise; the probe is
+    not even asked where the full logits do not fit, and an explicit choice never asks it."""
+    from gpt2.loss_probe import FULL_MARGIN, EagerLossTimes
+
+    asked = []
+
+    def times(full_s, chunked_s):
+        return lambda: asked.append(1) or EagerLossTimes(full_s, chunked_s, "/cache/x.json")
+
+    faster = _choose("auto", _cpu(24), compiled=False, measure_eager=times(1.2, 1.4))
+    assert faster.impl == "full" and "fits; uncompiled, measured uncompiled at this shape: full 1,200 ms vs " \
+        "chunked 1,400 ms per micro-step's LM head + loss (cached in /cache/x.json)" in faster.reason
+    near = _choose("auto", _cpu(24), compiled=False, measure_eager=times(FULL_MARGIN * 1.4 + 1e-6, 1.4))
+    assert near.impl == "chunked" and "measured uncompiled" in near.reason  # within the margin: chunked
+    slower = _choose("auto", _cpu(24), compiled=False, measure_eager=times(0.4, 0.3))
+    assert slower.impl == "chunked" and "full 400 ms vs chunked 300 ms" in slower.reason
+    assert len(asked) == 3
+    small = _choose("auto", _cpu(8), compiled=False, measure_eager=times(0.1, 1.0))  # does not fit 1/8
+    assert small.impl == "chunked" and "> 1/8" in small.reason
+    assert _choose("chunked", _cpu(24), compiled=False, measure_eager=times(0.1, 1.0)).impl == "chunked"
+    assert _choose("auto", _cpu(24), measure_eager=times(2.0, 1.0)).impl == "full"  # compiled: not asked
+    assert len(asked) == 3
 
 
 def test_auto_loss_impl_chunks_when_the_full_logits_are_within_the_share_but_the_plan_with_them_does_not_fit():

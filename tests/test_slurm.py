@@ -24,6 +24,7 @@ from gpt2 import metrics
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / "tests" / "slurm" / "setup_local_slurm.sh"
+TEARDOWN = REPO / "tests" / "slurm" / "teardown_local_slurm.sh"
 SKIP_STATUS = 77  # setup_local_slurm.sh: this machine cannot host SLURM (not root, apt cannot install)
 MAX_STEPS = 30
 STOP_AFTER_STEP = 5  # signal the job once this step is logged, well before MAX_STEPS
@@ -243,13 +244,25 @@ def test_finish_requeues_only_a_confirmed_stop_on_usr1(tmp_path, usr1, term, rc,
 # ---------------------------------------------------------------- the sbatch files on a real SLURM
 
 @pytest.fixture(scope="module")
-def slurm() -> None:
+def slurm():
     if os.geteuid() != 0:
         pytest.skip("needs root: the test starts slurmctld/slurmd (and may apt-get install them)")
+    was_running = _daemon_running(Path("/run/slurmctld.pid"))
     r = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=600)
     if r.returncode == SKIP_STATUS:
         pytest.skip(r.stderr.strip().splitlines()[-1])
     assert r.returncode == 0, f"{SETUP} failed:\n{r.stdout}\n{r.stderr}"
+    yield
+    if not was_running:  # the daemons this module started do not outlive it (an earlier run's are kept)
+        subprocess.run(["bash", str(TEARDOWN)], capture_output=True, timeout=120)
+
+
+def _daemon_running(pidfile: Path) -> bool:
+    try:
+        os.kill(int(pidfile.read_text().strip()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")

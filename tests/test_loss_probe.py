@@ -1,0 +1,82 @@
+"""gpt2/loss_probe.py: the uncompiled loss paths timed at a run's shape on this CPU, cached per shape,
+and the choice a real uncompiled --loss-impl auto run makes from them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpt2 import loss_probe, precision
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(precision.REFRESH_PEAK_ENV, raising=False)
+    return tmp_path / "cache" / "gpt2-ddp"
+
+
+def test_times_are_measured_once_per_shape_and_read_from_the_cache_after(cache, monkeypatch):
+    first = loss_probe.eager_loss_times("cpu", "float32", 256, 64, 50304)
+    assert first.full_s > 0 and first.chunked_s > 0 and first.cache.startswith(str(cache))
+    entry = json.loads(open(first.cache).read())
+    assert entry["key"]["tokens"] == 256 and entry["key"]["n_embd"] == 64 and entry["key"]["dtype"] == "float32"
+    assert (entry["full_s"], entry["chunked_s"]) == (first.full_s, first.chunked_s)
+
+    def no_measurement(*a):
+        raise AssertionError("measured again although cached")
+
+    monkeypatch.setattr(loss_probe, "measure", no_measurement)
+    again = loss_probe.eager_loss_times("cpu", "float32", 256, 64, 50304)
+    assert (again.full_s, again.chunked_s, again.cache) == (first.full_s, first.chunked_s, first.cache)
+    with pytest.raises(AssertionError, match="measured again"):  # another shape is another measurement
+        loss_probe.eager_loss_times("cpu", "float32", 512, 64, 50304)
+    with pytest.raises(AssertionError, match="measured again"):  # and so is the refresh variable
+        monkeypatch.setenv(precision.REFRESH_PEAK_ENV, "1")
+        loss_probe.eager_loss_times("cpu", "float32", 256, 64, 50304)
+
+
+def test_a_corrupt_or_foreign_cache_entry_is_measured_again(cache):
+    key = loss_probe.probe_key("cpu", "float32", 128, 32, 50304)
+    path = loss_probe.probe_path(key)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert loss_probe.eager_loss_times("cpu", "float32", 128, 32, 50304).full_s > 0
+    path.write_text(json.dumps({"key": {**key, "tokens": 1}, "full_s": 9.0, "chunked_s": 9.0}))
+    assert loss_probe.eager_loss_times("cpu", "float32", 128, 32, 50304).full_s != 9.0
+
+
+def test_the_probe_times_the_models_two_loss_paths_which_agree(monkeypatch):
+    """The probe runs F.linear + F.cross_entropy and linear_cross_entropy as GPT.forward does: record the
+    losses it computes and check they agree (1e-5) and that both paths' gradients were made."""
+    seen = []
+    real_ce, real_lce = loss_probe.F.cross_entropy, loss_probe.linear_cross_entropy
+    monkeypatch.setattr(loss_probe.F, "cross_entropy", lambda *a, **k: seen.append(("full", real_ce(*a, **k))) or seen[-1][1])
+    monkeypatch.setattr(loss_probe, "linear_cross_entropy", lambda *a: seen.append(("chunked", real_lce(*a))) or seen[-1][1])
+    loss_probe.measure("cpu", "float32", 300, 32, 50304)
+    full = [v.item() for k, v in seen if k == "full"]
+    chunked = [v.item() for k, v in seen if k == "chunked"]
+    assert len(full) == len(chunked) == 1 + loss_probe.PROBE_ROUNDS
+    assert full[0] == pytest.approx(chunked[0], abs=1e-5) and torch.isfinite(torch.tensor(full)).all()
+
+
+def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_it(tmp_path, cache, capsys):
+    from gpt2.config import ModelConfig, RunConfig, TrainConfig
+    from gpt2.dist import Dist
+    from gpt2.metrics import Metrics
+    from gpt2.plan import GIB, Hardware
+    from gpt2.startup import resolve_auto
+
+    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
+                    TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size=4,
+                                total_batch_size=256, compile=False))
+    roomy = Hardware(name="roomy", memory_bytes=8 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
+    log = Metrics(dist, tmp_path)
+    resolved, _, choice = resolve_auto(cfg, dist, log, hardware=roomy)
+    log.close()
+    times = loss_probe.eager_loss_times("cpu", "float32", 4 * 64, 64, 50304)  # now from the cache
+    assert resolved.train.loss_impl == ("full" if times.full_is_faster else "chunked") == choice.impl
+    assert times.describe() in choice.reason and f"({choice.reason})" in capsys.readouterr().out
