@@ -47,7 +47,7 @@ class EagerLossTimes:
         return self.full_s <= FULL_MARGIN * self.chunked_s
 
     def describe(self) -> str:
-        return (f"measured uncompiled at this shape: full {self.full_s * 1e3:,.0f} ms vs chunked "
+        return (f"measured at this shape: full {self.full_s * 1e3:,.0f} ms vs chunked "
                 f"{self.chunked_s * 1e3:,.0f} ms per micro-step's LM head + loss (cached in {self.cache})")
 
 

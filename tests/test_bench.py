@@ -320,3 +320,21 @@ def test_the_speed_preset_is_the_last_row_of_the_time_to_loss_ablation():
                 "dtype", "compile", "seed", "data_order")
     assert {k: getattr(preset.train, k) for k in learning} == {k: getattr(last.train, k) for k in learning}
     assert preset.model == last.model  # GPT-2's architecture at nanoGPT's small Shakespeare shape
+
+
+def test_matmul_shapes_times_every_matmul_of_a_step_and_weights_them_by_flops(tmp_path):
+    """bench/matmul_shapes.py: 15 rows (the block's four linears and the LM head, each forward, dX and
+    dW) and a FLOP-weighted rate in each dtype that lies between the slowest and fastest row's."""
+    md = tmp_path / "mm.md"
+    done = subprocess.run([sys.executable, "bench/matmul_shapes.py", "--n-embd", "32", "--n-layer", "2", "--tokens",
+                           "64", "--vocab-size", "50304", "--repeats", "1", "--threads", "1", "--dtypes", "float32",
+                           "--md", str(md)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [r.strip("|").split("|") for r in md.read_text().splitlines() if r.startswith("| ") and "m x k" not in r]
+    assert len(rows) == 16 and rows[12][0].strip() == "lm head fwd" and rows[12][1].strip() == "64 x 32 x 50304"
+    assert [r[2].strip() for r in rows[:15]] == ["2"] * 12 + ["1"] * 3
+    rate = [float(r[3].split("(")[0].strip("* ").replace(",", "")) for r in rows]
+    assert min(rate[:15]) <= rate[15] <= max(rate[:15]) and rate[15] > 0
+    bad = subprocess.run([sys.executable, "bench/matmul_shapes.py", "--dtypes", "float8"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("matmul_shapes.py: error: --dtypes: ")

@@ -376,10 +376,10 @@ def test_uncompiled_auto_takes_the_full_loss_only_where_it_fits_and_measured_cle
         return lambda: asked.append(1) or EagerLossTimes(full_s, chunked_s, "/cache/x.json")
 
     faster = _choose("auto", _cpu(24), compiled=False, measure_eager=times(1.2, 1.4))
-    assert faster.impl == "full" and "fits; uncompiled, measured uncompiled at this shape: full 1,200 ms vs " \
+    assert faster.impl == "full" and "fits; uncompiled, measured at this shape: full 1,200 ms vs " \
         "chunked 1,400 ms per micro-step's LM head + loss (cached in /cache/x.json)" in faster.reason
     near = _choose("auto", _cpu(24), compiled=False, measure_eager=times(FULL_MARGIN * 1.4 + 1e-6, 1.4))
-    assert near.impl == "chunked" and "measured uncompiled" in near.reason  # within the margin: chunked
+    assert near.impl == "chunked" and "uncompiled, measured at this shape" in near.reason  # within the margin: chunked
     slower = _choose("auto", _cpu(24), compiled=False, measure_eager=times(0.4, 0.3))
     assert slower.impl == "chunked" and "full 400 ms vs chunked 300 ms" in slower.reason
     assert len(asked) == 3
