@@ -9,7 +9,8 @@ forward (tokens x in -> out), its input gradient and its weight gradient, and th
 the largest. This times each at the run's shape in each dtype, and their FLOP-weighted rate: the MFU a
 step would reach if it were nothing but these matmuls (attention's and everything else's time aside),
 a ceiling for the MFU column. One process, --threads threads, random inputs; each rate the best of
---repeats timed calls after one untimed.
+--repeats timed calls after one untimed. On a CPU without native bf16 (AVX2 only) bf16 is emulated and
+~40x slower: pass --dtypes float32 there unless the emulated rate is what you want to see.
 """
 
 from __future__ import annotations

@@ -44,6 +44,15 @@ def add_nanogpt_flags(ap: argparse.ArgumentParser) -> None:
                     "and log lines this script relies on are those of that commit)")
 
 
+def add_side_by_side_flags(ap: argparse.ArgumentParser) -> None:
+    """What every benchmark that runs nanoGPT beside ours takes: --md, where nanoGPT comes from, the corpus."""
+    from corpus import add_corpus_flag  # bench/corpus.py
+
+    ap.add_argument("--md", type=Path, help="also write the report here")
+    add_nanogpt_flags(ap)
+    add_corpus_flag(ap)
+
+
 def checkout(source: str, commit: str = PINNED, cache: Path = CACHE) -> Path:
     """nanoGPT's working tree at the pinned commit, cloned from source into cache once."""
     if commit != PINNED:

@@ -59,7 +59,7 @@ from gpt2.startup import check_data, configure_backends
 from gpt2.trainer import build, train_step
 
 import nanogpt  # bench/nanogpt.py
-from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
+from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
 from report import emit  # bench/report.py (a script's directory is on sys.path)
 
 RECIPE_STEPS = 200
@@ -227,9 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="nanoGPT runs: 2 brackets ours (before and after), 1 runs it before ours only")
     ap.add_argument("--target", type=float, default=None,
                     help="the target val loss when nanoGPT is not run (--nanogpt none); else nanoGPT's")
-    ap.add_argument("--md", type=Path, help="also write the report here")
-    nanogpt.add_nanogpt_flags(ap)
-    add_corpus_flag(ap)
+    nanogpt.add_side_by_side_flags(ap)
     return ap
 
 

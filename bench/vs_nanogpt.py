@@ -51,7 +51,7 @@ from gpt2.flops import flops_per_token
 from gpt2.metrics import read_metrics
 
 import nanogpt  # bench/nanogpt.py
-from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
+from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
 from report import emit  # bench/report.py (a script's directory is on sys.path)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -227,9 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=2, help="runs of every row, alternating (A B C, C B A, ...)")
     ap.add_argument("--profile", action="store_true", help="also profile our rows' steps (torch.profiler top ops)")
     ap.add_argument("--profile-top", type=int, default=12)
-    ap.add_argument("--md", type=Path, help="also write the report here")
-    nanogpt.add_nanogpt_flags(ap)
-    add_corpus_flag(ap)
+    nanogpt.add_side_by_side_flags(ap)
     return ap
 
 
