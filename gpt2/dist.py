@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
+from gpt2.compat import set_default_timeout
+
 
 class CollectiveError(RuntimeError):
     """A collective operation failed: a peer died, or did not answer within the group's timeout."""
@@ -125,9 +127,7 @@ def set_timeout(dist: Dist, seconds: float) -> None:
     Each rank calls it at the same point of the run, so ranks agree on the phase they are in.
     """
     if dist.is_distributed:
-        from torch.distributed.distributed_c10d import _set_pg_timeout  # what torchtitan uses after step 1
-
-        _set_pg_timeout(datetime.timedelta(seconds=seconds))
+        set_default_timeout(datetime.timedelta(seconds=seconds))
 
 
 def set_cpu_threads(dist: Dist, num_threads: int = 0) -> None:

@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from gpt2.compat import fsdp_api
 from gpt2.dist import Dist
 from gpt2.model import GPT
 
@@ -35,11 +36,10 @@ def mixed_precision(dtype: str, device: torch.device):
     tests compare; the bandwidth a bf16 gather saves matters on GPUs, not in a CPU test.
     float16 never gets here: TrainConfig refuses it with fsdp (see train_config_problems).
     """
-    if device.type != "cuda" or dtype not in ("bfloat16", "float16"):
+    api = fsdp_api()  # None on a torch without FSDP2 (only --parallel ddp runs there)
+    if api is None or device.type != "cuda" or dtype not in ("bfloat16", "float16"):
         return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+    return api.MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
 
 
 def gathered_param_bytes(dtype: str, device: torch.device) -> int:
@@ -51,7 +51,8 @@ def gathered_param_bytes(dtype: str, device: torch.device) -> int:
 def shard(model: GPT, dist: Dist, dtype: str = "float32") -> GPT:
     """fully_shard each block, then the root, over all ranks (in place; returns the model)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    fully_shard = fsdp_api().fully_shard  # present: missing_features refused --parallel fsdp before here
 
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
     policy = mixed_precision(dtype, dist.device)
@@ -63,9 +64,8 @@ def shard(model: GPT, dist: Dist, dtype: str = "float32") -> GPT:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+    api = fsdp_api()  # None on a torch without FSDP2, where nothing can be sharded
+    return api is not None and isinstance(model, api.FSDPModule)
 
 
 @contextlib.contextmanager

@@ -33,11 +33,11 @@ shared results (the Muon matrices in ns_dtype once, as under DDP) on every rank.
 from __future__ import annotations
 
 import torch
-import torch.distributed as tdist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr
 
+from gpt2.compat import all_gather_into
 from gpt2.dist import Dist, collective
 
 
@@ -187,7 +187,7 @@ class Muon(torch.optim.Muon):
         send[offset:].zero_()  # the padding: sent, never read
         gathered = torch.empty(world * length, dtype=self.ns_dtype, device=device)
         with collective("sharing Muon's orthogonalised updates"):
-            tdist.all_gather_single(gathered, send)
+            all_gather_into(gathered, send)
         for src in range(world):
             sizes = [params[i].numel() for i in mine[src]]
             parts = gathered[src * length:src * length + sum(sizes)].split(sizes)

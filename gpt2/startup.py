@@ -23,6 +23,7 @@ import torch
 
 from gpt2 import precision
 from gpt2.atomic import atomic_write_text
+from gpt2.compat import missing_features
 from gpt2.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import ShardSet, find_shards
@@ -115,6 +116,9 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
     shards=False checks everything but the shards (train_ddp.py --dry-run where --data-dir is absent).
     """
     tc = cfg.train
+    missing = missing_features(optimizer=tc.optimizer, parallel=tc.parallel)
+    if missing:  # this torch lacks a feature asked for: say which release has it, before anything starts
+        raise ValueError("; ".join(missing))
     if tc.micro_batch_size == "auto":  # sized later, by the planner: here only "some micro-batch divides"
         grad_accum_steps(tc.total_batch_size, 1, cfg.model.block_size, world_size)
     else:

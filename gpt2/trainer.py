@@ -22,6 +22,7 @@ from gpt2 import checkpoint as ckpt
 from gpt2 import precision
 from gpt2 import preempt
 from gpt2.ckpt_writer import CheckpointWriter
+from gpt2.compat import ddp_no_buffer_sync
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader
 from gpt2.dist import Dist, all_reduce_sum, collective, set_compile_threads, set_timeout
@@ -148,14 +149,13 @@ def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
     # Gradients as views into the all-reduce buckets: no second copy of every gradient (memory)
     # and no copy in and out of the buckets each step (the maths is unchanged). No buffer sync
     # before each forward: the only buffer (the padded vocab's -inf logit bias) is a constant every
-    # rank builds identically (forward_sync_buffers replaces torch 2.13's deprecated
-    # broadcast_buffers; it still syncs buffers once, at init). bucket_cap_mb=None at DDP's default
+    # rank builds identically (it is still synced once, at init; gpt2/compat.py names the keyword). bucket_cap_mb=None at DDP's default
     # keeps DDP's small first bucket (1 MiB, also dynamo's first split); any other value applies
     # to every bucket.
     cap = None if tc.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else tc.ddp_bucket_cap_mb
     with collective("DDP's broadcast of the initial weights"):
         return DDP(train_model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                   bucket_cap_mb=cap, gradient_as_bucket_view=True, forward_sync_buffers=False)
+                   bucket_cap_mb=cap, gradient_as_bucket_view=True, **ddp_no_buffer_sync())
 
 
 

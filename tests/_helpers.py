@@ -359,3 +359,26 @@ def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype
     finally:
         if world > 1:
             tdist.destroy_process_group()
+
+
+def seeded_rng(request) -> "random.Random":
+    """The random choices of one test (which rank to kill, after which step), replayable.
+
+    Seeded by the test's own id, so every run of the suite (CI's included) makes the same choices and
+    a failure reproduces; GPT2_TEST_SEED=N explores other choices. The seed is printed (pytest shows
+    it with a failure) and tests put their choices in their assertion messages.
+    """
+    import random
+    import zlib
+
+    seed = int(os.environ.get("GPT2_TEST_SEED", zlib.crc32(request.node.nodeid.encode())))
+    print(f"{request.node.nodeid}: random choices seeded with {seed} (GPT2_TEST_SEED={seed} replays them)")
+    return random.Random(seed)
+
+
+def ulps_apart(a: float, b: float) -> float:
+    """|a - b| in float32 units in the last place of b: how far two float32 results are in rounding
+    steps, whatever their magnitude (a loss of 10 has ulps of 9.5e-7, a loss of 3 of 2.4e-7)."""
+    import numpy as np
+
+    return abs(a - b) / float(np.spacing(np.float32(abs(b))))

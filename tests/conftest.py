@@ -9,13 +9,20 @@ SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def pytest_collection_modifyitems(config, items):
-    # GPU tests skip cleanly where there is no CUDA device; nothing else is ever skipped.
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    # GPU tests skip where there is no CUDA device, and a feature's tests where this torch lacks the
+    # feature (the compatibility runs on the oldest supported torch: test_torch_range.py asserts the
+    # one-line refusal there instead); nothing else is ever skipped.
+    from gpt2.compat import FIRST_RELEASE, feature_available, torch_version
+
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+        for mark in item.iter_markers("torch_feature"):
+            feature = mark.args[0]
+            if not feature_available(feature):
+                item.add_marker(pytest.mark.skip(
+                    reason=f"{feature} needs torch >= {FIRST_RELEASE[feature]}; this is torch {torch_version()}"))
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +37,22 @@ def _torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rngs(request):
+    """Python's, numpy's and torch's global generators seeded by the test's id before each test: a test
+    that draws from them (torch.randint without a generator) makes the same draws in every run and
+    in any order of tests, so a failure replays."""
+    import random
+    import zlib
+
+    import numpy as np
+
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 TINY_MODEL_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64"]

@@ -12,13 +12,17 @@ import torch
 
 from conftest import TINY_MODEL_FLAGS, run_trainer
 from gpt2.config import ModelConfig, RunConfig, TrainConfig
+from gpt2.compat import has_muon
 from gpt2.model import GPT
-from gpt2.muon import Muon, newton_schulz
 from gpt2.optim import Optimizers, make_optimizer, split_params
 
 from _helpers import (assert_same_state, hold_after_step, inject_nan, launch, load_ckpt, losses, patched_train_script,
                       release_run, run, tiny_run_flags, wait_for_step)
 
+if has_muon():  # torch >= 2.9: gpt2/muon.py subclasses torch.optim.Muon
+    from gpt2.muon import Muon, newton_schulz
+
+pytestmark = pytest.mark.torch_feature("muon")
 CPU = torch.device("cpu")
 
 

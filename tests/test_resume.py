@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import time
 
@@ -16,8 +15,8 @@ from gpt2 import checkpoint as ckpt
 from gpt2.checkpoint import verify_checkpoint
 
 from _helpers import (assert_same_state, hold_after_step, import_train_ddp, inject_nan, launch, load_ckpt, losses,
-                      nan_at_step, patched_train_script, records, release_run, run, tiny_run_flags, uninterrupted_run,
-                      wait_for_step)
+                      nan_at_step, patched_train_script, records, release_run, run, seeded_rng, tiny_run_flags,
+                      uninterrupted_run, wait_for_step)
 
 MAX_STEPS = 8
 CKPT_INTERVAL = 3
@@ -35,8 +34,8 @@ def reference(tmp_path_factory, shakespeare_shards):
     return uninterrupted_run(flags(shakespeare_shards, out / "run"), out, MAX_STEPS)
 
 
-def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shakespeare_shards, reference):
-    rng = random.Random()
+def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shakespeare_shards, reference, request):
+    rng = seeded_rng(request)
     victim = rng.choice([0, 1])  # rank 0 may die inside a checkpoint write
     kill_after = rng.randint(CKPT_INTERVAL + 1, MAX_STEPS - 2)  # a step after a checkpoint
     where = f"rank {victim} killed after step {kill_after}"
@@ -64,9 +63,9 @@ def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shak
 
 
 def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(tmp_path, shakespeare_shards,
-                                                                           reference):
+                                                                           reference, request):
     run_dir = tmp_path / "run"
-    stop_after = random.Random().randint(1, MAX_STEPS - 4)
+    stop_after = seeded_rng(request).randint(1, MAX_STEPS - 4)
     # --max-restarts 1: a signalled torchrun shuts down instead of restarting its workers
     release = tmp_path / "release"
     first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first", max_restarts=1,

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The declared torch range, tested: for each torch release given (default: the oldest supported and the
+# newest tested, below), a venv of its own (.venv-torch-VERSION, kept for the next run), torch installed as
+# a user would (`pip install torch==VERSION`, the regular wheels, which also run on a CPU), then this project
+# with its test extras, then the compatibility subset: the fast unit tests that touch torch's APIs and the
+# end-to-end commands of tests/test_torch_range.py (torchrun DDP, compile, Muon, FSDP, kill -9 and resume,
+# sample, eval, export). .ci/run runs it after the main suite.
+# Usage: bash scripts/torch_range.sh [VERSION ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# The floor must match gpt2/compat.py's TORCH_FLOOR (tests/test_compat.py checks it).
+FLOOR=2.5.1
+NEWEST=2.15.0
+VERSIONS=("$@")
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=("$FLOOR" "$NEWEST")
+SUBSET=(tests/test_compat.py tests/test_torch_range.py tests/test_model.py tests/test_precision.py
+        tests/test_fused_loss.py tests/test_checkpoint.py tests/test_state.py tests/test_ckpt_writer.py
+        tests/test_dist.py tests/test_muon.py tests/test_fsdp.py)
+
+for v in "${VERSIONS[@]}"; do
+  env=".venv-torch-$v"
+  py="$env/bin/python"
+  [ -x "$py" ] || python3 -m venv "$env"
+  have=$("$py" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+  if [ "$have" != "$v" ]; then
+    echo "torch_range: installing torch==$v into $env"
+    "$py" -m pip install -q --upgrade pip > "$env/setup.log" 2>&1
+    "$py" -m pip install -q "torch==$v" >> "$env/setup.log" 2>&1 || { cat "$env/setup.log"; exit 1; }
+  fi
+  # The project over the torch already there (torch>=floor is satisfied, so pip keeps it): what a
+  # cluster user's `pip install -e .` does.
+  "$py" -m pip install -q -e ".[dev]" >> "$env/setup.log" 2>&1 || { cat "$env/setup.log"; exit 1; }
+  got=$("$py" -c "import torch; print(torch.__version__)")
+  echo "torch_range: torch $got: ${#SUBSET[@]} test files"
+  set +e
+  "$py" -m pytest -q -p no:cacheprovider "${SUBSET[@]}"
+  rc=$?
+  set -e
+  if [ "$rc" -ne 0 ]; then echo "torch_range: torch $got: FAILED (pytest exit $rc)"; exit "$rc"; fi
+done

@@ -1,0 +1,139 @@
+"""gpt2/compat.py: the one place where torch releases differ, decided by capability.
+
+These run on whichever torch the environment has (CI: 2.13 in the main suite, the floor and the
+newest in their own environments), so each test asserts what must hold on every supported release.
+"""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from conftest import REPO
+from gpt2 import compat
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+def test_declared_floor_is_pyprojects_and_is_installed_or_newer():
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_dep = next(d for d in deps if d.startswith("torch"))
+    assert torch_dep.split(";")[0].split("#")[0].strip() == f"torch>={compat.TORCH_FLOOR}"
+    installed = tuple(int(x) for x in compat.torch_version().split(".")[:2])
+    assert installed >= tuple(int(x) for x in compat.TORCH_FLOOR.split("."))
+
+
+def test_ddp_keyword_exists_on_this_torch_and_turns_buffer_sync_off():
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kwargs = compat.ddp_no_buffer_sync()
+    (name, value), = kwargs.items()
+    assert name in inspect.signature(DDP.__init__).parameters
+    assert value is False
+
+
+def test_missing_features_lists_exactly_the_unavailable_asked_ones():
+    assert compat.missing_features(optimizer="adamw", parallel="ddp") == []
+    lines = compat.missing_features(optimizer="muon", parallel="fsdp")
+    expected = [f for f in ("muon", "fsdp") if not compat.feature_available(f)]
+    assert len(lines) == len(expected)
+    for line, feature in zip(lines, expected):
+        assert f"torch >= {compat.FIRST_RELEASE[feature]}" in line
+        assert f"this is torch {compat.torch_version()}" in line
+        assert "\n" not in line
+
+
+def test_missing_feature_message_when_the_capability_is_absent(monkeypatch):
+    monkeypatch.setattr(compat, "has_muon", lambda: False)
+    monkeypatch.setattr(compat, "fsdp_api", lambda: None)
+    lines = compat.missing_features(optimizer="muon", parallel="fsdp")
+    assert lines[0].startswith("--optimizer muon needs torch >= 2.9 (torch.optim.Muon); this is torch ")
+    assert lines[0].endswith("install a newer torch, or use --optimizer adamw")
+    assert lines[1].startswith("--parallel fsdp needs torch >= 2.6")
+    assert lines[1].endswith("or use --parallel ddp")
+
+
+def test_trainer_refuses_a_missing_feature_before_any_process_group(monkeypatch, tmp_path):
+    from gpt2.config import RunConfig, TrainConfig, model_preset
+    from gpt2.startup import check_data
+
+    monkeypatch.setattr(compat, "has_muon", lambda: False)
+    cfg = RunConfig(model=model_preset("debug"),
+                    train=TrainConfig(data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), optimizer="muon",
+                                      micro_batch_size=4, total_batch_size=4 * 64 * 2))
+    with pytest.raises(ValueError, match=r"--optimizer muon needs torch >= 2\.9"):
+        check_data(cfg, world_size=1)
+
+
+def test_fsdp_api_matches_the_feature_and_is_sharded_never_raises():
+    from gpt2.fsdp import is_sharded, mixed_precision
+
+    api = compat.fsdp_api()
+    assert (api is not None) == compat.feature_available("fsdp")
+    assert is_sharded(torch.nn.Linear(2, 2)) is False  # on every torch, FSDP or not (checkpoints call it)
+    assert mixed_precision("bfloat16", torch.device("cpu")) is None
+
+
+def _set_timeout_without_warnings(tmp_path):
+    """set_default_timeout in a one-rank gloo group, with every warning an error."""
+    import torch.distributed as tdist
+
+    store = tdist.FileStore(str(tmp_path / "store"), 1)
+    tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compat.set_default_timeout(datetime.timedelta(seconds=123))
+        t = torch.ones(2)
+        tdist.all_reduce(t)
+        out = torch.empty(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compat.all_gather_into(out, torch.tensor([3.0, 4.0]))
+        return t, out
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_timeout_and_all_gather_work_and_warn_nothing(tmp_path):
+    t, out = _set_timeout_without_warnings(tmp_path)
+    assert t.tolist() == [1.0, 1.0]
+    assert out.tolist() == [3.0, 4.0]
+
+
+def test_importing_and_building_ddp_warns_nothing(tmp_path):
+    """No deprecation warning from the project's own use of torch on this release (a subprocess: a
+    fresh import, where module-level warnings would show)."""
+    script = f"""
+import warnings, datetime
+warnings.simplefilter("error")
+import torch, torch.distributed as tdist
+import gpt2.trainer
+from gpt2 import compat
+from torch.nn.parallel import DistributedDataParallel as DDP
+tdist.init_process_group("gloo", store=tdist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, world_size=1)
+DDP(torch.nn.Linear(4, 4), **compat.ddp_no_buffer_sync())
+compat.set_default_timeout(datetime.timedelta(seconds=60))
+tdist.destroy_process_group()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_ci_tests_the_declared_floor():
+    script = (REPO / "scripts" / "torch_range.sh").read_text()
+    floor = next(line.split("=", 1)[1] for line in script.splitlines() if line.startswith("FLOOR="))
+    assert floor.startswith(compat.TORCH_FLOOR + "."), (floor, compat.TORCH_FLOOR)
+    assert "scripts/torch_range.sh" in (REPO / ".ci" / "run").read_text()
