@@ -92,7 +92,35 @@ def test_retention_after_resuming_an_earlier_checkpoint_keeps_the_one_just_writt
         ckpt.save_checkpoint(tmp_path, step, state(step), keep=5)
     ckpt.save_checkpoint(tmp_path, 3, state(3), keep=1)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000009.pt", "step_00000003.pt"]
-    assert ckpt.resolve_resume("auto", tmp_path).name == "step_00000003.pt"  # `latest` wins over step order
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000003.pt\n"
+
+
+def test_auto_takes_the_newest_valid_step_whatever_latest_names(tmp_path):
+    """Issue 32: `latest` naming step 2 while valid steps 4 and 6 exist made auto resume from 2 (and then
+    overwrite 4 and 6). auto goes by step; `latest` is a hint, and a bad one (not UTF-8, not a name,
+    a missing file) is ignored without an error."""
+    for step in (2, 4, 6):
+        ckpt.save_checkpoint(tmp_path, step, state(step), keep=10)
+    pointer = tmp_path / "checkpoints" / "latest"
+    pointer.write_text("step_00000002.pt\n")
+    warnings = []
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000006.pt"
+    assert warnings == [f"{pointer} names step_00000002.pt, but step_00000006.pt is a later step and verifies: "
+                        "resuming from step_00000006.pt (--resume auto takes the newest valid checkpoint; pass "
+                        "--resume PATH for another)"]
+    for bad in (b"\xff\xfe step_\x80\n", b"", b"step_00000002.pt\nstep_00000004.pt\n", b"step_00000099.pt\n",
+                b"../../etc/passwd\n"):
+        pointer.write_bytes(bad)
+        warnings = []
+        assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000006.pt", bad
+        assert warnings == [], bad
+    # The newest is damaged: the next one by step, not the one `latest` names.
+    newest = tmp_path / "checkpoints" / "step_00000006.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    pointer.write_text("step_00000002.pt\n")
+    warnings = []
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000004.pt"
+    assert "truncated" in warnings[0] and "names step_00000002.pt, but step_00000004.pt" in warnings[1]
 
 
 def test_run_id_is_in_the_checkpoint_and_its_sidecar(tmp_path):
