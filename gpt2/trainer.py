@@ -285,7 +285,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     log = Metrics(dist, tc.out_dir)
     if shards is None:
         shards = check_data(cfg, dist.world_size)
-    run = prepare(cfg, dist, log)
+    run = prepare(cfg, dist, log, shards[0])
     cfg, tc = run.cfg, run.cfg.train
     parts = build(cfg, dist, log, shards, run.start)
     if parts.step >= tc.max_steps:  # e.g. the quick start run a second time

@@ -376,6 +376,28 @@ def test_resume_never_in_a_used_directory_moves_the_earlier_run_aside(tmp_path, 
     assert load_ckpt(run_dir, 3)["run_id"] == new_id
 
 
+def test_a_refused_resume_of_another_run_moves_nothing_aside(tmp_path, shakespeare_shards, capsys):
+    """Issue 32: --resume PATH of another run's checkpoint of another shape (or seed) into a used
+    directory moved the directory's run into previous-*/ and only then refused; the next plain run
+    started at step 0. Every refusal comes first: the directory is left byte for byte as it was."""
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0
+    assert in_process(small(shakespeare_shards, other, "--max-steps", "2", "--n-layer", "3", "--seed", "7"),
+                      capsys)[0] == 0
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    foreign = str(other / "checkpoints" / "step_00000002.pt")
+    for extra, why in ((["--seed", "7"], "the checkpoint's model shape differs from this run's: n_layer: "
+                                         "checkpoint 3 vs now 2"),
+                       (["--n-layer", "3"], "the checkpoint's data order used seed 7, this run has --seed 1337")):
+        code, out, err = in_process(small(shakespeare_shards, run_dir, "--resume", foreign, *extra), capsys)
+        assert code == 2 and why in err, err
+        assert "moved" not in out and not list(run_dir.glob("previous-*")), out
+        assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+    code, out, _ = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3"), capsys)
+    assert code == 0 and f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in out, out
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+
+
 def test_resume_auto_with_its_only_checkpoint_damaged_starts_apart(tmp_path, shakespeare_shards, capsys):
     run_dir = tmp_path / "run"
     assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0
