@@ -9,6 +9,7 @@ process group, so its first error is a real run's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import socket
@@ -32,7 +33,7 @@ from gpt2.flops import device_peak_flops, format_flops, peak_problem
 from gpt2.fsdp import gathered_param_bytes
 from gpt2.metrics import Metrics
 from gpt2.resume import Start, choose_start, set_aside_earlier_run
-from gpt2.rundir import RUN_INFO
+from gpt2.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
 from gpt2.schedule import grad_accum_steps
 from gpt2.state import check_resumable
 
@@ -53,6 +54,33 @@ class Startup:
     network: NetworkCost | None
     start: Start
     """Where every rank begins: a checkpoint to resume, or a fresh start (gpt2/resume.py)."""
+
+
+@contextlib.contextmanager
+def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
+    """Hold RUN/run.lock (gpt2/rundir.py) for the block, on rank 0, and release it however the block
+    ends. Rank 0 takes it before anything in RUN is touched; every rank takes its answer from the
+    broadcast, so a refusal (RunDirBusy, exit 2) is every rank's and none trains into a held directory.
+    Held by one process, so --dry-run (which never enters the block) and the other ranks take nothing."""
+    decision, lock = None, None
+    if dist.is_main:
+        try:
+            lock = RunLock.acquire(out_dir)
+            decision = ("ok", lock.taken_over)
+        except (RunDirBusy, OSError) as e:
+            decision = ("error", str(e) if isinstance(e, RunDirBusy) else
+                        f"cannot take {Path(out_dir) / LOCK} ({type(e).__name__}: {e}); check --out-dir and "
+                        "its permissions")
+    kind, detail = broadcast_object(decision, dist)
+    if kind == "error":
+        raise RunDirBusy(detail)
+    if detail is not None and dist.is_main:
+        info(f"run dir    took over {out_dir} from {detail}")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def prepare(cfg: RunConfig, dist: Dist, log: Metrics, train_shards: ShardSet) -> Startup:
