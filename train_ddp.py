@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str] | None = None) -> tuple[int, bool]:
     """main's work: its exit code, and whether this process started a process group (exit_rank)."""
+    import os
+
+    launcher = os.getppid()  # first: under torchrun, the agent that started this worker
+    from gpt2.preempt import stop_with_launcher
+
+    stop_with_launcher(launcher)  # a worker whose torchrun dies stops (with a checkpoint), not trains on
+
     from torch.distributed import DistError
 
     from gpt2.ckpt_writer import CheckpointWriteError

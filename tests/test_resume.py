@@ -555,3 +555,51 @@ def test_a_holder_killed_with_sigkill_is_taken_over_by_the_next_start(tmp_path, 
             f"its process (pid {held['pid']}) has exited") in out
     assert f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in out
     assert sorted(losses(run_dir)) == [1, 2, 3, 4] and not (run_dir / "run.lock").exists()
+
+
+def alive(pid: int) -> bool:
+    """pid is a running process (an exited one not yet reaped by its new parent counts as gone)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def test_kill_9_of_torchrun_stops_its_workers_with_a_checkpoint(tmp_path, shakespeare_shards, reference):
+    """Issue 32: torchrun killed with SIGKILL left its workers training and writing checkpoints. Now the
+    kernel sends each worker SIGTERM (PR_SET_PDEATHSIG): every rank stops at the same step with a
+    checkpoint and RUN/requeue, releases RUN, and --resume auto reproduces the uninterrupted run."""
+    run_dir, release = tmp_path / "run", tmp_path / "release"
+    first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first",
+                   script=patched_train_script(tmp_path, hold_after_step(3, release)))
+    workers = {}
+    try:
+        wait_for_step(first, run_dir, 3)  # the ranks then wait in step 4 until release exists
+        workers = first.workers()
+        assert sorted(workers) == [0, 1], first.output()
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait()
+        signalled = [release.with_name(f"{release.name}.signalled.{rank}") for rank in (0, 1)]
+        wait_until(lambda: all(p.exists() for p in signalled), "SIGTERM to both workers after torchrun died")
+        release.touch()
+        wait_until(lambda: not any(alive(pid) for pid in workers.values()), "exit of both workers")
+    finally:
+        first.kill()
+        for pid in workers.values():  # the workers this test started, should they still run
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    # Step 4 if a rank had the signal when it began step 4 (its vote is read before the hold), else step 5.
+    stopped = json.loads((run_dir / "requeue").read_text())["step"]
+    assert stopped in (4, 5), first.output()
+    assert json.loads((run_dir / "requeue").read_text()) == {"step": stopped, "signal": "SIGTERM",
+                                                              "checkpoint": f"step_{stopped:08d}.pt"}
+    assert f"stopped by signal at step {stopped}" in first.stdout
+    verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped:08d}.pt")
+    assert sorted(losses(run_dir)) == list(range(1, stopped + 1)) and not (run_dir / "run.lock").exists()
+    second = run(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "second")
+    assert second.proc.returncode == 0, second.output()
+    assert f"resumed from {run_dir}/checkpoints/step_{stopped:08d}.pt at step {stopped}" in second.stdout
+    assert "took over" not in second.stdout  # released at the stop, not left to be judged stale
+    assert losses(run_dir) == losses(reference)
+    assert_same_state(load_ckpt(run_dir, MAX_STEPS), load_ckpt(reference, MAX_STEPS))
