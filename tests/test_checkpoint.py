@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -315,6 +316,45 @@ def test_requeue_marker_and_exit_code_contract(tmp_path):
     assert not path.exists()
     assert preempt.stop_exit_code({}) == preempt.EXIT_REQUEUE == 3
     assert preempt.stop_exit_code({"TORCHELASTIC_RUN_ID": "x"}) == 0
+
+
+LAUNCHER_DIES = """
+import os, signal, subprocess, sys, time
+from gpt2 import preempt
+# A worker whose launcher (the middle process) dies: first after the prctl, then before it.
+if sys.argv[1] == "launcher":
+    worker = subprocess.Popen([sys.executable, __file__, "worker", sys.argv[2]])
+    while not os.path.exists(sys.argv[2] + ".armed"):
+        time.sleep(0.01)
+    os._exit(0)  # dies without waiting: the worker is orphaned
+got, end = [], time.monotonic() + 150  # an orphan that is never signalled still ends
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+env = {"TORCHELASTIC_RUN_ID": "test"}
+assert not preempt.stop_with_launcher(os.getppid(), {})  # not under torchrun: nothing armed
+assert preempt.stop_with_launcher(os.getppid(), env)
+open(sys.argv[2] + ".armed", "w").close()
+while not got and time.monotonic() < end:  # the kernel's SIGTERM at the launcher's exit
+    time.sleep(0.01)
+preempt.stop_with_launcher(os.getpid(), env)  # "started by" a process that is not the parent now: gone
+while len(got) < 2 and time.monotonic() < end:
+    time.sleep(0.01)
+if len(got) == 2:
+    open(sys.argv[2] + ".stopped", "w").close()
+"""
+
+
+def test_a_worker_is_signalled_when_its_launcher_dies_even_before_it_asked(tmp_path):
+    """preempt.stop_with_launcher (issue 32: workers orphaned by a killed torchrun): SIGTERM when the
+    launcher exits after the worker armed it, and at once when it had already gone before."""
+    script = tmp_path / "launcher_dies.py"
+    script.write_text(LAUNCHER_DIES)
+    mark = str(tmp_path / "worker")
+    subprocess.run([sys.executable, str(script), "launcher", mark], cwd=REPO, check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 120  # a safety net on a loaded machine: the worker takes milliseconds
+    while not os.path.exists(mark + ".stopped"):
+        assert time.monotonic() < deadline, "the orphaned worker got no SIGTERM"
+        time.sleep(0.02)
 
 
 def test_load_model_from_a_run_directory(tmp_path):
