@@ -217,9 +217,9 @@ def stale_reason(holder: dict | None, *, age_s: float, me: dict, pid_start: int 
         theirs = holder["launch"]
         for job, count in LAUNCH_VARS:
             if job in me["launch"] and theirs.get(job) == me["launch"][job]:
-                if int(me["launch"].get(count, 0)) > int(theirs.get(count, 0)):
+                if _count(me["launch"], count) > _count(theirs, count):
                     return (f"it is an earlier run of this launch ({job}={theirs[job]}, restart "
-                            f"{theirs.get(count, 0)}; this is restart {me['launch'].get(count, 0)})")
+                            f"{_count(theirs, count)}; this is restart {_count(me['launch'], count)})")
     if isinstance(holder, dict) and holder.get("pid_space") == me["pid_space"]:
         if pid_start is None:
             return f"its process (pid {holder.get('pid')}) has exited"
@@ -229,6 +229,14 @@ def stale_reason(holder: dict | None, *, age_s: float, me: dict, pid_start: int 
     if age_s > STALE_AFTER_S:
         return f"its heartbeat stopped {age_s:.0f} s ago (a live holder refreshes it every {HEARTBEAT_S:.0f} s)"
     return None
+
+
+def _count(launch: dict, name: str) -> int:
+    """A restart count: absent (a launch's first run) or not a number counts as 0."""
+    try:
+        return int(launch.get(name, 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 class RunLock:

@@ -67,16 +67,16 @@ def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
         try:
             lock = RunLock.acquire(out_dir)
             decision = ("ok", lock.taken_over)
-        except (RunDirBusy, OSError) as e:
+        except (ValueError, OSError) as e:  # RunDirBusy is a ValueError
             decision = ("error", str(e) if isinstance(e, RunDirBusy) else
                         f"cannot take {Path(out_dir) / LOCK} ({type(e).__name__}: {e}); check --out-dir and "
                         "its permissions")
-    kind, detail = broadcast_object(decision, dist)
-    if kind == "error":
-        raise RunDirBusy(detail)
-    if detail is not None and dist.is_main:
-        info(f"run dir    took over {out_dir} from {detail}")
-    try:
+    try:  # from here the lock, if taken, is released whatever fails (the broadcast too)
+        kind, detail = broadcast_object(decision, dist)
+        if kind == "error":
+            raise RunDirBusy(detail)
+        if detail is not None and dist.is_main:
+            info(f"run dir    took over {out_dir} from {detail}")
         yield
     finally:
         if lock is not None:

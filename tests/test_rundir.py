@@ -235,6 +235,8 @@ def holder(**changes) -> dict:
      {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}}, None),
     (holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "76"}), 5, None,
      {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "3"}}, None),
+    (holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": [1]}), 5, None,
+     {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "junk"}}, None),  # no error, no takeover
 ])
 def test_the_stale_decision_is_a_function_of_the_lock_its_age_and_the_holders_pid(lock, age_s, pid_start, me,
                                                                                    stale):
