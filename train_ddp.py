@@ -7,7 +7,7 @@
 Exit codes:
     0  done; or, under torchrun, stopped by SIGTERM/SIGUSR1 after a checkpoint (see below)
     1  failed (a crash, non-finite losses, a collective timeout: a dead or hung peer)
-    2  bad configuration, data or checkpoint (nothing was trained)
+    2  bad configuration, data or checkpoint, or a run directory another run holds (nothing was trained)
     3  stopped by SIGTERM/SIGUSR1 after writing a checkpoint, without torchrun: requeue, then
        --resume auto continues exactly
 Under torchrun a stopped worker exits 0, not 3: torchrun turns any non-zero worker exit into its
@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str] | None = None) -> tuple[int, bool]:
     """main's work: its exit code, and whether this process started a process group (exit_rank)."""
+    import os
+
+    launcher = os.getppid()  # first: under torchrun, the agent that started this worker
+    from gpt2.preempt import stop_with_launcher
+
+    stop_with_launcher(launcher)  # a worker whose torchrun dies stops (with a checkpoint), not trains on
+
     from torch.distributed import DistError
 
     from gpt2.ckpt_writer import CheckpointWriteError

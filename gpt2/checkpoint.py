@@ -3,7 +3,7 @@
 Layout of RUN/checkpoints/:
     step_00001000.pt      torch.save of a plain dict (tensors and primitives only: weights_only loads)
     step_00001000.json    sidecar: step, size and sha256 of the .pt, run id; written after the .pt is complete
-    latest                name of the newest complete checkpoint
+    latest                name of the newest complete checkpoint (a hint: --resume auto goes by step)
     step_00002000/        a sharded checkpoint (--parallel fsdp; torch.distributed.checkpoint, gpt2/dcp.py):
         __<rank>_0.distcp     each rank's shards of the model and optimizer, written by that rank
         .metadata             DCP's index of the shards (rank 0)
@@ -356,8 +356,14 @@ _DIRECTORY_RUN = object()
 
 
 def latest_valid(out_dir: str | Path, warn=warnings.warn, *, run_id=_DIRECTORY_RUN) -> Path | None:
-    """The newest checkpoint of run_id (default: the directory's run, gpt2/rundir.py) that verifies,
-    preferring the one `latest` names; bad ones and other runs' are warned about and skipped."""
+    """The checkpoint of run_id (default: the directory's run, gpt2/rundir.py) with the highest step
+    that verifies; bad ones and other runs' are warned about and skipped.
+
+    `latest` plays no part in the choice: it is written last, so it can lag (a writer killed after
+    the sidecar, a copy or a filesystem that shows an older one), and taking an older checkpoint
+    because it names one would overwrite the newer ones with a repeat of their steps. When it names
+    an older valid checkpoint than the one chosen, a warning says so.
+    """
     if run_id is _DIRECTORY_RUN:
         try:
             run_id = directory_run_id(out_dir)
@@ -369,19 +375,32 @@ def latest_valid(out_dir: str | Path, warn=warnings.warn, *, run_id=_DIRECTORY_R
             candidates.append(path)
         else:
             warn(stray_warning(path, run_id))
-    pointer = checkpoint_dir(out_dir) / "latest"
-    if pointer.is_file():
-        named = checkpoint_dir(out_dir) / pointer.read_text().strip()
-        if named in candidates:  # newest first anyway; the pointer only breaks ties with strays
-            candidates.remove(named)
-            candidates.insert(0, named)
-    for path in candidates:
+    for path in candidates:  # newest step first
         try:
             verify_checkpoint(path)
-            return path
         except CheckpointError as e:
             warn(f"skipping checkpoint: {e}")
+            continue
+        named = latest_named(out_dir)
+        if named in candidates and candidates.index(named) > candidates.index(path):
+            warn(f"{checkpoint_dir(out_dir) / 'latest'} names {named.name}, but {path.name} is a later step and "
+                 f"verifies: resuming from {path.name} (--resume auto takes the newest valid checkpoint; pass "
+                 "--resume PATH for another)")
+        return path
     return None
+
+
+def latest_named(out_dir: str | Path) -> Path | None:
+    """The checkpoint path `latest` names, or None when it is missing or not a name (empty, several
+    lines, not UTF-8): a hint for people and tools, never needed to resume."""
+    pointer = checkpoint_dir(out_dir) / "latest"
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not _NAME.match(name):
+        return None
+    return checkpoint_dir(out_dir) / name
 
 
 def resolve_resume(resume: str, out_dir: str | Path, warn=warnings.warn, *, run_id=_DIRECTORY_RUN) -> Path | None:

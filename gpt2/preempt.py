@@ -6,7 +6,8 @@
   (gpt2/ckpt_writer.py), writes the stop's checkpoint synchronously, then RUN/requeue (JSON: step,
   signal, checkpoint). Signal torchrun with SIGTERM: it forwards that to every worker and waits
   TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s) before SIGKILL. SIGUSR1 kills torchrun at once
-  (exit 138) and leaves its workers running.
+  (exit 138), as SIGKILL does: its workers then get SIGTERM from the kernel (stop_with_launcher)
+  and stop as above, rather than train on as orphans no one waits for.
   RUN/requeue exists exactly when the last run in RUN ended on a stop signal after a complete
   checkpoint: every run deletes it when it starts.
   Exit codes of train_ddp.py after such a stop (`stop_exit_code`):
@@ -21,9 +22,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 from gpt2.atomic import atomic_write_bytes, fsync_dir
@@ -86,3 +89,35 @@ def under_torchrun(env=None) -> bool:
 def stop_exit_code(env=None) -> int:
     """Exit code of a run stopped by a signal: EXIT_REQUEUE, or 0 under torchrun (see the docstring)."""
     return 0 if under_torchrun(env) else EXIT_REQUEUE
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal this process gets when the thread that forked it exits (linux/prctl.h)."""
+
+
+def stop_with_launcher(launcher: int, env=None) -> bool:
+    """Under torchrun on Linux: SIGTERM this worker when its launcher dies, so that a torchrun killed
+    with SIGKILL (or SIGUSR1, or a lost agent) does not leave its workers training on as orphans:
+    the signal takes the StopRequest path, a checkpoint and RUN/requeue, as a forwarded SIGTERM does.
+    torchrun starts its workers in sessions of their own, so no terminal or process-group signal
+    reaches them otherwise.
+
+    launcher: os.getppid() read first thing at start-up: torchrun's agent, which forks every worker
+    itself from its main thread (PDEATHSIG fires when the forking *thread* exits). If it died before
+    the prctl, nobody would send the signal: the worker was already reparented, so a parent other
+    than `launcher` now means "gone", and the worker signals itself. (Dead even before `launcher`
+    was read: the worker cannot join the process group, whose store lived in the agent, and fails.)
+    Returns whether the signal is armed; a no-op (False) outside torchrun, where the parent is a
+    shell or batch script a run may outlive (nohup), and where prctl does not exist.
+    """
+    if not under_torchrun(env) or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):  # no libc with prctl: leave things as they were
+        return False
+    if os.getppid() != launcher or launcher == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True

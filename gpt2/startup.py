@@ -9,6 +9,7 @@ process group, so its first error is a real run's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import socket
@@ -25,6 +26,7 @@ from gpt2 import precision
 from gpt2.atomic import atomic_write_text
 from gpt2.compat import missing_features
 from gpt2.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
+from gpt2.checkpoint import CheckpointError
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import ShardSet, find_shards
 from gpt2.dist import Dist, broadcast_object, set_cpu_threads
@@ -32,8 +34,9 @@ from gpt2.flops import device_peak_flops, format_flops, peak_problem
 from gpt2.fsdp import gathered_param_bytes
 from gpt2.metrics import Metrics
 from gpt2.resume import Start, choose_start, set_aside_earlier_run
-from gpt2.rundir import RUN_INFO
+from gpt2.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
 from gpt2.schedule import grad_accum_steps
+from gpt2.state import check_resumable
 
 if TYPE_CHECKING:
     from gpt2.plan import LossChoice
@@ -54,7 +57,34 @@ class Startup:
     """Where every rank begins: a checkpoint to resume, or a fresh start (gpt2/resume.py)."""
 
 
-def prepare(cfg: RunConfig, dist: Dist, log: Metrics) -> Startup:
+@contextlib.contextmanager
+def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
+    """Hold RUN/run.lock (gpt2/rundir.py) for the block, on rank 0, and release it however the block
+    ends. Rank 0 takes it before anything in RUN is touched; every rank takes its answer from the
+    broadcast, so a refusal (RunDirBusy, exit 2) is every rank's and none trains into a held directory.
+    Held by one process, so --dry-run (which never enters the block) and the other ranks take nothing."""
+    decision, lock = None, None
+    if dist.is_main:
+        try:
+            lock = RunLock.acquire(out_dir)
+            decision = ("ok", lock.taken_over)
+        except (ValueError, OSError) as e:  # RunDirBusy is a ValueError
+            decision = ("error", str(e) if isinstance(e, RunDirBusy) else
+                        f"cannot take {Path(out_dir) / LOCK} ({type(e).__name__}: {e}); check --out-dir and "
+                        "its permissions")
+    try:  # from here the lock, if taken, is released whatever fails (the broadcast too)
+        kind, detail = broadcast_object(decision, dist)
+        if kind == "error":
+            raise RunDirBusy(detail)
+        if detail is not None and dist.is_main:
+            info(f"run dir    took over {out_dir} from {detail}")
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def prepare(cfg: RunConfig, dist: Dist, log: Metrics, train_shards: ShardSet) -> Startup:
     """Every check that can refuse the configuration, then the start decision: a refused run moves
     nothing, and the earlier run's records go aside before the first write into RUN (the sinks
     opened here, restore, config.json)."""
@@ -65,6 +95,7 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics) -> Startup:
     peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
     network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
     start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
+    check_before_moving(start, cfg, dist, train_shards)
     moved = set_aside_earlier_run(start, tc.out_dir, dist)
     if moved is not None:
         why = "fresh start" if start.point is None else f"resuming run {start.run_id} from {start.point.path}"
@@ -72,6 +103,24 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics) -> Startup:
                  "(nothing deleted)")
     log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict())
     return Startup(cfg, prec, loss, peak, network, start)
+
+
+def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: ShardSet) -> None:
+    """A resume that moves the directory's earlier run aside (--resume PATH of another run): the
+    checkpoint's refusals (another shape, optimizer, data, seed...) come first, else a refused resume
+    would leave the directory's own run in previous-*/ and the next start would begin at step 0.
+    Rank 0 checks; every rank raises its error alike."""
+    if not (start.set_aside and start.point is not None):
+        return
+    problem = None
+    if dist.is_main:
+        try:
+            check_resumable(Path(start.point.path), cfg, train_shards, dist)
+        except ValueError as e:  # CheckpointError, or a checkpoint too damaged to say
+            problem = str(e)
+    problem = broadcast_object(problem, dist)
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 def announce(cfg: RunConfig, dist: Dist, parts: Parts, log: Metrics) -> None:

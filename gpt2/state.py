@@ -174,6 +174,32 @@ def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
         log.info(f"resume: {k} changed from {old!r} to {new!r}")
 
 
+class _Quiet:
+    """A log that says nothing: check_resumable's rehearsal of the checks restore() logs for real."""
+
+    def info(self, message: str) -> None:
+        pass
+
+
+def check_resumable(path: Path, cfg: RunConfig, train_shards, dist: Dist) -> None:
+    """Raise the CheckpointError restore() would raise for path's contents (another model shape,
+    optimizer or tokenizer; other data, seed or order), reading no weights.
+
+    The start-up asks this before it moves an earlier run's records aside for a resume of another
+    run (gpt2/startup.py): a refused resume must leave the directory as it found it.
+    """
+    tc = cfg.train
+    state = ckpt.load_checkpoint(path, verify=False, mmap=True)  # verified by choose_start
+    check_compatible(state, cfg, _Quiet())
+    loader = TrainLoader(train_shards, micro_batch_size=tc.micro_batch_size, seq_len=cfg.model.block_size,
+                         total_batch_size=tc.total_batch_size, rank=dist.rank, world_size=dist.world_size,
+                         seed=tc.seed, device=torch.device("cpu"), pin_memory=False, order=tc.data_order)
+    try:
+        load_components({"loader": loader}, state, path)
+    finally:
+        loader.close()
+
+
 # ------------------------------------------------------------------ put back
 
 def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) -> None:

@@ -34,7 +34,8 @@ from gpt2.model import GPT, TOP_K
 from gpt2.optim import make_optimizer
 from gpt2.resume import Start, agree_on_step, choose_start
 from gpt2.schedule import grad_accum_steps, lr_at
-from gpt2.startup import announce, check_data, configure_backends, forget_cpu_peak, prepare, write_run_info
+from gpt2.startup import (announce, check_data, configure_backends, forget_cpu_peak, own_run_dir, prepare,
+                          write_run_info)
 from gpt2.state import Parts, finish_background_write, restore, rng_state, save, set_rng_state
 
 
@@ -269,8 +270,9 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
     shards: check_data's result; train_ddp.py checks before the process group starts, in-process
     callers (tests) may leave it to this function."""
     # Signals are recorded from the start: one that arrives while building or restoring stops the
-    # run at the first step boundary (with a checkpoint) instead of killing the process.
-    with preempt.StopRequest() as stop_request:
+    # run at the first step boundary (with a checkpoint) instead of killing the process. The run
+    # directory is this run's alone from before its first touch to the end (gpt2/rundir.py).
+    with preempt.StopRequest() as stop_request, own_run_dir(cfg.train.out_dir, dist):
         return _train(cfg, dist, shards, stop_request)
 
 
@@ -285,7 +287,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     log = Metrics(dist, tc.out_dir)
     if shards is None:
         shards = check_data(cfg, dist.world_size)
-    run = prepare(cfg, dist, log)
+    run = prepare(cfg, dist, log, shards[0])
     cfg, tc = run.cfg, run.cfg.train
     parts = build(cfg, dist, log, shards, run.start)
     if parts.step >= tc.max_steps:  # e.g. the quick start run a second time

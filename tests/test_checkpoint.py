@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -92,7 +93,35 @@ def test_retention_after_resuming_an_earlier_checkpoint_keeps_the_one_just_writt
         ckpt.save_checkpoint(tmp_path, step, state(step), keep=5)
     ckpt.save_checkpoint(tmp_path, 3, state(3), keep=1)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000009.pt", "step_00000003.pt"]
-    assert ckpt.resolve_resume("auto", tmp_path).name == "step_00000003.pt"  # `latest` wins over step order
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000003.pt\n"
+
+
+def test_auto_takes_the_newest_valid_step_whatever_latest_names(tmp_path):
+    """Issue 32: `latest` naming step 2 while valid steps 4 and 6 exist made auto resume from 2 (and then
+    overwrite 4 and 6). auto goes by step; `latest` is a hint, and a bad one (not UTF-8, not a name,
+    a missing file) is ignored without an error."""
+    for step in (2, 4, 6):
+        ckpt.save_checkpoint(tmp_path, step, state(step), keep=10)
+    pointer = tmp_path / "checkpoints" / "latest"
+    pointer.write_text("step_00000002.pt\n")
+    warnings = []
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000006.pt"
+    assert warnings == [f"{pointer} names step_00000002.pt, but step_00000006.pt is a later step and verifies: "
+                        "resuming from step_00000006.pt (--resume auto takes the newest valid checkpoint; pass "
+                        "--resume PATH for another)"]
+    for bad in (b"\xff\xfe step_\x80\n", b"", b"step_00000002.pt\nstep_00000004.pt\n", b"step_00000099.pt\n",
+                b"../../etc/passwd\n"):
+        pointer.write_bytes(bad)
+        warnings = []
+        assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000006.pt", bad
+        assert warnings == [], bad
+    # The newest is damaged: the next one by step, not the one `latest` names.
+    newest = tmp_path / "checkpoints" / "step_00000006.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    pointer.write_text("step_00000002.pt\n")
+    warnings = []
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000004.pt"
+    assert "truncated" in warnings[0] and "names step_00000002.pt, but step_00000004.pt" in warnings[1]
 
 
 def test_run_id_is_in_the_checkpoint_and_its_sidecar(tmp_path):
@@ -287,6 +316,45 @@ def test_requeue_marker_and_exit_code_contract(tmp_path):
     assert not path.exists()
     assert preempt.stop_exit_code({}) == preempt.EXIT_REQUEUE == 3
     assert preempt.stop_exit_code({"TORCHELASTIC_RUN_ID": "x"}) == 0
+
+
+LAUNCHER_DIES = """
+import os, signal, subprocess, sys, time
+from gpt2 import preempt
+# A worker whose launcher (the middle process) dies: first after the prctl, then before it.
+if sys.argv[1] == "launcher":
+    worker = subprocess.Popen([sys.executable, __file__, "worker", sys.argv[2]])
+    while not os.path.exists(sys.argv[2] + ".armed"):
+        time.sleep(0.01)
+    os._exit(0)  # dies without waiting: the worker is orphaned
+got, end = [], time.monotonic() + 150  # an orphan that is never signalled still ends
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+env = {"TORCHELASTIC_RUN_ID": "test"}
+assert not preempt.stop_with_launcher(os.getppid(), {})  # not under torchrun: nothing armed
+assert preempt.stop_with_launcher(os.getppid(), env)
+open(sys.argv[2] + ".armed", "w").close()
+while not got and time.monotonic() < end:  # the kernel's SIGTERM at the launcher's exit
+    time.sleep(0.01)
+preempt.stop_with_launcher(os.getpid(), env)  # "started by" a process that is not the parent now: gone
+while len(got) < 2 and time.monotonic() < end:
+    time.sleep(0.01)
+if len(got) == 2:
+    open(sys.argv[2] + ".stopped", "w").close()
+"""
+
+
+def test_a_worker_is_signalled_when_its_launcher_dies_even_before_it_asked(tmp_path):
+    """preempt.stop_with_launcher (issue 32: workers orphaned by a killed torchrun): SIGTERM when the
+    launcher exits after the worker armed it, and at once when it had already gone before."""
+    script = tmp_path / "launcher_dies.py"
+    script.write_text(LAUNCHER_DIES)
+    mark = str(tmp_path / "worker")
+    subprocess.run([sys.executable, str(script), "launcher", mark], cwd=REPO, check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 120  # a safety net on a loaded machine: the worker takes milliseconds
+    while not os.path.exists(mark + ".stopped"):
+        assert time.monotonic() < deadline, "the orphaned worker got no SIGTERM"
+        time.sleep(0.02)
 
 
 def test_load_model_from_a_run_directory(tmp_path):

@@ -375,6 +375,28 @@ def test_resume_never_in_a_used_directory_moves_the_earlier_run_aside(tmp_path, 
     assert load_ckpt(run_dir, 3)["run_id"] == new_id
 
 
+def test_a_refused_resume_of_another_run_moves_nothing_aside(tmp_path, shakespeare_shards, capsys):
+    """Issue 32: --resume PATH of another run's checkpoint of another shape (or seed) into a used
+    directory moved the directory's run into previous-*/ and only then refused; the next plain run
+    started at step 0. Every refusal comes first: the directory is left byte for byte as it was."""
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0
+    assert in_process(small(shakespeare_shards, other, "--max-steps", "2", "--n-layer", "3", "--seed", "7"),
+                      capsys)[0] == 0
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    foreign = str(other / "checkpoints" / "step_00000002.pt")
+    for extra, why in ((["--seed", "7"], "the checkpoint's model shape differs from this run's: n_layer: "
+                                         "checkpoint 3 vs now 2"),
+                       (["--n-layer", "3"], "the checkpoint's data order used seed 7, this run has --seed 1337")):
+        code, out, err = in_process(small(shakespeare_shards, run_dir, "--resume", foreign, *extra), capsys)
+        assert code == 2 and why in err, err
+        assert "moved" not in out and not list(run_dir.glob("previous-*")), out
+        assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+    code, out, _ = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3"), capsys)
+    assert code == 0 and f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in out, out
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+
+
 def test_resume_auto_with_its_only_checkpoint_damaged_starts_apart(tmp_path, shakespeare_shards, capsys):
     run_dir = tmp_path / "run"
     assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0
@@ -462,3 +484,121 @@ def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoin
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step_00000005.pt", "step_00000008.pt"]
     verify_checkpoint(stray)  # never deleted by retention, though keep=1 and it is not the newest
     assert sidecar_run_ids(run_dir) == {"step_00000005": new_id, "step_00000008": run_id(reference)}
+
+
+# ---- One run per directory (RUN/run.lock), and workers that outlive their launcher ---------------
+
+def tree(run_dir) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def wait_until(done, what: str, timeout: float = 180) -> None:
+    """Poll for an event; the timeout is a safety net for a loaded machine, not a timing assumption."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def held_after_saving(tmp_path, shakespeare_shards, run_dir, release):
+    """One process training run_dir, waiting (hold_after_step) right after its synchronous step-2
+    checkpoint, which its stdout has announced: nothing in RUN changes until release exists."""
+    first = launch(small(shakespeare_shards, run_dir, "--async-ckpt", "false"), nproc=1, log_dir=tmp_path / "first",
+                   script=patched_train_script(tmp_path, hold_after_step(2, release)))
+    saved = f"saved checkpoint {run_dir}/checkpoints/step_00000002.pt"
+    wait_until(lambda: saved in first.stdout or first.proc.poll() is not None, "step-2 checkpoint")
+    assert saved in first.stdout, first.output()
+    return first
+
+
+def test_a_second_run_in_a_held_directory_is_refused_naming_the_holder(tmp_path, shakespeare_shards, capsys):
+    """Issue 32: two trainings in one --out-dir both ran, resuming each other's checkpoints. Now the
+    second (2 ranks) is refused at once by every rank, naming the holder, and RUN is left as it was; a
+    --dry-run takes nothing."""
+    run_dir, release = tmp_path / "run", tmp_path / "release"
+    first = held_after_saving(tmp_path, shakespeare_shards, run_dir, release)
+    try:
+        held = json.loads((run_dir / "run.lock").read_text())
+        assert held["pid"] == first.proc.pid
+        before = tree(run_dir)
+        second = run(small(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "second")
+        assert second.proc.returncode == 1, second.output()  # torchrun's status for its workers' exit 2
+        errors = [line for line in second.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
+        assert errors == [f"train_ddp.py: error: {run_dir} is in use by another training run (host {held['host']}, "
+                          f"pid {first.proc.pid}, since {held['since']}; {run_dir}/run.lock): one run owns a run "
+                          "directory at a time. Wait for it to end or stop it, or pass another --out-dir (a holder "
+                          "on another host that died is taken over once its heartbeat is 300 s old; delete "
+                          f"{run_dir}/run.lock only if no run uses {run_dir})"], second.output()
+        assert second.stderr.count("exitcode  : 2") == 2, second.output()  # both ranks refused alike
+        assert "resumed from" not in second.stdout and "starting" not in second.stdout
+        assert in_process(small(shakespeare_shards, run_dir, "--dry-run"), capsys)[0] == 0
+        assert tree(run_dir) == before
+        release.touch()
+        assert first.wait() == 0, first.output()
+    finally:
+        first.kill()
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4] and not (run_dir / "run.lock").exists()
+
+
+def test_a_holder_killed_with_sigkill_is_taken_over_by_the_next_start(tmp_path, shakespeare_shards, capsys):
+    run_dir, release = tmp_path / "run", tmp_path / "release"
+    first = held_after_saving(tmp_path, shakespeare_shards, run_dir, release)
+    try:
+        held = json.loads((run_dir / "run.lock").read_text())
+    finally:
+        first.kill()  # SIGKILL: the lock stays behind, naming a process that no longer exists
+    assert json.loads((run_dir / "run.lock").read_text()) == held
+    code, out, _ = in_process(small(shakespeare_shards, run_dir), capsys)
+    assert code == 0, out
+    assert (f"run dir    took over {run_dir} from host {held['host']}, pid {held['pid']}, since {held['since']}: "
+            f"its process (pid {held['pid']}) has exited") in out
+    assert f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in out
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4] and not (run_dir / "run.lock").exists()
+
+
+def alive(pid: int) -> bool:
+    """pid is a running process (an exited one not yet reaped by its new parent counts as gone)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def test_kill_9_of_torchrun_stops_its_workers_with_a_checkpoint(tmp_path, shakespeare_shards, reference):
+    """Issue 32: torchrun killed with SIGKILL left its workers training and writing checkpoints. Now the
+    kernel sends each worker SIGTERM (PR_SET_PDEATHSIG): every rank stops at the same step with a
+    checkpoint and RUN/requeue, releases RUN, and --resume auto reproduces the uninterrupted run."""
+    run_dir, release = tmp_path / "run", tmp_path / "release"
+    first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first",
+                   script=patched_train_script(tmp_path, hold_after_step(3, release)))
+    workers = {}
+    try:
+        wait_for_step(first, run_dir, 3)  # the ranks then wait in step 4 until release exists
+        workers = first.workers()
+        assert sorted(workers) == [0, 1], first.output()
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait()
+        signalled = [release.with_name(f"{release.name}.signalled.{rank}") for rank in (0, 1)]
+        wait_until(lambda: all(p.exists() for p in signalled), "SIGTERM to both workers after torchrun died")
+        release.touch()
+        wait_until(lambda: not any(alive(pid) for pid in workers.values()), "exit of both workers")
+    finally:
+        first.kill()
+        for pid in workers.values():  # the workers this test started, should they still run
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    # Step 4 if a rank had the signal when it began step 4 (its vote is read before the hold), else step 5.
+    stopped = json.loads((run_dir / "requeue").read_text())["step"]
+    assert stopped in (4, 5), first.output()
+    assert json.loads((run_dir / "requeue").read_text()) == {"step": stopped, "signal": "SIGTERM",
+                                                              "checkpoint": f"step_{stopped:08d}.pt"}
+    assert f"stopped by signal at step {stopped}" in first.stdout
+    verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped:08d}.pt")
+    assert sorted(losses(run_dir)) == list(range(1, stopped + 1)) and not (run_dir / "run.lock").exists()
+    second = run(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "second")
+    assert second.proc.returncode == 0, second.output()
+    assert f"resumed from {run_dir}/checkpoints/step_{stopped:08d}.pt at step {stopped}" in second.stdout
+    assert "took over" not in second.stdout  # released at the stop, not left to be judged stale
+    assert losses(run_dir) == losses(reference)
+    assert_same_state(load_ckpt(run_dir, MAX_STEPS), load_ckpt(reference, MAX_STEPS))

@@ -4,7 +4,10 @@ checkpoints count, and moving an earlier run's records aside. One process, no tr
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import time
 
 import pytest
 import torch
@@ -198,3 +201,115 @@ def test_a_failed_move_is_every_ranks_error(tmp_path, monkeypatch):
     with pytest.raises(ckpt.CheckpointError, match="rank 0: cannot move"):
         resume.set_aside_earlier_run(start, tmp_path, rank1)
     assert rundir.records_present(tmp_path)  # nothing was moved, and nothing deleted
+
+
+# ---- One run per directory: RUN/run.lock ---------------------------------------------------------
+
+HERE = {"host": "node1", "pid": 4242, "pid_start": 777, "pid_space": "node1/boot-a/pid:[1]", "since": "2026-01-01T00:00:00Z",
+        "nonce": "mine", "launch": {}}
+"""The process asking (rundir.holder_record's fields); holders below are judged from its point of view."""
+
+
+def holder(**changes) -> dict:
+    return {**HERE, "pid": 1000, "pid_start": 555, "nonce": "theirs", **changes}
+
+
+@pytest.mark.parametrize("lock, age_s, pid_start, me, stale", [
+    # Same host, boot and pid namespace: the holder's process decides, whatever its heartbeat's age.
+    (holder(), 10_000, 555, HERE, None),                                          # alive, heartbeat stalled
+    (holder(), 0, None, HERE, "its process (pid 1000) has exited"),             # kill -9
+    (holder(), 0, 999, HERE, "its pid 1000 now belongs to another process"),    # pid reused
+    # Another host (or the same name in another boot or pid namespace): the heartbeat decides.
+    (holder(host="node2", pid_space="node2/boot-b/pid:[1]"), 299, None, HERE, None),
+    (holder(host="node2", pid_space="node2/boot-b/pid:[1]"), 301, None, HERE, "its heartbeat stopped 301 s ago"),
+    (holder(pid_space="node1/boot-OLD/pid:[1]"), 60, None, HERE, None),          # rebooted? not known: wait
+    (None, 60, None, HERE, None),                                                # unreadable lock, fresh
+    (None, 400, None, HERE, "its heartbeat stopped 400 s ago"),
+    # A SLURM requeue (same job id, a later restart) or a torchrun restart takes over at once.
+    (holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "77"}), 5, None,
+     {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}}, "an earlier run of this launch"),
+    (holder(launch={"TORCHELASTIC_RUN_ID": "u", "TORCHELASTIC_RESTART_COUNT": "0"}), 5, 555,
+     {**HERE, "launch": {"TORCHELASTIC_RUN_ID": "u", "TORCHELASTIC_RESTART_COUNT": "1"}}, "an earlier run"),
+    # ... but not the same restart (two job steps writing one directory), nor another job.
+    (holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}), 5, None,
+     {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}}, None),
+    (holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "76"}), 5, None,
+     {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "3"}}, None),
+    (holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": [1]}), 5, None,
+     {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "junk"}}, None),  # no error, no takeover
+])
+def test_the_stale_decision_is_a_function_of_the_lock_its_age_and_the_holders_pid(lock, age_s, pid_start, me,
+                                                                                   stale):
+    reason = rundir.stale_reason(lock, age_s=age_s, me=me, pid_start=pid_start)
+    assert (reason is None) == (stale is None) and (stale is None or stale in reason), reason
+
+
+def a_dead_pid() -> tuple[int, int | None]:
+    """The pid of a process that has exited, and the start it had (as a lock records it)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    start = rundir.process_start(proc.pid)
+    proc.communicate(b"")
+    return proc.pid, start
+
+
+def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_or_silent_one(tmp_path):
+    lock = rundir.RunLock.acquire(tmp_path)
+    path = tmp_path / rundir.LOCK
+    record = json.loads(path.read_text())
+    assert record["pid"] == os.getpid() and record["pid_space"] == rundir.pid_space() and lock.taken_over is None
+    with pytest.raises(rundir.RunDirBusy, match=rf"^{tmp_path} is in use by another training run \(host "
+                                                rf"{socket.gethostname()}, pid {os.getpid()}, since "
+                                                rf"{record['since']}; {path}\).* pass another --out-dir"):
+        rundir.RunLock.acquire(tmp_path)
+    assert json.loads(path.read_text()) == record and sorted(p.name for p in tmp_path.iterdir()) == [rundir.LOCK]
+    lock.release()
+    assert not path.exists()
+
+    # kill -9: the holder's pid is gone on this host; the next start takes over at once.
+    pid, start = a_dead_pid()
+    path.write_text(json.dumps({**record, "pid": pid, "pid_start": start, "nonce": "dead"}))
+    lock = rundir.RunLock.acquire(tmp_path)
+    assert lock.taken_over == f"host {record['host']}, pid {pid}, since {record['since']}: its process (pid {pid}) " \
+                              "has exited"
+    assert json.loads(path.read_text())["nonce"] == lock.record["nonce"]
+    lock.release()
+
+    # Another host: refused while its heartbeat is fresh, taken over once it is older than the bound.
+    other = {**record, "host": "elsewhere", "pid_space": "elsewhere/b/p", "nonce": "far"}
+    path.write_text(json.dumps(other))
+    with pytest.raises(rundir.RunDirBusy, match="host elsewhere"):
+        rundir.RunLock.acquire(tmp_path)
+    old = path.stat().st_mtime - rundir.STALE_AFTER_S - 60
+    os.utime(path, (old, old))
+    lock = rundir.RunLock.acquire(tmp_path)
+    assert "its heartbeat stopped" in lock.taken_over
+    lock.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temp or renamed lock left behind
+
+
+def test_run_lock_release_and_takeover_never_remove_another_runs_lock(tmp_path):
+    lock = rundir.RunLock.acquire(tmp_path)
+    path = tmp_path / rundir.LOCK
+    theirs = json.dumps({**lock.record, "nonce": "theirs"})
+    path.write_text(theirs)  # taken over meanwhile (e.g. after an NFS outage stopped our heartbeat)
+    lock.release()
+    assert path.read_text() == theirs
+    # Judged stale, then replaced by a fresh lock before the removal: the fresh one is put back.
+    assert not rundir._remove_if_unchanged(path, b"the stale one", tmp_path / "aside")
+    assert path.read_text() == theirs and not (tmp_path / "aside").exists()
+    assert rundir._remove_if_unchanged(path, theirs.encode(), tmp_path / "aside") and not path.exists()
+
+
+def test_run_lock_heartbeat_refreshes_the_mtime(tmp_path, monkeypatch):
+    monkeypatch.setattr(rundir, "HEARTBEAT_S", 0.01)
+    lock = rundir.RunLock.acquire(tmp_path)
+    path = tmp_path / rundir.LOCK
+    os.utime(path, (0, 0))
+    deadline = time.monotonic() + 60  # a safety net: the beat comes within milliseconds
+    while path.stat().st_mtime == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lock.release()
+    assert time.monotonic() < deadline
