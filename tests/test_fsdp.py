@@ -16,6 +16,8 @@ from gpt2.config import TrainConfig
 from gpt2.dist import Dist, single_process
 from gpt2.startup import parallel_notes
 
+pytestmark = pytest.mark.torch_feature("fsdp")  # FSDP2 on CPU: torch >= 2.6 (gpt2/compat.py)
+
 
 def flags(data_dir, out_dir, *, total: int = 512, steps: int = 10, extra: tuple = ()) -> list[str]:
     """The tiny model, fp32 eager on CPU, micro-batch 4 x 64 tokens, AdamW, clipping at 1.0 (active:
@@ -179,6 +181,7 @@ def test_a_refused_combination_is_one_error_line_before_any_work(tmp_path, shake
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.torch_feature("muon")
 def test_muon_under_fsdp_trains_like_muon_under_ddp(tmp_path, shakespeare_shards):
     """--optimizer muon with fsdp: each sharded matrix gathered for Newton-Schulz (gpt2/muon.py), each
     rank applying its rows: 2 ranks, 2 micro-steps each, 10 steps, losses and norms within 1e-5 of ddp's."""

@@ -20,6 +20,8 @@ from gpt2.state import check_compatible
 from _helpers import hold_after_step, launch, losses, patched_train_script, release_run, run, seeded_rng, \
     tiny_run_flags, ulps_apart, uninterrupted_run, wait_for_step
 
+pytestmark = pytest.mark.torch_feature("fsdp")  # FSDP2 on CPU: torch >= 2.6 (gpt2/compat.py)
+
 MAX_STEPS = 8
 CKPT_INTERVAL = 3
 TOTAL_BATCH = 1536
@@ -201,7 +203,7 @@ def test_retention_keeps_k_directories_and_a_rewrite_replaces_the_step(tmp_path)
 
 # ------------------------------------------------------------------ resume: same size, resharded, DDP
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.torch_feature("muon"))])
 def test_kill_9_then_resume_auto_continues_bitwise(tmp_path, shakespeare_shards, optimizer, request):
     reference = request.getfixturevalue("reference" if optimizer == "adamw" else "muon_reference")
     extra = MUON if optimizer == "muon" else ()
@@ -271,6 +273,7 @@ def test_fsdp_checkpoint_continues_under_ddp_and_back(tmp_path, shakespeare_shar
 
 
 @pytest.mark.slow
+@pytest.mark.torch_feature("muon")
 def test_muon_fsdp_checkpoint_continues_under_ddp(tmp_path, shakespeare_shards, muon_reference):
     """Muon's pair of optimizers, FQN-keyed in DCP, into DDP's Muon (param-id keyed, each matrix's
     momentum whole on every rank): steps 4..8 follow the uninterrupted FSDP Muon run."""

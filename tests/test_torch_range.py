@@ -66,8 +66,12 @@ def test_ddp_with_compile_runs_clean_and_follows_eager(ddp_run, shakespeare_shar
     done = run(compiled, nproc=2, log_dir=tmp_path, timeout=600)
     assert_clean(done, "torchrun train_ddp.py --compile true")
     assert "compile True" in done.stdout
-    # inductor's fused kernels round differently from eager: close, not equal.
-    assert losses(tmp_path / "run") == pytest.approx(losses(ddp_run), abs=1e-3)
+    # inductor's fused kernels round differently from eager: the first loss (no update yet) to 1e-4;
+    # then AdamW's normalised updates carry the rounding into the weights, so later steps follow eager
+    # to 1e-2 (measured: 2e-3 by step 4 on torch 2.5.1); a broken compiled backward misses by far more.
+    got, eager = losses(tmp_path / "run"), losses(ddp_run)
+    assert got[1] == pytest.approx(eager[1], abs=1e-4)
+    assert got == pytest.approx(eager, abs=1e-2)
 
 
 @pytest.mark.parametrize("feature,flag", [("muon", ("--optimizer", "muon")), ("fsdp", ("--parallel", "fsdp"))])
