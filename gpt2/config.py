@@ -49,6 +49,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
+        refuse_non_finite(self)
         problems = model_config_problems(self)
         if problems:
             raise ValueError("invalid model config:\n  - " + "\n  - ".join(problems))
@@ -78,6 +79,17 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def refuse_non_finite(cfg) -> None:
+    """Every float field finite, in one line naming the flag. Checked first and alone: the range checks
+    below cannot catch nan (every comparison with it is false, so --grad-clip nan passed `>= 0` and then
+    disabled clipping) or inf (--lr inf passed `> 0` and turned the weights to NaN), and would word the
+    problem as a range. The one place for flags, --config files (TOML has nan and inf) and code alike."""
+    bad = [f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+           if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: not a finite number; nan and inf are refused, give a number")
 
 
 def model_config_problems(cfg: ModelConfig) -> list[str]:
@@ -303,6 +315,7 @@ class TrainConfig:
     """Also log to this Weights & Biases project (needs wandb)."""
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
         problems = train_config_problems(self)
         if problems:
             raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
