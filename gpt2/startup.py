@@ -26,6 +26,7 @@ from gpt2.atomic import atomic_write_text
 from gpt2.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import ShardSet, find_shards
+from gpt2.datacheck import check_listed, verify_shards
 from gpt2.dist import Dist, broadcast_object, set_cpu_threads
 from gpt2.flops import device_peak_flops, format_flops, peak_problem
 from gpt2.fsdp import gathered_param_bytes
@@ -33,6 +34,7 @@ from gpt2.metrics import Metrics
 from gpt2.resume import Start, choose_start, set_aside_earlier_run
 from gpt2.rundir import RUN_INFO
 from gpt2.schedule import grad_accum_steps
+from gpt2.shards import ShardError
 
 if TYPE_CHECKING:
     from gpt2.plan import LossChoice
@@ -113,14 +115,21 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
     """Validate shards and batch maths before any process group or model exists.
 
     shards=False checks everything but the shards (train_ddp.py --dry-run where --data-dir is absent).
+    The shards' cheap manifest checks run here; reading them is verify_data's (rank 0).
     """
     tc = cfg.train
     if tc.micro_batch_size == "auto":  # sized later, by the planner: here only "some micro-batch divides"
         grad_accum_steps(tc.total_batch_size, 1, cfg.model.block_size, world_size)
     else:
         grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
+    if 0 < tc.eval_tokens < cfg.model.block_size:
+        raise ValueError(f"--eval-tokens {tc.eval_tokens} is less than one sequence of --block-size "
+                         f"{cfg.model.block_size}: evaluation would score nothing (val loss nan); raise it, or "
+                         "--eval-tokens 0 to train without validation")
     train_shards = find_shards(tc.data_dir, "train") if shards else None
-    val_shards = find_shards(tc.data_dir, "val") if shards and tc.eval_tokens > 0 else None
+    val_shards = find_val_shards(cfg) if shards and tc.eval_tokens > 0 else None
+    if shards:
+        check_listed(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})})
     import importlib.util
     for wanted, package, flag in ((tc.tensorboard, "tensorboard", "--tensorboard"),
                                   (tc.wandb_project, "wandb", "--wandb-project")):
@@ -136,6 +145,44 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
         from gpt2.hellaswag import load_examples
         load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
     return train_shards, val_shards
+
+
+def find_val_shards(cfg: RunConfig) -> ShardSet:
+    """The val shards, which a run with --eval-tokens > 0 needs even with --eval-interval 0 (it still
+    evaluates at step 0 and at the end), holding at least one sequence: fewer than block_size + 1
+    tokens gave `val loss nan` (0 / 0) at every evaluation and exit 0."""
+    tc, block = cfg.train, cfg.model.block_size
+    try:
+        val = find_shards(tc.data_dir, "val")
+    except ShardError as e:
+        if not Path(tc.data_dir).is_dir():
+            raise
+        raise ShardError(f"{e}. The run evaluates on them at step 0 and at the end (--eval-interval 0 leaves out "
+                         "only the evaluations in between); or pass --eval-tokens 0 to train without validation") from None
+    if val.total_tokens < block + 1:
+        raise ShardError(f"--data-dir {tc.data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
+                         f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
+                         f"loss nan); prepare more with `python -m data_prep ... --val-tokens N` (N > {block}), or "
+                         "pass --eval-tokens 0 to train without validation")
+    return val
+
+
+def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: Metrics) -> None:
+    """--verify-data's reading part (gpt2/datacheck.py verify_shards), by rank 0 alone: it reads up to
+    every shard once, which every rank of a node doing it too would multiply. Every rank raises its
+    ShardError or none does."""
+    train, val = shards
+    sets = {"train": train, **({"val": val} if val is not None else {})}
+    outcome = None
+    if dist.is_main:
+        try:
+            outcome = ("ok", verify_shards(cfg.train.data_dir, sets, cfg.train.verify_data))
+        except (ShardError, OSError) as e:
+            outcome = ("error", str(e))
+    kind, text = broadcast_object(outcome, dist)
+    if kind == "error":
+        raise ShardError(text)
+    log.info(f"data       {text}")
 
 
 def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> int:
