@@ -10,6 +10,7 @@ process group, so its first error is a real run's.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket
 import sys
@@ -114,8 +115,8 @@ def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
 def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple[ShardSet | None, ShardSet | None]:
     """Validate shards and batch maths before any process group or model exists.
 
-    shards=False checks everything but the shards (train_ddp.py --dry-run where --data-dir is absent).
-    The shards' cheap manifest checks run here; reading them is verify_data's (rank 0).
+    shards=False checks everything but the shards and --out-dir (train_ddp.py --dry-run where --data-dir
+    is absent). The shards' cheap manifest checks run here; reading them is verify_data's (rank 0).
     """
     tc = cfg.train
     if tc.micro_batch_size == "auto":  # sized later, by the planner: here only "some micro-batch divides"
@@ -128,7 +129,8 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
                          "--eval-tokens 0 to train without validation")
     train_shards = find_shards(tc.data_dir, "train") if shards else None
     val_shards = find_val_shards(cfg) if shards and tc.eval_tokens > 0 else None
-    if shards:
+    if shards:  # the machine the run is on (a dry run from a laptop checks neither)
+        check_out_dir(tc.out_dir)
         check_listed(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})})
     import importlib.util
     for wanted, package, flag in ((tc.tensorboard, "tensorboard", "--tensorboard"),
@@ -165,6 +167,20 @@ def find_val_shards(cfg: RunConfig) -> ShardSet:
                          f"loss nan); prepare more with `python -m data_prep ... --val-tokens N` (N > {block}), or "
                          "pass --eval-tokens 0 to train without validation")
     return val
+
+
+def check_out_dir(out_dir: str) -> None:
+    """--out-dir, or the nearest directory above it that exists, must be writable: otherwise the first
+    mkdir or write raised OSError (EROFS, EACCES) with a traceback after the process group started.
+    Nothing is created here (the dry run calls this)."""
+    path = Path(out_dir).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        raise ValueError(f"--out-dir {out_dir}: {path} is a file, not a directory; pass a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        why = "a read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "no permission to write there"
+        raise ValueError(f"--out-dir {out_dir}: cannot write in {path} ({why}); pass a writable --out-dir")
 
 
 def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: Metrics) -> None:

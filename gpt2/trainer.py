@@ -283,7 +283,10 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
 
 def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest) -> int:
     tc = cfg.train
-    Path(tc.out_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(tc.out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # check_data looked; this is the race (or a path it could not judge)
+        raise ValueError(f"--out-dir {tc.out_dir}: cannot create it ({e.strerror}); pass a writable --out-dir") from None
     if dist.is_main:  # RUN/requeue says "the last run stopped on a signal": not true of this one
         preempt.clear_requeue_marker(tc.out_dir)
     configure_backends(tc, dist)
