@@ -56,12 +56,15 @@ class Startup:
     """Where every rank begins: a checkpoint to resume, or a fresh start (gpt2/resume.py)."""
 
 
-def prepare(cfg: RunConfig, dist: Dist, log: Metrics) -> Startup:
+def prepare(cfg: RunConfig, dist: Dist, log: Metrics,
+            shards: tuple[ShardSet, ShardSet | None] | None = None) -> Startup:
     """Every check that can refuse the configuration, then the start decision: a refused run moves
     nothing, and the earlier run's records go aside before the first write into RUN (the sinks
-    opened here, restore, config.json)."""
+    opened here, restore, config.json). shards: check_data's, read here by verify_data."""
     log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
              f"building the model")
+    if shards is not None:
+        verify_data(cfg, shards, dist, log)
     cfg, prec, loss = resolve_auto(cfg, dist, log)
     tc = cfg.train
     peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)

@@ -34,8 +34,7 @@ from gpt2.optim import make_optimizer
 from gpt2.resume import Start, agree_on_step, choose_start
 from gpt2.schedule import grad_accum_steps, lr_at
 from gpt2.shards import ShardError
-from gpt2.startup import (announce, check_data, configure_backends, forget_cpu_peak, prepare, verify_data,
-                          write_run_info)
+from gpt2.startup import announce, check_data, configure_backends, forget_cpu_peak, prepare, write_run_info
 from gpt2.state import Parts, finish_background_write, restore, rng_state, save, set_rng_state
 
 
@@ -295,8 +294,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     log = Metrics(dist, tc.out_dir)
     if shards is None:
         shards = check_data(cfg, dist.world_size)
-    verify_data(cfg, shards, dist, log)
-    run = prepare(cfg, dist, log)
+    run = prepare(cfg, dist, log, shards)
     cfg, tc = run.cfg, run.cfg.train
     parts = build(cfg, dist, log, shards, run.start)
     if parts.step >= tc.max_steps:  # e.g. the quick start run a second time
