@@ -109,8 +109,9 @@ def write_failure(e: BaseException, directory: str | Path) -> str:
         what = os.strerror(found.errno)  # the system's own words, as ls or cp would say it
     else:
         what = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    try:
-        free = f" ({_size(shutil.disk_usage(directory).free)} free)"
+    existing = next((p for p in (Path(directory), *Path(directory).parents) if p.exists()), Path("."))
+    try:  # the file system the directory is (or would be) on
+        free = f" ({_size(shutil.disk_usage(existing).free)} free)"
     except OSError:
         free = ""
     return f"{what} in {directory}{free}"
