@@ -1,7 +1,8 @@
 """Command line: `python -m data_prep --source ... --out DIR` and `python -m data_prep verify DIR`.
 
-Exit status: 0 done (or nothing to do), 1 verify found bad shards, 2 user error (message, no
-traceback), 130 interrupted (rerun the same command to resume).
+Exit status: 0 done (or nothing to do), 1 verify found bad shards or writing failed (a full disk:
+one line, rerun to resume), 2 user error (message, no traceback), 130 interrupted (rerun the same
+command to resume).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def run_verify(out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    args = None
     try:
         if argv[:1] == ["verify"]:
             vp = argparse.ArgumentParser(prog="python -m data_prep verify",
@@ -85,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk (ENOSPC), a read-only --out (EROFS), no permission: the system's
+        # word for it, with the file, instead of a traceback; finished shards are kept
+        where = f" {e.filename}" if e.filename else f" {args.out}" if args is not None else ""
+        print(f"error: writing{where} failed: {e.strerror or e}; free space or fix the directory, then rerun the "
+              "same command: it continues after the last complete shard", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: completed shards are kept; rerun the same command to resume", file=sys.stderr)
         return 130

@@ -22,12 +22,11 @@ import numpy as np
 
 from gpt2.atomic import atomic_write_text
 from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
-from gpt2.shards import HEADER_BYTES, MAGIC, VERSION, make_header, write_shard
+from gpt2.shards import HEADER_BYTES, MAGIC, MANIFEST, PREP_TOKENIZER, VERSION, make_header, write_shard
 from data_prep.config import UserError
 
-MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-TOKENIZER = "tiktoken gpt2, encode_ordinary, each document = [EOT] + tokens"
+TOKENIZER = PREP_TOKENIZER  # defined beside the shard format: the trainer checks it too
 SHARD_RE = re.compile(r"^(val|train)_\d{6}\.bin$")
 TEMP_RE = re.compile(r"^((val|train)_\d{6}\.bin|manifest\.json)\..*\.tmp$")
 

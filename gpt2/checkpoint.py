@@ -88,6 +88,43 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int, r
     return path
 
 
+def os_error_of(e: BaseException) -> OSError | None:
+    """The OSError with an errno behind e, following __cause__ and __context__: torch.save reports a
+    failed write (ENOSPC) as RuntimeError "[enforce fail at inline_container.cc:...] unexpected pos",
+    with the OSError only in its context."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno:
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_failure(e: BaseException, directory: str | Path) -> str:
+    """A failed checkpoint write in words, one line naming the directory: the OS error where there is
+    one (e.g. "No space left on device in RUN/checkpoints (0 B free)"), else the exception's first line."""
+    found = os_error_of(e)
+    if found is not None:
+        what = os.strerror(found.errno)  # the system's own words, as ls or cp would say it
+    else:
+        what = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    existing = next((p for p in (Path(directory), *Path(directory).parents) if p.exists()), Path("."))
+    try:  # the file system the directory is (or would be) on
+        free = f" ({_size(shutil.disk_usage(existing).free)} free)"
+    except OSError:
+        free = ""
+    return f"{what} in {directory}{free}"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
 def _remove(path: Path) -> None:
     """Delete a checkpoint file or directory, or a temp one; nothing if it is not there."""
     if path.is_dir() and not path.is_symlink():
@@ -315,6 +352,10 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
 def verify_checkpoint(path: str | Path) -> None:
     """Raise CheckpointError unless path is complete and matches its sidecar's size and sha256."""
     path = Path(path)
+    if path.suffix == ".json" and _NAME.match(path.stem):  # read as its own sidecar it looked "truncated"
+        target = path.with_suffix("") if is_sharded_checkpoint(path.with_suffix("")) else path.with_suffix(".pt")
+        raise CheckpointError(f"{path}: this is a checkpoint's sidecar (its size, sha256 and run id), not the "
+                              f"checkpoint; pass {target}")
     if not is_checkpoint(path):
         raise CheckpointError(f"{path}: no such checkpoint file")
     meta = sidecar(path)

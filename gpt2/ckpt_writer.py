@@ -152,7 +152,7 @@ class CheckpointWriter:
         """
         self.wait()
         host = self.copier.copy(state)
-        self._result = {"step": step}
+        self._result = {"step": step, "directory": ckpt.checkpoint_dir(out_dir)}
         if self.copier.copies_pending:
             self._copied.clear()
         self._thread = threading.Thread(target=self._write, args=(Path(out_dir), step, host, keep, self._result, save_kwargs),
@@ -189,5 +189,5 @@ class CheckpointWriter:
         if "error" in result:
             e = result["error"]
             raise CheckpointWriteError(f"writing the checkpoint of step {result['step']} in the background "
-                                       f"failed ({type(e).__name__}: {e})") from e
+                                       f"failed ({ckpt.write_failure(e, result['directory'])})") from e
         return result

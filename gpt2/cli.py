@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import sys
 import types
 import typing
@@ -200,8 +201,9 @@ def rehearsal_of(args: argparse.Namespace) -> Rehearsal | None:
         return None
     r = Rehearsal(**given)
     for name in ("world_size", "nproc_per_node", "gpu_memory_gb", "gpu_peak_tflops"):
-        if getattr(r, name) is not None and not getattr(r, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(r, name)} must be > 0")
+        value = getattr(r, name)
+        if value is not None and not (math.isfinite(value) and value > 0):  # inf would plan an infinite GPU
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
     if r.nproc_per_node is not None and r.world_size is not None and r.world_size % r.nproc_per_node:
         raise ValueError(f"--world-size {r.world_size} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
                          "every node runs the same number of ranks")

@@ -49,6 +49,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
+        refuse_non_finite(self)
         problems = model_config_problems(self)
         if problems:
             raise ValueError("invalid model config:\n  - " + "\n  - ".join(problems))
@@ -78,6 +79,17 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def refuse_non_finite(cfg) -> None:
+    """Every float field finite, in one line naming the flag. Checked first and alone: the range checks
+    below cannot catch nan (every comparison with it is false, so --grad-clip nan passed `>= 0` and then
+    disabled clipping) or inf (--lr inf passed `> 0` and turned the weights to NaN), and would word the
+    problem as a range. The one place for flags, --config files (TOML has nan and inf) and code alike."""
+    bad = [f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+           if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: not a finite number; nan and inf are refused, give a number")
 
 
 def model_config_problems(cfg: ModelConfig) -> list[str]:
@@ -176,6 +188,7 @@ DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
 LOSS_IMPLS = ("auto", "chunked", "full")
 PARALLELS = ("ddp", "fsdp")
+VERIFY_DATA = ("quick", "auto", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,6 +291,11 @@ class TrainConfig:
     """Write periodic checkpoints in the background: training stalls only while rank 0 copies the state
     to host memory (which then holds a second copy of it until the write ends). The final checkpoint
     and a signal stop's are always written before the run ends."""
+    verify_data: str = "auto"
+    """How much of the data start-up checks against data_prep's manifest.json and the vocabulary (gpt2/datacheck.py):
+    quick (every shard listed, with its split and token count; no reading), auto (quick, plus the sha256 and
+    token ids of every shard when they total at most 1 GiB, else of the val shards) or full (every shard's
+    sha256 and token ids). Every training batch's token ids are checked as it is loaded, whatever this says."""
     resume: str = "auto"
     """auto (newest valid checkpoint in out_dir, else fresh), never, or a checkpoint path."""
     seed: int = 1337
@@ -303,6 +321,7 @@ class TrainConfig:
     """Also log to this Weights & Biases project (needs wandb)."""
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
         problems = train_config_problems(self)
         if problems:
             raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
@@ -330,6 +349,8 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
             p.append(f"{name}={getattr(cfg, name)} must be >= 0")
     if cfg.device not in DEVICES:
         p.append(f"device={cfg.device!r} must be one of {DEVICES}")
+    if cfg.verify_data not in VERIFY_DATA:
+        p.append(f"verify_data={cfg.verify_data!r} must be one of {VERIFY_DATA}")
     if cfg.data_order not in ("shuffled", "sequential"):
         p.append(f"data_order={cfg.data_order!r} must be shuffled or sequential")
     if cfg.dtype not in DTYPES:

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
+from gpt2.datacheck import out_of_vocab
 from gpt2.permutation import Permutation
 from gpt2.schedule import grad_accum_steps
 from gpt2.shards import TOKEN_DTYPE, ShardError, ShardFiles, read_header
@@ -62,8 +64,9 @@ def find_shards(data_dir: str | Path, split: str) -> ShardSet:
                          "`python -m data_prep --source FILES --out DIR`")
     paths = sorted(p for p in data_dir.glob(f"*{split}*.bin") if p.is_file())
     if not paths:
+        how = "--val-tokens N (the tokens of whole documents to hold out; 0 makes none)" if split == "val" else "FILES"
         raise ShardError(f"--data-dir {data_dir}: no *{split}*.bin shards; prepare them with "
-                         "`python -m data_prep --source FILES --out DIR`")
+                         f"`python -m data_prep --source {how} --out DIR`")
     sizes = []
     for p in paths:
         n = read_header(p)
@@ -93,6 +96,13 @@ class TokenStream:
             starts = np.concatenate([[0], np.cumsum([self.shards.sizes[i] for i in order])]).tolist()
             self._epoch, self._order, self._starts = epoch, order, starts
         return self._order, self._starts
+
+    def locate(self, position: int) -> tuple[Path, int]:
+        """The shard and token offset in it of stream position `position` (to name a bad token)."""
+        epoch, offset = divmod(position, self.shards.total_tokens)
+        order, starts = self._layout(epoch)
+        k = bisect.bisect_right(starts, offset) - 1
+        return self.shards.paths[int(order[k])], offset - starts[k]
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens at stream positions [start, start + n) as int64."""
@@ -157,7 +167,7 @@ class TrainLoader:
 
     def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, total_batch_size: int,
                  rank: int, world_size: int, seed: int, device: torch.device, pin_memory: bool = True,
-                 order: str = "shuffled", max_open_shards: int | None = None) -> None:
+                 order: str = "shuffled", max_open_shards: int | None = None, defer_bad_tokens: bool = False) -> None:
         accum_steps = grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)
         if order not in DATA_ORDERS:
             raise ValueError(f"data order {order!r} must be one of {DATA_ORDERS}")
@@ -177,6 +187,9 @@ class TrainLoader:
         self.accum_steps = accum_steps
         self.seed, self.device, self.pin = seed, device, pin_memory
         self.position = 0
+        self.defer_bad_tokens = defer_bad_tokens
+        self.problem: str | None = None
+        """The first token id outside the vocabulary met (defer_bad_tokens), for the trainer to stop on."""
 
     def micro_batch(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of shape (B, T) for one micro-step of the current optimizer step."""
@@ -190,8 +203,29 @@ class TrainLoader:
                 self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="gpt2-rows")
             ids = self.window_ids(np.arange(first, first + self.B))
             rows = self.windows.read_rows((ids * self.T).tolist(), self.T + 1, pool=self._pool)
+        if rows.max() >= GPT2_VOCAB_SIZE:
+            rows = self._out_of_vocab(rows, micro_step)
         x, y = rows[:, :-1].copy(), rows[:, 1:].copy()
         return to_device(x, self.device, self.pin), to_device(y, self.device, self.pin)
+
+    def _out_of_vocab(self, rows: np.ndarray, micro_step: int) -> np.ndarray:
+        """A batch holding an id the model cannot embed (one max over B x (T+1) int64 on the CPU per
+        micro-batch, before any copy to the device: ~10 us for 64 x 1025, against a step's milliseconds).
+        Without defer_bad_tokens: ShardError naming the shard, offset and id. With it (the trainer):
+        the message is kept in self.problem and the batch's bad ids become EOT, so this rank's forward
+        runs like every other rank's and the step's all-reduce tells every rank to stop alike."""
+        row, col = (int(i) for i in np.argwhere(rows >= GPT2_VOCAB_SIZE)[0])
+        first_seq = (micro_step * self.world_size + self.rank) * self.B
+        if self.order == "sequential":
+            path, offset = self.stream.locate(self.position + (first_seq + row) * self.T + col)
+        else:
+            window = int(self.window_ids(np.array([self.position // self.T + first_seq + row]))[0])
+            path, offset = self.windows.locate(window * self.T + col)
+        problem = out_of_vocab(path, offset, int(rows[row, col]))
+        if not self.defer_bad_tokens:
+            raise ShardError(problem)
+        self.problem = self.problem or problem
+        return np.where(rows >= GPT2_VOCAB_SIZE, EOT_TOKEN, rows)
 
     def windows_of(self, micro_step: int) -> np.ndarray:
         """The windows (of T + 1 tokens at stride T) micro_batch(micro_step) reads, without reading them:

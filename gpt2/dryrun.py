@@ -30,6 +30,7 @@ from gpt2 import precision
 from gpt2.cli import Rehearsal
 from gpt2.config import RunConfig, describe_model
 from gpt2.data import EvalLoader, TrainLoader, find_shards
+from gpt2.datacheck import verify_shards
 from gpt2.dist import Dist, resolve_device, world_from_env
 from gpt2.flops import device_peak_flops
 from gpt2.plan import GIB, Hardware, custom_hardware, device_hardware, gpu_native_bf16
@@ -74,6 +75,9 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     data_here = Path(tc.data_dir).is_dir()
     train_shards, val_shards = check_data(cfg, world, shards=data_here)
     report_data(cfg, train_shards, val_shards, out)
+    if train_shards is not None:  # what rank 0 of a real run reads before its first step
+        out("data       " + verify_shards(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})},
+                                          tc.verify_data))
     hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
     mb = auto_micro_batch(cfg, prec.dtype, hardware, world)
     loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, world, device)

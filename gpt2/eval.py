@@ -31,9 +31,22 @@ def val_shards_loss(model: GPT, data_dir: str | Path, dist: Dist, *, eval_tokens
 
     The trainer's own number: the same EvalLoader and gpt2.scoring.loader_loss as its evaluations."""
     from gpt2.data import EvalLoader, find_shards
+    from gpt2.datacheck import verify_shards
 
     model = unwrap(model)
-    loader = EvalLoader(find_shards(data_dir, "val"), micro_batch_size=batch_size, seq_len=model.config.block_size,
+    shards = find_shards(data_dir, "val")
+    # Their manifest, sha256 and token ids (an id the model cannot embed crashed the first forward), read
+    # by rank 0 for every rank: val shards are small (the trainer reads them whole too).
+    problem = None
+    if dist.is_main:
+        try:
+            verify_shards(data_dir, {"val": shards}, "full")
+        except ValueError as e:
+            problem = str(e)
+    problem = broadcast_object(problem, dist)
+    if problem:
+        raise ValueError(problem)
+    loader = EvalLoader(shards, micro_batch_size=batch_size, seq_len=model.config.block_size,
                         eval_tokens=eval_tokens, rank=dist.rank, world_size=dist.world_size, device=dist.device)
     if loader.n_seqs == 0:
         raise ValueError(f"--eval-tokens {eval_tokens} is less than one sequence of block_size="

@@ -30,6 +30,10 @@ RUN_MARKERS = ("checkpoints", "metrics.jsonl")
 def export(model: GPT, out_dir: str | Path) -> Path:
     """Write model as a Hugging Face GPT-2 directory: weights, config and the tokenizer's files."""
     out = Path(out_dir)
+    taken = next((p for p in (out, *out.parents) if p.exists()), None)  # the nearest part that exists
+    if taken is not None and not taken.is_dir():
+        raise ValueError(f"--out {out}: {taken} is a file, not a directory; pass a directory to create (or an "
+                         "earlier export's)")
     clash = [m for m in RUN_MARKERS if (out / m).exists()]
     if clash:
         raise ValueError(f"--out {out} is a training run directory (it holds {', '.join(clash)}); "
@@ -67,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"gpt2.export: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a read-only --out: the system's word and the file, in one line
+        print(f"gpt2.export: error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     step = f" (step {info['step']})" if "step" in info else ""
     print(f"exported {info['path']}{step} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0

@@ -249,14 +249,27 @@ def _check_hf_config(hf: dict, where: Path) -> None:
 
 def _read_weights(path: Path) -> dict[str, Tensor]:
     if (path / "model.safetensors").is_file():
-        return _safetensors().load_file(str(path / "model.safetensors"))
+        return _read_file(path / "model.safetensors")
     if (path / "model.safetensors.index.json").is_file():
         index = json.loads((path / "model.safetensors.index.json").read_text())
         sd = {}
         for shard in sorted(set(index["weight_map"].values())):
-            sd.update(_safetensors().load_file(str(path / shard)))
+            sd.update(_read_file(path / shard))
         return sd
     if (path / "pytorch_model.bin").is_file():
-        # weights_only: a .bin is a pickle, and loading an untrusted one must not run code.
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return _read_file(path / "pytorch_model.bin")
     raise ValueError(f"no weights in {path}: expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def _read_file(file: Path) -> dict[str, Tensor]:
+    """One weights file. A damaged one (a cut-off download) raises what its reader raises (safetensors'
+    SafetensorError "header too small", a pickle or zip error): a ValueError naming the file instead."""
+    st = _safetensors() if file.suffix == ".safetensors" else None  # its ImportError stays itself
+    try:
+        if st is not None:
+            return st.load_file(str(file))
+        # weights_only: a .bin is a pickle, and loading an untrusted one must not run code.
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the readers' error types differ by version; all mean "unreadable"
+        raise ValueError(f"{file}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]}); the file is "
+                         "damaged or incomplete: download or export it again") from None

@@ -22,6 +22,13 @@ HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
 
 
+MANIFEST = "manifest.json"
+"""What data_prep writes beside its shards (data_prep/writer.py): tokenizer, vocab, EOT, every shard's split,
+tokens and sha256. The trainer checks the shards against it at start-up (gpt2/datacheck.py)."""
+PREP_TOKENIZER = "tiktoken gpt2, encode_ordinary, each document = [EOT] + tokens"
+"""The manifest's "tokenizer" of data_prep's shards (part of its job fingerprint: never reword it)."""
+
+
 class ShardError(ValueError):
     """A shard file is missing, truncated, or not in the llm.c format."""
 

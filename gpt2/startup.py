@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import socket
 import sys
@@ -29,6 +30,7 @@ from gpt2.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measu
 from gpt2.checkpoint import CheckpointError
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import ShardSet, find_shards
+from gpt2.datacheck import check_listed, verify_shards
 from gpt2.dist import Dist, broadcast_object, set_cpu_threads
 from gpt2.flops import device_peak_flops, format_flops, peak_problem
 from gpt2.fsdp import gathered_param_bytes
@@ -36,6 +38,7 @@ from gpt2.metrics import Metrics
 from gpt2.resume import Start, choose_start, set_aside_earlier_run
 from gpt2.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
 from gpt2.schedule import grad_accum_steps
+from gpt2.shards import ShardError
 from gpt2.state import check_resumable
 
 if TYPE_CHECKING:
@@ -84,18 +87,19 @@ def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
             lock.release()
 
 
-def prepare(cfg: RunConfig, dist: Dist, log: Metrics, train_shards: ShardSet) -> Startup:
+def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None]) -> Startup:
     """Every check that can refuse the configuration, then the start decision: a refused run moves
     nothing, and the earlier run's records go aside before the first write into RUN (the sinks
-    opened here, restore, config.json)."""
+    opened here, restore, config.json). shards: check_data's, read here by verify_data."""
     log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
              f"building the model")
+    verify_data(cfg, shards, dist, log)
     cfg, prec, loss = resolve_auto(cfg, dist, log)
     tc = cfg.train
     peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
     network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
     start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
-    check_before_moving(start, cfg, dist, train_shards)
+    check_before_moving(start, cfg, dist, shards[0])
     moved = set_aside_earlier_run(start, tc.out_dir, dist)
     if moved is not None:
         why = "fresh start" if start.point is None else f"resuming run {start.run_id} from {start.point.path}"
@@ -162,7 +166,8 @@ def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
 def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple[ShardSet | None, ShardSet | None]:
     """Validate shards and batch maths before any process group or model exists.
 
-    shards=False checks everything but the shards (train_ddp.py --dry-run where --data-dir is absent).
+    shards=False checks everything but the shards and --out-dir (train_ddp.py --dry-run where --data-dir
+    is absent). The shards' cheap manifest checks run here; reading them is verify_data's (rank 0).
     """
     tc = cfg.train
     missing = missing_features(optimizer=tc.optimizer, parallel=tc.parallel)
@@ -172,8 +177,15 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
         grad_accum_steps(tc.total_batch_size, 1, cfg.model.block_size, world_size)
     else:
         grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
+    if 0 < tc.eval_tokens < cfg.model.block_size:
+        raise ValueError(f"--eval-tokens {tc.eval_tokens} is less than one sequence of --block-size "
+                         f"{cfg.model.block_size}: evaluation would score nothing (val loss nan); raise it, or "
+                         "--eval-tokens 0 to train without validation")
     train_shards = find_shards(tc.data_dir, "train") if shards else None
-    val_shards = find_shards(tc.data_dir, "val") if shards and tc.eval_tokens > 0 else None
+    val_shards = find_val_shards(cfg) if shards and tc.eval_tokens > 0 else None
+    if shards:  # the machine the run is on (a dry run from a laptop checks neither)
+        check_out_dir(tc.out_dir)
+        check_listed(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})})
     import importlib.util
     for wanted, package, flag in ((tc.tensorboard, "tensorboard", "--tensorboard"),
                                   (tc.wandb_project, "wandb", "--wandb-project")):
@@ -189,6 +201,58 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
         from gpt2.hellaswag import load_examples
         load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
     return train_shards, val_shards
+
+
+def find_val_shards(cfg: RunConfig) -> ShardSet:
+    """The val shards, which a run with --eval-tokens > 0 needs even with --eval-interval 0 (it still
+    evaluates at step 0 and at the end), holding at least one sequence: fewer than block_size + 1
+    tokens gave `val loss nan` (0 / 0) at every evaluation and exit 0."""
+    tc, block = cfg.train, cfg.model.block_size
+    try:
+        val = find_shards(tc.data_dir, "val")
+    except ShardError as e:
+        if not Path(tc.data_dir).is_dir():
+            raise
+        raise ShardError(f"{e}. The run evaluates on them at step 0 and at the end (--eval-interval 0 leaves out "
+                         "only the evaluations in between); or pass --eval-tokens 0 to train without validation") from None
+    if val.total_tokens < block + 1:
+        raise ShardError(f"--data-dir {tc.data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
+                         f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
+                         f"loss nan); prepare more with `python -m data_prep ... --val-tokens N` (N > {block}), or "
+                         "pass --eval-tokens 0 to train without validation")
+    return val
+
+
+def check_out_dir(out_dir: str) -> None:
+    """--out-dir, or the nearest directory above it that exists, must be writable: otherwise the first
+    mkdir or write raised OSError (EROFS, EACCES) with a traceback after the process group started.
+    Nothing is created here (the dry run calls this)."""
+    path = Path(out_dir).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        raise ValueError(f"--out-dir {out_dir}: {path} is a file, not a directory; pass a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        why = "a read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "no permission to write there"
+        raise ValueError(f"--out-dir {out_dir}: cannot write in {path} ({why}); pass a writable --out-dir")
+
+
+def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: Metrics) -> None:
+    """--verify-data's reading part (gpt2/datacheck.py verify_shards), by rank 0 alone: it reads up to
+    every shard once, which every rank of a node doing it too would multiply. Every rank raises its
+    ShardError or none does."""
+    train, val = shards
+    sets = {"train": train, **({"val": val} if val is not None else {})}
+    outcome = None
+    if dist.is_main:
+        try:
+            outcome = ("ok", verify_shards(cfg.train.data_dir, sets, cfg.train.verify_data))
+        except (ShardError, OSError) as e:
+            outcome = ("error", str(e))
+    kind, text = broadcast_object(outcome, dist)
+    if kind == "error":
+        raise ShardError(text)
+    log.info(f"data       {text}")
 
 
 def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> int:

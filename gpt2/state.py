@@ -38,7 +38,7 @@ from gpt2 import preempt
 from gpt2.ckpt_writer import CheckpointWriteError, CheckpointWriter
 from gpt2.config import ModelConfig, RunConfig
 from gpt2.data import EvalLoader, TrainLoader
-from gpt2.dist import Dist, all_gather_object, barrier
+from gpt2.dist import Dist, all_gather_object, barrier, broadcast_object
 from gpt2.fsdp import is_sharded
 from gpt2.metrics import Metrics
 from gpt2.model import GPT
@@ -295,12 +295,22 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict |
                                 run_id=parts.run_id, warn=log.warn)
             log.info(f"checkpoint of step {parts.step}: writing it in the background")
         else:
-            path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints,
-                                        run_id=parts.run_id, warn=log.warn)
-            log.info(f"saved checkpoint {path}")
-            if requeue is not None:  # after the checkpoint: the marker promises a complete one
-                preempt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
+            try:
+                path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints,
+                                            run_id=parts.run_id, warn=log.warn)
+            except (OSError, RuntimeError) as e:  # torch's RuntimeError hides ENOSPC in its context
+                problem = (f"writing the checkpoint of step {parts.step} failed "
+                           f"({ckpt.write_failure(e, ckpt.checkpoint_dir(cfg.train.out_dir))}). The newest complete "
+                           "checkpoint is the one before it; free space or fix the run directory, then resume "
+                           "with --resume auto")
+            else:
+                log.info(f"saved checkpoint {path}")
+                if requeue is not None:  # after the checkpoint: the marker promises a complete one
+                    preempt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
     if not background:
+        problem = broadcast_object(problem, dist)  # every rank raises rank 0's failure, none waits for it
+        if problem is not None:
+            raise CheckpointWriteError(problem)
         barrier(dist)
 
 
@@ -319,10 +329,10 @@ def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, rngs: l
     tmp = ckpt.sharded_temp_dir(tc.out_dir, parts.step)
     problem = _attempt(lambda: ckpt.begin_sharded(tc.out_dir, parts.step)) if dist.is_main else None
     _raise_any(all_gather_object(problem, dist), parts.step)  # the directory exists before anyone writes
-    problem = _attempt(lambda: dcp_io.save(parts.model, parts.optimizer, tmp))
+    problem = _attempt(lambda: dcp_io.save(parts.model, parts.optimizer, tmp), tmp)
     if dist.is_main and problem is None:
         problem = _attempt(lambda: ckpt.write_train_state(
-            tmp, parts.step, checkpoint_state(parts, cfg, dist, rngs, sharded=True), parts.run_id))
+            tmp, parts.step, checkpoint_state(parts, cfg, dist, rngs, sharded=True), parts.run_id), tmp)
     _raise_any(all_gather_object(problem, dist), parts.step)  # every rank's files are complete
     files = {}
     problem = _attempt(lambda: files.update(ckpt.hash_files(tmp, ckpt.own_files(tmp, dist.rank))))
@@ -343,11 +353,14 @@ def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, rngs: l
     _raise_any(all_gather_object(problem, dist), parts.step)  # nobody leaves before it is published
 
 
-def _attempt(work) -> str | None:
-    """Run work(); its OSError or RuntimeError (DCP's) as a message, so every rank can raise it."""
+def _attempt(work, directory: Path | None = None) -> str | None:
+    """Run work(); its OSError or RuntimeError (DCP's) as a message, so every rank can raise it. With
+    the directory written: an OS error behind it (a full disk) is said as such, naming the directory."""
     try:
         work()
     except (OSError, RuntimeError, ValueError) as e:
+        if directory is not None and ckpt.os_error_of(e) is not None:
+            return ckpt.write_failure(e, directory)
         return f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
     return None
 

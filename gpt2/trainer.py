@@ -25,7 +25,7 @@ from gpt2.ckpt_writer import CheckpointWriter
 from gpt2.compat import ddp_no_buffer_sync
 from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import EvalLoader, ShardSet, TrainLoader
-from gpt2.dist import Dist, all_reduce_sum, collective, set_compile_threads, set_timeout
+from gpt2.dist import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.flops import checked_mfu
 from gpt2.fsdp import clip_grad_norm, is_sharded, no_grad_sync
 from gpt2.fsdp import shard as shard_fsdp
@@ -34,6 +34,7 @@ from gpt2.model import GPT, TOP_K
 from gpt2.optim import make_optimizer
 from gpt2.resume import Start, agree_on_step, choose_start
 from gpt2.schedule import grad_accum_steps, lr_at
+from gpt2.shards import ShardError
 from gpt2.startup import (announce, check_data, configure_backends, forget_cpu_peak, own_run_dir, prepare,
                           write_run_info)
 from gpt2.state import Parts, finish_background_write, restore, rng_state, save, set_rng_state
@@ -66,7 +67,8 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     optimizer = make_optimizer(model, tc, dist.device, dist)
     loader = TrainLoader(train_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
                          total_batch_size=tc.total_batch_size, rank=dist.rank, world_size=dist.world_size,
-                         seed=tc.seed, device=dist.device, pin_memory=tc.pin_memory, order=tc.data_order)
+                         seed=tc.seed, device=dist.device, pin_memory=tc.pin_memory, order=tc.data_order,
+                         defer_bad_tokens=True)  # train_step stops every rank alike
     val_loader = None
     if val_shards is not None:
         val_loader = EvalLoader(val_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
@@ -198,13 +200,17 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
     # The global norm of every rank's shards under FSDP, and the same number under DDP (gpt2/fsdp.py).
     grad_norm = clip_grad_norm(parts.model.parameters(), clip, dist)
-    # One all-reduce carries the loss and the stop flag: every rank sees the same values, so
-    # every rank takes the same skip / stop decision. torch.full launches a fill, no host copy.
-    stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device)])
+    # One all-reduce carries the loss, the stop flag and the bad-token flag (gpt2/data.py): every rank
+    # sees the same values, so every rank takes the same skip / stop decision. torch.full launches a
+    # fill, no host copy.
+    stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device),
+                         torch.full((), float(parts.loader.problem is not None), device=dist.device)])
     all_reduce_sum(stats, dist)
-    # The step's one host sync: the skip decision below needs these three numbers on the host.
+    # The step's one host sync: the skip decision below needs these numbers on the host.
     # (fp16 adds the GradScaler's own read of its overflow flag inside scaler.step.)
-    loss_total, stop_votes, grad_norm = torch.stack([stats[0], stats[1], grad_norm.float()]).tolist()
+    loss_total, stop_votes, bad_data, grad_norm = torch.stack([*stats, grad_norm.float()]).tolist()
+    if bad_data:  # before the update: nothing learnt from the batch; every rank raises the finder's message
+        raise ShardError(next(p for p in all_gather_object(parts.loader.problem, dist) if p))
     loss_mean, stop = loss_total / dist.world_size, stop_votes > 0
     loss_ok, norm_ok = math.isfinite(loss_mean), math.isfinite(grad_norm)
     # fp16: a finite loss with non-finite gradients is an overflow of the scaled gradients. The
@@ -278,7 +284,10 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
 
 def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest) -> int:
     tc = cfg.train
-    Path(tc.out_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(tc.out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # check_data looked; this is the race (or a path it could not judge)
+        raise ValueError(f"--out-dir {tc.out_dir}: cannot create it ({e.strerror}); pass a writable --out-dir") from None
     if dist.is_main:  # RUN/requeue says "the last run stopped on a signal": not true of this one
         preempt.clear_requeue_marker(tc.out_dir)
     configure_backends(tc, dist)
@@ -287,7 +296,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     log = Metrics(dist, tc.out_dir)
     if shards is None:
         shards = check_data(cfg, dist.world_size)
-    run = prepare(cfg, dist, log, shards[0])
+    run = prepare(cfg, dist, log, shards)
     cfg, tc = run.cfg, run.cfg.train
     parts = build(cfg, dist, log, shards, run.start)
     if parts.step >= tc.max_steps:  # e.g. the quick start run a second time

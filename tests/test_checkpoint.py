@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -429,3 +430,107 @@ def test_one_sidecar_reader(tmp_path, monkeypatch):
         ckpt.verify_checkpoint(path)
     sources = {p.name: p.read_text() for p in (REPO / "gpt2").glob("*.py") if p.name != "checkpoint.py"}
     assert [n for n, text in sources.items() if 'with_suffix(".json")' in text] == []
+
+
+# ------------------------------------------------------------------ one line where a traceback was (issue 32, item 8)
+
+def no_space_after(n_bytes: int):
+    """_HashingWriter.write failing as a full disk does past n_bytes: the OS's OSError, which torch.save
+    reports as RuntimeError "[enforce fail at inline_container.cc:672] . unexpected pos ..."."""
+    import errno
+
+    real = ckpt._HashingWriter.write
+
+    def write(self, data):
+        if self.size + len(data) > n_bytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+
+    return write
+
+
+def main_err(args, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    code = import_train_ddp().main(args)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("async_ckpt", ["false", "true"])
+def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_directory(tmp_path, shakespeare_shards, monkeypatch,
+                                                                     capsys, async_ckpt):
+    """false: the final synchronous save (was: the RuntimeError's traceback, ENOSPC only in its context);
+    true: step 2's background write, reported at step 4's save (was: "RuntimeError: ... unexpected pos")."""
+    monkeypatch.setattr(ckpt._HashingWriter, "write", no_space_after(4096))
+    args = [*tiny_run_flags(shakespeare_shards, max_steps=2 if async_ckpt == "false" else 4, ckpt_interval=2,
+                            eval_tokens=256), "--out-dir", str(tmp_path), "--async-ckpt", async_ckpt]
+    code, err = main_err(args, capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    background = " in the background" if async_ckpt == "true" else ""
+    assert lines[0].startswith(f"train_ddp.py: error: writing the checkpoint of step 2{background} failed (No space "
+                               f"left on device in {tmp_path / 'checkpoints'} ("), lines[0]
+    assert "unexpected pos" not in err and "The newest complete checkpoint is the one before it" in err
+
+
+def test_resuming_the_sidecar_says_so_and_names_the_checkpoint(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 3, state(3), keep=2)
+    named = path.with_suffix(".json")
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resolve_resume(str(named), tmp_path)
+    assert str(err.value) == (f"{named}: this is a checkpoint's sidecar (its size, sha256 and run id), not the "
+                              f"checkpoint; pass {path}")  # was: "... bytes but ... were written; truncated"
+    with pytest.raises(ckpt.CheckpointError, match="sidecar"):
+        load_model(path.with_suffix(".json"))
+
+
+def test_an_out_dir_that_cannot_be_made_is_one_line_before_start(tmp_path, shakespeare_shards, capsys):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "run"  # mkdir raised NotADirectoryError from the trainer, with a traceback
+    code, err = main_err([*tiny_run_flags(shakespeare_shards, max_steps=1, ckpt_interval=1), "--out-dir", str(out)],
+                         capsys)
+    assert code == 2
+    assert err == f"train_ddp.py: error: --out-dir {out}: {tmp_path / 'file'} is a file, not a directory; pass a " \
+                  "directory\n"
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real small file system, mounted here: mount(size, ro) -> its directory. Needs root and `mount`
+    (skipped otherwise: a real-resource test; the simulated ENOSPC tests above run everywhere)."""
+    mounted = []
+
+    def mount(size: str, ro: bool = False) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_real_full_disk_and_a_read_only_out_dir_are_one_line(tmp_path, shakespeare_shards, tmpfs):
+    full = tmpfs("4m")  # metrics and config.json fit; a ~40 MB checkpoint does not
+    run = subprocess.run([sys.executable, str(REPO / "train_ddp.py"),
+                          *tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=2, eval_tokens=256),
+                          "--out-dir", str(full / "run"), "--async-ckpt", "false"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 1 and len(errors) == 1, run.stderr[-3000:]
+    assert errors[0].startswith(f"train_ddp.py: error: writing the checkpoint of step 2 failed (No space left on "
+                                f"device in {full / 'run' / 'checkpoints'} ("), errors[0]
+    read_only = tmpfs("1m", ro=True)
+    run = subprocess.run([sys.executable, str(REPO / "train_ddp.py"),
+                          *tiny_run_flags(shakespeare_shards, max_steps=1, ckpt_interval=1), "--out-dir",
+                          str(read_only / "run")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert run.stderr == (f"train_ddp.py: error: --out-dir {read_only / 'run'}: cannot write in {read_only} (a "
+                          "read-only file system); pass a writable --out-dir\n")

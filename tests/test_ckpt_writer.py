@@ -203,3 +203,33 @@ def test_training_runs_on_while_the_trainer_writes_and_matches_a_synchronous_run
 
 
 # A failed write through the trainer, on 2 ranks: tests/test_resume.py
+
+
+def no_space_after(n_bytes: int):
+    """A _HashingWriter.write that fails as a full disk does once n_bytes are written: the OS's OSError,
+    which torch.save turns into RuntimeError "[enforce fail at inline_container.cc] unexpected pos"."""
+    import errno
+    import os
+
+    real = ckpt._HashingWriter.write
+
+    def write(self, data):
+        if self.size + len(data) > n_bytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+
+    return write
+
+
+def test_a_background_write_on_a_full_disk_says_no_space_and_names_the_directory(tmp_path, monkeypatch):
+    model, opt = trained_parts()
+    monkeypatch.setattr(ckpt._HashingWriter, "write", no_space_after(4096))
+    writer = CheckpointWriter(torch.device("cpu"))
+    writer.submit(tmp_path, 2, live_state(model, opt, 2), keep=3)
+    with pytest.raises(CheckpointWriteError) as err:
+        writer.wait()
+    message = str(err.value)
+    assert message.startswith(f"writing the checkpoint of step 2 in the background failed (No space left on device "
+                              f"in {tmp_path / 'checkpoints'} ("), message
+    assert "unexpected pos" not in message and "\n" not in message
+    assert ckpt.list_checkpoints(tmp_path) == []  # the temp file went with the error

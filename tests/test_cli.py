@@ -70,6 +70,28 @@ def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--grad-clip", "nan"], ["--lr", "inf"], ["--lr", "nan"], ["--dropout", "inf"],
+                                  ["--muon-lr", "inf"], ["--dist-step-timeout-s", "inf"]])
+def test_non_finite_float_flags_exit_2_with_one_line_naming_the_flag(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(BASE + argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"train_ddp.py: error: {argv[0]} {float(argv[1])}: not a finite number; nan " \
+                                      "and inf are refused, give a number\n"
+
+
+def test_non_finite_values_in_a_config_file_and_rehearsal_flags_are_refused(tmp_path, capsys):
+    toml = tmp_path / "run.toml"
+    toml.write_text("lr = inf\n")  # TOML has inf and nan: the config's own check catches what argparse never saw
+    with pytest.raises(SystemExit):
+        parse_config(BASE + ["--config", str(toml)])
+    assert "--lr inf: not a finite number" in capsys.readouterr().err
+    from gpt2.cli import parse_command
+    with pytest.raises(SystemExit):
+        parse_command(BASE + ["--dry-run", "--gpu-memory-gb", "inf"])
+    assert "--gpu-memory-gb inf must be a finite number > 0" in capsys.readouterr().err
+
+
 def test_required_dirs(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--preset", "debug"])

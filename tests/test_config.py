@@ -136,3 +136,28 @@ def test_shape_fields_are_the_marked_fields():
                                           "bias")
     assert {f.name for f in dataclasses.fields(ModelConfig)} - set(ModelConfig.shape_fields()) == {"dropout",
                                                                                                  "attn_impl"}
+
+
+@pytest.mark.parametrize("cls, field", [("TrainConfig", "grad_clip"), ("TrainConfig", "lr"), ("TrainConfig", "eps"),
+                                        ("TrainConfig", "dist_timeout_s"), ("ModelConfig", "dropout")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_floats_are_refused_in_one_line_naming_the_flag(cls, field, value):
+    """--grad-clip nan passed `>= 0` (every comparison with nan is false) and disabled clipping; --lr inf
+    passed `> 0` and turned the weights to NaN. Every float field, in one check."""
+    import gpt2.config
+
+    with pytest.raises(ValueError) as err:
+        getattr(gpt2.config, cls)(**{field: value})
+    flag = "--" + field.replace("_", "-")
+    assert str(err.value) == f"{flag} {value}: not a finite number; nan and inf are refused, give a number"
+
+
+def test_every_float_field_is_checked_for_finiteness():
+    from gpt2.config import TrainConfig
+
+    floats = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls) if f.type == "float"]
+    assert len(floats) == 14  # dropout, lr, min_lr, ..., dist_step_timeout_s
+    for name in floats:
+        cls = ModelConfig if name in {f.name for f in dataclasses.fields(ModelConfig)} else TrainConfig
+        with pytest.raises(ValueError, match="not a finite number"):
+            cls(**{name: float("inf")})

@@ -735,3 +735,31 @@ def test_record_reader_resumes_past_whole_read_batches(tmp_path):
     assert list(sources.RecordReader(corpus, cfg).records(0)) == everything
     for start in (READ_BATCH_ROWS, READ_BATCH_ROWS + 1, 2 * READ_BATCH_ROWS + 499, len(docs), len(docs) + 7):
         assert list(sources.RecordReader(corpus, cfg).records(start)) == everything[start:], start
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_continues(tmp_path, paragraphs, monkeypatch, capsys):
+    """ENOSPC while writing a shard (simulated: the OS's own error from the write) was an OSError
+    traceback; now one line with the system's words and the directory, and completed shards are kept."""
+    import errno
+
+    import data_prep.writer
+
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:400])
+    real, calls = data_prep.writer.write_shard, []
+
+    def full_after_one(path, tokens):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, tokens)
+
+    monkeypatch.setattr(data_prep.writer, "write_shard", full_after_one)
+    args = ["--source", str(src), "--out", str(tmp_path / "out"), "--shard-tokens", "5000", "--val-tokens", "2000",
+            "--workers", "1"]
+    rc, out, err = main_inproc(*args, capsys=capsys)
+    assert rc == 1 and not out
+    assert err == (f"error: writing {tmp_path / 'out'} failed: No space left on device; free space or fix the "
+                   "directory, then rerun the same command: it continues after the last complete shard\n")
+    monkeypatch.setattr(data_prep.writer, "write_shard", real)  # space freed
+    assert main_inproc(*args, capsys=capsys)[0] == 0
+    assert main_inproc("verify", str(tmp_path / "out"), capsys=capsys)[0] == 0

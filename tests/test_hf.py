@@ -219,3 +219,18 @@ def test_exportability_is_derived_from_the_shape_fields(monkeypatch):
     with pytest.raises(ValueError, match=r"dropout=0.1: Hugging Face GPT-2 has no such setting; train with "
                                          r"dropout=0.0 to export"):
         to_hf_state_dict(model)
+
+
+@pytest.mark.parametrize("name, damage", [("model.safetensors", b"\x01\x00"), ("model.safetensors", None),
+                                          ("pytorch_model.bin", b"not a zip")])
+def test_a_damaged_weights_file_is_refused_naming_it(tmp_path, name, damage):
+    """A cut-off download: safetensors raised its own SafetensorError ("header too small"), not a
+    ValueError, so the tools showed a traceback."""
+    out = save_hf_dir(ours(), tmp_path / "hf")
+    file = out / name
+    if name == "pytorch_model.bin":
+        (out / "model.safetensors").unlink()
+    file.write_bytes(damage if damage is not None else (out / name).read_bytes()[:1000])
+    with pytest.raises(ValueError) as err:
+        load_hf_dir(out)
+    assert str(err.value).startswith(f"{file}: unreadable (") and "download or export it again" in str(err.value)

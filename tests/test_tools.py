@@ -494,3 +494,49 @@ def test_hellaswag_examples_reach_other_ranks_without_the_file(tmp_path, monkeyp
     got = prepare_hellaswag(tmp_path / "not_on_this_node.jsonl", rank1, url="http://127.0.0.1:9/never-fetched")
     assert got == examples and len(got) == 7
     assert not (tmp_path / "not_on_this_node.jsonl").exists()  # rank 1 neither read nor downloaded
+
+
+# ---- one line where a traceback was (issue 32, item 8) -------------------------------------------
+
+@pytest.fixture
+def hf_dir(tmp_path) -> Path:
+    from gpt2.hf import save_hf_dir
+
+    torch.manual_seed(0)
+    return save_hf_dir(GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)), tmp_path / "hf")
+
+
+def test_a_corrupt_hugging_face_directory_is_one_line_for_every_tool(hf_dir, tmp_path, capsys):
+    from gpt2 import eval as eval_cli, export, sample as sample_cli
+
+    (hf_dir / "model.safetensors").write_bytes(b"\x00")  # was: safetensors_rust.SafetensorError: header too small
+    for name, main, argv in (("sample", sample_cli.main, ["--device", "cpu"]),
+                             ("eval", eval_cli.main, ["loss", "--data-dir", str(tmp_path), "--device", "cpu"]),
+                             ("export", export.main, ["--out", str(tmp_path / "out")])):
+        assert main(["--checkpoint", str(hf_dir), *argv] if name != "eval" else
+                    [argv[0], "--checkpoint", str(hf_dir), *argv[1:]]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"gpt2.{name}: error: --checkpoint {hf_dir}: cannot load as "
+                                                       f"Hugging Face GPT-2: {hf_dir / 'model.safetensors'}: unreadable ("), err
+
+
+def test_export_onto_an_existing_file_is_one_line(hf_dir, tmp_path, capsys):
+    from gpt2.export import main
+
+    target = tmp_path / "model.out"
+    target.write_text("keep me")
+    assert main(["--checkpoint", str(hf_dir), "--out", str(target)]) == 2  # was: NotADirectoryError
+    assert capsys.readouterr().err == f"gpt2.export: error: --out {target}: {target} is a file, not a directory; pass " \
+                                      "a directory to create (or an earlier export's)\n"
+    assert target.read_text() == "keep me"
+
+
+def test_eval_loss_refuses_a_val_id_outside_the_vocabulary(hf_dir, tmp_path, capsys):
+    from gpt2.eval import main
+
+    tokens = np.arange(1000) % 50257
+    tokens[500] = 60000  # was: IndexError: index out of range in self
+    write_shard(tmp_path / "val_000000.bin", tokens)
+    assert main(["loss", "--checkpoint", str(hf_dir), "--data-dir", str(tmp_path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'val_000000.bin'}: token id 60000 at token offset 500" in err
