@@ -64,6 +64,8 @@ class Parts:
     """Rank 0's background checkpoint writer (--async-ckpt); None on the other ranks and when off."""
     run_id: str | None = None
     """The run this one is (gpt2/rundir.py): recorded in config.json and in every checkpoint it writes."""
+    prefetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    """(loader position, that step's first micro-batch) read ahead by the trainer (gpt2/trainer.py prefetch)."""
 
 
 class Stateful(Protocol):
