@@ -130,6 +130,47 @@ def test_clip_grad_norm_of_sharded_gradients_is_the_global_norm_and_clips_every_
     assert r0["ours"] == r1["ours"]
 
 
+def _loop_clip(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """gpt2/fsdp.py's clip before _foreach_norm / _foreach_mul_ (a norm, a square and an add per chunk, a
+    mul_ per tensor): the reference the foreach version must reproduce."""
+    from gpt2.fsdp import NORM_CHUNK
+
+    whole = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        whole += sum(torch.linalg.vector_norm(c, dtype=torch.float64).square() for c in g.reshape(-1).split(NORM_CHUNK))
+    norm = whole.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return norm
+
+
+@pytest.mark.parametrize("sizes", [[(50304, 64), (64,), (192, 64), (256, 64), (64, 256)],  # the tiny model's
+                                   [(3, 1 << 22), (5,), (1 << 22) + 7]])  # tensors of several NORM_CHUNK chunks
+def test_foreach_clip_gives_the_per_tensor_loops_numbers(sizes, monkeypatch):
+    """One _foreach_norm and one _foreach_mul_ instead of a kernel per chunk and tensor: the same norm and
+    clipped gradients as the loop. Tensors of one chunk each: bitwise (the squares summed in the same
+    order). Several chunks per tensor: the fp64 sum re-associated, equal within 1e-15 relative before the
+    fp32 rounding (here: bitwise after it too)."""
+    from gpt2.fsdp import clip_grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.empty(s)) for s in sizes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 0.01
+    ref = [p.grad.clone() for p in params]
+    want = _loop_clip(ref, 0.3)
+    calls = []
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: calls.append(1))  # no per-tensor norm from us
+    got = clip_grad_norm(params, 0.3, single_process())
+    assert calls == []
+    assert got.item() == pytest.approx(want.item(), rel=1e-7) and got.dtype == torch.float32
+    if all(torch.Size(s).numel() <= (1 << 22) for s in sizes):
+        assert torch.equal(got, want) and all(torch.equal(p.grad, r) for p, r in zip(params, ref))
+    else:
+        assert all(torch.allclose(p.grad, r, rtol=1e-6, atol=0) for p, r in zip(params, ref))
+
+
 def test_evaluation_sampling_and_hellaswag_run_on_every_rank_under_fsdp(tmp_path, shakespeare_shards):
     """The things rank 0 used to do alone, now collectives under fsdp, finish and agree with ddp's:
     a sample (--sample-interval), validation over 9 sequences (rank 0 has 2 batches, rank 1 one
