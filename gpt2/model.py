@@ -198,16 +198,27 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x, kv_cache)
-        x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
-        if targets is not None and not return_logits and self.loss_impl == "chunked":
-            return None, linear_cross_entropy(x, self.lm_head.weight, self.logit_bias, targets)
+        if targets is not None and not return_logits:
+            return None, self.head_loss(x, targets)
+        x = self.transformer.ln_f(x)
         logits = F.linear(x, self.lm_head.weight, self.logit_bias)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
         return (logits if return_logits else None), loss
+
+    def head_loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        """The final LayerNorm, the LM head and the mean loss of the blocks' output x, by self.loss_impl's
+        path, without returning logits: what training and evaluation run after the blocks. Its own
+        method so that a model whose blocks are compiled one by one (--parallel fsdp) can compile
+        this part too (gpt2/trainer.py compile_sharded)."""
+        x = self.transformer.ln_f(x)
+        if self.loss_impl == "chunked":
+            return linear_cross_entropy(x, self.lm_head.weight, self.logit_bias, targets)
+        logits = F.linear(x, self.lm_head.weight, self.logit_bias)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,

@@ -90,8 +90,7 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     if fsdp:  # FSDP's units each gather their weights: compile each block, not the whole (torchtitan's way)
         train_model = model
         if tc.compile:
-            for block in model.transformer.h:
-                block.compile()
+            compile_sharded(model)
     else:
         train_model = torch.compile(model) if tc.compile else model
     if dist.is_distributed and not fsdp:
@@ -99,6 +98,18 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
         settle_buckets(train_model, parts.loader.B, parts.loader.T, cfg.train.dtype, dist)
     parts.train_model = train_model
     return parts
+
+
+def compile_sharded(model: GPT) -> None:
+    """torch.compile for a model sharded per block (--parallel fsdp): each block in place (torchtitan's
+    way: a compiled region never spans two FSDP units' gathers), and the root's final LayerNorm, LM
+    head and loss (GPT.head_loss) as one more region. The head and loss are the memory-bound part that
+    compile fuses (the loss's cast, softmax and gradient; planned per logit by gpt2/plan.py as compiled),
+    and would otherwise run eager under fsdp while DDP's whole-model compile fuses them. The embedding
+    lookups between the regions stay eager (a gather and an add)."""
+    for block in model.transformer.h:
+        block.compile()
+    model.head_loss = torch.compile(model.head_loss)  # an instance attribute: forward calls self.head_loss
 
 
 def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: str, dist: Dist) -> None:
