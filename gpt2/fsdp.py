@@ -34,6 +34,20 @@ def mixed_precision(dtype: str, device: torch.device):
     (fp32 weights gathered, bf16 matmuls, fp32 gradients reduced), which is what the 2-rank gloo
     tests compare; the bandwidth a bf16 gather saves matters on GPUs, not in a CPU test.
     float16 never gets here: TrainConfig refuses it with fsdp (see train_config_problems).
+
+    What this policy computes differently from DDP on CUDA (stated here, shown on CPU by emulating the
+    policy's casts in tests/test_fsdp.py): every parameter is gathered in bf16, the embedding tables
+    and LayerNorm gains too, and each unit's floating inputs are cast to bf16 (cast_forward_inputs).
+    So the residual stream is bf16 from the embedding on (wte(idx) + wpe(pos) of bf16 tables), each
+    residual add rounds to bf16, and LayerNorm (fp32 under autocast) normalises bf16 inputs with
+    bf16-rounded gains. DDP's autocast keeps the residual stream, the embeddings and the gains in fp32
+    and rounds only the matmuls' inputs; the matmuls agree (autocast casts DDP's fp32 weights to the
+    same bf16 values the gather makes). cast_forward_inputs=False alone would not close the gap: the
+    bf16 embedding tables make the stream bf16 anyway. Closing it means gathering the root unit
+    (embeddings, ln_f) and the LayerNorms in fp32 (units of their own, or no param_dtype at all: 2x
+    the all-gather bytes), with the planner's gathered bytes and autocast copies following. Not done:
+    a bf16 residual stream is what torchtitan's FSDP default trains too, and the CPU tests (no policy)
+    check fsdp against DDP bitwise, not this.
     """
     if device.type != "cuda" or dtype not in ("bfloat16", "float16"):
         return None
