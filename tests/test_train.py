@@ -342,3 +342,21 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
     assert math.isfinite(outs[0]["loss"]) and math.isfinite(outs[0]["grad_norm"]) and outs[0]["stop"] is False
     assert outs[0]["skipped"] is False and outs[2]["loss"] != outs[0]["loss"]
     assert len(reads) == 2 and all(r.startswith("tolist from trainer.py") for r in reads), reads
+
+
+def test_a_compiler_failure_at_the_first_step_is_reported_as_one_and_not_as_a_dead_rank(tmp_path, shakespeare_shards):
+    """2 ranks under torchrun, DDP + compile, no C++ compiler for inductor (CXX names none, a fresh kernel
+    cache so nothing compiled earlier is reused): the first compile runs inside the bucket-settling
+    step's collective context, and each rank says what failed and the fix, in one line, not that a
+    collective failed because another rank died."""
+    args = [*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "float32", "--compile", "true", "--sample-interval", "0",
+            "--plot", "false", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path / "run"),
+            "--micro-batch-size", "2", "--total-batch-size", "256", "--max-steps", "2", "--eval-tokens", "256"]
+    run = run_trainer(args, nproc=2, env={"CXX": "/nonexistent", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")})
+    assert run.returncode != 0
+    errors = [ln for ln in run.stderr.splitlines() if "train_ddp.py: error:" in ln]
+    assert errors and all("torch.compile could not build the model's kernels (InvalidCxxCompiler: No working C++ "
+                          "compiler found" in ln and "--compile false" in ln for ln in errors), run.stderr[-3000:]
+    assert "a collective operation failed" not in run.stderr, run.stderr[-3000:]
+    assert "gpt2" not in "".join(ln for ln in run.stderr.splitlines() if ln.startswith("  File ")), \
+        run.stderr[-3000:]  # no traceback from the trainer (torchrun prints its own for a failed worker)
