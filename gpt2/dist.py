@@ -78,14 +78,22 @@ def world_from_env(env=None) -> WorldInfo:
 
 
 def resolve_device(preference: str, local_rank: int) -> torch.device:
-    """auto -> cuda:LOCAL_RANK when CUDA is present, else cpu."""
+    """auto -> the CUDA device of this rank when CUDA is present, else cpu.
+
+    This rank's device is cuda:LOCAL_RANK when the process sees the node's GPUs (torchrun), and the
+    one visible GPU, cuda:0, whatever LOCAL_RANK is, when the scheduler gave each task its own
+    through CUDA_VISIBLE_DEVICES (`srun --gpus-per-task=1`: every task sees one device). Refused only
+    where several are visible and LOCAL_RANK has none of its own."""
     if preference == "auto":
         preference = "cuda" if torch.cuda.is_available() else "cpu"
     if preference == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but no CUDA device is visible; use --device cpu or auto")
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices; "
+        count = torch.cuda.device_count()
+        if count == 1:
+            return torch.device("cuda", 0)
+        if local_rank >= count:
+            raise ValueError(f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible; "
                              "set --nproc_per_node to the number of GPUs")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

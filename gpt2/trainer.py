@@ -124,7 +124,8 @@ def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: 
     2 ranks a sum is exact either way). Now every step of every run uses the same buckets. Costs one
     micro-step's forward, backward and all-reduce at start-up.
     """
-    saved = rng_state()  # dropout draws here must not shift the training's random numbers
+    cuda = dist.device.type == "cuda"
+    saved = rng_state(cuda)  # dropout draws here must not shift the training's random numbers
     x = torch.zeros(batch, seq_len, dtype=torch.long, device=dist.device)
     with collective("DDP's first (bucket-settling) gradient all-reduce"):
         with precision.autocast(dtype, dist.device):
@@ -132,7 +133,7 @@ def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: 
         loss.backward()
     for p in ddp_model.parameters():
         p.grad = None
-    set_rng_state(saved)
+    set_rng_state(saved, cuda)
 
 
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0
