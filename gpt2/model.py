@@ -247,8 +247,7 @@ class GPT(nn.Module):
             if not use_cache:
                 logits, _ = self(idx[:, -block:])
             elif cache is None or cache.pos >= block:
-                param = self.lm_head.weight
-                cache = KVCache(self.config, idx.size(0), device=param.device, dtype=param.dtype)
+                cache = KVCache(self.config, idx.size(0), device=self.lm_head.weight.device, dtype=self._cache_dtype())
                 logits, _ = self(idx[:, -block:], kv_cache=cache)
             else:
                 logits, _ = self(idx[:, -1:], kv_cache=cache)
@@ -256,6 +255,16 @@ class GPT(nn.Module):
                                    generator=generator)
             idx = torch.cat([idx, next_tok], dim=1)
             yield next_tok
+
+
+    def _cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: under autocast the keys and values come out of c_attn in the autocast
+        dtype, so an fp32 cache would hold the same values at twice the memory and traffic; SDPA
+        under autocast reads them in that dtype either way."""
+        device_type = self.lm_head.weight.device.type
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return self.lm_head.weight.dtype
 
 
 TOP_K = 200  # sampling's top-k unless told otherwise: the trainer's samples and gpt2.sample (nanoGPT's)
