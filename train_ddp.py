@@ -38,7 +38,8 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
 
     from gpt2.ckpt_writer import CheckpointWriteError
     from gpt2.cli import parse_command
-    from gpt2.dist import CollectiveError, resolve_device, setup, teardown, world_from_env
+    from gpt2.dist import (CollectiveError, compile_failure_message, is_compile_failure, resolve_device, setup,
+                           teardown, world_from_env)
     from gpt2.preempt import EXIT_REQUEUE, stop_exit_code
     from gpt2.startup import check_data
     from gpt2.trainer import NonFiniteError, train
@@ -81,6 +82,14 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
               f"(steady training) or --dist-timeout-s {cfg.train.dist_timeout_s:g} (start-up, checkpoints, "
               "evaluation): its own log says why. Restarting (torchrun --max-restarts, a requeue) with --resume "
               "auto continues from the newest checkpoint", file=sys.stderr)
+        return 1, dist is not None
+    except RuntimeError as e:
+        if not is_compile_failure(e):
+            raise
+        # Not agreed: a rank on a node without the compiler fails alone, and its peers are left in
+        # their first collective until its exit ends the group.
+        rank = dist.rank if dist is not None else "?"
+        print(f"train_ddp.py: error: rank {rank}: {compile_failure_message(e)}", file=sys.stderr)
         return 1, dist is not None
     finally:
         teardown(dist, agreed=agreed)

@@ -27,15 +27,37 @@ def collective(what: str):
     gloo reports a dead peer ("Connection closed by peer") or an expired timeout as a plain
     RuntimeError, and NCCL as torch.distributed.DistBackendError (a RuntimeError): both become a
     CollectiveError here, where the operation is known, rather than by reading the message later.
-    Out-of-memory is not a collective failure and passes through.
+    Out-of-memory is not a collective failure and passes through, nor is torch.compile failing
+    (is_compile_failure): a DDP run's first forward and backward compile inside a collective's
+    context (the bucket-settling step, the first gradient all-reduce), and a missing compiler
+    reported as "another rank died" sent users to the wrong place.
     """
     try:
         yield
     except (CollectiveError, torch.OutOfMemoryError):
         raise
     except RuntimeError as e:
+        if is_compile_failure(e):
+            raise
         first = str(e).splitlines()[0] if str(e) else ""
         raise CollectiveError(f"{what} failed ({type(e).__name__}: {first})") from e
+
+
+def is_compile_failure(e: BaseException) -> bool:
+    """Whether e is torch.compile failing to build its kernels (dynamo's backend; inductor: a C++
+    compiler on a CPU, Triton and ptxas on CUDA), not the code it compiles: InductorError and other
+    backend failures are BackendCompilerFailed; inductor's own errors are raised from its modules."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return isinstance(e, BackendCompilerFailed) or type(e).__module__.startswith("torch._inductor")
+
+
+def compile_failure_message(e: BaseException) -> str:
+    """The one line train_ddp.py prints for a compile failure: what failed and the fix."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return (f"torch.compile could not build the model's kernels ({first}): its compiler toolchain is missing or "
+            "broken (inductor needs a working C++ compiler on a CPU, Triton and ptxas on CUDA). Fix it, or train "
+            "uncompiled with --compile false")
 
 
 @dataclass(frozen=True)
@@ -58,14 +80,22 @@ def world_from_env(env=None) -> WorldInfo:
 
 
 def resolve_device(preference: str, local_rank: int) -> torch.device:
-    """auto -> cuda:LOCAL_RANK when CUDA is present, else cpu."""
+    """auto -> the CUDA device of this rank when CUDA is present, else cpu.
+
+    This rank's device is cuda:LOCAL_RANK when the process sees the node's GPUs (torchrun), and the
+    one visible GPU, cuda:0, whatever LOCAL_RANK is, when the scheduler gave each task its own
+    through CUDA_VISIBLE_DEVICES (`srun --gpus-per-task=1`: every task sees one device). Refused only
+    where several are visible and LOCAL_RANK has none of its own."""
     if preference == "auto":
         preference = "cuda" if torch.cuda.is_available() else "cpu"
     if preference == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but no CUDA device is visible; use --device cpu or auto")
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices; "
+        count = torch.cuda.device_count()
+        if count == 1:
+            return torch.device("cuda", 0)
+        if local_rank >= count:
+            raise ValueError(f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible; "
                              "set --nproc_per_node to the number of GPUs")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

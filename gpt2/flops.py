@@ -29,6 +29,12 @@ from gpt2.precision import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, peak_nam
 # names come first: "L4" must not match "NVIDIA L40", nor "A10" "NVIDIA A100".
 #   (tokens that must all appear in the name, {dtype: peak})
 _GPU_PEAKS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    # Blackwell: NVIDIA's GB200 NVL72 / HGX B200 data sheet, "Individual Blackwell GPU Specifications",
+    # whose tensor-core rows are with sparsity ("FP16/BF16 Tensor Core 5 | 4.5 PFLOPS", "TF32 Tensor
+    # Core 2.5 | 2.2 PFLOPS"); dense is half. FP32 (no sparsity): 80 | 75 TFLOPS. The GB200's GPU runs
+    # at up to 1,200 W, the HGX B200's at 1,000 W: hence two rows.
+    (("GB200",), dict(bf16=2500e12, fp16=2500e12, tf32=1250e12, fp32=80e12)),
+    (("B200",), dict(bf16=2250e12, fp16=2250e12, tf32=1100e12, fp32=75e12)),
     # Hopper
     (("H100", "PCIe"), dict(bf16=756e12, fp16=756e12, tf32=378e12, fp32=51.2e12)),
     (("H100", "NVL"), dict(bf16=835e12, fp16=835e12, tf32=418e12, fp32=60e12)),
@@ -90,11 +96,22 @@ def _name_tokens(gpu_name: str) -> set[str]:
     return set(re.findall(r"[a-z0-9]+", gpu_name.lower()))
 
 
+def mig_profile(gpu_name: str) -> str | None:
+    """The MIG profile of a device name ('NVIDIA A100-SXM4-40GB MIG 1g.5gb' -> '1g.5gb'), or None."""
+    m = re.search(r"\bMIG\s+(\S+)", gpu_name)
+    return m.group(1) if m else None
+
+
 def gpu_table_peak(gpu_name: str, dtype: torch.dtype, *, tf32: bool = False) -> float | None:
     """The data-sheet dense peak for a CUDA device name, or None if the GPU or dtype is not listed.
 
-    A GPU without TF32 tensor cores (Turing, Volta) gets its fp32 peak for tf32.
+    A GPU without TF32 tensor cores (Turing, Volta) gets its fp32 peak for tf32. A MIG slice gets
+    None: no MFU is claimed for it. Its name is the whole GPU's plus the profile, and scaling the
+    GPU's peak by the slice's "g" count over 7 would still be wrong (an A100's 1g slice holds 14 of its
+    108 SMs, and even 7g only 98): its peak is in no data sheet.
     """
+    if mig_profile(gpu_name) is not None:
+        return None
     key = peak_name(dtype, tf32=tf32)
     tokens = _name_tokens(gpu_name)
     for parts, peaks in _GPU_PEAKS:

@@ -35,6 +35,20 @@ def mixed_precision(dtype: str, device: torch.device):
     (fp32 weights gathered, bf16 matmuls, fp32 gradients reduced), which is what the 2-rank gloo
     tests compare; the bandwidth a bf16 gather saves matters on GPUs, not in a CPU test.
     float16 never gets here: TrainConfig refuses it with fsdp (see train_config_problems).
+
+    What this policy computes differently from DDP on CUDA (stated here, shown on CPU by emulating the
+    policy's casts in tests/test_fsdp.py): every parameter is gathered in bf16, the embedding tables
+    and LayerNorm gains too, and each unit's floating inputs are cast to bf16 (cast_forward_inputs).
+    So the residual stream is bf16 from the embedding on (wte(idx) + wpe(pos) of bf16 tables), each
+    residual add rounds to bf16, and LayerNorm (fp32 under autocast) normalises bf16 inputs with
+    bf16-rounded gains. DDP's autocast keeps the residual stream, the embeddings and the gains in fp32
+    and rounds only the matmuls' inputs; the matmuls agree (autocast casts DDP's fp32 weights to the
+    same bf16 values the gather makes). cast_forward_inputs=False alone would not close the gap: the
+    bf16 embedding tables make the stream bf16 anyway. Closing it means gathering the root unit
+    (embeddings, ln_f) and the LayerNorms in fp32 (units of their own, or no param_dtype at all: 2x
+    the all-gather bytes), with the planner's gathered bytes and autocast copies following. Not done:
+    a bf16 residual stream is what torchtitan's FSDP default trains too, and the CPU tests (no policy)
+    check fsdp against DDP bitwise, not this.
     """
     api = fsdp_api()  # None on a torch without FSDP2 (only --parallel ddp runs there)
     if api is None or device.type != "cuda" or dtype not in ("bfloat16", "float16"):
@@ -103,35 +117,45 @@ def grad_norm(grads: list[torch.Tensor], dist: Dist) -> torch.Tensor:
     longer depends on how the gradient is split. Under FSDP each rank sums its shards' squares
     (shards are disjoint and unpadded in to_local) and one all-reduce adds them; DDP's gradients are
     whole and equal on every rank, so no communication.
+
+    One torch._foreach_norm over every chunk (fp64 out, so fp64 accumulation: CUDA's multi-tensor
+    kernel casts each element as it loads it) instead of one norm kernel, one square and one add
+    per tensor: a handful of launches instead of hundreds. On a CPU _foreach_norm is the same
+    vector_norm per chunk, whose fp64 temporaries NORM_CHUNK still bounds. The squares are summed
+    in chunk order (a left fold, as the per-tensor loop did) by cumsum's last element, so a model
+    whose tensors are one chunk each gets bitwise the old sum; a larger one differs from it by the
+    fp64 rounding of a re-associated sum (~1e-16 relative), far below the fp32 result's last bit.
     """
     from gpt2.dist import all_reduce_sum
 
     device = grads[0].device if grads else dist.device
-    whole = torch.zeros((), dtype=torch.float64, device=device)
-    sharded = torch.zeros((), dtype=torch.float64, device=device)
-    any_shard = False
+    chunks: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # is a shard -> its chunks
     for g in grads:
         local, is_shard = _local(g)
-        total = sum(torch.linalg.vector_norm(c, dtype=torch.float64).square()
-                    for c in local.reshape(-1).split(NORM_CHUNK))
-        if is_shard:
-            sharded += total
-            any_shard = True
-        else:
-            whole += total
-    if any_shard and dist.is_distributed:
+        chunks[is_shard].extend(local.reshape(-1).split(NORM_CHUNK))
+    whole, sharded = (_sum_of_squares(chunks[k], device) for k in (False, True))
+    if chunks[True] and dist.is_distributed:
         all_reduce_sum(sharded, dist)
     return (whole + sharded).sqrt().float()
+
+
+def _sum_of_squares(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the chunks' squared L2 norms, fp64, in chunk order (grad_norm's docstring)."""
+    if not chunks:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(chunks, 2, dtype=torch.float64)
+    return torch.stack(norms).square().cumsum(0)[-1]
 
 
 @torch.no_grad()
 def clip_grad_norm(params, max_norm: float, dist: Dist) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for plain or FSDP-sharded gradients, with grad_norm's norm:
-    every gradient (every shard, on every rank) is scaled by the same min(1, max_norm / (norm + 1e-6)).
-    Returns the norm before clipping."""
+    every gradient (every shard, on every rank) is scaled by the same min(1, max_norm / (norm + 1e-6)),
+    in one _foreach_mul_ (the shards in place: to_local() is a view of each). Returns the norm before
+    clipping."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = grad_norm(grads, dist)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
-    for g in grads:
-        _local(g)[0].mul_(coef.to(g.device))  # the shard in place: to_local() is a view of it
+    if grads:
+        torch._foreach_mul_([_local(g)[0] for g in grads], coef.to(grads[0].device))
     return norm

@@ -198,16 +198,27 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x, kv_cache)
-        x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
-        if targets is not None and not return_logits and self.loss_impl == "chunked":
-            return None, linear_cross_entropy(x, self.lm_head.weight, self.logit_bias, targets)
+        if targets is not None and not return_logits:
+            return None, self.head_loss(x, targets)
+        x = self.transformer.ln_f(x)
         logits = F.linear(x, self.lm_head.weight, self.logit_bias)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
         return (logits if return_logits else None), loss
+
+    def head_loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        """The final LayerNorm, the LM head and the mean loss of the blocks' output x, by self.loss_impl's
+        path, without returning logits: what training and evaluation run after the blocks. Its own
+        method so that a model whose blocks are compiled one by one (--parallel fsdp) can compile
+        this part too (gpt2/trainer.py compile_sharded)."""
+        x = self.transformer.ln_f(x)
+        if self.loss_impl == "chunked":
+            return linear_cross_entropy(x, self.lm_head.weight, self.logit_bias, targets)
+        logits = F.linear(x, self.lm_head.weight, self.logit_bias)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
@@ -236,8 +247,7 @@ class GPT(nn.Module):
             if not use_cache:
                 logits, _ = self(idx[:, -block:])
             elif cache is None or cache.pos >= block:
-                param = self.lm_head.weight
-                cache = KVCache(self.config, idx.size(0), device=param.device, dtype=param.dtype)
+                cache = KVCache(self.config, idx.size(0), device=self.lm_head.weight.device, dtype=self._cache_dtype())
                 logits, _ = self(idx[:, -block:], kv_cache=cache)
             else:
                 logits, _ = self(idx[:, -1:], kv_cache=cache)
@@ -245,6 +255,16 @@ class GPT(nn.Module):
                                    generator=generator)
             idx = torch.cat([idx, next_tok], dim=1)
             yield next_tok
+
+
+    def _cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: under autocast the keys and values come out of c_attn in the autocast
+        dtype, so an fp32 cache would hold the same values at twice the memory and traffic; SDPA
+        under autocast reads them in that dtype either way."""
+        device_type = self.lm_head.weight.device.type
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return self.lm_head.weight.dtype
 
 
 TOP_K = 200  # sampling's top-k unless told otherwise: the trainer's samples and gpt2.sample (nanoGPT's)

@@ -19,8 +19,9 @@ CPU allocator in tests/test_plan.py):
                SDPA kernels ("flash") save only q, k, v, the output and a log-sum-exp
   logits       the LM head + loss peak, for the loss path the run uses (--loss-impl, choose_loss_impl):
                chunked, one chunk of rows' logits, fp32 softmax and gradients at a time (gpt2/loss.py);
-               full, the (B, T, V) logits, the fp32 log-probabilities cross-entropy saves, and inside its
-               backward two more fp32 (B, T, V) gradients (loss_bytes counts both)
+               full, eager: the (B, T, V) logits, the fp32 log-probabilities cross-entropy saves, and
+               inside its backward two more fp32 (B, T, V) gradients (loss_bytes counts both); full,
+               compiled: the logits and their gradient in the matmul dtype (COMPILED_FULL_LOSS_BYTES)
 The total is an upper bound on the step's peak: gradients are counted in full although, with
 zero_grad(set_to_none=True) and one micro-step, they are allocated while activations are freed.
 
@@ -256,12 +257,13 @@ class Plan:
 def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len: int | None = None,
          world_size: int = 1, dtype: str = "bf16", total_batch_size: int | None = None,
          tokens: int | None = None, mfu: float = 0.4, optimizer: str = "adamw", chunked_loss: bool = True,
-         parallel: str = "ddp") -> Plan:
+         parallel: str = "ddp", compiled: bool = False) -> Plan:
     """Memory per device, the largest micro-batch that fits, and time estimates. Pure arithmetic.
 
     total_batch_size defaults to one micro-step on every device (no accumulation); it must be a
     multiple of micro_batch_size * seq_len * world_size. chunked_loss: the loss path the memory
-    counts; the largest micro-batch is always the chunked loss's (see choose_loss_impl).
+    counts; the largest micro-batch is always the chunked loss's (see choose_loss_impl). compiled:
+    whether the model is compiled (the full loss's peak differs, loss_bytes).
     """
     seq_len = cfg.block_size if seq_len is None else seq_len
     problems = _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens, parallel)
@@ -272,7 +274,7 @@ def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len
     accum = grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)  # whole, else its error
     mem = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
                  device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
-                 chunked_loss=chunked_loss, parallel=parallel, accum_steps=accum)
+                 chunked_loss=chunked_loss, parallel=parallel, accum_steps=accum, compiled=compiled)
     return Plan(cfg=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
                 dtype=dtype, hardware=hardware, total_batch_size=total_batch_size, tokens=tokens,
                 mfu=mfu, n_params=param_count(cfg), n_params_formula=count_params_formula(cfg),
@@ -301,16 +303,30 @@ def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, token
     return p
 
 
+# The plain loss compiled: inductor fuses the fp32 cast, log-softmax and the target pick into
+# reductions over the matmul's output (a logsumexp per row; no fp32 (N, V) tensor is written), and
+# AOTAutograd's partitioner saves the cheapest input of that fused region for backward, the logits in
+# the matmul dtype, recomputing the softmax there. Backward's one fused kernel reads those logits and
+# the per-row logsumexp and writes d loss / d logits already cast back to the matmul dtype (the
+# backward of .float()), which the two LM-head matmuls read. Peak: the saved logits and their
+# gradient, both alive in that kernel: 2 x the matmul dtype's bytes per logit (4 under bf16, 8 in
+# fp32), against eager's s + 4 + 8 (14, 16). Measured by bench/compiled_loss_memory.py (the table
+# in bench/README.md); rows and vectors (lse, targets) are ~1/V of that and not counted.
+COMPILED_FULL_LOSS_BYTES = 2
+"""Bytes per logit of the compiled full loss, in units of the matmul dtype's size (see above)."""
+
+
 def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: bool = True,
-               device_type: str = "cuda", device_memory: int | None = None) -> int:
+               device_type: str = "cuda", device_memory: int | None = None, compiled: bool = False) -> int:
     """Peak bytes of the LM head + cross-entropy for `tokens` positions.
 
     chunked (what the trainer runs: gpt2.loss.linear_cross_entropy): one chunk of rows at a time
     holds its logits in the matmul dtype and in fp32, the fp32 softmax and its gradient (fp32, then
     in the matmul dtype); the finished input gradient (fp32, tokens x h) and the fp32 weight
-    gradient with the chunk's part being added to it stay. Plain (`_, loss = model(x, y)`): the
-    logits the model returns stay alive, cross-entropy saves fp32 log-probs, and its backward makes
-    two fp32 gradients of that size.
+    gradient with the chunk's part being added to it stay. Plain (`_, loss = model(x, y)`), eager:
+    the logits the model returns stay alive, cross-entropy saves fp32 log-probs, and its backward
+    makes two fp32 gradients of that size (s + 4 + 8 bytes per logit, s the matmul dtype's size).
+    Plain, compiled (COMPILED_FULL_LOSS_BYTES): 2 * s bytes per logit.
 
     The chunk is the one the model will use: on CUDA it is sized from device_memory (the device's
     total bytes, Hardware.memory_bytes), which is then required.
@@ -320,7 +336,7 @@ def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: b
     s = 2 if dtype in AUTOCAST_DTYPES else 4
     V, h = cfg.vocab_size, cfg.n_embd
     if not chunked:
-        return tokens * V * (s + 4 + 8)
+        return tokens * V * (COMPILED_FULL_LOSS_BYTES * s if compiled else s + 4 + 8)
     if device_type == "cuda" and device_memory is None:
         raise ValueError("loss_bytes needs device_memory on cuda: the loss's chunk size depends on it")
     _, rows = loss_chunks(tokens, max(1, loss_chunk_logits(device_type, device_memory) // V))
@@ -330,7 +346,7 @@ def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: b
 def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int = 1,
            dtype: str = "bf16", device_type: str = "cuda", chunked_loss: bool = True,
            device_memory: int | None = None, optimizer: str = "adamw", parallel: str = "ddp",
-           accum_steps: int = 1) -> Memory:
+           accum_steps: int = 1, compiled: bool = False) -> Memory:
     """Bytes per device for one training micro-step (see the module docstring). device_memory is the
     device's total bytes, which sizes the loss's chunks on CUDA (see loss_bytes). parallel: ddp or
     fsdp; accum_steps > 1 under fsdp adds the no-sync gradients."""
@@ -341,7 +357,7 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
     explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
                                 flash=False)
     logits = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=chunked_loss, device_type=device_type,
-                        device_memory=device_memory)
+                        device_memory=device_memory, compiled=compiled)
     mem = Memory(
         weights=4 * n,
         autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
@@ -611,8 +627,9 @@ def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_si
 # W1 workload (6 x 384, micro-batch 8 x 256, fp32: 1.54 GiB of full-logits peak, 6.8% of the
 # 22.5 GiB a 23.5 GiB host leaves usable) would stay chunked and pay the chunk loop's ~1.3x
 # compiled LM-head time (issue 23, bench/loss.py); 1/8 takes the full loss there and on the quick start, and keeps the chunked
-# one where the logits are large, e.g. the gpt2 preset at 16 x 1024 under bf16 (10.7 GiB, 14% of
-# an 80 GB A100). Order: the micro-batch is chosen first (auto: the largest that fits with the
+# one where the logits are large, e.g. the gpt2 preset at 64 x 1024 under bf16 compiled (12.3 GiB,
+# 16% of an 80 GB A100; at 16 x 1024 it is 3.1 GiB and takes nanoGPT's one fused cross-entropy, where
+# eager's 14 bytes per logit, 10.7 GiB, would chunk it). Order: the micro-batch is chosen first (auto: the largest that fits with the
 # chunked loss, as before), then the loss path for that micro-batch. The micro-batch is the larger
 # lever (fewer accumulation steps, larger matmuls) and the chunked loss is what lets it grow, so a
 # joint choice would trade micro-batch for logits; and this way --loss-impl never changes the
@@ -657,10 +674,12 @@ def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int,
         return LossChoice("chunked", "--loss-impl chunked")
     if requested not in ("auto", "full"):
         raise ValueError(f"loss_impl={requested!r} must be auto, chunked or full")
-    peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False)
+    # What the full loss really holds: compiled, inductor's fused loss (COMPILED_FULL_LOSS_BYTES);
+    # uncompiled, eager's several (B, T, V) tensors.
+    peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False, compiled=compiled)
     total = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
                    device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
-                   chunked_loss=False, parallel=parallel, accum_steps=accum_steps).total
+                   chunked_loss=False, parallel=parallel, accum_steps=accum_steps, compiled=compiled).total
     usable = hardware.memory_bytes - hardware.reserve_bytes
     share = usable // FULL_LOSS_MEMORY_SHARE
     logits = f"full-logits peak {_gib(peak)} at micro-batch {micro_batch_size}"
@@ -708,7 +727,7 @@ def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int
                             accum_steps=accum)
     return plan(cfg.model, micro_batch_size=mb, hardware=hardware, world_size=world_size, dtype=dtype,
                 total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer, parallel=tc.parallel,
-                chunked_loss=loss.impl == "chunked",
+                chunked_loss=loss.impl == "chunked", compiled=tc.compile,
                 tokens=tc.max_steps * tc.total_batch_size if tokens is None else tokens)
 
 

@@ -32,7 +32,7 @@ from gpt2.config import RunConfig, TrainConfig
 from gpt2.data import ShardSet, find_shards
 from gpt2.datacheck import check_listed, verify_shards
 from gpt2.dist import Dist, broadcast_object, set_cpu_threads
-from gpt2.flops import device_peak_flops, format_flops, peak_problem
+from gpt2.flops import device_peak_flops, format_flops, mig_profile, peak_problem
 from gpt2.fsdp import gathered_param_bytes
 from gpt2.metrics import Metrics
 from gpt2.resume import Start, choose_start, set_aside_earlier_run
@@ -335,7 +335,10 @@ def mfu_peak(dist: Dist, dtype: str, log: Metrics, *, tf32: bool) -> float | Non
     probe that is clearly wrong."""
     peak = device_peak_flops(dist.device, precision.torch_dtype(dtype), tf32=tf32)
     if peak is None:
-        log.info(f"mfu n/a: {device_name(dist.device)} has no data-sheet peak in gpt2/flops.py (add it there)")
+        name = device_name(dist.device)
+        mig = mig_profile(name) if dist.device.type == "cuda" else None
+        log.info(f"mfu n/a: {name} is a MIG slice ({mig}), whose peak no data sheet gives" if mig else
+                 f"mfu n/a: {name} has no data-sheet peak in gpt2/flops.py (add it there)")
         return None
     if why := peak_problem(peak, dist.device, torch.get_num_threads()):
         log.info(f"mfu n/a: {why}")

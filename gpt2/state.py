@@ -64,6 +64,8 @@ class Parts:
     """Rank 0's background checkpoint writer (--async-ckpt); None on the other ranks and when off."""
     run_id: str | None = None
     """The run this one is (gpt2/rundir.py): recorded in config.json and in every checkpoint it writes."""
+    prefetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    """(loader position, that step's first micro-batch) read ahead by the trainer (gpt2/trainer.py prefetch)."""
 
 
 class Stateful(Protocol):
@@ -74,36 +76,43 @@ class Stateful(Protocol):
 
 # ------------------------------------------------------------------ the components
 
-def rng_state() -> dict:
+def rng_state(cuda: bool = False) -> dict:
+    """Python's, NumPy's and torch's generators, and the current CUDA device's when cuda (the run's
+    device is CUDA). Only then: asking CUDA for its state opens a context on GPU 0, so every rank
+    of a --device cpu run on a GPU node would hold one there (and all on the same GPU)."""
     np_state = np.random.get_state()
     state = {"python": random.getstate(),
              "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if cuda:
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, cuda: bool = False) -> None:
+    """rng_state's inverse; a saved CUDA state is restored only into a CUDA run (a checkpoint of
+    one, or an older checkpoint that saved it whenever CUDA was present, loads anywhere)."""
     random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if cuda and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
 
 
 @dataclass(frozen=True)
 class RankRng:
     """This rank's generators. Saved: one entry per rank (save() gathers them). Loaded: the same
-    world size gives each rank its own back; otherwise rank r takes saved rank r mod W."""
+    world size gives each rank its own back; otherwise rank r takes saved rank r mod W. cuda: the run's
+    device is CUDA (its generator is saved and restored too)."""
     rank: int
+    cuda: bool = False
 
     def state_dict(self) -> dict:
-        return rng_state()
+        return rng_state(self.cuda)
 
     def load_state_dict(self, per_rank: list[dict]) -> None:
-        set_rng_state(per_rank[self.rank % len(per_rank)])
+        set_rng_state(per_rank[self.rank % len(per_rank)], self.cuda)
 
 
 @dataclass(frozen=True)
@@ -146,7 +155,7 @@ class ScalerState:
 def components(parts: Parts, dist: Dist) -> dict[str, Stateful]:
     """The checkpoint's stateful components, by their key in the checkpoint."""
     return {"model": parts.model, "optimizer": OptimizerState(parts.optimizer), "scaler": ScalerState(parts.scaler),
-            "loader": parts.loader, "rng": RankRng(dist.rank)}
+            "loader": parts.loader, "rng": RankRng(dist.rank, dist.device.type == "cuda")}
 
 
 # ------------------------------------------------------------------ compatibility
@@ -281,7 +290,7 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict |
     the stop path, and let srun --kill-on-bad-exit end the job step, before the marker is on disk.
     """
     problem = finish_background_write(parts, log) if dist.is_main else None
-    gathered = all_gather_object((RankRng(dist.rank).state_dict(), problem), dist)
+    gathered = all_gather_object((RankRng(dist.rank, dist.device.type == "cuda").state_dict(), problem), dist)
     if gathered[0][1] is not None:
         raise CheckpointWriteError(gathered[0][1])
     background = background and requeue is None

@@ -94,8 +94,7 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     if fsdp:  # FSDP's units each gather their weights: compile each block, not the whole (torchtitan's way)
         train_model = model
         if tc.compile:
-            for block in model.transformer.h:
-                block.compile()
+            compile_sharded(model)
     else:
         train_model = torch.compile(model) if tc.compile else model
     if dist.is_distributed and not fsdp:
@@ -103,6 +102,18 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
         settle_buckets(train_model, parts.loader.B, parts.loader.T, cfg.train.dtype, dist)
     parts.train_model = train_model
     return parts
+
+
+def compile_sharded(model: GPT) -> None:
+    """torch.compile for a model sharded per block (--parallel fsdp): each block in place (torchtitan's
+    way: a compiled region never spans two FSDP units' gathers), and the root's final LayerNorm, LM
+    head and loss (GPT.head_loss) as one more region. The head and loss are the memory-bound part that
+    compile fuses (the loss's cast, softmax and gradient; planned per logit by gpt2/plan.py as compiled),
+    and would otherwise run eager under fsdp while DDP's whole-model compile fuses them. The embedding
+    lookups between the regions stay eager (a gather and an add)."""
+    for block in model.transformer.h:
+        block.compile()
+    model.head_loss = torch.compile(model.head_loss)  # an instance attribute: forward calls self.head_loss
 
 
 def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: str, dist: Dist) -> None:
@@ -117,7 +128,8 @@ def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: 
     2 ranks a sum is exact either way). Now every step of every run uses the same buckets. Costs one
     micro-step's forward, backward and all-reduce at start-up.
     """
-    saved = rng_state()  # dropout draws here must not shift the training's random numbers
+    cuda = dist.device.type == "cuda"
+    saved = rng_state(cuda)  # dropout draws here must not shift the training's random numbers
     x = torch.zeros(batch, seq_len, dtype=torch.long, device=dist.device)
     with collective("DDP's first (bucket-settling) gradient all-reduce"):
         with precision.autocast(dtype, dist.device):
@@ -125,7 +137,7 @@ def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: 
         loss.backward()
     for p in ddp_model.parameters():
         p.grad = None
-    set_rng_state(saved)
+    set_rng_state(saved, cuda)
 
 
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0
@@ -167,12 +179,106 @@ def no_sync(train_model: torch.nn.Module):
     return no_grad_sync(train_model) if is_sharded(train_model) else train_model.no_sync()
 
 
-def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -> dict:
+class StepStats:
+    """One optimizer step's numbers, on the device until read(): the loss (mean over micro-steps and
+    ranks), the gradient norm, whether any rank asked to stop or met a token outside the vocabulary, whether the update was skipped because
+    the loss or the gradient norm was not finite, and (fp16) whether the loss scaler found an overflow
+    and skipped the update itself. `stats["loss"]` reads them (once; cached), as a dict would.
+
+    On CUDA the four numbers (loss, stop votes, bad-token flag, norm) are copied to pinned host memory
+    behind the step's all-reduce and an event is recorded after the copy: read() waits for that event alone, not for the kernels queued
+    after it (the optimizer update, the next step's forward), as a plain .tolist() would.
+    """
+
+    def __init__(self, step: int, lr: float, numbers: torch.Tensor, world_size: int, scaler_enabled: bool) -> None:
+        self.step, self.lr, self.world_size, self.scaler_enabled = step, lr, world_size, scaler_enabled
+        self.started_s: float | None = None  # run_loop's clock when the step was launched (its dt)
+        self._event = None
+        if numbers.device.type == "cuda":
+            host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
+            host.copy_(numbers, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            numbers = host
+        self._numbers = numbers
+        self._host: dict | None = None
+
+    @property
+    def is_read(self) -> bool:
+        return self._host is not None
+
+    def read(self) -> dict:
+        """The step's numbers on the host: the step's one device read (waits for its all-reduce)."""
+        if self._host is None:
+            if self._event is not None:
+                self._event.synchronize()
+            loss_total, stop_votes, bad_data, grad_norm = self._numbers.tolist()
+            loss_mean, stop = loss_total / self.world_size, stop_votes > 0
+            loss_ok, norm_ok = math.isfinite(loss_mean), math.isfinite(grad_norm)
+            # fp16: a finite loss with non-finite gradients is an overflow of the scaled gradients. The
+            # scaler skips that update and lowers its scale: its normal working, not a bad step.
+            overflow = self.scaler_enabled and loss_ok and not norm_ok
+            skipped = not (loss_ok and norm_ok) and not overflow
+            self._host = {"loss": loss_mean, "grad_norm": grad_norm, "lr": self.lr, "stop": stop,
+                          "skipped": skipped, "overflow": overflow, "bad_data": bad_data > 0}
+        return self._host
+
+    def __getitem__(self, key: str):
+        return self.read()[key]
+
+
+def raise_bad_data(parts: Parts, dist: Dist) -> None:
+    """A rank found a token outside the vocabulary in this step's batch (gpt2/data.py): every rank
+    raises the finder's message (a collective: every rank reads the same flag at the same point)."""
+    raise ShardError(next(p for p in all_gather_object(parts.loader.problem, dist) if p))
+
+
+def skips_on_device(parts: Parts) -> bool:
+    """Whether the skip of a non-finite step can be decided on the device: fused AdamW (the default)
+    takes GradScaler's found_inf tensor and, where it is 1, leaves every parameter and moment as they
+    were and undoes its step count, all in its kernels. torch's other AdamW paths and Muon refuse or
+    ignore found_inf, and fp16's GradScaler sets its own: those read the numbers before the update."""
+    opt = parts.optimizer
+    return (isinstance(opt, torch.optim.Adam) and bool(opt.defaults.get("fused"))
+            and getattr(opt, "_step_supports_amp_scaling", False) and not parts.scaler.is_enabled())
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """optimizer.step(), skipped in its kernels where found_inf (an fp32 scalar, 0.0 or 1.0) is 1.0:
+    GradScaler's protocol for optimizers with _step_supports_amp_scaling (it sets and deletes the same
+    attribute around step()). With 0.0 the update is bitwise a plain step's (tests/test_trainer.py)."""
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
+def micro_batch(parts: Parts, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loader's micro-batch, micro-step 0's taken from prefetch() when it read this position."""
+    ahead, parts.prefetched = parts.prefetched, None
+    if micro_step == 0 and ahead is not None and ahead[0] == parts.loader.position:
+        return ahead[1]
+    return parts.loader.micro_batch(micro_step)
+
+
+def prefetch(parts: Parts) -> None:
+    """Read the next step's first micro-batch now, while the device still runs this step's backward
+    and update: the host's read, permutation and pinning, and the queued non-blocking copy, overlap
+    device work instead of following it. (Micro-steps after the first are read while the previous
+    one's backward runs, as train_step's loop comes round.) Keyed by the loader's position: a
+    resume or anything else that moves the loader makes micro_batch() read afresh."""
+    if isinstance(parts.loader, TrainLoader):
+        parts.prefetched = (parts.loader.position, parts.loader.micro_batch(0))
+
+
+def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -> StepStats:
     """One optimizer step: accumulate micro-batches, sync gradients on the last, clip, update.
 
-    Returns loss (mean over micro-steps and ranks), grad_norm, lr, whether any rank asked to stop,
-    whether the update was skipped because the loss or the gradient norm was not finite, and (fp16)
-    whether the loss scaler found an overflow and skipped the update itself.
+    Returns the step's StepStats. Where the skip can be decided on the device (skips_on_device: fused
+    AdamW, the default), nothing is read from the device here: the update, zero_grad and the next
+    micro-batch are queued behind the forward and backward, and the numbers are read when asked (the
+    trainer's loop asks one step later on CUDA, run_loop). Otherwise they are read before the update.
     """
     tc = cfg.train
     lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
@@ -182,7 +288,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     loss_sum = torch.zeros((), device=dist.device)
     autocast = precision.autocast(tc.dtype, dist.device)
     for micro_step in range(parts.accum_steps):
-        x, y = parts.loader.micro_batch(micro_step)
+        x, y = micro_batch(parts, micro_step)
         # Decide gradient sync before the forward pass: DDP registers its hooks during forward.
         last = micro_step == parts.accum_steps - 1
         sync = contextlib.nullcontext() if last or not dist.is_distributed else no_sync(parts.train_model)
@@ -206,28 +312,28 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device),
                          torch.full((), float(parts.loader.problem is not None), device=dist.device)])
     all_reduce_sum(stats, dist)
-    # The step's one host sync: the skip decision below needs these numbers on the host.
-    # (fp16 adds the GradScaler's own read of its overflow flag inside scaler.step.)
-    loss_total, stop_votes, bad_data, grad_norm = torch.stack([*stats, grad_norm.float()]).tolist()
-    if bad_data:  # before the update: nothing learnt from the batch; every rank raises the finder's message
-        raise ShardError(next(p for p in all_gather_object(parts.loader.problem, dist) if p))
-    loss_mean, stop = loss_total / dist.world_size, stop_votes > 0
-    loss_ok, norm_ok = math.isfinite(loss_mean), math.isfinite(grad_norm)
-    # fp16: a finite loss with non-finite gradients is an overflow of the scaled gradients. The
-    # scaler skips that update and lowers its scale: its normal working, not a bad step.
-    overflow = parts.scaler.is_enabled() and loss_ok and not norm_ok
-    skipped = not (loss_ok and norm_ok) and not overflow
+    numbers = torch.stack([stats[0], stats[1], stats[2], grad_norm.float()])
+    out = StepStats(parts.step + 1, lr, numbers, dist.world_size, parts.scaler.is_enabled())
     if parts.writer is not None:  # rank 0, a checkpoint being copied: the update below changes its tensors
         parts.writer.wait_copied()
-    if not skipped:
+    if skips_on_device(parts):
+        # The skip as a device-side condition, on the same all-reduced numbers on every rank: 1.0 where
+        # the loss or the norm is not finite. No host read stands between backward and the update.
+        # A token outside the vocabulary on any rank (numbers[2]) skips it too: nothing is learnt from
+        # that batch, and report() raises the finder's error when it reads the numbers.
+        bad = ~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[3])) | (numbers[2] > 0)
+        step_unless(parts.optimizer, bad.float())
+    elif out.read()["bad_data"]:  # before the update: nothing learnt from the batch
+        raise_bad_data(parts, dist)
+    elif not out.read()["skipped"]:  # the host decides (fp16 adds the scaler's own read of its flag)
         parts.scaler.step(parts.optimizer)  # optimizer.step(), unless the scaler found an overflow
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
     parts.loader.advance()
     parts.step += 1
-    return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "stop": stop, "skipped": skipped,
-            "overflow": overflow}
-
+    if parts.step < tc.max_steps:
+        prefetch(parts)
+    return out
 
 
 @dataclass(frozen=True)
@@ -321,32 +427,57 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
         close_run(parts, dist, log)
 
 
+def reads_lag(device: torch.device) -> bool:
+    """Whether run_loop reads a step's numbers one step late: where kernels are queued (CUDA), reading
+    them at once would drain the queue at every step; on a CPU each op has finished when it returns,
+    so a late read saves nothing and the numbers are read (logged, acted on) at their own step."""
+    return device.type == "cuda"
+
+
+@dataclass
+class Progress:
+    """What run_loop carries from step to step: consecutive bad steps, the MFU peak, the last read's time."""
+    peak: float | None
+    bad_steps: int = 0
+    last_read_s: float | None = None
+
+
 def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float | None, hellaswag,
              stop_request: preempt.StopRequest) -> int:
-    """Steps until --max-steps (0) or a stop signal (EXIT_REQUEUE, after a checkpoint)."""
+    """Steps until --max-steps (0) or a stop signal (EXIT_REQUEUE, after a checkpoint).
+
+    On CUDA (reads_lag) a step's numbers are read after the next step has been queued: the device
+    never waits for the host's logging, stop and skip bookkeeping. The skip itself is decided on the
+    device (train_step), so a late read changes no update. What the late read delays: the log line
+    and the bad-step count by one step, and a stop signal's stop by one step (every rank reads the
+    same all-reduced vote at the same point of the loop, so the ranks still stop at one step). A step
+    with work that syncs anyway (evaluate, sample, save), the last step and a stop are read at once,
+    before that work: no checkpoint follows a step whose numbers were not checked.
+    """
     tc = cfg.train
-    bad_steps = 0
+    progress = Progress(peak)
+    lag = reads_lag(dist.device)
+    pending: StepStats | None = None
+    stop = False
     slow_phase = True  # start-up: collectives run under --dist-timeout-s until a step has completed
     while parts.step < tc.max_steps:
         t0 = time.perf_counter()
         out = train_step(parts, cfg, dist, stop_request.signum is not None)
+        out.started_s = t0
         if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
             set_timeout(dist, tc.dist_step_timeout_s)
             slow_phase = False
-        # No cuda.synchronize: train_step's host read waits for this step's forward and backward
-        # and for the previous step's optimizer update, so in steady state dt is one step's time.
-        dt = time.perf_counter() - t0
         step = parts.step
-        bad_steps = bad_steps + 1 if out["skipped"] else (bad_steps if out["overflow"] else 0)
-        act = due(step, tc, stop_requested=out["stop"], has_val=parts.val_loader is not None,
-                  has_hellaswag=bool(hellaswag), unusual=out["skipped"] or out["overflow"])
-        if act.log:
-            peak = log_step(parts, cfg, dist, log, out, dt, peak)
-        if bad_steps >= tc.max_bad_steps:
-            raise NonFiniteError(
-                f"{bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
-                " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
-                "--warmup-steps or check the data, then resume from the last checkpoint")
+        has_val, has_hs = parts.val_loader is not None, bool(hellaswag)
+        if pending is not None:  # the previous step's numbers: ready, this step is queued behind them
+            stop = report(pending, parts, cfg, dist, log, progress, has_val, has_hs) or stop
+            pending = None
+        scheduled = due(step, tc, has_val=has_val, has_hellaswag=has_hs)
+        if lag and not (scheduled.slow or scheduled.final or stop):
+            pending = out
+            continue
+        stop = report(out, parts, cfg, dist, log, progress, has_val, has_hs) or stop
+        act = due(step, tc, stop_requested=stop, has_val=has_val, has_hellaswag=has_hs)
         if act.slow:
             # Every rank decides this alike. The long timeout also covers the next step, whose
             # collectives wait for the ranks still busy here (rank 0 sampling or writing).
@@ -361,6 +492,33 @@ def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float
         png = plot_loss_curve(log.path, Path(tc.out_dir) / "loss_curve.png")
         log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")
     return 0
+
+
+def report(stats: StepStats, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, progress: Progress, has_val: bool,
+           has_hellaswag: bool) -> bool:
+    """Read a finished step's numbers: log them when due, count bad steps (NonFiniteError at
+    --max-bad-steps). Returns whether any rank asked to stop at that step.
+
+    Step time: from the later of the step's launch and the previous read to this read. Without a
+    late read that is one step's forward, backward and the previous update; with one (CUDA), in steady
+    state the reads are one step apart. No cuda.synchronize either way."""
+    tc, step = cfg.train, stats.step
+    out = stats.read()
+    if out["bad_data"]:  # its update was skipped on the device (train_step); nothing is saved after it
+        raise_bad_data(parts, dist)
+    now = time.perf_counter()
+    begin = stats.started_s if progress.last_read_s is None else max(stats.started_s, progress.last_read_s)
+    dt, progress.last_read_s = now - begin, now
+    progress.bad_steps = (progress.bad_steps + 1 if out["skipped"] else
+                          (progress.bad_steps if out["overflow"] else 0))
+    if due(step, tc, has_val=has_val, has_hellaswag=has_hellaswag, unusual=out["skipped"] or out["overflow"]).log:
+        progress.peak = log_step(parts, cfg, dist, log, out, dt, progress.peak, step=step)
+    if progress.bad_steps >= tc.max_bad_steps:
+        raise NonFiniteError(
+            f"{progress.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
+            " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
+            "--warmup-steps or check the data, then resume from the last checkpoint")
+    return out["stop"]
 
 
 def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, hellaswag,
@@ -384,9 +542,11 @@ def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics
 
 
 def log_step(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, out: dict, dt: float,
-             peak: float | None) -> float | None:
-    """The step's metrics line. Returns the MFU peak: None from the first MFU that proves it wrong."""
-    tc, step = cfg.train, parts.step
+             peak: float | None, *, step: int | None = None) -> float | None:
+    """The metrics line of step `step` (default: the last one taken). Returns the MFU peak: None from
+    the first MFU that proves it wrong."""
+    tc = cfg.train
+    step = parts.step if step is None else step
     tok_s = tc.total_batch_size / dt
     step_mfu, why = checked_mfu(tok_s / dist.world_size, cfg.model, peak) if peak else (None, None)
     if why:  # once: the peak is wrong for the rest of the run too

@@ -107,6 +107,34 @@ def test_host_copy_is_a_real_copy_on_cpu():
     assert host["nested"][0][0].data_ptr() == host["a"].data_ptr() and host["nested"][0][1] == 3
 
 
+def test_every_save_copies_into_one_flat_buffer_reused_from_save_to_save(tmp_path):
+    """One host buffer for the whole state (pinned on CUDA: one block, not one per tensor), kept across
+    saves; each storage of the copy is its own storage over an aligned slice of it, so the file holds
+    the live state's storages (the byte-for-byte test above) and a later save overwrites in place."""
+    from gpt2.ckpt_writer import ALIGN_BYTES
+
+    model, opt = trained_parts()
+    copier = HostCopier(pinned=False)
+    first = copier.copy(live_state(model, opt, 1))
+    copier.finish()
+    flat = copier._flat
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in list(first["model"].values()) + [v for s in first["optimizer"]["state"].values()
+                                                           for v in s.values()]}
+    assert all(lo <= ptr and ptr + n <= hi and (ptr - lo) % ALIGN_BYTES == 0 for ptr, n in storages.items())
+    spans = sorted(storages.items())
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))  # disjoint
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    train_one_step(model, opt)
+    second = copier.copy(live_state(model, opt, 2))
+    assert all(torch.equal(first["model"][k], want[k]) for k in want)  # not overwritten before finish()
+    copier.finish()
+    assert copier._flat is flat  # reused
+    assert all(torch.equal(second["model"][k], v) for k, v in model.state_dict().items())
+    assert {k: v.data_ptr() for k, v in second["model"].items()} == {k: v.data_ptr() for k, v in first["model"].items()}
+
+
 def test_the_next_save_waits_for_the_write_in_flight(tmp_path, monkeypatch):
     model, opt = trained_parts()
     gate = Gate(monkeypatch, 1)
@@ -153,10 +181,11 @@ def test_an_error_in_the_writer_is_raised_by_the_next_wait_and_the_writer_recove
 def test_pinned_buffers_are_reused_and_hold_the_values_at_the_step_boundary(tmp_path):
     model, opt = trained_parts("cuda")
     copier = HostCopier(pinned=True)
-    first = copier.copy(live_state(model, opt, 1))
-    copier.finish()
     want = {k: v.cpu() for k, v in model.state_dict().items()}
-    train_one_step(model, opt)  # queued after the copies on the same stream
+    first = copier.copy(live_state(model, opt, 1))  # on the side stream
+    copier.wait_copied_on_device()  # what train_step's wait_copied does before the update
+    train_one_step(model, opt)  # queued on the training stream behind the copies
+    copier.finish()
     assert all(torch.equal(first["model"][k], want[k]) for k in want)
     assert first["model"]["transformer.wte.weight"].is_pinned()
     ptrs = {k: v.data_ptr() for k, v in first["model"].items()}

@@ -1,4 +1,4 @@
-"""gpt2/dist.py: the per-rank share of the node's CPUs for inductor's compile workers."""
+"""gpt2/dist.py: the per-rank share of the node's CPUs for inductor's compile workers; the rank's device."""
 
 from __future__ import annotations
 
@@ -113,3 +113,20 @@ def test_a_rank_of_a_group_exits_with_its_code_and_its_buffered_output_but_witho
         assert done.returncode == 3, done
         assert done.stdout.splitlines() == ["buffered out", *(["finalized"] if finalized else [])], done
         assert done.stderr.strip() == "buffered err", done
+
+
+def test_resolve_device_uses_the_one_visible_gpu_whatever_local_rank_and_refuses_a_missing_one(monkeypatch):
+    """srun --gpus-per-task=1 gives each task one GPU through CUDA_VISIBLE_DEVICES: it is cuda:0 for every
+    LOCAL_RANK. With several visible, LOCAL_RANK picks one, and a LOCAL_RANK beyond them is refused."""
+    import pytest
+
+    from gpt2.dist import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda", 5) == resolve_device("auto", 0) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert resolve_device("auto", 3) == torch.device("cuda", 3)
+    with pytest.raises(ValueError, match="LOCAL_RANK=4 but only 4 CUDA devices are visible"):
+        resolve_device("cuda", 4)
+    assert resolve_device("cpu", 7) == torch.device("cpu")

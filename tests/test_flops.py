@@ -43,6 +43,30 @@ def test_mfu_arithmetic():
         mfu(1.0, cfg, peak=0.0)
 
 
+def test_blackwell_peaks_and_no_mfu_claimed_for_a_mig_slice(monkeypatch, capsys, tmp_path):
+    """B200 and GB200 from the GB200 NVL72 / HGX B200 data sheet (dense = half its sparse tensor rows); a MIG
+    slice, named as its GPU plus the profile, gets no peak, and the trainer says why."""
+    from gpt2.flops import mig_profile
+
+    assert gpu_table_peak("NVIDIA B200", torch.bfloat16) == 2250e12
+    assert gpu_table_peak("NVIDIA B200", torch.float32, tf32=True) == 1100e12
+    assert gpu_table_peak("NVIDIA GB200", torch.bfloat16) == 2500e12
+    assert gpu_table_peak("NVIDIA GB200", torch.float32) == 80e12
+    assert mig_profile("NVIDIA A100-SXM4-40GB MIG 1g.5gb") == "1g.5gb" and mig_profile("NVIDIA A100-SXM4-40GB") is None
+    assert gpu_table_peak("NVIDIA A100-SXM4-40GB MIG 1g.5gb", torch.bfloat16) is None
+    assert gpu_table_peak("NVIDIA H100 80GB HBM3 MIG 7g.80gb", torch.bfloat16) is None
+
+    from gpt2 import startup
+    from gpt2.dist import Dist
+    from gpt2.metrics import Metrics
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
+    monkeypatch.setattr(startup, "device_name", lambda device: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
+    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cuda", 0))
+    assert startup.mfu_peak(dist, "bfloat16", Metrics(dist, tmp_path), tf32=True) is None
+    assert "mfu n/a: NVIDIA H100 80GB HBM3 MIG 3g.40gb is a MIG slice (3g.40gb)" in capsys.readouterr().out
+
+
 def test_gpu_table_peaks():
     assert gpu_table_peak("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
     assert gpu_table_peak("NVIDIA A100-PCIE-40GB", torch.float32) == 19.5e12

@@ -132,6 +132,47 @@ def test_clip_grad_norm_of_sharded_gradients_is_the_global_norm_and_clips_every_
     assert r0["ours"] == r1["ours"]
 
 
+def _loop_clip(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """gpt2/fsdp.py's clip before _foreach_norm / _foreach_mul_ (a norm, a square and an add per chunk, a
+    mul_ per tensor): the reference the foreach version must reproduce."""
+    from gpt2.fsdp import NORM_CHUNK
+
+    whole = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        whole += sum(torch.linalg.vector_norm(c, dtype=torch.float64).square() for c in g.reshape(-1).split(NORM_CHUNK))
+    norm = whole.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return norm
+
+
+@pytest.mark.parametrize("sizes", [[(50304, 64), (64,), (192, 64), (256, 64), (64, 256)],  # the tiny model's
+                                   [(3, 1 << 22), (5,), (1 << 22) + 7]])  # tensors of several NORM_CHUNK chunks
+def test_foreach_clip_gives_the_per_tensor_loops_numbers(sizes, monkeypatch):
+    """One _foreach_norm and one _foreach_mul_ instead of a kernel per chunk and tensor: the same norm and
+    clipped gradients as the loop. Tensors of one chunk each: bitwise (the squares summed in the same
+    order). Several chunks per tensor: the fp64 sum re-associated, equal within 1e-15 relative before the
+    fp32 rounding (here: bitwise after it too)."""
+    from gpt2.fsdp import clip_grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.empty(s)) for s in sizes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 0.01
+    ref = [p.grad.clone() for p in params]
+    want = _loop_clip(ref, 0.3)
+    calls = []
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: calls.append(1))  # no per-tensor norm from us
+    got = clip_grad_norm(params, 0.3, single_process())
+    assert calls == []
+    assert got.item() == pytest.approx(want.item(), rel=1e-7) and got.dtype == torch.float32
+    if all(torch.Size(s).numel() <= (1 << 22) for s in sizes):
+        assert torch.equal(got, want) and all(torch.equal(p.grad, r) for p, r in zip(params, ref))
+    else:
+        assert all(torch.allclose(p.grad, r, rtol=1e-6, atol=0) for p, r in zip(params, ref))
+
+
 def test_evaluation_sampling_and_hellaswag_run_on_every_rank_under_fsdp(tmp_path, shakespeare_shards):
     """The things rank 0 used to do alone, now collectives under fsdp, finish and agree with ddp's:
     a sample (--sample-interval), validation over 9 sequences (rank 0 has 2 batches, rank 1 one
@@ -235,10 +276,41 @@ accumulation) moves the loss by > 1e-3 within a few steps. (CUDA's bf16 MixedPre
 weights, not the ops, so it is a different computation from DDP's autocast: not covered by this bound.)"""
 
 
+@pytest.mark.parametrize("loss_impl", ["chunked", "full"])
+def test_compile_sharded_compiles_the_blocks_and_the_head_and_loss(monkeypatch, loss_impl):
+    """compile_sharded (--parallel fsdp --compile true): the blocks, and a region of the final LayerNorm,
+    LM head and loss (GPT.head_loss), each traced whole (fullgraph: no graph break), computing the eager
+    model's loss. Graphs recorded by dynamo's EagerAndRecordGraphs backend and run as traced."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    from gpt2.config import ModelConfig
+    from gpt2.model import GPT
+    from gpt2.trainer import compile_sharded
+
+    backend, plain_compile = EagerAndRecordGraphs(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: plain_compile(fn, backend=backend, fullgraph=True))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16), loss_impl=loss_impl)
+    x = torch.randint(0, 50257, (2, 16))
+    _, eager = model(x, x.roll(-1, 1), return_logits=False)
+    compile_sharded(model)
+    _, compiled = model(x, x.roll(-1, 1), return_logits=False)
+    compiled.backward()
+    torch._dynamo.reset()
+    head = [g.code for g in backend.graphs if "ln_f" in g.code]
+    loss_op = "cross_entropy" if loss_impl == "full" else "autograd_function_apply"  # gpt2/loss.py's Function
+    assert len(head) == 1 and loss_op in head[0] and "c_attn" not in head[0]
+    assert any("c_attn" in g.code for g in backend.graphs)  # the blocks' region(s)
+    assert torch.equal(compiled, eager)
+    assert model.transformer.wte.weight.grad is not None  # the tied head's gradient flows out of the region
+
+
 @pytest.mark.slow
 def test_compiled_blocks_train_under_fsdp_and_evaluate_and_sample(tmp_path, shakespeare_shards):
-    """--compile with fsdp (each block compiled in place, inductor on CPU, 2 ranks): trains with losses
-    within 1e-4 of eager fsdp (inductor fuses and reorders fp32 ops), evaluates and samples."""
+    """--compile with fsdp (each block compiled in place and the head + loss as one more region, inductor
+    on CPU, 2 ranks): trains with losses within 1e-4 of eager fsdp (inductor fuses and reorders fp32 ops),
+    evaluates and samples."""
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     extra = ("--parallel", "fsdp", "--eval-interval", "5", "--sample-interval", "5", "--sample-tokens", "8")
     ok(run([*flags(shakespeare_shards, eager, steps=5), *extra], nproc=2, log_dir=tmp_path / "log_eager",
@@ -266,6 +338,45 @@ def test_mixed_precision_policy_on_cuda_only_bf16_params_fp32_reduce():
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
     assert mixed_precision("float32", torch.device("cuda", 0)) is None
     assert mixed_precision("bfloat16", torch.device("cpu")) is None
+
+
+def test_the_cuda_bf16_policy_trains_a_bf16_residual_stream_where_ddp_keeps_fp32():
+    """The difference gpt2/fsdp.py mixed_precision states, emulated on CPU (the policy itself is CUDA's):
+    its gather casts every parameter to bf16 and its pre-forward casts each unit's floating inputs. Under
+    the same autocast, DDP's blocks see an fp32 residual stream, the policy's a bf16 one, and the losses
+    differ; cast_forward_inputs=False alone would still leave it bf16 (the embedding tables are bf16)."""
+    import copy
+
+    from gpt2.config import ModelConfig
+    from gpt2.model import GPT
+
+    torch.manual_seed(0)
+    ddp = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    x = torch.randint(0, 50257, (2, 16))
+
+    def run(model, cast_inputs: bool):
+        seen = []
+
+        def pre(module, args):
+            if cast_inputs:
+                args = tuple(a.to(torch.bfloat16) if a is not None and a.is_floating_point() else a for a in args)
+            seen.append(args[0].dtype)
+            return args
+
+        hooks = [b.register_forward_pre_hook(pre) for b in model.transformer.h]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, x.roll(-1, 1), return_logits=False)
+        for h in hooks:
+            h.remove()
+        return seen, loss
+
+    policy = copy.deepcopy(ddp).to(torch.bfloat16)  # what param_dtype=bfloat16 gathers
+    ddp_dtypes, ddp_loss = run(ddp, cast_inputs=False)
+    policy_dtypes, policy_loss = run(policy, cast_inputs=True)
+    no_cast_dtypes, _ = run(policy, cast_inputs=False)
+    assert ddp_dtypes == [torch.float32] * 2
+    assert policy_dtypes == no_cast_dtypes == [torch.bfloat16] * 2
+    assert ddp_loss.item() != policy_loss.item()
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8])

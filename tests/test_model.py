@@ -291,3 +291,34 @@ def test_unwrap_removes_ddp_and_compile_prefixes(tmp_path):
     finally:
         dist.destroy_process_group()
     assert unwrap(model) is model
+
+
+def test_the_kv_cache_is_kept_in_the_autocast_dtype_and_generates_the_same_tokens(monkeypatch):
+    """Under autocast c_attn's keys and values are already bf16: a bf16 cache holds the same values in
+    half the memory (an fp32 one doubled the cache's traffic per generated token). Same tokens as an
+    fp32 cache; fp32 without autocast."""
+    from gpt2.model import KVCache
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)).eval()
+    made = []
+    plain_init = KVCache.__init__
+
+    def recording(self, *args, **kwargs):
+        made.append(kwargs["dtype"])
+        plain_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCache, "__init__", recording)
+    idx = torch.tensor([[50256, 11, 12]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = model.generate(idx, 20, temperature=0.0)  # past block_size: the cache is rebuilt too
+        n_half = len(made)
+        monkeypatch.setattr(GPT, "_cache_dtype", lambda self: torch.float32)
+        full = model.generate(idx, 20, temperature=0.0)
+    monkeypatch.undo()
+    assert n_half > 1 and set(made[:n_half]) == {torch.bfloat16} and set(made[n_half:]) == {torch.float32}
+    assert torch.equal(half, full)
+    made.clear()
+    monkeypatch.setattr(KVCache, "__init__", recording)
+    model.generate(idx, 2, temperature=0.0)
+    assert made == [torch.float32]

@@ -348,12 +348,14 @@ def _choose(requested, hw, mb=8, cfg=W1, dtype="fp32", compiled=True, measure_ea
 
 def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_one():
     from gpt2.plan import FULL_LOSS_MEMORY_SHARE
-    peak = loss_bytes(W1, 8 * 256, dtype="fp32", chunked=False)
-    assert peak == 8 * 256 * 50304 * 16  # logits, log-probs and two gradients, fp32
-    big = _choose("auto", _cpu(24))  # this workload on a 24 GiB host: 1.54 GiB is 6.7% of 23 GiB usable
-    assert big.impl == "full" and "auto: full-logits peak 1.54 GiB at micro-batch 8 <= 1/8 of 23.00 GiB" in big.reason
-    small = _choose("auto", _cpu(8))  # 7 GiB usable: 1.54 GiB is more than 1/8
-    assert small.impl == "chunked" and "> 1/8 of 7.00 GiB usable" in small.reason
+    assert loss_bytes(W1, 8 * 256, dtype="fp32", chunked=False) == 8 * 256 * 50304 * 16  # eager: logits,
+    # log-probs and two gradients, fp32; compiled: the logits and their gradient (COMPILED_FULL_LOSS_BYTES)
+    peak = loss_bytes(W1, 8 * 256, dtype="fp32", chunked=False, compiled=True)
+    assert peak == 8 * 256 * 50304 * 8
+    big = _choose("auto", _cpu(24))  # this workload on a 24 GiB host: 0.77 GiB is 3.3% of 23 GiB usable
+    assert big.impl == "full" and "auto: full-logits peak 0.77 GiB at micro-batch 8 <= 1/8 of 23.00 GiB" in big.reason
+    small = _choose("auto", _cpu(6))  # 5 GiB usable: 0.77 GiB is more than 1/8
+    assert small.impl == "chunked" and "> 1/8 of 5.00 GiB usable" in small.reason
     eager = _choose("auto", _cpu(24), compiled=False)  # uncompiled and nothing measured: the chunked loss
     assert eager.impl == "chunked" and "auto: uncompiled and not measured on cpu-24" in eager.reason
     assert _choose("full", _cpu(24), compiled=False).impl == "full"  # an explicit choice holds either way
@@ -398,22 +400,54 @@ def test_auto_loss_impl_chunks_when_the_full_logits_are_within_the_share_but_the
                   reserve_bytes=GIB)  # fits exactly with the chunked loss
     full_peak = loss_bytes(cfg, 2 * 1024, dtype="bf16", chunked=False)
     assert chunked.logits < full_peak <= chunked.total // FULL_LOSS_MEMORY_SHARE
-    choice = _choose("auto", hw, mb=2, cfg=cfg, dtype="bf16")
+    choice = _choose("auto", hw, mb=2, cfg=cfg, dtype="bf16", compiled=False)  # eager's peak, full_peak
     assert choice.impl == "chunked" and "is within 1/8" in choice.reason and "does not fit" in choice.reason
 
 
 def test_explicit_loss_impl_overrides_and_a_full_that_cannot_fit_is_refused():
     assert _choose("chunked", _cpu(24)) == type(_choose("chunked", _cpu(24)))("chunked", "--loss-impl chunked")
-    forced = _choose("full", _cpu(8))  # over the share, but the device holds it: taken, and said so
+    # uncompiled: eager's full-logits peak, 1.54 GiB
+    forced = _choose("full", _cpu(8), compiled=False)  # over the share, but the device holds it: taken, and said so
     assert forced.impl == "full" and "--loss-impl full" in forced.reason and "above the 1/8 share" in forced.reason
-    assert _choose("full", _cpu(24)).reason == "--loss-impl full; full-logits peak 1.54 GiB at micro-batch 8"
+    assert _choose("full", _cpu(24), compiled=False).reason == "--loss-impl full; full-logits peak 1.54 GiB at micro-batch 8"
     # As check_fits refuses an explicit micro-batch: an error only above the device's whole memory.
     with pytest.raises(ValueError, match=r"--loss-impl full: the plan with the full-logits peak 1.54 GiB at "
                                          r"micro-batch 8 needs 2.27 GiB per device but cpu-2 has 2.00 GiB; use "
                                          r"--loss-impl chunked \(or auto\), or a smaller --micro-batch-size"):
-        _choose("full", _cpu(2))
+        _choose("full", _cpu(2), compiled=False)
+    assert _choose("full", _cpu(2)).impl == "full"  # compiled, the same plan holds 0.77 GiB less: it fits
     with pytest.raises(ValueError, match="loss_impl='fused' must be auto, chunked or full"):
         _choose("fused", _cpu(24))
+
+
+def test_a_compiled_gpu_run_takes_the_fused_full_loss_where_eagers_peak_would_have_chunked_it():
+    """The gpt2 preset at micro-batch 16 x 1024 under bf16 on an 80 GB GPU (nanoGPT's setting: one fused
+    cross-entropy): compiled it holds 4 bytes per logit (3.1 GiB, within 1/8 of the usable memory) and takes
+    the full loss; eager's 14 bytes (10.7 GiB) is over the share and chunks, as every compiled run at
+    micro-batch >= 16 did when the planner counted eager's peak for compiled code."""
+    gpt2, a100 = model_preset("gpt2"), gpu_hardware("A100-80GB", "bf16")
+    compiled = _choose("auto", a100, mb=16, cfg=gpt2, dtype="bf16")
+    assert compiled.impl == "full" and "auto: full-logits peak 3.07 GiB at micro-batch 16 <= 1/8" in compiled.reason
+    assert _choose("auto", a100, mb=16, cfg=gpt2, dtype="bf16", compiled=False).impl == "chunked"
+    assert loss_bytes(gpt2, 16 * 1024, dtype="bf16", chunked=False, compiled=True) == 16 * 1024 * 50304 * 4
+    assert _choose("auto", a100, mb=64, cfg=gpt2, dtype="bf16").impl == "chunked"  # 12.3 GiB: over the share
+
+
+def test_the_compiled_full_loss_holds_at_most_what_the_planner_counts_per_logit():
+    """bench/compiled_loss_memory.py on this CPU (inductor's C++ kernels, fp32): the compiled loss's peak per
+    logit, gradients of x and W aside, is within COMPILED_FULL_LOSS_BYTES x 4 bytes, and well under eager's."""
+    import importlib.util
+
+    from conftest import REPO
+    from gpt2.plan import COMPILED_FULL_LOSS_BYTES
+
+    spec = importlib.util.spec_from_file_location("clm", REPO / "bench" / "compiled_loss_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch._dynamo.reset()
+    compiled = bench.peak_per_logit(torch.compile(bench.head_and_loss), torch.device("cpu"), "fp32", 256, 50304, 32)
+    eager = bench.peak_per_logit(bench.head_and_loss, torch.device("cpu"), "fp32", 256, 50304, 32)
+    assert compiled <= COMPILED_FULL_LOSS_BYTES * 4 + 0.25 and compiled < eager - 4, (compiled, eager)
 
 
 def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
@@ -423,9 +457,12 @@ def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
     def run(cfg, hw, **train):
         return plan_run(RunConfig(cfg, TrainConfig(dtype="float32", **train)), hw, world_size=1)
 
-    full = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048)
-    assert not full.memory.chunked_loss and full.memory.logits == loss_bytes(W1, 2048, dtype="fp32", chunked=False)
-    assert "LM head + loss peak    1.54 GiB  (full logits: all B*T*V at once" in format_plan(full)
+    full = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048)  # compiled (TrainConfig's default)
+    assert not full.memory.chunked_loss
+    assert full.memory.logits == loss_bytes(W1, 2048, dtype="fp32", chunked=False, compiled=True)
+    assert "LM head + loss peak    0.77 GiB  (full logits: all B*T*V at once" in format_plan(full)
+    eager = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048, compile=False, loss_impl="full")
+    assert eager.memory.logits == loss_bytes(W1, 2048, dtype="fp32", chunked=False)
     chunked = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048, loss_impl="chunked")
     assert chunked.memory.chunked_loss and "(chunked: never all B*T*V logits at once)" in format_plan(chunked)
     assert chunked.memory.total < full.memory.total

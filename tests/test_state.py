@@ -98,3 +98,21 @@ def test_a_refused_loader_position_names_the_checkpoint():
     with pytest.raises(ValueError) as e:  # another component's ValueError is not reworded
         load_components({"model": Refuses()}, {"model": {}}, Path("/x/step_00000002.pt"))
     assert not isinstance(e.value, ckpt.CheckpointError)
+
+
+def test_cuda_generator_is_saved_and_restored_only_for_a_cuda_run(monkeypatch):
+    """A --device cpu run on a GPU node never asks CUDA (which would open a context on GPU 0 in every
+    rank); a CUDA run saves it; an older checkpoint holding a CUDA state still loads into a CPU run."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: calls.append("get") or torch.zeros(8, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: calls.append("set"))
+    cpu = RankRng(rank=0).state_dict()
+    assert "cuda" not in cpu and calls == []
+    old = {**cpu, "cuda": torch.zeros(8, dtype=torch.uint8)}  # what every run saved before, CUDA present
+    RankRng(rank=0).load_state_dict([old])
+    assert calls == []
+    gpu = RankRng(rank=0, cuda=True).state_dict()
+    assert "cuda" in gpu and calls == ["get"]
+    RankRng(rank=0, cuda=True).load_state_dict([gpu])
+    assert calls == ["get", "set"]

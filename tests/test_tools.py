@@ -417,6 +417,28 @@ def test_hellaswag_known_answers_in_process(tmp_path):
     assert r["acc"] == pytest.approx(4 / 7) and r["acc_norm"] == pytest.approx(5 / 7)
 
 
+def test_hellaswag_reads_from_the_device_once_and_scores_as_per_example_reads_did(tmp_path, monkeypatch):
+    """Each example's argmax is compared and counted on the device: one host read for the whole set (a
+    round trip per example drained a GPU's queue 10,042 times). The scores are the per-example reads'."""
+    from gpt2.scoring import score_endings
+
+    examples = load_examples(write_hellaswag(tmp_path / "hs.jsonl"))
+    model = tiny_gpt(block_size=32)
+    want = [0, 0]
+    for ex in examples:  # the per-example reads the scorer made before
+        total, mean = score_endings(model, *example_rows(ex, 32))
+        want[0] += int(total.argmax()) == ex.label
+        want[1] += int(mean.argmax()) == ex.label
+    reads = []
+    for name in ("item", "tolist", "__int__", "__bool__", "__float__"):
+        plain = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _p=plain, **k: reads.append(_n) or _p(self, *a, **k))
+    r = hellaswag_eval(model, examples, ONE, torch.device("cpu"), progress=False)
+    monkeypatch.undo()
+    assert reads == ["tolist"]
+    assert (r["correct"], r["correct_norm"], r["n"]) == (*want, len(examples))
+
+
 def test_hellaswag_one_rank_equals_two_ranks(tmp_path):
     model = unigram_gpt()
     ck = save_raw_checkpoint(tmp_path / "unigram", model.state_dict(), model.config.to_dict())

@@ -1,9 +1,19 @@
-"""gpt2/trainer.py due(): what each step owes (log, evaluate, HellaSwag, sample, save, stop), pure."""
+"""gpt2/trainer.py: due(), what each step owes (log, evaluate, HellaSwag, sample, save, stop), pure; the
+step's device-side skip (step_unless); run_loop's late reads of a step's numbers (CUDA's), forced on CPU."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+
+import pytest
+import torch
+
 from gpt2.config import TrainConfig
 from gpt2.trainer import Actions, due
+
+from _helpers import import_train_ddp, inject_nan, load_ckpt, losses, records, tiny_run_flags
 
 TC = TrainConfig(max_steps=10, log_interval=2, eval_interval=4, hellaswag_interval=5, hellaswag_file="hs.jsonl",
                  sample_interval=3, ckpt_interval=6)
@@ -53,3 +63,87 @@ def test_slow_is_any_work_that_keeps_a_rank_from_the_next_step():
                                  stop=False)
     assert not due(2, TC).slow
     assert due(3, TC).slow  # rank 0 samples alone
+
+
+def _adamw_run(found_inf: list[float | None]):
+    """Fused AdamW over fixed random gradients; each entry None (a plain step) or step_unless's flag."""
+    from gpt2.trainer import step_unless
+
+    torch.manual_seed(0)
+    params = [torch.randn(40, 8, requires_grad=True), torch.randn(8, requires_grad=True)]
+    opt = torch.optim.AdamW([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}],
+                            lr=1e-2, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    for flag in found_inf:
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step() if flag is None else step_unless(opt, torch.tensor(flag))
+    return params, [opt.state[p] for p in params], opt
+
+
+def test_step_unless_is_bitwise_a_plain_step_at_0_and_changes_nothing_at_1():
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and all(
+            torch.equal(sa[k], sb[k]) for sa, sb in zip(a[1], b[1]) for k in sa)
+
+    assert same(_adamw_run([None] * 4), _adamw_run([0.0] * 4))
+    skipped = _adamw_run([None, None, None, 1.0])  # the 4th update skipped: as if only 3 were taken
+    assert same(skipped, _adamw_run([None] * 3))
+    assert [s["step"].item() for s in skipped[1]] == [3.0, 3.0]
+    assert not same(skipped, _adamw_run([None] * 4))
+    assert not hasattr(skipped[2], "found_inf")  # GradScaler's protocol: the attribute is removed after step
+
+
+def _run(tmp_path, shards, name, monkeypatch, *, lag: bool, extra=(), max_steps=6, ckpt_interval=3):
+    import gpt2.trainer as trainer
+
+    monkeypatch.setattr(trainer, "reads_lag", lambda device: lag)
+    run_dir = tmp_path / name
+    code = import_train_ddp().main([*tiny_run_flags(shards, max_steps=max_steps, ckpt_interval=ckpt_interval,
+                                                    eval_tokens=256), "--out-dir", str(run_dir), *extra])
+    return code, run_dir
+
+
+def test_late_reads_train_and_checkpoint_exactly_as_reads_at_once(tmp_path, shakespeare_shards, monkeypatch):
+    """CUDA's loop (each step's numbers read after the next step is queued) on a CPU: the same losses,
+    every step logged once, the same checkpoints; a NaN step is skipped on the device and logged late."""
+    inject_nan(monkeypatch, 1)
+    assert _run(tmp_path, shakespeare_shards, "now", monkeypatch, lag=False)[0] == 0
+    code, late = _run(tmp_path, shakespeare_shards, "late", monkeypatch, lag=True)
+    assert code == 0
+    assert losses(late) == losses(tmp_path / "now") and sorted(losses(late)) == list(range(1, 7))
+    assert [r["step"] for r in records(late) if r.get("skipped")] == [2]
+    for step in (3, 6):
+        a, b = load_ckpt(late, step), load_ckpt(tmp_path / "now", step)
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_late_reads_still_stop_on_consecutive_bad_steps_before_any_checkpoint_of_them(tmp_path, shakespeare_shards,
+                                                                                      monkeypatch, capsys):
+    inject_nan(monkeypatch, 1)  # step 2 (counted from 1); its numbers are read after step 3 is queued
+    code, run_dir = _run(tmp_path, shakespeare_shards, "run", monkeypatch, lag=True, extra=("--max-bad-steps", "1"))
+    assert code == 1
+    assert "1 consecutive steps had a non-finite loss or gradient norm (last: step 2)" in capsys.readouterr().err
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").glob("step_*"))
+
+
+@pytest.mark.parametrize("lag", [False, True])
+def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_whether_reads_are_late_or_not(
+        tmp_path, shakespeare_shards, monkeypatch, lag):
+    """The stop vote travels in a step's numbers: read late, the run stops one step later, still at a
+    boundary every rank reaches alike, with a checkpoint and RUN/requeue naming it."""
+    import gpt2.trainer as trainer
+
+    plain = trainer.train_step
+
+    def signalled(parts, *args, **kwargs):
+        if parts.step == 2:  # during step 3: its vote is False (asked before), step 4 carries it
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return plain(parts, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", signalled)
+    code, run_dir = _run(tmp_path, shakespeare_shards, "run", monkeypatch, lag=lag, max_steps=8, ckpt_interval=0)
+    marker = json.loads((run_dir / "requeue").read_text())
+    assert code == 3 and marker["step"] == (5 if lag else 4), marker
+    assert sorted(losses(run_dir)) == list(range(1, marker["step"] + 1))
+    assert load_ckpt(run_dir, marker["step"])["step"] == marker["step"]
