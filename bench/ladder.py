@@ -4,9 +4,10 @@
     python bench/ladder.py --preset gpt2 --block-size 1024   # a GPU
 
 The rungs (fp32 eager explicit attention vocab 50257 -> TF32 -> bf16 -> compile -> flash -> vocab
-50304), how each is the trainer's own `train_step` and how they are timed: gpt2/ladder.py. This
-script times --steps interleaved rounds, then the model's attention kernels alone with an agreement
-check, prints Markdown tables and writes a PNG bar chart to --out.
+50304), how each is the trainer's own `train_step` and how they are timed: gpt2/ladder.py, which
+`python -m gpt2.doctor` also runs. This script times --steps interleaved rounds, then the model's
+attention kernels alone with an agreement check, prints Markdown tables and writes a PNG bar chart
+to --out.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ load on a shared machine hits all rungs alike. Then, optionally, the model's att
 (its CausalSelfAttention with attn_impl explicit, sdpa_mask and sdpa): forward+backward, with a
 check that their outputs and gradients agree.
 
-`bench/ladder.py` runs it and prints Markdown tables and a chart.
+`bench/ladder.py` (Markdown tables and a chart) and `python -m gpt2.doctor` (a node check) run it.
 """
 
 from __future__ import annotations
