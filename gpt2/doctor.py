@@ -202,7 +202,8 @@ def cuda_rows(s: Section) -> None:
     n = torch.cuda.device_count()
     lines = [cuda_device_line(i) for i in range(n)]
     s.info("devices", "; ".join(f"{lines.count(x)} x {x}" for x in dict.fromkeys(lines)))
-    s.info("driver", nvidia_driver_version() or "unknown (no /proc/driver/nvidia/version, no nvidia-smi)")
+    driver = nvidia_driver_version()
+    s.info("driver", driver or "unknown (no /proc/driver/nvidia/version, no nvidia-smi)")
     s.info("CUDA (torch build), cuDNN", f"{torch.version.cuda}, {torch.backends.cudnn.version()}")
     s.info("NCCL", nccl_version())
     native = [precision.cuda_native_bf16(torch.device("cuda", i)) for i in range(n)]
@@ -212,7 +213,7 @@ def cuda_rows(s: Section) -> None:
         s.note("native bf16", f"no on {native.count(False)} of {n}: runs pick fp16 with a loss scaler", WARN)
     triton = triton_version()
     s.check("Triton (torch.compile's GPU kernels)", triton is not None, triton or "not importable")
-    s.data.update(devices=lines, driver=nvidia_driver_version(), cuda=torch.version.cuda,
+    s.data.update(devices=lines, driver=driver, cuda=torch.version.cuda,
                   cudnn=torch.backends.cudnn.version(), nccl=nccl_version(), native_bf16=native, triton=triton)
 
 
