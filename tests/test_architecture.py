@@ -63,13 +63,24 @@ def test_no_import_cycle_inside_the_package():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+LADDER_USERS = ["gpt2/doctor.py", "gpt2/sdpa_probe.py"]
+"""The acceleration ladder (gpt2/ladder.py) times the trainer's train_step as bench/ladder.py does; the node
+check (`python -m gpt2.doctor`) and its attention probe use it. No run imports any of them."""
+
+
 def test_only_the_entry_point_imports_the_trainer():
-    """train_ddp.py imports the trainer and its rehearsal, gpt2/dryrun.py, which nothing else imports.
-    The rehearsal runs the trainer's own start-up checks, not copies: they live below the trainer, in
-    gpt2/startup.py (the start-up) and gpt2/state.py (what a checkpoint holds, check_compatible)."""
+    """train_ddp.py imports the trainer and its rehearsal, gpt2/dryrun.py, which nothing else imports
+    (but the ladder above, which only the node check imports). The rehearsal runs the trainer's own
+    start-up checks, not copies: they live below the trainer, in gpt2/startup.py (the start-up) and
+    gpt2/state.py (what a checkpoint holds, check_compatible)."""
     sources = [*PACKAGE.glob("*.py"), *(REPO / "data_prep").glob("*.py")]
     importers = sorted(str(p.relative_to(REPO)) for p in sources if "trainer" in imported_gpt2_modules(p))
-    assert importers == [], importers
+    assert importers == ["gpt2/ladder.py"], importers
+    users = sorted(str(p.relative_to(REPO)) for p in [*sources, REPO / "train_ddp.py"]
+                   if "ladder" in imported_gpt2_modules(p))
+    assert users == LADDER_USERS, users
+    assert [str(p.relative_to(REPO)) for p in sources if imported_gpt2_modules(p) & {"doctor", "sdpa_probe"}
+            and p.stem != "doctor"] == []
     assert [str(p.relative_to(REPO)) for p in sources if "dryrun" in imported_gpt2_modules(p)] == []
     assert {"trainer", "dryrun"} <= imported_gpt2_modules(REPO / "train_ddp.py")
     assert {"startup", "state"} <= imported_gpt2_modules(PACKAGE / "trainer.py")

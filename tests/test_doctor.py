@@ -1,0 +1,179 @@
+"""`python -m gpt2.doctor` on this CPU, as a user runs it: every section runs, its checks pass and say so
+in the JSON and the table; a failing check makes the exit status 1 with the table still printed; a section
+that raises is reported FAILED with one line while the others run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2 import doctor
+from gpt2.doctor import Context, Section, exit_status, format_table, parse_driver_version, run_section
+
+REPO = Path(__file__).resolve().parent.parent
+SECTION_NAMES = ["environment", "attention", "correctness", "resume", "training", "ranks", "ladder"]
+
+
+@pytest.fixture(scope="module")
+def cpu_doctor(tmp_path_factory):
+    """One full CPU run (about 1.5 minutes on 2 idle cores with torch.compile's cache warm; longer cold
+    or under load), shared by the tests below."""
+    out = tmp_path_factory.mktemp("doctor")
+    done = subprocess.run([sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=1500)
+    return done, json.loads((out / "doctor.json").read_text()), out
+
+
+def test_cpu_run_passes_and_prints_one_table(cpu_doctor):
+    done, report, out = cpu_doctor
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert report["exit_status"] == 0 and report["device"] == "cpu"
+    assert list(report["sections"]) == SECTION_NAMES
+    assert {n: s["status"] for n, s in report["sections"].items()} == {n: "ok" for n in SECTION_NAMES}
+    table = done.stdout.strip()
+    assert table.startswith("gpt2 doctor: cpu") and "exit 0: all checks passed" in table.splitlines()[0]
+    assert "| section | check | result | status |" in table
+    for name in SECTION_NAMES:  # every section's first row names it
+        assert any(line.startswith(f"| {name} (") for line in table.splitlines()), name
+    assert (out / "doctor.txt").read_text().strip() == table
+    assert "USDT" not in done.stderr  # kineto's profiler lines are silenced
+    assert (out / "work" / "check-fast.log").is_file()  # --out keeps the runs
+
+
+def test_correctness_and_resume_checks_ran_and_passed(cpu_doctor):
+    _, report, _ = cpu_doctor
+    sec = report["sections"]
+    cmp = sec["correctness"]["data"]["comparison"]
+    assert cmp["steps"] == list(range(1, 9)) and cmp["missing"] == []
+    assert cmp["max_abs_diff"] <= cmp["tolerance"] and cmp["tolerance"] in (1e-4, 2e-2)
+    val = sec["correctness"]["data"]["reference_val"]
+    assert sorted(val) == ["0", "8"] and val["0"] - val["8"] > doctor.LEARNS_MARGIN  # the val loss fell
+    ref, fast = sec["resume"]["data"]["reference"], sec["resume"]["data"]["fast"]
+    assert ref["losses"]["bitwise"] and ref["states"]["identical"] == ref["states"]["tensors"] > 50
+    assert ref["losses"]["steps"] == [5, 6, 7, 8]
+    assert fast["losses"]["steps"] == [5, 6, 7, 8] and fast["losses"]["max_abs_diff"] <= fast["losses"]["tolerance"]
+    rows = {r["check"]: r["status"] for r in sec["resume"]["rows"]}
+    assert list(rows.values()) == ["ok", "ok"]
+
+
+def test_measured_numbers_are_positive_and_consistent(cpu_doctor):
+    _, report, _ = cpu_doctor
+    sec = report["sections"]
+    training = sec["training"]["data"]
+    assert training["tokens_per_s"] > 0 and 0 < training["mfu"] <= 1 and training["peak_flops"] > 0
+    assert training["micro_batch_size"] == 8 and training["accum_steps"] == 1  # auto: all 512 tokens at once
+    ranks = sec["ranks"]["data"]
+    assert ranks["world_size"] == 2 and ranks["network"]["backend"] == "gloo"
+    assert ranks["network"]["busbw_bytes_per_s"] > 0 and ranks["speedup"] > 0
+    cmp = ranks["comparison"]
+    assert cmp["steps"] == list(range(1, 13)) and cmp["max_abs_diff"] <= cmp["tolerance"]  # 2 ranks = 1 rank
+    rungs = {r["rung"]["name"]: r for r in sec["ladder"]["data"]["rungs"]}
+    assert list(rungs) == ["base", "tf32", "bf16", "compile", "flash", "vocab"]
+    assert rungs["tf32"]["tokens_per_s"] is None and rungs["tf32"]["note"].startswith("n/a on cpu")
+    ran = [r for r in rungs.values() if r["tokens_per_s"] is not None]
+    assert len(ran) >= 4 and all(r["tokens_per_s"] > 0 and math.isfinite(r["first_loss"]) for r in ran)
+    assert [r["a100_tokens_per_s"] for r in rungs.values()] == [16_000, 49_000, 54_500, 126_000, 170_000, 175_000]
+
+
+def test_attention_section_names_the_kernel_the_profiler_saw(cpu_doctor):
+    _, report, _ = cpu_doctor
+    data = report["sections"]["attention"]["data"]
+    assert data["dispatched"] and data["dispatched"][0] in ("flash (cpu)", "math")
+    runs = {t["name"]: t for t in data["trials"]}
+    assert runs["math"]["runs"] and runs["math"]["agrees"]
+    assert not runs["memory-efficient"]["runs"] and runs["memory-efficient"]["reason"]  # CUDA only
+
+
+def test_a_failed_check_exits_1_with_the_table_printed(tmp_path):
+    """Training processes killed by --timeout-s: correctness and resume cannot pass; the table still prints."""
+    skip = "environment,attention,training,ranks,ladder"
+    done = subprocess.run([sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--skip", skip, "--timeout-s", "1",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "exit 1: a CHECK FAILED" in lines[0]
+    row = next(line for line in lines if "| reference run |" in line)
+    assert row.endswith("| FAILED |") and "killed after 1 s (--timeout-s)" in row
+    assert any(line.startswith("| resume (") and "needs the correctness section's run" in line for line in lines)
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    assert report["exit_status"] == 1
+    assert {n: s["status"] for n, s in report["sections"].items()} == {
+        "environment": "skipped", "attention": "skipped", "correctness": "FAILED", "resume": "FAILED",
+        "training": "skipped", "ranks": "skipped", "ladder": "skipped"}
+
+
+def test_the_precision_check_fails_for_a_different_computation(tmp_path):
+    """The reference's own settings with another seed (another init and data order) as the "fast" path:
+    1e-2..0.2 nats away per step, far outside the fp32 tolerance."""
+    from gpt2.doctor_runs import REFERENCE_FLAGS
+
+    ctx = Context(torch.device("cpu"), doctor.SCALES["cpu"], tmp_path, 2, 600, lambda _: None,
+                  fast_flags=(*REFERENCE_FLAGS, "--seed", "1"))
+    section = run_section("correctness", doctor.correctness, ctx)
+    rows = {r.check: r for r in section.rows}
+    assert rows["training learns"].status == "ok"
+    assert rows["fast = reference"].status == "FAILED" and "> tolerance 1e-04" in rows["fast = reference"].result
+    assert section.status == "FAILED" and exit_status([section]) == 1
+    assert "| fast = reference |" in format_table([section], "header")
+
+
+def test_a_section_that_raises_is_failed_with_one_line_and_the_rest_run(tmp_path):
+    ctx = Context(torch.device("cpu"), doctor.SCALES["cpu"], tmp_path, 2, 60, lambda _: None)
+
+    def broken(_):
+        raise RuntimeError("no working C++ compiler found\n  (a long explanation)")
+
+    failed = run_section("ladder", broken, ctx)
+    assert failed.status == "FAILED" and failed.error
+    assert failed.reason == "RuntimeError: no working C++ compiler found"
+    assert "Traceback" in failed.data["traceback"]
+    fine = run_section("environment", doctor.environment, ctx)
+    assert fine.status == "ok"
+    assert exit_status([fine, failed]) == 3  # a section could not run; no check failed
+    failed.name = "correctness"
+    assert exit_status([fine, failed]) == 1  # a correctness section that cannot run has not passed
+    table = format_table([fine, failed], "header")
+    assert "| correctness (0 s) | section | RuntimeError: no working C++ compiler found | FAILED |" in table
+
+
+def test_every_section_runs_once_and_prints_in_the_documented_order():
+    assert sorted(doctor.RUN_ORDER) == sorted(SECTION_NAMES)
+    assert [name for name, _ in doctor.SECTIONS] == SECTION_NAMES
+    # the in-process GPU work after every training process (RUN_ORDER's docstring says why)
+    assert doctor.RUN_ORDER[-2:] == ("attention", "ladder")
+
+
+def test_exit_status_counts_failed_checks_not_warnings():
+    ok = Section("training")
+    ok.note("peak memory", "n/a on cpu", "n/a")
+    warn = Section("attention")
+    warn.note("fused kernel", "math path", "WARN")
+    assert exit_status([ok, warn]) == 0
+    bad = Section("ranks")
+    assert not bad.check("2 ranks = 1 rank", False, "differs")
+    assert bad.status == "FAILED" and bad.reason == "2 ranks = 1 rank: differs" and exit_status([ok, bad]) == 1
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert doctor.main(["--skip", "laddr"]) == 2
+    assert "--skip laddr: no such section" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert doctor.main(["--device", "cuda"]) == 2
+
+
+@pytest.mark.parametrize("text, version", [
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  Thu Oct 19 18:56:32 UTC 2023\n"
+     "GCC version:  gcc version 12.2.0", "535.129.03"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build  (dvs-builder@U16)\n",
+     "550.54.15"),
+    ("550.54.15\n550.54.15\n", "550.54.15"),  # nvidia-smi --query-gpu=driver_version, one line per GPU
+    ("", None),
+])
+def test_driver_version_is_read_from_the_kernel_module_or_nvidia_smi(text, version):
+    assert parse_driver_version(text) == version
