@@ -231,6 +231,22 @@ def stale_reason(holder: dict | None, *, age_s: float, me: dict, pid_start: int 
     return None
 
 
+def live_holder(out_dir: str | Path, env=None) -> str | None:
+    """The holder of RUN/run.lock (describe_holder) when a start now would be refused, else None;
+    reads the lock and takes nothing (--dry-run). Unlike RunLock.acquire, which writes a file to read
+    the filesystem's clock, the heartbeat's age is measured on this host's clock."""
+    lock = Path(out_dir) / LOCK
+    try:
+        raw, mtime = lock.read_bytes(), lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    holder = _parse(raw)
+    pid = holder.get("pid") if isinstance(holder, dict) else None
+    reason = stale_reason(holder, age_s=time.time() - mtime, me=holder_record(env),
+                          pid_start=process_start(pid) if isinstance(pid, int) else None)
+    return describe_holder(holder) if reason is None else None
+
+
 def _count(launch: dict, name: str) -> int:
     """A restart count: absent (a launch's first run) or not a number counts as 0."""
     try:

@@ -380,6 +380,31 @@ def test_a_fresh_start_in_a_used_directory_says_what_a_real_run_moves(train_ddp,
     assert sorted(p.name for p in run.iterdir()) == before  # a dry run writes nothing
 
 
+def test_a_held_run_directory_is_a_warning_and_the_rehearsal_takes_no_lock(train_ddp, data_dir, tmp_path, capsys):
+    """RUN/run.lock held by a live run: a real start would be refused (exit 2); the dry run says so,
+    leaves the lock as it is and exits 0 (it rehearses the configuration, which a requeue planned
+    while the job still runs needs). Once the lock is released the warning is gone."""
+    from gpt2.rundir import LOCK, RunLock, describe_holder
+
+    run = tmp_path / "run"
+    argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--micro-batch-size", "4",
+            "--total-batch-size", "512", "--data-dir", str(data_dir), "--out-dir", str(run), "--device", "cpu",
+            "--dtype", "float32"]
+    lock = RunLock.acquire(run)
+    try:
+        held = (run / LOCK).read_bytes()
+        code, out, err = dry(train_ddp, argv, capsys)
+        assert code == 0, err
+        assert (f"warning: {run} is in use by another training run ({describe_holder(lock.record)}; {run}/{LOCK}): "
+                "a real start now would be refused (exit 2) and touch nothing. The dry run took no lock") in out
+        assert "dry run OK" in out
+        assert sorted(p.name for p in run.iterdir()) == [LOCK] and (run / LOCK).read_bytes() == held
+    finally:
+        lock.release()
+    code, out, err = dry(train_ddp, argv, capsys)
+    assert code == 0 and "in use by another training run" not in out + err
+
+
 def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path, capsys):
     """`python -m gpt2.plan --preset gpt2 --gpu X --world-size W` prints the plan the dry run (and a real
     run's start-up) prints: the preset's 524,288-token batch and auto micro-batch, not a default of its own."""

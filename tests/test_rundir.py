@@ -290,6 +290,19 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_or_silent_one(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temp or renamed lock left behind
 
 
+def test_live_holder_reads_the_lock_and_takes_nothing(tmp_path):
+    """--dry-run's question: would a start now be refused? Answered without writing into RUN."""
+    assert rundir.live_holder(tmp_path) is None
+    lock = rundir.RunLock.acquire(tmp_path)
+    before = files(tmp_path)
+    assert rundir.live_holder(tmp_path) == rundir.describe_holder(lock.record)
+    assert files(tmp_path) == before
+    lock.release()
+    pid, start = a_dead_pid()  # kill -9: a start would take it over
+    (tmp_path / rundir.LOCK).write_text(json.dumps({**lock.record, "pid": pid, "pid_start": start}))
+    assert rundir.live_holder(tmp_path) is None
+
+
 def test_run_lock_release_and_takeover_never_remove_another_runs_lock(tmp_path):
     lock = rundir.RunLock.acquire(tmp_path)
     path = tmp_path / rundir.LOCK
