@@ -180,6 +180,10 @@ def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log)
     if start.set_aside:  # what set_aside_earlier_run would move before the run writes anything
         log.info(f"run dir    {tc.out_dir} holds another run's {', '.join(start.set_aside)}: a real run moves them "
                  "into a previous-<UTC time>/ folder there (nothing deleted)")
+    if start.abandon:  # what set_aside_abandoned would move
+        log.info(f"run dir    {start.point.path} is an earlier checkpoint of this run: a real run moves its later "
+                 f"{', '.join(start.abandon)} into {ckpt.checkpoint_dir(tc.out_dir)}/{ckpt.ABANDONED_PREFIX}"
+                 f"{start.point.step:08d}-<UTC time>/ (nothing deleted), so --resume auto never returns to them")
     point = start.point
     if point is None:
         why = "--resume never" if tc.resume == "never" else f"no valid checkpoint in {ckpt.checkpoint_dir(tc.out_dir)}"

@@ -343,9 +343,9 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
                          world_size=2, seed=cfg.train.seed, device=torch.device("cpu"))
     for _ in range(3):
         loader.advance()
-    ckpt.save_checkpoint(run, 3, {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "config": cfg.to_dict(),
-                                  "tokenizer": "gpt2", "loader": loader.state_dict(), "rng": [], "world_size": 2,
-                                  "tokens": 3 * 512}, keep=3)
+    state = {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "config": cfg.to_dict(), "tokenizer": "gpt2",
+             "loader": loader.state_dict(), "rng": [], "world_size": 2, "tokens": 3 * 512}
+    ckpt.save_checkpoint(run, 3, state, keep=3)
     code, out, err = dry(train_ddp, [*base, "--world-size", "2"], capsys)
     assert code == 0, err
     assert f"would load {run}/checkpoints/step_00000003.pt (step 3" in out and "continue at step 3" in out
@@ -360,6 +360,15 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
     # another shape: refused as a real resume refuses it
     code, _, err = dry(train_ddp, [*base, "--world-size", "2", "--n-embd", "128"], capsys)
     assert code == 2 and "model shape differs" in err, err
+    # a rollback (an explicit earlier checkpoint): the later ones a real run moves aside, moved by none here
+    ckpt.save_checkpoint(run, 5, state, keep=3)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    code, out, err = dry(train_ddp, [*base, "--world-size", "2", "--resume", f"{run}/checkpoints/step_00000003.pt"],
+                         capsys)
+    assert code == 0, err
+    assert (f"run dir    {run}/checkpoints/step_00000003.pt is an earlier checkpoint of this run: a real run moves its "
+            f"later step_00000005.pt into {run}/checkpoints/abandoned-00000003-<UTC time>/ (nothing deleted)") in out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
 def test_a_fresh_start_in_a_used_directory_says_what_a_real_run_moves(train_ddp, data_dir, tmp_path, capsys):
