@@ -9,6 +9,8 @@ Layout of RUN/checkpoints/:
         .metadata             DCP's index of the shards (rank 0)
         train.pt              rank 0: config, step, loader, every rank's RNG, scaler (no weights)
     step_00002000.json    its sidecar: bytes and sha256 of every file in the directory (and of them all)
+    abandoned-00001000-<UTC time>/   checkpoints past step 1000 that a resume from step 1000 left
+                          behind (--resume PATH of an earlier one), with their sidecars: never resumed
 A sharded checkpoint is written as step_*.tmp/, every rank's files fsynced and hashed by that rank,
 renamed when all are done, and only then given its sidecar: the same rule as a file's.
 A checkpoint counts only when its sidecar exists and its bytes match, so a process killed while
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 
 from gpt2.atomic import atomic_write, atomic_write_bytes, fsync_dir
-from gpt2.rundir import ANY_RUN, directory_run_id
+from gpt2.rundir import ANY_RUN, directory_run_id, stamped_dir
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^step_(\d{8,})(\.pt)?$")
@@ -318,7 +320,8 @@ def prune_checkpoints(out_dir: str | Path, newest: Path, *, keep: int, run_id: s
     Only run_id's checkpoints are considered: another run's are warned about and never deleted or
     counted (whatever their step). Incomplete ones (no sidecar, wrong size) never count towards
     `keep`, so a run of failed writes cannot push out the last good checkpoint. Checkpoints of later
-    steps than `newest` (left by a run that was resumed from an earlier checkpoint) are not touched.
+    steps than `newest` are not touched (a resume from an earlier checkpoint moves its run's later ones
+    into abandoned-*/ first: abandon_checkpoints).
     Returns the deleted files.
     """
     step = int(_NAME.match(newest.name).group(1))
@@ -338,6 +341,44 @@ def prune_checkpoints(out_dir: str | Path, newest: Path, *, keep: int, run_id: s
         _remove(old)
         deleted.append(old)
     return deleted
+
+
+ABANDONED_PREFIX = "abandoned-"
+"""RUN/checkpoints/abandoned-<step>-<UTC time>/: checkpoints of a branch a run left when it resumed
+an earlier checkpoint of itself (abandon_checkpoints). Not a checkpoint's name, so `auto` and
+retention never see what is in it."""
+
+
+def later_checkpoints(out_dir: str | Path, step: int, run_id: str | None) -> tuple[str, ...]:
+    """Names in RUN/checkpoints of run_id's checkpoints (valid or not) past step, oldest first: what a
+    resume of run_id's step would leave behind for `auto` to return to."""
+    later = [p for p in list_checkpoints(out_dir) if int(_NAME.match(p.name).group(1)) > step and belongs(p, run_id)]
+    return tuple(p.name for p in reversed(later))
+
+
+def abandon_checkpoints(out_dir: str | Path, names: tuple[str, ...], step: int) -> Path:
+    """Move the checkpoints `names` (later_checkpoints of a resume from step) and their sidecars into a
+    new RUN/checkpoints/abandoned-<step>-<UTC time>/ and return it; nothing is deleted.
+
+    Rank 0 only, every other rank waiting (gpt2/resume.py). Every sidecar goes first: a start killed
+    halfway leaves checkpoints that no longer verify, so `auto` never resumes one, and the next start
+    from step moves them too. `latest`, when it names a moved one, is removed (the next save writes it).
+    """
+    ckdir = checkpoint_dir(out_dir)
+    dest = stamped_dir(ckdir, f"{ABANDONED_PREFIX}{step:08d}-")
+    for name in names:
+        sidecar_path = (ckdir / name).with_suffix(".json")
+        if sidecar_path.exists():
+            os.rename(sidecar_path, dest / sidecar_path.name)
+    for name in names:
+        if os.path.lexists(ckdir / name):  # the decision listed it; gone now only if a user moved it
+            os.rename(ckdir / name, dest / name)
+    named = latest_named(out_dir)
+    if named is not None and named.name in names:
+        (ckdir / "latest").unlink(missing_ok=True)
+    fsync_dir(dest)
+    fsync_dir(ckdir)
+    return dest
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:

@@ -15,7 +15,9 @@ The data: a real run needs --data-dir, so when it exists here its shards are che
 checks them and each rank's first windows are listed. When it does not (planning a cluster from a
 laptop), the dry run says `data SKIPPED`, quotes what a real run would say, plans the rest and lists
 each rank's rows of the first global batch instead of windows: still exit 0, since everything the
-dry run could check passed.
+dry run could check passed. A run directory held by a live run (RUN/run.lock) is a warning, not an
+error: a real start now would be refused, but the rehearsal takes no lock and checks what it would do
+once that run ends (a requeue being planned while its job still runs), so it still exits 0.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from gpt2.dist import Dist, resolve_device, world_from_env
 from gpt2.flops import device_peak_flops
 from gpt2.plan import GIB, Hardware, custom_hardware, device_hardware, gpu_native_bf16
 from gpt2.resume import choose_start
+from gpt2.rundir import LOCK, live_holder
 from gpt2.schedule import grad_accum_steps
 from gpt2.shards import ShardError
 from gpt2.startup import auto_loss_impl, auto_micro_batch, check_data, check_plan, log_auto
@@ -171,11 +174,20 @@ def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log)
     """What --resume would load (rank 0's decision, its sha256 verified; the weights are not read),
     checked against this run as a real resume checks it. Returns (step, loader position)."""
     tc = cfg.train
+    holder = live_holder(tc.out_dir)
+    if holder is not None:  # own_run_dir would refuse a real start now; the rehearsal goes on, and exits 0
+        log.warn(f"{tc.out_dir} is in use by another training run ({holder}; {Path(tc.out_dir) / LOCK}): a real "
+                 "start now would be refused (exit 2) and touch nothing. The dry run took no lock; what follows is "
+                 "what a start would do once that run has ended")
     one = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     start = choose_start(tc.resume, tc.out_dir, one, warn=log.warn)
     if start.set_aside:  # what set_aside_earlier_run would move before the run writes anything
         log.info(f"run dir    {tc.out_dir} holds another run's {', '.join(start.set_aside)}: a real run moves them "
                  "into a previous-<UTC time>/ folder there (nothing deleted)")
+    if start.abandon:  # what set_aside_abandoned would move
+        log.info(f"run dir    {start.point.path} is an earlier checkpoint of this run: a real run moves its later "
+                 f"{', '.join(start.abandon)} into {ckpt.checkpoint_dir(tc.out_dir)}/{ckpt.ABANDONED_PREFIX}"
+                 f"{start.point.step:08d}-<UTC time>/ (nothing deleted), so --resume auto never returns to them")
     point = start.point
     if point is None:
         why = "--resume never" if tc.resume == "never" else f"no valid checkpoint in {ckpt.checkpoint_dir(tc.out_dir)}"

@@ -17,7 +17,10 @@ After loading, `agree_on_step` checks that every rank holds the same step.
 A fresh start in a directory that holds another run's records (gpt2/rundir.py) moves them into
 RUN/previous-<UTC time>/ (`set_aside_earlier_run`): rank 0 renames them after every rank has
 finished reading the directory for the decision, and every rank waits for the renames before
-anything is written, so the new run's records never mix with the old one's.
+anything is written, so the new run's records never mix with the old one's. Likewise a resume of an
+explicit, earlier checkpoint of RUN's own run (a rollback past a loss spike) moves that run's later
+checkpoints into RUN/checkpoints/abandoned-*/ (`set_aside_abandoned`): else a requeue with --resume
+auto would take the newest, of the branch the rollback left.
 
 Every step is a collective that every rank reaches, even when it failed locally: one rank raising
 alone would leave the others waiting in the next collective until the timeout.
@@ -31,6 +34,7 @@ from pathlib import Path
 
 from gpt2 import checkpoint as ckpt
 from gpt2 import rundir
+from gpt2.atomic import atomic_write_bytes
 from gpt2.dist import Dist, all_gather_object, broadcast_object
 
 SHARED_DIR_HINT = ("Every rank must see the same run directory: put --out-dir on a filesystem every node "
@@ -58,6 +62,10 @@ class Start:
     resume (None for a checkpoint from before run ids: the run goes on without one)."""
     set_aside: tuple[str, ...] = ()
     """RUN's records of another run (names in RUN), moved into RUN/previous-*/ before anything is written."""
+    abandon: tuple[str, ...] = ()
+    """--resume PATH of an earlier checkpoint of RUN's run: its later checkpoints there (names in
+    RUN/checkpoints), a branch this run leaves, moved into RUN/checkpoints/abandoned-*/ before anything
+    is written, so `auto` never returns to them."""
 
 
 def _point(path: Path) -> ResumePoint:
@@ -109,8 +117,10 @@ def _decide(resume: str, out_dir: str | Path, warn) -> tuple[Start, str | None]:
     if path is None:  # everything of an earlier run goes aside, whatever its id: a fresh start shares nothing
         return Start(None, rundir.new_run_id(), rundir.records_present(out)), counted
     point = _point(path)
-    if counted in (rundir.ANY_RUN, point.run_id):
-        return Start(point, point.run_id), counted
+    if counted in (rundir.ANY_RUN, point.run_id):  # RUN's own run (or nothing recorded): it continues
+        explicit = resume != "auto" and ckpt.is_checkpoint(resume)  # a run directory, like auto, takes the newest
+        abandon = ckpt.later_checkpoints(out, point.step, point.run_id) if explicit else ()
+        return Start(point, point.run_id, abandon=abandon), counted
     # --resume PATH of another run into a directory that holds its own: the directory becomes the
     # resumed run's, and its earlier records go aside as at a fresh start.
     if out.resolve() in path.resolve().parents:
@@ -173,14 +183,41 @@ def set_aside_earlier_run(start: Start, out_dir: str | Path, dist: Dist) -> Path
     """
     if not start.set_aside:
         return None
+    return _rank0_moves(lambda: rundir.move_aside(out_dir, start.set_aside), dist,
+                        f"cannot move the earlier run's {', '.join(start.set_aside)} in {out_dir} into a "
+                        f"{rundir.PREVIOUS_PREFIX}* folder")
+
+
+def set_aside_abandoned(start: Start, out_dir: str | Path, dist: Dist) -> Path | None:
+    """Rank 0 moves start.abandon (the resumed run's checkpoints past start.point) into
+    RUN/checkpoints/abandoned-<step>-<UTC time>/ (returned on rank 0) and copies RUN/metrics.jsonl
+    there whole, the abandoned branch's log (restore then cuts RUN's back to the resumed step); every
+    rank waits. Called where set_aside_earlier_run is, for the same reasons."""
+    if not start.abandon:
+        return None
+
+    def move() -> Path:
+        dest = ckpt.abandon_checkpoints(out_dir, start.abandon, start.point.step)
+        log = Path(out_dir) / "metrics.jsonl"
+        if log.is_file():
+            atomic_write_bytes(dest / log.name, log.read_bytes())
+        return dest
+
+    return _rank0_moves(move, dist, f"cannot move {', '.join(start.abandon)} in {ckpt.checkpoint_dir(out_dir)} "
+                                    f"into an {ckpt.ABANDONED_PREFIX}* folder")
+
+
+def _rank0_moves(move, dist: Dist, failure: str) -> Path | None:
+    """move() on rank 0 (its result returned there); the gather holds every rank until it is done and
+    carries rank 0's failure to every rank (one rank raising alone would leave the others waiting in
+    their next collective)."""
     dest, problem = None, None
     if dist.is_main:
         try:
-            dest = rundir.move_aside(out_dir, start.set_aside)
+            dest = move()
         except OSError as e:
-            problem = (f"cannot move the earlier run's {', '.join(start.set_aside)} in {out_dir} into a "
-                       f"{rundir.PREVIOUS_PREFIX}* folder ({type(e).__name__}: {e}); nothing was deleted. Fix the "
-                       "directory's permissions, or pass another --out-dir")
+            problem = (f"{failure} ({type(e).__name__}: {e}); nothing was deleted. Fix the directory's "
+                       "permissions, or pass another --out-dir")
     reports = all_gather_object(problem, dist)
     if any(reports):
         raise ckpt.CheckpointError(next(p for p in reports if p))

@@ -83,22 +83,26 @@ def move_aside(out_dir: str | Path, names: tuple[str, ...]) -> Path:
     into a folder of its own. Raises OSError (e.g. no permission) with the folder's files so far kept.
     """
     out = Path(out_dir)
-    stamp = PREVIOUS_PREFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    dest = out / stamp
-    for n in range(1, 1000):  # two fresh starts within a second: previous-T, previous-T-2
-        try:
-            dest.mkdir()
-            break
-        except FileExistsError:
-            dest = out / f"{stamp}-{n + 1}"
-    else:
-        raise FileExistsError(f"{out}: too many {stamp}* folders")
+    dest = stamped_dir(out, PREVIOUS_PREFIX)
     for name in names:
         if os.path.lexists(out / name):  # the decision listed it; gone now only if a user moved it
             _move(out / name, dest)
     fsync_dir(dest)
     fsync_dir(out)
     return dest
+
+
+def stamped_dir(parent: Path, prefix: str) -> Path:
+    """A new, empty folder parent/<prefix><UTC time>; two within a second: ...T, ...T-2."""
+    stamp = prefix + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = parent / stamp
+    for n in range(1, 1000):
+        try:
+            dest.mkdir()
+            return dest
+        except FileExistsError:
+            dest = parent / f"{stamp}-{n + 1}"
+    raise FileExistsError(f"{parent}: too many {stamp}* folders")
 
 
 def _move(src: Path, dest: Path) -> None:
@@ -229,6 +233,22 @@ def stale_reason(holder: dict | None, *, age_s: float, me: dict, pid_start: int 
     if age_s > STALE_AFTER_S:
         return f"its heartbeat stopped {age_s:.0f} s ago (a live holder refreshes it every {HEARTBEAT_S:.0f} s)"
     return None
+
+
+def live_holder(out_dir: str | Path, env=None) -> str | None:
+    """The holder of RUN/run.lock (describe_holder) when a start now would be refused, else None;
+    reads the lock and takes nothing (--dry-run). Unlike RunLock.acquire, which writes a file to read
+    the filesystem's clock, the heartbeat's age is measured on this host's clock."""
+    lock = Path(out_dir) / LOCK
+    try:
+        raw, mtime = lock.read_bytes(), lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    holder = _parse(raw)
+    pid = holder.get("pid") if isinstance(holder, dict) else None
+    reason = stale_reason(holder, age_s=time.time() - mtime, me=holder_record(env),
+                          pid_start=process_start(pid) if isinstance(pid, int) else None)
+    return describe_holder(holder) if reason is None else None
 
 
 def _count(launch: dict, name: str) -> int:

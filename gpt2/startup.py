@@ -2,9 +2,9 @@
 
 check_data (before any process group), then prepare(): the precision, micro-batch and loss path
 (rank 0 decides, every rank takes its answer), the MFU peak, the memory plan, the network line,
-and where the run starts (a checkpoint or fresh, the earlier run's files moved aside); after the
-build, write_run_info and announce(). gpt2/dryrun.py rehearses the same functions without a
-process group, so its first error is a real run's.
+and where the run starts (a checkpoint or fresh, the earlier run's files or an abandoned branch's
+checkpoints moved aside); after the build, write_run_info and announce(). gpt2/dryrun.py rehearses
+the same functions without a process group, so its first error is a real run's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from gpt2.dist import Dist, broadcast_object, set_cpu_threads
 from gpt2.flops import device_peak_flops, format_flops, mig_profile, peak_problem
 from gpt2.fsdp import gathered_param_bytes
 from gpt2.metrics import Metrics
-from gpt2.resume import Start, choose_start, set_aside_earlier_run
+from gpt2.resume import Start, choose_start, set_aside_abandoned, set_aside_earlier_run
 from gpt2.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
 from gpt2.schedule import grad_accum_steps
 from gpt2.shards import ShardError
@@ -105,16 +105,23 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
         why = "fresh start" if start.point is None else f"resuming run {start.run_id} from {start.point.path}"
         log.info(f"{why}: moved the earlier run's {', '.join(start.set_aside)} from {tc.out_dir} into {moved}/ "
                  "(nothing deleted)")
+    abandoned = set_aside_abandoned(start, tc.out_dir, dist)
+    if abandoned is not None:
+        log.info(f"resuming from {start.point.path} (step {start.point.step}), an earlier checkpoint of this run: "
+                 f"moved its later {', '.join(start.abandon)} and their sidecars into {abandoned}/ with a copy of "
+                 f"metrics.jsonl, so --resume auto never returns to that branch (nothing deleted); metrics.jsonl "
+                 f"goes on from step {start.point.step}")
     log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict())
     return Startup(cfg, prec, loss, peak, network, start)
 
 
 def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: ShardSet) -> None:
-    """A resume that moves the directory's earlier run aside (--resume PATH of another run): the
-    checkpoint's refusals (another shape, optimizer, data, seed...) come first, else a refused resume
-    would leave the directory's own run in previous-*/ and the next start would begin at step 0.
+    """A resume that moves files aside (--resume PATH of another run: the directory's earlier run; of
+    an earlier checkpoint of this run: its later checkpoints): the checkpoint's refusals (another
+    shape, optimizer, data, seed...) come first, else a refused resume would leave the directory's own
+    run in previous-*/ (the next start would begin at step 0) or its newest checkpoints in abandoned-*/.
     Rank 0 checks; every rank raises its error alike."""
-    if not (start.set_aside and start.point is not None):
+    if not ((start.set_aside or start.abandon) and start.point is not None):
         return
     problem = None
     if dist.is_main:

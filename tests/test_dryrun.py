@@ -343,9 +343,9 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
                          world_size=2, seed=cfg.train.seed, device=torch.device("cpu"))
     for _ in range(3):
         loader.advance()
-    ckpt.save_checkpoint(run, 3, {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "config": cfg.to_dict(),
-                                  "tokenizer": "gpt2", "loader": loader.state_dict(), "rng": [], "world_size": 2,
-                                  "tokens": 3 * 512}, keep=3)
+    state = {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "config": cfg.to_dict(), "tokenizer": "gpt2",
+             "loader": loader.state_dict(), "rng": [], "world_size": 2, "tokens": 3 * 512}
+    ckpt.save_checkpoint(run, 3, state, keep=3)
     code, out, err = dry(train_ddp, [*base, "--world-size", "2"], capsys)
     assert code == 0, err
     assert f"would load {run}/checkpoints/step_00000003.pt (step 3" in out and "continue at step 3" in out
@@ -360,6 +360,15 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
     # another shape: refused as a real resume refuses it
     code, _, err = dry(train_ddp, [*base, "--world-size", "2", "--n-embd", "128"], capsys)
     assert code == 2 and "model shape differs" in err, err
+    # a rollback (an explicit earlier checkpoint): the later ones a real run moves aside, moved by none here
+    ckpt.save_checkpoint(run, 5, state, keep=3)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    code, out, err = dry(train_ddp, [*base, "--world-size", "2", "--resume", f"{run}/checkpoints/step_00000003.pt"],
+                         capsys)
+    assert code == 0, err
+    assert (f"run dir    {run}/checkpoints/step_00000003.pt is an earlier checkpoint of this run: a real run moves its "
+            f"later step_00000005.pt into {run}/checkpoints/abandoned-00000003-<UTC time>/ (nothing deleted)") in out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
 def test_a_fresh_start_in_a_used_directory_says_what_a_real_run_moves(train_ddp, data_dir, tmp_path, capsys):
@@ -378,6 +387,31 @@ def test_a_fresh_start_in_a_used_directory_says_what_a_real_run_moves(train_ddp,
     assert "metrics.jsonl" in line and "previous-<UTC time>/" in line
     assert "--resume never: a fresh start at step 0" in out
     assert sorted(p.name for p in run.iterdir()) == before  # a dry run writes nothing
+
+
+def test_a_held_run_directory_is_a_warning_and_the_rehearsal_takes_no_lock(train_ddp, data_dir, tmp_path, capsys):
+    """RUN/run.lock held by a live run: a real start would be refused (exit 2); the dry run says so,
+    leaves the lock as it is and exits 0 (it rehearses the configuration, which a requeue planned
+    while the job still runs needs). Once the lock is released the warning is gone."""
+    from gpt2.rundir import LOCK, RunLock, describe_holder
+
+    run = tmp_path / "run"
+    argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--micro-batch-size", "4",
+            "--total-batch-size", "512", "--data-dir", str(data_dir), "--out-dir", str(run), "--device", "cpu",
+            "--dtype", "float32"]
+    lock = RunLock.acquire(run)
+    try:
+        held = (run / LOCK).read_bytes()
+        code, out, err = dry(train_ddp, argv, capsys)
+        assert code == 0, err
+        assert (f"warning: {run} is in use by another training run ({describe_holder(lock.record)}; {run}/{LOCK}): "
+                "a real start now would be refused (exit 2) and touch nothing. The dry run took no lock") in out
+        assert "dry run OK" in out
+        assert sorted(p.name for p in run.iterdir()) == [LOCK] and (run / LOCK).read_bytes() == held
+    finally:
+        lock.release()
+    code, out, err = dry(train_ddp, argv, capsys)
+    assert code == 0 and "in use by another training run" not in out + err
 
 
 def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path, capsys):

@@ -486,6 +486,71 @@ def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoin
     assert sidecar_run_ids(run_dir) == {"step_00000005": new_id, "step_00000008": run_id(reference)}
 
 
+# ---- A rollback: --resume PATH of an earlier checkpoint of the run ------------------------------
+
+def stop_during_step(monkeypatch, step: int) -> None:
+    """SIGTERM to this process while optimizer step `step` (counted from 1) runs: a preemption there,
+    so the run checkpoints that step and exits 3."""
+    import gpt2.trainer as trainer
+
+    original = trainer.train_step
+
+    def train_step(parts, cfg, dist, stop_requested):
+        if parts.step == step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded by the trainer's StopRequest
+            stop_requested = True  # the loop read the flag before this call; the signal is now here
+        return original(parts, cfg, dist, stop_requested)
+
+    monkeypatch.setattr(trainer, "train_step", train_step)
+
+
+def test_a_rollback_moves_the_later_checkpoints_aside_and_a_requeue_continues_the_new_branch(
+        tmp_path, shakespeare_shards, capsys, monkeypatch):
+    """A run to step 6 (checkpoints 2, 4, 6) rolled back with --resume RUN/checkpoints/step_00000002.pt
+    and a lower --lr, preempted at step 5, requeued with --resume auto. auto used to take step 6, the
+    abandoned branch; now the rollback moved steps 4 and 6 into checkpoints/abandoned-*/, and the
+    requeue's losses are those of the new branch run without a stop."""
+    import shutil
+
+    run_dir, uninterrupted = tmp_path / "run", tmp_path / "uninterrupted"
+    assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "6"), capsys)[0] == 0
+    old = losses(run_dir)
+    later = {name: (run_dir / "checkpoints" / name).read_bytes()
+             for name in ("step_00000004.pt", "step_00000004.json", "step_00000006.pt", "step_00000006.json")}
+    shutil.copytree(run_dir, uninterrupted)
+    branch = ["--lr", "1e-3", "--max-steps", "7", "--ckpt-interval", "3"]
+    rollback = ["--resume", str(run_dir / "checkpoints" / "step_00000002.pt")]
+
+    code, out, _ = in_process(small(shakespeare_shards, uninterrupted, *branch, "--resume",
+                                    str(uninterrupted / "checkpoints" / "step_00000002.pt")), capsys)
+    assert code == 0
+    new = losses(uninterrupted)
+    assert sorted(new) == list(range(1, 8)) and new[4] != old[4]  # step 3 updates with the new lr
+
+    before = tree(run_dir)  # a refused rollback (another seed) moves nothing
+    code, out, err = in_process(small(shakespeare_shards, run_dir, *branch, *rollback, "--seed", "7"), capsys)
+    assert code == 2 and "keep the seed to resume exactly" in err and "moved" not in out, err
+    assert tree(run_dir) == before
+
+    with monkeypatch.context() as patch:
+        stop_during_step(patch, 5)
+        code, rolled, _ = in_process(small(shakespeare_shards, run_dir, *branch, *rollback), capsys)
+    assert code == 3 and "stopped by signal at step 5" in rolled, rolled
+    assert losses(run_dir) == {step: loss for step, loss in new.items() if step <= 5}  # one run: 1-2, then the new 3-5
+
+    code, out, _ = in_process(small(shakespeare_shards, run_dir, *branch), capsys)  # the requeue: --resume auto
+    assert code == 0 and f"resumed from {run_dir}/checkpoints/step_00000005.pt at step 5" in out, out
+    assert losses(run_dir) == new  # the new branch, bitwise; not step 6 of the old one
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.pt")) == [
+        "step_00000002.pt", "step_00000003.pt", "step_00000005.pt", "step_00000006.pt", "step_00000007.pt"]
+    [abandoned] = (run_dir / "checkpoints").glob("abandoned-*")
+    assert abandoned.name.startswith("abandoned-00000002-")
+    assert (f"resuming from {run_dir}/checkpoints/step_00000002.pt (step 2), an earlier checkpoint of this run: "
+            f"moved its later step_00000004.pt, step_00000006.pt and their sidecars into {abandoned}/") in rolled
+    assert {name: (abandoned / name).read_bytes() for name in later} == later  # nothing deleted or changed
+    assert losses(abandoned) == old  # the abandoned branch's log, whole
+
+
 # ---- One run per directory (RUN/run.lock), and workers that outlive their launcher ---------------
 
 def tree(run_dir) -> dict[str, bytes]:

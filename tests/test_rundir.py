@@ -203,6 +203,56 @@ def test_a_failed_move_is_every_ranks_error(tmp_path, monkeypatch):
     assert rundir.records_present(tmp_path)  # nothing was moved, and nothing deleted
 
 
+def test_resuming_an_earlier_checkpoint_of_the_run_moves_its_later_ones_into_abandoned(tmp_path):
+    """A rollback (--resume PATH of step 3 while 6 and 9 exist): the decision lists 6 and 9 (a damaged
+    one too, another run's stray not), the move keeps their bytes in checkpoints/abandoned-*/ with a
+    copy of the log, and `auto` then takes step 3. auto and a run directory argument abandon nothing."""
+    an_earlier_run(tmp_path)  # steps 3 and 6 of old-run, metrics.jsonl to step 6
+    nine = save(tmp_path, 9, "old-run")
+    nine.write_bytes(nine.read_bytes()[:100])  # damaged: auto skips it, but it is the old branch's too
+    save(tmp_path, 12, "stray-run")
+    ckdir = tmp_path / "checkpoints"
+    quiet = []
+    for resume_arg in ("auto", str(tmp_path)):
+        assert resume.choose_start(resume_arg, tmp_path, ONE, warn=quiet.append).abandon == ()
+    log = (tmp_path / "metrics.jsonl").read_bytes()
+    before = {name: (ckdir / name).read_bytes() for name in ("step_00000006.pt", "step_00000006.json",
+                                                             "step_00000009.pt", "step_00000009.json")}
+    start = resume.choose_start(str(ckdir / "step_00000003.pt"), tmp_path, ONE, warn=quiet.append)
+    assert start.point.step == 3 and start.set_aside == ()
+    assert start.abandon == ("step_00000006.pt", "step_00000009.pt")
+    dest = resume.set_aside_abandoned(start, tmp_path, ONE)
+    assert dest.parent == ckdir and re.fullmatch(r"abandoned-00000003-\d{8}T\d{6}Z", dest.name)
+    assert {name: (dest / name).read_bytes() for name in before} == before
+    assert (dest / "metrics.jsonl").read_bytes() == log  # the abandoned branch's log, whole
+    assert sorted(p.name for p in ckdir.iterdir()) == sorted([dest.name, "step_00000003.pt", "step_00000003.json",
+                                                              "step_00000012.pt", "step_00000012.json", "latest"])
+    assert (ckdir / "latest").read_text() == "step_00000012.pt\n"  # named no moved one: left as it was
+    again = resume.choose_start("auto", tmp_path, ONE, warn=quiet.append)
+    assert again.point.path == str(ckdir / "step_00000003.pt") and again.abandon == ()
+    # `latest` naming a moved checkpoint is removed (the next save writes it), not left dangling
+    save(tmp_path, 5, "old-run")
+    second = resume.set_aside_abandoned(resume.choose_start(str(ckdir / "step_00000003.pt"), tmp_path, ONE,
+                                                            warn=quiet.append), tmp_path, ONE)
+    assert second != dest and sorted(p.name for p in second.iterdir()) == ["metrics.jsonl", "step_00000005.json",
+                                                                           "step_00000005.pt"]
+    assert not (ckdir / "latest").exists() and ckpt.latest_valid(tmp_path, quiet.append).name == "step_00000003.pt"
+
+
+def test_a_failed_abandon_move_is_every_ranks_error(tmp_path, monkeypatch):
+    an_earlier_run(tmp_path)
+    start = resume.choose_start(str(tmp_path / "checkpoints" / "step_00000003.pt"), tmp_path, ONE, warn=pytest.fail)
+
+    def refused(*args):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "checkpoints"))
+
+    monkeypatch.setattr(ckpt, "abandon_checkpoints", refused)
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot move step_00000006.pt in .* into an abandoned-\* "
+                                                   r"folder .* nothing was deleted"):
+        resume.set_aside_abandoned(start, tmp_path, ONE)
+    assert ckpt.latest_valid(tmp_path, pytest.fail).name == "step_00000006.pt"
+
+
 # ---- One run per directory: RUN/run.lock ---------------------------------------------------------
 
 HERE = {"host": "node1", "pid": 4242, "pid_start": 777, "pid_space": "node1/boot-a/pid:[1]", "since": "2026-01-01T00:00:00Z",
@@ -288,6 +338,19 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_or_silent_one(tmp_
     assert "its heartbeat stopped" in lock.taken_over
     lock.release()
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temp or renamed lock left behind
+
+
+def test_live_holder_reads_the_lock_and_takes_nothing(tmp_path):
+    """--dry-run's question: would a start now be refused? Answered without writing into RUN."""
+    assert rundir.live_holder(tmp_path) is None
+    lock = rundir.RunLock.acquire(tmp_path)
+    before = files(tmp_path)
+    assert rundir.live_holder(tmp_path) == rundir.describe_holder(lock.record)
+    assert files(tmp_path) == before
+    lock.release()
+    pid, start = a_dead_pid()  # kill -9: a start would take it over
+    (tmp_path / rundir.LOCK).write_text(json.dumps({**lock.record, "pid": pid, "pid_start": start}))
+    assert rundir.live_holder(tmp_path) is None
 
 
 def test_run_lock_release_and_takeover_never_remove_another_runs_lock(tmp_path):
