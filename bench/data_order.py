@@ -44,6 +44,8 @@ RECIPE = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--n-la
 class RandomWindows:
     """nanoGPT's get_batch as a loader: B windows at uniformly random starts, with replacement."""
 
+    problem: str | None = None  # the trainer's loader interface; data_prep's shards hold GPT-2 ids only
+
     def __init__(self, data_dir: Path, *, micro_batch_size: int, seq_len: int, seed: int) -> None:
         shards = find_shards(data_dir, "train")
         self.tokens = TokenStream(shards, seed=0, shuffle=False).read(0, shards.total_tokens)

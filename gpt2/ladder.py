@@ -141,6 +141,8 @@ class FixedBatch:
     """The trainer's loader interface (micro_batch, advance) over one batch: every step and every
     rung sees the same tokens, so their first losses are comparable."""
 
+    problem: str | None = None  # the interface's out-of-vocabulary report: random ids below the vocab never have one
+
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.x, self.y = x, y
 
