@@ -382,3 +382,21 @@ def ulps_apart(a: float, b: float) -> float:
     import numpy as np
 
     return abs(a - b) / float(np.spacing(np.float32(abs(b))))
+
+
+def no_space_after(n_bytes: int):
+    """A checkpoint._HashingWriter.write that fails as a full disk does once n_bytes are written: the
+    OS's OSError, which torch.save reports as RuntimeError "[enforce fail at inline_container.cc:672]
+    . unexpected pos ..." (monkeypatch it onto _HashingWriter.write)."""
+    import errno
+
+    from gpt2 import checkpoint as ckpt
+
+    real = ckpt._HashingWriter.write
+
+    def write(self, data):
+        if self.size + len(data) > n_bytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+
+    return write

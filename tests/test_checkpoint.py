@@ -24,7 +24,7 @@ from gpt2.load import load_model
 from gpt2.preempt import StopRequest
 from gpt2.state import check_compatible, rng_state, set_rng_state
 
-from _helpers import import_train_ddp, tiny_run_flags
+from _helpers import import_train_ddp, no_space_after, tiny_run_flags
 from conftest import REPO
 
 
@@ -433,21 +433,6 @@ def test_one_sidecar_reader(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ one line where a traceback was (issue 32, item 8)
-
-def no_space_after(n_bytes: int):
-    """_HashingWriter.write failing as a full disk does past n_bytes: the OS's OSError, which torch.save
-    reports as RuntimeError "[enforce fail at inline_container.cc:672] . unexpected pos ..."."""
-    import errno
-
-    real = ckpt._HashingWriter.write
-
-    def write(self, data):
-        if self.size + len(data) > n_bytes:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, data)
-
-    return write
-
 
 def main_err(args, capsys) -> tuple[int, str]:
     capsys.readouterr()

@@ -18,7 +18,7 @@ from gpt2.config import ModelConfig, TrainConfig
 from gpt2.model import GPT
 from gpt2.optim import make_optimizer
 
-from _helpers import assert_same_state, import_train_ddp, losses, tiny_run_flags
+from _helpers import assert_same_state, import_train_ddp, losses, no_space_after, tiny_run_flags
 
 GUARD_S = 120  # a deadlock guard only: correct code never comes near it
 
@@ -232,22 +232,6 @@ def test_training_runs_on_while_the_trainer_writes_and_matches_a_synchronous_run
 
 
 # A failed write through the trainer, on 2 ranks: tests/test_resume.py
-
-
-def no_space_after(n_bytes: int):
-    """A _HashingWriter.write that fails as a full disk does once n_bytes are written: the OS's OSError,
-    which torch.save turns into RuntimeError "[enforce fail at inline_container.cc] unexpected pos"."""
-    import errno
-    import os
-
-    real = ckpt._HashingWriter.write
-
-    def write(self, data):
-        if self.size + len(data) > n_bytes:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, data)
-
-    return write
 
 
 def test_a_background_write_on_a_full_disk_says_no_space_and_names_the_directory(tmp_path, monkeypatch):
