@@ -85,13 +85,20 @@ def checkout(source: str, commit: str = PINNED, cache: Path = CACHE) -> Path:
     return tree
 
 
+COMMIT_FILE = ".nanogpt-commit"
+"""Written by `bench/gpu_session.py prepare` into its checkout: the commit, for a copy without .git/."""
+
+
 def detached_head(tree: Path) -> str | None:
-    """The commit a working tree's .git/HEAD names when it is detached (40 hex digits), read without git."""
-    try:
-        head = (tree / ".git" / "HEAD").read_text().strip()
-    except OSError:
-        return None
-    return head if re.fullmatch(r"[0-9a-f]{40}", head) else None
+    """The commit a working tree's .git/HEAD names when it is detached (40 hex digits), read without git;
+    where .git/ is absent, the commit its COMMIT_FILE records."""
+    for path in (tree / ".git" / "HEAD", tree / COMMIT_FILE):
+        try:
+            head = path.read_text().strip()
+        except OSError:
+            continue
+        return head if re.fullmatch(r"[0-9a-f]{40}", head) else None
+    return None
 
 
 def tree_or_exit(source: str, commit: str, prog: str) -> Path | None:

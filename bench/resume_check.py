@@ -1,6 +1,6 @@
 """Exact resume after kill -9: the continuation of a killed and resumed run against an uninterrupted one.
 
-    python bench/resume_check.py --device cuda --data-dir .gpu/data       # GPT-2 124M, bf16, compiled, ~2 min
+    python bench/resume_check.py --device cuda --data-dir .gpu/data --steps 40   # GPT-2 124M, bf16, compiled
     python bench/resume_check.py --device cpu --shape tiny --steps 12 --ckpt-step 4 --data-dir D   # seconds
 
 Every run is a real `python train_ddp.py` process with the same flags (the shape's defaults otherwise:
@@ -166,7 +166,11 @@ def verdict(check: Check, floor: float) -> tuple[bool, list[str]]:
     lines.append(f"- tolerance: max(--tolerance {floor:g}, 2 x noise floor) = {tol:.3g}")
     passed = resumed is not None and resumed <= tol and not check.problems
     lines += [f"- problem: {p}" for p in check.problems]
-    lines.append(f"- exact resume after kill -9: **{'PASS' if passed else 'FAIL'}**")
+    if not passed and not check.problems and resumed is not None and noise is None:
+        lines.append("- exact resume after kill -9: **UNDECIDED**: not bit for bit, and without B's noise floor "
+                     "a difference cannot be told from non-deterministic kernels (run with --repeat)")
+    else:
+        lines.append(f"- exact resume after kill -9: **{'PASS' if passed else 'FAIL'}**")
     return passed, lines
 
 
@@ -186,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gpt2")
     ap.add_argument("--data-dir", type=Path, required=True, help="token shards (e.g. .gpu/data)")
-    ap.add_argument("--steps", type=int, default=60, help="N: steps of every run")
+    ap.add_argument("--steps", type=int, default=40, help="N: steps of every run")
     ap.add_argument("--ckpt-step", type=int, default=20, help="K: the checkpoint interval; C is killed after step K's")
     ap.add_argument("--repeat", action=argparse.BooleanOptionalAction, default=True,
                     help="run A twice (B) for the noise floor")

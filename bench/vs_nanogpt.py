@@ -166,7 +166,8 @@ def run_train(flags: list[str], out: Path, timeout: int = 7200) -> OursRun:
     done = subprocess.run([sys.executable, "train_ddp.py", *flags], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
     if done.returncode:
-        raise RuntimeError(f"train_ddp.py {' '.join(flags)} failed: {done.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"train_ddp.py {' '.join(flags)} failed (exit {done.returncode}): "
+                           f"{(done.stdout + done.stderr).strip()[-2000:]}")
     records = sorted((r for r in read_metrics(out / "metrics.jsonl") if "step_s" in r), key=lambda r: r["step"])
     conf = json.loads((out / "config.json").read_text())
     return OursRun([r["step_s"] for r in records], conf["config"]["train"], startup_said(done.stdout + done.stderr),
@@ -349,7 +350,7 @@ def measure_by_batch(rows: list[Row], shape: Shape, *, device: str, data: Path, 
                                  out=tmp / f"b{i}_{j}", steps=steps, warmup=warmup)
                 said = f"{statistics.median(row.times):.4f} s/step"
             except (RuntimeError, nanogpt.NanoGPTError, subprocess.TimeoutExpired, OSError, KeyError) as e:
-                row.error = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+                row.error = " ".join(str(e).split())[-300:] or type(e).__name__  # the end says why
                 said = f"FAILED: {row.error}"
             print(f"  round {i + 1}/{rounds}: {row.name}: {said}", file=sys.stderr, flush=True)
             if after_row:
