@@ -204,13 +204,14 @@ def test_each_gpu_part_fits_one_device_call_and_runs_what_the_issue_asks(tmp_pat
 
 def test_the_session_runner_records_a_failure_and_a_timeout_and_runs_every_step(tmp_path):
     py = sys.executable
-    steps = [gpu_session.Step("good", [py, "-c", "open('r.md', 'w').write('| table |'); print('fine')"], 60),
+    work = tmp_path / "part"
+    work.mkdir()
+    steps = [gpu_session.Step("good", [py, "-c", f"open({str(work / 'r.md')!r}, 'w').write('| table |'); print('fine')"],
+                              60, report="r.md"),
              gpu_session.Step("bad", [py, "-c", "import sys; print('broken'); sys.exit(3)"], 60),
              gpu_session.Step("slow", [py, "-c", "import time; print('started', flush=True); time.sleep(60)"], 2),
              gpu_session.Step("absent", [py, "-m", "nowhere"], 60, needs="not in this checkout"),
              gpu_session.Step("after", [py, "-c", "print('still ran')"], 60)]
-    work = tmp_path / "part"
-    work.mkdir()
     results = gpu_session.run_steps(steps, work, budget_s=300)
     assert [(r.name, r.status, r.rc) for r in results] == [
         ("good", "ok", 0), ("bad", "failed", 3), ("slow", "timeout", results[2].rc), ("absent", "skipped", None),
@@ -221,6 +222,7 @@ def test_the_session_runner_records_a_failure_and_a_timeout_and_runs_every_step(
     assert sorted(p.name for p in out.iterdir()) == ["part9-logs.tar.gz", "part9.json", "part9.md"]
     md = (out / "part9.md").read_text()
     assert "| bad | failed | 3 |" in md and "| slow | timeout |" in md and "not in this checkout" in md
+    assert "| table |" in md  # the step's report, in PART.md
     with tarfile.open(out / "part9-logs.tar.gz") as tar:
         assert {"part/logs/good.log", "part/logs/bad.log", "part/logs/after.log"} <= set(tar.getnames())
     skipped = gpu_session.run_steps(steps[:1], work, budget_s=10)  # under 20 s left: nothing starts
