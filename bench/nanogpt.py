@@ -54,11 +54,15 @@ def add_side_by_side_flags(ap: argparse.ArgumentParser) -> None:
 
 
 def checkout(source: str, commit: str = PINNED, cache: Path = CACHE) -> Path:
-    """nanoGPT's working tree at the pinned commit, cloned from source into cache once."""
+    """nanoGPT's working tree at the pinned commit, cloned from source into cache once; a source that is
+    itself a working tree checked out at the pinned commit (scripts/gpu_prepare.sh's .gpu/nanogpt) is
+    used in place, without git (a GPU machine may have none)."""
     if commit != PINNED:
         raise NanoGPTError(f"--nanogpt-commit {commit} is not the pinned {PINNED}: this benchmark parses that "
                            "commit's train.py flags and log lines; check another commit's and change PINNED in "
                            "bench/nanogpt.py to use it")
+    if (Path(source) / "train.py").is_file() and detached_head(Path(source)) == PINNED:
+        return Path(source).resolve()
     tree = cache / f"nanogpt-{PINNED[:12]}"
     if not (tree / ".git").exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -79,6 +83,22 @@ def checkout(source: str, commit: str = PINNED, cache: Path = CACHE) -> Path:
         raise NanoGPTError(f"{tree} is checked out at {head or 'nothing'}, not the pinned {PINNED}: remove that "
                            "directory and run again")
     return tree
+
+
+COMMIT_FILE = ".nanogpt-commit"
+"""Written by `bench/gpu_session.py prepare` into its checkout: the commit, for a copy without .git/."""
+
+
+def detached_head(tree: Path) -> str | None:
+    """The commit a working tree's .git/HEAD names when it is detached (40 hex digits), read without git;
+    where .git/ is absent, the commit its COMMIT_FILE records."""
+    for path in (tree / ".git" / "HEAD", tree / COMMIT_FILE):
+        try:
+            head = path.read_text().strip()
+        except OSError:
+            continue
+        return head if re.fullmatch(r"[0-9a-f]{40}", head) else None
+    return None
 
 
 def tree_or_exit(source: str, commit: str, prog: str) -> Path | None:
@@ -119,11 +139,16 @@ class NanoRun:
     """Each iteration's time as train.py prints it (iter 0 first)."""
     losses: list[float]
     out_dir: Path
+    peak_mib: float | None = None
+    """Peak memory as the MEASURE_MEMORY wrapper prints it at exit; None without the wrapper."""
+    peak_source: str = ""
+    """What peak_mib is: cuda_max_memory_allocated or max_rss."""
 
 
 def run(tree: Path, flags: dict[str, object], out_dir: Path, *, wrapper: str | None = None,
         timeout: int = 7200) -> NanoRun:
-    """`python train.py --device=cpu --key=value ...` in nanoGPT's tree; its per-iteration times and losses.
+    """`python train.py --device=cpu --key=value ...` in nanoGPT's tree (flags may name another device);
+    its per-iteration times and losses.
 
     wrapper: Python code run first in the same process (e.g. keeping every checkpoint train.py writes),
     which then runs train.py as __main__; None runs train.py directly."""
@@ -132,14 +157,37 @@ def run(tree: Path, flags: dict[str, object], out_dir: Path, *, wrapper: str | N
     done = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         raise NanoGPTError(f"nanoGPT's train.py failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    step_s, losses = [], []
-    for line in done.stdout.splitlines():
+    return parse_log(done.stdout, out_dir)
+
+
+def parse_log(stdout: str, out_dir: Path) -> NanoRun:
+    """train.py's `iter N: loss L, time Tms, ...` lines, and MEASURE_MEMORY's `peak_memory_mib M SOURCE`."""
+    step_s, losses, peak, source = [], [], None, ""
+    for line in stdout.splitlines():
         if m := ITER_LINE.match(line):
             losses.append(float(m[2]))
             step_s.append(float(m[3]) / 1000)
+        elif m := PEAK_LINE.match(line):
+            peak, source = float(m[1]), m[2]
     if not step_s:
-        raise NanoGPTError(f"nanoGPT's train.py printed no 'iter N: loss ..., time ...ms' line:\n{done.stdout[-2000:]}")
-    return NanoRun(step_s, losses, out_dir)
+        raise NanoGPTError(f"nanoGPT's train.py printed no 'iter N: loss ..., time ...ms' line:\n{stdout[-2000:]}")
+    return NanoRun(step_s, losses, out_dir, peak, source)
+
+
+PEAK_LINE = re.compile(r"^peak_memory_mib ([\d.]+) (\w+)$")
+MEASURE_MEMORY = """\
+import atexit, resource, runpy, sys, torch
+def _peak():  # train.py prints no memory figure: the process's own peak, as our metrics' mem_mb counts it
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        print('peak_memory_mib %.1f cuda_max_memory_allocated' % (torch.cuda.max_memory_allocated() / 2**20))
+    else:
+        print('peak_memory_mib %.1f max_rss' % (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+atexit.register(_peak)
+sys.argv = ['train.py'] + sys.argv[1:]
+runpy.run_path('train.py', run_name='__main__')
+"""
+"""Runs train.py unchanged and prints its peak memory at exit (CUDA: the caching allocator's
+max_memory_allocated, what our metrics' mem_mb records; CPU: the process's max RSS)."""
 
 
 KEEP_CHECKPOINTS = """\

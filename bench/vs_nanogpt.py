@@ -27,6 +27,25 @@ measured once per machine and cached, the trainer's own MFU reference). Goals (i
 defaults no slower than nanoGPT's best mode at the shape (>= 1.00x), and MFU >= 75% at W1.
 --profile: torch.profiler over our trainer's steps (in this process, built as train_ddp.py builds it)
 at every shape and mode run, the top ops by self CPU time: where the time goes.
+
+By micro-batch (--micro-batches B1,B2; the GPU mode, `--device cuda`, defaults to the gpt2 shape and 12,16):
+
+    python bench/vs_nanogpt.py --device cuda --nanogpt .gpu/nanogpt --data-dir .gpu/data --steps 20 --warmup 10 --rounds 1
+
+  gpt2    GPT-2 124M (`--preset gpt2`: 12 layers, 12 heads, 768 wide, block 1024, vocab 50304), compiled
+Rows, all compiled, bf16 on CUDA (fp32 on a CPU, where nanoGPT has no autocast):
+  nanoGPT B     `python train.py --device=cuda --dtype=bfloat16 --compile=True --batch_size=B
+                --block_size=1024 --gradient_accumulation_steps=1 ...` for each B
+  ours B        `train_ddp.py --preset gpt2 --micro-batch-size B --total-batch-size B*1024` (one micro-step
+                per step, as nanoGPT's rows), everything else at its defaults (dtype, loss path: auto)
+  ours defaults `train_ddp.py --preset gpt2` as it is: auto micro-batch, 524,288 tokens per step (its
+                start-up lines, which say what auto took, are shown)
+tokens/s from the median step time; MFU against the device's data-sheet dense peak in the row's dtype
+(gpt2/flops.py's table, the device named by torch.cuda.get_device_name; on a CPU the measured peak);
+peak memory: ours the largest `mem_mb` of metrics.jsonl (torch.cuda.max_memory_allocated), nanoGPT the
+same counter printed at exit by a wrapper around its unchanged train.py (nanogpt.MEASURE_MEMORY); on a
+CPU both are the process's max RSS. Goals (GPU issue, part 1): ours >= 1.00x nanoGPT's tokens/s at the
+same micro-batch, and >= 45% MFU at defaults on an H100. --json writes the rows, after every row.
 """
 
 from __future__ import annotations
@@ -47,7 +66,7 @@ import torch
 
 from gpt2 import precision
 from gpt2.cli import parse_config
-from gpt2.flops import flops_per_token
+from gpt2.flops import flops_per_token, format_flops, gpu_table_peak
 from gpt2.metrics import read_metrics
 
 import nanogpt  # bench/nanogpt.py
@@ -81,6 +100,9 @@ SHAPES = {
     "debug": Shape("quick start: --preset debug, 4L 4H 128w, block 128, 2 x 8 x 128", ("--preset", "debug"),
                    dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=8, gradient_accumulation_steps=2),
                    2048),
+    "gpt2": Shape("GPT-2 124M: --preset gpt2, 12L 12H 768w, block 1024, vocab 50304", ("--preset", "gpt2"),
+                  dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=12, gradient_accumulation_steps=1),
+                  524_288),
     "tiny": Shape("tiny: 2L 2H 64w, block 32, 2 x 32", ("--n-layer", "2", "--n-head", "2", "--n-embd", "64",
                   "--block-size", "32", "--micro-batch-size", "2", "--total-batch-size", "64"),
                   dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=2, gradient_accumulation_steps=1),
@@ -88,6 +110,8 @@ SHAPES = {
 }
 QUIET = ("--device", "cpu", "--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0",
          "--ckpt-interval", "0", "--plot", "false", "--log-interval", "1", "--seed", "1337")
+BY_BATCH_ONLY = ("gpt2",)
+"""Shapes whose nanoGPT batch differs from ours' global batch: compared by micro-batch only."""
 NANO_FIXED = dict(dtype="float32", bias=True, dropout=0.0, eval_interval=1_000_000, eval_iters=1, log_interval=1,
                   always_save_checkpoint=False, warmup_iters=2, learning_rate=6e-4, min_lr=6e-5)
 
@@ -103,14 +127,57 @@ class Row:
     dtype: str = "float32"
     note: str = ""
     """ours: the start-up lines that say which precision and loss path auto took."""
+    micro_batch: int | None = None
+    """By micro-batch: the row's fixed micro-batch; None for ours at defaults (auto) and the modes layout."""
+    resolved_batch: str = ""
+    """By micro-batch: what ran, 'B x accumulation' (ours at defaults: what auto took)."""
+    tokens: int = 0
+    """By micro-batch: tokens per optimizer step."""
+    peak_mib: float | None = None
+    """By micro-batch: the largest peak memory of its runs (the module docstring says how each is read)."""
+    error: str = ""
+    """By micro-batch: why the row has no numbers (a failed run), kept so the other rows still report."""
 
     @property
     def name(self) -> str:
+        if self.mode == "by-batch":
+            return f"{self.who} B={self.micro_batch}" if self.micro_batch else f"{self.who} defaults"
         return f"{self.who} {self.mode}"
 
     @property
     def step_s(self) -> float:
         return statistics.median(self.times)
+
+
+@dataclass(frozen=True)
+class OursRun:
+    step_s: list[float]
+    """Per-step seconds from metrics.jsonl, step 1 first."""
+    train: dict
+    """config.json's resolved train config (dtype, micro_batch_size, compile... as auto made them)."""
+    said: str
+    """The start-up lines that say what auto took (precision, micro-batch, loss path), joined."""
+    peak_mib: float | None
+    """The largest mem_mb of the run's metrics records."""
+
+
+def run_train(flags: list[str], out: Path, timeout: int = 7200) -> OursRun:
+    """A real `python train_ddp.py FLAGS` run, read back from its metrics.jsonl, config.json and log."""
+    done = subprocess.run([sys.executable, "train_ddp.py", *flags], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"train_ddp.py {' '.join(flags)} failed (exit {done.returncode}): "
+                           f"{(done.stdout + done.stderr).strip()[-2000:]}")
+    records = sorted((r for r in read_metrics(out / "metrics.jsonl") if "step_s" in r), key=lambda r: r["step"])
+    conf = json.loads((out / "config.json").read_text())
+    return OursRun([r["step_s"] for r in records], conf["config"]["train"], startup_said(done.stdout + done.stderr),
+                   max((r["mem_mb"] for r in records if r.get("mem_mb") is not None), default=None))
+
+
+def startup_said(log: str) -> str:
+    """The start-up lines of a train_ddp.py log that say which precision, micro-batch and loss path auto took."""
+    return " / ".join(line.split("]", 1)[-1].strip() for line in log.splitlines()
+                      if "precision  " in line or "loss       " in line or "micro-batch auto:" in line)
 
 
 def run_ours(row: Row, shape: Shape, data: Path, out: Path, steps: int) -> tuple[list[float], str, str]:
@@ -120,17 +187,10 @@ def run_ours(row: Row, shape: Shape, data: Path, out: Path, steps: int) -> tuple
         flags += ["--compile", str(row.mode == "compiled").lower()]
     if row.who == "ours fp32":
         flags += ["--dtype", "float32"]
-    done = subprocess.run([sys.executable, "train_ddp.py", *flags], cwd=REPO, capture_output=True, text=True,
-                          timeout=7200)
-    if done.returncode:
-        raise RuntimeError(f"train_ddp.py {' '.join(flags)} failed: {done.stderr.strip()[-2000:]}")
-    records = [r for r in read_metrics(out / "metrics.jsonl") if "step_s" in r]
-    conf = json.loads((out / "config.json").read_text())
-    if conf["config"]["train"]["compile"] != (row.mode == "compiled"):  # the row is what its name says
-        raise RuntimeError(f"{row.name}: train_ddp.py ran with compile={conf['config']['train']['compile']}")
-    said = [line.split("]", 1)[-1].strip() for line in (done.stdout + done.stderr).splitlines()
-            if "precision  " in line or "loss       " in line]
-    return [r["step_s"] for r in sorted(records, key=lambda r: r["step"])], conf["config"]["train"]["dtype"], " / ".join(said)
+    run = run_train(flags, out)
+    if run.train["compile"] != (row.mode == "compiled"):  # the row is what its name says
+        raise RuntimeError(f"{row.name}: train_ddp.py ran with compile={run.train['compile']}")
+    return run.step_s, run.train["dtype"], run.said
 
 
 def run_nano(row: Row, shape: Shape, tree: Path, dataset: str, out: Path, steps: int) -> list[float]:
@@ -218,9 +278,229 @@ def profile_ours(shape: Shape, mode: str, data: Path, out: Path, steps: int, top
             f"{steps} steps, top {top} ops by self CPU time:", "", "```", table.strip(), "```"]
 
 
+# ---- By micro-batch (the GPU mode): nanoGPT B, ours B, ours at defaults; every row compiled ----
+
+
+def quiet_flags(device: str) -> list[str]:
+    """QUIET on `device`: no evaluation, samples, plot or periodic checkpoint; every step logged."""
+    flags = list(QUIET)
+    flags[flags.index("--device") + 1] = device
+    return flags
+
+
+def by_batch_rows(shape: str, batches: list[int], with_nano: bool) -> list[Row]:
+    """nanoGPT B and ours B for each B, then ours at defaults."""
+    rows = []
+    for b in batches:
+        rows += ([Row(shape, "by-batch", "nanoGPT", micro_batch=b)] if with_nano else []) + \
+                [Row(shape, "by-batch", "ours", micro_batch=b)]
+    return rows + [Row(shape, "by-batch", "ours")]
+
+
+def nano_batch_flags(shape: Shape, batch: int, *, device: str, dataset: str, steps: int) -> dict:
+    """nanoGPT's train.py flags for one micro-batch row: compiled, bf16 on CUDA (fp32 on a CPU, where its
+    autocast is nullcontext anyway), one micro-step per iteration, `steps` iterations."""
+    return {**NANO_FIXED, **shape.nano, "device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
+            "compile": True, "batch_size": batch, "gradient_accumulation_steps": 1, "dataset": dataset,
+            "max_iters": steps - 1}  # iterations 0..max_iters: `steps` of them
+
+
+def ours_batch_flags(shape: Shape, batch: int | None, *, device: str, data: Path, out: Path, steps: int) -> list[str]:
+    """train_ddp.py's flags for one micro-batch row: the shape at its defaults (compiled, dtype and loss
+    auto), on `device`; batch fixes the micro-batch at one micro-step per step, None leaves it all to auto."""
+    flags = [*shape.ours, *quiet_flags(device), "--max-steps", str(steps), "--data-dir", str(data),
+             "--out-dir", str(out), "--compile", "true"]
+    if batch is not None:
+        flags += ["--micro-batch-size", str(batch), "--total-batch-size", str(batch * shape.nano["block_size"])]
+    return flags
+
+
+def run_by_batch_row(row: Row, shape: Shape, *, device: str, data: Path, tree: Path | None, dataset: str,
+                     out: Path, steps: int, warmup: int) -> None:
+    """One run of a micro-batch row; its timed steps, tokens per step, dtype and peak memory go into the row."""
+    block = shape.nano["block_size"]
+    if row.who == "nanoGPT":
+        flags = nano_batch_flags(shape, row.micro_batch, device=device, dataset=dataset, steps=warmup + steps)
+        nano = nanogpt.run(tree, flags, out, wrapper=nanogpt.MEASURE_MEMORY)
+        times, row.dtype, peak = nano.step_s, flags["dtype"], nano.peak_mib
+        row.tokens, row.resolved_batch = row.micro_batch * block, f"{row.micro_batch} x 1"
+    else:
+        ours = run_train(ours_batch_flags(shape, row.micro_batch, device=device, data=data, out=out,
+                                          steps=warmup + steps), out)
+        if not ours.train["compile"]:
+            raise RuntimeError(f"{row.name}: train_ddp.py ran uncompiled")
+        times, row.dtype, row.note, peak = ours.step_s, ours.train["dtype"], ours.said, ours.peak_mib
+        mb, total = ours.train["micro_batch_size"], ours.train["total_batch_size"]
+        row.tokens, row.resolved_batch = total, f"{mb} x {total // (mb * block)}"
+    row.times += times[warmup:]
+    if peak is not None:
+        row.peak_mib = max(peak, row.peak_mib or 0.0)
+
+
+def measure_by_batch(rows: list[Row], shape: Shape, *, device: str, data: Path, tree: Path | None, dataset: str,
+                     tmp: Path, steps: int, warmup: int, rounds: int, after_row=None) -> None:
+    """Every row `rounds` times, alternately, as measure(); a row whose run fails keeps its error and the
+    others go on. after_row(): called after every run (the partial report is written there)."""
+    for i in range(rounds):
+        for j, row in enumerate(rows if i % 2 == 0 else rows[::-1]):
+            if row.error:
+                continue
+            try:
+                run_by_batch_row(row, shape, device=device, data=data, tree=tree, dataset=dataset,
+                                 out=tmp / f"b{i}_{j}", steps=steps, warmup=warmup)
+                said = f"{statistics.median(row.times):.4f} s/step"
+            except (RuntimeError, nanogpt.NanoGPTError, subprocess.TimeoutExpired, OSError, KeyError) as e:
+                row.error = " ".join(str(e).split())[-300:] or type(e).__name__  # the end says why
+                said = f"FAILED: {row.error}"
+            print(f"  round {i + 1}/{rounds}: {row.name}: {said}", file=sys.stderr, flush=True)
+            if after_row:
+                after_row()
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str
+    """cuda or cpu"""
+    name: str
+    """torch.cuda.get_device_name(), or the CPU's model name."""
+
+
+def probe_device(kind: str) -> Device:
+    """The device's name, asked in a child process so that this one never holds a CUDA context beside
+    the rows' processes."""
+    if kind == "cpu":
+        return Device("cpu", platform.processor() or platform.machine())
+    code = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    name = done.stdout.strip()
+    if done.returncode or not name:
+        raise RuntimeError(f"--device cuda: no CUDA device here ({(done.stderr.strip() or 'none visible')[-300:]})")
+    return Device("cuda", name)
+
+
+def row_peak(device: Device, dtype: str) -> float | None:
+    """The FLOP/s a row's MFU divides by: the data-sheet dense peak of the row's dtype on CUDA (None: the
+    GPU is not in gpt2/flops.py's table), the measured matmul peak on a CPU."""
+    if device.kind == "cuda":
+        return gpu_table_peak(device.name, precision.torch_dtype(dtype))
+    return peak(dtype)
+
+
+def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[str, float | None]) -> list[str]:
+    """The table and the goals of the micro-batch layout (rows without numbers say why)."""
+    cfg = parse_config([*shape.ours, "--data-dir", "unused", "--out-dir", "unused"])
+    per_token = flops_per_token(cfg.model)
+    done = [r for r in rows if r.times]
+    nano = {r.micro_batch: r for r in done if r.who == "nanoGPT"}
+    lines = [f"**{shape.name}** on {device.name} ({per_token / 1e6:.1f} MFLOP/token; MFU against "
+             + ("the data-sheet dense peak of the row's dtype)" if device.kind == "cuda" else
+                "the measured matmul peak of the row's dtype)"), "",
+             "| row | micro-batch x accum | dtype | s/step | tokens/s | vs nanoGPT same micro-batch | MFU | peak memory MiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+
+    def tok_s(r: Row) -> float:
+        return r.tokens / r.step_s
+
+    for r in rows:
+        if not r.times:
+            lines.append(f"| {r.name} | - | - | - | - | - | - | - |  ← {r.error or 'not run'}")
+            continue
+        same = nano.get(r.micro_batch) if r.who == "ours" else r
+        vs = f"{tok_s(r) / tok_s(same):.2f}x" if same else "-"
+        pk = peaks.get(r.dtype)
+        mfu = f"{tok_s(r) * per_token / pk:.1%}" if pk else "n/a"
+        mem = f"{r.peak_mib:,.0f}" if r.peak_mib is not None else "-"
+        lines.append(f"| {r.name} | {r.resolved_batch} | {precision.SHORT_NAMES.get(r.dtype, r.dtype)} | "
+                     f"{r.step_s:.4f} | {tok_s(r):,.0f} | {vs} | {mfu} | {mem} |")
+    notes = ["- peak FLOP/s: " + ", ".join(f"{precision.SHORT_NAMES.get(d, d)} "
+                                              + (format_flops(p) if p else "not in gpt2/flops.py's table")
+                                              for d, p in peaks.items())]
+    for r in done:
+        if r.who == "ours" and r.micro_batch in nano:
+            ratio = tok_s(r) / tok_s(nano[r.micro_batch])
+            notes.append(f"- ours B={r.micro_batch} against nanoGPT B={r.micro_batch}: **{ratio:.2f}x** tokens/s "
+                         f"(goal >= 1.00x): {'met' if ratio >= 1 else 'NOT met'}")
+    default = next((r for r in done if r.who == "ours" and r.micro_batch is None), None)
+    if default:
+        pk = peaks.get(default.dtype)
+        if pk is None:
+            notes.append("- MFU of ours at defaults: n/a (no data-sheet peak for this device and dtype)")
+        else:
+            mfu = tok_s(default) * per_token / pk
+            h100 = device.kind == "cuda" and "h100" in device.name.lower()
+            notes.append(f"- MFU of ours at defaults: **{mfu:.1%}** (goal >= 45% on an H100): "
+                         + (("met" if mfu >= 0.45 else "NOT met") if h100 else f"not judged: this is {device.name}"))
+    notes += [f"- {r.name}: its start-up said: {r.note}" for r in done if r.note]
+    notes.append("- peak memory: ours the largest mem_mb of metrics.jsonl, nanoGPT printed at exit by a wrapper "
+                 "around its unchanged train.py: " + ("torch.cuda.max_memory_allocated() in both"
+                                                     if device.kind == "cuda" else "the process's max RSS in both"))
+    return lines + [""] + notes
+
+
+def rows_json(rows: list[Row], device: Device, peaks: dict[str, float | None], meta: dict) -> str:
+    return json.dumps({**meta, "device": device.name, "peaks": peaks, "rows": [
+        {"name": r.name, "who": r.who, "micro_batch": r.micro_batch, "resolved_batch": r.resolved_batch,
+         "dtype": r.dtype, "tokens_per_step": r.tokens, "step_s": r.times, "median_step_s": r.step_s if r.times else None,
+         "tokens_per_s": r.tokens / r.step_s if r.times else None, "peak_mib": r.peak_mib, "startup": r.note,
+         "error": r.error} for r in rows]}, indent=1)
+
+
+def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
+    """The micro-batch layout (module docstring): one shape, every row compiled, a partial report after each run."""
+    shape = SHAPES[shape_key]
+    device = probe_device(args.device)
+    batches = [int(b) for b in args.micro_batches.split(",")]
+    rows = by_batch_rows(shape_key, batches, tree is not None)
+    meta = {"command": command, "torch": torch.__version__, "nanogpt": nanogpt.PINNED if tree else None,
+            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
+    dtypes = ["bfloat16"] if args.device == "cuda" else ["float32"]
+    peaks: dict[str, float | None] = {}
+
+    def report() -> str:
+        for d in {*dtypes, *(r.dtype for r in rows if r.times)}:
+            if d not in peaks:
+                peaks[d] = row_peak(device, d)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        head = [f"command: `{command.strip()}`",
+                f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {device.name}; nanoGPT "
+                + (f"{nanogpt.PINNED[:12]}" if tree else "not run (--nanogpt none)"),
+                f"median of {args.rounds} x {args.steps} steps per row after {args.warmup} warm-up steps per run "
+                "(compilation happens there); each step timed by its own program", ""]
+        text = "\n".join(head + by_batch_report(rows, shape, device, peaks))
+        if args.json:
+            Path(args.json).write_text(rows_json(rows, device, peaks, meta) + "\n")
+        if args.md:
+            Path(args.md).write_text(text + "\n")
+        return text
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data_dir or Path(tmp) / "shakespeare"
+        if args.data_dir is None:
+            prepare_by_paragraph(args.corpus, data, "vs_nanogpt.py")
+        dataset = nanogpt.write_dataset(tree, f"bench-{os.getpid()}", data) if tree else ""
+        try:
+            measure_by_batch(rows, shape, device=args.device, data=data, tree=tree, dataset=dataset, tmp=Path(tmp),
+                             steps=args.steps, warmup=args.warmup, rounds=args.rounds, after_row=report)
+        finally:
+            if tree:
+                subprocess.run(["rm", "-rf", str(tree / "data" / dataset)])
+    emit(report(), args.md)
+    return 0 if all(r.times for r in rows) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="w1,debug", help=f"comma-separated, of {list(SHAPES)}")
+    ap.add_argument("--shapes", default=None,
+                    help=f"comma-separated, of {list(SHAPES)} (default w1,debug; with --device cuda gpt2)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the micro-batch layout (module docstring) on the GPU, bf16, compiled")
+    ap.add_argument("--micro-batches", default=None,
+                    help="comma-separated micro-batches: compare by micro-batch, one shape, every row compiled "
+                    "(default with --device cuda: 12,16)")
+    ap.add_argument("--data-dir", type=Path, default=None,
+                    help="token shards already prepared (e.g. .gpu/data from scripts/gpu_prepare.sh) instead of "
+                    "preparing --corpus; nanoGPT's train.bin/val.bin are written from them")
+    ap.add_argument("--json", type=Path, default=None, help="micro-batch layout: also write the rows as JSON here")
     ap.add_argument("--modes", default="eager,compiled", help="eager, compiled or both")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first in every run (compilation)")
@@ -231,9 +511,34 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def layout_problem(args, shapes: list[str]) -> str | None:
+    """Why the flags do not make one of the two layouts (module docstring), or None."""
+    if args.micro_batches is None:
+        if args.device == "cuda":
+            return "--device cuda compares by micro-batch: give --micro-batches (default 12,16)"
+        if by_batch := [s for s in shapes if s in BY_BATCH_ONLY]:
+            return f"shape {by_batch[0]} is compared by micro-batch only: give --micro-batches (e.g. 12,16)"
+        return None
+    if len(shapes) != 1:
+        return f"--micro-batches compares one shape at a time, not {shapes}"
+    try:
+        batches = [int(b) for b in args.micro_batches.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        return f"--micro-batches {args.micro_batches!r} must be positive integers, comma-separated"
+    if args.profile:
+        return "--profile profiles the eager/compiled layout, not --micro-batches"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prog = "vs_nanogpt.py"
+    if args.micro_batches is None and args.device == "cuda":
+        args.micro_batches = "12,16"
+    if args.shapes is None:
+        args.shapes = "gpt2" if args.device == "cuda" else "w1,debug"
     shapes, modes = args.shapes.split(","), args.modes.split(",")
     if bad := [s for s in shapes if s not in SHAPES] + [m for m in modes if m not in ("eager", "compiled")]:
         print(f"{prog}: error: unknown shape or mode {bad}: shapes {list(SHAPES)}, modes eager,compiled", file=sys.stderr)
@@ -241,16 +546,27 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.warmup, args.rounds) < 1:
         print(f"{prog}: error: --steps, --warmup and --rounds must be at least 1", file=sys.stderr)
         return 2
-    require_corpus(args.corpus, prog)
+    if problem := layout_problem(args, shapes):
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        return 2
+    if args.data_dir is None:
+        require_corpus(args.corpus, prog)
+    elif not any(args.data_dir.glob("*train*.bin")):
+        print(f"{prog}: error: --data-dir {args.data_dir} holds no *train*.bin shards: run bash "
+              "scripts/gpu_prepare.sh, or leave --data-dir out to prepare --corpus", file=sys.stderr)
+        return 2
     tree = nanogpt.tree_or_exit(args.nanogpt, args.nanogpt_commit, prog)
     command = "python bench/vs_nanogpt.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.micro_batches is not None:
+        return main_by_batch(args, shapes[0], tree, command)
     load0 = os.getloadavg()[0]
     whos = (["nanoGPT"] if tree else []) + ["ours", "ours fp32"]
     rows = [Row(s, m, w) for s in shapes for m in modes for w in whos]
     extra = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "shakespeare"
-        prepare_by_paragraph(args.corpus, data, prog)
+        data = args.data_dir or Path(tmp) / "shakespeare"
+        if args.data_dir is None:
+            prepare_by_paragraph(args.corpus, data, prog)
         dataset = nanogpt.write_dataset(tree, f"bench-{os.getpid()}", data) if tree else ""
         try:
             measure(rows, SHAPES, data, tree, dataset, Path(tmp), steps=args.steps, warmup=args.warmup,
