@@ -6,9 +6,9 @@
 The state is what the trainer saves (weights, AdamW's two moments after one step, config, loader and
 RNG state), on the CPU. After a warm-up round (the writer's first save allocates the buffers it then
 reuses: that copy is 2-3x slower), each round times, alternately (so both see the same machine load):
-  sync    gpt2.checkpoint.save_checkpoint: torch.save, sha256, fsync, rename, sidecar, `latest`; the
+  sync    gpt2.ckpt.checkpoint.save_checkpoint: torch.save, sha256, fsync, rename, sidecar, `latest`; the
           training loop waits for all of it.
-  async   gpt2.ckpt_writer.CheckpointWriter: submit() at the step boundary, then the next micro-step's
+  async   gpt2.ckpt.writer.CheckpointWriter: submit() at the step boundary, then the next micro-step's
           forward and backward (--tokens) while the writer thread copies the state to host memory,
           then wait_copied() before the optimizer update, as train_step does. The stall is the time
           the loop spends in submit() and wait_copied(); the thread then writes exactly what the
@@ -34,16 +34,16 @@ from pathlib import Path
 
 import torch
 
-from gpt2 import checkpoint as ckpt
-from gpt2 import precision
-from gpt2.ckpt_writer import CheckpointWriter
-from gpt2.config import RunConfig, TrainConfig, model_preset
-from gpt2.model import GPT
-from gpt2.optim import make_optimizer
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.ckpt.writer import CheckpointWriter
+from gpt2.core import precision
+from gpt2.core.config import RunConfig, TrainConfig, model_preset
+from gpt2.model.gpt import GPT
+from gpt2.train.optim import make_optimizer
 
 
 def trainer_like_state(preset: str, device: torch.device = torch.device("cpu")):
-    """A model of `preset` on device, AdamW after one step, and the dict gpt2/trainer.py save() would hand to
+    """A model of `preset` on device, AdamW after one step, and the dict gpt2/train/trainer.py save() would hand to
     the writer."""
     torch.manual_seed(0)
     mc = model_preset(preset)
@@ -75,7 +75,7 @@ def tensors(x):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="gpt2", help="model preset (gpt2/config.py)")
+    ap.add_argument("--preset", default="gpt2", help="model preset (gpt2/core/config.py)")
     ap.add_argument("--reps", type=int, default=3, help="rounds of (sync, async), alternating which goes first")
     ap.add_argument("--tokens", type=int, default=1024,
                     help="tokens of the forward+backward that runs while the state is copied (one micro-step)")

@@ -1,5 +1,5 @@
 """Peak bytes per logit of the plain (full-logits) LM head + cross-entropy, eager and compiled: the
-numbers gpt2/plan.py's loss_bytes(chunked=False, compiled=...) counts, which --loss-impl auto uses.
+numbers gpt2/plan/'s loss_bytes(chunked=False, compiled=...) counts, which --loss-impl auto uses.
 
     python bench/compiled_loss_memory.py                  # CUDA if present (bf16 autocast), else CPU
     python bench/compiled_loss_memory.py --device cpu --dtype fp32 --tokens 512
@@ -8,7 +8,7 @@ Runs `F.cross_entropy(F.linear(x, W, b).float(), y, ignore_index=-1)`, forward a
 model's full path does (autocast on for bf16), eager and under torch.compile, and prints the peak
 allocated above the inputs, less the gradients of x and W (the planner counts those elsewhere), per
 logit (tokens x vocab). On CUDA the caching allocator's max_memory_allocated; on a CPU the allocator's
-events as torch.profiler records them (gpt2.plan.measured_peak_bytes). Prints one table.
+events as torch.profiler records them (gpt2.plan.measure.measured_peak_bytes). Prints one table.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpt2.plan import loss_bytes, measured_peak_bytes  # noqa: E402
-from gpt2.config import ModelConfig  # noqa: E402
+from gpt2.core.config import ModelConfig  # noqa: E402
+from gpt2.plan.measure import measured_peak_bytes  # noqa: E402
+from gpt2.plan.memory import loss_bytes
 
 
 def head_and_loss(x, w, b, y):
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     tokens = args.tokens or (8192 if device.type == "cuda" else 512)
     cfg = ModelConfig(n_layer=1, n_head=1, n_embd=args.width, vocab_size=args.vocab, block_size=tokens)
-    print(f"| path | {dtype} bytes per logit, measured | planner (gpt2/plan.py loss_bytes) |")
+    print(f"| path | {dtype} bytes per logit, measured | planner (gpt2/plan/ loss_bytes) |")
     print("|---|---:|---:|")
     for name, fn, compiled in (("eager", head_and_loss, False), ("compiled", torch.compile(head_and_loss), True)):
         got = peak_per_logit(fn, device, dtype, tokens, args.vocab, args.width)

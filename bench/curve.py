@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from gpt2.config import RunConfig
-from gpt2.dist import single_process
-from gpt2.metrics import Metrics
-from gpt2.startup import check_data, configure_backends
-from gpt2.trainer import build, evaluate, train_step
+from gpt2.core.config import RunConfig
+from gpt2.dist.group import single_process
+from gpt2.train.metrics import Metrics
+from gpt2.train.startup import check_data, configure_backends
+from gpt2.train.trainer import build, evaluate, train_step
 
 
 def val_curve(cfg: RunConfig, out_dir: Path, label: str, eval_every: int,

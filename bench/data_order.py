@@ -26,13 +26,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from gpt2.cli import parse_config
-from gpt2.data import TokenStream, find_shards
-
 from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
 from curve import val_curve  # bench/curve.py
 from report import emit  # bench/report.py (a script's directory is on sys.path)
+
+from gpt2.data.loader import TokenStream, find_shards
+from gpt2.train.cli import parse_config
 
 RECIPE = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--n-layer", "4", "--n-head", "4",
           "--n-embd", "128", "--block-size", "64", "--micro-batch-size", "16", "--total-batch-size", "1024",

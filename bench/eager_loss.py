@@ -7,7 +7,7 @@ The quick start and the debug preset run uncompiled, so what the loss costs in e
 there. Shape: nanoGPT's small CPU recipe (4 layers, 4 heads, 128 wide, block 64, micro-batch 16,
 vocab 50304), fp32, fused AdamW, random tokens, one process with --threads threads. Both rows
 step the same model; only the loss differs:
-  chunked   model(x, y, return_logits=False): gpt2.loss.linear_cross_entropy, what the trainer runs
+  chunked   model(x, y, return_logits=False): gpt2.model.loss.linear_cross_entropy, what the trainer runs
   plain     logits = model(x); F.cross_entropy(logits.view(-1, V), y.view(-1)), as nanoGPT's model.py
 Each round times --steps steps of each row after 2 warm-up steps, the rows alternating order
 (A B, B A, ...) so both see the same drift of a shared machine; each row's number is the median
@@ -23,11 +23,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from gpt2.config import ModelConfig
-from gpt2.model import GPT
-
 from report import emit  # bench/report.py (a script's directory is on sys.path)
+
+from gpt2.core.config import ModelConfig
+from gpt2.model.gpt import GPT
 
 
 def make_step(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *, chunked: bool):

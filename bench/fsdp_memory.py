@@ -6,7 +6,7 @@
 A shape where the state dominates: 355M parameters hold 16 bytes each under AdamW (weights, gradients,
 two moments: 5.7 GB per DDP rank), one 128-token sequence holds little. Each parallel mode runs in its
 own two fresh processes (torch.multiprocessing spawn, gloo, one thread each), which do what the trainer
-does: gpt2/trainer.py build() (DDP, or FSDP2's fully_shard on each block and the root) and --steps calls
+does: gpt2/train/trainer.py build() (DDP, or FSDP2's fully_shard on each block and the root) and --steps calls
 of train_step(), no checkpoint (the checkpoint under fsdp is not this bench's subject), then report.
 
 What is measured: each rank's peak resident set size (getrusage's ru_maxrss, the kernel's high-water
@@ -19,7 +19,7 @@ live peak, not the allocator's caching. What RSS adds beyond the planner's terms
 autograd engine, lazily loaded kernels: tens of MB) is why a tiny model's measurement is above its
 prediction; at gpt2-medium it is a small share.
 
-The prediction is gpt2.plan.memory() for the same run on this CPU (fp32, world size 2, the run's
+The prediction is gpt2.plan.memory.memory() for the same run on this CPU (fp32, world size 2, the run's
 accumulation), its total per device: what `--micro-batch-size auto` and the start-up check count.
 """
 
@@ -69,11 +69,11 @@ def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
     """One rank: baseline RSS, the trainer's build() and train_step()s, then rank 0 writes every rank's peak."""
     import torch.distributed as tdist
 
-    from gpt2.cli import parse_config
-    from gpt2.dist import Dist, WorldInfo, all_gather_object, exit_after_group
-    from gpt2.metrics import Metrics
-    from gpt2.startup import check_data, configure_backends
-    from gpt2.trainer import build, train_step
+    from gpt2.dist.group import Dist, WorldInfo, all_gather_object, exit_after_group
+    from gpt2.train.cli import parse_config
+    from gpt2.train.metrics import Metrics
+    from gpt2.train.startup import check_data, configure_backends
+    from gpt2.train.trainer import build, train_step
 
     cfg = parse_config(argv)
     baseline = rss_bytes()
@@ -91,7 +91,7 @@ def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
                                                          "accum": parts.accum_steps}))
     tdist.barrier()
     tdist.destroy_process_group()
-    # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/dist.py
+    # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/dist/group.py
     # exit_after_group), as the trainer's ranks leave.
     exit_after_group(0, WorldInfo(rank, rank, WORLD, WORLD))
 
@@ -116,8 +116,8 @@ def run_mode(args: argparse.Namespace, data_dir: Path, tmp: Path, mode: str) -> 
 
 
 def predicted(args: argparse.Namespace, mode: str, accum: int) -> int:
-    from gpt2.cli import parse_config
-    from gpt2.plan import memory
+    from gpt2.plan.memory import memory
+    from gpt2.train.cli import parse_config
 
     cfg = parse_config(train_args(args, Path("d"), Path("o"), mode))
     return memory(cfg.model, args.micro_batch_size, args.block_size, world_size=WORLD, dtype="fp32",
@@ -125,7 +125,7 @@ def predicted(args: argparse.Namespace, mode: str, accum: int) -> int:
 
 
 def write_data(data_dir: Path, n_tokens: int) -> None:
-    from gpt2.shards import write_shard
+    from gpt2.data.shards import write_shard
 
     data_dir.mkdir()
     rng = np.random.default_rng(0)

@@ -290,11 +290,10 @@ def prepare(nanogpt_source: str, corpus: Path, pylib: bool) -> None:
     and, if asked, pytest's pure-Python files from this Python (a GPU machine may have no pytest)."""
     sys.path.insert(0, str(REPO / "bench"))
     import nanogpt
+    import numpy as np
     from corpus import prepare_by_paragraph, require_corpus
 
-    import numpy as np
-
-    from gpt2.shards import write_shard
+    from gpt2.data.shards import write_shard
 
     require_corpus(corpus, "gpu_session.py prepare")
     GPU_DIR.mkdir(exist_ok=True)

@@ -4,7 +4,7 @@
     python bench/ladder.py --preset gpt2 --block-size 1024   # a GPU
 
 The rungs (fp32 eager explicit attention vocab 50257 -> TF32 -> bf16 -> compile -> flash -> vocab
-50304), how each is the trainer's own `train_step` and how they are timed: gpt2/ladder.py, which
+50304), how each is the trainer's own `train_step` and how they are timed: gpt2/tools/ladder.py, which
 `python -m gpt2.doctor` also runs. This script times --steps interleaved rounds, then the model's
 attention kernels alone with an agreement check, prints Markdown tables and writes a PNG bar chart
 to --out.
@@ -21,9 +21,18 @@ from pathlib import Path
 
 import torch
 
-from gpt2.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, ModelConfig, param_count
-from gpt2.ladder import (LADDER, AttentionResult, RungResult, attention_table, attention_tolerance, initial_peaks,
-                         ladder_table, run_attention, run_ladder)
+from gpt2.core.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, ModelConfig, param_count
+from gpt2.tools.ladder import (
+    LADDER,
+    AttentionResult,
+    RungResult,
+    attention_table,
+    attention_tolerance,
+    initial_peaks,
+    ladder_table,
+    run_attention,
+    run_ladder,
+)
 
 CPU_SHAPE = dict(n_layer=4, n_head=6, n_embd=384, block_size=256)
 
@@ -94,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def peaks_line(device: torch.device, peaks: dict[str, float | None]) -> str:
-    source = ("data sheet; n/a for a GPU or dtype gpt2.flops does not list, so MFU is n/a too"
+    source = ("data sheet; n/a for a GPU or dtype gpt2.plan.flops does not list, so MFU is n/a too"
               if device.type == "cuda" else "measured: best square matmul of up to 2048^3, before and between the "
               "timed steps; bf16's never below fp32's")
     rates = (f"{k} n/a" if v is None else f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in peaks.items())

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2.config import GPT2_VOCAB_SIZE
-from gpt2.data import DATA_ORDERS, TrainLoader, find_shards
-from gpt2.shards import write_shard
+from gpt2.core.config import GPT2_VOCAB_SIZE
+from gpt2.data.loader import DATA_ORDERS, TrainLoader, find_shards
+from gpt2.data.shards import write_shard
 
 B, T, WORLD = 64, 1024, 8
 GOAL = 3.8e6

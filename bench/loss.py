@@ -10,15 +10,15 @@ Shape: GPT-2 124M's LM head, the final LayerNorm's output x (B*T, 768) in fp32 a
 targets; the matmuls in --dtype under autocast as in training (fp32: no autocast; TF32 allowed on
 CUDA, the trainer's default). One row times loss.backward() from x and the weight (what the model's
 step spends past ln_f) in:
-  chunked eager     gpt2.loss.linear_cross_entropy, what the trainer runs, uncompiled
+  chunked eager     gpt2.model.loss.linear_cross_entropy, what the trainer runs, uncompiled
   chunked compiled  the same under torch.compile (the trainer compiles the whole model)
   plain eager       F.cross_entropy(F.linear(x, w, bias).float(), y), the model's plain path
   plain compiled    the same under torch.compile: the reference of the ratio column
   chunked compiled, N logits/chunk   with --also-chunk-logits N: another chunk size
 Columns: median ms per forward + backward; that time over plain compiled's; the peak memory the
 step allocates above its inputs (CUDA: max_memory_allocated; CPU: the CPU allocator's own events
-under torch.profiler, as gpt2.plan.measured_peak_bytes); the chunks the loss runs in (the device's
-rule, gpt2.loss.loss_chunk_logits); the loss, equal on every row up to the dtype's rounding.
+under torch.profiler, as gpt2.plan.measure.measured_peak_bytes); the chunks the loss runs in (the device's
+rule, gpt2.model.loss.loss_chunk_logits); the loss, equal on every row up to the dtype's rounding.
 Each row is warmed up twice (compilation happens there), then each round times --steps steps of
 every row, the order reversed every other round so that all rows see the same drift of a shared
 machine; a row's number is the median over all its timed steps.
@@ -34,13 +34,12 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
-from gpt2.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
-from gpt2.loss import linear_cross_entropy, loss_chunk_logits, loss_chunks
-from gpt2.plan import measured_peak_bytes
-from gpt2.precision import autocast, resolve
-
 from report import emit  # bench/report.py (a script's directory is on sys.path)
+
+from gpt2.core.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
+from gpt2.core.precision import autocast, resolve
+from gpt2.model.loss import linear_cross_entropy, loss_chunk_logits, loss_chunks
+from gpt2.plan.measure import measured_peak_bytes
 
 MIB = 2**20
 
@@ -98,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
-                    help="autocast dtype of the matmuls (auto: gpt2.precision's pick for the device)")
+                    help="autocast dtype of the matmuls (auto: gpt2.core.precision's pick for the device)")
     ap.add_argument("--batch", type=int, help="micro-batch in sequences (default: 16 on CUDA, 2 on CPU)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--n-embd", type=int, default=768)

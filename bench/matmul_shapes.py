@@ -4,7 +4,7 @@
     python bench/matmul_shapes.py --n-embd 128 --tokens 1024        # the quick start's micro-batch
 
 MFU (train_ddp.py, bench/vs_nanogpt.py) divides by the CPU's cached matmul peak, the best of probes at
-2048 x 2048 x 2048 (gpt2/precision.py). A training step's matmuls have other shapes: each linear layer's
+2048 x 2048 x 2048 (gpt2/core/precision.py). A training step's matmuls have other shapes: each linear layer's
 forward (tokens x in -> out), its input gradient and its weight gradient, and the LM head's three are
 the largest. This times each at the run's shape in each dtype, and their FLOP-weighted rate: the MFU a
 step would reach if it were nothing but these matmuls (attention's and everything else's time aside),
@@ -21,11 +21,10 @@ import sys
 import time
 
 import torch
-
-from gpt2 import precision
-from gpt2.model import GPT2_VOCAB_SIZE
-
 from report import emit  # bench/report.py (a script's directory is on sys.path)
+
+from gpt2.core import precision
+from gpt2.model.gpt import GPT2_VOCAB_SIZE
 
 
 def step_matmuls(tokens: int, h: int, vocab: int) -> list[tuple[str, int, int, int, int]]:

@@ -20,12 +20,12 @@ import time
 
 import torch
 
-import gpt2.muon
-from gpt2 import precision
-from gpt2.config import ModelConfig, TrainConfig
-from gpt2.flops import flops_per_token
-from gpt2.model import GPT
-from gpt2.optim import make_optimizer
+import gpt2.train.muon
+from gpt2.core import precision
+from gpt2.core.config import ModelConfig, TrainConfig
+from gpt2.model.gpt import GPT
+from gpt2.plan.flops import flops_per_token
+from gpt2.train.optim import make_optimizer
 
 TOKENS_PER_STEP = 4096
 
@@ -45,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         p.grad = torch.randn_like(p) * 1e-3
     opts = {kind: make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer=kind, dtype="float32"),
                                  torch.device("cpu")) for kind in ("adamw", "muon")}
-    gram = gpt2.muon.use_gram_form
+    gram = gpt2.train.muon.use_gram_form
 
     def step(name: str) -> float:
-        gpt2.muon.use_gram_form = gram if name != "muon, plain Newton-Schulz" else (lambda *a: False)
+        gpt2.train.muon.use_gram_form = gram if name != "muon, plain Newton-Schulz" else (lambda *a: False)
         opts["muon"].optimizers["muon"].ns_dtype = torch.bfloat16 if "bf16" in name else torch.float32
         t0 = time.perf_counter()
         opts["muon" if name.startswith("muon") else "adamw"].step()
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 dt = step(n)
                 if i:
                     times[n].append(dt)
-    gpt2.muon.use_gram_form = gram
+    gpt2.train.muon.use_gram_form = gram
     peak = precision.matmul_rate("cpu", torch.float32, n=2048, budget_s=1.0, fresh=True)
     train_s = flops_per_token(mc) * TOKENS_PER_STEP / peak  # the training step's FLOPs at the peak rate
     adamw = statistics.median(times[names[0]])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2.shards import read_header
+from gpt2.data.shards import read_header
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SOURCE = "https://github.com/karpathy/nanoGPT"

@@ -29,12 +29,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-from gpt2.cli import parse_config
-
 from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
 from curve import val_curve  # bench/curve.py
 from report import emit  # bench/report.py (a script's directory is on sys.path)
+
+from gpt2.train.cli import parse_config
 
 COMMON = ["--device", "cpu", "--dtype", "float32", "--warmup-steps", "20", "--beta1", "0.9", "--beta2", "0.95",
           "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "1337", "--sample-interval", "0", "--ckpt-interval", "0", "--plot", "false"]

@@ -55,7 +55,7 @@ def raw_tiktoken_rate(path: Path) -> tuple[float, float, int]:
     """Single-thread encode_ordinary over the same documents (JSON decoding not timed):
     (tokens per wall second, tokens per CPU second, tokens)."""
     sys.path.insert(0, str(REPO))
-    from gpt2.tokenizer import get_encoding
+    from gpt2.model.tokenizer import get_encoding
 
     enc = get_encoding()
     with open(path) as f:
@@ -66,7 +66,7 @@ def raw_tiktoken_rate(path: Path) -> tuple[float, float, int]:
 
 
 def _encode_count(docs: list[str]) -> int:
-    from gpt2.tokenizer import get_encoding
+    from gpt2.model.tokenizer import get_encoding
 
     enc = get_encoding()
     return sum(len(enc.encode_ordinary(d)) + 1 for d in docs)

@@ -33,9 +33,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpt2.metrics import read_metrics
-
 from report import emit  # bench/report.py (a script's directory is on sys.path)
+
+from gpt2.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,7 +78,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def sidecar(out: Path, step: int) -> Path:
-    """The file whose existence makes step's checkpoint complete (gpt2/checkpoint.py)."""
+    """The file whose existence makes step's checkpoint complete (gpt2/ckpt/checkpoint.py)."""
     return out / "checkpoints" / f"step_{step:08d}.json"
 
 

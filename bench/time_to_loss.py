@@ -10,11 +10,11 @@ to 1e-4 at step 200, eager, fp32 (nanoGPT on a CPU always computes in fp32).
 Rows:
   nanoGPT                 its own train.py (`--bias=True --dropout=0.0`, GPT-2's architecture), run twice:
                           before and after ours; its step-200 val loss (first run) is the TARGET
-  ours AdamW              the trainer (gpt2.trainer build/train_step) on the same recipe
+  ours AdamW              the trainer (gpt2.train.trainer build/train_step) on the same recipe
   ours Muon               the same with --optimizer muon at its defaults
   + <change> ...          the ablation: the speed preset's changes added one at a time, cumulatively
   tried, not kept: ...    changes tried on top of the preset's, cumulatively, and left out of it
-  --preset speed          the last ablation row is the preset itself (gpt2/config.py), at --seeds seeds
+  --preset speed          the last ablation row is the preset itself (gpt2/core/config.py), at --seeds seeds
 One validation estimator for all: the mean cross-entropy over the same fixed windows (the first
 --val-tokens val tokens, cut into block-size windows, each predicting its next tokens), fp32, applied
 to each run's weights every --eval-every steps: ours from the weights in this process, nanoGPT's from the
@@ -46,21 +46,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nanogpt  # bench/nanogpt.py
 import numpy as np
 import torch
-
-from gpt2 import precision
-from gpt2.cli import parse_config
-from gpt2.config import RunConfig
-from gpt2.dist import single_process
-from gpt2.metrics import Metrics
-from gpt2.model import GPT
-from gpt2.startup import check_data, configure_backends
-from gpt2.trainer import build, train_step
-
-import nanogpt  # bench/nanogpt.py
 from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
 from report import emit  # bench/report.py (a script's directory is on sys.path)
+
+from gpt2.core import precision
+from gpt2.core.config import RunConfig
+from gpt2.dist.group import single_process
+from gpt2.model.gpt import GPT
+from gpt2.train.cli import parse_config
+from gpt2.train.metrics import Metrics
+from gpt2.train.startup import check_data, configure_backends
+from gpt2.train.trainer import build, train_step
 
 RECIPE_STEPS = 200
 QUIET = ["--device", "cpu", "--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0",

@@ -6,7 +6,7 @@
 Workload: GPT-2 shape with 6 layers, 6 heads, width 384, block 256, vocab 50304, micro-batch 8,
 4,096 tokens per optimizer step (2 micro-batches on one process, 1 on each of two), random tokens.
 Rows, each timed after --warmup steps (compilation happens there) as the median of --steps steps:
-  fp32 eager / fp32 compiled / bf16 compiled    in this process, through gpt2.trainer.build() and
+  fp32 eager / fp32 compiled / bf16 compiled    in this process, through gpt2.train.trainer.build() and
                                                 train_step() as the trainer runs them (chunked loss,
                                                 fused AdamW), cores/1 threads (configure_backends);
                                                 the in-process rows take one step each in turn
@@ -20,13 +20,13 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
                                                 AdamW(foreach=False, fused=False)
   bf16 compiled, chunked loss + for-loop AdamW  the first change alone
   bf16 compiled, --optimizer muon               the default path with Muon on the blocks' matrices
-                                                (gpt2/muon.py): its step-time cost against AdamW's row
+                                                (gpt2/train/muon.py): its step-time cost against AdamW's row
   1 x N threads vs N x 1 thread                 real `python train_ddp.py` / `torchrun
                                                 --nproc_per_node=N train_ddp.py` runs (gloo),
                                                 tokens/s read from RUN/metrics.jsonl
   N x 1 thread, --optimizer muon                the same torchrun run with Muon, whose
                                                 Newton-Schulz work is spread over the ranks
-                                                (gpt2/muon.py): its cost against AdamW's N x 1
+                                                (gpt2/train/muon.py): its cost against AdamW's N x 1
                                                 The real-trainer rows run alternately --ddp-rounds
                                                 times (A B C, C B A, ...)
   DDP and torch.compile orders                 2 gloo ranks x 1 thread (torch.multiprocessing),
@@ -39,12 +39,12 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
                                                 step) and the median step beside the trainer's.
                                                 --order-model small: a 2-layer 128-wide model at
                                                 block 64 instead of the workload's shape
-"bf16" in these names is the dtype --dtype auto picks on this CPU (gpt2/precision.py): where bf16
+"bf16" in these names is the dtype --dtype auto picks on this CPU (gpt2/core/precision.py): where bf16
 matmuls are not measured faster than fp32 (AVX2 only, where bf16 is emulated ~50x slower), those
 rows run fp32 and are named so, the "fp32 compiled" row is not repeated, and no bf16 peak is taken.
 DDP efficiency = (N processes x 1 thread tokens/s) / (1 process x N threads tokens/s).
-MFU = model FLOPs (gpt2.flops.flops_per_token: 6N + 12LhT) per second over the matmul peak
-measured in this run (gpt2.precision.matmul_rate on a fixed 2048^3 matmul, taken at the start and
+MFU = model FLOPs (gpt2.plan.flops.flops_per_token: 6N + 12LhT) per second over the matmul peak
+measured in this run (gpt2.core.precision.matmul_rate on a fixed 2048^3 matmul, taken at the start and
 after every round; the best of them, the least-disturbed measurement). On a shared machine the
 wall-clock numbers move with the load, so the in-process rows also give MFU by CPU time: FLOPs per CPU-second over the peak's FLOPs per
 CPU-second (the same thread count), which load from other processes changes much less.
@@ -67,17 +67,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2 import precision
-from gpt2.cli import parse_config
-from gpt2.config import GPT2_VOCAB_SIZE, RunConfig
-from gpt2.dist import Dist, WorldInfo, exit_after_group, single_process
-from gpt2.flops import flops_per_token
-from gpt2.metrics import Metrics, read_metrics
-from gpt2.optim import param_groups
-from gpt2.shards import write_shard
-from gpt2.startup import check_data, configure_backends
-from gpt2.state import Parts
-from gpt2.trainer import build, train_step
+from gpt2.core import precision
+from gpt2.core.config import GPT2_VOCAB_SIZE, RunConfig
+from gpt2.data.shards import write_shard
+from gpt2.dist.group import Dist, WorldInfo, exit_after_group, single_process
+from gpt2.plan.flops import flops_per_token
+from gpt2.train.cli import parse_config
+from gpt2.train.metrics import Metrics, read_metrics
+from gpt2.train.optim import param_groups
+from gpt2.train.startup import check_data, configure_backends
+from gpt2.train.state import Parts
+from gpt2.train.trainer import build, train_step
 
 ORDERS = {"compile, then DDP (the trainer)": "compile_ddp", "DDP, then compile": "ddp_compile",
           "each block compiled, then DDP": "blocks", "eager DDP": "eager"}
@@ -112,7 +112,7 @@ PEAK_N, PEAK_BUDGET_S = 2048, 1.0
 class Peaks:
     """The best of every peak measurement in the run, per dtype (fp32, and the auto dtype).
 
-    Each measurement is gpt2.precision.matmul_rate's fixed-size 2048^3 matmul, taken afresh (not
+    Each measurement is gpt2.core.precision.matmul_rate's fixed-size 2048^3 matmul, taken afresh (not
     its per-process cache) with wall-clock and process CPU-time rates from the same calls.
     """
 
@@ -175,7 +175,7 @@ def prepare(name: str, cfg: RunConfig, dist: Dist, *, plain_loss: bool, loop_ada
 
 def run_in_process(contenders: list[Contender], dist: Dist, peaks: "Peaks", *, steps: int,
                    warmup: int) -> list[Row]:
-    """Time gpt2.trainer.train_step for every row, one step of each in turn.
+    """Time gpt2.train.trainer.train_step for every row, one step of each in turn.
 
     Round-robin, so that every row sees the same mix of load from other processes: on a shared
     machine the ratios between rows then hold even when the absolute numbers drift. The matmul
@@ -281,7 +281,7 @@ def _order_rank(rank: int, order: str, args: list[str], steps: int, warmup: int,
         (Path(tmp) / "times.json").write_text(json.dumps({"times": times, "losses": losses}))
     tdist.barrier()
     tdist.destroy_process_group()
-    # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/dist.py
+    # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/dist/group.py
     # exit_after_group), as the trainer's ranks leave.
     exit_after_group(0, WorldInfo(rank, rank, 2, 2))
 

@@ -21,8 +21,8 @@ Rows per shape and mode (eager / compiled):
 Every row is a real process; the rows run round-robin, --rounds times (A B C ..., then ... C B A), so the
 shared machine's load falls on all alike. s/step: the median of every round's steps after --warmup
 (compilation happens there), each step timed by its own program (nanoGPT's printed `time`, our
-metrics.jsonl `step_s`: both the whole iteration, data included). MFU: model FLOPs (gpt2.flops:
-6N + 12LhT per token) per second over the matmul peak of the row's dtype (gpt2.precision.peak_rate,
+metrics.jsonl `step_s`: both the whole iteration, data included). MFU: model FLOPs (gpt2.plan.flops:
+6N + 12LhT per token) per second over the matmul peak of the row's dtype (gpt2.core.precision.peak_rate,
 measured once per machine and cached, the trainer's own MFU reference). Goals (issue 23): ours at
 defaults no slower than nanoGPT's best mode at the shape (>= 1.00x), and MFU >= 75% at W1.
 --profile: torch.profiler over our trainer's steps (in this process, built as train_ddp.py builds it)
@@ -41,7 +41,7 @@ Rows, all compiled, bf16 on CUDA (fp32 on a CPU, where nanoGPT has no autocast):
   ours defaults `train_ddp.py --preset gpt2` as it is: auto micro-batch, 524,288 tokens per step (its
                 start-up lines, which say what auto took, are shown)
 tokens/s from the median step time; MFU against the device's data-sheet dense peak in the row's dtype
-(gpt2/flops.py's table, the device named by torch.cuda.get_device_name; on a CPU the measured peak);
+(gpt2/plan/flops.py's table, the device named by torch.cuda.get_device_name; on a CPU the measured peak);
 peak memory: ours the largest `mem_mb` of metrics.jsonl (torch.cuda.max_memory_allocated), nanoGPT the
 same counter printed at exit by a wrapper around its unchanged train.py (nanogpt.MEASURE_MEMORY); on a
 CPU both are the process's max RSS. Goals (GPU issue, part 1): ours >= 1.00x nanoGPT's tokens/s at the
@@ -62,16 +62,15 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from gpt2 import precision
-from gpt2.cli import parse_config
-from gpt2.flops import flops_per_token, format_flops, gpu_table_peak
-from gpt2.metrics import read_metrics
-
 import nanogpt  # bench/nanogpt.py
+import torch
 from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
 from report import emit  # bench/report.py (a script's directory is on sys.path)
+
+from gpt2.core import precision
+from gpt2.plan.flops import flops_per_token, format_flops, gpu_table_peak
+from gpt2.train.cli import parse_config
+from gpt2.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -255,10 +254,10 @@ def profile_ours(shape: Shape, mode: str, data: Path, out: Path, steps: int, top
     """Top ops by self CPU time over `steps` steps of our trainer at its defaults (after 2 warm-up steps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from gpt2.dist import single_process
-    from gpt2.metrics import Metrics
-    from gpt2.startup import check_data, configure_backends, resolve_auto
-    from gpt2.trainer import build, train_step
+    from gpt2.dist.group import single_process
+    from gpt2.train.metrics import Metrics
+    from gpt2.train.startup import check_data, configure_backends, resolve_auto
+    from gpt2.train.trainer import build, train_step
 
     flags = [*shape.ours, *QUIET, "--max-steps", str(steps + 2), "--data-dir", str(data), "--out-dir", str(out),
              "--compile", str(mode == "compiled").lower()]
@@ -380,7 +379,7 @@ def probe_device(kind: str) -> Device:
 
 def row_peak(device: Device, dtype: str) -> float | None:
     """The FLOP/s a row's MFU divides by: the data-sheet dense peak of the row's dtype on CUDA (None: the
-    GPU is not in gpt2/flops.py's table), the measured matmul peak on a CPU."""
+    GPU is not in gpt2/plan/flops.py's table), the measured matmul peak on a CPU."""
     if device.kind == "cuda":
         return gpu_table_peak(device.name, precision.torch_dtype(dtype))
     return peak(dtype)
@@ -413,7 +412,7 @@ def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[s
         lines.append(f"| {r.name} | {r.resolved_batch} | {precision.SHORT_NAMES.get(r.dtype, r.dtype)} | "
                      f"{r.step_s:.4f} | {tok_s(r):,.0f} | {vs} | {mfu} | {mem} |")
     notes = ["- peak FLOP/s: " + ", ".join(f"{precision.SHORT_NAMES.get(d, d)} "
-                                              + (format_flops(p) if p else "not in gpt2/flops.py's table")
+                                              + (format_flops(p) if p else "not in gpt2/plan/flops.py's table")
                                               for d, p in peaks.items())]
     for r in done:
         if r.who == "ours" and r.micro_batch in nano:

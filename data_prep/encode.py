@@ -23,7 +23,7 @@ from typing import Iterator
 
 import numpy as np
 
-from gpt2.config import EOT_TOKEN
+from gpt2.core.config import EOT_TOKEN
 
 BATCH_CHARS = 1 << 18
 """Characters per batch sent to a worker (~60 ms of tiktoken work): large enough that pickling and
@@ -111,7 +111,7 @@ def init_worker(ignore_sigint: bool = True, parent_pid: int | None = None) -> No
     """Pool initializer: load the encoding once per process; Ctrl-C is the parent's to handle, and a
     worker does not outlive its parent (parent_pid)."""
     global _encoding
-    from gpt2.tokenizer import get_encoding
+    from gpt2.model.tokenizer import get_encoding
 
     if ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)

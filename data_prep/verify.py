@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2.config import GPT2_VOCAB_SIZE
-from gpt2.shards import HEADER_BYTES, ShardError, read_header
 from data_prep.config import UserError
 from data_prep.writer import MANIFEST, SHARD_RE, load_manifest
+from gpt2.core.config import GPT2_VOCAB_SIZE
+from gpt2.data.shards import HEADER_BYTES, ShardError, read_header
 
 CHUNK_BYTES = 1 << 24
 

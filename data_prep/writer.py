@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2.atomic import atomic_write_text
-from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
-from gpt2.shards import HEADER_BYTES, MAGIC, MANIFEST, PREP_TOKENIZER, VERSION, make_header, write_shard
 from data_prep.config import UserError
+from gpt2.core.atomic import atomic_write_text
+from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
+from gpt2.data.shards import HEADER_BYTES, MAGIC, MANIFEST, PREP_TOKENIZER, VERSION, make_header, write_shard
 
 MANIFEST_VERSION = 1
 TOKENIZER = PREP_TOKENIZER  # defined beside the shard format: the trainer checks it too

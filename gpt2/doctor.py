@@ -5,7 +5,7 @@
     python -m gpt2.doctor --device cpu      # the same checks at a tiny shape (tests/test_doctor.py runs it)
 
 No network and no `datasets`: torch, numpy and tiktoken, and token shards it writes itself
-(gpt2/doctor_runs.py). Each section runs guarded: one that raises (no C compiler, no Triton, out of
+(gpt2/tools/doctor_runs.py). Each section runs guarded: one that raises (no C compiler, no Triton, out of
 memory) is FAILED with its one-line reason and the rest still run. In order:
 
   environment  devices, driver, CUDA, cuDNN, torch, NCCL, native bf16, what --dtype auto picks
@@ -19,7 +19,7 @@ memory) is FAILED with its one-line reason and the rest still run. In order:
                dozen steps: tokens/s, MFU against the data-sheet peak, peak memory against the plan
   ranks        the same run under torchrun on every local GPU (DDP over NCCL; on a CPU 2 gloo ranks):
                its losses against one rank's, the start-up all-reduce bandwidth, the 1 -> N scaling
-  ladder       bench/ladder.py's rungs (gpt2/ladder.py) at the GPT-2 124M shape: base fp32 -> TF32 ->
+  ladder       bench/ladder.py's rungs (gpt2/tools/ladder.py) at the GPT-2 124M shape: base fp32 -> TF32 ->
                bf16 -> compile -> flash -> vocab 50304, tokens/s and MFU beside build-nanogpt's A100
 The training processes run first (RUN_ORDER says why); the table keeps the order above.
 
@@ -53,18 +53,32 @@ from typing import Callable
 
 import torch
 
-from gpt2 import precision
-from gpt2.atomic import atomic_write_text
-from gpt2.checkpoint import load_checkpoint
-from gpt2.config import ModelConfig, RunConfig, TrainConfig, model_preset
-from gpt2.dist import usable_cpus
-from gpt2.doctor_runs import (FAST_FLAGS, QUIET_FLAGS, REFERENCE_FLAGS, RESUME_TOLERANCE_SHARE, VAL_TOKENS, TrainRun,
-                              compare_losses, compare_states, loss_tolerance, median_after_warmup, model_flags,
-                              run_train, write_synthetic_shards)
-from gpt2.flops import flops_per_token, format_flops
-from gpt2.ladder import DOC_A100_TOKENS_PER_S, LADDER, initial_peaks, run_ladder, without_bf16
-from gpt2.plan import KINETO_QUIET_LEVEL, device_hardware, plan_run
-from gpt2.sdpa_probe import first_line, probe
+from gpt2.ckpt.checkpoint import load_checkpoint
+from gpt2.core import precision
+from gpt2.core.atomic import atomic_write_text
+from gpt2.core.config import ModelConfig, RunConfig, TrainConfig, model_preset
+from gpt2.dist.group import usable_cpus
+from gpt2.plan.flops import flops_per_token, format_flops
+from gpt2.plan.hardware import device_hardware
+from gpt2.plan.measure import KINETO_QUIET_LEVEL
+from gpt2.plan.planner import plan_run
+from gpt2.tools.doctor_runs import (
+    FAST_FLAGS,
+    QUIET_FLAGS,
+    REFERENCE_FLAGS,
+    RESUME_TOLERANCE_SHARE,
+    VAL_TOKENS,
+    TrainRun,
+    compare_losses,
+    compare_states,
+    loss_tolerance,
+    median_after_warmup,
+    model_flags,
+    run_train,
+    write_synthetic_shards,
+)
+from gpt2.tools.ladder import DOC_A100_TOKENS_PER_S, LADDER, initial_peaks, run_ladder, without_bf16
+from gpt2.tools.sdpa_probe import first_line, probe
 
 
 @dataclass(frozen=True)
@@ -468,7 +482,7 @@ def training(ctx: Context) -> Section:
 
 def memory_rows(s: Section, ctx: Context, cfg: RunConfig, records: list[dict], peak: float | None) -> dict:
     """CUDA: the trainer's logged torch.cuda.max_memory_allocated against the planner's total for this run,
-    which is meant as an upper bound (gpt2/plan.py). A CPU run logs its RSS: not the same quantity."""
+    which is meant as an upper bound (gpt2/plan/). A CPU run logs its RSS: not the same quantity."""
     planned = plan_run(cfg, device_hardware(ctx.device, peak), world_size=1).memory.total
     measured = max(r["mem_mb"] for r in records) * 2**20
     if ctx.device.type != "cuda":

@@ -4,9 +4,9 @@
     python -m gpt2.eval loss --checkpoint RUN --data-dir DIR [--eval-tokens N]
     torchrun --standalone --nproc_per_node=8 -m gpt2.eval hellaswag --checkpoint RUN
 
-The scoring itself is gpt2/scoring.py's (the trainer runs the same functions), the HellaSwag file
-gpt2/hellaswag.py's; this module adds what a command line needs: loading any checkpoint or Hugging
-Face directory (gpt2/load.py), the val shards of a directory, flags and one-line errors.
+The scoring itself is gpt2/train/scoring.py's (the trainer runs the same functions), the HellaSwag file
+gpt2/data/hellaswag.py's; this module adds what a command line needs: loading any checkpoint or Hugging
+Face directory (gpt2/ckpt/load.py), the val shards of a directory, flags and one-line errors.
 """
 
 from __future__ import annotations
@@ -17,21 +17,21 @@ import math
 import sys
 from pathlib import Path
 
-from gpt2 import precision
-from gpt2.dist import Dist, broadcast_object
-from gpt2.hellaswag import HELLASWAG_URL, default_data_path, prepare_hellaswag
-from gpt2.load import load_any
-from gpt2.model import GPT, unwrap
-from gpt2.scoring import hellaswag_eval, loader_loss
+from gpt2.ckpt.load import load_any
+from gpt2.core import precision
+from gpt2.data.hellaswag import HELLASWAG_URL, default_data_path, prepare_hellaswag
+from gpt2.dist.group import Dist, broadcast_object
+from gpt2.model.gpt import GPT, unwrap
+from gpt2.train.scoring import hellaswag_eval, loader_loss
 
 
 def val_shards_loss(model: GPT, data_dir: str | Path, dist: Dist, *, eval_tokens: int, batch_size: int,
              dtype: str = "float32") -> dict:
     """Loss, perplexity and token count over the first eval_tokens of data_dir's val shards.
 
-    The trainer's own number: the same EvalLoader and gpt2.scoring.loader_loss as its evaluations."""
-    from gpt2.data import EvalLoader, find_shards
-    from gpt2.datacheck import verify_shards
+    The trainer's own number: the same EvalLoader and gpt2.train.scoring.loader_loss as its evaluations."""
+    from gpt2.data.check import verify_shards
+    from gpt2.data.loader import EvalLoader, find_shards
 
     model = unwrap(model)
     shards = find_shards(data_dir, "val")
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="step_*.pt file, run directory (newest valid checkpoint), or Hugging Face directory")
     common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     common.add_argument("--dtype", choices=precision.DTYPES, default="auto",
-                        help="autocast dtype (auto: what this device runs fast, see gpt2/precision.py)")
+                        help="autocast dtype (auto: what this device runs fast, see gpt2/core/precision.py)")
     common.add_argument("--json", action="store_true", help="print the result as one JSON line")
     common.add_argument("--num-threads", type=int, default=0,
                         help="CPU threads per rank (0: the node's cores divided among its ranks)")
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str] | None = None) -> tuple[int, bool]:
     """main's work: its exit code, and whether this process started a process group (exit_rank)."""
-    from gpt2.dist import resolve_device, set_cpu_threads, setup, teardown, world_from_env
+    from gpt2.dist.group import resolve_device, set_cpu_threads, setup, teardown, world_from_env
 
     args = build_parser().parse_args(argv)
     dist = None
@@ -135,6 +135,6 @@ def _describe(task: str, r: dict, source: dict) -> str:
 
 
 if __name__ == "__main__":
-    from gpt2.dist import exit_rank
+    from gpt2.dist.group import exit_rank
 
-    exit_rank(*run())  # under torchrun: past gloo's exit-time abort (gpt2/dist.py exit_after_group)
+    exit_rank(*run())  # under torchrun: past gloo's exit-time abort (gpt2/dist/group.py exit_after_group)

@@ -22,14 +22,14 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from gpt2 import precision
-from gpt2.config import GPT2_VOCAB_SIZE
-from gpt2.model import GPT, TOP_K, unwrap
-from gpt2.tokenizer import encode_prompt, get_encoding
+from gpt2.core import precision
+from gpt2.core.config import GPT2_VOCAB_SIZE
+from gpt2.model.gpt import GPT, TOP_K, unwrap
+from gpt2.model.tokenizer import encode_prompt, get_encoding
 
 
 def autocast(dtype: str, device: torch.device):
-    """Autocast for a dtype name, auto included (gpt2.precision picks what the device runs fast)."""
+    """Autocast for a dtype name, auto included (gpt2.core.precision picks what the device runs fast)."""
     return precision.autocast(precision.resolve(dtype, device).dtype, device)
 
 
@@ -135,13 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--dtype", choices=precision.DTYPES, default="auto",
-                        help="autocast dtype (auto: what this device runs fast, see gpt2/precision.py)")
+                        help="autocast dtype (auto: what this device runs fast, see gpt2/core/precision.py)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpt2.dist import resolve_device
-    from gpt2.load import load_any
+    from gpt2.ckpt.load import load_any
+    from gpt2.dist.group import resolve_device
 
     args = build_parser().parse_args(argv)
     top_k = args.top_k or None

@@ -8,7 +8,7 @@
 # Usage: bash scripts/torch_range.sh [VERSION ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The floor must match gpt2/compat.py's TORCH_FLOOR (tests/test_compat.py checks it).
+# The floor must match gpt2/core/compat.py's TORCH_FLOOR (tests/test_compat.py checks it).
 FLOOR=2.5.1
 NEWEST=2.15.0
 VERSIONS=("$@")

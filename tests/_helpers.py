@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from conftest import REPO, TINY_MODEL_FLAGS
-from gpt2.metrics import read_metrics
+
+from gpt2.train.metrics import read_metrics
 
 FP32_CPU = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0",
             "--plot", "false"]
@@ -111,8 +111,8 @@ def patched_train_script(directory: Path, patch: str) -> Path:
 
 
 NAN_AT_STEP = """
-import gpt2.trainer as trainer
-from gpt2.model import GPT
+import gpt2.train.trainer as trainer
+from gpt2.model.gpt import GPT
 
 _train_step, _forward, _now = trainer.train_step, GPT.forward, {{"step": None}}
 
@@ -144,8 +144,8 @@ def nan_at_step(step: int) -> str:
 
 def inject_nan(monkeypatch, step: int) -> None:
     """nan_at_step in this process, undone by pytest's monkeypatch at the end of the test."""
-    import gpt2.trainer as trainer
-    from gpt2.model import GPT
+    import gpt2.train.trainer as trainer
+    from gpt2.model.gpt import GPT
 
     monkeypatch.setattr(trainer, "train_step", trainer.train_step)  # remembered, restored after the test
     monkeypatch.setattr(GPT, "forward", GPT.forward)
@@ -155,7 +155,7 @@ def inject_nan(monkeypatch, step: int) -> None:
 HOLD_AFTER_STEP = """
 import os, signal, time
 from pathlib import Path
-import gpt2.trainer as trainer
+import gpt2.train.trainer as trainer
 
 _step_before_hold = trainer.train_step
 
@@ -296,7 +296,7 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
 
     A spawned rank that returns ends through Python's finalization, where a gloo worker thread still
     releasing a finished collective's tensors can take the GIL and abort the process ("terminate
-    called without an active exception", SIGABRT: gpt2/dist.py exit_after_group). Every result a
+    called without an active exception", SIGABRT: gpt2/dist/group.py exit_after_group). Every result a
     worker writes is saved before it returns, so the rank flushes and leaves by os._exit: 0 when fn
     returned, 1 (its traceback printed to the test's captured stderr) when it raised.
     """
@@ -328,13 +328,13 @@ def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype
     and each step's calls of torch.distributed's collectives."""
     import torch.distributed as tdist
 
-    import gpt2.muon
-    from gpt2.dist import Dist
+    import gpt2.train.muon
+    from gpt2.dist.group import Dist
 
     torch.set_num_threads(1)
     calls, collectives = [], []
-    plain = gpt2.muon.newton_schulz
-    gpt2.muon.newton_schulz = lambda g, *a: calls.append(tuple(g.shape)) or plain(g, *a)
+    plain = gpt2.train.muon.newton_schulz
+    gpt2.train.muon.newton_schulz = lambda g, *a: calls.append(tuple(g.shape)) or plain(g, *a)
     for name in ("all_gather_single", "all_gather_into_tensor", "all_gather", "broadcast", "all_reduce", "scatter", "send", "recv"):
         real = getattr(tdist, name)
         setattr(tdist, name, lambda *a, name=name, real=real, **k: collectives.append(name) or real(*a, **k))
@@ -344,7 +344,7 @@ def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(*s)) for s in MUON_SHAPES]
         dist = Dist(rank, rank, world, world, torch.device("cpu"))
-        opt = gpt2.muon.Muon(params, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, dist=dist)
+        opt = gpt2.train.muon.Muon(params, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, dist=dist)
         per_step = []
         for _ in range(3):
             for p in params:
@@ -390,7 +390,7 @@ def no_space_after(n_bytes: int):
     . unexpected pos ..." (monkeypatch it onto _HashingWriter.write)."""
     import errno
 
-    from gpt2 import checkpoint as ckpt
+    from gpt2.ckpt import checkpoint as ckpt
 
     real = ckpt._HashingWriter.write
 

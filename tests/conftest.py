@@ -12,7 +12,7 @@ def pytest_collection_modifyitems(config, items):
     # GPU tests skip where there is no CUDA device, and a feature's tests where this torch lacks the
     # feature (the compatibility runs on the oldest supported torch: test_torch_range.py asserts the
     # one-line refusal there instead); nothing else is ever skipped.
-    from gpt2.compat import FIRST_RELEASE, feature_available, torch_version
+    from gpt2.core.compat import FIRST_RELEASE, feature_available, torch_version
 
     no_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

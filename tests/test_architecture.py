@@ -1,7 +1,7 @@
-"""The shape of the package: no import cycle inside gpt2/, the trainer imported only by its entry
-point (its start-up and state below it), training without checkpoint loading or Hugging Face
-conversion, every module importable alone without side effects, and benchmarks that use the library's
-public names only (README, "Architecture")."""
+"""The shape of the package (docs/architecture.md): folders by concern, each importing only the groups
+below it; no import cycle; the trainer imported only by its entry point; training without checkpoint
+loading or Hugging Face conversion; every module importable alone without side effects; benchmarks
+that use the library's public names only."""
 
 from __future__ import annotations
 
@@ -13,22 +13,56 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "gpt2"
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 BENCH = REPO / "bench"
 
 
+def module_name(path: Path) -> str:
+    """gpt2/train/trainer.py -> "train.trainer"; gpt2/sample.py -> "sample"; a package's __init__ -> its name."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULE_PATHS = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if p.parent != PACKAGE or p.stem != "__init__"}
+MODULES = sorted(MODULE_PATHS)
+PACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+
+LAYERS = ["core", "model", "dist", "data", "plan", "ckpt", "train", "tools"]
+"""The groups, lowest first: a group imports only itself and the groups before it (data may use dist's
+collectives for HellaSwag's rank-0 download; ckpt may use model, dist and data; plan only core and
+model, so a plan can be made for hardware this machine is not). The commands at the top level of
+gpt2/ (sample, eval, export, metrics, doctor, launch; `python -m gpt2.plan` is plan/__main__.py) may
+import anything, and nothing imports them."""
+ALLOWED = {
+    "core": {"core"},
+    "model": {"core", "model"},
+    "dist": {"core", "model", "dist"},
+    "data": {"core", "dist", "data"},
+    "plan": {"core", "model", "plan"},
+    "ckpt": {"core", "model", "dist", "data", "ckpt"},
+    "train": {"core", "model", "dist", "data", "plan", "ckpt", "train"},
+    "tools": set(LAYERS),
+}
+COMMANDS = sorted(m for m in MODULES if "." not in m and m not in PACKAGES) + ["plan.__main__"]
+
+
 def imported_gpt2_modules(path: Path) -> set[str]:
-    """The gpt2 modules a file imports, at the top or inside functions (lazy imports count too)."""
+    """The gpt2 modules a file imports ("train.trainer", "core"), at the top or inside functions (lazy
+    imports count too). `from gpt2.ckpt import checkpoint` names the module ckpt.checkpoint."""
     deps = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.startswith("gpt2."):
-                deps.add(node.module.split(".")[1])
-            elif node.module == "gpt2":
-                deps |= {a.name for a in node.names}
+            if node.module == "gpt2" or node.module.startswith("gpt2."):
+                base = node.module.removeprefix("gpt2").removeprefix(".")
+                for a in node.names:
+                    sub = f"{base}.{a.name}" if base else a.name
+                    deps.add(sub if sub in MODULE_PATHS else base)
         elif isinstance(node, ast.Import):
-            deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("gpt2.")}
-    return deps
+            deps |= {a.name.removeprefix("gpt2.") for a in node.names if a.name.startswith("gpt2.")}
+    return deps - {""}
+
+
+def group(module: str) -> str:
+    return module.split(".")[0]
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -57,43 +91,74 @@ def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
+def test_the_folders_are_the_architecture():
+    """The groups are the folders, and every module of gpt2/ is in one of them or is a command."""
+    assert PACKAGES == sorted(LAYERS)
+    assert sorted(m for m in MODULES if "." not in m and m not in PACKAGES) == \
+        ["doctor", "eval", "export", "launch", "metrics", "sample"]
+
+
 def test_no_import_cycle_inside_the_package():
-    graph = {m: imported_gpt2_modules(PACKAGE / f"{m}.py") - {m} for m in MODULES}
+    graph = {m: imported_gpt2_modules(p) - {m} for m, p in MODULE_PATHS.items()}
     assert all(dep in MODULES for deps in graph.values() for dep in deps), graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-LADDER_USERS = ["gpt2/doctor.py", "gpt2/sdpa_probe.py"]
-"""The acceleration ladder (gpt2/ladder.py) times the trainer's train_step as bench/ladder.py does; the node
-check (`python -m gpt2.doctor`) and its attention probe use it. No run imports any of them."""
+def test_each_group_imports_only_the_groups_below_it():
+    wrong = []
+    for m, p in MODULE_PATHS.items():
+        if m in COMMANDS or group(m) not in ALLOWED:
+            continue
+        wrong += [f"{m} imports {d}" for d in sorted(imported_gpt2_modules(p)) if group(d) not in ALLOWED[group(m)]]
+    assert wrong == []
+
+
+def test_nothing_imports_a_command():
+    sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py"), REPO / "train_ddp.py"]
+    wrong = [f"{p.relative_to(REPO)} imports {d}" for p in sources for d in sorted(imported_gpt2_modules(p))
+             if d in COMMANDS and not (p.stem == "__main__" and d == "plan.__main__")]
+    assert wrong == []
+
+
+def test_the_architecture_rule_can_fail(tmp_path):
+    """The rule reads real imports: a core module importing the trainer is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from gpt2.train import trainer\n    from gpt2.ckpt.checkpoint import latest_valid\n")
+    assert imported_gpt2_modules(bad) == {"train.trainer", "ckpt.checkpoint"}
+    assert {group(d) for d in imported_gpt2_modules(bad)} - ALLOWED["core"] == {"train", "ckpt"}
+
+
+LADDER_USERS = ["gpt2/doctor.py", "gpt2/tools/sdpa_probe.py"]
+"""The acceleration ladder (gpt2/tools/ladder.py) times the trainer's train_step as bench/ladder.py does; the
+node check (`python -m gpt2.doctor`) and its attention probe use it. No run imports any of them."""
 
 
 def test_only_the_entry_point_imports_the_trainer():
-    """train_ddp.py imports the trainer and its rehearsal, gpt2/dryrun.py, which nothing else imports
+    """train_ddp.py imports the trainer and its rehearsal, gpt2/train/dryrun.py, which nothing else imports
     (but the ladder above, which only the node check imports). The rehearsal runs the trainer's own
-    start-up checks, not copies: they live below the trainer, in gpt2/startup.py (the start-up) and
-    gpt2/state.py (what a checkpoint holds, check_compatible)."""
-    sources = [*PACKAGE.glob("*.py"), *(REPO / "data_prep").glob("*.py")]
-    importers = sorted(str(p.relative_to(REPO)) for p in sources if "trainer" in imported_gpt2_modules(p))
-    assert importers == ["gpt2/ladder.py"], importers
+    start-up checks, not copies: they live below the trainer, in gpt2/train/startup.py (the start-up) and
+    gpt2/train/state.py (what a checkpoint holds, check_compatible)."""
+    sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py")]
+    importers = sorted(str(p.relative_to(REPO)) for p in sources if "train.trainer" in imported_gpt2_modules(p))
+    assert importers == ["gpt2/tools/ladder.py"], importers
     users = sorted(str(p.relative_to(REPO)) for p in [*sources, REPO / "train_ddp.py"]
-                   if "ladder" in imported_gpt2_modules(p))
+                   if "tools.ladder" in imported_gpt2_modules(p))
     assert users == LADDER_USERS, users
-    assert [str(p.relative_to(REPO)) for p in sources if imported_gpt2_modules(p) & {"doctor", "sdpa_probe"}
-            and p.stem != "doctor"] == []
-    assert [str(p.relative_to(REPO)) for p in sources if "dryrun" in imported_gpt2_modules(p)] == []
-    assert {"trainer", "dryrun"} <= imported_gpt2_modules(REPO / "train_ddp.py")
-    assert {"startup", "state"} <= imported_gpt2_modules(PACKAGE / "trainer.py")
-    assert {"startup", "state"} <= imported_gpt2_modules(PACKAGE / "dryrun.py")
+    assert [str(p.relative_to(REPO)) for p in sources
+            if imported_gpt2_modules(p) & {"doctor", "tools.sdpa_probe"} and p.stem != "doctor"] == []
+    assert [str(p.relative_to(REPO)) for p in sources if "train.dryrun" in imported_gpt2_modules(p)] == []
+    assert {"train.trainer", "train.dryrun"} <= imported_gpt2_modules(REPO / "train_ddp.py")
+    assert {"train.startup", "train.state"} <= imported_gpt2_modules(MODULE_PATHS["train.trainer"])
+    assert {"train.startup", "train.state"} <= imported_gpt2_modules(MODULE_PATHS["train.dryrun"])
 
 
 def test_the_trainers_layers_import_nothing_above_them():
-    """trainer -> startup -> (plan, resume, ...) and trainer -> state -> (checkpoint, ckpt_writer, ...):
+    """trainer -> startup -> (plan, resume, ...) and trainer -> state -> (checkpoint, writer, ...):
     the start-up and the training state never import the loop, its rehearsal or the command line,
     and the state does not import the start-up."""
-    above = {"trainer", "dryrun", "cli"}
-    assert imported_gpt2_modules(PACKAGE / "startup.py") & above == set()
-    assert imported_gpt2_modules(PACKAGE / "state.py") & (above | {"startup"}) == set()
+    above = {"train.trainer", "train.dryrun", "train.cli"}
+    assert imported_gpt2_modules(MODULE_PATHS["train.startup"]) & above == set()
+    assert imported_gpt2_modules(MODULE_PATHS["train.state"]) & (above | {"train.startup"}) == set()
 
 
 def import_closure(module: str) -> set[str]:
@@ -103,16 +168,17 @@ def import_closure(module: str) -> set[str]:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo += imported_gpt2_modules(PACKAGE / f"{name}.py")
+            todo += imported_gpt2_modules(MODULE_PATHS[name])
     return seen
 
 
 def test_training_pulls_in_neither_checkpoint_loading_nor_hugging_face():
-    """The trainer scores with gpt2/scoring.py; load.py (any checkpoint or HF directory), hf.py (the
-    conversion) and eval.py (their command line) are for the tools, not for a training run."""
-    assert import_closure("trainer") & {"load", "hf", "eval"} == set()
-    assert import_closure("scoring") & {"load", "hf", "eval", "data"} == set()
-    assert {"load", "scoring", "hellaswag"} <= import_closure("eval")  # the CLI is where they meet
+    """The trainer scores with gpt2/train/scoring.py; ckpt/load.py (any checkpoint or HF directory),
+    model/hf.py (the conversion) and eval.py (their command line) are for the tools, not for a run."""
+    tools_only = {"ckpt.load", "model.hf", "eval"}
+    assert import_closure("train.trainer") & tools_only == set()
+    assert import_closure("train.scoring") & (tools_only | {"data.loader"}) == set()
+    assert {"ckpt.load", "train.scoring", "data.hellaswag"} <= import_closure("eval")  # the CLI is where they meet
 
 
 def bench_imports(path: Path) -> tuple[list[tuple[str, str]], set[str], set[str]]:
@@ -124,7 +190,9 @@ def bench_imports(path: Path) -> tuple[list[tuple[str, str]], set[str], set[str]
             if node.module == "gpt2":
                 modules |= {a.asname or a.name for a in node.names}
             elif node.module.startswith("gpt2."):
-                names += [(node.module, a.name) for a in node.names]
+                folder = REPO / node.module.replace(".", "/")
+                modules |= {a.asname or a.name for a in node.names if (folder / f"{a.name}.py").is_file()}
+                names += [(node.module, a.name) for a in node.names if not (folder / f"{a.name}.py").is_file()]
             else:
                 others.add(node.module.split(".")[0])
         elif isinstance(node, ast.Import):
@@ -138,7 +206,7 @@ def bench_imports(path: Path) -> tuple[list[tuple[str, str]], set[str], set[str]
 
 def test_the_library_never_imports_a_benchmark():
     bench_names = {"bench"} | {p.stem for p in BENCH.glob("*.py")}
-    sources = [*PACKAGE.glob("*.py"), *(REPO / "data_prep").glob("*.py"), REPO / "train_ddp.py"]
+    sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py"), REPO / "train_ddp.py"]
     for path in sources:
         imported = set()
         for node in ast.walk(ast.parse(path.read_text())):
@@ -197,8 +265,8 @@ def test_every_module_imports_alone_without_side_effects():
     assert {m: r for m, r in results.items() if r["env"] or r["threads_changed"]} == {}
 
 
-def test_readme_architecture_table_names_every_module():
-    """README's Architecture section is the map a reader starts from: a new module appears on it."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
-    assert [m for m in MODULES if f"`gpt2/{m}.py`" not in section] == []
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md is the map a reader starts from: a new module appears on it, by its path."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    files = [str(p.relative_to(REPO)) for p in MODULE_PATHS.values() if p.stem != "__init__"]
+    assert [f for f in files if f"`{f}`" not in page and f"`{Path(f).name}`" not in page] == []

@@ -1,4 +1,4 @@
-"""gpt2/atomic.py: every file the project writes ends with the mode a plain open() would give it
+"""gpt2/core/atomic.py: every file the project writes ends with the mode a plain open() would give it
 (0666 less the umask), whatever writes it: atomic_write's private temp file, or safetensors."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import stat
 import pytest
 import torch
 
-from gpt2 import atomic
-from gpt2 import checkpoint as ckpt
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.core import atomic
 
 # umask -> the mode open(path, "w") gives a new file
 UMASKS = {0o022: 0o644, 0o077: 0o600, 0o002: 0o664}
@@ -85,9 +85,9 @@ def test_data_prep_shards_and_manifest_get_the_plain_open_mode(tmp_path, umask, 
 def test_hugging_face_export_gets_the_plain_open_mode(tmp_path, umask):
     """safetensors writes model.safetensors 0600 whatever the umask: a teammate could not load it."""
     pytest.importorskip("safetensors")
-    from gpt2.config import ModelConfig
+    from gpt2.core.config import ModelConfig
     from gpt2.export import export
-    from gpt2.model import GPT
+    from gpt2.model.gpt import GPT
 
     out = export(GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)), tmp_path / "hf")
     files = sorted(p.name for p in out.iterdir())

@@ -1,13 +1,13 @@
-"""gpt2/bandwidth.py: the start-up all-reduce measurement, its arithmetic, and the trainer's line."""
+"""gpt2/dist/bandwidth.py: the start-up all-reduce measurement, its arithmetic, and the trainer's line."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from conftest import TINY_MODEL_FLAGS, run_trainer
-from gpt2.bandwidth import bus_bandwidth, format_network_cost, fsdp_traffic, network_cost, network_warning
+
+from gpt2.dist.bandwidth import bus_bandwidth, format_network_cost, fsdp_traffic, network_cost, network_warning
 
 MB = 10**6
 

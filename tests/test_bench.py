@@ -87,7 +87,7 @@ def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
                                                   "each block compiled, then DDP", "eager DDP"]
     order_losses = [float(r[4]) for r in order_rows]
     assert order_rows[0][3].strip() == "1.00x" and max(order_losses) - min(order_losses) < 1e-3  # the same maths
-    from gpt2.precision import resolve
+    from gpt2.core.precision import resolve
 
     low = resolve("auto", "cpu").short  # bf16 where it is fast on this CPU, else fp32 (no bf16 rows)
     assert names == ["fp32 eager", "fp32 compiled", "fp32 compiled, --loss-impl full",
@@ -310,7 +310,7 @@ def test_the_speed_preset_is_the_last_row_of_the_time_to_loss_ablation():
         import time_to_loss as ttl
     finally:
         sys.path.remove(str(REPO / "bench"))
-    from gpt2.cli import parse_config
+    from gpt2.train.cli import parse_config
 
     common = ["--data-dir", "d", "--out-dir", "o"]
     last = parse_config(ttl.ablation_rows()[-1][1] + common)

@@ -16,16 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from gpt2 import checkpoint as ckpt
-from gpt2.config import ModelConfig, RunConfig, TrainConfig
-from gpt2 import preempt
-from gpt2.load import load_model
-from gpt2.preempt import StopRequest
-from gpt2.state import check_compatible, rng_state, set_rng_state
-
 from _helpers import import_train_ddp, no_space_after, tiny_run_flags
 from conftest import REPO
+
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.ckpt.load import load_model
+from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
+from gpt2.dist import preempt
+from gpt2.dist.preempt import StopRequest
+from gpt2.train.state import check_compatible, rng_state, set_rng_state
 
 
 def state(step: int, n: int = 1000) -> dict:
@@ -202,7 +201,7 @@ def test_named_paths(tmp_path):
 
 KILLED_WRITER = """
 import os, signal, sys, torch
-from gpt2 import checkpoint as ckpt
+from gpt2.ckpt import checkpoint as ckpt
 out = sys.argv[1]
 ckpt.save_checkpoint(out, 1, {"model": {"w": torch.ones(300_000)}}, keep=3)
 write = ckpt._HashingWriter.write
@@ -321,7 +320,7 @@ def test_requeue_marker_and_exit_code_contract(tmp_path):
 
 LAUNCHER_DIES = """
 import os, signal, subprocess, sys, time
-from gpt2 import preempt
+from gpt2.dist import preempt
 # A worker whose launcher (the middle process) dies: first after the prctl, then before it.
 if sys.argv[1] == "launcher":
     worker = subprocess.Popen([sys.executable, __file__, "worker", sys.argv[2]])
@@ -359,7 +358,7 @@ def test_a_worker_is_signalled_when_its_launcher_dies_even_before_it_asked(tmp_p
 
 
 def test_load_model_from_a_run_directory(tmp_path):
-    from gpt2.model import GPT
+    from gpt2.model.gpt import GPT
 
     cfg = run_config()
     model = GPT(cfg.model)
@@ -385,8 +384,8 @@ def counting(monkeypatch, module, name: str) -> list:
 
 def test_load_any_and_load_model_hash_the_checkpoint_once(tmp_path, monkeypatch):
     """A run directory, its checkpoints/ directory or a step_*.pt file: one sha256 pass over the file each."""
-    from gpt2.load import load_any
-    from gpt2.model import GPT
+    from gpt2.ckpt.load import load_any
+    from gpt2.model.gpt import GPT
 
     cfg = run_config()
     path = ckpt.save_checkpoint(tmp_path, 3, {"model": GPT(cfg.model).state_dict(), "config": cfg.to_dict(),
@@ -407,7 +406,7 @@ def test_load_any_and_load_model_hash_the_checkpoint_once(tmp_path, monkeypatch)
 
 def test_one_sidecar_reader(tmp_path, monkeypatch):
     """Every reader of a sidecar (retention, verification, the resume decision) goes through read_sidecar."""
-    from gpt2 import resume
+    from gpt2.ckpt import resume
 
     path = ckpt.save_checkpoint(tmp_path, 2, state(2), keep=1, run_id="run-a")
     readers = {"looks_complete": lambda: ckpt.looks_complete(path),

@@ -1,4 +1,4 @@
-"""Background checkpoint writes (gpt2/ckpt_writer.py): the same file as a synchronous save, training
+"""Background checkpoint writes (gpt2/ckpt/writer.py): the same file as a synchronous save, training
 goes on while it is written, one write at a time, and a failed write is never lost.
 
 Nothing here waits on time: a writer is held by patching save_checkpoint to block on an Event the
@@ -11,14 +11,13 @@ import threading
 
 import pytest
 import torch
-
-from gpt2 import checkpoint as ckpt
-from gpt2.ckpt_writer import CheckpointWriteError, CheckpointWriter, HostCopier
-from gpt2.config import ModelConfig, TrainConfig
-from gpt2.model import GPT
-from gpt2.optim import make_optimizer
-
 from _helpers import assert_same_state, import_train_ddp, losses, no_space_after, tiny_run_flags
+
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.ckpt.writer import CheckpointWriteError, CheckpointWriter, HostCopier
+from gpt2.core.config import ModelConfig, TrainConfig
+from gpt2.model.gpt import GPT
+from gpt2.train.optim import make_optimizer
 
 GUARD_S = 120  # a deadlock guard only: correct code never comes near it
 
@@ -111,7 +110,7 @@ def test_every_save_copies_into_one_flat_buffer_reused_from_save_to_save(tmp_pat
     """One host buffer for the whole state (pinned on CUDA: one block, not one per tensor), kept across
     saves; each storage of the copy is its own storage over an aligned slice of it, so the file holds
     the live state's storages (the byte-for-byte test above) and a later save overwrites in place."""
-    from gpt2.ckpt_writer import ALIGN_BYTES
+    from gpt2.ckpt.writer import ALIGN_BYTES
 
     model, opt = trained_parts()
     copier = HostCopier(pinned=False)
@@ -204,7 +203,7 @@ def run_main(tmp_path, shards, name: str, *extra: str) -> int:
 
 def test_training_runs_on_while_the_trainer_writes_and_matches_a_synchronous_run(tmp_path, shakespeare_shards,
                                                                                  monkeypatch):
-    import gpt2.trainer as trainer
+    import gpt2.train.trainer as trainer
 
     assert run_main(tmp_path, shakespeare_shards, "sync", "--async-ckpt", "false") == 0
     gate = Gate(monkeypatch, 2)

@@ -3,10 +3,10 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO
-from gpt2.cli import parse_config
-from gpt2.config import TRAIN_PRESETS, TrainConfig
+
+from gpt2.core.config import TRAIN_PRESETS, TrainConfig
+from gpt2.train.cli import parse_config
 
 BASE = ["--data-dir", "d", "--out-dir", "o"]
 
@@ -45,8 +45,8 @@ def test_precedence_defaults_preset_file_flags(tmp_path):
 def test_every_field_is_a_kebab_case_flag():
     import dataclasses
 
-    from gpt2.cli import build_parser
-    from gpt2.config import ModelConfig
+    from gpt2.core.config import ModelConfig
+    from gpt2.train.cli import build_parser
 
     flags = {a for action in build_parser()._actions for a in action.option_strings}
     for cls in (ModelConfig, TrainConfig):
@@ -86,7 +86,7 @@ def test_non_finite_values_in_a_config_file_and_rehearsal_flags_are_refused(tmp_
     with pytest.raises(SystemExit):
         parse_config(BASE + ["--config", str(toml)])
     assert "--lr inf: not a finite number" in capsys.readouterr().err
-    from gpt2.cli import parse_command
+    from gpt2.train.cli import parse_command
     with pytest.raises(SystemExit):
         parse_command(BASE + ["--dry-run", "--gpu-memory-gb", "inf"])
     assert "--gpu-memory-gb inf must be a finite number > 0" in capsys.readouterr().err
@@ -127,7 +127,7 @@ def test_bad_config_fails_before_any_process_group(tmp_path):
 def test_missing_optional_sink_is_refused_before_start(tmp_path, shakespeare_shards, monkeypatch):
     import importlib.util
 
-    from gpt2.startup import check_data
+    from gpt2.train.startup import check_data
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
@@ -168,13 +168,13 @@ def test_batch_refused_under_torchrun_shows_the_workers_line_with_the_sizes(tmp_
     assert "exitcode  : 2" in run.stderr and "ChildFailedError" in run.stderr
     assert not (tmp_path / "run").exists()
     # the same flags divide in one process: the refusal is about the world size, not the numbers
-    from gpt2.schedule import grad_accum_steps
+    from gpt2.core.schedule import grad_accum_steps
     assert grad_accum_steps(5120, 8, 128, 1) == 5
 
 
 def test_sample_prompt_longer_than_the_block_is_refused_before_start(tmp_path, shakespeare_shards):
-    """One prompt rule (gpt2.tokenizer.encode_prompt): too long is an error, here before training starts."""
-    from gpt2.startup import check_data
+    """One prompt rule (gpt2.model.tokenizer.encode_prompt): too long is an error, here before training starts."""
+    from gpt2.train.startup import check_data
 
     flags = ["--preset", "debug", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path),
              "--block-size", "16", "--sample-interval", "5"]
@@ -185,11 +185,12 @@ def test_sample_prompt_longer_than_the_block_is_refused_before_start(tmp_path, s
 
 
 def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, shakespeare_shards, monkeypatch, capsys):
-    """A RuntimeError raised inside gpt2.dist.collective becomes a CollectiveError (exit 1 with the
+    """A RuntimeError raised inside gpt2.dist.group.collective becomes a CollectiveError (exit 1 with the
     dead-peer advice); any other RuntimeError propagates whatever its text says."""
-    import gpt2.trainer
-    from gpt2.dist import CollectiveError, collective
     from _helpers import import_train_ddp
+
+    import gpt2.train.trainer
+    from gpt2.dist.group import CollectiveError, collective
 
     with pytest.raises(CollectiveError, match=r"barrier failed \(RuntimeError: Connection closed by peer\)"):
         with collective("barrier"):
@@ -205,7 +206,7 @@ def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, sha
         with collective("the gradient all-reduce"):
             raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:39625")
 
-    monkeypatch.setattr(gpt2.trainer, "train", fails_in_a_collective)
+    monkeypatch.setattr(gpt2.train.trainer, "train", fails_in_a_collective)
     assert train_ddp.main(flags) == 1
     err = capsys.readouterr().err
     assert "a collective operation failed (the gradient all-reduce failed (RuntimeError: [gloo/" in err
@@ -214,6 +215,6 @@ def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, sha
     def a_bug_mentioning_nccl(*args, **kwargs):
         raise RuntimeError("NCCL gloo timed out: only words, raised outside any collective")
 
-    monkeypatch.setattr(gpt2.trainer, "train", a_bug_mentioning_nccl)
+    monkeypatch.setattr(gpt2.train.trainer, "train", a_bug_mentioning_nccl)
     with pytest.raises(RuntimeError, match="only words"):
         train_ddp.main(flags)

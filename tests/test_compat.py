@@ -1,4 +1,4 @@
-"""gpt2/compat.py: the one place where torch releases differ, decided by capability.
+"""gpt2/core/compat.py: the one place where torch releases differ, decided by capability.
 
 These run on whichever torch the environment has (CI: 2.13 in the main suite, the floor and the
 newest in their own environments), so each test asserts what must hold on every supported release.
@@ -13,9 +13,9 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import REPO
-from gpt2 import compat
+
+from gpt2.core import compat
 
 try:
     import tomllib
@@ -64,8 +64,8 @@ def test_missing_feature_message_when_the_capability_is_absent(monkeypatch):
 
 
 def test_trainer_refuses_a_missing_feature_before_any_process_group(monkeypatch, tmp_path):
-    from gpt2.config import RunConfig, TrainConfig, model_preset
-    from gpt2.startup import check_data
+    from gpt2.core.config import RunConfig, TrainConfig, model_preset
+    from gpt2.train.startup import check_data
 
     monkeypatch.setattr(compat, "has_muon", lambda: False)
     cfg = RunConfig(model=model_preset("debug"),
@@ -76,7 +76,7 @@ def test_trainer_refuses_a_missing_feature_before_any_process_group(monkeypatch,
 
 
 def test_fsdp_api_matches_the_feature_and_is_sharded_never_raises():
-    from gpt2.fsdp import is_sharded, mixed_precision
+    from gpt2.dist.fsdp import is_sharded, mixed_precision
 
     api = compat.fsdp_api()
     assert (api is not None) == compat.feature_available("fsdp")
@@ -118,8 +118,8 @@ def test_importing_and_building_ddp_warns_nothing(tmp_path):
 import warnings, datetime
 warnings.simplefilter("error")
 import torch, torch.distributed as tdist
-import gpt2.trainer
-from gpt2 import compat
+import gpt2.train.trainer
+from gpt2.core import compat
 from torch.nn.parallel import DistributedDataParallel as DDP
 tdist.init_process_group("gloo", store=tdist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, world_size=1)
 DDP(torch.nn.Linear(4, 4), **compat.ddp_no_buffer_sync())

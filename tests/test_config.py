@@ -3,9 +3,17 @@ import dataclasses
 import pytest
 import torch
 
-from gpt2.config import (GPT2_VOCAB_SIZE, MODEL_PRESETS, PADDED_VOCAB_SIZE, ModelConfig,
-                         count_params_formula, model_preset, param_count, weight_shapes)
-from gpt2.model import GPT
+from gpt2.core.config import (
+    GPT2_VOCAB_SIZE,
+    MODEL_PRESETS,
+    PADDED_VOCAB_SIZE,
+    ModelConfig,
+    count_params_formula,
+    model_preset,
+    param_count,
+    weight_shapes,
+)
+from gpt2.model.gpt import GPT
 
 # ---- ModelConfig ----
 
@@ -88,7 +96,7 @@ def test_mqa_and_gqa_shapes_are_accepted():
 
 
 def test_ddp_bucket_cap_below_one_mib_is_refused_with_the_reason():
-    from gpt2.config import TrainConfig
+    from gpt2.core.config import TrainConfig
 
     assert TrainConfig(ddp_bucket_cap_mb=1).ddp_bucket_cap_mb == 1
     with pytest.raises(ValueError, match=r"ddp_bucket_cap_mb=0.5 must be >= 1 \(MiB\): torch.compile splits"):
@@ -96,7 +104,7 @@ def test_ddp_bucket_cap_below_one_mib_is_refused_with_the_reason():
 
 
 def test_loss_impl_is_validated_and_defaults_to_auto():
-    from gpt2.config import TrainConfig
+    from gpt2.core.config import TrainConfig
 
     assert TrainConfig().loss_impl == "auto"
     assert TrainConfig(loss_impl="full").loss_impl == "full"
@@ -144,16 +152,16 @@ def test_shape_fields_are_the_marked_fields():
 def test_non_finite_floats_are_refused_in_one_line_naming_the_flag(cls, field, value):
     """--grad-clip nan passed `>= 0` (every comparison with nan is false) and disabled clipping; --lr inf
     passed `> 0` and turned the weights to NaN. Every float field, in one check."""
-    import gpt2.config
+    import gpt2.core.config
 
     with pytest.raises(ValueError) as err:
-        getattr(gpt2.config, cls)(**{field: value})
+        getattr(gpt2.core.config, cls)(**{field: value})
     flag = "--" + field.replace("_", "-")
     assert str(err.value) == f"{flag} {value}: not a finite number; nan and inf are refused, give a number"
 
 
 def test_every_float_field_is_checked_for_finiteness():
-    from gpt2.config import TrainConfig
+    from gpt2.core.config import TrainConfig
 
     floats = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls) if f.type == "float"]
     assert len(floats) == 14  # dropout, lr, min_lr, ..., dist_step_timeout_s

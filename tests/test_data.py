@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2.data import EvalLoader, TokenStream, TrainLoader, find_shards
-from gpt2.shards import HEADER_BYTES, ShardError, make_header, write_shard
+from gpt2.data.loader import EvalLoader, TokenStream, TrainLoader, find_shards
+from gpt2.data.shards import HEADER_BYTES, ShardError, make_header, write_shard
 
 CPU = torch.device("cpu")
 
@@ -206,7 +206,7 @@ def test_loader_refuses_too_little_data(shard_dir):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 97, 256, 257, 1000, 4097])  # a prime, 2^k, 2^k + 1
 def test_permutation_is_a_bijection_for_small_and_awkward_n(n):
-    from gpt2.permutation import Permutation
+    from gpt2.data.permutation import Permutation
 
     for seed, epoch in ((0, 0), (7, 1)):
         out = Permutation(n, seed=seed, epoch=epoch)(np.arange(n))
@@ -343,7 +343,7 @@ def test_more_shards_than_the_bound_stay_within_it_and_read_the_same_tokens(tmp_
 def test_the_default_bound_is_a_quarter_of_the_descriptor_limit(monkeypatch, shard_dir):
     import resource
 
-    from gpt2.shards import default_max_open
+    from gpt2.data.shards import default_max_open
 
     for soft, bound in ((1024, 256), (65536, 1024), (resource.RLIM_INFINITY, 1024), (3, 1)):
         monkeypatch.setattr(resource, "getrlimit", lambda which, soft=soft: (soft, resource.RLIM_INFINITY))
@@ -393,12 +393,13 @@ def test_a_shard_changed_during_the_run_is_named(shard_dir):
 
 
 def test_the_trainer_closes_its_loaders(tmp_path, shakespeare_shards, monkeypatch):
-    from gpt2.cli import parse_config
-    from gpt2.data import EvalLoader as Eval, TrainLoader as Train
-    from gpt2.dist import Dist
-    from gpt2.trainer import train
-
     from conftest import TINY_MODEL_FLAGS
+
+    from gpt2.data.loader import EvalLoader as Eval
+    from gpt2.data.loader import TrainLoader as Train
+    from gpt2.dist.group import Dist
+    from gpt2.train.cli import parse_config
+    from gpt2.train.trainer import train
 
     closed = []
     for cls in (Train, Eval):

@@ -18,9 +18,9 @@ import pytest
 from data_prep.config import PrepConfig, UserError
 from data_prep.encode import BATCH_CHARS, IN_FLIGHT_PER_WORKER, Batch, encode_batches, split_text
 from data_prep.pipeline import prepare
-from gpt2.config import EOT_TOKEN
-from gpt2.shards import HEADER_BYTES, MAGIC, ShardFiles, read_header, write_shard
-from gpt2.tokenizer import get_encoding
+from gpt2.core.config import EOT_TOKEN
+from gpt2.data.shards import HEADER_BYTES, MAGIC, ShardFiles, read_header, write_shard
+from gpt2.model.tokenizer import get_encoding
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def split_files(out: Path, split: str) -> list[Path]:
 
 
 def load_tokens(path: Path) -> np.ndarray:
-    """A shard's tokens, read as the train loader reads them (gpt2.shards.ShardFiles)."""
+    """A shard's tokens, read as the train loader reads them (gpt2.data.shards.ShardFiles)."""
     n_tokens = read_header(path)
     tokens = np.empty(n_tokens, dtype=np.uint16)
     with ShardFiles((path,), (n_tokens,)) as files:

@@ -1,4 +1,4 @@
-"""gpt2/datacheck.py and the loader's per-batch check: the shards are checked against data_prep's
+"""gpt2/data/check.py and the loader's per-batch check: the shards are checked against data_prep's
 manifest.json and the vocabulary before a token reaches the embedding (issue 32, items 5 and 6).
 
 Each run goes through train_ddp.main in this process (one rank) or torchrun (two), with the issue's
@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from _helpers import import_train_ddp, tiny_run_flags
 from conftest import REPO
-from gpt2.data import TrainLoader, find_shards
-from gpt2.datacheck import FULL_CHECK_BYTES, verify_shards
-from gpt2.shards import HEADER_BYTES, ShardError, read_header, write_shard
+
+from gpt2.data.check import FULL_CHECK_BYTES, verify_shards
+from gpt2.data.loader import TrainLoader, find_shards
+from gpt2.data.shards import HEADER_BYTES, ShardError, read_header, write_shard
 
 
 def tokens_of(path: Path) -> np.ndarray:
@@ -213,7 +213,7 @@ def test_the_rule_reads_val_alone_above_the_bound(tmp_path, monkeypatch):
     sets = {s: find_shards(tmp_path, s) for s in ("train", "val")}
     with pytest.raises(ShardError, match="token id 60000 at token offset 0"):
         verify_shards(tmp_path, sets, "auto")
-    monkeypatch.setattr("gpt2.datacheck.FULL_CHECK_BYTES", 1000)  # 4000 bytes of shards: above it
+    monkeypatch.setattr("gpt2.data.check.FULL_CHECK_BYTES", 1000)  # 4000 bytes of shards: above it
     assert "are not read here" in verify_shards(tmp_path, sets, "auto")
     with pytest.raises(ShardError, match="token id 60000"):
         verify_shards(tmp_path, sets, "full")

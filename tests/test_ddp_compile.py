@@ -1,4 +1,4 @@
-"""torch.compile under DDP (gpt2/trainer.py build, wrap_ddp): the gradient all-reduce overlaps the
+"""torch.compile under DDP (gpt2/train/trainer.py build, wrap_ddp): the gradient all-reduce overlaps the
 compiled backward. Two real gloo ranks (torch.multiprocessing spawn) through the trainer's build() and
 train_step(): the same losses as uncompiled DDP, one compiled backward graph per bucket, and a profile
 in which the first all-reduce starts before the last backward graph ends."""
@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _helpers import spawn_ranks
-
 
 STEPS = 10
 
 
 def _config(data_dir: Path, out_dir: Path, *, compile: bool):
-    from gpt2.cli import parse_config
+    from gpt2.train.cli import parse_config
 
     # 2 ranks x 2 sequences x 64 tokens x 2 micro-steps: no_sync is exercised too. A block's weights
     # are 0.75 MiB: with 1 MiB buckets the blocks and the (tied) embedding fall into several buckets.
@@ -36,10 +34,10 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
-    from gpt2.dist import Dist
-    from gpt2.metrics import Metrics
-    from gpt2.startup import check_data
-    from gpt2.trainer import build, evaluate, train_step
+    from gpt2.dist.group import Dist
+    from gpt2.train.metrics import Metrics
+    from gpt2.train.startup import check_data
+    from gpt2.train.trainer import build, evaluate, train_step
 
     tdist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
     dist = Dist(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=torch.device("cpu"))
@@ -110,10 +108,10 @@ def test_checkpoint_keys_of_a_compiled_ddp_model_have_no_wrapper_prefix(overlap)
 def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare_shards):
     import torch._inductor.config as inductor_config
 
-    from gpt2.dist import Dist, usable_cpus
-    from gpt2.metrics import Metrics
-    from gpt2.startup import check_data
-    from gpt2.trainer import build
+    from gpt2.dist.group import Dist, usable_cpus
+    from gpt2.train.metrics import Metrics
+    from gpt2.train.startup import check_data
+    from gpt2.train.trainer import build
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     with inductor_config.patch(compile_threads=99):  # restored after (torch's own config patcher)

@@ -111,7 +111,7 @@ def test_a_failed_check_exits_1_with_the_table_printed(tmp_path):
 def test_the_precision_check_fails_for_a_different_computation(tmp_path):
     """The reference's own settings with another seed (another init and data order) as the "fast" path:
     1e-2..0.2 nats away per step, far outside the fp32 tolerance."""
-    from gpt2.doctor_runs import REFERENCE_FLAGS
+    from gpt2.tools.doctor_runs import REFERENCE_FLAGS
 
     ctx = Context(torch.device("cpu"), doctor.SCALES["cpu"], tmp_path, 2, 600, lambda _: None,
                   fast_flags=(*REFERENCE_FLAGS, "--seed", "1"))

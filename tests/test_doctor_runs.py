@@ -1,4 +1,4 @@
-"""The node check's comparisons and run plumbing (gpt2/doctor_runs.py): each can fail, and says why."""
+"""The node check's comparisons and run plumbing (gpt2/tools/doctor_runs.py): each can fail, and says why."""
 
 from __future__ import annotations
 
@@ -7,12 +7,21 @@ import math
 import numpy as np
 import torch
 
-from gpt2.config import GPT2_VOCAB_SIZE
-from gpt2.data import find_shards
-from gpt2.doctor_runs import (LOSS_TOLERANCE_16BIT, LOSS_TOLERANCE_FP32, PHRASE_TOKENS, compare_losses,
-                              compare_states, failure_line, flatten_tensors, loss_tolerance, median_after_warmup,
-                              write_synthetic_shards)
-from gpt2.shards import TOKEN_DTYPE, HEADER_BYTES
+from gpt2.core.config import GPT2_VOCAB_SIZE
+from gpt2.data.loader import find_shards
+from gpt2.data.shards import HEADER_BYTES, TOKEN_DTYPE
+from gpt2.tools.doctor_runs import (
+    LOSS_TOLERANCE_16BIT,
+    LOSS_TOLERANCE_FP32,
+    PHRASE_TOKENS,
+    compare_losses,
+    compare_states,
+    failure_line,
+    flatten_tensors,
+    loss_tolerance,
+    median_after_warmup,
+    write_synthetic_shards,
+)
 
 
 def test_identical_losses_are_bitwise_and_within_any_tolerance():

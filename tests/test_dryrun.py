@@ -1,4 +1,4 @@
-"""train_ddp.py --dry-run (gpt2/dryrun.py), and the rehearsal of every documented training command.
+"""train_ddp.py --dry-run (gpt2/train/dryrun.py), and the rehearsal of every documented training command.
 
 The commands are read from README.md and slurm/*.sbatch as they stand (never a copy of them), and
 each is rehearsed in-process with --dry-run at several world sizes on the planner's GPUs: it exits 0,
@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from conftest import REPO
 from _helpers import import_train_ddp
-from gpt2.shards import write_shard
+from conftest import REPO
+
+from gpt2.data.shards import write_shard
 
 WORLD_SIZES = (1, 8, 16, 32, 64)
 GPUS = ("A100-40GB", "A100-80GB", "H100-80GB", "RTX4090-24GB")
@@ -263,7 +263,7 @@ def test_the_several_node_command_at_its_own_size(train_ddp, data_dir, tmp_path,
 
 def test_schedule_is_what_the_loader_reads(data_dir):
     """windows_of(m) names exactly the rows micro_batch(m) returns, for both orders, several ranks."""
-    from gpt2.data import TokenStream, TrainLoader, find_shards
+    from gpt2.data.loader import TokenStream, TrainLoader, find_shards
 
     shards = find_shards(data_dir, "train")
     stream = TokenStream(shards, seed=0, shuffle=False)
@@ -330,9 +330,9 @@ def test_missing_data_is_said_and_the_rest_is_planned(train_ddp, tmp_path, capsy
 def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, capsys):
     """A checkpoint in the run dir: the dry run names it, checks it against this run, and the first
     windows are the resumed step's."""
-    from gpt2 import checkpoint as ckpt
-    from gpt2.cli import parse_config
-    from gpt2.data import TrainLoader, find_shards
+    from gpt2.ckpt import checkpoint as ckpt
+    from gpt2.data.loader import TrainLoader, find_shards
+    from gpt2.train.cli import parse_config
 
     run = tmp_path / "run"
     base = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--micro-batch-size", "4",
@@ -393,7 +393,7 @@ def test_a_held_run_directory_is_a_warning_and_the_rehearsal_takes_no_lock(train
     """RUN/run.lock held by a live run: a real start would be refused (exit 2); the dry run says so,
     leaves the lock as it is and exits 0 (it rehearses the configuration, which a requeue planned
     while the job still runs needs). Once the lock is released the warning is gone."""
-    from gpt2.rundir import LOCK, RunLock, describe_holder
+    from gpt2.ckpt.rundir import LOCK, RunLock, describe_holder
 
     run = tmp_path / "run"
     argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--micro-batch-size", "4",
@@ -417,10 +417,10 @@ def test_a_held_run_directory_is_a_warning_and_the_rehearsal_takes_no_lock(train
 def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path, capsys):
     """`python -m gpt2.plan --preset gpt2 --gpu X --world-size W` prints the plan the dry run (and a real
     run's start-up) prints: the preset's 524,288-token batch and auto micro-batch, not a default of its own."""
-    from gpt2 import plan
+    from gpt2.plan.__main__ import main as plan_main
 
     for gpu, world in (("A100-40GB", 1), ("RTX4090-24GB", 8), ("H100-80GB", 64)):
-        assert plan.main(["--preset", "gpt2", "--gpu", gpu, "--world-size", str(world)]) == 0
+        assert plan_main(["--preset", "gpt2", "--gpu", gpu, "--world-size", str(world)]) == 0
         planned = capsys.readouterr().out.strip()
         code, out, err = dry(train_ddp, ["--preset", "gpt2", "--data-dir", str(data_dir), "--out-dir",
                                          str(tmp_path / "run"), "--world-size", str(world), "--gpu", gpu], capsys)
@@ -430,8 +430,8 @@ def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path
 
 
 def test_the_24gb_card_is_in_both_tables():
-    from gpt2.flops import gpu_table_peak
-    from gpt2.plan import GIB, GPUS
+    from gpt2.plan.flops import gpu_table_peak
+    from gpt2.plan.hardware import GIB, GPUS
 
     memory, sheet_name = GPUS["RTX4090-24GB"]
     assert 23 * GIB < memory < 24 * GIB
@@ -441,10 +441,10 @@ def test_the_24gb_card_is_in_both_tables():
 def test_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
     """The dry run's checkpoint size (fp32 weights + optimizer state, from the planner) against
     torch.save of a model and its AdamW state after one step."""
-    from gpt2.config import ModelConfig, TrainConfig
-    from gpt2.model import GPT
-    from gpt2.optim import make_optimizer
-    from gpt2.plan import memory
+    from gpt2.core.config import ModelConfig, TrainConfig
+    from gpt2.model.gpt import GPT
+    from gpt2.plan.memory import memory
+    from gpt2.train.optim import make_optimizer
 
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
     model = GPT(cfg)

@@ -1,10 +1,18 @@
 import pytest
 import torch
 
-from gpt2.config import ModelConfig, model_preset, param_count
-from gpt2 import precision
-from gpt2.flops import checked_mfu, device_peak_flops, flops_per_token, format_flops, gpu_table_peak, mfu, peak_problem
-from gpt2.precision import peak_rate
+from gpt2.core import precision
+from gpt2.core.config import ModelConfig, model_preset, param_count
+from gpt2.core.precision import peak_rate
+from gpt2.plan.flops import (
+    checked_mfu,
+    device_peak_flops,
+    flops_per_token,
+    format_flops,
+    gpu_table_peak,
+    mfu,
+    peak_problem,
+)
 
 
 def test_flops_per_token_matches_hand_count():
@@ -46,7 +54,7 @@ def test_mfu_arithmetic():
 def test_blackwell_peaks_and_no_mfu_claimed_for_a_mig_slice(monkeypatch, capsys, tmp_path):
     """B200 and GB200 from the GB200 NVL72 / HGX B200 data sheet (dense = half its sparse tensor rows); a MIG
     slice, named as its GPU plus the profile, gets no peak, and the trainer says why."""
-    from gpt2.flops import mig_profile
+    from gpt2.plan.flops import mig_profile
 
     assert gpu_table_peak("NVIDIA B200", torch.bfloat16) == 2250e12
     assert gpu_table_peak("NVIDIA B200", torch.float32, tf32=True) == 1100e12
@@ -56,9 +64,9 @@ def test_blackwell_peaks_and_no_mfu_claimed_for_a_mig_slice(monkeypatch, capsys,
     assert gpu_table_peak("NVIDIA A100-SXM4-40GB MIG 1g.5gb", torch.bfloat16) is None
     assert gpu_table_peak("NVIDIA H100 80GB HBM3 MIG 7g.80gb", torch.bfloat16) is None
 
-    from gpt2 import startup
-    from gpt2.dist import Dist
-    from gpt2.metrics import Metrics
+    from gpt2.dist.group import Dist
+    from gpt2.train import startup
+    from gpt2.train.metrics import Metrics
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
     monkeypatch.setattr(startup, "device_name", lambda device: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
@@ -148,12 +156,12 @@ def test_device_peak_flops_takes_tf32_as_passed_not_from_torch(monkeypatch):
 
 def test_device_peak_flops_unlisted_cuda_gpu_is_none_not_measured(monkeypatch):
     """A measured rate is below the data-sheet peak, so MFU against it would be inflated."""
-    import gpt2.flops
+    import gpt2.plan.flops
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("a CUDA peak must not be measured")
 
-    monkeypatch.setattr(gpt2.flops, "peak_rates", no_measuring)
+    monkeypatch.setattr(gpt2.plan.flops, "peak_rates", no_measuring)
     _fake_cuda(monkeypatch, "Some Future GPU")
     assert device_peak_flops("cuda", torch.bfloat16, tf32=False) is None
     _fake_cuda(monkeypatch, "Tesla T4")
@@ -167,7 +175,7 @@ def test_device_peak_flops_measures_on_cpu_and_never_below_fp32():
     fp32 = peak_rate("cpu", torch.float32)
     assert device_peak_flops("cpu", torch.float32, tf32=False) == fp32
     for dtype in (torch.bfloat16, torch.float16):
-        # measured with fp32 again, alternately (gpt2.precision.peak_rates): compare with both as they now are
+        # measured with fp32 again, alternately (gpt2.core.precision.peak_rates): compare with both as they now are
         assert device_peak_flops("cpu", dtype, tf32=False) == max(peak_rate("cpu", torch.float32), peak_rate("cpu", dtype))
 
 
@@ -269,7 +277,7 @@ def test_an_mfu_above_100_percent_is_not_shown():
 
 
 def test_a_peak_proved_wrong_is_dropped_from_the_cache(peak_cache, monkeypatch):
-    from gpt2.startup import forget_cpu_peak
+    from gpt2.train.startup import forget_cpu_peak
 
     peak_cache["rates"] = iter([50e9] * precision.PEAK_PROBES + [150e9] * precision.PEAK_PROBES)
     assert peak_rate("cpu", torch.float32) == 50e9
@@ -292,7 +300,8 @@ def test_the_trainer_shows_no_mfu_from_a_cached_peak_below_the_floor(tmp_path, s
     import os
 
     from conftest import TINY_MODEL_FLAGS, run_trainer
-    from gpt2.metrics import read_metrics
+
+    from gpt2.train.metrics import read_metrics
 
     cache = tmp_path / "cache"
     real = torch.get_num_threads()

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-
 from _helpers import FP32_CPU, assert_same_state, import_train_ddp, load_ckpt, losses, records, run
 
 FP16_TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "32"]
@@ -49,7 +48,7 @@ def test_an_overflow_is_skipped_by_the_scaler_and_is_not_a_bad_step(tmp_path, sh
     """A loss scale of 2^40 overflows fp16 for sure; with --max-bad-steps 1 the run would stop at the
     first overflow if overflows counted as non-finite steps. The scaler lowers its scale (by 2^-8
     per overflow here) until the gradients fit, and training goes on."""
-    from gpt2 import precision
+    from gpt2.core import precision
 
     made = []
 

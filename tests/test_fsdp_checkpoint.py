@@ -12,15 +12,25 @@ import signal
 
 import pytest
 import torch
+from _helpers import (
+    hold_after_step,
+    launch,
+    losses,
+    patched_train_script,
+    release_run,
+    run,
+    seeded_rng,
+    tiny_run_flags,
+    ulps_apart,
+    uninterrupted_run,
+    wait_for_step,
+)
 
-from gpt2 import checkpoint as ckpt
-from gpt2.config import ModelConfig, RunConfig, TrainConfig
-from gpt2.state import check_compatible
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
+from gpt2.train.state import check_compatible
 
-from _helpers import hold_after_step, launch, losses, patched_train_script, release_run, run, seeded_rng, \
-    tiny_run_flags, ulps_apart, uninterrupted_run, wait_for_step
-
-pytestmark = pytest.mark.torch_feature("fsdp")  # FSDP2 on CPU: torch >= 2.6 (gpt2/compat.py)
+pytestmark = pytest.mark.torch_feature("fsdp")  # FSDP2 on CPU: torch >= 2.6 (gpt2/core/compat.py)
 
 MAX_STEPS = 8
 CKPT_INTERVAL = 3
@@ -73,7 +83,7 @@ def assert_same_sharded_state(a: dict, b: dict) -> None:
     assert a["model"].keys() == b["model"].keys() and a["model"]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), f"weight {k} differs"
-    # AdamW's state, or Muon's pair of optimizers ({"adamw": ..., "muon": ...}, gpt2/dcp.py)
+    # AdamW's state, or Muon's pair of optimizers ({"adamw": ..., "muon": ...}, gpt2/ckpt/dcp.py)
     inner = ["adamw", "muon"] if "state" not in a["optimizer"] else [None]
     for which in inner:
         oa, ob = (a["optimizer"], b["optimizer"]) if which is None else (a["optimizer"][which], b["optimizer"][which])
@@ -290,8 +300,8 @@ def test_sample_eval_and_export_load_a_two_rank_fsdp_checkpoint(tmp_path, refere
     import gpt2.eval
     import gpt2.export
     import gpt2.sample
-    from gpt2.hf import load_hf_dir
-    from gpt2.load import load_any
+    from gpt2.ckpt.load import load_any
+    from gpt2.model.hf import load_hf_dir
 
     full = full_state(step_dir(reference, MAX_STEPS), tmp_path / "full.pt")
     for path in (reference, reference / "checkpoints", step_dir(reference, MAX_STEPS)):

@@ -12,10 +12,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
-pytestmark = pytest.mark.torch_feature("fsdp")  # FSDP2 on CPU: torch >= 2.6 (gpt2/compat.py)
+pytestmark = pytest.mark.torch_feature("fsdp")  # FSDP2 on CPU: torch >= 2.6 (gpt2/core/compat.py)
 
 
 def test_fsdp_memory_bench_measures_both_modes_and_fsdp_holds_less(tmp_path):

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2.config import GPT2_VOCAB_SIZE, ModelConfig
-from gpt2.loss import linear_cross_entropy
-from gpt2.model import GPT
+from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig
+from gpt2.model.gpt import GPT
+from gpt2.model.loss import linear_cross_entropy
 
 
 def tiny(**kw) -> ModelConfig:
@@ -137,7 +137,7 @@ def test_fp16_autocast_keeps_every_lm_head_row_at_initialisation():
     Before the fix every gradient row of a token that is no target in the batch was exactly zero
     under fp16 (99.7% of them here), while the loss and the overall error (0.006) looked fine.
     """
-    from gpt2.config import PADDED_VOCAB_SIZE
+    from gpt2.core.config import PADDED_VOCAB_SIZE
 
     gen = torch.Generator().manual_seed(0)
     n, h = 1024, 16
@@ -176,8 +176,8 @@ GPT2_MICRO_BATCH_ROWS = 64 * 1024  # the gpt2 preset's micro-batch: 64 sequences
                                                (139.8, 6, 10923)])
 def test_cuda_chunks_are_sized_from_total_memory(gib, chunks, rows):
     """A100-80GB / A100-40GB / a 24 GB card / H200, as torch.cuda.get_device_properties reports them."""
-    from gpt2.config import PADDED_VOCAB_SIZE
-    from gpt2.loss import loss_chunk_logits, loss_chunks
+    from gpt2.core.config import PADDED_VOCAB_SIZE
+    from gpt2.model.loss import loss_chunk_logits, loss_chunks
 
     max_rows = loss_chunk_logits("cuda", int(gib * GIB)) // PADDED_VOCAB_SIZE
     assert loss_chunks(GPT2_MICRO_BATCH_ROWS, max_rows) == (chunks, rows)
@@ -187,7 +187,7 @@ def test_cuda_chunks_are_sized_from_total_memory(gib, chunks, rows):
 def test_cuda_chunk_defaults_to_the_devices_total_memory(monkeypatch):
     from types import SimpleNamespace
 
-    from gpt2.loss import loss_chunk_logits
+    from gpt2.model.loss import loss_chunk_logits
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -198,7 +198,7 @@ def test_cuda_chunk_defaults_to_the_devices_total_memory(monkeypatch):
 
 def test_cpu_chunks_are_unchanged():
     """2**23 logits whatever the memory, so fixed-seed CPU losses stay bit for bit the same."""
-    from gpt2.loss import LOSS_CHUNK_LOGITS_DEFAULT, loss_chunk_logits, loss_chunks
+    from gpt2.model.loss import LOSS_CHUNK_LOGITS_DEFAULT, loss_chunk_logits, loss_chunks
 
     assert loss_chunk_logits("cpu") == loss_chunk_logits(torch.device("cpu"), 80 * GIB) == 2**23
     assert loss_chunk_logits("mps") == LOSS_CHUNK_LOGITS_DEFAULT == 2**25

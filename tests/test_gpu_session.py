@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpt2.cli import parse_config
-from gpt2.flops import flops_per_token
+from gpt2.plan.flops import flops_per_token
+from gpt2.train.cli import parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -92,8 +92,8 @@ def test_the_micro_batch_report_judges_both_goals_against_the_data_sheet_peak():
     assert "not judged: this is NVIDIA A100-SXM4-80GB" in a100
     unknown = "\n".join(vs.by_batch_report(rows, vs.SHAPES["gpt2"], vs.Device("cuda", "NVIDIA Future"),
                                            {"bfloat16": None}))
-    assert "MFU of ours at defaults: n/a" in unknown and "bf16 not in gpt2/flops.py's table" in unknown
-    assert vs.row_peak(h100, "bfloat16") == 989e12  # gpt2/flops.py's table, by the device's name
+    assert "MFU of ours at defaults: n/a" in unknown and "bf16 not in gpt2/plan/flops.py's table" in unknown
+    assert vs.row_peak(h100, "bfloat16") == 989e12  # gpt2/plan/flops.py's table, by the device's name
     data = json.loads(vs.rows_json(rows, h100, {"bfloat16": 989e12}, {"steps": 20}))
     assert data["rows"][1]["tokens_per_s"] == pytest.approx(12_288 / 0.09) and data["device"] == h100.name
 
@@ -153,7 +153,7 @@ def test_the_resume_verdict_takes_the_noise_floor_of_two_uninterrupted_runs():
 def test_resume_check_kills_a_real_run_after_its_checkpoint_and_compares_the_resumed_losses(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    from gpt2.shards import write_shard
+    from gpt2.data.shards import write_shard
 
     rng = np.random.default_rng(0)
     write_shard(data / "t_train_000000.bin", rng.integers(0, 50257, 20_000).astype(np.uint16))

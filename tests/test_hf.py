@@ -4,9 +4,9 @@ import pytest
 import torch
 import transformers
 
-from gpt2.config import GPT2_VOCAB_SIZE, ModelConfig
-from gpt2.hf import from_hf_state_dict, hf_config_dict, load_hf_dir, save_hf_dir, to_hf_state_dict
-from gpt2.model import GPT
+from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig
+from gpt2.model.gpt import GPT
+from gpt2.model.hf import from_hf_state_dict, hf_config_dict, load_hf_dir, save_hf_dir, to_hf_state_dict
 
 SHAPE = dict(n_layer=2, n_head=4, n_embd=64, block_size=32)
 
@@ -208,8 +208,8 @@ def test_configs_with_other_maths_are_refused(tmp_path):
 
 def test_exportability_is_derived_from_the_shape_fields(monkeypatch):
     """Every ModelConfig.shape_fields entry GPT2Config cannot express must keep GPT-2's value: a new shape
-    field is checked without touching gpt2/hf.py (simulated here by marking dropout as one)."""
-    from gpt2 import hf
+    field is checked without touching gpt2/model/hf.py (simulated here by marking dropout as one)."""
+    from gpt2.model import hf
 
     assert set(hf.HF_SHAPE_FIELDS) < set(ModelConfig.shape_fields())
     model = GPT(ModelConfig(**SHAPE, dropout=0.1))

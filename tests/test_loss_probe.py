@@ -1,4 +1,4 @@
-"""gpt2/loss_probe.py: the uncompiled loss paths timed at a run's shape on this CPU, cached per shape,
+"""gpt2/plan/loss_probe.py: the uncompiled loss paths timed at a run's shape on this CPU, cached per shape,
 and the choice a real uncompiled --loss-impl auto run makes from them."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from gpt2 import loss_probe, precision
+from gpt2.core import precision
+from gpt2.plan import loss_probe
 
 
 @pytest.fixture
@@ -63,11 +64,11 @@ def test_the_probe_times_the_models_two_loss_paths_which_agree(monkeypatch):
 
 
 def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_it(tmp_path, cache, capsys):
-    from gpt2.config import ModelConfig, RunConfig, TrainConfig
-    from gpt2.dist import Dist
-    from gpt2.metrics import Metrics
-    from gpt2.plan import GIB, Hardware
-    from gpt2.startup import resolve_auto
+    from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
+    from gpt2.dist.group import Dist
+    from gpt2.plan.hardware import GIB, Hardware
+    from gpt2.train.metrics import Metrics
+    from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2.config import GPT2_VOCAB_SIZE, ModelConfig, count_params_formula, model_preset
-from gpt2.model import GPT, KVCache, sample_next, unwrap
+from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig, count_params_formula, model_preset
+from gpt2.model.gpt import GPT, KVCache, sample_next, unwrap
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -297,7 +297,7 @@ def test_the_kv_cache_is_kept_in_the_autocast_dtype_and_generates_the_same_token
     """Under autocast c_attn's keys and values are already bf16: a bf16 cache holds the same values in
     half the memory (an fp32 one doubled the cache's traffic per generated token). Same tokens as an
     fp32 cache; fp32 without autocast."""
-    from gpt2.model import KVCache
+    from gpt2.model.gpt import KVCache
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)).eval()

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import REPO
 from _helpers import children, losses, patched_train_script, records, tiny_run_flags
+from conftest import REPO
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="unshare -m / -u need root")
 
@@ -170,7 +169,7 @@ def test_resume_is_rank_0s_decision_and_a_node_that_cannot_see_it_fails_before_t
 
 SLOW_MARKER = """
 import time
-import gpt2.preempt as preempt
+import gpt2.dist.preempt as preempt
 
 _write = preempt.write_requeue_marker
 
@@ -212,7 +211,7 @@ def test_requeue_marker_is_on_disk_before_any_node_can_leave_the_stop(tmp_path, 
     assert marker.is_file(), "the other node left the stop path before rank 0 wrote the requeue marker\n" + \
         "\n".join(a.output for a in agents)
     info = json.loads(marker.read_text())
-    from gpt2.checkpoint import verify_checkpoint
+    from gpt2.ckpt.checkpoint import verify_checkpoint
     verify_checkpoint(run_dir / "checkpoints" / info["checkpoint"])  # the marker promises a complete one
     assert info["checkpoint"] == f"step_{info['step']:08d}.pt"
 
@@ -330,9 +329,9 @@ def wait_for_file(path: Path, agents: list[Agent], timeout: float) -> None:
 @pytest.mark.slow
 def test_four_nodes_as_the_sbatch_script_starts_them_survive_a_dead_node_and_resume_bitwise(tmp_path,
                                                                                              shakespeare_shards):
-    from gpt2.checkpoint import latest_valid
-
     from _helpers import assert_same_state, load_ckpt
+
+    from gpt2.ckpt.checkpoint import latest_valid
 
     nodes, documented = documented_multinode_command()
     world = nodes * RANKS_PER_NODE
@@ -385,7 +384,7 @@ import json, os, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, {repo!r})
-from gpt2.checkpoint import load_checkpoint
+from gpt2.ckpt.checkpoint import load_checkpoint
 
 
 def rollup():
@@ -412,14 +411,14 @@ if dist.get_rank() == 0:
 dist.barrier()
 dist.destroy_process_group()
 sys.stdout.flush()
-os._exit(0)  # past gloo's exit-time abort, as the trainer's ranks leave (gpt2/dist.py exit_after_group)
+os._exit(0)  # past gloo's exit-time abort, as the trainer's ranks leave (gpt2/dist/group.py exit_after_group)
 '''
 
 
 def test_loading_a_checkpoint_on_two_local_ranks_holds_about_one_copy_in_host_memory(tmp_path):
     import torch
 
-    from gpt2.checkpoint import save_checkpoint
+    from gpt2.ckpt.checkpoint import save_checkpoint
 
     # 160 MB of tensors in the trainer's own format (save_checkpoint: sidecar, sha256, latest).
     path = save_checkpoint(tmp_path, 1, {"tensors": [torch.randn(10_000_000) for _ in range(4)]}, keep=1)
@@ -451,8 +450,8 @@ def _view(monkeypatch, rank: int, local_rank: int, rank0_decision, others):
     checkpoint rank 0 sees, its host, the run id whose checkpoints count) and the other ranks' reports given."""
     import torch
 
-    from gpt2 import resume
-    from gpt2.dist import Dist
+    from gpt2.ckpt import resume
+    from gpt2.dist.group import Dist
 
     dist = Dist(rank=rank, local_rank=local_rank, world_size=2, local_world_size=1, device=torch.device("cpu"))
     monkeypatch.setattr(resume, "broadcast_object", lambda obj, d: rank0_decision if rank else obj)
@@ -463,13 +462,13 @@ def _view(monkeypatch, rank: int, local_rank: int, rank0_decision, others):
 def _checkpoint(run_dir: Path, step: int, salt: float = 0.0) -> Path:
     import torch
 
-    from gpt2.checkpoint import save_checkpoint
+    from gpt2.ckpt.checkpoint import save_checkpoint
 
     return save_checkpoint(run_dir, step, {"w": torch.arange(4.0) + step + salt}, keep=10)
 
 
 def test_a_rank_that_sees_rank_0s_checkpoint_agrees_and_rehashes_once_per_node(tmp_path, monkeypatch):
-    from gpt2 import resume
+    from gpt2.ckpt import resume
 
     path = _checkpoint(tmp_path, 6)
     point = resume._point(path)
@@ -483,8 +482,8 @@ def test_a_rank_that_sees_rank_0s_checkpoint_agrees_and_rehashes_once_per_node(t
 
 
 def test_a_rank_that_sees_another_file_under_the_same_name_refuses(tmp_path, monkeypatch):
-    from gpt2 import resume
-    from gpt2.checkpoint import CheckpointError
+    from gpt2.ckpt import resume
+    from gpt2.ckpt.checkpoint import CheckpointError
 
     theirs = resume._point(_checkpoint(tmp_path / "node1", 6))
     _checkpoint(tmp_path / "node2", 6, salt=0.5)  # another run's step 6 where node 2 looks
@@ -496,8 +495,8 @@ def test_a_rank_that_sees_another_file_under_the_same_name_refuses(tmp_path, mon
 
 
 def test_rank_0_starting_fresh_while_another_node_sees_a_checkpoint_is_refused(tmp_path, monkeypatch):
-    from gpt2 import resume
-    from gpt2.checkpoint import CheckpointError
+    from gpt2.ckpt import resume
+    from gpt2.ckpt.checkpoint import CheckpointError
 
     _checkpoint(tmp_path, 6)  # what this rank (node 1) sees; rank 0 on node2 saw nothing
     dist = _view(monkeypatch, 1, 0, ("ok", resume.Start(None, "new-run"), None, "node2", "*"), [(0, "node2", None)])
@@ -507,8 +506,8 @@ def test_rank_0_starting_fresh_while_another_node_sees_a_checkpoint_is_refused(t
 
 
 def test_rank_0s_error_is_raised_on_every_rank(tmp_path, monkeypatch):
-    from gpt2 import resume
-    from gpt2.checkpoint import CheckpointError
+    from gpt2.ckpt import resume
+    from gpt2.ckpt.checkpoint import CheckpointError
 
     dist = _view(monkeypatch, 1, 0, ("error", "--resume x.pt: no such checkpoint file", None, "node1", None), [])
     with pytest.raises(CheckpointError, match="no such checkpoint file"):
@@ -518,9 +517,9 @@ def test_rank_0s_error_is_raised_on_every_rank(tmp_path, monkeypatch):
 def test_ranks_at_different_steps_or_failing_alone_are_refused_and_a_shared_problem_is_raised_as_is(monkeypatch):
     import torch
 
-    from gpt2 import resume
-    from gpt2.checkpoint import CheckpointError
-    from gpt2.dist import Dist
+    from gpt2.ckpt import resume
+    from gpt2.ckpt.checkpoint import CheckpointError
+    from gpt2.dist.group import Dist
 
     dist = Dist(rank=0, local_rank=0, world_size=2, local_world_size=1, device=torch.device("cpu"))
 

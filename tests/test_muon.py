@@ -9,18 +9,28 @@ import signal
 
 import pytest
 import torch
-
+from _helpers import (
+    assert_same_state,
+    hold_after_step,
+    inject_nan,
+    launch,
+    load_ckpt,
+    losses,
+    patched_train_script,
+    release_run,
+    run,
+    tiny_run_flags,
+    wait_for_step,
+)
 from conftest import TINY_MODEL_FLAGS, run_trainer
-from gpt2.config import ModelConfig, RunConfig, TrainConfig
-from gpt2.compat import has_muon
-from gpt2.model import GPT
-from gpt2.optim import Optimizers, make_optimizer, split_params
 
-from _helpers import (assert_same_state, hold_after_step, inject_nan, launch, load_ckpt, losses, patched_train_script,
-                      release_run, run, tiny_run_flags, wait_for_step)
+from gpt2.core.compat import has_muon
+from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
+from gpt2.model.gpt import GPT
+from gpt2.train.optim import Optimizers, make_optimizer, split_params
 
-if has_muon():  # torch >= 2.9: gpt2/muon.py subclasses torch.optim.Muon
-    from gpt2.muon import Muon, newton_schulz
+if has_muon():  # torch >= 2.9: gpt2/train/muon.py subclasses torch.optim.Muon
+    from gpt2.train.muon import Muon, newton_schulz
 
 pytestmark = pytest.mark.torch_feature("muon")
 CPU = torch.device("cpu")
@@ -93,7 +103,7 @@ def test_newton_schulz_orthogonalises():
 def test_gram_form_is_the_same_iteration_with_fewer_flops(shape):
     """fp32's Gram form against the plain iteration in fp64, on a gradient-like spectrum (singular
     values over 4 decades): ~1e-5 apart, where torch's own bf16 iteration is ~1e-2 away."""
-    from gpt2.muon import ns_flops, use_gram_form
+    from gpt2.train.muon import ns_flops, use_gram_form
 
     coefficients = (3.4445, -4.775, 2.0315)
     torch.manual_seed(0)
@@ -112,7 +122,7 @@ def test_gram_form_is_the_same_iteration_with_fewer_flops(shape):
 
 
 def test_planner_counts_muons_state_as_allocated():
-    from gpt2.plan import optimizer_bytes
+    from gpt2.plan.memory import optimizer_bytes
 
     model = tiny_model()
     cfg = RunConfig(model.config, TrainConfig(data_dir="d", out_dir="o", optimizer="muon", fused_adamw=False))
@@ -126,8 +136,8 @@ def test_planner_counts_muons_state_as_allocated():
 
 
 def test_checkpoint_of_one_optimizer_is_refused_by_the_other():
-    from gpt2 import checkpoint as ckpt
-    from gpt2.state import check_compatible
+    from gpt2.ckpt import checkpoint as ckpt
+    from gpt2.train.state import check_compatible
 
     class Log:
         def info(self, msg):
@@ -197,11 +207,11 @@ def test_kill_9_and_resume_with_muon_is_bitwise_continues_on_one_rank_and_adamw_
 
 def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, shakespeare_shards, monkeypatch):
     inject_nan(monkeypatch, 1)
-    from gpt2.cli import parse_config
-    from gpt2.dist import Dist
-    from gpt2.metrics import Metrics
-    from gpt2.startup import check_data
-    from gpt2.trainer import build, train_step
+    from gpt2.dist.group import Dist
+    from gpt2.train.cli import parse_config
+    from gpt2.train.metrics import Metrics
+    from gpt2.train.startup import check_data
+    from gpt2.train.trainer import build, train_step
 
     cfg = parse_config([*TINY_MODEL_FLAGS, "--device", "cpu", "--compile", "false", "--dtype", "float16",
                         "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path), "--micro-batch-size", "2",
@@ -218,10 +228,10 @@ def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, s
 
 
 def test_newton_schulz_dtype_follows_the_runs_agreed_dtype_not_a_per_rank_measurement(monkeypatch):
-    import gpt2.precision
+    import gpt2.core.precision
 
-    monkeypatch.setattr(gpt2.precision, "matmul_rate", lambda *a, **k: pytest.fail("measured on this rank"))
-    monkeypatch.setattr(gpt2.precision, "peak_rates", lambda *a, **k: pytest.fail("measured on this rank"))
+    monkeypatch.setattr(gpt2.core.precision, "matmul_rate", lambda *a, **k: pytest.fail("measured on this rank"))
+    monkeypatch.setattr(gpt2.core.precision, "peak_rates", lambda *a, **k: pytest.fail("measured on this rank"))
     model = tiny_model()
     for dtype, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float32)):
         opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer="muon", dtype=dtype), CPU)
@@ -229,7 +239,7 @@ def test_newton_schulz_dtype_follows_the_runs_agreed_dtype_not_a_per_rank_measur
 
 
 def test_owners_balance_the_iterations_flops_and_are_the_same_table_everywhere():
-    from gpt2.muon import ns_flops, owners
+    from gpt2.train.muon import ns_flops, owners
 
     shapes = [(1152, 384), (384, 384), (1536, 384), (384, 1536)] * 6  # the medium shape's six blocks
     assert owners(shapes, 1) == [0] * 24
@@ -247,7 +257,8 @@ def test_spread_orthogonalisation_is_bitwise_the_single_process_step(tmp_path, n
     one all-gather per step: the parameters and momentum are bit for bit what one process computes,
     on every rank."""
     from _helpers import MUON_SHAPES, muon_spread_worker, spawn_ranks
-    from gpt2.muon import owners
+
+    from gpt2.train.muon import owners
 
     for w in (1, 2, 3):
         (tmp_path / str(w)).mkdir()
@@ -268,7 +279,7 @@ def test_spread_orthogonalisation_is_bitwise_the_single_process_step(tmp_path, n
 
 
 def test_gather_layout_pads_every_rank_to_the_largest_share():
-    from gpt2.muon import gather_layout, owners
+    from gpt2.train.muon import gather_layout, owners
 
     shapes = [(8, 8), (4, 4), (2, 2)]
     table = owners(shapes, 4)

@@ -1,6 +1,6 @@
+import contextlib
 import dataclasses
 import math
-import contextlib
 import os
 import subprocess
 import sys
@@ -8,10 +8,20 @@ import sys
 import pytest
 import torch
 
-from gpt2.config import MODEL_PRESETS, ModelConfig, model_preset
-from gpt2.model import GPT
-from gpt2.plan import (GIB, Hardware, activation_bytes, auto_micro_batch_size, check_fits, device_hardware, format_plan, gpu_hardware,
-                       loss_bytes, matmul_weight_count, max_micro_batch_size, measured_peak_bytes, memory, plan)
+from gpt2.core.config import MODEL_PRESETS, ModelConfig, model_preset
+from gpt2.model.gpt import GPT
+from gpt2.plan.hardware import GIB, Hardware, device_hardware, gpu_hardware
+from gpt2.plan.measure import measured_peak_bytes
+from gpt2.plan.memory import (
+    activation_bytes,
+    auto_micro_batch_size,
+    loss_bytes,
+    matmul_weight_count,
+    max_micro_batch_size,
+    memory,
+)
+from gpt2.plan.planner import check_fits, plan
+from gpt2.plan.report import format_plan
 
 CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
 
@@ -217,7 +227,7 @@ def test_batch_and_time_arithmetic():
 
 
 def test_plan_without_a_peak_leaves_the_time_estimates_out():
-    """An unlisted GPU has no data-sheet peak (gpt2.flops.device_peak_flops gives None)."""
+    """An unlisted GPU has no data-sheet peak (gpt2.plan.flops.device_peak_flops gives None)."""
     a100 = gpu_hardware("A100-40GB", "bf16")
     hw = Hardware(name="NVIDIA Future GPU", memory_bytes=a100.memory_bytes, peak_flops=None)
     p = plan(model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8,
@@ -274,13 +284,13 @@ def test_trainer_helpers():
 
 def test_loss_bytes_counts_the_chunk_the_model_uses(monkeypatch):
     """The planner's LM head + loss term holds the rows of one chunk of the model's own loss."""
-    import gpt2.loss
+    import gpt2.model.loss
 
     cfg = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=512)  # vocab 50304
     V, h, tokens = cfg.vocab_size, cfg.n_embd, 2 * 512
     seen = []
-    real = gpt2.loss._cross_entropy_chunks
-    monkeypatch.setattr(gpt2.loss, "_cross_entropy_chunks",
+    real = gpt2.model.loss._cross_entropy_chunks
+    monkeypatch.setattr(gpt2.model.loss, "_cross_entropy_chunks",
                         lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))  # a[5]: rows per chunk
     model = GPT(cfg)
     model(torch.zeros(2, 512, dtype=torch.long), torch.zeros(2, 512, dtype=torch.long), return_logits=False)
@@ -290,7 +300,7 @@ def test_loss_bytes_counts_the_chunk_the_model_uses(monkeypatch):
 
 
 def test_cuda_loss_bytes_follow_the_devices_memory():
-    from gpt2.loss import loss_chunk_logits, loss_chunks
+    from gpt2.model.loss import loss_chunk_logits, loss_chunks
 
     cfg, tokens = model_preset("gpt2"), 64 * 1024
     V, h = cfg.vocab_size, cfg.n_embd
@@ -341,13 +351,13 @@ def _cpu(gib: float) -> Hardware:
 
 
 def _choose(requested, hw, mb=8, cfg=W1, dtype="fp32", compiled=True, measure_eager=None):
-    from gpt2.plan import choose_loss_impl
+    from gpt2.plan.loss_choice import choose_loss_impl
     return choose_loss_impl(cfg, requested, micro_batch_size=mb, hardware=hw, dtype=dtype, compiled=compiled,
                             measure_eager=measure_eager)
 
 
 def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_one():
-    from gpt2.plan import FULL_LOSS_MEMORY_SHARE
+    from gpt2.plan.loss_choice import FULL_LOSS_MEMORY_SHARE
     assert loss_bytes(W1, 8 * 256, dtype="fp32", chunked=False) == 8 * 256 * 50304 * 16  # eager: logits,
     # log-probs and two gradients, fp32; compiled: the logits and their gradient (COMPILED_FULL_LOSS_BYTES)
     peak = loss_bytes(W1, 8 * 256, dtype="fp32", chunked=False, compiled=True)
@@ -368,9 +378,9 @@ def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_
 
 
 def test_uncompiled_auto_takes_the_full_loss_only_where_it_fits_and_measured_clearly_faster():
-    """gpt2/loss_probe.py's times decide an uncompiled run, with FULL_MARGIN against noise; the probe is
+    """gpt2/plan/loss_probe.py's times decide an uncompiled run, with FULL_MARGIN against noise; the probe is
     not even asked where the full logits do not fit, and an explicit choice never asks it."""
-    from gpt2.loss_probe import FULL_MARGIN, EagerLossTimes
+    from gpt2.plan.loss_probe import FULL_MARGIN, EagerLossTimes
 
     asked = []
 
@@ -393,7 +403,7 @@ def test_uncompiled_auto_takes_the_full_loss_only_where_it_fits_and_measured_cle
 
 
 def test_auto_loss_impl_chunks_when_the_full_logits_are_within_the_share_but_the_plan_with_them_does_not_fit():
-    from gpt2.plan import FULL_LOSS_MEMORY_SHARE
+    from gpt2.plan.loss_choice import FULL_LOSS_MEMORY_SHARE
     cfg = model_preset("gpt2-xl")  # ~23 GiB of weights, gradients and AdamW: the logits are a small part
     chunked = memory(cfg, 2, 1024, dtype="bf16", device_type="cpu", chunked_loss=True)
     hw = Hardware(name="tight", memory_bytes=chunked.total + GIB, peak_flops=None, device_type="cpu",
@@ -439,7 +449,8 @@ def test_the_compiled_full_loss_holds_at_most_what_the_planner_counts_per_logit(
     import importlib.util
 
     from conftest import REPO
-    from gpt2.plan import COMPILED_FULL_LOSS_BYTES
+
+    from gpt2.plan.memory import COMPILED_FULL_LOSS_BYTES
 
     spec = importlib.util.spec_from_file_location("clm", REPO / "bench" / "compiled_loss_memory.py")
     bench = importlib.util.module_from_spec(spec)
@@ -451,8 +462,8 @@ def test_the_compiled_full_loss_holds_at_most_what_the_planner_counts_per_logit(
 
 
 def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
-    from gpt2.config import RunConfig, TrainConfig
-    from gpt2.plan import plan_run
+    from gpt2.core.config import RunConfig, TrainConfig
+    from gpt2.plan.planner import plan_run
 
     def run(cfg, hw, **train):
         return plan_run(RunConfig(cfg, TrainConfig(dtype="float32", **train)), hw, world_size=1)
@@ -477,9 +488,9 @@ def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
 @pytest.mark.parametrize("shape", [{}, dict(n_kv_head=2), dict(bias=False, n_kv_head=1)])
 def test_weight_counts_are_the_modules(shape):
     """The planner's matmul weights (autocast copies) and Muon's block matrices, derived from
-    config.weight_shapes, equal what the module and gpt2/optim.py hold, for any head layout."""
-    from gpt2.optim import is_muon_param
-    from gpt2.plan import block_matrix_count, optimizer_bytes
+    config.weight_shapes, equal what the module and gpt2/train/optim.py hold, for any head layout."""
+    from gpt2.plan.memory import block_matrix_count, optimizer_bytes
+    from gpt2.train.optim import is_muon_param
 
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, **shape)
     params = dict(GPT(cfg).named_parameters())
@@ -492,7 +503,7 @@ def test_weight_counts_are_the_modules(shape):
 
 def test_plan_accumulation_is_the_schedules():
     """One batch-divisibility rule: Plan.grad_accum_steps is schedule.grad_accum_steps."""
-    from gpt2.schedule import grad_accum_steps
+    from gpt2.core.schedule import grad_accum_steps
 
     p = plan(model_preset("debug"), micro_batch_size=2, hardware=CPU, world_size=2, total_batch_size=2048)
     assert p.grad_accum_steps == grad_accum_steps(2048, 2, 128, 2) == 4
@@ -505,8 +516,8 @@ def test_plan_accumulation_is_the_schedules():
 def test_fsdp_state_per_rank_is_the_padded_shard(name, world):
     """Weights, gradients and AdamW's moments per rank: 1/W of DDP's, plus at most one padding row per
     parameter (FSDP2 pads dim 0 to a multiple of W); the rows are torch.chunk's largest chunk."""
-    from gpt2.config import weight_shapes
-    from gpt2.plan import shard_rows
+    from gpt2.core.config import weight_shapes
+    from gpt2.plan.memory import shard_rows
 
     cfg = model_preset(name)
     shapes = weight_shapes(cfg).values()
@@ -545,8 +556,8 @@ def test_fsdp_at_world_size_1_is_ddp():
 
 
 def test_gpt2_xl_on_8_24gb_cards_fits_with_fsdp_and_not_with_ddp():
-    from gpt2.config import TRAIN_PRESETS, RunConfig, TrainConfig
-    from gpt2.plan import plan_run
+    from gpt2.core.config import TRAIN_PRESETS, RunConfig, TrainConfig
+    from gpt2.plan.planner import plan_run
 
     hw = gpu_hardware("RTX4090-24GB", "bf16")
     train = dict(TRAIN_PRESETS["gpt2-xl"], data_dir="d", out_dir="o", dtype="bfloat16")
@@ -565,8 +576,8 @@ def test_gpt2_xl_on_8_24gb_cards_fits_with_fsdp_and_not_with_ddp():
 def test_no_sync_accumulation_is_counted_and_the_reduce_scatter_choice_reported():
     """Accumulating under FSDP's no-sync keeps the whole model's unsharded fp32 gradients; a plan that
     only fits with a reduce-scatter per micro-step says so; without accumulation there is nothing kept."""
-    from gpt2.plan import gathered_elements
-    from gpt2.config import weight_shapes
+    from gpt2.core.config import weight_shapes
+    from gpt2.plan.memory import gathered_elements
 
     cfg = model_preset("gpt2-xl")
     a100 = gpu_hardware("A100-40GB", "bf16")
@@ -611,7 +622,7 @@ def test_auto_micro_batch_under_fsdp_fits_and_divides():
 
 
 def test_plan_cli_parallel_fsdp(capsys):
-    from gpt2.plan import main
+    from gpt2.plan.__main__ import main
 
     argv = ["--preset", "gpt2-xl", "--gpu", "RTX4090-24GB", "--world-size", "8"]
     assert main(argv) == 2

@@ -1,4 +1,4 @@
-"""gpt2.precision: what --dtype auto picks per device, the bounded matmul measurement, the scaler."""
+"""gpt2.core.precision: what --dtype auto picks per device, the bounded matmul measurement, the scaler."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from gpt2 import precision
-from gpt2.precision import Precision, emulation_warning, make_scaler, matmul_rate, resolve
+from gpt2.core import precision
+from gpt2.core.precision import Precision, emulation_warning, make_scaler, matmul_rate, resolve
 
 
 def fake_rates(monkeypatch, **gflops):
@@ -140,8 +140,16 @@ def test_scaler_only_for_float16():
 
 def test_precision_owns_every_dtype_name_and_conversion():
     """The three spellings (--dtype name, short/planner name, torch dtype) convert through precision only."""
-    from gpt2.precision import (AUTOCAST_DTYPES, PLAN_DTYPES, SHORT_NAMES, from_short_name, peak_name,
-                                plan_torch_dtype, short_name, torch_dtype)
+    from gpt2.core.precision import (
+        AUTOCAST_DTYPES,
+        PLAN_DTYPES,
+        SHORT_NAMES,
+        from_short_name,
+        peak_name,
+        plan_torch_dtype,
+        short_name,
+        torch_dtype,
+    )
 
     for name in SHORT_NAMES:
         assert from_short_name(short_name(name)) == (name, False)

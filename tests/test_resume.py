@@ -10,13 +10,27 @@ import time
 
 import pytest
 import torch
+from _helpers import (
+    assert_same_state,
+    hold_after_step,
+    import_train_ddp,
+    inject_nan,
+    launch,
+    load_ckpt,
+    losses,
+    nan_at_step,
+    patched_train_script,
+    records,
+    release_run,
+    run,
+    seeded_rng,
+    tiny_run_flags,
+    uninterrupted_run,
+    wait_for_step,
+)
 
-from gpt2 import checkpoint as ckpt
-from gpt2.checkpoint import verify_checkpoint
-
-from _helpers import (assert_same_state, hold_after_step, import_train_ddp, inject_nan, launch, load_ckpt, losses,
-                      nan_at_step, patched_train_script, records, release_run, run, seeded_rng, tiny_run_flags,
-                      uninterrupted_run, wait_for_step)
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.ckpt.checkpoint import verify_checkpoint
 
 MAX_STEPS = 8
 CKPT_INTERVAL = 3
@@ -203,8 +217,8 @@ def test_dead_peer_gives_an_error_within_the_step_timeout_not_a_hang(tmp_path, s
 
 SLOW_RANK_0 = """
 import time
-import gpt2.checkpoint as ckpt
-import gpt2.trainer as trainer
+import gpt2.ckpt.checkpoint as ckpt
+import gpt2.train.trainer as trainer
 
 _save, _sample = ckpt.save_checkpoint, trainer.sample_text
 
@@ -244,7 +258,7 @@ def test_each_rank_draws_its_own_random_numbers(reference):
 HOLD_WRITE_OF_STEP_6 = """
 import threading
 from pathlib import Path
-import gpt2.checkpoint as ckpt
+import gpt2.ckpt.checkpoint as ckpt
 
 _save, _write, _now = ckpt.save_checkpoint, ckpt._HashingWriter.write, {{"step": None}}
 
@@ -295,7 +309,7 @@ def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint(t
 
 
 FAIL_WRITE_OF_STEP_3 = """
-import gpt2.checkpoint as ckpt
+import gpt2.ckpt.checkpoint as ckpt
 
 _save = ckpt.save_checkpoint
 
@@ -491,7 +505,7 @@ def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoin
 def stop_during_step(monkeypatch, step: int) -> None:
     """SIGTERM to this process while optimizer step `step` (counted from 1) runs: a preemption there,
     so the run checkpoints that step and exits 3."""
-    import gpt2.trainer as trainer
+    import gpt2.train.trainer as trainer
 
     original = trainer.train_step
 

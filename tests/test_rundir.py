@@ -1,4 +1,4 @@
-"""Run directories (gpt2/rundir.py) and the start decision (gpt2/resume.py choose_start): run ids, which
+"""Run directories (gpt2/ckpt/rundir.py) and the start decision (gpt2/ckpt/resume.py choose_start): run ids, which
 checkpoints count, and moving an earlier run's records aside. One process, no training."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from gpt2 import checkpoint as ckpt
-from gpt2 import resume, rundir
-from gpt2.dist import Dist
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.ckpt import resume, rundir
+from gpt2.dist.group import Dist
 
 ONE = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
 

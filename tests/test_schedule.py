@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from gpt2.schedule import grad_accum_steps, lr_at
+from gpt2.core.schedule import grad_accum_steps, lr_at
 
 KW = dict(max_lr=6e-4, min_lr=6e-5, warmup_steps=10, max_steps=100)
 

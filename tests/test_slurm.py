@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpt2 import metrics
+from gpt2.train import metrics
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / "tests" / "slurm" / "setup_local_slurm.sh"
@@ -112,8 +112,10 @@ def test_readme_every_sbatch_script_and_common_sh_state_one_signal_lead_and_grac
 
 
 def test_readme_stop_budget_table_follows_the_planner_and_the_defaults_cover_every_preset():
-    from gpt2.config import MODEL_PRESETS, model_preset
-    from gpt2.plan import REQUEUE_MARGIN_S, StopBudget, checkpoint_bytes, gpu_hardware, plan
+    from gpt2.core.config import MODEL_PRESETS, model_preset
+    from gpt2.plan.budget import REQUEUE_MARGIN_S, StopBudget, checkpoint_bytes
+    from gpt2.plan.hardware import gpu_hardware
+    from gpt2.plan.planner import plan
 
     lead, grace = script_lead_and_grace(SCRIPTS[0])
     rows = re.findall(r"^\| ([\w-]+) \| ([\d.]+) GB \| ([\d.]+) s \| ([\d.]+) s \| (\d+) s \| (\d+) s \|$",
@@ -267,8 +269,8 @@ def _daemon_running(pidfile: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory, shakespeare_path) -> Path:
-    from gpt2.shards import write_shard
-    from gpt2.tokenizer import get_encoding
+    from gpt2.data.shards import write_shard
+    from gpt2.model.tokenizer import get_encoding
 
     tokens = np.array(get_encoding().encode_ordinary(shakespeare_path.read_text()), dtype=np.uint16)
     d = tmp_path_factory.mktemp("shards")

@@ -1,4 +1,4 @@
-"""gpt2/state.py: what a checkpoint holds and how it is put back; a checkpoint written before the
+"""gpt2/train/state.py: what a checkpoint holds and how it is put back; a checkpoint written before the
 module existed (tests/data/checkpoint_v1) still resumes, and a new one has the same keys."""
 
 from __future__ import annotations
@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from gpt2 import checkpoint as ckpt
-from gpt2.metrics import read_metrics
-from gpt2.state import OptimizerState, RankRng, ScalerState, load_components, rng_state
-
 from conftest import run_trainer
 
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.train.metrics import read_metrics
+from gpt2.train.state import OptimizerState, RankRng, ScalerState, load_components, rng_state
+
 FIXTURE = Path(__file__).resolve().parent / "data" / "checkpoint_v1"
-"""Step 2 of a 4-step run written by the trainer before gpt2/state.py (expected.json: the command,
+"""Step 2 of a 4-step run written by the trainer before gpt2/train/state.py (expected.json: the command,
 and the losses of all 4 steps of that uninterrupted run)."""
 
 FIXTURE_FLAGS = ["--n-layer", "1", "--n-head", "1", "--n-embd", "4", "--block-size", "8", "--device", "cpu",

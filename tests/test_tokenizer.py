@@ -3,9 +3,9 @@ import shutil
 
 import pytest
 
-from gpt2 import tokenizer
-from gpt2.config import EOT_TOKEN, GPT2_VOCAB_SIZE
-from gpt2.tokenizer import GPT2_FILES, decode, encode, get_encoding, seed_tiktoken_cache
+from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
+from gpt2.model import tokenizer
+from gpt2.model.tokenizer import GPT2_FILES, decode, encode, get_encoding, seed_tiktoken_cache
 
 # Ids the real GPT-2 tokenizer gives (the first line is the start of nanoGPT's Shakespeare).
 KNOWN = {

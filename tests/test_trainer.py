@@ -1,4 +1,4 @@
-"""gpt2/trainer.py: due(), what each step owes (log, evaluate, HellaSwag, sample, save, stop), pure; the
+"""gpt2/train/trainer.py: due(), what each step owes (log, evaluate, HellaSwag, sample, save, stop), pure; the
 step's device-side skip (step_unless); run_loop's late reads of a step's numbers (CUDA's), forced on CPU."""
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ import signal
 
 import pytest
 import torch
-
-from gpt2.config import TrainConfig
-from gpt2.trainer import Actions, due
-
 from _helpers import import_train_ddp, inject_nan, load_ckpt, losses, records, tiny_run_flags
+
+from gpt2.core.config import TrainConfig
+from gpt2.train.trainer import Actions, due
 
 TC = TrainConfig(max_steps=10, log_interval=2, eval_interval=4, hellaswag_interval=5, hellaswag_file="hs.jsonl",
                  sample_interval=3, ckpt_interval=6)
@@ -67,7 +66,7 @@ def test_slow_is_any_work_that_keeps_a_rank_from_the_next_step():
 
 def _adamw_run(found_inf: list[float | None]):
     """Fused AdamW over fixed random gradients; each entry None (a plain step) or step_unless's flag."""
-    from gpt2.trainer import step_unless
+    from gpt2.train.trainer import step_unless
 
     torch.manual_seed(0)
     params = [torch.randn(40, 8, requires_grad=True), torch.randn(8, requires_grad=True)]
@@ -95,7 +94,7 @@ def test_step_unless_is_bitwise_a_plain_step_at_0_and_changes_nothing_at_1():
 
 
 def _run(tmp_path, shards, name, monkeypatch, *, lag: bool, extra=(), max_steps=6, ckpt_interval=3):
-    import gpt2.trainer as trainer
+    import gpt2.train.trainer as trainer
 
     monkeypatch.setattr(trainer, "reads_lag", lambda device: lag)
     run_dir = tmp_path / name
@@ -132,7 +131,7 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_whether_reads_are_l
         tmp_path, shakespeare_shards, monkeypatch, lag):
     """The stop vote travels in a step's numbers: read late, the run stops one step later, still at a
     boundary every rank reaches alike, with a checkpoint and RUN/requeue naming it."""
-    import gpt2.trainer as trainer
+    import gpt2.train.trainer as trainer
 
     plain = trainer.train_step
 

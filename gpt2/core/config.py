@@ -1,0 +1,450 @@
+"""Model configuration and named presets.
+
+`ModelConfig` uses GPT-2's own field names (`n_layer`, `n_head`, `n_embd`, `block_size`,
+`vocab_size`) so weights map to Hugging Face's without renaming. It is frozen and validated on
+construction: a config that exists is a config that can be built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+
+# The GPT-2 BPE has 50,257 tokens (50,000 merges + 256 bytes + <|endoftext|>).
+GPT2_VOCAB_SIZE = 50257
+EOT_TOKEN = 50256
+# 50257 rounded up to a multiple of 128: "nice numbers" make the LM-head matmul faster.
+PADDED_VOCAB_SIZE = 50304
+
+ATTN_IMPLS = ("sdpa", "sdpa_mask", "explicit")
+SHAPE = {"shape": True}
+"""ModelConfig field metadata: the field changes the weights (their shapes, or what they mean), so a
+checkpoint with another value cannot be resumed (ModelConfig.shape_fields)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    n_layer: int = field(default=12, metadata=SHAPE)
+    """Number of transformer blocks."""
+    n_head: int = field(default=12, metadata=SHAPE)
+    """Number of query heads."""
+    n_kv_head: int | None = field(default=None, metadata=SHAPE)
+    """Key/value heads: n_head (default) is multi-head, 1 is multi-query, else grouped-query."""
+    n_embd: int = field(default=768, metadata=SHAPE)
+    """Width of the residual stream."""
+    block_size: int = field(default=1024, metadata=SHAPE)
+    """Maximum sequence length (number of learned positions)."""
+    vocab_size: int = field(default=PADDED_VOCAB_SIZE, metadata=SHAPE)
+    """Embedding rows. Rows past the tokenizer's 50,257 are padding: never sampled, no probability."""
+    bias: bool = field(default=True, metadata=SHAPE)
+    """Biases in Linear and LayerNorm layers, as in GPT-2."""
+    dropout: float = 0.0
+    """Dropout on attention weights and residual branches (0 for pretraining)."""
+    attn_impl: str = "sdpa"
+    """Attention kernel: 'sdpa' (is_causal, flash/memory-efficient), 'sdpa_mask' (SDPA with an explicit
+    boolean mask) or 'explicit' (softmax(QK^T/sqrt(d) + mask)V). The last two exist for benchmarks."""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        refuse_non_finite(self)
+        problems = model_config_problems(self)
+        if problems:
+            raise ValueError("invalid model config:\n  - " + "\n  - ".join(problems))
+
+    @classmethod
+    def shape_fields(cls) -> tuple[str, ...]:
+        """The fields marked SHAPE, in declaration order: those a resumed checkpoint must match."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("shape"))
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def qkv_dim(self) -> int:
+        """Width of c_attn's output: the queries (n_embd) and n_kv_head keys and values."""
+        return self.n_embd + 2 * self.n_kv_head * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        """Width of the MLP's hidden layer."""
+        return 4 * self.n_embd
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A new validated config with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def refuse_non_finite(cfg) -> None:
+    """Every float field finite, in one line naming the flag. Checked first and alone: the range checks
+    below cannot catch nan (every comparison with it is false, so --grad-clip nan passed `>= 0` and then
+    disabled clipping) or inf (--lr inf passed `> 0` and turned the weights to NaN), and would word the
+    problem as a range. The one place for flags, --config files (TOML has nan and inf) and code alike."""
+    bad = [f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+           if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: not a finite number; nan and inf are refused, give a number")
+
+
+def model_config_problems(cfg: ModelConfig) -> list[str]:
+    """Every problem with a model config, so the user can fix them all at once."""
+    p = []
+    for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            p.append(f"{name}={value!r} must be a positive integer")
+    if p:
+        return p
+    if cfg.n_embd % cfg.n_head:
+        p.append(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}; "
+                 f"choose n_head among {[h for h in range(1, 65) if cfg.n_embd % h == 0]}")
+    if cfg.n_head % cfg.n_kv_head:
+        p.append(f"n_head={cfg.n_head} is not divisible by n_kv_head={cfg.n_kv_head}; "
+                 f"n_kv_head must divide n_head (n_head for MHA, 1 for MQA)")
+    if cfg.vocab_size < GPT2_VOCAB_SIZE:
+        p.append(f"vocab_size={cfg.vocab_size} is smaller than the GPT-2 tokenizer's {GPT2_VOCAB_SIZE} "
+                 f"tokens; use {GPT2_VOCAB_SIZE} or the padded {PADDED_VOCAB_SIZE}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        p.append(f"dropout={cfg.dropout} must be in [0, 1)")
+    if cfg.attn_impl not in ATTN_IMPLS:
+        p.append(f"attn_impl={cfg.attn_impl!r} must be one of {ATTN_IMPLS}")
+    return p
+
+
+# Model shapes of the four OpenAI releases, plus a tiny model that trains in minutes on a CPU.
+MODEL_PRESETS: dict[str, dict] = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),          # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),   # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),      # 1558M
+    "debug": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    "speed": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),  # nanoGPT's small Shakespeare model
+}
+
+
+def model_preset(name: str, **overrides) -> ModelConfig:
+    """The named preset's ModelConfig, with optional field overrides."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+    return ModelConfig(**{**MODEL_PRESETS[name], **overrides})
+
+
+def count_params_formula(cfg: ModelConfig) -> int:
+    """N = V*h + T*h + L*(12h^2 + 13h) + 2h for the MHA/biased GPT-2 layout: a closed-form cross-check
+    of param_count (tests/test_config.py; `python -m gpt2.plan` prints both).
+
+    Embeddings (tied LM head counted once), positions, per block: attention 4h^2+4h, MLP 8h^2+5h,
+    two LayerNorms 4h; then the final LayerNorm 2h. For GQA/MQA or bias=False it differs from the
+    module; param_count is exact for every layout.
+    """
+    V, T, L, h = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_embd
+    return V * h + T * h + L * (12 * h * h + 13 * h) + 2 * h
+
+
+POSITION_EMBEDDING = "transformer.wpe.weight"
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of `GPT(cfg)` by its state-dict name, with its shape, in the module's order (the
+    LM head is the token embedding, tied, so it is not listed again). The one description of the
+    weights that the parameter count, the planner's weight and optimizer bytes and the checks derive
+    from; tests/test_config.py checks it against the module."""
+    return dict(_weight_shapes(cfg))
+
+
+@functools.cache  # the planner asks for every micro-batch it tries; a gpt2-xl has 580 tensors
+def _weight_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    h = cfg.n_embd
+    norm = {"weight": (h,), **({"bias": (h,)} if cfg.bias else {})}
+
+    def linear(n_in: int, n_out: int) -> dict:
+        return {"weight": (n_out, n_in), **({"bias": (n_out,)} if cfg.bias else {})}
+
+    block = {"ln_1": norm, "attn.c_attn": linear(h, cfg.qkv_dim), "attn.c_proj": linear(h, h), "ln_2": norm,
+             "mlp.c_fc": linear(h, cfg.mlp_dim), "mlp.c_proj": linear(cfg.mlp_dim, h)}
+    shapes = {"transformer.wte.weight": (cfg.vocab_size, h), POSITION_EMBEDDING: (cfg.block_size, h)}
+    for i in range(cfg.n_layer):
+        shapes |= {f"transformer.h.{i}.{module}.{kind}": shape
+                   for module, params in block.items() for kind, shape in params.items()}
+    shapes |= {f"transformer.ln_f.{kind}": shape for kind, shape in norm.items()}
+    return tuple(shapes.items())
+
+
+def param_count(cfg: ModelConfig, *, include_position: bool = True) -> int:
+    """Exact parameter count of `GPT(cfg)` (tied LM head counted once), for any head layout: the one
+    counter (GPT.num_params, the planner, FLOPs per token). include_position=False leaves out the
+    position embeddings (a table lookup, no matmul: gpt2/plan/flops.py)."""
+    return sum(math.prod(shape) for name, shape in _weight_shapes(cfg)
+               if include_position or name != POSITION_EMBEDDING)
+
+
+DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("adamw", "muon")
+LOSS_IMPLS = ("auto", "chunked", "full")
+PARALLELS = ("ddp", "fsdp")
+VERIFY_DATA = ("quick", "auto", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    data_dir: str = ""
+    """Directory holding *train*.bin and *val*.bin token shards (ours or llm.c/modded-nanogpt's)."""
+    out_dir: str = ""
+    """Run directory: metrics.jsonl, config.json, checkpoints/, loss curve."""
+    device: str = "auto"
+    """auto (CUDA if present, else CPU), cpu or cuda. Each rank uses cuda:LOCAL_RANK."""
+    dtype: str = "auto"
+    """Autocast dtype for matmuls: auto, bfloat16, float16 (with a loss scaler) or float32 (no autocast).
+    auto picks bf16 on GPUs with native bf16, fp16 on older GPUs, and on a CPU bf16 only where it
+    measures faster than fp32 (gpt2/core/precision.py says why). Weights and optimizer stay fp32."""
+    compile: bool = True
+    """torch.compile the model (inductor on CUDA and CPU)."""
+    tf32: bool = True
+    """Allow TF32 matmuls on CUDA (no effect on CPU)."""
+    fused_adamw: bool = True
+    """Use the fused AdamW kernel (one kernel per step; CUDA, and CPU since torch 2.4)."""
+    pin_memory: bool = True
+    """Pinned host buffers and non-blocking copies on CUDA (no effect on CPU)."""
+    num_threads: int = 0
+    """CPU threads per rank for intra-op parallelism; 0 = cores / ranks on this node."""
+    ddp_bucket_cap_mb: float = 25.0
+    """DDP's gradient bucket size in MiB (DDP's own default, 25). Each bucket's all-reduce starts as soon as
+    backward has produced its gradients, also when compiled (one backward graph per bucket); the start-up
+    bandwidth test times one bucket. At least 1: torch.compile's first graph split is 1 MiB."""
+    parallel: str = "ddp"
+    """How the ranks share the model: ddp (every rank holds all weights, gradients and optimizer state;
+    gradients all-reduced) or fsdp (PyTorch's FSDP2 `fully_shard` on each block and the root: each rank
+    holds 1/world_size of them and gathers a block's weights only while computing it; gpt2/dist/fsdp.py).
+    fsdp is for models whose state does not fit one device under DDP (`python -m gpt2.plan` says)."""
+    loss_impl: str = "auto"
+    """How the LM head's loss is computed: full (F.cross_entropy over the (B, T, V) logits, the fastest
+    compiled), chunked (gpt2/model/loss.py: never all the logits at once) or auto: full when the model is
+    compiled, the planner's peak of the full-logits loss is at most 1/8 of the device's usable memory and
+    the whole plan with it still fits, else chunked (gpt2/plan/ choose_loss_impl; logged with its
+    reason). Both give the same loss and gradients to float rounding."""
+    micro_batch_size: int | str = "auto"
+    """Sequences per rank per forward/backward; auto: the largest that the planner says fits the device
+    and divides the global batch (logged with the plan)."""
+    total_batch_size: int = 524_288
+    """Tokens per optimizer step, summed over all ranks and accumulation steps."""
+    max_steps: int = 19_073
+    """Optimizer steps to train for (19,073 x 524,288 tokens = 10B tokens)."""
+    lr: float = 6e-4
+    """Peak learning rate, reached after warmup."""
+    min_lr: float = 6e-5
+    """Learning rate at the end of cosine decay."""
+    warmup_steps: int = 715
+    """Linear warmup steps."""
+    decay_steps: int = 0
+    """0: cosine decay from warmup to max_steps. N > 0: warmup-stable-decay: the peak lr until
+    max_steps - N, then linear decay to min_lr over the last N steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to 2-D weights only (not biases, LayerNorm)."""
+    beta1: float = 0.9
+    """AdamW beta1 (momentum)."""
+    beta2: float = 0.95
+    """AdamW beta2 (GPT-3 used 0.95: steadier than 0.999 on large batches)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    optimizer: str = "adamw"
+    """adamw, or muon: Muon (torch.optim.Muon's update) on the 2-D weights inside the transformer blocks
+    and AdamW (lr, betas, eps, weight_decay above) on embeddings, the tied LM head, biases and LayerNorm
+    (gpt2/train/optim.py says why). Every group follows the same warmup and cosine schedule."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (scaled by sqrt(max(1, out/in)) per matrix, Keller Jordan's rule as in
+    torch's adjust_lr_fn="original"); it decays with the schedule like lr. 0.02 was the best of
+    0.01/0.02/0.04 in bench/optimizers.py's small shape and 0.01 in its medium one, each within 0.03
+    of the other (bench/README.md, "AdamW against Muon"); 0.02 is also Keller Jordan's default."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
+    muon_weight_decay: float = 0.0
+    """Muon's decoupled weight decay (p *= 1 - muon_lr * muon_weight_decay each step)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    eval_interval: int = 250
+    """Steps between validation-loss evaluations; 0 disables them (except at the end)."""
+    eval_tokens: int = 10_485_760
+    """Validation tokens per evaluation: the first eval_tokens of the val shards, the same on every run."""
+    hellaswag_interval: int = 0
+    """Steps between HellaSwag evaluations (and one at the end); 0 disables them. Needs hellaswag_file."""
+    hellaswag_file: str = ""
+    """HellaSwag jsonl (ctx, endings, label); rank 0 downloads the validation set there if it is missing."""
+    sample_interval: int = 1000
+    """Steps between text samples printed by rank 0; 0 disables them."""
+    sample_tokens: int = 32
+    """Tokens generated per sample."""
+    sample_prompt: str = ""
+    """Prompt for samples; empty starts from <|endoftext|>."""
+    log_interval: int = 1
+    """Steps between log lines and metrics.jsonl records."""
+    ckpt_interval: int = 1000
+    """Steps between checkpoints (one is always written at the end); 0 writes only the final one."""
+    keep_checkpoints: int = 3
+    """How many recent checkpoints to keep."""
+    async_ckpt: bool = True
+    """Write periodic checkpoints in the background: training stalls only while rank 0 copies the state
+    to host memory (which then holds a second copy of it until the write ends). The final checkpoint
+    and a signal stop's are always written before the run ends."""
+    verify_data: str = "auto"
+    """How much of the data start-up checks against data_prep's manifest.json and the vocabulary (gpt2/data/check.py):
+    quick (every shard listed, with its split and token count; no reading), auto (quick, plus the sha256 and
+    token ids of every shard when they total at most 1 GiB, else of the val shards) or full (every shard's
+    sha256 and token ids). Every training batch's token ids are checked as it is loaded, whatever this says."""
+    resume: str = "auto"
+    """auto (newest valid checkpoint in out_dir, else fresh), never, or a checkpoint path."""
+    seed: int = 1337
+    """Seed for initialisation and data order."""
+    data_order: str = "shuffled"
+    """shuffled: each epoch visits every window of block_size+1 tokens once, in a random order (rows of a
+    batch from all over the corpus); sequential: consecutive windows of the token stream, for corpora
+    that are shuffled already. Validation is always the fixed first eval_tokens, in order."""
+    dist_timeout_s: float = 600.0
+    """Timeout of collectives in the slow phases: start-up (process group, resume, the first step and its
+    compilation) and every checkpoint, evaluation and sample plus the step after it. A dead peer raises
+    an error (gloo) or aborts the process (NCCL) instead of hanging."""
+    dist_step_timeout_s: float = 300.0
+    """Timeout of collectives in steady training (set after the first step): a peer that died or hangs
+    mid-run is found this fast. It bounds how far ranks may drift apart within one step."""
+    max_bad_steps: int = 3
+    """Consecutive non-finite losses/gradient norms (each update skipped) before the run stops."""
+    plot: bool = True
+    """Write loss_curve.png in out_dir at the end (needs matplotlib)."""
+    tensorboard: bool = False
+    """Also log to TensorBoard in out_dir/tb (needs tensorboard)."""
+    wandb_project: str = ""
+    """Also log to this Weights & Biases project (needs wandb)."""
+
+    def __post_init__(self) -> None:
+        refuse_non_finite(self)
+        problems = train_config_problems(self)
+        if problems:
+            raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def train_config_problems(cfg: TrainConfig) -> list[str]:
+    from gpt2.core.precision import DTYPES  # here, not at the top: data_prep imports this module without torch
+
+    p = []
+    positive = ("total_batch_size", "max_steps", "log_interval", "keep_checkpoints",
+                "sample_tokens", "max_bad_steps")
+    non_negative = ("warmup_steps", "decay_steps", "eval_interval", "eval_tokens", "sample_interval", "ckpt_interval",
+                    "num_threads", "hellaswag_interval")
+    mb = cfg.micro_batch_size
+    if mb != "auto" and (not isinstance(mb, int) or isinstance(mb, bool) or mb < 1):
+        p.append(f"micro_batch_size={mb!r} must be a positive integer or auto")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            p.append(f"{name}={getattr(cfg, name)} must be >= 1")
+    for name in non_negative:
+        if getattr(cfg, name) < 0:
+            p.append(f"{name}={getattr(cfg, name)} must be >= 0")
+    if cfg.device not in DEVICES:
+        p.append(f"device={cfg.device!r} must be one of {DEVICES}")
+    if cfg.verify_data not in VERIFY_DATA:
+        p.append(f"verify_data={cfg.verify_data!r} must be one of {VERIFY_DATA}")
+    if cfg.data_order not in ("shuffled", "sequential"):
+        p.append(f"data_order={cfg.data_order!r} must be shuffled or sequential")
+    if cfg.dtype not in DTYPES:
+        p.append(f"dtype={cfg.dtype!r} must be one of {DTYPES}")
+    if not cfg.lr > 0:
+        p.append(f"lr={cfg.lr} must be > 0")
+    if not 0 <= cfg.min_lr <= cfg.lr:
+        p.append(f"min_lr={cfg.min_lr} must be between 0 and lr={cfg.lr}")
+    if cfg.parallel not in PARALLELS:
+        p.append(f"parallel={cfg.parallel!r} must be one of {PARALLELS}")
+    p += fsdp_problems(cfg)
+    if cfg.loss_impl not in LOSS_IMPLS:
+        p.append(f"loss_impl={cfg.loss_impl!r} must be one of {LOSS_IMPLS}")
+    if cfg.optimizer not in OPTIMIZERS:
+        p.append(f"optimizer={cfg.optimizer!r} must be one of {OPTIMIZERS}")
+    if cfg.muon_lr <= 0 or not 0 <= cfg.muon_momentum < 1 or cfg.muon_weight_decay < 0:
+        p.append(f"muon_lr={cfg.muon_lr} must be > 0, muon_momentum={cfg.muon_momentum} in [0, 1) and "
+                 f"muon_weight_decay={cfg.muon_weight_decay} >= 0")
+    if cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.eps <= 0:
+        p.append("weight_decay and grad_clip must be >= 0 and eps > 0")
+    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
+        p.append(f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
+    if not cfg.ddp_bucket_cap_mb >= 1:
+        p.append(f"ddp_bucket_cap_mb={cfg.ddp_bucket_cap_mb} must be >= 1 (MiB): torch.compile splits the "
+                 "backward at DDP's buckets and its first split is 1 MiB")
+    for name in ("dist_timeout_s", "dist_step_timeout_s"):
+        if getattr(cfg, name) <= 0:
+            p.append(f"{name}={getattr(cfg, name)} must be > 0")
+    if cfg.hellaswag_interval and not cfg.hellaswag_file:
+        p.append("hellaswag_interval needs hellaswag_file: a HellaSwag jsonl path (downloaded there if missing)")
+    if cfg.resume in ("", None):
+        p.append("resume must be auto, never, or a checkpoint path")
+    return p
+
+
+def fsdp_problems(cfg: TrainConfig) -> list[str]:
+    """What --parallel fsdp cannot train (refused at any world size, so a config that starts on one
+    process does not fail later on eight)."""
+    if cfg.parallel != "fsdp":
+        return []
+    p = []
+    if cfg.dtype == "float16":
+        # fp16 needs a loss scaler whose inf/NaN check sees every rank's shard of the gradients;
+        # torch's GradScaler checks only this rank's, so ranks could disagree on skipping a step.
+        p.append("dtype=float16 is not supported with parallel=fsdp (the loss scaler would check only "
+                 "this rank's gradient shards): use --dtype bfloat16 (or float32), or --parallel ddp for fp16")
+    return p
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a training run needs: the model and how to train it."""
+    model: ModelConfig
+    train: TrainConfig
+
+    def to_dict(self) -> dict:
+        return {"model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train)}
+
+
+# Training presets: model shape plus the training recipe that goes with it. The GPU presets' micro-batch
+# is "auto": the largest the planner (gpt2/plan/) says fits the device and divides the global batch at
+# the run's world size. A fixed number cannot be right everywhere: 64 x 1024 x W divides 524,288 only
+# for W <= 8, and 64 sequences of gpt2 do not fit a 24 GB or 40 GB card. `python -m gpt2.plan --preset X`
+# reads the same table, so the planner and the trainer plan the same run.
+TRAIN_PRESETS: dict[str, dict] = {
+    # GPT-2 124M: 524,288 tokens/step (on 8 A100-80GB: 64 x 1024 x 8 ranks, no accumulation), 10B
+    # tokens, max lr 6e-4 with 715 warmup steps and cosine decay to 10%.
+    "gpt2": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=6e-4, min_lr=6e-5,
+                 warmup_steps=715),
+    "gpt2-medium": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=3e-4,
+                        min_lr=3e-5, warmup_steps=715),
+    "gpt2-large": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=2.5e-4,
+                       min_lr=2.5e-5, warmup_steps=715),
+    "gpt2-xl": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=2e-4, min_lr=2e-5,
+                    warmup_steps=715),
+    # Trains in minutes on 2 CPU cores: 8 x 128 tokens per rank, 2,048 tokens per step.
+    "debug": dict(micro_batch_size=8, total_batch_size=2048, max_steps=150, lr=1e-3, min_lr=1e-4,
+                  warmup_steps=20, eval_interval=50, eval_tokens=8192, sample_interval=100,
+                  log_interval=10, ckpt_interval=50, compile=False),
+    # nanoGPT's small Shakespeare model and batch (16 x 64 tokens), with a recipe made to reach nanoGPT's
+    # 200-step val loss sooner: Muon on the block matrices, AdamW's part at 4e-3, a 5-step warmup, the
+    # recipe's cosine to step 200. `python bench/time_to_loss.py` adds them one at a time (its ablation;
+    # README, "Planning and performance", says how far each got); a 100-step horizon and warmup-stable-
+    # decay (--decay-steps) were tried on top and left out: no fewer steps to the target.
+    "speed": dict(micro_batch_size=16, total_batch_size=1024, optimizer="muon", lr=4e-3, min_lr=4e-4,
+                  warmup_steps=5, max_steps=200, dtype="float32", compile=False,
+                  eval_interval=25, eval_tokens=8192, sample_interval=50, log_interval=10, ckpt_interval=50),
+}
+
+
+def describe_model(cfg: ModelConfig) -> str:
+    """The preset a shape is (e.g. 'gpt2-xl'), else its shape fields: how errors name the model."""
+    for name, shape in MODEL_PRESETS.items():
+        if ModelConfig(**shape) == cfg:
+            return name
+    return (f"the model n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
+            f"block_size={cfg.block_size}")

@@ -1,0 +1,295 @@
+"""GPT-2 as OpenAI shipped it: pre-LayerNorm blocks, tanh-GELU MLP, learned positions, tied
+token embedding / LM head. Attention goes through `F.scaled_dot_product_attention`, with
+optional grouped-query heads and a KV cache for generation.
+
+This module does no printing and knows nothing of torch.distributed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig, param_count
+from gpt2.model.loss import linear_cross_entropy
+
+
+class KVCache:
+    """Keys and values of every layer for positions [0, pos), preallocated to block_size."""
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, *, device, dtype) -> None:
+        shape = (cfg.n_layer, batch_size, cfg.n_kv_head, cfg.block_size, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, n_kv, T, hd) at [pos, pos+T); return all keys and values so far."""
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                       dropout_p: float = 0.0) -> Tensor:
+    """softmax(QK^T / sqrt(d) + mask) V with a materialised (T_q, T_k) score matrix.
+
+    q is (B, nh, Tq, hd); k, v are (B, nkv, Tk, hd) with nh a multiple of nkv. `mask` is boolean,
+    True where attention is allowed. The reference the fused kernels are checked against.
+    """
+    groups = q.size(1) // k.size(1)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, Tq, Tk)
+    if mask is not None:
+        att = att.masked_fill(~mask, float("-inf"))
+    att = F.softmax(att, dim=-1)
+    if dropout_p > 0:  # on the attention weights, as SDPA's dropout_p
+        att = F.dropout(att, p=dropout_p)
+    return att @ v  # (B, nh, Tq, hd)
+
+
+def causal_mask(t_q: int, t_k: int, device) -> Tensor:
+    """Boolean (t_q, t_k) mask for queries that are the last t_q of t_k positions."""
+    offset = t_k - t_q
+    rows = torch.arange(t_q, device=device)[:, None] + offset
+    return torch.arange(t_k, device=device)[None, :] <= rows
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.attn_impl = cfg.attn_impl
+        self.dropout = cfg.dropout
+        # q, k, v in one matmul; for MHA this is exactly GPT-2's c_attn (n_embd -> 3*n_embd).
+        self.c_attn = nn.Linear(cfg.n_embd, cfg.qkv_dim, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_projection = True  # scaled init, see GPT._init_weights
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
+        B, T, C = x.shape
+        kv_dim = self.n_kv_head * self.head_dim
+        q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer, k, v)
+        y = self.attend(q, k, v)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        t_q, t_k = q.size(2), k.size(2)
+        gqa = self.n_kv_head != self.n_head
+        dropout_p = self.dropout if self.training else 0.0
+        if self.attn_impl == "sdpa" and t_q in (t_k, 1):
+            # No mask is ever built: is_causal for a full sequence, nothing to hide for one new
+            # query that sits after every cached key.
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=t_q == t_k and t_q > 1, enable_gqa=gqa)
+        mask = causal_mask(t_q, t_k, q.device)
+        if self.attn_impl == "explicit":
+            return explicit_attention(q, k, v, mask, dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_dim, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.mlp_dim, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_projection = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # GPT-2 used the tanh approximation of GELU; keep it so released weights behave the same.
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, layer)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+LOSS_IMPLS = ("chunked", "full")
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, loss_impl: str = "chunked") -> None:
+        super().__init__()
+        if loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"loss_impl={loss_impl!r} must be one of {LOSS_IMPLS} (the trainer resolves auto)")
+        self.config = cfg
+        # How forward(x, y, return_logits=False) computes the loss: a plain attribute, fixed before
+        # torch.compile traces the model, so the compiled graph has one path (no graph break, no
+        # recompilation). The trainer sets it from the planner's choice (gpt2/plan/ choose_loss_impl).
+        self.loss_impl = loss_impl
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer)),
+            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        # Padded vocab rows get a -inf logit, added inside the LM-head matmul: they never carry
+        # probability (loss, evaluation) and are never sampled, at no extra pass over the logits.
+        if cfg.vocab_size > GPT2_VOCAB_SIZE:
+            bias = torch.zeros(cfg.vocab_size)
+            bias[GPT2_VOCAB_SIZE:] = float("-inf")
+            self.register_buffer("logit_bias", bias, persistent=False)
+        else:
+            self.logit_bias = None
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-2 init: N(0, 0.02); projections into the residual stream scaled by 1/sqrt(2*n_layer)
+        # so the residual's variance does not grow with depth; biases zero.
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "residual_projection", False):
+                std /= math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Parameters counted once each (the tied embedding/LM head is one tensor): config.param_count,
+        the one counter, which tests check against self.parameters()."""
+        return param_count(self.config)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *, kv_cache: KVCache | None = None,
+                return_logits: bool = True) -> tuple[Tensor | None, Tensor | None]:
+        """idx (B, T) token ids -> logits (B, T, vocab_size) and, with targets, the mean loss.
+
+        Targets equal to -1 are ignored. With a kv_cache, idx holds the tokens after position
+        kv_cache.pos and the cache advances past them. With targets and return_logits=False the
+        logits returned are None (what training wants) and the loss takes self.loss_impl's path:
+        chunked, `linear_cross_entropy` (same maths, no (B, T, vocab) logits kept), or full, the
+        plain path below.
+        """
+        B, T = idx.shape
+        start = kv_cache.pos if kv_cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.config.block_size}")
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x, kv_cache)
+        if kv_cache is not None:
+            kv_cache.pos += T
+        if targets is not None and not return_logits:
+            return None, self.head_loss(x, targets)
+        x = self.transformer.ln_f(x)
+        logits = F.linear(x, self.lm_head.weight, self.logit_bias)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+        return (logits if return_logits else None), loss
+
+    def head_loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        """The final LayerNorm, the LM head and the mean loss of the blocks' output x, by self.loss_impl's
+        path, without returning logits: what training and evaluation run after the blocks. Its own
+        method so that a model whose blocks are compiled one by one (--parallel fsdp) can compile
+        this part too (gpt2/train/trainer.py compile_sharded)."""
+        x = self.transformer.ln_f(x)
+        if self.loss_impl == "chunked":
+            return linear_cross_entropy(x, self.lm_head.weight, self.logit_bias, targets)
+        logits = F.linear(x, self.lm_head.weight, self.logit_bias)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 use_cache: bool = True) -> Tensor:
+        """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy."""
+        new = list(self.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                        generator=generator, use_cache=use_cache))
+        return torch.cat([idx, *new], dim=1)
+
+    @torch.no_grad()
+    def generate_stream(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                        top_k: int | None = None, generator: torch.Generator | None = None,
+                        use_cache: bool = True) -> Iterator[Tensor]:
+        """Yield each new (B, 1) token as it is sampled (so text can be shown as it comes).
+
+        With use_cache, keys and values are kept between steps. Positions are learned and
+        absolute, so once the sequence outgrows block_size the window shifts and the cache is
+        rebuilt from the last block_size tokens: exactly the context uncached generation sees.
+        """
+        if idx.size(1) == 0:
+            raise ValueError("generate needs at least one prompt token (e.g. the EOT token 50256)")
+        block = self.config.block_size
+        cache = None
+        for _ in range(max_new_tokens):
+            if not use_cache:
+                logits, _ = self(idx[:, -block:])
+            elif cache is None or cache.pos >= block:
+                cache = KVCache(self.config, idx.size(0), device=self.lm_head.weight.device, dtype=self._cache_dtype())
+                logits, _ = self(idx[:, -block:], kv_cache=cache)
+            else:
+                logits, _ = self(idx[:, -1:], kv_cache=cache)
+            next_tok = sample_next(logits[:, -1, :].float(), temperature=temperature, top_k=top_k,
+                                   generator=generator)
+            idx = torch.cat([idx, next_tok], dim=1)
+            yield next_tok
+
+
+    def _cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: under autocast the keys and values come out of c_attn in the autocast
+        dtype, so an fp32 cache would hold the same values at twice the memory and traffic; SDPA
+        under autocast reads them in that dtype either way."""
+        device_type = self.lm_head.weight.device.type
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return self.lm_head.weight.dtype
+
+
+TOP_K = 200  # sampling's top-k unless told otherwise: the trainer's samples and gpt2.sample (nanoGPT's)
+
+
+def sample_next(logits: Tensor, *, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> Tensor:
+    """(B, V) logits -> (B, 1) token ids. Padded-vocab logits are -inf and so never chosen."""
+    logits = logits[:, :GPT2_VOCAB_SIZE]
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain GPT inside DDP and/or torch.compile wrappers.
+
+    Save and load state dicts through this: a DDP-wrapped model prefixes every key with `module.`
+    and a compiled one with `_orig_mod.`, and such checkpoints do not load into a plain model.
+    """
+    model = getattr(model, "module", model)  # DDP
+    return getattr(model, "_orig_mod", model)  # torch.compile
+

@@ -1,0 +1,150 @@
+"""The LM head's cross-entropy in chunks: the loss and its gradients without the (N, V) logits.
+
+GPT.forward(x, y, return_logits=False), what training runs, calls `linear_cross_entropy` when the model's
+loss_impl is chunked (--loss-impl; gpt2/plan/ choose_loss_impl picks it where the logits do not fit
+comfortably). It computes
+what `F.cross_entropy(F.linear(x, W, b).float(), y, ignore_index=-1)` computes, autocast included,
+one chunk of rows at a time, with the gradients made in forward (a custom autograd Function) so that
+backward has no LM-head matmul to redo. The chunk size is the device's rule (`loss_chunk_logits`),
+which the planner (gpt2/plan/) counts too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Most logits one chunk of `linear_cross_entropy` holds. Larger chunks keep the LM-head matmuls
+# large; smaller ones lower the loss's peak memory. On a CPU 2**23 (32 MiB as fp32): glibc maps a
+# larger buffer afresh for every chunk and unmaps it after, and the page faults of 2**25-logit
+# chunks cost a quarter of a small model's step (measured: 1.25 vs 1.05 s, 0.30 vs 0.07 s of sys).
+LOSS_CHUNK_LOGITS = {"cpu": 2**23}
+LOSS_CHUNK_LOGITS_DEFAULT = 2**25
+"""Devices with no rule of their own (neither CPU nor CUDA)."""
+
+# On CUDA a chunk is sized from the device's total memory, as large as a fixed share allows. Each
+# chunk, whatever its size, adds its (V, h) weight-gradient part to the fp32 sum: for GPT-2 it writes
+# a 77 MB bf16 part and reads and writes the 154 MB fp32 grad_w, ~0.45 GB of traffic per chunk
+# compiled (the fp32 cast fused into the add), ~0.75 GB eager. With 2**25-logit chunks the gpt2
+# preset's micro-batch (64 x 1024 tokens) is 99 chunks: ~45 GB per micro-step, ~8% of an A100
+# step, and 99 unrolled copies of the loop body for torch.compile to trace and compile. A chunk
+# holds 16 bytes per logit under bf16 (its logits in bf16 and fp32, the fp32 softmax gradient and
+# its bf16 copy; 20 in fp32; gpt2.plan.memory.loss_bytes). With 1/16 of the memory per chunk that
+# micro-batch is 10 chunks of 6,554 rows (4.9 GiB held, ~4.5 GB of grad_w traffic) on an 80 GB
+# A100, 20 of 3,277 (2.5 GiB) on a 40 GB one, 34 of 1,928 (1.4 GiB) on a 24 GB card. A larger
+# share saves little more traffic for memory a micro-batch could use. The count is also bounded:
+# activations take ~0.32 GiB per 1024-token sequence, so any micro-batch that fits has at most
+# ~35 chunks whatever the device (planner: 34 at B=215 on 80 GB, 29 at B=54 on 24 GB).
+# Total memory, not free memory: it is the same on every rank and at every step, so all ranks chunk
+# identically and a run's losses do not depend on what else happens to be allocated.
+LOSS_CHUNK_MEMORY_SHARE = 16
+"""On CUDA one chunk holds at most 1/LOSS_CHUNK_MEMORY_SHARE of the device's total memory."""
+LOSS_CHUNK_BYTES_PER_LOGIT = 16
+"""Bytes one logit costs in a chunk under bf16 autocast (fp32 chunks take 20/16 of the share)."""
+
+
+def loss_chunk_logits(device: torch.device | str, total_memory: int | None = None) -> int:
+    """Most logits one loss chunk holds on device (see the comments above).
+
+    On CUDA from total_memory, the device's total bytes (default: asked of the device; give it to
+    get a pure function, as the planner does). Other devices have fixed sizes and ignore it.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return LOSS_CHUNK_LOGITS.get(device.type, LOSS_CHUNK_LOGITS_DEFAULT)
+    if total_memory is None:
+        total_memory = torch.cuda.get_device_properties(device).total_memory
+    return max(1, total_memory // (LOSS_CHUNK_MEMORY_SHARE * LOSS_CHUNK_BYTES_PER_LOGIT))
+
+
+def loss_chunks(n_rows: int, max_rows: int) -> tuple[int, int]:
+    """(chunks, rows per chunk) for n_rows in equal chunks of at most max_rows rows: 2048 rows in
+    4 x 512, not 3 x 667 + 47 (the last chunk may be shorter by less than one row per chunk)."""
+    n_chunks = -(-n_rows // max_rows)
+    return n_chunks, -(-n_rows // n_chunks)
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *,
+                         chunk_rows: int | None = None) -> Tensor:
+    """Mean cross-entropy of F.linear(x, weight, bias) against targets (-1 = ignored), in chunks.
+
+    The maths of the model's plain path, `F.cross_entropy(logits.float(), targets,
+    ignore_index=-1)`, autocast included (matmuls in the autocast dtype, softmax in fp32), without
+    ever holding the (N, V) logits: each chunk of rows makes its logits, its loss and, when
+    gradients are wanted, its gradients at once, so backward only scales what forward left. The
+    full path keeps several (N, V) fp32 tensors (logits, log-probabilities, their gradients): for
+    2,048 tokens and 50,304 entries that is 412 MB each, written and read again.
+    """
+    h = x.size(-1)
+    x2, t = x.reshape(-1, h), targets.reshape(-1)
+    if x2.size(0) != t.size(0):
+        raise ValueError(f"{x2.size(0)} positions but {t.size(0)} targets; pass targets shaped like idx")
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    max_rows = chunk_rows or max(1, loss_chunk_logits(x.device) // weight.size(0))
+    _, rows = loss_chunks(x2.size(0), max_rows)
+    with torch.autocast(device_type, enabled=False):  # the dtypes are chosen explicitly below
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _LinearCrossEntropy.apply(x2, weight, bias, t, dtype, rows)
+        return _cross_entropy_chunks(x2, weight, bias, t, dtype, rows, grads=False)[0]
+
+
+def _cross_entropy_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                          dtype: torch.dtype, rows: int, *, grads: bool):
+    """(loss, grad_x, grad_weight) of the mean loss; the gradients only with grads, else None.
+
+    Matmuls run in `dtype` as autocast runs F.linear; logits are softmaxed in fp32. d loss / d
+    logits is (softmax - onehot(target)) / n on counted rows and 0 on ignored ones. It is made in
+    place over the chunk's logits (no one-hot, no second (rows, V) buffer), and ignored rows are
+    zeroed on the narrow side (their x rows and their grad_x rows), not over all V columns.
+
+    Where 1/n is applied matters in float16, whose smallest step is 6e-8: at initialisation a
+    softmax entry is ~2e-5, and 2e-5 / n underflows to exactly 0 for n >= 1024 tokens, silently
+    dropping every "push the other tokens down" term. So for float16 the gradient stays unscaled
+    in the matmuls and 1/n is applied to their fp32 results. fp32 and bf16 have fp32's exponent
+    range and fold 1/n in before the cast, as F.cross_entropy's backward does (bitwise the same).
+    """
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    valid = targets != -1
+    n = valid.sum()
+    inv_n = 1.0 / n
+    late = dtype == torch.float16
+    losses, grad_x, grad_w = [], [], None
+    for start in range(0, x.size(0), rows):
+        xs = x[start:start + rows].to(dtype)
+        ts, vs = targets[start:start + rows], valid[start:start + rows]
+        logits = (xs @ w.t() if b is None else torch.addmm(b, xs, w.t())).float()  # (rows, V)
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
+        losses.append(torch.where(vs, lse - picked, 0.0).sum())
+        if grads:
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place: logits are not needed any more
+            g.scatter_add_(1, ts.clamp(min=0)[:, None], -vs[:, None].float())  # - onehot(target)
+            if not late:
+                g.mul_(inv_n)
+            g = g.to(dtype)
+            keep = vs[:, None]
+            gx = (g @ w).float() * (keep * inv_n) if late else (g @ w) * keep
+            grad_x.append(gx.to(x.dtype))
+            part = (g.t() @ (xs * keep)).float()  # (V, h); summed in fp32 over chunks
+            grad_w = part if grad_w is None else grad_w + part
+    loss = torch.stack(losses).sum() / n
+    if not grads:
+        return loss, None, None
+    return loss, torch.cat(grad_x), (grad_w * inv_n if late else grad_w).to(weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The loss with its gradients computed in forward (no recomputed LM-head matmul)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, dtype, rows):
+        loss, grad_x, grad_w = _cross_entropy_chunks(x, weight, bias, targets, dtype, rows, grads=True)
+        ctx.save_for_backward(grad_x, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None

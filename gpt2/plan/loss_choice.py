@@ -1,0 +1,97 @@
+"""--loss-impl auto: the full-logits loss or the chunked one, for a micro-batch already chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpt2.core.config import ModelConfig
+from gpt2.plan.hardware import Hardware, gib
+from gpt2.plan.memory import loss_bytes, memory
+
+# --loss-impl auto takes the full-logits loss when its peak (loss_bytes(chunked=False)) is at most
+# 1/FULL_LOSS_MEMORY_SHARE of the device's usable memory and the whole plan with it still fits.
+# Why a share at all, when "the plan fits" is also checked: the full path's peak is four (B, T, V)
+# tensors made and freed every micro-step, the largest single term of the plan, so an error in the
+# estimate or the allocator's fragmentation around such blocks costs most there; a CPU's "device"
+# is host RAM that the page cache, the data loader and other processes share. At 1/8 an estimate
+# wrong by a whole (B, T, V) fp32 tensor (a quarter of the fp32 peak) costs at most 1/32 of the
+# memory, and 7/8 stays for everything else. Why not less: at 1/16 the
+# W1 workload (6 x 384, micro-batch 8 x 256, fp32: 1.54 GiB of full-logits peak, 6.8% of the
+# 22.5 GiB a 23.5 GiB host leaves usable) would stay chunked and pay the chunk loop's ~1.3x
+# compiled LM-head time (issue 23, bench/loss.py); 1/8 takes the full loss there and on the quick start, and keeps the chunked
+# one where the logits are large, e.g. the gpt2 preset at 64 x 1024 under bf16 compiled (12.3 GiB,
+# 16% of an 80 GB A100; at 16 x 1024 it is 3.1 GiB and takes nanoGPT's one fused cross-entropy, where
+# eager's 14 bytes per logit, 10.7 GiB, would chunk it). Order: the micro-batch is chosen first (auto: the largest that fits with the
+# chunked loss, as before), then the loss path for that micro-batch. The micro-batch is the larger
+# lever (fewer accumulation steps, larger matmuls) and the chunked loss is what lets it grow, so a
+# joint choice would trade micro-batch for logits; and this way --loss-impl never changes the
+# micro-batch, so the two paths run the same batch maths and agree to rounding. Uncompiled runs
+# (--compile false: the debug preset, the quick start) take the full loss where it fits only when
+# it measured clearly faster on this CPU at the run's shape (gpt2/plan/loss_probe.py: faster at 384 wide,
+# slower at 128 wide on one CPU; the crossover moves with the CPU); unmeasured, the chunked one.
+FULL_LOSS_MEMORY_SHARE = 8
+"""auto picks the full-logits loss when its peak is at most 1/FULL_LOSS_MEMORY_SHARE of usable memory."""
+@dataclass(frozen=True)
+class LossChoice:
+    """The loss path a run takes ('full' or 'chunked') and why, as logged and written to config.json."""
+    impl: str
+    reason: str
+
+    def describe(self) -> str:
+        """The start-up line."""
+        what = ("full logits: F.cross_entropy over the (B, T, V) logits" if self.impl == "full" else
+                "chunked: gpt2/model/loss.py's linear_cross_entropy, never all (B, T, V) logits at once")
+        return f"loss       {what} ({self.reason})"
+
+    def to_dict(self) -> dict:
+        return {"impl": self.impl, "reason": self.reason}
+def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int, hardware: Hardware,
+                     world_size: int = 1, dtype: str = "bf16", optimizer: str = "adamw", compiled: bool = True,
+                     seq_len: int | None = None, parallel: str = "ddp", accum_steps: int = 1,
+                     measure_eager=None) -> LossChoice:
+    """The loss path for a micro-batch already chosen (see FULL_LOSS_MEMORY_SHARE). requested: the
+    TrainConfig.loss_impl, auto, chunked or full; compiled: TrainConfig.compile. Uncompiled, auto takes
+    the full loss only where it also fits and measure_eager() (gpt2.plan.loss_probe.EagerLossTimes of this
+    CPU at this shape, asked only then) found it clearly faster; with nothing to measure (None: a GPU, a
+    rehearsal for other hardware), the chunked one.
+    An explicit full that cannot fit the device's whole memory is refused, as check_fits refuses an
+    explicit micro-batch (same threshold); one that only exceeds the share or the reserve is taken,
+    and the reason says so."""
+    seq_len = cfg.block_size if seq_len is None else seq_len
+    if requested == "chunked":
+        return LossChoice("chunked", "--loss-impl chunked")
+    if requested not in ("auto", "full"):
+        raise ValueError(f"loss_impl={requested!r} must be auto, chunked or full")
+    # What the full loss really holds: compiled, inductor's fused loss (COMPILED_FULL_LOSS_BYTES);
+    # uncompiled, eager's several (B, T, V) tensors.
+    peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False, compiled=compiled)
+    total = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
+                   device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
+                   chunked_loss=False, parallel=parallel, accum_steps=accum_steps, compiled=compiled).total
+    usable = hardware.memory_bytes - hardware.reserve_bytes
+    share = usable // FULL_LOSS_MEMORY_SHARE
+    logits = f"full-logits peak {gib(peak)} at micro-batch {micro_batch_size}"
+    if requested == "full":
+        if total > hardware.memory_bytes:
+            raise ValueError(f"--loss-impl full: the plan with the {logits} needs {gib(total)} per device but "
+                             f"{hardware.name} has {gib(hardware.memory_bytes)}; use --loss-impl chunked (or "
+                             f"auto), or a smaller --micro-batch-size")
+        over = [] if peak <= share else [f"above the 1/{FULL_LOSS_MEMORY_SHARE} share auto allows"]
+        over += [] if total <= usable else [f"plan {gib(total)} over the {gib(usable)} usable"]
+        return LossChoice("full", f"--loss-impl full; {logits}" + (f", {' and '.join(over)}" if over else ""))
+    if peak > share:
+        return LossChoice("chunked", f"auto: {logits} > 1/{FULL_LOSS_MEMORY_SHARE} of {gib(usable)} usable")
+    if total > usable:
+        return LossChoice("chunked", f"auto: {logits} is within 1/{FULL_LOSS_MEMORY_SHARE} of {gib(usable)} "
+                                     f"usable but the plan with it, {gib(total)}, does not fit")
+    fits = f"{logits} <= 1/{FULL_LOSS_MEMORY_SHARE} of {gib(usable)} usable, plan with it {gib(total)} fits"
+    if not compiled:
+        if measure_eager is None:
+            return LossChoice("chunked", f"auto: uncompiled and not measured on {hardware.name}, the chunked loss "
+                                         "(the faster one uncompiled at small widths, bench/eager_loss.py)")
+        eager_times = measure_eager()
+        if not eager_times.full_is_faster:
+            return LossChoice("chunked", f"auto: uncompiled, {eager_times.describe()}")
+        return LossChoice("full", f"auto: {fits}; uncompiled, {eager_times.describe()}")
+    return LossChoice("full", f"auto: {fits}; the faster path compiled")

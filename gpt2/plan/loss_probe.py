@@ -1,0 +1,112 @@
+"""Which loss path is faster uncompiled on this CPU, at a run's shape: measured once, then cached.
+
+Compiled, the full-logits loss is the faster path wherever its logits fit (gpt2/plan/
+choose_loss_impl). Uncompiled it depends on the width and the dtype, not only on the memory: on a
+2-core avx512_bf16 CPU (train_ddp.py, s/step, fp32 / bf16) the chunked loss was the faster one at the
+quick start's shape (4 x 128 wide, 8 x 128 tokens: 0.84 vs 0.96 / 0.44 vs 0.76) and the slower one at
+W1 (6 x 384 wide, 8 x 256 tokens: 2.90 vs 2.45 / 1.36 vs 1.20). At 128 wide the LM-head matmul is
+cheap and the full path's passes over the (N, V) fp32 logits dominate, which the chunks keep in
+cache; at 384 wide the matmuls dominate and the chunks' smaller matmuls, and the weight-gradient sum
+they add to once per chunk, cost more. Where the crossover lies moves with the CPU's caches and its
+bf16 support, so it is measured: the LM head and loss alone, forward and backward, both paths
+alternating, on the run's micro-batch of tokens and in its dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gpt2.core import precision
+from gpt2.model.loss import linear_cross_entropy
+
+PROBE_ROUNDS = 2
+"""Timed calls of each path (after one untimed call each), alternating; each path's time is its fastest."""
+
+FULL_MARGIN = 0.9
+"""auto takes the full loss uncompiled only when it measured at most this fraction of the chunked
+loss's time: near a tie the chunked loss, which holds less memory, stays, and a probe's noise does not
+flip a shape's choice from one run to the next."""
+
+
+@dataclass(frozen=True)
+class EagerLossTimes:
+    """Seconds of one forward + backward of the LM head and loss, per path; where they came from."""
+    full_s: float
+    chunked_s: float
+    cache: str  # the cache file that holds them
+
+    @property
+    def full_is_faster(self) -> bool:
+        return self.full_s <= FULL_MARGIN * self.chunked_s
+
+    def describe(self) -> str:
+        return (f"measured at this shape: full {self.full_s * 1e3:,.0f} ms vs chunked "
+                f"{self.chunked_s * 1e3:,.0f} ms per micro-step's LM head + loss (cached in {self.cache})")
+
+
+def probe_key(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> dict:
+    """The machine (precision.peak_key: CPU, threads, torch) and the shape the times depend on."""
+    return {**precision.peak_key(device, precision.torch_dtype(dtype)), "probe": "eager-loss", "tokens": tokens,
+            "n_embd": n_embd, "vocab_size": vocab_size}
+
+
+def probe_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return precision.peak_cache_dir() / f"eager-loss-{digest}.json"
+
+
+def eager_loss_times(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int, *,
+                     refresh: bool | None = None) -> EagerLossTimes:
+    """Both paths' times at this shape on this CPU, from the cache or measured (then cached atomically).
+    refresh=None reads precision.REFRESH_PEAK_ENV, as the matmul peaks do."""
+    key = probe_key(device, dtype, tokens, n_embd, vocab_size)
+    path = probe_path(key)
+    if refresh is None:
+        refresh = precision.refresh_requested()
+    entry = None if refresh else precision.read_cache_entry(path, key)
+    if entry is None or not all(isinstance(entry.get(k), float) and entry[k] > 0 for k in ("full_s", "chunked_s")):
+        full_s, chunked_s = measure(device, dtype, tokens, n_embd, vocab_size)
+        entry = {"full_s": full_s, "chunked_s": chunked_s}
+        precision.write_cache_entry(path, key, entry)
+    return EagerLossTimes(entry["full_s"], entry["chunked_s"], str(path))
+
+
+def measure(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> tuple[float, float]:
+    """(full, chunked) seconds: GPT.forward's two loss paths on random activations and a GPT-2-scale
+    weight, under the run's autocast, the padded vocabulary rows masked as the model masks them."""
+    from gpt2.model.gpt import GPT2_VOCAB_SIZE
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, n_embd, generator=gen).to(device).requires_grad_()
+    weight = (0.02 * torch.randn(vocab_size, n_embd, generator=gen)).to(device).requires_grad_()
+    bias = None
+    if vocab_size > GPT2_VOCAB_SIZE:
+        bias = torch.zeros(vocab_size, device=device)
+        bias[GPT2_VOCAB_SIZE:] = float("-inf")
+    targets = torch.randint(0, min(vocab_size, GPT2_VOCAB_SIZE), (tokens,), generator=gen).to(device)
+
+    def full() -> None:
+        logits = F.linear(x, weight, bias)
+        F.cross_entropy(logits.float(), targets, ignore_index=-1).backward()
+
+    def chunked() -> None:
+        linear_cross_entropy(x, weight, bias, targets).backward()
+
+    paths = {"full": full, "chunked": chunked}
+    best = {name: float("inf") for name in paths}
+    with precision.autocast(dtype, device):
+        for i in range(1 + PROBE_ROUNDS):
+            for name in list(paths) if i % 2 == 0 else list(paths)[::-1]:
+                x.grad = weight.grad = None
+                t0 = time.perf_counter()
+                paths[name]()
+                if i:  # the first round is untimed: allocations, lazy initialisation
+                    best[name] = min(best[name], time.perf_counter() - t0)
+    return best["full"], best["chunked"]

@@ -1,0 +1,336 @@
+"""Bytes per device of a training run, by what holds them.
+
+Memory is per GPU, counted from what this code base actually keeps alive (checked against the
+CPU allocator in tests/test_plan.py):
+  weights      fp32 master parameters, 4N bytes; under bf16 autocast also the bf16 copy of every
+               matmul weight, which autocast makes once per forward and autograd saves for backward
+  gradients    fp32, 4N; DDP's all-reduce buckets add nothing: the trainer passes
+               gradient_as_bucket_view=True, so the gradients are views into the buckets
+  optimizer    AdamW's two fp32 moments, 8N; with Muon (--optimizer muon) one fp32 momentum buffer
+               for each block matrix (4 bytes each) and AdamW's 8 bytes for everything else
+  activations  what autograd saves for backward in the embeddings, blocks and final LayerNorm;
+               "explicit" attention also saves the (B, nh, T, T) attention probabilities, fused
+               SDPA kernels ("flash") save only q, k, v, the output and a log-sum-exp
+  logits       the LM head + loss peak, for the loss path the run uses (--loss-impl, choose_loss_impl):
+               chunked, one chunk of rows' logits, fp32 softmax and gradients at a time (gpt2/model/loss.py);
+               full, eager: the (B, T, V) logits, the fp32 log-probabilities cross-entropy saves, and
+               inside its backward two more fp32 (B, T, V) gradients (loss_bytes counts both); full,
+               compiled: the logits and their gradient in the matmul dtype (COMPILED_FULL_LOSS_BYTES)
+The total is an upper bound on the step's peak: gradients are counted in full although, with
+zero_grad(set_to_none=True) and one micro-step, they are allocated while activations are freed.
+
+--parallel fsdp (FSDP2's fully_shard on each block, then the root; gpt2/dist/fsdp.py) at world size W > 1:
+  weights, gradients, optimizer
+               each parameter's 1/W shard: FSDP2 cuts dim 0 into W chunks padded to ceil(d0/W) rows,
+               so a rank holds ceil(d0/W) x the other dims (rank 0's real shard, the largest)
+  gathered     the unsharded weights in flight, in the compute dtype (bf16/fp16 under the mixed-
+               precision policy on CUDA, else fp32), padded: the root unit's (tied embedding/LM head,
+               wpe, ln_f) for the whole forward and backward (the root is not resharded until the
+               end), and two blocks: the one computing and the next, prefetched (FSDP2 all-gathers
+               one unit ahead in forward and backward)
+  unsharded gradients
+               the root's unsharded gradient through the whole backward (the LM head's part comes
+               first, the embedding's last) but for the tied weight's, which is the fp32 weight
+               gradient the LM head + loss term already counts; and one block's before its
+               reduce-scatter, with the fp32 reduce-scatter input copied from it
+  no-sync gradients
+               gradient accumulation (several micro-steps) skips the reduce-scatter on all but the last
+               micro-step (FSDP2's set_requires_gradient_sync(False), as the trainer does): every
+               unit's UNSHARDED fp32 gradient then stays between micro-steps, the whole model's 4N
+               bytes per rank. A reduce-scatter per micro-step would keep only the shards; the plan
+               says when that choice is the difference between fitting and not (Plan.rs_total).
+  autocast copies
+               under the CUDA policy the gathered weights are already bf16: none. Without the policy
+               (CPU autocast), autocast's bf16 copies of the gathered weights are saved for backward,
+               as under DDP (the whole model's matmul weights).
+At world size 1 the trainer does not shard (no process group): the plan is DDP's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from gpt2.core.config import PARALLELS, POSITION_EMBEDDING, ModelConfig, describe_model, param_count, weight_shapes
+from gpt2.core.precision import AUTOCAST_DTYPES
+from gpt2.core.schedule import grad_accum_steps
+from gpt2.plan.hardware import Hardware, gib
+
+
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """Bytes per device, by what holds them."""
+    weights: int
+    autocast_weights: int
+    gradients: int
+    optimizer: int
+    activations_flash: int
+    activations_explicit: int
+    activations: int
+    """The one of the two above that the config's attn_impl uses."""
+    logits: int
+    optimizer_name: str = "adamw"
+    """Which optimizer `optimizer` counts (not a byte count)."""
+    chunked_loss: bool = True
+    """Which loss path `logits` counts: the chunked loss, or the full (B, T, V) logits."""
+    shards: int = 1
+    """1: every rank holds everything (DDP, or fsdp at world size 1); W: FSDP over W ranks, and
+    weights, gradients and optimizer are each rank's padded 1/W shards (module docstring)."""
+    gathered: int = 0
+    """FSDP: unsharded weights in flight (the root unit's and two blocks', compute dtype)."""
+    unit_gradients: int = 0
+    """FSDP: the root's unsharded gradient through the backward and one block's before its reduce-scatter."""
+    accum_gradients: int = 0
+    """FSDP with accumulation: the whole model's unsharded fp32 gradients kept by no-sync between micro-steps."""
+
+    @property
+    def static(self) -> int:
+        """Independent of the micro-batch."""
+        return (self.weights + self.autocast_weights + self.gradients + self.optimizer + self.gathered
+                + self.unit_gradients + self.accum_gradients)
+
+    @property
+    def total(self) -> int:
+        return self.static + self.activations + self.logits
+
+
+# The plain loss compiled: inductor fuses the fp32 cast, log-softmax and the target pick into
+# reductions over the matmul's output (a logsumexp per row; no fp32 (N, V) tensor is written), and
+# AOTAutograd's partitioner saves the cheapest input of that fused region for backward, the logits in
+# the matmul dtype, recomputing the softmax there. Backward's one fused kernel reads those logits and
+# the per-row logsumexp and writes d loss / d logits already cast back to the matmul dtype (the
+# backward of .float()), which the two LM-head matmuls read. Peak: the saved logits and their
+# gradient, both alive in that kernel: 2 x the matmul dtype's bytes per logit (4 under bf16, 8 in
+# fp32), against eager's s + 4 + 8 (14, 16). Measured by bench/compiled_loss_memory.py (the table
+# in bench/README.md); rows and vectors (lse, targets) are ~1/V of that and not counted.
+COMPILED_FULL_LOSS_BYTES = 2
+"""Bytes per logit of the compiled full loss, in units of the matmul dtype's size (see above)."""
+def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: bool = True,
+               device_type: str = "cuda", device_memory: int | None = None, compiled: bool = False) -> int:
+    """Peak bytes of the LM head + cross-entropy for `tokens` positions.
+
+    chunked (what the trainer runs: gpt2.model.loss.linear_cross_entropy): one chunk of rows at a time
+    holds its logits in the matmul dtype and in fp32, the fp32 softmax and its gradient (fp32, then
+    in the matmul dtype); the finished input gradient (fp32, tokens x h) and the fp32 weight
+    gradient with the chunk's part being added to it stay. Plain (`_, loss = model(x, y)`), eager:
+    the logits the model returns stay alive, cross-entropy saves fp32 log-probs, and its backward
+    makes two fp32 gradients of that size (s + 4 + 8 bytes per logit, s the matmul dtype's size).
+    Plain, compiled (COMPILED_FULL_LOSS_BYTES): 2 * s bytes per logit.
+
+    The chunk is the one the model will use: on CUDA it is sized from device_memory (the device's
+    total bytes, Hardware.memory_bytes), which is then required.
+    """
+    from gpt2.model.loss import loss_chunk_logits, loss_chunks
+
+    s = 2 if dtype in AUTOCAST_DTYPES else 4
+    V, h = cfg.vocab_size, cfg.n_embd
+    if not chunked:
+        return tokens * V * (COMPILED_FULL_LOSS_BYTES * s if compiled else s + 4 + 8)
+    if device_type == "cuda" and device_memory is None:
+        raise ValueError("loss_bytes needs device_memory on cuda: the loss's chunk size depends on it")
+    _, rows = loss_chunks(tokens, max(1, loss_chunk_logits(device_type, device_memory) // V))
+    return rows * V * (2 * s + 12) + tokens * h * 4 + 2 * V * h * 4
+def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int = 1,
+           dtype: str = "bf16", device_type: str = "cuda", chunked_loss: bool = True,
+           device_memory: int | None = None, optimizer: str = "adamw", parallel: str = "ddp",
+           accum_steps: int = 1, compiled: bool = False) -> Memory:
+    """Bytes per device for one training micro-step (see the module docstring). device_memory is the
+    device's total bytes, which sizes the loss's chunks on CUDA (see loss_bytes). parallel: ddp or
+    fsdp; accum_steps > 1 under fsdp adds the no-sync gradients."""
+    n = param_count(cfg)
+    autocast = dtype in AUTOCAST_DTYPES
+    flash = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
+                             flash=True)
+    explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
+                                flash=False)
+    logits = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=chunked_loss, device_type=device_type,
+                        device_memory=device_memory, compiled=compiled)
+    mem = Memory(
+        weights=4 * n,
+        autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
+        gradients=4 * n,  # also DDP's buckets: gradient_as_bucket_view=True makes them one storage
+        optimizer=optimizer_bytes(cfg, optimizer),
+        activations_flash=flash,
+        activations_explicit=explicit,
+        activations=explicit if cfg.attn_impl == "explicit" else flash,
+        logits=logits,
+        optimizer_name=optimizer,
+        chunked_loss=chunked_loss,
+    )
+    if parallel not in PARALLELS:
+        raise ValueError(f"parallel={parallel!r} must be one of {PARALLELS}")
+    if parallel == "ddp" or world_size == 1:  # fsdp at world size 1: the trainer does not shard
+        return mem
+    return fsdp_memory(mem, cfg, world_size, dtype=dtype, device_type=device_type, optimizer=optimizer,
+                       accum_steps=accum_steps)
+def fsdp_memory(mem: Memory, cfg: ModelConfig, world_size: int, *, dtype: str, device_type: str, optimizer: str,
+                accum_steps: int) -> Memory:
+    """DDP's memory made FSDP's over world_size ranks: the state sharded (padded), plus what is unsharded
+    in flight (module docstring). Activations and the loss are unchanged."""
+    shapes = weight_shapes(cfg)
+    policy = dtype in AUTOCAST_DTYPES and device_type == "cuda"  # the mixed-precision policy: bf16/fp16 params
+    s = 2 if policy else 4
+    root = {k: v for k, v in shapes.items() if ".h." not in f".{k}"}
+    block = {k: v for k, v in shapes.items() if k.startswith("transformer.h.0.")}
+    root_n = gathered_elements(root.values(), world_size)
+    block_n = gathered_elements(block.values(), world_size)
+    tied_n = gathered_elements([shapes["transformer.wte.weight"]], world_size)  # its gradient: in loss_bytes
+    return dataclasses.replace(
+        mem, shards=world_size,
+        weights=4 * sharded_elements(shapes.values(), world_size),
+        gradients=4 * sharded_elements(shapes.values(), world_size),
+        optimizer=optimizer_bytes(cfg, optimizer, world_size=world_size),
+        autocast_weights=0 if policy else mem.autocast_weights,
+        gathered=s * (root_n + min(2, cfg.n_layer) * block_n),
+        unit_gradients=s * (root_n - tied_n) + (s + 4) * block_n,
+        accum_gradients=4 * gathered_elements(shapes.values(), world_size) if accum_steps > 1 else 0)
+def shard_rows(rows: int, world_size: int) -> int:
+    """Rows of dim 0 in each rank's FSDP2 shard: torch.chunk's largest chunk, to which FSDP2 pads all."""
+    return -(-rows // world_size)
+def sharded_elements(shapes, world_size: int) -> int:
+    """Elements one rank holds of these parameters under FSDP2 (padding included); at world size 1, all."""
+    return sum(shard_rows(s[0], world_size) * math.prod(s[1:]) for s in shapes)
+def gathered_elements(shapes, world_size: int) -> int:
+    """Elements of these parameters all-gathered: world_size padded shards each (the all-gather's output)."""
+    return world_size * sharded_elements(shapes, world_size)
+def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw", *, world_size: int = 1) -> int:
+    """AdamW: two fp32 moments per parameter. Muon: one fp32 momentum per block matrix, AdamW's two
+    for the rest (embeddings, biases, LayerNorm; gpt2/train/optim.py). world_size > 1: one rank's FSDP
+    shards of them (the moments are shaped like the sharded parameters, padding included)."""
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer={optimizer!r} must be adamw or muon")
+    shapes = weight_shapes(cfg)
+    if optimizer == "adamw":
+        return 8 * sharded_elements(shapes.values(), world_size)
+    muon = [s for name, s in shapes.items() if len(s) == 2 and ".h." in f".{name}"]  # as block_matrix_count
+    rest = [s for name, s in shapes.items() if not (len(s) == 2 and ".h." in f".{name}")]
+    return 8 * sharded_elements(rest, world_size) + 4 * sharded_elements(muon, world_size)
+def matmul_weight_count(cfg: ModelConfig) -> int:
+    """Elements of every weight that goes through a matmul (autocast keeps a bf16 copy of each): every
+    matrix of config.weight_shapes but the position embedding (a lookup; the token embedding is also
+    the tied LM head)."""
+    return sum(math.prod(s) for name, s in weight_shapes(cfg).items() if len(s) == 2 and name != POSITION_EMBEDDING)
+def block_matrix_count(cfg: ModelConfig) -> int:
+    """Elements of the matrices inside the transformer blocks: what Muon updates (gpt2/train/optim.py
+    is_muon_param: 2-D and under .h.)."""
+    return sum(math.prod(s) for name, s in weight_shapes(cfg).items() if len(s) == 2 and ".h." in f".{name}")
+def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str = "bf16",
+                     device_type: str = "cuda", flash: bool = True) -> int:
+    """Bytes autograd saves for backward outside the loss: embeddings, blocks, final LayerNorm.
+
+    s is the matmul dtype's size. Under autocast the residual stream and LayerNorms stay fp32, so
+    every LayerNorm saves a 4-byte input plus fp32 mean and rstd per token.
+    """
+    s = 2 if dtype in AUTOCAST_DTYPES else 4
+    h, nh, L, T = cfg.n_embd, cfg.n_head, cfg.n_layer, seq_len
+    qkv_out = cfg.qkv_dim
+    layer_norm = 4 * h + 8
+    mlp = s * h + s * cfg.mlp_dim + s * cfg.mlp_dim  # inputs of c_fc, GELU, c_proj
+    if flash:
+        # SDPA saves the (views of the) c_attn output as q, k, v, its output and a log-sum-exp
+        # per head. Fused kernels write the output as (B, T, nh, hd), so the .contiguous() before
+        # c_proj is free and c_proj saves that same storage.
+        attn = s * h + s * qkv_out + s * h + 4 * nh
+        per_layer_mask = 0
+    else:
+        # explicit_attention saves contiguous q, k (k expanded to n_head under GQA), v and the
+        # softmax output; no SDPA output copy. CUDA autocast runs softmax in fp32 and then the
+        # AV matmul saves its own bf16 copy of the probabilities: 4 + 2 bytes. CPU autocast
+        # keeps softmax in bf16.
+        probs = 6 if (dtype in AUTOCAST_DTYPES and device_type == "cuda") else s
+        attn = s * h + 3 * s * h + probs * nh * T + s * h
+        per_layer_mask = T * T  # the boolean causal mask, built per layer
+    # Dropout (0 in pretraining): CUDA saves a 1-byte boolean mask per element; CPU saves a mask
+    # in the input's dtype. Explicit attention also saves the dropped probabilities. Fused SDPA
+    # on CUDA regenerates its mask from the RNG state; on CPU it falls back to the math kernel,
+    # which keeps about 12 bytes per attention element and, under autocast, another copy of
+    # q, k, v (measured with saved_tensors_hooks).
+    dropout = 0
+    if cfg.dropout > 0:
+        cuda = device_type == "cuda"
+        dropout = 2 * h * (1 if cuda else s)
+        if not flash:
+            dropout += nh * T * ((1 if cuda else s) + s)
+        elif not cuda:
+            dropout += nh * T * 12 + (3 * s * h if dtype in AUTOCAST_DTYPES else 0)
+    per_token_layer = 2 * layer_norm + attn + mlp + dropout
+    per_token_rest = 8 + 8 + layer_norm + s * h  # token ids, targets, ln_f, LM-head input
+    per_token_rest += (h if device_type == "cuda" else 4 * h) if cfg.dropout > 0 else 0  # embedding's
+    return batch * T * (L * per_token_layer + per_token_rest) + L * per_layer_mask
+def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int = 1,
+                         dtype: str = "bf16", optimizer: str = "adamw", parallel: str = "ddp",
+                         total_batch_size: int | None = None, accumulate: bool | None = None) -> int:
+    """Largest micro-batch whose total fits in memory minus the reserve (0: not even one sequence).
+
+    Memory grows with the micro-batch (activations linearly; the chunked loss by at most one chunk),
+    so the largest fitting size is found by doubling and then bisecting. Under fsdp, a micro-batch
+    that needs accumulation also holds the no-sync gradients: the search assumes accumulation, then
+    the one micro-batch without it (all of a rank's total_batch_size sequences at once, if that
+    divides) is tried on its own. accumulate=False counts no no-sync gradients at any size (a
+    reduce-scatter per micro-step: the alternative the plan reports).
+    """
+    usable = hardware.memory_bytes - hardware.reserve_bytes
+
+    def fits(b: int, accum: int = 2 if accumulate is not False else 1) -> bool:
+        return memory(cfg, b, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type,
+                      device_memory=hardware.memory_bytes, optimizer=optimizer, parallel=parallel,
+                      accum_steps=accum).total <= usable
+
+    whole = None  # the micro-batch with no accumulation, when there is one
+    if total_batch_size is not None and total_batch_size % (seq_len * world_size) == 0:
+        whole = total_batch_size // (seq_len * world_size)
+    if not fits(1):
+        return whole if whole is not None and fits(whole, 1) else 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return whole if whole is not None and whole > lo and fits(whole, 1) else lo
+def auto_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int,
+                          total_batch_size: int, dtype: str, optimizer: str = "adamw", parallel: str = "ddp") -> int:
+    """--micro-batch-size auto: the largest micro-batch that fits (max_micro_batch_size) and divides
+    the global batch, so that accumulation stays a whole number of micro-steps."""
+    grad_accum_steps(total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
+    fits = max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer,
+                                parallel=parallel, total_batch_size=total_batch_size)
+    if fits == 0:
+        raise ValueError(does_not_fit(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer,
+                                      parallel=parallel))
+    seqs = total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
+    return max(b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0)
+def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int, dtype: str,
+                 optimizer: str = "adamw", parallel: str = "ddp") -> str:
+    """The one message for a model that cannot train even one sequence per device: which model, where,
+    what it needs against what there is, and the changes that would make it fit."""
+    def one(**change) -> Memory:
+        kw = dict(world_size=world_size, dtype=dtype, device_type=hardware.device_type,
+                  device_memory=hardware.memory_bytes, optimizer=optimizer, parallel=parallel, accum_steps=2)
+        return memory(cfg, 1, seq_len, **{**kw, **change})
+
+    need, usable = one(), hardware.memory_bytes - hardware.reserve_bytes
+    sharded = parallel == "fsdp" and world_size > 1
+    options = ["a smaller model (a smaller --preset, or --n-layer/--n-embd)"]
+    if not sharded and world_size > 1 and one(parallel="fsdp").total <= usable:
+        options.append(f"--parallel fsdp (state sharded over the {world_size} ranks: {gib(one(parallel='fsdp').total)})")
+    if parallel == "fsdp" and world_size == 1:
+        options.append("several ranks (--parallel fsdp shards over the ranks; one process holds everything)")
+    if sharded and need.accum_gradients and need.total - need.accum_gradients <= usable:
+        options.append(f"no gradient accumulation (FSDP's no-sync keeps {gib(need.accum_gradients)} of unsharded "
+                       f"gradients between micro-steps: a smaller --total-batch-size or more ranks)")
+    if need.static <= usable:  # the micro-batch's own memory is what overflows: shorter or 16-bit helps
+        options.append("a shorter --block-size")
+        if dtype not in AUTOCAST_DTYPES:
+            options.append("--dtype bfloat16")
+    if optimizer == "adamw" and one(optimizer="muon").total <= usable:
+        options.append(f"--optimizer muon (one moment per block matrix: {gib(one(optimizer='muon').total)})")
+    options.append("a device with more memory" if not sharded else "more ranks or a device with more memory")
+    state = ("which DDP keeps whole on every rank however many there are" if not sharded else
+             f"each rank's 1/{world_size} shard plus the gathered units and unsharded gradients FSDP holds")
+    return (f"{describe_model(cfg)} does not fit on {hardware.name} ({gib(hardware.memory_bytes)}) with "
+            f"{'FSDP' if sharded else 'DDP'} at world size {world_size}: micro_batch_size=1 needs {gib(need.total)} "
+            f"per device ({gib(need.static)} of weights, gradients and {optimizer} state, {state}) but "
+            f"{gib(usable)} is usable ({gib(hardware.reserve_bytes)} reserved); use "
+            + ", ".join(options[:-1]) + f" or {options[-1]}")

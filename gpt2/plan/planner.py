@@ -1,0 +1,169 @@
+"""The Plan of a run: memory per device, the largest micro-batch that fits, time estimates; plan_run()
+is what the trainer logs, --dry-run prints and `python -m gpt2.plan` shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpt2.core.config import PARALLELS, ModelConfig, RunConfig, count_params_formula, param_count
+from gpt2.core.precision import PLAN_DTYPES, short_name
+from gpt2.core.schedule import grad_accum_steps
+from gpt2.plan.flops import flops_per_token
+from gpt2.plan.hardware import Hardware, gib
+from gpt2.plan.loss_choice import choose_loss_impl
+from gpt2.plan.memory import Memory, auto_micro_batch_size, does_not_fit, max_micro_batch_size, memory
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    cfg: ModelConfig
+    micro_batch_size: int
+    seq_len: int
+    world_size: int
+    dtype: str
+    hardware: Hardware
+    total_batch_size: int
+    """Tokens per optimizer step over all devices."""
+    tokens: int | None
+    """Training budget in tokens, or None."""
+    mfu: float
+    """Assumed model FLOPs utilisation for the time estimates."""
+    n_params: int
+    n_params_formula: int
+    memory: Memory
+    max_micro_batch_size: int
+    """Largest micro-batch whose total fits in hardware memory minus its reserve (0 if none)."""
+    flops_per_token: float
+    parallel: str = "ddp"
+    """ddp or fsdp (TrainConfig.parallel): what memory counts (Memory.shards)."""
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.hardware.memory_bytes - self.hardware.reserve_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.usable_bytes
+
+    @property
+    def rs_total(self) -> int:
+        """FSDP: the total with a reduce-scatter per micro-step instead of no-sync accumulation (only the
+        shards kept between micro-steps); the total itself otherwise."""
+        return self.memory.total - self.memory.accum_gradients
+
+    @property
+    def tokens_per_micro_step(self) -> int:
+        """Over all devices."""
+        return self.micro_batch_size * self.seq_len * self.world_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return grad_accum_steps(self.total_batch_size, self.micro_batch_size, self.seq_len, self.world_size)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """All devices together, at the assumed MFU; None without a peak."""
+        if self.hardware.peak_flops is None:
+            return None
+        return self.world_size * self.hardware.peak_flops * self.mfu / self.flops_per_token
+
+    @property
+    def step_time_s(self) -> float | None:
+        return None if self.tokens_per_s is None else self.total_batch_size / self.tokens_per_s
+
+    @property
+    def hours(self) -> float | None:
+        if self.tokens is None or self.tokens_per_s is None:
+            return None
+        return self.tokens / self.tokens_per_s / 3600
+def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len: int | None = None,
+         world_size: int = 1, dtype: str = "bf16", total_batch_size: int | None = None,
+         tokens: int | None = None, mfu: float = 0.4, optimizer: str = "adamw", chunked_loss: bool = True,
+         parallel: str = "ddp", compiled: bool = False) -> Plan:
+    """Memory per device, the largest micro-batch that fits, and time estimates. Pure arithmetic.
+
+    total_batch_size defaults to one micro-step on every device (no accumulation); it must be a
+    multiple of micro_batch_size * seq_len * world_size. chunked_loss: the loss path the memory
+    counts; the largest micro-batch is always the chunked loss's (see choose_loss_impl). compiled:
+    whether the model is compiled (the full loss's peak differs, loss_bytes).
+    """
+    seq_len = cfg.block_size if seq_len is None else seq_len
+    problems = _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens, parallel)
+    if problems:
+        raise ValueError("invalid plan:\n  - " + "\n  - ".join(problems))
+    if total_batch_size is None:
+        total_batch_size = micro_batch_size * seq_len * world_size
+    accum = grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)  # whole, else its error
+    mem = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
+                 device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
+                 chunked_loss=chunked_loss, parallel=parallel, accum_steps=accum, compiled=compiled)
+    return Plan(cfg=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
+                dtype=dtype, hardware=hardware, total_batch_size=total_batch_size, tokens=tokens,
+                mfu=mfu, n_params=param_count(cfg), n_params_formula=count_params_formula(cfg),
+                memory=mem, flops_per_token=flops_per_token(cfg, seq_len), parallel=parallel,
+                max_micro_batch_size=max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size,
+                                                          dtype=dtype, optimizer=optimizer, parallel=parallel,
+                                                          total_batch_size=total_batch_size))
+def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens, parallel="ddp") -> list[str]:
+    p = []
+    if parallel not in PARALLELS:
+        p.append(f"parallel={parallel!r} must be one of {PARALLELS}")
+    if micro_batch_size < 1:
+        p.append(f"micro_batch_size={micro_batch_size} must be >= 1")
+    if not 1 <= seq_len <= cfg.block_size:
+        p.append(f"seq_len={seq_len} must be in [1, block_size={cfg.block_size}]")
+    if world_size < 1:
+        p.append(f"world_size={world_size} must be >= 1")
+    if dtype not in PLAN_DTYPES:
+        p.append(f"dtype={dtype!r} must be one of {PLAN_DTYPES}")
+    if not 0 < mfu <= 1:
+        p.append(f"mfu={mfu} must be a fraction in (0, 1], e.g. 0.4")
+    if tokens is not None and tokens < 1:
+        p.append(f"tokens={tokens} must be positive")
+    return p
+def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int | None = None,
+             mfu: float = 0.4) -> Plan:
+    """The plan of a training run: what the trainer logs at start-up, `train_ddp.py --dry-run` prints and
+    `python -m gpt2.plan --preset X` shows, from one RunConfig. cfg.train.dtype is resolved (not auto);
+    micro_batch_size may be auto (auto_micro_batch_size) and loss_impl too (choose_loss_impl, for that
+    micro-batch); tokens default to max_steps x total_batch_size."""
+    tc = cfg.train
+    dtype = short_name(tc.dtype, tf32=tc.tf32 and hardware.device_type == "cuda")
+    mb = tc.micro_batch_size
+    if mb == "auto":
+        mb = auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
+                                   total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer,
+                                   parallel=tc.parallel)
+    accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world_size)
+    loss = choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
+                            dtype=dtype, optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel,
+                            accum_steps=accum)
+    return plan(cfg.model, micro_batch_size=mb, hardware=hardware, world_size=world_size, dtype=dtype,
+                total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer, parallel=tc.parallel,
+                chunked_loss=loss.impl == "chunked", compiled=tc.compile,
+                tokens=tc.max_steps * tc.total_batch_size if tokens is None else tokens)
+def check_fits(p: Plan) -> None:
+    """Refuse a plan that clearly cannot fit (total above the device's whole memory).
+
+    A plan that only overflows the reserve is allowed: the reserve is an estimate and the run
+    finds out at its first step.
+    """
+    if p.memory.total <= p.hardware.memory_bytes:
+        return
+    if p.max_micro_batch_size == 0:
+        raise ValueError(does_not_fit(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
+                                      optimizer=p.memory.optimizer_name, parallel=p.parallel))
+    b = p.max_micro_batch_size
+    fix = f"use --micro-batch-size {b} or less (auto: the largest that fits and divides)"
+    accumulating = max_micro_batch_size(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
+                                        optimizer=p.memory.optimizer_name, parallel=p.parallel)
+    if accumulating < b:  # fsdp: b is the micro-batch without accumulation, which keeps no no-sync gradients
+        fix = f"use --micro-batch-size {b} (one micro-step: no unsharded gradients kept)" + (
+            f" or, accumulating, {accumulating} or less" if accumulating else
+            ": with accumulation not even 1 fits (FSDP's no-sync keeps the whole model's gradients unsharded)")
+    per_total = b * p.seq_len * p.world_size
+    if p.total_batch_size % per_total == 0 and p.total_batch_size > per_total:
+        fix += f" (the same total batch with {p.total_batch_size // per_total} accumulation steps)"
+    raise ValueError(f"micro_batch_size={p.micro_batch_size} needs {gib(p.memory.total)} per device "
+                     f"but {p.hardware.name} has {gib(p.hardware.memory_bytes)}; {fix}")

@@ -1,0 +1,105 @@
+"""The planner's printed report: the plan, its memory lines, FSDP's accumulation verdict, the stop line.
+"""
+
+from __future__ import annotations
+
+from gpt2.core.precision import AUTOCAST_DTYPES
+from gpt2.plan.budget import STOP_MARGIN_S, WRITE_BYTES_PER_S, StopBudget, checkpoint_bytes
+from gpt2.plan.flops import format_flops
+from gpt2.plan.hardware import gib, human
+from gpt2.plan.memory import Memory, max_micro_batch_size
+from gpt2.plan.planner import Plan
+
+
+def format_stop(p: Plan, write_bytes_per_s: float = WRITE_BYTES_PER_S) -> str:
+    """One line: the checkpoint's size and the SLURM signal lead and grace it needs."""
+    b = StopBudget(checkpoint_bytes(p.cfg, p.memory.optimizer_name), p.step_time_s or 0.0, write_bytes_per_s)
+    step = f"{b.step_s:.1f} s step" if p.step_time_s is not None else "a step (no time estimate)"
+    return (f"stop       checkpoint {b.checkpoint_bytes / 1e9:.2f} GB; a signal stop needs {step} + 2 writes at "
+            f"{write_bytes_per_s / 1e9:g} GB/s ({b.writes_s:.1f} s) + {STOP_MARGIN_S} s: "
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT >= {b.grace_s}, sbatch --signal=B:USR1@{b.lead_s} or more")
+def format_plan(p: Plan) -> str:
+    """The planner's summary, as printed by `python -m gpt2.plan` and at trainer start-up."""
+    c, m, hw = p.cfg, p.memory, p.hardware
+    lines = [
+        f"model      n_layer={c.n_layer} n_head={c.n_head} n_kv_head={c.n_kv_head} n_embd={c.n_embd} "
+        f"block_size={c.block_size} vocab_size={c.vocab_size} attn_impl={c.attn_impl}",
+        f"params     {p.n_params:,} exact ({human(p.n_params)}); formula V*h + T*h + L*(12h^2+13h) + 2h "
+        f"= {p.n_params_formula:,}",
+        f"hardware   {p.world_size} x {hw.name}: {gib(hw.memory_bytes)}, peak "
+        + (f"{format_flops(hw.peak_flops)} ({p.dtype}) each" if hw.peak_flops is not None
+           else f"unknown ({p.dtype}: " + ("no data-sheet peak for this GPU)" if hw.device_type == "cuda"
+                                              else "the measured peak was not usable)")),
+        f"batch      micro_batch_size={p.micro_batch_size} x seq_len={p.seq_len} x world_size={p.world_size}"
+        f" = {p.tokens_per_micro_step:,} tokens/micro-step; total_batch_size={p.total_batch_size:,} "
+        f"-> {p.grad_accum_steps} accumulation step(s)",
+        _memory_heading(p),
+        f"  weights                {gib(m.weights)}  (fp32, 4 B/param{_per_shard(m)})",
+    ]
+    if m.autocast_weights:
+        lines.append(f"  autocast {p.dtype} copies   {gib(m.autocast_weights)}  (matmul weights, saved for backward)")
+    lines.append(f"  gradients              {gib(m.gradients)}  (fp32{_per_shard(m)})")
+    flash_mark, explicit_mark = ("<-", "  ") if c.attn_impl != "explicit" else ("  ", "<-")
+    lines += [
+        (f"  optimizer (AdamW)      {gib(m.optimizer)}  (two fp32 moments{_per_shard(m)})" if m.optimizer_name == "adamw"
+         else f"  optimizer (Muon+AdamW) {gib(m.optimizer)}  (fp32 momentum per block matrix, two moments for the "
+              f"rest{_per_shard(m)})"),
+        *_fsdp_lines(p),
+        f"  activations, flash     {gib(m.activations_flash)} {flash_mark}",
+        f"  activations, explicit  {gib(m.activations_explicit)} {explicit_mark} (stores B*nh*T*T probabilities)",
+        f"  LM head + loss peak    {gib(m.logits)}  "
+        + ("(chunked: never all B*T*V logits at once)" if m.chunked_loss else
+           "(full logits: all B*T*V at once, F.cross_entropy)"),
+        f"  total                  {gib(m.total)}  of {gib(p.usable_bytes)} usable "
+        f"({gib(hw.reserve_bytes)} reserved)",
+        f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
+        *([accum] if (accum := format_accumulation(p)) else []),
+        f"compute    {human(p.flops_per_token)}FLOP/token (6N + 12*L*h*T); "
+        + (f"at {p.mfu:.0%} MFU: {human(p.tokens_per_s)} tokens/s, {p.step_time_s:.3f} s/step"
+           if p.tokens_per_s is not None else "no time estimate without a peak"),
+    ]
+    if p.hours is not None:
+        lines.append(f"budget     {human(p.tokens)} tokens: {p.tokens / p.total_batch_size:,.0f} steps, "
+                     f"{p.hours:.2f} h ({p.hours * p.world_size:.1f} device-hours)")
+    return "\n".join(lines)
+def _memory_heading(p: Plan) -> str:
+    if p.memory.shards > 1:
+        return (f"memory per device (FSDP over {p.world_size} ranks: each holds a 1/{p.world_size} shard of every "
+                f"parameter, dim 0 padded to a multiple of {p.world_size}; `--parallel ddp` keeps it all on every rank):")
+    if p.parallel == "fsdp":
+        return "memory per device (--parallel fsdp at world size 1: nothing to shard, the plain model):"
+    return "memory per device:"
+def _per_shard(m: Memory) -> str:
+    return f", 1/{m.shards} shard" if m.shards > 1 else ""
+def _fsdp_lines(p: Plan) -> list[str]:
+    """FSDP's unsharded memory in flight, and how gradient accumulation is counted (module docstring)."""
+    m = p.memory
+    if m.shards == 1:
+        return []
+    dtype = p.dtype if p.dtype in AUTOCAST_DTYPES and p.hardware.device_type == "cuda" else "fp32"  # the policy
+    lines = [f"  gathered weights       {gib(m.gathered)}  ({dtype}: the root unit (tied wte/LM head, wpe, ln_f) "
+             f"all step + 2 blocks, one prefetched)",
+             f"  unsharded gradients    {gib(m.unit_gradients)}  (one block's before its reduce-scatter, the root's "
+             f"through backward; the tied wte's is the loss term's)"]
+    if m.accum_gradients:
+        lines.append(f"  no-sync gradients      {gib(m.accum_gradients)}  (fp32, whole model unsharded: kept between "
+                     f"the {p.grad_accum_steps} micro-steps)")
+    return lines
+def format_accumulation(p: Plan) -> str | None:
+    """FSDP with accumulation: which way the plan counts it, and when the other way is what fits."""
+    m = p.memory
+    if not m.accum_gradients:
+        return None
+    usable = p.usable_bytes
+    largest = max_micro_batch_size(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
+                                   optimizer=m.optimizer_name, parallel=p.parallel, accumulate=False)
+    rs = (f"a reduce-scatter per micro-step would keep only the shards: {gib(p.rs_total)}, largest micro-batch "
+          f"{largest}")
+    if p.fits:
+        verdict = "fits as counted"
+    elif p.rs_total <= usable:
+        verdict = ("does NOT fit with no-sync but WOULD with a reduce-scatter per micro-step (the trainer uses "
+                   "no-sync); or fewer micro-steps: a larger micro-batch, a smaller --total-batch-size or more ranks")
+    else:
+        verdict = "fits neither way"
+    return f"accumulate FSDP no-sync (counted): {gib(m.total)}; {rs}. {verdict}"

@@ -1,0 +1,236 @@
+"""Command line -> RunConfig. Every config field is a kebab-case flag.
+
+Precedence: dataclass defaults < --preset < --config FILE.toml < flags. Nothing here touches
+torch.distributed: a bad flag or value fails before any process group starts.
+
+--dry-run and the flags that only make sense with it (--world-size, --nproc-per-node, --gpu,
+--gpu-memory-gb, --gpu-peak-tflops) are not config fields: they say where to rehearse the run
+(gpt2/train/dryrun.py), and parse_command returns them beside the RunConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import math
+import sys
+import types
+import typing
+from pathlib import Path
+
+from gpt2.core.config import MODEL_PRESETS, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rehearsal:
+    """train_ddp.py --dry-run: where to rehearse the run (gpt2/train/dryrun.py)."""
+    world_size: int | None = None
+    """Ranks of the hypothetical run; None: this launch's (torchrun's WORLD_SIZE, else 1)."""
+    nproc_per_node: int | None = None
+    """Ranks per node; None: all on one node (CPU), up to 8 per node (GPU)."""
+    gpu: str | None = None
+    """A GPU of the planner's table, instead of this machine's device."""
+    gpu_memory_gb: float | None = None
+    gpu_peak_tflops: float | None = None
+
+    @property
+    def hypothetical_gpu(self) -> bool:
+        return self.gpu is not None or self.gpu_memory_gb is not None
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(text: str) -> bool:
+    low = str(text).strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def int_or_auto(text: str) -> int | str:
+    """An integer, or the word auto (a field the trainer sizes itself, e.g. --micro-batch-size)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+
+
+def _field_type(cls, field: dataclasses.Field):
+    """The concrete scalar type of a dataclass field (Optional[int] -> int; int | str -> int_or_auto)."""
+    hint = typing.get_type_hints(cls)[field.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if set(args) == {int, str}:
+            return int_or_auto
+        hint = args[0]
+    return hint
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each dataclass field (the help text of its flag)."""
+    docs = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _fields():
+    """(section, field, type) for every config field, model first."""
+    for section, cls in (("model", ModelConfig), ("train", TrainConfig)):
+        for f in dataclasses.fields(cls):
+            yield section, f, _field_type(cls, f)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train_ddp.py",
+        description="Train GPT-2. Launch with torchrun for several processes, or with python for one.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), default=None,
+                        help="model shape and training recipe to start from")
+    parser.add_argument("--config", metavar="FILE.toml", default=None,
+                        help="TOML file of field = value (flat, or under [model] / [train])")
+    for section, f, typ in _fields():
+        cls = ModelConfig if section == "model" else TrainConfig
+        doc = field_docs(cls).get(f.name, "")
+        kwargs = dict(dest=f"{section}.{f.name}", default=None, help=f"{doc} (default: {f.default})")
+        if typ is bool:
+            kwargs.update(type=parse_bool, metavar="{true,false}")
+        elif typ is int_or_auto:
+            kwargs.update(type=typ, metavar="{INT,auto}")
+        else:
+            kwargs.update(type=typ, metavar=typ.__name__.upper())
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    rehearsal = parser.add_argument_group(
+        "rehearsal", "--dry-run goes through everything up to the first step (config, precision, memory plan, "
+        "micro-batch, accumulation, each rank's first windows, checkpoint size, resume decision), prints it and "
+        "exits 0, or 2 with the error a real run would give; no process group, no weights. The other flags "
+        "here need --dry-run")
+    rehearsal.add_argument("--dry-run", action="store_true", help="rehearse the run, then exit")
+    rehearsal.add_argument("--world-size", type=int, metavar="N", help="ranks of the rehearsed run")
+    rehearsal.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per node of the rehearsed run")
+    rehearsal.add_argument("--gpu", metavar="NAME", help="rehearse on this GPU of python -m gpt2.plan's table, "
+                           "e.g. A100-40GB, H100-80GB, RTX4090-24GB")
+    rehearsal.add_argument("--gpu-memory-gb", type=float, metavar="GIB", help="or a GPU with this much memory")
+    rehearsal.add_argument("--gpu-peak-tflops", type=float, metavar="TFLOPS", help="and this peak in the run's dtype")
+    return parser
+
+
+def load_toml(path: str) -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML: {e}") from None
+    return data
+
+
+def _split_file_values(data: dict, path: str) -> dict[str, dict]:
+    """Flat or sectioned TOML -> {"model": {...}, "train": {...}}; unknown keys are errors."""
+    known = {section: {f.name: typ for s, f, typ in _fields() if s == section} for section in ("model", "train")}
+    out: dict[str, dict] = {"model": {}, "train": {}}
+    flat, shown = {}, {}
+    for key, value in data.items():
+        if key in ("model", "train") and isinstance(value, dict):
+            for k, v in value.items():
+                flat[(key, k.replace("-", "_"))] = v
+                shown[(key, k.replace("-", "_"))] = f"{key}.{k}"
+        elif key == "preset":
+            out["preset"] = value
+        else:
+            name = key.replace("-", "_")
+            section = "model" if name in known["model"] else "train"
+            flat[(section, name)] = value
+            shown[(section, name)] = key
+    unknown = [shown[(s, k)] for (s, k) in flat if k not in known[s]]
+    if unknown:
+        raise ValueError(f"--config {path}: unknown keys {unknown}; see train_ddp.py --help for the fields")
+    for (section, name), value in flat.items():
+        typ = known[section][name]
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if typ is int_or_auto:
+            typ = int if value != "auto" else str
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise ValueError(f"--config {path}: {name} = {value!r} should be of type {typ.__name__}")
+        out[section][name] = value
+    return out
+
+
+def parse_config(argv: list[str] | None = None) -> RunConfig:
+    """Parse the command line into a validated RunConfig (raises SystemExit(2) on bad input)."""
+    return parse_command(argv)[0]
+
+
+def parse_command(argv: list[str] | None = None) -> tuple[RunConfig, Rehearsal | None]:
+    """The RunConfig, and the Rehearsal under --dry-run (else None). SystemExit(2) on bad input."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return resolve(args), rehearsal_of(args)
+    except ValueError as e:
+        parser.exit(2, f"train_ddp.py: error: {e}\n")
+
+
+def rehearsal_of(args: argparse.Namespace) -> Rehearsal | None:
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Rehearsal) if getattr(args, f.name) is not None}
+    if not args.dry_run:
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise ValueError(f"{flags} only rehearse a run: add --dry-run (a real run takes its world size from "
+                             "torchrun and its device from the machine)")
+        return None
+    r = Rehearsal(**given)
+    for name in ("world_size", "nproc_per_node", "gpu_memory_gb", "gpu_peak_tflops"):
+        value = getattr(r, name)
+        if value is not None and not (math.isfinite(value) and value > 0):  # inf would plan an infinite GPU
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
+    if r.nproc_per_node is not None and r.world_size is not None and r.world_size % r.nproc_per_node:
+        raise ValueError(f"--world-size {r.world_size} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
+                         "every node runs the same number of ranks")
+    if r.gpu_peak_tflops is not None and r.gpu is None and r.gpu_memory_gb is None:
+        raise ValueError("--gpu-peak-tflops needs --gpu-memory-gb (or --gpu): the planner needs the memory")
+    return r
+
+
+def resolve(args: argparse.Namespace) -> RunConfig:
+    file_values = _split_file_values(load_toml(args.config), args.config) if args.config else {}
+    preset = args.preset or file_values.pop("preset", None)
+    if preset is not None and preset not in MODEL_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(MODEL_PRESETS)}")
+    values = {"model": {}, "train": {}}
+    if preset:
+        values["model"].update(MODEL_PRESETS[preset])
+        values["train"].update(TRAIN_PRESETS.get(preset, {}))
+    for section in ("model", "train"):
+        values[section].update(file_values.get(section, {}))
+    for key, value in vars(args).items():
+        if "." in key and value is not None:
+            section, name = key.split(".", 1)
+            values[section][name] = value
+    model = ModelConfig(**values["model"])
+    train = TrainConfig(**values["train"])
+    missing = [flag for flag, v in (("--data-dir", train.data_dir), ("--out-dir", train.out_dir)) if not v]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+    return RunConfig(model, train)

@@ -1,0 +1,248 @@
+"""train_ddp.py --dry-run: a real run's start-up up to its first step, without a process group or weights.
+
+It takes the trainer's own steps in the trainer's order (gpt2/train/startup.py: resolve_device, check_data,
+the auto precision, micro-batch and loss path, the memory plan, the batch maths, the loaders,
+choose_start; gpt2/train/state.py: check_compatible), so the first error it meets is the one a real run
+stops with, word for word, and the numbers it prints are the ones a real run would use. It writes nothing.
+
+Where to rehearse: this launch (torchrun's WORLD_SIZE, else one process, on this machine's device),
+or a hypothetical cluster: --world-size N [--nproc-per-node K] and a GPU, --gpu NAME (gpt2/plan/
+GPUS) or --gpu-memory-gb X [--gpu-peak-tflops Y], as `python -m gpt2.plan` takes them. A hypothetical
+GPU's precision is what that GPU would pick, not this machine's: bf16 where its data sheet lists bf16
+tensor cores (every GPU in the table), a custom one is taken to have them.
+
+The data: a real run needs --data-dir, so when it exists here its shards are checked as a real run
+checks them and each rank's first windows are listed. When it does not (planning a cluster from a
+laptop), the dry run says `data SKIPPED`, quotes what a real run would say, plans the rest and lists
+each rank's rows of the first global batch instead of windows: still exit 0, since everything the
+dry run could check passed. A run directory held by a live run (RUN/run.lock) is a warning, not an
+error: a real start now would be refused, but the rehearsal takes no lock and checks what it would do
+once that run ends (a requeue being planned while its job still runs), so it still exits 0.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.ckpt.resume import choose_start
+from gpt2.ckpt.rundir import LOCK, live_holder
+from gpt2.core import precision
+from gpt2.core.config import RunConfig, describe_model
+from gpt2.core.schedule import grad_accum_steps
+from gpt2.data.check import verify_shards
+from gpt2.data.loader import EvalLoader, TrainLoader, find_shards
+from gpt2.data.shards import ShardError
+from gpt2.dist.group import Dist, resolve_device, world_from_env
+from gpt2.plan.flops import device_peak_flops
+from gpt2.plan.hardware import GIB, Hardware, custom_hardware, device_hardware, gpu_native_bf16
+from gpt2.train.cli import Rehearsal
+from gpt2.train.startup import auto_loss_impl, auto_micro_batch, check_data, check_plan, log_auto
+from gpt2.train.state import check_compatible
+
+GPUS_PER_NODE = 8
+"""A hypothetical GPU cluster's ranks per node unless --nproc-per-node says otherwise."""
+
+
+class Log:
+    """What the trainer's Metrics prints, without its files: info to out, warnings marked."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def info(self, message: str) -> None:
+        self.out(message)
+
+    def warn(self, message: str) -> None:
+        self.out(f"warning: {message}")
+
+
+def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
+    """Print the run up to its first step and return 0; raise the ValueError (ShardError,
+    CheckpointError) a real run would stop with."""
+    log = Log(out)
+    info = world_from_env(env)
+    world = r.world_size or info.world_size
+    per_node = nodes_layout(r, world, info)
+    tc = cfg.train
+    out("dry run    train_ddp.py --dry-run: start-up up to the first step; no process group, no weights, "
+        "nothing written")
+    out(f"config     {describe_model(cfg.model)} | total_batch_size {tc.total_batch_size:,} tokens | "
+        f"micro_batch_size {tc.micro_batch_size} | max_steps {tc.max_steps:,} | {tc.optimizer} | "
+        f"dtype {tc.dtype} | parallel {tc.parallel} | data order {tc.data_order} | resume {tc.resume}")
+    prec, device, device_desc = choose_precision(cfg, r, info.local_rank)
+    out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
+    data_here = Path(tc.data_dir).is_dir()
+    train_shards, val_shards = check_data(cfg, world, shards=data_here)
+    report_data(cfg, train_shards, val_shards, out)
+    if train_shards is not None:  # what rank 0 of a real run reads before its first step
+        out("data       " + verify_shards(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})},
+                                          tc.verify_data))
+    hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
+    mb = auto_micro_batch(cfg, prec.dtype, hardware, world)
+    loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, world, device)
+    warning = None if device is None else precision.emulation_warning(prec, device)
+    log_auto(cfg, prec, mb, warning, log, loss)
+    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl))
+    tc = cfg.train
+    plan = check_plan(cfg, hardware, world, log)
+    accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world)  # as build() computes it
+    loaders = None
+    if train_shards is not None:  # the loaders a real run builds, one per rank, none of them reading
+        loaders = [TrainLoader(train_shards, micro_batch_size=mb, seq_len=cfg.model.block_size,
+                               total_batch_size=tc.total_batch_size, rank=rank, world_size=world, seed=tc.seed,
+                               device=torch.device("cpu"), order=tc.data_order) for rank in range(world)]
+        if val_shards is not None and EvalLoader(val_shards, micro_batch_size=mb, seq_len=cfg.model.block_size,
+                                                 eval_tokens=tc.eval_tokens, rank=0, world_size=world,
+                                                 device=torch.device("cpu")).clamped:
+            log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; a real run evaluates on all of them")
+    step, position = resume_decision(cfg, loaders, log)
+    report_checkpoint(cfg, plan, out)
+    if step >= tc.max_steps:
+        out(f"nothing to train: {tc.out_dir} already finished step {step} of --max-steps {tc.max_steps}; a real "
+            "run would say so and exit 0")
+        return 0
+    report_schedule(cfg, loaders, world, accum, mb, step, position, out)
+    out("dry run OK: a real run would now start the process group, build the model and train")
+    return 0
+
+
+def nodes_layout(r: Rehearsal, world: int, info) -> int:
+    """Ranks per node: --nproc-per-node, else torchrun's (this launch), else 8 per GPU node (or as many
+    as divide the world size), else all on this machine."""
+    if r.nproc_per_node is not None:
+        if world % r.nproc_per_node:
+            raise ValueError(f"--world-size {world} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
+                             "every node runs the same number of ranks")
+        return r.nproc_per_node
+    if r.world_size is None:
+        return info.local_world_size
+    return math.gcd(world, GPUS_PER_NODE) if r.hypothetical_gpu else world
+
+
+def choose_precision(cfg: RunConfig, r: Rehearsal,
+                     local_rank: int) -> tuple[precision.Precision, torch.device | None, str]:
+    """The precision a real run would resolve, this machine's device (None for a hypothetical GPU),
+    and the device in words."""
+    if not r.hypothetical_gpu:
+        device = resolve_device(cfg.train.device, local_rank)  # the real run's first check, same error
+        return precision.resolve(cfg.train.dtype, device), device, f"{device} (this machine)"
+    if cfg.train.device == "cpu":
+        raise ValueError("--gpu/--gpu-memory-gb rehearse a CUDA run, but --device cpu asks for the CPU: drop one")
+    name = r.gpu or f"a custom GPU ({r.gpu_memory_gb:g} GiB)"
+    if gpu_native_bf16(r.gpu):
+        why = (f"{r.gpu} has native bf16 (its data sheet's bf16 tensor-core peak)" if r.gpu else
+               "a custom GPU is taken to have native bf16 (Ampere or newer; pass --dtype float16 for an older one)")
+        best = "bfloat16"
+    else:
+        best, why = "float16", f"{r.gpu} has no native bf16: fp16 with a loss scaler"
+    return precision.decide(cfg.train.dtype, best, why), None, f"{name} per rank (hypothetical: not this machine)"
+
+
+def rehearsal_hardware(r: Rehearsal, prec: precision.Precision, per_node: int, device: torch.device | None,
+                       cfg: RunConfig) -> Hardware:
+    """What the planner sizes for: the named or custom GPU, or this machine's device shared by the
+    per_node ranks on it (the trainer's device_hardware, with the peak the trainer's MFU uses)."""
+    tf32 = cfg.train.tf32
+    if device is None:
+        return custom_hardware(r.gpu, precision.short_name(prec.dtype, tf32=tf32), memory_gb=r.gpu_memory_gb,
+                               peak_tflops=r.gpu_peak_tflops)
+    peak = device_peak_flops(device, precision.torch_dtype(prec.dtype), tf32=tf32)
+    return device_hardware(device, peak, processes_per_host=per_node)
+
+
+def report_data(cfg: RunConfig, train_shards, val_shards, out) -> None:
+    tc = cfg.train
+    if train_shards is None:
+        try:
+            find_shards(tc.data_dir, "train")
+            problem = "(none)"
+        except ShardError as e:
+            problem = str(e)
+        out(f"data       SKIPPED: --data-dir {tc.data_dir} does not exist here. A real run needs it and stops "
+            f"with: {problem}")
+        return
+    val = f"val {val_shards.total_tokens:,} tokens in {len(val_shards.paths)} shard(s)" if val_shards else "no val"
+    out(f"data       {tc.data_dir}: train {train_shards.total_tokens:,} tokens in {len(train_shards.paths)} "
+        f"shard(s), {val}; headers checked")
+
+
+def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log) -> tuple[int, int]:
+    """What --resume would load (rank 0's decision, its sha256 verified; the weights are not read),
+    checked against this run as a real resume checks it. Returns (step, loader position)."""
+    tc = cfg.train
+    holder = live_holder(tc.out_dir)
+    if holder is not None:  # own_run_dir would refuse a real start now; the rehearsal goes on, and exits 0
+        log.warn(f"{tc.out_dir} is in use by another training run ({holder}; {Path(tc.out_dir) / LOCK}): a real "
+                 "start now would be refused (exit 2) and touch nothing. The dry run took no lock; what follows is "
+                 "what a start would do once that run has ended")
+    one = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    start = choose_start(tc.resume, tc.out_dir, one, warn=log.warn)
+    if start.set_aside:  # what set_aside_earlier_run would move before the run writes anything
+        log.info(f"run dir    {tc.out_dir} holds another run's {', '.join(start.set_aside)}: a real run moves them "
+                 "into a previous-<UTC time>/ folder there (nothing deleted)")
+    if start.abandon:  # what set_aside_abandoned would move
+        log.info(f"run dir    {start.point.path} is an earlier checkpoint of this run: a real run moves its later "
+                 f"{', '.join(start.abandon)} into {ckpt.checkpoint_dir(tc.out_dir)}/{ckpt.ABANDONED_PREFIX}"
+                 f"{start.point.step:08d}-<UTC time>/ (nothing deleted), so --resume auto never returns to them")
+    point = start.point
+    if point is None:
+        why = "--resume never" if tc.resume == "never" else f"no valid checkpoint in {ckpt.checkpoint_dir(tc.out_dir)}"
+        log.info(f"resume     {why}: a fresh start at step 0")
+        return 0, 0
+    # mmap: the tensors stay in the file; only the config, loader and step are looked at.
+    state = ckpt.load_checkpoint(point.path, verify=False, mmap=True)
+    check_compatible(state, cfg, log)
+    position = int(state["loader"]["position"])
+    for loader in loaders or []:
+        try:
+            loader.load_state_dict(state["loader"])
+        except ValueError as e:  # as gpt2/train/state.py restore words it
+            raise ckpt.CheckpointError(f"{point.path}: {e}") from None
+    log.info(f"resume     would load {point.path} (step {point.step}, {state['tokens']:,} tokens, "
+             f"{point.bytes / GIB:.2f} GiB, sha256 {point.sha256[:12]}... verified; saved at world size "
+             f"{state['world_size']}) and continue at step {state['step']}")
+    return int(state["step"]), position
+
+
+def report_checkpoint(cfg: RunConfig, plan, out) -> None:
+    from gpt2.plan.budget import checkpoint_bytes
+
+    tc, m = cfg.train, plan.memory
+    size = checkpoint_bytes(plan.cfg, m.optimizer_name)  # the number the planner's stop budget uses
+    kept = f", {tc.keep_checkpoints} kept: ~{tc.keep_checkpoints * size / GIB:.2f} GiB in {tc.out_dir}/checkpoints"
+    every = f"every {tc.ckpt_interval} steps and at the end" if tc.ckpt_interval else "at the end"
+    if m.shards > 1:  # the plan's weights and optimizer are one rank's shards: the checkpoint is all of them
+        out(f"checkpoint ~{size / GIB:.2f} GiB in all (fp32 weights + {m.optimizer_name} state), each of the "
+            f"{m.shards} ranks writing its ~{(m.weights + m.optimizer) / GIB:.2f} GiB shard {every}{kept}")
+        return
+    out(f"checkpoint ~{size / GIB:.2f} GiB per file (fp32 weights {m.weights / GIB:.2f} GiB + {m.optimizer_name} "
+        f"state {m.optimizer / GIB:.2f} GiB), written by rank 0 {every}{kept}")
+
+
+def report_schedule(cfg: RunConfig, loaders, world: int, accum: int, mb: int, step: int, position: int,
+                    out) -> None:
+    """Each rank's part of the first step (the module docstring of gpt2/data/loader.py has the layout)."""
+    tc, T = cfg.train, cfg.model.block_size
+    rows = tc.total_batch_size // T
+    if loaders is None:
+        out(f"loader     step {step}: rows [0, {rows}) of its global batch (windows need the data); "
+            f"rank r, micro-step m takes rows (m*{world} + r)*{mb} ... +{mb}:")
+        for rank in range(world):
+            for m in range(accum):
+                first = (m * world + rank) * mb
+                out(f"  rank {rank:>3} micro-step {m:>3}: rows {first}..{first + mb - 1}")
+        return
+    n = loaders[0].n_windows
+    what = ("windows of the fixed shard order, in epoch " if tc.data_order == "shuffled"
+            else "windows of the stream (shards reshuffled each epoch), in epoch ")
+    out(f"loader     {tc.data_order}: {n:,} windows of {T + 1} tokens; step {step} takes places "
+        f"[{position // T:,}, {position // T + rows:,}) of the order ({what}{(position // T) // n}); each rank's "
+        "window indices:")
+    for rank, loader in enumerate(loaders):
+        for m in range(accum):
+            ids = loader.windows_of(m)
+            out(f"  rank {rank:>3} micro-step {m:>3}: " + " ".join(str(int(i)) for i in ids))

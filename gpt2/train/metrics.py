@@ -1,0 +1,155 @@
+"""Rank-0 logging: one stdout line per logged step, RUN/metrics.jsonl, optional TensorBoard / W&B.
+
+Every method is safe to call on every rank; only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from gpt2.core.atomic import atomic_write_text
+from gpt2.dist.group import Dist
+
+
+def _fmt_mfu(mfu: float | None) -> str:
+    """MFU as a percentage; n/a where the device's peak is unknown (see gpt2.plan.flops.device_peak_flops)."""
+    return "  n/a " if mfu is None else f"{mfu * 100:5.1f}%"
+
+
+def _fmt(value, spec: str) -> str:
+    return "nan" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
+
+
+class Metrics:
+    def __init__(self, dist: Dist, out_dir: str | Path, *, tensorboard: bool = False, wandb_project: str = "",
+                 run_config: dict | None = None) -> None:
+        self.active = dist.is_main
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self._tb = self._wandb = None
+        if not self.active:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.open_sinks(tensorboard=tensorboard, wandb_project=wandb_project, run_config=run_config)
+
+    def open_sinks(self, *, tensorboard: bool = False, wandb_project: str = "", run_config: dict | None = None) -> None:
+        """Start TensorBoard (RUN/tb) and W&B (RUN/wandb). They write into RUN at once, so the trainer
+        opens them only after an earlier run's records there have been moved aside."""
+        if not self.active:
+            return
+        out_dir = self.path.parent
+        if tensorboard and self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            self._tb = SummaryWriter(str(out_dir / "tb"))
+        if wandb_project and self._wandb is None:
+            import wandb
+            self._wandb = wandb.init(project=wandb_project, config=run_config, dir=str(out_dir), resume="allow")
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: keep only records up to `step`, so the log reads like one uninterrupted run."""
+        if not self.active or not self.path.is_file():
+            return
+        kept = [rec for rec in parse_records(self.path.read_text(), self.path) if rec.get("step", 0) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
+
+    def info(self, message: str) -> None:
+        if self.active:
+            print(message, flush=True)
+
+    def warn(self, message: str) -> None:
+        if self.active:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def record(self, rec: dict) -> None:
+        """Append one JSON record (train step, eval, sample or event) to metrics.jsonl."""
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, rec["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=rec["step"])
+
+    def log_step(self, rec: dict, max_steps: int) -> None:
+        self.record(rec)
+        skipped = "  SKIPPED (non-finite)" if rec.get("skipped") else ""
+        if rec.get("overflow"):  # fp16: the loss scaler's own skip, part of its normal working
+            skipped = f"  overflow: update skipped by the loss scaler (scale now {rec['loss_scale']:g})"
+        self.info(
+            f"step {rec['step']:>6}/{max_steps} | loss {_fmt(rec['loss'], '.4f')} | lr {rec['lr']:.3e} | "
+            f"norm {_fmt(rec['grad_norm'], '.3f')} | {rec['step_s'] * 1000:7.1f} ms | "
+            f"{rec['tok_per_s']:>9,.0f} tok/s | mfu {_fmt_mfu(rec.get('mfu'))} | mem {rec['mem_mb']:,.0f} MB{skipped}")
+
+    def log_eval(self, step: int, tokens: int, val_loss: float) -> None:
+        self.record({"step": step, "tokens": tokens, "val_loss": val_loss})
+        self.info(f"step {step:>6} | val loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50)):.2f}")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def parse_records(text: str, where: str | Path) -> list[dict]:
+    """The records of metrics.jsonl text. Only the last line may be incomplete (a live run is writing
+    it, or a crash tore it): it is dropped. Any other line that is not a JSON object is damage, and a
+    ValueError names it: dropping it silently would hide lost records."""
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict):
+            out.append(rec)
+        elif i < len(lines):
+            raise ValueError(f"{where}:{i}: not a JSON record ({line[:60]!r}); the metrics log is damaged. "
+                             "Repair or remove that line (or move the file away) and rerun")
+    return out
+
+
+def read_metrics(path: str | Path, *, missing_ok: bool = False) -> list[dict]:
+    """The records of a metrics.jsonl (see parse_records); a missing file is [] with missing_ok."""
+    path = Path(path)
+    if missing_ok and not path.is_file():
+        return []
+    return parse_records(path.read_text(), path)
+
+
+def plot_loss_curve(metrics_path: str | Path, out_png: str | Path) -> Path | None:
+    """Train and val loss over tokens as a PNG; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    recs = read_metrics(metrics_path)
+    train = [(r["tokens"], r["loss"]) for r in recs if "loss" in r and r.get("loss") is not None
+             and math.isfinite(r["loss"])]
+    val = [(r["tokens"], r["val_loss"]) for r in recs if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="val loss")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out_png = Path(out_png)
+    tmp = out_png.with_name(out_png.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, out_png)
+    return out_png

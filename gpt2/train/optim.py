@@ -1,0 +1,113 @@
+"""The optimizer: AdamW (GPT-2/3's recipe), or Muon on the blocks' matrices with AdamW on the rest.
+
+AdamW decays 2-D weights only (matmul weights and embeddings), as in GPT-2/3: biases and LayerNorm
+gains are 1-D, and decaying them towards 0 only hurts.
+
+--optimizer muon splits the parameters by what Muon is for. Its update is an orthogonalised
+matrix: every direction of a hidden layer's input/output map moves by about the same amount, which
+is meaningful for a matrix that maps activations to activations. So the 2-D weights inside the
+transformer blocks (attention qkv and output, MLP in and out: ~85M of GPT-2 small's 124M) go to
+Muon. Everything else stays on AdamW: the token embedding is a lookup table whose rows are updated
+independently (and tied to the LM head, whose update scale is that of the logits), the position
+embedding likewise, and biases and LayerNorm gains are vectors, which Muon does not define. This is
+the split of modded-nanogpt's speedrun records and of torch.optim.Muon's documentation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpt2.core.config import TrainConfig
+from gpt2.core.precision import cuda_native_bf16
+from gpt2.dist.group import Dist
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    """A 2-D weight inside a transformer block (not an embedding, the LM head, a bias or a LayerNorm)."""
+    return p.dim() == 2 and ".h." in f".{name}"
+
+
+def split_params(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """(muon, adamw) named parameters: every trainable parameter in exactly one of them."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # tied weights appear once
+    return [(n, p) for n, p in named if is_muon_param(n, p)], [(n, p) for n, p in named if not is_muon_param(n, p)]
+
+
+class Optimizers:
+    """Several optimizers stepping as one: what the trainer, the GradScaler and checkpoints see.
+
+    param_groups is every inner optimizer's groups (the same dicts), so the schedule and
+    GradScaler.unscale_ reach every parameter; each group's "lr_scale" multiplies the schedule's lr.
+    """
+
+    def __init__(self, **optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers.values() for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for o in self.optimizers.values() for p, s in o.state.items()}
+
+    def step(self, closure=None) -> None:
+        for o in self.optimizers.values():
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers.values():
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": {name: o.state_dict() for name, o in self.optimizers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("optimizers", {})
+        if set(saved) != set(self.optimizers):
+            raise ValueError(f"the saved optimizer state holds {sorted(saved) or 'one AdamW'}, this run "
+                             f"{sorted(self.optimizers)}")
+        for name, o in self.optimizers.items():
+            o.load_state_dict(saved[name])
+
+
+def optimizer_kind(state: dict) -> str:
+    """adamw or muon: which optimizer a saved optimizer state_dict belongs to."""
+    return "muon" if "optimizers" in state else "adamw"
+
+
+def make_adamw(params, cfg: TrainConfig, device: torch.device, weight_decay: float) -> torch.optim.AdamW:
+    # One kernel per step instead of ~10 small ops per tensor (CUDA, and CPU since torch 2.4).
+    fused = cfg.fused_adamw and device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device, dist: Dist | None = None):
+    """The run's optimizer; `dist` (several ranks) spreads Muon's orthogonalisation over them (gpt2/train/muon.py)."""
+    if cfg.optimizer == "adamw":
+        return make_adamw(param_groups(model, cfg.weight_decay), cfg, device, cfg.weight_decay)
+    from gpt2.train.muon import Muon
+
+    muon, adamw = split_params(model)
+    # Newton-Schulz in bf16 where bf16 is native (as torch does), else fp32: emulated bf16 is ~40x
+    # slower on a CPU, and fp16's range is too narrow for the iteration's Gram matrices. Decided from
+    # what every rank agrees on (the GPU model; on a CPU the run's dtype, which rank 0 chose), never
+    # from a per-rank measurement: ranks orthogonalising in different dtypes would drift apart.
+    native = cuda_native_bf16(device) if device.type == "cuda" else cfg.dtype == "bfloat16"
+    ns_dtype = torch.bfloat16 if native else torch.float32
+    return Optimizers(
+        adamw=make_adamw([{"params": [p for _, p in adamw if p.dim() >= 2], "weight_decay": cfg.weight_decay,
+                           "lr_scale": 1.0},
+                          {"params": [p for _, p in adamw if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0}],
+                         cfg, device, cfg.weight_decay),
+        muon=Muon([{"params": [p for _, p in muon], "lr_scale": cfg.muon_lr / cfg.lr}], lr=cfg.muon_lr,
+                  momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay, nesterov=True,
+                  adjust_lr_fn="original", ns_dtype=ns_dtype, dist=dist),
+    )

@@ -1,0 +1,427 @@
+"""A run's start-up, before its first step: everything that decides how it runs and can refuse it.
+
+check_data (before any process group), then prepare(): the precision, micro-batch and loss path
+(rank 0 decides, every rank takes its answer), the MFU peak, the memory plan, the network line,
+and where the run starts (a checkpoint or fresh, the earlier run's files or an abandoned branch's
+checkpoints moved aside); after the build, write_run_info and announce(). gpt2/train/dryrun.py rehearses
+the same functions without a process group, so its first error is a real run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from gpt2.ckpt.checkpoint import CheckpointError
+from gpt2.ckpt.resume import Start, choose_start, set_aside_abandoned, set_aside_earlier_run
+from gpt2.ckpt.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
+from gpt2.core import precision
+from gpt2.core.atomic import atomic_write_text
+from gpt2.core.compat import missing_features
+from gpt2.core.config import RunConfig, TrainConfig
+from gpt2.core.schedule import grad_accum_steps
+from gpt2.data.check import check_listed, verify_shards
+from gpt2.data.loader import ShardSet, find_shards
+from gpt2.data.shards import ShardError
+from gpt2.dist.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
+from gpt2.dist.fsdp import gathered_param_bytes
+from gpt2.dist.group import Dist, broadcast_object, set_cpu_threads
+from gpt2.plan.flops import device_peak_flops, format_flops, mig_profile, peak_problem
+from gpt2.train.metrics import Metrics
+from gpt2.train.state import check_resumable
+
+if TYPE_CHECKING:
+    from gpt2.plan.loss_choice import LossChoice
+    from gpt2.train.state import Parts
+
+
+@dataclass(frozen=True)
+class Startup:
+    """What prepare() decided: the run's concrete config and what its log and run info report."""
+    cfg: RunConfig
+    """--dtype, --micro-batch-size and --loss-impl auto made concrete."""
+    prec: precision.Precision
+    loss: LossChoice
+    peak: float | None
+    """This rank's peak FLOP/s for MFU, or None (MFU n/a)."""
+    network: NetworkCost | None
+    start: Start
+    """Where every rank begins: a checkpoint to resume, or a fresh start (gpt2/ckpt/resume.py)."""
+
+
+@contextlib.contextmanager
+def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
+    """Hold RUN/run.lock (gpt2/ckpt/rundir.py) for the block, on rank 0, and release it however the block
+    ends. Rank 0 takes it before anything in RUN is touched; every rank takes its answer from the
+    broadcast, so a refusal (RunDirBusy, exit 2) is every rank's and none trains into a held directory.
+    Held by one process, so --dry-run (which never enters the block) and the other ranks take nothing."""
+    decision, lock = None, None
+    if dist.is_main:
+        try:
+            lock = RunLock.acquire(out_dir)
+            decision = ("ok", lock.taken_over)
+        except (ValueError, OSError) as e:  # RunDirBusy is a ValueError
+            decision = ("error", str(e) if isinstance(e, RunDirBusy) else
+                        f"cannot take {Path(out_dir) / LOCK} ({type(e).__name__}: {e}); check --out-dir and "
+                        "its permissions")
+    try:  # from here the lock, if taken, is released whatever fails (the broadcast too)
+        kind, detail = broadcast_object(decision, dist)
+        if kind == "error":
+            raise RunDirBusy(detail)
+        if detail is not None and dist.is_main:
+            info(f"run dir    took over {out_dir} from {detail}")
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None]) -> Startup:
+    """Every check that can refuse the configuration, then the start decision: a refused run moves
+    nothing, and the earlier run's records go aside before the first write into RUN (the sinks
+    opened here, restore, config.json). shards: check_data's, read here by verify_data."""
+    log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
+             f"building the model")
+    verify_data(cfg, shards, dist, log)
+    cfg, prec, loss = resolve_auto(cfg, dist, log)
+    tc = cfg.train
+    peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
+    network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
+    start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
+    check_before_moving(start, cfg, dist, shards[0])
+    moved = set_aside_earlier_run(start, tc.out_dir, dist)
+    if moved is not None:
+        why = "fresh start" if start.point is None else f"resuming run {start.run_id} from {start.point.path}"
+        log.info(f"{why}: moved the earlier run's {', '.join(start.set_aside)} from {tc.out_dir} into {moved}/ "
+                 "(nothing deleted)")
+    abandoned = set_aside_abandoned(start, tc.out_dir, dist)
+    if abandoned is not None:
+        log.info(f"resuming from {start.point.path} (step {start.point.step}), an earlier checkpoint of this run: "
+                 f"moved its later {', '.join(start.abandon)} and their sidecars into {abandoned}/ with a copy of "
+                 f"metrics.jsonl, so --resume auto never returns to that branch (nothing deleted); metrics.jsonl "
+                 f"goes on from step {start.point.step}")
+    log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict())
+    return Startup(cfg, prec, loss, peak, network, start)
+
+
+def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: ShardSet) -> None:
+    """A resume that moves files aside (--resume PATH of another run: the directory's earlier run; of
+    an earlier checkpoint of this run: its later checkpoints): the checkpoint's refusals (another
+    shape, optimizer, data, seed...) come first, else a refused resume would leave the directory's own
+    run in previous-*/ (the next start would begin at step 0) or its newest checkpoints in abandoned-*/.
+    Rank 0 checks; every rank raises its error alike."""
+    if not ((start.set_aside or start.abandon) and start.point is not None):
+        return
+    problem = None
+    if dist.is_main:
+        try:
+            check_resumable(Path(start.point.path), cfg, train_shards, dist)
+        except ValueError as e:  # CheckpointError, or a checkpoint too damaged to say
+            problem = str(e)
+    problem = broadcast_object(problem, dist)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def announce(cfg: RunConfig, dist: Dist, parts: Parts, log: Metrics) -> None:
+    """The run's shape in one line (and, compiled, why the first step takes long)."""
+    tc = cfg.train
+    log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
+             f"parallel {tc.parallel} | {parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
+             f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}")
+    for line in parallel_notes(tc, dist):
+        log.info(line)
+    if tc.compile:
+        import torch._inductor.config as inductor_config
+        log.info("compiling: the first step (and the first evaluation) compile the model, which can take "
+                 f"a minute or more ({inductor_config.compile_threads} compile workers per rank)")
+
+
+def parallel_notes(tc: TrainConfig, dist: Dist) -> list[str]:
+    """What --parallel fsdp does at this world size, and the flags it ignores (one line each)."""
+    if tc.parallel != "fsdp":
+        return []
+    if not dist.is_distributed:
+        return ["parallel   fsdp with one process: nothing to shard, training the plain model "
+                "(launch with torchrun --nproc_per_node=N to shard over N ranks)"]
+    notes = [f"parallel   fsdp: weights, gradients and optimizer state sharded over {dist.world_size} ranks "
+             "(fully_shard per block, then the root)"]
+    if tc.ddp_bucket_cap_mb != TrainConfig.__dataclass_fields__["ddp_bucket_cap_mb"].default:
+        notes.append(f"parallel   --ddp-bucket-cap-mb {tc.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
+                     "each block's gradients as one unit, it has no DDP buckets")
+    return notes
+
+
+def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
+    if dist.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    set_cpu_threads(dist, cfg.num_threads)
+
+
+def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple[ShardSet | None, ShardSet | None]:
+    """Validate shards and batch maths before any process group or model exists.
+
+    shards=False checks everything but the shards and --out-dir (train_ddp.py --dry-run where --data-dir
+    is absent). The shards' cheap manifest checks run here; reading them is verify_data's (rank 0).
+    """
+    tc = cfg.train
+    missing = missing_features(optimizer=tc.optimizer, parallel=tc.parallel)
+    if missing:  # this torch lacks a feature asked for: say which release has it, before anything starts
+        raise ValueError("; ".join(missing))
+    if tc.micro_batch_size == "auto":  # sized later, by the planner: here only "some micro-batch divides"
+        grad_accum_steps(tc.total_batch_size, 1, cfg.model.block_size, world_size)
+    else:
+        grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
+    if 0 < tc.eval_tokens < cfg.model.block_size:
+        raise ValueError(f"--eval-tokens {tc.eval_tokens} is less than one sequence of --block-size "
+                         f"{cfg.model.block_size}: evaluation would score nothing (val loss nan); raise it, or "
+                         "--eval-tokens 0 to train without validation")
+    train_shards = find_shards(tc.data_dir, "train") if shards else None
+    val_shards = find_val_shards(cfg) if shards and tc.eval_tokens > 0 else None
+    if shards:  # the machine the run is on (a dry run from a laptop checks neither)
+        check_out_dir(tc.out_dir)
+        check_listed(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})})
+    import importlib.util
+    for wanted, package, flag in ((tc.tensorboard, "tensorboard", "--tensorboard"),
+                                  (tc.wandb_project, "wandb", "--wandb-project")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ValueError(f"{flag} needs the {package} package: pip install {package}, or drop the flag")
+    if tc.sample_interval:
+        from gpt2.model.tokenizer import encode_prompt
+        try:  # too long: an error now, not at the first sample
+            encode_prompt(tc.sample_prompt, cfg.model.block_size)
+        except ValueError as e:
+            raise ValueError(f"--sample-prompt: {e}") from None
+    if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
+        from gpt2.data.hellaswag import load_examples
+        load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
+    return train_shards, val_shards
+
+
+def find_val_shards(cfg: RunConfig) -> ShardSet:
+    """The val shards, which a run with --eval-tokens > 0 needs even with --eval-interval 0 (it still
+    evaluates at step 0 and at the end), holding at least one sequence: fewer than block_size + 1
+    tokens gave `val loss nan` (0 / 0) at every evaluation and exit 0."""
+    tc, block = cfg.train, cfg.model.block_size
+    try:
+        val = find_shards(tc.data_dir, "val")
+    except ShardError as e:
+        if not Path(tc.data_dir).is_dir():
+            raise
+        raise ShardError(f"{e}. The run evaluates on them at step 0 and at the end (--eval-interval 0 leaves out "
+                         "only the evaluations in between); or pass --eval-tokens 0 to train without validation") from None
+    if val.total_tokens < block + 1:
+        raise ShardError(f"--data-dir {tc.data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
+                         f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
+                         f"loss nan); prepare more with `python -m data_prep ... --val-tokens N` (N > {block}), or "
+                         "pass --eval-tokens 0 to train without validation")
+    return val
+
+
+def check_out_dir(out_dir: str) -> None:
+    """--out-dir, or the nearest directory above it that exists, must be writable: otherwise the first
+    mkdir or write raised OSError (EROFS, EACCES) with a traceback after the process group started.
+    Nothing is created here (the dry run calls this)."""
+    path = Path(out_dir).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        raise ValueError(f"--out-dir {out_dir}: {path} is a file, not a directory; pass a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        why = "a read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "no permission to write there"
+        raise ValueError(f"--out-dir {out_dir}: cannot write in {path} ({why}); pass a writable --out-dir")
+
+
+def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: Metrics) -> None:
+    """--verify-data's reading part (gpt2/data/check.py verify_shards), by rank 0 alone: it reads up to
+    every shard once, which every rank of a node doing it too would multiply. Every rank raises its
+    ShardError or none does."""
+    train, val = shards
+    sets = {"train": train, **({"val": val} if val is not None else {})}
+    outcome = None
+    if dist.is_main:
+        try:
+            outcome = ("ok", verify_shards(cfg.train.data_dir, sets, cfg.train.verify_data))
+        except (ShardError, OSError) as e:
+            outcome = ("error", str(e))
+    kind, text = broadcast_object(outcome, dist)
+    if kind == "error":
+        raise ShardError(text)
+    log.info(f"data       {text}")
+
+
+def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> int:
+    """The run's micro-batch: the explicit one, or (auto) the planner's largest that fits hardware
+    and divides the global batch at world_size, counting --parallel's memory (fsdp: the sharded
+    state, the gathered units, no-sync gradients when it accumulates). dtype: the resolved TrainConfig.dtype."""
+    from gpt2.plan.memory import auto_micro_batch_size
+
+    tc = cfg.train
+    if tc.micro_batch_size != "auto":
+        return tc.micro_batch_size
+    return auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
+                                 total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
+                                 dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+
+
+def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int,
+                   device: torch.device | None = None) -> LossChoice:
+    """The run's loss path (gpt2.plan.loss_choice.LossChoice) for its resolved dtype and micro-batch on hardware:
+    --loss-impl chunked/full, or (auto) the planner's rule, choose_loss_impl. device: this machine's
+    CPU when the run is on it (None: a rehearsal for other hardware), where an uncompiled auto run
+    asks gpt2.plan.loss_probe which path is faster at its shape (cached; measured once per shape)."""
+    from gpt2.plan.loss_choice import choose_loss_impl
+    from gpt2.plan.loss_probe import eager_loss_times
+
+    tc = cfg.train
+    measure = None
+    if device is not None and device.type == "cpu":
+        def measure():
+            return eager_loss_times(str(device), dtype, mb * cfg.model.block_size, cfg.model.n_embd,
+                                    cfg.model.vocab_size)
+    return choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
+                            optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel, measure_eager=measure,
+                            accum_steps=grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world_size),
+                            dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+
+
+def log_auto(cfg: RunConfig, prec: precision.Precision, mb: int, warning: str | None, log,
+             loss: LossChoice) -> None:
+    log.info(f"precision  {prec.dtype}: {prec.reason}")
+    if warning:
+        log.warn(warning)
+    if cfg.train.micro_batch_size == "auto":
+        log.info(f"micro-batch auto: {mb} sequences, the largest that fits and divides the global batch")
+    log.info(loss.describe())
+
+
+def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
+                 hardware=None) -> tuple[RunConfig, precision.Precision, LossChoice]:
+    """--dtype, --micro-batch-size and --loss-impl auto made concrete (the loss path is chosen for the
+    micro-batch, gpt2/plan/ FULL_LOSS_MEMORY_SHARE says why). Rank 0 measures and decides and every
+    rank takes its answer: ranks that chose differently would compute different things silently.
+    A model that fits nowhere is rank 0's finding too: every rank raises its error, none waits.
+
+    hardware: what the planner sizes the micro-batch for (default: this device; tests pass a cap).
+    """
+    from gpt2.plan.hardware import device_hardware
+
+    tc = cfg.train
+    decision = None
+    if dist.is_main:
+        try:
+            prec = precision.resolve(tc.dtype, dist.device)
+            hardware = hardware or device_hardware(dist.device, 0.0, processes_per_host=dist.local_world_size)
+            mb = auto_micro_batch(cfg, prec.dtype, hardware, dist.world_size)
+            loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, dist.world_size, dist.device)
+            decision = ("ok", (prec, mb, loss, precision.emulation_warning(prec, dist.device)))
+        except ValueError as e:
+            decision = ("error", str(e))
+    kind, answer = broadcast_object(decision, dist)
+    if kind == "error":
+        raise ValueError(answer)
+    prec, mb, loss, warning = answer
+    log_auto(cfg, prec, mb, warning, log, loss)
+    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl)), prec, loss
+
+
+def mfu_peak(dist: Dist, dtype: str, log: Metrics, *, tf32: bool) -> float | None:
+    """This rank's peak FLOP/s for MFU, or None (logged as "mfu n/a: why"): an unlisted GPU, or a CPU
+    probe that is clearly wrong."""
+    peak = device_peak_flops(dist.device, precision.torch_dtype(dtype), tf32=tf32)
+    if peak is None:
+        name = device_name(dist.device)
+        mig = mig_profile(name) if dist.device.type == "cuda" else None
+        log.info(f"mfu n/a: {name} is a MIG slice ({mig}), whose peak no data sheet gives" if mig else
+                 f"mfu n/a: {name} has no data-sheet peak in gpt2/plan/flops.py (add it there)")
+        return None
+    if why := peak_problem(peak, dist.device, torch.get_num_threads()):
+        log.info(f"mfu n/a: {why}")
+        return None
+    if dist.device.type == "cpu":
+        log.info(f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
+                 f"{precision.PEAK_PROBES} matmul probes, cached in {precision.peak_cache_dir()} "
+                 f"({precision.REFRESH_PEAK_ENV}=1 measures again)")
+    return peak
+
+
+def forget_cpu_peak(device: torch.device, dtype: str) -> None:
+    """An MFU above 100% proved the measured peak wrong: the next run must not read it from the cache.
+    device_peak_flops took the larger of the dtype's and fp32's peaks, so both go."""
+    if device.type == "cpu":
+        for d in {precision.torch_dtype(dtype), torch.float32}:
+            precision.forget_peak(str(device), d)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+
+
+def check_memory(cfg: RunConfig, dist: Dist, peak: float | None, log: Metrics) -> None:
+    """Print the planner's summary and refuse a configuration that clearly cannot fit, before allocating.
+    Returns the plan (gpt2.plan.planner.Plan)."""
+    from gpt2.plan.hardware import device_hardware
+
+    hardware = device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
+    return check_plan(cfg, hardware, dist.world_size, log)
+
+
+def check_plan(cfg: RunConfig, hardware, world_size: int, log):
+    """The planner's summary for this run on hardware (logged), refused if it clearly cannot fit."""
+    from gpt2.plan.planner import check_fits, plan_run
+    from gpt2.plan.report import format_plan, format_stop
+
+    p = plan_run(cfg, hardware, world_size=world_size)
+    log.info(format_plan(p))
+    log.info(format_stop(p))  # the SLURM signal lead and grace this run's checkpoint needs
+    check_fits(p)
+    return p
+
+
+def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost | None:
+    """Several ranks: time one gradient bucket's all-reduce and say what a step's collectives would
+    cost against the plan's compute per step (DDP's all-reduce, or fsdp's all-gathers and
+    reduce-scatter; one line; a warning above WARN_SHARE). None on one process."""
+    tc = cfg.train
+    fsdp = None
+    if tc.parallel == "fsdp":
+        accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, dist.world_size)
+        fsdp = fsdp_traffic(p.n_params, gathered_param_bytes(tc.dtype, dist.device), accum)
+    cost = measure_network(dist, bucket_cap_mb=tc.ddp_bucket_cap_mb, n_params=p.n_params,
+                           step_compute_s=p.step_time_s, fsdp=fsdp)
+    if cost is not None:
+        log.info(format_network_cost(cost) + (f" at the planner's {p.mfu:.0%} MFU" if cost.share is not None else ""))
+        warning = network_warning(cost)
+        if warning:
+            log.warn(warning)
+    return cost
+
+
+def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None, prec: precision.Precision,
+                   loss: LossChoice, network: NetworkCost | None = None) -> None:
+    if not dist.is_main:
+        return
+    import tiktoken
+
+    info = {"run_id": parts.run_id, "config": cfg.to_dict(), "world_size": dist.world_size, "device": str(dist.device),
+            "device_name": device_name(dist.device),
+            "precision": prec.to_dict(), "loss": loss.to_dict(),
+            "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
+            "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                         "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
+    if network is not None:  # several ranks: the start-up all-reduce measurement (gpt2/dist/bandwidth.py)
+        info["network"] = network.to_dict()
+    atomic_write_text(Path(cfg.train.out_dir) / RUN_INFO, json.dumps(info, indent=2))

@@ -1,0 +1,619 @@
+"""The training loop: build(), train_step(), due(), train(). Importable and testable.
+
+One step, top to bottom: train() -> run_loop() -> train_step() (this file; the model's forward in
+gpt2/model/gpt.py), then due() says what else the step owes (evaluate, sample, save, stop) and save()
+writes the checkpoint (gpt2/train/state.py). What runs before the first step is gpt2/train/startup.py.
+Everything distributed goes through the `Dist` passed in; nothing reads the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.ckpt.resume import Start, agree_on_step, choose_start
+from gpt2.ckpt.writer import CheckpointWriter
+from gpt2.core import precision
+from gpt2.core.compat import ddp_no_buffer_sync
+from gpt2.core.config import RunConfig, TrainConfig
+from gpt2.core.schedule import grad_accum_steps, lr_at
+from gpt2.data.loader import EvalLoader, ShardSet, TrainLoader
+from gpt2.data.shards import ShardError
+from gpt2.dist import preempt
+from gpt2.dist.fsdp import clip_grad_norm, is_sharded, no_grad_sync
+from gpt2.dist.fsdp import shard as shard_fsdp
+from gpt2.dist.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
+from gpt2.model.gpt import GPT, TOP_K
+from gpt2.plan.flops import checked_mfu
+from gpt2.train.metrics import Metrics, plot_loss_curve
+from gpt2.train.optim import make_optimizer
+from gpt2.train.startup import (
+    announce,
+    check_data,
+    configure_backends,
+    forget_cpu_peak,
+    own_run_dir,
+    prepare,
+    write_run_info,
+)
+from gpt2.train.state import Parts, finish_background_write, restore, rng_state, save, set_rng_state
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite steps: the run stops without checkpointing the bad state."""
+
+
+def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None],
+          start: Start | None = None) -> Parts:
+    """The model, optimizer and loaders, restored from start.point when resuming.
+
+    start: train()'s decision (choose_start, made before anything is written); None decides here,
+    for callers that build in a new directory (tests, benchmarks): nothing is moved aside then.
+    """
+    tc, mc = cfg.train, cfg.model
+    train_shards, val_shards = shards
+    accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, mc.block_size, dist.world_size)
+    torch.manual_seed(tc.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    # loss_impl is resolved by resolve_auto; callers that build without it (tests, benchmarks) and
+    # leave it auto get the chunked loss, the one that is safe on memory.
+    model = GPT(mc, loss_impl="full" if tc.loss_impl == "full" else "chunked").to(dist.device)
+    fsdp = tc.parallel == "fsdp" and dist.is_distributed
+    if fsdp:  # before the optimizer: it must hold the shards, not the full weights
+        model = shard_fsdp(model, dist, tc.dtype)
+    # From here on each rank draws its own random numbers: with one seed for all, every rank would
+    # drop out the same units (dropout > 0) and the ranks' noise would not average out.
+    torch.manual_seed(tc.seed + dist.rank)
+    optimizer = make_optimizer(model, tc, dist.device, dist)
+    loader = TrainLoader(train_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
+                         total_batch_size=tc.total_batch_size, rank=dist.rank, world_size=dist.world_size,
+                         seed=tc.seed, device=dist.device, pin_memory=tc.pin_memory, order=tc.data_order,
+                         defer_bad_tokens=True)  # train_step stops every rank alike
+    val_loader = None
+    if val_shards is not None:
+        val_loader = EvalLoader(val_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
+                                eval_tokens=tc.eval_tokens, rank=dist.rank, world_size=dist.world_size,
+                                device=dist.device, pin_memory=tc.pin_memory)
+        if val_loader.clamped:
+            log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all "
+                     f"{val_loader.tokens} tokens")
+    parts = Parts(model, model, optimizer, loader, val_loader, accum, precision.make_scaler(tc.dtype, dist.device))
+    if start is None:
+        start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
+    parts.run_id = start.run_id
+    point = start.point
+    if point is not None:
+        problem = None
+        try:
+            restore(parts, Path(point.path), cfg, dist, log)
+        except ckpt.CheckpointError as e:
+            problem = str(e)
+        agree_on_step(parts.step, problem, dist)  # the same error on every rank, or the same step
+    if tc.compile:
+        set_compile_threads(dist)  # before the first compilation, which starts inductor's workers
+    if fsdp:  # FSDP's units each gather their weights: compile each block, not the whole (torchtitan's way)
+        train_model = model
+        if tc.compile:
+            compile_sharded(model)
+    else:
+        train_model = torch.compile(model) if tc.compile else model
+    if dist.is_distributed and not fsdp:
+        train_model = wrap_ddp(train_model, tc, dist)
+        settle_buckets(train_model, parts.loader.B, parts.loader.T, cfg.train.dtype, dist)
+    parts.train_model = train_model
+    return parts
+
+
+def compile_sharded(model: GPT) -> None:
+    """torch.compile for a model sharded per block (--parallel fsdp): each block in place (torchtitan's
+    way: a compiled region never spans two FSDP units' gathers), and the root's final LayerNorm, LM
+    head and loss (GPT.head_loss) as one more region. The head and loss are the memory-bound part that
+    compile fuses (the loss's cast, softmax and gradient; planned per logit by gpt2/plan/ as compiled),
+    and would otherwise run eager under fsdp while DDP's whole-model compile fuses them. The embedding
+    lookups between the regions stay eager (a gather and an add)."""
+    for block in model.transformer.h:
+        block.compile()
+    model.head_loss = torch.compile(model.head_loss)  # an instance attribute: forward calls self.head_loss
+
+
+def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: str, dist: Dist) -> None:
+    """One synced backward of a dummy micro-batch, gradients and random numbers discarded: DDP's
+    buckets take their final layout before the first step.
+
+    DDP all-reduces a process's first backward as one bucket in parameter order and then rebuilds
+    its buckets in the order the gradients became ready. With 3 or more ranks a sum's rounding
+    depends on where an element sits in the all-reduced buffer (the ring's chunks), so a resumed
+    run's first step summed the gradients differently from the uninterrupted run's same step and
+    the runs drifted apart (found by the 4-node x 2-rank rehearsal in tests/test_multinode.py; with
+    2 ranks a sum is exact either way). Now every step of every run uses the same buckets. Costs one
+    micro-step's forward, backward and all-reduce at start-up.
+    """
+    cuda = dist.device.type == "cuda"
+    saved = rng_state(cuda)  # dropout draws here must not shift the training's random numbers
+    x = torch.zeros(batch, seq_len, dtype=torch.long, device=dist.device)
+    with collective("DDP's first (bucket-settling) gradient all-reduce"):
+        with precision.autocast(dtype, dist.device):
+            _, loss = ddp_model(x, x, return_logits=False)
+        loss.backward()
+    for p in ddp_model.parameters():
+        p.grad = None
+    set_rng_state(saved, cuda)
+
+
+DDP_DEFAULT_BUCKET_CAP_MB = 25.0
+"""torch's own default bucket size (TrainConfig.ddp_bucket_cap_mb's default)."""
+
+
+def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
+    """DDP around the (compiled) model; its all-reduces overlap the compiled backward.
+
+    torch.compile is lazy: the model is compiled at the first training step, inside DDP's forward,
+    where dynamo's DDPOptimizer (torch 2.13: any frame compiled while DDP's forward runs) splits the
+    graph at DDP's buckets. One compiled backward per bucket, each bucket's all-reduce starting when
+    its graph ends (tests/test_ddp_compile.py: the graphs, a profile, losses as eager DDP's). For
+    124M on NCCL that is ~500 MB of fp32 gradients in ~20 buckets of 25 MiB; the tied embedding's
+    154 MB is complete only after the embedding's backward, the last op, so its all-reduce is
+    exposed in any order. Chosen by bench/train_throughput.py's order rows (bench/README.md, "DDP and
+    torch.compile"): compiling the DDP module builds the same graphs (same compile and step time
+    within noise) but evaluation, which bypasses DDP, would run eager. Compiling each block alone
+    (torchtitan's way) compiled 2.8x faster at the benchmark's shape, at a step time within this
+    machine's noise, but leaves the LM head and loss eager (on a GPU the memory-bound part compile
+    fuses) and would compile the blocks that sampling and HellaSwag share (KV-cache generation
+    recompiling per length): compile time is paid once a run, steps every step.
+    """
+    # Gradients as views into the all-reduce buckets: no second copy of every gradient (memory)
+    # and no copy in and out of the buckets each step (the maths is unchanged). No buffer sync
+    # before each forward: the only buffer (the padded vocab's -inf logit bias) is a constant every
+    # rank builds identically (it is still synced once, at init; gpt2/core/compat.py names the keyword). bucket_cap_mb=None at DDP's default
+    # keeps DDP's small first bucket (1 MiB, also dynamo's first split); any other value applies
+    # to every bucket.
+    cap = None if tc.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else tc.ddp_bucket_cap_mb
+    with collective("DDP's broadcast of the initial weights"):
+        return DDP(train_model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
+                   bucket_cap_mb=cap, gradient_as_bucket_view=True, **ddp_no_buffer_sync())
+
+
+
+def no_sync(train_model: torch.nn.Module):
+    """The model's skip-the-gradient-sync context: DDP's no_sync, or FSDP's (no reduce-scatter)."""
+    return no_grad_sync(train_model) if is_sharded(train_model) else train_model.no_sync()
+
+
+class StepStats:
+    """One optimizer step's numbers, on the device until read(): the loss (mean over micro-steps and
+    ranks), the gradient norm, whether any rank asked to stop or met a token outside the vocabulary, whether the update was skipped because
+    the loss or the gradient norm was not finite, and (fp16) whether the loss scaler found an overflow
+    and skipped the update itself. `stats["loss"]` reads them (once; cached), as a dict would.
+
+    On CUDA the four numbers (loss, stop votes, bad-token flag, norm) are copied to pinned host memory
+    behind the step's all-reduce and an event is recorded after the copy: read() waits for that event alone, not for the kernels queued
+    after it (the optimizer update, the next step's forward), as a plain .tolist() would.
+    """
+
+    def __init__(self, step: int, lr: float, numbers: torch.Tensor, world_size: int, scaler_enabled: bool) -> None:
+        self.step, self.lr, self.world_size, self.scaler_enabled = step, lr, world_size, scaler_enabled
+        self.started_s: float | None = None  # run_loop's clock when the step was launched (its dt)
+        self._event = None
+        if numbers.device.type == "cuda":
+            host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
+            host.copy_(numbers, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            numbers = host
+        self._numbers = numbers
+        self._host: dict | None = None
+
+    @property
+    def is_read(self) -> bool:
+        return self._host is not None
+
+    def read(self) -> dict:
+        """The step's numbers on the host: the step's one device read (waits for its all-reduce)."""
+        if self._host is None:
+            if self._event is not None:
+                self._event.synchronize()
+            loss_total, stop_votes, bad_data, grad_norm = self._numbers.tolist()
+            loss_mean, stop = loss_total / self.world_size, stop_votes > 0
+            loss_ok, norm_ok = math.isfinite(loss_mean), math.isfinite(grad_norm)
+            # fp16: a finite loss with non-finite gradients is an overflow of the scaled gradients. The
+            # scaler skips that update and lowers its scale: its normal working, not a bad step.
+            overflow = self.scaler_enabled and loss_ok and not norm_ok
+            skipped = not (loss_ok and norm_ok) and not overflow
+            self._host = {"loss": loss_mean, "grad_norm": grad_norm, "lr": self.lr, "stop": stop,
+                          "skipped": skipped, "overflow": overflow, "bad_data": bad_data > 0}
+        return self._host
+
+    def __getitem__(self, key: str):
+        return self.read()[key]
+
+
+def raise_bad_data(parts: Parts, dist: Dist) -> None:
+    """A rank found a token outside the vocabulary in this step's batch (gpt2/data/loader.py): every rank
+    raises the finder's message (a collective: every rank reads the same flag at the same point)."""
+    raise ShardError(next(p for p in all_gather_object(parts.loader.problem, dist) if p))
+
+
+def skips_on_device(parts: Parts) -> bool:
+    """Whether the skip of a non-finite step can be decided on the device: fused AdamW (the default)
+    takes GradScaler's found_inf tensor and, where it is 1, leaves every parameter and moment as they
+    were and undoes its step count, all in its kernels. torch's other AdamW paths and Muon refuse or
+    ignore found_inf, and fp16's GradScaler sets its own: those read the numbers before the update."""
+    opt = parts.optimizer
+    return (isinstance(opt, torch.optim.Adam) and bool(opt.defaults.get("fused"))
+            and getattr(opt, "_step_supports_amp_scaling", False) and not parts.scaler.is_enabled())
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """optimizer.step(), skipped in its kernels where found_inf (an fp32 scalar, 0.0 or 1.0) is 1.0:
+    GradScaler's protocol for optimizers with _step_supports_amp_scaling (it sets and deletes the same
+    attribute around step()). With 0.0 the update is bitwise a plain step's (tests/test_trainer.py)."""
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
+def micro_batch(parts: Parts, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loader's micro-batch, micro-step 0's taken from prefetch() when it read this position."""
+    ahead, parts.prefetched = parts.prefetched, None
+    if micro_step == 0 and ahead is not None and ahead[0] == parts.loader.position:
+        return ahead[1]
+    return parts.loader.micro_batch(micro_step)
+
+
+def prefetch(parts: Parts) -> None:
+    """Read the next step's first micro-batch now, while the device still runs this step's backward
+    and update: the host's read, permutation and pinning, and the queued non-blocking copy, overlap
+    device work instead of following it. (Micro-steps after the first are read while the previous
+    one's backward runs, as train_step's loop comes round.) Keyed by the loader's position: a
+    resume or anything else that moves the loader makes micro_batch() read afresh."""
+    if isinstance(parts.loader, TrainLoader):
+        parts.prefetched = (parts.loader.position, parts.loader.micro_batch(0))
+
+
+def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -> StepStats:
+    """One optimizer step: accumulate micro-batches, sync gradients on the last, clip, update.
+
+    Returns the step's StepStats. Where the skip can be decided on the device (skips_on_device: fused
+    AdamW, the default), nothing is read from the device here: the update, zero_grad and the next
+    micro-batch are queued behind the forward and backward, and the numbers are read when asked (the
+    trainer's loop asks one step later on CUDA, run_loop). Otherwise they are read before the update.
+    """
+    tc = cfg.train
+    lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
+               decay_steps=tc.decay_steps)
+    for group in parts.optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
+    loss_sum = torch.zeros((), device=dist.device)
+    autocast = precision.autocast(tc.dtype, dist.device)
+    for micro_step in range(parts.accum_steps):
+        x, y = micro_batch(parts, micro_step)
+        # Decide gradient sync before the forward pass: DDP registers its hooks during forward.
+        last = micro_step == parts.accum_steps - 1
+        sync = contextlib.nullcontext() if last or not dist.is_distributed else no_sync(parts.train_model)
+        with sync:
+            with autocast:
+                _, loss = parts.train_model(x, y, return_logits=False)  # the model's loss_impl path
+            loss = loss / parts.accum_steps
+            loss_sum += loss.detach()
+            # The last micro-step's backward all-reduces the gradients (DDP's hooks), so its errors
+            # are reported as the process group's; a compute error there (rarer: the same backward
+            # runs in every micro-step) is reported the same way, with its own message kept.
+            with collective("the gradient all-reduce") if last and dist.is_distributed else contextlib.nullcontext():
+                parts.scaler.scale(loss).backward()
+    parts.scaler.unscale_(parts.optimizer)  # clip and measure the true gradients (a no-op unless fp16)
+    clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+    # The global norm of every rank's shards under FSDP, and the same number under DDP (gpt2/dist/fsdp.py).
+    grad_norm = clip_grad_norm(parts.model.parameters(), clip, dist)
+    # One all-reduce carries the loss, the stop flag and the bad-token flag (gpt2/data/loader.py): every rank
+    # sees the same values, so every rank takes the same skip / stop decision. torch.full launches a
+    # fill, no host copy.
+    stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device),
+                         torch.full((), float(parts.loader.problem is not None), device=dist.device)])
+    all_reduce_sum(stats, dist)
+    numbers = torch.stack([stats[0], stats[1], stats[2], grad_norm.float()])
+    out = StepStats(parts.step + 1, lr, numbers, dist.world_size, parts.scaler.is_enabled())
+    if parts.writer is not None:  # rank 0, a checkpoint being copied: the update below changes its tensors
+        parts.writer.wait_copied()
+    if skips_on_device(parts):
+        # The skip as a device-side condition, on the same all-reduced numbers on every rank: 1.0 where
+        # the loss or the norm is not finite. No host read stands between backward and the update.
+        # A token outside the vocabulary on any rank (numbers[2]) skips it too: nothing is learnt from
+        # that batch, and report() raises the finder's error when it reads the numbers.
+        bad = ~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[3])) | (numbers[2] > 0)
+        step_unless(parts.optimizer, bad.float())
+    elif out.read()["bad_data"]:  # before the update: nothing learnt from the batch
+        raise_bad_data(parts, dist)
+    elif not out.read()["skipped"]:  # the host decides (fp16 adds the scaler's own read of its flag)
+        parts.scaler.step(parts.optimizer)  # optimizer.step(), unless the scaler found an overflow
+    parts.scaler.update()
+    parts.optimizer.zero_grad(set_to_none=True)
+    parts.loader.advance()
+    parts.step += 1
+    if parts.step < tc.max_steps:
+        prefetch(parts)
+    return out
+
+
+@dataclass(frozen=True)
+class Actions:
+    """What a finished step owes before the next one. Every rank decides alike (sampling then runs
+    on rank 0 alone, or on every rank when the model is sharded)."""
+    log: bool
+    evaluate: bool
+    hellaswag: bool
+    sample: bool
+    save: bool
+    final: bool
+    """The last step: its save is synchronous, so the run ends with a durable checkpoint."""
+    stop: bool
+    """A signal asked to stop before the last step: save synchronously, write RUN/requeue, exit."""
+
+    @property
+    def slow(self) -> bool:
+        """Work that keeps some rank from the next step's collectives (rank 0 sampling or writing)."""
+        return self.evaluate or self.hellaswag or self.sample or self.save
+
+
+def due(step: int, tc: TrainConfig, *, stop_requested: bool = False, has_val: bool = True,
+        has_hellaswag: bool = False, unusual: bool = False) -> Actions:
+    """The actions after optimizer step `step` (1-based: steps done). stop_requested: any rank's signal
+    (train_step's vote); has_val / has_hellaswag: whether there is a set to evaluate; unusual: a
+    skipped or overflowed step, always logged."""
+    final = step == tc.max_steps
+    stop = stop_requested and not final  # a signal at the last step changes nothing: the run is complete
+    return Actions(log=step % tc.log_interval == 0 or unusual or final,
+                   evaluate=has_val and (final or _every(step, tc.eval_interval)),
+                   hellaswag=has_hellaswag and (final or _every(step, tc.hellaswag_interval)),
+                   sample=bool(tc.sample_interval) and (final or _every(step, tc.sample_interval)),
+                   save=stop or final or _every(step, tc.ckpt_interval),
+                   final=final, stop=stop)
+
+
+def _every(step: int, interval: int) -> bool:
+    """interval 0 means never."""
+    return bool(interval) and step % interval == 0
+
+
+def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] | None = None) -> int:
+    """Run training to max_steps (or until a stop signal). Returns 0, or EXIT_REQUEUE after a signal.
+
+    shards: check_data's result; train_ddp.py checks before the process group starts, in-process
+    callers (tests) may leave it to this function."""
+    # Signals are recorded from the start: one that arrives while building or restoring stops the
+    # run at the first step boundary (with a checkpoint) instead of killing the process. The run
+    # directory is this run's alone from before its first touch to the end (gpt2/ckpt/rundir.py).
+    with preempt.StopRequest() as stop_request, own_run_dir(cfg.train.out_dir, dist):
+        return _train(cfg, dist, shards, stop_request)
+
+
+def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest) -> int:
+    tc = cfg.train
+    try:
+        Path(tc.out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # check_data looked; this is the race (or a path it could not judge)
+        raise ValueError(f"--out-dir {tc.out_dir}: cannot create it ({e.strerror}); pass a writable --out-dir") from None
+    if dist.is_main:  # RUN/requeue says "the last run stopped on a signal": not true of this one
+        preempt.clear_requeue_marker(tc.out_dir)
+    configure_backends(tc, dist)
+    # The console only, for now: TensorBoard and W&B write into RUN, which may still hold an earlier
+    # run's records until the start is decided and they are moved aside (prepare).
+    log = Metrics(dist, tc.out_dir)
+    if shards is None:
+        shards = check_data(cfg, dist.world_size)
+    run = prepare(cfg, dist, log, shards)
+    cfg, tc = run.cfg, run.cfg.train
+    parts = build(cfg, dist, log, shards, run.start)
+    if parts.step >= tc.max_steps:  # e.g. the quick start run a second time
+        log.info(f"nothing to train: {tc.out_dir} already finished step {parts.step} of --max-steps "
+                 f"{tc.max_steps}. Pass a larger --max-steps to continue this run, or another --out-dir "
+                 "(or --resume never, which moves this run's files into a previous-* folder) to start a new one")
+        log.close()
+        return 0
+    write_run_info(cfg, dist, parts, run.peak, run.prec, run.loss, run.network)
+    announce(cfg, dist, parts, log)
+    if parts.step == 0 and parts.val_loader is not None:
+        log.log_eval(0, 0, evaluate(parts, cfg, dist))
+    hellaswag = None
+    if tc.hellaswag_interval:
+        from gpt2.data.hellaswag import prepare_hellaswag
+        hellaswag = prepare_hellaswag(tc.hellaswag_file, dist)  # collective: rank 0 downloads if missing
+    if dist.is_main and tc.async_ckpt:
+        parts.writer = CheckpointWriter(dist.device)
+    try:
+        return run_loop(parts, cfg, dist, log, run.peak, hellaswag, stop_request)
+    finally:
+        close_run(parts, dist, log)
+
+
+def reads_lag(device: torch.device) -> bool:
+    """Whether run_loop reads a step's numbers one step late: where kernels are queued (CUDA), reading
+    them at once would drain the queue at every step; on a CPU each op has finished when it returns,
+    so a late read saves nothing and the numbers are read (logged, acted on) at their own step."""
+    return device.type == "cuda"
+
+
+@dataclass
+class Progress:
+    """What run_loop carries from step to step: consecutive bad steps, the MFU peak, the last read's time."""
+    peak: float | None
+    bad_steps: int = 0
+    last_read_s: float | None = None
+
+
+def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float | None, hellaswag,
+             stop_request: preempt.StopRequest) -> int:
+    """Steps until --max-steps (0) or a stop signal (EXIT_REQUEUE, after a checkpoint).
+
+    On CUDA (reads_lag) a step's numbers are read after the next step has been queued: the device
+    never waits for the host's logging, stop and skip bookkeeping. The skip itself is decided on the
+    device (train_step), so a late read changes no update. What the late read delays: the log line
+    and the bad-step count by one step, and a stop signal's stop by one step (every rank reads the
+    same all-reduced vote at the same point of the loop, so the ranks still stop at one step). A step
+    with work that syncs anyway (evaluate, sample, save), the last step and a stop are read at once,
+    before that work: no checkpoint follows a step whose numbers were not checked.
+    """
+    tc = cfg.train
+    progress = Progress(peak)
+    lag = reads_lag(dist.device)
+    pending: StepStats | None = None
+    stop = False
+    slow_phase = True  # start-up: collectives run under --dist-timeout-s until a step has completed
+    while parts.step < tc.max_steps:
+        t0 = time.perf_counter()
+        out = train_step(parts, cfg, dist, stop_request.signum is not None)
+        out.started_s = t0
+        if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
+            set_timeout(dist, tc.dist_step_timeout_s)
+            slow_phase = False
+        step = parts.step
+        has_val, has_hs = parts.val_loader is not None, bool(hellaswag)
+        if pending is not None:  # the previous step's numbers: ready, this step is queued behind them
+            stop = report(pending, parts, cfg, dist, log, progress, has_val, has_hs) or stop
+            pending = None
+        scheduled = due(step, tc, has_val=has_val, has_hellaswag=has_hs)
+        if lag and not (scheduled.slow or scheduled.final or stop):
+            pending = out
+            continue
+        stop = report(out, parts, cfg, dist, log, progress, has_val, has_hs) or stop
+        act = due(step, tc, stop_requested=stop, has_val=has_val, has_hellaswag=has_hs)
+        if act.slow:
+            # Every rank decides this alike. The long timeout also covers the next step, whose
+            # collectives wait for the ranks still busy here (rank 0 sampling or writing).
+            set_timeout(dist, tc.dist_timeout_s)
+            slow_phase = True
+        perform(act, parts, cfg, dist, log, hellaswag, stop_request)
+        if act.stop:
+            log.info(f"stopped by signal at step {step}; checkpoint written; wrote {tc.out_dir}/"
+                     f"{preempt.REQUEUE_MARKER} (requeue and resume with --resume auto)")
+            return preempt.EXIT_REQUEUE
+    if dist.is_main and tc.plot:
+        png = plot_loss_curve(log.path, Path(tc.out_dir) / "loss_curve.png")
+        log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")
+    return 0
+
+
+def report(stats: StepStats, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, progress: Progress, has_val: bool,
+           has_hellaswag: bool) -> bool:
+    """Read a finished step's numbers: log them when due, count bad steps (NonFiniteError at
+    --max-bad-steps). Returns whether any rank asked to stop at that step.
+
+    Step time: from the later of the step's launch and the previous read to this read. Without a
+    late read that is one step's forward, backward and the previous update; with one (CUDA), in steady
+    state the reads are one step apart. No cuda.synchronize either way."""
+    tc, step = cfg.train, stats.step
+    out = stats.read()
+    if out["bad_data"]:  # its update was skipped on the device (train_step); nothing is saved after it
+        raise_bad_data(parts, dist)
+    now = time.perf_counter()
+    begin = stats.started_s if progress.last_read_s is None else max(stats.started_s, progress.last_read_s)
+    dt, progress.last_read_s = now - begin, now
+    progress.bad_steps = (progress.bad_steps + 1 if out["skipped"] else
+                          (progress.bad_steps if out["overflow"] else 0))
+    if due(step, tc, has_val=has_val, has_hellaswag=has_hellaswag, unusual=out["skipped"] or out["overflow"]).log:
+        progress.peak = log_step(parts, cfg, dist, log, out, dt, progress.peak, step=step)
+    if progress.bad_steps >= tc.max_bad_steps:
+        raise NonFiniteError(
+            f"{progress.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
+            " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
+            "--warmup-steps or check the data, then resume from the last checkpoint")
+    return out["stop"]
+
+
+def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, hellaswag,
+            stop_request: preempt.StopRequest) -> None:
+    """Evaluate, sample and save as act says, after step parts.step."""
+    tc, step = cfg.train, parts.step
+    if act.evaluate:
+        log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist))
+    if act.hellaswag:
+        log_hellaswag(parts, cfg, dist, log, hellaswag, step)
+    # A sharded model's every forward all-gathers weights: every rank generates (same prompt, same
+    # seeded generator, so the same tokens), rank 0 logs. A replicated model samples on rank 0 alone.
+    if act.sample and (dist.is_main or is_sharded(parts.model)):
+        text = sample_text(parts, cfg, dist)
+        if dist.is_main:
+            log.record({"step": step, "sample": text})
+            log.info(f"sample at step {step}: {text!r}")
+    if act.save:  # the final and the stop's save are synchronous: the run ends with a durable one
+        save(parts, cfg, dist, log, requeue={"step": step, "signal": stop_request.name} if act.stop else None,
+             background=tc.async_ckpt and not (act.stop or act.final))
+
+
+def log_step(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, out: dict, dt: float,
+             peak: float | None, *, step: int | None = None) -> float | None:
+    """The metrics line of step `step` (default: the last one taken). Returns the MFU peak: None from
+    the first MFU that proves it wrong."""
+    tc = cfg.train
+    step = parts.step if step is None else step
+    tok_s = tc.total_batch_size / dt
+    step_mfu, why = checked_mfu(tok_s / dist.world_size, cfg.model, peak) if peak else (None, None)
+    if why:  # once: the peak is wrong for the rest of the run too
+        log.info(f"mfu n/a: {why}")
+        forget_cpu_peak(dist.device, tc.dtype)
+        peak = None
+    log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+                  "tokens": step * tc.total_batch_size, "step_s": dt, "tok_per_s": tok_s,
+                  "mfu": step_mfu,
+                  "mem_mb": memory_mb(dist.device), "skipped": out["skipped"],
+                  **({"overflow": out["overflow"], "loss_scale": parts.scaler.get_scale()}
+                     if parts.scaler.is_enabled() else {})}, tc.max_steps)
+    return peak
+
+
+def close_run(parts: Parts, dist: Dist, log: Metrics) -> None:
+    """After the loop, however it ended: the write in flight, the log, the loaders' open shard files."""
+    if dist.is_main and parts.writer is not None:  # an error or a stop: let the write in flight finish
+        problem = finish_background_write(parts, log)
+        if problem:
+            log.warn(problem)
+    log.close()
+    for loader in (parts.loader, parts.val_loader):
+        if loader is not None:
+            loader.close()
+
+
+def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
+    """Mean loss per token over the fixed validation set, reduced over ranks."""
+    from gpt2.train.scoring import loader_loss
+
+    return loader_loss(parts.train_model, parts.val_loader, cfg.train.dtype, dist)
+
+
+def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
+    """A text sample (KV-cache generation, its own RNG: training is unaffected). Rank 0's alone, or
+    under FSDP every rank's (a collective: each forward gathers the weights)."""
+    from gpt2.model import tokenizer
+
+    tc = cfg.train
+    prompt = tokenizer.encode_prompt(tc.sample_prompt, cfg.model.block_size)  # checked in check_data
+    gen = torch.Generator(device=dist.device).manual_seed(tc.seed + parts.step)
+    idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
+    parts.model.eval()
+    with precision.autocast(tc.dtype, dist.device):
+        out = parts.model.generate(idx, tc.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen)
+    parts.model.train()
+    return tokenizer.decode(out[0, len(prompt):].tolist())
+
+
+def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, examples, step: int) -> None:
+    from gpt2.train.scoring import hellaswag_eval
+
+    hs = hellaswag_eval(parts.model, examples, dist, dist.device, dtype=cfg.train.dtype, progress=False)
+    log.record({"step": step, "tokens": step * cfg.train.total_batch_size, "hellaswag_acc": hs["acc"],
+                "hellaswag_acc_norm": hs["acc_norm"]})
+    log.info(f"step {step:>6} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['correct_norm']}/{hs['n']})")
+
+
+def memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
