@@ -1,6 +1,7 @@
 """Command line: `python -m data_prep --source ... --out DIR` and `python -m data_prep verify DIR`.
 
-Exit status: 0 done (or nothing to do), 1 verify found bad shards or writing failed (a full disk:
+A rerun over a finished job checks every shard (size, sha256) and re-encodes just the missing or
+damaged ones. Exit status: 0 done (or nothing to do), 1 verify found bad shards or writing failed (a full disk:
 one line, rerun to resume), 2 user error (message, no traceback), 130 interrupted (rerun the same
 command to resume).
 """
@@ -12,15 +13,16 @@ import os
 import sys
 from pathlib import Path
 
-from data_prep.config import DEFAULT_SHARD_TOKENS, DECODE_ERROR_MODES, TXT_SAMPLE_BY, PrepConfig, UserError, \
-    default_workers
+from data_prep.config import DEFAULT_SHARD_TOKENS, DECODE_ERROR_MODES, TXT_SAMPLE_BY, VAL_SELECT, PrepConfig, \
+    UserError, default_workers
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m data_prep",
         description="Tokenize a corpus with GPT-2's BPE into llm.c-format uint16 shards (val_*.bin, train_*.bin, "
-                    "manifest.json). Deterministic for any --workers; rerun the same command to resume. "
+                    "manifest.json). Deterministic for any --workers; rerun the same command to resume an interrupted "
+                    "job or to rewrite missing or damaged shards of a finished one. "
                     "`python -m data_prep verify DIR` checks a finished directory.")
     src = p.add_argument_group("sources (one of)")
     src.add_argument("--source", nargs="+", metavar="PATH", default=[],
@@ -35,8 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                    help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS:,})")
     p.add_argument("--val-tokens", type=int, default=None,
-                   help="tokens of whole documents for val_*.bin; default min(10M, 1%% of the corpus "
-                        "estimated as source bytes / 4), 10M for --hf-dataset; 0: no val split")
+                   help="tokens of whole documents for val_*.bin (the document crossing the mark goes whole); "
+                        "default min(10M, max(1%% of the corpus, min(16,384, 10%% of the corpus))) with the corpus "
+                        "estimated as source bytes / 4, 10M for --hf-dataset; 0: no val split")
+    p.add_argument("--val-select", choices=VAL_SELECT, default=None,
+                   help="which documents go to val: spread (documents in the order of a hash of their text, so "
+                        "from all over the corpus, the same for any --workers or file order) or first (the first "
+                        "documents in source order); default spread, but first with an explicit --val-tokens "
+                        "(the split earlier versions made) or --hf-dataset (read once, size unknown)")
     p.add_argument("--workers", type=int, default=default_workers(),
                    help="tokenizer processes (default: all cores); the output does not depend on it")
     p.add_argument("--text-field", default="text", help="JSON field / parquet column with the text (default: text)")
@@ -74,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         cfg = PrepConfig(out=args.out, sources=tuple(args.source), hf_dataset=args.hf_dataset,
                          hf_config=args.hf_config, hf_split=args.hf_split, hf_data_files=tuple(args.hf_data_files),
-                         shard_tokens=args.shard_tokens, val_tokens=args.val_tokens, workers=args.workers,
+                         shard_tokens=args.shard_tokens, val_tokens=args.val_tokens, val_select=args.val_select,
+                         workers=args.workers,
                          text_field=args.text_field, on_decode_error=args.on_decode_error,
                          txt_sample_by=args.txt_sample_by, progress=not args.no_progress)
         quiet_datasets()

@@ -9,6 +9,16 @@ from pathlib import Path
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_MAX_VAL_TOKENS = 10_000_000
 """Default val budget cap (modded-nanogpt evaluates on a fixed ~10M tokens)."""
+DEFAULT_VAL_FRACTION = 0.01
+"""Default val budget: 1% of the estimated corpus..."""
+DEFAULT_MIN_VAL_TOKENS = 16_384
+"""...but at least this many tokens: twice the debug and small presets' --eval-tokens 8192, so a
+small corpus's val split holds the evaluation with room to spare..."""
+DEFAULT_MAX_VAL_SHARE = 0.1
+"""...unless that would be more than 10% of a tiny corpus: the floor never takes more than this share."""
+VAL_SELECT = ("spread", "first")
+"""spread: val documents chosen by a hash of their text, from all over the corpus; first: the first
+documents in source order (the rule before spread existed, kept for splits that must not move)."""
 DECODE_ERROR_MODES = ("fail", "skip", "replace")
 TXT_SAMPLE_BY = ("document", "paragraph")
 MAX_HEADER_INT = 2**31 - 1  # n_tokens lives in an int32 header field
@@ -43,7 +53,10 @@ class PrepConfig:
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     """Tokens per shard; every shard of a split holds exactly this many except the split's last."""
     val_tokens: int | None = None
-    """Tokens (whole documents) for val; None: min(10M, 1% of the estimated corpus), see sources.py."""
+    """Tokens (whole documents) for val; None: the default budget, see sources.default_val_tokens."""
+    val_select: str | None = None
+    """spread or first (see VAL_SELECT); None: spread when val_tokens is None and the sources are local
+    files, else first (an explicit --val-tokens alone keeps the split earlier versions made)."""
     workers: int = 1
     """Tokenizer processes; 1 tokenizes in this process."""
     text_field: str = "text"
@@ -59,6 +72,12 @@ class PrepConfig:
         problems = config_problems(self)
         if problems:
             raise UserError("; ".join(problems))
+
+    @property
+    def resolved_val_select(self) -> str:
+        if self.val_select is not None:
+            return self.val_select
+        return "spread" if self.val_tokens is None and self.sources else "first"
 
     @property
     def settings(self) -> dict:
@@ -78,6 +97,11 @@ def config_problems(cfg: PrepConfig) -> list[str]:
                  f"got {cfg.shard_tokens}")
     if cfg.val_tokens is not None and cfg.val_tokens < 0:
         p.append(f"--val-tokens must be >= 0 (0 means no val split), got {cfg.val_tokens}")
+    if cfg.val_select is not None and cfg.val_select not in VAL_SELECT:
+        p.append(f"--val-select must be one of {', '.join(VAL_SELECT)}, got {cfg.val_select!r}")
+    if cfg.val_select == "spread" and cfg.hf_dataset:
+        p.append("--val-select spread needs local --source files (their size sets the sampling rate); "
+                 "a streamed --hf-dataset takes its first documents: drop --val-select")
     if cfg.workers < 1:
         p.append(f"--workers must be >= 1, got {cfg.workers}")
     if cfg.on_decode_error not in DECODE_ERROR_MODES:

@@ -90,10 +90,10 @@ class Batch:
         self.chars += len(text)
 
 
-def make_batches(records: Iterator[str], start: int, batch_chars: int = BATCH_CHARS) -> Iterator[Batch]:
-    """Group record texts (numbered from start) into batches of about batch_chars characters."""
+def make_batches(records: Iterator[tuple[int, str]], batch_chars: int = BATCH_CHARS) -> Iterator[Batch]:
+    """Group (record number, text) pairs into batches of about batch_chars characters."""
     batch = Batch()
-    for record, text in enumerate(records, start):
+    for record, text in records:
         pieces = split_text(text, batch_chars)
         for k, piece in enumerate(pieces):
             batch.add(piece, record, k == 0, k == len(pieces) - 1)

@@ -1,17 +1,33 @@
-"""One data_prep job: plan sources -> check -> read -> tokenize (in order) -> shards + manifest."""
+"""One data_prep job: plan sources -> check -> choose val -> write val, then train -> manifest.
+
+Records are read up to three times: once to choose the val documents (tokenizing only candidates),
+once for the val shards (reading stops after the last val record), once for the train shards.
+Tokenizing dominates the cost, and each document is tokenized for the shards only once (val
+candidates twice), so the extra reads cost little; they buy a val split chosen from the whole
+corpus while every shard stays restartable from the positions in the manifest.
+"""
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import itertools
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from data_prep import sources
 from data_prep.config import PrepConfig, UserError
 from data_prep.encode import encode_batches, make_batches
-from data_prep.writer import ShardWriter, new_manifest, open_output, save_manifest
+from data_prep.verify import shard_damage
+from data_prep.writer import ShardWriter, new_manifest, open_output, save_manifest, val_runs
+
+SPREAD_OVERSAMPLE = 2
+"""Spread: documents whose hash falls in the lowest SPREAD_OVERSAMPLE x budget/estimate of the hash
+range are tokenized as candidates; an estimate off by more than that (bytes per token far from 4)
+costs one more reading pass at a 4x wider range."""
 
 
 @dataclass(frozen=True)
@@ -28,15 +44,20 @@ class Summary:
     elapsed_s: float
     resumed_at_record: int = 0
     skipped_files: tuple[str, ...] = ()
+    repaired: tuple[str, ...] = ()
+    """Shards of a finished job this run wrote again (they were missing or damaged)."""
 
     @property
     def tokens(self) -> int:
         return self.val_tokens + self.train_tokens
 
     def lines(self) -> list[str]:
+        if self.repaired:
+            return [f"repaired {self.out}: rewrote {', '.join(self.repaired)}; all {self.shards} shards match "
+                    f"the manifest ({self.tokens:,} tokens)"]
         if self.already_complete:
             return [f"nothing to do: {self.out} already holds the finished job ({self.shards} shards, "
-                    f"{self.tokens:,} tokens); `python -m data_prep verify {self.out}` checks them"]
+                    f"{self.tokens:,} tokens, every shard's size and sha256 as the manifest lists)"]
         rate = self.run_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
         out = [f"documents {self.documents:,} | tokens {self.tokens:,} (val {self.val_tokens:,}, "
                f"train {self.train_tokens:,}) | shards {self.shards} | elapsed {self.elapsed_s:.1f} s | "
@@ -54,62 +75,211 @@ def resolve_val_tokens(cfg: PrepConfig, corpus: sources.Corpus) -> tuple[int, st
     return sources.default_val_tokens(corpus)
 
 
+def job_settings(cfg: PrepConfig, val_tokens: int) -> dict:
+    """The settings in the fingerprint. val_select only when spread: a job with the first-documents
+    rule keeps the fingerprint earlier versions gave it, so their finished directories stay valid."""
+    select = {} if cfg.resolved_val_select == "first" else {"val_select": cfg.resolved_val_select}
+    return {**cfg.settings, "val_tokens": val_tokens, **select}
+
+
 def prepare(cfg: PrepConfig, *, log: Callable[[str], None] = print) -> Summary:
     start_s = time.perf_counter()
     corpus = sources.plan(cfg)
     val_tokens, rule = resolve_val_tokens(cfg, corpus)
-    settings = {**cfg.settings, "val_tokens": val_tokens}
-    manifest = open_output(cfg.out, new_manifest(corpus.description, settings, rule))
-    shards = manifest["shards"]
+    if cfg.resolved_val_select == "spread":
+        rule += "; documents chosen by the blake2b hash of their text (lowest first)"
+    manifest = open_output(cfg.out, new_manifest(corpus.description, job_settings(cfg, val_tokens), rule))
     if manifest["complete"]:
-        totals = manifest["totals"]
-        return Summary(cfg.out, True, totals["documents"], totals["val_tokens"], totals["train_tokens"],
-                       len(shards), 0, time.perf_counter() - start_s)
+        return check_finished(cfg, corpus, manifest, log, start_s)
     corpus = sources.check(corpus, cfg)
     if val_tokens > 0 and (only := sources.single_document(corpus, cfg)):
         raise UserError(f"{only} is the corpus's only document (a .txt file is one document), so it cannot be "
                         "split into val and train documents; pass --txt-sample-by paragraph or --val-tokens 0")
     manifest["skipped_files"] = list(corpus.skipped_files)
+    reader = sources.RecordReader(corpus, cfg, manifest["group_records"])
+    runs = val_runs(manifest)
+    if "val_records" not in manifest:
+        if runs is None or not manifest["shards"]:  # a fresh job, or an older version's stopped inside val
+            manifest["shards"] = []
+            runs = choose_val(reader, cfg, corpus, val_tokens)
+        manifest["val_records"] = runs
+        manifest["group_records"] = list(reader.group_records)
     save_manifest(cfg.out, manifest)
 
-    reader = sources.RecordReader(corpus, cfg, manifest["group_records"])
-    writer = ShardWriter(cfg.out, manifest, shard_tokens=cfg.shard_tokens, val_tokens=val_tokens,
-                         group_records=reader.group_records)
-    begin = writer.start_record
-    if begin or shards:
-        log(f"resuming {cfg.out}: {len(shards)} shard(s) already written, continuing at record {begin:,}")
-    already = sum(writer.totals.values())
-    run_tokens_written(writer, reader, begin, cfg)
+    shards = manifest["shards"]
+    resumed = shards[-1]["next_record"] if shards else 0
+    if shards:
+        log(f"resuming {cfg.out}: {len(shards)} shard(s) already written, continuing at record {resumed:,}")
+    already = sum(s["tokens"] for s in shards)
+    val = ShardWriter(cfg.out, manifest, split="val", shard_tokens=cfg.shard_tokens, group_records=reader.group_records)
+    if not any(s["split"] == "train" for s in shards):
+        write_split(val, reader, cfg, runs)
+        val.flush(next_record=runs[-1][1] if runs else 0, carry=0)
+    train = ShardWriter(cfg.out, manifest, split="train", shard_tokens=cfg.shard_tokens,
+                        group_records=reader.group_records)
+    write_split(train, reader, cfg, runs)
     n_records = sum(reader.group_records)
     if n_records == 0:
         raise UserError("empty corpus: the sources hold no documents")
-    if writer.totals["train"] == 0:
-        raise UserError(f"all {n_records:,} documents ({writer.totals['val']:,} tokens) went to val "
-                        f"(--val-tokens {val_tokens:,}): nothing is left for train; lower --val-tokens")
-    totals = {"documents": n_records, "tokens": sum(writer.totals.values()), "val_tokens": writer.totals["val"],
-              "train_tokens": writer.totals["train"]}
-    writer.finish(n_records, totals)
-    return Summary(cfg.out, False, n_records, writer.totals["val"], writer.totals["train"],
-                   len(manifest["shards"]), sum(writer.totals.values()) - already,
-                   time.perf_counter() - start_s, begin, corpus.skipped_files)
+    totals = {"documents": n_records, "tokens": val.tokens + train.tokens, "val_tokens": val.tokens,
+              "train_tokens": train.tokens}
+    train.finish(n_records, totals)
+    return Summary(cfg.out, False, n_records, val.tokens, train.tokens, len(manifest["shards"]),
+                   val.tokens + train.tokens - already, time.perf_counter() - start_s, resumed, corpus.skipped_files)
 
 
-def run_tokens_written(writer: ShardWriter, reader: sources.RecordReader, begin: int, cfg: PrepConfig) -> int:
-    """Stream records from `begin` through the tokenizer into the writer; return tokens handled."""
+# ---------------------------------------------------------------------------------------------- val choice
+
+
+def text_hash(text: str) -> int:
+    """A document's place in the spread order: depends on its text alone, so not on --workers, on the
+    corpus's file order, or on where a run was interrupted."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+
+
+def choose_val(reader: sources.RecordReader, cfg: PrepConfig, corpus: sources.Corpus, budget: int) -> list[list[int]]:
+    """The val records as runs [start, end): whole documents, in hash order (spread) or source order
+    (first), until they hold at least `budget` tokens (the one crossing the mark is taken whole)."""
+    if budget == 0:
+        return []
+    if cfg.resolved_val_select == "first":
+        return first_val(reader, cfg, budget)
+    rate = min(1.0, SPREAD_OVERSAMPLE * budget / max(1, corpus.estimated_tokens or 1))
+    while True:
+        counts, n_records = candidate_tokens(reader, cfg, rate)
+        chosen, total = [], 0
+        for _, record, n in sorted(counts):
+            if total >= budget:
+                break
+            chosen.append(record)
+            total += n
+        if total >= budget or rate == 1.0:
+            break
+        rate = min(1.0, rate * 4)
+    if n_records == 0:
+        raise UserError("empty corpus: the sources hold no documents")
+    if len(chosen) == n_records:
+        raise all_val(n_records, total, budget)
+    return to_runs(sorted(chosen))
+
+
+def candidate_tokens(reader: sources.RecordReader, cfg: PrepConfig, rate: float) -> tuple[list, int]:
+    """[(hash, record, tokens)] of the documents whose hash is below rate x the hash range, and the
+    number of records in the corpus."""
+    limit = int(rate * 2**64)
+    hashes: dict[int, int] = {}
+    n_records = 0
+
+    def candidates() -> Iterator[tuple[int, str]]:
+        nonlocal n_records
+        for record, text in enumerate(reader.records(0)):
+            n_records = record + 1
+            if (h := text_hash(text)) < limit:
+                hashes[record] = h
+                yield record, text
+
+    tokens: dict[int, int] = {}
+    for batch, _, counts in encode_batches(make_batches(candidates()), cfg.workers):
+        for record, n in zip(batch.records, counts.tolist()):
+            tokens[record] = tokens.get(record, 0) + n
+    return [(hashes[r], r, n) for r, n in tokens.items()], n_records
+
+
+def first_val(reader: sources.RecordReader, cfg: PrepConfig, budget: int) -> list[list[int]]:
+    """The rule of earlier versions: the first documents in source order."""
+    total, end = 0, 0
+    for batch, _, counts in encode_batches(make_batches(enumerate(reader.records(0))), cfg.workers):
+        for record, first, n in zip(batch.records, batch.first, counts.tolist()):
+            if first and total >= budget:
+                return [[0, record]]
+            total += n
+            end = record + 1
+    raise all_val(end, total, budget)
+
+
+def all_val(n_records: int, tokens: int, budget: int) -> UserError:
+    if n_records == 0:
+        return UserError("empty corpus: the sources hold no documents")
+    return UserError(f"all {n_records:,} documents ({tokens:,} tokens) would go to val (val budget {budget:,} "
+                     "tokens): nothing is left for train; pass a smaller --val-tokens")
+
+
+def to_runs(records: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for r in records:
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return runs
+
+
+def in_runs(runs: list[list[int]], record: int) -> bool:
+    i = bisect.bisect_right(runs, [record, float("inf")]) - 1
+    return i >= 0 and runs[i][0] <= record < runs[i][1]
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def split_records(reader: sources.RecordReader, start: int, split: str,
+                  runs: list[list[int]]) -> Iterator[tuple[int, str]]:
+    """(record, text) of the split's records from `start`; val reading stops after its last record."""
+    records = enumerate(reader.records(start), start)
+    if split == "val":
+        end = runs[-1][1] if runs else 0
+        return ((r, t) for r, t in itertools.takewhile(lambda rt: rt[0] < end, records) if in_runs(runs, r))
+    return ((r, t) for r, t in records if not in_runs(runs, r))
+
+
+def write_split(writer: ShardWriter, reader: sources.RecordReader, cfg: PrepConfig, runs: list[list[int]]) -> None:
+    """Stream the split's records from the writer's resume position through the tokenizer into it."""
     from tqdm import tqdm
 
     interactive = sys.stderr.isatty()
-    bar = tqdm(unit="tok", unit_scale=True, desc="tokenizing", disable=not cfg.progress,
+    bar = tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {writer.split}", disable=not cfg.progress,
                mininterval=0.5 if interactive else 30, dynamic_ncols=True)
-    total = 0
     try:
-        batches = make_batches(reader.records(begin), begin)
+        batches = make_batches(split_records(reader, writer.start_record, writer.split, runs))
         for batch, tokens, counts in encode_batches(batches, cfg.workers):
             writer.add_batch(tokens, counts, batch.records, batch.first, batch.last)
-            total += len(tokens)
             bar.update(len(tokens))
-            bar.set_postfix(docs=f"{batch.records[-1] + 1:,}", shards=len(writer.manifest["shards"]),
-                            refresh=False)
+            if writer.done:
+                return
     finally:
         bar.close()
-    return total
+
+
+# ---------------------------------------------------------------------------------------------- rerun of a finished job
+
+
+def check_finished(cfg: PrepConfig, corpus: sources.Corpus, manifest: dict, log: Callable[[str], None],
+                   start_s: float) -> Summary:
+    """A rerun over a finished job: every shard is checked (presence and size, then sha256; see
+    verify.shard_damage) and the missing or damaged ones are re-encoded from the sources."""
+    totals = manifest["totals"]
+    damage = {e["file"]: why for e in manifest["shards"] if (why := shard_damage(cfg.out / e["file"], e))}
+    summary = Summary(cfg.out, True, totals["documents"], totals["val_tokens"], totals["train_tokens"],
+                      len(manifest["shards"]), 0, time.perf_counter() - start_s)
+    if not damage:
+        return summary
+    log(", ".join(f"{name} was {why}" for name, why in damage.items()) + ": re-encoding "
+        + ("it" if len(damage) == 1 else "them") + f" from the sources into {cfg.out}")
+    corpus = sources.check(corpus, cfg)
+    reader = sources.RecordReader(corpus, cfg, manifest["group_records"])
+    runs = val_runs(manifest)
+    for split in ("val", "train"):
+        entries = [e["file"] for e in manifest["shards"] if e["split"] == split]
+        repair = frozenset(i for i, name in enumerate(entries) if name in damage)
+        if not repair:
+            continue
+        writer = ShardWriter(cfg.out, manifest, split=split, shard_tokens=cfg.shard_tokens,
+                             group_records=reader.group_records, repair=repair)
+        write_split(writer, reader, cfg, runs)
+        end = (runs[-1][1] if runs else 0) if split == "val" else totals["documents"]
+        writer.flush(next_record=end, carry=0)
+        if not writer.done:
+            raise UserError(f"{cfg.out}: the sources gave fewer tokens than {entries[max(repair)]} held; "
+                            f"delete {cfg.out} and rerun to start over")
+    return Summary(cfg.out, False, totals["documents"], totals["val_tokens"], totals["train_tokens"],
+                   len(manifest["shards"]), 0, time.perf_counter() - start_s, repaired=tuple(damage))

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
-from data_prep.config import DEFAULT_MAX_VAL_TOKENS, PrepConfig, UserError
+from data_prep.config import DEFAULT_MAX_VAL_SHARE, DEFAULT_MAX_VAL_TOKENS, DEFAULT_MIN_VAL_TOKENS, \
+    DEFAULT_VAL_FRACTION, PrepConfig, UserError
 
 KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 BYTES_PER_TOKEN = 4
@@ -182,12 +183,19 @@ def plan(cfg: PrepConfig) -> Corpus:
 
 
 def default_val_tokens(corpus: Corpus) -> tuple[int, str]:
-    """The --val-tokens default and the rule that produced it (recorded in the manifest)."""
+    """The --val-tokens default and the rule that produced it (recorded in the manifest).
+
+    min(10M, max(1% of E, min(16,384, 10% of E))) for E tokens estimated from source bytes: 1% of a
+    large corpus, never below the 16,384 tokens a small preset's evaluation needs, never above 10% of
+    a tiny corpus for the sake of that floor.
+    """
     if corpus.estimated_tokens is None:
         return DEFAULT_MAX_VAL_TOKENS, f"default for a streamed dataset of unknown size: {DEFAULT_MAX_VAL_TOKENS}"
-    val = min(DEFAULT_MAX_VAL_TOKENS, corpus.estimated_tokens // 100)
-    return val, (f"min({DEFAULT_MAX_VAL_TOKENS}, 1% of ~{corpus.estimated_tokens} tokens estimated as "
-                 f"source bytes / {BYTES_PER_TOKEN})")
+    est = corpus.estimated_tokens
+    val = min(DEFAULT_MAX_VAL_TOKENS, max(int(est * DEFAULT_VAL_FRACTION),
+                                          min(DEFAULT_MIN_VAL_TOKENS, int(est * DEFAULT_MAX_VAL_SHARE))))
+    return val, (f"min({DEFAULT_MAX_VAL_TOKENS}, max(1% of ~{est} tokens, min({DEFAULT_MIN_VAL_TOKENS}, 10% of "
+                 f"them))), estimated as source bytes / {BYTES_PER_TOKEN}")
 
 
 def text_bytes(f: SourceFile, text_field: str) -> int:

@@ -1,14 +1,16 @@
-"""Token stream -> val/train shards, with a manifest that makes the job restartable.
+"""Token streams -> val/train shards, with a manifest that makes the job restartable and repairable.
 
-Split rule: documents go to val, in source order, until val holds at least --val-tokens tokens; the
-document that crosses the --val-tokens mark goes to val whole (so val may exceed --val-tokens by less
-than one document, and the trainer can always evaluate exactly --val-tokens tokens). Every later
-document goes to train. Within a split, shards hold exactly --shard-tokens tokens except the last,
-and a document may continue from one shard into the next (as llm.c's fineweb.py does).
+Split rule: the pipeline chooses the val documents first (pipeline.choose_val) and records them in
+the manifest as `val_records`, runs of record numbers [start, end). The val shards then hold those
+documents and the train shards every other document, each in source order. Within a split, shards
+hold exactly --shard-tokens tokens except the last, and a document may continue from one shard into
+the next (as llm.c's fineweb.py does).
 
-Restart: after every shard the manifest records the shard's sha256 and the resume position: the
-next record to read and how many of its tokens (`carry_tokens`) are already in shards. A rerun skips
-those records, drops the carried tokens and continues, producing the bytes of an uninterrupted run.
+Restart: after every shard the manifest records the shard's sha256 and its split's resume position:
+the next record to read and how many of its tokens (`carry_tokens`) are already in shards. A rerun
+skips those records, drops the carried tokens and continues, producing the bytes of an uninterrupted
+run. The same positions let a rerun over a finished directory rewrite just the shards that are
+missing or damaged: shard i of a split starts where shard i-1's entry says (ShardWriter's `repair`).
 """
 
 from __future__ import annotations
@@ -116,24 +118,47 @@ def open_output(out: Path, manifest: dict) -> dict:
     return old
 
 
-class ShardWriter:
-    """Fills one preallocated shard buffer, writes it out when full, keeps the manifest current."""
+def val_runs(manifest: dict) -> list[list[int]] | None:
+    """The val records as runs [start, end), or None where the manifest cannot tell (start the job over).
 
-    def __init__(self, out: Path, manifest: dict, *, shard_tokens: int, val_tokens: int, group_records: list[int]):
+    Manifests written before val_records existed used the first-documents rule: val was records
+    [0, next_record of the last val shard) once a train shard was written or the job finished.
+    """
+    if "val_records" in manifest:
+        return manifest["val_records"]
+    shards = manifest["shards"]
+    val = [s for s in shards if s["split"] == "val"]
+    if manifest.get("complete") or any(s["split"] == "train" for s in shards):
+        return [[0, val[-1]["next_record"]]] if val else []
+    return None if shards else []
+
+
+class ShardWriter:
+    """Writes one split: fills a preallocated shard buffer, writes it out when full, keeps the manifest current.
+
+    repair: indices of the split's listed shards to write again (the others are produced and dropped,
+    the manifest is left alone, and a rewritten shard must match its listed sha256); `done` turns
+    True once the last of them is written.
+    """
+
+    def __init__(self, out: Path, manifest: dict, *, split: str, shard_tokens: int, group_records: list[int],
+                 repair: frozenset[int] = frozenset()):
         self.out = out
         self.manifest = manifest
+        self.split = split
         self.shard_tokens = shard_tokens
-        self.val_tokens = val_tokens
         self.group_records = group_records  # the reader's list, copied into the manifest at each shard
+        self.repair = repair
+        self.done = False
         self.buffer = np.empty(shard_tokens, dtype=np.uint16)
         self.fill = 0
-        shards = manifest["shards"]
-        self.totals = {s: sum(x["tokens"] for x in shards if x["split"] == s) for s in ("val", "train")}
-        self.index = {s: sum(1 for x in shards if x["split"] == s) for s in ("val", "train")}
-        self.split = "train" if self.index["train"] else "val"
-        self.start_record = shards[-1]["next_record"] if shards else 0
-        self.drop = shards[-1]["carry_tokens"] if shards else 0
-        """Tokens of start_record already in shards: dropped, and its split is already decided."""
+        self.entries = [x for x in manifest["shards"] if x["split"] == split]
+        self.index = min(repair) if repair else len(self.entries)
+        self.tokens = sum(x["tokens"] for x in self.entries[:self.index])
+        before = self.entries[self.index - 1] if self.index else None
+        self.start_record = before["next_record"] if before else 0
+        self.drop = before["carry_tokens"] if before else 0
+        """Tokens of start_record already in earlier shards: dropped."""
         self.record = self.start_record
         self.record_written = 0
 
@@ -141,35 +166,32 @@ class ShardWriter:
         """Append one piece of a document (tokens start with EOT when first)."""
         if first:
             self.record, self.record_written = record, 0
-            if not self.drop and self.split == "val" and self.totals["val"] >= self.val_tokens:
-                self._flush(next_record=record, carry=0)  # val ends before this document
-                self.split = "train"
         if self.drop:
             k = min(self.drop, len(tokens))
             tokens, self.drop, self.record_written = tokens[k:], self.drop - k, self.record_written + k
-        while len(tokens):
+        while len(tokens) and not self.done:
             n = min(self.shard_tokens - self.fill, len(tokens))
             self.buffer[self.fill:self.fill + n] = tokens[:n]
             tokens = tokens[n:]
             self.fill += n
             self.record_written += n
-            self.totals[self.split] += n
+            self.tokens += n
             if self.fill == self.shard_tokens:
                 ends_record = last and not len(tokens)
-                self._flush(next_record=record + 1 if ends_record else record,
-                            carry=0 if ends_record else self.record_written)
+                self.flush(next_record=record + 1 if ends_record else record,
+                           carry=0 if ends_record else self.record_written)
 
     def add_batch(self, tokens: np.ndarray, counts: np.ndarray, records: list[int], first: list[bool],
                   last: list[bool]) -> None:
         """Append a worker's batch: pieces back to back in `tokens`, piece i holding counts[i] tokens.
 
-        Most batches land inside the current train shard, with no split decision or resume drop
-        pending: one copy then does what add() would do piece by piece (per-piece calls cost ~20 us
-        each, a tenth of the main process's time on a 200 MB corpus). Anything else goes through
-        add(), so there is one definition of the rules.
+        Most batches land inside the current shard, with no resume drop pending: one copy then does
+        what add() would do piece by piece (per-piece calls cost ~20 us each, a tenth of the main
+        process's time on a 200 MB corpus). Anything else goes through add(), so there is one
+        definition of the rules.
         """
         n = len(tokens)
-        if self.drop or self.split != "train" or self.fill + n >= self.shard_tokens:
+        if self.drop or self.fill + n >= self.shard_tokens:
             start = 0
             for i, end in enumerate(np.cumsum(counts).tolist()):
                 self.add(tokens[start:end], records[i], first[i], last[i])
@@ -177,7 +199,7 @@ class ShardWriter:
             return
         self.buffer[self.fill:self.fill + n] = tokens
         self.fill += n
-        self.totals["train"] += n
+        self.tokens += n
         # The bookkeeping add() keeps: the last record, and how many of its tokens are written.
         j = len(records) - 1
         while j > 0 and records[j - 1] == records[-1]:
@@ -187,24 +209,36 @@ class ShardWriter:
         self.record_written = written if first[j] else self.record_written + written
 
     def finish(self, n_records: int, totals: dict) -> None:
-        self._flush(next_record=n_records, carry=0)
+        self.flush(next_record=n_records, carry=0)
         self.manifest["group_records"] = list(self.group_records)
         self.manifest["complete"] = True
         self.manifest["totals"] = totals
         save_manifest(self.out, self.manifest)
 
-    def _flush(self, *, next_record: int, carry: int) -> None:
-        if not self.fill:
+    def flush(self, *, next_record: int, carry: int) -> None:
+        if not self.fill or self.done:
             return
         data = self.buffer[:self.fill]
-        name = shard_name(self.split, self.index[self.split])
+        name = shard_name(self.split, self.index)
         digest = hashlib.sha256(make_header(self.fill).tobytes())
         digest.update(data)
-        write_shard(self.out / name, data)
-        self.manifest["shards"].append({"file": name, "split": self.split, "tokens": int(self.fill),
-                                        "sha256": digest.hexdigest(), "next_record": next_record,
-                                        "carry_tokens": carry})
-        self.manifest["group_records"] = list(self.group_records)
-        save_manifest(self.out, self.manifest)
-        self.index[self.split] += 1
+        if self.repair:
+            self._rewrite(name, data, digest.hexdigest())
+        else:
+            write_shard(self.out / name, data)
+            self.manifest["shards"].append({"file": name, "split": self.split, "tokens": int(self.fill),
+                                            "sha256": digest.hexdigest(), "next_record": next_record,
+                                            "carry_tokens": carry})
+            self.manifest["group_records"] = list(self.group_records)
+            save_manifest(self.out, self.manifest)
+        self.index += 1
         self.fill = 0
+
+    def _rewrite(self, name: str, data: np.ndarray, sha256: str) -> None:
+        if self.index in self.repair:
+            if sha256 != self.entries[self.index]["sha256"]:
+                raise UserError(f"{self.out / name}: re-encoded from the sources, its sha256 still differs from "
+                                f"{MANIFEST} (sources edited in place, or another tokenizer version?); delete "
+                                f"{self.out} and rerun to start over")
+            write_shard(self.out / name, data)
+        self.done = self.index >= max(self.repair)

@@ -253,14 +253,86 @@ def test_val_larger_than_a_shard_spans_several_val_shards(tmp_path, paragraphs):
     assert val_tokens[-1] != EOT_TOKEN and split_tokens(out, "train")[0] == EOT_TOKEN
 
 
-def test_default_val_tokens_is_one_percent_of_estimated_small_corpus(tmp_path, paragraphs):
-    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:2000])
+def test_default_val_budget_rule():
+    """min(10M, max(1% of E, min(16,384, 10% of E))): 1% of a large corpus, the floor for a small one,
+    at most 10% of a tiny one."""
+    from data_prep.sources import Corpus, default_val_tokens
+
+    def budget(estimated):
+        return default_val_tokens(Corpus(groups=(), description={}, estimated_tokens=estimated))[0]
+
+    assert budget(10**10) == 10_000_000
+    assert budget(5_000_000) == 50_000
+    assert budget(750_000) == 16_384  # a 3 MB corpus: 1% (7,500) was below the debug preset's 8,192
+    assert budget(1_000) == 100
+    assert budget(None) == 10_000_000
+
+
+def val_records(out: Path) -> list[int]:
+    runs = json.loads((out / "manifest.json").read_text())["val_records"]
+    return [r for a, b in runs for r in range(a, b)]
+
+
+def topic_corpus(paragraphs: list[str], topics: int = 43, per_topic: int = 60) -> list[str]:
+    """Documents sorted by topic, like fortune files concatenated into one .jsonl."""
+    return [f"topic {t}: {paragraphs[t * per_topic + i]}" for t in range(topics) for i in range(per_topic)]
+
+
+def test_default_val_is_spread_over_a_topic_sorted_corpus_and_meets_the_floor(tmp_path, paragraphs):
+    docs = topic_corpus(paragraphs, per_topic=100)
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
     out = tmp_path / "out"
-    run(dict(sources=(str(src),), out=out, shard_tokens=10**6))
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["settings"]["val_tokens"] == src.stat().st_size // 4 // 100
-    assert "1%" in manifest["val_tokens_rule"]
-    assert manifest["settings"]["val_tokens"] <= manifest["totals"]["val_tokens"]
+    run(dict(sources=(str(src),), out=out, shard_tokens=5000))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["settings"]["val_tokens"] == 16_384 and m["settings"]["val_select"] == "spread"
+    assert m["totals"]["val_tokens"] >= 16_384 > 8192  # the debug preset's --eval-tokens fits
+    assert m["totals"]["val_tokens"] < 0.15 * m["totals"]["tokens"]
+    val = val_records(out)
+    assert len({r // 100 for r in val}) >= 30, sorted({r // 100 for r in val})  # not one topic: most of them
+    # Val holds exactly those documents, train every other one, each in source order.
+    np.testing.assert_array_equal(split_tokens(out, "val"), expected_tokens([docs[r] for r in val]))
+    np.testing.assert_array_equal(split_tokens(out, "train"),
+                                  expected_tokens([d for r, d in enumerate(docs) if r not in set(val)]))
+    # The old rule on request: the first documents, so the first few topics only.
+    run(dict(sources=(str(src),), out=tmp_path / "first", shard_tokens=5000, val_select="first"))
+    first = val_records(tmp_path / "first")
+    assert first == list(range(len(first))) and len({r // 100 for r in first}) <= 4
+
+
+def test_default_val_is_the_same_for_any_workers_and_source_order(tmp_path, paragraphs):
+    docs = topic_corpus(paragraphs, topics=20, per_topic=50)
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    outs = {1: tmp_path / "w1", 2: tmp_path / "w2"}
+    for workers, out in outs.items():
+        run(dict(sources=(str(src),), out=out, shard_tokens=3000, workers=workers))
+    assert all_bytes(outs[1]) == all_bytes(outs[2])
+    assert (outs[1] / "manifest.json").read_bytes() == (outs[2] / "manifest.json").read_bytes()
+    # A content hash, not a position: the same documents in another order give the same val documents.
+    order = list(range(len(docs)))
+    random.Random(0).shuffle(order)
+    shuffled = [docs[i] for i in order]
+    write_jsonl(tmp_path / "s.jsonl", shuffled)
+    run(dict(sources=(str(tmp_path / "s.jsonl"),), out=tmp_path / "s", shard_tokens=3000))
+    assert {docs[r] for r in val_records(outs[1])} == {shuffled[r] for r in val_records(tmp_path / "s")}
+
+
+def test_default_val_of_a_tiny_corpus_leaves_most_to_train(tmp_path, paragraphs):
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:40])
+    out = tmp_path / "out"
+    run(dict(sources=(str(src),), out=out))
+    m = json.loads((out / "manifest.json").read_text())
+    assert 0 < m["totals"]["val_tokens"] and m["totals"]["train_tokens"] > 0.7 * m["totals"]["tokens"]
+
+
+def test_explicit_val_tokens_can_be_spread(tmp_path, paragraphs):
+    docs = topic_corpus(paragraphs, topics=20, per_topic=50)
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    out = tmp_path / "out"
+    run(dict(sources=(str(src),), out=out, shard_tokens=3000, val_tokens=2000, val_select="spread"))
+    val = val_records(out)
+    assert split_tokens(out, "val").size >= 2000 and len({r // 50 for r in val}) >= 5
+    with pytest.raises(UserError, match="--val-select spread needs local --source files"):
+        PrepConfig(out=tmp_path / "o", hf_dataset="json", val_select="spread")
 
 
 # ---------------------------------------------------------------------------------------------- manifest, verify
@@ -301,6 +373,43 @@ def test_verify_names_corrupted_and_truncated_shards(tmp_path, paragraphs):
     assert "train_000001.bin" in bad[0] and "sha256" in bad[0]
     assert "train_000003.bin" in bad[1] and "truncated" in bad[1]
     assert "train_000002.bin" not in proc.stderr
+
+
+def test_rerun_of_a_finished_job_rewrites_missing_and_damaged_shards(tmp_path, paragraphs, capsys):
+    """verify reported a corrupt shard and told the user to delete it and rerun; the rerun said 'nothing
+    to do' and left the shard missing. Now the rerun checks every shard and re-encodes exactly the bad ones."""
+    src = write_jsonl(tmp_path / "c.jsonl", topic_corpus(paragraphs))
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    args = ["--source", str(src), "--shard-tokens", "3000", "--workers", "1"]
+    assert main_inproc(*args, "--out", str(out), capsys=capsys)[0] == 0
+    clean, manifest = all_bytes(out), (out / "manifest.json").read_bytes()
+    assert len([n for n in clean if n.startswith("val")]) >= 4
+    (out / "train_000000.bin").unlink()
+    data = bytearray((out / "train_000001.bin").read_bytes())
+    data[HEADER_BYTES + 10] ^= 0x01  # same size: only the sha256 sees it
+    (out / "train_000001.bin").write_bytes(bytes(data))
+    (out / "val_000002.bin").write_bytes((out / "val_000002.bin").read_bytes()[:-2])
+    rc, _, err = main_inproc("verify", str(out), capsys=capsys)
+    assert rc == 1 and "rerun the data_prep command that wrote this directory" in err
+    untouched = {p.name: p.stat().st_mtime_ns for p in out.glob("*.bin")
+                 if p.name not in ("train_000001.bin", "val_000002.bin")}
+    rc, stdout, err = main_inproc(*args, "--out", str(out), capsys=capsys)
+    assert rc == 0, err
+    line = err.strip()
+    assert line.startswith("val_000002.bin was damaged (") and "train_000000.bin was missing" in line
+    assert "train_000001.bin was damaged (sha256 differs from the manifest)" in line
+    assert line.endswith(f"re-encoding them from the sources into {out}") and "\n" not in line
+    assert stdout.startswith(f"repaired {out}: rewrote val_000002.bin, train_000000.bin, train_000001.bin")
+    assert all_bytes(out) == clean and (out / "manifest.json").read_bytes() == manifest
+    assert {n: (out / n).stat().st_mtime_ns for n in untouched} == untouched  # only the bad ones rewritten
+    assert main_inproc("verify", str(out), capsys=capsys)[0] == 0
+    # ...and what an uninterrupted run writes elsewhere.
+    assert main_inproc(*args, "--out", str(fresh), capsys=capsys)[0] == 0
+    assert all_bytes(fresh) == clean
+    m_out, m_fresh = (json.loads((d / "manifest.json").read_text()) for d in (out, fresh))
+    assert m_out["shards"] == m_fresh["shards"] and m_out["val_records"] == m_fresh["val_records"]
+    assert m_out["totals"] == m_fresh["totals"] and m_out["fingerprint"] == m_fresh["fingerprint"]
+    assert "nothing to do" in main_inproc(*args, "--out", str(out), capsys=capsys)[1]
 
 
 # ---------------------------------------------------------------------------------------------- restart
@@ -698,7 +807,7 @@ def test_writer_add_batch_equals_piece_by_piece_add(tmp_path):
     def run(out: Path, batched: bool) -> dict:
         out.mkdir()
         manifest = new_manifest({"files": []}, {}, "test")
-        w = ShardWriter(out, manifest, shard_tokens=251, val_tokens=500, group_records=[])
+        w = ShardWriter(out, manifest, split="train", shard_tokens=251, group_records=[])
         for tokens, counts, records, first, last in batches:
             if batched:
                 w.add_batch(tokens, counts, records, first, last)
