@@ -33,7 +33,7 @@ def prepare_by_paragraph(corpus: Path, out: Path, prog: str, *, val_tokens: int 
     """Shards of the corpus, one document per paragraph, the first val_tokens as val (data_prep's own
     one-line error and exit 2 if it refuses the file)."""
     done = subprocess.run([sys.executable, "-m", "data_prep", "--source", str(corpus), "--out", str(out),
-                           "--txt-sample-by", "paragraph", "--val-tokens", str(val_tokens), "--workers", "1",
+                           "--txt-sample-by", "paragraph", "--val-tokens", str(val_tokens), "--val-select", "first", "--workers", "1",
                            "--no-progress"], cwd=REPO, capture_output=True, text=True)
     if done.returncode:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]

@@ -39,6 +39,6 @@ with open(tmp, "w") as f:
 os.replace(tmp, sys.argv[1])
 PY
 fi
-"$PYTHON" -m data_prep --source "$DATA_DIR/pydoc_topics.jsonl" --out "$DATA_DIR/shards" --val-tokens 10000
+"$PYTHON" -m data_prep --source "$DATA_DIR/pydoc_topics.jsonl" --out "$DATA_DIR/shards"
 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_ddp.py --preset debug \
     --data-dir "$DATA_DIR/shards" --out-dir "$RUN_DIR" --device cpu "$@"
