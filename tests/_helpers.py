@@ -400,3 +400,35 @@ def no_space_after(n_bytes: int):
         return real(self, data)
 
     return write
+
+
+# ---- the documentation: README.md, the guide, and docs/*.md, the reference --------------------------
+
+def guide_pages() -> list[Path]:
+    """README.md, then every docs/*.md page (sorted): the documentation whose commands tests read."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def guide_text() -> str:
+    """README.md and every docs/ page, one after the other."""
+    return "\n".join(page.read_text() for page in guide_pages())
+
+
+def guide_section(page: str, heading: str) -> str:
+    """The `## heading` section of one page (README.md or docs/NAME.md), up to the next `## `."""
+    text = (REPO / page).read_text()
+    return text.split(f"\n## {heading}", 1)[1].split("\n## ", 1)[0]
+
+
+def guide_commands() -> list[list[str]]:
+    """Every command of the documentation's ```bash blocks, continuation lines joined and comments dropped."""
+    import re
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", guide_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(words)
+    return commands

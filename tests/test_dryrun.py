@@ -1,6 +1,6 @@
 """train_ddp.py --dry-run (gpt2/train/dryrun.py), and the rehearsal of every documented training command.
 
-The commands are read from README.md and slurm/*.sbatch as they stand (never a copy of them), and
+The commands are read from README.md, docs/*.md and slurm/*.sbatch as they stand (never a copy of them), and
 each is rehearsed in-process with --dry-run at several world sizes on the planner's GPUs: it exits 0,
 or 2 with one line a user can act on.
 """
@@ -78,8 +78,12 @@ def shell_words(line: str) -> list[str]:
 
 def readme_commands() -> list[dict]:
     """{'kind': 'train', 'launcher': [...], 'args': [...]} or {'kind': 'sbatch', 'script': name, 'args': [...]}
-    for every `python|torchrun ... train_ddp.py ARGS` and `sbatch ... slurm/X.sbatch ARGS` in README.md."""
-    return commands_in(logical_lines((REPO / "README.md").read_text(), markdown=True), "README.md")
+    for every `python|torchrun ... train_ddp.py ARGS` and `sbatch ... slurm/X.sbatch ARGS` in README.md and
+    docs/*.md."""
+    from _helpers import guide_pages
+
+    return [c for page in guide_pages()
+            for c in commands_in(logical_lines(page.read_text(), markdown=True), str(page.relative_to(REPO)))]
 
 
 def commands_in(lines: list[str], source: str) -> list[dict]:

@@ -1,5 +1,6 @@
-"""README's commands agree with each other and with the scripts they describe: read from the files
-themselves, so that an edit to one without the other fails here."""
+"""The documentation's commands (README.md and docs/*.md) agree with each other and with the scripts they
+describe: read from the files themselves, so that an edit to one without the other fails here. README
+stays a guide read in one sitting, and every link in the documentation resolves."""
 
 from __future__ import annotations
 
@@ -8,19 +9,15 @@ import shlex
 import sys
 from pathlib import Path
 
+from _helpers import guide_commands, guide_pages
+
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 
 
 def readme_commands() -> list[list[str]]:
-    """Every command of README's ```bash blocks, continuation lines joined and comments dropped."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words:
-                commands.append(words)
-    return commands
+    """Every command of the documentation's ```bash blocks (README.md and docs/*.md)."""
+    return guide_commands()
 
 
 def flag_values(words: list[str], flag: str) -> list[str]:
@@ -43,7 +40,7 @@ def test_every_data_dir_in_readme_is_prepared_by_a_readme_command():
     assert {"data/shakespeare", "data/fineweb10B"} <= prepared  # the names the training commands use
     assert len(used) >= 8  # the training, SLURM and eval commands were found
     unprepared = [(d, cmd) for d, cmd in used if d not in prepared and not is_placeholder(d)]
-    assert unprepared == [], f"README trains on directories it never prepares: {unprepared}"
+    assert unprepared == [], f"the docs train on directories it never prepares: {unprepared}"
 
 
 def test_the_quick_start_environment_draws_the_loss_curve():
@@ -68,3 +65,57 @@ def test_install_gives_the_cpu_build_of_torch():
     pip = [w for w in readme_commands() if w[:3] == ["pip", "install", "torch==2.13.0"]]
     assert pip and flag_values(pip[0], "--index-url") == ["https://download.pytorch.org/whl/cpu"]
     assert "--index-url https://download.pytorch.org/whl/cpu" in install
+
+
+def test_readme_is_a_guide_read_in_one_sitting():
+    """At most 300 lines; outside code blocks no line over 110 characters."""
+    lines = README.splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines: move reference material to docs/"
+    long, in_code = [], False
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and len(line) > 110:
+            long.append((number, len(line)))
+    assert long == [], f"README.md lines over 110 characters (line, length): {long}"
+
+
+def test_readme_says_to_activate_the_environment_right_after_the_first_commands():
+    """Every later command is a bare python/torchrun: without the activate line they miss the packages."""
+    first = README.split("## First commands", 1)[1].split("\n## ", 1)[0]
+    assert "bash scripts/quickstart.sh" in first and "bash scripts/setup.sh dev" in first
+    assert "source .venv/bin/activate" in first
+    assert first.index("bash scripts/quickstart.sh") < first.index("source .venv/bin/activate")
+
+
+def test_readme_links_every_docs_page():
+    pages = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))
+    assert pages, "docs/ has no pages"
+    linked = set(re.findall(r"\]\(([^)#\s]+)", README))
+    assert [p for p in pages if p not in linked] == []
+
+
+def test_every_relative_link_in_the_documentation_resolves():
+    broken = []
+    for page in [*guide_pages(), REPO / "bench" / "README.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path = target.split("#", 1)[0]
+            if not path or re.match(r"[a-z]+:", path):  # an anchor in the page itself, or a URL
+                continue
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert broken == []
+
+
+def test_every_preset_has_a_command_in_the_readme():
+    try:
+        from gpt2.core.config import MODEL_PRESETS
+    except ImportError:  # the flat layout, before gpt2/core/
+        from gpt2.config import MODEL_PRESETS
+
+    presets = {words[words.index("--preset") + 1] for words in readme_commands()
+               if "--preset" in words and "train_ddp.py" in words and words[0] != "sbatch"}
+    readme_presets = set()
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        readme_presets |= set(re.findall(r"--preset ([\w-]+)", block))
+    assert sorted(MODEL_PRESETS) == sorted(readme_presets & presets)

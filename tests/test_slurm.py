@@ -89,7 +89,8 @@ def script_lead_and_grace(script: Path) -> tuple[int, int]:
 
 
 def readme_slurm_section() -> str:
-    text = (REPO / "README.md").read_text()
+    """The SLURM section of the documentation (docs/multinode.md)."""
+    text = (REPO / "docs" / "multinode.md").read_text()
     return text[text.index("\n## SLURM\n"):text.index("\n## ", text.index("\n## SLURM\n") + 1)]
 
 
