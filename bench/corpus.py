@@ -1,8 +1,8 @@
 """The text corpus of the benchmarks that train or tokenize: --corpus PATH, checked before any work.
 
 The default is ../shared/data/tinyshakespeare.txt beside the repository (Karpathy's char-rnn
-tinyshakespeare input.txt, public domain; README, "Preparing data", says where to get it). Any UTF-8
-.txt file works: the numbers in README are for tinyshakespeare.
+tinyshakespeare input.txt, public domain; docs/data.md says where to get it). Any UTF-8
+.txt file works: the numbers in the docs are for tinyshakespeare.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def add_corpus_flag(ap: argparse.ArgumentParser) -> None:
 def require_corpus(path: Path, prog: str) -> None:
     """One line and exit 2 when the corpus is missing: before any measurement, never a traceback."""
     if not path.is_file():
-        print(f"{prog}: error: corpus {path} not found: pass --corpus PATH (any UTF-8 .txt file; README, "
-              f"'Preparing data', says where to get tinyshakespeare)", file=sys.stderr)
+        print(f"{prog}: error: corpus {path} not found: pass --corpus PATH (any UTF-8 .txt file; "
+              f"docs/data.md says where to get tinyshakespeare)", file=sys.stderr)
         sys.exit(2)
 
 

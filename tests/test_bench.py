@@ -178,7 +178,7 @@ def test_a_bench_without_its_corpus_says_so_in_one_line_and_exits_2(tmp_path, sc
     assert done.returncode == 2, done.stderr
     name = Path(script).name
     assert done.stderr.splitlines() == [f"{name}: error: corpus {missing} not found: pass --corpus PATH (any "
-                                        "UTF-8 .txt file; README, 'Preparing data', says where to get tinyshakespeare)"]
+                                        "UTF-8 .txt file; docs/data.md says where to get tinyshakespeare)"]
     assert done.stdout == ""
     help_text = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
                                timeout=120).stdout

@@ -38,7 +38,7 @@ from gpt2.core.atomic import atomic_write_bytes
 from gpt2.dist.group import Dist, all_gather_object, broadcast_object
 
 SHARED_DIR_HINT = ("Every rank must see the same run directory: put --out-dir on a filesystem every node "
-                   "mounts (README: \"Several nodes\"), or start fresh with --resume never")
+                   "mounts (docs/multinode.md), or start fresh with --resume never")
 
 
 @dataclass(frozen=True)

@@ -433,7 +433,7 @@ TRAIN_PRESETS: dict[str, dict] = {
     # nanoGPT's small Shakespeare model and batch (16 x 64 tokens), with a recipe made to reach nanoGPT's
     # 200-step val loss sooner: Muon on the block matrices, AdamW's part at 4e-3, a 5-step warmup, the
     # recipe's cosine to step 200. `python bench/time_to_loss.py` adds them one at a time (its ablation;
-    # README, "Planning and performance", says how far each got); a 100-step horizon and warmup-stable-
+    # docs/performance.md says how far each got); a 100-step horizon and warmup-stable-
     # decay (--decay-steps) were tried on top and left out: no fewer steps to the target.
     "speed": dict(micro_batch_size=16, total_batch_size=1024, optimizer="muon", lr=4e-3, min_lr=4e-4,
                   warmup_steps=5, max_steps=200, dtype="float32", compile=False,

@@ -15,7 +15,7 @@ Two data orders (--data-order):
       batch come from all over the corpus, as nanoGPT's random windows do, but without
       replacement. Real corpora are ordered (books, code by path, Wikipedia by title): a batch of
       contiguous text comes from one or two documents and step after step walks the corpus in
-      order, which learns measurably worse per token (README, bench/data_order.py).
+      order, which learns measurably worse per token (bench/data_order.py, bench/README.md).
   sequential: the stream of the shards concatenated, their order reshuffled each epoch, read in
       order: consecutive windows. For corpora that are shuffled already (FineWeb), and the order
       checkpoints written before data orders existed resume with.

@@ -10,7 +10,7 @@ from gpt2.core.config import ModelConfig, param_count
 from gpt2.plan.memory import optimizer_bytes
 
 WRITE_BYTES_PER_S = 1e9
-"""The write speed the SLURM stop budget assumes (README, "SLURM"): 1 GB/s, a parallel filesystem's
+"""The write speed the SLURM stop budget assumes (docs/multinode.md, SLURM): 1 GB/s, a parallel filesystem's
 share for one writer; measure yours (bench/checkpoint_stall.py prints it) and pass --write-gb-s."""
 STOP_MARGIN_S = 30
 """Start-up of the save, the processes' exit and torchrun's own handling, on top of step and writes."""
