@@ -19,6 +19,7 @@ from gpt2.core.atomic import atomic_write_bytes, atomic_write_text
 from gpt2.model.gpt import GPT
 from gpt2.model.hf import MissingExtraError, save_hf_dir
 from gpt2.model.tokenizer import gpt2_bpe_files
+from gpt2.train.cli import OneLineParser
 
 # Our BPE file names -> the names GPT2Tokenizer reads (same bytes: merges.txt keeps the version line).
 HF_TOKENIZER_FILES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
@@ -56,8 +57,8 @@ def write_tokenizer_files(out: Path, bpe: dict[str, bytes]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gpt2.export", allow_abbrev=False,
-                                     description="Write a checkpoint as a Hugging Face GPT2LMHeadModel directory.")
+    parser = OneLineParser(prog="python -m gpt2.export", allow_abbrev=False,
+                           description="Write a checkpoint as a Hugging Face GPT2LMHeadModel directory.")
     parser.add_argument("--checkpoint", required=True, help="step_*.pt file or run directory (newest valid checkpoint)")
     parser.add_argument("--out", required=True, help="directory to write (created; existing export files replaced)")
     return parser

@@ -29,6 +29,7 @@ from gpt2.core import precision
 from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 from gpt2.model.gpt import GPT, TOP_K, unwrap
 from gpt2.model.tokenizer import encode_prompt, get_encoding
+from gpt2.train.cli import OneLineParser
 
 
 def autocast(dtype: str, device: torch.device):
@@ -130,8 +131,8 @@ def _sampling_problems(num_samples, max_new_tokens, temperature, top_k) -> list[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gpt2.sample", allow_abbrev=False,
-                                     description="Sample text from a checkpoint or a Hugging Face GPT-2 directory.")
+    parser = OneLineParser(prog="python -m gpt2.sample", allow_abbrev=False,
+                           description="Sample text from a checkpoint or a Hugging Face GPT-2 directory.")
     parser.add_argument("--checkpoint", required=True,
                         help="step_*.pt file, run directory (newest valid checkpoint), or Hugging Face directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: start from <|endoftext|>)")

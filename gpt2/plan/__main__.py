@@ -22,11 +22,12 @@ from gpt2.plan.budget import WRITE_BYTES_PER_S
 from gpt2.plan.hardware import GPUS, custom_hardware
 from gpt2.plan.planner import Plan, check_fits, plan_run
 from gpt2.plan.report import format_plan, format_stop
+from gpt2.train.cli import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m gpt2.plan", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="python -m gpt2.plan", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="gpt2", choices=sorted(MODEL_PRESETS))
     for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, help="override the preset's " + name)
