@@ -414,6 +414,23 @@ def test_a_held_run_directory_is_a_warning_and_the_rehearsal_takes_no_lock(train
     assert code == 0 and "in use by another training run" not in out + err
 
 
+def test_a_world_size_that_is_no_whole_number_of_8_gpu_nodes_is_refused_with_the_choices(train_ddp, data_dir,
+                                                                                         tmp_path, capsys):
+    """--world-size 12 used to become "3 node(s) x 4" although 8 per node is the default: now one line says
+    why not and how to choose; a smaller world is one node, and --nproc-per-node decides the layout."""
+    base = ["--preset", "gpt2", "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "run"), "--gpu", "A100-40GB",
+            "--total-batch-size", str(12 * 1024 * 40)]  # divisible by 12 and 6 ranks
+    code, out, err = dry(train_ddp, [*base, "--world-size", "12"], capsys)
+    assert code == 2 and "node(s)" not in out
+    assert err == ("train_ddp.py: error: --world-size 12 is not a whole number of 8-GPU nodes (the default ranks per "
+                   "node): pass --nproc-per-node 6 (2 nodes) or --nproc-per-node 4 (3 nodes), or --world-size 8 or "
+                   "16\n")
+    code, out, err = dry(train_ddp, [*base, "--world-size", "12", "--nproc-per-node", "6"], capsys)
+    assert code == 0 and "12 rank(s) = 2 node(s) x 6" in out, err
+    code, out, err = dry(train_ddp, [*base, "--world-size", "6"], capsys)
+    assert code == 0 and "6 rank(s) = 1 node(s) x 6" in out, err
+
+
 def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path, capsys):
     """`python -m gpt2.plan --preset gpt2 --gpu X --world-size W` prints the plan the dry run (and a real
     run's start-up) prints: the preset's 524,288-token batch and auto micro-batch, not a default of its own."""

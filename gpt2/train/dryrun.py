@@ -22,7 +22,6 @@ once that run ends (a requeue being planned while its job still runs), so it sti
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -111,8 +110,10 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
 
 
 def nodes_layout(r: Rehearsal, world: int, info) -> int:
-    """Ranks per node: --nproc-per-node, else torchrun's (this launch), else 8 per GPU node (or as many
-    as divide the world size), else all on this machine."""
+    """Ranks per node: --nproc-per-node, else torchrun's (this launch), else for a hypothetical GPU 8 per
+    node (fewer ranks: one node of them; a world size that is not a whole number of 8-GPU nodes is
+    refused with the --nproc-per-node values that would divide it, never quietly laid out otherwise),
+    else all on this machine."""
     if r.nproc_per_node is not None:
         if world % r.nproc_per_node:
             raise ValueError(f"--world-size {world} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
@@ -120,7 +121,15 @@ def nodes_layout(r: Rehearsal, world: int, info) -> int:
         return r.nproc_per_node
     if r.world_size is None:
         return info.local_world_size
-    return math.gcd(world, GPUS_PER_NODE) if r.hypothetical_gpu else world
+    if not r.hypothetical_gpu or world <= GPUS_PER_NODE:
+        return world
+    if world % GPUS_PER_NODE:
+        fits = [k for k in range(GPUS_PER_NODE - 1, 0, -1) if world % k == 0][:2]
+        choices = " or ".join(f"--nproc-per-node {k} ({world // k} nodes)" for k in fits)
+        near = (world // GPUS_PER_NODE) * GPUS_PER_NODE
+        raise ValueError(f"--world-size {world} is not a whole number of {GPUS_PER_NODE}-GPU nodes (the default "
+                         f"ranks per node): pass {choices}, or --world-size {near} or {near + GPUS_PER_NODE}")
+    return GPUS_PER_NODE
 
 
 def choose_precision(cfg: RunConfig, r: Rehearsal,
