@@ -39,7 +39,7 @@ from gpt2.dist.group import Dist, resolve_device, world_from_env
 from gpt2.plan.flops import device_peak_flops
 from gpt2.plan.hardware import GIB, Hardware, custom_hardware, device_hardware, gpu_native_bf16
 from gpt2.train.cli import Rehearsal
-from gpt2.train.startup import auto_loss_impl, auto_micro_batch, check_data, check_plan, log_auto
+from gpt2.train.startup import auto_loss_impl, auto_micro_batch, check_data, check_plan, log_auto, log_epochs
 from gpt2.train.state import check_compatible
 
 GPUS_PER_NODE = 8
@@ -80,6 +80,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     if train_shards is not None:  # what rank 0 of a real run reads before its first step
         out("data       " + verify_shards(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})},
                                           tc.verify_data))
+        log_epochs(cfg, train_shards.total_tokens, log)
     hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
     mb = auto_micro_batch(cfg, prec.dtype, hardware, world)
     loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, world, device)
