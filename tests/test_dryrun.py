@@ -464,7 +464,8 @@ def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path
 
     for gpu, world in (("A100-40GB", 1), ("RTX4090-24GB", 8), ("H100-80GB", 64)):
         assert plan_main(["--preset", "gpt2", "--gpu", gpu, "--world-size", str(world)]) == 0
-        planned = capsys.readouterr().out.strip()
+        first, planned = capsys.readouterr().out.strip().split("\n", 1)
+        assert first == f"plan for   {world} x {gpu} (--gpu)"  # the CLI's own line: what the plan is for
         code, out, err = dry(train_ddp, ["--preset", "gpt2", "--data-dir", str(data_dir), "--out-dir",
                                          str(tmp_path / "run"), "--world-size", str(world), "--gpu", gpu], capsys)
         assert code == 0, err

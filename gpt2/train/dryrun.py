@@ -139,7 +139,8 @@ def choose_precision(cfg: RunConfig, r: Rehearsal,
     and the device in words."""
     if not r.hypothetical_gpu:
         device = resolve_device(cfg.train.device, local_rank)  # the real run's first check, same error
-        return precision.resolve(cfg.train.dtype, device), device, f"{device} (this machine)"
+        return (precision.resolve(cfg.train.dtype, device), device,
+                f"{device} (this machine; --gpu NAME rehearses on a GPU of python -m gpt2.plan's table)")
     if cfg.train.device == "cpu":
         raise ValueError("--gpu/--gpu-memory-gb rehearse a CUDA run, but --device cpu asks for the CPU: drop one")
     name = r.gpu or f"a custom GPU ({r.gpu_memory_gb:g} GiB)"
