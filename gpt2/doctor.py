@@ -79,6 +79,7 @@ from gpt2.tools.doctor_runs import (
 )
 from gpt2.tools.ladder import DOC_A100_TOKENS_PER_S, LADDER, initial_peaks, run_ladder, without_bf16
 from gpt2.tools.sdpa_probe import first_line, probe
+from gpt2.train.cli import OneLineParser
 
 
 @dataclass(frozen=True)
@@ -647,9 +648,9 @@ def report_json(sections: list[Section], *, device: torch.device, argv: list[str
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m gpt2.doctor", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 2)[2])
+    ap = OneLineParser(prog="python -m gpt2.doctor", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=__doc__.split("\n\n", 2)[2])
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="auto: CUDA when present (then every local GPU), else the CPU at a tiny shape")
     ap.add_argument("--out", type=Path, help="write DIR/doctor.json, DIR/doctor.txt and keep the runs in DIR/work")

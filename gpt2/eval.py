@@ -22,6 +22,7 @@ from gpt2.core import precision
 from gpt2.data.hellaswag import HELLASWAG_URL, default_data_path, prepare_hellaswag
 from gpt2.dist.group import Dist, broadcast_object
 from gpt2.model.gpt import GPT, unwrap
+from gpt2.train.cli import OneLineParser
 from gpt2.train.scoring import hellaswag_eval, loader_loss
 
 
@@ -57,8 +58,8 @@ def val_shards_loss(model: GPT, data_dir: str | Path, dist: Dist, *, eval_tokens
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gpt2.eval", allow_abbrev=False,
-                                     description="Evaluate a checkpoint or Hugging Face GPT-2 directory.")
+    parser = OneLineParser(prog="python -m gpt2.eval", allow_abbrev=False,
+                           description="Evaluate a checkpoint or Hugging Face GPT-2 directory.")
     sub = parser.add_subparsers(dest="task", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--checkpoint", required=True,

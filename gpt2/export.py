@@ -17,8 +17,9 @@ from pathlib import Path
 from gpt2.ckpt.load import load_any
 from gpt2.core.atomic import atomic_write_bytes, atomic_write_text
 from gpt2.model.gpt import GPT
-from gpt2.model.hf import save_hf_dir
+from gpt2.model.hf import MissingExtraError, save_hf_dir
 from gpt2.model.tokenizer import gpt2_bpe_files
+from gpt2.train.cli import OneLineParser
 
 # Our BPE file names -> the names GPT2Tokenizer reads (same bytes: merges.txt keeps the version line).
 HF_TOKENIZER_FILES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
@@ -56,8 +57,8 @@ def write_tokenizer_files(out: Path, bpe: dict[str, bytes]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gpt2.export", allow_abbrev=False,
-                                     description="Write a checkpoint as a Hugging Face GPT2LMHeadModel directory.")
+    parser = OneLineParser(prog="python -m gpt2.export", allow_abbrev=False,
+                           description="Write a checkpoint as a Hugging Face GPT2LMHeadModel directory.")
     parser.add_argument("--checkpoint", required=True, help="step_*.pt file or run directory (newest valid checkpoint)")
     parser.add_argument("--out", required=True, help="directory to write (created; existing export files replaced)")
     return parser
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, info = load_any(args.checkpoint, "cpu")
         out = export(model, args.out)
-    except ValueError as e:
+    except (ValueError, MissingExtraError) as e:  # a missing [hf] extra too: one line with the pip command
         print(f"gpt2.export: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a read-only --out: the system's word and the file, in one line

@@ -5,14 +5,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from gpt2.train.cli import OneLineParser
 from gpt2.train.metrics import plot_loss_curve
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m gpt2.metrics RUN`: (re)draw RUN/loss_curve.png from RUN/metrics.jsonl, e.g. mid-run."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m gpt2.metrics", description=main.__doc__)
+    parser = OneLineParser(prog="python -m gpt2.metrics", description=main.__doc__)
     parser.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     parser.add_argument("--out", default=None, help="PNG path (default RUN/loss_curve.png)")
     args = parser.parse_args(argv)

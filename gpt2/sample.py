@@ -8,6 +8,9 @@ A prompt longer than the model's block_size is an error, not a silent truncation
 not see the start of the text the user wrote. Generation itself may run past block_size (the
 context window slides over the last block_size tokens, as GPT.generate does).
 
+A sample ends at the first <|endoftext|> (token 50256) it draws, as the model's text does: the token
+is not printed, and generation stops there rather than running on to --max-new-tokens.
+
 Samples are drawn one after another from one seeded generator, so the CLI and `sample()` print
 the same text for the same seed.
 """
@@ -23,9 +26,10 @@ import torch
 from torch import Tensor
 
 from gpt2.core import precision
-from gpt2.core.config import GPT2_VOCAB_SIZE
+from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 from gpt2.model.gpt import GPT, TOP_K, unwrap
 from gpt2.model.tokenizer import encode_prompt, get_encoding
+from gpt2.train.cli import OneLineParser
 
 
 def autocast(dtype: str, device: torch.device):
@@ -36,13 +40,14 @@ def autocast(dtype: str, device: torch.device):
 @torch.no_grad()
 def stream_tokens(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float,
                   top_k: int | None, generator: torch.Generator | None) -> Iterator[Tensor]:
-    """Yield each new (B,) token as GPT.generate would append it (same tokens for the same RNG).
+    """Yield each new (B,) token as GPT.generate would append it (same tokens for the same RNG), up to
+    and including the end-of-text token once every row has drawn it (a row that ended repeats it).
 
     GPT.generate returns only when done; GPT.generate_stream is the same KV-cache loop as a
     generator, so text can be shown while the model works.
     """
     for next_tok in unwrap(model).generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                                  generator=generator):
+                                                  generator=generator, stop_token=EOT_TOKEN):
         yield next_tok[:, 0]
 
 
@@ -71,7 +76,8 @@ class TextStream:
 def sample(model: GPT, prompt: str = "", *, num_samples: int = 1, max_new_tokens: int = 100,
            temperature: float = 1.0, top_k: int | None = TOP_K, seed: int = 1337, dtype: str = "auto",
            on_text: Callable[[int, str], None] | None = None) -> list[str]:
-    """Generate num_samples continuations of prompt; return their text (without the prompt).
+    """Generate num_samples continuations of prompt; return their text (without the prompt), each
+    ending before its first <|endoftext|>.
 
     temperature=0 is greedy. For streaming, on_text(i, piece) is called with "" when sample i
     starts and then with each piece of its text as it is decoded. Runs on the model's device; the
@@ -97,6 +103,8 @@ def sample(model: GPT, prompt: str = "", *, num_samples: int = 1, max_new_tokens
                 tokens = stream_tokens(model, idx, max_new_tokens, temperature=temperature, top_k=top_k,
                                        generator=generator)
                 for tok in tokens:
+                    if int(tok) == EOT_TOKEN:  # the sample's end: not shown as text
+                        break
                     pieces.append(stream.push(int(tok)))
                     if on_text is not None and pieces[-1]:
                         on_text(i, pieces[-1])
@@ -123,8 +131,8 @@ def _sampling_problems(num_samples, max_new_tokens, temperature, top_k) -> list[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gpt2.sample", allow_abbrev=False,
-                                     description="Sample text from a checkpoint or a Hugging Face GPT-2 directory.")
+    parser = OneLineParser(prog="python -m gpt2.sample", allow_abbrev=False,
+                           description="Sample text from a checkpoint or a Hugging Face GPT-2 directory.")
     parser.add_argument("--checkpoint", required=True,
                         help="step_*.pt file, run directory (newest valid checkpoint), or Hugging Face directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: start from <|endoftext|>)")
@@ -142,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from gpt2.ckpt.load import load_any
     from gpt2.dist.group import resolve_device
+    from gpt2.model.hf import MissingExtraError
 
     args = build_parser().parse_args(argv)
     top_k = args.top_k or None
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device, 0)
         model, info = load_any(args.checkpoint, device)
         encode_prompt(args.prompt, model.config.block_size)
-    except ValueError as e:
+    except (ValueError, MissingExtraError) as e:  # MissingExtraError: a Hugging Face directory without safetensors
         print(f"gpt2.sample: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     step = f" step {info['step']}" if "step" in info else ""

@@ -55,7 +55,7 @@ def test_every_field_is_a_kebab_case_flag():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--no-such-flag", "1"], "unrecognized arguments"),
+    (["--no-such-flag", "1"], "unrecognized argument --no-such-flag"),
     (["--n-head", "5"], "not divisible by n_head"),
     (["--compile", "maybe"], "expected true or false"),
     (["--dtype", "float8"], "dtype='float8'"),
@@ -90,6 +90,46 @@ def test_non_finite_values_in_a_config_file_and_rehearsal_flags_are_refused(tmp_
     with pytest.raises(SystemExit):
         parse_command(BASE + ["--dry-run", "--gpu-memory-gb", "inf"])
     assert "--gpu-memory-gb inf must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_a_mistyped_flag_is_one_line_with_the_flag_meant(tmp_path):
+    """Not 26 lines of usage before the error: the one line, and the flag the user probably meant."""
+    run = subprocess.run([sys.executable, "train_ddp.py", "--max_steps", "10"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr == "train_ddp.py: error: unrecognized argument --max_steps; did you mean --max-steps?\n"
+
+
+@pytest.mark.parametrize("argv, err", [
+    (["--max-step=3"], "unrecognized argument --max-step; did you mean --max-steps?"),
+    (["--warmup_steps", "3", "--zzz"], "unrecognized argument --warmup_steps; did you mean --warmup-steps?; "
+                                       "unrecognized argument --zzz"),
+    (["--zzz"], "unrecognized argument --zzz; --help lists the flags"),
+    (["--max-steps", "x"], "argument --max-steps: invalid int value: 'x'"),  # argparse's own errors: one line too
+])
+def test_parser_errors_are_one_line_without_the_usage(argv, err, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(BASE + argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"train_ddp.py: error: {err}\n"
+
+
+def test_the_tools_parsers_say_the_same_in_one_line(capsys):
+    from gpt2 import doctor, eval, export, sample
+    from gpt2.plan.__main__ import main as plan_main
+
+    for name, main, argv, err in (
+            ("gpt2.sample", sample.main, ["--checkpoint", "x", "--max_new_tokens", "3"], "did you mean --max-new-tokens?"),
+            ("gpt2.export", export.main, ["--checkpoint", "x", "--out", "y", "--ouy", "z"], "did you mean --out?"),
+            ("gpt2.eval", eval.main, ["loss", "--checkpoint", "x", "--data-dir", "d", "--eval_tokens", "3"],
+             "did you mean --eval-tokens?"),
+            ("gpt2.plan", plan_main, ["--world_size", "8"], "did you mean --world-size?"),
+            ("gpt2.doctor", doctor.main, ["--skipp", "x"], "did you mean --skip?")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        lines = capsys.readouterr().err.splitlines()
+        assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"{name}: error: unrecognized argument")
+        assert lines[0].endswith(err), lines
 
 
 def test_required_dirs(capsys):

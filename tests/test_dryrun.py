@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _helpers import import_train_ddp
+from _helpers import import_train_ddp, tiny_run_flags
 from conftest import REPO
 
 from gpt2.data.shards import write_shard
@@ -418,6 +418,49 @@ def test_a_held_run_directory_is_a_warning_and_the_rehearsal_takes_no_lock(train
     assert code == 0 and "in use by another training run" not in out + err
 
 
+def test_dry_run_and_start_up_count_the_epochs_and_warn_when_many(train_ddp, tmp_path, capsys):
+    """--preset gpt2 over a 693,489-token corpus planned ~14,400 epochs and said `dry run OK`: the epochs are
+    a line of the dry run and of a real start-up, and more than 10 are a warning (not an error)."""
+    from gpt2.train.startup import MANY_EPOCHS
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    write_shard(data / "train_000000.bin", rng.integers(0, 50257, 600, dtype=np.uint16))
+    write_shard(data / "val_000000.bin", rng.integers(0, 50257, 600, dtype=np.uint16))
+    argv = [*tiny_run_flags(data, max_steps=12, ckpt_interval=0), "--out-dir", str(tmp_path / "run"),
+            "--device", "cpu", "--sample-interval", "0"]
+    epochs = "epochs     10.24 over the train split: 12 steps x 512 tokens = 6,144 tokens planned, the train shards hold 600"
+    warning = (f"warning: the run repeats the train split 10 times (more than {MANY_EPOCHS} epochs): the model will "
+               "memorise this corpus more than it learns; about 1 step(s) make one epoch, so pass --max-steps 10 or "
+               "fewer, or prepare more data")
+    code, out, err = dry(train_ddp, argv, capsys)
+    assert code == 0 and epochs in out.splitlines() and warning in out.splitlines(), out + err
+    assert train_ddp.main(argv) == 0  # a real start: the same line and warning, then it trains
+    captured = capsys.readouterr()
+    assert epochs in captured.out.splitlines() and warning in captured.err.splitlines(), captured
+    # a few epochs, as a fine-tune makes on purpose: the line, no warning
+    code, out, err = dry(train_ddp, [*argv, "--max-steps", "2", "--out-dir", str(tmp_path / "two")], capsys)
+    assert code == 0 and "epochs     1.71 over the train split" in out and "repeats the train split" not in out + err
+
+
+def test_a_world_size_that_is_no_whole_number_of_8_gpu_nodes_is_refused_with_the_choices(train_ddp, data_dir,
+                                                                                         tmp_path, capsys):
+    """--world-size 12 used to become "3 node(s) x 4" although 8 per node is the default: now one line says
+    why not and how to choose; a smaller world is one node, and --nproc-per-node decides the layout."""
+    base = ["--preset", "gpt2", "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "run"), "--gpu", "A100-40GB",
+            "--total-batch-size", str(12 * 1024 * 40)]  # divisible by 12 and 6 ranks
+    code, out, err = dry(train_ddp, [*base, "--world-size", "12"], capsys)
+    assert code == 2 and "node(s)" not in out
+    assert err == ("train_ddp.py: error: --world-size 12 is not a whole number of 8-GPU nodes (the default ranks per "
+                   "node): pass --nproc-per-node 6 (2 nodes) or --nproc-per-node 4 (3 nodes), or --world-size 8 or "
+                   "16\n")
+    code, out, err = dry(train_ddp, [*base, "--world-size", "12", "--nproc-per-node", "6"], capsys)
+    assert code == 0 and "12 rank(s) = 2 node(s) x 6" in out, err
+    code, out, err = dry(train_ddp, [*base, "--world-size", "6"], capsys)
+    assert code == 0 and "6 rank(s) = 1 node(s) x 6" in out, err
+
+
 def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path, capsys):
     """`python -m gpt2.plan --preset gpt2 --gpu X --world-size W` prints the plan the dry run (and a real
     run's start-up) prints: the preset's 524,288-token batch and auto micro-batch, not a default of its own."""
@@ -425,7 +468,8 @@ def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path
 
     for gpu, world in (("A100-40GB", 1), ("RTX4090-24GB", 8), ("H100-80GB", 64)):
         assert plan_main(["--preset", "gpt2", "--gpu", gpu, "--world-size", str(world)]) == 0
-        planned = capsys.readouterr().out.strip()
+        first, planned = capsys.readouterr().out.strip().split("\n", 1)
+        assert first == f"plan for   {world} x {gpu} (--gpu)"  # the CLI's own line: what the plan is for
         code, out, err = dry(train_ddp, ["--preset", "gpt2", "--data-dir", str(data_dir), "--out-dir",
                                          str(tmp_path / "run"), "--world-size", str(world), "--gpu", gpu], capsys)
         assert code == 0, err

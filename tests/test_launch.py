@@ -1,4 +1,5 @@
-"""gpt2.launch: torchrun, except that a stop signal leaves one line instead of a traceback."""
+"""gpt2.launch: torchrun, except that a stop signal leaves one line, and a failed worker a short summary,
+instead of a traceback."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ sys.exit(0 if stop else 4)
 """
 
 
-def launch(tmp_path: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OUT_DIR": str(tmp_path / "run")}  # as slurm/common.sh exports it
-    return subprocess.Popen([sys.executable, "-m", "gpt2.launch", "--standalone", "--nproc_per_node=1", *args],
+def launch(tmp_path: Path, *args: str, nproc: int = 1) -> subprocess.Popen:
+    env = {**os.environ, "OUT_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}  # as slurm/common.sh exports it
+    return subprocess.Popen([sys.executable, "-m", "gpt2.launch", "--standalone", f"--nproc_per_node={nproc}", *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -52,10 +53,37 @@ def test_sigterm_stops_the_workers_and_leaves_one_line_not_a_traceback(tmp_path)
     assert proc.returncode == EXIT_SIGNALLED == 1, err
 
 
-def test_a_failing_worker_is_reported_as_torchrun_reports_it(tmp_path):
-    (tmp_path / "fail.py").write_text("import sys; sys.exit(5)\n")
-    proc = launch(tmp_path, str(tmp_path / "fail.py"))
+def test_a_failing_worker_is_summed_up_in_a_few_lines_not_torchruns_table(tmp_path):
+    """Rank 1 fails; torchrun stops rank 0 with SIGTERM and raises ChildFailedError (a traceback and a table
+    in which rank 0 reads as a failure with exit code -15): the launcher says who failed and who was stopped."""
+    (tmp_path / "fail.py").write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    print('worker: error: rank 1 is unhappy', file=sys.stderr, flush=True)\n"
+        "    sys.exit(5)\n"
+        "time.sleep(120)\n")
+    proc = launch(tmp_path, str(tmp_path / "fail.py"), nproc=2)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1, err  # torchrun's status for any failed worker
-    assert "ChildFailedError" in err and "exitcode  : 5" in err, err
-    assert "torchrun: stopped" not in err
+    assert proc.returncode == 1, err  # torchrun's status for any failed worker: the slurm/ scripts go by it
+    assert "Traceback" not in err and "ChildFailedError" not in err and "exitcode  :" not in err, err  # not the table
+    assert [line for line in err.splitlines() if line.startswith("torchrun: ")] == [
+        "torchrun: rank 1 failed (exit code 5)",
+        "torchrun: rank 0 did not fail: torchrun stopped it (SIGTERM) when rank 1 failed",
+        "torchrun: what went wrong is in the failing rank's own output above (e.g. its 'train_ddp.py: error:' "
+        "line); exiting 1, as torchrun does"], err
+    assert err.count("worker: error: rank 1 is unhappy") == 1
+
+
+def test_a_trainer_refusing_its_flags_on_every_rank_leaves_its_line_and_a_short_summary(tmp_path):
+    """A real 2-rank train_ddp.py whose data directory does not exist: every rank exits 2, rank 0 says why.
+    The user's line is no longer line 5 of 52."""
+    proc = launch(tmp_path, str(REPO / "train_ddp.py"), "--preset", "debug", "--device", "cpu",
+                  "--data-dir", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "run"), nproc=2)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 1, err
+    errors = [line for line in err.splitlines() if line.startswith("train_ddp.py: error:")]
+    assert len(errors) == 1 and str(tmp_path / "missing") in errors[0], err
+    summary = [line for line in err.splitlines() if line.startswith("torchrun: ")]
+    assert summary[0] in ("torchrun: ranks 0, 1 failed (exit code 2)", "torchrun: rank 0 failed (exit code 2)",
+                          "torchrun: rank 1 failed (exit code 2)"), err  # whether torchrun stopped one first
+    assert "Traceback" not in err and "ChildFailedError" not in err and len(err.splitlines()) <= 15, err

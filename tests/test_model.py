@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig, count_params_formula, model_preset
-from gpt2.model.gpt import GPT, KVCache, sample_next, unwrap
+from gpt2.model.gpt import GPT, KVCache, cut_at_stop, sample_next, unwrap
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -209,6 +209,36 @@ def test_cached_generation_from_prompt_longer_than_block():
     cached = model.generate(prompt, 6, temperature=0.0, use_cache=True)
     uncached = model.generate(prompt, 6, temperature=0.0, use_cache=False)
     assert torch.equal(cached, uncached)
+
+
+EOT = 50256
+
+
+class EndsAt(GPT):
+    """A GPT whose greedy choice is token 7 until row b's ends[b]-th new token, which is EOT (50256)."""
+
+    def __init__(self, cfg: ModelConfig, ends: list[int]) -> None:
+        super().__init__(cfg)
+        self.ends, self.calls = ends, 0
+
+    def forward(self, idx, targets=None, *, kv_cache=None, return_logits=True):
+        logits, loss = super().forward(idx, targets, kv_cache=kv_cache)
+        forced = torch.full_like(logits[:, -1], -1e4)
+        for b, end in enumerate(self.ends):
+            forced[b, EOT if self.calls >= end else 7] = 0.0
+        self.calls += 1
+        return torch.cat([logits[:, :-1], forced[:, None]], dim=1), loss
+
+
+def test_generation_stops_each_row_at_its_own_end_of_text_and_all_early():
+    model = EndsAt(tiny(), ends=[1, 3])
+    out = model.generate(torch.tensor([[EOT], [EOT]]), 20, temperature=0.0, stop_token=EOT)
+    # row 0 ended after one token and stays ended; generation stops once row 1 ends too (4 steps, not 20)
+    assert out[:, 1:].tolist() == [[7, EOT, EOT, EOT], [7, 7, 7, EOT]]
+    assert [cut_at_stop(row, EOT) for row in out[:, 1:].tolist()] == [[7], [7, 7, 7]]
+    assert cut_at_stop([1, 2], EOT) == [1, 2]
+    # without stop_token the tokens run on to max_new_tokens, as before
+    assert EndsAt(tiny(), ends=[1]).generate(torch.tensor([[EOT]]), 5, temperature=0.0).size(1) == 6
 
 
 def test_generate_needs_a_prompt():

@@ -621,6 +621,22 @@ def test_auto_micro_batch_under_fsdp_fits_and_divides():
         assert b >= min(ddp, seqs)  # sharding never makes the micro-batch smaller here
 
 
+def test_plan_cli_says_in_its_first_line_which_gpu_and_that_the_default_is_not_this_machine(capsys):
+    """Without --gpu the plan is for an A100-80GB while train_ddp.py --dry-run rehearses on this machine:
+    the first line says so, and how to plan for another; with --gpu it names the choice."""
+    from gpt2.plan.__main__ import main
+
+    assert main(["--preset", "gpt2"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("plan for   1 x A100-80GB, the default --gpu, not this machine's device (--gpu NAME "
+                            "plans for another: A100-40GB, A100-80GB, H100-80GB"), first
+    assert "train_ddp.py --dry-run rehearses on this machine" in first
+    assert main(["--preset", "gpt2", "--gpu", "H100-80GB", "--world-size", "8"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "plan for   8 x H100-80GB (--gpu)"
+    assert main(["--preset", "gpt2", "--gpu-memory-gb", "24", "--gpu-peak-tflops", "100"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "plan for   1 x custom (--gpu-memory-gb)"
+
+
 def test_plan_cli_parallel_fsdp(capsys):
     from gpt2.plan.__main__ import main
 

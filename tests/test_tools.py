@@ -137,6 +137,23 @@ def test_sample_cli_streams_what_the_function_returns(run_dir):
     assert sample(model, "ROMEO:", num_samples=2, max_new_tokens=24, seed=8) != texts
 
 
+def test_sample_ends_at_the_first_end_of_text_token(monkeypatch):
+    """A sample stops at its <|endoftext|> (not printed inline as text), in sample() and the CLI's stream."""
+    from gpt2.model import gpt as gpt_module
+
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)).eval()
+    hello = encode("Hello")
+    script = iter([*hello, 50256, *hello])
+
+    def forced(logits, *, temperature, top_k, generator):
+        return torch.full((logits.size(0), 1), next(script), dtype=torch.long)
+
+    monkeypatch.setattr(gpt_module, "sample_next", forced)
+    pieces = []
+    assert sample(model, "", max_new_tokens=50, on_text=lambda i, p: pieces.append(p)) == ["Hello"]
+    assert "".join(pieces) == "Hello" and next(script) == hello[0]  # nothing was drawn after the end
+
+
 def test_sample_streams_pieces_in_order(run_dir):
     model, _ = load_any(run_dir)
     seen: dict[int, list[str]] = {}
@@ -295,6 +312,18 @@ def test_export_loads_in_transformers_with_same_logits_and_greedy_text(run_dir, 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "First Citizen:\nBefore we proceed any further, hear me speak. naïve 🙂"
     assert tok(text)["input_ids"] == encode(text)
+
+
+def test_export_without_the_hf_extra_is_one_line_naming_the_pip_command(run_dir, tmp_path):
+    """Without safetensors (the [hf] extra) export says how to install it, not a 20-line traceback."""
+    code = ("import sys; sys.modules['safetensors'] = sys.modules['safetensors.torch'] = None\n"
+            "from gpt2.export import main; sys.exit(main(sys.argv[1:]))")
+    done = run([sys.executable, "-c", code, "--checkpoint", str(run_dir), "--out", str(tmp_path / "hf")])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == ["gpt2.export: error: reading and writing Hugging Face directories needs "
+                                        "safetensors, which is not installed: pip install -e '.[hf]' in the "
+                                        "repository (or pip install safetensors)"]
+    assert not (tmp_path / "hf").exists()
 
 
 def test_export_without_the_tokenizer_files_is_refused_before_writing(run_dir, tmp_path, monkeypatch, capsys):

@@ -223,17 +223,23 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 use_cache: bool = True) -> Tensor:
-        """Append max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy."""
+                 use_cache: bool = True, stop_token: int | None = None) -> Tensor:
+        """Append up to max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy. With
+        stop_token, a row that sampled it is padded with it and generation ends once every row has:
+        cut each row at its first stop_token (cut_at_stop)."""
         new = list(self.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                        generator=generator, use_cache=use_cache))
+                                        generator=generator, use_cache=use_cache, stop_token=stop_token))
         return torch.cat([idx, *new], dim=1)
 
     @torch.no_grad()
     def generate_stream(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                         top_k: int | None = None, generator: torch.Generator | None = None,
-                        use_cache: bool = True) -> Iterator[Tensor]:
+                        use_cache: bool = True, stop_token: int | None = None) -> Iterator[Tensor]:
         """Yield each new (B, 1) token as it is sampled (so text can be shown as it comes).
+
+        stop_token (the end-of-text token 50256 for text samples): once a row has sampled it, that
+        row yields stop_token from then on, and the generator returns when every row has: a sample
+        ends where the model ended its text, and a batch stops early when all its samples have.
 
         With use_cache, keys and values are kept between steps. Positions are learned and
         absolute, so once the sequence outgrows block_size the window shifts and the cache is
@@ -243,6 +249,7 @@ class GPT(nn.Module):
             raise ValueError("generate needs at least one prompt token (e.g. the EOT token 50256)")
         block = self.config.block_size
         cache = None
+        done = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if not use_cache:
                 logits, _ = self(idx[:, -block:])
@@ -253,8 +260,13 @@ class GPT(nn.Module):
                 logits, _ = self(idx[:, -1:], kv_cache=cache)
             next_tok = sample_next(logits[:, -1, :].float(), temperature=temperature, top_k=top_k,
                                    generator=generator)
+            if stop_token is not None:
+                next_tok = next_tok.masked_fill(done, stop_token)  # an ended row stays ended
+                done |= next_tok == stop_token
             idx = torch.cat([idx, next_tok], dim=1)
             yield next_tok
+            if stop_token is not None and bool(done.all()):
+                return
 
 
     def _cache_dtype(self) -> torch.dtype:
@@ -265,6 +277,11 @@ class GPT(nn.Module):
         if torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
         return self.lm_head.weight.dtype
+
+
+def cut_at_stop(tokens: list[int], stop_token: int) -> list[int]:
+    """The tokens before the first stop_token (all of them if there is none)."""
+    return tokens[:tokens.index(stop_token)] if stop_token in tokens else tokens
 
 
 TOP_K = 200  # sampling's top-k unless told otherwise: the trainer's samples and gpt2.sample (nanoGPT's)

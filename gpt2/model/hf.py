@@ -174,12 +174,17 @@ def _check_keys(expected: dict[str, Tensor], got: dict[str, Tensor]) -> None:
                          "\n  - " + "\n  - ".join(problems[:20]))
 
 
+class MissingExtraError(ImportError):
+    """An optional extra of pyproject.toml is not installed; the message names the pip command."""
+
+
 def _safetensors():
     try:
         import safetensors.torch
     except ImportError as e:
-        raise ImportError("reading and writing Hugging Face directories needs safetensors: "
-                          "pip install 'gpt2-ddp[hf]' (or pip install safetensors)") from e
+        raise MissingExtraError("reading and writing Hugging Face directories needs safetensors, which is not "
+                                "installed: pip install -e '.[hf]' in the repository (or pip install "
+                                "safetensors)") from e
     return safetensors.torch
 
 

@@ -22,11 +22,19 @@ from gpt2.plan.budget import WRITE_BYTES_PER_S
 from gpt2.plan.hardware import GPUS, custom_hardware
 from gpt2.plan.planner import Plan, check_fits, plan_run
 from gpt2.plan.report import format_plan, format_stop
+from gpt2.train.cli import OneLineParser
+
+
+DEFAULT_GPU = "A100-80GB"
+"""What a plan is for without --gpu or --gpu-memory-gb. Not this machine's device, unlike train_ddp.py
+--dry-run (a rehearsal of this launch): plans are mostly made for a cluster from somewhere else (a
+laptop's CPU plan of GPT-2 would say nothing useful), so the default is a common training GPU, and the
+plan's first line says that it is the default and not this machine."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m gpt2.plan", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="python -m gpt2.plan", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="gpt2", choices=sorted(MODEL_PRESETS))
     for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, help="override the preset's " + name)
@@ -36,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sequences per device per micro-step (default auto, as the training presets)")
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES)
-    ap.add_argument("--gpu", default="A100-80GB", choices=list(GPUS))
+    ap.add_argument("--gpu", choices=list(GPUS),
+                    help=f"the GPU to plan for (default {DEFAULT_GPU}, whatever this machine has: the first line "
+                         "of the output says so; train_ddp.py --dry-run rehearses on this machine instead)")
     ap.add_argument("--gpu-memory-gb", type=float, help="custom device memory in GiB (overrides --gpu)")
     ap.add_argument("--gpu-peak-tflops", type=float, help="custom peak TFLOP/s in --dtype (overrides --gpu)")
     ap.add_argument("--total-batch-size", type=int,
@@ -66,10 +76,21 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         train["total_batch_size"] = args.total_batch_size
     if args.world_size < 1:
         raise ValueError(f"world_size={args.world_size} must be >= 1")
-    hw = custom_hardware(args.gpu, args.dtype, memory_gb=args.gpu_memory_gb, peak_tflops=args.gpu_peak_tflops)
+    gpu = args.gpu or (None if args.gpu_memory_gb is not None else DEFAULT_GPU)
+    hw = custom_hardware(gpu, args.dtype, memory_gb=args.gpu_memory_gb, peak_tflops=args.gpu_peak_tflops)
     tokens = None if args.tokens is None else int(args.tokens)
     return plan_run(RunConfig(cfg, TrainConfig(**train)), hw, world_size=args.world_size, tokens=tokens,
                     mfu=args.mfu)
+def planned_for(args: argparse.Namespace, p: Plan) -> str:
+    """The first line: which device the plan is for, and whether that was chosen or is the default."""
+    if args.gpu is None and args.gpu_memory_gb is None:
+        return (f"plan for   {p.world_size} x {DEFAULT_GPU}, the default --gpu, not this machine's device "
+                f"(--gpu NAME plans for another: {', '.join(GPUS)}; or --gpu-memory-gb; train_ddp.py --dry-run "
+                "rehearses on this machine)")
+    how = "--gpu-memory-gb" if args.gpu_memory_gb is not None else "--gpu"
+    return f"plan for   {p.world_size} x {p.hardware.name} ({how})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -77,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(planned_for(args, p))
     print(format_plan(p))
     print(format_stop(p, args.write_gb_s * 1e9))
     if p.memory.total > p.hardware.memory_bytes:

@@ -22,7 +22,6 @@ once that run ends (a requeue being planned while its job still runs), so it sti
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from gpt2.dist.group import Dist, resolve_device, world_from_env
 from gpt2.plan.flops import device_peak_flops
 from gpt2.plan.hardware import GIB, Hardware, custom_hardware, device_hardware, gpu_native_bf16
 from gpt2.train.cli import Rehearsal
-from gpt2.train.startup import auto_loss_impl, auto_micro_batch, check_data, check_plan, log_auto
+from gpt2.train.startup import auto_loss_impl, auto_micro_batch, check_data, check_plan, log_auto, log_epochs
 from gpt2.train.state import check_compatible
 
 GPUS_PER_NODE = 8
@@ -81,6 +80,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     if train_shards is not None:  # what rank 0 of a real run reads before its first step
         out("data       " + verify_shards(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})},
                                           tc.verify_data))
+        log_epochs(cfg, train_shards.total_tokens, log)
     hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
     mb = auto_micro_batch(cfg, prec.dtype, hardware, world)
     loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, world, device)
@@ -111,8 +111,10 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
 
 
 def nodes_layout(r: Rehearsal, world: int, info) -> int:
-    """Ranks per node: --nproc-per-node, else torchrun's (this launch), else 8 per GPU node (or as many
-    as divide the world size), else all on this machine."""
+    """Ranks per node: --nproc-per-node, else torchrun's (this launch), else for a hypothetical GPU 8 per
+    node (fewer ranks: one node of them; a world size that is not a whole number of 8-GPU nodes is
+    refused with the --nproc-per-node values that would divide it, never quietly laid out otherwise),
+    else all on this machine."""
     if r.nproc_per_node is not None:
         if world % r.nproc_per_node:
             raise ValueError(f"--world-size {world} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
@@ -120,7 +122,15 @@ def nodes_layout(r: Rehearsal, world: int, info) -> int:
         return r.nproc_per_node
     if r.world_size is None:
         return info.local_world_size
-    return math.gcd(world, GPUS_PER_NODE) if r.hypothetical_gpu else world
+    if not r.hypothetical_gpu or world <= GPUS_PER_NODE:
+        return world
+    if world % GPUS_PER_NODE:
+        fits = [k for k in range(GPUS_PER_NODE - 1, 0, -1) if world % k == 0][:2]
+        choices = " or ".join(f"--nproc-per-node {k} ({world // k} nodes)" for k in fits)
+        near = (world // GPUS_PER_NODE) * GPUS_PER_NODE
+        raise ValueError(f"--world-size {world} is not a whole number of {GPUS_PER_NODE}-GPU nodes (the default "
+                         f"ranks per node): pass {choices}, or --world-size {near} or {near + GPUS_PER_NODE}")
+    return GPUS_PER_NODE
 
 
 def choose_precision(cfg: RunConfig, r: Rehearsal,
@@ -129,7 +139,8 @@ def choose_precision(cfg: RunConfig, r: Rehearsal,
     and the device in words."""
     if not r.hypothetical_gpu:
         device = resolve_device(cfg.train.device, local_rank)  # the real run's first check, same error
-        return precision.resolve(cfg.train.dtype, device), device, f"{device} (this machine)"
+        return (precision.resolve(cfg.train.dtype, device), device,
+                f"{device} (this machine; --gpu NAME rehearses on a GPU of python -m gpt2.plan's table)")
     if cfg.train.device == "cpu":
         raise ValueError("--gpu/--gpu-memory-gb rehearse a CUDA run, but --device cpu asks for the CPU: drop one")
     name = r.gpu or f"a custom GPU ({r.gpu_memory_gb:g} GiB)"

@@ -94,6 +94,7 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
     log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
              f"building the model")
     verify_data(cfg, shards, dist, log)
+    log_epochs(cfg, shards[0].total_tokens, log)
     cfg, prec, loss = resolve_auto(cfg, dist, log)
     tc = cfg.train
     peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
@@ -260,6 +261,30 @@ def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: 
     if kind == "error":
         raise ShardError(text)
     log.info(f"data       {text}")
+
+
+MANY_EPOCHS = 10
+"""More passes than this over the train split earn a warning. A fine-tune on a small corpus makes a few
+epochs on purpose (2-4 is common), and repeated pretraining data stays almost as useful as fresh for
+about 4 epochs, its value fading to nothing past ~16 (Muennighoff et al. 2023, "Scaling Data-Constrained
+Language Models"); more than 10 is past any deliberate choice, and usually a preset's token budget meant
+for a 10B-token corpus pointed at a small one (--preset gpt2 on 700K tokens: ~14,000 epochs)."""
+
+
+def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
+    """How many passes over the train split the planned tokens (max_steps x total_batch_size) make, as a
+    line; a warning when it is more than MANY_EPOCHS. Returns the epochs."""
+    tc = cfg.train
+    planned = tc.max_steps * tc.total_batch_size
+    epochs = planned / train_tokens
+    log.info(f"epochs     {epochs:,.2f} over the train split: {tc.max_steps:,} steps x {tc.total_batch_size:,} "
+             f"tokens = {planned:,} tokens planned, the train shards hold {train_tokens:,}")
+    if epochs > MANY_EPOCHS:
+        one = max(1, train_tokens // tc.total_batch_size)
+        log.warn(f"the run repeats the train split {epochs:,.0f} times (more than {MANY_EPOCHS} epochs): the model "
+                 f"will memorise this corpus more than it learns; about {one:,} step(s) make one epoch, so pass "
+                 f"--max-steps {one * MANY_EPOCHS:,} or fewer, or prepare more data")
+    return epochs
 
 
 def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> int:

@@ -23,7 +23,7 @@ from gpt2.ckpt.resume import Start, agree_on_step, choose_start
 from gpt2.ckpt.writer import CheckpointWriter
 from gpt2.core import precision
 from gpt2.core.compat import ddp_no_buffer_sync
-from gpt2.core.config import RunConfig, TrainConfig
+from gpt2.core.config import EOT_TOKEN, RunConfig, TrainConfig
 from gpt2.core.schedule import grad_accum_steps, lr_at
 from gpt2.data.loader import EvalLoader, ShardSet, TrainLoader
 from gpt2.data.shards import ShardError
@@ -31,7 +31,7 @@ from gpt2.dist import preempt
 from gpt2.dist.fsdp import clip_grad_norm, is_sharded, no_grad_sync
 from gpt2.dist.fsdp import shard as shard_fsdp
 from gpt2.dist.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
-from gpt2.model.gpt import GPT, TOP_K
+from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu
 from gpt2.train.metrics import Metrics, plot_loss_curve
 from gpt2.train.optim import make_optimizer
@@ -599,9 +599,10 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
     parts.model.eval()
     with precision.autocast(tc.dtype, dist.device):
-        out = parts.model.generate(idx, tc.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen)
+        out = parts.model.generate(idx, tc.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen,
+                                   stop_token=EOT_TOKEN)
     parts.model.train()
-    return tokenizer.decode(out[0, len(prompt):].tolist())
+    return tokenizer.decode(cut_at_stop(out[0, len(prompt):].tolist(), EOT_TOKEN))  # the text ends at <|endoftext|>
 
 
 def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, examples, step: int) -> None:
