@@ -232,8 +232,8 @@ class TrainConfig:
     activation_checkpointing: str = "auto"
     """none, full (every transformer block saves only its input and recomputes its forward in the backward:
     most of the activation memory for about a third more block FLOPs, which MFU does not count) or auto: full
-    only where the run does not fit without it (no micro-batch fits, or the explicit --micro-batch-size
-    would be refused) and does with it, else none (gpt2/plan/ choose_activation_checkpointing; logged with
+    only where the run does not fit without it (no micro-batch fits, or the explicit --micro-batch-size's
+    plan does not) and does with it, else none (gpt2/plan/ choose_activation_checkpointing; logged with
     its reason). A run-time choice: losses and gradients are the same, and checkpoints resume either way."""
     micro_batch_size: int | str = "auto"
     """Sequences per rank per forward/backward; auto: the largest that the planner says fits the device

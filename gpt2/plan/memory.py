@@ -237,7 +237,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
     checkpointed (activation checkpointing, gpt2/model/gpt.py Block): each block saves only its input,
     the fp32 residual stream (4h bytes per token), and its own activations exist for one block at a
     time: in the forward while it runs, in the backward while it is recomputed and differentiated.
-    So L blocks' activations become L inputs plus one block's activations (and its causal mask).
+    So L blocks' activations become L inputs plus one block's activations (and its causal mask), plus
+    that block's backward transients, which the uncheckpointed count leaves out as small beside L blocks.
     """
     s = 2 if dtype in AUTOCAST_DTYPES else 4
     h, nh, L, T = cfg.n_embd, cfg.n_head, cfg.n_layer, seq_len
@@ -275,7 +276,11 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
     per_token_rest = 8 + 8 + layer_norm + s * h  # token ids, targets, ln_f, LM-head input
     per_token_rest += (h if device_type == "cuda" else 4 * h) if cfg.dropout > 0 else 0  # embedding's
     if checkpointed:
-        return batch * T * (L * 4 * h + per_token_layer + per_token_rest) + min(L, 1) * per_layer_mask
+        # With so little saved, the backward's own transients in the block being differentiated show: the
+        # gradient arriving at its output (fp32 residual) and the MLP hidden's gradient (4h wide). Measured
+        # against the CPU allocator's peak in tests/test_activation_checkpointing.py.
+        backward = 4 * h + s * cfg.mlp_dim
+        return batch * T * (L * 4 * h + per_token_layer + backward + per_token_rest) + min(L, 1) * per_layer_mask
     return batch * T * (L * per_token_layer + per_token_rest) + L * per_layer_mask
 def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int = 1,
                          dtype: str = "bf16", optimizer: str = "adamw", parallel: str = "ddp",
