@@ -338,3 +338,9 @@ def test_matmul_shapes_times_every_matmul_of_a_step_and_weights_them_by_flops(tm
     bad = subprocess.run([sys.executable, "bench/matmul_shapes.py", "--dtypes", "float8"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("matmul_shapes.py: error: --dtypes: ")
+
+
+def test_activation_checkpointing_bench_prints_both_rows():
+    out = run_bench("bench/activation_checkpointing.py", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
+                    "--block-size", "64", "--batch", "2", "--steps", "1", timeout=300)
+    assert "| none |" in out and "| full |" in out and "x the peak" in out

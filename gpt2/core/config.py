@@ -188,6 +188,7 @@ DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
 LOSS_IMPLS = ("auto", "chunked", "full")
 PARALLELS = ("ddp", "fsdp")
+ACTIVATION_CHECKPOINTING = ("auto", "none", "full")
 VERIFY_DATA = ("quick", "auto", "full")
 
 
@@ -228,6 +229,12 @@ class TrainConfig:
     compiled, the planner's peak of the full-logits loss is at most 1/8 of the device's usable memory and
     the whole plan with it still fits, else chunked (gpt2/plan/ choose_loss_impl; logged with its
     reason). Both give the same loss and gradients to float rounding."""
+    activation_checkpointing: str = "auto"
+    """none, full (every transformer block saves only its input and recomputes its forward in the backward:
+    most of the activation memory for about a third more block FLOPs, which MFU does not count) or auto: full
+    only where the run does not fit without it (no micro-batch fits, or the explicit --micro-batch-size's
+    plan does not) and does with it, else none (gpt2/plan/ choose_activation_checkpointing; logged with
+    its reason). A run-time choice: losses and gradients are the same, and checkpoints resume either way."""
     micro_batch_size: int | str = "auto"
     """Sequences per rank per forward/backward; auto: the largest that the planner says fits the device
     and divides the global batch (logged with the plan)."""
@@ -364,6 +371,8 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     p += fsdp_problems(cfg)
     if cfg.loss_impl not in LOSS_IMPLS:
         p.append(f"loss_impl={cfg.loss_impl!r} must be one of {LOSS_IMPLS}")
+    if cfg.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        p.append(f"activation_checkpointing={cfg.activation_checkpointing!r} must be one of {ACTIVATION_CHECKPOINTING}")
     if cfg.optimizer not in OPTIMIZERS:
         p.append(f"optimizer={cfg.optimizer!r} must be one of {OPTIMIZERS}")
     if cfg.muon_lr <= 0 or not 0 <= cfg.muon_momentum < 1 or cfg.muon_weight_decay < 0:

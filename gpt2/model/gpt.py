@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig, param_count
 from gpt2.model.loss import linear_cross_entropy
@@ -118,14 +119,27 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, *, checkpointed: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        # Activation checkpointing (--activation-checkpointing full): a plain attribute fixed before
+        # fully_shard and torch.compile see the block, as torchtitan wraps each block before both. The
+        # checkpoint sits inside forward, so FSDP2's hooks on this module stay outside it (the
+        # recompute gathers nothing twice), a compiled block traces it as one checkpointed region,
+        # and parameter and state-dict names stay those of the plain model (checkpoints load either way).
+        self.checkpointed = checkpointed
 
     def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            # Saves only x (B, T, h); backward reruns the block's forward for what it needs (the
+            # RNG state is restored first, so dropout draws the same mask).
+            return checkpoint(self._forward, x, kv_cache, use_reentrant=False)
+        return self._forward(x, kv_cache)
+
+    def _forward(self, x: Tensor, kv_cache: KVCache | None) -> Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache)
         return x + self.mlp(self.ln_2(x))
 
@@ -134,7 +148,7 @@ LOSS_IMPLS = ("chunked", "full")
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, loss_impl: str = "chunked") -> None:
+    def __init__(self, cfg: ModelConfig, *, loss_impl: str = "chunked", activation_checkpointing: bool = False) -> None:
         super().__init__()
         if loss_impl not in LOSS_IMPLS:
             raise ValueError(f"loss_impl={loss_impl!r} must be one of {LOSS_IMPLS} (the trainer resolves auto)")
@@ -143,11 +157,13 @@ class GPT(nn.Module):
         # torch.compile traces the model, so the compiled graph has one path (no graph break, no
         # recompilation). The trainer sets it from the planner's choice (gpt2/plan/ choose_loss_impl).
         self.loss_impl = loss_impl
+        # activation_checkpointing: every block recomputes its forward in the backward (Block.checkpointed;
+        # the trainer resolves --activation-checkpointing, gpt2/plan/ choose_activation_checkpointing).
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
             drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer)),
+            h=nn.ModuleList(Block(cfg, i, checkpointed=activation_checkpointing) for i in range(cfg.n_layer)),
             ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)

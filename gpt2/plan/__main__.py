@@ -7,7 +7,7 @@ and budget (gpt2/core/config.py TRAIN_PRESETS) and its micro-batch (auto: the la
 divides); --micro-batch-size, --total-batch-size and --tokens override them.
 
 The planner's parts: hardware.py (the GPUs it knows), memory.py (bytes per device), loss_choice.py
-(--loss-impl auto), budget.py (the stop budget of a SLURM signal), planner.py (the Plan), report.py
+(--loss-impl auto), ac_choice.py (--activation-checkpointing auto), budget.py (the stop budget of a SLURM signal), planner.py (the Plan), report.py
 (what it prints).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpt2.core.config import MODEL_PRESETS, PARALLELS, TRAIN_PRESETS, RunConfig, TrainConfig, model_preset
+from gpt2.core.config import ACTIVATION_CHECKPOINTING, MODEL_PRESETS, PARALLELS, TRAIN_PRESETS, RunConfig, TrainConfig, model_preset
 from gpt2.core.precision import PLAN_DTYPES, from_short_name
 from gpt2.plan.budget import WRITE_BYTES_PER_S
 from gpt2.plan.hardware import GPUS, custom_hardware
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint write speed for the SLURM stop budget (default 1 GB/s)")
     ap.add_argument("--loss-impl", default="auto", choices=("auto", "chunked", "full"),
                     help="the loss path the memory counts (default auto: as train_ddp.py chooses it)")
+    ap.add_argument("--activation-checkpointing", default="auto", choices=ACTIVATION_CHECKPOINTING,
+                    help="recompute the blocks in the backward: none, full, or auto (full only where the run "
+                         "does not fit without it, as train_ddp.py chooses it)")
     return ap
 def _int_or_auto(text: str) -> int | str:
     return "auto" if text == "auto" else int(text)
@@ -70,7 +73,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                                                 "attn_impl", "block_size") if getattr(args, k) is not None}
     cfg = model_preset(args.preset, **overrides)
     train = {**TRAIN_PRESETS.get(args.preset, {}), "micro_batch_size": args.micro_batch_size,
-             "optimizer": args.optimizer, "loss_impl": args.loss_impl, "parallel": args.parallel}
+             "optimizer": args.optimizer, "loss_impl": args.loss_impl, "parallel": args.parallel,
+             "activation_checkpointing": args.activation_checkpointing}
     train["dtype"], train["tf32"] = from_short_name(args.dtype)
     if args.total_batch_size is not None:
         train["total_batch_size"] = args.total_batch_size

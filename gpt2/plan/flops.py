@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from gpt2.core.config import ModelConfig, param_count
+from gpt2.core.config import ModelConfig, param_count, weight_shapes
 from gpt2.core.precision import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, peak_name, peak_rates
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets (for GeForce and RTX cards the
@@ -81,6 +81,16 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
         raise ValueError(f"seq_len={seq_len} must be in [1, block_size={cfg.block_size}]")
     n = param_count(cfg, include_position=False)
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_embd * T
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+    """FLOPs per token that activation checkpointing adds: one more forward of every block in the backward,
+    2 * (the blocks' parameters) + 4*L*h*T (attention's forward), in flops_per_token's convention. Not
+    model FLOPs, so not in MFU. For gpt2 at T=1024 it is 24% of flops_per_token (gpt2-xl 32%): the blocks' third
+    of their forward-and-backward, less where the LM head's matmul is a large share (small models)."""
+    T = cfg.block_size if seq_len is None else seq_len
+    blocks = sum(math.prod(s) for name, s in weight_shapes(cfg).items() if ".h." in f".{name}")
+    return 2.0 * blocks + 4.0 * cfg.n_layer * cfg.n_embd * T
 
 
 def mfu(tokens_per_s: float, cfg: ModelConfig, peak: float, seq_len: int | None = None) -> float:

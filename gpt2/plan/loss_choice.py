@@ -49,12 +49,12 @@ class LossChoice:
 def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int, hardware: Hardware,
                      world_size: int = 1, dtype: str = "bf16", optimizer: str = "adamw", compiled: bool = True,
                      seq_len: int | None = None, parallel: str = "ddp", accum_steps: int = 1,
-                     measure_eager=None) -> LossChoice:
+                     measure_eager=None, checkpointed: bool = False) -> LossChoice:
     """The loss path for a micro-batch already chosen (see FULL_LOSS_MEMORY_SHARE). requested: the
     TrainConfig.loss_impl, auto, chunked or full; compiled: TrainConfig.compile. Uncompiled, auto takes
     the full loss only where it also fits and measure_eager() (gpt2.plan.loss_probe.EagerLossTimes of this
     CPU at this shape, asked only then) found it clearly faster; with nothing to measure (None: a GPU, a
-    rehearsal for other hardware), the chunked one.
+    rehearsal for other hardware), the chunked one. checkpointed: the run's activation checkpointing (its memory).
     An explicit full that cannot fit the device's whole memory is refused, as check_fits refuses an
     explicit micro-batch (same threshold); one that only exceeds the share or the reserve is taken,
     and the reason says so."""
@@ -68,7 +68,8 @@ def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int,
     peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False, compiled=compiled)
     total = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
                    device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
-                   chunked_loss=False, parallel=parallel, accum_steps=accum_steps, compiled=compiled).total
+                   chunked_loss=False, parallel=parallel, accum_steps=accum_steps, compiled=compiled,
+                   checkpointed=checkpointed).total
     usable = hardware.memory_bytes - hardware.reserve_bytes
     share = usable // FULL_LOSS_MEMORY_SHARE
     logits = f"full-logits peak {gib(peak)} at micro-batch {micro_batch_size}"

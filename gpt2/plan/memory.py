@@ -10,7 +10,9 @@ CPU allocator in tests/test_plan.py):
                for each block matrix (4 bytes each) and AdamW's 8 bytes for everything else
   activations  what autograd saves for backward in the embeddings, blocks and final LayerNorm;
                "explicit" attention also saves the (B, nh, T, T) attention probabilities, fused
-               SDPA kernels ("flash") save only q, k, v, the output and a log-sum-exp
+               SDPA kernels ("flash") save only q, k, v, the output and a log-sum-exp; with activation
+               checkpointing (--activation-checkpointing full) each block saves only its fp32 input and
+               one block's activations are alive at a time, while it is recomputed in the backward
   logits       the LM head + loss peak, for the loss path the run uses (--loss-impl, choose_loss_impl):
                chunked, one chunk of rows' logits, fp32 softmax and gradients at a time (gpt2/model/loss.py);
                full, eager: the (B, T, V) logits, the fp32 log-probabilities cross-entropy saves, and
@@ -68,7 +70,12 @@ class Memory:
     activations_flash: int
     activations_explicit: int
     activations: int
-    """The one of the two above that the config's attn_impl uses."""
+    """What the run holds: the one of the two above that the config's attn_impl uses, or, checkpointed,
+    activations_checkpointed."""
+    activations_checkpointed: int = 0
+    """With activation checkpointing (for the config's attn_impl): block inputs and one block's activations."""
+    checkpointed: bool = False
+    """Whether `activations` counts activation checkpointing (not a byte count)."""
     logits: int
     optimizer_name: str = "adamw"
     """Which optimizer `optimizer` counts (not a byte count)."""
@@ -134,16 +141,19 @@ def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: b
 def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int = 1,
            dtype: str = "bf16", device_type: str = "cuda", chunked_loss: bool = True,
            device_memory: int | None = None, optimizer: str = "adamw", parallel: str = "ddp",
-           accum_steps: int = 1, compiled: bool = False) -> Memory:
+           accum_steps: int = 1, compiled: bool = False, checkpointed: bool = False) -> Memory:
     """Bytes per device for one training micro-step (see the module docstring). device_memory is the
     device's total bytes, which sizes the loss's chunks on CUDA (see loss_bytes). parallel: ddp or
-    fsdp; accum_steps > 1 under fsdp adds the no-sync gradients."""
+    fsdp; accum_steps > 1 under fsdp adds the no-sync gradients. checkpointed: activation checkpointing
+    (every block recomputed in the backward) is on."""
     n = param_count(cfg)
     autocast = dtype in AUTOCAST_DTYPES
     flash = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
                              flash=True)
     explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
                                 flash=False)
+    saved = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
+                             flash=cfg.attn_impl != "explicit", checkpointed=True)
     logits = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=chunked_loss, device_type=device_type,
                         device_memory=device_memory, compiled=compiled)
     mem = Memory(
@@ -153,7 +163,9 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
         optimizer=optimizer_bytes(cfg, optimizer),
         activations_flash=flash,
         activations_explicit=explicit,
-        activations=explicit if cfg.attn_impl == "explicit" else flash,
+        activations=saved if checkpointed else explicit if cfg.attn_impl == "explicit" else flash,
+        activations_checkpointed=saved,
+        checkpointed=checkpointed,
         logits=logits,
         optimizer_name=optimizer,
         chunked_loss=chunked_loss,
@@ -216,11 +228,17 @@ def block_matrix_count(cfg: ModelConfig) -> int:
     is_muon_param: 2-D and under .h.)."""
     return sum(math.prod(s) for name, s in weight_shapes(cfg).items() if len(s) == 2 and ".h." in f".{name}")
 def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str = "bf16",
-                     device_type: str = "cuda", flash: bool = True) -> int:
+                     device_type: str = "cuda", flash: bool = True, checkpointed: bool = False) -> int:
     """Bytes autograd saves for backward outside the loss: embeddings, blocks, final LayerNorm.
 
     s is the matmul dtype's size. Under autocast the residual stream and LayerNorms stay fp32, so
     every LayerNorm saves a 4-byte input plus fp32 mean and rstd per token.
+
+    checkpointed (activation checkpointing, gpt2/model/gpt.py Block): each block saves only its input,
+    the fp32 residual stream (4h bytes per token), and its own activations exist for one block at a
+    time: in the forward while it runs, in the backward while it is recomputed and differentiated.
+    So L blocks' activations become L inputs plus one block's activations (and its causal mask), plus
+    that block's backward transients, which the uncheckpointed count leaves out as small beside L blocks.
     """
     s = 2 if dtype in AUTOCAST_DTYPES else 4
     h, nh, L, T = cfg.n_embd, cfg.n_head, cfg.n_layer, seq_len
@@ -257,10 +275,17 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
     per_token_layer = 2 * layer_norm + attn + mlp + dropout
     per_token_rest = 8 + 8 + layer_norm + s * h  # token ids, targets, ln_f, LM-head input
     per_token_rest += (h if device_type == "cuda" else 4 * h) if cfg.dropout > 0 else 0  # embedding's
+    if checkpointed:
+        # With so little saved, the backward's own transients in the block being differentiated show: the
+        # gradient arriving at its output (fp32 residual) and the MLP hidden's gradient (4h wide). Measured
+        # against the CPU allocator's peak in tests/test_activation_checkpointing.py.
+        backward = 4 * h + s * cfg.mlp_dim
+        return batch * T * (L * 4 * h + per_token_layer + backward + per_token_rest) + min(L, 1) * per_layer_mask
     return batch * T * (L * per_token_layer + per_token_rest) + L * per_layer_mask
 def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int = 1,
                          dtype: str = "bf16", optimizer: str = "adamw", parallel: str = "ddp",
-                         total_batch_size: int | None = None, accumulate: bool | None = None) -> int:
+                         total_batch_size: int | None = None, accumulate: bool | None = None,
+                         checkpointed: bool = False) -> int:
     """Largest micro-batch whose total fits in memory minus the reserve (0: not even one sequence).
 
     Memory grows with the micro-batch (activations linearly; the chunked loss by at most one chunk),
@@ -275,7 +300,7 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
     def fits(b: int, accum: int = 2 if accumulate is not False else 1) -> bool:
         return memory(cfg, b, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type,
                       device_memory=hardware.memory_bytes, optimizer=optimizer, parallel=parallel,
-                      accum_steps=accum).total <= usable
+                      accum_steps=accum, checkpointed=checkpointed).total <= usable
 
     whole = None  # the micro-batch with no accumulation, when there is one
     if total_batch_size is not None and total_batch_size % (seq_len * world_size) == 0:
@@ -290,24 +315,26 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return whole if whole is not None and whole > lo and fits(whole, 1) else lo
 def auto_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int,
-                          total_batch_size: int, dtype: str, optimizer: str = "adamw", parallel: str = "ddp") -> int:
+                          total_batch_size: int, dtype: str, optimizer: str = "adamw", parallel: str = "ddp",
+                          checkpointed: bool = False) -> int:
     """--micro-batch-size auto: the largest micro-batch that fits (max_micro_batch_size) and divides
     the global batch, so that accumulation stays a whole number of micro-steps."""
     grad_accum_steps(total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
     fits = max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer,
-                                parallel=parallel, total_batch_size=total_batch_size)
+                                parallel=parallel, total_batch_size=total_batch_size, checkpointed=checkpointed)
     if fits == 0:
         raise ValueError(does_not_fit(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer,
-                                      parallel=parallel))
+                                      parallel=parallel, checkpointed=checkpointed))
     seqs = total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
     return max(b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0)
 def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int, dtype: str,
-                 optimizer: str = "adamw", parallel: str = "ddp") -> str:
+                 optimizer: str = "adamw", parallel: str = "ddp", checkpointed: bool = False) -> str:
     """The one message for a model that cannot train even one sequence per device: which model, where,
     what it needs against what there is, and the changes that would make it fit."""
     def one(**change) -> Memory:
         kw = dict(world_size=world_size, dtype=dtype, device_type=hardware.device_type,
-                  device_memory=hardware.memory_bytes, optimizer=optimizer, parallel=parallel, accum_steps=2)
+                  device_memory=hardware.memory_bytes, optimizer=optimizer, parallel=parallel, accum_steps=2,
+                  checkpointed=checkpointed)
         return memory(cfg, 1, seq_len, **{**kw, **change})
 
     need, usable = one(), hardware.memory_bytes - hardware.reserve_bytes
@@ -320,6 +347,9 @@ def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_si
     if sharded and need.accum_gradients and need.total - need.accum_gradients <= usable:
         options.append(f"no gradient accumulation (FSDP's no-sync keeps {gib(need.accum_gradients)} of unsharded "
                        f"gradients between micro-steps: a smaller --total-batch-size or more ranks)")
+    if not checkpointed and one(checkpointed=True).total <= usable:
+        options.append(f"--activation-checkpointing full (blocks recomputed in the backward: "
+                       f"{gib(one(checkpointed=True).total)})")
     if need.static <= usable:  # the micro-batch's own memory is what overflows: shorter or 16-bit helps
         options.append("a shorter --block-size")
         if dtype not in AUTOCAST_DTYPES:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from gpt2.core.config import PARALLELS, ModelConfig, RunConfig, count_params_formula, param_count
 from gpt2.core.precision import PLAN_DTYPES, short_name
 from gpt2.core.schedule import grad_accum_steps
-from gpt2.plan.flops import flops_per_token
+from gpt2.plan.ac_choice import choose_activation_checkpointing
+from gpt2.plan.flops import flops_per_token, recompute_flops_per_token
 from gpt2.plan.hardware import Hardware, gib
 from gpt2.plan.loss_choice import choose_loss_impl
 from gpt2.plan.memory import Memory, auto_micro_batch_size, does_not_fit, max_micro_batch_size, memory
@@ -37,6 +38,13 @@ class Plan:
     flops_per_token: float
     parallel: str = "ddp"
     """ddp or fsdp (TrainConfig.parallel): what memory counts (Memory.shards)."""
+    recompute_flops_per_token: float = 0.0
+    """With activation checkpointing (memory.checkpointed), the blocks' forward done again in the backward:
+    work the device does, so in the time estimates, but not model FLOPs, so not in MFU."""
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.memory.checkpointed
 
     @property
     def usable_bytes(self) -> int:
@@ -63,10 +71,18 @@ class Plan:
 
     @property
     def tokens_per_s(self) -> float | None:
-        """All devices together, at the assumed MFU; None without a peak."""
+        """All devices together, at the assumed MFU; None without a peak. With activation checkpointing the
+        assumed fraction of the peak also does the recompute, so the model's MFU is mfu * flops / (flops +
+        recompute) (Plan.model_mfu)."""
         if self.hardware.peak_flops is None:
             return None
-        return self.world_size * self.hardware.peak_flops * self.mfu / self.flops_per_token
+        return (self.world_size * self.hardware.peak_flops * self.mfu
+                / (self.flops_per_token + self.recompute_flops_per_token))
+
+    @property
+    def model_mfu(self) -> float:
+        """The MFU a run at the assumed utilisation logs: model FLOPs only, recomputation not counted."""
+        return self.mfu * self.flops_per_token / (self.flops_per_token + self.recompute_flops_per_token)
 
     @property
     def step_time_s(self) -> float | None:
@@ -80,13 +96,14 @@ class Plan:
 def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len: int | None = None,
          world_size: int = 1, dtype: str = "bf16", total_batch_size: int | None = None,
          tokens: int | None = None, mfu: float = 0.4, optimizer: str = "adamw", chunked_loss: bool = True,
-         parallel: str = "ddp", compiled: bool = False) -> Plan:
+         parallel: str = "ddp", compiled: bool = False, activation_checkpointing: bool = False) -> Plan:
     """Memory per device, the largest micro-batch that fits, and time estimates. Pure arithmetic.
 
     total_batch_size defaults to one micro-step on every device (no accumulation); it must be a
     multiple of micro_batch_size * seq_len * world_size. chunked_loss: the loss path the memory
     counts; the largest micro-batch is always the chunked loss's (see choose_loss_impl). compiled:
-    whether the model is compiled (the full loss's peak differs, loss_bytes).
+    whether the model is compiled (the full loss's peak differs, loss_bytes). activation_checkpointing:
+    every block recomputed in the backward (its memory and its extra FLOPs).
     """
     seq_len = cfg.block_size if seq_len is None else seq_len
     problems = _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens, parallel)
@@ -97,14 +114,17 @@ def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len
     accum = grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)  # whole, else its error
     mem = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
                  device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
-                 chunked_loss=chunked_loss, parallel=parallel, accum_steps=accum, compiled=compiled)
+                 chunked_loss=chunked_loss, parallel=parallel, accum_steps=accum, compiled=compiled,
+                 checkpointed=activation_checkpointing)
     return Plan(cfg=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
                 dtype=dtype, hardware=hardware, total_batch_size=total_batch_size, tokens=tokens,
                 mfu=mfu, n_params=param_count(cfg), n_params_formula=count_params_formula(cfg),
                 memory=mem, flops_per_token=flops_per_token(cfg, seq_len), parallel=parallel,
+                recompute_flops_per_token=recompute_flops_per_token(cfg, seq_len) if activation_checkpointing else 0.0,
                 max_micro_batch_size=max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size,
                                                           dtype=dtype, optimizer=optimizer, parallel=parallel,
-                                                          total_batch_size=total_batch_size))
+                                                          total_batch_size=total_batch_size,
+                                                          checkpointed=activation_checkpointing))
 def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens, parallel="ddp") -> list[str]:
     p = []
     if parallel not in PARALLELS:
@@ -127,21 +147,26 @@ def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int
     """The plan of a training run: what the trainer logs at start-up, `train_ddp.py --dry-run` prints and
     `python -m gpt2.plan --preset X` shows, from one RunConfig. cfg.train.dtype is resolved (not auto);
     micro_batch_size may be auto (auto_micro_batch_size) and loss_impl too (choose_loss_impl, for that
-    micro-batch); tokens default to max_steps x total_batch_size."""
+    micro-batch); tokens default to max_steps x total_batch_size. activation_checkpointing may be auto
+    (choose_activation_checkpointing, decided first: the micro-batch is sized with its memory)."""
     tc = cfg.train
     dtype = short_name(tc.dtype, tf32=tc.tf32 and hardware.device_type == "cuda")
     mb = tc.micro_batch_size
+    ac = choose_activation_checkpointing(cfg.model, tc.activation_checkpointing, micro_batch_size=mb,
+                                         hardware=hardware, world_size=world_size,
+                                         total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer,
+                                         parallel=tc.parallel)
     if mb == "auto":
         mb = auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
                                    total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer,
-                                   parallel=tc.parallel)
+                                   parallel=tc.parallel, checkpointed=ac.on)
     accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world_size)
     loss = choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
                             dtype=dtype, optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel,
-                            accum_steps=accum)
+                            accum_steps=accum, checkpointed=ac.on)
     return plan(cfg.model, micro_batch_size=mb, hardware=hardware, world_size=world_size, dtype=dtype,
                 total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer, parallel=tc.parallel,
-                chunked_loss=loss.impl == "chunked", compiled=tc.compile,
+                chunked_loss=loss.impl == "chunked", compiled=tc.compile, activation_checkpointing=ac.on,
                 tokens=tc.max_steps * tc.total_batch_size if tokens is None else tokens)
 def check_fits(p: Plan) -> None:
     """Refuse a plan that clearly cannot fit (total above the device's whole memory).
@@ -153,11 +178,13 @@ def check_fits(p: Plan) -> None:
         return
     if p.max_micro_batch_size == 0:
         raise ValueError(does_not_fit(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
-                                      optimizer=p.memory.optimizer_name, parallel=p.parallel))
+                                      optimizer=p.memory.optimizer_name, parallel=p.parallel,
+                                      checkpointed=p.activation_checkpointing))
     b = p.max_micro_batch_size
     fix = f"use --micro-batch-size {b} or less (auto: the largest that fits and divides)"
     accumulating = max_micro_batch_size(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
-                                        optimizer=p.memory.optimizer_name, parallel=p.parallel)
+                                        optimizer=p.memory.optimizer_name, parallel=p.parallel,
+                                        checkpointed=p.activation_checkpointing)
     if accumulating < b:  # fsdp: b is the micro-batch without accumulation, which keeps no no-sync gradients
         fix = f"use --micro-batch-size {b} (one micro-step: no unsharded gradients kept)" + (
             f" or, accumulating, {accumulating} or less" if accumulating else

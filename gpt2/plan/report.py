@@ -40,6 +40,8 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  autocast {p.dtype} copies   {gib(m.autocast_weights)}  (matmul weights, saved for backward)")
     lines.append(f"  gradients              {gib(m.gradients)}  (fp32{_per_shard(m)})")
     flash_mark, explicit_mark = ("<-", "  ") if c.attn_impl != "explicit" else ("  ", "<-")
+    if m.checkpointed:
+        flash_mark = explicit_mark = "  "
     lines += [
         (f"  optimizer (AdamW)      {gib(m.optimizer)}  (two fp32 moments{_per_shard(m)})" if m.optimizer_name == "adamw"
          else f"  optimizer (Muon+AdamW) {gib(m.optimizer)}  (fp32 momentum per block matrix, two moments for the "
@@ -47,6 +49,8 @@ def format_plan(p: Plan) -> str:
         *_fsdp_lines(p),
         f"  activations, flash     {gib(m.activations_flash)} {flash_mark}",
         f"  activations, explicit  {gib(m.activations_explicit)} {explicit_mark} (stores B*nh*T*T probabilities)",
+        f"  activations, full AC   {gib(m.activations_checkpointed)} {'<-' if m.checkpointed else '  '} "
+        f"(activation checkpointing: block inputs + one block's, recomputed in backward)",
         f"  LM head + loss peak    {gib(m.logits)}  "
         + ("(chunked: never all B*T*V logits at once)" if m.chunked_loss else
            "(full logits: all B*T*V at once, F.cross_entropy)"),
@@ -57,11 +61,19 @@ def format_plan(p: Plan) -> str:
         f"compute    {human(p.flops_per_token)}FLOP/token (6N + 12*L*h*T); "
         + (f"at {p.mfu:.0%} MFU: {human(p.tokens_per_s)} tokens/s, {p.step_time_s:.3f} s/step"
            if p.tokens_per_s is not None else "no time estimate without a peak"),
+        *([_recompute_line(p)] if p.activation_checkpointing else []),
     ]
     if p.hours is not None:
         lines.append(f"budget     {human(p.tokens)} tokens: {p.tokens / p.total_batch_size:,.0f} steps, "
                      f"{p.hours:.2f} h ({p.hours * p.world_size:.1f} device-hours)")
     return "\n".join(lines)
+def _recompute_line(p: Plan) -> str:
+    share = p.recompute_flops_per_token / p.flops_per_token
+    return (f"recompute  activation checkpointing full: +{human(p.recompute_flops_per_token)}FLOP/token "
+            f"(+{share:.0%}) recomputed, not in MFU; the estimate above spends {p.mfu:.0%} of the peak on both, "
+            f"so the run's logged MFU would be {p.model_mfu:.0%}")
+
+
 def _memory_heading(p: Plan) -> str:
     if p.memory.shards > 1:
         return (f"memory per device (FSDP over {p.world_size} ranks: each holds a 1/{p.world_size} shard of every "
@@ -92,7 +104,8 @@ def format_accumulation(p: Plan) -> str | None:
         return None
     usable = p.usable_bytes
     largest = max_micro_batch_size(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
-                                   optimizer=m.optimizer_name, parallel=p.parallel, accumulate=False)
+                                   optimizer=m.optimizer_name, parallel=p.parallel, accumulate=False,
+                                   checkpointed=m.checkpointed)
     rs = (f"a reduce-scatter per micro-step would keep only the shards: {gib(p.rs_total)}, largest micro-batch "
           f"{largest}")
     if p.fits:

@@ -39,7 +39,15 @@ from gpt2.dist.group import Dist, resolve_device, world_from_env
 from gpt2.plan.flops import device_peak_flops
 from gpt2.plan.hardware import GIB, Hardware, custom_hardware, device_hardware, gpu_native_bf16
 from gpt2.train.cli import Rehearsal
-from gpt2.train.startup import auto_loss_impl, auto_micro_batch, check_data, check_plan, log_auto, log_epochs
+from gpt2.train.startup import (
+    auto_activation_checkpointing,
+    auto_loss_impl,
+    auto_micro_batch,
+    check_data,
+    check_plan,
+    log_auto,
+    log_epochs,
+)
 from gpt2.train.state import check_compatible
 
 GPUS_PER_NODE = 8
@@ -82,11 +90,13 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
                                           tc.verify_data))
         log_epochs(cfg, train_shards.total_tokens, log)
     hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
-    mb = auto_micro_batch(cfg, prec.dtype, hardware, world)
-    loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, world, device)
+    ac = auto_activation_checkpointing(cfg, prec.dtype, hardware, world)
+    mb = auto_micro_batch(cfg, prec.dtype, hardware, world, checkpointed=ac.on)
+    loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, world, device, checkpointed=ac.on)
     warning = None if device is None else precision.emulation_warning(prec, device)
-    log_auto(cfg, prec, mb, warning, log, loss)
-    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl))
+    log_auto(cfg, prec, mb, warning, log, loss, ac)
+    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl,
+                                          activation_checkpointing=ac.mode))
     tc = cfg.train
     plan = check_plan(cfg, hardware, world, log)
     accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world)  # as build() computes it

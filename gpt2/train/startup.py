@@ -287,10 +287,26 @@ def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
     return epochs
 
 
-def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> int:
+
+
+def auto_activation_checkpointing(cfg: RunConfig, dtype: str, hardware, world_size: int):
+    """The run's activation checkpointing (gpt2.plan.ac_choice.ACChoice): --activation-checkpointing none/full,
+    or (auto) full only where the run does not fit without it. Decided before the micro-batch, which auto
+    then sizes with it. dtype: the resolved TrainConfig.dtype."""
+    from gpt2.plan.ac_choice import choose_activation_checkpointing
+
+    tc = cfg.train
+    return choose_activation_checkpointing(
+        cfg.model, tc.activation_checkpointing, micro_batch_size=tc.micro_batch_size, hardware=hardware,
+        world_size=world_size, total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
+        dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+
+
+def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int, *, checkpointed: bool = False) -> int:
     """The run's micro-batch: the explicit one, or (auto) the planner's largest that fits hardware
     and divides the global batch at world_size, counting --parallel's memory (fsdp: the sharded
-    state, the gathered units, no-sync gradients when it accumulates). dtype: the resolved TrainConfig.dtype."""
+    state, the gathered units, no-sync gradients when it accumulates) and activation checkpointing's
+    (checkpointed). dtype: the resolved TrainConfig.dtype."""
     from gpt2.plan.memory import auto_micro_batch_size
 
     tc = cfg.train
@@ -298,11 +314,12 @@ def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int) -> i
         return tc.micro_batch_size
     return auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
                                  total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
-                                 dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+                                 dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"),
+                                 checkpointed=checkpointed)
 
 
 def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int,
-                   device: torch.device | None = None) -> LossChoice:
+                   device: torch.device | None = None, *, checkpointed: bool = False) -> LossChoice:
     """The run's loss path (gpt2.plan.loss_choice.LossChoice) for its resolved dtype and micro-batch on hardware:
     --loss-impl chunked/full, or (auto) the planner's rule, choose_loss_impl. device: this machine's
     CPU when the run is on it (None: a rehearsal for other hardware), where an uncompiled auto run
@@ -318,23 +335,27 @@ def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: in
                                     cfg.model.vocab_size)
     return choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
                             optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel, measure_eager=measure,
+                            checkpointed=checkpointed,
                             accum_steps=grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world_size),
                             dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
 def log_auto(cfg: RunConfig, prec: precision.Precision, mb: int, warning: str | None, log,
-             loss: LossChoice) -> None:
+             loss: LossChoice, ac=None) -> None:
     log.info(f"precision  {prec.dtype}: {prec.reason}")
     if warning:
         log.warn(warning)
     if cfg.train.micro_batch_size == "auto":
         log.info(f"micro-batch auto: {mb} sequences, the largest that fits and divides the global batch")
     log.info(loss.describe())
+    if ac is not None:
+        log.info(ac.describe())
 
 
 def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
                  hardware=None) -> tuple[RunConfig, precision.Precision, LossChoice]:
-    """--dtype, --micro-batch-size and --loss-impl auto made concrete (the loss path is chosen for the
+    """--dtype, --activation-checkpointing, --micro-batch-size and --loss-impl auto made concrete, in that
+    order (the micro-batch is sized with the activation checkpointing's memory; the loss path is chosen for the
     micro-batch, gpt2/plan/ FULL_LOSS_MEMORY_SHARE says why). Rank 0 measures and decides and every
     rank takes its answer: ranks that chose differently would compute different things silently.
     A model that fits nowhere is rank 0's finding too: every rank raises its error, none waits.
@@ -349,17 +370,19 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
         try:
             prec = precision.resolve(tc.dtype, dist.device)
             hardware = hardware or device_hardware(dist.device, 0.0, processes_per_host=dist.local_world_size)
-            mb = auto_micro_batch(cfg, prec.dtype, hardware, dist.world_size)
-            loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, dist.world_size, dist.device)
-            decision = ("ok", (prec, mb, loss, precision.emulation_warning(prec, dist.device)))
+            ac = auto_activation_checkpointing(cfg, prec.dtype, hardware, dist.world_size)
+            mb = auto_micro_batch(cfg, prec.dtype, hardware, dist.world_size, checkpointed=ac.on)
+            loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, dist.world_size, dist.device, checkpointed=ac.on)
+            decision = ("ok", (prec, mb, loss, ac, precision.emulation_warning(prec, dist.device)))
         except ValueError as e:
             decision = ("error", str(e))
     kind, answer = broadcast_object(decision, dist)
     if kind == "error":
         raise ValueError(answer)
-    prec, mb, loss, warning = answer
-    log_auto(cfg, prec, mb, warning, log, loss)
-    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl)), prec, loss
+    prec, mb, loss, ac, warning = answer
+    log_auto(cfg, prec, mb, warning, log, loss, ac)
+    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl,
+                                           activation_checkpointing=ac.mode)), prec, loss
 
 
 def mfu_peak(dist: Dist, dtype: str, log: Metrics, *, tf32: bool) -> float | None:

@@ -64,7 +64,10 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     torch.manual_seed(tc.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
     # loss_impl is resolved by resolve_auto; callers that build without it (tests, benchmarks) and
     # leave it auto get the chunked loss, the one that is safe on memory.
-    model = GPT(mc, loss_impl="full" if tc.loss_impl == "full" else "chunked").to(dist.device)
+    # The same for activation_checkpointing: auto unresolved is none. Set at construction, before
+    # fully_shard and torch.compile see the blocks (torchtitan's order: AC, then compile, then FSDP).
+    model = GPT(mc, loss_impl="full" if tc.loss_impl == "full" else "chunked",
+                activation_checkpointing=tc.activation_checkpointing == "full").to(dist.device)
     fsdp = tc.parallel == "fsdp" and dist.is_distributed
     if fsdp:  # before the optimizer: it must hold the shards, not the full weights
         model = shard_fsdp(model, dist, tc.dtype)
