@@ -287,8 +287,6 @@ def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
     return epochs
 
 
-
-
 def auto_activation_checkpointing(cfg: RunConfig, dtype: str, hardware, world_size: int):
     """The run's activation checkpointing (gpt2.plan.ac_choice.ACChoice): --activation-checkpointing none/full,
     or (auto) full only where the run does not fit without it. Decided before the micro-batch, which auto
