@@ -32,6 +32,7 @@ that use them: a run without --init-from imports neither (tests/test_architectur
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -155,13 +156,17 @@ def _hub_download(name: str, files: list[str]) -> str:
     except ImportError:
         raise ValueError(f"--init-from {name}: downloading from the Hugging Face hub needs huggingface_hub "
                          f"(pip install 'gpt2-ddp[hf]'); or {fetch}") from None
+    download, snapshot = huggingface_hub.hf_hub_download, huggingface_hub.snapshot_download  # imported now
+    hub_log = logging.getLogger("huggingface_hub")  # its retry warnings: the error below says it in one line
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
     try:
-        if files == ["config.json"]:
-            return huggingface_hub.hf_hub_download(repo, "config.json")
-        return huggingface_hub.snapshot_download(repo, allow_patterns=files)
+        return download(repo, "config.json") if files == ["config.json"] else snapshot(repo, allow_patterns=files)
     except Exception as e:  # noqa: BLE001 - offline, DNS, proxy, HTTP and cache errors differ by version
-        raise ValueError(f"--init-from {name}: the Hugging Face hub is unreachable ({type(e).__name__}: "
-                         f"{_one_line(e)[:160]}); {fetch}") from None
+        raise ValueError(f"--init-from {name}: the Hugging Face hub is unreachable ({type(e).__name__}); "
+                         f"{fetch}") from None
+    finally:
+        hub_log.setLevel(level)
 
 
 def _weight_files(path: Path) -> list[Path]:
