@@ -108,10 +108,10 @@ def test_a_resume_of_the_new_run_continues_it_not_the_source(tmp_path, source):
 
 
 def test_without_init_from_nothing_changes(tmp_path, source):
-    """A fixed-seed run without --init-from draws the same random numbers as before the flag existed: its
-    first loss equals the same run's with --init-from of a model whose weights are those same fresh
-    weights (a step-0 checkpoint can not exist, so: the same run twice gives one loss, and config.json
-    has no init_from)."""
+    """Without --init-from a fixed-seed run is what it was: the same run twice gives bitwise the same
+    losses, and config.json has no init_from entry. (build() still seeds and initialises in the same
+    order; the start decision it now makes before them draws no torch random numbers: run ids are
+    uuid4s.)"""
     a, b = tmp_path / "a", tmp_path / "b"
     for out in (a, b):
         assert fine_tune(source, out, *TINY_MODEL_FLAGS, steps=2).returncode == 0
