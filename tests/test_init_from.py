@@ -110,8 +110,8 @@ def test_a_resume_of_the_new_run_continues_it_not_the_source(tmp_path, source):
 def test_without_init_from_nothing_changes(tmp_path, source):
     """Without --init-from a fixed-seed run is what it was: the same run twice gives bitwise the same
     losses, and config.json has no init_from entry. (build() still seeds and initialises in the same
-    order; the start decision it now makes before them draws no torch random numbers: run ids are
-    uuid4s.)"""
+    order; the start decision it now makes before them draws no torch random numbers: a run id is
+    the time and secrets.token_hex.)"""
     a, b = tmp_path / "a", tmp_path / "b"
     for out in (a, b):
         assert fine_tune(source, out, *TINY_MODEL_FLAGS, steps=2).returncode == 0
