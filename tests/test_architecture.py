@@ -161,24 +161,67 @@ def test_the_trainers_layers_import_nothing_above_them():
     assert imported_gpt2_modules(MODULE_PATHS["train.state"]) & (above | {"train.startup"}) == set()
 
 
-def import_closure(module: str) -> set[str]:
-    """module and every gpt2 module it imports, directly or through others (lazy imports included)."""
+def import_closure(module: str, *, through: frozenset[str] = frozenset({"*"})) -> set[str]:
+    """module and every gpt2 module it imports, directly or through others (lazy imports included);
+    through: the modules whose own imports are followed ("*": all)."""
     seen, todo = set(), [module]
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo += imported_gpt2_modules(MODULE_PATHS[name])
+            if "*" in through or name in through or name == module:
+                todo += imported_gpt2_modules(MODULE_PATHS[name])
     return seen
 
 
-def test_training_pulls_in_neither_checkpoint_loading_nor_hugging_face():
+def top_level_gpt2_imports(path: Path) -> set[str]:
+    """The gpt2 modules a file imports at module level (not inside a function)."""
+    deps = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and (node.module == "gpt2" or node.module.startswith("gpt2.")):
+            base = node.module.removeprefix("gpt2").removeprefix(".")
+            deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULE_PATHS else base for a in node.names}
+        elif isinstance(node, ast.Import):
+            deps |= {a.name.removeprefix("gpt2.") for a in node.names if a.name.startswith("gpt2.")}
+    return deps
+
+
+def everything_but(excluded: set[str]) -> frozenset[str]:
+    return frozenset(set(MODULES) - excluded)
+
+
+NO_HF_RUN = """
+import sys
+sys.argv = ["train_ddp.py"]
+import train_ddp
+from gpt2.train import trainer
+from gpt2.train.cli import parse_config
+parse_config(["--preset", "debug", "--data-dir", "d", "--out-dir", "o"])
+print(sorted(m for m in sys.modules if m in ("gpt2.model.hf", "gpt2.ckpt.load", "gpt2.train.init_from",
+                                              "transformers", "safetensors", "huggingface_hub")))
+"""
+
+
+def test_training_pulls_in_checkpoint_loading_and_hugging_face_only_for_init_from():
     """The trainer scores with gpt2/train/scoring.py; ckpt/load.py (any checkpoint or HF directory),
-    model/hf.py (the conversion) and eval.py (their command line) are for the tools, not for a run."""
+    model/hf.py (the conversion) and eval.py (their command line) are for the tools. A run reaches the
+    conversion only through gpt2/train/init_from.py (--init-from), which imports it inside its functions,
+    and which the trainer and the command line import only inside the function that needs it: a run
+    without --init-from imports none of them, nor transformers, safetensors or huggingface_hub."""
     tools_only = {"ckpt.load", "model.hf", "eval"}
-    assert import_closure("train.trainer") & tools_only == set()
+    init_from = "train.init_from"
+    assert import_closure("train.trainer", through=everything_but({init_from})) & tools_only == set()
+    assert import_closure("train.cli", through=everything_but({init_from})) & tools_only == set()
     assert import_closure("train.scoring") & (tools_only | {"data.loader"}) == set()
+    assert import_closure(init_from) & tools_only == {"model.hf"}  # ckpt.load's jobs it does with ckpt.checkpoint
+    assert top_level_gpt2_imports(MODULE_PATHS[init_from]) & tools_only == set()  # lazily, in its functions
+    importers = sorted(m for m, p in MODULE_PATHS.items() if init_from in imported_gpt2_modules(p))
+    assert importers == ["train.cli", "train.dryrun", "train.trainer"], importers
+    assert all(init_from not in top_level_gpt2_imports(MODULE_PATHS[m]) for m in importers)
     assert {"ckpt.load", "train.scoring", "data.hellaswag"} <= import_closure("eval")  # the CLI is where they meet
+    loaded = subprocess.run([sys.executable, "-c", NO_HF_RUN], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip().splitlines()[-1] == "[]"
 
 
 def bench_imports(path: Path) -> tuple[list[tuple[str, str]], set[str], set[str]]:

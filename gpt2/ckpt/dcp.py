@@ -92,14 +92,15 @@ def load(model: torch.nn.Module, optimizer, directory: Path) -> None:
         set_optimizer_state_dict(model, o, state["optimizer"] if name is None else state["optimizer"][name])
 
 
-def load_weights(model: torch.nn.Module, directory: Path) -> None:
+def load_weights(model: torch.nn.Module, directory: Path, *, no_dist: bool = False) -> None:
     """A plain (unsharded) model's weights from directory, in one process (no process group): only
-    the model's entries are read."""
+    the model's entries are read. no_dist: this process alone where a process group exists (rank 0 of
+    --init-from, gpt2/train/init_from.py), not a collective of every rank."""
     import torch.distributed.checkpoint as dcp
 
     wanted = model.state_dict()
     state = {"model": _untied(wanted)}
-    _checked(dcp.load, state, checkpoint_id=str(directory))
+    _checked(dcp.load, state, checkpoint_id=str(directory), **({"no_dist": True} if no_dist else {}))
     model.load_state_dict(_retied(state["model"], wanted))
 
 

@@ -305,6 +305,13 @@ class TrainConfig:
     sha256 and token ids). Every training batch's token ids are checked as it is loaded, whatever this says."""
     resume: str = "auto"
     """auto (newest valid checkpoint in out_dir, else fresh), never, or a checkpoint path."""
+    init_from: str = ""
+    """Start a new run from trained weights (step, optimizer, schedule, data position and run id fresh):
+    a Hugging Face GPT-2 directory (`python -m gpt2.export`'s, or OpenAI's save_pretrained layout), a hub
+    name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; needs the network and huggingface_hub), or one of our
+    checkpoints (step_*.pt, a sharded step_*/ directory, a run directory: its newest checkpoint). The
+    model shape comes from the weights. A run directory holding this run's own checkpoint resumes it
+    instead (--resume auto: a requeue with the same command continues; gpt2/train/init_from.py)."""
     seed: int = 1337
     """Seed for initialisation and data order."""
     data_order: str = "shuffled"
@@ -392,6 +399,9 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append("hellaswag_interval needs hellaswag_file: a HellaSwag jsonl path (downloaded there if missing)")
     if cfg.resume in ("", None):
         p.append("resume must be auto, never, or a checkpoint path")
+    if cfg.init_from and cfg.resume not in ("auto", "never"):
+        p.append(f"init_from={cfg.init_from!r} starts a new run from weights and resume={cfg.resume!r} continues "
+                 "a run: pass one of them (a requeued --init-from run resumes its own checkpoint with --resume auto)")
     return p
 
 
@@ -447,7 +457,18 @@ TRAIN_PRESETS: dict[str, dict] = {
     "speed": dict(micro_batch_size=16, total_batch_size=1024, optimizer="muon", lr=4e-3, min_lr=4e-4,
                   warmup_steps=5, max_steps=200, dtype="float32", compile=False,
                   eval_interval=25, eval_tokens=8192, sample_interval=50, log_interval=10, ckpt_interval=50),
+    # Fine-tuning trained weights on a small corpus (needs --init-from; the shape comes from the weights):
+    # nanoGPT's finetune_shakespeare.py recipe (lr 3e-5, few steps, frequent evaluation) with a short warmup
+    # and warmup-stable-decay: 3e-5 held, then linear to 3e-6 over the last 20 steps. 32,768 tokens per
+    # step (32 x 1024, nanoGPT's 1 x 32 accumulation). docs/finetune.md runs it.
+    "finetune": dict(micro_batch_size="auto", total_batch_size=32_768, max_steps=100, lr=3e-5, min_lr=3e-6,
+                     warmup_steps=5, decay_steps=20, eval_interval=10, eval_tokens=1_048_576,
+                     sample_interval=50, log_interval=1, ckpt_interval=50, keep_checkpoints=2),
 }
+
+
+TRAIN_ONLY_PRESETS = ("finetune",)
+"""Presets of TRAIN_PRESETS with no MODEL_PRESETS shape: the shape comes from --init-from's weights."""
 
 
 def describe_model(cfg: ModelConfig) -> str:

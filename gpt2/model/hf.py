@@ -117,22 +117,35 @@ def from_hf_state_dict(sd: dict[str, Tensor], *, vocab_size: int = PADDED_VOCAB_
     -inf logit in the model, so they never carry probability. Other ModelConfig fields (dropout,
     attn_impl) may be given as overrides.
     """
+    shape, ours = convert_hf_state_dict(sd, vocab_size=vocab_size)
+    clashes = [f"{k}={overrides[k]} (the weights have {k}={v})" for k, v in shape.items()
+               if k in overrides and overrides[k] != v]
+    if clashes:
+        raise ValueError(f"overrides contradict the weights: {', '.join(clashes)}; drop them")
+    overrides = {k: v for k, v in overrides.items() if k not in shape}
+    cfg = ModelConfig(**shape, n_head=n_head or shape["n_embd"] // GPT2_HEAD_DIM, vocab_size=vocab_size,
+                      **overrides)
+    model = GPT(cfg)
+    check_keys(model.state_dict(), ours)
+    model.load_state_dict(ours)
+    return model
+
+
+def convert_hf_state_dict(sd: dict[str, Tensor], *, vocab_size: int = PADDED_VOCAB_SIZE
+                          ) -> tuple[dict[str, int], dict[str, Tensor]]:
+    """A GPT2LMHeadModel (or GPT2Model) state dict under our names and layout, building no model:
+    (the shape the tensors show: n_layer, n_embd, block_size; the state dict). The Conv1D weights are
+    transposed views and the embedding is zero-padded to vocab_size rows, so the result costs one
+    embedding's copy beside sd (--init-from loads it into the model it has built: gpt2/train/init_from.py).
+    """
     sd = _strip_prefixes(sd)
     wte, wpe = sd["transformer.wte.weight"], sd["transformer.wpe.weight"]
     n_embd = wte.size(1)
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
     shape = dict(n_layer=len(layers), n_embd=n_embd, block_size=wpe.size(0))
-    clashes = [f"{k}={overrides[k]} (the weights have {k}={v})" for k, v in shape.items()
-               if k in overrides and overrides[k] != v]
-    if clashes:
-        raise ValueError(f"overrides contradict the weights: {', '.join(clashes)}; drop them")
     if wte.size(0) < GPT2_VOCAB_SIZE or wte.size(0) > vocab_size:
         raise ValueError(f"the checkpoint's embedding has {wte.size(0)} rows; it must have at least the "
                          f"tokenizer's {GPT2_VOCAB_SIZE} and at most vocab_size={vocab_size}")
-    overrides = {k: v for k, v in overrides.items() if k not in shape}
-    cfg = ModelConfig(**shape, n_head=n_head or n_embd // GPT2_HEAD_DIM, vocab_size=vocab_size,
-                      **overrides)
-    model = GPT(cfg)
     ours = {}
     for name, tensor in sd.items():
         if name.endswith(CONV1D_SUFFIXES):
@@ -141,9 +154,7 @@ def from_hf_state_dict(sd: dict[str, Tensor], *, vocab_size: int = PADDED_VOCAB_
             tensor = torch.cat([tensor, tensor.new_zeros(vocab_size - tensor.size(0), n_embd)])
         ours[name] = tensor
     ours["lm_head.weight"] = ours["transformer.wte.weight"]
-    _check_keys(model.state_dict(), ours)
-    model.load_state_dict(ours)
-    return model
+    return shape, ours
 
 
 def _strip_prefixes(sd: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -164,7 +175,7 @@ def _strip_prefixes(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _check_keys(expected: dict[str, Tensor], got: dict[str, Tensor]) -> None:
+def check_keys(expected: dict[str, Tensor], got: dict[str, Tensor]) -> None:
     problems = [f"missing {k}" for k in expected if k not in got]
     problems += [f"unexpected {k}" for k in got if k not in expected]
     problems += [f"{k}: shape {tuple(got[k].shape)}, expected {tuple(v.shape)}"
@@ -234,12 +245,12 @@ def load_hf_dir(path: str | os.PathLike, *, vocab_size: int = PADDED_VOCAB_SIZE,
     config_file = path / "config.json"
     if config_file.is_file():
         hf_cfg = json.loads(config_file.read_text())
-        _check_hf_config(hf_cfg, config_file)
+        check_hf_config(hf_cfg, config_file)
         overrides.setdefault("n_head", hf_cfg.get("n_head"))
-    return from_hf_state_dict(_read_weights(path), vocab_size=vocab_size, **overrides)
+    return from_hf_state_dict(read_weights(path), vocab_size=vocab_size, **overrides)
 
 
-def _check_hf_config(hf: dict, where: Path) -> None:
+def check_hf_config(hf: dict, where: Path) -> None:
     """Refuse configs whose maths differs from our model instead of loading them silently wrong."""
     expect = {"model_type": "gpt2", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
               "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False}
@@ -252,7 +263,7 @@ def _check_hf_config(hf: dict, where: Path) -> None:
         raise ValueError(f"{where} describes a model this GPT cannot represent: " + "; ".join(problems))
 
 
-def _read_weights(path: Path) -> dict[str, Tensor]:
+def read_weights(path: Path) -> dict[str, Tensor]:
     if (path / "model.safetensors").is_file():
         return _read_file(path / "model.safetensors")
     if (path / "model.safetensors.index.json").is_file():

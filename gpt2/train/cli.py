@@ -22,7 +22,10 @@ import types
 import typing
 from pathlib import Path
 
-from gpt2.core.config import MODEL_PRESETS, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig
+from gpt2.core.config import MODEL_PRESETS, TRAIN_ONLY_PRESETS, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig
+
+PRESETS = sorted({*MODEL_PRESETS, *TRAIN_PRESETS})
+"""--preset's names: a model shape with its recipe, or a recipe alone (finetune: the shape comes from --init-from)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train GPT-2. Launch with torchrun for several processes, or with python for one.",
         allow_abbrev=False,
     )
-    parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), default=None,
-                        help="model shape and training recipe to start from")
+    parser.add_argument("--preset", choices=PRESETS, default=None,
+                        help="model shape and training recipe to start from (finetune: the recipe alone, for "
+                             "--init-from's weights)")
     parser.add_argument("--config", metavar="FILE.toml", default=None,
                         help="TOML file of field = value (flat, or under [model] / [train])")
     for section, f, typ in _fields():
@@ -259,21 +263,44 @@ def rehearsal_of(args: argparse.Namespace) -> Rehearsal | None:
 def resolve(args: argparse.Namespace) -> RunConfig:
     file_values = _split_file_values(load_toml(args.config), args.config) if args.config else {}
     preset = args.preset or file_values.pop("preset", None)
-    if preset is not None and preset not in MODEL_PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(MODEL_PRESETS)}")
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS}")
     values = {"model": {}, "train": {}}
+    given_by = {}  # model field -> what set it (named in a clash with --init-from's weights)
     if preset:
-        values["model"].update(MODEL_PRESETS[preset])
+        values["model"].update(MODEL_PRESETS.get(preset, {}))
         values["train"].update(TRAIN_PRESETS.get(preset, {}))
+        given_by |= {k: f"--preset {preset}" for k in MODEL_PRESETS.get(preset, {})}
     for section in ("model", "train"):
         values[section].update(file_values.get(section, {}))
+    given_by |= {k: f"--config {args.config}" for k in file_values.get("model", {})}
     for key, value in vars(args).items():
         if "." in key and value is not None:
             section, name = key.split(".", 1)
             values[section][name] = value
-    model = ModelConfig(**values["model"])
+            given_by[name] = "--" + name.replace("_", "-")
     train = TrainConfig(**values["train"])
     missing = [flag for flag, v in (("--data-dir", train.data_dir), ("--out-dir", train.out_dir)) if not v]
     if missing:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
-    return RunConfig(model, train)
+    if train.init_from:
+        values["model"] = shape_from_weights(train.init_from, values["model"], given_by)
+    elif preset in TRAIN_ONLY_PRESETS:
+        raise ValueError(f"--preset {preset} is a recipe for trained weights: add --init-from (a Hugging Face "
+                         "GPT-2 directory, a checkpoint or run directory of ours, or a hub name)")
+    return RunConfig(ModelConfig(**values["model"]), train)
+
+
+def shape_from_weights(spec: str, model_values: dict, given_by: dict) -> dict:
+    """The model fields with --init-from's shape (gpt2/train/init_from.py reads it without the weights); a
+    value given otherwise (flag, --config, --preset) that differs is an error naming both."""
+    from gpt2.train.init_from import describe  # here: a run without --init-from never imports it
+
+    shape = describe(spec).shape
+    clashes = [f"{given_by.get(k, k)} gives {k}={model_values[k]!r}, the weights have {k}={v!r}"
+               for k, v in shape.items() if k in model_values and model_values[k] != v
+               and not (k == "n_kv_head" and model_values[k] is None)]
+    if clashes:
+        raise ValueError(f"--init-from {spec}: the model's shape comes from the weights, but " + "; ".join(clashes)
+                         + ": drop those settings")
+    return {**model_values, **shape}

@@ -110,6 +110,10 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
                                                  device=torch.device("cpu")).clamped:
             log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; a real run evaluates on all of them")
     step, position = resume_decision(cfg, loaders, log)
+    if tc.init_from:  # the source's shape is cfg.model's already (gpt2/train/cli.py); its weights are not read
+        from gpt2.train.init_from import rehearsal_line
+
+        out(rehearsal_line(tc.init_from, step))
     report_checkpoint(cfg, plan, out)
     if step >= tc.max_steps:
         out(f"nothing to train: {tc.out_dir} already finished step {step} of --max-steps {tc.max_steps}; a real "

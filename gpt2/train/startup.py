@@ -470,4 +470,6 @@ def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None,
                          "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
     if network is not None:  # several ranks: the start-up all-reduce measurement (gpt2/dist/bandwidth.py)
         info["network"] = network.to_dict()
+    if parts.init_from is not None:  # --init-from: where the weights came from (gpt2/train/init_from.py)
+        info["init_from"] = parts.init_from
     atomic_write_text(Path(cfg.train.out_dir) / RUN_INFO, json.dumps(info, indent=2))

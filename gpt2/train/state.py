@@ -66,6 +66,9 @@ class Parts:
     """The run this one is (gpt2/ckpt/rundir.py): recorded in config.json and in every checkpoint it writes."""
     prefetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     """(loader position, that step's first micro-batch) read ahead by the trainer (gpt2/train/trainer.py prefetch)."""
+    init_from: dict | None = None
+    """Rank 0's record of the weights --init-from started this run from (path, sha256; gpt2/train/init_from.py),
+    written into config.json; None without --init-from and on the other ranks."""
 
 
 class Stateful(Protocol):

@@ -61,6 +61,8 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     tc, mc = cfg.train, cfg.model
     train_shards, val_shards = shards
     accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, mc.block_size, dist.world_size)
+    if start is None:
+        start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
     torch.manual_seed(tc.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
     # loss_impl is resolved by resolve_auto; callers that build without it (tests, benchmarks) and
     # leave it auto get the chunked loss, the one that is safe on memory.
@@ -69,6 +71,12 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     model = GPT(mc, loss_impl="full" if tc.loss_impl == "full" else "chunked",
                 activation_checkpointing=tc.activation_checkpointing == "full").to(dist.device)
     fsdp = tc.parallel == "fsdp" and dist.is_distributed
+    init_record = None
+    if tc.init_from:  # the source's weights over the fresh ones (the random numbers drawn are the same)
+        from gpt2.train.init_from import start_from_weights
+
+        init_record = start_from_weights(model, tc.init_from, start.point, tc.out_dir, start.run_id, dist, log,
+                                         broadcast=fsdp)
     if fsdp:  # before the optimizer: it must hold the shards, not the full weights
         model = shard_fsdp(model, dist, tc.dtype)
     # From here on each rank draws its own random numbers: with one seed for all, every rank would
@@ -88,9 +96,7 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
             log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all "
                      f"{val_loader.tokens} tokens")
     parts = Parts(model, model, optimizer, loader, val_loader, accum, precision.make_scaler(tc.dtype, dist.device))
-    if start is None:
-        start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
-    parts.run_id = start.run_id
+    parts.run_id, parts.init_from = start.run_id, init_record
     point = start.point
     if point is not None:
         problem = None
