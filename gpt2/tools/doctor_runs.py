@@ -29,7 +29,7 @@ from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig
 from gpt2.data.shards import write_shard
 from gpt2.train.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # gpt2/tools/doctor_runs.py -> the checkout
 TRAIN_SCRIPT = REPO / "train_ddp.py"
 """The entry point the checks run, beside the package (a checkout or an editable install)."""
 

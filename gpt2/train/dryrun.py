@@ -88,7 +88,6 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     if train_shards is not None:  # what rank 0 of a real run reads before its first step
         out("data       " + verify_shards(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})},
                                           tc.verify_data))
-        log_epochs(cfg, train_shards.total_tokens, log)
     hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
     ac = auto_activation_checkpointing(cfg, prec.dtype, hardware, world)
     mb = auto_micro_batch(cfg, prec.dtype, hardware, world, checkpointed=ac.on)
@@ -99,6 +98,8 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
                                           activation_checkpointing=ac.mode))
     tc = cfg.train
     plan = check_plan(cfg, hardware, world, log)
+    if train_shards is not None:  # after the refusals, as the real start-up
+        log_epochs(cfg, train_shards.total_tokens, log)
     accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world)  # as build() computes it
     loaders = None
     if train_shards is not None:  # the loaders a real run builds, one per rank, none of them reading

@@ -94,11 +94,11 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
     log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
              f"building the model")
     verify_data(cfg, shards, dist, log)
-    log_epochs(cfg, shards[0].total_tokens, log)
     cfg, prec, loss = resolve_auto(cfg, dist, log)
     tc = cfg.train
     peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
     network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
+    log_epochs(cfg, shards[0].total_tokens, log)  # after the refusals: a run that cannot start needs no warning
     start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
     check_before_moving(start, cfg, dist, shards[0])
     moved = set_aside_earlier_run(start, tc.out_dir, dist)
