@@ -31,9 +31,13 @@ that use them: a run without --init-from imports neither (tests/test_architectur
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import socket
 import time
+import urllib.parse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -161,12 +165,37 @@ def _hub_download(name: str, files: list[str]) -> str:
     level = hub_log.level
     hub_log.setLevel(logging.ERROR)
     try:
+        if files == ["config.json"]:  # the cache first: a requeued job or a second node needs no network
+            with contextlib.suppress(Exception):
+                return download(repo, "config.json", local_files_only=True)
+        unreachable = _hub_unreachable()
+        if unreachable:
+            raise ConnectionError(unreachable)
         return download(repo, "config.json") if files == ["config.json"] else snapshot(repo, allow_patterns=files)
     except Exception as e:  # noqa: BLE001 - offline, DNS, proxy, HTTP and cache errors differ by version
-        raise ValueError(f"--init-from {name}: the Hugging Face hub is unreachable ({type(e).__name__}); "
+        why = str(e) if isinstance(e, ConnectionError) and str(e) else type(e).__name__
+        raise ValueError(f"--init-from {name}: the Hugging Face hub is unreachable ({why}); "
                          f"{fetch}") from None
     finally:
         hub_log.setLevel(level)
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+"""A cluster node without a route out fails this connect at once or after it; huggingface_hub's own
+retries take ~25 s to say the same."""
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached (no route to its host within HUB_PROBE_TIMEOUT_S), or None to let
+    huggingface_hub try: also when a proxy or HF_HUB_OFFLINE decides the route, which it handles itself."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE")):
+        return None
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        return f"{host}:443: {e.strerror or type(e).__name__}"
+    return None
 
 
 def _weight_files(path: Path) -> list[Path]:
