@@ -91,7 +91,7 @@ gpt2_prepare() {
   # too short for a multi-GB checkpoint on a slow shared filesystem: a stop finishes its step, waits
   # for a background checkpoint write in flight and writes its own. Keep it below the --signal lead
   # time (120 s) so the requeue still happens before the time limit. Older torch ignores it (30 s).
-  # The rule and a table per preset: README, "SLURM"; `python -m gpt2.plan` prints a run's numbers.
+  # The rule and a table per preset: docs/multinode.md, "SLURM"; `python -m gpt2.plan` prints a run's numbers.
   export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-90}
 
   # The trainer's default thread count divides os.cpu_count(), which under SLURM is the whole node's
