@@ -1,6 +1,6 @@
 """The commands users run, end to end, on whichever torch this environment has: the test that proves the
 declared torch range (`bash scripts/torch_range.sh` runs it on the oldest supported torch and the newest,
-.ci/run too; the main suite runs it on the tested one).
+.ci/run too; on the tested torch it is one of the long checks, `-m slow`, which .ci/run also runs).
 
 Every run must exit 0 with no warning from torch on stderr (a deprecation a user would see on every
 rank); a feature this torch lacks (gpt2/core/compat.py) must be refused in one line, before any work.
@@ -36,6 +36,9 @@ MAX_STEPS = 6
 CKPT_INTERVAL = 2
 TORCH_WARNING = re.compile(r"\b\w*Warning\b")
 """A Python warning's category as warnings.warn prints it (FutureWarning, UserWarning, ...)."""
+
+# The compatibility runs select it by torch_range; the default suite leaves it to them (slow).
+pytestmark = [pytest.mark.slow, pytest.mark.torch_range]
 
 
 def flags(data_dir, run_dir, *extra) -> list[str]:
