@@ -432,3 +432,15 @@ def guide_commands() -> list[list[str]]:
             if words:
                 commands.append(words)
     return commands
+
+
+def model_body(model, idx):
+    """A GPT's embeddings, blocks and final LayerNorm on idx: everything the planner's activation_bytes
+    counts but the LM head (test_plan and test_activation_checkpointing measure its peak)."""
+    import torch
+
+    t = model.transformer
+    x = t.drop(t.wte(idx) + t.wpe(torch.arange(idx.size(1))))
+    for block in t.h:
+        x = block(x)
+    return t.ln_f(x)

@@ -9,7 +9,7 @@ import contextlib
 
 import pytest
 import torch
-from _helpers import FP32_CPU, losses, run, tiny_run_flags
+from _helpers import FP32_CPU, losses, model_body, run, tiny_run_flags
 from conftest import TINY_MODEL_FLAGS
 
 from gpt2.core.config import ModelConfig, TrainConfig, model_preset
@@ -75,15 +75,6 @@ def test_checkpointed_model_loads_a_plain_models_state_dict():
     checkpointed.load_state_dict(plain.state_dict())
 
 
-def _body(model, idx):
-    """Embeddings, blocks and final LayerNorm: what activation_bytes counts but the LM head."""
-    t = model.transformer
-    x = t.drop(t.wte(idx) + t.wpe(torch.arange(idx.size(1))))
-    for block in t.h:
-        x = block(x)
-    return t.ln_f(x)
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_activation_bytes_with_it_within_15pct_of_measured_peak(dtype):
     """As tests/test_plan.py checks the uncheckpointed count: forward + backward of the body, the CPU
@@ -99,7 +90,7 @@ def test_activation_bytes_with_it_within_15pct_of_measured_peak(dtype):
 
     def forward_backward():
         with autocast:
-            out = _body(model, idx)
+            out = model_body(model, idx)
         out.backward(grad)
 
     forward_backward()

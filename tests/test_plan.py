@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from _helpers import model_body
 
 from gpt2.core.config import MODEL_PRESETS, ModelConfig, model_preset
 from gpt2.model.gpt import GPT
@@ -43,15 +44,6 @@ def test_known_gpt2_numbers():
     assert p.memory.weights == 4 * 124_439_808
     assert p.memory.optimizer == 8 * 124_439_808
     assert p.flops_per_token == pytest.approx(6 * (124_439_808 - 1024 * 768) + 12 * 12 * 768 * 1024)
-
-
-def _body(model, idx):
-    """Embeddings, blocks and final LayerNorm: everything activation_bytes counts but the LM head."""
-    t = model.transformer
-    x = t.drop(t.wte(idx) + t.wpe(torch.arange(idx.size(1))))
-    for block in t.h:
-        x = block(x)
-    return t.ln_f(x)
 
 
 def _autocast(dtype):
@@ -103,7 +95,7 @@ def test_activation_estimate_within_25pct_of_measured_peak(attn_impl, dtype):
 
     def forward_backward():
         with _autocast(dtype):
-            out = _body(model, idx)
+            out = model_body(model, idx)
         out.backward(grad)
 
     forward_backward()  # oneDNN primitives and the like are created once, outside the measurement
