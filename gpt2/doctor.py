@@ -55,6 +55,7 @@ import torch
 
 from gpt2.ckpt.checkpoint import load_checkpoint
 from gpt2.core import precision
+from gpt2.core.args import OneLineParser
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.config import ModelConfig, RunConfig, TrainConfig, model_preset
 from gpt2.dist.group import usable_cpus
@@ -79,7 +80,6 @@ from gpt2.tools.doctor_runs import (
 )
 from gpt2.tools.ladder import DOC_A100_TOKENS_PER_S, LADDER, initial_peaks, run_ladder, without_bf16
 from gpt2.tools.sdpa_probe import first_line, probe
-from gpt2.train.cli import OneLineParser
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from gpt2.ckpt.load import load_any
 from gpt2.core import precision
+from gpt2.core.args import OneLineParser
 from gpt2.data.hellaswag import HELLASWAG_URL, default_data_path, prepare_hellaswag
 from gpt2.dist.group import Dist, broadcast_object
 from gpt2.model.gpt import GPT, unwrap
-from gpt2.train.cli import OneLineParser
 from gpt2.train.scoring import hellaswag_eval, loader_loss
 
 

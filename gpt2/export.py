@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 from gpt2.ckpt.load import load_any
+from gpt2.core.args import OneLineParser
 from gpt2.core.atomic import atomic_write_bytes, atomic_write_text
 from gpt2.model.gpt import GPT
 from gpt2.model.hf import MissingExtraError, save_hf_dir
 from gpt2.model.tokenizer import gpt2_bpe_files
-from gpt2.train.cli import OneLineParser
 
 # Our BPE file names -> the names GPT2Tokenizer reads (same bytes: merges.txt keeps the version line).
 HF_TOKENIZER_FILES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from gpt2.train.cli import OneLineParser
+from gpt2.core.args import OneLineParser
 from gpt2.train.metrics import plot_loss_curve
 
 

@@ -26,10 +26,10 @@ import torch
 from torch import Tensor
 
 from gpt2.core import precision
+from gpt2.core.args import OneLineParser
 from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 from gpt2.model.gpt import GPT, TOP_K, unwrap
 from gpt2.model.tokenizer import encode_prompt, get_encoding
-from gpt2.train.cli import OneLineParser
 
 
 def autocast(dtype: str, device: torch.device):

@@ -16,14 +16,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpt2.core.config import ACTIVATION_CHECKPOINTING, MODEL_PRESETS, PARALLELS, TRAIN_PRESETS, RunConfig, TrainConfig, model_preset
+from gpt2.core.args import OneLineParser
+from gpt2.core.config import (
+    ACTIVATION_CHECKPOINTING,
+    MODEL_PRESETS,
+    PARALLELS,
+    TRAIN_PRESETS,
+    RunConfig,
+    TrainConfig,
+    model_preset,
+)
 from gpt2.core.precision import PLAN_DTYPES, from_short_name
 from gpt2.plan.budget import WRITE_BYTES_PER_S
 from gpt2.plan.hardware import GPUS, custom_hardware
 from gpt2.plan.planner import Plan, check_fits, plan_run
 from gpt2.plan.report import format_plan, format_stop
-from gpt2.train.cli import OneLineParser
-
 
 DEFAULT_GPU = "A100-80GB"
 """What a plan is for without --gpu or --gpu-memory-gb. Not this machine's device, unlike train_ddp.py

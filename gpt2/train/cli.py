@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import difflib
 import functools
 import inspect
 import math
@@ -22,6 +21,7 @@ import types
 import typing
 from pathlib import Path
 
+from gpt2.core.args import OneLineParser
 from gpt2.core.config import MODEL_PRESETS, TRAIN_ONLY_PRESETS, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig
 
 PRESETS = sorted({*MODEL_PRESETS, *TRAIN_PRESETS})
@@ -43,47 +43,6 @@ class Rehearsal:
     @property
     def hypothetical_gpu(self) -> bool:
         return self.gpu is not None or self.gpu_memory_gb is not None
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, `PROG: error: MESSAGE`, without the usage dump (train_ddp.py's
-    runs to 26 lines, burying the error), and whose unknown flags get the likeliest meant one:
-    `unrecognized argument --max_steps; did you mean --max-steps?`. train_ddp.py and the tools use it.
-    PROG drops a leading `python -m ` (`gpt2.export: error: ...`, as the tools word their other errors)."""
-
-    def parse_args(self, args=None, namespace=None):
-        parsed, extras = self.parse_known_args(args, namespace)
-        if extras:
-            self.error(unrecognized(extras, self.option_names()))
-        return parsed
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message}\n")
-
-    def option_names(self) -> list[str]:
-        """Every --flag of this parser and of its subcommands."""
-        names = []
-        for action in self._actions:
-            names += [o for o in action.option_strings if o.startswith("--")]
-            if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
-                    names += sub.option_names() if isinstance(sub, OneLineParser) else []
-        return sorted(set(names))
-
-
-def unrecognized(extras: list[str], options: list[str]) -> str:
-    """What an unknown flag was probably meant to be (underscores read as dashes, then the closest
-    spelling), or where the flags are listed."""
-    flags = [e.split("=", 1)[0] for e in extras if e.startswith("-")]
-    if not flags:
-        return f"unrecognized argument(s) {' '.join(extras)}"
-    parts = []
-    for flag in flags:
-        dashed = "--" + flag.lstrip("-").replace("_", "-")
-        close = [dashed] if dashed in options else difflib.get_close_matches(dashed, options, n=1, cutoff=0.6)
-        parts.append(f"unrecognized argument {flag}" + (f"; did you mean {close[0]}?" if close else ""))
-    if not any("did you mean" in p for p in parts):
-        parts.append("--help lists the flags")
-    return "; ".join(parts)
 
 
 _TRUE = {"1", "true", "yes", "on"}
