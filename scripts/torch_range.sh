@@ -17,6 +17,12 @@ SUBSET=(tests/test_compat.py tests/test_torch_range.py tests/test_model.py tests
         tests/test_fused_loss.py tests/test_checkpoint.py tests/test_state.py tests/test_ckpt_writer.py
         tests/test_dist.py tests/test_muon.py tests/test_fsdp.py)
 
+# A site-wide pip configuration may cap torch (seen: /etc/xdg/pip's constraint torch<=2.14.1), which makes
+# the newest tested release impossible to install and would make `pip install -e .` swap it back for the
+# capped one. These venvs exist to test exactly the release named, so their pip reads no configuration
+# file (PIP_* environment variables still apply). The default setup (scripts/setup.sh) is left as it is.
+nocfg=(env PIP_CONFIG_FILE=/dev/null)
+
 for v in "${VERSIONS[@]}"; do
   env=".venv-torch-$v"
   py="$env/bin/python"
@@ -24,13 +30,15 @@ for v in "${VERSIONS[@]}"; do
   have=$("$py" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
   if [ "$have" != "$v" ]; then
     echo "torch_range: installing torch==$v into $env"
-    "$py" -m pip install -q --upgrade pip > "$env/setup.log" 2>&1
-    "$py" -m pip install -q "torch==$v" >> "$env/setup.log" 2>&1 || { cat "$env/setup.log"; exit 1; }
+    "${nocfg[@]}" "$py" -m pip install -q --upgrade pip > "$env/setup.log" 2>&1
+    "${nocfg[@]}" "$py" -m pip install -q "torch==$v" >> "$env/setup.log" 2>&1 || { cat "$env/setup.log"; exit 1; }
   fi
   # The project over the torch already there (torch>=floor is satisfied, so pip keeps it): what a
   # cluster user's `pip install -e .` does.
-  "$py" -m pip install -q -e ".[dev]" >> "$env/setup.log" 2>&1 || { cat "$env/setup.log"; exit 1; }
+  "${nocfg[@]}" "$py" -m pip install -q -e ".[dev]" >> "$env/setup.log" 2>&1 || { cat "$env/setup.log"; exit 1; }
   got=$("$py" -c "import torch; print(torch.__version__)")
+  # Never test a torch other than the one named (a cap or a resolver swap would do that silently).
+  [ "${got%%+*}" = "$v" ] || { echo "torch_range: asked for torch $v, $env has $got"; exit 1; }
   echo "torch_range: torch $got: ${#SUBSET[@]} test files"
   set +e
   # The subset's default tests, and test_torch_range (slow in the main suite, where .ci/run's long pass runs it).

@@ -137,3 +137,14 @@ def test_ci_tests_the_declared_floor():
     floor = next(line.split("=", 1)[1] for line in script.splitlines() if line.startswith("FLOOR="))
     assert floor.startswith(compat.TORCH_FLOOR + "."), (floor, compat.TORCH_FLOOR)
     assert "scripts/torch_range.sh" in (REPO / ".ci" / "run").read_text()
+
+
+def test_torch_range_installs_past_a_site_wide_pip_cap():
+    """A machine whose pip configuration caps torch (a constraint file) must still get the release named:
+    every pip call in the torch-range venvs reads no configuration file, and the script checks the torch it got."""
+    script = (REPO / "scripts" / "torch_range.sh").read_text()
+    pip_lines = [line for line in script.splitlines() if "-m pip install" in line and not line.lstrip().startswith("#")]
+    assert len(pip_lines) >= 3, pip_lines  # pip itself, torch, the project
+    assert all('"${nocfg[@]}"' in line for line in pip_lines), pip_lines
+    assert "nocfg=(env PIP_CONFIG_FILE=/dev/null)" in script
+    assert 'asked for torch $v' in script
