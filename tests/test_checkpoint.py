@@ -160,7 +160,7 @@ def test_auto_takes_the_newest_of_the_directorys_run_not_the_pointer_to_another(
     assert ckpt.resolve_resume(str(tmp_path / "checkpoints" / "step_00000009.pt"), tmp_path).name == "step_00000009.pt"
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "no_sidecar", "garbage_sidecar"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage_sidecar"])
 def test_damaged_newest_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_path, damage):
     good = ckpt.save_checkpoint(tmp_path, 1, state(1), keep=3)
     bad = ckpt.save_checkpoint(tmp_path, 2, state(2), keep=3)
@@ -170,20 +170,106 @@ def test_damaged_newest_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_pa
         bad.write_bytes(bytes(data))
     elif damage == "truncate":
         bad.write_bytes(bytes(data[: len(data) // 3]))
-    elif damage == "no_sidecar":
-        bad.with_suffix(".json").unlink()
     else:
         bad.with_suffix(".json").write_text("{not json")
     warnings = []
     assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) == good
     assert len(warnings) == 1 and "skipping checkpoint" in warnings[0] and bad.name in warnings[0]
-    expected = {"flip": "sha256 does not match", "truncate": "truncated", "no_sidecar": "did not finish",
-                "garbage_sidecar": "did not finish"}[damage]
+    expected = {"flip": "sha256 does not match", "truncate": "truncated", "garbage_sidecar": "did not finish"}[damage]
     with pytest.raises(ckpt.CheckpointError, match=expected):
         ckpt.resolve_resume(str(bad), tmp_path)
     with pytest.raises(ckpt.CheckpointError, match=expected):
         ckpt.load_checkpoint(bad)
     ckpt.load_checkpoint(good)
+
+
+def test_a_checkpoint_whose_sidecar_is_gone_is_used_with_a_warning_when_it_checks_out(tmp_path):
+    """Issue 41: sidecars removed (a copy tool that skips .json files, a person tidying up) made auto skip
+    every checkpoint and start over, and --resume PATH and gpt2.export refuse the intact files. A .pt
+    whose zip checksums match and that loads as the step its name says is used, with a warning."""
+    ckpt.save_checkpoint(tmp_path, 1, state(1), keep=3, run_id="r")
+    path = ckpt.save_checkpoint(tmp_path, 2, state(2), keep=3, run_id="r")
+    data, sidecar = path.read_bytes(), json.loads(path.with_suffix(".json").read_text())
+    for p in (tmp_path / "checkpoints").glob("*.json"):
+        p.unlink()
+    warnings = []
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) == path
+    assert warnings == [f"checkpoint {path} has lost its sidecar step_00000002.json (size and sha256): using it, "
+                        "as every record's zip checksum matches and it loads as step 2; a run that resumes from it "
+                        "writes the sidecar again"]
+    assert ckpt.resolve_resume(str(path), tmp_path, warn=warnings.append) == path
+    with pytest.warns(UserWarning, match="lost its sidecar"):
+        assert torch.equal(load_state_w(path), state(2)["model"]["w"])
+    assert ckpt.checkpoint_meta(path) == sidecar  # what the sidecar said, from the file alone
+    # Every rank checks rank 0's choice: its size, and (the first rank of each node) its bytes.
+    from gpt2.ckpt import resume
+
+    point = resume._point(path)
+    assert not point.sidecar and (point.sha256, point.bytes, point.run_id) == (sidecar["sha256"], len(data), "r")
+    assert resume.check_visible(point, rehash=True) is None
+    path.write_bytes(flip(data, 10))
+    assert resume.check_visible(point, rehash=False) is None  # the same size: only a rehash sees it
+    assert "sees a different step_00000002.pt" in resume.check_visible(point, rehash=True)
+    path.write_bytes(data)
+    # Damaged as well: refused by name, skipped by auto for the one before it.
+    for damage, why in ((data[:len(data) // 2], "not a complete zip archive"),
+                        (flip(data, len(data) // 2), "fails its zip checksum")):
+        path.write_bytes(damage)
+        warnings = []
+        assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000001.pt"
+        assert why in warnings[0] and "lost its sidecar" in warnings[1]
+        with pytest.raises(ckpt.CheckpointError, match=why):
+            ckpt.resolve_resume(str(path), tmp_path)
+    # Renamed to another step's name: not the checkpoint it claims to be.
+    path.write_bytes(data)
+    os.rename(path, path.with_name("step_00000007.pt"))
+    with pytest.raises(ckpt.CheckpointError, match="holds step 2, not the step its name says"):
+        ckpt.resolve_resume(str(path.with_name("step_00000007.pt")), tmp_path)
+
+
+def load_state_w(path):
+    return ckpt.load_checkpoint(path)["model"]["w"]
+
+
+def flip(data: bytes, at: int) -> bytes:
+    out = bytearray(data)
+    out[at] ^= 0xFF
+    return bytes(out)
+
+
+def test_auto_refuses_to_start_over_checkpoints_it_cannot_verify(tmp_path):
+    """Every checkpoint of the run damaged: auto warned about each, then started fresh (the run moved
+    aside, training from step 0, exit 0). Now a one-line refusal that says how to go on."""
+    for path in [ckpt.save_checkpoint(tmp_path, step, state(step), keep=3, run_id="r") for step in (1, 2)]:
+        path.write_bytes(path.read_bytes()[:100])
+    (tmp_path / "config.json").write_text(json.dumps({"run_id": "r"}))
+    warnings = []
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resolve_resume("auto", tmp_path, warn=warnings.append)
+    assert len(warnings) == 2 and all("truncated" in w for w in warnings)
+    assert str(err.value) == (f"--resume auto: none of this run's 2 checkpoint(s) in {tmp_path / 'checkpoints'} "
+                              "verifies (step_00000002.pt, step_00000001.pt; the warnings above say why), so the run "
+                              "would start over: restore them (with their .json sidecars), pass --resume PATH of "
+                              "another checkpoint, or --resume never to start fresh (this run's files move into a "
+                              "previous-* folder)")
+    # Another run's checkpoints do not hold a fresh start back (they are ignored, with a warning).
+    (tmp_path / "config.json").write_text(json.dumps({"run_id": "other"}))
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) is None
+
+
+def test_resuming_a_data_manifest_says_it_is_not_a_checkpoint(tmp_path, shakespeare_shards):
+    """`--resume DATA/manifest.json` read the manifest as its own sidecar: "2181 bytes but None were
+    written; truncated"."""
+    manifest = shakespeare_shards / "manifest.json"
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resolve_resume(str(manifest), tmp_path)
+    assert str(err.value) == (f"{manifest}: data_prep's manifest of the token shards in {shakespeare_shards}, not a "
+                              "checkpoint: pass that directory as --data-dir; --resume takes a step_*.pt file or "
+                              "step_*/ directory, a run directory, auto or never")
+    other = tmp_path / "notes.txt"
+    other.write_text("hello")
+    with pytest.raises(ckpt.CheckpointError, match="notes.txt: not a checkpoint"):
+        ckpt.resolve_resume(str(other), tmp_path)
 
 
 def test_named_paths(tmp_path):

@@ -986,15 +986,62 @@ def test_an_early_stop_ends_the_pool_without_terminating_its_workers(shakespeare
     assert len(workers) == 2 and [w.exitcode for w in workers] == [0, 0]
 
 
-REPAIR_LOOPS = 30
+POOL_RACE = """\
+# encode_batches stopped early, ITERATIONS times, each time while the pool's task-handler thread is
+# (almost surely) pickling its next task: the window in which Pool.terminate() lost its race.
+import sys, time
+sys.path.insert(0, {repo!r})
+from data_prep.encode import Batch, encode_batches
+
+
+class SlowToPickle(str):
+    def __reduce__(self):  # 50 ms in the task handler, between its state check and its write
+        time.sleep(0.05)
+        return (str, (str(self),))
+
+
+def batches(text):
+    for i in range(1000):
+        b = Batch()
+        b.add(SlowToPickle("x"), i, True, True)
+        b.add(text, i, False, True)  # more than a pipe holds: a write nobody reads blocks forever
+        yield b
+
+
+if __name__ == "__main__":
+    text = " ".join(open(sys.argv[1]).read().split()[:80_000])
+    for it in range(int(sys.argv[2])):
+        out = encode_batches(batches(text), 2)
+        next(out)
+        out.close()
+        print("stopped early", it + 1, flush=True)
+"""
+POOL_RACE_LOOPS = 8
+REPAIR_LOOPS = 20
+
+
+@pytest.mark.slow
+def test_the_pools_shutdown_race_is_gone(tmp_path, shakespeare_path):
+    """The repair hang, made likely: with the task handler held 50 ms inside its pickling of each task
+    (a text whose pickling sleeps), terminate() hung 1 run in 2 before encode.shut_down (measured: 3
+    of 4 runs of 5 early stops hung; tests/test_data_prep.py's loop of real repairs alone hung in
+    none of 30). POOL_RACE_LOOPS early stops must each end; a hang fails at the deadline."""
+    script = tmp_path / "pool_race.py"
+    script.write_text(POOL_RACE.format(repo=str(REPO)))
+    try:
+        proc = subprocess.run([sys.executable, str(script), str(shakespeare_path), str(POOL_RACE_LOOPS)],
+                              capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        done = (e.stdout or b"").decode().count("stopped early")
+        pytest.fail(f"encode_batches hung after {done} of {POOL_RACE_LOOPS} early stops")
+    assert proc.returncode == 0 and proc.stdout.count("stopped early") == POOL_RACE_LOOPS, proc.stderr
 
 
 @pytest.mark.slow
 def test_many_repairing_reruns_never_hang(tmp_path, shakespeare_path):
-    """The stress test of encode.shut_down: a finished job's early shard deleted and repaired by the real
-    command, REPAIR_LOOPS times. Tiny documents (one word each) make every batch tens of thousands of
-    strings, slow to pickle: the window in which terminate() lost the race (about 1 run in 7 before
-    the fix, measured on an idle 2-core machine). A hang fails the iteration at its deadline."""
+    """The issue's stress test: a finished job's early shard deleted and repaired by the real command,
+    REPAIR_LOOPS times (tiny documents, one word each, so each batch is tens of thousands of strings).
+    A hang fails the iteration at its deadline; every repair restores the same bytes."""
     src = write_jsonl(tmp_path / "words.jsonl", shakespeare_path.read_text().split())
     out = tmp_path / "out"
     args = ("--source", str(src), "--out", str(out), "--shard-tokens", "50000", "--val-tokens", "0", "--workers", "2")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gpt2.ckpt.checkpoint import CheckpointError
-from gpt2.ckpt.resume import Start, choose_start, set_aside_abandoned, set_aside_earlier_run
+from gpt2.ckpt.resume import Start, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
 from gpt2.ckpt.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
 from gpt2.core import precision
 from gpt2.core.atomic import atomic_write_text
@@ -112,6 +112,14 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
                  f"moved its later {', '.join(start.abandon)} and their sidecars into {abandoned}/ with a copy of "
                  f"metrics.jsonl, so --resume auto never returns to that branch (nothing deleted); metrics.jsonl "
                  f"goes on from step {start.point.step}")
+    try:
+        restored = restore_sidecar(start, tc.out_dir, dist)
+    except OSError as e:  # the resume needs no sidecar: it goes on, and says what retention will do
+        log.warn(f"could not write the lost sidecar of {start.point.path} again ({e.strerror or e}); the next "
+                 "save's retention will count it as incomplete and delete it")
+    else:
+        if restored is not None:
+            log.info(f"wrote {restored.name} again for the checkpoint resumed without it")
     log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict())
     return Startup(cfg, prec, loss, peak, network, start)
 
