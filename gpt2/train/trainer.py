@@ -479,7 +479,9 @@ def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float
     slow_phase = True  # start-up: collectives run under --dist-timeout-s until a step has completed
     while parts.step < tc.max_steps:
         t0 = time.perf_counter()
-        out = train_step(parts, cfg, dist, stop_request.signum is not None)
+        # A failed background checkpoint write votes to stop like a signal: every rank stops after
+        # this step and the stop's save raises the write's error on every rank (state.save).
+        out = train_step(parts, cfg, dist, stop_request.signum is not None or write_failed(parts))
         out.started_s = t0
         if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
             set_timeout(dist, tc.dist_step_timeout_s)
@@ -509,6 +511,11 @@ def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float
         png = plot_loss_curve(log.path, Path(tc.out_dir) / "loss_curve.png")
         log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")
     return 0
+
+
+def write_failed(parts: Parts) -> bool:
+    """Rank 0's background checkpoint write has failed (gpt2/ckpt/writer.py); False on other ranks."""
+    return parts.writer is not None and parts.writer.failed
 
 
 def report(stats: StepStats, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, progress: Progress, has_val: bool,
