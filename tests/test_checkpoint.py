@@ -16,7 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _helpers import import_train_ddp, no_space_after, tiny_run_flags
+from _helpers import (
+    hold_after_step,
+    import_train_ddp,
+    launch,
+    no_space_after,
+    patched_train_script,
+    tiny_run_flags,
+    wait_for_step,
+)
 from conftest import REPO
 
 from gpt2.ckpt import checkpoint as ckpt
@@ -633,3 +641,34 @@ def test_a_real_full_disk_and_a_read_only_out_dir_are_one_line(tmp_path, shakesp
     assert run.returncode == 2
     assert run.stderr == (f"train_ddp.py: error: --out-dir {read_only / 'run'}: cannot write in {read_only} (a "
                           "read-only file system); pass a writable --out-dir\n")
+
+
+def test_a_run_directory_made_read_only_mid_run_is_one_line(tmp_path, shakespeare_shards, tmpfs):
+    """Issue 41: RUN turned read-only under a running trainer ended in two chained tracebacks (the
+    metrics write's EROFS, then the lock's removal). Now one line naming the file, the fix, and that
+    run.lock stays (nothing can remove it from a read-only directory); the next start, once RUN is
+    writable again, takes the lock over and resumes."""
+    fs = tmpfs("200m")
+    run_dir, release = fs / "run", tmp_path / "release"
+    args = [*tiny_run_flags(shakespeare_shards, max_steps=6, ckpt_interval=2, eval_tokens=256), "--out-dir",
+            str(run_dir), "--async-ckpt", "false"]
+    job = launch(args, nproc=1, log_dir=tmp_path / "logs",
+                 script=patched_train_script(tmp_path, hold_after_step(3, release)))
+    try:
+        wait_for_step(job, run_dir, 3)
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        release.touch()
+        assert job.wait() == 1
+    finally:
+        job.kill()
+    assert job.stderr == (f"train_ddp.py: error: rank 0: {run_dir / 'metrics.jsonl'}: Read-only file system; make "
+                          f"--out-dir {run_dir} writable (or free space) and rerun with --resume auto: it continues "
+                          f"from the newest checkpoint; {run_dir / 'run.lock'} could not be removed: the next start "
+                          "takes it over\n")
+    subprocess.run(["mount", "-o", "remount,rw", str(fs)], check=True)
+    again = subprocess.run([sys.executable, str(REPO / "train_ddp.py"), *args], cwd=REPO, capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "took over" in again.stdout and "its process" in again.stdout
+    assert f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in again.stdout
+    assert not (run_dir / "run.lock").exists()
