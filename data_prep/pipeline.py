@@ -100,7 +100,10 @@ def run_job(cfg: PrepConfig, log: Callable[[str], None]) -> Summary:
     val_tokens, rule = resolve_val_tokens(cfg, corpus)
     if cfg.resolved_val_select == "spread":
         rule += "; documents chosen by the blake2b hash of their text (lowest first)"
-    manifest = open_output(cfg.out, new_manifest(corpus.description, job_settings(cfg, val_tokens), rule))
+    manifest = new_manifest(corpus.description, job_settings(cfg, val_tokens), rule)
+    if cfg.sources:  # as given (not in the fingerprint): what a command to prepare this corpus again names
+        manifest["source_args"] = [str(Path(s).absolute()) for s in cfg.sources]
+    manifest = open_output(cfg.out, manifest)
     if manifest["complete"]:
         return check_finished(cfg, corpus, manifest, log, start_s)
     corpus = sources.check(corpus, cfg)

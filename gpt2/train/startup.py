@@ -31,7 +31,7 @@ from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
 from gpt2.core.config import RunConfig, TrainConfig
 from gpt2.core.schedule import grad_accum_steps
-from gpt2.data.check import check_listed, verify_shards
+from gpt2.data.check import check_listed, prep_command, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
 from gpt2.data.shards import ShardError
 from gpt2.dist.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
@@ -229,14 +229,25 @@ def find_val_shards(cfg: RunConfig) -> ShardSet:
     except ShardError as e:
         if not Path(tc.data_dir).is_dir():
             raise
-        raise ShardError(f"{e}. The run evaluates on them at step 0 and at the end (--eval-interval 0 leaves out "
-                         "only the evaluations in between); or pass --eval-tokens 0 to train without validation") from None
+        raise ShardError(f"{str(e).split(';')[0]}. The run evaluates on them at step 0 and at the end (--eval-interval "
+                         f"0 leaves out only the evaluations in between): {prepare_val(cfg)}; or pass --eval-tokens 0 "
+                         "to train without validation") from None
     if val.total_tokens < block + 1:
         raise ShardError(f"--data-dir {tc.data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
                          f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
-                         f"loss nan); prepare more with `python -m data_prep ... --val-tokens N` (N > {block}), or "
-                         "pass --eval-tokens 0 to train without validation")
+                         f"loss nan); {prepare_val(cfg)}; or pass --eval-tokens 0 to train without validation")
     return val
+
+
+def prepare_val(cfg: RunConfig) -> str:
+    """How to get a val split for this run: data_prep's command for the data directory's corpus (from
+    its manifest) with val tokens for the run's evaluation, at least one sequence; or the flag to use."""
+    tc, block = cfg.train, cfg.model.block_size
+    found = prep_command(tc.data_dir, tc.eval_tokens, block + 1)
+    if found is None:  # no manifest (llm.c's shards): the corpus is unknown here
+        return f"prepare a val split with data_prep's --val-tokens N (N > {block})"
+    command, out = found
+    return f"prepare the corpus again with a val split, `{command}`, and pass --data-dir {out}"
 
 
 def check_out_dir(out_dir: str) -> None:
