@@ -450,8 +450,8 @@ def not_a_checkpoint(path: Path) -> str | None:
     if head == ZIP_MAGIC or head == b"":
         return None  # an empty file is a truncated checkpoint: the sidecar check says so
     what = "not a checkpoint (a checkpoint is a step_*.pt file that torch.save wrote)"
-    try:
-        doc = json.loads(path.read_bytes())
+    try:  # a manifest is a few KB to MB; a shard or other large file is not read whole to find out
+        doc = json.loads(path.read_bytes()) if path.stat().st_size < (64 << 20) else None
     except (OSError, ValueError):
         doc = None
     if isinstance(doc, dict) and "shards" in doc and "fingerprint" in doc:
