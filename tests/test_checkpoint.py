@@ -272,8 +272,8 @@ def test_resuming_a_data_manifest_says_it_is_not_a_checkpoint(tmp_path, shakespe
     with pytest.raises(ckpt.CheckpointError) as err:
         ckpt.resolve_resume(str(manifest), tmp_path)
     assert str(err.value) == (f"{manifest}: data_prep's manifest of the token shards in {shakespeare_shards}, not a "
-                              "checkpoint: pass that directory as --data-dir; --resume takes a step_*.pt file or "
-                              "step_*/ directory, a run directory, auto or never")
+                              "checkpoint: pass that directory as --data-dir; pass a step_*.pt file or step_*/ "
+                              "directory, or a run directory")
     other = tmp_path / "notes.txt"
     other.write_text("hello")
     with pytest.raises(ckpt.CheckpointError, match="notes.txt: not a checkpoint"):

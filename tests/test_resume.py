@@ -321,12 +321,29 @@ def save_checkpoint(out_dir, step, state, **kwargs):
 
 
 ckpt.save_checkpoint = save_checkpoint
+
+import time
+import gpt2.train.trainer as trainer
+
+_trainer_save = trainer.save
+
+
+def save(parts, *args, **kwargs):  # rank 0 holds the run after step 3's save until its writer has failed
+    _trainer_save(parts, *args, **kwargs)
+    if parts.step == 3 and parts.writer is not None:
+        while not parts.writer.failed:
+            time.sleep(0.01)
+
+
+trainer.save = save
 """
 
 
 def test_a_failed_background_write_stops_every_rank_with_one_error(tmp_path, shakespeare_shards):
-    """Rank 0's writer fails at step 3; at the next save (step 6) every rank learns it through the
-    save's all-gather and exits: no rank is left waiting in a collective."""
+    """Rank 0's writer fails at step 3; at the next step (4; it was the next save, step 6) every rank
+    votes to stop, learns the error through the stop's save and exits: no rank is left waiting in a
+    collective. Rank 0 holds the run after step 3 until its writer has failed (it may take longer than
+    a step), so step 4 is deterministically the step after the failure."""
     run_dir = tmp_path / "run"
     job = run(flags(shakespeare_shards, run_dir, "--dist-timeout-s", "120"), nproc=2, log_dir=tmp_path,
               script=patched_train_script(tmp_path, FAIL_WRITE_OF_STEP_3))
@@ -334,7 +351,7 @@ def test_a_failed_background_write_stops_every_rank_with_one_error(tmp_path, sha
     assert job.stderr.count("train_ddp.py: error: writing the checkpoint of step 3 in the background failed "
                             f"(No space left on device in {run_dir / 'checkpoints'} (") == 1, job.output()
     assert "a collective operation failed" not in job.stderr
-    assert max(losses(run_dir)) == 6  # found at the step-6 save, not at the end
+    assert max(losses(run_dir)) == 4  # found at the next step, not at the step-6 save or the end
     assert not (run_dir / "checkpoints" / "step_00000003.pt").exists()
 
 

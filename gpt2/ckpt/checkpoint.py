@@ -457,7 +457,7 @@ def not_a_checkpoint(path: Path) -> str | None:
     if isinstance(doc, dict) and "shards" in doc and "fingerprint" in doc:
         what = (f"data_prep's manifest of the token shards in {path.parent}, not a checkpoint: pass that "
                 "directory as --data-dir")
-    return f"{path}: {what}; --resume takes a step_*.pt file or step_*/ directory, a run directory, auto or never"
+    return f"{path}: {what}; pass a step_*.pt file or step_*/ directory, or a run directory"
 
 
 def checkpoint_meta(path: Path) -> dict:
