@@ -646,15 +646,16 @@ def test_a_real_full_disk_and_a_read_only_out_dir_are_one_line(tmp_path, shakesp
 def test_a_run_directory_made_read_only_mid_run_is_one_line(tmp_path, shakespeare_shards, tmpfs):
     """Issue 41: RUN turned read-only under a running trainer ended in two chained tracebacks (the
     metrics write's EROFS, then the lock's removal). Now one line naming the file, the fix, and that
-    run.lock stays (nothing can remove it from a read-only directory); the next start, once RUN is
-    writable again, takes the lock over and resumes."""
+    run.lock stays (nothing can remove it from a read-only directory) for the next start to take over."""
     fs = tmpfs("200m")
     run_dir, release = fs / "run", tmp_path / "release"
-    args = [*tiny_run_flags(shakespeare_shards, max_steps=6, ckpt_interval=2, eval_tokens=256), "--out-dir",
+    args = [*tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2, eval_tokens=256), "--out-dir",
             str(run_dir), "--async-ckpt", "false"]
     job = launch(args, nproc=1, log_dir=tmp_path / "logs",
                  script=patched_train_script(tmp_path, hold_after_step(3, release)))
     try:
+        # Step 3 logged: step 2's checkpoint is complete and no file is open for writing (the remount
+        # would fail), and step 3 owes nothing else before the hold.
         wait_for_step(job, run_dir, 3)
         subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
         release.touch()
@@ -665,10 +666,6 @@ def test_a_run_directory_made_read_only_mid_run_is_one_line(tmp_path, shakespear
                           f"--out-dir {run_dir} writable (or free space) and rerun with --resume auto: it continues "
                           f"from the newest checkpoint; {run_dir / 'run.lock'} could not be removed: the next start "
                           "takes it over\n")
-    subprocess.run(["mount", "-o", "remount,rw", str(fs)], check=True)
-    again = subprocess.run([sys.executable, str(REPO / "train_ddp.py"), *args], cwd=REPO, capture_output=True,
-                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "took over" in again.stdout and "its process" in again.stdout
-    assert f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in again.stdout
-    assert not (run_dir / "run.lock").exists()
+    # It cannot be removed from a read-only directory; its holder has exited, which the next start
+    # sees (test_resume.py: a holder killed with SIGKILL is taken over).
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] == job.proc.pid
