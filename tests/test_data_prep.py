@@ -1023,9 +1023,10 @@ REPAIR_LOOPS = 20
 @pytest.mark.slow
 def test_the_pools_shutdown_race_is_gone(tmp_path, shakespeare_path):
     """The repair hang, made likely: with the task handler held 50 ms inside its pickling of each task
-    (a text whose pickling sleeps), terminate() hung 1 run in 2 before encode.shut_down (measured: 3
-    of 4 runs of 5 early stops hung; tests/test_data_prep.py's loop of real repairs alone hung in
-    none of 30). POOL_RACE_LOOPS early stops must each end; a hang fails at the deadline."""
+    (a text whose pickling sleeps), terminate() hung before encode.shut_down in 2 of 2 runs of this
+    test (after the 4th and the 7th early stop; a single early stop hung 1 run in 3), while the loop of
+    real repairs below hung in none of 30. POOL_RACE_LOOPS early stops must each end; a hang fails at
+    the deadline."""
     script = tmp_path / "pool_race.py"
     script.write_text(POOL_RACE.format(repo=str(REPO)))
     try:
@@ -1041,7 +1042,9 @@ def test_the_pools_shutdown_race_is_gone(tmp_path, shakespeare_path):
 def test_many_repairing_reruns_never_hang(tmp_path, shakespeare_path):
     """The issue's stress test: a finished job's early shard deleted and repaired by the real command,
     REPAIR_LOOPS times (tiny documents, one word each, so each batch is tens of thousands of strings).
-    A hang fails the iteration at its deadline; every repair restores the same bytes."""
+    A hang fails the iteration at its deadline; every repair restores the same bytes. On its own this
+    loop did not catch the old hang (none in 30 repairs here: the race needs the pool's pipe full at
+    the early stop); test_the_pools_shutdown_race_is_gone above does."""
     src = write_jsonl(tmp_path / "words.jsonl", shakespeare_path.read_text().split())
     out = tmp_path / "out"
     args = ("--source", str(src), "--out", str(out), "--shard-tokens", "50000", "--val-tokens", "0", "--workers", "2")
