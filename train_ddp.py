@@ -90,6 +90,14 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
               "evaluation): its own log says why. Restarting (torchrun --max-restarts, a requeue) with --resume "
               "auto continues from the newest checkpoint", file=sys.stderr)
         return 1, dist is not None
+    except OSError as e:
+        if e.errno is None:
+            raise
+        # Rank 0 writing into RUN (metrics.jsonl, config.json, a plot) after RUN became read-only,
+        # full or forbidden mid-run: one line, not the error chained to the lock's removal. Not
+        # agreed: rank 0 fails alone, and its exit ends its peers' next collective.
+        print(f"train_ddp.py: error: {run_dir_failure(e, cfg.train.out_dir, dist)}", file=sys.stderr)
+        return 1, dist is not None
     except RuntimeError as e:
         if not is_compile_failure(e):
             raise
@@ -100,6 +108,20 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         return 1, dist is not None
     finally:
         teardown(dist, agreed=agreed)
+
+
+def run_dir_failure(e: OSError, out_dir: str, dist) -> str:
+    """An OSError of the run in one line: the file and the system's words, what to do, and whether
+    RUN/run.lock stays behind (a read-only RUN: the next start takes it over, its holder having exited)."""
+    from pathlib import Path
+
+    from gpt2.ckpt.rundir import LOCK
+
+    rank = dist.rank if dist is not None else "?"
+    lock = Path(out_dir) / LOCK
+    stays = f"; {lock} could not be removed: the next start takes it over" if lock.exists() else ""
+    return (f"rank {rank}: {e.filename or out_dir}: {e.strerror or e}; make --out-dir {out_dir} writable (or free "
+            f"space) and rerun with --resume auto: it continues from the newest checkpoint{stays}")
 
 
 def dry_run(cfg, rehearsal) -> int:

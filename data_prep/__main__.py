@@ -9,6 +9,7 @@ command to resume).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -98,13 +99,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # a full disk (ENOSPC), a read-only --out (EROFS), no permission: the system's
         # word for it, with the file, instead of a traceback; finished shards are kept
-        where = f" {e.filename}" if e.filename else f" {args.out}" if args is not None else ""
-        print(f"error: writing{where} failed: {e.strerror or e}; free space or fix the directory, then rerun the "
-              "same command: it continues after the last complete shard", file=sys.stderr)
+        print(f"error: {write_failure(e, args.out if args is not None else None)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: completed shards are kept; rerun the same command to resume", file=sys.stderr)
         return 130
+
+
+def write_failure(e: OSError, out: Path | None) -> str:
+    """An OSError that reached the command, in one line that names its cause: only a full disk asks
+    for free space (sources that cannot be read are UserErrors of data_prep/sources.py)."""
+    where = e.filename or out or "--out"
+    rerun = "then rerun the same command: it continues after the last complete shard"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"writing {where} failed: {e.strerror}; free space, {rerun}"
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"writing {where} failed: {e.strerror}; make {out or 'the directory'} writable or pass another --out, {rerun}"
+    return f"{where}: {e.strerror or e}; {rerun}"
 
 
 def quiet_datasets() -> None:

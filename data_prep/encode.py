@@ -198,8 +198,9 @@ def encode_batches(batches: Iterator[Batch], workers: int) -> Iterator[tuple[Bat
     # spawn, not fork: the parent holds datasets/pyarrow threads, and forking threads can deadlock.
     ctx = multiprocessing.get_context("spawn")
     quiet_resource_tracker()
-    with ctx.Pool(workers, initializer=init_worker, initargs=(True, os.getpid())) as pool:
-        pending: deque = deque()
+    pool = ctx.Pool(workers, initializer=init_worker, initargs=(True, os.getpid()))
+    pending: deque = deque()
+    try:
         for batch in batches:
             pending.append((batch, pool.apply_async(encode_pieces, ((batch.texts, batch.first),))))
             if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
@@ -208,3 +209,27 @@ def encode_batches(batches: Iterator[Batch], workers: int) -> Iterator[tuple[Bat
         while pending:
             done, result = pending.popleft()
             yield (done, *result.get())
+    finally:  # also when the caller stops early (a repair's last shard written) or raises
+        shut_down(pool, [result for _, result in pending])
+
+
+def shut_down(pool, pending: list) -> None:
+    """End the pool without Pool.terminate() while tasks are in flight.
+
+    terminate() (what `with Pool()` does on exit) raced the pool's task-handler thread: when it had
+    just taken the next batch (~256 KB pickled, more than a pipe holds) and not yet written it,
+    terminate's drain of the task pipe found it empty and stopped, the handler's write then blocked
+    forever on a pipe no one would read again, and terminate's join of that thread never returned:
+    data_prep hung at 0% CPU with its workers defunct (a repairing rerun stops early, with batches in
+    flight: 1 hang in 34 runs; tests/test_data_prep.py's slow stress test repeats it). Waiting for the
+    results in flight (a few batches, well under a second) leaves the handler idle, and close() +
+    join() then end the workers with the pool's own sentinels.
+    """
+    try:
+        for result in pending:
+            result.wait()
+    except BaseException:  # a second Ctrl-C while waiting: out at once, as before
+        pool.terminate()
+        raise
+    pool.close()
+    pool.join()

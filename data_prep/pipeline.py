@@ -22,7 +22,8 @@ from data_prep import sources
 from data_prep.config import PrepConfig, UserError
 from data_prep.encode import encode_batches, make_batches
 from data_prep.verify import shard_damage
-from data_prep.writer import ShardWriter, new_manifest, open_output, save_manifest, val_runs
+from data_prep.writer import ShardWriter, missing_dirs, new_manifest, open_output, remove_unused_output, \
+    save_manifest, val_runs
 
 SPREAD_OVERSAMPLE = 2
 """Spread: documents whose hash falls in the lowest SPREAD_OVERSAMPLE x budget/estimate of the hash
@@ -83,12 +84,26 @@ def job_settings(cfg: PrepConfig, val_tokens: int) -> dict:
 
 
 def prepare(cfg: PrepConfig, *, log: Callable[[str], None] = print) -> Summary:
+    """Run the job. One that fails before it has done any work leaves no --out behind (an empty
+    directory read as "prepared" to a person, and a rerun would start from nothing anyway)."""
+    made = missing_dirs(cfg.out)
+    try:
+        return run_job(cfg, log)
+    except BaseException:
+        remove_unused_output(cfg.out, made)
+        raise
+
+
+def run_job(cfg: PrepConfig, log: Callable[[str], None]) -> Summary:
     start_s = time.perf_counter()
     corpus = sources.plan(cfg)
     val_tokens, rule = resolve_val_tokens(cfg, corpus)
     if cfg.resolved_val_select == "spread":
         rule += "; documents chosen by the blake2b hash of their text (lowest first)"
-    manifest = open_output(cfg.out, new_manifest(corpus.description, job_settings(cfg, val_tokens), rule))
+    manifest = new_manifest(corpus.description, job_settings(cfg, val_tokens), rule)
+    if cfg.sources:  # as given (not in the fingerprint): what a command to prepare this corpus again names
+        manifest["source_args"] = [str(Path(s).absolute()) for s in cfg.sources]
+    manifest = open_output(cfg.out, manifest)
     if manifest["complete"]:
         return check_finished(cfg, corpus, manifest, log, start_s)
     corpus = sources.check(corpus, cfg)

@@ -14,8 +14,12 @@ very large corpora belong in .jsonl or .parquet files.
 from __future__ import annotations
 
 import codecs
+import contextlib
+import errno
 import json
 import os
+import re
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
@@ -28,6 +32,11 @@ BYTES_PER_TOKEN = 4
 """GPT-2 BPE averages ~4 bytes of English per token (Shakespeare 3.3, web text ~4.5): the default
 val budget is estimated from source bytes with this ratio."""
 READ_BATCH_ROWS = 1024
+PLAIN_PATH = re.compile(r"[\w./ ,+=@-]*")
+"""Paths `datasets` reads as they are. It hands data_files to fsspec, which reads `a::b` as a URL
+chain ("Unable to find", for 64 of 3,023 man pages named like Algorithm::Diff.3pm.txt) and `[x]`
+as a glob (a .txt file named a[x]b.txt gave no records and no error): a local path with any other
+character is read through a link with a plain name (readable_paths)."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +71,36 @@ class Corpus:
 
 
 def stat_source(path: Path, kind: str) -> SourceFile:
-    st = path.stat()
+    try:
+        st = path.stat()
+    except OSError as e:  # a dangling link in a source directory, or a file gone since it was listed
+        raise unreadable(str(path), e) from None
     return SourceFile(str(path.resolve()), kind, st.st_size, st.st_mtime_ns)
+
+
+def unreadable(path: str, e: OSError) -> UserError:
+    """A source that cannot be read, in the system's words, with what to do about it."""
+    fix = {errno.ENOENT: "it was moved or deleted (or is a dangling link): restore it or leave it out",
+           errno.EACCES: "make it readable (chmod) or leave it out"}.get(e.errno, "fix it or leave it out")
+    return UserError(f"{path}: cannot read this source ({e.strerror or e}); {fix}, then rerun the same command")
+
+
+@contextlib.contextmanager
+def readable_paths(paths: list[str]) -> Iterator[list[str]]:
+    """The paths as datasets can read them: plain ones as they are, others (PLAIN_PATH) through
+    symlinks with plain names in a temporary directory, removed on exit."""
+    if all(PLAIN_PATH.fullmatch(p) for p in paths):
+        yield paths
+        return
+    with tempfile.TemporaryDirectory(prefix="data_prep-links-") as links:
+        out = []
+        for i, p in enumerate(paths):
+            if not PLAIN_PATH.fullmatch(p):
+                link = os.path.join(links, f"{i:06d}{Path(p).suffix.lower()}")
+                os.symlink(p, link)
+                p = link
+            out.append(p)
+        yield out
 
 
 def discover(paths: tuple[str, ...], exclude: Path) -> list[SourceFile]:
@@ -119,26 +156,35 @@ def check(corpus: Corpus, cfg: PrepConfig) -> Corpus:
     """Every check that needs no tokenizing, before any work: JSON lines and parquet schemas, and
     UTF-8 of .txt files (one streaming read each; skipped files leave the corpus)."""
     files = [f for g in corpus.groups for f in g.files]
-    for f in files:
-        if f.kind == "json" and f.path.endswith(".jsonl"):
-            check_first_jsonl_record(f.path, cfg.text_field)
-        elif f.kind == "parquet":
-            check_parquet_schema(f.path, cfg.text_field)
     skipped = []
-    if cfg.on_decode_error != "replace":
-        for f in files:
-            if f.kind == "text" and (bad := first_bad_utf8(f.path)) is not None:
-                offset, line = bad
-                if cfg.on_decode_error == "fail":
-                    raise UserError(f"{f.path}:{line}: byte offset {offset} is not valid UTF-8; fix the file or pass "
-                                    "--on-decode-error skip (leave such files out) or replace (U+FFFD)")
-                skipped.append(f.path)
+    for f in files:
+        try:
+            skip = check_file(f, cfg)
+        except OSError as e:
+            raise unreadable(f.path, e) from None
+        if skip:
+            skipped.append(f.path)
     if not skipped:
         return corpus
     kept = [f for f in files if f.path not in set(skipped)]
     if not kept:
         raise UserError("empty corpus: every source file was skipped as undecodable")
     return replace(corpus, groups=group_files(kept, cfg.txt_sample_by), skipped_files=tuple(skipped))
+
+
+def check_file(f: SourceFile, cfg: PrepConfig) -> bool:
+    """check()'s look at one file; True: leave it out (not UTF-8, --on-decode-error skip)."""
+    if f.kind == "json" and f.path.endswith(".jsonl"):
+        check_first_jsonl_record(f.path, cfg.text_field)
+    elif f.kind == "parquet":
+        check_parquet_schema(f.path, cfg.text_field)
+    elif f.kind == "text" and cfg.on_decode_error != "replace" and (bad := first_bad_utf8(f.path)) is not None:
+        offset, line = bad
+        if cfg.on_decode_error == "fail":
+            raise UserError(f"{f.path}:{line}: byte offset {offset} is not valid UTF-8; fix the file or pass "
+                            "--on-decode-error skip (leave such files out) or replace (U+FFFD)")
+        return True
+    return False
 
 
 def single_document(corpus: Corpus, cfg: PrepConfig) -> str | None:
@@ -338,30 +384,45 @@ class RecordReader:
         n = 0
         name = self.field(group)
         try:
-            # Arrow tables, not the default Python format: unformatted, IterableDataset.iter builds
-            # a dict per example and then regroups them into a batch, which cost about as much CPU
-            # as tokenizing (all of it in the main process, so it also capped the parallel speedup).
-            ds = self.load(group).with_format("arrow")
-            # In document mode a .txt row is a whole file: one at a time, or a batch would hold
-            # READ_BATCH_ROWS files in memory at once.
-            rows = 1 if group.kind == "text" and self.cfg.txt_sample_by == "document" else READ_BATCH_ROWS
-            for table in ds.iter(batch_size=rows):
-                if n + table.num_rows <= skip:  # resuming: whole tables before the start are not converted
-                    n += table.num_rows
-                    continue
-                if name not in table.column_names:
-                    raise self.bad_record(group, n, f"no {self.cfg.text_field!r} field")
-                for text in table.column(name).to_pylist():
-                    if n >= skip:
-                        if not isinstance(text, str):
-                            raise self.bad_record(group, n, f"{self.cfg.text_field!r} is missing or not a string")
-                        yield text
-                    n += 1
+            with readable_paths([f.path for f in group.files]) as paths:
+                # Arrow tables, not the default Python format: unformatted, IterableDataset.iter
+                # builds a dict per example and then regroups them into a batch, which cost about
+                # as much CPU as tokenizing (all of it in the main process, so it also capped the
+                # parallel speedup).
+                ds = self.load(group, paths).with_format("arrow")
+                # In document mode a .txt row is a whole file: one at a time, or a batch would hold
+                # READ_BATCH_ROWS files in memory at once.
+                rows = 1 if group.kind == "text" and self.cfg.txt_sample_by == "document" else READ_BATCH_ROWS
+                for table in ds.iter(batch_size=rows):
+                    if n + table.num_rows <= skip:  # resuming: whole tables before the start are not converted
+                        n += table.num_rows
+                        continue
+                    if name not in table.column_names:
+                        raise self.bad_record(group, n, f"no {self.cfg.text_field!r} field")
+                    for text in table.column(name).to_pylist():
+                        if n >= skip:
+                            if not isinstance(text, str):
+                                raise self.bad_record(group, n, f"{self.cfg.text_field!r} is missing or not a string")
+                            yield text
+                        n += 1
+        except OSError as e:  # a source gone or unreadable since the plan: name it (not --out)
+            raise self.read_failure(group, e) from None
         except (pa.ArrowException, UnicodeDecodeError, ValueError) as e:
             if isinstance(e, UserError):
                 raise
             raise self.bad_record(group, n, f"cannot be read: {str(e).splitlines()[0]}") from None
         return n
+
+    def read_failure(self, group: Group, e: OSError) -> UserError:
+        """The source behind an OSError while reading: the first of the group's files that cannot be
+        opened now, else the error's own words."""
+        for f in group.files:
+            try:
+                open(f.path, "rb").close()
+            except OSError as found:
+                return unreadable(f.path, found)
+        where = group.files[0].path if len(group.files) == 1 else f"{group.files[0].path} (or a file after it)"
+        return unreadable(where, e)
 
     def field(self, group: Group) -> str:
         return "text" if group.kind == "text" else self.cfg.text_field
@@ -375,7 +436,9 @@ class RecordReader:
         where = group.files[min(record, len(group.files) - 1)].path if group.files else self.cfg.hf_dataset
         return UserError(f"{where}: record {record + 1}: {problem}")
 
-    def load(self, group: Group):
+    def load(self, group: Group, paths: list[str] = ()):
+        """The streaming dataset of group: the HF dataset, or `paths` (group's files as
+        readable_paths gives them) through the builder of their kind."""
         import datasets
 
         cfg = self.cfg
@@ -392,11 +455,10 @@ class RecordReader:
             if ds.column_names is not None:
                 ds = ds.select_columns([cfg.text_field])
             return ds
-        paths = [f.path for f in group.files]
         kwargs: dict = {}
         if group.kind == "text":
             kwargs = {"sample_by": cfg.txt_sample_by,
                       "encoding_errors": "replace" if cfg.on_decode_error == "replace" else "strict"}
         elif group.kind == "parquet":
             kwargs = {"columns": [cfg.text_field]}
-        return datasets.load_dataset(group.kind, data_files=paths, split="train", streaming=True, **kwargs)
+        return datasets.load_dataset(group.kind, data_files=list(paths), split="train", streaming=True, **kwargs)

@@ -118,6 +118,38 @@ def open_output(out: Path, manifest: dict) -> dict:
     return old
 
 
+def missing_dirs(out: Path) -> list[Path]:
+    """out and those of its parents that do not exist yet (what open_output will create), deepest first."""
+    out = out.absolute()
+    return [p for p in (out, *out.parents) if not p.exists()]
+
+
+def remove_unused_output(out: Path, made: list[Path]) -> None:
+    """After a failed job: remove the directories it created (`made`, from missing_dirs) when they hold
+    no work: nothing but a manifest without shards or chosen val documents, and temp files. A
+    directory that existed before, or holds a shard or a val choice (a long pass over a large
+    corpus), stays for the rerun to continue."""
+    out = out.absolute()
+    if out not in made or not out.is_dir():
+        return
+    try:
+        manifest = load_manifest(out)
+    except UserError:
+        return
+    if manifest is not None and (manifest["shards"] or manifest.get("val_records")):
+        return
+    names = [p.name for p in out.iterdir()]
+    if any(n != MANIFEST and not TEMP_RE.match(n) for n in names):
+        return
+    for n in names:
+        (out / n).unlink(missing_ok=True)
+    for d in made:  # deepest first; one a user filled meanwhile stays
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
 def val_runs(manifest: dict) -> list[list[int]] | None:
     """The val records as runs [start, end), or None where the manifest cannot tell (start the job over).
 

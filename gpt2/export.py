@@ -26,6 +26,10 @@ HF_TOKENIZER_FILES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
 # Files of a training run: a run directory must not be mistaken for an export target (its
 # config.json is the run's record, and export would overwrite it).
 RUN_MARKERS = ("checkpoints", "metrics.jsonl")
+EXPORT_FILES = ("config.json", "model.safetensors", *HF_TOKENIZER_FILES.values(), "tokenizer_config.json")
+"""What an export writes: a directory holding nothing else (or nothing) is one --out may (re)write."""
+EARLIER_FORMATS = ("pytorch_model.bin", "model.safetensors.index.json")
+"""Weights of another format an export over an earlier one removes (gpt2/model/hf.py save_hf_dir)."""
 
 
 def export(model: GPT, out_dir: str | Path) -> Path:
@@ -39,6 +43,14 @@ def export(model: GPT, out_dir: str | Path) -> Path:
     if clash:
         raise ValueError(f"--out {out} is a training run directory (it holds {', '.join(clash)}); "
                          "export into a new directory, e.g. --out RUN/hf")
+    # A data directory (or any other) got the export among its files, which were then listed as
+    # exported: only a new or empty directory, or an earlier export's, is written into.
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES + EARLIER_FORMATS) \
+        if out.is_dir() else []
+    if foreign:
+        raise ValueError(f"--out {out} holds files that are not an export's ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}); export into a new or empty directory, or an "
+                         "earlier export's")
     bpe = gpt2_bpe_files()  # before writing anything: an export without its tokenizer is an error
     save_hf_dir(model, out)
     write_tokenizer_files(out, bpe)
@@ -76,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpt2.export: error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
         return 1
     step = f" (step {info['step']})" if "step" in info else ""
-    print(f"exported {info['path']}{step} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    print(f"exported {info['path']}{step} to {out}: {', '.join(sorted(EXPORT_FILES))}")
     return 0
 
 

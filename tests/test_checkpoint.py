@@ -16,7 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _helpers import import_train_ddp, no_space_after, tiny_run_flags
+from _helpers import (
+    hold_after_step,
+    import_train_ddp,
+    launch,
+    no_space_after,
+    patched_train_script,
+    tiny_run_flags,
+    wait_for_step,
+)
 from conftest import REPO
 
 from gpt2.ckpt import checkpoint as ckpt
@@ -160,7 +168,7 @@ def test_auto_takes_the_newest_of_the_directorys_run_not_the_pointer_to_another(
     assert ckpt.resolve_resume(str(tmp_path / "checkpoints" / "step_00000009.pt"), tmp_path).name == "step_00000009.pt"
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "no_sidecar", "garbage_sidecar"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage_sidecar"])
 def test_damaged_newest_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_path, damage):
     good = ckpt.save_checkpoint(tmp_path, 1, state(1), keep=3)
     bad = ckpt.save_checkpoint(tmp_path, 2, state(2), keep=3)
@@ -170,20 +178,106 @@ def test_damaged_newest_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_pa
         bad.write_bytes(bytes(data))
     elif damage == "truncate":
         bad.write_bytes(bytes(data[: len(data) // 3]))
-    elif damage == "no_sidecar":
-        bad.with_suffix(".json").unlink()
     else:
         bad.with_suffix(".json").write_text("{not json")
     warnings = []
     assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) == good
     assert len(warnings) == 1 and "skipping checkpoint" in warnings[0] and bad.name in warnings[0]
-    expected = {"flip": "sha256 does not match", "truncate": "truncated", "no_sidecar": "did not finish",
-                "garbage_sidecar": "did not finish"}[damage]
+    expected = {"flip": "sha256 does not match", "truncate": "truncated", "garbage_sidecar": "did not finish"}[damage]
     with pytest.raises(ckpt.CheckpointError, match=expected):
         ckpt.resolve_resume(str(bad), tmp_path)
     with pytest.raises(ckpt.CheckpointError, match=expected):
         ckpt.load_checkpoint(bad)
     ckpt.load_checkpoint(good)
+
+
+def test_a_checkpoint_whose_sidecar_is_gone_is_used_with_a_warning_when_it_checks_out(tmp_path):
+    """Issue 41: sidecars removed (a copy tool that skips .json files, a person tidying up) made auto skip
+    every checkpoint and start over, and --resume PATH and gpt2.export refuse the intact files. A .pt
+    whose zip checksums match and that loads as the step its name says is used, with a warning."""
+    ckpt.save_checkpoint(tmp_path, 1, state(1), keep=3, run_id="r")
+    path = ckpt.save_checkpoint(tmp_path, 2, state(2), keep=3, run_id="r")
+    data, sidecar = path.read_bytes(), json.loads(path.with_suffix(".json").read_text())
+    for p in (tmp_path / "checkpoints").glob("*.json"):
+        p.unlink()
+    warnings = []
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) == path
+    assert warnings == [f"checkpoint {path} has lost its sidecar step_00000002.json (size and sha256): using it, "
+                        "as every record's zip checksum matches and it loads as step 2; a run that resumes from it "
+                        "writes the sidecar again"]
+    assert ckpt.resolve_resume(str(path), tmp_path, warn=warnings.append) == path
+    with pytest.warns(UserWarning, match="lost its sidecar"):
+        assert torch.equal(load_state_w(path), state(2)["model"]["w"])
+    assert ckpt.checkpoint_meta(path) == sidecar  # what the sidecar said, from the file alone
+    # Every rank checks rank 0's choice: its size, and (the first rank of each node) its bytes.
+    from gpt2.ckpt import resume
+
+    point = resume._point(path)
+    assert not point.sidecar and (point.sha256, point.bytes, point.run_id) == (sidecar["sha256"], len(data), "r")
+    assert resume.check_visible(point, rehash=True) is None
+    path.write_bytes(flip(data, 10))
+    assert resume.check_visible(point, rehash=False) is None  # the same size: only a rehash sees it
+    assert "sees a different step_00000002.pt" in resume.check_visible(point, rehash=True)
+    path.write_bytes(data)
+    # Damaged as well: refused by name, skipped by auto for the one before it.
+    for damage, why in ((data[:len(data) // 2], "not a complete zip archive"),
+                        (flip(data, len(data) // 2), "fails its zip checksum")):
+        path.write_bytes(damage)
+        warnings = []
+        assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000001.pt"
+        assert why in warnings[0] and "lost its sidecar" in warnings[1]
+        with pytest.raises(ckpt.CheckpointError, match=why):
+            ckpt.resolve_resume(str(path), tmp_path)
+    # Renamed to another step's name: not the checkpoint it claims to be.
+    path.write_bytes(data)
+    os.rename(path, path.with_name("step_00000007.pt"))
+    with pytest.raises(ckpt.CheckpointError, match="holds step 2, not the step its name says"):
+        ckpt.resolve_resume(str(path.with_name("step_00000007.pt")), tmp_path)
+
+
+def load_state_w(path):
+    return ckpt.load_checkpoint(path)["model"]["w"]
+
+
+def flip(data: bytes, at: int) -> bytes:
+    out = bytearray(data)
+    out[at] ^= 0xFF
+    return bytes(out)
+
+
+def test_auto_refuses_to_start_over_checkpoints_it_cannot_verify(tmp_path):
+    """Every checkpoint of the run damaged: auto warned about each, then started fresh (the run moved
+    aside, training from step 0, exit 0). Now a one-line refusal that says how to go on."""
+    for path in [ckpt.save_checkpoint(tmp_path, step, state(step), keep=3, run_id="r") for step in (1, 2)]:
+        path.write_bytes(path.read_bytes()[:100])
+    (tmp_path / "config.json").write_text(json.dumps({"run_id": "r"}))
+    warnings = []
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resolve_resume("auto", tmp_path, warn=warnings.append)
+    assert len(warnings) == 2 and all("truncated" in w for w in warnings)
+    assert str(err.value) == (f"--resume auto: none of this run's 2 checkpoint(s) in {tmp_path / 'checkpoints'} "
+                              "verifies (step_00000002.pt, step_00000001.pt; the warnings above say why), so the run "
+                              "would start over: restore them (with their .json sidecars), pass --resume PATH of "
+                              "another checkpoint, or --resume never to start fresh (this run's files move into a "
+                              "previous-* folder)")
+    # Another run's checkpoints do not hold a fresh start back (they are ignored, with a warning).
+    (tmp_path / "config.json").write_text(json.dumps({"run_id": "other"}))
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) is None
+
+
+def test_resuming_a_data_manifest_says_it_is_not_a_checkpoint(tmp_path, shakespeare_shards):
+    """`--resume DATA/manifest.json` read the manifest as its own sidecar: "2181 bytes but None were
+    written; truncated"."""
+    manifest = shakespeare_shards / "manifest.json"
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resolve_resume(str(manifest), tmp_path)
+    assert str(err.value) == (f"{manifest}: data_prep's manifest of the token shards in {shakespeare_shards}, not a "
+                              "checkpoint: pass that directory as --data-dir; pass a step_*.pt file or step_*/ "
+                              "directory, or a run directory")
+    other = tmp_path / "notes.txt"
+    other.write_text("hello")
+    with pytest.raises(ckpt.CheckpointError, match="notes.txt: not a checkpoint"):
+        ckpt.resolve_resume(str(other), tmp_path)
 
 
 def test_named_paths(tmp_path):
@@ -443,7 +537,7 @@ def main_err(args, capsys) -> tuple[int, str]:
 def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_directory(tmp_path, shakespeare_shards, monkeypatch,
                                                                      capsys, async_ckpt):
     """false: the final synchronous save (was: the RuntimeError's traceback, ENOSPC only in its context);
-    true: step 2's background write, reported at step 4's save (was: "RuntimeError: ... unexpected pos")."""
+    true: step 2's background write, reported at a later step (was: "RuntimeError: ... unexpected pos")."""
     monkeypatch.setattr(ckpt._HashingWriter, "write", no_space_after(4096))
     args = [*tiny_run_flags(shakespeare_shards, max_steps=2 if async_ckpt == "false" else 4, ckpt_interval=2,
                             eval_tokens=256), "--out-dir", str(tmp_path), "--async-ckpt", async_ckpt]
@@ -455,6 +549,35 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_directory(tmp_path, 
     assert lines[0].startswith(f"train_ddp.py: error: writing the checkpoint of step 2{background} failed (No space "
                                f"left on device in {tmp_path / 'checkpoints'} ("), lines[0]
     assert "unexpected pos" not in err and "The newest complete checkpoint is the one before it" in err
+
+
+def test_a_failed_background_write_is_reported_at_the_next_step_not_the_next_save(tmp_path, shakespeare_shards,
+                                                                                  monkeypatch, capsys):
+    """Issue 41: a background write that failed (disk full) was reported at the next save, 20 steps of
+    compute later. The step after the failure stops the run with it. The test holds the trainer after
+    step 4's save until the writer's thread has failed (a slow machine may not have by then), so step 5
+    is that next step."""
+    from gpt2.train import trainer
+
+    monkeypatch.setattr(ckpt._HashingWriter, "write", no_space_after(4096))
+    real_save = trainer.save
+
+    def save_then_wait_for_the_failure(parts, *args, **kwargs):
+        real_save(parts, *args, **kwargs)
+        if parts.step == 4:
+            while not parts.writer.failed:  # the event the trainer looks for, without a deadline
+                time.sleep(0.01)
+
+    monkeypatch.setattr(trainer, "save", save_then_wait_for_the_failure)
+    args = [*tiny_run_flags(shakespeare_shards, max_steps=12, ckpt_interval=4, eval_tokens=256),
+            "--out-dir", str(tmp_path), "--async-ckpt", "true"]
+    code, err = main_err(args, capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("train_ddp.py: error: writing the checkpoint of step 4 in the background failed (No space")
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert steps == [1, 2, 3, 4, 5]  # stopped at step 5, not at step 8's save
+    assert not (tmp_path / "requeue").exists() and not (tmp_path / "run.lock").exists()
 
 
 def test_resuming_the_sidecar_says_so_and_names_the_checkpoint(tmp_path):
@@ -518,3 +641,31 @@ def test_a_real_full_disk_and_a_read_only_out_dir_are_one_line(tmp_path, shakesp
     assert run.returncode == 2
     assert run.stderr == (f"train_ddp.py: error: --out-dir {read_only / 'run'}: cannot write in {read_only} (a "
                           "read-only file system); pass a writable --out-dir\n")
+
+
+def test_a_run_directory_made_read_only_mid_run_is_one_line(tmp_path, shakespeare_shards, tmpfs):
+    """Issue 41: RUN turned read-only under a running trainer ended in two chained tracebacks (the
+    metrics write's EROFS, then the lock's removal). Now one line naming the file, the fix, and that
+    run.lock stays (nothing can remove it from a read-only directory) for the next start to take over."""
+    fs = tmpfs("200m")
+    run_dir, release = fs / "run", tmp_path / "release"
+    args = [*tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2, eval_tokens=256), "--out-dir",
+            str(run_dir), "--async-ckpt", "false"]
+    job = launch(args, nproc=1, log_dir=tmp_path / "logs",
+                 script=patched_train_script(tmp_path, hold_after_step(3, release)))
+    try:
+        # Step 3 logged: step 2's checkpoint is complete and no file is open for writing (the remount
+        # would fail), and step 3 owes nothing else before the hold.
+        wait_for_step(job, run_dir, 3)
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        release.touch()
+        assert job.wait() == 1
+    finally:
+        job.kill()
+    assert job.stderr == (f"train_ddp.py: error: rank 0: {run_dir / 'metrics.jsonl'}: Read-only file system; make "
+                          f"--out-dir {run_dir} writable (or free space) and rerun with --resume auto: it continues "
+                          f"from the newest checkpoint; {run_dir / 'run.lock'} could not be removed: the next start "
+                          "takes it over\n")
+    # It cannot be removed from a read-only directory; its holder has exited, which the next start
+    # sees (test_resume.py: a holder killed with SIGKILL is taken over).
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] == job.proc.pid

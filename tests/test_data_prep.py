@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from data_prep.config import PrepConfig, UserError
-from data_prep.encode import BATCH_CHARS, IN_FLIGHT_PER_WORKER, Batch, encode_batches, split_text
+from data_prep.encode import BATCH_CHARS, IN_FLIGHT_PER_WORKER, Batch, encode_batches, make_batches, split_text
 from data_prep.pipeline import prepare
 from gpt2.core.config import EOT_TOKEN
 from gpt2.data.shards import HEADER_BYTES, MAGIC, ShardFiles, read_header, write_shard
@@ -64,11 +65,12 @@ def run(cfg_kwargs: dict) -> None:
     prepare(PrepConfig(progress=False, **cfg_kwargs), log=lambda m: None)
 
 
-def cli(*args: str, command: list[str] | None = None, check_rc: int | None = 0, **kw) -> subprocess.CompletedProcess:
+def cli(*args: str, command: list[str] | None = None, check_rc: int | None = 0, timeout_s: float = 120,
+        **kw) -> subprocess.CompletedProcess:
     """`python -m data_prep ARGS` (or `command`, e.g. patched_command(...), instead of `python -m data_prep`)."""
     command = command or [sys.executable, "-m", "data_prep"]
     proc = subprocess.run([*command, "--no-progress", *args] if args[:1] != ("verify",) else [*command, *args],
-                          capture_output=True, text=True, cwd=REPO, timeout=120, **kw)
+                          capture_output=True, text=True, cwd=REPO, timeout=timeout_s, **kw)
     if check_rc is not None:
         assert proc.returncode == check_rc, f"rc={proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}"
     return proc
@@ -669,6 +671,96 @@ def test_user_errors_are_one_line_exit_2(tmp_path, case, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1 and not out
 
 
+def test_local_paths_work_whatever_their_characters(tmp_path, paragraphs, capsys):
+    """datasets hands data_files to fsspec, which reads `::` as a URL chain: data_prep failed on
+    Algorithm::Diff.3pm.txt ("writing OUT failed: Unable to find ...; free space"), and a name with
+    `[x]` was a glob that matched nothing (no records, no error). Every such name is read now."""
+    src = tmp_path / "man [pages]::1"
+    src.mkdir()
+    names = ["Algorithm::Diff.3pm.txt", "a::b.jsonl", "c[x]d.txt", "e*f?.txt", "g#h%20{i}.parquet", "plain.txt"]
+    docs = {}
+    for i, name in enumerate(names):
+        text = paragraphs[i] + "\n\n" + paragraphs[i + 20]
+        if name.endswith(".jsonl"):
+            write_jsonl(src / name, [text])
+        elif name.endswith(".parquet"):
+            write_parquet(src / name, [text])
+        else:
+            (src / name).write_text(text)
+        docs[name] = text
+    (src / "cxd.txt").write_text("what the glob c[x]d.txt matches instead")
+    docs["cxd.txt"] = "what the glob c[x]d.txt matches instead"
+    out = tmp_path / "out"
+    rc, stdout, err = main_inproc("--source", str(src), "--out", str(out), "--val-tokens", "0", "--workers", "1",
+                                  capsys=capsys)
+    assert rc == 0, err
+    np.testing.assert_array_equal(split_tokens(out, "train"), expected_tokens([docs[n] for n in sorted(docs)]))
+    # Paragraph mode (one load_dataset call per file) and a --source that is itself such a file.
+    out = tmp_path / "para"
+    run(dict(sources=(str(src / "Algorithm::Diff.3pm.txt"),), out=out, val_tokens=0, txt_sample_by="paragraph"))
+    np.testing.assert_array_equal(split_tokens(out, "train"),
+                                  expected_tokens(docs["Algorithm::Diff.3pm.txt"].split("\n\n")))
+    assert not list(Path(tempfile.gettempdir()).glob("data_prep-links-*"))  # the links are gone
+
+
+def test_a_source_that_cannot_be_read_is_named_as_such(tmp_path, paragraphs, capsys):
+    """Every OSError was "writing OUT failed: ...; free space or fix the directory": a dangling link
+    among the sources, or a source deleted while data_prep ran, blamed the output directory."""
+    from data_prep import sources
+
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.txt").write_text(paragraphs[0])
+    (src / "b.txt").symlink_to(tmp_path / "gone.txt")
+    rc, out, err = main_inproc("--source", str(src), "--out", str(tmp_path / "out"), capsys=capsys)
+    assert rc == 2 and err.count("\n") == 1 and not out
+    assert err.startswith(f"error: {src / 'b.txt'}: cannot read this source (No such file or directory); it was "
+                          "moved or deleted (or is a dangling link)")
+    assert "free space" not in err and not (tmp_path / "out").exists()
+    # Deleted after the plan, while reading: the reader names the file.
+    (src / "b.txt").unlink()
+    (src / "b.txt").write_text(paragraphs[1])
+    cfg = PrepConfig(out=tmp_path / "out", sources=(str(src),), progress=False)
+    reader = sources.RecordReader(sources.plan(cfg), cfg)
+    (src / "b.txt").unlink()
+    with pytest.raises(UserError, match=f"^{src.resolve() / 'b.txt'}: cannot read this source \\(No such file"):
+        list(reader.records(0))
+
+
+def test_a_failed_prep_leaves_no_empty_out_but_keeps_finished_work(tmp_path, paragraphs, capsys):
+    """A job refused on its input after --out was made left an empty directory (a manifest, no shards)
+    that read as "prepared"; its parents too. One that wrote a shard keeps everything for the rerun."""
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:50])
+    out = tmp_path / "new" / "deeper" / "out"
+    rc, _, err = main_inproc("--source", str(src), "--out", str(out), "--text-field", "body", capsys=capsys)
+    assert rc == 2 and "--text-field" in err
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    rc, _, _ = main_inproc("--source", str(src), "--out", str(existing), "--text-field", "body", capsys=capsys)
+    assert rc == 2 and existing.is_dir()  # the user's own directory stays
+
+
+def test_a_read_only_out_is_not_a_full_disk(tmp_path, paragraphs, monkeypatch, capsys):
+    """Only a full disk asks for free space; a read-only or forbidden --out says so."""
+    import errno
+
+    import data_prep.writer
+
+    def read_only(path, tokens):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(data_prep.writer, "write_shard", read_only)
+    src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:100])
+    out = tmp_path / "out"
+    rc, _, err = main_inproc("--source", str(src), "--out", str(out), "--val-tokens", "0", "--workers", "1",
+                             capsys=capsys)
+    assert rc == 1 and err.count("\n") == 1
+    assert err.startswith(f"error: writing {out / 'train_000000.bin'} failed: Read-only file system; make {out} "
+                          "writable or pass another --out")
+    assert "free space" not in err
+
+
 def test_user_error_through_the_real_command_has_no_traceback(tmp_path):
     proc = cli("--source", str(tmp_path / "nope"), "--out", str(tmp_path / "out"), check_rc=2)
     assert proc.stderr == f"error: --source {tmp_path / 'nope'}: no such file or directory\n"
@@ -867,8 +959,103 @@ def test_a_full_disk_is_one_line_and_the_rerun_continues(tmp_path, paragraphs, m
             "--workers", "1"]
     rc, out, err = main_inproc(*args, capsys=capsys)
     assert rc == 1 and not out
-    assert err == (f"error: writing {tmp_path / 'out'} failed: No space left on device; free space or fix the "
-                   "directory, then rerun the same command: it continues after the last complete shard\n")
+    assert err == (f"error: writing {tmp_path / 'out'} failed: No space left on device; free space, then rerun the "
+                   "same command: it continues after the last complete shard\n")
     monkeypatch.setattr(data_prep.writer, "write_shard", real)  # space freed
     assert main_inproc(*args, capsys=capsys)[0] == 0
     assert main_inproc("verify", str(tmp_path / "out"), capsys=capsys)[0] == 0
+
+
+# ---------------------------------------------------------------------------------------------- the pool's shutdown
+
+
+def test_an_early_stop_ends_the_pool_without_terminating_its_workers(shakespeare_path):
+    """A caller that stops reading encode_batches early (a repairing rerun, once its last damaged shard
+    is written) used to leave `with Pool()` to terminate() the pool with batches in flight, which
+    raced the pool's task handler and hung data_prep once in 34 repairs (encode.shut_down). Now the
+    results in flight are collected and the workers end on the pool's sentinels: exit status 0, not
+    -SIGTERM."""
+    import multiprocessing
+
+    words = shakespeare_path.read_text().split()
+    before = {p.pid for p in multiprocessing.active_children()}
+    batches = encode_batches(make_batches(enumerate(words * 3)), 2)
+    next(batches)
+    workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    batches.close()  # batches still in flight, as a repair's early return leaves them
+    assert len(workers) == 2 and [w.exitcode for w in workers] == [0, 0]
+
+
+POOL_RACE = """\
+# encode_batches stopped early, ITERATIONS times, each time while the pool's task-handler thread is
+# (almost surely) pickling its next task: the window in which Pool.terminate() lost its race.
+import sys, time
+sys.path.insert(0, {repo!r})
+from data_prep.encode import Batch, encode_batches
+
+
+class SlowToPickle(str):
+    def __reduce__(self):  # 50 ms in the task handler, between its state check and its write
+        time.sleep(0.05)
+        return (str, (str(self),))
+
+
+def batches(text):
+    for i in range(1000):
+        b = Batch()
+        b.add(SlowToPickle("x"), i, True, True)
+        b.add(text, i, False, True)  # more than a pipe holds: a write nobody reads blocks forever
+        yield b
+
+
+if __name__ == "__main__":
+    text = " ".join(open(sys.argv[1]).read().split()[:80_000])
+    for it in range(int(sys.argv[2])):
+        out = encode_batches(batches(text), 2)
+        next(out)
+        out.close()
+        print("stopped early", it + 1, flush=True)
+"""
+POOL_RACE_LOOPS = 8
+REPAIR_LOOPS = 20
+
+
+@pytest.mark.slow
+def test_the_pools_shutdown_race_is_gone(tmp_path, shakespeare_path):
+    """The repair hang, made likely: with the task handler held 50 ms inside its pickling of each task
+    (a text whose pickling sleeps), terminate() hung before encode.shut_down in 2 of 2 runs of this
+    test (after the 4th and the 7th early stop; a single early stop hung 1 run in 3), while the loop of
+    real repairs below hung in none of 30. POOL_RACE_LOOPS early stops must each end; a hang fails at
+    the deadline."""
+    script = tmp_path / "pool_race.py"
+    script.write_text(POOL_RACE.format(repo=str(REPO)))
+    try:
+        proc = subprocess.run([sys.executable, str(script), str(shakespeare_path), str(POOL_RACE_LOOPS)],
+                              capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        done = (e.stdout or b"").decode().count("stopped early")
+        pytest.fail(f"encode_batches hung after {done} of {POOL_RACE_LOOPS} early stops")
+    assert proc.returncode == 0 and proc.stdout.count("stopped early") == POOL_RACE_LOOPS, proc.stderr
+
+
+@pytest.mark.slow
+def test_many_repairing_reruns_never_hang(tmp_path, shakespeare_path):
+    """The issue's stress test: a finished job's early shard deleted and repaired by the real command,
+    REPAIR_LOOPS times (tiny documents, one word each, so each batch is tens of thousands of strings).
+    A hang fails the iteration at its deadline; every repair restores the same bytes. On its own this
+    loop did not catch the old hang (none in 30 repairs here: the race needs the pool's pipe full at
+    the early stop); test_the_pools_shutdown_race_is_gone above does."""
+    src = write_jsonl(tmp_path / "words.jsonl", shakespeare_path.read_text().split())
+    out = tmp_path / "out"
+    args = ("--source", str(src), "--out", str(out), "--shard-tokens", "50000", "--val-tokens", "0", "--workers", "2")
+    cli(*args)
+    clean = all_bytes(out)
+    assert len(clean) >= 6
+    for i in range(REPAIR_LOOPS):
+        (out / "train_000001.bin").unlink()
+        try:
+            proc = cli(*args, timeout_s=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"repair {i + 1} of {REPAIR_LOOPS} hung (no exit within 300 s)")
+        assert proc.stdout.startswith(f"repaired {out}: rewrote train_000001.bin"), proc.stdout
+    assert all_bytes(out) == clean

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,33 @@ def test_missing_val_shards_say_why_they_are_needed_with_eval_interval_0(data, t
     assert "no *val*.bin shards" in line and "--val-tokens N" in line
     assert "at step 0 and at the end (--eval-interval 0 leaves out only the evaluations in between)" in line
     assert "--eval-tokens 0" in line
+
+
+def test_the_command_printed_for_a_missing_val_split_runs(tmp_path, shakespeare_path, capsys):
+    """Issue 41: the hint for a missing val split was `python -m data_prep --source --val-tokens N (the
+    tokens of whole documents to hold out; 0 makes none) --out DIR`: no source, a comment inside the
+    command. Now it is the command for this corpus (from the manifest), which the test runs, and the
+    directory it made holds the val split the run needs."""
+    src = tmp_path / "corpus odd::name"  # quoted in the printed line, and readable by data_prep
+    src.mkdir()
+    (src / "a.txt").write_text(shakespeare_path.read_text()[:60_000])
+    data = tmp_path / "data"
+    prep = [sys.executable, "-m", "data_prep", "--no-progress", "--workers", "1"]
+    done = subprocess.run([*prep, "--source", str(src), "--out", str(data), "--val-tokens", "0", "--txt-sample-by",
+                           "paragraph"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    code, err, _ = train(data, tmp_path / "run", capsys)
+    line = one_error(err)
+    assert code == 2 and "no *val*.bin shards" in line and "--eval-tokens 0" in line
+    command = re.search(r"`([^`]+)`", line).group(1)
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "data_prep"] and str(src) in argv and "--val-tokens" in argv
+    done = subprocess.run([sys.executable, *argv[1:], "--no-progress"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    new_dir = Path(re.search(r"pass --data-dir (\S+);", line).group(1))
+    assert new_dir == tmp_path / "data-val"
+    assert find_shards(new_dir, "val").total_tokens >= 1024  # the run's --eval-tokens: it can start there
 
 
 # ------------------------------------------------------------------ item 6: the manifest

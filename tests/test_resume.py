@@ -321,12 +321,29 @@ def save_checkpoint(out_dir, step, state, **kwargs):
 
 
 ckpt.save_checkpoint = save_checkpoint
+
+import time
+import gpt2.train.trainer as trainer
+
+_trainer_save = trainer.save
+
+
+def save(parts, *args, **kwargs):  # rank 0 holds the run after step 3's save until its writer has failed
+    _trainer_save(parts, *args, **kwargs)
+    if parts.step == 3 and parts.writer is not None:
+        while not parts.writer.failed:
+            time.sleep(0.01)
+
+
+trainer.save = save
 """
 
 
 def test_a_failed_background_write_stops_every_rank_with_one_error(tmp_path, shakespeare_shards):
-    """Rank 0's writer fails at step 3; at the next save (step 6) every rank learns it through the
-    save's all-gather and exits: no rank is left waiting in a collective."""
+    """Rank 0's writer fails at step 3; at the next step (4; it was the next save, step 6) every rank
+    votes to stop, learns the error through the stop's save and exits: no rank is left waiting in a
+    collective. Rank 0 holds the run after step 3 until its writer has failed (it may take longer than
+    a step), so step 4 is deterministically the step after the failure."""
     run_dir = tmp_path / "run"
     job = run(flags(shakespeare_shards, run_dir, "--dist-timeout-s", "120"), nproc=2, log_dir=tmp_path,
               script=patched_train_script(tmp_path, FAIL_WRITE_OF_STEP_3))
@@ -334,7 +351,7 @@ def test_a_failed_background_write_stops_every_rank_with_one_error(tmp_path, sha
     assert job.stderr.count("train_ddp.py: error: writing the checkpoint of step 3 in the background failed "
                             f"(No space left on device in {run_dir / 'checkpoints'} (") == 1, job.output()
     assert "a collective operation failed" not in job.stderr
-    assert max(losses(run_dir)) == 6  # found at the step-6 save, not at the end
+    assert max(losses(run_dir)) == 4  # found at the next step, not at the step-6 save or the end
     assert not (run_dir / "checkpoints" / "step_00000003.pt").exists()
 
 
@@ -411,20 +428,56 @@ def test_a_refused_resume_of_another_run_moves_nothing_aside(tmp_path, shakespea
     assert sorted(losses(run_dir)) == [1, 2, 3]
 
 
-def test_resume_auto_with_its_only_checkpoint_damaged_starts_apart(tmp_path, shakespeare_shards, capsys):
+def test_resume_auto_with_its_only_checkpoint_damaged_refuses_then_never_starts_apart(tmp_path, shakespeare_shards,
+                                                                                      capsys):
+    """Issue 41: auto skipped the damaged checkpoint, moved the run aside and trained from step 0 with
+    exit 0. Now it refuses in one line, leaving the directory as it was; --resume never starts apart."""
     run_dir = tmp_path / "run"
     assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0
     damaged = run_dir / "checkpoints" / "step_00000002.pt"
     data = damaged.read_bytes()[:5000]
     damaged.write_bytes(data)
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
     code, out, err = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3"), capsys)
+    assert code == 2 and "skipping checkpoint" in err and "truncated" in err
+    refusal = [line for line in err.splitlines() if "none of this run's" in line]
+    assert len(refusal) == 1 and "--resume never to start fresh" in refusal[0], err
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+    code, out, err = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3",
+                                      "--resume", "never"), capsys)
     assert code == 0
-    assert "skipping checkpoint" in err and "truncated" in err
     assert "fresh start: moved the earlier run's checkpoints, metrics.jsonl, config.json" in out
     assert sorted(losses(run_dir)) == [1, 2, 3]
     assert sorted(losses(previous(run_dir))) == [1, 2]
     assert (previous(run_dir) / "checkpoints" / "step_00000002.pt").read_bytes() == data  # kept, as it was
     assert sorted(sidecar_run_ids(run_dir)) == ["step_00000003"]
+
+
+def test_checkpoints_whose_sidecars_are_gone_resume_and_export(tmp_path, shakespeare_shards, capsys):
+    """Issue 41: with the .json sidecars removed, the same command warned three times, moved the run aside
+    and trained from step 0 (exit 0), and --resume PATH and gpt2.export refused the intact .pt files. Now
+    auto resumes the newest (warning once) and writes its sidecar again, so retention counts it;
+    gpt2.export takes such a file too. (The file is the one written: a resume from it is the bitwise
+    resume the tests above check.)"""
+    from gpt2.export import main as export_main
+
+    run_dir = tmp_path / "run"
+    assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0
+    for sidecar in (run_dir / "checkpoints").glob("*.json"):
+        sidecar.unlink()
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="lost its sidecar"):
+        assert export_main(["--checkpoint", str(run_dir / "checkpoints" / "step_00000002.pt"),
+                            "--out", str(tmp_path / "hf")]) == 0
+    assert "exported" in capsys.readouterr().out
+    code, out, err = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3"),
+                                capsys)
+    assert code == 0, err
+    assert err.count("lost its sidecar step_00000002.json") == 1 and "skipping" not in err, err
+    assert f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in out and "moved" not in out
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+    verify_checkpoint(run_dir / "checkpoints" / "step_00000002.pt")  # its sidecar is back, and right
+    assert sorted(sidecar_run_ids(run_dir)) == ["step_00000002", "step_00000003"]
 
 
 def test_the_issues_scenario_auto_never_resumes_the_earlier_run(tmp_path, shakespeare_shards, capsys):
@@ -464,6 +517,29 @@ def test_an_old_format_checkpoint_without_a_run_id_still_resumes(tmp_path, shake
     assert sorted(losses(run_dir)) == [1, 2, 3] and not list(run_dir.glob("previous-*"))
     assert run_id(run_dir) is None  # it goes on as a run without an id ...
     assert sidecar_run_ids(run_dir) == {"step_00000002": None, "step_00000003": None}  # ... whose checkpoints match
+
+
+def test_a_resume_with_another_batch_size_continues_the_token_count(tmp_path, shakespeare_shards, capsys):
+    """Issue 41: tokens were step x batch, so after a resume with another --total-batch-size metrics.jsonl
+    jumped (30,720 at step 30, 63,488 at step 31), and the checkpoint, the loss curve's axis and the
+    "resumed at" line said the same. Tokens are counted as consumed."""
+    run_dir = tmp_path / "run"
+    assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0  # 512 a step
+    code, out, _ = in_process(small(shakespeare_shards, run_dir, "--max-steps", "4", "--total-batch-size", "1024"),
+                              capsys)
+    assert code == 0 and f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2 (1,024 tokens)" in out
+    assert {r["step"]: r["tokens"] for r in records(run_dir) if "loss" in r} == {1: 512, 2: 1024, 3: 2048, 4: 3072}
+    assert [r["tokens"] for r in records(run_dir) if "val_loss" in r] == [0, 1024, 3072]  # the curve's axis
+    assert load_ckpt(run_dir, 4)["tokens"] == 3072
+
+
+def test_a_checkpoint_without_the_token_count_counts_its_steps_at_its_batch():
+    """One written before the count (no "tokens"): its steps x its --total-batch-size, as then."""
+    from gpt2.train.state import tokens_of
+
+    saved = {"step": 6, "config": {"train": {"total_batch_size": 1024}}}
+    assert tokens_of(saved) == 6144
+    assert tokens_of({**saved, "tokens": 5000}) == 5000
 
 
 def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoint(tmp_path, reference):

@@ -118,14 +118,18 @@ def test_resume_never_in_a_used_directory_plans_a_fresh_run_and_writes_nothing(t
     assert not rundir.records_present(tmp_path)
 
 
-def test_auto_with_its_only_checkpoint_damaged_starts_fresh_and_sets_everything_aside(tmp_path):
+def test_auto_with_its_only_checkpoint_damaged_refuses_and_never_sets_everything_aside(tmp_path):
+    """Issue 41: this started fresh and set the run aside; auto now refuses to start over checkpoints
+    it cannot verify, and --resume never is the way to start fresh."""
     path = save(tmp_path, 2, "old-run")
     run_info(tmp_path, run_id="old-run")
     path.write_bytes(path.read_bytes()[:100])
     warnings = []
-    start = resume.choose_start("auto", tmp_path, ONE, warn=warnings.append)
-    assert start.point is None and start.run_id != "old-run" and start.set_aside == ("checkpoints", "config.json")
+    with pytest.raises(ckpt.CheckpointError, match="none of this run's 1 checkpoint"):
+        resume.choose_start("auto", tmp_path, ONE, warn=warnings.append)
     assert len(warnings) == 1 and "truncated" in warnings[0]
+    start = resume.choose_start("never", tmp_path, ONE, warn=warnings.append)
+    assert start.point is None and start.run_id != "old-run" and start.set_aside == ("checkpoints", "config.json")
 
 
 def test_auto_ignores_another_runs_checkpoint_even_when_it_is_newer(tmp_path):

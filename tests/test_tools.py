@@ -224,7 +224,7 @@ def test_incompatible_checkpoints_are_refused(tmp_path, capsys):
         load_any(tmp_path / "tok")
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
-    with pytest.raises(ckpt.CheckpointError, match="sidecar"):
+    with pytest.raises(ckpt.CheckpointError, match="junk.pt: not a checkpoint"):
         load_any(junk)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="neither a run directory"):
@@ -593,3 +593,26 @@ def test_eval_loss_refuses_a_val_id_outside_the_vocabulary(hf_dir, tmp_path, cap
     assert main(["loss", "--checkpoint", str(hf_dir), "--data-dir", str(tmp_path), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{tmp_path / 'val_000000.bin'}: token id 60000 at token offset 500" in err
+
+
+def test_export_refuses_a_directory_that_is_not_an_earlier_export(hf_dir, tmp_path, capsys):
+    """Issue 41: `gpt2.export --out DATA` wrote the export among the shards and listed the shards as
+    exported files. A non-empty directory that is not an earlier export is refused, untouched; an
+    earlier export is written again, and the line lists what was written."""
+    from gpt2.export import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "train_000000.bin", np.arange(100))
+    (data / "manifest.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    assert main(["--checkpoint", str(hf_dir), "--out", str(data)]) == 2
+    assert capsys.readouterr().err == (f"gpt2.export: error: --out {data} holds files that are not an export's "
+                                       "(manifest.json, train_000000.bin); export into a new or empty directory, or "
+                                       "an earlier export's\n")
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+    again = tmp_path / "again"
+    for _ in range(2):  # a new directory, then the same one: an earlier export
+        assert main(["--checkpoint", str(hf_dir), "--out", str(again)]) == 0
+        assert capsys.readouterr().out.endswith(f"to {again}: config.json, merges.txt, model.safetensors, "
+                                                "tokenizer_config.json, vocab.json\n")

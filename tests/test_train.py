@@ -191,6 +191,32 @@ def test_read_metrics_refuses_a_damaged_line_that_is_not_the_last(tmp_path):
     log.close()
 
 
+def test_a_resume_warns_when_a_cut_line_loses_rows_it_will_not_log_again(tmp_path, capsys):
+    """Issue 41: a metrics.jsonl cut mid-line (a full disk, a copy cut short) lost rows silently on
+    resume. The rows the resume will not log again are named; a cut row of a later step (logged again
+    as the resumed run reaches it) is dropped without a word."""
+    from gpt2.dist.group import Dist
+    from gpt2.train.metrics import Metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = '{"step": 1, "loss": 10.0}\n{"step": 2, "loss": 9.5}\n'
+    log = Metrics(Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")), tmp_path)
+    for cut, resume_at, warning in (
+            ('{"step": 3, "lo', 4, f"{path}:3 was cut mid-record ('{{\"step\": 3, \"lo') and is dropped: the row of "
+                                   "step 3, and any logged after it up to step 4, are lost (the run resumes at step 4 "
+                                   "and does not run those steps again)"),
+            ('{"step": 2, "val_lo', 2, "a row of step 2 is lost"),
+            ('{"st', 3, "a row logged after step 2 is lost"),
+            ('{"step": 3, "lo', 2, None)):
+        path.write_text(rows + cut)
+        capsys.readouterr()
+        log.truncate_after(resume_at)
+        err = capsys.readouterr().err
+        assert (warning in err and err.count("\n") == 1) if warning else err == "", (cut, err)
+        assert path.read_text() == "".join(line + "\n" for line in rows.splitlines()[:resume_at])
+    log.close()
+
+
 def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path, capsys):
     """Rank 0 sizes the micro-batch with the planner; a memory cap passed to it gives a smaller one."""
     from gpt2.core.config import ModelConfig, RunConfig, TrainConfig

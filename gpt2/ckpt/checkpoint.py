@@ -23,12 +23,14 @@ Stop signals, RUN/requeue and exit codes: gpt2/dist/preempt.py.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -40,6 +42,8 @@ FORMAT_VERSION = 1
 _NAME = re.compile(r"^step_(\d{8,})(\.pt)?$")
 TRAIN_FILE = "train.pt"
 """In a sharded checkpoint's directory: what rank 0 alone saves (everything but model and optimizer)."""
+ZIP_MAGIC = b"PK\x03\x04"
+"""The first bytes of every file torch.save writes (a zip archive): anything else is not a checkpoint."""
 
 
 class CheckpointError(ValueError):
@@ -81,9 +85,8 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int, r
     with atomic_write(path) as f:
         writer = _HashingWriter(f)
         torch.save({**state, "format": FORMAT_VERSION, "step": step, **_run_id_field(run_id)}, writer)
-    meta = {"step": step, "file": path.name, "bytes": writer.size, "sha256": writer.sha.hexdigest(),
-            **_run_id_field(run_id)}
-    atomic_write_bytes(path.with_suffix(".json"), json.dumps(meta).encode())
+    write_sidecar(path, {"step": step, "file": path.name, "bytes": writer.size, "sha256": writer.sha.hexdigest(),
+                         **_run_id_field(run_id)})
     atomic_write_bytes(ckdir / "latest", (path.name + "\n").encode())
     fsync_dir(ckdir)
     prune_checkpoints(out_dir, path, keep=keep, run_id=run_id, warn=warn)
@@ -259,6 +262,13 @@ def _run_id_field(run_id: str | None) -> dict:
     return {} if run_id is None else {"run_id": run_id}
 
 
+def write_sidecar(path: Path, meta: dict) -> Path:
+    """path's sidecar (atomic; returned): written after the checkpoint is complete, or again for one
+    whose sidecar was lost (gpt2/ckpt/resume.py restore_sidecar)."""
+    atomic_write_bytes(path.with_suffix(".json"), json.dumps(meta).encode())
+    return path.with_suffix(".json")
+
+
 def read_sidecar(path: str | Path) -> dict:
     """The sidecar of checkpoint path (step, file, bytes, sha256, run_id): the one reader of the format.
     Raises OSError (FileNotFoundError when it is missing) or ValueError (not a JSON object)."""
@@ -390,8 +400,14 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def verify_checkpoint(path: str | Path) -> None:
-    """Raise CheckpointError unless path is complete and matches its sidecar's size and sha256."""
+def verify_checkpoint(path: str | Path, warn=warnings.warn) -> None:
+    """Raise CheckpointError unless path is complete and matches its sidecar's size and sha256.
+
+    A .pt file whose sidecar is gone (a copy tool that skips .json files, a person tidying up, a
+    writer killed between the file's rename and its sidecar) is checked without it instead
+    (checkpoint_meta): usable, with a warning, when every record's zip checksum matches and it
+    loads as a checkpoint of the step its name says.
+    """
     path = Path(path)
     if path.suffix == ".json" and _NAME.match(path.stem):  # read as its own sidecar it looked "truncated"
         target = path.with_suffix("") if is_sharded_checkpoint(path.with_suffix("")) else path.with_suffix(".pt")
@@ -399,8 +415,18 @@ def verify_checkpoint(path: str | Path) -> None:
                               f"checkpoint; pass {target}")
     if not is_checkpoint(path):
         raise CheckpointError(f"{path}: no such checkpoint file")
+    if path.is_file():
+        not_zip = not_a_checkpoint(path)
+        if not_zip:
+            raise CheckpointError(not_zip)
     meta = sidecar(path)
     if meta is None:
+        if path.is_file() and not path.with_suffix(".json").exists():
+            meta = checkpoint_meta(path)
+            warn(f"checkpoint {path} has lost its sidecar {path.with_suffix('.json').name} (size and sha256): "
+                 f"using it, as every record's zip checksum matches and it loads as step {meta['step']}; a run "
+                 "that resumes from it writes the sidecar again")
+            return
         raise CheckpointError(f"{path}: its sidecar {path.with_suffix('.json').name} is missing or unreadable; "
                               "the write did not finish")
     if path.is_dir():
@@ -411,6 +437,62 @@ def verify_checkpoint(path: str | Path) -> None:
         raise CheckpointError(f"{path}: {size} bytes but {meta.get('bytes')} were written; truncated")
     if file_sha256(path) != meta.get("sha256"):
         raise CheckpointError(f"{path}: sha256 does not match its sidecar; the file is corrupt")
+
+
+def not_a_checkpoint(path: Path) -> str | None:
+    """Why file `path` is not a checkpoint at all (not a zip archive, as torch.save writes), or None.
+    `--resume data/DIR/manifest.json` was read as its own sidecar and called "truncated"."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(ZIP_MAGIC))
+    except OSError as e:
+        return f"{path}: cannot be read ({e.strerror or e})"
+    if head == ZIP_MAGIC or head == b"":
+        return None  # an empty file is a truncated checkpoint: the sidecar check says so
+    what = "not a checkpoint (a checkpoint is a step_*.pt file that torch.save wrote)"
+    try:  # a manifest is a few KB to MB; a shard or other large file is not read whole to find out
+        doc = json.loads(path.read_bytes()) if path.stat().st_size < (64 << 20) else None
+    except (OSError, ValueError):
+        doc = None
+    if isinstance(doc, dict) and "shards" in doc and "fingerprint" in doc:
+        what = (f"data_prep's manifest of the token shards in {path.parent}, not a checkpoint: pass that "
+                "directory as --data-dir")
+    return f"{path}: {what}; pass a step_*.pt file or step_*/ directory, or a run directory"
+
+
+def checkpoint_meta(path: Path) -> dict:
+    """The sidecar's fields of checkpoint path ({step, file, bytes, sha256, run_id}): its sidecar, or
+    for a .pt file without one, what the file itself shows (verified: CheckpointError otherwise)."""
+    meta = sidecar(path)
+    if meta is not None:
+        return meta
+    st = path.stat()
+    return dict(_meta_from_file(str(path), st.st_size, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_from_file(path_str: str, size: int, mtime_ns: int) -> tuple:
+    """A sidecar-less .pt's fields, once per version of the file (size and mtime in the key): its
+    zip records' CRC-32s checked (one read), its step compared with its name, its sha256 (one read)."""
+    path = Path(path_str)
+    fix = "resume an earlier checkpoint, or copy this one again with its .json sidecar"
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(f"{path}: its sidecar is missing and the file is not a complete zip archive ({e}): "
+                              f"truncated or damaged; {fix}") from None
+    if bad is not None:
+        raise CheckpointError(f"{path}: its sidecar is missing and its record {bad} fails its zip checksum: the "
+                              f"file is corrupt; {fix}")
+    state = load_checkpoint(path, verify=False)
+    step, named = state.get("step"), _NAME.match(path.name)
+    if not isinstance(step, int) or (named is not None and int(named.group(1)) != step):
+        raise CheckpointError(f"{path}: its sidecar is missing and it holds step {step!r}, not the step its name "
+                              f"says; {fix}")
+    meta = {"step": step, "file": path.name, "bytes": size, "sha256": file_sha256(path),
+            **_run_id_field(state.get("run_id"))}
+    return tuple(meta.items())
 
 
 def load_checkpoint(path: str | Path, *, verify: bool = True, mmap: bool = True) -> dict:
@@ -459,7 +541,7 @@ def latest_valid(out_dir: str | Path, warn=warnings.warn, *, run_id=_DIRECTORY_R
             warn(stray_warning(path, run_id))
     for path in candidates:  # newest step first
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, warn)
         except CheckpointError as e:
             warn(f"skipping checkpoint: {e}")
             continue
@@ -495,7 +577,10 @@ def resolve_resume(resume: str, out_dir: str | Path, warn=warnings.warn, *, run_
     if resume == "never":
         return None
     if resume == "auto":
-        return latest_valid(out_dir, warn, run_id=run_id)
+        found = latest_valid(out_dir, warn, run_id=run_id)
+        if found is None:
+            refuse_unverified(out_dir, run_id)
+        return found
     path = Path(resume)
     if path.is_dir() and not is_sharded_checkpoint(path):
         found = latest_valid(path if (path / "checkpoints").is_dir() else path.parent, warn)
@@ -503,7 +588,22 @@ def resolve_resume(resume: str, out_dir: str | Path, warn=warnings.warn, *, run_
             raise CheckpointError(f"--resume {resume}: no valid checkpoint in that directory")
         return found
     if not path.exists():
-        raise CheckpointError(f"--resume {resume}: no such checkpoint file; pass a step_* file or directory that "
+        raise CheckpointError(f"--resume {resume}: no such checkpoint file; pass a step_*.pt file or directory that "
                               "exists, a run directory (its newest valid checkpoint), auto or never")
-    verify_checkpoint(path)
+    verify_checkpoint(path, warn)
     return path
+
+
+def refuse_unverified(out_dir: str | Path, run_id=_DIRECTORY_RUN) -> None:
+    """--resume auto found no checkpoint of the directory's run that verifies: a CheckpointError when
+    there are some (each skipped with a warning), rather than a fresh start that moves them aside and
+    trains from step 0 with exit 0."""
+    if run_id is _DIRECTORY_RUN:
+        run_id = directory_run_id(out_dir)
+    unverified = [p.name for p in list_checkpoints(out_dir) if belongs(p, run_id)]
+    if unverified:
+        raise CheckpointError(
+            f"--resume auto: none of this run's {len(unverified)} checkpoint(s) in {checkpoint_dir(out_dir)} "
+            f"verifies ({', '.join(unverified[:3])}{', ...' if len(unverified) > 3 else ''}; the warnings above say "
+            "why), so the run would start over: restore them (with their .json sidecars), pass --resume PATH of "
+            "another checkpoint, or --resume never to start fresh (this run's files move into a previous-* folder)")

@@ -50,6 +50,9 @@ class ResumePoint:
     bytes: int
     run_id: str | None = None
     """The run the checkpoint belongs to (its sidecar's run_id; None from before run ids)."""
+    sidecar: bool = True
+    """False: a .pt whose sidecar was lost, verified by rank 0 through its zip checksums and contents
+    (gpt2/ckpt/checkpoint.py checkpoint_meta); the other ranks compare its size and hash instead."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,9 @@ class Start:
 
 
 def _point(path: Path) -> ResumePoint:
-    meta = ckpt.read_sidecar(path)
-    return ResumePoint(str(path), int(meta["step"]), meta["sha256"], int(meta["bytes"]), ckpt.run_id_of(meta))
+    meta = ckpt.checkpoint_meta(path)  # its sidecar, or the verified fields of a .pt that lost it
+    return ResumePoint(str(path), int(meta["step"]), meta["sha256"], int(meta["bytes"]), ckpt.run_id_of(meta),
+                       sidecar=ckpt.sidecar(path) is not None)
 
 
 def newest_seen(out_dir: str | Path, run_id: str | None = rundir.ANY_RUN) -> str | None:
@@ -82,6 +86,13 @@ def newest_seen(out_dir: str | Path, run_id: str | None = rundir.ANY_RUN) -> str
 def check_visible(point: ResumePoint, *, rehash: bool) -> str | None:
     """None if this process can use `point`'s file, else what is wrong with it here."""
     path = Path(point.path)
+    if not point.sidecar:  # a .pt that lost its sidecar: its size here, and its bytes where rehash
+        try:
+            size = path.stat().st_size
+            same = size == point.bytes and (not rehash or ckpt.file_sha256(path) == point.sha256)
+        except OSError as e:
+            return f"cannot read {path} ({type(e).__name__}: {e})"
+        return None if same else f"sees a different {path.name} ({size} bytes; rank 0's: {point.bytes} bytes)"
     try:
         meta = ckpt.read_sidecar(path)
         size = ckpt.checkpoint_size(path)  # a sharded checkpoint: the files its sidecar lists
@@ -205,6 +216,21 @@ def set_aside_abandoned(start: Start, out_dir: str | Path, dist: Dist) -> Path |
 
     return _rank0_moves(move, dist, f"cannot move {', '.join(start.abandon)} in {ckpt.checkpoint_dir(out_dir)} "
                                     f"into an {ckpt.ABANDONED_PREFIX}* folder")
+
+
+def restore_sidecar(start: Start, out_dir: str | Path, dist: Dist) -> Path | None:
+    """Rank 0 writes the sidecar of the resumed checkpoint again when it was lost (start.point.sidecar
+    False) and the checkpoint is in this run directory: retention counts only checkpoints with one,
+    and would otherwise delete it at the next save. Returns the sidecar written; a failure to write
+    it changes nothing else (the resume goes on)."""
+    point = start.point
+    if not dist.is_main or point is None or point.sidecar:
+        return None
+    path = Path(point.path)
+    if path.parent.resolve() != ckpt.checkpoint_dir(out_dir).resolve():
+        return None
+    return ckpt.write_sidecar(path, {"step": point.step, "file": path.name, "bytes": point.bytes,
+                                     "sha256": point.sha256, **({} if point.run_id is None else {"run_id": point.run_id})})
 
 
 def _rank0_moves(move, dist: Dist, failure: str) -> Path | None:

@@ -325,12 +325,16 @@ class RunLock:
                 pass
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lock, if it is still ours (never another run's)."""
+        """Stop the heartbeat and remove the lock, if it is still ours (never another run's). Never
+        raises: it runs while an error of the run itself may be on its way out."""
         self._stop.set()
         self._thread.join()
         if (_parse(_read_bytes(self.path)) or {}).get("nonce") == self.record["nonce"]:
-            self.path.unlink(missing_ok=True)
-            fsync_dir(self.path.parent)
+            try:
+                self.path.unlink(missing_ok=True)
+                fsync_dir(self.path.parent)
+            except OSError:  # RUN turned read-only (or went away) under the run: the lock stays, its
+                pass  # holder (this process) is about to exit, and the next start takes it over (stale_reason)
 
 
 def _read_bytes(path: Path) -> bytes:

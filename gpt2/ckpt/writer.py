@@ -13,8 +13,9 @@ Rules:
   - at most one write in flight: the next save first waits for the previous one;
   - a stop (SIGTERM/USR1) and the final save wait for any write in flight, then save synchronously,
     so RUN/requeue still follows a durable checkpoint (gpt2/dist/preempt.py);
-  - a write that failed is never lost: `wait()` raises it (CheckpointWriteError) at the next save,
-    stop or end of the run, and the trainer sends it to every rank (gpt2/train/state.py save).
+  - a write that failed is never lost: `failed` turns True when its thread ends, the trainer asks at
+    every step and stops every rank at the next one (its stop vote), and `wait()` raises the error
+    (CheckpointWriteError), which the trainer sends to every rank (gpt2/train/state.py save).
 Memory: the copy is a second copy of the state in rank 0's host memory (a 124M AdamW run: ~1.5 GB;
 gpt2-xl: ~19 GB), from the first periodic save to the end of the run: its buffers are kept and reused
 (on CUDA they are pinned, which is slow to allocate and makes the device-to-host copy asynchronous;
@@ -187,6 +188,13 @@ class CheckpointWriter:
     @property
     def in_flight(self) -> bool:
         return self._thread is not None
+
+    @property
+    def failed(self) -> bool:
+        """True once the write in flight has ended with an error (which wait() raises). Never blocks:
+        the trainer asks at every step, so a full disk is reported at the next step, not at the next
+        save (gpt2/train/trainer.py run_loop)."""
+        return self._thread is not None and not self._thread.is_alive() and "error" in self._result
 
     def submit(self, out_dir: str | Path, step: int, state: dict, *, keep: int, **save_kwargs) -> None:
         """Start writing state (after the previous write, whose error this raises).

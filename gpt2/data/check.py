@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,47 @@ def out_of_vocab(path: str | Path, offset: int, token: int) -> str:
     return (f"{path}: token id {token} at token offset {offset} is outside the GPT-2 vocabulary (0..{GPT2_VOCAB_SIZE - 1}): "
             "the shards were written with another tokenizer; prepare them with this project's "
             "`python -m data_prep`")
+
+
+VAL_SHARE = 10
+"""prep_command's val split takes at most 1/VAL_SHARE of the corpus (data_prep's own cap for its floor)."""
+
+
+def prep_command(data_dir: str | Path, eval_tokens: int, min_tokens: int) -> tuple[str, Path] | None:
+    """The data_prep command (a shell line) that prepares data_dir's corpus again with its settings and
+    a val split for an evaluation of eval_tokens (at most a tenth of the corpus, at least min_tokens)
+    into a new directory beside it, and that directory; None when data_dir has no readable manifest
+    to take the sources from (llm.c's shards)."""
+    try:
+        manifest = read_manifest(data_dir)
+    except ShardError:
+        return None
+    if manifest is None:
+        return None
+    data_dir = Path(data_dir)
+    corpus = int((manifest.get("totals") or {}).get("tokens") or 0)
+    val_tokens = max(min_tokens, min(eval_tokens, corpus // VAL_SHARE))
+    out = data_dir.with_name(data_dir.name + "-val")
+    n = 2
+    while out.exists():  # data_prep refuses a directory of another job: a new one
+        out, n = data_dir.with_name(f"{data_dir.name}-val{n}"), n + 1
+    sources, settings = manifest.get("sources", {}), manifest.get("settings", {})
+    if "files" in sources:
+        where = ["--source", *manifest.get("source_args", [f["path"] for f in sources["files"]])]
+    else:
+        where = ["--hf-dataset", sources.get("hf_dataset")]
+        where += ["--hf-config", sources["hf_config"]] if sources.get("hf_config") else []
+        where += ["--hf-split", sources.get("hf_split", "train")]
+        files = [f["path"] for f in sources.get("hf_data_files", [])]
+        where += ["--hf-data-files", *files] if files else []
+    flags = {"--shard-tokens": settings.get("shard_tokens"), "--text-field": settings.get("text_field"),
+             "--on-decode-error": settings.get("on_decode_error"), "--txt-sample-by": settings.get("txt_sample_by"),
+             "--val-select": settings.get("val_select")}
+    args = ["python", "-m", "data_prep", *where, "--out", str(out), "--val-tokens", str(val_tokens)]
+    for flag, value in flags.items():
+        if value is not None:
+            args += [flag, str(value)]
+    return shlex.join(args), out
 
 
 def read_manifest(data_dir: str | Path) -> dict | None:

@@ -64,9 +64,9 @@ def find_shards(data_dir: str | Path, split: str) -> ShardSet:
                          "`python -m data_prep --source FILES --out DIR`")
     paths = sorted(p for p in data_dir.glob(f"*{split}*.bin") if p.is_file())
     if not paths:
-        how = "--val-tokens N (the tokens of whole documents to hold out; 0 makes none)" if split == "val" else "FILES"
-        raise ShardError(f"--data-dir {data_dir}: no *{split}*.bin shards; prepare them with "
-                         f"`python -m data_prep --source {how} --out DIR`")
+        how = ("prepare a val split with data_prep's --val-tokens N (N tokens of whole documents held out)"
+               if split == "val" else "prepare them with `python -m data_prep --source FILES --out DIR`")
+        raise ShardError(f"--data-dir {data_dir}: no *{split}*.bin shards; {how}")
     sizes = []
     for p in paths:
         n = read_header(p)

@@ -48,7 +48,7 @@ from gpt2.train.startup import (
     log_auto,
     log_epochs,
 )
-from gpt2.train.state import check_compatible
+from gpt2.train.state import check_compatible, tokens_of
 
 GPUS_PER_NODE = 8
 """A hypothetical GPU cluster's ranks per node unless --nproc-per-node says otherwise."""
@@ -228,7 +228,7 @@ def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log)
             loader.load_state_dict(state["loader"])
         except ValueError as e:  # as gpt2/train/state.py restore words it
             raise ckpt.CheckpointError(f"{point.path}: {e}") from None
-    log.info(f"resume     would load {point.path} (step {point.step}, {state['tokens']:,} tokens, "
+    log.info(f"resume     would load {point.path} (step {point.step}, {tokens_of(state):,} tokens, "
              f"{point.bytes / GIB:.2f} GiB, sha256 {point.sha256[:12]}... verified; saved at world size "
              f"{state['world_size']}) and continue at step {state['step']}")
     return int(state["step"]), position

@@ -266,7 +266,7 @@ def _load_checkpoint(model: torch.nn.Module, source: Source) -> dict:
 
     path = Path(source.path)
     ckpt.verify_checkpoint(path)  # the sha256 its sidecar records, and so config.json records
-    meta = ckpt.read_sidecar(path)
+    meta = ckpt.checkpoint_meta(path)  # the sidecar, or the fields of a .pt that lost it (verified above)
     state = ckpt.load_checkpoint(path, verify=False, mmap=True)
     if state.get("sharded"):
         dcp_io.load_weights(model, path, no_dist=True)  # rank 0 alone: no collective

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -49,10 +50,17 @@ class Metrics:
             self._wandb = wandb.init(project=wandb_project, config=run_config, dir=str(out_dir), resume="allow")
 
     def truncate_after(self, step: int) -> None:
-        """On resume: keep only records up to `step`, so the log reads like one uninterrupted run."""
+        """On resume: keep only records up to `step`, so the log reads like one uninterrupted run. A last
+        line cut mid-record (a full disk, a copy cut short) is dropped with a warning naming the rows
+        lost: the resume does not run the steps up to `step` again."""
         if not self.active or not self.path.is_file():
             return
-        kept = [rec for rec in parse_records(self.path.read_text(), self.path) if rec.get("step", 0) <= step]
+        text = self.path.read_text()
+        records = parse_records(text, self.path)
+        kept = [rec for rec in records if rec.get("step", 0) <= step]
+        problem = lost_rows(text, records, step, self.path)
+        if problem:
+            self.warn(problem)
         atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
 
     def info(self, message: str) -> None:
@@ -116,6 +124,37 @@ def parse_records(text: str, where: str | Path) -> list[dict]:
             raise ValueError(f"{where}:{i}: not a JSON record ({line[:60]!r}); the metrics log is damaged. "
                              "Repair or remove that line (or move the file away) and rerun")
     return out
+
+
+def lost_rows(text: str, records: list[dict], step: int, where: str | Path) -> str | None:
+    """A warning when metrics.jsonl text ends in a line cut mid-record (parse_records drops it) whose
+    row a resume from `step` will not write again; None otherwise (e.g. the row of a step past `step`,
+    which the resumed run logs anew)."""
+    lines = text.splitlines()
+    last = len(lines)
+    while last and not lines[last - 1].strip():
+        last -= 1
+    if not last:
+        return None
+    try:
+        if isinstance(json.loads(lines[last - 1]), dict):
+            return None
+    except ValueError:
+        pass
+    cut = lines[last - 1]
+    found = re.match(r'\s*\{\s*"step"\s*:\s*(\d+)', cut)
+    before = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+    cut_step = int(found.group(1)) if found else None
+    if (cut_step if cut_step is not None else before) > step:  # rows are in step order: a later step's
+        return None  # row, which the resumed run writes again
+    if cut_step is None:
+        lost = f"a row logged after step {before} is"
+    elif cut_step < step:
+        lost = f"the row of step {cut_step}, and any logged after it up to step {step}, are"
+    else:
+        lost = f"a row of step {cut_step} is"
+    return (f"{where}:{last} was cut mid-record ({cut[:60]!r}) and is dropped: {lost} lost (the run resumes "
+            f"at step {step} and does not run those steps again)")
 
 
 def read_metrics(path: str | Path, *, missing_ok: bool = False) -> list[dict]:

@@ -24,14 +24,14 @@ import numpy as np
 import torch
 
 from gpt2.ckpt.checkpoint import CheckpointError
-from gpt2.ckpt.resume import Start, choose_start, set_aside_abandoned, set_aside_earlier_run
+from gpt2.ckpt.resume import Start, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
 from gpt2.ckpt.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
 from gpt2.core import precision
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
 from gpt2.core.config import RunConfig, TrainConfig
 from gpt2.core.schedule import grad_accum_steps
-from gpt2.data.check import check_listed, verify_shards
+from gpt2.data.check import check_listed, prep_command, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
 from gpt2.data.shards import ShardError
 from gpt2.dist.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
@@ -112,6 +112,14 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
                  f"moved its later {', '.join(start.abandon)} and their sidecars into {abandoned}/ with a copy of "
                  f"metrics.jsonl, so --resume auto never returns to that branch (nothing deleted); metrics.jsonl "
                  f"goes on from step {start.point.step}")
+    try:
+        restored = restore_sidecar(start, tc.out_dir, dist)
+    except OSError as e:  # the resume needs no sidecar: it goes on, and says what retention will do
+        log.warn(f"could not write the lost sidecar of {start.point.path} again ({e.strerror or e}); the next "
+                 "save's retention will count it as incomplete and delete it")
+    else:
+        if restored is not None:
+            log.info(f"wrote {restored.name} again for the checkpoint resumed without it")
     log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict())
     return Startup(cfg, prec, loss, peak, network, start)
 
@@ -221,14 +229,25 @@ def find_val_shards(cfg: RunConfig) -> ShardSet:
     except ShardError as e:
         if not Path(tc.data_dir).is_dir():
             raise
-        raise ShardError(f"{e}. The run evaluates on them at step 0 and at the end (--eval-interval 0 leaves out "
-                         "only the evaluations in between); or pass --eval-tokens 0 to train without validation") from None
+        raise ShardError(f"{str(e).split(';')[0]}. The run evaluates on them at step 0 and at the end (--eval-interval "
+                         f"0 leaves out only the evaluations in between): {prepare_val(cfg)}; or pass --eval-tokens 0 "
+                         "to train without validation") from None
     if val.total_tokens < block + 1:
         raise ShardError(f"--data-dir {tc.data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
                          f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
-                         f"loss nan); prepare more with `python -m data_prep ... --val-tokens N` (N > {block}), or "
-                         "pass --eval-tokens 0 to train without validation")
+                         f"loss nan); {prepare_val(cfg)}; or pass --eval-tokens 0 to train without validation")
     return val
+
+
+def prepare_val(cfg: RunConfig) -> str:
+    """How to get a val split for this run: data_prep's command for the data directory's corpus (from
+    its manifest) with val tokens for the run's evaluation, at least one sequence; or the flag to use."""
+    tc, block = cfg.train, cfg.model.block_size
+    found = prep_command(tc.data_dir, tc.eval_tokens, block + 1)
+    if found is None:  # no manifest (llm.c's shards): the corpus is unknown here
+        return f"prepare a val split with data_prep's --val-tokens N (N > {block})"
+    command, out = found
+    return f"prepare the corpus again with a val split, `{command}`, and pass --data-dir {out}"
 
 
 def check_out_dir(out_dir: str) -> None:

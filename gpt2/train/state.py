@@ -60,6 +60,9 @@ class Parts:
     scaler: torch.amp.GradScaler
     """Scales the loss under float16 (its gradients would underflow); disabled, a pass-through, otherwise."""
     step: int = 0
+    tokens: int = 0
+    """Training tokens consumed by the steps so far: each step adds its --total-batch-size, so a resume
+    with another batch size continues the count (step x batch would rewrite the past)."""
     writer: CheckpointWriter | None = None
     """Rank 0's background checkpoint writer (--async-ckpt); None on the other ranks and when off."""
     run_id: str | None = None
@@ -226,14 +229,23 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
         log.info(f"resume: {path} predates --data-order; continuing with the {parts.loader.order} order "
                  "it was trained with (start fresh, --resume never, for the shuffled one)")
     parts.step = state["step"]
+    parts.tokens = tokens_of(state)
     if state["world_size"] != dist.world_size:
         log.info(f"resume: world size {state['world_size']} -> {dist.world_size}; "
                  f"accumulation is now {parts.accum_steps} micro-steps")
-    log.info(f"resumed from {path} at step {parts.step} ({state['tokens']:,} tokens)")
+    log.info(f"resumed from {path} at step {parts.step} ({parts.tokens:,} tokens)")
     try:  # rank 0 alone reads the log: its problem must reach every rank (build's agree_on_step)
         log.truncate_after(parts.step)
     except ValueError as e:
         raise ckpt.CheckpointError(str(e)) from None
+
+
+def tokens_of(state: dict) -> int:
+    """The tokens a checkpoint's steps consumed. A checkpoint without the count (none is written without
+    it now) was a run whose batch never changed: its steps x its --total-batch-size."""
+    if "tokens" in state:
+        return int(state["tokens"])
+    return int(state["step"]) * int(state["config"]["train"]["total_batch_size"])
 
 
 def load_weights_and_moments(parts: Parts, path: Path, state: dict) -> None:
@@ -273,7 +285,7 @@ def checkpoint_state(parts: Parts, cfg: RunConfig, dist: Dist, rngs: list[dict],
     without model and optimizer (train.pt of a sharded checkpoint; DCP holds those)."""
     small = {"scaler": parts.scaler.state_dict(), "config": cfg.to_dict(), "tokenizer": TOKENIZER,
              "loader": parts.loader.state_dict(), "rng": rngs, "world_size": dist.world_size,
-             "tokens": parts.step * cfg.train.total_batch_size, "torch_version": str(torch.__version__)}
+             "tokens": parts.tokens, "torch_version": str(torch.__version__)}
     if sharded:
         return {**small, "optimizer_kind": "muon" if hasattr(parts.optimizer, "optimizers") else "adamw"}
     return {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(), **small}

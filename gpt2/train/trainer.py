@@ -347,6 +347,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     parts.optimizer.zero_grad(set_to_none=True)
     parts.loader.advance()
     parts.step += 1
+    parts.tokens += tc.total_batch_size
     if parts.step < tc.max_steps:
         prefetch(parts)
     return out
@@ -478,7 +479,9 @@ def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float
     slow_phase = True  # start-up: collectives run under --dist-timeout-s until a step has completed
     while parts.step < tc.max_steps:
         t0 = time.perf_counter()
-        out = train_step(parts, cfg, dist, stop_request.signum is not None)
+        # A failed background checkpoint write votes to stop like a signal: every rank stops after
+        # this step and the stop's save raises the write's error on every rank (state.save).
+        out = train_step(parts, cfg, dist, stop_request.signum is not None or write_failed(parts))
         out.started_s = t0
         if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
             set_timeout(dist, tc.dist_step_timeout_s)
@@ -508,6 +511,11 @@ def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float
         png = plot_loss_curve(log.path, Path(tc.out_dir) / "loss_curve.png")
         log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")
     return 0
+
+
+def write_failed(parts: Parts) -> bool:
+    """Rank 0's background checkpoint write has failed (gpt2/ckpt/writer.py); False on other ranks."""
+    return parts.writer is not None and parts.writer.failed
 
 
 def report(stats: StepStats, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, progress: Progress, has_val: bool,
@@ -542,7 +550,7 @@ def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics
     """Evaluate, sample and save as act says, after step parts.step."""
     tc, step = cfg.train, parts.step
     if act.evaluate:
-        log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist))
+        log.log_eval(step, tokens_at(parts, cfg, step), evaluate(parts, cfg, dist))
     if act.hellaswag:
         log_hellaswag(parts, cfg, dist, log, hellaswag, step)
     # A sharded model's every forward all-gathers weights: every rank generates (same prompt, same
@@ -570,12 +578,19 @@ def log_step(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, out: dict, 
         forget_cpu_peak(dist.device, tc.dtype)
         peak = None
     log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                  "tokens": step * tc.total_batch_size, "step_s": dt, "tok_per_s": tok_s,
+                  "tokens": tokens_at(parts, cfg, step), "step_s": dt, "tok_per_s": tok_s,
                   "mfu": step_mfu,
                   "mem_mb": memory_mb(dist.device), "skipped": out["skipped"],
                   **({"overflow": out["overflow"], "loss_scale": parts.scaler.get_scale()}
                      if parts.scaler.is_enabled() else {})}, tc.max_steps)
     return peak
+
+
+def tokens_at(parts: Parts, cfg: RunConfig, step: int) -> int:
+    """Tokens consumed up to step `step` (at most parts.step, and of this run's steps: every step since
+    the start or resume took --total-batch-size tokens). A step's numbers are read one step late on
+    CUDA (run_loop), when parts.tokens already counts the next."""
+    return parts.tokens - (parts.step - step) * cfg.train.total_batch_size
 
 
 def close_run(parts: Parts, dist: Dist, log: Metrics) -> None:
@@ -618,7 +633,7 @@ def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, exampl
     from gpt2.train.scoring import hellaswag_eval
 
     hs = hellaswag_eval(parts.model, examples, dist, dist.device, dtype=cfg.train.dtype, progress=False)
-    log.record({"step": step, "tokens": step * cfg.train.total_batch_size, "hellaswag_acc": hs["acc"],
+    log.record({"step": step, "tokens": tokens_at(parts, cfg, step), "hellaswag_acc": hs["acc"],
                 "hellaswag_acc_norm": hs["acc_norm"]})
     log.info(f"step {step:>6} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['correct_norm']}/{hs['n']})")
 
