@@ -200,9 +200,13 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
         if wanted and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag} needs the {package} package: pip install {package}, or drop the flag")
     if tc.sample_interval:
-        from gpt2.model.tokenizer import encode_prompt
-        try:  # too long: an error now, not at the first sample
+        from gpt2.model.tokenizer import TokenizerFilesError, encode_prompt, get_encoding
+        try:  # too long, or no tokenizer files on an offline machine: an error now, not at the first sample
+            get_encoding()  # samples are decoded with it, whatever the prompt (an empty one needs no encoding)
             encode_prompt(tc.sample_prompt, cfg.model.block_size)
+        except TokenizerFilesError as e:
+            raise ValueError(f"the samples (--sample-interval {tc.sample_interval}) need the tokenizer: {e}; "
+                             "or pass --sample-interval 0") from None
         except ValueError as e:
             raise ValueError(f"--sample-prompt: {e}") from None
     if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
