@@ -26,7 +26,7 @@ import torch
 from gpt2.ckpt.checkpoint import CheckpointError
 from gpt2.ckpt.resume import Start, choose_start, set_aside_abandoned, set_aside_earlier_run
 from gpt2.ckpt.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
-from gpt2.core import precision
+from gpt2.core import determinism, precision
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
 from gpt2.core.config import RunConfig, TrainConfig
@@ -93,6 +93,9 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
     opened here, restore, config.json). shards: check_data's, read here by verify_data."""
     log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
              f"building the model")
+    if cfg.train.deterministic:  # train_ddp.py turned it on before CUDA's first use; callers of the trainer too
+        determinism.enable()
+        log.info(determinism.describe())
     verify_data(cfg, shards, dist, log)
     cfg, prec, loss = resolve_auto(cfg, dist, log)
     tc = cfg.train
