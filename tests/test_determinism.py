@@ -53,3 +53,37 @@ def test_a_cublas_setting_that_is_not_deterministic_is_refused_in_one_line(resto
                                     "--deterministic", "true"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1 and "unset it (the run sets :4096:8)" in err
+
+
+DETERMINISTIC_CUDA_STEP = """
+import sys, torch
+from gpt2.core import determinism
+from gpt2.core.config import ModelConfig
+from gpt2.model.gpt import GPT
+determinism.enable()  # before CUDA's first use, as train_ddp.py does
+def grads():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=128, block_size=256)).cuda()
+    idx = torch.randint(0, 50257, (8, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss = model(idx, idx)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+a, b = grads(), grads()
+same = all(torch.equal(x, y) for x, y in zip(a, b))
+print("bitwise" if same else "DIFFERENT", torch.are_deterministic_algorithms_enabled())
+sys.exit(0 if same else 1)
+"""
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_deterministic_backward_repeats_bit_for_bit():
+    """Flash attention's backward and the embedding's (atomics without the switch) give the same
+    gradients twice under --deterministic; a fresh process, so that cuBLAS starts with the setting."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", DETERMINISTIC_CUDA_STEP], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.split() == ["bitwise", "True"], done.stdout + done.stderr[-3000:]
