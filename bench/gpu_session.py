@@ -119,39 +119,42 @@ def pytest_cmd() -> list[str]:
 
 
 def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
-    """quick's steps with their commands and limits (module docstring). cpu_smoke: the same steps at
-    tiny shapes, eager, float32 where a dtype is chosen (seconds on a CPU; proves commands and parsing)."""
+    """quick's steps with their commands and limits (module docstring; bench/README.md, "On a GPU", has
+    the estimate behind each limit). cpu_smoke: the same steps at tiny shapes, eager, float32 where a
+    dtype is chosen: seconds on a CPU, to prove the commands and their parsing before GPU time is spent."""
     py, data = python_cmd(), gpu_dir() / "data"
     tree = gpu_dir() / "nanogpt"
     nano = str(tree) if (tree / "train.py").is_file() else "none"
     if cpu_smoke:
-        device, shape, base = "cpu", "smoke", 2
-        timing = ["--steps", "1", "--warmup", "1", "--rounds", "1", "--no-compile"]
-        resume = ["--shape", "tiny", "--steps", "4", "--ckpt-step", "2", "--no-repeat"]
+        device, shape, base, eager = "cpu", "smoke", 2, ["--no-compile"]
+        vs_steps = defaults_steps = ["--steps", "1", "--warmup", "1"]
+        # The exact row only: its kill -9 and resume are the step's path; the default row adds 3 more
+        # processes of the same code (tests/test_gpu_session.py runs it in the slow pass).
+        resume = ["--shape", "tiny", "--steps", "4", "--ckpt-step", "2", "--rows", "deterministic",
+                  "--data-dir", str(data)]
         resume_tail = ["--", "--dtype", "float32"]
-        between = "1"
     else:
-        device, shape, base = "cuda", "gpt2", BASE_MICRO_BATCH
-        timing = ["--steps", "15", "--warmup", "5", "--rounds", "1"]
-        resume = ["--shape", "gpt2", "--steps", "16", "--ckpt-step", "8"]
+        device, shape, base, eager = "cuda", "gpt2", BASE_MICRO_BATCH, []
+        vs_steps = ["--steps", "15", "--warmup", "5"]  # a B=12 step: ~30 ms
+        defaults_steps = ["--steps", "7", "--warmup", "3"]  # a 524,288-token step: ~1 s
+        resume = ["--shape", "gpt2", "--steps", "16", "--ckpt-step", "8", "--data-dir", str(data)]
         resume_tail = []
-        between = "1"
-    bench = [*py, "bench/vs_nanogpt.py", "--device", device, "--shapes", shape, "--data-dir", str(data), *timing]
+    bench = ["bench/vs_nanogpt.py", "--device", device, "--shapes", shape, "--data-dir", str(data), "--rounds", "1",
+             *eager]
     return [
-        Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 15, report="env.md"),
-        Step("vs-nanogpt", [*bench, "--micro-batches", str(base), "--defaults-row", "none", "--nanogpt", nano,
-                            "--md", str(work / "vs_nanogpt.md"), "--json", str(work / "vs_nanogpt.json")],
-             150, report="vs_nanogpt.md"),
+        Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 20, report="env.md"),
+        Step("vs-nanogpt", [*py, *bench, *vs_steps, "--micro-batches", str(base), "--defaults-row", "none",
+                            "--nanogpt", nano, "--md", str(work / "vs_nanogpt.md"),
+                            "--json", str(work / "vs_nanogpt.json")], 140, report="vs_nanogpt.md"),
         Step("defaults", [*py, "bench/gpu_session.py", "defaults-rows", "--device", device, "--shape", shape,
-                          "--base", str(base), "--between", between, "--work", str(work / "defaults"),
-                          "--", *bench[2:], "--md", str(work / "defaults.md"), "--json", str(work / "defaults.json")],
-             135, report="defaults.md"),
-        Step("resume", [*py, "bench/resume_check.py", "--device", device, *resume, "--data-dir", str(data),
+                          "--base", str(base), "--between", "1", "--work", str(work / "defaults"), "--",
+                          *bench[1:], *defaults_steps, "--md", str(work / "defaults.md"),
+                          "--json", str(work / "defaults.json")], 130, report="defaults.md"),
+        Step("resume", [*py, "bench/resume_check.py", "--device", device, *resume,
                         "--work", str(work / "resume_runs"), "--md", str(work / "resume_check.md"),
-                        "--json", str(work / "resume_check.json"), *resume_tail],
-             130, report="resume_check.md"),
+                        "--json", str(work / "resume_check.json"), *resume_tail], 150, report="resume_check.md"),
         Step("gpu-tests", [*pytest_cmd(), *gpu_test_files(), "-m", "gpu", "--junitxml", str(work / "gpu-tests.xml")],
-             40),
+             30),
     ]
 
 
@@ -276,6 +279,13 @@ def finished(step: Step, work: Path, status: str, rc: int | None, seconds: float
                   report=report)
 
 
+def step_limit(step: Step, left_s: float, later: list[Step]) -> int:
+    """A step's time: what is left of the budget less what the steps after it reserve (their limits),
+    and at most its own limit unless it is elastic (then it also gets what earlier steps left unused)."""
+    limit = int(left_s - sum(s.limit_s for s in later if not s.needs))
+    return limit if step.elastic else min(limit, step.limit_s)
+
+
 def run_steps(steps: list[Step], work: Path, budget_s: float, on_result=None) -> list[Result]:
     """Every step in order; never stops early. A step runs within what is left of the budget after the
     limits the steps after it reserve (and within its own limit unless elastic: an elastic step also
@@ -283,9 +293,7 @@ def run_steps(steps: list[Step], work: Path, budget_s: float, on_result=None) ->
     runs whenever its report changes (the last result then has status running)."""
     t0, results = time.monotonic(), []
     for i, step in enumerate(steps):
-        left = budget_s - (time.monotonic() - t0)
-        limit = int(left - sum(s.limit_s for s in steps[i + 1:] if not s.needs))
-        limit = limit if step.elastic else min(limit, step.limit_s)
+        limit = step_limit(step, budget_s - (time.monotonic() - t0), steps[i + 1:])
         if limit < min(10, step.limit_s) and not step.needs:
             res = Result(step.name, "skipped", None, 0.0, step.limit_s, " ".join(step.cmd),
                          tail=f"no time left in the session's {budget_s:.0f} s budget")
