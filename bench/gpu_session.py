@@ -142,7 +142,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
     bench = ["bench/vs_nanogpt.py", "--device", device, "--shapes", shape, "--data-dir", str(data), "--rounds", "1",
              *eager]
     return [
-        Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 20, report="env.md"),
+        Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 15, report="env.md"),
         Step("vs-nanogpt", [*py, *bench, *vs_steps, "--micro-batches", str(base), "--defaults-row", "none",
                             "--nanogpt", nano, "--md", str(work / "vs_nanogpt.md"),
                             "--json", str(work / "vs_nanogpt.json")], 140, report="vs_nanogpt.md"),
@@ -152,7 +152,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
                           "--json", str(work / "defaults.json")], 130, report="defaults.md"),
         Step("resume", [*py, "bench/resume_check.py", "--device", device, *resume,
                         "--work", str(work / "resume_runs"), "--md", str(work / "resume_check.md"),
-                        "--json", str(work / "resume_check.json"), *resume_tail], 150, report="resume_check.md"),
+                        "--json", str(work / "resume_check.json"), *resume_tail], 155, report="resume_check.md"),
         Step("gpu-tests", [*pytest_cmd(), *gpu_test_files(), "-m", "gpu", "--junitxml", str(work / "gpu-tests.xml")],
              30),
     ]

@@ -201,7 +201,7 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
                          capture_output=True, text=True, timeout=120)
     lines = dry.stdout.splitlines()
     assert dry.returncode == 0 and [line.split("\t")[:2] for line in lines[:-1]] == [
-        ["env", "20 s"], ["vs-nanogpt", "140 s"], ["defaults", "130 s"], ["resume", "150 s"], ["gpu-tests", "30 s"]]
+        ["env", "15 s"], ["vs-nanogpt", "140 s"], ["defaults", "130 s"], ["resume", "155 s"], ["gpu-tests", "30 s"]]
     assert lines[-1] == 'total 470 s of limits, budget 470 s; the device call: timeout_s=540, carry=[".gpu"]'
     smoke = subprocess.run([sys.executable, "bench/gpu_session.py", "quick", "--dry-run", "--cpu-smoke"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
