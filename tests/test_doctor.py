@@ -22,10 +22,10 @@ SECTION_NAMES = ["environment", "attention", "correctness", "resume", "training"
 
 @pytest.fixture(scope="module")
 def cpu_doctor(tmp_path_factory):
-    """One full CPU run, the opt-in ladder too (about 1.5 minutes on 2 idle cores with torch.compile's
-    cache warm; longer cold or under load), shared by the tests below."""
+    """One full CPU run, the opt-in ladder and 2 gloo ranks too (about 1.5 minutes on 2 idle cores with
+    torch.compile's cache warm; longer cold or under load), shared by the tests below."""
     out = tmp_path_factory.mktemp("doctor")
-    done = subprocess.run([sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--full", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--full", "--ranks", "2", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
     return done, json.loads((out / "doctor.json").read_text()), out
 
