@@ -33,13 +33,16 @@ By micro-batch (--micro-batches B1,B2; the GPU mode, `--device cuda`, defaults t
     python bench/vs_nanogpt.py --device cuda --nanogpt .gpu/nanogpt --data-dir .gpu/data --steps 20 --warmup 10 --rounds 1
 
   gpt2    GPT-2 124M (`--preset gpt2`: 12 layers, 12 heads, 768 wide, block 1024, vocab 50304), compiled
-Rows, all compiled, bf16 on CUDA (fp32 on a CPU, where nanoGPT has no autocast):
+  smoke   tiny, the micro-batch left to auto as --preset gpt2 leaves it (bench/gpu_session.py --cpu-smoke)
+Rows, all compiled (--no-compile: eager, for the CPU smoke test), bf16 on CUDA (fp32 on a CPU, where nanoGPT
+has no autocast):
   nanoGPT B     `python train.py --device=cuda --dtype=bfloat16 --compile=True --batch_size=B
                 --block_size=1024 --gradient_accumulation_steps=1 ...` for each B
   ours B        `train_ddp.py --preset gpt2 --micro-batch-size B --total-batch-size B*1024` (one micro-step
                 per step, as nanoGPT's rows), everything else at its defaults (dtype, loss path: auto)
   ours defaults `train_ddp.py --preset gpt2` as it is: auto micro-batch, 524,288 tokens per step (its
-                start-up lines, which say what auto took, are shown)
+                start-up lines, which say what auto took, are shown); last, first or left out
+                (--defaults-row); --micro-batches none runs it alone
 tokens/s from the median step time; MFU against the device's data-sheet dense peak in the row's dtype
 (gpt2/plan/flops.py's table, the device named by torch.cuda.get_device_name; on a CPU the measured peak);
 peak memory: ours the largest `mem_mb` of metrics.jsonl (torch.cuda.max_memory_allocated), nanoGPT the
