@@ -77,6 +77,10 @@ TRAIN_MIN_TOKENS = 2 * 524_288 + 1
 OUT_FILE_MAX_BYTES = 12 * 2**20
 """The logs' archive stays under this (the device call returns files under 16 MiB); the largest logs
 are left out first, and the archive says which."""
+STOP_GRACE_S = 10
+"""A step over its time gets SIGINT this long before its limit and SIGKILL at it (at most a quarter of it)."""
+REFRESH_S = 30
+"""While a step runs, the session's report is rewritten at least this often (and at every row it reports)."""
 AUTO_LINE = re.compile(r"micro-batch auto:\s*(\d+)\s+sequences?\b")
 """The trainer's start-up line saying what --micro-batch-size auto took (more may follow on the line)."""
 
@@ -213,9 +217,11 @@ def child_env() -> dict[str, str]:
 
 
 def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
-    """One step, its output to work/logs/NAME.log; stopped at limit_s (SIGINT first, so pytest and the
-    benches still write what they have; then SIGKILL to its whole process group). on_update(result):
-    called whenever the step's report file changes while it runs (a bench row finished)."""
+    """One step, its output to work/logs/NAME.log; stopped by limit_s (SIGINT STOP_GRACE_S before it, so
+    pytest and the benches still write what they have; SIGKILL to its whole process group at it).
+    on_update(result), with status running: when the step starts, whenever its report file changes (a
+    bench row finished), and every REFRESH_S besides (the log's tail), so a call killed mid-step still
+    says where it was."""
     log = work / "logs" / f"{step.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     shown = " ".join(step.cmd)
@@ -223,7 +229,8 @@ def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
         log.write_text(f"skipped: {step.needs}\n")
         return Result(step.name, "skipped", None, 0.0, limit_s, shown, tail=step.needs)
     report = work / step.report if step.report else None
-    t0, seen = time.monotonic(), None
+    grace = min(STOP_GRACE_S, limit_s / 4)  # SIGINT this long before the limit: SIGKILL, if needed, at it
+    t0, seen, shown_at = time.monotonic(), None, -REFRESH_S
     with open(log, "w") as f:
         f.write(f"$ {shown}\n")
         f.flush()
@@ -231,27 +238,28 @@ def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
                                 start_new_session=True)
         status, rc = "", None
         while rc is None:
-            try:
-                rc = proc.wait(timeout=min(2.0, max(0.1, t0 + limit_s - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                if time.monotonic() - t0 >= limit_s:
-                    status = "timeout"
-                    rc = stop_group(proc)
-                    break
             stamp = report.stat().st_mtime_ns if report and report.is_file() else None
-            if on_update and stamp != seen and rc is None:
-                seen = stamp
-                on_update(finished(step, work, "running", None, time.monotonic() - t0, limit_s, shown, log))
+            now = time.monotonic()
+            if on_update and (stamp != seen or now - shown_at >= REFRESH_S):
+                seen, shown_at = stamp, now
+                on_update(finished(step, work, "running", None, now - t0, limit_s, shown, log))
+            try:
+                rc = proc.wait(timeout=min(2.0, max(0.1, t0 + limit_s - grace - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - t0 >= limit_s - grace:
+                    status = "timeout"
+                    rc = stop_group(proc, grace)
     return finished(step, work, status or ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0, limit_s, shown,
                     log)
 
 
-def stop_group(proc: subprocess.Popen) -> int:
-    """SIGINT to the step's process group (pytest and the benches write what they have), then SIGKILL."""
+def stop_group(proc: subprocess.Popen, grace_s: float) -> int:
+    """SIGINT to the step's process group (pytest and the benches write what they have), then SIGKILL
+    after grace_s: the step ends within its limit, and the steps after it keep their time."""
     with _gone():
         os.killpg(proc.pid, signal.SIGINT)
     try:
-        proc.wait(timeout=15)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
     with _gone():

@@ -246,7 +246,8 @@ def test_the_session_runner_records_a_failure_and_a_timeout_and_runs_every_step(
     assert [(r.name, r.status, r.rc) for r in results] == [
         ("good", "ok", 0), ("bad", "failed", 3), ("slow", "timeout", results[2].rc), ("absent", "skipped", None),
         ("after", "ok", 0)]
-    assert results[2].seconds < 30 and "started" in results[2].tail and "still ran" in results[4].tail
+    assert "started" in results[2].tail and "still ran" in results[4].tail
+    assert results[2].seconds < results[2].limit_s + 5  # SIGINT before the limit, SIGKILL at it: never the next's time
     out = tmp_path / "out"
     gpu_session.write_outputs("quick", results, work, out, "now", steps)
     assert sorted(p.name for p in out.iterdir()) == ["quick-logs.tar.gz", "quick.json", "quick.md"]
