@@ -21,10 +21,10 @@ memory) is FAILED with its one-line reason and the rest still run. In order:
                defaults (the auto dtype, torch.compile, SDPA, TF32), losses within a stated tolerance
   resume       each of those continued from its mid-run checkpoint with --resume: fp32 eager bitwise
                (losses and every model/optimizer tensor), the fast one within a tenth of that tolerance
-  training     `train_ddp.py --preset gpt2` (auto micro-batch, the trainer's own train_step) for a few
-               dozen steps: tokens/s, MFU against the data-sheet peak, peak memory against the plan
-  ranks        the same run under torchrun on every local GPU (DDP over NCCL; on a CPU 2 gloo ranks):
-               its losses against one rank's, the start-up all-reduce bandwidth, the 1 -> N scaling
+  training     `train_ddp.py --preset gpt2` (auto micro-batch, the trainer's own train_step) for 8 steps
+               (12 at the CPU shape): tokens/s, MFU against the data-sheet peak, peak memory against the plan
+  ranks        the same run under torchrun on every local GPU (DDP over NCCL; n/a on one; on a CPU with
+               --ranks 2, 2 gloo ranks): its losses against one rank's, the all-reduce bandwidth, the scaling
   ladder       (opt-in) bench/ladder.py's rungs (gpt2/tools/ladder.py) at the GPT-2 124M shape: base fp32 ->
                TF32 -> bf16 -> compile -> flash -> vocab 50304, tokens/s and MFU beside build-nanogpt's A100
 The training processes run first (RUN_ORDER says why); the table keeps the order above. resume continues
