@@ -421,3 +421,13 @@ def test_resume_check_runs_both_rows_with_a_real_kill_and_the_noise_floor(prepar
     default = result["rows"]["default"]
     assert default["A"] == default["B"] == default["C"] and sorted(map(int, default["C"])) == [1, 2, 3, 4]  # CPU: exact
     assert not list((tmp_path / "w").rglob("*.pt"))  # every run's checkpoints deleted once read
+
+
+def test_bench_readme_gives_the_one_call_with_quicks_own_limits():
+    """bench/README.md, "On a GPU": the device call it says to type and the steps' limits are quick's."""
+    text = (REPO / "bench" / "README.md").read_text().split("## On a GPU", 1)[1].split("\n## ", 1)[0]
+    assert (f'run(command="bash scripts/gpu_session.sh quick", timeout_s={gpu_session.CALL_TIMEOUT_S}, '
+            'carry=[".gpu"])') in text and "give_back()" in text and "part1" not in text
+    limits = dict(re.findall(r"^\| ([a-z-]+) \| (\d+) \| `", text, flags=re.M))
+    assert limits == {s.name: str(s.limit_s) for s in gpu_session.quick_steps(Path("w"))}
+    assert f"the steps' {gpu_session.BUDGET_S} s" in text
