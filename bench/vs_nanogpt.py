@@ -33,13 +33,16 @@ By micro-batch (--micro-batches B1,B2; the GPU mode, `--device cuda`, defaults t
     python bench/vs_nanogpt.py --device cuda --nanogpt .gpu/nanogpt --data-dir .gpu/data --steps 20 --warmup 10 --rounds 1
 
   gpt2    GPT-2 124M (`--preset gpt2`: 12 layers, 12 heads, 768 wide, block 1024, vocab 50304), compiled
-Rows, all compiled, bf16 on CUDA (fp32 on a CPU, where nanoGPT has no autocast):
+  smoke   tiny, the micro-batch left to auto as --preset gpt2 leaves it (bench/gpu_session.py --cpu-smoke)
+Rows, all compiled (--no-compile: eager, for the CPU smoke test), bf16 on CUDA (fp32 on a CPU, where nanoGPT
+has no autocast):
   nanoGPT B     `python train.py --device=cuda --dtype=bfloat16 --compile=True --batch_size=B
                 --block_size=1024 --gradient_accumulation_steps=1 ...` for each B
   ours B        `train_ddp.py --preset gpt2 --micro-batch-size B --total-batch-size B*1024` (one micro-step
                 per step, as nanoGPT's rows), everything else at its defaults (dtype, loss path: auto)
   ours defaults `train_ddp.py --preset gpt2` as it is: auto micro-batch, 524,288 tokens per step (its
-                start-up lines, which say what auto took, are shown)
+                start-up lines, which say what auto took, are shown); last, first or left out
+                (--defaults-row); --micro-batches none runs it alone
 tokens/s from the median step time; MFU against the device's data-sheet dense peak in the row's dtype
 (gpt2/plan/flops.py's table, the device named by torch.cuda.get_device_name; on a CPU the measured peak);
 peak memory: ours the largest `mem_mb` of metrics.jsonl (torch.cuda.max_memory_allocated), nanoGPT the
@@ -106,10 +109,16 @@ SHAPES = {
                   "--block-size", "32", "--micro-batch-size", "2", "--total-batch-size", "64"),
                   dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=2, gradient_accumulation_steps=1),
                   64),
+    # The GPU session's smoke test (bench/gpu_session.py --cpu-smoke): tiny, with the micro-batch left to
+    # auto as --preset gpt2 leaves it, 8 sequences per step for auto to split.
+    "smoke": Shape("smoke: 2L 2H 64w, block 32, micro-batch auto of 8 x 32", ("--n-layer", "2", "--n-head", "2",
+                   "--n-embd", "64", "--block-size", "32", "--total-batch-size", "256"),
+                   dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=2, gradient_accumulation_steps=1),
+                   256),
 }
 QUIET = ("--device", "cpu", "--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0",
          "--ckpt-interval", "0", "--plot", "false", "--log-interval", "1", "--seed", "1337")
-BY_BATCH_ONLY = ("gpt2",)
+BY_BATCH_ONLY = ("gpt2", "smoke")
 """Shapes whose nanoGPT batch differs from ours' global batch: compared by micro-batch only."""
 NANO_FIXED = dict(dtype="float32", bias=True, dropout=0.0, eval_interval=1_000_000, eval_iters=1, log_interval=1,
                   always_save_checkpoint=False, warmup_iters=2, learning_rate=6e-4, min_lr=6e-5)
@@ -287,47 +296,51 @@ def quiet_flags(device: str) -> list[str]:
     return flags
 
 
-def by_batch_rows(shape: str, batches: list[int], with_nano: bool) -> list[Row]:
-    """nanoGPT B and ours B for each B, then ours at defaults."""
+def by_batch_rows(shape: str, batches: list[int], with_nano: bool, defaults: str = "last") -> list[Row]:
+    """nanoGPT B and ours B for each B; ours at defaults last, first (the row that matters most, where
+    a time limit may cut the rows after it) or not at all (defaults: last, first, none)."""
     rows = []
     for b in batches:
         rows += ([Row(shape, "by-batch", "nanoGPT", micro_batch=b)] if with_nano else []) + \
                 [Row(shape, "by-batch", "ours", micro_batch=b)]
-    return rows + [Row(shape, "by-batch", "ours")]
+    default = [Row(shape, "by-batch", "ours")]
+    return {"first": default + rows, "last": rows + default, "none": rows}[defaults]
 
 
-def nano_batch_flags(shape: Shape, batch: int, *, device: str, dataset: str, steps: int) -> dict:
+def nano_batch_flags(shape: Shape, batch: int, *, device: str, dataset: str, steps: int, compile: bool = True) -> dict:
     """nanoGPT's train.py flags for one micro-batch row: compiled, bf16 on CUDA (fp32 on a CPU, where its
     autocast is nullcontext anyway), one micro-step per iteration, `steps` iterations."""
     return {**NANO_FIXED, **shape.nano, "device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
-            "compile": True, "batch_size": batch, "gradient_accumulation_steps": 1, "dataset": dataset,
+            "compile": compile, "batch_size": batch, "gradient_accumulation_steps": 1, "dataset": dataset,
             "max_iters": steps - 1}  # iterations 0..max_iters: `steps` of them
 
 
-def ours_batch_flags(shape: Shape, batch: int | None, *, device: str, data: Path, out: Path, steps: int) -> list[str]:
+def ours_batch_flags(shape: Shape, batch: int | None, *, device: str, data: Path, out: Path, steps: int,
+                     compile: bool = True) -> list[str]:
     """train_ddp.py's flags for one micro-batch row: the shape at its defaults (compiled, dtype and loss
     auto), on `device`; batch fixes the micro-batch at one micro-step per step, None leaves it all to auto."""
     flags = [*shape.ours, *quiet_flags(device), "--max-steps", str(steps), "--data-dir", str(data),
-             "--out-dir", str(out), "--compile", "true"]
+             "--out-dir", str(out), "--compile", str(compile).lower()]
     if batch is not None:
         flags += ["--micro-batch-size", str(batch), "--total-batch-size", str(batch * shape.nano["block_size"])]
     return flags
 
 
 def run_by_batch_row(row: Row, shape: Shape, *, device: str, data: Path, tree: Path | None, dataset: str,
-                     out: Path, steps: int, warmup: int) -> None:
+                     out: Path, steps: int, warmup: int, compile: bool = True) -> None:
     """One run of a micro-batch row; its timed steps, tokens per step, dtype and peak memory go into the row."""
     block = shape.nano["block_size"]
     if row.who == "nanoGPT":
-        flags = nano_batch_flags(shape, row.micro_batch, device=device, dataset=dataset, steps=warmup + steps)
+        flags = nano_batch_flags(shape, row.micro_batch, device=device, dataset=dataset, steps=warmup + steps,
+                                 compile=compile)
         nano = nanogpt.run(tree, flags, out, wrapper=nanogpt.MEASURE_MEMORY)
         times, row.dtype, peak = nano.step_s, flags["dtype"], nano.peak_mib
         row.tokens, row.resolved_batch = row.micro_batch * block, f"{row.micro_batch} x 1"
     else:
         ours = run_train(ours_batch_flags(shape, row.micro_batch, device=device, data=data, out=out,
-                                          steps=warmup + steps), out)
-        if not ours.train["compile"]:
-            raise RuntimeError(f"{row.name}: train_ddp.py ran uncompiled")
+                                          steps=warmup + steps, compile=compile), out)
+        if ours.train["compile"] != compile:
+            raise RuntimeError(f"{row.name}: train_ddp.py ran with compile={ours.train['compile']}")
         times, row.dtype, row.note, peak = ours.step_s, ours.train["dtype"], ours.said, ours.peak_mib
         mb, total = ours.train["micro_batch_size"], ours.train["total_batch_size"]
         row.tokens, row.resolved_batch = total, f"{mb} x {total // (mb * block)}"
@@ -337,7 +350,7 @@ def run_by_batch_row(row: Row, shape: Shape, *, device: str, data: Path, tree: P
 
 
 def measure_by_batch(rows: list[Row], shape: Shape, *, device: str, data: Path, tree: Path | None, dataset: str,
-                     tmp: Path, steps: int, warmup: int, rounds: int, after_row=None) -> None:
+                     tmp: Path, steps: int, warmup: int, rounds: int, after_row=None, compile: bool = True) -> None:
     """Every row `rounds` times, alternately, as measure(); a row whose run fails keeps its error and the
     others go on. after_row(): called after every run (the partial report is written there)."""
     for i in range(rounds):
@@ -346,7 +359,7 @@ def measure_by_batch(rows: list[Row], shape: Shape, *, device: str, data: Path, 
                 continue
             try:
                 run_by_batch_row(row, shape, device=device, data=data, tree=tree, dataset=dataset,
-                                 out=tmp / f"b{i}_{j}", steps=steps, warmup=warmup)
+                                 out=tmp / f"b{i}_{j}", steps=steps, warmup=warmup, compile=compile)
                 said = f"{statistics.median(row.times):.4f} s/step"
             except (RuntimeError, nanogpt.NanoGPTError, subprocess.TimeoutExpired, OSError, KeyError) as e:
                 row.error = " ".join(str(e).split())[-300:] or type(e).__name__  # the end says why
@@ -448,8 +461,8 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
     """The micro-batch layout (module docstring): one shape, every row compiled, a partial report after each run."""
     shape = SHAPES[shape_key]
     device = probe_device(args.device)
-    batches = [int(b) for b in args.micro_batches.split(",")]
-    rows = by_batch_rows(shape_key, batches, tree is not None)
+    batches = parse_batches(args.micro_batches)
+    rows = by_batch_rows(shape_key, batches, tree is not None, args.defaults_row)
     meta = {"command": command, "torch": torch.__version__, "nanogpt": nanogpt.PINNED if tree else None,
             "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
     dtypes = ["bfloat16"] if args.device == "cuda" else ["float32"]
@@ -464,7 +477,8 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
                 f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {device.name}; nanoGPT "
                 + (f"{nanogpt.PINNED[:12]}" if tree else "not run (--nanogpt none)"),
                 f"median of {args.rounds} x {args.steps} steps per row after {args.warmup} warm-up steps per run "
-                "(compilation happens there); each step timed by its own program", ""]
+                "(compilation happens there); each step timed by its own program"
+                + ("" if args.compile else "; every row EAGER (--no-compile: a smoke test, not a measurement)"), ""]
         text = "\n".join(head + by_batch_report(rows, shape, device, peaks))
         if args.json:
             Path(args.json).write_text(rows_json(rows, device, peaks, meta) + "\n")
@@ -477,9 +491,11 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
         if args.data_dir is None:
             prepare_by_paragraph(args.corpus, data, "vs_nanogpt.py")
         dataset = nanogpt.write_dataset(tree, f"bench-{os.getpid()}", data) if tree else ""
+        report()  # every row "not run" yet: a report exists from the start
         try:
             measure_by_batch(rows, shape, device=args.device, data=data, tree=tree, dataset=dataset, tmp=Path(tmp),
-                             steps=args.steps, warmup=args.warmup, rounds=args.rounds, after_row=report)
+                             steps=args.steps, warmup=args.warmup, rounds=args.rounds, after_row=report,
+                             compile=args.compile)
         finally:
             if tree:
                 subprocess.run(["rm", "-rf", str(tree / "data" / dataset)])
@@ -495,11 +511,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cuda: the micro-batch layout (module docstring) on the GPU, bf16, compiled")
     ap.add_argument("--micro-batches", default=None,
                     help="comma-separated micro-batches: compare by micro-batch, one shape, every row compiled "
-                    "(default with --device cuda: 12,16)")
+                    "(default with --device cuda: 12,16; none: only the row at the shape's defaults)")
     ap.add_argument("--data-dir", type=Path, default=None,
                     help="token shards already prepared (e.g. .gpu/data from scripts/gpu_prepare.sh) instead of "
                     "preparing --corpus; nanoGPT's train.bin/val.bin are written from them")
     ap.add_argument("--json", type=Path, default=None, help="micro-batch layout: also write the rows as JSON here")
+    ap.add_argument("--defaults-row", choices=("last", "first", "none"), default="last",
+                    help="micro-batch layout: where the row of ours at the shape's defaults (auto micro-batch) goes")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="micro-batch layout: compile every row (--no-compile: the CPU smoke test of the commands)")
     ap.add_argument("--modes", default="eager,compiled", help="eager, compiled or both")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first in every run (compilation)")
@@ -521,14 +541,21 @@ def layout_problem(args, shapes: list[str]) -> str | None:
     if len(shapes) != 1:
         return f"--micro-batches compares one shape at a time, not {shapes}"
     try:
-        batches = [int(b) for b in args.micro_batches.split(",")]
+        batches = parse_batches(args.micro_batches)
     except ValueError:
-        batches = []
-    if not batches or min(batches) < 1:
-        return f"--micro-batches {args.micro_batches!r} must be positive integers, comma-separated"
+        batches = [0]
+    if (not batches and args.micro_batches != "none") or min(batches, default=1) < 1:
+        return f"--micro-batches {args.micro_batches!r} must be positive integers, comma-separated (or none)"
+    if not batches and args.defaults_row == "none":
+        return "--micro-batches none with --defaults-row none leaves no row to run"
     if args.profile:
         return "--profile profiles the eager/compiled layout, not --micro-batches"
     return None
+
+
+def parse_batches(text: str) -> list[int]:
+    """--micro-batches: '12,16' -> [12, 16]; 'none' (only the defaults row) -> []."""
+    return [] if text == "none" else [int(b) for b in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,12 @@
     python -m gpt2.doctor                   # this node: the table on stdout, ./doctor.json
     python -m gpt2.doctor --out DIR         # DIR/doctor.json, DIR/doctor.txt (the table), DIR/work (every run)
     python -m gpt2.doctor --device cpu      # the same checks at a tiny shape (tests/test_doctor.py runs it)
+    python -m gpt2.doctor --only training   # some sections (--skip leaves some out); --full adds the ladder
+
+The default run is sized for a short GPU lease: about 2 minutes on one H100 (docs/tools.md, "Check a GPU
+node", gives the estimate per section); the acceleration ladder, 6 compiled GPT-2 124M models, several
+minutes more, is opt-in (--full, or --only ladder). doctor.json and doctor.txt are rewritten after every
+section, so a run stopped by a time limit leaves what it had checked.
 
 No network and no `datasets`: torch, numpy and tiktoken, and token shards it writes itself
 (gpt2/tools/doctor_runs.py). Each section runs guarded: one that raises (no C compiler, no Triton, out of
@@ -15,13 +21,14 @@ memory) is FAILED with its one-line reason and the rest still run. In order:
                defaults (the auto dtype, torch.compile, SDPA, TF32), losses within a stated tolerance
   resume       each of those continued from its mid-run checkpoint with --resume: fp32 eager bitwise
                (losses and every model/optimizer tensor), the fast one within a tenth of that tolerance
-  training     `train_ddp.py --preset gpt2` (auto micro-batch, the trainer's own train_step) for a few
-               dozen steps: tokens/s, MFU against the data-sheet peak, peak memory against the plan
-  ranks        the same run under torchrun on every local GPU (DDP over NCCL; on a CPU 2 gloo ranks):
-               its losses against one rank's, the start-up all-reduce bandwidth, the 1 -> N scaling
-  ladder       bench/ladder.py's rungs (gpt2/tools/ladder.py) at the GPT-2 124M shape: base fp32 -> TF32 ->
-               bf16 -> compile -> flash -> vocab 50304, tokens/s and MFU beside build-nanogpt's A100
-The training processes run first (RUN_ORDER says why); the table keeps the order above.
+  training     `train_ddp.py --preset gpt2` (auto micro-batch, the trainer's own train_step) for 8 steps
+               (12 at the CPU shape): tokens/s, MFU against the data-sheet peak, peak memory against the plan
+  ranks        the same run under torchrun on every local GPU (DDP over NCCL; n/a on one; on a CPU with
+               --ranks 2, 2 gloo ranks): its losses against one rank's, the all-reduce bandwidth, the scaling
+  ladder       (opt-in) bench/ladder.py's rungs (gpt2/tools/ladder.py) at the GPT-2 124M shape: base fp32 ->
+               TF32 -> bf16 -> compile -> flash -> vocab 50304, tokens/s and MFU beside build-nanogpt's A100
+The training processes run first (RUN_ORDER says why); the table keeps the order above. resume continues
+correctness's runs: asking for it alone runs correctness too.
 
 Exit status: 0 every check passed; 1 a check failed (or a correctness/resume/attention section could not
 run); 3 another section could not run; 2 bad arguments. The table is printed in every case.
@@ -105,11 +112,14 @@ class Scale:
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
 SCALES = {
     # 124M at build-nanogpt's B=16 for the ladder; the gpt2 preset's 524,288-token step for training.
+    # training: 8 steps of the preset's 524,288 tokens (~1 s each on an H100), the medians after 3.
     "cuda": Scale(check_model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256), check_batch=8,
                   check_steps=8, model=model_preset("gpt2"), ladder_batch=16, ladder_steps=5, ladder_warmup=2,
-                  train_flags=(), train_steps=20, train_warmup=5, shard_tokens=2 ** 21),
-    # 512 tokens per step: 8 sequences on one rank, 4 on each of two.
-    "cpu": Scale(check_model=TINY, check_batch=4, check_steps=8, model=TINY, ladder_batch=4, ladder_steps=3,
+                  train_flags=(), train_steps=8, train_warmup=3, shard_tokens=2 ** 21),
+    # 512 tokens per step: 8 sequences on one rank, 4 on each of two. The checks' micro-batch is the one
+    # training's auto takes (8), so training compiles the graph correctness's fast run compiled: from
+    # inductor's cache (measured: 40 s instead of ~90 s for the training section on 2 loaded cores).
+    "cpu": Scale(check_model=TINY, check_batch=8, check_steps=8, model=TINY, ladder_batch=4, ladder_steps=3,
                  ladder_warmup=1, train_flags=(*model_flags(TINY), "--total-batch-size", "512"), train_steps=12,
                  train_warmup=3, shard_tokens=200_000),
 }
@@ -117,6 +127,10 @@ CHECK_LR = ("--lr", "3e-3", "--min-lr", "3e-4", "--warmup-steps", "2")
 """High enough that the loss falls clearly within the check's steps (a lost update shows)."""
 
 OK, FAILED, NA, WARN, SKIPPED = "ok", "FAILED", "n/a", "WARN", "skipped"
+OPT_IN = ("ladder",)
+"""Sections a plain run leaves out (minutes on a GPU): --full or --only runs them."""
+NEEDS = {"resume": "correctness"}
+"""A section that continues another's runs: asking for it runs that one too."""
 CORRECTNESS_SECTIONS = ("attention", "correctness", "resume")
 """Sections whose failure to run at all also counts as a failed check (exit 1)."""
 
@@ -500,7 +514,8 @@ def ranks(ctx: Context) -> Section:
     s = Section("ranks")
     n = ctx.ranks
     if n < 2:
-        s.status, s.reason = NA, f"one {ctx.device.type} rank: nothing to all-reduce (--ranks; default every GPU)"
+        s.status, s.reason = NA, (f"one {ctx.device.type} rank: nothing to all-reduce (--ranks N; default every "
+                                  "GPU, one on a CPU)")
         s.note("DDP", s.reason, NA)
         return s
     one = one_rank_run(ctx)
@@ -658,27 +673,40 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the JSON report (default: DIR/doctor.json with --out, else ./doctor.json)")
     ap.add_argument("--work-dir", type=Path, help="shards and runs (default: DIR/work with --out, else a temp "
                                                    "directory removed at the end)")
-    ap.add_argument("--skip", default="",
-                    help="comma-separated sections to leave out: " + ",".join(n for n, _ in SECTIONS))
+    names = ",".join(n for n, _ in SECTIONS)
+    ap.add_argument("--only", default="", help=f"comma-separated sections to run, of {names} (resume runs "
+                                                "correctness too)")
+    ap.add_argument("--skip", default="", help=f"comma-separated sections to leave out, of {names}")
+    ap.add_argument("--full", action="store_true",
+                    help=f"also the opt-in sections ({', '.join(OPT_IN)}: minutes more on a GPU)")
     ap.add_argument("--ranks", type=int,
-                    help="processes for the ranks section (default: the local GPUs; 2 on a CPU)")
+                    help="processes for the ranks section (default: the local GPUs; 1 on a CPU, where the section "
+                         "is then n/a: 2 runs two gloo ranks)")
     ap.add_argument("--timeout-s", type=float, default=900, help="longest one training process may run (default 900)")
     return ap
 
 
-def resolve_args(args: argparse.Namespace) -> tuple[torch.device, set[str]]:
-    """The device and the sections to skip; ValueError with the fix for what a user got wrong."""
+def resolve_args(args: argparse.Namespace) -> tuple[torch.device, dict[str, str]]:
+    """The device and the sections not to run, each with why; ValueError with the fix for what a user
+    got wrong."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
-    skip = {x for x in args.skip.split(",") if x}
-    unknown = sorted(skip - {n for n, _ in SECTIONS})
-    if unknown:
-        raise ValueError(f"--skip {','.join(unknown)}: no such section; choose from {[n for n, _ in SECTIONS]}")
+    names = [n for n, _ in SECTIONS]
+    only, skip = ({x for x in flag.split(",") if x} for flag in (args.only, args.skip))
+    for flag, asked in (("--only", only), ("--skip", skip)):
+        if unknown := sorted(asked - set(names)):
+            raise ValueError(f"{flag} {','.join(unknown)}: no such section; choose from {names}")
     if args.ranks is not None and args.ranks < 1:
         raise ValueError(f"--ranks {args.ranks} must be >= 1")
-    return device, skip
+    if only:
+        only |= {NEEDS[n] for n in only if n in NEEDS}
+        left_out = {n: "not in --only" for n in names if n not in only}
+    else:
+        left_out = {n: "opt-in: --full or --only " + n for n in OPT_IN if not args.full}
+    left_out.update({n: "--skip" for n in skip})
+    return device, left_out
 
 
 @contextlib.contextmanager
@@ -696,12 +724,19 @@ def say(message: str) -> None:
     print(f"doctor: {message}", file=sys.stderr, flush=True)
 
 
-def run_all(device: torch.device, skip: set[str], work: Path, args: argparse.Namespace) -> list[Section]:
-    n = args.ranks or (torch.cuda.device_count() if device.type == "cuda" else 2)
+def run_all(device: torch.device, left_out: dict[str, str], work: Path, args: argparse.Namespace,
+            on_section: Callable[[list[Section]], None] = lambda _: None) -> list[Section]:
+    """Every section of RUN_ORDER not left out; on_section(the sections so far, in the table's order)
+    after each one."""
+    # A CPU's 2 gloo ranks share its cores: the plumbing, not a measure of the node (tests pass --ranks 2).
+    n = args.ranks or (torch.cuda.device_count() if device.type == "cuda" else 1)
     ctx = Context(device, SCALES[device.type], work, n, args.timeout_s, say)
     functions = dict(SECTIONS)
-    done = {name: Section(name, status=SKIPPED, reason="--skip") if name in skip else
-            run_section(name, functions[name], ctx) for name in RUN_ORDER}
+    done = {name: Section(name, status=SKIPPED, reason=why) for name, why in left_out.items()}
+    for name in RUN_ORDER:
+        if name not in done:
+            done[name] = run_section(name, functions[name], ctx)
+            on_section([done[n] for n, _ in SECTIONS if n in done])
     return [done[name] for name, _ in SECTIONS]
 
 
@@ -709,26 +744,31 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
-        device, skip = resolve_args(args)
+        device, left_out = resolve_args(args)
     except ValueError as e:
         print(f"python -m gpt2.doctor: error: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)  # before the first profile: no USDT lines
     t0 = time.perf_counter()
-    with work_dir(args) as work:
-        sections = run_all(device, skip, work, args)
-    wall = time.perf_counter() - t0
-    status = exit_status(sections)
-    table = format_table(sections, header_line(device, sections, wall, status))
-    print(table, flush=True)
     json_path = args.json or (args.out / "doctor.json" if args.out else Path("doctor.json"))
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(json_path, json.dumps(report_json(sections, device=device, argv=argv, wall_s=wall,
-                                                        status=status), indent=1, default=str) + "\n")
-    if args.out:
-        atomic_write_text(args.out / "doctor.txt", table + "\n")
+
+    def write(sections: list[Section], *, complete: bool) -> str:
+        """doctor.json (and doctor.txt with --out) of the sections so far, each file replaced whole."""
+        wall, status = time.perf_counter() - t0, exit_status(sections)
+        table = format_table(sections, header_line(device, sections, wall, status)
+                             + ("" if complete else " | INCOMPLETE: still running"))
+        report = report_json(sections, device=device, argv=argv, wall_s=wall, status=status)
+        atomic_write_text(json_path, json.dumps({**report, "complete": complete}, indent=1, default=str) + "\n")
+        if args.out:
+            atomic_write_text(args.out / "doctor.txt", table + "\n")
+        return table
+
+    with work_dir(args) as work:
+        sections = run_all(device, left_out, work, args, on_section=lambda done: write(done, complete=False))
+    print(write(sections, complete=True), flush=True)
     say(f"wrote {json_path}" + (f" and {args.out / 'doctor.txt'}" if args.out else ""))
-    return status
+    return exit_status(sections)
 
 
 if __name__ == "__main__":

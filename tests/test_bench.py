@@ -6,7 +6,6 @@ Tiny settings: these check that the scripts work against the current code, not t
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
 import sys
@@ -206,32 +205,20 @@ def test_ladder_chart_defaults_under_runs_not_the_working_directory(tmp_path, mo
     assert ladder.build_parser().parse_args(["--out", "x/l.png"]).out == Path("x/l.png")
 
 
-NANOGPT_MIRROR = Path("/work/.mirror/karpathy+nanoGPT/repo")
-
-
-def nanogpt_source() -> str | None:
-    """Where the nanoGPT rows can clone the pinned commit from: $NANOGPT_SOURCE, the benchmarks' cache
-    (already checked out), a local mirror, or GitHub when it answers; None when none is reachable."""
+def nanogpt_module():
     sys.path.insert(0, str(REPO / "bench"))
     try:
         import nanogpt
     finally:
         sys.path.remove(str(REPO / "bench"))
-    if os.environ.get("NANOGPT_SOURCE"):
-        return os.environ["NANOGPT_SOURCE"]
-    if (nanogpt.CACHE / f"nanogpt-{nanogpt.PINNED[:12]}" / ".git").exists() or NANOGPT_MIRROR.is_dir():
-        return str(NANOGPT_MIRROR) if NANOGPT_MIRROR.is_dir() else nanogpt.DEFAULT_SOURCE
-    try:
-        done = subprocess.run(["git", "ls-remote", nanogpt.DEFAULT_SOURCE, "HEAD"], capture_output=True, timeout=30)
-    except (subprocess.TimeoutExpired, OSError):
-        return None
-    return nanogpt.DEFAULT_SOURCE if done.returncode == 0 else None
+    return nanogpt
 
 
-needs_nanogpt = pytest.mark.skipif(
-    nanogpt_source() is None,
-    reason="no nanoGPT source reachable: no $NANOGPT_SOURCE, no runs/bench/nanogpt-<sha> cache, no local mirror "
-           "and no network to github.com (the rows of ours are tested without it)")
+NANOGPT_SOURCE, NO_NANOGPT = nanogpt_module().reachable_source()
+"""Where the nanoGPT rows take the pinned commit from: $NANOGPT_DIR, the benchmarks' cache, or GitHub."""
+
+needs_nanogpt = pytest.mark.skipif(NANOGPT_SOURCE is None, reason=f"{NO_NANOGPT} (the rows of ours are tested "
+                                                                   "without it)")
 
 
 def table_rows(out: str, first_cell: str) -> list[list[str]]:
@@ -253,7 +240,7 @@ def test_vs_nanogpt_times_ours_at_defaults_and_fp32_without_nanogpt():
 
 @needs_nanogpt
 def test_vs_nanogpt_runs_nanogpt_itself_beside_ours_on_the_same_shape():
-    out = run_bench("bench/vs_nanogpt.py", "--nanogpt", nanogpt_source(), "--shapes", "tiny", "--modes", "eager",
+    out = run_bench("bench/vs_nanogpt.py", "--nanogpt", NANOGPT_SOURCE, "--shapes", "tiny", "--modes", "eager",
                     "--steps", "1", "--warmup", "1", "--rounds", "1", timeout=900)
     rows = table_rows(out, "row")
     assert [r[0] for r in rows] == ["nanoGPT eager", "ours eager", "ours fp32 eager"]
@@ -264,13 +251,9 @@ def test_vs_nanogpt_runs_nanogpt_itself_beside_ours_on_the_same_shape():
 
 
 def test_nanogpt_is_pinned_and_an_unreachable_source_is_one_clear_error(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import nanogpt
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+    nanogpt = nanogpt_module()
     with pytest.raises(nanogpt.NanoGPTError, match=f"is not the pinned {nanogpt.PINNED}"):
-        nanogpt.checkout(str(NANOGPT_MIRROR), "0" * 40, cache=tmp_path)
+        nanogpt.checkout(str(tmp_path / "anywhere"), "0" * 40, cache=tmp_path)
     with pytest.raises(nanogpt.NanoGPTError, match="cannot clone nanoGPT from .*--nanogpt none"):
         nanogpt.checkout(str(tmp_path / "nowhere"), cache=tmp_path)
     done = subprocess.run([sys.executable, "bench/vs_nanogpt.py", "--nanogpt-commit", "1" * 40], cwd=REPO,
@@ -293,7 +276,7 @@ def test_time_to_loss_reports_steps_and_time_to_the_target_without_nanogpt():
 
 @needs_nanogpt
 def test_time_to_loss_takes_nanogpts_val_loss_as_the_target_by_the_same_estimator():
-    out = run_bench("bench/time_to_loss.py", "--nanogpt", nanogpt_source(), "--steps", "2", "--eval-every", "1",
+    out = run_bench("bench/time_to_loss.py", "--nanogpt", NANOGPT_SOURCE, "--steps", "2", "--eval-every", "1",
                     "--val-tokens", "256", "--rows", "muon", timeout=900)
     target = float(re.search(r"target: val ([\d.]+) \(nanoGPT's at step 2\)", out)[1])
     assert 9.5 < target < 11.0  # two steps from ~ln(50257)

@@ -134,6 +134,66 @@ def test_every_save_copies_into_one_flat_buffer_reused_from_save_to_save(tmp_pat
     assert {k: v.data_ptr() for k, v in second["model"].items()} == {k: v.data_ptr() for k, v in first["model"].items()}
 
 
+class FakeDeviceCopier(HostCopier):
+    """HostCopier whose chosen storages stand for device (CUDA) tensors, on a CPU: their copies are
+    queued on a fake side stream that runs only once the test releases it, as a device-to-host copy
+    still in flight on a GPU; the training stream's device-side wait is counted, not waited."""
+
+    def __init__(self, device_ptrs: set[int]) -> None:
+        super().__init__(pinned=False)
+        self.device_ptrs, self.release, self.device_waits = device_ptrs, threading.Event(), 0
+
+    def _on_device(self, src):
+        return src.data_ptr() in self.device_ptrs
+
+    def _copy_on_side_stream(self, jobs):
+        def side_stream():
+            assert self.release.wait(GUARD_S), "the test never released the device copy"
+            for dst, src in jobs:
+                dst.copy_(src)
+
+        stream = threading.Thread(target=side_stream, daemon=True)
+        stream.start()
+        self._event = type("Event", (), {"synchronize": lambda _: stream.join()})()
+        self._copied_event = "recorded"
+
+    def wait_copied_on_device(self):
+        if self._copied_event is not None:
+            self.device_waits += 1
+            self._copied_event = None
+
+
+def test_wait_copied_does_not_block_the_host_on_the_devices_copy(tmp_path, monkeypatch):
+    """issue 39: wait_copied() returned only after the device-to-host copy had finished (the writer
+    set _copied after the copy event's synchronize()); it must return once the host tensors' copies are
+    made, with the update ordered after the device's copies on the device, while the writer thread
+    still waits for them before it writes."""
+    model, opt = trained_parts()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    writer = CheckpointWriter(torch.device("cpu"))
+    writer.copier = fake = FakeDeviceCopier({p.untyped_storage().data_ptr() for p in model.parameters()})
+    saved = threading.Event()
+    plain = ckpt.save_checkpoint
+
+    def save(*args, **kwargs):
+        saved.set()
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save)
+    writer.submit(tmp_path, 1, live_state(model, opt, 1), keep=3)  # the RNG and moments: host copies
+    returned = threading.Event()
+    threading.Thread(target=lambda: (writer.wait_copied(), returned.set()), daemon=True).start()
+    try:
+        assert returned.wait(GUARD_S), "wait_copied() blocked on the device's copy"
+        assert fake.device_waits == 1  # the update is ordered after the copies on the device
+        assert not saved.is_set()  # the writer does not read the buffer before the device's copies land
+    finally:
+        fake.release.set()
+    done = writer.wait()
+    state = ckpt.load_checkpoint(done["path"])
+    assert all(torch.equal(state["model"][k], v) for k, v in want.items())
+
+
 def test_the_next_save_waits_for_the_write_in_flight(tmp_path, monkeypatch):
     model, opt = trained_parts()
     gate = Gate(monkeypatch, 1)

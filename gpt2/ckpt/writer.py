@@ -94,11 +94,15 @@ class HostCopier:
             hosts[key] = torch.from_numpy(flat_np[begin:begin + n])  # its own storage over the slice
             self._jobs.append((self._flat[begin:begin + n], src))
         out = self._walk(state, {}, hosts)
-        cuda = [(dst, src) for dst, src in self._jobs if src.device.type == "cuda"]
-        if cuda:
-            self._jobs = [(dst, src) for dst, src in self._jobs if src.device.type != "cuda"]
-            self._copy_on_side_stream(cuda)
+        device = [(dst, src) for dst, src in self._jobs if self._on_device(src)]
+        if device:
+            self._jobs = [(dst, src) for dst, src in self._jobs if not self._on_device(src)]
+            self._copy_on_side_stream(device)
         return out
+
+    def _on_device(self, src: torch.Tensor) -> bool:
+        """Whether src's copy is queued on the device (CUDA) rather than made by finish_host()."""
+        return src.device.type == "cuda"
 
     def _copy_on_side_stream(self, jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self._stream is None:
@@ -113,7 +117,7 @@ class HostCopier:
 
     @property
     def copies_pending(self) -> bool:
-        """True while finish() has CPU copies to make (the live state must not change until then)."""
+        """True while finish_host() has host copies to make (the live state must not change until then)."""
         return bool(self._jobs)
 
     def wait_copied_on_device(self) -> None:
@@ -124,8 +128,18 @@ class HostCopier:
             self._copied_event = None
 
     def finish(self) -> None:
-        """Make the queued copies, or wait for the device's (the writer thread calls this)."""
+        """Make the host's copies and wait for the device's: the copy is then complete."""
+        self.finish_host()
+        self.wait_device()
+
+    def finish_host(self) -> None:
+        """Make the copies of host tensors (the writer thread calls this; the live state's host tensors
+        must not change before it returns)."""
         self._run_jobs()
+
+    def wait_device(self) -> None:
+        """Block until the device's copies have landed in the host buffer (the writer thread, before it
+        reads the buffer; training never waits here: wait_copied_on_device orders it on the device)."""
         if self._event is not None:
             self._event.synchronize()
             self._event = None
@@ -214,8 +228,9 @@ class CheckpointWriter:
         self._thread.start()
 
     def wait_copied(self) -> None:
-        """Before changing the state: block until the CPU copies are made; the device's are ordered
-        before the training stream's next work instead (no host wait)."""
+        """Before changing the state: block until the host tensors' copies are made; the device's are
+        ordered before the training stream's next work instead (no host wait: _copied is set once the
+        host copies are made, before the writer thread waits for the device's)."""
         self._copied.wait()
         self.copier.wait_copied_on_device()
 
@@ -223,9 +238,10 @@ class CheckpointWriter:
         try:
             t0 = time.perf_counter()
             try:
-                self.copier.finish()
+                self.copier.finish_host()
             finally:
                 self._copied.set()  # also on an error: training must never wait for it forever
+            self.copier.wait_device()  # the device's copies, already ordered before the next update
             t1 = time.perf_counter()
             # Looked up on the module at call time: tests patch ckpt.save_checkpoint.
             result["path"] = ckpt.save_checkpoint(out_dir, step, host, keep=keep, **save_kwargs)

@@ -117,3 +117,22 @@ def missing_features(*, optimizer: str, parallel: str) -> list[str]:
 
 def _what(feature: str) -> str:
     return {"muon": "torch.optim.Muon", "fsdp": "torch.distributed.fsdp.fully_shard"}[feature]
+
+
+def inductor_deterministic() -> bool:
+    """Turn on inductor's deterministic mode (no on-device benchmarking that changes numerics), where
+    this torch's inductor has it (torch._inductor.config.deterministic, pytorch PR 163589 of autumn 2025;
+    later releases also turn it on with torch.use_deterministic_algorithms); whether it did."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "deterministic"):
+        return False
+    inductor_config.deterministic = True
+    return True
+
+
+def inductor_deterministic_mode() -> bool | None:
+    """Whether inductor's deterministic mode is on; None where this torch's inductor has none."""
+    import torch._inductor.config as inductor_config
+
+    return getattr(inductor_config, "deterministic", None)

@@ -208,6 +208,11 @@ class TrainConfig:
     """torch.compile the model (inductor on CUDA and CPU)."""
     tf32: bool = True
     """Allow TF32 matmuls on CUDA (no effect on CPU)."""
+    deterministic: bool = False
+    """Deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, inductor's
+    deterministic mode; gpt2/core/determinism.py): two runs of one config on one machine give the same
+    losses bit for bit, on a GPU too. Slower (deterministic attention and embedding backward):
+    docs/training.md, "Deterministic runs"."""
     fused_adamw: bool = True
     """Use the fused AdamW kernel (one kernel per step; CUDA, and CPU since torch 2.4)."""
     pin_memory: bool = True

