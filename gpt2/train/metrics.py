@@ -86,9 +86,13 @@ class Metrics:
             f"norm {_fmt(rec['grad_norm'], '.3f')} | {rec['step_s'] * 1000:7.1f} ms | "
             f"{rec['tok_per_s']:>9,.0f} tok/s | mfu {_fmt_mfu(rec.get('mfu'))} | mem {rec['mem_mb']:,.0f} MB{skipped}")
 
-    def log_eval(self, step: int, tokens: int, val_loss: float) -> None:
-        self.record({"step": step, "tokens": tokens, "val_loss": val_loss})
-        self.info(f"step {step:>6} | val loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50)):.2f}")
+    def log_eval(self, step: int, tokens: int, val_loss: float, val_tokens: int) -> None:
+        """val_tokens: how many tokens the loss is the mean over (the first --eval-tokens of the val split,
+        as whole sequences), said on the line: `python -m gpt2.eval loss` over another count (its default
+        is 10M: all of a small val split) gives another number for the same checkpoint."""
+        self.record({"step": step, "tokens": tokens, "val_loss": val_loss, "val_tokens": val_tokens})
+        self.info(f"step {step:>6} | val loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50)):.2f} | "
+                  f"{val_tokens:,} val tokens")
 
     def close(self) -> None:
         if self._tb is not None:

@@ -430,7 +430,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     write_run_info(cfg, dist, parts, run.peak, run.prec, run.loss, run.network)
     announce(cfg, dist, parts, log)
     if parts.step == 0 and parts.val_loader is not None:
-        log.log_eval(0, 0, evaluate(parts, cfg, dist))
+        log.log_eval(0, 0, evaluate(parts, cfg, dist), parts.val_loader.tokens)
     hellaswag = None
     if tc.hellaswag_interval:
         from gpt2.data.hellaswag import prepare_hellaswag
@@ -542,7 +542,7 @@ def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics
     """Evaluate, sample and save as act says, after step parts.step."""
     tc, step = cfg.train, parts.step
     if act.evaluate:
-        log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist))
+        log.log_eval(step, step * tc.total_batch_size, evaluate(parts, cfg, dist), parts.val_loader.tokens)
     if act.hellaswag:
         log_hellaswag(parts, cfg, dist, log, hellaswag, step)
     # A sharded model's every forward all-gathers weights: every rank generates (same prompt, same
