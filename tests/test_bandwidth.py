@@ -107,8 +107,9 @@ def _flags(data_dir, out_dir):
 def test_two_ranks_log_the_network_line_and_record_it_one_process_does_not(tmp_path, shakespeare_shards):
     two = run_trainer(_flags(shakespeare_shards, tmp_path / "two"), nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
-    lines = [line for line in two.stdout.splitlines() if line.startswith("network    all-reduce of ")]
-    assert len(lines) == 1, two.stdout  # one line, from rank 0
+    log = (tmp_path / "two" / "train.log").read_text()  # a start-up detail: RUN/train.log, or --verbose
+    lines = [line for line in log.splitlines() if line.startswith("network    all-reduce of ")]
+    assert len(lines) == 1, log  # one line, from rank 0
     assert "over 2 ranks (gloo)" in lines[0] and "of the planned" in lines[0], lines[0]
     net = json.loads((tmp_path / "two" / "config.json").read_text())["network"]
     assert net["world_size"] == 2 and net["backend"] == "gloo"
@@ -120,14 +121,14 @@ def test_two_ranks_log_the_network_line_and_record_it_one_process_does_not(tmp_p
 
     one = run_trainer(_flags(shakespeare_shards, tmp_path / "one"), nproc=1)
     assert one.returncode == 0, one.stderr[-3000:]
-    assert "network " not in one.stdout
+    assert "network " not in (tmp_path / "one" / "train.log").read_text()
     assert "network" not in json.loads((tmp_path / "one" / "config.json").read_text())
 
 
 def test_fsdp_ranks_log_what_an_fsdp_step_moves(tmp_path, shakespeare_shards):
     """Under --parallel fsdp the line and config.json count the all-gathers and the reduce-scatter
     (fp32 on a CPU: 4 B gathered per parameter), not DDP's all-reduce."""
-    two = run_trainer([*_flags(shakespeare_shards, tmp_path / "two"), "--parallel", "fsdp"], nproc=2)
+    two = run_trainer([*_flags(shakespeare_shards, tmp_path / "two"), "--parallel", "fsdp", "--verbose"], nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
     lines = [line for line in two.stdout.splitlines() if line.startswith("network    ")]
     assert len(lines) == 1 and "a step's fsdp traffic (2 all-gathers of " in lines[0], two.stdout
