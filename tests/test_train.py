@@ -295,7 +295,7 @@ def test_micro_batch_size_auto_end_to_end(tmp_path, shakespeare_shards):
     assert "micro-batch auto: 8 sequences" in run.stdout  # 512 tokens = 8 x 64: one micro-step fits
     # the default --warmup-steps 715 over --max-steps 2: said once, as a warning, not silently accepted
     assert [ln for ln in run.stderr.splitlines() if "warmup" in ln] == [
-        ln for ln in run.stderr.splitlines() if ln.startswith("warning: --warmup-steps 715 is not below --max-steps 2")]
+        ln for ln in run.stderr.splitlines() if ln.startswith("warning: --warmup-steps 715 is more than twice --max-steps 2")]
     assert "warning: --warmup-steps 715" in run.stderr
     info = json.loads((run_dir / "config.json").read_text())
     assert info["config"]["train"]["micro_batch_size"] == 8 and info["accum_steps"] == 1
@@ -314,11 +314,14 @@ def test_warmup_that_does_not_end_before_max_steps_is_said_in_one_line():
 
     log_warmup(TrainConfig(data_dir="d", out_dir="o", warmup_steps=1000, max_steps=3, lr=6e-4), Log)
     assert len(said) == 1 and "\n" not in said[0], said
-    assert said[0].startswith("--warmup-steps 1,000 is not below --max-steps 3: the learning rate only rises, to "
-                              "1.8e-06 (0.3% of --lr 0.0006) at the last step, and never decays"), said[0]
-    for fine in (dict(warmup_steps=0, max_steps=3), dict(warmup_steps=2, max_steps=3)):
+    assert said[0].startswith("--warmup-steps 1,000 is more than twice --max-steps 3: the learning rate only rises, "
+                              "to 1.8e-06 (0.3% of --lr 0.0006) at the last step, and never decays"), said[0]
+    # up to twice as many warmup steps as steps the run still reaches half of --lr: a compressed schedule
+    for fine in (dict(warmup_steps=0, max_steps=3), dict(warmup_steps=3, max_steps=2), dict(warmup_steps=6, max_steps=3)):
         log_warmup(TrainConfig(data_dir="d", out_dir="o", **fine), Log)
     assert len(said) == 1
+    log_warmup(TrainConfig(data_dir="d", out_dir="o", warmup_steps=7, max_steps=3), Log)
+    assert len(said) == 2 and "(42.9% of --lr" in said[1]
 
 
 def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespeare_shards, monkeypatch, capsys):

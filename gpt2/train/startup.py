@@ -325,19 +325,26 @@ def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
     return epochs
 
 
+WARMUP_REACH = 0.5
+"""Warn when the run's largest learning rate is below this share of --lr (more than twice as many warmup
+steps as steps): most of such a run trains at a small fraction of the rate its flags name, so its result
+says little about the recipe. Up to it the schedule is only compressed (a warmup as long as the run still
+reaches --lr), which short test runs do on purpose (tests/: 2 steps with a 3-step warmup)."""
+
+
 def log_warmup(tc: TrainConfig, log) -> None:
-    """A warning when --warmup-steps is not below --max-steps: the learning rate then only rises (to
-    max_steps/warmup_steps of --lr at the last step) and never decays. A warning, not a refusal: a few
-    steps of a preset's recipe (--preset gpt2 --max-steps 10, warmup 715) are how a smoke test runs, and
-    what they check (it starts, steps, saves, resumes) does not need the schedule; a run meant to learn
+    """One warning when --warmup-steps is more than twice --max-steps (WARMUP_REACH): the learning rate only
+    rises, to max_steps/warmup_steps of --lr at the last step, and never decays. A warning, not a refusal:
+    a few steps of a preset's recipe (--preset gpt2 --max-steps 10, warmup 715) are how a smoke test runs,
+    and what it checks (it starts, steps, saves, resumes) does not need the schedule; a run meant to learn
     gets one line that says why it will not."""
-    if tc.warmup_steps == 0 or tc.warmup_steps < tc.max_steps:
+    if tc.warmup_steps <= tc.max_steps or tc.max_steps / tc.warmup_steps >= WARMUP_REACH:
         return
     last = lr_at(tc.max_steps - 1, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps,
                  max_steps=tc.max_steps, decay_steps=tc.decay_steps)
-    log.warn(f"--warmup-steps {tc.warmup_steps:,} is not below --max-steps {tc.max_steps:,}: the learning rate only "
-             f"rises, to {last:.3g} ({last / tc.lr:.1%} of --lr {tc.lr:g}) at the last step, and never decays. Fine "
-             f"for a smoke test; to train, pass --warmup-steps well below --max-steps (the gpt2 recipe warms up "
+    log.warn(f"--warmup-steps {tc.warmup_steps:,} is more than twice --max-steps {tc.max_steps:,}: the learning rate "
+             f"only rises, to {last:.3g} ({last / tc.lr:.1%} of --lr {tc.lr:g}) at the last step, and never decays. "
+             f"Fine for a smoke test; to train, pass --warmup-steps well below --max-steps (the gpt2 recipe warms up "
              f"for 715 of its 19,073 steps)")
 
 
