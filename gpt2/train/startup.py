@@ -90,8 +90,7 @@ def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
 
 def begin(cfg: RunConfig, dist: Dist, log: Metrics) -> Start:
     """The run's first line (before any measuring or building: a slow start is never silent), then where
-    it starts (choose_start: a checkpoint to resume, or fresh), decided before the checks and the plan so
-    that a finished run says "nothing to train" at once (finished_message) instead of after them."""
+    it starts (choose_start: a checkpoint to resume, or fresh)."""
     log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: checking the data, choosing precision, "
              "planning memory, building the model")
     return choose_start(cfg.train.resume, cfg.train.out_dir, dist, warn=log.warn)
@@ -108,14 +107,16 @@ def finished_message(start: Start, tc: TrainConfig) -> str | None:
 
 
 def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None],
-            start: Start) -> Startup:
+            start: Start) -> Startup | None:
     """Every check that can refuse the configuration, then the moves the start decision (begin) needs: a
     refused run moves nothing, and the earlier run's records go aside before the first write into RUN
     (the sinks opened here, restore, config.json). shards: check_data's, read here by verify_data.
+    None: start's checkpoint has reached --max-steps already (finished_message says so), nothing moved.
 
-    The checks' lines are held until they all pass: a refusal is the console's first line after
-    `starting` (with --verbose, after what was decided before it). Most of them are detail (the plan term
-    by term): RUN/train.log and --verbose; the console gets the precision, the micro-batch and one plan line."""
+    The checks' lines are held until they all pass: a refusal, or "nothing to train", is the console's
+    first line after `starting` (with --verbose, after what was decided before it). Most of them are
+    detail (the plan term by term): RUN/train.log and --verbose; the console gets the precision, the
+    micro-batch and one plan line."""
     log.hold()
     try:
         verify_data(cfg, shards, dist, log)
@@ -129,6 +130,9 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
     except BaseException:
         log.release(console=False)
         raise
+    if finished_message(start, tc) is not None:
+        log.release(console=False)
+        return None
     log.release()
     moved = set_aside_earlier_run(start, tc.out_dir, dist)
     if moved is not None:
@@ -151,8 +155,10 @@ def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: 
     an earlier checkpoint of this run: its later checkpoints): the checkpoint's refusals (another
     shape, optimizer, data, seed...) come first, else a refused resume would leave the directory's own
     run in previous-*/ (the next start would begin at step 0) or its newest checkpoints in abandoned-*/.
+    A finished run's checkpoint is checked too: it is never restored, and flags it could not resume
+    with are refused, not answered with "nothing to train".
     Rank 0 checks; every rank raises its error alike."""
-    if not ((start.set_aside or start.abandon) and start.point is not None):
+    if start.point is None or not (start.set_aside or start.abandon or finished_message(start, cfg.train)):
         return
     problem = None
     if dist.is_main:

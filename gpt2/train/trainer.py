@@ -422,11 +422,11 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if shards is None:
         shards = check_data(cfg, dist.world_size)
     start = begin(cfg, dist, log)
-    if (finished := finished_message(start, tc)) is not None:  # e.g. the quick start run a second time
-        log.info(finished)
+    run = prepare(cfg, dist, log, shards, start)
+    if run is None:  # finished already, e.g. the quick start run a second time
+        log.info(finished_message(start, tc))
         log.close()
         return 0
-    run = prepare(cfg, dist, log, shards, start)
     cfg, tc = run.cfg, run.cfg.train
     announce_compile(tc, dist, log)
     parts = build(cfg, dist, log, shards, run.start)
