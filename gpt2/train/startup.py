@@ -1,10 +1,15 @@
 """A run's start-up, before its first step: everything that decides how it runs and can refuse it.
 
-check_data (before any process group), then prepare(): the precision, micro-batch and loss path
-(rank 0 decides, every rank takes its answer), the MFU peak, the memory plan, the network line,
-and where the run starts (a checkpoint or fresh, the earlier run's files or an abandoned branch's
-checkpoints moved aside); after the build, write_run_info and announce(). gpt2/train/dryrun.py rehearses
-the same functions without a process group, so its first error is a real run's.
+check_data (before any process group), begin() (the first line, and where the run starts: a
+checkpoint or fresh), then prepare(): the precision, micro-batch and loss path (rank 0 decides, every
+rank takes its answer), the MFU peak, the memory plan, the network line, "nothing to train", and the
+earlier run's files or an abandoned branch's checkpoints moved aside; announce_compile() before the
+build, write_run_info and announce() after it. gpt2/train/dryrun.py rehearses the same functions without
+a process group, so its first error is a real run's.
+
+What the console shows: a few lines (Metrics.info); the plan term by term is Metrics.detail, written to
+RUN/train.log and printed only with --verbose, so a newcomer reads what runs, and a refusal or
+"nothing to train" is not preceded by a 30-line plan.
 """
 
 from __future__ import annotations
