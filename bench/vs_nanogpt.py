@@ -178,7 +178,9 @@ def run_train(flags: list[str], out: Path, timeout: int = 7200) -> OursRun:
                            f"{(done.stdout + done.stderr).strip()[-2000:]}")
     records = sorted((r for r in read_metrics(out / "metrics.jsonl") if "step_s" in r), key=lambda r: r["step"])
     conf = json.loads((out / "config.json").read_text())
-    return OursRun([r["step_s"] for r in records], conf["config"]["train"], startup_said(done.stdout + done.stderr),
+    log = out / "train.log"  # every start-up line; the console has only the short start-up
+    return OursRun([r["step_s"] for r in records], conf["config"]["train"],
+                   startup_said(log.read_text() if log.is_file() else done.stdout + done.stderr),
                    max((r["mem_mb"] for r in records if r.get("mem_mb") is not None), default=None))
 
 

@@ -67,6 +67,8 @@ class Summary:
             out.append(f"resumed at record {self.resumed_at_record:,}; this run wrote {self.run_tokens:,} tokens")
         if self.skipped_files:
             out.append(f"skipped {len(self.skipped_files)} undecodable .txt file(s): {self.skipped_files[0]}, ...")
+        if self.val_tokens == 0:  # only --val-tokens 0 does this (VAL_RULE); the trainer needs to be told too
+            out.append("no val split (--val-tokens 0): train on it with --eval-tokens 0")
         return out
 
 
@@ -108,8 +110,7 @@ def run_job(cfg: PrepConfig, log: Callable[[str], None]) -> Summary:
         return check_finished(cfg, corpus, manifest, log, start_s)
     corpus = sources.check(corpus, cfg)
     if val_tokens > 0 and (only := sources.single_document(corpus, cfg)):
-        raise UserError(f"{only} is the corpus's only document (a .txt file is one document), so it cannot be "
-                        "split into val and train documents; pass --txt-sample-by paragraph or --val-tokens 0")
+        raise one_document(f"{only}: a .txt file is one document")
     manifest["skipped_files"] = list(corpus.skipped_files)
     reader = sources.RecordReader(corpus, cfg, manifest["group_records"])
     runs = val_runs(manifest)
@@ -212,11 +213,25 @@ def first_val(reader: sources.RecordReader, cfg: PrepConfig, budget: int) -> lis
     raise all_val(end, total, budget)
 
 
+VAL_RULE = ("a val split is whole documents (at least one, unless --val-tokens 0) that leave at least one "
+            "document for train")
+"""The one rule for tiny corpora, whatever their size in bytes: said by the refusals below, at prep time."""
+
+
+def one_document(what: str) -> UserError:
+    """The refusal of a corpus of one document (a .txt file, a one-record .jsonl, 3 tokens or 32 KB alike)."""
+    return UserError(f"the corpus is one document ({what}), and {VAL_RULE}: pass --val-tokens 0 for no val split "
+                     "(then train with --eval-tokens 0), or split it into documents (.txt: --txt-sample-by paragraph; "
+                     ".jsonl: one record each)")
+
+
 def all_val(n_records: int, tokens: int, budget: int) -> UserError:
     if n_records == 0:
         return UserError("empty corpus: the sources hold no documents")
+    if n_records == 1:
+        return one_document(f"{tokens:,} tokens")
     return UserError(f"all {n_records:,} documents ({tokens:,} tokens) would go to val (val budget {budget:,} "
-                     "tokens): nothing is left for train; pass a smaller --val-tokens")
+                     f"tokens), and {VAL_RULE}: pass a smaller --val-tokens (or 0 for no val split)")
 
 
 def to_runs(records: list[int]) -> list[list[int]]:

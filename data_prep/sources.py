@@ -231,17 +231,19 @@ def plan(cfg: PrepConfig) -> Corpus:
 def default_val_tokens(corpus: Corpus) -> tuple[int, str]:
     """The --val-tokens default and the rule that produced it (recorded in the manifest).
 
-    min(10M, max(1% of E, min(16,384, 10% of E))) for E tokens estimated from source bytes: 1% of a
+    min(10M, max(1% of E, min(16,384, 10% of E), 1)) for E tokens estimated from source bytes: 1% of a
     large corpus, never below the 16,384 tokens a small preset's evaluation needs, never above 10% of
-    a tiny corpus for the sake of that floor.
+    a tiny corpus for the sake of that floor, and never 0: every corpus gets a val split of at least one
+    whole document unless --val-tokens 0 says otherwise (a 3-token corpus used to get none, silently,
+    while a 32 KB one-document corpus was refused; now both meet the same rule, pipeline.VAL_RULE).
     """
     if corpus.estimated_tokens is None:
         return DEFAULT_MAX_VAL_TOKENS, f"default for a streamed dataset of unknown size: {DEFAULT_MAX_VAL_TOKENS}"
     est = corpus.estimated_tokens
     val = min(DEFAULT_MAX_VAL_TOKENS, max(int(est * DEFAULT_VAL_FRACTION),
-                                          min(DEFAULT_MIN_VAL_TOKENS, int(est * DEFAULT_MAX_VAL_SHARE))))
+                                          min(DEFAULT_MIN_VAL_TOKENS, int(est * DEFAULT_MAX_VAL_SHARE)), 1))
     return val, (f"min({DEFAULT_MAX_VAL_TOKENS}, max(1% of ~{est} tokens, min({DEFAULT_MIN_VAL_TOKENS}, 10% of "
-                 f"them))), estimated as source bytes / {BYTES_PER_TOKEN}")
+                 f"them), 1)), estimated as source bytes / {BYTES_PER_TOKEN}")
 
 
 def text_bytes(f: SourceFile, text_field: str) -> int:

@@ -27,7 +27,7 @@ from gpt2.train.scoring import hellaswag_eval, loader_loss
 
 
 def val_shards_loss(model: GPT, data_dir: str | Path, dist: Dist, *, eval_tokens: int, batch_size: int,
-             dtype: str = "float32") -> dict:
+             dtype: str = "float32", progress: bool = False) -> dict:
     """Loss, perplexity and token count over the first eval_tokens of data_dir's val shards.
 
     The trainer's own number: the same EvalLoader and gpt2.train.scoring.loader_loss as its evaluations."""
@@ -52,7 +52,7 @@ def val_shards_loss(model: GPT, data_dir: str | Path, dist: Dist, *, eval_tokens
     if loader.n_seqs == 0:
         raise ValueError(f"--eval-tokens {eval_tokens} is less than one sequence of block_size="
                          f"{model.config.block_size} tokens (or the val shards are that short)")
-    loss = loader_loss(model, loader, dtype, dist)
+    loss = loader_loss(model, loader, dtype, dist, progress=progress)
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": loader.tokens,
             "clamped": loader.clamped}
 
@@ -112,7 +112,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
                 examples = prepare_hellaswag(args.data, dist, url=args.url, limit=args.limit)
             else:
                 result = val_shards_loss(model, args.data_dir, dist, eval_tokens=args.eval_tokens,
-                                  batch_size=args.batch_size, dtype=dtype)
+                                         batch_size=args.batch_size, dtype=dtype, progress=True)
         except ValueError as e:
             if info is None or info.rank == 0:
                 print(f"gpt2.eval: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -132,7 +132,8 @@ def _describe(task: str, r: dict, source: dict) -> str:
         return (f"hellaswag {where}: acc {r['acc']:.4f} ({r['correct']}/{r['n']}) | "
                 f"acc_norm {r['acc_norm']:.4f} ({r['correct_norm']}/{r['n']})")
     clamped = " (all the val shards hold)" if r["clamped"] else ""
-    return f"val loss {where}: {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | {r['tokens']:,} tokens{clamped}"
+    return (f"val loss {where}: {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | {r['tokens']:,} val "
+            f"tokens{clamped}")
 
 
 if __name__ == "__main__":

@@ -40,5 +40,6 @@ os.replace(tmp, sys.argv[1])
 PY
 fi
 "$PYTHON" -m data_prep --source "$DATA_DIR/pydoc_topics.jsonl" --out "$DATA_DIR/shards"
-"$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_ddp.py --preset debug \
+# gpt2.launch is torchrun, except that a failing rank's own error line is not buried under torchrun's block
+"$PYTHON" -m gpt2.launch --standalone --nproc_per_node="$NPROC" train_ddp.py --preset debug \
     --data-dir "$DATA_DIR/shards" --out-dir "$RUN_DIR" --device cpu "$@"

@@ -24,7 +24,7 @@ def test_bus_bandwidth_is_nccl_tests_definition():
 def test_a_124m_step_over_a_slow_network_is_warned_about():
     # 124,475,904 parameters: 497.9 MB of fp32 gradients. A 25 MiB bucket in 10 ms is 2.62 GB/s
     # (~21 Gb/s, TCP sockets), so the step's all-reduce takes 0.19 s: 38% of 0.5 s of compute.
-    c = network_cost(backend="nccl", world_size=32, bucket_bytes=25 * 2**20, allreduce_s=0.01,
+    c = network_cost(backend="nccl", world_size=32, nodes=4, bucket_bytes=25 * 2**20, allreduce_s=0.01,
                      grad_bytes=124_475_904 * 4, step_compute_s=0.5)
     assert c.algbw_bytes_per_s == pytest.approx(2.62144e9)
     assert c.busbw_bytes_per_s == pytest.approx(2.62144e9 * 2 * 31 / 32)
@@ -40,14 +40,31 @@ def test_a_124m_step_over_a_slow_network_is_warned_about():
 
 def test_a_fast_network_or_an_unknown_compute_time_gives_no_warning():
     # InfiniBand-class: 25 MiB in 1 ms (26 GB/s) -> 0.019 s, 3.8% of the same step.
-    fast = network_cost(backend="nccl", world_size=32, bucket_bytes=25 * 2**20, allreduce_s=0.001,
+    fast = network_cost(backend="nccl", world_size=32, nodes=4, bucket_bytes=25 * 2**20, allreduce_s=0.001,
                         grad_bytes=124_475_904 * 4, step_compute_s=0.5)
     assert fast.share == pytest.approx(0.037988, rel=1e-4) and network_warning(fast) is None
     assert network_warning(fast, threshold=0.03) is not None  # the threshold is what decides
-    unknown = network_cost(backend="nccl", world_size=2, bucket_bytes=MB, allreduce_s=0.1, grad_bytes=4 * MB,
+    unknown = network_cost(backend="nccl", world_size=2, nodes=2, bucket_bytes=MB, allreduce_s=0.1, grad_bytes=4 * MB,
                            step_compute_s=None)
     assert unknown.share is None and network_warning(unknown) is None
     assert "no planned compute to compare with" in format_network_cost(unknown)
+
+
+def test_only_several_nodes_are_warned_about_the_network():
+    """The same slow all-reduce (38% of a step): across nodes the warning is about the network (NCCL's
+    sockets vs InfiniBand, gloo's TCP interface); on one node there is no network: GPUs get a warning
+    about their own links, and CPU ranks (gloo, one host: a 2-rank CPU run) none at all."""
+    def cost(backend, nodes):
+        return network_cost(backend=backend, world_size=8, nodes=nodes, bucket_bytes=25 * 2**20, allreduce_s=0.01,
+                            grad_bytes=124_475_904 * 4, step_compute_s=0.5)
+
+    across = network_warning(cost("nccl", 2))
+    assert "Across nodes" in across and "InfiniBand" in across and "on 2 node(s)" in across
+    assert "GLOO_SOCKET_IFNAME" in network_warning(cost("gloo", 4))
+    one_node_gpus = network_warning(cost("nccl", 1))
+    assert "InfiniBand" not in one_node_gpus and "NCCL_IB" not in one_node_gpus and "nvidia-smi topo" in one_node_gpus
+    assert network_warning(cost("gloo", 1)) is None
+    assert cost("gloo", 1).to_dict()["nodes"] == 1
 
 
 def test_fsdp_step_is_two_gathers_per_micro_step_and_one_reduce_scatter_at_ring_busbw():
@@ -57,7 +74,7 @@ def test_fsdp_step_is_two_gathers_per_micro_step_and_one_reduce_scatter_at_ring_
     t = fsdp_traffic(124_475_904, 2, 2)
     assert (t.gather_bytes, t.gathers_per_step, t.reduce_scatter_bytes) == (248_951_808, 4, 497_903_616)
     assert t.step_bytes == 4 * 248_951_808 + 497_903_616
-    c = network_cost(backend="nccl", world_size=32, bucket_bytes=25 * 2**20, allreduce_s=0.01,
+    c = network_cost(backend="nccl", world_size=32, nodes=4, bucket_bytes=25 * 2**20, allreduce_s=0.01,
                      grad_bytes=124_475_904 * 4, step_compute_s=0.5, fsdp=t)
     busbw = 2.62144e9 * 2 * 31 / 32
     assert c.parallel == "fsdp" and c.step_bytes == t.step_bytes
@@ -70,11 +87,11 @@ def test_fsdp_step_is_two_gathers_per_micro_step_and_one_reduce_scatter_at_ring_
                          "compute per step"), line
     assert network_warning(c).startswith("fsdp's all-gathers and reduce-scatter would take 57%")
     # DDP's line and numbers are what they were; its step_comm_s is its all-reduce
-    ddp = network_cost(backend="nccl", world_size=32, bucket_bytes=25 * 2**20, allreduce_s=0.01,
+    ddp = network_cost(backend="nccl", world_size=32, nodes=4, bucket_bytes=25 * 2**20, allreduce_s=0.01,
                        grad_bytes=124_475_904 * 4, step_compute_s=0.5)
     assert ddp.parallel == "ddp" and ddp.step_comm_s == ddp.step_allreduce_s and ddp.step_bytes == ddp.grad_bytes
     # fp32 on 2 ranks: busbw = algbw and a ring moves half of each tensor
-    two = network_cost(backend="gloo", world_size=2, bucket_bytes=MB, allreduce_s=0.01, grad_bytes=4 * MB,
+    two = network_cost(backend="gloo", world_size=2, nodes=1, bucket_bytes=MB, allreduce_s=0.01, grad_bytes=4 * MB,
                        step_compute_s=None, fsdp=fsdp_traffic(MB, 4, 1))
     assert two.step_bytes == 3 * 4 * MB and two.step_comm_s == pytest.approx(12 * MB / 2 / 1e8)
     with pytest.raises(ValueError, match="fsdp_traffic needs positive"):
@@ -90,8 +107,9 @@ def _flags(data_dir, out_dir):
 def test_two_ranks_log_the_network_line_and_record_it_one_process_does_not(tmp_path, shakespeare_shards):
     two = run_trainer(_flags(shakespeare_shards, tmp_path / "two"), nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
-    lines = [line for line in two.stdout.splitlines() if line.startswith("network    all-reduce of ")]
-    assert len(lines) == 1, two.stdout  # one line, from rank 0
+    log = (tmp_path / "two" / "train.log").read_text()  # a start-up detail: RUN/train.log, or --verbose
+    lines = [line for line in log.splitlines() if line.startswith("network    all-reduce of ")]
+    assert len(lines) == 1, log  # one line, from rank 0
     assert "over 2 ranks (gloo)" in lines[0] and "of the planned" in lines[0], lines[0]
     net = json.loads((tmp_path / "two" / "config.json").read_text())["network"]
     assert net["world_size"] == 2 and net["backend"] == "gloo"
@@ -103,14 +121,14 @@ def test_two_ranks_log_the_network_line_and_record_it_one_process_does_not(tmp_p
 
     one = run_trainer(_flags(shakespeare_shards, tmp_path / "one"), nproc=1)
     assert one.returncode == 0, one.stderr[-3000:]
-    assert "network " not in one.stdout
+    assert "network " not in (tmp_path / "one" / "train.log").read_text()
     assert "network" not in json.loads((tmp_path / "one" / "config.json").read_text())
 
 
 def test_fsdp_ranks_log_what_an_fsdp_step_moves(tmp_path, shakespeare_shards):
     """Under --parallel fsdp the line and config.json count the all-gathers and the reduce-scatter
     (fp32 on a CPU: 4 B gathered per parameter), not DDP's all-reduce."""
-    two = run_trainer([*_flags(shakespeare_shards, tmp_path / "two"), "--parallel", "fsdp"], nproc=2)
+    two = run_trainer([*_flags(shakespeare_shards, tmp_path / "two"), "--parallel", "fsdp", "--verbose"], nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
     lines = [line for line in two.stdout.splitlines() if line.startswith("network    ")]
     assert len(lines) == 1 and "a step's fsdp traffic (2 all-gathers of " in lines[0], two.stdout

@@ -54,6 +54,13 @@ def test_every_field_is_a_kebab_case_flag():
             assert "--" + f.name.replace("_", "-") in flags
 
 
+def test_a_bare_boolean_flag_means_true():
+    assert parse_config(BASE + ["--verbose"]).train.verbose is True
+    assert parse_config(BASE + ["--verbose", "false", "--compile"]).train.verbose is False
+    assert parse_config(BASE + ["--compile", "--max-steps", "3"]).train.compile is True
+    assert parse_config(BASE).train.verbose is False
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--no-such-flag", "1"], "unrecognized argument --no-such-flag"),
     (["--n-head", "5"], "not divisible by n_head"),

@@ -268,6 +268,32 @@ def test_default_val_budget_rule():
     assert budget(750_000) == 16_384  # a 3 MB corpus: 1% (7,500) was below the debug preset's 8,192
     assert budget(1_000) == 100
     assert budget(None) == 10_000_000
+    assert budget(3) == budget(0) == 1  # never 0: a tiny corpus meets the same rule as any other
+
+
+def test_one_rule_for_the_val_split_of_tiny_corpora_is_said_at_prep_time(tmp_path, capsys):
+    """3 tokens in one .txt file used to be prepared with no val split and no word (its default budget
+    rounded to 0), while a 32 KB one-document corpus was refused. Now both, and a one-record .jsonl, are
+    refused with the same line (pipeline.VAL_RULE) and its two ways out; two tiny documents make a val
+    split of one; --val-tokens 0 prepares without val and says what training then needs."""
+    tiny, big, record = tmp_path / "tiny.txt", tmp_path / "big.txt", tmp_path / "one.jsonl"
+    tiny.write_text("Hello world")
+    big.write_text("word " * 6500)
+    write_jsonl(record, ["word " * 8000])
+    errors = []
+    for src in (tiny, big, record):
+        rc, out, err = main_inproc("--source", str(src), "--out", str(tmp_path / f"out-{src.name}"), capsys=capsys)
+        assert rc == 2 and not out and len(err.strip().splitlines()) == 1, (src, out, err)
+        errors.append(err)
+        assert err.startswith("error: the corpus is one document (") and "--val-tokens 0 for no val split" in err
+    assert len({e.split("), and ")[1] for e in errors}) == 1, errors  # the same rule, word for word
+    assert "a .txt file is one document" in errors[0] and "8,002 tokens" in errors[2]
+    write_jsonl(tmp_path / "two.jsonl", ["Hello", "world again"])
+    rc, out, _ = main_inproc("--source", str(tmp_path / "two.jsonl"), "--out", str(tmp_path / "two"), capsys=capsys)
+    assert rc == 0 and len(val_records(tmp_path / "two")) == 1 and "(val 2, train 3)" in out, out
+    rc, out, _ = main_inproc("--source", str(tiny), "--out", str(tmp_path / "none"), "--val-tokens", "0",
+                             capsys=capsys)
+    assert rc == 0 and "no val split (--val-tokens 0): train on it with --eval-tokens 0" in out, out
 
 
 def val_records(out: Path) -> list[int]:

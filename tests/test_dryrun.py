@@ -437,9 +437,11 @@ def test_dry_run_and_start_up_count_the_epochs_and_warn_when_many(train_ddp, tmp
                "fewer, or prepare more data")
     code, out, err = dry(train_ddp, argv, capsys)
     assert code == 0 and epochs in out.splitlines() and warning in out.splitlines(), out + err
-    assert train_ddp.main(argv) == 0  # a real start: the same line and warning, then it trains
+    assert train_ddp.main([*argv, "--verbose"]) == 0  # a real start: the same line (detail) and warning, then it trains
     captured = capsys.readouterr()
     assert epochs in captured.out.splitlines() and warning in captured.err.splitlines(), captured
+    log = (tmp_path / "run" / "train.log").read_text().splitlines()  # without --verbose: in RUN/train.log
+    assert epochs in log and warning in log
     # a few epochs, as a fine-tune makes on purpose: the line, no warning
     code, out, err = dry(train_ddp, [*argv, "--max-steps", "2", "--out-dir", str(tmp_path / "two")], capsys)
     assert code == 0 and "epochs     1.71 over the train split" in out and "repeats the train split" not in out + err

@@ -394,12 +394,15 @@ def test_resume_never_in_a_used_directory_moves_the_earlier_run_aside(tmp_path, 
                                     "--ckpt-interval", "3"), capsys)
     assert code == 0
     moved = previous(run_dir)
-    assert (f"fresh start: moved the earlier run's checkpoints, metrics.jsonl, config.json from {run_dir} into "
+    assert (f"fresh start: moved the earlier run's checkpoints, metrics.jsonl, train.log, config.json from {run_dir} into "
             f"{moved}/ (nothing deleted)") in out
     assert sorted(losses(run_dir)) == [1, 2, 3]  # only the new run's steps (and each once)
     assert [r["step"] for r in records(run_dir) if "val_loss" in r] == [0, 3]
     assert losses(moved) == old_losses and run_id(moved) == old_id  # the earlier run, whole
     assert (moved / "checkpoints" / "step_00000004.pt").read_bytes() == old_bytes
+    # the earlier run's console log went with it; the new one's holds only the new run's lines
+    assert "step      4/4 |" in (moved / "train.log").read_text()
+    assert "step      4/" not in (run_dir / "train.log").read_text()
     assert sorted(sidecar_run_ids(moved)) == ["step_00000002", "step_00000004"]
     new_id = run_id(run_dir)
     assert new_id != old_id and sidecar_run_ids(run_dir) == {"step_00000003": new_id}
@@ -446,7 +449,7 @@ def test_resume_auto_with_its_only_checkpoint_damaged_refuses_then_never_starts_
     code, out, err = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3",
                                       "--resume", "never"), capsys)
     assert code == 0
-    assert "fresh start: moved the earlier run's checkpoints, metrics.jsonl, config.json" in out
+    assert "fresh start: moved the earlier run's checkpoints, metrics.jsonl, train.log, config.json" in out
     assert sorted(losses(run_dir)) == [1, 2, 3]
     assert sorted(losses(previous(run_dir))) == [1, 2]
     assert (previous(run_dir) / "checkpoints" / "step_00000002.pt").read_bytes() == data  # kept, as it was
@@ -555,8 +558,8 @@ def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoin
     fresh = run(flags(data_dir, run_dir, "--resume", "never", "--max-steps", "5"), nproc=2, log_dir=tmp_path / "fresh")
     assert fresh.proc.returncode == 0, fresh.output()
     moved = previous(run_dir)
-    assert fresh.stdout.count(f"fresh start: moved the earlier run's checkpoints, metrics.jsonl, config.json from "
-                              f"{run_dir} into {moved}/") == 1
+    assert fresh.stdout.count(f"fresh start: moved the earlier run's checkpoints, metrics.jsonl, train.log, "
+                              f"config.json from {run_dir} into {moved}/") == 1
     assert losses(moved) == losses(reference)
     fresh_losses, new_id = losses(run_dir), run_id(run_dir)
     assert sorted(fresh_losses) == [1, 2, 3, 4, 5] and new_id != run_id(reference)

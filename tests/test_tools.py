@@ -272,6 +272,32 @@ def test_loss_cli_reproduces_the_trainers_validation_loss(run_dir, data_dir, cap
     assert 5.0 < result["loss"] < math.log(GPT2_VOCAB_SIZE) + 0.5  # trained a little, from ln(50257)
 
 
+def test_loss_cli_and_the_trainer_say_how_many_val_tokens_their_loss_is_over(run_dir, data_dir, capsys):
+    """The trainer's val loss and gpt2.eval's for one checkpoint differ when they score different token
+    counts (the trainer's --eval-tokens, eval's default 10M: all of a small val split): each line says its
+    count, and eval's minute of scoring on a CPU shows a progress bar on stderr, not silence."""
+    from gpt2.eval import main
+
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
+    assert evals and all(r["val_tokens"] == 1024 for r in evals)  # the trainer's records say it too
+    assert main(["loss", "--checkpoint", str(run_dir), "--data-dir", str(data_dir), "--eval-tokens", "2048",
+                 "--batch-size", "4", "--device", "cpu", "--num-threads", "1", "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(r"^val loss checkpoint .*: [\d.]+ \| perplexity [\d.]+ \| 2,048 val tokens$", out.strip(), re.M), out
+    assert "val loss, 2,048 tokens (rank 0 of 1)" in err and "8/8" in err, err  # 32 sequences in batches of 4
+
+
+def test_the_trainers_val_line_names_its_token_count(tmp_path, capsys):
+    from gpt2.dist.group import single_process
+    from gpt2.train.metrics import Metrics
+
+    log = Metrics(single_process(), tmp_path)
+    log.log_eval(50, 102_400, 6.18676, 8192)
+    log.close()
+    assert capsys.readouterr().out.strip() == "step     50 | val loss 6.1868 | ppl 486.27 | 8,192 val tokens"
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1]["val_tokens"] == 8192
+
+
 def test_loss_on_a_directory_without_val_shards_exits_2(run_dir, tmp_path, capsys):
     from gpt2.eval import main
 

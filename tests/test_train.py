@@ -69,7 +69,14 @@ def test_torchrun_training_on_shakespeare_lowers_validation_loss(tmp_path, shake
         assert r["tokens"] == r["step"] * 2048
     hs = [r for r in recs if "hellaswag_acc_norm" in r]
     assert [r["step"] for r in hs] == [15, 30] and all(0 <= r["hellaswag_acc_norm"] <= 1 for r in hs)
-    assert "params     " in run.stdout and "fits       yes" in run.stdout  # the planner's start-up summary
+    # The console's start-up is a few lines; the planner's whole summary and the network line are in
+    # RUN/train.log, with every console line (rank 0's: once).
+    startup = run.stdout.split("step      0 | val loss")[0].splitlines()
+    assert len(startup) <= 8 and startup[0].startswith("starting ") and "params     " not in run.stdout, startup
+    assert any(line.startswith("plan       ") and "run/train.log (--verbose prints it)" in line for line in startup)
+    log = (run_dir / "train.log").read_text()
+    assert "params     " in log and "fits       yes" in log and "\nnetwork    all-reduce of " in log
+    assert log.count("step     30/30") == 1 and "sample at step 30" in log
     samples = [r["sample"] for r in recs if "sample" in r]
     assert len(samples) == 1 and len(samples[0]) > 0
     assert "sample at step 30" in run.stdout
@@ -127,8 +134,10 @@ def test_readme_quickstart_script_runs_twice(tmp_path):
     check(run)
     assert run.stdout.splitlines()[0].startswith("documents ")  # data_prep's summary: the data was made
     assert "sample at step 3" in run.stdout
-    # the start-up network line (two ranks), recorded in config.json too; and no deprecation noise
-    assert re.search(r"network +all-reduce of [\d.]+ MiB over 2 ranks \(gloo\).*busbw [\d.]+ GB/s", run.stdout)
+    # the start-up network line (two ranks; in RUN/train.log), recorded in config.json too; and no deprecation noise
+    assert re.search(r"network +all-reduce of [\d.]+ MiB over 2 ranks \(gloo\).*busbw [\d.]+ GB/s",
+                     (run_dir / "train.log").read_text())
+    assert "NCCL" not in run.stderr and "InfiniBand" not in run.stderr  # one host: no network to warn about
     assert json.loads((run_dir / "config.json").read_text())["network"]["world_size"] == 2
     assert "FutureWarning" not in run.stderr and "Traceback" not in run.stderr
     val = val_losses(run_dir)
@@ -139,6 +148,9 @@ def test_readme_quickstart_script_runs_twice(tmp_path):
     check(again)
     assert "nothing to do:" in again.stdout  # the same shards, not rebuilt
     assert "nothing to train:" in again.stdout and "already finished step 3" in again.stdout
+    # said at once: data_prep's line, the trainer's `starting` line, then this; no plan, no checks' lines
+    assert again.stdout.splitlines()[2].startswith("nothing to train:"), again.stdout
+    assert len(again.stdout.splitlines()) == 3 and "warning:" not in again.stderr, again.stdout + again.stderr
     assert val_losses(run_dir) == val  # the finished run is left as it was
 
 
@@ -151,6 +163,7 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, shakespe
     else:
         assert "micro_batch_size=512 needs" in run.stderr and "or less" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+    assert run.stdout.strip().splitlines() == [run.stdout.strip()] and run.stdout.startswith("starting ")  # then the error
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -274,16 +287,19 @@ def test_loss_impl_full_and_chunked_train_alike_and_the_choice_is_logged_and_rec
               "--total-batch-size", "512", "--max-steps", "4", "--warmup-steps", "2", "--lr", "3e-3",
               "--eval-interval", "0", "--eval-tokens", "512", "--ckpt-interval", "0", "--log-interval", "1"]
     runs = {}
-    for impl in ("full", "chunked"):
-        run = run_trainer([*common, "--out-dir", str(tmp_path / impl), "--loss-impl", impl])
+    for impl in ("full", "chunked"):  # the line is detail: on the console with --verbose, always in RUN/train.log
+        run = run_trainer([*common, "--out-dir", str(tmp_path / impl), "--loss-impl", impl,
+                           *(["--verbose"] if impl == "full" else [])])
         check(run)
-        runs[impl] = run
+        text = run.stdout if impl == "full" else (tmp_path / impl / "train.log").read_text()
+        assert ("LM head + loss peak" in run.stdout) == (impl == "full")
+        runs[impl] = text
         info = json.loads((tmp_path / impl / "config.json").read_text())
         assert info["config"]["train"]["loss_impl"] == impl and info["loss"]["impl"] == impl
-        line = [ln for ln in run.stdout.splitlines() if ln.startswith("loss       ")]
+        line = [ln for ln in text.splitlines() if ln.startswith("loss       ")]
         assert len(line) == 1 and f"--loss-impl {impl}" in line[0] and info["loss"]["reason"] in line[0]
         label = "(full logits: all B*T*V at once" if impl == "full" else "(chunked: never all B*T*V logits"
-        assert "LM head + loss peak" in run.stdout and label in run.stdout
+        assert "LM head + loss peak" in text and label in text
     full, chunked = train_losses(tmp_path / "full"), train_losses(tmp_path / "chunked")
     assert sorted(full) == sorted(chunked) == [1, 2, 3, 4]
     for step in full:
@@ -293,7 +309,7 @@ def test_loss_impl_full_and_chunked_train_alike_and_the_choice_is_logged_and_rec
                        "--dry-run"])
     check(dry)
     assert [ln for ln in dry.stdout.splitlines() if ln.startswith("loss       ")] == \
-        [ln for ln in runs["full"].stdout.splitlines() if ln.startswith("loss       ")]
+        [ln for ln in runs["full"].splitlines() if ln.startswith("loss       ")]
 
 
 def test_micro_batch_size_auto_end_to_end(tmp_path, shakespeare_shards):
@@ -303,8 +319,57 @@ def test_micro_batch_size_auto_end_to_end(tmp_path, shakespeare_shards):
                        "--eval-interval", "0", "--eval-tokens", "512", "--ckpt-interval", "0"])
     check(run)
     assert "micro-batch auto: 8 sequences" in run.stdout  # 512 tokens = 8 x 64: one micro-step fits
+    # the default --warmup-steps 715 over --max-steps 2: said once, as a warning, not silently accepted
+    assert [ln for ln in run.stderr.splitlines() if "warmup" in ln] == [
+        ln for ln in run.stderr.splitlines() if ln.startswith("warning: --warmup-steps 715 is more than twice --max-steps 2")]
+    assert "warning: --warmup-steps 715" in run.stderr
     info = json.loads((run_dir / "config.json").read_text())
     assert info["config"]["train"]["micro_batch_size"] == 8 and info["accum_steps"] == 1
+
+
+def test_warmup_that_does_not_end_before_max_steps_is_said_in_one_line():
+    """--warmup-steps 1000 --max-steps 3: the lr only reaches 3/1000 of --lr and never decays. A smoke test
+    of a recipe does that on purpose, so it is a warning (gpt2/train/startup.py log_warmup says why)."""
+    from gpt2.core.config import TrainConfig
+    from gpt2.train.startup import log_warmup
+
+    said = []
+
+    class Log:
+        warn = said.append
+
+    log_warmup(TrainConfig(data_dir="d", out_dir="o", warmup_steps=1000, max_steps=3, lr=6e-4), Log)
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert said[0].startswith("--warmup-steps 1,000 is more than twice --max-steps 3: the learning rate only rises, "
+                              "to 1.8e-06 (0.3% of --lr 0.0006) at the last step, and never decays"), said[0]
+    # up to twice as many warmup steps as steps the run still reaches half of --lr: a compressed schedule
+    for fine in (dict(warmup_steps=0, max_steps=3), dict(warmup_steps=3, max_steps=2), dict(warmup_steps=6, max_steps=3)):
+        log_warmup(TrainConfig(data_dir="d", out_dir="o", **fine), Log)
+    assert len(said) == 1
+    log_warmup(TrainConfig(data_dir="d", out_dir="o", warmup_steps=7, max_steps=3), Log)
+    assert len(said) == 2 and "(42.9% of --lr" in said[1]
+
+
+def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespeare_shards, monkeypatch, capsys):
+    """torch.compile compiles a graph when it first runs, and under DDP the first one runs inside build
+    (its bucket-settling step): the line that explains a silent minute is on the console before build."""
+    import gpt2.train.trainer as trainer
+    from gpt2.dist.group import single_process
+    from gpt2.train.cli import parse_config
+
+    class Building(Exception):
+        pass
+
+    def build(*args, **kwargs):
+        raise Building(capsys.readouterr().out)
+
+    monkeypatch.setattr(trainer, "build", build)
+    cfg = parse_config([*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "float32", "--compile", "true",
+                        "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path / "run"),
+                        "--micro-batch-size", "2", "--total-batch-size", "128", "--max-steps", "1"])
+    with pytest.raises(Building) as built:
+        trainer.train(cfg, single_process())
+    assert "compiling: torch.compile builds each graph the first time it runs" in str(built.value), built.value
 
 
 def test_auto_dtype_is_logged_and_recorded_with_its_reason(tmp_path, shakespeare_shards):

@@ -33,7 +33,9 @@ from gpt2.core.atomic import fsync_dir
 RUN_INFO = "config.json"
 """RUN/config.json: the run's config, versions and hardware, and its run id (written by the trainer)."""
 
-RUN_RECORDS = ("checkpoints", "metrics.jsonl", "loss_curve.png", "tb", "wandb", "requeue", RUN_INFO)
+TRAIN_LOG = "train.log"
+"""Every line rank 0 printed (the start-up's whole plan too, which the console shows only with --verbose)."""
+RUN_RECORDS = ("checkpoints", "metrics.jsonl", TRAIN_LOG, "loss_curve.png", "tb", "wandb", "requeue", RUN_INFO)
 """Everything the trainer writes into RUN, in the order an earlier run's records are moved aside:
 checkpoints first, so a start killed halfway through the move can never resume the earlier run from
 what is left; config.json (which names the earlier run) last. Other files (an export in RUN/hf, a

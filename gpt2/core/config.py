@@ -332,6 +332,9 @@ class TrainConfig:
     mid-run is found this fast. It bounds how far ranks may drift apart within one step."""
     max_bad_steps: int = 3
     """Consecutive non-finite losses/gradient norms (each update skipped) before the run stops."""
+    verbose: bool = False
+    """Print the whole start-up plan (data check, loss path, peak, memory term by term, stop budget, network,
+    epochs) on the console too; without it the console gets a few lines and out_dir/train.log every line."""
     plot: bool = True
     """Write loss_curve.png in out_dir at the end (needs matplotlib)."""
     tensorboard: bool = False

@@ -71,6 +71,8 @@ class NetworkCost:
     """fsdp: bytes of the step's one gradient reduce-scatter (parameters x 4: reduced in fp32)."""
     step_bytes: int = 0
     """The collectives' bytes per step: grad_bytes (ddp), or gathers x gather_bytes + reduce_scatter_bytes."""
+    nodes: int = 1
+    """Hosts the ranks run on (world size / ranks per host): only with several is the network in the path."""
     step_comm_s: float = 0.0
     """The step's collectives at the measured rate: step_allreduce_s (ddp), or (fsdp) step_bytes x
     (n - 1) / n / busbw (ring all-gather and reduce-scatter)."""
@@ -101,8 +103,8 @@ def fsdp_traffic(n_params: int, param_bytes: int, accum_steps: int) -> FsdpTraff
                        reduce_scatter_bytes=n_params * GRAD_BYTES_PER_PARAM)
 
 
-def network_cost(*, backend: str, world_size: int, bucket_bytes: int, allreduce_s: float, grad_bytes: int,
-                 step_compute_s: float | None, fsdp: FsdpTraffic | None = None) -> NetworkCost:
+def network_cost(*, backend: str, world_size: int, nodes: int, bucket_bytes: int, allreduce_s: float,
+                 grad_bytes: int, step_compute_s: float | None, fsdp: FsdpTraffic | None = None) -> NetworkCost:
     """Pure arithmetic: the measured bucket time -> bandwidths -> the step's collectives (DDP's
     all-reduce, or fsdp's all-gathers and reduce-scatter) against its compute."""
     algbw, busbw = bus_bandwidth(bucket_bytes, allreduce_s, world_size)
@@ -116,7 +118,8 @@ def network_cost(*, backend: str, world_size: int, bucket_bytes: int, allreduce_
         extra = {"parallel": "fsdp", "gather_bytes": fsdp.gather_bytes, "gathers_per_step": fsdp.gathers_per_step,
                  "reduce_scatter_bytes": fsdp.reduce_scatter_bytes}
     share = step_comm_s / step_compute_s if step_compute_s else None
-    return NetworkCost(backend=backend, world_size=world_size, bucket_bytes=bucket_bytes, allreduce_s=allreduce_s,
+    return NetworkCost(backend=backend, world_size=world_size, nodes=nodes, bucket_bytes=bucket_bytes,
+                       allreduce_s=allreduce_s,
                        algbw_bytes_per_s=algbw, busbw_bytes_per_s=busbw, grad_bytes=grad_bytes,
                        step_allreduce_s=step_allreduce_s, step_compute_s=step_compute_s, share=share,
                        step_bytes=step_bytes, step_comm_s=step_comm_s, **extra)
@@ -140,14 +143,29 @@ def format_network_cost(c: NetworkCost) -> str:
 
 
 def network_warning(c: NetworkCost, threshold: float = WARN_SHARE) -> str | None:
-    """A warning when the step's collectives would exceed threshold of the step's compute, else None."""
+    """A warning when the step's collectives would exceed threshold of the step's compute, else None.
+
+    What it blames depends on where the bytes go. Across nodes it is the network (NCCL on TCP sockets
+    where InfiniBand was expected is the usual cause). On one node there is no network: GPUs talk over
+    NVLink or PCIe, so the advice is about those links; CPU ranks (gloo) on one host all-reduce through
+    the host's own memory, whose share of a CPU step nothing can tune away, so there is no warning (the
+    start-up's network line, in RUN/train.log, still gives the number)."""
     if c.share is None or c.share <= threshold:
         return None
     what = "the gradient all-reduce" if c.parallel != "fsdp" else "fsdp's all-gathers and reduce-scatter"
-    return (f"{what} would take {c.share:.0%} of each step's compute (busbw "
-            f"{c.busbw_bytes_per_s / 1e9:.2f} GB/s). Across nodes this is usually NCCL over TCP sockets where "
-            "InfiniBand was expected: run with NCCL_DEBUG=INFO and look for 'NET/IB' (not 'NET/Socket'), check "
-            "NCCL_IB_DISABLE / NCCL_IB_HCA, and NCCL_SOCKET_IFNAME for the interface sockets use")
+    head = (f"{what} would take {c.share:.0%} of each step's compute (busbw {c.busbw_bytes_per_s / 1e9:.2f} GB/s "
+            f"over {c.world_size} ranks on {c.nodes} node(s)).")
+    if c.nodes > 1 and c.backend == "nccl":
+        return (f"{head} Across nodes this is usually NCCL over TCP sockets where InfiniBand was expected: run with "
+                "NCCL_DEBUG=INFO and look for 'NET/IB' (not 'NET/Socket'), check NCCL_IB_DISABLE / NCCL_IB_HCA, and "
+                "NCCL_SOCKET_IFNAME for the interface sockets use")
+    if c.nodes > 1:
+        return (f"{head} Across nodes {c.backend} goes over TCP, so the link between the nodes is the limit: "
+                "check that GLOO_SOCKET_IFNAME names the fastest interface")
+    if c.backend == "nccl":
+        return (f"{head} All ranks are on one node, so this is the GPUs' own links, not the network: `nvidia-smi "
+                "topo -m` shows whether they talk over NVLink or only PCIe, and NCCL_P2P_DISABLE should be unset")
+    return None
 
 
 def time_all_reduce(nbytes: int, dist: Dist, *, warmup: int = 2, rounds: int = 5) -> float:
@@ -185,5 +203,6 @@ def measure_network(dist: Dist, *, bucket_cap_mb: float, n_params: int, step_com
     agreed = torch.tensor([seconds], dtype=torch.float64, device=dist.device)
     with collective("broadcast of the bandwidth test's time"):
         tdist.broadcast(agreed, src=0)
-    return network_cost(backend=tdist.get_backend(), world_size=dist.world_size, bucket_bytes=bucket_bytes,
+    return network_cost(backend=tdist.get_backend(), world_size=dist.world_size,
+                        nodes=max(1, dist.world_size // max(1, dist.local_world_size)), bucket_bytes=bucket_bytes,
                         allreduce_s=agreed.item(), grad_bytes=grad_bytes, step_compute_s=step_compute_s, fsdp=fsdp)

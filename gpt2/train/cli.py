@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         cls = ModelConfig if section == "model" else TrainConfig
         doc = field_docs(cls).get(f.name, "")
         kwargs = dict(dest=f"{section}.{f.name}", default=None, help=f"{doc} (default: {f.default})")
-        if typ is bool:
-            kwargs.update(type=parse_bool, metavar="{true,false}")
+        if typ is bool:  # a bare --verbose (or --compile) means true
+            kwargs.update(type=parse_bool, metavar="{true,false}", nargs="?", const=True)
         elif typ is int_or_auto:
             kwargs.update(type=typ, metavar="{INT,auto}")
         else:

@@ -47,6 +47,7 @@ from gpt2.train.startup import (
     check_plan,
     log_auto,
     log_epochs,
+    log_warmup,
 )
 from gpt2.train.state import check_compatible, tokens_of
 
@@ -65,6 +66,9 @@ class Log:
 
     def warn(self, message: str) -> None:
         self.out(f"warning: {message}")
+
+    def detail(self, message: str) -> None:  # a rehearsal shows the whole plan: that is what it is for
+        self.out(message)
 
 
 def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
@@ -100,6 +104,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     plan = check_plan(cfg, hardware, world, log)
     if train_shards is not None:  # after the refusals, as the real start-up
         log_epochs(cfg, train_shards.total_tokens, log)
+    log_warmup(tc, log)
     accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world)  # as build() computes it
     loaders = None
     if train_shards is not None:  # the loaders a real run builds, one per rank, none of them reading

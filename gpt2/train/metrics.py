@@ -1,6 +1,10 @@
-"""Rank-0 logging: one stdout line per logged step, RUN/metrics.jsonl, optional TensorBoard / W&B.
+"""Rank-0 logging: one stdout line per logged step, RUN/metrics.jsonl, RUN/train.log, optional TensorBoard / W&B.
 
 Every method is safe to call on every rank; only rank 0 writes.
+
+Three kinds of line: info (the console and RUN/train.log), warn (stderr, marked, and the log) and detail
+(the log; the console only with --verbose). The start-up's plan is detail: a newcomer's console gets the
+few lines that say what runs, the log keeps every line for whoever asks why.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+from gpt2.ckpt.rundir import TRAIN_LOG
 from gpt2.core.atomic import atomic_write_text
 from gpt2.dist.group import Dist
 
@@ -27,21 +32,34 @@ def _fmt(value, spec: str) -> str:
 
 class Metrics:
     def __init__(self, dist: Dist, out_dir: str | Path, *, tensorboard: bool = False, wandb_project: str = "",
-                 run_config: dict | None = None) -> None:
+                 run_config: dict | None = None, verbose: bool = True, log_file: bool = False) -> None:
+        """verbose: detail lines on the console too (the trainer passes --verbose; other callers see all).
+        log_file: keep every line for RUN/train.log, which open_sinks(log_file=True) opens (until then they
+        wait in memory: RUN may still hold an earlier run's records)."""
         self.active = dist.is_main
         self.path = Path(out_dir) / "metrics.jsonl"
-        self._tb = self._wandb = None
+        self.verbose = verbose
+        self._tb = self._wandb = self._text = None
+        self._pending: list[str] | None = [] if log_file else None
+        self._held: list[tuple[str, str]] | None = None
         if not self.active:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.open_sinks(tensorboard=tensorboard, wandb_project=wandb_project, run_config=run_config)
 
-    def open_sinks(self, *, tensorboard: bool = False, wandb_project: str = "", run_config: dict | None = None) -> None:
-        """Start TensorBoard (RUN/tb) and W&B (RUN/wandb). They write into RUN at once, so the trainer
-        opens them only after an earlier run's records there have been moved aside."""
+    def open_sinks(self, *, tensorboard: bool = False, wandb_project: str = "", run_config: dict | None = None,
+                   log_file: bool = False) -> None:
+        """Start TensorBoard (RUN/tb), W&B (RUN/wandb) and (log_file) RUN/train.log, appended to: a resumed
+        run's log goes on. They write into RUN at once, so the trainer opens them only after an earlier
+        run's records there have been moved aside."""
         if not self.active:
             return
         out_dir = self.path.parent
+        if log_file and self._text is None and self._pending is not None:
+            self._text = open(out_dir / TRAIN_LOG, "a", encoding="utf-8")
+            self._text.writelines(line + "\n" for line in self._pending)
+            self._text.flush()
+            self._pending = None
         if tensorboard and self._tb is None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
             self._tb = SummaryWriter(str(out_dir / "tb"))
@@ -64,12 +82,46 @@ class Metrics:
         atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
 
     def info(self, message: str) -> None:
-        if self.active:
-            print(message, flush=True)
+        self._line("info", message)
 
     def warn(self, message: str) -> None:
+        self._line("warn", f"warning: {message}")
+
+    def detail(self, message: str) -> None:
+        """A line for RUN/train.log, on the console only with --verbose (the start-up's plan)."""
+        self._line("detail", message)
+
+    def hold(self) -> None:
+        """Keep the lines from here until release(): the start-up's checks print nothing before they pass,
+        so a refusal is the first thing a console shows after the `starting` line."""
         if self.active:
-            print(f"warning: {message}", file=sys.stderr, flush=True)
+            self._held = []
+
+    def release(self, *, console: bool = True) -> None:
+        """The held lines, in order. console=False (a refusal followed): only --verbose shows them."""
+        held, self._held = self._held or [], None
+        for kind, message in held:
+            if console or self.verbose:
+                self._emit(kind, message)
+
+    def _line(self, kind: str, message: str) -> None:
+        if not self.active:
+            return
+        if self._held is not None:
+            self._held.append((kind, message))
+        else:
+            self._emit(kind, message)
+
+    def _emit(self, kind: str, message: str) -> None:
+        if kind == "warn":
+            print(message, file=sys.stderr, flush=True)
+        elif kind == "info" or self.verbose:
+            print(message, flush=True)
+        if self._text is not None:
+            self._text.write(message + "\n")
+            self._text.flush()
+        elif self._pending is not None:
+            self._pending.append(message)
 
     def record(self, rec: dict) -> None:
         """Append one JSON record (train step, eval, sample or event) to metrics.jsonl."""
@@ -94,11 +146,18 @@ class Metrics:
             f"norm {_fmt(rec['grad_norm'], '.3f')} | {rec['step_s'] * 1000:7.1f} ms | "
             f"{rec['tok_per_s']:>9,.0f} tok/s | mfu {_fmt_mfu(rec.get('mfu'))} | mem {rec['mem_mb']:,.0f} MB{skipped}")
 
-    def log_eval(self, step: int, tokens: int, val_loss: float) -> None:
-        self.record({"step": step, "tokens": tokens, "val_loss": val_loss})
-        self.info(f"step {step:>6} | val loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50)):.2f}")
+    def log_eval(self, step: int, tokens: int, val_loss: float, val_tokens: int) -> None:
+        """val_tokens: how many tokens the loss is the mean over (the first --eval-tokens of the val split,
+        as whole sequences), said on the line: `python -m gpt2.eval loss` over another count (its default
+        is 10M: all of a small val split) gives another number for the same checkpoint."""
+        self.record({"step": step, "tokens": tokens, "val_loss": val_loss, "val_tokens": val_tokens})
+        self.info(f"step {step:>6} | val loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50)):.2f} | "
+                  f"{val_tokens:,} val tokens")
 
     def close(self) -> None:
+        if self._text is not None:
+            self._text.close()
+            self._text = None
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

@@ -30,11 +30,12 @@ from gpt2.model.tokenizer import encode
 
 
 @torch.no_grad()
-def loader_loss(model: torch.nn.Module, loader, dtype: str, dist: Dist) -> float:
+def loader_loss(model: torch.nn.Module, loader, dtype: str, dist: Dist, *, progress: bool = False) -> float:
     """Mean loss per token over an EvalLoader's fixed set, reduced over ranks (the trainer's evaluation).
 
     Runs the model (plain, compiled or DDP-wrapped: DDP's own wrapper is skipped) in eval mode and
     puts it back in the mode it was in. Padded rows of a short last batch have targets -1 and do not count.
+    progress: a bar of rank 0's batches on stderr (`python -m gpt2.eval loss`: minutes on a CPU are not silent).
     """
     model = getattr(model, "module", model)  # DDP: no gradient hooks, no buffer sync for an evaluation
     was_training = model.training
@@ -42,7 +43,10 @@ def loader_loss(model: torch.nn.Module, loader, dtype: str, dist: Dist) -> float
     totals = torch.zeros(2, device=dist.device, dtype=torch.float64)
     try:
         with precision.autocast(dtype, dist.device):
-            for x, y in loader:
+            batches = loader if not (progress and dist.is_main) else _progress(
+                loader, enabled=True, total=len(loader), unit="batch",
+                desc=f"val loss, {loader.tokens:,} tokens (rank 0 of {dist.world_size})")
+            for x, y in batches:
                 _, loss = model(x, y, return_logits=False)
                 n = (y != -1).sum()
                 # A batch of padding only (a rank with one sequence fewer, see EvalLoader) has a NaN
@@ -104,7 +108,9 @@ def hellaswag_eval(model: GPT, examples: list[Example], dist: Dist, device: torc
     was_training = model.training
     model.eval()
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # correct, correct_norm, n
-    bar = _progress(rank_share(len(examples), dist), enabled=progress and dist.is_main, world_size=dist.world_size)
+    share = rank_share(len(examples), dist)
+    bar = _progress(share, enabled=progress and dist.is_main, total=len(share), unit="ex",
+                    desc=f"hellaswag (rank 0 of {dist.world_size})")
     try:
         with precision.autocast(dtype, device):
             for i, counted in bar:
@@ -131,9 +137,9 @@ def rank_share(n: int, dist: Dist) -> list[tuple[int, bool]]:
     return mine + [(0, False)] * (rounds - len(mine))
 
 
-def _progress(items, *, enabled: bool, world_size: int):
+def _progress(items, *, enabled: bool, total: int, unit: str, desc: str):
     if not enabled:
         return items
     from tqdm import tqdm
 
-    return tqdm(items, desc=f"hellaswag (rank 0 of {world_size})", unit="ex", file=sys.stderr, mininterval=1.0)
+    return tqdm(items, desc=desc, total=total, unit=unit, file=sys.stderr, mininterval=1.0)

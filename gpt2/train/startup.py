@@ -1,10 +1,15 @@
 """A run's start-up, before its first step: everything that decides how it runs and can refuse it.
 
-check_data (before any process group), then prepare(): the precision, micro-batch and loss path
-(rank 0 decides, every rank takes its answer), the MFU peak, the memory plan, the network line,
-and where the run starts (a checkpoint or fresh, the earlier run's files or an abandoned branch's
-checkpoints moved aside); after the build, write_run_info and announce(). gpt2/train/dryrun.py rehearses
-the same functions without a process group, so its first error is a real run's.
+check_data (before any process group), begin() (the first line, and where the run starts: a
+checkpoint or fresh), then prepare(): the precision, micro-batch and loss path (rank 0 decides, every
+rank takes its answer), the MFU peak, the memory plan, the network line, "nothing to train", and the
+earlier run's files or an abandoned branch's checkpoints moved aside; announce_compile() before the
+build, write_run_info and announce() after it. gpt2/train/dryrun.py rehearses the same functions without
+a process group, so its first error is a real run's.
+
+What the console shows: a few lines (Metrics.info); the plan term by term is Metrics.detail, written to
+RUN/train.log and printed only with --verbose, so a newcomer reads what runs, and a refusal or
+"nothing to train" is not preceded by a 30-line plan.
 """
 
 from __future__ import annotations
@@ -25,19 +30,20 @@ import torch
 
 from gpt2.ckpt.checkpoint import CheckpointError
 from gpt2.ckpt.resume import Start, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
-from gpt2.ckpt.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
+from gpt2.ckpt.rundir import LOCK, RUN_INFO, TRAIN_LOG, RunDirBusy, RunLock
 from gpt2.core import determinism, precision
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
 from gpt2.core.config import RunConfig, TrainConfig
-from gpt2.core.schedule import grad_accum_steps
+from gpt2.core.schedule import grad_accum_steps, lr_at
 from gpt2.data.check import check_listed, prep_command, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
 from gpt2.data.shards import ShardError
 from gpt2.dist.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.dist.fsdp import gathered_param_bytes
-from gpt2.dist.group import Dist, broadcast_object, set_cpu_threads
+from gpt2.dist.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
 from gpt2.plan.flops import device_peak_flops, format_flops, mig_profile, peak_problem
+from gpt2.plan.hardware import gib
 from gpt2.train.metrics import Metrics
 from gpt2.train.state import check_resumable
 
@@ -87,23 +93,55 @@ def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
             lock.release()
 
 
-def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None]) -> Startup:
-    """Every check that can refuse the configuration, then the start decision: a refused run moves
-    nothing, and the earlier run's records go aside before the first write into RUN (the sinks
-    opened here, restore, config.json). shards: check_data's, read here by verify_data."""
-    log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: choosing precision, planning memory, "
-             f"building the model")
-    if cfg.train.deterministic:  # train_ddp.py turned it on before CUDA's first use; callers of the trainer too
-        determinism.enable()
-        log.info(determinism.describe())
-    verify_data(cfg, shards, dist, log)
-    cfg, prec, loss = resolve_auto(cfg, dist, log)
-    tc = cfg.train
-    peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
-    network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
-    log_epochs(cfg, shards[0].total_tokens, log)  # after the refusals: a run that cannot start needs no warning
-    start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
-    check_before_moving(start, cfg, dist, shards[0])
+def begin(cfg: RunConfig, dist: Dist, log: Metrics) -> Start:
+    """The run's first line (before any measuring or building: a slow start is never silent), then where
+    it starts (choose_start: a checkpoint to resume, or fresh)."""
+    log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: checking the data, choosing precision, "
+             "planning memory, building the model")
+    return choose_start(cfg.train.resume, cfg.train.out_dir, dist, warn=log.warn)
+
+
+def finished_message(start: Start, tc: TrainConfig) -> str | None:
+    """The one line of a run whose checkpoint has reached --max-steps already (the quick start run a
+    second time), or None. Every rank has the same start, so every rank returns alike."""
+    if start.point is None or start.point.step < tc.max_steps:
+        return None
+    return (f"nothing to train: {tc.out_dir} already finished step {start.point.step} of --max-steps "
+            f"{tc.max_steps}. Pass a larger --max-steps to continue this run, or another --out-dir (or --resume "
+            "never, which moves this run's files into a previous-* folder) to start a new one")
+
+
+def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None],
+            start: Start) -> Startup | None:
+    """Every check that can refuse the configuration, then the moves the start decision (begin) needs: a
+    refused run moves nothing, and the earlier run's records go aside before the first write into RUN
+    (the sinks opened here, restore, config.json). shards: check_data's, read here by verify_data.
+    None: start's checkpoint has reached --max-steps already (finished_message says so), nothing moved.
+
+    The checks' lines are held until they all pass: a refusal, or "nothing to train", is the console's
+    first line after `starting` (with --verbose, after what was decided before it). Most of them are
+    detail (the plan term by term): RUN/train.log and --verbose; the console gets the precision, the
+    micro-batch and one plan line."""
+    log.hold()
+    try:
+        if cfg.train.deterministic:  # train_ddp.py turned it on before CUDA's first use; callers of the trainer too
+            determinism.enable()
+            log.info(determinism.describe())
+        verify_data(cfg, shards, dist, log)
+        cfg, prec, loss = resolve_auto(cfg, dist, log)
+        tc = cfg.train
+        peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
+        network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
+        log_epochs(cfg, shards[0].total_tokens, log)  # after the refusals: a run that cannot start needs no warning
+        log_warmup(tc, log)
+        check_before_moving(start, cfg, dist, shards[0])
+    except BaseException:
+        log.release(console=False)
+        raise
+    if finished_message(start, tc) is not None:
+        log.release(console=False)
+        return None
+    log.release()
     moved = set_aside_earlier_run(start, tc.out_dir, dist)
     if moved is not None:
         why = "fresh start" if start.point is None else f"resuming run {start.run_id} from {start.point.path}"
@@ -123,7 +161,8 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
     else:
         if restored is not None:
             log.info(f"wrote {restored.name} again for the checkpoint resumed without it")
-    log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict())
+    log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict(),
+                   log_file=True)
     return Startup(cfg, prec, loss, peak, network, start)
 
 
@@ -132,8 +171,10 @@ def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: 
     an earlier checkpoint of this run: its later checkpoints): the checkpoint's refusals (another
     shape, optimizer, data, seed...) come first, else a refused resume would leave the directory's own
     run in previous-*/ (the next start would begin at step 0) or its newest checkpoints in abandoned-*/.
+    A finished run's checkpoint is checked too: it is never restored, and flags it could not resume
+    with are refused, not answered with "nothing to train".
     Rank 0 checks; every rank raises its error alike."""
-    if not ((start.set_aside or start.abandon) and start.point is not None):
+    if start.point is None or not (start.set_aside or start.abandon or finished_message(start, cfg.train)):
         return
     problem = None
     if dist.is_main:
@@ -147,17 +188,25 @@ def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: 
 
 
 def announce(cfg: RunConfig, dist: Dist, parts: Parts, log: Metrics) -> None:
-    """The run's shape in one line (and, compiled, why the first step takes long)."""
+    """The run's shape in one line."""
     tc = cfg.train
     log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
              f"parallel {tc.parallel} | {parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
              f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}")
     for line in parallel_notes(tc, dist):
         log.info(line)
-    if tc.compile:
-        import torch._inductor.config as inductor_config
-        log.info("compiling: the first step (and the first evaluation) compile the model, which can take "
-                 f"a minute or more ({inductor_config.compile_threads} compile workers per rank)")
+
+
+def announce_compile(tc: TrainConfig, dist: Dist, log: Metrics) -> None:
+    """Before build: torch.compile works when a graph is first run, and the first one can be in build
+    itself (DDP's bucket-settling step), so the line that explains a silent minute comes before it."""
+    if not tc.compile:
+        return
+    first = "DDP's bucket-settling step, " if dist.is_distributed and tc.parallel != "fsdp" else ""
+    workers = compile_threads(usable_cpus(), dist.local_world_size)  # what build's set_compile_threads sets
+    log.info(f"compiling: torch.compile builds each graph the first time it runs ({first}the first evaluation, "
+             f"the first step), a minute or more each on {workers} compile worker(s) per rank; the steps after "
+             "it are fast")
 
 
 def parallel_notes(tc: TrainConfig, dist: Dist) -> list[str]:
@@ -286,7 +335,7 @@ def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: 
     kind, text = broadcast_object(outcome, dist)
     if kind == "error":
         raise ShardError(text)
-    log.info(f"data       {text}")
+    log.detail(f"data       {text}")
 
 
 MANY_EPOCHS = 10
@@ -303,7 +352,7 @@ def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
     tc = cfg.train
     planned = tc.max_steps * tc.total_batch_size
     epochs = planned / train_tokens
-    log.info(f"epochs     {epochs:,.2f} over the train split: {tc.max_steps:,} steps x {tc.total_batch_size:,} "
+    log.detail(f"epochs     {epochs:,.2f} over the train split: {tc.max_steps:,} steps x {tc.total_batch_size:,} "
              f"tokens = {planned:,} tokens planned, the train shards hold {train_tokens:,}")
     if epochs > MANY_EPOCHS:
         one = max(1, train_tokens // tc.total_batch_size)
@@ -311,6 +360,29 @@ def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
                  f"will memorise this corpus more than it learns; about {one:,} step(s) make one epoch, so pass "
                  f"--max-steps {one * MANY_EPOCHS:,} or fewer, or prepare more data")
     return epochs
+
+
+WARMUP_REACH = 0.5
+"""Warn when the run's largest learning rate is below this share of --lr (more than twice as many warmup
+steps as steps): most of such a run trains at a small fraction of the rate its flags name, so its result
+says little about the recipe. Up to it the schedule is only compressed (a warmup as long as the run still
+reaches --lr), which short test runs do on purpose (tests/: 2 steps with a 3-step warmup)."""
+
+
+def log_warmup(tc: TrainConfig, log) -> None:
+    """One warning when --warmup-steps is more than twice --max-steps (WARMUP_REACH): the learning rate only
+    rises, to max_steps/warmup_steps of --lr at the last step, and never decays. A warning, not a refusal:
+    a few steps of a preset's recipe (--preset gpt2 --max-steps 10, warmup 715) are how a smoke test runs,
+    and what it checks (it starts, steps, saves, resumes) does not need the schedule; a run meant to learn
+    gets one line that says why it will not."""
+    if tc.warmup_steps <= tc.max_steps or tc.max_steps / tc.warmup_steps >= WARMUP_REACH:
+        return
+    last = lr_at(tc.max_steps - 1, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps,
+                 max_steps=tc.max_steps, decay_steps=tc.decay_steps)
+    log.warn(f"--warmup-steps {tc.warmup_steps:,} is more than twice --max-steps {tc.max_steps:,}: the learning rate "
+             f"only rises, to {last:.3g} ({last / tc.lr:.1%} of --lr {tc.lr:g}) at the last step, and never decays. "
+             f"Fine for a smoke test; to train, pass --warmup-steps well below --max-steps (the gpt2 recipe warms up "
+             f"for 715 of its 19,073 steps)")
 
 
 def auto_activation_checkpointing(cfg: RunConfig, dtype: str, hardware, world_size: int):
@@ -371,9 +443,9 @@ def log_auto(cfg: RunConfig, prec: precision.Precision, mb: int, warning: str | 
         log.warn(warning)
     if cfg.train.micro_batch_size == "auto":
         log.info(f"micro-batch auto: {mb} sequences, the largest that fits and divides the global batch")
-    log.info(loss.describe())
-    if ac is not None:
-        log.info(ac.describe())
+    log.detail(loss.describe())
+    if ac is not None:  # recomputing every block costs a third more compute: said on the console
+        (log.info if ac.on else log.detail)(ac.describe())
 
 
 def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
@@ -423,7 +495,7 @@ def mfu_peak(dist: Dist, dtype: str, log: Metrics, *, tf32: bool) -> float | Non
         log.info(f"mfu n/a: {why}")
         return None
     if dist.device.type == "cpu":
-        log.info(f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
+        log.detail(f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
                  f"{precision.PEAK_PROBES} matmul probes, cached in {precision.peak_cache_dir()} "
                  f"({precision.REFRESH_PEAK_ENV}=1 measures again)")
     return peak
@@ -447,7 +519,18 @@ def check_memory(cfg: RunConfig, dist: Dist, peak: float | None, log: Metrics) -
     from gpt2.plan.hardware import device_hardware
 
     hardware = device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
-    return check_plan(cfg, hardware, dist.world_size, log)
+    p = check_plan(cfg, hardware, dist.world_size, log)
+    log.info(plan_line(p, Path(cfg.train.out_dir) / TRAIN_LOG, shown=log.verbose))
+    return p
+
+
+def plan_line(p, log_path: Path, *, shown: bool) -> str:
+    """The plan in one console line: memory against the device, the estimated speed, where the rest is.
+    shown: --verbose printed the whole plan above it."""
+    speed = ("no time estimate (no peak FLOP/s)" if p.step_time_s is None else
+             f"~{p.step_time_s:.3g} s/step at {p.mfu:.0%} MFU")
+    where = "above" if shown else f"in {log_path} (--verbose prints it)"
+    return f"plan       {gib(p.memory.total)} of {gib(p.usable_bytes)} usable per rank, {speed}; the whole plan is {where}"
 
 
 def check_plan(cfg: RunConfig, hardware, world_size: int, log):
@@ -456,8 +539,8 @@ def check_plan(cfg: RunConfig, hardware, world_size: int, log):
     from gpt2.plan.report import format_plan, format_stop
 
     p = plan_run(cfg, hardware, world_size=world_size)
-    log.info(format_plan(p))
-    log.info(format_stop(p))  # the SLURM signal lead and grace this run's checkpoint needs
+    log.detail(format_plan(p))
+    log.detail(format_stop(p))  # the SLURM signal lead and grace this run's checkpoint needs
     check_fits(p)
     return p
 
@@ -474,7 +557,7 @@ def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost
     cost = measure_network(dist, bucket_cap_mb=tc.ddp_bucket_cap_mb, n_params=p.n_params,
                            step_compute_s=p.step_time_s, fsdp=fsdp)
     if cost is not None:
-        log.info(format_network_cost(cost) + (f" at the planner's {p.mfu:.0%} MFU" if cost.share is not None else ""))
+        log.detail(format_network_cost(cost) + (f" at the planner's {p.mfu:.0%} MFU" if cost.share is not None else ""))
         warning = network_warning(cost)
         if warning:
             log.warn(warning)

@@ -184,7 +184,7 @@ def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
     if saved.get("tokenizer") != TOKENIZER:
         raise ckpt.CheckpointError(f"checkpoint tokenizer {saved.get('tokenizer')!r} is not gpt2")
     changed = {k: (v, getattr(cfg.train, k)) for k, v in old_train.items()
-               if k not in ("resume",) and getattr(cfg.train, k, v) != v}
+               if k not in ("resume", "verbose") and getattr(cfg.train, k, v) != v}
     for k, (old, new) in changed.items():
         log.info(f"resume: {k} changed from {old!r} to {new!r}")
 

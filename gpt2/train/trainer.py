@@ -37,8 +37,11 @@ from gpt2.train.metrics import Metrics, plot_loss_curve
 from gpt2.train.optim import make_optimizer
 from gpt2.train.startup import (
     announce,
+    announce_compile,
+    begin,
     check_data,
     configure_backends,
+    finished_message,
     forget_cpu_peak,
     own_run_dir,
     prepare,
@@ -414,24 +417,24 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if dist.is_main:  # RUN/requeue says "the last run stopped on a signal": not true of this one
         preempt.clear_requeue_marker(tc.out_dir)
     configure_backends(tc, dist)
-    # The console only, for now: TensorBoard and W&B write into RUN, which may still hold an earlier
-    # run's records until the start is decided and they are moved aside (prepare).
-    log = Metrics(dist, tc.out_dir)
+    # The console only, for now: RUN/train.log, TensorBoard and W&B write into RUN, which may still hold
+    # an earlier run's records until the start is decided and they are moved aside (prepare).
+    log = Metrics(dist, tc.out_dir, verbose=tc.verbose, log_file=True)
     if shards is None:
         shards = check_data(cfg, dist.world_size)
-    run = prepare(cfg, dist, log, shards)
-    cfg, tc = run.cfg, run.cfg.train
-    parts = build(cfg, dist, log, shards, run.start)
-    if parts.step >= tc.max_steps:  # e.g. the quick start run a second time
-        log.info(f"nothing to train: {tc.out_dir} already finished step {parts.step} of --max-steps "
-                 f"{tc.max_steps}. Pass a larger --max-steps to continue this run, or another --out-dir "
-                 "(or --resume never, which moves this run's files into a previous-* folder) to start a new one")
+    start = begin(cfg, dist, log)
+    run = prepare(cfg, dist, log, shards, start)
+    if run is None:  # finished already, e.g. the quick start run a second time
+        log.info(finished_message(start, tc))
         log.close()
         return 0
+    cfg, tc = run.cfg, run.cfg.train
+    announce_compile(tc, dist, log)
+    parts = build(cfg, dist, log, shards, run.start)
     write_run_info(cfg, dist, parts, run.peak, run.prec, run.loss, run.network)
     announce(cfg, dist, parts, log)
     if parts.step == 0 and parts.val_loader is not None:
-        log.log_eval(0, 0, evaluate(parts, cfg, dist))
+        log.log_eval(0, 0, evaluate(parts, cfg, dist), parts.val_loader.tokens)
     hellaswag = None
     if tc.hellaswag_interval:
         from gpt2.data.hellaswag import prepare_hellaswag
@@ -550,7 +553,7 @@ def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics
     """Evaluate, sample and save as act says, after step parts.step."""
     tc, step = cfg.train, parts.step
     if act.evaluate:
-        log.log_eval(step, tokens_at(parts, cfg, step), evaluate(parts, cfg, dist))
+        log.log_eval(step, tokens_at(parts, cfg, step), evaluate(parts, cfg, dist), parts.val_loader.tokens)
     if act.hellaswag:
         log_hellaswag(parts, cfg, dist, log, hellaswag, step)
     # A sharded model's every forward all-gathers weights: every rank generates (same prompt, same
