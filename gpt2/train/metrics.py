@@ -56,9 +56,8 @@ class Metrics:
             return
         out_dir = self.path.parent
         if log_file and self._text is None and self._pending is not None:
-            self._text = open(out_dir / TRAIN_LOG, "a", encoding="utf-8")
-            self._text.writelines(line + "\n" for line in self._pending)
-            self._text.flush()
+            self._text = out_dir / TRAIN_LOG
+            self._append_text(self._pending)
             self._pending = None
         if tensorboard and self._tb is None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
@@ -118,10 +117,15 @@ class Metrics:
         elif kind == "info" or self.verbose:
             print(message, flush=True)
         if self._text is not None:
-            self._text.write(message + "\n")
-            self._text.flush()
+            self._append_text([message])
         elif self._pending is not None:
             self._pending.append(message)
+
+    def _append_text(self, lines: list[str]) -> None:
+        """Opened for each write, as metrics.jsonl is: no file of RUN stays open for writing between steps
+        (a file system remounted read-only, or unmounted for a copy, then needs no open file closed first)."""
+        with open(self._text, "a", encoding="utf-8") as f:
+            f.writelines(line + "\n" for line in lines)
 
     def record(self, rec: dict) -> None:
         """Append one JSON record (train step, eval, sample or event) to metrics.jsonl."""
@@ -155,9 +159,7 @@ class Metrics:
                   f"{val_tokens:,} val tokens")
 
     def close(self) -> None:
-        if self._text is not None:
-            self._text.close()
-            self._text = None
+        self._text = None
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
