@@ -54,7 +54,7 @@ from report import emit  # bench/report.py (a script's directory is on sys.path)
 
 from gpt2.core import precision
 from gpt2.core.config import RunConfig
-from gpt2.dist.group import single_process
+from gpt2.distributed.group import single_process
 from gpt2.model.gpt import GPT
 from gpt2.train.cli import parse_config
 from gpt2.train.metrics import Metrics

@@ -265,7 +265,7 @@ def profile_ours(shape: Shape, mode: str, data: Path, out: Path, steps: int, top
     """Top ops by self CPU time over `steps` steps of our trainer at its defaults (after 2 warm-up steps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from gpt2.dist.group import single_process
+    from gpt2.distributed.group import single_process
     from gpt2.train.metrics import Metrics
     from gpt2.train.startup import check_data, configure_backends, resolve_auto
     from gpt2.train.trainer import build, train_step

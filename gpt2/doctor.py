@@ -65,7 +65,7 @@ from gpt2.core import precision
 from gpt2.core.args import OneLineParser
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.config import ModelConfig, RunConfig, TrainConfig, model_preset
-from gpt2.dist.group import usable_cpus
+from gpt2.distributed.group import usable_cpus
 from gpt2.plan.flops import flops_per_token, format_flops
 from gpt2.plan.hardware import device_hardware
 from gpt2.plan.measure import KINETO_QUIET_LEVEL

@@ -26,20 +26,20 @@ MODULE_PATHS = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if p.pa
 MODULES = sorted(MODULE_PATHS)
 PACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
 
-LAYERS = ["core", "model", "dist", "data", "plan", "ckpt", "train", "tools"]
-"""The groups, lowest first: a group imports only itself and the groups before it (data may use dist's
-collectives for HellaSwag's rank-0 download; ckpt may use model, dist and data; plan only core and
+LAYERS = ["core", "model", "distributed", "data", "plan", "ckpt", "train", "tools"]
+"""The groups, lowest first: a group imports only itself and the groups before it (data may use
+distributed's collectives for HellaSwag's rank-0 download; ckpt may use model, distributed and data; plan only core and
 model, so a plan can be made for hardware this machine is not). The commands at the top level of
 gpt2/ (sample, eval, export, metrics, doctor, launch; `python -m gpt2.plan` is plan/__main__.py) may
 import anything, and nothing imports them."""
 ALLOWED = {
     "core": {"core"},
     "model": {"core", "model"},
-    "dist": {"core", "model", "dist"},
-    "data": {"core", "dist", "data"},
+    "distributed": {"core", "model", "distributed"},
+    "data": {"core", "distributed", "data"},
     "plan": {"core", "model", "plan"},
-    "ckpt": {"core", "model", "dist", "data", "ckpt"},
-    "train": {"core", "model", "dist", "data", "plan", "ckpt", "train"},
+    "ckpt": {"core", "model", "distributed", "data", "ckpt"},
+    "train": {"core", "model", "distributed", "data", "plan", "ckpt", "train"},
     "tools": set(LAYERS),
 }
 COMMANDS = sorted(m for m in MODULES if "." not in m and m not in PACKAGES) + ["plan.__main__"]

@@ -232,12 +232,12 @@ def test_sample_prompt_longer_than_the_block_is_refused_before_start(tmp_path, s
 
 
 def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, shakespeare_shards, monkeypatch, capsys):
-    """A RuntimeError raised inside gpt2.dist.group.collective becomes a CollectiveError (exit 1 with the
+    """A RuntimeError raised inside gpt2.distributed.group.collective becomes a CollectiveError (exit 1 with the
     dead-peer advice); any other RuntimeError propagates whatever its text says."""
     from _helpers import import_train_ddp
 
     import gpt2.train.trainer
-    from gpt2.dist.group import CollectiveError, collective
+    from gpt2.distributed.group import CollectiveError, collective
 
     with pytest.raises(CollectiveError, match=r"barrier failed \(RuntimeError: Connection closed by peer\)"):
         with collective("barrier"):

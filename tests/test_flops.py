@@ -64,7 +64,7 @@ def test_blackwell_peaks_and_no_mfu_claimed_for_a_mig_slice(monkeypatch, capsys,
     assert gpu_table_peak("NVIDIA A100-SXM4-40GB MIG 1g.5gb", torch.bfloat16) is None
     assert gpu_table_peak("NVIDIA H100 80GB HBM3 MIG 7g.80gb", torch.bfloat16) is None
 
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
     from gpt2.train import startup
     from gpt2.train.metrics import Metrics
 

@@ -226,7 +226,7 @@ class TrainConfig:
     parallel: str = "ddp"
     """How the ranks share the model: ddp (every rank holds all weights, gradients and optimizer state;
     gradients all-reduced) or fsdp (PyTorch's FSDP2 `fully_shard` on each block and the root: each rank
-    holds 1/world_size of them and gathers a block's weights only while computing it; gpt2/dist/fsdp.py).
+    holds 1/world_size of them and gathers a block's weights only while computing it; gpt2/distributed/fsdp.py).
     fsdp is for models whose state does not fit one device under DDP (`python -m gpt2.plan` says)."""
     loss_impl: str = "auto"
     """How the LM head's loss is computed: full (F.cross_entropy over the (B, T, V) logits, the fastest
