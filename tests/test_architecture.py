@@ -26,12 +26,13 @@ MODULE_PATHS = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if p.pa
 MODULES = sorted(MODULE_PATHS)
 PACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
 
-LAYERS = ["core", "model", "distributed", "data", "plan", "ckpt", "train", "tools"]
+LAYERS = ["core", "model", "distributed", "data", "plan", "ckpt", "train", "doctor"]
 """The groups, lowest first: a group imports only itself and the groups before it (data may use
 distributed's collectives for HellaSwag's rank-0 download; ckpt may use model, distributed and data; plan only core and
-model, so a plan can be made for hardware this machine is not). The commands at the top level of
-gpt2/ (sample, eval, export, metrics, doctor, launch; `python -m gpt2.plan` is plan/__main__.py) may
-import anything, and nothing imports them."""
+model, so a plan can be made for hardware this machine is not; the doctor, the node check, may use
+everything, the trainer included). The commands at the top level of gpt2/ (sample, eval, export, metrics,
+launch) and the packages' __main__.py (`python -m gpt2.plan`, `python -m gpt2.doctor`) may import
+anything, and nothing imports them."""
 ALLOWED = {
     "core": {"core"},
     "model": {"core", "model"},
@@ -40,9 +41,9 @@ ALLOWED = {
     "plan": {"core", "model", "plan"},
     "ckpt": {"core", "model", "distributed", "data", "ckpt"},
     "train": {"core", "model", "distributed", "data", "plan", "ckpt", "train"},
-    "tools": set(LAYERS),
+    "doctor": set(LAYERS),
 }
-COMMANDS = sorted(m for m in MODULES if "." not in m and m not in PACKAGES) + ["plan.__main__"]
+COMMANDS = sorted(m for m in MODULES if ("." not in m and m not in PACKAGES) or m.endswith(".__main__"))
 
 
 def imported_gpt2_modules(path: Path) -> set[str]:
@@ -94,8 +95,7 @@ def test_find_cycle_finds_one():
 def test_the_folders_are_the_architecture():
     """The groups are the folders, and every module of gpt2/ is in one of them or is a command."""
     assert PACKAGES == sorted(LAYERS)
-    assert sorted(m for m in MODULES if "." not in m and m not in PACKAGES) == \
-        ["doctor", "eval", "export", "launch", "metrics", "sample"]
+    assert COMMANDS == ["doctor.__main__", "eval", "export", "launch", "metrics", "plan.__main__", "sample"]
 
 
 def test_no_import_cycle_inside_the_package():
@@ -116,7 +116,7 @@ def test_each_group_imports_only_the_groups_below_it():
 def test_nothing_imports_a_command():
     sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py"), REPO / "train_ddp.py"]
     wrong = [f"{p.relative_to(REPO)} imports {d}" for p in sources for d in sorted(imported_gpt2_modules(p))
-             if d in COMMANDS and not (p.stem == "__main__" and d == "plan.__main__")]
+             if d in COMMANDS]
     assert wrong == []
 
 
@@ -128,9 +128,9 @@ def test_the_architecture_rule_can_fail(tmp_path):
     assert {group(d) for d in imported_gpt2_modules(bad)} - ALLOWED["core"] == {"train", "ckpt"}
 
 
-LADDER_USERS = ["gpt2/doctor.py", "gpt2/tools/sdpa_probe.py"]
-"""The acceleration ladder (gpt2/tools/ladder.py) times the trainer's train_step as bench/ladder.py does; the
-node check (`python -m gpt2.doctor`) and its attention probe use it. No run imports any of them."""
+LADDER_USERS = ["gpt2/doctor/check_ladder.py", "gpt2/doctor/sdpa_probe.py"]
+"""The acceleration ladder (gpt2/doctor/acceleration.py) times the trainer's train_step as bench/ladder.py
+does; the node check's ladder section and its attention probe use it. No run imports any of them."""
 
 
 def test_only_the_entry_point_imports_the_trainer():
@@ -140,16 +140,26 @@ def test_only_the_entry_point_imports_the_trainer():
     gpt2/train/state.py (what a checkpoint holds, check_compatible)."""
     sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py")]
     importers = sorted(str(p.relative_to(REPO)) for p in sources if "train.trainer" in imported_gpt2_modules(p))
-    assert importers == ["gpt2/tools/ladder.py"], importers
+    assert importers == ["gpt2/doctor/acceleration.py"], importers
     users = sorted(str(p.relative_to(REPO)) for p in [*sources, REPO / "train_ddp.py"]
-                   if "tools.ladder" in imported_gpt2_modules(p))
+                   if "doctor.acceleration" in imported_gpt2_modules(p))
     assert users == LADDER_USERS, users
-    assert [str(p.relative_to(REPO)) for p in sources
-            if imported_gpt2_modules(p) & {"doctor", "tools.sdpa_probe"} and p.stem != "doctor"] == []
     assert [str(p.relative_to(REPO)) for p in sources if "train.dryrun" in imported_gpt2_modules(p)] == []
     assert {"train.trainer", "train.dryrun"} <= imported_gpt2_modules(REPO / "train_ddp.py")
     assert {"train.startup", "train.state"} <= imported_gpt2_modules(MODULE_PATHS["train.trainer"])
     assert {"train.startup", "train.state"} <= imported_gpt2_modules(MODULE_PATHS["train.dryrun"])
+
+
+def test_the_doctor_is_one_package_that_nothing_else_imports():
+    """The node check is gpt2/doctor/ (its sections, runs, the SDPA probe, the ladder) and
+    `python -m gpt2.doctor` is its __main__.py; no module outside it imports any of it (bench/ladder.py,
+    a script, imports the ladder)."""
+    assert "doctor.__main__" in MODULES and not (PACKAGE / "doctor.py").exists()
+    assert not (PACKAGE / "tools").exists()
+    sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py"), REPO / "train_ddp.py"]
+    outside = [f"{p.relative_to(REPO)} imports {d}" for p in sources if (PACKAGE / "doctor") not in p.parents
+               for d in sorted(imported_gpt2_modules(p)) if group(d) == "doctor"]
+    assert outside == []
 
 
 def test_the_trainers_layers_import_nothing_above_them():

@@ -122,7 +122,8 @@ def test_parser_errors_are_one_line_without_the_usage(argv, err, capsys):
 
 
 def test_the_tools_parsers_say_the_same_in_one_line(capsys):
-    from gpt2 import doctor, eval, export, sample
+    from gpt2 import eval, export, sample
+    from gpt2.doctor.__main__ import main as doctor_main
     from gpt2.plan.__main__ import main as plan_main
 
     for name, main, argv, err in (
@@ -131,7 +132,7 @@ def test_the_tools_parsers_say_the_same_in_one_line(capsys):
             ("gpt2.eval", eval.main, ["loss", "--checkpoint", "x", "--data-dir", "d", "--eval_tokens", "3"],
              "did you mean --eval-tokens?"),
             ("gpt2.plan", plan_main, ["--world_size", "8"], "did you mean --world-size?"),
-            ("gpt2.doctor", doctor.main, ["--skipp", "x"], "did you mean --skip?")):
+            ("gpt2.doctor", doctor_main, ["--skipp", "x"], "did you mean --skip?")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         lines = capsys.readouterr().err.splitlines()
