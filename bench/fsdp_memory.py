@@ -71,7 +71,7 @@ def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
 
     from gpt2.distributed.group import Dist, WorldInfo, all_gather_object, exit_after_group
     from gpt2.train.cli import parse_config
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import check_data, configure_backends
     from gpt2.train.trainer import build, train_step
 

@@ -57,7 +57,7 @@ from gpt2.core.config import RunConfig
 from gpt2.distributed.group import single_process
 from gpt2.model.gpt import GPT
 from gpt2.train.cli import parse_config
-from gpt2.train.metrics import Metrics
+from gpt2.train.run_log import Metrics
 from gpt2.train.startup import check_data, configure_backends
 from gpt2.train.trainer import build, train_step
 

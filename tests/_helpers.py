@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from conftest import REPO, TINY_MODEL_FLAGS
 
-from gpt2.train.metrics import read_metrics
+from gpt2.train.run_log import read_metrics
 
 FP32_CPU = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0",
             "--plot", "false"]

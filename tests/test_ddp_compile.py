@@ -35,7 +35,7 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from gpt2.distributed.group import Dist
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build, evaluate, train_step
 
@@ -109,7 +109,7 @@ def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare
     import torch._inductor.config as inductor_config
 
     from gpt2.distributed.group import Dist, usable_cpus
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build
 

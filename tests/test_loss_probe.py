@@ -67,7 +67,7 @@ def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_
     from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
     from gpt2.distributed.group import Dist
     from gpt2.plan.hardware import GIB, Hardware
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))

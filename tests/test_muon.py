@@ -209,7 +209,7 @@ def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, s
     inject_nan(monkeypatch, 1)
     from gpt2.distributed.group import Dist
     from gpt2.train.cli import parse_config
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build, train_step
 

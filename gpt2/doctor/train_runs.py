@@ -27,7 +27,7 @@ import torch
 from gpt2.ckpt.rundir import RUN_INFO
 from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig
 from gpt2.data.shards import write_shard
-from gpt2.train.metrics import read_metrics
+from gpt2.train.run_log import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]  # gpt2/doctor/train_runs.py -> the checkout
 TRAIN_SCRIPT = REPO / "train_ddp.py"

@@ -44,7 +44,7 @@ from gpt2.distributed.fsdp import gathered_param_bytes
 from gpt2.distributed.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
 from gpt2.plan.flops import device_peak_flops, format_flops, mig_profile, peak_problem
 from gpt2.plan.hardware import gib
-from gpt2.train.metrics import Metrics
+from gpt2.train.run_log import Metrics
 from gpt2.train.state import check_resumable
 
 if TYPE_CHECKING:
