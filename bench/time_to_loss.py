@@ -50,7 +50,7 @@ import nanogpt  # bench/nanogpt.py
 import numpy as np
 import torch
 from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
-from report import emit  # bench/report.py (a script's directory is on sys.path)
+from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core import precision
 from gpt2.core.config import RunConfig

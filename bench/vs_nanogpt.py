@@ -68,7 +68,7 @@ from pathlib import Path
 import nanogpt  # bench/nanogpt.py
 import torch
 from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
-from report import emit  # bench/report.py (a script's directory is on sys.path)
+from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core import precision
 from gpt2.plan.flops import flops_per_token, format_flops, gpu_table_peak
