@@ -73,8 +73,8 @@ from gpt2.data.shards import write_shard
 from gpt2.distributed.group import Dist, WorldInfo, exit_after_group, single_process
 from gpt2.plan.flops import flops_per_token
 from gpt2.train.cli import parse_config
-from gpt2.train.run_log import Metrics, read_metrics
 from gpt2.train.optim import param_groups
+from gpt2.train.run_log import Metrics, read_metrics
 from gpt2.train.startup import check_data, configure_backends
 from gpt2.train.state import Parts
 from gpt2.train.trainer import build, train_step

@@ -24,7 +24,6 @@ from gpt2.doctor.train_runs import (
     model_flags,
 )
 
-
 CHECK_LR = ("--lr", "3e-3", "--min-lr", "3e-4", "--warmup-steps", "2")
 """High enough that the loss falls clearly within the check's steps (a lost update shows)."""
 

@@ -41,8 +41,8 @@ from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import is_sharded
 from gpt2.distributed.group import Dist, all_gather_object, barrier, broadcast_object
 from gpt2.model.gpt import GPT
-from gpt2.train.run_log import Metrics
 from gpt2.train.optim import optimizer_kind
+from gpt2.train.run_log import Metrics
 
 TOKENIZER = "gpt2"
 """The tokenizer every checkpoint records; another is refused on resume."""

@@ -33,8 +33,8 @@ from gpt2.distributed.fsdp import shard as shard_fsdp
 from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu
-from gpt2.train.run_log import Metrics, plot_loss_curve
 from gpt2.train.optim import make_optimizer
+from gpt2.train.run_log import Metrics, plot_loss_curve
 from gpt2.train.startup import (
     announce,
     announce_compile,
