@@ -98,6 +98,37 @@ def test_the_folders_are_the_architecture():
     assert COMMANDS == ["doctor.__main__", "eval", "export", "launch", "metrics", "plan.__main__", "sample"]
 
 
+SHARED_NAMES = {"__init__", "__main__"}
+"""File names that mean the same in every folder: a package, and its `python -m` command."""
+
+
+def names_used_twice(paths: list[Path]) -> dict[str, list[str]]:
+    """Module and package names (a file's stem, a package's folder) that more than one path has."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        name = path.name if path.is_dir() else path.stem
+        if name not in SHARED_NAMES:
+            by_name.setdefault(name, []).append(str(path.relative_to(REPO)))
+    return {name: sorted(where) for name, where in by_name.items() if len(where) > 1}
+
+
+def test_no_module_is_named_like_another():
+    """One name, one meaning: the commands, the library, data_prep and the benchmarks never give one name
+    to two modules or packages (gpt2/metrics.py, a command, beside gpt2/train/metrics.py, the run's log,
+    read alike in an import, a traceback and a search)."""
+    code = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py"), *BENCH.glob("*.py"), REPO / "train_ddp.py"]
+    packages = [p.parent for p in PACKAGE.rglob("__init__.py")] + [REPO / "data_prep"]
+    assert names_used_twice(code + packages) == {}
+
+
+def test_the_name_rule_can_fail():
+    """The rule sees a file named like another file, and a file named like a package."""
+    paths = [PACKAGE / "metrics.py", PACKAGE / "train" / "metrics.py", PACKAGE / "plan",
+             BENCH / "plan.py", PACKAGE / "plan" / "__main__.py", PACKAGE / "doctor" / "__main__.py"]
+    assert names_used_twice(paths) == {"metrics": ["gpt2/metrics.py", "gpt2/train/metrics.py"],
+                                       "plan": ["bench/plan.py", "gpt2/plan"]}
+
+
 def test_no_import_cycle_inside_the_package():
     graph = {m: imported_gpt2_modules(p) - {m} for m, p in MODULE_PATHS.items()}
     assert all(dep in MODULES for deps in graph.values() for dep in deps), graph
