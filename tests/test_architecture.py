@@ -1,7 +1,8 @@
 """The shape of the package (docs/architecture.md): folders by concern, each importing only the groups
-below it; no import cycle; the trainer imported only by its entry point; training without checkpoint
-loading or Hugging Face conversion; every module importable alone without side effects; benchmarks
-that use the library's public names only."""
+below it; no import cycle; the trainer imported only by its entry point (and the doctor's ladder); the
+doctor one package that nothing else imports; training without checkpoint loading or Hugging Face
+conversion; every module importable alone without side effects; benchmarks that use the library's
+public names only; no two modules with one name."""
 
 from __future__ import annotations
 
