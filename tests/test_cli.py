@@ -276,6 +276,7 @@ HEADINGS = ["preset and config file", "model", "data", "batch and schedule", "op
 
 def help_page(monkeypatch, columns: int = HELP_WIDTH) -> str:
     monkeypatch.setenv("COLUMNS", str(columns))  # argparse lays help out for the terminal's width
+    monkeypatch.setenv("PYTHON_COLORS", "0")  # Python 3.14's argparse colours help where FORCE_COLOR asks
     return build_parser().format_help()
 
 
