@@ -13,7 +13,7 @@ Exit codes:
 Under torchrun a stopped worker exits 0, not 3: torchrun turns any non-zero worker exit into its
 own exit 1, and with --max-restarts it would restart the group into a new run rather than stop.
 Whether launched by torchrun or not, a stop leaves RUN/requeue next to the checkpoint, and a batch
-script requeues when that file exists (gpt2/dist/preempt.py's docstring has the whole contract).
+script requeues when that file exists (gpt2/distributed/preempt.py's docstring has the whole contract).
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     import os
 
     launcher = os.getppid()  # first: under torchrun, the agent that started this worker
-    from gpt2.dist.preempt import stop_with_launcher
+    from gpt2.distributed.preempt import stop_with_launcher
 
     stop_with_launcher(launcher)  # a worker whose torchrun dies stops (with a checkpoint), not trains on
 
     from torch.distributed import DistError
 
     from gpt2.ckpt.writer import CheckpointWriteError
-    from gpt2.dist.group import (
+    from gpt2.distributed.group import (
         CollectiveError,
         compile_failure_message,
         is_compile_failure,
@@ -46,7 +46,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         teardown,
         world_from_env,
     )
-    from gpt2.dist.preempt import EXIT_REQUEUE, stop_exit_code
+    from gpt2.distributed.preempt import EXIT_REQUEUE, stop_exit_code
     from gpt2.train.cli import parse_command
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import NonFiniteError, train
@@ -134,7 +134,7 @@ def run_dir_failure(e: OSError, out_dir: str, dist) -> str:
 
 def dry_run(cfg, rehearsal) -> int:
     """--dry-run (gpt2/train/dryrun.py): 0, or 2 with the one-line error a real run would stop with."""
-    from gpt2.dist.group import world_from_env
+    from gpt2.distributed.group import world_from_env
     from gpt2.train.dryrun import rehearse
 
     main_rank = world_from_env().rank == 0  # under torchrun every rank rehearses, rank 0 prints
@@ -147,6 +147,6 @@ def dry_run(cfg, rehearsal) -> int:
 
 
 if __name__ == "__main__":
-    from gpt2.dist.group import exit_rank
+    from gpt2.distributed.group import exit_rank
 
     exit_rank(*run())

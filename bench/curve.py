@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 from gpt2.core.config import RunConfig
-from gpt2.dist.group import single_process
-from gpt2.train.metrics import Metrics
+from gpt2.distributed.group import single_process
+from gpt2.train.run_log import Metrics
 from gpt2.train.startup import check_data, configure_backends
 from gpt2.train.trainer import build, evaluate, train_step
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
 from curve import val_curve  # bench/curve.py
-from report import emit  # bench/report.py (a script's directory is on sys.path)
+from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.data.loader import TokenStream, find_shards
 from gpt2.train.cli import parse_config

@@ -23,7 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from report import emit  # bench/report.py (a script's directory is on sys.path)
+from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core.config import ModelConfig
 from gpt2.model.gpt import GPT

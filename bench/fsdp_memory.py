@@ -69,9 +69,9 @@ def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
     """One rank: baseline RSS, the trainer's build() and train_step()s, then rank 0 writes every rank's peak."""
     import torch.distributed as tdist
 
-    from gpt2.dist.group import Dist, WorldInfo, all_gather_object, exit_after_group
+    from gpt2.distributed.group import Dist, WorldInfo, all_gather_object, exit_after_group
     from gpt2.train.cli import parse_config
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import check_data, configure_backends
     from gpt2.train.trainer import build, train_step
 
@@ -91,7 +91,7 @@ def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
                                                          "accum": parts.accum_steps}))
     tdist.barrier()
     tdist.destroy_process_group()
-    # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/dist/group.py
+    # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/distributed/group.py
     # exit_after_group), as the trainer's ranks leave.
     exit_after_group(0, WorldInfo(rank, rank, WORLD, WORLD))
 

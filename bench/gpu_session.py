@@ -69,7 +69,7 @@ CALL_TIMEOUT_S = 540
 """The device call's timeout_s: BUDGET_S, the runner's own start and the reports, with room to spare."""
 BASE_MICRO_BATCH = 12
 """nanoGPT's default batch_size: the micro-batch ours and nanoGPT's train.py are compared at."""
-SUITE = ["tests/test_model.py", "tests/test_precision.py", "tests/test_fused_loss.py", "tests/test_ckpt_writer.py",
+SUITE = ["tests/test_gpt.py", "tests/test_precision.py", "tests/test_loss.py", "tests/test_writer.py",
          "tests/test_trainer.py"]
 """The default suite's files that run differently where CUDA is present (the `suite` step)."""
 TRAIN_MIN_TOKENS = 2 * 524_288 + 1

@@ -4,7 +4,7 @@
     python bench/ladder.py --preset gpt2 --block-size 1024   # a GPU
 
 The rungs (fp32 eager explicit attention vocab 50257 -> TF32 -> bf16 -> compile -> flash -> vocab
-50304), how each is the trainer's own `train_step` and how they are timed: gpt2/tools/ladder.py, which
+50304), how each is the trainer's own `train_step` and how they are timed: gpt2/doctor/acceleration.py, which
 `python -m gpt2.doctor` also runs. This script times --steps interleaved rounds, then the model's
 attention kernels alone with an agreement check, prints Markdown tables and writes a PNG bar chart
 to --out.
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from gpt2.core.config import GPT2_VOCAB_SIZE, MODEL_PRESETS, ModelConfig, param_count
-from gpt2.tools.ladder import (
+from gpt2.doctor.acceleration import (
     LADDER,
     AttentionResult,
     RungResult,

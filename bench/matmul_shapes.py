@@ -21,7 +21,7 @@ import sys
 import time
 
 import torch
-from report import emit  # bench/report.py (a script's directory is on sys.path)
+from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core import precision
 from gpt2.model.gpt import GPT2_VOCAB_SIZE

@@ -42,9 +42,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from report import emit  # bench/report.py (a script's directory is on sys.path)
+from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
-from gpt2.train.metrics import read_metrics
+from gpt2.train.run_log import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 

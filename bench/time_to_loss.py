@@ -50,14 +50,14 @@ import nanogpt  # bench/nanogpt.py
 import numpy as np
 import torch
 from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
-from report import emit  # bench/report.py (a script's directory is on sys.path)
+from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core import precision
 from gpt2.core.config import RunConfig
-from gpt2.dist.group import single_process
+from gpt2.distributed.group import single_process
 from gpt2.model.gpt import GPT
 from gpt2.train.cli import parse_config
-from gpt2.train.metrics import Metrics
+from gpt2.train.run_log import Metrics
 from gpt2.train.startup import check_data, configure_backends
 from gpt2.train.trainer import build, train_step
 

@@ -70,11 +70,11 @@ import torch
 from gpt2.core import precision
 from gpt2.core.config import GPT2_VOCAB_SIZE, RunConfig
 from gpt2.data.shards import write_shard
-from gpt2.dist.group import Dist, WorldInfo, exit_after_group, single_process
+from gpt2.distributed.group import Dist, WorldInfo, exit_after_group, single_process
 from gpt2.plan.flops import flops_per_token
 from gpt2.train.cli import parse_config
-from gpt2.train.metrics import Metrics, read_metrics
 from gpt2.train.optim import param_groups
+from gpt2.train.run_log import Metrics, read_metrics
 from gpt2.train.startup import check_data, configure_backends
 from gpt2.train.state import Parts
 from gpt2.train.trainer import build, train_step
@@ -281,7 +281,7 @@ def _order_rank(rank: int, order: str, args: list[str], steps: int, warmup: int,
         (Path(tmp) / "times.json").write_text(json.dumps({"times": times, "losses": losses}))
     tdist.barrier()
     tdist.destroy_process_group()
-    # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/dist/group.py
+    # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/distributed/group.py
     # exit_after_group), as the trainer's ranks leave.
     exit_after_group(0, WorldInfo(rank, rank, 2, 2))
 

@@ -68,12 +68,12 @@ from pathlib import Path
 import nanogpt  # bench/nanogpt.py
 import torch
 from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
-from report import emit  # bench/report.py (a script's directory is on sys.path)
+from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core import precision
 from gpt2.plan.flops import flops_per_token, format_flops, gpu_table_peak
 from gpt2.train.cli import parse_config
-from gpt2.train.metrics import read_metrics
+from gpt2.train.run_log import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -265,8 +265,8 @@ def profile_ours(shape: Shape, mode: str, data: Path, out: Path, steps: int, top
     """Top ops by self CPU time over `steps` steps of our trainer at its defaults (after 2 warm-up steps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from gpt2.dist.group import single_process
-    from gpt2.train.metrics import Metrics
+    from gpt2.distributed.group import single_process
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import check_data, configure_backends, resolve_auto
     from gpt2.train.trainer import build, train_step
 

@@ -16,7 +16,8 @@ one document unless --txt-sample-by paragraph.
 A rerun of the same command resumes an interrupted job, and over a finished one checks every
 shard's size and sha256 and re-encodes the missing or damaged ones (verify reports them).
 
-Modules: config (PrepConfig, UserError), sources (files/HF dataset -> record texts), encode (ordered
-parallel tokenization), writer (shards + manifest + resume), verify, pipeline (one job), __main__ (CLI).
+Modules: prep_config (PrepConfig, UserError), sources (files/HF dataset -> record texts), encode (ordered
+parallel tokenization), shard_writer (shards + manifest + resume), verify, pipeline (one job), __main__
+(CLI).
 Importing the package has no side effects.
 """

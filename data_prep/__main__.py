@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from data_prep.config import DEFAULT_SHARD_TOKENS, DECODE_ERROR_MODES, TXT_SAMPLE_BY, VAL_SELECT, PrepConfig, \
+from data_prep.prep_config import DEFAULT_SHARD_TOKENS, DECODE_ERROR_MODES, TXT_SAMPLE_BY, VAL_SELECT, PrepConfig, \
     UserError, default_workers
 
 

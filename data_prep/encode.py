@@ -166,7 +166,7 @@ def encode_pieces(job: tuple[list[str], list[bool]]) -> tuple[np.ndarray, np.nda
         counts[i] = len(tokens) + starts_doc
     array = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
     if array.size and array.max() > UINT16_MAX:
-        from data_prep.config import UserError
+        from data_prep.prep_config import UserError
         raise UserError(f"token id {int(array.max())} does not fit in uint16 (0..{UINT16_MAX}); "
                         "the llm.c shard format only holds GPT-2-sized vocabularies")
     return array.astype(np.uint16), counts

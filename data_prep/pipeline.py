@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from data_prep import sources
-from data_prep.config import PrepConfig, UserError
 from data_prep.encode import encode_batches, make_batches
-from data_prep.verify import shard_damage
-from data_prep.writer import ShardWriter, missing_dirs, new_manifest, open_output, remove_unused_output, \
+from data_prep.prep_config import PrepConfig, UserError
+from data_prep.shard_writer import ShardWriter, missing_dirs, new_manifest, open_output, remove_unused_output, \
     save_manifest, val_runs
+from data_prep.verify import shard_damage
 
 SPREAD_OVERSAMPLE = 2
 """Spread: documents whose hash falls in the lowest SPREAD_OVERSAMPLE x budget/estimate of the hash

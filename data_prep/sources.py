@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
-from data_prep.config import DEFAULT_MAX_VAL_SHARE, DEFAULT_MAX_VAL_TOKENS, DEFAULT_MIN_VAL_TOKENS, \
+from data_prep.prep_config import DEFAULT_MAX_VAL_SHARE, DEFAULT_MAX_VAL_TOKENS, DEFAULT_MIN_VAL_TOKENS, \
     DEFAULT_VAL_FRACTION, PrepConfig, UserError
 
 KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.config import UserError
-from data_prep.writer import MANIFEST, SHARD_RE, load_manifest
+from data_prep.prep_config import UserError
+from data_prep.shard_writer import MANIFEST, SHARD_RE, load_manifest
 from gpt2.core.config import GPT2_VOCAB_SIZE
 from gpt2.data.shards import HEADER_BYTES, ShardError, read_header
 

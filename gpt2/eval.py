@@ -21,7 +21,7 @@ from gpt2.ckpt.load import load_any
 from gpt2.core import precision
 from gpt2.core.args import OneLineParser
 from gpt2.data.hellaswag import HELLASWAG_URL, default_data_path, prepare_hellaswag
-from gpt2.dist.group import Dist, broadcast_object
+from gpt2.distributed.group import Dist, broadcast_object
 from gpt2.model.gpt import GPT, unwrap
 from gpt2.train.scoring import hellaswag_eval, loader_loss
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str] | None = None) -> tuple[int, bool]:
     """main's work: its exit code, and whether this process started a process group (exit_rank)."""
-    from gpt2.dist.group import resolve_device, set_cpu_threads, setup, teardown, world_from_env
+    from gpt2.distributed.group import resolve_device, set_cpu_threads, setup, teardown, world_from_env
 
     args = build_parser().parse_args(argv)
     dist = None
@@ -137,6 +137,6 @@ def _describe(task: str, r: dict, source: dict) -> str:
 
 
 if __name__ == "__main__":
-    from gpt2.dist.group import exit_rank
+    from gpt2.distributed.group import exit_rank
 
-    exit_rank(*run())  # under torchrun: past gloo's exit-time abort (gpt2/dist/group.py exit_after_group)
+    exit_rank(*run())  # under torchrun: past gloo's exit-time abort (gpt2/distributed/group.py exit_after_group)

@@ -5,7 +5,7 @@ workers down (forwarding the signal, then SIGKILL after TORCH_ELASTIC_SHUTDOWN_T
 re-raises it out of torch.distributed.run.main as a 30-line traceback. The slurm/ scripts stop every
 preempted or timed-out job that way, so each checkpointed stop would read like a crash in the job
 log. This prints one line instead and exits with the status torchrun exits with when signalled (1,
-the status of an uncaught exception; see gpt2/dist/preempt.py), so nothing that goes by the status
+the status of an uncaught exception; see gpt2/distributed/preempt.py), so nothing that goes by the status
 changes.
 
 A failed worker (a rank that printed `train_ddp.py: error: ...` and exited 2, or crashed) makes torchrun

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from gpt2.core.args import OneLineParser
-from gpt2.train.metrics import plot_loss_curve
+from gpt2.train.run_log import plot_loss_curve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from gpt2.ckpt.load import load_any
-    from gpt2.dist.group import resolve_device
+    from gpt2.distributed.group import resolve_device
     from gpt2.model.hf import MissingExtraError
 
     args = build_parser().parse_args(argv)

@@ -13,9 +13,9 @@ FLOOR=2.5.1
 NEWEST=2.15.0
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=("$FLOOR" "$NEWEST")
-SUBSET=(tests/test_compat.py tests/test_torch_range.py tests/test_model.py tests/test_precision.py
-        tests/test_fused_loss.py tests/test_checkpoint.py tests/test_state.py tests/test_ckpt_writer.py
-        tests/test_dist.py tests/test_muon.py tests/test_fsdp.py)
+SUBSET=(tests/test_compat.py tests/test_torch_range.py tests/test_gpt.py tests/test_precision.py
+        tests/test_loss.py tests/test_checkpoint.py tests/test_state.py tests/test_writer.py
+        tests/test_group.py tests/test_muon.py tests/test_fsdp.py)
 
 # A site-wide pip configuration may cap torch (seen: /etc/xdg/pip's constraint torch<=2.14.1), which makes
 # the newest tested release impossible to install and would make `pip install -e .` swap it back for the

@@ -144,7 +144,7 @@ gpt2_forward() {
 
 # Exit the batch script. Requeue only when all of these hold: this shell got USR1 (the time limit, or
 # `scancel --signal=USR1 --batch`); the trainer confirmed a clean stop by writing OUT_DIR/requeue
-# after its checkpoint (torchrun's exit code cannot say it: see gpt2/dist/preempt.py); no SIGTERM came
+# after its checkpoint (torchrun's exit code cannot say it: see gpt2/distributed/preempt.py); no SIGTERM came
 # too (a job being cancelled can still be requeued while it completes, measured on 22.05, so a
 # `scancel` during the stop would be undone); and a requeued run made progress (when start-up takes
 # longer than the time before the signal, requeueing would loop forever: measured with --time=1

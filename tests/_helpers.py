@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from conftest import REPO, TINY_MODEL_FLAGS
 
-from gpt2.train.metrics import read_metrics
+from gpt2.train.run_log import read_metrics
 
 FP32_CPU = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0",
             "--plot", "false"]
@@ -296,7 +296,7 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
 
     A spawned rank that returns ends through Python's finalization, where a gloo worker thread still
     releasing a finished collective's tensors can take the GIL and abort the process ("terminate
-    called without an active exception", SIGABRT: gpt2/dist/group.py exit_after_group). Every result a
+    called without an active exception", SIGABRT: gpt2/distributed/group.py exit_after_group). Every result a
     worker writes is saved before it returns, so the rank flushes and leaves by os._exit: 0 when fn
     returned, 1 (its traceback printed to the test's captured stderr) when it raised.
     """
@@ -329,7 +329,7 @@ def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype
     import torch.distributed as tdist
 
     import gpt2.train.muon
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
 
     torch.set_num_threads(1)
     calls, collectives = [], []

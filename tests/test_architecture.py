@@ -1,7 +1,8 @@
 """The shape of the package (docs/architecture.md): folders by concern, each importing only the groups
-below it; no import cycle; the trainer imported only by its entry point; training without checkpoint
-loading or Hugging Face conversion; every module importable alone without side effects; benchmarks
-that use the library's public names only."""
+below it; no import cycle; the trainer imported only by its entry point (and the doctor's ladder); the
+doctor one package that nothing else imports; training without checkpoint loading or Hugging Face
+conversion; every module importable alone without side effects; benchmarks that use the library's
+public names only; no two modules with one name."""
 
 from __future__ import annotations
 
@@ -26,23 +27,24 @@ MODULE_PATHS = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if p.pa
 MODULES = sorted(MODULE_PATHS)
 PACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
 
-LAYERS = ["core", "model", "dist", "data", "plan", "ckpt", "train", "tools"]
-"""The groups, lowest first: a group imports only itself and the groups before it (data may use dist's
-collectives for HellaSwag's rank-0 download; ckpt may use model, dist and data; plan only core and
-model, so a plan can be made for hardware this machine is not). The commands at the top level of
-gpt2/ (sample, eval, export, metrics, doctor, launch; `python -m gpt2.plan` is plan/__main__.py) may
-import anything, and nothing imports them."""
+LAYERS = ["core", "model", "distributed", "data", "plan", "ckpt", "train", "doctor"]
+"""The groups, lowest first: a group imports only itself and the groups before it (data may use
+distributed's collectives for HellaSwag's rank-0 download; ckpt may use model, distributed and data; plan only core and
+model, so a plan can be made for hardware this machine is not; the doctor, the node check, may use
+everything, the trainer included). The commands at the top level of gpt2/ (sample, eval, export, metrics,
+launch) and the packages' __main__.py (`python -m gpt2.plan`, `python -m gpt2.doctor`) may import
+anything, and nothing imports them."""
 ALLOWED = {
     "core": {"core"},
     "model": {"core", "model"},
-    "dist": {"core", "model", "dist"},
-    "data": {"core", "dist", "data"},
+    "distributed": {"core", "model", "distributed"},
+    "data": {"core", "distributed", "data"},
     "plan": {"core", "model", "plan"},
-    "ckpt": {"core", "model", "dist", "data", "ckpt"},
-    "train": {"core", "model", "dist", "data", "plan", "ckpt", "train"},
-    "tools": set(LAYERS),
+    "ckpt": {"core", "model", "distributed", "data", "ckpt"},
+    "train": {"core", "model", "distributed", "data", "plan", "ckpt", "train"},
+    "doctor": set(LAYERS),
 }
-COMMANDS = sorted(m for m in MODULES if "." not in m and m not in PACKAGES) + ["plan.__main__"]
+COMMANDS = sorted(m for m in MODULES if ("." not in m and m not in PACKAGES) or m.endswith(".__main__"))
 
 
 def imported_gpt2_modules(path: Path) -> set[str]:
@@ -94,8 +96,38 @@ def test_find_cycle_finds_one():
 def test_the_folders_are_the_architecture():
     """The groups are the folders, and every module of gpt2/ is in one of them or is a command."""
     assert PACKAGES == sorted(LAYERS)
-    assert sorted(m for m in MODULES if "." not in m and m not in PACKAGES) == \
-        ["doctor", "eval", "export", "launch", "metrics", "sample"]
+    assert COMMANDS == ["doctor.__main__", "eval", "export", "launch", "metrics", "plan.__main__", "sample"]
+
+
+SHARED_NAMES = {"__init__", "__main__"}
+"""File names that mean the same in every folder: a package, and its `python -m` command."""
+
+
+def names_used_twice(paths: list[Path]) -> dict[str, list[str]]:
+    """Module and package names (a file's stem, a package's folder) that more than one path has."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        name = path.name if path.is_dir() else path.stem
+        if name not in SHARED_NAMES:
+            by_name.setdefault(name, []).append(str(path.relative_to(REPO)))
+    return {name: sorted(where) for name, where in by_name.items() if len(where) > 1}
+
+
+def test_no_module_is_named_like_another():
+    """One name, one meaning: the commands, the library, data_prep and the benchmarks never give one name
+    to two modules or packages (gpt2/metrics.py, a command, beside gpt2/train/metrics.py, the run's log,
+    read alike in an import, a traceback and a search)."""
+    code = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py"), *BENCH.glob("*.py"), REPO / "train_ddp.py"]
+    packages = [p.parent for p in PACKAGE.rglob("__init__.py")] + [REPO / "data_prep"]
+    assert names_used_twice(code + packages) == {}
+
+
+def test_the_name_rule_can_fail():
+    """The rule sees a file named like another file, and a file named like a package."""
+    paths = [PACKAGE / "metrics.py", PACKAGE / "train" / "metrics.py", PACKAGE / "plan",
+             BENCH / "plan.py", PACKAGE / "plan" / "__main__.py", PACKAGE / "doctor" / "__main__.py"]
+    assert names_used_twice(paths) == {"metrics": ["gpt2/metrics.py", "gpt2/train/metrics.py"],
+                                       "plan": ["bench/plan.py", "gpt2/plan"]}
 
 
 def test_no_import_cycle_inside_the_package():
@@ -116,7 +148,7 @@ def test_each_group_imports_only_the_groups_below_it():
 def test_nothing_imports_a_command():
     sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py"), REPO / "train_ddp.py"]
     wrong = [f"{p.relative_to(REPO)} imports {d}" for p in sources for d in sorted(imported_gpt2_modules(p))
-             if d in COMMANDS and not (p.stem == "__main__" and d == "plan.__main__")]
+             if d in COMMANDS]
     assert wrong == []
 
 
@@ -128,9 +160,9 @@ def test_the_architecture_rule_can_fail(tmp_path):
     assert {group(d) for d in imported_gpt2_modules(bad)} - ALLOWED["core"] == {"train", "ckpt"}
 
 
-LADDER_USERS = ["gpt2/doctor.py", "gpt2/tools/sdpa_probe.py"]
-"""The acceleration ladder (gpt2/tools/ladder.py) times the trainer's train_step as bench/ladder.py does; the
-node check (`python -m gpt2.doctor`) and its attention probe use it. No run imports any of them."""
+LADDER_USERS = ["gpt2/doctor/check_ladder.py", "gpt2/doctor/sdpa_probe.py"]
+"""The acceleration ladder (gpt2/doctor/acceleration.py) times the trainer's train_step as bench/ladder.py
+does; the node check's ladder section and its attention probe use it. No run imports any of them."""
 
 
 def test_only_the_entry_point_imports_the_trainer():
@@ -140,16 +172,26 @@ def test_only_the_entry_point_imports_the_trainer():
     gpt2/train/state.py (what a checkpoint holds, check_compatible)."""
     sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py")]
     importers = sorted(str(p.relative_to(REPO)) for p in sources if "train.trainer" in imported_gpt2_modules(p))
-    assert importers == ["gpt2/tools/ladder.py"], importers
+    assert importers == ["gpt2/doctor/acceleration.py"], importers
     users = sorted(str(p.relative_to(REPO)) for p in [*sources, REPO / "train_ddp.py"]
-                   if "tools.ladder" in imported_gpt2_modules(p))
+                   if "doctor.acceleration" in imported_gpt2_modules(p))
     assert users == LADDER_USERS, users
-    assert [str(p.relative_to(REPO)) for p in sources
-            if imported_gpt2_modules(p) & {"doctor", "tools.sdpa_probe"} and p.stem != "doctor"] == []
     assert [str(p.relative_to(REPO)) for p in sources if "train.dryrun" in imported_gpt2_modules(p)] == []
     assert {"train.trainer", "train.dryrun"} <= imported_gpt2_modules(REPO / "train_ddp.py")
     assert {"train.startup", "train.state"} <= imported_gpt2_modules(MODULE_PATHS["train.trainer"])
     assert {"train.startup", "train.state"} <= imported_gpt2_modules(MODULE_PATHS["train.dryrun"])
+
+
+def test_the_doctor_is_one_package_that_nothing_else_imports():
+    """The node check is gpt2/doctor/ (its sections, runs, the SDPA probe, the ladder) and
+    `python -m gpt2.doctor` is its __main__.py; no module outside it imports any of it (bench/ladder.py,
+    a script, imports the ladder)."""
+    assert "doctor.__main__" in MODULES and not (PACKAGE / "doctor.py").exists()
+    assert not (PACKAGE / "tools").exists()
+    sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py"), REPO / "train_ddp.py"]
+    outside = [f"{p.relative_to(REPO)} imports {d}" for p in sources if (PACKAGE / "doctor") not in p.parents
+               for d in sorted(imported_gpt2_modules(p)) if group(d) == "doctor"]
+    assert outside == []
 
 
 def test_the_trainers_layers_import_nothing_above_them():

@@ -69,8 +69,8 @@ def test_checkpoint_sidecar_and_latest_get_the_plain_open_mode(tmp_path, umask):
 
 
 def test_data_prep_shards_and_manifest_get_the_plain_open_mode(tmp_path, umask, shakespeare_path):
-    from data_prep.config import PrepConfig
     from data_prep.pipeline import prepare
+    from data_prep.prep_config import PrepConfig
 
     src = tmp_path / "corpus.txt"
     src.write_text(shakespeare_path.read_text()[:20_000])

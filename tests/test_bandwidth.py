@@ -1,4 +1,4 @@
-"""gpt2/dist/bandwidth.py: the start-up all-reduce measurement, its arithmetic, and the trainer's line."""
+"""gpt2/distributed/bandwidth.py: the start-up all-reduce measurement, its arithmetic, and the trainer's line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import TINY_MODEL_FLAGS, run_trainer
 
-from gpt2.dist.bandwidth import bus_bandwidth, format_network_cost, fsdp_traffic, network_cost, network_warning
+from gpt2.distributed.bandwidth import bus_bandwidth, format_network_cost, fsdp_traffic, network_cost, network_warning
 
 MB = 10**6
 

@@ -43,7 +43,7 @@ def test_eager_loss_compares_the_chunked_and_plain_loss_on_the_same_batch():
 
 def test_loss_bench_times_chunked_and_plain_eager_and_compiled():
     # aot_eager compiles without a C++ toolchain run: seconds, and the compiled rows still go through dynamo
-    out = run_bench("bench/loss.py", "--device", "cpu", "--batch", "1", "--seq-len", "64", "--n-embd", "32",
+    out = run_bench("bench/lm_head_loss.py", "--device", "cpu", "--batch", "1", "--seq-len", "64", "--n-embd", "32",
                     "--vocab-size", "512", "--rounds", "2", "--steps", "1", "--threads", "1",
                     "--backend", "aot_eager", "--also-chunk-logits", "4096", timeout=300)
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| row")]

@@ -30,8 +30,8 @@ from conftest import REPO
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.load import load_model
 from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
-from gpt2.dist import preempt
-from gpt2.dist.preempt import StopRequest
+from gpt2.distributed import preempt
+from gpt2.distributed.preempt import StopRequest
 from gpt2.train.state import check_compatible, rng_state, set_rng_state
 
 
@@ -414,7 +414,7 @@ def test_requeue_marker_and_exit_code_contract(tmp_path):
 
 LAUNCHER_DIES = """
 import os, signal, subprocess, sys, time
-from gpt2.dist import preempt
+from gpt2.distributed import preempt
 # A worker whose launcher (the middle process) dies: first after the prctl, then before it.
 if sys.argv[1] == "launcher":
     worker = subprocess.Popen([sys.executable, __file__, "worker", sys.argv[2]])

@@ -1,3 +1,5 @@
+import dataclasses
+import re
 import subprocess
 import sys
 
@@ -5,8 +7,8 @@ import pytest
 import torch
 from conftest import REPO
 
-from gpt2.core.config import TRAIN_PRESETS, TrainConfig
-from gpt2.train.cli import parse_config
+from gpt2.core.config import MODEL_PRESETS, TRAIN_ONLY_PRESETS, TRAIN_PRESETS, ModelConfig, TrainConfig
+from gpt2.train.cli import HELP_WIDTH, PRESETS, build_parser, parse_config, shown_default
 
 BASE = ["--data-dir", "d", "--out-dir", "o"]
 
@@ -122,7 +124,8 @@ def test_parser_errors_are_one_line_without_the_usage(argv, err, capsys):
 
 
 def test_the_tools_parsers_say_the_same_in_one_line(capsys):
-    from gpt2 import doctor, eval, export, sample
+    from gpt2 import eval, export, sample
+    from gpt2.doctor.__main__ import main as doctor_main
     from gpt2.plan.__main__ import main as plan_main
 
     for name, main, argv, err in (
@@ -131,7 +134,7 @@ def test_the_tools_parsers_say_the_same_in_one_line(capsys):
             ("gpt2.eval", eval.main, ["loss", "--checkpoint", "x", "--data-dir", "d", "--eval_tokens", "3"],
              "did you mean --eval-tokens?"),
             ("gpt2.plan", plan_main, ["--world_size", "8"], "did you mean --world-size?"),
-            ("gpt2.doctor", doctor.main, ["--skipp", "x"], "did you mean --skip?")):
+            ("gpt2.doctor", doctor_main, ["--skipp", "x"], "did you mean --skip?")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         lines = capsys.readouterr().err.splitlines()
@@ -232,12 +235,12 @@ def test_sample_prompt_longer_than_the_block_is_refused_before_start(tmp_path, s
 
 
 def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, shakespeare_shards, monkeypatch, capsys):
-    """A RuntimeError raised inside gpt2.dist.group.collective becomes a CollectiveError (exit 1 with the
+    """A RuntimeError raised inside gpt2.distributed.group.collective becomes a CollectiveError (exit 1 with the
     dead-peer advice); any other RuntimeError propagates whatever its text says."""
     from _helpers import import_train_ddp
 
     import gpt2.train.trainer
-    from gpt2.dist.group import CollectiveError, collective
+    from gpt2.distributed.group import CollectiveError, collective
 
     with pytest.raises(CollectiveError, match=r"barrier failed \(RuntimeError: Connection closed by peer\)"):
         with collective("barrier"):
@@ -265,3 +268,59 @@ def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, sha
     monkeypatch.setattr(gpt2.train.trainer, "train", a_bug_mentioning_nccl)
     with pytest.raises(RuntimeError, match="only words"):
         train_ddp.main(flags)
+
+
+HEADINGS = ["preset and config file", "model", "data", "batch and schedule", "optimizer", "precision and compile",
+            "checkpoints and resume", "evaluation and logging", "distributed", "dry run"]
+
+
+def help_page(monkeypatch, columns: int = HELP_WIDTH) -> str:
+    monkeypatch.setenv("COLUMNS", str(columns))  # argparse lays help out for the terminal's width
+    monkeypatch.setenv("PYTHON_COLORS", "0")  # Python 3.14's argparse colours help where FORCE_COLOR asks
+    return build_parser().format_help()
+
+
+def test_help_puts_every_flag_under_a_heading_on_one_line_with_its_default(monkeypatch):
+    """`train_ddp.py --help`: the flags under headings a person scans (every config field under exactly one),
+    each on one line at 100 columns, its help one line that ends with its default (or says it is required)."""
+    parser = build_parser()
+    groups = {g.title: g._group_actions for g in parser._action_groups if g._group_actions}
+    assert list(groups) == ["options", *HEADINGS] and [a.dest for a in groups["options"]] == ["help"]
+    grouped = [a.dest for title in HEADINGS for a in groups[title]]
+    fields = [f"{section}.{f.name}" for section, cls in (("model", ModelConfig), ("train", TrainConfig))
+              for f in dataclasses.fields(cls)]
+    assert len(grouped) == len(set(grouped)) and set(fields) <= set(grouped)
+    page = help_page(monkeypatch).splitlines()
+    assert max(map(len, page)) <= HELP_WIDTH - 2
+    for action in parser._actions[1:]:
+        assert "\n" not in action.help and re.search(r" \((default: [^()]+|required)\)$", action.help), action.help
+        flag = action.option_strings[0]
+        [line] = [x for x in page if re.match(rf"  {flag}( \S+)?  ", x)]  # the flag, its metavar, the help column
+        assert line.endswith(action.help), (line, action.help)  # flag and help on one line, not wrapped
+    shown = {a.dest: a.help for a in parser._actions[1:]}
+    for section, cls in (("model", ModelConfig), ("train", TrainConfig)):
+        for f in dataclasses.fields(cls):
+            expected = "(required)" if f.name in ("data_dir", "out_dir") else f"(default: {shown_default(f.default)})"
+            assert shown[f"{section}.{f.name}"].endswith(expected)
+    assert shown["train.compile"].endswith("(default: true)") and shown["train.lr"].endswith("(default: 0.0006)")
+    assert shown["train.init_from"].endswith("(default: none)") and shown["model.n_kv_head"].endswith("(default: none)")
+
+
+def test_help_shows_what_each_preset_sets_as_the_flags_it_stands_for(monkeypatch):
+    """The page ends with each preset's values as flags: every preset, every value, and (for the presets that
+    need no --init-from) exactly the config --preset NAME gives."""
+    page = help_page(monkeypatch)
+    entries: dict[str, list[str]] = {}
+    for line in page[page.index("presets (--preset NAME"):].splitlines()[1:]:
+        if re.match(r"  \S", line):
+            name, *rest = line.split()
+            entries[name] = rest
+        elif line.startswith(" " * 16):
+            entries[name] += line.split()
+    assert sorted(entries) == PRESETS
+    for name, tokens in entries.items():
+        values = {**MODEL_PRESETS.get(name, {}), **TRAIN_PRESETS.get(name, {})}
+        assert dict(zip(tokens[::2], tokens[1::2])) == {f"--{k.replace('_', '-')}": shown_default(v)
+                                                        for k, v in values.items()}, name
+        if name not in TRAIN_ONLY_PRESETS:
+            assert parse_config([*BASE, *tokens]) == parse_config([*BASE, "--preset", name]), name

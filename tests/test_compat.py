@@ -76,7 +76,7 @@ def test_trainer_refuses_a_missing_feature_before_any_process_group(monkeypatch,
 
 
 def test_fsdp_api_matches_the_feature_and_is_sharded_never_raises():
-    from gpt2.dist.fsdp import is_sharded, mixed_precision
+    from gpt2.distributed.fsdp import is_sharded, mixed_precision
 
     api = compat.fsdp_api()
     assert (api is not None) == compat.feature_available("fsdp")

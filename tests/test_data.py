@@ -397,7 +397,7 @@ def test_the_trainer_closes_its_loaders(tmp_path, shakespeare_shards, monkeypatc
 
     from gpt2.data.loader import EvalLoader as Eval
     from gpt2.data.loader import TrainLoader as Train
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
     from gpt2.train.cli import parse_config
     from gpt2.train.trainer import train
 

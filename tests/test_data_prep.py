@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep.config import PrepConfig, UserError
 from data_prep.encode import BATCH_CHARS, IN_FLIGHT_PER_WORKER, Batch, encode_batches, make_batches, split_text
 from data_prep.pipeline import prepare
+from data_prep.prep_config import PrepConfig, UserError
 from gpt2.core.config import EOT_TOKEN
 from gpt2.data.shards import HEADER_BYTES, MAGIC, ShardFiles, read_header, write_shard
 from gpt2.model.tokenizer import get_encoding
@@ -87,7 +87,7 @@ def main_inproc(*args: str, capsys) -> tuple[int, str, str]:
 
 
 PATCHED_COMMAND = """\
-# `python -m data_prep ARGS`, with one function of data_prep.writer wrapped: after its WHEN-th call
+# `python -m data_prep ARGS`, with one function of data_prep.shard_writer wrapped: after its WHEN-th call
 # (WHEN = every: after each call) the process kills itself with SIGKILL (ACTION = kill), waits for a
 # signal (ACTION = wait) or sleeps ACTION seconds. Usage: python THIS NAME WHEN ACTION ARGS...
 import os, runpy, signal, sys, time
@@ -95,7 +95,7 @@ import os, runpy, signal, sys, time
 if __name__ == "__main__":  # (nothing else runs on import)
     sys.path.insert(0, {repo!r})
     import data_prep.pipeline  # first, so that it keeps the real functions it imports from the writer
-    import data_prep.writer as writer
+    import data_prep.shard_writer as writer
 
     name, when, action, *args = sys.argv[1:]
     real = getattr(writer, name)
@@ -122,7 +122,7 @@ if __name__ == "__main__":  # (nothing else runs on import)
 
 
 def patched_command(tmp_path: Path, name: str, when: str, action: str) -> list[str]:
-    """The command line of `python -m data_prep` with data_prep.writer.<name> wrapped (see PATCHED_COMMAND).
+    """The command line of `python -m data_prep` with data_prep.shard_writer.<name> wrapped (see PATCHED_COMMAND).
 
     write_shard and save_manifest are the ShardWriter's two steps per shard: a shard file is in place
     after write_shard, and listed in the manifest after save_manifest. Only the ShardWriter's calls
@@ -481,7 +481,7 @@ class Crash(Exception):
 def test_resume_from_every_crash_point_gives_identical_bytes(tmp_path, paragraphs, monkeypatch):
     """In-process crash after every shard file and after every manifest update, with shards small
     enough that documents straddle shard boundaries and the val/train boundary, and val spans shards."""
-    import data_prep.writer as writer
+    import data_prep.shard_writer as writer
 
     src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:100])
     job = dict(sources=(str(src),), out=tmp_path / "clean", shard_tokens=600, val_tokens=1300)
@@ -771,12 +771,12 @@ def test_a_read_only_out_is_not_a_full_disk(tmp_path, paragraphs, monkeypatch, c
     """Only a full disk asks for free space; a read-only or forbidden --out says so."""
     import errno
 
-    import data_prep.writer
+    import data_prep.shard_writer
 
     def read_only(path, tokens):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
 
-    monkeypatch.setattr(data_prep.writer, "write_shard", read_only)
+    monkeypatch.setattr(data_prep.shard_writer, "write_shard", read_only)
     src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:100])
     out = tmp_path / "out"
     rc, _, err = main_inproc("--source", str(src), "--out", str(out), "--val-tokens", "0", "--workers", "1",
@@ -906,7 +906,7 @@ def test_encode_batches_keeps_order_and_reads_input_lazily():
 
 def test_writer_add_batch_equals_piece_by_piece_add(tmp_path):
     """The batch fast path writes the same shards and manifest (resume positions included) as add()."""
-    from data_prep.writer import ShardWriter, new_manifest
+    from data_prep.shard_writer import ShardWriter, new_manifest
 
     rng = np.random.default_rng(0)
     pieces = []  # (count, record, first, last): documents of 1-8 pieces
@@ -969,10 +969,10 @@ def test_a_full_disk_is_one_line_and_the_rerun_continues(tmp_path, paragraphs, m
     traceback; now one line with the system's words and the directory, and completed shards are kept."""
     import errno
 
-    import data_prep.writer
+    import data_prep.shard_writer
 
     src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:400])
-    real, calls = data_prep.writer.write_shard, []
+    real, calls = data_prep.shard_writer.write_shard, []
 
     def full_after_one(path, tokens):
         calls.append(path)
@@ -980,14 +980,14 @@ def test_a_full_disk_is_one_line_and_the_rerun_continues(tmp_path, paragraphs, m
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(path, tokens)
 
-    monkeypatch.setattr(data_prep.writer, "write_shard", full_after_one)
+    monkeypatch.setattr(data_prep.shard_writer, "write_shard", full_after_one)
     args = ["--source", str(src), "--out", str(tmp_path / "out"), "--shard-tokens", "5000", "--val-tokens", "2000",
             "--workers", "1"]
     rc, out, err = main_inproc(*args, capsys=capsys)
     assert rc == 1 and not out
     assert err == (f"error: writing {tmp_path / 'out'} failed: No space left on device; free space, then rerun the "
                    "same command: it continues after the last complete shard\n")
-    monkeypatch.setattr(data_prep.writer, "write_shard", real)  # space freed
+    monkeypatch.setattr(data_prep.shard_writer, "write_shard", real)  # space freed
     assert main_inproc(*args, capsys=capsys)[0] == 0
     assert main_inproc("verify", str(tmp_path / "out"), capsys=capsys)[0] == 0
 

@@ -34,8 +34,8 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
-    from gpt2.dist.group import Dist
-    from gpt2.train.metrics import Metrics
+    from gpt2.distributed.group import Dist
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build, evaluate, train_step
 
@@ -108,8 +108,8 @@ def test_checkpoint_keys_of_a_compiled_ddp_model_have_no_wrapper_prefix(overlap)
 def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare_shards):
     import torch._inductor.config as inductor_config
 
-    from gpt2.dist.group import Dist, usable_cpus
-    from gpt2.train.metrics import Metrics
+    from gpt2.distributed.group import Dist, usable_cpus
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build
 

@@ -13,8 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2 import doctor
-from gpt2.doctor import Context, Section, exit_status, format_table, parse_driver_version, run_section
+from gpt2.doctor import __main__ as cli
+from gpt2.doctor import sections
+from gpt2.doctor.check_correctness import LEARNS_MARGIN, correctness
+from gpt2.doctor.check_environment import environment, parse_driver_version
+from gpt2.doctor.context import SCALES, Context
+from gpt2.doctor.results import Section, exit_status, format_table
+from gpt2.doctor.sections import run_section
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION_NAMES = ["environment", "attention", "correctness", "resume", "training", "ranks", "ladder"]
@@ -53,7 +58,7 @@ def test_correctness_and_resume_checks_ran_and_passed(cpu_doctor):
     assert cmp["steps"] == list(range(1, 9)) and cmp["missing"] == []
     assert cmp["max_abs_diff"] <= cmp["tolerance"] and cmp["tolerance"] in (1e-4, 2e-2)
     val = sec["correctness"]["data"]["reference_val"]
-    assert sorted(val) == ["0", "8"] and val["0"] - val["8"] > doctor.LEARNS_MARGIN  # the val loss fell
+    assert sorted(val) == ["0", "8"] and val["0"] - val["8"] > LEARNS_MARGIN  # the val loss fell
     ref, fast = sec["resume"]["data"]["reference"], sec["resume"]["data"]["fast"]
     assert ref["losses"]["bitwise"] and ref["states"]["identical"] == ref["states"]["tensors"] > 50
     assert ref["losses"]["steps"] == [5, 6, 7, 8]
@@ -111,11 +116,11 @@ def test_a_failed_check_exits_1_with_the_table_printed(tmp_path):
 def test_the_precision_check_fails_for_a_different_computation(tmp_path):
     """The reference's own settings with another seed (another init and data order) as the "fast" path:
     1e-2..0.2 nats away per step, far outside the fp32 tolerance."""
-    from gpt2.tools.doctor_runs import REFERENCE_FLAGS
+    from gpt2.doctor.train_runs import REFERENCE_FLAGS
 
-    ctx = Context(torch.device("cpu"), doctor.SCALES["cpu"], tmp_path, 2, 600, lambda _: None,
+    ctx = Context(torch.device("cpu"), SCALES["cpu"], tmp_path, 2, 600, lambda _: None,
                   fast_flags=(*REFERENCE_FLAGS, "--seed", "1"))
-    section = run_section("correctness", doctor.correctness, ctx)
+    section = run_section("correctness", correctness, ctx)
     rows = {r.check: r for r in section.rows}
     assert rows["training learns"].status == "ok"
     assert rows["fast = reference"].status == "FAILED" and "> tolerance 1e-04" in rows["fast = reference"].result
@@ -124,7 +129,7 @@ def test_the_precision_check_fails_for_a_different_computation(tmp_path):
 
 
 def test_a_section_that_raises_is_failed_with_one_line_and_the_rest_run(tmp_path):
-    ctx = Context(torch.device("cpu"), doctor.SCALES["cpu"], tmp_path, 2, 60, lambda _: None)
+    ctx = Context(torch.device("cpu"), SCALES["cpu"], tmp_path, 2, 60, lambda _: None)
 
     def broken(_):
         raise RuntimeError("no working C++ compiler found\n  (a long explanation)")
@@ -133,7 +138,7 @@ def test_a_section_that_raises_is_failed_with_one_line_and_the_rest_run(tmp_path
     assert failed.status == "FAILED" and failed.error
     assert failed.reason == "RuntimeError: no working C++ compiler found"
     assert "Traceback" in failed.data["traceback"]
-    fine = run_section("environment", doctor.environment, ctx)
+    fine = run_section("environment", environment, ctx)
     assert fine.status == "ok"
     assert exit_status([fine, failed]) == 3  # a section could not run; no check failed
     failed.name = "correctness"
@@ -143,10 +148,10 @@ def test_a_section_that_raises_is_failed_with_one_line_and_the_rest_run(tmp_path
 
 
 def test_every_section_runs_once_and_prints_in_the_documented_order():
-    assert sorted(doctor.RUN_ORDER) == sorted(SECTION_NAMES)
-    assert [name for name, _ in doctor.SECTIONS] == SECTION_NAMES
+    assert sorted(sections.RUN_ORDER) == sorted(SECTION_NAMES)
+    assert [name for name, _ in sections.SECTIONS] == SECTION_NAMES
     # the in-process GPU work after every training process (RUN_ORDER's docstring says why)
-    assert doctor.RUN_ORDER[-2:] == ("attention", "ladder")
+    assert sections.RUN_ORDER[-2:] == ("attention", "ladder")
 
 
 def test_exit_status_counts_failed_checks_not_warnings():
@@ -161,12 +166,12 @@ def test_exit_status_counts_failed_checks_not_warnings():
 
 
 def test_bad_arguments_exit_2(capsys):
-    assert doctor.main(["--skip", "laddr"]) == 2
+    assert cli.main(["--skip", "laddr"]) == 2
     assert "--skip laddr: no such section" in capsys.readouterr().err
-    assert doctor.main(["--only", "training,rank"]) == 2
+    assert cli.main(["--only", "training,rank"]) == 2
     assert "--only rank: no such section" in capsys.readouterr().err
     if not torch.cuda.is_available():
-        assert doctor.main(["--device", "cuda"]) == 2
+        assert cli.main(["--device", "cuda"]) == 2
 
 
 @pytest.mark.parametrize("text, version", [
@@ -182,7 +187,7 @@ def test_driver_version_is_read_from_the_kernel_module_or_nvidia_smi(text, versi
 
 
 def sections_left_out(*argv: str) -> dict[str, str]:
-    return doctor.resolve_args(doctor.build_parser().parse_args(["--device", "cpu", *argv]))[1]
+    return cli.resolve_args(cli.build_parser().parse_args(["--device", "cpu", *argv]))[1]
 
 
 def test_the_default_run_leaves_out_the_ladder_and_only_and_skip_choose_sections():
@@ -211,9 +216,9 @@ def test_the_json_is_rewritten_after_every_section(tmp_path, monkeypatch):
         seen["txt"] = (tmp_path / "doctor.txt").read_text()
         return Section("training")
 
-    monkeypatch.setattr(doctor, "SECTIONS", (("environment", first), ("training", second)))
-    monkeypatch.setattr(doctor, "RUN_ORDER", ("environment", "training"))
-    assert doctor.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(sections, "SECTIONS", (("environment", first), ("training", second)))
+    monkeypatch.setattr(sections, "RUN_ORDER", ("environment", "training"))
+    assert cli.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
     assert seen["json"]["complete"] is False and list(seen["json"]["sections"]) == ["environment"]
     assert "INCOMPLETE: still running" in seen["txt"].splitlines()[0] and "| environment (" in seen["txt"]
     final = json.loads((tmp_path / "doctor.json").read_text())

@@ -64,9 +64,9 @@ def test_blackwell_peaks_and_no_mfu_claimed_for_a_mig_slice(monkeypatch, capsys,
     assert gpu_table_peak("NVIDIA A100-SXM4-40GB MIG 1g.5gb", torch.bfloat16) is None
     assert gpu_table_peak("NVIDIA H100 80GB HBM3 MIG 7g.80gb", torch.bfloat16) is None
 
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
     from gpt2.train import startup
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
     monkeypatch.setattr(startup, "device_name", lambda device: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
@@ -301,7 +301,7 @@ def test_the_trainer_shows_no_mfu_from_a_cached_peak_below_the_floor(tmp_path, s
 
     from conftest import TINY_MODEL_FLAGS, run_trainer
 
-    from gpt2.train.metrics import read_metrics
+    from gpt2.train.run_log import read_metrics
 
     cache = tmp_path / "cache"
     real = torch.get_num_threads()

@@ -1,4 +1,4 @@
-"""--parallel fsdp training (gpt2/dist/fsdp.py, the trainer's fsdp paths): the same maths as DDP and as one
+"""--parallel fsdp training (gpt2/distributed/fsdp.py, the trainer's fsdp paths): the same maths as DDP and as one
 process, the global gradient norm of sharded gradients, evaluation / sampling / HellaSwag on every
 rank, compile per block, and the combinations that are refused. Checkpoints under fsdp are
 tests/test_fsdp_checkpoint.py's."""
@@ -13,7 +13,7 @@ from _helpers import FP32_CPU, losses, records, run, spawn_ranks
 from conftest import TINY_MODEL_FLAGS
 
 from gpt2.core.config import TrainConfig
-from gpt2.dist.group import Dist, single_process
+from gpt2.distributed.group import Dist, single_process
 from gpt2.train.startup import parallel_notes
 
 pytestmark = pytest.mark.torch_feature("fsdp")  # FSDP2 on CPU: torch >= 2.6 (gpt2/core/compat.py)
@@ -79,7 +79,7 @@ def _norm_worker(rank: int, world: int, init_file: str, out: str) -> None:
     import torch.distributed as tdist
 
     from gpt2.core.config import ModelConfig
-    from gpt2.dist.fsdp import clip_grad_norm, grad_norm, shard
+    from gpt2.distributed.fsdp import clip_grad_norm, grad_norm, shard
     from gpt2.model.gpt import GPT
 
     torch.set_num_threads(1)
@@ -120,7 +120,7 @@ def test_clip_grad_norm_of_sharded_gradients_is_the_global_norm_and_clips_every_
     """With 2 ranks each holding half of every gradient (Shard(0) DTensors), the norm is the whole
     gradient's (fp64 truth to 1e-6 relative, the same on both ranks), and after clipping every
     shard equals the whole model's clipped gradient. torch's own clip_grad_norm_ on DTensors is also
-    the global norm, but only to its fp32 accuracy (~1e-4 here): why gpt2/dist/fsdp.py sums in fp64."""
+    the global norm, but only to its fp32 accuracy (~1e-4 here): why gpt2/distributed/fsdp.py sums in fp64."""
     spawn_ranks(_norm_worker, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert "Shard(dim=0)" in r0["placements"] and r0["shard_rows"] == 50304 // 2  # really sharded
@@ -133,9 +133,9 @@ def test_clip_grad_norm_of_sharded_gradients_is_the_global_norm_and_clips_every_
 
 
 def _loop_clip(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """gpt2/dist/fsdp.py's clip before _foreach_norm / _foreach_mul_ (a norm, a square and an add per chunk, a
+    """gpt2/distributed/fsdp.py's clip before _foreach_norm / _foreach_mul_ (a norm, a square and an add per chunk, a
     mul_ per tensor): the reference the foreach version must reproduce."""
-    from gpt2.dist.fsdp import NORM_CHUNK
+    from gpt2.distributed.fsdp import NORM_CHUNK
 
     whole = torch.zeros((), dtype=torch.float64)
     for g in grads:
@@ -154,7 +154,7 @@ def test_foreach_clip_gives_the_per_tensor_loops_numbers(sizes, monkeypatch):
     clipped gradients as the loop. Tensors of one chunk each: bitwise (the squares summed in the same
     order). Several chunks per tensor: the fp64 sum re-associated, equal within 1e-15 relative before the
     fp32 rounding (here: bitwise after it too)."""
-    from gpt2.dist.fsdp import clip_grad_norm
+    from gpt2.distributed.fsdp import clip_grad_norm
 
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.empty(s)) for s in sizes]
@@ -332,7 +332,7 @@ def test_compiled_blocks_train_under_fsdp_and_evaluate_and_sample(tmp_path, shak
 
 def test_mixed_precision_policy_on_cuda_only_bf16_params_fp32_reduce():
     """No CUDA needed: the policy is a plain object. CPU keeps autocast over fp32 shards (None)."""
-    from gpt2.dist.fsdp import mixed_precision
+    from gpt2.distributed.fsdp import mixed_precision
 
     policy = mixed_precision("bfloat16", torch.device("cuda", 0))
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
@@ -341,7 +341,7 @@ def test_mixed_precision_policy_on_cuda_only_bf16_params_fp32_reduce():
 
 
 def test_the_cuda_bf16_policy_trains_a_bf16_residual_stream_where_ddp_keeps_fp32():
-    """The difference gpt2/dist/fsdp.py mixed_precision states, emulated on CPU (the policy itself is CUDA's):
+    """The difference gpt2/distributed/fsdp.py mixed_precision states, emulated on CPU (the policy itself is CUDA's):
     its gather casts every parameter to bf16 and its pre-forward casts each unit's floating inputs. Under
     the same autocast, DDP's blocks see an fp32 residual stream, the policy's a bf16 one, and the losses
     differ; cast_forward_inputs=False alone would still leave it bf16 (the embedding tables are bf16)."""

@@ -195,8 +195,8 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
     assert "--micro-batches 12 --defaults-row none" in cmd["vs-nanogpt"]  # nanoGPT's default B, both programs
     assert "defaults-rows --device cuda --shape gpt2 --base 12" in cmd["defaults"]
     assert "bench/resume_check.py --device cuda --shape gpt2" in cmd["resume"] and "--rows" not in cmd["resume"]
-    assert " -m gpu " in cmd["gpu-tests"] and "tests/test_ckpt_writer.py" in cmd["gpu-tests"]
-    assert "tests/test_determinism.py" in cmd["gpu-tests"] and "tests/test_fused_loss.py" in cmd["gpu-tests"]
+    assert " -m gpu " in cmd["gpu-tests"] and "tests/test_writer.py" in cmd["gpu-tests"]
+    assert "tests/test_determinism.py" in cmd["gpu-tests"] and "tests/test_loss.py" in cmd["gpu-tests"]
     dry = subprocess.run([sys.executable, "bench/gpu_session.py", "quick", "--dry-run"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     lines = dry.stdout.splitlines()

@@ -219,8 +219,8 @@ def _ranks_agree_worker(rank: int, world: int, init_file: str, out: str, hf_dir:
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from gpt2.dist.fsdp import shard
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.fsdp import shard
+    from gpt2.distributed.group import Dist
     from gpt2.model.gpt import GPT
     from gpt2.train.init_from import describe, start_from_weights
 

@@ -65,9 +65,9 @@ def test_the_probe_times_the_models_two_loss_paths_which_agree(monkeypatch):
 
 def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_it(tmp_path, cache, capsys):
     from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
     from gpt2.plan.hardware import GIB, Hardware
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))

@@ -169,7 +169,7 @@ def test_resume_is_rank_0s_decision_and_a_node_that_cannot_see_it_fails_before_t
 
 SLOW_MARKER = """
 import time
-import gpt2.dist.preempt as preempt
+import gpt2.distributed.preempt as preempt
 
 _write = preempt.write_requeue_marker
 
@@ -411,7 +411,7 @@ if dist.get_rank() == 0:
 dist.barrier()
 dist.destroy_process_group()
 sys.stdout.flush()
-os._exit(0)  # past gloo's exit-time abort, as the trainer's ranks leave (gpt2/dist/group.py exit_after_group)
+os._exit(0)  # past gloo's exit-time abort, as the trainer's ranks leave (gpt2/distributed/group.py exit_after_group)
 '''
 
 
@@ -451,7 +451,7 @@ def _view(monkeypatch, rank: int, local_rank: int, rank0_decision, others):
     import torch
 
     from gpt2.ckpt import resume
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
 
     dist = Dist(rank=rank, local_rank=local_rank, world_size=2, local_world_size=1, device=torch.device("cpu"))
     monkeypatch.setattr(resume, "broadcast_object", lambda obj, d: rank0_decision if rank else obj)
@@ -519,7 +519,7 @@ def test_ranks_at_different_steps_or_failing_alone_are_refused_and_a_shared_prob
 
     from gpt2.ckpt import resume
     from gpt2.ckpt.checkpoint import CheckpointError
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
 
     dist = Dist(rank=0, local_rank=0, world_size=2, local_world_size=1, device=torch.device("cpu"))
 

@@ -207,9 +207,9 @@ def test_kill_9_and_resume_with_muon_is_bitwise_continues_on_one_rank_and_adamw_
 
 def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, shakespeare_shards, monkeypatch):
     inject_nan(monkeypatch, 1)
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
     from gpt2.train.cli import parse_config
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build, train_step
 

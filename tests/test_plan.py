@@ -320,7 +320,7 @@ def test_the_autocast_copies_line_names_the_plans_dtype(dtype):
 
 
 def test_measuring_cpu_memory_leaves_no_profiler_lines_on_stderr():
-    """kineto printed "USDT: ... profiler_start/profiler_stop" under bench/ladder.py and bench/loss.py."""
+    """kineto printed "USDT: ... profiler_start/profiler_stop" under bench/ladder.py and bench/lm_head_loss.py."""
     code = ("import os, torch\nfrom gpt2.plan.measure import measured_peak_bytes\n"
             "print(measured_peak_bytes(lambda: torch.ones(256, 256) @ torch.ones(256, 256), 'cpu'))\n"
             "print(measured_peak_bytes(lambda: torch.ones(64, 64) @ torch.ones(64, 64), 'cpu'))\n"

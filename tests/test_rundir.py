@@ -14,7 +14,7 @@ import torch
 
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import resume, rundir
-from gpt2.dist.group import Dist
+from gpt2.distributed.group import Dist
 
 ONE = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
 

@@ -1,4 +1,4 @@
-"""Which SDPA kernel the model's attention runs, found by running it (gpt2/tools/sdpa_probe.py)."""
+"""Which SDPA kernel the model's attention runs, found by running it (gpt2/doctor/sdpa_probe.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gpt2.core.config import ModelConfig
+from gpt2.doctor.sdpa_probe import FORWARD_OPS, backends_of_ops, probe, relative_difference, tolerance
 from gpt2.plan.measure import KINETO_QUIET_LEVEL
-from gpt2.tools.sdpa_probe import FORWARD_OPS, backends_of_ops, probe, relative_difference, tolerance
 
 TINY = ModelConfig(n_layer=1, n_head=2, n_embd=64, block_size=64)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpt2.train import metrics
+from gpt2.train import run_log
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / "tests" / "slurm" / "setup_local_slurm.sh"
@@ -338,7 +338,7 @@ def wait_for_job(job: str, work: Path, *, restarts: int = 0, timeout_s: float = 
 
 
 def read_metrics(run: Path) -> list[dict]:
-    return metrics.read_metrics(run / "metrics.jsonl", missing_ok=True)  # also while the job writes it
+    return run_log.read_metrics(run / "metrics.jsonl", missing_ok=True)  # also while the job writes it
 
 
 def step_losses(run: Path) -> dict[int, float]:

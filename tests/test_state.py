@@ -12,7 +12,7 @@ import torch
 from conftest import run_trainer
 
 from gpt2.ckpt import checkpoint as ckpt
-from gpt2.train.metrics import read_metrics
+from gpt2.train.run_log import read_metrics
 from gpt2.train.state import OptimizerState, RankRng, ScalerState, load_components, rng_state
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "checkpoint_v1"

@@ -21,11 +21,11 @@ from gpt2.ckpt.load import load_any
 from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig
 from gpt2.data.hellaswag import Example, load_examples, prepare_hellaswag
 from gpt2.data.shards import write_shard
-from gpt2.dist.group import Dist
+from gpt2.distributed.group import Dist
 from gpt2.model.gpt import GPT
 from gpt2.model.tokenizer import decode, encode, get_encoding
 from gpt2.sample import TextStream, sample, stream_tokens
-from gpt2.train.metrics import read_metrics
+from gpt2.train.run_log import read_metrics
 from gpt2.train.scoring import example_rows, hellaswag_eval
 
 REPO = Path(__file__).resolve().parent.parent
@@ -288,8 +288,8 @@ def test_loss_cli_and_the_trainer_say_how_many_val_tokens_their_loss_is_over(run
 
 
 def test_the_trainers_val_line_names_its_token_count(tmp_path, capsys):
-    from gpt2.dist.group import single_process
-    from gpt2.train.metrics import Metrics
+    from gpt2.distributed.group import single_process
+    from gpt2.train.run_log import Metrics
 
     log = Metrics(single_process(), tmp_path)
     log.log_eval(50, 102_400, 6.18676, 8192)

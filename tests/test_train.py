@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import TINY_MODEL_FLAGS, run_trainer
 
-from gpt2.train.metrics import read_metrics
+from gpt2.train.run_log import read_metrics
 
 FP32 = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0", "--plot", "false"]
 
@@ -191,8 +191,8 @@ def test_read_metrics_skips_a_torn_line_and_a_missing_file_with_missing_ok(tmp_p
 
 def test_read_metrics_refuses_a_damaged_line_that_is_not_the_last(tmp_path):
     """Only the last line can be torn (by a live writer or a crash); anywhere else it is damage."""
-    from gpt2.dist.group import Dist
-    from gpt2.train.metrics import Metrics
+    from gpt2.distributed.group import Dist
+    from gpt2.train.run_log import Metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 10.0}\n{"step": 2, "lo\n{"step": 3, "loss": 9.0}\n')
@@ -208,8 +208,8 @@ def test_a_resume_warns_when_a_cut_line_loses_rows_it_will_not_log_again(tmp_pat
     """Issue 41: a metrics.jsonl cut mid-line (a full disk, a copy cut short) lost rows silently on
     resume. The rows the resume will not log again are named; a cut row of a later step (logged again
     as the resumed run reaches it) is dropped without a word."""
-    from gpt2.dist.group import Dist
-    from gpt2.train.metrics import Metrics
+    from gpt2.distributed.group import Dist
+    from gpt2.train.run_log import Metrics
 
     path = tmp_path / "metrics.jsonl"
     rows = '{"step": 1, "loss": 10.0}\n{"step": 2, "loss": 9.5}\n'
@@ -233,9 +233,9 @@ def test_a_resume_warns_when_a_cut_line_loses_rows_it_will_not_log_again(tmp_pat
 def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path, capsys):
     """Rank 0 sizes the micro-batch with the planner; a memory cap passed to it gives a smaller one."""
     from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
     from gpt2.plan.hardware import Hardware
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
@@ -257,9 +257,9 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
     """resolve_auto makes --loss-impl concrete for the resolved micro-batch: full logits on a roomy device,
     chunked on a small one (gpt2/plan/ choose_loss_impl), one start-up line with the reason."""
     from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
     from gpt2.plan.hardware import GIB, Hardware
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
@@ -354,7 +354,7 @@ def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespear
     """torch.compile compiles a graph when it first runs, and under DDP the first one runs inside build
     (its bucket-settling step): the line that explains a silent minute is on the console before build."""
     import gpt2.train.trainer as trainer
-    from gpt2.dist.group import single_process
+    from gpt2.distributed.group import single_process
     from gpt2.train.cli import parse_config
 
     class Building(Exception):
@@ -400,9 +400,9 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
     from pathlib import Path
 
     import gpt2
-    from gpt2.dist.group import Dist
+    from gpt2.distributed.group import Dist
     from gpt2.train.cli import parse_config
-    from gpt2.train.metrics import Metrics
+    from gpt2.train.run_log import Metrics
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build, train_step
 

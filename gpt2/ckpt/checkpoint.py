@@ -18,7 +18,7 @@ writing (or a truncated copy) is never selected: `auto` falls back to the previo
 when it belongs to the directory's run (its run id, gpt2/ckpt/rundir.py): retention and `auto` ignore,
 with a warning, a checkpoint another run left here, and retention never deletes one.
 
-Stop signals, RUN/requeue and exit codes: gpt2/dist/preempt.py.
+Stop signals, RUN/requeue and exit codes: gpt2/distributed/preempt.py.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from pathlib import Path
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import rundir
 from gpt2.core.atomic import atomic_write_bytes
-from gpt2.dist.group import Dist, all_gather_object, broadcast_object
+from gpt2.distributed.group import Dist, all_gather_object, broadcast_object
 
 SHARED_DIR_HINT = ("Every rank must see the same run directory: put --out-dir on a filesystem every node "
                    "mounts (docs/multinode.md), or start fresh with --resume never")

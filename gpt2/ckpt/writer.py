@@ -12,7 +12,7 @@ The copy overlaps the next step's forward and backward, which only read the stat
 Rules:
   - at most one write in flight: the next save first waits for the previous one;
   - a stop (SIGTERM/USR1) and the final save wait for any write in flight, then save synchronously,
-    so RUN/requeue still follows a durable checkpoint (gpt2/dist/preempt.py);
+    so RUN/requeue still follows a durable checkpoint (gpt2/distributed/preempt.py);
   - a write that failed is never lost: `failed` turns True when its thread ends, the trainer asks at
     every step and stops every rank at the next one (its stop vote), and `wait()` raises the error
     (CheckpointWriteError), which the trainer sends to every rank (gpt2/train/state.py save).

@@ -31,20 +31,28 @@ class ModelConfig:
     n_head: int = field(default=12, metadata=SHAPE)
     """Number of query heads."""
     n_kv_head: int | None = field(default=None, metadata=SHAPE)
-    """Key/value heads: n_head (default) is multi-head, 1 is multi-query, else grouped-query."""
+    """Key/value heads (none: n_head; 1: multi-query).
+
+    n_head (the default, none) is multi-head attention, 1 is multi-query, else grouped-query."""
     n_embd: int = field(default=768, metadata=SHAPE)
     """Width of the residual stream."""
     block_size: int = field(default=1024, metadata=SHAPE)
-    """Maximum sequence length (number of learned positions)."""
+    """Maximum sequence length (learned positions)."""
     vocab_size: int = field(default=PADDED_VOCAB_SIZE, metadata=SHAPE)
-    """Embedding rows. Rows past the tokenizer's 50,257 are padding: never sampled, no probability."""
+    """Embedding rows (past 50,257: padding).
+
+    Rows past the tokenizer's 50,257 are padding: never sampled, no probability."""
     bias: bool = field(default=True, metadata=SHAPE)
-    """Biases in Linear and LayerNorm layers, as in GPT-2."""
+    """Biases in Linear and LayerNorm, as in GPT-2."""
     dropout: float = 0.0
-    """Dropout on attention weights and residual branches (0 for pretraining)."""
+    """Dropout on attention and residual branches.
+
+    On the attention weights and the residual branches; 0 for pretraining."""
     attn_impl: str = "sdpa"
-    """Attention kernel: 'sdpa' (is_causal, flash/memory-efficient), 'sdpa_mask' (SDPA with an explicit
-    boolean mask) or 'explicit' (softmax(QK^T/sqrt(d) + mask)V). The last two exist for benchmarks."""
+    """Attention kernel: sdpa, sdpa_mask or explicit.
+
+    'sdpa' (is_causal, flash/memory-efficient), 'sdpa_mask' (SDPA with an explicit boolean mask) or 'explicit'
+    (softmax(QK^T/sqrt(d) + mask)V). The last two exist for benchmarks."""
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -195,152 +203,236 @@ VERIFY_DATA = ("quick", "auto", "full")
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     data_dir: str = ""
-    """Directory holding *train*.bin and *val*.bin token shards (ours or llm.c/modded-nanogpt's)."""
+    """Directory of *train*.bin and *val*.bin shards.
+
+    Token shards: data_prep's, or llm.c's and modded-nanogpt's."""
     out_dir: str = ""
-    """Run directory: metrics.jsonl, config.json, checkpoints/, loss curve."""
+    """Run directory: checkpoints, metrics, logs.
+
+    It holds metrics.jsonl, train.log, config.json, checkpoints/ and the loss curve."""
     device: str = "auto"
-    """auto (CUDA if present, else CPU), cpu or cuda. Each rank uses cuda:LOCAL_RANK."""
+    """auto (CUDA if present, else CPU), cpu or cuda.
+
+    Each rank uses cuda:LOCAL_RANK."""
     dtype: str = "auto"
-    """Autocast dtype for matmuls: auto, bfloat16, float16 (with a loss scaler) or float32 (no autocast).
-    auto picks bf16 on GPUs with native bf16, fp16 on older GPUs, and on a CPU bf16 only where it
-    measures faster than fp32 (gpt2/core/precision.py says why). Weights and optimizer stay fp32."""
+    """Matmul dtype: auto, bfloat16, float16, float32.
+
+    The autocast dtype: bfloat16, float16 (with a loss scaler) or float32 (no autocast). auto picks bf16 on
+    GPUs with native bf16, fp16 on older GPUs, and on a CPU bf16 only where it measures faster than fp32
+    (gpt2/core/precision.py says why). Weights and optimizer stay fp32."""
     compile: bool = True
-    """torch.compile the model (inductor on CUDA and CPU)."""
+    """torch.compile the model.
+
+    With inductor, on CUDA and on a CPU."""
     tf32: bool = True
-    """Allow TF32 matmuls on CUDA (no effect on CPU)."""
+    """Allow TF32 matmuls on CUDA.
+
+    No effect on a CPU."""
     deterministic: bool = False
-    """Deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, inductor's
-    deterministic mode; gpt2/core/determinism.py): two runs of one config on one machine give the same
-    losses bit for bit, on a GPU too. Slower (deterministic attention and embedding backward):
-    docs/training.md, "Deterministic runs"."""
+    """Bitwise-repeatable runs (slower).
+
+    Deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, inductor's
+    deterministic mode; gpt2/core/determinism.py): two runs of one config on one machine give the same losses
+    bit for bit, on a GPU too. Slower (deterministic attention and embedding backward): docs/training.md,
+    "Deterministic runs"."""
     fused_adamw: bool = True
-    """Use the fused AdamW kernel (one kernel per step; CUDA, and CPU since torch 2.4)."""
+    """Use the fused AdamW kernel.
+
+    One kernel per step; on CUDA, and on a CPU since torch 2.4."""
     pin_memory: bool = True
-    """Pinned host buffers and non-blocking copies on CUDA (no effect on CPU)."""
+    """Pinned host buffers on CUDA.
+
+    Pinned host buffers and non-blocking copies on CUDA; no effect on a CPU."""
     num_threads: int = 0
-    """CPU threads per rank for intra-op parallelism; 0 = cores / ranks on this node."""
+    """CPU threads per rank (0: cores / local ranks).
+
+    Threads for intra-op parallelism; 0 shares this node's cores among its ranks."""
     ddp_bucket_cap_mb: float = 25.0
-    """DDP's gradient bucket size in MiB (DDP's own default, 25). Each bucket's all-reduce starts as soon as
-    backward has produced its gradients, also when compiled (one backward graph per bucket); the start-up
-    bandwidth test times one bucket. At least 1: torch.compile's first graph split is 1 MiB."""
+    """DDP's gradient bucket size in MiB.
+
+    DDP's own default is 25. Each bucket's all-reduce starts as soon as backward has produced its gradients,
+    also when compiled (one backward graph per bucket); the start-up bandwidth test times one bucket. At least
+    1: torch.compile's first graph split is 1 MiB."""
     parallel: str = "ddp"
-    """How the ranks share the model: ddp (every rank holds all weights, gradients and optimizer state;
-    gradients all-reduced) or fsdp (PyTorch's FSDP2 `fully_shard` on each block and the root: each rank
-    holds 1/world_size of them and gathers a block's weights only while computing it; gpt2/dist/fsdp.py).
-    fsdp is for models whose state does not fit one device under DDP (`python -m gpt2.plan` says)."""
+    """How the ranks share the model: ddp or fsdp.
+
+    ddp (every rank holds all weights, gradients and optimizer state; gradients all-reduced) or fsdp
+    (PyTorch's FSDP2 `fully_shard` on each block and the root: each rank holds 1/world_size of them and
+    gathers a block's weights only while computing it; gpt2/distributed/fsdp.py). fsdp is for models whose
+    state does not fit one device under DDP (`python -m gpt2.plan` says)."""
     loss_impl: str = "auto"
-    """How the LM head's loss is computed: full (F.cross_entropy over the (B, T, V) logits, the fastest
-    compiled), chunked (gpt2/model/loss.py: never all the logits at once) or auto: full when the model is
-    compiled, the planner's peak of the full-logits loss is at most 1/8 of the device's usable memory and
-    the whole plan with it still fits, else chunked (gpt2/plan/ choose_loss_impl; logged with its
-    reason). Both give the same loss and gradients to float rounding."""
+    """LM-head loss: full, chunked or auto.
+
+    full (F.cross_entropy over the (B, T, V) logits, the fastest compiled), chunked (gpt2/model/loss.py: never
+    all the logits at once) or auto: full when the model is compiled, the planner's peak of the full-logits
+    loss is at most 1/8 of the device's usable memory and the whole plan with it still fits, else chunked
+    (gpt2/plan/ choose_loss_impl; logged with its reason). Both give the same loss and gradients to float
+    rounding."""
     activation_checkpointing: str = "auto"
-    """none, full (every transformer block saves only its input and recomputes its forward in the backward:
-    most of the activation memory for about a third more block FLOPs, which MFU does not count) or auto: full
-    only where the run does not fit without it (no micro-batch fits, or the explicit --micro-batch-size's
-    plan does not) and does with it, else none (gpt2/plan/ choose_activation_checkpointing; logged with
-    its reason). A run-time choice: losses and gradients are the same, and checkpoints resume either way."""
+    """Recompute blocks: none, full or auto.
+
+    none, full (every transformer block saves only its input and recomputes its forward in the backward: most
+    of the activation memory for about a third more block FLOPs, which MFU does not count) or auto: full only
+    where the run does not fit without it (no micro-batch fits, or the explicit --micro-batch-size's plan does
+    not) and does with it, else none (gpt2/plan/ choose_activation_checkpointing; logged with its reason). A
+    run-time choice: losses and gradients are the same, and checkpoints resume either way."""
     micro_batch_size: int | str = "auto"
-    """Sequences per rank per forward/backward; auto: the largest that the planner says fits the device
-    and divides the global batch (logged with the plan)."""
+    """Sequences per rank per micro-step, or auto.
+
+    Sequences per rank per forward/backward; auto: the largest that the planner says fits the device and
+    divides the global batch (logged with the plan)."""
     total_batch_size: int = 524_288
-    """Tokens per optimizer step, summed over all ranks and accumulation steps."""
+    """Tokens per optimizer step, over all ranks.
+
+    Summed over all ranks and accumulation steps."""
     max_steps: int = 19_073
-    """Optimizer steps to train for (19,073 x 524,288 tokens = 10B tokens)."""
+    """Optimizer steps to train for.
+
+    The default: 19,073 x 524,288 tokens = 10B tokens."""
     lr: float = 6e-4
     """Peak learning rate, reached after warmup."""
     min_lr: float = 6e-5
-    """Learning rate at the end of cosine decay."""
+    """Learning rate at the end of the decay."""
     warmup_steps: int = 715
     """Linear warmup steps."""
     decay_steps: int = 0
-    """0: cosine decay from warmup to max_steps. N > 0: warmup-stable-decay: the peak lr until
-    max_steps - N, then linear decay to min_lr over the last N steps."""
+    """Steps of final linear decay (0: cosine decay).
+
+    0: cosine decay from warmup to max_steps. N > 0: warmup-stable-decay: the peak lr until max_steps - N,
+    then linear decay to min_lr over the last N steps."""
     weight_decay: float = 0.1
-    """AdamW weight decay, applied to 2-D weights only (not biases, LayerNorm)."""
+    """AdamW weight decay, on 2-D weights only.
+
+    Not on biases and LayerNorm."""
     beta1: float = 0.9
     """AdamW beta1 (momentum)."""
     beta2: float = 0.95
-    """AdamW beta2 (GPT-3 used 0.95: steadier than 0.999 on large batches)."""
+    """AdamW beta2.
+
+    GPT-3 used 0.95: steadier than 0.999 on large batches."""
     eps: float = 1e-8
     """AdamW epsilon."""
     optimizer: str = "adamw"
-    """adamw, or muon: Muon (torch.optim.Muon's update) on the 2-D weights inside the transformer blocks
-    and AdamW (lr, betas, eps, weight_decay above) on embeddings, the tied LM head, biases and LayerNorm
-    (gpt2/train/optim.py says why). Every group follows the same warmup and cosine schedule."""
+    """adamw, or muon on the blocks' matrices.
+
+    muon: Muon (torch.optim.Muon's update) on the 2-D weights inside the transformer blocks and AdamW (lr,
+    betas, eps, weight_decay above) on embeddings, the tied LM head, biases and LayerNorm (gpt2/train/optim.py
+    says why). Every group follows the same warmup and cosine schedule."""
     muon_lr: float = 0.02
-    """Muon's peak learning rate (scaled by sqrt(max(1, out/in)) per matrix, Keller Jordan's rule as in
-    torch's adjust_lr_fn="original"); it decays with the schedule like lr. 0.02 was the best of
-    0.01/0.02/0.04 in bench/optimizers.py's small shape and 0.01 in its medium one, each within 0.03
-    of the other (bench/README.md, "AdamW against Muon"); 0.02 is also Keller Jordan's default."""
+    """Muon's peak learning rate.
+
+    Scaled by sqrt(max(1, out/in)) per matrix (Keller Jordan's rule as in torch's adjust_lr_fn="original"); it
+    decays with the schedule like lr. 0.02 was the best of 0.01/0.02/0.04 in bench/optimizers.py's small shape
+    and 0.01 in its medium one, each within 0.03 of the other (bench/README.md, "AdamW against Muon"); 0.02 is
+    also Keller Jordan's default."""
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
     muon_weight_decay: float = 0.0
-    """Muon's decoupled weight decay (p *= 1 - muon_lr * muon_weight_decay each step)."""
+    """Muon's decoupled weight decay.
+
+    p *= 1 - muon_lr * muon_weight_decay each step."""
     grad_clip: float = 1.0
-    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    """Clip the global gradient norm to this (0: off).
+
+    0 disables clipping; the norm is still logged."""
     eval_interval: int = 250
-    """Steps between validation-loss evaluations; 0 disables them (except at the end)."""
+    """Steps between val evaluations (0: the end only).
+
+    Validation-loss evaluations; 0 disables them except at the end."""
     eval_tokens: int = 10_485_760
-    """Validation tokens per evaluation: the first eval_tokens of the val shards, the same on every run."""
+    """Validation tokens per evaluation.
+
+    The first eval_tokens of the val shards, the same on every run."""
     hellaswag_interval: int = 0
-    """Steps between HellaSwag evaluations (and one at the end); 0 disables them. Needs hellaswag_file."""
+    """Steps between HellaSwag evaluations (0: none).
+
+    And one at the end. Needs hellaswag_file."""
     hellaswag_file: str = ""
-    """HellaSwag jsonl (ctx, endings, label); rank 0 downloads the validation set there if it is missing."""
+    """HellaSwag jsonl (downloaded there if missing).
+
+    Rows of ctx, endings, label; rank 0 downloads the validation set there if it is missing."""
     sample_interval: int = 1000
-    """Steps between text samples printed by rank 0; 0 disables them."""
+    """Steps between text samples (0: none).
+
+    Rank 0 prints them."""
     sample_tokens: int = 32
     """Tokens generated per sample."""
     sample_prompt: str = ""
-    """Prompt for samples; empty starts from <|endoftext|>."""
+    """Prompt for samples (none: <|endoftext|>)."""
     log_interval: int = 1
     """Steps between log lines and metrics.jsonl records."""
     ckpt_interval: int = 1000
-    """Steps between checkpoints (one is always written at the end); 0 writes only the final one."""
+    """Steps between checkpoints (0: the final only).
+
+    One is always written at the end; 0 writes only that one."""
     keep_checkpoints: int = 3
     """How many recent checkpoints to keep."""
     async_ckpt: bool = True
-    """Write periodic checkpoints in the background: training stalls only while rank 0 copies the state
-    to host memory (which then holds a second copy of it until the write ends). The final checkpoint
-    and a signal stop's are always written before the run ends."""
+    """Write periodic checkpoints in the background.
+
+    Training stalls only while rank 0 copies the state to host memory (which then holds a second copy of it
+    until the write ends). The final checkpoint and a signal stop's are always written before the run ends."""
     verify_data: str = "auto"
-    """How much of the data start-up checks against data_prep's manifest.json and the vocabulary (gpt2/data/check.py):
-    quick (every shard listed, with its split and token count; no reading), auto (quick, plus the sha256 and
-    token ids of every shard when they total at most 1 GiB, else of the val shards) or full (every shard's
-    sha256 and token ids). Every training batch's token ids are checked as it is loaded, whatever this says."""
+    """Shard check at start-up: quick, auto or full.
+
+    How much of the data start-up checks against data_prep's manifest.json and the vocabulary
+    (gpt2/data/check.py): quick (every shard listed, with its split and token count; no reading), auto (quick,
+    plus the sha256 and token ids of every shard when they total at most 1 GiB, else of the val shards) or
+    full (every shard's sha256 and token ids). Every training batch's token ids are checked as it is loaded,
+    whatever this says."""
     resume: str = "auto"
-    """auto (newest valid checkpoint in out_dir, else fresh), never, or a checkpoint path."""
+    """auto (the newest checkpoint), never, or a path.
+
+    auto: the newest valid checkpoint in out_dir, else a fresh start; or a checkpoint path."""
     init_from: str = ""
-    """Start a new run from trained weights (step, optimizer, schedule, data position and run id fresh):
-    a Hugging Face GPT-2 directory (`python -m gpt2.export`'s, or OpenAI's save_pretrained layout), a hub
-    name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; needs the network and huggingface_hub), or one of our
-    checkpoints (step_*.pt, a sharded step_*/ directory, a run directory: its newest checkpoint). The
-    model shape comes from the weights. A run directory holding this run's own checkpoint resumes it
-    instead (--resume auto: a requeue with the same command continues; gpt2/train/init_from.py)."""
+    """Start a new run from trained weights.
+
+    Step, optimizer, schedule, data position and run id start fresh. The weights: a Hugging Face GPT-2
+    directory (`python -m gpt2.export`'s, or OpenAI's save_pretrained layout), a hub name (gpt2, gpt2-medium,
+    gpt2-large, gpt2-xl; needs the network and huggingface_hub), or one of our checkpoints (step_*.pt, a
+    sharded step_*/ directory, a run directory: its newest checkpoint). The model shape comes from the
+    weights. A run directory holding this run's own checkpoint resumes it instead (--resume auto: a requeue
+    with the same command continues; gpt2/train/init_from.py)."""
     seed: int = 1337
     """Seed for initialisation and data order."""
     data_order: str = "shuffled"
-    """shuffled: each epoch visits every window of block_size+1 tokens once, in a random order (rows of a
-    batch from all over the corpus); sequential: consecutive windows of the token stream, for corpora
-    that are shuffled already. Validation is always the fixed first eval_tokens, in order."""
+    """Window order: shuffled or sequential.
+
+    shuffled: each epoch visits every window of block_size+1 tokens once, in a random order (rows of a batch
+    from all over the corpus); sequential: consecutive windows of the token stream, for corpora that are
+    shuffled already. Validation is always the fixed first eval_tokens, in order."""
     dist_timeout_s: float = 600.0
-    """Timeout of collectives in the slow phases: start-up (process group, resume, the first step and its
-    compilation) and every checkpoint, evaluation and sample plus the step after it. A dead peer raises
-    an error (gloo) or aborts the process (NCCL) instead of hanging."""
+    """Collective timeout in the slow phases (s).
+
+    The slow phases: start-up (process group, resume, the first step and its compilation) and every
+    checkpoint, evaluation and sample plus the step after it. A dead peer raises an error (gloo) or aborts the
+    process (NCCL) instead of hanging."""
     dist_step_timeout_s: float = 300.0
-    """Timeout of collectives in steady training (set after the first step): a peer that died or hangs
-    mid-run is found this fast. It bounds how far ranks may drift apart within one step."""
+    """Collective timeout in steady training (s).
+
+    Set after the first step: a peer that died or hangs mid-run is found this fast. It bounds how far ranks
+    may drift apart within one step."""
     max_bad_steps: int = 3
-    """Consecutive non-finite losses/gradient norms (each update skipped) before the run stops."""
+    """Non-finite steps in a row (skipped) before a stop.
+
+    Consecutive non-finite losses/gradient norms (each update skipped) before the run stops."""
     verbose: bool = False
-    """Print the whole start-up plan (data check, loss path, peak, memory term by term, stop budget, network,
-    epochs) on the console too; without it the console gets a few lines and out_dir/train.log every line."""
+    """The whole start-up plan on the console too.
+
+    The data check, loss path, peak, memory term by term, stop budget, network and epochs; without it the
+    console gets a few lines and out_dir/train.log every line."""
     plot: bool = True
-    """Write loss_curve.png in out_dir at the end (needs matplotlib)."""
+    """Write loss_curve.png at the end (matplotlib).
+
+    In out_dir; needs matplotlib."""
     tensorboard: bool = False
-    """Also log to TensorBoard in out_dir/tb (needs tensorboard)."""
+    """Also log to TensorBoard in out_dir/tb.
+
+    Needs tensorboard."""
     wandb_project: str = ""
-    """Also log to this Weights & Biases project (needs wandb)."""
+    """Also log to this Weights & Biases project.
+
+    Needs wandb."""
 
     def __post_init__(self) -> None:
         refuse_non_finite(self)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2.core.atomic import atomic_write
-from gpt2.dist.group import Dist, broadcast_object
+from gpt2.distributed.group import Dist, broadcast_object
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 N_ENDINGS = 4

@@ -23,7 +23,7 @@ TOKEN_DTYPE = np.dtype("<u2")
 
 
 MANIFEST = "manifest.json"
-"""What data_prep writes beside its shards (data_prep/writer.py): tokenizer, vocab, EOT, every shard's split,
+"""What data_prep writes beside its shards (data_prep/shard_writer.py): tokenizer, vocab, EOT, every shard's split,
 tokens and sha256. The trainer checks the shards against it at start-up (gpt2/data/check.py)."""
 PREP_TOKENIZER = "tiktoken gpt2, encode_ordinary, each document = [EOT] + tokens"
 """The manifest's "tokenizer" of data_prep's shards (part of its job fingerprint: never reword it)."""

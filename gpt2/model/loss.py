@@ -144,7 +144,7 @@ def _softmax_minus_onehot(logits: Tensor, lse: Tensor, targets: Tensor, valid: T
     whole, then read again for the scaling and the cast, ~8 extra bytes of traffic per logit (issue
     39: ~5% of a gpt2-preset step on an H100). The where fuses exp, the subtraction, the scaling and
     the cast into one kernel. Both subtract exactly 1.0 at the target (x + -1.0 == x - 1.0 in IEEE),
-    so they are the same numbers; tests/test_fused_loss.py checks both and reads the generated code.
+    so they are the same numbers; tests/test_loss.py checks both and reads the generated code.
     """
     g = logits.sub_(lse[:, None]).exp_()  # softmax, in place: logits are not needed any more
     if torch.compiler.is_compiling():

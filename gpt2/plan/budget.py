@@ -21,7 +21,7 @@ def checkpoint_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
     return 4 * param_count(cfg) + optimizer_bytes(cfg, optimizer)
 @dataclass(frozen=True)
 class StopBudget:
-    """What a stop signal needs before torchrun's grace runs out (gpt2/dist/preempt.py, slurm/common.sh)."""
+    """What a stop signal needs before torchrun's grace runs out (gpt2/distributed/preempt.py, slurm/common.sh)."""
     checkpoint_bytes: int
     step_s: float
     write_bytes_per_s: float

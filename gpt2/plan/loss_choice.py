@@ -19,7 +19,7 @@ from gpt2.plan.memory import loss_bytes, memory
 # memory, and 7/8 stays for everything else. Why not less: at 1/16 the
 # W1 workload (6 x 384, micro-batch 8 x 256, fp32: 1.54 GiB of full-logits peak, 6.8% of the
 # 22.5 GiB a 23.5 GiB host leaves usable) would stay chunked and pay the chunk loop's ~1.3x
-# compiled LM-head time (issue 23, bench/loss.py); 1/8 takes the full loss there and on the quick start, and keeps the chunked
+# compiled LM-head time (issue 23, bench/lm_head_loss.py); 1/8 takes the full loss there and on the quick start, and keeps the chunked
 # one where the logits are large, e.g. the gpt2 preset at 64 x 1024 under bf16 compiled (12.3 GiB,
 # 16% of an 80 GB A100; at 16 x 1024 it is 3.1 GiB and takes nanoGPT's one fused cross-entropy, where
 # eager's 14 bytes per logit, 10.7 GiB, would chunk it). Order: the micro-batch is chosen first (auto: the largest that fits with the

@@ -21,7 +21,7 @@ CPU allocator in tests/test_plan.py):
 The total is an upper bound on the step's peak: gradients are counted in full although, with
 zero_grad(set_to_none=True) and one micro-step, they are allocated while activations are freed.
 
---parallel fsdp (FSDP2's fully_shard on each block, then the root; gpt2/dist/fsdp.py) at world size W > 1:
+--parallel fsdp (FSDP2's fully_shard on each block, then the root; gpt2/distributed/fsdp.py) at world size W > 1:
   weights, gradients, optimizer
                each parameter's 1/W shard: FSDP2 cuts dim 0 into W chunks padded to ceil(d0/W) rows,
                so a rank holds ceil(d0/W) x the other dims (rank 0's real shard, the largest)

@@ -17,6 +17,7 @@ import functools
 import inspect
 import math
 import sys
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -26,6 +27,32 @@ from gpt2.core.config import MODEL_PRESETS, TRAIN_ONLY_PRESETS, TRAIN_PRESETS, M
 
 PRESETS = sorted({*MODEL_PRESETS, *TRAIN_PRESETS})
 """--preset's names: a model shape with its recipe, or a recipe alone (finetune: the shape comes from --init-from)."""
+
+FLAG_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "dropout", "attn_impl"),
+    "data": ("data_dir", "data_order", "verify_data", "seed"),
+    "batch and schedule": ("micro_batch_size", "total_batch_size", "max_steps", "lr", "min_lr", "warmup_steps",
+                           "decay_steps"),
+    "optimizer": ("optimizer", "weight_decay", "beta1", "beta2", "eps", "fused_adamw", "muon_lr", "muon_momentum",
+                  "muon_weight_decay", "grad_clip", "max_bad_steps"),
+    "precision and compile": ("device", "dtype", "tf32", "compile", "deterministic", "loss_impl",
+                              "activation_checkpointing", "num_threads", "pin_memory"),
+    "checkpoints and resume": ("out_dir", "ckpt_interval", "keep_checkpoints", "async_ckpt", "resume", "init_from"),
+    "evaluation and logging": ("eval_interval", "eval_tokens", "hellaswag_interval", "hellaswag_file",
+                               "sample_interval", "sample_tokens", "sample_prompt", "log_interval", "verbose", "plot",
+                               "tensorboard", "wandb_project"),
+    "distributed": ("parallel", "ddp_bucket_cap_mb", "dist_timeout_s", "dist_step_timeout_s"),
+}
+"""--help's headings, each with its config fields in the order shown (torchtitan groups its config alike, so a
+person finds a flag by scanning a heading). Every ModelConfig and TrainConfig field is in exactly one."""
+REQUIRED_FIELDS = ("data_dir", "out_dir")
+"""Fields with no usable default: a run names them (resolve says so, --help shows them as required)."""
+HELP_WIDTH = 100
+"""The terminal width --help is laid out for: at this width (or wider) every flag is one line."""
+HELP_COLUMN = 34
+"""Where a flag's help starts: after the longest flag with its metavar (--activation-checkpointing STR)."""
+USAGE = "python train_ddp.py [--preset NAME] --data-dir DIR --out-dir DIR [--FLAG VALUE ...]"
+"""torchrun ... train_ddp.py takes the same flags; --help lists them under headings."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,15 +108,46 @@ def _field_type(cls, field: dataclasses.Field):
 
 @functools.lru_cache(maxsize=None)
 def field_docs(cls) -> dict[str, str]:
-    """The docstring written under each dataclass field (the help text of its flag)."""
+    """The first paragraph of the docstring written under each dataclass field, on one line: its flag's help
+    (the paragraphs after it say more, in gpt2/core/config.py)."""
     docs = {}
     body = ast.parse(inspect.getsource(cls)).body[0].body
     for node, nxt in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+            docs[node.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split("\n\n")[0].split())
     return docs
+
+
+def shown_default(value) -> str:
+    """A default as --help shows it: as the flag is typed (true, auto, 0.0006), "none" for None or empty."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "none" if value is None or value == "" else str(value)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's layout with the help column after the longest flag, so that at HELP_WIDTH columns each flag
+    is one line; the description and epilog (the presets' table) are printed as written."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=HELP_COLUMN)
+
+
+def presets_epilog(width: int = HELP_WIDTH - 2) -> str:
+    """What each --preset sets, as the flags it stands for: one entry per preset, wrapped under its name."""
+    lines = ["presets (--preset NAME sets these flags; --config and flags given after it override them):"]
+    for name in [*MODEL_PRESETS, *(p for p in TRAIN_PRESETS if p not in MODEL_PRESETS)]:
+        values = {**MODEL_PRESETS.get(name, {}), **TRAIN_PRESETS.get(name, {})}
+        # a no-break space inside each "--flag value" pair, so that a line never ends between them
+        flags = " ".join(f"--{k.replace('_', '-')}\N{NO-BREAK SPACE}{shown_default(v)}" for k, v in values.items())
+        lines += [line.replace("\N{NO-BREAK SPACE}", " ") for line in textwrap.wrap(
+            flags, width, initial_indent=f"  {name:<14}", subsequent_indent=" " * 16, break_on_hyphens=False,
+            break_long_words=False)]
+    lines += ["", "Each flag's help is the first line of the docstring under its field in gpt2/core/config.py",
+              "(ModelConfig, TrainConfig); the lines after it say more. docs/training.md explains the main ones."]
+    return "\n".join(lines)
 
 
 def _fields():
@@ -101,39 +159,53 @@ def _fields():
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog="train_ddp.py",
+        prog="train_ddp.py", usage=USAGE, formatter_class=HelpFormatter, epilog=presets_epilog(),
         description="Train GPT-2. Launch with torchrun for several processes, or with python for one.",
         allow_abbrev=False,
     )
-    parser.add_argument("--preset", choices=PRESETS, default=None,
-                        help="model shape and training recipe to start from (finetune: the recipe alone, for "
-                             "--init-from's weights)")
-    parser.add_argument("--config", metavar="FILE.toml", default=None,
-                        help="TOML file of field = value (flat, or under [model] / [train])")
-    for section, f, typ in _fields():
-        cls = ModelConfig if section == "model" else TrainConfig
-        doc = field_docs(cls).get(f.name, "")
-        kwargs = dict(dest=f"{section}.{f.name}", default=None, help=f"{doc} (default: {f.default})")
-        if typ is bool:  # a bare --verbose (or --compile) means true
-            kwargs.update(type=parse_bool, metavar="{true,false}", nargs="?", const=True)
-        elif typ is int_or_auto:
-            kwargs.update(type=typ, metavar="{INT,auto}")
-        else:
-            kwargs.update(type=typ, metavar=typ.__name__.upper())
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    start = parser.add_argument_group("preset and config file",
+                                      "Precedence: defaults < --preset < --config FILE.toml < flags.")
+    start.add_argument("--preset", choices=PRESETS, default=None, metavar="NAME",
+                       help="Model shape and recipe to start from (default: none)")
+    start.add_argument("--config", metavar="FILE.toml", default=None,
+                       help="TOML file of field = value lines (default: none)")
+    fields = {f.name: (section, f, typ) for section, f, typ in _fields()}
+    if ungrouped := sorted(set(fields) - {name for names in FLAG_GROUPS.values() for name in names}):
+        raise RuntimeError(f"config fields {ungrouped} have no --help heading: add them to FLAG_GROUPS in "
+                           "gpt2/train/cli.py")
+    for title, names in FLAG_GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            add_field_flag(group, *fields[name])
     rehearsal = parser.add_argument_group(
-        "rehearsal", "--dry-run goes through everything up to the first step (config, precision, memory plan, "
-        "micro-batch, accumulation, each rank's first windows, checkpoint size, resume decision), prints it and "
-        "exits 0, or 2 with the error a real run would give; no process group, no weights. The other flags "
-        "here need --dry-run")
-    rehearsal.add_argument("--dry-run", action="store_true", help="rehearse the run, then exit")
-    rehearsal.add_argument("--world-size", type=int, metavar="N", help="ranks of the rehearsed run")
-    rehearsal.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per node of the rehearsed run")
-    rehearsal.add_argument("--gpu", metavar="NAME", help="rehearse on this GPU of python -m gpt2.plan's table, "
-                           "e.g. A100-40GB, H100-80GB, RTX4090-24GB")
-    rehearsal.add_argument("--gpu-memory-gb", type=float, metavar="GIB", help="or a GPU with this much memory")
-    rehearsal.add_argument("--gpu-peak-tflops", type=float, metavar="TFLOPS", help="and this peak in the run's dtype")
+        "dry run", "--dry-run goes through everything up to the first step and prints it; exit 0, or 2 with the\n"
+        "error a real run would give. No process group, no weights. The other flags here need --dry-run.")
+    rehearsal.add_argument("--dry-run", action="store_true", help="Rehearse the run, then exit (default: false)")
+    rehearsal.add_argument("--world-size", type=int, metavar="N",
+                           help="Ranks of the rehearsed run (default: this launch's)")
+    rehearsal.add_argument("--nproc-per-node", type=int, metavar="N",
+                           help="Its ranks per node (default: up to 8 on GPUs, all on a CPU)")
+    rehearsal.add_argument("--gpu", metavar="NAME",
+                           help="A GPU of python -m gpt2.plan's table (default: this machine's)")
+    rehearsal.add_argument("--gpu-memory-gb", type=float, metavar="GIB",
+                           help="Or a GPU with this much memory (default: none)")
+    rehearsal.add_argument("--gpu-peak-tflops", type=float, metavar="TFLOPS",
+                           help="And this peak in the run's dtype (default: none)")
     return parser
+
+
+def add_field_flag(group, section: str, f: dataclasses.Field, typ) -> None:
+    """A config field's flag: --kebab-case, its docstring's first line and its default as help."""
+    cls = ModelConfig if section == "model" else TrainConfig
+    default = "required" if f.name in REQUIRED_FIELDS else f"default: {shown_default(f.default)}"
+    kwargs = dict(dest=f"{section}.{f.name}", default=None, help=f"{field_docs(cls)[f.name].removesuffix('.')} ({default})")
+    if typ is bool:  # a bare --verbose (or --compile) means true
+        kwargs.update(type=parse_bool, metavar="{true,false}", nargs="?", const=True)
+    elif typ is int_or_auto:
+        kwargs.update(type=typ, metavar="{INT,auto}")
+    else:
+        kwargs.update(type=typ, metavar=typ.__name__.upper())
+    group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
 def load_toml(path: str) -> dict:
@@ -239,7 +311,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
             values[section][name] = value
             given_by[name] = "--" + name.replace("_", "-")
     train = TrainConfig(**values["train"])
-    missing = [flag for flag, v in (("--data-dir", train.data_dir), ("--out-dir", train.out_dir)) if not v]
+    missing = ["--" + name.replace("_", "-") for name in REQUIRED_FIELDS if not getattr(train, name)]
     if missing:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
     if train.init_from:

@@ -35,7 +35,7 @@ from gpt2.core.schedule import grad_accum_steps
 from gpt2.data.check import verify_shards
 from gpt2.data.loader import EvalLoader, TrainLoader, find_shards
 from gpt2.data.shards import ShardError
-from gpt2.dist.group import Dist, resolve_device, world_from_env
+from gpt2.distributed.group import Dist, resolve_device, world_from_env
 from gpt2.plan.flops import device_peak_flops
 from gpt2.plan.hardware import GIB, Hardware, custom_hardware, device_hardware, gpu_native_bf16
 from gpt2.train.cli import Rehearsal

@@ -45,7 +45,7 @@ import torch
 
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.core.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig
-from gpt2.dist.group import Dist, broadcast_object, collective
+from gpt2.distributed.group import Dist, broadcast_object, collective
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 HUB_REPO = "openai-community/{}"

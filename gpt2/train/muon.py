@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr
 
 from gpt2.core.compat import all_gather_into
-from gpt2.dist.group import Dist, collective
+from gpt2.distributed.group import Dist, collective
 
 
 def newton_schulz(g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,

@@ -19,7 +19,7 @@ import torch
 
 from gpt2.core.config import TrainConfig
 from gpt2.core.precision import cuda_native_bf16
-from gpt2.dist.group import Dist
+from gpt2.distributed.group import Dist
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

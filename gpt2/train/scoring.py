@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from gpt2.core import precision
 from gpt2.core.config import EOT_TOKEN
 from gpt2.data.hellaswag import N_ENDINGS, Example
-from gpt2.dist.group import Dist, all_reduce_sum
+from gpt2.distributed.group import Dist, all_reduce_sum
 from gpt2.model.gpt import GPT, unwrap
 from gpt2.model.tokenizer import encode
 

@@ -39,12 +39,12 @@ from gpt2.core.schedule import grad_accum_steps, lr_at
 from gpt2.data.check import check_listed, prep_command, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
 from gpt2.data.shards import ShardError
-from gpt2.dist.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
-from gpt2.dist.fsdp import gathered_param_bytes
-from gpt2.dist.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
+from gpt2.distributed.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
+from gpt2.distributed.fsdp import gathered_param_bytes
+from gpt2.distributed.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
 from gpt2.plan.flops import device_peak_flops, format_flops, mig_profile, peak_problem
 from gpt2.plan.hardware import gib
-from gpt2.train.metrics import Metrics
+from gpt2.train.run_log import Metrics
 from gpt2.train.state import check_resumable
 
 if TYPE_CHECKING:
@@ -577,7 +577,7 @@ def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None,
             "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
-    if network is not None:  # several ranks: the start-up all-reduce measurement (gpt2/dist/bandwidth.py)
+    if network is not None:  # several ranks: the start-up all-reduce measurement (gpt2/distributed/bandwidth.py)
         info["network"] = network.to_dict()
     if parts.init_from is not None:  # --init-from: where the weights came from (gpt2/train/init_from.py)
         info["init_from"] = parts.init_from

@@ -37,12 +37,12 @@ from gpt2.ckpt import dcp as dcp_io
 from gpt2.ckpt.writer import CheckpointWriteError, CheckpointWriter
 from gpt2.core.config import ModelConfig, RunConfig
 from gpt2.data.loader import EvalLoader, TrainLoader
-from gpt2.dist import preempt
-from gpt2.dist.fsdp import is_sharded
-from gpt2.dist.group import Dist, all_gather_object, barrier, broadcast_object
+from gpt2.distributed import preempt
+from gpt2.distributed.fsdp import is_sharded
+from gpt2.distributed.group import Dist, all_gather_object, barrier, broadcast_object
 from gpt2.model.gpt import GPT
-from gpt2.train.metrics import Metrics
 from gpt2.train.optim import optimizer_kind
+from gpt2.train.run_log import Metrics
 
 TOKENIZER = "gpt2"
 """The tokenizer every checkpoint records; another is refused on resume."""

@@ -27,14 +27,14 @@ from gpt2.core.config import EOT_TOKEN, RunConfig, TrainConfig
 from gpt2.core.schedule import grad_accum_steps, lr_at
 from gpt2.data.loader import EvalLoader, ShardSet, TrainLoader
 from gpt2.data.shards import ShardError
-from gpt2.dist import preempt
-from gpt2.dist.fsdp import clip_grad_norm, is_sharded, no_grad_sync
-from gpt2.dist.fsdp import shard as shard_fsdp
-from gpt2.dist.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
+from gpt2.distributed import preempt
+from gpt2.distributed.fsdp import clip_grad_norm, is_sharded, no_grad_sync
+from gpt2.distributed.fsdp import shard as shard_fsdp
+from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu
-from gpt2.train.metrics import Metrics, plot_loss_curve
 from gpt2.train.optim import make_optimizer
+from gpt2.train.run_log import Metrics, plot_loss_curve
 from gpt2.train.startup import (
     announce,
     announce_compile,
@@ -323,7 +323,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
                 parts.scaler.scale(loss).backward()
     parts.scaler.unscale_(parts.optimizer)  # clip and measure the true gradients (a no-op unless fp16)
     clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-    # The global norm of every rank's shards under FSDP, and the same number under DDP (gpt2/dist/fsdp.py).
+    # The global norm of every rank's shards under FSDP, and the same number under DDP (gpt2/distributed/fsdp.py).
     grad_norm = clip_grad_norm(parts.model.parameters(), clip, dist)
     # One all-reduce carries the loss, the stop flag and the bad-token flag (gpt2/data/loader.py): every rank
     # sees the same values, so every rank takes the same skip / stop decision. torch.full launches a

@@ -1,4 +1,4 @@
-"""The node check's comparisons and run plumbing (gpt2/tools/doctor_runs.py): each can fail, and says why."""
+"""The node check's comparisons and run plumbing (gpt2/doctor/train_runs.py): each can fail, and says why."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from gpt2.core.config import GPT2_VOCAB_SIZE
 from gpt2.data.loader import find_shards
 from gpt2.data.shards import HEADER_BYTES, TOKEN_DTYPE
-from gpt2.tools.doctor_runs import (
+from gpt2.doctor.train_runs import (
     LOSS_TOLERANCE_16BIT,
     LOSS_TOLERANCE_FP32,
     PHRASE_TOKENS,

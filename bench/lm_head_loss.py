@@ -1,8 +1,8 @@
 """The LM head + loss alone, forward and backward: the chunked loss against plain F.cross_entropy.
 
-    python bench/loss.py                        # CPU: micro-batch 2, ~8 minutes on 2 shared cores
-    python bench/loss.py --device cuda          # a GPU: micro-batch 16, bf16 where native
-    python bench/loss.py --device cuda --batch 64 --also-chunk-logits 33554432 --md loss.md
+    python bench/lm_head_loss.py                        # CPU: micro-batch 2, ~8 minutes on 2 shared cores
+    python bench/lm_head_loss.py --device cuda          # a GPU: micro-batch 16, bf16 where native
+    python bench/lm_head_loss.py --device cuda --batch 64 --also-chunk-logits 33554432 --md loss.md
         # the gpt2 preset's micro-batch on an 80 GB GPU, plus the 2**25-logit chunks used before
 
 Shape: GPT-2 124M's LM head, the final LayerNorm's output x (B*T, 768) in fp32 against the tied
@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from report import emit  # bench/report.py (a script's directory is on sys.path)
+from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
 from gpt2.core.precision import autocast, resolve

@@ -1,11 +1,11 @@
-"""The acceleration ladder's library part (gpt2/tools/ladder.py); tests/test_bench.py runs bench/ladder.py."""
+"""The acceleration ladder's library part (gpt2/doctor/acceleration.py); tests/test_bench.py runs bench/ladder.py."""
 
 from __future__ import annotations
 
 import torch
 
 from gpt2.core.config import ModelConfig
-from gpt2.tools.ladder import LADDER, TF32_OFF_CUDA, run_ladder, without_bf16
+from gpt2.doctor.acceleration import LADDER, TF32_OFF_CUDA, run_ladder, without_bf16
 
 
 def test_a_device_without_fast_bf16_runs_the_rungs_after_it_in_fp32():

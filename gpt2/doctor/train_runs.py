@@ -1,5 +1,5 @@
 """The node check's training runs: real `train_ddp.py` processes (or torchrun) on token shards the check
-writes itself, and the comparisons made between them (gpt2/doctor.py reports them).
+writes itself, and the comparisons made between them (the sections, gpt2/doctor/check_*.py, report them).
 
 Nothing here downloads or tokenizes: the shards are synthetic, made of random "phrases" of GPT-2 token
 ids repeated in a random order, so that the loss has something to learn and falls within a few steps
@@ -27,9 +27,9 @@ import torch
 from gpt2.ckpt.rundir import RUN_INFO
 from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig
 from gpt2.data.shards import write_shard
-from gpt2.train.metrics import read_metrics
+from gpt2.train.run_log import read_metrics
 
-REPO = Path(__file__).resolve().parents[2]  # gpt2/tools/doctor_runs.py -> the checkout
+REPO = Path(__file__).resolve().parents[2]  # gpt2/doctor/train_runs.py -> the checkout
 TRAIN_SCRIPT = REPO / "train_ddp.py"
 """The entry point the checks run, beside the package (a checkout or an editable install)."""
 

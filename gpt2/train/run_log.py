@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gpt2.ckpt.rundir import TRAIN_LOG
 from gpt2.core.atomic import atomic_write_text
-from gpt2.dist.group import Dist
+from gpt2.distributed.group import Dist
 
 
 def _fmt_mfu(mfu: float | None) -> str:

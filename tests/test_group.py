@@ -1,11 +1,12 @@
-"""gpt2/dist/group.py: the per-rank share of the node's CPUs for inductor's compile workers; the rank's device."""
+"""gpt2/distributed/group.py: the per-rank share of the node's CPUs for inductor's compile workers; the
+rank's device."""
 
 from __future__ import annotations
 
 import torch
 import torch._inductor.config as inductor_config
 
-from gpt2.dist.group import Dist, compile_threads, set_compile_threads, usable_cpus
+from gpt2.distributed.group import Dist, compile_threads, set_compile_threads, usable_cpus
 
 
 def test_compile_threads_share_the_node_among_its_local_ranks():
@@ -32,7 +33,7 @@ def test_set_compile_threads_takes_effect_in_inductor():
 
 
 def _recording(monkeypatch, barrier_error=None):
-    """gpt2.dist.group's view of torch.distributed with its barrier and destroy recorded (a 2-rank Dist)."""
+    """gpt2.distributed.group's view of torch.distributed with its barrier and destroy recorded (a 2-rank Dist)."""
     import torch.distributed as tdist
 
     calls = []
@@ -49,7 +50,7 @@ def _recording(monkeypatch, barrier_error=None):
 
 
 def test_teardown_meets_at_a_barrier_before_destroying_when_every_rank_gets_there(monkeypatch):
-    from gpt2.dist.group import teardown
+    from gpt2.distributed.group import teardown
 
     calls, dist = _recording(monkeypatch)
     teardown(dist, agreed=True)
@@ -65,17 +66,18 @@ def test_teardown_meets_at_a_barrier_before_destroying_when_every_rank_gets_ther
 def test_the_trainer_exits_through_the_barrier_when_every_rank_ends_alike(monkeypatch, tmp_path):
     """train_ddp.main: a normal end and the errors every rank raises alike tear down with agreed=True;
     a failed collective (a dead peer) without."""
-    import gpt2.dist.group
+    import gpt2.distributed.group
     import gpt2.train.startup
     import gpt2.train.trainer
     import train_ddp
-    from gpt2.dist.group import CollectiveError
+    from gpt2.distributed.group import CollectiveError
     from gpt2.train.trainer import NonFiniteError
 
     seen = []
-    monkeypatch.setattr(gpt2.dist.group, "world_from_env", lambda env=None: gpt2.dist.group.WorldInfo(0, 0, 2, 2))
-    monkeypatch.setattr(gpt2.dist.group, "setup", lambda info, device, timeout_s: Dist(0, 0, 2, 2, device))
-    monkeypatch.setattr(gpt2.dist.group, "teardown", lambda dist, agreed=False: seen.append(agreed))
+    world = gpt2.distributed.group.WorldInfo(0, 0, 2, 2)
+    monkeypatch.setattr(gpt2.distributed.group, "world_from_env", lambda env=None: world)
+    monkeypatch.setattr(gpt2.distributed.group, "setup", lambda info, device, timeout_s: Dist(0, 0, 2, 2, device))
+    monkeypatch.setattr(gpt2.distributed.group, "teardown", lambda dist, agreed=False: seen.append(agreed))
     monkeypatch.setattr(gpt2.train.startup, "check_data", lambda cfg, world_size: None)
     argv = ["--preset", "debug", "--device", "cpu", "--data-dir", str(tmp_path), "--out-dir", str(tmp_path / "run")]
 
@@ -103,7 +105,7 @@ def test_a_rank_of_a_group_exits_with_its_code_and_its_buffered_output_but_witho
     from conftest import REPO
 
     script = ("import atexit, sys\n"
-              "from gpt2.dist.group import WorldInfo, exit_after_group\n"
+              "from gpt2.distributed.group import WorldInfo, exit_after_group\n"
               "atexit.register(lambda: print('finalized'))\n"
               "print('buffered out'); print('buffered err', file=sys.stderr)\n"
               "exit_after_group(3, WorldInfo(0, 0, int(sys.argv[1]), int(sys.argv[1])))\n")
@@ -120,7 +122,7 @@ def test_resolve_device_uses_the_one_visible_gpu_whatever_local_rank_and_refuses
     LOCAL_RANK. With several visible, LOCAL_RANK picks one, and a LOCAL_RANK beyond them is refused."""
     import pytest
 
-    from gpt2.dist.group import resolve_device
+    from gpt2.distributed.group import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -19,7 +19,7 @@ import contextlib
 import torch
 
 from gpt2.core.compat import fsdp_api
-from gpt2.dist.group import Dist
+from gpt2.distributed.group import Dist
 from gpt2.model.gpt import GPT
 
 
@@ -126,7 +126,7 @@ def grad_norm(grads: list[torch.Tensor], dist: Dist) -> torch.Tensor:
     whose tensors are one chunk each gets bitwise the old sum; a larger one differs from it by the
     fp64 rounding of a re-associated sum (~1e-16 relative), far below the fp32 result's last bit.
     """
-    from gpt2.dist.group import all_reduce_sum
+    from gpt2.distributed.group import all_reduce_sum
 
     device = grads[0].device if grads else dist.device
     chunks: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # is a shard -> its chunks

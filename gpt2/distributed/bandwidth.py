@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as tdist
 
-from gpt2.dist.group import Dist, barrier, collective
+from gpt2.distributed.group import Dist, barrier, collective
 
 WARN_SHARE = 0.2
 """Warn when one step's gradient all-reduce would take more than this share of its planned compute."""
@@ -83,7 +83,7 @@ class NetworkCost:
 
 @dataclass(frozen=True)
 class FsdpTraffic:
-    """What one optimizer step of --parallel fsdp moves (gpt2/dist/fsdp.py: blocks and the root are units)."""
+    """What one optimizer step of --parallel fsdp moves (gpt2/distributed/fsdp.py: blocks and the root are units)."""
     gather_bytes: int
     gathers_per_step: int
     reduce_scatter_bytes: int

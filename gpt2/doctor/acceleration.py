@@ -33,7 +33,7 @@ import torch
 
 from gpt2.core import precision
 from gpt2.core.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig, RunConfig, TrainConfig
-from gpt2.dist.group import single_process
+from gpt2.distributed.group import single_process
 from gpt2.model.gpt import GPT, CausalSelfAttention
 from gpt2.plan.flops import device_peak_flops, flops_per_token
 from gpt2.plan.measure import measured_peak_bytes

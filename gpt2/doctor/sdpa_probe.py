@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from gpt2.core.config import ModelConfig
+from gpt2.doctor.acceleration import attention_fwd_bwd, attention_inputs, max_difference
 from gpt2.model.gpt import CausalSelfAttention
-from gpt2.tools.ladder import attention_fwd_bwd, attention_inputs, max_difference
 
 BACKENDS = (("flash", "FLASH_ATTENTION"), ("memory-efficient", "EFFICIENT_ATTENTION"),
             ("cudnn", "CUDNN_ATTENTION"), ("math", "MATH"))

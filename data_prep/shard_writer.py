@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.config import UserError
+from data_prep.prep_config import UserError
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 from gpt2.data.shards import HEADER_BYTES, MAGIC, MANIFEST, PREP_TOKENIZER, VERSION, make_header, write_shard
