@@ -110,29 +110,59 @@ def _cross_entropy_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, target
     n = valid.sum()
     inv_n = 1.0 / n
     late = dtype == torch.float16
-    losses, grad_x, grad_w = [], [], None
-    for start in range(0, x.size(0), rows):
+    starts = range(0, x.size(0), rows)
+    # Every buffer the chunks use is allocated here, once, and reused: the fp32 logits (then softmax
+    # gradient), their matmul-dtype twin, the (V, h) weight-gradient part, and the results that outlive
+    # a chunk. Allocated per chunk, on a CPU these came from glibc's heap (a chunk is under its mmap
+    # threshold, LOSS_CHUNK_LOGITS), where each kept result allocated among them (a chunk's grad_x rows,
+    # the running grad_w) pinned the freed (rows, V) buffer below it: the process grew by about one
+    # chunk of logits per chunk, ~200 KB per token at V = 50304, 8-15x the plan (issue 41). Above the
+    # threshold (gpt2/train/startup.py sets one) each would be mapped and faulted in afresh per chunk.
+    V, low = weight.size(0), dtype != torch.float32
+    buf = torch.empty(min(rows, x.size(0)), V, dtype=torch.float32, device=x.device)
+    buf_low = torch.empty(buf.shape, dtype=dtype, device=x.device) if low else None
+    tmp = torch.empty_like(buf)  # logsumexp's exp(logits - max), which torch.logsumexp allocates per call
+    losses = torch.empty(len(starts), dtype=torch.float32, device=x.device)
+    if grads:
+        grad_x = torch.empty_like(x)
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=x.device)
+        part = torch.empty(weight.shape, dtype=dtype, device=x.device)
+    for i, start in enumerate(starts):
         xs = x[start:start + rows].to(dtype)
         ts, vs = targets[start:start + rows], valid[start:start + rows]
-        logits = (xs @ w.t() if b is None else torch.addmm(b, xs, w.t())).float()  # (rows, V)
-        lse = torch.logsumexp(logits, dim=-1)
+        logits = buf[:xs.size(0)]  # (rows, V)
+        out = buf_low[:xs.size(0)] if low else logits
+        torch.mm(xs, w.t(), out=out) if b is None else torch.addmm(b, xs, w.t(), out=out)
+        if low:
+            logits.copy_(out)
+        lse = _logsumexp(logits, tmp)
         picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
-        losses.append(torch.where(vs, lse - picked, 0.0).sum())
+        losses[i] = torch.where(vs, lse - picked, 0.0).sum()
         if grads:
             g = logits.sub_(lse[:, None]).exp_()  # softmax, in place: logits are not needed any more
             g.scatter_add_(1, ts.clamp(min=0)[:, None], -vs[:, None].float())  # - onehot(target)
             if not late:
                 g.mul_(inv_n)
-            g = g.to(dtype)
+            g = out.copy_(g) if low else g  # in the matmul dtype
             keep = vs[:, None]
             gx = (g @ w).float() * (keep * inv_n) if late else (g @ w) * keep
-            grad_x.append(gx.to(x.dtype))
-            part = (g.t() @ (xs * keep)).float()  # (V, h); summed in fp32 over chunks
-            grad_w = part if grad_w is None else grad_w + part
-    loss = torch.stack(losses).sum() / n
+            grad_x[start:start + rows] = gx  # cast to x's dtype
+            torch.mm(g.t(), xs * keep, out=part)  # (V, h); summed in fp32 over chunks
+            grad_w.copy_(part) if i == 0 else grad_w.add_(part)
+    loss = losses.sum() / n
     if not grads:
         return loss, None, None
-    return loss, torch.cat(grad_x), (grad_w * inv_n if late else grad_w).to(weight.dtype)
+    return loss, grad_x, (grad_w * inv_n if late else grad_w).to(weight.dtype)
+
+
+def _logsumexp(logits: Tensor, tmp: Tensor) -> Tensor:
+    """torch.logsumexp(logits, dim=-1), the same operations in the same order (so the same bits: max,
+    a max of +-inf taken as 0, sum of exp(logits - max), log, + max), with exp(logits - max) in tmp
+    instead of a (rows, V) temporary of its own."""
+    m = logits.amax(dim=-1, keepdim=True)
+    m.masked_fill_(m.abs() == float("inf"), 0)
+    e = torch.sub(logits, m, out=tmp[:logits.size(0)]).exp_()
+    return e.sum(dim=-1).log_().add_(m.squeeze(-1))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
