@@ -111,58 +111,76 @@ def _cross_entropy_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, target
     inv_n = 1.0 / n
     late = dtype == torch.float16
     starts = range(0, x.size(0), rows)
-    # Every buffer the chunks use is allocated here, once, and reused: the fp32 logits (then softmax
-    # gradient), their matmul-dtype twin, the (V, h) weight-gradient part, and the results that outlive
-    # a chunk. Allocated per chunk, on a CPU these came from glibc's heap (a chunk is under its mmap
-    # threshold, LOSS_CHUNK_LOGITS), where each kept result allocated among them (a chunk's grad_x rows,
-    # the running grad_w) pinned the freed (rows, V) buffer below it: the process grew by about one
-    # chunk of logits per chunk, ~200 KB per token at V = 50304, 8-15x the plan (issue 41). Above the
-    # threshold (gpt2/train/startup.py sets one) each would be mapped and faulted in afresh per chunk.
-    V, low = weight.size(0), dtype != torch.float32
-    buf = torch.empty(min(rows, x.size(0)), V, dtype=torch.float32, device=x.device)
-    buf_low = torch.empty(buf.shape, dtype=dtype, device=x.device) if low else None
-    tmp = torch.empty_like(buf)  # logsumexp's exp(logits - max), which torch.logsumexp allocates per call
-    losses = torch.empty(len(starts), dtype=torch.float32, device=x.device)
-    if grads:
-        grad_x = torch.empty_like(x)
-        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=x.device)
-        part = torch.empty(weight.shape, dtype=dtype, device=x.device)
+    # Eager, every buffer the chunks use is allocated here, once, and reused: the fp32 logits (then the
+    # softmax gradient), their matmul-dtype twin, logsumexp's exp(logits - max), the (V, h) weight-
+    # gradient part, and the results that outlive a chunk. Allocated per chunk, on a CPU they came from
+    # glibc's heap (a chunk is under its dynamic mmap threshold, LOSS_CHUNK_LOGITS), where each kept
+    # result allocated among them (a chunk's grad_x rows, the running grad_w) pinned the freed (rows, V)
+    # buffer below it: the process grew by about one chunk of logits per chunk, ~200 KB per token at
+    # V = 50304, 8-15x the plan (issue 41). With the fixed threshold a CPU run sets
+    # (gpt2.core.host_memory.return_freed_memory) each would be mapped and faulted in afresh per chunk.
+    # Traced by torch.compile, the plain operations: inductor plans and reuses its own buffers, and
+    # given `out=` tensors it ran every chunk's matmul first to fill them (all chunks' logits at once).
+    V, low, reuse = weight.size(0), dtype != torch.float32, not torch.compiler.is_compiling()
+    shape = (min(rows, x.size(0)), V)
+    buf = torch.empty(shape, dtype=torch.float32, device=x.device) if reuse else None
+    buf_low = torch.empty(shape, dtype=dtype, device=x.device) if reuse and low else None
+    tmp = torch.empty(shape, dtype=torch.float32, device=x.device) if reuse else None
+    part = torch.empty(weight.shape, dtype=dtype, device=x.device) if reuse and grads else None
+    losses = torch.empty(len(starts), dtype=torch.float32, device=x.device) if reuse else []
+    grad_x = (torch.empty_like(x) if reuse else []) if grads else None
+    grad_w = torch.empty(weight.shape, dtype=torch.float32, device=x.device) if reuse and grads else None
     for i, start in enumerate(starts):
         xs = x[start:start + rows].to(dtype)
         ts, vs = targets[start:start + rows], valid[start:start + rows]
-        logits = buf[:xs.size(0)]  # (rows, V)
-        out = buf_low[:xs.size(0)] if low else logits
-        torch.mm(xs, w.t(), out=out) if b is None else torch.addmm(b, xs, w.t(), out=out)
-        if low:
-            logits.copy_(out)
-        lse = _logsumexp(logits, tmp)
+        out = _rows(buf_low if low else buf, xs.size(0))  # None when traced: a new tensor
+        out = torch.mm(xs, w.t(), out=out) if b is None else torch.addmm(b, xs, w.t(), out=out)
+        logits = out if not low else _rows(buf, xs.size(0)).copy_(out) if reuse else out.float()  # (rows, V)
+        lse = _logsumexp(logits, _rows(tmp, xs.size(0)))
         picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
-        losses[i] = torch.where(vs, lse - picked, 0.0).sum()
+        loss = torch.where(vs, lse - picked, 0.0).sum()
+        if reuse:
+            losses[i] = loss
+        else:
+            losses.append(loss)
         if grads:
             g = logits.sub_(lse[:, None]).exp_()  # softmax, in place: logits are not needed any more
             g.scatter_add_(1, ts.clamp(min=0)[:, None], -vs[:, None].float())  # - onehot(target)
             if not late:
                 g.mul_(inv_n)
-            g = out.copy_(g) if low else g  # in the matmul dtype
+            g = (out.copy_(g) if reuse else g.to(dtype)) if low else g  # in the matmul dtype
             keep = vs[:, None]
             gx = (g @ w).float() * (keep * inv_n) if late else (g @ w) * keep
-            grad_x[start:start + rows] = gx  # cast to x's dtype
-            torch.mm(g.t(), xs * keep, out=part)  # (V, h); summed in fp32 over chunks
-            grad_w.copy_(part) if i == 0 else grad_w.add_(part)
-    loss = losses.sum() / n
+            if reuse:
+                grad_x[start:start + rows] = gx  # cast to x's dtype
+            else:
+                grad_x.append(gx.to(x.dtype))
+            p = torch.mm(g.t(), xs * keep, out=part)  # (V, h); summed in fp32 over chunks
+            if reuse:
+                grad_w.copy_(p) if i == 0 else grad_w.add_(p)
+            else:
+                grad_w = p.float() if i == 0 else grad_w + p
+    loss = (losses if reuse else torch.stack(losses)).sum() / n
     if not grads:
         return loss, None, None
+    grad_x = grad_x if reuse else torch.cat(grad_x)
     return loss, grad_x, (grad_w * inv_n if late else grad_w).to(weight.dtype)
 
 
-def _logsumexp(logits: Tensor, tmp: Tensor) -> Tensor:
-    """torch.logsumexp(logits, dim=-1), the same operations in the same order (so the same bits: max,
-    a max of +-inf taken as 0, sum of exp(logits - max), log, + max), with exp(logits - max) in tmp
-    instead of a (rows, V) temporary of its own."""
+def _rows(buf: Tensor | None, n: int) -> Tensor | None:
+    """The first n rows of a reused buffer, or None (no buffer: the operation allocates its own)."""
+    return None if buf is None else buf[:n]
+
+
+def _logsumexp(logits: Tensor, tmp: Tensor | None) -> Tensor:
+    """torch.logsumexp(logits, dim=-1) with exp(logits - max) written into tmp rather than a (rows, V)
+    temporary of its own; the same operations in the same order, so the same bits (max, a max of +-inf
+    taken as 0, sum of exp(logits - max), log, + max). tmp None: torch.logsumexp itself."""
+    if tmp is None:
+        return torch.logsumexp(logits, dim=-1)
     m = logits.amax(dim=-1, keepdim=True)
     m.masked_fill_(m.abs() == float("inf"), 0)
-    e = torch.sub(logits, m, out=tmp[:logits.size(0)]).exp_()
-    return e.sum(dim=-1).log_().add_(m.squeeze(-1))
+    return torch.sub(logits, m, out=tmp).exp_().sum(dim=-1).log_().add_(m.squeeze(-1))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -78,7 +78,7 @@ def choose_activation_checkpointing(cfg: ModelConfig, requested: str, *, micro_b
         return memory(cfg, micro_batch_size, seq_len, device_type=hardware.device_type,
                       device_memory=hardware.memory_bytes, accum_steps=accum, checkpointed=checkpointed, **kw).total
 
-    at, usable = f"micro-batch {micro_batch_size}", hardware.memory_bytes - hardware.reserve_bytes
+    at, usable = f"micro-batch {micro_batch_size}", hardware.usable_bytes
     if total(False) <= usable:
         return ACChoice("none", f"auto: {at} fits without it")
     if total(True) > usable:

@@ -65,12 +65,13 @@ def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int,
         raise ValueError(f"loss_impl={requested!r} must be auto, chunked or full")
     # What the full loss really holds: compiled, inductor's fused loss (COMPILED_FULL_LOSS_BYTES);
     # uncompiled, eager's several (B, T, V) tensors.
-    peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False, compiled=compiled)
+    peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False, compiled=compiled,
+                      device_type=hardware.device_type)
     total = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
                    device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
                    chunked_loss=False, parallel=parallel, accum_steps=accum_steps, compiled=compiled,
                    checkpointed=checkpointed).total
-    usable = hardware.memory_bytes - hardware.reserve_bytes
+    usable = hardware.usable_bytes
     share = usable // FULL_LOSS_MEMORY_SHARE
     logits = f"full-logits peak {gib(peak)} at micro-batch {micro_batch_size}"
     if requested == "full":

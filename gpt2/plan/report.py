@@ -6,7 +6,7 @@ from __future__ import annotations
 from gpt2.core.precision import AUTOCAST_DTYPES
 from gpt2.plan.budget import STOP_MARGIN_S, WRITE_BYTES_PER_S, StopBudget, checkpoint_bytes
 from gpt2.plan.flops import format_flops
-from gpt2.plan.hardware import gib, human
+from gpt2.plan.hardware import gib, human, usable_note
 from gpt2.plan.memory import Memory, max_micro_batch_size
 from gpt2.plan.planner import Plan
 
@@ -30,6 +30,7 @@ def format_plan(p: Plan) -> str:
         + (f"{format_flops(hw.peak_flops)} ({p.dtype}) each" if hw.peak_flops is not None
            else f"unknown ({p.dtype}: " + ("no data-sheet peak for this GPU)" if hw.device_type == "cuda"
                                               else "the measured peak was not usable)")),
+        *([p.micro_batch_choice.describe()] if p.micro_batch_choice else []),
         f"batch      micro_batch_size={p.micro_batch_size} x seq_len={p.seq_len} x world_size={p.world_size}"
         f" = {p.tokens_per_micro_step:,} tokens/micro-step; total_batch_size={p.total_batch_size:,} "
         f"-> {p.grad_accum_steps} accumulation step(s)",
@@ -55,7 +56,7 @@ def format_plan(p: Plan) -> str:
         + ("(chunked: never all B*T*V logits at once)" if m.chunked_loss else
            "(full logits: all B*T*V at once, F.cross_entropy)"),
         f"  total                  {gib(m.total)}  of {gib(p.usable_bytes)} usable "
-        f"({gib(hw.reserve_bytes)} reserved)",
+        f"{usable_note(hw)}",
         f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
         *([accum] if (accum := format_accumulation(p)) else []),
         f"compute    {human(p.flops_per_token)}FLOP/token (6N + 12*L*h*T); "

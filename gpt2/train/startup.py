@@ -300,20 +300,20 @@ def auto_activation_checkpointing(cfg: RunConfig, dtype: str, hardware, world_si
         dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
-def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int, *, checkpointed: bool = False) -> int:
-    """The run's micro-batch: the explicit one, or (auto) the planner's largest that fits hardware
-    and divides the global batch at world_size, counting --parallel's memory (fsdp: the sharded
-    state, the gathered units, no-sync gradients when it accumulates) and activation checkpointing's
-    (checkpointed). dtype: the resolved TrainConfig.dtype."""
-    from gpt2.plan.memory import auto_micro_batch_size
+def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int, *, checkpointed: bool = False):
+    """The run's micro-batch (gpt2.plan.batch_choice.MicroBatchChoice): the explicit one, or (auto) the
+    throughput model's among those that fit hardware (with the plan's margin) and divide the global batch
+    at world_size, counting --parallel's memory and activation checkpointing's (checkpointed). dtype: the
+    resolved TrainConfig.dtype."""
+    from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
 
     tc = cfg.train
     if tc.micro_batch_size != "auto":
-        return tc.micro_batch_size
-    return auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
-                                 total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
-                                 dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"),
-                                 checkpointed=checkpointed)
+        return MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size")
+    return choose_micro_batch(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
+                              total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
+                              dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"),
+                              checkpointed=checkpointed, compiled=tc.compile, loss_impl=tc.loss_impl)
 
 
 def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int,
@@ -338,13 +338,14 @@ def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: in
                             dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
-def log_auto(cfg: RunConfig, prec: precision.Precision, mb: int, warning: str | None, log,
+def log_auto(cfg: RunConfig, prec: precision.Precision, mb, warning: str | None, log,
              loss: LossChoice, ac=None) -> None:
+    """The start-up's decisions, one line each; mb: auto_micro_batch's MicroBatchChoice."""
     log.info(f"precision  {prec.dtype}: {prec.reason}")
     if warning:
         log.warn(warning)
     if cfg.train.micro_batch_size == "auto":
-        log.info(f"micro-batch auto: {mb} sequences, the largest that fits and divides the global batch")
+        log.info(mb.describe())
     log.info(loss.describe())
     if ac is not None:
         log.info(ac.describe())
@@ -367,10 +368,14 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
     if dist.is_main:
         try:
             prec = precision.resolve(tc.dtype, dist.device)
-            hardware = hardware or device_hardware(dist.device, 0.0, processes_per_host=dist.local_world_size)
+            # The peak the MFU is measured against (cached on a CPU): the throughput model weighs a
+            # micro-step's fixed cost against its compute with it, as the dry run does.
+            peak = device_peak_flops(dist.device, precision.torch_dtype(prec.dtype), tf32=tc.tf32)
+            hardware = hardware or device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
             ac = auto_activation_checkpointing(cfg, prec.dtype, hardware, dist.world_size)
             mb = auto_micro_batch(cfg, prec.dtype, hardware, dist.world_size, checkpointed=ac.on)
-            loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, dist.world_size, dist.device, checkpointed=ac.on)
+            loss = auto_loss_impl(cfg, prec.dtype, mb.size, hardware, dist.world_size, dist.device,
+                                  checkpointed=ac.on)
             decision = ("ok", (prec, mb, loss, ac, precision.emulation_warning(prec, dist.device)))
         except ValueError as e:
             decision = ("error", str(e))
@@ -379,7 +384,7 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
         raise ValueError(answer)
     prec, mb, loss, ac, warning = answer
     log_auto(cfg, prec, mb, warning, log, loss, ac)
-    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl,
+    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb.size, loss_impl=loss.impl,
                                            activation_checkpointing=ac.mode)), prec, loss
 
 
