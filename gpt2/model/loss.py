@@ -15,9 +15,11 @@ import torch
 from torch import Tensor
 
 # Most logits one chunk of `linear_cross_entropy` holds. Larger chunks keep the LM-head matmuls
-# large; smaller ones lower the loss's peak memory. On a CPU 2**23 (32 MiB as fp32): glibc maps a
-# larger buffer afresh for every chunk and unmaps it after, and the page faults of 2**25-logit
-# chunks cost a quarter of a small model's step (measured: 1.25 vs 1.05 s, 0.30 vs 0.07 s of sys).
+# large; smaller ones lower the loss's peak memory. On a CPU 2**23 (32 MiB as fp32): when each chunk
+# allocated its own buffers, glibc mapped a larger one afresh for every chunk and unmapped it after, and
+# the page faults of 2**25-logit chunks cost a quarter of a small model's step (measured: 1.25 vs 1.05 s,
+# 0.30 vs 0.07 s of sys). The buffers are now allocated once per call (_cross_entropy_chunks); the size
+# stays, so fixed-seed CPU losses stay bit for bit what they were.
 LOSS_CHUNK_LOGITS = {"cpu": 2**23}
 LOSS_CHUNK_LOGITS_DEFAULT = 2**25
 """Devices with no rule of their own (neither CPU nor CUDA)."""
@@ -27,11 +29,12 @@ LOSS_CHUNK_LOGITS_DEFAULT = 2**25
 # a 77 MB bf16 part and reads and writes the 154 MB fp32 grad_w, ~0.45 GB of traffic per chunk
 # compiled (the fp32 cast fused into the add), ~0.75 GB eager. With 2**25-logit chunks the gpt2
 # preset's micro-batch (64 x 1024 tokens) is 99 chunks: ~45 GB per micro-step, ~8% of an A100
-# step, and 99 unrolled copies of the loop body for torch.compile to trace and compile. A chunk
-# holds 16 bytes per logit under bf16 (its logits in bf16 and fp32, the fp32 softmax gradient and
-# its bf16 copy; 20 in fp32; gpt2.plan.memory.loss_bytes). With 1/16 of the memory per chunk that
-# micro-batch is 10 chunks of 6,554 rows (4.9 GiB held, ~4.5 GB of grad_w traffic) on an 80 GB
-# A100, 20 of 3,277 (2.5 GiB) on a 40 GB one, 34 of 1,928 (1.4 GiB) on a 24 GB card. A larger
+# step, and 99 unrolled copies of the loop body for torch.compile to trace and compile. Chunks are
+# sized at 16 bytes per logit under bf16 (LOSS_CHUNK_BYTES_PER_LOGIT: what a chunk held before its
+# buffers were reused; now 10, the fp32 logits, logsumexp's exp and the bf16 twin, 8 in fp32:
+# gpt2.plan.memory.loss_bytes), kept so chunk sizes and fixed-seed losses stay. With 1/16 of the memory
+# per chunk that micro-batch is 10 chunks of 6,554 rows (3.1 GiB held, ~4.5 GB of grad_w traffic) on an
+# 80 GB A100, 20 of 3,277 (1.5 GiB) on a 40 GB one, 34 of 1,928 (0.9 GiB) on a 24 GB card. A larger
 # share saves little more traffic for memory a micro-batch could use. The count is also bounded:
 # activations take ~0.32 GiB per 1024-token sequence, so any micro-batch that fits has at most
 # ~35 chunks whatever the device (planner: 34 at B=215 on 80 GB, 29 at B=54 on 24 GB).
@@ -40,7 +43,7 @@ LOSS_CHUNK_LOGITS_DEFAULT = 2**25
 LOSS_CHUNK_MEMORY_SHARE = 16
 """On CUDA one chunk holds at most 1/LOSS_CHUNK_MEMORY_SHARE of the device's total memory."""
 LOSS_CHUNK_BYTES_PER_LOGIT = 16
-"""Bytes one logit costs in a chunk under bf16 autocast (fp32 chunks take 20/16 of the share)."""
+"""Bytes per logit a chunk is sized at (under bf16 it holds 10 since its buffers are reused; see above)."""
 
 
 def loss_chunk_logits(device: torch.device | str, total_memory: int | None = None) -> int:

@@ -78,11 +78,13 @@ def lm_head_share(cfg: ModelConfig, seq_len: int) -> float:
 
 def choose_micro_batch(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int, total_batch_size: int,
                        dtype: str, optimizer: str = "adamw", parallel: str = "ddp", checkpointed: bool = False,
-                       compiled: bool = True, loss_impl: str = "auto") -> MicroBatchChoice:
+                       compiled: bool = True) -> MicroBatchChoice:
     """--micro-batch-size auto: among the micro-batches that divide a rank's share of total_batch_size and fit
     with AUTO_HEADROOM (else, where none does, those that fit at all), the smallest within TIE of the fastest
     by the throughput model; under fsdp at world size > 1, the largest. A model that fits nowhere: the
-    does_not_fit error."""
+    does_not_fit error. The loss each micro-batch would take is --loss-impl auto's whatever the run asks
+    for, so that --loss-impl never changes the micro-batch (gpt2/plan/loss_choice.py: both paths then run
+    the same batch maths)."""
     grad_accum_steps(total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
     kw = dict(world_size=world_size, dtype=dtype, optimizer=optimizer, parallel=parallel,
               total_batch_size=total_batch_size, checkpointed=checkpointed)
@@ -101,7 +103,7 @@ def choose_micro_batch(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, wo
                                            "micro-step gathers the weights again)")
 
     def chunked(b: int) -> bool:
-        if not compiled or loss_impl != "auto":
+        if not compiled:
             return False  # uncompiled, which loss is faster is measured at start-up, not modelled
         return choose_loss_impl(cfg, "auto", micro_batch_size=b, hardware=hardware, world_size=world_size,
                                 dtype=dtype, optimizer=optimizer, compiled=True, seq_len=seq_len, parallel=parallel,
@@ -111,22 +113,21 @@ def choose_micro_batch(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, wo
                                       peak_flops=hardware.peak_flops, chunked_compiled=chunked(b)) for b in sizes}
     best = max(rate, key=rate.get)
     pick = min(b for b in sizes if rate[b] >= (1 - TIE) * rate[best])
-    return MicroBatchChoice(pick, explain(cfg, pick, best, sizes[-1], rate, seq_len, hardware, margin,
+    return MicroBatchChoice(pick, explain(cfg, pick, sizes[-1], rate, seq_len, hardware, margin,
                                           chunked(sizes[-1]) and not chunked(pick)))
 
 
-def explain(cfg: ModelConfig, pick: int, best: int, largest: int, rate: dict[int, float], seq_len: int,
-            hardware: Hardware, margin: str, loss_differs: bool) -> str:
+def explain(cfg: ModelConfig, pick: int, largest: int, rate: dict[int, float], seq_len: int, hardware: Hardware,
+            margin: str, loss_differs: bool) -> str:
     """Why the throughput model took `pick`, in one clause."""
     overhead = (cfg.n_layer + 2) * OVERHEAD_S_PER_LAYER[hardware.device_type]
     compute = micro_step_seconds(cfg, pick, seq_len, device_type=hardware.device_type,
                                  peak_flops=hardware.peak_flops) - overhead
     why = (f"the fastest by the throughput model ({overhead * 1e3:.1f} ms fixed per micro-step against "
            f"{compute * 1e3:,.1f} ms of compute")
-    if pick != largest:
-        why += f"; {largest} would run at {rate[largest] / rate[pick]:.0%} of its tokens/s"
-        if loss_differs:
-            why += " with the chunked loss"
-    elif best != pick:
-        why += f"; {best} within {TIE:.0%}"
+    gain = rate[largest] / rate[pick] - 1
+    if pick != largest and gain < 0:
+        why += f"; {largest} would run {-gain:.0%} slower" + (" with the chunked loss" if loss_differs else "")
+    elif pick != largest:
+        why += f"; {largest} would gain {gain:.1%}, within the {TIE:.0%} the model does not tell apart"
     return f"{why}); {margin} and divides the global batch"

@@ -84,6 +84,8 @@ class Memory:
     """Which optimizer `optimizer` counts (not a byte count)."""
     chunked_loss: bool = True
     """Which loss path `logits` counts: the chunked loss, or the full (B, T, V) logits."""
+    every_chunk: bool = False
+    """Whether `logits` counts every chunk's 16-bit gradient (the chunked loss compiled: see loss_bytes)."""
     shards: int = 1
     """1: every rank holds everything (DDP, or fsdp at world size 1); W: FSDP over W ranks, and
     weights, gradients and optimizer are each rank's padded 1/W shards (module docstring)."""
@@ -206,6 +208,7 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
         logits=logits,
         optimizer_name=optimizer,
         chunked_loss=chunked_loss,
+        every_chunk=chunked_loss and compiled and autocast,
     )
     if parallel not in PARALLELS:
         raise ValueError(f"parallel={parallel!r} must be one of {PARALLELS}")

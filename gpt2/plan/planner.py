@@ -164,8 +164,7 @@ def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int
     if mb == "auto":
         choice = choose_micro_batch(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
                                     total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer,
-                                    parallel=tc.parallel, checkpointed=ac.on, compiled=tc.compile,
-                                    loss_impl=tc.loss_impl)
+                                    parallel=tc.parallel, checkpointed=ac.on, compiled=tc.compile)
         mb = choice.size
     accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world_size)
     loss = choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,

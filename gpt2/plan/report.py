@@ -53,7 +53,8 @@ def format_plan(p: Plan) -> str:
         f"  activations, full AC   {gib(m.activations_checkpointed)} {'<-' if m.checkpointed else '  '} "
         f"(activation checkpointing: block inputs + one block's, recomputed in backward)",
         f"  LM head + loss peak    {gib(m.logits)}  "
-        + ("(chunked: never all B*T*V logits at once)" if m.chunked_loss else
+        + ("(chunked, compiled in 16 bits: inductor can keep every chunk's gradient, counted)" if m.every_chunk
+           else "(chunked: never all B*T*V logits at once)" if m.chunked_loss else
            "(full logits: all B*T*V at once, F.cross_entropy)"),
         f"  total                  {gib(m.total)}  of {gib(p.usable_bytes)} usable "
         f"{usable_note(hw)}",

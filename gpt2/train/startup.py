@@ -29,7 +29,7 @@ from gpt2.ckpt.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
 from gpt2.core import precision
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
-from gpt2.core.config import RunConfig, TrainConfig
+from gpt2.core.config import TRAIN_PRESETS, RunConfig, TrainConfig
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.data.check import check_listed, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
@@ -43,6 +43,7 @@ from gpt2.train.state import check_resumable
 
 if TYPE_CHECKING:
     from gpt2.plan.loss_choice import LossChoice
+    from gpt2.plan.planner import Plan
     from gpt2.train.state import Parts
 
 
@@ -56,6 +57,8 @@ class Startup:
     peak: float | None
     """This rank's peak FLOP/s for MFU, or None (MFU n/a)."""
     network: NetworkCost | None
+    plan: Plan
+    """The memory plan the run was checked against (its first step is measured against it too)."""
     start: Start
     """Where every rank begins: a checkpoint to resume, or a fresh start (gpt2/ckpt/resume.py)."""
 
@@ -97,7 +100,8 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
     cfg, prec, loss = resolve_auto(cfg, dist, log)
     tc = cfg.train
     peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
-    network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
+    plan = check_memory(cfg, dist, peak, log)
+    network = log_network_cost(cfg, dist, plan, log)
     log_epochs(cfg, shards[0].total_tokens, log)  # after the refusals: a run that cannot start needs no warning
     start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
     check_before_moving(start, cfg, dist, shards[0])
@@ -113,7 +117,7 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
                  f"metrics.jsonl, so --resume auto never returns to that branch (nothing deleted); metrics.jsonl "
                  f"goes on from step {start.point.step}")
     log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict())
-    return Startup(cfg, prec, loss, peak, network, start)
+    return Startup(cfg, prec, loss, peak, network, plan, start)
 
 
 def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: ShardSet) -> None:
@@ -313,7 +317,7 @@ def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int, *, c
     return choose_micro_batch(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
                               total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
                               dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"),
-                              checkpointed=checkpointed, compiled=tc.compile, loss_impl=tc.loss_impl)
+                              checkpointed=checkpointed, compiled=tc.compile)
 
 
 def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int,
@@ -438,7 +442,27 @@ def check_plan(cfg: RunConfig, hardware, world_size: int, log):
     log.info(format_plan(p))
     log.info(format_stop(p))  # the SLURM signal lead and grace this run's checkpoint needs
     check_fits(p)
+    if note := gpu_recipe_on_cpu(cfg, p):
+        log.warn(note)
     return p
+
+
+def gpu_recipe_on_cpu(cfg: RunConfig, p) -> str | None:
+    """On a CPU, the gpt2 recipe's batch or evaluation (TrainConfig's defaults, what a run without --preset
+    gets): one line with the plan's time for it and the debug preset as the CPU-sized recipe, else None.
+
+    The defaults stay the recipe's whatever the device, so a flag means the same on a laptop and on the
+    cluster it rehearses (a dry run plans the same run); a CPU run is told instead, before any step."""
+    tc, recipe, debug = cfg.train, TrainConfig(), TRAIN_PRESETS["debug"]
+    if p.hardware.device_type != "cpu" or (tc.total_batch_size < recipe.total_batch_size
+                                           and tc.eval_tokens < recipe.eval_tokens):
+        return None
+    pace = (f"~{p.step_time_s / 60:,.0f} min per step, {p.hours:,.1f} h for {tc.max_steps:,} steps at the plan's "
+            f"estimate" if p.step_time_s is not None and p.hours is not None else "no time estimate without a peak")
+    return (f"recipe: the gpt2 recipe on a CPU ({tc.total_batch_size:,} tokens per step, {tc.eval_tokens:,} "
+            f"eval tokens: the defaults without --preset): {pace}; for a CPU-sized run pass --preset debug "
+            f"({debug['total_batch_size']:,}-token steps, {debug['eval_tokens']:,} eval tokens) or set "
+            "--total-batch-size and --eval-tokens")
 
 
 def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost | None:
