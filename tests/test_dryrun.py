@@ -470,12 +470,13 @@ def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path
 
     for gpu, world in (("A100-40GB", 1), ("RTX4090-24GB", 8), ("H100-80GB", 64)):
         assert plan_main(["--preset", "gpt2", "--gpu", gpu, "--world-size", str(world)]) == 0
-        first, planned = capsys.readouterr().out.strip().split("\n", 1)
+        first, micro_batch, planned = capsys.readouterr().out.strip().split("\n", 2)
         assert first == f"plan for   {world} x {gpu} (--gpu)"  # the CLI's own line: what the plan is for
+        assert micro_batch.startswith("micro-batch auto: ")
         code, out, err = dry(train_ddp, ["--preset", "gpt2", "--data-dir", str(data_dir), "--out-dir",
                                          str(tmp_path / "run"), "--world-size", str(world), "--gpu", gpu], capsys)
         assert code == 0, err
-        assert planned in out, (gpu, world)
+        assert micro_batch in out.splitlines() and planned in out, (gpu, world)  # the same decisions, word for word
         assert "total_batch_size=524,288" in planned
 
 
@@ -567,3 +568,22 @@ def test_fsdp_dry_run_on_this_cpu_at_two_ranks(train_ddp, data_dir, tmp_path, ca
                                      "--out-dir", str(tmp_path / "run"), "--world-size", "2"], capsys)
     assert code == 0, err
     assert "FSDP over 2 ranks" in out and "gathered weights" in out and "(fp32:" in out
+
+
+def test_the_gpt2_recipe_on_a_cpu_is_said_in_one_line_with_the_debug_preset(train_ddp, data_dir, tmp_path, capsys):
+    """Issue 41: a tiny model with no --preset on a CPU takes the gpt2 recipe's 524,288-token steps and 10M eval
+    tokens; the start-up (and so its dry run) says so once, with the plan's time and --preset debug. A CPU-sized
+    recipe and a GPU rehearsal of the same flags say nothing."""
+    tiny = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--dtype", "float32",
+            "--compile", "false", "--max-steps", "30", "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "r")]
+    code, out, err = dry(train_ddp, [*tiny, "--device", "cpu"], capsys)
+    assert code == 0, err
+    lines = [ln for ln in out.splitlines() if "the gpt2 recipe on a CPU" in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: recipe: ")
+    assert "524,288 tokens per step, 10,485,760 eval tokens" in lines[0] and "for 30 steps" in lines[0]
+    assert "pass --preset debug (2,048-token steps, 8,192 eval tokens)" in lines[0]
+    code, out, _ = dry(train_ddp, [*tiny, "--device", "cpu", "--total-batch-size", "4096", "--eval-tokens", "8192"],
+                       capsys)
+    assert code == 0 and "the gpt2 recipe on a CPU" not in out
+    code, out, _ = dry(train_ddp, [*tiny, "--gpu", "A100-80GB"], capsys)
+    assert code == 0 and "the gpt2 recipe on a CPU" not in out

@@ -111,3 +111,40 @@ def test_the_loss_terms_are_the_hand_count_of_what_each_path_keeps():
     # a micro-batch of few tokens: the buffers are as large as the tokens, not a whole chunk
     assert loss_bytes(cfg, 64, dtype="fp32", device_type="cpu") == max(64 * V * 8 + V * h * 8 + 64 * h * 4,
                                                                        2 * 64 * h * 4 + V * h * 4)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_cuda_chunk_arithmetic_measured_on_this_cpu(dtype):
+    """The loss's CUDA path at a scaled shape: chunks sized by the CUDA rule from a device's memory (here a
+    2 GiB one: 166 rows of GPT-2's vocabulary, 20 of them), the same code as on a GPU (the loss chooses its
+    dtypes itself, autocast off inside), measured by the CPU allocator: loss_bytes(device_type='cuda') holds."""
+    from gpt2.model.loss import linear_cross_entropy, loss_chunk_logits, loss_chunks
+    from gpt2.plan.measure import measured_peak_bytes
+
+    if dtype == "bf16" and not native_bf16():
+        pytest.skip("bf16 is emulated on this CPU: the bf16 row would take ~40x as long")
+    V, h, device_memory = 50304, 256, 2 * 2**30
+    rows = loss_chunk_logits("cuda", device_memory) // V
+    N = 20 * rows
+    assert loss_chunks(N, rows) == (20, rows)
+    cfg = ModelConfig(n_layer=1, n_head=4, n_embd=h, block_size=64)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, h, generator=gen).requires_grad_()
+    w = (0.02 * torch.randn(V, h, generator=gen)).requires_grad_()
+    t = torch.randint(0, 50257, (N,), generator=gen)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+    def step():
+        with amp:
+            loss = linear_cross_entropy(x, w, None, t, chunk_rows=rows)
+        loss.backward()
+
+    step()
+    x.grad = w.grad = None
+    peak = measured_peak_bytes(step, "cpu")
+    # The plan's other terms that can be alive at the loss's peak: autocast's bf16 copy of the weight (in
+    # forward) and the weight's fp32 gradient (the plan's gradients term; on this CPU a bf16 matmul into the
+    # (V, h) part also takes an fp32 scratch of that size, which the gradients term covers).
+    copy, grad = (V * h * 2 if dtype == "bf16" else 0), V * h * 4
+    planned = loss_bytes(cfg, N, dtype=dtype, device_type="cuda", device_memory=device_memory)
+    assert (planned + copy) * 0.85 <= peak <= (planned + copy + grad) * 1.15, (peak, planned, copy, grad)

@@ -23,12 +23,12 @@ def return_freed_memory() -> bool:
 
     By default glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB) and keeps
     up to twice that free at the top of its heap; tensors under the threshold then come from the heap,
-    where the order of a training step's allocations leaves freed blocks it cannot reuse. Measured on a
-    2-layer, 64-wide model (fp32, uncompiled): the process grew 1.3x the bytes its tensors ever held at
-    once, and by a different amount run to run (390-446 MB for one shape), which no memory plan can
-    count. With a fixed 1 MiB threshold every tensor that grows with the micro-batch is mapped and
-    unmapped on its own: the growth was 1.15x, the same every run. The cost is a page fault per 4 KiB
-    of each such tensor, once per step: +2-6% CPU time on the shapes measured, as the chunked loss
+    where the order of a training step's allocations leaves freed blocks it cannot reuse. Measured
+    (bench/plan_memory.py, the table in bench/README.md): at 512 x 64 tokens of a 2-layer, 64-wide model
+    the process grew 1.28x the memory plan with the defaults, by a different amount run to run, and 0.98x
+    with a fixed 1 MiB threshold, at which every tensor that grows with the micro-batch is mapped and
+    unmapped on its own. The cost is a page fault per 4 KiB of each such tensor when it is allocated again,
+    which that table's CPU times do not show above a shared machine's noise, as the chunked loss
     reuses its buffers (gpt2/model/loss.py). Returns whether it was set (glibc only)."""
     if platform.libc_ver()[0] != "glibc":
         return False

@@ -64,7 +64,7 @@ def _quiet_kineto():
 
 
 def resident_training_peak(cfg, micro_batch_size: int, *, dtype: str = "fp32", loss_impl: str = "chunked",
-                           compiled: bool = False, steps: int = 2) -> int:
+                           compiled: bool = False, steps: int = 2, tuned_malloc: bool = True) -> int:
     """Bytes the process's resident set grows by while `steps` training steps of cfg run as the trainer runs
     them on a CPU: glibc told to return freed memory (gpt2.core.host_memory.return_freed_memory), AdamW
     (fused), autocast in dtype, `loss_impl`, torch.compile when compiled, the loss of
@@ -74,14 +74,16 @@ def resident_training_peak(cfg, micro_batch_size: int, *, dtype: str = "fp32", l
     same dtype, loss and compilation), so what is counted is what this model and micro-batch add, not the
     libraries' first-use costs (threads, kernels, the compiler) that a plan leaves to its reserve. Run it in
     a fresh process: memory that earlier work freed but the process kept would be reused and not counted.
-    Linux only (VmHWM, reset through /proc/self/clear_refs): elsewhere a RuntimeError.
+    Linux only (VmHWM, reset through /proc/self/clear_refs): elsewhere a RuntimeError. tuned_malloc=False
+    leaves glibc's defaults (bench/plan_memory.py compares the two).
     """
     from gpt2.core import host_memory
     from gpt2.core.config import ModelConfig
     from gpt2.core import precision
     from gpt2.model.gpt import GPT
 
-    host_memory.return_freed_memory()
+    if tuned_malloc:
+        host_memory.return_freed_memory()
     name = precision.from_short_name(dtype)[0]
 
     def train(model: torch.nn.Module, batch: int, n: int) -> None:

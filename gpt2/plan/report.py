@@ -30,7 +30,6 @@ def format_plan(p: Plan) -> str:
         + (f"{format_flops(hw.peak_flops)} ({p.dtype}) each" if hw.peak_flops is not None
            else f"unknown ({p.dtype}: " + ("no data-sheet peak for this GPU)" if hw.device_type == "cuda"
                                               else "the measured peak was not usable)")),
-        *([p.micro_batch_choice.describe()] if p.micro_batch_choice else []),
         f"batch      micro_batch_size={p.micro_batch_size} x seq_len={p.seq_len} x world_size={p.world_size}"
         f" = {p.tokens_per_micro_step:,} tokens/micro-step; total_batch_size={p.total_batch_size:,} "
         f"-> {p.grad_accum_steps} accumulation step(s)",

@@ -26,7 +26,7 @@ import torch
 from gpt2.ckpt.checkpoint import CheckpointError
 from gpt2.ckpt.resume import Start, choose_start, set_aside_abandoned, set_aside_earlier_run
 from gpt2.ckpt.rundir import LOCK, RUN_INFO, RunDirBusy, RunLock
-from gpt2.core import precision
+from gpt2.core import host_memory, precision
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
 from gpt2.core.config import TRAIN_PRESETS, RunConfig, TrainConfig
@@ -172,6 +172,8 @@ def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
     if dist.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
+    else:  # freed tensors go back to the system: the process holds what the memory plan counts
+        host_memory.return_freed_memory()
     set_cpu_threads(dist, cfg.num_threads)
 
 
