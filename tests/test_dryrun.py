@@ -578,12 +578,13 @@ def test_the_gpt2_recipe_on_a_cpu_is_said_in_one_line_with_the_debug_preset(trai
             "--compile", "false", "--max-steps", "30", "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "r")]
     code, out, err = dry(train_ddp, [*tiny, "--device", "cpu"], capsys)
     assert code == 0, err
-    lines = [ln for ln in out.splitlines() if "the gpt2 recipe on a CPU" in ln]
+    lines = [ln for ln in out.splitlines() if "recipe: the gpt2 recipe" in ln]
     assert len(lines) == 1 and lines[0].startswith("warning: recipe: ")
-    assert "524,288 tokens per step, 10,485,760 eval tokens" in lines[0] and "for 30 steps" in lines[0]
+    assert "the gpt2 recipe's 524,288-token steps (~" in lines[0] and "for 30 steps at the plan's estimate" in lines[0]
+    assert "and 10,485,760 tokens per evaluation on a CPU" in lines[0]
     assert "pass --preset debug (2,048-token steps, 8,192 eval tokens)" in lines[0]
     code, out, _ = dry(train_ddp, [*tiny, "--device", "cpu", "--total-batch-size", "4096", "--eval-tokens", "8192"],
                        capsys)
-    assert code == 0 and "the gpt2 recipe on a CPU" not in out
+    assert code == 0 and "recipe: the gpt2 recipe" not in out
     code, out, _ = dry(train_ddp, [*tiny, "--gpu", "A100-80GB"], capsys)
-    assert code == 0 and "the gpt2 recipe on a CPU" not in out
+    assert code == 0 and "recipe: the gpt2 recipe" not in out

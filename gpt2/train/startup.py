@@ -456,15 +456,23 @@ def gpu_recipe_on_cpu(cfg: RunConfig, p) -> str | None:
     The defaults stay the recipe's whatever the device, so a flag means the same on a laptop and on the
     cluster it rehearses (a dry run plans the same run); a CPU run is told instead, before any step."""
     tc, recipe, debug = cfg.train, TrainConfig(), TRAIN_PRESETS["debug"]
-    if p.hardware.device_type != "cpu" or (tc.total_batch_size < recipe.total_batch_size
-                                           and tc.eval_tokens < recipe.eval_tokens):
+    parts = []
+    if tc.total_batch_size >= recipe.total_batch_size:
+        pace = ("no time estimate without a peak" if p.step_time_s is None or p.hours is None else
+                f"~{_duration(p.step_time_s)} each, {_duration(p.hours * 3600)} for {tc.max_steps:,} steps at the "
+                "plan's estimate")
+        parts.append(f"{tc.total_batch_size:,}-token steps ({pace})")
+    if tc.eval_tokens >= recipe.eval_tokens:
+        parts.append(f"{tc.eval_tokens:,} tokens per evaluation")
+    if p.hardware.device_type != "cpu" or not parts:
         return None
-    pace = (f"~{p.step_time_s / 60:,.0f} min per step, {p.hours:,.1f} h for {tc.max_steps:,} steps at the plan's "
-            f"estimate" if p.step_time_s is not None and p.hours is not None else "no time estimate without a peak")
-    return (f"recipe: the gpt2 recipe on a CPU ({tc.total_batch_size:,} tokens per step, {tc.eval_tokens:,} "
-            f"eval tokens: the defaults without --preset): {pace}; for a CPU-sized run pass --preset debug "
-            f"({debug['total_batch_size']:,}-token steps, {debug['eval_tokens']:,} eval tokens) or set "
-            "--total-batch-size and --eval-tokens")
+    return (f"recipe: the gpt2 recipe's {' and '.join(parts)} on a CPU (the defaults without --preset); for a "
+            f"CPU-sized run pass --preset debug ({debug['total_batch_size']:,}-token steps, {debug['eval_tokens']:,} "
+            "eval tokens) or set --total-batch-size and --eval-tokens")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost | None:
