@@ -141,11 +141,11 @@ def _cross_entropy_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, target
         logits = out if not low else _rows(buf, xs.size(0)).copy_(out) if reuse else out.float()  # (rows, V)
         lse = _logsumexp(logits, _rows(tmp, xs.size(0)))
         picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
-        loss = torch.where(vs, lse - picked, 0.0).sum()
+        chunk_loss = torch.where(vs, lse - picked, 0.0).sum()
         if reuse:
-            losses[i] = loss
+            losses[i] = chunk_loss
         else:
-            losses.append(loss)
+            losses.append(chunk_loss)
         if grads:
             g = logits.sub_(lse[:, None]).exp_()  # softmax, in place: logits are not needed any more
             g.scatter_add_(1, ts.clamp(min=0)[:, None], -vs[:, None].float())  # - onehot(target)

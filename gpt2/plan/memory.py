@@ -17,8 +17,10 @@ CPU allocator in tests/test_plan.py):
                and its compilation, as training calls it (`model(x, y, return_logits=False)`: no logits
                returned and kept): chunked, one chunk of rows' buffers, allocated once per micro-step and
                reused (gpt2/model/loss.py); full, eager, 12 bytes per logit (cross-entropy's fp32
-               log-probabilities and, in its backward, two fp32 gradients); full, compiled, the logits and
-               their gradient in the matmul dtype (COMPILED_FULL_LOSS_BYTES). loss_bytes counts each.
+               log-probabilities and, in its backward, two fp32 gradients); full, compiled, the logits in
+               the matmul dtype with their gradient written over them on a CPU, beside them counted on CUDA
+               (COMPILED_FULL_LOSS_BYTES); chunked, compiled in 16 bits, every chunk's gradient too (inductor
+               runs their input-gradient matmuls late). loss_bytes counts each.
 The total is the step's peak within the plan's error (PLAN_ERROR, the margin --micro-batch-size auto
 keeps): measured against the CPU process's resident peak over a grid of widths, micro-batches, loss
 paths and compilation (tests/test_memory_plan.py). Gradients are counted in full although, with
@@ -111,7 +113,7 @@ PLAN_ERROR = 0.25
 """How far a training step's measured peak may be from the plan's total: tests/test_memory_plan.py holds the
 plan to it on a CPU (the process's resident peak, over widths, micro-batches, loss paths and compilation).
 --micro-batch-size auto keeps that much headroom (AUTO_HEADROOM), and the trainer warns when its first step
-peaks higher than the plan allows (gpt2/train/startup.py)."""
+peaks higher than the plan allows (gpt2/train/memory_watch.py)."""
 AUTO_HEADROOM = 1 + PLAN_ERROR
 """--micro-batch-size auto takes a micro-batch only where total x AUTO_HEADROOM fits the usable memory: a
 plan that is PLAN_ERROR low still fits."""
