@@ -17,7 +17,7 @@ from gpt2.model.gpt import GPT
 from gpt2.plan.ac_choice import choose_activation_checkpointing
 from gpt2.plan.hardware import GIB, Hardware, gpu_hardware
 from gpt2.plan.measure import measured_peak_bytes
-from gpt2.plan.memory import activation_bytes, matmul_weight_count, max_micro_batch_size
+from gpt2.plan.memory import AUTO_HEADROOM, activation_bytes, matmul_weight_count, max_micro_batch_size
 from gpt2.plan.planner import plan
 from gpt2.plan.report import format_plan
 
@@ -131,11 +131,11 @@ def test_auto_picks_none_where_a_micro_batch_fits_and_full_where_none_does():
     roomy = gpu_hardware("A100-80GB", "bf16")
     assert choice(cfg, hw=roomy, total=524_288).mode == "none"
     assert choice(cfg, mb=4, hw=roomy, total=524_288).mode == "none"
-    # Room for one sequence with it (and a little more), not without: nothing fits without it.
+    # Room for one sequence with it (and a little more), with auto's margin, not without: nothing fits without it.
     one = plan(cfg, micro_batch_size=1, hardware=roomy, activation_checkpointing=True).memory.total
-    tight = Hardware(name="tight", memory_bytes=one + GIB + GIB // 4, peak_flops=1e14, device_type="cuda",
-                     reserve_bytes=GIB)
-    assert max_micro_batch_size(cfg, 1024, tight) == 0
+    tight = Hardware(name="tight", memory_bytes=int(one * AUTO_HEADROOM) + GIB + GIB // 4, peak_flops=1e14,
+                     device_type="cuda", reserve_bytes=GIB)
+    assert max_micro_batch_size(cfg, 1024, tight, headroom=AUTO_HEADROOM) == 0
     auto = choice(cfg, hw=tight, total=524_288)
     assert auto.mode == "full" and auto.reason.startswith("auto: no micro-batch fits without it, up to ")
     assert "+32% FLOPs recomputed, not in MFU" in auto.describe()

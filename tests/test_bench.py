@@ -327,3 +327,14 @@ def test_activation_checkpointing_bench_prints_both_rows():
     out = run_bench("bench/activation_checkpointing.py", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
                     "--block-size", "64", "--batch", "2", "--steps", "1", timeout=300)
     assert "| none |" in out and "| full |" in out and "x the peak" in out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident peak is read from /proc")
+def test_plan_memory_bench_prints_the_plan_against_both_malloc_settings():
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "plan_memory.py"), "--rows", "1"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    row = [ln for ln in out.stdout.splitlines() if ln.startswith("| 64 x 32 | fp32 | full |")]
+    assert len(row) == 1, out.stdout
+    ratios = [float(x) for x in re.findall(r"\((\d+\.\d\d)\)", row[0])]
+    assert len(ratios) == 2 and 0.75 <= ratios[1] <= 1.25  # with the run's malloc setting: within the plan's error

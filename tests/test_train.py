@@ -230,11 +230,13 @@ def test_a_resume_warns_when_a_cut_line_loses_rows_it_will_not_log_again(tmp_pat
     log.close()
 
 
-def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path, capsys):
-    """Rank 0 sizes the micro-batch with the planner; a memory cap passed to it gives a smaller one."""
+def test_micro_batch_size_auto_resolves_on_rank_0_within_what_fits(tmp_path, capsys):
+    """Rank 0 sizes the micro-batch with the planner (gpt2/plan/batch_choice.py: the throughput model among the
+    micro-batches that fit with the plan's margin and divide); a memory cap passed to it bounds the choice."""
     from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
     from gpt2.distributed.group import Dist
     from gpt2.plan.hardware import Hardware
+    from gpt2.plan.memory import AUTO_HEADROOM, max_micro_batch_size
     from gpt2.train.run_log import Metrics
     from gpt2.train.startup import resolve_auto
 
@@ -244,13 +246,14 @@ def test_micro_batch_size_auto_resolves_to_the_largest_fitting_divisor(tmp_path,
                                 total_batch_size=256 * 48))
     log = Metrics(dist, tmp_path)
     roomy, _, _ = resolve_auto(cfg, dist, log)
-    assert roomy.train.micro_batch_size == 48 and roomy.train.dtype == "float32"  # all 48 fit in host RAM
-    cap = Hardware(name="capped cpu", memory_bytes=300 * 2**20, peak_flops=1e11, device_type="cpu",
-                   reserve_bytes=0)  # 30 sequences fit in 300 MiB: 24 is the largest that divides 48
+    b = roomy.train.micro_batch_size
+    assert 48 % b == 0 and roomy.train.dtype == "float32"
+    assert f"micro-batch auto: {b} sequences, the fastest by the throughput model" in capsys.readouterr().out
+    cap = Hardware(name="capped cpu", memory_bytes=200 * 2**20, peak_flops=1e11, device_type="cpu",
+                   reserve_bytes=0)  # with the plan's margin, 10 sequences fit in 200 MiB
+    fits = max_micro_batch_size(cfg.model, 256, cap, dtype="fp32", total_batch_size=256 * 48, headroom=AUTO_HEADROOM)
     capped, _, _ = resolve_auto(cfg, dist, log, hardware=cap)
-    b = capped.train.micro_batch_size
-    assert b == 24
-    assert "micro-batch auto: 48 sequences" in capsys.readouterr().out
+    assert capped.train.micro_batch_size <= fits < 48 and 48 % capped.train.micro_batch_size == 0
 
 
 def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path, capsys):
@@ -265,10 +268,10 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
                     TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size=8,
-                                total_batch_size=512))  # 512 tokens, compiled: full-logits peak 0.19 GiB
+                                total_batch_size=512))  # 512 tokens, compiled: full-logits peak 0.10 GiB
     log = Metrics(dist, tmp_path)
     roomy = Hardware(name="roomy", memory_bytes=8 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
-    small = Hardware(name="small", memory_bytes=2 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
+    small = Hardware(name="small", memory_bytes=3 * GIB // 2, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
     full, _, why_full = resolve_auto(cfg, dist, log, hardware=roomy)
     chunked, _, why_chunked = resolve_auto(cfg, dist, log, hardware=small)
     forced, _, _ = resolve_auto(RunConfig(cfg.model, cfg.train.replace(loss_impl="full")), dist, log, hardware=small)
@@ -276,7 +279,7 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
     assert (full.train.loss_impl, chunked.train.loss_impl, forced.train.loss_impl) == ("full", "chunked", "full")
     out = capsys.readouterr().out
     assert f"loss       full logits: F.cross_entropy over the (B, T, V) logits ({why_full.reason})" in out
-    assert "auto: full-logits peak 0.19 GiB at micro-batch 8 > 1/8 of 1.00 GiB usable" in why_chunked.reason
+    assert "auto: full-logits peak 0.10 GiB at micro-batch 8 > 1/8 of 0.50 GiB usable" in why_chunked.reason
     assert f"({why_chunked.reason})" in out and "loss       chunked: " in out
 
 
@@ -318,13 +321,14 @@ def test_micro_batch_size_auto_end_to_end(tmp_path, shakespeare_shards):
                        "--micro-batch-size", "auto", "--total-batch-size", "512", "--max-steps", "2",
                        "--eval-interval", "0", "--eval-tokens", "512", "--ckpt-interval", "0"])
     check(run)
-    assert "micro-batch auto: 8 sequences" in run.stdout  # 512 tokens = 8 x 64: one micro-step fits
     # the default --warmup-steps 715 over --max-steps 2: said once, as a warning, not silently accepted
     assert [ln for ln in run.stderr.splitlines() if "warmup" in ln] == [
         ln for ln in run.stderr.splitlines() if ln.startswith("warning: --warmup-steps 715 is more than twice --max-steps 2")]
     assert "warning: --warmup-steps 715" in run.stderr
     info = json.loads((run_dir / "config.json").read_text())
-    assert info["config"]["train"]["micro_batch_size"] == 8 and info["accum_steps"] == 1
+    b = info["config"]["train"]["micro_batch_size"]  # 512 tokens = 8 x 64: the throughput model's divisor of 8
+    assert f"micro-batch auto: {b} sequences, the fastest by the throughput model" in run.stdout
+    assert 8 % b == 0 and info["accum_steps"] == 8 // b
 
 
 def test_warmup_that_does_not_end_before_max_steps_is_said_in_one_line():

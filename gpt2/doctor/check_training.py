@@ -13,6 +13,7 @@ from gpt2.doctor.results import NA, Section
 from gpt2.doctor.train_runs import QUIET_FLAGS, TrainRun, compare_losses, loss_tolerance, median_after_warmup
 from gpt2.plan.flops import flops_per_token, format_flops
 from gpt2.plan.hardware import device_hardware
+from gpt2.plan.memory import PLAN_ERROR
 from gpt2.plan.planner import plan_run
 
 
@@ -60,14 +61,15 @@ def training(ctx: Context) -> Section:
 
 def memory_rows(s: Section, ctx: Context, cfg: RunConfig, records: list[dict], peak: float | None) -> dict:
     """CUDA: the trainer's logged torch.cuda.max_memory_allocated against the planner's total for this run,
-    which is meant as an upper bound (gpt2/plan/). A CPU run logs its RSS: not the same quantity."""
+    which is held within PLAN_ERROR of the measured peak (gpt2/plan/memory.py): the check allows that much
+    over it. A CPU run logs its RSS over the whole process: not the same quantity."""
     planned = plan_run(cfg, device_hardware(ctx.device, peak), world_size=1).memory.total
     measured = max(r["mem_mb"] for r in records) * 2**20
     if ctx.device.type != "cuda":
         s.note("peak memory", f"n/a on cpu: the trainer logs RSS ({measured / 2**30:.2f} GiB, the whole process), "
                               f"not the allocator's peak; the plan's tensors: {planned / 2**30:.2f} GiB", NA)
         return {"planned_bytes": planned, "rss_bytes": measured}
-    s.check("peak memory <= plan", measured <= planned,
+    s.check(f"peak memory <= plan + {PLAN_ERROR:.0%}", measured <= planned * (1 + PLAN_ERROR),
             f"max_memory_allocated {measured / 2**30:.2f} GiB vs planned {planned / 2**30:.2f} GiB "
             f"({measured / planned:.0%})")
     return {"planned_bytes": planned, "max_memory_allocated_bytes": measured}

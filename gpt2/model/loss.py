@@ -15,9 +15,11 @@ import torch
 from torch import Tensor
 
 # Most logits one chunk of `linear_cross_entropy` holds. Larger chunks keep the LM-head matmuls
-# large; smaller ones lower the loss's peak memory. On a CPU 2**23 (32 MiB as fp32): glibc maps a
-# larger buffer afresh for every chunk and unmaps it after, and the page faults of 2**25-logit
-# chunks cost a quarter of a small model's step (measured: 1.25 vs 1.05 s, 0.30 vs 0.07 s of sys).
+# large; smaller ones lower the loss's peak memory. On a CPU 2**23 (32 MiB as fp32): when each chunk
+# allocated its own buffers, glibc mapped a larger one afresh for every chunk and unmapped it after, and
+# the page faults of 2**25-logit chunks cost a quarter of a small model's step (measured: 1.25 vs 1.05 s,
+# 0.30 vs 0.07 s of sys). The buffers are now allocated once per call (_cross_entropy_chunks); the size
+# stays, so fixed-seed CPU losses stay bit for bit what they were.
 LOSS_CHUNK_LOGITS = {"cpu": 2**23}
 LOSS_CHUNK_LOGITS_DEFAULT = 2**25
 """Devices with no rule of their own (neither CPU nor CUDA)."""
@@ -27,11 +29,12 @@ LOSS_CHUNK_LOGITS_DEFAULT = 2**25
 # a 77 MB bf16 part and reads and writes the 154 MB fp32 grad_w, ~0.45 GB of traffic per chunk
 # compiled (the fp32 cast fused into the add), ~0.75 GB eager. With 2**25-logit chunks the gpt2
 # preset's micro-batch (64 x 1024 tokens) is 99 chunks: ~45 GB per micro-step, ~8% of an A100
-# step, and 99 unrolled copies of the loop body for torch.compile to trace and compile. A chunk
-# holds 16 bytes per logit under bf16 (its logits in bf16 and fp32, the fp32 softmax gradient and
-# its bf16 copy; 20 in fp32; gpt2.plan.memory.loss_bytes). With 1/16 of the memory per chunk that
-# micro-batch is 10 chunks of 6,554 rows (4.9 GiB held, ~4.5 GB of grad_w traffic) on an 80 GB
-# A100, 20 of 3,277 (2.5 GiB) on a 40 GB one, 34 of 1,928 (1.4 GiB) on a 24 GB card. A larger
+# step, and 99 unrolled copies of the loop body for torch.compile to trace and compile. Chunks are
+# sized at 16 bytes per logit under bf16 (LOSS_CHUNK_BYTES_PER_LOGIT: what a chunk held before its
+# buffers were reused; now 10, the fp32 logits, logsumexp's exp and the bf16 twin, 8 in fp32:
+# gpt2.plan.memory.loss_bytes), kept so chunk sizes and fixed-seed losses stay. With 1/16 of the memory
+# per chunk that micro-batch is 10 chunks of 6,554 rows (3.1 GiB held, ~4.5 GB of grad_w traffic) on an
+# 80 GB A100, 20 of 3,277 (1.5 GiB) on a 40 GB one, 34 of 1,928 (0.9 GiB) on a 24 GB card. A larger
 # share saves little more traffic for memory a micro-batch could use. The count is also bounded:
 # activations take ~0.32 GiB per 1024-token sequence, so any micro-batch that fits has at most
 # ~35 chunks whatever the device (planner: 34 at B=215 on 80 GB, 29 at B=54 on 24 GB).
@@ -40,7 +43,7 @@ LOSS_CHUNK_LOGITS_DEFAULT = 2**25
 LOSS_CHUNK_MEMORY_SHARE = 16
 """On CUDA one chunk holds at most 1/LOSS_CHUNK_MEMORY_SHARE of the device's total memory."""
 LOSS_CHUNK_BYTES_PER_LOGIT = 16
-"""Bytes one logit costs in a chunk under bf16 autocast (fp32 chunks take 20/16 of the share)."""
+"""Bytes per logit a chunk is sized at (under bf16 it holds 10 since its buffers are reused; see above)."""
 
 
 def loss_chunk_logits(device: torch.device | str, total_memory: int | None = None) -> int:
@@ -110,28 +113,76 @@ def _cross_entropy_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, target
     n = valid.sum()
     inv_n = 1.0 / n
     late = dtype == torch.float16
-    losses, grad_x, grad_w = [], [], None
-    for start in range(0, x.size(0), rows):
+    starts = range(0, x.size(0), rows)
+    # Eager, every buffer the chunks use is allocated here, once, and reused: the fp32 logits (then the
+    # softmax gradient), their matmul-dtype twin, logsumexp's exp(logits - max), the (V, h) weight-
+    # gradient part, and the results that outlive a chunk. Allocated per chunk, on a CPU they came from
+    # glibc's heap (a chunk is under its dynamic mmap threshold, LOSS_CHUNK_LOGITS), where each kept
+    # result allocated among them (a chunk's grad_x rows, the running grad_w) pinned the freed (rows, V)
+    # buffer below it: the process grew by about one chunk of logits per chunk, ~200 KB per token at
+    # V = 50304, 8-15x the plan (issue 41). With the fixed threshold a CPU run sets
+    # (gpt2.core.host_memory.return_freed_memory) each would be mapped and faulted in afresh per chunk.
+    # Traced by torch.compile, the plain operations: inductor plans and reuses its own buffers, and
+    # given `out=` tensors it ran every chunk's matmul first to fill them (all chunks' logits at once).
+    V, low, reuse = weight.size(0), dtype != torch.float32, not torch.compiler.is_compiling()
+    shape = (min(rows, x.size(0)), V)
+    buf = torch.empty(shape, dtype=torch.float32, device=x.device) if reuse else None
+    buf_low = torch.empty(shape, dtype=dtype, device=x.device) if reuse and low else None
+    tmp = torch.empty(shape, dtype=torch.float32, device=x.device) if reuse else None
+    part = torch.empty(weight.shape, dtype=dtype, device=x.device) if reuse and grads else None
+    losses = torch.empty(len(starts), dtype=torch.float32, device=x.device) if reuse else []
+    grad_x = (torch.empty_like(x) if reuse else []) if grads else None
+    grad_w = torch.empty(weight.shape, dtype=torch.float32, device=x.device) if reuse and grads else None
+    for i, start in enumerate(starts):
         xs = x[start:start + rows].to(dtype)
         ts, vs = targets[start:start + rows], valid[start:start + rows]
-        logits = (xs @ w.t() if b is None else torch.addmm(b, xs, w.t())).float()  # (rows, V)
-        lse = torch.logsumexp(logits, dim=-1)
+        out = _rows(buf_low if low else buf, xs.size(0))  # None when traced: a new tensor
+        out = torch.mm(xs, w.t(), out=out) if b is None else torch.addmm(b, xs, w.t(), out=out)
+        logits = out if not low else _rows(buf, xs.size(0)).copy_(out) if reuse else out.float()  # (rows, V)
+        lse = _logsumexp(logits, _rows(tmp, xs.size(0)))
         picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
-        losses.append(torch.where(vs, lse - picked, 0.0).sum())
+        chunk_loss = torch.where(vs, lse - picked, 0.0).sum()
+        if reuse:
+            losses[i] = chunk_loss
+        else:
+            losses.append(chunk_loss)
         if grads:
             g = _softmax_minus_onehot(logits, lse, ts, vs)
             if not late:
                 g.mul_(inv_n)
-            g = g.to(dtype)
+            g = (out.copy_(g) if reuse else g.to(dtype)) if low else g  # in the matmul dtype
             keep = vs[:, None]
             gx = (g @ w).float() * (keep * inv_n) if late else (g @ w) * keep
-            grad_x.append(gx.to(x.dtype))
-            part = (g.t() @ (xs * keep)).float()  # (V, h); summed in fp32 over chunks
-            grad_w = part if grad_w is None else grad_w + part
-    loss = torch.stack(losses).sum() / n
+            if reuse:
+                grad_x[start:start + rows] = gx  # cast to x's dtype
+            else:
+                grad_x.append(gx.to(x.dtype))
+            p = torch.mm(g.t(), xs * keep, out=part)  # (V, h); summed in fp32 over chunks
+            if reuse:
+                grad_w.copy_(p) if i == 0 else grad_w.add_(p)
+            else:
+                grad_w = p.float() if i == 0 else grad_w + p
+    loss = (losses if reuse else torch.stack(losses)).sum() / n
     if not grads:
         return loss, None, None
-    return loss, torch.cat(grad_x), (grad_w * inv_n if late else grad_w).to(weight.dtype)
+    grad_x = grad_x if reuse else torch.cat(grad_x)
+    return loss, grad_x, (grad_w * inv_n if late else grad_w).to(weight.dtype)
+
+
+def _rows(buf: Tensor | None, n: int) -> Tensor | None:
+    """The first n rows of a reused buffer, or None (no buffer: the operation allocates its own)."""
+    return None if buf is None else buf[:n]
+
+
+def _logsumexp(logits: Tensor, tmp: Tensor | None) -> Tensor:
+    """torch.logsumexp(logits, dim=-1) with exp(logits - max) written into tmp rather than a (rows, V)
+    temporary of its own; the same operations in the same order, so the same bits (max, a max of +-inf
+    taken as 0, sum of exp(logits - max), log, + max). tmp None: torch.logsumexp itself."""
+    if tmp is None:
+        return torch.logsumexp(logits, dim=-1)
+    m = logits.amax(dim=-1, keepdim=True)
+    m.masked_fill_(m.abs() == float("inf"), 0)
+    return torch.sub(logits, m, out=tmp).exp_().sum(dim=-1).log_().add_(m.squeeze(-1))
 
 
 def _softmax_minus_onehot(logits: Tensor, lse: Tensor, targets: Tensor, valid: Tensor) -> Tensor:

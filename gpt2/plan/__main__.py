@@ -3,8 +3,8 @@
     python -m gpt2.plan --preset gpt2 --world-size 8 --gpu A100-40GB
 
 plans the run `train_ddp.py --preset gpt2` makes on 8 such GPUs: the training preset's global batch
-and budget (gpt2/core/config.py TRAIN_PRESETS) and its micro-batch (auto: the largest that fits and
-divides); --micro-batch-size, --total-batch-size and --tokens override them.
+and budget (gpt2/core/config.py TRAIN_PRESETS) and its micro-batch (auto: the fastest by the throughput
+model among those that fit and divide); --micro-batch-size, --total-batch-size and --tokens override them.
 
 The planner's parts: hardware.py (the GPUs it knows), memory.py (bytes per device), loss_choice.py
 (--loss-impl auto), ac_choice.py (--activation-checkpointing auto), budget.py (the stop budget of a SLURM signal), planner.py (the Plan), report.py
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(planned_for(args, p))
+    if p.micro_batch_choice is not None:  # the line a start prints for the same decision
+        print(p.micro_batch_choice.describe())
     print(format_plan(p))
     print(format_stop(p, args.write_gb_s * 1e9))
     if p.memory.total > p.hardware.memory_bytes:

@@ -20,7 +20,7 @@ from gpt2.core.config import ACTIVATION_CHECKPOINTING, ModelConfig
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.plan.flops import flops_per_token, recompute_flops_per_token
 from gpt2.plan.hardware import Hardware, gib
-from gpt2.plan.memory import max_micro_batch_size, memory
+from gpt2.plan.memory import AUTO_HEADROOM, max_micro_batch_size, memory
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,13 @@ def choose_activation_checkpointing(cfg: ModelConfig, requested: str, *, micro_b
     if requested == "full":
         return ACChoice("full", "--activation-checkpointing full", share)
     kw = dict(world_size=world_size, dtype=dtype, optimizer=optimizer, parallel=parallel)
-    if micro_batch_size == "auto":
-        without = max_micro_batch_size(cfg, seq_len, hardware, total_batch_size=total_batch_size, **kw)
+    if micro_batch_size == "auto":  # with the margin --micro-batch-size auto keeps (AUTO_HEADROOM)
+        without = max_micro_batch_size(cfg, seq_len, hardware, total_batch_size=total_batch_size,
+                                       headroom=AUTO_HEADROOM, **kw)
         if without:
             return ACChoice("none", f"auto: micro-batches up to {without} fit without it")
         with_ac = max_micro_batch_size(cfg, seq_len, hardware, total_batch_size=total_batch_size,
-                                       checkpointed=True, **kw)
+                                       checkpointed=True, headroom=AUTO_HEADROOM, **kw)
         if not with_ac:
             return ACChoice("none", "auto: no micro-batch fits even with it")
         return ACChoice("full", f"auto: no micro-batch fits without it, up to {with_ac} with it", share)
@@ -78,7 +79,7 @@ def choose_activation_checkpointing(cfg: ModelConfig, requested: str, *, micro_b
         return memory(cfg, micro_batch_size, seq_len, device_type=hardware.device_type,
                       device_memory=hardware.memory_bytes, accum_steps=accum, checkpointed=checkpointed, **kw).total
 
-    at, usable = f"micro-batch {micro_batch_size}", hardware.memory_bytes - hardware.reserve_bytes
+    at, usable = f"micro-batch {micro_batch_size}", hardware.usable_bytes
     if total(False) <= usable:
         return ACChoice("none", f"auto: {at} fits without it")
     if total(True) > usable:

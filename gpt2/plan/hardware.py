@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpt2.core import host_memory
 from gpt2.core.precision import plan_torch_dtype
 from gpt2.plan.flops import gpu_table_peak
 
@@ -45,7 +46,18 @@ class Hardware:
     device_type: str = "cuda"
     """'cuda' or 'cpu': autocast keeps different ops in fp32 on each."""
     reserve_bytes: int = CUDA_RESERVE_BYTES
-    """Memory the run cannot use (CUDA context, workspaces, fragmentation)."""
+    """Memory the run cannot use (CUDA context, workspaces, fragmentation; on a CPU the libraries' own
+    first-use memory: threads, kernels, the compiler)."""
+    available_bytes: int | None = None
+    """A CPU run's share of what the host has free now (MemAvailable over the ranks on it), where it is
+    known: other processes hold the rest of its RAM. None: the whole device is the run's (a GPU, or a plan
+    made for other hardware)."""
+
+    @property
+    def usable_bytes(self) -> int:
+        """What a plan may fill: the memory less the reserve, and no more than is free now, less the reserve."""
+        usable = self.memory_bytes - self.reserve_bytes
+        return usable if self.available_bytes is None else min(usable, self.available_bytes - self.reserve_bytes)
 def gpu_hardware(name: str, dtype: str) -> Hardware:
     """One of the GPUS by name, with its data-sheet peak for dtype."""
     memory, sheet_name = known_gpu(name)
@@ -76,15 +88,24 @@ def gpu_native_bf16(gpu: str | None) -> bool:
 def device_hardware(device: torch.device | str, peak_flops: float | None, *,
                     processes_per_host: int = 1) -> Hardware:
     """The hardware a run is on: a CUDA device's memory, or for a CPU run this host's RAM shared
-    by the processes_per_host ranks on it."""
+    by the processes_per_host ranks on it, and their share of what it has free now (MemAvailable), which
+    is what a plan may fill (Hardware.usable_bytes)."""
     device = torch.device(device)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return Hardware(name=props.name, memory_bytes=props.total_memory, peak_flops=peak_flops)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free = host_memory.available_bytes()
     return Hardware(name=f"cpu (1/{processes_per_host} of host RAM)" if processes_per_host > 1 else "cpu",
                     memory_bytes=ram // processes_per_host, peak_flops=peak_flops, device_type="cpu",
-                    reserve_bytes=GIB // processes_per_host)
+                    reserve_bytes=GIB // processes_per_host,
+                    available_bytes=None if free is None else free // processes_per_host)
+def usable_note(hw: Hardware) -> str:
+    """What a plan's "usable" leaves out, in parentheses: the reserve, and on a CPU what is free now."""
+    free = "" if hw.available_bytes is None else f"; {gib(hw.available_bytes)} free now, MemAvailable"
+    return f"({gib(hw.reserve_bytes)} reserved{free})"
+
+
 def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 def human(n: float) -> str:

@@ -17,16 +17,17 @@ from gpt2.plan.memory import loss_bytes, memory
 # is host RAM that the page cache, the data loader and other processes share. At 1/8 an estimate
 # wrong by a whole (B, T, V) fp32 tensor (a quarter of the fp32 peak) costs at most 1/32 of the
 # memory, and 7/8 stays for everything else. Why not less: at 1/16 the
-# W1 workload (6 x 384, micro-batch 8 x 256, fp32: 1.54 GiB of full-logits peak, 6.8% of the
-# 22.5 GiB a 23.5 GiB host leaves usable) would stay chunked and pay the chunk loop's ~1.3x
+# W1 workload (6 x 384, micro-batch 8 x 256, fp32: 1.54 GiB of full-logits peak as it was counted
+# then, 6.8% of the 22.5 GiB a 23.5 GiB host leaves usable; 1.15 GiB as issue 41 counts eager's
+# 12 bytes per logit) would have stayed chunked and paid the chunk loop's ~1.3x
 # compiled LM-head time (issue 23, bench/lm_head_loss.py); 1/8 takes the full loss there and on the quick start, and keeps the chunked
 # one where the logits are large, e.g. the gpt2 preset at 64 x 1024 under bf16 compiled (12.3 GiB,
 # 16% of an 80 GB A100; at 16 x 1024 it is 3.1 GiB and takes nanoGPT's one fused cross-entropy, where
-# eager's 14 bytes per logit, 10.7 GiB, would chunk it). Order: the micro-batch is chosen first (auto: the largest that fits with the
-# chunked loss, as before), then the loss path for that micro-batch. The micro-batch is the larger
-# lever (fewer accumulation steps, larger matmuls) and the chunked loss is what lets it grow, so a
-# joint choice would trade micro-batch for logits; and this way --loss-impl never changes the
-# micro-batch, so the two paths run the same batch maths and agree to rounding. Uncompiled runs
+# eager's 12 bytes per logit, 9.2 GiB, is within the share too but runs uncompiled). Order: the micro-batch is
+# chosen first (auto: the throughput model of gpt2/plan/batch_choice.py, which weighs the chunked
+# loss's cost at each size by this rule, whatever --loss-impl asks), then the loss path for that
+# micro-batch: this way --loss-impl never changes the micro-batch, so the two paths run the same batch
+# maths and agree to rounding. Uncompiled runs
 # (--compile false: the debug preset, the quick start) take the full loss where it fits only when
 # it measured clearly faster on this CPU at the run's shape (gpt2/plan/loss_probe.py: faster at 384 wide,
 # slower at 128 wide on one CPU; the crossover moves with the CPU); unmeasured, the chunked one.
@@ -65,12 +66,13 @@ def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int,
         raise ValueError(f"loss_impl={requested!r} must be auto, chunked or full")
     # What the full loss really holds: compiled, inductor's fused loss (COMPILED_FULL_LOSS_BYTES);
     # uncompiled, eager's several (B, T, V) tensors.
-    peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False, compiled=compiled)
+    peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False, compiled=compiled,
+                      device_type=hardware.device_type)
     total = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
                    device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
                    chunked_loss=False, parallel=parallel, accum_steps=accum_steps, compiled=compiled,
                    checkpointed=checkpointed).total
-    usable = hardware.memory_bytes - hardware.reserve_bytes
+    usable = hardware.usable_bytes
     share = usable // FULL_LOSS_MEMORY_SHARE
     logits = f"full-logits peak {gib(peak)} at micro-batch {micro_batch_size}"
     if requested == "full":

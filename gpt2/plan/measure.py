@@ -61,3 +61,50 @@ def _quiet_kineto():
         yield
     finally:
         os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
+def resident_training_peak(cfg, micro_batch_size: int, *, dtype: str = "fp32", loss_impl: str = "chunked",
+                           compiled: bool = False, steps: int = 2, tuned_malloc: bool = True) -> int:
+    """Bytes the process's resident set grows by while `steps` training steps of cfg run as the trainer runs
+    them on a CPU: glibc told to return freed memory (gpt2.core.host_memory.return_freed_memory), AdamW
+    (fused), autocast in dtype, `loss_impl`, torch.compile when compiled, the loss of
+    `model(x, y, return_logits=False)`, backward, step, zero_grad(set_to_none=True).
+
+    Measured from the resident set after a warm-up step of a 1-layer, 8-wide model on the same paths (the
+    same dtype, loss and compilation), so what is counted is what this model and micro-batch add, not the
+    libraries' first-use costs (threads, kernels, the compiler) that a plan leaves to its reserve. Run it in
+    a fresh process: memory that earlier work freed but the process kept would be reused and not counted.
+    Linux only (VmHWM, reset through /proc/self/clear_refs): elsewhere a RuntimeError. tuned_malloc=False
+    leaves glibc's defaults (bench/plan_memory.py compares the two).
+    """
+    from gpt2.core import host_memory
+    from gpt2.core.config import ModelConfig
+    from gpt2.core import precision
+    from gpt2.model.gpt import GPT
+
+    if tuned_malloc:
+        host_memory.return_freed_memory()
+    name = precision.from_short_name(dtype)[0]
+
+    def train(model: torch.nn.Module, batch: int, n: int) -> None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        call = torch.compile(model) if compiled else model
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randint(0, 50257, (2, batch, model.config.block_size), generator=gen)
+        for _ in range(n):
+            with precision.autocast(name, "cpu"):
+                _, loss = call(x, y, return_logits=False)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    train(GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=cfg.vocab_size),
+              loss_impl=loss_impl), 1, 2)
+    if compiled:
+        torch._dynamo.reset()
+    start = host_memory.resident_bytes()
+    if start is None or not host_memory.reset_resident_peak():
+        raise RuntimeError("the resident peak is measured through /proc/self (Linux 4.0 or later)")
+    train(GPT(cfg, loss_impl=loss_impl), micro_batch_size, steps)
+    return host_memory.resident_peak_bytes() - start

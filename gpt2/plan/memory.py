@@ -13,12 +13,17 @@ CPU allocator in tests/test_plan.py):
                SDPA kernels ("flash") save only q, k, v, the output and a log-sum-exp; with activation
                checkpointing (--activation-checkpointing full) each block saves only its fp32 input and
                one block's activations are alive at a time, while it is recomputed in the backward
-  logits       the LM head + loss peak, for the loss path the run uses (--loss-impl, choose_loss_impl):
-               chunked, one chunk of rows' logits, fp32 softmax and gradients at a time (gpt2/model/loss.py);
-               full, eager: the (B, T, V) logits, the fp32 log-probabilities cross-entropy saves, and
-               inside its backward two more fp32 (B, T, V) gradients (loss_bytes counts both); full,
-               compiled: the logits and their gradient in the matmul dtype (COMPILED_FULL_LOSS_BYTES)
-The total is an upper bound on the step's peak: gradients are counted in full although, with
+  logits       the LM head + loss peak, for the loss path the run uses (--loss-impl, choose_loss_impl)
+               and its compilation, as training calls it (`model(x, y, return_logits=False)`: no logits
+               returned and kept): chunked, one chunk of rows' buffers, allocated once per micro-step and
+               reused (gpt2/model/loss.py); full, eager, 12 bytes per logit (cross-entropy's fp32
+               log-probabilities and, in its backward, two fp32 gradients); full, compiled, the logits in
+               the matmul dtype with their gradient written over them on a CPU, beside them counted on CUDA
+               (COMPILED_FULL_LOSS_BYTES); chunked, compiled in 16 bits, every chunk's gradient too (inductor
+               runs their input-gradient matmuls late). loss_bytes counts each.
+The total is the step's peak within the plan's error (PLAN_ERROR, the margin --micro-batch-size auto
+keeps): measured against the CPU process's resident peak over a grid of widths, micro-batches, loss
+paths and compilation (tests/test_memory_plan.py). Gradients are counted in full although, with
 zero_grad(set_to_none=True) and one micro-step, they are allocated while activations are freed.
 
 --parallel fsdp (FSDP2's fully_shard on each block, then the root; gpt2/distributed/fsdp.py) at world size W > 1:
@@ -57,7 +62,7 @@ from dataclasses import dataclass
 from gpt2.core.config import PARALLELS, POSITION_EMBEDDING, ModelConfig, describe_model, param_count, weight_shapes
 from gpt2.core.precision import AUTOCAST_DTYPES
 from gpt2.core.schedule import grad_accum_steps
-from gpt2.plan.hardware import Hardware, gib
+from gpt2.plan.hardware import Hardware, gib, usable_note
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +86,8 @@ class Memory:
     """Which optimizer `optimizer` counts (not a byte count)."""
     chunked_loss: bool = True
     """Which loss path `logits` counts: the chunked loss, or the full (B, T, V) logits."""
+    every_chunk: bool = False
+    """Whether `logits` counts every chunk's 16-bit gradient (the chunked loss compiled: see loss_bytes)."""
     shards: int = 1
     """1: every rank holds everything (DDP, or fsdp at world size 1); W: FSDP over W ranks, and
     weights, gradients and optimizer are each rank's padded 1/W shards (module docstring)."""
@@ -102,28 +109,50 @@ class Memory:
         return self.static + self.activations + self.logits
 
 
+PLAN_ERROR = 0.25
+"""How far a training step's measured peak may be from the plan's total: tests/test_memory_plan.py holds the
+plan to it on a CPU (the process's resident peak, over widths, micro-batches, loss paths and compilation).
+--micro-batch-size auto keeps that much headroom (AUTO_HEADROOM), and the trainer warns when its first step
+peaks higher than the plan allows (gpt2/train/memory_watch.py)."""
+AUTO_HEADROOM = 1 + PLAN_ERROR
+"""--micro-batch-size auto takes a micro-batch only where total x AUTO_HEADROOM fits the usable memory: a
+plan that is PLAN_ERROR low still fits."""
+
+
 # The plain loss compiled: inductor fuses the fp32 cast, log-softmax and the target pick into
 # reductions over the matmul's output (a logsumexp per row; no fp32 (N, V) tensor is written), and
 # AOTAutograd's partitioner saves the cheapest input of that fused region for backward, the logits in
 # the matmul dtype, recomputing the softmax there. Backward's one fused kernel reads those logits and
-# the per-row logsumexp and writes d loss / d logits already cast back to the matmul dtype (the
-# backward of .float()), which the two LM-head matmuls read. Peak: the saved logits and their
-# gradient, both alive in that kernel: 2 x the matmul dtype's bytes per logit (4 under bf16, 8 in
-# fp32), against eager's s + 4 + 8 (14, 16). Measured by bench/compiled_loss_memory.py (the table
-# in bench/README.md); rows and vectors (lse, targets) are ~1/V of that and not counted.
-COMPILED_FULL_LOSS_BYTES = 2
-"""Bytes per logit of the compiled full loss, in units of the matmul dtype's size (see above)."""
+# the per-row logsumexp and writes d loss / d logits, already cast back to the matmul dtype, over them
+# (inductor reuses the saved buffer, which nothing reads after): on a CPU one (N, V) buffer in the
+# matmul dtype, 4.00 bytes per logit in fp32 and 1.78 under bf16 (bench/compiled_loss_memory.py, the
+# table in bench/README.md), which the process's resident peak confirms (tests/test_memory_plan.py).
+# On CUDA it is not measured yet: the planner counts the logits and their gradient apart there, in case
+# its kernels do not write over the saved logits. Rows and vectors (lse, targets) are ~1/V and not counted.
+COMPILED_FULL_LOSS_BYTES = {"cpu": 1, "cuda": 2}
+"""Bytes per logit of the compiled full loss, in units of the matmul dtype's size, by device type (above)."""
+# The chunked loss compiled: with fp32 matmuls inductor reuses one chunk's buffers for the next, as the
+# eager loss does. With 16-bit ones its scheduler runs a chunk's `g @ w` (the input gradient) late, after
+# later chunks, and keeps that chunk's 16-bit softmax gradient alive until then: measured on a CPU with
+# 164-row chunks, the loss held 65 MB at 1,024 tokens (7 chunks, as eager), 105 MB at 2,048, 354 MB at
+# 4,096 and 805 MB at 8,192 (50 chunks: nearly all (N, V) in bf16, 824 MB). The planner counts that
+# worst case, every chunk's: a plan that is high for a few chunks, right for many.
 def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: bool = True,
                device_type: str = "cuda", device_memory: int | None = None, compiled: bool = False) -> int:
-    """Peak bytes of the LM head + cross-entropy for `tokens` positions.
+    """Peak bytes of the LM head + cross-entropy for `tokens` positions, beyond the weights, their
+    gradients and the activations that reach the LM head (counted elsewhere). s: the matmul dtype's size.
 
-    chunked (what the trainer runs: gpt2.model.loss.linear_cross_entropy): one chunk of rows at a time
-    holds its logits in the matmul dtype and in fp32, the fp32 softmax and its gradient (fp32, then
-    in the matmul dtype); the finished input gradient (fp32, tokens x h) and the fp32 weight
-    gradient with the chunk's part being added to it stay. Plain (`_, loss = model(x, y)`), eager:
-    the logits the model returns stay alive, cross-entropy saves fp32 log-probs, and its backward
-    makes two fp32 gradients of that size (s + 4 + 8 bytes per logit, s the matmul dtype's size).
-    Plain, compiled (COMPILED_FULL_LOSS_BYTES): 2 * s bytes per logit.
+    chunked (gpt2.model.loss.linear_cross_entropy, what --loss-impl chunked runs), its forward: one
+    chunk of rows' buffers, reused by every chunk: the fp32 logits (then the softmax gradient), the
+    exp(logits - max) its logsumexp sums, and under autocast the logits' matmul-dtype twin (4 + 4
+    [+ s] bytes per logit); the (V, h) weight-gradient part in the matmul dtype and its fp32 sum;
+    the input gradient, fp32 (tokens x h). Its backward scales the two gradients it saved: one more
+    of each, the weight's becoming the gradient the plan already counts. The larger of the two.
+    Plain (full), eager: the logits (s, dropped after the fp32 copy cross-entropy takes, 4), the fp32
+    log-probabilities (4) in forward; the log-probabilities and two fp32 gradients of that size in
+    backward, the peak: 12 bytes per logit whatever the dtype. Plain, compiled
+    (COMPILED_FULL_LOSS_BYTES): s bytes per logit on a CPU, 2 * s elsewhere. Chunked, compiled, with
+    16-bit matmuls: also every chunk's softmax gradient in the matmul dtype, s bytes per logit (above).
 
     The chunk is the one the model will use: on CUDA it is sized from device_memory (the device's
     total bytes, Hardware.memory_bytes), which is then required.
@@ -133,11 +162,23 @@ def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: b
     s = 2 if dtype in AUTOCAST_DTYPES else 4
     V, h = cfg.vocab_size, cfg.n_embd
     if not chunked:
-        return tokens * V * (COMPILED_FULL_LOSS_BYTES * s if compiled else s + 4 + 8)
+        per_logit = COMPILED_FULL_LOSS_BYTES.get(device_type, 2) * s if compiled else EAGER_FULL_LOSS_BYTES
+        return tokens * V * per_logit
     if device_type == "cuda" and device_memory is None:
         raise ValueError("loss_bytes needs device_memory on cuda: the loss's chunk size depends on it")
     _, rows = loss_chunks(tokens, max(1, loss_chunk_logits(device_type, device_memory) // V))
-    return rows * V * (2 * s + 12) + tokens * h * 4 + 2 * V * h * 4
+    rows = min(rows, tokens)
+    forward = rows * V * (4 + 4 + (s if s < 4 else 0)) + V * h * (s + 4) + tokens * h * 4
+    if compiled and s < 4:
+        forward += tokens * V * s
+    backward = 2 * tokens * h * 4 + V * h * 4
+    return max(forward, backward)
+
+
+EAGER_FULL_LOSS_BYTES = 12
+"""Bytes per logit of the plain loss uncompiled, fp32 or under autocast (loss_bytes)."""
+
+
 def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int = 1,
            dtype: str = "bf16", device_type: str = "cuda", chunked_loss: bool = True,
            device_memory: int | None = None, optimizer: str = "adamw", parallel: str = "ddp",
@@ -169,6 +210,7 @@ def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size:
         logits=logits,
         optimizer_name=optimizer,
         chunked_loss=chunked_loss,
+        every_chunk=chunked_loss and compiled and autocast,
     )
     if parallel not in PARALLELS:
         raise ValueError(f"parallel={parallel!r} must be one of {PARALLELS}")
@@ -285,8 +327,9 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
 def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int = 1,
                          dtype: str = "bf16", optimizer: str = "adamw", parallel: str = "ddp",
                          total_batch_size: int | None = None, accumulate: bool | None = None,
-                         checkpointed: bool = False) -> int:
-    """Largest micro-batch whose total fits in memory minus the reserve (0: not even one sequence).
+                         checkpointed: bool = False, headroom: float = 1.0) -> int:
+    """Largest micro-batch whose total (times headroom: AUTO_HEADROOM for auto) fits the usable memory
+    (Hardware.usable_bytes; 0: not even one sequence).
 
     Memory grows with the micro-batch (activations linearly; the chunked loss by at most one chunk),
     so the largest fitting size is found by doubling and then bisecting. Under fsdp, a micro-batch
@@ -295,12 +338,12 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
     divides) is tried on its own. accumulate=False counts no no-sync gradients at any size (a
     reduce-scatter per micro-step: the alternative the plan reports).
     """
-    usable = hardware.memory_bytes - hardware.reserve_bytes
+    usable = hardware.usable_bytes
 
     def fits(b: int, accum: int = 2 if accumulate is not False else 1) -> bool:
         return memory(cfg, b, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type,
                       device_memory=hardware.memory_bytes, optimizer=optimizer, parallel=parallel,
-                      accum_steps=accum, checkpointed=checkpointed).total <= usable
+                      accum_steps=accum, checkpointed=checkpointed).total * headroom <= usable
 
     whole = None  # the micro-batch with no accumulation, when there is one
     if total_batch_size is not None and total_batch_size % (seq_len * world_size) == 0:
@@ -314,19 +357,6 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return whole if whole is not None and whole > lo and fits(whole, 1) else lo
-def auto_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int,
-                          total_batch_size: int, dtype: str, optimizer: str = "adamw", parallel: str = "ddp",
-                          checkpointed: bool = False) -> int:
-    """--micro-batch-size auto: the largest micro-batch that fits (max_micro_batch_size) and divides
-    the global batch, so that accumulation stays a whole number of micro-steps."""
-    grad_accum_steps(total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
-    fits = max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer,
-                                parallel=parallel, total_batch_size=total_batch_size, checkpointed=checkpointed)
-    if fits == 0:
-        raise ValueError(does_not_fit(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer,
-                                      parallel=parallel, checkpointed=checkpointed))
-    seqs = total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
-    return max(b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0)
 def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int, dtype: str,
                  optimizer: str = "adamw", parallel: str = "ddp", checkpointed: bool = False) -> str:
     """The one message for a model that cannot train even one sequence per device: which model, where,
@@ -337,7 +367,7 @@ def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_si
                   checkpointed=checkpointed)
         return memory(cfg, 1, seq_len, **{**kw, **change})
 
-    need, usable = one(), hardware.memory_bytes - hardware.reserve_bytes
+    need, usable = one(), hardware.usable_bytes
     sharded = parallel == "fsdp" and world_size > 1
     options = ["a smaller model (a smaller --preset, or --n-layer/--n-embd)"]
     if not sharded and world_size > 1 and one(parallel="fsdp").total <= usable:
@@ -362,5 +392,5 @@ def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_si
     return (f"{describe_model(cfg)} does not fit on {hardware.name} ({gib(hardware.memory_bytes)}) with "
             f"{'FSDP' if sharded else 'DDP'} at world size {world_size}: micro_batch_size=1 needs {gib(need.total)} "
             f"per device ({gib(need.static)} of weights, gradients and {optimizer} state, {state}) but "
-            f"{gib(usable)} is usable ({gib(hardware.reserve_bytes)} reserved); use "
+            f"{gib(usable)} is usable {usable_note(hardware)}; use "
             + ", ".join(options[:-1]) + f" or {options[-1]}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from gpt2.core.precision import AUTOCAST_DTYPES
 from gpt2.plan.budget import STOP_MARGIN_S, WRITE_BYTES_PER_S, StopBudget, checkpoint_bytes
 from gpt2.plan.flops import format_flops
-from gpt2.plan.hardware import gib, human
+from gpt2.plan.hardware import gib, human, usable_note
 from gpt2.plan.memory import Memory, max_micro_batch_size
 from gpt2.plan.planner import Plan
 
@@ -52,10 +52,11 @@ def format_plan(p: Plan) -> str:
         f"  activations, full AC   {gib(m.activations_checkpointed)} {'<-' if m.checkpointed else '  '} "
         f"(activation checkpointing: block inputs + one block's, recomputed in backward)",
         f"  LM head + loss peak    {gib(m.logits)}  "
-        + ("(chunked: never all B*T*V logits at once)" if m.chunked_loss else
+        + ("(chunked, compiled in 16 bits: inductor can keep every chunk's gradient, counted)" if m.every_chunk
+           else "(chunked: never all B*T*V logits at once)" if m.chunked_loss else
            "(full logits: all B*T*V at once, F.cross_entropy)"),
         f"  total                  {gib(m.total)}  of {gib(p.usable_bytes)} usable "
-        f"({gib(hw.reserve_bytes)} reserved)",
+        f"{usable_note(hw)}",
         f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
         *([accum] if (accum := format_accumulation(p)) else []),
         f"compute    {human(p.flops_per_token)}FLOP/token (6N + 12*L*h*T); "

@@ -95,12 +95,12 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
     ac = auto_activation_checkpointing(cfg, prec.dtype, hardware, world)
     mb = auto_micro_batch(cfg, prec.dtype, hardware, world, checkpointed=ac.on)
-    loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, world, device, checkpointed=ac.on)
+    loss = auto_loss_impl(cfg, prec.dtype, mb.size, hardware, world, device, checkpointed=ac.on)
     warning = None if device is None else precision.emulation_warning(prec, device)
     log_auto(cfg, prec, mb, warning, log, loss, ac)
-    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl,
+    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb.size, loss_impl=loss.impl,
                                           activation_checkpointing=ac.mode))
-    tc = cfg.train
+    tc, mb = cfg.train, mb.size
     plan = check_plan(cfg, hardware, world, log)
     if train_shards is not None:  # after the refusals, as the real start-up
         log_epochs(cfg, train_shards.total_tokens, log)

@@ -31,10 +31,10 @@ import torch
 from gpt2.ckpt.checkpoint import CheckpointError
 from gpt2.ckpt.resume import Start, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
 from gpt2.ckpt.rundir import LOCK, RUN_INFO, TRAIN_LOG, RunDirBusy, RunLock
-from gpt2.core import determinism, precision
+from gpt2.core import determinism, host_memory, precision
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
-from gpt2.core.config import RunConfig, TrainConfig
+from gpt2.core.config import TRAIN_PRESETS, RunConfig, TrainConfig
 from gpt2.core.schedule import grad_accum_steps, lr_at
 from gpt2.data.check import check_listed, prep_command, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
@@ -49,6 +49,7 @@ from gpt2.train.state import check_resumable
 
 if TYPE_CHECKING:
     from gpt2.plan.loss_choice import LossChoice
+    from gpt2.plan.planner import Plan
     from gpt2.train.state import Parts
 
 
@@ -62,6 +63,8 @@ class Startup:
     peak: float | None
     """This rank's peak FLOP/s for MFU, or None (MFU n/a)."""
     network: NetworkCost | None
+    plan: Plan
+    """The memory plan the run was checked against (its first step is measured against it too)."""
     start: Start
     """Where every rank begins: a checkpoint to resume, or a fresh start (gpt2/ckpt/resume.py)."""
 
@@ -131,7 +134,8 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
         cfg, prec, loss = resolve_auto(cfg, dist, log)
         tc = cfg.train
         peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
-        network = log_network_cost(cfg, dist, check_memory(cfg, dist, peak, log), log)
+        plan = check_memory(cfg, dist, peak, log)
+        network = log_network_cost(cfg, dist, plan, log)
         log_epochs(cfg, shards[0].total_tokens, log)  # after the refusals: a run that cannot start needs no warning
         log_warmup(tc, log)
         check_before_moving(start, cfg, dist, shards[0])
@@ -163,7 +167,7 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
             log.info(f"wrote {restored.name} again for the checkpoint resumed without it")
     log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict(),
                    log_file=True)
-    return Startup(cfg, prec, loss, peak, network, start)
+    return Startup(cfg, prec, loss, peak, network, plan, start)
 
 
 def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: ShardSet) -> None:
@@ -228,6 +232,8 @@ def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
     if dist.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
+    else:  # freed tensors go back to the system: the process holds what the memory plan counts
+        host_memory.return_freed_memory()
     set_cpu_threads(dist, cfg.num_threads)
 
 
@@ -398,20 +404,20 @@ def auto_activation_checkpointing(cfg: RunConfig, dtype: str, hardware, world_si
         dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
-def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int, *, checkpointed: bool = False) -> int:
-    """The run's micro-batch: the explicit one, or (auto) the planner's largest that fits hardware
-    and divides the global batch at world_size, counting --parallel's memory (fsdp: the sharded
-    state, the gathered units, no-sync gradients when it accumulates) and activation checkpointing's
-    (checkpointed). dtype: the resolved TrainConfig.dtype."""
-    from gpt2.plan.memory import auto_micro_batch_size
+def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int, *, checkpointed: bool = False):
+    """The run's micro-batch (gpt2.plan.batch_choice.MicroBatchChoice): the explicit one, or (auto) the
+    throughput model's among those that fit hardware (with the plan's margin) and divide the global batch
+    at world_size, counting --parallel's memory and activation checkpointing's (checkpointed). dtype: the
+    resolved TrainConfig.dtype."""
+    from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
 
     tc = cfg.train
     if tc.micro_batch_size != "auto":
-        return tc.micro_batch_size
-    return auto_micro_batch_size(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
-                                 total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
-                                 dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"),
-                                 checkpointed=checkpointed)
+        return MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size")
+    return choose_micro_batch(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
+                              total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
+                              dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"),
+                              checkpointed=checkpointed, compiled=tc.compile)
 
 
 def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int,
@@ -436,13 +442,14 @@ def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: in
                             dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
 
 
-def log_auto(cfg: RunConfig, prec: precision.Precision, mb: int, warning: str | None, log,
+def log_auto(cfg: RunConfig, prec: precision.Precision, mb, warning: str | None, log,
              loss: LossChoice, ac=None) -> None:
+    """The start-up's decisions, one line each; mb: auto_micro_batch's MicroBatchChoice."""
     log.info(f"precision  {prec.dtype}: {prec.reason}")
     if warning:
         log.warn(warning)
     if cfg.train.micro_batch_size == "auto":
-        log.info(f"micro-batch auto: {mb} sequences, the largest that fits and divides the global batch")
+        log.info(mb.describe())
     log.detail(loss.describe())
     if ac is not None:  # recomputing every block costs a third more compute: said on the console
         (log.info if ac.on else log.detail)(ac.describe())
@@ -465,10 +472,14 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
     if dist.is_main:
         try:
             prec = precision.resolve(tc.dtype, dist.device)
-            hardware = hardware or device_hardware(dist.device, 0.0, processes_per_host=dist.local_world_size)
+            # The peak the MFU is measured against (cached on a CPU): the throughput model weighs a
+            # micro-step's fixed cost against its compute with it, as the dry run does.
+            peak = device_peak_flops(dist.device, precision.torch_dtype(prec.dtype), tf32=tc.tf32)
+            hardware = hardware or device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
             ac = auto_activation_checkpointing(cfg, prec.dtype, hardware, dist.world_size)
             mb = auto_micro_batch(cfg, prec.dtype, hardware, dist.world_size, checkpointed=ac.on)
-            loss = auto_loss_impl(cfg, prec.dtype, mb, hardware, dist.world_size, dist.device, checkpointed=ac.on)
+            loss = auto_loss_impl(cfg, prec.dtype, mb.size, hardware, dist.world_size, dist.device,
+                                  checkpointed=ac.on)
             decision = ("ok", (prec, mb, loss, ac, precision.emulation_warning(prec, dist.device)))
         except ValueError as e:
             decision = ("error", str(e))
@@ -477,7 +488,7 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
         raise ValueError(answer)
     prec, mb, loss, ac, warning = answer
     log_auto(cfg, prec, mb, warning, log, loss, ac)
-    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb, loss_impl=loss.impl,
+    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb.size, loss_impl=loss.impl,
                                            activation_checkpointing=ac.mode)), prec, loss
 
 
@@ -542,7 +553,35 @@ def check_plan(cfg: RunConfig, hardware, world_size: int, log):
     log.detail(format_plan(p))
     log.detail(format_stop(p))  # the SLURM signal lead and grace this run's checkpoint needs
     check_fits(p)
+    if note := gpu_recipe_on_cpu(cfg, p):
+        log.warn(note)
     return p
+
+
+def gpu_recipe_on_cpu(cfg: RunConfig, p) -> str | None:
+    """On a CPU, the gpt2 recipe's batch or evaluation (TrainConfig's defaults, what a run without --preset
+    gets): one line with the plan's time for it and the debug preset as the CPU-sized recipe, else None.
+
+    The defaults stay the recipe's whatever the device, so a flag means the same on a laptop and on the
+    cluster it rehearses (a dry run plans the same run); a CPU run is told instead, before any step."""
+    tc, recipe, debug = cfg.train, TrainConfig(), TRAIN_PRESETS["debug"]
+    parts = []
+    if tc.total_batch_size >= recipe.total_batch_size:
+        pace = ("no time estimate without a peak" if p.step_time_s is None or p.hours is None else
+                f"~{_duration(p.step_time_s)} each, {_duration(p.hours * 3600)} for {tc.max_steps:,} steps at the "
+                "plan's estimate")
+        parts.append(f"{tc.total_batch_size:,}-token steps ({pace})")
+    if tc.eval_tokens >= recipe.eval_tokens:
+        parts.append(f"{tc.eval_tokens:,} tokens per evaluation")
+    if p.hardware.device_type != "cpu" or not parts:
+        return None
+    return (f"recipe: the gpt2 recipe's {' and '.join(parts)} on a CPU (the defaults without --preset); for a "
+            f"CPU-sized run pass --preset debug ({debug['total_batch_size']:,}-token steps, {debug['eval_tokens']:,} "
+            "eval tokens) or set --total-batch-size and --eval-tokens")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost | None:

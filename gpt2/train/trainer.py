@@ -33,6 +33,7 @@ from gpt2.distributed.fsdp import shard as shard_fsdp
 from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu
+from gpt2.train.memory_watch import MemoryWatch
 from gpt2.train.optim import make_optimizer
 from gpt2.train.run_log import Metrics, plot_loss_curve
 from gpt2.train.startup import (
@@ -430,6 +431,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
         return 0
     cfg, tc = run.cfg, run.cfg.train
     announce_compile(tc, dist, log)
+    watch = MemoryWatch.start(run.plan.memory.total, run.plan.hardware.reserve_bytes, dist.device)
     parts = build(cfg, dist, log, shards, run.start)
     write_run_info(cfg, dist, parts, run.peak, run.prec, run.loss, run.network)
     announce(cfg, dist, parts, log)
@@ -442,7 +444,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if dist.is_main and tc.async_ckpt:
         parts.writer = CheckpointWriter(dist.device)
     try:
-        return run_loop(parts, cfg, dist, log, run.peak, hellaswag, stop_request)
+        return run_loop(parts, cfg, dist, log, run.peak, hellaswag, stop_request, watch=watch)
     finally:
         close_run(parts, dist, log)
 
@@ -463,7 +465,7 @@ class Progress:
 
 
 def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float | None, hellaswag,
-             stop_request: preempt.StopRequest) -> int:
+             stop_request: preempt.StopRequest, *, watch: MemoryWatch | None = None) -> int:
     """Steps until --max-steps (0) or a stop signal (EXIT_REQUEUE, after a checkpoint).
 
     On CUDA (reads_lag) a step's numbers are read after the next step has been queued: the device
@@ -489,6 +491,10 @@ def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float
         if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
             set_timeout(dist, tc.dist_step_timeout_s)
             slow_phase = False
+        if watch is not None:  # the first step against the memory plan (gpt2/train/memory_watch.py)
+            if warning := watch.after_first_step():
+                log.warn(warning)
+            watch = None
         step = parts.step
         has_val, has_hs = parts.val_loader is not None, bool(hellaswag)
         if pending is not None:  # the previous step's numbers: ready, this step is queued behind them

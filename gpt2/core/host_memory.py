@@ -1,0 +1,78 @@
+"""The host's memory as a CPU run sees it: what is free, this process's resident peak, and glibc's malloc.
+
+Linux only where it reads /proc (elsewhere each reader returns None and the caller says "unknown");
+glibc only where it tunes malloc. Nothing runs at import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import platform
+
+MMAP_THRESHOLD_BYTES = 1 << 20
+"""Blocks of at least this size are mapped on their own and unmapped when freed (return_freed_memory)."""
+TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
+"""Free memory above this at the top of glibc's heap goes back to the system (twice the mmap threshold, as
+glibc's own dynamic rule keeps it)."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters, from glibc's malloc.h
+
+
+def return_freed_memory() -> bool:
+    """Make glibc return a freed tensor's memory to the system (a CPU run calls this before its model exists).
+
+    By default glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB) and keeps
+    up to twice that free at the top of its heap; tensors under the threshold then come from the heap,
+    where the order of a training step's allocations leaves freed blocks it cannot reuse. Measured
+    (bench/plan_memory.py, the table in bench/README.md): at 512 x 64 tokens of a 2-layer, 64-wide model
+    the process grew 1.28x the memory plan with the defaults, by a different amount run to run, and 0.98x
+    with a fixed 1 MiB threshold, at which every tensor that grows with the micro-batch is mapped and
+    unmapped on its own. The cost is a page fault per 4 KiB of each such tensor when it is allocated again,
+    which that table's CPU times do not show above a shared machine's noise, as the chunked loss
+    reuses its buffers (gpt2/model/loss.py). Returns whether it was set (glibc only)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def available_bytes() -> int | None:
+    """MemAvailable: what the kernel can give without swapping (free memory plus reclaimable caches),
+    not MemTotal, which counts what other processes hold. None where /proc/meminfo is absent."""
+    return _kib_field("/proc/meminfo", "MemAvailable")
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set now (VmRSS), or None off Linux."""
+    return _kib_field("/proc/self/status", "VmRSS")
+
+
+def resident_peak_bytes() -> int | None:
+    """This process's resident high-water mark (VmHWM) since it started or reset_resident_peak(), or None."""
+    return _kib_field("/proc/self/status", "VmHWM")
+
+
+def reset_resident_peak() -> bool:
+    """Set VmHWM back to the current VmRSS (Linux >= 4.0: writing 5 to /proc/self/clear_refs), so a later
+    resident_peak_bytes() is the peak of what runs in between. Returns whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _kib_field(path: str, name: str) -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

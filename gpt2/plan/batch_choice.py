@@ -1,0 +1,133 @@
+"""--micro-batch-size auto: the fastest micro-batch by a throughput model, among those that fit and divide.
+
+The largest micro-batch that fits is not the fastest. What a larger micro-batch buys is fewer micro-steps,
+and each micro-step costs a fixed time beyond its FLOPs: the kernels' launches and the host's work per
+operation, about the same whatever its size. What it can cost: under torch.compile, the full-logits loss
+(one fused cross-entropy) takes 1/FULL_LOSS_MEMORY_SHARE of the memory only up to some micro-batch, and
+past it the chunked loss runs the LM head ~1.3x slower (gpt2/plan/loss_choice.py, bench/lm_head_loss.py).
+
+The model (micro_step_seconds, a pure function): a micro-step of B sequences of T tokens takes
+    layers x OVERHEAD_S_PER_LAYER  +  B x T x flops_per_token / (peak x MFU) x (1 + chunked-loss extra)
+and auto takes the smallest micro-batch whose modelled tokens/s is within TIE of the best one's: below
+that the model cannot tell them apart, and a smaller micro-batch leaves memory free. The constants, from
+what is known rather than fitted: on CUDA ~150 us per block and micro-step (a compiled block is ~10
+kernels forward and ~20 backward at ~5 us of launch and tail each); GPT-2 124M at 40% of an H100's bf16
+peak then spends 5.6% of a 16-sequence micro-step on it, 2.9% at 32 and 1.5% at 64: a step gains little
+past B = 16-32, as measured runs of it show. For the gpt2 preset that makes 32 on an H100 or H200 (64 is
+within 2% on an H200, where the full loss still fits at 64), 16 on an A100-80GB and 8 on an A100-40GB,
+whose lower peak makes the fixed cost a smaller share, and whose full-loss share ends at 16
+(tests/test_batch_choice.py holds the table). On a CPU
+each eager operation costs the host microseconds, ~250 us per block and micro-step, small beside a
+CPU's compute per token: a few sequences saturate it. Under --parallel fsdp with several ranks every
+micro-step all-gathers the weights again, a cost this model does not hold, so auto keeps the largest
+micro-batch there. `quick` in scripts/gpu_session.sh measures B = 12, this choice and the sizes between,
+which checks the constants on the first GPU lease.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpt2.core.config import ModelConfig
+from gpt2.core.schedule import grad_accum_steps
+from gpt2.plan.flops import flops_per_token
+from gpt2.plan.hardware import Hardware
+from gpt2.plan.loss_choice import choose_loss_impl
+from gpt2.plan.memory import AUTO_HEADROOM, PLAN_ERROR, does_not_fit, max_micro_batch_size
+
+OVERHEAD_S_PER_LAYER = {"cuda": 150e-6, "cpu": 250e-6}
+"""Seconds per transformer block of a micro-step's fixed cost (the embedding and the LM head count as one
+block each), by device type (module docstring)."""
+ASSUMED_PEAK_FLOPS = {"cuda": 312e12, "cpu": 1e11}
+"""Where the hardware has no peak (an unlisted GPU, a CPU whose probe failed): an A100's bf16 data-sheet
+peak, and a CPU of a few cores."""
+CHUNKED_LOSS_EXTRA = 0.3
+"""The compiled chunked loss's LM head takes this much longer than the compiled full loss's (~1.3x,
+bench/lm_head_loss.py, issue 23)."""
+TIE = 0.02
+"""Micro-batches whose modelled tokens/s is within this fraction of the best are equally fast to the model."""
+MFU = 0.4
+"""The share of the peak the compute runs at (the planner's default assumption, gpt2/plan/planner.py)."""
+
+
+@dataclass(frozen=True)
+class MicroBatchChoice:
+    """The micro-batch a run takes and why, as the start-up line says it."""
+    size: int
+    reason: str
+
+    def describe(self) -> str:
+        """The start-up line (its prefix is parsed by scripts: keep `micro-batch auto: N sequences`)."""
+        return f"micro-batch auto: {self.size} sequences, {self.reason}"
+
+
+def micro_step_seconds(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, device_type: str,
+                       peak_flops: float | None, chunked_compiled: bool = False) -> float:
+    """The model's time of one micro-step (module docstring). chunked_compiled: the loss at this micro-batch
+    is the chunked one under torch.compile, where the full one is the faster path."""
+    peak = peak_flops or ASSUMED_PEAK_FLOPS[device_type]
+    overhead = (cfg.n_layer + 2) * OVERHEAD_S_PER_LAYER[device_type]
+    extra = CHUNKED_LOSS_EXTRA * lm_head_share(cfg, seq_len) if chunked_compiled else 0.0
+    return overhead + micro_batch_size * seq_len * flops_per_token(cfg, seq_len) / (peak * MFU) * (1 + extra)
+
+
+def lm_head_share(cfg: ModelConfig, seq_len: int) -> float:
+    """The LM head's share of a token's training FLOPs (6 V h of flops_per_token)."""
+    return 6.0 * cfg.vocab_size * cfg.n_embd / flops_per_token(cfg, seq_len)
+
+
+def choose_micro_batch(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int, total_batch_size: int,
+                       dtype: str, optimizer: str = "adamw", parallel: str = "ddp", checkpointed: bool = False,
+                       compiled: bool = True) -> MicroBatchChoice:
+    """--micro-batch-size auto: among the micro-batches that divide a rank's share of total_batch_size and fit
+    with AUTO_HEADROOM (else, where none does, those that fit at all), the smallest within TIE of the fastest
+    by the throughput model; under fsdp at world size > 1, the largest. A model that fits nowhere: the
+    does_not_fit error. The loss each micro-batch would take is --loss-impl auto's whatever the run asks
+    for, so that --loss-impl never changes the micro-batch (gpt2/plan/loss_choice.py: both paths then run
+    the same batch maths)."""
+    grad_accum_steps(total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
+    kw = dict(world_size=world_size, dtype=dtype, optimizer=optimizer, parallel=parallel,
+              total_batch_size=total_batch_size, checkpointed=checkpointed)
+    fits = max_micro_batch_size(cfg, seq_len, hardware, headroom=AUTO_HEADROOM, **kw)
+    margin = f"fits with the plan's {PLAN_ERROR:.0%} margin up to {fits}"
+    if not fits:
+        fits = max_micro_batch_size(cfg, seq_len, hardware, **kw)
+        margin = f"none fits with the plan's {PLAN_ERROR:.0%} margin; without it up to {fits}"
+    if not fits:
+        raise ValueError(does_not_fit(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer,
+                                      parallel=parallel, checkpointed=checkpointed))
+    seqs = total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
+    sizes = [b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0]
+    if parallel == "fsdp" and world_size > 1:
+        return MicroBatchChoice(sizes[-1], f"the largest that {margin} and divides the global batch (fsdp: every "
+                                           "micro-step gathers the weights again)")
+
+    def chunked(b: int) -> bool:
+        if not compiled:
+            return False  # uncompiled, which loss is faster is measured at start-up, not modelled
+        return choose_loss_impl(cfg, "auto", micro_batch_size=b, hardware=hardware, world_size=world_size,
+                                dtype=dtype, optimizer=optimizer, compiled=True, seq_len=seq_len, parallel=parallel,
+                                accum_steps=seqs // b, checkpointed=checkpointed).impl == "chunked"
+
+    rate = {b: b / micro_step_seconds(cfg, b, seq_len, device_type=hardware.device_type,
+                                      peak_flops=hardware.peak_flops, chunked_compiled=chunked(b)) for b in sizes}
+    best = max(rate, key=rate.get)
+    pick = min(b for b in sizes if rate[b] >= (1 - TIE) * rate[best])
+    return MicroBatchChoice(pick, explain(cfg, pick, sizes[-1], rate, seq_len, hardware, margin,
+                                          chunked(sizes[-1]) and not chunked(pick)))
+
+
+def explain(cfg: ModelConfig, pick: int, largest: int, rate: dict[int, float], seq_len: int, hardware: Hardware,
+            margin: str, loss_differs: bool) -> str:
+    """Why the throughput model took `pick`, in one clause."""
+    overhead = (cfg.n_layer + 2) * OVERHEAD_S_PER_LAYER[hardware.device_type]
+    compute = micro_step_seconds(cfg, pick, seq_len, device_type=hardware.device_type,
+                                 peak_flops=hardware.peak_flops) - overhead
+    why = (f"the fastest by the throughput model ({overhead * 1e3:.1f} ms fixed per micro-step against "
+           f"{compute * 1e3:,.1f} ms of compute")
+    gain = rate[largest] / rate[pick] - 1
+    if pick != largest and gain < 0:
+        why += f"; {largest} would run {-gain:.0%} slower" + (" with the chunked loss" if loss_differs else "")
+    elif pick != largest:
+        why += f"; {largest} would gain {gain:.1%}, within the {TIE:.0%} the model does not tell apart"
+    return f"{why}); {margin} and divides the global batch"

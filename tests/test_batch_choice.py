@@ -1,0 +1,121 @@
+"""--micro-batch-size auto: the throughput model's micro-batch, on a table of configurations and hardware, and
+every guarantee the largest-that-fits rule gave (fits, divides, FSDP, a clear error)."""
+
+import pytest
+
+from gpt2.core.config import ModelConfig, model_preset
+from gpt2.plan.batch_choice import TIE, MicroBatchChoice, choose_micro_batch, lm_head_share, micro_step_seconds
+from gpt2.plan.hardware import GIB, Hardware, gpu_hardware
+from gpt2.plan.memory import AUTO_HEADROOM, max_micro_batch_size, memory
+from gpt2.plan.planner import plan
+
+CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
+ISSUE_41 = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)  # issue 41's tiny model, full vocabulary
+
+
+def choose(cfg, hw, total=524_288, world=1, dtype="bf16", **kw):
+    return choose_micro_batch(cfg, cfg.block_size, hw, world_size=world, total_batch_size=total, dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("gpu, expected", [("H100-80GB", 32), ("H200", 32), ("A100-80GB", 16), ("A100-40GB", 8)])
+def test_gpt2_on_each_gpu_takes_the_fastest_micro_batch_not_the_largest(gpu, expected):
+    """The gpt2 preset (bf16, compiled, 524,288 tokens): 16-32 sequences, where the fused full loss fits its
+    share, not the 80-170 that fit (the largest-that-fits rule took 128 on an H100 with the 20-chunk loss)."""
+    cfg, hw = model_preset("gpt2"), gpu_hardware(gpu, "bf16")
+    choice = choose(cfg, hw)
+    largest = max_micro_batch_size(cfg, 1024, hw, total_batch_size=524_288, headroom=AUTO_HEADROOM)
+    assert choice.size == expected and largest >= 4 * expected
+    assert choice.describe().startswith(f"micro-batch auto: {expected} sequences, the fastest by the throughput model")
+    assert "would run" in choice.reason and "with the chunked loss" in choice.reason  # why not the largest
+
+
+def test_the_model_weighs_the_fixed_cost_and_the_chunked_loss():
+    cfg, h100 = model_preset("gpt2"), gpu_hardware("H100-80GB", "bf16")
+
+    def rate(b, chunked=False):
+        return b / micro_step_seconds(cfg, b, 1024, device_type="cuda", peak_flops=h100.peak_flops,
+                                      chunked_compiled=chunked)
+
+    assert rate(1) < rate(16) < rate(32) < rate(64) < rate(128)  # the fixed cost spread over more tokens
+    assert rate(32) / rate(16) - 1 < 0.03 and rate(64) / rate(32) - 1 < TIE  # little gained past 16-32
+    assert rate(64, chunked=True) < rate(32)  # the chunked loss costs more than the larger micro-batch gains
+    assert 0.25 < lm_head_share(cfg, 1024) < 0.3  # 6 V h of GPT-2's ~855 MFLOP per token
+
+
+def test_issue_41s_tiny_model_on_a_cpu_takes_a_few_sequences_not_thousands():
+    """The issue's run (2 x 64 wide, block 64, fp32, the gpt2 recipe's batch): the largest that fits was 8,192
+    sequences, and the first step was killed by the kernel. On a CPU the fixed cost per micro-step is small
+    beside its compute: a few sequences are as fast."""
+    choice = choose(ISSUE_41, CPU, dtype="fp32", compiled=False)
+    assert 1 <= choice.size <= 64 and 8192 % choice.size == 0
+    assert memory(ISSUE_41, choice.size, 64, dtype="fp32", device_type="cpu").total < GIB // 4
+
+
+@pytest.mark.parametrize("gib", [4, 5, 8, 24])
+def test_auto_fits_with_its_margin_and_divides(gib):
+    """gpt2 at block 1024 on a CPU capped at gib, 32 sequences per rank: whatever the model prefers, the choice
+    fits with AUTO_HEADROOM and divides the rank's sequences."""
+    cfg = model_preset("gpt2")
+    hw = Hardware(name=f"cpu capped at {gib} GiB", memory_bytes=gib * GIB, peak_flops=1e11, device_type="cpu",
+                  reserve_bytes=GIB // 2)
+    b = choose(cfg, hw, total=32 * 1024 * 2, world=2, dtype="fp32").size
+    fits = max_micro_batch_size(cfg, 1024, hw, world_size=2, dtype="fp32", headroom=AUTO_HEADROOM)
+    assert 1 <= b <= fits and 32 % b == 0
+    assert memory(cfg, b, 1024, world_size=2, dtype="fp32", device_type="cpu").total * AUTO_HEADROOM <= hw.usable_bytes
+
+
+def test_without_room_for_the_margin_the_largest_that_fits_is_taken_and_said():
+    cfg = model_preset("gpt2")
+    need = memory(cfg, 1, 1024, dtype="fp32", device_type="cpu", accum_steps=2).total
+    hw = Hardware(name="tight", memory_bytes=int(need * 1.1) + GIB, peak_flops=1e11, device_type="cpu",
+                  reserve_bytes=GIB)
+    choice = choose(cfg, hw, total=8 * 1024, dtype="fp32")
+    assert choice.size == 1 and "none fits with the plan's 25% margin; without it up to 1" in choice.reason
+
+
+def test_free_memory_bounds_auto_on_a_cpu():
+    """MemAvailable, not the host's RAM: what other processes hold is not the run's."""
+    roomy = Hardware(name="cpu", memory_bytes=64 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
+    busy = Hardware(name="cpu", memory_bytes=64 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB,
+                    available_bytes=6 * GIB)
+    cfg = model_preset("gpt2")
+    assert busy.usable_bytes == 5 * GIB and roomy.usable_bytes == 63 * GIB
+    loose = max_micro_batch_size(cfg, 1024, roomy, dtype="fp32", headroom=AUTO_HEADROOM)
+    tight = max_micro_batch_size(cfg, 1024, busy, dtype="fp32", headroom=AUTO_HEADROOM)
+    assert tight < loose
+    b = choose(cfg, busy, total=64 * 1024, dtype="fp32").size
+    assert memory(cfg, b, 1024, dtype="fp32", device_type="cpu", accum_steps=64 // b).total * AUTO_HEADROOM \
+        <= 5 * GIB
+
+
+def test_under_fsdp_auto_keeps_the_largest_that_fits_and_divides():
+    cfg = model_preset("gpt2-large")
+    hw = gpu_hardware("RTX4090-24GB", "bf16")
+    for world in (2, 8, 64):
+        choice = choose(cfg, hw, world=world, parallel="fsdp")
+        seqs = 524288 // 1024 // world
+        assert seqs % choice.size == 0 and "fsdp: every micro-step gathers the weights again" in choice.reason
+        assert plan(cfg, micro_batch_size=choice.size, hardware=hw, world_size=world, parallel="fsdp",
+                    total_batch_size=524288).fits
+        ddp = max_micro_batch_size(cfg, 1024, hw, world_size=world, total_batch_size=524288, headroom=AUTO_HEADROOM)
+        assert choice.size >= min(ddp, seqs)  # sharding never makes the micro-batch smaller here
+
+
+def test_errors_name_the_problem():
+    cfg = model_preset("gpt2")
+    with pytest.raises(ValueError, match=r"not a multiple of micro_batch_size\*block_size\*world_size = 1\*1024\*2"):
+        choose(cfg, CPU, total=3000, world=2, dtype="fp32")
+    with pytest.raises(ValueError, match="less than one sequence per rank .* or use at most 512 ranks"):
+        choose(cfg, CPU, world=1024, dtype="fp32")
+    tiny = Hardware(name="tiny", memory_bytes=GIB, peak_flops=1e12, device_type="cpu", reserve_bytes=0)
+    with pytest.raises(ValueError, match=r"gpt2-xl does not fit on tiny \(1.00 GiB\) with DDP at world size 1: "
+                                         r"micro_batch_size=1 needs \d+\.\d\d GiB per device .* a smaller model"):
+        choose(model_preset("gpt2-xl"), tiny, total=8192, dtype="fp32")
+    roomy = Hardware(name="small", memory_bytes=4 * GIB, peak_flops=1e12, device_type="cpu", reserve_bytes=0)
+    with pytest.raises(ValueError, match=r"a shorter --block-size, --dtype bfloat16"):
+        choose(model_preset("gpt2", block_size=8192), roomy, total=8192, dtype="fp32")
+
+
+def test_the_start_up_line_keeps_the_prefix_scripts_parse():
+    line = MicroBatchChoice(12, "why").describe()
+    assert line == "micro-batch auto: 12 sequences, why"

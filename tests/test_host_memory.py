@@ -1,0 +1,55 @@
+"""gpt2/core/host_memory.py: what the host has free, the process's resident peak, and glibc's malloc setting."""
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpt2.core import host_memory
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read from /proc")
+glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
+
+# A 16 MiB tensor freed raises glibc's dynamic mmap threshold to 16 MiB; an 8 MiB one after it then comes
+# from the heap and, freed, stays resident (under the 32 MiB trim threshold). What stays is measured.
+KEPT_AFTER_FREE = """
+import json, sys, torch
+from gpt2.core import host_memory
+if sys.argv[1] == "trainer":
+    from gpt2.core.config import TrainConfig
+    from gpt2.distributed.group import Dist
+    from gpt2.train.startup import configure_backends
+    configure_backends(TrainConfig(data_dir="d", out_dir="o"), Dist(rank=0, local_rank=0, world_size=1,
+                       local_world_size=1, device=torch.device("cpu")))
+a = torch.ones(4 * 2**20); del a
+before = host_memory.resident_bytes()
+b = torch.ones(2 * 2**20); del b
+print(json.dumps(host_memory.resident_bytes() - before))
+"""
+
+
+def kept_after_free(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", KEPT_AFTER_FREE, mode], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@linux
+@glibc
+def test_a_cpu_run_gives_freed_tensors_back_where_glibcs_defaults_keep_them():
+    assert kept_after_free("default") >= 6 * 2**20  # the 8 MiB block stays in the heap
+    assert kept_after_free("trainer") < 2 * 2**20  # the trainer's start-up (configure_backends) returns it
+
+
+@linux
+def test_free_memory_and_the_resident_peak_are_read_and_the_peak_resets():
+    free, rss = host_memory.available_bytes(), host_memory.resident_bytes()
+    assert 0 < free and 0 < rss <= host_memory.resident_peak_bytes()
+    big = torch.ones(32 * 2**20)  # 128 MiB, written
+    del big
+    assert host_memory.resident_peak_bytes() >= rss + 100 * 2**20
+    assert host_memory.reset_resident_peak()
+    assert host_memory.resident_peak_bytes() < rss + 100 * 2**20 or host_memory.resident_bytes() >= rss + 100 * 2**20
