@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,7 +73,8 @@ def test_measured_numbers_are_positive_and_consistent(cpu_doctor):
     sec = report["sections"]
     training = sec["training"]["data"]
     assert training["tokens_per_s"] > 0 and 0 < training["mfu"] <= 1 and training["peak_flops"] > 0
-    assert training["micro_batch_size"] == 8 and training["accum_steps"] == 1  # auto: all 512 tokens at once
+    mb = training["micro_batch_size"]  # auto: the throughput model's divisor of the 8 sequences (machine-dependent)
+    assert 8 % mb == 0 and training["accum_steps"] == 8 // mb
     ranks = sec["ranks"]["data"]
     assert ranks["world_size"] == 2 and ranks["network"]["backend"] == "gloo"
     assert ranks["network"]["busbw_bytes_per_s"] > 0 and ranks["speedup"] > 0
@@ -144,7 +146,9 @@ def test_a_section_that_raises_is_failed_with_one_line_and_the_rest_run(tmp_path
     failed.name = "correctness"
     assert exit_status([fine, failed]) == 1  # a correctness section that cannot run has not passed
     table = format_table([fine, failed], "header")
-    assert "| correctness (0 s) | section | RuntimeError: no working C++ compiler found | FAILED |" in table
+    # the section's own time (whole seconds) depends on the machine's load: any count passes
+    assert re.search(r"\| correctness \(\d+ s\) \| section \| RuntimeError: no working C\+\+ compiler found \| FAILED \|",
+                     table), table
 
 
 def test_every_section_runs_once_and_prints_in_the_documented_order():

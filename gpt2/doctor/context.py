@@ -41,9 +41,9 @@ SCALES = {
     "cuda": Scale(check_model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256), check_batch=8,
                   check_steps=8, model=model_preset("gpt2"), ladder_batch=16, ladder_steps=5, ladder_warmup=2,
                   train_flags=(), train_steps=8, train_warmup=3, shard_tokens=2 ** 21),
-    # 512 tokens per step: 8 sequences on one rank, 4 on each of two. The checks' micro-batch is the one
-    # training's auto takes (8), so training compiles the graph correctness's fast run compiled: from
-    # inductor's cache (measured: 40 s instead of ~90 s for the training section on 2 loaded cores).
+    # 512 tokens per step: 8 sequences on one rank, 4 on each of two. Where training's auto takes all 8 at
+    # once (the throughput model's choice depends on the measured peak), training compiles the graph
+    # correctness's fast run compiled, from inductor's cache (40 s instead of ~90 s on 2 loaded cores).
     "cpu": Scale(check_model=TINY, check_batch=8, check_steps=8, model=TINY, ladder_batch=4, ladder_steps=3,
                  ladder_warmup=1, train_flags=(*model_flags(TINY), "--total-batch-size", "512"), train_steps=12,
                  train_warmup=3, shard_tokens=200_000),
