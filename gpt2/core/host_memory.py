@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
 
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -29,8 +30,11 @@ def return_freed_memory() -> bool:
     with a fixed 1 MiB threshold, at which every tensor that grows with the micro-batch is mapped and
     unmapped on its own. The cost is a page fault per 4 KiB of each such tensor when it is allocated again,
     which that table's CPU times do not show above a shared machine's noise, as the chunked loss
-    reuses its buffers (gpt2/model/loss.py). Returns whether it was set (glibc only)."""
-    if platform.libc_ver()[0] != "glibc":
+    reuses its buffers (gpt2/model/loss.py). Returns whether it was set (glibc only).
+
+    A malloc setting the user made (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or glibc.malloc tunables
+    in GLIBC_TUNABLES, e.g. bench/fsdp_memory.py's 64 KiB threshold) is theirs: left as it is."""
+    if platform.libc_ver()[0] != "glibc" or user_malloc_settings():
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -38,6 +42,13 @@ def return_freed_memory() -> bool:
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def user_malloc_settings(env=None) -> bool:
+    """Whether the environment sets glibc's malloc thresholds itself (read by glibc at process start)."""
+    env = os.environ if env is None else env
+    return (any(k in env for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"))
+            or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""))
 
 
 def available_bytes() -> int | None:
