@@ -1,5 +1,6 @@
-"""gpt2/train/trainer.py: due(), what each step owes (log, evaluate, HellaSwag, sample, save, stop), pure; the
-step's device-side skip (step_unless); run_loop's late reads of a step's numbers (CUDA's), forced on CPU."""
+"""gpt2/train/trainer.py: due(), what each step owes (log, evaluate, HellaSwag, sample, save, stop), pure, and
+decided once a step; the step's device-side skip (step_unless); run_loop's late reads of a step's numbers
+(CUDA's), forced on CPU."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ def test_each_action_at_its_interval_and_all_at_the_last_step():
     assert steps_where("save") == [6, 10]
     assert steps_where("final") == [10]
     assert steps_where("stop") == []
+
+
+def test_a_stop_vote_read_later_gives_the_actions_due_would_have_given():
+    """run_loop decides a step's actions once and applies the stop vote when it reads it (voted_stop):
+    the same actions as due(step, stop_requested=...), at every step (the last included: no stop there)."""
+    for step in range(1, TC.max_steps + 1):
+        for vote in (False, True):
+            assert due(step, TC).voted_stop(vote) == due(step, TC, stop_requested=vote), (step, vote)
 
 
 def test_zero_intervals_mean_never_but_the_last_step_still_evaluates_samples_and_saves():
@@ -124,6 +133,17 @@ def test_late_reads_still_stop_on_consecutive_bad_steps_before_any_checkpoint_of
     assert code == 1
     assert "1 consecutive steps had a non-finite loss or gradient norm (last: step 2)" in capsys.readouterr().err
     assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").glob("step_*"))
+
+
+@pytest.mark.parametrize("lag", [False, True])
+def test_the_loop_decides_each_steps_actions_once(tmp_path, shakespeare_shards, monkeypatch, lag):
+    """One due() call per step, read at once or late: the loop does not decide a step twice."""
+    import gpt2.train.trainer as trainer
+
+    calls = []
+    monkeypatch.setattr(trainer, "due", lambda step, *args, **kwargs: calls.append(step) or due(step, *args, **kwargs))
+    assert _run(tmp_path, shakespeare_shards, "run", monkeypatch, lag=lag, max_steps=4, ckpt_interval=0)[0] == 0
+    assert calls == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("lag", [False, True])
