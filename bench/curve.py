@@ -26,8 +26,8 @@ def val_curve(cfg: RunConfig, label: str, eval_every: int,
         session.step()
         if session.steps % eval_every == 0 or session.steps == steps:
             val[session.steps] = session.evaluate()
-            print(f"  {label}: step {session.steps} val {val[session.steps]:.4f} ({sum(session.step_s):.0f} s training)",
-                  file=sys.stderr, flush=True)
+            print(f"  {label}: step {session.steps} val {val[session.steps]:.4f} "
+                  f"({sum(session.step_s):.0f} s training)", file=sys.stderr, flush=True)
     times = list(session.step_s)
     session.close()
     return val, times

@@ -66,7 +66,8 @@ def train_args(args: argparse.Namespace, data_dir: Path, out_dir: Path, mode: st
 
 
 def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
-    """One rank: baseline RSS, the trainer's build and steps (gpt2/train/session.py), then rank 0 writes every rank's peak."""
+    """One rank: baseline RSS, the trainer's build and steps (gpt2/train/session.py), then rank 0 writes
+    every rank's peak."""
     import torch.distributed as tdist
 
     from gpt2.distributed.group import Dist, WorldInfo, all_gather_object, exit_after_group
