@@ -39,7 +39,7 @@ from gpt2.ckpt.writer import CheckpointWriter
 from gpt2.core import precision
 from gpt2.core.config import RunConfig, TrainConfig, model_preset
 from gpt2.model.gpt import GPT
-from gpt2.train.optim import make_optimizer
+from gpt2.train.session import make_optimizer
 
 
 def trainer_like_state(preset: str, device: torch.device = torch.device("cpu")):

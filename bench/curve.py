@@ -1,39 +1,33 @@
-"""A validation-loss curve from the trainer's own build(), train_step() and evaluate(), on one CPU
-process: what bench/data_order.py and bench/optimizers.py compare."""
+"""A validation-loss curve from the trainer's own steps and evaluation (gpt2/train/session.py), on one
+CPU process: what bench/data_order.py and bench/optimizers.py compare."""
 
 from __future__ import annotations
 
 import sys
-import time
-from pathlib import Path
 from typing import Callable
 
 from gpt2.core.config import RunConfig
 from gpt2.distributed.group import single_process
-from gpt2.train.run_log import Metrics
-from gpt2.train.startup import check_data, configure_backends
-from gpt2.train.trainer import build, evaluate, train_step
+from gpt2.train.session import Session
 
 
-def val_curve(cfg: RunConfig, out_dir: Path, label: str, eval_every: int,
+def val_curve(cfg: RunConfig, label: str, eval_every: int,
               adjust: Callable | None = None) -> tuple[dict[int, float], list[float]]:
     """({step: val loss} at step 0, every eval_every steps and the last, [seconds of each step]).
 
-    Trains to cfg.train.max_steps; adjust(parts), if given, changes the built parts before step 0
-    (e.g. another train loader). Progress goes to stderr, one line per evaluation."""
-    dist = single_process("cpu")
-    configure_backends(cfg.train, dist)
-    parts = build(cfg, dist, Metrics(dist, out_dir), check_data(cfg, 1))
+    Trains to cfg.train.max_steps in cfg.train.out_dir; adjust(session), if given, changes the built
+    session before step 0 (e.g. another train loader). Progress goes to stderr, one line per evaluation."""
+    session = Session(cfg, single_process("cpu"))
     if adjust is not None:
-        adjust(parts)
+        adjust(session)
     steps = cfg.train.max_steps
-    val, times = {0: evaluate(parts, cfg, dist)}, []
-    while parts.step < steps:
-        t0 = time.perf_counter()
-        train_step(parts, cfg, dist, False)
-        times.append(time.perf_counter() - t0)
-        if parts.step % eval_every == 0 or parts.step == steps:
-            val[parts.step] = evaluate(parts, cfg, dist)
-            print(f"  {label}: step {parts.step} val {val[parts.step]:.4f} ({sum(times):.0f} s training)",
-                  file=sys.stderr, flush=True)
+    val = {0: session.evaluate()}
+    while session.steps < steps:
+        session.step()
+        if session.steps % eval_every == 0 or session.steps == steps:
+            val[session.steps] = session.evaluate()
+            print(f"  {label}: step {session.steps} val {val[session.steps]:.4f} "
+                  f"({sum(session.step_s):.0f} s training)", file=sys.stderr, flush=True)
+    times = list(session.step_s)
+    session.close()
     return val, times

@@ -31,7 +31,7 @@ from curve import val_curve  # bench/curve.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.data.loader import TokenStream, find_shards
-from gpt2.train.cli import parse_config
+from gpt2.train.session import parse_config
 
 RECIPE = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--n-layer", "4", "--n-head", "4",
           "--n-embd", "128", "--block-size", "64", "--micro-batch-size", "16", "--total-batch-size", "1024",
@@ -66,10 +66,10 @@ def run(name: str, data_dir: Path, out_dir: Path, steps: int, eval_every: int) -
     cfg = parse_config([*RECIPE, "--max-steps", str(steps), "--data-dir", str(data_dir), "--out-dir", str(out_dir),
                         "--data-order", order])
 
-    def random_windows(parts) -> None:
-        parts.loader = RandomWindows(data_dir, micro_batch_size=16, seq_len=64, seed=cfg.train.seed)
+    def random_windows(session) -> None:
+        session.loader = RandomWindows(data_dir, micro_batch_size=16, seq_len=64, seed=cfg.train.seed)
 
-    return val_curve(cfg, out_dir, name, eval_every, random_windows if name == "random (ref)" else None)[0]
+    return val_curve(cfg, name, eval_every, random_windows if name == "random (ref)" else None)[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,14 +66,12 @@ def train_args(args: argparse.Namespace, data_dir: Path, out_dir: Path, mode: st
 
 
 def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
-    """One rank: baseline RSS, the trainer's build() and train_step()s, then rank 0 writes every rank's peak."""
+    """One rank: baseline RSS, the trainer's build and steps (gpt2/train/session.py), then rank 0 writes
+    every rank's peak."""
     import torch.distributed as tdist
 
     from gpt2.distributed.group import Dist, WorldInfo, all_gather_object, exit_after_group
-    from gpt2.train.cli import parse_config
-    from gpt2.train.run_log import Metrics
-    from gpt2.train.startup import check_data, configure_backends
-    from gpt2.train.trainer import build, train_step
+    from gpt2.train.session import Session, parse_config
 
     cfg = parse_config(argv)
     baseline = rss_bytes()
@@ -82,13 +80,12 @@ def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
     tdist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
                              timeout=datetime.timedelta(seconds=120))
     dist = Dist(rank=rank, local_rank=rank, world_size=WORLD, local_world_size=WORLD, device=torch.device("cpu"))
-    configure_backends(cfg.train, dist)
-    parts = build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, WORLD))
-    losses = [train_step(parts, cfg, dist, False)["loss"] for _ in range(steps)]
+    session = Session(cfg, dist)
+    losses = [session.step()["loss"] for _ in range(steps)]
     peaks = all_gather_object({"rank": rank, "peak": peak_rss_bytes() - baseline, "baseline": baseline}, dist)
     if rank == 0:
         Path(tmp, "result.json").write_text(json.dumps({"ranks": peaks, "losses": losses,
-                                                         "accum": parts.accum_steps}))
+                                                         "accum": session.accum_steps}))
     tdist.barrier()
     tdist.destroy_process_group()
     # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/distributed/group.py
@@ -117,7 +114,7 @@ def run_mode(args: argparse.Namespace, data_dir: Path, tmp: Path, mode: str) -> 
 
 def predicted(args: argparse.Namespace, mode: str, accum: int) -> int:
     from gpt2.plan.memory import memory
-    from gpt2.train.cli import parse_config
+    from gpt2.train.session import parse_config
 
     cfg = parse_config(train_args(args, Path("d"), Path("o"), mode))
     return memory(cfg.model, args.micro_batch_size, args.block_size, world_size=WORLD, dtype="fp32",

@@ -14,18 +14,18 @@ training step of that workload at 4,096 tokens, through the matmul peak measured
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 
 import torch
 
-import gpt2.train.muon
 from gpt2.core import precision
 from gpt2.core.config import ModelConfig, TrainConfig
 from gpt2.model.gpt import GPT
 from gpt2.plan.flops import flops_per_token
-from gpt2.train.optim import make_optimizer
+from gpt2.train.session import make_optimizer, plain_newton_schulz
 
 TOKENS_PER_STEP = 4096
 
@@ -45,14 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         p.grad = torch.randn_like(p) * 1e-3
     opts = {kind: make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer=kind, dtype="float32"),
                                  torch.device("cpu")) for kind in ("adamw", "muon")}
-    gram = gpt2.train.muon.use_gram_form
 
     def step(name: str) -> float:
-        gpt2.train.muon.use_gram_form = gram if name != "muon, plain Newton-Schulz" else (lambda *a: False)
         opts["muon"].optimizers["muon"].ns_dtype = torch.bfloat16 if "bf16" in name else torch.float32
-        t0 = time.perf_counter()
-        opts["muon" if name.startswith("muon") else "adamw"].step()
-        return time.perf_counter() - t0
+        form = plain_newton_schulz() if name == "muon, plain Newton-Schulz" else contextlib.nullcontext()
+        with form:
+            t0 = time.perf_counter()
+            opts["muon" if name.startswith("muon") else "adamw"].step()
+            return time.perf_counter() - t0
 
     names = ["adamw (fused)", "muon, Gram-form Newton-Schulz (default in fp32)", "muon, plain Newton-Schulz"]
     names += ["muon, bf16 Newton-Schulz (torch.optim.Muon's)"] if args.bf16 else []
@@ -63,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
                 dt = step(n)
                 if i:
                     times[n].append(dt)
-    gpt2.train.muon.use_gram_form = gram
     peak = precision.matmul_rate("cpu", torch.float32, n=2048, budget_s=1.0, fresh=True)
     train_s = flops_per_token(mc) * TOKENS_PER_STEP / peak  # the training step's FLOPs at the peak rate
     adamw = statistics.median(times[names[0]])

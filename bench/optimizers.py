@@ -33,7 +33,7 @@ from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # benc
 from curve import val_curve  # bench/curve.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
-from gpt2.train.cli import parse_config
+from gpt2.train.session import parse_config
 
 COMMON = ["--device", "cpu", "--dtype", "float32", "--warmup-steps", "20", "--beta1", "0.9", "--beta2", "0.95",
           "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "1337", "--sample-interval", "0", "--ckpt-interval", "0", "--plot", "false"]
@@ -56,7 +56,7 @@ def run_one(shape: str, optimizer: str, lr: float, muon_lr: float | None, data: 
     cfg = parse_config(flags)
     torch._dynamo.reset()  # each run compiles its own model afresh
     label = f"{shape} {optimizer} lr {lr:g}{'' if muon_lr is None else f' muon-lr {muon_lr:g}'}"
-    val, times = val_curve(cfg, out, label, eval_every)
+    val, times = val_curve(cfg, label, eval_every)
     return {"shape": shape, "optimizer": optimizer, "lr": lr, "muon_lr": muon_lr, "steps": steps,
             "val": {str(k): v for k, v in val.items()}, "step_s": statistics.median(times[5:] or times)}
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
-from gpt2.train.run_log import read_metrics
+from gpt2.train.session import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 

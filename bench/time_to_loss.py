@@ -10,7 +10,7 @@ to 1e-4 at step 200, eager, fp32 (nanoGPT on a CPU always computes in fp32).
 Rows:
   nanoGPT                 its own train.py (`--bias=True --dropout=0.0`, GPT-2's architecture), run twice:
                           before and after ours; its step-200 val loss (first run) is the TARGET
-  ours AdamW              the trainer (gpt2.train.trainer build/train_step) on the same recipe
+  ours AdamW              the trainer (gpt2.train.session: build, step) on the same recipe
   ours Muon               the same with --optimizer muon at its defaults
   + <change> ...          the ablation: the speed preset's changes added one at a time, cumulatively
   tried, not kept: ...    changes tried on top of the preset's, cumulatively, and left out of it
@@ -56,10 +56,7 @@ from gpt2.core import precision
 from gpt2.core.config import RunConfig
 from gpt2.distributed.group import single_process
 from gpt2.model.gpt import GPT
-from gpt2.train.cli import parse_config
-from gpt2.train.run_log import Metrics
-from gpt2.train.startup import check_data, configure_backends
-from gpt2.train.trainer import build, train_step
+from gpt2.train.session import Session, parse_config
 
 RECIPE_STEPS = 200
 QUIET = ["--device", "cpu", "--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0",
@@ -109,7 +106,7 @@ def tried_rows() -> list[tuple[str, list[str]]]:
 class Contender:
     label: str
     cfg: RunConfig
-    parts: object = None
+    session: Session | None = None
     times: list = field(default_factory=list)
     val: dict = field(default_factory=dict)
     """{step: val loss}"""
@@ -171,14 +168,11 @@ def run_nanogpt(tree: Path, dataset: str, out: Path, steps: int, every: int, win
 
 def make_contender(label: str, flags: list[str], data: Path, out: Path, dist) -> Contender:
     cfg = parse_config(flags + QUIET + ["--data-dir", str(data), "--out-dir", str(out)])
-    configure_backends(cfg.train, dist)
-    c = Contender(label, cfg)
-    c.parts = build(cfg, dist, Metrics(dist, out), check_data(cfg, 1))
-    return c
+    return Contender(label, cfg, Session(cfg, dist))
 
 
 def evaluate_ours(c: Contender, windows) -> float:
-    model = c.parts.model
+    model = c.session.model
     eval_model = GPT(c.cfg.model, loss_impl="full")
     eval_model.load_state_dict(model.state_dict())
     return estimate(ours_forward(eval_model.eval()), windows)
@@ -187,16 +181,15 @@ def evaluate_ours(c: Contender, windows) -> float:
 def run_ours(contenders: list[Contender], windows, target: float | None, every: int) -> None:
     """Step every contender in turn (one step each, round-robin) until each reaches the target or its
     last step; evaluate every `every` steps (untimed)."""
-    dist = single_process("cpu")
     live = list(contenders)
     for c in live:
         c.val[0] = evaluate_ours(c, windows)
     while live:
         for c in list(live):
             t0 = time.perf_counter()
-            train_step(c.parts, c.cfg, dist, False)
+            c.session.step()
             c.times.append(time.perf_counter() - t0)
-            step = c.parts.step
+            step = c.session.steps
             if step % every == 0 or step == c.cfg.train.max_steps:
                 c.val[step] = evaluate_ours(c, windows)
                 print(f"  {c.label}: step {step} val {c.val[step]:.4f} ({sum(c.times):.0f} s)", file=sys.stderr,
@@ -205,7 +198,8 @@ def run_ours(contenders: list[Contender], windows, target: float | None, every: 
                     c.reached = step
             if c.reached is not None or step >= c.cfg.train.max_steps:
                 live.remove(c)
-                c.parts = None  # free the model and optimizer
+                c.session.close()
+                c.session = None  # free the model and optimizer
 
 
 def time_to(times: list[float], step: int | None) -> float | None:

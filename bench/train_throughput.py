@@ -6,7 +6,7 @@
 Workload: GPT-2 shape with 6 layers, 6 heads, width 384, block 256, vocab 50304, micro-batch 8,
 4,096 tokens per optimizer step (2 micro-batches on one process, 1 on each of two), random tokens.
 Rows, each timed after --warmup steps (compilation happens there) as the median of --steps steps:
-  fp32 eager / fp32 compiled / bf16 compiled    in this process, through gpt2.train.trainer.build() and
+  fp32 eager / fp32 compiled / bf16 compiled    in this process, through gpt2.train.session: build() and
                                                 train_step() as the trainer runs them (chunked loss,
                                                 fused AdamW), cores/1 threads (configure_backends);
                                                 the in-process rows take one step each in turn
@@ -72,12 +72,7 @@ from gpt2.core.config import GPT2_VOCAB_SIZE, RunConfig
 from gpt2.data.shards import write_shard
 from gpt2.distributed.group import Dist, WorldInfo, exit_after_group, single_process
 from gpt2.plan.flops import flops_per_token
-from gpt2.train.cli import parse_config
-from gpt2.train.optim import param_groups
-from gpt2.train.run_log import Metrics, read_metrics
-from gpt2.train.startup import check_data, configure_backends
-from gpt2.train.state import Parts
-from gpt2.train.trainer import build, train_step
+from gpt2.train.session import Session, param_groups, parse_config, read_metrics
 
 ORDERS = {"compile, then DDP (the trainer)": "compile_ddp", "DDP, then compile": "ddp_compile",
           "each block compiled, then DDP": "blocks", "eager DDP": "eager"}
@@ -152,30 +147,30 @@ class Contender:
     """One in-process row: its own model, optimizer and loader, stepped in turn with the others."""
     name: str
     cfg: RunConfig
-    parts: Parts
+    session: Session
     times: list
     first_loss: float | None = None
 
 
 def prepare(name: str, cfg: RunConfig, dist: Dist, *, plain_loss: bool, loop_adamw: bool) -> Contender:
-    """build() the trainer's parts (compiled as the trainer compiles) for one row.
+    """The trainer's build (compiled as the trainer compiles) for one row (gpt2/train/session.py).
 
     plain_loss and loop_adamw undo the two changes of bench/NOTES.md (v1, v2) for the comparison
-    rows: the model object train_step calls, and the optimizer it steps, are swapped.
+    rows: the model object the step calls, and the optimizer it steps, are swapped.
     """
-    parts = build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 1))
+    session = Session(cfg, dist)
     if plain_loss:
-        parts.train_model = PlainLossCall(parts.train_model)
+        session.train_model = PlainLossCall(session.train_model)
     if loop_adamw:
         tc = cfg.train
-        parts.optimizer = torch.optim.AdamW(param_groups(parts.model, tc.weight_decay), lr=tc.lr,
-                                            betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False, fused=False)
-    return Contender(name, cfg, parts, [])
+        session.optimizer = torch.optim.AdamW(param_groups(session.model, tc.weight_decay), lr=tc.lr,
+                                              betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False, fused=False)
+    return Contender(name, cfg, session, [])
 
 
 def run_in_process(contenders: list[Contender], dist: Dist, peaks: "Peaks", *, steps: int,
                    warmup: int) -> list[Row]:
-    """Time gpt2.train.trainer.train_step for every row, one step of each in turn.
+    """Time the trainer's step (Session.step) for every row, one step of each in turn.
 
     Round-robin, so that every row sees the same mix of load from other processes: on a shared
     machine the ratios between rows then hold even when the absolute numbers drift. The matmul
@@ -184,7 +179,7 @@ def run_in_process(contenders: list[Contender], dist: Dist, peaks: "Peaks", *, s
     for i in range(warmup + steps):
         for c in contenders:
             t0, c0 = time.perf_counter(), time.process_time()
-            out = train_step(c.parts, c.cfg, dist, False)
+            out = c.session.step()
             if i >= warmup:
                 c.times.append((time.perf_counter() - t0, time.process_time() - c0))
             c.first_loss = out["loss"] if c.first_loss is None else c.first_loss
@@ -264,18 +259,16 @@ def _order_rank(rank: int, order: str, args: list[str], steps: int, warmup: int,
 
     tdist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
     dist = Dist(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=torch.device("cpu"))
-    cfg = parse_config(args + ["--compile", str(order == "compile_ddp").lower()])
-    configure_backends(cfg.train, dist)
-    parts = build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 2))
+    session = Session(parse_config(args + ["--compile", str(order == "compile_ddp").lower()]), dist)
     if order == "ddp_compile":
-        parts.train_model = torch.compile(parts.train_model)
+        session.train_model = torch.compile(session.train_model)
     elif order == "blocks":  # in place: no _orig_mod. in the state dict; compiled at the first call
-        for block in parts.model.transformer.h:
+        for block in session.model.transformer.h:
             block.compile()
     times, losses = [], []
     for _ in range(warmup + steps):
         t0 = time.perf_counter()
-        losses.append(train_step(parts, cfg, dist, False)["loss"])
+        losses.append(session.step()["loss"])
         times.append(time.perf_counter() - t0)
     if rank == 0:
         (Path(tmp) / "times.json").write_text(json.dumps({"times": times, "losses": losses}))
@@ -406,7 +399,6 @@ def main(argv: list[str] | None = None) -> int:
             if key in skip:
                 continue
             cfg = parse_config(base + ["--data-dir", str(data), "--out-dir", str(Path(tmp) / key)] + flags)
-            configure_backends(cfg.train, dist)
             contenders.append(prepare(name, cfg, dist, plain_loss=key == "v0", loop_adamw=key in ("v0", "v1")))
         if contenders:
             rows += run_in_process(contenders, dist, peaks, steps=args.steps, warmup=args.warmup)

@@ -72,8 +72,7 @@ from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core import precision
 from gpt2.plan.flops import flops_per_token, format_flops, gpu_table_peak
-from gpt2.train.cli import parse_config
-from gpt2.train.run_log import read_metrics
+from gpt2.train.session import parse_config, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -266,23 +265,19 @@ def profile_ours(shape: Shape, mode: str, data: Path, out: Path, steps: int, top
     from torch.profiler import ProfilerActivity, profile
 
     from gpt2.distributed.group import single_process
-    from gpt2.train.run_log import Metrics
-    from gpt2.train.startup import check_data, configure_backends, resolve_auto
-    from gpt2.train.trainer import build, train_step
+    from gpt2.train.session import Session
 
     flags = [*shape.ours, *QUIET, "--max-steps", str(steps + 2), "--data-dir", str(data), "--out-dir", str(out),
              "--compile", str(mode == "compiled").lower()]
-    dist = single_process("cpu")
-    log = Metrics(dist, out)
-    cfg, _, _ = resolve_auto(parse_config(flags), dist, log)
-    configure_backends(cfg.train, dist)
     torch._dynamo.reset()
-    parts = build(cfg, dist, log, check_data(cfg, 1))
+    session = Session(parse_config(flags), single_process("cpu"), resolve=True)
+    cfg = session.cfg
     for _ in range(2):
-        train_step(parts, cfg, dist, False)
+        session.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            train_step(parts, cfg, dist, False)
+            session.step()
+    session.close()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
     return [f"profile: ours at defaults, {mode}, {shape.name} ({cfg.train.dtype}, loss {cfg.train.loss_impl}), "
             f"{steps} steps, top {top} ops by self CPU time:", "", "```", table.strip(), "```"]

@@ -167,12 +167,13 @@ does; the node check's ladder section and its attention probe use it. No run imp
 
 def test_only_the_entry_point_imports_the_trainer():
     """train_ddp.py imports the trainer and its rehearsal, gpt2/train/dryrun.py, which nothing else imports
-    (but the ladder above, which only the node check imports). The rehearsal runs the trainer's own
+    (but the ladder above, which only the node check imports, and gpt2/train/session.py, the benchmarks'
+    door into the trainer, which nothing in the library imports). The rehearsal runs the trainer's own
     start-up checks, not copies: they live below the trainer, in gpt2/train/startup.py (the start-up) and
     gpt2/train/state.py (what a checkpoint holds, check_compatible)."""
     sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py")]
     importers = sorted(str(p.relative_to(REPO)) for p in sources if "train.trainer" in imported_gpt2_modules(p))
-    assert importers == ["gpt2/doctor/acceleration.py"], importers
+    assert importers == ["gpt2/doctor/acceleration.py", "gpt2/train/session.py"], importers
     users = sorted(str(p.relative_to(REPO)) for p in [*sources, REPO / "train_ddp.py"]
                    if "doctor.acceleration" in imported_gpt2_modules(p))
     assert users == LADDER_USERS, users
@@ -300,6 +301,27 @@ def test_the_library_never_imports_a_benchmark():
             elif isinstance(node, ast.Import):
                 imported |= {a.name.split(".")[0] for a in node.names}
         assert not imported & bench_names, (path, imported & bench_names)
+
+
+BENCH_ENTRY = "train.session"
+"""bench/'s one door into gpt2/train/ (build a run, step it, read its numbers, close it): the trainer's
+internals can change without breaking the scripts that back the docs' numbers."""
+
+
+def training_internals(path: Path) -> list[str]:
+    """The modules of gpt2/train/ a script imports other than the benchmarks' entry."""
+    return sorted(m for m in imported_gpt2_modules(path) if group(m) == "train" and m != BENCH_ENTRY)
+
+
+def test_benchmarks_reach_the_trainer_only_through_its_session(tmp_path):
+    reaching = {p.name: training_internals(p) for p in sorted(BENCH.glob("*.py"))}
+    assert {name: mods for name, mods in reaching.items() if mods} == {}
+    assert sum(BENCH_ENTRY in imported_gpt2_modules(p) for p in BENCH.glob("*.py")) >= 6  # the rule was exercised
+    assert [m for m, p in MODULE_PATHS.items() if BENCH_ENTRY in imported_gpt2_modules(p)] == []  # bench/'s alone
+    bad = tmp_path / "bench_script.py"  # the rule can fail: every way of reaching past the entry
+    bad.write_text("import gpt2.train.muon\nfrom gpt2.train import session, trainer\n"
+                   "def f():\n    from gpt2.train.startup import check_data\n    from gpt2.train import Parts\n")
+    assert training_internals(bad) == ["train", "train.muon", "train.startup", "train.trainer"]
 
 
 def test_benchmarks_use_only_public_names_that_exist():

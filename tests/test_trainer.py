@@ -1,5 +1,6 @@
-"""gpt2/train/trainer.py: due(), what each step owes (log, evaluate, HellaSwag, sample, save, stop), pure; the
-step's device-side skip (step_unless); run_loop's late reads of a step's numbers (CUDA's), forced on CPU."""
+"""gpt2/train/trainer.py: due(), what each step owes (log, evaluate, HellaSwag, sample, save, stop), pure, and
+decided once a step; the step's device-side skip (step_unless); run_loop's late reads of a step's numbers
+(CUDA's), forced on CPU."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ def test_each_action_at_its_interval_and_all_at_the_last_step():
     assert steps_where("save") == [6, 10]
     assert steps_where("final") == [10]
     assert steps_where("stop") == []
+
+
+def test_a_stop_vote_read_later_gives_the_actions_due_would_have_given():
+    """run_loop decides a step's actions once and applies the stop vote when it reads it (voted_stop):
+    the same actions as due(step, stop_requested=...), at every step (the last included: no stop there)."""
+    for step in range(1, TC.max_steps + 1):
+        for vote in (False, True):
+            assert due(step, TC).voted_stop(vote) == due(step, TC, stop_requested=vote), (step, vote)
 
 
 def test_zero_intervals_mean_never_but_the_last_step_still_evaluates_samples_and_saves():
@@ -105,11 +114,17 @@ def _run(tmp_path, shards, name, monkeypatch, *, lag: bool, extra=(), max_steps=
 
 def test_late_reads_train_and_checkpoint_exactly_as_reads_at_once(tmp_path, shakespeare_shards, monkeypatch):
     """CUDA's loop (each step's numbers read after the next step is queued) on a CPU: the same losses,
-    every step logged once, the same checkpoints; a NaN step is skipped on the device and logged late."""
+    every step logged once, the same checkpoints; a NaN step is skipped on the device and logged late.
+    Either way the loop decides each step's actions once (one due() call a step)."""
+    import gpt2.train.trainer as trainer
+
+    decided = []
+    monkeypatch.setattr(trainer, "due", lambda step, *a, **kw: decided.append(step) or due(step, *a, **kw))
     inject_nan(monkeypatch, 1)
     assert _run(tmp_path, shakespeare_shards, "now", monkeypatch, lag=False)[0] == 0
+    assert decided == [1, 2, 3, 4, 5, 6]
     code, late = _run(tmp_path, shakespeare_shards, "late", monkeypatch, lag=True)
-    assert code == 0
+    assert code == 0 and decided == [1, 2, 3, 4, 5, 6] * 2
     assert losses(late) == losses(tmp_path / "now") and sorted(losses(late)) == list(range(1, 7))
     assert [r["step"] for r in records(late) if r.get("skipped")] == [2]
     for step in (3, 6):

@@ -24,13 +24,11 @@ def return_freed_memory() -> bool:
 
     By default glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB) and keeps
     up to twice that free at the top of its heap; tensors under the threshold then come from the heap,
-    where the order of a training step's allocations leaves freed blocks it cannot reuse. Measured
-    (bench/plan_memory.py, the table in bench/README.md): at 512 x 64 tokens of a 2-layer, 64-wide model
-    the process grew 1.28x the memory plan with the defaults, by a different amount run to run, and 0.98x
-    with a fixed 1 MiB threshold, at which every tensor that grows with the micro-batch is mapped and
-    unmapped on its own. The cost is a page fault per 4 KiB of each such tensor when it is allocated again,
-    which that table's CPU times do not show above a shared machine's noise, as the chunked loss
-    reuses its buffers (gpt2/model/loss.py). Returns whether it was set (glibc only).
+    where the order of a training step's allocations leaves freed blocks it cannot reuse, and the process
+    grows past the memory plan by a different amount run to run. With a fixed 1 MiB threshold every tensor
+    that grows with the micro-batch is mapped and unmapped on its own, at the cost of a page fault per
+    4 KiB when it is allocated again (both measured by bench/plan_memory.py: its table in bench/README.md).
+    Returns whether it was set (glibc only).
 
     A malloc setting the user made (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or glibc.malloc tunables
     in GLIBC_TUNABLES, e.g. bench/fsdp_memory.py's 64 KiB threshold) is theirs: left as it is."""

@@ -15,11 +15,10 @@ import torch
 from torch import Tensor
 
 # Most logits one chunk of `linear_cross_entropy` holds. Larger chunks keep the LM-head matmuls
-# large; smaller ones lower the loss's peak memory. On a CPU 2**23 (32 MiB as fp32): when each chunk
-# allocated its own buffers, glibc mapped a larger one afresh for every chunk and unmapped it after, and
-# the page faults of 2**25-logit chunks cost a quarter of a small model's step (measured: 1.25 vs 1.05 s,
-# 0.30 vs 0.07 s of sys). The buffers are now allocated once per call (_cross_entropy_chunks); the size
-# stays, so fixed-seed CPU losses stay bit for bit what they were.
+# large; smaller ones lower the loss's peak memory. On a CPU 2**23 (32 MiB as fp32): chosen when each
+# chunk allocated its own buffers, which glibc mapped afresh above that size (page faults costing a
+# quarter of a small model's step). The buffers are now allocated once per call (_cross_entropy_chunks);
+# the size stays, so fixed-seed CPU losses stay bit for bit what they were.
 LOSS_CHUNK_LOGITS = {"cpu": 2**23}
 LOSS_CHUNK_LOGITS_DEFAULT = 2**25
 """Devices with no rule of their own (neither CPU nor CUDA)."""

@@ -12,7 +12,7 @@ import contextlib
 import math
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -168,18 +168,10 @@ def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
     """DDP around the (compiled) model; its all-reduces overlap the compiled backward.
 
     torch.compile is lazy: the model is compiled at the first training step, inside DDP's forward,
-    where dynamo's DDPOptimizer (torch 2.13: any frame compiled while DDP's forward runs) splits the
-    graph at DDP's buckets. One compiled backward per bucket, each bucket's all-reduce starting when
-    its graph ends (tests/test_ddp_compile.py: the graphs, a profile, losses as eager DDP's). For
-    124M on NCCL that is ~500 MB of fp32 gradients in ~20 buckets of 25 MiB; the tied embedding's
-    154 MB is complete only after the embedding's backward, the last op, so its all-reduce is
-    exposed in any order. Chosen by bench/train_throughput.py's order rows (bench/README.md, "DDP and
-    torch.compile"): compiling the DDP module builds the same graphs (same compile and step time
-    within noise) but evaluation, which bypasses DDP, would run eager. Compiling each block alone
-    (torchtitan's way) compiled 2.8x faster at the benchmark's shape, at a step time within this
-    machine's noise, but leaves the LM head and loss eager (on a GPU the memory-bound part compile
-    fuses) and would compile the blocks that sampling and HellaSwag share (KV-cache generation
-    recompiling per length): compile time is paid once a run, steps every step.
+    where dynamo's DDPOptimizer splits the graph at DDP's buckets, so each bucket's all-reduce starts
+    when its backward graph ends (tests/test_ddp_compile.py). Compile-then-DDP over the alternatives
+    (DDP-then-compile, each block compiled): docs/training.md, "DDP and torch.compile", with the
+    measurements and the command behind them.
     """
     # Gradients as views into the all-reduce buckets: no second copy of every gradient (memory)
     # and no copy in and out of the buckets each step (the maths is unchanged). No buffer sync
@@ -214,6 +206,7 @@ class StepStats:
         self.step, self.lr, self.world_size, self.scaler_enabled = step, lr, world_size, scaler_enabled
         self.started_s: float | None = None  # run_loop's clock when the step was launched (its dt)
         self._event = None
+        self.numbers = numbers  # on the device: train_step's update decides its skip there (update)
         if numbers.device.type == "cuda":
             host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
             host.copy_(numbers, non_blocking=True)
@@ -301,10 +294,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     trainer's loop asks one step later on CUDA, run_loop). Otherwise they are read before the update.
     """
     tc = cfg.train
-    lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
-               decay_steps=tc.decay_steps)
-    for group in parts.optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
+    lr = set_lr(parts, tc)
     loss_sum = torch.zeros((), device=dist.device)
     autocast = precision.autocast(tc.dtype, dist.device)
     for micro_step in range(parts.accum_steps):
@@ -326,14 +316,42 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
     # The global norm of every rank's shards under FSDP, and the same number under DDP (gpt2/distributed/fsdp.py).
     grad_norm = clip_grad_norm(parts.model.parameters(), clip, dist)
-    # One all-reduce carries the loss, the stop flag and the bad-token flag (gpt2/data/loader.py): every rank
-    # sees the same values, so every rank takes the same skip / stop decision. torch.full launches a
-    # fill, no host copy.
+    out = step_stats(parts, lr, loss_sum, grad_norm, stop_requested, dist)
+    update(parts, out, dist)
+    parts.loader.advance()
+    parts.step += 1
+    parts.tokens += tc.total_batch_size
+    if parts.step < tc.max_steps:
+        prefetch(parts)
+    return out
+
+
+def set_lr(parts: Parts, tc: TrainConfig) -> float:
+    """The schedule's learning rate for step parts.step, set on every parameter group; returns it."""
+    lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
+               decay_steps=tc.decay_steps)
+    for group in parts.optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
+    return lr
+
+
+def step_stats(parts: Parts, lr: float, loss_sum: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool,
+               dist: Dist) -> StepStats:
+    """The step's numbers, all-reduced, still on the device (StepStats reads them when asked).
+
+    One all-reduce carries the loss, the stop flag and the bad-token flag (gpt2/data/loader.py): every rank
+    sees the same values, so every rank takes the same skip / stop decision. torch.full launches a
+    fill, no host copy."""
     stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device),
                          torch.full((), float(parts.loader.problem is not None), device=dist.device)])
     all_reduce_sum(stats, dist)
     numbers = torch.stack([stats[0], stats[1], stats[2], grad_norm.float()])
-    out = StepStats(parts.step + 1, lr, numbers, dist.world_size, parts.scaler.is_enabled())
+    return StepStats(parts.step + 1, lr, numbers, dist.world_size, parts.scaler.is_enabled())
+
+
+def update(parts: Parts, out: StepStats, dist: Dist) -> None:
+    """The optimizer update, unless the step's loss or gradient norm is not finite or a rank met a bad
+    token; then zero_grad. Every rank decides alike, from the same all-reduced numbers."""
     if parts.writer is not None:  # rank 0, a checkpoint being copied: the update below changes its tensors
         parts.writer.wait_copied()
     if skips_on_device(parts):
@@ -341,6 +359,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
         # the loss or the norm is not finite. No host read stands between backward and the update.
         # A token outside the vocabulary on any rank (numbers[2]) skips it too: nothing is learnt from
         # that batch, and report() raises the finder's error when it reads the numbers.
+        numbers = out.numbers
         bad = ~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[3])) | (numbers[2] > 0)
         step_unless(parts.optimizer, bad.float())
     elif out.read()["bad_data"]:  # before the update: nothing learnt from the batch
@@ -349,12 +368,6 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
         parts.scaler.step(parts.optimizer)  # optimizer.step(), unless the scaler found an overflow
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
-    parts.loader.advance()
-    parts.step += 1
-    parts.tokens += tc.total_batch_size
-    if parts.step < tc.max_steps:
-        prefetch(parts)
-    return out
 
 
 @dataclass(frozen=True)
@@ -375,6 +388,12 @@ class Actions:
     def slow(self) -> bool:
         """Work that keeps some rank from the next step's collectives (rank 0 sampling or writing)."""
         return self.evaluate or self.hellaswag or self.sample or self.save
+
+    def voted_stop(self, stop_requested: bool) -> Actions:
+        """These actions once the step's stop vote is read: due(step, stop_requested=...)'s, without
+        deciding the rest again (a signal at the last step changes nothing: the run is complete)."""
+        stop = stop_requested and not self.final
+        return replace(self, stop=stop, save=self.save or stop)
 
 
 def due(step: int, tc: TrainConfig, *, stop_requested: bool = False, has_val: bool = True,
@@ -444,7 +463,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if dist.is_main and tc.async_ckpt:
         parts.writer = CheckpointWriter(dist.device)
     try:
-        return run_loop(parts, cfg, dist, log, run.peak, hellaswag, stop_request, watch=watch)
+        return run_loop(Run(cfg, dist, log, parts, stop_request, run.peak, hellaswag=hellaswag, watch=watch))
     finally:
         close_run(parts, dist, log)
 
@@ -457,15 +476,32 @@ def reads_lag(device: torch.device) -> bool:
 
 
 @dataclass
-class Progress:
-    """What run_loop carries from step to step: consecutive bad steps, the MFU peak, the last read's time."""
+class Run:
+    """One run as its loop sees it, passed whole to every function of the loop (litgpt's `state`):
+    what train() made, and what the loop carries from step to step."""
+    cfg: RunConfig
+    dist: Dist
+    log: Metrics
+    parts: Parts
+    stop_request: preempt.StopRequest
     peak: float | None
+    """The matmul peak MFU is measured against (FLOP/s); None without one, or once an MFU proved it wrong."""
+    hellaswag: list | None = None
+    """HellaSwag's examples (--hellaswag-interval), or None."""
+    watch: MemoryWatch | None = None
+    """The first step's check against the memory plan (gpt2/train/memory_watch.py); None once done."""
     bad_steps: int = 0
+    """Consecutive steps skipped for a non-finite loss or gradient norm (NonFiniteError at --max-bad-steps)."""
     last_read_s: float | None = None
+    """The loop's clock at the last read of a step's numbers (the next step time starts there)."""
+
+    def due(self, step: int) -> Actions:
+        """The actions step `step` owes, decided once (the stop vote is applied when read: voted_stop)."""
+        return due(step, self.cfg.train, has_val=self.parts.val_loader is not None,
+                   has_hellaswag=bool(self.hellaswag))
 
 
-def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float | None, hellaswag,
-             stop_request: preempt.StopRequest, *, watch: MemoryWatch | None = None) -> int:
+def run_loop(run: Run) -> int:
     """Steps until --max-steps (0) or a stop signal (EXIT_REQUEUE, after a checkpoint).
 
     On CUDA (reads_lag) a step's numbers are read after the next step has been queued: the device
@@ -476,50 +512,51 @@ def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float
     with work that syncs anyway (evaluate, sample, save), the last step and a stop are read at once,
     before that work: no checkpoint follows a step whose numbers were not checked.
     """
-    tc = cfg.train
-    progress = Progress(peak)
-    lag = reads_lag(dist.device)
-    pending: StepStats | None = None
-    stop = False
+    tc, parts = run.cfg.train, run.parts
+    lag = reads_lag(run.dist.device)
+    pending: tuple[StepStats, Actions] | None = None  # a step read late, with what it owed
     slow_phase = True  # start-up: collectives run under --dist-timeout-s until a step has completed
     while parts.step < tc.max_steps:
         t0 = time.perf_counter()
         # A failed background checkpoint write votes to stop like a signal: every rank stops after
         # this step and the stop's save raises the write's error on every rank (state.save).
-        out = train_step(parts, cfg, dist, stop_request.signum is not None or write_failed(parts))
+        out = train_step(parts, run.cfg, run.dist, run.stop_request.signum is not None or write_failed(parts))
         out.started_s = t0
         if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
-            set_timeout(dist, tc.dist_step_timeout_s)
+            set_timeout(run.dist, tc.dist_step_timeout_s)
             slow_phase = False
-        if watch is not None:  # the first step against the memory plan (gpt2/train/memory_watch.py)
-            if warning := watch.after_first_step():
-                log.warn(warning)
-            watch = None
-        step = parts.step
-        has_val, has_hs = parts.val_loader is not None, bool(hellaswag)
-        if pending is not None:  # the previous step's numbers: ready, this step is queued behind them
-            stop = report(pending, parts, cfg, dist, log, progress, has_val, has_hs) or stop
-            pending = None
-        scheduled = due(step, tc, has_val=has_val, has_hellaswag=has_hs)
-        if lag and not (scheduled.slow or scheduled.final or stop):
-            pending = out
+        check_first_step(run)
+        act = run.due(parts.step)
+        # The previous step's numbers: ready, this step is queued behind them. A stop it voted for is
+        # this step's stop (every rank reads the vote at the same point).
+        stop = report(run, *pending) if pending is not None else False
+        pending = None
+        if lag and not (act.slow or act.final or stop):
+            pending = (out, act)
             continue
-        stop = report(out, parts, cfg, dist, log, progress, has_val, has_hs) or stop
-        act = due(step, tc, stop_requested=stop, has_val=has_val, has_hellaswag=has_hs)
+        act = act.voted_stop(report(run, out, act) or stop)
         if act.slow:
             # Every rank decides this alike. The long timeout also covers the next step, whose
             # collectives wait for the ranks still busy here (rank 0 sampling or writing).
-            set_timeout(dist, tc.dist_timeout_s)
+            set_timeout(run.dist, tc.dist_timeout_s)
             slow_phase = True
-        perform(act, parts, cfg, dist, log, hellaswag, stop_request)
+        perform(run, act)
         if act.stop:
-            log.info(f"stopped by signal at step {step}; checkpoint written; wrote {tc.out_dir}/"
-                     f"{preempt.REQUEUE_MARKER} (requeue and resume with --resume auto)")
+            run.log.info(f"stopped by signal at step {parts.step}; checkpoint written; wrote {tc.out_dir}/"
+                         f"{preempt.REQUEUE_MARKER} (requeue and resume with --resume auto)")
             return preempt.EXIT_REQUEUE
-    if dist.is_main and tc.plot:
-        png = plot_loss_curve(log.path, Path(tc.out_dir) / "loss_curve.png")
-        log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")
+    if run.dist.is_main and tc.plot:
+        png = plot_loss_curve(run.log.path, Path(tc.out_dir) / "loss_curve.png")
+        run.log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")
     return 0
+
+
+def check_first_step(run: Run) -> None:
+    """The first step against the memory plan (gpt2/train/memory_watch.py): a warning if it holds far more."""
+    if run.watch is not None:
+        if warning := run.watch.after_first_step():
+            run.log.warn(warning)
+        run.watch = None
 
 
 def write_failed(parts: Parts) -> bool:
@@ -527,41 +564,39 @@ def write_failed(parts: Parts) -> bool:
     return parts.writer is not None and parts.writer.failed
 
 
-def report(stats: StepStats, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, progress: Progress, has_val: bool,
-           has_hellaswag: bool) -> bool:
-    """Read a finished step's numbers: log them when due, count bad steps (NonFiniteError at
-    --max-bad-steps). Returns whether any rank asked to stop at that step.
+def report(run: Run, stats: StepStats, act: Actions) -> bool:
+    """Read a finished step's numbers: log them when due (act.log, or an unusual step), count bad steps
+    (NonFiniteError at --max-bad-steps). Returns whether any rank asked to stop at that step.
 
     Step time: from the later of the step's launch and the previous read to this read. Without a
     late read that is one step's forward, backward and the previous update; with one (CUDA), in steady
     state the reads are one step apart. No cuda.synchronize either way."""
-    tc, step = cfg.train, stats.step
+    tc, step = run.cfg.train, stats.step
     out = stats.read()
     if out["bad_data"]:  # its update was skipped on the device (train_step); nothing is saved after it
-        raise_bad_data(parts, dist)
+        raise_bad_data(run.parts, run.dist)
     now = time.perf_counter()
-    begin = stats.started_s if progress.last_read_s is None else max(stats.started_s, progress.last_read_s)
-    dt, progress.last_read_s = now - begin, now
-    progress.bad_steps = (progress.bad_steps + 1 if out["skipped"] else
-                          (progress.bad_steps if out["overflow"] else 0))
-    if due(step, tc, has_val=has_val, has_hellaswag=has_hellaswag, unusual=out["skipped"] or out["overflow"]).log:
-        progress.peak = log_step(parts, cfg, dist, log, out, dt, progress.peak, step=step)
-    if progress.bad_steps >= tc.max_bad_steps:
+    begin = stats.started_s if run.last_read_s is None else max(stats.started_s, run.last_read_s)
+    dt, run.last_read_s = now - begin, now
+    run.bad_steps = run.bad_steps + 1 if out["skipped"] else (run.bad_steps if out["overflow"] else 0)
+    if act.log or out["skipped"] or out["overflow"]:  # an unusual step is always logged
+        log_step(run, out, dt, step)
+    if run.bad_steps >= tc.max_bad_steps:
         raise NonFiniteError(
-            f"{progress.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
+            f"{run.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
             " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
             "--warmup-steps or check the data, then resume from the last checkpoint")
     return out["stop"]
 
 
-def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, hellaswag,
-            stop_request: preempt.StopRequest) -> None:
+def perform(run: Run, act: Actions) -> None:
     """Evaluate, sample and save as act says, after step parts.step."""
-    tc, step = cfg.train, parts.step
+    parts, cfg, dist, log = run.parts, run.cfg, run.dist, run.log
+    step = parts.step
     if act.evaluate:
         log.log_eval(step, tokens_at(parts, cfg, step), evaluate(parts, cfg, dist), parts.val_loader.tokens)
     if act.hellaswag:
-        log_hellaswag(parts, cfg, dist, log, hellaswag, step)
+        log_hellaswag(parts, cfg, dist, log, run.hellaswag, step)
     # A sharded model's every forward all-gathers weights: every rank generates (same prompt, same
     # seeded generator, so the same tokens), rank 0 logs. A replicated model samples on rank 0 alone.
     if act.sample and (dist.is_main or is_sharded(parts.model)):
@@ -570,29 +605,25 @@ def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics
             log.record({"step": step, "sample": text})
             log.info(f"sample at step {step}: {text!r}")
     if act.save:  # the final and the stop's save are synchronous: the run ends with a durable one
-        save(parts, cfg, dist, log, requeue={"step": step, "signal": stop_request.name} if act.stop else None,
-             background=tc.async_ckpt and not (act.stop or act.final))
+        save(parts, cfg, dist, log, requeue={"step": step, "signal": run.stop_request.name} if act.stop else None,
+             background=cfg.train.async_ckpt and not (act.stop or act.final))
 
 
-def log_step(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, out: dict, dt: float,
-             peak: float | None, *, step: int | None = None) -> float | None:
-    """The metrics line of step `step` (default: the last one taken). Returns the MFU peak: None from
-    the first MFU that proves it wrong."""
-    tc = cfg.train
-    step = parts.step if step is None else step
+def log_step(run: Run, out: dict, dt: float, step: int) -> None:
+    """The metrics line of step `step`. The first MFU that proves the peak wrong drops it (run.peak = None)."""
+    parts, tc, dist = run.parts, run.cfg.train, run.dist
     tok_s = tc.total_batch_size / dt
-    step_mfu, why = checked_mfu(tok_s / dist.world_size, cfg.model, peak) if peak else (None, None)
+    step_mfu, why = checked_mfu(tok_s / dist.world_size, run.cfg.model, run.peak) if run.peak else (None, None)
     if why:  # once: the peak is wrong for the rest of the run too
-        log.info(f"mfu n/a: {why}")
+        run.log.info(f"mfu n/a: {why}")
         forget_cpu_peak(dist.device, tc.dtype)
-        peak = None
-    log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                  "tokens": tokens_at(parts, cfg, step), "step_s": dt, "tok_per_s": tok_s,
-                  "mfu": step_mfu,
-                  "mem_mb": memory_mb(dist.device), "skipped": out["skipped"],
-                  **({"overflow": out["overflow"], "loss_scale": parts.scaler.get_scale()}
-                     if parts.scaler.is_enabled() else {})}, tc.max_steps)
-    return peak
+        run.peak = None
+    run.log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+                      "tokens": tokens_at(parts, run.cfg, step), "step_s": dt, "tok_per_s": tok_s,
+                      "mfu": step_mfu,
+                      "mem_mb": memory_mb(dist.device), "skipped": out["skipped"],
+                      **({"overflow": out["overflow"], "loss_scale": parts.scaler.get_scale()}
+                         if parts.scaler.is_enabled() else {})}, tc.max_steps)
 
 
 def tokens_at(parts: Parts, cfg: RunConfig, step: int) -> int:
