@@ -33,6 +33,7 @@ from gpt2.distributed.fsdp import shard as shard_fsdp
 from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu
+from gpt2.train import compile_cache
 from gpt2.train.memory_watch import MemoryWatch
 from gpt2.train.optim import make_optimizer
 from gpt2.train.run_log import Metrics, plot_loss_curve
@@ -431,6 +432,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
         return 0
     cfg, tc = run.cfg, run.cfg.train
     announce_compile(tc, dist, log)
+    cache = compile_cache.use(tc.compile_cache, tc.out_dir, dist, log) if tc.compile else None
     watch = MemoryWatch.start(run.plan.memory.total, run.plan.hardware.reserve_bytes, dist.device)
     parts = build(cfg, dist, log, shards, run.start)
     write_run_info(cfg, dist, parts, run.peak, run.prec, run.loss, run.network)
@@ -444,7 +446,9 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if dist.is_main and tc.async_ckpt:
         parts.writer = CheckpointWriter(dist.device)
     try:
-        return run_loop(parts, cfg, dist, log, run.peak, hellaswag, stop_request, watch=watch)
+        code = run_loop(parts, cfg, dist, log, run.peak, hellaswag, stop_request, watch=watch)
+        compile_cache.finish(cache, dist, log)  # seals what this run compiled, for the next start
+        return code
     finally:
         close_run(parts, dist, log)
 
