@@ -135,8 +135,9 @@ def _digest(path: Path) -> str:
 
 
 def _files(path: Path) -> list[Path]:
+    """The cache's files, but ours and inductor's lock files (empty, and held by a compile in progress)."""
     return sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink()
-                  and p.relative_to(path).as_posix() not in OURS)
+                  and p.relative_to(path).as_posix() not in OURS and p.relative_to(path).parts[0] != "locks")
 
 
 def _read_json(path: Path):
