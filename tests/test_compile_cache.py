@@ -81,18 +81,26 @@ def _filled(path: Path, key: dict) -> dict[str, bytes]:
     return files
 
 
-def test_a_sealed_cache_is_kept_whole(tmp_path):
+def test_a_sealed_cache_is_kept_whole_and_sealing_again_reads_only_what_changed(tmp_path, monkeypatch):
     key, path = {"torch": "t"}, tmp_path / "k"
     files = _filled(path, key)
     assert cc.check(path, key, exclusive=True) == []
     assert all((path / rel).read_bytes() == data for rel, data in files.items())
+    (path / "ab/cnew.so").write_bytes(b"new kernel")
+    read = []
+    monkeypatch.setattr(cc, "_digest", lambda p: read.append(p.name) or "h")
+    cc.seal(path)
+    assert read == ["cnew.so"] and json.loads((path / cc.MANIFEST).read_text())["ab/cnew.so"][2] == "h"
 
 
 def test_a_corrupt_file_is_one_warning_and_only_it_is_removed(tmp_path):
     key, path = {"torch": "t"}, tmp_path / "k"
     _filled(path, key)
     (path / "ab/cabc.so").write_bytes(b"\x7fELF" + bytes(10))  # truncated
-    (path / "fxgraph/fa/entry").write_bytes(b"pickled grapH")  # same size, another byte
+    entry = path / "fxgraph/fa/entry"
+    mtime = entry.stat().st_mtime_ns
+    entry.write_bytes(b"pickled grapH")  # same size, another byte, written later (a clock tick may not show it)
+    os.utime(entry, ns=(mtime + 10**9, mtime + 10**9))
     warnings = cc.check(path, key, exclusive=False)
     assert len(warnings) == 1 and "2 file(s)" in warnings[0] and "corrupt" in warnings[0], warnings
     assert not (path / "ab/cabc.so").exists() and not (path / "fxgraph/fa/entry").exists()

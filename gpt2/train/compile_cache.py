@@ -15,7 +15,7 @@ hit: the shape is not part of the key, and runs of different shapes share a dire
 
 Corruption: inductor recovers from a bad cache entry but not from a bad kernel file it finds there (a
 truncated .so or .py fails the first step). So rank 0 seals the directory at the run's end
-(MANIFEST: every file's size and sha256) and checks it at the next start: a listed file that changed is
+(MANIFEST: every file's size, mtime and sha256) and checks it at the next start: a listed file that changed is
 corrupt (one warning, those files removed; inductor rebuilds what is missing); a foreign or unreadable
 key.json or manifest starts the directory afresh. Under RUN (one run at a time, run.lock) the files the
 manifest does not list are a compile that never finished (a job killed mid-compile) and are removed too;
@@ -173,7 +173,7 @@ def check(path: Path, key: dict, exclusive: bool) -> list[str]:
             if exclusive:  # a compile a killed job never finished (nothing else writes under RUN)
                 p.unlink(missing_ok=True)
             continue
-        if not isinstance(listed, list) or p.stat().st_size != listed[0] or _digest(p) != listed[1]:
+        if not _intact(p, listed):
             bad.append(rel)
             p.unlink(missing_ok=True)  # content-addressed: inductor rebuilds a missing file
     _start(path, key)
@@ -198,11 +198,32 @@ def _discard(path: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def _intact(p: Path, listed) -> bool:
+    """Whether file p is what the manifest's [size, mtime_ns, sha256] recorded. An unchanged size and
+    mtime is trusted without reading the file, so a start costs a stat per file, not a read of the
+    whole cache (a shared one can hold many models); a torn or rewritten file changes one of them."""
+    if not (isinstance(listed, list) and len(listed) == 3):
+        return False
+    st = p.stat()
+    return st.st_size == listed[0] and (st.st_mtime_ns == listed[1] or _digest(p) == listed[2])
+
+
 def seal(path: Path) -> int:
-    """Rank 0, after every rank's compiles: record each file's size and sha256 (MANIFEST). Returns bytes."""
-    listed = {p.relative_to(path).as_posix(): [p.stat().st_size, _digest(p)] for p in _files(path)}
+    """Rank 0, after every rank's compiles: record each file's size, mtime and sha256 (MANIFEST); a file
+    the last seal recorded unchanged is not read again. Returns the files' total bytes."""
+    try:
+        old = _read_json(path / MANIFEST)
+    except ValueError:
+        old = None
+    old = old if isinstance(old, dict) else {}
+    listed = {}
+    for p in _files(path):
+        rel, st = p.relative_to(path).as_posix(), p.stat()
+        was = old.get(rel)
+        same = isinstance(was, list) and len(was) == 3 and was[:2] == [st.st_size, st.st_mtime_ns]
+        listed[rel] = [st.st_size, st.st_mtime_ns, was[2] if same else _digest(p)]
     atomic_write_text(path / MANIFEST, json.dumps(listed, sort_keys=True) + "\n")
-    return sum(size for size, _ in listed.values())
+    return sum(entry[0] for entry in listed.values())
 
 
 def use(setting: str, out_dir: str, dist: Dist, log) -> CompileCache | None:
