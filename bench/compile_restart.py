@@ -1,7 +1,7 @@
 """A requeued start against the first: how much of torch.compile's first compile the compile cache saves.
 
-    python bench/compile_restart.py --data-dir D                          # debug preset and gpt2 shape, CPU
-    python bench/compile_restart.py --data-dir D --models debug           # the debug preset alone
+    python bench/compile_restart.py                    # debug preset and GPT-2 124M on a CPU, ~15 min on 2 cores
+    python bench/compile_restart.py --models debug     # the debug preset alone
 
 For each model, two real `python train_ddp.py` processes with the same flags and run directory, compiled,
 with the default --compile-cache (auto: RUN/compile-cache, as the SLURM scripts and every requeue get it):
@@ -15,6 +15,7 @@ TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR are removed from the runs' environm
 them), and each model's run directory is new, so the first start compiles from scratch.
 Models: debug (the debug preset, 4 layers x 128) and gpt2 (GPT-2 124M: 12 x 768, block 1024, one
 sequence per step), both float32 (no bf16 emulation to vary with the CPU), no evaluation or samples.
+Data: --corpus (default ../shared/data/tinyshakespeare.txt) through data_prep, one document per paragraph.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,13 +96,15 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", required=True, help="token shards (data_prep's), e.g. tiny Shakespeare's")
+    add_corpus_flag(p)
     p.add_argument("--models", default="debug,gpt2", help="comma-separated: debug, gpt2")
     p.add_argument("--md", default=None, help="also write the table here")
     a = p.parse_args(argv)
+    require_corpus(a.corpus, "compile_restart.py")
     work = Path(tempfile.mkdtemp(prefix="compile_restart_"))
     try:
-        rows = [measure(m, a.data_dir, work) for m in a.models.split(",")]
+        prepare_by_paragraph(a.corpus, work / "data", "compile_restart.py")
+        rows = [measure(m, str(work / "data"), work) for m in a.models.split(",")]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     emit(table(rows), a.md)

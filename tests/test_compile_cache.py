@@ -183,7 +183,8 @@ def _said(run: subprocess.CompletedProcess) -> tuple[int, int]:
 def test_a_resumed_start_loads_what_the_first_compiled_and_survives_a_corrupt_cache(tmp_path, shakespeare_shards):
     """The requeue path with the same flags (no --compile-cache): the first start compiles into
     RUN/compile-cache, the resumed one loads every graph from it and compiles none; then with kernel files
-    corrupted, a resumed start warns once and trains on (inductor would fail the step on a torn kernel)."""
+    truncated, a resumed start warns once, removes them and trains on (inductor would fail the step on a
+    torn kernel), rebuilding them."""
     run = tmp_path / "run"
     args = [*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "float32", "--compile", "true", "--sample-interval", "0",
             "--plot", "false", "--data-dir", str(shakespeare_shards), "--out-dir", str(run), "--micro-batch-size", "4",
@@ -194,9 +195,12 @@ def test_a_resumed_start_loads_what_the_first_compiled_and_survives_a_corrupt_ca
     files = sorted(p for p in keyed.rglob("*") if p.is_file())
     assert _said(_train(args, 2)) == (compiled, 0)
     assert sorted(p for p in keyed.rglob("*") if p.is_file()) == files  # nothing new was written
-    for p in [*keyed.rglob("*.so"), *keyed.rglob("*.py")]:
-        p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2])
+    torn = {p: len(p.read_bytes()) // 2 for p in [*keyed.rglob("*.so"), *keyed.rglob("*.py")]}
+    for p, size in torn.items():
+        p.write_bytes(p.read_bytes()[:size])
     third = _train(args, 3)
-    warnings = [ln for ln in third.stdout.splitlines() if "compile cache:" in ln and "warning" in ln]
-    assert len(warnings) == 1 and "corrupt" in warnings[0], third.stdout[-3000:]
-    assert _said(third)[1] > 0  # the removed files compiled again
+    warnings = [ln for ln in third.stderr.splitlines() if "compile cache:" in ln]
+    assert len(warnings) == 1 and "corrupt" in warnings[0] and f"{len(torn)} file(s)" in warnings[0], third.stderr
+    assert _said(third) == (compiled, 0)  # the graphs load; inductor rebuilt the removed kernels from them
+    assert sorted(p for p in keyed.rglob("*") if p.is_file()) == files
+    assert all(p.stat().st_size > size for p, size in torn.items())

@@ -225,7 +225,7 @@ class TrainConfig:
 
     With inductor, on CUDA and on a CPU."""
     compile_cache: str = "auto"
-    """Where torch.compile's caches live: auto, off or a directory.
+    """torch.compile's cache: auto, off or a directory.
 
     auto: out_dir/compile-cache (a requeued or resumed run loads what the last start compiled instead of
     compiling again), or $TORCHINDUCTOR_CACHE_DIR where the environment sets it; a directory: shared by the
