@@ -166,6 +166,38 @@ def test_an_unwritable_cache_directory_is_one_warning_and_no_cache(tmp_path, mon
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 
 
+def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as tdist
+
+    from gpt2.distributed.group import Dist
+
+    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dist = Dist(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=torch.device("cpu"))
+    log = Log()
+    cache = cc.use("auto", out_dir, dist, log)
+    (cache.path / f"rank{rank}.so").write_bytes(b"kernel %d" % rank)  # each rank's compile writes into it
+    cc.finish(cache, dist, log)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"path": str(cache.path), "warn": log.lines["warn"],
+                                                             "env": os.environ["TORCHINDUCTOR_CACHE_DIR"]}))
+    tdist.destroy_process_group()
+
+
+def test_two_ranks_share_one_keyed_directory_that_rank_0_checked_and_seals(tmp_path, monkeypatch):
+    from _helpers import spawn_ranks
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # the spawned ranks inherit the environment
+    run = tmp_path / "run"
+    keyed = run / cc.DIRNAME / cc.key_name(cc.cache_key(torch.device("cpu")))
+    _filled(keyed, cc.cache_key(torch.device("cpu")))
+    (keyed / "ab/cabc.so").write_bytes(b"torn")
+    spawn_ranks(_two_rank_worker, (str(tmp_path / "init"), str(run)), nprocs=2)
+    got = [json.loads((run / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got[0]["path"] == got[1]["path"] == str(keyed) and got[0]["env"] == str(keyed.resolve())
+    assert got[0]["warn"] == got[1]["warn"] and len(got[0]["warn"]) == 1 and "cabc.so" in got[0]["warn"][0]
+    sealed = json.loads((keyed / cc.MANIFEST).read_text())
+    assert {"rank0.so", "rank1.so", "ab/cabc.cpp"} <= set(sealed) and "ab/cabc.so" not in sealed
+
+
 def _train(args: list[str], max_steps: int) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env["OMP_NUM_THREADS"] = "1"
