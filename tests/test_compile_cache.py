@@ -47,7 +47,8 @@ def test_auto_is_under_the_run_directory_off_is_none_a_path_is_shared(tmp_path):
     assert cc.cache_root("off", str(tmp_path / "run"), env={}) is None
     assert cc.cache_root(str(tmp_path / "shared"), "run", env={}) == (tmp_path / "shared", False)
     # A directory the environment names is kept, shared; one this process set (a keyed one) is not nested.
-    assert cc.cache_root("auto", "run", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "env")}) == (tmp_path / "env", False)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "env")}
+    assert cc.cache_root("auto", "run", env=env) == (tmp_path / "env", False)
     keyed = tmp_path / "env" / "0123456789abcdef"
     keyed.mkdir(parents=True)
     (keyed / cc.KEY_FILE).write_text("{}")
