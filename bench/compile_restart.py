@@ -8,6 +8,8 @@ with the default --compile-cache (auto: RUN/compile-cache, as the SLURM scripts 
   first    a fresh run directory (an empty cache), --max-steps 1: it compiles, trains step 1, saves
   resumed  the same command but --max-steps 2: it resumes step 1's checkpoint (as a requeue does) and its
            first step is step 2
+--eval-tokens 0: no validation set, so the first start does not compile the step-0 evaluation, which a
+resumed start skips (both then compile, or load, the same training graphs).
 The time is from the process's start to the end of its first step: the moment the step's record is in
 RUN/metrics.jsonl (polled every 50 ms, a bench's resolution, not a test's). The ratio is resumed/first
 (goal <= 0.5). The cache's size on disk is the keyed directory's after the first start.
@@ -39,7 +41,7 @@ MODELS = {
     "debug": ["--preset", "debug", "--micro-batch-size", "8", "--total-batch-size", "1024"],
     "gpt2": ["--preset", "gpt2", "--micro-batch-size", "1", "--total-batch-size", "1024"],
 }
-COMMON = ["--device", "cpu", "--dtype", "float32", "--compile", "true", "--eval-interval", "0",
+COMMON = ["--device", "cpu", "--dtype", "float32", "--compile", "true", "--eval-interval", "0", "--eval-tokens", "0",
           "--sample-interval", "0", "--plot", "false", "--log-interval", "1", "--ckpt-interval", "1000"]
 
 
@@ -104,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="compile_restart_"))
     try:
         prepare_by_paragraph(a.corpus, work / "data", "compile_restart.py")
-        rows = [measure(m, str(work / "data"), work) for m in a.models.split(",")]
+        rows = []
+        for m in a.models.split(","):
+            rows.append(measure(m, str(work / "data"), work))
+            print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)  # a long run's progress
     finally:
         shutil.rmtree(work, ignore_errors=True)
     emit(table(rows), a.md)
