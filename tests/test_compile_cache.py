@@ -106,6 +106,7 @@ def test_a_corrupt_file_is_one_warning_and_only_it_is_removed(tmp_path):
     assert len(warnings) == 1 and "2 file(s)" in warnings[0] and "corrupt" in warnings[0], warnings
     assert not (path / "ab/cabc.so").exists() and not (path / "fxgraph/fa/entry").exists()
     assert (path / "ab/cabc.cpp").exists()
+    assert sorted(json.loads((path / cc.MANIFEST).read_text())) == ["ab/cabc.cpp"]  # a rebuilt file is not corrupt
 
 
 @pytest.mark.parametrize("exclusive", [True, False])

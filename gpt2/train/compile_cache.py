@@ -177,7 +177,9 @@ def check(path: Path, key: dict, exclusive: bool) -> list[str]:
             bad.append(rel)
             p.unlink(missing_ok=True)  # content-addressed: inductor rebuilds a missing file
     _start(path, key)
-    if bad:
+    if bad:  # the manifest no longer vouches for them: whatever is rebuilt there is new, not corrupt
+        kept = {rel: entry for rel, entry in manifest.items() if rel not in bad}
+        atomic_write_text(path / MANIFEST, json.dumps(kept, sort_keys=True) + "\n")
         return [f"compile cache: {len(bad)} file(s) in {path} changed since it was sealed (corrupt, e.g. "
                 f"{bad[0]}); removed, and what they held is compiled again"]
     return []
