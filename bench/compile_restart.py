@@ -1,6 +1,6 @@
 """A requeued start against the first: how much of torch.compile's first compile the compile cache saves.
 
-    python bench/compile_restart.py                    # debug preset and GPT-2 124M on a CPU, ~15 min on 2 cores
+    python bench/compile_restart.py                    # debug preset and GPT-2 124M on a CPU, ~12 min on 2 busy cores
     python bench/compile_restart.py --models debug     # the debug preset alone
 
 For each model, two real `python train_ddp.py` processes with the same flags and run directory, compiled,
