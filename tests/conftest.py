@@ -8,6 +8,17 @@ REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
+def pytest_configure(config):
+    # The trainer's compiled runs keep torch.compile's caches in RUN/compile-cache (gpt2/train/compile_cache.py),
+    # and every test's RUN is new: compiled tests would each compile from scratch (minutes on 2 cores).
+    # Naming inductor's usual directory keeps them sharing one keyed cache, as they did before that cache;
+    # tests of the default location remove this variable.
+    import getpass
+    import tempfile
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+
+
 def pytest_collection_modifyitems(config, items):
     # GPU tests skip where there is no CUDA device, and a feature's tests where this torch lacks the
     # feature (the compatibility runs on the oldest supported torch: test_torch_range.py asserts the

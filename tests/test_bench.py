@@ -169,7 +169,8 @@ def test_checkpoint_stall_bench_times_a_sync_and_a_background_save():
         assert float(sync) > 0 and float(write) > 0
 
 
-@pytest.mark.parametrize("script", ["bench/optimizers.py", "bench/data_order.py", "bench/prep_throughput.py"])
+@pytest.mark.parametrize("script", ["bench/optimizers.py", "bench/data_order.py", "bench/prep_throughput.py",
+                                    "bench/compile_restart.py"])
 def test_a_bench_without_its_corpus_says_so_in_one_line_and_exits_2(tmp_path, script):
     missing = tmp_path / "no" / "tinyshakespeare.txt"
     done = subprocess.run([sys.executable, script, "--corpus", str(missing)], cwd=REPO, capture_output=True,

@@ -105,3 +105,14 @@ def test_synthetic_shards_are_valid_learnable_gpt2_tokens(tmp_path):
     again = tmp_path / "again"
     write_synthetic_shards(again, 10_000, val_tokens=1_000)
     assert (again / train.paths[0].name).read_bytes() == train.paths[0].read_bytes()  # deterministic
+
+
+def test_the_checks_runs_share_one_compile_cache_in_the_work_directory(tmp_path, monkeypatch):
+    """Each run's RUN is new, so RUN/compile-cache would compile every run from scratch: run_train names
+    WORK/compile-cache instead (here a run that stops at its data check, seconds, shows the command)."""
+    from gpt2.doctor.train_runs import run_train
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # set by conftest; auto would keep it
+    run = run_train("no_data", ["--data-dir", str(tmp_path / "missing"), "--device", "cpu"], tmp_path)
+    command = run.log.read_text().splitlines()[0]
+    assert run.returncode == 2 and f"--compile-cache {tmp_path / 'compile-cache'} " in command, command

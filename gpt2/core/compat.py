@@ -136,3 +136,18 @@ def inductor_deterministic_mode() -> bool | None:
     import torch._inductor.config as inductor_config
 
     return getattr(inductor_config, "deterministic", None)
+
+
+def enable_compile_caches() -> list[str]:
+    """Turn on inductor's FX graph cache and the AOT autograd cache where this torch has them (on by
+    default in recent releases; a person's TORCHINDUCTOR_*_CACHE=0 is overridden only by this run's
+    --compile-cache, which asked for them); the names of those turned on."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    on = []
+    for config, name in ((inductor_config, "fx_graph_cache"), (functorch_config, "enable_autograd_cache")):
+        if hasattr(config, name):
+            setattr(config, name, True)
+            on.append(name)
+    return on

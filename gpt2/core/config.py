@@ -224,6 +224,13 @@ class TrainConfig:
     """torch.compile the model.
 
     With inductor, on CUDA and on a CPU."""
+    compile_cache: str = "auto"
+    """torch.compile's cache: auto, off or a directory.
+
+    auto: out_dir/compile-cache (a requeued or resumed run loads what the last start compiled instead of
+    compiling again), or $TORCHINDUCTOR_CACHE_DIR where the environment sets it; a directory: shared by the
+    runs that name it. A subdirectory per torch release, Python, Triton and device kind; a corrupt or
+    foreign cache is cleared with one warning (gpt2/train/compile_cache.py, docs/performance.md)."""
     tf32: bool = True
     """Allow TF32 matmuls on CUDA.
 
@@ -452,6 +459,8 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
                 "sample_tokens", "max_bad_steps")
     non_negative = ("warmup_steps", "decay_steps", "eval_interval", "eval_tokens", "sample_interval", "ckpt_interval",
                     "num_threads", "hellaswag_interval")
+    if not cfg.compile_cache.strip():
+        p.append("compile_cache='' must be auto, off or a directory")
     mb = cfg.micro_batch_size
     if mb != "auto" and (not isinstance(mb, int) or isinstance(mb, bool) or mb < 1):
         p.append(f"micro_batch_size={mb!r} must be a positive integer or auto")

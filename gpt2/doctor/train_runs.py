@@ -134,7 +134,12 @@ def run_train(name: str, flags: list[str], work_dir: Path, *, nproc: int = 1, ti
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(TRAIN_SCRIPT)]
-    cmd += [*flags, "--out-dir", str(out_dir)]
+    # Every run's RUN is new: one compile cache for all of them, as inductor's /tmp one was before runs
+    # kept theirs in RUN/compile-cache (gpt2/train/compile_cache.py); a run's own flag, or the directory
+    # the environment names (which --compile-cache auto keeps), wins.
+    own = any(f.startswith("--compile-cache") for f in flags) or bool(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    cache = [] if own else ["--compile-cache", str(work_dir / "compile-cache")]
+    cmd += [*flags, *cache, "--out-dir", str(out_dir)]
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")

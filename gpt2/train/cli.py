@@ -35,7 +35,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
                            "decay_steps"),
     "optimizer": ("optimizer", "weight_decay", "beta1", "beta2", "eps", "fused_adamw", "muon_lr", "muon_momentum",
                   "muon_weight_decay", "grad_clip", "max_bad_steps"),
-    "precision and compile": ("device", "dtype", "tf32", "compile", "deterministic", "loss_impl",
+    "precision and compile": ("device", "dtype", "tf32", "compile", "compile_cache", "deterministic", "loss_impl",
                               "activation_checkpointing", "num_threads", "pin_memory"),
     "checkpoints and resume": ("out_dir", "ckpt_interval", "keep_checkpoints", "async_ckpt", "resume", "init_from"),
     "evaluation and logging": ("eval_interval", "eval_tokens", "hellaswag_interval", "hellaswag_file",

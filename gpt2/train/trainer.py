@@ -33,6 +33,8 @@ from gpt2.distributed.fsdp import shard as shard_fsdp
 from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu
+from gpt2.train import compile_cache
+from gpt2.train.compile_cache import CompileCache
 from gpt2.train.memory_watch import MemoryWatch
 from gpt2.train.optim import make_optimizer
 from gpt2.train.run_log import Metrics, plot_loss_curve
@@ -450,6 +452,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
         return 0
     cfg, tc = run.cfg, run.cfg.train
     announce_compile(tc, dist, log)
+    cache = compile_cache.use(tc.compile_cache, tc.out_dir, dist, log) if tc.compile else None
     watch = MemoryWatch.start(run.plan.memory.total, run.plan.hardware.reserve_bytes, dist.device)
     parts = build(cfg, dist, log, shards, run.start)
     write_run_info(cfg, dist, parts, run.peak, run.prec, run.loss, run.network)
@@ -463,7 +466,10 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if dist.is_main and tc.async_ckpt:
         parts.writer = CheckpointWriter(dist.device)
     try:
-        return run_loop(Run(cfg, dist, log, parts, stop_request, run.peak, hellaswag=hellaswag, watch=watch))
+        code = run_loop(Run(cfg, dist, log, parts, stop_request, run.peak, hellaswag=hellaswag, watch=watch,
+                            cache=cache))
+        compile_cache.finish(cache, dist, log)  # seals what this run compiled, for the next start
+        return code
     finally:
         close_run(parts, dist, log)
 
@@ -490,6 +496,9 @@ class Run:
     """HellaSwag's examples (--hellaswag-interval), or None."""
     watch: MemoryWatch | None = None
     """The first step's check against the memory plan (gpt2/train/memory_watch.py); None once done."""
+    cache: CompileCache | None = None
+    """torch.compile's cache (gpt2/train/compile_cache.py): sealed once after the first step, so a run
+    killed later (no signal, no end) still leaves its step's graphs for the next start; None once sealed."""
     bad_steps: int = 0
     """Consecutive steps skipped for a non-finite loss or gradient norm (NonFiniteError at --max-bad-steps)."""
     last_read_s: float | None = None
@@ -552,11 +561,15 @@ def run_loop(run: Run) -> int:
 
 
 def check_first_step(run: Run) -> None:
-    """The first step against the memory plan (gpt2/train/memory_watch.py): a warning if it holds far more."""
+    """After the first step: its memory against the plan (gpt2/train/memory_watch.py), a warning if it holds
+    far more; the compile cache sealed with the training step's graphs in it (every rank: a barrier)."""
     if run.watch is not None:
         if warning := run.watch.after_first_step():
             run.log.warn(warning)
         run.watch = None
+    if run.cache is not None:
+        compile_cache.finish(run.cache, run.dist, run.log, report=False)
+        run.cache = None
 
 
 def write_failed(parts: Parts) -> bool:
