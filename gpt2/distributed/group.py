@@ -256,9 +256,9 @@ def teardown(dist: Dist | None, *, agreed: bool = False) -> None:
     tdist.destroy_process_group()
 
 
-def all_reduce_sum(t: torch.Tensor, dist: Dist) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, dist: Dist, what: str = "all_reduce") -> torch.Tensor:
     if dist.is_distributed:
-        with collective("all_reduce"):
+        with collective(what):
             tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
     return t
 

@@ -124,7 +124,7 @@ class HangDumps:
             signal.set_wakeup_fd(previous_fd)
             os.close(read_fd)
             os.close(write_fd)
-            self._previous_handler = signal.signal(signal.SIGUSR2, lambda *_: self.dump("SIGUSR2"))
+            self._previous_handler = signal.signal(signal.SIGUSR2, lambda *_: self.dump("SIGUSR2", failure=False))
             return
         # The handler only makes the signal Python's (not the default action, which ends the process):
         # its C part writes the wakeup byte that our thread acts on, even while the main thread waits.
@@ -138,7 +138,7 @@ class HangDumps:
         try:
             while chunk := os.read(read_fd, 64):
                 if signal.SIGUSR2 in chunk:  # one byte per signal; SIGTERM/SIGUSR1 are preempt's
-                    self.dump("SIGUSR2")
+                    self.dump("SIGUSR2", failure=False)
         finally:
             os.close(read_fd)
 
@@ -149,15 +149,17 @@ class HangDumps:
         self._dumped_failure = True
         first = (str(error).splitlines() or [type(error).__name__])[0]
         try:
-            self.dump(f"the collective failed: {type(error).__name__}: {first}")
+            self.dump(f"the collective failed: {type(error).__name__}: {first}", failure=True)
         except Exception as e:  # the dump explains a failure; it never replaces the failure's own error
             print(f"rank {self.dist.rank}: hang dump failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
-    def dump(self, reason: str) -> Path:
-        """Write this rank's file now, then again with the ranks that never arrived. Returns the folder."""
+    def dump(self, reason: str, *, failure: bool) -> Path:
+        """Write this rank's file now, then again with the ranks that never arrived. Returns the folder.
+
+        failure: a collective failed here (once per run); else a signal asked (any number of times)."""
         with self._lock:
             store = default_store() if self.dist.is_distributed else None
-            folder = self._folder(store)
+            folder = self._folder(store, failure)
             seq, head = TRACE.seq, (f"rank {self.dist.rank} of {self.dist.world_size}, pid {os.getpid()}\n"
                                     f"reason: {reason}\nlast collective: {last_collective()}\n")
             path = folder / f"rank-{self.dist.rank}.txt"
@@ -169,7 +171,9 @@ class HangDumps:
             store.set(f"{round_key}/seq/{self.dist.rank}", str(seq))
             reports = self._reports(store, round_key)
             stuck_at, missing = never_arrived(reports, self.dist.world_size)
-            verdict = (f"ranks that never arrived at collective #{stuck_at}: {', '.join(map(str, missing)) or 'none'}"
+            # A signal's dump: a rank may simply not have been signalled, or be between two collectives.
+            what = "never arrived at" if failure else f"had not reached (or not dumped within {self.grace_s:g} s)"
+            verdict = (f"ranks that {what} collective #{stuck_at}: {', '.join(map(str, missing)) or 'none'}"
                        f" (reported: {', '.join(f'{r}@#{s}' for r, s in sorted(reports.items()))})\n")
             atomic_write_text(path, f"{head}{verdict}\n{stacks}")
             if self.dist.is_main:
@@ -177,11 +181,13 @@ class HangDumps:
                       f"every rank's stacks in {folder}/", file=sys.stderr, flush=True)
             return folder
 
-    def _folder(self, store) -> Path:
-        """RUN/hang-<time>: this rank's n-th dump goes where every rank's n-th dump goes (the store)."""
+    def _folder(self, store, failure: bool) -> Path:
+        """RUN/hang-<time>: the first rank to dump names it (the store) and the others follow. A failure's
+        dumps (one per rank and run) share one folder; a signal's n-th dump goes where every rank's n-th
+        signal dump goes, so a signal to one rank does not split the next failure's dumps."""
         name = "hang-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         if store is not None:
-            n = store.add(f"{_KEY}/round/{self.dist.rank}", 1)
+            n = "failure" if failure else store.add(f"{_KEY}/round/{self.dist.rank}", 1)
             name = store.compare_set(f"{_KEY}/dir/{n}", "", name).decode()
         folder = self.out_dir / name
         folder.mkdir(parents=True, exist_ok=True)

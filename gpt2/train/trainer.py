@@ -31,6 +31,8 @@ from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import clip_grad_norm, is_sharded, no_grad_sync
 from gpt2.distributed.fsdp import shard as shard_fsdp
 from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
+from gpt2.distributed.hang import HangDumps
+from gpt2.distributed.straggler import ComputeClock, straggler_line, times_record
 from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu
 from gpt2.train.memory_watch import MemoryWatch
@@ -232,7 +234,7 @@ class StepStats:
         if self._host is None:
             if self._event is not None:
                 self._event.synchronize()
-            loss_total, stop_votes, bad_data, grad_norm = self._numbers.tolist()
+            loss_total, stop_votes, bad_data, grad_norm, *rank_s = self._numbers.tolist()
             loss_mean, stop = loss_total / self.world_size, stop_votes > 0
             loss_ok, norm_ok = math.isfinite(loss_mean), math.isfinite(grad_norm)
             # fp16: a finite loss with non-finite gradients is an overflow of the scaled gradients. The
@@ -240,7 +242,8 @@ class StepStats:
             overflow = self.scaler_enabled and loss_ok and not norm_ok
             skipped = not (loss_ok and norm_ok) and not overflow
             self._host = {"loss": loss_mean, "grad_norm": grad_norm, "lr": self.lr, "stop": stop,
-                          "skipped": skipped, "overflow": overflow, "bad_data": bad_data > 0}
+                          "skipped": skipped, "overflow": overflow, "bad_data": bad_data > 0,
+                          "rank_s": rank_s}
         return self._host
 
     def __getitem__(self, key: str):
@@ -307,6 +310,9 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
         group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
     loss_sum = torch.zeros((), device=dist.device)
     autocast = precision.autocast(tc.dtype, dist.device)
+    if parts.clock is None:  # made at the first step: Parts made elsewhere (tests, benchmarks) have none
+        parts.clock = ComputeClock(dist)
+    parts.clock.start()  # this rank's own compute time, up to the gradient sync (gpt2/distributed/straggler.py)
     for micro_step in range(parts.accum_steps):
         x, y = micro_batch(parts, micro_step)
         # Decide gradient sync before the forward pass: DDP registers its hooks during forward.
@@ -317,6 +323,8 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
                 _, loss = parts.train_model(x, y, return_logits=False)  # the model's loss_impl path
             loss = loss / parts.accum_steps
             loss_sum += loss.detach()
+            if last:
+                parts.clock.mark()
             # The last micro-step's backward all-reduces the gradients (DDP's hooks), so its errors
             # are reported as the process group's; a compute error there (rarer: the same backward
             # runs in every micro-step) is reported the same way, with its own message kept.
@@ -329,10 +337,12 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     # One all-reduce carries the loss, the stop flag and the bad-token flag (gpt2/data/loader.py): every rank
     # sees the same values, so every rank takes the same skip / stop decision. torch.full launches a
     # fill, no host copy.
-    stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device),
-                         torch.full((), float(parts.loader.problem is not None), device=dist.device)])
-    all_reduce_sum(stats, dist)
-    numbers = torch.stack([stats[0], stats[1], stats[2], grad_norm.float()])
+    # Each rank's compute time rides in its own slot (zeros elsewhere), so the sum is every rank's time.
+    stats = torch.cat([torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device),
+                                    torch.full((), float(parts.loader.problem is not None), device=dist.device)]),
+                       parts.clock.slots()])
+    all_reduce_sum(stats, dist, what="the step's loss, flags and compute times")
+    numbers = torch.cat([stats[:3], grad_norm.float().reshape(1), stats[3:]])
     out = StepStats(parts.step + 1, lr, numbers, dist.world_size, parts.scaler.is_enabled())
     if parts.writer is not None:  # rank 0, a checkpoint being copied: the update below changes its tensors
         parts.writer.wait_copied()
@@ -405,7 +415,7 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
     # Signals are recorded from the start: one that arrives while building or restoring stops the
     # run at the first step boundary (with a checkpoint) instead of killing the process. The run
     # directory is this run's alone from before its first touch to the end (gpt2/ckpt/rundir.py).
-    with preempt.StopRequest() as stop_request, own_run_dir(cfg.train.out_dir, dist):
+    with preempt.StopRequest() as stop_request, own_run_dir(cfg.train.out_dir, dist), HangDumps(cfg.train.out_dir, dist):
         return _train(cfg, dist, shards, stop_request)
 
 
@@ -546,12 +556,22 @@ def report(stats: StepStats, parts: Parts, cfg: RunConfig, dist: Dist, log: Metr
                           (progress.bad_steps if out["overflow"] else 0))
     if due(step, tc, has_val=has_val, has_hellaswag=has_hellaswag, unusual=out["skipped"] or out["overflow"]).log:
         progress.peak = log_step(parts, cfg, dist, log, out, dt, progress.peak, step=step)
+        log_stragglers(log, step, out["rank_s"], step // max(1, tc.log_interval))
     if progress.bad_steps >= tc.max_bad_steps:
         raise NonFiniteError(
             f"{progress.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
             " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
             "--warmup-steps or check the data, then resume from the last checkpoint")
     return out["stop"]
+
+
+def log_stragglers(log: Metrics, step: int, rank_s: list[float], log_index: int) -> None:
+    """On a log step: the slowest rank named when it holds the others up; every rank's time now and then."""
+    line = straggler_line(step, rank_s)
+    if line:
+        log.warn(line)
+    if rec := times_record(step, rank_s, log_index, named=line is not None):
+        log.record(rec)
 
 
 def perform(act: Actions, parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, hellaswag,
