@@ -5,7 +5,7 @@ and whenever a person sends SIGUSR2 to a rank (`kill -USR2 PID`, or to every ran
 `pkill -USR2 -f train_ddp.py`). Each file says which collective the rank entered last (name and
 sequence number, gpt2/distributed/group.py's TRACE) and whether it came back; after a short wait for
 the other ranks' reports (HANG_GRACE_S), each file is rewritten with the ranks that never arrived,
-and rank 0 prints that as one line.
+and rank 0 (or the lowest rank that reported, where rank 0 is the one stuck) prints that as one line.
 
 How the ranks learn who never arrived: through torchrun's store (the TCPStore the process group
 was made with, held by the torchrun agent, not by a rank). Each dumping rank writes its last
@@ -176,8 +176,8 @@ class HangDumps:
             verdict = (f"ranks that {what} collective #{stuck_at}: {', '.join(map(str, missing)) or 'none'}"
                        f" (reported: {', '.join(f'{r}@#{s}' for r, s in sorted(reports.items()))})\n")
             atomic_write_text(path, f"{head}{verdict}\n{stacks}")
-            if self.dist.is_main:
-                print(f"hang dump: rank 0 {reason}; last collective {last_collective()}; {verdict.strip()}; "
+            if self.dist.rank == min(reports):  # rank 0, or the first live rank where rank 0 is the one stopped
+                print(f"hang dump: rank {self.dist.rank} {reason}; last collective {last_collective()}; {verdict.strip()}; "
                       f"every rank's stacks in {folder}/", file=sys.stderr, flush=True)
             return folder
 
