@@ -33,6 +33,7 @@ from gpt2.distributed.fsdp import shard as shard_fsdp
 from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.distributed.hang import HangDumps
 from gpt2.distributed.straggler import ComputeClock, straggler_line, times_record
+from gpt2.train.gc_steps import collect_at_steps, collect_if_due
 from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu
 from gpt2.train.memory_watch import MemoryWatch
@@ -454,7 +455,8 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if dist.is_main and tc.async_ckpt:
         parts.writer = CheckpointWriter(dist.device)
     try:
-        return run_loop(parts, cfg, dist, log, run.peak, hellaswag, stop_request, watch=watch)
+        with collect_at_steps(tc.gc_interval):  # every rank's garbage collection at the same steps
+            return run_loop(parts, cfg, dist, log, run.peak, hellaswag, stop_request, watch=watch)
     finally:
         close_run(parts, dist, log)
 
@@ -498,6 +500,7 @@ def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float
         # this step and the stop's save raises the write's error on every rank (state.save).
         out = train_step(parts, cfg, dist, stop_request.signum is not None or write_failed(parts))
         out.started_s = t0
+        collect_if_due(parts.step, tc.gc_interval)
         if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
             set_timeout(dist, tc.dist_step_timeout_s)
             slow_phase = False
