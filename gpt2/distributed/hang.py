@@ -70,11 +70,16 @@ def flight_recorder_env(out_dir: str, device_type: str, env=None) -> dict:
 
 
 def stacks_text() -> str:
-    """Every thread's Python stack, the main thread's first (where a hung collective is)."""
+    """Every thread's Python stack, the main thread's first (where a hung collective is), without the
+    dump's own frames (this module's)."""
     names = {t.ident: t.name for t in threading.enumerate()}
     frames = sorted(sys._current_frames().items(), key=lambda kv: kv[0] != threading.main_thread().ident)
-    return "\n".join(f"--- thread {names.get(ident, ident)} ---\n{''.join(traceback.format_stack(frame))}"
+    return "\n".join(f"--- thread {names.get(ident, ident)} ---\n{''.join(traceback.format_list(_outside_dump(frame)))}"
                      for ident, frame in frames)
+
+
+def _outside_dump(frame) -> list:
+    return [f for f in traceback.extract_stack(frame) if Path(f.filename).resolve() != Path(__file__).resolve()]
 
 
 def last_collective() -> str:

@@ -37,7 +37,7 @@ RECORD_EVERY_LOGS = 10
 SLOW_RANK_ENV = "GPT2_TEST_SLOW_RANK"
 
 
-def test_delay(rank: int, env=None) -> tuple[float, float]:
+def slow_rank_hook(rank: int, env=None) -> tuple[float, float]:
     """The test hook GPT2_TEST_SLOW_RANK=R:S (rank R sleeps S seconds per step) or R:Fx (rank R takes F
     times its own compute time, whatever the machine's load): (seconds, factor) for this rank."""
     spec = (os.environ if env is None else env).get(SLOW_RANK_ENV, "")
@@ -58,7 +58,7 @@ class ComputeClock:
 
     def __init__(self, dist: Dist, env=None) -> None:
         self.dist = dist
-        self.delay_s, self.factor = test_delay(dist.rank, env)
+        self.delay_s, self.factor = slow_rank_hook(dist.rank, env)
         self._slept = 0.0
         self.cuda = dist.device.type == "cuda"
         self._t0 = 0.0
