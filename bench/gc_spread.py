@@ -1,6 +1,6 @@
 """Step-time spread with Python's garbage collector on its own timing against at the same step on every rank.
 
-    python bench/gc_spread.py --data-dir DIR                # 2 gloo ranks on the CPU, ~3 min
+    python bench/gc_spread.py --data-dir DIR                # 2 gloo ranks on the CPU, minutes
     python bench/gc_spread.py --data-dir DIR --nproc 1 --steps 100
 
 Each row is a train_ddp.py run (torchrun for --nproc > 1) of the same small model on DIR's shards, with
@@ -32,9 +32,10 @@ WARMUP_STEPS = 10
 
 def run(data_dir: Path, out_dir: Path, nproc: int, steps: int, gc_interval: int) -> list[float]:
     """Rank 0's step times of one run after the warm-up steps."""
-    args = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "128", "--device", "cpu",
+    # A small model: short steps, where a collection's tens of milliseconds show (it does not scale with the model).
+    args = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--device", "cpu",
             "--dtype", "float32", "--compile", "false", "--data-dir", str(data_dir), "--out-dir", str(out_dir),
-            "--micro-batch-size", "4", "--total-batch-size", str(512 * nproc), "--max-steps", str(steps),
+            "--micro-batch-size", "4", "--total-batch-size", str(256 * nproc), "--max-steps", str(steps),
             "--eval-interval", "0", "--eval-tokens", "1024", "--ckpt-interval", "0", "--sample-interval", "0",
             "--log-interval", "1", "--plot", "false", "--resume", "never", "--gc-interval", str(gc_interval)]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]

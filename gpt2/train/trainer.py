@@ -33,9 +33,9 @@ from gpt2.distributed.fsdp import shard as shard_fsdp
 from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
 from gpt2.distributed.hang import HangDumps
 from gpt2.distributed.straggler import ComputeClock, straggler_line, times_record
-from gpt2.train.gc_steps import collect_at_steps, collect_if_due
 from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu
+from gpt2.train.gc_steps import collect_at_steps, collect_if_due
 from gpt2.train.memory_watch import MemoryWatch
 from gpt2.train.optim import make_optimizer
 from gpt2.train.run_log import Metrics, plot_loss_curve
