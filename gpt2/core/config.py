@@ -413,7 +413,7 @@ class TrainConfig:
     Set after the first step: a peer that died or hangs mid-run is found this fast. It bounds how far ranks
     may drift apart within one step."""
     gc_interval: int = 50
-    """Steps between Python garbage collections (0: Python's own timing).
+    """Steps between Python GC runs (0: its own).
 
     After start-up the collector is frozen and turned off, and every rank collects at the same step
     every gc_interval steps (torchtitan's gc_freq): no rank pauses for a collection while the others
