@@ -129,7 +129,7 @@ class HangDumps:
             signal.set_wakeup_fd(previous_fd)
             os.close(read_fd)
             os.close(write_fd)
-            self._previous_handler = signal.signal(signal.SIGUSR2, lambda *_: self.dump("SIGUSR2", failure=False))
+            self._previous_handler = signal.signal(signal.SIGUSR2, lambda *_: self._dump_or_say("SIGUSR2", failure=False))
             return
         # The handler only makes the signal Python's (not the default action, which ends the process):
         # its C part writes the wakeup byte that our thread acts on, even while the main thread waits.
@@ -143,7 +143,7 @@ class HangDumps:
         try:
             while chunk := os.read(read_fd, 64):
                 if signal.SIGUSR2 in chunk:  # one byte per signal; SIGTERM/SIGUSR1 are preempt's
-                    self.dump("SIGUSR2", failure=False)
+                    self._dump_or_say("SIGUSR2", failure=False)
         finally:
             os.close(read_fd)
 
@@ -153,9 +153,14 @@ class HangDumps:
             return
         self._dumped_failure = True
         first = (str(error).splitlines() or [type(error).__name__])[0]
+        self._dump_or_say(f"the collective failed: {type(error).__name__}: {first}", failure=True)
+
+    def _dump_or_say(self, reason: str, *, failure: bool) -> None:
+        """dump(), and one line if it fails: it explains a failure, it never replaces the failure's own
+        error, and the signal thread lives on for the next signal."""
         try:
-            self.dump(f"the collective failed: {type(error).__name__}: {first}", failure=True)
-        except Exception as e:  # the dump explains a failure; it never replaces the failure's own error
+            self.dump(reason, failure=failure)
+        except Exception as e:
             print(f"rank {self.dist.rank}: hang dump failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def dump(self, reason: str, *, failure: bool) -> Path:
