@@ -73,6 +73,10 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
             if info.rank == 0:
                 print(f"train_ddp.py: error: {e}", file=sys.stderr)
             return 2, False  # no process group yet
+        if info.world_size > 1:  # NCCL reads its Flight Recorder settings when the group starts
+            from gpt2.distributed.hang import flight_recorder_env
+
+            flight_recorder_env(cfg.train.out_dir, device.type)
         dist = setup(info, device, cfg.train.dist_timeout_s)
         code = train(cfg, dist, shards)
         agreed = True

@@ -151,3 +151,21 @@ def enable_compile_caches() -> list[str]:
             setattr(config, name, True)
             on.append(name)
     return on
+
+def default_store():
+    """The default process group's key-value store (torchrun's TCPStore, under its prefixes): reachable
+    while a peer hangs, since the torchrun agent serves it. torch has no public accessor for it."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def flight_recorder_vars(entries: int, dump_prefix: str) -> dict:
+    """NCCL Flight Recorder's environment: a trace buffer of `entries` collectives, a dump on a
+    collective timeout, written to `dump_prefix`<rank>. Older releases read only the
+    TORCH_NCCL_* names (torch 2.5's Flight Recorder tutorial); newer ones read TORCH_FR_BUFFER_SIZE / TORCH_FR_DUMP_TEMP_FILE first and fall
+    back to the TORCH_NCCL_* names (torch 2.13's libtorch has both). Both are set: an environment
+    variable a release does not read costs nothing, and asking which it reads would mean a version test."""
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries), "TORCH_FR_BUFFER_SIZE": str(entries),
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump_prefix, "TORCH_FR_DUMP_TEMP_FILE": dump_prefix}

@@ -419,6 +419,12 @@ class TrainConfig:
 
     Set after the first step: a peer that died or hangs mid-run is found this fast. It bounds how far ranks
     may drift apart within one step."""
+    gc_interval: int = 50
+    """Steps between Python GC runs (0: its own).
+
+    After start-up the collector is frozen and turned off, and every rank collects at the same step
+    every gc_interval steps (torchtitan's gc_freq): no rank pauses for a collection while the others
+    wait for it at the next all-reduce (gpt2/train/gc_steps.py; docs/performance.md has the measurement)."""
     max_bad_steps: int = 3
     """Non-finite steps in a row (skipped) before a stop.
 
@@ -501,6 +507,8 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     if not cfg.ddp_bucket_cap_mb >= 1:
         p.append(f"ddp_bucket_cap_mb={cfg.ddp_bucket_cap_mb} must be >= 1 (MiB): torch.compile splits the "
                  "backward at DDP's buckets and its first split is 1 MiB")
+    if cfg.gc_interval < 0:
+        p.append(f"gc_interval={cfg.gc_interval} must be >= 0 (0: Python's own garbage collection)")
     for name in ("dist_timeout_s", "dist_step_timeout_s"):
         if getattr(cfg, name) <= 0:
             p.append(f"{name}={getattr(cfg, name)} must be > 0")

@@ -20,6 +20,28 @@ class CollectiveError(RuntimeError):
     """A collective operation failed: a peer died, or did not answer within the group's timeout."""
 
 
+class CollectiveTrace:
+    """The last collective this process entered (its name and sequence number) and whether it came
+    back: what a hang dump (gpt2/distributed/hang.py) says of each rank. Every rank enters the same
+    collectives in the same order, so equal sequence numbers mean the same operation on every rank,
+    and a rank whose number is lower never arrived. Two assignments per collective: nothing to measure.
+
+    on_failure: called with the failing collective's error before it is raised as a CollectiveError
+    (the hang dump, when a run has installed one), so that every failure path dumps, the gradient
+    all-reduce inside backward included."""
+
+    def __init__(self) -> None:
+        self.seq, self.name, self.done = 0, "", True
+        self.on_failure = None
+
+    def enter(self, what: str) -> None:
+        self.seq, self.name, self.done = self.seq + 1, what, False
+
+
+TRACE = CollectiveTrace()
+"""This process's collective trace: one per process, as the default process group is."""
+
+
 @contextlib.contextmanager
 def collective(what: str):
     """Inside: process-group operations only, so a RuntimeError raised here is the group failing.
@@ -31,7 +53,10 @@ def collective(what: str):
     (is_compile_failure): a DDP run's first forward and backward compile inside a collective's
     context (the bucket-settling step, the first gradient all-reduce), and a missing compiler
     reported as "another rank died" sent users to the wrong place.
+
+    Each entry is recorded in TRACE (name, sequence number); a failure calls TRACE.on_failure first.
     """
+    TRACE.enter(what)
     try:
         yield
     except (CollectiveError, torch.OutOfMemoryError):
@@ -39,8 +64,11 @@ def collective(what: str):
     except RuntimeError as e:
         if is_compile_failure(e):
             raise
+        if TRACE.on_failure is not None:
+            TRACE.on_failure(e)
         first = str(e).splitlines()[0] if str(e) else ""
         raise CollectiveError(f"{what} failed ({type(e).__name__}: {first})") from e
+    TRACE.done = True
 
 
 def is_compile_failure(e: BaseException) -> bool:
@@ -228,9 +256,9 @@ def teardown(dist: Dist | None, *, agreed: bool = False) -> None:
     tdist.destroy_process_group()
 
 
-def all_reduce_sum(t: torch.Tensor, dist: Dist) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, dist: Dist, what: str = "all_reduce") -> torch.Tensor:
     if dist.is_distributed:
-        with collective("all_reduce"):
+        with collective(what):
             tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
     return t
 

@@ -41,7 +41,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "evaluation and logging": ("eval_interval", "eval_tokens", "hellaswag_interval", "hellaswag_file",
                                "sample_interval", "sample_tokens", "sample_prompt", "log_interval", "verbose", "plot",
                                "tensorboard", "wandb_project"),
-    "distributed": ("parallel", "ddp_bucket_cap_mb", "dist_timeout_s", "dist_step_timeout_s"),
+    "distributed": ("parallel", "ddp_bucket_cap_mb", "dist_timeout_s", "dist_step_timeout_s", "gc_interval"),
 }
 """--help's headings, each with its config fields in the order shown (torchtitan groups its config alike, so a
 person finds a flag by scanning a heading). Every ModelConfig and TrainConfig field is in exactly one."""

@@ -40,6 +40,7 @@ from gpt2.data.loader import EvalLoader, TrainLoader
 from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import is_sharded
 from gpt2.distributed.group import Dist, all_gather_object, barrier, broadcast_object
+from gpt2.distributed.straggler import ComputeClock
 from gpt2.model.gpt import GPT
 from gpt2.train.optim import optimizer_kind
 from gpt2.train.run_log import Metrics
@@ -69,6 +70,8 @@ class Parts:
     """The run this one is (gpt2/ckpt/rundir.py): recorded in config.json and in every checkpoint it writes."""
     prefetched: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     """(loader position, that step's first micro-batch) read ahead by the trainer (gpt2/train/trainer.py prefetch)."""
+    clock: ComputeClock | None = None
+    """This rank's compute time per step, which rides the step's all-reduce (gpt2/distributed/straggler.py)."""
     init_from: dict | None = None
     """Rank 0's record of the weights --init-from started this run from (path, sha256; gpt2/train/init_from.py),
     written into config.json; None without --init-from and on the other ranks."""

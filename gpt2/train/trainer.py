@@ -31,10 +31,13 @@ from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import clip_grad_norm, is_sharded, no_grad_sync
 from gpt2.distributed.fsdp import shard as shard_fsdp
 from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
+from gpt2.distributed.hang import HangDumps
+from gpt2.distributed.straggler import ComputeClock, straggler_line, times_record
 from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu
 from gpt2.train import compile_cache
 from gpt2.train.compile_cache import CompileCache
+from gpt2.train.gc_steps import collect_at_steps, collect_if_due
 from gpt2.train.memory_watch import MemoryWatch
 from gpt2.train.optim import make_optimizer
 from gpt2.train.run_log import Metrics, plot_loss_curve
@@ -227,7 +230,7 @@ class StepStats:
         if self._host is None:
             if self._event is not None:
                 self._event.synchronize()
-            loss_total, stop_votes, bad_data, grad_norm = self._numbers.tolist()
+            loss_total, stop_votes, bad_data, grad_norm, *rank_s = self._numbers.tolist()
             loss_mean, stop = loss_total / self.world_size, stop_votes > 0
             loss_ok, norm_ok = math.isfinite(loss_mean), math.isfinite(grad_norm)
             # fp16: a finite loss with non-finite gradients is an overflow of the scaled gradients. The
@@ -235,7 +238,8 @@ class StepStats:
             overflow = self.scaler_enabled and loss_ok and not norm_ok
             skipped = not (loss_ok and norm_ok) and not overflow
             self._host = {"loss": loss_mean, "grad_norm": grad_norm, "lr": self.lr, "stop": stop,
-                          "skipped": skipped, "overflow": overflow, "bad_data": bad_data > 0}
+                          "skipped": skipped, "overflow": overflow, "bad_data": bad_data > 0,
+                          "rank_s": rank_s}
         return self._host
 
     def __getitem__(self, key: str):
@@ -299,6 +303,9 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     lr = set_lr(parts, tc)
     loss_sum = torch.zeros((), device=dist.device)
     autocast = precision.autocast(tc.dtype, dist.device)
+    if parts.clock is None:  # made at the first step: Parts made elsewhere (tests, benchmarks) have none
+        parts.clock = ComputeClock(dist)
+    parts.clock.start()  # this rank's own compute time, up to the gradient sync (gpt2/distributed/straggler.py)
     for micro_step in range(parts.accum_steps):
         x, y = micro_batch(parts, micro_step)
         # Decide gradient sync before the forward pass: DDP registers its hooks during forward.
@@ -309,6 +316,8 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
                 _, loss = parts.train_model(x, y, return_logits=False)  # the model's loss_impl path
             loss = loss / parts.accum_steps
             loss_sum += loss.detach()
+            if last:
+                parts.clock.mark()
             # The last micro-step's backward all-reduces the gradients (DDP's hooks), so its errors
             # are reported as the process group's; a compute error there (rarer: the same backward
             # runs in every micro-step) is reported the same way, with its own message kept.
@@ -341,13 +350,16 @@ def step_stats(parts: Parts, lr: float, loss_sum: torch.Tensor, grad_norm: torch
                dist: Dist) -> StepStats:
     """The step's numbers, all-reduced, still on the device (StepStats reads them when asked).
 
-    One all-reduce carries the loss, the stop flag and the bad-token flag (gpt2/data/loader.py): every rank
+    One all-reduce carries the loss, the stop flag, the bad-token flag and each rank's compute time (gpt2/data/loader.py): every rank
     sees the same values, so every rank takes the same skip / stop decision. torch.full launches a
     fill, no host copy."""
-    stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device),
-                         torch.full((), float(parts.loader.problem is not None), device=dist.device)])
-    all_reduce_sum(stats, dist)
-    numbers = torch.stack([stats[0], stats[1], stats[2], grad_norm.float()])
+    # Each rank's compute time rides in its own slot (zeros elsewhere), so the sum is every rank's time
+    # (gpt2/distributed/straggler.py): no collective of its own.
+    stats = torch.cat([torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device),
+                                    torch.full((), float(parts.loader.problem is not None), device=dist.device)]),
+                       parts.clock.slots()])
+    all_reduce_sum(stats, dist, what="the step's loss, flags and compute times")
+    numbers = torch.cat([stats[:3], grad_norm.float().reshape(1), stats[3:]])
     return StepStats(parts.step + 1, lr, numbers, dist.world_size, parts.scaler.is_enabled())
 
 
@@ -426,7 +438,7 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
     # Signals are recorded from the start: one that arrives while building or restoring stops the
     # run at the first step boundary (with a checkpoint) instead of killing the process. The run
     # directory is this run's alone from before its first touch to the end (gpt2/ckpt/rundir.py).
-    with preempt.StopRequest() as stop_request, own_run_dir(cfg.train.out_dir, dist):
+    with preempt.StopRequest() as stop_request, own_run_dir(cfg.train.out_dir, dist), HangDumps(cfg.train.out_dir, dist):
         return _train(cfg, dist, shards, stop_request)
 
 
@@ -466,8 +478,9 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     if dist.is_main and tc.async_ckpt:
         parts.writer = CheckpointWriter(dist.device)
     try:
-        code = run_loop(Run(cfg, dist, log, parts, stop_request, run.peak, hellaswag=hellaswag, watch=watch,
-                            cache=cache))
+        with collect_at_steps(tc.gc_interval):  # every rank's garbage collection at the same steps
+            code = run_loop(Run(cfg, dist, log, parts, stop_request, run.peak, hellaswag=hellaswag, watch=watch,
+                                cache=cache))
         compile_cache.finish(cache, dist, log)  # seals what this run compiled, for the next start
         return code
     finally:
@@ -531,6 +544,7 @@ def run_loop(run: Run) -> int:
         # this step and the stop's save raises the write's error on every rank (state.save).
         out = train_step(parts, run.cfg, run.dist, run.stop_request.signum is not None or write_failed(parts))
         out.started_s = t0
+        collect_if_due(parts.step, tc.gc_interval)
         if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
             set_timeout(run.dist, tc.dist_step_timeout_s)
             slow_phase = False
@@ -594,12 +608,22 @@ def report(run: Run, stats: StepStats, act: Actions) -> bool:
     run.bad_steps = run.bad_steps + 1 if out["skipped"] else (run.bad_steps if out["overflow"] else 0)
     if act.log or out["skipped"] or out["overflow"]:  # an unusual step is always logged
         log_step(run, out, dt, step)
+        log_stragglers(run.log, step, out["rank_s"], step // max(1, tc.log_interval))
     if run.bad_steps >= tc.max_bad_steps:
         raise NonFiniteError(
             f"{run.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
             " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
             "--warmup-steps or check the data, then resume from the last checkpoint")
     return out["stop"]
+
+
+def log_stragglers(log: Metrics, step: int, rank_s: list[float], log_index: int) -> None:
+    """On a log step: the slowest rank named when it holds the others up; every rank's time now and then."""
+    line = straggler_line(step, rank_s)
+    if line:
+        log.warn(line)
+    if rec := times_record(step, rank_s, log_index, named=line is not None):
+        log.record(rec)
 
 
 def perform(run: Run, act: Actions) -> None:
