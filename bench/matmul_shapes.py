@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     try:
-        dtypes = [precision.torch_dtype(d) for d in args.dtypes.split(",")]
+        precs = {(p := precision.Precision(d, d)).torch_dtype: p for d in args.dtypes.split(",")}
+        dtypes = list(precs)
     except ValueError as e:
         print(f"{ap.prog}: error: --dtypes: {e}", file=sys.stderr)
         return 2
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     peaks = dict(zip(dtypes, precision.peak_rates("cpu", tuple(dtypes))))
     lines = [f"{args.n_layer} layers x {args.n_embd} wide, {args.tokens:,} tokens per micro-batch, vocab "
              f"{args.vocab_size:,}; {args.threads} thread(s), best of {args.repeats}; torch {torch.__version__}", "",
-             "| matmul | m x k x n | per step | " + " | ".join(f"{precision.peak_name(d)} "
+             "| matmul | m x k x n | per step | " + " | ".join(f"{precs[d].short} "
                                                           "GFLOP/s (% of peak)" for d in dtypes) + " |",
              "|---|---|---:|" + "---:|" * len(dtypes)]
     for i, (name, m, k, n, per_layer) in enumerate(shapes):
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.append("| **all, FLOP-weighted** | | | " + " | ".join(
         f"**{weighted[d] / 1e9:,.0f} ({weighted[d] / peaks[d]:.0%})**" for d in dtypes) + " |")
     lines += ["", "peak (the MFU denominator, cached 2048^3 probes): " + ", ".join(
-        f"{precision.peak_name(d)} {peaks[d] / 1e9:,.0f} GFLOP/s" for d in dtypes)]
+        f"{precs[d].short} {peaks[d] / 1e9:,.0f} GFLOP/s" for d in dtypes)]
     emit("\n".join(lines), args.md)
     return 0
 

@@ -116,14 +116,11 @@ class Peaks:
         self.best: dict[str, precision.MatmulRate] = {}
 
     def measure(self) -> None:
-        for name, dtype in {"fp32": torch.float32, self.low: precision.torch_dtype(LOW_NAMES[self.low])}.items():
+        for name, dtype in {"fp32": torch.float32, self.low: precision.Precision.from_key(self.low).torch_dtype}.items():
             p = precision.matmul_rate("cpu", dtype, n=PEAK_N, budget_s=PEAK_BUDGET_S, fresh=True, cpu_time=True)
             old = self.best.get(name)
             self.best[name] = p if old is None else precision.MatmulRate(
                 max(p.wall, old.wall), max(p.cpu, old.cpu), p.n)
-
-
-LOW_NAMES = {short: name for name, short in precision.SHORT_NAMES.items()}
 
 
 def write_random_shards(data_dir: Path, n_tokens: int) -> None:

@@ -225,7 +225,7 @@ def measure(rows: list[Row], shapes: dict[str, Shape], data: Path, tree: Path | 
 
 
 def peak(dtype: str) -> float:
-    return precision.peak_rate("cpu", precision.torch_dtype(dtype))
+    return precision.peak_rate("cpu", precision.Precision(dtype, dtype).torch_dtype)
 
 
 def report_lines(rows: list[Row], shapes: dict[str, Shape], key: str) -> list[str]:
@@ -391,7 +391,7 @@ def row_peak(device: Device, dtype: str) -> float | None:
     """The FLOP/s a row's MFU divides by: the data-sheet dense peak of the row's dtype on CUDA (None: the
     GPU is not in gpt2/plan/flops.py's table), the measured matmul peak on a CPU."""
     if device.kind == "cuda":
-        return gpu_table_peak(device.name, precision.torch_dtype(dtype))
+        return gpu_table_peak(device.name, precision.Precision(dtype, dtype).torch_dtype)
     return peak(dtype)
 
 

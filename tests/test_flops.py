@@ -64,6 +64,7 @@ def test_blackwell_peaks_and_no_mfu_claimed_for_a_mig_slice(monkeypatch, capsys,
     assert gpu_table_peak("NVIDIA A100-SXM4-40GB MIG 1g.5gb", torch.bfloat16) is None
     assert gpu_table_peak("NVIDIA H100 80GB HBM3 MIG 7g.80gb", torch.bfloat16) is None
 
+    from gpt2.core.precision import Precision
     from gpt2.distributed.group import Dist
     from gpt2.train import startup
     from gpt2.train.run_log import Metrics
@@ -71,7 +72,7 @@ def test_blackwell_peaks_and_no_mfu_claimed_for_a_mig_slice(monkeypatch, capsys,
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
     monkeypatch.setattr(startup, "device_name", lambda device: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cuda", 0))
-    assert startup.mfu_peak(dist, "bfloat16", Metrics(dist, tmp_path), tf32=True) is None
+    assert startup.mfu_peak(dist, Precision("bfloat16", "bfloat16", tf32=True), Metrics(dist, tmp_path)) is None
     assert "mfu n/a: NVIDIA H100 80GB HBM3 MIG 3g.40gb is a MIG slice (3g.40gb)" in capsys.readouterr().out
 
 

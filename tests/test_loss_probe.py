@@ -76,7 +76,8 @@ def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_
                                 total_batch_size=256, compile=False))
     roomy = Hardware(name="roomy", memory_bytes=8 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
     log = Metrics(dist, tmp_path)
-    resolved, _, choice = resolve_auto(cfg, dist, log, hardware=roomy)
+    r = resolve_auto(cfg, dist, log, hardware=roomy)
+    resolved, choice = r.cfg, r.loss
     log.close()
     times = loss_probe.eager_loss_times("cpu", "float32", 4 * 64, 64, 50304)  # now from the cache
     assert resolved.train.loss_impl == ("full" if times.full_is_faster else "chunked") == choice.impl

@@ -424,10 +424,13 @@ def test_the_compiled_full_loss_holds_at_most_what_the_planner_counts_per_logit(
 
 def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
     from gpt2.core.config import RunConfig, TrainConfig
-    from gpt2.plan.planner import plan_run
+    from gpt2.plan.resolve import Target, resolve
+
+    def plan_run(cfg, hw):  # the plan of a run on hw, its choices made
+        return resolve(cfg, Target(hardware=hw)).plan
 
     def run(cfg, hw, **train):
-        return plan_run(RunConfig(cfg, TrainConfig(dtype="float32", **train)), hw, world_size=1)
+        return plan_run(RunConfig(cfg, TrainConfig(dtype="float32", **train)), hw)
 
     full = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048)  # compiled (TrainConfig's default)
     assert not full.memory.chunked_loss
@@ -441,8 +444,8 @@ def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
     # --micro-batch-size auto: the throughput model's, the same whatever --loss-impl says (it weighs auto's
     # loss at each size); on an A100-80GB that is 16 sequences, where auto takes the fused full loss.
     gpt2, a100 = model_preset("gpt2"), gpu_hardware("A100-80GB", "bf16")
-    auto = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16")), a100, world_size=1)
-    forced = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16", loss_impl="chunked")), a100, world_size=1)
+    auto = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16")), a100)
+    forced = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16", loss_impl="chunked")), a100)
     assert auto.micro_batch_size == forced.micro_batch_size == 16
     assert not auto.memory.chunked_loss and forced.memory.chunked_loss
 
@@ -519,14 +522,15 @@ def test_fsdp_at_world_size_1_is_ddp():
 
 def test_gpt2_xl_on_8_24gb_cards_fits_with_fsdp_and_not_with_ddp():
     from gpt2.core.config import TRAIN_PRESETS, RunConfig, TrainConfig
-    from gpt2.plan.planner import plan_run
+    from gpt2.plan.resolve import Target, resolve
 
     hw = gpu_hardware("RTX4090-24GB", "bf16")
     train = dict(TRAIN_PRESETS["gpt2-xl"], data_dir="d", out_dir="o", dtype="bfloat16")
     with pytest.raises(ValueError, match=r"gpt2-xl does not fit on RTX4090-24GB .* with DDP at world size 8.*"
                                          r"--parallel fsdp \(state sharded over the 8 ranks"):
-        plan_run(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train)), hw, world_size=8)
-    p = plan_run(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train, parallel="fsdp")), hw, world_size=8)
+        resolve(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train)), Target(hardware=hw, world_size=8))
+    p = resolve(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train, parallel="fsdp")),
+                Target(hardware=hw, world_size=8)).plan
     assert p.fits and p.micro_batch_size >= 1 and p.grad_accum_steps > 1
     state = p.memory.weights + p.memory.gradients + p.memory.optimizer
     assert state < 3.0 * GIB  # issue 25: 23.2 GiB of state -> 2.9 GiB per rank over 8

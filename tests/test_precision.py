@@ -138,28 +138,31 @@ def test_scaler_only_for_float16():
     assert not make_scaler("float32", "cpu").is_enabled()
 
 
-def test_precision_owns_every_dtype_name_and_conversion():
-    """The three spellings (--dtype name, short/planner name, torch dtype) convert through precision only."""
-    from gpt2.core.precision import (
-        AUTOCAST_DTYPES,
-        PLAN_DTYPES,
-        SHORT_NAMES,
-        from_short_name,
-        peak_name,
-        plan_torch_dtype,
-        short_name,
-        torch_dtype,
-    )
+def test_precision_is_one_value_that_knows_its_names_dtype_autocast_and_scaler():
+    """One Precision knows every spelling (--dtype name, short/planner key, torch dtype), its autocast and its
+    scaler; config.json's record of it is unchanged (old runs' files read alike)."""
+    from gpt2.core.config import TrainConfig
+    from gpt2.core.precision import AUTOCAST_DTYPES, PLAN_DTYPES, SHORT_NAMES
 
     for name in SHORT_NAMES:
-        assert from_short_name(short_name(name)) == (name, False)
-        assert peak_name(torch_dtype(name)) == short_name(name) == Precision("auto", name, "").short
-        assert plan_torch_dtype(short_name(name)) == torch_dtype(name)
-    assert short_name("float32", tf32=True) == peak_name(torch.float32, tf32=True) == "tf32"
-    assert short_name("bfloat16", tf32=True) == "bf16"  # tf32 is about fp32 matmuls only
-    assert from_short_name("tf32") == ("float32", True) and plan_torch_dtype("tf32") == torch.float32
+        p = Precision(name, name)
+        assert Precision.from_key(p.key) == p and p.torch_dtype == getattr(torch, name) and p.key == p.short
+        assert p.scaler("cpu").is_enabled() == (name == "float16")
+        with p.autocast("cpu"):
+            assert torch.is_autocast_enabled("cpu") == (name != "float32")
+            if name != "float32":
+                assert torch.get_autocast_dtype("cpu") == getattr(torch, name)
+    tf32 = Precision.from_key("tf32")
+    assert (tf32.dtype, tf32.tf32, tf32.key, tf32.short, tf32.torch_dtype) == ("float32", True, "tf32", "fp32",
+                                                                               torch.float32)
+    assert Precision("bfloat16", "bfloat16", tf32=True).key == "bf16"  # tf32 is about fp32 matmuls only
+    tc = TrainConfig(dtype="float32", tf32=True)
+    assert Precision.of_config(tc, "cuda").key == "tf32" and Precision.of_config(tc, "cpu").key == "fp32"
+    assert Precision("auto", "bfloat16", "why").to_dict() == {"requested": "auto", "dtype": "bfloat16",
+                                                              "reason": "why"}
     assert set(PLAN_DTYPES) == {*SHORT_NAMES.values(), "tf32"} and set(AUTOCAST_DTYPES) < set(PLAN_DTYPES)
-    for bad, convert in (("fp8", short_name), ("auto", short_name), ("float32", from_short_name),
-                         (torch.int8, peak_name), ("bf16", torch_dtype)):
-        with pytest.raises(ValueError, match="must be one of|has no peak"):
-            convert(bad)
+    for bad in ("fp8", "auto", "bf16"):
+        with pytest.raises(ValueError, match="must be one of"):
+            Precision(bad, bad)
+    with pytest.raises(ValueError, match="must be one of"):
+        Precision.from_key("float32")

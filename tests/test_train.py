@@ -245,14 +245,14 @@ def test_micro_batch_size_auto_resolves_on_rank_0_within_what_fits(tmp_path, cap
                     TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size="auto",
                                 total_batch_size=256 * 48))
     log = Metrics(dist, tmp_path)
-    roomy, _, _ = resolve_auto(cfg, dist, log)
+    roomy = resolve_auto(cfg, dist, log).cfg
     b = roomy.train.micro_batch_size
     assert 48 % b == 0 and roomy.train.dtype == "float32"
     assert f"micro-batch auto: {b} sequences, the fastest by the throughput model" in capsys.readouterr().out
     cap = Hardware(name="capped cpu", memory_bytes=200 * 2**20, peak_flops=1e11, device_type="cpu",
                    reserve_bytes=0)  # with the plan's margin, 10 sequences fit in 200 MiB
     fits = max_micro_batch_size(cfg.model, 256, cap, dtype="fp32", total_batch_size=256 * 48, headroom=AUTO_HEADROOM)
-    capped, _, _ = resolve_auto(cfg, dist, log, hardware=cap)
+    capped = resolve_auto(cfg, dist, log, hardware=cap).cfg
     assert capped.train.micro_batch_size <= fits < 48 and 48 % capped.train.micro_batch_size == 0
 
 
@@ -272,9 +272,9 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
     log = Metrics(dist, tmp_path)
     roomy = Hardware(name="roomy", memory_bytes=8 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
     small = Hardware(name="small", memory_bytes=3 * GIB // 2, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
-    full, _, why_full = resolve_auto(cfg, dist, log, hardware=roomy)
-    chunked, _, why_chunked = resolve_auto(cfg, dist, log, hardware=small)
-    forced, _, _ = resolve_auto(RunConfig(cfg.model, cfg.train.replace(loss_impl="full")), dist, log, hardware=small)
+    full, why_full = (r := resolve_auto(cfg, dist, log, hardware=roomy)).cfg, r.loss
+    chunked, why_chunked = (r := resolve_auto(cfg, dist, log, hardware=small)).cfg, r.loss
+    forced = resolve_auto(RunConfig(cfg.model, cfg.train.replace(loss_impl="full")), dist, log, hardware=small).cfg
     log.close()
     assert (full.train.loss_impl, chunked.train.loss_impl, forced.train.loss_impl) == ("full", "chunked", "full")
     out = capsys.readouterr().out

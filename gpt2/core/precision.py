@@ -47,86 +47,92 @@ CPU_BF16_MIN_SPEEDUP = 1.3
 """bf16 must beat fp32 by this much on a CPU for auto to pick it (a margin over measurement noise)."""
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a resolved name ('bfloat16', 'float16', 'float32')."""
-    if name not in SHORT_NAMES:
-        raise ValueError(f"dtype={name!r} must be one of {tuple(SHORT_NAMES)}")
-    return getattr(torch, name)
-
-
-def short_name(name: str, *, tf32: bool = False) -> str:
-    """The planner's name for a resolved dtype name: 'bf16', 'fp16', 'fp32', or 'tf32' for float32 with
-    tf32 (the caller says whether TF32 matmuls are on: it is passed, never read back from torch)."""
-    if name not in SHORT_NAMES:
-        raise ValueError(f"dtype={name!r} must be one of {sorted(SHORT_NAMES)}")
-    return "tf32" if name == "float32" and tf32 else SHORT_NAMES[name]
-
-
-def peak_name(dtype: torch.dtype, *, tf32: bool = False) -> str:
-    """A torch dtype's short name, the peak tables' key: 'bf16', 'fp16', 'fp32' or (fp32 with TF32
-    matmuls) 'tf32'."""
-    names = {getattr(torch, name): name for name in SHORT_NAMES}
-    if dtype not in names:
-        raise ValueError(f"dtype={dtype} has no peak; use torch.bfloat16, torch.float16 or torch.float32")
-    return short_name(names[dtype], tf32=tf32)
-
-
-def from_short_name(short: str) -> tuple[str, bool]:
-    """A planner dtype as the trainer's settings (TrainConfig.dtype, TrainConfig.tf32): tf32 -> ('float32', True)."""
-    if short not in PLAN_DTYPES:
-        raise ValueError(f"dtype={short!r} must be one of {PLAN_DTYPES}")
-    if short == "tf32":
-        return "float32", True
-    return next(name for name, s in SHORT_NAMES.items() if s == short), False
-
-
-def plan_torch_dtype(short: str) -> torch.dtype:
-    """The matmul dtype of a planner dtype (tf32: float32, whose matmuls the tensor cores run in TF32)."""
-    return torch_dtype(from_short_name(short)[0])
-
-
-def autocast(dtype: str, device: torch.device | str):
-    """The autocast context for a resolved dtype name (float32: none)."""
-    device = torch.device(device)
-    if dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch_dtype(dtype))
-
-
-def make_scaler(dtype: str, device: torch.device | str) -> torch.amp.GradScaler:
-    """A GradScaler that is active for float16 only (disabled, its calls pass straight through)."""
-    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
-
-
 @dataclass(frozen=True)
 class Precision:
-    """A resolved dtype and the reason it was chosen (logged, and written to config.json)."""
+    """A run's precision, made once (gpt2/plan/resolve.py, or of_config where a TrainConfig is at hand)
+    and passed on: its dtype name as config.json and checkpoints keep it, why it was chosen, and what
+    follows from it (torch dtype, autocast, loss scaler, the planner's and peak tables' key)."""
     requested: str
+    """--dtype as given: auto or a dtype name."""
     dtype: str
-    reason: str
+    """The resolved name: 'bfloat16', 'float16' or 'float32'."""
+    reason: str = ""
+    tf32: bool = False
+    """float32 matmuls on TF32 tensor cores (--tf32 on a CUDA device; a CPU has none)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SHORT_NAMES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {tuple(SHORT_NAMES)}")
+
+    @classmethod
+    def of_config(cls, tc, device_type: str) -> Precision:
+        """A resolved TrainConfig's precision (tc.dtype is not auto) on a device type."""
+        return cls(tc.dtype, tc.dtype, tf32=tc.tf32 and device_type == "cuda")
+
+    @classmethod
+    def from_key(cls, key: str) -> Precision:
+        """The planner's name as a precision (`python -m gpt2.plan --dtype`): tf32 is float32 with TF32."""
+        if key not in PLAN_DTYPES:
+            raise ValueError(f"dtype={key!r} must be one of {PLAN_DTYPES}")
+        name = "float32" if key == "tf32" else next(n for n, s in SHORT_NAMES.items() if s == key)
+        return cls(name, name, tf32=key == "tf32")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """What matmuls run in (float32 for tf32 too: the tensor cores round its inputs)."""
+        return getattr(torch, self.dtype)
 
     @property
     def short(self) -> str:
+        """'bf16', 'fp16' or 'fp32', as the log says it."""
         return SHORT_NAMES[self.dtype]
 
+    @property
+    def key(self) -> str:
+        """The planner's and the peak tables' name: short, or 'tf32' for float32 with TF32 matmuls."""
+        return "tf32" if self.dtype == "float32" and self.tf32 else self.short
+
+    def autocast(self, device: torch.device | str):
+        """The autocast context (float32: none)."""
+        if self.dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(device).type, dtype=self.torch_dtype)
+
+    def scaler(self, device: torch.device | str) -> torch.amp.GradScaler:
+        """A GradScaler that is active for float16 only (disabled, its calls pass straight through)."""
+        return torch.amp.GradScaler(torch.device(device).type, enabled=self.dtype == "float16")
+
     def to_dict(self) -> dict:
+        """What config.json records (unchanged since before this type: old readers still parse it)."""
         return {"requested": self.requested, "dtype": self.dtype, "reason": self.reason}
 
 
-def resolve(requested: str, device: torch.device | str) -> Precision:
-    """auto -> the fast dtype for device (see the module docstring); an explicit name is kept."""
+def autocast(dtype: str, device: torch.device | str):
+    """The autocast context for a resolved dtype name (float32: none): Precision.autocast."""
+    return Precision(dtype, dtype).autocast(device)
+
+
+def make_scaler(dtype: str, device: torch.device | str) -> torch.amp.GradScaler:
+    """A GradScaler that is active for float16 only: Precision.scaler."""
+    return Precision(dtype, dtype).scaler(device)
+
+
+def resolve(requested: str, device: torch.device | str, *, tf32: bool = False) -> Precision:
+    """auto -> the fast dtype for device (see the module docstring); an explicit name is kept. tf32: the
+    run's --tf32, which counts on a CUDA device only."""
     if requested not in DTYPES:
         raise ValueError(f"dtype={requested!r} must be one of {DTYPES}")
-    return decide(requested, *fast_dtype(torch.device(device)))
+    device = torch.device(device)
+    return decide(requested, *fast_dtype(device), tf32=tf32 and device.type == "cuda")
 
 
-def decide(requested: str, best: str, why: str) -> Precision:
+def decide(requested: str, best: str, why: str, *, tf32: bool = False) -> Precision:
     """requested (auto or a dtype name) given the device's best dtype and the reason for it."""
     if requested == "auto":
-        return Precision("auto", best, why)
+        return Precision("auto", best, why, tf32)
     if requested == best:
-        return Precision(requested, requested, f"requested ({why})")
-    return Precision(requested, requested, f"requested; auto would pick {best} ({why})")
+        return Precision(requested, requested, f"requested ({why})", tf32)
+    return Precision(requested, requested, f"requested; auto would pick {best} ({why})", tf32)
 
 
 def emulation_warning(p: Precision, device: torch.device | str) -> str | None:
@@ -137,7 +143,7 @@ def emulation_warning(p: Precision, device: torch.device | str) -> str | None:
     if device.type == "cuda":
         slow = p.dtype == "bfloat16" and not cuda_native_bf16(device)
     else:
-        low, fp32 = peak_rates(str(device), (torch_dtype(p.dtype), torch.float32))
+        low, fp32 = peak_rates(str(device), (p.torch_dtype, torch.float32))
         slow = low < fp32
     if not slow:
         return None

@@ -3,7 +3,6 @@ from fp32 softmax(QK^T)V, and which one the default dispatch runs (gpt2/doctor/s
 
 from __future__ import annotations
 
-from gpt2.core import precision
 from gpt2.doctor.context import Context
 from gpt2.doctor.results import NA, WARN, Section
 from gpt2.doctor.sdpa_probe import probe
@@ -11,7 +10,7 @@ from gpt2.doctor.sdpa_probe import probe
 
 def attention(ctx: Context) -> Section:
     s = Section("attention")
-    dtype = precision.torch_dtype(ctx.auto_precision().dtype)
+    dtype = ctx.auto_precision().torch_dtype
     report = probe(ctx.scale.model, ctx.scale.ladder_batch, ctx.device, dtype)
     b, nh, t, hd = report.shape
     s.info("shape", f"q, k, v ({b}, {nh}, {t}, {hd}) {report.dtype}, causal: the model's CausalSelfAttention")

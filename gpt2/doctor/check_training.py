@@ -14,7 +14,7 @@ from gpt2.doctor.train_runs import QUIET_FLAGS, TrainRun, compare_losses, loss_t
 from gpt2.plan.flops import flops_per_token, format_flops
 from gpt2.plan.hardware import device_hardware
 from gpt2.plan.memory import PLAN_ERROR
-from gpt2.plan.planner import plan_run
+from gpt2.plan.resolve import Target, resolve
 
 
 def train_flags(ctx: Context) -> list[str]:
@@ -63,7 +63,7 @@ def memory_rows(s: Section, ctx: Context, cfg: RunConfig, records: list[dict], p
     """CUDA: the trainer's logged torch.cuda.max_memory_allocated against the planner's total for this run,
     which is held within PLAN_ERROR of the measured peak (gpt2/plan/memory.py): the check allows that much
     over it. A CPU run logs its RSS over the whole process: not the same quantity."""
-    planned = plan_run(cfg, device_hardware(ctx.device, peak), world_size=1).memory.total
+    planned = resolve(cfg, Target(hardware=device_hardware(ctx.device, peak))).plan.memory.total
     measured = max(r["mem_mb"] for r in records) * 2**20
     if ctx.device.type != "cuda":
         s.note("peak memory", f"n/a on cpu: the trainer logs RSS ({measured / 2**30:.2f} GiB, the whole process), "

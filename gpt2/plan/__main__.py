@@ -26,11 +26,12 @@ from gpt2.core.config import (
     TrainConfig,
     model_preset,
 )
-from gpt2.core.precision import PLAN_DTYPES, from_short_name
+from gpt2.core.precision import PLAN_DTYPES, Precision
 from gpt2.plan.budget import WRITE_BYTES_PER_S
-from gpt2.plan.hardware import GPUS, custom_hardware
-from gpt2.plan.planner import Plan, check_fits, plan_run
+from gpt2.plan.hardware import GPUS
+from gpt2.plan.planner import Plan, check_fits
 from gpt2.plan.report import format_plan, format_stop
+from gpt2.plan.resolve import Target, resolve
 
 DEFAULT_GPU = "A100-80GB"
 """What a plan is for without --gpu or --gpu-memory-gb. Not this machine's device, unlike train_ddp.py
@@ -82,16 +83,17 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     train = {**TRAIN_PRESETS.get(args.preset, {}), "micro_batch_size": args.micro_batch_size,
              "optimizer": args.optimizer, "loss_impl": args.loss_impl, "parallel": args.parallel,
              "activation_checkpointing": args.activation_checkpointing}
-    train["dtype"], train["tf32"] = from_short_name(args.dtype)
+    prec = Precision.from_key(args.dtype)
+    train["dtype"], train["tf32"] = prec.dtype, prec.tf32
     if args.total_batch_size is not None:
         train["total_batch_size"] = args.total_batch_size
     if args.world_size < 1:
         raise ValueError(f"world_size={args.world_size} must be >= 1")
     gpu = args.gpu or (None if args.gpu_memory_gb is not None else DEFAULT_GPU)
-    hw = custom_hardware(gpu, args.dtype, memory_gb=args.gpu_memory_gb, peak_tflops=args.gpu_peak_tflops)
+    target = Target(world_size=args.world_size, gpu=gpu, gpu_memory_gb=args.gpu_memory_gb,
+                    gpu_peak_tflops=args.gpu_peak_tflops)
     tokens = None if args.tokens is None else int(args.tokens)
-    return plan_run(RunConfig(cfg, TrainConfig(**train)), hw, world_size=args.world_size, tokens=tokens,
-                    mfu=args.mfu)
+    return resolve(RunConfig(cfg, TrainConfig(**train)), target, tokens=tokens, mfu=args.mfu).plan
 def planned_for(args: argparse.Namespace, p: Plan) -> str:
     """The first line: which device the plan is for, and whether that was chosen or is the default."""
     if args.gpu is None and args.gpu_memory_gb is None:

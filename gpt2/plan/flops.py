@@ -21,7 +21,7 @@ import re
 import torch
 
 from gpt2.core.config import ModelConfig, param_count, weight_shapes
-from gpt2.core.precision import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, peak_name, peak_rates
+from gpt2.core.precision import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, Precision, peak_rates
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets (for GeForce and RTX cards the
 # architecture whitepapers' "with FP32 accumulate" rows, which training's matmuls use), FLOP/s.
@@ -122,7 +122,8 @@ def gpu_table_peak(gpu_name: str, dtype: torch.dtype, *, tf32: bool = False) -> 
     """
     if mig_profile(gpu_name) is not None:
         return None
-    key = peak_name(dtype, tf32=tf32)
+    name = str(dtype).removeprefix("torch.")
+    key = Precision(name, name, tf32=tf32).key  # a dtype without a peak (int8): Precision's ValueError
     tokens = _name_tokens(gpu_name)
     for parts, peaks in _GPU_PEAKS:
         if all(p.lower() in tokens for p in parts):

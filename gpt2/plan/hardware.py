@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gpt2.core import host_memory
-from gpt2.core.precision import plan_torch_dtype
+from gpt2.core.precision import Precision
 from gpt2.plan.flops import gpu_table_peak
 
 GIB = 1024 ** 3
@@ -61,7 +61,8 @@ class Hardware:
 def gpu_hardware(name: str, dtype: str) -> Hardware:
     """One of the GPUS by name, with its data-sheet peak for dtype."""
     memory, sheet_name = known_gpu(name)
-    peak = gpu_table_peak(sheet_name, plan_torch_dtype(dtype), tf32=dtype == "tf32")
+    prec = Precision.from_key(dtype)
+    peak = gpu_table_peak(sheet_name, prec.torch_dtype, tf32=prec.tf32)
     return Hardware(name=name, memory_bytes=int(memory), peak_flops=peak)
 def known_gpu(name: str) -> tuple[float, str]:
     if name not in GPUS:

@@ -53,7 +53,7 @@ class EagerLossTimes:
 
 def probe_key(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> dict:
     """The machine (precision.peak_key: CPU, threads, torch) and the shape the times depend on."""
-    return {**precision.peak_key(device, precision.torch_dtype(dtype)), "probe": "eager-loss", "tokens": tokens,
+    return {**precision.peak_key(device, precision.Precision(dtype, dtype).torch_dtype), "probe": "eager-loss", "tokens": tokens,
             "n_embd": n_embd, "vocab_size": vocab_size}
 
 

@@ -84,7 +84,7 @@ def resident_training_peak(cfg, micro_batch_size: int, *, dtype: str = "fp32", l
 
     if tuned_malloc:
         host_memory.return_freed_memory()
-    name = precision.from_short_name(dtype)[0]
+    prec = precision.Precision.from_key(dtype)
 
     def train(model: torch.nn.Module, batch: int, n: int) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -92,7 +92,7 @@ def resident_training_peak(cfg, micro_batch_size: int, *, dtype: str = "fp32", l
         gen = torch.Generator().manual_seed(0)
         x, y = torch.randint(0, 50257, (2, batch, model.config.block_size), generator=gen)
         for _ in range(n):
-            with precision.autocast(name, "cpu"):
+            with prec.autocast("cpu"):
                 _, loss = call(x, y, return_logits=False)
             loss.backward()
             opt.step()

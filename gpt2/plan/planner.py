@@ -1,20 +1,18 @@
-"""The Plan of a run: memory per device, the largest micro-batch that fits, time estimates; plan_run()
-is what the trainer logs, --dry-run prints and `python -m gpt2.plan` shows.
+"""The Plan of a run: memory per device, the largest micro-batch that fits, time estimates; a run's plan
+(gpt2/plan/resolve.py, with its choices made) is what the trainer logs, --dry-run prints and
+`python -m gpt2.plan` shows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from gpt2.core.config import PARALLELS, ModelConfig, RunConfig, count_params_formula, param_count
-from gpt2.core.precision import PLAN_DTYPES, short_name
+from gpt2.core.config import PARALLELS, ModelConfig, count_params_formula, param_count
+from gpt2.core.precision import PLAN_DTYPES
 from gpt2.core.schedule import grad_accum_steps
-from gpt2.plan.ac_choice import choose_activation_checkpointing
-from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
+from gpt2.plan.batch_choice import MicroBatchChoice
 from gpt2.plan.flops import flops_per_token, recompute_flops_per_token
 from gpt2.plan.hardware import Hardware, gib
-from gpt2.plan.loss_choice import choose_loss_impl
 from gpt2.plan.memory import Memory, does_not_fit, max_micro_batch_size, memory
 
 
@@ -41,7 +39,7 @@ class Plan:
     parallel: str = "ddp"
     """ddp or fsdp (TrainConfig.parallel): what memory counts (Memory.shards)."""
     micro_batch_choice: MicroBatchChoice | None = None
-    """--micro-batch-size auto's choice and its reason, where the plan made it (plan_run); None: given."""
+    """--micro-batch-size auto's choice and its reason, where resolve made it; None: given."""
     recompute_flops_per_token: float = 0.0
     """With activation checkpointing (memory.checkpointed), the blocks' forward done again in the backward:
     work the device does, so in the time estimates, but not model FLOPs, so not in MFU."""
@@ -146,35 +144,6 @@ def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, token
     if tokens is not None and tokens < 1:
         p.append(f"tokens={tokens} must be positive")
     return p
-def plan_run(cfg: RunConfig, hardware: Hardware, *, world_size: int, tokens: int | None = None,
-             mfu: float = 0.4) -> Plan:
-    """The plan of a training run: what the trainer logs at start-up, `train_ddp.py --dry-run` prints and
-    `python -m gpt2.plan --preset X` shows, from one RunConfig. cfg.train.dtype is resolved (not auto);
-    micro_batch_size may be auto (choose_micro_batch: the throughput model) and loss_impl too (choose_loss_impl, for that
-    micro-batch); tokens default to max_steps x total_batch_size. activation_checkpointing may be auto
-    (choose_activation_checkpointing, decided first: the micro-batch is sized with its memory)."""
-    tc = cfg.train
-    dtype = short_name(tc.dtype, tf32=tc.tf32 and hardware.device_type == "cuda")
-    mb = tc.micro_batch_size
-    ac = choose_activation_checkpointing(cfg.model, tc.activation_checkpointing, micro_batch_size=mb,
-                                         hardware=hardware, world_size=world_size,
-                                         total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer,
-                                         parallel=tc.parallel)
-    choice = None
-    if mb == "auto":
-        choice = choose_micro_batch(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
-                                    total_batch_size=tc.total_batch_size, dtype=dtype, optimizer=tc.optimizer,
-                                    parallel=tc.parallel, checkpointed=ac.on, compiled=tc.compile)
-        mb = choice.size
-    accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world_size)
-    loss = choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
-                            dtype=dtype, optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel,
-                            accum_steps=accum, checkpointed=ac.on)
-    p = plan(cfg.model, micro_batch_size=mb, hardware=hardware, world_size=world_size, dtype=dtype,
-             total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer, parallel=tc.parallel,
-             chunked_loss=loss.impl == "chunked", compiled=tc.compile, activation_checkpointing=ac.on,
-             tokens=tc.max_steps * tc.total_batch_size if tokens is None else tokens)
-    return dataclasses.replace(p, micro_batch_choice=choice)
 def check_fits(p: Plan) -> None:
     """Refuse a plan that clearly cannot fit (total above the device's whole memory).
 

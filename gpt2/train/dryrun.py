@@ -1,7 +1,8 @@
 """train_ddp.py --dry-run: a real run's start-up up to its first step, without a process group or weights.
 
 It takes the trainer's own steps in the trainer's order (gpt2/train/startup.py: resolve_device, check_data,
-the auto precision, micro-batch and loss path, the memory plan, the batch maths, the loaders,
+then gpt2/plan/resolve.py's resolve, the one function that decides the precision, activation checkpointing,
+micro-batch and loss path and plans the memory for a real start too; the batch maths, the loaders,
 choose_start; gpt2/train/state.py: check_compatible), so the first error it meets is the one a real run
 stops with, word for word, and the numbers it prints are the ones a real run would use. It writes nothing.
 
@@ -22,6 +23,7 @@ once that run ends (a requeue being planned while its job still runs), so it sti
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -29,20 +31,16 @@ import torch
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.resume import choose_start
 from gpt2.ckpt.rundir import LOCK, live_holder
-from gpt2.core import precision
 from gpt2.core.config import RunConfig, describe_model
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.data.check import verify_shards
 from gpt2.data.loader import EvalLoader, TrainLoader, find_shards
 from gpt2.data.shards import ShardError
-from gpt2.distributed.group import Dist, resolve_device, world_from_env
-from gpt2.plan.flops import device_peak_flops
-from gpt2.plan.hardware import GIB, Hardware, custom_hardware, device_hardware, gpu_native_bf16
+from gpt2.distributed.group import Dist, resolve_device, set_cpu_threads, world_from_env
+from gpt2.plan.hardware import GIB
+from gpt2.plan.resolve import Target, resolve
 from gpt2.train.cli import Rehearsal
 from gpt2.train.startup import (
-    auto_activation_checkpointing,
-    auto_loss_impl,
-    auto_micro_batch,
     check_data,
     check_plan,
     log_auto,
@@ -84,7 +82,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     out(f"config     {describe_model(cfg.model)} | total_batch_size {tc.total_batch_size:,} tokens | "
         f"micro_batch_size {tc.micro_batch_size} | max_steps {tc.max_steps:,} | {tc.optimizer} | "
         f"dtype {tc.dtype} | parallel {tc.parallel} | data order {tc.data_order} | resume {tc.resume}")
-    prec, device, device_desc = choose_precision(cfg, r, info.local_rank)
+    target, device_desc = rehearsal_target(cfg, r, world, per_node, info.local_rank)
     out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
     data_here = Path(tc.data_dir).is_dir()
     train_shards, val_shards = check_data(cfg, world, shards=data_here)
@@ -92,16 +90,12 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     if train_shards is not None:  # what rank 0 of a real run reads before its first step
         out("data       " + verify_shards(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})},
                                           tc.verify_data))
-    hardware = rehearsal_hardware(r, prec, per_node, device, cfg)
-    ac = auto_activation_checkpointing(cfg, prec.dtype, hardware, world)
-    mb = auto_micro_batch(cfg, prec.dtype, hardware, world, checkpointed=ac.on)
-    loss = auto_loss_impl(cfg, prec.dtype, mb.size, hardware, world, device, checkpointed=ac.on)
-    warning = None if device is None else precision.emulation_warning(prec, device)
-    log_auto(cfg, prec, mb, warning, log, loss, ac)
-    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb.size, loss_impl=loss.impl,
-                                          activation_checkpointing=ac.mode))
-    tc, mb = cfg.train, mb.size
-    plan = check_plan(cfg, hardware, world, log)
+    with rank_threads(cfg, target):  # a CPU's peaks are per thread count: measure with a rank's
+        resolved = resolve(cfg, target)
+    log_auto(resolved, log)
+    cfg = resolved.cfg
+    tc, mb = cfg.train, cfg.train.micro_batch_size
+    plan = check_plan(resolved, log)
     if train_shards is not None:  # after the refusals, as the real start-up
         log_epochs(cfg, train_shards.total_tokens, log)
     log_warmup(tc, log)
@@ -153,36 +147,37 @@ def nodes_layout(r: Rehearsal, world: int, info) -> int:
     return GPUS_PER_NODE
 
 
-def choose_precision(cfg: RunConfig, r: Rehearsal,
-                     local_rank: int) -> tuple[precision.Precision, torch.device | None, str]:
-    """The precision a real run would resolve, this machine's device (None for a hypothetical GPU),
-    and the device in words."""
+def rehearsal_target(cfg: RunConfig, r: Rehearsal, world: int, per_node: int,
+                     local_rank: int) -> tuple[Target, str]:
+    """The hardware to rehearse on (gpt2/plan/resolve.py Target): this machine's device, shared by the
+    per_node ranks on it, or the hypothetical GPU the flags name; and the device in words."""
     if not r.hypothetical_gpu:
         device = resolve_device(cfg.train.device, local_rank)  # the real run's first check, same error
-        return (precision.resolve(cfg.train.dtype, device), device,
+        return (Target(world_size=world, processes_per_host=per_node, device=device),
                 f"{device} (this machine; --gpu NAME rehearses on a GPU of python -m gpt2.plan's table)")
     if cfg.train.device == "cpu":
         raise ValueError("--gpu/--gpu-memory-gb rehearse a CUDA run, but --device cpu asks for the CPU: drop one")
     name = r.gpu or f"a custom GPU ({r.gpu_memory_gb:g} GiB)"
-    if gpu_native_bf16(r.gpu):
-        why = (f"{r.gpu} has native bf16 (its data sheet's bf16 tensor-core peak)" if r.gpu else
-               "a custom GPU is taken to have native bf16 (Ampere or newer; pass --dtype float16 for an older one)")
-        best = "bfloat16"
-    else:
-        best, why = "float16", f"{r.gpu} has no native bf16: fp16 with a loss scaler"
-    return precision.decide(cfg.train.dtype, best, why), None, f"{name} per rank (hypothetical: not this machine)"
+    return (Target(world_size=world, processes_per_host=per_node, gpu=r.gpu, gpu_memory_gb=r.gpu_memory_gb,
+                   gpu_peak_tflops=r.gpu_peak_tflops), f"{name} per rank (hypothetical: not this machine)")
 
 
-def rehearsal_hardware(r: Rehearsal, prec: precision.Precision, per_node: int, device: torch.device | None,
-                       cfg: RunConfig) -> Hardware:
-    """What the planner sizes for: the named or custom GPU, or this machine's device shared by the
-    per_node ranks on it (the trainer's device_hardware, with the peak the trainer's MFU uses)."""
-    tf32 = cfg.train.tf32
-    if device is None:
-        return custom_hardware(r.gpu, precision.short_name(prec.dtype, tf32=tf32), memory_gb=r.gpu_memory_gb,
-                               peak_tflops=r.gpu_peak_tflops)
-    peak = device_peak_flops(device, precision.torch_dtype(prec.dtype), tf32=tf32)
-    return device_hardware(device, peak, processes_per_host=per_node)
+@contextlib.contextmanager
+def rank_threads(cfg: RunConfig, target: Target):
+    """On this machine's CPU, the torch threads one rank of the rehearsed run would use (set_cpu_threads, as
+    the trainer's configure_backends sets them) for the block, then this process's again: a CPU's matmul
+    peak, which --dtype auto and --micro-batch-size auto use, is measured and cached per thread count."""
+    if target.device is None or target.device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    one = Dist(rank=0, local_rank=0, world_size=target.world_size, local_world_size=target.processes_per_host,
+               device=target.device)
+    set_cpu_threads(one, cfg.train.num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def report_data(cfg: RunConfig, train_shards, val_shards, out) -> None:

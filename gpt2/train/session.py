@@ -43,7 +43,7 @@ class Session:
         self.dist = dist
         self.log = Metrics(dist, cfg.train.out_dir)
         if resolve:
-            cfg, _, _ = resolve_auto(cfg, dist, self.log)
+            cfg = resolve_auto(cfg, dist, self.log).cfg
         self.cfg = cfg
         self.parts: Parts | None = build(cfg, dist, self.log, check_data(cfg, dist.world_size))
         self.step_s: list[float] = []

@@ -1,10 +1,10 @@
 """A run's start-up, before its first step: everything that decides how it runs and can refuse it.
 
 check_data (before any process group), begin() (the first line, and where the run starts: a
-checkpoint or fresh), then prepare(): the precision, micro-batch and loss path (rank 0 decides, every
-rank takes its answer), the MFU peak, the memory plan, the network line, "nothing to train", and the
-earlier run's files or an abandoned branch's checkpoints moved aside; announce_compile() before the
-build, write_run_info and announce() after it. gpt2/train/dryrun.py rehearses the same functions without
+checkpoint or fresh), then prepare(): the precision, activation checkpointing, micro-batch, loss path and
+memory plan (gpt2/plan/resolve.py decides them on rank 0, every rank takes its answer), the MFU peak,
+the network line, "nothing to train", and the earlier run's files or an abandoned branch's checkpoints
+moved aside; announce_compile() before the build, write_run_info and announce() after it. gpt2/train/dryrun.py rehearses the same functions without
 a process group, so its first error is a real run's.
 
 What the console shows: a few lines (Metrics.info); the plan term by term is Metrics.detail, written to
@@ -44,6 +44,7 @@ from gpt2.distributed.fsdp import gathered_param_bytes
 from gpt2.distributed.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
 from gpt2.plan.flops import device_peak_flops, format_flops, mig_profile, peak_problem
 from gpt2.plan.hardware import gib
+from gpt2.plan.resolve import Resolved, Target, resolve
 from gpt2.train.run_log import Metrics
 from gpt2.train.state import check_resumable
 
@@ -131,10 +132,10 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
             determinism.enable()
             log.info(determinism.describe())
         verify_data(cfg, shards, dist, log)
-        cfg, prec, loss = resolve_auto(cfg, dist, log)
-        tc = cfg.train
-        peak = mfu_peak(dist, tc.dtype, log, tf32=tc.tf32)
-        plan = check_memory(cfg, dist, peak, log)
+        resolved = resolve_auto(cfg, dist, log)
+        cfg, prec, loss, tc = resolved.cfg, resolved.precision, resolved.loss, resolved.cfg.train
+        peak = mfu_peak(dist, prec, log)
+        plan = check_memory(resolved, log)
         network = log_network_cost(cfg, dist, plan, log)
         log_epochs(cfg, shards[0].total_tokens, log)  # after the refusals: a run that cannot start needs no warning
         log_warmup(tc, log)
@@ -391,111 +392,50 @@ def log_warmup(tc: TrainConfig, log) -> None:
              f"for 715 of its 19,073 steps)")
 
 
-def auto_activation_checkpointing(cfg: RunConfig, dtype: str, hardware, world_size: int):
-    """The run's activation checkpointing (gpt2.plan.ac_choice.ACChoice): --activation-checkpointing none/full,
-    or (auto) full only where the run does not fit without it. Decided before the micro-batch, which auto
-    then sizes with it. dtype: the resolved TrainConfig.dtype."""
-    from gpt2.plan.ac_choice import choose_activation_checkpointing
-
-    tc = cfg.train
-    return choose_activation_checkpointing(
-        cfg.model, tc.activation_checkpointing, micro_batch_size=tc.micro_batch_size, hardware=hardware,
-        world_size=world_size, total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
-        dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
+def log_auto(r: Resolved, log) -> None:
+    """The start-up's decisions (gpt2/plan/resolve.py), one line each: what a real start and a dry run print."""
+    log.info(f"precision  {r.precision.dtype}: {r.precision.reason}")
+    if r.warning:
+        log.warn(r.warning)
+    if r.plan.micro_batch_choice is not None:  # --micro-batch-size auto
+        log.info(r.micro_batch.describe())
+    log.detail(r.loss.describe())
+    (log.info if r.ac.on else log.detail)(r.ac.describe())  # recomputing every block costs a third more compute
 
 
-def auto_micro_batch(cfg: RunConfig, dtype: str, hardware, world_size: int, *, checkpointed: bool = False):
-    """The run's micro-batch (gpt2.plan.batch_choice.MicroBatchChoice): the explicit one, or (auto) the
-    throughput model's among those that fit hardware (with the plan's margin) and divide the global batch
-    at world_size, counting --parallel's memory and activation checkpointing's (checkpointed). dtype: the
-    resolved TrainConfig.dtype."""
-    from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
-
-    tc = cfg.train
-    if tc.micro_batch_size != "auto":
-        return MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size")
-    return choose_micro_batch(cfg.model, cfg.model.block_size, hardware, world_size=world_size,
-                              total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
-                              dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"),
-                              checkpointed=checkpointed, compiled=tc.compile)
+def start_target(dist: Dist, hardware=None) -> Target:
+    """The hardware of this start, measured by resolve on rank 0: its device shared by the ranks on this
+    host. hardware: given instead of measured (tests pass a cap)."""
+    return Target(world_size=dist.world_size, processes_per_host=dist.local_world_size, device=dist.device,
+                  hardware=hardware)
 
 
-def auto_loss_impl(cfg: RunConfig, dtype: str, mb: int, hardware, world_size: int,
-                   device: torch.device | None = None, *, checkpointed: bool = False) -> LossChoice:
-    """The run's loss path (gpt2.plan.loss_choice.LossChoice) for its resolved dtype and micro-batch on hardware:
-    --loss-impl chunked/full, or (auto) the planner's rule, choose_loss_impl. device: this machine's
-    CPU when the run is on it (None: a rehearsal for other hardware), where an uncompiled auto run
-    asks gpt2.plan.loss_probe which path is faster at its shape (cached; measured once per shape)."""
-    from gpt2.plan.loss_choice import choose_loss_impl
-    from gpt2.plan.loss_probe import eager_loss_times
+def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> Resolved:
+    """--dtype, --activation-checkpointing, --micro-batch-size and --loss-impl auto made concrete, and the
+    memory plan, by gpt2/plan/resolve.py's resolve (the one place they are decided; the dry run calls it
+    too). Rank 0 measures and decides and every rank takes its answer: ranks that chose differently would
+    compute different things silently. A model that fits nowhere is rank 0's finding too: every rank
+    raises its error, none waits.
 
-    tc = cfg.train
-    measure = None
-    if device is not None and device.type == "cpu":
-        def measure():
-            return eager_loss_times(str(device), dtype, mb * cfg.model.block_size, cfg.model.n_embd,
-                                    cfg.model.vocab_size)
-    return choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb, hardware=hardware, world_size=world_size,
-                            optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel, measure_eager=measure,
-                            checkpointed=checkpointed,
-                            accum_steps=grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world_size),
-                            dtype=precision.short_name(dtype, tf32=tc.tf32 and hardware.device_type == "cuda"))
-
-
-def log_auto(cfg: RunConfig, prec: precision.Precision, mb, warning: str | None, log,
-             loss: LossChoice, ac=None) -> None:
-    """The start-up's decisions, one line each; mb: auto_micro_batch's MicroBatchChoice."""
-    log.info(f"precision  {prec.dtype}: {prec.reason}")
-    if warning:
-        log.warn(warning)
-    if cfg.train.micro_batch_size == "auto":
-        log.info(mb.describe())
-    log.detail(loss.describe())
-    if ac is not None:  # recomputing every block costs a third more compute: said on the console
-        (log.info if ac.on else log.detail)(ac.describe())
-
-
-def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics,
-                 hardware=None) -> tuple[RunConfig, precision.Precision, LossChoice]:
-    """--dtype, --activation-checkpointing, --micro-batch-size and --loss-impl auto made concrete, in that
-    order (the micro-batch is sized with the activation checkpointing's memory; the loss path is chosen for the
-    micro-batch, gpt2/plan/ FULL_LOSS_MEMORY_SHARE says why). Rank 0 measures and decides and every
-    rank takes its answer: ranks that chose differently would compute different things silently.
-    A model that fits nowhere is rank 0's finding too: every rank raises its error, none waits.
-
-    hardware: what the planner sizes the micro-batch for (default: this device; tests pass a cap).
+    hardware: what the planner sizes for (default: this device, measured; tests pass a cap).
     """
-    from gpt2.plan.hardware import device_hardware
-
-    tc = cfg.train
     decision = None
     if dist.is_main:
         try:
-            prec = precision.resolve(tc.dtype, dist.device)
-            # The peak the MFU is measured against (cached on a CPU): the throughput model weighs a
-            # micro-step's fixed cost against its compute with it, as the dry run does.
-            peak = device_peak_flops(dist.device, precision.torch_dtype(prec.dtype), tf32=tc.tf32)
-            hardware = hardware or device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
-            ac = auto_activation_checkpointing(cfg, prec.dtype, hardware, dist.world_size)
-            mb = auto_micro_batch(cfg, prec.dtype, hardware, dist.world_size, checkpointed=ac.on)
-            loss = auto_loss_impl(cfg, prec.dtype, mb.size, hardware, dist.world_size, dist.device,
-                                  checkpointed=ac.on)
-            decision = ("ok", (prec, mb, loss, ac, precision.emulation_warning(prec, dist.device)))
+            decision = ("ok", resolve(cfg, start_target(dist, hardware)))
         except ValueError as e:
             decision = ("error", str(e))
     kind, answer = broadcast_object(decision, dist)
     if kind == "error":
         raise ValueError(answer)
-    prec, mb, loss, ac, warning = answer
-    log_auto(cfg, prec, mb, warning, log, loss, ac)
-    return RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb.size, loss_impl=loss.impl,
-                                           activation_checkpointing=ac.mode)), prec, loss
+    log_auto(answer, log)
+    return answer
 
 
-def mfu_peak(dist: Dist, dtype: str, log: Metrics, *, tf32: bool) -> float | None:
+def mfu_peak(dist: Dist, prec: precision.Precision, log: Metrics) -> float | None:
     """This rank's peak FLOP/s for MFU, or None (logged as "mfu n/a: why"): an unlisted GPU, or a CPU
     probe that is clearly wrong."""
-    peak = device_peak_flops(dist.device, precision.torch_dtype(dtype), tf32=tf32)
+    peak = device_peak_flops(dist.device, prec.torch_dtype, tf32=prec.tf32)
     if peak is None:
         name = device_name(dist.device)
         mig = mig_profile(name) if dist.device.type == "cuda" else None
@@ -516,7 +456,7 @@ def forget_cpu_peak(device: torch.device, dtype: str) -> None:
     """An MFU above 100% proved the measured peak wrong: the next run must not read it from the cache.
     device_peak_flops took the larger of the dtype's and fp32's peaks, so both go."""
     if device.type == "cpu":
-        for d in {precision.torch_dtype(dtype), torch.float32}:
+        for d in {precision.Precision(dtype, dtype).torch_dtype, torch.float32}:
             precision.forget_peak(str(device), d)
 
 
@@ -524,14 +464,11 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
 
 
-def check_memory(cfg: RunConfig, dist: Dist, peak: float | None, log: Metrics) -> None:
-    """Print the planner's summary and refuse a configuration that clearly cannot fit, before allocating.
-    Returns the plan (gpt2.plan.planner.Plan)."""
-    from gpt2.plan.hardware import device_hardware
-
-    hardware = device_hardware(dist.device, peak, processes_per_host=dist.local_world_size)
-    p = check_plan(cfg, hardware, dist.world_size, log)
-    log.info(plan_line(p, Path(cfg.train.out_dir) / TRAIN_LOG, shown=log.verbose))
+def check_memory(r: Resolved, log) -> Plan:
+    """Print the planner's summary of the resolved run and refuse a configuration that clearly cannot fit,
+    before allocating. Returns the plan (gpt2.plan.planner.Plan)."""
+    p = check_plan(r, log)
+    log.info(plan_line(p, Path(r.cfg.train.out_dir) / TRAIN_LOG, shown=log.verbose))
     return p
 
 
@@ -544,16 +481,16 @@ def plan_line(p, log_path: Path, *, shown: bool) -> str:
     return f"plan       {gib(p.memory.total)} of {gib(p.usable_bytes)} usable per rank, {speed}; the whole plan is {where}"
 
 
-def check_plan(cfg: RunConfig, hardware, world_size: int, log):
-    """The planner's summary for this run on hardware (logged), refused if it clearly cannot fit."""
-    from gpt2.plan.planner import check_fits, plan_run
+def check_plan(r: Resolved, log) -> Plan:
+    """The planner's summary for the resolved run (logged), refused if it clearly cannot fit."""
+    from gpt2.plan.planner import check_fits
     from gpt2.plan.report import format_plan, format_stop
 
-    p = plan_run(cfg, hardware, world_size=world_size)
+    p = r.plan
     log.detail(format_plan(p))
     log.detail(format_stop(p))  # the SLURM signal lead and grace this run's checkpoint needs
     check_fits(p)
-    if note := gpu_recipe_on_cpu(cfg, p):
+    if note := gpu_recipe_on_cpu(r.cfg, p):
         log.warn(note)
     return p
 

@@ -1,0 +1,156 @@
+"""The start-up's decisions in one function: resolve(cfg, target) settles --dtype auto,
+--activation-checkpointing auto, --micro-batch-size auto, --loss-impl auto and the memory plan of a run
+on the Target hardware. A real start (gpt2/train/startup.py, on rank 0, which broadcasts the answer) and
+train_ddp.py --dry-run (gpt2/train/dryrun.py) both call it, so a rehearsal cannot decide otherwise than
+the start it rehearses; only their Targets differ (measured here, or a GPU given by flags).
+
+The order is the decisions' dependencies: the precision; the hardware in it (a peak is per dtype);
+activation checkpointing (before the micro-batch, which auto then sizes with its memory); the micro-batch;
+the loss path for that micro-batch (gpt2/plan/loss_choice.py says why in that order); the plan of the run
+so made concrete. On this machine's CPU it measures, through caches: the matmul peaks (--dtype auto, the
+throughput model) and, for an uncompiled --loss-impl auto, which loss path is faster (gpt2/plan/loss_probe.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from gpt2.core import precision
+from gpt2.core.config import RunConfig
+from gpt2.core.precision import Precision
+from gpt2.core.schedule import grad_accum_steps
+from gpt2.plan.ac_choice import ACChoice, choose_activation_checkpointing
+from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
+from gpt2.plan.flops import device_peak_flops, peak_problem
+from gpt2.plan.hardware import Hardware, custom_hardware, device_hardware, gpu_native_bf16
+from gpt2.plan.loss_choice import LossChoice, choose_loss_impl
+from gpt2.plan.planner import Plan, plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """The hardware a run is resolved for: this machine's device (a real start, or a dry run here), or a
+    hypothetical GPU (a dry run's --gpu NAME / --gpu-memory-gb X [--gpu-peak-tflops Y])."""
+    world_size: int = 1
+    processes_per_host: int = 1
+    """Ranks sharing one host: on a CPU they share its RAM (gpt2/plan/hardware.py device_hardware)."""
+    device: torch.device | None = None
+    """This machine's device, measured (memory, what is free now, the peak); None: nothing is measured
+    here (the GPU below, or the hardware given)."""
+    gpu: str | None = None
+    """A GPU of gpt2/plan/hardware.py GPUS (hypothetical: not this machine)."""
+    gpu_memory_gb: float | None = None
+    gpu_peak_tflops: float | None = None
+    hardware: Hardware | None = None
+    """Memory and peak given instead of measured (a test's cap); the precision is still the device's."""
+
+    @property
+    def device_type(self) -> str:
+        """'cuda' or 'cpu': where --tf32 counts, and what autocast keeps in fp32."""
+        if self.hardware is not None:
+            return self.hardware.device_type
+        return "cuda" if self.device is None else self.device.type
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What resolve decided: the run's concrete config and each choice with its reason."""
+    cfg: RunConfig
+    """--dtype, --activation-checkpointing, --micro-batch-size and --loss-impl made concrete."""
+    precision: Precision
+    ac: ACChoice
+    micro_batch: MicroBatchChoice
+    loss: LossChoice
+    plan: Plan
+    """The memory plan and time estimates of cfg on hardware (not yet checked: planner.check_fits)."""
+    warning: str | None = None
+    """An explicit 16-bit dtype that this device emulates (slow), else None."""
+
+    @property
+    def hardware(self) -> Hardware:
+        return self.plan.hardware
+
+
+def resolve(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens: int | None = None) -> Resolved:
+    """Every start-up decision of cfg on target (the module docstring's order). Raises the ValueError a
+    real start stops with (a model that fits nowhere, a batch that does not divide). tokens: the plan's
+    budget (default max_steps x total_batch_size); mfu: the plan's assumed utilisation."""
+    tc, world = cfg.train, target.world_size
+    prec = target_precision(tc.dtype, target, tf32=tc.tf32 and target.device_type == "cuda")
+    hardware = target_hardware(target, prec)
+    ac = choose_activation_checkpointing(
+        cfg.model, tc.activation_checkpointing, micro_batch_size=tc.micro_batch_size, hardware=hardware,
+        world_size=world, total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
+        dtype=prec.key)
+    auto_mb = tc.micro_batch_size == "auto"
+    if auto_mb:
+        mb = choose_micro_batch(cfg.model, cfg.model.block_size, hardware, world_size=world,
+                                total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
+                                dtype=prec.key, checkpointed=ac.on, compiled=tc.compile)
+    else:
+        mb = MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size")
+    loss = choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb.size, hardware=hardware, world_size=world,
+                            optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel,
+                            measure_eager=eager_measure(cfg, prec, mb.size, target.device), checkpointed=ac.on,
+                            accum_steps=grad_accum_steps(tc.total_batch_size, mb.size, cfg.model.block_size, world),
+                            dtype=prec.key)
+    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb.size, loss_impl=loss.impl,
+                                          activation_checkpointing=ac.mode))
+    tc = cfg.train
+    p = plan(cfg.model, micro_batch_size=mb.size, hardware=hardware, world_size=world, dtype=prec.key,
+             total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer, parallel=tc.parallel,
+             chunked_loss=loss.impl == "chunked", compiled=tc.compile, activation_checkpointing=ac.on,
+             tokens=tc.max_steps * tc.total_batch_size if tokens is None else tokens)
+    p = dataclasses.replace(p, micro_batch_choice=mb if auto_mb else None)
+    warning = None if target.device is None else precision.emulation_warning(prec, target.device)
+    return Resolved(cfg, prec, ac, mb, loss, p, warning)
+
+
+def target_precision(requested: str, target: Target, *, tf32: bool) -> Precision:
+    """--dtype on the target: this device's fast dtype (gpt2/core/precision.py), or what a hypothetical GPU
+    would pick: bf16 where its data sheet lists bf16 tensor cores (every GPU in the table), a custom one
+    taken to have them."""
+    if target.device is not None:
+        return precision.resolve(requested, target.device, tf32=tf32)
+    if gpu_native_bf16(target.gpu):
+        why = (f"{target.gpu} has native bf16 (its data sheet's bf16 tensor-core peak)" if target.gpu else
+               "a custom GPU is taken to have native bf16 (Ampere or newer; pass --dtype float16 for an older one)")
+        return precision.decide(requested, "bfloat16", why, tf32=tf32)
+    return precision.decide(requested, "float16", f"{target.gpu} has no native bf16: fp16 with a loss scaler",
+                            tf32=tf32)
+
+
+def target_hardware(target: Target, prec: Precision) -> Hardware:
+    """What the planner sizes for: the given hardware, the named or custom GPU, or this machine's device
+    shared by the processes_per_host ranks on it, with the peak the trainer's MFU uses (None where the
+    data sheets have none, or a CPU probe was disturbed: gpt2/plan/flops.py peak_problem)."""
+    if target.hardware is not None:
+        return target.hardware
+    if target.device is None:
+        return custom_hardware(target.gpu, prec.key, memory_gb=target.gpu_memory_gb,
+                               peak_tflops=target.gpu_peak_tflops)
+    return device_hardware(target.device, mfu_peak(target.device, prec),
+                           processes_per_host=target.processes_per_host)
+
+
+def mfu_peak(device: torch.device, prec: Precision) -> float | None:
+    """This device's peak FLOP/s in prec for MFU and the plan's time estimates, or None: no data-sheet
+    peak (an unlisted GPU, a MIG slice), or a CPU probe below the sanity floor."""
+    peak = device_peak_flops(device, prec.torch_dtype, tf32=prec.tf32)
+    if peak is None or peak_problem(peak, device, torch.get_num_threads()):
+        return None
+    return peak
+
+
+def eager_measure(cfg: RunConfig, prec: Precision, mb: int, device: torch.device | None):
+    """On this machine's CPU, what --loss-impl auto measures uncompiled (gpt2/plan/loss_probe.py: which path
+    is faster at the run's shape, cached); None elsewhere (a GPU, or a rehearsal for other hardware)."""
+    if device is None or device.type != "cpu":
+        return None
+    from gpt2.plan.loss_probe import eager_loss_times
+
+    m = cfg.model
+    return lambda: eager_loss_times(str(device), prec.dtype, mb * m.block_size, m.n_embd, m.vocab_size)
