@@ -36,6 +36,7 @@ from gpt2.plan.flops import checked_mfu
 from gpt2.train.memory_watch import MemoryWatch
 from gpt2.train.optim import make_optimizer
 from gpt2.train.run_log import Metrics, plot_loss_curve
+from gpt2.train.spike_guard import SpikeGuard, roll_back, verdict_of
 from gpt2.train.startup import (
     announce,
     announce_compile,
@@ -101,6 +102,7 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
                      f"{val_loader.tokens} tokens")
     parts = Parts(model, model, optimizer, loader, val_loader, accum, precision.make_scaler(tc.dtype, dist.device))
     parts.run_id, parts.init_from = start.run_id, init_record
+    parts.guard = SpikeGuard(tc, dist.device) if tc.spike_guard else None  # before restore: its state is checkpointed
     point = start.point
     if point is not None:
         problem = None
@@ -232,7 +234,7 @@ class StepStats:
         if self._host is None:
             if self._event is not None:
                 self._event.synchronize()
-            loss_total, stop_votes, bad_data, grad_norm = self._numbers.tolist()
+            loss_total, stop_votes, bad_data, grad_norm, *guard = self._numbers.tolist()
             loss_mean, stop = loss_total / self.world_size, stop_votes > 0
             loss_ok, norm_ok = math.isfinite(loss_mean), math.isfinite(grad_norm)
             # fp16: a finite loss with non-finite gradients is an overflow of the scaled gradients. The
@@ -240,7 +242,8 @@ class StepStats:
             overflow = self.scaler_enabled and loss_ok and not norm_ok
             skipped = not (loss_ok and norm_ok) and not overflow
             self._host = {"loss": loss_mean, "grad_norm": grad_norm, "lr": self.lr, "stop": stop,
-                          "skipped": skipped, "overflow": overflow, "bad_data": bad_data > 0}
+                          "skipped": skipped, "overflow": overflow, "bad_data": bad_data > 0,
+                          "guard": verdict_of(guard)}
         return self._host
 
     def __getitem__(self, key: str):
@@ -332,7 +335,10 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     stats = torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device),
                          torch.full((), float(parts.loader.problem is not None), device=dist.device)])
     all_reduce_sum(stats, dist)
-    numbers = torch.stack([stats[0], stats[1], stats[2], grad_norm.float()])
+    # The spike guard's verdict on the all-reduced loss and norm (gpt2/train/spike_guard.py): on the device.
+    guard = (parts.guard.judge(stats[0] / dist.world_size, grad_norm) if parts.guard is not None
+             else SpikeGuard.off(dist.device))
+    numbers = torch.cat([torch.stack([stats[0], stats[1], stats[2], grad_norm.float()]), guard])
     out = StepStats(parts.step + 1, lr, numbers, dist.world_size, parts.scaler.is_enabled())
     if parts.writer is not None:  # rank 0, a checkpoint being copied: the update below changes its tensors
         parts.writer.wait_copied()
@@ -341,11 +347,11 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
         # the loss or the norm is not finite. No host read stands between backward and the update.
         # A token outside the vocabulary on any rank (numbers[2]) skips it too: nothing is learnt from
         # that batch, and report() raises the finder's error when it reads the numbers.
-        bad = ~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[3])) | (numbers[2] > 0)
+        bad = ~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[3])) | (numbers[2] > 0) | (numbers[4] > 0)
         step_unless(parts.optimizer, bad.float())
     elif out.read()["bad_data"]:  # before the update: nothing learnt from the batch
         raise_bad_data(parts, dist)
-    elif not out.read()["skipped"]:  # the host decides (fp16 adds the scaler's own read of its flag)
+    elif not (out.read()["skipped"] or out["guard"].spike):  # the host decides (fp16: the scaler reads its flag too)
         parts.scaler.step(parts.optimizer)  # optimizer.step(), unless the scaler found an overflow
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
@@ -462,6 +468,8 @@ class Progress:
     peak: float | None
     bad_steps: int = 0
     last_read_s: float | None = None
+    rolled_back: bool = False
+    """report() has just rolled the run back (gpt2/train/spike_guard.py): the step in hand is void."""
 
 
 def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float | None, hellaswag,
@@ -500,11 +508,17 @@ def run_loop(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, peak: float
         if pending is not None:  # the previous step's numbers: ready, this step is queued behind them
             stop = report(pending, parts, cfg, dist, log, progress, has_val, has_hs) or stop
             pending = None
+            if progress.rolled_back:  # the spike guard: this step belonged to the branch left behind
+                progress.rolled_back = False
+                continue
         scheduled = due(step, tc, has_val=has_val, has_hellaswag=has_hs)
         if lag and not (scheduled.slow or scheduled.final or stop):
             pending = out
             continue
         stop = report(out, parts, cfg, dist, log, progress, has_val, has_hs) or stop
+        if progress.rolled_back:  # the spike guard rolled back: parts.step is the checkpoint's
+            progress.rolled_back = False
+            continue
         act = due(step, tc, stop_requested=stop, has_val=has_val, has_hellaswag=has_hs)
         if act.slow:
             # Every rank decides this alike. The long timeout also covers the next step, whose
@@ -544,8 +558,11 @@ def report(stats: StepStats, parts: Parts, cfg: RunConfig, dist: Dist, log: Metr
     dt, progress.last_read_s = now - begin, now
     progress.bad_steps = (progress.bad_steps + 1 if out["skipped"] else
                           (progress.bad_steps if out["overflow"] else 0))
-    if due(step, tc, has_val=has_val, has_hellaswag=has_hellaswag, unusual=out["skipped"] or out["overflow"]).log:
+    unusual = out["skipped"] or out["overflow"] or out["guard"].spike
+    if due(step, tc, has_val=has_val, has_hellaswag=has_hellaswag, unusual=unusual).log:
         progress.peak = log_step(parts, cfg, dist, log, out, dt, progress.peak, step=step)
+    if parts.guard is not None and parts.guard.observe(step, out["guard"], out["loss"], out["grad_norm"], log):
+        progress.rolled_back = roll_back(parts, cfg, dist, log)  # or SpikeGuardError, after --spike-max-rollbacks
     if progress.bad_steps >= tc.max_bad_steps:
         raise NonFiniteError(
             f"{progress.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
