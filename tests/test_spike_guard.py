@@ -255,6 +255,7 @@ def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, sh
         r = run_trainer(args, nproc=nproc, timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
         vals[name] = final_val(out)
+    print(f"final val loss, {nproc} process(es): {vals}")
     rollbacks = [r for r in guard_records(tmp_path / "on") if r["spike_guard"] == "rollback"]
     assert len(rollbacks) == 2, guard_records(tmp_path / "on")
     assert vals["off"] > vals["clean"] + 1.0, vals  # visibly hurt

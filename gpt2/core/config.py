@@ -417,7 +417,7 @@ class TrainConfig:
 
     Consecutive non-finite losses/gradient norms (each update skipped) before the run stops."""
     spike_guard: bool = True
-    """Skip loss-spike steps; roll back after repeated ones.
+    """Skip loss spikes; roll back after repeated ones.
 
     A step whose loss or gradient norm is far above the last --spike-window steps' (a z-score of their
     logs, on the device) has its update skipped; --spike-rollback-after such spikes within the window
@@ -430,14 +430,19 @@ class TrainConfig:
     spike_loss_z: float = 6.0
     """z-score of the log loss that is a spike."""
     spike_norm_z: float = 6.0
-    """z-score of the log gradient norm that is a spike (with the loss's half).
+    """z-score of the log grad norm that is a spike.
 
     A gradient-norm spike counts only with the loss's z-score above half of --spike-loss-z: the norm
     alone jumps in healthy early training."""
     spike_rollback_after: int = 3
-    """Spikes within --spike-window steps that trigger a rollback."""
+    """Spikes within the window that roll back.
+
+    That many spikes within the last --spike-window steps roll the run back to the newest checkpoint from
+    before the first of them."""
     spike_max_rollbacks: int = 3
-    """Rollbacks before the run stops with an error."""
+    """Rollbacks before the run stops with an error.
+
+    Spikes that come back after this many rollbacks are not the data's alone: the run stops with one line."""
     verbose: bool = False
     """The whole start-up plan on the console too.
 

@@ -162,7 +162,13 @@ def roll_back(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> bool:
     if dist.is_main and parts.writer is not None:  # a write in flight must land before the directory is read
         if problem := finish_background_write(parts, log):
             log.warn(problem)
-    target = broadcast_object(_target(tc.out_dir, first, parts.run_id) if dist.is_main else None, dist)
+    target = None
+    if dist.is_main:
+        try:
+            target = _target(tc.out_dir, first, parts.run_id)
+        except OSError as e:  # the directory unreadable: no checkpoint to go back to (said below); rank 0 must
+            log.warn(f"spike guard: cannot list {ckpt.checkpoint_dir(tc.out_dir)} ({e})")  # reach the broadcast
+    target = broadcast_object(target, dist)
     guard.rollbacks += 1
     rollbacks, position = guard.rollbacks, parts.loader.state_dict()
     guard.spikes.clear()
