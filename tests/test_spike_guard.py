@@ -122,6 +122,11 @@ def guarded(data_dir, out_dir, *extra, max_steps: int) -> list[str]:
             "sequential", "--out-dir", str(out_dir), "--spike-window", "8", *extra]
 
 
+def decisions(run_dir) -> list[tuple]:
+    """The rollbacks' steps, spikes and data positions (not their paths, which name the run directory)."""
+    return [(r["step"], r["from_step"], r["spikes"], r["data_position"]) for r in guard_records(run_dir)]
+
+
 def in_process(args, capsys) -> tuple[int, str]:
     capsys.readouterr()
     code = import_train_ddp().main(args)
@@ -178,6 +183,20 @@ def test_a_rollback_recovers_and_a_resume_with_the_guard_state_is_bitwise_exact(
     assert code == 0 and "resumed from" in out, out
     assert losses(copy) == losses(run_dir)
     assert_same_state(load_ckpt(copy, 26), load_ckpt(run_dir, 26))
+
+
+def test_a_rollback_with_late_reads_rolls_back_exactly_as_with_reads_at_once(tmp_path, shakespeare_shards, capsys,
+                                                                               monkeypatch):
+    """CUDA's loop (a step's numbers read after the next step is queued), forced on a CPU: the rollback
+    voids the queued step and the data goes on just past the last spike's batch, as at once."""
+    data = poisoned(shakespeare_shards, tmp_path / "data", range(21, 24))
+    at_once, late = tmp_path / "at_once", tmp_path / "late"
+    assert in_process(guarded(data, at_once, max_steps=26), capsys)[0] == 0
+    monkeypatch.setattr("gpt2.train.trainer.reads_lag", lambda device: True)
+    assert in_process(guarded(data, late, max_steps=26), capsys)[0] == 0
+    assert [r["spike_guard"] for r in guard_records(late)] == ["rollback"]
+    assert decisions(late) == decisions(at_once)
+    assert losses(late) == losses(at_once)
 
 
 def test_an_old_checkpoint_without_guard_state_resumes_with_a_fresh_guard(tmp_path, shakespeare_shards, capsys):

@@ -40,7 +40,7 @@ import torch
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import resume
 from gpt2.core.config import RunConfig, TrainConfig
-from gpt2.distributed.group import Dist, broadcast_object
+from gpt2.distributed.group import Dist, broadcast_object, set_timeout
 from gpt2.train.run_log import Metrics
 from gpt2.train.state import Parts, finish_background_write, restore
 
@@ -159,6 +159,18 @@ def roll_back(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> bool:
             f"{guard.rollbacks} rollbacks (--spike-max-rollbacks {guard.max_rollbacks}): the run stops, as the "
             "spikes come back past the data that caused them. Lower --lr or raise --warmup-steps, check the data "
             "near these steps, then resume from the last checkpoint (or raise --spike-max-rollbacks)")
+    # Rank 0 hashes the checkpoint and every rank loads it: a slow phase, under --dist-timeout-s (as a save).
+    set_timeout(dist, tc.dist_timeout_s)
+    try:
+        return _roll_back_to_checkpoint(parts, cfg, dist, log)
+    finally:
+        set_timeout(dist, tc.dist_step_timeout_s)
+
+
+def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> bool:
+    guard, tc = parts.guard, cfg.train
+    spikes = list(guard.spikes)
+    first, last = spikes[0]["step"], spikes[-1]["step"]
     if dist.is_main and parts.writer is not None:  # a write in flight must land before the directory is read
         if problem := finish_background_write(parts, log):
             log.warn(problem)
@@ -171,6 +183,9 @@ def roll_back(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> bool:
     target = broadcast_object(target, dist)
     guard.rollbacks += 1
     rollbacks, position = guard.rollbacks, parts.loader.state_dict()
+    # Just past the last spike's batches: on CUDA (late reads, gpt2/train/trainer.py run_loop) the loader is a
+    # step further on, whose batch the rollback leaves unread; so CPU and CUDA runs roll back alike.
+    position["position"] -= (parts.step - last) * parts.loader.G
     guard.spikes.clear()
     if target is None:
         log.record({"step": last, "spike_guard": "no_checkpoint", "spikes": spikes, "rollback": rollbacks,
