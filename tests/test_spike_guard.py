@@ -254,8 +254,13 @@ def final_val(run_dir) -> float:
     return [r["val_loss"] for r in records(run_dir) if "val_loss" in r][-1]
 
 
-POISON_STEPS = range(35, 41)
-"""The last 6 of 40 steps: the run without the guard ends on them."""
+POISON_STEPS = range(25, 31)
+"""The last 6 of 30 steps: the run without the guard ends on them."""
+POISONED_RUN = ["--max-steps", "30", "--lr", "1e-2", "--min-lr", "1e-2", "--warmup-steps", "3", "--data-order",
+                "sequential", "--spike-window", "10", "--ckpt-interval", "10"]
+"""A constant, raised lr (the issue's "a raised lr for those steps"): Adam moves every weight by about lr
+a step whatever the gradient's size, so 6 consistent steps of one token move weights of std 0.02 by up to
+0.06. At the default recipe's decayed lr the same poison left the val loss within 0.01 of the clean run's."""
 VAL_MARGIN = 0.1
 """How far the guarded run's final val loss may be from the clean run's (nats). The guarded run trains
 the same number of steps, but on batches further on (past the poison) after two rollbacks."""
@@ -269,8 +274,8 @@ def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, sh
     for name, data, extra in (("clean", shakespeare_shards, []), ("off", poison, ["--spike-guard", "false"]),
                               ("on", poison, [])):
         out = tmp_path / name
-        args = [*tiny_run_flags(data, max_steps=40, ckpt_interval=10, eval_tokens=8192), "--data-order", "sequential",
-                "--spike-window", "10", "--out-dir", str(out), *extra]
+        args = [*tiny_run_flags(data, max_steps=30, ckpt_interval=10, eval_tokens=8192), *POISONED_RUN,
+                "--out-dir", str(out), *extra]
         r = run_trainer(args, nproc=nproc, timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
         vals[name] = final_val(out)
