@@ -49,6 +49,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     from gpt2.distributed.preempt import EXIT_REQUEUE, stop_exit_code
     from gpt2.train.cli import parse_command
     from gpt2.train.startup import check_data
+    from gpt2.train.spike_guard import SpikeGuardError
     from gpt2.train.trainer import NonFiniteError, train
 
     cfg, rehearsal = parse_command(argv)  # exits 2 with a message on bad flags or values
@@ -87,7 +88,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)
         return 2, dist is not None
-    except (NonFiniteError, CheckpointWriteError) as e:  # raised alike on every rank: one message
+    except (NonFiniteError, SpikeGuardError, CheckpointWriteError) as e:  # raised alike on every rank: one message
         agreed = True
         if dist is None or dist.is_main:
             print(f"train_ddp.py: error: {e}", file=sys.stderr)

@@ -164,7 +164,7 @@ def test_every_float_field_is_checked_for_finiteness():
     from gpt2.core.config import TrainConfig
 
     floats = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls) if f.type == "float"]
-    assert len(floats) == 14  # dropout, lr, min_lr, ..., dist_step_timeout_s
+    assert len(floats) == 16  # dropout, lr, min_lr, ..., dist_step_timeout_s, spike_loss_z, spike_norm_z
     for name in floats:
         cls = ModelConfig if name in {f.name for f in dataclasses.fields(ModelConfig)} else TrainConfig
         with pytest.raises(ValueError, match="not a finite number"):

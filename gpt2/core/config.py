@@ -429,6 +429,33 @@ class TrainConfig:
     """Non-finite steps in a row (skipped) before a stop.
 
     Consecutive non-finite losses/gradient norms (each update skipped) before the run stops."""
+    spike_guard: bool = True
+    """Skip loss spikes; roll back after repeated ones.
+
+    A step whose loss or gradient norm is far above the last --spike-window steps' (a z-score of their
+    logs, on the device) has its update skipped; --spike-rollback-after such spikes within the window
+    roll the run back to the newest checkpoint from before them, the data going on past them
+    (docs/spike_guard.md). Costs a few tiny kernels per step; no host read."""
+    spike_window: int = 100
+    """Steps of history a spike is judged against.
+
+    The guard judges from the step after its history holds this many healthy steps."""
+    spike_loss_z: float = 6.0
+    """z-score of the log loss that is a spike."""
+    spike_norm_z: float = 6.0
+    """z-score of the log grad norm that is a spike.
+
+    A gradient-norm spike counts only with the loss's z-score above half of --spike-loss-z: the norm
+    alone jumps in healthy early training."""
+    spike_rollback_after: int = 3
+    """Spikes within the window that roll back.
+
+    That many spikes within the last --spike-window steps roll the run back to the newest checkpoint from
+    before the first of them."""
+    spike_max_rollbacks: int = 3
+    """Rollbacks before the run stops with an error.
+
+    Spikes that come back after this many rollbacks are not the data's alone: the run stops with one line."""
     verbose: bool = False
     """The whole start-up plan on the console too.
 
@@ -462,7 +489,7 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
 
     p = []
     positive = ("total_batch_size", "max_steps", "log_interval", "keep_checkpoints",
-                "sample_tokens", "max_bad_steps")
+                "sample_tokens", "max_bad_steps", "spike_rollback_after", "spike_max_rollbacks")
     non_negative = ("warmup_steps", "decay_steps", "eval_interval", "eval_tokens", "sample_interval", "ckpt_interval",
                     "num_threads", "hellaswag_interval")
     if not cfg.compile_cache.strip():
@@ -500,6 +527,10 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     if cfg.muon_lr <= 0 or not 0 <= cfg.muon_momentum < 1 or cfg.muon_weight_decay < 0:
         p.append(f"muon_lr={cfg.muon_lr} must be > 0, muon_momentum={cfg.muon_momentum} in [0, 1) and "
                  f"muon_weight_decay={cfg.muon_weight_decay} >= 0")
+    if cfg.spike_window < 8:  # a standard deviation of fewer steps is noise itself
+        p.append(f"spike_window={cfg.spike_window} must be >= 8")
+    if not (cfg.spike_loss_z > 0 and cfg.spike_norm_z > 0):
+        p.append(f"spike_loss_z={cfg.spike_loss_z} and spike_norm_z={cfg.spike_norm_z} must be > 0")
     if cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.eps <= 0:
         p.append("weight_decay and grad_clip must be >= 0 and eps > 0")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):

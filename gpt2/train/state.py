@@ -1,6 +1,6 @@
 """The training state: what a checkpoint holds, how it is saved and how it is put back.
 
-A checkpoint is the state_dict() of five components, each with state_dict/load_state_dict (as
+A checkpoint is the state_dict() of five (six) components, each with state_dict/load_state_dict (as
 torchtitan's checkpoint manager keeps its stateful components), plus the run's config and progress:
 
     model       the raw GPT's weights (never the compiled or DDP wrapper's: no `_orig_mod.` prefix)
@@ -8,6 +8,8 @@ torchtitan's checkpoint manager keeps its stateful components), plus the run's c
     scaler      fp16's GradScaler (empty when disabled)
     loader      the data position, seed, shard fingerprint and order (gpt2/data/loader.py)
     rng         every rank's Python, NumPy, torch (and CUDA) generators: one entry per rank
+    spike_guard the loss-spike guard's history and decisions (gpt2/train/spike_guard.py); absent with the
+                guard off, and from checkpoints older than it (a fresh guard then)
 
 check_compatible refuses a checkpoint of another model, optimizer or tokenizer before anything is
 loaded. The bytes go through gpt2/ckpt/checkpoint.py (atomic file, sidecar hash, `latest`) and, in the
@@ -72,6 +74,8 @@ class Parts:
     """(loader position, that step's first micro-batch) read ahead by the trainer (gpt2/train/trainer.py prefetch)."""
     clock: ComputeClock | None = None
     """This rank's compute time per step, which rides the step's all-reduce (gpt2/distributed/straggler.py)."""
+    guard: Stateful | None = None
+    """The loss-spike guard (gpt2/train/spike_guard.py SpikeGuard); None with --spike-guard false."""
     init_from: dict | None = None
     """Rank 0's record of the weights --init-from started this run from (path, sha256; gpt2/train/init_from.py),
     written into config.json; None without --init-from and on the other ranks."""
@@ -164,7 +168,8 @@ class ScalerState:
 def components(parts: Parts, dist: Dist) -> dict[str, Stateful]:
     """The checkpoint's stateful components, by their key in the checkpoint."""
     return {"model": parts.model, "optimizer": OptimizerState(parts.optimizer), "scaler": ScalerState(parts.scaler),
-            "loader": parts.loader, "rng": RankRng(dist.rank, dist.device.type == "cuda")}
+            "loader": parts.loader, "rng": RankRng(dist.rank, dist.device.type == "cuda"),
+            **({"spike_guard": parts.guard} if parts.guard is not None else {})}
 
 
 # ------------------------------------------------------------------ compatibility
@@ -288,7 +293,8 @@ def checkpoint_state(parts: Parts, cfg: RunConfig, dist: Dist, rngs: list[dict],
     without model and optimizer (train.pt of a sharded checkpoint; DCP holds those)."""
     small = {"scaler": parts.scaler.state_dict(), "config": cfg.to_dict(), "tokenizer": TOKENIZER,
              "loader": parts.loader.state_dict(), "rng": rngs, "world_size": dist.world_size,
-             "tokens": parts.tokens, "torch_version": str(torch.__version__)}
+             "tokens": parts.tokens, "torch_version": str(torch.__version__),
+             **({"spike_guard": parts.guard.state_dict()} if parts.guard is not None else {})}
     if sharded:
         return {**small, "optimizer_kind": "muon" if hasattr(parts.optimizer, "optimizers") else "adamw"}
     return {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(), **small}

@@ -41,6 +41,7 @@ from gpt2.train.gc_steps import collect_at_steps, collect_if_due
 from gpt2.train.memory_watch import MemoryWatch
 from gpt2.train.optim import make_optimizer
 from gpt2.train.run_log import Metrics, plot_loss_curve
+from gpt2.train.spike_guard import VERDICT_SIZE, SpikeGuard, roll_back, verdict_of
 from gpt2.train.startup import (
     announce,
     announce_compile,
@@ -106,6 +107,7 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
                      f"{val_loader.tokens} tokens")
     parts = Parts(model, model, optimizer, loader, val_loader, accum, precision.make_scaler(tc.dtype, dist.device))
     parts.run_id, parts.init_from = start.run_id, init_record
+    parts.guard = SpikeGuard(tc, dist.device) if tc.spike_guard else None  # before restore: its state is checkpointed
     point = start.point
     if point is not None:
         problem = None
@@ -230,7 +232,8 @@ class StepStats:
         if self._host is None:
             if self._event is not None:
                 self._event.synchronize()
-            loss_total, stop_votes, bad_data, grad_norm, *rank_s = self._numbers.tolist()
+            loss_total, stop_votes, bad_data, grad_norm, *rest = self._numbers.tolist()
+            guard, rank_s = rest[:VERDICT_SIZE], rest[VERDICT_SIZE:]
             loss_mean, stop = loss_total / self.world_size, stop_votes > 0
             loss_ok, norm_ok = math.isfinite(loss_mean), math.isfinite(grad_norm)
             # fp16: a finite loss with non-finite gradients is an overflow of the scaled gradients. The
@@ -239,7 +242,7 @@ class StepStats:
             skipped = not (loss_ok and norm_ok) and not overflow
             self._host = {"loss": loss_mean, "grad_norm": grad_norm, "lr": self.lr, "stop": stop,
                           "skipped": skipped, "overflow": overflow, "bad_data": bad_data > 0,
-                          "rank_s": rank_s}
+                          "guard": verdict_of(guard), "rank_s": rank_s}
         return self._host
 
     def __getitem__(self, key: str):
@@ -359,7 +362,10 @@ def step_stats(parts: Parts, lr: float, loss_sum: torch.Tensor, grad_norm: torch
                                     torch.full((), float(parts.loader.problem is not None), device=dist.device)]),
                        parts.clock.slots()])
     all_reduce_sum(stats, dist, what="the step's loss, flags and compute times")
-    numbers = torch.cat([stats[:3], grad_norm.float().reshape(1), stats[3:]])
+    # The spike guard's verdict on the all-reduced loss and norm (gpt2/train/spike_guard.py): on the device.
+    guard = (parts.guard.judge(stats[0] / dist.world_size, grad_norm) if parts.guard is not None
+             else SpikeGuard.off(dist.device))
+    numbers = torch.cat([stats[:3], grad_norm.float().reshape(1), guard, stats[3:]])
     return StepStats(parts.step + 1, lr, numbers, dist.world_size, parts.scaler.is_enabled())
 
 
@@ -374,11 +380,11 @@ def update(parts: Parts, out: StepStats, dist: Dist) -> None:
         # A token outside the vocabulary on any rank (numbers[2]) skips it too: nothing is learnt from
         # that batch, and report() raises the finder's error when it reads the numbers.
         numbers = out.numbers
-        bad = ~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[3])) | (numbers[2] > 0)
+        bad = ~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[3])) | (numbers[2] > 0) | (numbers[4] > 0)
         step_unless(parts.optimizer, bad.float())
     elif out.read()["bad_data"]:  # before the update: nothing learnt from the batch
         raise_bad_data(parts, dist)
-    elif not out.read()["skipped"]:  # the host decides (fp16 adds the scaler's own read of its flag)
+    elif not (out.read()["skipped"] or out["guard"].spike):  # the host decides (fp16: the scaler reads its flag too)
         parts.scaler.step(parts.optimizer)  # optimizer.step(), unless the scaler found an overflow
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
@@ -516,6 +522,8 @@ class Run:
     """Consecutive steps skipped for a non-finite loss or gradient norm (NonFiniteError at --max-bad-steps)."""
     last_read_s: float | None = None
     """The loop's clock at the last read of a step's numbers (the next step time starts there)."""
+    rolled_back: bool = False
+    """report() has just rolled the run back (gpt2/train/spike_guard.py): the step in hand is void."""
 
     def due(self, step: int) -> Actions:
         """The actions step `step` owes, decided once (the stop vote is applied when read: voted_stop)."""
@@ -554,10 +562,16 @@ def run_loop(run: Run) -> int:
         # this step's stop (every rank reads the vote at the same point).
         stop = report(run, *pending) if pending is not None else False
         pending = None
+        if run.rolled_back:  # the spike guard: this step belonged to the branch left behind
+            run.rolled_back = False
+            continue
         if lag and not (act.slow or act.final or stop):
             pending = (out, act)
             continue
         act = act.voted_stop(report(run, out, act) or stop)
+        if run.rolled_back:  # the spike guard rolled back: parts.step is the checkpoint's, nothing is owed
+            run.rolled_back = False
+            continue
         if act.slow:
             # Every rank decides this alike. The long timeout also covers the next step, whose
             # collectives wait for the ranks still busy here (rank 0 sampling or writing).
@@ -606,9 +620,12 @@ def report(run: Run, stats: StepStats, act: Actions) -> bool:
     begin = stats.started_s if run.last_read_s is None else max(stats.started_s, run.last_read_s)
     dt, run.last_read_s = now - begin, now
     run.bad_steps = run.bad_steps + 1 if out["skipped"] else (run.bad_steps if out["overflow"] else 0)
-    if act.log or out["skipped"] or out["overflow"]:  # an unusual step is always logged
+    if act.log or out["skipped"] or out["overflow"] or out["guard"].spike:  # an unusual step is always logged
         log_step(run, out, dt, step)
         log_stragglers(run.log, step, out["rank_s"], step // max(1, tc.log_interval))
+    parts = run.parts
+    if parts.guard is not None and parts.guard.observe(step, out["guard"], out["loss"], out["grad_norm"], run.log):
+        run.rolled_back = roll_back(parts, run.cfg, run.dist, run.log)  # or SpikeGuardError at --spike-max-rollbacks
     if run.bad_steps >= tc.max_bad_steps:
         raise NonFiniteError(
             f"{run.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"

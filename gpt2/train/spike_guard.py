@@ -1,0 +1,239 @@
+"""The loss-spike guard (--spike-guard): skip a spiking step's update, roll back after repeated spikes.
+
+Three parts, each its own function or method:
+  judge (on the device)   the step's loss and gradient norm against the recent history of healthy
+                          steps: a z-score of each one's log over the last --spike-window accepted
+                          steps (llm.c's rule, PRs #637/#711, on logs). train_step folds the verdict
+                          into its existing device-side skip, so no host read is added to the step;
+                          the inputs are all-reduced, so every rank reaches the same verdict.
+  observe (on the host)   when the step's numbers are read anyway (report): a console line and a
+                          metrics.jsonl record per spike, and whether the spikes in the last
+                          --spike-window steps reached --spike-rollback-after.
+  roll_back               back to the newest checkpoint from before the cluster's first spike, the data
+                          position kept where it is (past the batches that spiked), the checkpoints
+                          after it moved into RUN/checkpoints/abandoned-*/ as a manual rollback
+                          (--resume PATH) moves them; at most --spike-max-rollbacks times a run.
+
+The thresholds and why (docs/spike_guard.md shows a run that uses them):
+  - logs, not raw values: a spike is a ratio (the loss 1.5x its recent level), the same at loss 10 and
+    loss 3, and the gradient norm's spread grows with its size;
+  - MIN_SPREAD (0.01, 1%): a history that barely moves (a long plateau) has a tiny standard deviation,
+    and the z-score of ordinary noise over it would be large; no change under 1% counts as a spike;
+  - a full window before judging: the first steps' falling loss and rising norm are no history to
+    judge against (and the fast start of training is where a spike can be told least from progress);
+  - a spike is a loss 6 sigma above the history, or a gradient norm 6 sigma above with the loss 3 sigma
+    above: the norm alone spikes in healthy early training (z 25-40 in a tiny model, with ordinary
+    losses, and clipping absorbs those), while a poisoned batch's loss is tens of sigmas out. The
+    debug preset (the quick start's) and the speed preset train bitwise the same guard on or off
+    (tests/test_spike_guard.py).
+A non-finite step is not a spike: train_step skips it anyway, and --max-bad-steps bounds those.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpt2.ckpt import checkpoint as ckpt
+from gpt2.ckpt import resume
+from gpt2.core.config import RunConfig, TrainConfig
+from gpt2.distributed.group import Dist, broadcast_object, set_timeout
+from gpt2.train.run_log import Metrics
+from gpt2.train.state import Parts, finish_background_write, restore
+
+MIN_SPREAD = 0.01
+"""The smallest standard deviation of a log the z-score divides by (1%): see the module docstring."""
+
+
+class SpikeGuardError(RuntimeError):
+    """The loss kept spiking after --spike-max-rollbacks rollbacks: the run stops (every rank alike)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One step's guard numbers on the host (from StepStats.read)."""
+    spike: bool
+    loss_z: float
+    norm_z: float
+
+
+class SpikeGuard:
+    """The guard's history (on the device) and decisions (on the host); a checkpoint component.
+
+    The device part: the logs of the last `window` accepted (finite, not spiking) steps' loss and
+    gradient norm, and how many there are. The host part: the steps of the spikes within the last
+    window, and the rollbacks so far (checkpointed too, so a resume decides as the run would have)."""
+
+    def __init__(self, tc: TrainConfig, device: torch.device) -> None:
+        self.window, self.loss_z, self.norm_z = tc.spike_window, tc.spike_loss_z, tc.spike_norm_z
+        self.rollback_after, self.max_rollbacks = tc.spike_rollback_after, tc.spike_max_rollbacks
+        self.history = torch.zeros(2, self.window, device=device)  # rows: log loss, log grad norm
+        self.count = torch.zeros((), dtype=torch.long, device=device)
+        self.spikes: deque[dict] = deque()
+        """The spikes within the last window, oldest first: {step, loss, grad_norm, loss_z, grad_norm_z}."""
+        self.rollbacks = 0
+
+    def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """[spike (0.0 or 1.0), loss z, norm z] as one fp32 device tensor; the step is appended to
+        the history unless it spiked or is not finite. Launches kernels only: nothing is read."""
+        x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()  # (2,)
+        mean = self.history.mean(dim=1)
+        spread = self.history.std(dim=1).clamp_min(MIN_SPREAD)
+        z = (x - mean) / spread
+        finite = torch.isfinite(x).all()
+        full = self.count >= self.window
+        # The norm alone is no spike: early training has gradient-norm excursions of z 25-40 with ordinary
+        # losses (a tiny model's steps 24-27, docs/spike_guard.md), which --grad-clip absorbs. With the
+        # loss up by half its threshold as well, it is a batch the model does not fit.
+        spike = full & finite & ((z[0] > self.loss_z) | ((z[1] > self.norm_z) & (z[0] > self.loss_z / 2)))
+        accept = finite & ~spike
+        shifted = torch.cat([self.history[:, 1:], x.unsqueeze(1)], dim=1)
+        self.history.copy_(torch.where(accept, shifted, self.history))
+        self.count.add_(accept.long()).clamp_(max=self.window)
+        z = torch.where(full & finite, z, torch.zeros_like(z))  # nothing judged: no z to report
+        return torch.cat([spike.float().unsqueeze(0), z])
+
+    @staticmethod
+    def off(device: torch.device) -> torch.Tensor:
+        """judge's numbers when the guard is off: no spike, no z."""
+        return torch.zeros(VERDICT_SIZE, device=device)
+
+    def observe(self, step: int, verdict: Verdict, loss: float, grad_norm: float, log: Metrics) -> bool:
+        """Step `step`'s verdict, read with its other numbers: a spike's line and record. Returns whether
+        the spikes within the last window now call for a rollback."""
+        while self.spikes and self.spikes[0]["step"] <= step - self.window:
+            self.spikes.popleft()
+        if not verdict.spike:
+            return False
+        spike = {"step": step, "loss": loss, "grad_norm": grad_norm, "loss_z": verdict.loss_z,
+                 "grad_norm_z": verdict.norm_z}
+        self.spikes.append(spike)
+        n = len(self.spikes)
+        log.record({**spike, "spike_guard": "skip", "spikes_in_window": n})
+        log.warn(f"spike guard: step {step}'s update skipped: loss {loss:.4f} (z {verdict.loss_z:.1f}), grad norm "
+                 f"{grad_norm:.3g} (z {verdict.norm_z:.1f}) against the last {self.window} steps (limit z "
+                 f"{self.loss_z:g} / {self.norm_z:g}); spike {n} of {self.rollback_after} within {self.window} steps "
+                 "before a rollback")
+        return n >= self.rollback_after
+
+    def state_dict(self) -> dict:
+        return {"history": self.history.cpu().clone(), "count": int(self.count), "spikes": list(self.spikes),
+                "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint without guard state (older, or saved with the guard off) leaves a fresh guard,
+        which judges again once a window of steps is in its history."""
+        if not state:
+            return
+        saved, count = state["history"], int(state["count"])
+        keep = min(count, saved.shape[1], self.window)  # the newest values, if --spike-window changed
+        self.history.zero_()
+        if keep:
+            self.history[:, self.window - keep:] = saved[:, saved.shape[1] - keep:].to(self.history.device)
+        self.count.fill_(keep)
+        self.spikes = deque(state["spikes"])
+        self.rollbacks = int(state["rollbacks"])
+
+
+VERDICT_SIZE = 3
+"""How many numbers judge() adds to the step's numbers (StepStats): spike, loss z, norm z."""
+
+
+def verdict_of(numbers: list[float]) -> Verdict:
+    """judge()'s three numbers, read on the host."""
+    spike, loss_z, norm_z = numbers
+    return Verdict(spike > 0, loss_z, norm_z)
+
+
+def roll_back(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> bool:
+    """Every rank alike (the decision came from all-reduced numbers): restore the newest checkpoint
+    from before the first spike in the window, keep the data position (past the spiking batches),
+    move later checkpoints aside. Returns whether it did (parts.step is then the checkpoint's). Raises
+    SpikeGuardError once the rollbacks are used up; with no checkpoint before the spikes the run goes
+    on skipping (False; the attempt counts toward the bound)."""
+    guard, tc = parts.guard, cfg.train
+    spikes = list(guard.spikes)  # the rollback's record keeps them: restore cuts the log back past them
+    first, last = spikes[0]["step"], spikes[-1]["step"]
+    if guard.rollbacks >= guard.max_rollbacks:
+        raise SpikeGuardError(
+            f"spike guard: {len(spikes)} loss spikes within {guard.window} steps (steps {_steps(spikes)}) after "
+            f"{guard.rollbacks} rollbacks (--spike-max-rollbacks {guard.max_rollbacks}): the run stops, as the "
+            "spikes come back past the data that caused them. Lower --lr or raise --warmup-steps, check the data "
+            "near these steps, then resume from the last checkpoint (or raise --spike-max-rollbacks)")
+    # Rank 0 hashes the checkpoint and every rank loads it: a slow phase, under --dist-timeout-s (as a save).
+    set_timeout(dist, tc.dist_timeout_s)
+    try:
+        return _roll_back_to_checkpoint(parts, cfg, dist, log)
+    finally:
+        set_timeout(dist, tc.dist_step_timeout_s)
+
+
+def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> bool:
+    guard, tc = parts.guard, cfg.train
+    spikes = list(guard.spikes)
+    first, last = spikes[0]["step"], spikes[-1]["step"]
+    if dist.is_main and parts.writer is not None:  # a write in flight must land before the directory is read
+        if problem := finish_background_write(parts, log):
+            log.warn(problem)
+    target = None
+    if dist.is_main:
+        try:
+            target = _target(tc.out_dir, first, parts.run_id)
+        except OSError as e:  # the directory unreadable: no checkpoint to go back to (said below); rank 0 must
+            log.warn(f"spike guard: cannot list {ckpt.checkpoint_dir(tc.out_dir)} ({e})")  # reach the broadcast
+    target = broadcast_object(target, dist)
+    guard.rollbacks += 1
+    rollbacks, position = guard.rollbacks, parts.loader.state_dict()
+    # Just past the last spike's batches: on CUDA (late reads, gpt2/train/trainer.py run_loop) the loader is a
+    # step further on, whose batch the rollback leaves unread; so CPU and CUDA runs roll back alike.
+    position["position"] -= (parts.step - last) * parts.loader.G
+    guard.spikes.clear()
+    if target is None:
+        log.record({"step": last, "spike_guard": "no_checkpoint", "spikes": spikes, "rollback": rollbacks,
+                    "max_rollbacks": guard.max_rollbacks})
+        log.warn(f"spike guard: {len(spikes)} spikes within {guard.window} steps (steps {_steps(spikes)}) but no "
+                 f"checkpoint of this run from before step {first} to roll back to: going on, skipping spikes "
+                 f"(attempt {rollbacks} of {guard.max_rollbacks}; a lower --ckpt-interval keeps one close)")
+        return False
+    point, abandon = target
+    moved = resume.set_aside_abandoned(resume.Start(point, parts.run_id, abandon=abandon), tc.out_dir, dist)
+    problem = None
+    try:
+        restore(parts, Path(point.path), cfg, dist, log)  # model, optimizer, scaler, rng, guard; the log cut back
+    except ckpt.CheckpointError as e:
+        problem = str(e)
+    resume.agree_on_step(parts.step, problem, dist)
+    parts.loader.load_state_dict(position)  # the data goes on past the batches that spiked
+    guard.rollbacks = rollbacks
+    log.record({"step": parts.step, "spike_guard": "rollback", "from_step": last, "spikes": spikes, "checkpoint": point.path,
+                "data_position": position["position"], "rollback": rollbacks, "max_rollbacks": guard.max_rollbacks,
+                "abandoned": str(moved) if moved else None})
+    aside = f"; later checkpoints moved into {moved}/" if moved else ""
+    log.warn(f"spike guard: {len(spikes)} spikes within {guard.window} steps (steps {_steps(spikes)}): rolled back "
+             f"to {Path(point.path).name} (step {parts.step}), the data going on after step {last}'s batches{aside} "
+             f"(rollback {rollbacks} of {guard.max_rollbacks})")
+    return True
+
+
+def _target(out_dir: str, first_spike: int, run_id: str | None):
+    """Rank 0: (ResumePoint, later checkpoint names) of run_id's newest complete checkpoint from before
+    step first_spike, or None."""
+    for path in ckpt.list_checkpoints(out_dir):  # newest first
+        if not (ckpt.looks_complete(path) and ckpt.belongs(path, run_id)):
+            continue
+        try:
+            point = resume._point(path)  # its sidecar's step and hash
+            if point.step >= first_spike:
+                continue
+            ckpt.verify_checkpoint(path)
+        except (ckpt.CheckpointError, OSError, ValueError):  # damaged: an older one will do
+            continue
+        return point, ckpt.later_checkpoints(out_dir, point.step, run_id)
+    return None
+
+
+def _steps(spikes: list[dict]) -> str:
+    return ", ".join(str(s["step"]) for s in spikes)
