@@ -56,10 +56,12 @@ def test_the_clock_fills_its_own_slot_of_a_world_sized_vector():
     assert slots[2] > 0 and slots[:2] + slots[3:] == [0.0, 0.0, 0.0]
 
 
-def test_step_numbers_carry_every_ranks_time_after_loss_flags_and_norm():
-    numbers = torch.tensor([4.0, 0.0, 0.0, 1.5, 0.25, 0.75])  # loss sum, stop, bad data, norm, rank 0, rank 1
+def test_step_numbers_carry_every_ranks_time_after_loss_flags_norm_and_the_guards_verdict():
+    # loss sum, stop, bad data, norm, the spike guard's (spike, loss z, norm z), rank 0, rank 1
+    numbers = torch.tensor([4.0, 0.0, 0.0, 1.5, 1.0, 7.0, 0.5, 0.25, 0.75])
     out = StepStats(3, 1e-3, numbers, world_size=2, scaler_enabled=False).read()
     assert out["loss"] == 2.0 and out["grad_norm"] == 1.5 and out["rank_s"] == [0.25, 0.75] and not out["stop"]
+    assert out["guard"].spike and out["guard"].loss_z == 7.0 and out["guard"].norm_z == 0.5
 
 
 def test_one_process_carries_its_own_time():
