@@ -580,7 +580,8 @@ def test_no_sync_accumulation_is_counted_and_the_reduce_scatter_choice_reported(
     cfg = model_preset("gpt2-xl")
     a100 = gpu_hardware("A100-40GB", "bf16")
     once = planned(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=8 * 1024 * 8)
-    accum = planned(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=4 * 8 * 1024 * 8)
+    accum = planned(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp",
+                    total_batch_size=4 * 8 * 1024 * 8)
     assert once.memory.accum_gradients == 0 and once.rs_total == once.memory.total
     assert accum.memory.accum_gradients == 4 * gathered_elements(weight_shapes(cfg).values(), 8)
     assert accum.memory.total - once.memory.total == accum.memory.accum_gradients

@@ -109,7 +109,8 @@ def plan(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, tokens: int
     tokens: the budget of the time estimates, or None; mfu: their assumed utilisation.
     """
     model, tc = cfg.model, cfg.train
-    seq_len, micro_batch_size, checkpointed = model.block_size, tc.micro_batch_size, tc.activation_checkpointing == "full"
+    seq_len, micro_batch_size = model.block_size, tc.micro_batch_size
+    checkpointed = tc.activation_checkpointing == "full"
     problems = _plan_problems(micro_batch_size, world_size, mfu, tokens)
     if problems:
         raise ValueError("invalid plan:\n  - " + "\n  - ".join(problems))

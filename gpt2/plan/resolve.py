@@ -88,10 +88,12 @@ def resolve(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens: int | N
     mb = (choose_micro_batch(cfg, hardware, world_size=world) if auto_mb else
           MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size"))
     cfg = with_train(cfg, micro_batch_size=mb.size)
-    loss = choose_loss_impl(cfg, hardware, world_size=world, measure_eager=eager_measure(cfg, prec, mb.size, target.device))
+    loss = choose_loss_impl(cfg, hardware, world_size=world,
+                            measure_eager=eager_measure(cfg, prec, mb.size, target.device))
     cfg = with_train(cfg, loss_impl=loss.impl)
     tc = cfg.train
-    p = plan(cfg, hardware, world_size=world, mfu=mfu, tokens=tc.max_steps * tc.total_batch_size if tokens is None else tokens)
+    tokens = tc.max_steps * tc.total_batch_size if tokens is None else tokens
+    p = plan(cfg, hardware, world_size=world, mfu=mfu, tokens=tokens)
     p = dataclasses.replace(p, micro_batch_choice=mb if auto_mb else None)
     warning = None if target.device is None else precision.emulation_warning(prec, target.device)
     return Resolved(cfg, prec, ac, mb, loss, p, warning)
