@@ -28,7 +28,8 @@ from gpt2.core.config import ModelConfig, param_count  # noqa: E402
 from gpt2.model.gpt import GPT  # noqa: E402
 from gpt2.plan.flops import flops_per_token, recompute_flops_per_token  # noqa: E402
 from gpt2.plan.measure import measured_peak_bytes  # noqa: E402
-from gpt2.plan.memory import memory  # noqa: E402
+from gpt2.plan.hardware import device_hardware  # noqa: E402
+from gpt2.plan.memory import memory, run_config  # noqa: E402
 
 
 def micro_step(model: GPT, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -62,8 +63,7 @@ def measure(cfg: ModelConfig, checkpointed: bool, batch: int, steps: int, device
 
 
 def planned(cfg: ModelConfig, checkpointed: bool, batch: int, device: torch.device) -> int:
-    m = memory(cfg, batch, cfg.block_size, dtype="fp32", device_type=device.type, checkpointed=checkpointed,
-               device_memory=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    m = memory(run_config(cfg, batch, dtype="fp32"), device_hardware(device, None), checkpointed=checkpointed)
     return m.activations + m.logits + m.gradients
 
 

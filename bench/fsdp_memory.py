@@ -113,12 +113,14 @@ def run_mode(args: argparse.Namespace, data_dir: Path, tmp: Path, mode: str) -> 
 
 
 def predicted(args: argparse.Namespace, mode: str, accum: int) -> int:
-    from gpt2.plan.memory import memory
+    from gpt2.plan.hardware import device_hardware
+    from gpt2.plan.memory import memory, run_config
     from gpt2.train.session import parse_config
 
     cfg = parse_config(train_args(args, Path("d"), Path("o"), mode))
-    return memory(cfg.model, args.micro_batch_size, args.block_size, world_size=WORLD, dtype="fp32",
-                  device_type="cpu", optimizer=cfg.train.optimizer, parallel=mode, accum_steps=accum).total
+    planned = run_config(cfg.model, args.micro_batch_size, dtype="fp32", world_size=WORLD,
+                         optimizer=cfg.train.optimizer, parallel=mode)  # the chunked loss, uncompiled
+    return memory(planned, device_hardware("cpu", None), world_size=WORLD, accum_steps=accum).total
 
 
 def write_data(data_dir: Path, n_tokens: int) -> None:

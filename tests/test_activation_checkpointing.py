@@ -17,7 +17,7 @@ from gpt2.model.gpt import GPT
 from gpt2.plan.ac_choice import choose_activation_checkpointing
 from gpt2.plan.hardware import GIB, Hardware, gpu_hardware
 from gpt2.plan.measure import measured_peak_bytes
-from gpt2.plan.memory import AUTO_HEADROOM, activation_bytes, matmul_weight_count, max_micro_batch_size
+from gpt2.plan.memory import AUTO_HEADROOM, activation_bytes, matmul_weight_count, max_micro_batch_size, run_config
 from gpt2.plan.planner import plan
 from gpt2.plan.report import format_plan
 
@@ -108,8 +108,8 @@ def test_activation_bytes_with_it_within_15pct_of_measured_peak(dtype):
 
 def test_the_planner_counts_its_memory_and_recompute():
     cfg, hw = model_preset("gpt2-xl"), gpu_hardware("A100-40GB", "bf16")
-    off = plan(cfg, micro_batch_size=4, hardware=hw)
-    on = plan(cfg, micro_batch_size=4, hardware=hw, activation_checkpointing=True)
+    off = plan(run_config(cfg, 4, activation_checkpointing="none"), hw)
+    on = plan(run_config(cfg, 4, activation_checkpointing="full"), hw)
     assert not off.fits and on.fits  # issue 34: 38.9 GiB at micro-batch 4 without it
     assert on.memory.activations == on.memory.activations_checkpointed < off.memory.activations / 5
     assert on.max_micro_batch_size > 4 * off.max_micro_batch_size
@@ -121,9 +121,9 @@ def test_the_planner_counts_its_memory_and_recompute():
     assert "recomputed, not in MFU" in report and "logged MFU would be 30%" in report
 
 
-def choice(cfg, requested="auto", *, mb="auto", hw, total=None, world_size=1):
-    return choose_activation_checkpointing(cfg, requested, micro_batch_size=mb, hardware=hw, dtype="bf16",
-                                           total_batch_size=total, world_size=world_size)
+def choice(cfg, requested="auto", *, mb="auto", hw, total=524_288, world_size=1):
+    run = run_config(cfg, mb, world_size=world_size, total_batch_size=total, activation_checkpointing=requested)
+    return choose_activation_checkpointing(run, hw, world_size=world_size)
 
 
 def test_auto_picks_none_where_a_micro_batch_fits_and_full_where_none_does():
@@ -132,10 +132,10 @@ def test_auto_picks_none_where_a_micro_batch_fits_and_full_where_none_does():
     assert choice(cfg, hw=roomy, total=524_288).mode == "none"
     assert choice(cfg, mb=4, hw=roomy, total=524_288).mode == "none"
     # Room for one sequence with it (and a little more), with auto's margin, not without: nothing fits without it.
-    one = plan(cfg, micro_batch_size=1, hardware=roomy, activation_checkpointing=True).memory.total
+    one = plan(run_config(cfg, 1, activation_checkpointing="full"), roomy).memory.total
     tight = Hardware(name="tight", memory_bytes=int(one * AUTO_HEADROOM) + GIB + GIB // 4, peak_flops=1e14,
                      device_type="cuda", reserve_bytes=GIB)
-    assert max_micro_batch_size(cfg, 1024, tight, headroom=AUTO_HEADROOM) == 0
+    assert max_micro_batch_size(run_config(cfg, 1), tight, headroom=AUTO_HEADROOM) == 0
     auto = choice(cfg, hw=tight, total=524_288)
     assert auto.mode == "full" and auto.reason.startswith("auto: no micro-batch fits without it, up to ")
     assert "+32% FLOPs recomputed, not in MFU" in auto.describe()

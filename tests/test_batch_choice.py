@@ -6,15 +6,20 @@ import pytest
 from gpt2.core.config import ModelConfig, model_preset
 from gpt2.plan.batch_choice import TIE, MicroBatchChoice, choose_micro_batch, lm_head_share, micro_step_seconds
 from gpt2.plan.hardware import GIB, Hardware, gpu_hardware
-from gpt2.plan.memory import AUTO_HEADROOM, max_micro_batch_size, memory
+from gpt2.plan.memory import AUTO_HEADROOM, max_micro_batch_size, memory, run_config
 from gpt2.plan.planner import plan
 
 CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
 ISSUE_41 = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)  # issue 41's tiny model, full vocabulary
 
 
-def choose(cfg, hw, total=524_288, world=1, dtype="bf16", **kw):
-    return choose_micro_batch(cfg, cfg.block_size, hw, world_size=world, total_batch_size=total, dtype=dtype, **kw)
+def run(cfg, mb="auto", total=524_288, world=1, dtype="bf16", **train):
+    """cfg's run with this micro-batch and global batch (compiled unless compile=False)."""
+    return run_config(cfg, mb, dtype=dtype, world_size=world, total_batch_size=total, **{"compile": True, **train})
+
+
+def choose(cfg, hw, total=524_288, world=1, dtype="bf16", **train):
+    return choose_micro_batch(run(cfg, total=total, world=world, dtype=dtype, **train), hw, world_size=world)
 
 
 @pytest.mark.parametrize("gpu, expected", [("H100-80GB", 32), ("H200", 32), ("A100-80GB", 16), ("A100-40GB", 8)])
@@ -23,7 +28,7 @@ def test_gpt2_on_each_gpu_takes_the_fastest_micro_batch_not_the_largest(gpu, exp
     share, not the 80-170 that fit (the largest-that-fits rule took 128 on an H100 with the 20-chunk loss)."""
     cfg, hw = model_preset("gpt2"), gpu_hardware(gpu, "bf16")
     choice = choose(cfg, hw)
-    largest = max_micro_batch_size(cfg, 1024, hw, total_batch_size=524_288, headroom=AUTO_HEADROOM)
+    largest = max_micro_batch_size(run(cfg), hw, headroom=AUTO_HEADROOM)
     assert choice.size == expected and largest >= 4 * expected
     assert choice.describe().startswith(f"micro-batch auto: {expected} sequences, the fastest by the throughput model")
     assert "would run" in choice.reason and "with the chunked loss" in choice.reason  # why not the largest
@@ -46,9 +51,9 @@ def test_issue_41s_tiny_model_on_a_cpu_takes_a_few_sequences_not_thousands():
     """The issue's run (2 x 64 wide, block 64, fp32, the gpt2 recipe's batch): the largest that fits was 8,192
     sequences, and the first step was killed by the kernel. On a CPU the fixed cost per micro-step is small
     beside its compute: a few sequences are as fast."""
-    choice = choose(ISSUE_41, CPU, dtype="fp32", compiled=False)
+    choice = choose(ISSUE_41, CPU, dtype="fp32", compile=False)
     assert 1 <= choice.size <= 64 and 8192 % choice.size == 0
-    assert memory(ISSUE_41, choice.size, 64, dtype="fp32", device_type="cpu").total < GIB // 4
+    assert memory(run_config(ISSUE_41, choice.size, dtype="fp32"), CPU).total < GIB // 4
 
 
 @pytest.mark.parametrize("gib", [4, 5, 8, 24])
@@ -59,14 +64,16 @@ def test_auto_fits_with_its_margin_and_divides(gib):
     hw = Hardware(name=f"cpu capped at {gib} GiB", memory_bytes=gib * GIB, peak_flops=1e11, device_type="cpu",
                   reserve_bytes=GIB // 2)
     b = choose(cfg, hw, total=32 * 1024 * 2, world=2, dtype="fp32").size
-    fits = max_micro_batch_size(cfg, 1024, hw, world_size=2, dtype="fp32", headroom=AUTO_HEADROOM)
+    fits = max_micro_batch_size(run(cfg, total=32 * 1024 * 2, world=2, dtype="fp32"), hw, world_size=2,
+                                headroom=AUTO_HEADROOM)
     assert 1 <= b <= fits and 32 % b == 0
-    assert memory(cfg, b, 1024, world_size=2, dtype="fp32", device_type="cpu").total * AUTO_HEADROOM <= hw.usable_bytes
+    assert memory(run_config(cfg, b, dtype="fp32", world_size=2), hw, world_size=2).total * AUTO_HEADROOM \
+        <= hw.usable_bytes
 
 
 def test_without_room_for_the_margin_the_largest_that_fits_is_taken_and_said():
     cfg = model_preset("gpt2")
-    need = memory(cfg, 1, 1024, dtype="fp32", device_type="cpu", accum_steps=2).total
+    need = memory(run_config(cfg, 1, dtype="fp32"), CPU, accum_steps=2).total
     hw = Hardware(name="tight", memory_bytes=int(need * 1.1) + GIB, peak_flops=1e11, device_type="cpu",
                   reserve_bytes=GIB)
     choice = choose(cfg, hw, total=8 * 1024, dtype="fp32")
@@ -80,11 +87,11 @@ def test_free_memory_bounds_auto_on_a_cpu():
                     available_bytes=6 * GIB)
     cfg = model_preset("gpt2")
     assert busy.usable_bytes == 5 * GIB and roomy.usable_bytes == 63 * GIB
-    loose = max_micro_batch_size(cfg, 1024, roomy, dtype="fp32", headroom=AUTO_HEADROOM)
-    tight = max_micro_batch_size(cfg, 1024, busy, dtype="fp32", headroom=AUTO_HEADROOM)
+    loose = max_micro_batch_size(run(cfg, dtype="fp32"), roomy, headroom=AUTO_HEADROOM)
+    tight = max_micro_batch_size(run(cfg, dtype="fp32"), busy, headroom=AUTO_HEADROOM)
     assert tight < loose
     b = choose(cfg, busy, total=64 * 1024, dtype="fp32").size
-    assert memory(cfg, b, 1024, dtype="fp32", device_type="cpu", accum_steps=64 // b).total * AUTO_HEADROOM \
+    assert memory(run_config(cfg, b, dtype="fp32", total_batch_size=64 * 1024), busy).total * AUTO_HEADROOM \
         <= 5 * GIB
 
 
@@ -95,9 +102,8 @@ def test_under_fsdp_auto_keeps_the_largest_that_fits_and_divides():
         choice = choose(cfg, hw, world=world, parallel="fsdp")
         seqs = 524288 // 1024 // world
         assert seqs % choice.size == 0 and "fsdp: every micro-step gathers the weights again" in choice.reason
-        assert plan(cfg, micro_batch_size=choice.size, hardware=hw, world_size=world, parallel="fsdp",
-                    total_batch_size=524288).fits
-        ddp = max_micro_batch_size(cfg, 1024, hw, world_size=world, total_batch_size=524288, headroom=AUTO_HEADROOM)
+        assert plan(run(cfg, choice.size, world=world, parallel="fsdp", compile=False), hw, world_size=world).fits
+        ddp = max_micro_batch_size(run(cfg, world=world), hw, world_size=world, headroom=AUTO_HEADROOM)
         assert choice.size >= min(ddp, seqs)  # sharding never makes the micro-batch smaller here
 
 

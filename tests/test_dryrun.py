@@ -496,7 +496,8 @@ def test_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
     torch.save of a model and its AdamW state after one step."""
     from gpt2.core.config import ModelConfig, TrainConfig
     from gpt2.model.gpt import GPT
-    from gpt2.plan.memory import memory
+    from gpt2.plan.hardware import device_hardware
+    from gpt2.plan.memory import memory, run_config
     from gpt2.train.optim import make_optimizer
 
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
@@ -506,7 +507,7 @@ def test_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
     model(x, x)[1].backward()
     opt.step()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
-    m = memory(cfg, 1, 64, dtype="fp32", device_type="cpu")
+    m = memory(run_config(cfg, 1, dtype="fp32"), device_hardware("cpu", None))
     written = (tmp_path / "c.pt").stat().st_size
     assert abs(written - (m.weights + m.optimizer)) / written < 0.02, (written, m.weights + m.optimizer)
 

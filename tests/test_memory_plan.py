@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gpt2.core.config import ModelConfig
-from gpt2.plan.memory import PLAN_ERROR, loss_bytes, memory
+from gpt2.plan.hardware import GIB, Hardware
+from gpt2.plan.memory import PLAN_ERROR, loss_bytes, memory, run_config
 
 MEASURE = """
 import json, sys
@@ -27,6 +28,8 @@ print(json.dumps(resident_training_peak(cfg, a["B"], dtype=a["dtype"], loss_impl
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident peak is read from /proc")
 
+CPU = Hardware(name="cpu", memory_bytes=24 * GIB, peak_flops=None, device_type="cpu")
+"""Where the plan is counted: a CPU (its size does not change the counts there)."""
 
 def measured(cfg: ModelConfig, B: int, dtype: str, loss: str, compiled: bool) -> int:
     """resident_training_peak in a fresh interpreter (what an earlier test freed would otherwise be reused)."""
@@ -72,8 +75,7 @@ def test_the_plan_is_within_its_error_of_the_measured_peak(n_embd, n_layer, B, d
     if dtype == "bf16" and not native_bf16():
         pytest.skip("bf16 is emulated on this CPU: a bf16 point would take ~40x as long")
     cfg = tiny(n_embd, n_layer)
-    plan = memory(cfg, B, cfg.block_size, dtype=dtype, device_type="cpu", chunked_loss=loss == "chunked",
-                  compiled=compiled).total
+    plan = memory(run_config(cfg, B, dtype=dtype, loss_impl=loss, compile=compiled), CPU).total
     peak = measured(cfg, B, dtype, loss, compiled)
     assert abs(peak - plan) <= PLAN_ERROR * plan, f"measured {peak / 2**20:.0f} MiB, plan {plan / 2**20:.0f} MiB"
 
@@ -87,7 +89,7 @@ def test_the_compiled_16_bit_chunked_loss_is_counted_at_its_worst(B):
     if not native_bf16():
         pytest.skip("bf16 is emulated on this CPU: a bf16 point would take ~40x as long")
     cfg = tiny()
-    plan = memory(cfg, B, cfg.block_size, dtype="bf16", device_type="cpu", compiled=True).total
+    plan = memory(run_config(cfg, B, dtype="bf16", loss_impl="chunked", compile=True), CPU).total
     assert measured(cfg, B, "bf16", "chunked", True) <= (1 + PLAN_ERROR) * plan
 
 

@@ -19,11 +19,43 @@ from gpt2.plan.memory import (
     matmul_weight_count,
     max_micro_batch_size,
     memory,
+    run_config,
 )
 from gpt2.plan.planner import check_fits, plan
 from gpt2.plan.report import format_plan
 
 CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
+
+
+def run(cfg, mb=1, *, seq_len=None, world_size=1, dtype="bf16", total_batch_size=None, optimizer="adamw",
+        chunked_loss=True, compiled=False, parallel="ddp", activation_checkpointing=False):
+    """The RunConfig the planner takes, from the values these tests vary (a shorter seq_len: a model of that
+    block size)."""
+    cfg = cfg if seq_len is None else cfg.replace(block_size=seq_len)
+    train = dict(optimizer=optimizer, loss_impl="chunked" if chunked_loss else "full", compile=compiled,
+                 parallel=parallel, activation_checkpointing="full" if activation_checkpointing else "none")
+    if total_batch_size is not None:
+        train["total_batch_size"] = total_batch_size
+    return run_config(cfg, mb, dtype=dtype, world_size=world_size, **train)
+
+
+def planned(cfg, *, micro_batch_size, hardware, world_size=1, tokens=None, mfu=0.4, **kw):
+    return plan(run(cfg, micro_batch_size, world_size=world_size, **kw), hardware, world_size=world_size,
+                tokens=tokens, mfu=mfu)
+
+
+def mem(cfg, B, T, *, device_type="cuda", device_memory=24 * GIB, world_size=1, accum_steps=1, **kw):
+    """memory() of cfg at micro-batch B, T tokens long, on a device of this type and size."""
+    hw = Hardware(name="test", memory_bytes=device_memory, peak_flops=None, device_type=device_type)
+    return memory(run(cfg, B, seq_len=T, world_size=world_size, **kw), hw, world_size=world_size,
+                  accum_steps=accum_steps)
+
+
+def largest(cfg, T, hw, *, world_size=1, total_batch_size=None, headroom=1.0, **kw):
+    """max_micro_batch_size at T tokens; without a total batch, accumulation assumed at every size."""
+    return max_micro_batch_size(run(cfg, seq_len=T, world_size=world_size, total_batch_size=total_batch_size, **kw),
+                                hw, world_size=world_size, headroom=headroom,
+                                accumulate=True if total_batch_size is None else None)
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
@@ -32,13 +64,13 @@ def test_param_count_equals_module(name, vocab):
     cfg = model_preset(name, vocab_size=vocab)
     with torch.device("meta"):  # gpt2-xl without allocating 6 GB
         model = GPT(cfg)
-    p = plan(cfg, micro_batch_size=1, hardware=gpu_hardware("H200", "bf16"))
+    p = planned(cfg, micro_batch_size=1, hardware=gpu_hardware("H200", "bf16"))
     assert p.n_params == sum(t.numel() for t in model.parameters())  # the module, not the counter again
     assert p.n_params_formula == p.n_params  # MHA with biases: the closed form is exact
 
 
 def test_known_gpt2_numbers():
-    p = plan(model_preset("gpt2", vocab_size=50257), micro_batch_size=1, hardware=gpu_hardware("A100-80GB", "bf16"))
+    p = planned(model_preset("gpt2", vocab_size=50257), micro_batch_size=1, hardware=gpu_hardware("A100-80GB", "bf16"))
     assert p.n_params == 124_439_808  # "124M"
     assert p.memory.weights == 4 * 124_439_808
     assert p.memory.optimizer == 8 * 124_439_808
@@ -71,7 +103,7 @@ def test_saved_tensor_bytes_match_activation_estimate(attn_impl, dtype, dropout)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(dtype):
         model(x, y)
-    m = memory(cfg, B, T, dtype=dtype, device_type="cpu")
+    m = mem(cfg, B, T, dtype=dtype, device_type="cpu")
     log_probs = 4 * B * T * cfg.vocab_size
     assert m.autocast_weights == (2 * matmul_weight_count(cfg) if dtype == "bf16" else 0)
     assert sum(saved.values()) - m.autocast_weights - log_probs == pytest.approx(m.activations, rel=0.05)
@@ -131,33 +163,33 @@ def test_total_within_25pct_of_measured_training_step_peak(chunked):
     already_live = sum(p.numel() * 4 for p in model.parameters()) + sum(
         t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
     measured = already_live + measured_peak_bytes(step, "cpu")
-    estimate = memory(cfg, B, T, dtype="bf16", device_type="cpu", chunked_loss=chunked).total
+    estimate = mem(cfg, B, T, dtype="bf16", device_type="cpu", chunked_loss=chunked).total
     assert estimate == pytest.approx(measured, rel=0.25)
 
 
 def test_max_micro_batch_size_monotonic_and_tight():
     cfg = model_preset("gpt2")
-    sizes = [max_micro_batch_size(cfg, 1024, gpu_hardware(g, "bf16")) for g in ("A100-40GB", "A100-80GB", "H200")]
+    sizes = [largest(cfg, 1024, gpu_hardware(g, "bf16")) for g in ("A100-40GB", "A100-80GB", "H200")]
     assert 0 < sizes[0] < sizes[1] < sizes[2]
-    by_len = [max_micro_batch_size(cfg, t, gpu_hardware("A100-40GB", "bf16")) for t in (256, 512, 1024)]
+    by_len = [largest(cfg, t, gpu_hardware("A100-40GB", "bf16")) for t in (256, 512, 1024)]
     assert by_len[0] > by_len[1] > by_len[2]
-    explicit = max_micro_batch_size(cfg.replace(attn_impl="explicit"), 1024, gpu_hardware("A100-40GB", "bf16"))
+    explicit = largest(cfg.replace(attn_impl="explicit"), 1024, gpu_hardware("A100-40GB", "bf16"))
     assert explicit < sizes[0]
-    fp32 = max_micro_batch_size(cfg, 1024, gpu_hardware("A100-40GB", "fp32"), dtype="fp32")
+    fp32 = largest(cfg, 1024, gpu_hardware("A100-40GB", "fp32"), dtype="fp32")
     assert fp32 < sizes[0]
     hw = gpu_hardware("A100-40GB", "bf16")
     b = sizes[0]
-    assert plan(cfg, micro_batch_size=b, hardware=hw).fits
-    assert not plan(cfg, micro_batch_size=b + 1, hardware=hw).fits
-    assert max_micro_batch_size(model_preset("gpt2-xl"), 1024, Hardware(name="tiny", memory_bytes=GIB,
+    assert planned(cfg, micro_batch_size=b, hardware=hw).fits
+    assert not planned(cfg, micro_batch_size=b + 1, hardware=hw).fits
+    assert largest(model_preset("gpt2-xl"), 1024, Hardware(name="tiny", memory_bytes=GIB,
                                                                        peak_flops=1e12)) == 0
 
 
 def test_check_fits_refuses_with_the_fix():
     cfg = model_preset("gpt2")
     hw = gpu_hardware("A100-40GB", "bf16")
-    check_fits(plan(cfg, micro_batch_size=16, hardware=hw))  # fits: no error
-    p = plan(cfg, micro_batch_size=128, hardware=hw, total_batch_size=524288)
+    check_fits(planned(cfg, micro_batch_size=16, hardware=hw))  # fits: no error
+    p = planned(cfg, micro_batch_size=128, hardware=hw, total_batch_size=524288)
     assert p.memory.total > hw.memory_bytes
     with pytest.raises(ValueError, match=rf"--micro-batch-size {p.max_micro_batch_size} or less"):
         check_fits(p)
@@ -166,7 +198,7 @@ def test_check_fits_refuses_with_the_fix():
 def test_batch_and_time_arithmetic():
     hw = gpu_hardware("A100-40GB", "bf16")
     assert hw.peak_flops == 312e12
-    p = plan(model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8,
+    p = planned(model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8,
              total_batch_size=524288, tokens=10 * 10**9, mfu=0.5)
     assert p.tokens_per_micro_step == 16 * 1024 * 8
     assert p.grad_accum_steps == 4
@@ -175,7 +207,7 @@ def test_batch_and_time_arithmetic():
     assert p.hours == pytest.approx(1e10 / tokens_per_s / 3600)
     # gradient_as_bucket_view=True: DDP's buckets are the gradients, so 8 ranks cost each device
     # no more than 1 does
-    one = plan(model_preset("gpt2"), micro_batch_size=16, hardware=hw, total_batch_size=524288)
+    one = planned(model_preset("gpt2"), micro_batch_size=16, hardware=hw, total_batch_size=524288)
     assert p.memory == one.memory
     m = p.memory
     assert m.static == m.weights + m.autocast_weights + m.gradients + m.optimizer
@@ -187,10 +219,10 @@ def test_plan_without_a_peak_leaves_the_time_estimates_out():
     """An unlisted GPU has no data-sheet peak (gpt2.plan.flops.device_peak_flops gives None)."""
     a100 = gpu_hardware("A100-40GB", "bf16")
     hw = Hardware(name="NVIDIA Future GPU", memory_bytes=a100.memory_bytes, peak_flops=None)
-    p = plan(model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8,
+    p = planned(model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8,
              total_batch_size=524288, tokens=10 * 10**9)
     assert p.tokens_per_s is None and p.step_time_s is None and p.hours is None
-    assert p.memory == plan(model_preset("gpt2"), micro_batch_size=16, hardware=a100, world_size=8,
+    assert p.memory == planned(model_preset("gpt2"), micro_batch_size=16, hardware=a100, world_size=8,
                             total_batch_size=524288).memory
     text = format_plan(p)
     assert "no data-sheet peak" in text and "no time estimate" in text and "budget" not in text
@@ -199,10 +231,10 @@ def test_plan_without_a_peak_leaves_the_time_estimates_out():
 def test_plan_rejects_bad_input_with_every_problem():
     # The trainer's own check and text (schedule.grad_accum_steps), with the sizes that would divide.
     with pytest.raises(ValueError, match=r"total_batch_size=500000 is not a multiple.*--total-batch-size 393216 or 524288"):
-        plan(model_preset("gpt2"), micro_batch_size=16, hardware=CPU, world_size=8, total_batch_size=500000)
+        planned(model_preset("gpt2"), micro_batch_size=16, hardware=CPU, world_size=8, total_batch_size=500000)
     with pytest.raises(ValueError) as e:
-        plan(model_preset("gpt2"), micro_batch_size=0, hardware=CPU, dtype="fp8", mfu=40)
-    assert all(s in str(e.value) for s in ("micro_batch_size=0", "dtype='fp8'", "mfu=40"))
+        plan(run_config(model_preset("gpt2"), "auto", total_batch_size=524288), CPU, world_size=0, mfu=40, tokens=0)
+    assert all(s in str(e.value) for s in ("micro_batch_size='auto'", "world_size=0", "mfu=40", "tokens=0"))
     with pytest.raises(ValueError, match="unknown GPU"):
         gpu_hardware("T4", "bf16")
 
@@ -235,8 +267,8 @@ def test_trainer_helpers():
     assert device_hardware("cpu", 1e11).memory_bytes == pytest.approx(2 * hw.memory_bytes, abs=1)
     cfg = model_preset("gpt2")
     a100 = gpu_hardware("A100-80GB", "bf16").memory_bytes
-    assert memory(cfg, 4, 1024, dtype="fp16", device_memory=a100) == memory(cfg, 4, 1024, dtype="bf16", device_memory=a100)
-    assert memory(cfg, 4, 1024, dtype="tf32", device_memory=a100) == memory(cfg, 4, 1024, dtype="fp32", device_memory=a100)
+    assert mem(cfg, 4, 1024, dtype="fp16", device_memory=a100) == mem(cfg, 4, 1024, dtype="bf16", device_memory=a100)
+    assert mem(cfg, 4, 1024, dtype="tf32", device_memory=a100) == mem(cfg, 4, 1024, dtype="fp32", device_memory=a100)
     assert gpu_hardware("H100-80GB", "fp16").peak_flops == 989e12
     assert gpu_hardware("A100-80GB", "tf32").peak_flops == 156e12
 
@@ -269,7 +301,7 @@ def test_cuda_loss_bytes_follow_the_devices_memory():
         assert loss_chunks(tokens, loss_chunk_logits("cuda", hw.memory_bytes) // V)[1] == chunk_rows
         expected = chunk_rows * V * 10 + V * h * 6 + tokens * h * 4  # + the bf16 twin; the part in bf16
         assert loss_bytes(cfg, tokens, device_memory=hw.memory_bytes) == expected
-        assert plan(cfg, micro_batch_size=64, hardware=hw).memory.logits == expected
+        assert planned(cfg, micro_batch_size=64, hardware=hw).memory.logits == expected
     with pytest.raises(ValueError, match="device_memory"):
         loss_bytes(cfg, tokens)  # on cuda the chunk depends on the device: no silent guess
     assert loss_bytes(cfg, tokens, chunked=False) == tokens * V * 12  # the plain loss has no chunks
@@ -278,11 +310,11 @@ def test_cuda_loss_bytes_follow_the_devices_memory():
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_the_autocast_copies_line_names_the_plans_dtype(dtype):
     """`python -m gpt2.plan --dtype fp16` once printed "autocast bf16 copies"."""
-    text = format_plan(plan(model_preset("gpt2"), micro_batch_size=4, hardware=gpu_hardware("A100-80GB", dtype),
+    text = format_plan(planned(model_preset("gpt2"), micro_batch_size=4, hardware=gpu_hardware("A100-80GB", dtype),
                             dtype=dtype))
     other = {"bf16": "fp16", "fp16": "bf16"}[dtype]
     assert f"autocast {dtype} copies" in text and f"autocast {other}" not in text
-    assert "autocast" not in format_plan(plan(model_preset("gpt2"), micro_batch_size=4, dtype="fp32",
+    assert "autocast" not in format_plan(planned(model_preset("gpt2"), micro_batch_size=4, dtype="fp32",
                                               hardware=gpu_hardware("A100-80GB", "fp32")))
 
 
@@ -312,7 +344,7 @@ def _cpu(gib: float) -> Hardware:
 
 def _choose(requested, hw, mb=8, cfg=W1, dtype="fp32", compiled=True, measure_eager=None):
     from gpt2.plan.loss_choice import choose_loss_impl
-    return choose_loss_impl(cfg, requested, micro_batch_size=mb, hardware=hw, dtype=dtype, compiled=compiled,
+    return choose_loss_impl(run_config(cfg, mb, dtype=dtype, loss_impl=requested, compile=compiled), hw,
                             measure_eager=measure_eager)
 
 
@@ -365,7 +397,7 @@ def test_uncompiled_auto_takes_the_full_loss_only_where_it_fits_and_measured_cle
 def test_auto_loss_impl_chunks_when_the_full_logits_are_within_the_share_but_the_plan_with_them_does_not_fit():
     from gpt2.plan.loss_choice import FULL_LOSS_MEMORY_SHARE
     cfg = model_preset("gpt2-xl")  # ~23 GiB of weights, gradients and AdamW: the logits are a small part
-    chunked = memory(cfg, 2, 1024, dtype="bf16", device_type="cpu", chunked_loss=True)
+    chunked = mem(cfg, 2, 1024, dtype="bf16", device_type="cpu", chunked_loss=True)
     hw = Hardware(name="tight", memory_bytes=chunked.total + GIB, peak_flops=None, device_type="cpu",
                   reserve_bytes=GIB)  # fits exactly with the chunked loss
     full_peak = loss_bytes(cfg, 2 * 1024, dtype="bf16", chunked=False)
@@ -386,8 +418,8 @@ def test_explicit_loss_impl_overrides_and_a_full_that_cannot_fit_is_refused():
                                          r"--loss-impl chunked \(or auto\), or a smaller --micro-batch-size"):
         _choose("full", _cpu(1.5), compiled=False)
     assert _choose("full", _cpu(1.5)).impl == "full"  # compiled, the same plan holds 0.77 GiB less: it fits
-    with pytest.raises(ValueError, match="loss_impl='fused' must be auto, chunked or full"):
-        _choose("fused", _cpu(24))
+    with pytest.raises(ValueError, match=r"loss_impl='fused' must be one of \('auto', 'chunked', 'full'\)"):
+        _choose("fused", _cpu(24))  # the TrainConfig refuses it: choose_loss_impl never sees it
 
 
 def test_a_compiled_gpu_run_takes_the_fused_full_loss_where_eagers_peak_would_have_chunked_it():
@@ -470,7 +502,7 @@ def test_plan_accumulation_is_the_schedules():
     """One batch-divisibility rule: Plan.grad_accum_steps is schedule.grad_accum_steps."""
     from gpt2.core.schedule import grad_accum_steps
 
-    p = plan(model_preset("debug"), micro_batch_size=2, hardware=CPU, world_size=2, total_batch_size=2048)
+    p = planned(model_preset("debug"), micro_batch_size=2, hardware=CPU, world_size=2, total_batch_size=2048)
     assert p.grad_accum_steps == grad_accum_steps(2048, 2, 128, 2) == 4
 
 
@@ -489,8 +521,8 @@ def test_fsdp_state_per_rank_is_the_padded_shard(name, world):
     for rows in {s[0] for s in shapes}:
         assert shard_rows(rows, world) == max(len(c) for c in torch.arange(rows).chunk(world))
     kw = dict(world_size=world, device_memory=24 * GIB)
-    ddp = memory(cfg, 1, 1024, **kw)
-    fsdp = memory(cfg, 1, 1024, **kw, parallel="fsdp")
+    ddp = mem(cfg, 1, 1024, **kw)
+    fsdp = mem(cfg, 1, 1024, **kw, parallel="fsdp")
     one_row_each = sum(math.prod(s[1:]) for s in shapes)  # the most padding can add per rank
     for term, per_element in (("weights", 4), ("gradients", 4), ("optimizer", 8)):
         full, shard = getattr(ddp, term), getattr(fsdp, term)
@@ -506,7 +538,7 @@ def test_fsdp_state_per_rank_is_the_padded_shard(name, world):
         + 4 * world * shard_rows(h, world)  # c_attn, c_proj, c_fc, mlp.c_proj (weight, bias); ln_1, ln_2
     assert block >= 12 * h * h + 13 * h
     assert fsdp.gathered == 2 * (root + 2 * block)
-    muon = memory(cfg, 1, 1024, **kw, parallel="fsdp", optimizer="muon")
+    muon = mem(cfg, 1, 1024, **kw, parallel="fsdp", optimizer="muon")
     assert ddp.optimizer / 2 / world < muon.optimizer < fsdp.optimizer
 
 
@@ -515,8 +547,8 @@ def test_fsdp_at_world_size_1_is_ddp():
     cfg = model_preset("gpt2")
     for dtype in ("bf16", "fp32"):
         kw = dict(dtype=dtype, device_memory=40 * GIB)
-        assert memory(cfg, 4, 1024, **kw, parallel="fsdp", accum_steps=8) == memory(cfg, 4, 1024, **kw)
-    text = format_plan(plan(cfg, micro_batch_size=4, hardware=gpu_hardware("A100-40GB", "bf16"), parallel="fsdp"))
+        assert mem(cfg, 4, 1024, **kw, parallel="fsdp", accum_steps=8) == mem(cfg, 4, 1024, **kw)
+    text = format_plan(planned(cfg, micro_batch_size=4, hardware=gpu_hardware("A100-40GB", "bf16"), parallel="fsdp"))
     assert "fsdp at world size 1: nothing to shard" in text and "gathered" not in text
 
 
@@ -547,27 +579,28 @@ def test_no_sync_accumulation_is_counted_and_the_reduce_scatter_choice_reported(
 
     cfg = model_preset("gpt2-xl")
     a100 = gpu_hardware("A100-40GB", "bf16")
-    once = plan(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=8 * 1024 * 8)
-    accum = plan(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=4 * 8 * 1024 * 8)
+    once = planned(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=8 * 1024 * 8)
+    accum = planned(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp",
+                    total_batch_size=4 * 8 * 1024 * 8)
     assert once.memory.accum_gradients == 0 and once.rs_total == once.memory.total
     assert accum.memory.accum_gradients == 4 * gathered_elements(weight_shapes(cfg).values(), 8)
     assert accum.memory.total - once.memory.total == accum.memory.accum_gradients
     # a device between the two totals: fits only with a reduce-scatter per micro-step
     mid = Hardware(name="mid", memory_bytes=(accum.rs_total + accum.memory.total) // 2 + a100.reserve_bytes,
                    peak_flops=None)
-    p = plan(cfg, micro_batch_size=8, hardware=mid, world_size=8, parallel="fsdp", total_batch_size=4 * 8 * 1024 * 8)
+    p = planned(cfg, micro_batch_size=8, hardware=mid, world_size=8, parallel="fsdp", total_batch_size=4 * 8 * 1024 * 8)
     assert not p.fits and p.rs_total <= p.usable_bytes
     assert "does NOT fit with no-sync but WOULD with a reduce-scatter per micro-step" in format_plan(p)
     # the largest micro-batch: the one without accumulation counts no no-sync gradients
     big = Hardware(name="big", memory_bytes=once.memory.total + a100.reserve_bytes, peak_flops=None)
-    assert max_micro_batch_size(cfg, 1024, big, world_size=8, parallel="fsdp", total_batch_size=8 * 1024 * 8) == 8
-    assert max_micro_batch_size(cfg, 1024, big, world_size=8, parallel="fsdp") < 8  # accumulation assumed
+    assert largest(cfg, 1024, big, world_size=8, parallel="fsdp", total_batch_size=8 * 1024 * 8) == 8
+    assert largest(cfg, 1024, big, world_size=8, parallel="fsdp") < 8  # accumulation assumed
     # short sequences: the no-sync gradients outweigh half the micro-batch's activations, so an explicit
     # micro-batch of 4 (two micro-steps) does not fit where 8 (one) does, and the fix says so
     short = dict(seq_len=128, world_size=8, parallel="fsdp", total_batch_size=8 * 128 * 8)
-    whole = plan(cfg, micro_batch_size=8, hardware=a100, **short)
+    whole = planned(cfg, micro_batch_size=8, hardware=a100, **short)
     tight = Hardware(name="tight", memory_bytes=whole.memory.total + a100.reserve_bytes, peak_flops=None)
-    half = plan(cfg, micro_batch_size=4, hardware=tight, **short)
+    half = planned(cfg, micro_batch_size=4, hardware=tight, **short)
     assert half.memory.total > tight.memory_bytes and half.max_micro_batch_size == 8
     with pytest.raises(ValueError, match=r"use --micro-batch-size 8 \(one micro-step: no unsharded gradients kept\)"):
         check_fits(half)

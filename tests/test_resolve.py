@@ -10,6 +10,8 @@ memory free now (MemAvailable) is pinned, so both see the same machine; one case
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import TINY_MODEL_FLAGS
@@ -93,6 +95,25 @@ def test_resolve_makes_every_auto_concrete_once_and_records_its_reasons(tmp_path
     assert r.loss.reason and r.ac.reason and r.precision.reason
     again = resolve(r.cfg, Target(device=torch.device("cpu"), hardware=cap))  # concrete stays as it is
     assert again.cfg == r.cfg and again.plan.micro_batch_choice is None
+
+
+def test_the_planner_functions_take_the_resolved_config_and_its_hardware():
+    """Issue 42: plan, memory and the choosers take (RunConfig, Hardware, world_size), not a dozen loose values:
+    the resolved config planned again gives the resolved plan, and each chooser, asked again of it, stands."""
+    from gpt2.plan.ac_choice import choose_activation_checkpointing
+    from gpt2.plan.loss_choice import choose_loss_impl
+    from gpt2.plan.memory import memory
+    from gpt2.plan.planner import plan
+
+    cfg = parse_config([*TINY_MODEL_FLAGS, "--data-dir", "d", "--out-dir", "o", "--total-batch-size", "8192",
+                        "--parallel", "fsdp", "--optimizer", "muon"])
+    r = resolve(cfg, Target(gpu="A100-40GB", world_size=2))
+    again = plan(r.cfg, r.hardware, world_size=2, tokens=r.plan.tokens)
+    assert dataclasses.replace(again, micro_batch_choice=r.plan.micro_batch_choice) == r.plan
+    assert memory(r.cfg, r.hardware, world_size=2) == r.plan.memory and r.plan.memory.shards == 2
+    assert r.plan.memory.optimizer_name == "muon" and r.plan.dtype == "bf16"
+    assert choose_loss_impl(r.cfg, r.hardware, world_size=2).impl == r.loss.impl
+    assert choose_activation_checkpointing(r.cfg, r.hardware, world_size=2).mode == r.ac.mode
 
 
 def test_a_hypothetical_gpu_resolves_its_own_precision_and_tf32():

@@ -116,6 +116,7 @@ def test_readme_stop_budget_table_follows_the_planner_and_the_defaults_cover_eve
     from gpt2.core.config import MODEL_PRESETS, model_preset
     from gpt2.plan.budget import REQUEUE_MARGIN_S, StopBudget, checkpoint_bytes
     from gpt2.plan.hardware import gpu_hardware
+    from gpt2.plan.memory import run_config
     from gpt2.plan.planner import plan
 
     lead, grace = script_lead_and_grace(SCRIPTS[0])
@@ -124,8 +125,8 @@ def test_readme_stop_budget_table_follows_the_planner_and_the_defaults_cover_eve
     assert sorted(r[0] for r in rows) == sorted(MODEL_PRESETS)
     for name, gb, step, writes, need_grace, need_lead in rows:
         cfg = model_preset(name)
-        p = plan(cfg, micro_batch_size=1, hardware=gpu_hardware("A100-80GB", "bf16"), world_size=8,
-                 total_batch_size=524288)
+        p = plan(run_config(cfg, 1, world_size=8, total_batch_size=524288), gpu_hardware("A100-80GB", "bf16"),
+                 world_size=8)
         b = StopBudget(checkpoint_bytes(cfg), p.step_time_s, 1e9)
         assert (gb, step, writes) == (f"{b.checkpoint_bytes / 1e9:.2f}", f"{b.step_s:.1f}", f"{b.writes_s:.1f}"), name
         assert (int(need_grace), int(need_lead)) == (b.grace_s, b.lead_s), name

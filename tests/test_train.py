@@ -251,7 +251,7 @@ def test_micro_batch_size_auto_resolves_on_rank_0_within_what_fits(tmp_path, cap
     assert f"micro-batch auto: {b} sequences, the fastest by the throughput model" in capsys.readouterr().out
     cap = Hardware(name="capped cpu", memory_bytes=200 * 2**20, peak_flops=1e11, device_type="cpu",
                    reserve_bytes=0)  # with the plan's margin, 10 sequences fit in 200 MiB
-    fits = max_micro_batch_size(cfg.model, 256, cap, dtype="fp32", total_batch_size=256 * 48, headroom=AUTO_HEADROOM)
+    fits = max_micro_batch_size(cfg, cap, headroom=AUTO_HEADROOM)
     capped = resolve_auto(cfg, dist, log, hardware=cap).cfg
     assert capped.train.micro_batch_size <= fits < 48 and 48 % capped.train.micro_batch_size == 0
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpt2.core.config import ACTIVATION_CHECKPOINTING, ModelConfig
-from gpt2.core.schedule import grad_accum_steps
+from gpt2.core.config import RunConfig
 from gpt2.plan.flops import flops_per_token, recompute_flops_per_token
 from gpt2.plan.hardware import Hardware, gib
-from gpt2.plan.memory import AUTO_HEADROOM, max_micro_batch_size, memory
+from gpt2.plan.memory import AUTO_HEADROOM, max_micro_batch_size, memory, sizing
 
 
 @dataclass(frozen=True)
@@ -46,38 +45,30 @@ class ACChoice:
         return {"mode": self.mode, "reason": self.reason, "recompute_share": self.recompute_share}
 
 
-def choose_activation_checkpointing(cfg: ModelConfig, requested: str, *, micro_batch_size: int | str,
-                                    hardware: Hardware, world_size: int = 1, total_batch_size: int | None = None,
-                                    dtype: str = "bf16", optimizer: str = "adamw", parallel: str = "ddp",
-                                    seq_len: int | None = None) -> ACChoice:
-    """none or full for TrainConfig.activation_checkpointing `requested` (auto: the module docstring's rule).
-    micro_batch_size: the TrainConfig's, an int or auto; decided before the micro-batch, which auto then
-    sizes with the chosen activation memory."""
-    seq_len = cfg.block_size if seq_len is None else seq_len
-    if requested not in ACTIVATION_CHECKPOINTING:
-        raise ValueError(f"activation_checkpointing={requested!r} must be one of {ACTIVATION_CHECKPOINTING}")
-    share = recompute_flops_per_token(cfg, seq_len) / flops_per_token(cfg, seq_len)
+def choose_activation_checkpointing(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1) -> ACChoice:
+    """none or full for cfg.train.activation_checkpointing (auto: the module docstring's rule) at world_size.
+    Decided before the micro-batch (cfg.train.micro_batch_size, a number or auto), which auto then sizes
+    with the chosen activation memory."""
+    model, requested, micro_batch_size = cfg.model, cfg.train.activation_checkpointing, cfg.train.micro_batch_size
+    seq_len = model.block_size
+    share = recompute_flops_per_token(model, seq_len) / flops_per_token(model, seq_len)
     if requested == "none":
         return ACChoice("none", "--activation-checkpointing none")
     if requested == "full":
         return ACChoice("full", "--activation-checkpointing full", share)
-    kw = dict(world_size=world_size, dtype=dtype, optimizer=optimizer, parallel=parallel)
     if micro_batch_size == "auto":  # with the margin --micro-batch-size auto keeps (AUTO_HEADROOM)
-        without = max_micro_batch_size(cfg, seq_len, hardware, total_batch_size=total_batch_size,
-                                       headroom=AUTO_HEADROOM, **kw)
+        without = max_micro_batch_size(cfg, hardware, world_size=world_size, checkpointed=False,
+                                       headroom=AUTO_HEADROOM)
         if without:
             return ACChoice("none", f"auto: micro-batches up to {without} fit without it")
-        with_ac = max_micro_batch_size(cfg, seq_len, hardware, total_batch_size=total_batch_size,
-                                       checkpointed=True, headroom=AUTO_HEADROOM, **kw)
+        with_ac = max_micro_batch_size(cfg, hardware, world_size=world_size, checkpointed=True,
+                                       headroom=AUTO_HEADROOM)
         if not with_ac:
             return ACChoice("none", "auto: no micro-batch fits even with it")
         return ACChoice("full", f"auto: no micro-batch fits without it, up to {with_ac} with it", share)
 
     def total(checkpointed: bool) -> int:
-        accum = 1 if total_batch_size is None else grad_accum_steps(total_batch_size, micro_batch_size, seq_len,
-                                                                    world_size)
-        return memory(cfg, micro_batch_size, seq_len, device_type=hardware.device_type,
-                      device_memory=hardware.memory_bytes, accum_steps=accum, checkpointed=checkpointed, **kw).total
+        return memory(sizing(cfg), hardware, world_size=world_size, checkpointed=checkpointed).total
 
     at, usable = f"micro-batch {micro_batch_size}", hardware.usable_bytes
     if total(False) <= usable:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpt2.core.config import ModelConfig
+from gpt2.core.config import ModelConfig, RunConfig
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.plan.flops import flops_per_token
 from gpt2.plan.hardware import Hardware
@@ -76,44 +76,40 @@ def lm_head_share(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * cfg.vocab_size * cfg.n_embd / flops_per_token(cfg, seq_len)
 
 
-def choose_micro_batch(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int, total_batch_size: int,
-                       dtype: str, optimizer: str = "adamw", parallel: str = "ddp", checkpointed: bool = False,
-                       compiled: bool = True) -> MicroBatchChoice:
-    """--micro-batch-size auto: among the micro-batches that divide a rank's share of total_batch_size and fit
+def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> MicroBatchChoice:
+    """--micro-batch-size auto for cfg (its activation checkpointing already decided, none or full) at
+    world_size: among the micro-batches that divide a rank's share of total_batch_size and fit
     with AUTO_HEADROOM (else, where none does, those that fit at all), the smallest within TIE of the fastest
     by the throughput model; under fsdp at world size > 1, the largest. A model that fits nowhere: the
     does_not_fit error. The loss each micro-batch would take is --loss-impl auto's whatever the run asks
     for, so that --loss-impl never changes the micro-batch (gpt2/plan/loss_choice.py: both paths then run
     the same batch maths)."""
-    grad_accum_steps(total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
-    kw = dict(world_size=world_size, dtype=dtype, optimizer=optimizer, parallel=parallel,
-              total_batch_size=total_batch_size, checkpointed=checkpointed)
-    fits = max_micro_batch_size(cfg, seq_len, hardware, headroom=AUTO_HEADROOM, **kw)
+    model, tc, seq_len = cfg.model, cfg.train, cfg.model.block_size
+    grad_accum_steps(tc.total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
+    fits = max_micro_batch_size(cfg, hardware, world_size=world_size, headroom=AUTO_HEADROOM)
     margin = f"fits with the plan's {PLAN_ERROR:.0%} margin up to {fits}"
     if not fits:
-        fits = max_micro_batch_size(cfg, seq_len, hardware, **kw)
+        fits = max_micro_batch_size(cfg, hardware, world_size=world_size)
         margin = f"none fits with the plan's {PLAN_ERROR:.0%} margin; without it up to {fits}"
     if not fits:
-        raise ValueError(does_not_fit(cfg, seq_len, hardware, world_size=world_size, dtype=dtype, optimizer=optimizer,
-                                      parallel=parallel, checkpointed=checkpointed))
-    seqs = total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
+        raise ValueError(does_not_fit(cfg, hardware, world_size=world_size))
+    seqs = tc.total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
     sizes = [b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0]
-    if parallel == "fsdp" and world_size > 1:
+    if tc.parallel == "fsdp" and world_size > 1:
         return MicroBatchChoice(sizes[-1], f"the largest that {margin} and divides the global batch (fsdp: every "
                                            "micro-step gathers the weights again)")
 
     def chunked(b: int) -> bool:
-        if not compiled:
+        if not tc.compile:
             return False  # uncompiled, which loss is faster is measured at start-up, not modelled
-        return choose_loss_impl(cfg, "auto", micro_batch_size=b, hardware=hardware, world_size=world_size,
-                                dtype=dtype, optimizer=optimizer, compiled=True, seq_len=seq_len, parallel=parallel,
-                                accum_steps=seqs // b, checkpointed=checkpointed).impl == "chunked"
+        at_b = RunConfig(model, tc.replace(micro_batch_size=b, loss_impl="auto"))
+        return choose_loss_impl(at_b, hardware, world_size=world_size).impl == "chunked"
 
-    rate = {b: b / micro_step_seconds(cfg, b, seq_len, device_type=hardware.device_type,
+    rate = {b: b / micro_step_seconds(model, b, seq_len, device_type=hardware.device_type,
                                       peak_flops=hardware.peak_flops, chunked_compiled=chunked(b)) for b in sizes}
     best = max(rate, key=rate.get)
     pick = min(b for b in sizes if rate[b] >= (1 - TIE) * rate[best])
-    return MicroBatchChoice(pick, explain(cfg, pick, sizes[-1], rate, seq_len, hardware, margin,
+    return MicroBatchChoice(pick, explain(model, pick, sizes[-1], rate, seq_len, hardware, margin,
                                           chunked(sizes[-1]) and not chunked(pick)))
 
 

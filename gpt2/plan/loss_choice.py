@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpt2.core.config import ModelConfig
+from gpt2.core.config import RunConfig
+from gpt2.core.precision import Precision
 from gpt2.plan.hardware import Hardware, gib
 from gpt2.plan.memory import loss_bytes, memory
 
@@ -47,31 +48,26 @@ class LossChoice:
 
     def to_dict(self) -> dict:
         return {"impl": self.impl, "reason": self.reason}
-def choose_loss_impl(cfg: ModelConfig, requested: str, *, micro_batch_size: int, hardware: Hardware,
-                     world_size: int = 1, dtype: str = "bf16", optimizer: str = "adamw", compiled: bool = True,
-                     seq_len: int | None = None, parallel: str = "ddp", accum_steps: int = 1,
-                     measure_eager=None, checkpointed: bool = False) -> LossChoice:
-    """The loss path for a micro-batch already chosen (see FULL_LOSS_MEMORY_SHARE). requested: the
-    TrainConfig.loss_impl, auto, chunked or full; compiled: TrainConfig.compile. Uncompiled, auto takes
+def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, measure_eager=None) -> LossChoice:
+    """The loss path for cfg's micro-batch, already chosen (see FULL_LOSS_MEMORY_SHARE), at world_size.
+    Requested: cfg.train.loss_impl, auto, chunked or full. Uncompiled (cfg.train.compile), auto takes
     the full loss only where it also fits and measure_eager() (gpt2.plan.loss_probe.EagerLossTimes of this
     CPU at this shape, asked only then) found it clearly faster; with nothing to measure (None: a GPU, a
-    rehearsal for other hardware), the chunked one. checkpointed: the run's activation checkpointing (its memory).
+    rehearsal for other hardware), the chunked one. The memory counts the run's activation checkpointing.
     An explicit full that cannot fit the device's whole memory is refused, as check_fits refuses an
     explicit micro-batch (same threshold); one that only exceeds the share or the reserve is taken,
     and the reason says so."""
-    seq_len = cfg.block_size if seq_len is None else seq_len
+    tc = cfg.train
+    requested, micro_batch_size, compiled = tc.loss_impl, tc.micro_batch_size, tc.compile
     if requested == "chunked":
         return LossChoice("chunked", "--loss-impl chunked")
-    if requested not in ("auto", "full"):
-        raise ValueError(f"loss_impl={requested!r} must be auto, chunked or full")
     # What the full loss really holds: compiled, inductor's fused loss (COMPILED_FULL_LOSS_BYTES);
     # uncompiled, eager's several (B, T, V) tensors.
-    peak = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=False, compiled=compiled,
+    full = RunConfig(cfg.model, tc.replace(loss_impl="full"))
+    peak = loss_bytes(cfg.model, micro_batch_size * cfg.model.block_size,
+                      dtype=Precision.of_config(tc, hardware.device_type).key, chunked=False, compiled=compiled,
                       device_type=hardware.device_type)
-    total = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
-                   device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
-                   chunked_loss=False, parallel=parallel, accum_steps=accum_steps, compiled=compiled,
-                   checkpointed=checkpointed).total
+    total = memory(full, hardware, world_size=world_size).total
     usable = hardware.usable_bytes
     share = usable // FULL_LOSS_MEMORY_SHARE
     logits = f"full-logits peak {gib(peak)} at micro-batch {micro_batch_size}"

@@ -59,8 +59,17 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from gpt2.core.config import PARALLELS, POSITION_EMBEDDING, ModelConfig, describe_model, param_count, weight_shapes
-from gpt2.core.precision import AUTOCAST_DTYPES
+from gpt2.core.config import (
+    PARALLELS,
+    POSITION_EMBEDDING,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    describe_model,
+    param_count,
+    weight_shapes,
+)
+from gpt2.core.precision import AUTOCAST_DTYPES, Precision
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.plan.hardware import Hardware, gib, usable_note
 
@@ -179,14 +188,44 @@ EAGER_FULL_LOSS_BYTES = 12
 """Bytes per logit of the plain loss uncompiled, fp32 or under autocast (loss_bytes)."""
 
 
-def memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int = 1,
-           dtype: str = "bf16", device_type: str = "cuda", chunked_loss: bool = True,
-           device_memory: int | None = None, optimizer: str = "adamw", parallel: str = "ddp",
-           accum_steps: int = 1, compiled: bool = False, checkpointed: bool = False) -> Memory:
-    """Bytes per device for one training micro-step (see the module docstring). device_memory is the
-    device's total bytes, which sizes the loss's chunks on CUDA (see loss_bytes). parallel: ddp or
-    fsdp; accum_steps > 1 under fsdp adds the no-sync gradients. checkpointed: activation checkpointing
-    (every block recomputed in the backward) is on."""
+def run_config(model: ModelConfig, micro_batch_size: int | str, *, dtype: str = "bf16", world_size: int = 1,
+               **train) -> RunConfig:
+    """The RunConfig a bench or test sizing a bare model plans: dtype in the planner's names (bf16, fp16,
+    tf32, fp32: gpt2/core/precision.py PLAN_DTYPES), these TrainConfig fields, and by default a global
+    batch of one micro-step on each of world_size ranks (no accumulation) and no torch.compile (the plain
+    model a bench measures)."""
+    prec = Precision.from_key(dtype)
+    if "total_batch_size" not in train:
+        train["total_batch_size"] = micro_batch_size * model.block_size * world_size
+    train.setdefault("compile", False)
+    return RunConfig(model, TrainConfig(dtype=prec.dtype, tf32=prec.tf32, micro_batch_size=micro_batch_size, **train))
+
+
+def memory(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, micro_batch_size: int | None = None,
+           accum_steps: int | None = None, checkpointed: bool | None = None) -> Memory:
+    """Bytes per device for one training micro-step of cfg on hardware (see the module docstring): the
+    sequence is cfg.model.block_size long, the dtype the TrainConfig's on hardware's device type, the
+    optimizer, parallelism, loss path (chunked unless loss_impl is full) and compilation the TrainConfig's.
+    What varies per call: micro_batch_size (default the TrainConfig's, which must then be a number),
+    accum_steps (default: what total_batch_size makes of it; > 1 under fsdp adds the no-sync gradients),
+    checkpointed (default: activation_checkpointing is full). The device's total bytes size the loss's
+    chunks on CUDA (see loss_bytes)."""
+    tc, model = cfg.train, cfg.model
+    micro_batch_size = tc.micro_batch_size if micro_batch_size is None else micro_batch_size
+    seq_len = model.block_size
+    if accum_steps is None:
+        accum_steps = grad_accum_steps(tc.total_batch_size, micro_batch_size, seq_len, world_size)
+    checkpointed = tc.activation_checkpointing == "full" if checkpointed is None else checkpointed
+    return _memory(model, micro_batch_size, seq_len, world_size=world_size,
+                   dtype=Precision.of_config(tc, hardware.device_type).key, device_type=hardware.device_type,
+                   device_memory=hardware.memory_bytes, optimizer=tc.optimizer, parallel=tc.parallel,
+                   chunked_loss=tc.loss_impl != "full", accum_steps=accum_steps, compiled=tc.compile,
+                   checkpointed=checkpointed)
+
+
+def _memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int, dtype: str, device_type: str,
+            chunked_loss: bool, device_memory: int, optimizer: str, parallel: str, accum_steps: int, compiled: bool,
+            checkpointed: bool) -> Memory:
     n = param_count(cfg)
     autocast = dtype in AUTOCAST_DTYPES
     flash = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
@@ -324,29 +363,28 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
         backward = 4 * h + s * cfg.mlp_dim
         return batch * T * (L * 4 * h + per_token_layer + backward + per_token_rest) + min(L, 1) * per_layer_mask
     return batch * T * (L * per_token_layer + per_token_rest) + L * per_layer_mask
-def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int = 1,
-                         dtype: str = "bf16", optimizer: str = "adamw", parallel: str = "ddp",
-                         total_batch_size: int | None = None, accumulate: bool | None = None,
-                         checkpointed: bool = False, headroom: float = 1.0) -> int:
-    """Largest micro-batch whose total (times headroom: AUTO_HEADROOM for auto) fits the usable memory
-    (Hardware.usable_bytes; 0: not even one sequence).
+def max_micro_batch_size(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, accumulate: bool | None = None,
+                         checkpointed: bool | None = None, headroom: float = 1.0) -> int:
+    """Largest micro-batch of cfg whose total (times headroom: AUTO_HEADROOM for auto) fits the usable memory
+    (Hardware.usable_bytes; 0: not even one sequence), counted with the chunked loss uncompiled (sizing).
 
     Memory grows with the micro-batch (activations linearly; the chunked loss by at most one chunk),
     so the largest fitting size is found by doubling and then bisecting. Under fsdp, a micro-batch
     that needs accumulation also holds the no-sync gradients: the search assumes accumulation, then
     the one micro-batch without it (all of a rank's total_batch_size sequences at once, if that
-    divides) is tried on its own. accumulate=False counts no no-sync gradients at any size (a
-    reduce-scatter per micro-step: the alternative the plan reports).
+    divides) is tried on its own. accumulate=True assumes accumulation at every size (not that one);
+    accumulate=False counts no no-sync gradients at any size (a reduce-scatter per micro-step: the
+    alternative the plan reports). checkpointed: default, activation_checkpointing is full.
     """
-    usable = hardware.usable_bytes
+    usable, sized, seq_len = hardware.usable_bytes, sizing(cfg), cfg.model.block_size
 
     def fits(b: int, accum: int = 2 if accumulate is not False else 1) -> bool:
-        return memory(cfg, b, seq_len, world_size=world_size, dtype=dtype, device_type=hardware.device_type,
-                      device_memory=hardware.memory_bytes, optimizer=optimizer, parallel=parallel,
-                      accum_steps=accum, checkpointed=checkpointed).total * headroom <= usable
+        return memory(sized, hardware, world_size=world_size, micro_batch_size=b, accum_steps=accum,
+                      checkpointed=checkpointed).total * headroom <= usable
 
     whole = None  # the micro-batch with no accumulation, when there is one
-    if total_batch_size is not None and total_batch_size % (seq_len * world_size) == 0:
+    total_batch_size = cfg.train.total_batch_size
+    if accumulate is None and total_batch_size % (seq_len * world_size) == 0:
         whole = total_batch_size // (seq_len * world_size)
     if not fits(1):
         return whole if whole is not None and fits(whole, 1) else 0
@@ -357,15 +395,26 @@ def max_micro_batch_size(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return whole if whole is not None and whole > lo and fits(whole, 1) else lo
-def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_size: int, dtype: str,
-                 optimizer: str = "adamw", parallel: str = "ddp", checkpointed: bool = False) -> str:
+
+
+def sizing(cfg: RunConfig) -> RunConfig:
+    """cfg as the micro-batch search and the does-not-fit message count it: the chunked loss, uncompiled.
+    Why not the run's loss path: the loss is chosen after the micro-batch, for it (gpt2/plan/loss_choice.py),
+    and the chunked loss is the one every micro-batch can take."""
+    return RunConfig(cfg.model, cfg.train.replace(loss_impl="chunked", compile=False))
+
+
+def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:
     """The one message for a model that cannot train even one sequence per device: which model, where,
     what it needs against what there is, and the changes that would make it fit."""
-    def one(**change) -> Memory:
-        kw = dict(world_size=world_size, dtype=dtype, device_type=hardware.device_type,
-                  device_memory=hardware.memory_bytes, optimizer=optimizer, parallel=parallel, accum_steps=2,
-                  checkpointed=checkpointed)
-        return memory(cfg, 1, seq_len, **{**kw, **change})
+    tc = cfg.train
+    checkpointed = tc.activation_checkpointing == "full"
+    dtype, optimizer, parallel = Precision.of_config(tc, hardware.device_type).key, tc.optimizer, tc.parallel
+
+    def one(checkpointed: bool = checkpointed, **change) -> Memory:
+        run = sizing(RunConfig(cfg.model, tc.replace(**change)))
+        return memory(run, hardware, world_size=world_size, micro_batch_size=1, accum_steps=2,
+                      checkpointed=checkpointed)
 
     need, usable = one(), hardware.usable_bytes
     sharded = parallel == "fsdp" and world_size > 1
@@ -389,7 +438,7 @@ def does_not_fit(cfg: ModelConfig, seq_len: int, hardware: Hardware, *, world_si
     options.append("a device with more memory" if not sharded else "more ranks or a device with more memory")
     state = ("which DDP keeps whole on every rank however many there are" if not sharded else
              f"each rank's 1/{world_size} shard plus the gathered units and unsharded gradients FSDP holds")
-    return (f"{describe_model(cfg)} does not fit on {hardware.name} ({gib(hardware.memory_bytes)}) with "
+    return (f"{describe_model(cfg.model)} does not fit on {hardware.name} ({gib(hardware.memory_bytes)}) with "
             f"{'FSDP' if sharded else 'DDP'} at world size {world_size}: micro_batch_size=1 needs {gib(need.total)} "
             f"per device ({gib(need.static)} of weights, gradients and {optimizer} state, {state}) but "
             f"{gib(usable)} is usable {usable_note(hardware)}; use "

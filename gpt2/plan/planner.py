@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpt2.core.config import PARALLELS, ModelConfig, count_params_formula, param_count
-from gpt2.core.precision import PLAN_DTYPES
+from gpt2.core.config import ModelConfig, RunConfig, count_params_formula, param_count
+from gpt2.core.precision import Precision
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.plan.batch_choice import MicroBatchChoice
 from gpt2.plan.flops import flops_per_token, recompute_flops_per_token
@@ -19,6 +19,8 @@ from gpt2.plan.memory import Memory, does_not_fit, max_micro_batch_size, memory
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     cfg: ModelConfig
+    run: RunConfig
+    """The run planned (cfg is its model), as the planner functions take it."""
     micro_batch_size: int
     seq_len: int
     world_size: int
@@ -95,55 +97,48 @@ class Plan:
         if self.tokens is None or self.tokens_per_s is None:
             return None
         return self.tokens / self.tokens_per_s / 3600
-def plan(cfg: ModelConfig, *, micro_batch_size: int, hardware: Hardware, seq_len: int | None = None,
-         world_size: int = 1, dtype: str = "bf16", total_batch_size: int | None = None,
-         tokens: int | None = None, mfu: float = 0.4, optimizer: str = "adamw", chunked_loss: bool = True,
-         parallel: str = "ddp", compiled: bool = False, activation_checkpointing: bool = False) -> Plan:
-    """Memory per device, the largest micro-batch that fits, and time estimates. Pure arithmetic.
+def plan(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, tokens: int | None = None,
+         mfu: float = 0.4) -> Plan:
+    """Memory per device, the largest micro-batch that fits, and time estimates of the run cfg (its
+    micro-batch a number, its dtype not auto) on hardware at world_size. Pure arithmetic.
 
-    total_batch_size defaults to one micro-step on every device (no accumulation); it must be a
-    multiple of micro_batch_size * seq_len * world_size. chunked_loss: the loss path the memory
-    counts; the largest micro-batch is always the chunked loss's (see choose_loss_impl). compiled:
-    whether the model is compiled (the full loss's peak differs, loss_bytes). activation_checkpointing:
-    every block recomputed in the backward (its memory and its extra FLOPs).
+    cfg.train.total_batch_size must be a multiple of micro_batch_size * block_size * world_size. The memory
+    counts the loss path loss_impl names (chunked unless full; the largest micro-batch is always the chunked
+    loss's, see choose_loss_impl) and the compilation (the full loss's peak differs, loss_bytes);
+    activation_checkpointing full: every block recomputed in the backward (its memory and its extra FLOPs).
+    tokens: the budget of the time estimates, or None; mfu: their assumed utilisation.
     """
-    seq_len = cfg.block_size if seq_len is None else seq_len
-    problems = _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens, parallel)
+    model, tc = cfg.model, cfg.train
+    seq_len, micro_batch_size = model.block_size, tc.micro_batch_size
+    checkpointed = tc.activation_checkpointing == "full"
+    problems = _plan_problems(micro_batch_size, world_size, mfu, tokens)
     if problems:
         raise ValueError("invalid plan:\n  - " + "\n  - ".join(problems))
-    if total_batch_size is None:
-        total_batch_size = micro_batch_size * seq_len * world_size
-    accum = grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)  # whole, else its error
-    mem = memory(cfg, micro_batch_size, seq_len, world_size=world_size, dtype=dtype,
-                 device_type=hardware.device_type, device_memory=hardware.memory_bytes, optimizer=optimizer,
-                 chunked_loss=chunked_loss, parallel=parallel, accum_steps=accum, compiled=compiled,
-                 checkpointed=activation_checkpointing)
-    return Plan(cfg=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
-                dtype=dtype, hardware=hardware, total_batch_size=total_batch_size, tokens=tokens,
-                mfu=mfu, n_params=param_count(cfg), n_params_formula=count_params_formula(cfg),
-                memory=mem, flops_per_token=flops_per_token(cfg, seq_len), parallel=parallel,
-                recompute_flops_per_token=recompute_flops_per_token(cfg, seq_len) if activation_checkpointing else 0.0,
-                max_micro_batch_size=max_micro_batch_size(cfg, seq_len, hardware, world_size=world_size,
-                                                          dtype=dtype, optimizer=optimizer, parallel=parallel,
-                                                          total_batch_size=total_batch_size,
-                                                          checkpointed=activation_checkpointing))
-def _plan_problems(cfg, micro_batch_size, seq_len, world_size, dtype, mfu, tokens, parallel="ddp") -> list[str]:
+    grad_accum_steps(tc.total_batch_size, micro_batch_size, seq_len, world_size)  # whole, else its error
+    return Plan(cfg=model, run=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
+                dtype=Precision.of_config(tc, hardware.device_type).key, hardware=hardware,
+                total_batch_size=tc.total_batch_size, tokens=tokens, mfu=mfu, n_params=param_count(model),
+                n_params_formula=count_params_formula(model), memory=memory(cfg, hardware, world_size=world_size),
+                flops_per_token=flops_per_token(model, seq_len), parallel=tc.parallel,
+                recompute_flops_per_token=recompute_flops_per_token(model, seq_len) if checkpointed else 0.0,
+                max_micro_batch_size=max_micro_batch_size(cfg, hardware, world_size=world_size))
+
+
+def _plan_problems(micro_batch_size, world_size, mfu, tokens) -> list[str]:
     p = []
-    if parallel not in PARALLELS:
-        p.append(f"parallel={parallel!r} must be one of {PARALLELS}")
-    if micro_batch_size < 1:
+    if not isinstance(micro_batch_size, int):
+        p.append(f"micro_batch_size={micro_batch_size!r} must be a number (gpt2/plan/resolve.py settles auto)")
+    elif micro_batch_size < 1:
         p.append(f"micro_batch_size={micro_batch_size} must be >= 1")
-    if not 1 <= seq_len <= cfg.block_size:
-        p.append(f"seq_len={seq_len} must be in [1, block_size={cfg.block_size}]")
     if world_size < 1:
         p.append(f"world_size={world_size} must be >= 1")
-    if dtype not in PLAN_DTYPES:
-        p.append(f"dtype={dtype!r} must be one of {PLAN_DTYPES}")
     if not 0 < mfu <= 1:
         p.append(f"mfu={mfu} must be a fraction in (0, 1], e.g. 0.4")
     if tokens is not None and tokens < 1:
         p.append(f"tokens={tokens} must be positive")
     return p
+
+
 def check_fits(p: Plan) -> None:
     """Refuse a plan that clearly cannot fit (total above the device's whole memory).
 
@@ -153,14 +148,10 @@ def check_fits(p: Plan) -> None:
     if p.memory.total <= p.hardware.memory_bytes:
         return
     if p.max_micro_batch_size == 0:
-        raise ValueError(does_not_fit(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
-                                      optimizer=p.memory.optimizer_name, parallel=p.parallel,
-                                      checkpointed=p.activation_checkpointing))
+        raise ValueError(does_not_fit(p.run, p.hardware, world_size=p.world_size))
     b = p.max_micro_batch_size
     fix = f"use --micro-batch-size {b} or less (auto: the largest that fits and divides)"
-    accumulating = max_micro_batch_size(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
-                                        optimizer=p.memory.optimizer_name, parallel=p.parallel,
-                                        checkpointed=p.activation_checkpointing)
+    accumulating = max_micro_batch_size(p.run, p.hardware, world_size=p.world_size, accumulate=True)
     if accumulating < b:  # fsdp: b is the micro-batch without accumulation, which keeps no no-sync gradients
         fix = f"use --micro-batch-size {b} (one micro-step: no unsharded gradients kept)" + (
             f" or, accumulating, {accumulating} or less" if accumulating else

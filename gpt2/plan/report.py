@@ -104,9 +104,7 @@ def format_accumulation(p: Plan) -> str | None:
     if not m.accum_gradients:
         return None
     usable = p.usable_bytes
-    largest = max_micro_batch_size(p.cfg, p.seq_len, p.hardware, world_size=p.world_size, dtype=p.dtype,
-                                   optimizer=m.optimizer_name, parallel=p.parallel, accumulate=False,
-                                   checkpointed=m.checkpointed)
+    largest = max_micro_batch_size(p.run, p.hardware, world_size=p.world_size, accumulate=False)
     rs = (f"a reduce-scatter per micro-step would keep only the shards: {gib(p.rs_total)}, largest micro-batch "
           f"{largest}")
     if p.fits:

@@ -21,7 +21,6 @@ import torch
 from gpt2.core import precision
 from gpt2.core.config import RunConfig
 from gpt2.core.precision import Precision
-from gpt2.core.schedule import grad_accum_steps
 from gpt2.plan.ac_choice import ACChoice, choose_activation_checkpointing
 from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
 from gpt2.plan.flops import device_peak_flops, peak_problem
@@ -81,32 +80,28 @@ def resolve(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens: int | N
     tc, world = cfg.train, target.world_size
     prec = target_precision(tc.dtype, target, tf32=tc.tf32 and target.device_type == "cuda")
     hardware = target_hardware(target, prec)
-    ac = choose_activation_checkpointing(
-        cfg.model, tc.activation_checkpointing, micro_batch_size=tc.micro_batch_size, hardware=hardware,
-        world_size=world, total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
-        dtype=prec.key)
+    # Each decision made concrete in cfg before the next reads it (the module docstring's order).
+    cfg = with_train(cfg, dtype=prec.dtype)
+    ac = choose_activation_checkpointing(cfg, hardware, world_size=world)
+    cfg = with_train(cfg, activation_checkpointing=ac.mode)
     auto_mb = tc.micro_batch_size == "auto"
-    if auto_mb:
-        mb = choose_micro_batch(cfg.model, cfg.model.block_size, hardware, world_size=world,
-                                total_batch_size=tc.total_batch_size, optimizer=tc.optimizer, parallel=tc.parallel,
-                                dtype=prec.key, checkpointed=ac.on, compiled=tc.compile)
-    else:
-        mb = MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size")
-    loss = choose_loss_impl(cfg.model, tc.loss_impl, micro_batch_size=mb.size, hardware=hardware, world_size=world,
-                            optimizer=tc.optimizer, compiled=tc.compile, parallel=tc.parallel,
-                            measure_eager=eager_measure(cfg, prec, mb.size, target.device), checkpointed=ac.on,
-                            accum_steps=grad_accum_steps(tc.total_batch_size, mb.size, cfg.model.block_size, world),
-                            dtype=prec.key)
-    cfg = RunConfig(cfg.model, tc.replace(dtype=prec.dtype, micro_batch_size=mb.size, loss_impl=loss.impl,
-                                          activation_checkpointing=ac.mode))
+    mb = (choose_micro_batch(cfg, hardware, world_size=world) if auto_mb else
+          MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size"))
+    cfg = with_train(cfg, micro_batch_size=mb.size)
+    loss = choose_loss_impl(cfg, hardware, world_size=world,
+                            measure_eager=eager_measure(cfg, prec, mb.size, target.device))
+    cfg = with_train(cfg, loss_impl=loss.impl)
     tc = cfg.train
-    p = plan(cfg.model, micro_batch_size=mb.size, hardware=hardware, world_size=world, dtype=prec.key,
-             total_batch_size=tc.total_batch_size, mfu=mfu, optimizer=tc.optimizer, parallel=tc.parallel,
-             chunked_loss=loss.impl == "chunked", compiled=tc.compile, activation_checkpointing=ac.on,
-             tokens=tc.max_steps * tc.total_batch_size if tokens is None else tokens)
+    tokens = tc.max_steps * tc.total_batch_size if tokens is None else tokens
+    p = plan(cfg, hardware, world_size=world, mfu=mfu, tokens=tokens)
     p = dataclasses.replace(p, micro_batch_choice=mb if auto_mb else None)
     warning = None if target.device is None else precision.emulation_warning(prec, target.device)
     return Resolved(cfg, prec, ac, mb, loss, p, warning)
+
+
+def with_train(cfg: RunConfig, **changes) -> RunConfig:
+    """cfg with these TrainConfig fields changed (validated again)."""
+    return RunConfig(cfg.model, cfg.train.replace(**changes))
 
 
 def target_precision(requested: str, target: Target, *, tf32: bool) -> Precision:
