@@ -48,8 +48,8 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     )
     from gpt2.distributed.preempt import EXIT_REQUEUE, stop_exit_code
     from gpt2.train.cli import parse_command
-    from gpt2.train.startup import check_data
     from gpt2.train.spike_guard import SpikeGuardError
+    from gpt2.train.startup import check_data
     from gpt2.train.trainer import NonFiniteError, train
 
     cfg, rehearsal = parse_command(argv)  # exits 2 with a message on bad flags or values
@@ -97,11 +97,15 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         # A peer died (connection closed) or hangs (--dist-timeout-s expired). Saying so beats a
         # bare traceback; torchrun --max-restarts or a requeue then resumes from the checkpoint.
         rank = dist.rank if dist is not None else "?"
-        print(f"train_ddp.py: error: rank {rank}: a collective operation failed ({(str(e).splitlines() or [type(e).__name__])[0]}); "
-              f"another rank died, or did not answer within --dist-step-timeout-s {cfg.train.dist_step_timeout_s:g} "
-              f"(steady training) or --dist-timeout-s {cfg.train.dist_timeout_s:g} (start-up, checkpoints, "
-              "evaluation): its own log says why. Restarting (torchrun --max-restarts, a requeue) with --resume "
-              "auto continues from the newest checkpoint", file=sys.stderr)
+        print(
+            f"train_ddp.py: error: rank {rank}: a collective operation failed "
+            f"({(str(e).splitlines() or [type(e).__name__])[0]}); "
+            f"another rank died, or did not answer within --dist-step-timeout-s {cfg.train.dist_step_timeout_s:g} "
+            f"(steady training) or --dist-timeout-s {cfg.train.dist_timeout_s:g} (start-up, checkpoints, "
+            "evaluation): its own log says why. Restarting (torchrun --max-restarts, a requeue) with --resume "
+            "auto continues from the newest checkpoint",
+            file=sys.stderr,
+        )
         return 1, dist is not None
     except OSError as e:
         if e.errno is None:
@@ -133,8 +137,10 @@ def run_dir_failure(e: OSError, out_dir: str, dist) -> str:
     rank = dist.rank if dist is not None else "?"
     lock = Path(out_dir) / LOCK
     stays = f"; {lock} could not be removed: the next start takes it over" if lock.exists() else ""
-    return (f"rank {rank}: {e.filename or out_dir}: {e.strerror or e}; make --out-dir {out_dir} writable (or free "
-            f"space) and rerun with --resume auto: it continues from the newest checkpoint{stays}")
+    return (
+        f"rank {rank}: {e.filename or out_dir}: {e.strerror or e}; make --out-dir {out_dir} writable (or free "
+        f"space) and rerun with --resume auto: it continues from the newest checkpoint{stays}"
+    )
 
 
 def dry_run(cfg, rehearsal) -> int:

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpt2.core.config import ModelConfig, param_count  # noqa: E402
 from gpt2.model.gpt import GPT  # noqa: E402
 from gpt2.plan.flops import flops_per_token, recompute_flops_per_token  # noqa: E402
-from gpt2.plan.measure import measured_peak_bytes  # noqa: E402
 from gpt2.plan.hardware import device_hardware  # noqa: E402
+from gpt2.plan.measure import measured_peak_bytes  # noqa: E402
 from gpt2.plan.memory import memory, run_config  # noqa: E402
 
 
@@ -80,17 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     cfg = ModelConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
     share = recompute_flops_per_token(cfg) / flops_per_token(cfg)
-    print(f"{args.n_layer} x {args.n_embd}, {param_count(cfg) / 1e6:.1f}M params, micro-batch {args.batch} x "
-          f"{args.block_size}, fp32 eager on {device.type} ({torch.get_num_threads()} threads); recompute "
-          f"+{share:.0%} of model FLOPs\n")
+    print(
+        f"{args.n_layer} x {args.n_embd}, {param_count(cfg) / 1e6:.1f}M params, micro-batch {args.batch} x "
+        f"{args.block_size}, fp32 eager on {device.type} ({torch.get_num_threads()} threads); recompute "
+        f"+{share:.0%} of model FLOPs\n"
+    )
     print("| activation checkpointing | peak measured | planner | micro-step (median) |")
     print("|---|---:|---:|---:|")
     rows = {}
     for mode in ("none", "full"):
         peak, seconds = measure(cfg, mode == "full", args.batch, args.steps, device)
         rows[mode] = (peak, seconds)
-        print(f"| {mode} | {peak / 2**20:,.0f} MiB | {planned(cfg, mode == 'full', args.batch, device) / 2**20:,.0f} MiB "
-              f"| {seconds:.2f} s |", flush=True)
+        print(
+            f"| {mode} | {peak / 2**20:,.0f} MiB | {planned(cfg, mode == 'full', args.batch, device) / 2**20:,.0f} MiB "
+            f"| {seconds:.2f} s |",
+            flush=True,
+        )
     (p0, t0), (p1, t1) = rows["none"], rows["full"]
     print(f"\nfull: {p1 / p0:.2f}x the peak, {t1 / t0:.2f}x the time")
     return 0

@@ -42,9 +42,10 @@ from gpt2.model.gpt import GPT
 from gpt2.train.session import make_optimizer
 
 
-def trainer_like_state(preset: str, device: torch.device = torch.device("cpu")):
+def trainer_like_state(preset: str, device: torch.device | None = None):
     """A model of `preset` on device, AdamW after one step, and the dict gpt2/train/trainer.py save() would hand to
     the writer."""
+    device = torch.device("cpu") if device is None else device
     torch.manual_seed(0)
     mc = model_preset(preset)
     tc = TrainConfig(data_dir="d", out_dir="o", dtype="float32")
@@ -54,12 +55,27 @@ def trainer_like_state(preset: str, device: torch.device = torch.device("cpu")):
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return model, opt, {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": {},
-            "config": RunConfig(mc, tc).to_dict(), "tokenizer": "gpt2", "loader": {"position": 0},
-            "rng": [{"torch": torch.get_rng_state(),
-                     **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}],
-            "world_size": 1, "tokens": 0,
-            "torch_version": str(torch.__version__)}
+    return (
+        model,
+        opt,
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scaler": {},
+            "config": RunConfig(mc, tc).to_dict(),
+            "tokenizer": "gpt2",
+            "loader": {"position": 0},
+            "rng": [
+                {
+                    "torch": torch.get_rng_state(),
+                    **({"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {}),
+                }
+            ],
+            "world_size": 1,
+            "tokens": 0,
+            "torch_version": str(torch.__version__),
+        },
+    )
 
 
 def tensors(x):
@@ -77,12 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="gpt2", help="model preset (gpt2/core/config.py)")
     ap.add_argument("--reps", type=int, default=3, help="rounds of (sync, async), alternating which goes first")
-    ap.add_argument("--tokens", type=int, default=1024,
-                    help="tokens of the forward+backward that runs while the state is copied (one micro-step)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=1024,
+        help="tokens of the forward+backward that runs while the state is copied (one micro-step)",
+    )
     ap.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state and the step live")
-    ap.add_argument("--dtype", default=None, help="autocast dtype of the forward and backward (default: bfloat16 "
-                    "on cuda, float32 on cpu)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="autocast dtype of the forward and backward (default: bfloat16 on cuda, float32 on cpu)",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -90,24 +113,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     model, opt, state = trainer_like_state(args.preset, device)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # the tied weight once
-                for part in ("model", "optimizer") for t in tensors(state[part])}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # the tied weight once
+        for part in ("model", "optimizer")
+        for t in tensors(state[part])
+    }
     state_bytes = sum(storages.values())
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         rows = run_rounds(model, opt, state, Path(tmp), args.reps, args.tokens, dtype)
         size = next(Path(tmp, "sync", "checkpoints").glob("*.pt")).stat().st_size
-    where = (f"{torch.cuda.get_device_name(device)}, fwd+bwd in {dtype}" if device.type == "cuda"
-             else f"{torch.get_num_threads()} threads")
-    print(f"checkpoint of the {args.preset} preset: {size / 1e9:.2f} GB on disk ({state_bytes / 1e9:.2f} GB of "
-          f"tensors); torch {torch.__version__}, {where}")
+    where = (
+        f"{torch.cuda.get_device_name(device)}, fwd+bwd in {dtype}"
+        if device.type == "cuda"
+        else f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"checkpoint of the {args.preset} preset: {size / 1e9:.2f} GB on disk ({state_bytes / 1e9:.2f} GB of "
+        f"tensors); torch {torch.__version__}, {where}"
+    )
     print("| round | sync save s | async stall s | ratio | copy s | background write s | fwd+bwd s |")
     print("|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
-        print(f"| {i or 'warm-up (allocates the copy buffers)'} | {r['sync']:.2f} | {r['stall']:.3f} | {ratio(r['sync'], r['stall'])} | {r['copy']:.2f} "
-              f"| {r['write']:.2f} | {r['fwd_bwd']:.3f} |")
+        print(
+            f"| {i or 'warm-up (allocates the copy buffers)'} | {r['sync']:.2f} | {r['stall']:.3f} | "
+            f"{ratio(r['sync'], r['stall'])} | {r['copy']:.2f} "
+            f"| {r['write']:.2f} | {r['fwd_bwd']:.3f} |"
+        )
     med = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}
-    print(f"| median | {med['sync']:.2f} | {med['stall']:.3f} | {ratio(med['sync'], med['stall'])} | "
-          f"{med['copy']:.2f} | {med['write']:.2f} | {med['fwd_bwd']:.3f} |")
+    print(
+        f"| median | {med['sync']:.2f} | {med['stall']:.3f} | {ratio(med['sync'], med['stall'])} | "
+        f"{med['copy']:.2f} | {med['write']:.2f} | {med['fwd_bwd']:.3f} |"
+    )
     print(f"sync save writes {size / 1e9 / med['sync']:.2f} GB/s here (torch.save + sha256 + fsync)")
     return 0
 
@@ -121,8 +157,9 @@ def run_rounds(model: GPT, opt, state: dict, root: Path, reps: int, tokens: int,
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     writer = CheckpointWriter(device)
-    x = torch.randint(0, 50257, (max(1, tokens // model.config.block_size), min(tokens, model.config.block_size)),
-                      device=device)
+    x = torch.randint(
+        0, 50257, (max(1, tokens // model.config.block_size), min(tokens, model.config.block_size)), device=device
+    )
 
     def fwd_bwd():
         with precision.autocast(dtype, device):
@@ -136,7 +173,7 @@ def run_rounds(model: GPT, opt, state: dict, root: Path, reps: int, tokens: int,
     rows = []
     for rep in range(reps + 1):  # round 0: the first background save allocates its buffers
         row = {}
-        for kind in (("sync", "async") if rep % 2 else ("async", "sync")):
+        for kind in ("sync", "async") if rep % 2 else ("async", "sync"):
             sync()
             t0 = time.perf_counter()
             if kind == "sync":

@@ -41,16 +41,40 @@ MODELS = {
     "debug": ["--preset", "debug", "--micro-batch-size", "8", "--total-batch-size", "1024"],
     "gpt2": ["--preset", "gpt2", "--micro-batch-size", "1", "--total-batch-size", "1024"],
 }
-COMMON = ["--device", "cpu", "--dtype", "float32", "--compile", "true", "--eval-interval", "0", "--eval-tokens", "0",
-          "--sample-interval", "0", "--plot", "false", "--log-interval", "1", "--ckpt-interval", "1000"]
+COMMON = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--compile",
+    "true",
+    "--eval-interval",
+    "0",
+    "--eval-tokens",
+    "0",
+    "--sample-interval",
+    "0",
+    "--plot",
+    "false",
+    "--log-interval",
+    "1",
+    "--ckpt-interval",
+    "1000",
+]
 
 
 def first_step_s(args: list[str], run: Path, step: int) -> float:
     """Seconds from starting `python train_ddp.py args` to `step`'s record in run/metrics.jsonl; waits for exit."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(REPO / "train_ddp.py"), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train_ddp.py"), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen = None
     while proc.poll() is None and seen is None:
         seen = time.monotonic() if _has_step(run / "metrics.jsonl", step) else None
@@ -88,11 +112,15 @@ def measure(model: str, data_dir: str, work: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | first start, s | resumed start, s | resumed/first | cache on disk |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| model | first start, s | resumed start, s | resumed/first | cache on disk |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['first']:.1f} | {r['resumed']:.1f} | {r['resumed'] / r['first']:.2f}x | "
-                     f"{r['size'] / 2**20:.1f} MiB |")
+        lines.append(
+            f"| {r['model']} | {r['first']:.1f} | {r['resumed']:.1f} | {r['resumed'] / r['first']:.2f}x | "
+            f"{r['size'] / 2**20:.1f} MiB |"
+        )
     return "\n".join(lines)
 
 

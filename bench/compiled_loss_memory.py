@@ -67,8 +67,9 @@ def main(argv=None) -> int:
     print("|---|---:|---:|")
     for name, fn, compiled in (("eager", head_and_loss, False), ("compiled", torch.compile(head_and_loss), True)):
         got = peak_per_logit(fn, device, dtype, tokens, args.vocab, args.width)
-        planned = loss_bytes(cfg, tokens, dtype=dtype, chunked=False, compiled=compiled,
-                             device_type=device.type) / (tokens * args.vocab)
+        planned = loss_bytes(cfg, tokens, dtype=dtype, chunked=False, compiled=compiled, device_type=device.type) / (
+            tokens * args.vocab
+        )
         print(f"| {name} | {got:.2f} | {planned:g} |", flush=True)
     return 0
 

@@ -17,24 +17,51 @@ DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def add_corpus_flag(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
-                    help=f"a UTF-8 .txt corpus (default: {DEFAULT_CORPUS}, tinyshakespeare's input.txt)")
+    ap.add_argument(
+        "--corpus",
+        type=Path,
+        default=DEFAULT_CORPUS,
+        help=f"a UTF-8 .txt corpus (default: {DEFAULT_CORPUS}, tinyshakespeare's input.txt)",
+    )
 
 
 def require_corpus(path: Path, prog: str) -> None:
     """One line and exit 2 when the corpus is missing: before any measurement, never a traceback."""
     if not path.is_file():
-        print(f"{prog}: error: corpus {path} not found: pass --corpus PATH (any UTF-8 .txt file; "
-              f"docs/data.md says where to get tinyshakespeare)", file=sys.stderr)
+        print(
+            f"{prog}: error: corpus {path} not found: pass --corpus PATH (any UTF-8 .txt file; "
+            f"docs/data.md says where to get tinyshakespeare)",
+            file=sys.stderr,
+        )
         sys.exit(2)
 
 
 def prepare_by_paragraph(corpus: Path, out: Path, prog: str, *, val_tokens: int = 30_000) -> None:
     """Shards of the corpus, one document per paragraph, the first val_tokens as val (data_prep's own
     one-line error and exit 2 if it refuses the file)."""
-    done = subprocess.run([sys.executable, "-m", "data_prep", "--source", str(corpus), "--out", str(out),
-                           "--txt-sample-by", "paragraph", "--val-tokens", str(val_tokens), "--val-select", "first", "--workers", "1",
-                           "--no-progress"], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep",
+            "--source",
+            str(corpus),
+            "--out",
+            str(out),
+            "--txt-sample-by",
+            "paragraph",
+            "--val-tokens",
+            str(val_tokens),
+            "--val-select",
+            "first",
+            "--workers",
+            "1",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         print(f"{prog}: error: data_prep failed on {corpus}: {last}", file=sys.stderr)

@@ -4,15 +4,16 @@ CPU process: what bench/data_order.py and bench/optimizers.py compare."""
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from gpt2.core.config import RunConfig
 from gpt2.distributed.group import single_process
 from gpt2.train.session import Session
 
 
-def val_curve(cfg: RunConfig, label: str, eval_every: int,
-              adjust: Callable | None = None) -> tuple[dict[int, float], list[float]]:
+def val_curve(
+    cfg: RunConfig, label: str, eval_every: int, adjust: Callable | None = None
+) -> tuple[dict[int, float], list[float]]:
     """({step: val loss} at step 0, every eval_every steps and the last, [seconds of each step]).
 
     Trains to cfg.train.max_steps in cfg.train.out_dir; adjust(session), if given, changes the built
@@ -26,8 +27,11 @@ def val_curve(cfg: RunConfig, label: str, eval_every: int,
         session.step()
         if session.steps % eval_every == 0 or session.steps == steps:
             val[session.steps] = session.evaluate()
-            print(f"  {label}: step {session.steps} val {val[session.steps]:.4f} "
-                  f"({sum(session.step_s):.0f} s training)", file=sys.stderr, flush=True)
+            print(
+                f"  {label}: step {session.steps} val {val[session.steps]:.4f} ({sum(session.step_s):.0f} s training)",
+                file=sys.stderr,
+                flush=True,
+            )
     times = list(session.step_s)
     session.close()
     return val, times

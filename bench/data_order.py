@@ -5,7 +5,8 @@
 
 Recipe (nanoGPT's small CPU recipe): 4 layers, 4 heads, 128 wide, block 64, micro-batch 16
 (1,024 tokens per step, one process), lr 1e-3 cosine to 1e-4, warmup 20, 200 steps, AdamW (0.9, 0.95),
-weight decay 0.1, clip 1.0, fp32, seed 1337. Data: --corpus (default ../shared/data/tinyshakespeare.txt) through data_prep
+weight decay 0.1, clip 1.0, fp32, seed 1337. Data: --corpus (default ../shared/data/tinyshakespeare.txt) through
+data_prep
 with one document per paragraph and the first 30,000 tokens as val (documents in corpus order, so val
 is the beginning of the text). Every row runs the trainer's own build(), train_step() and evaluate();
 only the train loader differs:
@@ -33,11 +34,50 @@ from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 from gpt2.data.loader import TokenStream, find_shards
 from gpt2.train.session import parse_config
 
-RECIPE = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--n-layer", "4", "--n-head", "4",
-          "--n-embd", "128", "--block-size", "64", "--micro-batch-size", "16", "--total-batch-size", "1024",
-          "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "20", "--beta1", "0.9", "--beta2", "0.95",
-          "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "1337", "--eval-tokens", "10000000",
-          "--sample-interval", "0", "--ckpt-interval", "0", "--plot", "false"]
+RECIPE = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--compile",
+    "false",
+    "--n-layer",
+    "4",
+    "--n-head",
+    "4",
+    "--n-embd",
+    "128",
+    "--block-size",
+    "64",
+    "--micro-batch-size",
+    "16",
+    "--total-batch-size",
+    "1024",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--warmup-steps",
+    "20",
+    "--beta1",
+    "0.9",
+    "--beta2",
+    "0.95",
+    "--weight-decay",
+    "0.1",
+    "--grad-clip",
+    "1.0",
+    "--seed",
+    "1337",
+    "--eval-tokens",
+    "10000000",
+    "--sample-interval",
+    "0",
+    "--ckpt-interval",
+    "0",
+    "--plot",
+    "false",
+]
 
 
 class RandomWindows:
@@ -53,8 +93,8 @@ class RandomWindows:
 
     def micro_batch(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         ix = torch.randint(len(self.tokens) - self.T, (self.B,), generator=self.gen).tolist()
-        x = np.stack([self.tokens[i:i + self.T] for i in ix])
-        y = np.stack([self.tokens[i + 1:i + 1 + self.T] for i in ix])
+        x = np.stack([self.tokens[i : i + self.T] for i in ix])
+        y = np.stack([self.tokens[i + 1 : i + 1 + self.T] for i in ix])
         return torch.from_numpy(x), torch.from_numpy(y)
 
     def advance(self) -> None:
@@ -63,8 +103,19 @@ class RandomWindows:
 
 def run(name: str, data_dir: Path, out_dir: Path, steps: int, eval_every: int) -> dict[int, float]:
     order = "sequential" if name == "sequential" else "shuffled"
-    cfg = parse_config([*RECIPE, "--max-steps", str(steps), "--data-dir", str(data_dir), "--out-dir", str(out_dir),
-                        "--data-order", order])
+    cfg = parse_config(
+        [
+            *RECIPE,
+            "--max-steps",
+            str(steps),
+            "--data-dir",
+            str(data_dir),
+            "--out-dir",
+            str(out_dir),
+            "--data-order",
+            order,
+        ]
+    )
 
     def random_windows(session) -> None:
         session.loader = RandomWindows(data_dir, micro_batch_size=16, seq_len=64, seed=cfg.train.seed)
@@ -86,14 +137,21 @@ def main(argv: list[str] | None = None) -> int:
         names = ["shuffled", "sequential", "random (ref)"]
         results = {n: run(n, data, Path(tmp) / f"run_{i}", args.steps, args.eval_every) for i, n in enumerate(names)}
     steps = sorted(results[names[0]])
-    lines = [f"val loss by step: tinyshakespeare by paragraph, 4 layers x 128, block 64, 1,024 tokens/step, "
-             f"torch {torch.__version__}", "", "| step | " + " | ".join(names) + " |",
-             "|---:|" + "---:|" * len(names)]
+    lines = [
+        f"val loss by step: tinyshakespeare by paragraph, 4 layers x 128, block 64, 1,024 tokens/step, "
+        f"torch {torch.__version__}",
+        "",
+        "| step | " + " | ".join(names) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
     lines += [f"| {s} | " + " | ".join(f"{results[n][s]:.4f}" for n in names) + " |" for s in steps]
     last = steps[-1]
     shuffled, sequential, ref = (results[n][last] for n in names)
-    lines += ["", f"- shuffled - random (ref) at step {last}: {shuffled - ref:+.4f} (goal <= +0.05)",
-              f"- sequential - random (ref) at step {last}: {sequential - ref:+.4f} (the gap of the sequential order)"]
+    lines += [
+        "",
+        f"- shuffled - random (ref) at step {last}: {shuffled - ref:+.4f} (goal <= +0.05)",
+        f"- sequential - random (ref) at step {last}: {sequential - ref:+.4f} (the gap of the sequential order)",
+    ]
     emit("\n".join(lines), args.md)
     return 0
 

@@ -40,6 +40,7 @@ def make_step(model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
+
     return step
 
 
@@ -66,18 +67,26 @@ def main(argv: list[str] | None = None) -> int:
     times = {name: [] for name in rows}
     names = list(rows)
     for r in range(args.rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 rows[name]()
                 times[name].append(time.perf_counter() - t0)
-        print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{n} {statistics.median(times[n][-args.steps:]):.3f} s" for n in names), file=sys.stderr, flush=True)
+        print(
+            f"  round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{n} {statistics.median(times[n][-args.steps :]):.3f} s" for n in names),
+            file=sys.stderr,
+            flush=True,
+        )
     plain = statistics.median(times[names[1]])
     tokens = x.numel()
-    out = [f"eager step, 4 layers x 128 wide, block 64, micro-batch 16, fp32, {args.threads} threads, "
-           f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}",
-           "", "| loss | s/step (median) | tokens/s | time vs plain | first loss |", "|---|---:|---:|---:|---:|"]
+    out = [
+        f"eager step, 4 layers x 128 wide, block 64, micro-batch 16, fp32, {args.threads} threads, "
+        f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}",
+        "",
+        "| loss | s/step (median) | tokens/s | time vs plain | first loss |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name in names:
         s = statistics.median(times[name])
         out.append(f"| {name} | {s:.3f} | {tokens / s:,.0f} | {s / plain:.2f}x | {first[name]:.4f} |")

@@ -55,14 +55,42 @@ def peak_rss_bytes() -> int:
 
 
 def train_args(args: argparse.Namespace, data_dir: Path, out_dir: Path, mode: str) -> list[str]:
-    shape = [f"--{k.replace('_', '-')}={v}" for k in ("n_layer", "n_head", "n_embd")
-             if (v := getattr(args, k)) is not None]
-    return ["--preset", args.preset, *shape, "--block-size", str(args.block_size),
-            "--micro-batch-size", str(args.micro_batch_size),
-            "--total-batch-size", str(args.micro_batch_size * args.block_size * WORLD * args.accum),
-            "--dtype", "float32", "--compile", "false", "--device", "cpu", "--num-threads", "1",
-            "--max-steps", str(args.steps), "--eval-tokens", "0", "--ckpt-interval", "0", "--resume", "never",
-            "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--parallel", mode]
+    shape = [
+        f"--{k.replace('_', '-')}={v}" for k in ("n_layer", "n_head", "n_embd") if (v := getattr(args, k)) is not None
+    ]
+    return [
+        "--preset",
+        args.preset,
+        *shape,
+        "--block-size",
+        str(args.block_size),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--total-batch-size",
+        str(args.micro_batch_size * args.block_size * WORLD * args.accum),
+        "--dtype",
+        "float32",
+        "--compile",
+        "false",
+        "--device",
+        "cpu",
+        "--num-threads",
+        "1",
+        "--max-steps",
+        str(args.steps),
+        "--eval-tokens",
+        "0",
+        "--ckpt-interval",
+        "0",
+        "--resume",
+        "never",
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--parallel",
+        mode,
+    ]
 
 
 def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
@@ -77,15 +105,17 @@ def rank_main(rank: int, argv: list[str], steps: int, tmp: str) -> None:
     baseline = rss_bytes()
     # A finite timeout: a rank that dies leaves the other failing, not waiting for gloo's default 30 minutes
     # (a CI run of the smoke test hung until its 600 s limit once).
-    tdist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
-                             timeout=datetime.timedelta(seconds=120))
+    tdist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120)
+    )
     dist = Dist(rank=rank, local_rank=rank, world_size=WORLD, local_world_size=WORLD, device=torch.device("cpu"))
     session = Session(cfg, dist)
     losses = [session.step()["loss"] for _ in range(steps)]
     peaks = all_gather_object({"rank": rank, "peak": peak_rss_bytes() - baseline, "baseline": baseline}, dist)
     if rank == 0:
-        Path(tmp, "result.json").write_text(json.dumps({"ranks": peaks, "losses": losses,
-                                                         "accum": session.accum_steps}))
+        Path(tmp, "result.json").write_text(
+            json.dumps({"ranks": peaks, "losses": losses, "accum": session.accum_steps})
+        )
     tdist.barrier()
     tdist.destroy_process_group()
     # Past gloo's exit-time abort (a worker thread taking the GIL while Python finalizes: gpt2/distributed/group.py
@@ -101,8 +131,12 @@ def run_mode(args: argparse.Namespace, data_dir: Path, tmp: Path, mode: str) -> 
     old = {k: os.environ.get(k) for k in MALLOC_ENV}
     os.environ.update(MALLOC_ENV)  # read by glibc when each spawned rank starts
     try:
-        mp.spawn(rank_main, args=(train_args(args, data_dir, run / "out", mode), args.steps, str(run)),
-                 nprocs=WORLD, join=True)
+        mp.spawn(
+            rank_main,
+            args=(train_args(args, data_dir, run / "out", mode), args.steps, str(run)),
+            nprocs=WORLD,
+            join=True,
+        )
     finally:
         for k, v in old.items():
             if v is None:
@@ -118,8 +152,9 @@ def predicted(args: argparse.Namespace, mode: str, accum: int) -> int:
     from gpt2.train.session import parse_config
 
     cfg = parse_config(train_args(args, Path("d"), Path("o"), mode))
-    planned = run_config(cfg.model, args.micro_batch_size, dtype="fp32", world_size=WORLD,
-                         optimizer=cfg.train.optimizer, parallel=mode)  # the chunked loss, uncompiled
+    planned = run_config(
+        cfg.model, args.micro_batch_size, dtype="fp32", world_size=WORLD, optimizer=cfg.train.optimizer, parallel=mode
+    )  # the chunked loss, uncompiled
     return memory(planned, device_hardware("cpu", None), world_size=WORLD, accum_steps=accum).total
 
 
@@ -132,15 +167,20 @@ def write_data(data_dir: Path, n_tokens: int) -> None:
 
 
 def table(results: dict, predictions: dict) -> list[str]:
-    mib = 1024 ** 2
-    lines = ["| parallel | rank 0 peak RSS growth | rank 1 peak RSS growth | planner's prediction per rank | "
-             "measured / predicted | loss (last step) |", "|---|---:|---:|---:|---:|---:|"]
+    mib = 1024**2
+    lines = [
+        "| parallel | rank 0 peak RSS growth | rank 1 peak RSS growth | planner's prediction per rank | "
+        "measured / predicted | loss (last step) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for mode in MODES:
         r = results[mode]
         peak = max(x["peak"] for x in r["ranks"])
         by_rank = sorted(r["ranks"], key=lambda x: x["rank"])
-        lines.append(f"| {mode} | {by_rank[0]['peak'] / mib:,.0f} MiB | {by_rank[1]['peak'] / mib:,.0f} MiB | "
-                     f"{predictions[mode] / mib:,.0f} MiB | {peak / predictions[mode]:.2f} | {r['losses'][-1]:.4f} |")
+        lines.append(
+            f"| {mode} | {by_rank[0]['peak'] / mib:,.0f} MiB | {by_rank[1]['peak'] / mib:,.0f} MiB | "
+            f"{predictions[mode] / mib:,.0f} MiB | {peak / predictions[mode]:.2f} | {r['losses'][-1]:.4f} |"
+        )
     return lines
 
 
@@ -172,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     predictions = {mode: predicted(args, mode, results[mode]["accum"]) for mode in MODES}
     ddp, fsdp = (max(x["peak"] for x in results[m]["ranks"]) for m in MODES)
     ratio = fsdp / ddp
-    print(f"`{command}`: {WORLD} CPU ranks (gloo), fp32, eager, {args.steps} step(s) of micro-batch "
-          f"{args.micro_batch_size} x {args.block_size}, {results['ddp']['accum']} micro-step(s); peak RSS growth over "
-          "each rank's RSS before the process group and model")
+    print(
+        f"`{command}`: {WORLD} CPU ranks (gloo), fp32, eager, {args.steps} step(s) of micro-batch "
+        f"{args.micro_batch_size} x {args.block_size}, {results['ddp']['accum']} micro-step(s); peak RSS growth over "
+        "each rank's RSS before the process group and model"
+    )
     print("\n".join(table(results, predictions)))
     print(f"FSDP/DDP peak per rank: {ratio:.2f} (goal <= {GOAL}: {'met' if ratio <= GOAL else 'NOT met'})")
     return 0

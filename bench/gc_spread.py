@@ -33,18 +33,65 @@ WARMUP_STEPS = 10
 def run(data_dir: Path, out_dir: Path, nproc: int, steps: int, gc_interval: int) -> list[float]:
     """Rank 0's step times of one run after the warm-up steps."""
     # A small model: short steps, where a collection's tens of milliseconds show (it does not scale with the model).
-    args = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--device", "cpu",
-            "--dtype", "float32", "--compile", "false", "--data-dir", str(data_dir), "--out-dir", str(out_dir),
-            "--micro-batch-size", "4", "--total-batch-size", str(256 * nproc), "--max-steps", str(steps),
-            "--eval-interval", "0", "--eval-tokens", "1024", "--ckpt-interval", "0", "--sample-interval", "0",
-            "--log-interval", "1", "--plot", "false", "--resume", "never", "--gc-interval", str(gc_interval)]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                if nproc > 1 else [sys.executable])
-    done = subprocess.run([*launcher, str(REPO / "train_ddp.py"), *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "64",
+        "--block-size",
+        "64",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--compile",
+        "false",
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--micro-batch-size",
+        "4",
+        "--total-batch-size",
+        str(256 * nproc),
+        "--max-steps",
+        str(steps),
+        "--eval-interval",
+        "0",
+        "--eval-tokens",
+        "1024",
+        "--ckpt-interval",
+        "0",
+        "--sample-interval",
+        "0",
+        "--log-interval",
+        "1",
+        "--plot",
+        "false",
+        "--resume",
+        "never",
+        "--gc-interval",
+        str(gc_interval),
+    ]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
+    done = subprocess.run(
+        [*launcher, str(REPO / "train_ddp.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if done.returncode != 0:
-        raise SystemExit(f"gc_spread.py: error: train_ddp.py failed (exit {done.returncode}): "
-                         f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+        raise SystemExit(
+            f"gc_spread.py: error: train_ddp.py failed (exit {done.returncode}): "
+            f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}"
+        )
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r["step_s"] for r in records if "step_s" in r and r["step"] > WARMUP_STEPS]
 
@@ -52,8 +99,10 @@ def run(data_dir: Path, out_dir: Path, nproc: int, steps: int, gc_interval: int)
 def row(label: str, times: list[float]) -> str:
     q = statistics.quantiles(times, n=100)
     med = statistics.median(times)
-    return (f"| {label} | {len(times)} | {med * 1000:.1f} | {q[89] * 1000:.1f} | {q[98] * 1000:.1f} | "
-            f"{max(times) * 1000:.1f} | {q[98] / med:.2f}x |")
+    return (
+        f"| {label} | {len(times)} | {med * 1000:.1f} | {q[89] * 1000:.1f} | {q[98] * 1000:.1f} | "
+        f"{max(times) * 1000:.1f} | {q[98] / med:.2f}x |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,18 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--md", default=None, help="also write the table to this file")
     a = p.parse_args(argv)
     if not (Path(a.data_dir) / "manifest.json").is_file():
-        print(f"gc_spread.py: error: {a.data_dir} has no manifest.json: prepare shards with python -m data_prep",
-              file=sys.stderr)
+        print(
+            f"gc_spread.py: error: {a.data_dir} has no manifest.json: prepare shards with python -m data_prep",
+            file=sys.stderr,
+        )
         return 2
     times: dict[int, list[float]] = {0: [], a.interval: []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             for interval in times:
                 times[interval] += run(Path(a.data_dir), Path(tmp) / f"r{r}-gc{interval}", a.nproc, a.steps, interval)
-    lines = [f"rank 0's step time (ms), {a.nproc} rank(s) on the CPU, {a.rounds} x {a.steps} steps per setting",
-             "", "| garbage collection | steps | median | p90 | p99 | max | p99 / median |", "|---|---|---|---|---|---|---|",
-             row("Python's own timing (--gc-interval 0)", times[0]),
-             row(f"every rank at every {a.interval}th step (--gc-interval {a.interval})", times[a.interval])]
+    lines = [
+        f"rank 0's step time (ms), {a.nproc} rank(s) on the CPU, {a.rounds} x {a.steps} steps per setting",
+        "",
+        "| garbage collection | steps | median | p90 | p99 | max | p99 / median |",
+        "|---|---|---|---|---|---|---|",
+        row("Python's own timing (--gc-interval 0)", times[0]),
+        row(f"every rank at every {a.interval}th step (--gc-interval {a.interval})", times[a.interval]),
+    ]
     emit("\n".join(lines), a.md)
     return 0
 

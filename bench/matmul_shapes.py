@@ -31,11 +31,18 @@ def step_matmuls(tokens: int, h: int, vocab: int) -> list[tuple[str, int, int, i
     """(name, m, k, n, count per step) of one training step's matmuls, per layer kind: forward,
     input gradient (dX) and weight gradient (dW) of the block's four linears and the LM head."""
     out = []
-    for name, fan_in, fan_out, per_layer in (("attn qkv", h, 3 * h, True), ("attn proj", h, h, True),
-                                            ("mlp fc", h, 4 * h, True), ("mlp proj", 4 * h, h, True),
-                                            ("lm head", h, vocab, False)):
-        out += [(f"{name} fwd", tokens, fan_in, fan_out, per_layer), (f"{name} dX", tokens, fan_out, fan_in, per_layer),
-                (f"{name} dW", fan_out, tokens, fan_in, per_layer)]
+    for name, fan_in, fan_out, per_layer in (
+        ("attn qkv", h, 3 * h, True),
+        ("attn proj", h, h, True),
+        ("mlp fc", h, 4 * h, True),
+        ("mlp proj", 4 * h, h, True),
+        ("lm head", h, vocab, False),
+    ):
+        out += [
+            (f"{name} fwd", tokens, fan_in, fan_out, per_layer),
+            (f"{name} dX", tokens, fan_out, fan_in, per_layer),
+            (f"{name} dW", fan_out, tokens, fan_in, per_layer),
+        ]
     return out
 
 
@@ -74,20 +81,30 @@ def main(argv: list[str] | None = None) -> int:
     shapes = step_matmuls(args.tokens, args.n_embd, args.vocab_size)
     rates = {d: [rate(m, k, n, d, args.repeats) for _, m, k, n, _ in shapes] for d in dtypes}
     peaks = dict(zip(dtypes, precision.peak_rates("cpu", tuple(dtypes))))
-    lines = [f"{args.n_layer} layers x {args.n_embd} wide, {args.tokens:,} tokens per micro-batch, vocab "
-             f"{args.vocab_size:,}; {args.threads} thread(s), best of {args.repeats}; torch {torch.__version__}", "",
-             "| matmul | m x k x n | per step | " + " | ".join(f"{precs[d].short} "
-                                                          "GFLOP/s (% of peak)" for d in dtypes) + " |",
-             "|---|---|---:|" + "---:|" * len(dtypes)]
+    lines = [
+        f"{args.n_layer} layers x {args.n_embd} wide, {args.tokens:,} tokens per micro-batch, vocab "
+        f"{args.vocab_size:,}; {args.threads} thread(s), best of {args.repeats}; torch {torch.__version__}",
+        "",
+        "| matmul | m x k x n | per step | "
+        + " | ".join(f"{precs[d].short} GFLOP/s (% of peak)" for d in dtypes)
+        + " |",
+        "|---|---|---:|" + "---:|" * len(dtypes),
+    ]
     for i, (name, m, k, n, per_layer) in enumerate(shapes):
         cells = [f"{rates[d][i] / 1e9:,.0f} ({rates[d][i] / peaks[d]:.0%})" for d in dtypes]
         lines.append(f"| {name} | {m} x {k} x {n} | {args.n_layer if per_layer else 1} | " + " | ".join(cells) + " |")
     flops = [2 * m * k * n * (args.n_layer if per_layer else 1) for _, m, k, n, per_layer in shapes]
     weighted = {d: sum(flops) / sum(f / r for f, r in zip(flops, rates[d])) for d in dtypes}
-    lines.append("| **all, FLOP-weighted** | | | " + " | ".join(
-        f"**{weighted[d] / 1e9:,.0f} ({weighted[d] / peaks[d]:.0%})**" for d in dtypes) + " |")
-    lines += ["", "peak (the MFU denominator, cached 2048^3 probes): " + ", ".join(
-        f"{precs[d].short} {peaks[d] / 1e9:,.0f} GFLOP/s" for d in dtypes)]
+    lines.append(
+        "| **all, FLOP-weighted** | | | "
+        + " | ".join(f"**{weighted[d] / 1e9:,.0f} ({weighted[d] / peaks[d]:.0%})**" for d in dtypes)
+        + " |"
+    )
+    lines += [
+        "",
+        "peak (the MFU denominator, cached 2048^3 probes): "
+        + ", ".join(f"{precs[d].short} {peaks[d] / 1e9:,.0f} GFLOP/s" for d in dtypes),
+    ]
     emit("\n".join(lines), args.md)
     return 0
 

@@ -34,17 +34,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=9, help="timed steps of each (median)")
     ap.add_argument("--small", action="store_true", help="the 4-layer, 128-wide model (block 64) instead")
-    ap.add_argument("--bf16", action="store_true",
-                    help="also time the iteration in bf16, as torch.optim.Muon runs it (slow where bf16 is emulated)")
+    ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="also time the iteration in bf16, as torch.optim.Muon runs it (slow where bf16 is emulated)",
+    )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    mc = (ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=50304) if args.small
-          else ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=50304))
+    mc = (
+        ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=50304)
+        if args.small
+        else ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=50304)
+    )
     model = GPT(mc)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
-    opts = {kind: make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer=kind, dtype="float32"),
-                                 torch.device("cpu")) for kind in ("adamw", "muon")}
+    opts = {
+        kind: make_optimizer(
+            model, TrainConfig(data_dir="d", out_dir="o", optimizer=kind, dtype="float32"), torch.device("cpu")
+        )
+        for kind in ("adamw", "muon")
+    }
 
     def step(name: str) -> float:
         opts["muon"].optimizers["muon"].ns_dtype = torch.bfloat16 if "bf16" in name else torch.float32
@@ -66,10 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     peak = precision.matmul_rate("cpu", torch.float32, n=2048, budget_s=1.0, fresh=True)
     train_s = flops_per_token(mc) * TOKENS_PER_STEP / peak  # the training step's FLOPs at the peak rate
     adamw = statistics.median(times[names[0]])
-    print(f"command: python bench/muon_step.py {' '.join(sys.argv[1:] if argv is None else argv)}\n"
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; "
-          f"a training step of {TOKENS_PER_STEP:,} tokens is {train_s:.2f} s at that peak\n")
-    print("| optimizer.step() | s (median of %d) | extra over AdamW, as a share of a training step at peak |" % args.reps)
+    print(
+        f"command: python bench/muon_step.py {' '.join(sys.argv[1:] if argv is None else argv)}\n"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; "
+        f"a training step of {TOKENS_PER_STEP:,} tokens is {train_s:.2f} s at that peak\n"
+    )
+    print(f"| optimizer.step() | s (median of {args.reps}) | extra over AdamW, as a share of a training step at peak |")
     print("|---|---:|---:|")
     for n in names:
         s = statistics.median(times[n])

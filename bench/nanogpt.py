@@ -60,18 +60,26 @@ def reachable_source() -> tuple[str | None, str]:
         done = None
     if done is not None and done.returncode == 0:
         return DEFAULT_SOURCE, ""
-    return None, (f"no nanoGPT reference: ${SOURCE_ENV} is not set (a local clone or mirror of "
-                  f"github.com/karpathy/nanoGPT holding {PINNED[:12]}), no runs/bench/nanogpt-{PINNED[:12]} cache, "
-                  "and github.com did not answer")
+    return None, (
+        f"no nanoGPT reference: ${SOURCE_ENV} is not set (a local clone or mirror of "
+        f"github.com/karpathy/nanoGPT holding {PINNED[:12]}), no runs/bench/nanogpt-{PINNED[:12]} cache, "
+        "and github.com did not answer"
+    )
 
 
 def add_nanogpt_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--nanogpt", default=default_source(),
-                    help=f"where to clone nanoGPT from: a URL or a local git directory (default ${SOURCE_ENV} where "
-                    f"set, else {DEFAULT_SOURCE}); 'none' leaves out every nanoGPT row")
-    ap.add_argument("--nanogpt-commit", default=PINNED,
-                    help=f"the nanoGPT commit (only the pinned one, {PINNED[:12]}, is accepted: the flags "
-                    "and log lines this script relies on are those of that commit)")
+    ap.add_argument(
+        "--nanogpt",
+        default=default_source(),
+        help=f"where to clone nanoGPT from: a URL or a local git directory (default ${SOURCE_ENV} where "
+        f"set, else {DEFAULT_SOURCE}); 'none' leaves out every nanoGPT row",
+    )
+    ap.add_argument(
+        "--nanogpt-commit",
+        default=PINNED,
+        help=f"the nanoGPT commit (only the pinned one, {PINNED[:12]}, is accepted: the flags "
+        "and log lines this script relies on are those of that commit)",
+    )
 
 
 def add_side_by_side_flags(ap: argparse.ArgumentParser) -> None:
@@ -88,9 +96,11 @@ def checkout(source: str, commit: str = PINNED, cache: Path = CACHE) -> Path:
     itself a working tree checked out at the pinned commit (scripts/gpu_prepare.sh's .gpu/nanogpt) is
     used in place, without git (a GPU machine may have none)."""
     if commit != PINNED:
-        raise NanoGPTError(f"--nanogpt-commit {commit} is not the pinned {PINNED}: this benchmark parses that "
-                           "commit's train.py flags and log lines; check another commit's and change PINNED in "
-                           "bench/nanogpt.py to use it")
+        raise NanoGPTError(
+            f"--nanogpt-commit {commit} is not the pinned {PINNED}: this benchmark parses that "
+            "commit's train.py flags and log lines; check another commit's and change PINNED in "
+            "bench/nanogpt.py to use it"
+        )
     if (Path(source) / "train.py").is_file() and detached_head(Path(source)) == PINNED:
         return Path(source).resolve()
     tree = cache / f"nanogpt-{PINNED[:12]}"
@@ -98,21 +108,25 @@ def checkout(source: str, commit: str = PINNED, cache: Path = CACHE) -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = cache / f".nanogpt-{PINNED[:12]}.partial"
         subprocess.run(["rm", "-rf", str(tmp)], check=True)
-        done = subprocess.run(["git", "clone", "--quiet", "--no-checkout", source, str(tmp)], capture_output=True,
-                              text=True, timeout=600)
+        done = subprocess.run(
+            ["git", "clone", "--quiet", "--no-checkout", source, str(tmp)], capture_output=True, text=True, timeout=600
+        )
         if done.returncode:
-            raise NanoGPTError(f"cannot clone nanoGPT from {source}: {_last(done.stderr)}; pass --nanogpt "
-                               f"PATH_OR_URL or set {SOURCE_ENV} (a clone or mirror of github.com/karpathy/nanoGPT), "
-                               "or --nanogpt none")
-        found = subprocess.run(["git", "-C", str(tmp), "checkout", "--quiet", PINNED], capture_output=True,
-                               text=True)
+            raise NanoGPTError(
+                f"cannot clone nanoGPT from {source}: {_last(done.stderr)}; pass --nanogpt "
+                f"PATH_OR_URL or set {SOURCE_ENV} (a clone or mirror of github.com/karpathy/nanoGPT), "
+                "or --nanogpt none"
+            )
+        found = subprocess.run(["git", "-C", str(tmp), "checkout", "--quiet", PINNED], capture_output=True, text=True)
         if found.returncode:
             raise NanoGPTError(f"{source} does not hold the pinned nanoGPT commit {PINNED}: {_last(found.stderr)}")
         tmp.rename(tree)
     head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     if head != PINNED:
-        raise NanoGPTError(f"{tree} is checked out at {head or 'nothing'}, not the pinned {PINNED}: remove that "
-                           "directory and run again")
+        raise NanoGPTError(
+            f"{tree} is checked out at {head or 'nothing'}, not the pinned {PINNED}: remove that "
+            "directory and run again"
+        )
     return tree
 
 
@@ -176,8 +190,9 @@ class NanoRun:
     """What peak_mib is: cuda_max_memory_allocated or max_rss."""
 
 
-def run(tree: Path, flags: dict[str, object], out_dir: Path, *, wrapper: str | None = None,
-        timeout: int = 7200) -> NanoRun:
+def run(
+    tree: Path, flags: dict[str, object], out_dir: Path, *, wrapper: str | None = None, timeout: int = 7200
+) -> NanoRun:
     """`python train.py --device=cpu --key=value ...` in nanoGPT's tree (flags may name another device);
     its per-iteration times and losses.
 

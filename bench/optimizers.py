@@ -35,30 +35,112 @@ from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.train.session import parse_config
 
-COMMON = ["--device", "cpu", "--dtype", "float32", "--warmup-steps", "20", "--beta1", "0.9", "--beta2", "0.95",
-          "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "1337", "--sample-interval", "0", "--ckpt-interval", "0", "--plot", "false"]
+COMMON = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--warmup-steps",
+    "20",
+    "--beta1",
+    "0.9",
+    "--beta2",
+    "0.95",
+    "--weight-decay",
+    "0.1",
+    "--grad-clip",
+    "1.0",
+    "--seed",
+    "1337",
+    "--sample-interval",
+    "0",
+    "--ckpt-interval",
+    "0",
+    "--plot",
+    "false",
+]
 SHAPES = {
-    "small": ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "64", "--micro-batch-size", "16",
-              "--total-batch-size", "1024", "--compile", "false"],
-    "medium": ["--n-layer", "6", "--n-head", "6", "--n-embd", "384", "--block-size", "256", "--micro-batch-size", "8",
-               "--total-batch-size", "2048", "--compile", "true"],
+    "small": [
+        "--n-layer",
+        "4",
+        "--n-head",
+        "4",
+        "--n-embd",
+        "128",
+        "--block-size",
+        "64",
+        "--micro-batch-size",
+        "16",
+        "--total-batch-size",
+        "1024",
+        "--compile",
+        "false",
+    ],
+    "medium": [
+        "--n-layer",
+        "6",
+        "--n-head",
+        "6",
+        "--n-embd",
+        "384",
+        "--block-size",
+        "256",
+        "--micro-batch-size",
+        "8",
+        "--total-batch-size",
+        "2048",
+        "--compile",
+        "true",
+    ],
 }
 DEFAULT_ADAMW_LRS = {"small": "1e-3,2e-3,4e-3", "medium": "1e-3,2e-3"}
 DEFAULT_MUON_LRS = {"small": "0.01,0.02,0.04", "medium": "0.02,0.04"}
 
 
-def run_one(shape: str, optimizer: str, lr: float, muon_lr: float | None, data: Path, out: Path, steps: int,
-            eval_every: int, eval_tokens: int) -> dict:
-    flags = [*COMMON, *SHAPES[shape], "--max-steps", str(steps), "--lr", str(lr), "--min-lr", str(lr / 10),
-             "--data-dir", str(data), "--out-dir", str(out), "--optimizer", optimizer, "--eval-tokens", str(eval_tokens)]
+def run_one(
+    shape: str,
+    optimizer: str,
+    lr: float,
+    muon_lr: float | None,
+    data: Path,
+    out: Path,
+    steps: int,
+    eval_every: int,
+    eval_tokens: int,
+) -> dict:
+    flags = [
+        *COMMON,
+        *SHAPES[shape],
+        "--max-steps",
+        str(steps),
+        "--lr",
+        str(lr),
+        "--min-lr",
+        str(lr / 10),
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(out),
+        "--optimizer",
+        optimizer,
+        "--eval-tokens",
+        str(eval_tokens),
+    ]
     if muon_lr is not None:
         flags += ["--muon-lr", str(muon_lr)]
     cfg = parse_config(flags)
     torch._dynamo.reset()  # each run compiles its own model afresh
     label = f"{shape} {optimizer} lr {lr:g}{'' if muon_lr is None else f' muon-lr {muon_lr:g}'}"
     val, times = val_curve(cfg, label, eval_every)
-    return {"shape": shape, "optimizer": optimizer, "lr": lr, "muon_lr": muon_lr, "steps": steps,
-            "val": {str(k): v for k, v in val.items()}, "step_s": statistics.median(times[5:] or times)}
+    return {
+        "shape": shape,
+        "optimizer": optimizer,
+        "lr": lr,
+        "muon_lr": muon_lr,
+        "steps": steps,
+        "val": {str(k): v for k, v in val.items()},
+        "step_s": statistics.median(times[5:] or times),
+    }
 
 
 def final_val(r: dict) -> float:
@@ -95,15 +177,22 @@ def report(runs: list[dict], shape: str) -> list[str]:
         return []
     final = {id(r): r["val"][str(r["steps"])] for r in mine}
     best_a = min(adamw, key=lambda r: final[id(r)])
-    muon = sorted((r for r in mine if r["optimizer"] == "muon" and r["lr"] == best_a["lr"]),  # beside AdamW's best
-                  key=lambda r: r["muon_lr"])
+    muon = sorted(
+        (r for r in mine if r["optimizer"] == "muon" and r["lr"] == best_a["lr"]),  # beside AdamW's best
+        key=lambda r: r["muon_lr"],
+    )
     best_m = min(muon, key=lambda r: final[id(r)]) if muon else None
     names = [f"AdamW lr {r['lr']:g}" for r in adamw] + [f"Muon {r['muon_lr']:g} (AdamW part {r['lr']:g})" for r in muon]
     cols = adamw + muon
     steps = sorted({int(s) for r in cols for s in r["val"]})
-    lines = [f"**{shape}** (" + " ".join(SHAPES[shape][:12:2][i] + "=" + SHAPES[shape][1:12:2][i]
-                                       for i in range(6)).replace("--", "") + ")", "",
-             "| step | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(cols)]
+    lines = [
+        f"**{shape}** ("
+        + " ".join(SHAPES[shape][:12:2][i] + "=" + SHAPES[shape][1:12:2][i] for i in range(6)).replace("--", "")
+        + ")",
+        "",
+        "| step | " + " | ".join(names) + " |",
+        "|---:|" + "---:|" * len(cols),
+    ]
     for s in steps:
         cells = []
         for r in cols:
@@ -116,20 +205,27 @@ def report(runs: list[dict], shape: str) -> list[str]:
         reached = steps_to_reach({int(k): v for k, v in best_m["val"].items()}, target)
         ratio = None if reached is None else reached / best_a["steps"]
         cost = best_m["step_s"] / best_a["step_s"] - 1
-        lines += ["", f"- best AdamW: lr {best_a['lr']:g}, final val {target:.4f} at step {best_a['steps']}; "
-                      f"{best_a['step_s']:.3f} s/step",
-                  f"- best Muon: muon-lr {best_m['muon_lr']:g}, final val {final[id(best_m)]:.4f}; "
-                  f"{best_m['step_s']:.3f} s/step ({cost:+.1%}; runs at different moments, so only rough: "
-                  "bench/train_throughput.py measures the cost side by side)",
-                  "- steps for Muon to reach AdamW's final val loss: "
-                  + (f"{reached} of {best_a['steps']} = **{ratio:.2f}x** (goal <= 0.75x)" if reached is not None
-                     else f"not reached within {best_m['steps']} steps")]
+        lines += [
+            "",
+            f"- best AdamW: lr {best_a['lr']:g}, final val {target:.4f} at step {best_a['steps']}; "
+            f"{best_a['step_s']:.3f} s/step",
+            f"- best Muon: muon-lr {best_m['muon_lr']:g}, final val {final[id(best_m)]:.4f}; "
+            f"{best_m['step_s']:.3f} s/step ({cost:+.1%}; runs at different moments, so only rough: "
+            "bench/train_throughput.py measures the cost side by side)",
+            "- steps for Muon to reach AdamW's final val loss: "
+            + (
+                f"{reached} of {best_a['steps']} = **{ratio:.2f}x** (goal <= 0.75x)"
+                if reached is not None
+                else f"not reached within {best_m['steps']} steps"
+            ),
+        ]
     return lines
 
 
 def plot(runs: list[dict], path: Path) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -137,12 +233,14 @@ def plot(runs: list[dict], path: Path) -> bool:
     shapes = sorted({r["shape"] for r in runs}, key=list(SHAPES).index)
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        for r in sorted((r for r in runs if r["shape"] == shape),
-                        key=lambda r: (r["optimizer"], r["lr"], r["muon_lr"] or 0)):
+        for r in sorted(
+            (r for r in runs if r["shape"] == shape), key=lambda r: (r["optimizer"], r["lr"], r["muon_lr"] or 0)
+        ):
             xs = sorted(int(s) for s in r["val"])
             label = f"AdamW {r['lr']:g}" if r["optimizer"] == "adamw" else f"Muon {r['muon_lr']:g}"
-            ax.plot(xs, [r["val"][str(x)] for x in xs], label=label,
-                    linestyle="-" if r["optimizer"] == "muon" else "--")
+            ax.plot(
+                xs, [r["val"][str(x)] for x in xs], label=label, linestyle="-" if r["optimizer"] == "muon" else "--"
+            )
         ax.set(title=shape, xlabel="step", ylabel="val loss", ylim=(None, 7.5))
         ax.legend()
     fig.tight_layout()
@@ -155,12 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="small,medium")
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--eval-every", type=int, default=25)
-    ap.add_argument("--adamw-lrs", default=None, help="comma-separated (default per shape: " + str(DEFAULT_ADAMW_LRS) + ")")
-    ap.add_argument("--muon-lrs", default=None, help="comma-separated (default per shape: " + str(DEFAULT_MUON_LRS) + ")")
-    ap.add_argument("--eval-tokens", type=int, default=10_000_000,
-                    help="val tokens per evaluation (default: all of them, 30,016)")
-    ap.add_argument("--extend", type=int, default=2,
-                    help="extra runs per sweep allowed to move past its lowest or highest lr while the best is there")
+    ap.add_argument(
+        "--adamw-lrs", default=None, help="comma-separated (default per shape: " + str(DEFAULT_ADAMW_LRS) + ")"
+    )
+    ap.add_argument(
+        "--muon-lrs", default=None, help="comma-separated (default per shape: " + str(DEFAULT_MUON_LRS) + ")"
+    )
+    ap.add_argument(
+        "--eval-tokens", type=int, default=10_000_000, help="val tokens per evaluation (default: all of them, 30,016)"
+    )
+    ap.add_argument(
+        "--extend",
+        type=int,
+        default=2,
+        help="extra runs per sweep allowed to move past its lowest or highest lr while the best is there",
+    )
     ap.add_argument("--results", type=Path, default=None, help="JSON file of finished runs: read, extended, rewritten")
     ap.add_argument("--md", type=Path, default=None, help="also write the report here")
     ap.add_argument("--plot", type=Path, default=None, help="write the val-loss curves here (needs matplotlib)")
@@ -184,20 +291,34 @@ def main(argv: list[str] | None = None) -> int:
             adamw_lrs = [float(x) for x in (args.adamw_lrs or DEFAULT_ADAMW_LRS[shape]).split(",")]
             muon_lrs = [float(x) for x in (args.muon_lrs or DEFAULT_MUON_LRS[shape]).split(",")]
 
-            def result(optimizer: str, lr: float, muon_lr: float | None) -> dict:
+            def result(optimizer: str, lr: float, muon_lr: float | None, shape: str = shape) -> dict:
                 probe = {"shape": shape, "optimizer": optimizer, "lr": lr, "muon_lr": muon_lr, "steps": args.steps}
                 found = [r for r in runs if key(r) == key(probe)]
                 if not found:
-                    remember(run_one(shape, optimizer, lr, muon_lr, data, Path(tmp) / key(probe).replace("/", "_"),
-                                     args.steps, args.eval_every, args.eval_tokens))
+                    remember(
+                        run_one(
+                            shape,
+                            optimizer,
+                            lr,
+                            muon_lr,
+                            data,
+                            Path(tmp) / key(probe).replace("/", "_"),
+                            args.steps,
+                            args.eval_every,
+                            args.eval_tokens,
+                        )
+                    )
                     found = [runs[-1]]
                 return found[0]
 
             best_lr = sweep(adamw_lrs, lambda lr: result("adamw", lr, None), args.extend)
-            sweep(muon_lrs, lambda m: result("muon", best_lr, m), args.extend)
+            sweep(muon_lrs, lambda m, best_lr=best_lr: result("muon", best_lr, m), args.extend)
     selected = [r for r in runs if r["steps"] == args.steps and r["shape"] in shapes]
-    lines = [f"validation loss by step (tinyshakespeare by paragraph, fp32, torch {torch.__version__}); "
-             f"command: python bench/optimizers.py " + " ".join(sys.argv[1:] if argv is None else argv), ""]
+    lines = [
+        f"validation loss by step (tinyshakespeare by paragraph, fp32, torch {torch.__version__}); "
+        f"command: python bench/optimizers.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "",
+    ]
     for shape in shapes:
         table = report(selected, shape)
         lines += table + [""]

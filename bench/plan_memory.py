@@ -37,14 +37,24 @@ print(json.dumps([peak, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime]))
 """
 
 GRID = [  # (n_embd, micro-batch, dtype, loss)
-    (64, 32, "fp32", "full"), (64, 64, "fp32", "chunked"), (64, 512, "fp32", "chunked"),
-    (64, 64, "bf16", "chunked"), (256, 64, "fp32", "chunked"),
+    (64, 32, "fp32", "full"),
+    (64, 64, "fp32", "chunked"),
+    (64, 512, "fp32", "chunked"),
+    (64, 64, "bf16", "chunked"),
+    (256, 64, "fp32", "chunked"),
 ]
 
 
 def run(cfg: ModelConfig, B: int, dtype: str, loss: str, compiled: bool, steps: int, tuned: bool) -> tuple[int, float]:
-    arg = {"cfg": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "block_size": cfg.block_size},
-           "B": B, "dtype": dtype, "loss": loss, "compiled": compiled, "steps": steps, "tuned": tuned}
+    arg = {
+        "cfg": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "block_size": cfg.block_size},
+        "B": B,
+        "dtype": dtype,
+        "loss": loss,
+        "compiled": compiled,
+        "steps": steps,
+        "tuned": tuned,
+    }
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(arg)], capture_output=True, text=True, check=True)
     return tuple(json.loads(out.stdout.splitlines()[-1]))
 
@@ -55,17 +65,22 @@ def main(argv=None) -> int:
     ap.add_argument("--compiled", action="store_true", help="torch.compile the model (minutes per row)")
     ap.add_argument("--rows", type=int, default=len(GRID), help="the first N rows of the grid")
     args = ap.parse_args(argv)
-    print("| width x micro-batch | dtype | loss | plan MiB | default malloc MiB (x plan) | returned MiB (x plan) "
-          "| CPU s/step default | returned |")
+    print(
+        "| width x micro-batch | dtype | loss | plan MiB | default malloc MiB (x plan) | returned MiB (x plan) "
+        "| CPU s/step default | returned |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
-    for h, B, dtype, loss in GRID[:args.rows]:
+    for h, B, dtype, loss in GRID[: args.rows]:
         cfg = ModelConfig(n_layer=2, n_head=max(1, h // 32), n_embd=h, block_size=64)
         run_cfg = run_config(cfg, B, dtype=dtype, loss_impl=loss, compile=args.compiled)
         plan = memory(run_cfg, device_hardware("cpu", None)).total
         (d, dt), (t, tt) = (run(cfg, B, dtype, loss, args.compiled, args.steps, tuned) for tuned in (False, True))
         # cpu seconds include the warm-up's (small beside the steps here); per step:
-        print(f"| {h} x {B} | {dtype} | {loss} | {plan / 2**20:,.0f} | {d / 2**20:,.0f} ({d / plan:.2f}) | "
-              f"{t / 2**20:,.0f} ({t / plan:.2f}) | {dt / args.steps:.2f} | {tt / args.steps:.2f} |", flush=True)
+        print(
+            f"| {h} x {B} | {dtype} | {loss} | {plan / 2**20:,.0f} | {d / 2**20:,.0f} ({d / plan:.2f}) | "
+            f"{t / 2**20:,.0f} ({t / plan:.2f}) | {dt / args.steps:.2f} | {tt / args.steps:.2f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -1,6 +1,7 @@
 """Exact resume after kill -9: the continuation of a killed and resumed run against an uninterrupted one.
 
-    python bench/resume_check.py --device cuda --data-dir .gpu/data --steps 16 --ckpt-step 8   # GPT-2 124M, bf16, compiled
+    python bench/resume_check.py --device cuda --data-dir .gpu/data --steps 16 --ckpt-step 8   # GPT-2 124M, bf16,
+    compiled
     python bench/resume_check.py --device cpu --shape tiny --steps 6 --ckpt-step 2 --data-dir D   # seconds
 
 Every run is a real `python train_ddp.py` process with the same flags (the shape's defaults otherwise:
@@ -50,11 +51,41 @@ REPO = Path(__file__).resolve().parent.parent
 
 SHAPES = {
     "gpt2": ["--preset", "gpt2", "--micro-batch-size", "12", "--total-batch-size", "24576", "--warmup-steps", "10"],
-    "tiny": ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--micro-batch-size", "2",
-             "--total-batch-size", "256", "--warmup-steps", "2", "--compile", "false"],
+    "tiny": [
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "64",
+        "--block-size",
+        "64",
+        "--micro-batch-size",
+        "2",
+        "--total-batch-size",
+        "256",
+        "--warmup-steps",
+        "2",
+        "--compile",
+        "false",
+    ],
 }
-QUIET = ["--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0", "--plot", "false",
-         "--log-interval", "1", "--seed", "1337", "--keep-checkpoints", "2"]
+QUIET = [
+    "--eval-interval",
+    "0",
+    "--eval-tokens",
+    "0",
+    "--sample-interval",
+    "0",
+    "--plot",
+    "false",
+    "--log-interval",
+    "1",
+    "--seed",
+    "1337",
+    "--keep-checkpoints",
+    "2",
+]
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 ROWS = {"deterministic": ["--deterministic", "true"], "default": []}
 """Each row's train_ddp.py flags beyond the shape's, in the order the rows run (the exact check first)."""
@@ -75,6 +106,7 @@ SETTLE_STEPS = 2
 @dataclass
 class Check:
     """What a row's runs gave; filled in as they finish, so a report after a failure shows what there is."""
+
     ckpt_step: int
     steps: int
     row: str = "default"
@@ -96,10 +128,24 @@ class Check:
         return self.row == "deterministic"
 
 
-def train_flags(shape: str, device: str, data: Path, out: Path, steps: int, ckpt_step: int,
-                extra: list[str]) -> list[str]:
-    return [*SHAPES[shape], *QUIET, "--device", device, "--data-dir", str(data), "--out-dir", str(out),
-            "--max-steps", str(steps), "--ckpt-interval", str(ckpt_step), *extra]
+def train_flags(
+    shape: str, device: str, data: Path, out: Path, steps: int, ckpt_step: int, extra: list[str]
+) -> list[str]:
+    return [
+        *SHAPES[shape],
+        *QUIET,
+        "--device",
+        device,
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--ckpt-interval",
+        str(ckpt_step),
+        *extra,
+    ]
 
 
 def records(out: Path) -> list[dict]:
@@ -129,8 +175,9 @@ def drop_checkpoints(out: Path) -> None:
 def run_to_end(flags: list[str], log: Path, timeout: float) -> str:
     """train_ddp.py FLAGS to its end; its output (also written to log). Raises RuntimeError on failure."""
     with open(log, "w") as f:
-        done = subprocess.run([sys.executable, "train_ddp.py", *flags], cwd=REPO, stdout=f,
-                              stderr=subprocess.STDOUT, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "train_ddp.py", *flags], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+        )
     text = log.read_text()
     if done.returncode:
         raise RuntimeError(f"train_ddp.py exited {done.returncode}: {text.strip()[-1500:]}")
@@ -141,14 +188,21 @@ def run_and_kill(flags: list[str], out: Path, step: int, log: Path, timeout: flo
     """train_ddp.py FLAGS, killed with SIGKILL (its process group) once step's checkpoint is complete;
     the last step it had logged then. Raises RuntimeError when it ends (or times out) first."""
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "train_ddp.py", *flags], cwd=REPO, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "train_ddp.py", *flags],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + timeout
     try:
         while not sidecar(out, step).exists():
             if proc.poll() is not None:
-                raise RuntimeError(f"the run ended (exit {proc.returncode}) before step {step}'s checkpoint was "
-                                   f"seen complete: raise --steps. {log.read_text().strip()[-1500:]}")
+                raise RuntimeError(
+                    f"the run ended (exit {proc.returncode}) before step {step}'s checkpoint was "
+                    f"seen complete: raise --steps. {log.read_text().strip()[-1500:]}"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no complete checkpoint of step {step} within {timeout:.0f} s")
             time.sleep(0.005)
@@ -164,8 +218,12 @@ def run_and_kill(flags: list[str], out: Path, step: int, log: Path, timeout: flo
 def run_row(args, extra: list[str], work: Path, check: Check, progress) -> None:
     """A, then C (killed, resumed), then B (default row, --repeat); progress() after each run, so a time
     limit keeps what was done."""
-    flags = {name: train_flags(args.shape, args.device, args.data_dir, work / name, args.steps, args.ckpt_step,
-                               [*ROWS[check.row], *extra]) for name in ("A", "B", "C")}
+    flags = {
+        name: train_flags(
+            args.shape, args.device, args.data_dir, work / name, args.steps, args.ckpt_step, [*ROWS[check.row], *extra]
+        )
+        for name in ("A", "B", "C")
+    }
     run_to_end(flags["A"], work / "A.log", args.run_timeout)
     check.a, check.step_s = losses(work / "A"), median_step_s(work / "A")
     drop_checkpoints(work / "A")
@@ -177,8 +235,10 @@ def run_row(args, extra: list[str], work: Path, check: Check, progress) -> None:
     m = RESUMED.search(text)
     check.resumed_step = int(m[2]) if m else None
     if check.resumed_step != args.ckpt_step:
-        check.problems.append(f"the resumed run did not say 'resumed from ... at step {args.ckpt_step}' "
-                              f"(it said: {m[0] if m else 'nothing'})")
+        check.problems.append(
+            f"the resumed run did not say 'resumed from ... at step {args.ckpt_step}' "
+            f"(it said: {m[0] if m else 'nothing'})"
+        )
     check.c = losses(work / "C")
     drop_checkpoints(work / "C")
     progress()
@@ -200,36 +260,53 @@ def verdict(check: Check, floor: float) -> tuple[bool, list[str]]:
     """(passed, the summary lines) of one row, from whatever runs finished."""
     steps = check.compared()
     resumed = max_diff(check.c, check.a, steps)
-    lines = [f"- killed at step {check.killed_at} (SIGKILL once step {check.ckpt_step}'s checkpoint was complete); "
-             f"resumed at step {check.resumed_step}" if check.killed_at is not None else "- the killed run: not made"]
+    lines = [
+        f"- killed at step {check.killed_at} (SIGKILL once step {check.ckpt_step}'s checkpoint was complete); "
+        f"resumed at step {check.resumed_step}"
+        if check.killed_at is not None
+        else "- the killed run: not made"
+    ]
     if resumed is None:
         lines.append(f"- continuation: no losses of steps {steps[0]}..{steps[-1]} in both A and C")
     else:
         first = abs(check.c[steps[0]] - check.a[steps[0]])
-        lines.append(f"- max |loss(C resumed) - loss(A uninterrupted)| over steps {steps[0]}..{steps[-1]}: "
-                     f"**{resumed:.3g}** (first resumed step {steps[0]}: {first:.3g}; "
-                     + ("bit for bit the same losses)" if resumed == 0 else "not bit for bit)"))
+        lines.append(
+            f"- max |loss(C resumed) - loss(A uninterrupted)| over steps {steps[0]}..{steps[-1]}: "
+            f"**{resumed:.3g}** (first resumed step {steps[0]}: {first:.3g}; "
+            + ("bit for bit the same losses)" if resumed == 0 else "not bit for bit)")
+        )
     before = list(range(1, check.ckpt_step + 1))
     repeat = max_diff(check.c, check.a, before)
     if repeat is not None:
-        lines.append(f"- uninterrupted runs repeat: max |C - A| over steps 1..{check.ckpt_step} (C before the kill): "
-                     f"{repeat:.3g}" + (" (bit for bit)" if repeat == 0 else ""))
+        lines.append(
+            f"- uninterrupted runs repeat: max |C - A| over steps 1..{check.ckpt_step} (C before the kill): "
+            f"{repeat:.3g}" + (" (bit for bit)" if repeat == 0 else "")
+        )
     if check.exact:
         passed = resumed == 0 and not check.problems
         lines.append("- deterministic algorithms (--deterministic true): the continuation must be bit for bit")
         if resumed and repeat:
-            lines.append("- the uninterrupted runs differ too: a kernel is not deterministic under --deterministic "
-                         "(a resume fault would show only after the kill)")
+            lines.append(
+                "- the uninterrupted runs differ too: a kernel is not deterministic under --deterministic "
+                "(a resume fault would show only after the kill)"
+            )
     else:
         noise = max_diff(check.b, check.a, steps)
         tol = max(floor, NOISE_FACTOR * noise) if noise is not None else floor
-        lines.append(f"- noise floor, max |loss(B) - loss(A)| of two uninterrupted runs: {noise:.3g}" if noise is not None
-                     else "- noise floor: not measured (B not run)")
-        lines.append(f"- tolerance: max(--tolerance {floor:g}, {NOISE_FACTOR:g} x noise floor) = {tol:.3g} "
-                     "(resume_check.NOISE_FACTOR says why)")
+        lines.append(
+            f"- noise floor, max |loss(B) - loss(A)| of two uninterrupted runs: {noise:.3g}"
+            if noise is not None
+            else "- noise floor: not measured (B not run)"
+        )
+        lines.append(
+            f"- tolerance: max(--tolerance {floor:g}, {NOISE_FACTOR:g} x noise floor) = {tol:.3g} "
+            "(resume_check.NOISE_FACTOR says why)"
+        )
         if noise is None and resumed is not None and resumed > floor and not check.problems:
-            lines.append("- exact resume after kill -9: **UNDECIDED**: not bit for bit, and without B's noise floor "
-                         "a difference cannot be told from non-deterministic kernels (run with --repeat)")
+            lines.append(
+                "- exact resume after kill -9: **UNDECIDED**: not bit for bit, and without B's noise floor "
+                "a difference cannot be told from non-deterministic kernels (run with --repeat)"
+            )
             return False, lines
         passed = resumed is not None and resumed <= tol and not check.problems
     lines += [f"- problem: {p}" for p in check.problems]
@@ -238,13 +315,25 @@ def verdict(check: Check, floor: float) -> tuple[bool, list[str]]:
 
 
 def loss_table(check: Check) -> list[str]:
-    rows = ["| step | A uninterrupted | C killed + resumed | C - A | B repeat | B - A |", "|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| step | A uninterrupted | C killed + resumed | C - A | B repeat | B - A |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in sorted(set(check.a) | set(check.c)):
         a, c, b = check.a.get(s), check.c.get(s), check.b.get(s)
-        rows.append("| " + " | ".join([str(s), *(f"{v:.6f}" if v is not None else "-" for v in (a, c)),
-                                       f"{c - a:+.2e}" if a is not None and c is not None else "-",
-                                       f"{b:.6f}" if b is not None else "-",
-                                       f"{b - a:+.2e}" if a is not None and b is not None else "-"]) + " |")
+        rows.append(
+            "| "
+            + " | ".join(
+                [
+                    str(s),
+                    *(f"{v:.6f}" if v is not None else "-" for v in (a, c)),
+                    f"{c - a:+.2e}" if a is not None and c is not None else "-",
+                    f"{b:.6f}" if b is not None else "-",
+                    f"{b - a:+.2e}" if a is not None and b is not None else "-",
+                ]
+            )
+            + " |"
+        )
     return rows
 
 
@@ -254,8 +343,10 @@ def cost_line(checks: list[Check]) -> list[str]:
     if len(times) < 2:
         return []
     det, default = times["deterministic"], times["default"]
-    return [f"- step time, median of A's steps after the first {SETTLE_STEPS}: deterministic {det:.4g} s, default "
-            f"{default:.4g} s: --deterministic costs **{det / default - 1:+.1%}** here (one run each)"]
+    return [
+        f"- step time, median of A's steps after the first {SETTLE_STEPS}: deterministic {det:.4g} s, default "
+        f"{default:.4g} s: --deterministic costs **{det / default - 1:+.1%}** here (one run each)"
+    ]
 
 
 def report(command: str, runs_line: str, checks: list[Check], floor: float) -> tuple[bool, str, dict]:
@@ -265,11 +356,26 @@ def report(command: str, runs_line: str, checks: list[Check], floor: float) -> t
     for check in checks:
         ok, summary = verdict(check, floor)
         passed = passed and ok
-        lines += [f"**{check.row}**" + (" (--deterministic true)" if check.exact else " (the trainer's defaults)"), "",
-                  *summary, "", *loss_table(check), ""]
-        rows[check.row] = {"passed": ok, "summary": summary, "ckpt_step": check.ckpt_step, "steps": check.steps,
-                           "killed_at": check.killed_at, "resumed_step": check.resumed_step, "step_s": check.step_s,
-                           "A": check.a, "B": check.b, "C": check.c}
+        lines += [
+            f"**{check.row}**" + (" (--deterministic true)" if check.exact else " (the trainer's defaults)"),
+            "",
+            *summary,
+            "",
+            *loss_table(check),
+            "",
+        ]
+        rows[check.row] = {
+            "passed": ok,
+            "summary": summary,
+            "ckpt_step": check.ckpt_step,
+            "steps": check.steps,
+            "killed_at": check.killed_at,
+            "resumed_step": check.resumed_step,
+            "step_s": check.step_s,
+            "A": check.a,
+            "B": check.b,
+            "C": check.c,
+        }
     lines += cost_line(checks)
     lines.append(f"- all rows: **{'PASS' if passed else 'FAIL'}**")
     return passed, "\n".join(lines), {"command": command, "passed": passed, "rows": rows}
@@ -283,12 +389,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=16, help="N: steps of every run")
     ap.add_argument("--ckpt-step", type=int, default=8, help="K: the checkpoint interval; C is killed after step K's")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {list(ROWS)}, run in that order")
-    ap.add_argument("--repeat", action=argparse.BooleanOptionalAction, default=True,
-                    help="the default row: run A twice (B) for the noise floor")
+    ap.add_argument(
+        "--repeat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the default row: run A twice (B) for the noise floor",
+    )
     ap.add_argument("--tolerance", type=float, default=1e-6, help="the default row's least tolerance")
     ap.add_argument("--run-timeout", type=float, default=600, help="seconds for any one run")
-    ap.add_argument("--work", type=Path, default=REPO / "runs" / "resume_check",
-                    help="the runs' directories and logs (emptied first)")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=REPO / "runs" / "resume_check",
+        help="the runs' directories and logs (emptied first)",
+    )
     ap.add_argument("--md", type=Path, help="also write the report here, after every run")
     ap.add_argument("--json", type=Path, help="also write the losses and the verdicts here, after every run")
     ap.add_argument("train_flags", nargs=argparse.REMAINDER, help="after --: more train_ddp.py flags for every run")
@@ -299,18 +413,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     extra = [f for f in args.train_flags if f != "--"]
     rows = [r for r in args.rows.split(",") if r]
-    problem = (f"--rows {args.rows!r}: choose from {list(ROWS)}" if not rows or set(rows) - set(ROWS) else
-               "--ckpt-step must be at least 1 and below --steps" if not 1 <= args.ckpt_step < args.steps else
-               f"--data-dir {args.data_dir} holds no *train*.bin shards (bash scripts/gpu_prepare.sh makes .gpu/data)"
-               if not any(args.data_dir.glob("*train*.bin")) else None)
+    problem = (
+        f"--rows {args.rows!r}: choose from {list(ROWS)}"
+        if not rows or set(rows) - set(ROWS)
+        else "--ckpt-step must be at least 1 and below --steps"
+        if not 1 <= args.ckpt_step < args.steps
+        else f"--data-dir {args.data_dir} holds no *train*.bin shards (bash scripts/gpu_prepare.sh makes .gpu/data)"
+        if not any(args.data_dir.glob("*train*.bin"))
+        else None
+    )
     if problem:
         print(f"resume_check.py: error: {problem}", file=sys.stderr)
         return 2
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     command = "python bench/resume_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    runs_line = " ".join(train_flags(args.shape, args.device, args.data_dir, Path("RUN"), args.steps, args.ckpt_step,
-                                     extra)) + " (deterministic row: + --deterministic true)"
+    runs_line = (
+        " ".join(train_flags(args.shape, args.device, args.data_dir, Path("RUN"), args.steps, args.ckpt_step, extra))
+        + " (deterministic row: + --deterministic true)"
+    )
     checks: list[Check] = []
 
     def progress() -> tuple[bool, str]:

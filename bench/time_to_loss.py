@@ -59,16 +59,80 @@ from gpt2.model.gpt import GPT
 from gpt2.train.session import Session, parse_config
 
 RECIPE_STEPS = 200
-QUIET = ["--device", "cpu", "--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0",
-         "--ckpt-interval", "0", "--plot", "false", "--log-interval", "1000"]
-RECIPE = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "64", "--micro-batch-size", "16",
-          "--total-batch-size", "1024", "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "20",
-          "--max-steps", str(RECIPE_STEPS), "--beta1", "0.9", "--beta2", "0.95", "--weight-decay", "0.1",
-          "--grad-clip", "1.0", "--compile", "false", "--dtype", "float32", "--data-order", "shuffled"]
-NANO_RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16, gradient_accumulation_steps=1,
-                   learning_rate=1e-3, min_lr=1e-4, warmup_iters=20, beta1=0.9, beta2=0.95, weight_decay=0.1,
-                   grad_clip=1.0, compile=False, dtype="float32", bias=True, dropout=0.0, eval_iters=1,
-                   always_save_checkpoint=True, log_interval=1)
+QUIET = [
+    "--device",
+    "cpu",
+    "--eval-interval",
+    "0",
+    "--eval-tokens",
+    "0",
+    "--sample-interval",
+    "0",
+    "--ckpt-interval",
+    "0",
+    "--plot",
+    "false",
+    "--log-interval",
+    "1000",
+]
+RECIPE = [
+    "--n-layer",
+    "4",
+    "--n-head",
+    "4",
+    "--n-embd",
+    "128",
+    "--block-size",
+    "64",
+    "--micro-batch-size",
+    "16",
+    "--total-batch-size",
+    "1024",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--warmup-steps",
+    "20",
+    "--max-steps",
+    str(RECIPE_STEPS),
+    "--beta1",
+    "0.9",
+    "--beta2",
+    "0.95",
+    "--weight-decay",
+    "0.1",
+    "--grad-clip",
+    "1.0",
+    "--compile",
+    "false",
+    "--dtype",
+    "float32",
+    "--data-order",
+    "shuffled",
+]
+NANO_RECIPE = dict(
+    n_layer=4,
+    n_head=4,
+    n_embd=128,
+    block_size=64,
+    batch_size=16,
+    gradient_accumulation_steps=1,
+    learning_rate=1e-3,
+    min_lr=1e-4,
+    warmup_iters=20,
+    beta1=0.9,
+    beta2=0.95,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    compile=False,
+    dtype="float32",
+    bias=True,
+    dropout=0.0,
+    eval_iters=1,
+    always_save_checkpoint=True,
+    log_interval=1,
+)
 MUON = ["--optimizer", "muon"]
 ABLATION = [
     # (row label, flags added to the row before): cumulative, in order; the last row's flags are the preset.
@@ -120,7 +184,7 @@ def val_windows(data: Path, tokens: int, block: int) -> tuple[torch.Tensor, torc
     if n < 1:
         raise ValueError(f"--val-tokens {tokens} is less than one window of {block} tokens")
     x = torch.from_numpy(val[: n * block].reshape(n, block))
-    y = torch.from_numpy(val[1: n * block + 1].reshape(n, block))
+    y = torch.from_numpy(val[1 : n * block + 1].reshape(n, block))
     return x, y
 
 
@@ -130,7 +194,7 @@ def estimate(forward, windows: tuple[torch.Tensor, torch.Tensor], batch: int = 3
     x, y = windows
     total = 0.0
     for i in range(0, len(x), batch):
-        total += forward(x[i:i + batch], y[i:i + batch]).double().item() * len(x[i:i + batch])
+        total += forward(x[i : i + batch], y[i : i + batch]).double().item() * len(x[i : i + batch])
     return total / len(x)
 
 
@@ -192,8 +256,11 @@ def run_ours(contenders: list[Contender], windows, target: float | None, every: 
             step = c.session.steps
             if step % every == 0 or step == c.cfg.train.max_steps:
                 c.val[step] = evaluate_ours(c, windows)
-                print(f"  {c.label}: step {step} val {c.val[step]:.4f} ({sum(c.times):.0f} s)", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"  {c.label}: step {step} val {c.val[step]:.4f} ({sum(c.times):.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if target is not None and c.val[step] <= target:
                     c.reached = step
             if c.reached is not None or step >= c.cfg.train.max_steps:
@@ -208,18 +275,34 @@ def time_to(times: list[float], step: int | None) -> float | None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=RECIPE_STEPS,
-                    help="the recipe's steps (nanoGPT's and the recipe rows'; the target is nanoGPT's val there); "
-                    "other values only for a smoke run: every row of ours then stops there too")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=RECIPE_STEPS,
+        help="the recipe's steps (nanoGPT's and the recipe rows'; the target is nanoGPT's val there); "
+        "other values only for a smoke run: every row of ours then stops there too",
+    )
     ap.add_argument("--eval-every", type=int, default=10, help="steps between evaluations of every run")
     ap.add_argument("--val-tokens", type=int, default=8192, help="val tokens of the shared estimator's windows")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the final (preset) row")
-    ap.add_argument("--rows", default="adamw,muon,ablation,preset",
-                    help="which rows of ours: adamw, muon, ablation (the cumulative changes), preset")
-    ap.add_argument("--nano-runs", type=int, choices=(1, 2), default=2,
-                    help="nanoGPT runs: 2 brackets ours (before and after), 1 runs it before ours only")
-    ap.add_argument("--target", type=float, default=None,
-                    help="the target val loss when nanoGPT is not run (--nanogpt none); else nanoGPT's")
+    ap.add_argument(
+        "--rows",
+        default="adamw,muon,ablation,preset",
+        help="which rows of ours: adamw, muon, ablation (the cumulative changes), preset",
+    )
+    ap.add_argument(
+        "--nano-runs",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="nanoGPT runs: 2 brackets ours (before and after), 1 runs it before ours only",
+    )
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="the target val loss when nanoGPT is not run (--nanogpt none); else nanoGPT's",
+    )
     nanogpt.add_side_by_side_flags(ap)
     return ap
 
@@ -242,8 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/time_to_loss.py " + " ".join(sys.argv[1:] if argv is None else argv)
     load0 = os.getloadavg()[0]
     torch.set_num_threads(os.cpu_count() or 1)
-    smoke = [] if args.steps == RECIPE_STEPS else ["--max-steps", str(args.steps), "--warmup-steps", "1",
-                                                   "--decay-steps", "0"]
+    smoke = (
+        []
+        if args.steps == RECIPE_STEPS
+        else ["--max-steps", str(args.steps), "--warmup-steps", "1", "--decay-steps", "0"]
+    )
     plan: list[tuple[str, list[str]]] = []
     if "adamw" in rows:
         plan.append(("ours AdamW (nanoGPT's recipe)", RECIPE))
@@ -253,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     if "ablation" in rows:
         plan += abl[1:-1] + tried_rows()
     if "preset" in rows:
-        plan += [(f"--preset {PRESET} ({ABLATION[-1][0]}), seed {1337 + i}", ["--preset", PRESET, "--seed", str(1337 + i)])
-                 for i in range(args.seeds)]
+        plan += [
+            (f"--preset {PRESET} ({ABLATION[-1][0]}), seed {1337 + i}", ["--preset", PRESET, "--seed", str(1337 + i)])
+            for i in range(args.seeds)
+        ]
     nano_runs = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "shakespeare"
@@ -267,14 +355,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  nanoGPT run 1: val {nano_runs[0]['val']}", file=sys.stderr, flush=True)
             target = nano_runs[0]["val"][args.steps] if nano_runs else args.target
             dist = single_process("cpu")
-            contenders = [make_contender(label, flags + smoke, data, Path(tmp) / f"ours{i}", dist)
-                          for i, (label, flags) in enumerate(plan)]
+            contenders = [
+                make_contender(label, flags + smoke, data, Path(tmp) / f"ours{i}", dist)
+                for i, (label, flags) in enumerate(plan)
+            ]
             run_ours(contenders, windows, target, args.eval_every)
             if tree and args.nano_runs == 2:
                 nano_runs.append(run_nanogpt(tree, dataset, Path(tmp) / "nano1", args.steps, args.eval_every, windows))
         finally:
             if tree:
                 import shutil
+
                 shutil.rmtree(tree / "data" / dataset, ignore_errors=True)
     lines = header(command, load0, target, tree, args)
     lines += table(nano_runs, contenders, target, args.steps)
@@ -284,22 +375,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def header(command: str, load0: float, target: float, tree, args) -> list[str]:
     now = datetime.datetime.now(datetime.timezone.utc)
-    return [f"command: `{command.strip()}`",
-            f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {platform.machine()}, {os.cpu_count()} cores, "
-            f"avx512_bf16: {precision.cpu_bf16_instructions()}; nanoGPT "
-            + (nanogpt.PINNED[:12] if tree else "not run (--nanogpt none)")
-            + f"; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end",
-            f"target: val {target:.4f} ("
-            + (f"nanoGPT's at step {args.steps}" if tree else "--target") + f"); estimator: the first "
-            f"{args.val_tokens:,} val tokens in 64-token windows, every {args.eval_every} steps", ""]
+    return [
+        f"command: `{command.strip()}`",
+        f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {platform.machine()}, {os.cpu_count()} cores, "
+        f"avx512_bf16: {precision.cpu_bf16_instructions()}; nanoGPT "
+        + (nanogpt.PINNED[:12] if tree else "not run (--nanogpt none)")
+        + f"; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end",
+        f"target: val {target:.4f} ("
+        + (f"nanoGPT's at step {args.steps}" if tree else "--target")
+        + f"); estimator: the first "
+        f"{args.val_tokens:,} val tokens in 64-token windows, every {args.eval_every} steps",
+        "",
+    ]
 
 
 def table(nano_runs: list[dict], contenders: list[Contender], target: float, steps: int) -> list[str]:
     # The last two columns: steps x the median step, robust to the shared machine's bursts (a burst
     # inflates a run's sum but hardly its median); the time columns sum every step as measured.
-    lines = ["| run | steps to target | s/step (median) | training s to target | time vs nanoGPT | "
-             "val at the last step run | steps x median s | vs nanoGPT (steps x median) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| run | steps to target | s/step (median) | training s to target | time vs nanoGPT | "
+        "val at the last step run | steps x median s | vs nanoGPT (steps x median) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     base = robust_base = None
     if nano_runs:
         reach = [first_reach(r["val"], target) for r in nano_runs]
@@ -308,10 +405,13 @@ def table(nano_runs: list[dict], contenders: list[Contender], target: float, ste
         base = statistics.mean(s for s in secs if s is not None) if any(s is not None for s in secs) else None
         runs = "2 runs, before and after ours" if len(nano_runs) == 2 else "1 run, before ours"
         robust_base = reach[0] * med if reach[0] is not None else None
-        lines.append(f"| nanoGPT train.py ({runs}) | {reach[0]} | {med:.3f} | "
-                     + " / ".join("-" if s is None else f"{s:.1f}" for s in secs) + " | 1.00x | "
-                     f"{nano_runs[0]['val'][max(nano_runs[0]['val'])]:.4f} | "
-                     f"{'-' if robust_base is None else f'{robust_base:.1f}'} | 1.00x |")
+        lines.append(
+            f"| nanoGPT train.py ({runs}) | {reach[0]} | {med:.3f} | "
+            + " / ".join("-" if s is None else f"{s:.1f}" for s in secs)
+            + " | 1.00x | "
+            f"{nano_runs[0]['val'][max(nano_runs[0]['val'])]:.4f} | "
+            f"{'-' if robust_base is None else f'{robust_base:.1f}'} | 1.00x |"
+        )
     preset_times, preset_robust = [], []
     for c in contenders:
         t = counted_times(c.times, {0}) if c.times else []
@@ -324,13 +424,18 @@ def table(nano_runs: list[dict], contenders: list[Contender], target: float, ste
         robust_ratio = "-" if robust is None or not robust_base else f"{robust / robust_base:.2f}x"
         if c.label.startswith("--preset") and robust is not None and robust_base:
             preset_robust.append(robust / robust_base)
-        lines.append(f"| {c.label} | {c.reached if c.reached is not None else f'not by {last}'} | "
-                     f"{statistics.median(t) if t else math.nan:.3f} | {'-' if secs is None else f'{secs:.1f}'} | "
-                     f"{ratio} | {c.val[last]:.4f} | {'-' if robust is None else f'{robust:.1f}'} | {robust_ratio} |")
-    summary = [f"- --preset {PRESET} over {len(ratios)} seed(s), {what} vs nanoGPT: "
-               f"{statistics.mean(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x); "
-               f"goal <= 0.40x: {'met' if max(ratios) <= 0.4 else 'NOT met'}"
-               for what, ratios in (("time", preset_times), ("steps x median s/step", preset_robust)) if ratios]
+        lines.append(
+            f"| {c.label} | {c.reached if c.reached is not None else f'not by {last}'} | "
+            f"{statistics.median(t) if t else math.nan:.3f} | {'-' if secs is None else f'{secs:.1f}'} | "
+            f"{ratio} | {c.val[last]:.4f} | {'-' if robust is None else f'{robust:.1f}'} | {robust_ratio} |"
+        )
+    summary = [
+        f"- --preset {PRESET} over {len(ratios)} seed(s), {what} vs nanoGPT: "
+        f"{statistics.mean(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x); "
+        f"goal <= 0.40x: {'met' if max(ratios) <= 0.4 else 'NOT met'}"
+        for what, ratios in (("time", preset_times), ("steps x median s/step", preset_robust))
+        if ratios
+    ]
     return lines + ([""] + summary if summary else [])
 
 

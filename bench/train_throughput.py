@@ -46,7 +46,8 @@ DDP efficiency = (N processes x 1 thread tokens/s) / (1 process x N threads toke
 MFU = model FLOPs (gpt2.plan.flops.flops_per_token: 6N + 12LhT) per second over the matmul peak
 measured in this run (gpt2.core.precision.matmul_rate on a fixed 2048^3 matmul, taken at the start and
 after every round; the best of them, the least-disturbed measurement). On a shared machine the
-wall-clock numbers move with the load, so the in-process rows also give MFU by CPU time: FLOPs per CPU-second over the peak's FLOPs per
+wall-clock numbers move with the load, so the in-process rows also give MFU by CPU time: FLOPs per CPU-second over the
+peak's FLOPs per
 CPU-second (the same thread count), which load from other processes changes much less.
 """
 
@@ -74,17 +75,54 @@ from gpt2.distributed.group import Dist, WorldInfo, exit_after_group, single_pro
 from gpt2.plan.flops import flops_per_token
 from gpt2.train.session import Session, param_groups, parse_config, read_metrics
 
-ORDERS = {"compile, then DDP (the trainer)": "compile_ddp", "DDP, then compile": "ddp_compile",
-          "each block compiled, then DDP": "blocks", "eager DDP": "eager"}
+ORDERS = {
+    "compile, then DDP (the trainer)": "compile_ddp",
+    "DDP, then compile": "ddp_compile",
+    "each block compiled, then DDP": "blocks",
+    "eager DDP": "eager",
+}
 SMALL_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "128", "--block-size", "64", "--micro-batch-size", "4"]
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO_BATCH, BLOCK, TOKENS_PER_STEP = 8, 256, 4096
-WORKLOAD = ["--device", "cpu", "--n-layer", "6", "--n-head", "6", "--n-embd", "384", "--block-size", str(BLOCK),
-            "--vocab-size", "50304", "--micro-batch-size", str(MICRO_BATCH), "--total-batch-size",
-            str(TOKENS_PER_STEP), "--eval-tokens", "0", "--sample-interval", "0", "--ckpt-interval", "0",
-            "--keep-checkpoints", "1", "--plot", "false", "--log-interval", "1", "--warmup-steps", "2",
-            "--lr", "3e-4", "--min-lr", "3e-5", "--seed", "1337"]
+WORKLOAD = [
+    "--device",
+    "cpu",
+    "--n-layer",
+    "6",
+    "--n-head",
+    "6",
+    "--n-embd",
+    "384",
+    "--block-size",
+    str(BLOCK),
+    "--vocab-size",
+    "50304",
+    "--micro-batch-size",
+    str(MICRO_BATCH),
+    "--total-batch-size",
+    str(TOKENS_PER_STEP),
+    "--eval-tokens",
+    "0",
+    "--sample-interval",
+    "0",
+    "--ckpt-interval",
+    "0",
+    "--keep-checkpoints",
+    "1",
+    "--plot",
+    "false",
+    "--log-interval",
+    "1",
+    "--warmup-steps",
+    "2",
+    "--lr",
+    "3e-4",
+    "--min-lr",
+    "3e-5",
+    "--seed",
+    "1337",
+]
 
 
 @dataclass(frozen=True)
@@ -116,11 +154,15 @@ class Peaks:
         self.best: dict[str, precision.MatmulRate] = {}
 
     def measure(self) -> None:
-        for name, dtype in {"fp32": torch.float32, self.low: precision.Precision.from_key(self.low).torch_dtype}.items():
+        for name, dtype in {
+            "fp32": torch.float32,
+            self.low: precision.Precision.from_key(self.low).torch_dtype,
+        }.items():
             p = precision.matmul_rate("cpu", dtype, n=PEAK_N, budget_s=PEAK_BUDGET_S, fresh=True, cpu_time=True)
             old = self.best.get(name)
-            self.best[name] = p if old is None else precision.MatmulRate(
-                max(p.wall, old.wall), max(p.cpu, old.cpu), p.n)
+            self.best[name] = (
+                p if old is None else precision.MatmulRate(max(p.wall, old.wall), max(p.cpu, old.cpu), p.n)
+            )
 
 
 def write_random_shards(data_dir: Path, n_tokens: int) -> None:
@@ -142,6 +184,7 @@ class PlainLossCall(torch.nn.Module):
 @dataclass
 class Contender:
     """One in-process row: its own model, optimizer and loader, stepped in turn with the others."""
+
     name: str
     cfg: RunConfig
     session: Session
@@ -160,13 +203,18 @@ def prepare(name: str, cfg: RunConfig, dist: Dist, *, plain_loss: bool, loop_ada
         session.train_model = PlainLossCall(session.train_model)
     if loop_adamw:
         tc = cfg.train
-        session.optimizer = torch.optim.AdamW(param_groups(session.model, tc.weight_decay), lr=tc.lr,
-                                              betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False, fused=False)
+        session.optimizer = torch.optim.AdamW(
+            param_groups(session.model, tc.weight_decay),
+            lr=tc.lr,
+            betas=(tc.beta1, tc.beta2),
+            eps=tc.eps,
+            foreach=False,
+            fused=False,
+        )
     return Contender(name, cfg, session, [])
 
 
-def run_in_process(contenders: list[Contender], dist: Dist, peaks: "Peaks", *, steps: int,
-                   warmup: int) -> list[Row]:
+def run_in_process(contenders: list[Contender], dist: Dist, peaks: Peaks, *, steps: int, warmup: int) -> list[Row]:
     """Time the trainer's step (Session.step) for every row, one step of each in turn.
 
     Round-robin, so that every row sees the same mix of load from other processes: on a shared
@@ -181,23 +229,57 @@ def run_in_process(contenders: list[Contender], dist: Dist, peaks: "Peaks", *, s
                 c.times.append((time.perf_counter() - t0, time.process_time() - c0))
             c.first_loss = out["loss"] if c.first_loss is None else c.first_loss
         peaks.measure()
-        print(f"  round {i + 1}/{warmup + steps}: " + ", ".join(
-            f"{c.name} {c.times[-1][0]:.1f} s" for c in contenders if c.times), file=sys.stderr, flush=True)
+        print(
+            f"  round {i + 1}/{warmup + steps}: "
+            + ", ".join(f"{c.name} {c.times[-1][0]:.1f} s" for c in contenders if c.times),
+            file=sys.stderr,
+            flush=True,
+        )
     rows = []
     for c in contenders:
         step_s = statistics.median(t for t, _ in c.times)
-        rows.append(Row(c.name, f"1 x {torch.get_num_threads()}", c.cfg.train.dtype, step_s,
-                        TOKENS_PER_STEP / step_s, cpu_s=statistics.median(cpu for _, cpu in c.times),
-                        first_loss=c.first_loss))
+        rows.append(
+            Row(
+                c.name,
+                f"1 x {torch.get_num_threads()}",
+                c.cfg.train.dtype,
+                step_s,
+                TOKENS_PER_STEP / step_s,
+                cpu_s=statistics.median(cpu for _, cpu in c.times),
+                first_loss=c.first_loss,
+            )
+        )
     return rows
 
 
-def run_trainer(data_dir: Path, out_dir: Path, *, processes: int, threads: int, steps: int,
-                warmup: int, dtype: str, flags: tuple[str, ...] = ()) -> tuple[list[float], float]:
+def run_trainer(
+    data_dir: Path,
+    out_dir: Path,
+    *,
+    processes: int,
+    threads: int,
+    steps: int,
+    warmup: int,
+    dtype: str,
+    flags: tuple[str, ...] = (),
+) -> tuple[list[float], float]:
     """A real train_ddp.py run (torchrun for more than one process): its timed step times and
     first loss, from RUN/metrics.jsonl."""
-    args = ["train_ddp.py", *WORKLOAD, "--data-dir", str(data_dir), "--out-dir", str(out_dir),
-            "--num-threads", str(threads), "--max-steps", str(warmup + steps), "--dtype", dtype, *flags]
+    args = [
+        "train_ddp.py",
+        *WORKLOAD,
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--num-threads",
+        str(threads),
+        "--max-steps",
+        str(warmup + steps),
+        "--dtype",
+        dtype,
+        *flags,
+    ]
     if processes == 1:
         cmd = [sys.executable, *args]
     else:
@@ -212,14 +294,16 @@ def run_trainer(data_dir: Path, out_dir: Path, *, processes: int, threads: int, 
 @dataclass(frozen=True)
 class Layout:
     """One real-trainer row: processes x threads, and extra flags."""
+
     name: str
     processes: int
     threads: int
     flags: tuple[str, ...] = ()
 
 
-def run_alternating(data_dir: Path, tmp: Path, layouts: list[Layout], *, steps: int, warmup: int,
-                    rounds: int, dtype: str) -> tuple[list[Row], list[dict[str, float]]]:
+def run_alternating(
+    data_dir: Path, tmp: Path, layouts: list[Layout], *, steps: int, warmup: int, rounds: int, dtype: str
+) -> tuple[list[Row], list[dict[str, float]]]:
     """Real train_ddp.py runs of every layout, alternately (A B C, C B A, A B C, ...).
 
     The machine's load drifts over minutes; alternating the order puts every layout under the same
@@ -230,21 +314,41 @@ def run_alternating(data_dir: Path, tmp: Path, layouts: list[Layout], *, steps: 
     losses, per_round = {}, []
     for i in range(rounds):
         round_s = {}
-        for lay in (layouts if i % 2 == 0 else layouts[::-1]):
+        for lay in layouts if i % 2 == 0 else layouts[::-1]:
             step_times, losses[lay.name] = run_trainer(
-                data_dir, tmp / f"run_{i}_{len(round_s)}", processes=lay.processes, threads=lay.threads,
-                steps=steps, warmup=warmup, dtype=dtype, flags=lay.flags)
+                data_dir,
+                tmp / f"run_{i}_{len(round_s)}",
+                processes=lay.processes,
+                threads=lay.threads,
+                steps=steps,
+                warmup=warmup,
+                dtype=dtype,
+                flags=lay.flags,
+            )
             times[lay.name] += step_times
             round_s[lay.name] = statistics.median(step_times)
         per_round.append(round_s)
-        print(f"  real-trainer round {i + 1}/{rounds}: " + ", ".join(
-            f"{lay.name} ({lay.processes} x {lay.threads}) {round_s[lay.name]:.2f} s/step" for lay in layouts),
-            file=sys.stderr, flush=True)
+        print(
+            f"  real-trainer round {i + 1}/{rounds}: "
+            + ", ".join(
+                f"{lay.name} ({lay.processes} x {lay.threads}) {round_s[lay.name]:.2f} s/step" for lay in layouts
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     rows = []
     for lay in layouts:
         step_s = statistics.median(times[lay.name])
-        rows.append(Row(lay.name, f"{lay.processes} x {lay.threads}", dtype, step_s, TOKENS_PER_STEP / step_s,
-                        first_loss=losses[lay.name]))
+        rows.append(
+            Row(
+                lay.name,
+                f"{lay.processes} x {lay.threads}",
+                dtype,
+                step_s,
+                TOKENS_PER_STEP / step_s,
+                first_loss=losses[lay.name],
+            )
+        )
     return rows, per_round
 
 
@@ -276,8 +380,9 @@ def _order_rank(rank: int, order: str, args: list[str], steps: int, warmup: int,
     exit_after_group(0, WorldInfo(rank, rank, 2, 2))
 
 
-def run_orders(data_dir: Path, tmp: Path, *, steps: int, warmup: int, small: bool, rounds: int,
-               skip: set[str] = frozenset()) -> list[str]:
+def run_orders(
+    data_dir: Path, tmp: Path, *, steps: int, warmup: int, small: bool, rounds: int, skip: set[str] = frozenset()
+) -> list[str]:
     """The DDP/compile order rows: the lines of their own table (first step, s/step, ratio).
 
     Each order runs `rounds` times, alternately (A B C D, D C B A, ...) as the real-trainer rows do:
@@ -288,18 +393,36 @@ def run_orders(data_dir: Path, tmp: Path, *, steps: int, warmup: int, small: boo
     orders = {name: order for name, order in ORDERS.items() if order == "compile_ddp" or order not in skip}
     results = {name: {"first": [], "times": [], "losses": []} for name in orders}
     for i in range(rounds):
-        for name in (list(orders) if i % 2 == 0 else list(orders)[::-1]):
-            results[name] = _merge(results[name], _run_order(data_dir, tmp / f"order_{orders[name]}_{i}", orders[name],
-                                                             steps=steps, warmup=warmup, tokens=tokens, small=small))
-            print(f"  order round {i + 1}/{rounds}, {name}: first step {results[name]['first'][-1]:.1f} s",
-                  file=sys.stderr, flush=True)
+        for name in list(orders) if i % 2 == 0 else list(orders)[::-1]:
+            results[name] = _merge(
+                results[name],
+                _run_order(
+                    data_dir,
+                    tmp / f"order_{orders[name]}_{i}",
+                    orders[name],
+                    steps=steps,
+                    warmup=warmup,
+                    tokens=tokens,
+                    small=small,
+                ),
+            )
+            print(
+                f"  order round {i + 1}/{rounds}, {name}: first step {results[name]['first'][-1]:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     base = statistics.median(results["compile, then DDP (the trainer)"]["times"])
-    lines = ["| DDP / compile order (2 x 1, gloo) | first step (compiles), s | s/step | step vs the trainer's "
-             "| loss (last step) |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| DDP / compile order (2 x 1, gloo) | first step (compiles), s | s/step | step vs the trainer's "
+        "| loss (last step) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         step_s = statistics.median(r["times"])
-        lines.append(f"| {name} | {statistics.median(r['first']):.1f} | {step_s:.3f} | {step_s / base:.2f}x | "
-                     f"{r['losses'][-1]:.4f} |")
+        lines.append(
+            f"| {name} | {statistics.median(r['first']):.1f} | {step_s:.3f} | {step_s / base:.2f}x | "
+            f"{r['losses'][-1]:.4f} |"
+        )
     return lines
 
 
@@ -314,9 +437,24 @@ def _run_order(data_dir: Path, run: Path, order: str, *, steps: int, warmup: int
     import torch.multiprocessing as mp
 
     run.mkdir()
-    args = [*WORKLOAD, *(SMALL_MODEL if small else []), "--dtype", "float32", "--num-threads", "1",
-            "--total-batch-size", str(tokens), "--ddp-bucket-cap-mb", "4", "--max-steps", str(warmup + steps),
-            "--data-dir", str(data_dir), "--out-dir", str(run / "out")]
+    args = [
+        *WORKLOAD,
+        *(SMALL_MODEL if small else []),
+        "--dtype",
+        "float32",
+        "--num-threads",
+        "1",
+        "--total-batch-size",
+        str(tokens),
+        "--ddp-bucket-cap-mb",
+        "4",
+        "--max-steps",
+        str(warmup + steps),
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(run / "out"),
+    ]
     old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(run / "inductor")  # every order compiles from scratch
     try:
@@ -333,15 +471,19 @@ def _run_order(data_dir: Path, run: Path, order: str, *, steps: int, warmup: int
 def table(rows: list[Row], cfg: RunConfig, peaks: Peaks) -> str:
     flops_step = flops_per_token(cfg.model) * TOKENS_PER_STEP
     own, low = precision.SHORT_NAMES, peaks.low
-    out = [f"| configuration | processes x threads | s/step | tokens/s | MFU vs {low} peak | MFU vs own dtype peak "
-           f"| MFU vs {low} peak, CPU time | loss (step 1) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        f"| configuration | processes x threads | s/step | tokens/s | MFU vs {low} peak | MFU vs own dtype peak "
+        f"| MFU vs {low} peak, CPU time | loss (step 1) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         achieved = flops_step / r.step_s
         by_cpu = "" if r.cpu_s is None else f"{flops_step / r.cpu_s / peaks.best[low].cpu:.1%}"
-        out.append(f"| {r.name} | {r.layout} | {r.step_s:.2f} | {r.tokens_per_s:,.0f} | "
-                   f"{achieved / peaks.best[low].wall:.1%} | {achieved / peaks.best[own[r.dtype]].wall:.1%} "
-                   f"({own[r.dtype]}) | {by_cpu} | {r.first_loss:.4f} |")
+        out.append(
+            f"| {r.name} | {r.layout} | {r.step_s:.2f} | {r.tokens_per_s:,.0f} | "
+            f"{achieved / peaks.best[low].wall:.1%} | {achieved / peaks.best[own[r.dtype]].wall:.1%} "
+            f"({own[r.dtype]}) | {by_cpu} | {r.first_loss:.4f} |"
+        )
     return "\n".join(out)
 
 
@@ -349,15 +491,30 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per row (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="cores to use: 1 process x THREADS vs THREADS processes x 1")
-    ap.add_argument("--ddp-rounds", type=int, default=2,
-                    help="alternating runs of each DDP layout (A B, B A, ...): the load drifts between runs")
-    ap.add_argument("--skip", default="",
-                    help="comma-separated rows to leave out: fp32,fp32c,full,v0,v1,bf16c,muon,ddp,muon-ddp, and order "
-                    "(the DDP/compile order rows) or single order rows: ddp_compile,blocks,eager")
-    ap.add_argument("--order-model", choices=("workload", "small"), default="workload",
-                    help="the model of the DDP/compile order rows: the workload's, or a 2-layer 128-wide one")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="cores to use: 1 process x THREADS vs THREADS processes x 1",
+    )
+    ap.add_argument(
+        "--ddp-rounds",
+        type=int,
+        default=2,
+        help="alternating runs of each DDP layout (A B, B A, ...): the load drifts between runs",
+    )
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated rows to leave out: fp32,fp32c,full,v0,v1,bf16c,muon,ddp,muon-ddp, and order "
+        "(the DDP/compile order rows) or single order rows: ddp_compile,blocks,eager",
+    )
+    ap.add_argument(
+        "--order-model",
+        choices=("workload", "small"),
+        default="workload",
+        help="the model of the DDP/compile order rows: the workload's, or a 2-layer 128-wide one",
+    )
     ap.add_argument("--md", type=Path, help="also write the Markdown report here")
     return ap
 
@@ -381,12 +538,17 @@ def main(argv: list[str] | None = None) -> int:
         data.mkdir()
         write_random_shards(data, TOKENS_PER_STEP * (args.warmup + args.steps + 2) + 1)
         lowc = ["--dtype", auto.dtype, "--compile", "true"]
-        plan = [("fp32", "fp32 eager", ["--dtype", "float32", "--compile", "false"]),
-                ("fp32c", "fp32 compiled", ["--dtype", "float32", "--compile", "true"]),
-                ("full", "fp32 compiled, --loss-impl full", ["--dtype", "float32", "--compile", "true",
-                                                             "--loss-impl", "full"]),
-                ("v0", f"{low} compiled, plain loss + for-loop AdamW", lowc),
-                ("v1", f"{low} compiled, chunked loss + for-loop AdamW", lowc)]
+        plan = [
+            ("fp32", "fp32 eager", ["--dtype", "float32", "--compile", "false"]),
+            ("fp32c", "fp32 compiled", ["--dtype", "float32", "--compile", "true"]),
+            (
+                "full",
+                "fp32 compiled, --loss-impl full",
+                ["--dtype", "float32", "--compile", "true", "--loss-impl", "full"],
+            ),
+            ("v0", f"{low} compiled, plain loss + for-loop AdamW", lowc),
+            ("v1", f"{low} compiled, chunked loss + for-loop AdamW", lowc),
+        ]
         if low != "fp32":
             plan.append(("bf16c", f"{low} compiled", lowc))
         plan.append(("muon", f"{low} compiled, --optimizer muon", lowc + ["--optimizer", "muon"]))
@@ -411,14 +573,22 @@ def main(argv: list[str] | None = None) -> int:
             layouts.append(Layout(many_muon, args.threads, 1, ("--optimizer", "muon")))
         per_round = []
         if layouts:
-            real, per_round = run_alternating(data, Path(tmp), layouts, steps=args.steps, warmup=args.warmup,
-                                              rounds=args.ddp_rounds, dtype=auto.dtype)
+            real, per_round = run_alternating(
+                data, Path(tmp), layouts, steps=args.steps, warmup=args.warmup, rounds=args.ddp_rounds, dtype=auto.dtype
+            )
             rows += real
             peaks.measure()
         order_lines = []
         if "order" not in skip:
-            order_lines = run_orders(data, Path(tmp), steps=args.steps, warmup=args.warmup,
-                                     small=args.order_model == "small", rounds=args.ddp_rounds, skip=skip)
+            order_lines = run_orders(
+                data,
+                Path(tmp),
+                steps=args.steps,
+                warmup=args.warmup,
+                small=args.order_model == "small",
+                rounds=args.ddp_rounds,
+                skip=skip,
+            )
     cfg = parse_config(base + ["--data-dir", "unused", "--out-dir", "unused"])
     now = datetime.datetime.now(datetime.timezone.utc)
     header = [
@@ -429,8 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{TOKENS_PER_STEP:,} tokens/step; {flops_per_token(cfg.model) / 1e6:.1f} MFLOP/token; "
         f"median of {args.steps} steps after {args.warmup} warm-up",
         f"matmul peaks ({args.threads} threads, best 2048^3 of the run): "
-        + ", ".join(f"{k} {p.wall / 1e9:,.0f} GFLOP/s ({p.cpu / 1e9:,.0f} per CPU-second)"
-                    for k, p in peaks.best.items()),
+        + ", ".join(
+            f"{k} {p.wall / 1e9:,.0f} GFLOP/s ({p.cpu / 1e9:,.0f} per CPU-second)" for k, p in peaks.best.items()
+        ),
         f"load average (other processes on the cores): {start_load:.1f} at start, {os.getloadavg()[0]:.1f} at end",
     ]
     report = "\n".join(header) + ("\n\n" + table(rows, cfg, peaks) if rows else "")
@@ -447,24 +618,33 @@ def main(argv: list[str] | None = None) -> int:
     if "fp32 compiled" in by_name and "fp32 compiled, --loss-impl full" in by_name:
         ratio = by_name["fp32 compiled"].step_s / by_name["fp32 compiled, --loss-impl full"].step_s
         goals.append(f"fp32 compiled step time, chunked loss / full logits: {ratio:.2f}x (round-robin, same load)")
-    timed = f"median of all {args.ddp_rounds * args.steps} timed steps of each over {args.ddp_rounds} alternating rounds"
+    timed = (
+        f"median of all {args.ddp_rounds * args.steps} timed steps of each over {args.ddp_rounds} alternating rounds"
+    )
     if one in by_name and many in by_name:
         ddp = by_name[many].tokens_per_s / by_name[one].tokens_per_s
-        goals.append(f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%); {timed} "
-                     "(per round: " + ", ".join(f"{r[one] / r[many]:.1%}" for r in per_round) + ")")
+        goals.append(
+            f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%); {timed} "
+            "(per round: " + ", ".join(f"{r[one] / r[many]:.1%}" for r in per_round) + ")"
+        )
     if many_muon in by_name:
         cost = by_name[many_muon].step_s / by_name[many].step_s - 1
-        goals.append(f"--optimizer muon under torchrun ({args.threads} x 1, the orthogonalisation spread over "
-                     f"ranks): {cost:+.1%} step time against AdamW's (goal < 10%); {timed} (per round: "
-                     + ", ".join(f"{r[many_muon] / r[many] - 1:+.1%}" for r in per_round) + ")")
+        goals.append(
+            f"--optimizer muon under torchrun ({args.threads} x 1, the orthogonalisation spread over "
+            f"ranks): {cost:+.1%} step time against AdamW's (goal < 10%); {timed} (per round: "
+            + ", ".join(f"{r[many_muon] / r[many] - 1:+.1%}" for r in per_round)
+            + ")"
+        )
     if goals:
         report += "\n\n" + "\n".join(f"- {g}" for g in goals)
     if order_lines:
-        report += ("\n\nDDP and torch.compile orders (" + ("2-layer 128-wide model, block 64, 512 tokens/step"
-                   if args.order_model == "small" else "the workload") + f", fp32, 4 MiB buckets; median of "
-                   f"all {args.ddp_rounds * args.steps} timed steps of {args.ddp_rounds} alternating rounds, each run "
-                   f"after {args.warmup} untimed and with a fresh inductor cache):\n\n"
-                   + "\n".join(order_lines))
+        report += (
+            "\n\nDDP and torch.compile orders ("
+            + ("2-layer 128-wide model, block 64, 512 tokens/step" if args.order_model == "small" else "the workload")
+            + f", fp32, 4 MiB buckets; median of "
+            f"all {args.ddp_rounds * args.steps} timed steps of {args.ddp_rounds} alternating rounds, each run "
+            f"after {args.warmup} untimed and with a fresh inductor cache):\n\n" + "\n".join(order_lines)
+        )
     print(report)
     if args.md:
         args.md.write_text(report + "\n")

@@ -30,7 +30,8 @@ at every shape and mode run, the top ops by self CPU time: where the time goes.
 
 By micro-batch (--micro-batches B1,B2; the GPU mode, `--device cuda`, defaults to the gpt2 shape and 12,16):
 
-    python bench/vs_nanogpt.py --device cuda --nanogpt .gpu/nanogpt --data-dir .gpu/data --steps 20 --warmup 10 --rounds 1
+    python bench/vs_nanogpt.py --device cuda --nanogpt .gpu/nanogpt --data-dir .gpu/data --steps 20 --warmup 10
+    --rounds 1
 
   gpt2    GPT-2 124M (`--preset gpt2`: 12 layers, 12 heads, 768 wide, block 1024, vocab 50304), compiled
   smoke   tiny, the micro-batch left to auto as --preset gpt2 leaves it (bench/gpu_session.py --cpu-smoke)
@@ -94,33 +95,97 @@ class Shape:
 
 
 SHAPES = {
-    "w1": Shape("W1: 6L 6H 384w, block 256, 8 x 256", ("--n-layer", "6", "--n-head", "6", "--n-embd", "384",
-                "--block-size", "256", "--micro-batch-size", "8", "--total-batch-size", "2048"),
-                dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8, gradient_accumulation_steps=1),
-                2048),
-    "debug": Shape("quick start: --preset debug, 4L 4H 128w, block 128, 2 x 8 x 128", ("--preset", "debug"),
-                   dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=8, gradient_accumulation_steps=2),
-                   2048),
-    "gpt2": Shape("GPT-2 124M: --preset gpt2, 12L 12H 768w, block 1024, vocab 50304", ("--preset", "gpt2"),
-                  dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=12, gradient_accumulation_steps=1),
-                  524_288),
-    "tiny": Shape("tiny: 2L 2H 64w, block 32, 2 x 32", ("--n-layer", "2", "--n-head", "2", "--n-embd", "64",
-                  "--block-size", "32", "--micro-batch-size", "2", "--total-batch-size", "64"),
-                  dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=2, gradient_accumulation_steps=1),
-                  64),
+    "w1": Shape(
+        "W1: 6L 6H 384w, block 256, 8 x 256",
+        (
+            "--n-layer",
+            "6",
+            "--n-head",
+            "6",
+            "--n-embd",
+            "384",
+            "--block-size",
+            "256",
+            "--micro-batch-size",
+            "8",
+            "--total-batch-size",
+            "2048",
+        ),
+        dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8, gradient_accumulation_steps=1),
+        2048,
+    ),
+    "debug": Shape(
+        "quick start: --preset debug, 4L 4H 128w, block 128, 2 x 8 x 128",
+        ("--preset", "debug"),
+        dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=8, gradient_accumulation_steps=2),
+        2048,
+    ),
+    "gpt2": Shape(
+        "GPT-2 124M: --preset gpt2, 12L 12H 768w, block 1024, vocab 50304",
+        ("--preset", "gpt2"),
+        dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=12, gradient_accumulation_steps=1),
+        524_288,
+    ),
+    "tiny": Shape(
+        "tiny: 2L 2H 64w, block 32, 2 x 32",
+        (
+            "--n-layer",
+            "2",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "64",
+            "--block-size",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--total-batch-size",
+            "64",
+        ),
+        dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=2, gradient_accumulation_steps=1),
+        64,
+    ),
     # The GPU session's smoke test (bench/gpu_session.py --cpu-smoke): tiny, with the micro-batch left to
     # auto as --preset gpt2 leaves it, 8 sequences per step for auto to split.
-    "smoke": Shape("smoke: 2L 2H 64w, block 32, micro-batch auto of 8 x 32", ("--n-layer", "2", "--n-head", "2",
-                   "--n-embd", "64", "--block-size", "32", "--total-batch-size", "256"),
-                   dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=2, gradient_accumulation_steps=1),
-                   256),
+    "smoke": Shape(
+        "smoke: 2L 2H 64w, block 32, micro-batch auto of 8 x 32",
+        ("--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--total-batch-size", "256"),
+        dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=2, gradient_accumulation_steps=1),
+        256,
+    ),
 }
-QUIET = ("--device", "cpu", "--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0",
-         "--ckpt-interval", "0", "--plot", "false", "--log-interval", "1", "--seed", "1337")
+QUIET = (
+    "--device",
+    "cpu",
+    "--eval-interval",
+    "0",
+    "--eval-tokens",
+    "0",
+    "--sample-interval",
+    "0",
+    "--ckpt-interval",
+    "0",
+    "--plot",
+    "false",
+    "--log-interval",
+    "1",
+    "--seed",
+    "1337",
+)
 BY_BATCH_ONLY = ("gpt2", "smoke")
 """Shapes whose nanoGPT batch differs from ours' global batch: compared by micro-batch only."""
-NANO_FIXED = dict(dtype="float32", bias=True, dropout=0.0, eval_interval=1_000_000, eval_iters=1, log_interval=1,
-                  always_save_checkpoint=False, warmup_iters=2, learning_rate=6e-4, min_lr=6e-5)
+NANO_FIXED = dict(
+    dtype="float32",
+    bias=True,
+    dropout=0.0,
+    eval_interval=1_000_000,
+    eval_iters=1,
+    log_interval=1,
+    always_save_checkpoint=False,
+    warmup_iters=2,
+    learning_rate=6e-4,
+    min_lr=6e-5,
+)
 
 
 @dataclass
@@ -170,23 +235,32 @@ class OursRun:
 
 def run_train(flags: list[str], out: Path, timeout: int = 7200) -> OursRun:
     """A real `python train_ddp.py FLAGS` run, read back from its metrics.jsonl, config.json and log."""
-    done = subprocess.run([sys.executable, "train_ddp.py", *flags], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "train_ddp.py", *flags], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
     if done.returncode:
-        raise RuntimeError(f"train_ddp.py {' '.join(flags)} failed (exit {done.returncode}): "
-                           f"{(done.stdout + done.stderr).strip()[-2000:]}")
+        raise RuntimeError(
+            f"train_ddp.py {' '.join(flags)} failed (exit {done.returncode}): "
+            f"{(done.stdout + done.stderr).strip()[-2000:]}"
+        )
     records = sorted((r for r in read_metrics(out / "metrics.jsonl") if "step_s" in r), key=lambda r: r["step"])
     conf = json.loads((out / "config.json").read_text())
     log = out / "train.log"  # every start-up line; the console has only the short start-up
-    return OursRun([r["step_s"] for r in records], conf["config"]["train"],
-                   startup_said(log.read_text() if log.is_file() else done.stdout + done.stderr),
-                   max((r["mem_mb"] for r in records if r.get("mem_mb") is not None), default=None))
+    return OursRun(
+        [r["step_s"] for r in records],
+        conf["config"]["train"],
+        startup_said(log.read_text() if log.is_file() else done.stdout + done.stderr),
+        max((r["mem_mb"] for r in records if r.get("mem_mb") is not None), default=None),
+    )
 
 
 def startup_said(log: str) -> str:
     """The start-up lines of a train_ddp.py log that say which precision, micro-batch and loss path auto took."""
-    return " / ".join(line.split("]", 1)[-1].strip() for line in log.splitlines()
-                      if "precision  " in line or "loss       " in line or "micro-batch auto:" in line)
+    return " / ".join(
+        line.split("]", 1)[-1].strip()
+        for line in log.splitlines()
+        if "precision  " in line or "loss       " in line or "micro-batch auto:" in line
+    )
 
 
 def run_ours(row: Row, shape: Shape, data: Path, out: Path, steps: int) -> tuple[list[float], str, str]:
@@ -203,13 +277,28 @@ def run_ours(row: Row, shape: Shape, data: Path, out: Path, steps: int) -> tuple
 
 
 def run_nano(row: Row, shape: Shape, tree: Path, dataset: str, out: Path, steps: int) -> list[float]:
-    flags = {**NANO_FIXED, **shape.nano, "dataset": dataset, "compile": row.mode == "compiled",
-             "max_iters": steps - 1}  # iterations 0..max_iters: `steps` of them
+    flags = {
+        **NANO_FIXED,
+        **shape.nano,
+        "dataset": dataset,
+        "compile": row.mode == "compiled",
+        "max_iters": steps - 1,
+    }  # iterations 0..max_iters: `steps` of them
     return nanogpt.run(tree, flags, out).step_s
 
 
-def measure(rows: list[Row], shapes: dict[str, Shape], data: Path, tree: Path | None, dataset: str, tmp: Path, *,
-            steps: int, warmup: int, rounds: int) -> None:
+def measure(
+    rows: list[Row],
+    shapes: dict[str, Shape],
+    data: Path,
+    tree: Path | None,
+    dataset: str,
+    tmp: Path,
+    *,
+    steps: int,
+    warmup: int,
+    rounds: int,
+) -> None:
     """Every row `rounds` times, alternately; each run's steps after the warm-up go into its row."""
     for i in range(rounds):
         for j, row in enumerate(rows if i % 2 == 0 else rows[::-1]):
@@ -220,8 +309,11 @@ def measure(rows: list[Row], shapes: dict[str, Shape], data: Path, tree: Path | 
             else:
                 times, row.dtype, row.note = run_ours(row, shape, data, out, warmup + steps)
             row.times += times[warmup:]
-            print(f"  round {i + 1}/{rounds}: {row.shape} {row.name}: {statistics.median(times[warmup:]):.3f} s/step",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  round {i + 1}/{rounds}: {row.shape} {row.name}: {statistics.median(times[warmup:]):.3f} s/step",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def peak(dtype: str) -> float:
@@ -235,28 +327,37 @@ def report_lines(rows: list[Row], shapes: dict[str, Shape], key: str) -> list[st
     flops_step = flops_per_token(cfg.model) * shape.tokens
     nano = {r.mode: r for r in mine if r.who == "nanoGPT"}
     best = min(nano.values(), key=lambda r: r.step_s) if nano else None
-    lines = [f"**{shape.name}** ({flops_step / shape.tokens / 1e6:.1f} MFLOP/token, {shape.tokens:,} tokens/step)", "",
-             "| row | dtype | s/step | tokens/s | speed vs nanoGPT same mode | vs nanoGPT's best | MFU (own dtype peak) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"**{shape.name}** ({flops_step / shape.tokens / 1e6:.1f} MFLOP/token, {shape.tokens:,} tokens/step)",
+        "",
+        "| row | dtype | s/step | tokens/s | speed vs nanoGPT same mode | vs nanoGPT's best | MFU (own dtype peak) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in mine:
         same = nano.get(r.mode)
         vs = f"{same.step_s / r.step_s:.2f}x" if same else "-"
         vs_best = f"{best.step_s / r.step_s:.2f}x" if best else "-"
         mfu = flops_step / r.step_s / peak(r.dtype)
-        lines.append(f"| {r.name} | {precision.SHORT_NAMES.get(r.dtype, r.dtype)} | {r.step_s:.3f} | "
-                     f"{shape.tokens / r.step_s:,.0f} | {vs} | {vs_best} | {mfu:.1%} |")
+        lines.append(
+            f"| {r.name} | {precision.SHORT_NAMES.get(r.dtype, r.dtype)} | {r.step_s:.3f} | "
+            f"{shape.tokens / r.step_s:,.0f} | {vs} | {vs_best} | {mfu:.1%} |"
+        )
     default_mode = "compiled" if shape.default_compile else "eager"
     ours = next((r for r in mine if r.who == "ours" and r.mode == default_mode), None)
     notes = [f"- ours at defaults here is `{default_mode}` (train_ddp.py with no --compile flag at this shape)"]
     notes += [f"- {r.name}: its start-up said: {r.note}" for r in mine if r.who == "ours" and r.note]
     if ours and best:
         ratio = best.step_s / ours.step_s
-        notes.append(f"- ours at defaults ({default_mode}) against nanoGPT's best ({best.name}): **{ratio:.2f}x** "
-                     f"speed (goal >= 1.00x): {'met' if ratio >= 1 else 'NOT met'}")
+        notes.append(
+            f"- ours at defaults ({default_mode}) against nanoGPT's best ({best.name}): **{ratio:.2f}x** "
+            f"speed (goal >= 1.00x): {'met' if ratio >= 1 else 'NOT met'}"
+        )
     if ours and key == "w1":
         mfu = flops_step / ours.step_s / peak(ours.dtype)
-        notes.append(f"- MFU of ours at defaults: **{mfu:.1%}** of the measured {ours.dtype} matmul peak "
-                     f"({peak(ours.dtype) / 1e9:,.0f} GFLOP/s) (goal >= 75%): {'met' if mfu >= 0.75 else 'NOT met'}")
+        notes.append(
+            f"- MFU of ours at defaults: **{mfu:.1%}** of the measured {ours.dtype} matmul peak "
+            f"({peak(ours.dtype) / 1e9:,.0f} GFLOP/s) (goal >= 75%): {'met' if mfu >= 0.75 else 'NOT met'}"
+        )
     return lines + [""] + [n for n in notes if n]
 
 
@@ -267,8 +368,18 @@ def profile_ours(shape: Shape, mode: str, data: Path, out: Path, steps: int, top
     from gpt2.distributed.group import single_process
     from gpt2.train.session import Session
 
-    flags = [*shape.ours, *QUIET, "--max-steps", str(steps + 2), "--data-dir", str(data), "--out-dir", str(out),
-             "--compile", str(mode == "compiled").lower()]
+    flags = [
+        *shape.ours,
+        *QUIET,
+        "--max-steps",
+        str(steps + 2),
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(out),
+        "--compile",
+        str(mode == "compiled").lower(),
+    ]
     torch._dynamo.reset()
     session = Session(parse_config(flags), single_process("cpu"), resolve=True)
     cfg = session.cfg
@@ -279,8 +390,14 @@ def profile_ours(shape: Shape, mode: str, data: Path, out: Path, steps: int, top
             session.step()
     session.close()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
-    return [f"profile: ours at defaults, {mode}, {shape.name} ({cfg.train.dtype}, loss {cfg.train.loss_impl}), "
-            f"{steps} steps, top {top} ops by self CPU time:", "", "```", table.strip(), "```"]
+    return [
+        f"profile: ours at defaults, {mode}, {shape.name} ({cfg.train.dtype}, loss {cfg.train.loss_impl}), "
+        f"{steps} steps, top {top} ops by self CPU time:",
+        "",
+        "```",
+        table.strip(),
+        "```",
+    ]
 
 
 # ---- By micro-batch (the GPU mode): nanoGPT B, ours B, ours at defaults; every row compiled ----
@@ -298,8 +415,9 @@ def by_batch_rows(shape: str, batches: list[int], with_nano: bool, defaults: str
     a time limit may cut the rows after it) or not at all (defaults: last, first, none)."""
     rows = []
     for b in batches:
-        rows += ([Row(shape, "by-batch", "nanoGPT", micro_batch=b)] if with_nano else []) + \
-                [Row(shape, "by-batch", "ours", micro_batch=b)]
+        rows += ([Row(shape, "by-batch", "nanoGPT", micro_batch=b)] if with_nano else []) + [
+            Row(shape, "by-batch", "ours", micro_batch=b)
+        ]
     default = [Row(shape, "by-batch", "ours")]
     return {"first": default + rows, "last": rows + default, "none": rows}[defaults]
 
@@ -307,35 +425,70 @@ def by_batch_rows(shape: str, batches: list[int], with_nano: bool, defaults: str
 def nano_batch_flags(shape: Shape, batch: int, *, device: str, dataset: str, steps: int, compile: bool = True) -> dict:
     """nanoGPT's train.py flags for one micro-batch row: compiled, bf16 on CUDA (fp32 on a CPU, where its
     autocast is nullcontext anyway), one micro-step per iteration, `steps` iterations."""
-    return {**NANO_FIXED, **shape.nano, "device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
-            "compile": compile, "batch_size": batch, "gradient_accumulation_steps": 1, "dataset": dataset,
-            "max_iters": steps - 1}  # iterations 0..max_iters: `steps` of them
+    return {
+        **NANO_FIXED,
+        **shape.nano,
+        "device": device,
+        "dtype": "bfloat16" if device == "cuda" else "float32",
+        "compile": compile,
+        "batch_size": batch,
+        "gradient_accumulation_steps": 1,
+        "dataset": dataset,
+        "max_iters": steps - 1,
+    }  # iterations 0..max_iters: `steps` of them
 
 
-def ours_batch_flags(shape: Shape, batch: int | None, *, device: str, data: Path, out: Path, steps: int,
-                     compile: bool = True) -> list[str]:
+def ours_batch_flags(
+    shape: Shape, batch: int | None, *, device: str, data: Path, out: Path, steps: int, compile: bool = True
+) -> list[str]:
     """train_ddp.py's flags for one micro-batch row: the shape at its defaults (compiled, dtype and loss
     auto), on `device`; batch fixes the micro-batch at one micro-step per step, None leaves it all to auto."""
-    flags = [*shape.ours, *quiet_flags(device), "--max-steps", str(steps), "--data-dir", str(data),
-             "--out-dir", str(out), "--compile", str(compile).lower()]
+    flags = [
+        *shape.ours,
+        *quiet_flags(device),
+        "--max-steps",
+        str(steps),
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(out),
+        "--compile",
+        str(compile).lower(),
+    ]
     if batch is not None:
         flags += ["--micro-batch-size", str(batch), "--total-batch-size", str(batch * shape.nano["block_size"])]
     return flags
 
 
-def run_by_batch_row(row: Row, shape: Shape, *, device: str, data: Path, tree: Path | None, dataset: str,
-                     out: Path, steps: int, warmup: int, compile: bool = True) -> None:
+def run_by_batch_row(
+    row: Row,
+    shape: Shape,
+    *,
+    device: str,
+    data: Path,
+    tree: Path | None,
+    dataset: str,
+    out: Path,
+    steps: int,
+    warmup: int,
+    compile: bool = True,
+) -> None:
     """One run of a micro-batch row; its timed steps, tokens per step, dtype and peak memory go into the row."""
     block = shape.nano["block_size"]
     if row.who == "nanoGPT":
-        flags = nano_batch_flags(shape, row.micro_batch, device=device, dataset=dataset, steps=warmup + steps,
-                                 compile=compile)
+        flags = nano_batch_flags(
+            shape, row.micro_batch, device=device, dataset=dataset, steps=warmup + steps, compile=compile
+        )
         nano = nanogpt.run(tree, flags, out, wrapper=nanogpt.MEASURE_MEMORY)
         times, row.dtype, peak = nano.step_s, flags["dtype"], nano.peak_mib
         row.tokens, row.resolved_batch = row.micro_batch * block, f"{row.micro_batch} x 1"
     else:
-        ours = run_train(ours_batch_flags(shape, row.micro_batch, device=device, data=data, out=out,
-                                          steps=warmup + steps, compile=compile), out)
+        ours = run_train(
+            ours_batch_flags(
+                shape, row.micro_batch, device=device, data=data, out=out, steps=warmup + steps, compile=compile
+            ),
+            out,
+        )
         if ours.train["compile"] != compile:
             raise RuntimeError(f"{row.name}: train_ddp.py ran with compile={ours.train['compile']}")
         times, row.dtype, row.note, peak = ours.step_s, ours.train["dtype"], ours.said, ours.peak_mib
@@ -346,8 +499,21 @@ def run_by_batch_row(row: Row, shape: Shape, *, device: str, data: Path, tree: P
         row.peak_mib = max(peak, row.peak_mib or 0.0)
 
 
-def measure_by_batch(rows: list[Row], shape: Shape, *, device: str, data: Path, tree: Path | None, dataset: str,
-                     tmp: Path, steps: int, warmup: int, rounds: int, after_row=None, compile: bool = True) -> None:
+def measure_by_batch(
+    rows: list[Row],
+    shape: Shape,
+    *,
+    device: str,
+    data: Path,
+    tree: Path | None,
+    dataset: str,
+    tmp: Path,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    after_row=None,
+    compile: bool = True,
+) -> None:
     """Every row `rounds` times, alternately, as measure(); a row whose run fails keeps its error and the
     others go on. after_row(): called after every run (the partial report is written there)."""
     for i in range(rounds):
@@ -355,8 +521,18 @@ def measure_by_batch(rows: list[Row], shape: Shape, *, device: str, data: Path, 
             if row.error:
                 continue
             try:
-                run_by_batch_row(row, shape, device=device, data=data, tree=tree, dataset=dataset,
-                                 out=tmp / f"b{i}_{j}", steps=steps, warmup=warmup, compile=compile)
+                run_by_batch_row(
+                    row,
+                    shape,
+                    device=device,
+                    data=data,
+                    tree=tree,
+                    dataset=dataset,
+                    out=tmp / f"b{i}_{j}",
+                    steps=steps,
+                    warmup=warmup,
+                    compile=compile,
+                )
                 said = f"{statistics.median(row.times):.4f} s/step"
             except (RuntimeError, nanogpt.NanoGPTError, subprocess.TimeoutExpired, OSError, KeyError) as e:
                 row.error = " ".join(str(e).split())[-300:] or type(e).__name__  # the end says why
@@ -401,11 +577,18 @@ def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[s
     per_token = flops_per_token(cfg.model)
     done = [r for r in rows if r.times]
     nano = {r.micro_batch: r for r in done if r.who == "nanoGPT"}
-    lines = [f"**{shape.name}** on {device.name} ({per_token / 1e6:.1f} MFLOP/token; MFU against "
-             + ("the data-sheet dense peak of the row's dtype)" if device.kind == "cuda" else
-                "the measured matmul peak of the row's dtype)"), "",
-             "| row | micro-batch x accum | dtype | s/step | tokens/s | vs nanoGPT same micro-batch | MFU | peak memory MiB |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"**{shape.name}** on {device.name} ({per_token / 1e6:.1f} MFLOP/token; MFU against "
+        + (
+            "the data-sheet dense peak of the row's dtype)"
+            if device.kind == "cuda"
+            else "the measured matmul peak of the row's dtype)"
+        ),
+        "",
+        "| row | micro-batch x accum | dtype | s/step | tokens/s | vs nanoGPT same micro-batch | MFU | peak memory "
+        "MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
 
     def tok_s(r: Row) -> float:
         return r.tokens / r.step_s
@@ -419,16 +602,24 @@ def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[s
         pk = peaks.get(r.dtype)
         mfu = f"{tok_s(r) * per_token / pk:.1%}" if pk else "n/a"
         mem = f"{r.peak_mib:,.0f}" if r.peak_mib is not None else "-"
-        lines.append(f"| {r.name} | {r.resolved_batch} | {precision.SHORT_NAMES.get(r.dtype, r.dtype)} | "
-                     f"{r.step_s:.4f} | {tok_s(r):,.0f} | {vs} | {mfu} | {mem} |")
-    notes = ["- peak FLOP/s: " + ", ".join(f"{precision.SHORT_NAMES.get(d, d)} "
-                                              + (format_flops(p) if p else "not in gpt2/plan/flops.py's table")
-                                              for d, p in peaks.items())]
+        lines.append(
+            f"| {r.name} | {r.resolved_batch} | {precision.SHORT_NAMES.get(r.dtype, r.dtype)} | "
+            f"{r.step_s:.4f} | {tok_s(r):,.0f} | {vs} | {mfu} | {mem} |"
+        )
+    notes = [
+        "- peak FLOP/s: "
+        + ", ".join(
+            f"{precision.SHORT_NAMES.get(d, d)} " + (format_flops(p) if p else "not in gpt2/plan/flops.py's table")
+            for d, p in peaks.items()
+        )
+    ]
     for r in done:
         if r.who == "ours" and r.micro_batch in nano:
             ratio = tok_s(r) / tok_s(nano[r.micro_batch])
-            notes.append(f"- ours B={r.micro_batch} against nanoGPT B={r.micro_batch}: **{ratio:.2f}x** tokens/s "
-                         f"(goal >= 1.00x): {'met' if ratio >= 1 else 'NOT met'}")
+            notes.append(
+                f"- ours B={r.micro_batch} against nanoGPT B={r.micro_batch}: **{ratio:.2f}x** tokens/s "
+                f"(goal >= 1.00x): {'met' if ratio >= 1 else 'NOT met'}"
+            )
     default = next((r for r in done if r.who == "ours" and r.micro_batch is None), None)
     if default:
         pk = peaks.get(default.dtype)
@@ -437,21 +628,45 @@ def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[s
         else:
             mfu = tok_s(default) * per_token / pk
             h100 = device.kind == "cuda" and "h100" in device.name.lower()
-            notes.append(f"- MFU of ours at defaults: **{mfu:.1%}** (goal >= 45% on an H100): "
-                         + (("met" if mfu >= 0.45 else "NOT met") if h100 else f"not judged: this is {device.name}"))
+            notes.append(
+                f"- MFU of ours at defaults: **{mfu:.1%}** (goal >= 45% on an H100): "
+                + (("met" if mfu >= 0.45 else "NOT met") if h100 else f"not judged: this is {device.name}")
+            )
     notes += [f"- {r.name}: its start-up said: {r.note}" for r in done if r.note]
-    notes.append("- peak memory: ours the largest mem_mb of metrics.jsonl, nanoGPT printed at exit by a wrapper "
-                 "around its unchanged train.py: " + ("torch.cuda.max_memory_allocated() in both"
-                                                     if device.kind == "cuda" else "the process's max RSS in both"))
+    notes.append(
+        "- peak memory: ours the largest mem_mb of metrics.jsonl, nanoGPT printed at exit by a wrapper "
+        "around its unchanged train.py: "
+        + ("torch.cuda.max_memory_allocated() in both" if device.kind == "cuda" else "the process's max RSS in both")
+    )
     return lines + [""] + notes
 
 
 def rows_json(rows: list[Row], device: Device, peaks: dict[str, float | None], meta: dict) -> str:
-    return json.dumps({**meta, "device": device.name, "peaks": peaks, "rows": [
-        {"name": r.name, "who": r.who, "micro_batch": r.micro_batch, "resolved_batch": r.resolved_batch,
-         "dtype": r.dtype, "tokens_per_step": r.tokens, "step_s": r.times, "median_step_s": r.step_s if r.times else None,
-         "tokens_per_s": r.tokens / r.step_s if r.times else None, "peak_mib": r.peak_mib, "startup": r.note,
-         "error": r.error} for r in rows]}, indent=1)
+    return json.dumps(
+        {
+            **meta,
+            "device": device.name,
+            "peaks": peaks,
+            "rows": [
+                {
+                    "name": r.name,
+                    "who": r.who,
+                    "micro_batch": r.micro_batch,
+                    "resolved_batch": r.resolved_batch,
+                    "dtype": r.dtype,
+                    "tokens_per_step": r.tokens,
+                    "step_s": r.times,
+                    "median_step_s": r.step_s if r.times else None,
+                    "tokens_per_s": r.tokens / r.step_s if r.times else None,
+                    "peak_mib": r.peak_mib,
+                    "startup": r.note,
+                    "error": r.error,
+                }
+                for r in rows
+            ],
+        },
+        indent=1,
+    )
 
 
 def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
@@ -460,8 +675,14 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
     device = probe_device(args.device)
     batches = parse_batches(args.micro_batches)
     rows = by_batch_rows(shape_key, batches, tree is not None, args.defaults_row)
-    meta = {"command": command, "torch": torch.__version__, "nanogpt": nanogpt.PINNED if tree else None,
-            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
+    meta = {
+        "command": command,
+        "torch": torch.__version__,
+        "nanogpt": nanogpt.PINNED if tree else None,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+    }
     dtypes = ["bfloat16"] if args.device == "cuda" else ["float32"]
     peaks: dict[str, float | None] = {}
 
@@ -470,12 +691,15 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
             if d not in peaks:
                 peaks[d] = row_peak(device, d)
         now = datetime.datetime.now(datetime.timezone.utc)
-        head = [f"command: `{command.strip()}`",
-                f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {device.name}; nanoGPT "
-                + (f"{nanogpt.PINNED[:12]}" if tree else "not run (--nanogpt none)"),
-                f"median of {args.rounds} x {args.steps} steps per row after {args.warmup} warm-up steps per run "
-                "(compilation happens there); each step timed by its own program"
-                + ("" if args.compile else "; every row EAGER (--no-compile: a smoke test, not a measurement)"), ""]
+        head = [
+            f"command: `{command.strip()}`",
+            f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {device.name}; nanoGPT "
+            + (f"{nanogpt.PINNED[:12]}" if tree else "not run (--nanogpt none)"),
+            f"median of {args.rounds} x {args.steps} steps per row after {args.warmup} warm-up steps per run "
+            "(compilation happens there); each step timed by its own program"
+            + ("" if args.compile else "; every row EAGER (--no-compile: a smoke test, not a measurement)"),
+            "",
+        ]
         text = "\n".join(head + by_batch_report(rows, shape, device, peaks))
         if args.json:
             Path(args.json).write_text(rows_json(rows, device, peaks, meta) + "\n")
@@ -490,9 +714,20 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
         dataset = nanogpt.write_dataset(tree, f"bench-{os.getpid()}", data) if tree else ""
         report()  # every row "not run" yet: a report exists from the start
         try:
-            measure_by_batch(rows, shape, device=args.device, data=data, tree=tree, dataset=dataset, tmp=Path(tmp),
-                             steps=args.steps, warmup=args.warmup, rounds=args.rounds, after_row=report,
-                             compile=args.compile)
+            measure_by_batch(
+                rows,
+                shape,
+                device=args.device,
+                data=data,
+                tree=tree,
+                dataset=dataset,
+                tmp=Path(tmp),
+                steps=args.steps,
+                warmup=args.warmup,
+                rounds=args.rounds,
+                after_row=report,
+                compile=args.compile,
+            )
         finally:
             if tree:
                 subprocess.run(["rm", "-rf", str(tree / "data" / dataset)])
@@ -502,21 +737,41 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=None,
-                    help=f"comma-separated, of {list(SHAPES)} (default w1,debug; with --device cuda gpt2)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cuda: the micro-batch layout (module docstring) on the GPU, bf16, compiled")
-    ap.add_argument("--micro-batches", default=None,
-                    help="comma-separated micro-batches: compare by micro-batch, one shape, every row compiled "
-                    "(default with --device cuda: 12,16; none: only the row at the shape's defaults)")
-    ap.add_argument("--data-dir", type=Path, default=None,
-                    help="token shards already prepared (e.g. .gpu/data from scripts/gpu_prepare.sh) instead of "
-                    "preparing --corpus; nanoGPT's train.bin/val.bin are written from them")
+    ap.add_argument(
+        "--shapes", default=None, help=f"comma-separated, of {list(SHAPES)} (default w1,debug; with --device cuda gpt2)"
+    )
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the micro-batch layout (module docstring) on the GPU, bf16, compiled",
+    )
+    ap.add_argument(
+        "--micro-batches",
+        default=None,
+        help="comma-separated micro-batches: compare by micro-batch, one shape, every row compiled "
+        "(default with --device cuda: 12,16; none: only the row at the shape's defaults)",
+    )
+    ap.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="token shards already prepared (e.g. .gpu/data from scripts/gpu_prepare.sh) instead of "
+        "preparing --corpus; nanoGPT's train.bin/val.bin are written from them",
+    )
     ap.add_argument("--json", type=Path, default=None, help="micro-batch layout: also write the rows as JSON here")
-    ap.add_argument("--defaults-row", choices=("last", "first", "none"), default="last",
-                    help="micro-batch layout: where the row of ours at the shape's defaults (auto micro-batch) goes")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                    help="micro-batch layout: compile every row (--no-compile: the CPU smoke test of the commands)")
+    ap.add_argument(
+        "--defaults-row",
+        choices=("last", "first", "none"),
+        default="last",
+        help="micro-batch layout: where the row of ours at the shape's defaults (auto micro-batch) goes",
+    )
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="micro-batch layout: compile every row (--no-compile: the CPU smoke test of the commands)",
+    )
     ap.add_argument("--modes", default="eager,compiled", help="eager, compiled or both")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first in every run (compilation)")
@@ -564,7 +819,9 @@ def main(argv: list[str] | None = None) -> int:
         args.shapes = "gpt2" if args.device == "cuda" else "w1,debug"
     shapes, modes = args.shapes.split(","), args.modes.split(",")
     if bad := [s for s in shapes if s not in SHAPES] + [m for m in modes if m not in ("eager", "compiled")]:
-        print(f"{prog}: error: unknown shape or mode {bad}: shapes {list(SHAPES)}, modes eager,compiled", file=sys.stderr)
+        print(
+            f"{prog}: error: unknown shape or mode {bad}: shapes {list(SHAPES)}, modes eager,compiled", file=sys.stderr
+        )
         return 2
     if min(args.steps, args.warmup, args.rounds) < 1:
         print(f"{prog}: error: --steps, --warmup and --rounds must be at least 1", file=sys.stderr)
@@ -575,8 +832,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_dir is None:
         require_corpus(args.corpus, prog)
     elif not any(args.data_dir.glob("*train*.bin")):
-        print(f"{prog}: error: --data-dir {args.data_dir} holds no *train*.bin shards: run bash "
-              "scripts/gpu_prepare.sh, or leave --data-dir out to prepare --corpus", file=sys.stderr)
+        print(
+            f"{prog}: error: --data-dir {args.data_dir} holds no *train*.bin shards: run bash "
+            "scripts/gpu_prepare.sh, or leave --data-dir out to prepare --corpus",
+            file=sys.stderr,
+        )
         return 2
     tree = nanogpt.tree_or_exit(args.nanogpt, args.nanogpt_commit, prog)
     command = "python bench/vs_nanogpt.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -592,23 +852,28 @@ def main(argv: list[str] | None = None) -> int:
             prepare_by_paragraph(args.corpus, data, prog)
         dataset = nanogpt.write_dataset(tree, f"bench-{os.getpid()}", data) if tree else ""
         try:
-            measure(rows, SHAPES, data, tree, dataset, Path(tmp), steps=args.steps, warmup=args.warmup,
-                    rounds=args.rounds)
+            measure(
+                rows, SHAPES, data, tree, dataset, Path(tmp), steps=args.steps, warmup=args.warmup, rounds=args.rounds
+            )
             if args.profile:
                 for s in shapes:
                     for m in modes:
-                        extra += profile_ours(SHAPES[s], m, data, Path(tmp) / f"prof_{s}_{m}", args.steps,
-                                              args.profile_top) + [""]
+                        extra += profile_ours(
+                            SHAPES[s], m, data, Path(tmp) / f"prof_{s}_{m}", args.steps, args.profile_top
+                        ) + [""]
         finally:
             if tree:
                 subprocess.run(["rm", "-rf", str(tree / "data" / dataset)])
     now = datetime.datetime.now(datetime.timezone.utc)
-    lines = [f"command: `{command.strip()}`",
-             f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {platform.machine()}, {os.cpu_count()} "
-             f"cores, avx512_bf16: {precision.cpu_bf16_instructions()}; nanoGPT "
-             + (f"{nanogpt.PINNED[:12]}" if tree else "not run (--nanogpt none)"),
-             f"median of {args.rounds} x {args.steps} steps per row after {args.warmup} warm-up steps per run; "
-             f"rows round-robin; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end", ""]
+    lines = [
+        f"command: `{command.strip()}`",
+        f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {platform.machine()}, {os.cpu_count()} "
+        f"cores, avx512_bf16: {precision.cpu_bf16_instructions()}; nanoGPT "
+        + (f"{nanogpt.PINNED[:12]}" if tree else "not run (--nanogpt none)"),
+        f"median of {args.rounds} x {args.steps} steps per row after {args.warmup} warm-up steps per run; "
+        f"rows round-robin; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end",
+        "",
+    ]
     for s in shapes:
         lines += report_lines(rows, SHAPES, s) + [""]
     emit("\n".join(lines + extra).rstrip(), args.md)

@@ -14,45 +14,86 @@ import os
 import sys
 from pathlib import Path
 
-from data_prep.prep_config import DEFAULT_SHARD_TOKENS, DECODE_ERROR_MODES, TXT_SAMPLE_BY, VAL_SELECT, PrepConfig, \
-    UserError, default_workers
+from data_prep.prep_config import (
+    DECODE_ERROR_MODES,
+    DEFAULT_SHARD_TOKENS,
+    TXT_SAMPLE_BY,
+    VAL_SELECT,
+    PrepConfig,
+    UserError,
+    default_workers,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m data_prep",
         description="Tokenize a corpus with GPT-2's BPE into llm.c-format uint16 shards (val_*.bin, train_*.bin, "
-                    "manifest.json). Deterministic for any --workers; rerun the same command to resume an interrupted "
-                    "job or to rewrite missing or damaged shards of a finished one. "
-                    "`python -m data_prep verify DIR` checks a finished directory.")
+        "manifest.json). Deterministic for any --workers; rerun the same command to resume an interrupted "
+        "job or to rewrite missing or damaged shards of a finished one. "
+        "`python -m data_prep verify DIR` checks a finished directory.",
+    )
     src = p.add_argument_group("sources (one of)")
-    src.add_argument("--source", nargs="+", metavar="PATH", default=[],
-                     help=".txt (one document per file), .jsonl/.json (one per record), .parquet (one per row) "
-                          "files or directories of them (walked in sorted order)")
-    src.add_argument("--hf-dataset", metavar="NAME", help="a Hugging Face dataset, streamed (e.g. "
-                     "HuggingFaceFW/fineweb-edu), or a builder name (json, parquet, text) with --hf-data-files")
+    src.add_argument(
+        "--source",
+        nargs="+",
+        metavar="PATH",
+        default=[],
+        help=".txt (one document per file), .jsonl/.json (one per record), .parquet (one per row) "
+        "files or directories of them (walked in sorted order)",
+    )
+    src.add_argument(
+        "--hf-dataset",
+        metavar="NAME",
+        help="a Hugging Face dataset, streamed (e.g. "
+        "HuggingFaceFW/fineweb-edu), or a builder name (json, parquet, text) with --hf-data-files",
+    )
     src.add_argument("--hf-config", metavar="CONFIG", help="dataset config, e.g. sample-10BT")
     src.add_argument("--hf-split", default="train", help="split to read (default: train)")
     src.add_argument("--hf-data-files", nargs="+", metavar="PATH", default=[], help="data_files for load_dataset")
     p.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
-                   help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS:,})")
-    p.add_argument("--val-tokens", type=int, default=None,
-                   help="tokens of whole documents for val_*.bin (the document crossing the mark goes whole); "
-                        "default min(10M, max(1%% of the corpus, min(16,384, 10%% of the corpus))) with the corpus "
-                        "estimated as source bytes / 4, 10M for --hf-dataset; 0: no val split")
-    p.add_argument("--val-select", choices=VAL_SELECT, default=None,
-                   help="which documents go to val: spread (documents in the order of a hash of their text, so "
-                        "from all over the corpus, the same for any --workers or file order) or first (the first "
-                        "documents in source order); default spread, but first with an explicit --val-tokens "
-                        "(the split earlier versions made) or --hf-dataset (read once, size unknown)")
-    p.add_argument("--workers", type=int, default=default_workers(),
-                   help="tokenizer processes (default: all cores); the output does not depend on it")
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS:,})",
+    )
+    p.add_argument(
+        "--val-tokens",
+        type=int,
+        default=None,
+        help="tokens of whole documents for val_*.bin (the document crossing the mark goes whole); "
+        "default min(10M, max(1%% of the corpus, min(16,384, 10%% of the corpus))) with the corpus "
+        "estimated as source bytes / 4, 10M for --hf-dataset; 0: no val split",
+    )
+    p.add_argument(
+        "--val-select",
+        choices=VAL_SELECT,
+        default=None,
+        help="which documents go to val: spread (documents in the order of a hash of their text, so "
+        "from all over the corpus, the same for any --workers or file order) or first (the first "
+        "documents in source order); default spread, but first with an explicit --val-tokens "
+        "(the split earlier versions made) or --hf-dataset (read once, size unknown)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help="tokenizer processes (default: all cores); the output does not depend on it",
+    )
     p.add_argument("--text-field", default="text", help="JSON field / parquet column with the text (default: text)")
-    p.add_argument("--on-decode-error", choices=DECODE_ERROR_MODES, default="fail",
-                   help=".txt files that are not UTF-8: fail (default), skip the file, or replace bad bytes")
-    p.add_argument("--txt-sample-by", choices=TXT_SAMPLE_BY, default="document",
-                   help="a .txt file is one document (default), or one per blank-line separated paragraph")
+    p.add_argument(
+        "--on-decode-error",
+        choices=DECODE_ERROR_MODES,
+        default="fail",
+        help=".txt files that are not UTF-8: fail (default), skip the file, or replace bad bytes",
+    )
+    p.add_argument(
+        "--txt-sample-by",
+        choices=TXT_SAMPLE_BY,
+        default="document",
+        help="a .txt file is one document (default), or one per blank-line separated paragraph",
+    )
     p.add_argument("--verify", action="store_true", help="verify the shards after writing them")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -76,17 +117,29 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         if argv[:1] == ["verify"]:
-            vp = argparse.ArgumentParser(prog="python -m data_prep verify",
-                                         description="Check shard headers, sizes and sha256 against manifest.json.")
+            vp = argparse.ArgumentParser(
+                prog="python -m data_prep verify",
+                description="Check shard headers, sizes and sha256 against manifest.json.",
+            )
             vp.add_argument("out", type=Path, metavar="DIR")
             return run_verify(vp.parse_args(argv[1:]).out)
         args = build_parser().parse_args(argv)
-        cfg = PrepConfig(out=args.out, sources=tuple(args.source), hf_dataset=args.hf_dataset,
-                         hf_config=args.hf_config, hf_split=args.hf_split, hf_data_files=tuple(args.hf_data_files),
-                         shard_tokens=args.shard_tokens, val_tokens=args.val_tokens, val_select=args.val_select,
-                         workers=args.workers,
-                         text_field=args.text_field, on_decode_error=args.on_decode_error,
-                         txt_sample_by=args.txt_sample_by, progress=not args.no_progress)
+        cfg = PrepConfig(
+            out=args.out,
+            sources=tuple(args.source),
+            hf_dataset=args.hf_dataset,
+            hf_config=args.hf_config,
+            hf_split=args.hf_split,
+            hf_data_files=tuple(args.hf_data_files),
+            shard_tokens=args.shard_tokens,
+            val_tokens=args.val_tokens,
+            val_select=args.val_select,
+            workers=args.workers,
+            text_field=args.text_field,
+            on_decode_error=args.on_decode_error,
+            txt_sample_by=args.txt_sample_by,
+            progress=not args.no_progress,
+        )
         quiet_datasets()
         from data_prep.pipeline import prepare
 
@@ -114,7 +167,8 @@ def write_failure(e: OSError, out: Path | None) -> str:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"writing {where} failed: {e.strerror}; free space, {rerun}"
     if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return f"writing {where} failed: {e.strerror}; make {out or 'the directory'} writable or pass another --out, {rerun}"
+        where_to = out or "the directory"
+        return f"writing {where} failed: {e.strerror}; make {where_to} writable or pass another --out, {rerun}"
     return f"{where}: {e.strerror or e}; {rerun}"
 
 

@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
@@ -74,6 +74,7 @@ def _last_safe_cut(text: str, lo: int, hi: int) -> int | None:
 @dataclass
 class Batch:
     """Pieces of documents sent to a worker together, with where each belongs."""
+
     texts: list[str] = field(default_factory=list)
     records: list[int] = field(default_factory=list)
     first: list[bool] = field(default_factory=list)
@@ -138,6 +139,7 @@ def die_with_parent(parent_pid: int) -> None:
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     else:
+
         def watch() -> None:
             while os.getppid() == parent_pid:
                 time.sleep(0.5)
@@ -167,8 +169,11 @@ def encode_pieces(job: tuple[list[str], list[bool]]) -> tuple[np.ndarray, np.nda
     array = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
     if array.size and array.max() > UINT16_MAX:
         from data_prep.prep_config import UserError
-        raise UserError(f"token id {int(array.max())} does not fit in uint16 (0..{UINT16_MAX}); "
-                        "the llm.c shard format only holds GPT-2-sized vocabularies")
+
+        raise UserError(
+            f"token id {int(array.max())} does not fit in uint16 (0..{UINT16_MAX}); "
+            "the llm.c shard format only holds GPT-2-sized vocabularies"
+        )
     return array.astype(np.uint16), counts
 
 

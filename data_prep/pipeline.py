@@ -14,15 +14,22 @@ import hashlib
 import itertools
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from data_prep import sources
 from data_prep.encode import encode_batches, make_batches
 from data_prep.prep_config import PrepConfig, UserError
-from data_prep.shard_writer import ShardWriter, missing_dirs, new_manifest, open_output, remove_unused_output, \
-    save_manifest, val_runs
+from data_prep.shard_writer import (
+    ShardWriter,
+    missing_dirs,
+    new_manifest,
+    open_output,
+    remove_unused_output,
+    save_manifest,
+    val_runs,
+)
 from data_prep.verify import shard_damage
 
 SPREAD_OVERSAMPLE = 2
@@ -54,15 +61,21 @@ class Summary:
 
     def lines(self) -> list[str]:
         if self.repaired:
-            return [f"repaired {self.out}: rewrote {', '.join(self.repaired)}; all {self.shards} shards match "
-                    f"the manifest ({self.tokens:,} tokens)"]
+            return [
+                f"repaired {self.out}: rewrote {', '.join(self.repaired)}; all {self.shards} shards match "
+                f"the manifest ({self.tokens:,} tokens)"
+            ]
         if self.already_complete:
-            return [f"nothing to do: {self.out} already holds the finished job ({self.shards} shards, "
-                    f"{self.tokens:,} tokens, every shard's size and sha256 as the manifest lists)"]
+            return [
+                f"nothing to do: {self.out} already holds the finished job ({self.shards} shards, "
+                f"{self.tokens:,} tokens, every shard's size and sha256 as the manifest lists)"
+            ]
         rate = self.run_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-        out = [f"documents {self.documents:,} | tokens {self.tokens:,} (val {self.val_tokens:,}, "
-               f"train {self.train_tokens:,}) | shards {self.shards} | elapsed {self.elapsed_s:.1f} s | "
-               f"{rate:,.0f} tok/s | {self.out}"]
+        out = [
+            f"documents {self.documents:,} | tokens {self.tokens:,} (val {self.val_tokens:,}, "
+            f"train {self.train_tokens:,}) | shards {self.shards} | elapsed {self.elapsed_s:.1f} s | "
+            f"{rate:,.0f} tok/s | {self.out}"
+        ]
         if self.resumed_at_record:
             out.append(f"resumed at record {self.resumed_at_record:,}; this run wrote {self.run_tokens:,} tokens")
         if self.skipped_files:
@@ -131,17 +144,32 @@ def run_job(cfg: PrepConfig, log: Callable[[str], None]) -> Summary:
     if not any(s["split"] == "train" for s in shards):
         write_split(val, reader, cfg, runs)
         val.flush(next_record=runs[-1][1] if runs else 0, carry=0)
-    train = ShardWriter(cfg.out, manifest, split="train", shard_tokens=cfg.shard_tokens,
-                        group_records=reader.group_records)
+    train = ShardWriter(
+        cfg.out, manifest, split="train", shard_tokens=cfg.shard_tokens, group_records=reader.group_records
+    )
     write_split(train, reader, cfg, runs)
     n_records = sum(reader.group_records)
     if n_records == 0:
         raise UserError("empty corpus: the sources hold no documents")
-    totals = {"documents": n_records, "tokens": val.tokens + train.tokens, "val_tokens": val.tokens,
-              "train_tokens": train.tokens}
+    totals = {
+        "documents": n_records,
+        "tokens": val.tokens + train.tokens,
+        "val_tokens": val.tokens,
+        "train_tokens": train.tokens,
+    }
     train.finish(n_records, totals)
-    return Summary(cfg.out, False, n_records, val.tokens, train.tokens, len(manifest["shards"]),
-                   val.tokens + train.tokens - already, time.perf_counter() - start_s, resumed, corpus.skipped_files)
+    return Summary(
+        cfg.out,
+        False,
+        n_records,
+        val.tokens,
+        train.tokens,
+        len(manifest["shards"]),
+        val.tokens + train.tokens - already,
+        time.perf_counter() - start_s,
+        resumed,
+        corpus.skipped_files,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- val choice
@@ -213,16 +241,19 @@ def first_val(reader: sources.RecordReader, cfg: PrepConfig, budget: int) -> lis
     raise all_val(end, total, budget)
 
 
-VAL_RULE = ("a val split is whole documents (at least one, unless --val-tokens 0) that leave at least one "
-            "document for train")
+VAL_RULE = (
+    "a val split is whole documents (at least one, unless --val-tokens 0) that leave at least one document for train"
+)
 """The one rule for tiny corpora, whatever their size in bytes: said by the refusals below, at prep time."""
 
 
 def one_document(what: str) -> UserError:
     """The refusal of a corpus of one document (a .txt file, a one-record .jsonl, 3 tokens or 32 KB alike)."""
-    return UserError(f"the corpus is one document ({what}), and {VAL_RULE}: pass --val-tokens 0 for no val split "
-                     "(then train with --eval-tokens 0), or split it into documents (.txt: --txt-sample-by paragraph; "
-                     ".jsonl: one record each)")
+    return UserError(
+        f"the corpus is one document ({what}), and {VAL_RULE}: pass --val-tokens 0 for no val split "
+        "(then train with --eval-tokens 0), or split it into documents (.txt: --txt-sample-by paragraph; "
+        ".jsonl: one record each)"
+    )
 
 
 def all_val(n_records: int, tokens: int, budget: int) -> UserError:
@@ -230,8 +261,10 @@ def all_val(n_records: int, tokens: int, budget: int) -> UserError:
         return UserError("empty corpus: the sources hold no documents")
     if n_records == 1:
         return one_document(f"{tokens:,} tokens")
-    return UserError(f"all {n_records:,} documents ({tokens:,} tokens) would go to val (val budget {budget:,} "
-                     f"tokens), and {VAL_RULE}: pass a smaller --val-tokens (or 0 for no val split)")
+    return UserError(
+        f"all {n_records:,} documents ({tokens:,} tokens) would go to val (val budget {budget:,} "
+        f"tokens), and {VAL_RULE}: pass a smaller --val-tokens (or 0 for no val split)"
+    )
 
 
 def to_runs(records: list[int]) -> list[list[int]]:
@@ -252,8 +285,9 @@ def in_runs(runs: list[list[int]], record: int) -> bool:
 # ---------------------------------------------------------------------------------------------- writing
 
 
-def split_records(reader: sources.RecordReader, start: int, split: str,
-                  runs: list[list[int]]) -> Iterator[tuple[int, str]]:
+def split_records(
+    reader: sources.RecordReader, start: int, split: str, runs: list[list[int]]
+) -> Iterator[tuple[int, str]]:
     """(record, text) of the split's records from `start`; val reading stops after its last record."""
     records = enumerate(reader.records(start), start)
     if split == "val":
@@ -267,8 +301,14 @@ def write_split(writer: ShardWriter, reader: sources.RecordReader, cfg: PrepConf
     from tqdm import tqdm
 
     interactive = sys.stderr.isatty()
-    bar = tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {writer.split}", disable=not cfg.progress,
-               mininterval=0.5 if interactive else 30, dynamic_ncols=True)
+    bar = tqdm(
+        unit="tok",
+        unit_scale=True,
+        desc=f"tokenizing {writer.split}",
+        disable=not cfg.progress,
+        mininterval=0.5 if interactive else 30,
+        dynamic_ncols=True,
+    )
     try:
         batches = make_batches(split_records(reader, writer.start_record, writer.split, runs))
         for batch, tokens, counts in encode_batches(batches, cfg.workers):
@@ -283,18 +323,31 @@ def write_split(writer: ShardWriter, reader: sources.RecordReader, cfg: PrepConf
 # ---------------------------------------------------------------------------------------------- rerun of a finished job
 
 
-def check_finished(cfg: PrepConfig, corpus: sources.Corpus, manifest: dict, log: Callable[[str], None],
-                   start_s: float) -> Summary:
+def check_finished(
+    cfg: PrepConfig, corpus: sources.Corpus, manifest: dict, log: Callable[[str], None], start_s: float
+) -> Summary:
     """A rerun over a finished job: every shard is checked (presence and size, then sha256; see
     verify.shard_damage) and the missing or damaged ones are re-encoded from the sources."""
     totals = manifest["totals"]
     damage = {e["file"]: why for e in manifest["shards"] if (why := shard_damage(cfg.out / e["file"], e))}
-    summary = Summary(cfg.out, True, totals["documents"], totals["val_tokens"], totals["train_tokens"],
-                      len(manifest["shards"]), 0, time.perf_counter() - start_s)
+    summary = Summary(
+        cfg.out,
+        True,
+        totals["documents"],
+        totals["val_tokens"],
+        totals["train_tokens"],
+        len(manifest["shards"]),
+        0,
+        time.perf_counter() - start_s,
+    )
     if not damage:
         return summary
-    log(", ".join(f"{name} was {why}" for name, why in damage.items()) + ": re-encoding "
-        + ("it" if len(damage) == 1 else "them") + f" from the sources into {cfg.out}")
+    log(
+        ", ".join(f"{name} was {why}" for name, why in damage.items())
+        + ": re-encoding "
+        + ("it" if len(damage) == 1 else "them")
+        + f" from the sources into {cfg.out}"
+    )
     corpus = sources.check(corpus, cfg)
     reader = sources.RecordReader(corpus, cfg, manifest["group_records"])
     runs = val_runs(manifest)
@@ -303,13 +356,30 @@ def check_finished(cfg: PrepConfig, corpus: sources.Corpus, manifest: dict, log:
         repair = frozenset(i for i, name in enumerate(entries) if name in damage)
         if not repair:
             continue
-        writer = ShardWriter(cfg.out, manifest, split=split, shard_tokens=cfg.shard_tokens,
-                             group_records=reader.group_records, repair=repair)
+        writer = ShardWriter(
+            cfg.out,
+            manifest,
+            split=split,
+            shard_tokens=cfg.shard_tokens,
+            group_records=reader.group_records,
+            repair=repair,
+        )
         write_split(writer, reader, cfg, runs)
         end = (runs[-1][1] if runs else 0) if split == "val" else totals["documents"]
         writer.flush(next_record=end, carry=0)
         if not writer.done:
-            raise UserError(f"{cfg.out}: the sources gave fewer tokens than {entries[max(repair)]} held; "
-                            f"delete {cfg.out} and rerun to start over")
-    return Summary(cfg.out, False, totals["documents"], totals["val_tokens"], totals["train_tokens"],
-                   len(manifest["shards"]), 0, time.perf_counter() - start_s, repaired=tuple(damage))
+            raise UserError(
+                f"{cfg.out}: the sources gave fewer tokens than {entries[max(repair)]} held; "
+                f"delete {cfg.out} and rerun to start over"
+            )
+    return Summary(
+        cfg.out,
+        False,
+        totals["documents"],
+        totals["val_tokens"],
+        totals["train_tokens"],
+        len(manifest["shards"]),
+        0,
+        time.perf_counter() - start_s,
+        repaired=tuple(damage),
+    )

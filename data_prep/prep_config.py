@@ -82,8 +82,12 @@ class PrepConfig:
     @property
     def settings(self) -> dict:
         """Everything besides the sources that decides the output bytes (workers and progress do not)."""
-        return {"shard_tokens": self.shard_tokens, "text_field": self.text_field,
-                "on_decode_error": self.on_decode_error, "txt_sample_by": self.txt_sample_by}
+        return {
+            "shard_tokens": self.shard_tokens,
+            "text_field": self.text_field,
+            "on_decode_error": self.on_decode_error,
+            "txt_sample_by": self.txt_sample_by,
+        }
 
 
 def config_problems(cfg: PrepConfig) -> list[str]:
@@ -93,15 +97,19 @@ def config_problems(cfg: PrepConfig) -> list[str]:
     if cfg.hf_data_files and not cfg.hf_dataset:
         p.append("--hf-data-files only applies with --hf-dataset (e.g. --hf-dataset json --hf-data-files a.jsonl)")
     if not 1 <= cfg.shard_tokens <= MAX_HEADER_INT:
-        p.append(f"--shard-tokens must be in 1..{MAX_HEADER_INT} (the shard header stores it as int32), "
-                 f"got {cfg.shard_tokens}")
+        p.append(
+            f"--shard-tokens must be in 1..{MAX_HEADER_INT} (the shard header stores it as int32), "
+            f"got {cfg.shard_tokens}"
+        )
     if cfg.val_tokens is not None and cfg.val_tokens < 0:
         p.append(f"--val-tokens must be >= 0 (0 means no val split), got {cfg.val_tokens}")
     if cfg.val_select is not None and cfg.val_select not in VAL_SELECT:
         p.append(f"--val-select must be one of {', '.join(VAL_SELECT)}, got {cfg.val_select!r}")
     if cfg.val_select == "spread" and cfg.hf_dataset:
-        p.append("--val-select spread needs local --source files (their size sets the sampling rate); "
-                 "a streamed --hf-dataset takes its first documents: drop --val-select")
+        p.append(
+            "--val-select spread needs local --source files (their size sets the sampling rate); "
+            "a streamed --hf-dataset takes its first documents: drop --val-select"
+        )
     if cfg.workers < 1:
         p.append(f"--workers must be >= 1, got {cfg.workers}")
     if cfg.on_decode_error not in DECODE_ERROR_MODES:

@@ -47,9 +47,12 @@ def new_manifest(sources: dict, settings: dict, val_tokens_rule: str) -> dict:
     return {
         "manifest_version": MANIFEST_VERSION,
         "format": {"magic": MAGIC, "version": VERSION, "header_bytes": HEADER_BYTES, "dtype": "uint16 little-endian"},
-        "tokenizer": TOKENIZER, "vocab_size": GPT2_VOCAB_SIZE, "eot_token": EOT_TOKEN,
+        "tokenizer": TOKENIZER,
+        "vocab_size": GPT2_VOCAB_SIZE,
+        "eot_token": EOT_TOKEN,
         "fingerprint": fingerprint(sources, settings),
-        "settings": settings, "val_tokens_rule": val_tokens_rule,
+        "settings": settings,
+        "val_tokens_rule": val_tokens_rule,
         "sources": sources,
         "complete": False,
         "shards": [],
@@ -77,8 +80,11 @@ def save_manifest(out: Path, manifest: dict) -> None:
 
 def explain_difference(old: dict, new: dict) -> str:
     """What changed between an existing manifest and this job, for the refusal message."""
-    changes = [f"{k} {old['settings'].get(k)} -> {v}" for k, v in new["settings"].items()
-               if old.get("settings", {}).get(k) != v]
+    changes = [
+        f"{k} {old['settings'].get(k)} -> {v}"
+        for k, v in new["settings"].items()
+        if old.get("settings", {}).get(k) != v
+    ]
     old_src, new_src = old.get("sources", {}), new["sources"]
     if "files" in old_src and "files" in new_src:
         before = {f["path"]: f for f in old_src["files"]}
@@ -103,15 +109,22 @@ def open_output(out: Path, manifest: dict) -> dict:
     if old is None:
         stray = sorted(p.name for p in out.iterdir() if SHARD_RE.match(p.name))
         if stray:
-            raise UserError(f"--out {out} holds shards ({stray[0]}, ...) but no {MANIFEST}: they are not from "
-                            "this job; use an empty directory or delete them")
+            raise UserError(
+                f"--out {out} holds shards ({stray[0]}, ...) but no {MANIFEST}: they are not from "
+                "this job; use an empty directory or delete them"
+            )
         return manifest
-    if old["fingerprint"] != manifest["fingerprint"] and not old["shards"] and not any(
-            SHARD_RE.match(p.name) for p in out.iterdir()):
+    if (
+        old["fingerprint"] != manifest["fingerprint"]
+        and not old["shards"]
+        and not any(SHARD_RE.match(p.name) for p in out.iterdir())
+    ):
         return manifest  # an earlier job that wrote nothing (e.g. failed on its input): nothing to protect
     if old["fingerprint"] != manifest["fingerprint"]:
-        raise UserError(f"--out {out} holds shards made from different sources or settings "
-                        f"({explain_difference(old, manifest)}); use another --out, or delete {out} to start over")
+        raise UserError(
+            f"--out {out} holds shards made from different sources or settings "
+            f"({explain_difference(old, manifest)}); use another --out, or delete {out} to start over"
+        )
     for p in out.iterdir():
         if TEMP_RE.match(p.name):
             p.unlink(missing_ok=True)
@@ -173,8 +186,16 @@ class ShardWriter:
     True once the last of them is written.
     """
 
-    def __init__(self, out: Path, manifest: dict, *, split: str, shard_tokens: int, group_records: list[int],
-                 repair: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        out: Path,
+        manifest: dict,
+        *,
+        split: str,
+        shard_tokens: int,
+        group_records: list[int],
+        repair: frozenset[int] = frozenset(),
+    ):
         self.out = out
         self.manifest = manifest
         self.split = split
@@ -186,7 +207,7 @@ class ShardWriter:
         self.fill = 0
         self.entries = [x for x in manifest["shards"] if x["split"] == split]
         self.index = min(repair) if repair else len(self.entries)
-        self.tokens = sum(x["tokens"] for x in self.entries[:self.index])
+        self.tokens = sum(x["tokens"] for x in self.entries[: self.index])
         before = self.entries[self.index - 1] if self.index else None
         self.start_record = before["next_record"] if before else 0
         self.drop = before["carry_tokens"] if before else 0
@@ -203,18 +224,20 @@ class ShardWriter:
             tokens, self.drop, self.record_written = tokens[k:], self.drop - k, self.record_written + k
         while len(tokens) and not self.done:
             n = min(self.shard_tokens - self.fill, len(tokens))
-            self.buffer[self.fill:self.fill + n] = tokens[:n]
+            self.buffer[self.fill : self.fill + n] = tokens[:n]
             tokens = tokens[n:]
             self.fill += n
             self.record_written += n
             self.tokens += n
             if self.fill == self.shard_tokens:
                 ends_record = last and not len(tokens)
-                self.flush(next_record=record + 1 if ends_record else record,
-                           carry=0 if ends_record else self.record_written)
+                self.flush(
+                    next_record=record + 1 if ends_record else record, carry=0 if ends_record else self.record_written
+                )
 
-    def add_batch(self, tokens: np.ndarray, counts: np.ndarray, records: list[int], first: list[bool],
-                  last: list[bool]) -> None:
+    def add_batch(
+        self, tokens: np.ndarray, counts: np.ndarray, records: list[int], first: list[bool], last: list[bool]
+    ) -> None:
         """Append a worker's batch: pieces back to back in `tokens`, piece i holding counts[i] tokens.
 
         Most batches land inside the current shard, with no resume drop pending: one copy then does
@@ -229,7 +252,7 @@ class ShardWriter:
                 self.add(tokens[start:end], records[i], first[i], last[i])
                 start = end
             return
-        self.buffer[self.fill:self.fill + n] = tokens
+        self.buffer[self.fill : self.fill + n] = tokens
         self.fill += n
         self.tokens += n
         # The bookkeeping add() keeps: the last record, and how many of its tokens are written.
@@ -250,7 +273,7 @@ class ShardWriter:
     def flush(self, *, next_record: int, carry: int) -> None:
         if not self.fill or self.done:
             return
-        data = self.buffer[:self.fill]
+        data = self.buffer[: self.fill]
         name = shard_name(self.split, self.index)
         digest = hashlib.sha256(make_header(self.fill).tobytes())
         digest.update(data)
@@ -258,9 +281,16 @@ class ShardWriter:
             self._rewrite(name, data, digest.hexdigest())
         else:
             write_shard(self.out / name, data)
-            self.manifest["shards"].append({"file": name, "split": self.split, "tokens": int(self.fill),
-                                            "sha256": digest.hexdigest(), "next_record": next_record,
-                                            "carry_tokens": carry})
+            self.manifest["shards"].append(
+                {
+                    "file": name,
+                    "split": self.split,
+                    "tokens": int(self.fill),
+                    "sha256": digest.hexdigest(),
+                    "next_record": next_record,
+                    "carry_tokens": carry,
+                }
+            )
             self.manifest["group_records"] = list(self.group_records)
             save_manifest(self.out, self.manifest)
         self.index += 1
@@ -269,8 +299,10 @@ class ShardWriter:
     def _rewrite(self, name: str, data: np.ndarray, sha256: str) -> None:
         if self.index in self.repair:
             if sha256 != self.entries[self.index]["sha256"]:
-                raise UserError(f"{self.out / name}: re-encoded from the sources, its sha256 still differs from "
-                                f"{MANIFEST} (sources edited in place, or another tokenizer version?); delete "
-                                f"{self.out} and rerun to start over")
+                raise UserError(
+                    f"{self.out / name}: re-encoded from the sources, its sha256 still differs from "
+                    f"{MANIFEST} (sources edited in place, or another tokenizer version?); delete "
+                    f"{self.out} and rerun to start over"
+                )
             write_shard(self.out / name, data)
         self.done = self.index >= max(self.repair)

@@ -20,12 +20,18 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
 
-from data_prep.prep_config import DEFAULT_MAX_VAL_SHARE, DEFAULT_MAX_VAL_TOKENS, DEFAULT_MIN_VAL_TOKENS, \
-    DEFAULT_VAL_FRACTION, PrepConfig, UserError
+from data_prep.prep_config import (
+    DEFAULT_MAX_VAL_SHARE,
+    DEFAULT_MAX_VAL_TOKENS,
+    DEFAULT_MIN_VAL_TOKENS,
+    DEFAULT_VAL_FRACTION,
+    PrepConfig,
+    UserError,
+)
 
 KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 BYTES_PER_TOKEN = 4
@@ -55,6 +61,7 @@ class SourceFile:
 @dataclass(frozen=True)
 class Group:
     """Files read by one load_dataset call (or the HF dataset: files empty)."""
+
     kind: str
     files: tuple[SourceFile, ...] = ()
 
@@ -80,8 +87,10 @@ def stat_source(path: Path, kind: str) -> SourceFile:
 
 def unreadable(path: str, e: OSError) -> UserError:
     """A source that cannot be read, in the system's words, with what to do about it."""
-    fix = {errno.ENOENT: "it was moved or deleted (or is a dangling link): restore it or leave it out",
-           errno.EACCES: "make it readable (chmod) or leave it out"}.get(e.errno, "fix it or leave it out")
+    fix = {
+        errno.ENOENT: "it was moved or deleted (or is a dangling link): restore it or leave it out",
+        errno.EACCES: "make it readable (chmod) or leave it out",
+    }.get(e.errno, "fix it or leave it out")
     return UserError(f"{path}: cannot read this source ({e.strerror or e}); {fix}, then rerun the same command")
 
 
@@ -114,8 +123,9 @@ def discover(paths: tuple[str, ...], exclude: Path) -> list[SourceFile]:
         if path.is_file():
             kind = KINDS.get(path.suffix.lower())
             if kind is None:
-                raise UserError(f"--source {arg}: unsupported file type {path.suffix or '(none)'!r}; "
-                                f"use {', '.join(KINDS)} files")
+                raise UserError(
+                    f"--source {arg}: unsupported file type {path.suffix or '(none)'!r}; use {', '.join(KINDS)} files"
+                )
             found.append(stat_source(path, kind))
             continue
         in_dir = [stat_source(p, KINDS[p.suffix.lower()]) for p in walk_sorted(path, exclude)]
@@ -125,8 +135,9 @@ def discover(paths: tuple[str, ...], exclude: Path) -> list[SourceFile]:
     seen = set()
     for f in found:
         if f.path in seen:
-            raise UserError(f"--source: {f.path} is listed twice (directly or through a directory); "
-                            "each file may be read once")
+            raise UserError(
+                f"--source: {f.path} is listed twice (directly or through a directory); each file may be read once"
+            )
         seen.add(f.path)
     return found
 
@@ -147,9 +158,11 @@ def plan_local(cfg: PrepConfig) -> Corpus:
     files = discover(cfg.sources, exclude=cfg.out)
     if sum(f.bytes for f in files) == 0:
         raise UserError(f"empty corpus: the {len(files)} source file(s) hold 0 bytes")
-    return Corpus(groups=group_files(files, cfg.txt_sample_by),
-                  description={"files": [f.describe() for f in files]},
-                  estimated_tokens=sum(text_bytes(f, cfg.text_field) for f in files) // BYTES_PER_TOKEN)
+    return Corpus(
+        groups=group_files(files, cfg.txt_sample_by),
+        description={"files": [f.describe() for f in files]},
+        estimated_tokens=sum(text_bytes(f, cfg.text_field) for f in files) // BYTES_PER_TOKEN,
+    )
 
 
 def check(corpus: Corpus, cfg: PrepConfig) -> Corpus:
@@ -181,8 +194,10 @@ def check_file(f: SourceFile, cfg: PrepConfig) -> bool:
     elif f.kind == "text" and cfg.on_decode_error != "replace" and (bad := first_bad_utf8(f.path)) is not None:
         offset, line = bad
         if cfg.on_decode_error == "fail":
-            raise UserError(f"{f.path}:{line}: byte offset {offset} is not valid UTF-8; fix the file or pass "
-                            "--on-decode-error skip (leave such files out) or replace (U+FFFD)")
+            raise UserError(
+                f"{f.path}:{line}: byte offset {offset} is not valid UTF-8; fix the file or pass "
+                "--on-decode-error skip (leave such files out) or replace (U+FFFD)"
+            )
         return True
     return False
 
@@ -218,10 +233,16 @@ def plan_hf(cfg: PrepConfig) -> Corpus:
             raise UserError(f"--hf-data-files {name}: no such file")
         else:
             data_files.append({"path": name})
-    return Corpus(groups=(Group("hf"),),
-                  description={"hf_dataset": cfg.hf_dataset, "hf_config": cfg.hf_config,
-                               "hf_split": cfg.hf_split, "hf_data_files": data_files},
-                  estimated_tokens=None)
+    return Corpus(
+        groups=(Group("hf"),),
+        description={
+            "hf_dataset": cfg.hf_dataset,
+            "hf_config": cfg.hf_config,
+            "hf_split": cfg.hf_split,
+            "hf_data_files": data_files,
+        },
+        estimated_tokens=None,
+    )
 
 
 def plan(cfg: PrepConfig) -> Corpus:
@@ -240,10 +261,14 @@ def default_val_tokens(corpus: Corpus) -> tuple[int, str]:
     if corpus.estimated_tokens is None:
         return DEFAULT_MAX_VAL_TOKENS, f"default for a streamed dataset of unknown size: {DEFAULT_MAX_VAL_TOKENS}"
     est = corpus.estimated_tokens
-    val = min(DEFAULT_MAX_VAL_TOKENS, max(int(est * DEFAULT_VAL_FRACTION),
-                                          min(DEFAULT_MIN_VAL_TOKENS, int(est * DEFAULT_MAX_VAL_SHARE)), 1))
-    return val, (f"min({DEFAULT_MAX_VAL_TOKENS}, max(1% of ~{est} tokens, min({DEFAULT_MIN_VAL_TOKENS}, 10% of "
-                 f"them), 1)), estimated as source bytes / {BYTES_PER_TOKEN}")
+    val = min(
+        DEFAULT_MAX_VAL_TOKENS,
+        max(int(est * DEFAULT_VAL_FRACTION), min(DEFAULT_MIN_VAL_TOKENS, int(est * DEFAULT_MAX_VAL_SHARE)), 1),
+    )
+    return val, (
+        f"min({DEFAULT_MAX_VAL_TOKENS}, max(1% of ~{est} tokens, min({DEFAULT_MIN_VAL_TOKENS}, 10% of "
+        f"them), 1)), estimated as source bytes / {BYTES_PER_TOKEN}"
+    )
 
 
 def text_bytes(f: SourceFile, text_field: str) -> int:
@@ -336,8 +361,9 @@ def check_parquet_schema(path: str, text_field: str) -> None:
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"{path}: not a readable parquet file ({e})") from None
     if text_field not in schema.names:
-        raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names[:8])}); "
-                        "choose one with --text-field")
+        raise UserError(
+            f"{path}: no column {text_field!r} (columns: {', '.join(schema.names[:8])}); choose one with --text-field"
+        )
     kind = schema.field(text_field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise UserError(f"{path}: column {text_field!r} has type {kind}, not string")
@@ -446,21 +472,30 @@ class RecordReader:
         cfg = self.cfg
         if group.kind == "hf":
             try:
-                ds = datasets.load_dataset(cfg.hf_dataset, cfg.hf_config, split=cfg.hf_split, streaming=True,
-                                           data_files=list(cfg.hf_data_files) or None)
+                ds = datasets.load_dataset(
+                    cfg.hf_dataset,
+                    cfg.hf_config,
+                    split=cfg.hf_split,
+                    streaming=True,
+                    data_files=list(cfg.hf_data_files) or None,
+                )
             except Exception as e:  # hub, network and builder errors alike: the user must act
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise UserError(f"--hf-dataset {cfg.hf_dataset}: cannot open it: {first}") from None
             if ds.column_names is not None and cfg.text_field not in ds.column_names:
-                raise UserError(f"--hf-dataset {cfg.hf_dataset}: no column {cfg.text_field!r} "
-                                f"(columns: {', '.join(ds.column_names[:8])}); choose one with --text-field")
+                raise UserError(
+                    f"--hf-dataset {cfg.hf_dataset}: no column {cfg.text_field!r} "
+                    f"(columns: {', '.join(ds.column_names[:8])}); choose one with --text-field"
+                )
             if ds.column_names is not None:
                 ds = ds.select_columns([cfg.text_field])
             return ds
         kwargs: dict = {}
         if group.kind == "text":
-            kwargs = {"sample_by": cfg.txt_sample_by,
-                      "encoding_errors": "replace" if cfg.on_decode_error == "replace" else "strict"}
+            kwargs = {
+                "sample_by": cfg.txt_sample_by,
+                "encoding_errors": "replace" if cfg.on_decode_error == "replace" else "strict",
+            }
         elif group.kind == "parquet":
             kwargs = {"columns": [cfg.text_field]}
         return datasets.load_dataset(group.kind, data_files=list(paths), split="train", streaming=True, **kwargs)

@@ -13,8 +13,10 @@ from gpt2.core.config import GPT2_VOCAB_SIZE
 from gpt2.data.shards import HEADER_BYTES, ShardError, read_header
 
 CHUNK_BYTES = 1 << 24
-RERUN = "rerun the data_prep command that wrote this directory (same --source and flags): it re-encodes missing " \
-        "or damaged shards"
+RERUN = (
+    "rerun the data_prep command that wrote this directory (same --source and flags): it re-encodes missing "
+    "or damaged shards"
+)
 
 
 def file_sha256(path: Path) -> str:

@@ -26,8 +26,16 @@ from gpt2.model.gpt import GPT, unwrap
 from gpt2.train.scoring import hellaswag_eval, loader_loss
 
 
-def val_shards_loss(model: GPT, data_dir: str | Path, dist: Dist, *, eval_tokens: int, batch_size: int,
-             dtype: str = "float32", progress: bool = False) -> dict:
+def val_shards_loss(
+    model: GPT,
+    data_dir: str | Path,
+    dist: Dist,
+    *,
+    eval_tokens: int,
+    batch_size: int,
+    dtype: str = "float32",
+    progress: bool = False,
+) -> dict:
     """Loss, perplexity and token count over the first eval_tokens of data_dir's val shards.
 
     The trainer's own number: the same EvalLoader and gpt2.train.scoring.loader_loss as its evaluations."""
@@ -47,32 +55,52 @@ def val_shards_loss(model: GPT, data_dir: str | Path, dist: Dist, *, eval_tokens
     problem = broadcast_object(problem, dist)
     if problem:
         raise ValueError(problem)
-    loader = EvalLoader(shards, micro_batch_size=batch_size, seq_len=model.config.block_size,
-                        eval_tokens=eval_tokens, rank=dist.rank, world_size=dist.world_size, device=dist.device)
+    loader = EvalLoader(
+        shards,
+        micro_batch_size=batch_size,
+        seq_len=model.config.block_size,
+        eval_tokens=eval_tokens,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        device=dist.device,
+    )
     if loader.n_seqs == 0:
-        raise ValueError(f"--eval-tokens {eval_tokens} is less than one sequence of block_size="
-                         f"{model.config.block_size} tokens (or the val shards are that short)")
+        raise ValueError(
+            f"--eval-tokens {eval_tokens} is less than one sequence of block_size="
+            f"{model.config.block_size} tokens (or the val shards are that short)"
+        )
     loss = loader_loss(model, loader, dtype, dist, progress=progress)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": loader.tokens,
-            "clamped": loader.clamped}
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": loader.tokens, "clamped": loader.clamped}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m gpt2.eval", allow_abbrev=False,
-                           description="Evaluate a checkpoint or Hugging Face GPT-2 directory.")
+    parser = OneLineParser(
+        prog="python -m gpt2.eval",
+        allow_abbrev=False,
+        description="Evaluate a checkpoint or Hugging Face GPT-2 directory.",
+    )
     sub = parser.add_subparsers(dest="task", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--checkpoint", required=True,
-                        help="step_*.pt file, run directory (newest valid checkpoint), or Hugging Face directory")
+    common.add_argument(
+        "--checkpoint",
+        required=True,
+        help="step_*.pt file, run directory (newest valid checkpoint), or Hugging Face directory",
+    )
     common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    common.add_argument("--dtype", choices=precision.DTYPES, default="auto",
-                        help="autocast dtype (auto: what this device runs fast, see gpt2/core/precision.py)")
+    common.add_argument(
+        "--dtype",
+        choices=precision.DTYPES,
+        default="auto",
+        help="autocast dtype (auto: what this device runs fast, see gpt2/core/precision.py)",
+    )
     common.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    common.add_argument("--num-threads", type=int, default=0,
-                        help="CPU threads per rank (0: the node's cores divided among its ranks)")
+    common.add_argument(
+        "--num-threads", type=int, default=0, help="CPU threads per rank (0: the node's cores divided among its ranks)"
+    )
     hs = sub.add_parser("hellaswag", parents=[common], help="HellaSwag acc / acc_norm (completion style)")
-    hs.add_argument("--data", default=None,
-                    help=f"HellaSwag jsonl; downloaded here if missing (default {default_data_path()})")
+    hs.add_argument(
+        "--data", default=None, help=f"HellaSwag jsonl; downloaded here if missing (default {default_data_path()})"
+    )
     hs.add_argument("--url", default=HELLASWAG_URL, help="where to download the file from when missing")
     hs.add_argument("--limit", type=int, default=None, help="only the first N examples")
     loss = sub.add_parser("loss", parents=[common], help="validation loss and perplexity on *val*.bin shards")
@@ -111,8 +139,15 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
             if args.task == "hellaswag":
                 examples = prepare_hellaswag(args.data, dist, url=args.url, limit=args.limit)
             else:
-                result = val_shards_loss(model, args.data_dir, dist, eval_tokens=args.eval_tokens,
-                                         batch_size=args.batch_size, dtype=dtype, progress=True)
+                result = val_shards_loss(
+                    model,
+                    args.data_dir,
+                    dist,
+                    eval_tokens=args.eval_tokens,
+                    batch_size=args.batch_size,
+                    dtype=dtype,
+                    progress=True,
+                )
         except ValueError as e:
             if info is None or info.rank == 0:
                 print(f"gpt2.eval: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -129,11 +164,12 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
 def _describe(task: str, r: dict, source: dict) -> str:
     where = f"{source['source']} {source['path']}"
     if task == "hellaswag":
-        return (f"hellaswag {where}: acc {r['acc']:.4f} ({r['correct']}/{r['n']}) | "
-                f"acc_norm {r['acc_norm']:.4f} ({r['correct_norm']}/{r['n']})")
+        return (
+            f"hellaswag {where}: acc {r['acc']:.4f} ({r['correct']}/{r['n']}) | "
+            f"acc_norm {r['acc_norm']:.4f} ({r['correct_norm']}/{r['n']})"
+        )
     clamped = " (all the val shards hold)" if r["clamped"] else ""
-    return (f"val loss {where}: {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | {r['tokens']:,} val "
-            f"tokens{clamped}")
+    return f"val loss {where}: {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | {r['tokens']:,} val tokens{clamped}"
 
 
 if __name__ == "__main__":

@@ -37,20 +37,26 @@ def export(model: GPT, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     taken = next((p for p in (out, *out.parents) if p.exists()), None)  # the nearest part that exists
     if taken is not None and not taken.is_dir():
-        raise ValueError(f"--out {out}: {taken} is a file, not a directory; pass a directory to create (or an "
-                         "earlier export's)")
+        raise ValueError(
+            f"--out {out}: {taken} is a file, not a directory; pass a directory to create (or an earlier export's)"
+        )
     clash = [m for m in RUN_MARKERS if (out / m).exists()]
     if clash:
-        raise ValueError(f"--out {out} is a training run directory (it holds {', '.join(clash)}); "
-                         "export into a new directory, e.g. --out RUN/hf")
+        raise ValueError(
+            f"--out {out} is a training run directory (it holds {', '.join(clash)}); "
+            "export into a new directory, e.g. --out RUN/hf"
+        )
     # A data directory (or any other) got the export among its files, which were then listed as
     # exported: only a new or empty directory, or an earlier export's, is written into.
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES + EARLIER_FORMATS) \
-        if out.is_dir() else []
+    foreign = (
+        sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES + EARLIER_FORMATS) if out.is_dir() else []
+    )
     if foreign:
-        raise ValueError(f"--out {out} holds files that are not an export's ({', '.join(foreign[:3])}"
-                         f"{', ...' if len(foreign) > 3 else ''}); export into a new or empty directory, or an "
-                         "earlier export's")
+        raise ValueError(
+            f"--out {out} holds files that are not an export's ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); export into a new or empty directory, or an "
+            "earlier export's"
+        )
     bpe = gpt2_bpe_files()  # before writing anything: an export without its tokenizer is an error
     save_hf_dir(model, out)
     write_tokenizer_files(out, bpe)
@@ -62,15 +68,22 @@ def write_tokenizer_files(out: Path, bpe: dict[str, bytes]) -> None:
     for ours, theirs in HF_TOKENIZER_FILES.items():
         atomic_write_bytes(out / theirs, bpe[ours])
     # GPT-2 has no padding or BOS of its own: <|endoftext|> serves as both, as on the hub.
-    special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-               "model_max_length": json.loads((out / "config.json").read_text())["n_positions"],
-               "tokenizer_class": "GPT2Tokenizer"}
+    special = {
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "model_max_length": json.loads((out / "config.json").read_text())["n_positions"],
+        "tokenizer_class": "GPT2Tokenizer",
+    }
     atomic_write_text(out / "tokenizer_config.json", json.dumps(special, indent=2) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m gpt2.export", allow_abbrev=False,
-                           description="Write a checkpoint as a Hugging Face GPT2LMHeadModel directory.")
+    parser = OneLineParser(
+        prog="python -m gpt2.export",
+        allow_abbrev=False,
+        description="Write a checkpoint as a Hugging Face GPT2LMHeadModel directory.",
+    )
     parser.add_argument("--checkpoint", required=True, help="step_*.pt file or run directory (newest valid checkpoint)")
     parser.add_argument("--out", required=True, help="directory to write (created; existing export files replaced)")
     return parser

@@ -46,6 +46,7 @@ def failure_summary(e: ChildFailedError) -> list[str]:
     stopped itself (SIGTERM after a failure), which are not failures of their own. torchrun's own "first
     observed failure" goes by timestamps in whole seconds, so it often names a rank it stopped; a rank
     that exited other than by SIGTERM failed first. Only when every rank got SIGTERM are all listed."""
+
     def terminated(rank: int) -> bool:
         return e.failures[rank].exitcode == -signal.SIGTERM
 
@@ -54,10 +55,14 @@ def failure_summary(e: ChildFailedError) -> list[str]:
     how = ", ".join(sorted({_exit(e.failures[r]) for r in failed}))
     lines = [f"torchrun: {_ranks(failed)} failed ({how})"]
     if stopped:
-        lines.append(f"torchrun: {_ranks(stopped)} did not fail: torchrun stopped "
-                     f"{'it' if len(stopped) == 1 else 'them'} (SIGTERM) when {_ranks(failed)} failed")
-    lines.append(f"torchrun: what went wrong is in the failing rank's own output above (e.g. its "
-                 f"'train_ddp.py: error:' line); exiting {EXIT_CHILD_FAILED}, as torchrun does")
+        lines.append(
+            f"torchrun: {_ranks(stopped)} did not fail: torchrun stopped "
+            f"{'it' if len(stopped) == 1 else 'them'} (SIGTERM) when {_ranks(failed)} failed"
+        )
+    lines.append(
+        f"torchrun: what went wrong is in the failing rank's own output above (e.g. its "
+        f"'train_ddp.py: error:' line); exiting {EXIT_CHILD_FAILED}, as torchrun does"
+    )
     return lines
 
 
@@ -67,8 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as e:
         name = signal.Signals(e.sigval).name
         out_dir = os.environ.get("OUT_DIR", "OUT_DIR")
-        print(f"torchrun: stopped by {name}; its workers were asked to stop and have exited "
-              f"(a checkpointed stop leaves {out_dir}/requeue)", file=sys.stderr, flush=True)
+        print(
+            f"torchrun: stopped by {name}; its workers were asked to stop and have exited "
+            f"(a checkpointed stop leaves {out_dir}/requeue)",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_SIGNALLED
     except ChildFailedError as e:
         print("\n".join(failure_summary(e)), file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -38,16 +38,24 @@ def autocast(dtype: str, device: torch.device):
 
 
 @torch.no_grad()
-def stream_tokens(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float,
-                  top_k: int | None, generator: torch.Generator | None) -> Iterator[Tensor]:
+def stream_tokens(
+    model: GPT,
+    idx: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+) -> Iterator[Tensor]:
     """Yield each new (B,) token as GPT.generate would append it (same tokens for the same RNG), up to
     and including the end-of-text token once every row has drawn it (a row that ended repeats it).
 
     GPT.generate returns only when done; GPT.generate_stream is the same KV-cache loop as a
     generator, so text can be shown while the model works.
     """
-    for next_tok in unwrap(model).generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                                  generator=generator, stop_token=EOT_TOKEN):
+    for next_tok in unwrap(model).generate_stream(
+        idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator, stop_token=EOT_TOKEN
+    ):
         yield next_tok[:, 0]
 
 
@@ -73,9 +81,18 @@ class TextStream:
         return self._decoder.decode(b"", final=True)
 
 
-def sample(model: GPT, prompt: str = "", *, num_samples: int = 1, max_new_tokens: int = 100,
-           temperature: float = 1.0, top_k: int | None = TOP_K, seed: int = 1337, dtype: str = "auto",
-           on_text: Callable[[int, str], None] | None = None) -> list[str]:
+def sample(
+    model: GPT,
+    prompt: str = "",
+    *,
+    num_samples: int = 1,
+    max_new_tokens: int = 100,
+    temperature: float = 1.0,
+    top_k: int | None = TOP_K,
+    seed: int = 1337,
+    dtype: str = "auto",
+    on_text: Callable[[int, str], None] | None = None,
+) -> list[str]:
     """Generate num_samples continuations of prompt; return their text (without the prompt), each
     ending before its first <|endoftext|>.
 
@@ -100,8 +117,9 @@ def sample(model: GPT, prompt: str = "", *, num_samples: int = 1, max_new_tokens
                 stream, pieces = TextStream(), []
                 if on_text is not None:
                     on_text(i, "")
-                tokens = stream_tokens(model, idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                       generator=generator)
+                tokens = stream_tokens(
+                    model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator
+                )
                 for tok in tokens:
                     if int(tok) == EOT_TOKEN:  # the sample's end: not shown as text
                         break
@@ -131,10 +149,16 @@ def _sampling_problems(num_samples, max_new_tokens, temperature, top_k) -> list[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m gpt2.sample", allow_abbrev=False,
-                           description="Sample text from a checkpoint or a Hugging Face GPT-2 directory.")
-    parser.add_argument("--checkpoint", required=True,
-                        help="step_*.pt file, run directory (newest valid checkpoint), or Hugging Face directory")
+    parser = OneLineParser(
+        prog="python -m gpt2.sample",
+        allow_abbrev=False,
+        description="Sample text from a checkpoint or a Hugging Face GPT-2 directory.",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="step_*.pt file, run directory (newest valid checkpoint), or Hugging Face directory",
+    )
     parser.add_argument("--prompt", default="", help="text to continue (default: start from <|endoftext|>)")
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=200)
@@ -142,8 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=TOP_K, help="sample from the k likeliest tokens; 0 disables")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--dtype", choices=precision.DTYPES, default="auto",
-                        help="autocast dtype (auto: what this device runs fast, see gpt2/core/precision.py)")
+    parser.add_argument(
+        "--dtype",
+        choices=precision.DTYPES,
+        default="auto",
+        help="autocast dtype (auto: what this device runs fast, see gpt2/core/precision.py)",
+    )
     return parser
 
 
@@ -165,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpt2.sample: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     step = f" step {info['step']}" if "step" in info else ""
-    print(f"loaded {info['source']}{step} from {info['path']}: {model.num_params():,} parameters on {device}",
-          file=sys.stderr)
+    print(
+        f"loaded {info['source']}{step} from {info['path']}: {model.num_params():,} parameters on {device}",
+        file=sys.stderr,
+    )
     separator = "\n" + "-" * 40
 
     def show(i: int, piece: str) -> None:
@@ -174,8 +204,17 @@ def main(argv: list[str] | None = None) -> int:
             print((separator + "\n" if i else "") + args.prompt, end="", flush=True)
         print(piece, end="", flush=True)
 
-    sample(model, args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-           temperature=args.temperature, top_k=top_k, seed=args.seed, dtype=args.dtype, on_text=show)
+    sample(
+        model,
+        args.prompt,
+        num_samples=args.num_samples,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=top_k,
+        seed=args.seed,
+        dtype=args.dtype,
+        on_text=show,
+    )
     print(separator, flush=True)
     return 0
 

@@ -16,22 +16,44 @@ from conftest import REPO, TINY_MODEL_FLAGS
 
 from gpt2.train.run_log import read_metrics
 
-FP32_CPU = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0",
-            "--plot", "false"]
+FP32_CPU = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0", "--plot", "false"]
 """Deterministic settings: exact resume is promised for CPU, fp32, no compile."""
 
 
 def tiny_run_flags(data_dir: Path, *, max_steps: int, ckpt_interval: int, eval_tokens: int = 1024) -> list[str]:
     """A 2-layer model, 512 tokens per step (2 ranks x 4 x 64, or 1 rank x 2 accumulation steps)."""
-    return [*TINY_MODEL_FLAGS, *FP32_CPU, "--data-dir", str(data_dir), "--micro-batch-size", "4",
-            "--total-batch-size", "512", "--max-steps", str(max_steps), "--warmup-steps", "3", "--lr", "3e-3",
-            "--eval-interval", "0", "--eval-tokens", str(eval_tokens), "--ckpt-interval", str(ckpt_interval),
-            "--keep-checkpoints", "100", "--log-interval", "1"]
+    return [
+        *TINY_MODEL_FLAGS,
+        *FP32_CPU,
+        "--data-dir",
+        str(data_dir),
+        "--micro-batch-size",
+        "4",
+        "--total-batch-size",
+        "512",
+        "--max-steps",
+        str(max_steps),
+        "--warmup-steps",
+        "3",
+        "--lr",
+        "3e-3",
+        "--eval-interval",
+        "0",
+        "--eval-tokens",
+        str(eval_tokens),
+        "--ckpt-interval",
+        str(ckpt_interval),
+        "--keep-checkpoints",
+        "100",
+        "--log-interval",
+        "1",
+    ]
 
 
 @dataclass
 class Launched:
     """A trainer launched in the background; stdout/stderr go to files (no pipe can fill up)."""
+
     proc: subprocess.Popen
     log_dir: Path
     started: float
@@ -185,8 +207,9 @@ def hold_after_step(step: int, release: Path) -> str:
     return HOLD_AFTER_STEP.format(step=step, release=str(release))
 
 
-def release_run(launched: Launched, release: Path, *, signalled_ranks: tuple[int, ...] = (),
-                timeout: float = 120) -> None:
+def release_run(
+    launched: Launched, release: Path, *, signalled_ranks: tuple[int, ...] = (), timeout: float = 120
+) -> None:
     """Let a run held by hold_after_step go on, once each of signalled_ranks has received its signal."""
     deadline = time.monotonic() + timeout  # a safety net on a loaded machine, not a timing assumption
     while not all(release.with_name(f"{release.name}.signalled.{r}").exists() for r in signalled_ranks):
@@ -207,14 +230,30 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def launch(args: list[str], *, nproc: int, log_dir: Path, max_restarts: int = 0,
-           env: dict | None = None, script: Path = REPO / "train_ddp.py") -> Launched:
+def launch(
+    args: list[str],
+    *,
+    nproc: int,
+    log_dir: Path,
+    max_restarts: int = 0,
+    env: dict | None = None,
+    script: Path = REPO / "train_ddp.py",
+) -> Launched:
     """`python train_ddp.py` for nproc=1 (unless max_restarts), else torchrun --standalone (gloo)."""
     if nproc == 1 and not max_restarts:
         cmd = [sys.executable, str(script), *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               f"--max-restarts={max_restarts}", "--monitor-interval=0.2", str(script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.2",
+            str(script),
+            *args,
+        ]
     log_dir.mkdir(parents=True, exist_ok=True)
     # One thread per process keeps runs on 2 shared cores fast, and runs with equal thread counts
     # compute bitwise the same. TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long torchrun waits after
@@ -249,8 +288,7 @@ def wait_for_step(launched: Launched, run_dir: Path, step: int, timeout: float =
         if any(r.get("step", -1) >= step and "loss" in r for r in records(run_dir)):
             return
         if launched.proc.poll() is not None:
-            raise AssertionError(f"trainer exited {launched.proc.returncode} before step {step}\n"
-                                 f"{launched.output()}")
+            raise AssertionError(f"trainer exited {launched.proc.returncode} before step {step}\n{launched.output()}")
         time.sleep(0.05)
     launched.kill()
     raise AssertionError(f"no step {step} within {timeout} s\n{launched.output()}")
@@ -335,7 +373,16 @@ def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype
     calls, collectives = [], []
     plain = gpt2.train.muon.newton_schulz
     gpt2.train.muon.newton_schulz = lambda g, *a: calls.append(tuple(g.shape)) or plain(g, *a)
-    for name in ("all_gather_single", "all_gather_into_tensor", "all_gather", "broadcast", "all_reduce", "scatter", "send", "recv"):
+    for name in (
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "all_gather",
+        "broadcast",
+        "all_reduce",
+        "scatter",
+        "send",
+        "recv",
+    ):
         real = getattr(tdist, name)
         setattr(tdist, name, lambda *a, name=name, real=real, **k: collectives.append(name) or real(*a, **k))
     if world > 1:
@@ -352,8 +399,15 @@ def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype
             before = len(collectives)
             opt.step()
             per_step.append(collectives[before:])
-        torch.save({"params": [p.detach() for p in params], "state": opt.state_dict(), "calls": calls,
-                    "collectives": per_step}, f"{out}/rank{rank}.pt")
+        torch.save(
+            {
+                "params": [p.detach() for p in params],
+                "state": opt.state_dict(),
+                "calls": calls,
+                "collectives": per_step,
+            },
+            f"{out}/rank{rank}.pt",
+        )
         if world > 1:  # no rank tears its connections down while a peer may still be sending on them
             tdist.barrier()
     finally:
@@ -361,7 +415,7 @@ def muon_spread_worker(rank: int, world: int, init_file: str, out: str, ns_dtype
             tdist.destroy_process_group()
 
 
-def seeded_rng(request) -> "random.Random":
+def seeded_rng(request) -> random.Random:  # noqa: F821 (random is imported where it is used)
     """The random choices of one test (which rank to kill, after which step), replayable.
 
     Seeded by the test's own id, so every run of the suite (CI's included) makes the same choices and
@@ -403,6 +457,7 @@ def no_space_after(n_bytes: int):
 
 
 # ---- the documentation: README.md, the guide, and docs/*.md, the reference --------------------------
+
 
 def guide_pages() -> list[Path]:
     """README.md, then every docs/*.md page (sorted): the documentation whose commands tests read."""

@@ -16,7 +16,9 @@ def pytest_configure(config):
     import getpass
     import tempfile
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,8 +34,11 @@ def pytest_collection_modifyitems(config, items):
         for mark in item.iter_markers("torch_feature"):
             feature = mark.args[0]
             if not feature_available(feature):
-                item.add_marker(pytest.mark.skip(
-                    reason=f"{feature} needs torch >= {FIRST_RELEASE[feature]}; this is torch {torch_version()}"))
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"{feature} needs torch >= {FIRST_RELEASE[feature]}; this is torch {torch_version()}"
+                    )
+                )
 
 
 @pytest.fixture(scope="session")
@@ -77,9 +82,29 @@ def shakespeare_shards(tmp_path_factory, shakespeare_path) -> Path:
     import sys
 
     out = tmp_path_factory.mktemp("shakespeare_shards")
-    subprocess.run([sys.executable, "-m", "data_prep", "--source", str(shakespeare_path), "--out", str(out),
-                    "--txt-sample-by", "paragraph", "--val-tokens", "20000", "--shard-tokens", "160000",
-                    "--workers", "1", "--no-progress"], check=True, cwd=REPO, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep",
+            "--source",
+            str(shakespeare_path),
+            "--out",
+            str(out),
+            "--txt-sample-by",
+            "paragraph",
+            "--val-tokens",
+            "20000",
+            "--shard-tokens",
+            "160000",
+            "--workers",
+            "1",
+            "--no-progress",
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
     return out
 
 
@@ -91,7 +116,14 @@ def run_trainer(args: list[str], *, nproc: int = 1, timeout: float = 600, env: d
     if nproc == 1:
         cmd = [sys.executable, str(REPO / "train_ddp.py"), *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "train_ddp.py"), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(REPO / "train_ddp.py"),
+            *args,
+        ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)

@@ -26,8 +26,11 @@ TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 
 def test_the_value_is_validated_in_one_line():
     assert TrainConfig().activation_checkpointing == "auto"
-    with pytest.raises(ValueError, match=r"activation_checkpointing='selective' must be one of "
-                                         r"\('auto', 'none', 'full'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"activation_checkpointing='selective' must be one of "
+        r"\('auto', 'none', 'full'\)",
+    ):
         TrainConfig(activation_checkpointing="selective")
 
 
@@ -62,8 +65,10 @@ def test_eager_losses_and_gradients_are_bitwise_equal(dropout):
 def test_compiled_losses_and_gradients_match(compile_as):
     """Inductor on CPU, compiled with and without: dynamo traces the checkpoint inside Block.forward as one
     region and the partitioner recomputes it. Measured bitwise equal (torch 2.13); asserted to 1e-6."""
-    (loss, grads), (loss_ac, grads_ac) = (loss_and_grads(TINY, False, compile_as),
-                                          loss_and_grads(TINY, True, compile_as))
+    (loss, grads), (loss_ac, grads_ac) = (
+        loss_and_grads(TINY, False, compile_as),
+        loss_and_grads(TINY, True, compile_as),
+    )
     assert loss_ac.item() == pytest.approx(loss.item(), abs=1e-6)
     for n in grads:
         torch.testing.assert_close(grads_ac[n], grads[n], rtol=0, atol=1e-6)
@@ -79,7 +84,8 @@ def test_checkpointed_model_loads_a_plain_models_state_dict():
 def test_activation_bytes_with_it_within_15pct_of_measured_peak(dtype):
     """As tests/test_plan.py checks the uncheckpointed count: forward + backward of the body, the CPU
     allocator's peak above the start (transients included). Measured 0.96 (fp32, 4 layers), 0.91 (fp32,
-    8 layers) and 1.02 (bf16, 6 layers) of it; the uncheckpointed body is 2.9x (bf16) to 3.3x (fp32) more at 6 layers."""
+    8 layers) and 1.02 (bf16, 6 layers) of it; the uncheckpointed body is 2.9x (bf16) to 3.3x (fp32) more at 6
+    layers."""
     torch.manual_seed(0)
     cfg = ModelConfig(n_layer=6, n_head=4, n_embd=128, block_size=256)
     model = GPT(cfg, activation_checkpointing=True)
@@ -97,8 +103,9 @@ def test_activation_bytes_with_it_within_15pct_of_measured_peak(dtype):
     model.zero_grad(set_to_none=True)
     measured = measured_peak_bytes(forward_backward, "cpu")
     s = 2 if dtype == "bf16" else 4
-    estimate = (activation_bytes(cfg, B, T, dtype=dtype, device_type="cpu", checkpointed=True)
-                - B * T * (s * cfg.n_embd + 8))  # the LM head's input and the targets: not in the body
+    estimate = activation_bytes(cfg, B, T, dtype=dtype, device_type="cpu", checkpointed=True) - B * T * (
+        s * cfg.n_embd + 8
+    )  # the LM head's input and the targets: not in the body
     if dtype == "bf16":  # autocast's cached bf16 weight copies, alive until the forward's autocast ends
         estimate += 2 * (matmul_weight_count(cfg) - cfg.vocab_size * cfg.n_embd)
     assert estimate == pytest.approx(measured, rel=0.15)
@@ -133,8 +140,13 @@ def test_auto_picks_none_where_a_micro_batch_fits_and_full_where_none_does():
     assert choice(cfg, mb=4, hw=roomy, total=524_288).mode == "none"
     # Room for one sequence with it (and a little more), with auto's margin, not without: nothing fits without it.
     one = plan(run_config(cfg, 1, activation_checkpointing="full"), roomy).memory.total
-    tight = Hardware(name="tight", memory_bytes=int(one * AUTO_HEADROOM) + GIB + GIB // 4, peak_flops=1e14,
-                     device_type="cuda", reserve_bytes=GIB)
+    tight = Hardware(
+        name="tight",
+        memory_bytes=int(one * AUTO_HEADROOM) + GIB + GIB // 4,
+        peak_flops=1e14,
+        device_type="cuda",
+        reserve_bytes=GIB,
+    )
     assert max_micro_batch_size(run_config(cfg, 1), tight, headroom=AUTO_HEADROOM) == 0
     auto = choice(cfg, hw=tight, total=524_288)
     assert auto.mode == "full" and auto.reason.startswith("auto: no micro-batch fits without it, up to ")
@@ -145,15 +157,30 @@ def test_auto_picks_none_where_a_micro_batch_fits_and_full_where_none_does():
     assert choice(cfg, mb=1, hw=a100, total=524_288).mode == "none"
     assert choice(cfg, "none", hw=tight).mode == "none" and choice(cfg, "full", hw=roomy).mode == "full"
     # The state alone overflows (gpt2-xl under DDP on a 24 GB card): it cannot help, and auto says so.
-    assert choice(cfg, hw=gpu_hardware("RTX4090-24GB", "bf16"), total=524_288).reason == \
-        "auto: no micro-batch fits even with it"
+    assert (
+        choice(cfg, hw=gpu_hardware("RTX4090-24GB", "bf16"), total=524_288).reason
+        == "auto: no micro-batch fits even with it"
+    )
 
 
 def test_plan_cli_shows_it_fitting(capsys):
     from gpt2.plan.__main__ import main
 
-    assert main(["--preset", "gpt2-xl", "--gpu", "A100-40GB", "--micro-batch-size", "4",
-                 "--activation-checkpointing", "none"]) == 0  # over the reserve only: allowed, says NO
+    assert (
+        main(
+            [
+                "--preset",
+                "gpt2-xl",
+                "--gpu",
+                "A100-40GB",
+                "--micro-batch-size",
+                "4",
+                "--activation-checkpointing",
+                "none",
+            ]
+        )
+        == 0
+    )  # over the reserve only: allowed, says NO
     assert "fits       NO" in capsys.readouterr().out
     assert main(["--preset", "gpt2-xl", "--gpu", "A100-40GB", "--micro-batch-size", "4"]) == 0  # auto
     out = capsys.readouterr().out
@@ -161,10 +188,33 @@ def test_plan_cli_shows_it_fitting(capsys):
 
 
 def _flags(data_dir, out_dir, *extra):
-    return [*TINY_MODEL_FLAGS, *FP32_CPU, "--data-dir", str(data_dir), "--out-dir", str(out_dir),
-            "--micro-batch-size", "4", "--total-batch-size", "1024", "--max-steps", "6", "--warmup-steps", "2",
-            "--lr", "3e-3", "--eval-interval", "0", "--eval-tokens", "1024", "--ckpt-interval", "0",
-            "--log-interval", "1", *extra]
+    return [
+        *TINY_MODEL_FLAGS,
+        *FP32_CPU,
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--micro-batch-size",
+        "4",
+        "--total-batch-size",
+        "1024",
+        "--max-steps",
+        "6",
+        "--warmup-steps",
+        "2",
+        "--lr",
+        "3e-3",
+        "--eval-interval",
+        "0",
+        "--eval-tokens",
+        "1024",
+        "--ckpt-interval",
+        "0",
+        "--log-interval",
+        "1",
+        *extra,
+    ]
 
 
 @pytest.mark.torch_feature("fsdp")
@@ -174,8 +224,11 @@ def test_two_ranks_train_the_same_with_and_without_it(tmp_path, shakespeare_shar
     --activation-checkpointing full as with none, to the last bit, and the start-up line says so."""
     out = {}
     for mode in ("none", "full"):
-        launched = run(_flags(shakespeare_shards, tmp_path / mode, "--parallel", parallel,
-                              "--activation-checkpointing", mode), nproc=2, log_dir=tmp_path / f"log_{mode}")
+        launched = run(
+            _flags(shakespeare_shards, tmp_path / mode, "--parallel", parallel, "--activation-checkpointing", mode),
+            nproc=2,
+            log_dir=tmp_path / f"log_{mode}",
+        )
         assert launched.proc.returncode == 0, launched.output()
         out[mode] = launched.stdout
     assert losses(tmp_path / "full") == losses(tmp_path / "none")
@@ -183,7 +236,10 @@ def test_two_ranks_train_the_same_with_and_without_it(tmp_path, shakespeare_shar
     assert "FLOPs recomputed, not in MFU (--activation-checkpointing full)" in out["full"]
     # none changes nothing: a start-up detail, in RUN/train.log (and on the console with --verbose)
     assert "activation checkpointing none" not in out["none"]
-    assert "activation checkpointing none (--activation-checkpointing none)" in (tmp_path / "none" / "train.log").read_text()
+    assert (
+        "activation checkpointing none (--activation-checkpointing none)"
+        in (tmp_path / "none" / "train.log").read_text()
+    )
 
 
 def test_a_run_resumes_across_a_change_of_the_flag(tmp_path, shakespeare_shards, capsys):
@@ -193,13 +249,34 @@ def test_a_run_resumes_across_a_change_of_the_flag(tmp_path, shakespeare_shards,
 
     train = import_train_ddp()
     base = tmp_path / "base"
-    assert train.main([*tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2, eval_tokens=256),
-                       "--out-dir", str(base), "--activation-checkpointing", "none"]) == 0
+    assert (
+        train.main(
+            [
+                *tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2, eval_tokens=256),
+                "--out-dir",
+                str(base),
+                "--activation-checkpointing",
+                "none",
+            ]
+        )
+        == 0
+    )
     resumed = tmp_path / "resumed"
     capsys.readouterr()
-    assert train.main([*tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2, eval_tokens=256),
-                       "--out-dir", str(resumed), "--activation-checkpointing", "full",
-                       "--resume", str(base / "checkpoints" / "step_00000002.pt")]) == 0
+    assert (
+        train.main(
+            [
+                *tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2, eval_tokens=256),
+                "--out-dir",
+                str(resumed),
+                "--activation-checkpointing",
+                "full",
+                "--resume",
+                str(base / "checkpoints" / "step_00000002.pt"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "resume: activation_checkpointing changed from 'none' to 'full'" in out
     assert "activation checkpointing full: every block recomputed" in out

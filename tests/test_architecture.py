@@ -75,7 +75,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep)):
                 return cycle
         state[node] = "done"
@@ -124,10 +124,18 @@ def test_no_module_is_named_like_another():
 
 def test_the_name_rule_can_fail():
     """The rule sees a file named like another file, and a file named like a package."""
-    paths = [PACKAGE / "metrics.py", PACKAGE / "train" / "metrics.py", PACKAGE / "plan",
-             BENCH / "plan.py", PACKAGE / "plan" / "__main__.py", PACKAGE / "doctor" / "__main__.py"]
-    assert names_used_twice(paths) == {"metrics": ["gpt2/metrics.py", "gpt2/train/metrics.py"],
-                                       "plan": ["bench/plan.py", "gpt2/plan"]}
+    paths = [
+        PACKAGE / "metrics.py",
+        PACKAGE / "train" / "metrics.py",
+        PACKAGE / "plan",
+        BENCH / "plan.py",
+        PACKAGE / "plan" / "__main__.py",
+        PACKAGE / "doctor" / "__main__.py",
+    ]
+    assert names_used_twice(paths) == {
+        "metrics": ["gpt2/metrics.py", "gpt2/train/metrics.py"],
+        "plan": ["bench/plan.py", "gpt2/plan"],
+    }
 
 
 def test_no_import_cycle_inside_the_package():
@@ -147,8 +155,9 @@ def test_each_group_imports_only_the_groups_below_it():
 
 def test_nothing_imports_a_command():
     sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py"), REPO / "train_ddp.py"]
-    wrong = [f"{p.relative_to(REPO)} imports {d}" for p in sources for d in sorted(imported_gpt2_modules(p))
-             if d in COMMANDS]
+    wrong = [
+        f"{p.relative_to(REPO)} imports {d}" for p in sources for d in sorted(imported_gpt2_modules(p)) if d in COMMANDS
+    ]
     assert wrong == []
 
 
@@ -174,8 +183,11 @@ def test_only_the_entry_point_imports_the_trainer():
     sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py")]
     importers = sorted(str(p.relative_to(REPO)) for p in sources if "train.trainer" in imported_gpt2_modules(p))
     assert importers == ["gpt2/doctor/acceleration.py", "gpt2/train/session.py"], importers
-    users = sorted(str(p.relative_to(REPO)) for p in [*sources, REPO / "train_ddp.py"]
-                   if "doctor.acceleration" in imported_gpt2_modules(p))
+    users = sorted(
+        str(p.relative_to(REPO))
+        for p in [*sources, REPO / "train_ddp.py"]
+        if "doctor.acceleration" in imported_gpt2_modules(p)
+    )
     assert users == LADDER_USERS, users
     assert [str(p.relative_to(REPO)) for p in sources if "train.dryrun" in imported_gpt2_modules(p)] == []
     assert {"train.trainer", "train.dryrun"} <= imported_gpt2_modules(REPO / "train_ddp.py")
@@ -190,8 +202,13 @@ def test_the_doctor_is_one_package_that_nothing_else_imports():
     assert "doctor.__main__" in MODULES and not (PACKAGE / "doctor.py").exists()
     assert not (PACKAGE / "tools").exists()
     sources = [*PACKAGE.rglob("*.py"), *(REPO / "data_prep").glob("*.py"), REPO / "train_ddp.py"]
-    outside = [f"{p.relative_to(REPO)} imports {d}" for p in sources if (PACKAGE / "doctor") not in p.parents
-               for d in sorted(imported_gpt2_modules(p)) if group(d) == "doctor"]
+    outside = [
+        f"{p.relative_to(REPO)} imports {d}"
+        for p in sources
+        if (PACKAGE / "doctor") not in p.parents
+        for d in sorted(imported_gpt2_modules(p))
+        if group(d) == "doctor"
+    ]
     assert outside == []
 
 
@@ -221,7 +238,11 @@ def top_level_gpt2_imports(path: Path) -> set[str]:
     """The gpt2 modules a file imports at module level (not inside a function)."""
     deps = set()
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ImportFrom) and node.module and (node.module == "gpt2" or node.module.startswith("gpt2.")):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and (node.module == "gpt2" or node.module.startswith("gpt2."))
+        ):
             base = node.module.removeprefix("gpt2").removeprefix(".")
             deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULE_PATHS else base for a in node.names}
         elif isinstance(node, ast.Import):
@@ -319,8 +340,10 @@ def test_benchmarks_reach_the_trainer_only_through_its_session(tmp_path):
     assert sum(BENCH_ENTRY in imported_gpt2_modules(p) for p in BENCH.glob("*.py")) >= 6  # the rule was exercised
     assert [m for m, p in MODULE_PATHS.items() if BENCH_ENTRY in imported_gpt2_modules(p)] == []  # bench/'s alone
     bad = tmp_path / "bench_script.py"  # the rule can fail: every way of reaching past the entry
-    bad.write_text("import gpt2.train.muon\nfrom gpt2.train import session, trainer\n"
-                   "def f():\n    from gpt2.train.startup import check_data\n    from gpt2.train import Parts\n")
+    bad.write_text(
+        "import gpt2.train.muon\nfrom gpt2.train import session, trainer\n"
+        "def f():\n    from gpt2.train.startup import check_data\n    from gpt2.train import Parts\n"
+    )
     assert training_internals(bad) == ["train", "train.muon", "train.startup", "train.trainer"]
 
 
@@ -341,8 +364,9 @@ def test_benchmarks_use_only_public_names_that_exist():
                 root = node.value
                 while isinstance(root, ast.Attribute):
                     root = root.value
-                assert not (isinstance(root, ast.Name) and root.id in modules), \
+                assert not (isinstance(root, ast.Name) and root.id in modules), (
                     f"{path.name}:{node.lineno}: uses the private {node.attr} of the library"
+                )
     assert checked > 20  # the benches were read
 
 
@@ -364,8 +388,7 @@ print(json.dumps(results))
 def test_every_module_imports_alone_without_side_effects():
     """Each module imported first in a fresh gpt2 (no other module of ours loaded before it): it
     works whatever the import order, and changes neither the environment nor torch's threads."""
-    run = subprocess.run([sys.executable, "-c", ALONE, *MODULES], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([sys.executable, "-c", ALONE, *MODULES], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     results = json.loads(run.stdout.splitlines()[-1])
     assert sorted(results) == MODULES

@@ -75,8 +75,12 @@ def test_data_prep_shards_and_manifest_get_the_plain_open_mode(tmp_path, umask, 
     src = tmp_path / "corpus.txt"
     src.write_text(shakespeare_path.read_text()[:20_000])
     out = tmp_path / "shards"
-    prepare(PrepConfig(sources=(str(src),), out=out, shard_tokens=2000, val_tokens=500, progress=False,
-                       txt_sample_by="paragraph"), log=lambda m: None)
+    prepare(
+        PrepConfig(
+            sources=(str(src),), out=out, shard_tokens=2000, val_tokens=500, progress=False, txt_sample_by="paragraph"
+        ),
+        log=lambda m: None,
+    )
     files = sorted(out.iterdir())
     assert len([p for p in files if p.suffix == ".bin"]) >= 2 and (out / "manifest.json") in files
     assert {p.name: mode(p) for p in files} == {p.name: UMASKS[umask] for p in files}

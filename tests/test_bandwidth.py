@@ -24,28 +24,45 @@ def test_bus_bandwidth_is_nccl_tests_definition():
 def test_a_124m_step_over_a_slow_network_is_warned_about():
     # 124,475,904 parameters: 497.9 MB of fp32 gradients. A 25 MiB bucket in 10 ms is 2.62 GB/s
     # (~21 Gb/s, TCP sockets), so the step's all-reduce takes 0.19 s: 38% of 0.5 s of compute.
-    c = network_cost(backend="nccl", world_size=32, nodes=4, bucket_bytes=25 * 2**20, allreduce_s=0.01,
-                     grad_bytes=124_475_904 * 4, step_compute_s=0.5)
+    c = network_cost(
+        backend="nccl",
+        world_size=32,
+        nodes=4,
+        bucket_bytes=25 * 2**20,
+        allreduce_s=0.01,
+        grad_bytes=124_475_904 * 4,
+        step_compute_s=0.5,
+    )
     assert c.algbw_bytes_per_s == pytest.approx(2.62144e9)
     assert c.busbw_bytes_per_s == pytest.approx(2.62144e9 * 2 * 31 / 32)
     assert c.step_allreduce_s == pytest.approx(0.18994, rel=1e-4)
     assert c.share == pytest.approx(0.37988, rel=1e-4)
     line = format_network_cost(c)
-    assert line.startswith("network    all-reduce of 25.0 MiB over 32 ranks (nccl): 10.0 ms, algbw 2.62 GB/s, "
-                           "busbw 5.08 GB/s; a step's gradient all-reduce (498 MB) ~0.19 s = 38% of the planned "
-                           "0.5 s of compute per step"), line
+    assert line.startswith(
+        "network    all-reduce of 25.0 MiB over 32 ranks (nccl): 10.0 ms, algbw 2.62 GB/s, "
+        "busbw 5.08 GB/s; a step's gradient all-reduce (498 MB) ~0.19 s = 38% of the planned "
+        "0.5 s of compute per step"
+    ), line
     warning = network_warning(c)
     assert "38%" in warning and "NCCL_IB" in warning and "NCCL_SOCKET_IFNAME" in warning
 
 
 def test_a_fast_network_or_an_unknown_compute_time_gives_no_warning():
     # InfiniBand-class: 25 MiB in 1 ms (26 GB/s) -> 0.019 s, 3.8% of the same step.
-    fast = network_cost(backend="nccl", world_size=32, nodes=4, bucket_bytes=25 * 2**20, allreduce_s=0.001,
-                        grad_bytes=124_475_904 * 4, step_compute_s=0.5)
+    fast = network_cost(
+        backend="nccl",
+        world_size=32,
+        nodes=4,
+        bucket_bytes=25 * 2**20,
+        allreduce_s=0.001,
+        grad_bytes=124_475_904 * 4,
+        step_compute_s=0.5,
+    )
     assert fast.share == pytest.approx(0.037988, rel=1e-4) and network_warning(fast) is None
     assert network_warning(fast, threshold=0.03) is not None  # the threshold is what decides
-    unknown = network_cost(backend="nccl", world_size=2, nodes=2, bucket_bytes=MB, allreduce_s=0.1, grad_bytes=4 * MB,
-                           step_compute_s=None)
+    unknown = network_cost(
+        backend="nccl", world_size=2, nodes=2, bucket_bytes=MB, allreduce_s=0.1, grad_bytes=4 * MB, step_compute_s=None
+    )
     assert unknown.share is None and network_warning(unknown) is None
     assert "no planned compute to compare with" in format_network_cost(unknown)
 
@@ -54,9 +71,17 @@ def test_only_several_nodes_are_warned_about_the_network():
     """The same slow all-reduce (38% of a step): across nodes the warning is about the network (NCCL's
     sockets vs InfiniBand, gloo's TCP interface); on one node there is no network: GPUs get a warning
     about their own links, and CPU ranks (gloo, one host: a 2-rank CPU run) none at all."""
+
     def cost(backend, nodes):
-        return network_cost(backend=backend, world_size=8, nodes=nodes, bucket_bytes=25 * 2**20, allreduce_s=0.01,
-                            grad_bytes=124_475_904 * 4, step_compute_s=0.5)
+        return network_cost(
+            backend=backend,
+            world_size=8,
+            nodes=nodes,
+            bucket_bytes=25 * 2**20,
+            allreduce_s=0.01,
+            grad_bytes=124_475_904 * 4,
+            step_compute_s=0.5,
+        )
 
     across = network_warning(cost("nccl", 2))
     assert "Across nodes" in across and "InfiniBand" in across and "on 2 node(s)" in across
@@ -74,34 +99,83 @@ def test_fsdp_step_is_two_gathers_per_micro_step_and_one_reduce_scatter_at_ring_
     t = fsdp_traffic(124_475_904, 2, 2)
     assert (t.gather_bytes, t.gathers_per_step, t.reduce_scatter_bytes) == (248_951_808, 4, 497_903_616)
     assert t.step_bytes == 4 * 248_951_808 + 497_903_616
-    c = network_cost(backend="nccl", world_size=32, nodes=4, bucket_bytes=25 * 2**20, allreduce_s=0.01,
-                     grad_bytes=124_475_904 * 4, step_compute_s=0.5, fsdp=t)
+    c = network_cost(
+        backend="nccl",
+        world_size=32,
+        nodes=4,
+        bucket_bytes=25 * 2**20,
+        allreduce_s=0.01,
+        grad_bytes=124_475_904 * 4,
+        step_compute_s=0.5,
+        fsdp=t,
+    )
     busbw = 2.62144e9 * 2 * 31 / 32
     assert c.parallel == "fsdp" and c.step_bytes == t.step_bytes
     assert c.step_comm_s == pytest.approx(t.step_bytes * 31 / 32 / busbw) == pytest.approx(0.28491, rel=1e-4)
     assert c.share == pytest.approx(c.step_comm_s / 0.5)
     line = format_network_cost(c)
     assert "\n" not in line and "all-reduce" not in line.split(";")[1], line
-    assert line.endswith("a step's fsdp traffic (4 all-gathers of 249 MB weights + 1 reduce-scatter of 498 MB fp32 "
-                         "gradients = 1,494 MB, ring: x 31/32 at busbw) ~0.285 s = 57% of the planned 0.5 s of "
-                         "compute per step"), line
+    assert line.endswith(
+        "a step's fsdp traffic (4 all-gathers of 249 MB weights + 1 reduce-scatter of 498 MB fp32 "
+        "gradients = 1,494 MB, ring: x 31/32 at busbw) ~0.285 s = 57% of the planned 0.5 s of "
+        "compute per step"
+    ), line
     assert network_warning(c).startswith("fsdp's all-gathers and reduce-scatter would take 57%")
     # DDP's line and numbers are what they were; its step_comm_s is its all-reduce
-    ddp = network_cost(backend="nccl", world_size=32, nodes=4, bucket_bytes=25 * 2**20, allreduce_s=0.01,
-                       grad_bytes=124_475_904 * 4, step_compute_s=0.5)
+    ddp = network_cost(
+        backend="nccl",
+        world_size=32,
+        nodes=4,
+        bucket_bytes=25 * 2**20,
+        allreduce_s=0.01,
+        grad_bytes=124_475_904 * 4,
+        step_compute_s=0.5,
+    )
     assert ddp.parallel == "ddp" and ddp.step_comm_s == ddp.step_allreduce_s and ddp.step_bytes == ddp.grad_bytes
     # fp32 on 2 ranks: busbw = algbw and a ring moves half of each tensor
-    two = network_cost(backend="gloo", world_size=2, nodes=1, bucket_bytes=MB, allreduce_s=0.01, grad_bytes=4 * MB,
-                       step_compute_s=None, fsdp=fsdp_traffic(MB, 4, 1))
+    two = network_cost(
+        backend="gloo",
+        world_size=2,
+        nodes=1,
+        bucket_bytes=MB,
+        allreduce_s=0.01,
+        grad_bytes=4 * MB,
+        step_compute_s=None,
+        fsdp=fsdp_traffic(MB, 4, 1),
+    )
     assert two.step_bytes == 3 * 4 * MB and two.step_comm_s == pytest.approx(12 * MB / 2 / 1e8)
     with pytest.raises(ValueError, match="fsdp_traffic needs positive"):
         fsdp_traffic(MB, 4, 0)
 
 
 def _flags(data_dir, out_dir):
-    return [*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval",
-            "0", "--plot", "false", "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--micro-batch-size", "2",
-            "--total-batch-size", "256", "--max-steps", "1", "--eval-tokens", "0", "--ckpt-interval", "0"]
+    return [
+        *TINY_MODEL_FLAGS,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--compile",
+        "false",
+        "--sample-interval",
+        "0",
+        "--plot",
+        "false",
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--micro-batch-size",
+        "2",
+        "--total-batch-size",
+        "256",
+        "--max-steps",
+        "1",
+        "--eval-tokens",
+        "0",
+        "--ckpt-interval",
+        "0",
+    ]
 
 
 def test_two_ranks_log_the_network_line_and_record_it_one_process_does_not(tmp_path, shakespeare_shards):

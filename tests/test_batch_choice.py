@@ -38,8 +38,9 @@ def test_the_model_weighs_the_fixed_cost_and_the_chunked_loss():
     cfg, h100 = model_preset("gpt2"), gpu_hardware("H100-80GB", "bf16")
 
     def rate(b, chunked=False):
-        return b / micro_step_seconds(cfg, b, 1024, device_type="cuda", peak_flops=h100.peak_flops,
-                                      chunked_compiled=chunked)
+        return b / micro_step_seconds(
+            cfg, b, 1024, device_type="cuda", peak_flops=h100.peak_flops, chunked_compiled=chunked
+        )
 
     assert rate(1) < rate(16) < rate(32) < rate(64) < rate(128)  # the fixed cost spread over more tokens
     assert rate(32) / rate(16) - 1 < 0.03 and rate(64) / rate(32) - 1 < TIE  # little gained past 16-32
@@ -61,21 +62,30 @@ def test_auto_fits_with_its_margin_and_divides(gib):
     """gpt2 at block 1024 on a CPU capped at gib, 32 sequences per rank: whatever the model prefers, the choice
     fits with AUTO_HEADROOM and divides the rank's sequences."""
     cfg = model_preset("gpt2")
-    hw = Hardware(name=f"cpu capped at {gib} GiB", memory_bytes=gib * GIB, peak_flops=1e11, device_type="cpu",
-                  reserve_bytes=GIB // 2)
+    hw = Hardware(
+        name=f"cpu capped at {gib} GiB",
+        memory_bytes=gib * GIB,
+        peak_flops=1e11,
+        device_type="cpu",
+        reserve_bytes=GIB // 2,
+    )
     b = choose(cfg, hw, total=32 * 1024 * 2, world=2, dtype="fp32").size
-    fits = max_micro_batch_size(run(cfg, total=32 * 1024 * 2, world=2, dtype="fp32"), hw, world_size=2,
-                                headroom=AUTO_HEADROOM)
+    fits = max_micro_batch_size(
+        run(cfg, total=32 * 1024 * 2, world=2, dtype="fp32"), hw, world_size=2, headroom=AUTO_HEADROOM
+    )
     assert 1 <= b <= fits and 32 % b == 0
-    assert memory(run_config(cfg, b, dtype="fp32", world_size=2), hw, world_size=2).total * AUTO_HEADROOM \
+    assert (
+        memory(run_config(cfg, b, dtype="fp32", world_size=2), hw, world_size=2).total * AUTO_HEADROOM
         <= hw.usable_bytes
+    )
 
 
 def test_without_room_for_the_margin_the_largest_that_fits_is_taken_and_said():
     cfg = model_preset("gpt2")
     need = memory(run_config(cfg, 1, dtype="fp32"), CPU, accum_steps=2).total
-    hw = Hardware(name="tight", memory_bytes=int(need * 1.1) + GIB, peak_flops=1e11, device_type="cpu",
-                  reserve_bytes=GIB)
+    hw = Hardware(
+        name="tight", memory_bytes=int(need * 1.1) + GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB
+    )
     choice = choose(cfg, hw, total=8 * 1024, dtype="fp32")
     assert choice.size == 1 and "none fits with the plan's 25% margin; without it up to 1" in choice.reason
 
@@ -83,16 +93,21 @@ def test_without_room_for_the_margin_the_largest_that_fits_is_taken_and_said():
 def test_free_memory_bounds_auto_on_a_cpu():
     """MemAvailable, not the host's RAM: what other processes hold is not the run's."""
     roomy = Hardware(name="cpu", memory_bytes=64 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
-    busy = Hardware(name="cpu", memory_bytes=64 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB,
-                    available_bytes=6 * GIB)
+    busy = Hardware(
+        name="cpu",
+        memory_bytes=64 * GIB,
+        peak_flops=1e11,
+        device_type="cpu",
+        reserve_bytes=GIB,
+        available_bytes=6 * GIB,
+    )
     cfg = model_preset("gpt2")
     assert busy.usable_bytes == 5 * GIB and roomy.usable_bytes == 63 * GIB
     loose = max_micro_batch_size(run(cfg, dtype="fp32"), roomy, headroom=AUTO_HEADROOM)
     tight = max_micro_batch_size(run(cfg, dtype="fp32"), busy, headroom=AUTO_HEADROOM)
     assert tight < loose
     b = choose(cfg, busy, total=64 * 1024, dtype="fp32").size
-    assert memory(run_config(cfg, b, dtype="fp32", total_batch_size=64 * 1024), busy).total * AUTO_HEADROOM \
-        <= 5 * GIB
+    assert memory(run_config(cfg, b, dtype="fp32", total_batch_size=64 * 1024), busy).total * AUTO_HEADROOM <= 5 * GIB
 
 
 def test_under_fsdp_auto_keeps_the_largest_that_fits_and_divides():
@@ -114,8 +129,11 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="less than one sequence per rank .* or use at most 512 ranks"):
         choose(cfg, CPU, world=1024, dtype="fp32")
     tiny = Hardware(name="tiny", memory_bytes=GIB, peak_flops=1e12, device_type="cpu", reserve_bytes=0)
-    with pytest.raises(ValueError, match=r"gpt2-xl does not fit on tiny \(1.00 GiB\) with DDP at world size 1: "
-                                         r"micro_batch_size=1 needs \d+\.\d\d GiB per device .* a smaller model"):
+    with pytest.raises(
+        ValueError,
+        match=r"gpt2-xl does not fit on tiny \(1.00 GiB\) with DDP at world size 1: "
+        r"micro_batch_size=1 needs \d+\.\d\d GiB per device .* a smaller model",
+    ):
         choose(model_preset("gpt2-xl"), tiny, total=8192, dtype="fp32")
     roomy = Hardware(name="small", memory_bytes=4 * GIB, peak_flops=1e12, device_type="cpu", reserve_bytes=0)
     with pytest.raises(ValueError, match=r"a shorter --block-size, --dtype bfloat16"):

@@ -43,13 +43,39 @@ def test_eager_loss_compares_the_chunked_and_plain_loss_on_the_same_batch():
 
 def test_loss_bench_times_chunked_and_plain_eager_and_compiled():
     # aot_eager compiles without a C++ toolchain run: seconds, and the compiled rows still go through dynamo
-    out = run_bench("bench/lm_head_loss.py", "--device", "cpu", "--batch", "1", "--seq-len", "64", "--n-embd", "32",
-                    "--vocab-size", "512", "--rounds", "2", "--steps", "1", "--threads", "1",
-                    "--backend", "aot_eager", "--also-chunk-logits", "4096", timeout=300)
+    out = run_bench(
+        "bench/lm_head_loss.py",
+        "--device",
+        "cpu",
+        "--batch",
+        "1",
+        "--seq-len",
+        "64",
+        "--n-embd",
+        "32",
+        "--vocab-size",
+        "512",
+        "--rounds",
+        "2",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+        "--backend",
+        "aot_eager",
+        "--also-chunk-logits",
+        "4096",
+        timeout=300,
+    )
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| row")]
     cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
-    assert [c[0] for c in cells] == ["chunked eager", "chunked compiled", "plain eager", "plain compiled",
-                                     "chunked compiled, 4,096 logits/chunk"]
+    assert [c[0] for c in cells] == [
+        "chunked eager",
+        "chunked compiled",
+        "plain eager",
+        "plain compiled",
+        "chunked compiled, 4,096 logits/chunk",
+    ]
     assert cells[3][2] == "1.00x"  # the reference
     assert [c[4] for c in cells] == ["1", "1", "-", "-", "8"]  # 64 rows: 2**23 logits on a CPU; 4096 // 512 = 8
     losses = [float(c[5]) for c in cells]
@@ -57,18 +83,41 @@ def test_loss_bench_times_chunked_and_plain_eager_and_compiled():
 
 
 def test_ladder_runs_the_trainers_step_and_the_models_attention_kernels(tmp_path):
-    out = run_bench("bench/ladder.py", "--device", "cpu", "--rungs", "base,tf32,bf16", "--n-layer", "1",
-                    "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--micro-batch-size", "2",
-                    "--steps", "1", "--warmup", "1", "--threads", "1", "--out", str(tmp_path / "ladder.png"),
-                    timeout=300)
+    out = run_bench(
+        "bench/ladder.py",
+        "--device",
+        "cpu",
+        "--rungs",
+        "base,tf32,bf16",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "64",
+        "--block-size",
+        "64",
+        "--micro-batch-size",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "ladder.png"),
+        timeout=300,
+    )
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
     rungs = {r[0]: r for r in rows if r[0] in ("base", "tf32", "bf16")}
     assert rungs["tf32"][2] == "n/a (CUDA only)"
     losses = [float(rungs[name][9]) for name in ("base", "bf16")]
     assert all(10.5 < x < 11.2 for x in losses) and abs(losses[0] - losses[1]) < 1e-2  # ~ln(50257), same batch
     kernels = [r for r in rows if r[0] in ("explicit mask", "SDPA attn_mask", "SDPA is_causal")]
-    assert [(r[0], r[1]) for r in kernels] == [(k, d) for d in ("float32", "bfloat16")
-                                                for k in ("explicit mask", "SDPA attn_mask", "SDPA is_causal")]
+    assert [(r[0], r[1]) for r in kernels] == [
+        (k, d) for d in ("float32", "bfloat16") for k in ("explicit mask", "SDPA attn_mask", "SDPA is_causal")
+    ]
     assert all(r[5] == "yes" for r in kernels)  # the model's three attn_impls agree
     assert (tmp_path / "ladder.png").stat().st_size > 0
 
@@ -76,30 +125,54 @@ def test_ladder_runs_the_trainers_step_and_the_models_attention_kernels(tmp_path
 @pytest.mark.slow
 def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     md = tmp_path / "report.md"
-    out = run_bench("bench/train_throughput.py", "--steps", "1", "--warmup", "1", "--ddp-rounds", "1",
-                    "--order-model", "small", "--md", str(md), timeout=1500)
+    out = run_bench(
+        "bench/train_throughput.py",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--ddp-rounds",
+        "1",
+        "--order-model",
+        "small",
+        "--md",
+        str(md),
+        timeout=1500,
+    )
     main, orders = out.split("DDP and torch.compile orders")
     rows = [line for line in main.splitlines() if line.startswith("| ") and "configuration" not in line]
     names = [r.split("|")[1].strip() for r in rows]
     order_rows = [r.strip("|").split("|") for r in orders.splitlines() if r.startswith("| ") and "order" not in r]
-    assert [r[0].strip() for r in order_rows] == ["compile, then DDP (the trainer)", "DDP, then compile",
-                                                  "each block compiled, then DDP", "eager DDP"]
+    assert [r[0].strip() for r in order_rows] == [
+        "compile, then DDP (the trainer)",
+        "DDP, then compile",
+        "each block compiled, then DDP",
+        "eager DDP",
+    ]
     order_losses = [float(r[4]) for r in order_rows]
     assert order_rows[0][3].strip() == "1.00x" and max(order_losses) - min(order_losses) < 1e-3  # the same maths
     from gpt2.core.precision import resolve
 
     low = resolve("auto", "cpu").short  # bf16 where it is fast on this CPU, else fp32 (no bf16 rows)
-    assert names == ["fp32 eager", "fp32 compiled", "fp32 compiled, --loss-impl full",
-                     f"{low} compiled, plain loss + for-loop AdamW",
-                     f"{low} compiled, chunked loss + for-loop AdamW", *([f"{low} compiled"] if low != "fp32" else []),
-                     f"{low} compiled, --optimizer muon",
-                     f"train_ddp.py, {low} compiled", f"torchrun train_ddp.py, {low} compiled",
-                     f"torchrun train_ddp.py, {low} compiled, --optimizer muon"]
+    assert names == [
+        "fp32 eager",
+        "fp32 compiled",
+        "fp32 compiled, --loss-impl full",
+        f"{low} compiled, plain loss + for-loop AdamW",
+        f"{low} compiled, chunked loss + for-loop AdamW",
+        *([f"{low} compiled"] if low != "fp32" else []),
+        f"{low} compiled, --optimizer muon",
+        f"train_ddp.py, {low} compiled",
+        f"torchrun train_ddp.py, {low} compiled",
+        f"torchrun train_ddp.py, {low} compiled, --optimizer muon",
+    ]
     losses = {float(r.strip("|").split("|")[-1]) for r in rows}
     assert all(10.5 < x < 11.2 for x in losses)  # random tokens: ~ln(50257) at step 1
     assert re.search(rf"- {low} compiled: MFU [\d.]+% \(goal >= 60%\)", out)
     assert re.search(r"- DDP efficiency 2 x 1 / 1 x 2: [\d.]+% \(goal >= 90%\)", out)
-    assert re.search(rf"- --optimizer muon: [+-][\d.]+% step time against AdamW's {low} compiled row \(goal < 10%\)", out)
+    assert re.search(
+        rf"- --optimizer muon: [+-][\d.]+% step time against AdamW's {low} compiled row \(goal < 10%\)", out
+    )
     assert re.search(r"- --optimizer muon under torchrun \(2 x 1, .*\): [+-][\d.]+% step time against AdamW's", out)
     assert re.search(r"- fp32 compiled step time, chunked loss / full logits: [\d.]+x", out)
     assert md.read_text().strip() == out.strip()
@@ -107,15 +180,35 @@ def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
 
 def test_optimizers_bench_prints_the_table_and_the_steps_ratio_and_reuses_finished_runs(tmp_path):
     results = tmp_path / "runs.json"
-    args = ["bench/optimizers.py", "--shapes", "small", "--steps", "4", "--eval-every", "2", "--adamw-lrs", "1e-3,2e-3",
-            "--muon-lrs", "0.02", "--eval-tokens", "2048", "--results", str(results), "--extend", "0"]
+    args = [
+        "bench/optimizers.py",
+        "--shapes",
+        "small",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--adamw-lrs",
+        "1e-3,2e-3",
+        "--muon-lrs",
+        "0.02",
+        "--eval-tokens",
+        "2048",
+        "--results",
+        str(results),
+        "--extend",
+        "0",
+    ]
     out = run_bench(*args, timeout=600)
     assert "| step | AdamW lr 0.001 | AdamW lr 0.002 | Muon 0.02 (AdamW part 0.002) |" in out
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["0", "2", "4"]
     assert re.search(r"- steps for Muon to reach AdamW's final val loss: (\d+ of 4 = \*\*[\d.]+x\*\*|not reached)", out)
-    assert re.search(r"- best Muon: muon-lr 0.02, final val [\d.]+; [\d.]+ s/step \([+-][\d.]+%; runs at different", out)
+    assert re.search(
+        r"- best Muon: muon-lr 0.02, final val [\d.]+; [\d.]+ s/step \([+-][\d.]+%; runs at different", out
+    )
     import json
+
     assert len(json.loads(results.read_text())) == 3
     again = run_bench(*args, timeout=120)  # every run is in the results file: nothing is trained again
     assert again == out.replace(out.splitlines()[0], again.splitlines()[0])
@@ -132,6 +225,7 @@ def test_optimizer_sweeps_go_past_an_edge_while_the_best_lr_is_there():
         def run(lr):
             tried.append(lr)
             return {"steps": 1, "val": {"1": abs(math.log2(lr / best))}}
+
         return run
 
     tried = []
@@ -148,7 +242,10 @@ def test_muon_step_bench_times_both_optimizers_and_both_iterations():
     out = run_bench("bench/muon_step.py", "--reps", "1", timeout=300)
     rows = [line for line in out.splitlines() if line.startswith("| ") and "optimizer.step()" not in line]
     assert [r.split("|")[1].strip() for r in rows] == [
-        "adamw (fused)", "muon, Gram-form Newton-Schulz (default in fp32)", "muon, plain Newton-Schulz"]
+        "adamw (fused)",
+        "muon, Gram-form Newton-Schulz (default in fp32)",
+        "muon, plain Newton-Schulz",
+    ]
     seconds = [float(r.split("|")[2]) for r in rows]
     assert all(s > 0 for s in seconds) and seconds[1] > seconds[0]  # Newton-Schulz is real work
     assert re.search(r"a training step of 4,096 tokens is [\d.]+ s at that peak", out)
@@ -169,27 +266,37 @@ def test_checkpoint_stall_bench_times_a_sync_and_a_background_save():
         assert float(sync) > 0 and float(write) > 0
 
 
-@pytest.mark.parametrize("script", ["bench/optimizers.py", "bench/data_order.py", "bench/prep_throughput.py",
-                                    "bench/compile_restart.py"])
+@pytest.mark.parametrize(
+    "script", ["bench/optimizers.py", "bench/data_order.py", "bench/prep_throughput.py", "bench/compile_restart.py"]
+)
 def test_a_bench_without_its_corpus_says_so_in_one_line_and_exits_2(tmp_path, script):
     missing = tmp_path / "no" / "tinyshakespeare.txt"
-    done = subprocess.run([sys.executable, script, "--corpus", str(missing)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, script, "--corpus", str(missing)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2, done.stderr
     name = Path(script).name
-    assert done.stderr.splitlines() == [f"{name}: error: corpus {missing} not found: pass --corpus PATH (any "
-                                        "UTF-8 .txt file; docs/data.md says where to get tinyshakespeare)"]
+    assert done.stderr.splitlines() == [
+        f"{name}: error: corpus {missing} not found: pass --corpus PATH (any "
+        "UTF-8 .txt file; docs/data.md says where to get tinyshakespeare)"
+    ]
     assert done.stdout == ""
-    help_text = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
-                               timeout=120).stdout
+    help_text = subprocess.run(
+        [sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    ).stdout
     assert "--corpus" in help_text and "tinyshakespeare.txt" in help_text  # the default is the shared file
 
 
 def test_a_corpus_data_prep_refuses_is_one_line_not_a_traceback(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"fine\n\n\xff\xfe not UTF-8\n")
-    done = subprocess.run([sys.executable, "bench/data_order.py", "--corpus", str(bad)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "bench/data_order.py", "--corpus", str(bad)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     [line] = done.stderr.splitlines()
     assert line.startswith(f"data_order.py: error: data_prep failed on {bad}: ") and "not valid UTF-8" in line
@@ -218,18 +325,36 @@ def nanogpt_module():
 NANOGPT_SOURCE, NO_NANOGPT = nanogpt_module().reachable_source()
 """Where the nanoGPT rows take the pinned commit from: $NANOGPT_DIR, the benchmarks' cache, or GitHub."""
 
-needs_nanogpt = pytest.mark.skipif(NANOGPT_SOURCE is None, reason=f"{NO_NANOGPT} (the rows of ours are tested "
-                                                                   "without it)")
+needs_nanogpt = pytest.mark.skipif(
+    NANOGPT_SOURCE is None, reason=f"{NO_NANOGPT} (the rows of ours are tested without it)"
+)
 
 
 def table_rows(out: str, first_cell: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
-            if line.startswith("| ") and not line.startswith(f"| {first_cell} ")]
+    return [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in out.splitlines()
+        if line.startswith("| ") and not line.startswith(f"| {first_cell} ")
+    ]
 
 
 def test_vs_nanogpt_times_ours_at_defaults_and_fp32_without_nanogpt():
-    out = run_bench("bench/vs_nanogpt.py", "--nanogpt", "none", "--shapes", "tiny", "--modes", "eager", "--steps", "1",
-                    "--warmup", "1", "--rounds", "1", timeout=600)
+    out = run_bench(
+        "bench/vs_nanogpt.py",
+        "--nanogpt",
+        "none",
+        "--shapes",
+        "tiny",
+        "--modes",
+        "eager",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        timeout=600,
+    )
     rows = table_rows(out, "row")
     assert [r[0] for r in rows] == ["ours eager", "ours fp32 eager"]
     assert rows[1][1] == "fp32" and rows[0][1] in ("fp32", "bf16")  # whatever --dtype auto picked here
@@ -241,8 +366,22 @@ def test_vs_nanogpt_times_ours_at_defaults_and_fp32_without_nanogpt():
 
 @needs_nanogpt
 def test_vs_nanogpt_runs_nanogpt_itself_beside_ours_on_the_same_shape():
-    out = run_bench("bench/vs_nanogpt.py", "--nanogpt", NANOGPT_SOURCE, "--shapes", "tiny", "--modes", "eager",
-                    "--steps", "1", "--warmup", "1", "--rounds", "1", timeout=900)
+    out = run_bench(
+        "bench/vs_nanogpt.py",
+        "--nanogpt",
+        NANOGPT_SOURCE,
+        "--shapes",
+        "tiny",
+        "--modes",
+        "eager",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        timeout=900,
+    )
     rows = table_rows(out, "row")
     assert [r[0] for r in rows] == ["nanoGPT eager", "ours eager", "ours fp32 eager"]
     assert rows[0][1] == "fp32" and rows[0][4] == "1.00x"
@@ -257,19 +396,41 @@ def test_nanogpt_is_pinned_and_an_unreachable_source_is_one_clear_error(tmp_path
         nanogpt.checkout(str(tmp_path / "anywhere"), "0" * 40, cache=tmp_path)
     with pytest.raises(nanogpt.NanoGPTError, match="cannot clone nanoGPT from .*--nanogpt none"):
         nanogpt.checkout(str(tmp_path / "nowhere"), cache=tmp_path)
-    done = subprocess.run([sys.executable, "bench/vs_nanogpt.py", "--nanogpt-commit", "1" * 40], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "bench/vs_nanogpt.py", "--nanogpt-commit", "1" * 40],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stderr.startswith("vs_nanogpt.py: error: --nanogpt-commit 1111")
 
 
 def test_time_to_loss_reports_steps_and_time_to_the_target_without_nanogpt():
-    out = run_bench("bench/time_to_loss.py", "--nanogpt", "none", "--target", "10.9", "--steps", "2",
-                    "--eval-every", "1", "--val-tokens", "256", "--seeds", "2", "--rows", "adamw,muon,preset",
-                    timeout=600)
+    out = run_bench(
+        "bench/time_to_loss.py",
+        "--nanogpt",
+        "none",
+        "--target",
+        "10.9",
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--val-tokens",
+        "256",
+        "--seeds",
+        "2",
+        "--rows",
+        "adamw,muon,preset",
+        timeout=600,
+    )
     rows = table_rows(out, "run")
-    assert [r[0] for r in rows] == ["ours AdamW (nanoGPT's recipe)", "ours Muon at its defaults",
-                                    *[f"--preset speed (+ warmup 20 -> 5 steps), "
-                                      f"seed {s}" for s in (1337, 1338)]]
+    assert [r[0] for r in rows] == [
+        "ours AdamW (nanoGPT's recipe)",
+        "ours Muon at its defaults",
+        *[f"--preset speed (+ warmup 20 -> 5 steps), seed {s}" for s in (1337, 1338)],
+    ]
     for r in rows:  # ln(50257) = 10.82 at step 0 < 10.9: every run is at the target after its first step
         assert r[1] == "1" and float(r[3]) > 0 and r[4] == "-" and float(r[5]) < 10.9
     assert "target: val 10.9000 (--target)" in out
@@ -277,8 +438,20 @@ def test_time_to_loss_reports_steps_and_time_to_the_target_without_nanogpt():
 
 @needs_nanogpt
 def test_time_to_loss_takes_nanogpts_val_loss_as_the_target_by_the_same_estimator():
-    out = run_bench("bench/time_to_loss.py", "--nanogpt", NANOGPT_SOURCE, "--steps", "2", "--eval-every", "1",
-                    "--val-tokens", "256", "--rows", "muon", timeout=900)
+    out = run_bench(
+        "bench/time_to_loss.py",
+        "--nanogpt",
+        NANOGPT_SOURCE,
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--val-tokens",
+        "256",
+        "--rows",
+        "muon",
+        timeout=900,
+    )
     target = float(re.search(r"target: val ([\d.]+) \(nanoGPT's at step 2\)", out)[1])
     assert 9.5 < target < 11.0  # two steps from ~ln(50257)
     rows = table_rows(out, "run")
@@ -299,9 +472,26 @@ def test_the_speed_preset_is_the_last_row_of_the_time_to_loss_ablation():
     common = ["--data-dir", "d", "--out-dir", "o"]
     last = parse_config(ttl.ablation_rows()[-1][1] + common)
     preset = parse_config(["--preset", ttl.PRESET] + common)
-    learning = ("optimizer", "lr", "min_lr", "warmup_steps", "max_steps", "decay_steps", "micro_batch_size",
-                "total_batch_size", "muon_lr", "muon_momentum", "beta1", "beta2", "weight_decay", "grad_clip",
-                "dtype", "compile", "seed", "data_order")
+    learning = (
+        "optimizer",
+        "lr",
+        "min_lr",
+        "warmup_steps",
+        "max_steps",
+        "decay_steps",
+        "micro_batch_size",
+        "total_batch_size",
+        "muon_lr",
+        "muon_momentum",
+        "beta1",
+        "beta2",
+        "weight_decay",
+        "grad_clip",
+        "dtype",
+        "compile",
+        "seed",
+        "data_order",
+    )
     assert {k: getattr(preset.train, k) for k in learning} == {k: getattr(last.train, k) for k in learning}
     assert preset.model == last.model  # GPT-2's architecture at nanoGPT's small Shakespeare shape
 
@@ -310,30 +500,76 @@ def test_matmul_shapes_times_every_matmul_of_a_step_and_weights_them_by_flops(tm
     """bench/matmul_shapes.py: 15 rows (the block's four linears and the LM head, each forward, dX and
     dW) and a FLOP-weighted rate in each dtype that lies between the slowest and fastest row's."""
     md = tmp_path / "mm.md"
-    done = subprocess.run([sys.executable, "bench/matmul_shapes.py", "--n-embd", "32", "--n-layer", "2", "--tokens",
-                           "64", "--vocab-size", "50304", "--repeats", "1", "--threads", "1", "--dtypes", "float32",
-                           "--md", str(md)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/matmul_shapes.py",
+            "--n-embd",
+            "32",
+            "--n-layer",
+            "2",
+            "--tokens",
+            "64",
+            "--vocab-size",
+            "50304",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--dtypes",
+            "float32",
+            "--md",
+            str(md),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     rows = [r.strip("|").split("|") for r in md.read_text().splitlines() if r.startswith("| ") and "m x k" not in r]
     assert len(rows) == 16 and rows[12][0].strip() == "lm head fwd" and rows[12][1].strip() == "64 x 32 x 50304"
     assert [r[2].strip() for r in rows[:15]] == ["2"] * 12 + ["1"] * 3
     rate = [float(r[3].split("(")[0].strip("* ").replace(",", "")) for r in rows]
     assert min(rate[:15]) <= rate[15] <= max(rate[:15]) and rate[15] > 0
-    bad = subprocess.run([sys.executable, "bench/matmul_shapes.py", "--dtypes", "float8"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "bench/matmul_shapes.py", "--dtypes", "float8"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("matmul_shapes.py: error: --dtypes: ")
 
 
 def test_activation_checkpointing_bench_prints_both_rows():
-    out = run_bench("bench/activation_checkpointing.py", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
-                    "--block-size", "64", "--batch", "2", "--steps", "1", timeout=300)
+    out = run_bench(
+        "bench/activation_checkpointing.py",
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "64",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        timeout=300,
+    )
     assert "| none |" in out and "| full |" in out and "x the peak" in out
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident peak is read from /proc")
 def test_plan_memory_bench_prints_the_plan_against_both_malloc_settings():
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "plan_memory.py"), "--rows", "1"], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "plan_memory.py"), "--rows", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     row = [ln for ln in out.stdout.splitlines() if ln.startswith("| 64 x 32 | fp32 | full |")]
     assert len(row) == 1, out.stdout

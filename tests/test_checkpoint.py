@@ -114,11 +114,18 @@ def test_auto_takes_the_newest_valid_step_whatever_latest_names(tmp_path):
     pointer.write_text("step_00000002.pt\n")
     warnings = []
     assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000006.pt"
-    assert warnings == [f"{pointer} names step_00000002.pt, but step_00000006.pt is a later step and verifies: "
-                        "resuming from step_00000006.pt (--resume auto takes the newest valid checkpoint; pass "
-                        "--resume PATH for another)"]
-    for bad in (b"\xff\xfe step_\x80\n", b"", b"step_00000002.pt\nstep_00000004.pt\n", b"step_00000099.pt\n",
-                b"../../etc/passwd\n"):
+    assert warnings == [
+        f"{pointer} names step_00000002.pt, but step_00000006.pt is a later step and verifies: "
+        "resuming from step_00000006.pt (--resume auto takes the newest valid checkpoint; pass "
+        "--resume PATH for another)"
+    ]
+    for bad in (
+        b"\xff\xfe step_\x80\n",
+        b"",
+        b"step_00000002.pt\nstep_00000004.pt\n",
+        b"step_00000099.pt\n",
+        b"../../etc/passwd\n",
+    ):
         pointer.write_bytes(bad)
         warnings = []
         assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000006.pt", bad
@@ -147,14 +154,21 @@ def test_retention_neither_deletes_nor_counts_another_runs_checkpoints(tmp_path)
     for step in (2, 3, 4):
         ckpt.save_checkpoint(tmp_path, step, state(step), keep=2, run_id="new", warn=warnings.append)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
-        "step_00000009.pt", "step_00000004.pt", "step_00000003.pt", "step_00000001.pt"]
+        "step_00000009.pt",
+        "step_00000004.pt",
+        "step_00000003.pt",
+        "step_00000001.pt",
+    ]
     for step in (1, 9):  # intact
         ckpt.verify_checkpoint(tmp_path / "checkpoints" / f"step_{step:08d}.pt")
     assert len(warnings) == 6 and all("belongs to run old, not to this directory's run new" in w for w in warnings)
     # keep=1: only this run's newest survives of its own; the other run's still stay
     ckpt.save_checkpoint(tmp_path, 5, state(5), keep=1, run_id="new", warn=warnings.append)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000009.pt", "step_00000005.pt",
-                                                                 "step_00000001.pt"]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
+        "step_00000009.pt",
+        "step_00000005.pt",
+        "step_00000001.pt",
+    ]
 
 
 def test_auto_takes_the_newest_of_the_directorys_run_not_the_pointer_to_another(tmp_path):
@@ -202,9 +216,11 @@ def test_a_checkpoint_whose_sidecar_is_gone_is_used_with_a_warning_when_it_check
         p.unlink()
     warnings = []
     assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) == path
-    assert warnings == [f"checkpoint {path} has lost its sidecar step_00000002.json (size and sha256): using it, "
-                        "as every record's zip checksum matches and it loads as step 2; a run that resumes from it "
-                        "writes the sidecar again"]
+    assert warnings == [
+        f"checkpoint {path} has lost its sidecar step_00000002.json (size and sha256): using it, "
+        "as every record's zip checksum matches and it loads as step 2; a run that resumes from it "
+        "writes the sidecar again"
+    ]
     assert ckpt.resolve_resume(str(path), tmp_path, warn=warnings.append) == path
     with pytest.warns(UserWarning, match="lost its sidecar"):
         assert torch.equal(load_state_w(path), state(2)["model"]["w"])
@@ -220,8 +236,10 @@ def test_a_checkpoint_whose_sidecar_is_gone_is_used_with_a_warning_when_it_check
     assert "sees a different step_00000002.pt" in resume.check_visible(point, rehash=True)
     path.write_bytes(data)
     # Damaged as well: refused by name, skipped by auto for the one before it.
-    for damage, why in ((data[:len(data) // 2], "not a complete zip archive"),
-                        (flip(data, len(data) // 2), "fails its zip checksum")):
+    for damage, why in (
+        (data[: len(data) // 2], "not a complete zip archive"),
+        (flip(data, len(data) // 2), "fails its zip checksum"),
+    ):
         path.write_bytes(damage)
         warnings = []
         assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000001.pt"
@@ -255,11 +273,13 @@ def test_auto_refuses_to_start_over_checkpoints_it_cannot_verify(tmp_path):
     with pytest.raises(ckpt.CheckpointError) as err:
         ckpt.resolve_resume("auto", tmp_path, warn=warnings.append)
     assert len(warnings) == 2 and all("truncated" in w for w in warnings)
-    assert str(err.value) == (f"--resume auto: none of this run's 2 checkpoint(s) in {tmp_path / 'checkpoints'} "
-                              "verifies (step_00000002.pt, step_00000001.pt; the warnings above say why), so the run "
-                              "would start over: restore them (with their .json sidecars), pass --resume PATH of "
-                              "another checkpoint, or --resume never to start fresh (this run's files move into a "
-                              "previous-* folder)")
+    assert str(err.value) == (
+        f"--resume auto: none of this run's 2 checkpoint(s) in {tmp_path / 'checkpoints'} "
+        "verifies (step_00000002.pt, step_00000001.pt; the warnings above say why), so the run "
+        "would start over: restore them (with their .json sidecars), pass --resume PATH of "
+        "another checkpoint, or --resume never to start fresh (this run's files move into a "
+        "previous-* folder)"
+    )
     # Another run's checkpoints do not hold a fresh start back (they are ignored, with a warning).
     (tmp_path / "config.json").write_text(json.dumps({"run_id": "other"}))
     assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) is None
@@ -271,9 +291,11 @@ def test_resuming_a_data_manifest_says_it_is_not_a_checkpoint(tmp_path, shakespe
     manifest = shakespeare_shards / "manifest.json"
     with pytest.raises(ckpt.CheckpointError) as err:
         ckpt.resolve_resume(str(manifest), tmp_path)
-    assert str(err.value) == (f"{manifest}: data_prep's manifest of the token shards in {shakespeare_shards}, not a "
-                              "checkpoint: pass that directory as --data-dir; pass a step_*.pt file or step_*/ "
-                              "directory, or a run directory")
+    assert str(err.value) == (
+        f"{manifest}: data_prep's manifest of the token shards in {shakespeare_shards}, not a "
+        "checkpoint: pass that directory as --data-dir; pass a step_*.pt file or step_*/ "
+        "directory, or a run directory"
+    )
     other = tmp_path / "notes.txt"
     other.write_text("hello")
     with pytest.raises(ckpt.CheckpointError, match="notes.txt: not a checkpoint"):
@@ -311,8 +333,13 @@ ckpt.save_checkpoint(out, 2, {"model": {"w": torch.zeros(300_000)}}, keep=3)
 
 
 def test_process_killed_inside_torch_save_leaves_the_previous_checkpoint_selected(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED_WRITER), str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(KILLED_WRITER), str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     ckdir = tmp_path / "checkpoints"
     tmps = list(ckdir.glob("step_00000002.pt.*.tmp"))
@@ -330,14 +357,16 @@ def test_process_killed_inside_torch_save_leaves_the_previous_checkpoint_selecte
 def run_config(**changes) -> RunConfig:
     model = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64}
     model.update({k: changes.pop(k) for k in list(changes) if k in ModelConfig.__dataclass_fields__})
-    return RunConfig(ModelConfig(**model),
-                     TrainConfig(data_dir="d", out_dir="o", **changes))
+    return RunConfig(ModelConfig(**model), TrainConfig(data_dir="d", out_dir="o", **changes))
 
 
 def test_incompatible_model_shape_or_tokenizer_is_refused():
     saved = {"config": run_config().to_dict(), "tokenizer": "gpt2"}
-    with pytest.raises(ckpt.CheckpointError, match=r"model shape differs.*n_layer: checkpoint 2 vs now 3.*"
-                                                    r"n_embd: checkpoint 64 vs now 128"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"model shape differs.*n_layer: checkpoint 2 vs now 3.*"
+        r"n_embd: checkpoint 64 vs now 128",
+    ):
         check_compatible(saved, run_config(n_layer=3, n_embd=128), Log())
     with pytest.raises(ckpt.CheckpointError, match="block_size"):
         check_compatible(saved, run_config(block_size=128), Log())
@@ -358,14 +387,19 @@ def test_changed_learning_rate_and_max_steps_are_allowed_and_logged():
 def test_resume_through_main_refuses_another_shape_and_logs_a_new_lr(tmp_path, shakespeare_shards, capsys):
     """train_ddp.main in this process (one rank, no process group): exit codes and messages users see."""
     train_ddp = import_train_ddp()
-    base = [*tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=1, eval_tokens=256),
-            "--out-dir", str(tmp_path)]
+    base = [
+        *tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=1, eval_tokens=256),
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert train_ddp.main(base) == 0
     capsys.readouterr()
     assert train_ddp.main([*base, "--n-layer", "3"]) == 2
     err = capsys.readouterr().err
-    assert "train_ddp.py: error: the checkpoint's model shape differs from this run's: n_layer: checkpoint 2 vs " \
-           "now 3. Use the same shape flags, or start fresh with --resume never" in err
+    assert (
+        "train_ddp.py: error: the checkpoint's model shape differs from this run's: n_layer: checkpoint 2 vs "
+        "now 3. Use the same shape flags, or start fresh with --resume never" in err
+    )
     assert train_ddp.main([*base, "--seed", "7"]) == 2
     assert "the checkpoint's data order used seed 1337, this run has --seed 7" in capsys.readouterr().err
     assert train_ddp.main([*base, "--max-steps", "3", "--lr", "1e-3"]) == 0
@@ -443,8 +477,13 @@ def test_a_worker_is_signalled_when_its_launcher_dies_even_before_it_asked(tmp_p
     script = tmp_path / "launcher_dies.py"
     script.write_text(LAUNCHER_DIES)
     mark = str(tmp_path / "worker")
-    subprocess.run([sys.executable, str(script), "launcher", mark], cwd=REPO, check=True, timeout=120,
-                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [sys.executable, str(script), "launcher", mark],
+        cwd=REPO,
+        check=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     deadline = time.monotonic() + 120  # a safety net on a loaded machine: the worker takes milliseconds
     while not os.path.exists(mark + ".stopped"):
         assert time.monotonic() < deadline, "the orphaned worker got no SIGTERM"
@@ -461,7 +500,6 @@ def test_load_model_from_a_run_directory(tmp_path):
     assert saved["step"] == 3 and not loaded.training
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
-
 
 
 def counting(monkeypatch, module, name: str) -> list:
@@ -482,8 +520,9 @@ def test_load_any_and_load_model_hash_the_checkpoint_once(tmp_path, monkeypatch)
     from gpt2.model.gpt import GPT
 
     cfg = run_config()
-    path = ckpt.save_checkpoint(tmp_path, 3, {"model": GPT(cfg.model).state_dict(), "config": cfg.to_dict(),
-                                              "tokenizer": "gpt2"}, keep=1)
+    path = ckpt.save_checkpoint(
+        tmp_path, 3, {"model": GPT(cfg.model).state_dict(), "config": cfg.to_dict(), "tokenizer": "gpt2"}, keep=1
+    )
     for target in (tmp_path, tmp_path / "checkpoints", path):
         hashed = counting(monkeypatch, ckpt, "file_sha256")
         model, info = load_any(target)
@@ -503,12 +542,14 @@ def test_one_sidecar_reader(tmp_path, monkeypatch):
     from gpt2.ckpt import resume
 
     path = ckpt.save_checkpoint(tmp_path, 2, state(2), keep=1, run_id="run-a")
-    readers = {"looks_complete": lambda: ckpt.looks_complete(path),
-               "verify_checkpoint": lambda: ckpt.verify_checkpoint(path),
-               "belongs": lambda: ckpt.belongs(path, "run-a"),
-               "stray_warning": lambda: ckpt.stray_warning(path, "run-b"),
-               "resume._point": lambda: resume._point(path),
-               "resume.check_visible": lambda: resume.check_visible(resume._point(path), rehash=False)}
+    readers = {
+        "looks_complete": lambda: ckpt.looks_complete(path),
+        "verify_checkpoint": lambda: ckpt.verify_checkpoint(path),
+        "belongs": lambda: ckpt.belongs(path, "run-a"),
+        "stray_warning": lambda: ckpt.stray_warning(path, "run-b"),
+        "resume._point": lambda: resume._point(path),
+        "resume.check_visible": lambda: resume.check_visible(resume._point(path), rehash=False),
+    }
     for name, read in readers.items():
         calls = counting(monkeypatch, ckpt, "read_sidecar")
         read()
@@ -527,6 +568,7 @@ def test_one_sidecar_reader(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ one line where a traceback was (issue 32, item 8)
 
+
 def main_err(args, capsys) -> tuple[int, str]:
     capsys.readouterr()
     code = import_train_ddp().main(args)
@@ -534,25 +576,36 @@ def main_err(args, capsys) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("async_ckpt", ["false", "true"])
-def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_directory(tmp_path, shakespeare_shards, monkeypatch,
-                                                                     capsys, async_ckpt):
+def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_directory(
+    tmp_path, shakespeare_shards, monkeypatch, capsys, async_ckpt
+):
     """false: the final synchronous save (was: the RuntimeError's traceback, ENOSPC only in its context);
     true: step 2's background write, reported at a later step (was: "RuntimeError: ... unexpected pos")."""
     monkeypatch.setattr(ckpt._HashingWriter, "write", no_space_after(4096))
-    args = [*tiny_run_flags(shakespeare_shards, max_steps=2 if async_ckpt == "false" else 4, ckpt_interval=2,
-                            eval_tokens=256), "--out-dir", str(tmp_path), "--async-ckpt", async_ckpt]
+    args = [
+        *tiny_run_flags(
+            shakespeare_shards, max_steps=2 if async_ckpt == "false" else 4, ckpt_interval=2, eval_tokens=256
+        ),
+        "--out-dir",
+        str(tmp_path),
+        "--async-ckpt",
+        async_ckpt,
+    ]
     code, err = main_err(args, capsys)
     assert code == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     background = " in the background" if async_ckpt == "true" else ""
-    assert lines[0].startswith(f"train_ddp.py: error: writing the checkpoint of step 2{background} failed (No space "
-                               f"left on device in {tmp_path / 'checkpoints'} ("), lines[0]
+    assert lines[0].startswith(
+        f"train_ddp.py: error: writing the checkpoint of step 2{background} failed (No space "
+        f"left on device in {tmp_path / 'checkpoints'} ("
+    ), lines[0]
     assert "unexpected pos" not in err and "The newest complete checkpoint is the one before it" in err
 
 
-def test_a_failed_background_write_is_reported_at_the_next_step_not_the_next_save(tmp_path, shakespeare_shards,
-                                                                                  monkeypatch, capsys):
+def test_a_failed_background_write_is_reported_at_the_next_step_not_the_next_save(
+    tmp_path, shakespeare_shards, monkeypatch, capsys
+):
     """Issue 41: a background write that failed (disk full) was reported at the next save, 20 steps of
     compute later. The step after the failure stops the run with it. The test holds the trainer after
     step 4's save until the writer's thread has failed (a slow machine may not have by then), so step 5
@@ -569,13 +622,19 @@ def test_a_failed_background_write_is_reported_at_the_next_step_not_the_next_sav
                 time.sleep(0.01)
 
     monkeypatch.setattr(trainer, "save", save_then_wait_for_the_failure)
-    args = [*tiny_run_flags(shakespeare_shards, max_steps=12, ckpt_interval=4, eval_tokens=256),
-            "--out-dir", str(tmp_path), "--async-ckpt", "true"]
+    args = [
+        *tiny_run_flags(shakespeare_shards, max_steps=12, ckpt_interval=4, eval_tokens=256),
+        "--out-dir",
+        str(tmp_path),
+        "--async-ckpt",
+        "true",
+    ]
     code, err = main_err(args, capsys)
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith("train_ddp.py: error: writing the checkpoint of step 4 in the background failed (No space")
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-             if '"loss"' in line]
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
+    ]
     assert steps == [1, 2, 3, 4, 5]  # stopped at step 5, not at step 8's save
     assert not (tmp_path / "requeue").exists() and not (tmp_path / "run.lock").exists()
 
@@ -585,8 +644,9 @@ def test_resuming_the_sidecar_says_so_and_names_the_checkpoint(tmp_path):
     named = path.with_suffix(".json")
     with pytest.raises(ckpt.CheckpointError) as err:
         ckpt.resolve_resume(str(named), tmp_path)
-    assert str(err.value) == (f"{named}: this is a checkpoint's sidecar (its size, sha256 and run id), not the "
-                              f"checkpoint; pass {path}")  # was: "... bytes but ... were written; truncated"
+    assert str(err.value) == (
+        f"{named}: this is a checkpoint's sidecar (its size, sha256 and run id), not the checkpoint; pass {path}"
+    )  # was: "... bytes but ... were written; truncated"
     with pytest.raises(ckpt.CheckpointError, match="sidecar"):
         load_model(path.with_suffix(".json"))
 
@@ -594,11 +654,14 @@ def test_resuming_the_sidecar_says_so_and_names_the_checkpoint(tmp_path):
 def test_an_out_dir_that_cannot_be_made_is_one_line_before_start(tmp_path, shakespeare_shards, capsys):
     (tmp_path / "file").write_text("")
     out = tmp_path / "file" / "run"  # mkdir raised NotADirectoryError from the trainer, with a traceback
-    code, err = main_err([*tiny_run_flags(shakespeare_shards, max_steps=1, ckpt_interval=1), "--out-dir", str(out)],
-                         capsys)
+    code, err = main_err(
+        [*tiny_run_flags(shakespeare_shards, max_steps=1, ckpt_interval=1), "--out-dir", str(out)], capsys
+    )
     assert code == 2
-    assert err == f"train_ddp.py: error: --out-dir {out}: {tmp_path / 'file'} is a file, not a directory; pass a " \
-                  "directory\n"
+    assert (
+        err == f"train_ddp.py: error: --out-dir {out}: {tmp_path / 'file'} is a file, not a directory; pass a "
+        "directory\n"
+    )
 
 
 @pytest.fixture
@@ -626,21 +689,47 @@ def tmpfs(tmp_path):
 
 def test_a_real_full_disk_and_a_read_only_out_dir_are_one_line(tmp_path, shakespeare_shards, tmpfs):
     full = tmpfs("4m")  # metrics and config.json fit; a ~40 MB checkpoint does not
-    run = subprocess.run([sys.executable, str(REPO / "train_ddp.py"),
-                          *tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=2, eval_tokens=256),
-                          "--out-dir", str(full / "run"), "--async-ckpt", "false"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train_ddp.py"),
+            *tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=2, eval_tokens=256),
+            "--out-dir",
+            str(full / "run"),
+            "--async-ckpt",
+            "false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     errors = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 1 and len(errors) == 1, run.stderr[-3000:]
-    assert errors[0].startswith(f"train_ddp.py: error: writing the checkpoint of step 2 failed (No space left on "
-                                f"device in {full / 'run' / 'checkpoints'} ("), errors[0]
+    assert errors[0].startswith(
+        f"train_ddp.py: error: writing the checkpoint of step 2 failed (No space left on "
+        f"device in {full / 'run' / 'checkpoints'} ("
+    ), errors[0]
     read_only = tmpfs("1m", ro=True)
-    run = subprocess.run([sys.executable, str(REPO / "train_ddp.py"),
-                          *tiny_run_flags(shakespeare_shards, max_steps=1, ckpt_interval=1), "--out-dir",
-                          str(read_only / "run")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train_ddp.py"),
+            *tiny_run_flags(shakespeare_shards, max_steps=1, ckpt_interval=1),
+            "--out-dir",
+            str(read_only / "run"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 2
-    assert run.stderr == (f"train_ddp.py: error: --out-dir {read_only / 'run'}: cannot write in {read_only} (a "
-                          "read-only file system); pass a writable --out-dir\n")
+    assert run.stderr == (
+        f"train_ddp.py: error: --out-dir {read_only / 'run'}: cannot write in {read_only} (a "
+        "read-only file system); pass a writable --out-dir\n"
+    )
 
 
 def test_a_run_directory_made_read_only_mid_run_is_one_line(tmp_path, shakespeare_shards, tmpfs):
@@ -649,10 +738,16 @@ def test_a_run_directory_made_read_only_mid_run_is_one_line(tmp_path, shakespear
     run.lock stays (nothing can remove it from a read-only directory) for the next start to take over."""
     fs = tmpfs("200m")
     run_dir, release = fs / "run", tmp_path / "release"
-    args = [*tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2, eval_tokens=256), "--out-dir",
-            str(run_dir), "--async-ckpt", "false"]
-    job = launch(args, nproc=1, log_dir=tmp_path / "logs",
-                 script=patched_train_script(tmp_path, hold_after_step(3, release)))
+    args = [
+        *tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2, eval_tokens=256),
+        "--out-dir",
+        str(run_dir),
+        "--async-ckpt",
+        "false",
+    ]
+    job = launch(
+        args, nproc=1, log_dir=tmp_path / "logs", script=patched_train_script(tmp_path, hold_after_step(3, release))
+    )
     try:
         # Step 3 logged: step 2's checkpoint is complete and no file is open for writing (the remount
         # would fail), and step 3 owes nothing else before the hold.
@@ -662,10 +757,12 @@ def test_a_run_directory_made_read_only_mid_run_is_one_line(tmp_path, shakespear
         assert job.wait() == 1
     finally:
         job.kill()
-    assert job.stderr == (f"train_ddp.py: error: rank 0: {run_dir / 'metrics.jsonl'}: Read-only file system; make "
-                          f"--out-dir {run_dir} writable (or free space) and rerun with --resume auto: it continues "
-                          f"from the newest checkpoint; {run_dir / 'run.lock'} could not be removed: the next start "
-                          "takes it over\n")
+    assert job.stderr == (
+        f"train_ddp.py: error: rank 0: {run_dir / 'metrics.jsonl'}: Read-only file system; make "
+        f"--out-dir {run_dir} writable (or free space) and rerun with --resume auto: it continues "
+        f"from the newest checkpoint; {run_dir / 'run.lock'} could not be removed: the next start "
+        "takes it over\n"
+    )
     # It cannot be removed from a read-only directory; its holder has exited, which the next start
     # sees (test_resume.py: a holder killed with SIGKILL is taken over).
     assert json.loads((run_dir / "run.lock").read_text())["pid"] == job.proc.pid

@@ -33,7 +33,7 @@ def test_micro_batch_size_auto_from_flag_and_file(tmp_path):
 
 def test_precedence_defaults_preset_file_flags(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text('lr = 2e-3\nmax_steps = 77\n[model]\nn_layer = 3\n')
+    toml.write_text("lr = 2e-3\nmax_steps = 77\n[model]\nn_layer = 3\n")
     cfg = parse_config(BASE + ["--preset", "debug"])
     assert cfg.model.n_layer == 4 and cfg.train.lr == TRAIN_PRESETS["debug"]["lr"]  # preset over defaults
     assert cfg.train.weight_decay == TrainConfig().weight_decay  # default where the preset is silent
@@ -63,15 +63,18 @@ def test_a_bare_boolean_flag_means_true():
     assert parse_config(BASE).train.verbose is False
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--no-such-flag", "1"], "unrecognized argument --no-such-flag"),
-    (["--n-head", "5"], "not divisible by n_head"),
-    (["--compile", "maybe"], "expected true or false"),
-    (["--dtype", "float8"], "dtype='float8'"),
-    (["--micro-batch-size", "0"], "micro_batch_size=0"),
-    (["--micro-batch-size", "big"], "expected an integer or auto"),
-    (["--min-lr", "1.0"], "min_lr=1.0"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--no-such-flag", "1"], "unrecognized argument --no-such-flag"),
+        (["--n-head", "5"], "not divisible by n_head"),
+        (["--compile", "maybe"], "expected true or false"),
+        (["--dtype", "float8"], "dtype='float8'"),
+        (["--micro-batch-size", "0"], "micro_batch_size=0"),
+        (["--micro-batch-size", "big"], "expected an integer or auto"),
+        (["--min-lr", "1.0"], "min_lr=1.0"),
+    ],
+)
 def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(BASE + argv)
@@ -79,14 +82,25 @@ def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--grad-clip", "nan"], ["--lr", "inf"], ["--lr", "nan"], ["--dropout", "inf"],
-                                  ["--muon-lr", "inf"], ["--dist-step-timeout-s", "inf"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--grad-clip", "nan"],
+        ["--lr", "inf"],
+        ["--lr", "nan"],
+        ["--dropout", "inf"],
+        ["--muon-lr", "inf"],
+        ["--dist-step-timeout-s", "inf"],
+    ],
+)
 def test_non_finite_float_flags_exit_2_with_one_line_naming_the_flag(argv, capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(BASE + argv)
     assert e.value.code == 2
-    assert capsys.readouterr().err == f"train_ddp.py: error: {argv[0]} {float(argv[1])}: not a finite number; nan " \
-                                      "and inf are refused, give a number\n"
+    assert (
+        capsys.readouterr().err == f"train_ddp.py: error: {argv[0]} {float(argv[1])}: not a finite number; nan "
+        "and inf are refused, give a number\n"
+    )
 
 
 def test_non_finite_values_in_a_config_file_and_rehearsal_flags_are_refused(tmp_path, capsys):
@@ -96,6 +110,7 @@ def test_non_finite_values_in_a_config_file_and_rehearsal_flags_are_refused(tmp_
         parse_config(BASE + ["--config", str(toml)])
     assert "--lr inf: not a finite number" in capsys.readouterr().err
     from gpt2.train.cli import parse_command
+
     with pytest.raises(SystemExit):
         parse_command(BASE + ["--dry-run", "--gpu-memory-gb", "inf"])
     assert "--gpu-memory-gb inf must be a finite number > 0" in capsys.readouterr().err
@@ -103,19 +118,25 @@ def test_non_finite_values_in_a_config_file_and_rehearsal_flags_are_refused(tmp_
 
 def test_a_mistyped_flag_is_one_line_with_the_flag_meant(tmp_path):
     """Not 26 lines of usage before the error: the one line, and the flag the user probably meant."""
-    run = subprocess.run([sys.executable, "train_ddp.py", "--max_steps", "10"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "train_ddp.py", "--max_steps", "10"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 2
     assert run.stderr == "train_ddp.py: error: unrecognized argument --max_steps; did you mean --max-steps?\n"
 
 
-@pytest.mark.parametrize("argv, err", [
-    (["--max-step=3"], "unrecognized argument --max-step; did you mean --max-steps?"),
-    (["--warmup_steps", "3", "--zzz"], "unrecognized argument --warmup_steps; did you mean --warmup-steps?; "
-                                       "unrecognized argument --zzz"),
-    (["--zzz"], "unrecognized argument --zzz; --help lists the flags"),
-    (["--max-steps", "x"], "argument --max-steps: invalid int value: 'x'"),  # argparse's own errors: one line too
-])
+@pytest.mark.parametrize(
+    "argv, err",
+    [
+        (["--max-step=3"], "unrecognized argument --max-step; did you mean --max-steps?"),
+        (
+            ["--warmup_steps", "3", "--zzz"],
+            "unrecognized argument --warmup_steps; did you mean --warmup-steps?; unrecognized argument --zzz",
+        ),
+        (["--zzz"], "unrecognized argument --zzz; --help lists the flags"),
+        (["--max-steps", "x"], "argument --max-steps: invalid int value: 'x'"),  # argparse's own errors: one line too
+    ],
+)
 def test_parser_errors_are_one_line_without_the_usage(argv, err, capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(BASE + argv)
@@ -129,12 +150,17 @@ def test_the_tools_parsers_say_the_same_in_one_line(capsys):
     from gpt2.plan.__main__ import main as plan_main
 
     for name, main, argv, err in (
-            ("gpt2.sample", sample.main, ["--checkpoint", "x", "--max_new_tokens", "3"], "did you mean --max-new-tokens?"),
-            ("gpt2.export", export.main, ["--checkpoint", "x", "--out", "y", "--ouy", "z"], "did you mean --out?"),
-            ("gpt2.eval", eval.main, ["loss", "--checkpoint", "x", "--data-dir", "d", "--eval_tokens", "3"],
-             "did you mean --eval-tokens?"),
-            ("gpt2.plan", plan_main, ["--world_size", "8"], "did you mean --world-size?"),
-            ("gpt2.doctor", doctor_main, ["--skipp", "x"], "did you mean --skip?")):
+        ("gpt2.sample", sample.main, ["--checkpoint", "x", "--max_new_tokens", "3"], "did you mean --max-new-tokens?"),
+        ("gpt2.export", export.main, ["--checkpoint", "x", "--out", "y", "--ouy", "z"], "did you mean --out?"),
+        (
+            "gpt2.eval",
+            eval.main,
+            ["loss", "--checkpoint", "x", "--data-dir", "d", "--eval_tokens", "3"],
+            "did you mean --eval-tokens?",
+        ),
+        ("gpt2.plan", plan_main, ["--world_size", "8"], "did you mean --world-size?"),
+        ("gpt2.doctor", doctor_main, ["--skipp", "x"], "did you mean --skip?"),
+    ):
         with pytest.raises(SystemExit) as e:
             main(argv)
         lines = capsys.readouterr().err.splitlines()
@@ -166,9 +192,24 @@ def test_toml_errors(tmp_path, capsys):
 
 def test_bad_config_fails_before_any_process_group(tmp_path):
     """A batch that does not divide and a missing data dir are reported by the real entry point, fast."""
-    run = subprocess.run([sys.executable, "train_ddp.py", "--preset", "debug", "--data-dir", str(tmp_path / "nope"),
-                          "--out-dir", str(tmp_path / "run"), "--device", "cpu"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "train_ddp.py",
+            "--preset",
+            "debug",
+            "--data-dir",
+            str(tmp_path / "nope"),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--device",
+            "cpu",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2
     assert "no such directory" in run.stderr and "data_prep" in run.stderr
     assert not (tmp_path / "run").exists()  # nothing was started
@@ -181,24 +222,59 @@ def test_missing_optional_sink_is_refused_before_start(tmp_path, shakespeare_sha
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    cfg = parse_config(["--preset", "debug", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path),
-                        "--wandb-project", "p"])
+    cfg = parse_config(
+        ["--preset", "debug", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path), "--wandb-project", "p"]
+    )
     with pytest.raises(ValueError, match="--wandb-project needs the wandb package"):
         check_data(cfg, 1)
 
 
 def _refuse_batch(launcher: list[str], shards, run_dir) -> subprocess.CompletedProcess:
     # 5120 tokens, micro-batch 8 x block 128: 1024 per step in one process (divides), 2048 with two ranks
-    return subprocess.run([*launcher, "train_ddp.py", "--preset", "debug", "--data-dir", str(shards),
-                           "--out-dir", str(run_dir), "--device", "cpu", "--total-batch-size", "5120"],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [
+            *launcher,
+            "train_ddp.py",
+            "--preset",
+            "debug",
+            "--data-dir",
+            str(shards),
+            "--out-dir",
+            str(run_dir),
+            "--device",
+            "cpu",
+            "--total-batch-size",
+            "5120",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def test_batch_that_does_not_divide_is_refused_with_the_sizes_that_would(tmp_path, shakespeare_shards):
     """README: refused "with the sizes that would", exit code 2, under plain python."""
-    run = subprocess.run([sys.executable, "train_ddp.py", "--preset", "debug", "--data-dir", str(shakespeare_shards),
-                          "--out-dir", str(tmp_path / "run"), "--device", "cpu", "--total-batch-size", "3000"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "train_ddp.py",
+            "--preset",
+            "debug",
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--device",
+            "cpu",
+            "--total-batch-size",
+            "3000",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("train_ddp.py: error: total_batch_size=3000 is not a multiple")
@@ -208,17 +284,23 @@ def test_batch_that_does_not_divide_is_refused_with_the_sizes_that_would(tmp_pat
 def test_batch_refused_under_torchrun_shows_the_workers_line_with_the_sizes(tmp_path, shakespeare_shards):
     """torchrun turns the worker's exit 2 into its own exit 1 and a ChildFailedError summary (README
     says so); what matters is that the worker's one line, with the sizes, is in the output, once."""
-    run = _refuse_batch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
-                        shakespeare_shards, tmp_path / "run")
+    run = _refuse_batch(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+        shakespeare_shards,
+        tmp_path / "run",
+    )
     assert run.returncode == 1, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
-    assert errors == ["train_ddp.py: error: total_batch_size=5120 is not a multiple of micro_batch_size*block_size"
-                      "*world_size = 8*128*2 = 2048; sizes that would divide: --total-batch-size 4096 or 6144 "
-                      "(multiples of 2048), or --micro-batch-size 1, 2, 4, 5"]  # rank 0 only
+    assert errors == [
+        "train_ddp.py: error: total_batch_size=5120 is not a multiple of micro_batch_size*block_size"
+        "*world_size = 8*128*2 = 2048; sizes that would divide: --total-batch-size 4096 or 6144 "
+        "(multiples of 2048), or --micro-batch-size 1, 2, 4, 5"
+    ]  # rank 0 only
     assert "exitcode  : 2" in run.stderr and "ChildFailedError" in run.stderr
     assert not (tmp_path / "run").exists()
     # the same flags divide in one process: the refusal is about the world size, not the numbers
     from gpt2.core.schedule import grad_accum_steps
+
     assert grad_accum_steps(5120, 8, 128, 1) == 5
 
 
@@ -226,8 +308,18 @@ def test_sample_prompt_longer_than_the_block_is_refused_before_start(tmp_path, s
     """One prompt rule (gpt2.model.tokenizer.encode_prompt): too long is an error, here before training starts."""
     from gpt2.train.startup import check_data
 
-    flags = ["--preset", "debug", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path),
-             "--block-size", "16", "--sample-interval", "5"]
+    flags = [
+        "--preset",
+        "debug",
+        "--data-dir",
+        str(shakespeare_shards),
+        "--out-dir",
+        str(tmp_path),
+        "--block-size",
+        "16",
+        "--sample-interval",
+        "5",
+    ]
     check_data(parse_config([*flags, "--sample-prompt", "To be or not to be"]), 1)  # fits: accepted
     with pytest.raises(ValueError, match=r"--sample-prompt: the prompt is \d+ tokens but the model's block_size is 16"):
         check_data(parse_config([*flags, "--sample-prompt", "word " * 40]), 1)
@@ -270,8 +362,18 @@ def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, sha
         train_ddp.main(flags)
 
 
-HEADINGS = ["preset and config file", "model", "data", "batch and schedule", "optimizer", "precision and compile",
-            "checkpoints and resume", "evaluation and logging", "distributed", "dry run"]
+HEADINGS = [
+    "preset and config file",
+    "model",
+    "data",
+    "batch and schedule",
+    "optimizer",
+    "precision and compile",
+    "checkpoints and resume",
+    "evaluation and logging",
+    "distributed",
+    "dry run",
+]
 
 
 def help_page(monkeypatch, columns: int = HELP_WIDTH) -> str:
@@ -287,8 +389,11 @@ def test_help_puts_every_flag_under_a_heading_on_one_line_with_its_default(monke
     groups = {g.title: g._group_actions for g in parser._action_groups if g._group_actions}
     assert list(groups) == ["options", *HEADINGS] and [a.dest for a in groups["options"]] == ["help"]
     grouped = [a.dest for title in HEADINGS for a in groups[title]]
-    fields = [f"{section}.{f.name}" for section, cls in (("model", ModelConfig), ("train", TrainConfig))
-              for f in dataclasses.fields(cls)]
+    fields = [
+        f"{section}.{f.name}"
+        for section, cls in (("model", ModelConfig), ("train", TrainConfig))
+        for f in dataclasses.fields(cls)
+    ]
     assert len(grouped) == len(set(grouped)) and set(fields) <= set(grouped)
     page = help_page(monkeypatch).splitlines()
     assert max(map(len, page)) <= HELP_WIDTH - 2
@@ -311,7 +416,7 @@ def test_help_shows_what_each_preset_sets_as_the_flags_it_stands_for(monkeypatch
     need no --init-from) exactly the config --preset NAME gives."""
     page = help_page(monkeypatch)
     entries: dict[str, list[str]] = {}
-    for line in page[page.index("presets (--preset NAME"):].splitlines()[1:]:
+    for line in page[page.index("presets (--preset NAME") :].splitlines()[1:]:
         if re.match(r"  \S", line):
             name, *rest = line.split()
             entries[name] = rest
@@ -320,7 +425,8 @@ def test_help_shows_what_each_preset_sets_as_the_flags_it_stands_for(monkeypatch
     assert sorted(entries) == PRESETS
     for name, tokens in entries.items():
         values = {**MODEL_PRESETS.get(name, {}), **TRAIN_PRESETS.get(name, {})}
-        assert dict(zip(tokens[::2], tokens[1::2])) == {f"--{k.replace('_', '-')}": shown_default(v)
-                                                        for k, v in values.items()}, name
+        assert dict(zip(tokens[::2], tokens[1::2])) == {
+            f"--{k.replace('_', '-')}": shown_default(v) for k, v in values.items()
+        }, name
         if name not in TRAIN_ONLY_PRESETS:
             assert parse_config([*BASE, *tokens]) == parse_config([*BASE, "--preset", name]), name

@@ -37,7 +37,7 @@ def test_ddp_keyword_exists_on_this_torch_and_turns_buffer_sync_off():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     kwargs = compat.ddp_no_buffer_sync()
-    (name, value), = kwargs.items()
+    ((name, value),) = kwargs.items()
     assert name in inspect.signature(DDP.__init__).parameters
     assert value is False
 
@@ -68,9 +68,16 @@ def test_trainer_refuses_a_missing_feature_before_any_process_group(monkeypatch,
     from gpt2.train.startup import check_data
 
     monkeypatch.setattr(compat, "has_muon", lambda: False)
-    cfg = RunConfig(model=model_preset("debug"),
-                    train=TrainConfig(data_dir=str(tmp_path), out_dir=str(tmp_path / "run"), optimizer="muon",
-                                      micro_batch_size=4, total_batch_size=4 * 64 * 2))
+    cfg = RunConfig(
+        model=model_preset("debug"),
+        train=TrainConfig(
+            data_dir=str(tmp_path),
+            out_dir=str(tmp_path / "run"),
+            optimizer="muon",
+            micro_batch_size=4,
+            total_batch_size=4 * 64 * 2,
+        ),
+    )
     with pytest.raises(ValueError, match=r"--optimizer muon needs torch >= 2\.9"):
         check_data(cfg, world_size=1)
 
@@ -121,7 +128,7 @@ import torch, torch.distributed as tdist
 import gpt2.train.trainer
 from gpt2.core import compat
 from torch.nn.parallel import DistributedDataParallel as DDP
-tdist.init_process_group("gloo", store=tdist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, world_size=1)
+tdist.init_process_group("gloo", store=tdist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=1)
 DDP(torch.nn.Linear(4, 4), **compat.ddp_no_buffer_sync())
 compat.set_default_timeout(datetime.timedelta(seconds=60))
 tdist.destroy_process_group()
@@ -147,4 +154,4 @@ def test_torch_range_installs_past_a_site_wide_pip_cap():
     assert len(pip_lines) >= 3, pip_lines  # pip itself, torch, the project
     assert all('"${nocfg[@]}"' in line for line in pip_lines), pip_lines
     assert "nocfg=(env PIP_CONFIG_FILE=/dev/null)" in script
-    assert 'asked for torch $v' in script
+    assert "asked for torch $v" in script

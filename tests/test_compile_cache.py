@@ -56,24 +56,44 @@ def test_auto_is_under_the_run_directory_off_is_none_a_path_is_shared(tmp_path):
 
 
 def test_the_key_names_torch_python_and_the_cpu_vector_instructions_only():
-    assert cc.cpu_isa(CPUINFO) == ["amx_tile", "avx", "avx2", "avx512_bf16", "avx512f", "bmi2", "f16c", "fma",
-                                   "sse", "sse2", "sse4_1", "ssse3"]  # not fpu, pti, md_clear; the first CPU's
+    assert cc.cpu_isa(CPUINFO) == [
+        "amx_tile",
+        "avx",
+        "avx2",
+        "avx512_bf16",
+        "avx512f",
+        "bmi2",
+        "f16c",
+        "fma",
+        "sse",
+        "sse2",
+        "sse4_1",
+        "ssse3",
+    ]  # not fpu, pti, md_clear; the first CPU's
     key = cc.cache_key(torch.device("cpu"))
     assert key["torch"] == torch.__version__ and key["python"].startswith(f"{sys.version_info.major}.")
     assert key["device"]["type"] == "cpu" and key["device"]["machine"]
     name = cc.key_name(key)
     assert re.fullmatch(r"[0-9a-f]{16}", name) and name == cc.key_name(json.loads(json.dumps(key)))
-    for change in ({"torch": "2.99.0"}, {"triton": "9.9"}, {"python": "3.99.0"},
-                   {"device": {**key["device"], "isa": key["device"]["isa"] + ["avx10"]}},
-                   {"device": {"type": "cuda", "name": "NVIDIA H100", "capability": "9.0", "cuda": "12.4"}}):
+    for change in (
+        {"torch": "2.99.0"},
+        {"triton": "9.9"},
+        {"python": "3.99.0"},
+        {"device": {**key["device"], "isa": key["device"]["isa"] + ["avx10"]}},
+        {"device": {"type": "cuda", "name": "NVIDIA H100", "capability": "9.0", "cuda": "12.4"}},
+    ):
         assert cc.key_name({**key, **change}) != name, change
 
 
 def _filled(path: Path, key: dict) -> dict[str, bytes]:
     """A keyed cache as inductor leaves it (a kernel, its source, an FX graph entry), checked and sealed."""
     assert cc.check(path, key, exclusive=True) == []
-    files = {"ab/cabc.so": b"\x7fELF" + bytes(300), "ab/cabc.cpp": b"int f() { return 1; }",
-             "fxgraph/fa/entry": b"pickled graph", "locks/cabc.lock": b""}
+    files = {
+        "ab/cabc.so": b"\x7fELF" + bytes(300),
+        "ab/cabc.cpp": b"int f() { return 1; }",
+        "fxgraph/fa/entry": b"pickled graph",
+        "locks/cabc.lock": b"",
+    }
     for rel, data in files.items():
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
         (path / rel).write_bytes(data)
@@ -179,8 +199,9 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
     cache = cc.use("auto", out_dir, dist, log)
     (cache.path / f"rank{rank}.so").write_bytes(b"kernel %d" % rank)  # each rank's compile writes into it
     cc.finish(cache, dist, log)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"path": str(cache.path), "warn": log.lines["warn"],
-                                                             "env": os.environ["TORCHINDUCTOR_CACHE_DIR"]}))
+    Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps({"path": str(cache.path), "warn": log.lines["warn"], "env": os.environ["TORCHINDUCTOR_CACHE_DIR"]})
+    )
     tdist.destroy_process_group()
 
 
@@ -203,8 +224,14 @@ def test_two_ranks_share_one_keyed_directory_that_rank_0_checked_and_seals(tmp_p
 def _train(args: list[str], max_steps: int) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "train_ddp.py", *args, "--max-steps", str(max_steps)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=1200)
+    return subprocess.run(
+        [sys.executable, "train_ddp.py", *args, "--max-steps", str(max_steps)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
 
 
 def _said(run: subprocess.CompletedProcess) -> tuple[int, int]:
@@ -220,9 +247,33 @@ def test_a_resumed_start_loads_what_the_first_compiled_and_survives_a_corrupt_ca
     truncated, a resumed start warns once, removes them and trains on (inductor would fail the step on a
     torn kernel), rebuilding them."""
     run = tmp_path / "run"
-    args = [*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "float32", "--compile", "true", "--sample-interval", "0",
-            "--plot", "false", "--data-dir", str(shakespeare_shards), "--out-dir", str(run), "--micro-batch-size", "4",
-            "--total-batch-size", "256", "--eval-interval", "0", "--eval-tokens", "256", "--log-interval", "1"]
+    args = [
+        *TINY_MODEL_FLAGS,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--compile",
+        "true",
+        "--sample-interval",
+        "0",
+        "--plot",
+        "false",
+        "--data-dir",
+        str(shakespeare_shards),
+        "--out-dir",
+        str(run),
+        "--micro-batch-size",
+        "4",
+        "--total-batch-size",
+        "256",
+        "--eval-interval",
+        "0",
+        "--eval-tokens",
+        "256",
+        "--log-interval",
+        "1",
+    ]
     loaded, compiled = _said(_train(args, 1))
     assert loaded == 0 and compiled > 0
     (keyed,) = (run / "compile-cache").iterdir()

@@ -18,8 +18,7 @@ from gpt2.model.gpt import GPT
 # ---- ModelConfig ----
 
 # Parameter counts Hugging Face reports for the four OpenAI releases (vocab 50,257).
-HF_PARAM_COUNTS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168,
-                   "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}
+HF_PARAM_COUNTS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}
 
 
 @pytest.mark.parametrize("name", sorted(HF_PARAM_COUNTS))
@@ -64,18 +63,21 @@ def test_to_dict_round_trips():
     assert ModelConfig(**cfg.to_dict()) == cfg
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(n_embd=100, n_head=12), "n_embd=100 is not divisible by n_head=12; choose n_head among"),
-    (dict(n_head=12, n_kv_head=5), "n_head=12 is not divisible by n_kv_head=5"),
-    (dict(vocab_size=50000), "vocab_size=50000 is smaller than the GPT-2 tokenizer's 50257"),
-    (dict(dropout=1.0), r"dropout=1.0 must be in \[0, 1\)"),
-    (dict(dropout=-0.1), r"dropout=-0.1 must be in \[0, 1\)"),
-    (dict(attn_impl="flash"), "attn_impl='flash' must be one of"),
-    (dict(n_layer=0), "n_layer=0 must be a positive integer"),
-    (dict(block_size=-1), "block_size=-1 must be a positive integer"),
-    (dict(n_embd=768.0), "n_embd=768.0 must be a positive integer"),
-    (dict(n_head=True), "n_head=True must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(n_embd=100, n_head=12), "n_embd=100 is not divisible by n_head=12; choose n_head among"),
+        (dict(n_head=12, n_kv_head=5), "n_head=12 is not divisible by n_kv_head=5"),
+        (dict(vocab_size=50000), "vocab_size=50000 is smaller than the GPT-2 tokenizer's 50257"),
+        (dict(dropout=1.0), r"dropout=1.0 must be in \[0, 1\)"),
+        (dict(dropout=-0.1), r"dropout=-0.1 must be in \[0, 1\)"),
+        (dict(attn_impl="flash"), "attn_impl='flash' must be one of"),
+        (dict(n_layer=0), "n_layer=0 must be a positive integer"),
+        (dict(block_size=-1), "block_size=-1 must be a positive integer"),
+        (dict(n_embd=768.0), "n_embd=768.0 must be a positive integer"),
+        (dict(n_head=True), "n_head=True must be a positive integer"),
+    ],
+)
 def test_invalid_model_config_is_refused_with_the_fix(fields, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(**fields)
@@ -114,8 +116,13 @@ def test_loss_impl_is_validated_and_defaults_to_auto():
 
 # ---- the one parameter counter and the weights it counts ----
 
-SHAPES = {"mha": {}, "gqa": dict(n_kv_head=2), "mqa": dict(n_kv_head=1), "no_bias": dict(bias=False),
-          "gqa_no_bias_unpadded": dict(n_kv_head=2, bias=False, vocab_size=GPT2_VOCAB_SIZE)}
+SHAPES = {
+    "mha": {},
+    "gqa": dict(n_kv_head=2),
+    "mqa": dict(n_kv_head=1),
+    "no_bias": dict(bias=False),
+    "gqa_no_bias_unpadded": dict(n_kv_head=2, bias=False, vocab_size=GPT2_VOCAB_SIZE),
+}
 
 
 @pytest.mark.parametrize("layout", sorted(SHAPES))
@@ -140,14 +147,31 @@ def test_weight_shapes_cannot_be_changed_through_the_cache():
 
 def test_shape_fields_are_the_marked_fields():
     """What a resumed checkpoint must match, from the field markers (the trainer's compatibility check)."""
-    assert ModelConfig.shape_fields() == ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size",
-                                          "bias")
-    assert {f.name for f in dataclasses.fields(ModelConfig)} - set(ModelConfig.shape_fields()) == {"dropout",
-                                                                                                 "attn_impl"}
+    assert ModelConfig.shape_fields() == (
+        "n_layer",
+        "n_head",
+        "n_kv_head",
+        "n_embd",
+        "block_size",
+        "vocab_size",
+        "bias",
+    )
+    assert {f.name for f in dataclasses.fields(ModelConfig)} - set(ModelConfig.shape_fields()) == {
+        "dropout",
+        "attn_impl",
+    }
 
 
-@pytest.mark.parametrize("cls, field", [("TrainConfig", "grad_clip"), ("TrainConfig", "lr"), ("TrainConfig", "eps"),
-                                        ("TrainConfig", "dist_timeout_s"), ("ModelConfig", "dropout")])
+@pytest.mark.parametrize(
+    "cls, field",
+    [
+        ("TrainConfig", "grad_clip"),
+        ("TrainConfig", "lr"),
+        ("TrainConfig", "eps"),
+        ("TrainConfig", "dist_timeout_s"),
+        ("ModelConfig", "dropout"),
+    ],
+)
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_floats_are_refused_in_one_line_naming_the_flag(cls, field, value):
     """--grad-clip nan passed `>= 0` (every comparison with nan is false) and disabled clipping; --lr inf

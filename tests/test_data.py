@@ -21,8 +21,17 @@ def shard_dir(tmp_path):
 
 
 def loader(shards, world, rank, B=2, T=16, G=256, seed=7, order="shuffled"):
-    return TrainLoader(shards, micro_batch_size=B, seq_len=T, total_batch_size=G, rank=rank, world_size=world,
-                       seed=seed, device=CPU, order=order)
+    return TrainLoader(
+        shards,
+        micro_batch_size=B,
+        seq_len=T,
+        total_batch_size=G,
+        rank=rank,
+        world_size=world,
+        seed=seed,
+        device=CPU,
+        order=order,
+    )
 
 
 def global_batches(shards, world, steps=12, B=2, T=16, G=256, order="shuffled"):
@@ -63,7 +72,7 @@ def test_shuffled_visits_every_window_once_per_epoch_in_a_new_order(shard_dir, w
     shards = find_shards(shard_dir, "train")
     n = (shards.total_tokens - 1) // 16  # 249 windows of 17 tokens at stride 16
     seen = window_ids(shards, world, steps=84)  # 504 rows: two epochs and a bit
-    first, second = seen[:n], seen[n:2 * n]
+    first, second = seen[:n], seen[n : 2 * n]
     assert sorted(first) == sorted(second) == list(range(n))  # without replacement, crossing shards
     assert first != second  # each epoch its own order
     assert first != sorted(first)  # and not the stream order
@@ -157,8 +166,9 @@ def test_eval_loader_covers_the_first_sequences_once_whatever_the_world(shard_di
     for world in (1, 2, 3):
         rows = []
         for r in range(world):
-            ev = EvalLoader(shards, micro_batch_size=2, seq_len=16, eval_tokens=16 * 7, rank=r, world_size=world,
-                            device=CPU)
+            ev = EvalLoader(
+                shards, micro_batch_size=2, seq_len=16, eval_tokens=16 * 7, rank=r, world_size=world, device=CPU
+            )
             for x, y in ev:
                 assert x.shape == (2, 16)
                 rows += [int(row[0]) for row, t in zip(x, y) if t[0] != -1]
@@ -201,7 +211,7 @@ def test_llmc_named_shards_are_found(tmp_path):
 
 def test_loader_refuses_too_little_data(shard_dir):
     with pytest.raises(ShardError, match="fewer than one optimizer step"):
-        loader(find_shards(shard_dir, "train"), 1, 0, B=2, T=16, G=2 ** 13 * 16 // 16 * 2)
+        loader(find_shards(shard_dir, "train"), 1, 0, B=2, T=16, G=2**13 * 16 // 16 * 2)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 97, 256, 257, 1000, 4097])  # a prime, 2^k, 2^k + 1
@@ -235,6 +245,7 @@ def test_parallel_row_reads_equal_the_stream_and_cross_shards(shard_dir):
 
 # Kept shard descriptors (issue 22, section 3): opening a shard per read is two metadata operations
 # on a parallel file system for every shard a micro-batch touches.
+
 
 def many_shards(tmp_path, n=12, size=400):
     """n train shards of `size` tokens whose tokens are their stream positions."""
@@ -307,8 +318,15 @@ def test_a_steady_run_opens_each_shard_once_and_no_file_per_step(tmp_path, count
 
 
 def test_evaluating_again_opens_nothing(shard_dir, count_opens):
-    ev = EvalLoader(find_shards(shard_dir, "val"), micro_batch_size=2, seq_len=16, eval_tokens=16 * 7, rank=0,
-                    world_size=1, device=CPU)
+    ev = EvalLoader(
+        find_shards(shard_dir, "val"),
+        micro_batch_size=2,
+        seq_len=16,
+        eval_tokens=16 * 7,
+        rank=0,
+        world_size=1,
+        device=CPU,
+    )
     count_opens.clear()  # validating the shards opened them
     first = [x for x, _ in ev]
     assert len(count_opens) == 1
@@ -322,8 +340,17 @@ def test_evaluating_again_opens_nothing(shard_dir, count_opens):
 def test_more_shards_than_the_bound_stay_within_it_and_read_the_same_tokens(tmp_path):
     shards = many_shards(tmp_path, n=12)
     B, T, G = 16, 16, 16 * 32
-    bounded = TrainLoader(shards, micro_batch_size=B, seq_len=T, total_batch_size=G, rank=0, world_size=1, seed=7,
-                          device=CPU, max_open_shards=3)
+    bounded = TrainLoader(
+        shards,
+        micro_batch_size=B,
+        seq_len=T,
+        total_batch_size=G,
+        rank=0,
+        world_size=1,
+        seed=7,
+        device=CPU,
+        max_open_shards=3,
+    )
     n_windows = (shards.total_tokens - 1) // T
     for step in range(15):  # 480 rows: past the first epoch of 299 windows
         for m in range(bounded.accum_steps):
@@ -336,8 +363,17 @@ def test_more_shards_than_the_bound_stay_within_it_and_read_the_same_tokens(tmp_
             assert torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
         bounded.advance()
     with pytest.raises(ValueError, match="at least one shard"):
-        TrainLoader(shards, micro_batch_size=B, seq_len=T, total_batch_size=G, rank=0, world_size=1, seed=7,
-                    device=CPU, max_open_shards=0)
+        TrainLoader(
+            shards,
+            micro_batch_size=B,
+            seq_len=T,
+            total_batch_size=G,
+            rank=0,
+            world_size=1,
+            seed=7,
+            device=CPU,
+            max_open_shards=0,
+        )
 
 
 def test_the_default_bound_is_a_quarter_of_the_descriptor_limit(monkeypatch, shard_dir):
@@ -353,8 +389,18 @@ def test_the_default_bound_is_a_quarter_of_the_descriptor_limit(monkeypatch, sha
 
 def test_sequential_reads_with_one_descriptor_equal_the_unbounded_loader(tmp_path):
     shards = many_shards(tmp_path, n=12)
-    a = TrainLoader(shards, micro_batch_size=8, seq_len=16, total_batch_size=256, rank=1, world_size=2, seed=7,
-                    device=CPU, order="sequential", max_open_shards=1)
+    a = TrainLoader(
+        shards,
+        micro_batch_size=8,
+        seq_len=16,
+        total_batch_size=256,
+        rank=1,
+        world_size=2,
+        seed=7,
+        device=CPU,
+        order="sequential",
+        max_open_shards=1,
+    )
     b = loader(shards, 2, 1, B=8, T=16, G=256, order="sequential")
     for _ in range(40):  # 10240 tokens: two epochs of 4800, each in its own shard order
         for m in range(a.accum_steps):
@@ -404,10 +450,33 @@ def test_the_trainer_closes_its_loaders(tmp_path, shakespeare_shards, monkeypatc
     closed = []
     for cls in (Train, Eval):
         monkeypatch.setattr(cls, "close", lambda self, real=cls.close: closed.append(type(self).__name__) or real(self))
-    cfg = parse_config([*TINY_MODEL_FLAGS, "--device", "cpu", "--compile", "false", "--dtype", "float32",
-                        "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path), "--micro-batch-size", "2",
-                        "--total-batch-size", "128", "--max-steps", "2", "--eval-tokens", "256",
-                        "--ckpt-interval", "0", "--plot", "false"])
+    cfg = parse_config(
+        [
+            *TINY_MODEL_FLAGS,
+            "--device",
+            "cpu",
+            "--compile",
+            "false",
+            "--dtype",
+            "float32",
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(tmp_path),
+            "--micro-batch-size",
+            "2",
+            "--total-batch-size",
+            "128",
+            "--max-steps",
+            "2",
+            "--eval-tokens",
+            "256",
+            "--ckpt-interval",
+            "0",
+            "--plot",
+            "false",
+        ]
+    )
     assert train(cfg, Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)) == 0
     assert sorted(closed) == ["EvalLoader", "TrainLoader"]
     assert fds_into(shakespeare_shards) == 0

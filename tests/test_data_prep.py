@@ -65,12 +65,19 @@ def run(cfg_kwargs: dict) -> None:
     prepare(PrepConfig(progress=False, **cfg_kwargs), log=lambda m: None)
 
 
-def cli(*args: str, command: list[str] | None = None, check_rc: int | None = 0, timeout_s: float = 120,
-        **kw) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, command: list[str] | None = None, check_rc: int | None = 0, timeout_s: float = 120, **kw
+) -> subprocess.CompletedProcess:
     """`python -m data_prep ARGS` (or `command`, e.g. patched_command(...), instead of `python -m data_prep`)."""
     command = command or [sys.executable, "-m", "data_prep"]
-    proc = subprocess.run([*command, "--no-progress", *args] if args[:1] != ("verify",) else [*command, *args],
-                          capture_output=True, text=True, cwd=REPO, timeout=timeout_s, **kw)
+    proc = subprocess.run(
+        [*command, "--no-progress", *args] if args[:1] != ("verify",) else [*command, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout_s,
+        **kw,
+    )
     if check_rc is not None:
         assert proc.returncode == check_rc, f"rc={proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}"
     return proc
@@ -159,9 +166,15 @@ def write_parquet(path: Path, docs: list[str]) -> Path:
 def test_txt_dir_round_trip_equals_sequential_tokenization(tmp_path, paragraphs):
     src = tmp_path / "src"
     (src / "b_sub").mkdir(parents=True)
-    docs = {"a.txt": paragraphs[0], "b_sub/x.txt": "\n\n".join(paragraphs[1:40]),
-            "b_sub/y.txt": "", "c.txt": "\n\n".join(paragraphs[40:300]), "z.txt": paragraphs[300],
-            "notes.md": "not a source", ".hidden.txt": "hidden files are skipped"}
+    docs = {
+        "a.txt": paragraphs[0],
+        "b_sub/x.txt": "\n\n".join(paragraphs[1:40]),
+        "b_sub/y.txt": "",
+        "c.txt": "\n\n".join(paragraphs[40:300]),
+        "z.txt": paragraphs[300],
+        "notes.md": "not a source",
+        ".hidden.txt": "hidden files are skipped",
+    }
     for name, text in docs.items():
         (src / name).write_text(text)
     order = ["a.txt", "b_sub/x.txt", "b_sub/y.txt", "c.txt", "z.txt"]  # sorted walk; .md and hidden skipped
@@ -204,8 +217,9 @@ def test_several_sources_keep_argument_order(tmp_path, paragraphs):
     out = tmp_path / "out"
     run(dict(sources=(str(c), str(b), str(a)), out=out, shard_tokens=2000, val_tokens=0))
     assert not split_files(out, "val")
-    np.testing.assert_array_equal(split_tokens(out, "train"),
-                                  expected_tokens([paragraphs[120]] + paragraphs[50:120] + paragraphs[:50]))
+    np.testing.assert_array_equal(
+        split_tokens(out, "train"), expected_tokens([paragraphs[120]] + paragraphs[50:120] + paragraphs[:50])
+    )
 
 
 def test_workers_1_and_2_write_identical_bytes(tmp_path, paragraphs, shakespeare_path):
@@ -291,8 +305,7 @@ def test_one_rule_for_the_val_split_of_tiny_corpora_is_said_at_prep_time(tmp_pat
     write_jsonl(tmp_path / "two.jsonl", ["Hello", "world again"])
     rc, out, _ = main_inproc("--source", str(tmp_path / "two.jsonl"), "--out", str(tmp_path / "two"), capsys=capsys)
     assert rc == 0 and len(val_records(tmp_path / "two")) == 1 and "(val 2, train 3)" in out, out
-    rc, out, _ = main_inproc("--source", str(tiny), "--out", str(tmp_path / "none"), "--val-tokens", "0",
-                             capsys=capsys)
+    rc, out, _ = main_inproc("--source", str(tiny), "--out", str(tmp_path / "none"), "--val-tokens", "0", capsys=capsys)
     assert rc == 0 and "no val split (--val-tokens 0): train on it with --eval-tokens 0" in out, out
 
 
@@ -319,8 +332,9 @@ def test_default_val_is_spread_over_a_topic_sorted_corpus_and_meets_the_floor(tm
     assert len({r // 100 for r in val}) >= 30, sorted({r // 100 for r in val})  # not one topic: most of them
     # Val holds exactly those documents, train every other one, each in source order.
     np.testing.assert_array_equal(split_tokens(out, "val"), expected_tokens([docs[r] for r in val]))
-    np.testing.assert_array_equal(split_tokens(out, "train"),
-                                  expected_tokens([d for r, d in enumerate(docs) if r not in set(val)]))
+    np.testing.assert_array_equal(
+        split_tokens(out, "train"), expected_tokens([d for r, d in enumerate(docs) if r not in set(val)])
+    )
     # The old rule on request: the first documents, so the first few topics only.
     run(dict(sources=(str(src),), out=tmp_path / "first", shard_tokens=5000, val_select="first"))
     first = val_records(tmp_path / "first")
@@ -373,8 +387,9 @@ def test_manifest_records_tokenizer_sources_shards_and_checksums(tmp_path, parag
     m = json.loads((out / "manifest.json").read_text())
     assert m["complete"] is True and m["vocab_size"] == 50257 and m["eot_token"] == EOT_TOKEN
     assert "gpt2" in m["tokenizer"] and m["format"]["magic"] == MAGIC
-    assert m["sources"]["files"] == [{"path": str(src.resolve()), "kind": "json", "bytes": src.stat().st_size,
-                                      "mtime_ns": src.stat().st_mtime_ns}]
+    assert m["sources"]["files"] == [
+        {"path": str(src.resolve()), "kind": "json", "bytes": src.stat().st_size, "mtime_ns": src.stat().st_mtime_ns}
+    ]
     names = [s["file"] for s in m["shards"]]
     assert names == [p.name for p in split_files(out, "val") + split_files(out, "train")]
     for s in m["shards"]:
@@ -419,8 +434,9 @@ def test_rerun_of_a_finished_job_rewrites_missing_and_damaged_shards(tmp_path, p
     (out / "val_000002.bin").write_bytes((out / "val_000002.bin").read_bytes()[:-2])
     rc, _, err = main_inproc("verify", str(out), capsys=capsys)
     assert rc == 1 and "rerun the data_prep command that wrote this directory" in err
-    untouched = {p.name: p.stat().st_mtime_ns for p in out.glob("*.bin")
-                 if p.name not in ("train_000001.bin", "val_000002.bin")}
+    untouched = {
+        p.name: p.stat().st_mtime_ns for p in out.glob("*.bin") if p.name not in ("train_000001.bin", "val_000002.bin")
+    }
     rc, stdout, err = main_inproc(*args, "--out", str(out), capsys=capsys)
     assert rc == 0, err
     line = err.strip()
@@ -459,8 +475,7 @@ def test_resume_after_kill_points_gives_identical_bytes(tmp_path, kill_corpus):
     manifest lists it; then, in the resumed run, right after a manifest update; then finish."""
     src, clean_bytes, clean_shards = kill_corpus
     out = tmp_path / "out"
-    args = ("--source", str(src), "--out", str(out), "--shard-tokens", "4000", "--val-tokens", "3000",
-            "--workers", "2")
+    args = ("--source", str(src), "--out", str(out), "--shard-tokens", "4000", "--val-tokens", "3000", "--workers", "2")
     killed = cli(*args, command=patched_command(tmp_path, "write_shard", "3", "kill"), check_rc=None)
     assert killed.returncode == -signal.SIGKILL
     assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 2
@@ -511,8 +526,9 @@ def test_resume_from_every_crash_point_gives_identical_bytes(tmp_path, paragraph
 def interrupt_when(out: Path, n_shards: int, sig: int, args: list[str]) -> subprocess.CompletedProcess:
     """Run args (data_prep, patched to wait after its n-th new shard) and, once the manifest lists
     n_shards, send sig to its whole process group. The job cannot finish first: it waits for the signal."""
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.time() + 300  # a safety net on a loaded machine, not a timing assumption
     sent = False
     try:
@@ -537,8 +553,19 @@ def interrupt_when(out: Path, n_shards: int, sig: int, args: list[str]) -> subpr
 def test_ctrl_c_then_kill_9_of_the_process_group_then_resume(tmp_path, kill_corpus):
     src, clean_bytes, _ = kill_corpus
     out = tmp_path / "out"
-    common = ["--no-progress", "--source", str(src), "--out", str(out), "--shard-tokens", "4000", "--val-tokens",
-              "3000", "--workers", "2"]
+    common = [
+        "--no-progress",
+        "--source",
+        str(src),
+        "--out",
+        str(out),
+        "--shard-tokens",
+        "4000",
+        "--val-tokens",
+        "3000",
+        "--workers",
+        "2",
+    ]
     # The job waits after its 3rd manifest update (a fresh start) for the SIGINT, then, resumed, after
     # its 4th new one (3 + 4 = 7 listed) for the SIGKILL: never done before the signal arrives.
     stopped = interrupt_when(out, 3, signal.SIGINT, [*patched_command(tmp_path, "save_manifest", "3", "wait"), *common])
@@ -591,8 +618,9 @@ def test_pool_workers_end_quietly_when_data_prep_is_killed_mid_task(tmp_path, sh
     script = tmp_path / "kill_parent.py"
     script.write_text(KILL_PARENT_MID_TASK.format(repo=str(REPO)))
     with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, str(script), str(shakespeare_path)], stdout=subprocess.PIPE,
-                                stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(shakespeare_path)], stdout=subprocess.PIPE, stderr=err, text=True
+        )
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert proc.wait(timeout=120) == -signal.SIGKILL
     assert len(pids) == 2
@@ -644,23 +672,27 @@ def test_jsonl_errors_name_file_and_line(tmp_path, paragraphs, capsys):
     lines = src.read_text().splitlines()
     lines[2500] = '{"text": "unterminated'
     src.write_text("\n".join(lines) + "\n")
-    rc, _, err = main_inproc("--source", str(src), "--out", str(tmp_path / "o1"), "--val-tokens", "0",
-                             "--workers", "1", capsys=capsys)
+    rc, _, err = main_inproc(
+        "--source", str(src), "--out", str(tmp_path / "o1"), "--val-tokens", "0", "--workers", "1", capsys=capsys
+    )
     assert rc == 2 and err.startswith(f"error: {src.resolve()}:2501: not valid JSON")
     lines[2500] = json.dumps({"body": "no text field"})
     src.write_text("\n".join(lines) + "\n")
-    rc, _, err = main_inproc("--source", str(src), "--out", str(tmp_path / "o2"), "--val-tokens", "0",
-                             "--workers", "1", capsys=capsys)
+    rc, _, err = main_inproc(
+        "--source", str(src), "--out", str(tmp_path / "o2"), "--val-tokens", "0", "--workers", "1", capsys=capsys
+    )
     assert rc == 2 and f"{src.resolve()}:2501: record has no 'text' field" in err
     # A wrong --text-field is caught from the first line, before any tokenizing.
-    rc, _, err = main_inproc("--source", str(src), "--out", str(tmp_path / "o3"), "--text-field", "content",
-                             capsys=capsys)
+    rc, _, err = main_inproc(
+        "--source", str(src), "--out", str(tmp_path / "o3"), "--text-field", "content", capsys=capsys
+    )
     assert rc == 2 and f"{src.resolve()}:1:" in err and "--text-field" in err
     assert not (tmp_path / "o3").exists() or not list((tmp_path / "o3").glob("*.bin"))
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "unsupported", "one_document", "bad_utf8", "parquet_column",
-                                  "bad_flag"])
+@pytest.mark.parametrize(
+    "case", ["missing", "empty", "unsupported", "one_document", "bad_utf8", "parquet_column", "bad_flag"]
+)
 def test_user_errors_are_one_line_exit_2(tmp_path, case, capsys):
     src = tmp_path / "in"
     src.mkdir()
@@ -717,15 +749,17 @@ def test_local_paths_work_whatever_their_characters(tmp_path, paragraphs, capsys
     (src / "cxd.txt").write_text("what the glob c[x]d.txt matches instead")
     docs["cxd.txt"] = "what the glob c[x]d.txt matches instead"
     out = tmp_path / "out"
-    rc, stdout, err = main_inproc("--source", str(src), "--out", str(out), "--val-tokens", "0", "--workers", "1",
-                                  capsys=capsys)
+    rc, stdout, err = main_inproc(
+        "--source", str(src), "--out", str(out), "--val-tokens", "0", "--workers", "1", capsys=capsys
+    )
     assert rc == 0, err
     np.testing.assert_array_equal(split_tokens(out, "train"), expected_tokens([docs[n] for n in sorted(docs)]))
     # Paragraph mode (one load_dataset call per file) and a --source that is itself such a file.
     out = tmp_path / "para"
     run(dict(sources=(str(src / "Algorithm::Diff.3pm.txt"),), out=out, val_tokens=0, txt_sample_by="paragraph"))
-    np.testing.assert_array_equal(split_tokens(out, "train"),
-                                  expected_tokens(docs["Algorithm::Diff.3pm.txt"].split("\n\n")))
+    np.testing.assert_array_equal(
+        split_tokens(out, "train"), expected_tokens(docs["Algorithm::Diff.3pm.txt"].split("\n\n"))
+    )
     assert not list(Path(tempfile.gettempdir()).glob("data_prep-links-*"))  # the links are gone
 
 
@@ -740,8 +774,10 @@ def test_a_source_that_cannot_be_read_is_named_as_such(tmp_path, paragraphs, cap
     (src / "b.txt").symlink_to(tmp_path / "gone.txt")
     rc, out, err = main_inproc("--source", str(src), "--out", str(tmp_path / "out"), capsys=capsys)
     assert rc == 2 and err.count("\n") == 1 and not out
-    assert err.startswith(f"error: {src / 'b.txt'}: cannot read this source (No such file or directory); it was "
-                          "moved or deleted (or is a dangling link)")
+    assert err.startswith(
+        f"error: {src / 'b.txt'}: cannot read this source (No such file or directory); it was "
+        "moved or deleted (or is a dangling link)"
+    )
     assert "free space" not in err and not (tmp_path / "out").exists()
     # Deleted after the plan, while reading: the reader names the file.
     (src / "b.txt").unlink()
@@ -779,11 +815,14 @@ def test_a_read_only_out_is_not_a_full_disk(tmp_path, paragraphs, monkeypatch, c
     monkeypatch.setattr(data_prep.shard_writer, "write_shard", read_only)
     src = write_jsonl(tmp_path / "c.jsonl", paragraphs[:100])
     out = tmp_path / "out"
-    rc, _, err = main_inproc("--source", str(src), "--out", str(out), "--val-tokens", "0", "--workers", "1",
-                             capsys=capsys)
+    rc, _, err = main_inproc(
+        "--source", str(src), "--out", str(out), "--val-tokens", "0", "--workers", "1", capsys=capsys
+    )
     assert rc == 1 and err.count("\n") == 1
-    assert err.startswith(f"error: writing {out / 'train_000000.bin'} failed: Read-only file system; make {out} "
-                          "writable or pass another --out")
+    assert err.startswith(
+        f"error: writing {out / 'train_000000.bin'} failed: Read-only file system; make {out} "
+        "writable or pass another --out"
+    )
     assert "free space" not in err
 
 
@@ -804,8 +843,9 @@ def test_decode_error_skip_and_replace(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["skipped_files"] == [str((src / "b.txt").resolve())]
     out = tmp_path / "replace"
     run(dict(sources=(str(src),), out=out, val_tokens=0, on_decode_error="replace"))
-    np.testing.assert_array_equal(split_tokens(out, "train"),
-                                  expected_tokens(["first document", "caf\ufffd latin-1 here", "third document"]))
+    np.testing.assert_array_equal(
+        split_tokens(out, "train"), expected_tokens(["first document", "caf\ufffd latin-1 here", "third document"])
+    )
 
 
 def test_token_ids_beyond_uint16_are_rejected(monkeypatch):
@@ -828,16 +868,39 @@ def test_hf_dataset_streaming_path_with_local_files(tmp_path, paragraphs, builde
     docs = paragraphs[:200]
     src = write_jsonl(tmp_path / "c.jsonl", docs) if builder == "json" else write_parquet(tmp_path / "c.parquet", docs)
     out = tmp_path / "out"
-    rc, stdout, _ = main_inproc("--hf-dataset", builder, "--hf-data-files", str(src), "--hf-split", "train",
-                                "--out", str(out), "--shard-tokens", "3000", "--val-tokens", "500", "--workers", "1",
-                                capsys=capsys)
+    rc, stdout, _ = main_inproc(
+        "--hf-dataset",
+        builder,
+        "--hf-data-files",
+        str(src),
+        "--hf-split",
+        "train",
+        "--out",
+        str(out),
+        "--shard-tokens",
+        "3000",
+        "--val-tokens",
+        "500",
+        "--workers",
+        "1",
+        capsys=capsys,
+    )
     assert rc == 0 and "documents 200" in stdout
     got = np.concatenate([split_tokens(out, "val"), split_tokens(out, "train")])
     np.testing.assert_array_equal(got, expected_tokens(docs))
     m = json.loads((out / "manifest.json").read_text())
     assert m["sources"]["hf_dataset"] == builder and m["val_tokens_rule"] == "--val-tokens"
-    rc, _, err = main_inproc("--hf-dataset", builder, "--hf-data-files", str(src), "--out", str(tmp_path / "o2"),
-                             "--text-field", "body", capsys=capsys)
+    rc, _, err = main_inproc(
+        "--hf-dataset",
+        builder,
+        "--hf-data-files",
+        str(src),
+        "--out",
+        str(tmp_path / "o2"),
+        "--text-field",
+        "body",
+        capsys=capsys,
+    )
     assert rc == 2 and "no column 'body'" in err
 
 
@@ -915,12 +978,13 @@ def test_writer_add_batch_equals_piece_by_piece_add(tmp_path):
         pieces += [(int(rng.integers(1, 40)), record, i == 0, i == k - 1) for i in range(k)]
     batches, at = [], 0
     while at < len(pieces):  # cut anywhere, so a document may span batches
-        chunk = pieces[at:at + int(rng.integers(1, 7))]
+        chunk = pieces[at : at + int(rng.integers(1, 7))]
         at += len(chunk)
         counts = np.array([c for c, *_ in chunk])
         tokens = rng.integers(0, 50257, int(counts.sum())).astype(np.uint16)
-        batches.append((tokens, counts, [r for _, r, _, _ in chunk], [f for *_, f, _ in chunk],
-                        [la for *_, la in chunk]))
+        batches.append(
+            (tokens, counts, [r for _, r, _, _ in chunk], [f for *_, f, _ in chunk], [la for *_, la in chunk])
+        )
 
     def run(out: Path, batched: bool) -> dict:
         out.mkdir()
@@ -953,10 +1017,12 @@ def test_record_reader_resumes_past_whole_read_batches(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     more = [f"parquet row {i}" for i in range(30)]
     pq.write_table(pa.table({"text": more}), tmp_path / "b.parquet")
-    cfg = PrepConfig(out=tmp_path / "out", sources=(str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")),
-                     progress=False)
+    cfg = PrepConfig(
+        out=tmp_path / "out", sources=(str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")), progress=False
+    )
     corpus = sources.plan(cfg)
     everything = docs + more
     assert list(sources.RecordReader(corpus, cfg).records(0)) == everything
@@ -981,12 +1047,24 @@ def test_a_full_disk_is_one_line_and_the_rerun_continues(tmp_path, paragraphs, m
         real(path, tokens)
 
     monkeypatch.setattr(data_prep.shard_writer, "write_shard", full_after_one)
-    args = ["--source", str(src), "--out", str(tmp_path / "out"), "--shard-tokens", "5000", "--val-tokens", "2000",
-            "--workers", "1"]
+    args = [
+        "--source",
+        str(src),
+        "--out",
+        str(tmp_path / "out"),
+        "--shard-tokens",
+        "5000",
+        "--val-tokens",
+        "2000",
+        "--workers",
+        "1",
+    ]
     rc, out, err = main_inproc(*args, capsys=capsys)
     assert rc == 1 and not out
-    assert err == (f"error: writing {tmp_path / 'out'} failed: No space left on device; free space, then rerun the "
-                   "same command: it continues after the last complete shard\n")
+    assert err == (
+        f"error: writing {tmp_path / 'out'} failed: No space left on device; free space, then rerun the "
+        "same command: it continues after the last complete shard\n"
+    )
     monkeypatch.setattr(data_prep.shard_writer, "write_shard", real)  # space freed
     assert main_inproc(*args, capsys=capsys)[0] == 0
     assert main_inproc("verify", str(tmp_path / "out"), capsys=capsys)[0] == 0
@@ -1056,8 +1134,12 @@ def test_the_pools_shutdown_race_is_gone(tmp_path, shakespeare_path):
     script = tmp_path / "pool_race.py"
     script.write_text(POOL_RACE.format(repo=str(REPO)))
     try:
-        proc = subprocess.run([sys.executable, str(script), str(shakespeare_path), str(POOL_RACE_LOOPS)],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, str(script), str(shakespeare_path), str(POOL_RACE_LOOPS)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     except subprocess.TimeoutExpired as e:
         done = (e.stdout or b"").decode().count("stopped early")
         pytest.fail(f"encode_batches hung after {done} of {POOL_RACE_LOOPS} early stops")

@@ -24,7 +24,7 @@ from conftest import REPO
 
 from gpt2.data.check import FULL_CHECK_BYTES, verify_shards
 from gpt2.data.loader import TrainLoader, find_shards
-from gpt2.data.shards import HEADER_BYTES, ShardError, read_header, write_shard
+from gpt2.data.shards import HEADER_BYTES, ShardError, write_shard
 
 
 def tokens_of(path: Path) -> np.ndarray:
@@ -42,8 +42,14 @@ def data(tmp_path, shakespeare_shards) -> Path:
 def train(data_dir: Path, out: Path, capsys, *extra: str, max_steps: int = 2, eval_tokens: int = 1024):
     """(exit code, stderr, stdout) of the issue's tiny run in this process."""
     capsys.readouterr()
-    code = import_train_ddp().main([*tiny_run_flags(data_dir, max_steps=max_steps, ckpt_interval=2,
-                                                    eval_tokens=eval_tokens), "--out-dir", str(out), *extra])
+    code = import_train_ddp().main(
+        [
+            *tiny_run_flags(data_dir, max_steps=max_steps, ckpt_interval=2, eval_tokens=eval_tokens),
+            "--out-dir",
+            str(out),
+            *extra,
+        ]
+    )
     captured = capsys.readouterr()
     return code, captured.err, captured.out
 
@@ -55,6 +61,7 @@ def one_error(err: str) -> str:
 
 
 # ------------------------------------------------------------------ item 5: a val split shorter than a block
+
 
 def test_a_val_split_shorter_than_one_block_is_refused_at_start_up(data, tmp_path, capsys):
     (data / "manifest.json").unlink()  # an llm.c-style directory: only the size check can catch it
@@ -97,8 +104,13 @@ def test_the_command_printed_for_a_missing_val_split_runs(tmp_path, shakespeare_
     (src / "a.txt").write_text(shakespeare_path.read_text()[:60_000])
     data = tmp_path / "data"
     prep = [sys.executable, "-m", "data_prep", "--no-progress", "--workers", "1"]
-    done = subprocess.run([*prep, "--source", str(src), "--out", str(data), "--val-tokens", "0", "--txt-sample-by",
-                           "paragraph"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*prep, "--source", str(src), "--out", str(data), "--val-tokens", "0", "--txt-sample-by", "paragraph"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     code, err, _ = train(data, tmp_path / "run", capsys)
     line = one_error(err)
@@ -106,8 +118,9 @@ def test_the_command_printed_for_a_missing_val_split_runs(tmp_path, shakespeare_
     command = re.search(r"`([^`]+)`", line).group(1)
     argv = shlex.split(command)
     assert argv[:3] == ["python", "-m", "data_prep"] and str(src) in argv and "--val-tokens" in argv
-    done = subprocess.run([sys.executable, *argv[1:], "--no-progress"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, *argv[1:], "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     new_dir = Path(re.search(r"pass --data-dir (\S+);", line).group(1))
     assert new_dir == tmp_path / "data-val"
@@ -116,12 +129,15 @@ def test_the_command_printed_for_a_missing_val_split_runs(tmp_path, shakespeare_
 
 # ------------------------------------------------------------------ item 6: the manifest
 
+
 def test_a_shard_of_another_data_prep_run_is_refused(data, tmp_path, capsys):
     write_shard(data / "train_000002.bin", tokens_of(data / "train_000001.bin")[:5000])
     code, err, _ = train(data, tmp_path / "run", capsys)
     assert code == 2
-    assert f"{data / 'train_000002.bin'}: not listed in {data / 'manifest.json'}: a shard of another data_prep run" \
+    assert (
+        f"{data / 'train_000002.bin'}: not listed in {data / 'manifest.json'}: a shard of another data_prep run"
         in one_error(err)
+    )
 
 
 def test_a_same_named_shard_of_another_run_is_refused_by_its_token_count(data, tmp_path, capsys):
@@ -165,6 +181,7 @@ def test_an_incomplete_or_foreign_tokenizer_manifest_is_refused(data, tmp_path, 
 
 # ------------------------------------------------------------------ item 6: token ids outside the vocabulary
 
+
 @pytest.mark.parametrize("bad_id", [60000, 50300])  # past the embedding; a padded row (loss nan before)
 def test_an_id_outside_the_vocabulary_is_named_at_start_up(data, tmp_path, capsys, bad_id):
     (data / "manifest.json").unlink()  # llm.c's shards: no manifest, still checked
@@ -176,7 +193,8 @@ def test_an_id_outside_the_vocabulary_is_named_at_start_up(data, tmp_path, capsy
     assert one_error(err) == (
         f"train_ddp.py: error: {data / 'train_000001.bin'}: token id {bad_id} at token offset 777 is outside the GPT-2 "
         "vocabulary (0..50256): the shards were written with another tokenizer; prepare them with this project's "
-        "`python -m data_prep`")
+        "`python -m data_prep`"
+    )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -215,8 +233,16 @@ def test_the_loader_names_the_shard_offset_and_id_of_a_bad_token(tmp_path, order
     tokens[1500] = 65535
     write_shard(bad, tokens)
     shards = find_shards(tmp_path, "train")
-    kwargs = dict(micro_batch_size=4, seq_len=64, total_batch_size=256, rank=0, world_size=1, seed=3,
-                  device=torch.device("cpu"), order=order)
+    kwargs = dict(
+        micro_batch_size=4,
+        seq_len=64,
+        total_batch_size=256,
+        rank=0,
+        world_size=1,
+        seed=3,
+        device=torch.device("cpu"),
+        order=order,
+    )
     with TrainLoader(shards, **kwargs) as loader:
         for _ in range(200):  # a few epochs: every window is read
             try:
@@ -253,13 +279,33 @@ def test_ranks_stop_alike_when_one_ranks_batch_holds_a_bad_id(data, tmp_path):
     so an id at 300 is rank 1's alone. Every rank must stop at that step with rank 1's message (before:
     rank 1 crashed and rank 0 waited in the all-reduce)."""
     out = poisoned_train_shard(data, [300])
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(REPO / "train_ddp.py"), *tiny_run_flags(out, max_steps=3, ckpt_interval=2),
-                          "--out-dir", str(tmp_path / "run"), "--verify-data", "quick", "--data-order", "sequential"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "train_ddp.py"),
+            *tiny_run_flags(out, max_steps=3, ckpt_interval=2),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--verify-data",
+            "quick",
+            "--data-order",
+            "sequential",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     errors = [line for line in run.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
-    assert errors == [f"train_ddp.py: error: {out / 'train_000000.bin'}: token id 60000 at token offset 300 is "
-                      "outside the GPT-2 vocabulary (0..50256): the shards were written with another tokenizer; "
-                      "prepare them with this project's `python -m data_prep`"], run.stderr[-3000:]
+    assert errors == [
+        f"train_ddp.py: error: {out / 'train_000000.bin'}: token id 60000 at token offset 300 is "
+        "outside the GPT-2 vocabulary (0..50256): the shards were written with another tokenizer; "
+        "prepare them with this project's `python -m data_prep`"
+    ], run.stderr[-3000:]
     assert run.returncode == 1 and run.stderr.count("exitcode  : 2") == 2, run.stderr[-3000:]  # both ranks: exit 2
     assert "IndexError" not in run.stderr and "collective operation failed" not in run.stderr

@@ -21,12 +21,44 @@ def _config(data_dir: Path, out_dir: Path, *, compile: bool):
 
     # 2 ranks x 2 sequences x 64 tokens x 2 micro-steps: no_sync is exercised too. A block's weights
     # are 0.75 MiB: with 1 MiB buckets the blocks and the (tied) embedding fall into several buckets.
-    return parse_config(["--n-layer", "3", "--n-head", "2", "--n-embd", "128", "--block-size", "64",
-                         "--device", "cpu", "--dtype", "float32", "--compile", str(compile).lower(),
-                         "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--micro-batch-size", "2",
-                         "--total-batch-size", "512", "--max-steps", str(STEPS + 1), "--lr", "3e-3",
-                         "--warmup-steps", "2", "--eval-tokens", "512", "--ddp-bucket-cap-mb", "1",
-                         "--num-threads", "1"])
+    return parse_config(
+        [
+            "--n-layer",
+            "3",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "128",
+            "--block-size",
+            "64",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--compile",
+            str(compile).lower(),
+            "--data-dir",
+            str(data_dir),
+            "--out-dir",
+            str(out_dir),
+            "--micro-batch-size",
+            "2",
+            "--total-batch-size",
+            "512",
+            "--max-steps",
+            str(STEPS + 1),
+            "--lr",
+            "3e-3",
+            "--warmup-steps",
+            "2",
+            "--eval-tokens",
+            "512",
+            "--ddp-bucket-cap-mb",
+            "1",
+            "--num-threads",
+            "1",
+        ]
+    )
 
 
 def _rank(rank: int, data_dir: str, tmp: str) -> None:
@@ -57,9 +89,12 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
         backward = [(s, e) for name, s, e in events if name == "CompiledFunctionBackward"]
         reduces = [s for name, s, _ in events if name == "c10d::allreduce_"]
         result[str(compiled)] = {
-            "val_loss": val_loss, "losses": losses, "aot_graphs": counters["aot_autograd"]["total"],
+            "val_loss": val_loss,
+            "losses": losses,
+            "aot_graphs": counters["aot_autograd"]["total"],
             "backward_graphs_per_step": len(backward) // parts.accum_steps,
-            "first_allreduce_start": min(reduces), "last_backward_end": max((e for _, e in backward), default=None),
+            "first_allreduce_start": min(reduces),
+            "last_backward_end": max((e for _, e in backward), default=None),
             "state_keys": list(parts.model.state_dict()),
         }
     if rank == 0:

@@ -22,8 +22,9 @@ def restore_determinism(monkeypatch):
         inductor_config.deterministic = before[1]
 
 
-def test_the_flag_reaches_torch_and_a_run_with_it_resumes_bit_for_bit(restore_determinism, shakespeare_shards,
-                                                                      tmp_path, capsys):
+def test_the_flag_reaches_torch_and_a_run_with_it_resumes_bit_for_bit(
+    restore_determinism, shakespeare_shards, tmp_path, capsys
+):
     """Through train_ddp.py's main: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG and
     inductor's mode are set (the start-up line reads them back from torch), and a run continued from
     its step-2 checkpoint gives the uninterrupted run's losses exactly."""
@@ -43,14 +44,16 @@ def test_the_flag_reaches_torch_and_a_run_with_it_resumes_bit_for_bit(restore_de
     assert sorted(a) == [1, 2, 3, 4] and {s: b[s] for s in (3, 4)} == {s: a[s] for s in (3, 4)}
 
 
-def test_a_cublas_setting_that_is_not_deterministic_is_refused_in_one_line(restore_determinism, monkeypatch,
-                                                                            tmp_path, capsys):
+def test_a_cublas_setting_that_is_not_deterministic_is_refused_in_one_line(
+    restore_determinism, monkeypatch, tmp_path, capsys
+):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
     with pytest.raises(ValueError, match=r"CUBLAS_WORKSPACE_CONFIG=':0:0' does not make cuBLAS deterministic"):
         determinism.enable()
     assert not torch.are_deterministic_algorithms_enabled()  # nothing turned on
-    code = import_train_ddp().main(["--preset", "debug", "--data-dir", str(tmp_path), "--out-dir", str(tmp_path / "r"),
-                                    "--deterministic", "true"])
+    code = import_train_ddp().main(
+        ["--preset", "debug", "--data-dir", str(tmp_path), "--out-dir", str(tmp_path / "r"), "--deterministic", "true"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1 and "unset it (the run sets :4096:8)" in err
 
@@ -84,6 +87,11 @@ def test_on_cuda_a_deterministic_backward_repeats_bit_for_bit():
     import sys
     from pathlib import Path
 
-    done = subprocess.run([sys.executable, "-c", DETERMINISTIC_CUDA_STEP], cwd=Path(__file__).resolve().parent.parent,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", DETERMINISTIC_CUDA_STEP],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0 and done.stdout.split() == ["bitwise", "True"], done.stdout + done.stderr[-3000:]

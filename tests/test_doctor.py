@@ -31,8 +31,13 @@ def cpu_doctor(tmp_path_factory):
     """One full CPU run, the opt-in ladder and 2 gloo ranks too (about 1.5 minutes on 2 idle cores with
     torch.compile's cache warm; longer cold or under load), shared by the tests below."""
     out = tmp_path_factory.mktemp("doctor")
-    done = subprocess.run([sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--full", "--ranks", "2", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=1500)
+    done = subprocess.run(
+        [sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--full", "--ranks", "2", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     return done, json.loads((out / "doctor.json").read_text()), out
 
 
@@ -100,8 +105,25 @@ def test_attention_section_names_the_kernel_the_profiler_saw(cpu_doctor):
 def test_a_failed_check_exits_1_with_the_table_printed(tmp_path):
     """Training processes killed by --timeout-s: correctness and resume cannot pass; the table still prints."""
     skip = "environment,attention,training,ranks,ladder"
-    done = subprocess.run([sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--skip", skip, "--timeout-s", "1",
-                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpt2.doctor",
+            "--device",
+            "cpu",
+            "--skip",
+            skip,
+            "--timeout-s",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert "exit 1: a CHECK FAILED" in lines[0]
@@ -111,8 +133,14 @@ def test_a_failed_check_exits_1_with_the_table_printed(tmp_path):
     report = json.loads((tmp_path / "doctor.json").read_text())
     assert report["exit_status"] == 1
     assert {n: s["status"] for n, s in report["sections"].items()} == {
-        "environment": "skipped", "attention": "skipped", "correctness": "FAILED", "resume": "FAILED",
-        "training": "skipped", "ranks": "skipped", "ladder": "skipped"}
+        "environment": "skipped",
+        "attention": "skipped",
+        "correctness": "FAILED",
+        "resume": "FAILED",
+        "training": "skipped",
+        "ranks": "skipped",
+        "ladder": "skipped",
+    }
 
 
 def test_the_precision_check_fails_for_a_different_computation(tmp_path):
@@ -120,8 +148,15 @@ def test_the_precision_check_fails_for_a_different_computation(tmp_path):
     1e-2..0.2 nats away per step, far outside the fp32 tolerance."""
     from gpt2.doctor.train_runs import REFERENCE_FLAGS
 
-    ctx = Context(torch.device("cpu"), SCALES["cpu"], tmp_path, 2, 600, lambda _: None,
-                  fast_flags=(*REFERENCE_FLAGS, "--seed", "1"))
+    ctx = Context(
+        torch.device("cpu"),
+        SCALES["cpu"],
+        tmp_path,
+        2,
+        600,
+        lambda _: None,
+        fast_flags=(*REFERENCE_FLAGS, "--seed", "1"),
+    )
     section = run_section("correctness", correctness, ctx)
     rows = {r.check: r for r in section.rows}
     assert rows["training learns"].status == "ok"
@@ -147,8 +182,9 @@ def test_a_section_that_raises_is_failed_with_one_line_and_the_rest_run(tmp_path
     assert exit_status([fine, failed]) == 1  # a correctness section that cannot run has not passed
     table = format_table([fine, failed], "header")
     # the section's own time (whole seconds) depends on the machine's load: any count passes
-    assert re.search(r"\| correctness \(\d+ s\) \| section \| RuntimeError: no working C\+\+ compiler found \| FAILED \|",
-                     table), table
+    assert re.search(
+        r"\| correctness \(\d+ s\) \| section \| RuntimeError: no working C\+\+ compiler found \| FAILED \|", table
+    ), table
 
 
 def test_every_section_runs_once_and_prints_in_the_documented_order():
@@ -178,14 +214,22 @@ def test_bad_arguments_exit_2(capsys):
         assert cli.main(["--device", "cuda"]) == 2
 
 
-@pytest.mark.parametrize("text, version", [
-    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  Thu Oct 19 18:56:32 UTC 2023\n"
-     "GCC version:  gcc version 12.2.0", "535.129.03"),
-    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build  (dvs-builder@U16)\n",
-     "550.54.15"),
-    ("550.54.15\n550.54.15\n", "550.54.15"),  # nvidia-smi --query-gpu=driver_version, one line per GPU
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text, version",
+    [
+        (
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  Thu Oct 19 18:56:32 UTC 2023\n"
+            "GCC version:  gcc version 12.2.0",
+            "535.129.03",
+        ),
+        (
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build  (dvs-builder@U16)\n",
+            "550.54.15",
+        ),
+        ("550.54.15\n550.54.15\n", "550.54.15"),  # nvidia-smi --query-gpu=driver_version, one line per GPU
+        ("", None),
+    ],
+)
 def test_driver_version_is_read_from_the_kernel_module_or_nvidia_smi(text, version):
     assert parse_driver_version(text) == version
 
@@ -201,8 +245,11 @@ def test_the_default_run_leaves_out_the_ladder_and_only_and_skip_choose_sections
     assert sections_left_out("--full") == {}
     assert sections_left_out("--only", "ladder") == {n: "not in --only" for n in SECTION_NAMES if n != "ladder"}
     assert set(SECTION_NAMES) - set(sections_left_out("--only", "resume")) == {"correctness", "resume"}
-    assert sections_left_out("--skip", "ranks,attention") == {"ladder": "opt-in: --full or --only ladder",
-                                                              "ranks": "--skip", "attention": "--skip"}
+    assert sections_left_out("--skip", "ranks,attention") == {
+        "ladder": "opt-in: --full or --only ladder",
+        "ranks": "--skip",
+        "attention": "--skip",
+    }
 
 
 def test_the_json_is_rewritten_after_every_section(tmp_path, monkeypatch):

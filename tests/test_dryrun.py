@@ -52,6 +52,7 @@ def dry(train_ddp, argv, capsys) -> tuple[int, str, str]:
 
 # ---- reading the documented commands -------------------------------------------------------------
 
+
 def logical_lines(text: str, markdown: bool = False) -> list[str]:
     """Lines with backslash continuations joined. Markdown: the lines of code blocks, and every inline
     `code span` of the prose as a line of its own."""
@@ -82,8 +83,11 @@ def readme_commands() -> list[dict]:
     docs/*.md."""
     from _helpers import guide_pages
 
-    return [c for page in guide_pages()
-            for c in commands_in(logical_lines(page.read_text(), markdown=True), str(page.relative_to(REPO)))]
+    return [
+        c
+        for page in guide_pages()
+        for c in commands_in(logical_lines(page.read_text(), markdown=True), str(page.relative_to(REPO)))
+    ]
 
 
 def commands_in(lines: list[str], source: str) -> list[dict]:
@@ -92,13 +96,27 @@ def commands_in(lines: list[str], source: str) -> list[dict]:
         words = shell_words(line)
         if "train_ddp.py" in words and (words[0] in ("python", "torchrun") or words[0].startswith("python")):
             at = words.index("train_ddp.py")
-            found.append({"kind": "train", "launcher": words[:at], "args": words[at + 1:], "source": source,
-                          "line": line.strip()})
+            found.append(
+                {
+                    "kind": "train",
+                    "launcher": words[:at],
+                    "args": words[at + 1 :],
+                    "source": source,
+                    "line": line.strip(),
+                }
+            )
         scripts = [w for w in words if re.fullmatch(r"slurm/\w+\.sbatch", w)]
         if scripts and ("sbatch" in words or words[0] == "..."):
             at = words.index(scripts[0])
-            found.append({"kind": "sbatch", "script": scripts[0], "args": words[at + 1:], "source": source,
-                          "line": line.strip()})
+            found.append(
+                {
+                    "kind": "sbatch",
+                    "script": scripts[0],
+                    "args": words[at + 1 :],
+                    "source": source,
+                    "line": line.strip(),
+                }
+            )
     return [c for c in found if c["args"] and "--help" not in c["args"]]  # a bare mention is not a command
 
 
@@ -116,8 +134,12 @@ def sbatch_launch(script: Path) -> dict:
     launches = [line for line in logical_lines(text) if "train_ddp.py" in line and not line.lstrip().startswith("#")]
     assert len(launches) == 1 and '"${TRAIN_ARGS[@]}"' in launches[0], launches
     gpus = re.search(r"^#SBATCH --gpus-per-node=(\d+)", text, re.M)
-    return {"prefix": prefix[:-1], "own": own[:-1], "multinode": "--nnodes" in launches[0],
-            "gpus_per_node": int(gpus.group(1))}
+    return {
+        "prefix": prefix[:-1],
+        "own": own[:-1],
+        "multinode": "--nnodes" in launches[0],
+        "gpus_per_node": int(gpus.group(1)),
+    }
 
 
 def sbatch_commands() -> list[dict]:
@@ -202,7 +224,7 @@ def test_every_documented_command_rehearses_at_every_size(train_ddp, data_dir, t
     runs = documented_runs(data_dir, tmp_path / "run")
     assert len(runs) >= 8
     outcomes = {}
-    for what, args, gpu, own_world in runs:
+    for what, args, gpu, _own_world in runs:
         for world in WORLD_SIZES:
             for device in GPUS if gpu else ("this cpu",):
                 where = ["--world-size", str(world)]
@@ -213,7 +235,7 @@ def test_every_documented_command_rehearses_at_every_size(train_ddp, data_dir, t
                 outcomes[key] = (code, err.strip(), args, gpu)
                 if code == 0:
                     assert "dry run OK" in out or "nothing to train" in out, (key, out[-2000:])
-                    assert err.strip() == "" or all(l.startswith("warning: ") for l in err.strip().splitlines()), key
+                    assert err.strip() == "" or all(ln.startswith("warning: ") for ln in err.strip().splitlines()), key
                 else:
                     assert code == 2, (key, code, err)
                     lines = err.strip().splitlines()
@@ -226,9 +248,15 @@ def test_every_documented_command_rehearses_at_every_size(train_ddp, data_dir, t
     # source is an error.)
     # A --parallel fsdp command is there for a model DDP cannot hold: at one rank nothing is sharded
     # (the trainer runs the plain model), so there it may only refuse, with the line checked above.
-    recipe = {k: v for k, v in outcomes.items()
-              if v[3] and preset_of(v[2]) != "debug" and resume_of(v[2]) in ("auto", "never")
-              and not (parallel_of(v[2]) == "fsdp" and k[1] == 1) and "--init-from" not in v[2]}
+    recipe = {
+        k: v
+        for k, v in outcomes.items()
+        if v[3]
+        and preset_of(v[2]) != "debug"
+        and resume_of(v[2]) in ("auto", "never")
+        and not (parallel_of(v[2]) == "fsdp" and k[1] == 1)
+        and "--init-from" not in v[2]
+    }
     assert len(recipe) >= 8 * len(WORLD_SIZES) * len(GPUS)
     fsdp = {k for k, v in recipe.items() if parallel_of(v[2]) == "fsdp"}
     assert len({k[0] for k in fsdp}) >= 3  # README's torchrun and sbatch FSDP commands, the scripts' own
@@ -255,15 +283,15 @@ def resume_of(args: list[str]) -> str:
 def test_the_several_node_command_at_its_own_size(train_ddp, data_dir, tmp_path, capsys):
     """README's 4 x 8 torchrun command: 32 ranks, 16 sequences each on an A100-40GB, in 2 micro-steps of 8
     (the throughput model's micro-batch: 16 would gain under 2%)."""
-    (what, args, _, world), = [r for r in documented_runs(data_dir, tmp_path / "run") if "--nnodes=4" in r[0]]
+    ((what, args, _, world),) = [r for r in documented_runs(data_dir, tmp_path / "run") if "--nnodes=4" in r[0]]
     assert world == 32
     code, out, err = dry(train_ddp, [*args, "--world-size", "32", "--gpu", "A100-40GB"], capsys)
     assert code == 0, err
     assert "32 rank(s) = 4 node(s) x 8" in out and "precision  bfloat16" in out
     assert "micro-batch auto: 8 sequences" in out and "-> 2 accumulation step(s)" in out
-    window_lines = [l for l in out.splitlines() if l.startswith("  rank ")]
-    assert len(window_lines) == 64 and all(len(l.split(":")[1].split()) == 8 for l in window_lines)
-    ids = [int(x) for l in window_lines for x in l.split(":")[1].split()]
+    window_lines = [ln for ln in out.splitlines() if ln.startswith("  rank ")]
+    assert len(window_lines) == 64 and all(len(ln.split(":")[1].split()) == 8 for ln in window_lines)
+    ids = [int(x) for ln in window_lines for x in ln.split(":")[1].split()]
     assert len(set(ids)) == 512  # every rank its own windows
 
 
@@ -275,8 +303,17 @@ def test_schedule_is_what_the_loader_reads(data_dir):
     stream = TokenStream(shards, seed=0, shuffle=False)
     for order in ("shuffled", "sequential"):
         for rank in range(3):
-            loader = TrainLoader(shards, micro_batch_size=2, seq_len=64, total_batch_size=64 * 2 * 3 * 2, rank=rank,
-                                 world_size=3, seed=5, device=torch.device("cpu"), order=order)
+            loader = TrainLoader(
+                shards,
+                micro_batch_size=2,
+                seq_len=64,
+                total_batch_size=64 * 2 * 3 * 2,
+                rank=rank,
+                world_size=3,
+                seed=5,
+                device=torch.device("cpu"),
+                order=order,
+            )
             loader.advance()
             for m in range(loader.accum_steps):
                 x, y = loader.micro_batch(m)
@@ -290,11 +327,13 @@ def test_schedule_is_what_the_loader_reads(data_dir):
 
 def test_what_does_not_fit_or_divide_is_one_actionable_line(train_ddp, data_dir, tmp_path, capsys):
     base = ["--data-dir", str(data_dir), "--out-dir", str(tmp_path / "run")]
-    code, _, err = dry(train_ddp, [*base, "--preset", "gpt2-xl", "--world-size", "8", "--gpu", "RTX4090-24GB"],
-                       capsys)
+    code, _, err = dry(train_ddp, [*base, "--preset", "gpt2-xl", "--world-size", "8", "--gpu", "RTX4090-24GB"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert re.search(r"gpt2-xl does not fit on RTX4090-24GB \(23.99 GiB\) with DDP at world size 8: "
-                     r"micro_batch_size=1 needs \d+\.\d+ GiB per device .* but \d+\.\d+ GiB is usable", err), err
+    assert re.search(
+        r"gpt2-xl does not fit on RTX4090-24GB \(23.99 GiB\) with DDP at world size 8: "
+        r"micro_batch_size=1 needs \d+\.\d+ GiB per device .* but \d+\.\d+ GiB is usable",
+        err,
+    ), err
     # its weights, gradients and AdamW state alone exceed the card: a shorter block would not help
     assert "a smaller model" in err and "more memory" in err and "--block-size" not in err
     # the state sharded over the 8 ranks would fit: --parallel fsdp is offered, with its total
@@ -303,8 +342,11 @@ def test_what_does_not_fit_or_divide_is_one_actionable_line(train_ddp, data_dir,
     code, _, err = dry(train_ddp, [*base, "--preset", "gpt2", "--world-size", "1024", "--gpu", "H100-80GB"], capsys)
     assert code == 2 and "less than one sequence per rank" in err and "at most 512 ranks" in err, err
     # an explicit micro-batch that cannot divide keeps its error, naming the sizes that do
-    code, _, err = dry(train_ddp, [*base, "--preset", "gpt2", "--micro-batch-size", "64", "--world-size", "16",
-                                   "--gpu", "A100-80GB"], capsys)
+    code, _, err = dry(
+        train_ddp,
+        [*base, "--preset", "gpt2", "--micro-batch-size", "64", "--world-size", "16", "--gpu", "A100-80GB"],
+        capsys,
+    )
     assert code == 2 and "not a multiple of micro_batch_size*block_size*world_size = 64*1024*16" in err, err
     assert "or --micro-batch-size 4, 8, 16, 32" in err
 
@@ -316,16 +358,34 @@ def test_dry_run_flags_need_dry_run_and_a_real_run_refuses_them(train_ddp, tmp_p
     assert "--world-size, --gpu only rehearse a run: add --dry-run" in capsys.readouterr().err
     code, _, err = dry(train_ddp, ["--data-dir", "d", "--out-dir", str(tmp_path), "--gpu", "V100"], capsys)
     assert code == 2 and "unknown GPU 'V100'" in err
-    code, _, err = dry(train_ddp, ["--preset", "debug", "--data-dir", "d", "--out-dir", str(tmp_path),
-                                   "--device", "cpu", "--gpu", "A100-40GB"], capsys)
+    code, _, err = dry(
+        train_ddp,
+        ["--preset", "debug", "--data-dir", "d", "--out-dir", str(tmp_path), "--device", "cpu", "--gpu", "A100-40GB"],
+        capsys,
+    )
     assert code == 2 and "drop one" in err
     assert not tmp_path.joinpath("metrics.jsonl").exists() and not any(tmp_path.iterdir())  # wrote nothing
 
 
 def test_missing_data_is_said_and_the_rest_is_planned(train_ddp, tmp_path, capsys):
-    code, out, err = dry(train_ddp, ["--preset", "gpt2", "--data-dir", str(tmp_path / "nowhere"), "--out-dir",
-                                     str(tmp_path / "run"), "--world-size", "16", "--gpu-memory-gb", "24",
-                                     "--gpu-peak-tflops", "100"], capsys)
+    code, out, err = dry(
+        train_ddp,
+        [
+            "--preset",
+            "gpt2",
+            "--data-dir",
+            str(tmp_path / "nowhere"),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--world-size",
+            "16",
+            "--gpu-memory-gb",
+            "24",
+            "--gpu-peak-tflops",
+            "100",
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert f"data       SKIPPED: --data-dir {tmp_path / 'nowhere'} does not exist here" in out
     assert "no such directory" in out  # what a real run would stop with
@@ -341,23 +401,70 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
     from gpt2.train.cli import parse_config
 
     run = tmp_path / "run"
-    base = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--micro-batch-size", "4",
-            "--total-batch-size", "512", "--max-steps", "10", "--data-dir", str(data_dir), "--out-dir", str(run),
-            "--device", "cpu", "--dtype", "float32", "--data-order", "shuffled"]
+    base = [
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "64",
+        "--block-size",
+        "64",
+        "--micro-batch-size",
+        "4",
+        "--total-batch-size",
+        "512",
+        "--max-steps",
+        "10",
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(run),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--data-order",
+        "shuffled",
+    ]
     cfg = parse_config(base)
-    loader = TrainLoader(find_shards(data_dir, "train"), micro_batch_size=4, seq_len=64, total_batch_size=512, rank=0,
-                         world_size=2, seed=cfg.train.seed, device=torch.device("cpu"))
+    loader = TrainLoader(
+        find_shards(data_dir, "train"),
+        micro_batch_size=4,
+        seq_len=64,
+        total_batch_size=512,
+        rank=0,
+        world_size=2,
+        seed=cfg.train.seed,
+        device=torch.device("cpu"),
+    )
     for _ in range(3):
         loader.advance()
-    state = {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "config": cfg.to_dict(), "tokenizer": "gpt2",
-             "loader": loader.state_dict(), "rng": [], "world_size": 2, "tokens": 3 * 512}
+    state = {
+        "model": {},
+        "optimizer": {"state": {}, "param_groups": []},
+        "config": cfg.to_dict(),
+        "tokenizer": "gpt2",
+        "loader": loader.state_dict(),
+        "rng": [],
+        "world_size": 2,
+        "tokens": 3 * 512,
+    }
     ckpt.save_checkpoint(run, 3, state, keep=3)
     code, out, err = dry(train_ddp, [*base, "--world-size", "2"], capsys)
     assert code == 0, err
     assert f"would load {run}/checkpoints/step_00000003.pt (step 3" in out and "continue at step 3" in out
     assert "rank   0 micro-step   0: " + " ".join(str(int(i)) for i in loader.windows_of(0)) in out
-    rank1 = TrainLoader(find_shards(data_dir, "train"), micro_batch_size=4, seq_len=64, total_batch_size=512, rank=1,
-                        world_size=2, seed=cfg.train.seed, device=torch.device("cpu"))
+    rank1 = TrainLoader(
+        find_shards(data_dir, "train"),
+        micro_batch_size=4,
+        seq_len=64,
+        total_batch_size=512,
+        rank=1,
+        world_size=2,
+        seed=cfg.train.seed,
+        device=torch.device("cpu"),
+    )
     rank1.load_state_dict(loader.state_dict())
     assert "rank   1 micro-step   0: " + " ".join(str(int(i)) for i in rank1.windows_of(0)) in out
     # another seed: the real run's error, before any weight is read
@@ -369,11 +476,14 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
     # a rollback (an explicit earlier checkpoint): the later ones a real run moves aside, moved by none here
     ckpt.save_checkpoint(run, 5, state, keep=3)
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    code, out, err = dry(train_ddp, [*base, "--world-size", "2", "--resume", f"{run}/checkpoints/step_00000003.pt"],
-                         capsys)
+    code, out, err = dry(
+        train_ddp, [*base, "--world-size", "2", "--resume", f"{run}/checkpoints/step_00000003.pt"], capsys
+    )
     assert code == 0, err
-    assert (f"run dir    {run}/checkpoints/step_00000003.pt is an earlier checkpoint of this run: a real run moves its "
-            f"later step_00000005.pt into {run}/checkpoints/abandoned-00000003-<UTC time>/ (nothing deleted)") in out
+    assert (
+        f"run dir    {run}/checkpoints/step_00000003.pt is an earlier checkpoint of this run: a real run moves its "
+        f"later step_00000005.pt into {run}/checkpoints/abandoned-00000003-<UTC time>/ (nothing deleted)"
+    ) in out
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
@@ -384,10 +494,34 @@ def test_a_fresh_start_in_a_used_directory_says_what_a_real_run_moves(train_ddp,
     (run / "checkpoints").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 10.0}\n')
     before = sorted(p.name for p in run.iterdir())
-    code, out, err = dry(train_ddp, ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64",
-                                     "--micro-batch-size", "4", "--total-batch-size", "512", "--data-dir",
-                                     str(data_dir), "--out-dir", str(run), "--device", "cpu", "--dtype", "float32",
-                                     "--resume", "never"], capsys)
+    code, out, err = dry(
+        train_ddp,
+        [
+            "--n-layer",
+            "2",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "64",
+            "--block-size",
+            "64",
+            "--micro-batch-size",
+            "4",
+            "--total-batch-size",
+            "512",
+            "--data-dir",
+            str(data_dir),
+            "--out-dir",
+            str(run),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--resume",
+            "never",
+        ],
+        capsys,
+    )
     assert code == 0, err
     [line] = [line for line in out.splitlines() if line.startswith("run dir")]
     assert "metrics.jsonl" in line and "previous-<UTC time>/" in line
@@ -402,16 +536,37 @@ def test_a_held_run_directory_is_a_warning_and_the_rehearsal_takes_no_lock(train
     from gpt2.ckpt.rundir import LOCK, RunLock, describe_holder
 
     run = tmp_path / "run"
-    argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--micro-batch-size", "4",
-            "--total-batch-size", "512", "--data-dir", str(data_dir), "--out-dir", str(run), "--device", "cpu",
-            "--dtype", "float32"]
+    argv = [
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "64",
+        "--block-size",
+        "64",
+        "--micro-batch-size",
+        "4",
+        "--total-batch-size",
+        "512",
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(run),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
     lock = RunLock.acquire(run)
     try:
         held = (run / LOCK).read_bytes()
         code, out, err = dry(train_ddp, argv, capsys)
         assert code == 0, err
-        assert (f"warning: {run} is in use by another training run ({describe_holder(lock.record)}; {run}/{LOCK}): "
-                "a real start now would be refused (exit 2) and touch nothing. The dry run took no lock") in out
+        assert (
+            f"warning: {run} is in use by another training run ({describe_holder(lock.record)}; {run}/{LOCK}): "
+            "a real start now would be refused (exit 2) and touch nothing. The dry run took no lock"
+        ) in out
         assert "dry run OK" in out
         assert sorted(p.name for p in run.iterdir()) == [LOCK] and (run / LOCK).read_bytes() == held
     finally:
@@ -430,12 +585,23 @@ def test_dry_run_and_start_up_count_the_epochs_and_warn_when_many(train_ddp, tmp
     rng = np.random.default_rng(0)
     write_shard(data / "train_000000.bin", rng.integers(0, 50257, 600, dtype=np.uint16))
     write_shard(data / "val_000000.bin", rng.integers(0, 50257, 600, dtype=np.uint16))
-    argv = [*tiny_run_flags(data, max_steps=12, ckpt_interval=0), "--out-dir", str(tmp_path / "run"),
-            "--device", "cpu", "--sample-interval", "0"]
-    epochs = "epochs     10.24 over the train split: 12 steps x 512 tokens = 6,144 tokens planned, the train shards hold 600"
-    warning = (f"warning: the run repeats the train split 10 times (more than {MANY_EPOCHS} epochs): the model will "
-               "memorise this corpus more than it learns; about 1 step(s) make one epoch, so pass --max-steps 10 or "
-               "fewer, or prepare more data")
+    argv = [
+        *tiny_run_flags(data, max_steps=12, ckpt_interval=0),
+        "--out-dir",
+        str(tmp_path / "run"),
+        "--device",
+        "cpu",
+        "--sample-interval",
+        "0",
+    ]
+    epochs = (
+        "epochs     10.24 over the train split: 12 steps x 512 tokens = 6,144 tokens planned, the train shards hold 600"
+    )
+    warning = (
+        f"warning: the run repeats the train split 10 times (more than {MANY_EPOCHS} epochs): the model will "
+        "memorise this corpus more than it learns; about 1 step(s) make one epoch, so pass --max-steps 10 or "
+        "fewer, or prepare more data"
+    )
     code, out, err = dry(train_ddp, argv, capsys)
     assert code == 0 and epochs in out.splitlines() and warning in out.splitlines(), out + err
     assert train_ddp.main([*argv, "--verbose"]) == 0  # a real start: the same line (detail) and warning, then it trains
@@ -448,17 +614,30 @@ def test_dry_run_and_start_up_count_the_epochs_and_warn_when_many(train_ddp, tmp
     assert code == 0 and "epochs     1.71 over the train split" in out and "repeats the train split" not in out + err
 
 
-def test_a_world_size_that_is_no_whole_number_of_8_gpu_nodes_is_refused_with_the_choices(train_ddp, data_dir,
-                                                                                         tmp_path, capsys):
+def test_a_world_size_that_is_no_whole_number_of_8_gpu_nodes_is_refused_with_the_choices(
+    train_ddp, data_dir, tmp_path, capsys
+):
     """--world-size 12 used to become "3 node(s) x 4" although 8 per node is the default: now one line says
     why not and how to choose; a smaller world is one node, and --nproc-per-node decides the layout."""
-    base = ["--preset", "gpt2", "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "run"), "--gpu", "A100-40GB",
-            "--total-batch-size", str(12 * 1024 * 40)]  # divisible by 12 and 6 ranks
+    base = [
+        "--preset",
+        "gpt2",
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(tmp_path / "run"),
+        "--gpu",
+        "A100-40GB",
+        "--total-batch-size",
+        str(12 * 1024 * 40),
+    ]  # divisible by 12 and 6 ranks
     code, out, err = dry(train_ddp, [*base, "--world-size", "12"], capsys)
     assert code == 2 and "node(s)" not in out
-    assert err == ("train_ddp.py: error: --world-size 12 is not a whole number of 8-GPU nodes (the default ranks per "
-                   "node): pass --nproc-per-node 6 (2 nodes) or --nproc-per-node 4 (3 nodes), or --world-size 8 or "
-                   "16\n")
+    assert err == (
+        "train_ddp.py: error: --world-size 12 is not a whole number of 8-GPU nodes (the default ranks per "
+        "node): pass --nproc-per-node 6 (2 nodes) or --nproc-per-node 4 (3 nodes), or --world-size 8 or "
+        "16\n"
+    )
     code, out, err = dry(train_ddp, [*base, "--world-size", "12", "--nproc-per-node", "6"], capsys)
     assert code == 0 and "12 rank(s) = 2 node(s) x 6" in out, err
     code, out, err = dry(train_ddp, [*base, "--world-size", "6"], capsys)
@@ -475,8 +654,22 @@ def test_plan_cli_and_trainer_plan_the_same_preset(train_ddp, data_dir, tmp_path
         first, micro_batch, planned = capsys.readouterr().out.strip().split("\n", 2)
         assert first == f"plan for   {world} x {gpu} (--gpu)"  # the CLI's own line: what the plan is for
         assert micro_batch.startswith("micro-batch auto: ")
-        code, out, err = dry(train_ddp, ["--preset", "gpt2", "--data-dir", str(data_dir), "--out-dir",
-                                         str(tmp_path / "run"), "--world-size", str(world), "--gpu", gpu], capsys)
+        code, out, err = dry(
+            train_ddp,
+            [
+                "--preset",
+                "gpt2",
+                "--data-dir",
+                str(data_dir),
+                "--out-dir",
+                str(tmp_path / "run"),
+                "--world-size",
+                str(world),
+                "--gpu",
+                gpu,
+            ],
+            capsys,
+        )
         assert code == 0, err
         assert micro_batch in out.splitlines() and planned in out, (gpu, world)  # the same decisions, word for word
         assert "total_batch_size=524,288" in planned
@@ -522,13 +715,19 @@ def test_the_loss_path_is_chosen_and_printed_as_a_real_run_would(train_ddp, data
     assert code == 0 and "loss       chunked: " in out and "(auto: uncompiled and not measured on A100-80GB" in out
     code, out, err = dry(train_ddp, [*base, "--preset", "debug", "--compile", "true"], capsys)
     assert code == 0, err
-    assert re.search(r"^loss       full logits: .* \(auto: full-logits peak 0\.19 GiB at micro-batch 8 <= 1/8 of "
-                     r"77\.10 GiB usable", out, re.M), out
+    assert re.search(
+        r"^loss       full logits: .* \(auto: full-logits peak 0\.19 GiB at micro-batch 8 <= 1/8 of "
+        r"77\.10 GiB usable",
+        out,
+        re.M,
+    ), out
     assert "LM head + loss peak    0.19 GiB  (full logits" in out
     code, out, err = dry(train_ddp, [*base, "--preset", "gpt2"], capsys)
     assert code == 0, err
     assert "micro-batch auto: 16 sequences" in out  # the throughput model's micro-batch first, then the loss path
-    assert re.search(r"^loss       full logits: .* \(auto: full-logits peak 3\.07 GiB at micro-batch 16 <= 1/8", out, re.M)
+    assert re.search(
+        r"^loss       full logits: .* \(auto: full-logits peak 3\.07 GiB at micro-batch 16 <= 1/8", out, re.M
+    )
     big = [*base, "--preset", "gpt2", "--micro-batch-size", "128"]
     code, out, err = dry(train_ddp, big, capsys)
     assert code == 0, err
@@ -549,8 +748,22 @@ def test_the_loss_path_is_chosen_and_printed_as_a_real_run_would(train_ddp, data
 def test_fsdp_dry_run_shows_the_sharded_plan(train_ddp, data_dir, tmp_path, capsys, world):
     """gpt2-xl with --parallel fsdp on 24 GB cards: refused with the fix at one rank (nothing to shard),
     planned sharded from 8 ranks on, each rank's shard of the state and the checkpoint's shards named."""
-    args = ["--preset", "gpt2-xl", "--parallel", "fsdp", "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "run"),
-            "--world-size", str(world), "--gpu", "RTX4090-24GB", "--nproc-per-node", str(min(world, 8))]
+    args = [
+        "--preset",
+        "gpt2-xl",
+        "--parallel",
+        "fsdp",
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(tmp_path / "run"),
+        "--world-size",
+        str(world),
+        "--gpu",
+        "RTX4090-24GB",
+        "--nproc-per-node",
+        str(min(world, 8)),
+    ]
     code, out, err = dry(train_ddp, args, capsys)
     if world == 1:
         assert code == 2 and "does not fit on RTX4090-24GB" in err and "several ranks" in err, err
@@ -565,10 +778,32 @@ def test_fsdp_dry_run_shows_the_sharded_plan(train_ddp, data_dir, tmp_path, caps
 
 def test_fsdp_dry_run_on_this_cpu_at_two_ranks(train_ddp, data_dir, tmp_path, capsys):
     """The bench's shape rehearsed on this machine (2 ranks sharing its RAM): the sharded plan, fp32."""
-    code, out, err = dry(train_ddp, ["--preset", "gpt2-medium", "--parallel", "fsdp", "--device", "cpu",
-                                     "--dtype", "float32", "--block-size", "128", "--micro-batch-size", "1",
-                                     "--total-batch-size", "256", "--data-dir", str(data_dir),
-                                     "--out-dir", str(tmp_path / "run"), "--world-size", "2"], capsys)
+    code, out, err = dry(
+        train_ddp,
+        [
+            "--preset",
+            "gpt2-medium",
+            "--parallel",
+            "fsdp",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--block-size",
+            "128",
+            "--micro-batch-size",
+            "1",
+            "--total-batch-size",
+            "256",
+            "--data-dir",
+            str(data_dir),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--world-size",
+            "2",
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "FSDP over 2 ranks" in out and "gathered weights" in out and "(fp32:" in out
 
@@ -577,8 +812,26 @@ def test_the_gpt2_recipe_on_a_cpu_is_said_in_one_line_with_the_debug_preset(trai
     """Issue 41: a tiny model with no --preset on a CPU takes the gpt2 recipe's 524,288-token steps and 10M eval
     tokens; the start-up (and so its dry run) says so once, with the plan's time and --preset debug. A CPU-sized
     recipe and a GPU rehearsal of the same flags say nothing."""
-    tiny = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--dtype", "float32",
-            "--compile", "false", "--max-steps", "30", "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "r")]
+    tiny = [
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "64",
+        "--block-size",
+        "64",
+        "--dtype",
+        "float32",
+        "--compile",
+        "false",
+        "--max-steps",
+        "30",
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(tmp_path / "r"),
+    ]
     code, out, err = dry(train_ddp, [*tiny, "--device", "cpu"], capsys)
     assert code == 0, err
     lines = [ln for ln in out.splitlines() if "recipe: the gpt2 recipe" in ln]
@@ -586,8 +839,9 @@ def test_the_gpt2_recipe_on_a_cpu_is_said_in_one_line_with_the_debug_preset(trai
     assert "the gpt2 recipe's 524,288-token steps (~" in lines[0] and "for 30 steps at the plan's estimate" in lines[0]
     assert "and 10,485,760 tokens per evaluation on a CPU" in lines[0]
     assert "pass --preset debug (2,048-token steps, 8,192 eval tokens)" in lines[0]
-    code, out, _ = dry(train_ddp, [*tiny, "--device", "cpu", "--total-batch-size", "4096", "--eval-tokens", "8192"],
-                       capsys)
+    code, out, _ = dry(
+        train_ddp, [*tiny, "--device", "cpu", "--total-batch-size", "4096", "--eval-tokens", "8192"], capsys
+    )
     assert code == 0 and "recipe: the gpt2 recipe" not in out
     code, out, _ = dry(train_ddp, [*tiny, "--gpu", "A100-80GB"], capsys)
     assert code == 0 and "recipe: the gpt2 recipe" not in out

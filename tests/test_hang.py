@@ -83,8 +83,11 @@ def test_flight_recorder_is_turned_on_for_nccl_only_keeping_the_users_settings(t
     added = flight_recorder_env(str(tmp_path), "cuda", env)
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in added
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(
-        tmp_path / "flight-recorder" / "nccl_trace_rank_")
+    assert (
+        env["TORCH_FR_DUMP_TEMP_FILE"]
+        == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+        == str(tmp_path / "flight-recorder" / "nccl_trace_rank_")
+    )
 
 
 # ---------------------------------------------------------------- through torchrun
@@ -93,16 +96,54 @@ STEP_TIMEOUT_S = 8
 
 
 def _start(run_dir: Path, data: Path, nproc: int, slow_rank: int) -> subprocess.Popen:
-    args = [*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval",
-            "0", "--plot", "false", "--data-dir", str(data), "--out-dir", str(run_dir), "--micro-batch-size", "2",
-            "--total-batch-size", str(128 * nproc), "--max-steps", "100000", "--warmup-steps", "2",
-            "--eval-interval", "0", "--eval-tokens", "1024", "--ckpt-interval", "0", "--log-interval", "1",
-            "--dist-step-timeout-s", str(STEP_TIMEOUT_S)]
+    args = [
+        *TINY_MODEL_FLAGS,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--compile",
+        "false",
+        "--sample-interval",
+        "0",
+        "--plot",
+        "false",
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(run_dir),
+        "--micro-batch-size",
+        "2",
+        "--total-batch-size",
+        str(128 * nproc),
+        "--max-steps",
+        "100000",
+        "--warmup-steps",
+        "2",
+        "--eval-interval",
+        "0",
+        "--eval-tokens",
+        "1024",
+        "--ckpt-interval",
+        "0",
+        "--log-interval",
+        "1",
+        "--dist-step-timeout-s",
+        str(STEP_TIMEOUT_S),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GPT2_TEST_SLOW_RANK": f"{slow_rank}:4x"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "train_ddp.py"), *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "train_ddp.py"),
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _worker_pids(launcher: subprocess.Popen, nproc: int) -> dict[int, int]:
@@ -140,19 +181,27 @@ def hang_run(tmp_path: Path, data: Path, nproc: int, slow_rank: int, stopped: in
     run_dir = tmp_path / "run"
     launcher = _start(run_dir, data, nproc, slow_rank)
     try:
-        _wait_for(lambda: any(r.get("step", 0) >= 4 and "loss" in r for r in _records(run_dir))
-                  or launcher.poll() is not None, "step 4")
+        _wait_for(
+            lambda: (
+                any(r.get("step", 0) >= 4 and "loss" in r for r in _records(run_dir)) or launcher.poll() is not None
+            ),
+            "step 4",
+        )
         assert launcher.poll() is None, launcher.communicate()[0]
         pids = _worker_pids(launcher, nproc)
         # SIGUSR2 to every rank: each writes its stacks into one folder, every rank reported.
         for pid in pids.values():
             os.kill(pid, signal.SIGUSR2)
         files = lambda folder: [folder / f"rank-{r}.txt" for r in range(nproc)]  # noqa: E731
-        _wait_for(lambda: any(all(_verdict(f) for f in files(d)) for d in run_dir.glob("hang-*")),
-                  "SIGUSR2 dumps of every rank")
+        _wait_for(
+            lambda: any(all(_verdict(f) for f in files(d)) for d in run_dir.glob("hang-*")),
+            "SIGUSR2 dumps of every rank",
+        )
         [signalled] = list(run_dir.glob("hang-*"))
         for f in files(signalled):  # every rank reported (one may be a collective ahead: signals are not steps)
-            assert all(f" {r}@#" in _verdict(f) or f"(reported: {r}@#" in _verdict(f) for r in range(nproc)), _verdict(f)
+            assert all(f" {r}@#" in _verdict(f) or f"(reported: {r}@#" in _verdict(f) for r in range(nproc)), _verdict(
+                f
+            )
         assert "reason: SIGUSR2" in (signalled / "rank-0.txt").read_text()
         # SIGSTOP one rank: its peers' collective times out, their dumps name it.
         if stopped is not None:
@@ -184,7 +233,9 @@ def hang_run(tmp_path: Path, data: Path, nproc: int, slow_rank: int, stopped: in
         assert verdict and re.search(rf"never arrived at collective #\d+: {stopped} \(", verdict), text[:2000]
         assert re.search(r"#\d+ \S", collective_line), collective_line  # its name
     assert not (failed / f"rank-{stopped}.txt").exists()
-    assert re.search(rf"hang dump: rank {min(live)} .*never arrived at collective #\d+: {stopped} ", output), output[-4000:]
+    assert re.search(rf"hang dump: rank {min(live)} .*never arrived at collective #\d+: {stopped} ", output), output[
+        -4000:
+    ]
     # Within the step timeout, the wait for the other ranks' reports and torchrun's 30 s shutdown wait (plus slack).
     assert ended_s < STEP_TIMEOUT_S + HANG_GRACE_S + 30 + 120, ended_s
 

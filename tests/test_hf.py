@@ -27,9 +27,16 @@ def ours(**overrides) -> GPT:
 
 
 def hf_model() -> transformers.GPT2LMHeadModel:
-    cfg = transformers.GPT2Config(vocab_size=GPT2_VOCAB_SIZE, n_positions=SHAPE["block_size"],
-                                  n_embd=SHAPE["n_embd"], n_layer=SHAPE["n_layer"], n_head=SHAPE["n_head"],
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=GPT2_VOCAB_SIZE,
+        n_positions=SHAPE["block_size"],
+        n_embd=SHAPE["n_embd"],
+        n_layer=SHAPE["n_layer"],
+        n_head=SHAPE["n_head"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     return randomise(transformers.GPT2LMHeadModel(cfg), seed=1)
 
@@ -160,11 +167,14 @@ def test_gpt2_head_count_is_the_default_without_config():
     assert from_hf_state_dict(sd, n_head=8).config.n_head == 8
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(n_kv_head=2), "n_kv_head=2 differs from n_head=4.*n_kv_head=n_head to export"),
-    (dict(n_kv_head=1), "no grouped-query/multi-query attention"),
-    (dict(bias=False), "bias=False: Hugging Face GPT-2 always has biases"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(n_kv_head=2), "n_kv_head=2 differs from n_head=4.*n_kv_head=n_head to export"),
+        (dict(n_kv_head=1), "no grouped-query/multi-query attention"),
+        (dict(bias=False), "bias=False: Hugging Face GPT-2 always has biases"),
+    ],
+)
 def test_unexportable_models_are_refused(fields, message, tmp_path):
     model = GPT(ModelConfig(**SHAPE, **fields))
     with pytest.raises(ValueError, match=message):
@@ -216,13 +226,18 @@ def test_exportability_is_derived_from_the_shape_fields(monkeypatch):
     to_hf_state_dict(model)  # dropout is not a shape field: exported (as resid_pdrop etc.)
     shape_fields = ModelConfig.shape_fields()
     monkeypatch.setattr(ModelConfig, "shape_fields", classmethod(lambda cls: (*shape_fields, "dropout")))
-    with pytest.raises(ValueError, match=r"dropout=0.1: Hugging Face GPT-2 has no such setting; train with "
-                                         r"dropout=0.0 to export"):
+    with pytest.raises(
+        ValueError,
+        match=r"dropout=0.1: Hugging Face GPT-2 has no such setting; train with "
+        r"dropout=0.0 to export",
+    ):
         to_hf_state_dict(model)
 
 
-@pytest.mark.parametrize("name, damage", [("model.safetensors", b"\x01\x00"), ("model.safetensors", None),
-                                          ("pytorch_model.bin", b"not a zip")])
+@pytest.mark.parametrize(
+    "name, damage",
+    [("model.safetensors", b"\x01\x00"), ("model.safetensors", None), ("pytorch_model.bin", b"not a zip")],
+)
 def test_a_damaged_weights_file_is_refused_naming_it(tmp_path, name, damage):
     """A cut-off download: safetensors raised its own SafetensorError ("header too small"), not a
     ValueError, so the tools showed a traceback."""

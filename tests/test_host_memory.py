@@ -33,8 +33,13 @@ print(json.dumps(host_memory.resident_bytes() - before))
 
 
 def kept_after_free(mode: str, env: dict | None = None) -> int:
-    out = subprocess.run([sys.executable, "-c", KEPT_AFTER_FREE, mode], capture_output=True, text=True, timeout=120,
-                         env=None if env is None else {**os.environ, **env})
+    out = subprocess.run(
+        [sys.executable, "-c", KEPT_AFTER_FREE, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=None if env is None else {**os.environ, **env},
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
 
@@ -45,8 +50,12 @@ def test_a_cpu_run_gives_freed_tensors_back_where_glibcs_defaults_keep_them():
     assert kept_after_free("default") >= 6 * 2**20  # the 8 MiB block stays in the heap
     assert kept_after_free("trainer") < 2 * 2**20  # the trainer's start-up (configure_backends) returns it
     # a user's own malloc setting wins: a 32 MiB threshold keeps the 8 MiB block in the heap, trainer or not
-    assert kept_after_free("trainer", {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
-                                       "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20)}) >= 6 * 2**20
+    assert (
+        kept_after_free(
+            "trainer", {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20)}
+        )
+        >= 6 * 2**20
+    )
 
 
 def test_a_users_malloc_settings_are_recognised():

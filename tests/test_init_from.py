@@ -18,8 +18,23 @@ from gpt2.core.config import ModelConfig
 
 # Every run here: the same eval set (eval_tokens 1024 at micro-batch 4), so step 0's val loss of a run
 # started from a model equals that model's own last val loss.
-COMMON = [*FP32_CPU, "--micro-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "3",
-          "--lr", "3e-3", "--eval-tokens", "1024", "--log-interval", "1", "--eval-interval", "0"]
+COMMON = [
+    *FP32_CPU,
+    "--micro-batch-size",
+    "4",
+    "--total-batch-size",
+    "512",
+    "--warmup-steps",
+    "3",
+    "--lr",
+    "3e-3",
+    "--eval-tokens",
+    "1024",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "0",
+]
 
 
 def val_losses(run_dir) -> dict[int, float]:
@@ -30,24 +45,55 @@ def val_losses(run_dir) -> dict[int, float]:
 def source(tmp_path_factory, shakespeare_shards):
     """A tiny model trained 5 steps (its run directory, checkpoint, last val loss) and its export."""
     base = tmp_path_factory.mktemp("source")
-    done = run_trainer([*TINY_MODEL_FLAGS, *COMMON, "--data-dir", str(shakespeare_shards), "--max-steps", "5",
-                        "--ckpt-interval", "0", "--out-dir", str(base / "run")])
+    done = run_trainer(
+        [
+            *TINY_MODEL_FLAGS,
+            *COMMON,
+            "--data-dir",
+            str(shakespeare_shards),
+            "--max-steps",
+            "5",
+            "--ckpt-interval",
+            "0",
+            "--out-dir",
+            str(base / "run"),
+        ]
+    )
     assert done.returncode == 0, done.stderr
     import subprocess
     import sys
 
     from conftest import REPO
 
-    export = subprocess.run([sys.executable, "-m", "gpt2.export", "--checkpoint", str(base / "run"), "--out",
-                             str(base / "hf")], cwd=REPO, capture_output=True, text=True)
+    export = subprocess.run(
+        [sys.executable, "-m", "gpt2.export", "--checkpoint", str(base / "run"), "--out", str(base / "hf")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert export.returncode == 0, export.stderr
-    return {"run": base / "run", "ckpt": base / "run" / "checkpoints" / "step_00000005.pt", "hf": base / "hf",
-            "val_loss": val_losses(base / "run")[5], "data": shakespeare_shards}
+    return {
+        "run": base / "run",
+        "ckpt": base / "run" / "checkpoints" / "step_00000005.pt",
+        "hf": base / "hf",
+        "val_loss": val_losses(base / "run")[5],
+        "data": shakespeare_shards,
+    }
 
 
 def fine_tune(source, out, *extra, steps: int = 1, nproc: int = 1, log_dir=None):
-    args = [*COMMON, "--data-dir", str(source["data"]), "--max-steps", str(steps), "--ckpt-interval", "1",
-            "--out-dir", str(out), *extra]
+    args = [
+        *COMMON,
+        "--data-dir",
+        str(source["data"]),
+        "--max-steps",
+        str(steps),
+        "--ckpt-interval",
+        "1",
+        "--out-dir",
+        str(out),
+        *extra,
+    ]
     if nproc == 1:
         return run_trainer(args)
     return run(args, nproc=nproc, log_dir=log_dir)
@@ -121,10 +167,10 @@ def test_without_init_from_nothing_changes(tmp_path, source):
 
 def refusal(argv, *, lines: int = 1) -> str:
     """parse_command's one-line refusal (exit 2) of argv (lines=2: TrainConfig's list of problems, one)."""
-    from gpt2.train.cli import parse_command
-
     import contextlib
     import io
+
+    from gpt2.train.cli import parse_command
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
@@ -156,8 +202,9 @@ def test_bad_sources_and_conflicting_flags_are_refused_in_one_line(tmp_path, sou
     assert "vocab_size=32000" in refusal([*base, "--init-from", str(vocab)])
     (tmp_path / "empty").mkdir()
     assert "holds no config.json" in refusal([*base, "--init-from", str(tmp_path / "empty")])
-    assert "pass one of them" in refusal([*base, "--init-from", str(source["hf"]), "--resume", str(source["ckpt"])],
-                                          lines=2)
+    assert "pass one of them" in refusal(
+        [*base, "--init-from", str(source["hf"]), "--resume", str(source["ckpt"])], lines=2
+    )
     assert "add --init-from" in refusal([*base, "--preset", "finetune"])
     # The shape comes from the weights; fields that are not shape (dropout) may be set.
     from gpt2.train.cli import parse_config
@@ -191,8 +238,20 @@ def test_dry_run_reports_the_source_without_reading_the_weights(tmp_path, source
     hf = tmp_path / "hf"
     shutil.copytree(source["hf"], hf)
     (hf / "model.safetensors").write_bytes(b"not read by a rehearsal")
-    code = import_train_ddp().main(["--data-dir", str(source["data"]), "--out-dir", str(tmp_path / "run"),
-                                    *COMMON, "--max-steps", "2", "--init-from", str(hf), "--dry-run"])
+    code = import_train_ddp().main(
+        [
+            "--data-dir",
+            str(source["data"]),
+            "--out-dir",
+            str(tmp_path / "run"),
+            *COMMON,
+            "--max-steps",
+            "2",
+            "--init-from",
+            str(hf),
+            "--dry-run",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"init from  Hugging Face directory {hf}: n_layer=2 n_head=2 n_embd=64 block_size=64" in out
@@ -205,8 +264,9 @@ def test_two_ranks_start_from_the_source(tmp_path, source, parallel):
     """torchrun, 2 gloo ranks: step 0's val loss (every rank's share of the eval set, all-reduced) is the
     source's; and a resume of that run on 2 ranks continues it."""
     out = tmp_path / "ft"
-    done = fine_tune(source, out, "--init-from", str(source["hf"]), "--parallel", parallel, nproc=2,
-                     log_dir=tmp_path / "log")
+    done = fine_tune(
+        source, out, "--init-from", str(source["hf"]), "--parallel", parallel, nproc=2, log_dir=tmp_path / "log"
+    )
     assert done.proc.returncode == 0, done.output()
     assert abs(val_losses(out)[0] - source["val_loss"]) < 1e-5
     assert json.loads((out / "config.json").read_text())["init_from"]["kind"] == "hf"

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from conftest import REPO
+
 from gpt2.launch import EXIT_SIGNALLED
 
 # A worker that says when it is ready, then stops cleanly on SIGTERM as the trainer does.
@@ -30,8 +31,14 @@ sys.exit(0 if stop else 4)
 
 def launch(tmp_path: Path, *args: str, nproc: int = 1) -> subprocess.Popen:
     env = {**os.environ, "OUT_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}  # as slurm/common.sh exports it
-    return subprocess.Popen([sys.executable, "-m", "gpt2.launch", "--standalone", f"--nproc_per_node={nproc}", *args],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpt2.launch", "--standalone", f"--nproc_per_node={nproc}", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_sigterm_stops_the_workers_and_leaves_one_line_not_a_traceback(tmp_path):
@@ -47,8 +54,10 @@ def test_sigterm_stops_the_workers_and_leaves_one_line_not_a_traceback(tmp_path)
     assert "worker stopped cleanly" in out, out + err
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("torchrun: ")]
-    assert lines == ["torchrun: stopped by SIGTERM; its workers were asked to stop and have exited "
-                     f"(a checkpointed stop leaves {tmp_path}/run/requeue)"], err
+    assert lines == [
+        "torchrun: stopped by SIGTERM; its workers were asked to stop and have exited "
+        f"(a checkpointed stop leaves {tmp_path}/run/requeue)"
+    ], err
     # What torchrun itself exits with when signalled: the slurm/ scripts go by OUT_DIR/requeue instead.
     assert proc.returncode == EXIT_SIGNALLED == 1, err
 
@@ -61,7 +70,8 @@ def test_a_failing_worker_is_summed_up_in_a_few_lines_not_torchruns_table(tmp_pa
         "if os.environ['RANK'] == '1':\n"
         "    print('worker: error: rank 1 is unhappy', file=sys.stderr, flush=True)\n"
         "    sys.exit(5)\n"
-        "time.sleep(120)\n")
+        "time.sleep(120)\n"
+    )
     proc = launch(tmp_path, str(tmp_path / "fail.py"), nproc=2)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err  # torchrun's status for any failed worker: the slurm/ scripts go by it
@@ -70,20 +80,35 @@ def test_a_failing_worker_is_summed_up_in_a_few_lines_not_torchruns_table(tmp_pa
         "torchrun: rank 1 failed (exit code 5)",
         "torchrun: rank 0 did not fail: torchrun stopped it (SIGTERM) when rank 1 failed",
         "torchrun: what went wrong is in the failing rank's own output above (e.g. its 'train_ddp.py: error:' "
-        "line); exiting 1, as torchrun does"], err
+        "line); exiting 1, as torchrun does",
+    ], err
     assert err.count("worker: error: rank 1 is unhappy") == 1
 
 
 def test_a_trainer_refusing_its_flags_on_every_rank_leaves_its_line_and_a_short_summary(tmp_path):
     """A real 2-rank train_ddp.py whose data directory does not exist: every rank exits 2, rank 0 says why.
     The user's line is no longer line 5 of 52."""
-    proc = launch(tmp_path, str(REPO / "train_ddp.py"), "--preset", "debug", "--device", "cpu",
-                  "--data-dir", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "run"), nproc=2)
+    proc = launch(
+        tmp_path,
+        str(REPO / "train_ddp.py"),
+        "--preset",
+        "debug",
+        "--device",
+        "cpu",
+        "--data-dir",
+        str(tmp_path / "missing"),
+        "--out-dir",
+        str(tmp_path / "run"),
+        nproc=2,
+    )
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 1, err
     errors = [line for line in err.splitlines() if line.startswith("train_ddp.py: error:")]
     assert len(errors) == 1 and str(tmp_path / "missing") in errors[0], err
     summary = [line for line in err.splitlines() if line.startswith("torchrun: ")]
-    assert summary[0] in ("torchrun: ranks 0, 1 failed (exit code 2)", "torchrun: rank 0 failed (exit code 2)",
-                          "torchrun: rank 1 failed (exit code 2)"), err  # whether torchrun stopped one first
+    assert summary[0] in (
+        "torchrun: ranks 0, 1 failed (exit code 2)",
+        "torchrun: rank 0 failed (exit code 2)",
+        "torchrun: rank 1 failed (exit code 2)",
+    ), err  # whether torchrun stopped one first
     assert "Traceback" not in err and "ChildFailedError" not in err and len(err.splitlines()) <= 15, err

@@ -39,10 +39,12 @@ def loss_and_grads(fn, x, weight, *, scale: float = 1.0):
 @pytest.mark.parametrize("chunk_rows", [None, 7, 40, 1000])
 def test_equals_cross_entropy_in_fp32(chunk_rows):
     x, weight, bias, targets = padded_head()
-    plain = loss_and_grads(lambda a, w: F.cross_entropy(F.linear(a, w, bias), targets, ignore_index=-1),
-                           x, weight, scale=0.5)
-    fused = loss_and_grads(lambda a, w: linear_cross_entropy(a, w, bias, targets, chunk_rows=chunk_rows),
-                           x, weight, scale=0.5)
+    plain = loss_and_grads(
+        lambda a, w: F.cross_entropy(F.linear(a, w, bias), targets, ignore_index=-1), x, weight, scale=0.5
+    )
+    fused = loss_and_grads(
+        lambda a, w: linear_cross_entropy(a, w, bias, targets, chunk_rows=chunk_rows), x, weight, scale=0.5
+    )
     for name, a, b in zip(("loss", "grad x", "grad weight"), plain, fused):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
     assert (fused[2][257:] == 0).all(), "padded rows get no gradient"
@@ -51,10 +53,10 @@ def test_equals_cross_entropy_in_fp32(chunk_rows):
 def test_bf16_autocast_matches_within_bf16_tolerance():
     x, weight, bias, targets = padded_head(n=64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plain = loss_and_grads(lambda a, w: F.cross_entropy(F.linear(a, w, bias).float(), targets,
-                                                            ignore_index=-1), x, weight)
-        fused = loss_and_grads(lambda a, w: linear_cross_entropy(a, w, bias, targets, chunk_rows=16),
-                               x, weight)
+        plain = loss_and_grads(
+            lambda a, w: F.cross_entropy(F.linear(a, w, bias).float(), targets, ignore_index=-1), x, weight
+        )
+        fused = loss_and_grads(lambda a, w: linear_cross_entropy(a, w, bias, targets, chunk_rows=16), x, weight)
     assert fused[0].dtype == torch.float32 and fused[1].dtype == fused[2].dtype == torch.float32
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=0)  # same bf16 logits, fp32 softmax
     torch.testing.assert_close(fused[1], plain[1], rtol=0, atol=0)  # one chunk's rows: same matmul
@@ -174,8 +176,7 @@ GIB = 2**30
 GPT2_MICRO_BATCH_ROWS = 64 * 1024  # the gpt2 preset's micro-batch: 64 sequences of 1024 tokens
 
 
-@pytest.mark.parametrize("gib, chunks, rows", [(79.1, 10, 6554), (39.4, 20, 3277), (23.6, 34, 1928),
-                                               (139.8, 6, 10923)])
+@pytest.mark.parametrize("gib, chunks, rows", [(79.1, 10, 6554), (39.4, 20, 3277), (23.6, 34, 1928), (139.8, 6, 10923)])
 def test_cuda_chunks_are_sized_from_total_memory(gib, chunks, rows):
     """A100-80GB / A100-40GB / a 24 GB card / H200, as torch.cuda.get_device_properties reports them."""
     from gpt2.core.config import PADDED_VOCAB_SIZE
@@ -192,8 +193,9 @@ def test_cuda_chunk_defaults_to_the_devices_total_memory(monkeypatch):
     from gpt2.model.loss import loss_chunk_logits
 
     asked = []
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d: asked.append(d) or SimpleNamespace(total_memory=40 * GIB))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: asked.append(d) or SimpleNamespace(total_memory=40 * GIB)
+    )
     assert loss_chunk_logits(torch.device("cuda", 1)) == loss_chunk_logits("cuda:1", 40 * GIB) == 40 * GIB // 256
     assert asked == [torch.device("cuda", 1)]
 
@@ -266,7 +268,9 @@ def test_compiled_loss_fuses_the_one_hot_with_no_scatter_fallback_and_the_same_n
     compiled, codes = run_and_get_code(lambda: loss_and_grads(compiled_fn, x, weight))
     code = "\n".join(codes)
     assert "def call(" in code and "logsumexp" in code  # the loss's own generated module was read
-    calls = [line.strip() for line in code.splitlines() if re.search(r"aten\.scatter|scatter_reduce|scatter_add_\(", line)]
+    calls = [
+        line.strip() for line in code.splitlines() if re.search(r"aten\.scatter|scatter_reduce|scatter_add_\(", line)
+    ]
     assert calls == [], calls  # before: aten.scatter_reduce_.two(buf6, 1, ...) once per chunk
     for got, want, name in zip(compiled, eager, ("loss", "grad_x", "grad_w")):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)

@@ -54,8 +54,12 @@ def test_the_probe_times_the_models_two_loss_paths_which_agree(monkeypatch):
     losses it computes and check they agree (1e-5) and that both paths' gradients were made."""
     seen = []
     real_ce, real_lce = loss_probe.F.cross_entropy, loss_probe.linear_cross_entropy
-    monkeypatch.setattr(loss_probe.F, "cross_entropy", lambda *a, **k: seen.append(("full", real_ce(*a, **k))) or seen[-1][1])
-    monkeypatch.setattr(loss_probe, "linear_cross_entropy", lambda *a: seen.append(("chunked", real_lce(*a))) or seen[-1][1])
+    monkeypatch.setattr(
+        loss_probe.F, "cross_entropy", lambda *a, **k: seen.append(("full", real_ce(*a, **k))) or seen[-1][1]
+    )
+    monkeypatch.setattr(
+        loss_probe, "linear_cross_entropy", lambda *a: seen.append(("chunked", real_lce(*a))) or seen[-1][1]
+    )
     loss_probe.measure("cpu", "float32", 300, 32, 50304)
     full = [v.item() for k, v in seen if k == "full"]
     chunked = [v.item() for k, v in seen if k == "chunked"]
@@ -71,9 +75,17 @@ def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_
     from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
-                    TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size=4,
-                                total_batch_size=256, compile=False))
+    cfg = RunConfig(
+        ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
+        TrainConfig(
+            data_dir="d",
+            out_dir=str(tmp_path),
+            dtype="float32",
+            micro_batch_size=4,
+            total_batch_size=256,
+            compile=False,
+        ),
+    )
     roomy = Hardware(name="roomy", memory_bytes=8 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
     log = Metrics(dist, tmp_path)
     r = resolve_auto(cfg, dist, log, hardware=roomy)

@@ -31,10 +31,18 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 CPU = Hardware(name="cpu", memory_bytes=24 * GIB, peak_flops=None, device_type="cpu")
 """Where the plan is counted: a CPU (its size does not change the counts there)."""
 
+
 def measured(cfg: ModelConfig, B: int, dtype: str, loss: str, compiled: bool) -> int:
     """resident_training_peak in a fresh interpreter (what an earlier test freed would otherwise be reused)."""
-    arg = json.dumps({"cfg": {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")},
-                      "B": B, "dtype": dtype, "loss": loss, "compiled": compiled})
+    arg = json.dumps(
+        {
+            "cfg": {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")},
+            "B": B,
+            "dtype": dtype,
+            "loss": loss,
+            "compiled": compiled,
+        }
+    )
     out = subprocess.run([sys.executable, "-c", MEASURE, arg], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.splitlines()[-1])
@@ -111,8 +119,9 @@ def test_the_loss_terms_are_the_hand_count_of_what_each_path_keeps():
     assert loss_bytes(cfg, 2048, dtype="bf16", chunked=False, compiled=True) == 2048 * V * 2 * 2
     assert loss_bytes(cfg, 2048, dtype="bf16", chunked=False, compiled=True, device_type="cpu") == 2048 * V * 2
     # a micro-batch of few tokens: the buffers are as large as the tokens, not a whole chunk
-    assert loss_bytes(cfg, 64, dtype="fp32", device_type="cpu") == max(64 * V * 8 + V * h * 8 + 64 * h * 4,
-                                                                       2 * 64 * h * 4 + V * h * 4)
+    assert loss_bytes(cfg, 64, dtype="fp32", device_type="cpu") == max(
+        64 * V * 8 + V * h * 8 + 64 * h * 4, 2 * 64 * h * 4 + V * h * 4
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

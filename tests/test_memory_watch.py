@@ -35,8 +35,9 @@ def test_the_watch_measures_what_the_process_comes_to_hold():
 
 
 @linux_only
-def test_the_trainer_warns_once_when_its_first_step_holds_far_more_than_the_plan(tmp_path, shakespeare_shards,
-                                                                                 monkeypatch, capsys):
+def test_the_trainer_warns_once_when_its_first_step_holds_far_more_than_the_plan(
+    tmp_path, shakespeare_shards, monkeypatch, capsys
+):
     """A run that holds 1.5 GiB the plan does not count (what the chunked loss's freed chunks did, issue 41)."""
     import gpt2.train.trainer as trainer
 
@@ -48,13 +49,26 @@ def test_the_trainer_warns_once_when_its_first_step_holds_far_more_than_the_plan
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "train_step", holding)
-    code = import_train_ddp().main([*tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=0, eval_tokens=256),
-                                    "--out-dir", str(tmp_path / "run")])
+    code = import_train_ddp().main(
+        [
+            *tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=0, eval_tokens=256),
+            "--out-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0
     lines = [ln for ln in (out.out + out.err).splitlines() if "the first step peaked at" in ln]
     assert len(lines) == 1 and "x the plan's" in lines[0]
     monkeypatch.setattr(trainer, "train_step", real)
-    assert import_train_ddp().main([*tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=0, eval_tokens=256),
-                                    "--out-dir", str(tmp_path / "plain")]) == 0
+    assert (
+        import_train_ddp().main(
+            [
+                *tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=0, eval_tokens=256),
+                "--out-dir",
+                str(tmp_path / "plain"),
+            ]
+        )
+        == 0
+    )
     assert "the first step peaked at" not in "".join(capsys.readouterr())  # a run the plan counts: nothing said

@@ -36,8 +36,17 @@ class Agent:
     `launcher` is the agent's command: torchrun(...) below, or the command the multi-node sbatch script
     has srun start on every node. `env` replaces the test's environment (GLOO_SOCKET_IFNAME is added)."""
 
-    def __init__(self, name: str, launcher: list[str], *, log_dir: Path, env: dict | None = None,
-                 private_dir: Path | None = None, hostname: str | None = None, hosts: Path | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        launcher: list[str],
+        *,
+        log_dir: Path,
+        env: dict | None = None,
+        private_dir: Path | None = None,
+        hostname: str | None = None,
+        hosts: Path | None = None,
+    ) -> None:
         cmd = list(launcher)
         if private_dir is not None or hostname is not None:
             setup = []
@@ -55,8 +64,7 @@ class Agent:
         # gloo binds to the address of the hostname, which a renamed node cannot resolve: use loopback.
         self.env = env = {**env, "GLOO_SOCKET_IFNAME": "lo"}
         with open(self.log_dir / "out.txt", "w") as out, open(self.log_dir / "err.txt", "w") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env, start_new_session=True)
 
     @property
     def output(self) -> str:
@@ -108,13 +116,24 @@ def _descendants(pid: int) -> list[int]:
 
 
 def torchrun(script: Path, args: list[str], *, nnodes: int, port: int, nproc_per_node: int = 1) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-            f"--nproc_per_node={nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=multinode-test", "--monitor-interval=0.2", str(script), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc_per_node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=multinode-test",
+        "--monitor-interval=0.2",
+        str(script),
+        *args,
+    ]
 
 
-def two_nodes(args: list[str], tmp_path: Path, tag: str, *, script: Path = REPO / "train_ddp.py",
-              private_dir: Path | None = None) -> tuple[Agent, Agent]:
+def two_nodes(
+    args: list[str], tmp_path: Path, tag: str, *, script: Path = REPO / "train_ddp.py", private_dir: Path | None = None
+) -> tuple[Agent, Agent]:
     launcher = torchrun(script, args, nnodes=2, port=free_port())
     a = Agent(f"{tag}-node1", launcher, log_dir=tmp_path)
     b = Agent(f"{tag}-node2", launcher, log_dir=tmp_path, private_dir=private_dir, hostname="node2")
@@ -193,8 +212,9 @@ def test_requeue_marker_is_on_disk_before_any_node_can_leave_the_stop(tmp_path, 
     try:
         deadline = time.monotonic() + 180
         while not any(r.get("step", 0) >= 2 and "loss" in r for r in records(run_dir)):
-            assert time.monotonic() < deadline and all(a.proc.poll() is None for a in agents), \
-                "\n".join(a.output for a in agents)
+            assert time.monotonic() < deadline and all(a.proc.poll() is None for a in agents), "\n".join(
+                a.output for a in agents
+            )
             time.sleep(0.1)
         rank0 = next(a for a in agents if 0 in a.worker_ranks())
         other = next(a for a in agents if a is not rank0)
@@ -205,13 +225,16 @@ def test_requeue_marker_is_on_disk_before_any_node_can_leave_the_stop(tmp_path, 
         for a in agents:
             if a.proc.poll() is None:
                 a.kill_tree()
-    assert "stopped by signal" in other.output or "stopped by signal" in rank0.output, \
-        "\n".join(a.output for a in agents)
+    assert "stopped by signal" in other.output or "stopped by signal" in rank0.output, "\n".join(
+        a.output for a in agents
+    )
     marker = run_dir / "requeue"
-    assert marker.is_file(), "the other node left the stop path before rank 0 wrote the requeue marker\n" + \
-        "\n".join(a.output for a in agents)
+    assert marker.is_file(), "the other node left the stop path before rank 0 wrote the requeue marker\n" + "\n".join(
+        a.output for a in agents
+    )
     info = json.loads(marker.read_text())
     from gpt2.ckpt.checkpoint import verify_checkpoint
+
     verify_checkpoint(run_dir / "checkpoints" / info["checkpoint"])  # the marker promises a complete one
     assert info["checkpoint"] == f"step_{info['step']:08d}.pt"
 
@@ -237,12 +260,13 @@ def documented_multinode_command(nodes_default: int = 2) -> tuple[int, list[str]
             words = shlex.split(line.lstrip("# "))
             at = words.index("slurm/train_multinode.sbatch")
             nodes = next(int(w.split("=")[1]) for w in words[:at] if w.startswith("--nodes="))
-            return nodes, words[at + 1:]
+            return nodes, words[at + 1 :]
     raise AssertionError(f"no `sbatch --nodes=N slurm/train_multinode.sbatch ...` line in {SBATCH}")
 
 
-def sbatch_node_command(trainer_args: list[str], work: Path, *, out_dir: Path, nodes: int, gpus_per_node: int,
-                        port: int, job_id: int) -> tuple[list[str], dict[str, str]]:
+def sbatch_node_command(
+    trainer_args: list[str], work: Path, *, out_dir: Path, nodes: int, gpus_per_node: int, port: int, job_id: int
+) -> tuple[list[str], dict[str, str]]:
     """The command, and its environment, that train_multinode.sbatch has srun start on each node.
 
     The batch script runs for real (slurm/common.sh: OUT_DIR, --num-threads, the launcher, torchrun's
@@ -256,20 +280,32 @@ def sbatch_node_command(trainer_args: list[str], work: Path, *, out_dir: Path, n
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCH", "OMP_", "VIRTUAL_ENV"))
-           and k not in ("GPUS_PER_NODE", "MASTER_PORT", "OUT_DIR", "OUT_ROOT", "VENV", "REPO_DIR")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
-               SRUN_CAPTURE=str(capture), SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_ID=str(job_id),
-               SLURM_JOB_NAME="gpt2-multinode", SLURM_NNODES=str(nodes), SLURM_NTASKS=str(nodes),
-               SLURM_JOB_NODELIST=",".join(node_names(nodes)),
-               SLURM_CPUS_PER_TASK=str(gpus_per_node), GPUS_PER_NODE=str(gpus_per_node),
-               MASTER_PORT=str(port), OUT_DIR=str(out_dir))
-    r = subprocess.run(["bash", str(SBATCH), *trainer_args], cwd=work, env=env, capture_output=True, text=True,
-                       timeout=120)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCH", "OMP_", "VIRTUAL_ENV"))
+        and k not in ("GPUS_PER_NODE", "MASTER_PORT", "OUT_DIR", "OUT_ROOT", "VENV", "REPO_DIR")
+    }
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+        SRUN_CAPTURE=str(capture),
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_JOB_ID=str(job_id),
+        SLURM_JOB_NAME="gpt2-multinode",
+        SLURM_NNODES=str(nodes),
+        SLURM_NTASKS=str(nodes),
+        SLURM_JOB_NODELIST=",".join(node_names(nodes)),
+        SLURM_CPUS_PER_TASK=str(gpus_per_node),
+        GPUS_PER_NODE=str(gpus_per_node),
+        MASTER_PORT=str(port),
+        OUT_DIR=str(out_dir),
+    )
+    r = subprocess.run(
+        ["bash", str(SBATCH), *trainer_args], cwd=work, env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     argv = (capture / "argv").read_text().split("\0")[:-1]
-    command = argv[next(i for i, a in enumerate(argv) if not a.startswith("-")):]  # after srun's options
+    command = argv[next(i for i, a in enumerate(argv) if not a.startswith("-")) :]  # after srun's options
     assert command[:2] == ["bash", str(REPO / "slurm" / "srun_task.sh")], argv
     node_env = dict(e.split("=", 1) for e in (capture / "env").read_text().split("\0") if "=" in e)
     node_env.pop("SRUN_CAPTURE")
@@ -291,16 +327,29 @@ def rehearsal_args(data_dir: Path, documented: list[str], world_size: int) -> li
     args = list(documented)
     args[args.index("--data-dir") + 1] = str(data_dir)
     total = MICRO_BATCH * BLOCK * world_size * ACCUM
-    return [*args, *tiny_run_flags(data_dir, max_steps=REHEARSAL_STEPS, ckpt_interval=REHEARSAL_CKPT),
-            "--n-embd", "32", "--block-size", str(BLOCK), "--micro-batch-size", str(MICRO_BATCH),
-            "--total-batch-size", str(total),
-            "--dist-timeout-s", str(DIST_TIMEOUT_S), "--dist-step-timeout-s", str(DIST_STEP_TIMEOUT_S)]
+    return [
+        *args,
+        *tiny_run_flags(data_dir, max_steps=REHEARSAL_STEPS, ckpt_interval=REHEARSAL_CKPT),
+        "--n-embd",
+        "32",
+        "--block-size",
+        str(BLOCK),
+        "--micro-batch-size",
+        str(MICRO_BATCH),
+        "--total-batch-size",
+        str(total),
+        "--dist-timeout-s",
+        str(DIST_TIMEOUT_S),
+        "--dist-step-timeout-s",
+        str(DIST_STEP_TIMEOUT_S),
+    ]
 
 
 def start_cluster(args: list[str], work: Path, *, run_dir: Path, nodes: int, job_id: int) -> list[Agent]:
     """One agent per node, each with its own hostname, started as the multi-node sbatch script starts them."""
-    command, env = sbatch_node_command(args, work, out_dir=run_dir, nodes=nodes, gpus_per_node=RANKS_PER_NODE,
-                                       port=free_port(), job_id=job_id)
+    command, env = sbatch_node_command(
+        args, work, out_dir=run_dir, nodes=nodes, gpus_per_node=RANKS_PER_NODE, port=free_port(), job_id=job_id
+    )
     hosts = hosts_file(work, node_names(nodes))
     return [Agent(name, command, log_dir=work, env=env, hostname=name, hosts=hosts) for name in node_names(nodes)]
 
@@ -327,8 +376,9 @@ def wait_for_file(path: Path, agents: list[Agent], timeout: float) -> None:
 
 @needs_root
 @pytest.mark.slow
-def test_four_nodes_as_the_sbatch_script_starts_them_survive_a_dead_node_and_resume_bitwise(tmp_path,
-                                                                                             shakespeare_shards):
+def test_four_nodes_as_the_sbatch_script_starts_them_survive_a_dead_node_and_resume_bitwise(
+    tmp_path, shakespeare_shards
+):
     from _helpers import assert_same_state, load_ckpt
 
     from gpt2.ckpt.checkpoint import latest_valid
@@ -379,7 +429,7 @@ def test_four_nodes_as_the_sbatch_script_starts_them_survive_a_dead_node_and_res
     assert_same_state(load_ckpt(run, REHEARSAL_STEPS), load_ckpt(reference, REHEARSAL_STEPS))
 
 
-RSS_SCRIPT = '''
+RSS_SCRIPT = """
 import json, os, sys
 import torch
 import torch.distributed as dist
@@ -412,7 +462,7 @@ dist.barrier()
 dist.destroy_process_group()
 sys.stdout.flush()
 os._exit(0)  # past gloo's exit-time abort, as the trainer's ranks leave (gpt2/distributed/group.py exit_after_group)
-'''
+"""
 
 
 def test_loading_a_checkpoint_on_two_local_ranks_holds_about_one_copy_in_host_memory(tmp_path):
@@ -427,9 +477,23 @@ def test_loading_a_checkpoint_on_two_local_ranks_holds_about_one_copy_in_host_me
     script.write_text(RSS_SCRIPT.format(repo=str(REPO)))
 
     def measure(mode: str) -> list[dict]:
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                              str(script), str(path), mode], cwd=REPO, capture_output=True, text=True,
-                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(script),
+                str(path),
+                mode,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -444,6 +508,7 @@ def test_loading_a_checkpoint_on_two_local_ranks_holds_about_one_copy_in_host_me
 
 
 # ------------------------------------------------- the resume decision, one rank's view (no processes)
+
 
 def _view(monkeypatch, rank: int, local_rank: int, rank0_decision, others):
     """Run choose_resume as `rank`, with rank 0's broadcast decision (kind, Start or message, the newest
@@ -487,9 +552,12 @@ def test_a_rank_that_sees_another_file_under_the_same_name_refuses(tmp_path, mon
 
     theirs = resume._point(_checkpoint(tmp_path / "node1", 6))
     _checkpoint(tmp_path / "node2", 6, salt=0.5)  # another run's step 6 where node 2 looks
-    point = resume.ResumePoint(str(tmp_path / "node2" / "checkpoints" / "step_00000006.pt"), 6, theirs.sha256,
-                               theirs.bytes)
-    dist = _view(monkeypatch, 1, 1, ("ok", resume.Start(point, None), "step_00000006.pt", "node1", "*"), [(0, "node1", None)])
+    point = resume.ResumePoint(
+        str(tmp_path / "node2" / "checkpoints" / "step_00000006.pt"), 6, theirs.sha256, theirs.bytes
+    )
+    dist = _view(
+        monkeypatch, 1, 1, ("ok", resume.Start(point, None), "step_00000006.pt", "node1", "*"), [(0, "node1", None)]
+    )
     with pytest.raises(CheckpointError, match=r"rank 1 on \S+: sees a different step_00000006.pt"):
         resume.choose_resume(str(point.path), tmp_path / "node2", dist, warn=print)
 
@@ -500,8 +568,11 @@ def test_rank_0_starting_fresh_while_another_node_sees_a_checkpoint_is_refused(t
 
     _checkpoint(tmp_path, 6)  # what this rank (node 1) sees; rank 0 on node2 saw nothing
     dist = _view(monkeypatch, 1, 0, ("ok", resume.Start(None, "new-run"), None, "node2", "*"), [(0, "node2", None)])
-    with pytest.raises(CheckpointError, match=r"rank 0 on node2 found no checkpoint .* would start fresh, but "
-                                              r"rank 1 on \S+: sees step_00000006.pt as the newest"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"rank 0 on node2 found no checkpoint .* would start fresh, but "
+        r"rank 1 on \S+: sees step_00000006.pt as the newest",
+    ):
         resume.choose_resume("auto", tmp_path, dist, warn=print)
 
 

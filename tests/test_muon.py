@@ -50,8 +50,11 @@ def test_every_parameter_is_in_exactly_one_group_and_muon_gets_only_block_matric
     assert len({id(p) for p in everything}) == len(everything) == len(list(model.parameters()))
     names = {id(p): n for n, p in model.named_parameters()}
     muon_names = sorted(names[id(p)] for p in groups["muon"])
-    assert muon_names == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
-                                for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert muon_names == sorted(
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
     assert all(p.dim() == 2 for p in groups["muon"])
     # The tied embedding / LM head, the position embedding, biases and LayerNorm stay on AdamW.
     adamw = {id(p) for p in groups["adamw"]}
@@ -75,9 +78,11 @@ def test_our_muon_is_torchs_bit_for_bit_in_bf16_and_close_in_fp32():
     for k in ("bf16", "fp32"):
         for p, q in zip(params[k], params["torch"]):
             p.data.copy_(q.data)
-    opts = {"torch": torch.optim.Muon(params["torch"], lr=0.02, weight_decay=0.1),
-            "bf16": Muon(params["bf16"], lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16),
-            "fp32": Muon(params["fp32"], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)}
+    opts = {
+        "torch": torch.optim.Muon(params["torch"], lr=0.02, weight_decay=0.1),
+        "bf16": Muon(params["bf16"], lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16),
+        "fp32": Muon(params["fp32"], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32),
+    }
     for _ in range(3):
         grads = [torch.randn(*s) for s in shapes]
         for k, ps in params.items():
@@ -118,7 +123,11 @@ def test_gram_form_is_the_same_iteration_with_fewer_flops(shape):
     assert (gram.double() - exact).abs().max() < 1e-4
     assert (newton_schulz(g, coefficients, 5, 1e-7, torch.bfloat16).double() - exact).abs().max() > 1e-3
     m, n = wide
-    assert ns_flops(shape, 5, torch.float32) < 0.75 * ns_flops(shape, 5, torch.float64) == 0.75 * 5 * (2 * m * m * n + m ** 3)
+    assert (
+        ns_flops(shape, 5, torch.float32)
+        < 0.75 * ns_flops(shape, 5, torch.float64)
+        == 0.75 * 5 * (2 * m * m * n + m**3)
+    )
 
 
 def test_planner_counts_muons_state_as_allocated():
@@ -146,11 +155,17 @@ def test_checkpoint_of_one_optimizer_is_refused_by_the_other():
     model = tiny_model()
     for saved_kind, now_kind in (("adamw", "muon"), ("muon", "adamw")):
         tc = TrainConfig(data_dir="d", out_dir="o", optimizer=saved_kind)
-        saved = {"config": RunConfig(model.config, tc).to_dict(), "tokenizer": "gpt2",
-                 "optimizer": make_optimizer(model, tc, CPU).state_dict()}
+        saved = {
+            "config": RunConfig(model.config, tc).to_dict(),
+            "tokenizer": "gpt2",
+            "optimizer": make_optimizer(model, tc, CPU).state_dict(),
+        }
         now = RunConfig(model.config, TrainConfig(data_dir="d", out_dir="o", optimizer=now_kind))
-        with pytest.raises(ckpt.CheckpointError, match=f"trained with --optimizer {saved_kind}, this run asks for "
-                                                       f"--optimizer {now_kind}.*Resume with --optimizer {saved_kind}"):
+        with pytest.raises(
+            ckpt.CheckpointError,
+            match=f"trained with --optimizer {saved_kind}, this run asks for "
+            f"--optimizer {now_kind}.*Resume with --optimizer {saved_kind}",
+        ):
             check_compatible(saved, now, Log())
 
 
@@ -169,14 +184,21 @@ def test_two_ranks_equal_one_rank_with_accumulation_under_muon(tmp_path, shakesp
     assert a[8] < a[1] - 0.1
 
 
-def test_kill_9_and_resume_with_muon_is_bitwise_continues_on_one_rank_and_adamw_flag_is_refused(tmp_path, shakespeare_shards):
+def test_kill_9_and_resume_with_muon_is_bitwise_continues_on_one_rank_and_adamw_flag_is_refused(
+    tmp_path, shakespeare_shards
+):
     flags = [*tiny_run_flags(shakespeare_shards, max_steps=8, ckpt_interval=3), *MUON]
     ref = run([*flags, "--out-dir", str(tmp_path / "ref")], nproc=2, log_dir=tmp_path / "ref_log")
     assert ref.proc.returncode == 0, ref.output()
     run_dir = tmp_path / "run"
     release = tmp_path / "release"
-    job = launch([*flags, "--out-dir", str(run_dir)], nproc=2, log_dir=tmp_path / "log", max_restarts=1,
-                 script=patched_train_script(tmp_path, hold_after_step(5, release)))
+    job = launch(
+        [*flags, "--out-dir", str(run_dir)],
+        nproc=2,
+        log_dir=tmp_path / "log",
+        max_restarts=1,
+        script=patched_train_script(tmp_path, hold_after_step(5, release)),
+    )
     try:
         wait_for_step(job, run_dir, 5)  # the ranks wait there: the run cannot end before the kill
         os.kill(job.workers()[1], signal.SIGKILL)
@@ -188,15 +210,16 @@ def test_kill_9_and_resume_with_muon_is_bitwise_continues_on_one_rank_and_adamw_
     assert losses(run_dir) == losses(tmp_path / "ref")
     assert_same_state(load_ckpt(run_dir, 8), load_ckpt(tmp_path / "ref", 8))
     # The same run directory continued with AdamW: refused before anything is trained.
-    again = run_trainer([*tiny_run_flags(shakespeare_shards, max_steps=10, ckpt_interval=3),
-                         "--out-dir", str(run_dir)])
+    again = run_trainer([*tiny_run_flags(shakespeare_shards, max_steps=10, ckpt_interval=3), "--out-dir", str(run_dir)])
     assert again.returncode == 2 and "trained with --optimizer muon" in again.stderr, again.stderr
     assert max(losses(run_dir)) == 8
     # The 2-rank step-3 checkpoint continued on one process (2 accumulation steps, no spreading).
     other = tmp_path / "other" / "checkpoints"
     other.mkdir(parents=True)
     for suffix in (".pt", ".json"):
-        (other / f"step_00000003{suffix}").write_bytes((tmp_path / "ref" / "checkpoints" / f"step_00000003{suffix}").read_bytes())
+        (other / f"step_00000003{suffix}").write_bytes(
+            (tmp_path / "ref" / "checkpoints" / f"step_00000003{suffix}").read_bytes()
+        )
     one = run_trainer([*flags, "--out-dir", str(other.parent)])
     assert one.returncode == 0 and "resume: world size 2 -> 1" in one.stdout, one.stderr
     got, want = losses(other.parent), losses(tmp_path / "ref")
@@ -213,9 +236,30 @@ def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, s
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build, train_step
 
-    cfg = parse_config([*TINY_MODEL_FLAGS, "--device", "cpu", "--compile", "false", "--dtype", "float16",
-                        "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path), "--micro-batch-size", "2",
-                        "--total-batch-size", "128", "--max-steps", "4", "--grad-clip", "0.5", *MUON])
+    cfg = parse_config(
+        [
+            *TINY_MODEL_FLAGS,
+            "--device",
+            "cpu",
+            "--compile",
+            "false",
+            "--dtype",
+            "float16",
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(tmp_path),
+            "--micro-batch-size",
+            "2",
+            "--total-batch-size",
+            "128",
+            "--max-steps",
+            "4",
+            "--grad-clip",
+            "0.5",
+            *MUON,
+        ]
+    )
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
     parts = build(cfg, dist, Metrics(dist, tmp_path), check_data(cfg, 1))
     before = {n: p.detach().clone() for n, p in parts.model.named_parameters()}
@@ -271,8 +315,9 @@ def test_spread_orthogonalisation_is_bitwise_the_single_process_step(tmp_path, n
             got = torch.load(tmp_path / str(world) / f"rank{rank}.pt")
             assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"])), (world, rank)
             for i in range(len(MUON_SHAPES)):
-                assert torch.equal(got["state"]["state"][i]["momentum_buffer"],
-                                   ref["state"]["state"][i]["momentum_buffer"])
+                assert torch.equal(
+                    got["state"]["state"][i]["momentum_buffer"], ref["state"]["state"][i]["momentum_buffer"]
+                )
             mine = sorted(s for s, r in zip(MUON_SHAPES, table) if r == rank)
             assert sorted(got["calls"]) == sorted(mine * 3) and 0 < len(mine) < len(MUON_SHAPES)  # its share only
             assert got["collectives"] == [["all_gather_single"]] * 3  # one per step, whatever the world size

@@ -27,35 +27,58 @@ from gpt2.plan.report import format_plan
 CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
 
 
-def run(cfg, mb=1, *, seq_len=None, world_size=1, dtype="bf16", total_batch_size=None, optimizer="adamw",
-        chunked_loss=True, compiled=False, parallel="ddp", activation_checkpointing=False):
+def run(
+    cfg,
+    mb=1,
+    *,
+    seq_len=None,
+    world_size=1,
+    dtype="bf16",
+    total_batch_size=None,
+    optimizer="adamw",
+    chunked_loss=True,
+    compiled=False,
+    parallel="ddp",
+    activation_checkpointing=False,
+):
     """The RunConfig the planner takes, from the values these tests vary (a shorter seq_len: a model of that
     block size)."""
     cfg = cfg if seq_len is None else cfg.replace(block_size=seq_len)
-    train = dict(optimizer=optimizer, loss_impl="chunked" if chunked_loss else "full", compile=compiled,
-                 parallel=parallel, activation_checkpointing="full" if activation_checkpointing else "none")
+    train = dict(
+        optimizer=optimizer,
+        loss_impl="chunked" if chunked_loss else "full",
+        compile=compiled,
+        parallel=parallel,
+        activation_checkpointing="full" if activation_checkpointing else "none",
+    )
     if total_batch_size is not None:
         train["total_batch_size"] = total_batch_size
     return run_config(cfg, mb, dtype=dtype, world_size=world_size, **train)
 
 
 def planned(cfg, *, micro_batch_size, hardware, world_size=1, tokens=None, mfu=0.4, **kw):
-    return plan(run(cfg, micro_batch_size, world_size=world_size, **kw), hardware, world_size=world_size,
-                tokens=tokens, mfu=mfu)
+    return plan(
+        run(cfg, micro_batch_size, world_size=world_size, **kw), hardware, world_size=world_size, tokens=tokens, mfu=mfu
+    )
 
 
 def mem(cfg, B, T, *, device_type="cuda", device_memory=24 * GIB, world_size=1, accum_steps=1, **kw):
     """memory() of cfg at micro-batch B, T tokens long, on a device of this type and size."""
     hw = Hardware(name="test", memory_bytes=device_memory, peak_flops=None, device_type=device_type)
-    return memory(run(cfg, B, seq_len=T, world_size=world_size, **kw), hw, world_size=world_size,
-                  accum_steps=accum_steps)
+    return memory(
+        run(cfg, B, seq_len=T, world_size=world_size, **kw), hw, world_size=world_size, accum_steps=accum_steps
+    )
 
 
 def largest(cfg, T, hw, *, world_size=1, total_batch_size=None, headroom=1.0, **kw):
     """max_micro_batch_size at T tokens; without a total batch, accumulation assumed at every size."""
-    return max_micro_batch_size(run(cfg, seq_len=T, world_size=world_size, total_batch_size=total_batch_size, **kw),
-                                hw, world_size=world_size, headroom=headroom,
-                                accumulate=True if total_batch_size is None else None)
+    return max_micro_batch_size(
+        run(cfg, seq_len=T, world_size=world_size, total_batch_size=total_batch_size, **kw),
+        hw,
+        world_size=world_size,
+        headroom=headroom,
+        accumulate=True if total_batch_size is None else None,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
@@ -134,8 +157,10 @@ def test_activation_estimate_within_25pct_of_measured_peak(attn_impl, dtype):
     measured = measured_peak_bytes(forward_backward, "cpu")
     s = 2 if dtype == "bf16" else 4
     lm_head_input_and_targets = B * T * (s * cfg.n_embd + 8)  # counted by the planner, absent here
-    estimate = (activation_bytes(cfg, B, T, dtype=dtype, device_type="cpu", flash=attn_impl != "explicit")
-                - lm_head_input_and_targets)
+    estimate = (
+        activation_bytes(cfg, B, T, dtype=dtype, device_type="cpu", flash=attn_impl != "explicit")
+        - lm_head_input_and_targets
+    )
     if dtype == "bf16":
         estimate += 2 * (matmul_weight_count(cfg) - cfg.vocab_size * cfg.n_embd)
     assert estimate == pytest.approx(measured, rel=0.25)
@@ -161,7 +186,8 @@ def test_total_within_25pct_of_measured_training_step_peak(chunked):
 
     step()  # creates AdamW's moments, which are then live at the start like the parameters
     already_live = sum(p.numel() * 4 for p in model.parameters()) + sum(
-        t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+    )
     measured = already_live + measured_peak_bytes(step, "cpu")
     estimate = mem(cfg, B, T, dtype="bf16", device_type="cpu", chunked_loss=chunked).total
     assert estimate == pytest.approx(measured, rel=0.25)
@@ -181,8 +207,7 @@ def test_max_micro_batch_size_monotonic_and_tight():
     b = sizes[0]
     assert planned(cfg, micro_batch_size=b, hardware=hw).fits
     assert not planned(cfg, micro_batch_size=b + 1, hardware=hw).fits
-    assert largest(model_preset("gpt2-xl"), 1024, Hardware(name="tiny", memory_bytes=GIB,
-                                                                       peak_flops=1e12)) == 0
+    assert largest(model_preset("gpt2-xl"), 1024, Hardware(name="tiny", memory_bytes=GIB, peak_flops=1e12)) == 0
 
 
 def test_check_fits_refuses_with_the_fix():
@@ -198,8 +223,15 @@ def test_check_fits_refuses_with_the_fix():
 def test_batch_and_time_arithmetic():
     hw = gpu_hardware("A100-40GB", "bf16")
     assert hw.peak_flops == 312e12
-    p = planned(model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8,
-             total_batch_size=524288, tokens=10 * 10**9, mfu=0.5)
+    p = planned(
+        model_preset("gpt2"),
+        micro_batch_size=16,
+        hardware=hw,
+        world_size=8,
+        total_batch_size=524288,
+        tokens=10 * 10**9,
+        mfu=0.5,
+    )
     assert p.tokens_per_micro_step == 16 * 1024 * 8
     assert p.grad_accum_steps == 4
     tokens_per_s = 8 * 312e12 * 0.5 / p.flops_per_token
@@ -219,18 +251,25 @@ def test_plan_without_a_peak_leaves_the_time_estimates_out():
     """An unlisted GPU has no data-sheet peak (gpt2.plan.flops.device_peak_flops gives None)."""
     a100 = gpu_hardware("A100-40GB", "bf16")
     hw = Hardware(name="NVIDIA Future GPU", memory_bytes=a100.memory_bytes, peak_flops=None)
-    p = planned(model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8,
-             total_batch_size=524288, tokens=10 * 10**9)
+    p = planned(
+        model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8, total_batch_size=524288, tokens=10 * 10**9
+    )
     assert p.tokens_per_s is None and p.step_time_s is None and p.hours is None
-    assert p.memory == planned(model_preset("gpt2"), micro_batch_size=16, hardware=a100, world_size=8,
-                            total_batch_size=524288).memory
+    assert (
+        p.memory
+        == planned(
+            model_preset("gpt2"), micro_batch_size=16, hardware=a100, world_size=8, total_batch_size=524288
+        ).memory
+    )
     text = format_plan(p)
     assert "no data-sheet peak" in text and "no time estimate" in text and "budget" not in text
 
 
 def test_plan_rejects_bad_input_with_every_problem():
     # The trainer's own check and text (schedule.grad_accum_steps), with the sizes that would divide.
-    with pytest.raises(ValueError, match=r"total_batch_size=500000 is not a multiple.*--total-batch-size 393216 or 524288"):
+    with pytest.raises(
+        ValueError, match=r"total_batch_size=500000 is not a multiple.*--total-batch-size 393216 or 524288"
+    ):
         planned(model_preset("gpt2"), micro_batch_size=16, hardware=CPU, world_size=8, total_batch_size=500000)
     with pytest.raises(ValueError) as e:
         plan(run_config(model_preset("gpt2"), "auto", total_batch_size=524288), CPU, world_size=0, mfu=40, tokens=0)
@@ -240,23 +279,64 @@ def test_plan_rejects_bad_input_with_every_problem():
 
 
 def test_cli_runs():
-    ok = subprocess.run([sys.executable, "-m", "gpt2.plan", "--preset", "gpt2", "--micro-batch-size", "16",
-                         "--world-size", "8", "--gpu", "A100-40GB", "--total-batch-size", "524288",
-                         "--tokens", "10e9"], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpt2.plan",
+            "--preset",
+            "gpt2",
+            "--micro-batch-size",
+            "16",
+            "--world-size",
+            "8",
+            "--gpu",
+            "A100-40GB",
+            "--total-batch-size",
+            "524288",
+            "--tokens",
+            "10e9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "124,475,904" in ok.stdout and "4 accumulation step(s)" in ok.stdout and "h (" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "gpt2.plan", "--preset", "gpt2", "--micro-batch-size", "64",
-                          "--gpu-memory-gb", "12", "--gpu-peak-tflops", "100",
-                          "--activation-checkpointing", "none"],  # auto would recompute to fit it
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpt2.plan",
+            "--preset",
+            "gpt2",
+            "--micro-batch-size",
+            "64",
+            "--gpu-memory-gb",
+            "12",
+            "--gpu-peak-tflops",
+            "100",
+            "--activation-checkpointing",
+            "none",
+        ],  # auto would recompute to fit it
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 1
     assert "fits       NO" in bad.stdout and "--micro-batch-size" in bad.stderr
     # By default the training preset's run: its 524,288-token batch and budget, micro-batch auto
-    preset = subprocess.run([sys.executable, "-m", "gpt2.plan", "--preset", "gpt2", "--gpu", "A100-40GB",
-                             "--world-size", "32"], capture_output=True, text=True, timeout=60)
+    preset = subprocess.run(
+        [sys.executable, "-m", "gpt2.plan", "--preset", "gpt2", "--gpu", "A100-40GB", "--world-size", "32"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert preset.returncode == 0, preset.stderr
-    assert ("micro_batch_size=8 x seq_len=1024 x world_size=32 = 262,144 tokens/micro-step; "
-            "total_batch_size=524,288 -> 2 accumulation step(s)") in preset.stdout
+    assert (
+        "micro_batch_size=8 x seq_len=1024 x world_size=32 = 262,144 tokens/micro-step; "
+        "total_batch_size=524,288 -> 2 accumulation step(s)"
+    ) in preset.stdout
     assert "micro-batch auto: 8 sequences, the fastest by the throughput model" in preset.stdout  # as a start says
     assert "budget     10.00B tokens: 19,073 steps" in preset.stdout
 
@@ -281,8 +361,9 @@ def test_loss_bytes_counts_the_chunk_the_model_uses(monkeypatch):
     V, h, tokens = cfg.vocab_size, cfg.n_embd, 2 * 512
     seen = []
     real = gpt2.model.loss._cross_entropy_chunks
-    monkeypatch.setattr(gpt2.model.loss, "_cross_entropy_chunks",
-                        lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))  # a[5]: rows per chunk
+    monkeypatch.setattr(
+        gpt2.model.loss, "_cross_entropy_chunks", lambda *a, **kw: seen.append(a[5]) or real(*a, **kw)
+    )  # a[5]: rows per chunk
     model = GPT(cfg)
     model(torch.zeros(2, 512, dtype=torch.long), torch.zeros(2, 512, dtype=torch.long), return_logits=False)
     rows = seen[0]
@@ -310,20 +391,24 @@ def test_cuda_loss_bytes_follow_the_devices_memory():
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_the_autocast_copies_line_names_the_plans_dtype(dtype):
     """`python -m gpt2.plan --dtype fp16` once printed "autocast bf16 copies"."""
-    text = format_plan(planned(model_preset("gpt2"), micro_batch_size=4, hardware=gpu_hardware("A100-80GB", dtype),
-                            dtype=dtype))
+    text = format_plan(
+        planned(model_preset("gpt2"), micro_batch_size=4, hardware=gpu_hardware("A100-80GB", dtype), dtype=dtype)
+    )
     other = {"bf16": "fp16", "fp16": "bf16"}[dtype]
     assert f"autocast {dtype} copies" in text and f"autocast {other}" not in text
-    assert "autocast" not in format_plan(planned(model_preset("gpt2"), micro_batch_size=4, dtype="fp32",
-                                              hardware=gpu_hardware("A100-80GB", "fp32")))
+    assert "autocast" not in format_plan(
+        planned(model_preset("gpt2"), micro_batch_size=4, dtype="fp32", hardware=gpu_hardware("A100-80GB", "fp32"))
+    )
 
 
 def test_measuring_cpu_memory_leaves_no_profiler_lines_on_stderr():
     """kineto printed "USDT: ... profiler_start/profiler_stop" under bench/ladder.py and bench/lm_head_loss.py."""
-    code = ("import os, torch\nfrom gpt2.plan.measure import measured_peak_bytes\n"
-            "print(measured_peak_bytes(lambda: torch.ones(256, 256) @ torch.ones(256, 256), 'cpu'))\n"
-            "print(measured_peak_bytes(lambda: torch.ones(64, 64) @ torch.ones(64, 64), 'cpu'))\n"
-            "print('KINETO_LOG_LEVEL' in os.environ)\n")
+    code = (
+        "import os, torch\nfrom gpt2.plan.measure import measured_peak_bytes\n"
+        "print(measured_peak_bytes(lambda: torch.ones(256, 256) @ torch.ones(256, 256), 'cpu'))\n"
+        "print(measured_peak_bytes(lambda: torch.ones(64, 64) @ torch.ones(64, 64), 'cpu'))\n"
+        "print('KINETO_LOG_LEVEL' in os.environ)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
@@ -338,18 +423,22 @@ W1 = ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256)  # issue 23's 
 
 
 def _cpu(gib: float) -> Hardware:
-    return Hardware(name=f"cpu-{gib:g}", memory_bytes=int(gib * GIB), peak_flops=1e11, device_type="cpu",
-                    reserve_bytes=GIB)
+    return Hardware(
+        name=f"cpu-{gib:g}", memory_bytes=int(gib * GIB), peak_flops=1e11, device_type="cpu", reserve_bytes=GIB
+    )
 
 
 def _choose(requested, hw, mb=8, cfg=W1, dtype="fp32", compiled=True, measure_eager=None):
     from gpt2.plan.loss_choice import choose_loss_impl
-    return choose_loss_impl(run_config(cfg, mb, dtype=dtype, loss_impl=requested, compile=compiled), hw,
-                            measure_eager=measure_eager)
+
+    return choose_loss_impl(
+        run_config(cfg, mb, dtype=dtype, loss_impl=requested, compile=compiled), hw, measure_eager=measure_eager
+    )
 
 
 def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_one():
     from gpt2.plan.loss_choice import FULL_LOSS_MEMORY_SHARE
+
     assert loss_bytes(W1, 8 * 256, dtype="fp32", chunked=False) == 8 * 256 * 50304 * 12  # eager: the
     # log-probs and two gradients, fp32; compiled on a CPU: the logits, their gradient written over them
     peak = loss_bytes(W1, 8 * 256, dtype="fp32", chunked=False, compiled=True, device_type="cpu")
@@ -362,11 +451,18 @@ def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_
     assert eager.impl == "chunked" and "auto: uncompiled and not measured on cpu-24" in eager.reason
     assert _choose("full", _cpu(24), compiled=False).impl == "full"  # an explicit choice holds either way
     # The share is the boundary, to the byte: usable = 8 x peak takes the full loss, a byte less does not.
-    edge = Hardware(name="edge", memory_bytes=FULL_LOSS_MEMORY_SHARE * peak + GIB, peak_flops=None,
-                    device_type="cpu", reserve_bytes=GIB)
+    edge = Hardware(
+        name="edge",
+        memory_bytes=FULL_LOSS_MEMORY_SHARE * peak + GIB,
+        peak_flops=None,
+        device_type="cpu",
+        reserve_bytes=GIB,
+    )
     assert _choose("auto", edge).impl == "full"
-    assert _choose("auto", dataclasses.replace(edge, memory_bytes=edge.memory_bytes - FULL_LOSS_MEMORY_SHARE)).impl \
+    assert (
+        _choose("auto", dataclasses.replace(edge, memory_bytes=edge.memory_bytes - FULL_LOSS_MEMORY_SHARE)).impl
         == "chunked"
+    )
 
 
 def test_uncompiled_auto_takes_the_full_loss_only_where_it_fits_and_measured_clearly_faster():
@@ -380,8 +476,12 @@ def test_uncompiled_auto_takes_the_full_loss_only_where_it_fits_and_measured_cle
         return lambda: asked.append(1) or EagerLossTimes(full_s, chunked_s, "/cache/x.json")
 
     faster = _choose("auto", _cpu(24), compiled=False, measure_eager=times(1.2, 1.4))
-    assert faster.impl == "full" and "fits; uncompiled, measured at this shape: full 1,200 ms vs " \
-        "chunked 1,400 ms per micro-step's LM head + loss (cached in /cache/x.json)" in faster.reason
+    assert (
+        faster.impl == "full"
+        and "fits; uncompiled, measured at this shape: full 1,200 ms vs "
+        "chunked 1,400 ms per micro-step's LM head + loss (cached in /cache/x.json)"
+        in faster.reason
+    )
     near = _choose("auto", _cpu(24), compiled=False, measure_eager=times(FULL_MARGIN * 1.4 + 1e-6, 1.4))
     assert near.impl == "chunked" and "uncompiled, measured at this shape" in near.reason  # within the margin: chunked
     slower = _choose("auto", _cpu(24), compiled=False, measure_eager=times(0.4, 0.3))
@@ -396,10 +496,12 @@ def test_uncompiled_auto_takes_the_full_loss_only_where_it_fits_and_measured_cle
 
 def test_auto_loss_impl_chunks_when_the_full_logits_are_within_the_share_but_the_plan_with_them_does_not_fit():
     from gpt2.plan.loss_choice import FULL_LOSS_MEMORY_SHARE
+
     cfg = model_preset("gpt2-xl")  # ~23 GiB of weights, gradients and AdamW: the logits are a small part
     chunked = mem(cfg, 2, 1024, dtype="bf16", device_type="cpu", chunked_loss=True)
-    hw = Hardware(name="tight", memory_bytes=chunked.total + GIB, peak_flops=None, device_type="cpu",
-                  reserve_bytes=GIB)  # fits exactly with the chunked loss
+    hw = Hardware(
+        name="tight", memory_bytes=chunked.total + GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB
+    )  # fits exactly with the chunked loss
     full_peak = loss_bytes(cfg, 2 * 1024, dtype="bf16", chunked=False)
     assert chunked.logits < full_peak <= chunked.total // FULL_LOSS_MEMORY_SHARE
     choice = _choose("auto", hw, mb=2, cfg=cfg, dtype="bf16", compiled=False)  # eager's peak, full_peak
@@ -411,11 +513,17 @@ def test_explicit_loss_impl_overrides_and_a_full_that_cannot_fit_is_refused():
     # uncompiled: eager's full-logits peak, 1.15 GiB
     forced = _choose("full", _cpu(8), compiled=False)  # over the share, but the device holds it: taken, and said so
     assert forced.impl == "full" and "--loss-impl full" in forced.reason and "above the 1/8 share" in forced.reason
-    assert _choose("full", _cpu(24), compiled=False).reason == "--loss-impl full; full-logits peak 1.15 GiB at micro-batch 8"
+    assert (
+        _choose("full", _cpu(24), compiled=False).reason
+        == "--loss-impl full; full-logits peak 1.15 GiB at micro-batch 8"
+    )
     # As check_fits refuses an explicit micro-batch: an error only above the device's whole memory.
-    with pytest.raises(ValueError, match=r"--loss-impl full: the plan with the full-logits peak 1.15 GiB at "
-                                         r"micro-batch 8 needs 1.89 GiB per device but cpu-1.5 has 1.50 GiB; use "
-                                         r"--loss-impl chunked \(or auto\), or a smaller --micro-batch-size"):
+    with pytest.raises(
+        ValueError,
+        match=r"--loss-impl full: the plan with the full-logits peak 1.15 GiB at "
+        r"micro-batch 8 needs 1.89 GiB per device but cpu-1.5 has 1.50 GiB; use "
+        r"--loss-impl chunked \(or auto\), or a smaller --micro-batch-size",
+    ):
         _choose("full", _cpu(1.5), compiled=False)
     assert _choose("full", _cpu(1.5)).impl == "full"  # compiled, the same plan holds 0.77 GiB less: it fits
     with pytest.raises(ValueError, match=r"loss_impl='fused' must be one of \('auto', 'chunked', 'full'\)"):
@@ -508,6 +616,7 @@ def test_plan_accumulation_is_the_schedules():
 
 # ---- --parallel fsdp: the sharded memory ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["gpt2", "gpt2-xl"])
 @pytest.mark.parametrize("world", [2, 3, 8, 64])
 def test_fsdp_state_per_rank_is_the_padded_shard(name, world):
@@ -532,10 +641,15 @@ def test_fsdp_state_per_rank_is_the_padded_shard(name, world):
     assert fsdp.autocast_weights == 0 < ddp.autocast_weights  # CUDA's policy gathers bf16 weights: no copies
     # in flight: the root unit (the tied wte/LM head, wpe, ln_f) and two blocks, in bf16
     h, V = cfg.n_embd, cfg.vocab_size
-    root = world * shard_rows(V, world) * h + world * shard_rows(cfg.block_size, world) * h + 2 * world * shard_rows(h, world)
-    block = world * sum(shard_rows(rows, world) * cols for rows, cols in
-                        ((3 * h, h), (3 * h, 1), (h, h), (h, 1), (4 * h, h), (4 * h, 1), (h, 4 * h), (h, 1))) \
-        + 4 * world * shard_rows(h, world)  # c_attn, c_proj, c_fc, mlp.c_proj (weight, bias); ln_1, ln_2
+    root = (
+        world * shard_rows(V, world) * h
+        + world * shard_rows(cfg.block_size, world) * h
+        + 2 * world * shard_rows(h, world)
+    )
+    block = world * sum(
+        shard_rows(rows, world) * cols
+        for rows, cols in ((3 * h, h), (3 * h, 1), (h, h), (h, 1), (4 * h, h), (4 * h, 1), (h, 4 * h), (h, 1))
+    ) + 4 * world * shard_rows(h, world)  # c_attn, c_proj, c_fc, mlp.c_proj (weight, bias); ln_1, ln_2
     assert block >= 12 * h * h + 13 * h
     assert fsdp.gathered == 2 * (root + 2 * block)
     muon = mem(cfg, 1, 1024, **kw, parallel="fsdp", optimizer="muon")
@@ -558,11 +672,15 @@ def test_gpt2_xl_on_8_24gb_cards_fits_with_fsdp_and_not_with_ddp():
 
     hw = gpu_hardware("RTX4090-24GB", "bf16")
     train = dict(TRAIN_PRESETS["gpt2-xl"], data_dir="d", out_dir="o", dtype="bfloat16")
-    with pytest.raises(ValueError, match=r"gpt2-xl does not fit on RTX4090-24GB .* with DDP at world size 8.*"
-                                         r"--parallel fsdp \(state sharded over the 8 ranks"):
+    with pytest.raises(
+        ValueError,
+        match=r"gpt2-xl does not fit on RTX4090-24GB .* with DDP at world size 8.*"
+        r"--parallel fsdp \(state sharded over the 8 ranks",
+    ):
         resolve(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train)), Target(hardware=hw, world_size=8))
-    p = resolve(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train, parallel="fsdp")),
-                Target(hardware=hw, world_size=8)).plan
+    p = resolve(
+        RunConfig(model_preset("gpt2-xl"), TrainConfig(**train, parallel="fsdp")), Target(hardware=hw, world_size=8)
+    ).plan
     assert p.fits and p.micro_batch_size >= 1 and p.grad_accum_steps > 1
     state = p.memory.weights + p.memory.gradients + p.memory.optimizer
     assert state < 3.0 * GIB  # issue 25: 23.2 GiB of state -> 2.9 GiB per rank over 8
@@ -580,14 +698,16 @@ def test_no_sync_accumulation_is_counted_and_the_reduce_scatter_choice_reported(
     cfg = model_preset("gpt2-xl")
     a100 = gpu_hardware("A100-40GB", "bf16")
     once = planned(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=8 * 1024 * 8)
-    accum = planned(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp",
-                    total_batch_size=4 * 8 * 1024 * 8)
+    accum = planned(
+        cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=4 * 8 * 1024 * 8
+    )
     assert once.memory.accum_gradients == 0 and once.rs_total == once.memory.total
     assert accum.memory.accum_gradients == 4 * gathered_elements(weight_shapes(cfg).values(), 8)
     assert accum.memory.total - once.memory.total == accum.memory.accum_gradients
     # a device between the two totals: fits only with a reduce-scatter per micro-step
-    mid = Hardware(name="mid", memory_bytes=(accum.rs_total + accum.memory.total) // 2 + a100.reserve_bytes,
-                   peak_flops=None)
+    mid = Hardware(
+        name="mid", memory_bytes=(accum.rs_total + accum.memory.total) // 2 + a100.reserve_bytes, peak_flops=None
+    )
     p = planned(cfg, micro_batch_size=8, hardware=mid, world_size=8, parallel="fsdp", total_batch_size=4 * 8 * 1024 * 8)
     assert not p.fits and p.rs_total <= p.usable_bytes
     assert "does NOT fit with no-sync but WOULD with a reduce-scatter per micro-step" in format_plan(p)
@@ -613,8 +733,10 @@ def test_plan_cli_says_in_its_first_line_which_gpu_and_that_the_default_is_not_t
 
     assert main(["--preset", "gpt2"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("plan for   1 x A100-80GB, the default --gpu, not this machine's device (--gpu NAME "
-                            "plans for another: A100-40GB, A100-80GB, H100-80GB"), first
+    assert first.startswith(
+        "plan for   1 x A100-80GB, the default --gpu, not this machine's device (--gpu NAME "
+        "plans for another: A100-40GB, A100-80GB, H100-80GB"
+    ), first
     assert "train_ddp.py --dry-run rehearses on this machine" in first
     assert main(["--preset", "gpt2", "--gpu", "H100-80GB", "--world-size", "8"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "plan for   8 x H100-80GB (--gpu)"

@@ -40,12 +40,15 @@ def test_auto_on_a_cpu_without_bf16_instructions_picks_fp32_without_measuring(mo
     assert p.dtype == "float32" and "no bf16 instructions" in p.reason
 
 
-@pytest.mark.parametrize("bf16, fp32, expected", [
-    (400.0, 150.0, "bfloat16"),  # AMX: bf16 several times faster
-    (160.0, 300.0, "float32"),   # avx512_bf16 without AMX: bf16 native but half the fp32 rate
-    (1.3, 80.0, "float32"),      # AVX2 only: bf16 emulated, 60x slower
-    (110.0, 100.0, "float32"),   # within noise of each other: not "clearly faster"
-])
+@pytest.mark.parametrize(
+    "bf16, fp32, expected",
+    [
+        (400.0, 150.0, "bfloat16"),  # AMX: bf16 several times faster
+        (160.0, 300.0, "float32"),  # avx512_bf16 without AMX: bf16 native but half the fp32 rate
+        (1.3, 80.0, "float32"),  # AVX2 only: bf16 emulated, 60x slower
+        (110.0, 100.0, "float32"),  # within noise of each other: not "clearly faster"
+    ],
+)
 def test_auto_on_cpu_follows_the_measurement(monkeypatch, bf16, fp32, expected):
     fake_rates(monkeypatch, bfloat16=bf16, float32=fp32, float16=1.0)
     p = resolve("auto", "cpu")
@@ -153,13 +156,17 @@ def test_precision_is_one_value_that_knows_its_names_dtype_autocast_and_scaler()
             if name != "float32":
                 assert torch.get_autocast_dtype("cpu") == getattr(torch, name)
     tf32 = Precision.from_key("tf32")
-    assert (tf32.dtype, tf32.tf32, tf32.key, tf32.short, tf32.torch_dtype) == ("float32", True, "tf32", "fp32",
-                                                                               torch.float32)
+    assert (tf32.dtype, tf32.tf32, tf32.key, tf32.short, tf32.torch_dtype) == (
+        "float32",
+        True,
+        "tf32",
+        "fp32",
+        torch.float32,
+    )
     assert Precision("bfloat16", "bfloat16", tf32=True).key == "bf16"  # tf32 is about fp32 matmuls only
     tc = TrainConfig(dtype="float32", tf32=True)
     assert Precision.of_config(tc, "cuda").key == "tf32" and Precision.of_config(tc, "cpu").key == "fp32"
-    assert Precision("auto", "bfloat16", "why").to_dict() == {"requested": "auto", "dtype": "bfloat16",
-                                                              "reason": "why"}
+    assert Precision("auto", "bfloat16", "why").to_dict() == {"requested": "auto", "dtype": "bfloat16", "reason": "why"}
     assert set(PLAN_DTYPES) == {*SHORT_NAMES.values(), "tf32"} and set(AUTOCAST_DTYPES) < set(PLAN_DTYPES)
     for bad in ("fp8", "auto", "bf16"):
         with pytest.raises(ValueError, match="must be one of"):

@@ -55,7 +55,7 @@ def test_the_quick_start_environment_draws_the_loss_curve():
     assert any(d.startswith("matplotlib") for d in extras["dev"])  # the branch that skips the extra
     script = (REPO / "scripts" / "quickstart.sh").read_text()
     assert re.search(r"^\s*bash scripts/setup\.sh plot$", script, flags=re.M)
-    assert 'import matplotlib' in script
+    assert "import matplotlib" in script
     quick_start = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     assert "loss_curve.png" in quick_start and "`plot` extra" in quick_start
 
@@ -112,8 +112,11 @@ def test_every_preset_has_a_command_in_the_readme():
     train_ddp.py command in README that runs it."""
     from gpt2.core.config import MODEL_PRESETS, TRAIN_PRESETS
 
-    presets = {words[words.index("--preset") + 1] for words in readme_commands()
-               if "--preset" in words and "train_ddp.py" in words and words[0] != "sbatch"}
+    presets = {
+        words[words.index("--preset") + 1]
+        for words in readme_commands()
+        if "--preset" in words and "train_ddp.py" in words and words[0] != "sbatch"
+    }
     assert sorted(set(MODEL_PRESETS) | set(TRAIN_PRESETS)) == sorted(presets)
 
 
@@ -121,8 +124,11 @@ def test_the_walkthrough_starts_several_processes_with_the_quiet_launcher():
     """Under plain torchrun a failing rank's one `error:` line is line 5 of torchrun's 44-line block; the
     walkthrough (and the quick start it follows) use python -m gpt2.launch, which prints three lines instead."""
     walkthrough = README.split("## Walkthrough", 1)[1].split("\n## ", 1)[0]
-    commands = [shlex.split(line, comments=True) for block in re.findall(r"```bash\n(.*?)```", walkthrough, re.S)
-                for line in block.replace("\\\n", " ").splitlines()]
+    commands = [
+        shlex.split(line, comments=True)
+        for block in re.findall(r"```bash\n(.*?)```", walkthrough, re.S)
+        for line in block.replace("\\\n", " ").splitlines()
+    ]
     launches = [words for words in commands if any(w.startswith("--nproc_per_node") for w in words)]
     assert launches and all(words[:3] == ["python", "-m", "gpt2.launch"] for words in launches), launches
     script = (REPO / "scripts" / "quickstart.sh").read_text()

@@ -24,12 +24,37 @@ from gpt2.plan.resolve import Target, resolve
 from gpt2.train import dryrun, startup
 from gpt2.train.cli import Rehearsal, parse_config
 
-COMMON = [*TINY_MODEL_FLAGS, "--max-steps", "4", "--warmup-steps", "2", "--eval-tokens", "512",
-          "--total-batch-size", "2048", "--device", "cpu"]
+COMMON = [
+    *TINY_MODEL_FLAGS,
+    "--max-steps",
+    "4",
+    "--warmup-steps",
+    "2",
+    "--eval-tokens",
+    "512",
+    "--total-batch-size",
+    "2048",
+    "--device",
+    "cpu",
+]
 CASES = {  # name: (flags, world size, free memory now in GiB)
     "auto": ([], 1, 16),
-    "explicit": (["--dtype", "float32", "--micro-batch-size", "8", "--loss-impl", "chunked",
-                  "--activation-checkpointing", "none", "--compile", "false"], 1, 16),
+    "explicit": (
+        [
+            "--dtype",
+            "float32",
+            "--micro-batch-size",
+            "8",
+            "--loss-impl",
+            "chunked",
+            "--activation-checkpointing",
+            "none",
+            "--compile",
+            "false",
+        ],
+        1,
+        16,
+    ),
     "uncompiled auto": (["--compile", "false"], 1, 16),
     "two ranks": ([], 2, 16),
     "fsdp two ranks": (["--parallel", "fsdp", "--dtype", "float32"], 2, 16),
@@ -65,7 +90,7 @@ def test_the_dry_run_decides_what_a_real_start_on_this_machine_decides(case, tmp
     assert dryrun.rehearse(cfg, Rehearsal(world_size=world), out=rehearsed.append) == 0
     assert any(line.startswith("precision  ") for line in real) and any("total" in line for line in real)
     first = rehearsed.index(real[0]) if real[0] in rehearsed else None
-    assert first is not None and rehearsed[first:first + len(real)] == real, (real, rehearsed)
+    assert first is not None and rehearsed[first : first + len(real)] == real, (real, rehearsed)
     assert torch.get_num_threads() == 7  # the rehearsal gave this process its threads back
 
 
@@ -90,7 +115,10 @@ def test_resolve_makes_every_auto_concrete_once_and_records_its_reasons(tmp_path
     assert tc.activation_checkpointing in ("none", "full") and tc.dtype == "float32"
     assert r.precision == Precision("float32", "float32", r.precision.reason) and r.hardware is cap
     assert (r.plan.micro_batch_size, r.plan.dtype, r.plan.memory.chunked_loss) == (
-        tc.micro_batch_size, "fp32", tc.loss_impl == "chunked")
+        tc.micro_batch_size,
+        "fp32",
+        tc.loss_impl == "chunked",
+    )
     assert r.micro_batch.size == tc.micro_batch_size and r.plan.micro_batch_choice == r.micro_batch
     assert r.loss.reason and r.ac.reason and r.precision.reason
     again = resolve(r.cfg, Target(device=torch.device("cpu"), hardware=cap))  # concrete stays as it is
@@ -105,8 +133,21 @@ def test_the_planner_functions_take_the_resolved_config_and_its_hardware():
     from gpt2.plan.memory import memory
     from gpt2.plan.planner import plan
 
-    cfg = parse_config([*TINY_MODEL_FLAGS, "--data-dir", "d", "--out-dir", "o", "--total-batch-size", "8192",
-                        "--parallel", "fsdp", "--optimizer", "muon"])
+    cfg = parse_config(
+        [
+            *TINY_MODEL_FLAGS,
+            "--data-dir",
+            "d",
+            "--out-dir",
+            "o",
+            "--total-batch-size",
+            "8192",
+            "--parallel",
+            "fsdp",
+            "--optimizer",
+            "muon",
+        ]
+    )
     r = resolve(cfg, Target(gpu="A100-40GB", world_size=2))
     again = plan(r.cfg, r.hardware, world_size=2, tokens=r.plan.tokens)
     assert dataclasses.replace(again, micro_batch_choice=r.plan.micro_batch_choice) == r.plan
@@ -120,7 +161,8 @@ def test_a_hypothetical_gpu_resolves_its_own_precision_and_tf32():
     cfg = parse_config([*TINY_MODEL_FLAGS, "--data-dir", "d", "--out-dir", "o", "--total-batch-size", "4096"])
     r = resolve(cfg, Target(gpu="H100-80GB", world_size=2))
     assert r.precision.dtype == "bfloat16" and r.hardware.name == "H100-80GB" and r.warning is None
-    fp32 = parse_config([*TINY_MODEL_FLAGS, "--data-dir", "d", "--out-dir", "o", "--dtype", "float32",
-                         "--tf32", "true"])
+    fp32 = parse_config(
+        [*TINY_MODEL_FLAGS, "--data-dir", "d", "--out-dir", "o", "--dtype", "float32", "--tf32", "true"]
+    )
     assert resolve(fp32, Target(gpu="A100-80GB")).precision.key == "tf32"
     assert resolve(fp32, Target(device=torch.device("cpu"))).precision.key == "fp32"  # a CPU has no TF32

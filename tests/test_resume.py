@@ -37,8 +37,12 @@ CKPT_INTERVAL = 3
 
 
 def flags(data_dir, out_dir, *extra):
-    return [*tiny_run_flags(data_dir, max_steps=MAX_STEPS, ckpt_interval=CKPT_INTERVAL), "--out-dir", str(out_dir),
-            *extra]
+    return [
+        *tiny_run_flags(data_dir, max_steps=MAX_STEPS, ckpt_interval=CKPT_INTERVAL),
+        "--out-dir",
+        str(out_dir),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +59,13 @@ def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shak
     where = f"rank {victim} killed after step {kill_after}"
     run_dir = tmp_path / "run"
     release = tmp_path / "release"
-    job = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path, max_restarts=1,
-                 script=patched_train_script(tmp_path, hold_after_step(kill_after, release)))
+    job = launch(
+        flags(shakespeare_shards, run_dir),
+        nproc=2,
+        log_dir=tmp_path,
+        max_restarts=1,
+        script=patched_train_script(tmp_path, hold_after_step(kill_after, release)),
+    )
     try:
         wait_for_step(job, run_dir, kill_after)  # the ranks wait there: the run cannot end first
         pids = job.workers()
@@ -66,8 +75,11 @@ def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shak
         assert job.wait() == 0, f"{where}\n{job.output()}"
     finally:
         job.kill()
-    resumed = [int(line.split(" at step ")[1].split()[0]) for line in job.stdout.splitlines()
-               if line.startswith("resumed from ")]
+    resumed = [
+        int(line.split(" at step ")[1].split()[0])
+        for line in job.stdout.splitlines()
+        if line.startswith("resumed from ")
+    ]
     assert len(resumed) == 1 and 0 < resumed[0] <= kill_after, f"{where}\n{job.output()}"
     assert resumed[0] % CKPT_INTERVAL == 0
     assert losses(run_dir) == losses(reference), where
@@ -76,14 +88,20 @@ def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shak
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
-def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(tmp_path, shakespeare_shards,
-                                                                           reference, request):
+def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(
+    tmp_path, shakespeare_shards, reference, request
+):
     run_dir = tmp_path / "run"
     stop_after = seeded_rng(request).randint(1, MAX_STEPS - 4)
     # --max-restarts 1: a signalled torchrun shuts down instead of restarting its workers
     release = tmp_path / "release"
-    first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first", max_restarts=1,
-                   script=patched_train_script(tmp_path, hold_after_step(stop_after, release)))
+    first = launch(
+        flags(shakespeare_shards, run_dir),
+        nproc=2,
+        log_dir=tmp_path / "first",
+        max_restarts=1,
+        script=patched_train_script(tmp_path, hold_after_step(stop_after, release)),
+    )
     try:
         wait_for_step(first, run_dir, stop_after)  # the ranks wait there until both have the signal
         first.proc.send_signal(signal.SIGTERM)  # to the agent, which forwards SIGTERM to its workers
@@ -111,13 +129,18 @@ def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(tmp
 
 
 def test_nan_step_skipped_then_signal_to_one_worker_stops_every_rank_without_restart(tmp_path, shakespeare_shards):
-    """A NaN loss at one step (tests/_helpers.nan_at_step): that update is skipped on every rank and training goes on. Then SIGUSR1 straight
-    to rank 1 under --max-restarts 1: all ranks stop at one step boundary and exit 0, so torchrun ends
-    (exit 0) instead of restarting the group into a new run."""
+    """A NaN loss at one step (tests/_helpers.nan_at_step): that update is skipped on every rank and training goes on.
+    Then SIGUSR1 straight to rank 1 under --max-restarts 1: all ranks stop at one step boundary and exit 0, so
+    torchrun ends (exit 0) instead of restarting the group into a new run."""
     run_dir = tmp_path / "run"
     release = tmp_path / "release"
-    job = launch(flags(shakespeare_shards, run_dir, "--ckpt-interval", "1"), nproc=2, log_dir=tmp_path,
-                 max_restarts=1, script=patched_train_script(tmp_path, nan_at_step(1) + hold_after_step(3, release)))
+    job = launch(
+        flags(shakespeare_shards, run_dir, "--ckpt-interval", "1"),
+        nproc=2,
+        log_dir=tmp_path,
+        max_restarts=1,
+        script=patched_train_script(tmp_path, nan_at_step(1) + hold_after_step(3, release)),
+    )
     try:
         wait_for_step(job, run_dir, 3)
         os.kill(job.workers()[1], signal.SIGUSR1)
@@ -152,8 +175,12 @@ def test_two_rank_checkpoint_resumes_on_one_rank_and_sigterm_exits_3(tmp_path, s
         src = reference / "checkpoints" / f"step_{CKPT_INTERVAL:08d}{suffix}"
         (run_dir / "checkpoints" / src.name).write_bytes(src.read_bytes())
     release = tmp_path / "release"
-    one = launch(flags(shakespeare_shards, run_dir), nproc=1, log_dir=tmp_path,
-                 script=patched_train_script(tmp_path, hold_after_step(CKPT_INTERVAL + 1, release)))
+    one = launch(
+        flags(shakespeare_shards, run_dir),
+        nproc=1,
+        log_dir=tmp_path,
+        script=patched_train_script(tmp_path, hold_after_step(CKPT_INTERVAL + 1, release)),
+    )
     try:
         wait_for_step(one, run_dir, CKPT_INTERVAL + 1)
         one.proc.send_signal(signal.SIGTERM)
@@ -174,13 +201,21 @@ def test_two_rank_checkpoint_resumes_on_one_rank_and_sigterm_exits_3(tmp_path, s
     assert load_ckpt(run_dir, stopped)["world_size"] == 1
 
 
-def test_consecutive_nan_steps_stop_the_run_without_a_checkpoint_of_them(tmp_path, shakespeare_shards, capsys,
-                                                                        monkeypatch):
+def test_consecutive_nan_steps_stop_the_run_without_a_checkpoint_of_them(
+    tmp_path, shakespeare_shards, capsys, monkeypatch
+):
     inject_nan(monkeypatch, 2)
     train_ddp = import_train_ddp()  # in this process: one rank, no process group, no start-up cost
     run_dir = tmp_path / "run"
-    code = train_ddp.main([*tiny_run_flags(shakespeare_shards, max_steps=6, ckpt_interval=1, eval_tokens=256),
-                           "--out-dir", str(run_dir), "--max-bad-steps", "1"])
+    code = train_ddp.main(
+        [
+            *tiny_run_flags(shakespeare_shards, max_steps=6, ckpt_interval=1, eval_tokens=256),
+            "--out-dir",
+            str(run_dir),
+            "--max-bad-steps",
+            "1",
+        ]
+    )
     assert code == 1
     err = capsys.readouterr().err
     assert "train_ddp.py: error: 1 consecutive steps had a non-finite loss or gradient norm (last: step 3)" in err
@@ -194,8 +229,19 @@ def test_consecutive_nan_steps_stop_the_run_without_a_checkpoint_of_them(tmp_pat
 def test_dead_peer_gives_an_error_within_the_step_timeout_not_a_hang(tmp_path, shakespeare_shards):
     """Start-up's long timeout (600 s) gives way to the steady-state one (3 s) after the first step."""
     run_dir = tmp_path / "run"
-    job = launch([*tiny_run_flags(shakespeare_shards, max_steps=1000, ckpt_interval=0), "--out-dir", str(run_dir),
-                  "--dist-timeout-s", "600", "--dist-step-timeout-s", "3"], nproc=2, log_dir=tmp_path)
+    job = launch(
+        [
+            *tiny_run_flags(shakespeare_shards, max_steps=1000, ckpt_interval=0),
+            "--out-dir",
+            str(run_dir),
+            "--dist-timeout-s",
+            "600",
+            "--dist-step-timeout-s",
+            "3",
+        ],
+        nproc=2,
+        log_dir=tmp_path,
+    )
     try:
         wait_for_step(job, run_dir, 2)
         workers = job.workers()
@@ -239,9 +285,24 @@ ckpt.save_checkpoint, trainer.sample_text = slow_save, slow_sample
 
 def test_checkpoints_and_samples_longer_than_the_step_timeout_run_under_the_long_one(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
-    job = run([*tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2), "--out-dir", str(run_dir),
-               "--sample-interval", "3", "--sample-tokens", "4", "--dist-timeout-s", "60", "--dist-step-timeout-s", "2"],
-              nproc=2, log_dir=tmp_path, script=patched_train_script(tmp_path, SLOW_RANK_0))
+    job = run(
+        [
+            *tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2),
+            "--out-dir",
+            str(run_dir),
+            "--sample-interval",
+            "3",
+            "--sample-tokens",
+            "4",
+            "--dist-timeout-s",
+            "60",
+            "--dist-step-timeout-s",
+            "2",
+        ],
+        nproc=2,
+        log_dir=tmp_path,
+        script=patched_train_script(tmp_path, SLOW_RANK_0),
+    )
     assert job.proc.returncode == 0, job.output()
     assert sorted(losses(run_dir)) == [1, 2, 3, 4]
     assert [r["step"] for r in records(run_dir) if "sample" in r] == [3, 4]
@@ -281,14 +342,17 @@ ckpt.save_checkpoint, ckpt._HashingWriter.write = save_checkpoint, write
 """
 
 
-def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, shakespeare_shards,
-                                                                               reference):
+def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, shakespeare_shards, reference):
     """Rank 0's writer thread hangs half-way through step 6's file; training goes on past it (step 7);
     then kill -9 of the whole group. Step 3 is the newest valid checkpoint and --resume auto
     reproduces the uninterrupted run bitwise."""
     run_dir, marker = tmp_path / "run", tmp_path / "writing_step_6"
-    first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first",
-                   script=patched_train_script(tmp_path, HOLD_WRITE_OF_STEP_6.format(marker=str(marker))))
+    first = launch(
+        flags(shakespeare_shards, run_dir),
+        nproc=2,
+        log_dir=tmp_path / "first",
+        script=patched_train_script(tmp_path, HOLD_WRITE_OF_STEP_6.format(marker=str(marker))),
+    )
     try:
         wait_for_step(first, run_dir, 7)  # step 7 ran while step 6's checkpoint was being written ...
         deadline = time.monotonic() + 120
@@ -345,17 +409,27 @@ def test_a_failed_background_write_stops_every_rank_with_one_error(tmp_path, sha
     collective. Rank 0 holds the run after step 3 until its writer has failed (it may take longer than
     a step), so step 4 is deterministically the step after the failure."""
     run_dir = tmp_path / "run"
-    job = run(flags(shakespeare_shards, run_dir, "--dist-timeout-s", "120"), nproc=2, log_dir=tmp_path,
-              script=patched_train_script(tmp_path, FAIL_WRITE_OF_STEP_3))
+    job = run(
+        flags(shakespeare_shards, run_dir, "--dist-timeout-s", "120"),
+        nproc=2,
+        log_dir=tmp_path,
+        script=patched_train_script(tmp_path, FAIL_WRITE_OF_STEP_3),
+    )
     assert job.proc.returncode == 1, job.output()
-    assert job.stderr.count("train_ddp.py: error: writing the checkpoint of step 3 in the background failed "
-                            f"(No space left on device in {run_dir / 'checkpoints'} (") == 1, job.output()
+    assert (
+        job.stderr.count(
+            "train_ddp.py: error: writing the checkpoint of step 3 in the background failed "
+            f"(No space left on device in {run_dir / 'checkpoints'} ("
+        )
+        == 1
+    ), job.output()
     assert "a collective operation failed" not in job.stderr
     assert max(losses(run_dir)) == 4  # found at the next step, not at the step-6 save or the end
     assert not (run_dir / "checkpoints" / "step_00000003.pt").exists()
 
 
 # ---- A fresh start in a used directory: the earlier run's records go to RUN/previous-*/ -------------
+
 
 def previous(run_dir):
     """The one RUN/previous-*/ folder a fresh start made."""
@@ -381,8 +455,12 @@ def in_process(args, capsys) -> tuple[int, str, str]:
 
 
 def small(data_dir, run_dir, *extra, max_steps=4, ckpt_interval=2):
-    return [*tiny_run_flags(data_dir, max_steps=max_steps, ckpt_interval=ckpt_interval, eval_tokens=256),
-            "--out-dir", str(run_dir), *extra]
+    return [
+        *tiny_run_flags(data_dir, max_steps=max_steps, ckpt_interval=ckpt_interval, eval_tokens=256),
+        "--out-dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def test_resume_never_in_a_used_directory_moves_the_earlier_run_aside(tmp_path, shakespeare_shards, capsys):
@@ -390,12 +468,15 @@ def test_resume_never_in_a_used_directory_moves_the_earlier_run_aside(tmp_path, 
     assert in_process(small(shakespeare_shards, run_dir), capsys)[0] == 0
     old_id, old_losses = run_id(run_dir), losses(run_dir)
     old_bytes = (run_dir / "checkpoints" / "step_00000004.pt").read_bytes()
-    code, out, _ = in_process(small(shakespeare_shards, run_dir, "--resume", "never", "--max-steps", "3",
-                                    "--ckpt-interval", "3"), capsys)
+    code, out, _ = in_process(
+        small(shakespeare_shards, run_dir, "--resume", "never", "--max-steps", "3", "--ckpt-interval", "3"), capsys
+    )
     assert code == 0
     moved = previous(run_dir)
-    assert (f"fresh start: moved the earlier run's checkpoints, metrics.jsonl, train.log, config.json from {run_dir} into "
-            f"{moved}/ (nothing deleted)") in out
+    assert (
+        f"fresh start: moved the earlier run's checkpoints, metrics.jsonl, train.log, config.json from {run_dir} into "
+        f"{moved}/ (nothing deleted)"
+    ) in out
     assert sorted(losses(run_dir)) == [1, 2, 3]  # only the new run's steps (and each once)
     assert [r["step"] for r in records(run_dir) if "val_loss" in r] == [0, 3]
     assert losses(moved) == old_losses and run_id(moved) == old_id  # the earlier run, whole
@@ -415,13 +496,16 @@ def test_a_refused_resume_of_another_run_moves_nothing_aside(tmp_path, shakespea
     started at step 0. Every refusal comes first: the directory is left byte for byte as it was."""
     run_dir, other = tmp_path / "run", tmp_path / "other"
     assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0
-    assert in_process(small(shakespeare_shards, other, "--max-steps", "2", "--n-layer", "3", "--seed", "7"),
-                      capsys)[0] == 0
+    assert (
+        in_process(small(shakespeare_shards, other, "--max-steps", "2", "--n-layer", "3", "--seed", "7"), capsys)[0]
+        == 0
+    )
     before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
     foreign = str(other / "checkpoints" / "step_00000002.pt")
-    for extra, why in ((["--seed", "7"], "the checkpoint's model shape differs from this run's: n_layer: "
-                                         "checkpoint 3 vs now 2"),
-                       (["--n-layer", "3"], "the checkpoint's data order used seed 7, this run has --seed 1337")):
+    for extra, why in (
+        (["--seed", "7"], "the checkpoint's model shape differs from this run's: n_layer: checkpoint 3 vs now 2"),
+        (["--n-layer", "3"], "the checkpoint's data order used seed 7, this run has --seed 1337"),
+    ):
         code, out, err = in_process(small(shakespeare_shards, run_dir, "--resume", foreign, *extra), capsys)
         assert code == 2 and why in err, err
         assert "moved" not in out and not list(run_dir.glob("previous-*")), out
@@ -431,8 +515,9 @@ def test_a_refused_resume_of_another_run_moves_nothing_aside(tmp_path, shakespea
     assert sorted(losses(run_dir)) == [1, 2, 3]
 
 
-def test_resume_auto_with_its_only_checkpoint_damaged_refuses_then_never_starts_apart(tmp_path, shakespeare_shards,
-                                                                                      capsys):
+def test_resume_auto_with_its_only_checkpoint_damaged_refuses_then_never_starts_apart(
+    tmp_path, shakespeare_shards, capsys
+):
     """Issue 41: auto skipped the damaged checkpoint, moved the run aside and trained from step 0 with
     exit 0. Now it refuses in one line, leaving the directory as it was; --resume never starts apart."""
     run_dir = tmp_path / "run"
@@ -446,8 +531,9 @@ def test_resume_auto_with_its_only_checkpoint_damaged_refuses_then_never_starts_
     refusal = [line for line in err.splitlines() if "none of this run's" in line]
     assert len(refusal) == 1 and "--resume never to start fresh" in refusal[0], err
     assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
-    code, out, err = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3",
-                                      "--resume", "never"), capsys)
+    code, out, err = in_process(
+        small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3", "--resume", "never"), capsys
+    )
     assert code == 0
     assert "fresh start: moved the earlier run's checkpoints, metrics.jsonl, train.log, config.json" in out
     assert sorted(losses(run_dir)) == [1, 2, 3]
@@ -470,11 +556,14 @@ def test_checkpoints_whose_sidecars_are_gone_resume_and_export(tmp_path, shakesp
         sidecar.unlink()
     capsys.readouterr()
     with pytest.warns(UserWarning, match="lost its sidecar"):
-        assert export_main(["--checkpoint", str(run_dir / "checkpoints" / "step_00000002.pt"),
-                            "--out", str(tmp_path / "hf")]) == 0
+        assert (
+            export_main(
+                ["--checkpoint", str(run_dir / "checkpoints" / "step_00000002.pt"), "--out", str(tmp_path / "hf")]
+            )
+            == 0
+        )
     assert "exported" in capsys.readouterr().out
-    code, out, err = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3"),
-                                capsys)
+    code, out, err = in_process(small(shakespeare_shards, run_dir, "--max-steps", "3", "--ckpt-interval", "3"), capsys)
     assert code == 0, err
     assert err.count("lost its sidecar step_00000002.json") == 1 and "skipping" not in err, err
     assert f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in out and "moved" not in out
@@ -528,8 +617,9 @@ def test_a_resume_with_another_batch_size_continues_the_token_count(tmp_path, sh
     "resumed at" line said the same. Tokens are counted as consumed."""
     run_dir = tmp_path / "run"
     assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "2"), capsys)[0] == 0  # 512 a step
-    code, out, _ = in_process(small(shakespeare_shards, run_dir, "--max-steps", "4", "--total-batch-size", "1024"),
-                              capsys)
+    code, out, _ = in_process(
+        small(shakespeare_shards, run_dir, "--max-steps", "4", "--total-batch-size", "1024"), capsys
+    )
     assert code == 0 and f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2 (1,024 tokens)" in out
     assert {r["step"]: r["tokens"] for r in records(run_dir) if "loss" in r} == {1: 512, 2: 1024, 3: 2048, 4: 3072}
     assert [r["tokens"] for r in records(run_dir) if "val_loss" in r] == [0, 1024, 3072]  # the curve's axis
@@ -558,8 +648,13 @@ def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoin
     fresh = run(flags(data_dir, run_dir, "--resume", "never", "--max-steps", "5"), nproc=2, log_dir=tmp_path / "fresh")
     assert fresh.proc.returncode == 0, fresh.output()
     moved = previous(run_dir)
-    assert fresh.stdout.count(f"fresh start: moved the earlier run's checkpoints, metrics.jsonl, train.log, "
-                              f"config.json from {run_dir} into {moved}/") == 1
+    assert (
+        fresh.stdout.count(
+            f"fresh start: moved the earlier run's checkpoints, metrics.jsonl, train.log, "
+            f"config.json from {run_dir} into {moved}/"
+        )
+        == 1
+    )
     assert losses(moved) == losses(reference)
     fresh_losses, new_id = losses(run_dir), run_id(run_dir)
     assert sorted(fresh_losses) == [1, 2, 3, 4, 5] and new_id != run_id(reference)
@@ -568,8 +663,9 @@ def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoin
     stray = run_dir / "checkpoints" / "step_00000008.pt"
     for suffix in (".pt", ".json"):
         shutil.copy(moved / "checkpoints" / stray.with_suffix(suffix).name, stray.with_suffix(suffix))
-    again = run(flags(data_dir, run_dir, "--max-steps", "5", "--keep-checkpoints", "1"), nproc=2,
-                log_dir=tmp_path / "again")
+    again = run(
+        flags(data_dir, run_dir, "--max-steps", "5", "--keep-checkpoints", "1"), nproc=2, log_dir=tmp_path / "again"
+    )
     assert again.proc.returncode == 0, again.output()
     assert f"resumed from {run_dir}/checkpoints/step_00000003.pt at step 3" in again.stdout
     assert f"ignoring checkpoint {stray}: it belongs to run {run_id(reference)}" in again.stderr
@@ -580,6 +676,7 @@ def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoin
 
 
 # ---- A rollback: --resume PATH of an earlier checkpoint of the run ------------------------------
+
 
 def stop_during_step(monkeypatch, step: int) -> None:
     """SIGTERM to this process while optimizer step `step` (counted from 1) runs: a preemption there,
@@ -598,7 +695,8 @@ def stop_during_step(monkeypatch, step: int) -> None:
 
 
 def test_a_rollback_moves_the_later_checkpoints_aside_and_a_requeue_continues_the_new_branch(
-        tmp_path, shakespeare_shards, capsys, monkeypatch):
+    tmp_path, shakespeare_shards, capsys, monkeypatch
+):
     """A run to step 6 (checkpoints 2, 4, 6) rolled back with --resume RUN/checkpoints/step_00000002.pt
     and a lower --lr, preempted at step 5, requeued with --resume auto. auto used to take step 6, the
     abandoned branch; now the rollback moved steps 4 and 6 into checkpoints/abandoned-*/, and the
@@ -608,14 +706,24 @@ def test_a_rollback_moves_the_later_checkpoints_aside_and_a_requeue_continues_th
     run_dir, uninterrupted = tmp_path / "run", tmp_path / "uninterrupted"
     assert in_process(small(shakespeare_shards, run_dir, "--max-steps", "6"), capsys)[0] == 0
     old = losses(run_dir)
-    later = {name: (run_dir / "checkpoints" / name).read_bytes()
-             for name in ("step_00000004.pt", "step_00000004.json", "step_00000006.pt", "step_00000006.json")}
+    later = {
+        name: (run_dir / "checkpoints" / name).read_bytes()
+        for name in ("step_00000004.pt", "step_00000004.json", "step_00000006.pt", "step_00000006.json")
+    }
     shutil.copytree(run_dir, uninterrupted)
     branch = ["--lr", "1e-3", "--max-steps", "7", "--ckpt-interval", "3"]
     rollback = ["--resume", str(run_dir / "checkpoints" / "step_00000002.pt")]
 
-    code, out, _ = in_process(small(shakespeare_shards, uninterrupted, *branch, "--resume",
-                                    str(uninterrupted / "checkpoints" / "step_00000002.pt")), capsys)
+    code, out, _ = in_process(
+        small(
+            shakespeare_shards,
+            uninterrupted,
+            *branch,
+            "--resume",
+            str(uninterrupted / "checkpoints" / "step_00000002.pt"),
+        ),
+        capsys,
+    )
     assert code == 0
     new = losses(uninterrupted)
     assert sorted(new) == list(range(1, 8)) and new[4] != old[4]  # step 3 updates with the new lr
@@ -635,16 +743,24 @@ def test_a_rollback_moves_the_later_checkpoints_aside_and_a_requeue_continues_th
     assert code == 0 and f"resumed from {run_dir}/checkpoints/step_00000005.pt at step 5" in out, out
     assert losses(run_dir) == new  # the new branch, bitwise; not step 6 of the old one
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.pt")) == [
-        "step_00000002.pt", "step_00000003.pt", "step_00000005.pt", "step_00000006.pt", "step_00000007.pt"]
+        "step_00000002.pt",
+        "step_00000003.pt",
+        "step_00000005.pt",
+        "step_00000006.pt",
+        "step_00000007.pt",
+    ]
     [abandoned] = (run_dir / "checkpoints").glob("abandoned-*")
     assert abandoned.name.startswith("abandoned-00000002-")
-    assert (f"resuming from {run_dir}/checkpoints/step_00000002.pt (step 2), an earlier checkpoint of this run: "
-            f"moved its later step_00000004.pt, step_00000006.pt and their sidecars into {abandoned}/") in rolled
+    assert (
+        f"resuming from {run_dir}/checkpoints/step_00000002.pt (step 2), an earlier checkpoint of this run: "
+        f"moved its later step_00000004.pt, step_00000006.pt and their sidecars into {abandoned}/"
+    ) in rolled
     assert {name: (abandoned / name).read_bytes() for name in later} == later  # nothing deleted or changed
     assert losses(abandoned) == old  # the abandoned branch's log, whole
 
 
 # ---- One run per directory (RUN/run.lock), and workers that outlive their launcher ---------------
+
 
 def tree(run_dir) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
@@ -661,8 +777,12 @@ def wait_until(done, what: str, timeout: float = 180) -> None:
 def held_after_saving(tmp_path, shakespeare_shards, run_dir, release):
     """One process training run_dir, waiting (hold_after_step) right after its synchronous step-2
     checkpoint, which its stdout has announced: nothing in RUN changes until release exists."""
-    first = launch(small(shakespeare_shards, run_dir, "--async-ckpt", "false"), nproc=1, log_dir=tmp_path / "first",
-                   script=patched_train_script(tmp_path, hold_after_step(2, release)))
+    first = launch(
+        small(shakespeare_shards, run_dir, "--async-ckpt", "false"),
+        nproc=1,
+        log_dir=tmp_path / "first",
+        script=patched_train_script(tmp_path, hold_after_step(2, release)),
+    )
     saved = f"saved checkpoint {run_dir}/checkpoints/step_00000002.pt"
     wait_until(lambda: saved in first.stdout or first.proc.poll() is not None, "step-2 checkpoint")
     assert saved in first.stdout, first.output()
@@ -682,11 +802,13 @@ def test_a_second_run_in_a_held_directory_is_refused_naming_the_holder(tmp_path,
         second = run(small(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "second")
         assert second.proc.returncode == 1, second.output()  # torchrun's status for its workers' exit 2
         errors = [line for line in second.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
-        assert errors == [f"train_ddp.py: error: {run_dir} is in use by another training run (host {held['host']}, "
-                          f"pid {first.proc.pid}, since {held['since']}; {run_dir}/run.lock): one run owns a run "
-                          "directory at a time. Wait for it to end or stop it, or pass another --out-dir (a holder "
-                          "on another host that died is taken over once its heartbeat is 300 s old; delete "
-                          f"{run_dir}/run.lock only if no run uses {run_dir})"], second.output()
+        assert errors == [
+            f"train_ddp.py: error: {run_dir} is in use by another training run (host {held['host']}, "
+            f"pid {first.proc.pid}, since {held['since']}; {run_dir}/run.lock): one run owns a run "
+            "directory at a time. Wait for it to end or stop it, or pass another --out-dir (a holder "
+            "on another host that died is taken over once its heartbeat is 300 s old; delete "
+            f"{run_dir}/run.lock only if no run uses {run_dir})"
+        ], second.output()
         assert second.stderr.count("exitcode  : 2") == 2, second.output()  # both ranks refused alike
         assert "resumed from" not in second.stdout and "starting" not in second.stdout
         assert in_process(small(shakespeare_shards, run_dir, "--dry-run"), capsys)[0] == 0
@@ -708,8 +830,10 @@ def test_a_holder_killed_with_sigkill_is_taken_over_by_the_next_start(tmp_path, 
     assert json.loads((run_dir / "run.lock").read_text()) == held
     code, out, _ = in_process(small(shakespeare_shards, run_dir), capsys)
     assert code == 0, out
-    assert (f"run dir    took over {run_dir} from host {held['host']}, pid {held['pid']}, since {held['since']}: "
-            f"its process (pid {held['pid']}) has exited") in out
+    assert (
+        f"run dir    took over {run_dir} from host {held['host']}, pid {held['pid']}, since {held['since']}: "
+        f"its process (pid {held['pid']}) has exited"
+    ) in out
     assert f"resumed from {run_dir}/checkpoints/step_00000002.pt at step 2" in out
     assert sorted(losses(run_dir)) == [1, 2, 3, 4] and not (run_dir / "run.lock").exists()
 
@@ -728,8 +852,12 @@ def test_kill_9_of_torchrun_stops_its_workers_with_a_checkpoint(tmp_path, shakes
     kernel sends each worker SIGTERM (PR_SET_PDEATHSIG): every rank stops at the same step with a
     checkpoint and RUN/requeue, releases RUN, and --resume auto reproduces the uninterrupted run."""
     run_dir, release = tmp_path / "run", tmp_path / "release"
-    first = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path / "first",
-                   script=patched_train_script(tmp_path, hold_after_step(3, release)))
+    first = launch(
+        flags(shakespeare_shards, run_dir),
+        nproc=2,
+        log_dir=tmp_path / "first",
+        script=patched_train_script(tmp_path, hold_after_step(3, release)),
+    )
     workers = {}
     try:
         wait_for_step(first, run_dir, 3)  # the ranks then wait in step 4 until release exists
@@ -749,8 +877,11 @@ def test_kill_9_of_torchrun_stops_its_workers_with_a_checkpoint(tmp_path, shakes
     # Step 4 if a rank had the signal when it began step 4 (its vote is read before the hold), else step 5.
     stopped = json.loads((run_dir / "requeue").read_text())["step"]
     assert stopped in (4, 5), first.output()
-    assert json.loads((run_dir / "requeue").read_text()) == {"step": stopped, "signal": "SIGTERM",
-                                                              "checkpoint": f"step_{stopped:08d}.pt"}
+    assert json.loads((run_dir / "requeue").read_text()) == {
+        "step": stopped,
+        "signal": "SIGTERM",
+        "checkpoint": f"step_{stopped:08d}.pt",
+    }
     assert f"stopped by signal at step {stopped}" in first.stdout
     verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped:08d}.pt")
     assert sorted(losses(run_dir)) == list(range(1, stopped + 1)) and not (run_dir / "run.lock").exists()

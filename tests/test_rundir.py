@@ -21,8 +21,9 @@ ONE = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.
 
 def save(run_dir, step: int, run_id: str | None, keep: int = 10):
     """A checkpoint of run_id (retention's warnings about other runs' checkpoints are tested elsewhere)."""
-    return ckpt.save_checkpoint(run_dir, step, {"w": torch.arange(4.0) + step}, keep=keep, run_id=run_id,
-                                warn=lambda message: None)
+    return ckpt.save_checkpoint(
+        run_dir, step, {"w": torch.arange(4.0) + step}, keep=keep, run_id=run_id, warn=lambda message: None
+    )
 
 
 def run_info(run_dir, **info) -> None:
@@ -95,16 +96,22 @@ def test_a_symlinked_checkpoints_directory_keeps_its_link_and_storage(tmp_path):
     run_info(run_dir, run_id="old-run")
     dest = rundir.move_aside(run_dir, rundir.records_present(run_dir))
     assert (run_dir / "checkpoints").resolve() == scratch and not ckpt.list_checkpoints(run_dir)
-    assert sorted(p.name for p in (dest / "checkpoints").iterdir()) == ["latest", "step_00000003.json",
-                                                                        "step_00000003.pt"]
+    assert sorted(p.name for p in (dest / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000003.json",
+        "step_00000003.pt",
+    ]
     assert (dest / "checkpoints").resolve() == scratch / dest.name
     ckpt.verify_checkpoint(dest / "checkpoints" / "step_00000003.pt")
     save(run_dir, 1, "new-run")
     assert (scratch / "step_00000001.pt").is_file()
     again = rundir.move_aside(run_dir, ("checkpoints",))  # a later fresh start leaves the first folder be
     assert sorted(p.name for p in scratch.iterdir()) == sorted([dest.name, again.name])
-    assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["latest", "step_00000001.json",
-                                                                         "step_00000001.pt"]
+    assert sorted(p.name for p in (again / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000001.json",
+        "step_00000001.pt",
+    ]
 
 
 def test_resume_never_in_a_used_directory_plans_a_fresh_run_and_writes_nothing(tmp_path):
@@ -139,8 +146,10 @@ def test_auto_ignores_another_runs_checkpoint_even_when_it_is_newer(tmp_path):
     warnings = []
     start = resume.choose_start("auto", tmp_path, ONE, warn=warnings.append)
     assert start.point.path == str(ours) and start.run_id == "ours" and start.set_aside == ()
-    assert len(warnings) == 1 and "step_00000009.pt: it belongs to run theirs, not to this directory's run ours" \
-        in warnings[0]
+    assert (
+        len(warnings) == 1
+        and "step_00000009.pt: it belongs to run theirs, not to this directory's run ours" in warnings[0]
+    )
     assert resume.newest_seen(tmp_path, "ours") == ours.name
     assert resume.newest_seen(tmp_path) == "step_00000009.pt"  # ANY_RUN: every checkpoint
 
@@ -167,7 +176,9 @@ def test_a_checkpoint_copied_into_a_new_directory_resumes_there_as_its_run(tmp_p
     src = save(tmp_path / "a", 5, "run-a")
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)
     for suffix in (".pt", ".json"):
-        (tmp_path / "b" / "checkpoints" / src.with_suffix(suffix).name).write_bytes(src.with_suffix(suffix).read_bytes())
+        (tmp_path / "b" / "checkpoints" / src.with_suffix(suffix).name).write_bytes(
+            src.with_suffix(suffix).read_bytes()
+        )
     start = resume.choose_start("auto", tmp_path / "b", ONE, warn=pytest.fail)
     assert start.point.step == 5 and start.run_id == "run-a" and start.set_aside == ()
 
@@ -182,8 +193,11 @@ def test_resuming_another_run_into_a_directory_that_holds_one_sets_that_one_asid
     assert resume.choose_start(str(other), tmp_path / "other", ONE, warn=pytest.fail).set_aside == ()
     # A stray inside the directory cannot be resumed there: moving checkpoints/ would move it too.
     stray = save(tmp_path / "run", 9, "stray-run", keep=100)
-    with pytest.raises(ckpt.CheckpointError, match=r"belongs to run stray-run, but .* holds run old-run .* new "
-                                                   r"--out-dir"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"belongs to run stray-run, but .* holds run old-run .* new "
+        r"--out-dir",
+    ):
         resume.choose_start(str(stray), tmp_path / "run", ONE, warn=print)
 
 
@@ -196,8 +210,11 @@ def test_a_failed_move_is_every_ranks_error(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", str(tmp_path / "previous-x"))
 
     monkeypatch.setattr(rundir, "move_aside", refused)
-    with pytest.raises(ckpt.CheckpointError, match=r"cannot move the earlier run's checkpoints, .* nothing was "
-                                                   r"deleted\. Fix the directory's permissions"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"cannot move the earlier run's checkpoints, .* nothing was "
+        r"deleted\. Fix the directory's permissions",
+    ):
         resume.set_aside_earlier_run(start, tmp_path, ONE)
     # Rank 1's view: it moved nothing itself, rank 0's report arrives through the gather.
     rank1 = Dist(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"))
@@ -220,8 +237,10 @@ def test_resuming_an_earlier_checkpoint_of_the_run_moves_its_later_ones_into_aba
     for resume_arg in ("auto", str(tmp_path)):
         assert resume.choose_start(resume_arg, tmp_path, ONE, warn=quiet.append).abandon == ()
     log = (tmp_path / "metrics.jsonl").read_bytes()
-    before = {name: (ckdir / name).read_bytes() for name in ("step_00000006.pt", "step_00000006.json",
-                                                             "step_00000009.pt", "step_00000009.json")}
+    before = {
+        name: (ckdir / name).read_bytes()
+        for name in ("step_00000006.pt", "step_00000006.json", "step_00000009.pt", "step_00000009.json")
+    }
     start = resume.choose_start(str(ckdir / "step_00000003.pt"), tmp_path, ONE, warn=quiet.append)
     assert start.point.step == 3 and start.set_aside == ()
     assert start.abandon == ("step_00000006.pt", "step_00000009.pt")
@@ -229,17 +248,22 @@ def test_resuming_an_earlier_checkpoint_of_the_run_moves_its_later_ones_into_aba
     assert dest.parent == ckdir and re.fullmatch(r"abandoned-00000003-\d{8}T\d{6}Z", dest.name)
     assert {name: (dest / name).read_bytes() for name in before} == before
     assert (dest / "metrics.jsonl").read_bytes() == log  # the abandoned branch's log, whole
-    assert sorted(p.name for p in ckdir.iterdir()) == sorted([dest.name, "step_00000003.pt", "step_00000003.json",
-                                                              "step_00000012.pt", "step_00000012.json", "latest"])
+    assert sorted(p.name for p in ckdir.iterdir()) == sorted(
+        [dest.name, "step_00000003.pt", "step_00000003.json", "step_00000012.pt", "step_00000012.json", "latest"]
+    )
     assert (ckdir / "latest").read_text() == "step_00000012.pt\n"  # named no moved one: left as it was
     again = resume.choose_start("auto", tmp_path, ONE, warn=quiet.append)
     assert again.point.path == str(ckdir / "step_00000003.pt") and again.abandon == ()
     # `latest` naming a moved checkpoint is removed (the next save writes it), not left dangling
     save(tmp_path, 5, "old-run")
-    second = resume.set_aside_abandoned(resume.choose_start(str(ckdir / "step_00000003.pt"), tmp_path, ONE,
-                                                            warn=quiet.append), tmp_path, ONE)
-    assert second != dest and sorted(p.name for p in second.iterdir()) == ["metrics.jsonl", "step_00000005.json",
-                                                                           "step_00000005.pt"]
+    second = resume.set_aside_abandoned(
+        resume.choose_start(str(ckdir / "step_00000003.pt"), tmp_path, ONE, warn=quiet.append), tmp_path, ONE
+    )
+    assert second != dest and sorted(p.name for p in second.iterdir()) == [
+        "metrics.jsonl",
+        "step_00000005.json",
+        "step_00000005.pt",
+    ]
     assert not (ckdir / "latest").exists() and ckpt.latest_valid(tmp_path, quiet.append).name == "step_00000003.pt"
 
 
@@ -251,16 +275,26 @@ def test_a_failed_abandon_move_is_every_ranks_error(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", str(tmp_path / "checkpoints"))
 
     monkeypatch.setattr(ckpt, "abandon_checkpoints", refused)
-    with pytest.raises(ckpt.CheckpointError, match=r"cannot move step_00000006.pt in .* into an abandoned-\* "
-                                                   r"folder .* nothing was deleted"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"cannot move step_00000006.pt in .* into an abandoned-\* "
+        r"folder .* nothing was deleted",
+    ):
         resume.set_aside_abandoned(start, tmp_path, ONE)
     assert ckpt.latest_valid(tmp_path, pytest.fail).name == "step_00000006.pt"
 
 
 # ---- One run per directory: RUN/run.lock ---------------------------------------------------------
 
-HERE = {"host": "node1", "pid": 4242, "pid_start": 777, "pid_space": "node1/boot-a/pid:[1]", "since": "2026-01-01T00:00:00Z",
-        "nonce": "mine", "launch": {}}
+HERE = {
+    "host": "node1",
+    "pid": 4242,
+    "pid_start": 777,
+    "pid_space": "node1/boot-a/pid:[1]",
+    "since": "2026-01-01T00:00:00Z",
+    "nonce": "mine",
+    "launch": {},
+}
 """The process asking (rundir.holder_record's fields); holders below are judged from its point of view."""
 
 
@@ -268,32 +302,59 @@ def holder(**changes) -> dict:
     return {**HERE, "pid": 1000, "pid_start": 555, "nonce": "theirs", **changes}
 
 
-@pytest.mark.parametrize("lock, age_s, pid_start, me, stale", [
-    # Same host, boot and pid namespace: the holder's process decides, whatever its heartbeat's age.
-    (holder(), 10_000, 555, HERE, None),                                          # alive, heartbeat stalled
-    (holder(), 0, None, HERE, "its process (pid 1000) has exited"),             # kill -9
-    (holder(), 0, 999, HERE, "its pid 1000 now belongs to another process"),    # pid reused
-    # Another host (or the same name in another boot or pid namespace): the heartbeat decides.
-    (holder(host="node2", pid_space="node2/boot-b/pid:[1]"), 299, None, HERE, None),
-    (holder(host="node2", pid_space="node2/boot-b/pid:[1]"), 301, None, HERE, "its heartbeat stopped 301 s ago"),
-    (holder(pid_space="node1/boot-OLD/pid:[1]"), 60, None, HERE, None),          # rebooted? not known: wait
-    (None, 60, None, HERE, None),                                                # unreadable lock, fresh
-    (None, 400, None, HERE, "its heartbeat stopped 400 s ago"),
-    # A SLURM requeue (same job id, a later restart) or a torchrun restart takes over at once.
-    (holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "77"}), 5, None,
-     {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}}, "an earlier run of this launch"),
-    (holder(launch={"TORCHELASTIC_RUN_ID": "u", "TORCHELASTIC_RESTART_COUNT": "0"}), 5, 555,
-     {**HERE, "launch": {"TORCHELASTIC_RUN_ID": "u", "TORCHELASTIC_RESTART_COUNT": "1"}}, "an earlier run"),
-    # ... but not the same restart (two job steps writing one directory), nor another job.
-    (holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}), 5, None,
-     {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}}, None),
-    (holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "76"}), 5, None,
-     {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "3"}}, None),
-    (holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": [1]}), 5, None,
-     {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "junk"}}, None),  # no error, no takeover
-])
-def test_the_stale_decision_is_a_function_of_the_lock_its_age_and_the_holders_pid(lock, age_s, pid_start, me,
-                                                                                   stale):
+@pytest.mark.parametrize(
+    "lock, age_s, pid_start, me, stale",
+    [
+        # Same host, boot and pid namespace: the holder's process decides, whatever its heartbeat's age.
+        (holder(), 10_000, 555, HERE, None),  # alive, heartbeat stalled
+        (holder(), 0, None, HERE, "its process (pid 1000) has exited"),  # kill -9
+        (holder(), 0, 999, HERE, "its pid 1000 now belongs to another process"),  # pid reused
+        # Another host (or the same name in another boot or pid namespace): the heartbeat decides.
+        (holder(host="node2", pid_space="node2/boot-b/pid:[1]"), 299, None, HERE, None),
+        (holder(host="node2", pid_space="node2/boot-b/pid:[1]"), 301, None, HERE, "its heartbeat stopped 301 s ago"),
+        (holder(pid_space="node1/boot-OLD/pid:[1]"), 60, None, HERE, None),  # rebooted? not known: wait
+        (None, 60, None, HERE, None),  # unreadable lock, fresh
+        (None, 400, None, HERE, "its heartbeat stopped 400 s ago"),
+        # A SLURM requeue (same job id, a later restart) or a torchrun restart takes over at once.
+        (
+            holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "77"}),
+            5,
+            None,
+            {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}},
+            "an earlier run of this launch",
+        ),
+        (
+            holder(launch={"TORCHELASTIC_RUN_ID": "u", "TORCHELASTIC_RESTART_COUNT": "0"}),
+            5,
+            555,
+            {**HERE, "launch": {"TORCHELASTIC_RUN_ID": "u", "TORCHELASTIC_RESTART_COUNT": "1"}},
+            "an earlier run",
+        ),
+        # ... but not the same restart (two job steps writing one directory), nor another job.
+        (
+            holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}),
+            5,
+            None,
+            {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}},
+            None,
+        ),
+        (
+            holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "76"}),
+            5,
+            None,
+            {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "3"}},
+            None,
+        ),
+        (
+            holder(host="node2", pid_space="x", launch={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": [1]}),
+            5,
+            None,
+            {**HERE, "launch": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "junk"}},
+            None,
+        ),  # no error, no takeover
+    ],
+)
+def test_the_stale_decision_is_a_function_of_the_lock_its_age_and_the_holders_pid(lock, age_s, pid_start, me, stale):
     reason = rundir.stale_reason(lock, age_s=age_s, me=me, pid_start=pid_start)
     assert (reason is None) == (stale is None) and (stale is None or stale in reason), reason
 
@@ -314,9 +375,12 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_or_silent_one(tmp_
     path = tmp_path / rundir.LOCK
     record = json.loads(path.read_text())
     assert record["pid"] == os.getpid() and record["pid_space"] == rundir.pid_space() and lock.taken_over is None
-    with pytest.raises(rundir.RunDirBusy, match=rf"^{tmp_path} is in use by another training run \(host "
-                                                rf"{socket.gethostname()}, pid {os.getpid()}, since "
-                                                rf"{record['since']}; {path}\).* pass another --out-dir"):
+    with pytest.raises(
+        rundir.RunDirBusy,
+        match=rf"^{tmp_path} is in use by another training run \(host "
+        rf"{socket.gethostname()}, pid {os.getpid()}, since "
+        rf"{record['since']}; {path}\).* pass another --out-dir",
+    ):
         rundir.RunLock.acquire(tmp_path)
     assert json.loads(path.read_text()) == record and sorted(p.name for p in tmp_path.iterdir()) == [rundir.LOCK]
     lock.release()
@@ -326,8 +390,10 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_or_silent_one(tmp_
     pid, start = a_dead_pid()
     path.write_text(json.dumps({**record, "pid": pid, "pid_start": start, "nonce": "dead"}))
     lock = rundir.RunLock.acquire(tmp_path)
-    assert lock.taken_over == f"host {record['host']}, pid {pid}, since {record['since']}: its process (pid {pid}) " \
-                              "has exited"
+    assert (
+        lock.taken_over == f"host {record['host']}, pid {pid}, since {record['since']}: its process (pid {pid}) "
+        "has exited"
+    )
     assert json.loads(path.read_text())["nonce"] == lock.record["nonce"]
     lock.release()
 

@@ -50,12 +50,16 @@ def test_grad_accum_steps_rejects_non_dividing_batch_with_the_numbers():
 def test_the_refusal_lists_nearby_totals_and_smaller_micro_batches_that_divide():
     with pytest.raises(ValueError) as e:
         grad_accum_steps(5120, 8, 128, 2)  # 2048 per micro-step; 5120 = 20 * 256
-    assert str(e.value).endswith("--total-batch-size 4096 or 6144 (multiples of 2048), or --micro-batch-size 1, 2, 4, 5")
+    assert str(e.value).endswith(
+        "--total-batch-size 4096 or 6144 (multiples of 2048), or --micro-batch-size 1, 2, 4, 5"
+    )
     for m in (1, 2, 4, 5):
         grad_accum_steps(5120, m, 128, 2)  # each size it lists does divide
     with pytest.raises(ValueError, match=r"--total-batch-size 1024 \(multiples of 1024\); no smaller"):
         grad_accum_steps(200, 8, 128, 1)  # no zero total is offered
-    with pytest.raises(ValueError, match=r"less than one sequence per rank .*raise --total-batch-size to a multiple of 128"):
+    with pytest.raises(
+        ValueError, match=r"less than one sequence per rank .*raise --total-batch-size to a multiple of 128"
+    ):
         grad_accum_steps(100, 8, 128, 1)
 
 

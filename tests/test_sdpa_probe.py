@@ -20,8 +20,13 @@ def _quiet_profiler(monkeypatch):
 
 
 def test_operators_name_the_backend():
-    assert backends_of_ops(["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
-                            "aten::_scaled_dot_product_flash_attention_backward"]) == ["flash"]
+    assert backends_of_ops(
+        [
+            "aten::scaled_dot_product_attention",
+            "aten::_scaled_dot_product_flash_attention",
+            "aten::_scaled_dot_product_flash_attention_backward",
+        ]
+    ) == ["flash"]
     assert backends_of_ops(["aten::_scaled_dot_product_efficient_attention"]) == ["memory-efficient"]
     assert backends_of_ops(["aten::_scaled_dot_product_cudnn_attention"]) == ["cudnn"]
     assert backends_of_ops(["aten::_scaled_dot_product_attention_math", "aten::mm"]) == ["math"]

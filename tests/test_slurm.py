@@ -30,12 +30,49 @@ MAX_STEPS = 30
 STOP_AFTER_STEP = 5  # signal the job once this step is logged, well before MAX_STEPS
 # A 2-layer, 32-wide model on 32-token sequences: ~0.1 s a step on CPU. 2 ranks x 2 x 32 tokens =
 # 128 tokens per step, one micro-step. No periodic checkpoint: a mid-run one can only be the stop's.
-TRAINER_ARGS = ["--preset", "debug", "--device", "cpu", "--compile", "false",
-                "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
-                "--micro-batch-size", "2", "--total-batch-size", "128", "--log-interval", "1", "--eval-interval", "0", "--eval-tokens", "256",
-                "--sample-interval", "0", "--ckpt-interval", "0", "--plot", "false"]
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-            "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+TRAINER_ARGS = [
+    "--preset",
+    "debug",
+    "--device",
+    "cpu",
+    "--compile",
+    "false",
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--total-batch-size",
+    "128",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "0",
+    "--eval-tokens",
+    "256",
+    "--sample-interval",
+    "0",
+    "--ckpt-interval",
+    "0",
+    "--plot",
+    "false",
+]
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 # ---------------------------------------------------------------- slurm/common.sh without SLURM
@@ -51,15 +88,23 @@ def run_common(script: str, env: dict[str, str] | None = None, path_prefix: Path
     base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
     if path_prefix:
         base["PATH"] = f"{path_prefix}{os.pathsep}{base['PATH']}"
-    return subprocess.run(["bash", "-c", f"source {REPO}/slurm/common.sh\n{script}"],
-                          env={**base, **(env or {})}, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", "-c", f"source {REPO}/slurm/common.sh\n{script}"],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"GPUS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "8"}, "2"),   # the environment wins (CPU nodes, tests)
-    ({"SLURM_GPUS_ON_NODE": "4"}, "4"),                        # else what SLURM allocated
-    ({"SLURM_GPUS_PER_NODE": "a100:8"}, "8"),                  # typed --gpus-per-node=a100:8
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"GPUS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "8"}, "2"),  # the environment wins (CPU nodes, tests)
+        ({"SLURM_GPUS_ON_NODE": "4"}, "4"),  # else what SLURM allocated
+        ({"SLURM_GPUS_PER_NODE": "a100:8"}, "8"),  # typed --gpus-per-node=a100:8
+    ],
+)
 def test_gpus_per_node_comes_from_env_or_allocation(env, expected):
     r = run_common("gpt2_gpus_per_node", env)
     assert (r.returncode, r.stdout.strip()) == (0, expected), r.stderr
@@ -82,7 +127,7 @@ def script_lead_and_grace(script: Path) -> tuple[int, int]:
     text = script.read_text()
     leads = re.findall(r"^#SBATCH --signal=B:USR1@(\d+)\s*$", text, flags=re.M)
     assert len(leads) == 1, f"{script.name}: want one #SBATCH --signal=B:USR1@N line, found {leads}"
-    assert "--signal" not in "".join(l for l in text.splitlines() if l.startswith("#SBATCH") and "USR1@" not in l)
+    assert "--signal" not in "".join(ln for ln in text.splitlines() if ln.startswith("#SBATCH") and "USR1@" not in ln)
     graces = GRACE_DEFAULT.findall(text) or GRACE_DEFAULT.findall((REPO / "slurm" / "common.sh").read_text())
     assert len(graces) == 1, f"{script.name}: want one default TORCH_ELASTIC_SHUTDOWN_TIMEOUT, found {graces}"
     return int(leads[0]), int(graces[0])
@@ -91,7 +136,7 @@ def script_lead_and_grace(script: Path) -> tuple[int, int]:
 def readme_slurm_section() -> str:
     """The SLURM section of the documentation (docs/multinode.md)."""
     text = (REPO / "docs" / "multinode.md").read_text()
-    return text[text.index("\n## SLURM\n"):text.index("\n## ", text.index("\n## SLURM\n") + 1)]
+    return text[text.index("\n## SLURM\n") : text.index("\n## ", text.index("\n## SLURM\n") + 1)]
 
 
 def test_readme_every_sbatch_script_and_common_sh_state_one_signal_lead_and_grace():
@@ -120,13 +165,17 @@ def test_readme_stop_budget_table_follows_the_planner_and_the_defaults_cover_eve
     from gpt2.plan.planner import plan
 
     lead, grace = script_lead_and_grace(SCRIPTS[0])
-    rows = re.findall(r"^\| ([\w-]+) \| ([\d.]+) GB \| ([\d.]+) s \| ([\d.]+) s \| (\d+) s \| (\d+) s \|$",
-                      readme_slurm_section(), flags=re.M)
+    rows = re.findall(
+        r"^\| ([\w-]+) \| ([\d.]+) GB \| ([\d.]+) s \| ([\d.]+) s \| (\d+) s \| (\d+) s \|$",
+        readme_slurm_section(),
+        flags=re.M,
+    )
     assert sorted(r[0] for r in rows) == sorted(MODEL_PRESETS)
     for name, gb, step, writes, need_grace, need_lead in rows:
         cfg = model_preset(name)
-        p = plan(run_config(cfg, 1, world_size=8, total_batch_size=524288), gpu_hardware("A100-80GB", "bf16"),
-                 world_size=8)
+        p = plan(
+            run_config(cfg, 1, world_size=8, total_batch_size=524288), gpu_hardware("A100-80GB", "bf16"), world_size=8
+        )
         b = StopBudget(checkpoint_bytes(cfg), p.step_time_s, 1e9)
         assert (gb, step, writes) == (f"{b.checkpoint_bytes / 1e9:.2f}", f"{b.step_s:.1f}", f"{b.writes_s:.1f}"), name
         assert (int(need_grace), int(need_lead)) == (b.grace_s, b.lead_s), name
@@ -140,12 +189,22 @@ def test_prepare_refuses_out_dir_flag_because_requeues_must_find_the_run():
 
 
 def test_prepare_derives_out_dir_threads_and_resume_on_restart(tmp_path):
-    env = {"REPO_DIR": str(REPO), "GPUS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "6", "OUT_ROOT": str(tmp_path),
-           "SLURM_JOB_NAME": "exp", "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}
+    env = {
+        "REPO_DIR": str(REPO),
+        "GPUS_PER_NODE": "2",
+        "SLURM_CPUS_PER_TASK": "6",
+        "OUT_ROOT": str(tmp_path),
+        "SLURM_JOB_NAME": "exp",
+        "SLURM_JOB_ID": "77",
+        "SLURM_RESTART_COUNT": "1",
+    }
     (tmp_path / "exp-77").mkdir()
     (tmp_path / "exp-77" / "requeue").write_text("{}")  # left by the previous run's stop
-    r = run_common('unset OMP_NUM_THREADS; gpt2_prepare --resume never --lr 1e-3 >/dev/null\n'
-                   'echo "$OUT_DIR|$OMP_NUM_THREADS|${TRAIN_ARGS[*]}|$GPT2_PYTHON"', env)
+    r = run_common(
+        "unset OMP_NUM_THREADS; gpt2_prepare --resume never --lr 1e-3 >/dev/null\n"
+        'echo "$OUT_DIR|$OMP_NUM_THREADS|${TRAIN_ARGS[*]}|$GPT2_PYTHON"',
+        env,
+    )
     assert r.returncode == 0, r.stderr
     out_dir, threads, args, python = r.stdout.strip().split("|")
     assert Path(python).parent == Path(sys.executable).parent  # the environment's, which runs gpt2.launch
@@ -162,8 +221,7 @@ def test_prepare_without_torch_names_the_fix(tmp_path):
     fake.write_text("#!/bin/bash\nexit 1\n")
     fake.chmod(0o755)
     # VIRTUAL_ENV: an environment is "active", so gpt2_prepare does not activate the repository's .venv
-    env = {"REPO_DIR": str(REPO), "GPUS_PER_NODE": "1", "OUT_DIR": str(tmp_path / "run"),
-           "VIRTUAL_ENV": str(tmp_path)}
+    env = {"REPO_DIR": str(REPO), "GPUS_PER_NODE": "1", "OUT_DIR": str(tmp_path / "run"), "VIRTUAL_ENV": str(tmp_path)}
     r = run_common("gpt2_prepare", env, path_prefix=fake.parent)
     assert r.returncode == 2 and "no python with torch" in r.stderr and "VENV=" in r.stderr, r.stderr
 
@@ -175,17 +233,23 @@ def test_a_forwarded_stop_leaves_one_line_from_the_launcher_not_a_traceback(tmp_
     (tmp_path / "worker.py").write_text(
         "import signal, sys, time\nfrom pathlib import Path\n"
         "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(0))\n"
-        f"Path({str(tmp_path / 'ready')!r}).touch()\ntime.sleep(60)\nsys.exit(4)\n")
-    r = run_common(f"""
+        f"Path({str(tmp_path / 'ready')!r}).touch()\ntime.sleep(60)\nsys.exit(4)\n"
+    )
+    r = run_common(
+        f"""
         ( while [[ ! -f {tmp_path}/ready ]]; do sleep 0.1; done; kill -USR1 $$ ) &
         OUT_DIR={tmp_path}/run gpt2_run_forwarding TERM python -m gpt2.launch --standalone --nproc_per_node=1 \
             {tmp_path}/worker.py
         echo "rc=$? usr1=$GPT2_GOT_USR1"
-    """, {"PYTHONPATH": str(REPO)})
+    """,
+        {"PYTHONPATH": str(REPO)},
+    )
     assert "rc=1 usr1=1" in r.stdout, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert f"torchrun: stopped by SIGTERM; its workers were asked to stop and have exited " \
-           f"(a checkpointed stop leaves {tmp_path}/run/requeue)" in r.stderr, r.stderr
+    assert (
+        f"torchrun: stopped by SIGTERM; its workers were asked to stop and have exited "
+        f"(a checkpointed stop leaves {tmp_path}/run/requeue)" in r.stderr
+    ), r.stderr
 
 
 CHILD = """
@@ -216,19 +280,23 @@ def test_usr1_reaches_the_launcher_once_as_sigterm_and_is_remembered(tmp_path):
     assert "rc=3 usr1=1 term=1" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("usr1, term, rc, restart, start_ckpt, marker, requeued, exit_status", [
-    ("1", "", 1, 0, "none", True, True, 0),              # USR1 + clean stop (torchrun says 1): requeue
-    ("1", "", 0, 0, "none", True, True, 0),              # same when only the workers were signalled
-    ("1", "", 1, 1, "step_00000005.pt", True, True, 0),  # a requeued run that made progress: again
-    ("1", "", 1, 1, "step_00000009.pt", True, False, 3), # a requeued run without a new checkpoint: stop looping
-    ("1", "", 0, 0, "none", False, False, 0),            # USR1 but training had finished: nothing to resume
-    ("1", "", 1, 0, "none", False, False, 1),            # USR1 but no clean stop (died in start-up, crashed)
-    ("1", "1", 1, 0, "none", True, False, 3),            # scancel during the stop: a requeue would undo it
-    ("", "1", 1, 0, "none", True, False, 1),             # SIGTERM alone (scancel, preemption): SLURM decides
-    ("", "", 1, 0, "none", False, False, 1),             # a crash: never requeued (it would crash again)
-])
-def test_finish_requeues_only_a_confirmed_stop_on_usr1(tmp_path, usr1, term, rc, restart, start_ckpt, marker,
-                                                       requeued, exit_status):
+@pytest.mark.parametrize(
+    "usr1, term, rc, restart, start_ckpt, marker, requeued, exit_status",
+    [
+        ("1", "", 1, 0, "none", True, True, 0),  # USR1 + clean stop (torchrun says 1): requeue
+        ("1", "", 0, 0, "none", True, True, 0),  # same when only the workers were signalled
+        ("1", "", 1, 1, "step_00000005.pt", True, True, 0),  # a requeued run that made progress: again
+        ("1", "", 1, 1, "step_00000009.pt", True, False, 3),  # a requeued run without a new checkpoint: stop looping
+        ("1", "", 0, 0, "none", False, False, 0),  # USR1 but training had finished: nothing to resume
+        ("1", "", 1, 0, "none", False, False, 1),  # USR1 but no clean stop (died in start-up, crashed)
+        ("1", "1", 1, 0, "none", True, False, 3),  # scancel during the stop: a requeue would undo it
+        ("", "1", 1, 0, "none", True, False, 1),  # SIGTERM alone (scancel, preemption): SLURM decides
+        ("", "", 1, 0, "none", False, False, 1),  # a crash: never requeued (it would crash again)
+    ],
+)
+def test_finish_requeues_only_a_confirmed_stop_on_usr1(
+    tmp_path, usr1, term, rc, restart, start_ckpt, marker, requeued, exit_status
+):
     calls = tmp_path / "calls"
     stub = tmp_path / "bin" / "scontrol"  # records its arguments instead of talking to SLURM
     stub.parent.mkdir()
@@ -238,14 +306,18 @@ def test_finish_requeues_only_a_confirmed_stop_on_usr1(tmp_path, usr1, term, rc,
     (tmp_path / "checkpoints" / "latest").write_text("step_00000009.pt\n")  # written by the stop
     if marker:
         (tmp_path / "requeue").write_text('{"step": 9, "signal": "SIGTERM", "checkpoint": "step_00000009.pt"}\n')
-    r = run_common(f"OUT_DIR={tmp_path}; GPT2_GOT_USR1={usr1}; GPT2_GOT_TERM={term}; "
-                   f"GPT2_START_CHECKPOINT={start_ckpt}; gpt2_finish {rc}",
-                   {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restart)}, path_prefix=stub.parent)
+    r = run_common(
+        f"OUT_DIR={tmp_path}; GPT2_GOT_USR1={usr1}; GPT2_GOT_TERM={term}; "
+        f"GPT2_START_CHECKPOINT={start_ckpt}; gpt2_finish {rc}",
+        {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restart)},
+        path_prefix=stub.parent,
+    )
     assert r.returncode == exit_status, r.stdout + r.stderr
     assert (calls.read_text() if calls.exists() else "") == ("requeue 42\n" if requeued else "")
 
 
 # ---------------------------------------------------------------- the sbatch files on a real SLURM
+
 
 @pytest.fixture(scope="module")
 def slurm():
@@ -298,16 +370,29 @@ def _cancel_leftover_jobs():
         subprocess.run(["scancel", *SUBMITTED], capture_output=True, timeout=30)
 
 
-def submit(script: str, work: Path, data_dir: Path, *, gpus_per_node: int, sbatch_opts=(),
-           max_steps: int = MAX_STEPS) -> str:
+def submit(
+    script: str, work: Path, data_dir: Path, *, gpus_per_node: int, sbatch_opts=(), max_steps: int = MAX_STEPS
+) -> str:
     env = dict(os.environ)
     # python (with torch, for the launcher) from the interpreter running the tests, whether or not its
     # venv is activated.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(GPUS_PER_NODE=str(gpus_per_node), OUT_ROOT=str(work))
-    cmd = ["sbatch", "--parsable", "--partition=local", "--time=10", "--gpus-per-node=0",
-           f"--output={work}/%x-%j.out", *sbatch_opts,
-           str(REPO / "slurm" / script), "--data-dir", str(data_dir), *TRAINER_ARGS, "--max-steps", str(max_steps)]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--partition=local",
+        "--time=10",
+        "--gpus-per-node=0",
+        f"--output={work}/%x-%j.out",
+        *sbatch_opts,
+        str(REPO / "slurm" / script),
+        "--data-dir",
+        str(data_dir),
+        *TRAINER_ARGS,
+        "--max-steps",
+        str(max_steps),
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"sbatch failed: {r.stderr}"
     job = r.stdout.strip().split(";")[0]
@@ -373,8 +458,11 @@ def assert_stopped_and_resumed(info: dict[str, str], run: Path, log: str) -> int
     stop = int(stops[0])
     assert STOP_AFTER_STEP <= stop < MAX_STEPS, log
     assert (run / "checkpoints" / f"step_{stop:08d}.pt").is_file(), log
-    assert re.search(rf"clean stop confirmed by {re.escape(str(run))}/requeue .*\"step\": {stop}\b.*"
-                     rf"requeueing job {info['JobId']}", log), log
+    assert re.search(
+        rf"clean stop confirmed by {re.escape(str(run))}/requeue .*\"step\": {stop}\b.*"
+        rf"requeueing job {info['JobId']}",
+        log,
+    ), log
     assert re.search(rf"restart 1 on .*OUT_DIR={re.escape(str(run))}", log), log
     assert re.search(rf"resumed from \S+step_{stop:08d}\.pt at step {stop}\b", log), log
     # The stop reads as a stop: gpt2.launch's one line, not torchrun's SignalException traceback.
@@ -425,8 +513,13 @@ def test_train_multinode_two_agents_rendezvous_and_resume_exactly(uninterrupted,
     """Two torchrun agents (srun tasks) on one node meet through the c10d rendezvous: world size 2,
     one rank each. USR1 goes batch shell -> srun -> each task's torchrun -> workers."""
     reference = uninterrupted["losses"]
-    job = submit("train_multinode.sbatch", work, data_dir, gpus_per_node=1,
-                 sbatch_opts=["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"])
+    job = submit(
+        "train_multinode.sbatch",
+        work,
+        data_dir,
+        gpus_per_node=1,
+        sbatch_opts=["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"],
+    )
     run = work / f"gpt2-multinode-{job}"
     signal_when_training(job, run, work)
     info = wait_for_job(job, work, restarts=1)
@@ -441,8 +534,7 @@ def test_train_multinode_two_agents_rendezvous_and_resume_exactly(uninterrupted,
 
 @pytest.mark.slurm
 def test_debug_1gpu_runs_the_debug_preset_on_one_process(slurm, work, data_dir):
-    job = submit("debug_1gpu.sbatch", work, data_dir, gpus_per_node=1, sbatch_opts=["--cpus-per-task=1"],
-                 max_steps=3)
+    job = submit("debug_1gpu.sbatch", work, data_dir, gpus_per_node=1, sbatch_opts=["--cpus-per-task=1"], max_steps=3)
     info = wait_for_job(job, work)
     run = work / f"gpt2-debug-{job}"
     log = job_log(work, job)

@@ -41,6 +41,7 @@ def healthy(n: int, seed: int = 0) -> list[tuple[float, float]]:
 
 # ------------------------------------------------------------------ the verdict
 
+
 def test_a_loss_far_above_a_full_history_is_a_spike_and_stays_out_of_the_history():
     guard = guard_for()
     assert [v[0] for v in feed(guard, healthy(8))] == [0.0] * 8  # nothing judged before the window is full
@@ -95,8 +96,11 @@ def test_observe_counts_spikes_within_the_window_and_says_so(tmp_path, capsys):
     assert "spike guard: step 20's update skipped: loss 11.0000 (z 9.0)" in out.out + out.err
     assert "spike 2 of 2 within 8 steps before a rollback" in out.out + out.err
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["spike_guard"], r["spikes_in_window"]) for r in recs] == [(10, "skip", 1), (19, "skip", 1),
-                                                                                   (20, "skip", 2)]
+    assert [(r["step"], r["spike_guard"], r["spikes_in_window"]) for r in recs] == [
+        (10, "skip", 1),
+        (19, "skip", 1),
+        (20, "skip", 2),
+    ]
 
 
 def test_a_window_too_short_for_a_spread_is_refused():
@@ -106,20 +110,29 @@ def test_a_window_too_short_for_a_spread_is_refused():
 
 # ------------------------------------------------------------------ whole runs on poisoned shards
 
+
 def poisoned(shards, dest, steps: range):
     """A copy of the Shakespeare shards (no manifest: the token check alone) with the batches of `steps`
     (1-based, --data-order sequential) replaced by POISON_TOKEN."""
     dest.mkdir()
     shutil.copy(shards / "val_000000.bin", dest)
     tokens = np.concatenate([np.fromfile(p, dtype=np.uint16, offset=1024) for p in sorted(shards.glob("train_*.bin"))])
-    tokens[(steps.start - 1) * STEP_TOKENS:(steps.stop - 1) * STEP_TOKENS + 1] = POISON_TOKEN
+    tokens[(steps.start - 1) * STEP_TOKENS : (steps.stop - 1) * STEP_TOKENS + 1] = POISON_TOKEN
     write_shard(dest / "train_000000.bin", tokens)
     return dest
 
 
 def guarded(data_dir, out_dir, *extra, max_steps: int) -> list[str]:
-    return [*tiny_run_flags(data_dir, max_steps=max_steps, ckpt_interval=2, eval_tokens=2048), "--data-order",
-            "sequential", "--out-dir", str(out_dir), "--spike-window", "8", *extra]
+    return [
+        *tiny_run_flags(data_dir, max_steps=max_steps, ckpt_interval=2, eval_tokens=2048),
+        "--data-order",
+        "sequential",
+        "--out-dir",
+        str(out_dir),
+        "--spike-window",
+        "8",
+        *extra,
+    ]
 
 
 def decisions(run_dir) -> list[tuple]:
@@ -138,19 +151,22 @@ def guard_records(run_dir) -> list[dict]:
     return [r for r in records(run_dir) if "spike_guard" in r]
 
 
-def test_spikes_are_skipped_then_rolled_back_past_and_the_rollbacks_are_bounded(tmp_path, shakespeare_shards,
-                                                                                    capsys):
+def test_spikes_are_skipped_then_rolled_back_past_and_the_rollbacks_are_bounded(tmp_path, shakespeare_shards, capsys):
     """Batches 21-26 poisoned, a rollback after 3 spikes, at most 1: steps 21-23 spike (skipped); the run
     goes back to step 20's checkpoint (22's, after the first spike, moves aside) with the data past step
     23's batches, so steps 21-23 again read batches 24-26, spike again, and the run stops with one line."""
     data = poisoned(shakespeare_shards, tmp_path / "data", range(21, 27))
     run_dir = tmp_path / "run"
-    code, out = in_process(guarded(data, run_dir, "--spike-rollback-after", "3", "--spike-max-rollbacks", "1",
-                                   max_steps=28), capsys)
+    code, out = in_process(
+        guarded(data, run_dir, "--spike-rollback-after", "3", "--spike-max-rollbacks", "1", max_steps=28), capsys
+    )
     assert code == 1
     error = [line for line in out.splitlines() if line.startswith("train_ddp.py: error:")]
-    assert len(error) == 1 and "spike guard: 3 loss spikes within 8 steps (steps 21, 22, 23) after 1 rollbacks" \
-        in error[0] and "Lower --lr" in error[0]
+    assert (
+        len(error) == 1
+        and "spike guard: 3 loss spikes within 8 steps (steps 21, 22, 23) after 1 rollbacks" in error[0]
+        and "Lower --lr" in error[0]
+    )
     rollback, *after = guard_records(run_dir)
     assert rollback["spike_guard"] == "rollback" and rollback["step"] == 20 and rollback["from_step"] == 23
     assert [s["step"] for s in rollback["spikes"]] == [21, 22, 23] and min(s["loss_z"] for s in rollback["spikes"]) > 6
@@ -166,8 +182,7 @@ def test_spikes_are_skipped_then_rolled_back_past_and_the_rollbacks_are_bounded(
 
 
 @pytest.mark.slow  # ~45 s: four runs; the skip and rollback themselves are tested in the default suite
-def test_a_rollback_recovers_and_a_resume_with_the_guard_state_is_bitwise_exact(tmp_path, shakespeare_shards,
-                                                                                   capsys):
+def test_a_rollback_recovers_and_a_resume_with_the_guard_state_is_bitwise_exact(tmp_path, shakespeare_shards, capsys):
     data = poisoned(shakespeare_shards, tmp_path / "data", range(21, 24))
     run_dir = tmp_path / "run"
     args = guarded(data, run_dir, max_steps=26)
@@ -186,8 +201,9 @@ def test_a_rollback_recovers_and_a_resume_with_the_guard_state_is_bitwise_exact(
     assert_same_state(load_ckpt(copy, 26), load_ckpt(run_dir, 26))
 
 
-def test_a_rollback_with_late_reads_rolls_back_exactly_as_with_reads_at_once(tmp_path, shakespeare_shards, capsys,
-                                                                               monkeypatch):
+def test_a_rollback_with_late_reads_rolls_back_exactly_as_with_reads_at_once(
+    tmp_path, shakespeare_shards, capsys, monkeypatch
+):
     """CUDA's loop (a step's numbers read after the next step is queued), forced on a CPU: the rollback
     voids the queued step and the data goes on just past the last spike's batch, as at once."""
     data = poisoned(shakespeare_shards, tmp_path / "data", range(21, 24))
@@ -202,7 +218,11 @@ def test_a_rollback_with_late_reads_rolls_back_exactly_as_with_reads_at_once(tmp
 
 def test_an_old_checkpoint_without_guard_state_resumes_with_a_fresh_guard(tmp_path, shakespeare_shards, capsys):
     run_dir = tmp_path / "run"
-    args = [*tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2, eval_tokens=256), "--out-dir", str(run_dir)]
+    args = [
+        *tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=2, eval_tokens=256),
+        "--out-dir",
+        str(run_dir),
+    ]
     assert in_process(args, capsys)[0] == 0
     path = run_dir / "checkpoints" / "step_00000002.pt"
     state = torch.load(path, weights_only=False)
@@ -210,7 +230,9 @@ def test_an_old_checkpoint_without_guard_state_resumes_with_a_fresh_guard(tmp_pa
     torch.save(state, path)
     from gpt2.ckpt import checkpoint as ckpt
 
-    ckpt.write_sidecar(path, {**ckpt.read_sidecar(path), "bytes": path.stat().st_size, "sha256": ckpt.file_sha256(path)})
+    ckpt.write_sidecar(
+        path, {**ckpt.read_sidecar(path), "bytes": path.stat().st_size, "sha256": ckpt.file_sha256(path)}
+    )
     code, out = in_process([*args, "--resume", str(path)], capsys)
     assert code == 0 and "resumed from" in out, out
     assert load_ckpt(run_dir, 4)["spike_guard"]["count"] == 2  # a fresh guard's history: steps 3 and 4
@@ -218,9 +240,14 @@ def test_an_old_checkpoint_without_guard_state_resumes_with_a_fresh_guard(tmp_pa
 
 def test_no_false_alarm_a_healthy_run_trains_bitwise_the_same_guard_on_or_off(tmp_path, shakespeare_shards, capsys):
     """Default thresholds, the shortest window allowed (8), so the guard judges 6 of the 14 steps."""
+
     def run(name, *extra):
-        args = [*tiny_run_flags(shakespeare_shards, max_steps=14, ckpt_interval=14, eval_tokens=256), "--out-dir",
-                str(tmp_path / name), *extra]
+        args = [
+            *tiny_run_flags(shakespeare_shards, max_steps=14, ckpt_interval=14, eval_tokens=256),
+            "--out-dir",
+            str(tmp_path / name),
+            *extra,
+        ]
         assert in_process(args, capsys)[0] == 0
         return tmp_path / name
 
@@ -234,6 +261,7 @@ def test_no_false_alarm_a_healthy_run_trains_bitwise_the_same_guard_on_or_off(tm
 
 # ------------------------------------------------------------------ slow: presets, val loss, 2 ranks
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["debug", "speed"])
 def test_the_presets_train_bitwise_the_same_with_the_guard_at_its_defaults(tmp_path, shakespeare_shards, preset):
@@ -242,9 +270,28 @@ def test_the_presets_train_bitwise_the_same_with_the_guard_at_its_defaults(tmp_p
     runs = {}
     for name, extra in (("on", []), ("off", ["--spike-guard", "false"])):
         out = tmp_path / name
-        r = run_trainer(["--preset", preset, "--data-dir", str(shakespeare_shards), "--out-dir", str(out), "--device",
-                         "cpu", "--dtype", "float32", "--sample-interval", "0", "--plot", "false", "--log-interval", "1",
-                         *extra], timeout=1800)
+        r = run_trainer(
+            [
+                "--preset",
+                preset,
+                "--data-dir",
+                str(shakespeare_shards),
+                "--out-dir",
+                str(out),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--sample-interval",
+                "0",
+                "--plot",
+                "false",
+                "--log-interval",
+                "1",
+                *extra,
+            ],
+            timeout=1800,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = out
     assert guard_records(runs["on"]) == []
@@ -257,8 +304,22 @@ def final_val(run_dir) -> float:
 
 POISON_STEPS = range(25, 31)
 """The last 6 of 30 steps: the run without the guard ends on them."""
-POISONED_RUN = ["--max-steps", "30", "--lr", "1e-2", "--min-lr", "1e-2", "--warmup-steps", "3", "--data-order",
-                "sequential", "--spike-window", "10", "--ckpt-interval", "10"]
+POISONED_RUN = [
+    "--max-steps",
+    "30",
+    "--lr",
+    "1e-2",
+    "--min-lr",
+    "1e-2",
+    "--warmup-steps",
+    "3",
+    "--data-order",
+    "sequential",
+    "--spike-window",
+    "10",
+    "--ckpt-interval",
+    "10",
+]
 """A constant, raised lr (the issue's "a raised lr for those steps"): Adam moves every weight by about lr
 a step whatever the gradient's size, so 6 consistent steps of one token move weights of std 0.02 by up to
 0.06. At the default recipe's decayed lr the same poison left the val loss within 0.01 of the clean run's."""
@@ -271,10 +332,12 @@ the same number of steps, but on batches further on (past the poison) after two 
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="open (docs/spike_guard.md, 'Seeing it work'): at lr 1e-2 this tiny model's clean loss "
-                          "swings 6.6-8.6 and spikes to 13.8 itself, so after the first rollback the guard at its "
-                          "defaults misses the rest of the poison (val 7.18 against clean 6.87, 1 process)",
-                   strict=False)
+@pytest.mark.xfail(
+    reason="open (docs/spike_guard.md, 'Seeing it work'): at lr 1e-2 this tiny model's clean loss "
+    "swings 6.6-8.6 and spikes to 13.8 itself, so after the first rollback the guard at its "
+    "defaults misses the rest of the poison (val 7.18 against clean 6.87, 1 process)",
+    strict=False,
+)
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, shakespeare_shards, nproc):
     poison = poisoned(shakespeare_shards, tmp_path / "data", POISON_STEPS)
@@ -282,8 +345,13 @@ def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, sh
     off = ["--spike-guard", "false"]
     for name, data, extra in (("clean", shakespeare_shards, off), ("off", poison, off), ("on", poison, [])):
         out = tmp_path / name
-        args = [*tiny_run_flags(data, max_steps=30, ckpt_interval=10, eval_tokens=8192), *POISONED_RUN,
-                "--out-dir", str(out), *extra]
+        args = [
+            *tiny_run_flags(data, max_steps=30, ckpt_interval=10, eval_tokens=8192),
+            *POISONED_RUN,
+            "--out-dir",
+            str(out),
+            *extra,
+        ]
         r = run_trainer(args, nproc=nproc, timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
         vals[name] = final_val(out)

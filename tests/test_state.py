@@ -19,20 +19,66 @@ FIXTURE = Path(__file__).resolve().parent / "data" / "checkpoint_v1"
 """Step 2 of a 4-step run written by the trainer before gpt2/train/state.py (expected.json: the command,
 and the losses of all 4 steps of that uninterrupted run)."""
 
-FIXTURE_FLAGS = ["--n-layer", "1", "--n-head", "1", "--n-embd", "4", "--block-size", "8", "--device", "cpu",
-                 "--dtype", "float32", "--compile", "false", "--micro-batch-size", "2", "--total-batch-size", "16",
-                 "--max-steps", "4", "--eval-interval", "0", "--eval-tokens", "0", "--ckpt-interval", "2",
-                 "--keep-checkpoints", "3", "--log-interval", "1", "--sample-interval", "0",
-                 "--hellaswag-interval", "0", "--seed", "1337", "--warmup-steps", "1", "--lr", "1e-3", "--plot",
-                 "false", "--async-ckpt", "false"]
+FIXTURE_FLAGS = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "1",
+    "--n-embd",
+    "4",
+    "--block-size",
+    "8",
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--compile",
+    "false",
+    "--micro-batch-size",
+    "2",
+    "--total-batch-size",
+    "16",
+    "--max-steps",
+    "4",
+    "--eval-interval",
+    "0",
+    "--eval-tokens",
+    "0",
+    "--ckpt-interval",
+    "2",
+    "--keep-checkpoints",
+    "3",
+    "--log-interval",
+    "1",
+    "--sample-interval",
+    "0",
+    "--hellaswag-interval",
+    "0",
+    "--seed",
+    "1337",
+    "--warmup-steps",
+    "1",
+    "--lr",
+    "1e-3",
+    "--plot",
+    "false",
+    "--async-ckpt",
+    "false",
+]
 
 
 def key_shape(state: dict) -> dict:
     """The structure a reader of a checkpoint relies on: keys, not values (config fields may grow)."""
-    return {"top": sorted(state), "model": sorted(state["model"]), "optimizer": sorted(state["optimizer"]),
-            "param_group": sorted(state["optimizer"]["param_groups"][0]), "loader": sorted(state["loader"]),
-            "rng": [sorted(r) for r in state["rng"]], "config": sorted(state["config"]),
-            "scaler": sorted(state["scaler"])}
+    return {
+        "top": sorted(state),
+        "model": sorted(state["model"]),
+        "optimizer": sorted(state["optimizer"]),
+        "param_group": sorted(state["optimizer"]["param_groups"][0]),
+        "loader": sorted(state["loader"]),
+        "rng": [sorted(r) for r in state["rng"]],
+        "config": sorted(state["config"]),
+        "scaler": sorted(state["scaler"]),
+    }
 
 
 def test_a_checkpoint_from_before_resumes_and_trains_two_more_steps(tmp_path, shakespeare_shards):
@@ -41,8 +87,9 @@ def test_a_checkpoint_from_before_resumes_and_trains_two_more_steps(tmp_path, sh
     for name in ("step_00000002.pt", "step_00000002.json"):
         shutil.copy(FIXTURE / name, run_dir / "checkpoints" / name)
     old = run_dir / "checkpoints" / "step_00000002.pt"
-    run = run_trainer([*FIXTURE_FLAGS, "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir),
-                       "--resume", str(old)])
+    run = run_trainer(
+        [*FIXTURE_FLAGS, "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir), "--resume", str(old)]
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"resumed from {old} at step 2 (32 tokens)" in run.stdout
     losses = {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}

@@ -10,9 +10,9 @@ from gpt2.distributed.group import Dist, single_process
 from gpt2.distributed.straggler import (
     RECORD_EVERY_LOGS,
     ComputeClock,
+    slow_rank_hook,
     slowest,
     straggler_line,
-    slow_rank_hook,
     times_record,
 )
 from gpt2.train.trainer import StepStats

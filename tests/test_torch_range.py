@@ -42,8 +42,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.torch_range]
 
 
 def flags(data_dir, run_dir, *extra) -> list[str]:
-    return [*tiny_run_flags(data_dir, max_steps=MAX_STEPS, ckpt_interval=CKPT_INTERVAL), "--out-dir", str(run_dir),
-            *extra]
+    return [
+        *tiny_run_flags(data_dir, max_steps=MAX_STEPS, ckpt_interval=CKPT_INTERVAL),
+        "--out-dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def assert_clean(done, what: str) -> None:
@@ -95,7 +99,10 @@ def test_optional_feature_runs_or_is_refused_in_one_line(feature, flag, shakespe
     else:
         assert done.proc.returncode != 0
         errors = [line for line in done.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
-        asked = {"optimizer": "muon" if feature == "muon" else "adamw", "parallel": "fsdp" if feature == "fsdp" else "ddp"}
+        asked = {
+            "optimizer": "muon" if feature == "muon" else "adamw",
+            "parallel": "fsdp" if feature == "fsdp" else "ddp",
+        }
         assert errors == [f"train_ddp.py: error: {line}" for line in compat.missing_features(**asked)], done.output()
         assert f"needs torch >= {compat.FIRST_RELEASE[feature]}" in errors[0]
         assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any work
@@ -105,8 +112,13 @@ def test_kill_9_of_a_rank_and_resume_auto_continue_bitwise(ddp_run, shakespeare_
     kill_after = seeded_rng(request).randint(CKPT_INTERVAL + 1, MAX_STEPS - 1)
     where = f"rank 1 killed after step {kill_after} (torch {torch.__version__})"
     run_dir, release = tmp_path / "run", tmp_path / "release"
-    job = launch(flags(shakespeare_shards, run_dir), nproc=2, log_dir=tmp_path, max_restarts=1,
-                 script=patched_train_script(tmp_path, hold_after_step(kill_after, release)))
+    job = launch(
+        flags(shakespeare_shards, run_dir),
+        nproc=2,
+        log_dir=tmp_path,
+        max_restarts=1,
+        script=patched_train_script(tmp_path, hold_after_step(kill_after, release)),
+    )
     try:
         wait_for_step(job, run_dir, kill_after)
         pids = job.workers()
@@ -122,8 +134,7 @@ def test_kill_9_of_a_rank_and_resume_auto_continue_bitwise(ddp_run, shakespeare_
 
 def tool(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=env)
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
 
 def assert_tool_clean(proc: subprocess.CompletedProcess, what: str) -> None:
@@ -133,13 +144,37 @@ def assert_tool_clean(proc: subprocess.CompletedProcess, what: str) -> None:
 
 
 def test_sample_eval_and_export_of_the_run(ddp_run, shakespeare_shards, tmp_path):
-    sample = tool("gpt2.sample", "--checkpoint", str(ddp_run), "--prompt", "ROMEO:", "--max-new-tokens", "8",
-                  "--device", "cpu", "--seed", "1")
+    sample = tool(
+        "gpt2.sample",
+        "--checkpoint",
+        str(ddp_run),
+        "--prompt",
+        "ROMEO:",
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--seed",
+        "1",
+    )
     assert_tool_clean(sample, "gpt2.sample")
     assert "ROMEO:" in sample.stdout
 
-    evaluated = tool("gpt2.eval", "loss", "--checkpoint", str(ddp_run), "--data-dir", str(shakespeare_shards),
-                     "--eval-tokens", "1024", "--device", "cpu", "--dtype", "float32", "--json")
+    evaluated = tool(
+        "gpt2.eval",
+        "loss",
+        "--checkpoint",
+        str(ddp_run),
+        "--data-dir",
+        str(shakespeare_shards),
+        "--eval-tokens",
+        "1024",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--json",
+    )
     assert_tool_clean(evaluated, "gpt2.eval loss")
     loss = json.loads(evaluated.stdout.strip().splitlines()[-1])["loss"]
     assert 0 < loss < losses(ddp_run)[1]  # trained a little

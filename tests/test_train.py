@@ -27,9 +27,30 @@ def check(run):
 
 def test_two_ranks_equal_one_rank_with_accumulation(tmp_path, shakespeare_shards):
     """2 ranks x micro-batch 4 == 1 rank x 2 accumulation steps x micro-batch 4, same global batch."""
-    common = [*TINY_MODEL_FLAGS, *FP32, "--data-dir", str(shakespeare_shards), "--micro-batch-size", "4",
-              "--total-batch-size", "512", "--max-steps", "10", "--warmup-steps", "3", "--lr", "3e-3",
-              "--eval-interval", "0", "--eval-tokens", "2048", "--ckpt-interval", "0", "--log-interval", "1"]
+    common = [
+        *TINY_MODEL_FLAGS,
+        *FP32,
+        "--data-dir",
+        str(shakespeare_shards),
+        "--micro-batch-size",
+        "4",
+        "--total-batch-size",
+        "512",
+        "--max-steps",
+        "10",
+        "--warmup-steps",
+        "3",
+        "--lr",
+        "3e-3",
+        "--eval-interval",
+        "0",
+        "--eval-tokens",
+        "2048",
+        "--ckpt-interval",
+        "0",
+        "--log-interval",
+        "1",
+    ]
     two = run_trainer([*common, "--out-dir", str(tmp_path / "two")], nproc=2)
     check(two)
     one = run_trainer([*common, "--out-dir", str(tmp_path / "one")], nproc=1)
@@ -49,13 +70,47 @@ def test_two_ranks_equal_one_rank_with_accumulation(tmp_path, shakespeare_shards
 def test_torchrun_training_on_shakespeare_lowers_validation_loss(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
     hellaswag = tmp_path / "hellaswag.jsonl"  # the official schema; scored every 15 steps by both ranks
-    hellaswag.write_text("".join(json.dumps({"ctx": f"The king said {w}", "endings": [" and", " the", " of", " to"],
-                                             "label": i % 4}) + "\n" for i, w in enumerate(["that", "so", "no"])))
-    run = run_trainer([*TINY_MODEL_FLAGS, *FP32[:-2], "--data-dir", str(shakespeare_shards), "--out-dir",
-                       str(run_dir), "--micro-batch-size", "8", "--total-batch-size", "2048", "--max-steps", "30",
-                       "--warmup-steps", "5", "--lr", "3e-3", "--eval-interval", "15", "--eval-tokens", "4096",
-                       "--sample-interval", "30", "--log-interval", "5", "--ckpt-interval", "0",
-                       "--hellaswag-interval", "15", "--hellaswag-file", str(hellaswag)], nproc=2)
+    hellaswag.write_text(
+        "".join(
+            json.dumps({"ctx": f"The king said {w}", "endings": [" and", " the", " of", " to"], "label": i % 4}) + "\n"
+            for i, w in enumerate(["that", "so", "no"])
+        )
+    )
+    run = run_trainer(
+        [
+            *TINY_MODEL_FLAGS,
+            *FP32[:-2],
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(run_dir),
+            "--micro-batch-size",
+            "8",
+            "--total-batch-size",
+            "2048",
+            "--max-steps",
+            "30",
+            "--warmup-steps",
+            "5",
+            "--lr",
+            "3e-3",
+            "--eval-interval",
+            "15",
+            "--eval-tokens",
+            "4096",
+            "--sample-interval",
+            "30",
+            "--log-interval",
+            "5",
+            "--ckpt-interval",
+            "0",
+            "--hellaswag-interval",
+            "15",
+            "--hellaswag-file",
+            str(hellaswag),
+        ],
+        nproc=2,
+    )
     check(run)
     val = val_losses(run_dir)
     assert sorted(val) == [0, 15, 30]
@@ -82,6 +137,7 @@ def test_torchrun_training_on_shakespeare_lowers_validation_loss(tmp_path, shake
     assert "sample at step 30" in run.stdout
     assert (run_dir / "loss_curve.png").stat().st_size > 1000
     from gpt2.metrics import main as plot_main  # on request: `python -m gpt2.metrics RUN`
+
     assert plot_main([str(run_dir), "--out", str(tmp_path / "again.png")]) == 0
     assert (tmp_path / "again.png").stat().st_size > 1000
     with pytest.raises(SystemExit):
@@ -93,11 +149,46 @@ def test_torchrun_training_on_shakespeare_lowers_validation_loss(tmp_path, shake
 
 def test_compiled_bf16_run_logs_sane_numbers(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
-    run = run_trainer([*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "bfloat16", "--compile", "true",
-                       "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir), "--micro-batch-size", "4",
-                       "--total-batch-size", "512", "--max-steps", "6", "--warmup-steps", "2", "--lr", "3e-3",
-                       "--eval-interval", "0", "--eval-tokens", "1024", "--sample-interval", "0", "--log-interval", "1",
-                       "--ckpt-interval", "0", "--plot", "false", "--tensorboard", "true"], nproc=1)
+    run = run_trainer(
+        [
+            *TINY_MODEL_FLAGS,
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--compile",
+            "true",
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(run_dir),
+            "--micro-batch-size",
+            "4",
+            "--total-batch-size",
+            "512",
+            "--max-steps",
+            "6",
+            "--warmup-steps",
+            "2",
+            "--lr",
+            "3e-3",
+            "--eval-interval",
+            "0",
+            "--eval-tokens",
+            "1024",
+            "--sample-interval",
+            "0",
+            "--log-interval",
+            "1",
+            "--ckpt-interval",
+            "0",
+            "--plot",
+            "false",
+            "--tensorboard",
+            "true",
+        ],
+        nproc=1,
+    )
     check(run)
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))  # the optional TensorBoard sink
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
@@ -128,15 +219,30 @@ def test_readme_quickstart_script_runs_twice(tmp_path):
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "DATA_DIR": str(tmp_path / "pydoc"), "NPROC": "2", "PYTHON": sys.executable}
-    cmd = ["bash", "scripts/quickstart.sh", str(run_dir), "--max-steps", "3", "--eval-interval", "3",
-           "--sample-interval", "3", "--sample-tokens", "8", "--plot", "false"]
+    cmd = [
+        "bash",
+        "scripts/quickstart.sh",
+        str(run_dir),
+        "--max-steps",
+        "3",
+        "--eval-interval",
+        "3",
+        "--sample-interval",
+        "3",
+        "--sample-tokens",
+        "8",
+        "--plot",
+        "false",
+    ]
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     check(run)
     assert run.stdout.splitlines()[0].startswith("documents ")  # data_prep's summary: the data was made
     assert "sample at step 3" in run.stdout
     # the start-up network line (two ranks; in RUN/train.log), recorded in config.json too; and no deprecation noise
-    assert re.search(r"network +all-reduce of [\d.]+ MiB over 2 ranks \(gloo\).*busbw [\d.]+ GB/s",
-                     (run_dir / "train.log").read_text())
+    assert re.search(
+        r"network +all-reduce of [\d.]+ MiB over 2 ranks \(gloo\).*busbw [\d.]+ GB/s",
+        (run_dir / "train.log").read_text(),
+    )
     assert "NCCL" not in run.stderr and "InfiniBand" not in run.stderr  # one host: no network to warn about
     assert json.loads((run_dir / "config.json").read_text())["network"]["world_size"] == 2
     assert "FutureWarning" not in run.stderr and "Traceback" not in run.stderr
@@ -155,24 +261,62 @@ def test_readme_quickstart_script_runs_twice(tmp_path):
 
 
 def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, shakespeare_shards):
-    run = run_trainer(["--preset", "gpt2-xl", "--device", "cpu", "--compile", "false", "--data-dir",
-                       str(shakespeare_shards), "--out-dir", str(tmp_path / "run"), "--micro-batch-size", "512"])
+    run = run_trainer(
+        [
+            "--preset",
+            "gpt2-xl",
+            "--device",
+            "cpu",
+            "--compile",
+            "false",
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--micro-batch-size",
+            "512",
+        ]
+    )
     assert run.returncode == 2, run.stderr
     if "gpt2-xl does not fit on cpu" in run.stderr:  # a host with less than ~26 GiB: not even one sequence
         assert "micro_batch_size=1 needs" in run.stderr and "use a smaller model" in run.stderr
     else:
         assert "micro_batch_size=512 needs" in run.stderr and "or less" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
-    assert run.stdout.strip().splitlines() == [run.stdout.strip()] and run.stdout.startswith("starting ")  # then the error
+    assert run.stdout.strip().splitlines() == [run.stdout.strip()] and run.stdout.startswith(
+        "starting "
+    )  # then the error
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_model_that_fits_nowhere_stops_every_rank_with_one_error(tmp_path, shakespeare_shards):
     """--micro-batch-size auto: rank 0 finds that not even one sequence fits and every rank stops with
     its error (exit 2), none left waiting for rank 0's answer."""
-    run = run_trainer(["--n-layer", "48", "--n-head", "64", "--n-embd", "8192", "--device", "cpu", "--compile",
-                       "false", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path / "run"),
-                       "--micro-batch-size", "auto", "--total-batch-size", "2048", "--block-size", "1024"], nproc=2)
+    run = run_trainer(
+        [
+            "--n-layer",
+            "48",
+            "--n-head",
+            "64",
+            "--n-embd",
+            "8192",
+            "--device",
+            "cpu",
+            "--compile",
+            "false",
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--micro-batch-size",
+            "auto",
+            "--total-batch-size",
+            "2048",
+            "--block-size",
+            "1024",
+        ],
+        nproc=2,
+    )
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("train_ddp.py: error:")]
     assert len(errors) == 1, run.stderr[-3000:]
@@ -215,12 +359,17 @@ def test_a_resume_warns_when_a_cut_line_loses_rows_it_will_not_log_again(tmp_pat
     rows = '{"step": 1, "loss": 10.0}\n{"step": 2, "loss": 9.5}\n'
     log = Metrics(Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")), tmp_path)
     for cut, resume_at, warning in (
-            ('{"step": 3, "lo', 4, f"{path}:3 was cut mid-record ('{{\"step\": 3, \"lo') and is dropped: the row of "
-                                   "step 3, and any logged after it up to step 4, are lost (the run resumes at step 4 "
-                                   "and does not run those steps again)"),
-            ('{"step": 2, "val_lo', 2, "a row of step 2 is lost"),
-            ('{"st', 3, "a row logged after step 2 is lost"),
-            ('{"step": 3, "lo', 2, None)):
+        (
+            '{"step": 3, "lo',
+            4,
+            f'{path}:3 was cut mid-record (\'{{"step": 3, "lo\') and is dropped: the row of '
+            "step 3, and any logged after it up to step 4, are lost (the run resumes at step 4 "
+            "and does not run those steps again)",
+        ),
+        ('{"step": 2, "val_lo', 2, "a row of step 2 is lost"),
+        ('{"st', 3, "a row logged after step 2 is lost"),
+        ('{"step": 3, "lo', 2, None),
+    ):
         path.write_text(rows + cut)
         capsys.readouterr()
         log.truncate_after(resume_at)
@@ -241,16 +390,20 @@ def test_micro_batch_size_auto_resolves_on_rank_0_within_what_fits(tmp_path, cap
     from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=256),
-                    TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size="auto",
-                                total_batch_size=256 * 48))
+    cfg = RunConfig(
+        ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=256),
+        TrainConfig(
+            data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size="auto", total_batch_size=256 * 48
+        ),
+    )
     log = Metrics(dist, tmp_path)
     roomy = resolve_auto(cfg, dist, log).cfg
     b = roomy.train.micro_batch_size
     assert 48 % b == 0 and roomy.train.dtype == "float32"
     assert f"micro-batch auto: {b} sequences, the fastest by the throughput model" in capsys.readouterr().out
-    cap = Hardware(name="capped cpu", memory_bytes=200 * 2**20, peak_flops=1e11, device_type="cpu",
-                   reserve_bytes=0)  # with the plan's margin, 10 sequences fit in 200 MiB
+    cap = Hardware(
+        name="capped cpu", memory_bytes=200 * 2**20, peak_flops=1e11, device_type="cpu", reserve_bytes=0
+    )  # with the plan's margin, 10 sequences fit in 200 MiB
     fits = max_micro_batch_size(cfg, cap, headroom=AUTO_HEADROOM)
     capped = resolve_auto(cfg, dist, log, hardware=cap).cfg
     assert capped.train.micro_batch_size <= fits < 48 and 48 % capped.train.micro_batch_size == 0
@@ -266,9 +419,10 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
     from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
-                    TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size=8,
-                                total_batch_size=512))  # 512 tokens, compiled: full-logits peak 0.10 GiB
+    cfg = RunConfig(
+        ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
+        TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size=8, total_batch_size=512),
+    )  # 512 tokens, compiled: full-logits peak 0.10 GiB
     log = Metrics(dist, tmp_path)
     roomy = Hardware(name="roomy", memory_bytes=8 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
     small = Hardware(name="small", memory_bytes=3 * GIB // 2, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
@@ -286,13 +440,42 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
 def test_loss_impl_full_and_chunked_train_alike_and_the_choice_is_logged_and_recorded(tmp_path, shakespeare_shards):
     """Real runs with --loss-impl full and chunked: the same per-step losses to 1e-5 (fp32), the choice in the
     start-up lines and config.json, and the dry run of the same command prints the same decision."""
-    common = [*TINY_MODEL_FLAGS, *FP32, "--data-dir", str(shakespeare_shards), "--micro-batch-size", "4",
-              "--total-batch-size", "512", "--max-steps", "4", "--warmup-steps", "2", "--lr", "3e-3",
-              "--eval-interval", "0", "--eval-tokens", "512", "--ckpt-interval", "0", "--log-interval", "1"]
+    common = [
+        *TINY_MODEL_FLAGS,
+        *FP32,
+        "--data-dir",
+        str(shakespeare_shards),
+        "--micro-batch-size",
+        "4",
+        "--total-batch-size",
+        "512",
+        "--max-steps",
+        "4",
+        "--warmup-steps",
+        "2",
+        "--lr",
+        "3e-3",
+        "--eval-interval",
+        "0",
+        "--eval-tokens",
+        "512",
+        "--ckpt-interval",
+        "0",
+        "--log-interval",
+        "1",
+    ]
     runs = {}
     for impl in ("full", "chunked"):  # the line is detail: on the console with --verbose, always in RUN/train.log
-        run = run_trainer([*common, "--out-dir", str(tmp_path / impl), "--loss-impl", impl,
-                           *(["--verbose"] if impl == "full" else [])])
+        run = run_trainer(
+            [
+                *common,
+                "--out-dir",
+                str(tmp_path / impl),
+                "--loss-impl",
+                impl,
+                *(["--verbose"] if impl == "full" else []),
+            ]
+        )
         check(run)
         text = run.stdout if impl == "full" else (tmp_path / impl / "train.log").read_text()
         assert ("LM head + loss peak" in run.stdout) == (impl == "full")
@@ -308,22 +491,46 @@ def test_loss_impl_full_and_chunked_train_alike_and_the_choice_is_logged_and_rec
     for step in full:
         assert full[step] == pytest.approx(chunked[step], abs=1e-5), (step, full[step], chunked[step])
     assert full[4] < full[1]  # it learned: the agreement is over real updates
-    dry = run_trainer([*common, "--out-dir", str(tmp_path / "full"), "--loss-impl", "full", "--resume", "never",
-                       "--dry-run"])
+    dry = run_trainer(
+        [*common, "--out-dir", str(tmp_path / "full"), "--loss-impl", "full", "--resume", "never", "--dry-run"]
+    )
     check(dry)
-    assert [ln for ln in dry.stdout.splitlines() if ln.startswith("loss       ")] == \
-        [ln for ln in runs["full"].splitlines() if ln.startswith("loss       ")]
+    assert [ln for ln in dry.stdout.splitlines() if ln.startswith("loss       ")] == [
+        ln for ln in runs["full"].splitlines() if ln.startswith("loss       ")
+    ]
 
 
 def test_micro_batch_size_auto_end_to_end(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
-    run = run_trainer([*TINY_MODEL_FLAGS, *FP32, "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir),
-                       "--micro-batch-size", "auto", "--total-batch-size", "512", "--max-steps", "2",
-                       "--eval-interval", "0", "--eval-tokens", "512", "--ckpt-interval", "0"])
+    run = run_trainer(
+        [
+            *TINY_MODEL_FLAGS,
+            *FP32,
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(run_dir),
+            "--micro-batch-size",
+            "auto",
+            "--total-batch-size",
+            "512",
+            "--max-steps",
+            "2",
+            "--eval-interval",
+            "0",
+            "--eval-tokens",
+            "512",
+            "--ckpt-interval",
+            "0",
+        ]
+    )
     check(run)
     # the default --warmup-steps 715 over --max-steps 2: said once, as a warning, not silently accepted
     assert [ln for ln in run.stderr.splitlines() if "warmup" in ln] == [
-        ln for ln in run.stderr.splitlines() if ln.startswith("warning: --warmup-steps 715 is more than twice --max-steps 2")]
+        ln
+        for ln in run.stderr.splitlines()
+        if ln.startswith("warning: --warmup-steps 715 is more than twice --max-steps 2")
+    ]
     assert "warning: --warmup-steps 715" in run.stderr
     info = json.loads((run_dir / "config.json").read_text())
     b = info["config"]["train"]["micro_batch_size"]  # 512 tokens = 8 x 64: the throughput model's divisor of 8
@@ -344,10 +551,16 @@ def test_warmup_that_does_not_end_before_max_steps_is_said_in_one_line():
 
     log_warmup(TrainConfig(data_dir="d", out_dir="o", warmup_steps=1000, max_steps=3, lr=6e-4), Log)
     assert len(said) == 1 and "\n" not in said[0], said
-    assert said[0].startswith("--warmup-steps 1,000 is more than twice --max-steps 3: the learning rate only rises, "
-                              "to 1.8e-06 (0.3% of --lr 0.0006) at the last step, and never decays"), said[0]
+    assert said[0].startswith(
+        "--warmup-steps 1,000 is more than twice --max-steps 3: the learning rate only rises, "
+        "to 1.8e-06 (0.3% of --lr 0.0006) at the last step, and never decays"
+    ), said[0]
     # up to twice as many warmup steps as steps the run still reaches half of --lr: a compressed schedule
-    for fine in (dict(warmup_steps=0, max_steps=3), dict(warmup_steps=3, max_steps=2), dict(warmup_steps=6, max_steps=3)):
+    for fine in (
+        dict(warmup_steps=0, max_steps=3),
+        dict(warmup_steps=3, max_steps=2),
+        dict(warmup_steps=6, max_steps=3),
+    ):
         log_warmup(TrainConfig(data_dir="d", out_dir="o", **fine), Log)
     assert len(said) == 1
     log_warmup(TrainConfig(data_dir="d", out_dir="o", warmup_steps=7, max_steps=3), Log)
@@ -368,9 +581,27 @@ def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespear
         raise Building(capsys.readouterr().out)
 
     monkeypatch.setattr(trainer, "build", build)
-    cfg = parse_config([*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "float32", "--compile", "true",
-                        "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path / "run"),
-                        "--micro-batch-size", "2", "--total-batch-size", "128", "--max-steps", "1"])
+    cfg = parse_config(
+        [
+            *TINY_MODEL_FLAGS,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--compile",
+            "true",
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--micro-batch-size",
+            "2",
+            "--total-batch-size",
+            "128",
+            "--max-steps",
+            "1",
+        ]
+    )
     with pytest.raises(Building) as built:
         trainer.train(cfg, single_process())
     assert "compiling: torch.compile builds each graph the first time it runs" in str(built.value), built.value
@@ -378,10 +609,35 @@ def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespear
 
 def test_auto_dtype_is_logged_and_recorded_with_its_reason(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
-    run = run_trainer([*TINY_MODEL_FLAGS, "--device", "cpu", "--compile", "false", "--sample-interval", "0",
-                       "--plot", "false", "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir),
-                       "--micro-batch-size", "8", "--total-batch-size", "512", "--max-steps", "1",
-                       "--eval-interval", "0", "--eval-tokens", "512", "--ckpt-interval", "0"])
+    run = run_trainer(
+        [
+            *TINY_MODEL_FLAGS,
+            "--device",
+            "cpu",
+            "--compile",
+            "false",
+            "--sample-interval",
+            "0",
+            "--plot",
+            "false",
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(run_dir),
+            "--micro-batch-size",
+            "8",
+            "--total-batch-size",
+            "512",
+            "--max-steps",
+            "1",
+            "--eval-interval",
+            "0",
+            "--eval-tokens",
+            "512",
+            "--ckpt-interval",
+            "0",
+        ]
+    )
     check(run)
     info = json.loads((run_dir / "config.json").read_text())
     p = info["precision"]
@@ -393,8 +649,9 @@ def test_auto_dtype_is_logged_and_recorded_with_its_reason(tmp_path, shakespeare
     assert run.stdout.splitlines()[0].startswith("starting ")
 
 
-def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_one_read(tmp_path, shakespeare_shards,
-                                                                                        monkeypatch):
+def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_one_read(
+    tmp_path, shakespeare_shards, monkeypatch
+):
     """With fused AdamW (the default) the skip is decided on the device: a step queues forward,
     backward, clip, update and the next micro-batch without one host read, so a GPU's queue never
     drains; loss, gradient norm and stop flag then come to the host together, in one read, when asked.
@@ -410,8 +667,22 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build, train_step
 
-    cfg = parse_config([*TINY_MODEL_FLAGS, *FP32, "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path),
-                        "--micro-batch-size", "2", "--total-batch-size", "256", "--max-steps", "5"])
+    cfg = parse_config(
+        [
+            *TINY_MODEL_FLAGS,
+            *FP32,
+            "--data-dir",
+            str(shakespeare_shards),
+            "--out-dir",
+            str(tmp_path),
+            "--micro-batch-size",
+            "2",
+            "--total-batch-size",
+            "256",
+            "--max-steps",
+            "5",
+        ]
+    )
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     parts = build(cfg, dist, Metrics(dist, tmp_path), check_data(cfg, 1))
     assert parts.accum_steps == 2
@@ -427,6 +698,7 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
             if caller.startswith(package) and caller not in host_side:
                 reads.append(f"{name} from {Path(caller).name}:{sys._getframe(1).f_lineno}")
             return original(*args, **kwargs)
+
         return wrapper
 
     for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy", "cpu"):
@@ -444,14 +716,40 @@ def test_a_compiler_failure_at_the_first_step_is_reported_as_one_and_not_as_a_de
     cache so nothing compiled earlier is reused): the first compile runs inside the bucket-settling
     step's collective context, and each rank says what failed and the fix, in one line, not that a
     collective failed because another rank died."""
-    args = [*TINY_MODEL_FLAGS, "--device", "cpu", "--dtype", "float32", "--compile", "true", "--sample-interval", "0",
-            "--plot", "false", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path / "run"),
-            "--micro-batch-size", "2", "--total-batch-size", "256", "--max-steps", "2", "--eval-tokens", "256"]
+    args = [
+        *TINY_MODEL_FLAGS,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--compile",
+        "true",
+        "--sample-interval",
+        "0",
+        "--plot",
+        "false",
+        "--data-dir",
+        str(shakespeare_shards),
+        "--out-dir",
+        str(tmp_path / "run"),
+        "--micro-batch-size",
+        "2",
+        "--total-batch-size",
+        "256",
+        "--max-steps",
+        "2",
+        "--eval-tokens",
+        "256",
+    ]
     run = run_trainer(args, nproc=2, env={"CXX": "/nonexistent", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")})
     assert run.returncode != 0
     errors = [ln for ln in run.stderr.splitlines() if "train_ddp.py: error:" in ln]
-    assert errors and all("torch.compile could not build the model's kernels (InvalidCxxCompiler: No working C++ "
-                          "compiler found" in ln and "--compile false" in ln for ln in errors), run.stderr[-3000:]
+    assert errors and all(
+        "torch.compile could not build the model's kernels (InvalidCxxCompiler: No working C++ compiler found" in ln
+        and "--compile false" in ln
+        for ln in errors
+    ), run.stderr[-3000:]
     assert "a collective operation failed" not in run.stderr, run.stderr[-3000:]
-    assert "gpt2" not in "".join(ln for ln in run.stderr.splitlines() if ln.startswith("  File ")), \
-        run.stderr[-3000:]  # no traceback from the trainer (torchrun prints its own for a failed worker)
+    assert "gpt2" not in "".join(ln for ln in run.stderr.splitlines() if ln.startswith("  File ")), run.stderr[
+        -3000:
+    ]  # no traceback from the trainer (torchrun prints its own for a failed worker)

@@ -58,14 +58,19 @@ def test_tolerance_follows_the_fast_runs_matmul_precision():
 def state(scale: float = 1.0, step: int = 3) -> dict:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(4, 3, generator=gen) * scale
-    return {"model": {"w": w, "b": torch.zeros(3)},
-            "optimizer": {"state": {0: {"exp_avg": w.clone(), "step": torch.tensor(step)}},
-                          "param_groups": [{"lr": 1e-3}]}}
+    return {
+        "model": {"w": w, "b": torch.zeros(3)},
+        "optimizer": {"state": {0: {"exp_avg": w.clone(), "step": torch.tensor(step)}}, "param_groups": [{"lr": 1e-3}]},
+    }
 
 
 def test_states_compare_every_tensor_by_path():
-    assert sorted(flatten_tensors(state())) == ["model/b", "model/w", "optimizer/state/0/exp_avg",
-                                                "optimizer/state/0/step"]
+    assert sorted(flatten_tensors(state())) == [
+        "model/b",
+        "model/w",
+        "optimizer/state/0/exp_avg",
+        "optimizer/state/0/step",
+    ]
     same = compare_states(state(), state())
     assert same.bitwise and same.tensors == 4 and "all 4 model and optimizer tensors identical" in same.describe()
     near = compare_states(state(), state(scale=1 + 1e-6))
@@ -77,13 +82,19 @@ def test_states_compare_every_tensor_by_path():
 
 
 def test_failure_line_prefers_the_trainers_error_then_the_exception():
-    assert failure_line("step 1\ntrain_ddp.py: error: --data-dir x: no such directory\n", 2) == \
-        "--data-dir x: no such directory"
-    traceback = ('Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\n'
-                 "torch._inductor.exc.InductorError: CppCompileError: C++ compile error\n")
+    assert (
+        failure_line("step 1\ntrain_ddp.py: error: --data-dir x: no such directory\n", 2)
+        == "--data-dir x: no such directory"
+    )
+    traceback = (
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\n'
+        "torch._inductor.exc.InductorError: CppCompileError: C++ compile error\n"
+    )
     assert failure_line(traceback, 1) == "torch._inductor.exc.InductorError: CppCompileError: C++ compile error"
-    assert failure_line("$ python train_ddp.py\ndoctor: killed after 5 s\n", 124) == \
-        "exit status 124: doctor: killed after 5 s"
+    assert (
+        failure_line("$ python train_ddp.py\ndoctor: killed after 5 s\n", 124)
+        == "exit status 124: doctor: killed after 5 s"
+    )
 
 
 def test_median_leaves_out_the_warm_up_steps():
@@ -100,7 +111,7 @@ def test_synthetic_shards_are_valid_learnable_gpt2_tokens(tmp_path):
     tokens = np.fromfile(train.paths[0], dtype=TOKEN_DTYPE, offset=HEADER_BYTES).astype(np.int64)
     assert tokens.max() < GPT2_VOCAB_SIZE
     # phrases: each 16-token phrase recurs, so most 16-grams at phrase boundaries are repeats
-    grams = {tuple(tokens[i:i + PHRASE_TOKENS]) for i in range(0, len(tokens) - PHRASE_TOKENS, PHRASE_TOKENS)}
+    grams = {tuple(tokens[i : i + PHRASE_TOKENS]) for i in range(0, len(tokens) - PHRASE_TOKENS, PHRASE_TOKENS)}
     assert len(grams) < len(tokens) // PHRASE_TOKENS
     again = tmp_path / "again"
     write_synthetic_shards(again, 10_000, val_tokens=1_000)

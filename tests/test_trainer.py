@@ -15,8 +15,15 @@ from _helpers import import_train_ddp, inject_nan, load_ckpt, losses, records, t
 from gpt2.core.config import TrainConfig
 from gpt2.train.trainer import Actions, due
 
-TC = TrainConfig(max_steps=10, log_interval=2, eval_interval=4, hellaswag_interval=5, hellaswag_file="hs.jsonl",
-                 sample_interval=3, ckpt_interval=6)
+TC = TrainConfig(
+    max_steps=10,
+    log_interval=2,
+    eval_interval=4,
+    hellaswag_interval=5,
+    hellaswag_file="hs.jsonl",
+    sample_interval=3,
+    ckpt_interval=6,
+)
 
 
 def steps_where(what: str, tc: TrainConfig = TC, **kwargs) -> list[int]:
@@ -67,8 +74,9 @@ def test_an_unusual_step_is_logged_off_the_interval():
 
 
 def test_slow_is_any_work_that_keeps_a_rank_from_the_next_step():
-    assert due(2, TC) == Actions(log=True, evaluate=False, hellaswag=False, sample=False, save=False, final=False,
-                                 stop=False)
+    assert due(2, TC) == Actions(
+        log=True, evaluate=False, hellaswag=False, sample=False, save=False, final=False, stop=False
+    )
     assert not due(2, TC).slow
     assert due(3, TC).slow  # rank 0 samples alone
 
@@ -79,8 +87,9 @@ def _adamw_run(found_inf: list[float | None]):
 
     torch.manual_seed(0)
     params = [torch.randn(40, 8, requires_grad=True), torch.randn(8, requires_grad=True)]
-    opt = torch.optim.AdamW([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}],
-                            lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(
+        [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}], lr=1e-2, fused=True
+    )
     gen = torch.Generator().manual_seed(1)
     for flag in found_inf:
         for p in params:
@@ -92,7 +101,8 @@ def _adamw_run(found_inf: list[float | None]):
 def test_step_unless_is_bitwise_a_plain_step_at_0_and_changes_nothing_at_1():
     def same(a, b):
         return all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and all(
-            torch.equal(sa[k], sb[k]) for sa, sb in zip(a[1], b[1]) for k in sa)
+            torch.equal(sa[k], sb[k]) for sa, sb in zip(a[1], b[1]) for k in sa
+        )
 
     assert same(_adamw_run([None] * 4), _adamw_run([0.0] * 4))
     skipped = _adamw_run([None, None, None, 1.0])  # the 4th update skipped: as if only 3 were taken
@@ -107,8 +117,14 @@ def _run(tmp_path, shards, name, monkeypatch, *, lag: bool, extra=(), max_steps=
 
     monkeypatch.setattr(trainer, "reads_lag", lambda device: lag)
     run_dir = tmp_path / name
-    code = import_train_ddp().main([*tiny_run_flags(shards, max_steps=max_steps, ckpt_interval=ckpt_interval,
-                                                    eval_tokens=256), "--out-dir", str(run_dir), *extra])
+    code = import_train_ddp().main(
+        [
+            *tiny_run_flags(shards, max_steps=max_steps, ckpt_interval=ckpt_interval, eval_tokens=256),
+            "--out-dir",
+            str(run_dir),
+            *extra,
+        ]
+    )
     return code, run_dir
 
 
@@ -132,8 +148,9 @@ def test_late_reads_train_and_checkpoint_exactly_as_reads_at_once(tmp_path, shak
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
-def test_late_reads_still_stop_on_consecutive_bad_steps_before_any_checkpoint_of_them(tmp_path, shakespeare_shards,
-                                                                                      monkeypatch, capsys):
+def test_late_reads_still_stop_on_consecutive_bad_steps_before_any_checkpoint_of_them(
+    tmp_path, shakespeare_shards, monkeypatch, capsys
+):
     inject_nan(monkeypatch, 1)  # step 2 (counted from 1); its numbers are read after step 3 is queued
     code, run_dir = _run(tmp_path, shakespeare_shards, "run", monkeypatch, lag=True, extra=("--max-bad-steps", "1"))
     assert code == 1
@@ -143,7 +160,8 @@ def test_late_reads_still_stop_on_consecutive_bad_steps_before_any_checkpoint_of
 
 @pytest.mark.parametrize("lag", [False, True])
 def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_whether_reads_are_late_or_not(
-        tmp_path, shakespeare_shards, monkeypatch, lag):
+    tmp_path, shakespeare_shards, monkeypatch, lag
+):
     """The stop vote travels in a step's numbers: read late, the run stops one step later, still at a
     boundary every rank reaches alike, with a checkpoint and RUN/requeue naming it."""
     import gpt2.train.trainer as trainer

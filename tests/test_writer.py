@@ -40,9 +40,15 @@ def train_one_step(model, opt) -> None:
 
 
 def live_state(model, opt, step: int) -> dict:
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": [{"torch": torch.get_rng_state()}],
-            "loader": {"position": 512 * step, "epoch": 0}, "config": {"lr": 3e-3, "betas": (0.9, 0.95)},
-            "world_size": 1, "tokens": 512 * step}
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": [{"torch": torch.get_rng_state()}],
+        "loader": {"position": 512 * step, "epoch": 0},
+        "config": {"lr": 3e-3, "betas": (0.9, 0.95)},
+        "world_size": 1,
+        "tokens": 512 * step,
+    }
 
 
 class Gate:
@@ -88,8 +94,9 @@ def test_background_write_equals_a_synchronous_one_while_training_changes_the_st
     assert done["path"].read_bytes() == sync_path.read_bytes()
     a, b = ckpt.load_checkpoint(sync_path), ckpt.load_checkpoint(done["path"])
     assert_same_state(a, b)
-    assert {k: v for k, v in a.items() if k not in ("model", "optimizer", "rng")} == \
-           {k: v for k, v in b.items() if k not in ("model", "optimizer", "rng")}
+    assert {k: v for k, v in a.items() if k not in ("model", "optimizer", "rng")} == {
+        k: v for k, v in b.items() if k not in ("model", "optimizer", "rng")
+    }
     # Tied weights stay one storage in the file, as torch.save of the live state writes them.
     assert b["model"]["lm_head.weight"].data_ptr() == b["model"]["transformer.wte.weight"].data_ptr()
 
@@ -118,9 +125,10 @@ def test_every_save_copies_into_one_flat_buffer_reused_from_save_to_save(tmp_pat
     copier.finish()
     flat = copier._flat
     lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in list(first["model"].values()) + [v for s in first["optimizer"]["state"].values()
-                                                           for v in s.values()]}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in list(first["model"].values()) + [v for s in first["optimizer"]["state"].values() for v in s.values()]
+    }
     assert all(lo <= ptr and ptr + n <= hi and (ptr - lo) % ALIGN_BYTES == 0 for ptr, n in storages.items())
     spans = sorted(storages.items())
     assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))  # disjoint
@@ -255,14 +263,20 @@ def test_pinned_buffers_are_reused_and_hold_the_values_at_the_step_boundary(tmp_
 
 # ------------------------------------------------------------------ through the trainer (one process)
 
+
 def run_main(tmp_path, shards, name: str, *extra: str) -> int:
-    args = [*tiny_run_flags(shards, max_steps=6, ckpt_interval=2, eval_tokens=256), "--out-dir",
-            str(tmp_path / name), *extra]
+    args = [
+        *tiny_run_flags(shards, max_steps=6, ckpt_interval=2, eval_tokens=256),
+        "--out-dir",
+        str(tmp_path / name),
+        *extra,
+    ]
     return import_train_ddp().main(args)
 
 
-def test_training_runs_on_while_the_trainer_writes_and_matches_a_synchronous_run(tmp_path, shakespeare_shards,
-                                                                                 monkeypatch):
+def test_training_runs_on_while_the_trainer_writes_and_matches_a_synchronous_run(
+    tmp_path, shakespeare_shards, monkeypatch
+):
     import gpt2.train.trainer as trainer
 
     assert run_main(tmp_path, shakespeare_shards, "sync", "--async-ckpt", "false") == 0
@@ -301,7 +315,9 @@ def test_a_background_write_on_a_full_disk_says_no_space_and_names_the_directory
     with pytest.raises(CheckpointWriteError) as err:
         writer.wait()
     message = str(err.value)
-    assert message.startswith(f"writing the checkpoint of step 2 in the background failed (No space left on device "
-                              f"in {tmp_path / 'checkpoints'} ("), message
+    assert message.startswith(
+        f"writing the checkpoint of step 2 in the background failed (No space left on device "
+        f"in {tmp_path / 'checkpoints'} ("
+    ), message
     assert "unexpected pos" not in message and "\n" not in message
     assert ckpt.list_checkpoints(tmp_path) == []  # the temp file went with the error

@@ -69,8 +69,9 @@ class _HashingWriter:
         self.f.flush()
 
 
-def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int, run_id: str | None = None,
-                    warn=warnings.warn) -> Path:
+def save_checkpoint(
+    out_dir: str | Path, step: int, state: dict, *, keep: int, run_id: str | None = None, warn=warnings.warn
+) -> Path:
     """Write state as step_{step}.pt (temp file, fsync, rename), its sidecar, then `latest`.
 
     Called by rank 0 only (the single writer). run_id (gpt2/ckpt/rundir.py) goes into the file and its
@@ -85,8 +86,16 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict, *, keep: int, r
     with atomic_write(path) as f:
         writer = _HashingWriter(f)
         torch.save({**state, "format": FORMAT_VERSION, "step": step, **_run_id_field(run_id)}, writer)
-    write_sidecar(path, {"step": step, "file": path.name, "bytes": writer.size, "sha256": writer.sha.hexdigest(),
-                         **_run_id_field(run_id)})
+    write_sidecar(
+        path,
+        {
+            "step": step,
+            "file": path.name,
+            "bytes": writer.size,
+            "sha256": writer.sha.hexdigest(),
+            **_run_id_field(run_id),
+        },
+    )
     atomic_write_bytes(ckdir / "latest", (path.name + "\n").encode())
     fsync_dir(ckdir)
     prune_checkpoints(out_dir, path, keep=keep, run_id=run_id, warn=warn)
@@ -146,6 +155,7 @@ def remove_stale(ckdir: Path) -> None:
 
 # ------------------------------------------------------------------ sharded checkpoints (DCP)
 
+
 def is_sharded_checkpoint(path: str | Path) -> bool:
     """True for a sharded checkpoint's directory (step_XXXXXXXX/, what --parallel fsdp writes)."""
     path = Path(path)
@@ -202,8 +212,9 @@ def _digest(files: dict[str, dict]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
-def publish_sharded(out_dir: str | Path, step: int, files: dict[str, dict], *, keep: int,
-                    run_id: str | None = None, warn=warnings.warn) -> Path:
+def publish_sharded(
+    out_dir: str | Path, step: int, files: dict[str, dict], *, keep: int, run_id: str | None = None, warn=warnings.warn
+) -> Path:
     """Rank 0, after every rank has written, fsynced and hashed its files (`files`, all of them):
     rename the temp directory to step_XXXXXXXX/, then its sidecar, then `latest`, then retention."""
     ckdir = checkpoint_dir(out_dir)
@@ -217,8 +228,15 @@ def publish_sharded(out_dir: str | Path, step: int, files: dict[str, dict], *, k
         _remove(old)
     os.replace(tmp, path)
     fsync_dir(ckdir)
-    meta = {"step": step, "file": path.name, "format": "dcp", "files": files,
-            "bytes": sum(f["bytes"] for f in files.values()), "sha256": _digest(files), **_run_id_field(run_id)}
+    meta = {
+        "step": step,
+        "file": path.name,
+        "format": "dcp",
+        "files": files,
+        "bytes": sum(f["bytes"] for f in files.values()),
+        "sha256": _digest(files),
+        **_run_id_field(run_id),
+    }
     atomic_write_bytes(path.with_suffix(".json"), json.dumps(meta).encode())
     atomic_write_bytes(ckdir / "latest", (path.name + "\n").encode())
     fsync_dir(ckdir)
@@ -246,14 +264,18 @@ def _verify_sharded(path: Path, meta: dict) -> None:
         if not file.is_file():
             raise CheckpointError(f"{file}: missing from the sharded checkpoint (its sidecar lists it); {fix}")
         if file.stat().st_size != want.get("bytes"):
-            raise CheckpointError(f"{file}: {file.stat().st_size} bytes but {want.get('bytes')} were written; "
-                                  f"truncated; {fix}")
+            raise CheckpointError(
+                f"{file}: {file.stat().st_size} bytes but {want.get('bytes')} were written; truncated; {fix}"
+            )
         if file_sha256(file) != want.get("sha256"):
-            raise CheckpointError(f"{file}: sha256 does not match the sidecar {path.with_suffix('.json').name}; "
-                                  f"the file is corrupt; {fix}")
+            raise CheckpointError(
+                f"{file}: sha256 does not match the sidecar {path.with_suffix('.json').name}; "
+                f"the file is corrupt; {fix}"
+            )
     if _digest(files) != meta.get("sha256"):
-        raise CheckpointError(f"{path.with_suffix('.json')}: its files' hashes do not add up to its sha256; "
-                              "the sidecar is corrupt")
+        raise CheckpointError(
+            f"{path.with_suffix('.json')}: its files' hashes do not add up to its sha256; the sidecar is corrupt"
+        )
 
 
 def _run_id_field(run_id: str | None) -> dict:
@@ -310,8 +332,10 @@ def belongs(path: Path, run_id: str | None) -> bool:
 
 def stray_warning(path: Path, run_id: str | None) -> str:
     other = run_id_of(sidecar(path) or {})
-    return (f"ignoring checkpoint {path}: it belongs to run {other or '(no run id)'}, not to this directory's "
-            f"run {run_id or '(no run id)'}; move it out of {path.parent} if it is not wanted here")
+    return (
+        f"ignoring checkpoint {path}: it belongs to run {other or '(no run id)'}, not to this directory's "
+        f"run {run_id or '(no run id)'}; move it out of {path.parent} if it is not wanted here"
+    )
 
 
 def looks_complete(path: Path) -> bool:
@@ -323,8 +347,9 @@ def looks_complete(path: Path) -> bool:
         return False
 
 
-def prune_checkpoints(out_dir: str | Path, newest: Path, *, keep: int, run_id: str | None = None,
-                      warn=warnings.warn) -> list[Path]:
+def prune_checkpoints(
+    out_dir: str | Path, newest: Path, *, keep: int, run_id: str | None = None, warn=warnings.warn
+) -> list[Path]:
     """Keep `newest` and the keep-1 most recent complete checkpoints of earlier steps; delete the rest.
 
     Only run_id's checkpoints are considered: another run's are warned about and never deleted or
@@ -411,8 +436,9 @@ def verify_checkpoint(path: str | Path, warn=warnings.warn) -> None:
     path = Path(path)
     if path.suffix == ".json" and _NAME.match(path.stem):  # read as its own sidecar it looked "truncated"
         target = path.with_suffix("") if is_sharded_checkpoint(path.with_suffix("")) else path.with_suffix(".pt")
-        raise CheckpointError(f"{path}: this is a checkpoint's sidecar (its size, sha256 and run id), not the "
-                              f"checkpoint; pass {target}")
+        raise CheckpointError(
+            f"{path}: this is a checkpoint's sidecar (its size, sha256 and run id), not the checkpoint; pass {target}"
+        )
     if not is_checkpoint(path):
         raise CheckpointError(f"{path}: no such checkpoint file")
     if path.is_file():
@@ -423,12 +449,15 @@ def verify_checkpoint(path: str | Path, warn=warnings.warn) -> None:
     if meta is None:
         if path.is_file() and not path.with_suffix(".json").exists():
             meta = checkpoint_meta(path)
-            warn(f"checkpoint {path} has lost its sidecar {path.with_suffix('.json').name} (size and sha256): "
-                 f"using it, as every record's zip checksum matches and it loads as step {meta['step']}; a run "
-                 "that resumes from it writes the sidecar again")
+            warn(
+                f"checkpoint {path} has lost its sidecar {path.with_suffix('.json').name} (size and sha256): "
+                f"using it, as every record's zip checksum matches and it loads as step {meta['step']}; a run "
+                "that resumes from it writes the sidecar again"
+            )
             return
-        raise CheckpointError(f"{path}: its sidecar {path.with_suffix('.json').name} is missing or unreadable; "
-                              "the write did not finish")
+        raise CheckpointError(
+            f"{path}: its sidecar {path.with_suffix('.json').name} is missing or unreadable; the write did not finish"
+        )
     if path.is_dir():
         _verify_sharded(path, meta)
         return
@@ -455,8 +484,10 @@ def not_a_checkpoint(path: Path) -> str | None:
     except (OSError, ValueError):
         doc = None
     if isinstance(doc, dict) and "shards" in doc and "fingerprint" in doc:
-        what = (f"data_prep's manifest of the token shards in {path.parent}, not a checkpoint: pass that "
-                "directory as --data-dir")
+        what = (
+            f"data_prep's manifest of the token shards in {path.parent}, not a checkpoint: pass that "
+            "directory as --data-dir"
+        )
     return f"{path}: {what}; pass a step_*.pt file or step_*/ directory, or a run directory"
 
 
@@ -480,18 +511,27 @@ def _meta_from_file(path_str: str, size: int, mtime_ns: int) -> tuple:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as e:
-        raise CheckpointError(f"{path}: its sidecar is missing and the file is not a complete zip archive ({e}): "
-                              f"truncated or damaged; {fix}") from None
+        raise CheckpointError(
+            f"{path}: its sidecar is missing and the file is not a complete zip archive ({e}): "
+            f"truncated or damaged; {fix}"
+        ) from None
     if bad is not None:
-        raise CheckpointError(f"{path}: its sidecar is missing and its record {bad} fails its zip checksum: the "
-                              f"file is corrupt; {fix}")
+        raise CheckpointError(
+            f"{path}: its sidecar is missing and its record {bad} fails its zip checksum: the file is corrupt; {fix}"
+        )
     state = load_checkpoint(path, verify=False)
     step, named = state.get("step"), _NAME.match(path.name)
     if not isinstance(step, int) or (named is not None and int(named.group(1)) != step):
-        raise CheckpointError(f"{path}: its sidecar is missing and it holds step {step!r}, not the step its name "
-                              f"says; {fix}")
-    meta = {"step": step, "file": path.name, "bytes": size, "sha256": file_sha256(path),
-            **_run_id_field(state.get("run_id"))}
+        raise CheckpointError(
+            f"{path}: its sidecar is missing and it holds step {step!r}, not the step its name says; {fix}"
+        )
+    meta = {
+        "step": step,
+        "file": path.name,
+        "bytes": size,
+        "sha256": file_sha256(path),
+        **_run_id_field(state.get("run_id")),
+    }
     return tuple(meta.items())
 
 
@@ -547,9 +587,11 @@ def latest_valid(out_dir: str | Path, warn=warnings.warn, *, run_id=_DIRECTORY_R
             continue
         named = latest_named(out_dir)
         if named in candidates and candidates.index(named) > candidates.index(path):
-            warn(f"{checkpoint_dir(out_dir) / 'latest'} names {named.name}, but {path.name} is a later step and "
-                 f"verifies: resuming from {path.name} (--resume auto takes the newest valid checkpoint; pass "
-                 "--resume PATH for another)")
+            warn(
+                f"{checkpoint_dir(out_dir) / 'latest'} names {named.name}, but {path.name} is a later step and "
+                f"verifies: resuming from {path.name} (--resume auto takes the newest valid checkpoint; pass "
+                "--resume PATH for another)"
+            )
         return path
     return None
 
@@ -588,8 +630,10 @@ def resolve_resume(resume: str, out_dir: str | Path, warn=warnings.warn, *, run_
             raise CheckpointError(f"--resume {resume}: no valid checkpoint in that directory")
         return found
     if not path.exists():
-        raise CheckpointError(f"--resume {resume}: no such checkpoint file; pass a step_*.pt file or directory that "
-                              "exists, a run directory (its newest valid checkpoint), auto or never")
+        raise CheckpointError(
+            f"--resume {resume}: no such checkpoint file; pass a step_*.pt file or directory that "
+            "exists, a run directory (its newest valid checkpoint), auto or never"
+        )
     verify_checkpoint(path, warn)
     return path
 
@@ -606,4 +650,5 @@ def refuse_unverified(out_dir: str | Path, run_id=_DIRECTORY_RUN) -> None:
             f"--resume auto: none of this run's {len(unverified)} checkpoint(s) in {checkpoint_dir(out_dir)} "
             f"verifies ({', '.join(unverified[:3])}{', ...' if len(unverified) > 3 else ''}; the warnings above say "
             "why), so the run would start over: restore them (with their .json sidecars), pass --resume PATH of "
-            "another checkpoint, or --resume never to start fresh (this run's files move into a previous-* folder)")
+            "another checkpoint, or --resume never to start fresh (this run's files move into a previous-* folder)"
+        )

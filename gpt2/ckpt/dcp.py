@@ -34,8 +34,10 @@ def _checked(call, *args, **kwargs):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             return call(*args, **kwargs)
     except CheckpointException as e:
-        failures = "; ".join(f"rank {r}: {type(x).__name__}: {' '.join(str(x).split())[:300]}"
-                             for r, (x, _trace) in sorted(e.failures.items()))
+        failures = "; ".join(
+            f"rank {r}: {type(x).__name__}: {' '.join(str(x).split())[:300]}"
+            for r, (x, _trace) in sorted(e.failures.items())
+        )
         raise RuntimeError(f"torch.distributed.checkpoint failed ({failures})") from None
 
 
@@ -68,8 +70,10 @@ def _per_inner(optimizer, value_of) -> dict:
 def sharded_state(model: torch.nn.Module, optimizer) -> dict:
     """This rank's {"model", "optimizer"} state: DTensor shards under FSDP, whole tensors otherwise.
     (An optimizer without moments yet gets them initialised, as DCP's loading needs.)"""
-    return {"model": _untied(get_model_state_dict(model)),
-            "optimizer": _per_inner(optimizer, lambda o: get_optimizer_state_dict(model, o))}
+    return {
+        "model": _untied(get_model_state_dict(model)),
+        "optimizer": _per_inner(optimizer, lambda o: get_optimizer_state_dict(model, o)),
+    }
 
 
 def save(model: torch.nn.Module, optimizer, directory: Path) -> None:

@@ -53,9 +53,11 @@ def load_any(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT,
     """
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"--checkpoint {path}: no such file or directory; pass a step_*.pt file, "
-                              "a sharded step_*/ directory, a run directory (--out-dir of train_ddp.py) or a "
-                              "Hugging Face GPT-2 directory")
+        raise CheckpointError(
+            f"--checkpoint {path}: no such file or directory; pass a step_*.pt file, "
+            "a sharded step_*/ directory, a run directory (--out-dir of train_ddp.py) or a "
+            "Hugging Face GPT-2 directory"
+        )
     if path.is_dir() and not _is_run_dir(path) and not is_checkpoint(path):
         return _load_hf(path, device)
     # A run directory's newest valid checkpoint is verified while it is chosen; a file is verified as it loads.
@@ -67,11 +69,14 @@ def load_any(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT,
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         # Weights that do not fit the saved config (RuntimeError from load_state_dict), a config with
         # fields this version does not know (TypeError), or a dict that is not a training state.
-        raise CheckpointError(f"--checkpoint {file}: incompatible with this program's GPT "
-                              f"({type(e).__name__}: {_one_line(e)})") from None
+        raise CheckpointError(
+            f"--checkpoint {file}: incompatible with this program's GPT ({type(e).__name__}: {_one_line(e)})"
+        ) from None
     if state.get("tokenizer") != "gpt2":
-        raise CheckpointError(f"--checkpoint {file}: trained with tokenizer {state.get('tokenizer')!r}; "
-                              "only the GPT-2 BPE ('gpt2') is supported")
+        raise CheckpointError(
+            f"--checkpoint {file}: trained with tokenizer {state.get('tokenizer')!r}; "
+            "only the GPT-2 BPE ('gpt2') is supported"
+        )
     return model, {"source": "checkpoint", "path": str(file), "step": state.get("step")}
 
 
@@ -83,16 +88,20 @@ def _newest_valid(path: Path) -> Path:
     run_dir = path.parent if path.name == "checkpoints" else path
     found = latest_valid(run_dir)  # warns about each checkpoint it skips
     if found is None:
-        raise CheckpointError(f"--checkpoint {path}: no valid checkpoint in {checkpoint_dir(run_dir)} (none "
-                              "there, or each lacks its .json sidecar or fails its checksum); pass a step_*.pt "
-                              "file or another run directory")
+        raise CheckpointError(
+            f"--checkpoint {path}: no valid checkpoint in {checkpoint_dir(run_dir)} (none "
+            "there, or each lacks its .json sidecar or fails its checksum); pass a step_*.pt "
+            "file or another run directory"
+        )
     return found
 
 
 def _load_hf(path: Path, device) -> tuple[GPT, dict]:
     if not any((path / name).is_file() for name in WEIGHT_FILES):
-        raise CheckpointError(f"--checkpoint {path}: neither a run directory (no checkpoints/ in it) nor a "
-                              f"Hugging Face directory (none of {', '.join(WEIGHT_FILES)})")
+        raise CheckpointError(
+            f"--checkpoint {path}: neither a run directory (no checkpoints/ in it) nor a "
+            f"Hugging Face directory (none of {', '.join(WEIGHT_FILES)})"
+        )
     try:
         model = load_hf_dir(path)
     except (ValueError, KeyError, RuntimeError) as e:

@@ -37,13 +37,16 @@ from gpt2.ckpt import rundir
 from gpt2.core.atomic import atomic_write_bytes
 from gpt2.distributed.group import Dist, all_gather_object, broadcast_object
 
-SHARED_DIR_HINT = ("Every rank must see the same run directory: put --out-dir on a filesystem every node "
-                   "mounts (docs/multinode.md), or start fresh with --resume never")
+SHARED_DIR_HINT = (
+    "Every rank must see the same run directory: put --out-dir on a filesystem every node "
+    "mounts (docs/multinode.md), or start fresh with --resume never"
+)
 
 
 @dataclass(frozen=True)
 class ResumePoint:
     """The checkpoint rank 0 chose: every rank loads exactly this file."""
+
     path: str
     step: int
     sha256: str
@@ -58,6 +61,7 @@ class ResumePoint:
 @dataclass(frozen=True)
 class Start:
     """How this run begins, the same on every rank (choose_start)."""
+
     point: ResumePoint | None
     """The checkpoint every rank loads; None: a fresh start at step 0."""
     run_id: str | None
@@ -73,14 +77,21 @@ class Start:
 
 def _point(path: Path) -> ResumePoint:
     meta = ckpt.checkpoint_meta(path)  # its sidecar, or the verified fields of a .pt that lost it
-    return ResumePoint(str(path), int(meta["step"]), meta["sha256"], int(meta["bytes"]), ckpt.run_id_of(meta),
-                       sidecar=ckpt.sidecar(path) is not None)
+    return ResumePoint(
+        str(path),
+        int(meta["step"]),
+        meta["sha256"],
+        int(meta["bytes"]),
+        ckpt.run_id_of(meta),
+        sidecar=ckpt.sidecar(path) is not None,
+    )
 
 
 def newest_seen(out_dir: str | Path, run_id: str | None = rundir.ANY_RUN) -> str | None:
     """Name of run_id's newest checkpoint here that looks complete (sidecar and size; no hashing)."""
-    return next((p.name for p in ckpt.list_checkpoints(out_dir)
-                 if ckpt.belongs(p, run_id) and ckpt.looks_complete(p)), None)
+    return next(
+        (p.name for p in ckpt.list_checkpoints(out_dir) if ckpt.belongs(p, run_id) and ckpt.looks_complete(p)), None
+    )
 
 
 def check_visible(point: ResumePoint, *, rehash: bool) -> str | None:
@@ -101,8 +112,10 @@ def check_visible(point: ResumePoint, *, rehash: bool) -> str | None:
     except (OSError, ValueError) as e:
         return f"cannot read {path} or its sidecar ({type(e).__name__}: {e})"
     if meta.get("sha256") != point.sha256 or size != point.bytes:
-        return (f"sees a different {path.name} (sha256 {str(meta.get('sha256'))[:12]}..., {size} bytes; "
-                f"rank 0's: {point.sha256[:12]}..., {point.bytes} bytes)")
+        return (
+            f"sees a different {path.name} (sha256 {str(meta.get('sha256'))[:12]}..., {size} bytes; "
+            f"rank 0's: {point.sha256[:12]}..., {point.bytes} bytes)"
+        )
     if rehash:
         try:
             ckpt.verify_checkpoint(path)
@@ -138,7 +151,8 @@ def _decide(resume: str, out_dir: str | Path, warn) -> tuple[Start, str | None]:
         raise ckpt.CheckpointError(
             f"--resume {resume}: {path} belongs to run {point.run_id or '(no run id)'}, but {out} holds run "
             f"{counted or '(no run id)'} (its {rundir.RUN_INFO}); copy the checkpoint and its .json sidecar to a "
-            "new --out-dir and resume there")
+            "new --out-dir and resume there"
+        )
     return Start(point, point.run_id, rundir.records_present(out)), counted
 
 
@@ -156,8 +170,13 @@ def choose_start(resume: str, out_dir: str | Path, dist: Dist, warn) -> Start:
             start, counted = _decide(resume, out_dir, warn)
             decision = ("ok", start, newest_seen(out_dir, counted), host, counted)
         except (ckpt.CheckpointError, OSError, ValueError) as e:
-            decision = ("error", f"--resume {resume}: {e}" if not isinstance(e, ckpt.CheckpointError) else str(e),
-                        None, host, None)
+            decision = (
+                "error",
+                f"--resume {resume}: {e}" if not isinstance(e, ckpt.CheckpointError) else str(e),
+                None,
+                host,
+                None,
+            )
     kind, start, rank0_newest, rank0_host, counted = broadcast_object(decision, dist)
     if kind == "error":
         raise ckpt.CheckpointError(start)
@@ -171,10 +190,12 @@ def choose_start(resume: str, out_dir: str | Path, dist: Dist, warn) -> Start:
     if problem is None and resume == "auto" and not dist.is_main:
         seen = newest_seen(out_dir, counted)
         if seen != rank0_newest:
-            problem = (f"sees {seen or 'no checkpoint'} as the newest in {out_dir}, rank 0 sees "
-                       f"{rank0_newest or 'none'}")
-    chosen = (f"rank 0 on {rank0_host} chose {point.path} (step {point.step}) to resume from"
-              if point is not None else f"rank 0 on {rank0_host} found no checkpoint in {out_dir} and would start fresh")
+            problem = f"sees {seen or 'no checkpoint'} as the newest in {out_dir}, rank 0 sees {rank0_newest or 'none'}"
+    chosen = (
+        f"rank 0 on {rank0_host} chose {point.path} (step {point.step}) to resume from"
+        if point is not None
+        else f"rank 0 on {rank0_host} found no checkpoint in {out_dir} and would start fresh"
+    )
     _raise_problems(all_gather_object((dist.rank, host, problem), dist), chosen)
     return start
 
@@ -194,9 +215,12 @@ def set_aside_earlier_run(start: Start, out_dir: str | Path, dist: Dist) -> Path
     """
     if not start.set_aside:
         return None
-    return _rank0_moves(lambda: rundir.move_aside(out_dir, start.set_aside), dist,
-                        f"cannot move the earlier run's {', '.join(start.set_aside)} in {out_dir} into a "
-                        f"{rundir.PREVIOUS_PREFIX}* folder")
+    return _rank0_moves(
+        lambda: rundir.move_aside(out_dir, start.set_aside),
+        dist,
+        f"cannot move the earlier run's {', '.join(start.set_aside)} in {out_dir} into a "
+        f"{rundir.PREVIOUS_PREFIX}* folder",
+    )
 
 
 def set_aside_abandoned(start: Start, out_dir: str | Path, dist: Dist) -> Path | None:
@@ -214,8 +238,12 @@ def set_aside_abandoned(start: Start, out_dir: str | Path, dist: Dist) -> Path |
             atomic_write_bytes(dest / log.name, log.read_bytes())
         return dest
 
-    return _rank0_moves(move, dist, f"cannot move {', '.join(start.abandon)} in {ckpt.checkpoint_dir(out_dir)} "
-                                    f"into an {ckpt.ABANDONED_PREFIX}* folder")
+    return _rank0_moves(
+        move,
+        dist,
+        f"cannot move {', '.join(start.abandon)} in {ckpt.checkpoint_dir(out_dir)} "
+        f"into an {ckpt.ABANDONED_PREFIX}* folder",
+    )
 
 
 def restore_sidecar(start: Start, out_dir: str | Path, dist: Dist) -> Path | None:
@@ -229,8 +257,16 @@ def restore_sidecar(start: Start, out_dir: str | Path, dist: Dist) -> Path | Non
     path = Path(point.path)
     if path.parent.resolve() != ckpt.checkpoint_dir(out_dir).resolve():
         return None
-    return ckpt.write_sidecar(path, {"step": point.step, "file": path.name, "bytes": point.bytes,
-                                     "sha256": point.sha256, **({} if point.run_id is None else {"run_id": point.run_id})})
+    return ckpt.write_sidecar(
+        path,
+        {
+            "step": point.step,
+            "file": path.name,
+            "bytes": point.bytes,
+            "sha256": point.sha256,
+            **({} if point.run_id is None else {"run_id": point.run_id}),
+        },
+    )
 
 
 def _rank0_moves(move, dist: Dist, failure: str) -> Path | None:
@@ -242,8 +278,10 @@ def _rank0_moves(move, dist: Dist, failure: str) -> Path | None:
         try:
             dest = move()
         except OSError as e:
-            problem = (f"{failure} ({type(e).__name__}: {e}); nothing was deleted. Fix the directory's "
-                       "permissions, or pass another --out-dir")
+            problem = (
+                f"{failure} ({type(e).__name__}: {e}); nothing was deleted. Fix the directory's "
+                "permissions, or pass another --out-dir"
+            )
     reports = all_gather_object(problem, dist)
     if any(reports):
         raise ckpt.CheckpointError(next(p for p in reports if p))

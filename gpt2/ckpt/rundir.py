@@ -62,9 +62,11 @@ def directory_run_id(out_dir: str | Path) -> str | None:
     except FileNotFoundError:
         return ANY_RUN
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is unreadable ({type(e).__name__}: {e}), so which run {out_dir} holds is "
-                         "unknown: repair it, or move it away (every checkpoint then counts), or start fresh "
-                         "with --resume never (the earlier files are moved to previous-*/)") from None
+        raise ValueError(
+            f"{path} is unreadable ({type(e).__name__}: {e}), so which run {out_dir} holds is "
+            "unknown: repair it, or move it away (every checkpoint then counts), or start fresh "
+            "with --resume never (the earlier files are moved to previous-*/)"
+        ) from None
     run_id = info.get("run_id") if isinstance(info, dict) else None
     if run_id is not None and not isinstance(run_id, str):
         raise ValueError(f"{path}: run_id {run_id!r} is not a string; repair it or start fresh with --resume never")
@@ -194,9 +196,15 @@ def launch_of(env=None) -> dict:
 def holder_record(env=None) -> dict:
     """What this process writes into the lock it takes."""
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "pid_start": process_start(pid), "pid_space": pid_space(),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "nonce": secrets.token_hex(8),
-            "launch": launch_of(env)}
+    return {
+        "host": socket.gethostname(),
+        "pid": pid,
+        "pid_start": process_start(pid),
+        "pid_space": pid_space(),
+        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "nonce": secrets.token_hex(8),
+        "launch": launch_of(env),
+    }
 
 
 def describe_holder(holder: dict | None) -> str:
@@ -224,8 +232,10 @@ def stale_reason(holder: dict | None, *, age_s: float, me: dict, pid_start: int 
         for job, count in LAUNCH_VARS:
             if job in me["launch"] and theirs.get(job) == me["launch"][job]:
                 if _count(me["launch"], count) > _count(theirs, count):
-                    return (f"it is an earlier run of this launch ({job}={theirs[job]}, restart "
-                            f"{_count(theirs, count)}; this is restart {_count(me['launch'], count)})")
+                    return (
+                        f"it is an earlier run of this launch ({job}={theirs[job]}, restart "
+                        f"{_count(theirs, count)}; this is restart {_count(me['launch'], count)})"
+                    )
     if isinstance(holder, dict) and holder.get("pid_space") == me["pid_space"]:
         if pid_start is None:
             return f"its process (pid {holder.get('pid')}) has exited"
@@ -248,8 +258,12 @@ def live_holder(out_dir: str | Path, env=None) -> str | None:
         return None
     holder = _parse(raw)
     pid = holder.get("pid") if isinstance(holder, dict) else None
-    reason = stale_reason(holder, age_s=time.time() - mtime, me=holder_record(env),
-                          pid_start=process_start(pid) if isinstance(pid, int) else None)
+    reason = stale_reason(
+        holder,
+        age_s=time.time() - mtime,
+        me=holder_record(env),
+        pid_start=process_start(pid) if isinstance(pid, int) else None,
+    )
     return describe_holder(holder) if reason is None else None
 
 
@@ -305,14 +319,19 @@ class RunLock:
                     continue
                 holder = _parse(raw)
                 pid = holder.get("pid") if isinstance(holder, dict) else None
-                reason = stale_reason(holder, age_s=tmp.stat().st_mtime - mtime, me=me,
-                                      pid_start=process_start(pid) if isinstance(pid, int) else None)
+                reason = stale_reason(
+                    holder,
+                    age_s=tmp.stat().st_mtime - mtime,
+                    me=me,
+                    pid_start=process_start(pid) if isinstance(pid, int) else None,
+                )
                 if reason is None:
                     raise RunDirBusy(
                         f"{out} is in use by another training run ({describe_holder(holder)}; {lock}): one run "
                         "owns a run directory at a time. Wait for it to end or stop it, or pass another --out-dir "
                         f"(a holder on another host that died is taken over once its heartbeat is "
-                        f"{STALE_AFTER_S:.0f} s old; delete {lock} only if no run uses {out})")
+                        f"{STALE_AFTER_S:.0f} s old; delete {lock} only if no run uses {out})"
+                    )
                 if _remove_if_unchanged(lock, raw, out / f".{LOCK}.stale.{me['nonce']}"):
                     taken_over = f"{describe_holder(holder)}: {reason}"
             raise RunDirBusy(f"{out}: could not take {lock}: other starts keep taking it; start one run at a time")

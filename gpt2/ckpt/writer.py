@@ -91,8 +91,8 @@ class HostCopier:
         hosts = {}
         for key, src in sources.items():
             begin, n = offsets[key], src.numel()
-            hosts[key] = torch.from_numpy(flat_np[begin:begin + n])  # its own storage over the slice
-            self._jobs.append((self._flat[begin:begin + n], src))
+            hosts[key] = torch.from_numpy(flat_np[begin : begin + n])  # its own storage over the slice
+            self._jobs.append((self._flat[begin : begin + n], src))
         out = self._walk(state, {}, hosts)
         device = [(dst, src) for dst, src in self._jobs if self._on_device(src)]
         if device:
@@ -223,8 +223,12 @@ class CheckpointWriter:
         self._result = {"step": step, "directory": ckpt.checkpoint_dir(out_dir)}
         if self.copier.copies_pending:
             self._copied.clear()
-        self._thread = threading.Thread(target=self._write, args=(Path(out_dir), step, host, keep, self._result, save_kwargs),
-                                        name=f"checkpoint-writer-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(Path(out_dir), step, host, keep, self._result, save_kwargs),
+            name=f"checkpoint-writer-{step}",
+            daemon=True,
+        )
         self._thread.start()
 
     def wait_copied(self) -> None:
@@ -260,6 +264,8 @@ class CheckpointWriter:
         self._thread, result = None, self._result
         if "error" in result:
             e = result["error"]
-            raise CheckpointWriteError(f"writing the checkpoint of step {result['step']} in the background "
-                                       f"failed ({ckpt.write_failure(e, result['directory'])})") from e
+            raise CheckpointWriteError(
+                f"writing the checkpoint of step {result['step']} in the background "
+                f"failed ({ckpt.write_failure(e, result['directory'])})"
+            ) from e
         return result

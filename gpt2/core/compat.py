@@ -82,8 +82,9 @@ def fsdp_api() -> types.SimpleNamespace | None:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     except ImportError:
         return None
-    return types.SimpleNamespace(fully_shard=fully_shard, FSDPModule=FSDPModule,
-                                 MixedPrecisionPolicy=MixedPrecisionPolicy)
+    return types.SimpleNamespace(
+        fully_shard=fully_shard, FSDPModule=FSDPModule, MixedPrecisionPolicy=MixedPrecisionPolicy
+    )
 
 
 def has_muon() -> bool:
@@ -108,11 +109,16 @@ def feature_available(feature: str) -> bool:
 def missing_features(*, optimizer: str, parallel: str) -> list[str]:
     """One line for each asked-for feature this torch lacks: what needs it, the release that has it,
     and what to do instead."""
-    asked = {"muon": ("--optimizer muon", optimizer == "muon", "use --optimizer adamw"),
-             "fsdp": ("--parallel fsdp", parallel == "fsdp", "use --parallel ddp")}
-    return [f"{flag} needs torch >= {FIRST_RELEASE[feature]} ({_what(feature)}); this is torch {torch_version()}: "
-            f"install a newer torch, or {instead}"
-            for feature, (flag, wanted, instead) in asked.items() if wanted and not feature_available(feature)]
+    asked = {
+        "muon": ("--optimizer muon", optimizer == "muon", "use --optimizer adamw"),
+        "fsdp": ("--parallel fsdp", parallel == "fsdp", "use --parallel ddp"),
+    }
+    return [
+        f"{flag} needs torch >= {FIRST_RELEASE[feature]} ({_what(feature)}); this is torch {torch_version()}: "
+        f"install a newer torch, or {instead}"
+        for feature, (flag, wanted, instead) in asked.items()
+        if wanted and not feature_available(feature)
+    ]
 
 
 def _what(feature: str) -> str:
@@ -152,6 +158,7 @@ def enable_compile_caches() -> list[str]:
             on.append(name)
     return on
 
+
 def default_store():
     """The default process group's key-value store (torchrun's TCPStore, under its prefixes): reachable
     while a peer hangs, since the torchrun agent serves it. torch has no public accessor for it."""
@@ -163,9 +170,14 @@ def default_store():
 def flight_recorder_vars(entries: int, dump_prefix: str) -> dict:
     """NCCL Flight Recorder's environment: a trace buffer of `entries` collectives, a dump on a
     collective timeout, written to `dump_prefix`<rank>. Older releases read only the
-    TORCH_NCCL_* names (torch 2.5's Flight Recorder tutorial); newer ones read TORCH_FR_BUFFER_SIZE / TORCH_FR_DUMP_TEMP_FILE first and fall
+    TORCH_NCCL_* names (torch 2.5's Flight Recorder tutorial); newer ones read TORCH_FR_BUFFER_SIZE /
+    TORCH_FR_DUMP_TEMP_FILE first and fall
     back to the TORCH_NCCL_* names (torch 2.13's libtorch has both). Both are set: an environment
     variable a release does not read costs nothing, and asking which it reads would mean a version test."""
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries), "TORCH_FR_BUFFER_SIZE": str(entries),
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump_prefix, "TORCH_FR_DUMP_TEMP_FILE": dump_prefix}
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries),
+        "TORCH_FR_BUFFER_SIZE": str(entries),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump_prefix,
+        "TORCH_FR_DUMP_TEMP_FILE": dump_prefix,
+    }

@@ -81,7 +81,7 @@ class ModelConfig:
         """Width of the MLP's hidden layer."""
         return 4 * self.n_embd
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         """A new validated config with some fields changed."""
         return dataclasses.replace(self, **changes)
 
@@ -94,8 +94,11 @@ def refuse_non_finite(cfg) -> None:
     below cannot catch nan (every comparison with it is false, so --grad-clip nan passed `>= 0` and then
     disabled clipping) or inf (--lr inf passed `> 0` and turned the weights to NaN), and would word the
     problem as a range. The one place for flags, --config files (TOML has nan and inf) and code alike."""
-    bad = [f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-           if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    bad = [
+        f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}"
+        for f in dataclasses.fields(cfg)
+        if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))
+    ]
     if bad:
         raise ValueError(f"{', '.join(bad)}: not a finite number; nan and inf are refused, give a number")
 
@@ -110,14 +113,20 @@ def model_config_problems(cfg: ModelConfig) -> list[str]:
     if p:
         return p
     if cfg.n_embd % cfg.n_head:
-        p.append(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}; "
-                 f"choose n_head among {[h for h in range(1, 65) if cfg.n_embd % h == 0]}")
+        p.append(
+            f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}; "
+            f"choose n_head among {[h for h in range(1, 65) if cfg.n_embd % h == 0]}"
+        )
     if cfg.n_head % cfg.n_kv_head:
-        p.append(f"n_head={cfg.n_head} is not divisible by n_kv_head={cfg.n_kv_head}; "
-                 f"n_kv_head must divide n_head (n_head for MHA, 1 for MQA)")
+        p.append(
+            f"n_head={cfg.n_head} is not divisible by n_kv_head={cfg.n_kv_head}; "
+            f"n_kv_head must divide n_head (n_head for MHA, 1 for MQA)"
+        )
     if cfg.vocab_size < GPT2_VOCAB_SIZE:
-        p.append(f"vocab_size={cfg.vocab_size} is smaller than the GPT-2 tokenizer's {GPT2_VOCAB_SIZE} "
-                 f"tokens; use {GPT2_VOCAB_SIZE} or the padded {PADDED_VOCAB_SIZE}")
+        p.append(
+            f"vocab_size={cfg.vocab_size} is smaller than the GPT-2 tokenizer's {GPT2_VOCAB_SIZE} "
+            f"tokens; use {GPT2_VOCAB_SIZE} or the padded {PADDED_VOCAB_SIZE}"
+        )
     if not 0.0 <= cfg.dropout < 1.0:
         p.append(f"dropout={cfg.dropout} must be in [0, 1)")
     if cfg.attn_impl not in ATTN_IMPLS:
@@ -127,10 +136,10 @@ def model_config_problems(cfg: ModelConfig) -> list[str]:
 
 # Model shapes of the four OpenAI releases, plus a tiny model that trains in minutes on a CPU.
 MODEL_PRESETS: dict[str, dict] = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),          # 124M
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # 124M
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # 350M
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),   # 774M
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),      # 1558M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),  # 1558M
     "debug": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "speed": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),  # nanoGPT's small Shakespeare model
 }
@@ -174,12 +183,21 @@ def _weight_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     def linear(n_in: int, n_out: int) -> dict:
         return {"weight": (n_out, n_in), **({"bias": (n_out,)} if cfg.bias else {})}
 
-    block = {"ln_1": norm, "attn.c_attn": linear(h, cfg.qkv_dim), "attn.c_proj": linear(h, h), "ln_2": norm,
-             "mlp.c_fc": linear(h, cfg.mlp_dim), "mlp.c_proj": linear(cfg.mlp_dim, h)}
+    block = {
+        "ln_1": norm,
+        "attn.c_attn": linear(h, cfg.qkv_dim),
+        "attn.c_proj": linear(h, h),
+        "ln_2": norm,
+        "mlp.c_fc": linear(h, cfg.mlp_dim),
+        "mlp.c_proj": linear(cfg.mlp_dim, h),
+    }
     shapes = {"transformer.wte.weight": (cfg.vocab_size, h), POSITION_EMBEDDING: (cfg.block_size, h)}
     for i in range(cfg.n_layer):
-        shapes |= {f"transformer.h.{i}.{module}.{kind}": shape
-                   for module, params in block.items() for kind, shape in params.items()}
+        shapes |= {
+            f"transformer.h.{i}.{module}.{kind}": shape
+            for module, params in block.items()
+            for kind, shape in params.items()
+        }
     shapes |= {f"transformer.ln_f.{kind}": shape for kind, shape in norm.items()}
     return tuple(shapes.items())
 
@@ -188,8 +206,9 @@ def param_count(cfg: ModelConfig, *, include_position: bool = True) -> int:
     """Exact parameter count of `GPT(cfg)` (tied LM head counted once), for any head layout: the one
     counter (GPT.num_params, the planner, FLOPs per token). include_position=False leaves out the
     position embeddings (a table lookup, no matmul: gpt2/plan/flops.py)."""
-    return sum(math.prod(shape) for name, shape in _weight_shapes(cfg)
-               if include_position or name != POSITION_EMBEDDING)
+    return sum(
+        math.prod(shape) for name, shape in _weight_shapes(cfg) if include_position or name != POSITION_EMBEDDING
+    )
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -480,7 +499,7 @@ class TrainConfig:
         if problems:
             raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
 
-    def replace(self, **changes) -> "TrainConfig":
+    def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -488,10 +507,26 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     from gpt2.core.precision import DTYPES  # here, not at the top: data_prep imports this module without torch
 
     p = []
-    positive = ("total_batch_size", "max_steps", "log_interval", "keep_checkpoints",
-                "sample_tokens", "max_bad_steps", "spike_rollback_after", "spike_max_rollbacks")
-    non_negative = ("warmup_steps", "decay_steps", "eval_interval", "eval_tokens", "sample_interval", "ckpt_interval",
-                    "num_threads", "hellaswag_interval")
+    positive = (
+        "total_batch_size",
+        "max_steps",
+        "log_interval",
+        "keep_checkpoints",
+        "sample_tokens",
+        "max_bad_steps",
+        "spike_rollback_after",
+        "spike_max_rollbacks",
+    )
+    non_negative = (
+        "warmup_steps",
+        "decay_steps",
+        "eval_interval",
+        "eval_tokens",
+        "sample_interval",
+        "ckpt_interval",
+        "num_threads",
+        "hellaswag_interval",
+    )
     if not cfg.compile_cache.strip():
         p.append("compile_cache='' must be auto, off or a directory")
     mb = cfg.micro_batch_size
@@ -525,8 +560,10 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     if cfg.optimizer not in OPTIMIZERS:
         p.append(f"optimizer={cfg.optimizer!r} must be one of {OPTIMIZERS}")
     if cfg.muon_lr <= 0 or not 0 <= cfg.muon_momentum < 1 or cfg.muon_weight_decay < 0:
-        p.append(f"muon_lr={cfg.muon_lr} must be > 0, muon_momentum={cfg.muon_momentum} in [0, 1) and "
-                 f"muon_weight_decay={cfg.muon_weight_decay} >= 0")
+        p.append(
+            f"muon_lr={cfg.muon_lr} must be > 0, muon_momentum={cfg.muon_momentum} in [0, 1) and "
+            f"muon_weight_decay={cfg.muon_weight_decay} >= 0"
+        )
     if cfg.spike_window < 8:  # a standard deviation of fewer steps is noise itself
         p.append(f"spike_window={cfg.spike_window} must be >= 8")
     if not (cfg.spike_loss_z > 0 and cfg.spike_norm_z > 0):
@@ -536,8 +573,10 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         p.append(f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
     if not cfg.ddp_bucket_cap_mb >= 1:
-        p.append(f"ddp_bucket_cap_mb={cfg.ddp_bucket_cap_mb} must be >= 1 (MiB): torch.compile splits the "
-                 "backward at DDP's buckets and its first split is 1 MiB")
+        p.append(
+            f"ddp_bucket_cap_mb={cfg.ddp_bucket_cap_mb} must be >= 1 (MiB): torch.compile splits the "
+            "backward at DDP's buckets and its first split is 1 MiB"
+        )
     if cfg.gc_interval < 0:
         p.append(f"gc_interval={cfg.gc_interval} must be >= 0 (0: Python's own garbage collection)")
     for name in ("dist_timeout_s", "dist_step_timeout_s"):
@@ -548,8 +587,10 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     if cfg.resume in ("", None):
         p.append("resume must be auto, never, or a checkpoint path")
     if cfg.init_from and cfg.resume not in ("auto", "never"):
-        p.append(f"init_from={cfg.init_from!r} starts a new run from weights and resume={cfg.resume!r} continues "
-                 "a run: pass one of them (a requeued --init-from run resumes its own checkpoint with --resume auto)")
+        p.append(
+            f"init_from={cfg.init_from!r} starts a new run from weights and resume={cfg.resume!r} continues "
+            "a run: pass one of them (a requeued --init-from run resumes its own checkpoint with --resume auto)"
+        )
     return p
 
 
@@ -562,14 +603,17 @@ def fsdp_problems(cfg: TrainConfig) -> list[str]:
     if cfg.dtype == "float16":
         # fp16 needs a loss scaler whose inf/NaN check sees every rank's shard of the gradients;
         # torch's GradScaler checks only this rank's, so ranks could disagree on skipping a step.
-        p.append("dtype=float16 is not supported with parallel=fsdp (the loss scaler would check only "
-                 "this rank's gradient shards): use --dtype bfloat16 (or float32), or --parallel ddp for fp16")
+        p.append(
+            "dtype=float16 is not supported with parallel=fsdp (the loss scaler would check only "
+            "this rank's gradient shards): use --dtype bfloat16 (or float32), or --parallel ddp for fp16"
+        )
     return p
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a training run needs: the model and how to train it."""
+
     model: ModelConfig
     train: TrainConfig
 
@@ -585,33 +629,73 @@ class RunConfig:
 TRAIN_PRESETS: dict[str, dict] = {
     # GPT-2 124M: 524,288 tokens/step (on 8 A100-80GB: 64 x 1024 x 8 ranks, no accumulation), 10B
     # tokens, max lr 6e-4 with 715 warmup steps and cosine decay to 10%.
-    "gpt2": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=6e-4, min_lr=6e-5,
-                 warmup_steps=715),
-    "gpt2-medium": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=3e-4,
-                        min_lr=3e-5, warmup_steps=715),
-    "gpt2-large": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=2.5e-4,
-                       min_lr=2.5e-5, warmup_steps=715),
-    "gpt2-xl": dict(micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=2e-4, min_lr=2e-5,
-                    warmup_steps=715),
+    "gpt2": dict(
+        micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=6e-4, min_lr=6e-5, warmup_steps=715
+    ),
+    "gpt2-medium": dict(
+        micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=3e-4, min_lr=3e-5, warmup_steps=715
+    ),
+    "gpt2-large": dict(
+        micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=2.5e-4, min_lr=2.5e-5, warmup_steps=715
+    ),
+    "gpt2-xl": dict(
+        micro_batch_size="auto", total_batch_size=524_288, max_steps=19_073, lr=2e-4, min_lr=2e-5, warmup_steps=715
+    ),
     # Trains in minutes on 2 CPU cores: 8 x 128 tokens per rank, 2,048 tokens per step.
-    "debug": dict(micro_batch_size=8, total_batch_size=2048, max_steps=150, lr=1e-3, min_lr=1e-4,
-                  warmup_steps=20, eval_interval=50, eval_tokens=8192, sample_interval=100,
-                  log_interval=10, ckpt_interval=50, compile=False),
+    "debug": dict(
+        micro_batch_size=8,
+        total_batch_size=2048,
+        max_steps=150,
+        lr=1e-3,
+        min_lr=1e-4,
+        warmup_steps=20,
+        eval_interval=50,
+        eval_tokens=8192,
+        sample_interval=100,
+        log_interval=10,
+        ckpt_interval=50,
+        compile=False,
+    ),
     # nanoGPT's small Shakespeare model and batch (16 x 64 tokens), with a recipe made to reach nanoGPT's
     # 200-step val loss sooner: Muon on the block matrices, AdamW's part at 4e-3, a 5-step warmup, the
     # recipe's cosine to step 200. `python bench/time_to_loss.py` adds them one at a time (its ablation;
     # docs/performance.md says how far each got); a 100-step horizon and warmup-stable-
     # decay (--decay-steps) were tried on top and left out: no fewer steps to the target.
-    "speed": dict(micro_batch_size=16, total_batch_size=1024, optimizer="muon", lr=4e-3, min_lr=4e-4,
-                  warmup_steps=5, max_steps=200, dtype="float32", compile=False,
-                  eval_interval=25, eval_tokens=8192, sample_interval=50, log_interval=10, ckpt_interval=50),
+    "speed": dict(
+        micro_batch_size=16,
+        total_batch_size=1024,
+        optimizer="muon",
+        lr=4e-3,
+        min_lr=4e-4,
+        warmup_steps=5,
+        max_steps=200,
+        dtype="float32",
+        compile=False,
+        eval_interval=25,
+        eval_tokens=8192,
+        sample_interval=50,
+        log_interval=10,
+        ckpt_interval=50,
+    ),
     # Fine-tuning trained weights on a small corpus (needs --init-from; the shape comes from the weights):
     # nanoGPT's finetune_shakespeare.py recipe (lr 3e-5, few steps, frequent evaluation) with a short warmup
     # and warmup-stable-decay: 3e-5 held, then linear to 3e-6 over the last 20 steps. 32,768 tokens per
     # step (32 x 1024, nanoGPT's 1 x 32 accumulation). docs/finetune.md runs it.
-    "finetune": dict(micro_batch_size="auto", total_batch_size=32_768, max_steps=100, lr=3e-5, min_lr=3e-6,
-                     warmup_steps=5, decay_steps=20, eval_interval=10, eval_tokens=1_048_576,
-                     sample_interval=50, log_interval=1, ckpt_interval=50, keep_checkpoints=2),
+    "finetune": dict(
+        micro_batch_size="auto",
+        total_batch_size=32_768,
+        max_steps=100,
+        lr=3e-5,
+        min_lr=3e-6,
+        warmup_steps=5,
+        decay_steps=20,
+        eval_interval=10,
+        eval_tokens=1_048_576,
+        sample_interval=50,
+        log_interval=1,
+        ckpt_interval=50,
+        keep_checkpoints=2,
+    ),
 }
 
 
@@ -624,5 +708,4 @@ def describe_model(cfg: ModelConfig) -> str:
     for name, shape in MODEL_PRESETS.items():
         if ModelConfig(**shape) == cfg:
             return name
-    return (f"the model n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
-            f"block_size={cfg.block_size}")
+    return f"the model n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} block_size={cfg.block_size}"

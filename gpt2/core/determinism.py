@@ -36,9 +36,11 @@ def enable() -> None:
     (torch would refuse at the first matmul)."""
     workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
     if workspace not in CUBLAS_DETERMINISTIC:
-        raise ValueError(f"--deterministic true: CUBLAS_WORKSPACE_CONFIG={workspace!r} does not make cuBLAS "
-                         f"deterministic: unset it (the run sets {CUBLAS_WORKSPACE_CONFIG}) or set it to one of "
-                         f"{' or '.join(CUBLAS_DETERMINISTIC)}")
+        raise ValueError(
+            f"--deterministic true: CUBLAS_WORKSPACE_CONFIG={workspace!r} does not make cuBLAS "
+            f"deterministic: unset it (the run sets {CUBLAS_WORKSPACE_CONFIG}) or set it to one of "
+            f"{' or '.join(CUBLAS_DETERMINISTIC)}"
+        )
     torch.use_deterministic_algorithms(True)
     compat.inductor_deterministic()
 
@@ -46,6 +48,8 @@ def enable() -> None:
 def describe() -> str:
     """The start-up line: what this process's torch has set (not what was asked for)."""
     inductor = compat.inductor_deterministic_mode()
-    return (f"deterministic torch.are_deterministic_algorithms_enabled() {torch.are_deterministic_algorithms_enabled()}, "
-            f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG', 'unset')}, inductor's deterministic "
-            f"mode {'on' if inductor else 'off' if inductor is not None else 'absent from this torch'}")
+    return (
+        f"deterministic torch.are_deterministic_algorithms_enabled() {torch.are_deterministic_algorithms_enabled()}, "
+        f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG', 'unset')}, inductor's deterministic "
+        f"mode {'on' if inductor else 'off' if inductor is not None else 'absent from this torch'}"
+    )

@@ -39,14 +39,16 @@ def return_freed_memory() -> bool:
     except OSError:
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
 
 
 def user_malloc_settings(env=None) -> bool:
     """Whether the environment sets glibc's malloc thresholds itself (read by glibc at process start)."""
     env = os.environ if env is None else env
-    return (any(k in env for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"))
-            or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""))
+    return any(k in env for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) or "glibc.malloc." in env.get(
+        "GLIBC_TUNABLES", ""
+    )
 
 
 def available_bytes() -> int | None:

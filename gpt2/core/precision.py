@@ -52,6 +52,7 @@ class Precision:
     """A run's precision, made once (gpt2/plan/resolve.py, or of_config where a TrainConfig is at hand)
     and passed on: its dtype name as config.json and checkpoints keep it, why it was chosen, and what
     follows from it (torch dtype, autocast, loss scaler, the planner's and peak tables' key)."""
+
     requested: str
     """--dtype as given: auto or a dtype name."""
     dtype: str
@@ -148,8 +149,10 @@ def emulation_warning(p: Precision, device: torch.device | str) -> str | None:
     if not slow:
         return None
     best, why = fast_dtype(device)
-    return (f"--dtype {p.dtype} is emulated or slower than float32 on this {device.type} and will run slowly; "
-            f"--dtype auto would pick {best} ({why})")
+    return (
+        f"--dtype {p.dtype} is emulated or slower than float32 on this {device.type} and will run slowly; "
+        f"--dtype auto would pick {best} ({why})"
+    )
 
 
 def fast_dtype(device: torch.device) -> tuple[str, str]:
@@ -160,11 +163,17 @@ def fast_dtype(device: torch.device) -> tuple[str, str]:
             return "bfloat16", f"{name} has native bf16"
         return "float16", f"{name} has no native bf16: fp16 with a loss scaler"
     if cpu_bf16_instructions() is False:
-        return "float32", "this CPU has no bf16 instructions (/proc/cpuinfo: no avx512_bf16, amx_bf16 or bf16): bf16 would be emulated"
+        return (
+            "float32",
+            "this CPU has no bf16 instructions (/proc/cpuinfo: no avx512_bf16, amx_bf16 or bf16): bf16 would be "
+            "emulated",
+        )
     bf16, fp32 = peak_rates(str(device), (torch.bfloat16, torch.float32))
     pick = "bfloat16" if bf16 >= CPU_BF16_MIN_SPEEDUP * fp32 else "float32"
-    return pick, (f"CPU matmuls measured at bf16 {bf16 / 1e9:.1f} vs fp32 {fp32 / 1e9:.1f} GFLOP/s: "
-                  f"{'bf16' if pick == 'bfloat16' else 'fp32'} is faster")
+    return pick, (
+        f"CPU matmuls measured at bf16 {bf16 / 1e9:.1f} vs fp32 {fp32 / 1e9:.1f} GFLOP/s: "
+        f"{'bf16' if pick == 'bfloat16' else 'fp32'} is faster"
+    )
 
 
 CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
@@ -197,6 +206,7 @@ def cuda_native_bf16(device: torch.device) -> bool:
 @dataclass(frozen=True)
 class MatmulRate:
     """One matmul measurement's best rates (what `matmul_rate(..., cpu_time=True)` returns)."""
+
     wall: float
     """Best FLOP/s by the wall clock."""
     cpu: float
@@ -210,8 +220,16 @@ _MATMUL_RATES: dict[tuple, MatmulRate] = {}
 """matmul_rate's per-process cache, by (device, dtype, budget_s, min_time_s, n)."""
 
 
-def matmul_rate(device: str, dtype: torch.dtype, *, budget_s: float = 0.25, min_time_s: float = 0.004,
-                n: int | None = None, fresh: bool = False, cpu_time: bool = False) -> float | MatmulRate:
+def matmul_rate(
+    device: str,
+    dtype: torch.dtype,
+    *,
+    budget_s: float = 0.25,
+    min_time_s: float = 0.004,
+    n: int | None = None,
+    fresh: bool = False,
+    cpu_time: bool = False,
+) -> float | MatmulRate:
     """Best FLOP/s of a square matmul on device in dtype, measured within about budget_s.
 
     The size doubles from 128 until one matmul takes min_time_s (long enough for the timer and for
@@ -222,7 +240,8 @@ def matmul_rate(device: str, dtype: torch.dtype, *, budget_s: float = 0.25, min_
     more while the budget lasts): a fixed workload such as a benchmark's 2048^3.
 
     Cached per process by its arguments. The trainer's peaks (--dtype auto, MFU, the planner) are
-    `peak_rates`: several fresh probes of this, kept across runs. fresh=True measures again and leaves the cache alone (benchmarks re-measure between their timed
+    `peak_rates`: several fresh probes of this, kept across runs. fresh=True measures again and leaves the cache alone
+    (benchmarks re-measure between their timed
     steps and keep the best, so that the peak sees the same load as the steps).
     cpu_time=True returns a `MatmulRate`: the wall-clock rate and, from the same calls, the rate by
     process CPU time; otherwise the wall-clock rate alone, a float.
@@ -236,8 +255,9 @@ def matmul_rate(device: str, dtype: torch.dtype, *, budget_s: float = 0.25, min_
     return rate if cpu_time else rate.wall
 
 
-def _measure_matmul(dev: torch.device, dtype: torch.dtype, budget_s: float, min_time_s: float,
-                    n: int | None) -> MatmulRate:
+def _measure_matmul(
+    dev: torch.device, dtype: torch.dtype, budget_s: float, min_time_s: float, n: int | None
+) -> MatmulRate:
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
     def timed(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -261,7 +281,7 @@ def _measure_matmul(dev: torch.device, dtype: torch.dtype, budget_s: float, min_
     while time.perf_counter() + wall < deadline:
         w, c = timed(a, b)
         wall, cpu = min(wall, w), min(cpu, c)
-    flops = 2.0 * size ** 3
+    flops = 2.0 * size**3
     return MatmulRate(flops / wall, flops / max(cpu, 1e-9), size)
 
 
@@ -302,9 +322,15 @@ def _cpu_model() -> str:
 
 def peak_key(device: str, dtype: torch.dtype) -> dict:
     """What a measured peak depends on: the machine, the dtype, the thread count and torch's kernels."""
-    return {"host": socket.gethostname(), "cpu": _cpu_model(), "cpus": os.cpu_count(), "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    return {
+        "host": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 def peak_cache_path(key: dict) -> Path:
@@ -341,8 +367,9 @@ def peak_rates(device: str, dtypes: tuple[torch.dtype, ...], *, refresh: bool | 
         probes = [[] for _ in dtypes]
         for _ in range(PEAK_PROBES):
             for i, d in enumerate(dtypes):
-                probes[i].append(matmul_rate(device, d, budget_s=PEAK_PROBE_S, min_time_s=PEAK_MIN_MATMUL_S,
-                                             fresh=True))
+                probes[i].append(
+                    matmul_rate(device, d, budget_s=PEAK_PROBE_S, min_time_s=PEAK_MIN_MATMUL_S, fresh=True)
+                )
         cached = [max(p) for p in probes]
         for d, p, k, rate, ps in zip(dtypes, paths, keys, cached, probes):
             if d != torch.float32 or rate >= CPU_PEAK_FLOOR_PER_THREAD * k["threads"]:
@@ -376,8 +403,12 @@ def read_cache_entry(path: Path, key: dict) -> dict | None:
 def write_cache_entry(path: Path, key: dict, values: dict) -> None:
     """values under key, with when and under what load they were measured, written atomically. An
     unwritable cache only costs the next run a measurement."""
-    entry = {"key": key, **values, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-             "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    entry = {
+        "key": key,
+        **values,
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(entry, indent=1) + "\n")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int,
-          decay_steps: int = 0) -> float:
+def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay_steps: int = 0) -> float:
     """Linear warmup to max_lr over warmup_steps, then cosine decay to min_lr at max_steps; or, with
     decay_steps > 0, warmup-stable-decay: max_lr until max_steps - decay_steps, then linear to min_lr.
 
@@ -35,12 +34,14 @@ def grad_accum_steps(total_tokens: int, micro_batch: int, seq_len: int, world_si
         raise ValueError(
             f"total_batch_size={total_tokens} is less than one sequence per rank (block_size*world_size = "
             f"{seq_len}*{world_size} = {seq_len * world_size}); raise --total-batch-size to a multiple of "
-            f"{seq_len * world_size}" + (f", or use at most {most} ranks" if most else ""))
+            f"{seq_len * world_size}" + (f", or use at most {most} ranks" if most else "")
+        )
     if total_tokens % per_step:
         raise ValueError(
             f"total_batch_size={total_tokens} is not a multiple of micro_batch_size*block_size*world_size"
             f" = {micro_batch}*{seq_len}*{world_size} = {per_step}; sizes that would divide: "
-            + dividing_sizes(total_tokens, micro_batch, seq_len, world_size))
+            + dividing_sizes(total_tokens, micro_batch, seq_len, world_size)
+        )
     return total_tokens // per_step
 
 
@@ -55,6 +56,9 @@ def dividing_sizes(total_tokens: int, micro_batch: int, seq_len: int, world_size
     totals = " or ".join(str(t) for t in (below, above) if t > 0)
     micro = [m for m in range(1, micro_batch) if total_tokens % (m * seq_len * world_size) == 0]
     if micro:
-        return f"--total-batch-size {totals} (multiples of {per_step}), or --micro-batch-size {', '.join(map(str, micro[-4:]))}"
-    return (f"--total-batch-size {totals} (multiples of {per_step}); no smaller --micro-batch-size would, as "
-            f"{total_tokens} is not a multiple of block_size*world_size = {seq_len * world_size}")
+        sizes = ", ".join(map(str, micro[-4:]))
+        return f"--total-batch-size {totals} (multiples of {per_step}), or --micro-batch-size {sizes}"
+    return (
+        f"--total-batch-size {totals} (multiples of {per_step}); no smaller --micro-batch-size would, as "
+        f"{total_tokens} is not a multiple of block_size*world_size = {seq_len * world_size}"
+    )

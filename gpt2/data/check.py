@@ -41,9 +41,12 @@ CHUNK_TOKENS = 1 << 23
 
 def out_of_vocab(path: str | Path, offset: int, token: int) -> str:
     """The one wording of a token id the model cannot embed, for the scan here and the loader's check."""
-    return (f"{path}: token id {token} at token offset {offset} is outside the GPT-2 vocabulary (0..{GPT2_VOCAB_SIZE - 1}): "
-            "the shards were written with another tokenizer; prepare them with this project's "
-            "`python -m data_prep`")
+    return (
+        f"{path}: token id {token} at token offset {offset} is outside the GPT-2 vocabulary "
+        f"(0..{GPT2_VOCAB_SIZE - 1}): "
+        "the shards were written with another tokenizer; prepare them with this project's "
+        "`python -m data_prep`"
+    )
 
 
 VAL_SHARE = 10
@@ -77,9 +80,13 @@ def prep_command(data_dir: str | Path, eval_tokens: int, min_tokens: int) -> tup
         where += ["--hf-split", sources.get("hf_split", "train")]
         files = [f["path"] for f in sources.get("hf_data_files", [])]
         where += ["--hf-data-files", *files] if files else []
-    flags = {"--shard-tokens": settings.get("shard_tokens"), "--text-field": settings.get("text_field"),
-             "--on-decode-error": settings.get("on_decode_error"), "--txt-sample-by": settings.get("txt_sample_by"),
-             "--val-select": settings.get("val_select")}
+    flags = {
+        "--shard-tokens": settings.get("shard_tokens"),
+        "--text-field": settings.get("text_field"),
+        "--on-decode-error": settings.get("on_decode_error"),
+        "--txt-sample-by": settings.get("txt_sample_by"),
+        "--val-select": settings.get("val_select"),
+    }
     args = ["python", "-m", "data_prep", *where, "--out", str(out), "--val-tokens", str(val_tokens)]
     for flag, value in flags.items():
         if value is not None:
@@ -96,8 +103,10 @@ def read_manifest(data_dir: str | Path) -> dict | None:
         manifest = json.loads(path.read_text())
         {e["file"]: (e["split"], int(e["tokens"]), e["sha256"]) for e in manifest["shards"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ShardError(f"{path}: unreadable ({type(e).__name__}: {e}); restore it from the data_prep run that "
-                         "wrote these shards, or re-run data_prep") from None
+        raise ShardError(
+            f"{path}: unreadable ({type(e).__name__}: {e}); restore it from the data_prep run that "
+            "wrote these shards, or re-run data_prep"
+        ) from None
     return manifest
 
 
@@ -113,31 +122,43 @@ def check_listed(data_dir: str | Path, shard_sets: dict) -> dict[str, dict] | No
     where = data_dir / MANIFEST
     tokenizer = (manifest.get("tokenizer"), manifest.get("vocab_size"), manifest.get("eot_token"))
     if tokenizer != (PREP_TOKENIZER, GPT2_VOCAB_SIZE, EOT_TOKEN):
-        raise ShardError(f"{where}: tokenizer {tokenizer[0]!r} with vocab_size {tokenizer[1]} and EOT {tokenizer[2]}, not "
-                         f"GPT-2's ({GPT2_VOCAB_SIZE}, EOT {EOT_TOKEN}): the shards were written with another "
-                         "tokenizer; prepare them with this project's `python -m data_prep`")
+        raise ShardError(
+            f"{where}: tokenizer {tokenizer[0]!r} with vocab_size {tokenizer[1]} and EOT {tokenizer[2]}, not "
+            f"GPT-2's ({GPT2_VOCAB_SIZE}, EOT {EOT_TOKEN}): the shards were written with another "
+            "tokenizer; prepare them with this project's `python -m data_prep`"
+        )
     if not manifest.get("complete"):
-        raise ShardError(f"{where}: data_prep has not finished writing {data_dir} (the manifest says incomplete); "
-                         "rerun the same data_prep command to finish it")
+        raise ShardError(
+            f"{where}: data_prep has not finished writing {data_dir} (the manifest says incomplete); "
+            "rerun the same data_prep command to finish it"
+        )
     entries = {e["file"]: e for e in manifest["shards"]}
     for split, shards in shard_sets.items():
         for path, n in zip(shards.paths, shards.sizes):
             entry = entries.get(path.name)
             if entry is None:
-                raise ShardError(f"{path}: not listed in {where}: a shard of another data_prep run (or left by "
-                                 f"an interrupted one); move it out of {data_dir}, or re-run data_prep into an "
-                                 "empty directory")
+                raise ShardError(
+                    f"{path}: not listed in {where}: a shard of another data_prep run (or left by "
+                    f"an interrupted one); move it out of {data_dir}, or re-run data_prep into an "
+                    "empty directory"
+                )
             if entry["split"] != split:
-                raise ShardError(f"{path}: {where} lists it as a {entry['split']} shard, not {split}; the manifest "
-                                 "is another data_prep run's: re-run data_prep")
+                raise ShardError(
+                    f"{path}: {where} lists it as a {entry['split']} shard, not {split}; the manifest "
+                    "is another data_prep run's: re-run data_prep"
+                )
             if int(entry["tokens"]) != n:
-                raise ShardError(f"{path}: holds {n:,} tokens, {where} says {int(entry['tokens']):,}: the shard or the "
-                                 "manifest is another data_prep run's; re-run data_prep into an empty directory")
+                raise ShardError(
+                    f"{path}: holds {n:,} tokens, {where} says {int(entry['tokens']):,}: the shard or the "
+                    "manifest is another data_prep run's; re-run data_prep into an empty directory"
+                )
         found = {p.name for p in shards.paths}
         missing = [e["file"] for e in manifest["shards"] if e["split"] == split and e["file"] not in found]
         if missing:
-            raise ShardError(f"{data_dir / missing[0]}: listed in {where} but missing ({len(missing)} {split} shard(s) "
-                             "missing): the directory is incomplete; copy it again or re-run data_prep")
+            raise ShardError(
+                f"{data_dir / missing[0]}: listed in {where} but missing ({len(missing)} {split} shard(s) "
+                "missing): the directory is incomplete; copy it again or re-run data_prep"
+            )
     return entries
 
 
@@ -162,9 +183,11 @@ def scan_shard(path: Path, n_tokens: int, sha256: str | None) -> str | None:
                 if not digest:
                     break
     if digest and digest.hexdigest() != sha256:
-        return (f"{path}: sha256 differs from {path.parent / MANIFEST}'s: the shard is corrupt, or the manifest is "
-                f"another data_prep run's (`python -m data_prep verify {path.parent}` checks every shard); re-run "
-                "data_prep to rewrite it")
+        return (
+            f"{path}: sha256 differs from {path.parent / MANIFEST}'s: the shard is corrupt, or the manifest is "
+            f"another data_prep run's (`python -m data_prep verify {path.parent}` checks every shard); re-run "
+            "data_prep to rewrite it"
+        )
     return out_of_vocab(path, *bad) if bad else None
 
 
@@ -172,13 +195,19 @@ def verify_shards(data_dir: str | Path, shard_sets: dict, mode: str) -> str:
     """The rule in the module docstring; raises ShardError with the first problem, else returns what
     was checked in words (for the log)."""
     entries = check_listed(data_dir, shard_sets)
-    listed = "every shard listed in manifest.json with its split and token count" if entries is not None \
+    listed = (
+        "every shard listed in manifest.json with its split and token count"
+        if entries is not None
         else "no manifest.json (llm.c-style shards)"
+    )
     total_bytes = sum(n * TOKEN_DTYPE.itemsize for s in shard_sets.values() for n in s.sizes)
     if mode == "quick":
         return f"{listed}; shards not read (--verify-data quick)"
-    read = shard_sets if mode == "full" or total_bytes <= FULL_CHECK_BYTES else \
-        {k: v for k, v in shard_sets.items() if k == "val"}
+    read = (
+        shard_sets
+        if mode == "full" or total_bytes <= FULL_CHECK_BYTES
+        else {k: v for k, v in shard_sets.items() if k == "val"}
+    )
     for shards in read.values():
         for path, n in zip(shards.paths, shards.sizes):
             problem = scan_shard(path, n, entries[path.name]["sha256"] if entries is not None else None)
@@ -187,6 +216,8 @@ def verify_shards(data_dir: str | Path, shard_sets: dict, mode: str) -> str:
     what = "sha256 and token ids" if entries is not None else "token ids"
     if read is shard_sets:
         return f"{listed}; {what} of all {sum(len(s.paths) for s in read.values())} shard(s) checked"
-    return (f"{listed}; {what} of the val shards checked; the train shards ({total_bytes / 2**30:.1f} GiB with val) "
-            f"exceed --verify-data auto's {FULL_CHECK_BYTES / 2**30:g} GiB and are not read here (--verify-data "
-            "full reads them), their batches' token ids are checked as they load")
+    return (
+        f"{listed}; {what} of the val shards checked; the train shards ({total_bytes / 2**30:.1f} GiB with val) "
+        f"exceed --verify-data auto's {FULL_CHECK_BYTES / 2**30:g} GiB and are not read here (--verify-data "
+        "full reads them), their batches' token ids are checked as they load"
+    )

@@ -24,6 +24,7 @@ N_ENDINGS = 4
 @dataclass(frozen=True)
 class Example:
     """One HellaSwag item: a context, 4 candidate endings, and the index of the right one."""
+
     ctx: str
     endings: tuple[str, ...]
     label: int
@@ -83,13 +84,16 @@ def download(url: str, dest: Path, timeout_s: float = 60.0) -> Path:
             while chunk := resp.read(1 << 20):
                 out.write(chunk)
     except OSError as e:  # URLError, HTTPError, timeouts and disk errors are all OSErrors
-        raise ValueError(f"could not download {url} to {dest} ({e}); fetch the file where the network "
-                         f"allows and pass its path (--data FILE; train_ddp.py: --hellaswag-file FILE)") from None
+        raise ValueError(
+            f"could not download {url} to {dest} ({e}); fetch the file where the network "
+            f"allows and pass its path (--data FILE; train_ddp.py: --hellaswag-file FILE)"
+        ) from None
     return dest
 
 
-def prepare_hellaswag(path: str | Path | None, dist: Dist, *, url: str = HELLASWAG_URL,
-                      limit: int | None = None) -> list[Example]:
+def prepare_hellaswag(
+    path: str | Path | None, dist: Dist, *, url: str = HELLASWAG_URL, limit: int | None = None
+) -> list[Example]:
     """The examples of path (default: the user cache), downloaded by rank 0 first if missing.
 
     Collective under torchrun: every rank must call it. Rank 0 alone reads (and if need be

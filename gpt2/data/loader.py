@@ -60,12 +60,16 @@ def find_shards(data_dir: str | Path, split: str) -> ShardSet:
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise ShardError(f"--data-dir {data_dir}: no such directory; prepare one with "
-                         "`python -m data_prep --source FILES --out DIR`")
+        raise ShardError(
+            f"--data-dir {data_dir}: no such directory; prepare one with `python -m data_prep --source FILES --out DIR`"
+        )
     paths = sorted(p for p in data_dir.glob(f"*{split}*.bin") if p.is_file())
     if not paths:
-        how = ("prepare a val split with data_prep's --val-tokens N (N tokens of whole documents held out)"
-               if split == "val" else "prepare them with `python -m data_prep --source FILES --out DIR`")
+        how = (
+            "prepare a val split with data_prep's --val-tokens N (N tokens of whole documents held out)"
+            if split == "val"
+            else "prepare them with `python -m data_prep --source FILES --out DIR`"
+        )
         raise ShardError(f"--data-dir {data_dir}: no *{split}*.bin shards; {how}")
     sizes = []
     for p in paths:
@@ -91,8 +95,7 @@ class TokenStream:
     def _layout(self, epoch: int) -> tuple[np.ndarray, list[int]]:
         if epoch != self._epoch:
             n = len(self.shards.paths)
-            order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
-                     else np.arange(n))
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
             starts = np.concatenate([[0], np.cumsum([self.shards.sizes[i] for i in order])]).tolist()
             self._epoch, self._order, self._starts = epoch, order, starts
         return self._order, self._starts
@@ -116,7 +119,7 @@ class TokenStream:
             begin = offset - starts[k]
             take = min(n - filled, self.shards.sizes[shard] - begin)
             fd = self.files.acquire([shard])[shard]
-            self.files.read_into(fd, shard, begin, out[filled:filled + take])
+            self.files.read_into(fd, shard, begin, out[filled : filled + take])
             filled += take
         return out.astype(np.int64)
 
@@ -142,11 +145,11 @@ class TokenStream:
         # In groups the descriptor cache can hold at once: it opens and closes only between groups,
         # in this thread, so no read in flight ever sees its descriptor closed.
         for i in range(0, len(shards), self.files.max_open):
-            fds = self.files.acquire(shards[i:i + self.files.max_open])
+            fds = self.files.acquire(shards[i : i + self.files.max_open])
 
-            def fetch(piece) -> None:
+            def fetch(piece, fds=fds) -> None:  # called within this iteration: fds is this group's
                 shard, (row, column, begin, take) = piece
-                self.files.read_into(fds[shard], shard, begin, out[row, column:column + take])
+                self.files.read_into(fds[shard], shard, begin, out[row, column : column + take])
 
             pieces = [(shard, p) for shard in fds for p in by_shard[shard]]
             list(pool.map(fetch, pieces)) if pool is not None else [fetch(p) for p in pieces]
@@ -165,18 +168,35 @@ def to_device(x: np.ndarray, device: torch.device, pin: bool) -> torch.Tensor:
 class TrainLoader:
     """This rank's micro-batches of each optimizer step (the module docstring has the layout)."""
 
-    def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, total_batch_size: int,
-                 rank: int, world_size: int, seed: int, device: torch.device, pin_memory: bool = True,
-                 order: str = "shuffled", max_open_shards: int | None = None, defer_bad_tokens: bool = False) -> None:
+    def __init__(
+        self,
+        shards: ShardSet,
+        *,
+        micro_batch_size: int,
+        seq_len: int,
+        total_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        device: torch.device,
+        pin_memory: bool = True,
+        order: str = "shuffled",
+        max_open_shards: int | None = None,
+        defer_bad_tokens: bool = False,
+    ) -> None:
         accum_steps = grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)
         if order not in DATA_ORDERS:
             raise ValueError(f"data order {order!r} must be one of {DATA_ORDERS}")
         if shards.total_tokens < total_batch_size + 1:
-            raise ShardError(f"the train shards hold {shards.total_tokens} tokens, fewer than one optimizer "
-                             f"step needs ({total_batch_size + 1}); lower --total-batch-size or add data")
+            raise ShardError(
+                f"the train shards hold {shards.total_tokens} tokens, fewer than one optimizer "
+                f"step needs ({total_batch_size + 1}); lower --total-batch-size or add data"
+            )
         self.shards, self.order = shards, order
         self.files = ShardFiles(shards.paths, shards.sizes, max_open_shards)  # close() closes them
-        self.stream = TokenStream(shards, seed=seed, shuffle=True, files=self.files)  # sequential: shard order per epoch
+        self.stream = TokenStream(
+            shards, seed=seed, shuffle=True, files=self.files
+        )  # sequential: shard order per epoch
         self.windows = TokenStream(shards, seed=seed, shuffle=False, files=self.files)  # shuffled: fixed shard order
         self.n_windows = (shards.total_tokens - 1) // seq_len
         self._perm: Permutation | None = None  # the current epoch's order, and that epoch
@@ -196,7 +216,7 @@ class TrainLoader:
         first_seq = (micro_step * self.world_size + self.rank) * self.B
         if self.order == "sequential":
             span = self.stream.read(self.position + first_seq * self.T, self.B * self.T + 1)
-            rows = np.lib.stride_tricks.sliding_window_view(span, self.T + 1)[::self.T]
+            rows = np.lib.stride_tricks.sliding_window_view(span, self.T + 1)[:: self.T]
         else:
             first = self.position // self.T + first_seq
             if self._pool is None:
@@ -262,24 +282,29 @@ class TrainLoader:
         self.close()
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "shards": self.shards.fingerprint(),
-                "order": self.order}
+        return {"position": self.position, "seed": self.seed, "shards": self.shards.fingerprint(), "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume the order the checkpoint was written with: checkpoints from before data orders
         existed (no "order") read the stream sequentially, and go on doing so."""
         if state["shards"] != self.shards.fingerprint():
-            raise ValueError("the train shards differ from the ones this checkpoint was trained on "
-                             f"(saved {len(state['shards'])} shards, found {len(self.shards.paths)}); "
-                             "point --data-dir at the original data, or start fresh with --resume never")
+            raise ValueError(
+                "the train shards differ from the ones this checkpoint was trained on "
+                f"(saved {len(state['shards'])} shards, found {len(self.shards.paths)}); "
+                "point --data-dir at the original data, or start fresh with --resume never"
+            )
         if state["seed"] != self.seed:
-            raise ValueError(f"the checkpoint's data order used seed {state['seed']}, this run has "
-                             f"--seed {self.seed}; keep the seed to resume exactly")
+            raise ValueError(
+                f"the checkpoint's data order used seed {state['seed']}, this run has "
+                f"--seed {self.seed}; keep the seed to resume exactly"
+            )
         saved = state.get("order", "sequential")
         if "order" in state and saved != self.order:
-            raise ValueError(f"the checkpoint was trained with --data-order {saved}, this run asks for "
-                             f"{self.order}; pass --data-order {saved} to resume exactly, or start fresh "
-                             "with --resume never")
+            raise ValueError(
+                f"the checkpoint was trained with --data-order {saved}, this run asks for "
+                f"{self.order}; pass --data-order {saved} to resume exactly, or start fresh "
+                "with --resume never"
+            )
         self.order = saved
         self.position = int(state["position"])
 
@@ -293,11 +318,22 @@ class EvalLoader:
     are reduced over ranks, so the result does not depend on the world size.
     """
 
-    def __init__(self, shards: ShardSet, *, micro_batch_size: int, seq_len: int, eval_tokens: int,
-                 rank: int, world_size: int, device: torch.device, pin_memory: bool = True,
-                 max_open_shards: int | None = None) -> None:
-        self.stream = TokenStream(shards, seed=0, shuffle=False,
-                                  files=ShardFiles(shards.paths, shards.sizes, max_open_shards))
+    def __init__(
+        self,
+        shards: ShardSet,
+        *,
+        micro_batch_size: int,
+        seq_len: int,
+        eval_tokens: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        pin_memory: bool = True,
+        max_open_shards: int | None = None,
+    ) -> None:
+        self.stream = TokenStream(
+            shards, seed=0, shuffle=False, files=ShardFiles(shards.paths, shards.sizes, max_open_shards)
+        )
         available = (shards.total_tokens - 1) // seq_len
         self.n_seqs = min(eval_tokens // seq_len, available)
         self.clamped = eval_tokens // seq_len > available
@@ -328,7 +364,7 @@ class EvalLoader:
     def __iter__(self):
         mine = list(range(self.rank, self.n_seqs, self.world_size))
         for i in range(0, len(self) * self.B, self.B):
-            seqs = mine[i:i + self.B]
+            seqs = mine[i : i + self.B]
             x = np.zeros((self.B, self.T), dtype=np.int64)
             y = np.full((self.B, self.T), -1, dtype=np.int64)
             for row, s in enumerate(seqs):

@@ -49,20 +49,26 @@ def read_header(path: str | os.PathLike) -> int:
     except FileNotFoundError:
         raise ShardError(f"{path}: no such shard file") from None
     if len(raw) < HEADER_BYTES:
-        raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header; "
-                         "the file is truncated or not a token shard")
+        raise ShardError(
+            f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header; "
+            "the file is truncated or not a token shard"
+        )
     header = np.frombuffer(raw, dtype="<i4")
     if header[0] != MAGIC:
-        raise ShardError(f"{path}: bad magic number {header[0]} (expected {MAGIC}); "
-                         "not an llm.c/modded-nanogpt token shard")
+        raise ShardError(
+            f"{path}: bad magic number {header[0]} (expected {MAGIC}); not an llm.c/modded-nanogpt token shard"
+        )
     if header[1] != VERSION:
-        raise ShardError(f"{path}: shard version {header[1]} is not supported (expected {VERSION}: "
-                         "uint16 GPT-2 tokens)")
+        raise ShardError(
+            f"{path}: shard version {header[1]} is not supported (expected {VERSION}: uint16 GPT-2 tokens)"
+        )
     n_tokens = int(header[2])
     expected = HEADER_BYTES + n_tokens * TOKEN_DTYPE.itemsize
     if n_tokens < 0 or size != expected:
-        raise ShardError(f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file has "
-                         f"{size} bytes; the shard is truncated or corrupt, re-run data_prep")
+        raise ShardError(
+            f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file has "
+            f"{size} bytes; the shard is truncated or corrupt, re-run data_prep"
+        )
     return n_tokens
 
 
@@ -74,8 +80,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
     path = Path(path)
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(TOKEN_DTYPE).max):
-        raise ValueError(f"{path}: token ids must fit in uint16 (0..65535); got range "
-                         f"[{tokens.min()}, {tokens.max()}]")
+        raise ValueError(f"{path}: token ids must fit in uint16 (0..65535); got range [{tokens.min()}, {tokens.max()}]")
     data = tokens.astype(TOKEN_DTYPE, copy=False)
     with atomic_write(path) as f:
         f.write(make_header(len(data)).tobytes())
@@ -148,8 +153,10 @@ class ShardFiles:
         expected = HEADER_BYTES + self.sizes[shard] * TOKEN_DTYPE.itemsize
         if size != expected:
             os.close(fd)
-            raise ShardError(f"{path}: now {size} bytes, {expected} when it was validated; the shard was "
-                             "changed during the run, restore it")
+            raise ShardError(
+                f"{path}: now {size} bytes, {expected} when it was validated; the shard was "
+                "changed during the run, restore it"
+            )
         return fd
 
     def read_into(self, fd: int, shard: int, begin: int, out: np.ndarray) -> None:

@@ -36,8 +36,9 @@ GRAD_BYTES_PER_PARAM = 4
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:
     """(algbw, busbw) in bytes/s of an all-reduce of nbytes that took seconds over world_size ranks."""
     if nbytes <= 0 or seconds <= 0 or world_size < 2:
-        raise ValueError(f"bus_bandwidth needs nbytes > 0, seconds > 0 and world_size >= 2, "
-                         f"got {nbytes}, {seconds}, {world_size}")
+        raise ValueError(
+            f"bus_bandwidth needs nbytes > 0, seconds > 0 and world_size >= 2, got {nbytes}, {seconds}, {world_size}"
+        )
     algbw = nbytes / seconds
     return algbw, algbw * 2 * (world_size - 1) / world_size
 
@@ -45,6 +46,7 @@ def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> tuple[float, 
 @dataclass(frozen=True, kw_only=True)
 class NetworkCost:
     """One start-up measurement and what it predicts for a step (written to config.json)."""
+
     backend: str
     world_size: int
     bucket_bytes: int
@@ -84,6 +86,7 @@ class NetworkCost:
 @dataclass(frozen=True)
 class FsdpTraffic:
     """What one optimizer step of --parallel fsdp moves (gpt2/distributed/fsdp.py: blocks and the root are units)."""
+
     gather_bytes: int
     gathers_per_step: int
     reduce_scatter_bytes: int
@@ -97,14 +100,28 @@ def fsdp_traffic(n_params: int, param_bytes: int, accum_steps: int) -> FsdpTraff
     """Every micro-step gathers the weights in forward and again in backward (no-sync accumulation
     skips the reduce-scatter, not the gathers); the last one reduce-scatters fp32 gradients once."""
     if n_params <= 0 or param_bytes <= 0 or accum_steps <= 0:
-        raise ValueError(f"fsdp_traffic needs positive n_params, param_bytes and accum_steps, "
-                         f"got {n_params}, {param_bytes}, {accum_steps}")
-    return FsdpTraffic(gather_bytes=n_params * param_bytes, gathers_per_step=2 * accum_steps,
-                       reduce_scatter_bytes=n_params * GRAD_BYTES_PER_PARAM)
+        raise ValueError(
+            f"fsdp_traffic needs positive n_params, param_bytes and accum_steps, "
+            f"got {n_params}, {param_bytes}, {accum_steps}"
+        )
+    return FsdpTraffic(
+        gather_bytes=n_params * param_bytes,
+        gathers_per_step=2 * accum_steps,
+        reduce_scatter_bytes=n_params * GRAD_BYTES_PER_PARAM,
+    )
 
 
-def network_cost(*, backend: str, world_size: int, nodes: int, bucket_bytes: int, allreduce_s: float,
-                 grad_bytes: int, step_compute_s: float | None, fsdp: FsdpTraffic | None = None) -> NetworkCost:
+def network_cost(
+    *,
+    backend: str,
+    world_size: int,
+    nodes: int,
+    bucket_bytes: int,
+    allreduce_s: float,
+    grad_bytes: int,
+    step_compute_s: float | None,
+    fsdp: FsdpTraffic | None = None,
+) -> NetworkCost:
     """Pure arithmetic: the measured bucket time -> bandwidths -> the step's collectives (DDP's
     all-reduce, or fsdp's all-gathers and reduce-scatter) against its compute."""
     algbw, busbw = bus_bandwidth(bucket_bytes, allreduce_s, world_size)
@@ -115,31 +132,53 @@ def network_cost(*, backend: str, world_size: int, nodes: int, bucket_bytes: int
     else:
         step_bytes = fsdp.step_bytes
         step_comm_s = step_bytes * (world_size - 1) / world_size / busbw
-        extra = {"parallel": "fsdp", "gather_bytes": fsdp.gather_bytes, "gathers_per_step": fsdp.gathers_per_step,
-                 "reduce_scatter_bytes": fsdp.reduce_scatter_bytes}
+        extra = {
+            "parallel": "fsdp",
+            "gather_bytes": fsdp.gather_bytes,
+            "gathers_per_step": fsdp.gathers_per_step,
+            "reduce_scatter_bytes": fsdp.reduce_scatter_bytes,
+        }
     share = step_comm_s / step_compute_s if step_compute_s else None
-    return NetworkCost(backend=backend, world_size=world_size, nodes=nodes, bucket_bytes=bucket_bytes,
-                       allreduce_s=allreduce_s,
-                       algbw_bytes_per_s=algbw, busbw_bytes_per_s=busbw, grad_bytes=grad_bytes,
-                       step_allreduce_s=step_allreduce_s, step_compute_s=step_compute_s, share=share,
-                       step_bytes=step_bytes, step_comm_s=step_comm_s, **extra)
+    return NetworkCost(
+        backend=backend,
+        world_size=world_size,
+        nodes=nodes,
+        bucket_bytes=bucket_bytes,
+        allreduce_s=allreduce_s,
+        algbw_bytes_per_s=algbw,
+        busbw_bytes_per_s=busbw,
+        grad_bytes=grad_bytes,
+        step_allreduce_s=step_allreduce_s,
+        step_compute_s=step_compute_s,
+        share=share,
+        step_bytes=step_bytes,
+        step_comm_s=step_comm_s,
+        **extra,
+    )
 
 
 def _what_a_step_moves(c: NetworkCost) -> str:
     if c.parallel != "fsdp":
         return f"a step's gradient all-reduce ({c.grad_bytes / 1e6:,.0f} MB)"
-    return (f"a step's fsdp traffic ({c.gathers_per_step} all-gathers of {c.gather_bytes / 1e6:,.0f} MB weights "
-            f"+ 1 reduce-scatter of {c.reduce_scatter_bytes / 1e6:,.0f} MB fp32 gradients = "
-            f"{c.step_bytes / 1e6:,.0f} MB, ring: x {c.world_size - 1}/{c.world_size} at busbw)")
+    return (
+        f"a step's fsdp traffic ({c.gathers_per_step} all-gathers of {c.gather_bytes / 1e6:,.0f} MB weights "
+        f"+ 1 reduce-scatter of {c.reduce_scatter_bytes / 1e6:,.0f} MB fp32 gradients = "
+        f"{c.step_bytes / 1e6:,.0f} MB, ring: x {c.world_size - 1}/{c.world_size} at busbw)"
+    )
 
 
 def format_network_cost(c: NetworkCost) -> str:
     """The one start-up line."""
-    against = ("no planned compute to compare with (no peak FLOP/s for this device)" if c.share is None else
-               f"{c.share:.0%} of the planned {c.step_compute_s:.3g} s of compute per step")
-    return (f"network    all-reduce of {c.bucket_bytes / 2**20:.1f} MiB over {c.world_size} ranks ({c.backend}): "
-            f"{c.allreduce_s * 1e3:.1f} ms, algbw {c.algbw_bytes_per_s / 1e9:.2f} GB/s, busbw "
-            f"{c.busbw_bytes_per_s / 1e9:.2f} GB/s; {_what_a_step_moves(c)} ~{c.step_comm_s:.3g} s = {against}")
+    against = (
+        "no planned compute to compare with (no peak FLOP/s for this device)"
+        if c.share is None
+        else f"{c.share:.0%} of the planned {c.step_compute_s:.3g} s of compute per step"
+    )
+    return (
+        f"network    all-reduce of {c.bucket_bytes / 2**20:.1f} MiB over {c.world_size} ranks ({c.backend}): "
+        f"{c.allreduce_s * 1e3:.1f} ms, algbw {c.algbw_bytes_per_s / 1e9:.2f} GB/s, busbw "
+        f"{c.busbw_bytes_per_s / 1e9:.2f} GB/s; {_what_a_step_moves(c)} ~{c.step_comm_s:.3g} s = {against}"
+    )
 
 
 def network_warning(c: NetworkCost, threshold: float = WARN_SHARE) -> str | None:
@@ -153,18 +192,26 @@ def network_warning(c: NetworkCost, threshold: float = WARN_SHARE) -> str | None
     if c.share is None or c.share <= threshold:
         return None
     what = "the gradient all-reduce" if c.parallel != "fsdp" else "fsdp's all-gathers and reduce-scatter"
-    head = (f"{what} would take {c.share:.0%} of each step's compute (busbw {c.busbw_bytes_per_s / 1e9:.2f} GB/s "
-            f"over {c.world_size} ranks on {c.nodes} node(s)).")
+    head = (
+        f"{what} would take {c.share:.0%} of each step's compute (busbw {c.busbw_bytes_per_s / 1e9:.2f} GB/s "
+        f"over {c.world_size} ranks on {c.nodes} node(s))."
+    )
     if c.nodes > 1 and c.backend == "nccl":
-        return (f"{head} Across nodes this is usually NCCL over TCP sockets where InfiniBand was expected: run with "
-                "NCCL_DEBUG=INFO and look for 'NET/IB' (not 'NET/Socket'), check NCCL_IB_DISABLE / NCCL_IB_HCA, and "
-                "NCCL_SOCKET_IFNAME for the interface sockets use")
+        return (
+            f"{head} Across nodes this is usually NCCL over TCP sockets where InfiniBand was expected: run with "
+            "NCCL_DEBUG=INFO and look for 'NET/IB' (not 'NET/Socket'), check NCCL_IB_DISABLE / NCCL_IB_HCA, and "
+            "NCCL_SOCKET_IFNAME for the interface sockets use"
+        )
     if c.nodes > 1:
-        return (f"{head} Across nodes {c.backend} goes over TCP, so the link between the nodes is the limit: "
-                "check that GLOO_SOCKET_IFNAME names the fastest interface")
+        return (
+            f"{head} Across nodes {c.backend} goes over TCP, so the link between the nodes is the limit: "
+            "check that GLOO_SOCKET_IFNAME names the fastest interface"
+        )
     if c.backend == "nccl":
-        return (f"{head} All ranks are on one node, so this is the GPUs' own links, not the network: `nvidia-smi "
-                "topo -m` shows whether they talk over NVLink or only PCIe, and NCCL_P2P_DISABLE should be unset")
+        return (
+            f"{head} All ranks are on one node, so this is the GPUs' own links, not the network: `nvidia-smi "
+            "topo -m` shows whether they talk over NVLink or only PCIe, and NCCL_P2P_DISABLE should be unset"
+        )
     return None
 
 
@@ -188,8 +235,9 @@ def time_all_reduce(nbytes: int, dist: Dist, *, warmup: int = 2, rounds: int = 5
     return statistics.median(times)
 
 
-def measure_network(dist: Dist, *, bucket_cap_mb: float, n_params: int, step_compute_s: float | None,
-                    fsdp: FsdpTraffic | None = None) -> NetworkCost | None:
+def measure_network(
+    dist: Dist, *, bucket_cap_mb: float, n_params: int, step_compute_s: float | None, fsdp: FsdpTraffic | None = None
+) -> NetworkCost | None:
     """Time one bucket's all-reduce and predict the step's (fsdp: its all-gathers and reduce-scatter
     at the same busbw); None on one process (nothing to reduce).
 
@@ -203,6 +251,13 @@ def measure_network(dist: Dist, *, bucket_cap_mb: float, n_params: int, step_com
     agreed = torch.tensor([seconds], dtype=torch.float64, device=dist.device)
     with collective("broadcast of the bandwidth test's time"):
         tdist.broadcast(agreed, src=0)
-    return network_cost(backend=tdist.get_backend(), world_size=dist.world_size,
-                        nodes=max(1, dist.world_size // max(1, dist.local_world_size)), bucket_bytes=bucket_bytes,
-                        allreduce_s=agreed.item(), grad_bytes=grad_bytes, step_compute_s=step_compute_s, fsdp=fsdp)
+    return network_cost(
+        backend=tdist.get_backend(),
+        world_size=dist.world_size,
+        nodes=max(1, dist.world_size // max(1, dist.local_world_size)),
+        bucket_bytes=bucket_bytes,
+        allreduce_s=agreed.item(),
+        grad_bytes=grad_bytes,
+        step_compute_s=step_compute_s,
+        fsdp=fsdp,
+    )

@@ -83,14 +83,17 @@ def is_compile_failure(e: BaseException) -> bool:
 def compile_failure_message(e: BaseException) -> str:
     """The one line train_ddp.py prints for a compile failure: what failed and the fix."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return (f"torch.compile could not build the model's kernels ({first}): its compiler toolchain is missing or "
-            "broken (inductor needs a working C++ compiler on a CPU, Triton and ptxas on CUDA). Fix it, or train "
-            "uncompiled with --compile false")
+    return (
+        f"torch.compile could not build the model's kernels ({first}): its compiler toolchain is missing or "
+        "broken (inductor needs a working C++ compiler on a CPU, Triton and ptxas on CUDA). Fix it, or train "
+        "uncompiled with --compile false"
+    )
 
 
 @dataclass(frozen=True)
 class WorldInfo:
     """What torchrun (or SLURM through torchrun) told this process, before any process group."""
+
     rank: int
     local_rank: int
     world_size: int
@@ -100,8 +103,12 @@ class WorldInfo:
 def world_from_env(env=None) -> WorldInfo:
     env = os.environ if env is None else env
     world_size = int(env.get("WORLD_SIZE", 1))
-    info = WorldInfo(rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
-                     world_size=world_size, local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)))
+    info = WorldInfo(
+        rank=int(env.get("RANK", 0)),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        world_size=world_size,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+    )
     if not (0 <= info.rank < info.world_size and 0 <= info.local_rank < info.local_world_size):
         raise ValueError(f"inconsistent launcher environment {info}; launch with torchrun or plain python")
     return info
@@ -123,8 +130,10 @@ def resolve_device(preference: str, local_rank: int) -> torch.device:
         if count == 1:
             return torch.device("cuda", 0)
         if local_rank >= count:
-            raise ValueError(f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible; "
-                             "set --nproc_per_node to the number of GPUs")
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible; "
+                "set --nproc_per_node to the number of GPUs"
+            )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -161,8 +170,9 @@ def setup(info: WorldInfo, device: torch.device, timeout_s: float) -> Dist:
         store = _restart_store(os.environ, timeout)
         kwargs = {} if store is None else {"store": store, "rank": info.rank, "world_size": info.world_size}
         with collective("joining the process group"):
-            tdist.init_process_group(backend=backend, timeout=timeout,
-                                     device_id=device if device.type == "cuda" else None, **kwargs)
+            tdist.init_process_group(
+                backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **kwargs
+            )
     return Dist(info.rank, info.local_rank, info.world_size, info.local_world_size, device)
 
 

@@ -74,8 +74,10 @@ def stacks_text() -> str:
     dump's own frames (this module's)."""
     names = {t.ident: t.name for t in threading.enumerate()}
     frames = sorted(sys._current_frames().items(), key=lambda kv: kv[0] != threading.main_thread().ident)
-    return "\n".join(f"--- thread {names.get(ident, ident)} ---\n{''.join(traceback.format_list(_outside_dump(frame)))}"
-                     for ident, frame in frames)
+    return "\n".join(
+        f"--- thread {names.get(ident, ident)} ---\n{''.join(traceback.format_list(_outside_dump(frame)))}"
+        for ident, frame in frames
+    )
 
 
 def _outside_dump(frame) -> list:
@@ -100,7 +102,9 @@ class HangDumps:
 
     def __init__(self, out_dir: str, dist: Dist, grace_s: float = HANG_GRACE_S) -> None:
         self.out_dir, self.dist, self.grace_s = Path(out_dir), dist, grace_s
-        self._lock = threading.RLock()  # a signal's dump and a failure's never interleave (re-entered: the fallback handler)
+        self._lock = (
+            threading.RLock()
+        )  # a signal's dump and a failure's never interleave (re-entered: the fallback handler)
         self._previous_handler = self._previous_fd = None
         self._pipe: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
@@ -129,7 +133,9 @@ class HangDumps:
             signal.set_wakeup_fd(previous_fd)
             os.close(read_fd)
             os.close(write_fd)
-            self._previous_handler = signal.signal(signal.SIGUSR2, lambda *_: self._dump_or_say("SIGUSR2", failure=False))
+            self._previous_handler = signal.signal(
+                signal.SIGUSR2, lambda *_: self._dump_or_say("SIGUSR2", failure=False)
+            )
             return
         # The handler only makes the signal Python's (not the default action, which ends the process):
         # its C part writes the wakeup byte that our thread acts on, even while the main thread waits.
@@ -170,8 +176,13 @@ class HangDumps:
         with self._lock:
             store = default_store() if self.dist.is_distributed else None
             folder = self._folder(store, failure)
-            seq, head = TRACE.seq, (f"rank {self.dist.rank} of {self.dist.world_size}, pid {os.getpid()}\n"
-                                    f"reason: {reason}\nlast collective: {last_collective()}\n")
+            seq, head = (
+                TRACE.seq,
+                (
+                    f"rank {self.dist.rank} of {self.dist.world_size}, pid {os.getpid()}\n"
+                    f"reason: {reason}\nlast collective: {last_collective()}\n"
+                ),
+            )
             path = folder / f"rank-{self.dist.rank}.txt"
             stacks = stacks_text()
             atomic_write_text(path, f"{head}\n{stacks}")
@@ -183,12 +194,19 @@ class HangDumps:
             stuck_at, missing = never_arrived(reports, self.dist.world_size)
             # A signal's dump: a rank may simply not have been signalled, or be between two collectives.
             what = "never arrived at" if failure else f"had not reached (or not dumped within {self.grace_s:g} s)"
-            verdict = (f"ranks that {what} collective #{stuck_at}: {', '.join(map(str, missing)) or 'none'}"
-                       f" (reported: {', '.join(f'{r}@#{s}' for r, s in sorted(reports.items()))})\n")
+            verdict = (
+                f"ranks that {what} collective #{stuck_at}: {', '.join(map(str, missing)) or 'none'}"
+                f" (reported: {', '.join(f'{r}@#{s}' for r, s in sorted(reports.items()))})\n"
+            )
             atomic_write_text(path, f"{head}{verdict}\n{stacks}")
             if self.dist.rank == min(reports):  # rank 0, or the first live rank where rank 0 is the one stopped
-                print(f"hang dump: rank {self.dist.rank} {reason}; last collective {last_collective()}; {verdict.strip()}; "
-                      f"every rank's stacks in {folder}/", file=sys.stderr, flush=True)
+                print(
+                    f"hang dump: rank {self.dist.rank} {reason}; last collective {last_collective()}; "
+                    f"{verdict.strip()}; "
+                    f"every rank's stacks in {folder}/",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return folder
 
     def _folder(self, store, failure: bool) -> Path:

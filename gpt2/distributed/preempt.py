@@ -1,23 +1,23 @@
 """Stopping on a signal and asking to be requeued: the contract slurm/* relies on.
 
-  SIGTERM or SIGUSR1 (what SLURM sends before a time limit or a preemption) to any trainer process
-  makes every rank stop at the same step boundary (`StopRequest` records the signal; the trainer's
-  per-step all-reduce carries the vote). Rank 0 waits for a background checkpoint write in flight
-  (gpt2/ckpt/writer.py), writes the stop's checkpoint synchronously, then RUN/requeue (JSON: step,
-  signal, checkpoint). Signal torchrun with SIGTERM: it forwards that to every worker and waits
-  TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s) before SIGKILL. SIGUSR1 kills torchrun at once
-  (exit 138), as SIGKILL does: its workers then get SIGTERM from the kernel (stop_with_launcher)
-  and stop as above, rather than train on as orphans no one waits for.
-  RUN/requeue exists exactly when the last run in RUN ended on a stop signal after a complete
-  checkpoint: every run deletes it when it starts.
-  Exit codes of train_ddp.py after such a stop (`stop_exit_code`):
-    - plain `python train_ddp.py`: 3 (EXIT_REQUEUE).
-    - under torchrun: 0. torchrun cannot pass a worker's code on (any failed worker makes it exit 1),
-      and with --max-restarts N a non-zero exit would restart the group into a new run instead of
-      stopping. torchrun itself exits 1 when it was the process signalled (it re-raises the signal
-      as an error after its workers exit), 0 when only the workers were signalled.
-  So a batch script decides "requeue" by `[[ -f $OUT_DIR/requeue ]]` (or exit code 3 without
-  torchrun), never by torchrun's exit code; the requeued run passes --resume auto.
+SIGTERM or SIGUSR1 (what SLURM sends before a time limit or a preemption) to any trainer process
+makes every rank stop at the same step boundary (`StopRequest` records the signal; the trainer's
+per-step all-reduce carries the vote). Rank 0 waits for a background checkpoint write in flight
+(gpt2/ckpt/writer.py), writes the stop's checkpoint synchronously, then RUN/requeue (JSON: step,
+signal, checkpoint). Signal torchrun with SIGTERM: it forwards that to every worker and waits
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s) before SIGKILL. SIGUSR1 kills torchrun at once
+(exit 138), as SIGKILL does: its workers then get SIGTERM from the kernel (stop_with_launcher)
+and stop as above, rather than train on as orphans no one waits for.
+RUN/requeue exists exactly when the last run in RUN ended on a stop signal after a complete
+checkpoint: every run deletes it when it starts.
+Exit codes of train_ddp.py after such a stop (`stop_exit_code`):
+  - plain `python train_ddp.py`: 3 (EXIT_REQUEUE).
+  - under torchrun: 0. torchrun cannot pass a worker's code on (any failed worker makes it exit 1),
+    and with --max-restarts N a non-zero exit would restart the group into a new run instead of
+    stopping. torchrun itself exits 1 when it was the process signalled (it re-raises the signal
+    as an error after its workers exit), 0 when only the workers were signalled.
+So a batch script decides "requeue" by `[[ -f $OUT_DIR/requeue ]]` (or exit code 3 without
+torchrun), never by torchrun's exit code; the requeued run passes --resume auto.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class StopRequest:
         """SIGTERM / SIGUSR1, or None when the stop came from another rank's signal."""
         return None if self.signum is None else signal.Signals(self.signum).name
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         for s in self.SIGNALS:
             self._previous[s] = signal.signal(s, self._handle)
         return self

@@ -49,8 +49,9 @@ def slow_rank_hook(rank: int, env=None) -> tuple[float, float]:
             return 0.0, 1.0
         return (0.0, float(amount[:-1])) if amount.endswith("x") else (float(amount), 1.0)
     except ValueError:
-        raise ValueError(f"{SLOW_RANK_ENV}={spec!r}: expected RANK:SECONDS or RANK:FACTORx, e.g. 1:0.5 or 1:4x "
-                         "(a test hook)") from None
+        raise ValueError(
+            f"{SLOW_RANK_ENV}={spec!r}: expected RANK:SECONDS or RANK:FACTORx, e.g. 1:0.5 or 1:4x (a test hook)"
+        ) from None
 
 
 class ComputeClock:
@@ -100,7 +101,7 @@ class ComputeClock:
 def others_median(times: list[float], rank: int) -> float:
     """The median of every rank's time but `rank`'s: at 2 ranks the other rank's own (the median of all
     two would be their mean, and a rank could never be more than 2x it)."""
-    return statistics.median(times[:rank] + times[rank + 1:])
+    return statistics.median(times[:rank] + times[rank + 1 :])
 
 
 def slowest(times: list[float]) -> tuple[int, float] | None:
@@ -122,9 +123,12 @@ def straggler_line(step: int, times: list[float]) -> str | None:
     if found is None:
         return None
     rank, ratio = found
-    return (f"step {step:>6} | straggler: rank {rank} computes {times[rank] * 1000:.0f} ms, {ratio:.2f}x the median "
-            f"{others_median(times, rank) * 1000:.0f} ms of the other {len(times) - 1} rank(s) (every rank waits for it at the "
-            "gradient all-reduce); check that node's load, clocks and data reads")
+    return (
+        f"step {step:>6} | straggler: rank {rank} computes {times[rank] * 1000:.0f} ms, {ratio:.2f}x the median "
+        f"{others_median(times, rank) * 1000:.0f} ms of the other {len(times) - 1} rank(s) (every rank waits for it "
+        "at the "
+        "gradient all-reduce); check that node's load, clocks and data reads"
+    )
 
 
 def times_record(step: int, times: list[float], log_index: int, named: bool) -> dict | None:

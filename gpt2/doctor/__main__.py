@@ -55,25 +55,43 @@ from gpt2.plan.measure import KINETO_QUIET_LEVEL
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="python -m gpt2.doctor", description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=__doc__.split("\n\n", 2)[2])
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                    help="auto: CUDA when present (then every local GPU), else the CPU at a tiny shape")
+    ap = OneLineParser(
+        prog="python -m gpt2.doctor",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 2)[2],
+    )
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: CUDA when present (then every local GPU), else the CPU at a tiny shape",
+    )
     ap.add_argument("--out", type=Path, help="write DIR/doctor.json, DIR/doctor.txt and keep the runs in DIR/work")
-    ap.add_argument("--json", type=Path,
-                    help="the JSON report (default: DIR/doctor.json with --out, else ./doctor.json)")
-    ap.add_argument("--work-dir", type=Path, help="shards and runs (default: DIR/work with --out, else a temp "
-                                                   "directory removed at the end)")
+    ap.add_argument(
+        "--json", type=Path, help="the JSON report (default: DIR/doctor.json with --out, else ./doctor.json)"
+    )
+    ap.add_argument(
+        "--work-dir",
+        type=Path,
+        help="shards and runs (default: DIR/work with --out, else a temp directory removed at the end)",
+    )
     names = ",".join(n for n, _ in sections.SECTIONS)
-    ap.add_argument("--only", default="", help=f"comma-separated sections to run, of {names} (resume runs "
-                                                "correctness too)")
+    ap.add_argument(
+        "--only", default="", help=f"comma-separated sections to run, of {names} (resume runs correctness too)"
+    )
     ap.add_argument("--skip", default="", help=f"comma-separated sections to leave out, of {names}")
-    ap.add_argument("--full", action="store_true",
-                    help=f"also the opt-in sections ({', '.join(sections.OPT_IN)}: minutes more on a GPU)")
-    ap.add_argument("--ranks", type=int,
-                    help="processes for the ranks section (default: the local GPUs; 1 on a CPU, where the section "
-                         "is then n/a: 2 runs two gloo ranks)")
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help=f"also the opt-in sections ({', '.join(sections.OPT_IN)}: minutes more on a GPU)",
+    )
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        help="processes for the ranks section (default: the local GPUs; 1 on a CPU, where the section "
+        "is then n/a: 2 runs two gloo ranks)",
+    )
     ap.add_argument("--timeout-s", type=float, default=900, help="longest one training process may run (default 900)")
     return ap
 
@@ -83,8 +101,9 @@ def resolve_args(args: argparse.Namespace) -> tuple[torch.device, dict[str, str]
     got wrong."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = torch.device(
+        "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
     names = [n for n, _ in sections.SECTIONS]
     only, skip = ({x for x in flag.split(",") if x} for flag in (args.only, args.skip))
     for flag, asked in (("--only", only), ("--skip", skip)):
@@ -132,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     def write(done: list[Section], *, complete: bool) -> str:
         """doctor.json (and doctor.txt with --out) of the sections so far, each file replaced whole."""
         wall, status = time.perf_counter() - t0, exit_status(done)
-        table = format_table(done, header_line(device, done, wall, status)
-                             + ("" if complete else " | INCOMPLETE: still running"))
+        table = format_table(
+            done, header_line(device, done, wall, status) + ("" if complete else " | INCOMPLETE: still running")
+        )
         report = report_json(done, device=device, argv=argv, wall_s=wall, status=status)
         atomic_write_text(json_path, json.dumps({**report, "complete": complete}, indent=1, default=str) + "\n")
         if args.out:
@@ -141,8 +161,15 @@ def main(argv: list[str] | None = None) -> int:
         return table
 
     with work_dir(args) as work:
-        done = sections.run_all(device, left_out, work, ranks=args.ranks, timeout_s=args.timeout_s, say=say,
-                                on_section=lambda so_far: write(so_far, complete=False))
+        done = sections.run_all(
+            device,
+            left_out,
+            work,
+            ranks=args.ranks,
+            timeout_s=args.timeout_s,
+            say=say,
+            on_section=lambda so_far: write(so_far, complete=False),
+        )
     print(write(done, complete=True), flush=True)
     say(f"wrote {json_path}" + (f" and {args.out / 'doctor.txt'}" if args.out else ""))
     return exit_status(done)

@@ -26,8 +26,8 @@ import contextlib
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -42,8 +42,14 @@ from gpt2.train.state import Parts
 from gpt2.train.trainer import train_step
 
 # build-nanogpt's A100 measurements (GPT-2 124M, B=16, T=1024).
-DOC_A100_TOKENS_PER_S = {"base": 16_000, "tf32": 49_000, "bf16": 54_500, "compile": 126_000,
-                         "flash": 170_000, "vocab": 175_000}
+DOC_A100_TOKENS_PER_S = {
+    "base": 16_000,
+    "tf32": 49_000,
+    "bf16": 54_500,
+    "compile": 126_000,
+    "flash": 170_000,
+    "vocab": 175_000,
+}
 # ms per batch of the whole model; the docs' middle kernel is SDPA's math backend, ours SDPA with a mask.
 DOC_A100_ATTENTION_MS = {"explicit": "154", "sdpa_mask": "147 (SDPA math)", "sdpa": "130 (mem-efficient, is_causal)"}
 
@@ -156,14 +162,21 @@ class FixedBatch:
 def rung_config(rung: Rung, shape: ModelConfig, batch: int, device: torch.device) -> RunConfig:
     """The training run a rung is: its switches as the trainer's settings, one micro-batch per step."""
     model = shape.replace(attn_impl=rung.attn_impl, vocab_size=rung.vocab_size)
-    train = TrainConfig(device=device.type, dtype="bfloat16" if rung.bf16 else "float32", compile=rung.compile,
-                        tf32=rung.tf32, micro_batch_size=batch, total_batch_size=batch * shape.block_size,
-                        lr=6e-4, warmup_steps=0, seed=0)
+    train = TrainConfig(
+        device=device.type,
+        dtype="bfloat16" if rung.bf16 else "float32",
+        compile=rung.compile,
+        tf32=rung.tf32,
+        micro_batch_size=batch,
+        total_batch_size=batch * shape.block_size,
+        lr=6e-4,
+        warmup_steps=0,
+        seed=0,
+    )
     return RunConfig(model, train)
 
 
-def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.device, *,
-                 warmup: int) -> PreparedRung:
+def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.device, *, warmup: int) -> PreparedRung:
     """The trainer's parts for one rung (model, optimizer, scaler, compiled as gpt2.train.trainer.build
     compiles), warmed up: a compiled rung compiles here."""
     cfg = rung_config(rung, shape, batch, device)
@@ -173,9 +186,15 @@ def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.devic
     model = GPT(cfg.model).to(device)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, GPT2_VOCAB_SIZE, (2, batch, shape.block_size), generator=gen).to(device)
-    parts = Parts(model=model, train_model=torch.compile(model) if tc.compile else model,
-                  optimizer=make_optimizer(model, tc, device), loader=FixedBatch(x, y), val_loader=None,
-                  accum_steps=1, scaler=precision.make_scaler(tc.dtype, device))
+    parts = Parts(
+        model=model,
+        train_model=torch.compile(model) if tc.compile else model,
+        optimizer=make_optimizer(model, tc, device),
+        loader=FixedBatch(x, y),
+        val_loader=None,
+        accum_steps=1,
+        scaler=precision.make_scaler(tc.dtype, device),
+    )
 
     def step() -> float:
         # TF32 is set per step (the trainer sets it once, in configure_backends): rungs alternate.
@@ -186,13 +205,17 @@ def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.devic
     for _ in range(max(warmup - 1, 1 if rung.compile else 0)):
         step()
     state = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        t.numel() * t.element_size() for s in parts.optimizer.state.values() for t in s.values()
-        if isinstance(t, torch.Tensor))
+        t.numel() * t.element_size()
+        for s in parts.optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
     return PreparedRung(rung, cfg.model, step, first_loss, state)
 
 
-def time_interleaved(prepared: list[PreparedRung], device: torch.device, rounds: int,
-                     peaks: dict[str, float | None]) -> dict[str, list[float]]:
+def time_interleaved(
+    prepared: list[PreparedRung], device: torch.device, rounds: int, peaks: dict[str, float | None]
+) -> dict[str, list[float]]:
     """Seconds per step of each rung, one step of every rung per round.
 
     Interleaving makes every rung see the same background load, so their ratios stay fair on a
@@ -224,8 +247,10 @@ def cpu_peaks(peaks: dict[str, float | None]) -> None:
     """Raise peaks["fp32"] and peaks["bf16"] to a fresh measurement where it is higher. As in
     gpt2.plan.flops.device_peak_flops, the bf16 peak is never below fp32's: where bf16 is emulated, the
     compiled rungs can run fp32 kernels."""
-    rate = {name: precision.matmul_rate("cpu", dtype, fresh=True, **PEAK_MEASUREMENT)
-            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+    rate = {
+        name: precision.matmul_rate("cpu", dtype, fresh=True, **PEAK_MEASUREMENT)
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+    }
     peaks["fp32"] = max(peaks["fp32"], rate["fp32"])
     peaks["bf16"] = max(peaks["bf16"], rate["bf16"], peaks["fp32"])
 
@@ -234,8 +259,10 @@ def initial_peaks(device: torch.device) -> dict[str, float | None]:
     """The MFU yardsticks before any step: a GPU's data-sheet peaks (bf16, fp32, tf32; None where the
     table does not list the GPU), a CPU's measured bf16 and fp32 matmul rates (raised again between
     the timed steps by time_interleaved)."""
-    peaks = {"bf16": device_peak_flops(device, torch.bfloat16, tf32=False),
-             "fp32": device_peak_flops(device, torch.float32, tf32=False)}
+    peaks = {
+        "bf16": device_peak_flops(device, torch.bfloat16, tf32=False),
+        "fp32": device_peak_flops(device, torch.float32, tf32=False),
+    }
     if device.type == "cuda":
         peaks["tf32"] = device_peak_flops(device, torch.float32, tf32=True)
     else:
@@ -243,16 +270,29 @@ def initial_peaks(device: torch.device) -> dict[str, float | None]:
     return peaks
 
 
-def rung_result(p: PreparedRung, times: list[float], batch: int, device: torch.device,
-                peaks: dict[str, float | None], peak_memory: int) -> RungResult:
+def rung_result(
+    p: PreparedRung,
+    times: list[float],
+    batch: int,
+    device: torch.device,
+    peaks: dict[str, float | None],
+    peak_memory: int,
+) -> RungResult:
     seconds = statistics.median(times)
     tokens_per_s = batch * p.cfg.block_size / seconds
     own = "bf16" if p.rung.bf16 else ("tf32" if p.rung.tf32 and device.type == "cuda" else "fp32")
     achieved = tokens_per_s * flops_per_token(p.cfg)
-    return RungResult(p.rung, ms_per_step=seconds * 1e3, best_ms_per_step=min(times) * 1e3,
-                      tokens_per_s=tokens_per_s,
-                      mfu_bf16=_ratio(achieved, peaks["bf16"]), mfu_own=_ratio(achieved, peaks[own]),
-                      own_peak_name=own, peak_memory_bytes=peak_memory, first_loss=p.first_loss)
+    return RungResult(
+        p.rung,
+        ms_per_step=seconds * 1e3,
+        best_ms_per_step=min(times) * 1e3,
+        tokens_per_s=tokens_per_s,
+        mfu_bf16=_ratio(achieved, peaks["bf16"]),
+        mfu_own=_ratio(achieved, peaks[own]),
+        own_peak_name=own,
+        peak_memory_bytes=peak_memory,
+        first_loss=p.first_loss,
+    )
 
 
 def _ratio(achieved: float, peak: float | None) -> float | None:
@@ -260,9 +300,18 @@ def _ratio(achieved: float, peak: float | None) -> float | None:
     return None if peak is None else achieved / peak
 
 
-def run_ladder(rungs: list[Rung], shape: ModelConfig, batch: int, device: torch.device, *, steps: int,
-               warmup: int, peaks: dict[str, float | None], skip: dict[str, str] | None = None,
-               progress: Callable[[str], None] | None = None) -> list[RungResult]:
+def run_ladder(
+    rungs: list[Rung],
+    shape: ModelConfig,
+    batch: int,
+    device: torch.device,
+    *,
+    steps: int,
+    warmup: int,
+    peaks: dict[str, float | None],
+    skip: dict[str, str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[RungResult]:
     """Every rung prepared, timed interleaved, then its step's peak memory measured alone.
 
     skip: rung name -> why it does not run here (its result carries the note); tf32 off CUDA is
@@ -297,12 +346,14 @@ ATTENTION_IMPLS = ("explicit", "sdpa_mask", "sdpa")
 def attention_modules(cfg: ModelConfig, device: torch.device) -> dict[str, CausalSelfAttention]:
     """The model's attention layer once per attn_impl. Only its kernel dispatch is run (`attend`,
     on q, k, v): the c_attn and c_proj matmuls around it are not part of the comparison."""
-    return {impl: CausalSelfAttention(cfg.replace(attn_impl=impl, dropout=0.0), 0).to(device)
-            for impl in ATTENTION_IMPLS}
+    return {
+        impl: CausalSelfAttention(cfg.replace(attn_impl=impl, dropout=0.0), 0).to(device) for impl in ATTENTION_IMPLS
+    }
 
 
-def attention_fwd_bwd(attn: CausalSelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      grad_out: torch.Tensor) -> list[torch.Tensor]:
+def attention_fwd_bwd(
+    attn: CausalSelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor
+) -> list[torch.Tensor]:
     """Output and q, k, v gradients of one forward+backward, in fp32 for comparison."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = attn.attend(q, k, v)
@@ -310,8 +361,9 @@ def attention_fwd_bwd(attn: CausalSelfAttention, q: torch.Tensor, k: torch.Tenso
     return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
 
 
-def attention_inputs(cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype,
-                     seed: int = 2) -> tuple[torch.Tensor, ...]:
+def attention_inputs(
+    cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, seed: int = 2
+) -> tuple[torch.Tensor, ...]:
     """q, k, v and an output gradient at the model's attention shape (B, nh, T, hd), seeded."""
     gen = torch.Generator().manual_seed(seed)
     shape = (batch, cfg.n_head, cfg.block_size, cfg.head_dim)
@@ -323,15 +375,17 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def run_attention(cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, *,
-                  repeats: int) -> list[AttentionResult]:
+def run_attention(
+    cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype, *, repeats: int
+) -> list[AttentionResult]:
     """ms per forward+backward of attention alone (interleaved rounds, median), and the largest
     difference of each kernel's output and gradients from the explicit kernel's."""
     q, k, v, grad_out = attention_inputs(cfg, batch, device, dtype)
     modules = attention_modules(cfg, device)
     reference = attention_fwd_bwd(modules["explicit"], q, k, v, grad_out)
-    diffs = {impl: max_difference(attention_fwd_bwd(modules[impl], q, k, v, grad_out), reference)
-             for impl in ATTENTION_IMPLS}
+    diffs = {
+        impl: max_difference(attention_fwd_bwd(modules[impl], q, k, v, grad_out), reference) for impl in ATTENTION_IMPLS
+    }
     times: dict[str, list[float]] = {impl: [] for impl in ATTENTION_IMPLS}
     for _ in range(repeats):
         for impl in ATTENTION_IMPLS:
@@ -340,8 +394,7 @@ def run_attention(cfg: ModelConfig, batch: int, device: torch.device, dtype: tor
             attention_fwd_bwd(modules[impl], q, k, v, grad_out)
             sync(device)
             times[impl].append(time.perf_counter() - t0)
-    return [AttentionResult(impl, dtype, statistics.median(times[impl]) * 1e3, diffs[impl])
-            for impl in ATTENTION_IMPLS]
+    return [AttentionResult(impl, dtype, statistics.median(times[impl]) * 1e3, diffs[impl]) for impl in ATTENTION_IMPLS]
 
 
 def attention_tolerance(dtype: torch.dtype) -> float:
@@ -354,9 +407,11 @@ def _fmt(x: float | None, spec: str, none: str = "n/a") -> str:
 
 
 def ladder_table(results: list[RungResult], device: torch.device) -> str:
-    rows = ["| rung | switch | ms/step (best) | tokens/s | MFU vs bf16 peak | MFU vs own dtype peak | peak memory MiB "
-            "| x base | x previous | loss (step 1) | A100 (docs) tokens/s | A100 x previous |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| rung | switch | ms/step (best) | tokens/s | MFU vs bf16 peak | MFU vs own dtype peak | peak memory MiB "
+        "| x base | x previous | loss (step 1) | A100 (docs) tokens/s | A100 x previous |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     base = next((r.tokens_per_s for r in results if r.tokens_per_s), None)
     prev = None
     doc_prev = None
@@ -374,20 +429,25 @@ def ladder_table(results: list[RungResult], device: torch.device) -> str:
             f"{r.tokens_per_s:,.0f} | "
             f"{_fmt(r.mfu_bf16, '.1%')} | {_fmt(r.mfu_own, '.1%')} ({r.own_peak_name}) | "
             f"{r.peak_memory_bytes / 2**20:,.0f} | "
-            f"{r.tokens_per_s / base:.2f} | {x_prev} | {r.first_loss:.4f} | {doc:,} | {doc_x} |")
+            f"{r.tokens_per_s / base:.2f} | {x_prev} | {r.first_loss:.4f} | {doc:,} | {doc_x} |"
+        )
     if device.type != "cuda":
-        rows.append("\nOn a CPU the TF32 rung is skipped, so the bf16 rung's \"x previous\" is against base.")
+        rows.append('\nOn a CPU the TF32 rung is skipped, so the bf16 rung\'s "x previous" is against base.')
     return "\n".join(rows)
 
 
 def attention_table(results: list[AttentionResult]) -> str:
-    rows = ["| kernel | dtype | ms fwd+bwd | x explicit | max abs diff vs explicit | agrees | "
-            "A100 (docs) ms/batch, whole model |",
-            "|---|---|---:|---:|---:|---|---:|"]
+    rows = [
+        "| kernel | dtype | ms fwd+bwd | x explicit | max abs diff vs explicit | agrees | "
+        "A100 (docs) ms/batch, whole model |",
+        "|---|---|---:|---:|---:|---|---:|",
+    ]
     explicit = {r.dtype: r.ms for r in results if r.impl == "explicit"}
     names = {"explicit": "explicit mask", "sdpa_mask": "SDPA attn_mask", "sdpa": "SDPA is_causal"}
     for r in results:
         ok = "yes" if r.max_diff <= attention_tolerance(r.dtype) else "NO"
-        rows.append(f"| {names[r.impl]} | {str(r.dtype).removeprefix('torch.')} | {r.ms:.2f} | "
-                    f"{explicit[r.dtype] / r.ms:.2f} | {r.max_diff:.1e} | {ok} | {DOC_A100_ATTENTION_MS[r.impl]} |")
+        rows.append(
+            f"| {names[r.impl]} | {str(r.dtype).removeprefix('torch.')} | {r.ms:.2f} | "
+            f"{explicit[r.dtype] / r.ms:.2f} | {r.max_diff:.1e} | {ok} | {DOC_A100_ATTENTION_MS[r.impl]} |"
+        )
     return "\n".join(rows)

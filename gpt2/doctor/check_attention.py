@@ -16,8 +16,11 @@ def attention(ctx: Context) -> Section:
     s.info("shape", f"q, k, v ({b}, {nh}, {t}, {hd}) {report.dtype}, causal: the model's CausalSelfAttention")
     for trial in report.trials:
         if trial.runs:
-            s.check(f"{trial.name} alone", trial.agrees, f"runs; vs fp32 explicit: max rel diff {trial.rel_diff:.1e} "
-                                                         f"(tolerance {report.tolerance:.0e})")
+            s.check(
+                f"{trial.name} alone",
+                trial.agrees,
+                f"runs; vs fp32 explicit: max rel diff {trial.rel_diff:.1e} (tolerance {report.tolerance:.0e})",
+            )
         else:
             s.note(f"{trial.name} alone", f"does not run here: {trial.reason}", NA)
     picked = ", ".join(report.dispatched) or "none recognised"

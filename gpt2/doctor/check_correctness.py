@@ -32,10 +32,24 @@ def check_flags(ctx: Context, kind: str) -> list[str]:
     """A correctness run: the small check model, one micro-batch per step, a checkpoint halfway."""
     sc = ctx.scale
     m = sc.check_model
-    return [*model_flags(m), "--device", ctx.device.type, "--data-dir", str(ctx.data_dir()),
-            "--micro-batch-size", str(sc.check_batch), "--total-batch-size", str(sc.check_batch * m.block_size),
-            "--max-steps", str(sc.check_steps), "--ckpt-interval", str(sc.check_steps // 2), *CHECK_LR,
-            *QUIET_FLAGS, *(REFERENCE_FLAGS + REFERENCE_EVAL if kind == "reference" else ctx.fast_flags)]
+    return [
+        *model_flags(m),
+        "--device",
+        ctx.device.type,
+        "--data-dir",
+        str(ctx.data_dir()),
+        "--micro-batch-size",
+        str(sc.check_batch),
+        "--total-batch-size",
+        str(sc.check_batch * m.block_size),
+        "--max-steps",
+        str(sc.check_steps),
+        "--ckpt-interval",
+        str(sc.check_steps // 2),
+        *CHECK_LR,
+        *QUIET_FLAGS,
+        *(REFERENCE_FLAGS + REFERENCE_EVAL if kind == "reference" else ctx.fast_flags),
+    ]
 
 
 REFERENCE_EVAL = ["--eval-interval", "0", "--eval-tokens", str(VAL_TOKENS)]
@@ -56,8 +70,10 @@ def fast_settings(run: TrainRun, device: torch.device) -> tuple[str, bool]:
 def settings_line(info: dict, tf32: bool) -> str:
     """What a finished run computed with, from its config.json: dtype, compile, attention, TF32, loss."""
     train, model = info["config"]["train"], info["config"]["model"]
-    return (f"{info['precision']['dtype']}, {'torch.compile' if train['compile'] else 'eager'}, "
-            f"attention {model['attn_impl']}, TF32 {'on' if tf32 else 'off'}, {info['loss']['impl']} loss")
+    return (
+        f"{info['precision']['dtype']}, {'torch.compile' if train['compile'] else 'eager'}, "
+        f"attention {model['attn_impl']}, TF32 {'on' if tf32 else 'off'}, {info['loss']['impl']} loss"
+    )
 
 
 def loss_span(run: TrainRun) -> tuple[float, float]:
@@ -76,18 +92,30 @@ def correctness(ctx: Context) -> Section:
         return s
     dtype, tf32 = fast_settings(fast, ctx.device)
     first, last = loss_span(ref)
-    s.info("reference", f"fp32, eager, explicit attention, no TF32: loss {first:.4f} -> {last:.4f} "
-                        f"({ctx.scale.check_steps} steps, {ref.seconds:.0f} s)")
+    s.info(
+        "reference",
+        f"fp32, eager, explicit attention, no TF32: loss {first:.4f} -> {last:.4f} "
+        f"({ctx.scale.check_steps} steps, {ref.seconds:.0f} s)",
+    )
     s.info("fast", f"{settings_line(fast.info(), tf32)} ({fast.seconds:.0f} s with compilation)")
     val = ref.val_losses()
     v0, v1 = val.get(0, math.nan), val.get(max(val, default=0), math.nan)
-    s.check("training learns", v0 - v1 > LEARNS_MARGIN, f"reference val loss {v0:.4f} -> {v1:.4f} on the same "
-                                                        f"{VAL_TOKENS:,} tokens (must fall > {LEARNS_MARGIN})")
+    s.check(
+        "training learns",
+        v0 - v1 > LEARNS_MARGIN,
+        f"reference val loss {v0:.4f} -> {v1:.4f} on the same {VAL_TOKENS:,} tokens (must fall > {LEARNS_MARGIN})",
+    )
     cmp = compare_losses(ref.losses(), fast.losses(), loss_tolerance(dtype, tf32))
     s.check("fast = reference", cmp.ok, cmp.describe())
-    s.data = {"reference": ref.losses(), "fast": fast.losses(), "reference_val": val, "fast_dtype": dtype,
-              "tf32": tf32, "comparison": dataclasses.asdict(cmp),
-              "seconds": {"reference": ref.seconds, "fast": fast.seconds}}
+    s.data = {
+        "reference": ref.losses(),
+        "fast": fast.losses(),
+        "reference_val": val,
+        "fast_dtype": dtype,
+        "tf32": tf32,
+        "comparison": dataclasses.asdict(cmp),
+        "seconds": {"reference": ref.seconds, "fast": fast.seconds},
+    }
     return s
 
 
@@ -110,8 +138,7 @@ def resume(ctx: Context) -> Section:
     return s
 
 
-def resume_rows(s: Section, kind: str, run: TrainRun, resumed: TrainRun, device: torch.device,
-                steps: range) -> dict:
+def resume_rows(s: Section, kind: str, run: TrainRun, resumed: TrainRun, device: torch.device, steps: range) -> dict:
     """Compare a resumed run's steps and final checkpoint with the uninterrupted run's."""
     last = steps[-1]
     states = compare_states(*(state_of(r.checkpoint(last)) for r in (run, resumed)))
@@ -119,15 +146,21 @@ def resume_rows(s: Section, kind: str, run: TrainRun, resumed: TrainRun, device:
         losses = compare_losses(run.losses(), resumed.losses(), 0.0, steps=steps)
         val = [r.val_losses().get(last) for r in (run, resumed)]
         same = losses.bitwise and states.bitwise and val[0] == val[1]
-        s.check("reference (fp32 eager) continues bitwise", same,
-                f"from step {steps[0] - 1}: {losses.describe()}; step {last}: {states.describe()}, val loss "
-                f"{'identical' if val[0] == val[1] else f'{val[0]} vs {val[1]}'}")
+        s.check(
+            "reference (fp32 eager) continues bitwise",
+            same,
+            f"from step {steps[0] - 1}: {losses.describe()}; step {last}: {states.describe()}, val loss "
+            f"{'identical' if val[0] == val[1] else f'{val[0]} vs {val[1]}'}",
+        )
     else:
         dtype, tf32 = fast_settings(run, device)
         tolerance = loss_tolerance(dtype, tf32) * RESUME_TOLERANCE_SHARE
         losses = compare_losses(run.losses(), resumed.losses(), tolerance, steps=steps)
-        s.check(f"fast ({dtype}, compiled) continues", losses.ok,
-                f"from step {steps[0] - 1}: {losses.describe()}; step {last}: {states.describe()}")
+        s.check(
+            f"fast ({dtype}, compiled) continues",
+            losses.ok,
+            f"from step {steps[0] - 1}: {losses.describe()}; step {last}: {states.describe()}",
+        )
     return {"losses": dataclasses.asdict(losses), "states": dataclasses.asdict(states)}
 
 

@@ -28,12 +28,15 @@ def environment(ctx: Context) -> Section:
     else:
         cpu_rows(s)
     s.info("torch", torch.__version__)
-    s.info("python, numpy, tiktoken", f"{platform.python_version()}, {package_version('numpy')}, "
-                                      f"{package_version('tiktoken')}")
+    s.info(
+        "python, numpy, tiktoken",
+        f"{platform.python_version()}, {package_version('numpy')}, {package_version('tiktoken')}",
+    )
     prec = ctx.auto_precision()
     s.info("--dtype auto picks", f"{prec.dtype}: {prec.reason}")
-    s.data.update(host=socket.gethostname(), torch=torch.__version__, python=platform.python_version(),
-                  auto_dtype=prec.to_dict())
+    s.data.update(
+        host=socket.gethostname(), torch=torch.__version__, python=platform.python_version(), auto_dtype=prec.to_dict()
+    )
     return s
 
 
@@ -52,16 +55,29 @@ def cuda_rows(s: Section) -> None:
         s.note("native bf16", f"no on {native.count(False)} of {n}: runs pick fp16 with a loss scaler", WARN)
     triton = triton_version()
     s.check("Triton (torch.compile's GPU kernels)", triton is not None, triton or "not importable")
-    s.data.update(devices=lines, driver=driver, cuda=torch.version.cuda,
-                  cudnn=torch.backends.cudnn.version(), nccl=nccl_version(), native_bf16=native, triton=triton)
+    s.data.update(
+        devices=lines,
+        driver=driver,
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version(),
+        nccl=nccl_version(),
+        native_bf16=native,
+        triton=triton,
+    )
 
 
 def cpu_rows(s: Section) -> None:
     cpu = precision.peak_key("cpu", torch.float32)["cpu"]
     s.info("devices", f"cpu: {cpu}, {usable_cpus()} usable core(s); no CUDA device")
     flags = precision.cpu_bf16_instructions()
-    s.info("bf16 instructions", {True: "yes (avx512_bf16 / amx_bf16 / bf16 in /proc/cpuinfo)",
-                                 False: "no: bf16 would be emulated", None: "unknown"}[flags])
+    s.info(
+        "bf16 instructions",
+        {
+            True: "yes (avx512_bf16 / amx_bf16 / bf16 in /proc/cpuinfo)",
+            False: "no: bf16 would be emulated",
+            None: "unknown",
+        }[flags],
+    )
     compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     s.check("C++ compiler (torch.compile's CPU kernels)", compiler is not None, compiler or "none on PATH")
     s.data.update(devices=[f"cpu: {cpu}"], usable_cpus=usable_cpus(), bf16_instructions=flags, cxx=compiler)
@@ -117,7 +133,11 @@ def nvidia_driver_version() -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         return parse_driver_version(out)
     return None

@@ -3,9 +3,9 @@ and what earlier sections made (their training runs, the auto dtype)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -17,6 +17,7 @@ from gpt2.doctor.train_runs import FAST_FLAGS, TrainRun, model_flags, run_train,
 @dataclass(frozen=True)
 class Scale:
     """The shapes and lengths of the checks on one kind of device."""
+
     check_model: ModelConfig
     """correctness and resume: small, so that compiling it takes seconds."""
     check_batch: int
@@ -38,21 +39,42 @@ TINY = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
 SCALES = {
     # 124M at build-nanogpt's B=16 for the ladder; the gpt2 preset's 524,288-token step for training.
     # training: 8 steps of the preset's 524,288 tokens (~1 s each on an H100), the medians after 3.
-    "cuda": Scale(check_model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256), check_batch=8,
-                  check_steps=8, model=model_preset("gpt2"), ladder_batch=16, ladder_steps=5, ladder_warmup=2,
-                  train_flags=(), train_steps=8, train_warmup=3, shard_tokens=2 ** 21),
+    "cuda": Scale(
+        check_model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=256),
+        check_batch=8,
+        check_steps=8,
+        model=model_preset("gpt2"),
+        ladder_batch=16,
+        ladder_steps=5,
+        ladder_warmup=2,
+        train_flags=(),
+        train_steps=8,
+        train_warmup=3,
+        shard_tokens=2**21,
+    ),
     # 512 tokens per step: 8 sequences on one rank, 4 on each of two. Where training's auto takes all 8 at
     # once (the throughput model's choice depends on the measured peak), training compiles the graph
     # correctness's fast run compiled, from inductor's cache (40 s instead of ~90 s on 2 loaded cores).
-    "cpu": Scale(check_model=TINY, check_batch=8, check_steps=8, model=TINY, ladder_batch=4, ladder_steps=3,
-                 ladder_warmup=1, train_flags=(*model_flags(TINY), "--total-batch-size", "512"), train_steps=12,
-                 train_warmup=3, shard_tokens=200_000),
+    "cpu": Scale(
+        check_model=TINY,
+        check_batch=8,
+        check_steps=8,
+        model=TINY,
+        ladder_batch=4,
+        ladder_steps=3,
+        ladder_warmup=1,
+        train_flags=(*model_flags(TINY), "--total-batch-size", "512"),
+        train_steps=12,
+        train_warmup=3,
+        shard_tokens=200_000,
+    ),
 }
 
 
 @dataclass
 class Context:
     """What every section gets: the device, its scale, where runs go, and what earlier sections made."""
+
     device: torch.device
     scale: Scale
     work_dir: Path

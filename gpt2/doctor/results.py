@@ -83,10 +83,24 @@ def header_line(device: torch.device, sections: list[Section], wall_s: float, st
 
 
 def report_json(sections: list[Section], *, device: torch.device, argv: list[str], wall_s: float, status: int) -> dict:
-    return {"doctor": 1, "command": "python -m gpt2.doctor " + " ".join(argv), "device": device.type,
-            "host": socket.gethostname(), "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "wall_s": wall_s, "exit_status": status,
-            "sections": {s.name: {"status": s.status, "reason": s.reason, "seconds": s.seconds,
-                                  "failed_checks": s.failed_checks, "error": s.error,
-                                  "rows": [dataclasses.asdict(r) for r in s.rows], "data": s.data}
-                         for s in sections}}
+    return {
+        "doctor": 1,
+        "command": "python -m gpt2.doctor " + " ".join(argv),
+        "device": device.type,
+        "host": socket.gethostname(),
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "wall_s": wall_s,
+        "exit_status": status,
+        "sections": {
+            s.name: {
+                "status": s.status,
+                "reason": s.reason,
+                "seconds": s.seconds,
+                "failed_checks": s.failed_checks,
+                "error": s.error,
+                "rows": [dataclasses.asdict(r) for r in s.rows],
+                "data": s.data,
+            }
+            for s in sections
+        },
+    }

@@ -24,8 +24,12 @@ from gpt2.core.config import ModelConfig
 from gpt2.doctor.acceleration import attention_fwd_bwd, attention_inputs, max_difference
 from gpt2.model.gpt import CausalSelfAttention
 
-BACKENDS = (("flash", "FLASH_ATTENTION"), ("memory-efficient", "EFFICIENT_ATTENTION"),
-            ("cudnn", "CUDNN_ATTENTION"), ("math", "MATH"))
+BACKENDS = (
+    ("flash", "FLASH_ATTENTION"),
+    ("memory-efficient", "EFFICIENT_ATTENTION"),
+    ("cudnn", "CUDNN_ATTENTION"),
+    ("math", "MATH"),
+)
 """Our name for each torch.nn.attention.SDPBackend member tried alone, fastest kind first."""
 
 FORWARD_OPS = {
@@ -56,6 +60,7 @@ def tolerance(dtype: torch.dtype) -> float:
 @dataclass(frozen=True)
 class BackendTrial:
     """One backend tried alone."""
+
     name: str
     runs: bool
     reason: str = ""
@@ -84,8 +89,11 @@ class SdpaReport:
     @property
     def problems(self) -> list[str]:
         """What a node check reports as failed: a kernel that runs but disagrees, or no dispatch seen."""
-        bad = [f"{t.name} differs from the fp32 reference by {t.rel_diff:.1e} (tolerance {self.tolerance:.0e})"
-               for t in self.trials if t.runs and t.agrees is False]
+        bad = [
+            f"{t.name} differs from the fp32 reference by {t.rel_diff:.1e} (tolerance {self.tolerance:.0e})"
+            for t in self.trials
+            if t.runs and t.agrees is False
+        ]
         if not self.dispatched:
             bad.append(f"the profiler saw no known SDPA operator (ops: {self.ops or 'none'})")
         return bad
@@ -101,7 +109,7 @@ def backends_of_ops(op_names) -> list[str]:
 
 def first_line(text: str, limit: int = 200) -> str:
     line = next((s.strip() for s in str(text).splitlines() if s.strip()), "")
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def why_not(error: Exception, caught: list[warnings.WarningMessage]) -> str:
@@ -112,8 +120,14 @@ def why_not(error: Exception, caught: list[warnings.WarningMessage]) -> str:
     return reasons[0] if reasons else first_line(error).split(". ")[0]
 
 
-def try_backend(name: str, member: str, attn: CausalSelfAttention, inputs: tuple[torch.Tensor, ...],
-                reference: list[torch.Tensor], tol: float) -> BackendTrial:
+def try_backend(
+    name: str,
+    member: str,
+    attn: CausalSelfAttention,
+    inputs: tuple[torch.Tensor, ...],
+    reference: list[torch.Tensor],
+    tol: float,
+) -> BackendTrial:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, member, None)
@@ -135,8 +149,9 @@ def relative_difference(got: list[torch.Tensor], reference: list[torch.Tensor]) 
     return max(max_difference([g], [r]) / max(r.abs().max().item(), 1e-12) for g, r in zip(got, reference))
 
 
-def profile_dispatch(attn: CausalSelfAttention, inputs: tuple[torch.Tensor, ...],
-                     device: torch.device) -> tuple[list[str], list[str]]:
+def profile_dispatch(
+    attn: CausalSelfAttention, inputs: tuple[torch.Tensor, ...], device: torch.device
+) -> tuple[list[str], list[str]]:
     """The scaled_dot_product aten operators and (CUDA) attention kernels of one default forward+backward."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -150,9 +165,14 @@ def profile_dispatch(attn: CausalSelfAttention, inputs: tuple[torch.Tensor, ...]
     kernels = []
     if device.type == "cuda":
         marks = ("attention", "flash", "fmha", "cudnn", "sdpa")
-        kernels = list(dict.fromkeys(e.name for e in prof.events()
-                                     if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
-                                     and any(m in e.name.lower() for m in marks)))
+        kernels = list(
+            dict.fromkeys(
+                e.name
+                for e in prof.events()
+                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+                and any(m in e.name.lower() for m in marks)
+            )
+        )
     return ops, kernels
 
 
@@ -166,5 +186,6 @@ def probe(cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype
     trials = [try_backend(name, member, attn, inputs, reference, tol) for name, member in BACKENDS]
     ops, kernels = profile_dispatch(attn, inputs, device)
     q_shape = tuple(inputs[0].shape)
-    return SdpaReport(str(device), str(dtype).removeprefix("torch."), q_shape, trials, backends_of_ops(ops), ops,
-                      kernels, tol)
+    return SdpaReport(
+        str(device), str(dtype).removeprefix("torch."), q_shape, trials, backends_of_ops(ops), ops, kernels, tol
+    )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import gc
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -27,8 +27,14 @@ NEEDS = {"resume": "correctness"}
 
 
 SECTIONS: tuple[tuple[str, Callable[[Context], Section]], ...] = (
-    ("environment", environment), ("attention", attention), ("correctness", correctness), ("resume", resume),
-    ("training", training), ("ranks", ranks), ("ladder", ladder))
+    ("environment", environment),
+    ("attention", attention),
+    ("correctness", correctness),
+    ("resume", resume),
+    ("training", training),
+    ("ranks", ranks),
+    ("ladder", ladder),
+)
 """In the table's order."""
 RUN_ORDER = ("environment", "correctness", "resume", "training", "ranks", "attention", "ladder")
 """The training processes first, while this process has allocated nothing on the GPU: its memory would
@@ -60,8 +66,16 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_all(device: torch.device, left_out: dict[str, str], work: Path, *, ranks: int | None, timeout_s: float,
-            say: Callable[[str], None], on_section: Callable[[list[Section]], None] = lambda _: None) -> list[Section]:
+def run_all(
+    device: torch.device,
+    left_out: dict[str, str],
+    work: Path,
+    *,
+    ranks: int | None,
+    timeout_s: float,
+    say: Callable[[str], None],
+    on_section: Callable[[list[Section]], None] = lambda _: None,
+) -> list[Section]:
     """Every section of RUN_ORDER not left out; on_section(the sections so far, in the table's order)
     after each one. ranks: --ranks (None: every local GPU, one rank on a CPU)."""
     # A CPU's 2 gloo ranks share its cores: the plumbing, not a measure of the node (tests pass --ranks 2).

@@ -51,18 +51,46 @@ def write_synthetic_shards(data_dir: Path, tokens: int, *, val_tokens: int = 16_
 
 
 def model_flags(cfg: ModelConfig) -> list[str]:
-    return ["--n-layer", str(cfg.n_layer), "--n-head", str(cfg.n_head), "--n-embd", str(cfg.n_embd),
-            "--block-size", str(cfg.block_size)]
+    return [
+        "--n-layer",
+        str(cfg.n_layer),
+        "--n-head",
+        str(cfg.n_head),
+        "--n-embd",
+        str(cfg.n_embd),
+        "--block-size",
+        str(cfg.block_size),
+    ]
 
 
-QUIET_FLAGS = ["--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0", "--plot", "false",
-               "--log-interval", "1"]
+QUIET_FLAGS = [
+    "--eval-interval",
+    "0",
+    "--eval-tokens",
+    "0",
+    "--sample-interval",
+    "0",
+    "--plot",
+    "false",
+    "--log-interval",
+    "1",
+]
 """No validation, samples or plot: the runs are timed and compared by their step records."""
 VAL_TOKENS = 8192
 """The reference run's fixed validation set (the whole val shard): evaluated at step 0 and at the end."""
 
-REFERENCE_FLAGS = ["--dtype", "float32", "--compile", "false", "--attn-impl", "explicit", "--tf32", "false",
-                   "--loss-impl", "chunked"]
+REFERENCE_FLAGS = [
+    "--dtype",
+    "float32",
+    "--compile",
+    "false",
+    "--attn-impl",
+    "explicit",
+    "--tf32",
+    "false",
+    "--loss-impl",
+    "chunked",
+]
 """The slow, plain path every fast one is compared with: fp32 without TF32, eager, softmax(QK^T)V."""
 FAST_FLAGS = ["--dtype", "auto", "--compile", "true", "--attn-impl", "sdpa", "--tf32", "true", "--loss-impl", "auto"]
 """The defaults a real run takes: the device's fast dtype (bf16 on a GPU with native bf16; on a CPU what
@@ -72,6 +100,7 @@ gpt2.core.precision measures faster), torch.compile, SDPA (flash where the devic
 @dataclass(frozen=True)
 class TrainRun:
     """One finished train_ddp.py process (or torchrun of several)."""
+
     name: str
     out_dir: Path
     returncode: int
@@ -92,8 +121,11 @@ class TrainRun:
 
     def val_losses(self) -> dict[int, float]:
         """Validation loss by step: the same tokens every time, so a change is the weights' alone."""
-        return {r["step"]: r["val_loss"] for r in read_metrics(self.out_dir / "metrics.jsonl", missing_ok=True)
-                if "val_loss" in r}
+        return {
+            r["step"]: r["val_loss"]
+            for r in read_metrics(self.out_dir / "metrics.jsonl", missing_ok=True)
+            if "val_loss" in r
+        }
 
     def info(self) -> dict:
         """The run's config.json: resolved config, precision, versions, network measurement."""
@@ -115,8 +147,11 @@ def failure_line(output: str, returncode: int) -> str:
     errors = [s for s in lines if s.startswith("train_ddp.py: error:")]
     if errors:
         return errors[-1].removeprefix("train_ddp.py: error: ")
-    exceptions = [s for s in lines if not s.startswith(("File ", "^", "~")) and ("Error" in s.split(":")[0]
-                                                                              or "Exception" in s.split(":")[0])]
+    exceptions = [
+        s
+        for s in lines
+        if not s.startswith(("File ", "^", "~")) and ("Error" in s.split(":")[0] or "Exception" in s.split(":")[0])
+    ]
     if exceptions:
         return exceptions[-1][:300]
     return f"exit status {returncode}" + (f": {lines[-1][:300]}" if lines else "")
@@ -132,8 +167,14 @@ def run_train(name: str, flags: list[str], work_dir: Path, *, nproc: int = 1, ti
     if nproc == 1:
         cmd = [sys.executable, str(TRAIN_SCRIPT)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(TRAIN_SCRIPT)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(TRAIN_SCRIPT),
+        ]
     # Every run's RUN is new: one compile cache for all of them, as inductor's /tmp one was before runs
     # kept theirs in RUN/compile-cache (gpt2/train/compile_cache.py); a run's own flag, or the directory
     # the environment names (which --compile-cache auto keeps), wins.
@@ -216,27 +257,39 @@ class LossComparison:
             return f"{span}: steps {self.missing} missing from the compared run"
         if self.bitwise:
             return f"{span}: identical losses (bitwise)"
-        return (f"{span}: largest loss difference {self.max_abs_diff:.1e} (step {self.worst_step}) "
-                f"{'<=' if self.ok else '>'} tolerance {self.tolerance:.0e}")
+        return (
+            f"{span}: largest loss difference {self.max_abs_diff:.1e} (step {self.worst_step}) "
+            f"{'<=' if self.ok else '>'} tolerance {self.tolerance:.0e}"
+        )
 
 
-def compare_losses(reference: dict[int, float], other: dict[int, float], tolerance: float, *,
-                   steps: range | None = None) -> LossComparison:
+def compare_losses(
+    reference: dict[int, float], other: dict[int, float], tolerance: float, *, steps: range | None = None
+) -> LossComparison:
     """Per-step |loss difference| over `steps` (default: every step of the reference). A non-finite
     loss on either side counts as an infinite difference."""
     wanted = sorted(reference if steps is None else [s for s in steps if s in reference])
     common = [s for s in wanted if s in other]
     missing = [s for s in wanted if s not in other]
-    diffs = {s: abs(reference[s] - other[s]) if math.isfinite(reference[s]) and math.isfinite(other[s])
-             else math.inf for s in common}
+    diffs = {
+        s: abs(reference[s] - other[s]) if math.isfinite(reference[s]) and math.isfinite(other[s]) else math.inf
+        for s in common
+    }
     worst = max(diffs, key=diffs.get) if diffs else None
-    return LossComparison(common, diffs[worst] if diffs else math.inf, worst, tolerance,
-                          bool(common) and all(reference[s] == other[s] for s in common), missing)
+    return LossComparison(
+        common,
+        diffs[worst] if diffs else math.inf,
+        worst,
+        tolerance,
+        bool(common) and all(reference[s] == other[s] for s in common),
+        missing,
+    )
 
 
 @dataclass(frozen=True)
 class StateComparison:
     """Two checkpoints' model and optimizer tensors, pairwise by name."""
+
     tensors: int
     identical: int
     max_abs_diff: float

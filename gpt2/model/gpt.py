@@ -32,13 +32,12 @@ class KVCache:
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, n_kv, T, hd) at [pos, pos+T); return all keys and values so far."""
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
-def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                       dropout_p: float = 0.0) -> Tensor:
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float = 0.0) -> Tensor:
     """softmax(QK^T / sqrt(d) + mask) V with a materialised (T_q, T_k) score matrix.
 
     q is (B, nh, Tq, hd); k, v are (B, nkv, Tk, hd) with nh a multiple of nkv. `mask` is boolean,
@@ -98,7 +97,8 @@ class CausalSelfAttention(nn.Module):
             # No mask is ever built: is_causal for a full sequence, nothing to hide for one new
             # query that sits after every cached key.
             return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=t_q == t_k and t_q > 1, enable_gqa=gqa)
+                q, k, v, dropout_p=dropout_p, is_causal=t_q == t_k and t_q > 1, enable_gqa=gqa
+            )
         mask = causal_mask(t_q, t_k, q.device)
         if self.attn_impl == "explicit":
             return explicit_attention(q, k, v, mask, dropout_p)
@@ -159,13 +159,15 @@ class GPT(nn.Module):
         self.loss_impl = loss_impl
         # activation_checkpointing: every block recomputes its forward in the backward (Block.checkpointed;
         # the trainer resolves --activation-checkpointing, gpt2/plan/ choose_activation_checkpointing).
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList(Block(cfg, i, checkpointed=activation_checkpointing) for i in range(cfg.n_layer)),
-            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList(Block(cfg, i, checkpointed=activation_checkpointing) for i in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         # Padded vocab rows get a -inf logit, added inside the LM-head matmul: they never carry
@@ -196,8 +198,9 @@ class GPT(nn.Module):
         the one counter, which tests check against self.parameters()."""
         return param_count(self.config)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None, *, kv_cache: KVCache | None = None,
-                return_logits: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None, *, kv_cache: KVCache | None = None, return_logits: bool = True
+    ) -> tuple[Tensor | None, Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, vocab_size) and, with targets, the mean loss.
 
         Targets equal to -1 are ignored. With a kv_cache, idx holds the tokens after position
@@ -237,20 +240,45 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
 
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None,
-                 use_cache: bool = True, stop_token: int | None = None) -> Tensor:
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+        stop_token: int | None = None,
+    ) -> Tensor:
         """Append up to max_new_tokens sampled tokens to idx (B, T). temperature=0 is greedy. With
         stop_token, a row that sampled it is padded with it and generation ends once every row has:
         cut each row at its first stop_token (cut_at_stop)."""
-        new = list(self.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                        generator=generator, use_cache=use_cache, stop_token=stop_token))
+        new = list(
+            self.generate_stream(
+                idx,
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                generator=generator,
+                use_cache=use_cache,
+                stop_token=stop_token,
+            )
+        )
         return torch.cat([idx, *new], dim=1)
 
     @torch.no_grad()
-    def generate_stream(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                        top_k: int | None = None, generator: torch.Generator | None = None,
-                        use_cache: bool = True, stop_token: int | None = None) -> Iterator[Tensor]:
+    def generate_stream(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+        stop_token: int | None = None,
+    ) -> Iterator[Tensor]:
         """Yield each new (B, 1) token as it is sampled (so text can be shown as it comes).
 
         stop_token (the end-of-text token 50256 for text samples): once a row has sampled it, that
@@ -274,8 +302,7 @@ class GPT(nn.Module):
                 logits, _ = self(idx[:, -block:], kv_cache=cache)
             else:
                 logits, _ = self(idx[:, -1:], kv_cache=cache)
-            next_tok = sample_next(logits[:, -1, :].float(), temperature=temperature, top_k=top_k,
-                                   generator=generator)
+            next_tok = sample_next(logits[:, -1, :].float(), temperature=temperature, top_k=top_k, generator=generator)
             if stop_token is not None:
                 next_tok = next_tok.masked_fill(done, stop_token)  # an ended row stays ended
                 done |= next_tok == stop_token
@@ -283,7 +310,6 @@ class GPT(nn.Module):
             yield next_tok
             if stop_token is not None and bool(done.all()):
                 return
-
 
     def _cache_dtype(self) -> torch.dtype:
         """The KV cache's dtype: under autocast the keys and values come out of c_attn in the autocast
@@ -297,14 +323,13 @@ class GPT(nn.Module):
 
 def cut_at_stop(tokens: list[int], stop_token: int) -> list[int]:
     """The tokens before the first stop_token (all of them if there is none)."""
-    return tokens[:tokens.index(stop_token)] if stop_token in tokens else tokens
+    return tokens[: tokens.index(stop_token)] if stop_token in tokens else tokens
 
 
 TOP_K = 200  # sampling's top-k unless told otherwise: the trainer's samples and gpt2.sample (nanoGPT's)
 
 
-def sample_next(logits: Tensor, *, temperature: float, top_k: int | None,
-                generator: torch.Generator | None) -> Tensor:
+def sample_next(logits: Tensor, *, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
     """(B, V) logits -> (B, 1) token ids. Padded-vocab logits are -inf and so never chosen."""
     logits = logits[:, :GPT2_VOCAB_SIZE]
     if temperature <= 0:
@@ -325,4 +350,3 @@ def unwrap(model: nn.Module) -> nn.Module:
     """
     model = getattr(model, "module", model)  # DDP
     return getattr(model, "_orig_mod", model)  # torch.compile
-

@@ -62,8 +62,11 @@ Every other shape field must keep the value GPT-2's layout gives it, or the mode
 
 def _check_exportable(cfg: ModelConfig) -> None:
     gpt2_layout = ModelConfig(**{name: getattr(cfg, name) for name in HF_SHAPE_FIELDS})
-    problems = [_not_exportable(cfg, name, getattr(gpt2_layout, name)) for name in ModelConfig.shape_fields()
-                if getattr(cfg, name) != getattr(gpt2_layout, name)]
+    problems = [
+        _not_exportable(cfg, name, getattr(gpt2_layout, name))
+        for name in ModelConfig.shape_fields()
+        if getattr(cfg, name) != getattr(gpt2_layout, name)
+    ]
     if problems:
         raise ValueError("model cannot be exported as GPT2LMHeadModel:\n  - " + "\n  - ".join(problems))
 
@@ -71,12 +74,16 @@ def _check_exportable(cfg: ModelConfig) -> None:
 def _not_exportable(cfg: ModelConfig, name: str, gpt2_value) -> str:
     """Why a shape field's value has no GPT2Config equivalent, and the value that would export."""
     if name == "n_kv_head":
-        return (f"n_kv_head={cfg.n_kv_head} differs from n_head={cfg.n_head}: Hugging Face GPT-2 "
-                f"has no grouped-query/multi-query attention; train with n_kv_head=n_head to export")
+        return (
+            f"n_kv_head={cfg.n_kv_head} differs from n_head={cfg.n_head}: Hugging Face GPT-2 "
+            f"has no grouped-query/multi-query attention; train with n_kv_head=n_head to export"
+        )
     if name == "bias":
         return "bias=False: Hugging Face GPT-2 always has biases; train with bias=True to export"
-    return (f"{name}={getattr(cfg, name)!r}: Hugging Face GPT-2 has no such setting; train with "
-            f"{name}={gpt2_value!r} to export")
+    return (
+        f"{name}={getattr(cfg, name)!r}: Hugging Face GPT-2 has no such setting; train with "
+        f"{name}={gpt2_value!r} to export"
+    )
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
@@ -107,8 +114,9 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
     }
 
 
-def from_hf_state_dict(sd: dict[str, Tensor], *, vocab_size: int = PADDED_VOCAB_SIZE,
-                       n_head: int | None = None, **overrides) -> GPT:
+def from_hf_state_dict(
+    sd: dict[str, Tensor], *, vocab_size: int = PADDED_VOCAB_SIZE, n_head: int | None = None, **overrides
+) -> GPT:
     """A GPT holding the weights of a GPT2LMHeadModel (or GPT2Model) state dict.
 
     n_layer, n_embd and block_size come from the tensors. The head count does not show in them:
@@ -118,21 +126,24 @@ def from_hf_state_dict(sd: dict[str, Tensor], *, vocab_size: int = PADDED_VOCAB_
     attn_impl) may be given as overrides.
     """
     shape, ours = convert_hf_state_dict(sd, vocab_size=vocab_size)
-    clashes = [f"{k}={overrides[k]} (the weights have {k}={v})" for k, v in shape.items()
-               if k in overrides and overrides[k] != v]
+    clashes = [
+        f"{k}={overrides[k]} (the weights have {k}={v})"
+        for k, v in shape.items()
+        if k in overrides and overrides[k] != v
+    ]
     if clashes:
         raise ValueError(f"overrides contradict the weights: {', '.join(clashes)}; drop them")
     overrides = {k: v for k, v in overrides.items() if k not in shape}
-    cfg = ModelConfig(**shape, n_head=n_head or shape["n_embd"] // GPT2_HEAD_DIM, vocab_size=vocab_size,
-                      **overrides)
+    cfg = ModelConfig(**shape, n_head=n_head or shape["n_embd"] // GPT2_HEAD_DIM, vocab_size=vocab_size, **overrides)
     model = GPT(cfg)
     check_keys(model.state_dict(), ours)
     model.load_state_dict(ours)
     return model
 
 
-def convert_hf_state_dict(sd: dict[str, Tensor], *, vocab_size: int = PADDED_VOCAB_SIZE
-                          ) -> tuple[dict[str, int], dict[str, Tensor]]:
+def convert_hf_state_dict(
+    sd: dict[str, Tensor], *, vocab_size: int = PADDED_VOCAB_SIZE
+) -> tuple[dict[str, int], dict[str, Tensor]]:
     """A GPT2LMHeadModel (or GPT2Model) state dict under our names and layout, building no model:
     (the shape the tensors show: n_layer, n_embd, block_size; the state dict). The Conv1D weights are
     transposed views and the embedding is zero-padded to vocab_size rows, so the result costs one
@@ -144,8 +155,10 @@ def convert_hf_state_dict(sd: dict[str, Tensor], *, vocab_size: int = PADDED_VOC
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
     shape = dict(n_layer=len(layers), n_embd=n_embd, block_size=wpe.size(0))
     if wte.size(0) < GPT2_VOCAB_SIZE or wte.size(0) > vocab_size:
-        raise ValueError(f"the checkpoint's embedding has {wte.size(0)} rows; it must have at least the "
-                         f"tokenizer's {GPT2_VOCAB_SIZE} and at most vocab_size={vocab_size}")
+        raise ValueError(
+            f"the checkpoint's embedding has {wte.size(0)} rows; it must have at least the "
+            f"tokenizer's {GPT2_VOCAB_SIZE} and at most vocab_size={vocab_size}"
+        )
     ours = {}
     for name, tensor in sd.items():
         if name.endswith(CONV1D_SUFFIXES):
@@ -168,21 +181,28 @@ def _strip_prefixes(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     for key in ("transformer.wte.weight", "transformer.wpe.weight"):
         if key not in out:
             raise ValueError(f"not a GPT-2 state dict: {key} is missing (keys start {sorted(sd)[:5]})")
-    if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd.get("transformer.wte.weight",
-                                                                             sd.get("wte.weight"))):
-        raise ValueError("lm_head.weight differs from the token embedding: this model has an untied "
-                         "LM head, which GPT-2 (and this model) does not support")
+    if "lm_head.weight" in sd and not torch.equal(
+        sd["lm_head.weight"], sd.get("transformer.wte.weight", sd.get("wte.weight"))
+    ):
+        raise ValueError(
+            "lm_head.weight differs from the token embedding: this model has an untied "
+            "LM head, which GPT-2 (and this model) does not support"
+        )
     return out
 
 
 def check_keys(expected: dict[str, Tensor], got: dict[str, Tensor]) -> None:
     problems = [f"missing {k}" for k in expected if k not in got]
     problems += [f"unexpected {k}" for k in got if k not in expected]
-    problems += [f"{k}: shape {tuple(got[k].shape)}, expected {tuple(v.shape)}"
-                 for k, v in expected.items() if k in got and got[k].shape != v.shape]
+    problems += [
+        f"{k}: shape {tuple(got[k].shape)}, expected {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in got and got[k].shape != v.shape
+    ]
     if problems:
-        raise ValueError("state dict does not match a GPT-2 of the shape its embeddings imply:"
-                         "\n  - " + "\n  - ".join(problems[:20]))
+        raise ValueError(
+            "state dict does not match a GPT-2 of the shape its embeddings imply:\n  - " + "\n  - ".join(problems[:20])
+        )
 
 
 class MissingExtraError(ImportError):
@@ -193,9 +213,11 @@ def _safetensors():
     try:
         import safetensors.torch
     except ImportError as e:
-        raise MissingExtraError("reading and writing Hugging Face directories needs safetensors, which is not "
-                                "installed: pip install -e '.[hf]' in the repository (or pip install "
-                                "safetensors)") from e
+        raise MissingExtraError(
+            "reading and writing Hugging Face directories needs safetensors, which is not "
+            "installed: pip install -e '.[hf]' in the repository (or pip install "
+            "safetensors)"
+        ) from e
     return safetensors.torch
 
 
@@ -252,8 +274,13 @@ def load_hf_dir(path: str | os.PathLike, *, vocab_size: int = PADDED_VOCAB_SIZE,
 
 def check_hf_config(hf: dict, where: Path) -> None:
     """Refuse configs whose maths differs from our model instead of loading them silently wrong."""
-    expect = {"model_type": "gpt2", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
-              "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False}
+    expect = {
+        "model_type": "gpt2",
+        "layer_norm_epsilon": 1e-5,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "add_cross_attention": False,
+    }
     problems = [f"{k}={hf[k]!r} (need {v!r})" for k, v in expect.items() if k in hf and hf[k] != v]
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         problems.append(f"activation_function={hf['activation_function']!r} (need the tanh GELU 'gelu_new')")
@@ -287,5 +314,7 @@ def _read_file(file: Path) -> dict[str, Tensor]:
         # weights_only: a .bin is a pickle, and loading an untrusted one must not run code.
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - the readers' error types differ by version; all mean "unreadable"
-        raise ValueError(f"{file}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]}); the file is "
-                         "damaged or incomplete: download or export it again") from None
+        raise ValueError(
+            f"{file}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]}); the file is "
+            "damaged or incomplete: download or export it again"
+        ) from None

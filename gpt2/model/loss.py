@@ -66,8 +66,9 @@ def loss_chunks(n_rows: int, max_rows: int) -> tuple[int, int]:
     return n_chunks, -(-n_rows // n_chunks)
 
 
-def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *,
-                         chunk_rows: int | None = None) -> Tensor:
+def linear_cross_entropy(
+    x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, chunk_rows: int | None = None
+) -> Tensor:
     """Mean cross-entropy of F.linear(x, weight, bias) against targets (-1 = ignored), in chunks.
 
     The maths of the model's plain path, `F.cross_entropy(logits.float(), targets,
@@ -91,8 +92,9 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Tensor | None, targets
         return _cross_entropy_chunks(x2, weight, bias, t, dtype, rows, grads=False)[0]
 
 
-def _cross_entropy_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                          dtype: torch.dtype, rows: int, *, grads: bool):
+def _cross_entropy_chunks(
+    x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: torch.dtype, rows: int, *, grads: bool
+):
     """(loss, grad_x, grad_weight) of the mean loss; the gradients only with grads, else None.
 
     Matmuls run in `dtype` as autocast runs F.linear; logits are softmaxed in fp32. d loss / d
@@ -133,8 +135,8 @@ def _cross_entropy_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, target
     grad_x = (torch.empty_like(x) if reuse else []) if grads else None
     grad_w = torch.empty(weight.shape, dtype=torch.float32, device=x.device) if reuse and grads else None
     for i, start in enumerate(starts):
-        xs = x[start:start + rows].to(dtype)
-        ts, vs = targets[start:start + rows], valid[start:start + rows]
+        xs = x[start : start + rows].to(dtype)
+        ts, vs = targets[start : start + rows], valid[start : start + rows]
         out = _rows(buf_low if low else buf, xs.size(0))  # None when traced: a new tensor
         out = torch.mm(xs, w.t(), out=out) if b is None else torch.addmm(b, xs, w.t(), out=out)
         logits = out if not low else _rows(buf, xs.size(0)).copy_(out) if reuse else out.float()  # (rows, V)
@@ -153,7 +155,7 @@ def _cross_entropy_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, target
             keep = vs[:, None]
             gx = (g @ w).float() * (keep * inv_n) if late else (g @ w) * keep
             if reuse:
-                grad_x[start:start + rows] = gx  # cast to x's dtype
+                grad_x[start : start + rows] = gx  # cast to x's dtype
             else:
                 grad_x.append(gx.to(x.dtype))
             p = torch.mm(g.t(), xs * keep, out=part)  # (V, h); summed in fp32 over chunks

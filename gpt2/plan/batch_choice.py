@@ -53,6 +53,7 @@ MFU = 0.4
 @dataclass(frozen=True)
 class MicroBatchChoice:
     """The micro-batch a run takes and why, as the start-up line says it."""
+
     size: int
     reason: str
 
@@ -61,8 +62,15 @@ class MicroBatchChoice:
         return f"micro-batch auto: {self.size} sequences, {self.reason}"
 
 
-def micro_step_seconds(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, device_type: str,
-                       peak_flops: float | None, chunked_compiled: bool = False) -> float:
+def micro_step_seconds(
+    cfg: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    *,
+    device_type: str,
+    peak_flops: float | None,
+    chunked_compiled: bool = False,
+) -> float:
     """The model's time of one micro-step (module docstring). chunked_compiled: the loss at this micro-batch
     is the chunked one under torch.compile, where the full one is the faster path."""
     peak = peak_flops or ASSUMED_PEAK_FLOPS[device_type]
@@ -96,8 +104,11 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int) -
     seqs = tc.total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
     sizes = [b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0]
     if tc.parallel == "fsdp" and world_size > 1:
-        return MicroBatchChoice(sizes[-1], f"the largest that {margin} and divides the global batch (fsdp: every "
-                                           "micro-step gathers the weights again)")
+        return MicroBatchChoice(
+            sizes[-1],
+            f"the largest that {margin} and divides the global batch (fsdp: every "
+            "micro-step gathers the weights again)",
+        )
 
     def chunked(b: int) -> bool:
         if not tc.compile:
@@ -105,22 +116,45 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int) -
         at_b = RunConfig(model, tc.replace(micro_batch_size=b, loss_impl="auto"))
         return choose_loss_impl(at_b, hardware, world_size=world_size).impl == "chunked"
 
-    rate = {b: b / micro_step_seconds(model, b, seq_len, device_type=hardware.device_type,
-                                      peak_flops=hardware.peak_flops, chunked_compiled=chunked(b)) for b in sizes}
+    rate = {
+        b: b
+        / micro_step_seconds(
+            model,
+            b,
+            seq_len,
+            device_type=hardware.device_type,
+            peak_flops=hardware.peak_flops,
+            chunked_compiled=chunked(b),
+        )
+        for b in sizes
+    }
     best = max(rate, key=rate.get)
     pick = min(b for b in sizes if rate[b] >= (1 - TIE) * rate[best])
-    return MicroBatchChoice(pick, explain(model, pick, sizes[-1], rate, seq_len, hardware, margin,
-                                          chunked(sizes[-1]) and not chunked(pick)))
+    return MicroBatchChoice(
+        pick, explain(model, pick, sizes[-1], rate, seq_len, hardware, margin, chunked(sizes[-1]) and not chunked(pick))
+    )
 
 
-def explain(cfg: ModelConfig, pick: int, largest: int, rate: dict[int, float], seq_len: int, hardware: Hardware,
-            margin: str, loss_differs: bool) -> str:
+def explain(
+    cfg: ModelConfig,
+    pick: int,
+    largest: int,
+    rate: dict[int, float],
+    seq_len: int,
+    hardware: Hardware,
+    margin: str,
+    loss_differs: bool,
+) -> str:
     """Why the throughput model took `pick`, in one clause."""
     overhead = (cfg.n_layer + 2) * OVERHEAD_S_PER_LAYER[hardware.device_type]
-    compute = micro_step_seconds(cfg, pick, seq_len, device_type=hardware.device_type,
-                                 peak_flops=hardware.peak_flops) - overhead
-    why = (f"the fastest by the throughput model ({overhead * 1e3:.1f} ms fixed per micro-step against "
-           f"{compute * 1e3:,.1f} ms of compute")
+    compute = (
+        micro_step_seconds(cfg, pick, seq_len, device_type=hardware.device_type, peak_flops=hardware.peak_flops)
+        - overhead
+    )
+    why = (
+        f"the fastest by the throughput model ({overhead * 1e3:.1f} ms fixed per micro-step against "
+        f"{compute * 1e3:,.1f} ms of compute"
+    )
     gain = rate[largest] / rate[pick] - 1
     if pick != largest and gain < 0:
         why += f"; {largest} would run {-gain:.0%} slower" + (" with the chunked loss" if loss_differs else "")

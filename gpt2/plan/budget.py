@@ -16,12 +16,17 @@ STOP_MARGIN_S = 30
 """Start-up of the save, the processes' exit and torchrun's own handling, on top of step and writes."""
 REQUEUE_MARGIN_S = 30
 """Between torchrun's grace and the signal lead: the batch shell's `scontrol requeue` after it exits."""
+
+
 def checkpoint_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
     """Bytes of a checkpoint: fp32 weights and the optimizer state (config, RNG and loader add KBs)."""
     return 4 * param_count(cfg) + optimizer_bytes(cfg, optimizer)
+
+
 @dataclass(frozen=True)
 class StopBudget:
     """What a stop signal needs before torchrun's grace runs out (gpt2/distributed/preempt.py, slurm/common.sh)."""
+
     checkpoint_bytes: int
     step_s: float
     write_bytes_per_s: float

@@ -169,9 +169,11 @@ def peak_problem(peak: float, device: torch.device | str, threads: int) -> str |
     """Why a peak cannot be used for MFU (a CPU probe below the sanity floor), or None."""
     if torch.device(device).type != "cpu" or peak >= CPU_PEAK_FLOOR_PER_THREAD * threads:
         return None
-    return (f"the measured CPU matmul peak {format_flops(peak)} is below {CPU_PEAK_FLOOR_PER_THREAD / 1e9:g} "
-            f"GFLOP/s per thread x {threads} thread(s): the probe was disturbed (a busy machine), so no MFU is "
-            f"shown; it is not cached, the next run measures again ({REFRESH_PEAK_ENV}=1 forces it)")
+    return (
+        f"the measured CPU matmul peak {format_flops(peak)} is below {CPU_PEAK_FLOOR_PER_THREAD / 1e9:g} "
+        f"GFLOP/s per thread x {threads} thread(s): the probe was disturbed (a busy machine), so no MFU is "
+        f"shown; it is not cached, the next run measures again ({REFRESH_PEAK_ENV}=1 forces it)"
+    )
 
 
 def checked_mfu(tokens_per_s: float, cfg: ModelConfig, peak: float) -> tuple[float | None, str | None]:
@@ -180,6 +182,8 @@ def checked_mfu(tokens_per_s: float, cfg: ModelConfig, peak: float) -> tuple[flo
     value = mfu(tokens_per_s, cfg, peak)
     if value <= 1.0:
         return value, None
-    return None, (f"MFU {value:.0%} against a peak of {format_flops(peak)}: the peak is below what training "
-                  f"achieves, so it was measured on a busy machine; MFU is left out of this run, and a cached "
-                  f"CPU peak is dropped so that the next run measures it again")
+    return None, (
+        f"MFU {value:.0%} against a peak of {format_flops(peak)}: the peak is below what training "
+        f"achieves, so it was measured on a busy machine; MFU is left out of this run, and a cached "
+        f"CPU peak is dropped so that the next run measures it again"
+    )

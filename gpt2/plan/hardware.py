@@ -14,7 +14,7 @@ from gpt2.core import host_memory
 from gpt2.core.precision import Precision
 from gpt2.plan.flops import gpu_table_peak
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 # CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation: memory a run never gets.
@@ -33,6 +33,8 @@ GPUS: dict[str, tuple[float, str]] = {
     # whitepaper's FP32-accumulate rate in gpt2/plan/flops.py (165 TFLOP/s bf16).
     "RTX4090-24GB": (23.99 * GIB, "NVIDIA GeForce RTX 4090"),
 }
+
+
 @dataclass(frozen=True, kw_only=True)
 class Hardware:
     name: str
@@ -58,19 +60,27 @@ class Hardware:
         """What a plan may fill: the memory less the reserve, and no more than is free now, less the reserve."""
         usable = self.memory_bytes - self.reserve_bytes
         return usable if self.available_bytes is None else min(usable, self.available_bytes - self.reserve_bytes)
+
+
 def gpu_hardware(name: str, dtype: str) -> Hardware:
     """One of the GPUS by name, with its data-sheet peak for dtype."""
     memory, sheet_name = known_gpu(name)
     prec = Precision.from_key(dtype)
     peak = gpu_table_peak(sheet_name, prec.torch_dtype, tf32=prec.tf32)
     return Hardware(name=name, memory_bytes=int(memory), peak_flops=peak)
+
+
 def known_gpu(name: str) -> tuple[float, str]:
     if name not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}; choose one of {list(GPUS)} or give "
-                         f"--gpu-memory-gb and --gpu-peak-tflops")
+        raise ValueError(
+            f"unknown GPU {name!r}; choose one of {list(GPUS)} or give --gpu-memory-gb and --gpu-peak-tflops"
+        )
     return GPUS[name]
-def custom_hardware(gpu: str | None, dtype: str, *, memory_gb: float | None = None,
-                    peak_tflops: float | None = None) -> Hardware:
+
+
+def custom_hardware(
+    gpu: str | None, dtype: str, *, memory_gb: float | None = None, peak_tflops: float | None = None
+) -> Hardware:
     """--gpu NAME and/or --gpu-memory-gb/--gpu-peak-tflops (which override the named GPU's figures):
     the device `python -m gpt2.plan` and `train_ddp.py --dry-run` plan for."""
     if gpu is None and memory_gb is None:
@@ -79,15 +89,20 @@ def custom_hardware(gpu: str | None, dtype: str, *, memory_gb: float | None = No
         raise ValueError(f"--gpu-memory-gb {memory_gb} and --gpu-peak-tflops {peak_tflops} must be > 0")
     hw = gpu_hardware(gpu, dtype) if gpu is not None else Hardware(name="custom", memory_bytes=0, peak_flops=None)
     return dataclasses.replace(
-        hw, name="custom" if memory_gb is not None else hw.name,
+        hw,
+        name="custom" if memory_gb is not None else hw.name,
         memory_bytes=int(memory_gb * GIB) if memory_gb is not None else hw.memory_bytes,
-        peak_flops=peak_tflops * 1e12 if peak_tflops is not None else hw.peak_flops)
+        peak_flops=peak_tflops * 1e12 if peak_tflops is not None else hw.peak_flops,
+    )
+
+
 def gpu_native_bf16(gpu: str | None) -> bool:
     """Whether a GPUS entry has bf16 tensor cores (its data sheet lists a bf16 peak); a custom GPU
     (None) is assumed to be Ampere or newer, like every GPU a GPT-2 run is planned on today."""
     return gpu is None or gpu_table_peak(known_gpu(gpu)[1], torch.bfloat16) is not None
-def device_hardware(device: torch.device | str, peak_flops: float | None, *,
-                    processes_per_host: int = 1) -> Hardware:
+
+
+def device_hardware(device: torch.device | str, peak_flops: float | None, *, processes_per_host: int = 1) -> Hardware:
     """The hardware a run is on: a CUDA device's memory, or for a CPU run this host's RAM shared
     by the processes_per_host ranks on it, and their share of what it has free now (MemAvailable), which
     is what a plan may fill (Hardware.usable_bytes)."""
@@ -97,10 +112,16 @@ def device_hardware(device: torch.device | str, peak_flops: float | None, *,
         return Hardware(name=props.name, memory_bytes=props.total_memory, peak_flops=peak_flops)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     free = host_memory.available_bytes()
-    return Hardware(name=f"cpu (1/{processes_per_host} of host RAM)" if processes_per_host > 1 else "cpu",
-                    memory_bytes=ram // processes_per_host, peak_flops=peak_flops, device_type="cpu",
-                    reserve_bytes=GIB // processes_per_host,
-                    available_bytes=None if free is None else free // processes_per_host)
+    return Hardware(
+        name=f"cpu (1/{processes_per_host} of host RAM)" if processes_per_host > 1 else "cpu",
+        memory_bytes=ram // processes_per_host,
+        peak_flops=peak_flops,
+        device_type="cpu",
+        reserve_bytes=GIB // processes_per_host,
+        available_bytes=None if free is None else free // processes_per_host,
+    )
+
+
 def usable_note(hw: Hardware) -> str:
     """What a plan's "usable" leaves out, in parentheses: the reserve, and on a CPU what is free now."""
     free = "" if hw.available_bytes is None else f"; {gib(hw.available_bytes)} free now, MemAvailable"
@@ -109,6 +130,8 @@ def usable_note(hw: Hardware) -> str:
 
 def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
+
+
 def human(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= scale:

@@ -1,5 +1,4 @@
-"""--loss-impl auto: the full-logits loss or the chunked one, for a micro-batch already chosen.
-"""
+"""--loss-impl auto: the full-logits loss or the chunked one, for a micro-batch already chosen."""
 
 from __future__ import annotations
 
@@ -21,7 +20,8 @@ from gpt2.plan.memory import loss_bytes, memory
 # W1 workload (6 x 384, micro-batch 8 x 256, fp32: 1.54 GiB of full-logits peak as it was counted
 # then, 6.8% of the 22.5 GiB a 23.5 GiB host leaves usable; 1.15 GiB as issue 41 counts eager's
 # 12 bytes per logit) would have stayed chunked and paid the chunk loop's ~1.3x
-# compiled LM-head time (issue 23, bench/lm_head_loss.py); 1/8 takes the full loss there and on the quick start, and keeps the chunked
+# compiled LM-head time (issue 23, bench/lm_head_loss.py); 1/8 takes the full loss there and on the quick start, and
+# keeps the chunked
 # one where the logits are large, e.g. the gpt2 preset at 64 x 1024 under bf16 compiled (12.3 GiB,
 # 16% of an 80 GB A100; at 16 x 1024 it is 3.1 GiB and takes nanoGPT's one fused cross-entropy, where
 # eager's 12 bytes per logit, 9.2 GiB, is within the share too but runs uncompiled). Order: the micro-batch is
@@ -34,20 +34,28 @@ from gpt2.plan.memory import loss_bytes, memory
 # slower at 128 wide on one CPU; the crossover moves with the CPU); unmeasured, the chunked one.
 FULL_LOSS_MEMORY_SHARE = 8
 """auto picks the full-logits loss when its peak is at most 1/FULL_LOSS_MEMORY_SHARE of usable memory."""
+
+
 @dataclass(frozen=True)
 class LossChoice:
     """The loss path a run takes ('full' or 'chunked') and why, as logged and written to config.json."""
+
     impl: str
     reason: str
 
     def describe(self) -> str:
         """The start-up line."""
-        what = ("full logits: F.cross_entropy over the (B, T, V) logits" if self.impl == "full" else
-                "chunked: gpt2/model/loss.py's linear_cross_entropy, never all (B, T, V) logits at once")
+        what = (
+            "full logits: F.cross_entropy over the (B, T, V) logits"
+            if self.impl == "full"
+            else "chunked: gpt2/model/loss.py's linear_cross_entropy, never all (B, T, V) logits at once"
+        )
         return f"loss       {what} ({self.reason})"
 
     def to_dict(self) -> dict:
         return {"impl": self.impl, "reason": self.reason}
+
+
 def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, measure_eager=None) -> LossChoice:
     """The loss path for cfg's micro-batch, already chosen (see FULL_LOSS_MEMORY_SHARE), at world_size.
     Requested: cfg.train.loss_impl, auto, chunked or full. Uncompiled (cfg.train.compile), auto takes
@@ -64,31 +72,44 @@ def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1,
     # What the full loss really holds: compiled, inductor's fused loss (COMPILED_FULL_LOSS_BYTES);
     # uncompiled, eager's several (B, T, V) tensors.
     full = RunConfig(cfg.model, tc.replace(loss_impl="full"))
-    peak = loss_bytes(cfg.model, micro_batch_size * cfg.model.block_size,
-                      dtype=Precision.of_config(tc, hardware.device_type).key, chunked=False, compiled=compiled,
-                      device_type=hardware.device_type)
+    peak = loss_bytes(
+        cfg.model,
+        micro_batch_size * cfg.model.block_size,
+        dtype=Precision.of_config(tc, hardware.device_type).key,
+        chunked=False,
+        compiled=compiled,
+        device_type=hardware.device_type,
+    )
     total = memory(full, hardware, world_size=world_size).total
     usable = hardware.usable_bytes
     share = usable // FULL_LOSS_MEMORY_SHARE
     logits = f"full-logits peak {gib(peak)} at micro-batch {micro_batch_size}"
     if requested == "full":
         if total > hardware.memory_bytes:
-            raise ValueError(f"--loss-impl full: the plan with the {logits} needs {gib(total)} per device but "
-                             f"{hardware.name} has {gib(hardware.memory_bytes)}; use --loss-impl chunked (or "
-                             f"auto), or a smaller --micro-batch-size")
+            raise ValueError(
+                f"--loss-impl full: the plan with the {logits} needs {gib(total)} per device but "
+                f"{hardware.name} has {gib(hardware.memory_bytes)}; use --loss-impl chunked (or "
+                f"auto), or a smaller --micro-batch-size"
+            )
         over = [] if peak <= share else [f"above the 1/{FULL_LOSS_MEMORY_SHARE} share auto allows"]
         over += [] if total <= usable else [f"plan {gib(total)} over the {gib(usable)} usable"]
         return LossChoice("full", f"--loss-impl full; {logits}" + (f", {' and '.join(over)}" if over else ""))
     if peak > share:
         return LossChoice("chunked", f"auto: {logits} > 1/{FULL_LOSS_MEMORY_SHARE} of {gib(usable)} usable")
     if total > usable:
-        return LossChoice("chunked", f"auto: {logits} is within 1/{FULL_LOSS_MEMORY_SHARE} of {gib(usable)} "
-                                     f"usable but the plan with it, {gib(total)}, does not fit")
+        return LossChoice(
+            "chunked",
+            f"auto: {logits} is within 1/{FULL_LOSS_MEMORY_SHARE} of {gib(usable)} "
+            f"usable but the plan with it, {gib(total)}, does not fit",
+        )
     fits = f"{logits} <= 1/{FULL_LOSS_MEMORY_SHARE} of {gib(usable)} usable, plan with it {gib(total)} fits"
     if not compiled:
         if measure_eager is None:
-            return LossChoice("chunked", f"auto: uncompiled and not measured on {hardware.name}, the chunked loss "
-                                         "(the faster one uncompiled at small widths, bench/eager_loss.py)")
+            return LossChoice(
+                "chunked",
+                f"auto: uncompiled and not measured on {hardware.name}, the chunked loss "
+                "(the faster one uncompiled at small widths, bench/eager_loss.py)",
+            )
         eager_times = measure_eager()
         if not eager_times.full_is_faster:
             return LossChoice("chunked", f"auto: uncompiled, {eager_times.describe()}")

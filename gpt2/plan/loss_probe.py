@@ -38,6 +38,7 @@ flip a shape's choice from one run to the next."""
 @dataclass(frozen=True)
 class EagerLossTimes:
     """Seconds of one forward + backward of the LM head and loss, per path; where they came from."""
+
     full_s: float
     chunked_s: float
     cache: str  # the cache file that holds them
@@ -47,14 +48,21 @@ class EagerLossTimes:
         return self.full_s <= FULL_MARGIN * self.chunked_s
 
     def describe(self) -> str:
-        return (f"measured at this shape: full {self.full_s * 1e3:,.0f} ms vs chunked "
-                f"{self.chunked_s * 1e3:,.0f} ms per micro-step's LM head + loss (cached in {self.cache})")
+        return (
+            f"measured at this shape: full {self.full_s * 1e3:,.0f} ms vs chunked "
+            f"{self.chunked_s * 1e3:,.0f} ms per micro-step's LM head + loss (cached in {self.cache})"
+        )
 
 
 def probe_key(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> dict:
     """The machine (precision.peak_key: CPU, threads, torch) and the shape the times depend on."""
-    return {**precision.peak_key(device, precision.Precision(dtype, dtype).torch_dtype), "probe": "eager-loss", "tokens": tokens,
-            "n_embd": n_embd, "vocab_size": vocab_size}
+    return {
+        **precision.peak_key(device, precision.Precision(dtype, dtype).torch_dtype),
+        "probe": "eager-loss",
+        "tokens": tokens,
+        "n_embd": n_embd,
+        "vocab_size": vocab_size,
+    }
 
 
 def probe_path(key: dict) -> Path:
@@ -62,8 +70,9 @@ def probe_path(key: dict) -> Path:
     return precision.peak_cache_dir() / f"eager-loss-{digest}.json"
 
 
-def eager_loss_times(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int, *,
-                     refresh: bool | None = None) -> EagerLossTimes:
+def eager_loss_times(
+    device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int, *, refresh: bool | None = None
+) -> EagerLossTimes:
     """Both paths' times at this shape on this CPU, from the cache or measured (then cached atomically).
     refresh=None reads precision.REFRESH_PEAK_ENV, as the matmul peaks do."""
     key = probe_key(device, dtype, tokens, n_embd, vocab_size)

@@ -42,10 +42,14 @@ def measured_peak_bytes(fn, device: torch.device | str) -> int:
         live += size
         peak = max(peak, live)
     return peak
+
+
 KINETO_QUIET_LEVEL = "6"
 """Above kineto's highest log level, USDT (5): kineto (torch.profiler's backend) logs "USDT: ...
 profiler_start" and "profiler_stop" to stderr on every profile, at a level above ERROR, so no level
 keeps its errors and drops those lines."""
+
+
 @contextlib.contextmanager
 def _quiet_kineto():
     """KINETO_LOG_LEVEL for the profiler's first start in this process, when kineto reads it once.
@@ -63,8 +67,16 @@ def _quiet_kineto():
         os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
-def resident_training_peak(cfg, micro_batch_size: int, *, dtype: str = "fp32", loss_impl: str = "chunked",
-                           compiled: bool = False, steps: int = 2, tuned_malloc: bool = True) -> int:
+def resident_training_peak(
+    cfg,
+    micro_batch_size: int,
+    *,
+    dtype: str = "fp32",
+    loss_impl: str = "chunked",
+    compiled: bool = False,
+    steps: int = 2,
+    tuned_malloc: bool = True,
+) -> int:
     """Bytes the process's resident set grows by while `steps` training steps of cfg run as the trainer runs
     them on a CPU: glibc told to return freed memory (gpt2.core.host_memory.return_freed_memory), AdamW
     (fused), autocast in dtype, `loss_impl`, torch.compile when compiled, the loss of
@@ -77,9 +89,8 @@ def resident_training_peak(cfg, micro_batch_size: int, *, dtype: str = "fp32", l
     Linux only (VmHWM, reset through /proc/self/clear_refs): elsewhere a RuntimeError. tuned_malloc=False
     leaves glibc's defaults (bench/plan_memory.py compares the two).
     """
-    from gpt2.core import host_memory
+    from gpt2.core import host_memory, precision
     from gpt2.core.config import ModelConfig
-    from gpt2.core import precision
     from gpt2.model.gpt import GPT
 
     if tuned_malloc:
@@ -99,8 +110,11 @@ def resident_training_peak(cfg, micro_batch_size: int, *, dtype: str = "fp32", l
             opt.zero_grad(set_to_none=True)
 
     torch.manual_seed(0)
-    train(GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=cfg.vocab_size),
-              loss_impl=loss_impl), 1, 2)
+    train(
+        GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=cfg.vocab_size), loss_impl=loss_impl),
+        1,
+        2,
+    )
     if compiled:
         torch._dynamo.reset()
     start = host_memory.resident_bytes()

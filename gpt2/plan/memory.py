@@ -77,6 +77,7 @@ from gpt2.plan.hardware import Hardware, gib, usable_note
 @dataclass(frozen=True, kw_only=True)
 class Memory:
     """Bytes per device, by what holds them."""
+
     weights: int
     autocast_weights: int
     gradients: int
@@ -110,8 +111,15 @@ class Memory:
     @property
     def static(self) -> int:
         """Independent of the micro-batch."""
-        return (self.weights + self.autocast_weights + self.gradients + self.optimizer + self.gathered
-                + self.unit_gradients + self.accum_gradients)
+        return (
+            self.weights
+            + self.autocast_weights
+            + self.gradients
+            + self.optimizer
+            + self.gathered
+            + self.unit_gradients
+            + self.accum_gradients
+        )
 
     @property
     def total(self) -> int:
@@ -140,14 +148,24 @@ plan that is PLAN_ERROR low still fits."""
 # its kernels do not write over the saved logits. Rows and vectors (lse, targets) are ~1/V and not counted.
 COMPILED_FULL_LOSS_BYTES = {"cpu": 1, "cuda": 2}
 """Bytes per logit of the compiled full loss, in units of the matmul dtype's size, by device type (above)."""
+
+
 # The chunked loss compiled: with fp32 matmuls inductor reuses one chunk's buffers for the next, as the
 # eager loss does. With 16-bit ones its scheduler runs a chunk's `g @ w` (the input gradient) late, after
 # later chunks, and keeps that chunk's 16-bit softmax gradient alive until then: measured on a CPU with
 # 164-row chunks, the loss held 65 MB at 1,024 tokens (7 chunks, as eager), 105 MB at 2,048, 354 MB at
 # 4,096 and 805 MB at 8,192 (50 chunks: nearly all (N, V) in bf16, 824 MB). The planner counts that
 # worst case, every chunk's: a plan that is high for a few chunks, right for many.
-def loss_bytes(cfg: ModelConfig, tokens: int, *, dtype: str = "bf16", chunked: bool = True,
-               device_type: str = "cuda", device_memory: int | None = None, compiled: bool = False) -> int:
+def loss_bytes(
+    cfg: ModelConfig,
+    tokens: int,
+    *,
+    dtype: str = "bf16",
+    chunked: bool = True,
+    device_type: str = "cuda",
+    device_memory: int | None = None,
+    compiled: bool = False,
+) -> int:
     """Peak bytes of the LM head + cross-entropy for `tokens` positions, beyond the weights, their
     gradients and the activations that reach the LM head (counted elsewhere). s: the matmul dtype's size.
 
@@ -188,8 +206,9 @@ EAGER_FULL_LOSS_BYTES = 12
 """Bytes per logit of the plain loss uncompiled, fp32 or under autocast (loss_bytes)."""
 
 
-def run_config(model: ModelConfig, micro_batch_size: int | str, *, dtype: str = "bf16", world_size: int = 1,
-               **train) -> RunConfig:
+def run_config(
+    model: ModelConfig, micro_batch_size: int | str, *, dtype: str = "bf16", world_size: int = 1, **train
+) -> RunConfig:
     """The RunConfig a bench or test sizing a bare model plans: dtype in the planner's names (bf16, fp16,
     tf32, fp32: gpt2/core/precision.py PLAN_DTYPES), these TrainConfig fields, and by default a global
     batch of one micro-step on each of world_size ranks (no accumulation) and no torch.compile (the plain
@@ -201,8 +220,15 @@ def run_config(model: ModelConfig, micro_batch_size: int | str, *, dtype: str = 
     return RunConfig(model, TrainConfig(dtype=prec.dtype, tf32=prec.tf32, micro_batch_size=micro_batch_size, **train))
 
 
-def memory(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, micro_batch_size: int | None = None,
-           accum_steps: int | None = None, checkpointed: bool | None = None) -> Memory:
+def memory(
+    cfg: RunConfig,
+    hardware: Hardware,
+    *,
+    world_size: int = 1,
+    micro_batch_size: int | None = None,
+    accum_steps: int | None = None,
+    checkpointed: bool | None = None,
+) -> Memory:
     """Bytes per device for one training micro-step of cfg on hardware (see the module docstring): the
     sequence is cfg.model.block_size long, the dtype the TrainConfig's on hardware's device type, the
     optimizer, parallelism, loss path (chunked unless loss_impl is full) and compilation the TrainConfig's.
@@ -216,26 +242,61 @@ def memory(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, micro_bat
     if accum_steps is None:
         accum_steps = grad_accum_steps(tc.total_batch_size, micro_batch_size, seq_len, world_size)
     checkpointed = tc.activation_checkpointing == "full" if checkpointed is None else checkpointed
-    return _memory(model, micro_batch_size, seq_len, world_size=world_size,
-                   dtype=Precision.of_config(tc, hardware.device_type).key, device_type=hardware.device_type,
-                   device_memory=hardware.memory_bytes, optimizer=tc.optimizer, parallel=tc.parallel,
-                   chunked_loss=tc.loss_impl != "full", accum_steps=accum_steps, compiled=tc.compile,
-                   checkpointed=checkpointed)
+    return _memory(
+        model,
+        micro_batch_size,
+        seq_len,
+        world_size=world_size,
+        dtype=Precision.of_config(tc, hardware.device_type).key,
+        device_type=hardware.device_type,
+        device_memory=hardware.memory_bytes,
+        optimizer=tc.optimizer,
+        parallel=tc.parallel,
+        chunked_loss=tc.loss_impl != "full",
+        accum_steps=accum_steps,
+        compiled=tc.compile,
+        checkpointed=checkpointed,
+    )
 
 
-def _memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size: int, dtype: str, device_type: str,
-            chunked_loss: bool, device_memory: int, optimizer: str, parallel: str, accum_steps: int, compiled: bool,
-            checkpointed: bool) -> Memory:
+def _memory(
+    cfg: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    *,
+    world_size: int,
+    dtype: str,
+    device_type: str,
+    chunked_loss: bool,
+    device_memory: int,
+    optimizer: str,
+    parallel: str,
+    accum_steps: int,
+    compiled: bool,
+    checkpointed: bool,
+) -> Memory:
     n = param_count(cfg)
     autocast = dtype in AUTOCAST_DTYPES
-    flash = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
-                             flash=True)
-    explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
-                                flash=False)
-    saved = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type,
-                             flash=cfg.attn_impl != "explicit", checkpointed=True)
-    logits = loss_bytes(cfg, micro_batch_size * seq_len, dtype=dtype, chunked=chunked_loss, device_type=device_type,
-                        device_memory=device_memory, compiled=compiled)
+    flash = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=True)
+    explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=False)
+    saved = activation_bytes(
+        cfg,
+        micro_batch_size,
+        seq_len,
+        dtype=dtype,
+        device_type=device_type,
+        flash=cfg.attn_impl != "explicit",
+        checkpointed=True,
+    )
+    logits = loss_bytes(
+        cfg,
+        micro_batch_size * seq_len,
+        dtype=dtype,
+        chunked=chunked_loss,
+        device_type=device_type,
+        device_memory=device_memory,
+        compiled=compiled,
+    )
     mem = Memory(
         weights=4 * n,
         autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
@@ -255,10 +316,14 @@ def _memory(cfg: ModelConfig, micro_batch_size: int, seq_len: int, *, world_size
         raise ValueError(f"parallel={parallel!r} must be one of {PARALLELS}")
     if parallel == "ddp" or world_size == 1:  # fsdp at world size 1: the trainer does not shard
         return mem
-    return fsdp_memory(mem, cfg, world_size, dtype=dtype, device_type=device_type, optimizer=optimizer,
-                       accum_steps=accum_steps)
-def fsdp_memory(mem: Memory, cfg: ModelConfig, world_size: int, *, dtype: str, device_type: str, optimizer: str,
-                accum_steps: int) -> Memory:
+    return fsdp_memory(
+        mem, cfg, world_size, dtype=dtype, device_type=device_type, optimizer=optimizer, accum_steps=accum_steps
+    )
+
+
+def fsdp_memory(
+    mem: Memory, cfg: ModelConfig, world_size: int, *, dtype: str, device_type: str, optimizer: str, accum_steps: int
+) -> Memory:
     """DDP's memory made FSDP's over world_size ranks: the state sharded (padded), plus what is unsharded
     in flight (module docstring). Activations and the loss are unchanged."""
     shapes = weight_shapes(cfg)
@@ -270,23 +335,33 @@ def fsdp_memory(mem: Memory, cfg: ModelConfig, world_size: int, *, dtype: str, d
     block_n = gathered_elements(block.values(), world_size)
     tied_n = gathered_elements([shapes["transformer.wte.weight"]], world_size)  # its gradient: in loss_bytes
     return dataclasses.replace(
-        mem, shards=world_size,
+        mem,
+        shards=world_size,
         weights=4 * sharded_elements(shapes.values(), world_size),
         gradients=4 * sharded_elements(shapes.values(), world_size),
         optimizer=optimizer_bytes(cfg, optimizer, world_size=world_size),
         autocast_weights=0 if policy else mem.autocast_weights,
         gathered=s * (root_n + min(2, cfg.n_layer) * block_n),
         unit_gradients=s * (root_n - tied_n) + (s + 4) * block_n,
-        accum_gradients=4 * gathered_elements(shapes.values(), world_size) if accum_steps > 1 else 0)
+        accum_gradients=4 * gathered_elements(shapes.values(), world_size) if accum_steps > 1 else 0,
+    )
+
+
 def shard_rows(rows: int, world_size: int) -> int:
     """Rows of dim 0 in each rank's FSDP2 shard: torch.chunk's largest chunk, to which FSDP2 pads all."""
     return -(-rows // world_size)
+
+
 def sharded_elements(shapes, world_size: int) -> int:
     """Elements one rank holds of these parameters under FSDP2 (padding included); at world size 1, all."""
     return sum(shard_rows(s[0], world_size) * math.prod(s[1:]) for s in shapes)
+
+
 def gathered_elements(shapes, world_size: int) -> int:
     """Elements of these parameters all-gathered: world_size padded shards each (the all-gather's output)."""
     return world_size * sharded_elements(shapes, world_size)
+
+
 def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw", *, world_size: int = 1) -> int:
     """AdamW: two fp32 moments per parameter. Muon: one fp32 momentum per block matrix, AdamW's two
     for the rest (embeddings, biases, LayerNorm; gpt2/train/optim.py). world_size > 1: one rank's FSDP
@@ -299,17 +374,31 @@ def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw", *, world_size: i
     muon = [s for name, s in shapes.items() if len(s) == 2 and ".h." in f".{name}"]  # as block_matrix_count
     rest = [s for name, s in shapes.items() if not (len(s) == 2 and ".h." in f".{name}")]
     return 8 * sharded_elements(rest, world_size) + 4 * sharded_elements(muon, world_size)
+
+
 def matmul_weight_count(cfg: ModelConfig) -> int:
     """Elements of every weight that goes through a matmul (autocast keeps a bf16 copy of each): every
     matrix of config.weight_shapes but the position embedding (a lookup; the token embedding is also
     the tied LM head)."""
     return sum(math.prod(s) for name, s in weight_shapes(cfg).items() if len(s) == 2 and name != POSITION_EMBEDDING)
+
+
 def block_matrix_count(cfg: ModelConfig) -> int:
     """Elements of the matrices inside the transformer blocks: what Muon updates (gpt2/train/optim.py
     is_muon_param: 2-D and under .h.)."""
     return sum(math.prod(s) for name, s in weight_shapes(cfg).items() if len(s) == 2 and ".h." in f".{name}")
-def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str = "bf16",
-                     device_type: str = "cuda", flash: bool = True, checkpointed: bool = False) -> int:
+
+
+def activation_bytes(
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    *,
+    dtype: str = "bf16",
+    device_type: str = "cuda",
+    flash: bool = True,
+    checkpointed: bool = False,
+) -> int:
     """Bytes autograd saves for backward outside the loss: embeddings, blocks, final LayerNorm.
 
     s is the matmul dtype's size. Under autocast the residual stream and LayerNorms stay fp32, so
@@ -363,8 +452,17 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str =
         backward = 4 * h + s * cfg.mlp_dim
         return batch * T * (L * 4 * h + per_token_layer + backward + per_token_rest) + min(L, 1) * per_layer_mask
     return batch * T * (L * per_token_layer + per_token_rest) + L * per_layer_mask
-def max_micro_batch_size(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, accumulate: bool | None = None,
-                         checkpointed: bool | None = None, headroom: float = 1.0) -> int:
+
+
+def max_micro_batch_size(
+    cfg: RunConfig,
+    hardware: Hardware,
+    *,
+    world_size: int = 1,
+    accumulate: bool | None = None,
+    checkpointed: bool | None = None,
+    headroom: float = 1.0,
+) -> int:
     """Largest micro-batch of cfg whose total (times headroom: AUTO_HEADROOM for auto) fits the usable memory
     (Hardware.usable_bytes; 0: not even one sequence), counted with the chunked loss uncompiled (sizing).
 
@@ -379,8 +477,13 @@ def max_micro_batch_size(cfg: RunConfig, hardware: Hardware, *, world_size: int 
     usable, sized, seq_len = hardware.usable_bytes, sizing(cfg), cfg.model.block_size
 
     def fits(b: int, accum: int = 2 if accumulate is not False else 1) -> bool:
-        return memory(sized, hardware, world_size=world_size, micro_batch_size=b, accum_steps=accum,
-                      checkpointed=checkpointed).total * headroom <= usable
+        return (
+            memory(
+                sized, hardware, world_size=world_size, micro_batch_size=b, accum_steps=accum, checkpointed=checkpointed
+            ).total
+            * headroom
+            <= usable
+        )
 
     whole = None  # the micro-batch with no accumulation, when there is one
     total_batch_size = cfg.train.total_batch_size
@@ -413,22 +516,28 @@ def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:
 
     def one(checkpointed: bool = checkpointed, **change) -> Memory:
         run = sizing(RunConfig(cfg.model, tc.replace(**change)))
-        return memory(run, hardware, world_size=world_size, micro_batch_size=1, accum_steps=2,
-                      checkpointed=checkpointed)
+        return memory(
+            run, hardware, world_size=world_size, micro_batch_size=1, accum_steps=2, checkpointed=checkpointed
+        )
 
     need, usable = one(), hardware.usable_bytes
     sharded = parallel == "fsdp" and world_size > 1
     options = ["a smaller model (a smaller --preset, or --n-layer/--n-embd)"]
     if not sharded and world_size > 1 and one(parallel="fsdp").total <= usable:
-        options.append(f"--parallel fsdp (state sharded over the {world_size} ranks: {gib(one(parallel='fsdp').total)})")
+        options.append(
+            f"--parallel fsdp (state sharded over the {world_size} ranks: {gib(one(parallel='fsdp').total)})"
+        )
     if parallel == "fsdp" and world_size == 1:
         options.append("several ranks (--parallel fsdp shards over the ranks; one process holds everything)")
     if sharded and need.accum_gradients and need.total - need.accum_gradients <= usable:
-        options.append(f"no gradient accumulation (FSDP's no-sync keeps {gib(need.accum_gradients)} of unsharded "
-                       f"gradients between micro-steps: a smaller --total-batch-size or more ranks)")
+        options.append(
+            f"no gradient accumulation (FSDP's no-sync keeps {gib(need.accum_gradients)} of unsharded "
+            f"gradients between micro-steps: a smaller --total-batch-size or more ranks)"
+        )
     if not checkpointed and one(checkpointed=True).total <= usable:
-        options.append(f"--activation-checkpointing full (blocks recomputed in the backward: "
-                       f"{gib(one(checkpointed=True).total)})")
+        options.append(
+            f"--activation-checkpointing full (blocks recomputed in the backward: {gib(one(checkpointed=True).total)})"
+        )
     if need.static <= usable:  # the micro-batch's own memory is what overflows: shorter or 16-bit helps
         options.append("a shorter --block-size")
         if dtype not in AUTOCAST_DTYPES:
@@ -436,10 +545,14 @@ def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:
     if optimizer == "adamw" and one(optimizer="muon").total <= usable:
         options.append(f"--optimizer muon (one moment per block matrix: {gib(one(optimizer='muon').total)})")
     options.append("a device with more memory" if not sharded else "more ranks or a device with more memory")
-    state = ("which DDP keeps whole on every rank however many there are" if not sharded else
-             f"each rank's 1/{world_size} shard plus the gathered units and unsharded gradients FSDP holds")
-    return (f"{describe_model(cfg.model)} does not fit on {hardware.name} ({gib(hardware.memory_bytes)}) with "
-            f"{'FSDP' if sharded else 'DDP'} at world size {world_size}: micro_batch_size=1 needs {gib(need.total)} "
-            f"per device ({gib(need.static)} of weights, gradients and {optimizer} state, {state}) but "
-            f"{gib(usable)} is usable {usable_note(hardware)}; use "
-            + ", ".join(options[:-1]) + f" or {options[-1]}")
+    state = (
+        "which DDP keeps whole on every rank however many there are"
+        if not sharded
+        else f"each rank's 1/{world_size} shard plus the gathered units and unsharded gradients FSDP holds"
+    )
+    return (
+        f"{describe_model(cfg.model)} does not fit on {hardware.name} ({gib(hardware.memory_bytes)}) with "
+        f"{'FSDP' if sharded else 'DDP'} at world size {world_size}: micro_batch_size=1 needs {gib(need.total)} "
+        f"per device ({gib(need.static)} of weights, gradients and {optimizer} state, {state}) but "
+        f"{gib(usable)} is usable {usable_note(hardware)}; use " + ", ".join(options[:-1]) + f" or {options[-1]}"
+    )

@@ -80,8 +80,12 @@ class Plan:
         recompute) (Plan.model_mfu)."""
         if self.hardware.peak_flops is None:
             return None
-        return (self.world_size * self.hardware.peak_flops * self.mfu
-                / (self.flops_per_token + self.recompute_flops_per_token))
+        return (
+            self.world_size
+            * self.hardware.peak_flops
+            * self.mfu
+            / (self.flops_per_token + self.recompute_flops_per_token)
+        )
 
     @property
     def model_mfu(self) -> float:
@@ -97,8 +101,11 @@ class Plan:
         if self.tokens is None or self.tokens_per_s is None:
             return None
         return self.tokens / self.tokens_per_s / 3600
-def plan(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, tokens: int | None = None,
-         mfu: float = 0.4) -> Plan:
+
+
+def plan(
+    cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, tokens: int | None = None, mfu: float = 0.4
+) -> Plan:
     """Memory per device, the largest micro-batch that fits, and time estimates of the run cfg (its
     micro-batch a number, its dtype not auto) on hardware at world_size. Pure arithmetic.
 
@@ -115,13 +122,25 @@ def plan(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, tokens: int
     if problems:
         raise ValueError("invalid plan:\n  - " + "\n  - ".join(problems))
     grad_accum_steps(tc.total_batch_size, micro_batch_size, seq_len, world_size)  # whole, else its error
-    return Plan(cfg=model, run=cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
-                dtype=Precision.of_config(tc, hardware.device_type).key, hardware=hardware,
-                total_batch_size=tc.total_batch_size, tokens=tokens, mfu=mfu, n_params=param_count(model),
-                n_params_formula=count_params_formula(model), memory=memory(cfg, hardware, world_size=world_size),
-                flops_per_token=flops_per_token(model, seq_len), parallel=tc.parallel,
-                recompute_flops_per_token=recompute_flops_per_token(model, seq_len) if checkpointed else 0.0,
-                max_micro_batch_size=max_micro_batch_size(cfg, hardware, world_size=world_size))
+    return Plan(
+        cfg=model,
+        run=cfg,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        world_size=world_size,
+        dtype=Precision.of_config(tc, hardware.device_type).key,
+        hardware=hardware,
+        total_batch_size=tc.total_batch_size,
+        tokens=tokens,
+        mfu=mfu,
+        n_params=param_count(model),
+        n_params_formula=count_params_formula(model),
+        memory=memory(cfg, hardware, world_size=world_size),
+        flops_per_token=flops_per_token(model, seq_len),
+        parallel=tc.parallel,
+        recompute_flops_per_token=recompute_flops_per_token(model, seq_len) if checkpointed else 0.0,
+        max_micro_batch_size=max_micro_batch_size(cfg, hardware, world_size=world_size),
+    )
 
 
 def _plan_problems(micro_batch_size, world_size, mfu, tokens) -> list[str]:
@@ -154,10 +173,14 @@ def check_fits(p: Plan) -> None:
     accumulating = max_micro_batch_size(p.run, p.hardware, world_size=p.world_size, accumulate=True)
     if accumulating < b:  # fsdp: b is the micro-batch without accumulation, which keeps no no-sync gradients
         fix = f"use --micro-batch-size {b} (one micro-step: no unsharded gradients kept)" + (
-            f" or, accumulating, {accumulating} or less" if accumulating else
-            ": with accumulation not even 1 fits (FSDP's no-sync keeps the whole model's gradients unsharded)")
+            f" or, accumulating, {accumulating} or less"
+            if accumulating
+            else ": with accumulation not even 1 fits (FSDP's no-sync keeps the whole model's gradients unsharded)"
+        )
     per_total = b * p.seq_len * p.world_size
     if p.total_batch_size % per_total == 0 and p.total_batch_size > per_total:
         fix += f" (the same total batch with {p.total_batch_size // per_total} accumulation steps)"
-    raise ValueError(f"micro_batch_size={p.micro_batch_size} needs {gib(p.memory.total)} per device "
-                     f"but {p.hardware.name} has {gib(p.hardware.memory_bytes)}; {fix}")
+    raise ValueError(
+        f"micro_batch_size={p.micro_batch_size} needs {gib(p.memory.total)} per device "
+        f"but {p.hardware.name} has {gib(p.hardware.memory_bytes)}; {fix}"
+    )

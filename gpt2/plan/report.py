@@ -1,5 +1,4 @@
-"""The planner's printed report: the plan, its memory lines, FSDP's accumulation verdict, the stop line.
-"""
+"""The planner's printed report: the plan, its memory lines, FSDP's accumulation verdict, the stop line."""
 
 from __future__ import annotations
 
@@ -15,9 +14,13 @@ def format_stop(p: Plan, write_bytes_per_s: float = WRITE_BYTES_PER_S) -> str:
     """One line: the checkpoint's size and the SLURM signal lead and grace it needs."""
     b = StopBudget(checkpoint_bytes(p.cfg, p.memory.optimizer_name), p.step_time_s or 0.0, write_bytes_per_s)
     step = f"{b.step_s:.1f} s step" if p.step_time_s is not None else "a step (no time estimate)"
-    return (f"stop       checkpoint {b.checkpoint_bytes / 1e9:.2f} GB; a signal stop needs {step} + 2 writes at "
-            f"{write_bytes_per_s / 1e9:g} GB/s ({b.writes_s:.1f} s) + {STOP_MARGIN_S} s: "
-            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT >= {b.grace_s}, sbatch --signal=B:USR1@{b.lead_s} or more")
+    return (
+        f"stop       checkpoint {b.checkpoint_bytes / 1e9:.2f} GB; a signal stop needs {step} + 2 writes at "
+        f"{write_bytes_per_s / 1e9:g} GB/s ({b.writes_s:.1f} s) + {STOP_MARGIN_S} s: "
+        f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT >= {b.grace_s}, sbatch --signal=B:USR1@{b.lead_s} or more"
+    )
+
+
 def format_plan(p: Plan) -> str:
     """The planner's summary, as printed by `python -m gpt2.plan` and at trainer start-up."""
     c, m, hw = p.cfg, p.memory, p.hardware
@@ -27,9 +30,12 @@ def format_plan(p: Plan) -> str:
         f"params     {p.n_params:,} exact ({human(p.n_params)}); formula V*h + T*h + L*(12h^2+13h) + 2h "
         f"= {p.n_params_formula:,}",
         f"hardware   {p.world_size} x {hw.name}: {gib(hw.memory_bytes)}, peak "
-        + (f"{format_flops(hw.peak_flops)} ({p.dtype}) each" if hw.peak_flops is not None
-           else f"unknown ({p.dtype}: " + ("no data-sheet peak for this GPU)" if hw.device_type == "cuda"
-                                              else "the measured peak was not usable)")),
+        + (
+            f"{format_flops(hw.peak_flops)} ({p.dtype}) each"
+            if hw.peak_flops is not None
+            else f"unknown ({p.dtype}: "
+            + ("no data-sheet peak for this GPU)" if hw.device_type == "cuda" else "the measured peak was not usable)")
+        ),
         f"batch      micro_batch_size={p.micro_batch_size} x seq_len={p.seq_len} x world_size={p.world_size}"
         f" = {p.tokens_per_micro_step:,} tokens/micro-step; total_batch_size={p.total_batch_size:,} "
         f"-> {p.grad_accum_steps} accumulation step(s)",
@@ -43,61 +49,88 @@ def format_plan(p: Plan) -> str:
     if m.checkpointed:
         flash_mark = explicit_mark = "  "
     lines += [
-        (f"  optimizer (AdamW)      {gib(m.optimizer)}  (two fp32 moments{_per_shard(m)})" if m.optimizer_name == "adamw"
-         else f"  optimizer (Muon+AdamW) {gib(m.optimizer)}  (fp32 momentum per block matrix, two moments for the "
-              f"rest{_per_shard(m)})"),
+        (
+            f"  optimizer (AdamW)      {gib(m.optimizer)}  (two fp32 moments{_per_shard(m)})"
+            if m.optimizer_name == "adamw"
+            else f"  optimizer (Muon+AdamW) {gib(m.optimizer)}  (fp32 momentum per block matrix, two moments for the "
+            f"rest{_per_shard(m)})"
+        ),
         *_fsdp_lines(p),
         f"  activations, flash     {gib(m.activations_flash)} {flash_mark}",
         f"  activations, explicit  {gib(m.activations_explicit)} {explicit_mark} (stores B*nh*T*T probabilities)",
         f"  activations, full AC   {gib(m.activations_checkpointed)} {'<-' if m.checkpointed else '  '} "
         f"(activation checkpointing: block inputs + one block's, recomputed in backward)",
         f"  LM head + loss peak    {gib(m.logits)}  "
-        + ("(chunked, compiled in 16 bits: inductor can keep every chunk's gradient, counted)" if m.every_chunk
-           else "(chunked: never all B*T*V logits at once)" if m.chunked_loss else
-           "(full logits: all B*T*V at once, F.cross_entropy)"),
-        f"  total                  {gib(m.total)}  of {gib(p.usable_bytes)} usable "
-        f"{usable_note(hw)}",
+        + (
+            "(chunked, compiled in 16 bits: inductor can keep every chunk's gradient, counted)"
+            if m.every_chunk
+            else "(chunked: never all B*T*V logits at once)"
+            if m.chunked_loss
+            else "(full logits: all B*T*V at once, F.cross_entropy)"
+        ),
+        f"  total                  {gib(m.total)}  of {gib(p.usable_bytes)} usable {usable_note(hw)}",
         f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
         *([accum] if (accum := format_accumulation(p)) else []),
         f"compute    {human(p.flops_per_token)}FLOP/token (6N + 12*L*h*T); "
-        + (f"at {p.mfu:.0%} MFU: {human(p.tokens_per_s)} tokens/s, {p.step_time_s:.3f} s/step"
-           if p.tokens_per_s is not None else "no time estimate without a peak"),
+        + (
+            f"at {p.mfu:.0%} MFU: {human(p.tokens_per_s)} tokens/s, {p.step_time_s:.3f} s/step"
+            if p.tokens_per_s is not None
+            else "no time estimate without a peak"
+        ),
         *([_recompute_line(p)] if p.activation_checkpointing else []),
     ]
     if p.hours is not None:
-        lines.append(f"budget     {human(p.tokens)} tokens: {p.tokens / p.total_batch_size:,.0f} steps, "
-                     f"{p.hours:.2f} h ({p.hours * p.world_size:.1f} device-hours)")
+        lines.append(
+            f"budget     {human(p.tokens)} tokens: {p.tokens / p.total_batch_size:,.0f} steps, "
+            f"{p.hours:.2f} h ({p.hours * p.world_size:.1f} device-hours)"
+        )
     return "\n".join(lines)
+
+
 def _recompute_line(p: Plan) -> str:
     share = p.recompute_flops_per_token / p.flops_per_token
-    return (f"recompute  activation checkpointing full: +{human(p.recompute_flops_per_token)}FLOP/token "
-            f"(+{share:.0%}) recomputed, not in MFU; the estimate above spends {p.mfu:.0%} of the peak on both, "
-            f"so the run's logged MFU would be {p.model_mfu:.0%}")
+    return (
+        f"recompute  activation checkpointing full: +{human(p.recompute_flops_per_token)}FLOP/token "
+        f"(+{share:.0%}) recomputed, not in MFU; the estimate above spends {p.mfu:.0%} of the peak on both, "
+        f"so the run's logged MFU would be {p.model_mfu:.0%}"
+    )
 
 
 def _memory_heading(p: Plan) -> str:
     if p.memory.shards > 1:
-        return (f"memory per device (FSDP over {p.world_size} ranks: each holds a 1/{p.world_size} shard of every "
-                f"parameter, dim 0 padded to a multiple of {p.world_size}; `--parallel ddp` keeps it all on every rank):")
+        return (
+            f"memory per device (FSDP over {p.world_size} ranks: each holds a 1/{p.world_size} shard of every "
+            f"parameter, dim 0 padded to a multiple of {p.world_size}; `--parallel ddp` keeps it all on every rank):"
+        )
     if p.parallel == "fsdp":
         return "memory per device (--parallel fsdp at world size 1: nothing to shard, the plain model):"
     return "memory per device:"
+
+
 def _per_shard(m: Memory) -> str:
     return f", 1/{m.shards} shard" if m.shards > 1 else ""
+
+
 def _fsdp_lines(p: Plan) -> list[str]:
     """FSDP's unsharded memory in flight, and how gradient accumulation is counted (module docstring)."""
     m = p.memory
     if m.shards == 1:
         return []
     dtype = p.dtype if p.dtype in AUTOCAST_DTYPES and p.hardware.device_type == "cuda" else "fp32"  # the policy
-    lines = [f"  gathered weights       {gib(m.gathered)}  ({dtype}: the root unit (tied wte/LM head, wpe, ln_f) "
-             f"all step + 2 blocks, one prefetched)",
-             f"  unsharded gradients    {gib(m.unit_gradients)}  (one block's before its reduce-scatter, the root's "
-             f"through backward; the tied wte's is the loss term's)"]
+    lines = [
+        f"  gathered weights       {gib(m.gathered)}  ({dtype}: the root unit (tied wte/LM head, wpe, ln_f) "
+        f"all step + 2 blocks, one prefetched)",
+        f"  unsharded gradients    {gib(m.unit_gradients)}  (one block's before its reduce-scatter, the root's "
+        f"through backward; the tied wte's is the loss term's)",
+    ]
     if m.accum_gradients:
-        lines.append(f"  no-sync gradients      {gib(m.accum_gradients)}  (fp32, whole model unsharded: kept between "
-                     f"the {p.grad_accum_steps} micro-steps)")
+        lines.append(
+            f"  no-sync gradients      {gib(m.accum_gradients)}  (fp32, whole model unsharded: kept between "
+            f"the {p.grad_accum_steps} micro-steps)"
+        )
     return lines
+
+
 def format_accumulation(p: Plan) -> str | None:
     """FSDP with accumulation: which way the plan counts it, and when the other way is what fits."""
     m = p.memory
@@ -105,13 +138,14 @@ def format_accumulation(p: Plan) -> str | None:
         return None
     usable = p.usable_bytes
     largest = max_micro_batch_size(p.run, p.hardware, world_size=p.world_size, accumulate=False)
-    rs = (f"a reduce-scatter per micro-step would keep only the shards: {gib(p.rs_total)}, largest micro-batch "
-          f"{largest}")
+    rs = f"a reduce-scatter per micro-step would keep only the shards: {gib(p.rs_total)}, largest micro-batch {largest}"
     if p.fits:
         verdict = "fits as counted"
     elif p.rs_total <= usable:
-        verdict = ("does NOT fit with no-sync but WOULD with a reduce-scatter per micro-step (the trainer uses "
-                   "no-sync); or fewer micro-steps: a larger micro-batch, a smaller --total-batch-size or more ranks")
+        verdict = (
+            "does NOT fit with no-sync but WOULD with a reduce-scatter per micro-step (the trainer uses "
+            "no-sync); or fewer micro-steps: a larger micro-batch, a smaller --total-batch-size or more ranks"
+        )
     else:
         verdict = "fits neither way"
     return f"accumulate FSDP no-sync (counted): {gib(m.total)}; {rs}. {verdict}"

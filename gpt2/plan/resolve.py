@@ -33,6 +33,7 @@ from gpt2.plan.planner import Plan, plan
 class Target:
     """The hardware a run is resolved for: this machine's device (a real start, or a dry run here), or a
     hypothetical GPU (a dry run's --gpu NAME / --gpu-memory-gb X [--gpu-peak-tflops Y])."""
+
     world_size: int = 1
     processes_per_host: int = 1
     """Ranks sharing one host: on a CPU they share its RAM (gpt2/plan/hardware.py device_hardware)."""
@@ -57,6 +58,7 @@ class Target:
 @dataclass(frozen=True)
 class Resolved:
     """What resolve decided: the run's concrete config and each choice with its reason."""
+
     cfg: RunConfig
     """--dtype, --activation-checkpointing, --micro-batch-size and --loss-impl made concrete."""
     precision: Precision
@@ -85,11 +87,15 @@ def resolve(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens: int | N
     ac = choose_activation_checkpointing(cfg, hardware, world_size=world)
     cfg = with_train(cfg, activation_checkpointing=ac.mode)
     auto_mb = tc.micro_batch_size == "auto"
-    mb = (choose_micro_batch(cfg, hardware, world_size=world) if auto_mb else
-          MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size"))
+    mb = (
+        choose_micro_batch(cfg, hardware, world_size=world)
+        if auto_mb
+        else MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size")
+    )
     cfg = with_train(cfg, micro_batch_size=mb.size)
-    loss = choose_loss_impl(cfg, hardware, world_size=world,
-                            measure_eager=eager_measure(cfg, prec, mb.size, target.device))
+    loss = choose_loss_impl(
+        cfg, hardware, world_size=world, measure_eager=eager_measure(cfg, prec, mb.size, target.device)
+    )
     cfg = with_train(cfg, loss_impl=loss.impl)
     tc = cfg.train
     tokens = tc.max_steps * tc.total_batch_size if tokens is None else tokens
@@ -111,11 +117,15 @@ def target_precision(requested: str, target: Target, *, tf32: bool) -> Precision
     if target.device is not None:
         return precision.resolve(requested, target.device, tf32=tf32)
     if gpu_native_bf16(target.gpu):
-        why = (f"{target.gpu} has native bf16 (its data sheet's bf16 tensor-core peak)" if target.gpu else
-               "a custom GPU is taken to have native bf16 (Ampere or newer; pass --dtype float16 for an older one)")
+        why = (
+            f"{target.gpu} has native bf16 (its data sheet's bf16 tensor-core peak)"
+            if target.gpu
+            else "a custom GPU is taken to have native bf16 (Ampere or newer; pass --dtype float16 for an older one)"
+        )
         return precision.decide(requested, "bfloat16", why, tf32=tf32)
-    return precision.decide(requested, "float16", f"{target.gpu} has no native bf16: fp16 with a loss scaler",
-                            tf32=tf32)
+    return precision.decide(
+        requested, "float16", f"{target.gpu} has no native bf16: fp16 with a loss scaler", tf32=tf32
+    )
 
 
 def target_hardware(target: Target, prec: Precision) -> Hardware:
@@ -125,10 +135,8 @@ def target_hardware(target: Target, prec: Precision) -> Hardware:
     if target.hardware is not None:
         return target.hardware
     if target.device is None:
-        return custom_hardware(target.gpu, prec.key, memory_gb=target.gpu_memory_gb,
-                               peak_tflops=target.gpu_peak_tflops)
-    return device_hardware(target.device, mfu_peak(target.device, prec),
-                           processes_per_host=target.processes_per_host)
+        return custom_hardware(target.gpu, prec.key, memory_gb=target.gpu_memory_gb, peak_tflops=target.gpu_peak_tflops)
+    return device_hardware(target.device, mfu_peak(target.device, prec), processes_per_host=target.processes_per_host)
 
 
 def mfu_peak(device: torch.device, prec: Precision) -> float | None:

@@ -31,17 +31,61 @@ PRESETS = sorted({*MODEL_PRESETS, *TRAIN_PRESETS})
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "dropout", "attn_impl"),
     "data": ("data_dir", "data_order", "verify_data", "seed"),
-    "batch and schedule": ("micro_batch_size", "total_batch_size", "max_steps", "lr", "min_lr", "warmup_steps",
-                           "decay_steps"),
-    "optimizer": ("optimizer", "weight_decay", "beta1", "beta2", "eps", "fused_adamw", "muon_lr", "muon_momentum",
-                  "muon_weight_decay", "grad_clip", "max_bad_steps", "spike_guard", "spike_window", "spike_loss_z",
-                  "spike_norm_z", "spike_rollback_after", "spike_max_rollbacks"),
-    "precision and compile": ("device", "dtype", "tf32", "compile", "compile_cache", "deterministic", "loss_impl",
-                              "activation_checkpointing", "num_threads", "pin_memory"),
+    "batch and schedule": (
+        "micro_batch_size",
+        "total_batch_size",
+        "max_steps",
+        "lr",
+        "min_lr",
+        "warmup_steps",
+        "decay_steps",
+    ),
+    "optimizer": (
+        "optimizer",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "eps",
+        "fused_adamw",
+        "muon_lr",
+        "muon_momentum",
+        "muon_weight_decay",
+        "grad_clip",
+        "max_bad_steps",
+        "spike_guard",
+        "spike_window",
+        "spike_loss_z",
+        "spike_norm_z",
+        "spike_rollback_after",
+        "spike_max_rollbacks",
+    ),
+    "precision and compile": (
+        "device",
+        "dtype",
+        "tf32",
+        "compile",
+        "compile_cache",
+        "deterministic",
+        "loss_impl",
+        "activation_checkpointing",
+        "num_threads",
+        "pin_memory",
+    ),
     "checkpoints and resume": ("out_dir", "ckpt_interval", "keep_checkpoints", "async_ckpt", "resume", "init_from"),
-    "evaluation and logging": ("eval_interval", "eval_tokens", "hellaswag_interval", "hellaswag_file",
-                               "sample_interval", "sample_tokens", "sample_prompt", "log_interval", "verbose", "plot",
-                               "tensorboard", "wandb_project"),
+    "evaluation and logging": (
+        "eval_interval",
+        "eval_tokens",
+        "hellaswag_interval",
+        "hellaswag_file",
+        "sample_interval",
+        "sample_tokens",
+        "sample_prompt",
+        "log_interval",
+        "verbose",
+        "plot",
+        "tensorboard",
+        "wandb_project",
+    ),
     "distributed": ("parallel", "ddp_bucket_cap_mb", "dist_timeout_s", "dist_step_timeout_s", "gc_interval"),
 }
 """--help's headings, each with its config fields in the order shown (torchtitan groups its config alike, so a
@@ -59,6 +103,7 @@ USAGE = "python train_ddp.py [--preset NAME] --data-dir DIR --out-dir DIR [--FLA
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rehearsal:
     """train_ddp.py --dry-run: where to rehearse the run (gpt2/train/dryrun.py)."""
+
     world_size: int | None = None
     """Ranks of the hypothetical run; None: this launch's (torchrun's WORLD_SIZE, else 1)."""
     nproc_per_node: int | None = None
@@ -107,16 +152,20 @@ def _field_type(cls, field: dataclasses.Field):
     return hint
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def field_docs(cls) -> dict[str, str]:
     """The first paragraph of the docstring written under each dataclass field, on one line: its flag's help
     (the paragraphs after it say more, in gpt2/core/config.py)."""
     docs = {}
     body = ast.parse(inspect.getsource(cls)).body[0].body
     for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             docs[node.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split("\n\n")[0].split())
     return docs
 
@@ -143,11 +192,22 @@ def presets_epilog(width: int = HELP_WIDTH - 2) -> str:
         values = {**MODEL_PRESETS.get(name, {}), **TRAIN_PRESETS.get(name, {})}
         # a no-break space inside each "--flag value" pair, so that a line never ends between them
         flags = " ".join(f"--{k.replace('_', '-')}\N{NO-BREAK SPACE}{shown_default(v)}" for k, v in values.items())
-        lines += [line.replace("\N{NO-BREAK SPACE}", " ") for line in textwrap.wrap(
-            flags, width, initial_indent=f"  {name:<14}", subsequent_indent=" " * 16, break_on_hyphens=False,
-            break_long_words=False)]
-    lines += ["", "Each flag's help is the first line of the docstring under its field in gpt2/core/config.py",
-              "(ModelConfig, TrainConfig); the lines after it say more. docs/training.md explains the main ones."]
+        lines += [
+            line.replace("\N{NO-BREAK SPACE}", " ")
+            for line in textwrap.wrap(
+                flags,
+                width,
+                initial_indent=f"  {name:<14}",
+                subsequent_indent=" " * 16,
+                break_on_hyphens=False,
+                break_long_words=False,
+            )
+        ]
+    lines += [
+        "",
+        "Each flag's help is the first line of the docstring under its field in gpt2/core/config.py",
+        "(ModelConfig, TrainConfig); the lines after it say more. docs/training.md explains the main ones.",
+    ]
     return "\n".join(lines)
 
 
@@ -160,38 +220,56 @@ def _fields():
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog="train_ddp.py", usage=USAGE, formatter_class=HelpFormatter, epilog=presets_epilog(),
+        prog="train_ddp.py",
+        usage=USAGE,
+        formatter_class=HelpFormatter,
+        epilog=presets_epilog(),
         description="Train GPT-2. Launch with torchrun for several processes, or with python for one.",
         allow_abbrev=False,
     )
-    start = parser.add_argument_group("preset and config file",
-                                      "Precedence: defaults < --preset < --config FILE.toml < flags.")
-    start.add_argument("--preset", choices=PRESETS, default=None, metavar="NAME",
-                       help="Model shape and recipe to start from (default: none)")
-    start.add_argument("--config", metavar="FILE.toml", default=None,
-                       help="TOML file of field = value lines (default: none)")
+    start = parser.add_argument_group(
+        "preset and config file", "Precedence: defaults < --preset < --config FILE.toml < flags."
+    )
+    start.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=None,
+        metavar="NAME",
+        help="Model shape and recipe to start from (default: none)",
+    )
+    start.add_argument(
+        "--config", metavar="FILE.toml", default=None, help="TOML file of field = value lines (default: none)"
+    )
     fields = {f.name: (section, f, typ) for section, f, typ in _fields()}
     if ungrouped := sorted(set(fields) - {name for names in FLAG_GROUPS.values() for name in names}):
-        raise RuntimeError(f"config fields {ungrouped} have no --help heading: add them to FLAG_GROUPS in "
-                           "gpt2/train/cli.py")
+        raise RuntimeError(
+            f"config fields {ungrouped} have no --help heading: add them to FLAG_GROUPS in gpt2/train/cli.py"
+        )
     for title, names in FLAG_GROUPS.items():
         group = parser.add_argument_group(title)
         for name in names:
             add_field_flag(group, *fields[name])
     rehearsal = parser.add_argument_group(
-        "dry run", "--dry-run goes through everything up to the first step and prints it; exit 0, or 2 with the\n"
-        "error a real run would give. No process group, no weights. The other flags here need --dry-run.")
+        "dry run",
+        "--dry-run goes through everything up to the first step and prints it; exit 0, or 2 with the\n"
+        "error a real run would give. No process group, no weights. The other flags here need --dry-run.",
+    )
     rehearsal.add_argument("--dry-run", action="store_true", help="Rehearse the run, then exit (default: false)")
-    rehearsal.add_argument("--world-size", type=int, metavar="N",
-                           help="Ranks of the rehearsed run (default: this launch's)")
-    rehearsal.add_argument("--nproc-per-node", type=int, metavar="N",
-                           help="Its ranks per node (default: up to 8 on GPUs, all on a CPU)")
-    rehearsal.add_argument("--gpu", metavar="NAME",
-                           help="A GPU of python -m gpt2.plan's table (default: this machine's)")
-    rehearsal.add_argument("--gpu-memory-gb", type=float, metavar="GIB",
-                           help="Or a GPU with this much memory (default: none)")
-    rehearsal.add_argument("--gpu-peak-tflops", type=float, metavar="TFLOPS",
-                           help="And this peak in the run's dtype (default: none)")
+    rehearsal.add_argument(
+        "--world-size", type=int, metavar="N", help="Ranks of the rehearsed run (default: this launch's)"
+    )
+    rehearsal.add_argument(
+        "--nproc-per-node", type=int, metavar="N", help="Its ranks per node (default: up to 8 on GPUs, all on a CPU)"
+    )
+    rehearsal.add_argument(
+        "--gpu", metavar="NAME", help="A GPU of python -m gpt2.plan's table (default: this machine's)"
+    )
+    rehearsal.add_argument(
+        "--gpu-memory-gb", type=float, metavar="GIB", help="Or a GPU with this much memory (default: none)"
+    )
+    rehearsal.add_argument(
+        "--gpu-peak-tflops", type=float, metavar="TFLOPS", help="And this peak in the run's dtype (default: none)"
+    )
     return parser
 
 
@@ -199,7 +277,9 @@ def add_field_flag(group, section: str, f: dataclasses.Field, typ) -> None:
     """A config field's flag: --kebab-case, its docstring's first line and its default as help."""
     cls = ModelConfig if section == "model" else TrainConfig
     default = "required" if f.name in REQUIRED_FIELDS else f"default: {shown_default(f.default)}"
-    kwargs = dict(dest=f"{section}.{f.name}", default=None, help=f"{field_docs(cls)[f.name].removesuffix('.')} ({default})")
+    kwargs = dict(
+        dest=f"{section}.{f.name}", default=None, help=f"{field_docs(cls)[f.name].removesuffix('.')} ({default})"
+    )
     if typ is bool:  # a bare --verbose (or --compile) means true
         kwargs.update(type=parse_bool, metavar="{true,false}", nargs="?", const=True)
     elif typ is int_or_auto:
@@ -276,8 +356,10 @@ def rehearsal_of(args: argparse.Namespace) -> Rehearsal | None:
     if not args.dry_run:
         if given:
             flags = ", ".join("--" + k.replace("_", "-") for k in given)
-            raise ValueError(f"{flags} only rehearse a run: add --dry-run (a real run takes its world size from "
-                             "torchrun and its device from the machine)")
+            raise ValueError(
+                f"{flags} only rehearse a run: add --dry-run (a real run takes its world size from "
+                "torchrun and its device from the machine)"
+            )
         return None
     r = Rehearsal(**given)
     for name in ("world_size", "nproc_per_node", "gpu_memory_gb", "gpu_peak_tflops"):
@@ -285,8 +367,10 @@ def rehearsal_of(args: argparse.Namespace) -> Rehearsal | None:
         if value is not None and not (math.isfinite(value) and value > 0):  # inf would plan an infinite GPU
             raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
     if r.nproc_per_node is not None and r.world_size is not None and r.world_size % r.nproc_per_node:
-        raise ValueError(f"--world-size {r.world_size} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
-                         "every node runs the same number of ranks")
+        raise ValueError(
+            f"--world-size {r.world_size} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
+            "every node runs the same number of ranks"
+        )
     if r.gpu_peak_tflops is not None and r.gpu is None and r.gpu_memory_gb is None:
         raise ValueError("--gpu-peak-tflops needs --gpu-memory-gb (or --gpu): the planner needs the memory")
     return r
@@ -318,8 +402,10 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     if train.init_from:
         values["model"] = shape_from_weights(train.init_from, values["model"], given_by)
     elif preset in TRAIN_ONLY_PRESETS:
-        raise ValueError(f"--preset {preset} is a recipe for trained weights: add --init-from (a Hugging Face "
-                         "GPT-2 directory, a checkpoint or run directory of ours, or a hub name)")
+        raise ValueError(
+            f"--preset {preset} is a recipe for trained weights: add --init-from (a Hugging Face "
+            "GPT-2 directory, a checkpoint or run directory of ours, or a hub name)"
+        )
     return RunConfig(ModelConfig(**values["model"]), train)
 
 
@@ -329,10 +415,15 @@ def shape_from_weights(spec: str, model_values: dict, given_by: dict) -> dict:
     from gpt2.train.init_from import describe  # here: a run without --init-from never imports it
 
     shape = describe(spec).shape
-    clashes = [f"{given_by.get(k, k)} gives {k}={model_values[k]!r}, the weights have {k}={v!r}"
-               for k, v in shape.items() if k in model_values and model_values[k] != v
-               and not (k == "n_kv_head" and model_values[k] is None)]
+    clashes = [
+        f"{given_by.get(k, k)} gives {k}={model_values[k]!r}, the weights have {k}={v!r}"
+        for k, v in shape.items()
+        if k in model_values and model_values[k] != v and not (k == "n_kv_head" and model_values[k] is None)
+    ]
     if clashes:
-        raise ValueError(f"--init-from {spec}: the model's shape comes from the weights, but " + "; ".join(clashes)
-                         + ": drop those settings")
+        raise ValueError(
+            f"--init-from {spec}: the model's shape comes from the weights, but "
+            + "; ".join(clashes)
+            + ": drop those settings"
+        )
     return {**model_values, **shape}

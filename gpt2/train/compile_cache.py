@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,8 +97,13 @@ def device_kind(device: torch.device) -> dict:
     """What a compiled kernel is built for: the GPU's name and capability, or the CPU's ISA."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
-                "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+        return {
+            "type": "cuda",
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "cuda": torch.version.cuda,
+            "hip": getattr(torch.version, "hip", None),
+        }
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: the architecture alone
@@ -116,9 +120,13 @@ def _version(package: str) -> str | None:
 
 def cache_key(device: torch.device) -> dict:
     """Everything that must match for a cached artifact to be reused (module docstring)."""
-    return {"torch": torch.__version__, "torch_git": getattr(torch.version, "git_version", None),
-            "python": platform.python_version(), "triton": _version("triton") or _version("pytorch-triton"),
-            "device": device_kind(device)}
+    return {
+        "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", None),
+        "python": platform.python_version(),
+        "triton": _version("triton") or _version("pytorch-triton"),
+        "device": device_kind(device),
+    }
 
 
 def key_name(key: dict) -> str:
@@ -136,8 +144,14 @@ def _digest(path: Path) -> str:
 
 def _files(path: Path) -> list[Path]:
     """The cache's files, but ours and inductor's lock files (empty, and held by a compile in progress)."""
-    return sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink()
-                  and p.relative_to(path).as_posix() not in OURS and p.relative_to(path).parts[0] != "locks")
+    return sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and not p.is_symlink()
+        and p.relative_to(path).as_posix() not in OURS
+        and p.relative_to(path).parts[0] != "locks"
+    )
 
 
 def _read_json(path: Path):
@@ -180,8 +194,10 @@ def check(path: Path, key: dict, exclusive: bool) -> list[str]:
     if bad:  # the manifest no longer vouches for them: whatever is rebuilt there is new, not corrupt
         kept = {rel: entry for rel, entry in manifest.items() if rel not in bad}
         atomic_write_text(path / MANIFEST, json.dumps(kept, sort_keys=True) + "\n")
-        return [f"compile cache: {len(bad)} file(s) in {path} changed since it was sealed (corrupt, e.g. "
-                f"{bad[0]}); removed, and what they held is compiled again"]
+        return [
+            f"compile cache: {len(bad)} file(s) in {path} changed since it was sealed (corrupt, e.g. "
+            f"{bad[0]}); removed, and what they held is compiled again"
+        ]
     return []
 
 
@@ -242,8 +258,13 @@ def use(setting: str, out_dir: str, dist: Dist, log) -> CompileCache | None:
             for name, k in sorted(keys.items()):
                 warnings += check(base / name, k, exclusive)
         except OSError as e:  # unwritable or full: the run goes on, compiling as if it had no cache
-            warnings, usable = [f"compile cache: {base}: {e.strerror or e}; compiling without it (pass a writable "
-                                f"--compile-cache DIR, or --compile-cache off)"], False
+            warnings, usable = (
+                [
+                    f"compile cache: {base}: {e.strerror or e}; compiling without it (pass a writable "
+                    f"--compile-cache DIR, or --compile-cache off)"
+                ],
+                False,
+            )
     # Also the barrier: no rank compiles before rank 0 has checked.
     warnings, usable = broadcast_object((warnings, usable), dist)
     for w in warnings:
@@ -262,8 +283,10 @@ def hits() -> dict[str, int]:
     """This process's cache lookups so far: graphs loaded and compiled (inductor's counters)."""
     from torch._dynamo.utils import counters
 
-    return {"loaded": counters["inductor"]["fxgraph_cache_hit"],
-            "compiled": counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"]}
+    return {
+        "loaded": counters["inductor"]["fxgraph_cache_hit"],
+        "compiled": counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"],
+    }
 
 
 def finish(cache: CompileCache | None, dist: Dist, log, *, report: bool = True) -> None:
@@ -277,11 +300,15 @@ def finish(cache: CompileCache | None, dist: Dist, log, *, report: bool = True) 
     try:
         size = sum(seal(p) for p in cache.all_paths if p.is_dir())
     except OSError as e:
-        log.warn(f"compile cache: {cache.path} could not be sealed ({e.strerror or e}); the next start "
-                 "trusts none of it and compiles from scratch")
+        log.warn(
+            f"compile cache: {cache.path} could not be sealed ({e.strerror or e}); the next start "
+            "trusts none of it and compiles from scratch"
+        )
         return
     if not report:
         return
     n = hits()
-    log.info(f"compile cache: {n['loaded']} graph(s) loaded from it, {n['compiled']} compiled | "
-             f"{size / 2**20:.1f} MiB in {cache.path}")
+    log.info(
+        f"compile cache: {n['loaded']} graph(s) loaded from it, {n['compiled']} compiled | "
+        f"{size / 2**20:.1f} MiB in {cache.path}"
+    )

@@ -77,19 +77,27 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     world = r.world_size or info.world_size
     per_node = nodes_layout(r, world, info)
     tc = cfg.train
-    out("dry run    train_ddp.py --dry-run: start-up up to the first step; no process group, no weights, "
-        "nothing written")
-    out(f"config     {describe_model(cfg.model)} | total_batch_size {tc.total_batch_size:,} tokens | "
+    out(
+        "dry run    train_ddp.py --dry-run: start-up up to the first step; no process group, no weights, "
+        "nothing written"
+    )
+    out(
+        f"config     {describe_model(cfg.model)} | total_batch_size {tc.total_batch_size:,} tokens | "
         f"micro_batch_size {tc.micro_batch_size} | max_steps {tc.max_steps:,} | {tc.optimizer} | "
-        f"dtype {tc.dtype} | parallel {tc.parallel} | data order {tc.data_order} | resume {tc.resume}")
+        f"dtype {tc.dtype} | parallel {tc.parallel} | data order {tc.data_order} | resume {tc.resume}"
+    )
     target, device_desc = rehearsal_target(cfg, r, world, per_node, info.local_rank)
     out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
     data_here = Path(tc.data_dir).is_dir()
     train_shards, val_shards = check_data(cfg, world, shards=data_here)
     report_data(cfg, train_shards, val_shards, out)
     if train_shards is not None:  # what rank 0 of a real run reads before its first step
-        out("data       " + verify_shards(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})},
-                                          tc.verify_data))
+        out(
+            "data       "
+            + verify_shards(
+                tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})}, tc.verify_data
+            )
+        )
     with rank_threads(cfg, target):  # a CPU's peaks are per thread count: measure with a rank's
         resolved = resolve(cfg, target)
     log_auto(resolved, log)
@@ -102,12 +110,32 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world)  # as build() computes it
     loaders = None
     if train_shards is not None:  # the loaders a real run builds, one per rank, none of them reading
-        loaders = [TrainLoader(train_shards, micro_batch_size=mb, seq_len=cfg.model.block_size,
-                               total_batch_size=tc.total_batch_size, rank=rank, world_size=world, seed=tc.seed,
-                               device=torch.device("cpu"), order=tc.data_order) for rank in range(world)]
-        if val_shards is not None and EvalLoader(val_shards, micro_batch_size=mb, seq_len=cfg.model.block_size,
-                                                 eval_tokens=tc.eval_tokens, rank=0, world_size=world,
-                                                 device=torch.device("cpu")).clamped:
+        loaders = [
+            TrainLoader(
+                train_shards,
+                micro_batch_size=mb,
+                seq_len=cfg.model.block_size,
+                total_batch_size=tc.total_batch_size,
+                rank=rank,
+                world_size=world,
+                seed=tc.seed,
+                device=torch.device("cpu"),
+                order=tc.data_order,
+            )
+            for rank in range(world)
+        ]
+        if (
+            val_shards is not None
+            and EvalLoader(
+                val_shards,
+                micro_batch_size=mb,
+                seq_len=cfg.model.block_size,
+                eval_tokens=tc.eval_tokens,
+                rank=0,
+                world_size=world,
+                device=torch.device("cpu"),
+            ).clamped
+        ):
             log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; a real run evaluates on all of them")
     step, position = resume_decision(cfg, loaders, log)
     if tc.init_from:  # the source's shape is cfg.model's already (gpt2/train/cli.py); its weights are not read
@@ -116,8 +144,10 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
         out(rehearsal_line(tc.init_from, step))
     report_checkpoint(cfg, plan, out)
     if step >= tc.max_steps:
-        out(f"nothing to train: {tc.out_dir} already finished step {step} of --max-steps {tc.max_steps}; a real "
-            "run would say so and exit 0")
+        out(
+            f"nothing to train: {tc.out_dir} already finished step {step} of --max-steps {tc.max_steps}; a real "
+            "run would say so and exit 0"
+        )
         return 0
     report_schedule(cfg, loaders, world, accum, mb, step, position, out)
     out("dry run OK: a real run would now start the process group, build the model and train")
@@ -131,8 +161,10 @@ def nodes_layout(r: Rehearsal, world: int, info) -> int:
     else all on this machine."""
     if r.nproc_per_node is not None:
         if world % r.nproc_per_node:
-            raise ValueError(f"--world-size {world} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
-                             "every node runs the same number of ranks")
+            raise ValueError(
+                f"--world-size {world} is not a multiple of --nproc-per-node {r.nproc_per_node}: "
+                "every node runs the same number of ranks"
+            )
         return r.nproc_per_node
     if r.world_size is None:
         return info.local_world_size
@@ -142,24 +174,35 @@ def nodes_layout(r: Rehearsal, world: int, info) -> int:
         fits = [k for k in range(GPUS_PER_NODE - 1, 0, -1) if world % k == 0][:2]
         choices = " or ".join(f"--nproc-per-node {k} ({world // k} nodes)" for k in fits)
         near = (world // GPUS_PER_NODE) * GPUS_PER_NODE
-        raise ValueError(f"--world-size {world} is not a whole number of {GPUS_PER_NODE}-GPU nodes (the default "
-                         f"ranks per node): pass {choices}, or --world-size {near} or {near + GPUS_PER_NODE}")
+        raise ValueError(
+            f"--world-size {world} is not a whole number of {GPUS_PER_NODE}-GPU nodes (the default "
+            f"ranks per node): pass {choices}, or --world-size {near} or {near + GPUS_PER_NODE}"
+        )
     return GPUS_PER_NODE
 
 
-def rehearsal_target(cfg: RunConfig, r: Rehearsal, world: int, per_node: int,
-                     local_rank: int) -> tuple[Target, str]:
+def rehearsal_target(cfg: RunConfig, r: Rehearsal, world: int, per_node: int, local_rank: int) -> tuple[Target, str]:
     """The hardware to rehearse on (gpt2/plan/resolve.py Target): this machine's device, shared by the
     per_node ranks on it, or the hypothetical GPU the flags name; and the device in words."""
     if not r.hypothetical_gpu:
         device = resolve_device(cfg.train.device, local_rank)  # the real run's first check, same error
-        return (Target(world_size=world, processes_per_host=per_node, device=device),
-                f"{device} (this machine; --gpu NAME rehearses on a GPU of python -m gpt2.plan's table)")
+        return (
+            Target(world_size=world, processes_per_host=per_node, device=device),
+            f"{device} (this machine; --gpu NAME rehearses on a GPU of python -m gpt2.plan's table)",
+        )
     if cfg.train.device == "cpu":
         raise ValueError("--gpu/--gpu-memory-gb rehearse a CUDA run, but --device cpu asks for the CPU: drop one")
     name = r.gpu or f"a custom GPU ({r.gpu_memory_gb:g} GiB)"
-    return (Target(world_size=world, processes_per_host=per_node, gpu=r.gpu, gpu_memory_gb=r.gpu_memory_gb,
-                   gpu_peak_tflops=r.gpu_peak_tflops), f"{name} per rank (hypothetical: not this machine)")
+    return (
+        Target(
+            world_size=world,
+            processes_per_host=per_node,
+            gpu=r.gpu,
+            gpu_memory_gb=r.gpu_memory_gb,
+            gpu_peak_tflops=r.gpu_peak_tflops,
+        ),
+        f"{name} per rank (hypothetical: not this machine)",
+    )
 
 
 @contextlib.contextmanager
@@ -171,8 +214,13 @@ def rank_threads(cfg: RunConfig, target: Target):
         yield
         return
     before = torch.get_num_threads()
-    one = Dist(rank=0, local_rank=0, world_size=target.world_size, local_world_size=target.processes_per_host,
-               device=target.device)
+    one = Dist(
+        rank=0,
+        local_rank=0,
+        world_size=target.world_size,
+        local_world_size=target.processes_per_host,
+        device=target.device,
+    )
     set_cpu_threads(one, cfg.train.num_threads)
     try:
         yield
@@ -188,12 +236,16 @@ def report_data(cfg: RunConfig, train_shards, val_shards, out) -> None:
             problem = "(none)"
         except ShardError as e:
             problem = str(e)
-        out(f"data       SKIPPED: --data-dir {tc.data_dir} does not exist here. A real run needs it and stops "
-            f"with: {problem}")
+        out(
+            f"data       SKIPPED: --data-dir {tc.data_dir} does not exist here. A real run needs it and stops "
+            f"with: {problem}"
+        )
         return
     val = f"val {val_shards.total_tokens:,} tokens in {len(val_shards.paths)} shard(s)" if val_shards else "no val"
-    out(f"data       {tc.data_dir}: train {train_shards.total_tokens:,} tokens in {len(train_shards.paths)} "
-        f"shard(s), {val}; headers checked")
+    out(
+        f"data       {tc.data_dir}: train {train_shards.total_tokens:,} tokens in {len(train_shards.paths)} "
+        f"shard(s), {val}; headers checked"
+    )
 
 
 def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log) -> tuple[int, int]:
@@ -202,18 +254,24 @@ def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log)
     tc = cfg.train
     holder = live_holder(tc.out_dir)
     if holder is not None:  # own_run_dir would refuse a real start now; the rehearsal goes on, and exits 0
-        log.warn(f"{tc.out_dir} is in use by another training run ({holder}; {Path(tc.out_dir) / LOCK}): a real "
-                 "start now would be refused (exit 2) and touch nothing. The dry run took no lock; what follows is "
-                 "what a start would do once that run has ended")
+        log.warn(
+            f"{tc.out_dir} is in use by another training run ({holder}; {Path(tc.out_dir) / LOCK}): a real "
+            "start now would be refused (exit 2) and touch nothing. The dry run took no lock; what follows is "
+            "what a start would do once that run has ended"
+        )
     one = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     start = choose_start(tc.resume, tc.out_dir, one, warn=log.warn)
     if start.set_aside:  # what set_aside_earlier_run would move before the run writes anything
-        log.info(f"run dir    {tc.out_dir} holds another run's {', '.join(start.set_aside)}: a real run moves them "
-                 "into a previous-<UTC time>/ folder there (nothing deleted)")
+        log.info(
+            f"run dir    {tc.out_dir} holds another run's {', '.join(start.set_aside)}: a real run moves them "
+            "into a previous-<UTC time>/ folder there (nothing deleted)"
+        )
     if start.abandon:  # what set_aside_abandoned would move
-        log.info(f"run dir    {start.point.path} is an earlier checkpoint of this run: a real run moves its later "
-                 f"{', '.join(start.abandon)} into {ckpt.checkpoint_dir(tc.out_dir)}/{ckpt.ABANDONED_PREFIX}"
-                 f"{start.point.step:08d}-<UTC time>/ (nothing deleted), so --resume auto never returns to them")
+        log.info(
+            f"run dir    {start.point.path} is an earlier checkpoint of this run: a real run moves its later "
+            f"{', '.join(start.abandon)} into {ckpt.checkpoint_dir(tc.out_dir)}/{ckpt.ABANDONED_PREFIX}"
+            f"{start.point.step:08d}-<UTC time>/ (nothing deleted), so --resume auto never returns to them"
+        )
     point = start.point
     if point is None:
         why = "--resume never" if tc.resume == "never" else f"no valid checkpoint in {ckpt.checkpoint_dir(tc.out_dir)}"
@@ -228,9 +286,11 @@ def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log)
             loader.load_state_dict(state["loader"])
         except ValueError as e:  # as gpt2/train/state.py restore words it
             raise ckpt.CheckpointError(f"{point.path}: {e}") from None
-    log.info(f"resume     would load {point.path} (step {point.step}, {tokens_of(state):,} tokens, "
-             f"{point.bytes / GIB:.2f} GiB, sha256 {point.sha256[:12]}... verified; saved at world size "
-             f"{state['world_size']}) and continue at step {state['step']}")
+    log.info(
+        f"resume     would load {point.path} (step {point.step}, {tokens_of(state):,} tokens, "
+        f"{point.bytes / GIB:.2f} GiB, sha256 {point.sha256[:12]}... verified; saved at world size "
+        f"{state['world_size']}) and continue at step {state['step']}"
+    )
     return int(state["step"]), position
 
 
@@ -242,32 +302,42 @@ def report_checkpoint(cfg: RunConfig, plan, out) -> None:
     kept = f", {tc.keep_checkpoints} kept: ~{tc.keep_checkpoints * size / GIB:.2f} GiB in {tc.out_dir}/checkpoints"
     every = f"every {tc.ckpt_interval} steps and at the end" if tc.ckpt_interval else "at the end"
     if m.shards > 1:  # the plan's weights and optimizer are one rank's shards: the checkpoint is all of them
-        out(f"checkpoint ~{size / GIB:.2f} GiB in all (fp32 weights + {m.optimizer_name} state), each of the "
-            f"{m.shards} ranks writing its ~{(m.weights + m.optimizer) / GIB:.2f} GiB shard {every}{kept}")
+        out(
+            f"checkpoint ~{size / GIB:.2f} GiB in all (fp32 weights + {m.optimizer_name} state), each of the "
+            f"{m.shards} ranks writing its ~{(m.weights + m.optimizer) / GIB:.2f} GiB shard {every}{kept}"
+        )
         return
-    out(f"checkpoint ~{size / GIB:.2f} GiB per file (fp32 weights {m.weights / GIB:.2f} GiB + {m.optimizer_name} "
-        f"state {m.optimizer / GIB:.2f} GiB), written by rank 0 {every}{kept}")
+    out(
+        f"checkpoint ~{size / GIB:.2f} GiB per file (fp32 weights {m.weights / GIB:.2f} GiB + {m.optimizer_name} "
+        f"state {m.optimizer / GIB:.2f} GiB), written by rank 0 {every}{kept}"
+    )
 
 
-def report_schedule(cfg: RunConfig, loaders, world: int, accum: int, mb: int, step: int, position: int,
-                    out) -> None:
+def report_schedule(cfg: RunConfig, loaders, world: int, accum: int, mb: int, step: int, position: int, out) -> None:
     """Each rank's part of the first step (the module docstring of gpt2/data/loader.py has the layout)."""
     tc, T = cfg.train, cfg.model.block_size
     rows = tc.total_batch_size // T
     if loaders is None:
-        out(f"loader     step {step}: rows [0, {rows}) of its global batch (windows need the data); "
-            f"rank r, micro-step m takes rows (m*{world} + r)*{mb} ... +{mb}:")
+        out(
+            f"loader     step {step}: rows [0, {rows}) of its global batch (windows need the data); "
+            f"rank r, micro-step m takes rows (m*{world} + r)*{mb} ... +{mb}:"
+        )
         for rank in range(world):
             for m in range(accum):
                 first = (m * world + rank) * mb
                 out(f"  rank {rank:>3} micro-step {m:>3}: rows {first}..{first + mb - 1}")
         return
     n = loaders[0].n_windows
-    what = ("windows of the fixed shard order, in epoch " if tc.data_order == "shuffled"
-            else "windows of the stream (shards reshuffled each epoch), in epoch ")
-    out(f"loader     {tc.data_order}: {n:,} windows of {T + 1} tokens; step {step} takes places "
+    what = (
+        "windows of the fixed shard order, in epoch "
+        if tc.data_order == "shuffled"
+        else "windows of the stream (shards reshuffled each epoch), in epoch "
+    )
+    out(
+        f"loader     {tc.data_order}: {n:,} windows of {T + 1} tokens; step {step} takes places "
         f"[{position // T:,}, {position // T + rows:,}) of the order ({what}{(position // T) // n}); each rank's "
-        "window indices:")
+        "window indices:"
+    )
     for rank, loader in enumerate(loaders):
         for m in range(accum):
             ids = loader.windows_of(m)

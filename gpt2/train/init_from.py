@@ -50,13 +50,16 @@ from gpt2.distributed.group import Dist, broadcast_object, collective
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 HUB_REPO = "openai-community/{}"
 HUB_FILES = ["config.json", "model.safetensors"]
-KINDS = ("a Hugging Face GPT-2 directory (python -m gpt2.export's --out), a step_*.pt checkpoint, a sharded "
-         f"step_*/ checkpoint, a run directory, or a hub name ({', '.join(HUB_NAMES)})")
+KINDS = (
+    "a Hugging Face GPT-2 directory (python -m gpt2.export's --out), a step_*.pt checkpoint, a sharded "
+    f"step_*/ checkpoint, a run directory, or a hub name ({', '.join(HUB_NAMES)})"
+)
 
 
 @dataclass(frozen=True)
 class Source:
     """Where --init-from's weights are, and the model shape they have (read without the weights)."""
+
     spec: str
     """--init-from as given."""
     kind: str
@@ -72,9 +75,13 @@ class Source:
 
     def describe(self) -> str:
         shape = " ".join(f"{k}={self.shape[k]}" for k in ("n_layer", "n_head", "n_embd", "block_size"))
-        what = (f"hub {self.hub} (cached in {self.path})" if self.hub else
-                f"Hugging Face directory {self.path}" if self.kind == "hf" else
-                f"checkpoint {self.path} (step {self.step})")
+        what = (
+            f"hub {self.hub} (cached in {self.path})"
+            if self.hub
+            else f"Hugging Face directory {self.path}"
+            if self.kind == "hf"
+            else f"checkpoint {self.path} (step {self.step})"
+        )
         return f"{what}: {shape}"
 
 
@@ -91,8 +98,10 @@ def describe(spec: str) -> Source:
         run_dir = path.parent if path.name == "checkpoints" else path
         newest = next((p for p in ckpt.list_checkpoints(run_dir) if ckpt.looks_complete(p)), None)
         if newest is None:
-            raise ValueError(f"--init-from {spec}: no complete checkpoint in {ckpt.checkpoint_dir(run_dir)}; "
-                             "pass a step_*.pt file or another run directory")
+            raise ValueError(
+                f"--init-from {spec}: no complete checkpoint in {ckpt.checkpoint_dir(run_dir)}; "
+                "pass a step_*.pt file or another run directory"
+            )
         return _checkpoint_source(spec, newest)
     return _hf_source(spec, path)
 
@@ -103,11 +112,14 @@ def _checkpoint_source(spec: str, path: Path) -> Source:
     except ckpt.CheckpointError as e:
         raise ValueError(f"--init-from {spec}: {_one_line(e)}") from None
     if state.get("tokenizer") != "gpt2":
-        raise ValueError(f"--init-from {spec}: trained with tokenizer {state.get('tokenizer')!r}; only the "
-                         "GPT-2 BPE ('gpt2') is supported")
+        raise ValueError(
+            f"--init-from {spec}: trained with tokenizer {state.get('tokenizer')!r}; only the "
+            "GPT-2 BPE ('gpt2') is supported"
+        )
     saved = state["config"]["model"]
-    return Source(spec, "checkpoint", str(path), {k: saved[k] for k in ModelConfig.shape_fields()},
-                  step=int(state["step"]))
+    return Source(
+        spec, "checkpoint", str(path), {k: saved[k] for k in ModelConfig.shape_fields()}, step=int(state["step"])
+    )
 
 
 def _hf_source(spec: str, path: Path, *, weights_here: bool = True) -> Source:
@@ -115,31 +127,46 @@ def _hf_source(spec: str, path: Path, *, weights_here: bool = True) -> Source:
 
     config = path / "config.json"
     if not config.is_file():
-        raise ValueError(f"--init-from {spec}: {path} holds no config.json: not a Hugging Face GPT-2 directory, "
-                         f"a checkpoint or a run directory; pass {KINDS}")
+        raise ValueError(
+            f"--init-from {spec}: {path} holds no config.json: not a Hugging Face GPT-2 directory, "
+            f"a checkpoint or a run directory; pass {KINDS}"
+        )
     try:
         cfg = json.loads(config.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"--init-from {spec}: {config} is unreadable ({_one_line(e)})") from None
     if not isinstance(cfg, dict) or cfg.get("model_type") != "gpt2":
         kind = cfg.get("model_type") if isinstance(cfg, dict) else None
-        raise ValueError(f"--init-from {spec}: {config} describes a {kind!r} model, not GPT-2 (model_type "
-                         "'gpt2'); only GPT-2 weights fit this model")
+        raise ValueError(
+            f"--init-from {spec}: {config} describes a {kind!r} model, not GPT-2 (model_type "
+            "'gpt2'); only GPT-2 weights fit this model"
+        )
     if cfg.get("vocab_size") != GPT2_VOCAB_SIZE:
-        raise ValueError(f"--init-from {spec}: {config} has vocab_size={cfg.get('vocab_size')}, GPT-2's tokenizer "
-                         f"{GPT2_VOCAB_SIZE}: the model was trained with another vocabulary, which our token shards "
-                         "do not use")
+        raise ValueError(
+            f"--init-from {spec}: {config} has vocab_size={cfg.get('vocab_size')}, GPT-2's tokenizer "
+            f"{GPT2_VOCAB_SIZE}: the model was trained with another vocabulary, which our token shards "
+            "do not use"
+        )
     try:
         hf.check_hf_config(cfg, config)
         n_head = int(cfg["n_head"])
-        shape = dict(n_layer=int(cfg["n_layer"]), n_head=n_head, n_kv_head=n_head, n_embd=int(cfg["n_embd"]),
-                     block_size=int(cfg["n_positions"]), vocab_size=PADDED_VOCAB_SIZE, bias=True)
+        shape = dict(
+            n_layer=int(cfg["n_layer"]),
+            n_head=n_head,
+            n_kv_head=n_head,
+            n_embd=int(cfg["n_embd"]),
+            block_size=int(cfg["n_positions"]),
+            vocab_size=PADDED_VOCAB_SIZE,
+            bias=True,
+        )
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"--init-from {spec}: {_one_line(e) if isinstance(e, ValueError) else f'{config} lacks {e}'}"
-                         ) from None
+        raise ValueError(
+            f"--init-from {spec}: {_one_line(e) if isinstance(e, ValueError) else f'{config} lacks {e}'}"
+        ) from None
     if weights_here and not _weight_files(path):
-        raise ValueError(f"--init-from {spec}: {path} has a config.json but no weights (none of "
-                         f"{', '.join(hf.WEIGHT_FILES)})")
+        raise ValueError(
+            f"--init-from {spec}: {path} has a config.json but no weights (none of {', '.join(hf.WEIGHT_FILES)})"
+        )
     return Source(spec, "hf", str(path), shape)
 
 
@@ -152,14 +179,18 @@ def _hub_source(name: str) -> Source:
 def _hub_download(name: str, files: list[str]) -> str:
     """The local snapshot directory (or file) of hub GPT-2 `name` holding files; ValueError offline."""
     repo = HUB_REPO.format(name)
-    fetch = (f"download it where there is a network: python -c \"from huggingface_hub import snapshot_download; "
-             f"snapshot_download('{repo}', allow_patterns={HUB_FILES}, local_dir='{name}-hf')\", copy that "
-             f"directory here and pass --init-from {name}-hf")
+    fetch = (
+        f'download it where there is a network: python -c "from huggingface_hub import snapshot_download; '
+        f"snapshot_download('{repo}', allow_patterns={HUB_FILES}, local_dir='{name}-hf')\", copy that "
+        f"directory here and pass --init-from {name}-hf"
+    )
     try:
         import huggingface_hub
     except ImportError:
-        raise ValueError(f"--init-from {name}: downloading from the Hugging Face hub needs huggingface_hub "
-                         f"(pip install 'gpt2-ddp[hf]'); or {fetch}") from None
+        raise ValueError(
+            f"--init-from {name}: downloading from the Hugging Face hub needs huggingface_hub "
+            f"(pip install 'gpt2-ddp[hf]'); or {fetch}"
+        ) from None
     download, snapshot = huggingface_hub.hf_hub_download, huggingface_hub.snapshot_download  # imported now
     hub_log = logging.getLogger("huggingface_hub")  # its retry warnings: the error below says it in one line
     level = hub_log.level
@@ -174,8 +205,7 @@ def _hub_download(name: str, files: list[str]) -> str:
         return download(repo, "config.json") if files == ["config.json"] else snapshot(repo, allow_patterns=files)
     except Exception as e:  # noqa: BLE001 - offline, DNS, proxy, HTTP and cache errors differ by version
         why = str(e) if isinstance(e, ConnectionError) and str(e) else type(e).__name__
-        raise ValueError(f"--init-from {name}: the Hugging Face hub is unreachable ({why}); "
-                         f"{fetch}") from None
+        raise ValueError(f"--init-from {name}: the Hugging Face hub is unreachable ({why}); {fetch}") from None
     finally:
         hub_log.setLevel(level)
 
@@ -212,16 +242,19 @@ def _weight_files(path: Path) -> list[Path]:
     return [path / "pytorch_model.bin"] if (path / "pytorch_model.bin").is_file() else []
 
 
-def start_from_weights(model: torch.nn.Module, spec: str, point, out_dir: str, run_id: str | None, dist: Dist,
-                       log, *, broadcast: bool) -> dict | None:
+def start_from_weights(
+    model: torch.nn.Module, spec: str, point, out_dir: str, run_id: str | None, dist: Dist, log, *, broadcast: bool
+) -> dict | None:
     """build()'s --init-from: the source's weights in `model` (raw, unwrapped, unsharded) on every rank,
     or nothing when the run resumes its own checkpoint (point: choose_start's; not None). Returns the
     record config.json keeps (on rank 0; None elsewhere). broadcast: send rank 0's weights to the
     other ranks here (fsdp, whose sharding does not); ddp's wrap does it.
     """
     if point is not None:
-        log.info(f"init from  --init-from {spec} not read: this run resumes its own checkpoint {point.path} "
-                 f"(step {point.step}); it began from {spec}")
+        log.info(
+            f"init from  --init-from {spec} not read: this run resumes its own checkpoint {point.path} "
+            f"(step {point.step}); it began from {spec}"
+        )
         return earlier_record(out_dir, run_id) if dist.is_main else None
     record, problem = None, None
     if dist.is_main:
@@ -231,8 +264,10 @@ def start_from_weights(model: torch.nn.Module, spec: str, point, out_dir: str, r
         except (ValueError, OSError, RuntimeError, KeyError) as e:  # CheckpointError is a ValueError
             problem = _one_line(e) if _one_line(e).startswith("--init-from") else f"--init-from {spec}: {_one_line(e)}"
         else:
-            log.info(f"init from  {record['source']} | rank 0 read and hashed {record['bytes'] / 2**30:.2f} GiB in "
-                     f"{time.perf_counter() - t0:.1f} s; step, optimizer, schedule and data position start fresh")
+            log.info(
+                f"init from  {record['source']} | rank 0 read and hashed {record['bytes'] / 2**30:.2f} GiB in "
+                f"{time.perf_counter() - t0:.1f} s; step, optimizer, schedule and data position start fresh"
+            )
     problem = broadcast_object(problem, dist)
     if problem is not None:
         raise ValueError(problem)
@@ -273,9 +308,17 @@ def _load_checkpoint(model: torch.nn.Module, source: Source) -> dict:
     else:
         model.load_state_dict(state["model"])
     files = meta.get("files") or {path.name: {"bytes": meta["bytes"], "sha256": meta["sha256"]}}
-    return {"spec": source.spec, "kind": "checkpoint", "path": str(path.resolve()), "step": source.step,
-            "source": source.describe(), "sha256": meta["sha256"], "bytes": int(meta["bytes"]),
-            "files": files, "run_id": ckpt.run_id_of(meta)}
+    return {
+        "spec": source.spec,
+        "kind": "checkpoint",
+        "path": str(path.resolve()),
+        "step": source.step,
+        "source": source.describe(),
+        "sha256": meta["sha256"],
+        "bytes": int(meta["bytes"]),
+        "files": files,
+        "run_id": ckpt.run_id_of(meta),
+    }
 
 
 def _load_hf(model: torch.nn.Module, source: Source) -> dict:
@@ -303,9 +346,16 @@ def _load_hf(model: torch.nn.Module, source: Source) -> dict:
     for f in [directory / "config.json", *weights]:
         files[f.name] = {"bytes": f.stat().st_size, "sha256": ckpt.file_sha256(f)}
     main = files[weights[-1].name] if len(weights) == 1 else None
-    return {"spec": source.spec, "kind": "hf", "path": str(directory.resolve()), "hub": source.hub,
-            "source": source.describe(), "sha256": main["sha256"] if main else None,
-            "bytes": sum(v["bytes"] for v in files.values()), "files": files}
+    return {
+        "spec": source.spec,
+        "kind": "hf",
+        "path": str(directory.resolve()),
+        "hub": source.hub,
+        "source": source.describe(),
+        "sha256": main["sha256"] if main else None,
+        "bytes": sum(v["bytes"] for v in files.values()),
+        "files": files,
+    }
 
 
 def earlier_record(out_dir: str, run_id: str | None) -> dict | None:
@@ -320,10 +370,13 @@ def earlier_record(out_dir: str, run_id: str | None) -> dict | None:
 def rehearsal_line(spec: str, resumed_step: int) -> str:
     """--dry-run's line: what --init-from would read, or that the run resumes its own checkpoint."""
     if resumed_step:
-        return (f"init from  --init-from {spec} would not be read: the run resumes its own checkpoint (step "
-                f"{resumed_step})")
-    return (f"init from  {describe(spec).describe()}; rank 0 reads and hashes the weights at start-up (not now), "
-            "step, optimizer, schedule and data position start fresh")
+        return (
+            f"init from  --init-from {spec} would not be read: the run resumes its own checkpoint (step {resumed_step})"
+        )
+    return (
+        f"init from  {describe(spec).describe()}; rank 0 reads and hashes the weights at start-up (not now), "
+        "step, optimizer, schedule and data position start fresh"
+    )
 
 
 def _one_line(e: BaseException) -> str:

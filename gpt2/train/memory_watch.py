@@ -59,6 +59,8 @@ def far_above(measured: int | None, planned: int, slack: int, device_type: str) 
     if measured is None or measured <= planned * AUTO_HEADROOM + slack:
         return None
     what = "max_memory_allocated" if device_type == "cuda" else "the process's resident set grew by"
-    return (f"memory: the first step peaked at {gib(measured)} ({what}), {measured / planned:.1f}x the plan's "
-            f"{gib(planned)}: the plan misses something this run holds, and a micro-batch sized from it can run "
-            "out of memory; pass a smaller --micro-batch-size and report this configuration (gpt2/plan/memory.py)")
+    return (
+        f"memory: the first step peaked at {gib(measured)} ({what}), {measured / planned:.1f}x the plan's "
+        f"{gib(planned)}: the plan misses something this run holds, and a micro-batch sized from it can run "
+        "out of memory; pass a smaller --micro-batch-size and report this configuration (gpt2/plan/memory.py)"
+    )

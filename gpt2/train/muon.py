@@ -41,8 +41,9 @@ from gpt2.core.compat import all_gather_into
 from gpt2.distributed.group import Dist, collective
 
 
-def newton_schulz(g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
-                  dtype: torch.dtype) -> Tensor:
+def newton_schulz(
+    g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> Tensor:
     """The quintic Newton-Schulz iteration of torch.optim.Muon (Keller Jordan's), in `dtype`.
 
     Returns an approximately orthogonal matrix U S' V^T (S' ~ 1) for g = U S V^T, in `dtype`.
@@ -89,7 +90,7 @@ def _gram_form(x: Tensor, coefficients: tuple[float, float, float], steps: int) 
 
 
 def _multiply_adds(m: int, n: int, steps: int, gram: bool) -> int:
-    return 2 * m * m * n + (4 * steps - 3) * m ** 3 if gram else steps * (2 * m * m * n + m ** 3)
+    return 2 * m * m * n + (4 * steps - 3) * m**3 if gram else steps * (2 * m * m * n + m**3)
 
 
 def ns_flops(shape: tuple[int, ...], steps: int, dtype: torch.dtype) -> int:
@@ -105,8 +106,9 @@ def use_gram_form(wide: tuple[int, int], steps: int, dtype: torch.dtype) -> bool
     return dtype == torch.float32 and _multiply_adds(m, n, steps, True) < _multiply_adds(m, n, steps, False)
 
 
-def owners(shapes: list[tuple[int, ...]], world_size: int, steps: int = 5,
-           dtype: torch.dtype = torch.float32) -> list[int]:
+def owners(
+    shapes: list[tuple[int, ...]], world_size: int, steps: int = 5, dtype: torch.dtype = torch.float32
+) -> list[int]:
     """The rank that orthogonalises each matrix: largest first to the least-loaded rank (lowest on a tie)."""
     cost = [ns_flops(s, steps, dtype) for s in shapes]
     load, owner = [0] * world_size, [0] * len(shapes)
@@ -127,8 +129,7 @@ class Muon(torch.optim.Muon):
     """Momentum, then orthogonalisation of the (Nesterov) update, decoupled weight decay and a
     shape-adjusted lr: torch.optim.Muon's step with the iteration in `ns_dtype`."""
 
-    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, dist: Dist | None = None,
-                 **kwargs) -> None:
+    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, dist: Dist | None = None, **kwargs) -> None:
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
         self.dist = dist if dist is not None and dist.is_distributed else None
@@ -155,8 +156,9 @@ class Muon(torch.optim.Muon):
                         with collective("gathering a sharded matrix for Muon"):
                             update = update.full_tensor()
                 if owner[i] == rank:
-                    ortho[i] = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                             self.ns_dtype)
+                    ortho[i] = newton_schulz(
+                        update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
+                    )
                     if world == 1:  # apply at once: one matrix's update alive at a time
                         self._apply(group, params[i], ortho[i], lr)
                         ortho[i] = None
@@ -165,8 +167,16 @@ class Muon(torch.optim.Muon):
                 self._share(group, params, ortho, owner, rank, world, lr)
         return loss
 
-    def _share(self, group: dict, params: list[Tensor], ortho: list[Tensor | None], owner: list[int],
-               rank: int, world: int, lr: float) -> None:
+    def _share(
+        self,
+        group: dict,
+        params: list[Tensor],
+        ortho: list[Tensor | None],
+        owner: list[int],
+        rank: int,
+        world: int,
+        lr: float,
+    ) -> None:
         """Every owner's updates to every rank in one all-gather, then each applied on every rank.
 
         One collective per step whatever the world size: one broadcast per owner was up to W
@@ -182,7 +192,7 @@ class Muon(torch.optim.Muon):
         offset = 0
         for i in mine[rank]:
             n = params[i].numel()
-            send[offset:offset + n].copy_(ortho[i].reshape(-1))
+            send[offset : offset + n].copy_(ortho[i].reshape(-1))
             ortho[i], offset = None, offset + n
         send[offset:].zero_()  # the padding: sent, never read
         gathered = torch.empty(world * length, dtype=self.ns_dtype, device=device)
@@ -190,7 +200,7 @@ class Muon(torch.optim.Muon):
             all_gather_into(gathered, send)
         for src in range(world):
             sizes = [params[i].numel() for i in mine[src]]
-            parts = gathered[src * length:src * length + sum(sizes)].split(sizes)
+            parts = gathered[src * length : src * length + sum(sizes)].split(sizes)
             for i, part in zip(mine[src], parts):
                 self._apply(group, params[i], part.view(params[i].shape), lr)
 

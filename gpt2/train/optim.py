@@ -72,8 +72,9 @@ class Optimizers:
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("optimizers", {})
         if set(saved) != set(self.optimizers):
-            raise ValueError(f"the saved optimizer state holds {sorted(saved) or 'one AdamW'}, this run "
-                             f"{sorted(self.optimizers)}")
+            raise ValueError(
+                f"the saved optimizer state holds {sorted(saved) or 'one AdamW'}, this run {sorted(self.optimizers)}"
+            )
         for name, o in self.optimizers.items():
             o.load_state_dict(saved[name])
 
@@ -103,11 +104,23 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     native = cuda_native_bf16(device) if device.type == "cuda" else cfg.dtype == "bfloat16"
     ns_dtype = torch.bfloat16 if native else torch.float32
     return Optimizers(
-        adamw=make_adamw([{"params": [p for _, p in adamw if p.dim() >= 2], "weight_decay": cfg.weight_decay,
-                           "lr_scale": 1.0},
-                          {"params": [p for _, p in adamw if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0}],
-                         cfg, device, cfg.weight_decay),
-        muon=Muon([{"params": [p for _, p in muon], "lr_scale": cfg.muon_lr / cfg.lr}], lr=cfg.muon_lr,
-                  momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay, nesterov=True,
-                  adjust_lr_fn="original", ns_dtype=ns_dtype, dist=dist),
+        adamw=make_adamw(
+            [
+                {"params": [p for _, p in adamw if p.dim() >= 2], "weight_decay": cfg.weight_decay, "lr_scale": 1.0},
+                {"params": [p for _, p in adamw if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
+            ],
+            cfg,
+            device,
+            cfg.weight_decay,
+        ),
+        muon=Muon(
+            [{"params": [p for _, p in muon], "lr_scale": cfg.muon_lr / cfg.lr}],
+            lr=cfg.muon_lr,
+            momentum=cfg.muon_momentum,
+            weight_decay=cfg.muon_weight_decay,
+            nesterov=True,
+            adjust_lr_fn="original",
+            ns_dtype=ns_dtype,
+            dist=dist,
+        ),
     )

@@ -31,8 +31,17 @@ def _fmt(value, spec: str) -> str:
 
 
 class Metrics:
-    def __init__(self, dist: Dist, out_dir: str | Path, *, tensorboard: bool = False, wandb_project: str = "",
-                 run_config: dict | None = None, verbose: bool = True, log_file: bool = False) -> None:
+    def __init__(
+        self,
+        dist: Dist,
+        out_dir: str | Path,
+        *,
+        tensorboard: bool = False,
+        wandb_project: str = "",
+        run_config: dict | None = None,
+        verbose: bool = True,
+        log_file: bool = False,
+    ) -> None:
         """verbose: detail lines on the console too (the trainer passes --verbose; other callers see all).
         log_file: keep every line for RUN/train.log, which open_sinks(log_file=True) opens (until then they
         wait in memory: RUN may still hold an earlier run's records)."""
@@ -47,8 +56,14 @@ class Metrics:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.open_sinks(tensorboard=tensorboard, wandb_project=wandb_project, run_config=run_config)
 
-    def open_sinks(self, *, tensorboard: bool = False, wandb_project: str = "", run_config: dict | None = None,
-                   log_file: bool = False) -> None:
+    def open_sinks(
+        self,
+        *,
+        tensorboard: bool = False,
+        wandb_project: str = "",
+        run_config: dict | None = None,
+        log_file: bool = False,
+    ) -> None:
         """Start TensorBoard (RUN/tb), W&B (RUN/wandb) and (log_file) RUN/train.log, appended to: a resumed
         run's log goes on. They write into RUN at once, so the trainer opens them only after an earlier
         run's records there have been moved aside."""
@@ -61,9 +76,11 @@ class Metrics:
             self._pending = None
         if tensorboard and self._tb is None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
             self._tb = SummaryWriter(str(out_dir / "tb"))
         if wandb_project and self._wandb is None:
             import wandb
+
             self._wandb = wandb.init(project=wandb_project, config=run_config, dir=str(out_dir), resume="allow")
 
     def truncate_after(self, step: int) -> None:
@@ -148,15 +165,18 @@ class Metrics:
         self.info(
             f"step {rec['step']:>6}/{max_steps} | loss {_fmt(rec['loss'], '.4f')} | lr {rec['lr']:.3e} | "
             f"norm {_fmt(rec['grad_norm'], '.3f')} | {rec['step_s'] * 1000:7.1f} ms | "
-            f"{rec['tok_per_s']:>9,.0f} tok/s | mfu {_fmt_mfu(rec.get('mfu'))} | mem {rec['mem_mb']:,.0f} MB{skipped}")
+            f"{rec['tok_per_s']:>9,.0f} tok/s | mfu {_fmt_mfu(rec.get('mfu'))} | mem {rec['mem_mb']:,.0f} MB{skipped}"
+        )
 
     def log_eval(self, step: int, tokens: int, val_loss: float, val_tokens: int) -> None:
         """val_tokens: how many tokens the loss is the mean over (the first --eval-tokens of the val split,
         as whole sequences), said on the line: `python -m gpt2.eval loss` over another count (its default
         is 10M: all of a small val split) gives another number for the same checkpoint."""
         self.record({"step": step, "tokens": tokens, "val_loss": val_loss, "val_tokens": val_tokens})
-        self.info(f"step {step:>6} | val loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50)):.2f} | "
-                  f"{val_tokens:,} val tokens")
+        self.info(
+            f"step {step:>6} | val loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50)):.2f} | "
+            f"{val_tokens:,} val tokens"
+        )
 
     def close(self) -> None:
         self._text = None
@@ -182,8 +202,10 @@ def parse_records(text: str, where: str | Path) -> list[dict]:
         if isinstance(rec, dict):
             out.append(rec)
         elif i < len(lines):
-            raise ValueError(f"{where}:{i}: not a JSON record ({line[:60]!r}); the metrics log is damaged. "
-                             "Repair or remove that line (or move the file away) and rerun")
+            raise ValueError(
+                f"{where}:{i}: not a JSON record ({line[:60]!r}); the metrics log is damaged. "
+                "Repair or remove that line (or move the file away) and rerun"
+            )
     return out
 
 
@@ -214,8 +236,10 @@ def lost_rows(text: str, records: list[dict], step: int, where: str | Path) -> s
         lost = f"the row of step {cut_step}, and any logged after it up to step {step}, are"
     else:
         lost = f"a row of step {cut_step} is"
-    return (f"{where}:{last} was cut mid-record ({cut[:60]!r}) and is dropped: {lost} lost (the run resumes "
-            f"at step {step} and does not run those steps again)")
+    return (
+        f"{where}:{last} was cut mid-record ({cut[:60]!r}) and is dropped: {lost} lost (the run resumes "
+        f"at step {step} and does not run those steps again)"
+    )
 
 
 def read_metrics(path: str | Path, *, missing_ok: bool = False) -> list[dict]:
@@ -230,13 +254,15 @@ def plot_loss_curve(metrics_path: str | Path, out_png: str | Path) -> Path | Non
     """Train and val loss over tokens as a PNG; None when matplotlib is not installed."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
     recs = read_metrics(metrics_path)
-    train = [(r["tokens"], r["loss"]) for r in recs if "loss" in r and r.get("loss") is not None
-             and math.isfinite(r["loss"])]
+    train = [
+        (r["tokens"], r["loss"]) for r in recs if "loss" in r and r.get("loss") is not None and math.isfinite(r["loss"])
+    ]
     val = [(r["tokens"], r["val_loss"]) for r in recs if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if train:

@@ -43,9 +43,17 @@ def loader_loss(model: torch.nn.Module, loader, dtype: str, dist: Dist, *, progr
     totals = torch.zeros(2, device=dist.device, dtype=torch.float64)
     try:
         with precision.autocast(dtype, dist.device):
-            batches = loader if not (progress and dist.is_main) else _progress(
-                loader, enabled=True, total=len(loader), unit="batch",
-                desc=f"val loss, {loader.tokens:,} tokens (rank 0 of {dist.world_size})")
+            batches = (
+                loader
+                if not (progress and dist.is_main)
+                else _progress(
+                    loader,
+                    enabled=True,
+                    total=len(loader),
+                    unit="batch",
+                    desc=f"val loss, {loader.tokens:,} tokens (rank 0 of {dist.world_size})",
+                )
+            )
             for x, y in batches:
                 _, loss = model(x, y, return_logits=False)
                 n = (y != -1).sum()
@@ -77,8 +85,8 @@ def example_rows(ex: Example, block_size: int) -> tuple[torch.Tensor, torch.Tens
     tokens = torch.zeros(N_ENDINGS, width, dtype=torch.long)
     mask = torch.zeros(N_ENDINGS, width, dtype=torch.bool)
     for i, (row, m) in enumerate(zip(rows, masks)):
-        tokens[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(m)] = torch.tensor(m, dtype=torch.bool)
+        tokens[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.bool)
     return tokens, mask
 
 
@@ -94,8 +102,15 @@ def score_endings(model: GPT, tokens: torch.Tensor, mask: torch.Tensor) -> tuple
     return total, total / m.sum(dim=1)
 
 
-def hellaswag_eval(model: GPT, examples: list[Example], dist: Dist, device: torch.device, *,
-                   dtype: str = "float32", progress: bool = True) -> dict:
+def hellaswag_eval(
+    model: GPT,
+    examples: list[Example],
+    dist: Dist,
+    device: torch.device,
+    *,
+    dtype: str = "float32",
+    progress: bool = True,
+) -> dict:
     """acc and acc_norm over examples, this rank scoring examples rank, rank+W, ...; counts all-reduced.
 
     Collective under torchrun (every rank must call it). Pass the plain or DDP/compiled model: it is
@@ -109,8 +124,13 @@ def hellaswag_eval(model: GPT, examples: list[Example], dist: Dist, device: torc
     model.eval()
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # correct, correct_norm, n
     share = rank_share(len(examples), dist)
-    bar = _progress(share, enabled=progress and dist.is_main, total=len(share), unit="ex",
-                    desc=f"hellaswag (rank 0 of {dist.world_size})")
+    bar = _progress(
+        share,
+        enabled=progress and dist.is_main,
+        total=len(share),
+        unit="ex",
+        desc=f"hellaswag (rank 0 of {dist.world_size})",
+    )
     try:
         with precision.autocast(dtype, device):
             for i, counted in bar:
@@ -118,13 +138,17 @@ def hellaswag_eval(model: GPT, examples: list[Example], dist: Dist, device: torc
                 tokens, mask = example_rows(ex, model.config.block_size)
                 total, mean = score_endings(model, tokens.to(device), mask.to(device))
                 if counted:  # compared and counted on the device: no host round trip per example
-                    counts += torch.stack([total.argmax() == ex.label, mean.argmax() == ex.label,
-                                           torch.ones((), dtype=torch.bool, device=device)]).double()
+                    counts += torch.stack(
+                        [
+                            total.argmax() == ex.label,
+                            mean.argmax() == ex.label,
+                            torch.ones((), dtype=torch.bool, device=device),
+                        ]
+                    ).double()
     finally:
         model.train(was_training)
     correct, correct_norm, n = (int(v) for v in all_reduce_sum(counts, dist).tolist())
-    return {"acc": correct / n, "acc_norm": correct_norm / n, "correct": correct, "correct_norm": correct_norm,
-            "n": n}
+    return {"acc": correct / n, "acc_norm": correct_norm / n, "correct": correct, "correct_norm": correct_norm, "n": n}
 
 
 def rank_share(n: int, dist: Dist) -> list[tuple[int, bool]]:

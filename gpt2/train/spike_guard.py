@@ -55,6 +55,7 @@ class SpikeGuardError(RuntimeError):
 @dataclass(frozen=True)
 class Verdict:
     """One step's guard numbers on the host (from StepStats.read)."""
+
     spike: bool
     loss_z: float
     norm_z: float
@@ -108,20 +109,31 @@ class SpikeGuard:
             self.spikes.popleft()
         if not verdict.spike:
             return False
-        spike = {"step": step, "loss": loss, "grad_norm": grad_norm, "loss_z": verdict.loss_z,
-                 "grad_norm_z": verdict.norm_z}
+        spike = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "loss_z": verdict.loss_z,
+            "grad_norm_z": verdict.norm_z,
+        }
         self.spikes.append(spike)
         n = len(self.spikes)
         log.record({**spike, "spike_guard": "skip", "spikes_in_window": n})
-        log.warn(f"spike guard: step {step}'s update skipped: loss {loss:.4f} (z {verdict.loss_z:.1f}), grad norm "
-                 f"{grad_norm:.3g} (z {verdict.norm_z:.1f}) against the last {self.window} steps (limit z "
-                 f"{self.loss_z:g} / {self.norm_z:g}); spike {n} of {self.rollback_after} within {self.window} steps "
-                 "before a rollback")
+        log.warn(
+            f"spike guard: step {step}'s update skipped: loss {loss:.4f} (z {verdict.loss_z:.1f}), grad norm "
+            f"{grad_norm:.3g} (z {verdict.norm_z:.1f}) against the last {self.window} steps (limit z "
+            f"{self.loss_z:g} / {self.norm_z:g}); spike {n} of {self.rollback_after} within {self.window} steps "
+            "before a rollback"
+        )
         return n >= self.rollback_after
 
     def state_dict(self) -> dict:
-        return {"history": self.history.cpu().clone(), "count": int(self.count), "spikes": list(self.spikes),
-                "rollbacks": self.rollbacks}
+        return {
+            "history": self.history.cpu().clone(),
+            "count": int(self.count),
+            "spikes": list(self.spikes),
+            "rollbacks": self.rollbacks,
+        }
 
     def load_state_dict(self, state: dict | None) -> None:
         """A checkpoint without guard state (older, or saved with the guard off) leaves a fresh guard,
@@ -132,7 +144,7 @@ class SpikeGuard:
         keep = min(count, saved.shape[1], self.window)  # the newest values, if --spike-window changed
         self.history.zero_()
         if keep:
-            self.history[:, self.window - keep:] = saved[:, saved.shape[1] - keep:].to(self.history.device)
+            self.history[:, self.window - keep :] = saved[:, saved.shape[1] - keep :].to(self.history.device)
         self.count.fill_(keep)
         self.spikes = deque(state["spikes"])
         self.rollbacks = int(state["rollbacks"])
@@ -156,13 +168,13 @@ def roll_back(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> bool:
     on skipping (False; the attempt counts toward the bound)."""
     guard, tc = parts.guard, cfg.train
     spikes = list(guard.spikes)  # the rollback's record keeps them: restore cuts the log back past them
-    first, last = spikes[0]["step"], spikes[-1]["step"]
     if guard.rollbacks >= guard.max_rollbacks:
         raise SpikeGuardError(
             f"spike guard: {len(spikes)} loss spikes within {guard.window} steps (steps {_steps(spikes)}) after "
             f"{guard.rollbacks} rollbacks (--spike-max-rollbacks {guard.max_rollbacks}): the run stops, as the "
             "spikes come back past the data that caused them. Lower --lr or raise --warmup-steps, check the data "
-            "near these steps, then resume from the last checkpoint (or raise --spike-max-rollbacks)")
+            "near these steps, then resume from the last checkpoint (or raise --spike-max-rollbacks)"
+        )
     # Rank 0 hashes the checkpoint and every rank loads it: a slow phase, under --dist-timeout-s (as a save).
     set_timeout(dist, tc.dist_timeout_s)
     try:
@@ -192,11 +204,20 @@ def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: Metr
     position["position"] -= (parts.step - last) * parts.loader.G
     guard.spikes.clear()
     if target is None:
-        log.record({"step": last, "spike_guard": "no_checkpoint", "spikes": spikes, "rollback": rollbacks,
-                    "max_rollbacks": guard.max_rollbacks})
-        log.warn(f"spike guard: {len(spikes)} spikes within {guard.window} steps (steps {_steps(spikes)}) but no "
-                 f"checkpoint of this run from before step {first} to roll back to: going on, skipping spikes "
-                 f"(attempt {rollbacks} of {guard.max_rollbacks}; a lower --ckpt-interval keeps one close)")
+        log.record(
+            {
+                "step": last,
+                "spike_guard": "no_checkpoint",
+                "spikes": spikes,
+                "rollback": rollbacks,
+                "max_rollbacks": guard.max_rollbacks,
+            }
+        )
+        log.warn(
+            f"spike guard: {len(spikes)} spikes within {guard.window} steps (steps {_steps(spikes)}) but no "
+            f"checkpoint of this run from before step {first} to roll back to: going on, skipping spikes "
+            f"(attempt {rollbacks} of {guard.max_rollbacks}; a lower --ckpt-interval keeps one close)"
+        )
         return False
     point, abandon = target
     moved = resume.set_aside_abandoned(resume.Start(point, parts.run_id, abandon=abandon), tc.out_dir, dist)
@@ -208,13 +229,25 @@ def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: Metr
     resume.agree_on_step(parts.step, problem, dist)
     parts.loader.load_state_dict(position)  # the data goes on past the batches that spiked
     guard.rollbacks = rollbacks
-    log.record({"step": parts.step, "spike_guard": "rollback", "from_step": last, "spikes": spikes, "checkpoint": point.path,
-                "data_position": position["position"], "rollback": rollbacks, "max_rollbacks": guard.max_rollbacks,
-                "abandoned": str(moved) if moved else None})
+    log.record(
+        {
+            "step": parts.step,
+            "spike_guard": "rollback",
+            "from_step": last,
+            "spikes": spikes,
+            "checkpoint": point.path,
+            "data_position": position["position"],
+            "rollback": rollbacks,
+            "max_rollbacks": guard.max_rollbacks,
+            "abandoned": str(moved) if moved else None,
+        }
+    )
     aside = f"; later checkpoints moved into {moved}/" if moved else ""
-    log.warn(f"spike guard: {len(spikes)} spikes within {guard.window} steps (steps {_steps(spikes)}): rolled back "
-             f"to {Path(point.path).name} (step {parts.step}), the data going on after step {last}'s batches{aside} "
-             f"(rollback {rollbacks} of {guard.max_rollbacks})")
+    log.warn(
+        f"spike guard: {len(spikes)} spikes within {guard.window} steps (steps {_steps(spikes)}): rolled back "
+        f"to {Path(point.path).name} (step {parts.step}), the data going on after step {last}'s batches{aside} "
+        f"(rollback {rollbacks} of {guard.max_rollbacks})"
+    )
     return True
 
 

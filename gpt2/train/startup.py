@@ -4,7 +4,8 @@ check_data (before any process group), begin() (the first line, and where the ru
 checkpoint or fresh), then prepare(): the precision, activation checkpointing, micro-batch, loss path and
 memory plan (gpt2/plan/resolve.py decides them on rank 0, every rank takes its answer), the MFU peak,
 the network line, "nothing to train", and the earlier run's files or an abandoned branch's checkpoints
-moved aside; announce_compile() before the build, write_run_info and announce() after it. gpt2/train/dryrun.py rehearses the same functions without
+moved aside; announce_compile() before the build, write_run_info and announce() after it. gpt2/train/dryrun.py
+rehearses the same functions without
 a process group, so its first error is a real run's.
 
 What the console shows: a few lines (Metrics.info); the plan term by term is Metrics.detail, written to
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Startup:
     """What prepare() decided: the run's concrete config and what its log and run info report."""
+
     cfg: RunConfig
     """--dtype, --micro-batch-size and --loss-impl auto made concrete."""
     prec: precision.Precision
@@ -82,9 +84,13 @@ def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
             lock = RunLock.acquire(out_dir)
             decision = ("ok", lock.taken_over)
         except (ValueError, OSError) as e:  # RunDirBusy is a ValueError
-            decision = ("error", str(e) if isinstance(e, RunDirBusy) else
-                        f"cannot take {Path(out_dir) / LOCK} ({type(e).__name__}: {e}); check --out-dir and "
-                        "its permissions")
+            decision = (
+                "error",
+                str(e)
+                if isinstance(e, RunDirBusy)
+                else f"cannot take {Path(out_dir) / LOCK} ({type(e).__name__}: {e}); check --out-dir and "
+                "its permissions",
+            )
     try:  # from here the lock, if taken, is released whatever fails (the broadcast too)
         kind, detail = broadcast_object(decision, dist)
         if kind == "error":
@@ -100,8 +106,10 @@ def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
 def begin(cfg: RunConfig, dist: Dist, log: Metrics) -> Start:
     """The run's first line (before any measuring or building: a slow start is never silent), then where
     it starts (choose_start: a checkpoint to resume, or fresh)."""
-    log.info(f"starting   {dist.world_size} rank(s) on {dist.device}: checking the data, choosing precision, "
-             "planning memory, building the model")
+    log.info(
+        f"starting   {dist.world_size} rank(s) on {dist.device}: checking the data, choosing precision, "
+        "planning memory, building the model"
+    )
     return choose_start(cfg.train.resume, cfg.train.out_dir, dist, warn=log.warn)
 
 
@@ -110,13 +118,16 @@ def finished_message(start: Start, tc: TrainConfig) -> str | None:
     second time), or None. Every rank has the same start, so every rank returns alike."""
     if start.point is None or start.point.step < tc.max_steps:
         return None
-    return (f"nothing to train: {tc.out_dir} already finished step {start.point.step} of --max-steps "
-            f"{tc.max_steps}. Pass a larger --max-steps to continue this run, or another --out-dir (or --resume "
-            "never, which moves this run's files into a previous-* folder) to start a new one")
+    return (
+        f"nothing to train: {tc.out_dir} already finished step {start.point.step} of --max-steps "
+        f"{tc.max_steps}. Pass a larger --max-steps to continue this run, or another --out-dir (or --resume "
+        "never, which moves this run's files into a previous-* folder) to start a new one"
+    )
 
 
-def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None],
-            start: Start) -> Startup | None:
+def prepare(
+    cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None], start: Start
+) -> Startup | None:
     """Every check that can refuse the configuration, then the moves the start decision (begin) needs: a
     refused run moves nothing, and the earlier run's records go aside before the first write into RUN
     (the sinks opened here, restore, config.json). shards: check_data's, read here by verify_data.
@@ -150,24 +161,29 @@ def prepare(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Sh
     moved = set_aside_earlier_run(start, tc.out_dir, dist)
     if moved is not None:
         why = "fresh start" if start.point is None else f"resuming run {start.run_id} from {start.point.path}"
-        log.info(f"{why}: moved the earlier run's {', '.join(start.set_aside)} from {tc.out_dir} into {moved}/ "
-                 "(nothing deleted)")
+        log.info(
+            f"{why}: moved the earlier run's {', '.join(start.set_aside)} from {tc.out_dir} into {moved}/ "
+            "(nothing deleted)"
+        )
     abandoned = set_aside_abandoned(start, tc.out_dir, dist)
     if abandoned is not None:
-        log.info(f"resuming from {start.point.path} (step {start.point.step}), an earlier checkpoint of this run: "
-                 f"moved its later {', '.join(start.abandon)} and their sidecars into {abandoned}/ with a copy of "
-                 f"metrics.jsonl, so --resume auto never returns to that branch (nothing deleted); metrics.jsonl "
-                 f"goes on from step {start.point.step}")
+        log.info(
+            f"resuming from {start.point.path} (step {start.point.step}), an earlier checkpoint of this run: "
+            f"moved its later {', '.join(start.abandon)} and their sidecars into {abandoned}/ with a copy of "
+            f"metrics.jsonl, so --resume auto never returns to that branch (nothing deleted); metrics.jsonl "
+            f"goes on from step {start.point.step}"
+        )
     try:
         restored = restore_sidecar(start, tc.out_dir, dist)
     except OSError as e:  # the resume needs no sidecar: it goes on, and says what retention will do
-        log.warn(f"could not write the lost sidecar of {start.point.path} again ({e.strerror or e}); the next "
-                 "save's retention will count it as incomplete and delete it")
+        log.warn(
+            f"could not write the lost sidecar of {start.point.path} again ({e.strerror or e}); the next "
+            "save's retention will count it as incomplete and delete it"
+        )
     else:
         if restored is not None:
             log.info(f"wrote {restored.name} again for the checkpoint resumed without it")
-    log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict(),
-                   log_file=True)
+    log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict(), log_file=True)
     return Startup(cfg, prec, loss, peak, network, plan, start)
 
 
@@ -195,9 +211,12 @@ def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: 
 def announce(cfg: RunConfig, dist: Dist, parts: Parts, log: Metrics) -> None:
     """The run's shape in one line."""
     tc = cfg.train
-    log.info(f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
-             f"parallel {tc.parallel} | {parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} per step | "
-             f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}")
+    log.info(
+        f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
+        f"parallel {tc.parallel} | {parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} "
+        "per step | "
+        f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}"
+    )
     for line in parallel_notes(tc, dist):
         log.info(line)
 
@@ -209,9 +228,11 @@ def announce_compile(tc: TrainConfig, dist: Dist, log: Metrics) -> None:
         return
     first = "DDP's bucket-settling step, " if dist.is_distributed and tc.parallel != "fsdp" else ""
     workers = compile_threads(usable_cpus(), dist.local_world_size)  # what build's set_compile_threads sets
-    log.info(f"compiling: torch.compile builds each graph the first time it runs ({first}the first evaluation, "
-             f"the first step), a minute or more each on {workers} compile worker(s) per rank; the steps after "
-             "it are fast")
+    log.info(
+        f"compiling: torch.compile builds each graph the first time it runs ({first}the first evaluation, "
+        f"the first step), a minute or more each on {workers} compile worker(s) per rank; the steps after "
+        "it are fast"
+    )
 
 
 def parallel_notes(tc: TrainConfig, dist: Dist) -> list[str]:
@@ -219,13 +240,19 @@ def parallel_notes(tc: TrainConfig, dist: Dist) -> list[str]:
     if tc.parallel != "fsdp":
         return []
     if not dist.is_distributed:
-        return ["parallel   fsdp with one process: nothing to shard, training the plain model "
-                "(launch with torchrun --nproc_per_node=N to shard over N ranks)"]
-    notes = [f"parallel   fsdp: weights, gradients and optimizer state sharded over {dist.world_size} ranks "
-             "(fully_shard per block, then the root)"]
+        return [
+            "parallel   fsdp with one process: nothing to shard, training the plain model "
+            "(launch with torchrun --nproc_per_node=N to shard over N ranks)"
+        ]
+    notes = [
+        f"parallel   fsdp: weights, gradients and optimizer state sharded over {dist.world_size} ranks "
+        "(fully_shard per block, then the root)"
+    ]
     if tc.ddp_bucket_cap_mb != TrainConfig.__dataclass_fields__["ddp_bucket_cap_mb"].default:
-        notes.append(f"parallel   --ddp-bucket-cap-mb {tc.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
-                     "each block's gradients as one unit, it has no DDP buckets")
+        notes.append(
+            f"parallel   --ddp-bucket-cap-mb {tc.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
+            "each block's gradients as one unit, it has no DDP buckets"
+        )
     return notes
 
 
@@ -253,31 +280,40 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
     else:
         grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
     if 0 < tc.eval_tokens < cfg.model.block_size:
-        raise ValueError(f"--eval-tokens {tc.eval_tokens} is less than one sequence of --block-size "
-                         f"{cfg.model.block_size}: evaluation would score nothing (val loss nan); raise it, or "
-                         "--eval-tokens 0 to train without validation")
+        raise ValueError(
+            f"--eval-tokens {tc.eval_tokens} is less than one sequence of --block-size "
+            f"{cfg.model.block_size}: evaluation would score nothing (val loss nan); raise it, or "
+            "--eval-tokens 0 to train without validation"
+        )
     train_shards = find_shards(tc.data_dir, "train") if shards else None
     val_shards = find_val_shards(cfg) if shards and tc.eval_tokens > 0 else None
     if shards:  # the machine the run is on (a dry run from a laptop checks neither)
         check_out_dir(tc.out_dir)
         check_listed(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})})
     import importlib.util
-    for wanted, package, flag in ((tc.tensorboard, "tensorboard", "--tensorboard"),
-                                  (tc.wandb_project, "wandb", "--wandb-project")):
+
+    for wanted, package, flag in (
+        (tc.tensorboard, "tensorboard", "--tensorboard"),
+        (tc.wandb_project, "wandb", "--wandb-project"),
+    ):
         if wanted and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag} needs the {package} package: pip install {package}, or drop the flag")
     if tc.sample_interval:
         from gpt2.model.tokenizer import TokenizerFilesError, encode_prompt, get_encoding
+
         try:  # too long, or no tokenizer files on an offline machine: an error now, not at the first sample
             get_encoding()  # samples are decoded with it, whatever the prompt (an empty one needs no encoding)
             encode_prompt(tc.sample_prompt, cfg.model.block_size)
         except TokenizerFilesError as e:
-            raise ValueError(f"the samples (--sample-interval {tc.sample_interval}) need the tokenizer: {e}; "
-                             "or pass --sample-interval 0") from None
+            raise ValueError(
+                f"the samples (--sample-interval {tc.sample_interval}) need the tokenizer: {e}; "
+                "or pass --sample-interval 0"
+            ) from None
         except ValueError as e:
             raise ValueError(f"--sample-prompt: {e}") from None
     if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
         from gpt2.data.hellaswag import load_examples
+
         load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
     return train_shards, val_shards
 
@@ -292,13 +328,17 @@ def find_val_shards(cfg: RunConfig) -> ShardSet:
     except ShardError as e:
         if not Path(tc.data_dir).is_dir():
             raise
-        raise ShardError(f"{str(e).split(';')[0]}. The run evaluates on them at step 0 and at the end (--eval-interval "
-                         f"0 leaves out only the evaluations in between): {prepare_val(cfg)}; or pass --eval-tokens 0 "
-                         "to train without validation") from None
+        raise ShardError(
+            f"{str(e).split(';')[0]}. The run evaluates on them at step 0 and at the end (--eval-interval "
+            f"0 leaves out only the evaluations in between): {prepare_val(cfg)}; or pass --eval-tokens 0 "
+            "to train without validation"
+        ) from None
     if val.total_tokens < block + 1:
-        raise ShardError(f"--data-dir {tc.data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
-                         f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
-                         f"loss nan); {prepare_val(cfg)}; or pass --eval-tokens 0 to train without validation")
+        raise ShardError(
+            f"--data-dir {tc.data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
+            f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
+            f"loss nan); {prepare_val(cfg)}; or pass --eval-tokens 0 to train without validation"
+        )
     return val
 
 
@@ -359,13 +399,17 @@ def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
     tc = cfg.train
     planned = tc.max_steps * tc.total_batch_size
     epochs = planned / train_tokens
-    log.detail(f"epochs     {epochs:,.2f} over the train split: {tc.max_steps:,} steps x {tc.total_batch_size:,} "
-             f"tokens = {planned:,} tokens planned, the train shards hold {train_tokens:,}")
+    log.detail(
+        f"epochs     {epochs:,.2f} over the train split: {tc.max_steps:,} steps x {tc.total_batch_size:,} "
+        f"tokens = {planned:,} tokens planned, the train shards hold {train_tokens:,}"
+    )
     if epochs > MANY_EPOCHS:
         one = max(1, train_tokens // tc.total_batch_size)
-        log.warn(f"the run repeats the train split {epochs:,.0f} times (more than {MANY_EPOCHS} epochs): the model "
-                 f"will memorise this corpus more than it learns; about {one:,} step(s) make one epoch, so pass "
-                 f"--max-steps {one * MANY_EPOCHS:,} or fewer, or prepare more data")
+        log.warn(
+            f"the run repeats the train split {epochs:,.0f} times (more than {MANY_EPOCHS} epochs): the model "
+            f"will memorise this corpus more than it learns; about {one:,} step(s) make one epoch, so pass "
+            f"--max-steps {one * MANY_EPOCHS:,} or fewer, or prepare more data"
+        )
     return epochs
 
 
@@ -384,12 +428,20 @@ def log_warmup(tc: TrainConfig, log) -> None:
     gets one line that says why it will not."""
     if tc.warmup_steps <= tc.max_steps or tc.max_steps / tc.warmup_steps >= WARMUP_REACH:
         return
-    last = lr_at(tc.max_steps - 1, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps,
-                 max_steps=tc.max_steps, decay_steps=tc.decay_steps)
-    log.warn(f"--warmup-steps {tc.warmup_steps:,} is more than twice --max-steps {tc.max_steps:,}: the learning rate "
-             f"only rises, to {last:.3g} ({last / tc.lr:.1%} of --lr {tc.lr:g}) at the last step, and never decays. "
-             f"Fine for a smoke test; to train, pass --warmup-steps well below --max-steps (the gpt2 recipe warms up "
-             f"for 715 of its 19,073 steps)")
+    last = lr_at(
+        tc.max_steps - 1,
+        max_lr=tc.lr,
+        min_lr=tc.min_lr,
+        warmup_steps=tc.warmup_steps,
+        max_steps=tc.max_steps,
+        decay_steps=tc.decay_steps,
+    )
+    log.warn(
+        f"--warmup-steps {tc.warmup_steps:,} is more than twice --max-steps {tc.max_steps:,}: the learning rate "
+        f"only rises, to {last:.3g} ({last / tc.lr:.1%} of --lr {tc.lr:g}) at the last step, and never decays. "
+        f"Fine for a smoke test; to train, pass --warmup-steps well below --max-steps (the gpt2 recipe warms up "
+        f"for 715 of its 19,073 steps)"
+    )
 
 
 def log_auto(r: Resolved, log) -> None:
@@ -406,8 +458,9 @@ def log_auto(r: Resolved, log) -> None:
 def start_target(dist: Dist, hardware=None) -> Target:
     """The hardware of this start, measured by resolve on rank 0: its device shared by the ranks on this
     host. hardware: given instead of measured (tests pass a cap)."""
-    return Target(world_size=dist.world_size, processes_per_host=dist.local_world_size, device=dist.device,
-                  hardware=hardware)
+    return Target(
+        world_size=dist.world_size, processes_per_host=dist.local_world_size, device=dist.device, hardware=hardware
+    )
 
 
 def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> Resolved:
@@ -439,16 +492,21 @@ def mfu_peak(dist: Dist, prec: precision.Precision, log: Metrics) -> float | Non
     if peak is None:
         name = device_name(dist.device)
         mig = mig_profile(name) if dist.device.type == "cuda" else None
-        log.info(f"mfu n/a: {name} is a MIG slice ({mig}), whose peak no data sheet gives" if mig else
-                 f"mfu n/a: {name} has no data-sheet peak in gpt2/plan/flops.py (add it there)")
+        log.info(
+            f"mfu n/a: {name} is a MIG slice ({mig}), whose peak no data sheet gives"
+            if mig
+            else f"mfu n/a: {name} has no data-sheet peak in gpt2/plan/flops.py (add it there)"
+        )
         return None
     if why := peak_problem(peak, dist.device, torch.get_num_threads()):
         log.info(f"mfu n/a: {why}")
         return None
     if dist.device.type == "cpu":
-        log.detail(f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
-                 f"{precision.PEAK_PROBES} matmul probes, cached in {precision.peak_cache_dir()} "
-                 f"({precision.REFRESH_PEAK_ENV}=1 measures again)")
+        log.detail(
+            f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
+            f"{precision.PEAK_PROBES} matmul probes, cached in {precision.peak_cache_dir()} "
+            f"({precision.REFRESH_PEAK_ENV}=1 measures again)"
+        )
     return peak
 
 
@@ -475,10 +533,15 @@ def check_memory(r: Resolved, log) -> Plan:
 def plan_line(p, log_path: Path, *, shown: bool) -> str:
     """The plan in one console line: memory against the device, the estimated speed, where the rest is.
     shown: --verbose printed the whole plan above it."""
-    speed = ("no time estimate (no peak FLOP/s)" if p.step_time_s is None else
-             f"~{p.step_time_s:.3g} s/step at {p.mfu:.0%} MFU")
+    speed = (
+        "no time estimate (no peak FLOP/s)"
+        if p.step_time_s is None
+        else f"~{p.step_time_s:.3g} s/step at {p.mfu:.0%} MFU"
+    )
     where = "above" if shown else f"in {log_path} (--verbose prints it)"
-    return f"plan       {gib(p.memory.total)} of {gib(p.usable_bytes)} usable per rank, {speed}; the whole plan is {where}"
+    return (
+        f"plan       {gib(p.memory.total)} of {gib(p.usable_bytes)} usable per rank, {speed}; the whole plan is {where}"
+    )
 
 
 def check_plan(r: Resolved, log) -> Plan:
@@ -504,21 +567,32 @@ def gpu_recipe_on_cpu(cfg: RunConfig, p) -> str | None:
     tc, recipe, debug = cfg.train, TrainConfig(), TRAIN_PRESETS["debug"]
     parts = []
     if tc.total_batch_size >= recipe.total_batch_size:
-        pace = ("no time estimate without a peak" if p.step_time_s is None or p.hours is None else
-                f"~{_duration(p.step_time_s)} each, {_duration(p.hours * 3600)} for {tc.max_steps:,} steps at the "
-                "plan's estimate")
+        pace = (
+            "no time estimate without a peak"
+            if p.step_time_s is None or p.hours is None
+            else f"~{_duration(p.step_time_s)} each, {_duration(p.hours * 3600)} for {tc.max_steps:,} steps at the "
+            "plan's estimate"
+        )
         parts.append(f"{tc.total_batch_size:,}-token steps ({pace})")
     if tc.eval_tokens >= recipe.eval_tokens:
         parts.append(f"{tc.eval_tokens:,} tokens per evaluation")
     if p.hardware.device_type != "cpu" or not parts:
         return None
-    return (f"recipe: the gpt2 recipe's {' and '.join(parts)} on a CPU (the defaults without --preset); for a "
-            f"CPU-sized run pass --preset debug ({debug['total_batch_size']:,}-token steps, {debug['eval_tokens']:,} "
-            "eval tokens) or set --total-batch-size and --eval-tokens")
+    return (
+        f"recipe: the gpt2 recipe's {' and '.join(parts)} on a CPU (the defaults without --preset); for a "
+        f"CPU-sized run pass --preset debug ({debug['total_batch_size']:,}-token steps, {debug['eval_tokens']:,} "
+        "eval tokens) or set --total-batch-size and --eval-tokens"
+    )
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+    return (
+        f"{seconds:.0f} s"
+        if seconds < 120
+        else f"{seconds / 60:.0f} min"
+        if seconds < 7200
+        else f"{seconds / 3600:.1f} h"
+    )
 
 
 def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost | None:
@@ -530,8 +604,9 @@ def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost
     if tc.parallel == "fsdp":
         accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, dist.world_size)
         fsdp = fsdp_traffic(p.n_params, gathered_param_bytes(tc.dtype, dist.device), accum)
-    cost = measure_network(dist, bucket_cap_mb=tc.ddp_bucket_cap_mb, n_params=p.n_params,
-                           step_compute_s=p.step_time_s, fsdp=fsdp)
+    cost = measure_network(
+        dist, bucket_cap_mb=tc.ddp_bucket_cap_mb, n_params=p.n_params, step_compute_s=p.step_time_s, fsdp=fsdp
+    )
     if cost is not None:
         log.detail(format_network_cost(cost) + (f" at the planner's {p.mfu:.0%} MFU" if cost.share is not None else ""))
         warning = network_warning(cost)
@@ -540,19 +615,39 @@ def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost
     return cost
 
 
-def write_run_info(cfg: RunConfig, dist: Dist, parts: Parts, peak: float | None, prec: precision.Precision,
-                   loss: LossChoice, network: NetworkCost | None = None) -> None:
+def write_run_info(
+    cfg: RunConfig,
+    dist: Dist,
+    parts: Parts,
+    peak: float | None,
+    prec: precision.Precision,
+    loss: LossChoice,
+    network: NetworkCost | None = None,
+) -> None:
     if not dist.is_main:
         return
     import tiktoken
 
-    info = {"run_id": parts.run_id, "config": cfg.to_dict(), "world_size": dist.world_size, "device": str(dist.device),
-            "device_name": device_name(dist.device),
-            "precision": prec.to_dict(), "loss": loss.to_dict(),
-            "accum_steps": parts.accum_steps, "params": parts.model.num_params(), "peak_flops_per_rank": peak,
-            "hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
-                         "numpy": np.__version__, "tiktoken": tiktoken.__version__}}
+    info = {
+        "run_id": parts.run_id,
+        "config": cfg.to_dict(),
+        "world_size": dist.world_size,
+        "device": str(dist.device),
+        "device_name": device_name(dist.device),
+        "precision": prec.to_dict(),
+        "loss": loss.to_dict(),
+        "accum_steps": parts.accum_steps,
+        "params": parts.model.num_params(),
+        "peak_flops_per_rank": peak,
+        "hostname": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "tiktoken": tiktoken.__version__,
+        },
+    }
     if network is not None:  # several ranks: the start-up all-reduce measurement (gpt2/distributed/bandwidth.py)
         info["network"] = network.to_dict()
     if parts.init_from is not None:  # --init-from: where the weights came from (gpt2/train/init_from.py)

@@ -54,6 +54,7 @@ TOKENIZER = "gpt2"
 @dataclass
 class Parts:
     """What build() makes: the raw model (for checkpoints and sampling) and the wrapped one (to train)."""
+
     model: GPT
     train_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -89,14 +90,17 @@ class Stateful(Protocol):
 
 # ------------------------------------------------------------------ the components
 
+
 def rng_state(cuda: bool = False) -> dict:
     """Python's, NumPy's and torch's generators, and the current CUDA device's when cuda (the run's
     device is CUDA). Only then: asking CUDA for its state opens a context on GPU 0, so every rank
     of a --device cpu run on a GPU node would hold one there (and all on the same GPU)."""
     np_state = np.random.get_state()
-    state = {"python": random.getstate(),
-             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
     if cuda:
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -118,6 +122,7 @@ class RankRng:
     """This rank's generators. Saved: one entry per rank (save() gathers them). Loaded: the same
     world size gives each rank its own back; otherwise rank r takes saved rank r mod W. cuda: the run's
     device is CUDA (its generator is saved and restored too)."""
+
     rank: int
     cuda: bool = False
 
@@ -132,6 +137,7 @@ class RankRng:
 class OptimizerState:
     """The optimizer's moments and step counts. The schedule sets lr each step, and weight decay,
     momentum and Muon's lr_scale come from this run's flags, not from the checkpoint."""
+
     optimizer: torch.optim.Optimizer
 
     def state_dict(self) -> dict:
@@ -155,6 +161,7 @@ def this_runs_hyperparameters(optimizer):
 @dataclass(frozen=True)
 class ScalerState:
     """fp16's loss scale. Restored only when fp16 was on before and is now: the scale goes on."""
+
     scaler: torch.amp.GradScaler
 
     def state_dict(self) -> dict:
@@ -167,32 +174,48 @@ class ScalerState:
 
 def components(parts: Parts, dist: Dist) -> dict[str, Stateful]:
     """The checkpoint's stateful components, by their key in the checkpoint."""
-    return {"model": parts.model, "optimizer": OptimizerState(parts.optimizer), "scaler": ScalerState(parts.scaler),
-            "loader": parts.loader, "rng": RankRng(dist.rank, dist.device.type == "cuda"),
-            **({"spike_guard": parts.guard} if parts.guard is not None else {})}
+    return {
+        "model": parts.model,
+        "optimizer": OptimizerState(parts.optimizer),
+        "scaler": ScalerState(parts.scaler),
+        "loader": parts.loader,
+        "rng": RankRng(dist.rank, dist.device.type == "cuda"),
+        **({"spike_guard": parts.guard} if parts.guard is not None else {}),
+    }
 
 
 # ------------------------------------------------------------------ compatibility
 
+
 def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
     """Refuse a checkpoint of a different model or tokenizer; log other changed settings."""
     old_model, old_train = saved["config"]["model"], saved["config"]["train"]
-    shape = [f"{k}: checkpoint {old_model[k]} vs now {getattr(cfg.model, k)}"
-             for k in ModelConfig.shape_fields() if old_model[k] != getattr(cfg.model, k)]
+    shape = [
+        f"{k}: checkpoint {old_model[k]} vs now {getattr(cfg.model, k)}"
+        for k in ModelConfig.shape_fields()
+        if old_model[k] != getattr(cfg.model, k)
+    ]
     if shape:
-        raise ckpt.CheckpointError("the checkpoint's model shape differs from this run's: " + "; ".join(shape)
-                                   + ". Use the same shape flags, or start fresh with --resume never")
+        raise ckpt.CheckpointError(
+            "the checkpoint's model shape differs from this run's: "
+            + "; ".join(shape)
+            + ". Use the same shape flags, or start fresh with --resume never"
+        )
     saved_optimizer = saved.get("optimizer_kind") or optimizer_kind(saved.get("optimizer", {}))
     if saved_optimizer != cfg.train.optimizer:
         raise ckpt.CheckpointError(
             f"the checkpoint was trained with --optimizer {saved_optimizer}, this run asks for "
             f"--optimizer {cfg.train.optimizer}: their states differ (AdamW keeps two moments per parameter, "
             f"Muon one momentum per block matrix). Resume with --optimizer {saved_optimizer}, or start fresh "
-            "with --resume never")
+            "with --resume never"
+        )
     if saved.get("tokenizer") != TOKENIZER:
         raise ckpt.CheckpointError(f"checkpoint tokenizer {saved.get('tokenizer')!r} is not gpt2")
-    changed = {k: (v, getattr(cfg.train, k)) for k, v in old_train.items()
-               if k not in ("resume", "verbose") and getattr(cfg.train, k, v) != v}
+    changed = {
+        k: (v, getattr(cfg.train, k))
+        for k, v in old_train.items()
+        if k not in ("resume", "verbose") and getattr(cfg.train, k, v) != v
+    }
     for k, (old, new) in changed.items():
         log.info(f"resume: {k} changed from {old!r} to {new!r}")
 
@@ -214,9 +237,18 @@ def check_resumable(path: Path, cfg: RunConfig, train_shards, dist: Dist) -> Non
     tc = cfg.train
     state = ckpt.load_checkpoint(path, verify=False, mmap=True)  # verified by choose_start
     check_compatible(state, cfg, _Quiet())
-    loader = TrainLoader(train_shards, micro_batch_size=tc.micro_batch_size, seq_len=cfg.model.block_size,
-                         total_batch_size=tc.total_batch_size, rank=dist.rank, world_size=dist.world_size,
-                         seed=tc.seed, device=torch.device("cpu"), pin_memory=False, order=tc.data_order)
+    loader = TrainLoader(
+        train_shards,
+        micro_batch_size=tc.micro_batch_size,
+        seq_len=cfg.model.block_size,
+        total_batch_size=tc.total_batch_size,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        seed=tc.seed,
+        device=torch.device("cpu"),
+        pin_memory=False,
+        order=tc.data_order,
+    )
     try:
         load_components({"loader": loader}, state, path)
     finally:
@@ -224,6 +256,7 @@ def check_resumable(path: Path, cfg: RunConfig, train_shards, dist: Dist) -> Non
 
 
 # ------------------------------------------------------------------ put back
+
 
 def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
     # Verified by choose_resume (hashed once per node). mmap: the tensors stay in the page cache,
@@ -234,13 +267,17 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) 
     rest = {k: c for k, c in components(parts, dist).items() if k not in ("model", "optimizer")}
     load_components(rest, state, path)
     if parts.loader.order != cfg.train.data_order:
-        log.info(f"resume: {path} predates --data-order; continuing with the {parts.loader.order} order "
-                 "it was trained with (start fresh, --resume never, for the shuffled one)")
+        log.info(
+            f"resume: {path} predates --data-order; continuing with the {parts.loader.order} order "
+            "it was trained with (start fresh, --resume never, for the shuffled one)"
+        )
     parts.step = state["step"]
     parts.tokens = tokens_of(state)
     if state["world_size"] != dist.world_size:
-        log.info(f"resume: world size {state['world_size']} -> {dist.world_size}; "
-                 f"accumulation is now {parts.accum_steps} micro-steps")
+        log.info(
+            f"resume: world size {state['world_size']} -> {dist.world_size}; "
+            f"accumulation is now {parts.accum_steps} micro-steps"
+        )
     log.info(f"resumed from {path} at step {parts.step} ({parts.tokens:,} tokens)")
     try:  # rank 0 alone reads the log: its problem must reach every rank (build's agree_on_step)
         log.truncate_after(parts.step)
@@ -267,11 +304,17 @@ def load_weights_and_moments(parts: Parts, path: Path, state: dict) -> None:
             if state.get("sharded"):  # collective when there is a process group: every rank restores
                 dcp_io.load(parts.model, parts.optimizer, path)
             else:
-                dcp_io.load_full(parts.model, parts.optimizer, state["model"],
-                                 dcp_io.named_optimizer_state(state["optimizer"], parts.model, parts.optimizer))
+                dcp_io.load_full(
+                    parts.model,
+                    parts.optimizer,
+                    state["model"],
+                    dcp_io.named_optimizer_state(state["optimizer"], parts.model, parts.optimizer),
+                )
     except (KeyError, RuntimeError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{path}: its model or optimizer state does not load into this run "
-                                   f"({type(e).__name__}: {' '.join(str(e).split())[:500]})") from None
+        raise ckpt.CheckpointError(
+            f"{path}: its model or optimizer state does not load into this run "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:500]})"
+        ) from None
 
 
 def load_components(states: dict[str, Stateful], saved: dict, path: Path) -> None:
@@ -288,20 +331,29 @@ def load_components(states: dict[str, Stateful], saved: dict, path: Path) -> Non
 
 # ------------------------------------------------------------------ save
 
+
 def checkpoint_state(parts: Parts, cfg: RunConfig, dist: Dist, rngs: list[dict], *, sharded: bool = False) -> dict:
     """Rank 0: the dict a checkpoint file holds (rngs: every rank's RankRng.state_dict()). sharded:
     without model and optimizer (train.pt of a sharded checkpoint; DCP holds those)."""
-    small = {"scaler": parts.scaler.state_dict(), "config": cfg.to_dict(), "tokenizer": TOKENIZER,
-             "loader": parts.loader.state_dict(), "rng": rngs, "world_size": dist.world_size,
-             "tokens": parts.tokens, "torch_version": str(torch.__version__),
-             **({"spike_guard": parts.guard.state_dict()} if parts.guard is not None else {})}
+    small = {
+        "scaler": parts.scaler.state_dict(),
+        "config": cfg.to_dict(),
+        "tokenizer": TOKENIZER,
+        "loader": parts.loader.state_dict(),
+        "rng": rngs,
+        "world_size": dist.world_size,
+        "tokens": parts.tokens,
+        "torch_version": str(torch.__version__),
+        **({"spike_guard": parts.guard.state_dict()} if parts.guard is not None else {}),
+    }
     if sharded:
         return {**small, "optimizer_kind": "muon" if hasattr(parts.optimizer, "optimizers") else "adamw"}
     return {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(), **small}
 
 
-def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict | None = None, *,
-         background: bool = False) -> None:
+def save(
+    parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict | None = None, *, background: bool = False
+) -> None:
     """Every rank contributes its RNG state; rank 0 writes.
 
     background (the same on every rank; needs parts.writer on rank 0, gpt2/ckpt/writer.py): rank 0
@@ -324,18 +376,32 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict |
     if dist.is_main:
         state = checkpoint_state(parts, cfg, dist, [rng for rng, _ in gathered])
         if background:
-            parts.writer.submit(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints,
-                                run_id=parts.run_id, warn=log.warn)
+            parts.writer.submit(
+                cfg.train.out_dir,
+                parts.step,
+                state,
+                keep=cfg.train.keep_checkpoints,
+                run_id=parts.run_id,
+                warn=log.warn,
+            )
             log.info(f"checkpoint of step {parts.step}: writing it in the background")
         else:
             try:
-                path = ckpt.save_checkpoint(cfg.train.out_dir, parts.step, state, keep=cfg.train.keep_checkpoints,
-                                            run_id=parts.run_id, warn=log.warn)
+                path = ckpt.save_checkpoint(
+                    cfg.train.out_dir,
+                    parts.step,
+                    state,
+                    keep=cfg.train.keep_checkpoints,
+                    run_id=parts.run_id,
+                    warn=log.warn,
+                )
             except (OSError, RuntimeError) as e:  # torch's RuntimeError hides ENOSPC in its context
-                problem = (f"writing the checkpoint of step {parts.step} failed "
-                           f"({ckpt.write_failure(e, ckpt.checkpoint_dir(cfg.train.out_dir))}). The newest complete "
-                           "checkpoint is the one before it; free space or fix the run directory, then resume "
-                           "with --resume auto")
+                problem = (
+                    f"writing the checkpoint of step {parts.step} failed "
+                    f"({ckpt.write_failure(e, ckpt.checkpoint_dir(cfg.train.out_dir))}). The newest complete "
+                    "checkpoint is the one before it; free space or fix the run directory, then resume "
+                    "with --resume auto"
+                )
             else:
                 log.info(f"saved checkpoint {path}")
                 if requeue is not None:  # after the checkpoint: the marker promises a complete one
@@ -347,8 +413,9 @@ def save(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict |
         barrier(dist)
 
 
-def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, rngs: list[dict],
-                 requeue: dict | None) -> None:
+def save_sharded(
+    parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, rngs: list[dict], requeue: dict | None
+) -> None:
     """Every rank writes its shards into step_*.tmp/ (no rank gathers the model), fsyncs and hashes
     them; rank 0 publishes the directory (rename, sidecar, `latest`, retention: checkpoint.publish_sharded).
 
@@ -364,8 +431,12 @@ def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, rngs: l
     _raise_any(all_gather_object(problem, dist), parts.step)  # the directory exists before anyone writes
     problem = _attempt(lambda: dcp_io.save(parts.model, parts.optimizer, tmp), tmp)
     if dist.is_main and problem is None:
-        problem = _attempt(lambda: ckpt.write_train_state(
-            tmp, parts.step, checkpoint_state(parts, cfg, dist, rngs, sharded=True), parts.run_id), tmp)
+        problem = _attempt(
+            lambda: ckpt.write_train_state(
+                tmp, parts.step, checkpoint_state(parts, cfg, dist, rngs, sharded=True), parts.run_id
+            ),
+            tmp,
+        )
     _raise_any(all_gather_object(problem, dist), parts.step)  # every rank's files are complete
     files = {}
     problem = _attempt(lambda: files.update(ckpt.hash_files(tmp, ckpt.own_files(tmp, dist.rank))))
@@ -375,12 +446,19 @@ def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, rngs: l
     if dist.is_main:
         every = {name: meta for f, _ in reports for name, meta in f.items()}
         path = []
-        problem = _attempt(lambda: path.append(ckpt.publish_sharded(
-            tc.out_dir, parts.step, every, keep=tc.keep_checkpoints, run_id=parts.run_id, warn=log.warn)))
+        problem = _attempt(
+            lambda: path.append(
+                ckpt.publish_sharded(
+                    tc.out_dir, parts.step, every, keep=tc.keep_checkpoints, run_id=parts.run_id, warn=log.warn
+                )
+            )
+        )
         if problem is None:
             sync = "; synchronous: --async-ckpt applies to .pt checkpoints" if tc.async_ckpt else ""
-            log.info(f"saved checkpoint {path[0]} (sharded: {len(every)} files from {dist.world_size} ranks in "
-                     f"{time.perf_counter() - t0:.1f} s{sync})")
+            log.info(
+                f"saved checkpoint {path[0]} (sharded: {len(every)} files from {dist.world_size} ranks in "
+                f"{time.perf_counter() - t0:.1f} s{sync})"
+            )
             if requeue is not None:  # after the checkpoint: the marker promises a complete one
                 preempt.write_requeue_marker(tc.out_dir, {**requeue, "checkpoint": path[0].name})
     _raise_any(all_gather_object(problem, dist), parts.step)  # nobody leaves before it is published
@@ -402,9 +480,11 @@ def _raise_any(problems: list[str | None], step: int) -> None:
     bad = [(rank, p) for rank, p in enumerate(problems) if p]
     if bad:
         rank, p = bad[0]
-        raise CheckpointWriteError(f"writing the sharded checkpoint of step {step} failed on rank {rank} ({p}). "
-                                   "The newest complete checkpoint is the one before it; free space or fix the "
-                                   "run directory, then resume with --resume auto")
+        raise CheckpointWriteError(
+            f"writing the sharded checkpoint of step {step} failed on rank {rank} ({p}). "
+            "The newest complete checkpoint is the one before it; free space or fix the "
+            "run directory, then resume with --resume auto"
+        )
 
 
 def finish_background_write(parts: Parts, log: Metrics) -> str | None:
@@ -414,9 +494,13 @@ def finish_background_write(parts: Parts, log: Metrics) -> str | None:
     try:
         done = parts.writer.wait()
     except CheckpointWriteError as e:
-        return f"{e}. The newest complete checkpoint is the one before it; free space or fix the run directory, " \
-               "then resume with --resume auto"
+        return (
+            f"{e}. The newest complete checkpoint is the one before it; free space or fix the run directory, "
+            "then resume with --resume auto"
+        )
     if done is not None:
-        log.info(f"saved checkpoint {done['path']} (in the background: copied in {done['copy_s']:.1f} s, "
-                 f"written in {done['write_s']:.1f} s)")
+        log.info(
+            f"saved checkpoint {done['path']} (in the background: copied in {done['copy_s']:.1f} s, "
+            f"written in {done['write_s']:.1f} s)"
+        )
     return None

@@ -61,8 +61,9 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive non-finite steps: the run stops without checkpointing the bad state."""
 
 
-def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None],
-          start: Start | None = None) -> Parts:
+def build(
+    cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None], start: Start | None = None
+) -> Parts:
     """The model, optimizer and loaders, restored from start.point when resuming.
 
     start: train()'s decision (choose_start, made before anything is written); None decides here,
@@ -78,33 +79,54 @@ def build(cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, Shar
     # leave it auto get the chunked loss, the one that is safe on memory.
     # The same for activation_checkpointing: auto unresolved is none. Set at construction, before
     # fully_shard and torch.compile see the blocks (torchtitan's order: AC, then compile, then FSDP).
-    model = GPT(mc, loss_impl="full" if tc.loss_impl == "full" else "chunked",
-                activation_checkpointing=tc.activation_checkpointing == "full").to(dist.device)
+    model = GPT(
+        mc,
+        loss_impl="full" if tc.loss_impl == "full" else "chunked",
+        activation_checkpointing=tc.activation_checkpointing == "full",
+    ).to(dist.device)
     fsdp = tc.parallel == "fsdp" and dist.is_distributed
     init_record = None
     if tc.init_from:  # the source's weights over the fresh ones (the random numbers drawn are the same)
         from gpt2.train.init_from import start_from_weights
 
-        init_record = start_from_weights(model, tc.init_from, start.point, tc.out_dir, start.run_id, dist, log,
-                                         broadcast=fsdp)
+        init_record = start_from_weights(
+            model, tc.init_from, start.point, tc.out_dir, start.run_id, dist, log, broadcast=fsdp
+        )
     if fsdp:  # before the optimizer: it must hold the shards, not the full weights
         model = shard_fsdp(model, dist, tc.dtype)
     # From here on each rank draws its own random numbers: with one seed for all, every rank would
     # drop out the same units (dropout > 0) and the ranks' noise would not average out.
     torch.manual_seed(tc.seed + dist.rank)
     optimizer = make_optimizer(model, tc, dist.device, dist)
-    loader = TrainLoader(train_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
-                         total_batch_size=tc.total_batch_size, rank=dist.rank, world_size=dist.world_size,
-                         seed=tc.seed, device=dist.device, pin_memory=tc.pin_memory, order=tc.data_order,
-                         defer_bad_tokens=True)  # train_step stops every rank alike
+    loader = TrainLoader(
+        train_shards,
+        micro_batch_size=tc.micro_batch_size,
+        seq_len=mc.block_size,
+        total_batch_size=tc.total_batch_size,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        seed=tc.seed,
+        device=dist.device,
+        pin_memory=tc.pin_memory,
+        order=tc.data_order,
+        defer_bad_tokens=True,
+    )  # train_step stops every rank alike
     val_loader = None
     if val_shards is not None:
-        val_loader = EvalLoader(val_shards, micro_batch_size=tc.micro_batch_size, seq_len=mc.block_size,
-                                eval_tokens=tc.eval_tokens, rank=dist.rank, world_size=dist.world_size,
-                                device=dist.device, pin_memory=tc.pin_memory)
+        val_loader = EvalLoader(
+            val_shards,
+            micro_batch_size=tc.micro_batch_size,
+            seq_len=mc.block_size,
+            eval_tokens=tc.eval_tokens,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            device=dist.device,
+            pin_memory=tc.pin_memory,
+        )
         if val_loader.clamped:
-            log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all "
-                     f"{val_loader.tokens} tokens")
+            log.warn(
+                f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all {val_loader.tokens} tokens"
+            )
     parts = Parts(model, model, optimizer, loader, val_loader, accum, precision.make_scaler(tc.dtype, dist.device))
     parts.run_id, parts.init_from = start.run_id, init_record
     parts.guard = SpikeGuard(tc, dist.device) if tc.spike_guard else None  # before restore: its state is checkpointed
@@ -183,14 +205,19 @@ def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
     # Gradients as views into the all-reduce buckets: no second copy of every gradient (memory)
     # and no copy in and out of the buckets each step (the maths is unchanged). No buffer sync
     # before each forward: the only buffer (the padded vocab's -inf logit bias) is a constant every
-    # rank builds identically (it is still synced once, at init; gpt2/core/compat.py names the keyword). bucket_cap_mb=None at DDP's default
+    # rank builds identically (it is still synced once, at init; gpt2/core/compat.py names the keyword).
+    # bucket_cap_mb=None at DDP's default
     # keeps DDP's small first bucket (1 MiB, also dynamo's first split); any other value applies
     # to every bucket.
     cap = None if tc.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else tc.ddp_bucket_cap_mb
     with collective("DDP's broadcast of the initial weights"):
-        return DDP(train_model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                   bucket_cap_mb=cap, gradient_as_bucket_view=True, **ddp_no_buffer_sync())
-
+        return DDP(
+            train_model,
+            device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
+            bucket_cap_mb=cap,
+            gradient_as_bucket_view=True,
+            **ddp_no_buffer_sync(),
+        )
 
 
 def no_sync(train_model: torch.nn.Module):
@@ -200,12 +227,14 @@ def no_sync(train_model: torch.nn.Module):
 
 class StepStats:
     """One optimizer step's numbers, on the device until read(): the loss (mean over micro-steps and
-    ranks), the gradient norm, whether any rank asked to stop or met a token outside the vocabulary, whether the update was skipped because
+    ranks), the gradient norm, whether any rank asked to stop or met a token outside the vocabulary, whether the
+    update was skipped because
     the loss or the gradient norm was not finite, and (fp16) whether the loss scaler found an overflow
     and skipped the update itself. `stats["loss"]` reads them (once; cached), as a dict would.
 
     On CUDA the four numbers (loss, stop votes, bad-token flag, norm) are copied to pinned host memory
-    behind the step's all-reduce and an event is recorded after the copy: read() waits for that event alone, not for the kernels queued
+    behind the step's all-reduce and an event is recorded after the copy: read() waits for that event alone, not for
+    the kernels queued
     after it (the optimizer update, the next step's forward), as a plain .tolist() would.
     """
 
@@ -240,9 +269,17 @@ class StepStats:
             # scaler skips that update and lowers its scale: its normal working, not a bad step.
             overflow = self.scaler_enabled and loss_ok and not norm_ok
             skipped = not (loss_ok and norm_ok) and not overflow
-            self._host = {"loss": loss_mean, "grad_norm": grad_norm, "lr": self.lr, "stop": stop,
-                          "skipped": skipped, "overflow": overflow, "bad_data": bad_data > 0,
-                          "guard": verdict_of(guard), "rank_s": rank_s}
+            self._host = {
+                "loss": loss_mean,
+                "grad_norm": grad_norm,
+                "lr": self.lr,
+                "stop": stop,
+                "skipped": skipped,
+                "overflow": overflow,
+                "bad_data": bad_data > 0,
+                "guard": verdict_of(guard),
+                "rank_s": rank_s,
+            }
         return self._host
 
     def __getitem__(self, key: str):
@@ -261,8 +298,12 @@ def skips_on_device(parts: Parts) -> bool:
     were and undoes its step count, all in its kernels. torch's other AdamW paths and Muon refuse or
     ignore found_inf, and fp16's GradScaler sets its own: those read the numbers before the update."""
     opt = parts.optimizer
-    return (isinstance(opt, torch.optim.Adam) and bool(opt.defaults.get("fused"))
-            and getattr(opt, "_step_supports_amp_scaling", False) and not parts.scaler.is_enabled())
+    return (
+        isinstance(opt, torch.optim.Adam)
+        and bool(opt.defaults.get("fused"))
+        and getattr(opt, "_step_supports_amp_scaling", False)
+        and not parts.scaler.is_enabled()
+    )
 
 
 def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
@@ -342,29 +383,49 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
 
 def set_lr(parts: Parts, tc: TrainConfig) -> float:
     """The schedule's learning rate for step parts.step, set on every parameter group; returns it."""
-    lr = lr_at(parts.step, max_lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
-               decay_steps=tc.decay_steps)
+    lr = lr_at(
+        parts.step,
+        max_lr=tc.lr,
+        min_lr=tc.min_lr,
+        warmup_steps=tc.warmup_steps,
+        max_steps=tc.max_steps,
+        decay_steps=tc.decay_steps,
+    )
     for group in parts.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
     return lr
 
 
-def step_stats(parts: Parts, lr: float, loss_sum: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool,
-               dist: Dist) -> StepStats:
+def step_stats(
+    parts: Parts, lr: float, loss_sum: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool, dist: Dist
+) -> StepStats:
     """The step's numbers, all-reduced, still on the device (StepStats reads them when asked).
 
-    One all-reduce carries the loss, the stop flag, the bad-token flag and each rank's compute time (gpt2/data/loader.py): every rank
+    One all-reduce carries the loss, the stop flag, the bad-token flag and each rank's compute time
+    (gpt2/data/loader.py): every rank
     sees the same values, so every rank takes the same skip / stop decision. torch.full launches a
     fill, no host copy."""
     # Each rank's compute time rides in its own slot (zeros elsewhere), so the sum is every rank's time
     # (gpt2/distributed/straggler.py): no collective of its own.
-    stats = torch.cat([torch.stack([loss_sum.float(), torch.full((), float(stop_requested), device=dist.device),
-                                    torch.full((), float(parts.loader.problem is not None), device=dist.device)]),
-                       parts.clock.slots()])
+    stats = torch.cat(
+        [
+            torch.stack(
+                [
+                    loss_sum.float(),
+                    torch.full((), float(stop_requested), device=dist.device),
+                    torch.full((), float(parts.loader.problem is not None), device=dist.device),
+                ]
+            ),
+            parts.clock.slots(),
+        ]
+    )
     all_reduce_sum(stats, dist, what="the step's loss, flags and compute times")
     # The spike guard's verdict on the all-reduced loss and norm (gpt2/train/spike_guard.py): on the device.
-    guard = (parts.guard.judge(stats[0] / dist.world_size, grad_norm) if parts.guard is not None
-             else SpikeGuard.off(dist.device))
+    guard = (
+        parts.guard.judge(stats[0] / dist.world_size, grad_norm)
+        if parts.guard is not None
+        else SpikeGuard.off(dist.device)
+    )
     numbers = torch.cat([stats[:3], grad_norm.float().reshape(1), guard, stats[3:]])
     return StepStats(parts.step + 1, lr, numbers, dist.world_size, parts.scaler.is_enabled())
 
@@ -394,6 +455,7 @@ def update(parts: Parts, out: StepStats, dist: Dist) -> None:
 class Actions:
     """What a finished step owes before the next one. Every rank decides alike (sampling then runs
     on rank 0 alone, or on every rank when the model is sharded)."""
+
     log: bool
     evaluate: bool
     hellaswag: bool
@@ -416,19 +478,29 @@ class Actions:
         return replace(self, stop=stop, save=self.save or stop)
 
 
-def due(step: int, tc: TrainConfig, *, stop_requested: bool = False, has_val: bool = True,
-        has_hellaswag: bool = False, unusual: bool = False) -> Actions:
+def due(
+    step: int,
+    tc: TrainConfig,
+    *,
+    stop_requested: bool = False,
+    has_val: bool = True,
+    has_hellaswag: bool = False,
+    unusual: bool = False,
+) -> Actions:
     """The actions after optimizer step `step` (1-based: steps done). stop_requested: any rank's signal
     (train_step's vote); has_val / has_hellaswag: whether there is a set to evaluate; unusual: a
     skipped or overflowed step, always logged."""
     final = step == tc.max_steps
     stop = stop_requested and not final  # a signal at the last step changes nothing: the run is complete
-    return Actions(log=step % tc.log_interval == 0 or unusual or final,
-                   evaluate=has_val and (final or _every(step, tc.eval_interval)),
-                   hellaswag=has_hellaswag and (final or _every(step, tc.hellaswag_interval)),
-                   sample=bool(tc.sample_interval) and (final or _every(step, tc.sample_interval)),
-                   save=stop or final or _every(step, tc.ckpt_interval),
-                   final=final, stop=stop)
+    return Actions(
+        log=step % tc.log_interval == 0 or unusual or final,
+        evaluate=has_val and (final or _every(step, tc.eval_interval)),
+        hellaswag=has_hellaswag and (final or _every(step, tc.hellaswag_interval)),
+        sample=bool(tc.sample_interval) and (final or _every(step, tc.sample_interval)),
+        save=stop or final or _every(step, tc.ckpt_interval),
+        final=final,
+        stop=stop,
+    )
 
 
 def _every(step: int, interval: int) -> bool:
@@ -444,7 +516,11 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
     # Signals are recorded from the start: one that arrives while building or restoring stops the
     # run at the first step boundary (with a checkpoint) instead of killing the process. The run
     # directory is this run's alone from before its first touch to the end (gpt2/ckpt/rundir.py).
-    with preempt.StopRequest() as stop_request, own_run_dir(cfg.train.out_dir, dist), HangDumps(cfg.train.out_dir, dist):
+    with (
+        preempt.StopRequest() as stop_request,
+        own_run_dir(cfg.train.out_dir, dist),
+        HangDumps(cfg.train.out_dir, dist),
+    ):
         return _train(cfg, dist, shards, stop_request)
 
 
@@ -453,7 +529,9 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     try:
         Path(tc.out_dir).mkdir(parents=True, exist_ok=True)
     except OSError as e:  # check_data looked; this is the race (or a path it could not judge)
-        raise ValueError(f"--out-dir {tc.out_dir}: cannot create it ({e.strerror}); pass a writable --out-dir") from None
+        raise ValueError(
+            f"--out-dir {tc.out_dir}: cannot create it ({e.strerror}); pass a writable --out-dir"
+        ) from None
     if dist.is_main:  # RUN/requeue says "the last run stopped on a signal": not true of this one
         preempt.clear_requeue_marker(tc.out_dir)
     configure_backends(tc, dist)
@@ -480,13 +558,15 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     hellaswag = None
     if tc.hellaswag_interval:
         from gpt2.data.hellaswag import prepare_hellaswag
+
         hellaswag = prepare_hellaswag(tc.hellaswag_file, dist)  # collective: rank 0 downloads if missing
     if dist.is_main and tc.async_ckpt:
         parts.writer = CheckpointWriter(dist.device)
     try:
         with collect_at_steps(tc.gc_interval):  # every rank's garbage collection at the same steps
-            code = run_loop(Run(cfg, dist, log, parts, stop_request, run.peak, hellaswag=hellaswag, watch=watch,
-                                cache=cache))
+            code = run_loop(
+                Run(cfg, dist, log, parts, stop_request, run.peak, hellaswag=hellaswag, watch=watch, cache=cache)
+            )
         compile_cache.finish(cache, dist, log)  # seals what this run compiled, for the next start
         return code
     finally:
@@ -504,6 +584,7 @@ def reads_lag(device: torch.device) -> bool:
 class Run:
     """One run as its loop sees it, passed whole to every function of the loop (litgpt's `state`):
     what train() made, and what the loop carries from step to step."""
+
     cfg: RunConfig
     dist: Dist
     log: Metrics
@@ -527,8 +608,7 @@ class Run:
 
     def due(self, step: int) -> Actions:
         """The actions step `step` owes, decided once (the stop vote is applied when read: voted_stop)."""
-        return due(step, self.cfg.train, has_val=self.parts.val_loader is not None,
-                   has_hellaswag=bool(self.hellaswag))
+        return due(step, self.cfg.train, has_val=self.parts.val_loader is not None, has_hellaswag=bool(self.hellaswag))
 
 
 def run_loop(run: Run) -> int:
@@ -579,8 +659,10 @@ def run_loop(run: Run) -> int:
             slow_phase = True
         perform(run, act)
         if act.stop:
-            run.log.info(f"stopped by signal at step {parts.step}; checkpoint written; wrote {tc.out_dir}/"
-                         f"{preempt.REQUEUE_MARKER} (requeue and resume with --resume auto)")
+            run.log.info(
+                f"stopped by signal at step {parts.step}; checkpoint written; wrote {tc.out_dir}/"
+                f"{preempt.REQUEUE_MARKER} (requeue and resume with --resume auto)"
+            )
             return preempt.EXIT_REQUEUE
     if run.dist.is_main and tc.plot:
         png = plot_loss_curve(run.log.path, Path(tc.out_dir) / "loss_curve.png")
@@ -630,7 +712,8 @@ def report(run: Run, stats: StepStats, act: Actions) -> bool:
         raise NonFiniteError(
             f"{run.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
             " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
-            "--warmup-steps or check the data, then resume from the last checkpoint")
+            "--warmup-steps or check the data, then resume from the last checkpoint"
+        )
     return out["stop"]
 
 
@@ -659,8 +742,14 @@ def perform(run: Run, act: Actions) -> None:
             log.record({"step": step, "sample": text})
             log.info(f"sample at step {step}: {text!r}")
     if act.save:  # the final and the stop's save are synchronous: the run ends with a durable one
-        save(parts, cfg, dist, log, requeue={"step": step, "signal": run.stop_request.name} if act.stop else None,
-             background=cfg.train.async_ckpt and not (act.stop or act.final))
+        save(
+            parts,
+            cfg,
+            dist,
+            log,
+            requeue={"step": step, "signal": run.stop_request.name} if act.stop else None,
+            background=cfg.train.async_ckpt and not (act.stop or act.final),
+        )
 
 
 def log_step(run: Run, out: dict, dt: float, step: int) -> None:
@@ -672,12 +761,26 @@ def log_step(run: Run, out: dict, dt: float, step: int) -> None:
         run.log.info(f"mfu n/a: {why}")
         forget_cpu_peak(dist.device, tc.dtype)
         run.peak = None
-    run.log.log_step({"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                      "tokens": tokens_at(parts, run.cfg, step), "step_s": dt, "tok_per_s": tok_s,
-                      "mfu": step_mfu,
-                      "mem_mb": memory_mb(dist.device), "skipped": out["skipped"],
-                      **({"overflow": out["overflow"], "loss_scale": parts.scaler.get_scale()}
-                         if parts.scaler.is_enabled() else {})}, tc.max_steps)
+    run.log.log_step(
+        {
+            "step": step,
+            "loss": out["loss"],
+            "lr": out["lr"],
+            "grad_norm": out["grad_norm"],
+            "tokens": tokens_at(parts, run.cfg, step),
+            "step_s": dt,
+            "tok_per_s": tok_s,
+            "mfu": step_mfu,
+            "mem_mb": memory_mb(dist.device),
+            "skipped": out["skipped"],
+            **(
+                {"overflow": out["overflow"], "loss_scale": parts.scaler.get_scale()}
+                if parts.scaler.is_enabled()
+                else {}
+            ),
+        },
+        tc.max_steps,
+    )
 
 
 def tokens_at(parts: Parts, cfg: RunConfig, step: int) -> int:
@@ -717,18 +820,25 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
     parts.model.eval()
     with precision.autocast(tc.dtype, dist.device):
-        out = parts.model.generate(idx, tc.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen,
-                                   stop_token=EOT_TOKEN)
+        out = parts.model.generate(
+            idx, tc.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen, stop_token=EOT_TOKEN
+        )
     parts.model.train()
-    return tokenizer.decode(cut_at_stop(out[0, len(prompt):].tolist(), EOT_TOKEN))  # the text ends at <|endoftext|>
+    return tokenizer.decode(cut_at_stop(out[0, len(prompt) :].tolist(), EOT_TOKEN))  # the text ends at <|endoftext|>
 
 
 def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, examples, step: int) -> None:
     from gpt2.train.scoring import hellaswag_eval
 
     hs = hellaswag_eval(parts.model, examples, dist, dist.device, dtype=cfg.train.dtype, progress=False)
-    log.record({"step": step, "tokens": tokens_at(parts, cfg, step), "hellaswag_acc": hs["acc"],
-                "hellaswag_acc_norm": hs["acc_norm"]})
+    log.record(
+        {
+            "step": step,
+            "tokens": tokens_at(parts, cfg, step),
+            "hellaswag_acc": hs["acc"],
+            "hellaswag_acc_norm": hs["acc_norm"],
+        }
+    )
     log.info(f"step {step:>6} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['correct_norm']}/{hs['n']})")
 
 
