@@ -262,7 +262,7 @@ def test_no_false_alarm_a_healthy_run_trains_bitwise_the_same_guard_on_or_off(tm
 # ------------------------------------------------------------------ slow: presets, val loss, 2 ranks
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # 2 x 150 (debug) or 2 x 200 (speed) steps: longer than CI's budget
 @pytest.mark.parametrize("preset", ["debug", "speed"])
 def test_the_presets_train_bitwise_the_same_with_the_guard_at_its_defaults(tmp_path, shakespeare_shards, preset):
     """The quick start's debug preset (150 steps: the default window of 100 judges the last 50) and the speed
@@ -331,7 +331,7 @@ VAL_MARGIN = 0.1
 the same number of steps, but on batches further on (past the poison) after two rollbacks."""
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # open, and 3 runs of 30 steps per case: not in CI until it passes
 @pytest.mark.xfail(
     reason="open (docs/spike_guard.md, 'Seeing it work'): at lr 1e-2 this tiny model's clean loss "
     "swings 6.6-8.6 and spikes to 13.8 itself, so after the first rollback the guard at its "
