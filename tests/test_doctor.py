@@ -41,6 +41,7 @@ def cpu_doctor(tmp_path_factory):
     return done, json.loads((out / "doctor.json").read_text()), out
 
 
+@pytest.mark.slow  # the shared full CPU run: ~3 minutes
 def test_cpu_run_passes_and_prints_one_table(cpu_doctor):
     done, report, out = cpu_doctor
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -57,6 +58,7 @@ def test_cpu_run_passes_and_prints_one_table(cpu_doctor):
     assert (out / "work" / "check-fast.log").is_file()  # --out keeps the runs
 
 
+@pytest.mark.slow  # the shared full CPU run: ~3 minutes
 def test_correctness_and_resume_checks_ran_and_passed(cpu_doctor):
     _, report, _ = cpu_doctor
     sec = report["sections"]
@@ -73,6 +75,7 @@ def test_correctness_and_resume_checks_ran_and_passed(cpu_doctor):
     assert list(rows.values()) == ["ok", "ok"]
 
 
+@pytest.mark.slow  # the shared full CPU run: ~3 minutes
 def test_measured_numbers_are_positive_and_consistent(cpu_doctor):
     _, report, _ = cpu_doctor
     sec = report["sections"]
@@ -93,6 +96,7 @@ def test_measured_numbers_are_positive_and_consistent(cpu_doctor):
     assert [r["a100_tokens_per_s"] for r in rungs.values()] == [16_000, 49_000, 54_500, 126_000, 170_000, 175_000]
 
 
+@pytest.mark.slow  # the shared full CPU run: ~3 minutes
 def test_attention_section_names_the_kernel_the_profiler_saw(cpu_doctor):
     _, report, _ = cpu_doctor
     data = report["sections"]["attention"]["data"]

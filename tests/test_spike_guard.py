@@ -201,6 +201,7 @@ def test_a_rollback_recovers_and_a_resume_with_the_guard_state_is_bitwise_exact(
     assert_same_state(load_ckpt(copy, 26), load_ckpt(run_dir, 26))
 
 
+@pytest.mark.slow  # two runs with a rollback each; the rollback itself is in the default suite
 def test_a_rollback_with_late_reads_rolls_back_exactly_as_with_reads_at_once(
     tmp_path, shakespeare_shards, capsys, monkeypatch
 ):
