@@ -105,6 +105,10 @@ if __name__ == "__main__":  # (nothing else runs on import)
     import data_prep.shard_writer as writer
 
     name, when, action, *args = sys.argv[1:]
+    # Ctrl-C live, as in a terminal: a suite run as a background job (`pytest ... &`, nohup) has SIGINT
+    # ignored, this process inherits that and Python then keeps it (no KeyboardInterrupt): the wait
+    # below slept through the test's SIGINT until its timeout.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     real = getattr(writer, name)
     calls = 0
 
@@ -546,7 +550,12 @@ def interrupt_when(out: Path, n_shards: int, sig: int, args: list[str]) -> subpr
     finally:
         if not sent and proc.poll() is None:  # a failed wait: the job would wait for its signal forever
             os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=120)
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # a hang: fail without leaving the job and its workers behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
     return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 
