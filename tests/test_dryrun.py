@@ -732,7 +732,7 @@ def test_the_loss_path_is_chosen_and_printed_as_a_real_run_would(train_ddp, data
     code, out, err = dry(train_ddp, big, capsys)
     assert code == 0, err
     assert re.search(r"^loss       chunked: .* \(auto: full-logits peak 24\.56 GiB at micro-batch 128 > 1/8", out, re.M)
-    assert "LM head + loss peak    15.94 GiB  (chunked" in out  # compiled in bf16: every chunk's gradient counted
+    assert re.search(r"LM head \+ loss peak +3\.66 GiB +\(chunked", out)  # compiled or not: one chunk (one op)
     code, out, err = dry(train_ddp, [*big, "--loss-impl", "chunked"], capsys)
     assert code == 0 and "loss       chunked: " in out and "(--loss-impl chunked)" in out
     code, out, err = dry(train_ddp, [*big, "--loss-impl", "full"], capsys)

@@ -249,14 +249,40 @@ def test_loss_impl_full_returns_no_logits_when_none_are_asked_for_and_bad_values
         GPT(tiny(), loss_impl="auto")
 
 
-def test_compiled_loss_fuses_the_one_hot_with_no_scatter_fallback_and_the_same_numbers():
-    """Compiled, the gradient's `- onehot(target)` is a torch.where that inductor fuses into the softmax
-    kernel; a scatter_add_ there made inductor fall back to aten.scatter_reduce_ over a materialised
-    fp32 (rows, V) buffer (issue 39). Read in inductor's generated code. The loss and gradients equal
-    eager's (the in-place scatter_add_ path) to 1e-5 relative, 1e-6 absolute: fp32 rounding of the fused
-    exp and sums (both subtract exactly 1.0 at the target)."""
+def test_compiled_the_loss_is_one_op_whose_chunks_run_one_after_another():
+    """Compiled, the chunked loss with its gradients is one custom op (gpt2::linear_cross_entropy_grads)
+    in the compiler's graph, not its chunks: traced whole, inductor kept every chunk's 16-bit logits and
+    gradient alive (tests/test_memory_plan.py measured 1.7x the plan). On a CPU the op runs the eager
+    chunks, so the compiled loss and gradients are eager's bit for bit."""
     from torch._inductor.utils import run_and_get_code
 
+    x, weight, bias, targets = padded_head(vocab=300, n=40)
+
+    def fn(a, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return linear_cross_entropy(a, w, bias, targets, chunk_rows=16)
+
+    eager = loss_and_grads(fn, x, weight)
+    torch._dynamo.reset()
+    compiled, codes = run_and_get_code(lambda: loss_and_grads(torch.compile(fn, fullgraph=True), x, weight))
+    code = "\n".join(codes)
+    assert "linear_cross_entropy_grads" in code and "logsumexp" not in code  # the op, no chunk traced
+    for got, want, name in zip(compiled, eager, ("loss", "grad_x", "grad_w")):
+        assert torch.equal(got, want), name
+
+
+def test_compiled_chunks_fuse_the_one_hot_with_no_scatter_fallback_and_the_same_numbers(monkeypatch):
+    """Where each chunk is compiled inside the op (COMPILED_CHUNKS: CUDA; forced here on the CPU), the
+    gradient's `- onehot(target)` is a torch.where that inductor fuses into the softmax kernel; a
+    scatter_add_ there made inductor fall back to aten.scatter_reduce_ over a materialised fp32 (rows, V)
+    buffer (issue 39). Read in inductor's generated code. The loss and gradients equal eager's (the
+    in-place scatter_add_ path) to 1e-5 relative, 1e-6 absolute: fp32 rounding of the fused exp and sums
+    (both subtract exactly 1.0 at the target)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from gpt2.model import loss
+
+    monkeypatch.setitem(loss.COMPILED_CHUNKS, "cpu", True)
     x, weight, bias, targets = padded_head(vocab=300, n=40)
 
     def fn(a, w):

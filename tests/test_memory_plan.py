@@ -71,6 +71,8 @@ GRID = [  # (n_embd, n_layer, micro-batch, dtype, loss, compiled); block 64
     pytest.param(64, 2, 32, "fp32", "full", True, id="full-fp32-compiled", marks=pytest.mark.slow),
     pytest.param(64, 2, 32, "bf16", "full", True, id="full-bf16-compiled", marks=pytest.mark.slow),
     pytest.param(64, 2, 64, "fp32", "chunked", True, id="chunked-fp32-compiled", marks=pytest.mark.slow),
+    # Traced whole by inductor, the chunked loss kept every chunk's 16-bit logits and gradient here: measured
+    # 1.7x the plan. Since it is one op to the compiler (gpt2/model/loss.py), the eager chunk.
     pytest.param(64, 2, 128, "bf16", "chunked", True, id="chunked-bf16-compiled-50-chunks", marks=pytest.mark.slow),
 ]
 
@@ -88,23 +90,10 @@ def test_the_plan_is_within_its_error_of_the_measured_peak(n_embd, n_layer, B, d
     assert abs(peak - plan) <= PLAN_ERROR * plan, f"measured {peak / 2**20:.0f} MiB, plan {plan / 2**20:.0f} MiB"
 
 
-@linux_only
-@pytest.mark.slow
-@pytest.mark.parametrize("B", [16, 32])
-def test_the_compiled_16_bit_chunked_loss_is_counted_at_its_worst(B):
-    """With fewer chunks inductor keeps fewer chunks' gradients (gpt2/plan/memory.py): the plan stays an
-    upper bound there, as it is exact (the grid above) at many chunks."""
-    if not native_bf16():
-        pytest.skip("bf16 is emulated on this CPU: a bf16 point would take ~40x as long")
-    cfg = tiny()
-    plan = memory(run_config(cfg, B, dtype="bf16", loss_impl="chunked", compile=True), CPU).total
-    assert measured(cfg, B, "bf16", "chunked", True) <= (1 + PLAN_ERROR) * plan
-
-
 def test_the_loss_terms_are_the_hand_count_of_what_each_path_keeps():
     """loss_bytes term by term, at the gpt2 preset's shapes: the buffers gpt2/model/loss.py allocates (one chunk's
     fp32 logits, logsumexp's exp, the bf16 twin; the (V, h) part and its fp32 sum; grad_x), eager's 12 bytes per
-    logit, compiled's matmul-dtype logits (one on a CPU, two on CUDA), compiled bf16 chunks' every gradient."""
+    logit, compiled's matmul-dtype logits (one on a CPU, two on CUDA); the chunked loss compiled is counted as eager."""
     from gpt2.model.loss import loss_chunk_logits, loss_chunks
 
     cfg = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)
@@ -113,7 +102,7 @@ def test_the_loss_terms_are_the_hand_count_of_what_each_path_keeps():
     chunk = rows * V * (4 + 4 + 2) + V * h * (2 + 4) + N * h * 4
     assert (rows, loss_chunks(N, loss_chunk_logits("cuda", mem80) // V)[0]) == (6554, 20)  # B=128 on an H100
     assert loss_bytes(cfg, N, dtype="bf16", device_memory=mem80) == chunk
-    assert loss_bytes(cfg, N, dtype="bf16", device_memory=mem80, compiled=True) == chunk + N * V * 2
+    assert loss_bytes(cfg, N, dtype="bf16", device_memory=mem80, compiled=True) == chunk
     assert loss_bytes(cfg, N, dtype="fp32", device_memory=mem80) == rows * V * 8 + V * h * 8 + N * h * 4
     assert loss_bytes(cfg, 2048, dtype="bf16", chunked=False) == 2048 * V * 12
     assert loss_bytes(cfg, 2048, dtype="bf16", chunked=False, compiled=True) == 2048 * V * 2 * 2

@@ -88,6 +88,8 @@ def linear_cross_entropy(
     _, rows = loss_chunks(x2.size(0), max_rows)
     with torch.autocast(device_type, enabled=False):  # the dtypes are chosen explicitly below
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            if torch.compiler.is_compiling():  # one opaque op to the compiler (_chunked_op, below)
+                return _chunked_op(x2, weight, bias, t, str(dtype).removeprefix("torch."), rows)[0]
             return _LinearCrossEntropy.apply(x2, weight, bias, t, dtype, rows)
         return _cross_entropy_chunks(x2, weight, bias, t, dtype, rows, grads=False)[0]
 
@@ -218,3 +220,84 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_w = ctx.saved_tensors
         return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None
+
+
+# Compiled, the loss with its gradients is one custom op: inside it the chunks run one after another, as
+# eager, so the loss holds one chunk's buffers however many chunks there are. Traced whole, inductor's
+# scheduler ran each chunk's input-gradient matmul after later chunks and kept every chunk's 16-bit
+# logits and softmax gradient alive until then: at 50 chunks ~2 x (N, V) in bf16, more than the full
+# loss compiled (measured on a CPU, tests/test_memory_plan.py), which the planner could only count. On
+# CUDA each chunk is itself compiled (COMPILED_CHUNKS: the fused exp, one-hot, scaling and cast of
+# _softmax_minus_onehot, issue 39); on a CPU the eager chunks with their reused buffers.
+COMPILED_CHUNKS = {"cuda": True}
+"""Device types whose chunks run as one compiled function each inside the op (else the eager chunks)."""
+
+
+# Registered when this module is imported, as a class is defined (dynamo cannot trace a registration).
+@torch.library.custom_op(
+    "gpt2::linear_cross_entropy_grads",
+    mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor targets, str dtype, int rows) -> (Tensor, Tensor, Tensor)",
+)
+def _chunked_op(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: str, rows: int):
+    """(x, weight, bias, targets, dtype's name, rows) -> (loss, grad_x, grad_weight), differentiable in x and
+    weight through the two gradients."""
+    if COMPILED_CHUNKS.get(x.device.type, False):
+        return _compiled_chunks(x, weight, bias, targets, getattr(torch, dtype), rows)
+    return _cross_entropy_chunks(x, weight, bias, targets, getattr(torch, dtype), rows, grads=True)
+
+
+@_chunked_op.register_fake
+def _op_fake(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: str, rows: int):
+    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(weight)
+
+
+def _op_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _op_backward(ctx, grad_loss, _grad_x, _grad_w):
+    grad_x, grad_w = ctx.saved_tensors
+    return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None
+
+
+_chunked_op.register_autograd(_op_backward, setup_context=_op_setup)
+
+_CHUNK = None
+
+
+def _compiled_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: torch.dtype, rows: int):
+    """_cross_entropy_chunks(grads=True), each chunk one call of a torch.compile'd _one_chunk."""
+    global _CHUNK
+    if _CHUNK is None:
+        _CHUNK = torch.compile(_one_chunk)
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    valid = targets != -1
+    n = valid.sum()
+    inv_n = 1.0 / n
+    late = dtype == torch.float16
+    starts = range(0, x.size(0), rows)
+    losses = torch.empty(len(starts), dtype=torch.float32, device=x.device)
+    grad_x = torch.empty_like(x)
+    grad_w = torch.empty(weight.shape, dtype=torch.float32, device=x.device)
+    for i, start in enumerate(starts):
+        s = slice(start, start + rows)
+        losses[i], grad_x[s], part = _CHUNK(x[s].to(dtype), w, b, targets[s], valid[s], inv_n, late)
+        grad_w.copy_(part) if i == 0 else grad_w.add_(part)
+    loss = losses.sum() / n
+    return loss, grad_x, (grad_w * inv_n if late else grad_w).to(weight.dtype)
+
+
+def _one_chunk(xs: Tensor, w: Tensor, b: Tensor | None, ts: Tensor, vs: Tensor, inv_n: Tensor, late: bool):
+    """One chunk of _cross_entropy_chunks' loop, traced: (its summed loss, its grad_x rows, its (V, h) part)."""
+    out = torch.mm(xs, w.t()) if b is None else torch.addmm(b, xs, w.t())
+    logits = out.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
+    chunk_loss = torch.where(vs, lse - picked, 0.0).sum()
+    g = _softmax_minus_onehot(logits, lse, ts, vs)
+    g = (g if late else g * inv_n).to(w.dtype)
+    keep = vs[:, None]
+    gx = (g @ w).float() * (keep * inv_n) if late else (g @ w) * keep
+    return chunk_loss, gx, g.t() @ (xs * keep)

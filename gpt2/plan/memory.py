@@ -19,8 +19,8 @@ CPU allocator in tests/test_plan.py):
                reused (gpt2/model/loss.py); full, eager, 12 bytes per logit (cross-entropy's fp32
                log-probabilities and, in its backward, two fp32 gradients); full, compiled, the logits in
                the matmul dtype with their gradient written over them on a CPU, beside them counted on CUDA
-               (COMPILED_FULL_LOSS_BYTES); chunked, compiled in 16 bits, every chunk's gradient too (inductor
-               runs their input-gradient matmuls late). loss_bytes counts each.
+               (COMPILED_FULL_LOSS_BYTES); chunked, compiled, as eager (one opaque op to the compiler).
+               loss_bytes counts each.
 The total is the step's peak within the plan's error (PLAN_ERROR, the margin --micro-batch-size auto
 keeps): measured against the CPU process's resident peak over a grid of widths, micro-batches, loss
 paths and compilation (tests/test_memory_plan.py). Gradients are counted in full although, with
@@ -96,8 +96,6 @@ class Memory:
     """Which optimizer `optimizer` counts (not a byte count)."""
     chunked_loss: bool = True
     """Which loss path `logits` counts: the chunked loss, or the full (B, T, V) logits."""
-    every_chunk: bool = False
-    """Whether `logits` counts every chunk's 16-bit gradient (the chunked loss compiled: see loss_bytes)."""
     shards: int = 1
     """1: every rank holds everything (DDP, or fsdp at world size 1); W: FSDP over W ranks, and
     weights, gradients and optimizer are each rank's padded 1/W shards (module docstring)."""
@@ -150,12 +148,11 @@ COMPILED_FULL_LOSS_BYTES = {"cpu": 1, "cuda": 2}
 """Bytes per logit of the compiled full loss, in units of the matmul dtype's size, by device type (above)."""
 
 
-# The chunked loss compiled: with fp32 matmuls inductor reuses one chunk's buffers for the next, as the
-# eager loss does. With 16-bit ones its scheduler runs a chunk's `g @ w` (the input gradient) late, after
-# later chunks, and keeps that chunk's 16-bit softmax gradient alive until then: measured on a CPU with
-# 164-row chunks, the loss held 65 MB at 1,024 tokens (7 chunks, as eager), 105 MB at 2,048, 354 MB at
-# 4,096 and 805 MB at 8,192 (50 chunks: nearly all (N, V) in bf16, 824 MB). The planner counts that
-# worst case, every chunk's: a plan that is high for a few chunks, right for many.
+# The chunked loss compiled is one custom op (gpt2/model/loss.py, _chunked_op): its chunks run one after
+# another inside it, as eager, so it holds one chunk's buffers compiled or not. Traced whole, as before,
+# inductor ran each chunk's input-gradient matmul after later chunks under 16-bit autocast and kept every
+# chunk's logits and softmax gradient: 805 MB at 8,192 tokens (50 chunks) on a CPU, then ~1.6 GB once the
+# one-hot became a fused torch.where; the op makes the count the eager one again.
 def loss_bytes(
     cfg: ModelConfig,
     tokens: int,
@@ -178,8 +175,8 @@ def loss_bytes(
     Plain (full), eager: the logits (s, dropped after the fp32 copy cross-entropy takes, 4), the fp32
     log-probabilities (4) in forward; the log-probabilities and two fp32 gradients of that size in
     backward, the peak: 12 bytes per logit whatever the dtype. Plain, compiled
-    (COMPILED_FULL_LOSS_BYTES): s bytes per logit on a CPU, 2 * s elsewhere. Chunked, compiled, with
-    16-bit matmuls: also every chunk's softmax gradient in the matmul dtype, s bytes per logit (above).
+    (COMPILED_FULL_LOSS_BYTES): s bytes per logit on a CPU, 2 * s elsewhere. Chunked, compiled: as eager
+    (the chunks run inside one custom op, above; `compiled` only matters to the plain loss).
 
     The chunk is the one the model will use: on CUDA it is sized from device_memory (the device's
     total bytes, Hardware.memory_bytes), which is then required.
@@ -196,8 +193,6 @@ def loss_bytes(
     _, rows = loss_chunks(tokens, max(1, loss_chunk_logits(device_type, device_memory) // V))
     rows = min(rows, tokens)
     forward = rows * V * (4 + 4 + (s if s < 4 else 0)) + V * h * (s + 4) + tokens * h * 4
-    if compiled and s < 4:
-        forward += tokens * V * s
     backward = 2 * tokens * h * 4 + V * h * 4
     return max(forward, backward)
 
@@ -310,7 +305,6 @@ def _memory(
         logits=logits,
         optimizer_name=optimizer,
         chunked_loss=chunked_loss,
-        every_chunk=chunked_loss and compiled and autocast,
     )
     if parallel not in PARALLELS:
         raise ValueError(f"parallel={parallel!r} must be one of {PARALLELS}")

@@ -62,9 +62,7 @@ def format_plan(p: Plan) -> str:
         f"(activation checkpointing: block inputs + one block's, recomputed in backward)",
         f"  LM head + loss peak    {gib(m.logits)}  "
         + (
-            "(chunked, compiled in 16 bits: inductor can keep every chunk's gradient, counted)"
-            if m.every_chunk
-            else "(chunked: never all B*T*V logits at once)"
+            "(chunked: never all B*T*V logits at once)"
             if m.chunked_loss
             else "(full logits: all B*T*V at once, F.cross_entropy)"
         ),
