@@ -263,26 +263,36 @@ def test_no_false_alarm_a_healthy_run_trains_bitwise_the_same_guard_on_or_off(tm
 # ------------------------------------------------------------------ slow: presets, val loss, 2 ranks
 
 
-@pytest.mark.soak  # 2 x 150 (debug) or 2 x 200 (speed) steps: longer than CI's budget
-@pytest.mark.parametrize("preset", ["debug", "speed"])
+def parity_recipe() -> list[str]:
+    """The learning-parity recipe ours runs beside nanoGPT (bench/time_to_loss.py: 200 steps, 4 layers)."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("time_to_loss", REPO / "bench" / "time_to_loss.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RECIPE
+
+
+@pytest.mark.soak  # 2 x 150 (debug), 2 x 200 (speed, parity) steps: longer than CI's budget
+@pytest.mark.parametrize("preset", ["debug", "speed", "parity"])
 def test_the_presets_train_bitwise_the_same_with_the_guard_at_its_defaults(tmp_path, shakespeare_shards, preset):
-    """The quick start's debug preset (150 steps: the default window of 100 judges the last 50) and the speed
-    preset (200 steps, Muon: the host-side skip)."""
+    """The quick start's debug preset (150 steps: the default window of 100 judges the last 50), the speed
+    preset (200 steps, Muon: the host-side skip) and the learning-parity recipe against nanoGPT (200 steps)."""
     runs = {}
+    recipe = parity_recipe() if preset == "parity" else ["--preset", preset, "--dtype", "float32"]
     for name, extra in (("on", []), ("off", ["--spike-guard", "false"])):
         out = tmp_path / name
         r = run_trainer(
             [
-                "--preset",
-                preset,
+                *recipe,
                 "--data-dir",
                 str(shakespeare_shards),
                 "--out-dir",
                 str(out),
                 "--device",
                 "cpu",
-                "--dtype",
-                "float32",
                 "--sample-interval",
                 "0",
                 "--plot",
@@ -309,9 +319,9 @@ POISONED_RUN = [
     "--max-steps",
     "30",
     "--lr",
-    "1e-2",
+    "5e-3",
     "--min-lr",
-    "1e-2",
+    "5e-3",
     "--warmup-steps",
     "3",
     "--data-order",
@@ -323,22 +333,19 @@ POISONED_RUN = [
 ]
 """A constant, raised lr (the issue's "a raised lr for those steps"): Adam moves every weight by about lr
 a step whatever the gradient's size, so 6 consistent steps of one token move weights of std 0.02 by up to
-0.06. At the default recipe's decayed lr the same poison left the val loss within 0.01 of the clean run's."""
-HURT = 0.3
-"""How much worse the unguarded run's final val loss is at least (nats): 7.29 against the clean run's 6.87
-on 1 process (the 2-core test machine)."""
+0.03. At the default recipe's decayed lr the same poison left the val loss within 0.01 of the clean run's.
+This small-batch recipe spikes by itself too (step 15's loss is 9.42 between 6.67 and 6.57), which the
+median and MAD the guard judges by leave out of the spread (a standard deviation did not: the poison's
+first batch, 12.0, scored under 6)."""
+HURT = 1.0
+"""How much worse the unguarded run's final val loss is at least (nats): 9.85 against the clean run's 6.88
+on 1 and on 2 processes (the 2-core test machine)."""
 VAL_MARGIN = 0.1
-"""How far the guarded run's final val loss may be from the clean run's (nats). The guarded run trains
-the same number of steps, but on batches further on (past the poison) after two rollbacks."""
+"""How far the guarded run's final val loss may be from the clean run's (nats): 6.92 against 6.88. It
+trains the same number of steps, but on batches further on (past the poison) after two rollbacks."""
 
 
-@pytest.mark.soak  # open, and 3 runs of 30 steps per case: not in CI until it passes
-@pytest.mark.xfail(
-    reason="open (docs/spike_guard.md, 'Seeing it work'): at lr 1e-2 this tiny model's clean loss "
-    "swings 6.6-8.6 and spikes to 13.8 itself, so after the first rollback the guard at its "
-    "defaults misses the rest of the poison (val 7.18 against clean 6.87, 1 process)",
-    strict=False,
-)
+@pytest.mark.slow  # 3 runs of 30 steps per case
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, shakespeare_shards, nproc):
     poison = poisoned(shakespeare_shards, tmp_path / "data", POISON_STEPS)

@@ -125,8 +125,9 @@ def _cross_entropy_chunks(
     # buffer below it: the process grew by about one chunk of logits per chunk, ~200 KB per token at
     # V = 50304, 8-15x the plan (issue 41). With the fixed threshold a CPU run sets
     # (gpt2.core.host_memory.return_freed_memory) each would be mapped and faulted in afresh per chunk.
-    # Traced by torch.compile, the plain operations: inductor plans and reuses its own buffers, and
-    # given `out=` tensors it ran every chunk's matmul first to fill them (all chunks' logits at once).
+    # Traced by torch.compile (the loss without gradients, eval's; with them the chunks run inside
+    # _chunked_op, below), the plain operations: given `out=` tensors inductor ran every chunk's matmul
+    # first to fill them (all chunks' logits at once).
     V, low, reuse = weight.size(0), dtype != torch.float32, not torch.compiler.is_compiling()
     shape = (min(rows, x.size(0)), V)
     buf = torch.empty(shape, dtype=torch.float32, device=x.device) if reuse else None

@@ -2,8 +2,10 @@
 
 Three parts, each its own function or method:
   judge (on the device)   the step's loss and gradient norm against the recent history of healthy
-                          steps: a z-score of each one's log over the last --spike-window accepted
-                          steps (llm.c's rule, PRs #637/#711, on logs). train_step folds the verdict
+                          steps: a robust z-score of each one's log over the last --spike-window
+                          accepted steps (llm.c's rule, PRs #637/#711, on logs, with the median and
+                          the median absolute deviation for its mean and standard deviation: see
+                          judge). train_step folds the verdict
                           into its existing device-side skip, so no host read is added to the step;
                           the inputs are all-reduced, so every rank reaches the same verdict.
   observe (on the host)   when the step's numbers are read anyway (report): a console line and a
@@ -17,7 +19,10 @@ Three parts, each its own function or method:
 The thresholds and why (docs/spike_guard.md shows a run that uses them):
   - logs, not raw values: a spike is a ratio (the loss 1.5x its recent level), the same at loss 10 and
     loss 3, and the gradient norm's spread grows with its size;
-  - MIN_SPREAD (0.01, 1%): a history that barely moves (a long plateau) has a tiny standard deviation,
+  - the median and MAD: one high loss the window holds (small batches' noise, a spike under the
+    threshold) moves them little, where it moved a mean and widened a standard deviation enough to let
+    the next spike through (docs/spike_guard.md, the poisoned run: z ~11 against under 6);
+  - MIN_SPREAD (0.01, 1%): a history that barely moves (a long plateau) has a tiny spread,
     and the z-score of ordinary noise over it would be large; no change under 1% counts as a spike;
   - a full window before judging: the first steps' falling loss and rising norm are no history to
     judge against (and the fast start of training is where a spike can be told least from progress);
@@ -45,7 +50,10 @@ from gpt2.train.run_log import Metrics
 from gpt2.train.state import Parts, finish_background_write, restore
 
 MIN_SPREAD = 0.01
-"""The smallest standard deviation of a log the z-score divides by (1%): see the module docstring."""
+"""The smallest spread (a standard deviation's worth) of a log the z-score divides by (1%): see the module
+docstring."""
+MAD_TO_SIGMA = 1.4826
+"""A normal distribution's standard deviation over its median absolute deviation (1 / Phi^-1(3/4))."""
 
 
 class SpikeGuardError(RuntimeError):
@@ -81,9 +89,12 @@ class SpikeGuard:
         """[spike (0.0 or 1.0), loss z, norm z] as one fp32 device tensor; the step is appended to
         the history unless it spiked or is not finite. Launches kernels only: nothing is read."""
         x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()  # (2,)
-        mean = self.history.mean(dim=1)
-        spread = self.history.std(dim=1).clamp_min(MIN_SPREAD)
-        z = (x - mean) / spread
+        # Robust: the median and the median absolute deviation (scaled by MAD_TO_SIGMA), not the mean and
+        # standard deviation, so a spike in the history (one under the threshold, or small batches' noise)
+        # neither moves the centre nor widens the spread that judges the next step.
+        centre = self.history.median(dim=1).values
+        spread = (MAD_TO_SIGMA * (self.history - centre[:, None]).abs().median(dim=1).values).clamp_min(MIN_SPREAD)
+        z = (x - centre) / spread
         finite = torch.isfinite(x).all()
         full = self.count >= self.window
         # The norm alone is no spike: early training has gradient-norm excursions of z 25-40 with ordinary
