@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -263,25 +264,29 @@ def test_no_false_alarm_a_healthy_run_trains_bitwise_the_same_guard_on_or_off(tm
 # ------------------------------------------------------------------ slow: presets, val loss, 2 ranks
 
 
-def parity_recipe() -> list[str]:
+def parity_recipe(monkeypatch) -> list[str]:
     """The learning-parity recipe ours runs beside nanoGPT (bench/time_to_loss.py: 200 steps, 4 layers)."""
     import importlib.util
 
     from conftest import REPO
 
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # its own imports (bench/nanogpt.py)
     spec = importlib.util.spec_from_file_location("time_to_loss", REPO / "bench" / "time_to_loss.py")
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "time_to_loss", module)  # its dataclasses look themselves up there
     spec.loader.exec_module(module)
     return module.RECIPE
 
 
 @pytest.mark.soak  # 2 x 150 (debug), 2 x 200 (speed, parity) steps: longer than CI's budget
 @pytest.mark.parametrize("preset", ["debug", "speed", "parity"])
-def test_the_presets_train_bitwise_the_same_with_the_guard_at_its_defaults(tmp_path, shakespeare_shards, preset):
+def test_the_presets_train_bitwise_the_same_with_the_guard_at_its_defaults(
+    tmp_path, shakespeare_shards, preset, monkeypatch
+):
     """The quick start's debug preset (150 steps: the default window of 100 judges the last 50), the speed
     preset (200 steps, Muon: the host-side skip) and the learning-parity recipe against nanoGPT (200 steps)."""
     runs = {}
-    recipe = parity_recipe() if preset == "parity" else ["--preset", preset, "--dtype", "float32"]
+    recipe = parity_recipe(monkeypatch) if preset == "parity" else ["--preset", preset, "--dtype", "float32"]
     for name, extra in (("on", []), ("off", ["--spike-guard", "false"])):
         out = tmp_path / name
         r = run_trainer(

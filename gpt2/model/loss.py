@@ -4,7 +4,8 @@ GPT.forward(x, y, return_logits=False), what training runs, calls `linear_cross_
 loss_impl is chunked (--loss-impl; gpt2/plan/ choose_loss_impl picks it where the logits do not fit
 comfortably). It computes
 what `F.cross_entropy(F.linear(x, W, b).float(), y, ignore_index=-1)` computes, autocast included,
-one chunk of rows at a time, with the gradients made in forward (a custom autograd Function) so that
+one chunk of rows at a time, with the gradients made in forward (a custom autograd Function; under
+torch.compile one custom op, _chunked_op, so the compiler cannot hold every chunk at once) so that
 backward has no LM-head matmul to redo. The chunk size is the device's rule (`loss_chunk_logits`),
 which the planner (gpt2/plan/) counts too.
 """

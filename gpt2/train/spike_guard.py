@@ -28,9 +28,9 @@ The thresholds and why (docs/spike_guard.md shows a run that uses them):
     judge against (and the fast start of training is where a spike can be told least from progress);
   - a spike is a loss 6 sigma above the history, or a gradient norm 6 sigma above with the loss 3 sigma
     above: the norm alone spikes in healthy early training (z 25-40 in a tiny model, with ordinary
-    losses, and clipping absorbs those), while a poisoned batch's loss is tens of sigmas out. The
-    debug preset (the quick start's) and the speed preset train bitwise the same guard on or off
-    (tests/test_spike_guard.py).
+    losses, and clipping absorbs those), while a poisoned batch's loss is 9-11 sigmas out (the tests'). The
+    debug preset (the quick start's), the speed preset and the learning-parity recipe train bitwise the
+    same guard on or off (tests/test_spike_guard.py).
 A non-finite step is not a spike: train_step skips it anyway, and --max-bad-steps bounds those.
 """
 
