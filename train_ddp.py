@@ -71,9 +71,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
             device = resolve_device(cfg.train.device, info.local_rank)
             shards = check_data(cfg, info.world_size)
         except ValueError as e:  # ShardError is one too
-            if info.rank == 0:
-                print(f"train_ddp.py: error: {e}", file=sys.stderr)
-            return 2, False  # no process group yet
+            return refuse_before_group(e, info), False  # no process group yet
         if info.world_size > 1:  # NCCL reads its Flight Recorder settings when the group starts
             from gpt2.distributed.hang import flight_recorder_env
 
@@ -125,6 +123,28 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         return 1, dist is not None
     finally:
         teardown(dist, agreed=agreed)
+
+
+PEER_REFUSAL_GRACE_S = 20.0
+"""How long a rank other than 0 that refuses before the process group waits for its launcher to end it."""
+
+
+def refuse_before_group(e: ValueError, info) -> int:
+    """A refusal found before the process group starts (a device, the data): exit 2 with one line, rank 0's.
+
+    Every rank checks the same flags and files, so rank 0 finds the same problem and says it. A rank other
+    than 0 waits for the launcher to end it when rank 0 exits (torchrun stops the other workers at the first
+    failure): exiting at once let torchrun stop rank 0 before it had written its line, and the job said
+    nothing (seen on a loaded 2-core machine). A rank whose problem is its own (a node that lacks the data)
+    says it, with its rank, after PEER_REFUSAL_GRACE_S, while rank 0 waits for it at the group's start."""
+    if info.rank != 0:
+        import time
+
+        time.sleep(PEER_REFUSAL_GRACE_S)
+        print(f"train_ddp.py: error: rank {info.rank}: {e}", file=sys.stderr)
+        return 2
+    print(f"train_ddp.py: error: {e}", file=sys.stderr)
+    return 2
 
 
 def run_dir_failure(e: OSError, out_dir: str, dist) -> str:

@@ -430,3 +430,23 @@ def test_help_shows_what_each_preset_sets_as_the_flags_it_stands_for(monkeypatch
         }, name
         if name not in TRAIN_ONLY_PRESETS:
             assert parse_config([*BASE, *tokens]) == parse_config([*BASE, "--preset", name]), name
+
+
+def test_before_the_group_rank_0_says_the_refusal_and_the_others_wait_for_the_launcher(monkeypatch, capsys):
+    """Rank 1 exiting at once let torchrun stop rank 0 before it wrote its line (the test above, once, on a
+    loaded machine: no line at all). The others wait to be ended by the launcher; past the grace, a rank
+    whose problem is its own says it with its rank."""
+    import time
+
+    from _helpers import import_train_ddp
+
+    from gpt2.distributed.group import WorldInfo
+
+    train_ddp = import_train_ddp()
+    waits = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    assert train_ddp.refuse_before_group(ValueError("no shards in D"), WorldInfo(0, 0, 2, 2)) == 2
+    assert waits == [] and capsys.readouterr().err == "train_ddp.py: error: no shards in D\n"
+    assert train_ddp.refuse_before_group(ValueError("no shards in D"), WorldInfo(1, 1, 2, 2)) == 2
+    assert waits == [train_ddp.PEER_REFUSAL_GRACE_S]
+    assert capsys.readouterr().err == "train_ddp.py: error: rank 1: no shards in D\n"
