@@ -179,6 +179,7 @@ def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     assert md.read_text().strip() == out.strip()
 
 
+@pytest.mark.slow  # ~21 s
 def test_optimizers_bench_prints_the_table_and_the_steps_ratio_and_reuses_finished_runs(tmp_path):
     results = tmp_path / "runs.json"
     args = [

@@ -218,6 +218,7 @@ def test_the_documented_commands_are_found():
 ACTIONABLE = re.compile(r"--[a-z]|\buse\b|\braise\b|\bprepare\b|\bdrop\b|\bchoose\b")
 
 
+@pytest.mark.slow  # ~45 s: every documented command at every size
 def test_every_documented_command_rehearses_at_every_size(train_ddp, data_dir, tmp_path, capsys):
     """Each documented command, at world sizes 1-64 on each GPU (CPU commands on this CPU): exit 0, or
     2 with one line a user can act on. The several-node commands run at their own size."""

@@ -224,7 +224,9 @@ def test_retention_keeps_k_directories_and_a_rewrite_replaces_the_step(tmp_path)
 # ------------------------------------------------------------------ resume: same size, resharded, DDP
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.torch_feature("muon"))])
+@pytest.mark.parametrize(
+    "optimizer", ["adamw", pytest.param("muon", marks=[pytest.mark.torch_feature("muon"), pytest.mark.slow])]
+)
 def test_kill_9_then_resume_auto_continues_bitwise(tmp_path, shakespeare_shards, optimizer, request):
     reference = request.getfixturevalue("reference" if optimizer == "adamw" else "muon_reference")
     extra = MUON if optimizer == "muon" else ()

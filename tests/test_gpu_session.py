@@ -455,6 +455,7 @@ def check_smoke(out: Path, with_nano: bool) -> None:
     assert "skipped" in steps["gpu-tests"]["tail"]  # no CUDA here: the gpu tests ran as far as a CPU allows
 
 
+@pytest.mark.slow  # ~50 s: every step of the GPU check at tiny shapes
 def test_quick_cpu_smoke_runs_every_step_at_tiny_shapes(prepared, tmp_path):
     """`quick --cpu-smoke` as CI runs it: the same five steps, tiny and eager, through the same runner:
     nanoGPT's row where $NANOGPT_DIR names a reference (else its absence is reported), auto's micro-batch

@@ -184,6 +184,7 @@ def test_two_ranks_equal_one_rank_with_accumulation_under_muon(tmp_path, shakesp
     assert a[8] < a[1] - 0.1
 
 
+@pytest.mark.slow  # ~45 s; kill -9 and bitwise resume with AdamW are in the default suite
 def test_kill_9_and_resume_with_muon_is_bitwise_continues_on_one_rank_and_adamw_flag_is_refused(
     tmp_path, shakespeare_shards
 ):

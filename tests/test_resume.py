@@ -283,6 +283,7 @@ ckpt.save_checkpoint, trainer.sample_text = slow_save, slow_sample
 """
 
 
+@pytest.mark.slow  # ~27 s
 def test_checkpoints_and_samples_longer_than_the_step_timeout_run_under_the_long_one(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
     job = run(
