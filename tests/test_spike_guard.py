@@ -344,15 +344,16 @@ median and MAD the guard judges by leave out of the spread (a standard deviation
 first batch, 12.0, scored under 6)."""
 HURT = 1.0
 """How much worse the unguarded run's final val loss is at least (nats): 9.85 against the clean run's 6.88
-on 1 and on 2 processes (the 2-core test machine)."""
+on 1, 2 and 4 processes (the 2-core test machine)."""
 VAL_MARGIN = 0.1
 """How far the guarded run's final val loss may be from the clean run's (nats): 6.92 against 6.88. It
 trains the same number of steps, but on batches further on (past the poison) after two rollbacks."""
 
 
 @pytest.mark.slow  # 3 runs of 30 steps per case
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, shakespeare_shards, nproc):
+    """The same 512 tokens a step on every rank count (4 ranks: micro-batches of 2), the same poisoned steps."""
     poison = poisoned(shakespeare_shards, tmp_path / "data", POISON_STEPS)
     vals = {}
     off = ["--spike-guard", "false"]
@@ -361,6 +362,7 @@ def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, sh
         args = [
             *tiny_run_flags(data, max_steps=30, ckpt_interval=10, eval_tokens=8192),
             *POISONED_RUN,
+            *(["--micro-batch-size", "2"] if nproc == 4 else []),
             "--out-dir",
             str(out),
             *extra,
