@@ -111,13 +111,7 @@ def _cross_entropy_chunks(
     in the matmuls and 1/n is applied to their fp32 results. fp32 and bf16 have fp32's exponent
     range and fold 1/n in before the cast, as F.cross_entropy's backward does (bitwise the same).
     """
-    w = weight.to(dtype)
-    b = None if bias is None else bias.to(dtype)
-    valid = targets != -1
-    n = valid.sum()
-    inv_n = 1.0 / n
-    late = dtype == torch.float16
-    starts = range(0, x.size(0), rows)
+    w, b, valid, n, inv_n, late, starts = _chunk_setup(x, weight, bias, targets, dtype, rows)
     # Eager, every buffer the chunks use is allocated here, once, and reused: the fp32 logits (then the
     # softmax gradient), their matmul-dtype twin, logsumexp's exp(logits - max), the (V, h) weight-
     # gradient part, and the results that outlive a chunk. Allocated per chunk, on a CPU they came from
@@ -172,6 +166,15 @@ def _cross_entropy_chunks(
         return loss, None, None
     grad_x = grad_x if reuse else torch.cat(grad_x)
     return loss, grad_x, (grad_w * inv_n if late else grad_w).to(weight.dtype)
+
+
+def _chunk_setup(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: torch.dtype, rows: int):
+    """What every chunk shares: the weight and bias in the matmul dtype, the counted rows and their number n,
+    1/n, whether 1/n is applied late (float16, see _cross_entropy_chunks) and the chunks' first rows."""
+    valid = targets != -1
+    n = valid.sum()
+    b = None if bias is None else bias.to(dtype)
+    return weight.to(dtype), b, valid, n, 1.0 / n, dtype == torch.float16, range(0, x.size(0), rows)
 
 
 def _rows(buf: Tensor | None, n: int) -> Tensor | None:
@@ -273,13 +276,7 @@ def _compiled_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Te
     global _CHUNK
     if _CHUNK is None:
         _CHUNK = torch.compile(_one_chunk)
-    w = weight.to(dtype)
-    b = None if bias is None else bias.to(dtype)
-    valid = targets != -1
-    n = valid.sum()
-    inv_n = 1.0 / n
-    late = dtype == torch.float16
-    starts = range(0, x.size(0), rows)
+    w, b, valid, n, inv_n, late, starts = _chunk_setup(x, weight, bias, targets, dtype, rows)
     losses = torch.empty(len(starts), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x)
     grad_w = torch.empty(weight.shape, dtype=torch.float32, device=x.device)
