@@ -375,3 +375,13 @@ def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, sh
     assert len(rollbacks) == 2, guard_records(tmp_path / "on")
     assert vals["off"] > vals["clean"] + HURT, vals  # visibly hurt
     assert abs(vals["on"] - vals["clean"]) < VAL_MARGIN, vals
+
+
+@pytest.mark.parametrize("n", [8, 9, 100])
+def test_the_guards_median_is_torch_medians_from_a_sort(n):
+    """torch.median(dim) returns indices, which --deterministic (use_deterministic_algorithms) refuses on CUDA:
+    the guard takes the same lower median from a sort, bit for bit."""
+    from gpt2.train.spike_guard import _lower_median
+
+    rows = torch.randn(2, n, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(_lower_median(rows), rows.median(dim=1).values)

@@ -92,8 +92,8 @@ class SpikeGuard:
         # Robust: the median and the median absolute deviation (scaled by MAD_TO_SIGMA), not the mean and
         # standard deviation, so a spike in the history (one under the threshold, or small batches' noise)
         # neither moves the centre nor widens the spread that judges the next step.
-        centre = self.history.median(dim=1).values
-        spread = (MAD_TO_SIGMA * (self.history - centre[:, None]).abs().median(dim=1).values).clamp_min(MIN_SPREAD)
+        centre = _lower_median(self.history)
+        spread = (MAD_TO_SIGMA * _lower_median((self.history - centre[:, None]).abs())).clamp_min(MIN_SPREAD)
         z = (x - centre) / spread
         finite = torch.isfinite(x).all()
         full = self.count >= self.window
@@ -159,6 +159,12 @@ class SpikeGuard:
         self.count.fill_(keep)
         self.spikes = deque(state["spikes"])
         self.rollbacks = int(state["rollbacks"])
+
+
+def _lower_median(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's lower median, as torch.median(dim=1) gives it, from a sort: torch.median's CUDA kernel
+    returns indices, which torch.use_deterministic_algorithms (--deterministic) refuses."""
+    return rows.sort(dim=1).values[:, (rows.size(1) - 1) // 2]
 
 
 VERDICT_SIZE = 3
