@@ -122,7 +122,7 @@ def test_ladder_runs_the_trainers_step_and_the_models_attention_kernels(tmp_path
     assert (tmp_path / "ladder.png").stat().st_size > 0
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # ~5 minutes of compiling on 2 cores, by hand: over CI's budget
 def test_train_throughput_runs_every_row_and_states_the_goals(tmp_path):
     md = tmp_path / "report.md"
     out = run_bench(
