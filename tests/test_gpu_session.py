@@ -457,7 +457,8 @@ def check_smoke(out: Path, with_nano: bool) -> None:
 
 @pytest.mark.soak  # ~50 s, by hand: CI runs the same smoke and checks in the venv of the GPU machine (below)
 def test_quick_cpu_smoke_runs_every_step_at_tiny_shapes(prepared, tmp_path):
-    """`quick --cpu-smoke` in this venv (CI runs it in the GPU machine's package set, the next test): the same five steps, tiny and eager, through the same runner:
+    """`quick --cpu-smoke` in this venv (CI runs it in the GPU machine's package set, the next test): the
+    same five steps, tiny and eager, through the same runner:
     nanoGPT's row where $NANOGPT_DIR names a reference (else its absence is reported), auto's micro-batch
     read from the trainer's dry run, a real kill -9 and a bit-for-bit resume (~1 minute on 2 cores)."""
     root, env, with_nano = prepared
