@@ -224,8 +224,8 @@ def encode_batches(batches: Iterator[Batch], workers: int) -> Iterator[tuple[Bat
         return
     quiet_resource_tracker()
     pool = start_pool(workers)
-    # The executor's own record of its workers (pid -> Process; one private name, in it since Python
-    # 3.3): read after a death for the worker's exit status. shutdown() drops the attribute, not the dict.
+    # The executor's own record of its workers (pid -> Process; the one private name used, the same in
+    # Python 3.10-3.13): read after a death for its exit status. shutdown() drops the attribute, not the dict.
     processes = getattr(pool, "_processes", {})
     pending: deque = deque()
     try:
