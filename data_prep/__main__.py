@@ -1,9 +1,9 @@
 """Command line: `python -m data_prep --source ... --out DIR` and `python -m data_prep verify DIR`.
 
 A rerun over a finished job checks every shard (size, sha256) and re-encodes just the missing or
-damaged ones. Exit status: 0 done (or nothing to do), 1 verify found bad shards or writing failed (a full disk:
-one line, rerun to resume), 2 user error (message, no traceback), 130 interrupted (rerun the same
-command to resume).
+damaged ones. Exit status: 0 done (or nothing to do), 1 verify found bad shards, or writing failed
+(a full disk) or a tokenizer process died (the OOM killer): one line, rerun to resume; 2 user error
+(message, no traceback), 130 interrupted (rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from data_prep.prep_config import (
     VAL_SELECT,
     PrepConfig,
     UserError,
+    WorkerDied,
     default_workers,
 )
 
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in summary.lines():
             print(line)
         return run_verify(cfg.out) if args.verify else 0
+    except WorkerDied as e:  # the machine's doing, not the input's: 1, as a full disk
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,11 @@ class UserError(ValueError):
     """
 
 
+class WorkerDied(UserError):
+    """A tokenizer process ended while the job still needed it (killed by the OOM killer, say): one line
+    as a UserError, with exit status 1 (an accident of the machine, not of the input; rerun to resume)."""
+
+
 def default_workers() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -96,7 +96,8 @@ def main_inproc(*args: str, capsys) -> tuple[int, str, str]:
 PATCHED_COMMAND = """\
 # `python -m data_prep ARGS`, with one function of data_prep.shard_writer wrapped: after its WHEN-th call
 # (WHEN = every: after each call) the process kills itself with SIGKILL (ACTION = kill), waits for a
-# signal (ACTION = wait) or sleeps ACTION seconds. Usage: python THIS NAME WHEN ACTION ARGS...
+# signal (ACTION = wait), waits until the file PATH exists (ACTION = until:PATH) or sleeps ACTION
+# seconds. Usage: python THIS NAME WHEN ACTION ARGS...
 import os, runpy, signal, sys, time
 
 if __name__ == "__main__":  # (nothing else runs on import)
@@ -122,6 +123,10 @@ if __name__ == "__main__":  # (nothing else runs on import)
             if action == "wait":  # until a signal ends it: the test signals once it sees this state
                 while True:
                     time.sleep(3600)
+            if action.startswith("until:"):  # until the test has done what it does in this state
+                while not os.path.exists(action[len("until:"):]):
+                    time.sleep(0.01)
+                return result
             time.sleep(float(action))
         return result
 
@@ -592,22 +597,30 @@ def test_ctrl_c_then_kill_9_of_the_process_group_then_resume(tmp_path, kill_corp
 KILL_PARENT_MID_TASK = """\
 import multiprocessing, os, signal, sys, time
 sys.path.insert(0, {repo!r})
-from data_prep.encode import encode_pieces, init_worker
+from data_prep.encode import encode_pieces, start_pool
 
 
 def cpu_ticks(pid):
     utime, stime = open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[11:13]
     return int(utime) + int(stime)
 
+
+def both_started(where):  # a file barrier: returns once two workers hold one call each, initialised
+    open(os.path.join(where, str(os.getpid())), "w").close()
+    while len(os.listdir(where)) < 2:
+        time.sleep(0.01)
+
+
 if __name__ == "__main__":
-    pool = multiprocessing.get_context("spawn").Pool(2, initializer=init_worker, initargs=(True, os.getpid()))
-    pool.map(abs, range(4), chunksize=1)  # started and initialised
-    pids = sorted(p.pid for p in pool._pool)
+    pool = start_pool(2)  # as data_prep makes it
+    where = sys.argv[2]
+    list(pool.map(both_started, [where, where]))  # two calls, no idle worker: two workers started
+    pids = sorted(p.pid for p in multiprocessing.active_children())
     print(*pids, flush=True)
     text = open(sys.argv[1]).read() * 20
     busy = {{pid: cpu_ticks(pid) for pid in pids}}
     for _ in range(2):  # both workers busy tokenizing for seconds when their parent dies
-        pool.apply_async(encode_pieces, (([text], [True]),))
+        pool.submit(encode_pieces, ([text], [True]))
     while any(cpu_ticks(pid) < busy[pid] + 5 for pid in pids):  # both have the task and are at work
         time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -621,14 +634,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def cpu_ticks(pid: int) -> int:
+    """CPU time (user + system, in clock ticks) of a process so far."""
+    utime, stime = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
+    return int(utime) + int(stime)
+
+
 def test_pool_workers_end_quietly_when_data_prep_is_killed_mid_task(tmp_path, shakespeare_path):
     """kill -9 of data_prep while its workers tokenize: each worker's put() of its tokens used to end
     in BrokenPipeError tracebacks on the job's stderr. The workers now die with their parent."""
     script = tmp_path / "kill_parent.py"
     script.write_text(KILL_PARENT_MID_TASK.format(repo=str(REPO)))
+    (tmp_path / "barrier").mkdir()
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, str(script), str(shakespeare_path)], stdout=subprocess.PIPE, stderr=err, text=True
+            [sys.executable, str(script), str(shakespeare_path), str(tmp_path / "barrier")],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
         )
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert proc.wait(timeout=120) == -signal.SIGKILL
@@ -639,6 +662,149 @@ def test_pool_workers_end_quietly_when_data_prep_is_killed_mid_task(tmp_path, sh
         time.sleep(0.05)
     stderr = (tmp_path / "stderr.txt").read_text()
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def spawned_children(parent: int) -> list[int]:
+    """The tokenizer workers of process `parent`: its children that multiprocessing's spawn started
+    (not its resource tracker)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and b"spawn_main" in (d / "cmdline").read_bytes():
+                pids.append(int(d.name))
+        except (OSError, ValueError, IndexError):  # not a process, or one that just ended
+            pass
+    return sorted(pids)
+
+
+def busy_worker(pids: list[int]) -> int:
+    """One of pids that is inside a long batch (30 ms of CPU while the job is stalled: only a batch
+    makes a worker run), or pids[0] if none is within 2 s."""
+    start = {pid: cpu_ticks(pid) for pid in pids}
+    deadline = time.time() + 2
+    while time.time() < deadline:
+        for pid in pids:
+            if cpu_ticks(pid) >= start[pid] + 3:
+                return pid
+        time.sleep(0.01)
+    return pids[0]
+
+
+def test_a_worker_killed_mid_task_ends_data_prep_in_one_line_and_the_rerun_resumes(tmp_path, paragraphs, capsys):
+    """kill -9 of one tokenizer worker while it tokenizes (what the OOM killer does): multiprocessing.Pool
+    started a replacement and waited forever for the dead worker's batch, at 0% CPU and without a word.
+    Now data_prep ends with exit status 1 and one line naming the worker, the signal and the way out;
+    the shards listed are kept, and the rerun of the same command resumes after them to the bytes of a
+    clean run.
+
+    The job stalls after its first shard until the worker is killed (so it cannot finish first), with a
+    document of 600,000 letters and no space in flight (one batch of ~0.3 s of BPE here): the killed
+    worker is one that uses CPU then, i.e. is inside a batch. Were none busy, an idle one is killed:
+    the old code then finished the job (exit status 0), which fails this test too."""
+    head, n_chars = [], 0
+    for p in paragraphs:  # the first batch: paragraphs only, more than one shard of tokens
+        if n_chars > 300_000:
+            break
+        head.append(p)
+        n_chars += len(p)
+    big = "".join(random.Random(0).choices("abcdefghijklmnopqrstuvwxyz", k=600_000))
+    src = write_jsonl(tmp_path / "c.jsonl", [*head, big, *paragraphs[len(head) : len(head) + 50]])
+    job = dict(sources=(str(src),), shard_tokens=50_000, val_tokens=0)
+    run({**job, "out": tmp_path / "clean", "workers": 1})
+    clean = all_bytes(tmp_path / "clean")
+    out, flag = tmp_path / "out", tmp_path / "worker-killed"
+    args = ["--source", str(src), "--out", str(out), "--shard-tokens", "50000", "--val-tokens", "0", "--workers", "2"]
+    command = [*patched_command(tmp_path, "save_manifest", "1", f"until:{flag}"), "--no-progress", *args]
+    proc = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        while not (out / "train_000000.bin").exists() or not json.loads((out / "manifest.json").read_text())["shards"]:
+            assert proc.poll() is None, f"data_prep ended before its first shard:\n{proc.stderr.read()}"
+            time.sleep(0.02)
+        pids = spawned_children(proc.pid)
+        assert pids, "no tokenizer worker found"
+        victim = busy_worker(pids)
+        os.kill(victim, signal.SIGKILL)
+        flag.touch()
+        try:
+            _, stderr = proc.communicate(timeout=120)  # a hang check, not a time limit
+        except subprocess.TimeoutExpired:
+            pytest.fail("data_prep hung after a tokenizer worker was killed")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 1, stderr
+    assert stderr.splitlines() == [stderr.strip()] and stderr.startswith(
+        f"error: a tokenizer worker (pid {victim}) was killed by SIGKILL (the kernel's OOM killer?"
+    ), stderr
+    assert "rerun the same command to continue after the last complete shard" in stderr
+    listed = [e["file"] for e in json.loads((out / "manifest.json").read_text())["shards"]]
+    assert listed and {name: clean[name] for name in listed} == {name: all_bytes(out)[name] for name in listed}
+    rc, _, err = main_inproc(*args[:-1], "1", capsys=capsys)  # the same job (its bytes do not depend on --workers)
+    assert rc == 0 and f"resuming {out}: {len(listed)} shard(s) already written" in err, err
+    assert all_bytes(out) == clean
+
+
+CTRL_C_AT_START = """\
+# Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while encode_batches' workers are
+# still starting: each waits, in spawn's import of this script (before its initializer runs), for the
+# file argv[1], which is made once the signal has been sent.
+import os, signal, sys, time
+
+if __name__ == "__mp_main__":  # a worker starting up
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
+
+if __name__ == "__main__":
+    sys.path.insert(0, {repo!r})
+    from data_prep.encode import Batch, encode_batches
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C live, as in a terminal
+
+    def batches():
+        for i in range(2):  # each submit starts a worker: none is idle yet
+            b = Batch()
+            b.add(f"batch {{i}}", i, True, True)
+            yield b
+        try:  # both workers were launched: Ctrl-C
+            os.killpg(0, signal.SIGINT)
+            while True:
+                time.sleep(0.01)
+        finally:
+            open(sys.argv[1], "w").close()
+
+    try:
+        for _ in encode_batches(batches(), 2):
+            pass
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+"""
+
+
+def test_ctrl_c_while_workers_start_is_one_line(tmp_path):
+    """A worker still starting when Ctrl-C came (SIGINT reaches the whole process group before the
+    worker's initializer set SIG_IGN) printed a KeyboardInterrupt traceback under data_prep's line.
+    Workers now start with SIGINT blocked until it is ignored: only the parent's line."""
+    script = tmp_path / "ctrl_c_at_start.py"
+    script.write_text(CTRL_C_AT_START.format(repo=str(REPO)))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "signalled")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=120)  # a hang check
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130 and stderr == "interrupted\n", stderr
 
 
 def test_rerun_of_finished_job_does_nothing(tmp_path, paragraphs, capsys):
