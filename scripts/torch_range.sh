@@ -6,6 +6,8 @@
 # end-to-end commands of tests/test_torch_range.py (torchrun DDP, compile, Muon, FSDP, kill -9 and resume,
 # sample, eval, export). .ci/run runs it after the main suite.
 # Usage: bash scripts/torch_range.sh [VERSION ...]
+# TORCH_RANGE_KEEP=0 removes each venv once its tests have run and keeps no wheel in pip's cache (each venv
+# is ~5 GB of CUDA wheels): .ci/run sets it, as CI's machine is new every time and its disk is not large.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The floor must match gpt2/core/compat.py's TORCH_FLOOR (tests/test_compat.py checks it).
@@ -22,6 +24,8 @@ SUBSET=(tests/test_compat.py tests/test_torch_range.py tests/test_gpt.py tests/t
 # capped one. These venvs exist to test exactly the release named, so their pip reads no configuration
 # file (PIP_* environment variables still apply). The default setup (scripts/setup.sh) is left as it is.
 nocfg=(env PIP_CONFIG_FILE=/dev/null)
+KEEP=${TORCH_RANGE_KEEP:-1}
+[ "$KEEP" = 1 ] || nocfg+=(PIP_NO_CACHE_DIR=1)
 
 for v in "${VERSIONS[@]}"; do
   env=".venv-torch-$v"
@@ -45,5 +49,6 @@ for v in "${VERSIONS[@]}"; do
   "$py" -m pytest -q -p no:cacheprovider -m "not slurm and not soak and (not slow or torch_range)" "${SUBSET[@]}"
   rc=$?
   set -e
+  if [ "$KEEP" != 1 ]; then rm -rf "$env"; fi
   if [ "$rc" -ne 0 ]; then echo "torch_range: torch $got: FAILED (pytest exit $rc)"; exit "$rc"; fi
 done
