@@ -25,7 +25,8 @@ finished comes back when the call is killed at its limit; quick-logs.tar.gz hold
 
 Other steps run alone by name (each its own device call, not part of quick): doctor (`python -m
 gpt2.doctor`, its lease-sized default), stall (bench/checkpoint_stall.py), suite (the default suite's
-files whose code takes other paths on CUDA).
+files whose code takes other paths on CUDA), profile (bench/gpu_profile.py: kernel time by kind and the top
+kernels of nanoGPT's step, of our model in nanoGPT's loop and of our trainer's step).
 
 Nothing here needs `datasets` or a network: nanoGPT, the token shards, the tokenizer's files and the tests'
 corpus travel in .gpu/ (git-ignored, carried by the device call). The runs write under runs/gpu_session/
@@ -132,6 +133,10 @@ def pytest_cmd() -> list[str]:
         "-rfEs",
         "-p",
         "no:cacheprovider",
+        # The GPU machine's Python has hypothesis, whose plugin imports its shrinker at the summary, under
+        # assertion rewriting: ~10 s after the tests had passed, past the step's limit (2026-11-27's run).
+        "-p",
+        "no:hypothesispytest",
         "--continue-on-collection-errors",
         *(["--timeout", "300"] if pytest_timeout_available() else []),
     ]
@@ -181,7 +186,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
         *eager,
     ]
     return [
-        Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 15, report="env.md"),
+        Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 10, report="env.md"),
         Step(
             "vs-nanogpt",
             [
@@ -199,7 +204,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
                 "--json",
                 str(work / "vs_nanogpt.json"),
             ],
-            140,
+            120,
             report="vs_nanogpt.md",
         ),
         Step(
@@ -226,7 +231,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
                 "--json",
                 str(work / "defaults.json"),
             ],
-            130,
+            125,
             report="defaults.md",
         ),
         Step(
@@ -245,11 +250,11 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
                 str(work / "resume_check.json"),
                 *resume_tail,
             ],
-            155,
+            175,
             report="resume_check.md",
         ),
         Step(
-            "gpu-tests", [*pytest_cmd(), *gpu_test_files(), "-m", "gpu", "--junitxml", str(work / "gpu-tests.xml")], 30
+            "gpu-tests", [*pytest_cmd(), *gpu_test_files(), "-m", "gpu", "--junitxml", str(work / "gpu-tests.xml")], 40
         ),
     ]
 
@@ -278,6 +283,23 @@ def single_steps(work: Path) -> dict[str, Step]:
             report="doctor/doctor.txt",
         ),
         "stall": Step("stall", stall, 120),
+        # Where a step's device time goes, kernel by kernel: nanoGPT's model and ours in nanoGPT's loop,
+        # and our trainer's step (bench/gpu_profile.py). ~100 s on an H200 (2026-11-27).
+        "profile": Step(
+            "profile",
+            [
+                *python_cmd(),
+                "bench/gpu_profile.py",
+                "--nanogpt",
+                str(gpu_dir() / "nanogpt"),
+                "--data-dir",
+                str(gpu_dir() / "data"),
+                "--md",
+                str(work / "profile.md"),
+            ],
+            180,
+            report="profile.md",
+        ),
         "suite": Step("suite", [*pytest_cmd(), *SUITE, "--junitxml", str(work / "suite.xml")], 400),
     }
 
@@ -804,7 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "what",
         help="prepare | quick | env | defaults-rows | a step: "
-        + ", ".join(["env", "vs-nanogpt", "defaults", "resume", "gpu-tests", "doctor", "stall", "suite"]),
+        + ", ".join(["env", "vs-nanogpt", "defaults", "resume", "gpu-tests", "doctor", "stall", "suite", "profile"]),
     )
     ap.add_argument(
         "--out", type=Path, default=None, help="where the results go (default $OUT, else runs/gpu_session/out)"

@@ -577,3 +577,88 @@ def test_plan_memory_bench_prints_the_plan_against_both_malloc_settings():
     assert len(row) == 1, out.stdout
     ratios = [float(x) for x in re.findall(r"\((\d+\.\d\d)\)", row[0])]
     assert len(ratios) == 2 and 0.75 <= ratios[1] <= 1.25  # with the run's malloc setting: within the plan's error
+
+
+def tiny_shards(directory: Path, tokens: int = 60_000) -> Path:
+    import numpy as np
+
+    from gpt2.data.shards import write_shard
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    write_shard(directory / "train_000000.bin", rng.integers(0, 50257, tokens).astype(np.uint16))
+    write_shard(directory / "val_000000.bin", rng.integers(0, 50257, 4096).astype(np.uint16))
+    return directory
+
+
+def test_gpu_profile_runs_our_rows_on_a_cpu_and_says_it_saw_no_kernels(tmp_path):
+    """bench/gpu_profile.py's rows run end to end (eager, a CPU: the smoke test; its kernel tables need
+    CUDA, tested below from device events)."""
+    md = tmp_path / "profile.md"
+    out = run_bench(
+        "bench/gpu_profile.py",
+        *("--shape", "tiny", "--device", "cpu", "--nanogpt", "none", "--no-compile"),
+        *("--data-dir", str(tiny_shards(tmp_path / "data")), "--warmup", "1", "--steps", "2"),
+        *("--profile-steps", "1", "--md", str(md)),
+        timeout=600,
+    )
+    rows = table_rows(out.split("\n\n**")[0], "row")
+    assert [r[0] for r in rows] == ["ours model (loss full)", "ours"]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+    assert out.count("no device kernels (a CPU run)") == 2 and out.strip().endswith(md.read_text().strip())
+
+
+def test_gpu_profile_tables_device_kernels_by_kind_with_the_idle_share():
+    """From the profiler's device events (as on CUDA): kernel time by kind, the top kernels, and the share
+    of the profiled span with no kernel running (overlapping kernels counted once)."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import gpu_profile
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+
+    def kernel(name, t0, t1, device=DeviceType.CUDA, annotation=False):
+        return NS(device_type=device, name=name, time_range=NS(start=t0, end=t1), is_user_annotation=annotation)
+
+    events = [
+        kernel("nvjet_sm90_tst_192x192_gemm", 0, 600),
+        kernel("triton_poi_fused_gelu_0", 500, 700),  # overlaps the matmul: counted once in the busy time
+        kernel("cudnn_sdpa_flash_fprop", 900, 1000),
+        kernel("multi_tensor_apply_kernel<FusedAdamW>", 1100, 1200),
+        kernel("aten::mm", 0, 5000, device=DeviceType.CPU),  # the host's op: not a kernel
+        kernel("Optimizer.step#AdamW.step", 1050, 1250, annotation=True),  # spans the kernels: not one
+    ]
+    row = gpu_profile.Profile("x", step_s=[0.01, 0.01])
+    gpu_profile.kernel_profile(NS(events=lambda: events), row)
+    assert row.busy_us == 700 + 100 + 100 and row.span_us == 1200
+    assert gpu_profile.kind_of("void at::native::vectorized_elementwise_kernel<FillFunctor>") == "copy / fill"
+    args = NS(shape="tiny", warmup=1, steps=1, profile_steps=1, top=2, nanogpt=None)
+    text = "\n".join(gpu_profile.report([row], args, 64, 1.0))
+    (head,) = table_rows(text.split("\n\n**")[0], "row")
+    assert head[5:8] == ["1.00", "4", "25.0%"]  # kernel ms/step, kernels/step, idle share of the span
+    kinds = dict((r[0], r[1]) for r in table_rows(text.split("| kind |")[1].split("top 2")[0], "kind"))
+    assert kinds == {
+        "matmul": "0.600",
+        "triton (fused by inductor)": "0.200",
+        "attention": "0.100",
+        "optimizer, clip (multi-tensor)": "0.100",
+    }
+    assert (
+        "top 2 kernels" in text and "nvjet_sm90_tst_192x192_gemm" in text and "cudnn_sdpa" not in text.split("top 2")[1]
+    )
+
+
+def test_step_overhead_times_the_loops_host_work_against_nanogpts_ways(tmp_path):
+    out = run_bench(
+        "bench/step_overhead.py", "--data-dir", str(tiny_shards(tmp_path / "data")), "--reps", "5", timeout=600
+    )
+    rows = table_rows(out, "row")
+    assert [r[0].split(":")[0].split(",")[0] for r in rows] == ["loader", "clip", "whole step"]
+    for r in rows:
+        ours, theirs = (float(c.replace(",", "")) for c in r[1:3])
+        assert ours > 0 and theirs > 0 and r[3].endswith("x")
+        assert float(r[3][:-1]) == pytest.approx(ours / theirs, rel=0.03, abs=0.01)  # the cells are rounded

@@ -488,3 +488,112 @@ def test_loader_checks_the_batch_maths_with_the_schedules_rule(shard_dir):
     assert loader(shards, 2, 0, B=2, T=16, G=256).accum_steps == 4
     with pytest.raises(ValueError, match=r"total_batch_size=200 is not a multiple of .* = 2\*16\*2 = 64"):
         loader(shards, 2, 0, B=2, T=16, G=200)
+
+
+# The host's time per micro-step (docs/performance.md, "On a GPU"): at GPT-2 124M and micro-batch 12
+# the H200 waited on the host, and the loader's share was its per-call overheads.
+
+
+@pytest.mark.parametrize("world,B", [(1, 2), (3, 2), (2, 5)])
+def test_window_ids_worked_out_ahead_are_the_permutations_own(shard_dir, monkeypatch, world, B):
+    """micro_batch_windows serves the ids from blocks computed ahead: the same ids window_ids gives
+    for every place, across blocks, epoch boundaries and a jump of the position (a resume)."""
+    import gpt2.data.loader as loader_mod
+
+    monkeypatch.setattr(loader_mod, "ID_BLOCK", 7)  # blocks of a few micro-batches: many block changes
+    shards = find_shards(shard_dir, "train")
+    for rank in range(world):
+        ld = loader(shards, world, rank, B=B, T=16, G=world * B * 16 * 2)
+        fresh = loader(shards, world, rank, B=B, T=16, G=world * B * 16 * 2)
+        seen = 0
+        for step in range(3 * ld.n_windows // (world * B * 2) + 2):  # three epochs and more
+            if step == 5:
+                ld.position += ld.T  # one window on, off the stride: the block ahead must not be trusted
+            for m in range(ld.accum_steps):
+                first = ld.position // ld.T + (m * world + rank) * B
+                got = ld.micro_batch_windows(first)
+                assert np.array_equal(got, fresh.window_ids(np.arange(first, first + B))), (rank, step, m)
+                seen += 1
+            ld.advance()
+        assert seen > 3 * 7 // B
+
+
+def test_rows_the_page_cache_cannot_give_are_read_by_the_pool_alike(shard_dir, monkeypatch):
+    """Rows not in the page cache (read_cached says False: here every other one, after scribbling on
+    the row) are read the waiting way, by the pool: the rows equal the stream's either way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpt2.data.shards import ShardFiles
+
+    real, calls = ShardFiles.read_cached, []
+
+    def half_cached(self, fd, begin, take, out):
+        calls.append(begin)
+        if len(calls) % 2:
+            out[:] = 12345
+            return False
+        return real(self, fd, begin, take, out)
+
+    monkeypatch.setattr(ShardFiles, "read_cached", half_cached)
+    shards = find_shards(shard_dir, "train")
+    stream = TokenStream(shards, seed=0, shuffle=False)
+    starts = [0, 990, 2690, 3000, 2000, 17, 1500]  # 990 and 2690 cross into the next shard
+    with ThreadPoolExecutor(4) as pool:
+        rows = stream.read_rows(starts, 17, pool=pool)
+    assert len(calls) == len(starts) + 2  # a row that crosses a shard is two reads
+    for row, s in zip(rows, starts):
+        assert np.array_equal(row, np.arange(s, s + 17))  # the fixture's tokens are their positions
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "RWF_NOWAIT"), reason="RWF_NOWAIT is Linux's")
+def test_page_cache_reads_and_a_file_system_that_cannot_tell(shard_dir, monkeypatch):
+    """read_cached reads a cached row (the fixture's shards were just written) without the pool; where
+    the file system refuses RWF_NOWAIT (EOPNOTSUPP) it is asked once, and every row still arrives."""
+    import errno
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    shards = find_shards(shard_dir, "train")
+    stream = TokenStream(shards, seed=0, shuffle=False)
+    fd = stream.files.acquire([1])[1]
+    out = np.zeros(17, dtype=np.uint16)
+    assert stream.files.read_cached(fd, 5, 17, out)
+    assert np.array_equal(out, np.arange(1005, 1022))
+
+    asked = []
+
+    def refuse(*a):
+        asked.append(a)
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "preadv", refuse)
+    starts = [0, 990, 2000]
+    with ThreadPoolExecutor(2) as pool:
+        rows = stream.read_rows(starts, 17, pool=pool)
+        again = stream.read_rows(starts, 17, pool=pool)
+    assert len(asked) == 1
+    for r, a, s in zip(rows, again, starts):
+        assert np.array_equal(r, np.arange(s, s + 17)) and np.array_equal(a, r)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "RWF_NOWAIT"), reason="RWF_NOWAIT is Linux's")
+def test_an_io_error_in_a_page_cache_read_is_left_to_the_waiting_read(shard_dir, monkeypatch):
+    """EIO from the no-wait read is not "this file system cannot say": it is asked again next time, and
+    the row is read the waiting way (which raises the error if it is real; here it is not)."""
+    import errno
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    stream = TokenStream(find_shards(shard_dir, "train"), seed=0, shuffle=False)
+    asked = []
+
+    def fail(*a):
+        asked.append(a)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", fail)
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(2):
+            rows = stream.read_rows([0, 2000], 17, pool=pool)
+            assert np.array_equal(rows, np.stack([np.arange(0, 17), np.arange(2000, 2017)]))
+    assert len(asked) == 4

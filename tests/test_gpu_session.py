@@ -272,11 +272,11 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
     )
     lines = dry.stdout.splitlines()
     assert dry.returncode == 0 and [line.split("\t")[:2] for line in lines[:-1]] == [
-        ["env", "15 s"],
-        ["vs-nanogpt", "140 s"],
-        ["defaults", "130 s"],
-        ["resume", "155 s"],
-        ["gpu-tests", "30 s"],
+        ["env", "10 s"],
+        ["vs-nanogpt", "120 s"],
+        ["defaults", "125 s"],
+        ["resume", "175 s"],
+        ["gpu-tests", "40 s"],
     ]
     assert lines[-1] == 'total 470 s of limits, budget 470 s; the device call: timeout_s=540, carry=[".gpu"]'
     smoke = subprocess.run(

@@ -38,6 +38,8 @@ from gpt2.data.permutation import Permutation
 from gpt2.data.shards import TOKEN_DTYPE, ShardError, ShardFiles, read_header
 
 DATA_ORDERS = ("shuffled", "sequential")
+ID_BLOCK = 4096
+"""Shuffled window ids worked out at once, ahead of the micro-batches that read them (32 KiB)."""
 
 
 @dataclass(frozen=True)
@@ -151,8 +153,21 @@ class TokenStream:
                 shard, (row, column, begin, take) = piece
                 self.files.read_into(fds[shard], shard, begin, out[row, column : column + take])
 
+            def cached(piece, fds=fds) -> bool:  # read it here if no disk must be waited for
+                shard, (row, column, begin, take) = piece
+                return self.files.read_cached(fds[shard], begin, take, out[row, column : column + take])
+
             pieces = [(shard, p) for shard in fds for p in by_shard[shard]]
-            list(pool.map(fetch, pieces)) if pool is not None else [fetch(p) for p in pieces]
+            if pool is None:
+                for piece in pieces:
+                    fetch(piece)
+                continue
+            # The rows in the page cache are read here, one syscall each; only those that would wait on
+            # a disk go to the pool, whose hand-offs cost the host ~30 us a row (before, a warm cache's
+            # every row took that trip, every micro-step: bench/step_overhead.py).
+            missed = [piece for piece in pieces if not cached(piece)]
+            if missed:
+                list(pool.map(fetch, missed))
         return out.astype(np.int64)
 
 
@@ -202,6 +217,7 @@ class TrainLoader:
         self._perm: Permutation | None = None  # the current epoch's order, and that epoch
         self._perm_epoch = -1
         self._pool: ThreadPoolExecutor | None = None  # made on first use: shuffled rows are read in parallel
+        self._id_block: tuple[int, np.ndarray] | None = None  # micro_batch_windows' (first place, ids ahead)
         self.B, self.T, self.G = micro_batch_size, seq_len, total_batch_size
         self.rank, self.world_size = rank, world_size
         self.accum_steps = accum_steps
@@ -221,7 +237,7 @@ class TrainLoader:
             first = self.position // self.T + first_seq
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="gpt2-rows")
-            ids = self.window_ids(np.arange(first, first + self.B))
+            ids = self.micro_batch_windows(first)
             rows = self.windows.read_rows((ids * self.T).tolist(), self.T + 1, pool=self._pool)
         if rows.max() >= GPT2_VOCAB_SIZE:
             rows = self._out_of_vocab(rows, micro_step)
@@ -264,6 +280,26 @@ class TrainLoader:
                 self._perm, self._perm_epoch = Permutation(self.n_windows, seed=self.seed, epoch=int(e)), e
             out[epoch == e] = self._perm(j[epoch == e])
         return out
+
+    def micro_batch_windows(self, first: int) -> np.ndarray:
+        """window_ids of places first .. first + B - 1 (a micro-batch's rows), read from a block worked
+        out ahead. This rank's micro-batches start world_size * B places apart, step after step (a
+        step is accum_steps * world_size * B places), so the next ID_BLOCK // B of them are one
+        vectorised window_ids call: the permutation's ~50 small numpy operations cost ~0.7 ms per
+        call whatever its length, on the host, every micro-step (bench/step_overhead.py). A start off
+        the block (a resume, another rank's layout) works out a new one: the ids depend on the
+        place alone."""
+        stride = self.world_size * self.B
+        if self._id_block is not None:
+            base, block = self._id_block
+            j, off = divmod(first - base, stride)
+            if off == 0 and 0 <= j < len(block):
+                return block[j]
+        rows = max(1, ID_BLOCK // self.B)
+        places = first + stride * np.arange(rows)[:, None] + np.arange(self.B)[None, :]
+        block = self.window_ids(places.reshape(-1)).reshape(rows, self.B)
+        self._id_block = (first, block)
+        return block[0]
 
     def advance(self) -> None:
         """Move to the next optimizer step's global batch."""

@@ -6,6 +6,7 @@ Byte-compatible with llm.c and modded-nanogpt: a header of 256 little-endian int
 
 from __future__ import annotations
 
+import errno
 import os
 import weakref
 from collections import OrderedDict
@@ -124,6 +125,7 @@ class ShardFiles:
         self.paths, self.sizes, self.max_open = paths, sizes, max_open
         self._fds: OrderedDict[int, int] = OrderedDict()  # shard index -> fd, least recently used first
         self._finalizer = weakref.finalize(self, _close_fds, self._fds)
+        self._nowait = hasattr(os, "preadv") and hasattr(os, "RWF_NOWAIT")  # read_cached can ask the page cache
 
     def acquire(self, shards) -> dict[int, int]:
         """Descriptors of these shards (at most max_open), opening the missing ones."""
@@ -158,6 +160,22 @@ class ShardFiles:
                 "changed during the run, restore it"
             )
         return fd
+
+    def read_cached(self, fd: int, begin: int, take: int, out: np.ndarray) -> bool:
+        """read_into, only where no disk must be waited for: True when all `take` tokens from `begin`
+        were in the page cache and are now in out, else False (out is then unspecified). Linux's
+        RWF_NOWAIT; a system or filesystem without it answers False from then on."""
+        if not self._nowait:
+            return False
+        try:
+            got = os.preadv(fd, [out], HEADER_BYTES + begin * TOKEN_DTYPE.itemsize, os.RWF_NOWAIT)
+        except BlockingIOError:  # not (all) cached: the caller reads it the waiting way
+            return False
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # this file system cannot say
+                self._nowait = False
+            return False  # anything else (EIO): the waiting read meets it again and reports it
+        return got == take * TOKEN_DTYPE.itemsize
 
     def read_into(self, fd: int, shard: int, begin: int, out: np.ndarray) -> None:
         """Tokens [begin, begin + len(out)) of a shard into out (a contiguous uint16 array)."""

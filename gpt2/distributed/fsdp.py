@@ -97,14 +97,36 @@ NORM_CHUNK = 1 << 22
 """Elements per fp64 partial sum in grad_norm: bounds the fp64 temporary at 32 MiB per tensor."""
 
 
-def _local(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A gradient's local tensor and whether it is a shard of a larger one (an FSDP DTensor)."""
+def _locals(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The gradients split into (whole tensors, local tensors of FSDP shards (DTensors)): one pass and one
+    import per step, not per gradient (the step's host time: _chunks)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    if not isinstance(t, DTensor):
-        return t, False
-    assert not any(isinstance(p, Replicate) for p in t.placements), t.placements  # 1-D FSDP mesh: Shard(0)
-    return t.to_local(), True
+    whole, shards = [], []
+    for t in grads:
+        if isinstance(t, DTensor):
+            assert not any(isinstance(p, Replicate) for p in t.placements), t.placements  # 1-D FSDP mesh: Shard(0)
+            shards.append(t.to_local())
+        else:
+            whole.append(t)
+    return whole, shards
+
+
+def _chunks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors as grad_norm sums them: a contiguous tensor of at most NORM_CHUNK elements as itself
+    (its norm is its flat view's, bit for bit: the reduction runs over the same memory in the same
+    order), any other as its flat view's NORM_CHUNK-element chunks. No view ops for the common case:
+    GPT-2 124M has 148 gradients, one chunk each but the embedding's; a reshape and a split each, and
+    a second pass for the shards, made the clip's host time 3.1 ms against torch's 0.6 (this CPU,
+    bench/step_overhead.py), and at micro-batch 12 on an H200 the device waited on the host
+    (docs/performance.md, "On a GPU")."""
+    out: list[torch.Tensor] = []
+    for t in tensors:
+        if t.numel() <= NORM_CHUNK and t.is_contiguous():
+            out.append(t)
+        else:
+            out.extend(t.reshape(-1).split(NORM_CHUNK))
+    return out
 
 
 def grad_norm(grads: list[torch.Tensor], dist: Dist) -> torch.Tensor:
@@ -126,17 +148,16 @@ def grad_norm(grads: list[torch.Tensor], dist: Dist) -> torch.Tensor:
     whose tensors are one chunk each gets bitwise the old sum; a larger one differs from it by the
     fp64 rounding of a re-associated sum (~1e-16 relative), far below the fp32 result's last bit.
     """
+    return _norm_of(*_locals(grads), dist, grads[0].device if grads else dist.device)
+
+
+def _norm_of(whole: list[torch.Tensor], shards: list[torch.Tensor], dist: Dist, device: torch.device) -> torch.Tensor:
     from gpt2.distributed.group import all_reduce_sum
 
-    device = grads[0].device if grads else dist.device
-    chunks: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # is a shard -> its chunks
-    for g in grads:
-        local, is_shard = _local(g)
-        chunks[is_shard].extend(local.reshape(-1).split(NORM_CHUNK))
-    whole, sharded = (_sum_of_squares(chunks[k], device) for k in (False, True))
-    if chunks[True] and dist.is_distributed:
+    total, sharded = _sum_of_squares(_chunks(whole), device), _sum_of_squares(_chunks(shards), device)
+    if shards and dist.is_distributed:
         all_reduce_sum(sharded, dist)
-    return (whole + sharded).sqrt().float()
+    return (total + sharded).sqrt().float()
 
 
 def _sum_of_squares(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -154,8 +175,9 @@ def clip_grad_norm(params, max_norm: float, dist: Dist) -> torch.Tensor:
     in one _foreach_mul_ (the shards in place: to_local() is a view of each). Returns the norm before
     clipping."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = grad_norm(grads, dist)
+    whole, shards = _locals(grads)
+    norm = _norm_of(whole, shards, dist, grads[0].device if grads else dist.device)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
     if grads:
-        torch._foreach_mul_([_local(g)[0] for g in grads], coef.to(grads[0].device))
+        torch._foreach_mul_(whole + shards, coef)
     return norm
