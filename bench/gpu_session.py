@@ -186,7 +186,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
         *eager,
     ]
     return [
-        Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 10, report="env.md"),
+        Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 15, report="env.md"),
         Step(
             "vs-nanogpt",
             [
@@ -204,7 +204,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
                 "--json",
                 str(work / "vs_nanogpt.json"),
             ],
-            120,
+            115,
             report="vs_nanogpt.md",
         ),
         Step(

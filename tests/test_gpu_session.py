@@ -272,8 +272,8 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
     )
     lines = dry.stdout.splitlines()
     assert dry.returncode == 0 and [line.split("\t")[:2] for line in lines[:-1]] == [
-        ["env", "10 s"],
-        ["vs-nanogpt", "120 s"],
+        ["env", "15 s"],
+        ["vs-nanogpt", "115 s"],
         ["defaults", "125 s"],
         ["resume", "175 s"],
         ["gpu-tests", "40 s"],
@@ -296,6 +296,15 @@ def test_a_step_never_takes_the_time_the_steps_after_it_reserve():
     assert gpu_session.step_limit(step, 200, later) == 50  # an earlier step overran: a gets what is left
     fixed = gpu_session.Step("a", ["true"], 100, elastic=False)
     assert gpu_session.step_limit(fixed, 470, later) == 100 and gpu_session.step_limit(fixed, 200, later) == 50
+
+
+def test_every_quick_step_runs_when_the_ones_before_it_took_their_whole_limit():
+    """run_steps skips a step left under 10 s; whole seconds are cut from what is left, so a step whose
+    limit is 10 got 9 the moment the call began and never ran (env, 2026-11-27: caught by the venv smoke)."""
+    steps = gpu_session.quick_steps(Path("w"))
+    for i, step in enumerate(steps):
+        left = gpu_session.BUDGET_S - sum(s.limit_s for s in steps[:i]) - 0.5  # each took its limit, and a bit
+        assert gpu_session.step_limit(step, left, steps[i + 1 :]) >= min(10, step.limit_s), step.name
 
 
 def test_auto_micro_batch_is_read_from_the_start_up_line_and_one_or_two_between_are_chosen():
