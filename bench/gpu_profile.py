@@ -59,6 +59,9 @@ def kind_of(name: str) -> str:
 class Profile:
     name: str
     step_s: list[float] = field(default_factory=list)
+    """Each timed step's own wall time (the host's; on CUDA it may end before the device does)."""
+    mean_s: float = 0.0
+    """The timed steps' wall time, the device synchronized at both ends, over their count."""
     kernels: dict[str, list[float]] = field(default_factory=dict)
     """kernel name -> durations (us) over the profiled steps"""
     busy_us: float = 0.0
@@ -119,7 +122,7 @@ def measure(name: str, step, sync, *, warmup: int, steps: int, profile_steps: in
         row.step_s.append(time.perf_counter() - t0)
     sync()
     row.note = f"wall {time.perf_counter() - t_start:.4f} s over {steps} steps"
-    row.step_s.append((time.perf_counter() - t_start) / steps)  # the last entry: the synchronized mean
+    row.mean_s = (time.perf_counter() - t_start) / steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         for _ in range(profile_steps):
@@ -284,7 +287,7 @@ def report(rows: list[Profile], args, tokens_per_step: int, mflop_per_token: flo
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        med, mean = statistics.median(r.step_s[:-1]), r.step_s[-1]
+        med, mean = statistics.median(r.step_s), r.mean_s
         tps = tokens_per_step / mean
         mfu = f"{100 * tps * mflop_per_token * 1e6 / peak:.1f}%" if peak else "-"
         n = sum(len(v) for v in r.kernels.values())
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def done(rows: list[Profile]) -> None:
         text = "\n".join(report(rows, args, tokens, flops_per_token(cfg.model) / 1e6))
-        print(f"[gpu_profile] {rows[-1].name}: {statistics.median(rows[-1].step_s[:-1]):.4f} s/step", flush=True)
+        print(f"[gpu_profile] {rows[-1].name}: {statistics.median(rows[-1].step_s):.4f} s/step", flush=True)
         if args.md:
             args.md.write_text(text + "\n")
 

@@ -632,7 +632,7 @@ def test_gpu_profile_tables_device_kernels_by_kind_with_the_idle_share():
         kernel("aten::mm", 0, 5000, device=DeviceType.CPU),  # the host's op: not a kernel
         kernel("Optimizer.step#AdamW.step", 1050, 1250, annotation=True),  # spans the kernels: not one
     ]
-    row = gpu_profile.Profile("x", step_s=[0.01, 0.01])
+    row = gpu_profile.Profile("x", step_s=[0.01], mean_s=0.01)
     gpu_profile.kernel_profile(NS(events=lambda: events), row)
     assert row.busy_us == 700 + 100 + 100 and row.span_us == 1200
     assert gpu_profile.kind_of("void at::native::vectorized_elementwise_kernel<FillFunctor>") == "copy / fill"
