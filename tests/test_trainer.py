@@ -179,3 +179,91 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_whether_reads_are_l
     assert code == 3 and marker["step"] == (5 if lag else 4), marker
     assert sorted(losses(run_dir)) == list(range(1, marker["step"] + 1))
     assert load_ckpt(run_dir, marker["step"])["step"] == marker["step"]
+
+
+class FakeTime:
+    """The loop's clock in the timing test: it moves only where the test says work happens."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+STEP_S, READ_S, SLOW_WORK_S = 1.0, 0.01, 7.0
+"""A step's own work, the loop's read and logging of a step, an evaluation/checkpoint (fake seconds)."""
+
+
+@pytest.mark.parametrize("ending", ["stop", "last"])
+def test_every_step_is_timed_right_with_late_reads_eval_checkpoint_stop_and_last_step_included(
+    tmp_path, shakespeare_shards, monkeypatch, capsys, ending
+):
+    """CUDA's late reads on a CPU with a fake clock: each step takes STEP_S, each read READ_S, each
+    evaluation or checkpoint SLOW_WORK_S. Every logged step's time is its own (STEP_S, plus a read made
+    between it and the previous step), never a read's few ms (the H100 run's last step: 1.9 ms) nor two
+    steps' work. Eval at steps 2/4/6, checkpoints at 3/6, then either a stop signal read at step 8 or
+    the last step 8. An impossible MFU against a data-sheet peak (step 3 faked as taking 1e-9 s) leaves
+    out that step's MFU alone, and the peak stays for the next steps."""
+    import gpt2.train.trainer as trainer
+    from gpt2.train.step_clock import StepClock
+
+    clock = FakeTime()
+    plain_step, plain_report, plain_perform, plain_loop = (
+        trainer.train_step,
+        trainer.report,
+        trainer.perform,
+        trainer.run_loop,
+    )
+
+    def step(parts, *args, **kwargs):
+        if parts.step == 5 and ending == "stop":  # during step 6: step 7 votes, read late at step 8
+            os.kill(os.getpid(), signal.SIGUSR1)
+        out = plain_step(parts, *args, **kwargs)
+        clock.t += 1e-9 if parts.step == 3 else STEP_S  # step 3 "impossibly" fast: its MFU alone left out
+        return out
+
+    def report(run, *args):
+        clock.t += READ_S
+        return plain_report(run, *args)
+
+    def perform(run, act):
+        plain_perform(run, act)
+        clock.t += SLOW_WORK_S if act.slow else 0.0
+
+    def loop(run):
+        run.clock = StepClock(run.dist.device, now=clock)
+        run.peak = 1e12  # taken as a data-sheet peak (measured_peak below): an MFU of ~1% here
+        return plain_loop(run)
+
+    monkeypatch.setattr(trainer, "train_step", step)
+    monkeypatch.setattr(trainer, "report", report)
+    monkeypatch.setattr(trainer, "perform", perform)
+    monkeypatch.setattr(trainer, "run_loop", loop)
+    monkeypatch.setattr(trainer, "measured_peak", lambda device: False)
+    code, run_dir = _run(
+        tmp_path,
+        shakespeare_shards,
+        "run",
+        monkeypatch,
+        lag=True,
+        max_steps=12 if ending == "stop" else 8,
+        ckpt_interval=3,
+        extra=("--eval-interval", "2"),
+    )
+    assert code == (3 if ending == "stop" else 0)
+    rows = {r["step"]: r for r in records(run_dir) if "loss" in r}
+    assert sorted(rows) == list(range(1, 9))
+    assert [r["step"] for r in records(run_dir) if "val_loss" in r] == [0, 2, 4, 6, 8]
+    for s, r in rows.items():
+        if s == 3:
+            assert r["step_s"] < 1e-6 and r["mfu"] is None
+            continue
+        if s in (1, 2, 3, 4, 5, 7):  # the run's first; after the first step's checks; after an eval/save
+            assert r["step_s"] == pytest.approx(STEP_S, abs=1e-9), (s, r)  # from its own start
+        else:  # from the previous step's end, perhaps with a read in between
+            assert r["step_s"] in (pytest.approx(STEP_S, abs=1e-9), pytest.approx(STEP_S + READ_S, abs=1e-9))
+        assert r["mfu"] is not None and r["mfu"] < 0.05, (s, r)
+    err = capsys.readouterr()
+    assert "step      3 | mfu n/a: MFU" in err.err and "impossible" in err.err and "CPU" not in err.err
+    assert "steps 2-8: median 1000.0 ms/step" in err.out

@@ -176,12 +176,22 @@ def peak_problem(peak: float, device: torch.device | str, threads: int) -> str |
     )
 
 
-def checked_mfu(tokens_per_s: float, cfg: ModelConfig, peak: float) -> tuple[float | None, str | None]:
-    """(MFU, None), or (None, why) when the MFU is above 100%: the peak is then certainly wrong (a CPU
-    probe slowed by another process), and any MFU against it would be too."""
+def checked_mfu(
+    tokens_per_s: float, cfg: ModelConfig, peak: float, *, measured: bool = True, step_s: float | None = None
+) -> tuple[float | None, str | None]:
+    """(MFU, None), or (None, why) when the MFU is above 100%. Against a measured peak (a CPU's matmul
+    probe, measured=True) the peak is then certainly wrong (the probe was slowed by another process), and
+    any MFU against it would be too. Against a data-sheet peak (a GPU's) the peak is right and the step
+    time is what is wrong: only that step's MFU is left out (step_s: its time, named in the reason)."""
     value = mfu(tokens_per_s, cfg, peak)
     if value <= 1.0:
         return value, None
+    if not measured:
+        took = f" in {step_s * 1000:.1f} ms" if step_s is not None else ""
+        return None, (
+            f"MFU {value:.0%} against the data-sheet peak of {format_flops(peak)} is impossible: this step's "
+            f"time{took} was mis-measured, so its MFU is left out (the peak stays for the next steps)"
+        )
     return None, (
         f"MFU {value:.0%} against a peak of {format_flops(peak)}: the peak is below what training "
         f"achieves, so it was measured on a busy machine; MFU is left out of this run, and a cached "

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import math
 import resource
-import time
-from dataclasses import dataclass, replace
+import statistics
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, coll
 from gpt2.distributed.hang import HangDumps
 from gpt2.distributed.straggler import ComputeClock, straggler_line, times_record
 from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
-from gpt2.plan.flops import checked_mfu
+from gpt2.plan.flops import checked_mfu, mfu
 from gpt2.train import compile_cache
 from gpt2.train.compile_cache import CompileCache
 from gpt2.train.gc_steps import collect_at_steps, collect_if_due
@@ -55,6 +55,7 @@ from gpt2.train.startup import (
     write_run_info,
 )
 from gpt2.train.state import Parts, finish_background_write, restore, rng_state, save, set_rng_state
+from gpt2.train.step_clock import StepClock, StepMarks
 
 
 class NonFiniteError(RuntimeError):
@@ -240,7 +241,7 @@ class StepStats:
 
     def __init__(self, step: int, lr: float, numbers: torch.Tensor, world_size: int, scaler_enabled: bool) -> None:
         self.step, self.lr, self.world_size, self.scaler_enabled = step, lr, world_size, scaler_enabled
-        self.started_s: float | None = None  # run_loop's clock when the step was launched (its dt)
+        self.marks: StepMarks | None = None  # run_loop's marks around the step's launch (its time)
         self._event = None
         self.numbers = numbers  # on the device: train_step's update decides its skip there (update)
         if numbers.device.type == "cuda":
@@ -601,8 +602,10 @@ class Run:
     killed later (no signal, no end) still leaves its step's graphs for the next start; None once sealed."""
     bad_steps: int = 0
     """Consecutive steps skipped for a non-finite loss or gradient norm (NonFiniteError at --max-bad-steps)."""
-    last_read_s: float | None = None
-    """The loop's clock at the last read of a step's numbers (the next step time starts there)."""
+    clock: StepClock | None = None
+    """Each step's time (gpt2/train/step_clock.py); run_loop makes it when None (tests pass a fake clock)."""
+    step_s: list[tuple[int, float]] = field(default_factory=list)
+    """(step, seconds) of every step read: the run's closing summary."""
     rolled_back: bool = False
     """report() has just rolled the run back (gpt2/train/spike_guard.py): the step in hand is void."""
 
@@ -624,14 +627,15 @@ def run_loop(run: Run) -> int:
     """
     tc, parts = run.cfg.train, run.parts
     lag = reads_lag(run.dist.device)
+    clock = run.clock = run.clock or StepClock(run.dist.device)
     pending: tuple[StepStats, Actions] | None = None  # a step read late, with what it owed
     slow_phase = True  # start-up: collectives run under --dist-timeout-s until a step has completed
     while parts.step < tc.max_steps:
-        t0 = time.perf_counter()
+        begin, after_gap = clock.begin()
         # A failed background checkpoint write votes to stop like a signal: every rank stops after
         # this step and the stop's save raises the write's error on every rank (state.save).
         out = train_step(parts, run.cfg, run.dist, run.stop_request.signum is not None or write_failed(parts))
-        out.started_s = t0
+        out.marks = StepMarks(begin, clock.mark(), after_gap)
         collect_if_due(parts.step, tc.gc_interval)
         if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
             set_timeout(run.dist, tc.dist_step_timeout_s)
@@ -644,6 +648,7 @@ def run_loop(run: Run) -> int:
         pending = None
         if run.rolled_back:  # the spike guard: this step belonged to the branch left behind
             run.rolled_back = False
+            clock.gap()
             continue
         if lag and not (act.slow or act.final or stop):
             pending = (out, act)
@@ -651,13 +656,17 @@ def run_loop(run: Run) -> int:
         act = act.voted_stop(report(run, out, act) or stop)
         if run.rolled_back:  # the spike guard rolled back: parts.step is the checkpoint's, nothing is owed
             run.rolled_back = False
+            clock.gap()
             continue
         if act.slow:
+            clock.gap()  # the next step is timed from its own start, not across this work
             # Every rank decides this alike. The long timeout also covers the next step, whose
             # collectives wait for the ranks still busy here (rank 0 sampling or writing).
             set_timeout(run.dist, tc.dist_timeout_s)
             slow_phase = True
         perform(run, act)
+        if (act.stop or act.final) and (summary := steps_summary(run)):
+            run.log.info(summary)
         if act.stop:
             run.log.info(
                 f"stopped by signal at step {parts.step}; checkpoint written; wrote {tc.out_dir}/"
@@ -673,6 +682,8 @@ def run_loop(run: Run) -> int:
 def check_first_step(run: Run) -> None:
     """After the first step: its memory against the plan (gpt2/train/memory_watch.py), a warning if it holds
     far more; the compile cache sealed with the training step's graphs in it (every rank: a barrier)."""
+    if run.watch is not None or run.cache is not None:
+        run.clock.gap()  # not the next step's work
     if run.watch is not None:
         if warning := run.watch.after_first_step():
             run.log.warn(warning)
@@ -691,16 +702,14 @@ def report(run: Run, stats: StepStats, act: Actions) -> bool:
     """Read a finished step's numbers: log them when due (act.log, or an unusual step), count bad steps
     (NonFiniteError at --max-bad-steps). Returns whether any rank asked to stop at that step.
 
-    Step time: from the later of the step's launch and the previous read to this read. Without a
-    late read that is one step's forward, backward and the previous update; with one (CUDA), in steady
-    state the reads are one step apart. No cuda.synchronize either way."""
+    Step time: the step's own, from marks made as it was launched (gpt2/train/step_clock.py), whenever
+    and however its numbers are read; on CUDA no cuda.synchronize, a wait for the step's own last kernel."""
     tc, step = run.cfg.train, stats.step
     out = stats.read()
     if out["bad_data"]:  # its update was skipped on the device (train_step); nothing is saved after it
         raise_bad_data(run.parts, run.dist)
-    now = time.perf_counter()
-    begin = stats.started_s if run.last_read_s is None else max(stats.started_s, run.last_read_s)
-    dt, run.last_read_s = now - begin, now
+    dt = run.clock.step_seconds(stats.marks)
+    run.step_s.append((step, dt))
     run.bad_steps = run.bad_steps + 1 if out["skipped"] else (run.bad_steps if out["overflow"] else 0)
     if act.log or out["skipped"] or out["overflow"] or out["guard"].spike:  # an unusual step is always logged
         log_step(run, out, dt, step)
@@ -752,15 +761,29 @@ def perform(run: Run, act: Actions) -> None:
         )
 
 
+def measured_peak(device: torch.device) -> bool:
+    """Whether MFU's peak on this device was measured (a CPU's matmul probe), not a data sheet's (a GPU's)."""
+    return device.type == "cpu"
+
+
 def log_step(run: Run, out: dict, dt: float, step: int) -> None:
-    """The metrics line of step `step`. The first MFU that proves the peak wrong drops it (run.peak = None)."""
+    """The metrics line of step `step`. An MFU over 100%: against a CPU's measured peak it proves the
+    peak wrong, which is dropped (run.peak = None); against a GPU's data-sheet peak it proves this step's
+    time wrong, and only this step's MFU is left out."""
     parts, tc, dist = run.parts, run.cfg.train, run.dist
     tok_s = tc.total_batch_size / dt
-    step_mfu, why = checked_mfu(tok_s / dist.world_size, run.cfg.model, run.peak) if run.peak else (None, None)
-    if why:  # once: the peak is wrong for the rest of the run too
+    measured = measured_peak(dist.device)
+    step_mfu, why = (
+        checked_mfu(tok_s / dist.world_size, run.cfg.model, run.peak, measured=measured, step_s=dt)
+        if run.peak
+        else (None, None)
+    )
+    if why and measured:  # once: the peak is wrong for the rest of the run too
         run.log.info(f"mfu n/a: {why}")
         forget_cpu_peak(dist.device, tc.dtype)
         run.peak = None
+    elif why:
+        run.log.warn(f"step {step:>6} | mfu n/a: {why}")
     run.log.log_step(
         {
             "step": step,
@@ -780,6 +803,23 @@ def log_step(run: Run, out: dict, dt: float, step: int) -> None:
             ),
         },
         tc.max_steps,
+    )
+
+
+def steps_summary(run: Run) -> str | None:
+    """The run's closing line: the median step time over the steps read, the first left out (it compiles
+    and warms up), with its tokens/s and MFU; None with fewer than two steps."""
+    times = [s for step, s in run.step_s[1:]]
+    if not times:
+        return None
+    median = statistics.median(times)
+    tok_s = run.cfg.train.total_batch_size / median
+    value = mfu(tok_s / run.dist.world_size, run.cfg.model, run.peak) if run.peak else None
+    first, last = run.step_s[1][0], run.step_s[-1][0]
+    return (
+        f"steps {first}-{last}: median {median * 1000:.1f} ms/step, {tok_s:,.0f} tok/s"
+        + (f", mfu {value:.1%}" if value is not None and value <= 1.0 else "")
+        + f" ({len(times)} step(s); step {run.step_s[0][0]}, the run's first, left out: it compiles and warms up)"
     )
 
 
