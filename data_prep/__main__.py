@@ -179,11 +179,15 @@ def write_failure(e: OSError, out: Path | None) -> str:
 def quiet_datasets() -> None:
     """datasets logs builder errors we report ourselves, and draws its own progress bars.
 
-    Only if datasets is already imported (main() called inside a program that uses it): importing it
-    here would make a user error found before any reading (a wrong path) wait for a multi-second
-    import. The command gets the same settings through its own environment, see COMMAND_ENV.
+    Importing datasets here would make a user error found before any reading (a wrong path) wait for a
+    multi-second import: where it is not imported yet (main() called in a process of its own, or a
+    test's), the environment datasets reads at its import says the same (COMMAND_ENV's settings),
+    else its "Failed to load JSON" log line came before our own one-line error.
     """
-    if "datasets" in sys.modules:
+    if "datasets" not in sys.modules:
+        os.environ.setdefault("DATASETS_VERBOSITY", "critical")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    else:
         import datasets
 
         datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)

@@ -324,6 +324,19 @@ def check_first_jsonl_record(path: str, text_field: str) -> None:
                 return
 
 
+def is_text_type(kind) -> bool:
+    """Whether an Arrow column of this type holds text as it is (or nothing: all nulls, refused record by
+    record), not JSON text made from mixed types."""
+    import pyarrow as pa
+
+    return (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_null(kind)
+        or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(kind))
+    )
+
+
 def jsonl_line_problem(raw: bytes, text_field: str) -> str | None:
     try:
         record = json.loads(raw.decode("utf-8"))
@@ -427,7 +440,13 @@ class RecordReader:
                         continue
                     if name not in table.column_names:
                         raise self.bad_record(group, n, f"no {self.cfg.text_field!r} field")
-                    for text in table.column(name).to_pylist():
+                    column = table.column(name)
+                    if not is_text_type(column.type):
+                        # datasets' JSON builder turns a field of mixed types (a string here, a number or
+                        # true there) into JSON text for every record: the training tokens would hold
+                        # quotes and escapes. Refused, naming the record that is not a string.
+                        raise self.bad_record(group, n, f"{self.cfg.text_field!r} is not a string in every record")
+                    for text in column.to_pylist():
                         if n >= skip:
                             if not isinstance(text, str):
                                 raise self.bad_record(group, n, f"{self.cfg.text_field!r} is missing or not a string")

@@ -865,6 +865,23 @@ def test_jsonl_errors_name_file_and_line(tmp_path, paragraphs, capsys):
     assert not (tmp_path / "o3").exists() or not list((tmp_path / "o3").glob("*.bin"))
 
 
+@pytest.mark.parametrize("value", [42, True, 1.5])
+def test_a_non_string_text_in_one_record_is_refused_and_no_record_is_json_encoded(tmp_path, value, capsys):
+    """datasets' JSON builder reads a field of mixed types as JSON text for every record (quotes, \\n
+    and \\u00e9 in the tokens, exit 0, seen with one `"text": 42` among strings): refused with the file
+    and line, as a list or null already was."""
+    src = tmp_path / "c.jsonl"
+    lines = [json.dumps({"text": f"caf\u00e9 {i}\nline two"}) for i in range(40)]
+    lines.insert(30, json.dumps({"text": value}))
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "o"
+    args = ("--source", str(src), "--out", str(out), "--val-tokens", "0", "--workers", "1")
+    rc, _, err = main_inproc(*args, capsys=capsys)
+    kind = type(value).__name__
+    assert rc == 2 and err.startswith(f"error: {src.resolve()}:31: field 'text' is {kind}, not a string"), err
+    assert not out.exists() or not list(out.glob("train_*.bin"))
+
+
 @pytest.mark.parametrize(
     "case", ["missing", "empty", "unsupported", "one_document", "bad_utf8", "parquet_column", "bad_flag"]
 )
