@@ -107,7 +107,7 @@ def test_retention_after_resuming_an_earlier_checkpoint_keeps_the_one_just_writt
 def test_auto_takes_the_newest_valid_step_whatever_latest_names(tmp_path):
     """Issue 32: `latest` naming step 2 while valid steps 4 and 6 exist made auto resume from 2 (and then
     overwrite 4 and 6). auto goes by step; `latest` is a hint, and a bad one (not UTF-8, not a name,
-    a missing file) is ignored without an error."""
+    a missing file) is never followed."""
     for step in (2, 4, 6):
         ckpt.save_checkpoint(tmp_path, step, state(step), keep=10)
     pointer = tmp_path / "checkpoints" / "latest"
@@ -123,13 +123,17 @@ def test_auto_takes_the_newest_valid_step_whatever_latest_names(tmp_path):
         b"\xff\xfe step_\x80\n",
         b"",
         b"step_00000002.pt\nstep_00000004.pt\n",
-        b"step_00000099.pt\n",
         b"../../etc/passwd\n",
     ):
         pointer.write_bytes(bad)
         warnings = []
         assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000006.pt", bad
         assert warnings == [], bad
+    # A missing file it names is a checkpoint that vanished (issue 58): said, with the steps it loses.
+    pointer.write_bytes(b"step_00000099.pt\n")
+    warnings = []
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append).name == "step_00000006.pt"
+    assert len(warnings) == 1 and "steps 7-99 are lost" in warnings[0], warnings
     # The newest is damaged: the next one by step, not the one `latest` names.
     newest = tmp_path / "checkpoints" / "step_00000006.pt"
     newest.write_bytes(newest.read_bytes()[:100])
@@ -282,6 +286,33 @@ def test_auto_refuses_to_start_over_checkpoints_it_cannot_verify(tmp_path):
     )
     # Another run's checkpoints do not hold a fresh start back (they are ignored, with a warning).
     (tmp_path / "config.json").write_text(json.dumps({"run_id": "other"}))
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) is None
+
+
+def test_auto_says_which_steps_a_vanished_checkpoint_loses_and_refuses_when_all_are_gone(tmp_path):
+    """A checkpoint deleted with its sidecar and `latest` left (a scratch purge between a preemption and
+    its requeue): auto resumed from the older one without a word, and with every .pt gone started from
+    step 0. Now a warning naming the steps lost, and the truncated-files refusal when nothing is left."""
+    paths = [ckpt.save_checkpoint(tmp_path, step, state(step), keep=5, run_id="r") for step in (1, 2, 3)]
+    (tmp_path / "config.json").write_text(json.dumps({"run_id": "r"}))
+    paths[2].unlink()
+    warnings = []
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) == paths[1]
+    assert warnings == [
+        f"step_00000003.pt of this run is gone from {tmp_path / 'checkpoints'} (named by its sidecar): resuming "
+        "from step 2, so step 3 is lost and trained again; restore step_00000003.pt and rerun to keep them"
+    ]
+    paths[2].with_suffix(".json").unlink()  # `latest` alone still names it
+    warnings.clear()
+    assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) == paths[1]
+    assert len(warnings) == 1 and "(named by latest)" in warnings[0] and "step 3 is lost" in warnings[0]
+    paths[0].unlink()
+    paths[1].unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"this run's checkpoint\(s\) step_00000003.pt, step_00000002.pt"):
+        ckpt.resolve_resume("auto", tmp_path, warn=warnings.append)
+    # Another run's leftovers hold nothing back.
+    (tmp_path / "config.json").write_text(json.dumps({"run_id": "other"}))
+    (tmp_path / "checkpoints" / "latest").unlink()
     assert ckpt.resolve_resume("auto", tmp_path, warn=warnings.append) is None
 
 

@@ -585,6 +585,7 @@ def latest_valid(out_dir: str | Path, warn=warnings.warn, *, run_id=_DIRECTORY_R
         except CheckpointError as e:
             warn(f"skipping checkpoint: {e}")
             continue
+        warn_vanished(out_dir, run_id, int(_NAME.match(path.name).group(1)), warn)
         named = latest_named(out_dir)
         if named in candidates and candidates.index(named) > candidates.index(path):
             warn(
@@ -594,6 +595,41 @@ def latest_valid(out_dir: str | Path, warn=warnings.warn, *, run_id=_DIRECTORY_R
             )
         return path
     return None
+
+
+def vanished(out_dir: str | Path, run_id=ANY_RUN) -> list[Path]:
+    """run_id's checkpoints that this directory still names but that are gone: a sidecar left without
+    its checkpoint, or the one `latest` names (a scratch purge, a person tidying up, a copy that left the
+    .pt behind). Newest step first."""
+    ckdir = checkpoint_dir(out_dir)
+    if not ckdir.is_dir():
+        return []
+    gone = {}
+    for side in ckdir.glob("step_*.json"):
+        path = side.with_suffix(".pt")
+        if _NAME.match(path.name) and not path.exists() and not path.with_suffix("").exists():
+            meta = sidecar(path)
+            if meta is not None and (run_id == ANY_RUN or run_id_of(meta) == run_id):
+                gone[path.name] = path
+    named = latest_named(out_dir)
+    if named is not None and not named.exists() and named.name not in gone:
+        gone[named.name] = named  # `latest` is written after the sidecar: of the directory's run
+    return sorted(gone.values(), key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
+
+
+def warn_vanished(out_dir: str | Path, run_id, step: int, warn) -> None:
+    """A warning when checkpoints of run_id newer than `step` (the one resumed from) are gone: the
+    steps after `step` are lost and will be trained again."""
+    lost = [p for p in vanished(out_dir, run_id) if int(_NAME.match(p.name).group(1)) > step]
+    if lost:
+        newest = int(_NAME.match(lost[0].name).group(1))
+        warn(
+            f"{', '.join(p.name for p in lost[:3])}{', ...' if len(lost) > 3 else ''} of this run "
+            f"{'is' if len(lost) == 1 else 'are'} gone from {checkpoint_dir(out_dir)} (named by "
+            f"{'its sidecar' if lost[0].with_suffix('.json').exists() else 'latest'}): resuming from step {step}, so "
+            f"{f'step {newest} is' if newest == step + 1 else f'steps {step + 1}-{newest} are'} lost and trained "
+            f"again; restore {lost[0].name} and rerun to keep them"
+        )
 
 
 def latest_named(out_dir: str | Path) -> Path | None:
@@ -645,6 +681,15 @@ def refuse_unverified(out_dir: str | Path, run_id=_DIRECTORY_RUN) -> None:
     if run_id is _DIRECTORY_RUN:
         run_id = directory_run_id(out_dir)
     unverified = [p.name for p in list_checkpoints(out_dir) if belongs(p, run_id)]
+    gone = vanished(out_dir, run_id)
+    if gone and not unverified:
+        raise CheckpointError(
+            f"--resume auto: this run's checkpoint(s) {', '.join(p.name for p in gone[:3])}"
+            f"{', ...' if len(gone) > 3 else ''} are gone from {checkpoint_dir(out_dir)} (their sidecars or latest "
+            "still name them), so the run would start over from step 0: restore them (with their .json sidecars), "
+            "pass --resume PATH of another checkpoint, or --resume never to start fresh (this run's files move "
+            "into a previous-* folder)"
+        )
     if unverified:
         raise CheckpointError(
             f"--resume auto: none of this run's {len(unverified)} checkpoint(s) in {checkpoint_dir(out_dir)} "
