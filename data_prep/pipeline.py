@@ -79,7 +79,11 @@ class Summary:
         if self.resumed_at_record:
             out.append(f"resumed at record {self.resumed_at_record:,}; this run wrote {self.run_tokens:,} tokens")
         if self.skipped_files:
-            out.append(f"skipped {len(self.skipped_files)} undecodable .txt file(s): {self.skipped_files[0]}, ...")
+            more = ", ..." if len(self.skipped_files) > 1 else ""
+            out.append(
+                f"skipped {len(self.skipped_files)} file(s) (manifest.json's skipped_files and skipped_why say "
+                f"why): {self.skipped_files[0]}{more}"
+            )
         if self.val_tokens == 0:  # only --val-tokens 0 does this (VAL_RULE); the trainer needs to be told too
             out.append("no val split (--val-tokens 0): train on it with --eval-tokens 0")
         return out
@@ -125,6 +129,7 @@ def run_job(cfg: PrepConfig, log: Callable[[str], None]) -> Summary:
     if val_tokens > 0 and (only := sources.single_document(corpus, cfg)):
         raise one_document(f"{only}: a .txt file is one document")
     manifest["skipped_files"] = list(corpus.skipped_files)
+    manifest["skipped_why"] = list(corpus.skipped_why)
     reader = sources.RecordReader(corpus, cfg, manifest["group_records"])
     runs = val_runs(manifest)
     if "val_records" not in manifest:

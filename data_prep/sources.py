@@ -74,7 +74,10 @@ class Corpus:
     estimated_tokens: int | None
     """From source bytes; None for a streamed HF dataset whose size is unknown up front."""
     skipped_files: tuple[str, ...] = field(default=())
-    """.txt files left out because they are not valid UTF-8 (--on-decode-error skip)."""
+    """Files left out: in a --source directory, of a type data_prep does not read (.gz, .md, ...); .txt
+    files that are not valid UTF-8 (--on-decode-error skip). The manifest lists them, with skipped_why."""
+    skipped_why: tuple[str, ...] = field(default=())
+    """Why each of skipped_files was left out, in the same order."""
 
 
 def stat_source(path: Path, kind: str) -> SourceFile:
@@ -112,8 +115,9 @@ def readable_paths(paths: list[str]) -> Iterator[list[str]]:
         yield out
 
 
-def discover(paths: tuple[str, ...], exclude: Path) -> list[SourceFile]:
-    """The source files in order: arguments in the order given, directories walked sorted."""
+def discover(paths: tuple[str, ...], exclude: Path, unread: list[Path] | None = None) -> list[SourceFile]:
+    """The source files in order: arguments in the order given, directories walked sorted. unread:
+    gets the files in those directories of a type data_prep does not read."""
     exclude = exclude.resolve()
     found: list[SourceFile] = []
     for arg in paths:
@@ -128,7 +132,7 @@ def discover(paths: tuple[str, ...], exclude: Path) -> list[SourceFile]:
                 )
             found.append(stat_source(path, kind))
             continue
-        in_dir = [stat_source(p, KINDS[p.suffix.lower()]) for p in walk_sorted(path, exclude)]
+        in_dir = [stat_source(p, KINDS[p.suffix.lower()]) for p in walk_sorted(path, exclude, unread)]
         if not in_dir:
             raise UserError(f"--source {arg}: the directory holds no {', '.join(KINDS)} files")
         found.extend(in_dir)
@@ -142,26 +146,33 @@ def discover(paths: tuple[str, ...], exclude: Path) -> list[SourceFile]:
     return found
 
 
-def walk_sorted(root: Path, exclude: Path) -> list[Path]:
+def walk_sorted(root: Path, exclude: Path, unread: list[Path] | None = None) -> list[Path]:
     """Supported files under root sorted by relative path (as `sorted(rglob)` would, component-wise);
-    hidden entries and the output directory are skipped."""
-    found = []
+    hidden entries and the output directory are skipped; unread gets the other files, sorted alike."""
+    found, other = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and (here / d).resolve() != exclude]
-        found += [here / n for n in filenames if not n.startswith(".") and Path(n).suffix.lower() in KINDS]
+        for n in filenames:
+            if not n.startswith("."):
+                (found if Path(n).suffix.lower() in KINDS else other).append(here / n)
+    if unread is not None:
+        unread += sorted(other, key=lambda p: p.relative_to(root).parts)
     return sorted(found, key=lambda p: p.relative_to(root).parts)
 
 
 def plan_local(cfg: PrepConfig) -> Corpus:
     """Find and stat the local sources (cheap: enough for the fingerprint and the val estimate)."""
-    files = discover(cfg.sources, exclude=cfg.out)
+    unread: list[Path] = []
+    files = discover(cfg.sources, exclude=cfg.out, unread=unread)
     if sum(f.bytes for f in files) == 0:
         raise UserError(f"empty corpus: the {len(files)} source file(s) hold 0 bytes")
     return Corpus(
         groups=group_files(files, cfg.txt_sample_by),
         description={"files": [f.describe() for f in files]},
         estimated_tokens=sum(text_bytes(f, cfg.text_field) for f in files) // BYTES_PER_TOKEN,
+        skipped_files=tuple(str(p.resolve()) for p in unread),
+        skipped_why=tuple(f"not a {', '.join(KINDS)} file" for _ in unread),
     )
 
 
@@ -182,7 +193,12 @@ def check(corpus: Corpus, cfg: PrepConfig) -> Corpus:
     kept = [f for f in files if f.path not in set(skipped)]
     if not kept:
         raise UserError("empty corpus: every source file was skipped as undecodable")
-    return replace(corpus, groups=group_files(kept, cfg.txt_sample_by), skipped_files=tuple(skipped))
+    return replace(
+        corpus,
+        groups=group_files(kept, cfg.txt_sample_by),
+        skipped_files=corpus.skipped_files + tuple(skipped),
+        skipped_why=corpus.skipped_why + tuple("not valid UTF-8 (--on-decode-error skip)" for _ in skipped),
+    )
 
 
 def check_file(f: SourceFile, cfg: PrepConfig) -> bool:

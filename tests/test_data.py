@@ -157,8 +157,24 @@ def test_state_refuses_different_shards(shard_dir, tmp_path_factory):
     shards = find_shards(shard_dir, "train")
     state = loader(shards, 1, 0).state_dict()
     (shard_dir / "train_000002.bin").unlink()
-    with pytest.raises(ValueError, match="differ"):
+    with pytest.raises(ValueError, match=r"differ .*\(saved 3 shard\(s\), found 2\)"):
         loader(find_shards(shard_dir, "train"), 1, 0).load_state_dict(state)
+
+
+def test_other_data_of_as_many_shards_is_named_by_the_shard_that_differs():
+    """Resuming onto other data of one shard said "(saved 1 shards, found 1)"."""
+    from gpt2.data.loader import shard_difference
+
+    assert shard_difference([["train_0.bin", 100]], [["train_0.bin", 90]]) == (
+        "train_0.bin: saved with 100 tokens, now 90"
+    )
+    assert shard_difference([["a.bin", 1]], [["b.bin", 1]]) == "saved a.bin, found b.bin in its place"
+
+
+def test_a_data_dir_that_is_a_file_is_named_a_file(tmp_path):
+    (tmp_path / "f.bin").write_bytes(b"x")
+    with pytest.raises(ShardError, match="f.bin: a file, not a directory of shards"):
+        find_shards(tmp_path / "f.bin", "train")
 
 
 def test_eval_loader_covers_the_first_sequences_once_whatever_the_world(shard_dir):

@@ -1023,6 +1023,22 @@ def test_user_error_through_the_real_command_has_no_traceback(tmp_path):
     assert proc.stderr == f"error: --source {tmp_path / 'nope'}: no such file or directory\n"
 
 
+def test_files_of_a_type_it_does_not_read_are_listed_in_the_manifest_and_said(tmp_path, capsys):
+    """A .gz or .md in a --source directory was left out without a trace in manifest.json."""
+    src = tmp_path / "in"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text("first document")
+    (src / "notes.md").write_text("# not read")
+    (src / "sub" / "b.txt.gz").write_bytes(b"\x1f\x8b")
+    (src / ".hidden").write_text("hidden files stay out of it")
+    out = tmp_path / "o"
+    rc, stdout, _ = main_inproc("--source", str(src), "--out", str(out), "--val-tokens", "0", capsys=capsys)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert rc == 0 and manifest["skipped_files"] == [str(src / "notes.md"), str(src / "sub" / "b.txt.gz")]
+    assert all(why.startswith("not a ") for why in manifest["skipped_why"])
+    assert f"skipped 2 file(s) (manifest.json's skipped_files and skipped_why say why): {src / 'notes.md'}" in stdout
+
+
 def test_decode_error_skip_and_replace(tmp_path):
     src = tmp_path / "in"
     src.mkdir()
@@ -1032,7 +1048,9 @@ def test_decode_error_skip_and_replace(tmp_path):
     out = tmp_path / "skip"
     run(dict(sources=(str(src),), out=out, val_tokens=0, on_decode_error="skip"))
     np.testing.assert_array_equal(split_tokens(out, "train"), expected_tokens(["first document", "third document"]))
-    assert json.loads((out / "manifest.json").read_text())["skipped_files"] == [str((src / "b.txt").resolve())]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["skipped_files"] == [str((src / "b.txt").resolve())]
+    assert manifest["skipped_why"] == ["not valid UTF-8 (--on-decode-error skip)"]
     out = tmp_path / "replace"
     run(dict(sources=(str(src),), out=out, val_tokens=0, on_decode_error="replace"))
     np.testing.assert_array_equal(

@@ -55,6 +55,18 @@ class ShardSet:
         return [[p.name, n] for p, n in zip(self.paths, self.sizes)]
 
 
+def shard_difference(saved: list, found: list) -> str:
+    """How two shard fingerprints ([name, tokens] each) differ, in words: the first shard that differs."""
+    if len(saved) != len(found):
+        return f"saved {len(saved)} shard(s), found {len(found)}"
+    for (name, tokens), (now_name, now_tokens) in zip(saved, found):
+        if name != now_name:
+            return f"saved {name}, found {now_name} in its place"
+        if tokens != now_tokens:
+            return f"{name}: saved with {tokens:,} tokens, now {now_tokens:,}"
+    return "the same names and sizes, another order"
+
+
 def find_shards(data_dir: str | Path, split: str) -> ShardSet:
     """All *{split}*.bin shards in data_dir, sorted by name, each header validated.
 
@@ -62,8 +74,9 @@ def find_shards(data_dir: str | Path, split: str) -> ShardSet:
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
+        what = "a file, not a directory of shards" if data_dir.exists() else "no such directory"
         raise ShardError(
-            f"--data-dir {data_dir}: no such directory; prepare one with `python -m data_prep --source FILES --out DIR`"
+            f"--data-dir {data_dir}: {what}; prepare one with `python -m data_prep --source FILES --out DIR`"
         )
     paths = sorted(p for p in data_dir.glob(f"*{split}*.bin") if p.is_file())
     if not paths:
@@ -324,9 +337,9 @@ class TrainLoader:
         """Resume the order the checkpoint was written with: checkpoints from before data orders
         existed (no "order") read the stream sequentially, and go on doing so."""
         if state["shards"] != self.shards.fingerprint():
+            differ = shard_difference(state["shards"], self.shards.fingerprint())
             raise ValueError(
-                "the train shards differ from the ones this checkpoint was trained on "
-                f"(saved {len(state['shards'])} shards, found {len(self.shards.paths)}); "
+                f"the train shards differ from the ones this checkpoint was trained on ({differ}); "
                 "point --data-dir at the original data, or start fresh with --resume never"
             )
         if state["seed"] != self.seed:
