@@ -34,6 +34,11 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
 
     stop_with_launcher(launcher)  # a worker whose torchrun dies stops (with a checkpoint), not trains on
 
+    from gpt2.train.cli import parse_command
+
+    # The flags first: a typo is one line at once, not after torch's import (seconds; ~25 s seen on a
+    # loaded machine).
+    cfg, rehearsal = parse_command(argv)  # exits 2 with a message on bad flags or values
     from torch.distributed import DistError
 
     from gpt2.ckpt.writer import CheckpointWriteError
@@ -47,12 +52,10 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         world_from_env,
     )
     from gpt2.distributed.preempt import EXIT_REQUEUE, stop_exit_code
-    from gpt2.train.cli import parse_command
     from gpt2.train.spike_guard import SpikeGuardError
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import NonFiniteError, train
 
-    cfg, rehearsal = parse_command(argv)  # exits 2 with a message on bad flags or values
     if rehearsal is not None:
         return dry_run(cfg, rehearsal), False
     if cfg.train.deterministic:  # before CUDA's first use: cuBLAS reads its workspace setting then
@@ -178,6 +181,7 @@ def dry_run(cfg, rehearsal) -> int:
 
 
 if __name__ == "__main__":
+    outcome = run()  # first: a flag's typo is reported before torch is imported
     from gpt2.distributed.group import exit_rank
 
-    exit_rank(*run())
+    exit_rank(*outcome)

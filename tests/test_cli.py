@@ -125,6 +125,20 @@ def test_a_mistyped_flag_is_one_line_with_the_flag_meant(tmp_path):
     assert run.stderr == "train_ddp.py: error: unrecognized argument --max_steps; did you mean --max-steps?\n"
 
 
+def test_a_mistyped_flag_is_reported_before_torch_is_imported():
+    """torch was imported before the flags were parsed: a typo took ~25 s to report on a loaded machine."""
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "train_ddp.py", "--max-stepz", "10"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "did you mean --max-steps?" in run.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")]
+    assert "gpt2.train.cli" in imported and "torch" not in imported
+
+
 @pytest.mark.parametrize(
     "argv, err",
     [
