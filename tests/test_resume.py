@@ -892,3 +892,25 @@ def test_kill_9_of_torchrun_stops_its_workers_with_a_checkpoint(tmp_path, shakes
     assert "took over" not in second.stdout  # released at the stop, not left to be judged stale
     assert losses(run_dir) == losses(reference)
     assert_same_state(load_ckpt(run_dir, MAX_STEPS), load_ckpt(reference, MAX_STEPS))
+
+
+def test_a_resume_keeps_the_runs_own_auto_decisions_unless_a_flag_changes_them(tmp_path, shakespeare_shards, capsys):
+    """Issue 58: a resume of an unchanged command printed `resume: loss_impl changed from 'chunked' to
+    'full'` (a timing probe decided afresh on a busier machine), so the resumed run computed otherwise.
+    --FLAG auto on a resume keeps the run's own decision, says so, and a flag given now still wins."""
+    run_dir = tmp_path / "run"
+    first = small(shakespeare_shards, run_dir, "--micro-batch-size", "1", "--loss-impl", "full", max_steps=2)
+    assert in_process(first, capsys)[0] == 0
+    auto = ("--micro-batch-size", "auto", "--loss-impl", "auto")
+    code, out, _ = in_process(small(shakespeare_shards, run_dir, *auto, max_steps=4, ckpt_interval=4), capsys)
+    assert code == 0, out
+    assert "resume: --micro-batch-size auto keeps 1, the run's own choice" in out
+    assert "resume: --loss-impl auto keeps 'full', the run's own choice" in out
+    assert "loss_impl changed" not in out and "micro_batch_size changed" not in out
+    assert "8 micro-steps of 1x64" in out
+    whole = tmp_path / "whole"
+    same = ("--micro-batch-size", "1", "--loss-impl", "full")
+    assert in_process(small(shakespeare_shards, whole, *same), capsys)[0] == 0
+    assert losses(run_dir) == losses(whole)  # bit for bit: the same decisions as the uninterrupted run
+    code, out, _ = in_process(small(shakespeare_shards, run_dir, "--loss-impl", "chunked", max_steps=5), capsys)
+    assert code == 0 and "resume: loss_impl changed from 'full' to 'chunked'" in out

@@ -22,7 +22,7 @@ import platform
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -143,6 +143,7 @@ def prepare(
             determinism.enable()
             log.info(determinism.describe())
         verify_data(cfg, shards, dist, log)
+        cfg = keep_decisions(cfg, start, dist, log)
         resolved = resolve_auto(cfg, dist, log)
         cfg, prec, loss, tc = resolved.cfg, resolved.precision, resolved.loss, resolved.cfg.train
         peak = mfu_peak(dist, prec, log)
@@ -461,6 +462,41 @@ def start_target(dist: Dist, hardware=None) -> Target:
     return Target(
         world_size=dist.world_size, processes_per_host=dist.local_world_size, device=dist.device, hardware=hardware
     )
+
+
+KEPT_ON_RESUME = ("dtype", "activation_checkpointing", "micro_batch_size", "loss_impl")
+"""--FLAG auto decisions a resumed run takes from the run it continues instead of deciding afresh: a
+timing probe or a free-memory reading can decide otherwise on a busy machine, and another loss path or
+precision changes the numbers (the resume would not continue bit for bit)."""
+
+
+def keep_decisions(cfg: RunConfig, start: Start, dist: Dist, log: Metrics) -> RunConfig:
+    """cfg with each KEPT_ON_RESUME field left at auto set to the value the continued run decided (its
+    RUN/config.json, of the same run id, on as many ranks), each said in one line; a flag given now wins."""
+    kept = None
+    if dist.is_main and start.point is not None:
+        kept = decided_before(Path(cfg.train.out_dir) / RUN_INFO, start.run_id, dist.world_size)
+    kept = broadcast_object(kept, dist) or {}
+    changes = {k: v for k, v in kept.items() if getattr(cfg.train, k) == "auto" and v != "auto"}
+    for k, v in changes.items():
+        flag = "--" + k.replace("_", "-")
+        log.info(f"resume: {flag} auto keeps {v!r}, the run's own choice (pass {flag} to decide otherwise)")
+    if not changes:
+        return cfg
+    return RunConfig(cfg.model, replace(cfg.train, **changes))
+
+
+def decided_before(info_path: Path, run_id: str | None, world_size: int) -> dict | None:
+    """KEPT_ON_RESUME's values in the continued run's config.json, or None: no such file, another run's,
+    unreadable, or another world size (the micro-batch and memory were decided per rank)."""
+    try:
+        info = json.loads(info_path.read_text())
+        train = info["config"]["train"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if info.get("run_id") != run_id or info.get("world_size") != world_size:
+        return None
+    return {k: train[k] for k in KEPT_ON_RESUME if k in train}
 
 
 def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> Resolved:
