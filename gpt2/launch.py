@@ -2,11 +2,12 @@
 
 torchrun's agent turns SIGTERM (and SIGINT, SIGHUP, SIGQUIT) into a SignalException, shuts its
 workers down (forwarding the signal, then SIGKILL after TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and
-re-raises it out of torch.distributed.run.main as a 30-line traceback. The slurm/ scripts stop every
-preempted or timed-out job that way, so each checkpointed stop would read like a crash in the job
-log. This prints one line instead and exits with the status torchrun exits with when signalled (1,
-the status of an uncaught exception; see gpt2/distributed/preempt.py), so nothing that goes by the status
-changes.
+re-raises it out of torch.distributed.run.main as a 30-line traceback, exit status 1. The slurm/ scripts
+stop every preempted or timed-out job that way, so each checkpointed stop would read like a crash in the
+job log. This prints one line instead. Its status: 3 (EXIT_REQUEUE, what train_ddp.py exits with after a
+checkpointed stop without torchrun) when the trainer confirmed a clean stop by writing RUN/requeue during
+this launch (RUN: --out-dir of the command, or $OUT_DIR); else 1, torchrun's own (the stop was not
+confirmed: a crash in it, or workers that were not the trainer).
 
 A failed worker (a rank that printed `train_ddp.py: error: ...` and exited 2, or crashed) makes torchrun
 stop the others with SIGTERM and raise ChildFailedError: a traceback and a table of every rank, the
@@ -22,13 +23,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
 EXIT_SIGNALLED = 1
-"""torchrun's exit status when it is the process signalled: the scripts go by OUT_DIR/requeue instead."""
+"""torchrun's exit status when it is the process signalled and no clean stop was confirmed."""
+EXIT_REQUEUE = 3
+"""A checkpointed stop confirmed by RUN/requeue: train_ddp.py's own code for it (gpt2/distributed/preempt.py)."""
 EXIT_CHILD_FAILED = 1
 """torchrun's exit status when a worker failed, whatever the worker's own code (the summary gives it)."""
 
@@ -66,19 +71,50 @@ def failure_summary(e: ChildFailedError) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def out_dir_of(argv: list[str], env=None) -> str | None:
+    """The run directory of the launched command: its last --out-dir, else $OUT_DIR (the slurm/ scripts
+    set it), else None."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--out-dir" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith("--out-dir="):
+            found = arg.split("=", 1)[1]
+    return found or (os.environ if env is None else env).get("OUT_DIR") or None
+
+
+def confirmed_stop(out_dir: str | None, since: float) -> Path | None:
+    """RUN/requeue, if the trainer wrote it after `since` (this launch): its clean stop, with a checkpoint."""
+    if out_dir is None:
+        return None
+    marker = Path(out_dir) / "requeue"
     try:
-        torchrun_main(sys.argv[1:] if argv is None else argv)
+        return marker if marker.stat().st_mtime >= since else None
+    except OSError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    started = time.time() - 1.0  # mtimes have coarse clocks on some filesystems
+    try:
+        torchrun_main(argv)
     except SignalException as e:
         name = signal.Signals(e.sigval).name
-        out_dir = os.environ.get("OUT_DIR", "OUT_DIR")
+        out_dir = out_dir_of(argv)
+        marker = confirmed_stop(out_dir, started)
+        said = (
+            f"the trainer confirmed a clean stop after its checkpoint ({marker}): exiting {EXIT_REQUEUE}, "
+            "requeue and resume with --resume auto"
+            if marker is not None
+            else f"no clean stop was confirmed ({out_dir or 'RUN'}/requeue was not written): exiting {EXIT_SIGNALLED}"
+        )
         print(
-            f"torchrun: stopped by {name}; its workers were asked to stop and have exited "
-            f"(a checkpointed stop leaves {out_dir}/requeue)",
+            f"torchrun: stopped by {name}; its workers were asked to stop and have exited; {said}",
             file=sys.stderr,
             flush=True,
         )
-        return EXIT_SIGNALLED
+        return EXIT_REQUEUE if marker is not None else EXIT_SIGNALLED
     except ChildFailedError as e:
         print("\n".join(failure_summary(e)), file=sys.stderr, flush=True)
         return EXIT_CHILD_FAILED

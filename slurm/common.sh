@@ -15,8 +15,9 @@
 #       - to srun as USR1: srun relays USR1 to every process of the step (each node's srun_task.sh
 #         turns it into SIGTERM for its torchrun). A SIGTERM would make srun cancel the step instead.
 #  3. Every rank stops at the next step boundary, rank 0 saves a checkpoint and then writes
-#     OUT_DIR/requeue. torchrun's exit code says nothing useful (1 whenever it was signalled, as
-#     for a crash), so the shell goes by that file and by having been signalled.
+#     OUT_DIR/requeue. torchrun's own exit code says nothing useful (1 whenever it was signalled, as
+#     for a crash; gpt2.launch says 3 when that file confirms the stop), so the shell goes by that file
+#     and by having been signalled.
 #  4. USR1 and OUT_DIR/requeue: `scontrol requeue $SLURM_JOB_ID` (see gpt2_finish for the exceptions).
 #     The job keeps its ID, hence its OUT_DIR, and the rerun passes `--resume auto`.
 #  A SIGTERM to the batch shell (plain `scancel`, preemption with a grace time, the hard time limit)

@@ -10,11 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
-from gpt2.launch import EXIT_SIGNALLED
+from gpt2.launch import EXIT_REQUEUE, EXIT_SIGNALLED, out_dir_of
 
-# A worker that says when it is ready, then stops cleanly on SIGTERM as the trainer does.
+# A worker that says when it is ready, then stops cleanly on SIGTERM as the trainer does; with a third
+# argument it confirms the stop as the trainer does after its checkpoint (RUN/requeue).
 WORKER = """
 import signal, sys, time
 from pathlib import Path
@@ -24,6 +26,9 @@ Path(sys.argv[1]).touch()
 end = time.monotonic() + 60
 while not stop and time.monotonic() < end:
     time.sleep(0.02)
+if stop and len(sys.argv) > 2:
+    Path(sys.argv[2]).mkdir(parents=True, exist_ok=True)
+    (Path(sys.argv[2]) / "requeue").write_text('{"step": 3}')
 print("worker stopped cleanly" if stop else "worker timed out", flush=True)
 sys.exit(0 if stop else 4)
 """
@@ -41,10 +46,14 @@ def launch(tmp_path: Path, *args: str, nproc: int = 1) -> subprocess.Popen:
     )
 
 
-def test_sigterm_stops_the_workers_and_leaves_one_line_not_a_traceback(tmp_path):
+@pytest.mark.parametrize("confirmed", [False, True])
+def test_sigterm_stops_the_workers_and_leaves_one_line_not_a_traceback(tmp_path, confirmed):
+    """A stop the trainer confirmed (RUN/requeue written during this launch) exits 3, as train_ddp.py
+    does without torchrun; one it did not, torchrun's 1."""
     (tmp_path / "worker.py").write_text(WORKER)
     ready = tmp_path / "ready"
-    proc = launch(tmp_path, str(tmp_path / "worker.py"), str(ready))
+    run = tmp_path / "run"
+    proc = launch(tmp_path, str(tmp_path / "worker.py"), str(ready), *([str(run)] if confirmed else []))
     deadline = time.monotonic() + 120
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)
@@ -54,12 +63,21 @@ def test_sigterm_stops_the_workers_and_leaves_one_line_not_a_traceback(tmp_path)
     assert "worker stopped cleanly" in out, out + err
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("torchrun: ")]
-    assert lines == [
-        "torchrun: stopped by SIGTERM; its workers were asked to stop and have exited "
-        f"(a checkpointed stop leaves {tmp_path}/run/requeue)"
-    ], err
-    # What torchrun itself exits with when signalled: the slurm/ scripts go by OUT_DIR/requeue instead.
-    assert proc.returncode == EXIT_SIGNALLED == 1, err
+    said = (
+        f"the trainer confirmed a clean stop after its checkpoint ({run}/requeue): exiting 3, requeue and resume "
+        "with --resume auto"
+        if confirmed
+        else f"no clean stop was confirmed ({run}/requeue was not written): exiting 1"
+    )
+    assert lines == [f"torchrun: stopped by SIGTERM; its workers were asked to stop and have exited; {said}"], err
+    assert proc.returncode == (EXIT_REQUEUE if confirmed else EXIT_SIGNALLED), err
+
+
+def test_the_run_directory_is_the_commands_out_dir_else_out_dir_from_the_environment():
+    argv = ["--standalone", "train_ddp.py", "--out-dir", "a", "--out-dir=b"]
+    assert out_dir_of(argv, env={"OUT_DIR": "c"}) == "b"
+    assert out_dir_of(["train_ddp.py"], env={"OUT_DIR": "c"}) == "c"
+    assert out_dir_of(["train_ddp.py"], env={}) is None
 
 
 def test_a_failing_worker_is_summed_up_in_a_few_lines_not_torchruns_table(tmp_path):

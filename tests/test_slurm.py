@@ -229,7 +229,8 @@ def test_prepare_without_torch_names_the_fix(tmp_path):
 def test_a_forwarded_stop_leaves_one_line_from_the_launcher_not_a_traceback(tmp_path):
     """USR1 to the batch shell -> one SIGTERM to `python -m gpt2.launch` (torchrun) -> its worker.
     torchrun would end with a 30-line SignalException traceback; the launcher prints one line and
-    exits 1 as torchrun does, which gpt2_finish reads together with OUT_DIR/requeue."""
+    exits 1 as torchrun does where no clean stop was confirmed (this worker writes no OUT_DIR/requeue),
+    which gpt2_finish reads together with OUT_DIR/requeue."""
     (tmp_path / "worker.py").write_text(
         "import signal, sys, time\nfrom pathlib import Path\n"
         "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(0))\n"
@@ -247,8 +248,8 @@ def test_a_forwarded_stop_leaves_one_line_from_the_launcher_not_a_traceback(tmp_
     assert "rc=1 usr1=1" in r.stdout, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert (
-        f"torchrun: stopped by SIGTERM; its workers were asked to stop and have exited "
-        f"(a checkpointed stop leaves {tmp_path}/run/requeue)" in r.stderr
+        f"torchrun: stopped by SIGTERM; its workers were asked to stop and have exited; no clean stop was "
+        f"confirmed ({tmp_path}/run/requeue was not written): exiting 1" in r.stderr
     ), r.stderr
 
 
@@ -283,14 +284,14 @@ def test_usr1_reaches_the_launcher_once_as_sigterm_and_is_remembered(tmp_path):
 @pytest.mark.parametrize(
     "usr1, term, rc, restart, start_ckpt, marker, requeued, exit_status",
     [
-        ("1", "", 1, 0, "none", True, True, 0),  # USR1 + clean stop (torchrun says 1): requeue
+        ("1", "", 3, 0, "none", True, True, 0),  # USR1 + clean stop (the launcher says 3): requeue
         ("1", "", 0, 0, "none", True, True, 0),  # same when only the workers were signalled
-        ("1", "", 1, 1, "step_00000005.pt", True, True, 0),  # a requeued run that made progress: again
-        ("1", "", 1, 1, "step_00000009.pt", True, False, 3),  # a requeued run without a new checkpoint: stop looping
+        ("1", "", 3, 1, "step_00000005.pt", True, True, 0),  # a requeued run that made progress: again
+        ("1", "", 3, 1, "step_00000009.pt", True, False, 3),  # a requeued run without a new checkpoint: stop looping
         ("1", "", 0, 0, "none", False, False, 0),  # USR1 but training had finished: nothing to resume
         ("1", "", 1, 0, "none", False, False, 1),  # USR1 but no clean stop (died in start-up, crashed)
-        ("1", "1", 1, 0, "none", True, False, 3),  # scancel during the stop: a requeue would undo it
-        ("", "1", 1, 0, "none", True, False, 1),  # SIGTERM alone (scancel, preemption): SLURM decides
+        ("1", "1", 3, 0, "none", True, False, 3),  # scancel during the stop: a requeue would undo it
+        ("", "1", 3, 0, "none", True, False, 3),  # SIGTERM alone (scancel, preemption): SLURM decides
         ("", "", 1, 0, "none", False, False, 1),  # a crash: never requeued (it would crash again)
     ],
 )

@@ -15,7 +15,8 @@ Exit codes of train_ddp.py after such a stop (`stop_exit_code`):
   - under torchrun: 0. torchrun cannot pass a worker's code on (any failed worker makes it exit 1),
     and with --max-restarts N a non-zero exit would restart the group into a new run instead of
     stopping. torchrun itself exits 1 when it was the process signalled (it re-raises the signal
-    as an error after its workers exit), 0 when only the workers were signalled.
+    as an error after its workers exit), 0 when only the workers were signalled; run as
+    `python -m gpt2.launch` it exits 3 instead when RUN/requeue confirms the stop (gpt2/launch.py).
 So a batch script decides "requeue" by `[[ -f $OUT_DIR/requeue ]]` (or exit code 3 without
 torchrun), never by torchrun's exit code; the requeued run passes --resume auto.
 """
