@@ -147,6 +147,54 @@ def test_the_micro_batch_report_judges_both_goals_against_the_data_sheet_peak():
     assert data["rows"][1]["tokens_per_s"] == pytest.approx(12_288 / 0.09) and data["device"] == h100.name
 
 
+def test_rows_run_in_priority_order_and_a_low_priority_row_is_skipped_when_it_would_not_fit():
+    rows = vs.by_batch_rows("gpt2", [12], True, "none", [("--compile-scope=blocks",)])
+    assert [(r.name, r.priority) for r in rows] == [
+        ("nanoGPT B=12", True),
+        ("ours B=12", True),
+        ("ours B=12 --compile-scope=blocks", False),
+    ]
+    rows = vs.by_batch_rows("gpt2", [16], False, "first")
+    assert [(r.name, r.priority) for r in rows] == [("ours defaults", True), ("ours B=16", True)]
+    assert vs.by_batch_rows("gpt2", [24, 16], False, "first")[2].priority is False  # a second B: only if it fits
+    assert vs.row_fits(100.0, None, [50.0]) == (True, "")  # no deadline
+    assert vs.row_fits(100.0, 130.0, []) == (True, "")  # nothing finished to estimate from
+    assert vs.row_fits(100.0, 200.0, [40.0, 90.0]) == (True, "")
+    fits, why = vs.row_fits(100.0, 180.0, [40.0, 90.0])  # the slowest finished row's 90 s: not in 80
+    assert not fits and why == "skipped: time (80 s left before the step's deadline, a row takes ~90 s)"
+
+
+def test_a_skipped_row_is_shown_with_its_reason_and_the_bench_still_succeeds(tmp_path):
+    """The deadline already past once the first rows ran: the extra row is skipped, not failed."""
+    rows = vs.by_batch_rows("smoke", [2], False, "none", [("--compile-scope=blocks",)])
+    ran = []
+
+    def fake(row, shape, **kw):
+        ran.append(row.name)
+        row.times, row.tokens, row.first_s, row.resolved_batch = [0.1], 64, 3.0, "2 x 1"
+
+    import unittest.mock as mock
+
+    with mock.patch.object(vs, "run_by_batch_row", fake):
+        vs.measure_by_batch(
+            rows,
+            vs.SHAPES["smoke"],
+            device="cpu",
+            data=tmp_path,
+            tree=None,
+            dataset="",
+            tmp=tmp_path,
+            steps=1,
+            warmup=1,
+            rounds=1,
+            deadline=0.0,  # long past
+        )
+    assert ran == ["ours B=2"] and rows[1].skipped.startswith("skipped: time (")
+    text = "\n".join(vs.by_batch_report(rows, vs.SHAPES["smoke"], vs.Device("cpu", "cpu"), {"float32": 1e9}))
+    assert "| ours B=2 --compile-scope=blocks | - |" in text and "skipped: time (" in text
+    assert "| 3.0 |" in text  # the first step's seconds, compilation included
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -254,11 +302,16 @@ def test_checkpoint_stall_says_in_one_line_when_cuda_is_asked_for_and_absent():
 
 def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_each_limit_and_the_total(tmp_path):
     steps = gpu_session.quick_steps(tmp_path)
-    assert [s.name for s in steps] == ["env", "vs-nanogpt", "defaults", "resume", "gpu-tests"]
-    assert sum(s.limit_s for s in steps) == gpu_session.BUDGET_S <= 470 < gpu_session.CALL_TIMEOUT_S <= 540
+    assert [s.name for s in steps] == ["env", "vs-nanogpt", "defaults", "realrun", "gpu-tests", "resume"]
+    assert [s.name for s in steps if s.optional] == ["resume"]  # last, and skipped when time runs short
+    required = sum(s.limit_s for s in steps if not s.optional)
+    assert required <= gpu_session.BUDGET_S <= gpu_session.CALL_TIMEOUT_S - 60 and gpu_session.CALL_TIMEOUT_S <= 560
     cmd = {s.name: " ".join(s.cmd) for s in steps}
     assert "bench/vs_nanogpt.py --device cuda --shapes gpt2" in cmd["vs-nanogpt"]
     assert "--micro-batches 12 --defaults-row none" in cmd["vs-nanogpt"]  # nanoGPT's default B, both programs
+    assert "--extra-row=--compile-scope=blocks" in cmd["vs-nanogpt"]
+    assert "bench/realrun.py" in cmd["realrun"] and "--preset gpt2 --device cuda" in cmd["realrun"]
+    assert "--max-steps 8 --eval-interval 4" in cmd["realrun"] and "-p bench.pytest_exit" in cmd["gpu-tests"]
     assert "defaults-rows --device cuda --shape gpt2 --base 12" in cmd["defaults"]
     assert "bench/resume_check.py --device cuda --shape gpt2" in cmd["resume"] and "--rows" not in cmd["resume"]
     assert " -m gpu " in cmd["gpu-tests"] and "tests/test_writer.py" in cmd["gpu-tests"]
@@ -273,12 +326,16 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
     lines = dry.stdout.splitlines()
     assert dry.returncode == 0 and [line.split("\t")[:2] for line in lines[:-1]] == [
         ["env", "15 s"],
-        ["vs-nanogpt", "115 s"],
-        ["defaults", "125 s"],
-        ["resume", "175 s"],
+        ["vs-nanogpt", "190 s"],
+        ["defaults", "140 s"],
+        ["realrun", "80 s"],
         ["gpu-tests", "40 s"],
+        ["resume", "175 s"],
     ]
-    assert lines[-1] == 'total 470 s of limits, budget 470 s; the device call: timeout_s=540, carry=[".gpu"]'
+    assert lines[-1] == (
+        "total 465 s of limits, budget 490 s; resume (175 s) in what is left; "
+        'the device call: timeout_s=555, carry=[".gpu"]'
+    )
     smoke = subprocess.run(
         [sys.executable, "bench/gpu_session.py", "quick", "--dry-run", "--cpu-smoke"],
         cwd=REPO,
@@ -287,6 +344,10 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
         timeout=120,
     )
     assert smoke.returncode == 0 and "--device cpu --shapes smoke" in smoke.stdout and "--no-compile" in smoke.stdout
+    assert (
+        smoke.stdout.splitlines()[0].split("\t")[1] == f"{15 * gpu_session.CPU_SMOKE_SCALE} s"
+    )  # a slow CPU's torch import
+    assert f"budget {gpu_session.BUDGET_S * gpu_session.CPU_SMOKE_SCALE} s" in smoke.stdout.splitlines()[-1]
 
 
 def test_a_step_never_takes_the_time_the_steps_after_it_reserve():
@@ -298,10 +359,70 @@ def test_a_step_never_takes_the_time_the_steps_after_it_reserve():
     assert gpu_session.step_limit(fixed, 470, later) == 100 and gpu_session.step_limit(fixed, 200, later) == 50
 
 
+def test_a_low_priority_step_is_not_reserved_and_is_recorded_as_skipped_with_the_reason(tmp_path):
+    later = [gpu_session.Step("resume", ["true"], 175, optional=True, min_s=120)]
+    assert gpu_session.step_limit(gpu_session.Step("a", ["true"], 100), 300, later) == 300  # nothing reserved
+    py = sys.executable
+    steps = [
+        gpu_session.Step("first", [py, "-c", "print('ran')"], 20),
+        gpu_session.Step("late", [py, "-c", "print('never')"], 175, optional=True, min_s=120),
+    ]
+    results = gpu_session.run_steps(steps, tmp_path, budget_s=60)
+    assert [(r.name, r.status) for r in results] == [("first", "ok"), ("late", "skipped")]
+    assert results[1].tail.startswith("skipped: time (low priority: ") and "at least 120 s" in results[1].tail
+    md = gpu_session.summary_md("quick", results, "now", steps)
+    assert "| late | skipped |" in md and "- skipped: time (low priority" in md
+
+
+JUNIT_THEN_HANG = """
+import pathlib, time
+pathlib.Path({path!r}).write_text(
+    '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="4" failures="0" errors="0" skipped="0">'
+    '</testsuite></testsuites>')
+print("4 passed in 24.00s", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_pytest_step_hung_at_exit_after_its_junit_xml_is_ok_and_stopped_well_before_its_limit(tmp_path):
+    """The 2026-11-27 gpu-tests: 4 passed, then the process sat at exit until the limit. The runner
+    stops it JUNIT_EXIT_GRACE_S after the XML appears and judges it by the XML (an event, not a race)."""
+    xml = tmp_path / "t.xml"
+    step = gpu_session.Step(
+        "gpu-tests", [sys.executable, "-c", JUNIT_THEN_HANG.format(path=str(xml))], 300, junit="t.xml"
+    )
+    res = gpu_session.run_steps([step], tmp_path, budget_s=300)[0]
+    assert res.status == "ok" and res.seconds < 120, res
+    assert any(
+        "4 tests, 0 failures, 0 errors" in n and "killed at exit after the tests finished" in n for n in res.notes
+    )
+    failing = JUNIT_THEN_HANG.replace('failures="0"', 'failures="1"')
+    step = gpu_session.Step("t", [sys.executable, "-c", failing.format(path=str(xml))], 300, junit="t.xml")
+    assert gpu_session.run_steps([step], tmp_path, budget_s=300)[0].status == "failed"
+    none = gpu_session.Step("t", [sys.executable, "-c", "import sys; sys.exit(1)"], 60, junit="t.xml")
+    assert gpu_session.run_steps([none], tmp_path, budget_s=60)[0].status == "failed"  # no XML: the exit says
+
+
+def test_the_pytest_exit_plugin_ends_pytest_with_its_status_past_a_hanging_atexit_hook(tmp_path):
+    (tmp_path / "test_x.py").write_text(
+        "import atexit, time\natexit.register(time.sleep, 3600)\ndef test_ok():\n    pass\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.pytest_exit", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
+
+
 def test_every_quick_step_runs_when_the_ones_before_it_took_their_whole_limit():
     """run_steps skips a step left under 10 s; whole seconds are cut from what is left, so a step whose
     limit is 10 got 9 the moment the call began and never ran (env, 2026-11-27: caught by the venv smoke)."""
-    steps = gpu_session.quick_steps(Path("w"))
+    steps = [s for s in gpu_session.quick_steps(Path("w")) if not s.optional]
     for i, step in enumerate(steps):
         left = gpu_session.BUDGET_S - sum(s.limit_s for s in steps[:i]) - 0.5  # each took its limit, and a bit
         assert gpu_session.step_limit(step, left, steps[i + 1 :]) >= min(10, step.limit_s), step.name
