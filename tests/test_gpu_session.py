@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_session  # noqa: E402
 import nanogpt  # noqa: E402
+import realrun  # noqa: E402
 import resume_check  # noqa: E402
 import vs_nanogpt as vs  # noqa: E402
 
@@ -726,3 +727,37 @@ def test_bench_readme_gives_the_one_call_with_quicks_own_limits():
     limits = dict(re.findall(r"^\| ([a-z-]+) \| (\d+) \| `", text, flags=re.M))
     assert limits == {s.name: str(s.limit_s) for s in gpu_session.quick_steps(Path("w"))}
     assert f"the steps' {gpu_session.BUDGET_S} s" in text
+
+
+def metrics_lines(final_s: float) -> list[dict]:
+    """8 steps of --preset gpt2 as a healthy run records them: step 1 compiles, evaluation at 4 and 8."""
+    recs = []
+    for step in range(1, 9):
+        step_s = {1: 40.0, 4: 1.3, 8: final_s}.get(step, 1.0 + 0.01 * step)
+        recs.append(
+            {"step": step, "loss": 10.0, "step_s": step_s, "tok_per_s": 524_288 / step_s, "mfu": 0.4, "mem_mb": 30000}
+        )
+        if step in (4, 8):
+            recs.append({"step": step, "tokens": step * 524_288, "val_loss": 9.0, "val_tokens": 65536})
+    recs[0]["mfu"] = None  # the first step may have none
+    return recs
+
+
+def test_realrun_passes_eval_and_final_steps_near_the_ordinary_median_and_fails_a_2_ms_final_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in metrics_lines(1.2)) + '{"step": 9, "lo')  # a torn line
+    rows = realrun.step_rows(realrun.read_jsonl(path))
+    assert [r["kind"] for r in rows] == ["first", "ordinary", "ordinary", "eval"] + ["ordinary"] * 3 + ["eval+final"]
+    ok, text = realrun.report(rows, "python train_ddp.py ...")
+    assert ok and "- realrun: **PASS**" in text and "| 8 | **eval+final** | 1.2000 |" in text
+    assert "- median step_s of the 5 ordinary steps: 1.0500 s" in text
+    ok, lines = realrun.verdict(realrun.step_rows(metrics_lines(0.002)))
+    assert (
+        not ok
+        and lines[-1] == "- realrun: **FAIL**"
+        and any("step 8 (eval+final)" in x and "**no**" in x for x in lines)
+    )
+    recs = metrics_lines(1.2)
+    recs[3]["mfu"] = None  # step 4
+    ok, lines = realrun.verdict(realrun.step_rows(recs))
+    assert not ok and "null at steps [4]" in "\n".join(lines)
