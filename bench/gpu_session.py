@@ -355,8 +355,14 @@ def vs_shape_flags(shape: str) -> list[str]:
     }[shape]
 
 
-def single_steps(work: Path) -> dict[str, Step]:
-    """Steps outside quick, each run alone by name (each its own device call)."""
+def single_steps(work: Path, *, cpu_smoke: bool = False) -> dict[str, Step]:
+    """Steps outside quick, each run alone by name (each its own device call). cpu_smoke: sizes at tiny
+    stand-ins (--preset debug at 2 and 3 layers, eager, 1 step each)."""
+    if cpu_smoke:
+        sizes = ["--device", "cpu", "--sizes", "debug:2,debug:3", "--steps", "1", "--compile", "false"]
+        sizes += ["--dtype", "float32"]
+    else:
+        sizes = ["--device", "cuda"]
     stall = [
         *python_cmd(),
         "bench/checkpoint_stall.py",
@@ -397,6 +403,27 @@ def single_steps(work: Path) -> dict[str, Step]:
             report="profile.md",
         ),
         "suite": Step("suite", [*pytest_cmd(), *SUITE, "--junitxml", str(work / "suite.xml")], 400, junit="suite.xml"),
+        # gpt2-medium, -large and -xl at their presets' defaults, a few steps each (bench/sizes.py): the
+        # planner's choices and the peak memory against its plan. The lease's second call, after quick;
+        # a size that would not finish before the step's deadline is skipped and recorded.
+        "sizes": Step(
+            "sizes",
+            [
+                *python_cmd(),
+                "bench/sizes.py",
+                *sizes,
+                "--data-dir",
+                str(gpu_dir() / "data"),
+                "--work",
+                str(work / "runs"),
+                "--md",
+                str(work / "sizes.md"),
+                "--json",
+                str(work / "sizes.json"),
+            ],
+            260 * (CPU_SMOKE_SCALE if cpu_smoke else 1),
+            report="sizes.md",
+        ),
     }
 
 
@@ -1032,7 +1059,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.what + ("-cpu-smoke" if args.cpu_smoke else "")
     work = work_root() / name
     quick = {s.name: s for s in quick_steps(work, cpu_smoke=args.cpu_smoke)}
-    singles = single_steps(work)
+    singles = single_steps(work, cpu_smoke=args.cpu_smoke)
     if args.what == "quick":
         steps = list(quick.values())
     elif args.what in quick or args.what in singles:
@@ -1055,11 +1082,12 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"\t(low priority: runs if {s.min_s} s or more are left)" if s.optional else "")
             )
         required = sum(s.limit_s for s in steps if not s.optional)
+        call = CALL_TIMEOUT_S if args.what == "quick" else min(600, int(budget) + 30)
         extra = [s for s in steps if s.optional]
         print(
             f"total {required} s of limits, budget {budget:.0f} s"
             + "".join(f"; {s.name} ({s.limit_s} s) in what is left" for s in extra)
-            + f'; the device call: timeout_s={CALL_TIMEOUT_S}, carry=[".gpu"]'
+            + f'; the device call: timeout_s={call}, carry=[".gpu"]'
         )
         return 0
     out = args.out or Path(os.environ.get("OUT") or work_root() / "out")

@@ -27,6 +27,7 @@ import gpu_session  # noqa: E402
 import nanogpt  # noqa: E402
 import realrun  # noqa: E402
 import resume_check  # noqa: E402
+import sizes  # noqa: E402
 import vs_nanogpt as vs  # noqa: E402
 
 sys.path.remove(str(REPO / "bench"))
@@ -761,3 +762,51 @@ def test_realrun_passes_eval_and_final_steps_near_the_ordinary_median_and_fails_
     recs[3]["mfu"] = None  # step 4
     ok, lines = realrun.verdict(realrun.step_rows(recs))
     assert not ok and "null at steps [4]" in "\n".join(lines)
+
+
+SIZES_LOG = """starting   1 rank(s) on cuda: checking the data, choosing precision, planning memory, building the model
+precision  bfloat16: native on NVIDIA H100 80GB HBM3
+micro-batch auto: 8 sequences, the fastest by the throughput model (12 fits)
+loss       chunked: the logits a chunk at a time (auto: the full-logits peak 9.2 GiB > 1/8 of 74.0 GiB usable)
+activation checkpointing full: every block recomputed in the backward, +33% FLOPs recomputed, not in MFU (auto)
+plan       61.30 GiB of 74.00 GiB usable per rank, ~11.2 s/step at 40% MFU; the whole plan is in r/train.log
+"""
+
+
+def test_sizes_reads_the_planners_choices_and_the_peak_against_the_plan():
+    recs = [
+        {"step": 1, "step_s": 90.0, "tok_per_s": 5825.4, "mfu": 0.01, "mem_mb": 60000.0},
+        {"step": 2, "step_s": 12.0, "tok_per_s": 43690.7, "mfu": 0.42, "mem_mb": 62771.2},
+    ]
+    train = {"micro_batch_size": 8, "total_batch_size": 524_288, "block_size": 1024, "loss_impl": "chunked"}
+    row = sizes.parse_run(SIZES_LOG, recs, train)
+    assert (row["micro_batch"], row["accum"], row["auto"], row["loss"], row["ac"]) == (8, 64, 8, "chunked", "full")
+    assert (row["steps"], row["step_s"], row["mfu"], row["peak_mib"]) == (2, 12.0, 0.42, 62771.2)
+    assert row["plan_mib"] == pytest.approx(61.30 * 1024) and row["peak_over_plan"] == pytest.approx(62771.2 / 62771.2)
+    text = sizes.report({"gpt2-xl": row, "later": {"why": "skipped: time (5 s left ...)"}}, "cmd")
+    assert "| gpt2-xl | 8 x 64 | 8 | chunked | full | 2 | 12.000 | 43,691 | 42.0% | 62,771 | 62,771 | 1.00 |" in text
+    assert "| later | skipped: time (5 s left ...) |" in text
+    assert sizes.size_fits(0.0, 100.0, [50.0]) == (True, "")  # 75 s expected
+    assert not sizes.size_fits(0.0, 70.0, [50.0])[0] and sizes.size_fits(0.0, 1.0, []) == (True, "")
+    assert sizes.spec_flags("debug:3") == ["--preset", "debug", "--n-layer", "3"]
+
+
+def test_the_sizes_step_at_tiny_stand_ins_on_the_cpu(prepared, tmp_path):
+    """`sizes --cpu-smoke`: --preset debug at 2 and 3 layers, eager, one step each (~20 s on 2 cores)."""
+    root, env, _ = prepared
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "sizes", "--cpu-smoke", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    step = json.loads((tmp_path / "sizes-cpu-smoke.json").read_text())["steps"][0]
+    assert step["status"] == "ok", step
+    assert re.search(
+        r"\| debug:2 \| 8 x 2 \| - \| full logits \| none \| 1 \| [\d.]+ \| [\d,]+ \| [\d.]+% \|", step["report"]
+    )
+    assert "| debug:3 | 8 x 2 |" in step["report"]
+    assert not list(root.glob("work/sizes-cpu-smoke/runs/*/checkpoints/*.pt"))  # each save deleted once read

@@ -250,7 +250,8 @@ class TrainConfig:
     model: the whole model as one region (torch.compile(model)); blocks: each transformer block alone and the
     final LayerNorm, LM head and loss as one more region (what --parallel fsdp always does), the embedding
     lookups between them eager: less compile time (docs/training.md measured 2.3-2.8x less on a CPU), the
-    same losses. No effect without --compile."""
+    same losses. Sampling and HellaSwag then run the compiled blocks (a recompile per generated length).
+    No effect without --compile."""
     compile_cache: str = "auto"
     """torch.compile's cache: auto, off or a directory.
 
