@@ -9,24 +9,32 @@
   env         the machine: driver, GPU, torch/CUDA/Triton, a C compiler (Triton's first compile needs
               one), free disk where the runs write and in /tmp, free GPU memory
   vs-nanogpt  ours against nanoGPT's train.py at the same micro-batch (GPT-2 124M, block 1024, bf16,
-              compiled, B=12: nanoGPT's default), bench/vs_nanogpt.py
+              compiled, B=12: nanoGPT's default), bench/vs_nanogpt.py; then, low priority, ours B=12 with
+              --compile-scope blocks
   defaults    ours at `--preset gpt2`'s defaults (the planner's micro-batch and loss path, its start-up
               lines kept) and a micro-batch between 12 and auto's choice: auto's choice is read from
               the trainer's own `--dry-run` (its line `micro-batch auto: N sequences`)
-  resume      bench/resume_check.py: kill -9 and resume, bit for bit under --deterministic, and the
-              default kernels against their noise floor
-  gpu-tests   the tests marked gpu (they skip on a CPU)
-Each step is a command with its own limit; the limits add up to at most --budget-s (BUDGET_S, under the
-call's timeout CALL_TIMEOUT_S, itself under the device tool's 10 minutes). A step may use what the
-steps before it left unused, never what the steps after it reserve; one that fails or runs out of time
-is recorded and the next one runs. quick.md and quick.json (every step's status and report: tables,
-verdicts, test summaries) are rewritten after every step and every row a step reports, so whatever
-finished comes back when the call is killed at its limit; quick-logs.tar.gz holds every log.
+  realrun     bench/realrun.py: a real 8-step run of --preset gpt2 with evaluation at 4 and 8: each
+              evaluation and the final step's time against the ordinary steps' median, MFU on every step
+  gpu-tests   the tests marked gpu (they skip on a CPU), judged by their junit XML
+  resume      low priority, last: bench/resume_check.py: kill -9 and resume, bit for bit under
+              --deterministic, and the default kernels against their noise floor; skipped, and recorded so,
+              when less than its min_s is left
+Each step is a command with its own limit; the limits (resume's aside) add up to at most --budget-s
+(BUDGET_S, under the call's timeout CALL_TIMEOUT_S, itself under the device tool's 10 minutes). A step may
+use what the steps before it left unused, never what the steps after it reserve; one that fails or runs
+out of time is recorded and the next one runs. Each step's process gets its deadline in
+GPU_SESSION_DEADLINE: bench/vs_nanogpt.py and bench/sizes.py skip a low-priority row that would not fit
+rather than be killed mid-row. --cpu-smoke multiplies every limit by CPU_SMOKE_SCALE. quick.md and
+quick.json (every step's status and report: tables, verdicts, test summaries) are rewritten after every
+step and every row a step reports, so whatever finished comes back when the call is killed at its limit;
+quick-logs.tar.gz holds every log.
 
 Other steps run alone by name (each its own device call, not part of quick): doctor (`python -m
 gpt2.doctor`, its lease-sized default), stall (bench/checkpoint_stall.py), suite (the default suite's
 files whose code takes other paths on CUDA), profile (bench/gpu_profile.py: kernel time by kind and the top
-kernels of nanoGPT's step, of our model in nanoGPT's loop and of our trainer's step).
+kernels of nanoGPT's step, of our model in nanoGPT's loop and of our trainer's step), sizes (bench/sizes.py:
+gpt2-medium, -large and -xl at their presets' defaults, a few steps each, peak memory against the plan).
 
 Nothing here needs `datasets` or a network: nanoGPT, the token shards, the tokenizer's files and the tests'
 corpus travel in .gpu/ (git-ignored, carried by the device call). The runs write under runs/gpu_session/
@@ -291,8 +299,9 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
         ),
         # A real short run of --preset gpt2 (8 steps, evaluation at 4 and 8, the final save): each eval and
         # the final step's time against the ordinary steps' (bench/realrun.py). It compiles the defaults
-        # step's graphs again, from the inductor cache that step filled (child_env).
-        Step("realrun", real, 80, report="realrun.md"),
+        # step's graphs again, from the inductor cache that step filled (child_env), and the evaluation's
+        # forward (not cached: the benches evaluate nothing).
+        Step("realrun", real, 90, report="realrun.md"),
         Step(
             "gpu-tests",
             [

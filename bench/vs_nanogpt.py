@@ -431,11 +431,13 @@ def by_batch_rows(
     """nanoGPT B and ours B for each B; ours at defaults last, first (the row that matters most, where
     a time limit may cut the rows after it) or not at all (defaults: last, first, none); then one row of
     ours at the first B (or at defaults) for each of `extra`'s flag sets. The rows that run whatever the
-    deadline (priority): the first B's pair and the defaults row; the others only where they fit."""
+    deadline (priority): the defaults row, and the first B's pair unless the defaults row comes first
+    (gpu_session's defaults step: there the B rows are the extras); the others only where they fit."""
     rows = []
     for i, b in enumerate(batches):
-        rows += ([Row(shape, "by-batch", "nanoGPT", micro_batch=b, priority=i == 0)] if with_nano else []) + [
-            Row(shape, "by-batch", "ours", micro_batch=b, priority=i == 0)
+        main = i == 0 and defaults != "first"
+        rows += ([Row(shape, "by-batch", "nanoGPT", micro_batch=b, priority=main)] if with_nano else []) + [
+            Row(shape, "by-batch", "ours", micro_batch=b, priority=main)
         ]
     default = [Row(shape, "by-batch", "ours")]
     rows = {"first": default + rows, "last": rows + default, "none": rows}[defaults]
