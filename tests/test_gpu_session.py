@@ -573,7 +573,7 @@ def check_smoke(out: Path, with_nano: bool) -> None:
     assert all(p.stat().st_size < 16 * 2**20 for p in files)
     steps = {s["name"]: s for s in json.loads((out / "quick-cpu-smoke.json").read_text())["steps"]}
     assert {n: s["status"] for n, s in steps.items()} == {
-        n: "ok" for n in ("env", "vs-nanogpt", "defaults", "resume", "gpu-tests")
+        n: "ok" for n in ("env", "vs-nanogpt", "defaults", "realrun", "gpu-tests", "resume")
     }, steps
     assert "C compiler on PATH" in steps["env"]["report"] and "free disk at" in steps["env"]["report"]
     vs = steps["vs-nanogpt"]["report"]
@@ -586,12 +586,16 @@ def check_smoke(out: Path, with_nano: bool) -> None:
     assert "**deterministic** (--deterministic true)" in resume and "exact resume after kill -9: **PASS**" in resume
     assert "bit for bit the same losses" in resume and "- all rows: **PASS**" in resume
     assert "skipped" in steps["gpu-tests"]["tail"]  # no CUDA here: the gpu tests ran as far as a CPU allows
+    assert any(n.startswith("junit: ") for n in steps["gpu-tests"]["notes"])
+    assert re.search(r"\| ours B=2 --compile-scope=blocks \| 2 x 1 \| \w+ \|", vs)  # the low-priority row ran
+    real = steps["realrun"]["report"]
+    assert "| 4 | **eval** |" in real and "| 8 | **eval+final** |" in real and "- realrun: **" in real
 
 
 @pytest.mark.soak  # ~50 s, by hand: CI runs the same smoke and checks in the venv of the GPU machine (below)
 def test_quick_cpu_smoke_runs_every_step_at_tiny_shapes(prepared, tmp_path):
     """`quick --cpu-smoke` in this venv (CI runs it in the GPU machine's package set, the next test): the
-    same five steps, tiny and eager, through the same runner:
+    same six steps, tiny and eager, through the same runner:
     nanoGPT's row where $NANOGPT_DIR names a reference (else its absence is reported), auto's micro-batch
     read from the trainer's dry run, a real kill -9 and a bit-for-bit resume (~1 minute on 2 cores)."""
     root, env, with_nano = prepared
