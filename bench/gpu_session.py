@@ -499,7 +499,7 @@ def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
         f.flush()
         env = {**child_env(), DEADLINE_ENV: f"{time.time() + limit_s - grace:.1f}"}
         proc = subprocess.Popen(step.cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        status, rc, junit_seen = "", None, None
+        status, rc, junit_seen, finished_first = "", None, None, False
         junit = work / step.junit if step.junit else None
         if junit:
             junit.unlink(missing_ok=True)
@@ -516,6 +516,9 @@ def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
                     junit_seen = time.monotonic()
                 if time.monotonic() - t0 >= limit_s - grace:
                     status = "timeout"
+                    if junit and junit_seen is None and junit.is_file():
+                        junit_seen = time.monotonic()
+                    finished_first = junit_seen is not None  # an XML written after the SIGINT is an interrupted run's
                     rc = stop_group(proc, grace)
                 elif junit_seen is not None and time.monotonic() - junit_seen >= JUNIT_EXIT_GRACE_S:
                     status = "stuck"  # the tests finished; the process did not exit
@@ -524,7 +527,10 @@ def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
         step, work, status or ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0, limit_s, shown, log
     )
     if junit:
-        judge_by_junit(res, junit)
+        if res.status == "timeout" and not finished_first:
+            res.notes.append("stopped at its limit before its junit XML was written: the tests did not finish")
+        else:
+            judge_by_junit(res, junit)
     elif res.status == "stuck":
         res.status = "timeout"
     return res

@@ -407,6 +407,31 @@ def test_a_pytest_step_hung_at_exit_after_its_junit_xml_is_ok_and_stopped_well_b
     assert gpu_session.run_steps([none], tmp_path, budget_s=60)[0].status == "failed"  # no XML: the exit says
 
 
+XML_AT_SIGINT = """
+import pathlib, signal, sys, time
+def stop(*_):
+    pathlib.Path({path!r}).write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="2" failures="0" errors="0" skipped="0">'
+        '</testsuite></testsuites>')
+    sys.exit(2)
+signal.signal(signal.SIGINT, stop)
+print("started", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_pytest_step_stopped_at_its_limit_is_a_timeout_even_if_it_writes_a_passing_xml_then(tmp_path):
+    """pytest writes its junit XML when interrupted too, with the tests it ran: not a finished run."""
+    xml = tmp_path / "t.xml"
+    step = gpu_session.Step(
+        "t", [sys.executable, "-c", XML_AT_SIGINT.format(path=str(xml))], 8, elastic=False, junit="t.xml"
+    )
+    res = gpu_session.run_steps([step], tmp_path, budget_s=60)[0]
+    assert xml.is_file() and res.status == "timeout", res
+    assert "before its junit XML was written" in res.notes[0]
+
+
 def test_the_pytest_exit_plugin_ends_pytest_with_its_status_past_a_hanging_atexit_hook(tmp_path):
     (tmp_path / "test_x.py").write_text(
         "import atexit, time\natexit.register(time.sleep, 3600)\ndef test_ok():\n    pass\n"
