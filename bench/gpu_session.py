@@ -9,24 +9,32 @@
   env         the machine: driver, GPU, torch/CUDA/Triton, a C compiler (Triton's first compile needs
               one), free disk where the runs write and in /tmp, free GPU memory
   vs-nanogpt  ours against nanoGPT's train.py at the same micro-batch (GPT-2 124M, block 1024, bf16,
-              compiled, B=12: nanoGPT's default), bench/vs_nanogpt.py
+              compiled, B=12: nanoGPT's default), bench/vs_nanogpt.py; then, low priority, ours B=12 with
+              --compile-scope blocks
   defaults    ours at `--preset gpt2`'s defaults (the planner's micro-batch and loss path, its start-up
               lines kept) and a micro-batch between 12 and auto's choice: auto's choice is read from
               the trainer's own `--dry-run` (its line `micro-batch auto: N sequences`)
-  resume      bench/resume_check.py: kill -9 and resume, bit for bit under --deterministic, and the
-              default kernels against their noise floor
-  gpu-tests   the tests marked gpu (they skip on a CPU)
-Each step is a command with its own limit; the limits add up to at most --budget-s (BUDGET_S, under the
-call's timeout CALL_TIMEOUT_S, itself under the device tool's 10 minutes). A step may use what the
-steps before it left unused, never what the steps after it reserve; one that fails or runs out of time
-is recorded and the next one runs. quick.md and quick.json (every step's status and report: tables,
-verdicts, test summaries) are rewritten after every step and every row a step reports, so whatever
-finished comes back when the call is killed at its limit; quick-logs.tar.gz holds every log.
+  realrun     bench/realrun.py: a real 8-step run of --preset gpt2 with evaluation at 4 and 8: each
+              evaluation and the final step's time against the ordinary steps' median, MFU on every step
+  gpu-tests   the tests marked gpu (they skip on a CPU), judged by their junit XML
+  resume      low priority, last: bench/resume_check.py: kill -9 and resume, bit for bit under
+              --deterministic, and the default kernels against their noise floor; skipped, and recorded so,
+              when less than its min_s is left
+Each step is a command with its own limit; the limits (resume's aside) add up to at most --budget-s
+(BUDGET_S, under the call's timeout CALL_TIMEOUT_S, itself under the device tool's 10 minutes). A step may
+use what the steps before it left unused, never what the steps after it reserve; one that fails or runs
+out of time is recorded and the next one runs. Each step's process gets its deadline in
+GPU_SESSION_DEADLINE: bench/vs_nanogpt.py and bench/sizes.py skip a low-priority row that would not fit
+rather than be killed mid-row. --cpu-smoke multiplies every limit by CPU_SMOKE_SCALE. quick.md and
+quick.json (every step's status and report: tables, verdicts, test summaries) are rewritten after every
+step and every row a step reports, so whatever finished comes back when the call is killed at its limit;
+quick-logs.tar.gz holds every log.
 
 Other steps run alone by name (each its own device call, not part of quick): doctor (`python -m
 gpt2.doctor`, its lease-sized default), stall (bench/checkpoint_stall.py), suite (the default suite's
 files whose code takes other paths on CUDA), profile (bench/gpu_profile.py: kernel time by kind and the top
-kernels of nanoGPT's step, of our model in nanoGPT's loop and of our trainer's step).
+kernels of nanoGPT's step, of our model in nanoGPT's loop and of our trainer's step), sizes (bench/sizes.py:
+gpt2-medium, -large and -xl at their presets' defaults, a few steps each, peak memory against the plan).
 
 Nothing here needs `datasets` or a network: nanoGPT, the token shards, the tokenizer's files and the tests'
 corpus travel in .gpu/ (git-ignored, carried by the device call). The runs write under runs/gpu_session/
@@ -47,7 +55,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,10 +73,21 @@ def work_root() -> Path:
     return Path(os.environ.get(WORK_ENV) or REPO / "runs" / "gpu_session")
 
 
-BUDGET_S = 470
-"""quick's steps' limits, all together (bench/README.md, "On a GPU", gives each step's estimate)."""
-CALL_TIMEOUT_S = 540
-"""The device call's timeout_s: BUDGET_S, the runner's own start and the reports, with room to spare."""
+BUDGET_S = 490
+"""quick's time, all together: its steps' limits (bench/README.md, "On a GPU", gives each step's estimate)
+and 25 s besides; a low-priority step (resume) runs in what is left of it, or is skipped."""
+CALL_TIMEOUT_S = 555
+"""The device call's timeout_s: BUDGET_S, the runner's own start and the reports, with room to spare
+(the device tool's most is 600)."""
+CPU_SMOKE_SCALE = 4
+"""--cpu-smoke multiplies every limit and the budget by this: a 2-core CPU under load took 11 s to import
+torch in env (limit 15); a slow CPU must never fail the smoke on a limit."""
+DEADLINE_ENV = "GPU_SESSION_DEADLINE"
+"""Set for each step's process: the wall-clock time (time.time()) its limit ends at, less the SIGINT grace;
+bench/vs_nanogpt.py and the sizes step skip a row that would not finish before it."""
+JUNIT_EXIT_GRACE_S = 5
+"""A pytest step still running this long after its junit XML appeared (the tests had finished; inductor's
+compile workers' shutdown at exit hung it past its limit, 2026-11-27) is stopped, and judged by the XML."""
 BASE_MICRO_BATCH = 12
 """nanoGPT's default batch_size: the micro-batch ours and nanoGPT's train.py are compared at."""
 SUITE = [
@@ -103,6 +122,13 @@ class Step:
     """Why the step cannot run here, if it cannot (it is then recorded as skipped)."""
     elastic: bool = True
     """May run past limit_s into the time the steps before it left unused (run_steps)."""
+    optional: bool = False
+    """Low priority: the steps before it do not reserve its limit; it runs in what is left of the budget
+    when that is at least min_s, else it is recorded as skipped with the reason."""
+    min_s: int = 10
+    """The least time the step is started with (run_steps)."""
+    junit: str = ""
+    """A pytest step's junit XML (relative to the work dir): its verdict comes from the tests' results."""
 
 
 @dataclass
@@ -137,6 +163,10 @@ def pytest_cmd() -> list[str]:
         # assertion rewriting: ~10 s after the tests had passed, past the step's limit (2026-11-27's run).
         "-p",
         "no:hypothesispytest",
+        # bench/pytest_exit.py: os._exit with pytest's status once it is done, so no atexit hook (inductor's
+        # shutdown_compile_workers sat there until the step's limit, 2026-11-27) can hang the exit
+        "-p",
+        "bench.pytest_exit",
         "--continue-on-collection-errors",
         *(["--timeout", "300"] if pytest_timeout_available() else []),
     ]
@@ -151,6 +181,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
     nano = str(tree) if (tree / "train.py").is_file() else "none"
     if cpu_smoke:
         device, shape, base, eager = "cpu", "smoke", 2, ["--no-compile"]
+        realrun = ["--eval-tokens", "256", "--dtype", "float32", "--compile", "false"]
         vs_steps = defaults_steps = ["--steps", "1", "--warmup", "1"]
         # The exact row only: its kill -9 and resume are the step's path; the default row adds 3 more
         # processes of the same code (tests/test_gpu_session.py runs it in the slow pass).
@@ -173,6 +204,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
         defaults_steps = ["--steps", "7", "--warmup", "3"]  # a 524,288-token step: ~1 s
         resume = ["--shape", "gpt2", "--steps", "16", "--ckpt-step", "8", "--data-dir", str(data)]
         resume_tail = []
+        realrun = ["--eval-tokens", "65536"]
     bench = [
         "bench/vs_nanogpt.py",
         "--device",
@@ -185,7 +217,37 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
         "1",
         *eager,
     ]
-    return [
+    real = [
+        *py,
+        "bench/realrun.py",
+        "--md",
+        str(work / "realrun.md"),
+        "--json",
+        str(work / "realrun.json"),
+        *(["--report-only"] if cpu_smoke else []),
+        "--",
+        *vs_shape_flags(shape),
+        "--device",
+        device,
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(work / "realrun"),
+        "--max-steps",
+        "8",
+        "--eval-interval",
+        "4",
+        "--ckpt-interval",
+        "0",
+        "--sample-interval",
+        "0",
+        "--log-interval",
+        "1",
+        "--plot",
+        "false",
+        *realrun,
+    ]
+    steps = [
         Step("env", [*py, "bench/gpu_session.py", "env", "--md", str(work / "env.md")], 15, report="env.md"),
         Step(
             "vs-nanogpt",
@@ -197,6 +259,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
                 str(base),
                 "--defaults-row",
                 "none",
+                "--extra-row=--compile-scope=blocks",
                 "--nanogpt",
                 nano,
                 "--md",
@@ -204,7 +267,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
                 "--json",
                 str(work / "vs_nanogpt.json"),
             ],
-            115,
+            190,  # H100 80GB HBM3, torch 2.11.0+cu130, cold inductor cache (2026-11-27): 115 cut ours' compile
             report="vs_nanogpt.md",
         ),
         Step(
@@ -231,9 +294,29 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
                 "--json",
                 str(work / "defaults.json"),
             ],
-            125,
+            140,  # the same H100, cold: 125 cut the B=16 row; both rows finished in 140
             report="defaults.md",
         ),
+        # A real short run of --preset gpt2 (8 steps, evaluation at 4 and 8, the final save): each eval and
+        # the final step's time against the ordinary steps' (bench/realrun.py). It compiles the defaults
+        # step's graphs again, from the inductor cache that step filled (child_env), and the evaluation's
+        # forward (not cached: the benches evaluate nothing).
+        Step("realrun", real, 90, report="realrun.md"),
+        Step(
+            "gpu-tests",
+            [
+                *pytest_cmd(),
+                *gpu_test_files(),
+                "-m",
+                "gpu",
+                "--junitxml",
+                str(work / "gpu-tests.xml"),
+            ],
+            40,
+            junit="gpu-tests.xml",
+        ),
+        # Last, low priority: it passed on an H200 (2026-11-27) and takes ~200 s; it runs when the steps
+        # before it left that much of the budget, else it is recorded as skipped.
         Step(
             "resume",
             [
@@ -252,15 +335,43 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
             ],
             175,
             report="resume_check.md",
-        ),
-        Step(
-            "gpu-tests", [*pytest_cmd(), *gpu_test_files(), "-m", "gpu", "--junitxml", str(work / "gpu-tests.xml")], 40
+            optional=True,
+            min_s=120,
         ),
     ]
+    if cpu_smoke:  # a slow CPU never fails the smoke on a limit
+        steps = [replace(s, limit_s=s.limit_s * CPU_SMOKE_SCALE, min_s=s.min_s * CPU_SMOKE_SCALE) for s in steps]
+    return steps
 
 
-def single_steps(work: Path) -> dict[str, Step]:
-    """Steps outside quick, each run alone by name (each its own device call)."""
+def vs_shape_flags(shape: str) -> list[str]:
+    """train_ddp.py's flags for bench/vs_nanogpt.py's shapes gpt2 and smoke (SHAPES' `ours`; not imported
+    here: that would import torch into the runner)."""
+    return {
+        "gpt2": ["--preset", "gpt2"],
+        "smoke": [
+            "--n-layer",
+            "2",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "64",
+            "--block-size",
+            "32",
+            "--total-batch-size",
+            "256",
+        ],
+    }[shape]
+
+
+def single_steps(work: Path, *, cpu_smoke: bool = False) -> dict[str, Step]:
+    """Steps outside quick, each run alone by name (each its own device call). cpu_smoke: sizes at tiny
+    stand-ins (--preset debug at 2 and 3 layers, eager, 1 step each)."""
+    if cpu_smoke:
+        sizes = ["--device", "cpu", "--sizes", "debug:2,debug:3", "--steps", "1", "--compile", "false"]
+        sizes += ["--dtype", "float32"]
+    else:
+        sizes = ["--device", "cuda"]
     stall = [
         *python_cmd(),
         "bench/checkpoint_stall.py",
@@ -300,7 +411,28 @@ def single_steps(work: Path) -> dict[str, Step]:
             180,
             report="profile.md",
         ),
-        "suite": Step("suite", [*pytest_cmd(), *SUITE, "--junitxml", str(work / "suite.xml")], 400),
+        "suite": Step("suite", [*pytest_cmd(), *SUITE, "--junitxml", str(work / "suite.xml")], 400, junit="suite.xml"),
+        # gpt2-medium, -large and -xl at their presets' defaults, a few steps each (bench/sizes.py): the
+        # planner's choices and the peak memory against its plan. The lease's second call, after quick;
+        # a size that would not finish before the step's deadline is skipped and recorded.
+        "sizes": Step(
+            "sizes",
+            [
+                *python_cmd(),
+                "bench/sizes.py",
+                *sizes,
+                "--data-dir",
+                str(gpu_dir() / "data"),
+                "--work",
+                str(work / "runs"),
+                "--md",
+                str(work / "sizes.md"),
+                "--json",
+                str(work / "sizes.json"),
+            ],
+            260 * (CPU_SMOKE_SCALE if cpu_smoke else 1),
+            report="sizes.md",
+        ),
     }
 
 
@@ -365,10 +497,12 @@ def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
     with open(log, "w") as f:
         f.write(f"$ {shown}\n")
         f.flush()
-        proc = subprocess.Popen(
-            step.cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True
-        )
-        status, rc = "", None
+        env = {**child_env(), DEADLINE_ENV: f"{time.time() + limit_s - grace:.1f}"}
+        proc = subprocess.Popen(step.cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        status, rc, junit_seen, finished_first = "", None, None, False
+        junit = work / step.junit if step.junit else None
+        if junit:
+            junit.unlink(missing_ok=True)
         while rc is None:
             stamp = report.stat().st_mtime_ns if report and report.is_file() else None
             now = time.monotonic()
@@ -378,12 +512,64 @@ def run_step(step: Step, work: Path, limit_s: int, on_update=None) -> Result:
             try:
                 rc = proc.wait(timeout=min(2.0, max(0.1, t0 + limit_s - grace - time.monotonic())))
             except subprocess.TimeoutExpired:
+                if junit and junit_seen is None and junit.is_file():
+                    junit_seen = time.monotonic()
                 if time.monotonic() - t0 >= limit_s - grace:
                     status = "timeout"
+                    if junit and junit_seen is None and junit.is_file():
+                        junit_seen = time.monotonic()
+                    finished_first = junit_seen is not None  # an XML written after the SIGINT is an interrupted run's
                     rc = stop_group(proc, grace)
-    return finished(
+                elif junit_seen is not None and time.monotonic() - junit_seen >= JUNIT_EXIT_GRACE_S:
+                    status = "stuck"  # the tests finished; the process did not exit
+                    rc = stop_group(proc, 1)
+    res = finished(
         step, work, status or ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0, limit_s, shown, log
     )
+    if junit:
+        if res.status == "timeout" and not finished_first:
+            res.notes.append("stopped at its limit before its junit XML was written: the tests did not finish")
+        else:
+            judge_by_junit(res, junit)
+    elif res.status == "stuck":
+        res.status = "timeout"
+    return res
+
+
+def junit_counts(path: Path) -> dict[str, int] | None:
+    """tests, failures, errors, skipped of a junit XML (summed over its testsuites); None if absent or unreadable."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    return {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def judge_by_junit(res: Result, path: Path) -> None:
+    """A pytest step's verdict from its tests' results: the junit XML's N tests with no failure and no
+    error is ok even where the process had to be stopped after writing it (a hang at exit); failures or
+    errors are failed whatever the exit status said. No XML: the process's status stands."""
+    counts = junit_counts(path)
+    if counts is None:
+        if res.status == "stuck":
+            res.status = "timeout"
+        return
+    said = (
+        f"junit: {counts['tests']} tests, {counts['failures']} failures, {counts['errors']} errors, "
+        f"{counts['skipped']} skipped"
+    )
+    if counts["failures"] or counts["errors"]:
+        res.status = "failed"
+    elif counts["tests"]:
+        if res.status in ("stuck", "timeout") or res.rc:
+            said += f"; killed at exit after the tests finished (exit {res.rc})"
+        res.status = "ok"
+    elif res.status == "stuck":
+        res.status = "timeout"
+    res.notes.append(said)
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float) -> int:
@@ -430,9 +616,10 @@ def finished(
 
 
 def step_limit(step: Step, left_s: float, later: list[Step]) -> int:
-    """A step's time: what is left of the budget less what the steps after it reserve (their limits),
-    and at most its own limit unless it is elastic (then it also gets what earlier steps left unused)."""
-    limit = int(left_s - sum(s.limit_s for s in later if not s.needs))
+    """A step's time: what is left of the budget less what the steps after it reserve (their limits; a
+    low-priority step reserves nothing), and at most its own limit unless it is elastic (then it also
+    gets what earlier steps left unused)."""
+    limit = int(left_s - sum(s.limit_s for s in later if not s.needs and not s.optional))
     return limit if step.elastic else min(limit, step.limit_s)
 
 
@@ -444,16 +631,15 @@ def run_steps(steps: list[Step], work: Path, budget_s: float, on_result=None) ->
     t0, results = time.monotonic(), []
     for i, step in enumerate(steps):
         limit = step_limit(step, budget_s - (time.monotonic() - t0), steps[i + 1 :])
-        if limit < min(10, step.limit_s) and not step.needs:
-            res = Result(
-                step.name,
-                "skipped",
-                None,
-                0.0,
-                step.limit_s,
-                " ".join(step.cmd),
-                tail=f"no time left in the session's {budget_s:.0f} s budget",
-            )
+        floor = step.min_s if step.optional else min(step.min_s, step.limit_s)
+        if limit < floor and not step.needs:
+            why = f"no time left in the session's {budget_s:.0f} s budget"
+            if step.optional:
+                why = (
+                    f"skipped: time (low priority: {max(limit, 0)} s left of the session's {budget_s:.0f} s "
+                    f"budget, it starts with at least {step.min_s} s)"
+                )
+            res = Result(step.name, "skipped", None, 0.0, step.limit_s, " ".join(step.cmd), tail=why, notes=[why])
         else:
             update = (lambda partial: on_result(results + [partial])) if on_result else None
             res = run_step(step, work, max(limit, 1), on_update=update)
@@ -484,6 +670,7 @@ def summary_md(name: str, results: list[Result], started: str, steps: list[Step]
         lines += ["", f"## {r.name}: {r.status}", "", f"`{r.cmd}`", ""]
         if r.report:
             lines += [r.report.rstrip(), ""]
+        lines += [f"- {n}" for n in r.notes] + ([""] if r.notes else [])
         lines += ["log tail:", "```", r.tail, "```"]
     return "\n".join(lines) + "\n"
 
@@ -826,7 +1013,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "what",
         help="prepare | quick | env | defaults-rows | a step: "
-        + ", ".join(["env", "vs-nanogpt", "defaults", "resume", "gpu-tests", "doctor", "stall", "suite", "profile"]),
+        + ", ".join(
+            ["env", "vs-nanogpt", "defaults", "realrun", "gpu-tests", "resume", "doctor", "stall", "suite", "profile"]
+            + ["sizes"]
+        ),
     )
     ap.add_argument(
         "--out", type=Path, default=None, help="where the results go (default $OUT, else runs/gpu_session/out)"
@@ -884,7 +1074,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.what + ("-cpu-smoke" if args.cpu_smoke else "")
     work = work_root() / name
     quick = {s.name: s for s in quick_steps(work, cpu_smoke=args.cpu_smoke)}
-    singles = single_steps(work)
+    singles = single_steps(work, cpu_smoke=args.cpu_smoke)
     if args.what == "quick":
         steps = list(quick.values())
     elif args.what in quick or args.what in singles:
@@ -895,13 +1085,24 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    budget = args.budget_s or (BUDGET_S if args.what == "quick" else sum(s.limit_s for s in steps))
+    if len(steps) == 1:
+        steps = [replace(steps[0], optional=False)]  # a step run alone by name is the call's whole point
+    scale = CPU_SMOKE_SCALE if args.cpu_smoke else 1
+    budget = args.budget_s or (BUDGET_S * scale if args.what == "quick" else sum(s.limit_s for s in steps))
     if args.dry_run:
         for s in steps:
-            print(f"{s.name}\t{s.limit_s} s\t{' '.join(s.cmd)}" + (f"\t(skipped: {s.needs})" if s.needs else ""))
+            print(
+                f"{s.name}\t{s.limit_s} s\t{' '.join(s.cmd)}"
+                + (f"\t(skipped: {s.needs})" if s.needs else "")
+                + (f"\t(low priority: runs if {s.min_s} s or more are left)" if s.optional else "")
+            )
+        required = sum(s.limit_s for s in steps if not s.optional)
+        call = CALL_TIMEOUT_S if args.what == "quick" else min(600, int(budget) + 30)
+        extra = [s for s in steps if s.optional]
         print(
-            f"total {sum(s.limit_s for s in steps)} s of limits, budget {budget:.0f} s; the device call: "
-            f'timeout_s={CALL_TIMEOUT_S}, carry=[".gpu"]'
+            f"total {required} s of limits, budget {budget:.0f} s"
+            + "".join(f"; {s.name} ({s.limit_s} s) in what is left" for s in extra)
+            + f'; the device call: timeout_s={call}, carry=[".gpu"]'
         )
         return 0
     out = args.out or Path(os.environ.get("OUT") or work_root() / "out")

@@ -59,10 +59,12 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +78,8 @@ from gpt2.plan.flops import flops_per_token, format_flops, gpu_table_peak
 from gpt2.train.session import parse_config, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
+DEADLINE_ENV = "GPU_SESSION_DEADLINE"
+"""bench/gpu_session.py's step deadline (time.time() at which the step's limit ends), the default --deadline-s."""
 
 
 @dataclass(frozen=True)
@@ -209,11 +213,22 @@ class Row:
     """By micro-batch: the largest peak memory of its runs (the module docstring says how each is read)."""
     error: str = ""
     """By micro-batch: why the row has no numbers (a failed run), kept so the other rows still report."""
+    extra: tuple[str, ...] = ()
+    """By micro-batch: train_ddp.py flags added to ours' row (--extra-row), e.g. --compile-scope=blocks."""
+    priority: bool = True
+    """By micro-batch: runs whatever the deadline; a row without it is skipped when it would not fit."""
+    skipped: str = ""
+    """By micro-batch: why the row was not run (the deadline), not a failure."""
+    first_s: float | None = None
+    """By micro-batch: the first step's seconds (compilation happens there) of the row's first run."""
+    run_s: float | None = None
+    """By micro-batch: the wall seconds of the row's runs, process start to exit, all together."""
 
     @property
     def name(self) -> str:
         if self.mode == "by-batch":
-            return f"{self.who} B={self.micro_batch}" if self.micro_batch else f"{self.who} defaults"
+            name = f"{self.who} B={self.micro_batch}" if self.micro_batch else f"{self.who} defaults"
+            return name + (f" {' '.join(self.extra)}" if self.extra else "")
         return f"{self.who} {self.mode}"
 
     @property
@@ -410,16 +425,37 @@ def quiet_flags(device: str) -> list[str]:
     return flags
 
 
-def by_batch_rows(shape: str, batches: list[int], with_nano: bool, defaults: str = "last") -> list[Row]:
+def by_batch_rows(
+    shape: str, batches: list[int], with_nano: bool, defaults: str = "last", extra: list[tuple[str, ...]] = ()
+) -> list[Row]:
     """nanoGPT B and ours B for each B; ours at defaults last, first (the row that matters most, where
-    a time limit may cut the rows after it) or not at all (defaults: last, first, none)."""
+    a time limit may cut the rows after it) or not at all (defaults: last, first, none); then one row of
+    ours at the first B (or at defaults) for each of `extra`'s flag sets. The rows that run whatever the
+    deadline (priority): the defaults row, and the first B's pair unless the defaults row comes first
+    (gpu_session's defaults step: there the B rows are the extras); the others only where they fit."""
     rows = []
-    for b in batches:
-        rows += ([Row(shape, "by-batch", "nanoGPT", micro_batch=b)] if with_nano else []) + [
-            Row(shape, "by-batch", "ours", micro_batch=b)
+    for i, b in enumerate(batches):
+        main = i == 0 and defaults != "first"
+        rows += ([Row(shape, "by-batch", "nanoGPT", micro_batch=b, priority=main)] if with_nano else []) + [
+            Row(shape, "by-batch", "ours", micro_batch=b, priority=main)
         ]
     default = [Row(shape, "by-batch", "ours")]
-    return {"first": default + rows, "last": rows + default, "none": rows}[defaults]
+    rows = {"first": default + rows, "last": rows + default, "none": rows}[defaults]
+    base = batches[0] if batches else None
+    return rows + [Row(shape, "by-batch", "ours", micro_batch=base, extra=tuple(x), priority=False) for x in extra]
+
+
+def row_fits(now: float, deadline: float | None, finished_s: list[float]) -> tuple[bool, str]:
+    """Whether a low-priority row is expected to finish before the deadline (time.time() values): its
+    expected duration is the slowest finished row's (each row compiles in its own process; the first rows
+    are the slow ones to compile). No deadline, or no row finished yet to estimate from: it runs."""
+    if deadline is None or not finished_s:
+        return True, ""
+    expected = max(finished_s)
+    left = deadline - now
+    if expected <= left:
+        return True, ""
+    return False, f"skipped: time ({left:.0f} s left before the step's deadline, a row takes ~{expected:.0f} s)"
 
 
 def nano_batch_flags(shape: Shape, batch: int, *, device: str, dataset: str, steps: int, compile: bool = True) -> dict:
@@ -483,18 +519,18 @@ def run_by_batch_row(
         times, row.dtype, peak = nano.step_s, flags["dtype"], nano.peak_mib
         row.tokens, row.resolved_batch = row.micro_batch * block, f"{row.micro_batch} x 1"
     else:
-        ours = run_train(
-            ours_batch_flags(
-                shape, row.micro_batch, device=device, data=data, out=out, steps=warmup + steps, compile=compile
-            ),
-            out,
+        flags = ours_batch_flags(
+            shape, row.micro_batch, device=device, data=data, out=out, steps=warmup + steps, compile=compile
         )
+        ours = run_train([*flags, *row.extra], out)
         if ours.train["compile"] != compile:
             raise RuntimeError(f"{row.name}: train_ddp.py ran with compile={ours.train['compile']}")
         times, row.dtype, row.note, peak = ours.step_s, ours.train["dtype"], ours.said, ours.peak_mib
         mb, total = ours.train["micro_batch_size"], ours.train["total_batch_size"]
         row.tokens, row.resolved_batch = total, f"{mb} x {total // (mb * block)}"
     row.times += times[warmup:]
+    if row.first_s is None and times:
+        row.first_s = times[0]
     if peak is not None:
         row.peak_mib = max(peak, row.peak_mib or 0.0)
 
@@ -513,13 +549,25 @@ def measure_by_batch(
     rounds: int,
     after_row=None,
     compile: bool = True,
+    deadline: float | None = None,
 ) -> None:
     """Every row `rounds` times, alternately, as measure(); a row whose run fails keeps its error and the
-    others go on. after_row(): called after every run (the partial report is written there)."""
+    others go on. after_row(): called after every run (the partial report is written there). deadline
+    (time.time()): a row without priority that would not finish before it is skipped (row_fits)."""
+    finished: list[float] = []
     for i in range(rounds):
         for j, row in enumerate(rows if i % 2 == 0 else rows[::-1]):
-            if row.error:
+            if row.error or row.skipped:
                 continue
+            if not row.priority:
+                fits, why = row_fits(time.time(), deadline, finished)
+                if not fits:
+                    row.skipped = why
+                    print(f"  round {i + 1}/{rounds}: {row.name}: {why}", file=sys.stderr, flush=True)
+                    if after_row:
+                        after_row()
+                    continue
+            t0 = time.time()
             try:
                 run_by_batch_row(
                     row,
@@ -534,9 +582,11 @@ def measure_by_batch(
                     compile=compile,
                 )
                 said = f"{statistics.median(row.times):.4f} s/step"
+                finished.append(time.time() - t0)
             except (RuntimeError, nanogpt.NanoGPTError, subprocess.TimeoutExpired, OSError, KeyError) as e:
                 row.error = " ".join(str(e).split())[-300:] or type(e).__name__  # the end says why
                 said = f"FAILED: {row.error}"
+            row.run_s = (row.run_s or 0.0) + time.time() - t0
             print(f"  round {i + 1}/{rounds}: {row.name}: {said}", file=sys.stderr, flush=True)
             if after_row:
                 after_row()
@@ -586,8 +636,8 @@ def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[s
         ),
         "",
         "| row | micro-batch x accum | dtype | s/step | tokens/s | vs nanoGPT same micro-batch | MFU | peak memory "
-        "MiB |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "MiB | first step s | run s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def tok_s(r: Row) -> float:
@@ -595,16 +645,18 @@ def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[s
 
     for r in rows:
         if not r.times:
-            lines.append(f"| {r.name} | - | - | - | - | - | - | - |  ← {r.error or 'not run'}")
+            lines.append(f"| {r.name} | - | - | - | - | - | - | - | - | - |  ← {r.skipped or r.error or 'not run'}")
             continue
         same = nano.get(r.micro_batch) if r.who == "ours" else r
         vs = f"{tok_s(r) / tok_s(same):.2f}x" if same else "-"
         pk = peaks.get(r.dtype)
         mfu = f"{tok_s(r) * per_token / pk:.1%}" if pk else "n/a"
         mem = f"{r.peak_mib:,.0f}" if r.peak_mib is not None else "-"
+        first = f"{r.first_s:.1f}" if r.first_s is not None else "-"
+        wall = f"{r.run_s:.0f}" if r.run_s is not None else "-"
         lines.append(
             f"| {r.name} | {r.resolved_batch} | {precision.SHORT_NAMES.get(r.dtype, r.dtype)} | "
-            f"{r.step_s:.4f} | {tok_s(r):,.0f} | {vs} | {mfu} | {mem} |"
+            f"{r.step_s:.4f} | {tok_s(r):,.0f} | {vs} | {mfu} | {mem} | {first} | {wall} |"
         )
     notes = [
         "- peak FLOP/s: "
@@ -614,13 +666,13 @@ def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[s
         )
     ]
     for r in done:
-        if r.who == "ours" and r.micro_batch in nano:
+        if r.who == "ours" and r.micro_batch in nano and not r.extra:
             ratio = tok_s(r) / tok_s(nano[r.micro_batch])
             notes.append(
                 f"- ours B={r.micro_batch} against nanoGPT B={r.micro_batch}: **{ratio:.2f}x** tokens/s "
                 f"(goal >= 1.00x): {'met' if ratio >= 1 else 'NOT met'}"
             )
-    default = next((r for r in done if r.who == "ours" and r.micro_batch is None), None)
+    default = next((r for r in done if r.who == "ours" and r.micro_batch is None and not r.extra), None)
     if default:
         pk = peaks.get(default.dtype)
         if pk is None:
@@ -633,6 +685,10 @@ def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[s
                 + (("met" if mfu >= 0.45 else "NOT met") if h100 else f"not judged: this is {device.name}")
             )
     notes += [f"- {r.name}: its start-up said: {r.note}" for r in done if r.note]
+    notes.append(
+        "- first step s: the first step of the row's run, compilation included (ours: metrics.jsonl's step_s; "
+        "nanoGPT: its iter 0 time); run s: the row's process, start to exit"
+    )
     notes.append(
         "- peak memory: ours the largest mem_mb of metrics.jsonl, nanoGPT printed at exit by a wrapper "
         "around its unchanged train.py: "
@@ -661,6 +717,10 @@ def rows_json(rows: list[Row], device: Device, peaks: dict[str, float | None], m
                     "peak_mib": r.peak_mib,
                     "startup": r.note,
                     "error": r.error,
+                    "skipped": r.skipped,
+                    "extra": list(r.extra),
+                    "first_step_s": r.first_s,
+                    "run_s": r.run_s,
                 }
                 for r in rows
             ],
@@ -674,7 +734,12 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
     shape = SHAPES[shape_key]
     device = probe_device(args.device)
     batches = parse_batches(args.micro_batches)
-    rows = by_batch_rows(shape_key, batches, tree is not None, args.defaults_row)
+    rows = by_batch_rows(
+        shape_key, batches, tree is not None, args.defaults_row, [tuple(shlex.split(x)) for x in args.extra_row]
+    )
+    deadline = time.time() + args.deadline_s if args.deadline_s is not None else None
+    if deadline is None and os.environ.get(DEADLINE_ENV):
+        deadline = float(os.environ[DEADLINE_ENV])
     meta = {
         "command": command,
         "torch": torch.__version__,
@@ -727,12 +792,13 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
                 rounds=args.rounds,
                 after_row=report,
                 compile=args.compile,
+                deadline=deadline,
             )
         finally:
             if tree:
                 subprocess.run(["rm", "-rf", str(tree / "data" / dataset)])
     emit(report(), args.md)
-    return 0 if all(r.times for r in rows) else 1
+    return 0 if all(r.times or r.skipped for r in rows) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -771,6 +837,22 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="micro-batch layout: compile every row (--no-compile: the CPU smoke test of the commands)",
+    )
+    ap.add_argument(
+        "--extra-row",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="micro-batch layout: one more row of ours at the first micro-batch with these train_ddp.py flags "
+        "(e.g. --extra-row=--compile-scope=blocks), last and low priority (skipped when the deadline is near)",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="micro-batch layout: seconds from now by which the rows must end: a row after the first micro-batch's "
+        f"pair and the defaults row is skipped when it would not fit (default ${DEADLINE_ENV}, a time.time() value, "
+        "where set)",
     )
     ap.add_argument("--modes", default="eager,compiled", help="eager, compiled or both")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run (after --warmup)")

@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_session  # noqa: E402
 import nanogpt  # noqa: E402
+import realrun  # noqa: E402
 import resume_check  # noqa: E402
+import sizes  # noqa: E402
 import vs_nanogpt as vs  # noqa: E402
 
 sys.path.remove(str(REPO / "bench"))
@@ -147,6 +149,55 @@ def test_the_micro_batch_report_judges_both_goals_against_the_data_sheet_peak():
     assert data["rows"][1]["tokens_per_s"] == pytest.approx(12_288 / 0.09) and data["device"] == h100.name
 
 
+def test_rows_run_in_priority_order_and_a_low_priority_row_is_skipped_when_it_would_not_fit():
+    rows = vs.by_batch_rows("gpt2", [12], True, "none", [("--compile-scope=blocks",)])
+    assert [(r.name, r.priority) for r in rows] == [
+        ("nanoGPT B=12", True),
+        ("ours B=12", True),
+        ("ours B=12 --compile-scope=blocks", False),
+    ]
+    rows = vs.by_batch_rows("gpt2", [16], False, "first")
+    assert [(r.name, r.priority) for r in rows] == [("ours defaults", True), ("ours B=16", False)]  # the defaults step
+    rows = vs.by_batch_rows("gpt2", [12, 16], True, "last")
+    assert [r.priority for r in rows] == [True, True, False, False, True]  # a second B: only if it fits
+    assert vs.row_fits(100.0, None, [50.0]) == (True, "")  # no deadline
+    assert vs.row_fits(100.0, 130.0, []) == (True, "")  # nothing finished to estimate from
+    assert vs.row_fits(100.0, 200.0, [40.0, 90.0]) == (True, "")
+    fits, why = vs.row_fits(100.0, 180.0, [40.0, 90.0])  # the slowest finished row's 90 s: not in 80
+    assert not fits and why == "skipped: time (80 s left before the step's deadline, a row takes ~90 s)"
+
+
+def test_a_skipped_row_is_shown_with_its_reason_and_the_bench_still_succeeds(tmp_path):
+    """The deadline already past once the first rows ran: the extra row is skipped, not failed."""
+    rows = vs.by_batch_rows("smoke", [2], False, "none", [("--compile-scope=blocks",)])
+    ran = []
+
+    def fake(row, shape, **kw):
+        ran.append(row.name)
+        row.times, row.tokens, row.first_s, row.resolved_batch = [0.1], 64, 3.0, "2 x 1"
+
+    import unittest.mock as mock
+
+    with mock.patch.object(vs, "run_by_batch_row", fake):
+        vs.measure_by_batch(
+            rows,
+            vs.SHAPES["smoke"],
+            device="cpu",
+            data=tmp_path,
+            tree=None,
+            dataset="",
+            tmp=tmp_path,
+            steps=1,
+            warmup=1,
+            rounds=1,
+            deadline=0.0,  # long past
+        )
+    assert ran == ["ours B=2"] and rows[1].skipped.startswith("skipped: time (")
+    text = "\n".join(vs.by_batch_report(rows, vs.SHAPES["smoke"], vs.Device("cpu", "cpu"), {"float32": 1e9}))
+    assert "| ours B=2 --compile-scope=blocks | - |" in text and "skipped: time (" in text
+    assert "| 3.0 |" in text  # the first step's seconds, compilation included
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -254,11 +305,16 @@ def test_checkpoint_stall_says_in_one_line_when_cuda_is_asked_for_and_absent():
 
 def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_each_limit_and_the_total(tmp_path):
     steps = gpu_session.quick_steps(tmp_path)
-    assert [s.name for s in steps] == ["env", "vs-nanogpt", "defaults", "resume", "gpu-tests"]
-    assert sum(s.limit_s for s in steps) == gpu_session.BUDGET_S <= 470 < gpu_session.CALL_TIMEOUT_S <= 540
+    assert [s.name for s in steps] == ["env", "vs-nanogpt", "defaults", "realrun", "gpu-tests", "resume"]
+    assert [s.name for s in steps if s.optional] == ["resume"]  # last, and skipped when time runs short
+    required = sum(s.limit_s for s in steps if not s.optional)
+    assert required <= gpu_session.BUDGET_S <= gpu_session.CALL_TIMEOUT_S - 60 and gpu_session.CALL_TIMEOUT_S <= 560
     cmd = {s.name: " ".join(s.cmd) for s in steps}
     assert "bench/vs_nanogpt.py --device cuda --shapes gpt2" in cmd["vs-nanogpt"]
     assert "--micro-batches 12 --defaults-row none" in cmd["vs-nanogpt"]  # nanoGPT's default B, both programs
+    assert "--extra-row=--compile-scope=blocks" in cmd["vs-nanogpt"]
+    assert "bench/realrun.py" in cmd["realrun"] and "--preset gpt2 --device cuda" in cmd["realrun"]
+    assert "--max-steps 8 --eval-interval 4" in cmd["realrun"] and "-p bench.pytest_exit" in cmd["gpu-tests"]
     assert "defaults-rows --device cuda --shape gpt2 --base 12" in cmd["defaults"]
     assert "bench/resume_check.py --device cuda --shape gpt2" in cmd["resume"] and "--rows" not in cmd["resume"]
     assert " -m gpu " in cmd["gpu-tests"] and "tests/test_writer.py" in cmd["gpu-tests"]
@@ -273,12 +329,16 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
     lines = dry.stdout.splitlines()
     assert dry.returncode == 0 and [line.split("\t")[:2] for line in lines[:-1]] == [
         ["env", "15 s"],
-        ["vs-nanogpt", "115 s"],
-        ["defaults", "125 s"],
-        ["resume", "175 s"],
+        ["vs-nanogpt", "190 s"],
+        ["defaults", "140 s"],
+        ["realrun", "90 s"],
         ["gpu-tests", "40 s"],
+        ["resume", "175 s"],
     ]
-    assert lines[-1] == 'total 470 s of limits, budget 470 s; the device call: timeout_s=540, carry=[".gpu"]'
+    assert lines[-1] == (
+        "total 475 s of limits, budget 490 s; resume (175 s) in what is left; "
+        'the device call: timeout_s=555, carry=[".gpu"]'
+    )
     smoke = subprocess.run(
         [sys.executable, "bench/gpu_session.py", "quick", "--dry-run", "--cpu-smoke"],
         cwd=REPO,
@@ -287,6 +347,10 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
         timeout=120,
     )
     assert smoke.returncode == 0 and "--device cpu --shapes smoke" in smoke.stdout and "--no-compile" in smoke.stdout
+    assert (
+        smoke.stdout.splitlines()[0].split("\t")[1] == f"{15 * gpu_session.CPU_SMOKE_SCALE} s"
+    )  # a slow CPU's torch import
+    assert f"budget {gpu_session.BUDGET_S * gpu_session.CPU_SMOKE_SCALE} s" in smoke.stdout.splitlines()[-1]
 
 
 def test_a_step_never_takes_the_time_the_steps_after_it_reserve():
@@ -298,10 +362,95 @@ def test_a_step_never_takes_the_time_the_steps_after_it_reserve():
     assert gpu_session.step_limit(fixed, 470, later) == 100 and gpu_session.step_limit(fixed, 200, later) == 50
 
 
+def test_a_low_priority_step_is_not_reserved_and_is_recorded_as_skipped_with_the_reason(tmp_path):
+    later = [gpu_session.Step("resume", ["true"], 175, optional=True, min_s=120)]
+    assert gpu_session.step_limit(gpu_session.Step("a", ["true"], 100), 300, later) == 300  # nothing reserved
+    py = sys.executable
+    steps = [
+        gpu_session.Step("first", [py, "-c", "print('ran')"], 20),
+        gpu_session.Step("late", [py, "-c", "print('never')"], 175, optional=True, min_s=120),
+    ]
+    results = gpu_session.run_steps(steps, tmp_path, budget_s=60)
+    assert [(r.name, r.status) for r in results] == [("first", "ok"), ("late", "skipped")]
+    assert results[1].tail.startswith("skipped: time (low priority: ") and "at least 120 s" in results[1].tail
+    md = gpu_session.summary_md("quick", results, "now", steps)
+    assert "| late | skipped |" in md and "- skipped: time (low priority" in md
+
+
+JUNIT_THEN_HANG = """
+import pathlib, time
+pathlib.Path({path!r}).write_text(
+    '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="4" failures="0" errors="0" skipped="0">'
+    '</testsuite></testsuites>')
+print("4 passed in 24.00s", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_pytest_step_hung_at_exit_after_its_junit_xml_is_ok_and_stopped_well_before_its_limit(tmp_path):
+    """The 2026-11-27 gpu-tests: 4 passed, then the process sat at exit until the limit. The runner
+    stops it JUNIT_EXIT_GRACE_S after the XML appears and judges it by the XML (an event, not a race)."""
+    xml = tmp_path / "t.xml"
+    step = gpu_session.Step(
+        "gpu-tests", [sys.executable, "-c", JUNIT_THEN_HANG.format(path=str(xml))], 300, junit="t.xml"
+    )
+    res = gpu_session.run_steps([step], tmp_path, budget_s=300)[0]
+    assert res.status == "ok" and res.seconds < 120, res
+    assert any(
+        "4 tests, 0 failures, 0 errors" in n and "killed at exit after the tests finished" in n for n in res.notes
+    )
+    failing = JUNIT_THEN_HANG.replace('failures="0"', 'failures="1"')
+    step = gpu_session.Step("t", [sys.executable, "-c", failing.format(path=str(xml))], 300, junit="t.xml")
+    assert gpu_session.run_steps([step], tmp_path, budget_s=300)[0].status == "failed"
+    none = gpu_session.Step("t", [sys.executable, "-c", "import sys; sys.exit(1)"], 60, junit="t.xml")
+    assert gpu_session.run_steps([none], tmp_path, budget_s=60)[0].status == "failed"  # no XML: the exit says
+
+
+XML_AT_SIGINT = """
+import pathlib, signal, sys, time
+def stop(*_):
+    pathlib.Path({path!r}).write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="2" failures="0" errors="0" skipped="0">'
+        '</testsuite></testsuites>')
+    sys.exit(2)
+signal.signal(signal.SIGINT, stop)
+print("started", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_pytest_step_stopped_at_its_limit_is_a_timeout_even_if_it_writes_a_passing_xml_then(tmp_path):
+    """pytest writes its junit XML when interrupted too, with the tests it ran: not a finished run."""
+    xml = tmp_path / "t.xml"
+    step = gpu_session.Step(
+        "t", [sys.executable, "-c", XML_AT_SIGINT.format(path=str(xml))], 8, elastic=False, junit="t.xml"
+    )
+    res = gpu_session.run_steps([step], tmp_path, budget_s=60)[0]
+    assert xml.is_file() and res.status == "timeout", res
+    assert "before its junit XML was written" in res.notes[0]
+
+
+def test_the_pytest_exit_plugin_ends_pytest_with_its_status_past_a_hanging_atexit_hook(tmp_path):
+    (tmp_path / "test_x.py").write_text(
+        "import atexit, time\natexit.register(time.sleep, 3600)\ndef test_ok():\n    pass\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.pytest_exit", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
+
+
 def test_every_quick_step_runs_when_the_ones_before_it_took_their_whole_limit():
     """run_steps skips a step left under 10 s; whole seconds are cut from what is left, so a step whose
     limit is 10 got 9 the moment the call began and never ran (env, 2026-11-27: caught by the venv smoke)."""
-    steps = gpu_session.quick_steps(Path("w"))
+    steps = [s for s in gpu_session.quick_steps(Path("w")) if not s.optional]
     for i, step in enumerate(steps):
         left = gpu_session.BUDGET_S - sum(s.limit_s for s in steps[:i]) - 0.5  # each took its limit, and a bit
         assert gpu_session.step_limit(step, left, steps[i + 1 :]) >= min(10, step.limit_s), step.name
@@ -449,7 +598,7 @@ def check_smoke(out: Path, with_nano: bool) -> None:
     assert all(p.stat().st_size < 16 * 2**20 for p in files)
     steps = {s["name"]: s for s in json.loads((out / "quick-cpu-smoke.json").read_text())["steps"]}
     assert {n: s["status"] for n, s in steps.items()} == {
-        n: "ok" for n in ("env", "vs-nanogpt", "defaults", "resume", "gpu-tests")
+        n: "ok" for n in ("env", "vs-nanogpt", "defaults", "realrun", "gpu-tests", "resume")
     }, steps
     assert "C compiler on PATH" in steps["env"]["report"] and "free disk at" in steps["env"]["report"]
     vs = steps["vs-nanogpt"]["report"]
@@ -462,12 +611,16 @@ def check_smoke(out: Path, with_nano: bool) -> None:
     assert "**deterministic** (--deterministic true)" in resume and "exact resume after kill -9: **PASS**" in resume
     assert "bit for bit the same losses" in resume and "- all rows: **PASS**" in resume
     assert "skipped" in steps["gpu-tests"]["tail"]  # no CUDA here: the gpu tests ran as far as a CPU allows
+    assert any(n.startswith("junit: ") for n in steps["gpu-tests"]["notes"])
+    assert re.search(r"\| ours B=2 --compile-scope=blocks \| 2 x 1 \| \w+ \|", vs)  # the low-priority row ran
+    real = steps["realrun"]["report"]
+    assert "| 4 | **eval** |" in real and "| 8 | **eval+final** |" in real and "- realrun: **" in real
 
 
 @pytest.mark.soak  # ~50 s, by hand: CI runs the same smoke and checks in the venv of the GPU machine (below)
 def test_quick_cpu_smoke_runs_every_step_at_tiny_shapes(prepared, tmp_path):
     """`quick --cpu-smoke` in this venv (CI runs it in the GPU machine's package set, the next test): the
-    same five steps, tiny and eager, through the same runner:
+    same six steps, tiny and eager, through the same runner:
     nanoGPT's row where $NANOGPT_DIR names a reference (else its absence is reported), auto's micro-batch
     read from the trainer's dry run, a real kill -9 and a bit-for-bit resume (~1 minute on 2 cores)."""
     root, env, with_nano = prepared
@@ -605,3 +758,85 @@ def test_bench_readme_gives_the_one_call_with_quicks_own_limits():
     limits = dict(re.findall(r"^\| ([a-z-]+) \| (\d+) \| `", text, flags=re.M))
     assert limits == {s.name: str(s.limit_s) for s in gpu_session.quick_steps(Path("w"))}
     assert f"the steps' {gpu_session.BUDGET_S} s" in text
+
+
+def metrics_lines(final_s: float) -> list[dict]:
+    """8 steps of --preset gpt2 as a healthy run records them: step 1 compiles, evaluation at 4 and 8."""
+    recs = []
+    for step in range(1, 9):
+        step_s = {1: 40.0, 4: 1.3, 8: final_s}.get(step, 1.0 + 0.01 * step)
+        recs.append(
+            {"step": step, "loss": 10.0, "step_s": step_s, "tok_per_s": 524_288 / step_s, "mfu": 0.4, "mem_mb": 30000}
+        )
+        if step in (4, 8):
+            recs.append({"step": step, "tokens": step * 524_288, "val_loss": 9.0, "val_tokens": 65536})
+    recs[0]["mfu"] = None  # the first step may have none
+    return recs
+
+
+def test_realrun_passes_eval_and_final_steps_near_the_ordinary_median_and_fails_a_2_ms_final_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in metrics_lines(1.2)) + '{"step": 9, "lo')  # a torn line
+    rows = realrun.step_rows(realrun.read_jsonl(path))
+    assert [r["kind"] for r in rows] == ["first", "ordinary", "ordinary", "eval"] + ["ordinary"] * 3 + ["eval+final"]
+    ok, text = realrun.report(rows, "python train_ddp.py ...")
+    assert ok and "- realrun: **PASS**" in text and "| 8 | **eval+final** | 1.2000 |" in text
+    assert "- median step_s of the 5 ordinary steps: 1.0500 s" in text
+    ok, lines = realrun.verdict(realrun.step_rows(metrics_lines(0.002)))
+    assert (
+        not ok
+        and lines[-1] == "- realrun: **FAIL**"
+        and any("step 8 (eval+final)" in x and "**no**" in x for x in lines)
+    )
+    recs = metrics_lines(1.2)
+    recs[3]["mfu"] = None  # step 4
+    ok, lines = realrun.verdict(realrun.step_rows(recs))
+    assert not ok and "null at steps [4]" in "\n".join(lines)
+
+
+SIZES_LOG = """starting   1 rank(s) on cuda: checking the data, choosing precision, planning memory, building the model
+precision  bfloat16: native on NVIDIA H100 80GB HBM3
+micro-batch auto: 8 sequences, the fastest by the throughput model (12 fits)
+loss       chunked: the logits a chunk at a time (auto: the full-logits peak 9.2 GiB > 1/8 of 74.0 GiB usable)
+activation checkpointing full: every block recomputed in the backward, +33% FLOPs recomputed, not in MFU (auto)
+plan       61.30 GiB of 74.00 GiB usable per rank, ~11.2 s/step at 40% MFU; the whole plan is in r/train.log
+"""
+
+
+def test_sizes_reads_the_planners_choices_and_the_peak_against_the_plan():
+    recs = [
+        {"step": 1, "step_s": 90.0, "tok_per_s": 5825.4, "mfu": 0.01, "mem_mb": 60000.0},
+        {"step": 2, "step_s": 12.0, "tok_per_s": 43690.7, "mfu": 0.42, "mem_mb": 62771.2},
+    ]
+    train = {"micro_batch_size": 8, "total_batch_size": 524_288, "block_size": 1024, "loss_impl": "chunked"}
+    row = sizes.parse_run(SIZES_LOG, recs, train)
+    assert (row["micro_batch"], row["accum"], row["auto"], row["loss"], row["ac"]) == (8, 64, 8, "chunked", "full")
+    assert (row["steps"], row["step_s"], row["mfu"], row["peak_mib"]) == (2, 12.0, 0.42, 62771.2)
+    assert row["plan_mib"] == pytest.approx(61.30 * 1024) and row["peak_over_plan"] == pytest.approx(62771.2 / 62771.2)
+    text = sizes.report({"gpt2-xl": row, "later": {"why": "skipped: time (5 s left ...)"}}, "cmd")
+    assert "| gpt2-xl | 8 x 64 | 8 | chunked | full | 2 | 12.000 | 43,691 | 42.0% | 62,771 | 62,771 | 1.00 |" in text
+    assert "| later | skipped: time (5 s left ...) |" in text
+    assert sizes.size_fits(0.0, 100.0, [50.0]) == (True, "")  # 75 s expected
+    assert not sizes.size_fits(0.0, 70.0, [50.0])[0] and sizes.size_fits(0.0, 1.0, []) == (True, "")
+    assert sizes.spec_flags("debug:3") == ["--preset", "debug", "--n-layer", "3"]
+
+
+def test_the_sizes_step_at_tiny_stand_ins_on_the_cpu(prepared, tmp_path):
+    """`sizes --cpu-smoke`: --preset debug at 2 and 3 layers, eager, one step each (~20 s on 2 cores)."""
+    root, env, _ = prepared
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "sizes", "--cpu-smoke", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    step = json.loads((tmp_path / "sizes-cpu-smoke.json").read_text())["steps"][0]
+    assert step["status"] == "ok", step
+    assert re.search(
+        r"\| debug:2 \| 8 x 2 \| - \| full logits \| none \| 1 \| [\d.]+ \| [\d,]+ \| [\d.]+% \|", step["report"]
+    )
+    assert "| debug:3 | 8 x 2 |" in step["report"]
+    assert not list(root.glob("work/sizes-cpu-smoke/runs/*/checkpoints/*.pt"))  # each save deleted once read

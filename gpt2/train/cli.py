@@ -64,6 +64,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "dtype",
         "tf32",
         "compile",
+        "compile_scope",
         "compile_cache",
         "deterministic",
         "loss_impl",

@@ -145,6 +145,9 @@ def build(
         train_model = model
         if tc.compile:
             compile_sharded(model)
+    elif tc.compile and tc.compile_scope == "blocks":  # each block alone, then the head and loss: less to compile
+        train_model = model
+        compile_sharded(model)
     else:
         train_model = torch.compile(model) if tc.compile else model
     if dist.is_distributed and not fsdp:

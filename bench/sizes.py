@@ -1,0 +1,227 @@
+"""The larger GPT-2 sizes at their presets' defaults, a few steps each: what the planner chose and what
+the device did (bench/gpu_session.py's `sizes` step, run alone by name: the lease's second call).
+
+    python bench/sizes.py --device cuda --data-dir .gpu/data --work runs/sizes --md sizes.md
+
+Per size (--sizes: presets, or PRESET:N_LAYER, the CPU smoke test's stand-ins) one real `train_ddp.py
+--preset NAME` run with no evaluation, samples or periodic checkpoints (the final save is written, then
+deleted), read back from its train.log and metrics.jsonl: the micro-batch auto took, the loss path,
+activation checkpointing, tokens/s and MFU of the last step, the peak memory (mem_mb: the largest
+torch.cuda.max_memory_allocated of its steps) beside the start-up plan's total, and their ratio. A size
+that would not finish before the deadline (--deadline-s, default bench/gpu_session.py's
+GPU_SESSION_DEADLINE) is skipped and recorded; the sizes run smallest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEADLINE_ENV = "GPU_SESSION_DEADLINE"
+SIZES = "gpt2-medium,gpt2-large,gpt2-xl"
+STEPS = {"gpt2-xl": 2}
+"""Steps per size where not --steps: a gpt2-xl step of 524,288 tokens is ~10 s or more on an H100."""
+GROWTH = 1.5
+"""A size's expected duration: the slowest finished size's times this (each size is larger than the last)."""
+PLAN_LINE = re.compile(r"^plan\s+([\d.]+) (GiB|MiB) of ([\d.]+) (GiB|MiB) usable", re.M)
+AUTO_LINE = re.compile(r"micro-batch auto:\s*(\d+)\s+sequences?")
+LOSS_LINE = re.compile(r"^loss\s{2,}([^:(]+)", re.M)
+AC_LINE = re.compile(r"^activation checkpointing (\S+?)[:\s]", re.M)
+
+
+def mib(value: str, unit: str) -> float:
+    return float(value) * (1024 if unit == "GiB" else 1)
+
+
+def parse_run(log: str, records: list[dict], train: dict) -> dict:
+    """One size's row from its train.log text, metrics.jsonl records and config.json's train section."""
+    steps = sorted((r for r in records if "step_s" in r), key=lambda r: r["step"])
+    last = steps[-1] if steps else {}
+    plan = PLAN_LINE.search(log)
+    auto = AUTO_LINE.search(log)
+    loss = LOSS_LINE.search(log)
+    ac = AC_LINE.search(log)
+    peak = max((r["mem_mb"] for r in steps if r.get("mem_mb") is not None), default=None)
+    plan_mib = mib(plan[1], plan[2]) if plan else None
+    mb = train.get("micro_batch_size")
+    return {
+        "micro_batch": mb,
+        "auto": int(auto[1]) if auto else None,
+        "accum": (train["total_batch_size"] // (mb * train["block_size"]))
+        if isinstance(mb, int) and train.get("block_size")
+        else None,
+        "loss": loss[1].strip() if loss else train.get("loss_impl"),
+        "ac": ac[1] if ac else train.get("activation_checkpointing"),
+        "steps": len(steps),
+        "step_s": last.get("step_s"),
+        "tok_per_s": last.get("tok_per_s"),
+        "mfu": last.get("mfu"),
+        "peak_mib": peak,
+        "plan_mib": plan_mib,
+        "peak_over_plan": peak / plan_mib if peak is not None and plan_mib else None,
+    }
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def spec_flags(spec: str) -> list[str]:
+    """gpt2-xl -> --preset gpt2-xl; debug:3 -> --preset debug --n-layer 3."""
+    preset, _, layers = spec.partition(":")
+    return ["--preset", preset] + (["--n-layer", layers] if layers else [])
+
+
+def size_fits(now: float, deadline: float | None, finished_s: list[float]) -> tuple[bool, str]:
+    if deadline is None or not finished_s:
+        return True, ""
+    expected, left = max(finished_s) * GROWTH, deadline - now
+    if expected <= left:
+        return True, ""
+    return False, f"skipped: time ({left:.0f} s left before the deadline, a size is expected to take ~{expected:.0f} s)"
+
+
+def report(rows: dict[str, dict], command: str) -> str:
+    lines = [
+        f"command: `{command}`",
+        "",
+        "| size | micro-batch x accum | auto took | loss | act. ckpt | steps | s/step (last) | tok/s (last) "
+        "| MFU (last) | peak MiB | plan MiB | peak / plan |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    for name, r in rows.items():
+        if "why" in r:
+            lines.append(f"| {name} | {r['why']} |  |  |  |  |  |  |  |  |  |  |")
+            continue
+        batch = f"{r['micro_batch']} x {r['accum']}" if r["accum"] else str(r["micro_batch"])
+        cells = [
+            name,
+            batch,
+            f(r["auto"], "d"),
+            r["loss"],
+            r["ac"],
+            r["steps"],
+            f(r["step_s"], ".3f"),
+            f(r["tok_per_s"], ",.0f"),
+            f(r["mfu"], ".1%"),
+            f(r["peak_mib"], ",.0f"),
+            f(r["plan_mib"], ",.0f"),
+            f(r["peak_over_plan"], ".2f"),
+        ]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += [
+        "",
+        "- peak MiB: the largest mem_mb of the run's steps (torch.cuda.max_memory_allocated; a CPU's max RSS); "
+        "plan MiB: the start-up line `plan X GiB of Y GiB usable` (gpt2/plan/)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default=SIZES, help=f"comma-separated presets or PRESET:N_LAYER (default {SIZES})")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--data-dir", type=Path, required=True)
+    ap.add_argument("--work", type=Path, required=True, help="the runs' directories")
+    ap.add_argument("--steps", type=int, default=None, help="steps per size (default 3; gpt2-xl 2)")
+    ap.add_argument("--deadline-s", type=float, default=None, help=f"seconds from now (default ${DEADLINE_ENV})")
+    ap.add_argument("--md", type=Path)
+    ap.add_argument("--json", type=Path)
+    args, extra = ap.parse_known_args(argv)  # the rest goes to every train_ddp.py (e.g. --compile false)
+    deadline = time.time() + args.deadline_s if args.deadline_s is not None else None
+    if deadline is None and os.environ.get(DEADLINE_ENV):
+        deadline = float(os.environ[DEADLINE_ENV])
+    command = "python bench/sizes.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    rows: dict[str, dict] = {}
+    finished: list[float] = []
+
+    def write() -> None:
+        text = report(rows, command)
+        if args.md:
+            args.md.write_text(text)
+        if args.json:
+            args.json.write_text(json.dumps({"command": command, "sizes": rows}, indent=1) + "\n")
+
+    failed = False
+    for spec in args.sizes.split(","):
+        fits, why = size_fits(time.time(), deadline, finished)
+        if not fits:
+            rows[spec] = {"why": why}
+            print(f"{spec}: {why}", flush=True)
+            write()
+            continue
+        out = args.work / spec.replace(":", "-")
+        shutil.rmtree(out, ignore_errors=True)
+        steps = args.steps or STEPS.get(spec, 3)
+        flags = [
+            *spec_flags(spec),
+            "--device",
+            args.device,
+            "--data-dir",
+            str(args.data_dir),
+            "--out-dir",
+            str(out),
+            "--max-steps",
+            str(steps),
+            "--eval-interval",
+            "0",
+            "--eval-tokens",
+            "0",
+            "--sample-interval",
+            "0",
+            "--ckpt-interval",
+            "0",
+            "--plot",
+            "false",
+            "--log-interval",
+            "1",
+            *extra,
+        ]
+        print("$ python train_ddp.py " + " ".join(flags), flush=True)
+        t0 = time.time()
+        timeout = None if deadline is None else max(deadline - t0, 1)
+        try:
+            done = subprocess.run([sys.executable, "train_ddp.py", *flags], cwd=REPO, timeout=timeout)
+            rc = done.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        took = time.time() - t0
+        log = (out / "train.log").read_text(errors="replace") if (out / "train.log").is_file() else ""
+        conf = json.loads((out / "config.json").read_text())["config"] if (out / "config.json").is_file() else {}
+        train = {**conf.get("train", {}), "block_size": conf.get("model", {}).get("block_size")}
+        row = parse_run(log, read_jsonl(out / "metrics.jsonl"), train)
+        row["run_s"] = round(took, 1)
+        if rc != 0:
+            failed = True
+            row = {"why": f"FAILED (exit {rc}) after {took:.0f} s; its log: {out / 'train.log'}"} | row
+        else:
+            finished.append(took)
+        rows[spec] = row
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # gpt2-xl's final save is ~19 GB
+        write()
+    text = report(rows, command)
+    print(text)
+    write()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
