@@ -364,6 +364,26 @@ def vs_shape_flags(shape: str) -> list[str]:
     }[shape]
 
 
+LEASE_BUDGET_S = 545
+"""lease's steps' time, all together: one device call of LEASE_CALL_TIMEOUT_S, the device tool's most."""
+LEASE_CALL_TIMEOUT_S = 600
+
+
+def lease_steps(quick: dict[str, Step], singles: dict[str, Step], scale: int = 1) -> list[Step]:
+    """A whole lease in one call (15 minutes of device time hold one start and one 600 s call, not a
+    second call): quick's env, vs-nanogpt, defaults and realrun as in quick, then the larger sizes in
+    what is left (at least 150 s, else skipped), then gpu-tests and resume where time remains."""
+    return [
+        quick["env"],
+        quick["vs-nanogpt"],
+        quick["defaults"],
+        quick["realrun"],
+        replace(singles["sizes"], optional=True, min_s=150 * scale),
+        replace(quick["gpu-tests"], optional=True, min_s=quick["gpu-tests"].limit_s, elastic=False),
+        quick["resume"],
+    ]
+
+
 def single_steps(work: Path, *, cpu_smoke: bool = False) -> dict[str, Step]:
     """Steps outside quick, each run alone by name (each its own device call). cpu_smoke: sizes at tiny
     stand-ins (--preset debug at 2 and 3 layers, eager, 1 step each)."""
@@ -371,7 +391,9 @@ def single_steps(work: Path, *, cpu_smoke: bool = False) -> dict[str, Step]:
         sizes = ["--device", "cpu", "--sizes", "debug:2,debug:3", "--steps", "1", "--compile", "false"]
         sizes += ["--dtype", "float32"]
     else:
-        sizes = ["--device", "cuda"]
+        # Each block compiled alone: a cold whole-model compile of gpt2-xl's 48 blocks would take most of
+        # the call; the planner's choices (micro-batch, loss path, activation checkpointing) are the same.
+        sizes = ["--device", "cuda", "--compile-scope", "blocks"]
     stall = [
         *python_cmd(),
         "bench/checkpoint_stall.py",
@@ -1012,7 +1034,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "what",
-        help="prepare | quick | env | defaults-rows | a step: "
+        help="prepare | quick | lease (quick's first four steps, then sizes, in one 600 s call) | env | defaults-rows "
+        "| a step: "
         + ", ".join(
             ["env", "vs-nanogpt", "defaults", "realrun", "gpu-tests", "resume", "doctor", "stall", "suite", "profile"]
             + ["sizes"]
@@ -1077,6 +1100,8 @@ def main(argv: list[str] | None = None) -> int:
     singles = single_steps(work, cpu_smoke=args.cpu_smoke)
     if args.what == "quick":
         steps = list(quick.values())
+    elif args.what == "lease":
+        steps = lease_steps(quick, singles, CPU_SMOKE_SCALE if args.cpu_smoke else 1)
     elif args.what in quick or args.what in singles:
         steps = [quick.get(args.what) or singles[args.what]]
     else:
@@ -1088,7 +1113,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(steps) == 1:
         steps = [replace(steps[0], optional=False)]  # a step run alone by name is the call's whole point
     scale = CPU_SMOKE_SCALE if args.cpu_smoke else 1
-    budget = args.budget_s or (BUDGET_S * scale if args.what == "quick" else sum(s.limit_s for s in steps))
+    plans = {"quick": BUDGET_S, "lease": LEASE_BUDGET_S}
+    budget = args.budget_s or (plans[args.what] * scale if args.what in plans else sum(s.limit_s for s in steps))
     if args.dry_run:
         for s in steps:
             print(
@@ -1097,7 +1123,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"\t(low priority: runs if {s.min_s} s or more are left)" if s.optional else "")
             )
         required = sum(s.limit_s for s in steps if not s.optional)
-        call = CALL_TIMEOUT_S if args.what == "quick" else min(600, int(budget) + 30)
+        call = {"quick": CALL_TIMEOUT_S, "lease": LEASE_CALL_TIMEOUT_S}.get(args.what, min(600, int(budget) + 30))
         extra = [s for s in steps if s.optional]
         print(
             f"total {required} s of limits, budget {budget:.0f} s"

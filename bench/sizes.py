@@ -4,8 +4,9 @@ the device did (bench/gpu_session.py's `sizes` step, run alone by name: the leas
     python bench/sizes.py --device cuda --data-dir .gpu/data --work runs/sizes --md sizes.md
 
 Per size (--sizes: presets, or PRESET:N_LAYER, the CPU smoke test's stand-ins) one real `train_ddp.py
---preset NAME` run with no evaluation, samples or periodic checkpoints (the final save is written, then
-deleted), read back from its train.log and metrics.jsonl: the micro-batch auto took, the loss path,
+--preset NAME` run with no evaluation, samples or checkpoints (it is given more steps than it runs and
+killed with SIGKILL once --steps steps are logged: gpt2-xl's save alone is ~19 GB), read back from its
+train.log and metrics.jsonl: the micro-batch auto took, the loss path,
 activation checkpointing, tokens/s and MFU of the last step, the peak memory (mem_mb: the largest
 torch.cuda.max_memory_allocated of its steps) beside the start-up plan's total, and their ratio. A size
 that would not finish before the deadline (--deadline-s, default bench/gpu_session.py's
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -78,6 +80,33 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def logged_steps(metrics: Path) -> int:
+    return sum(1 for r in read_jsonl(metrics) if "step_s" in r)
+
+
+def run_steps(flags: list[str], metrics: Path, steps: int, deadline: float | None, poll_s: float = 0.5):
+    """train_ddp.py with flags until `steps` steps are in its metrics.jsonl, then SIGKILL (no save, no
+    stop checkpoint): 0; its own exit status if it ended first (a failure: it was given more steps);
+    "timeout" past the deadline."""
+    proc = subprocess.Popen([sys.executable, "train_ddp.py", *flags], cwd=REPO, start_new_session=True)
+    try:
+        while proc.poll() is None:
+            if logged_steps(metrics) >= steps:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return 0
+            if deadline is not None and time.time() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return "timeout"
+            time.sleep(poll_s)
+        return 0 if logged_steps(metrics) >= steps else proc.returncode
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def spec_flags(spec: str) -> list[str]:
@@ -180,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             "--out-dir",
             str(out),
             "--max-steps",
-            str(steps),
+            str(steps + 1000),  # never reached: the run is killed once `steps` are logged, before any save
             "--eval-interval",
             "0",
             "--eval-tokens",
@@ -197,12 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print("$ python train_ddp.py " + " ".join(flags), flush=True)
         t0 = time.time()
-        timeout = None if deadline is None else max(deadline - t0, 1)
-        try:
-            done = subprocess.run([sys.executable, "train_ddp.py", *flags], cwd=REPO, timeout=timeout)
-            rc = done.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_steps(flags, out / "metrics.jsonl", steps, None if deadline is None else deadline)
         took = time.time() - t0
         log = (out / "train.log").read_text(errors="replace") if (out / "train.log").is_file() else ""
         conf = json.loads((out / "config.json").read_text())["config"] if (out / "config.json").is_file() else {}
@@ -215,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             finished.append(took)
         rows[spec] = row
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # gpt2-xl's final save is ~19 GB
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # none expected (killed before any save)
         write()
     text = report(rows, command)
     print(text)

@@ -353,6 +353,42 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
     assert f"budget {gpu_session.BUDGET_S * gpu_session.CPU_SMOKE_SCALE} s" in smoke.stdout.splitlines()[-1]
 
 
+def test_lease_is_quicks_first_four_steps_then_the_sizes_in_one_600_s_call(tmp_path):
+    """The whole lease in one call: a second call's start would not fit 15 minutes of device time."""
+    quick = {s.name: s for s in gpu_session.quick_steps(tmp_path)}
+    steps = gpu_session.lease_steps(quick, gpu_session.single_steps(tmp_path))
+    assert [s.name for s in steps] == ["env", "vs-nanogpt", "defaults", "realrun", "sizes", "gpu-tests", "resume"]
+    assert [s.name for s in steps if s.optional] == ["sizes", "gpu-tests", "resume"]
+    assert sum(s.limit_s for s in steps if not s.optional) + 100 <= gpu_session.LEASE_BUDGET_S
+    assert gpu_session.LEASE_BUDGET_S + 45 <= gpu_session.LEASE_CALL_TIMEOUT_S <= 600
+    assert "--compile-scope blocks" in " ".join(steps[4].cmd) and steps[4].min_s == 150
+    dry = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "lease", "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dry.returncode == 0 and dry.stdout.splitlines()[-1].endswith('timeout_s=600, carry=[".gpu"]'), dry.stdout
+
+
+def test_sizes_stops_a_run_once_its_steps_are_logged_before_any_save(tmp_path):
+    """gpt2-xl's final save is ~19 GB: a size's run is killed (SIGKILL) once --steps steps are logged."""
+    script = tmp_path / "train_ddp.py"
+    metrics = tmp_path / "metrics.jsonl"
+    script.write_text(
+        "import json, sys, time\n"
+        "for step in range(1, 1000):\n"
+        f"    open({str(metrics)!r}, 'a').write(json.dumps({{'step': step, 'step_s': 0.01}}) + '\\n')\n"
+        "    time.sleep(0.05)\n"
+    )
+    import unittest.mock
+
+    with unittest.mock.patch.object(sizes, "REPO", tmp_path):
+        assert sizes.run_steps([], metrics, 3, None, poll_s=0.01) == 0
+    assert 3 <= sizes.logged_steps(metrics) < 1000
+
+
 def test_a_step_never_takes_the_time_the_steps_after_it_reserve():
     step = gpu_session.Step("a", ["true"], 100)
     later = [gpu_session.Step("b", ["true"], 150), gpu_session.Step("c", ["true"], 30, needs="absent")]
