@@ -179,3 +179,44 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_whether_reads_are_l
     assert code == 3 and marker["step"] == (5 if lag else 4), marker
     assert sorted(losses(run_dir)) == list(range(1, marker["step"] + 1))
     assert load_ckpt(run_dir, marker["step"])["step"] == marker["step"]
+
+
+def _skip_before(numbers: torch.Tensor) -> torch.Tensor:
+    """update's skip flag as it was (19 ops): the reference skip_flag is held to."""
+    bad = ~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[3])) | (numbers[2] > 0) | (numbers[4] > 0)
+    return bad.float()
+
+
+def test_the_skip_flag_is_the_old_ones_for_non_finite_losses_and_norms_bad_tokens_and_spikes():
+    from itertools import product
+
+    from gpt2.train.trainer import skip_flag
+
+    nan, inf = float("nan"), float("inf")
+    # loss sum, stop votes, bad-token ranks, norm, spike, loss z, norm z (a rank's time after: ignored)
+    for loss, stop, bad, norm, spike in product(
+        (6.5, 0.0, 3e38, nan, inf, -inf), (0.0, 1.0, 2.0), (0.0, 1.0, 3.0), (1.2, 0.0, 3e38, nan, inf), (0.0, 1.0)
+    ):
+        numbers = torch.tensor([loss, stop, bad, norm, spike, 7.0, -2.0, 0.25])
+        assert torch.equal(skip_flag(numbers), _skip_before(numbers)), (loss, stop, bad, norm, spike)
+
+
+BOOKKEEPING_OPS = 46
+"""The non-view aten ops one steady-state train_step dispatches outside the model's forward and backward and
+the optimizer's step and zero_grad, one rank, no accumulation, the guard on (bench/step_overhead.py's
+bookkeeping row; 76 before the per-step bookkeeping was cut: clock, flags, clip, stats, guard, skip flag)."""
+
+
+def test_the_steps_bookkeeping_stays_within_its_op_count(tmp_path, shakespeare_shards):
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from step_overhead import bookkeeping_ops
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    counts = bookkeeping_ops(shakespeare_shards, tmp_path)
+    assert counts["ops"] <= BOOKKEEPING_OPS, counts
+    assert counts["guard off"] <= BOOKKEEPING_OPS - 30, counts  # the guard's ~30 kernels are its alone

@@ -81,6 +81,7 @@ class SpikeGuard:
         self.rollback_after, self.max_rollbacks = tc.spike_rollback_after, tc.spike_max_rollbacks
         self.history = torch.zeros(2, self.window, device=device)  # rows: log loss, log grad norm
         self.count = torch.zeros((), dtype=torch.long, device=device)
+        self._zero = torch.zeros((), device=device)  # judge's z where nothing is judged: made once, never written
         self.spikes: deque[dict] = deque()
         """The spikes within the last window, oldest first: {step, loss, grad_norm, loss_z, grad_norm_z}."""
         self.rollbacks = 0
@@ -88,25 +89,33 @@ class SpikeGuard:
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """[spike (0.0 or 1.0), loss z, norm z] as one fp32 device tensor; the step is appended to
         the history unless it spiked or is not finite. Launches kernels only: nothing is read."""
-        x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()  # (2,)
+        return torch.cat(self.verdict_parts(loss, grad_norm))
+
+    def verdict_parts(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> list[torch.Tensor]:
+        """judge's numbers in two pieces, [spike (bool, shape (1,)), z (2,)], for the caller's own cat
+        (train_step's step_stats: one cat for the whole step's numbers). Every op here is a kernel on
+        the device, so the rules are written in as few as give the same bits (the op count is tested)."""
+        x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()  # (2,); .float() of fp32: no op
         # Robust: the median and the median absolute deviation (scaled by MAD_TO_SIGMA), not the mean and
         # standard deviation, so a spike in the history (one under the threshold, or small batches' noise)
         # neither moves the centre nor widens the spread that judges the next step.
         centre = _lower_median(self.history)
         spread = (MAD_TO_SIGMA * _lower_median((self.history - centre[:, None]).abs())).clamp_min(MIN_SPREAD)
         z = (x - centre) / spread
-        finite = torch.isfinite(x).all()
-        full = self.count >= self.window
+        # x * 0 is 0 where x is finite, NaN where not: isfinite(x).all() in two kernels (isfinite is five).
+        finite = x.sum().mul(0).eq(0)  # |x| < 70 (logs of fp32): the sum of two cannot overflow
+        judged = finite & (self.count >= self.window)  # a full window before judging (the module docstring)
         # The norm alone is no spike: early training has gradient-norm excursions of z 25-40 with ordinary
         # losses (a tiny model's steps 24-27, docs/spike_guard.md), which --grad-clip absorbs. With the
         # loss up by half its threshold as well, it is a batch the model does not fit.
-        spike = full & finite & ((z[0] > self.loss_z) | ((z[1] > self.norm_z) & (z[0] > self.loss_z / 2)))
+        loss_z, norm_z = z[0], z[1]
+        spike = judged & ((loss_z > self.loss_z) | ((norm_z > self.norm_z) & (loss_z > self.loss_z / 2)))
         accept = finite & ~spike
         shifted = torch.cat([self.history[:, 1:], x.unsqueeze(1)], dim=1)
         self.history.copy_(torch.where(accept, shifted, self.history))
-        self.count.add_(accept.long()).clamp_(max=self.window)
-        z = torch.where(full & finite, z, torch.zeros_like(z))  # nothing judged: no z to report
-        return torch.cat([spike.float().unsqueeze(0), z])
+        self.count.add_(accept).clamp_(max=self.window)
+        # Nothing judged: no z to report. cat promotes the bool spike to 0.0 / 1.0.
+        return [spike.unsqueeze(0), torch.where(judged, z, self._zero)]
 
     @staticmethod
     def off(device: torch.device) -> torch.Tensor:
