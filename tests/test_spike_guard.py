@@ -416,3 +416,17 @@ def test_the_verdict_and_history_are_bitwise_the_old_judges_on_every_kind_of_ste
         b = _judge_before(old, torch.tensor(loss), torch.tensor(norm))
         assert a.dtype == b.dtype and a.view(torch.int32).tolist() == b.view(torch.int32).tolist(), (loss, norm)
         assert torch.equal(new.history, old.history) and int(new.count) == int(old.count)
+
+
+def test_the_fused_verdict_decides_as_the_eager_one():
+    """fuse() (the trainer's on CUDA with a compiled model), compiled here on the CPU: the same spikes,
+    skips and history counts; the z-scores to inductor's rounding (its log), not bitwise."""
+    steps = healthy(12) + [(20.0, 1.0), (6.5, 50.0), (13.0, 50.0), (float("nan"), 1.0), (6.5, float("inf"))]
+    steps += [(float("-inf"), 1.0), (0.0, 0.0), (6.5, float("nan"))] + healthy(6, seed=1)
+    eager, fused = guard_for(), guard_for()
+    fused.fuse()
+    for loss, norm in steps:
+        a = eager.judge(torch.tensor(loss), torch.tensor(norm))
+        b = fused.judge(torch.tensor(loss), torch.tensor(norm))
+        assert a[0] == b[0] and int(eager.count) == int(fused.count), (loss, norm)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4) and torch.allclose(eager.history, fused.history, rtol=1e-5)

@@ -82,6 +82,7 @@ class SpikeGuard:
         self.history = torch.zeros(2, self.window, device=device)  # rows: log loss, log grad norm
         self.count = torch.zeros((), dtype=torch.long, device=device)
         self._zero = torch.zeros((), device=device)  # judge's z where nothing is judged: made once, never written
+        self._verdict = _verdict  # eager; fuse() compiles it
         self.spikes: deque[dict] = deque()
         """The spikes within the last window, oldest first: {step, loss, grad_norm, loss_z, grad_norm_z}."""
         self.rollbacks = 0
@@ -93,29 +94,15 @@ class SpikeGuard:
 
     def verdict_parts(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> list[torch.Tensor]:
         """judge's numbers in two pieces, [spike (bool, shape (1,)), z (2,)], for the caller's own cat
-        (train_step's step_stats: one cat for the whole step's numbers). Every op here is a kernel on
-        the device, so the rules are written in as few as give the same bits (the op count is tested)."""
-        x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()  # (2,); .float() of fp32: no op
-        # Robust: the median and the median absolute deviation (scaled by MAD_TO_SIGMA), not the mean and
-        # standard deviation, so a spike in the history (one under the threshold, or small batches' noise)
-        # neither moves the centre nor widens the spread that judges the next step.
-        centre = _lower_median(self.history)
-        spread = (MAD_TO_SIGMA * _lower_median((self.history - centre[:, None]).abs())).clamp_min(MIN_SPREAD)
-        z = (x - centre) / spread
-        # x * 0 is 0 where x is finite, NaN where not: isfinite(x).all() in two kernels (isfinite is five).
-        finite = x.sum().mul(0).eq(0)  # |x| < 70 (logs of fp32): the sum of two cannot overflow
-        judged = finite & (self.count >= self.window)  # a full window before judging (the module docstring)
-        # The norm alone is no spike: early training has gradient-norm excursions of z 25-40 with ordinary
-        # losses (a tiny model's steps 24-27, docs/spike_guard.md), which --grad-clip absorbs. With the
-        # loss up by half its threshold as well, it is a batch the model does not fit.
-        loss_z, norm_z = z[0], z[1]
-        spike = judged & ((loss_z > self.loss_z) | ((norm_z > self.norm_z) & (loss_z > self.loss_z / 2)))
-        accept = finite & ~spike
-        shifted = torch.cat([self.history[:, 1:], x.unsqueeze(1)], dim=1)
-        self.history.copy_(torch.where(accept, shifted, self.history))
-        self.count.add_(accept).clamp_(max=self.window)
-        # Nothing judged: no z to report. cat promotes the bool spike to 0.0 / 1.0.
-        return [spike.unsqueeze(0), torch.where(judged, z, self._zero)]
+        (train_step's step_stats: one cat for the whole step's numbers)."""
+        limits = (self.window, self.loss_z, self.norm_z)
+        return self._verdict(self.history, self.count, self._zero, loss, grad_norm, *limits)
+
+    def fuse(self) -> None:
+        """The verdict as one torch.compile'd graph (the trainer's choice on CUDA with a compiled model):
+        a few kernels instead of ~30 a step, where the host's launches are what the device waits for.
+        Not bitwise the eager verdict (inductor fuses the arithmetic), so CPU runs keep the eager one."""
+        self._verdict = torch.compile(_verdict, fullgraph=True, dynamic=False)
 
     @staticmethod
     def off(device: torch.device) -> torch.Tensor:
@@ -168,6 +155,46 @@ class SpikeGuard:
         self.count.fill_(keep)
         self.spikes = deque(state["spikes"])
         self.rollbacks = int(state["rollbacks"])
+
+
+def _verdict(
+    history: torch.Tensor,
+    count: torch.Tensor,
+    zero: torch.Tensor,
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    window: int,
+    loss_limit: float,
+    norm_limit: float,
+) -> list[torch.Tensor]:
+    """SpikeGuard.verdict_parts' rules, history and count updated in place. Every op here is a kernel
+    on the device, so the rules are written in as few as give the same bits (tests/test_spike_guard.py
+    holds them to the longer form's; tests/test_trainer.py counts them)."""
+    x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()  # (2,); .float() of fp32: no op
+    # Robust: the median and the median absolute deviation (scaled by MAD_TO_SIGMA), not the mean and
+    # standard deviation, so a spike in the history (one under the threshold, or small batches' noise)
+    # neither moves the centre nor widens the spread that judges the next step.
+    centre = _lower_median(history)
+    spread = (MAD_TO_SIGMA * _lower_median((history - centre[:, None]).abs())).clamp_min(MIN_SPREAD)
+    z = (x - centre) / spread
+    # x * 0 is 0 where x is finite, NaN where not: isfinite(x).all() in two kernels (isfinite is five) when
+    # eager; inductor folds x * 0 to 0, so a compiled verdict (fuse) tests isfinite, in the same kernel.
+    if torch.compiler.is_compiling():
+        finite = torch.isfinite(x).all()
+    else:
+        finite = x.sum().mul(0).eq(0)  # |x| < 70 (logs of fp32): the sum of two cannot overflow
+    judged = finite & (count >= window)  # a full window before judging (the module docstring)
+    # The norm alone is no spike: early training has gradient-norm excursions of z 25-40 with ordinary
+    # losses (a tiny model's steps 24-27, docs/spike_guard.md), which --grad-clip absorbs. With the
+    # loss up by half its threshold as well, it is a batch the model does not fit.
+    loss_z, norm_z = z[0], z[1]
+    spike = judged & ((loss_z > loss_limit) | ((norm_z > norm_limit) & (loss_z > loss_limit / 2)))
+    accept = finite & ~spike
+    shifted = torch.cat([history[:, 1:], x.unsqueeze(1)], dim=1)
+    history.copy_(torch.where(accept, shifted, history))
+    count.add_(accept).clamp_(max=window)
+    # Nothing judged: no z to report. cat promotes the bool spike to 0.0 / 1.0.
+    return [spike.unsqueeze(0), torch.where(judged, z, zero)]
 
 
 def _lower_median(rows: torch.Tensor) -> torch.Tensor:
