@@ -132,7 +132,7 @@ def build(
     parts.run_id, parts.init_from = start.run_id, init_record
     parts.guard = SpikeGuard(tc, dist.device) if tc.spike_guard else None  # before restore: its state is checkpointed
     if parts.guard is not None and tc.compile and dist.device.type == "cuda":
-        parts.guard.fuse()  # its ~30 kernels in a few: on CUDA the host's launches are the step's bound
+        parts.guard.fuse()  # its 25 kernels in a few: on CUDA the host's launches are the step's bound
     point = start.point
     if point is not None:
         problem = None
