@@ -20,11 +20,18 @@ microseconds (on a CPU the tensors here are too small for their arithmetic to co
               numbers read one step late as its loop does) against nanoGPT's loop on the same model
               (forward, backward, clip_grad_norm_, fused AdamW where this torch has it, zero_grad,
               loss.item())
+And one line under the table, counted, not timed: the bookkeeping ops per step, the aten ops (views
+left out: they launch no kernel on a GPU) one steady-state train_step dispatches outside the model's
+forward and backward and the optimizer's step and zero_grad, at one rank and no accumulation (the GPU
+comparison's B=12 step), with the spike guard on (the default) and off; nanoGPT's loop has
+clip_grad_norm_'s there. On a GPU each is a kernel launch the host must queue (bench/gpu_profile.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import platform
 import statistics
 import sys
@@ -36,11 +43,13 @@ import numpy as np
 import torch
 from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
 from emit import emit  # bench/emit.py
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2.data.loader import TrainLoader, find_shards
 from gpt2.distributed.fsdp import clip_grad_norm
 from gpt2.distributed.group import single_process
 from gpt2.model.gpt import GPT
+from gpt2.train import trainer
 from gpt2.train.session import Session, parse_config
 
 B, T = 12, 1024
@@ -144,6 +153,89 @@ def step_row(data_dir: Path, reps: int) -> tuple[float, float]:
         session.close()
 
 
+VIEW_OPS = frozenset({"view", "select", "slice", "unsqueeze", "alias", "detach", "_reshape_alias", "as_strided"})
+VIEW_OPS |= {"t", "expand", "lift_fresh", "reshape"}
+"""Aten ops that make no kernel on a GPU: views, and lift_fresh (torch.tensor's wrapping of host data)."""
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active and not paused (paused(): the model, the optimizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused, self.ops = 0, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def kernels(self) -> int:
+        return sum(n for op, n in self.ops.items() if op not in VIEW_OPS)
+
+    def pausing(self, fn):
+        def call(*args, **kwargs):
+            self.paused += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused -= 1
+
+        return call
+
+
+@contextlib.contextmanager
+def counting_outside_model(parts):
+    """An OpCount over train_step's own ops: the model's forward and backward, optimizer.step() and
+    zero_grad() paused (patched on the instances; Tensor.backward on the class, put back after)."""
+    count, backward = OpCount(), torch.Tensor.backward
+    patched = [(parts.train_model, "forward"), (parts.optimizer, "step"), (parts.optimizer, "zero_grad")]
+    for obj, name in patched:
+        setattr(obj, name, count.pausing(getattr(obj, name)))
+    torch.Tensor.backward = count.pausing(backward)
+    try:
+        with count:
+            yield count
+    finally:
+        torch.Tensor.backward = backward
+        for obj, name in patched:
+            delattr(obj, name)
+
+
+def bookkeeping_ops(data_dir: Path, out_dir: Path) -> dict[str, int]:
+    """train_step's ops outside the model and optimizer (VIEW_OPS left out), guard on and off: {"ops",
+    "guard off"}, each a steady-state step's (the third) of a 1-layer model at 1 x 8 tokens, one rank."""
+    counts = {}
+    for name, guard in (("ops", "true"), ("guard off", "false")):
+        flags = [
+            *("--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8", "--spike-guard", guard),
+            *("--micro-batch-size", "1", "--total-batch-size", "8", "--max-steps", "100", "--spike-window", "8"),
+            *("--device", "cpu", "--dtype", "float32", "--compile", "false", "--loss-impl", "full"),
+            *("--data-dir", str(data_dir), "--out-dir", str(out_dir / name), "--eval-interval", "0"),
+            *("--eval-tokens", "0", "--sample-interval", "0", "--ckpt-interval", "0", "--plot", "false"),
+        ]
+        session = Session(parse_config(flags), single_process("cpu"))
+        try:
+            for _ in range(10):  # past the guard's window: a full history, judged as in a long run
+                session.step().read()
+            with counting_outside_model(session.parts) as count:
+                trainer.train_step(session.parts, session.cfg, session.dist, False)
+            counts[name] = count.kernels()
+        finally:
+            session.close()
+    return counts
+
+
+def nanogpt_clip_ops() -> int:
+    """torch's clip_grad_norm_ over GPT-2 124M's count of gradients: nanoGPT's loop's ops outside the model."""
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(GPT2_GRADIENTS)]
+    for p in params:
+        p.grad = torch.full((4,), 0.5)
+    with OpCount() as count:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    return count.kernels()
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -171,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             (f"clip: {GPT2_GRADIENTS} gradients' norm and scale", *clip_row(args.reps)),
             ("whole step, 12 layers x 2 wide, 1 x 8 tokens", *step_row(data, args.reps)),
         ]
+        ops = bookkeeping_ops(data, Path(tmp) / "ops")
     lines = [
         "command: `" + " ".join(["python bench/step_overhead.py", *sys.argv[1:]]) + "`",
         f"machine: {cpu_name()}; torch {torch.__version__}; median of {args.reps} calls each, "
@@ -180,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---:|",
     ]
     lines += [f"| {name} | {ours:,.0f} | {nano:,.0f} | {ours / nano:.2f}x |" for name, ours, nano in rows]
+    lines += [
+        "",
+        f"bookkeeping ops per step (outside the model and the optimizer, one rank): ours {ops['ops']} "
+        f"({ops['guard off']} with --spike-guard false), nanoGPT's {nanogpt_clip_ops()} (its clip_grad_norm_)",
+    ]
     emit("\n".join(lines), args.md)
     return 0
 

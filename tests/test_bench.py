@@ -662,3 +662,5 @@ def test_step_overhead_times_the_loops_host_work_against_nanogpts_ways(tmp_path)
         ours, theirs = (float(c.replace(",", "")) for c in r[1:3])
         assert ours > 0 and theirs > 0 and r[3].endswith("x")
         assert float(r[3][:-1]) == pytest.approx(ours / theirs, rel=0.03, abs=0.01)  # the cells are rounded
+    ops = re.search(r"bookkeeping ops per step .*: ours (\d+) \((\d+) with --spike-guard false\), nanoGPT's (\d+)", out)
+    assert ops and int(ops[3]) > 0 and int(ops[1]) > int(ops[2]) > 0, out

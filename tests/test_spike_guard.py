@@ -385,3 +385,53 @@ def test_the_guards_median_is_torch_medians_from_a_sort(n):
 
     rows = torch.randn(2, n, generator=torch.Generator().manual_seed(n))
     assert torch.equal(_lower_median(rows), rows.median(dim=1).values)
+
+
+def _judge_before(guard: SpikeGuard, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """judge as it was before its ops were cut (60 a step): the reference its bits are held to."""
+    from gpt2.train.spike_guard import MAD_TO_SIGMA, MIN_SPREAD, _lower_median
+
+    x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()
+    centre = _lower_median(guard.history)
+    spread = (MAD_TO_SIGMA * _lower_median((guard.history - centre[:, None]).abs())).clamp_min(MIN_SPREAD)
+    z = (x - centre) / spread
+    finite = torch.isfinite(x).all()
+    full = guard.count >= guard.window
+    spike = full & finite & ((z[0] > guard.loss_z) | ((z[1] > guard.norm_z) & (z[0] > guard.loss_z / 2)))
+    accept = finite & ~spike
+    shifted = torch.cat([guard.history[:, 1:], x.unsqueeze(1)], dim=1)
+    guard.history.copy_(torch.where(accept, shifted, guard.history))
+    guard.count.add_(accept.long()).clamp_(max=guard.window)
+    z = torch.where(full & finite, z, torch.zeros_like(z))
+    return torch.cat([spike.float().unsqueeze(0), z])
+
+
+def test_the_verdict_and_history_are_bitwise_the_old_judges_on_every_kind_of_step():
+    """Spikes, norm-only excursions, NaN, +-inf, zero, a filling window: the same bits as before."""
+    steps = healthy(12) + [(20.0, 1.0), (6.5, 50.0), (13.0, 50.0), (float("nan"), 1.0), (6.5, float("inf"))]
+    steps += [(float("-inf"), 1.0), (0.0, 0.0), (6.5, float("nan")), (1e-38, 1e38)] + healthy(6, seed=1)
+    limits = {"spike_loss_z": 2.7, "spike_norm_z": 3.3}  # not whole: compared in fp32 either way
+    for new, old in ((guard_for(), guard_for()), (guard_for(**limits), guard_for(**limits))):
+        _judge_both(new, old, steps)
+
+
+def _judge_both(new: SpikeGuard, old: SpikeGuard, steps) -> None:
+    for loss, norm in steps:
+        a = new.judge(torch.tensor(loss), torch.tensor(norm))
+        b = _judge_before(old, torch.tensor(loss), torch.tensor(norm))
+        assert a.dtype == b.dtype and a.view(torch.int32).tolist() == b.view(torch.int32).tolist(), (loss, norm)
+        assert torch.equal(new.history, old.history) and int(new.count) == int(old.count)
+
+
+def test_the_fused_verdict_decides_as_the_eager_one():
+    """fuse() (the trainer's on CUDA with a compiled model), compiled here on the CPU: the same spikes,
+    skips and history counts; the z-scores to inductor's rounding (its log), not bitwise."""
+    steps = healthy(12) + [(20.0, 1.0), (6.5, 50.0), (13.0, 50.0), (float("nan"), 1.0), (6.5, float("inf"))]
+    steps += [(float("-inf"), 1.0), (0.0, 0.0), (6.5, float("nan"))] + healthy(6, seed=1)
+    eager, fused = guard_for(), guard_for()
+    fused.fuse()
+    for loss, norm in steps:
+        a = eager.judge(torch.tensor(loss), torch.tensor(norm))
+        b = fused.judge(torch.tensor(loss), torch.tensor(norm))
+        assert a[0] == b[0] and int(eager.count) == int(fused.count), (loss, norm)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4) and torch.allclose(eager.history, fused.history, rtol=1e-5)

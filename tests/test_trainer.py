@@ -267,3 +267,44 @@ def test_every_step_is_timed_right_with_late_reads_eval_checkpoint_stop_and_last
     err = capsys.readouterr()
     assert "step      3 | mfu n/a: MFU" in err.err and "impossible" in err.err and "CPU" not in err.err
     assert "steps 2-8: median 1000.0 ms/step" in err.out
+
+
+def _skip_before(numbers: torch.Tensor) -> torch.Tensor:
+    """update's skip flag as it was (19 ops): the reference skip_flag is held to."""
+    bad = ~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[3])) | (numbers[2] > 0) | (numbers[4] > 0)
+    return bad.float()
+
+
+def test_the_skip_flag_is_the_old_ones_for_non_finite_losses_and_norms_bad_tokens_and_spikes():
+    from itertools import product
+
+    from gpt2.train.trainer import skip_flag
+
+    nan, inf = float("nan"), float("inf")
+    # loss sum, stop votes, bad-token ranks, norm, spike, loss z, norm z (a rank's time after: ignored)
+    for loss, stop, bad, norm, spike in product(
+        (6.5, 0.0, 3e38, nan, inf, -inf), (0.0, 1.0, 2.0), (0.0, 1.0, 3.0), (1.2, 0.0, 3e38, nan, inf), (0.0, 1.0)
+    ):
+        numbers = torch.tensor([loss, stop, bad, norm, spike, 7.0, -2.0, 0.25])
+        assert torch.equal(skip_flag(numbers), _skip_before(numbers)), (loss, stop, bad, norm, spike)
+
+
+BOOKKEEPING_OPS = 41
+"""The non-view aten ops one steady-state train_step dispatches outside the model's forward and backward and
+the optimizer's step and zero_grad, one rank, no accumulation, the guard on (bench/step_overhead.py's
+bookkeeping row; 76 before the per-step bookkeeping was cut: clock, flags, clip, stats, guard, skip flag)."""
+
+
+def test_the_steps_bookkeeping_stays_within_its_op_count(tmp_path, shakespeare_shards):
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from step_overhead import bookkeeping_ops
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    counts = bookkeeping_ops(shakespeare_shards, tmp_path)
+    assert counts["ops"] <= BOOKKEEPING_OPS, counts
+    assert counts["guard off"] <= BOOKKEEPING_OPS - 25, counts  # the guard's 25 kernels are its alone

@@ -154,10 +154,15 @@ def grad_norm(grads: list[torch.Tensor], dist: Dist) -> torch.Tensor:
 def _norm_of(whole: list[torch.Tensor], shards: list[torch.Tensor], dist: Dist, device: torch.device) -> torch.Tensor:
     from gpt2.distributed.group import all_reduce_sum
 
-    total, sharded = _sum_of_squares(_chunks(whole), device), _sum_of_squares(_chunks(shards), device)
-    if shards and dist.is_distributed:
-        all_reduce_sum(sharded, dist)
-    return (total + sharded).sqrt().float()
+    # Only the kinds present are summed (x + 0 is x bitwise): plain DDP gradients launch no zeros and no
+    # add for the shards they do not have (the step's launches: bench/step_overhead.py).
+    total = _sum_of_squares(_chunks(whole), device) if whole or not shards else None
+    if shards:
+        sharded = _sum_of_squares(_chunks(shards), device)
+        if dist.is_distributed:
+            all_reduce_sum(sharded, dist)
+        total = sharded if total is None else total + sharded
+    return total.sqrt().float()
 
 
 def _sum_of_squares(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:

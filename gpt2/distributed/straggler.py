@@ -91,11 +91,16 @@ class ComputeClock:
                 self._seconds = start.elapsed_time(end) / 1000
         return self._seconds
 
-    def slots(self) -> torch.Tensor:
-        """world_size floats on the device: this rank's time in its own slot, zeros elsewhere."""
-        out = torch.zeros(self.dist.world_size, device=self.dist.device)
-        out[self.dist.rank] = self.seconds()  # a fill: no host read
+    def host_slots(self) -> list[float]:
+        """world_size floats on the host: this rank's time in its own slot, zeros elsewhere (the trainer
+        copies them to the device with its other host numbers, in one copy: train_step's host_numbers)."""
+        out = [0.0] * self.dist.world_size
+        out[self.dist.rank] = self.seconds()
         return out
+
+    def slots(self) -> torch.Tensor:
+        """host_slots() as a tensor on the device (a blocking copy on CUDA: the trainer uses host_slots)."""
+        return torch.tensor(self.host_slots()).to(self.dist.device)
 
 
 def others_median(times: list[float], rank: int) -> float:

@@ -81,6 +81,11 @@ class SpikeGuard:
         self.rollback_after, self.max_rollbacks = tc.spike_rollback_after, tc.spike_max_rollbacks
         self.history = torch.zeros(2, self.window, device=device)  # rows: log loss, log grad norm
         self.count = torch.zeros((), dtype=torch.long, device=device)
+        self._zero = torch.zeros((), device=device)  # judge's z where nothing is judged: made once, never written
+        # The thresholds as _verdict compares z with them, in one kernel: [[loss z, norm z], [loss z / 2, never]].
+        limits = [[self.loss_z, self.norm_z], [self.loss_z / 2, float("inf")]]
+        self._limits = torch.tensor(limits, device=device)
+        self._verdict = _verdict  # eager; fuse() compiles it
         self.spikes: deque[dict] = deque()
         """The spikes within the last window, oldest first: {step, loss, grad_norm, loss_z, grad_norm_z}."""
         self.rollbacks = 0
@@ -88,25 +93,18 @@ class SpikeGuard:
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """[spike (0.0 or 1.0), loss z, norm z] as one fp32 device tensor; the step is appended to
         the history unless it spiked or is not finite. Launches kernels only: nothing is read."""
-        x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()  # (2,)
-        # Robust: the median and the median absolute deviation (scaled by MAD_TO_SIGMA), not the mean and
-        # standard deviation, so a spike in the history (one under the threshold, or small batches' noise)
-        # neither moves the centre nor widens the spread that judges the next step.
-        centre = _lower_median(self.history)
-        spread = (MAD_TO_SIGMA * _lower_median((self.history - centre[:, None]).abs())).clamp_min(MIN_SPREAD)
-        z = (x - centre) / spread
-        finite = torch.isfinite(x).all()
-        full = self.count >= self.window
-        # The norm alone is no spike: early training has gradient-norm excursions of z 25-40 with ordinary
-        # losses (a tiny model's steps 24-27, docs/spike_guard.md), which --grad-clip absorbs. With the
-        # loss up by half its threshold as well, it is a batch the model does not fit.
-        spike = full & finite & ((z[0] > self.loss_z) | ((z[1] > self.norm_z) & (z[0] > self.loss_z / 2)))
-        accept = finite & ~spike
-        shifted = torch.cat([self.history[:, 1:], x.unsqueeze(1)], dim=1)
-        self.history.copy_(torch.where(accept, shifted, self.history))
-        self.count.add_(accept.long()).clamp_(max=self.window)
-        z = torch.where(full & finite, z, torch.zeros_like(z))  # nothing judged: no z to report
-        return torch.cat([spike.float().unsqueeze(0), z])
+        return torch.cat(self.verdict_parts(loss, grad_norm))
+
+    def verdict_parts(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> list[torch.Tensor]:
+        """judge's numbers in two pieces, [spike (bool, shape (1,)), z (2,)], for the caller's own cat
+        (train_step's step_stats: one cat for the whole step's numbers)."""
+        return self._verdict(self.history, self.count, self._zero, self._limits, loss, grad_norm, self.window)
+
+    def fuse(self) -> None:
+        """The verdict as one torch.compile'd graph (the trainer's choice on CUDA with a compiled model):
+        a few kernels instead of 25 a step, where the host's launches are what the device waits for.
+        Not bitwise the eager verdict (inductor fuses the arithmetic), so CPU runs keep the eager one."""
+        self._verdict = torch.compile(_verdict, fullgraph=True, dynamic=False)
 
     @staticmethod
     def off(device: torch.device) -> torch.Tensor:
@@ -159,6 +157,42 @@ class SpikeGuard:
         self.count.fill_(keep)
         self.spikes = deque(state["spikes"])
         self.rollbacks = int(state["rollbacks"])
+
+
+def _verdict(
+    history: torch.Tensor,
+    count: torch.Tensor,
+    zero: torch.Tensor,
+    limits: torch.Tensor,
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    window: int,
+) -> list[torch.Tensor]:
+    """SpikeGuard.verdict_parts' rules, history and count updated in place. Every op here is a kernel
+    on the device, so the rules are written in as few as give the same bits (tests/test_spike_guard.py
+    holds them to the longer form's; tests/test_trainer.py counts them)."""
+    x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()  # (2,); .float() of fp32: no op
+    # Robust: the median and the median absolute deviation (scaled by MAD_TO_SIGMA), not the mean and
+    # standard deviation, so a spike in the history (one under the threshold, or small batches' noise)
+    # neither moves the centre nor widens the spread that judges the next step.
+    centre = _lower_median(history)
+    spread = (MAD_TO_SIGMA * _lower_median((history - centre[:, None]).abs())).clamp_min(MIN_SPREAD)
+    z = (x - centre) / spread
+    # isfinite(x).all() in two kernels (isfinite alone is five): x is never -inf (the clamp), each finite
+    # x is within [-70, 89] (logs of fp32), so their sum is finite exactly when both are; NaN < inf is False.
+    finite = x.sum() < float("inf")
+    judged = finite & (count >= window)  # a full window before judging (the module docstring)
+    # The norm alone is no spike: early training has gradient-norm excursions of z 25-40 with ordinary
+    # losses (a tiny model's steps 24-27, docs/spike_guard.md), which --grad-clip absorbs. With the
+    # loss up by half its threshold as well, it is a batch the model does not fit.
+    over = z > limits  # [[loss z over its limit, norm z over its], [loss z over half its, False]]
+    spike = judged & (over[0, 0] | (over[0, 1] & over[1, 0]))
+    accept = finite ^ spike  # finite & ~spike: a spike is finite
+    shifted = torch.cat([history[:, 1:], x.unsqueeze(1)], dim=1)
+    torch.where(accept, shifted, history, out=history)  # elementwise: each element read before it is written
+    count.add_(accept).clamp_(max=window)
+    # Nothing judged: no z to report. cat promotes the bool spike to 0.0 / 1.0.
+    return [spike.unsqueeze(0), torch.where(judged, z, zero)]
 
 
 def _lower_median(rows: torch.Tensor) -> torch.Tensor:

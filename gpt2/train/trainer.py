@@ -9,6 +9,7 @@ Everything distributed goes through the `Dist` passed in; nothing reads the envi
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import resource
 import statistics
@@ -131,6 +132,8 @@ def build(
     parts = Parts(model, model, optimizer, loader, val_loader, accum, precision.make_scaler(tc.dtype, dist.device))
     parts.run_id, parts.init_from = start.run_id, init_record
     parts.guard = SpikeGuard(tc, dist.device) if tc.spike_guard else None  # before restore: its state is checkpointed
+    if parts.guard is not None and tc.compile and dist.device.type == "cuda":
+        parts.guard.fuse()  # its 25 kernels in a few: on CUDA the host's launches are the step's bound
     point = start.point
     if point is not None:
         problem = None
@@ -349,11 +352,15 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     """
     tc = cfg.train
     lr = set_lr(parts, tc)
-    loss_sum = torch.zeros((), device=dist.device)
+    loss_sum = None
     autocast = precision.autocast(tc.dtype, dist.device)
-    if parts.clock is None:  # made at the first step: Parts made elsewhere (tests, benchmarks) have none
+    # This rank's own compute time, up to the gradient sync (gpt2/distributed/straggler.py): it names the
+    # slowest rank, so with one rank there is nobody to compare and no clock (two CUDA events a step).
+    timed = dist.world_size > 1
+    if timed and parts.clock is None:  # made at the first step: Parts made elsewhere (tests, benchmarks) have none
         parts.clock = ComputeClock(dist)
-    parts.clock.start()  # this rank's own compute time, up to the gradient sync (gpt2/distributed/straggler.py)
+    if timed:
+        parts.clock.start()
     for micro_step in range(parts.accum_steps):
         x, y = micro_batch(parts, micro_step)
         # Decide gradient sync before the forward pass: DDP registers its hooks during forward.
@@ -362,9 +369,11 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
         with sync:
             with autocast:
                 _, loss = parts.train_model(x, y, return_logits=False)  # the model's loss_impl path
-            loss = loss / parts.accum_steps
-            loss_sum += loss.detach()
-            if last:
+            if parts.accum_steps > 1:  # x / 1 is x bitwise: no kernel for it without accumulation
+                loss = loss / parts.accum_steps
+            # The first micro-step's loss is the sum so far (0 + x is x): no zeros, no add, at 1 micro-step.
+            loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach()
+            if last and timed:
                 parts.clock.mark()
             # The last micro-step's backward all-reduces the gradients (DDP's hooks), so its errors
             # are reported as the process group's; a compute error there (rarer: the same backward
@@ -403,35 +412,60 @@ def set_lr(parts: Parts, tc: TrainConfig) -> float:
 def step_stats(
     parts: Parts, lr: float, loss_sum: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool, dist: Dist
 ) -> StepStats:
-    """The step's numbers, all-reduced, still on the device (StepStats reads them when asked).
+    """The step's numbers, all-reduced, still on the device (StepStats reads them when asked):
+    [loss sum, stop votes, bad-token flags, grad norm, the guard's (spike, loss z, norm z), and with
+    more than one rank each rank's compute time].
 
     One all-reduce carries the loss, the stop flag, the bad-token flag and each rank's compute time
-    (gpt2/data/loader.py): every rank
-    sees the same values, so every rank takes the same skip / stop decision. torch.full launches a
-    fill, no host copy."""
-    # Each rank's compute time rides in its own slot (zeros elsewhere), so the sum is every rank's time
-    # (gpt2/distributed/straggler.py): no collective of its own.
-    stats = torch.cat(
-        [
-            torch.stack(
-                [
-                    loss_sum.float(),
-                    torch.full((), float(stop_requested), device=dist.device),
-                    torch.full((), float(parts.loader.problem is not None), device=dist.device),
-                ]
-            ),
-            parts.clock.slots(),
-        ]
-    )
-    all_reduce_sum(stats, dist, what="the step's loss, flags and compute times")
+    (gpt2/data/loader.py): every rank sees the same values, so every rank takes the same skip / stop
+    decision. The host's numbers (the flags, this rank's time) reach the device in one copy
+    (host_numbers); with one rank there is nothing to reduce, and the vector is made in one cat."""
+    host = [float(stop_requested), float(parts.loader.problem is not None)]
+    if dist.world_size > 1:  # each rank's time in its own slot (zeros elsewhere): the sum has every rank's
+        host += parts.clock.host_slots()
+    flags = host_numbers(host, dist.device)
+    loss = loss_sum.reshape(1)  # fp32 already (train_step): a view
+    if dist.world_size > 1:
+        stats = torch.cat([loss, flags])
+        all_reduce_sum(stats, dist, what="the step's loss, flags and compute times")
+        loss, flags, rank_s = stats[:1], stats[1:3], [stats[3:]]
+    else:
+        rank_s = []
     # The spike guard's verdict on the all-reduced loss and norm (gpt2/train/spike_guard.py): on the device.
-    guard = (
-        parts.guard.judge(stats[0] / dist.world_size, grad_norm)
-        if parts.guard is not None
-        else SpikeGuard.off(dist.device)
-    )
-    numbers = torch.cat([stats[:3], grad_norm.float().reshape(1), guard, stats[3:]])
+    if parts.guard is not None:
+        mean = loss[0] / dist.world_size if dist.world_size > 1 else loss[0]  # x / 1 is x: no kernel
+        guard = parts.guard.verdict_parts(mean, grad_norm)
+    else:
+        guard = [constant((0.0,) * VERDICT_SIZE, dist.device)]
+    numbers = torch.cat([loss, flags, grad_norm.float().reshape(1), *guard, *rank_s])
     return StepStats(parts.step + 1, lr, numbers, dist.world_size, parts.scaler.is_enabled())
+
+
+def host_numbers(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host floats on the device in one copy. On CUDA from pinned memory, non-blocking: a pageable
+    copy would wait for every kernel queued before it (the step's backward)."""
+    if device.type != "cuda":
+        return torch.tensor(values, device=device)
+    return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)
+
+
+@functools.cache
+def constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A constant fp32 vector on the device, made once (never written to: only read by cat and mul)."""
+    return torch.tensor(values, device=device)
+
+
+SKIP_WEIGHTS = (0.0, 0.0, 1.0, 0.0, 1.0)
+"""The skip flag's weights over the numbers' first five (loss, stop, bad tokens, norm, spike): see skip_flag."""
+
+
+def skip_flag(numbers: torch.Tensor) -> torch.Tensor:
+    """1.0 where the loss or the norm is not finite, a rank met a bad token, or the guard saw a spike,
+    else 0.0 (fp32 scalar): in four kernels. loss * 0 and norm * 0 are 0 when finite and NaN when not
+    (inf * 0 is NaN), so the weighted sum is NaN or the count of bad-token ranks plus the spike flag
+    (whole numbers, summed exactly, never negative): non-zero exactly when the step must be skipped."""
+    weighted = (numbers[: len(SKIP_WEIGHTS)] * constant(SKIP_WEIGHTS, numbers.device)).sum()
+    return weighted.ne(0).float()
 
 
 def update(parts: Parts, out: StepStats, dist: Dist) -> None:
@@ -440,13 +474,11 @@ def update(parts: Parts, out: StepStats, dist: Dist) -> None:
     if parts.writer is not None:  # rank 0, a checkpoint being copied: the update below changes its tensors
         parts.writer.wait_copied()
     if skips_on_device(parts):
-        # The skip as a device-side condition, on the same all-reduced numbers on every rank: 1.0 where
-        # the loss or the norm is not finite. No host read stands between backward and the update.
-        # A token outside the vocabulary on any rank (numbers[2]) skips it too: nothing is learnt from
-        # that batch, and report() raises the finder's error when it reads the numbers.
-        numbers = out.numbers
-        bad = ~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[3])) | (numbers[2] > 0) | (numbers[4] > 0)
-        step_unless(parts.optimizer, bad.float())
+        # The skip as a device-side condition, on the same all-reduced numbers on every rank (skip_flag).
+        # No host read stands between backward and the update. A token outside the vocabulary on any rank
+        # skips it too: nothing is learnt from that batch, and report() raises the finder's error when it
+        # reads the numbers.
+        step_unless(parts.optimizer, skip_flag(out.numbers))
     elif out.read()["bad_data"]:  # before the update: nothing learnt from the batch
         raise_bad_data(parts, dist)
     elif not (out.read()["skipped"] or out["guard"].spike):  # the host decides (fp16: the scaler reads its flag too)
