@@ -36,6 +36,7 @@ A non-finite step is not a spike: train_step skips it anyway, and --max-bad-step
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,12 +99,22 @@ class SpikeGuard:
     def verdict_parts(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> list[torch.Tensor]:
         """judge's numbers in two pieces, [spike (bool, shape (1,)), z (2,)], for the caller's own cat
         (train_step's step_stats: one cat for the whole step's numbers)."""
-        return self._verdict(self.history, self.count, self._zero, self._limits, loss, grad_norm, self.window)
+        args = (self.history, self.count, self._zero, self._limits, loss, grad_norm, self.window)
+        if self._verdict is _verdict:
+            return _verdict(*args)
+        try:
+            return self._verdict(*args)
+        except Exception as e:  # a compile failure happens before the graph runs: nothing was updated yet
+            self._verdict = _verdict
+            why = f"{type(e).__name__}: {e}"
+            warnings.warn(f"spike guard: its compiled verdict failed ({why}); eager from now on", stacklevel=2)
+            return _verdict(*args)
 
     def fuse(self) -> None:
         """The verdict as one torch.compile'd graph (the trainer's choice on CUDA with a compiled model):
         a few kernels instead of 25 a step, where the host's launches are what the device waits for.
-        Not bitwise the eager verdict (inductor fuses the arithmetic), so CPU runs keep the eager one."""
+        Not bitwise the eager verdict (inductor fuses the arithmetic), so CPU runs keep the eager one. Should
+        its compilation fail, the verdict falls back to eager with one warning (the run goes on)."""
         self._verdict = torch.compile(_verdict, fullgraph=True, dynamic=False)
 
     @staticmethod
