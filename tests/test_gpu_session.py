@@ -330,9 +330,9 @@ def test_quick_is_one_device_call_in_the_issues_order_and_its_dry_run_prints_eac
     assert dry.returncode == 0 and [line.split("\t")[:2] for line in lines[:-1]] == [
         ["env", "15 s"],
         ["vs-nanogpt", "190 s"],
-        ["defaults", "140 s"],
-        ["realrun", "90 s"],
-        ["gpu-tests", "40 s"],
+        ["defaults", "150 s"],
+        ["realrun", "60 s"],
+        ["gpu-tests", "60 s"],
         ["resume", "175 s"],
     ]
     assert lines[-1] == (
