@@ -69,6 +69,26 @@ def test_a_flat_history_does_not_make_noise_a_spike_and_non_finite_steps_are_not
     assert int(guard.count) == 8
 
 
+def test_after_a_rollback_the_loss_limit_is_halved_for_a_window_of_steps_and_the_state_keeps_it():
+    """Issue 58: after a rollback the restored model scored the rest of a poisoned stretch at z 4.7, under
+    the limit of 6, and trained on it. For --spike-window steps after a rollback the limit is 3."""
+    guard = guard_for()
+    feed(guard, [(6.5, 1.0)] * 8)  # a flat history: z = log ratio / MIN_SPREAD (1%)
+    weak = (6.5 * 1.045, 1.0)  # z ~4.4: under 6, over 3
+    assert feed(guard, [weak])[0][0] == 0.0
+    guard.probation = 3  # what a rollback sets (the window's length)
+    assert [v[0] for v in feed(guard, [weak, weak])] == [1.0, 1.0]
+    state = guard.state_dict()
+    again = guard_for()
+    again.load_state_dict(state)  # a resume judges as the run would have
+    assert again.probation == guard.probation == 1
+    assert [v[0] for v in feed(again, [weak, weak])] == [v[0] for v in feed(guard, [weak, weak])] == [1.0, 0.0]
+    old = {k: v for k, v in state.items() if k != "probation"}  # a checkpoint from before the probation
+    fresh = guard_for()
+    fresh.load_state_dict(old)
+    assert fresh.probation == 0
+
+
 def test_state_round_trips_into_another_window_and_none_leaves_a_fresh_guard():
     guard = guard_for(spike_window=16)
     feed(guard, healthy(20))

@@ -31,6 +31,10 @@ The thresholds and why (docs/spike_guard.md shows a run that uses them):
     losses, and clipping absorbs those), while a poisoned batch's loss is 9-11 sigmas out (the tests'). The
     debug preset (the quick start's), the speed preset and the learning-parity recipe train bitwise the
     same guard on or off (tests/test_spike_guard.py).
+  - after a rollback, the loss limit is halved for the next --spike-window steps (PROBATION): the model is
+    the checkpoint's again, and the poison that made it spike scores lower against that model (a poisoned
+    stretch's last batches scored z 4.7 after a rollback, under the limit of 6, and were trained on); the
+    campaign's poisoned batches scored 6.6-7.0 before it, a thin margin over 6 (docs/spike_guard.md).
 A non-finite step is not a spike: train_step skips it anyway, and --max-bad-steps bounds those.
 """
 
@@ -55,6 +59,10 @@ MIN_SPREAD = 0.01
 docstring."""
 MAD_TO_SIGMA = 1.4826
 """A normal distribution's standard deviation over its median absolute deviation (1 / Phi^-1(3/4))."""
+
+
+PROBATION_FACTOR = 0.5
+"""The loss limits' scale for --spike-window steps after a rollback (the module docstring says why)."""
 
 
 class SpikeGuardError(RuntimeError):
@@ -86,6 +94,10 @@ class SpikeGuard:
         # The thresholds as _verdict compares z with them, in one kernel: [[loss z, norm z], [loss z / 2, never]].
         limits = [[self.loss_z, self.norm_z], [self.loss_z / 2, float("inf")]]
         self._limits = torch.tensor(limits, device=device)
+        strict = self.loss_z * PROBATION_FACTOR
+        self._strict = torch.tensor([[strict, self.norm_z], [strict / 2, float("inf")]], device=device)
+        self.probation = 0
+        """Steps still judged with the loss limits scaled by PROBATION_FACTOR (set by a rollback)."""
         self._verdict = _verdict  # eager; fuse() compiles it
         self.spikes: deque[dict] = deque()
         """The spikes within the last window, oldest first: {step, loss, grad_norm, loss_z, grad_norm_z}."""
@@ -99,7 +111,10 @@ class SpikeGuard:
     def verdict_parts(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> list[torch.Tensor]:
         """judge's numbers in two pieces, [spike (bool, shape (1,)), z (2,)], for the caller's own cat
         (train_step's step_stats: one cat for the whole step's numbers)."""
-        args = (self.history, self.count, self._zero, self._limits, loss, grad_norm, self.window)
+        limits = self._limits
+        if self.probation > 0:  # after a rollback: the same tensor shape, so a compiled verdict is reused
+            limits, self.probation = self._strict, self.probation - 1
+        args = (self.history, self.count, self._zero, limits, loss, grad_norm, self.window)
         if self._verdict is _verdict:
             return _verdict(*args)
         try:
@@ -153,6 +168,7 @@ class SpikeGuard:
             "count": int(self.count),
             "spikes": list(self.spikes),
             "rollbacks": self.rollbacks,
+            "probation": self.probation,
         }
 
     def load_state_dict(self, state: dict | None) -> None:
@@ -168,6 +184,7 @@ class SpikeGuard:
         self.count.fill_(keep)
         self.spikes = deque(state["spikes"])
         self.rollbacks = int(state["rollbacks"])
+        self.probation = int(state.get("probation", 0))  # none in checkpoints from before it
 
 
 def _verdict(
@@ -275,6 +292,7 @@ def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: Metr
                 "max_rollbacks": guard.max_rollbacks,
             }
         )
+        guard.probation = guard.window
         log.warn(
             f"spike guard: {len(spikes)} spikes within {guard.window} steps (steps {_steps(spikes)}) but no "
             f"checkpoint of this run from before step {first} to roll back to: going on, skipping spikes "
@@ -291,6 +309,7 @@ def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: Metr
     resume.agree_on_step(parts.step, problem, dist)
     parts.loader.load_state_dict(position)  # the data goes on past the batches that spiked
     guard.rollbacks = rollbacks
+    guard.probation = guard.window  # the checkpoint's model scores the rest of a poisoned stretch lower
     log.record(
         {
             "step": parts.step,
@@ -308,7 +327,8 @@ def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: Metr
     log.warn(
         f"spike guard: {len(spikes)} spikes within {guard.window} steps (steps {_steps(spikes)}): rolled back "
         f"to {Path(point.path).name} (step {parts.step}), the data going on after step {last}'s batches{aside} "
-        f"(rollback {rollbacks} of {guard.max_rollbacks})"
+        f"(rollback {rollbacks} of {guard.max_rollbacks}); the loss limit is z {guard.loss_z * PROBATION_FACTOR:g} "
+        f"for the next {guard.window} steps"
     )
     return True
 
