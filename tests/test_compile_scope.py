@@ -28,7 +28,7 @@ def run(data_dir, out_dir, scope: str) -> dict[int, float]:
     return losses(out_dir)
 
 
-@pytest.mark.slow  # two CPU compiles of a tiny model: ~1 minute on 2 cores
+@pytest.mark.soak  # by hand (`-m soak`): two CPU compiles of a tiny model, 1-3 minutes on 2 cores; passed 2026-11-27
 def test_each_block_compiled_gives_the_whole_models_losses(tmp_path, shakespeare_shards):
     whole = run(shakespeare_shards, tmp_path / "model", "model")
     blocks = run(shakespeare_shards, tmp_path / "blocks", "blocks")
