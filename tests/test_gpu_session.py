@@ -641,8 +641,13 @@ def check_smoke(out: Path, with_nano: bool) -> None:
     assert re.search(r"\| ours B=2 \| 2 x 1 \| \w+ \|", vs)
     assert ("| nanoGPT B=2 | 2 x 1 | fp32 |" in vs) if with_nano else ("nanoGPT not run (--nanogpt none)" in vs)
     defaults = steps["defaults"]["report"]
-    assert "| ours defaults | 8 x 1 |" in defaults and "| ours B=4 | 4 x 1 |" in defaults  # auto's 8, then 4
-    assert "its start-up said: " in defaults and "micro-batch auto: 8 sequences" in defaults
+    # What auto takes on a CPU follows this machine's measured peak and its load (issue 54): 8 on a quiet
+    # one, 2 seen on a loaded AVX2 one. The row is auto's, whatever it took; the one between, where one fits.
+    auto = re.search(r"micro-batch auto: (\d+) sequences", defaults)
+    assert "its start-up said: " in defaults and auto, defaults
+    assert re.search(rf"\| ours defaults \| {auto[1]} x \d+ \|", defaults), defaults
+    if auto[1] == "8":
+        assert "| ours B=4 | 4 x 1 |" in defaults  # auto's 8, then 4
     resume = steps["resume"]["report"]
     assert "**deterministic** (--deterministic true)" in resume and "exact resume after kill -9: **PASS**" in resume
     assert "bit for bit the same losses" in resume and "- all rows: **PASS**" in resume
