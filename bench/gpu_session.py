@@ -384,6 +384,59 @@ def lease_steps(quick: dict[str, Step], singles: dict[str, Step], scale: int = 1
     ]
 
 
+def headroom_steps(quick: dict[str, Step], work: Path, *, cpu_smoke: bool = False) -> list[Step]:
+    """A lease after `lease` (issue 57's rest, in one call): env; gpt2-xl at its preset's defaults (bench/sizes.py,
+    blocks compiled); the 124M defaults A/Bs, each a real train_ddp.py run with its own cold compile cache
+    (bench/sizes.py --sizes gpt2 with the variant's flags): the whole model compiled (the default), with
+    --fp8-head, each block compiled alone, and the blocks with --compile-autotune; the FP8 head's loss against
+    the plain head's (bench/fp8_head.py: 200 steps of a 6-layer 384-wide model, same tokens); then, in what is
+    left, the resume check's default-kernels row (its exact row ran in the last lease). cpu_smoke: tiny
+    stand-ins, eager, float32."""
+    py, data = python_cmd(), gpu_dir() / "data"
+    scale = CPU_SMOKE_SCALE if cpu_smoke else 1
+    if cpu_smoke:
+        size = ["--device", "cpu", "--steps", "1", "--compile", "false", "--dtype", "float32"]
+        xl, gpt2 = ["--sizes", "debug:2"], ["--sizes", "debug:3"]
+        fp8 = ["--device", "cpu", "--dtype", "float32", "--steps", "2", "--eval-tokens", "2048"]
+        resume = ["--shape", "tiny", "--steps", "4", "--ckpt-step", "2", "--rows", "default", "--data-dir", str(data)]
+        resume_tail = ["--", "--dtype", "float32"]
+    else:
+        size = ["--device", "cuda"]
+        xl, gpt2 = ["--sizes", "gpt2-xl", "--compile-scope", "blocks"], ["--sizes", "gpt2", "--steps", "6"]
+        fp8 = ["--device", "cuda", "--dtype", "bfloat16", "--steps", "200"]
+        resume = ["--shape", "gpt2", "--steps", "16", "--ckpt-step", "8", "--rows", "default", "--data-dir", str(data)]
+        resume_tail = []
+
+    def sizes(name: str, which: list[str], variant: list[str], limit: int, **kw) -> Step:
+        label = ["--label", " ".join(v.lstrip("-") for v in variant)] if variant else []
+        cmd = [*py, "bench/sizes.py", *size, *which, "--data-dir", str(data), "--work", str(work / "runs")]
+        cmd += [*label, "--md", str(work / f"{name}.md"), "--json", str(work / f"{name}.json"), *variant]
+        cmd += ["--compile-cache", str(work / "compile-cache" / name)]  # its own, cold: compile times compare
+        return Step(name, cmd, limit * scale, report=f"{name}.md", **kw)
+
+    fp8_cmd = [*py, "bench/fp8_head.py", *fp8, "--data-dir", str(data), "--work", str(work / "fp8_runs")]
+    resume_cmd = [*py, "bench/resume_check.py", "--device", "cpu" if cpu_smoke else "cuda", *resume]
+    resume_cmd += ["--work", str(work / "resume_runs"), "--md", str(work / "resume_check.md"), *resume_tail]
+    return [
+        quick["env"],
+        # gpt2-xl: ~10 s a 524,288-token step (2 of them) after a blocks compile (~15 s) and the start-up
+        sizes("xl", xl, [], 150),
+        sizes("base", gpt2, [], 75),  # the whole model compiled cold: ~30 s, then 6 steps of ~1.1 s
+        sizes("fp8", gpt2, ["--fp8-head"], 75),
+        Step("fp8-loss", [*fp8_cmd, "--md", str(work / "fp8_head.md")], 80 * scale, report="fp8_head.md"),
+        sizes("blocks", gpt2, ["--compile-scope", "blocks"], 60, optional=True, min_s=45 * scale),
+        sizes(
+            "autotune",
+            gpt2,
+            ["--compile-scope", "blocks", "--compile-autotune"],
+            150,
+            optional=True,
+            min_s=60 * scale,
+        ),
+        replace(quick["resume"], cmd=resume_cmd, optional=True, min_s=90 * scale),
+    ]
+
+
 def single_steps(work: Path, *, cpu_smoke: bool = False) -> dict[str, Step]:
     """Steps outside quick, each run alone by name (each its own device call). cpu_smoke: sizes at tiny
     stand-ins (--preset debug at 2 and 3 layers, eager, 1 step each)."""
@@ -1034,7 +1087,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "what",
-        help="prepare | quick | lease (quick's first four steps, then sizes, in one 600 s call) | env | defaults-rows "
+        help="prepare | quick | lease (quick's first four steps, then sizes, in one 600 s call) | headroom (gpt2-xl "
+        "and the 124M A/Bs: FP8 head, blocks, GEMM autotuning; one 600 s call) | env | defaults-rows "
         "| a step: "
         + ", ".join(
             ["env", "vs-nanogpt", "defaults", "realrun", "gpu-tests", "resume", "doctor", "stall", "suite", "profile"]
@@ -1102,6 +1156,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = list(quick.values())
     elif args.what == "lease":
         steps = lease_steps(quick, singles, CPU_SMOKE_SCALE if args.cpu_smoke else 1)
+    elif args.what == "headroom":
+        steps = headroom_steps(quick, work, cpu_smoke=args.cpu_smoke)
     elif args.what in quick or args.what in singles:
         steps = [quick.get(args.what) or singles[args.what]]
     else:
@@ -1113,7 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(steps) == 1:
         steps = [replace(steps[0], optional=False)]  # a step run alone by name is the call's whole point
     scale = CPU_SMOKE_SCALE if args.cpu_smoke else 1
-    plans = {"quick": BUDGET_S, "lease": LEASE_BUDGET_S}
+    plans = {"quick": BUDGET_S, "lease": LEASE_BUDGET_S, "headroom": LEASE_BUDGET_S}
     budget = args.budget_s or (plans[args.what] * scale if args.what in plans else sum(s.limit_s for s in steps))
     if args.dry_run:
         for s in steps:
@@ -1123,7 +1179,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"\t(low priority: runs if {s.min_s} s or more are left)" if s.optional else "")
             )
         required = sum(s.limit_s for s in steps if not s.optional)
-        call = {"quick": CALL_TIMEOUT_S, "lease": LEASE_CALL_TIMEOUT_S}.get(args.what, min(600, int(budget) + 30))
+        call = {"quick": CALL_TIMEOUT_S, "lease": LEASE_CALL_TIMEOUT_S, "headroom": LEASE_CALL_TIMEOUT_S}.get(args.what, min(600, int(budget) + 30))
         extra = [s for s in steps if s.optional]
         print(
             f"total {required} s of limits, budget {budget:.0f} s"

@@ -51,6 +51,7 @@ def parse_run(log: str, records: list[dict], train: dict) -> dict:
     auto = AUTO_LINE.search(log)
     loss = LOSS_LINE.search(log)
     ac = AC_LINE.search(log)
+    first = steps[0] if steps else {}
     peak = max((r["mem_mb"] for r in steps if r.get("mem_mb") is not None), default=None)
     plan_mib = mib(plan[1], plan[2]) if plan else None
     mb = train.get("micro_batch_size")
@@ -63,6 +64,7 @@ def parse_run(log: str, records: list[dict], train: dict) -> dict:
         "loss": loss[1].strip() if loss else train.get("loss_impl"),
         "ac": ac[1] if ac else train.get("activation_checkpointing"),
         "steps": len(steps),
+        "first_step_s": first.get("step_s") if first.get("step") == 1 else None,
         "step_s": last.get("step_s"),
         "tok_per_s": last.get("tok_per_s"),
         "mfu": last.get("mfu"),
@@ -129,8 +131,8 @@ def report(rows: dict[str, dict], command: str) -> str:
         f"command: `{command}`",
         "",
         "| size | micro-batch x accum | auto took | loss | act. ckpt | steps | s/step (last) | tok/s (last) "
-        "| MFU (last) | peak MiB | plan MiB | peak / plan |",
-        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| MFU (last) | peak MiB | plan MiB | peak / plan | step 1 s (compile) | run s |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(v, fmt):
@@ -138,7 +140,7 @@ def report(rows: dict[str, dict], command: str) -> str:
 
     for name, r in rows.items():
         if "why" in r:
-            lines.append(f"| {name} | {r['why']} |  |  |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {name} | {r['why']} |  |  |  |  |  |  |  |  |  |  |  |  |")
             continue
         batch = f"{r['micro_batch']} x {r['accum']}" if r["accum"] else str(r["micro_batch"])
         cells = [
@@ -154,12 +156,16 @@ def report(rows: dict[str, dict], command: str) -> str:
             f(r["peak_mib"], ",.0f"),
             f(r["plan_mib"], ",.0f"),
             f(r["peak_over_plan"], ".2f"),
+            f(r.get("first_step_s"), ".1f"),
+            f(r.get("run_s"), ".0f"),
         ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += [
         "",
         "- peak MiB: the largest mem_mb of the run's steps (torch.cuda.max_memory_allocated; a CPU's max RSS); "
         "plan MiB: the start-up line `plan X GiB of Y GiB usable` (gpt2/plan/)",
+        "- step 1 s: the first step's time, torch.compile's cold compile included (each run has its own cache); "
+        "run s: the whole process, start-up to the last step logged",
     ]
     return "\n".join(lines) + "\n"
 
@@ -172,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, required=True, help="the runs' directories")
     ap.add_argument("--steps", type=int, default=None, help="steps per size (default 3; gpt2-xl 2)")
     ap.add_argument("--deadline-s", type=float, default=None, help=f"seconds from now (default ${DEADLINE_ENV})")
+    ap.add_argument(
+        "--label", default="", help="a suffix for every row's name (an A/B's variant: the flags after the options)"
+    )
     ap.add_argument("--md", type=Path)
     ap.add_argument("--json", type=Path)
     args, extra = ap.parse_known_args(argv)  # the rest goes to every train_ddp.py (e.g. --compile false)
@@ -193,11 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.sizes.split(","):
         fits, why = size_fits(time.time(), deadline, finished)
         if not fits:
-            rows[spec] = {"why": why}
+            rows[spec + (f" {args.label}" if args.label else "")] = {"why": why}
             print(f"{spec}: {why}", flush=True)
             write()
             continue
-        out = args.work / spec.replace(":", "-")
+        name = spec + (f" {args.label}" if args.label else "")
+        out = args.work / (spec.replace(":", "-") + (f"-{re.sub(r'[^A-Za-z0-9]+', '-', args.label)}" if args.label else ""))
         shutil.rmtree(out, ignore_errors=True)
         steps = args.steps or STEPS.get(spec, 3)
         flags = [
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"why": f"FAILED (exit {rc}) after {took:.0f} s; its log: {out / 'train.log'}"} | row
         else:
             finished.append(took)
-        rows[spec] = row
+        rows[name] = row
         shutil.rmtree(out / "checkpoints", ignore_errors=True)  # none expected (killed before any save)
         write()
     text = report(rows, command)

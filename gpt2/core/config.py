@@ -252,6 +252,12 @@ class TrainConfig:
     lookups between them eager: less compile time (docs/training.md measured 2.3-2.8x less on a CPU), the
     same losses. Sampling and HellaSwag then run the compiled blocks (a recompile per generated length).
     No effect without --compile."""
+    compile_autotune: bool = False
+    """Inductor's GEMM autotuning (max_autotune_gemm) in what torch.compile compiles.
+
+    With --compile-scope blocks the transformer blocks only (the head and loss as without it); with model, the
+    whole model. Each matmul shape is timed against Triton's candidate kernels at the first compile: minutes
+    more compile time, for what docs/performance.md measured. No effect without --compile."""
     compile_cache: str = "auto"
     """torch.compile's cache: auto, off or a directory.
 
@@ -303,6 +309,13 @@ class TrainConfig:
     loss is at most 1/8 of the device's usable memory and the whole plan with it still fits, else chunked
     (gpt2/plan/ choose_loss_impl; logged with its reason). Both give the same loss and gradients to float
     rounding."""
+    fp8_head: bool = False
+    """The LM head's matmuls in FP8 while training (opt-in).
+
+    torch._scaled_mm with one dynamic scale per tensor (gpt2/model/fp8.py): twice the BF16 rate on an
+    H100/H200 for the largest matmul of a small model. Takes the full-logits loss; evaluation, sampling and
+    export keep the exact head. Needs FP8 tensor cores (compute capability 8.9+) or, on a CPU, a torch with
+    _scaled_mm there (slow: for tests). docs/performance.md has its A/B."""
     activation_checkpointing: str = "auto"
     """Recompute blocks: none, full or auto.
 
@@ -566,6 +579,12 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"compile_scope={cfg.compile_scope!r} must be one of {COMPILE_SCOPES}")
     if cfg.loss_impl not in LOSS_IMPLS:
         p.append(f"loss_impl={cfg.loss_impl!r} must be one of {LOSS_IMPLS}")
+    if cfg.fp8_head and cfg.loss_impl == "chunked":
+        p.append("fp8_head=True computes the full logits: use --loss-impl full or auto with --fp8-head")
+    if cfg.fp8_head and cfg.dtype == "float16":
+        p.append("fp8_head=True with dtype=float16: the loss scaler's range and FP8's do not mix; use bfloat16")
+    if cfg.fp8_head and cfg.parallel == "fsdp":
+        p.append("fp8_head=True with parallel=fsdp is not supported (the head's weight is sharded); use ddp")
     if cfg.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         p.append(f"activation_checkpointing={cfg.activation_checkpointing!r} must be one of {ACTIVATION_CHECKPOINTING}")
     if cfg.optimizer not in OPTIMIZERS:

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig, param_count
+from gpt2.model.fp8 import fp8_linear, logits_dtype
 from gpt2.model.loss import linear_cross_entropy
 
 
@@ -148,11 +149,23 @@ LOSS_IMPLS = ("chunked", "full")
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, loss_impl: str = "chunked", activation_checkpointing: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        loss_impl: str = "chunked",
+        activation_checkpointing: bool = False,
+        fp8_head: bool = False,
+    ) -> None:
         super().__init__()
         if loss_impl not in LOSS_IMPLS:
             raise ValueError(f"loss_impl={loss_impl!r} must be one of {LOSS_IMPLS} (the trainer resolves auto)")
+        if fp8_head and loss_impl != "full":
+            raise ValueError("fp8_head=True computes the full logits: it needs loss_impl='full'")
         self.config = cfg
+        # fp8_head (--fp8-head): training's loss multiplies the LM head in FP8 (gpt2/model/fp8.py); with
+        # gradients off (evaluation, sampling) the head stays exact.
+        self.fp8_head = fp8_head
         # How forward(x, y, return_logits=False) computes the loss: a plain attribute, fixed before
         # torch.compile traces the model, so the compiled graph has one path (no graph break, no
         # recompilation). The trainer sets it from the planner's choice (gpt2/plan/ choose_loss_impl).
@@ -222,7 +235,7 @@ class GPT(nn.Module):
         if targets is not None and not return_logits:
             return None, self.head_loss(x, targets)
         x = self.transformer.ln_f(x)
-        logits = F.linear(x, self.lm_head.weight, self.logit_bias)
+        logits = self.head(x) if targets is not None else F.linear(x, self.lm_head.weight, self.logit_bias)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
@@ -236,8 +249,16 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if self.loss_impl == "chunked":
             return linear_cross_entropy(x, self.lm_head.weight, self.logit_bias, targets)
-        logits = F.linear(x, self.lm_head.weight, self.logit_bias)
+        logits = self.head(x)
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+
+    def head(self, x: Tensor) -> Tensor:
+        """The full logits of the final LayerNorm's output x: in FP8 while training with fp8_head, else
+        the plain (tied) linear layer."""
+        if self.fp8_head and torch.is_grad_enabled():
+            logits = fp8_linear(x, self.lm_head.weight, logits_dtype(x.device.type))
+            return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.dtype)
+        return F.linear(x, self.lm_head.weight, self.logit_bias)
 
     @torch.no_grad()
     def generate(

@@ -69,6 +69,8 @@ def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1,
     requested, micro_batch_size, compiled = tc.loss_impl, tc.micro_batch_size, tc.compile
     if requested == "chunked":
         return LossChoice("chunked", "--loss-impl chunked")
+    if tc.fp8_head and requested == "auto":
+        requested = "full"  # the FP8 head multiplies the whole logits at once (gpt2/model/fp8.py)
     # What the full loss really holds: compiled, inductor's fused loss (COMPILED_FULL_LOSS_BYTES);
     # uncompiled, eager's several (B, T, V) tensors.
     full = RunConfig(cfg.model, tc.replace(loss_impl="full"))
@@ -93,7 +95,8 @@ def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1,
             )
         over = [] if peak <= share else [f"above the 1/{FULL_LOSS_MEMORY_SHARE} share auto allows"]
         over += [] if total <= usable else [f"plan {gib(total)} over the {gib(usable)} usable"]
-        return LossChoice("full", f"--loss-impl full; {logits}" + (f", {' and '.join(over)}" if over else ""))
+        how = "--fp8-head" if tc.fp8_head and tc.loss_impl == "auto" else "--loss-impl full"
+        return LossChoice("full", f"{how}; {logits}" + (f", {' and '.join(over)}" if over else ""))
     if peak > share:
         return LossChoice("chunked", f"auto: {logits} > 1/{FULL_LOSS_MEMORY_SHARE} of {gib(usable)} usable")
     if total > usable:

@@ -498,7 +498,7 @@ def sizing(cfg: RunConfig) -> RunConfig:
     """cfg as the micro-batch search and the does-not-fit message count it: the chunked loss, uncompiled.
     Why not the run's loss path: the loss is chosen after the micro-batch, for it (gpt2/plan/loss_choice.py),
     and the chunked loss is the one every micro-batch can take."""
-    return RunConfig(cfg.model, cfg.train.replace(loss_impl="chunked", compile=False))
+    return RunConfig(cfg.model, cfg.train.replace(loss_impl="chunked", compile=False, fp8_head=False))
 
 
 def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:

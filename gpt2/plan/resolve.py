@@ -25,6 +25,7 @@ from gpt2.plan.ac_choice import ACChoice, choose_activation_checkpointing
 from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
 from gpt2.plan.flops import device_peak_flops, peak_problem
 from gpt2.plan.hardware import Hardware, custom_hardware, device_hardware, gpu_native_bf16
+from gpt2.model.fp8 import fp8_problem
 from gpt2.plan.loss_choice import LossChoice, choose_loss_impl
 from gpt2.plan.planner import Plan, plan
 
@@ -80,6 +81,8 @@ def resolve(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens: int | N
     real start stops with (a model that fits nowhere, a batch that does not divide). tokens: the plan's
     budget (default max_steps x total_batch_size); mfu: the plan's assumed utilisation."""
     tc, world = cfg.train, target.world_size
+    if tc.fp8_head and (why := fp8_problem(target.device)):
+        raise ValueError(why)
     prec = target_precision(tc.dtype, target, tf32=tc.tf32 and target.device_type == "cuda")
     hardware = target_hardware(target, prec)
     # Each decision made concrete in cfg before the next reads it (the module docstring's order).

@@ -85,6 +85,7 @@ def build(
         mc,
         loss_impl="full" if tc.loss_impl == "full" else "chunked",
         activation_checkpointing=tc.activation_checkpointing == "full",
+        fp8_head=tc.fp8_head,
     ).to(dist.device)
     fsdp = tc.parallel == "fsdp" and dist.is_distributed
     init_record = None
@@ -150,9 +151,9 @@ def build(
             compile_sharded(model)
     elif tc.compile and tc.compile_scope == "blocks":  # each block alone, then the head and loss: less to compile
         train_model = model
-        compile_sharded(model)
+        compile_sharded(model, autotune=tc.compile_autotune)
     else:
-        train_model = torch.compile(model) if tc.compile else model
+        train_model = torch.compile(model, **autotune_options(tc.compile_autotune)) if tc.compile else model
     if dist.is_distributed and not fsdp:
         train_model = wrap_ddp(train_model, tc, dist)
         settle_buckets(train_model, parts.loader.B, parts.loader.T, cfg.train.dtype, dist)
@@ -160,7 +161,13 @@ def build(
     return parts
 
 
-def compile_sharded(model: GPT) -> None:
+def autotune_options(autotune: bool) -> dict:
+    """torch.compile's arguments for --compile-autotune: inductor times each matmul shape against its
+    Triton templates and keeps the fastest (GEMMs only: max_autotune_gemm, not the pointwise kernels)."""
+    return {"options": {"max_autotune_gemm": True}} if autotune else {}
+
+
+def compile_sharded(model: GPT, *, autotune: bool = False) -> None:
     """torch.compile for a model sharded per block (--parallel fsdp): each block in place (torchtitan's
     way: a compiled region never spans two FSDP units' gathers), and the root's final LayerNorm, LM
     head and loss (GPT.head_loss) as one more region. The head and loss are the memory-bound part that
@@ -168,7 +175,7 @@ def compile_sharded(model: GPT) -> None:
     and would otherwise run eager under fsdp while DDP's whole-model compile fuses them. The embedding
     lookups between the regions stay eager (a gather and an add)."""
     for block in model.transformer.h:
-        block.compile()
+        block.compile(**autotune_options(autotune))  # autotuned: the blocks only, the head as without it
     model.head_loss = torch.compile(model.head_loss)  # an instance attribute: forward calls self.head_loss
 
 

@@ -1,0 +1,160 @@
+"""--fp8-head (gpt2/model/fp8.py): the LM head's three matmuls in FP8 with per-tensor scales, training's
+loss only. On a CPU `_scaled_mm` runs (slowly) in the torch releases that have it there, so the maths is
+tested here; the speed and the 200-step loss A/B are the GPU's (bench/fp8_head.py, docs/performance.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import losses, tiny_run_flags
+from conftest import REPO
+
+from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
+from gpt2.model import fp8
+from gpt2.model.gpt import GPT
+from gpt2.plan.hardware import Hardware
+from gpt2.plan.loss_choice import choose_loss_impl
+
+pytestmark = pytest.mark.skipif(
+    fp8.fp8_problem("cpu") is not None, reason="this torch has no FP8 matmul on a CPU (gpt2/model/fp8.py)"
+)
+GIB = 2**30
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_fp8_linear_is_the_matmul_to_fp8s_precision_forward_and_backward():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, 64, generator=g, requires_grad=True)
+    w = (0.02 * torch.randn(256, 64, generator=g)).requires_grad_()
+    up = torch.randn(4, 32, 256, generator=g)  # a gradient from above with a spread of magnitudes
+    exact = x @ w.t()
+    (exact * up).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    out = fp8.fp8_linear(x, w, torch.float32)
+    (out * up).sum().backward()
+    # e4m3 keeps 3 mantissa bits (relative step 2^-4 per element, averaging out over a dot product); the
+    # gradient from above goes through e5m2 (2 bits): a few percent either way, far from both exact and wrong
+    assert 1e-4 < rel(out, exact) < 0.05
+    assert 1e-4 < rel(x.grad, gx) < 0.1 and 1e-4 < rel(w.grad, gw) < 0.1
+    assert out.dtype == torch.float32 and w.grad.dtype == torch.float32 and x.grad.shape == x.shape
+
+
+def test_an_all_zero_operand_gives_zeros_not_nans():
+    x = torch.zeros(16, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    out = fp8.fp8_linear(x, w, torch.float32)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros(16, 48)) and torch.isfinite(x.grad).all() and torch.equal(w.grad, torch.zeros_like(w))
+
+
+def tiny(fp8_head: bool) -> GPT:
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
+    return GPT(cfg, loss_impl="full", fp8_head=fp8_head)
+
+
+def test_training_loss_takes_the_fp8_head_and_evaluation_the_exact_one():
+    plain, quant = tiny(False), tiny(True)
+    idx = torch.randint(0, 50257, (2, 32))
+    tgt = torch.randint(0, 50257, (2, 32))
+    _, exact = plain(idx, tgt, return_logits=False)
+    _, approx = quant(idx, tgt, return_logits=False)
+    assert approx.item() != exact.item() and approx.item() == pytest.approx(exact.item(), abs=0.02)
+    approx.backward()
+    exact.backward()
+    head = quant.lm_head.weight.grad
+    assert torch.isfinite(head).all() and rel(head, plain.lm_head.weight.grad) < 0.1
+    with torch.no_grad():  # evaluation: the plain head, bit for bit
+        assert torch.equal(quant(idx, tgt, return_logits=False)[1], plain(idx, tgt, return_logits=False)[1])
+        logits = quant(idx)[0]
+        assert torch.isinf(logits[..., 50257:]).all()  # the padded rows never carry probability
+    with torch.enable_grad():  # and in training the padded rows still get the -inf bias
+        full = quant.head(quant.transformer.ln_f(torch.randn(1, 4, 64)))
+        assert torch.isinf(full[..., 50257:]).all() and torch.isfinite(full[..., :50257]).all()
+
+
+def test_the_fp8_head_needs_the_full_logits_and_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="fp8_head=True computes the full logits: use --loss-impl full or auto"):
+        TrainConfig(fp8_head=True, loss_impl="chunked")
+    with pytest.raises(ValueError, match="fp8_head=True with dtype=float16"):
+        TrainConfig(fp8_head=True, dtype="float16")
+    with pytest.raises(ValueError, match="fp8_head=True with parallel=fsdp is not supported"):
+        TrainConfig(fp8_head=True, parallel="fsdp")
+    with pytest.raises(ValueError, match="needs loss_impl='full'"):
+        GPT(ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=8), loss_impl="chunked", fp8_head=True)
+
+
+def test_auto_loss_path_is_the_full_one_with_the_fp8_head_and_says_why():
+    hw = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
+    cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64), TrainConfig(micro_batch_size=4, dtype="float32", compile=False))
+    assert choose_loss_impl(cfg, hw).impl == "chunked"  # uncompiled and unmeasured: chunked, without the option
+    fp8_cfg = RunConfig(cfg.model, cfg.train.replace(fp8_head=True))
+    choice = choose_loss_impl(fp8_cfg, hw)
+    assert choice.impl == "full" and choice.reason.startswith("--fp8-head;")
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    why = fp8.fp8_problem(torch.device("cuda", 0))
+    assert why == (
+        "--fp8-head needs FP8 tensor cores (compute capability 8.9+: H100, H200, L4, L40); "
+        "NVIDIA A100-SXM4-80GB is 8.0: drop --fp8-head"
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8.fp8_problem(torch.device("cuda", 0)) is None
+
+
+def test_a_run_with_the_fp8_head_learns_as_the_plain_one(tmp_path, shakespeare_shards):
+    """Four steps of the tiny model, eager fp32, with and without --fp8-head: the same start, losses close."""
+    got = {}
+    for name, extra in (("plain", []), ("fp8", ["--fp8-head"])):
+        flags = tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=0)
+        done = subprocess.run(
+            [sys.executable, "train_ddp.py", *flags, *extra, "--out-dir", str(tmp_path / name)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        got[name] = losses(tmp_path / name)
+    assert sorted(got["fp8"]) == sorted(got["plain"]) == [1, 2, 3, 4]
+    assert got["fp8"] != got["plain"]  # FP8 was used
+    assert got["fp8"] == pytest.approx(got["plain"], abs=0.03)
+    log = (tmp_path / "fp8" / "train.log").read_text()
+    assert "--fp8-head; full-logits peak" in log  # the loss path it took, and why
+
+
+def test_compile_autotune_reaches_the_blocks_only(monkeypatch):
+    from gpt2.train import trainer
+
+    model = tiny(False)
+    seen = []
+    for block in model.transformer.h:
+        monkeypatch.setattr(block, "compile", lambda **kw: seen.append(kw))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(("head", kw)) or fn)
+    trainer.compile_sharded(model, autotune=True)
+    assert seen == [{"options": {"max_autotune_gemm": True}}] * 2 + [("head", {})]
+    assert trainer.autotune_options(False) == {}
+
+
+def test_fp8_bench_verdict():
+    sys.path.insert(0, str(REPO / "bench"))
+    import fp8_head
+
+    row = {"rc": 0, "steps": 200, "train_loss": 2.0, "step_ms": 10.0, "run_s": 30}
+    text, ok = fp8_head.report({"plain": {**row, "val_loss": 2.50}, "fp8": {**row, "val_loss": 2.515}}, "cmd", 0.02)
+    assert ok and "+0.0150 (goal within 0.02): PASS" in text
+    text, ok = fp8_head.report({"plain": {**row, "val_loss": 2.50}, "fp8": {**row, "val_loss": 2.53}}, "cmd", 0.02)
+    assert not ok and "FAIL" in text
+    text, ok = fp8_head.report({"plain": {**row, "val_loss": 2.50}, "fp8": {**row, "val_loss": None}}, "cmd", 0.02)
+    assert not ok and "not measured" in text
