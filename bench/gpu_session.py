@@ -385,31 +385,33 @@ def lease_steps(quick: dict[str, Step], singles: dict[str, Step], scale: int = 1
 
 
 def headroom_steps(quick: dict[str, Step], work: Path, *, cpu_smoke: bool = False) -> list[Step]:
-    """A lease after `lease` (issue 57's rest, in one call): env; gpt2-xl at its preset's defaults (bench/sizes.py,
-    blocks compiled); the 124M defaults A/Bs, each a real train_ddp.py run with its own cold compile cache
-    (bench/sizes.py --sizes gpt2 with the variant's flags): the whole model compiled (the default), with
-    --fp8-head, each block compiled alone, and the blocks with --compile-autotune; the FP8 head's loss against
-    the plain head's (bench/fp8_head.py: 200 steps of a 6-layer 384-wide model, same tokens); then, in what is
-    left, the resume check's default-kernels row (its exact row ran in the last lease). cpu_smoke: tiny
+    """Issue 57's rest in one lease's call. The first headroom lease (an H200, 2026-11-27: docs/performance.md)
+    measured gpt2-xl, the blocks compile and GEMM autotuning (no gain; 7.5x the compile time) and found two
+    questions this plan answers: the FP8 head's gain came with auto's other micro-batch (64, where the plain
+    head's 32), and its 200-step loss was 0.025 off at one seed, 0.007 and 0.005 at two others. So: env; the
+    124M defaults (bench/sizes.py --sizes gpt2, the whole model compiled, each run its own cold compile
+    cache) plain, with --fp8-head as auto chooses, with --fp8-head at the plain run's micro-batch 32, and plain
+    at 64 with the full logits (the FP8 run's batch and loss path); the FP8 loss over three seeds
+    (bench/fp8_head.py); then, in what is left, the resume check's default-kernels row. cpu_smoke: tiny
     stand-ins, eager, float32."""
     py, data = python_cmd(), gpu_dir() / "data"
     scale = CPU_SMOKE_SCALE if cpu_smoke else 1
     if cpu_smoke:
-        size = ["--device", "cpu", "--steps", "1", "--compile", "false", "--dtype", "float32"]
-        xl, gpt2 = ["--sizes", "debug:2"], ["--sizes", "debug:3"]
-        fp8 = ["--device", "cpu", "--dtype", "float32", "--steps", "2", "--eval-tokens", "2048"]
+        size = ["--device", "cpu", "--steps", "1", "--compile", "false", "--dtype", "float32", "--sizes", "debug:2"]
+        small, large = "4", "8"
+        fp8 = ["--device", "cpu", "--dtype", "float32", "--steps", "2", "--eval-tokens", "2048", "--seeds", "1337"]
         resume = ["--shape", "tiny", "--steps", "4", "--ckpt-step", "2", "--rows", "default", "--data-dir", str(data)]
         resume_tail = ["--", "--dtype", "float32"]
     else:
-        size = ["--device", "cuda"]
-        xl, gpt2 = ["--sizes", "gpt2-xl", "--compile-scope", "blocks"], ["--sizes", "gpt2", "--steps", "6"]
-        fp8 = ["--device", "cuda", "--dtype", "bfloat16", "--steps", "200"]
+        size = ["--device", "cuda", "--sizes", "gpt2", "--steps", "6"]
+        small, large = "32", "64"
+        fp8 = ["--device", "cuda", "--dtype", "bfloat16", "--steps", "200", "--seeds", "1337,1,2"]
         resume = ["--shape", "gpt2", "--steps", "16", "--ckpt-step", "8", "--rows", "default", "--data-dir", str(data)]
         resume_tail = []
 
-    def sizes(name: str, which: list[str], variant: list[str], limit: int, **kw) -> Step:
+    def sizes(name: str, variant: list[str], limit: int, **kw) -> Step:
         label = ["--label", " ".join(v.lstrip("-") for v in variant)] if variant else []
-        cmd = [*py, "bench/sizes.py", *size, *which, "--data-dir", str(data), "--work", str(work / "runs")]
+        cmd = [*py, "bench/sizes.py", *size, "--data-dir", str(data), "--work", str(work / "runs")]
         cmd += [*label, "--md", str(work / f"{name}.md"), "--json", str(work / f"{name}.json"), *variant]
         cmd += ["--compile-cache", str(work / "compile-cache" / name)]  # its own, cold: compile times compare
         return Step(name, cmd, limit * scale, report=f"{name}.md", **kw)
@@ -419,20 +421,12 @@ def headroom_steps(quick: dict[str, Step], work: Path, *, cpu_smoke: bool = Fals
     resume_cmd += ["--work", str(work / "resume_runs"), "--md", str(work / "resume_check.md"), *resume_tail]
     return [
         quick["env"],
-        # gpt2-xl: ~10 s a 524,288-token step (2 of them) after a blocks compile (~15 s) and the start-up
-        sizes("xl", xl, [], 150),
-        sizes("base", gpt2, [], 75),  # the whole model compiled cold: ~30 s, then 6 steps of ~1.1 s
-        sizes("fp8", gpt2, ["--fp8-head"], 75),
-        Step("fp8-loss", [*fp8_cmd, "--md", str(work / "fp8_head.md")], 80 * scale, report="fp8_head.md"),
-        sizes("blocks", gpt2, ["--compile-scope", "blocks"], 60, optional=True, min_s=45 * scale),
-        sizes(
-            "autotune",
-            gpt2,
-            ["--compile-scope", "blocks", "--compile-autotune"],
-            150,
-            optional=True,
-            min_s=60 * scale,
-        ),
+        sizes("base", [], 75),  # ~60 s on the H200: a ~36 s cold compile, then 6 steps of ~1.0 s
+        sizes("fp8", ["--fp8-head"], 75),
+        sizes("fp8-same-batch", ["--fp8-head", "--micro-batch-size", small], 75),
+        sizes("plain-fp8-batch", ["--micro-batch-size", large, "--loss-impl", "full"], 75),
+        # 6 runs of ~15 s on the H200 (eager: a 6-layer step is ~16 ms)
+        Step("fp8-loss", [*fp8_cmd, "--md", str(work / "fp8_head.md")], 120 * scale, report="fp8_head.md"),
         replace(quick["resume"], cmd=resume_cmd, optional=True, min_s=90 * scale),
     ]
 
@@ -1087,8 +1081,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "what",
-        help="prepare | quick | lease (quick's first four steps, then sizes, in one 600 s call) | headroom (gpt2-xl "
-        "and the 124M A/Bs: FP8 head, blocks, GEMM autotuning; one 600 s call) | env | defaults-rows "
+        help="prepare | quick | lease (quick's first four steps, then sizes, in one 600 s call) | headroom (the 124M "
+        "FP8 head A/Bs at both micro-batches, its loss over 3 seeds, resume's default row; one 600 s call) | env | defaults-rows "
         "| a step: "
         + ", ".join(
             ["env", "vs-nanogpt", "defaults", "realrun", "gpu-tests", "resume", "doctor", "stall", "suite", "profile"]

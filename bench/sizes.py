@@ -33,7 +33,9 @@ STEPS = {"gpt2-xl": 2}
 """Steps per size where not --steps: a gpt2-xl step of 524,288 tokens is ~10 s or more on an H100."""
 GROWTH = 1.5
 """A size's expected duration: the slowest finished size's times this (each size is larger than the last)."""
-PLAN_LINE = re.compile(r"^plan\s+([\d.]+) (GiB|MiB) of ([\d.]+) (GiB|MiB) usable", re.M)
+PLAN_LINE = re.compile(r"^plan\s+([\d.]+) (GiB|MiB) (?:of [\d.]+ (?:GiB|MiB) usable|resident per rank)", re.M)
+"""The start-up's plan line: a GPU's `plan X of Y usable per rank`, a CPU's `plan X resident per rank (...)`
+(X the whole process there: what max RSS, a CPU's mem_mb, measures)."""
 AUTO_LINE = re.compile(r"micro-batch auto:\s*(\d+)\s+sequences?")
 LOSS_LINE = re.compile(r"^loss\s{2,}([^:(]+)", re.M)
 AC_LINE = re.compile(r"^activation checkpointing (\S+?)[:\s]", re.M)

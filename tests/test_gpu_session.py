@@ -372,20 +372,22 @@ def test_lease_is_quicks_first_four_steps_then_the_sizes_in_one_600_s_call(tmp_p
     assert dry.returncode == 0 and dry.stdout.splitlines()[-1].endswith('timeout_s=600, carry=[".gpu"]'), dry.stdout
 
 
-def test_headroom_is_xl_then_the_124m_ab_rows_each_with_its_own_cold_compile_in_one_600_s_call(tmp_path):
-    """Issue 57's rest in one lease: gpt2-xl first, the default beside each variant, the FP8 loss check."""
+def test_headroom_is_the_fp8_ab_at_both_micro_batches_each_with_its_own_cold_compile_in_one_600_s_call(tmp_path):
+    """Issue 57's rest in one lease: the default beside the FP8 head as auto takes it and at the same
+    micro-batch, the plain head at the FP8 run's micro-batch, the FP8 loss over three seeds."""
     quick = {s.name: s for s in gpu_session.quick_steps(tmp_path)}
     steps = gpu_session.headroom_steps(quick, tmp_path)
-    assert [s.name for s in steps] == ["env", "xl", "base", "fp8", "fp8-loss", "blocks", "autotune", "resume"]
-    assert [s.name for s in steps if s.optional] == ["blocks", "autotune", "resume"]
+    names = ["env", "base", "fp8", "fp8-same-batch", "plain-fp8-batch", "fp8-loss", "resume"]
+    assert [s.name for s in steps] == names
+    assert [s.name for s in steps if s.optional] == ["resume"]
     assert sum(s.limit_s for s in steps if not s.optional) + 100 <= gpu_session.LEASE_BUDGET_S
     cmds = {s.name: " ".join(s.cmd) for s in steps}
-    assert "--sizes gpt2-xl --compile-scope blocks" in cmds["xl"]
     assert cmds["fp8"].endswith(f"--fp8-head --compile-cache {tmp_path / 'compile-cache' / 'fp8'}")
-    assert "--compile-scope blocks --compile-autotune --compile-cache" in cmds["autotune"]
+    assert "--fp8-head --micro-batch-size 32 --compile-cache" in cmds["fp8-same-batch"]
+    assert "--micro-batch-size 64 --loss-impl full --compile-cache" in cmds["plain-fp8-batch"]
     caches = [c.split("--compile-cache ")[1] for n, c in cmds.items() if "bench/sizes.py" in c]
-    assert len(caches) == len(set(caches)) == 5  # no row compiles from another's cache
-    assert "--rows default" in cmds["resume"] and "--steps 200" in cmds["fp8-loss"]
+    assert len(caches) == len(set(caches)) == 4  # no row compiles from another's cache
+    assert "--rows default" in cmds["resume"] and "--steps 200 --seeds 1337,1,2" in cmds["fp8-loss"]
 
 
 def test_sizes_stops_a_run_once_its_steps_are_logged_before_any_save(tmp_path):

@@ -94,3 +94,45 @@ def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_
     times = loss_probe.eager_loss_times("cpu", "float32", 4 * 64, 64, 50304)  # now from the cache
     assert resolved.train.loss_impl == ("full" if times.full_is_faster else "chunked") == choice.impl
     assert times.describe() in choice.reason and f"({choice.reason})" in capsys.readouterr().out
+
+
+def test_the_probe_is_bounded_and_its_peak_is_measured_once(tmp_path):
+    """Issue 58: at 32 x 128 tokens the probe held 3.3 GiB, ten times a small run's plan. It now times at
+    most PROBE_MAX_TOKENS tokens, and says how far it raised the process's peak (a fresh process: nothing
+    earlier holds the high-water mark), then nothing when its times come from the cache."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = (
+        "from gpt2.plan import loss_probe as p\n"
+        "a = p.eager_loss_times('cpu', 'float32', 4096, 64, 50304)\n"
+        "b = p.eager_loss_times('cpu', 'float32', 2048, 64, 50304)\n"
+        "import json; print(json.dumps([a.peak_bytes, b.peak_bytes, a.cache == b.cache]))\n"
+    )
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop(precision.REFRESH_PEAK_ENV, None)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, cached, same = json.loads(done.stdout.strip().splitlines()[-1])
+    assert same and cached is None  # both micro-batches above the bound: one probe, one cache entry
+    # ~21 bytes per logit at 512 tokens: the full path's logits, log-softmax and their gradients, and a chunk
+    assert 0 < first <= 24 * loss_probe.PROBE_MAX_TOKENS * 50304
+    entry = json.loads(next((tmp_path / "gpt2-ddp").glob("eager-loss-*.json")).read_text())
+    assert entry["key"]["tokens"] == loss_probe.PROBE_MAX_TOKENS
+
+
+def test_the_cpu_plan_line_is_the_resident_total_with_its_parts():
+    from types import SimpleNamespace
+
+    from gpt2.plan.hardware import GIB
+    from gpt2.train.startup import plan_line
+
+    p = SimpleNamespace(memory=SimpleNamespace(total=GIB // 4), usable_bytes=20 * GIB, step_time_s=2.9, mfu=0.4)
+    line = plan_line(p, "run/train.log", shown=False, held=3 * GIB // 10)
+    assert line.startswith("plan       0.55 GiB resident per rank (0.25 GiB to train, of 20.00 GiB usable, + 0.30 GiB")
+    probed = plan_line(p, "run/train.log", shown=False, held=3 * GIB // 10, probe=GIB // 2)
+    assert probed.startswith("plan       0.80 GiB resident per rank (0.25 GiB to train")
+    assert "the loss probe's 0.50 GiB at this first run of the shape)" in probed
+    assert plan_line(p, "run/train.log", shown=False).startswith("plan       0.25 GiB of 20.00 GiB usable per rank, ~2.9")

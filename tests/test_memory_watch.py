@@ -5,6 +5,9 @@ import sys
 import pytest
 import torch
 from _helpers import import_train_ddp, tiny_run_flags
+from conftest import REPO
+
+from gpt2.core import host_memory
 
 from gpt2.plan.hardware import GIB
 from gpt2.plan.memory import AUTO_HEADROOM
@@ -27,11 +30,39 @@ def test_far_above_is_one_line_with_both_numbers_and_the_fix():
 @linux_only
 def test_the_watch_measures_what_the_process_comes_to_hold():
     watch = MemoryWatch.start(16 * MIB, 0, torch.device("cpu"))
-    held = torch.ones(64 * MIB)  # 256 MiB, every page written
+    # past the high-water mark this test process already has (the watch reads new highs only), + 256 MiB
+    above = host_memory.resident_peak_bytes() - host_memory.resident_bytes()
+    held = torch.ones((above + 256 * MIB) // 4)  # every page written
     assert watch.measured() >= 256 * MIB
     assert "the first step peaked at" in watch.after_first_step()
     assert MemoryWatch.start(GIB, 0, torch.device("cpu")).after_first_step() is None
     del held
+
+
+@linux_only
+def test_the_watch_never_resets_the_high_water_mark_a_user_reads():
+    """Issue 58: the trainer reset VmHWM before the model, so `/usr/bin/time -v` showed 713 MiB of a run
+    whose start-up had peaked at 3,516 MiB. Now the mark stands, and growth below it is no news."""
+    spike = torch.ones(96 * MIB)  # 384 MiB, then freed (given back: far above glibc's mmap threshold)
+    del spike
+    high = host_memory.resident_peak_bytes()
+    assert high >= host_memory.resident_bytes() + 300 * MIB
+    watch = MemoryWatch.start(16 * MIB, 0, torch.device("cpu"))
+    assert host_memory.resident_peak_bytes() == high  # not reset
+    small = torch.ones(16 * MIB)  # 64 MiB: below the mark
+    assert watch.measured() is None and watch.after_first_step() is None
+    del small
+    assert host_memory.resident_peak_bytes() == high
+
+
+def test_only_a_measuring_process_resets_the_resident_peak():
+    """reset_resident_peak is for gpt2/plan/measure.py's and the benches' own processes, never a run's."""
+    users = sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "gpt2").rglob("*.py")
+        if "reset_resident_peak(" in path.read_text() and path.name != "host_memory.py"
+    )
+    assert users == ["gpt2/plan/measure.py"]
 
 
 @linux_only

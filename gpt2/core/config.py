@@ -252,12 +252,13 @@ class TrainConfig:
     lookups between them eager: less compile time (docs/training.md measured 2.3-2.8x less on a CPU), the
     same losses. Sampling and HellaSwag then run the compiled blocks (a recompile per generated length).
     No effect without --compile."""
-    compile_autotune: bool = False
-    """Inductor's GEMM autotuning (max_autotune_gemm) in what torch.compile compiles.
+    autotune: bool = False
+    """GEMM autotuning in the compiled regions.
 
     With --compile-scope blocks the transformer blocks only (the head and loss as without it); with model, the
-    whole model. Each matmul shape is timed against Triton's candidate kernels at the first compile: minutes
-    more compile time, for what docs/performance.md measured. No effect without --compile."""
+    whole model (inductor's max_autotune_gemm). Each matmul shape is timed against Triton's candidate kernels
+    at the first compile: minutes more compile time, for what docs/performance.md measured (no gain at 124M on
+    an H200). No effect without --compile."""
     compile_cache: str = "auto"
     """torch.compile's cache: auto, off or a directory.
 
@@ -310,7 +311,7 @@ class TrainConfig:
     (gpt2/plan/ choose_loss_impl; logged with its reason). Both give the same loss and gradients to float
     rounding."""
     fp8_head: bool = False
-    """The LM head's matmuls in FP8 while training (opt-in).
+    """The LM head's matmuls in FP8 (training only).
 
     torch._scaled_mm with one dynamic scale per tensor (gpt2/model/fp8.py): twice the BF16 rate on an
     H100/H200 for the largest matmul of a small model. Takes the full-logits loss; evaluation, sampling and

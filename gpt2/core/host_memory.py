@@ -69,7 +69,9 @@ def resident_peak_bytes() -> int | None:
 
 def reset_resident_peak() -> bool:
     """Set VmHWM back to the current VmRSS (Linux >= 4.0: writing 5 to /proc/self/clear_refs), so a later
-    resident_peak_bytes() is the peak of what runs in between. Returns whether it could."""
+    resident_peak_bytes() is the peak of what runs in between. Returns whether it could. For measuring
+    processes only (gpt2/plan/measure.py's, a bench's): never in a training run, whose peak a user reads
+    (`/usr/bin/time -v`, the job's accounting)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -42,6 +42,10 @@ class LossChoice:
 
     impl: str
     reason: str
+    probe_bytes: int | None = None
+    """On a CPU, the resident memory the loss probe (gpt2/plan/loss_probe.py) grew by when it ran in this
+    start (a new shape on this machine; None: from its cache, or not probed). The plan line counts it: a
+    user's peak resident set includes it."""
 
     def describe(self) -> str:
         """The start-up line."""
@@ -114,7 +118,8 @@ def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1,
                 "(the faster one uncompiled at small widths, bench/eager_loss.py)",
             )
         eager_times = measure_eager()
+        probed = eager_times.peak_bytes
         if not eager_times.full_is_faster:
-            return LossChoice("chunked", f"auto: uncompiled, {eager_times.describe()}")
-        return LossChoice("full", f"auto: {fits}; uncompiled, {eager_times.describe()}")
+            return LossChoice("chunked", f"auto: uncompiled, {eager_times.describe()}", probed)
+        return LossChoice("full", f"auto: {fits}; uncompiled, {eager_times.describe()}", probed)
     return LossChoice("full", f"auto: {fits}; the faster path compiled")

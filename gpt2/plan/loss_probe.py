@@ -9,7 +9,7 @@ cheap and the full path's passes over the (N, V) fp32 logits dominate, which the
 cache; at 384 wide the matmuls dominate and the chunks' smaller matmuls, and the weight-gradient sum
 they add to once per chunk, cost more. Where the crossover lies moves with the CPU's caches and its
 bf16 support, so it is measured: the LM head and loss alone, forward and backward, both paths
-alternating, on the run's micro-batch of tokens and in its dtype.
+alternating, on the run's micro-batch of tokens (at most PROBE_MAX_TOKENS) and in its dtype.
 """
 
 from __future__ import annotations
@@ -23,8 +23,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpt2.core import precision
+from gpt2.core import host_memory, precision
 from gpt2.model.loss import linear_cross_entropy
+
+PROBE_MAX_TOKENS = 512
+"""The probe's tokens at most (a run's micro-batch of tokens above it is timed at this many): eager's full
+loss holds ~12 bytes per logit, 3.3 GiB at 32 x 128 tokens of GPT-2's vocabulary, a resident peak far above
+a small run's own (issue 58: a first run of a new shape peaked at 3,516 MiB against a 357 MiB plan). At
+512 tokens it is ~0.3 GiB, below the smallest run's own; both paths' times grow linearly in the tokens
+past a few hundred (each is matmuls over the rows and passes over the logits), so the choice is the same."""
 
 PROBE_ROUNDS = 2
 """Timed calls of each path (after one untimed call each), alternating; each path's time is its fastest."""
@@ -42,6 +49,10 @@ class EagerLossTimes:
     full_s: float
     chunked_s: float
     cache: str  # the cache file that holds them
+    peak_bytes: int | None = None
+    """Measured now: how far the probe raised the process's resident high-water mark above the resident set
+    it started from (0 when it stayed below an earlier mark: it added nothing to the peak a user reads);
+    None when the times came from the cache or the memory cannot be read (off Linux)."""
 
     @property
     def full_is_faster(self) -> bool:
@@ -75,16 +86,22 @@ def eager_loss_times(
 ) -> EagerLossTimes:
     """Both paths' times at this shape on this CPU, from the cache or measured (then cached atomically).
     refresh=None reads precision.REFRESH_PEAK_ENV, as the matmul peaks do."""
+    tokens = min(tokens, PROBE_MAX_TOKENS)
     key = probe_key(device, dtype, tokens, n_embd, vocab_size)
     path = probe_path(key)
     if refresh is None:
         refresh = precision.refresh_requested()
     entry = None if refresh else precision.read_cache_entry(path, key)
+    peak = None
     if entry is None or not all(isinstance(entry.get(k), float) and entry[k] > 0 for k in ("full_s", "chunked_s")):
+        before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
         full_s, chunked_s = measure(device, dtype, tokens, n_embd, vocab_size)
+        after = host_memory.resident_peak_bytes()
+        if None not in (before, high, after):  # what it raised the process's peak to, above what it held
+            peak = after - before if after > high else 0
         entry = {"full_s": full_s, "chunked_s": chunked_s}
         precision.write_cache_entry(path, key, entry)
-    return EagerLossTimes(entry["full_s"], entry["chunked_s"], str(path))
+    return EagerLossTimes(entry["full_s"], entry["chunked_s"], str(path), peak)
 
 
 def measure(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> tuple[float, float]:

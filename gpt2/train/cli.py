@@ -65,7 +65,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "tf32",
         "compile",
         "compile_scope",
-        "compile_autotune",
+        "autotune",
         "compile_cache",
         "deterministic",
         "loss_impl",

@@ -562,22 +562,34 @@ def check_memory(r: Resolved, log) -> Plan:
     """Print the planner's summary of the resolved run and refuse a configuration that clearly cannot fit,
     before allocating. Returns the plan (gpt2.plan.planner.Plan)."""
     p = check_plan(r, log)
-    log.info(plan_line(p, Path(r.cfg.train.out_dir) / TRAIN_LOG, shown=log.verbose))
+    held = host_memory.resident_bytes() if p.hardware.device_type == "cpu" else None
+    line = plan_line(p, Path(r.cfg.train.out_dir) / TRAIN_LOG, shown=log.verbose, held=held, probe=r.loss.probe_bytes)
+    log.info(line)
     return p
 
 
-def plan_line(p, log_path: Path, *, shown: bool) -> str:
+def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe: int | None = None) -> str:
     """The plan in one console line: memory against the device, the estimated speed, where the rest is.
-    shown: --verbose printed the whole plan above it."""
+    shown: --verbose printed the whole plan above it. held: on a CPU, what this process holds now (Python,
+    torch, the loaders): the plan counts what training adds to it, a user reads the sum (`/usr/bin/time -v`'s
+    maximum resident set, per process), so the line gives the sum and its parts. probe: what the loss
+    probe grew by in this start (a new shape), counted where it is above training's own."""
     speed = (
         "no time estimate (no peak FLOP/s)"
         if p.step_time_s is None
         else f"~{p.step_time_s:.3g} s/step at {p.mfu:.0%} MFU"
     )
     where = "above" if shown else f"in {log_path} (--verbose prints it)"
-    return (
-        f"plan       {gib(p.memory.total)} of {gib(p.usable_bytes)} usable per rank, {speed}; the whole plan is {where}"
-    )
+    if held is None:
+        memory = f"{gib(p.memory.total)} of {gib(p.usable_bytes)} usable per rank"
+    else:
+        grows = max(p.memory.total, probe or 0)
+        probed = "" if grows == p.memory.total else f"; the loss probe's {gib(probe)} at this first run of the shape"
+        memory = (
+            f"{gib(grows + held)} resident per rank ({gib(p.memory.total)} to train, of "
+            f"{gib(p.usable_bytes)} usable, + {gib(held)} held before it: Python, torch, the data{probed})"
+        )
+    return f"plan       {memory}, {speed}; the whole plan is {where}"
 
 
 def check_plan(r: Resolved, log) -> Plan:

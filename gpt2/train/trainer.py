@@ -151,9 +151,9 @@ def build(
             compile_sharded(model)
     elif tc.compile and tc.compile_scope == "blocks":  # each block alone, then the head and loss: less to compile
         train_model = model
-        compile_sharded(model, autotune=tc.compile_autotune)
+        compile_sharded(model, autotune=tc.autotune)
     else:
-        train_model = torch.compile(model, **autotune_options(tc.compile_autotune)) if tc.compile else model
+        train_model = torch.compile(model, **autotune_options(tc.autotune)) if tc.compile else model
     if dist.is_distributed and not fsdp:
         train_model = wrap_ddp(train_model, tc, dist)
         settle_buckets(train_model, parts.loader.B, parts.loader.T, cfg.train.dtype, dist)
@@ -162,7 +162,7 @@ def build(
 
 
 def autotune_options(autotune: bool) -> dict:
-    """torch.compile's arguments for --compile-autotune: inductor times each matmul shape against its
+    """torch.compile's arguments for --autotune: inductor times each matmul shape against its
     Triton templates and keeps the fastest (GEMMs only: max_autotune_gemm, not the pointwise kernels)."""
     return {"options": {"max_autotune_gemm": True}} if autotune else {}
 
