@@ -1081,8 +1081,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "what",
-        help="prepare | quick | lease (quick's first four steps, then sizes, in one 600 s call) | headroom (the 124M "
-        "FP8 head A/Bs at both micro-batches, its loss over 3 seeds, resume's default row; one 600 s call) | env | defaults-rows "
+        help="prepare | quick | lease (quick's first four steps, then sizes, in one 600 s call) | headroom (the "
+        "124M FP8 head A/Bs at both micro-batches, its loss over 3 seeds, resume's default row; one 600 s call) "
+        "| env | defaults-rows "
         "| a step: "
         + ", ".join(
             ["env", "vs-nanogpt", "defaults", "realrun", "gpu-tests", "resume", "doctor", "stall", "suite", "profile"]
@@ -1173,7 +1174,9 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"\t(low priority: runs if {s.min_s} s or more are left)" if s.optional else "")
             )
         required = sum(s.limit_s for s in steps if not s.optional)
-        call = {"quick": CALL_TIMEOUT_S, "lease": LEASE_CALL_TIMEOUT_S, "headroom": LEASE_CALL_TIMEOUT_S}.get(args.what, min(600, int(budget) + 30))
+        call = {"quick": CALL_TIMEOUT_S, "lease": LEASE_CALL_TIMEOUT_S, "headroom": LEASE_CALL_TIMEOUT_S}.get(
+            args.what, min(600, int(budget) + 30)
+        )
         extra = [s for s in steps if s.optional]
         print(
             f"total {required} s of limits, budget {budget:.0f} s"

@@ -209,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             write()
             continue
         name = spec + (f" {args.label}" if args.label else "")
-        out = args.work / (spec.replace(":", "-") + (f"-{re.sub(r'[^A-Za-z0-9]+', '-', args.label)}" if args.label else ""))
+        out = args.work / (
+            spec.replace(":", "-") + (f"-{re.sub(r'[^A-Za-z0-9]+', '-', args.label)}" if args.label else "")
+        )
         shutil.rmtree(out, ignore_errors=True)
         steps = args.steps or STEPS.get(spec, 3)
         flags = [

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _helpers import losses, tiny_run_flags
 from conftest import REPO
 
@@ -52,7 +51,11 @@ def test_an_all_zero_operand_gives_zeros_not_nans():
     w = torch.randn(48, 32, requires_grad=True)
     out = fp8.fp8_linear(x, w, torch.float32)
     out.sum().backward()
-    assert torch.equal(out, torch.zeros(16, 48)) and torch.isfinite(x.grad).all() and torch.equal(w.grad, torch.zeros_like(w))
+    assert (
+        torch.equal(out, torch.zeros(16, 48))
+        and torch.isfinite(x.grad).all()
+        and torch.equal(w.grad, torch.zeros_like(w))
+    )
 
 
 def tiny(fp8_head: bool) -> GPT:
@@ -94,7 +97,10 @@ def test_the_fp8_head_needs_the_full_logits_and_is_refused_where_it_cannot_run()
 
 def test_auto_loss_path_is_the_full_one_with_the_fp8_head_and_says_why():
     hw = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
-    cfg = RunConfig(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64), TrainConfig(micro_batch_size=4, dtype="float32", compile=False))
+    cfg = RunConfig(
+        ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
+        TrainConfig(micro_batch_size=4, dtype="float32", compile=False),
+    )
     assert choose_loss_impl(cfg, hw).impl == "chunked"  # uncompiled and unmeasured: chunked, without the option
     fp8_cfg = RunConfig(cfg.model, cfg.train.replace(fp8_head=True))
     choice = choose_loss_impl(fp8_cfg, hw)
@@ -155,8 +161,8 @@ def test_fp8_bench_verdict_is_the_mean_over_seeds_with_every_seed_shown():
 
     def rows(*pairs):
         out = {}
-        for seed, (plain, fp8) in enumerate(pairs):
-            out[seed, "plain"], out[seed, "fp8"] = {**row, "val_loss": plain}, {**row, "val_loss": fp8}
+        for seed, (plain, quant) in enumerate(pairs):
+            out[seed, "plain"], out[seed, "fp8"] = {**row, "val_loss": plain}, {**row, "val_loss": quant}
         return out
 
     # the H200's three seeds (+0.025, -0.007, -0.005): one seed outside 0.02, the mean well inside

@@ -8,7 +8,6 @@ from _helpers import import_train_ddp, tiny_run_flags
 from conftest import REPO
 
 from gpt2.core import host_memory
-
 from gpt2.plan.hardware import GIB
 from gpt2.plan.memory import AUTO_HEADROOM
 from gpt2.train.memory_watch import MemoryWatch, far_above

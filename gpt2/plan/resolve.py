@@ -21,11 +21,11 @@ import torch
 from gpt2.core import precision
 from gpt2.core.config import RunConfig
 from gpt2.core.precision import Precision
+from gpt2.model.fp8 import fp8_problem
 from gpt2.plan.ac_choice import ACChoice, choose_activation_checkpointing
 from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
 from gpt2.plan.flops import device_peak_flops, peak_problem
 from gpt2.plan.hardware import Hardware, custom_hardware, device_hardware, gpu_native_bf16
-from gpt2.model.fp8 import fp8_problem
 from gpt2.plan.loss_choice import LossChoice, choose_loss_impl
 from gpt2.plan.planner import Plan, plan
 
