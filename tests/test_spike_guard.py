@@ -343,10 +343,6 @@ POISON_STEPS = range(25, 31)
 POISONED_RUN = [
     "--max-steps",
     "30",
-    "--lr",
-    "5e-3",
-    "--min-lr",
-    "5e-3",
     "--warmup-steps",
     "3",
     "--data-order",
@@ -356,24 +352,29 @@ POISONED_RUN = [
     "--ckpt-interval",
     "10",
 ]
+HIGH_LR = ["--lr", "5e-3", "--min-lr", "5e-3"]
 """A constant, raised lr (the issue's "a raised lr for those steps"): Adam moves every weight by about lr
 a step whatever the gradient's size, so 6 consistent steps of one token move weights of std 0.02 by up to
-0.03. At the default recipe's decayed lr the same poison left the val loss within 0.01 of the clean run's.
-This small-batch recipe spikes by itself too (step 15's loss is 9.42 between 6.67 and 6.57), which the
-median and MAD the guard judges by leave out of the spread (a standard deviation did not: the poison's
-first batch, 12.0, scored under 6)."""
+0.03. At the tiny recipe's own decaying lr (3e-3 to 3e-4) the same poison hurts far less. This small-batch
+recipe spikes by itself too (step 15's loss is 9.42 between 6.67 and 6.57), which the median and MAD the
+guard judges by leave out of the spread (a standard deviation did not: the poison's first batch, 12.0,
+scored under 6)."""
 HURT = 1.0
-"""How much worse the unguarded run's final val loss is at least (nats): 9.85 against the clean run's 6.88
-on 1, 2 and 4 processes (the 2-core test machine)."""
-VAL_MARGIN = 0.1
-"""How far the guarded run's final val loss may be from the clean run's (nats): 6.92 against 6.88. It
-trains the same number of steps, but on batches further on (past the poison) after two rollbacks."""
+"""How much worse the unguarded run's final val loss is at least at the high lr (nats): 9.85 against the
+clean run's 6.88 on 1, 2 and 4 processes (the 2-core test machine)."""
+CLEAN_MARGIN = 0.05
+"""Issue 54's goal at the high lr: the guarded run within this of the clean run's final val loss."""
+GUARD_COST = 0.005
+"""Issue 54's goal at the default lr: the guarded run at most this above the unguarded one."""
 
 
 @pytest.mark.slow  # 3 runs of 30 steps per case
-@pytest.mark.parametrize("nproc", [1, 2, 4])
-def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, shakespeare_shards, nproc):
-    """The same 512 tokens a step on every rank count (4 ranks: micro-batches of 2), the same poisoned steps."""
+@pytest.mark.parametrize("nproc,lr", [(1, "high"), (2, "high"), (4, "high"), (1, "default")])
+def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, shakespeare_shards, nproc, lr):
+    """The same 512 tokens a step on every rank count (4 ranks: micro-batches of 2), the same poisoned steps.
+    The guard skips the poisoned steps it meets, rolls back past them and meets the rest under its halved
+    limit (PROBATION_FACTOR), skipping and rolling back again: the run ends with all 30 updates made on clean
+    batches, none on poison, where skipping alone (measured, docs/spike_guard.md) ends 6 updates short."""
     poison = poisoned(shakespeare_shards, tmp_path / "data", POISON_STEPS)
     vals = {}
     off = ["--spike-guard", "false"]
@@ -382,6 +383,7 @@ def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, sh
         args = [
             *tiny_run_flags(data, max_steps=30, ckpt_interval=10, eval_tokens=8192),
             *POISONED_RUN,
+            *(HIGH_LR if lr == "high" else []),
             *(["--micro-batch-size", "2"] if nproc == 4 else []),
             "--out-dir",
             str(out),
@@ -390,11 +392,13 @@ def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, sh
         r = run_trainer(args, nproc=nproc, timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
         vals[name] = final_val(out)
-    print(f"final val loss, {nproc} process(es): {vals}")
+    print(f"final val loss, {nproc} process(es), {lr} lr: {vals}")
     rollbacks = [r for r in guard_records(tmp_path / "on") if r["spike_guard"] == "rollback"]
     assert len(rollbacks) == 2, guard_records(tmp_path / "on")
-    assert vals["off"] > vals["clean"] + HURT, vals  # visibly hurt
-    assert abs(vals["on"] - vals["clean"]) < VAL_MARGIN, vals
+    assert abs(vals["on"] - vals["clean"]) < CLEAN_MARGIN, vals
+    assert vals["on"] <= vals["off"] + GUARD_COST, vals
+    if lr == "high":
+        assert vals["off"] > vals["clean"] + HURT, vals  # visibly hurt
 
 
 @pytest.mark.parametrize("n", [8, 9, 100])
