@@ -12,8 +12,8 @@ way; gradients accumulating as in a step) at up to three candidates (the model's
 fits and divides, one between), after one untimed call, each timed twice (in one order, then the other)
 and those within CLOSE of the fastest a third time; each candidate's tokens/s is its fastest (a single
 reading at 2 sequences of 6 x 384, taken while another job ran, was 3x slow and decided wrongly).
-Cached per machine (precision.peak_key: the CPU, its threads, torch), shape, dtype, loss path and
-candidates, as the loss probe is (gpt2/plan/loss_probe.py), so a run measures once per shape. The optimizer step is left out: it
+Cached per machine (precision.peak_key: the CPU, its threads, torch), shape, dtype, loss path and candidates, as the loss probe is
+(gpt2/plan/loss_probe.py), so a run measures once per shape. The optimizer step is left out: it
 runs once a step whatever the micro-batch.
 """
 
