@@ -9,10 +9,9 @@ and the loss's chunk loop starts afresh. Rather than model a CPU's memory system
 model's forward and backward (the run's dtype, the loss path the run would take at that micro-batch:
 full logits at 2 sequences of 6 x 384 ran 2x the tokens/s of 8, where the chunked loss ranks them the other
 way; gradients accumulating as in a step) at up to three candidates (the model's pick, the largest that
-fits and divides, one between), after one untimed call, each timed twice (in one order, then the other)
-and those within CLOSE of the fastest a third time; each candidate's tokens/s is its fastest (a single
-reading at 2 sequences of 6 x 384, taken while another job ran, was 3x slow and decided wrongly).
-Cached per machine (precision.peak_key: the CPU, its threads, torch), shape, dtype, loss path and candidates, as the loss probe is
+fits and divides, one between), after one untimed call, each timed once and those within CLOSE of the
+fastest once more; each candidate's tokens/s is its fastest. Cached per machine (precision.peak_key: the
+CPU, its threads, torch), shape, dtype, loss path and candidates, as the loss probe is
 (gpt2/plan/loss_probe.py), so a run measures once per shape. The optimizer step is left out: it
 runs once a step whatever the micro-batch.
 """
@@ -31,8 +30,8 @@ from gpt2.core import host_memory, precision
 from gpt2.core.config import ModelConfig
 
 CLOSE = 0.10
-"""Candidates within this fraction of the fastest after two timed calls each are timed a third time, each
-keeping its fastest: a close call gets one more reading."""
+"""Candidates within this fraction of the fastest after one timed call each are timed once more (in reverse
+order), each keeping its faster time: a close call is settled by two readings, a clear one costs one."""
 MEASURED_TIE = 0.05
 """auto takes the smallest candidate within this fraction of the fastest measured one: a CPU's timings move
 by a few percent from run to run, and the smaller micro-batch holds less memory."""
@@ -136,9 +135,7 @@ def measure(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict[int, f
         micro_step(sizes[0])  # untimed: first-call allocations, lazy initialisation, the gradients made
         for b in sizes:
             best[b] = micro_step(b)
-        for b in reversed(sizes):  # a second reading each, in the other order: one busy moment is not a verdict
-            best[b] = min(best[b], micro_step(b))
         fastest = min(best[b] / b for b in sizes)
-        for b in [b for b in sizes if best[b] / b <= (1 + CLOSE) * fastest]:
+        for b in reversed([b for b in sizes if best[b] / b <= (1 + CLOSE) * fastest]):
             best[b] = min(best[b], micro_step(b))
     return {b: b * T / best[b] for b in sizes}
