@@ -23,8 +23,8 @@ model does not hold (the dense (V, h) gradients of the tied embedding and LM hea
 and 1 sequence ran 1.6-1.7x slower than 32 (issue 54). So on this machine's CPU, uncompiled, auto
 measures a few candidates instead (gpt2/plan/batch_probe.py; the `measure` argument). Under --parallel
 fsdp with several ranks every micro-step all-gathers the weights again, a cost this model does not hold,
-so auto keeps the largest micro-batch there. `quick` in scripts/gpu_session.sh measures B = 12, this
-choice and the sizes between, which checks the constants on the first GPU lease.
+so auto keeps the largest micro-batch there. `quick` in scripts/gpu_session.sh measures B = 12, this choice and the sizes between,
+which checks the constants on the first GPU lease.
 """
 
 from __future__ import annotations
