@@ -21,9 +21,9 @@ each eager operation costs the host microseconds, ~250 us per block and micro-st
 CPU's compute per token, so the model takes a few sequences; but a CPU's micro-step also does work the
 model does not hold (the dense (V, h) gradients of the tied embedding and LM head, every micro-step),
 and 1 sequence ran 1.6-1.7x slower than 32 (issue 54). So on this machine's CPU, uncompiled, auto
-measures a few candidates instead (gpt2/plan/batch_probe.py; the `measure` argument). Under --parallel
-fsdp with several ranks every micro-step all-gathers the weights again, a cost this model does not hold,
-so auto keeps the largest micro-batch there. `quick` in scripts/gpu_session.sh measures B = 12, this choice and the sizes between,
+measures a few candidates instead (gpt2/plan/batch_probe.py; the `measure` argument). Under --parallel fsdp with several ranks every
+micro-step all-gathers the weights again, a cost this model does not hold, so auto keeps the largest
+micro-batch there. `quick` in scripts/gpu_session.sh measures B = 12, this choice and the sizes between,
 which checks the constants on the first GPU lease.
 """
 

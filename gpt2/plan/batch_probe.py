@@ -8,11 +8,11 @@ work every micro-step does whatever its size, which on a CPU is not small: the t
 and the loss's chunk loop starts afresh. Rather than model a CPU's memory system, this measures: the
 model's forward and backward (the run's dtype, the loss path the run would take at that micro-batch:
 full logits at 2 sequences of 6 x 384 ran 2x the tokens/s of 8, where the chunked loss ranks them the other
-way; gradients accumulating as in a step) at up to three candidates (the model's pick, the largest that
-fits and divides, one between), after one untimed call, each timed once and those within CLOSE of the
-fastest once more; each candidate's tokens/s is its fastest. Cached per machine (precision.peak_key: the
-CPU, its threads, torch), shape, dtype, loss path and candidates, as the loss probe is
-(gpt2/plan/loss_probe.py), so a run measures once per shape. The optimizer step is left out: it
+way; gradients accumulating as in a step) at up to three candidates (the model's pick, the largest that fits and divides, one between), after one untimed
+call, each timed once and those within CLOSE of the fastest once more; each candidate's tokens/s is its
+fastest. Cached per machine
+(precision.peak_key: the CPU, its threads, torch), shape, dtype, loss path and candidates, as the loss
+probe is (gpt2/plan/loss_probe.py), so a run measures once per shape. The optimizer step is left out: it
 runs once a step whatever the micro-batch.
 """
 
