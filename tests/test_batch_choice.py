@@ -191,19 +191,11 @@ def test_the_cpu_probe_times_each_candidate_once_per_shape_and_caches_it(tmp_pat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(precision.REFRESH_PEAK_ENV, raising=False)
     cfg = ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=16)
-    seen = []
-    from gpt2.model.gpt import GPT
-
-    real = GPT.forward
-    monkeypatch.setattr(GPT, "forward", lambda self, *a, **k: seen.append(self.loss_impl) or real(self, *a, **k))
-    first = batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 4: "chunked"})
+    first = batch_probe.micro_batch_rates(cfg, "float32", "chunked", [1, 4])
     assert sorted(first.rates) == [1, 4] and all(r > 0 for r in first.rates.values())
-    assert set(seen) == {"full", "chunked"}  # each candidate timed with its own loss path
     assert first.peak_bytes is not None and first.cache.startswith(str(tmp_path))
     monkeypatch.setattr(batch_probe, "measure", lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
-    again = batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 4: "chunked"})
+    again = batch_probe.micro_batch_rates(cfg, "float32", "chunked", [1, 4])
     assert again.rates == first.rates and again.peak_bytes is None  # from the cache
-    with pytest.raises(AssertionError, match="measured again"):  # another loss path: another measurement
-        batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 4: "full"})
-    with pytest.raises(AssertionError, match="measured again"):  # other candidates too
-        batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 2: "full", 4: "chunked"})
+    with pytest.raises(AssertionError, match="measured again"):  # other candidates: another measurement
+        batch_probe.micro_batch_rates(cfg, "float32", "chunked", [1, 2, 4])

@@ -6,9 +6,8 @@ that ran 1.6-1.7x slower than 32 (issue 54: 17.2 against 10.3 s a 4,096-token st
 work every micro-step does whatever its size, which on a CPU is not small: the tied embedding's dense
 (V, h) gradient and the LM head's weight gradient are each a pass over 50304 x h floats per micro-step,
 and the loss's chunk loop starts afresh. Rather than model a CPU's memory system, this measures: the
-model's forward and backward (the run's dtype, the loss path the run would take at that micro-batch:
-full logits at 2 sequences of 6 x 384 ran 2x the tokens/s of 8, where the chunked loss ranks them the other
-way; gradients accumulating as in a step) at up to three candidates (the model's pick, the largest that fits and divides, one between), after one untimed
+model's forward and backward (the run's dtype and loss path, gradients accumulating as in a step) at up to
+three candidates (the model's pick, the largest that fits and divides, one between), after one untimed
 call, each timed once and those within CLOSE of the fastest once more; each candidate's tokens/s is its
 fastest. Cached per machine
 (precision.peak_key: the CPU, its threads, torch), shape, dtype, loss path and candidates, as the loss
@@ -60,7 +59,7 @@ def candidates(sizes: list[int], modelled: int) -> list[int]:
     return sorted({modelled, middle, largest})
 
 
-def probe_key(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict:
+def probe_key(cfg: ModelConfig, dtype: str, loss_impl: str, sizes: list[int]) -> dict:
     return {
         **precision.peak_key("cpu", precision.Precision(dtype, dtype).torch_dtype),
         "probe": "micro-batch",
@@ -68,7 +67,8 @@ def probe_key(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict:
             k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias")
         },
         "attn_impl": cfg.attn_impl,
-        "candidates": {str(b): loss for b, loss in sorted(losses.items())},  # micro-batch: its loss path
+        "loss_impl": loss_impl,
+        "candidates": list(sizes),
     }
 
 
@@ -78,12 +78,10 @@ def probe_path(key: dict) -> Path:
 
 
 def micro_batch_rates(
-    cfg: ModelConfig, dtype: str, losses: dict[int, str], *, refresh: bool | None = None
+    cfg: ModelConfig, dtype: str, loss_impl: str, sizes: list[int], *, refresh: bool | None = None
 ) -> MicroBatchRates:
-    """Each candidate micro-batch's tokens/s on this CPU with the loss path the run would take at it
-    (`losses`: micro-batch -> full or chunked), from the cache or measured (then cached atomically)."""
-    sizes = sorted(losses)
-    key = probe_key(cfg, dtype, losses)
+    """Each of `sizes`' tokens/s on this CPU, from the cache or measured (then cached atomically)."""
+    key = probe_key(cfg, dtype, loss_impl, sizes)
     path = probe_path(key)
     if refresh is None:
         refresh = precision.refresh_requested()
@@ -99,7 +97,7 @@ def micro_batch_rates(
             rates = None
     if rates is None:
         before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
-        rates = measure(cfg, dtype, losses)
+        rates = measure(cfg, dtype, loss_impl, sizes)
         after = host_memory.resident_peak_bytes()
         if None not in (before, high, after):
             peak = after - before if after > high else 0
@@ -107,25 +105,23 @@ def micro_batch_rates(
     return MicroBatchRates(rates, str(path), peak)
 
 
-def measure(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict[int, float]:
-    """tokens/s of a fresh model's forward + backward at each micro-batch of `losses`, with its loss path
-    (module docstring)."""
+def measure(cfg: ModelConfig, dtype: str, loss_impl: str, sizes: list[int]) -> dict[int, float]:
+    """tokens/s of one forward + backward of a fresh model per micro-batch of `sizes` (module docstring)."""
     from gpt2.model.gpt import GPT
 
     gen = torch.Generator().manual_seed(0)
     torch_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(0)
-        model = GPT(cfg)
+        model = GPT(cfg, loss_impl=loss_impl)
     finally:
         torch.random.set_rng_state(torch_state)  # the run's own draws are not moved by the probe
-    T, sizes = cfg.block_size, sorted(losses)
+    T = cfg.block_size
     batches = {b: torch.randint(0, 50257, (2, b, T), generator=gen) for b in sizes}
     best = {b: float("inf") for b in sizes}
 
     def micro_step(b: int) -> float:
         x, y = batches[b]
-        model.loss_impl = losses[b]  # a plain attribute, read at each forward (uncompiled)
         t0 = time.perf_counter()
         _, loss = model(x, y, return_logits=False)
         loss.backward()  # accumulating into .grad, as a step's micro-steps do
