@@ -134,7 +134,7 @@ def test_the_cpu_plan_line_is_the_resident_total_with_its_parts():
     assert line.startswith("plan       0.55 GiB resident per rank (0.25 GiB to train, of 20.00 GiB usable, + 0.30 GiB")
     probed = plan_line(p, "run/train.log", shown=False, held=3 * GIB // 10, probe=GIB // 2)
     assert probed.startswith("plan       0.80 GiB resident per rank (0.25 GiB to train")
-    assert "its probes' 0.50 GiB at this first run of the shape)" in probed
+    assert "the loss probe's 0.50 GiB at this first run of the shape)" in probed
     assert plan_line(p, "run/train.log", shown=False).startswith(
         "plan       0.25 GiB of 20.00 GiB usable per rank, ~2.9"
     )

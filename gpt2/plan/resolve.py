@@ -91,7 +91,7 @@ def resolve(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens: int | N
     cfg = with_train(cfg, activation_checkpointing=ac.mode)
     auto_mb = tc.micro_batch_size == "auto"
     mb = (
-        choose_micro_batch(cfg, hardware, world_size=world, measure=batch_measure(cfg, prec, target.device))
+        choose_micro_batch(cfg, hardware, world_size=world)
         if auto_mb
         else MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size")
     )
@@ -149,17 +149,6 @@ def mfu_peak(device: torch.device, prec: Precision) -> float | None:
     if peak is None or peak_problem(peak, device, torch.get_num_threads()):
         return None
     return peak
-
-
-def batch_measure(cfg: RunConfig, prec: Precision, device: torch.device | None):
-    """On this machine's CPU, uncompiled, what --micro-batch-size auto measures (gpt2/plan/batch_probe.py:
-    tokens/s at a few micro-batches, cached); None elsewhere (a GPU, a compiled run, a rehearsal)."""
-    if device is None or device.type != "cpu" or cfg.train.compile:
-        return None
-    from gpt2.plan.batch_probe import micro_batch_rates
-
-    loss = "full" if cfg.train.loss_impl == "full" else "chunked"  # auto decides after, for the micro-batch
-    return lambda sizes: micro_batch_rates(cfg.model, prec.dtype, loss, sizes)
 
 
 def eager_measure(cfg: RunConfig, prec: Precision, mb: int, device: torch.device | None):

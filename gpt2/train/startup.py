@@ -563,9 +563,8 @@ def check_memory(r: Resolved, log) -> Plan:
     before allocating. Returns the plan (gpt2.plan.planner.Plan)."""
     p = check_plan(r, log)
     held = host_memory.resident_bytes() if p.hardware.device_type == "cpu" else None
-    probes = [b for b in (r.loss.probe_bytes, r.micro_batch.probe_bytes) if b is not None]
-    log_path = Path(r.cfg.train.out_dir) / TRAIN_LOG
-    log.info(plan_line(p, log_path, shown=log.verbose, held=held, probe=max(probes, default=None)))
+    line = plan_line(p, Path(r.cfg.train.out_dir) / TRAIN_LOG, shown=log.verbose, held=held, probe=r.loss.probe_bytes)
+    log.info(line)
     return p
 
 
@@ -573,9 +572,8 @@ def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe:
     """The plan in one console line: memory against the device, the estimated speed, where the rest is.
     shown: --verbose printed the whole plan above it. held: on a CPU, what this process holds now (Python,
     torch, the loaders): the plan counts what training adds to it, a user reads the sum (`/usr/bin/time -v`'s
-    maximum resident set, per process), so the line gives the sum and its parts. probe: what the start-up's
-    probes (the loss path's, the micro-batch's) grew by in this start (a new shape), counted where it is above
-    training's own."""
+    maximum resident set, per process), so the line gives the sum and its parts. probe: what the loss
+    probe grew by in this start (a new shape), counted where it is above training's own."""
     speed = (
         "no time estimate (no peak FLOP/s)"
         if p.step_time_s is None
@@ -586,7 +584,7 @@ def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe:
         memory = f"{gib(p.memory.total)} of {gib(p.usable_bytes)} usable per rank"
     else:
         grows = max(p.memory.total, probe or 0)
-        probed = "" if grows == p.memory.total else f"; its probes' {gib(probe)} at this first run of the shape"
+        probed = "" if grows == p.memory.total else f"; the loss probe's {gib(probe)} at this first run of the shape"
         memory = (
             f"{gib(grows + held)} resident per rank ({gib(p.memory.total)} to train, of "
             f"{gib(p.usable_bytes)} usable, + {gib(held)} held before it: Python, torch, the data{probed})"
