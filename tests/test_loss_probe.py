@@ -124,17 +124,31 @@ def test_the_probe_is_bounded_and_its_peak_is_measured_once(tmp_path):
 
 
 def test_the_cpu_plan_line_is_the_resident_total_with_its_parts():
+    """held + training's growth + the heap's slack (gpt2.plan.memory.resident_total), or held + the loss probe's
+    growth where that is larger; the probe runs on rank 0 only, so with several ranks rank 0's total is apart."""
     from types import SimpleNamespace
 
     from gpt2.plan.hardware import GIB
+    from gpt2.plan.memory import CPU_HEAP_SLACK_BYTES
     from gpt2.train.startup import plan_line
 
-    p = SimpleNamespace(memory=SimpleNamespace(total=GIB // 4), usable_bytes=20 * GIB, step_time_s=2.9, mfu=0.4)
+    assert CPU_HEAP_SLACK_BYTES == GIB // 16  # 0.06 GiB below
+    mem = SimpleNamespace(total=GIB // 4)
+    p = SimpleNamespace(memory=mem, usable_bytes=20 * GIB, step_time_s=2.9, mfu=0.4, world_size=1)
     line = plan_line(p, "run/train.log", shown=False, held=3 * GIB // 10)
-    assert line.startswith("plan       0.55 GiB resident per rank (0.25 GiB to train, of 20.00 GiB usable, + 0.30 GiB")
+    assert line.startswith(
+        "plan       0.61 GiB resident per rank (0.25 GiB to train + 0.06 GiB the heap keeps, of 20.00 GiB usable, "
+        "+ 0.30 GiB held before it"
+    )
     probed = plan_line(p, "run/train.log", shown=False, held=3 * GIB // 10, probe=GIB // 2)
     assert probed.startswith("plan       0.80 GiB resident per rank (0.25 GiB to train")
     assert "the loss probe's 0.50 GiB at this first run of the shape)" in probed
+    below = plan_line(p, "run/train.log", shown=False, held=3 * GIB // 10, probe=GIB // 4)  # under train + heap
+    assert below.startswith("plan       0.61 GiB resident per rank") and "probe" not in below
+    ranks = SimpleNamespace(memory=mem, usable_bytes=20 * GIB, step_time_s=2.9, mfu=0.4, world_size=2)
+    two = plan_line(ranks, "run/train.log", shown=False, held=3 * GIB // 10, probe=GIB // 2)
+    assert two.startswith("plan       0.61 GiB resident per rank, 0.80 GiB on rank 0 (0.25 GiB to train")
+    assert "rank 0's loss probe's 0.50 GiB at this first run of the shape)" in two
     assert plan_line(p, "run/train.log", shown=False).startswith(
         "plan       0.25 GiB of 20.00 GiB usable per rank, ~2.9"
     )

@@ -67,6 +67,44 @@ def _quiet_kineto():
         os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
+def train_steps(model: torch.nn.Module, batch: int, steps: int, *, dtype: str, compiled: bool = False) -> None:
+    """`steps` training steps of model as the trainer takes them on a CPU: fused AdamW, autocast in dtype, the
+    loss of `model(x, y, return_logits=False)` on random tokens, backward, the gradients' norm clipped in one
+    foreach pass, step, zero_grad(set_to_none=True); torch.compile first when compiled."""
+    from gpt2.core import precision
+    from gpt2.model.gpt import GPT2_VOCAB_SIZE
+
+    prec = precision.Precision.from_key(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    call = torch.compile(model) if compiled else model
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(model.config.vocab_size, GPT2_VOCAB_SIZE)  # the padded rows are never a target
+    x, y = torch.randint(0, vocab, (2, batch, model.config.block_size), generator=gen)
+    for _ in range(steps):
+        with prec.autocast("cpu"):
+            _, loss = call(x, y, return_logits=False)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def warm_up(cfg, *, dtype: str = "fp32", loss_impl: str = "chunked", compiled: bool = False) -> None:
+    """Two training steps of a 1-layer, 8-wide model like cfg (its vocabulary, attention, bias) on a run's paths
+    (dtype, loss, compilation): what the libraries load and keep on first use is then in the process, not what
+    a real model of cfg adds. On a CPU that is tens of MiB of resident memory a plan of tensors does not count:
+    torch.optim imports torch._dynamo (~25 MiB of Python objects), and each op's code is paged in from libtorch
+    when it first runs (~20 MiB of file-backed pages over a debug-preset run's first step). The trainer warms up
+    so before it reads what the process holds (gpt2/train/startup.py check_memory), as resident_training_peak
+    does before it measures."""
+    from gpt2.model.gpt import GPT
+
+    tiny = cfg.replace(n_layer=1, n_head=1, n_kv_head=None, n_embd=8, block_size=8, dropout=0.0)
+    with torch.random.fork_rng(devices=[]):  # the run's random numbers are not the warm-up's
+        torch.manual_seed(0)
+        train_steps(GPT(tiny, loss_impl=loss_impl), 1, 2, dtype=dtype, compiled=compiled)
+
+
 def resident_training_peak(
     cfg,
     micro_batch_size: int,
@@ -89,36 +127,17 @@ def resident_training_peak(
     Linux only (VmHWM, reset through /proc/self/clear_refs): elsewhere a RuntimeError. tuned_malloc=False
     leaves glibc's defaults (bench/plan_memory.py compares the two).
     """
-    from gpt2.core import host_memory, precision
-    from gpt2.core.config import ModelConfig
+    from gpt2.core import host_memory
     from gpt2.model.gpt import GPT
 
     if tuned_malloc:
         host_memory.return_freed_memory()
-    prec = precision.Precision.from_key(dtype)
-
-    def train(model: torch.nn.Module, batch: int, n: int) -> None:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        call = torch.compile(model) if compiled else model
-        gen = torch.Generator().manual_seed(0)
-        x, y = torch.randint(0, 50257, (2, batch, model.config.block_size), generator=gen)
-        for _ in range(n):
-            with prec.autocast("cpu"):
-                _, loss = call(x, y, return_logits=False)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    torch.manual_seed(0)
-    train(
-        GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=cfg.vocab_size), loss_impl=loss_impl),
-        1,
-        2,
-    )
+    warm_up(cfg, dtype=dtype, loss_impl=loss_impl, compiled=compiled)
     if compiled:
         torch._dynamo.reset()
     start = host_memory.resident_bytes()
     if start is None or not host_memory.reset_resident_peak():
         raise RuntimeError("the resident peak is measured through /proc/self (Linux 4.0 or later)")
-    train(GPT(cfg, loss_impl=loss_impl), micro_batch_size, steps)
+    torch.manual_seed(0)
+    train_steps(GPT(cfg, loss_impl=loss_impl), micro_batch_size, steps, dtype=dtype, compiled=compiled)
     return host_memory.resident_peak_bytes() - start

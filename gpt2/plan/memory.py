@@ -21,6 +21,10 @@ CPU allocator in tests/test_plan.py):
                the matmul dtype with their gradient written over them on a CPU, beside them counted on CUDA
                (COMPILED_FULL_LOSS_BYTES); chunked, compiled, as eager (one opaque op to the compiler).
                loss_bytes counts each.
+  last block's backward
+               on a CPU without activation checkpointing, where the loss's peak is the smaller: the last block's
+               backward transients beside every block's activations (block_backward_bytes); a narrow model at a
+               large micro-batch (the debug preset at 1,024 x 128 tokens). Not counted on CUDA (not measured there).
 The total is the step's peak within the plan's error (PLAN_ERROR, the margin --micro-batch-size auto
 keeps): measured against the CPU process's resident peak over a grid of widths, micro-batches, loss
 paths and compilation (tests/test_memory_plan.py). Gradients are counted in full although, with
@@ -92,6 +96,9 @@ class Memory:
     checkpointed: bool = False
     """Whether `activations` counts activation checkpointing (not a byte count)."""
     logits: int
+    block_backward: int = 0
+    """CPU, without activation checkpointing: how far the last block's backward rises above the loss's peak, with
+    every block's activations still saved (block_backward_bytes); 0 where the loss's peak is the higher."""
     optimizer_name: str = "adamw"
     """Which optimizer `optimizer` counts (not a byte count)."""
     chunked_loss: bool = True
@@ -121,7 +128,7 @@ class Memory:
 
     @property
     def total(self) -> int:
-        return self.static + self.activations + self.logits
+        return self.static + self.activations + self.logits + self.block_backward
 
 
 PLAN_ERROR = 0.25
@@ -132,6 +139,31 @@ peaks higher than the plan allows (gpt2/train/memory_watch.py)."""
 AUTO_HEADROOM = 1 + PLAN_ERROR
 """--micro-batch-size auto takes a micro-batch only where total x AUTO_HEADROOM fits the usable memory: a
 plan that is PLAN_ERROR low still fits."""
+
+
+# A CPU process's resident peak is more than its tensors at their peak (Memory.total, which the CPU allocator's
+# own events match to the MiB at 4 x 128 and 4 x 256 wide with gradient accumulation): glibc's heap, which serves
+# every block under the 1 MiB mmap threshold (gpt2.core.host_memory.return_freed_memory), gives back only what
+# is free at its top. The blocks freed between a step's small tensors (at 128 wide an (8, 128, 128) fp32
+# activation is 512 KiB; biases, LayerNorm statistics, small weights' gradients, the autograd graph) stay
+# resident as holes that later allocations do not all fill: 13-48 MiB of free heap (mallinfo2) after a few
+# steps of the debug preset's shapes, the most at 8 x 128 tokens. In train_ddp.py runs (bench/plan_resident.py,
+# issue 54) the peak above what the process held after its warm-up plus Memory.total was up to 36 MiB at 3 steps
+# of the debug preset's 8 x 128 tokens with 2 micro-steps, 48 MiB after 40 (it grows over the first ~12 steps,
+# then stays), 15-24 MiB at 256 and 384 wide. It does not grow with the model or the micro-batch (blocks of 1 MiB
+# and more are mapped and unmapped on their own): one amount per process.
+CPU_HEAP_SLACK_BYTES = 64 * 2**20
+"""What glibc's heap keeps resident beyond the live tensors of a CPU training process (above): the most measured
+(48 MiB) and a margin. Counted in the CPU plan line's resident total (resident_total), not in Memory.total: the
+micro-batch search, the fit check and the GPU plan are unchanged."""
+
+
+def resident_total(train: int, held: int, probe: int | None = None) -> int:
+    """A CPU process's resident peak as planned (the start-up's plan line): what it held when it planned
+    (after gpt2.plan.measure.warm_up: the libraries' first use) plus the larger of training's growth (train:
+    Memory.total, and CPU_HEAP_SLACK_BYTES for the heap's holes) and the loss probe's measured growth (probe:
+    a resident peak of its own, holes and all; None where it did not run in this process)."""
+    return held + max(train + CPU_HEAP_SLACK_BYTES, probe or 0)
 
 
 # The plain loss compiled: inductor fuses the fp32 cast, log-softmax and the target pick into
@@ -292,6 +324,12 @@ def _memory(
         device_memory=device_memory,
         compiled=compiled,
     )
+    backward = 0
+    if device_type == "cpu" and not checkpointed:  # CUDA's plan is as measured on H100/H200 (block_backward_bytes)
+        attn = cfg.attn_impl != "explicit"
+        active = flash if attn else explicit
+        peak = block_backward_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=attn)
+        backward = max(0, peak - active - logits)
     mem = Memory(
         weights=4 * n,
         autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
@@ -303,6 +341,7 @@ def _memory(
         activations_checkpointed=saved,
         checkpointed=checkpointed,
         logits=logits,
+        block_backward=backward,
         optimizer_name=optimizer,
         chunked_loss=chunked_loss,
     )
@@ -446,6 +485,26 @@ def activation_bytes(
         backward = 4 * h + s * cfg.mlp_dim
         return batch * T * (L * 4 * h + per_token_layer + backward + per_token_rest) + min(L, 1) * per_layer_mask
     return batch * T * (L * per_token_layer + per_token_rest) + L * per_layer_mask
+
+
+def block_backward_bytes(
+    cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str = "bf16", device_type: str = "cuda", flash: bool = True
+) -> int:
+    """Bytes alive in the backward of the last block, without activation checkpointing (the gradients aside): every
+    block's saved activations and the token ids and targets (activation_bytes), the final LayerNorm's and the LM
+    head's saved inputs freed by then, and the block's own transients: the fp32 gradient arriving at its output
+    and its MLP hidden's gradient (as activation_bytes counts them for a checkpointed block).
+
+    Where the loss's peak is small beside them, this is the step's peak: at the debug preset's 4 x 128 wide with
+    1,024 x 128 tokens the CPU allocator's events peaked in the last block's MLP backward 37 MiB above activations
+    + loss (the loss's chunk is fixed, these grow with the tokens), the (V, h) gradient of the tied weight beside
+    it; counted so, the plan is within 5 MiB of it (bench/plan_resident.py's debug-1024 row). On CUDA the loss's
+    chunk is sized from the device's memory and the plan was measured as it is: not counted there (memory)."""
+    s = 2 if dtype in AUTOCAST_DTYPES else 4
+    h = cfg.n_embd
+    saved = activation_bytes(cfg, batch, seq_len, dtype=dtype, device_type=device_type, flash=flash)
+    freed = batch * seq_len * ((4 * h + 8) + s * h)  # ln_f's input, mean and rstd; the LM head's input
+    return saved - freed + batch * seq_len * (4 * h + s * cfg.mlp_dim)
 
 
 def max_micro_batch_size(

@@ -66,6 +66,11 @@ def format_plan(p: Plan) -> str:
             if m.chunked_loss
             else "(full logits: all B*T*V at once, F.cross_entropy)"
         ),
+        *(
+            [f"  last block's backward  {gib(m.block_backward)}  (above the loss's peak, every block's saved)"]
+            if m.block_backward
+            else []
+        ),
         f"  total                  {gib(m.total)}  of {gib(p.usable_bytes)} usable {usable_note(hw)}",
         f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
         *([accum] if (accum := format_accumulation(p)) else []),

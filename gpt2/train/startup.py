@@ -45,6 +45,8 @@ from gpt2.distributed.fsdp import gathered_param_bytes
 from gpt2.distributed.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
 from gpt2.plan.flops import device_peak_flops, format_flops, mig_profile, peak_problem
 from gpt2.plan.hardware import gib
+from gpt2.plan.measure import warm_up
+from gpt2.plan.memory import CPU_HEAP_SLACK_BYTES, resident_total
 from gpt2.plan.resolve import Resolved, Target, resolve
 from gpt2.train.run_log import Metrics
 from gpt2.train.state import check_resumable
@@ -562,7 +564,14 @@ def check_memory(r: Resolved, log) -> Plan:
     """Print the planner's summary of the resolved run and refuse a configuration that clearly cannot fit,
     before allocating. Returns the plan (gpt2.plan.planner.Plan)."""
     p = check_plan(r, log)
-    held = host_memory.resident_bytes() if p.hardware.device_type == "cpu" else None
+    held = None
+    if p.hardware.device_type == "cpu":
+        # What the first step loads and keeps whatever the model (torch._dynamo, which torch.optim imports; the
+        # kernels' code paged in from libtorch), taken now by a tiny model's steps (uncompiled: a compile would
+        # cost seconds), so that what the process holds is read with it: ~45 MiB that neither held nor the plan
+        # counted (issue 54).
+        warm_up(r.cfg.model, dtype=r.precision.key, loss_impl=r.cfg.train.loss_impl)
+        held = host_memory.resident_bytes()
     line = plan_line(p, Path(r.cfg.train.out_dir) / TRAIN_LOG, shown=log.verbose, held=held, probe=r.loss.probe_bytes)
     log.info(line)
     return p
@@ -571,9 +580,11 @@ def check_memory(r: Resolved, log) -> Plan:
 def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe: int | None = None) -> str:
     """The plan in one console line: memory against the device, the estimated speed, where the rest is.
     shown: --verbose printed the whole plan above it. held: on a CPU, what this process holds now (Python,
-    torch, the loaders): the plan counts what training adds to it, a user reads the sum (`/usr/bin/time -v`'s
-    maximum resident set, per process), so the line gives the sum and its parts. probe: what the loss
-    probe grew by in this start (a new shape), counted where it is above training's own."""
+    torch, the loaders, the libraries' first use: check_memory warms them up first): the plan counts what
+    training adds to it, a user reads the sum (`/usr/bin/time -v`'s maximum resident set, per process), so
+    the line gives the sum and its parts (gpt2.plan.memory.resident_total). probe: what the loss probe grew by
+    in this start (a new shape), counted where it is above training's own; it runs on rank 0 alone, so with
+    several ranks the line gives rank 0's total apart."""
     speed = (
         "no time estimate (no peak FLOP/s)"
         if p.step_time_s is None
@@ -583,10 +594,15 @@ def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe:
     if held is None:
         memory = f"{gib(p.memory.total)} of {gib(p.usable_bytes)} usable per rank"
     else:
-        grows = max(p.memory.total, probe or 0)
-        probed = "" if grows == p.memory.total else f"; the loss probe's {gib(probe)} at this first run of the shape"
+        total, rank0 = resident_total(p.memory.total, held), resident_total(p.memory.total, held, probe)
+        several = rank0 != total and p.world_size > 1
+        whose = "rank 0's" if several else "the"
+        probed = "" if rank0 == total else f"; {whose} loss probe's {gib(probe)} at this first run of the shape"
+        each = (
+            f"{gib(total)} resident per rank, {gib(rank0)} on rank 0" if several else f"{gib(rank0)} resident per rank"
+        )
         memory = (
-            f"{gib(grows + held)} resident per rank ({gib(p.memory.total)} to train, of "
+            f"{each} ({gib(p.memory.total)} to train + {gib(CPU_HEAP_SLACK_BYTES)} the heap keeps, of "
             f"{gib(p.usable_bytes)} usable, + {gib(held)} held before it: Python, torch, the data{probed})"
         )
     return f"plan       {memory}, {speed}; the whole plan is {where}"
