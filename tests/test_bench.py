@@ -664,3 +664,31 @@ def test_step_overhead_times_the_loops_host_work_against_nanogpts_ways(tmp_path)
         assert float(r[3][:-1]) == pytest.approx(ours / theirs, rel=0.03, abs=0.01)  # the cells are rounded
     ops = re.search(r"bookkeeping ops per step .*: ours (\d+) \((\d+) with --spike-guard false\), nanoGPT's (\d+)", out)
     assert ops and int(ops[3]) > 0 and int(ops[1]) > int(ops[2]) > 0, out
+
+
+def test_plan_resident_reads_each_ranks_total_from_the_plan_line():
+    """bench/plan_resident.py parses what gpt2/train/startup.py plan_line prints: one rank, and two ranks where
+    rank 0's loss probe makes its total apart (the bench compares each rank's peak with its own total)."""
+    from types import SimpleNamespace
+
+    from gpt2.plan.hardware import GIB
+    from gpt2.train.startup import plan_line
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import plan_resident
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+
+    def plan(world_size: int, probe: int | None) -> dict:
+        p = SimpleNamespace(
+            memory=SimpleNamespace(total=GIB // 4), usable_bytes=20 * GIB, step_time_s=None, world_size=world_size
+        )
+        return plan_resident.plan_of("starting\n" + plan_line(p, "x", shown=False, held=GIB // 2, probe=probe))
+
+    one = plan(1, None)
+    assert one["each"] == one["rank0"] == 0.81 * GIB and one["held"] == 0.5 * GIB and one["probe"] is None
+    two = plan(2, GIB)
+    assert two["each"] == 0.81 * GIB and two["rank0"] == 1.5 * GIB and two["probe"] == GIB
+    assert plan_resident.verdict(1.1 * GIB, GIB) == "ok" and plan_resident.verdict(0.9 * GIB, GIB) == "LOW"
+    assert plan_resident.verdict(1.3 * GIB, GIB) == "HIGH"
