@@ -1,6 +1,6 @@
 """The start-up's CPU `plan` line against the resident peak of the real run it plans: `train_ddp.py` processes.
 
-    python bench/plan_resident.py --data-dir data/mine                     # every row below (~35 min on 2 cores)
+    python bench/plan_resident.py --data-dir data/mine                     # every row below (10-35 min on 2 cores)
     python bench/plan_resident.py --data-dir D --rows debug-8,debug-32      # some rows, by name
     python bench/plan_resident.py --data-dir D --first-run                  # each row's first run of its shape
 
