@@ -93,7 +93,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 PLAN = re.compile(
     r"^plan\s+([\d.]+) GiB resident per rank(?:, ([\d.]+) GiB on rank 0)? \(([\d.]+) GiB to train \+ ([\d.]+) GiB "
-    r"the heap keeps, .*?\+ ([\d.]+) GiB held before it[^;)]*(?:; [^;)]*?loss probe's ([\d.]+) GiB)?",
+    r"the heap keeps, .*?\+ ([\d.]+) GiB held before it[^;)]*(?:; [^;)]*?probes' ([\d.]+) GiB)?",
     re.M,
 )
 

@@ -143,3 +143,80 @@ def test_errors_name_the_problem():
 def test_the_start_up_line_keeps_the_prefix_scripts_parse():
     line = MicroBatchChoice(12, "why").describe()
     assert line == "micro-batch auto: 12 sequences, why"
+
+
+# ------------------------------------------------------------------ on this CPU: measured (issue 54)
+
+
+def test_the_candidates_are_the_models_pick_the_largest_and_one_between():
+    from gpt2.plan.batch_probe import candidates
+
+    assert candidates([1, 2, 4, 8, 16, 32], 1, 128) == [1, 4, 32]  # sqrt(1 x 32) ~ 5.7: 4 is nearest
+    assert candidates([1, 2, 4, 8, 16, 32], 32, 128) == [32]
+    assert candidates([1, 3, 9], 1, 128) == [1, 3, 9]
+    assert candidates([1, 2], 1, 128) == [1, 2]
+
+
+def test_the_probe_never_times_more_than_its_token_cap():
+    """The gpt2 recipe at the debug preset's 128 tokens divides into up to 4,096 sequences: timing that
+    micro-step would take minutes and gigabytes (a dry run hung on it). At most PROBE_MAX_TOKENS a candidate;
+    the smallest size is kept even where it alone is larger."""
+    from gpt2.plan.batch_probe import PROBE_MAX_TOKENS, candidates
+
+    sizes = [2**i for i in range(13)]  # 1 .. 4,096
+    picked = candidates(sizes, 1, 128)
+    assert max(picked) * 128 <= PROBE_MAX_TOKENS and picked[0] == 1 and len(picked) == 3
+    assert candidates(sizes, 4096, 128) == [PROBE_MAX_TOKENS // 128]  # the model's pick is capped too
+    assert candidates([4, 8], 4, 4096) == [4]
+
+
+def test_on_a_cpu_auto_takes_the_fastest_measured_candidate_not_the_models_pick():
+    """Issue 54: the model took 1 sequence on a 2-core AVX2 CPU, which ran 1.6-1.7x slower than 32. With a
+    measurement the smallest candidate within MEASURED_TIE of the fastest is taken, and the line says so."""
+    from gpt2.plan.batch_probe import MEASURED_TIE, MicroBatchRates
+
+    cfg = run(model_preset("debug"), total=4096, dtype="fp32", compile=False)
+    asked = []
+
+    def measure(sizes):
+        asked.append(sizes)
+        return MicroBatchRates({1: 90.0, 4: 336.0, 32: 825.0}, "/cache/micro-batch-x.json", 123)
+
+    modelled = choose_micro_batch(cfg, CPU, world_size=1)
+    choice = choose_micro_batch(cfg, CPU, world_size=1, measure=measure)
+    assert modelled.size == 1 and asked == [[1, 4, 32]]
+    assert choice.size == 32 and choice.probe_bytes == 123
+    assert choice.describe().startswith(
+        "micro-batch auto: 32 sequences, the fastest measured on this CPU, tokens/s by micro-batch 1: 90, 4: 336, "
+        "32: 825 (cached in /cache/micro-batch-x.json)"
+    )
+    assert "(the throughput model, which does not know a CPU's per-micro-step work, took 1)" in choice.reason
+    close = choose_micro_batch(
+        cfg, CPU, world_size=1, measure=lambda s: MicroBatchRates({1: 90.0, 4: 800.0, 32: 825.0}, "c")
+    )
+    assert 800 >= (1 - MEASURED_TIE) * 825 and close.size == 4  # within the tie: the smaller one
+
+
+def test_the_cpu_probe_times_each_candidate_once_per_shape_and_caches_it(tmp_path, monkeypatch):
+    from gpt2.core import precision
+    from gpt2.plan import batch_probe
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(precision.REFRESH_PEAK_ENV, raising=False)
+    cfg = ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=16)
+    seen = []
+    from gpt2.model.gpt import GPT
+
+    real = GPT.forward
+    monkeypatch.setattr(GPT, "forward", lambda self, *a, **k: seen.append(self.loss_impl) or real(self, *a, **k))
+    first = batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 4: "chunked"})
+    assert sorted(first.rates) == [1, 4] and all(r > 0 for r in first.rates.values())
+    assert set(seen) == {"full", "chunked"}  # each candidate timed with its own loss path
+    assert first.peak_bytes is not None and first.cache.startswith(str(tmp_path))
+    monkeypatch.setattr(batch_probe, "measure", lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
+    again = batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 4: "chunked"})
+    assert again.rates == first.rates and again.peak_bytes is None  # from the cache
+    with pytest.raises(AssertionError, match="measured again"):  # another loss path: another measurement
+        batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 4: "full"})
+    with pytest.raises(AssertionError, match="measured again"):  # other candidates too
+        batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 2: "full", 4: "chunked"})

@@ -142,13 +142,13 @@ def test_the_cpu_plan_line_is_the_resident_total_with_its_parts():
     )
     probed = plan_line(p, "run/train.log", shown=False, held=3 * GIB // 10, probe=GIB // 2)
     assert probed.startswith("plan       0.80 GiB resident per rank (0.25 GiB to train")
-    assert "the loss probe's 0.50 GiB at this first run of the shape)" in probed
+    assert "the probes' 0.50 GiB at this first run of the shape)" in probed
     below = plan_line(p, "run/train.log", shown=False, held=3 * GIB // 10, probe=GIB // 4)  # under train + heap
     assert below.startswith("plan       0.61 GiB resident per rank") and "probe" not in below
     ranks = SimpleNamespace(memory=mem, usable_bytes=20 * GIB, step_time_s=2.9, mfu=0.4, world_size=2)
     two = plan_line(ranks, "run/train.log", shown=False, held=3 * GIB // 10, probe=GIB // 2)
     assert two.startswith("plan       0.61 GiB resident per rank, 0.80 GiB on rank 0 (0.25 GiB to train")
-    assert "rank 0's loss probe's 0.50 GiB at this first run of the shape)" in two
+    assert "rank 0's probes' 0.50 GiB at this first run of the shape)" in two
     assert plan_line(p, "run/train.log", shown=False).startswith(
         "plan       0.25 GiB of 20.00 GiB usable per rank, ~2.9"
     )

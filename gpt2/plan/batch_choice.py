@@ -18,10 +18,13 @@ within 2% on an H200, where the full loss still fits at 64), 16 on an A100-80GB 
 whose lower peak makes the fixed cost a smaller share, and whose full-loss share ends at 16
 (tests/test_batch_choice.py holds the table). On a CPU
 each eager operation costs the host microseconds, ~250 us per block and micro-step, small beside a
-CPU's compute per token: a few sequences saturate it. Under --parallel fsdp with several ranks every
-micro-step all-gathers the weights again, a cost this model does not hold, so auto keeps the largest
-micro-batch there. `quick` in scripts/gpu_session.sh measures B = 12, this choice and the sizes between,
-which checks the constants on the first GPU lease.
+CPU's compute per token, so the model takes a few sequences; but a CPU's micro-step also does work the
+model does not hold (the dense (V, h) gradients of the tied embedding and LM head, every micro-step),
+and 1 sequence ran 1.6-1.7x slower than 32 (issue 54). So on this machine's CPU, uncompiled, auto
+measures a few candidates instead (gpt2/plan/batch_probe.py; the `measure` argument). Under --parallel
+fsdp with several ranks every micro-step all-gathers the weights again, a cost this model does not hold,
+so auto keeps the largest micro-batch there. `quick` in scripts/gpu_session.sh measures B = 12, this
+choice and the sizes between, which checks the constants on the first GPU lease.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class MicroBatchChoice:
 
     size: int
     reason: str
+    probe_bytes: int | None = None
+    """On a CPU, what the micro-batch probe (gpt2/plan/batch_probe.py) raised the resident peak by when it
+    ran in this start; None from its cache or not probed (the plan line counts it)."""
 
     def describe(self) -> str:
         """The start-up line (its prefix is parsed by scripts: keep `micro-batch auto: N sequences`)."""
@@ -84,14 +90,17 @@ def lm_head_share(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * cfg.vocab_size * cfg.n_embd / flops_per_token(cfg, seq_len)
 
 
-def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> MicroBatchChoice:
+def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int, measure=None) -> MicroBatchChoice:
     """--micro-batch-size auto for cfg (its activation checkpointing already decided, none or full) at
     world_size: among the micro-batches that divide a rank's share of total_batch_size and fit
     with AUTO_HEADROOM (else, where none does, those that fit at all), the smallest within TIE of the fastest
     by the throughput model; under fsdp at world size > 1, the largest. A model that fits nowhere: the
     does_not_fit error. The loss each micro-batch would take is --loss-impl auto's whatever the run asks
     for, so that --loss-impl never changes the micro-batch (gpt2/plan/loss_choice.py: both paths then run
-    the same batch maths)."""
+    the same batch maths). measure: on this machine's CPU, uncompiled, a callable taking candidate
+    micro-batches and returning gpt2.plan.batch_probe.MicroBatchRates: the model's pick, the largest and
+    one between are timed (at most PROBE_MAX_TOKENS a micro-step), and the smallest within MEASURED_TIE of
+    the fastest is taken."""
     model, tc, seq_len = cfg.model, cfg.train, cfg.model.block_size
     grad_accum_steps(tc.total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
     fits = max_micro_batch_size(cfg, hardware, world_size=world_size, headroom=AUTO_HEADROOM)
@@ -130,6 +139,19 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int) -
     }
     best = max(rate, key=rate.get)
     pick = min(b for b in sizes if rate[b] >= (1 - TIE) * rate[best])
+    if measure is not None and len(sizes) > 1:
+        from gpt2.plan.batch_probe import MEASURED_TIE, candidates
+
+        measured = measure(candidates(sizes, pick, seq_len))
+        fastest = max(measured.rates.values())
+        chosen = min(b for b, r in measured.rates.items() if r >= (1 - MEASURED_TIE) * fastest)
+        return MicroBatchChoice(
+            chosen,
+            f"the fastest {measured.describe()}, the smallest within {MEASURED_TIE:.0%} of the best (the "
+            f"throughput model, which does not know a CPU's per-micro-step work, took {pick}); {margin} and "
+            "divides the global batch",
+            measured.peak_bytes,
+        )
     return MicroBatchChoice(
         pick, explain(model, pick, sizes[-1], rate, seq_len, hardware, margin, chunked(sizes[-1]) and not chunked(pick))
     )

@@ -91,7 +91,7 @@ def resolve(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens: int | N
     cfg = with_train(cfg, activation_checkpointing=ac.mode)
     auto_mb = tc.micro_batch_size == "auto"
     mb = (
-        choose_micro_batch(cfg, hardware, world_size=world)
+        choose_micro_batch(cfg, hardware, world_size=world, measure=batch_measure(cfg, prec, hardware, world, target))
         if auto_mb
         else MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size")
     )
@@ -149,6 +149,23 @@ def mfu_peak(device: torch.device, prec: Precision) -> float | None:
     if peak is None or peak_problem(peak, device, torch.get_num_threads()):
         return None
     return peak
+
+
+def batch_measure(cfg: RunConfig, prec: Precision, hardware: Hardware, world: int, target: Target):
+    """On this machine's CPU, uncompiled, what --micro-batch-size auto measures (gpt2/plan/batch_probe.py:
+    tokens/s at a few micro-batches, each with the loss path --loss-impl would take at it; cached); None
+    elsewhere (a GPU, a compiled run, a rehearsal for other hardware)."""
+    device = target.device
+    if device is None or device.type != "cpu" or cfg.train.compile:
+        return None
+    from gpt2.plan.batch_probe import micro_batch_rates
+
+    def loss_at(b: int) -> str:
+        at_b = with_train(cfg, micro_batch_size=b)
+        probe = eager_measure(at_b, prec, b, device)
+        return choose_loss_impl(at_b, hardware, world_size=world, measure_eager=probe).impl
+
+    return lambda sizes: micro_batch_rates(cfg.model, prec.dtype, {b: loss_at(b) for b in sizes})
 
 
 def eager_measure(cfg: RunConfig, prec: Precision, mb: int, device: torch.device | None):

@@ -572,8 +572,9 @@ def check_memory(r: Resolved, log) -> Plan:
         # counted (issue 54).
         warm_up(r.cfg.model, dtype=r.precision.key, loss_impl=r.cfg.train.loss_impl)
         held = host_memory.resident_bytes()
-    line = plan_line(p, Path(r.cfg.train.out_dir) / TRAIN_LOG, shown=log.verbose, held=held, probe=r.loss.probe_bytes)
-    log.info(line)
+    probes = [b for b in (r.loss.probe_bytes, r.micro_batch.probe_bytes) if b is not None]
+    log_path = Path(r.cfg.train.out_dir) / TRAIN_LOG
+    log.info(plan_line(p, log_path, shown=log.verbose, held=held, probe=max(probes, default=None)))
     return p
 
 
@@ -582,9 +583,9 @@ def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe:
     shown: --verbose printed the whole plan above it. held: on a CPU, what this process holds now (Python,
     torch, the loaders, the libraries' first use: check_memory warms them up first): the plan counts what
     training adds to it, a user reads the sum (`/usr/bin/time -v`'s maximum resident set, per process), so
-    the line gives the sum and its parts (gpt2.plan.memory.resident_total). probe: what the loss probe grew by
-    in this start (a new shape), counted where it is above training's own; it runs on rank 0 alone, so with
-    several ranks the line gives rank 0's total apart."""
+    the line gives the sum and its parts (gpt2.plan.memory.resident_total). probe: what the start-up's probes
+    (the loss path's, auto's micro-batch's) grew by in this start (a new shape), counted where it is above
+    training's own; they run on rank 0 alone, so with several ranks the line gives rank 0's total apart."""
     speed = (
         "no time estimate (no peak FLOP/s)"
         if p.step_time_s is None
@@ -597,7 +598,7 @@ def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe:
         total, rank0 = resident_total(p.memory.total, held), resident_total(p.memory.total, held, probe)
         several = rank0 != total and p.world_size > 1
         whose = "rank 0's" if several else "the"
-        probed = "" if rank0 == total else f"; {whose} loss probe's {gib(probe)} at this first run of the shape"
+        probed = "" if rank0 == total else f"; {whose} probes' {gib(probe)} at this first run of the shape"
         each = (
             f"{gib(total)} resident per rank, {gib(rank0)} on rank 0" if several else f"{gib(rank0)} resident per rank"
         )
