@@ -53,10 +53,11 @@ class MicroBatchRates:
         return f"measured on this CPU, tokens/s by micro-batch {shown} (cached in {self.cache})"
 
 
-PROBE_MAX_TOKENS = 8192
-"""The largest micro-step the probe times, in tokens: past a few thousand tokens a CPU's throughput is flat
-(the per-micro-step work is then a small share), while the time and memory of one timed call grow with it. The
-gpt2 recipe's 524,288 tokens at the debug preset's 128 would otherwise time 4,096 sequences at once."""
+PROBE_MAX_TOKENS = 4096
+"""The largest micro-step the probe times, in tokens: past a thousand or so tokens a CPU's throughput is flat
+(the per-micro-step work is then a small share: the debug preset's 8 x 128 ran within 2% of 32 x 128,
+bench/micro_batch_cpu.py), while the time and memory of one timed call grow with it. The gpt2 recipe's
+524,288 tokens at the debug preset's 128 would otherwise time 4,096 sequences at once (a dry run hung on it)."""
 
 
 def candidates(sizes: list[int], modelled: int, seq_len: int) -> list[int]:
