@@ -19,6 +19,8 @@ EOT_TOKEN = 50256
 PADDED_VOCAB_SIZE = 50304
 
 ATTN_IMPLS = ("sdpa", "sdpa_mask", "explicit")
+MLP_ACTS = ("gelu_tanh", "relu2")
+NORMS = ("layernorm", "rmsnorm")
 SHAPE = {"shape": True}
 """ModelConfig field metadata: the field changes the weights (their shapes, or what they mean), so a
 checkpoint with another value cannot be resumed (ModelConfig.shape_fields)."""
@@ -53,6 +55,45 @@ class ModelConfig:
 
     'sdpa' (is_causal, flash/memory-efficient), 'sdpa_mask' (SDPA with an explicit boolean mask) or 'explicit'
     (softmax(QK^T/sqrt(d) + mask)V). The last two exist for benchmarks."""
+    # The architecture options below are each off by default (GPT-2 as released); --arch modern turns on
+    # the set modded-nanogpt's speedrun uses (ARCHS, docs/modern.md).
+    rope: bool = field(default=False, metadata=SHAPE)
+    """Rotary position embeddings, no learned positions.
+
+    Each head's queries and keys are rotated by position x rope_base^(-2i/head_dim), pairing dimension i with
+    i + head_dim/2 (the RoFormer rotation in GPT-NeoX's and Llama's layout): the model has no
+    transformer.wpe table. Needs an even head_dim."""
+    rope_base: float = field(default=10000.0, metadata=SHAPE)
+    """RoPE's base (the rotation frequencies); no effect without --rope."""
+    qk_norm: bool = field(default=False, metadata=SHAPE)
+    """RMS-normalise each head's queries and keys.
+
+    x / sqrt(mean(x^2) + 1e-6) over each head's dimensions, no learned gain (modded-nanogpt's QK-norm), before
+    RoPE and attention: bounds the attention logits."""
+    mlp_act: str = field(default="gelu_tanh", metadata=SHAPE)
+    """MLP activation: gelu_tanh (GPT-2) or relu2.
+
+    relu2 is relu(x)^2 (So et al. 2021, "Primer"; modded-nanogpt's MLP)."""
+    norm: str = field(default="layernorm", metadata=SHAPE)
+    """Block and final norm: layernorm (GPT-2) or rmsnorm.
+
+    rmsnorm: x / sqrt(mean(x^2) + 1e-6) with no learned gain or bias (modded-nanogpt's), so the model has no
+    ln_1, ln_2, ln_f parameters."""
+    tie_embeddings: bool = field(default=True, metadata=SHAPE)
+    """LM head tied to the token embedding (false: untied).
+
+    false: the LM head is a weight of its own (lm_head.weight, V x n_embd more parameters) and the token
+    embedding a lookup table only."""
+    logit_softcap: float | None = field(default=None, metadata=SHAPE)
+    """Cap logits at cap*tanh(logits/cap) (none: off).
+
+    In the loss (both --loss-impl paths), evaluation and sampling alike (Gemma 2's soft-capping;
+    modded-nanogpt's 15 at 124M)."""
+    zero_init_proj: bool = False
+    """Zero-initialise the output projections.
+
+    attn.c_proj and mlp.c_proj of every block, and the untied LM head (modded-nanogpt's): each block starts
+    as the identity. Only the initialisation: a checkpoint resumes either way."""
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -131,6 +172,16 @@ def model_config_problems(cfg: ModelConfig) -> list[str]:
         p.append(f"dropout={cfg.dropout} must be in [0, 1)")
     if cfg.attn_impl not in ATTN_IMPLS:
         p.append(f"attn_impl={cfg.attn_impl!r} must be one of {ATTN_IMPLS}")
+    if cfg.mlp_act not in MLP_ACTS:
+        p.append(f"mlp_act={cfg.mlp_act!r} must be one of {MLP_ACTS}")
+    if cfg.norm not in NORMS:
+        p.append(f"norm={cfg.norm!r} must be one of {NORMS}")
+    if cfg.rope and cfg.head_dim % 2:
+        p.append(f"rope=True needs an even head_dim; n_embd={cfg.n_embd} / n_head={cfg.n_head} is {cfg.head_dim}")
+    if not cfg.rope_base > 1:
+        p.append(f"rope_base={cfg.rope_base} must be > 1")
+    if cfg.logit_softcap is not None and not cfg.logit_softcap > 0:
+        p.append(f"logit_softcap={cfg.logit_softcap} must be > 0, or none for no cap")
     return p
 
 
@@ -143,6 +194,35 @@ MODEL_PRESETS: dict[str, dict] = {
     "debug": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "speed": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),  # nanoGPT's small Shakespeare model
 }
+
+
+# --arch NAME: the architecture options as one switch, at any size (a preset or flags give the shape).
+# "modern" is the set of modded-nanogpt's speedrun records (docs/modern.md), each field also a flag of its own.
+# logit_softcap=15: the speedrun lowered its cap from 30 to 15 at 124M (its record of 2025-01-04); the
+# other records here are at that size too.
+ARCHS: dict[str, dict] = {
+    "gpt2": dict(
+        rope=False,
+        qk_norm=False,
+        mlp_act="gelu_tanh",
+        norm="layernorm",
+        tie_embeddings=True,
+        logit_softcap=None,
+        zero_init_proj=False,
+        bias=True,
+    ),
+    "modern": dict(
+        rope=True,
+        qk_norm=True,
+        mlp_act="relu2",
+        norm="rmsnorm",
+        tie_embeddings=False,
+        logit_softcap=15.0,
+        zero_init_proj=True,
+        bias=False,
+    ),
+}
+"""--arch's names and the ModelConfig fields each sets: gpt2 every option off (the defaults), modern on."""
 
 
 def model_preset(name: str, **overrides) -> ModelConfig:
@@ -165,11 +245,22 @@ def count_params_formula(cfg: ModelConfig) -> int:
 
 
 POSITION_EMBEDDING = "transformer.wpe.weight"
+TOKEN_EMBEDDING = "transformer.wte.weight"
+LM_HEAD = "lm_head.weight"
+"""The untied LM head's weight (tie_embeddings=False); tied, it is the token embedding and not listed."""
+
+
+def lookup_tables(cfg: ModelConfig) -> tuple[str, ...]:
+    """The weights only indexed, never multiplied: the position table (if any) and, when the LM head is
+    untied, the token embedding (the head's matmul has its own weight). FLOPs and autocast copies leave
+    them out (gpt2/plan/flops.py, gpt2/plan/memory.py)."""
+    names = () if cfg.rope else (POSITION_EMBEDDING,)
+    return names if cfg.tie_embeddings else (*names, TOKEN_EMBEDDING)
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of `GPT(cfg)` by its state-dict name, with its shape, in the module's order (the
-    LM head is the token embedding, tied, so it is not listed again). The one description of the
+    """Every parameter of `GPT(cfg)` by its state-dict name, with its shape, in the module's order (a tied
+    LM head is the token embedding, so it is not listed again; an untied one comes last). The one description of the
     weights that the parameter count, the planner's weight and optimizer bytes and the checks derive
     from; tests/test_config.py checks it against the module."""
     return dict(_weight_shapes(cfg))
@@ -178,7 +269,8 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 @functools.cache  # the planner asks for every micro-batch it tries; a gpt2-xl has 580 tensors
 def _weight_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     h = cfg.n_embd
-    norm = {"weight": (h,), **({"bias": (h,)} if cfg.bias else {})}
+    # rmsnorm has no parameters (ModelConfig.norm): its modules hold nothing to list.
+    norm = {} if cfg.norm == "rmsnorm" else {"weight": (h,), **({"bias": (h,)} if cfg.bias else {})}
 
     def linear(n_in: int, n_out: int) -> dict:
         return {"weight": (n_out, n_in), **({"bias": (n_out,)} if cfg.bias else {})}
@@ -191,7 +283,9 @@ def _weight_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
         "mlp.c_fc": linear(h, cfg.mlp_dim),
         "mlp.c_proj": linear(cfg.mlp_dim, h),
     }
-    shapes = {"transformer.wte.weight": (cfg.vocab_size, h), POSITION_EMBEDDING: (cfg.block_size, h)}
+    shapes = {TOKEN_EMBEDDING: (cfg.vocab_size, h)}
+    if not cfg.rope:  # RoPE rotates q and k instead of adding a learned position
+        shapes[POSITION_EMBEDDING] = (cfg.block_size, h)
     for i in range(cfg.n_layer):
         shapes |= {
             f"transformer.h.{i}.{module}.{kind}": shape
@@ -199,13 +293,15 @@ def _weight_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
             for kind, shape in params.items()
         }
     shapes |= {f"transformer.ln_f.{kind}": shape for kind, shape in norm.items()}
+    if not cfg.tie_embeddings:
+        shapes[LM_HEAD] = (cfg.vocab_size, h)
     return tuple(shapes.items())
 
 
 def param_count(cfg: ModelConfig, *, include_position: bool = True) -> int:
-    """Exact parameter count of `GPT(cfg)` (tied LM head counted once), for any head layout: the one
-    counter (GPT.num_params, the planner, FLOPs per token). include_position=False leaves out the
-    position embeddings (a table lookup, no matmul: gpt2/plan/flops.py)."""
+    """Exact parameter count of `GPT(cfg)` (a tied LM head counted once), for any layout and option: the
+    one counter (GPT.num_params, the planner, FLOPs per token). include_position=False leaves out the
+    position embeddings (a table lookup, no matmul: gpt2/plan/flops.py; none with rope)."""
     return sum(
         math.prod(shape) for name, shape in _weight_shapes(cfg) if include_position or name != POSITION_EMBEDDING
     )

@@ -2,6 +2,12 @@
 token embedding / LM head. Attention goes through `F.scaled_dot_product_attention`, with
 optional grouped-query heads and a KV cache for generation.
 
+ModelConfig's architecture options (each off by default, docs/modern.md) change parts of it: rotary
+positions instead of the learned table (rope), RMS-normalised queries and keys (qk_norm), a ReLU^2 MLP
+(mlp_act), parameter-free RMSNorm (norm), an untied LM head (tie_embeddings), soft-capped logits
+(logit_softcap) and zero-initialised output projections (zero_init_proj). Off, the model is the GPT-2
+above: the same parameters, initialised by the same random draws in the same order.
+
 This module does no printing and knows nothing of torch.distributed.
 """
 
@@ -57,6 +63,42 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dro
     return att @ v  # (B, nh, Tq, hd)
 
 
+RMS_EPS = 1e-6
+"""rms_norm's epsilon (qk_norm, norm=rmsnorm): fixed rather than F.rms_norm's default, the input dtype's
+machine epsilon, which under bf16 autocast would be 0.0078 on q and k."""
+
+
+def rms_norm(x: Tensor) -> Tensor:
+    """x / sqrt(mean(x^2) + RMS_EPS) over the last dimension, no learned gain (F.rms_norm: torch 2.4+)."""
+    return F.rms_norm(x, (x.size(-1),), eps=RMS_EPS)
+
+
+class RMSNorm(nn.Module):
+    """norm=rmsnorm's ln_1, ln_2 and ln_f: rms_norm, no parameters (modded-nanogpt's)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return RMSNorm() if cfg.norm == "rmsnorm" else nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+
+
+def rope_tables(pos: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    """(cos, sin) of the rotation angles pos * base^(-2i/head_dim), i < head_dim/2: fp32 (T, head_dim/2).
+    Made from the positions each forward (a KV cache's offset included), so there is no table to keep."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=pos.device) / head_dim)
+    angles = pos.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, heads, T, hd) with each pair (j, j + hd/2) rotated by its position's angle j, in fp32 (the
+    angles of long positions need it), returned in x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
 def causal_mask(t_q: int, t_k: int, device) -> Tensor:
     """Boolean (t_q, t_k) mask for queries that are the last t_q of t_k positions."""
     offset = t_k - t_q
@@ -71,19 +113,26 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.attn_impl = cfg.attn_impl
         self.dropout = cfg.dropout
+        self.qk_norm = cfg.qk_norm
         # q, k, v in one matmul; for MHA this is exactly GPT-2's c_attn (n_embd -> 3*n_embd).
         self.c_attn = nn.Linear(cfg.n_embd, cfg.qkv_dim, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_projection = True  # scaled init, see GPT._init_weights
+        self.c_proj.zero_init = cfg.zero_init_proj
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, kv_cache: KVCache | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """rope: the (cos, sin) of these positions (rope_tables) with ModelConfig.rope, else None."""
         B, T, C = x.shape
         kv_dim = self.n_kv_head * self.head_dim
         q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.qk_norm:  # before the rotation, as modded-nanogpt; a rotation keeps the norm either way
+            q, k = rms_norm(q), rms_norm(k)
+        if rope is not None:  # the cache then holds rotated keys: each is rotated once, at its own position
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
         y = self.attend(q, k, v)
@@ -112,19 +161,23 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_dim, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.mlp_dim, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_projection = True
+        self.c_proj.zero_init = cfg.zero_init_proj
         self.dropout = nn.Dropout(cfg.dropout)
+        self.relu2 = cfg.mlp_act == "relu2"
 
     def forward(self, x: Tensor) -> Tensor:
+        h = self.c_fc(x)
         # GPT-2 used the tanh approximation of GELU; keep it so released weights behave the same.
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        h = F.relu(h).square() if self.relu2 else F.gelu(h, approximate="tanh")
+        return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, checkpointed: bool = False) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg, layer)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
         # Activation checkpointing (--activation-checkpointing full): a plain attribute fixed before
         # fully_shard and torch.compile see the block, as torchtitan wraps each block before both. The
@@ -133,15 +186,15 @@ class Block(nn.Module):
         # and parameter and state-dict names stay those of the plain model (checkpoints load either way).
         self.checkpointed = checkpointed
 
-    def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, kv_cache: KVCache | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         if self.checkpointed and torch.is_grad_enabled():
             # Saves only x (B, T, h); backward reruns the block's forward for what it needs (the
             # RNG state is restored first, so dropout draws the same mask).
-            return checkpoint(self._forward, x, kv_cache, use_reentrant=False)
-        return self._forward(x, kv_cache)
+            return checkpoint(self._forward, x, kv_cache, rope, use_reentrant=False)
+        return self._forward(x, kv_cache, rope)
 
-    def _forward(self, x: Tensor, kv_cache: KVCache | None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def _forward(self, x: Tensor, kv_cache: KVCache | None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -172,17 +225,22 @@ class GPT(nn.Module):
         self.loss_impl = loss_impl
         # activation_checkpointing: every block recomputes its forward in the backward (Block.checkpointed;
         # the trainer resolves --activation-checkpointing, gpt2/plan/ choose_activation_checkpointing).
+        # Modules are made (and so initialised, by _init_weights) in GPT-2's order; an option only leaves
+        # one out (wpe with rope) or adds one at the end (an untied lm_head).
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                **({} if cfg.rope else {"wpe": nn.Embedding(cfg.block_size, cfg.n_embd)}),
                 drop=nn.Dropout(cfg.dropout),
                 h=nn.ModuleList(Block(cfg, i, checkpointed=activation_checkpointing) for i in range(cfg.n_layer)),
-                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+                ln_f=make_norm(cfg),
             )
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        else:
+            self.lm_head.zero_init = cfg.zero_init_proj  # as modded-nanogpt: the logits start at 0
         # Padded vocab rows get a -inf logit, added inside the LM-head matmul: they never carry
         # probability (loss, evaluation) and are never sampled, at no extra pass over the logits.
         if cfg.vocab_size > GPT2_VOCAB_SIZE:
@@ -195,8 +253,13 @@ class GPT(nn.Module):
 
     def _init_weights(self, module: nn.Module) -> None:
         # GPT-2 init: N(0, 0.02); projections into the residual stream scaled by 1/sqrt(2*n_layer)
-        # so the residual's variance does not grow with depth; biases zero.
-        if isinstance(module, nn.Linear):
+        # so the residual's variance does not grow with depth; biases zero. zero_init_proj: those
+        # projections (and an untied head) zero, drawing nothing from the RNG.
+        if isinstance(module, nn.Linear) and getattr(module, "zero_init", False):
+            nn.init.zeros_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear):
             std = 0.02
             if getattr(module, "residual_projection", False):
                 std /= math.sqrt(2 * self.config.n_layer)
@@ -227,15 +290,21 @@ class GPT(nn.Module):
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.config.block_size}")
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.wte(idx)
+        rope = None
+        if self.config.rope:
+            rope = rope_tables(pos, self.config.head_dim, self.config.rope_base)
+        else:
+            x = x + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x, kv_cache)
+            x = block(x, kv_cache, rope)
         if kv_cache is not None:
             kv_cache.pos += T
         if targets is not None and not return_logits:
             return None, self.head_loss(x, targets)
         x = self.transformer.ln_f(x)
-        logits = self.head(x) if targets is not None else F.linear(x, self.lm_head.weight, self.logit_bias)
+        logits = self.head(x) if targets is not None else self.exact_logits(x)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
@@ -248,17 +317,32 @@ class GPT(nn.Module):
         this part too (gpt2/train/trainer.py compile_sharded)."""
         x = self.transformer.ln_f(x)
         if self.loss_impl == "chunked":
-            return linear_cross_entropy(x, self.lm_head.weight, self.logit_bias, targets)
+            return linear_cross_entropy(
+                x, self.lm_head.weight, self.logit_bias, targets, softcap=self.config.logit_softcap
+            )
         logits = self.head(x)
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
 
     def head(self, x: Tensor) -> Tensor:
-        """The full logits of the final LayerNorm's output x: in FP8 while training with fp8_head, else
-        the plain (tied) linear layer."""
+        """The full logits of the final LayerNorm's output x: in FP8 while training with fp8_head (soft-capped
+        like the exact head's), else exact_logits."""
         if self.fp8_head and torch.is_grad_enabled():
-            logits = fp8_linear(x, self.lm_head.weight, logits_dtype(x.device.type))
-            return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.dtype)
-        return F.linear(x, self.lm_head.weight, self.logit_bias)
+            return self._cap_and_mask(fp8_linear(x, self.lm_head.weight, logits_dtype(x.device.type)))
+        return self.exact_logits(x)
+
+    def exact_logits(self, x: Tensor) -> Tensor:
+        """The LM head's logits of x, soft-capped with logit_softcap: what evaluation and sampling read."""
+        if self.config.logit_softcap is None:
+            return F.linear(x, self.lm_head.weight, self.logit_bias)
+        return self._cap_and_mask(F.linear(x, self.lm_head.weight))
+
+    def _cap_and_mask(self, logits: Tensor) -> Tensor:
+        """cap * tanh(logits / cap) in fp32 (logit_softcap), then the padded rows' -inf: after the cap, which
+        would turn -inf into -cap and give the padding probability."""
+        cap = self.config.logit_softcap
+        if cap is not None:
+            logits = cap * torch.tanh(logits.float() / cap)
+        return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.dtype)
 
     @torch.no_grad()
     def generate(
@@ -306,9 +390,10 @@ class GPT(nn.Module):
         row yields stop_token from then on, and the generator returns when every row has: a sample
         ends where the model ended its text, and a batch stops early when all its samples have.
 
-        With use_cache, keys and values are kept between steps. Positions are learned and
-        absolute, so once the sequence outgrows block_size the window shifts and the cache is
-        rebuilt from the last block_size tokens: exactly the context uncached generation sees.
+        With use_cache, keys and values are kept between steps. Positions are absolute (learned, or
+        rotary: the cache holds rotated keys), so once the sequence outgrows block_size the window
+        shifts and the cache is rebuilt from the last block_size tokens: exactly the context uncached
+        generation sees.
         """
         if idx.size(1) == 0:
             raise ValueError("generate needs at least one prompt token (e.g. the EOT token 50256)")

@@ -68,9 +68,18 @@ def loss_chunks(n_rows: int, max_rows: int) -> tuple[int, int]:
 
 
 def linear_cross_entropy(
-    x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, chunk_rows: int | None = None
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    *,
+    chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Mean cross-entropy of F.linear(x, weight, bias) against targets (-1 = ignored), in chunks.
+
+    softcap (ModelConfig.logit_softcap): of softcap * tanh(F.linear(x, weight) / softcap) + bias instead,
+    in fp32 (the bias after the cap, so that padded rows' -inf stays -inf), as GPT.head computes it.
 
     The maths of the model's plain path, `F.cross_entropy(logits.float(), targets,
     ignore_index=-1)`, autocast included (matmuls in the autocast dtype, softmax in fp32), without
@@ -90,13 +99,21 @@ def linear_cross_entropy(
     with torch.autocast(device_type, enabled=False):  # the dtypes are chosen explicitly below
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             if torch.compiler.is_compiling():  # one opaque op to the compiler (_chunked_op, below)
-                return _chunked_op(x2, weight, bias, t, str(dtype).removeprefix("torch."), rows)[0]
-            return _LinearCrossEntropy.apply(x2, weight, bias, t, dtype, rows)
-        return _cross_entropy_chunks(x2, weight, bias, t, dtype, rows, grads=False)[0]
+                return _chunked_op(x2, weight, bias, t, str(dtype).removeprefix("torch."), rows, softcap)[0]
+            return _LinearCrossEntropy.apply(x2, weight, bias, t, dtype, rows, softcap)
+        return _cross_entropy_chunks(x2, weight, bias, t, dtype, rows, grads=False, softcap=softcap)[0]
 
 
 def _cross_entropy_chunks(
-    x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: torch.dtype, rows: int, *, grads: bool
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    dtype: torch.dtype,
+    rows: int,
+    *,
+    grads: bool,
+    softcap: float | None = None,
 ):
     """(loss, grad_x, grad_weight) of the mean loss; the gradients only with grads, else None.
 
@@ -136,17 +153,24 @@ def _cross_entropy_chunks(
         xs = x[start : start + rows].to(dtype)
         ts, vs = targets[start : start + rows], valid[start : start + rows]
         out = _rows(buf_low if low else buf, xs.size(0))  # None when traced: a new tensor
-        out = torch.mm(xs, w.t(), out=out) if b is None else torch.addmm(b, xs, w.t(), out=out)
-        logits = out if not low else _rows(buf, xs.size(0)).copy_(out) if reuse else out.float()  # (rows, V)
-        lse = _logsumexp(logits, _rows(tmp, xs.size(0)))
-        picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
-        chunk_loss = torch.where(vs, lse - picked, 0.0).sum()
+        if softcap is not None:  # the bias is added after the cap (_capped_chunk)
+            out = torch.mm(xs, w.t(), out=out)
+            chunk_loss, g = _capped_chunk(
+                out, b, ts, vs, softcap, _rows(buf, xs.size(0)), _rows(tmp, xs.size(0)), grads
+            )
+        else:
+            out = torch.mm(xs, w.t(), out=out) if b is None else torch.addmm(b, xs, w.t(), out=out)
+            logits = out if not low else _rows(buf, xs.size(0)).copy_(out) if reuse else out.float()  # (rows, V)
+            lse = _logsumexp(logits, _rows(tmp, xs.size(0)))
+            picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
+            chunk_loss = torch.where(vs, lse - picked, 0.0).sum()
         if reuse:
             losses[i] = chunk_loss
         else:
             losses.append(chunk_loss)
         if grads:
-            g = _softmax_minus_onehot(logits, lse, ts, vs)
+            if softcap is None:
+                g = _softmax_minus_onehot(logits, lse, ts, vs)
             if not late:
                 g.mul_(inv_n)
             g = (out.copy_(g) if reuse else g.to(dtype)) if low else g  # in the matmul dtype
@@ -193,6 +217,44 @@ def _logsumexp(logits: Tensor, tmp: Tensor | None) -> Tensor:
     return torch.sub(logits, m, out=tmp).exp_().sum(dim=-1).log_().add_(m.squeeze(-1))
 
 
+def _capped_chunk(
+    out: Tensor,
+    b: Tensor | None,
+    targets: Tensor,
+    valid: Tensor,
+    cap: float,
+    t_buf: Tensor | None,
+    z_buf: Tensor | None,
+    grads: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """(the chunk's summed loss, d loss / d out or None) for the capped logits z = cap * tanh(out / cap) + b.
+
+    In the chunk's two fp32 buffers, as the plain chunk uses them (so the planner's bytes per logit
+    hold): t = tanh(out / cap) in t_buf, kept for the cap's derivative 1 - t^2; z in z_buf, which becomes
+    exp(z - max), then the softmax, then its gradient. Traced (buffers None), the same maths out of place.
+    Padded columns: z = -inf, softmax 0, and 1 - t^2 is finite, so their gradient is 0 (no nan).
+    """
+    reuse = t_buf is not None
+    t = t_buf.copy_(out).div_(cap).tanh_() if reuse else torch.tanh(out.float() / cap)
+    z = torch.mul(t, cap, out=z_buf) if reuse else t * cap
+    if b is not None:
+        z = z.add_(b) if reuse else z + b
+    picked = z.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    m = z.amax(dim=-1, keepdim=True)  # finite: every row has unpadded columns, capped to [-cap, cap]
+    e = z.sub_(m).exp_() if reuse else (z - m).exp()
+    total = e.sum(dim=-1, keepdim=True)
+    lse = total.log().squeeze(-1) + m.squeeze(-1)
+    chunk_loss = torch.where(valid, lse - picked, 0.0).sum()
+    if not grads:
+        return chunk_loss, None
+    probs = e.div_(total) if reuse else e / total
+    if torch.compiler.is_compiling():  # as _softmax_minus_onehot: a where, not scatter_add_, traced
+        hit = torch.arange(probs.size(1), device=probs.device)[None, :] == targets[:, None]
+        return chunk_loss, torch.where(hit, probs - 1.0, probs) * (1 - t * t)
+    g = probs.scatter_add_(1, targets.clamp(min=0)[:, None], -valid[:, None].float())
+    return chunk_loss, g.mul_(t.square_().neg_().add_(1)) if reuse else g * (1 - t * t)
+
+
 def _softmax_minus_onehot(logits: Tensor, lse: Tensor, targets: Tensor, valid: Tensor) -> Tensor:
     """softmax(logits) - onehot(target) on valid rows (softmax alone on ignored ones), fp32 (rows, V).
 
@@ -216,15 +278,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """The loss with its gradients computed in forward (no recomputed LM-head matmul)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, dtype, rows):
-        loss, grad_x, grad_w = _cross_entropy_chunks(x, weight, bias, targets, dtype, rows, grads=True)
+    def forward(ctx, x, weight, bias, targets, dtype, rows, softcap):
+        loss, grad_x, grad_w = _cross_entropy_chunks(x, weight, bias, targets, dtype, rows, grads=True, softcap=softcap)
         ctx.save_for_backward(grad_x, grad_w)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None
+        return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None, None
 
 
 # Compiled, the loss with its gradients is one custom op: inside it the chunks run one after another, as
@@ -242,18 +304,23 @@ COMPILED_CHUNKS = {"cuda": True}
 @torch.library.custom_op(
     "gpt2::linear_cross_entropy_grads",
     mutates_args=(),
-    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor targets, str dtype, int rows) -> (Tensor, Tensor, Tensor)",
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor targets, str dtype, int rows, float? softcap) "
+    "-> (Tensor, Tensor, Tensor)",
 )
-def _chunked_op(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: str, rows: int):
-    """(x, weight, bias, targets, dtype's name, rows) -> (loss, grad_x, grad_weight), differentiable in x and
-    weight through the two gradients."""
+def _chunked_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: str, rows: int, softcap: float | None
+):
+    """(x, weight, bias, targets, dtype's name, rows, softcap) -> (loss, grad_x, grad_weight), differentiable in x
+    and weight through the two gradients."""
     if COMPILED_CHUNKS.get(x.device.type, False):
-        return _compiled_chunks(x, weight, bias, targets, getattr(torch, dtype), rows)
-    return _cross_entropy_chunks(x, weight, bias, targets, getattr(torch, dtype), rows, grads=True)
+        return _compiled_chunks(x, weight, bias, targets, getattr(torch, dtype), rows, softcap)
+    return _cross_entropy_chunks(x, weight, bias, targets, getattr(torch, dtype), rows, grads=True, softcap=softcap)
 
 
 @_chunked_op.register_fake
-def _op_fake(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: str, rows: int):
+def _op_fake(
+    x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: str, rows: int, softcap: float | None
+):
     return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(weight)
 
 
@@ -263,7 +330,7 @@ def _op_setup(ctx, inputs, output) -> None:
 
 def _op_backward(ctx, grad_loss, _grad_x, _grad_w):
     grad_x, grad_w = ctx.saved_tensors
-    return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None
+    return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None, None
 
 
 _chunked_op.register_autograd(_op_backward, setup_context=_op_setup)
@@ -271,7 +338,9 @@ _chunked_op.register_autograd(_op_backward, setup_context=_op_setup)
 _CHUNK = None
 
 
-def _compiled_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: torch.dtype, rows: int):
+def _compiled_chunks(
+    x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: torch.dtype, rows: int, softcap=None
+):
     """_cross_entropy_chunks(grads=True), each chunk one call of a torch.compile'd _one_chunk."""
     global _CHUNK
     if _CHUNK is None:
@@ -282,20 +351,25 @@ def _compiled_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Te
     grad_w = torch.empty(weight.shape, dtype=torch.float32, device=x.device)
     for i, start in enumerate(starts):
         s = slice(start, start + rows)
-        losses[i], grad_x[s], part = _CHUNK(x[s].to(dtype), w, b, targets[s], valid[s], inv_n, late)
+        losses[i], grad_x[s], part = _CHUNK(x[s].to(dtype), w, b, targets[s], valid[s], inv_n, late, softcap)
         grad_w.copy_(part) if i == 0 else grad_w.add_(part)
     loss = losses.sum() / n
     return loss, grad_x, (grad_w * inv_n if late else grad_w).to(weight.dtype)
 
 
-def _one_chunk(xs: Tensor, w: Tensor, b: Tensor | None, ts: Tensor, vs: Tensor, inv_n: Tensor, late: bool):
+def _one_chunk(
+    xs: Tensor, w: Tensor, b: Tensor | None, ts: Tensor, vs: Tensor, inv_n: Tensor, late: bool, softcap=None
+):
     """One chunk of _cross_entropy_chunks' loop, traced: (its summed loss, its grad_x rows, its (V, h) part)."""
-    out = torch.mm(xs, w.t()) if b is None else torch.addmm(b, xs, w.t())
-    logits = out.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
-    chunk_loss = torch.where(vs, lse - picked, 0.0).sum()
-    g = _softmax_minus_onehot(logits, lse, ts, vs)
+    if softcap is not None:
+        chunk_loss, g = _capped_chunk(torch.mm(xs, w.t()), b, ts, vs, softcap, None, None, True)
+    else:
+        out = torch.mm(xs, w.t()) if b is None else torch.addmm(b, xs, w.t())
+        logits = out.float()
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(1, ts.clamp(min=0)[:, None]).squeeze(1)
+        chunk_loss = torch.where(vs, lse - picked, 0.0).sum()
+        g = _softmax_minus_onehot(logits, lse, ts, vs)
     g = (g if late else g * inv_n).to(w.dtype)
     keep = vs[:, None]
     gx = (g @ w).float() * (keep * inv_n) if late else (g @ w) * keep
