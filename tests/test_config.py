@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from gpt2.core.config import (
+    ARCHS,
     GPT2_VOCAB_SIZE,
     MODEL_PRESETS,
     PADDED_VOCAB_SIZE,
@@ -76,6 +77,11 @@ def test_to_dict_round_trips():
         (dict(block_size=-1), "block_size=-1 must be a positive integer"),
         (dict(n_embd=768.0), "n_embd=768.0 must be a positive integer"),
         (dict(n_head=True), "n_head=True must be a positive integer"),
+        (dict(mlp_act="swiglu"), "mlp_act='swiglu' must be one of"),
+        (dict(norm="batchnorm"), "norm='batchnorm' must be one of"),
+        (dict(rope=True, n_embd=36, n_head=4), "rope=True needs an even head_dim; n_embd=36 / n_head=4 is 9"),
+        (dict(rope_base=1.0), "rope_base=1.0 must be > 1"),
+        (dict(logit_softcap=0.0), "logit_softcap=0.0 must be > 0, or none for no cap"),
     ],
 )
 def test_invalid_model_config_is_refused_with_the_fix(fields, message):
@@ -122,6 +128,10 @@ SHAPES = {
     "mqa": dict(n_kv_head=1),
     "no_bias": dict(bias=False),
     "gqa_no_bias_unpadded": dict(n_kv_head=2, bias=False, vocab_size=GPT2_VOCAB_SIZE),
+    "rope": dict(rope=True),
+    "untied": dict(tie_embeddings=False),
+    "rmsnorm": dict(norm="rmsnorm"),
+    "modern": dict(ARCHS["modern"], n_kv_head=2),
 }
 
 
@@ -135,8 +145,22 @@ def test_weight_shapes_and_param_count_are_the_modules(layout):
     assert weight_shapes(cfg) == {name: tuple(p.shape) for name, p in params.items()}
     assert list(weight_shapes(cfg)) == list(params)
     assert param_count(cfg) == sum(p.numel() for p in params.values()) == model.num_params()
-    assert param_count(cfg, include_position=False) == param_count(cfg) - cfg.block_size * cfg.n_embd
+    assert param_count(cfg, include_position=False) == param_count(cfg) - (not cfg.rope) * cfg.block_size * cfg.n_embd
     assert (count_params_formula(cfg) == param_count(cfg)) == (layout == "mha")  # the closed form: MHA with biases
+
+
+def test_param_count_of_each_option_against_gpt2s():
+    """What each option adds or takes away, in closed form: rope no (T, h) position table, an untied head
+    V*h, rmsnorm no norm parameters (2 per block and the final one, h weights and h biases each)."""
+    cfg = ModelConfig(n_layer=3, n_head=4, n_embd=32, block_size=16)
+    V, T, L, h, n = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_embd, param_count(cfg)
+    assert param_count(cfg.replace(rope=True)) == n - T * h
+    assert param_count(cfg.replace(tie_embeddings=False)) == n + V * h
+    assert param_count(cfg.replace(norm="rmsnorm")) == n - (2 * L + 1) * 2 * h
+    for unchanged in (dict(qk_norm=True), dict(mlp_act="relu2"), dict(logit_softcap=15.0), dict(zero_init_proj=True)):
+        assert param_count(cfg.replace(**unchanged)) == n, unchanged
+    assert "lm_head.weight" in weight_shapes(cfg.replace(tie_embeddings=False))
+    assert "transformer.wpe.weight" not in weight_shapes(cfg.replace(rope=True))
 
 
 def test_weight_shapes_cannot_be_changed_through_the_cache():
@@ -155,10 +179,18 @@ def test_shape_fields_are_the_marked_fields():
         "block_size",
         "vocab_size",
         "bias",
+        "rope",
+        "rope_base",
+        "qk_norm",
+        "mlp_act",
+        "norm",
+        "tie_embeddings",
+        "logit_softcap",
     )
     assert {f.name for f in dataclasses.fields(ModelConfig)} - set(ModelConfig.shape_fields()) == {
         "dropout",
         "attn_impl",
+        "zero_init_proj",  # the initialisation only: the weights mean the same either way
     }
 
 
@@ -188,7 +220,7 @@ def test_every_float_field_is_checked_for_finiteness():
     from gpt2.core.config import TrainConfig
 
     floats = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls) if f.type == "float"]
-    assert len(floats) == 16  # dropout, lr, min_lr, ..., dist_step_timeout_s, spike_loss_z, spike_norm_z
+    assert len(floats) == 17  # dropout, rope_base, lr, min_lr, ..., dist_step_timeout_s, spike_loss_z, spike_norm_z
     for name in floats:
         cls = ModelConfig if name in {f.name for f in dataclasses.fields(ModelConfig)} else TrainConfig
         with pytest.raises(ValueError, match="not a finite number"):

@@ -44,10 +44,18 @@ def _checked(call, *args, **kwargs):
 TIED = {"lm_head.weight": "transformer.wte.weight"}
 """GPT-2's LM head is the token embedding (gpt2/model/gpt.py): a state dict names the one tensor twice,
 and DCP would store it twice (a quarter of a small model's checkpoint). Saved once, under the
-embedding's name; the head's entry is put back as the same tensor before loading."""
+embedding's name; the head's entry is put back as the same tensor before loading. An untied head
+(ModelConfig.tie_embeddings=False) is a tensor of its own, saved and loaded under its own name."""
 
 
-def _untied(model_state: dict) -> dict:
+def _tied(model: torch.nn.Module) -> bool:
+    """Whether model's LM head is its token embedding (the raw or FSDP-sharded GPT; True for what has no config)."""
+    return getattr(getattr(model, "config", None), "tie_embeddings", True)
+
+
+def _untied(model_state: dict, tied: bool = True) -> dict:
+    if not tied:
+        return model_state
     return {k: v for k, v in model_state.items() if not (k in TIED and TIED[k] in model_state)}
 
 
@@ -71,7 +79,7 @@ def sharded_state(model: torch.nn.Module, optimizer) -> dict:
     """This rank's {"model", "optimizer"} state: DTensor shards under FSDP, whole tensors otherwise.
     (An optimizer without moments yet gets them initialised, as DCP's loading needs.)"""
     return {
-        "model": _untied(get_model_state_dict(model)),
+        "model": _untied(get_model_state_dict(model), _tied(model)),
         "optimizer": _per_inner(optimizer, lambda o: get_optimizer_state_dict(model, o)),
     }
 
@@ -103,7 +111,7 @@ def load_weights(model: torch.nn.Module, directory: Path, *, no_dist: bool = Fal
     import torch.distributed.checkpoint as dcp
 
     wanted = model.state_dict()
-    state = {"model": _untied(wanted)}
+    state = {"model": _untied(wanted, _tied(model))}
     _checked(dcp.load, state, checkpoint_id=str(directory), **({"no_dist": True} if no_dist else {}))
     model.load_state_dict(_retied(state["model"], wanted))
 

@@ -58,29 +58,29 @@ class ModelConfig:
     # The architecture options below are each off by default (GPT-2 as released); --arch modern turns on
     # the set modded-nanogpt's speedrun uses (ARCHS, docs/modern.md).
     rope: bool = field(default=False, metadata=SHAPE)
-    """Rotary position embeddings, no learned positions.
+    """Rotary positions instead of a learned table.
 
     Each head's queries and keys are rotated by position x rope_base^(-2i/head_dim), pairing dimension i with
     i + head_dim/2 (the RoFormer rotation in GPT-NeoX's and Llama's layout): the model has no
     transformer.wpe table. Needs an even head_dim."""
     rope_base: float = field(default=10000.0, metadata=SHAPE)
-    """RoPE's base (the rotation frequencies); no effect without --rope."""
+    """RoPE's frequency base (with --rope)."""
     qk_norm: bool = field(default=False, metadata=SHAPE)
     """RMS-normalise each head's queries and keys.
 
     x / sqrt(mean(x^2) + 1e-6) over each head's dimensions, no learned gain (modded-nanogpt's QK-norm), before
     RoPE and attention: bounds the attention logits."""
     mlp_act: str = field(default="gelu_tanh", metadata=SHAPE)
-    """MLP activation: gelu_tanh (GPT-2) or relu2.
+    """MLP activation: gelu_tanh or relu2.
 
-    relu2 is relu(x)^2 (So et al. 2021, "Primer"; modded-nanogpt's MLP)."""
+    gelu_tanh is GPT-2's; relu2 is relu(x)^2 (So et al. 2021, "Primer"; modded-nanogpt's MLP)."""
     norm: str = field(default="layernorm", metadata=SHAPE)
-    """Block and final norm: layernorm (GPT-2) or rmsnorm.
+    """Norms: layernorm (GPT-2) or rmsnorm.
 
-    rmsnorm: x / sqrt(mean(x^2) + 1e-6) with no learned gain or bias (modded-nanogpt's), so the model has no
+    The blocks' and the final norm. rmsnorm: x / sqrt(mean(x^2) + 1e-6) with no learned gain or bias (modded-nanogpt's), so the model has no
     ln_1, ln_2, ln_f parameters."""
     tie_embeddings: bool = field(default=True, metadata=SHAPE)
-    """LM head tied to the token embedding (false: untied).
+    """Tie the LM head to the token embedding.
 
     false: the LM head is a weight of its own (lm_head.weight, V x n_embd more parameters) and the token
     embedding a lookup table only."""

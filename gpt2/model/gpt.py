@@ -93,8 +93,9 @@ def rope_tables(pos: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, heads, T, hd) with each pair (j, j + hd/2) rotated by its position's angle j, in fp32 (the
+    """x (B, T, heads, hd) with each pair (j, j + hd/2) rotated by its position's angle j, in fp32 (the
     angles of long positions need it), returned in x's dtype."""
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2): the same angle for every head
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
@@ -126,13 +127,17 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         kv_dim = self.n_kv_head * self.head_dim
         q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, nh, hd)
+        k = k.view(B, T, self.n_kv_head, self.head_dim)  # (B, T, nkv, hd)
+        # QK-norm and RoPE in the (B, T, heads, hd) layout: new q and k laid out as c_attn's output is, so
+        # SDPA's output is too and the .contiguous() below stays free (rotated in (B, heads, T, hd), it
+        # cost a copy of the attention output, saved by c_proj: measured with saved_tensors_hooks).
         if self.qk_norm:  # before the rotation, as modded-nanogpt; a rotation keeps the norm either way
             q, k = rms_norm(q), rms_norm(k)
         if rope is not None:  # the cache then holds rotated keys: each is rotated once, at its own position
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
         y = self.attend(q, k, v)

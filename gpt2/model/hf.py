@@ -65,7 +65,7 @@ def _check_exportable(cfg: ModelConfig) -> None:
     problems = [
         _not_exportable(cfg, name, getattr(gpt2_layout, name))
         for name in ModelConfig.shape_fields()
-        if getattr(cfg, name) != getattr(gpt2_layout, name)
+        if getattr(cfg, name) != getattr(gpt2_layout, name) and not (name == "rope_base" and not cfg.rope)
     ]
     if problems:
         raise ValueError("model cannot be exported as GPT2LMHeadModel:\n  - " + "\n  - ".join(problems))
@@ -80,10 +80,29 @@ def _not_exportable(cfg: ModelConfig, name: str, gpt2_value) -> str:
         )
     if name == "bias":
         return "bias=False: Hugging Face GPT-2 always has biases; train with bias=True to export"
+    if name in WHAT_GPT2_HAS:
+        flag = "--" + name.replace("_", "-")
+        return (
+            f"this model uses {name}={getattr(cfg, name)!r}, which Hugging Face's GPT-2 layout cannot hold "
+            f"(it has {WHAT_GPT2_HAS[name]}); train with {flag} {str(gpt2_value).lower()} (or without --arch modern)"
+            " to export"
+        )
     return (
         f"{name}={getattr(cfg, name)!r}: Hugging Face GPT-2 has no such setting; train with "
         f"{name}={gpt2_value!r} to export"
     )
+
+
+WHAT_GPT2_HAS = {
+    "rope": "a learned position table, no rotary positions",
+    "rope_base": "no rotary positions",
+    "qk_norm": "no normalisation of queries and keys",
+    "mlp_act": "the tanh GELU only",
+    "norm": "LayerNorm with a gain and a bias",
+    "tie_embeddings": "the LM head tied to the token embedding; this export writes no separate head",
+    "logit_softcap": "no cap on the logits",
+}
+"""The architecture options (ModelConfig, docs/modern.md) GPT2LMHeadModel has no setting for: what it has instead."""
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:

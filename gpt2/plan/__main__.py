@@ -20,6 +20,7 @@ import sys
 from gpt2.core.args import OneLineParser
 from gpt2.core.config import (
     ACTIVATION_CHECKPOINTING,
+    ARCHS,
     MODEL_PRESETS,
     PARALLELS,
     TRAIN_PRESETS,
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, help="override the preset's " + name)
     ap.add_argument("--attn-impl", choices=("sdpa", "sdpa_mask", "explicit"))
+    ap.add_argument(
+        "--arch", choices=sorted(ARCHS), help="architecture options, as train_ddp.py's --arch (default: gpt2's)"
+    )
     ap.add_argument("--block-size", type=int, help="sequence length (default: the preset's)")
     ap.add_argument(
         "--micro-batch-size",
@@ -119,7 +123,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "attn_impl", "block_size")
         if getattr(args, k) is not None
     }
-    cfg = model_preset(args.preset, **overrides)
+    cfg = model_preset(args.preset, **{**ARCHS.get(args.arch or "gpt2"), **overrides})
     train = {
         **TRAIN_PRESETS.get(args.preset, {}),
         "micro_batch_size": args.micro_batch_size,

@@ -5,12 +5,17 @@ our MFU is comparable with the numbers people quote:
 
     flops_per_token = 6 * N + 12 * L * h * T
 
-N counts every parameter except the learned position embeddings (a table lookup, no matmul); the
-token embedding stays in because it is tied to the LM head, whose matmul costs 2*V*h per token
-forward. 6 = 2 (multiply-add) * 3 (forward + the two backward matmuls). 12*L*h*T is attention's
-QK^T and AV: 2 matmuls * 2 FLOPs * T*h per token per layer, times 3 for forward+backward. It counts
-the full T x T score matrix although causal kernels skip half of it: the convention, not the
-kernel's work. Recomputation (activation checkpointing) is not counted: that is the "model" in MFU.
+N counts every parameter except the lookup tables (config.lookup_tables): the learned position
+embeddings (none with rope) and, when the LM head is untied, the token embedding. A tied token
+embedding stays in because it is the LM head, whose matmul costs 2*V*h per token forward; untied,
+the head's own weight is counted instead, so the untied head leaves the FLOPs (and MFU) unchanged.
+The options' elementwise work (RoPE, QK-norm, ReLU^2, the logit softcap) is not counted, as GELU and
+LayerNorm are not: the convention counts matmuls.
+
+6 = 2 (multiply-add) * 3 (forward + the two backward matmuls). 12*L*h*T is attention's QK^T and
+AV: 2 matmuls * 2 FLOPs * T*h per token per layer, times 3 for forward+backward. It counts the full
+T x T score matrix although causal kernels skip half of it: the convention, not the kernel's work.
+Recomputation (activation checkpointing) is not counted: that is the "model" in MFU.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import re
 
 import torch
 
-from gpt2.core.config import ModelConfig, param_count, weight_shapes
+from gpt2.core.config import ModelConfig, lookup_tables, param_count, weight_shapes
 from gpt2.core.precision import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, Precision, peak_rates
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets (for GeForce and RTX cards the
@@ -74,12 +79,14 @@ _GPU_PEAKS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     """Training FLOPs (forward + backward) per token: 6*N + 12*L*h*T (see the module docstring).
 
-    N excludes the position embeddings; seq_len defaults to cfg.block_size.
+    N excludes the lookup tables (position embeddings; an untied token embedding); seq_len defaults to
+    cfg.block_size.
     """
     T = cfg.block_size if seq_len is None else seq_len
     if not 0 < T <= cfg.block_size:
         raise ValueError(f"seq_len={seq_len} must be in [1, block_size={cfg.block_size}]")
-    n = param_count(cfg, include_position=False)
+    shapes = weight_shapes(cfg)
+    n = param_count(cfg) - sum(math.prod(shapes[name]) for name in lookup_tables(cfg))
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_embd * T
 
 

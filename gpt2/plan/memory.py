@@ -64,12 +64,14 @@ import math
 from dataclasses import dataclass
 
 from gpt2.core.config import (
+    LM_HEAD,
     PARALLELS,
-    POSITION_EMBEDDING,
+    TOKEN_EMBEDDING,
     ModelConfig,
     RunConfig,
     TrainConfig,
     describe_model,
+    lookup_tables,
     param_count,
     weight_shapes,
 )
@@ -219,7 +221,7 @@ def loss_bytes(
     V, h = cfg.vocab_size, cfg.n_embd
     if not chunked:
         per_logit = COMPILED_FULL_LOSS_BYTES.get(device_type, 2) * s if compiled else EAGER_FULL_LOSS_BYTES
-        return tokens * V * per_logit
+        return tokens * V * (per_logit + (SOFTCAP_FULL_LOSS_BYTES if cfg.logit_softcap is not None else 0))
     if device_type == "cuda" and device_memory is None:
         raise ValueError("loss_bytes needs device_memory on cuda: the loss's chunk size depends on it")
     _, rows = loss_chunks(tokens, max(1, loss_chunk_logits(device_type, device_memory) // V))
@@ -231,6 +233,10 @@ def loss_bytes(
 
 EAGER_FULL_LOSS_BYTES = 12
 """Bytes per logit of the plain loss uncompiled, fp32 or under autocast (loss_bytes)."""
+SOFTCAP_FULL_LOSS_BYTES = 4
+"""Bytes per logit logit_softcap adds to the full loss: the fp32 tanh its backward keeps (12 -> 16 measured
+eager on a CPU, fp32 and bf16, with gpt2.plan.measure). Compiled it is counted too, not measured. The chunked
+loss holds its softcap in the buffers it has (gpt2/model/loss.py _capped_chunk): nothing more."""
 
 
 def run_config(
@@ -366,7 +372,8 @@ def fsdp_memory(
     block = {k: v for k, v in shapes.items() if k.startswith("transformer.h.0.")}
     root_n = gathered_elements(root.values(), world_size)
     block_n = gathered_elements(block.values(), world_size)
-    tied_n = gathered_elements([shapes["transformer.wte.weight"]], world_size)  # its gradient: in loss_bytes
+    head = TOKEN_EMBEDDING if cfg.tie_embeddings else LM_HEAD  # the LM head's weight
+    tied_n = gathered_elements([shapes[head]], world_size)  # its gradient: in loss_bytes
     return dataclasses.replace(
         mem,
         shards=world_size,
@@ -411,9 +418,10 @@ def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw", *, world_size: i
 
 def matmul_weight_count(cfg: ModelConfig) -> int:
     """Elements of every weight that goes through a matmul (autocast keeps a bf16 copy of each): every
-    matrix of config.weight_shapes but the position embedding (a lookup; the token embedding is also
-    the tied LM head)."""
-    return sum(math.prod(s) for name, s in weight_shapes(cfg).items() if len(s) == 2 and name != POSITION_EMBEDDING)
+    matrix of config.weight_shapes but the lookup tables (the position embedding; the token embedding
+    too when the LM head is untied, else it is the head)."""
+    lookups = lookup_tables(cfg)
+    return sum(math.prod(s) for name, s in weight_shapes(cfg).items() if len(s) == 2 and name not in lookups)
 
 
 def block_matrix_count(cfg: ModelConfig) -> int:
@@ -446,13 +454,15 @@ def activation_bytes(
     s = 2 if dtype in AUTOCAST_DTYPES else 4
     h, nh, L, T = cfg.n_embd, cfg.n_head, cfg.n_layer, seq_len
     qkv_out = cfg.qkv_dim
-    layer_norm = 4 * h + 8
-    mlp = s * h + s * cfg.mlp_dim + s * cfg.mlp_dim  # inputs of c_fc, GELU, c_proj
+    layer_norm = 4 * h + (4 if cfg.norm == "rmsnorm" else 8)  # its input, and rstd (LayerNorm: and the mean)
+    # Inputs of c_fc, GELU, c_proj; relu2 saves as many (relu its output, which square saves as its input).
+    mlp = s * h + s * cfg.mlp_dim + s * cfg.mlp_dim
+    qk = qk_bytes(cfg, s)
     if flash:
         # SDPA saves the (views of the) c_attn output as q, k, v, its output and a log-sum-exp
         # per head. Fused kernels write the output as (B, T, nh, hd), so the .contiguous() before
         # c_proj is free and c_proj saves that same storage.
-        attn = s * h + s * qkv_out + s * h + 4 * nh
+        attn = s * h + s * qkv_out + s * h + 4 * nh + qk
         per_layer_mask = 0
     else:
         # explicit_attention saves contiguous q, k (k expanded to n_head under GQA), v and the
@@ -460,7 +470,8 @@ def activation_bytes(
         # AV matmul saves its own bf16 copy of the probabilities: 4 + 2 bytes. CPU autocast
         # keeps softmax in bf16.
         probs = 6 if (dtype in AUTOCAST_DTYPES and device_type == "cuda") else s
-        attn = s * h + 3 * s * h + probs * nh * T + s * h
+        # (q and k made by qk_norm or RoPE replace the contiguous copies counted here: only the norm's own.)
+        attn = s * h + 3 * s * h + probs * nh * T + s * h + qk_bytes(cfg, s, new_qk=False)
         per_layer_mask = T * T  # the boolean causal mask, built per layer
     # Dropout (0 in pretraining): CUDA saves a 1-byte boolean mask per element; CPU saves a mask
     # in the input's dtype. Explicit attention also saves the dropped probabilities. Fused SDPA
@@ -505,6 +516,19 @@ def block_backward_bytes(
     saved = activation_bytes(cfg, batch, seq_len, dtype=dtype, device_type=device_type, flash=flash)
     freed = batch * seq_len * ((4 * h + 8) + s * h)  # ln_f's input, mean and rstd; the LM head's input
     return saved - freed + batch * seq_len * (4 * h + s * cfg.mlp_dim)
+
+
+def qk_bytes(cfg: ModelConfig, s: int, *, new_qk: bool = True) -> int:
+    """Bytes per token and layer that qk_norm and RoPE add to what attention saves (s: the matmul dtype's
+    size), measured with saved_tensors_hooks on a CPU, eager: new q and k (s each element), which SDPA saves
+    in place of c_attn's views (new_qk); for qk_norm, F.rms_norm's fp32 rstd per head and, under autocast, the
+    fp32 copy of its 16-bit input that it saves. RoPE's cos and sin are (T, head_dim/2), once per forward:
+    not counted."""
+    kv = cfg.n_kv_head * cfg.head_dim
+    extra = s * (cfg.n_embd + kv) if new_qk and (cfg.rope or cfg.qk_norm) else 0
+    if cfg.qk_norm:
+        extra += 4 * (cfg.n_head + cfg.n_kv_head) + (4 * (cfg.n_embd + kv) if s < 4 else 0)
+    return extra
 
 
 def max_micro_batch_size(

@@ -1,6 +1,6 @@
 """Command line -> RunConfig. Every config field is a kebab-case flag.
 
-Precedence: dataclass defaults < --preset < --config FILE.toml < flags. Nothing here touches
+Precedence: dataclass defaults < --preset < --arch < --config FILE.toml < flags. Nothing here touches
 torch.distributed: a bad flag or value fails before any process group starts.
 
 --dry-run and the flags that only make sense with it (--world-size, --nproc-per-node, --gpu,
@@ -23,13 +23,39 @@ import typing
 from pathlib import Path
 
 from gpt2.core.args import OneLineParser
-from gpt2.core.config import MODEL_PRESETS, TRAIN_ONLY_PRESETS, TRAIN_PRESETS, ModelConfig, RunConfig, TrainConfig
+from gpt2.core.config import (
+    ARCHS,
+    MODEL_PRESETS,
+    TRAIN_ONLY_PRESETS,
+    TRAIN_PRESETS,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+)
 
 PRESETS = sorted({*MODEL_PRESETS, *TRAIN_PRESETS})
 """--preset's names: a model shape with its recipe, or a recipe alone (finetune: the shape comes from --init-from)."""
 
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "dropout", "attn_impl"),
+    "model": (
+        "n_layer",
+        "n_head",
+        "n_kv_head",
+        "n_embd",
+        "block_size",
+        "vocab_size",
+        "bias",
+        "dropout",
+        "attn_impl",
+        "rope",
+        "rope_base",
+        "qk_norm",
+        "mlp_act",
+        "norm",
+        "tie_embeddings",
+        "logit_softcap",
+        "zero_init_proj",
+    ),
     "data": ("data_dir", "data_order", "verify_data", "seed"),
     "batch and schedule": (
         "micro_batch_size",
@@ -97,8 +123,8 @@ REQUIRED_FIELDS = ("data_dir", "out_dir")
 """Fields with no usable default: a run names them (resolve says so, --help shows them as required)."""
 HELP_WIDTH = 100
 """The terminal width --help is laid out for: at this width (or wider) every flag is one line."""
-HELP_COLUMN = 34
-"""Where a flag's help starts: after the longest flag with its metavar (--activation-checkpointing STR)."""
+HELP_COLUMN = 36
+"""Where a flag's help starts: after the longest flag with its metavar (--tie-embeddings [{true,false}])."""
 USAGE = "python train_ddp.py [--preset NAME] --data-dir DIR --out-dir DIR [--FLAG VALUE ...]"
 """torchrun ... train_ddp.py takes the same flags; --help lists them under headings."""
 
@@ -144,13 +170,26 @@ def int_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
+def float_or_none(text: str) -> float | None:
+    """A number, or the word none (a float field that can be off, e.g. --logit-softcap none)."""
+    if str(text).strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
+
+
 def _field_type(cls, field: dataclasses.Field):
-    """The concrete scalar type of a dataclass field (Optional[int] -> int; int | str -> int_or_auto)."""
+    """The concrete scalar type of a dataclass field (Optional[int] -> int; int | str -> int_or_auto;
+    Optional[float] -> float_or_none)."""
     hint = typing.get_type_hints(cls)[field.name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if set(args) == {int, str}:
             return int_or_auto
+        if args == [float]:
+            return float_or_none
         hint = args[0]
     return hint
 
@@ -188,11 +227,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=HELP_COLUMN)
 
 
-def presets_epilog(width: int = HELP_WIDTH - 2) -> str:
-    """What each --preset sets, as the flags it stands for: one entry per preset, wrapped under its name."""
-    lines = ["presets (--preset NAME sets these flags; --config and flags given after it override them):"]
-    for name in [*MODEL_PRESETS, *(p for p in TRAIN_PRESETS if p not in MODEL_PRESETS)]:
-        values = {**MODEL_PRESETS.get(name, {}), **TRAIN_PRESETS.get(name, {})}
+def flag_entries(table: dict[str, dict], width: int) -> list[str]:
+    """One entry per name of table, its values as the flags they stand for, wrapped under the name."""
+    lines = []
+    for name, values in table.items():
         # a no-break space inside each "--flag value" pair, so that a line never ends between them
         flags = " ".join(f"--{k.replace('_', '-')}\N{NO-BREAK SPACE}{shown_default(v)}" for k, v in values.items())
         lines += [
@@ -206,6 +244,16 @@ def presets_epilog(width: int = HELP_WIDTH - 2) -> str:
                 break_long_words=False,
             )
         ]
+    return lines
+
+
+def presets_epilog(width: int = HELP_WIDTH - 2) -> str:
+    """What each --arch and --preset sets, as the flags it stands for: one entry per name, wrapped under it."""
+    lines = ["architectures (--arch NAME sets these flags, at any size; docs/modern.md):"]
+    lines += flag_entries(ARCHS, width)
+    lines += ["", "presets (--preset NAME sets these flags; --config and flags given after it override them):"]
+    names = [*MODEL_PRESETS, *(p for p in TRAIN_PRESETS if p not in MODEL_PRESETS)]
+    lines += flag_entries({n: {**MODEL_PRESETS.get(n, {}), **TRAIN_PRESETS.get(n, {})} for n in names}, width)
     lines += [
         "",
         "Each flag's help is the first line of the docstring under its field in gpt2/core/config.py",
@@ -231,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     start = parser.add_argument_group(
-        "preset and config file", "Precedence: defaults < --preset < --config FILE.toml < flags."
+        "preset and config file", "Precedence: defaults < --preset < --arch < --config FILE.toml < flags."
     )
     start.add_argument(
         "--preset",
@@ -239,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         help="Model shape and recipe to start from (default: none)",
+    )
+    start.add_argument(
+        "--arch",
+        choices=sorted(ARCHS),
+        default=None,
+        metavar="NAME",
+        help="Architecture options at once: gpt2 or modern (default: none)",
     )
     start.add_argument(
         "--config", metavar="FILE.toml", default=None, help="TOML file of field = value lines (default: none)"
@@ -287,6 +342,8 @@ def add_field_flag(group, section: str, f: dataclasses.Field, typ) -> None:
         kwargs.update(type=parse_bool, metavar="{true,false}", nargs="?", const=True)
     elif typ is int_or_auto:
         kwargs.update(type=typ, metavar="{INT,auto}")
+    elif typ is float_or_none:
+        kwargs.update(type=typ, metavar="FLOAT")
     else:
         kwargs.update(type=typ, metavar=typ.__name__.upper())
     group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
@@ -317,8 +374,8 @@ def _split_file_values(data: dict, path: str) -> dict[str, dict]:
             for k, v in value.items():
                 flat[(key, k.replace("-", "_"))] = v
                 shown[(key, k.replace("-", "_"))] = f"{key}.{k}"
-        elif key == "preset":
-            out["preset"] = value
+        elif key in ("preset", "arch"):
+            out[key] = value
         else:
             name = key.replace("-", "_")
             section = "model" if name in known["model"] else "train"
@@ -329,6 +386,8 @@ def _split_file_values(data: dict, path: str) -> dict[str, dict]:
         raise ValueError(f"--config {path}: unknown keys {unknown}; see train_ddp.py --help for the fields")
     for (section, name), value in flat.items():
         typ = known[section][name]
+        if typ is float_or_none:  # TOML has no null: the word none, or a number
+            value, typ = (None, type(None)) if str(value).lower() == "none" else (value, float)
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if typ is int_or_auto:
@@ -384,12 +443,18 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     preset = args.preset or file_values.pop("preset", None)
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS}")
+    arch = args.arch or file_values.pop("arch", None)
+    if arch is not None and arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
     values = {"model": {}, "train": {}}
     given_by = {}  # model field -> what set it (named in a clash with --init-from's weights)
     if preset:
         values["model"].update(MODEL_PRESETS.get(preset, {}))
         values["train"].update(TRAIN_PRESETS.get(preset, {}))
         given_by |= {k: f"--preset {preset}" for k in MODEL_PRESETS.get(preset, {})}
+    if arch:  # after the preset (a shape), before the file and flags (single options override it)
+        values["model"].update(ARCHS[arch])
+        given_by |= {k: f"--arch {arch}" for k in ARCHS[arch]}
     for section in ("model", "train"):
         values[section].update(file_values.get(section, {}))
     given_by |= {k: f"--config {args.config}" for k in file_values.get("model", {})}

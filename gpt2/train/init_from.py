@@ -116,7 +116,7 @@ def _checkpoint_source(spec: str, path: Path) -> Source:
             f"--init-from {spec}: trained with tokenizer {state.get('tokenizer')!r}; only the "
             "GPT-2 BPE ('gpt2') is supported"
         )
-    saved = state["config"]["model"]
+    saved = ModelConfig(**state["config"]["model"]).to_dict()  # options it predates: their defaults (off)
     return Source(
         spec, "checkpoint", str(path), {k: saved[k] for k in ModelConfig.shape_fields()}, step=int(state["step"])
     )
@@ -159,6 +159,9 @@ def _hf_source(spec: str, path: Path, *, weights_here: bool = True) -> Source:
             vocab_size=PADDED_VOCAB_SIZE,
             bias=True,
         )
+        # Every other shape field as GPT-2's layout has it (rope=False, a tied head, ...): an option given
+        # with these weights is then a clash named at once, not a model their tensors do not fit.
+        shape = {k: v for k, v in ModelConfig(**shape).to_dict().items() if k in ModelConfig.shape_fields()}
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
             f"--init-from {spec}: {_one_line(e) if isinstance(e, ValueError) else f'{config} lacks {e}'}"

@@ -9,8 +9,10 @@ is meaningful for a matrix that maps activations to activations. So the 2-D weig
 transformer blocks (attention qkv and output, MLP in and out: ~85M of GPT-2 small's 124M) go to
 Muon. Everything else stays on AdamW: the token embedding is a lookup table whose rows are updated
 independently (and tied to the LM head, whose update scale is that of the logits), the position
-embedding likewise, and biases and LayerNorm gains are vectors, which Muon does not define. This is
-the split of modded-nanogpt's speedrun records and of torch.optim.Muon's documentation.
+embedding likewise, and biases and LayerNorm gains are vectors, which Muon does not define. An untied
+LM head (ModelConfig.tie_embeddings=False, lm_head.weight) is outside the blocks, so AdamW's too: it maps
+to the logits, not to hidden activations. This is the split of modded-nanogpt's speedrun records and of
+torch.optim.Muon's documentation.
 """
 
 from __future__ import annotations

@@ -189,7 +189,9 @@ def components(parts: Parts, dist: Dist) -> dict[str, Stateful]:
 
 def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
     """Refuse a checkpoint of a different model or tokenizer; log other changed settings."""
-    old_model, old_train = saved["config"]["model"], saved["config"]["train"]
+    # Through ModelConfig: a checkpoint from before an option was added lacks its key, and its default
+    # (off: GPT-2's layout) is what that checkpoint was trained with.
+    old_model, old_train = ModelConfig(**saved["config"]["model"]).to_dict(), saved["config"]["train"]
     shape = [
         f"{k}: checkpoint {old_model[k]} vs now {getattr(cfg.model, k)}"
         for k in ModelConfig.shape_fields()
