@@ -343,7 +343,8 @@ def add_field_flag(group, section: str, f: dataclasses.Field, typ) -> None:
     elif typ is int_or_auto:
         kwargs.update(type=typ, metavar="{INT,auto}")
     elif typ is float_or_none:
-        kwargs.update(type=typ, metavar="FLOAT")
+        # Absent unless given: "--logit-softcap none" gives None, which must still override --arch's cap.
+        kwargs.update(type=typ, metavar="FLOAT", default=argparse.SUPPRESS)
     else:
         kwargs.update(type=typ, metavar=typ.__name__.upper())
     group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
@@ -458,8 +459,9 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     for section in ("model", "train"):
         values[section].update(file_values.get(section, {}))
     given_by |= {k: f"--config {args.config}" for k in file_values.get("model", {})}
+    nullable = {f"{section}.{f.name}" for section, f, typ in _fields() if typ is float_or_none}  # given if present
     for key, value in vars(args).items():
-        if "." in key and value is not None:
+        if "." in key and (value is not None or key in nullable):
             section, name = key.split(".", 1)
             values[section][name] = value
             given_by[name] = "--" + name.replace("_", "-")
