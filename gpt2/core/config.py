@@ -77,8 +77,8 @@ class ModelConfig:
     norm: str = field(default="layernorm", metadata=SHAPE)
     """Norms: layernorm (GPT-2) or rmsnorm.
 
-    The blocks' and the final norm. rmsnorm: x / sqrt(mean(x^2) + 1e-6) with no learned gain or bias (modded-nanogpt's), so the model has no
-    ln_1, ln_2, ln_f parameters."""
+    The blocks' and the final norm. rmsnorm: x / sqrt(mean(x^2) + 1e-6) with no learned gain or bias
+    (modded-nanogpt's), so the model has no ln_1, ln_2, ln_f parameters."""
     tie_embeddings: bool = field(default=True, metadata=SHAPE)
     """Tie the LM head to the token embedding.
 

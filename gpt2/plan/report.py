@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpt2.core.config import ARCHS, ModelConfig
 from gpt2.core.precision import AUTOCAST_DTYPES
 from gpt2.plan.budget import STOP_MARGIN_S, WRITE_BYTES_PER_S, StopBudget, checkpoint_bytes
 from gpt2.plan.flops import format_flops
@@ -21,14 +22,19 @@ def format_stop(p: Plan, write_bytes_per_s: float = WRITE_BYTES_PER_S) -> str:
     )
 
 
+def arch_options(c: ModelConfig) -> str:
+    """The architecture options that differ from GPT-2's (ARCHS["gpt2"]), as ' rope=True ...', or ''."""
+    return "".join(f" {k}={getattr(c, k)}" for k, v in ARCHS["gpt2"].items() if getattr(c, k) != v)
+
+
 def format_plan(p: Plan) -> str:
     """The planner's summary, as printed by `python -m gpt2.plan` and at trainer start-up."""
     c, m, hw = p.cfg, p.memory, p.hardware
     lines = [
         f"model      n_layer={c.n_layer} n_head={c.n_head} n_kv_head={c.n_kv_head} n_embd={c.n_embd} "
-        f"block_size={c.block_size} vocab_size={c.vocab_size} attn_impl={c.attn_impl}",
+        f"block_size={c.block_size} vocab_size={c.vocab_size} attn_impl={c.attn_impl}{arch_options(c)}",
         f"params     {p.n_params:,} exact ({human(p.n_params)}); formula V*h + T*h + L*(12h^2+13h) + 2h "
-        f"= {p.n_params_formula:,}",
+        f"= {p.n_params_formula:,}" + (" (GPT-2's layout)" if arch_options(c) else ""),
         f"hardware   {p.world_size} x {hw.name}: {gib(hw.memory_bytes)}, peak "
         + (
             f"{format_flops(hw.peak_flops)} ({p.dtype}) each"
