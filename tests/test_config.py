@@ -191,6 +191,7 @@ def test_shape_fields_are_the_marked_fields():
         "dropout",
         "attn_impl",
         "zero_init_proj",  # the initialisation only: the weights mean the same either way
+        "doc_attention",  # which tokens attend to which while training: the weights hold the same layout
     }
 
 

@@ -89,6 +89,13 @@ class ModelConfig:
 
     In the loss (both --loss-impl paths), evaluation and sampling alike (Gemma 2's soft-capping;
     modded-nanogpt's 15 at 124M)."""
+    doc_attention: bool = False
+    """Attend within documents only.
+
+    A token attends to the earlier tokens of its own document, documents being marked by the EOT token that
+    opens each (data_prep writes [EOT] + text); plain causal attention also sees the documents before it in
+    the window. FlexAttention on compiled CUDA, an exact dense mask elsewhere (gpt2/model/documents.py).
+    How the weights are trained, not what they hold: a checkpoint resumes either way and exports as GPT-2."""
     zero_init_proj: bool = False
     """Zero-initialise the output projections.
 

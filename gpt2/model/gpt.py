@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig, param_count
+from gpt2.model import documents
 from gpt2.model.fp8 import fp8_linear, logits_dtype
 from gpt2.model.loss import linear_cross_entropy
 
@@ -35,6 +36,9 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0
+        # doc_attention: each cached position's document number (gpt2/model/documents.py), so that new
+        # queries see only their own document's keys.
+        self.docs = torch.zeros(batch_size, cfg.block_size, dtype=torch.long, device=device)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, n_kv, T, hd) at [pos, pos+T); return all keys and values so far."""
@@ -122,8 +126,11 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.zero_init = cfg.zero_init_proj
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, kv_cache: KVCache | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """rope: the (cos, sin) of these positions (rope_tables) with ModelConfig.rope, else None."""
+    def forward(
+        self, x: Tensor, kv_cache: KVCache | None = None, rope: tuple[Tensor, Tensor] | None = None, docs=None
+    ) -> Tensor:
+        """rope: the (cos, sin) of these positions (rope_tables) with ModelConfig.rope, else None. docs: the
+        documents' mask with ModelConfig.doc_attention (attend), else None."""
         B, T, C = x.shape
         kv_dim = self.n_kv_head * self.head_dim
         q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
@@ -140,14 +147,22 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
-        y = self.attend(q, k, v)
+        y = self.attend(q, k, v, docs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, docs=None) -> Tensor:
+        """docs: with doc_attention, the documents' mask (gpt2/model/documents.py doc_mask): a FlexAttention
+        BlockMask or a dense boolean (B, 1, Tq, Tk) one, causality included."""
         t_q, t_k = q.size(2), k.size(2)
         gqa = self.n_kv_head != self.n_head
         dropout_p = self.dropout if self.training else 0.0
+        if docs is not None and not isinstance(docs, Tensor):
+            return documents.flex_attention(q, k, v, docs)
+        if docs is not None:
+            if self.attn_impl == "explicit":
+                return explicit_attention(q, k, v, docs, dropout_p)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=docs, dropout_p=dropout_p, enable_gqa=gqa)
         if self.attn_impl == "sdpa" and t_q in (t_k, 1):
             # No mask is ever built: is_causal for a full sequence, nothing to hide for one new
             # query that sits after every cached key.
@@ -191,15 +206,19 @@ class Block(nn.Module):
         # and parameter and state-dict names stay those of the plain model (checkpoints load either way).
         self.checkpointed = checkpointed
 
-    def forward(self, x: Tensor, kv_cache: KVCache | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, kv_cache: KVCache | None = None, rope: tuple[Tensor, Tensor] | None = None, docs=None
+    ) -> Tensor:
         if self.checkpointed and torch.is_grad_enabled():
             # Saves only x (B, T, h); backward reruns the block's forward for what it needs (the
             # RNG state is restored first, so dropout draws the same mask).
-            return checkpoint(self._forward, x, kv_cache, rope, use_reentrant=False)
-        return self._forward(x, kv_cache, rope)
+            return checkpoint(self._forward, x, kv_cache, rope, docs, use_reentrant=False)
+        return self._forward(x, kv_cache, rope, docs)
 
-    def _forward(self, x: Tensor, kv_cache: KVCache | None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, rope)
+    def _forward(
+        self, x: Tensor, kv_cache: KVCache | None, rope: tuple[Tensor, Tensor] | None = None, docs=None
+    ) -> Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, rope, docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -302,8 +321,9 @@ class GPT(nn.Module):
         else:
             x = x + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
+        docs = self.document_mask(idx, kv_cache) if self.config.doc_attention else None
         for block in self.transformer.h:
-            x = block(x, kv_cache, rope)
+            x = block(x, kv_cache, rope, docs)
         if kv_cache is not None:
             kv_cache.pos += T
         if targets is not None and not return_logits:
@@ -314,6 +334,20 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
         return (logits if return_logits else None), loss
+
+    def document_mask(self, idx: Tensor, kv_cache: KVCache | None):
+        """doc_attention's mask for these tokens (gpt2/model/documents.py): their document numbers, continuing
+        the cache's last one and written into it, against every key's so far. FlexAttention has no dropout:
+        with dropout on, the dense mask."""
+        if kv_cache is None:
+            ids = documents.document_ids(idx)
+            if self.training and self.config.dropout > 0:
+                return documents.dense_mask(ids, ids)
+            return documents.doc_mask(ids, ids)
+        start, end = kv_cache.pos, kv_cache.pos + idx.size(1)
+        first = kv_cache.docs[:, start - 1] if start > 0 else None
+        kv_cache.docs[:, start:end] = documents.document_ids(idx, first)
+        return documents.dense_mask(kv_cache.docs[:, start:end], kv_cache.docs[:, :end])
 
     def head_loss(self, x: Tensor, targets: Tensor) -> Tensor:
         """The final LayerNorm, the LM head and the mean loss of the blocks' output x, by self.loss_impl's

@@ -487,6 +487,11 @@ def activation_bytes(
         elif not cuda:
             dropout += nh * T * 12 + (3 * s * h if dtype in AUTOCAST_DTYPES else 0)
     per_token_layer = 2 * layer_norm + attn + mlp + dropout
+    if cfg.doc_attention and device_type != "cuda":
+        # The dense document mask (gpt2/model/documents.py): SDPA turns the boolean (B, 1, T, T) into an additive
+        # mask of q's dtype in every layer and saves it (measured with saved_tensors_hooks: s bytes per element
+        # per layer). On CUDA, compiled, FlexAttention's block mask is a few bytes per 128 x 128 block: not counted.
+        per_token_layer += s * T
     per_token_rest = 8 + 8 + layer_norm + s * h  # token ids, targets, ln_f, LM-head input
     per_token_rest += (h if device_type == "cuda" else 4 * h) if cfg.dropout > 0 else 0  # embedding's
     if checkpointed:

@@ -55,6 +55,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "tie_embeddings",
         "logit_softcap",
         "zero_init_proj",
+        "doc_attention",
     ),
     "data": ("data_dir", "data_order", "verify_data", "seed"),
     "batch and schedule": (
