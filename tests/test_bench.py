@@ -692,3 +692,39 @@ def test_plan_resident_reads_each_ranks_total_from_the_plan_line():
     assert two["each"] == 0.81 * GIB and two["rank0"] == 1.5 * GIB and two["probe"] == GIB
     assert plan_resident.verdict(1.1 * GIB, GIB) == "ok" and plan_resident.verdict(0.9 * GIB, GIB) == "LOW"
     assert plan_resident.verdict(1.3 * GIB, GIB) == "HIGH"
+
+
+def test_the_speedrun_preset_is_the_last_row_of_the_modern_ablation():
+    """--preset speedrun is --preset speed plus every change of the modern ablation, nothing else (issue 56)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import time_to_loss as ttl
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from gpt2.core.config import ARCHS
+    from gpt2.train.cli import parse_config
+
+    common = ["--data-dir", "d", "--out-dir", "o"]
+    flags = ["--preset", ttl.PRESET] + [f for _, extra in ttl.MODERN for f in extra]
+    last, preset = parse_config(flags + common), parse_config(["--preset", ttl.MODERN_PRESET] + common)
+    assert preset.train == last.train and preset.model == last.model
+    assert preset.model == parse_config(["--preset", "speed", "--arch", "modern"] + common).model.replace(
+        logit_softcap=None, doc_attention=True
+    )
+    assert all(getattr(preset.model, k) == v for k, v in ARCHS["modern"].items() if k != "logit_softcap")
+    rows = ttl.modern_rows()
+    assert len(rows) == len(ttl.MODERN) - 1 + len(ttl.MODERN_TRIED)  # the preset's own row is --rows speedrun
+    assert all(flags[:2] == ["--preset", ttl.MODERN_PRESET] for _, flags in rows[len(ttl.MODERN) - 1 :])
+
+
+def test_time_to_loss_runs_the_speedrun_preset_and_judges_its_goal():
+    out = run_bench(
+        "bench/time_to_loss.py",
+        *("--nanogpt", "none", "--target", "10.9", "--steps", "2", "--eval-every", "1", "--val-tokens", "256"),
+        *("--seeds", "1", "--rows", "speedrun"),
+        timeout=600,
+    )
+    rows = table_rows(out, "run")
+    assert [r[0] for r in rows] == ["--preset speedrun, seed 1337"]
+    assert rows[0][1] == "1" and float(rows[0][5]) < 10.9
+    assert rows[0][8] == "1,024"  # tokens to the target: 1 step of 16 x 64

@@ -34,7 +34,7 @@ def test_presets_default_to_padded_vocab_and_mha():
     for name in MODEL_PRESETS:
         cfg = model_preset(name)
         assert cfg.vocab_size == PADDED_VOCAB_SIZE == 50304 and PADDED_VOCAB_SIZE % 128 == 0
-        assert cfg.n_kv_head == cfg.n_head and cfg.bias and cfg.attn_impl == "sdpa"
+        assert cfg.n_kv_head == cfg.n_head and cfg.bias == (name != "speedrun") and cfg.attn_impl == "sdpa"
         assert cfg.head_dim * cfg.n_head == cfg.n_embd
 
 

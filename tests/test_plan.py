@@ -89,7 +89,8 @@ def test_param_count_equals_module(name, vocab):
         model = GPT(cfg)
     p = planned(cfg, micro_batch_size=1, hardware=gpu_hardware("H200", "bf16"))
     assert p.n_params == sum(t.numel() for t in model.parameters())  # the module, not the counter again
-    assert p.n_params_formula == p.n_params  # MHA with biases: the closed form is exact
+    if cfg.bias and cfg.tie_embeddings and not cfg.rope:  # GPT-2's layout: the closed form is exact
+        assert p.n_params_formula == p.n_params
 
 
 def test_known_gpt2_numbers():
