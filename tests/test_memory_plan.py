@@ -185,7 +185,6 @@ def test_the_cpu_plan_line_covers_the_resident_peak_of_a_real_run(tmp_path):
     resident set of the train_ddp.py process it was printed by (its own rusage, wait4: no other child's
     peak), peak <= plan <= 1.25 x peak. Before the start-up warmed the libraries up (torch._dynamo,
     the kernels' code) and the heap's holes were counted, this run peaked ~80 MiB above its plan (0.88x)."""
-    import os
     import re
 
     import numpy as np
@@ -198,16 +197,20 @@ def test_the_cpu_plan_line_covers_the_resident_peak_of_a_real_run(tmp_path):
     write_shard(tmp_path / "data" / "train_000000.bin", rng.integers(0, 50257, 20_000).astype(np.uint16))
     write_shard(tmp_path / "data" / "val_000000.bin", rng.integers(0, 50257, 2048).astype(np.uint16))
     flags = [*RESIDENT_RUN, "--data-dir", str(tmp_path / "data"), "--out-dir", str(tmp_path / "run")]
+    # Started by a small Python process, not forked from pytest's: a forked child's maximum resident set
+    # starts at its parent's high-water mark (Linux keeps the pre-exec mm's mark), so a child of a pytest
+    # grown to ~1 GB by earlier tests read 758-1,060 MiB whatever it used itself.
+    spawn = (
+        "import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:]); _, st, ru = os.wait4(p.pid, 0); "
+        "print(f'MAXRSS_KIB {ru.ru_maxrss}'); sys.exit(os.waitstatus_to_exitcode(st))"
+    )
     with open(tmp_path / "out.log", "w") as out:
-        child = subprocess.Popen([sys.executable, "train_ddp.py", *flags], cwd=REPO, stdout=out, stderr=out)
-        try:
-            _, status, usage = os.wait4(child.pid, 0)
-        finally:
-            if child.poll() is None:
-                child.kill()
+        done = subprocess.run(
+            [sys.executable, "-c", spawn, sys.executable, "train_ddp.py", *flags], cwd=REPO, stdout=out, stderr=out
+        )
     log = (tmp_path / "out.log").read_text()
-    assert os.waitstatus_to_exitcode(status) == 0, log[-3000:]
+    assert done.returncode == 0, log[-3000:]
     plan = re.search(r"^plan\s+([\d.]+) GiB resident per rank \(", log, re.M)
     assert plan is not None, log[-3000:]
-    planned, peak = float(plan[1]) * 2**30, usage.ru_maxrss * 1024  # ru_maxrss: KiB on Linux
+    planned, peak = float(plan[1]) * 2**30, int(re.search(r"^MAXRSS_KIB (\d+)$", log, re.M)[1]) * 1024
     assert peak <= planned <= (1 + PLAN_ERROR) * peak, f"plan {planned / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB"
