@@ -55,6 +55,23 @@ def test_auto_is_under_the_run_directory_off_is_none_a_path_is_shared(tmp_path):
     assert cc.cache_root("auto", "run", env={"TORCHINDUCTOR_CACHE_DIR": str(keyed)}) == (tmp_path / "env", False)
 
 
+def test_auto_stays_under_the_run_after_importing_torch_dynamo_sets_inductors_default(tmp_path):
+    """torch >= 2.13 sets TORCHINDUCTOR_CACHE_DIR to its default when torch._dynamo is imported (torch.optim
+    imports it; the memory plan's warm-up runs first): auto must still mean RUN/compile-cache (CI caught a
+    first compiled start writing to /tmp/torchinductor_USER and the resumed one finding no RUN cache)."""
+    code = (
+        "import os, sys; os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None); import torch.optim, torch._dynamo; "
+        "from gpt2.train import compile_cache as cc; "
+        "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR') is not None, cc.cache_root('auto', sys.argv[1]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split(" ", 1)
+    assert out[1].strip() == repr((tmp_path / "run" / "compile-cache", True))
+    env = {"TORCHINDUCTOR_CACHE_DIR": cc.inductor_default_dir()}
+    assert cc.cache_root("auto", str(tmp_path / "run"), env=env) == (tmp_path / "run" / "compile-cache", True)
+
+
 def test_the_key_names_torch_python_and_the_cpu_vector_instructions_only():
     assert cc.cpu_isa(CPUINFO) == [
         "amx_tile",

@@ -27,6 +27,7 @@ import torch
 from gpt2.ckpt.rundir import RUN_INFO
 from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig
 from gpt2.data.shards import write_shard
+from gpt2.train.compile_cache import chosen_by_environment
 from gpt2.train.run_log import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]  # gpt2/doctor/train_runs.py -> the checkout
@@ -178,7 +179,7 @@ def run_train(name: str, flags: list[str], work_dir: Path, *, nproc: int = 1, ti
     # Every run's RUN is new: one compile cache for all of them, as inductor's /tmp one was before runs
     # kept theirs in RUN/compile-cache (gpt2/train/compile_cache.py); a run's own flag, or the directory
     # the environment names (which --compile-cache auto keeps), wins.
-    own = any(f.startswith("--compile-cache") for f in flags) or bool(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    own = any(f.startswith("--compile-cache") for f in flags) or bool(chosen_by_environment(os.environ))
     cache = [] if own else ["--compile-cache", str(work_dir / "compile-cache")]
     cmd += [*flags, *cache, "--out-dir", str(out_dir)]
     t0 = time.perf_counter()

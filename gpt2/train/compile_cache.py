@@ -74,7 +74,7 @@ def cache_root(setting: str, out_dir: str, env: dict | None = None) -> tuple[Pat
     if setting == OFF:
         return None
     if setting == AUTO:
-        chosen = env.get("TORCHINDUCTOR_CACHE_DIR")
+        chosen = chosen_by_environment(env)
         if not chosen:
             return Path(out_dir) / DIRNAME, True
         chosen = Path(chosen)
@@ -82,6 +82,25 @@ def cache_root(setting: str, out_dir: str, env: dict | None = None) -> tuple[Pat
             return chosen.parent, False
         return chosen, False
     return Path(setting), False
+
+
+def inductor_default_dir() -> str:
+    """Where inductor caches when nobody says (tempdir/torchinductor_USER, as torch computes it)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # torch < 2.6 keeps it beside the other runtime helpers
+        from torch._inductor.runtime.runtime_utils import default_cache_dir
+    return os.path.abspath(default_cache_dir())
+
+
+def chosen_by_environment(env) -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR when a person or a cluster set it. Importing torch._dynamo (torch.optim does, as
+    the memory plan's warm-up does before the cache is chosen) sets it to inductor's default in torch >= 2.13:
+    that value is torch's doing, not a choice."""
+    chosen = env.get("TORCHINDUCTOR_CACHE_DIR")
+    if not chosen or os.path.abspath(chosen) == inductor_default_dir():
+        return None
+    return chosen
 
 
 def cpu_isa(cpuinfo: str) -> list[str]:
