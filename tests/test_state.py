@@ -1,5 +1,6 @@
 """gpt2/train/state.py: what a checkpoint holds and how it is put back; a checkpoint written before the
-module existed (tests/data/checkpoint_v1) still resumes, and a new one has the same keys."""
+module existed (tests/data/checkpoint_v1) still resumes, and a new one has the same keys; a --preset speed (Muon) run from before the architecture
+options (tests/data/checkpoint_speed_v1) resumes to the losses and weights the old code gave."""
 
 from __future__ import annotations
 
@@ -162,3 +163,33 @@ def test_cuda_generator_is_saved_and_restored_only_for_a_cuda_run(monkeypatch):
     assert "cuda" in gpu and calls == ["get"]
     RankRng(rank=0, cuda=True).load_state_dict([gpu])
     assert calls == ["get", "set"]
+
+
+SPEED_FIXTURE = Path(__file__).resolve().parent / "data" / "checkpoint_speed_v1"
+"""Step 2 of a 4-step `--preset speed` run (Muon) written before the architecture options of issue 56
+(expected.json: the command, the losses of all 4 steps and each parameter's sum of |w| at step 4)."""
+
+
+def test_a_speed_preset_run_from_before_the_architecture_options_resumes_as_it_would_have(tmp_path, shakespeare_shards):
+    """Its checkpoint holds no architecture keys: it loads as GPT-2's layout under today's `--preset speed`
+    (whose shape flags the test repeats), and steps 3-4 give the losses and weights the old code gave."""
+    expected = json.loads((SPEED_FIXTURE / "expected.json").read_text())
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    for name in ("step_00000002.pt", "step_00000002.json"):
+        shutil.copy(SPEED_FIXTURE / name, run_dir / "checkpoints" / name)
+    old = run_dir / "checkpoints" / "step_00000002.pt"
+    assert not {"rope", "qk_norm", "tie_embeddings"} & set(ckpt.load_checkpoint(old)["config"]["model"])
+    flags = ["--preset", "speed", *(f for f in FIXTURE_FLAGS if f not in ("--lr", "1e-3"))]
+    flags = [f for i, f in enumerate(flags) if f != "--warmup-steps" and flags[i - 1] != "--warmup-steps"]
+    run = run_trainer([*flags, "--data-dir", str(shakespeare_shards), "--out-dir", str(run_dir), "--resume", str(old)])
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"resumed from {old} at step 2 (32 tokens)" in run.stdout
+    losses = {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+    assert sorted(losses) == [3, 4]
+    # Bitwise on the machine that wrote the fixture; other CPUs' fp32 kernels may round differently.
+    assert [losses[3], losses[4]] == pytest.approx([expected["losses"]["3"], expected["losses"]["4"]], abs=1e-5)
+    new = ckpt.load_checkpoint(run_dir / "checkpoints" / "step_00000004.pt", verify=True)
+    assert new["config"]["train"]["optimizer"] == "muon"
+    sums = {k: float(v.double().abs().sum()) for k, v in new["model"].items()}
+    assert sums == pytest.approx(expected["weights_abs_sum"], rel=1e-5)
