@@ -1,6 +1,7 @@
 """gpt2/train/state.py: what a checkpoint holds and how it is put back; a checkpoint written before the
-module existed (tests/data/checkpoint_v1) still resumes, and a new one has the same keys; a --preset speed (Muon) run from before the architecture
-options (tests/data/checkpoint_speed_v1) resumes to the losses and weights the old code gave."""
+module existed (tests/data/checkpoint_v1) still resumes, and a new one has the same keys; a --preset speed
+(Muon) run from before the architecture options (tests/data/checkpoint_speed_v1) resumes to the losses and
+weights the old code gave."""
 
 from __future__ import annotations
 
