@@ -2,6 +2,11 @@
 
     python bench/time_to_loss.py                                    # ~25 min on 2 cores
     python bench/time_to_loss.py --nanogpt /path/to/nanoGPT/clone   # no network: a local clone or mirror
+    python bench/time_to_loss.py --shape large --rows speedrun --seeds 1 --nano-runs 1   # 6L/384, 600 steps
+
+--shape large is issue 56's larger shape: 6 layers x 384 (6 heads), block 256, 8 x 256 tokens a step, nanoGPT's
+recipe over 600 steps (warmup 60, cosine to lr/10); its rows of ours take the same shape and horizon, the
+presets keep their own learning rates and warmups (tuned at the small shape).
 
 The recipe is nanoGPT's small Shakespeare one on GPT-2 tokens (--corpus through data_prep, one document
 per paragraph, the first 30,000 tokens as val): 4 layers, 4 heads, 128 wide, block 64, batch 16 (1,024
@@ -133,10 +138,64 @@ NANO_RECIPE = dict(
     always_save_checkpoint=True,
     log_interval=1,
 )
-NANO_TOKENS_PER_STEP = (
-    NANO_RECIPE["batch_size"] * NANO_RECIPE["block_size"] * NANO_RECIPE["gradient_accumulation_steps"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A recipe's size: ours' flags and nanoGPT's config for it, its steps (nanoGPT's val there is the target)
+    and what ours' preset rows add to run at it."""
+
+    recipe: list[str]
+    nano: dict
+    steps: int
+    eval_every: int
+    preset_flags: list[str]
+    goals: dict[str, float]
+    """Each preset's goal at this shape: its wall-clock to the target over nanoGPT's (issues 45 and 56)."""
+
+    @property
+    def block(self) -> int:
+        return self.nano["block_size"]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.nano["batch_size"] * self.nano["block_size"] * self.nano["gradient_accumulation_steps"]
+
+
+def _with(flags: list[str], **changes) -> list[str]:
+    """flags with each `--name value` in changes replaced (names spelled with underscores)."""
+    out = list(flags)
+    for name, value in changes.items():
+        out[out.index("--" + name.replace("_", "-")) + 1] = str(value)
+    return out
+
+
+LARGE = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8)
+"""Issue 56's larger shape: 6 layers x 384 (nanoGPT's shakespeare_char model), block 256, 8 x 256 tokens."""
+LARGE_STEPS = 600
+LARGE_SHAPE = Shape(
+    # nanoGPT's recipe at that size over 600 steps: the small recipe's 10% warmup, cosine to lr/10.
+    _with(
+        RECIPE,
+        n_layer=6,
+        n_head=6,
+        n_embd=384,
+        block_size=256,
+        micro_batch_size=8,
+        total_batch_size=2048,
+        warmup_steps=60,
+        max_steps=LARGE_STEPS,
+    ),
+    {**NANO_RECIPE, **LARGE, "warmup_iters": 60},
+    LARGE_STEPS,
+    20,
+    # The presets at that size and horizon: their learning rates and warmups as tuned at the small shape.
+    [
+        *("--n-layer", "6", "--n-head", "6", "--n-embd", "384", "--block-size", "256"),
+        *("--micro-batch-size", "8", "--total-batch-size", "2048", "--max-steps", str(LARGE_STEPS)),
+    ],
+    {"speedrun": 0.35},
 )
-"""nanoGPT's tokens per step (16 x 64), the same as the recipe's --total-batch-size: tokens to target = steps x it."""
 MUON = ["--optimizer", "muon"]
 ABLATION = [
     # (row label, flags added to the row before): cumulative, in order; the last row's flags are the preset.
@@ -175,35 +234,37 @@ MODERN_TRIED = [
 ]
 MODERN_PRESET = "speedrun"
 GOALS = {PRESET: 0.40, MODERN_PRESET: 0.15}
-"""Each preset's goal, its wall-clock to the target over nanoGPT's (issues 45 and 56)."""
+"""Each preset's goal at the small shape, its wall-clock to the target over nanoGPT's (issues 45 and 56)."""
+SHAPES = {"small": Shape(RECIPE, NANO_RECIPE, RECIPE_STEPS, 10, [], GOALS), "large": LARGE_SHAPE}
 
 
-def ablation_rows() -> list[tuple[str, list[str]]]:
+def ablation_rows(recipe: list[str] = RECIPE) -> list[tuple[str, list[str]]]:
     """(label, full flags) of the Muon row and each cumulative ablation row after it; the last is the preset."""
-    rows, flags = [("ours Muon at its defaults", RECIPE + MUON)], RECIPE + MUON
+    rows, flags = [("ours Muon at its defaults", recipe + MUON)], recipe + MUON
     for label, extra in ABLATION:
         flags = flags + extra
         rows.append((label, flags))
     return rows
 
 
-def tried_rows() -> list[tuple[str, list[str]]]:
+def tried_rows(recipe: list[str] = RECIPE) -> list[tuple[str, list[str]]]:
     """(label, full flags) of the changes tried on top of the preset's and left out of it."""
-    rows, flags = [], ablation_rows()[-1][1]
+    rows, flags = [], ablation_rows(recipe)[-1][1]
     for label, extra in TRIED:
         flags = flags + extra
         rows.append((label, flags))
     return rows
 
 
-def modern_rows() -> list[tuple[str, list[str]]]:
+def modern_rows(shape_flags: list[str] = ()) -> list[tuple[str, list[str]]]:
     """(label, full flags) of the modern ablation's cumulative rows (the last is --preset speedrun's flags) and
-    the changes tried on the preset and left out."""
-    rows, flags = [], ["--preset", PRESET]
+    the changes tried on the preset and left out; shape_flags (a Shape's preset_flags) follow each preset."""
+    rows, flags = [], ["--preset", PRESET, *shape_flags]
     for label, extra in MODERN:
         flags = flags + extra
         rows.append((label, flags))
-    return rows[:-1] + [(label, ["--preset", MODERN_PRESET, *extra]) for label, extra in MODERN_TRIED]
+    tried = [(label, ["--preset", MODERN_PRESET, *shape_flags, *extra]) for label, extra in MODERN_TRIED]
+    return rows[:-1] + tried
 
 
 @dataclass
@@ -258,9 +319,10 @@ def first_reach(val: dict[int, float], target: float) -> int | None:
     return next((s for s in sorted(val) if s > 0 and val[s] <= target), None)
 
 
-def run_nanogpt(tree: Path, dataset: str, out: Path, steps: int, every: int, windows) -> dict:
-    """nanoGPT's train.py on the recipe: {step: val} by the shared estimator and the counted step times."""
-    flags = {**NANO_RECIPE, "dataset": dataset, "max_iters": steps, "lr_decay_iters": steps, "eval_interval": every}
+def run_nanogpt(tree: Path, dataset: str, out: Path, steps: int, every: int, windows, nano: dict = NANO_RECIPE) -> dict:
+    """nanoGPT's train.py on the recipe (nano: its config): {step: val} by the shared estimator and the counted
+    step times."""
+    flags = {**nano, "dataset": dataset, "max_iters": steps, "lr_decay_iters": steps, "eval_interval": every}
     r = nanogpt.run(tree, flags, out, wrapper=nanogpt.KEEP_CHECKPOINTS)
     times = r.step_s[:steps]  # iterations 0..steps-1 are steps 1..steps (train.py runs one more, after its last eval)
     val = {}
@@ -316,13 +378,22 @@ def time_to(times: list[float], step: int | None) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="small",
+        help="small: nanoGPT's 4L/128, block 64, 16 x 64 tokens, 200 steps; large: 6L/384, block 256, 8 x 256, "
+        "600 steps (the presets run at that shape and horizon with their own learning rates)",
+    )
+    ap.add_argument(
         "--steps",
         type=int,
-        default=RECIPE_STEPS,
-        help="the recipe's steps (nanoGPT's and the recipe rows'; the target is nanoGPT's val there); "
-        "other values only for a smoke run: every row of ours then stops there too",
+        default=None,
+        help="the recipe's steps (default the shape's: 200 or 600; nanoGPT's and the recipe rows'; the target is "
+        "nanoGPT's val there); other values only for a smoke run: every row of ours then stops there too",
     )
-    ap.add_argument("--eval-every", type=int, default=10, help="steps between evaluations of every run")
+    ap.add_argument(
+        "--eval-every", type=int, default=None, help="steps between evaluations of every run (default 10 or 20)"
+    )
     ap.add_argument("--val-tokens", type=int, default=8192, help="val tokens of the shared estimator's windows")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the final (preset) row")
     ap.add_argument(
@@ -351,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prog = "time_to_loss.py"
+    shape = SHAPES[args.shape]
+    args.steps = shape.steps if args.steps is None else args.steps
+    args.eval_every = shape.eval_every if args.eval_every is None else args.eval_every
     rows = set(args.rows.split(","))
     if bad := rows - {"adamw", "muon", "ablation", "preset", "modern", "speedrun"}:
         print(
@@ -371,38 +445,46 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     smoke = (
         []
-        if args.steps == RECIPE_STEPS
+        if args.steps == shape.steps
         else ["--max-steps", str(args.steps), "--warmup-steps", "1", "--decay-steps", "0"]
     )
     plan: list[tuple[str, list[str]]] = []
     if "adamw" in rows:
-        plan.append(("ours AdamW (nanoGPT's recipe)", RECIPE))
-    abl = ablation_rows()
+        plan.append(("ours AdamW (nanoGPT's recipe)", shape.recipe))
+    abl = ablation_rows(shape.recipe)
     if "muon" in rows:
         plan.append(abl[0])
     if "ablation" in rows:
-        plan += abl[1:-1] + tried_rows()
+        plan += abl[1:-1] + tried_rows(shape.recipe)
     if "preset" in rows:
         plan += [
-            (f"--preset {PRESET} ({ABLATION[-1][0]}), seed {1337 + i}", ["--preset", PRESET, "--seed", str(1337 + i)])
+            (
+                f"--preset {PRESET} ({ABLATION[-1][0]}), seed {1337 + i}",
+                ["--preset", PRESET, *shape.preset_flags, "--seed", str(1337 + i)],
+            )
             for i in range(args.seeds)
         ]
     if "modern" in rows:
-        plan += modern_rows()
+        plan += modern_rows(shape.preset_flags)
     if "speedrun" in rows:
         plan += [
-            (f"--preset {MODERN_PRESET}, seed {1337 + i}", ["--preset", MODERN_PRESET, "--seed", str(1337 + i)])
+            (
+                f"--preset {MODERN_PRESET}, seed {1337 + i}",
+                ["--preset", MODERN_PRESET, *shape.preset_flags, "--seed", str(1337 + i)],
+            )
             for i in range(args.seeds)
         ]
     nano_runs = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "shakespeare"
         prepare_by_paragraph(args.corpus, data, prog)
-        windows = val_windows(data, args.val_tokens, 64)
+        windows = val_windows(data, args.val_tokens, shape.block)
         dataset = nanogpt.write_dataset(tree, f"ttl-{os.getpid()}", data) if tree else ""
         try:
             if tree:
-                nano_runs.append(run_nanogpt(tree, dataset, Path(tmp) / "nano0", args.steps, args.eval_every, windows))
+                nano_runs.append(
+                    run_nanogpt(tree, dataset, Path(tmp) / "nano0", args.steps, args.eval_every, windows, shape.nano)
+                )
                 print(f"  nanoGPT run 1: val {nano_runs[0]['val']}", file=sys.stderr, flush=True)
             target = nano_runs[0]["val"][args.steps] if nano_runs else args.target
             dist = single_process("cpu")
@@ -412,16 +494,26 @@ def main(argv: list[str] | None = None) -> int:
             ]
             run_ours(contenders, windows, target, args.eval_every)
             if tree and args.nano_runs == 2:
-                nano_runs.append(run_nanogpt(tree, dataset, Path(tmp) / "nano1", args.steps, args.eval_every, windows))
+                nano_runs.append(
+                    run_nanogpt(tree, dataset, Path(tmp) / "nano1", args.steps, args.eval_every, windows, shape.nano)
+                )
         finally:
             if tree:
                 import shutil
 
                 shutil.rmtree(tree / "data" / dataset, ignore_errors=True)
     lines = header(command, load0, target, tree, args)
-    lines += table(nano_runs, contenders, target, args.steps)
+    lines += table(nano_runs, contenders, target, args.steps, shape)
     emit("\n".join(lines), args.md)
     return 0
+
+
+def shape_line(shape: Shape) -> str:
+    n = shape.nano
+    return (
+        f"{n['n_layer']}L/{n['n_embd']}, block {n['block_size']}, {n['batch_size']} x {n['block_size']} tokens a step, "
+        f"{shape.steps} steps"
+    )
 
 
 def header(command: str, load0: float, target: float, tree, args) -> list[str]:
@@ -435,12 +527,17 @@ def header(command: str, load0: float, target: float, tree, args) -> list[str]:
         f"target: val {target:.4f} ("
         + (f"nanoGPT's at step {args.steps}" if tree else "--target")
         + f"); estimator: the first "
-        f"{args.val_tokens:,} val tokens in 64-token windows, every {args.eval_every} steps",
+        f"{args.val_tokens:,} val tokens in {SHAPES[args.shape].block}-token windows, every {args.eval_every} steps; "
+        f"shape {args.shape}: {shape_line(SHAPES[args.shape])}",
         "",
     ]
 
 
-def table(nano_runs: list[dict], contenders: list[Contender], target: float, steps: int) -> list[str]:
+def table(
+    nano_runs: list[dict], contenders: list[Contender], target: float, steps: int, shape: Shape | None = None
+) -> list[str]:
+    shape = shape or SHAPES["small"]
+    goals = shape.goals
     # The last two columns: steps x the median step, robust to the shared machine's bursts (a burst
     # inflates a run's sum but hardly its median); the time columns sum every step as measured.
     lines = [
@@ -462,20 +559,20 @@ def table(nano_runs: list[dict], contenders: list[Contender], target: float, ste
             + " | 1.00x | "
             f"{nano_runs[0]['val'][max(nano_runs[0]['val'])]:.4f} | "
             f"{'-' if robust_base is None else f'{robust_base:.1f}'} | 1.00x | "
-            f"{'-' if reach[0] is None else f'{reach[0] * NANO_TOKENS_PER_STEP:,}'} |"
+            f"{'-' if reach[0] is None else f'{reach[0] * shape.tokens_per_step:,}'} |"
         )
-    preset_times, preset_robust = {p: [] for p in GOALS}, {p: [] for p in GOALS}
+    preset_times, preset_robust = {p: [] for p in goals}, {p: [] for p in goals}
     for c in contenders:
         t = counted_times(c.times, {0}) if c.times else []
         secs = time_to(t, c.reached)
         ratio = "-" if secs is None or base is None else f"{secs / base:.2f}x"
         preset = c.label.split()[1].rstrip(",") if c.label.startswith("--preset") else None
-        if preset in GOALS and secs is not None and base is not None:
+        if preset in goals and secs is not None and base is not None:
             preset_times[preset].append(secs / base)
         last = max(c.val)
         robust = c.reached * statistics.median(t) if c.reached is not None and t else None
         robust_ratio = "-" if robust is None or not robust_base else f"{robust / robust_base:.2f}x"
-        if preset in GOALS and robust is not None and robust_base:
+        if preset in goals and robust is not None and robust_base:
             preset_robust[preset].append(robust / robust_base)
         lines.append(
             f"| {c.label} | {c.reached if c.reached is not None else f'not by {last}'} | "
@@ -487,7 +584,7 @@ def table(nano_runs: list[dict], contenders: list[Contender], target: float, ste
         f"- --preset {preset} over {len(ratios)} seed(s), {what} vs nanoGPT: "
         f"{statistics.mean(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x); "
         f"goal <= {goal:.2f}x: {'met' if max(ratios) <= goal else 'NOT met'}"
-        for preset, goal in GOALS.items()
+        for preset, goal in goals.items()
         for what, ratios in (("time", preset_times[preset]), ("steps x median s/step", preset_robust[preset]))
         if ratios
     ]

@@ -728,3 +728,32 @@ def test_time_to_loss_runs_the_speedrun_preset_and_judges_its_goal():
     assert [r[0] for r in rows] == ["--preset speedrun, seed 1337"]
     assert rows[0][1] == "1" and float(rows[0][5]) < 10.9
     assert rows[0][8] == "1,024"  # tokens to the target: 1 step of 16 x 64
+
+
+def test_time_to_loss_runs_the_presets_at_the_large_shape():
+    """--shape large: 6L/384, block 256, 8 x 256 tokens a step, for nanoGPT's recipe and the preset rows alike."""
+    out = run_bench(
+        "bench/time_to_loss.py",
+        *("--shape", "large", "--nanogpt", "none", "--target", "10.9", "--steps", "1", "--eval-every", "1"),
+        *("--val-tokens", "512", "--seeds", "1", "--rows", "speedrun"),
+        timeout=600,
+    )
+    assert "256-token windows" in out and "shape large: 6L/384, block 256, 8 x 256 tokens a step, 600 steps" in out
+    rows = table_rows(out, "run")
+    assert [r[0] for r in rows] == ["--preset speedrun, seed 1337"]
+    assert rows[0][1] == "1" and rows[0][8] == "2,048"  # tokens to the target: 1 step of 8 x 256
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import time_to_loss as ttl
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from gpt2.train.cli import parse_config
+
+    common = ["--data-dir", "d", "--out-dir", "o"]
+    large = parse_config([*ttl.SHAPES["large"].recipe, *common])
+    m, t = large.model, large.train
+    assert (m.n_layer, m.n_head, m.n_embd, m.block_size) == (6, 6, 384, 256)
+    assert (t.micro_batch_size, t.total_batch_size, t.max_steps, t.warmup_steps) == (8, 2048, 600, 60)
+    preset = parse_config(["--preset", "speedrun", *ttl.SHAPES["large"].preset_flags, *common])
+    assert (preset.model.n_embd, preset.model.block_size, preset.train.max_steps) == (384, 256, 600)
+    assert preset.model.rope and preset.train.muon_lr == 0.01
