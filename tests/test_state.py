@@ -171,6 +171,7 @@ SPEED_FIXTURE = Path(__file__).resolve().parent / "data" / "checkpoint_speed_v1"
 (expected.json: the command, the losses of all 4 steps and each parameter's sum of |w| at step 4)."""
 
 
+@pytest.mark.torch_feature("muon")
 def test_a_speed_preset_run_from_before_the_architecture_options_resumes_as_it_would_have(tmp_path, shakespeare_shards):
     """Its checkpoint holds no architecture keys: it loads as GPT-2's layout under today's `--preset speed`
     (whose shape flags the test repeats), and steps 3-4 give the losses and weights the old code gave."""
