@@ -773,6 +773,24 @@ class RunConfig:
         return {"model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train)}
 
 
+SPEED_RECIPE = dict(
+    micro_batch_size=16,
+    total_batch_size=1024,
+    optimizer="muon",
+    lr=4e-3,
+    min_lr=4e-4,
+    warmup_steps=5,
+    max_steps=200,
+    dtype="float32",
+    compile=False,
+    eval_interval=25,
+    eval_tokens=8192,
+    sample_interval=50,
+    log_interval=10,
+    ckpt_interval=50,
+)
+"""--preset speed's training settings (the comment at TRAIN_PRESETS["speed"]); --preset speedrun starts from them."""
+
 # Training presets: model shape plus the training recipe that goes with it. The GPU presets' micro-batch
 # is "auto": the largest the planner (gpt2/plan/) says fits the device and divides the global batch at
 # the run's world size. A fixed number cannot be right everywhere: 64 x 1024 x W divides 524,288 only
@@ -813,42 +831,11 @@ TRAIN_PRESETS: dict[str, dict] = {
     # recipe's cosine to step 200. `python bench/time_to_loss.py` adds them one at a time (its ablation;
     # docs/performance.md says how far each got); a 100-step horizon and warmup-stable-
     # decay (--decay-steps) were tried on top and left out: no fewer steps to the target.
-    "speed": dict(
-        micro_batch_size=16,
-        total_batch_size=1024,
-        optimizer="muon",
-        lr=4e-3,
-        min_lr=4e-4,
-        warmup_steps=5,
-        max_steps=200,
-        dtype="float32",
-        compile=False,
-        eval_interval=25,
-        eval_tokens=8192,
-        sample_interval=50,
-        log_interval=10,
-        ckpt_interval=50,
-    ),
+    "speed": SPEED_RECIPE,
     # The speed recipe on the speedrun architecture, its learning rates and warmup re-tuned (bench/time_to_loss.py's
     # modern ablation): AdamW's part (embeddings, the untied head) at 8e-3, Muon at 0.01, a 2-step warmup; the
     # cosine to step 200 kept (a 40- or 50-step horizon gave no fewer steps to the target).
-    "speedrun": dict(
-        micro_batch_size=16,
-        total_batch_size=1024,
-        optimizer="muon",
-        lr=8e-3,
-        min_lr=8e-4,
-        muon_lr=0.01,
-        warmup_steps=2,
-        max_steps=200,
-        dtype="float32",
-        compile=False,
-        eval_interval=25,
-        eval_tokens=8192,
-        sample_interval=50,
-        log_interval=10,
-        ckpt_interval=50,
-    ),
+    "speedrun": {**SPEED_RECIPE, "lr": 8e-3, "min_lr": 8e-4, "muon_lr": 0.01, "warmup_steps": 2},
     # Fine-tuning trained weights on a small corpus (needs --init-from; the shape comes from the weights):
     # nanoGPT's finetune_shakespeare.py recipe (lr 3e-5, few steps, frequent evaluation) with a short warmup
     # and warmup-stable-decay: 3e-5 held, then linear to 3e-6 over the last 20 steps. 32,768 tokens per
