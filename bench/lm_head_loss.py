@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
-from gpt2.core.precision import autocast, resolve
+from gpt2.core.precision import autocast, resolve_precision
 from gpt2.model.loss import linear_cross_entropy, loss_chunk_logits, loss_chunks
 from gpt2.plan.measure import measured_peak_bytes
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = True  # as the trainer (TrainConfig.tf32); only fp32 on CUDA
-    dtype = resolve(args.dtype, device).dtype
+    dtype = resolve_precision(args.dtype, device).dtype
     n, h, V = args.batch * args.seq_len, args.n_embd, args.vocab_size
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, h, generator=gen).to(device).requires_grad_()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from gpt2.core.config import GPT2_VOCAB_SIZE
+from gpt2.core.schedule import BatchLayout
 from gpt2.data.loader import DATA_ORDERS, TrainLoader, find_shards
 from gpt2.data.shards import write_shard
 
@@ -45,15 +46,7 @@ def drop_caches() -> bool:
 
 def time_loader(shards, order: str, steps: int, start_step: int) -> float:
     loader = TrainLoader(
-        shards,
-        micro_batch_size=B,
-        seq_len=T,
-        total_batch_size=B * T * WORLD,
-        rank=0,
-        world_size=WORLD,
-        seed=1337,
-        device=torch.device("cpu"),
-        order=order,
+        shards, BatchLayout(B, T, B * T * WORLD, WORLD), rank=0, seed=1337, device=torch.device("cpu"), order=order
     )
     loader.position = start_step * loader.G  # a part of the order no earlier row has read
     t0 = time.perf_counter()

@@ -45,6 +45,7 @@ from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # benc
 from emit import emit  # bench/emit.py
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpt2.core.schedule import BatchLayout
 from gpt2.data.loader import TrainLoader, find_shards
 from gpt2.distributed.fsdp import clip_grad_norm
 from gpt2.distributed.group import single_process
@@ -86,16 +87,7 @@ def nanogpt_get_batch(shard: Path, rng: np.random.Generator, b: int = B, t: int 
 
 def loader_row(data_dir: Path, reps: int) -> tuple[float, float]:
     shards = find_shards(data_dir, "train")
-    with TrainLoader(
-        shards,
-        micro_batch_size=B,
-        seq_len=T,
-        total_batch_size=B * T,
-        rank=0,
-        world_size=1,
-        seed=1337,
-        device=torch.device("cpu"),
-    ) as loader:
+    with TrainLoader(shards, BatchLayout(B, T, B * T, 1), rank=0, seed=1337, device=torch.device("cpu")) as loader:
 
         def ours():
             loader.micro_batch(0)

@@ -519,6 +519,69 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def header_lines(command: str, cfg, peaks, args, start_load: float) -> list[str]:
+    """The report's first lines: the command, the machine, the workload, the matmul peaks, the load."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return [
+        f"command: `{command.strip()}`",
+        f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        f"workload: n_layer=6 n_head=6 n_embd=384 block=256 vocab=50304, micro-batch {MICRO_BATCH}, "
+        f"{TOKENS_PER_STEP:,} tokens/step; {flops_per_token(cfg.model) / 1e6:.1f} MFLOP/token; "
+        f"median of {args.steps} steps after {args.warmup} warm-up",
+        f"matmul peaks ({args.threads} threads, best 2048^3 of the run): "
+        + ", ".join(
+            f"{k} {p.wall / 1e9:,.0f} GFLOP/s ({p.cpu / 1e9:,.0f} per CPU-second)" for k, p in peaks.best.items()
+        ),
+        f"load average (other processes on the cores): {start_load:.1f} at start, {os.getloadavg()[0]:.1f} at end",
+    ]
+
+
+def layout_names(low: str) -> tuple[str, str, str]:
+    """The DDP rows' names: one process, torchrun, torchrun with Muon (low: the compiled rows' dtype)."""
+    return (
+        f"train_ddp.py, {low} compiled",
+        f"torchrun train_ddp.py, {low} compiled",
+        f"torchrun train_ddp.py, {low} compiled, --optimizer muon",
+    )
+
+
+def goal_lines(rows: list, cfg, peaks, low: str, args, per_round: list) -> list[str]:
+    """The goals' lines under the table: MFU, Muon's cost, the loss paths' ratio, DDP's efficiency."""
+    goals = []
+    one, many, many_muon = layout_names(low)
+    for r in rows:
+        if r.name == f"{low} compiled":  # the trainer's default path here (the other rows are history)
+            m = flops_per_token(cfg.model) * r.tokens_per_s / peaks.best[low].wall
+            goals.append(f"{r.name}: MFU {m:.1%} (goal >= 60%)")
+    by_name = {r.name: r for r in rows}
+    adamw_row = by_name.get(f"{low} compiled") or by_name.get("fp32 compiled")
+    if adamw_row is not None and f"{low} compiled, --optimizer muon" in by_name:
+        cost = by_name[f"{low} compiled, --optimizer muon"].step_s / adamw_row.step_s - 1
+        goals.append(f"--optimizer muon: {cost:+.1%} step time against AdamW's {adamw_row.name} row (goal < 10%)")
+    if "fp32 compiled" in by_name and "fp32 compiled, --loss-impl full" in by_name:
+        ratio = by_name["fp32 compiled"].step_s / by_name["fp32 compiled, --loss-impl full"].step_s
+        goals.append(f"fp32 compiled step time, chunked loss / full logits: {ratio:.2f}x (round-robin, same load)")
+    timed = (
+        f"median of all {args.ddp_rounds * args.steps} timed steps of each over {args.ddp_rounds} alternating rounds"
+    )
+    if one in by_name and many in by_name:
+        ddp = by_name[many].tokens_per_s / by_name[one].tokens_per_s
+        goals.append(
+            f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%); {timed} "
+            "(per round: " + ", ".join(f"{r[one] / r[many]:.1%}" for r in per_round) + ")"
+        )
+    if many_muon in by_name:
+        cost = by_name[many_muon].step_s / by_name[many].step_s - 1
+        goals.append(
+            f"--optimizer muon under torchrun ({args.threads} x 1, the orthogonalisation spread over "
+            f"ranks): {cost:+.1%} step time against AdamW's (goal < 10%); {timed} (per round: "
+            + ", ".join(f"{r[many_muon] / r[many] - 1:+.1%}" for r in per_round)
+            + ")"
+        )
+    return goals
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.steps, args.warmup, args.threads, args.ddp_rounds) < 1:
@@ -529,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/train_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
     start_load = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
-    auto = precision.resolve("auto", "cpu")  # the dtype of the "bf16" rows, where bf16 is fast here
+    auto = precision.resolve_precision("auto", "cpu")  # the dtype of the "bf16" rows, where bf16 is fast here
     low = auto.short
     peaks, rows = Peaks(low), []
     peaks.measure()
@@ -564,8 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         del contenders
         torch._dynamo.reset()
         layouts = []
-        one, many = f"train_ddp.py, {low} compiled", f"torchrun train_ddp.py, {low} compiled"
-        many_muon = f"torchrun train_ddp.py, {low} compiled, --optimizer muon"
+        one, many, many_muon = layout_names(low)
         if "ddp" not in skip and args.threads > 1:
             layouts += [Layout(one, 1, args.threads), Layout(many, args.threads, 1)]
         if "muon-ddp" not in skip and args.threads > 1:
@@ -590,51 +652,9 @@ def main(argv: list[str] | None = None) -> int:
                 skip=skip,
             )
     cfg = parse_config(base + ["--data-dir", "unused", "--out-dir", "unused"])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    header = [
-        f"command: `{command.strip()}`",
-        f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        f"workload: n_layer=6 n_head=6 n_embd=384 block=256 vocab=50304, micro-batch {MICRO_BATCH}, "
-        f"{TOKENS_PER_STEP:,} tokens/step; {flops_per_token(cfg.model) / 1e6:.1f} MFLOP/token; "
-        f"median of {args.steps} steps after {args.warmup} warm-up",
-        f"matmul peaks ({args.threads} threads, best 2048^3 of the run): "
-        + ", ".join(
-            f"{k} {p.wall / 1e9:,.0f} GFLOP/s ({p.cpu / 1e9:,.0f} per CPU-second)" for k, p in peaks.best.items()
-        ),
-        f"load average (other processes on the cores): {start_load:.1f} at start, {os.getloadavg()[0]:.1f} at end",
-    ]
+    header = header_lines(command, cfg, peaks, args, start_load)
     report = "\n".join(header) + ("\n\n" + table(rows, cfg, peaks) if rows else "")
-    goals = []
-    for r in rows:
-        if r.name == f"{low} compiled":  # the trainer's default path here (the other rows are history)
-            m = flops_per_token(cfg.model) * r.tokens_per_s / peaks.best[low].wall
-            goals.append(f"{r.name}: MFU {m:.1%} (goal >= 60%)")
-    by_name = {r.name: r for r in rows}
-    adamw_row = by_name.get(f"{low} compiled") or by_name.get("fp32 compiled")
-    if adamw_row is not None and f"{low} compiled, --optimizer muon" in by_name:
-        cost = by_name[f"{low} compiled, --optimizer muon"].step_s / adamw_row.step_s - 1
-        goals.append(f"--optimizer muon: {cost:+.1%} step time against AdamW's {adamw_row.name} row (goal < 10%)")
-    if "fp32 compiled" in by_name and "fp32 compiled, --loss-impl full" in by_name:
-        ratio = by_name["fp32 compiled"].step_s / by_name["fp32 compiled, --loss-impl full"].step_s
-        goals.append(f"fp32 compiled step time, chunked loss / full logits: {ratio:.2f}x (round-robin, same load)")
-    timed = (
-        f"median of all {args.ddp_rounds * args.steps} timed steps of each over {args.ddp_rounds} alternating rounds"
-    )
-    if one in by_name and many in by_name:
-        ddp = by_name[many].tokens_per_s / by_name[one].tokens_per_s
-        goals.append(
-            f"DDP efficiency {args.threads} x 1 / 1 x {args.threads}: {ddp:.1%} (goal >= 90%); {timed} "
-            "(per round: " + ", ".join(f"{r[one] / r[many]:.1%}" for r in per_round) + ")"
-        )
-    if many_muon in by_name:
-        cost = by_name[many_muon].step_s / by_name[many].step_s - 1
-        goals.append(
-            f"--optimizer muon under torchrun ({args.threads} x 1, the orthogonalisation spread over "
-            f"ranks): {cost:+.1%} step time against AdamW's (goal < 10%); {timed} (per round: "
-            + ", ".join(f"{r[many_muon] / r[many] - 1:+.1%}" for r in per_round)
-            + ")"
-        )
+    goals = goal_lines(rows, cfg, peaks, low, args, per_round)
     if goals:
         report += "\n\n" + "\n".join(f"- {g}" for g in goals)
     if order_lines:

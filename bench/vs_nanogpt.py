@@ -496,21 +496,27 @@ def ours_batch_flags(
     return flags
 
 
-def run_by_batch_row(
-    row: Row,
-    shape: Shape,
-    *,
-    device: str,
-    data: Path,
-    tree: Path | None,
-    dataset: str,
-    out: Path,
-    steps: int,
-    warmup: int,
-    compile: bool = True,
-) -> None:
+@dataclass(frozen=True)
+class BatchRuns:
+    """What every run of the micro-batch comparison shares: where it runs, on which tokens, how long."""
+
+    device: str
+    data: Path
+    """Our shards."""
+    tree: Path | None
+    """nanoGPT's checkout (None: its rows are not run)."""
+    dataset: str
+    """The same tokens under nanoGPT's data/."""
+    steps: int
+    warmup: int
+    compile: bool = True
+
+
+def run_by_batch_row(row: Row, shape: Shape, runs: BatchRuns, out: Path) -> None:
     """One run of a micro-batch row; its timed steps, tokens per step, dtype and peak memory go into the row."""
     block = shape.nano["block_size"]
+    device, data, tree, dataset = runs.device, runs.data, runs.tree, runs.dataset
+    steps, warmup, compile = runs.steps, runs.warmup, runs.compile
     if row.who == "nanoGPT":
         flags = nano_batch_flags(
             shape, row.micro_batch, device=device, dataset=dataset, steps=warmup + steps, compile=compile
@@ -538,17 +544,11 @@ def run_by_batch_row(
 def measure_by_batch(
     rows: list[Row],
     shape: Shape,
+    runs: BatchRuns,
     *,
-    device: str,
-    data: Path,
-    tree: Path | None,
-    dataset: str,
     tmp: Path,
-    steps: int,
-    warmup: int,
     rounds: int,
     after_row=None,
-    compile: bool = True,
     deadline: float | None = None,
 ) -> None:
     """Every row `rounds` times, alternately, as measure(); a row whose run fails keeps its error and the
@@ -569,18 +569,7 @@ def measure_by_batch(
                     continue
             t0 = time.time()
             try:
-                run_by_batch_row(
-                    row,
-                    shape,
-                    device=device,
-                    data=data,
-                    tree=tree,
-                    dataset=dataset,
-                    out=tmp / f"b{i}_{j}",
-                    steps=steps,
-                    warmup=warmup,
-                    compile=compile,
-                )
+                run_by_batch_row(row, shape, runs, tmp / f"b{i}_{j}")
                 said = f"{statistics.median(row.times):.4f} s/step"
                 finished.append(time.time() - t0)
             except (RuntimeError, nanogpt.NanoGPTError, subprocess.TimeoutExpired, OSError, KeyError) as e:
@@ -779,21 +768,8 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
         dataset = nanogpt.write_dataset(tree, f"bench-{os.getpid()}", data) if tree else ""
         report()  # every row "not run" yet: a report exists from the start
         try:
-            measure_by_batch(
-                rows,
-                shape,
-                device=args.device,
-                data=data,
-                tree=tree,
-                dataset=dataset,
-                tmp=Path(tmp),
-                steps=args.steps,
-                warmup=args.warmup,
-                rounds=args.rounds,
-                after_row=report,
-                compile=args.compile,
-                deadline=deadline,
-            )
+            runs = BatchRuns(args.device, data, tree, dataset, args.steps, args.warmup, args.compile)
+            measure_by_batch(rows, shape, runs, tmp=Path(tmp), rounds=args.rounds, after_row=report, deadline=deadline)
         finally:
             if tree:
                 subprocess.run(["rm", "-rf", str(tree / "data" / dataset)])

@@ -135,7 +135,8 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
             dist = setup(info, device, timeout_s=600.0)
             set_cpu_threads(dist, args.num_threads)
             # rank 0 chooses for every rank (auto measures the CPU: ranks must not disagree)
-            dtype = broadcast_object(precision.resolve(args.dtype, device).dtype if dist.is_main else None, dist)
+            chosen = precision.resolve_precision(args.dtype, device).dtype if dist.is_main else None
+            dtype = broadcast_object(chosen, dist)
             if args.task == "hellaswag":
                 examples = prepare_hellaswag(args.data, dist, url=args.url, limit=args.limit)
             else:

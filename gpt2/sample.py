@@ -32,9 +32,9 @@ from gpt2.model.gpt import GPT, TOP_K, unwrap
 from gpt2.model.tokenizer import encode_prompt, get_encoding
 
 
-def autocast(dtype: str, device: torch.device):
+def sampling_autocast(dtype: str, device: torch.device):
     """Autocast for a dtype name, auto included (gpt2.core.precision picks what the device runs fast)."""
-    return precision.autocast(precision.resolve(dtype, device).dtype, device)
+    return precision.autocast(precision.resolve_precision(dtype, device).dtype, device)
 
 
 @torch.no_grad()
@@ -111,7 +111,7 @@ def sample(
     model.eval()
     texts = []
     try:
-        with autocast(dtype, device):
+        with sampling_autocast(dtype, device):
             for i in range(num_samples):
                 idx = torch.tensor([ids], dtype=torch.long, device=device)
                 stream, pieces = TextStream(), []

@@ -138,6 +138,39 @@ def test_the_name_rule_can_fail():
     }
 
 
+COMMAND_NAMES = {"main", "build_parser"}
+"""Every command's entry point and its flags: one convention, the same name in each (gpt2/*.py, __main__.py)."""
+
+
+def public_names_used_twice(paths: list[Path], root: Path = REPO) -> dict[str, list[str]]:
+    """Public functions and classes (top-level, no leading underscore) that more than one module defines,
+    the commands' main and build_parser excepted."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith(
+                "_"
+            ):
+                if node.name not in COMMAND_NAMES:
+                    by_name.setdefault(node.name, []).append(str(path.relative_to(root)))
+    return {name: sorted(where) for name, where in by_name.items() if len(where) > 1}
+
+
+def test_no_public_function_or_class_is_named_like_another():
+    """One name, one meaning, for the library's public functions and classes too: three functions called
+    resolve (the config from flags, the precision, the start-up's choices) read alike in an import and a
+    traceback; each now says what it resolves."""
+    assert public_names_used_twice(sorted(PACKAGE.rglob("*.py"))) == {}
+
+
+def test_the_public_name_rule_can_fail(tmp_path):
+    a, b, c = (tmp_path / f"m{i}.py" for i in range(3))
+    a.write_text("def resolve(x):\n    return x\n\n\ndef main():\n    pass\n")
+    b.write_text("class resolve:\n    pass\n\n\ndef _private():\n    pass\n\n\ndef main():\n    pass\n")
+    c.write_text("def _private():\n    pass\n")
+    assert public_names_used_twice([a, b, c], root=tmp_path) == {"resolve": ["m0.py", "m1.py"]}
+
+
 def test_no_import_cycle_inside_the_package():
     graph = {m: imported_gpt2_modules(p) - {m} for m, p in MODULE_PATHS.items()}
     assert all(dep in MODULES for deps in graph.values() for dep in deps), graph

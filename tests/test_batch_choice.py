@@ -213,7 +213,11 @@ def test_the_cpu_probe_times_each_candidate_once_per_shape_and_caches_it(tmp_pat
     assert sorted(first.rates) == [1, 4] and all(r > 0 for r in first.rates.values())
     assert set(seen) == {"full", "chunked"}  # each candidate timed with its own loss path
     assert first.peak_bytes is not None and first.cache.startswith(str(tmp_path))
-    monkeypatch.setattr(batch_probe, "measure", lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
+
+    def measured_again(*a):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(batch_probe, "time_micro_batches", measured_again)
     again = batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 4: "chunked"})
     assert again.rates == first.rates and again.peak_bytes is None  # from the cache
     with pytest.raises(AssertionError, match="measured again"):  # another loss path: another measurement

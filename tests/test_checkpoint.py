@@ -45,7 +45,7 @@ def names(out_dir) -> list[str]:
 
 
 class Log:
-    """Stands in for Metrics: records what would be printed."""
+    """Stands in for RunLog: records what would be printed."""
 
     def __init__(self) -> None:
         self.lines: list[str] = []

@@ -27,7 +27,7 @@ flags\t\t: fpu sse
 
 
 class Log:
-    """What the trainer's Metrics gets, recorded."""
+    """What the trainer's RunLog gets, recorded."""
 
     def __init__(self):
         self.lines = {"info": [], "warn": [], "detail": []}

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpt2.core.schedule import BatchLayout
 from gpt2.data.loader import EvalLoader, TokenStream, TrainLoader, find_shards
 from gpt2.data.shards import HEADER_BYTES, ShardError, make_header, write_shard
 
@@ -21,17 +22,7 @@ def shard_dir(tmp_path):
 
 
 def loader(shards, world, rank, B=2, T=16, G=256, seed=7, order="shuffled"):
-    return TrainLoader(
-        shards,
-        micro_batch_size=B,
-        seq_len=T,
-        total_batch_size=G,
-        rank=rank,
-        world_size=world,
-        seed=seed,
-        device=CPU,
-        order=order,
-    )
+    return TrainLoader(shards, BatchLayout(B, T, G, world), rank=rank, seed=seed, device=CPU, order=order)
 
 
 def global_batches(shards, world, steps=12, B=2, T=16, G=256, order="shuffled"):
@@ -356,17 +347,7 @@ def test_evaluating_again_opens_nothing(shard_dir, count_opens):
 def test_more_shards_than_the_bound_stay_within_it_and_read_the_same_tokens(tmp_path):
     shards = many_shards(tmp_path, n=12)
     B, T, G = 16, 16, 16 * 32
-    bounded = TrainLoader(
-        shards,
-        micro_batch_size=B,
-        seq_len=T,
-        total_batch_size=G,
-        rank=0,
-        world_size=1,
-        seed=7,
-        device=CPU,
-        max_open_shards=3,
-    )
+    bounded = TrainLoader(shards, BatchLayout(B, T, G, 1), rank=0, seed=7, device=CPU, max_open_shards=3)
     n_windows = (shards.total_tokens - 1) // T
     for step in range(15):  # 480 rows: past the first epoch of 299 windows
         for m in range(bounded.accum_steps):
@@ -379,17 +360,7 @@ def test_more_shards_than_the_bound_stay_within_it_and_read_the_same_tokens(tmp_
             assert torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
         bounded.advance()
     with pytest.raises(ValueError, match="at least one shard"):
-        TrainLoader(
-            shards,
-            micro_batch_size=B,
-            seq_len=T,
-            total_batch_size=G,
-            rank=0,
-            world_size=1,
-            seed=7,
-            device=CPU,
-            max_open_shards=0,
-        )
+        TrainLoader(shards, BatchLayout(B, T, G, 1), rank=0, seed=7, device=CPU, max_open_shards=0)
 
 
 def test_the_default_bound_is_a_quarter_of_the_descriptor_limit(monkeypatch, shard_dir):
@@ -406,16 +377,7 @@ def test_the_default_bound_is_a_quarter_of_the_descriptor_limit(monkeypatch, sha
 def test_sequential_reads_with_one_descriptor_equal_the_unbounded_loader(tmp_path):
     shards = many_shards(tmp_path, n=12)
     a = TrainLoader(
-        shards,
-        micro_batch_size=8,
-        seq_len=16,
-        total_batch_size=256,
-        rank=1,
-        world_size=2,
-        seed=7,
-        device=CPU,
-        order="sequential",
-        max_open_shards=1,
+        shards, BatchLayout(8, 16, 256, 2), rank=1, seed=7, device=CPU, order="sequential", max_open_shards=1
     )
     b = loader(shards, 2, 1, B=8, T=16, G=256, order="sequential")
     for _ in range(40):  # 10240 tokens: two epochs of 4800, each in its own shard order

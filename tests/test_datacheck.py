@@ -22,6 +22,7 @@ import torch
 from _helpers import import_train_ddp, tiny_run_flags
 from conftest import REPO
 
+from gpt2.core.schedule import BatchLayout
 from gpt2.data.check import FULL_CHECK_BYTES, verify_shards
 from gpt2.data.loader import TrainLoader, find_shards
 from gpt2.data.shards import HEADER_BYTES, ShardError, write_shard
@@ -233,17 +234,9 @@ def test_the_loader_names_the_shard_offset_and_id_of_a_bad_token(tmp_path, order
     tokens[1500] = 65535
     write_shard(bad, tokens)
     shards = find_shards(tmp_path, "train")
-    kwargs = dict(
-        micro_batch_size=4,
-        seq_len=64,
-        total_batch_size=256,
-        rank=0,
-        world_size=1,
-        seed=3,
-        device=torch.device("cpu"),
-        order=order,
-    )
-    with TrainLoader(shards, **kwargs) as loader:
+    layout = BatchLayout(micro_batch_size=4, seq_len=64, total_batch_size=256, world_size=1)
+    kwargs = dict(rank=0, seed=3, device=torch.device("cpu"), order=order)
+    with TrainLoader(shards, layout, **kwargs) as loader:
         for _ in range(200):  # a few epochs: every window is read
             try:
                 loader.micro_batch(0)
@@ -253,7 +246,7 @@ def test_the_loader_names_the_shard_offset_and_id_of_a_bad_token(tmp_path, order
             loader.advance()
         else:
             raise AssertionError("the bad token was never met")
-    with TrainLoader(shards, defer_bad_tokens=True, **kwargs) as loader:  # the trainer's: EOT in its place
+    with TrainLoader(shards, layout, defer_bad_tokens=True, **kwargs) as loader:  # the trainer's: EOT in its place
         while loader.problem is None:
             x, y = loader.micro_batch(0)
             loader.advance()

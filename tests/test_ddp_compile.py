@@ -67,7 +67,7 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from gpt2.distributed.group import Dist
-    from gpt2.train.run_log import Metrics
+    from gpt2.train.run_log import RunLog
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build, evaluate, train_step
 
@@ -77,7 +77,7 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
     result = {}
     for compiled in (False, True):
         cfg = _config(Path(data_dir), Path(tmp) / f"run_{compiled}", compile=compiled)
-        parts = build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 2))
+        parts = build(cfg, dist, RunLog(dist, cfg.train.out_dir), check_data(cfg, 2))
         # As the trainer does at step 0: the model is first compiled for evaluation, outside DDP's
         # forward (eval mode, no grad); training must still get the graphs split at the buckets.
         val_loss = evaluate(parts, cfg, dist)
@@ -144,7 +144,7 @@ def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare
     import torch._inductor.config as inductor_config
 
     from gpt2.distributed.group import Dist, usable_cpus
-    from gpt2.train.run_log import Metrics
+    from gpt2.train.run_log import RunLog
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build
 
@@ -152,5 +152,5 @@ def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare
     with inductor_config.patch(compile_threads=99):  # restored after (torch's own config patcher)
         for compiled, expected in ((False, 99), (True, usable_cpus())):
             cfg = _config(shakespeare_shards, tmp_path / str(compiled), compile=compiled)
-            build(cfg, dist, Metrics(dist, cfg.train.out_dir), check_data(cfg, 1))
+            build(cfg, dist, RunLog(dist, cfg.train.out_dir), check_data(cfg, 1))
             assert inductor_config.compile_threads == expected

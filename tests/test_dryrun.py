@@ -298,6 +298,7 @@ def test_the_several_node_command_at_its_own_size(train_ddp, data_dir, tmp_path,
 
 def test_schedule_is_what_the_loader_reads(data_dir):
     """windows_of(m) names exactly the rows micro_batch(m) returns, for both orders, several ranks."""
+    from gpt2.core.schedule import BatchLayout
     from gpt2.data.loader import TokenStream, TrainLoader, find_shards
 
     shards = find_shards(data_dir, "train")
@@ -306,11 +307,8 @@ def test_schedule_is_what_the_loader_reads(data_dir):
         for rank in range(3):
             loader = TrainLoader(
                 shards,
-                micro_batch_size=2,
-                seq_len=64,
-                total_batch_size=64 * 2 * 3 * 2,
+                BatchLayout(2, 64, 64 * 2 * 3 * 2, 3),
                 rank=rank,
-                world_size=3,
                 seed=5,
                 device=torch.device("cpu"),
                 order=order,
@@ -398,6 +396,7 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
     """A checkpoint in the run dir: the dry run names it, checks it against this run, and the first
     windows are the resumed step's."""
     from gpt2.ckpt import checkpoint as ckpt
+    from gpt2.core.schedule import BatchLayout
     from gpt2.data.loader import TrainLoader, find_shards
     from gpt2.train.cli import parse_config
 
@@ -431,11 +430,8 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
     cfg = parse_config(base)
     loader = TrainLoader(
         find_shards(data_dir, "train"),
-        micro_batch_size=4,
-        seq_len=64,
-        total_batch_size=512,
+        BatchLayout(4, 64, 512, 2),
         rank=0,
-        world_size=2,
         seed=cfg.train.seed,
         device=torch.device("cpu"),
     )
@@ -458,11 +454,8 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
     assert "rank   0 micro-step   0: " + " ".join(str(int(i)) for i in loader.windows_of(0)) in out
     rank1 = TrainLoader(
         find_shards(data_dir, "train"),
-        micro_batch_size=4,
-        seq_len=64,
-        total_batch_size=512,
+        BatchLayout(4, 64, 512, 2),
         rank=1,
-        world_size=2,
         seed=cfg.train.seed,
         device=torch.device("cpu"),
     )

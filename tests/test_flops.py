@@ -67,12 +67,14 @@ def test_blackwell_peaks_and_no_mfu_claimed_for_a_mig_slice(monkeypatch, capsys,
     from gpt2.core.precision import Precision
     from gpt2.distributed.group import Dist
     from gpt2.train import startup
-    from gpt2.train.run_log import Metrics
+    from gpt2.train.run_log import RunLog
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
-    monkeypatch.setattr(startup, "device_name", lambda device: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
+    from gpt2.plan import resolve
+
+    monkeypatch.setattr(resolve, "device_name", lambda device: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cuda", 0))
-    assert startup.mfu_peak(dist, Precision("bfloat16", "bfloat16", tf32=True), Metrics(dist, tmp_path)) is None
+    assert startup.log_mfu_peak(dist, Precision("bfloat16", "bfloat16", tf32=True), RunLog(dist, tmp_path)) is None
     assert "mfu n/a: NVIDIA H100 80GB HBM3 MIG 3g.40gb is a MIG slice (3g.40gb)" in capsys.readouterr().out
 
 
@@ -240,7 +242,7 @@ def test_a_comparison_measures_both_dtypes_alternately_under_the_same_load(peak_
 
     monkeypatch.setattr(precision, "matmul_rate", probe)
     monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: True)
-    assert precision.resolve("auto", "cpu").dtype == "float32"
+    assert precision.resolve_precision("auto", "cpu").dtype == "float32"
     assert seen == [torch.bfloat16, torch.float32] * precision.PEAK_PROBES
     assert (
         device_peak_flops("cpu", torch.bfloat16, tf32=False) == 210e9 and len(seen) == 2 * precision.PEAK_PROBES

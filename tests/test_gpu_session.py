@@ -172,26 +172,15 @@ def test_a_skipped_row_is_shown_with_its_reason_and_the_bench_still_succeeds(tmp
     rows = vs.by_batch_rows("smoke", [2], False, "none", [("--compile-scope=blocks",)])
     ran = []
 
-    def fake(row, shape, **kw):
+    def fake(row, shape, runs, out):
         ran.append(row.name)
         row.times, row.tokens, row.first_s, row.resolved_batch = [0.1], 64, 3.0, "2 x 1"
 
     import unittest.mock as mock
 
     with mock.patch.object(vs, "run_by_batch_row", fake):
-        vs.measure_by_batch(
-            rows,
-            vs.SHAPES["smoke"],
-            device="cpu",
-            data=tmp_path,
-            tree=None,
-            dataset="",
-            tmp=tmp_path,
-            steps=1,
-            warmup=1,
-            rounds=1,
-            deadline=0.0,  # long past
-        )
+        runs = vs.BatchRuns("cpu", tmp_path, None, "", steps=1, warmup=1)
+        vs.measure_by_batch(rows, vs.SHAPES["smoke"], runs, tmp=tmp_path, rounds=1, deadline=0.0)  # long past
     assert ran == ["ours B=2"] and rows[1].skipped.startswith("skipped: time (")
     text = "\n".join(vs.by_batch_report(rows, vs.SHAPES["smoke"], vs.Device("cpu", "cpu"), {"float32": 1e9}))
     assert "| ours B=2 --compile-scope=blocks | - |" in text and "skipped: time (" in text

@@ -282,7 +282,7 @@ def _ranks_agree_worker(rank: int, world: int, init_file: str, out: str, hf_dir:
     from gpt2.distributed.fsdp import shard
     from gpt2.distributed.group import Dist
     from gpt2.model.gpt import GPT
-    from gpt2.train.init_from import describe, start_from_weights
+    from gpt2.train.init_from import describe_source, start_from_weights
 
     class Log:
         def info(self, message):
@@ -293,7 +293,7 @@ def _ranks_agree_worker(rank: int, world: int, init_file: str, out: str, hf_dir:
     try:
         dist = Dist(rank, rank, world, world, torch.device("cpu"))
         torch.manual_seed(100 + rank)
-        model = GPT(ModelConfig(**describe(hf_dir).shape))
+        model = GPT(ModelConfig(**describe_source(hf_dir).shape))
         start_from_weights(model, hf_dir, None, out, None, dist, Log(), broadcast=parallel == "fsdp")
         if parallel == "fsdp":
             shard(model, dist)

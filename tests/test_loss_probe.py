@@ -29,7 +29,7 @@ def test_times_are_measured_once_per_shape_and_read_from_the_cache_after(cache, 
     def no_measurement(*a):
         raise AssertionError("measured again although cached")
 
-    monkeypatch.setattr(loss_probe, "measure", no_measurement)
+    monkeypatch.setattr(loss_probe, "time_loss_paths", no_measurement)
     again = loss_probe.eager_loss_times("cpu", "float32", 256, 64, 50304)
     assert (again.full_s, again.chunked_s, again.cache) == (first.full_s, first.chunked_s, first.cache)
     with pytest.raises(AssertionError, match="measured again"):  # another shape is another measurement
@@ -40,8 +40,8 @@ def test_times_are_measured_once_per_shape_and_read_from_the_cache_after(cache, 
 
 
 def test_a_corrupt_or_foreign_cache_entry_is_measured_again(cache):
-    key = loss_probe.probe_key("cpu", "float32", 128, 32, 50304)
-    path = loss_probe.probe_path(key)
+    key = loss_probe.loss_probe_key("cpu", "float32", 128, 32, 50304)
+    path = loss_probe.loss_probe_path(key)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     assert loss_probe.eager_loss_times("cpu", "float32", 128, 32, 50304).full_s > 0
@@ -60,7 +60,7 @@ def test_the_probe_times_the_models_two_loss_paths_which_agree(monkeypatch):
     monkeypatch.setattr(
         loss_probe, "linear_cross_entropy", lambda *a: seen.append(("chunked", real_lce(*a))) or seen[-1][1]
     )
-    loss_probe.measure("cpu", "float32", 300, 32, 50304)
+    loss_probe.time_loss_paths("cpu", "float32", 300, 32, 50304)
     full = [v.item() for k, v in seen if k == "full"]
     chunked = [v.item() for k, v in seen if k == "chunked"]
     assert len(full) == len(chunked) == 1 + loss_probe.PROBE_ROUNDS
@@ -71,7 +71,7 @@ def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_
     from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
     from gpt2.distributed.group import Dist
     from gpt2.plan.hardware import GIB, Hardware
-    from gpt2.train.run_log import Metrics
+    from gpt2.train.run_log import RunLog
     from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
@@ -87,7 +87,7 @@ def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_
         ),
     )
     roomy = Hardware(name="roomy", memory_bytes=8 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
-    log = Metrics(dist, tmp_path)
+    log = RunLog(dist, tmp_path)
     r = resolve_auto(cfg, dist, log, hardware=roomy)
     resolved, choice = r.cfg, r.loss
     log.close()

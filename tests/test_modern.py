@@ -487,7 +487,7 @@ def test_an_untied_head_survives_a_sharded_checkpoint(tmp_path):
 
     model = made(tiny(tie_embeddings=False))
     opt = torch.optim.AdamW(model.parameters())
-    dcp_io.save(model, opt, tmp_path / "step")
+    dcp_io.save_dcp(model, opt, tmp_path / "step")
     fresh = GPT(tiny(tie_embeddings=False))
     dcp_io.load_weights(fresh, tmp_path / "step")
     assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)

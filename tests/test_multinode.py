@@ -539,7 +539,7 @@ def test_a_rank_that_sees_rank_0s_checkpoint_agrees_and_rehashes_once_per_node(t
     point = resume._point(path)
     hashed = []
     monkeypatch.setattr(resume.ckpt, "verify_checkpoint", lambda p: hashed.append(p))
-    decision = ("ok", resume.Start(point, point.run_id), path.name, "node1", "*")
+    decision = ("ok", resume.StartDecision(point, point.run_id), path.name, "node1", "*")
     for local_rank in (0, 1):
         dist = _view(monkeypatch, 1, local_rank, decision, [(0, "node1", None)])
         assert resume.choose_resume("auto", tmp_path, dist, warn=print) == point
@@ -556,7 +556,11 @@ def test_a_rank_that_sees_another_file_under_the_same_name_refuses(tmp_path, mon
         str(tmp_path / "node2" / "checkpoints" / "step_00000006.pt"), 6, theirs.sha256, theirs.bytes
     )
     dist = _view(
-        monkeypatch, 1, 1, ("ok", resume.Start(point, None), "step_00000006.pt", "node1", "*"), [(0, "node1", None)]
+        monkeypatch,
+        1,
+        1,
+        ("ok", resume.StartDecision(point, None), "step_00000006.pt", "node1", "*"),
+        [(0, "node1", None)],
     )
     with pytest.raises(CheckpointError, match=r"rank 1 on \S+: sees a different step_00000006.pt"):
         resume.choose_resume(str(point.path), tmp_path / "node2", dist, warn=print)
@@ -567,7 +571,9 @@ def test_rank_0_starting_fresh_while_another_node_sees_a_checkpoint_is_refused(t
     from gpt2.ckpt.checkpoint import CheckpointError
 
     _checkpoint(tmp_path, 6)  # what this rank (node 1) sees; rank 0 on node2 saw nothing
-    dist = _view(monkeypatch, 1, 0, ("ok", resume.Start(None, "new-run"), None, "node2", "*"), [(0, "node2", None)])
+    dist = _view(
+        monkeypatch, 1, 0, ("ok", resume.StartDecision(None, "new-run"), None, "node2", "*"), [(0, "node2", None)]
+    )
     with pytest.raises(
         CheckpointError,
         match=r"rank 0 on node2 found no checkpoint .* would start fresh, but "

@@ -27,33 +27,22 @@ from gpt2.plan.report import format_plan
 CPU = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
 
 
-def run(
-    cfg,
-    mb=1,
-    *,
-    seq_len=None,
-    world_size=1,
-    dtype="bf16",
-    total_batch_size=None,
-    optimizer="adamw",
-    chunked_loss=True,
-    compiled=False,
-    parallel="ddp",
-    activation_checkpointing=False,
-):
+def run(cfg, mb=1, *, seq_len=None, chunked_loss=True, compiled=False, activation_checkpointing=False, **train):
     """The RunConfig the planner takes, from the values these tests vary (a shorter seq_len: a model of that
-    block size)."""
+    block size; train: run_config's dtype, world_size and TrainConfig fields such as optimizer, parallel,
+    total_batch_size)."""
     cfg = cfg if seq_len is None else cfg.replace(block_size=seq_len)
-    train = dict(
-        optimizer=optimizer,
+    if train.get("total_batch_size") is None:
+        train.pop("total_batch_size", None)
+    train.setdefault("dtype", "bf16")
+    return run_config(
+        cfg,
+        mb,
         loss_impl="chunked" if chunked_loss else "full",
         compile=compiled,
-        parallel=parallel,
         activation_checkpointing="full" if activation_checkpointing else "none",
+        **train,
     )
-    if total_batch_size is not None:
-        train["total_batch_size"] = total_batch_size
-    return run_config(cfg, mb, dtype=dtype, world_size=world_size, **train)
 
 
 def planned(cfg, *, micro_batch_size, hardware, world_size=1, tokens=None, mfu=0.4, **kw):
@@ -565,10 +554,10 @@ def test_the_compiled_full_loss_holds_at_most_what_the_planner_counts_per_logit(
 
 def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
     from gpt2.core.config import RunConfig, TrainConfig
-    from gpt2.plan.resolve import Target, resolve
+    from gpt2.plan.resolve import Target, resolve_choices
 
     def plan_run(cfg, hw):  # the plan of a run on hw, its choices made
-        return resolve(cfg, Target(hardware=hw)).plan
+        return resolve_choices(cfg, Target(hardware=hw)).plan
 
     def run(cfg, hw, **train):
         return plan_run(RunConfig(cfg, TrainConfig(dtype="float32", **train)), hw)
@@ -669,7 +658,7 @@ def test_fsdp_at_world_size_1_is_ddp():
 
 def test_gpt2_xl_on_8_24gb_cards_fits_with_fsdp_and_not_with_ddp():
     from gpt2.core.config import TRAIN_PRESETS, RunConfig, TrainConfig
-    from gpt2.plan.resolve import Target, resolve
+    from gpt2.plan.resolve import Target, resolve_choices
 
     hw = gpu_hardware("RTX4090-24GB", "bf16")
     train = dict(TRAIN_PRESETS["gpt2-xl"], data_dir="d", out_dir="o", dtype="bfloat16")
@@ -678,8 +667,8 @@ def test_gpt2_xl_on_8_24gb_cards_fits_with_fsdp_and_not_with_ddp():
         match=r"gpt2-xl does not fit on RTX4090-24GB .* with DDP at world size 8.*"
         r"--parallel fsdp \(state sharded over the 8 ranks",
     ):
-        resolve(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train)), Target(hardware=hw, world_size=8))
-    p = resolve(
+        resolve_choices(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train)), Target(hardware=hw, world_size=8))
+    p = resolve_choices(
         RunConfig(model_preset("gpt2-xl"), TrainConfig(**train, parallel="fsdp")), Target(hardware=hw, world_size=8)
     ).plan
     assert p.fits and p.micro_batch_size >= 1 and p.grad_accum_steps > 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpt2.core import precision
-from gpt2.core.precision import Precision, emulation_warning, make_scaler, matmul_rate, resolve
+from gpt2.core.precision import Precision, emulation_warning, make_scaler, matmul_rate, resolve_precision
 
 
 def fake_rates(monkeypatch, **gflops):
@@ -36,7 +36,7 @@ def test_auto_on_a_cpu_without_bf16_instructions_picks_fp32_without_measuring(mo
     monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: parse(AVX2_CPUINFO))
     monkeypatch.setattr(precision, "peak_rates", lambda device, dtypes: pytest.fail("measured anyway"))
     monkeypatch.setattr(precision, "matmul_rate", lambda *a, **k: pytest.fail("measured anyway"))
-    p = resolve("auto", "cpu")
+    p = resolve_precision("auto", "cpu")
     assert p.dtype == "float32" and "no bf16 instructions" in p.reason
 
 
@@ -51,7 +51,7 @@ def test_auto_on_a_cpu_without_bf16_instructions_picks_fp32_without_measuring(mo
 )
 def test_auto_on_cpu_follows_the_measurement(monkeypatch, bf16, fp32, expected):
     fake_rates(monkeypatch, bfloat16=bf16, float32=fp32, float16=1.0)
-    p = resolve("auto", "cpu")
+    p = resolve_precision("auto", "cpu")
     assert p.dtype == expected and p.requested == "auto"
     assert f"bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s" in p.reason
 
@@ -60,7 +60,7 @@ def test_auto_on_cpu_follows_the_measurement(monkeypatch, bf16, fp32, expected):
 def test_auto_on_cuda_asks_for_native_bf16(monkeypatch, native, expected):
     monkeypatch.setattr(precision, "cuda_native_bf16", lambda device: native)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4" if not native else "A100")
-    p = resolve("auto", torch.device("cuda", 0))
+    p = resolve_precision("auto", torch.device("cuda", 0))
     assert p.dtype == expected
     assert ("loss scaler" in p.reason) == (not native)
 
@@ -81,23 +81,23 @@ def test_cuda_native_bf16_excludes_emulation(monkeypatch):
 
 def test_explicit_dtype_is_kept_and_an_emulated_one_warns(monkeypatch):
     fake_rates(monkeypatch, bfloat16=1.3, float32=80.0, float16=1.3)
-    p = resolve("bfloat16", "cpu")
+    p = resolve_precision("bfloat16", "cpu")
     assert p.dtype == "bfloat16" and "auto would pick float32" in p.reason
     warning = emulation_warning(p, "cpu")
     assert warning and "--dtype bfloat16" in warning and "auto would pick float32" in warning
-    assert emulation_warning(resolve("float32", "cpu"), "cpu") is None
-    assert emulation_warning(resolve("auto", "cpu"), "cpu") is None
+    assert emulation_warning(resolve_precision("float32", "cpu"), "cpu") is None
+    assert emulation_warning(resolve_precision("auto", "cpu"), "cpu") is None
     fake_rates(monkeypatch, bfloat16=400.0, float32=150.0, float16=1.0)
-    assert emulation_warning(resolve("bfloat16", "cpu"), "cpu") is None
+    assert emulation_warning(resolve_precision("bfloat16", "cpu"), "cpu") is None
     monkeypatch.setattr(precision, "cuda_native_bf16", lambda device: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
-    warning = emulation_warning(resolve("bfloat16", torch.device("cuda", 0)), torch.device("cuda", 0))
+    warning = emulation_warning(resolve_precision("bfloat16", torch.device("cuda", 0)), torch.device("cuda", 0))
     assert warning and "auto would pick float16" in warning
 
 
 def test_unknown_dtype_is_an_error():
     with pytest.raises(ValueError, match="must be one of"):
-        resolve("fp8", "cpu")
+        resolve_precision("fp8", "cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -127,7 +127,7 @@ def test_matmul_rate_fixed_size_fresh_and_cpu_time():
 
 
 def test_auto_on_this_cpu_picks_fp32_without_bf16_instructions_else_the_faster_measured_dtype():
-    p = resolve("auto", "cpu")
+    p = resolve_precision("auto", "cpu")
     if precision.cpu_bf16_instructions() is False:
         assert p.dtype == "float32"
         return

@@ -20,7 +20,7 @@ from gpt2.core import host_memory
 from gpt2.core.precision import Precision
 from gpt2.distributed.group import Dist
 from gpt2.plan.hardware import GIB, Hardware
-from gpt2.plan.resolve import Target, resolve
+from gpt2.plan.resolve import Target, resolve_choices
 from gpt2.train import dryrun, startup
 from gpt2.train.cli import Rehearsal, parse_config
 
@@ -72,7 +72,7 @@ def start_lines(cfg, world: int) -> list[str]:
     if world == 1:
         resolved = startup.resolve_auto(cfg, dist, log)
     else:  # rank 0's decision, which resolve_auto broadcasts (no process group here)
-        resolved = resolve(cfg, startup.start_target(dist))
+        resolved = resolve_choices(cfg, startup.start_target(dist))
         startup.log_auto(resolved, log)
     startup.check_plan(resolved, log)
     return lines
@@ -102,14 +102,14 @@ def test_a_small_memory_cap_changes_the_decision_and_both_paths_take_it(tmp_path
     impls = {}
     for free in (1.3, 16):
         monkeypatch.setattr(host_memory, "available_bytes", lambda free=free: int(free * GIB))
-        impls[free] = resolve(cfg, Target(device=torch.device("cpu"))).cfg.train.loss_impl
+        impls[free] = resolve_choices(cfg, Target(device=torch.device("cpu"))).cfg.train.loss_impl
     assert impls == {1.3: "chunked", 16: "full"}
 
 
 def test_resolve_makes_every_auto_concrete_once_and_records_its_reasons(tmp_path):
     cfg = parse_config([*COMMON, "--data-dir", "d", "--out-dir", str(tmp_path), "--dtype", "float32"])
     cap = Hardware(name="capped", memory_bytes=8 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
-    r = resolve(cfg, Target(device=torch.device("cpu"), hardware=cap))
+    r = resolve_choices(cfg, Target(device=torch.device("cpu"), hardware=cap))
     tc = r.cfg.train
     assert isinstance(tc.micro_batch_size, int) and tc.loss_impl in ("full", "chunked")
     assert tc.activation_checkpointing in ("none", "full") and tc.dtype == "float32"
@@ -121,7 +121,7 @@ def test_resolve_makes_every_auto_concrete_once_and_records_its_reasons(tmp_path
     )
     assert r.micro_batch.size == tc.micro_batch_size and r.plan.micro_batch_choice == r.micro_batch
     assert r.loss.reason and r.ac.reason and r.precision.reason
-    again = resolve(r.cfg, Target(device=torch.device("cpu"), hardware=cap))  # concrete stays as it is
+    again = resolve_choices(r.cfg, Target(device=torch.device("cpu"), hardware=cap))  # concrete stays as it is
     assert again.cfg == r.cfg and again.plan.micro_batch_choice is None
 
 
@@ -148,7 +148,7 @@ def test_the_planner_functions_take_the_resolved_config_and_its_hardware():
             "muon",
         ]
     )
-    r = resolve(cfg, Target(gpu="A100-40GB", world_size=2))
+    r = resolve_choices(cfg, Target(gpu="A100-40GB", world_size=2))
     again = plan(r.cfg, r.hardware, world_size=2, tokens=r.plan.tokens)
     assert dataclasses.replace(again, micro_batch_choice=r.plan.micro_batch_choice) == r.plan
     assert memory(r.cfg, r.hardware, world_size=2) == r.plan.memory and r.plan.memory.shards == 2
@@ -159,10 +159,10 @@ def test_the_planner_functions_take_the_resolved_config_and_its_hardware():
 
 def test_a_hypothetical_gpu_resolves_its_own_precision_and_tf32():
     cfg = parse_config([*TINY_MODEL_FLAGS, "--data-dir", "d", "--out-dir", "o", "--total-batch-size", "4096"])
-    r = resolve(cfg, Target(gpu="H100-80GB", world_size=2))
+    r = resolve_choices(cfg, Target(gpu="H100-80GB", world_size=2))
     assert r.precision.dtype == "bfloat16" and r.hardware.name == "H100-80GB" and r.warning is None
     fp32 = parse_config(
         [*TINY_MODEL_FLAGS, "--data-dir", "d", "--out-dir", "o", "--dtype", "float32", "--tf32", "true"]
     )
-    assert resolve(fp32, Target(gpu="A100-80GB")).precision.key == "tf32"
-    assert resolve(fp32, Target(device=torch.device("cpu"))).precision.key == "fp32"  # a CPU has no TF32
+    assert resolve_choices(fp32, Target(gpu="A100-80GB")).precision.key == "tf32"
+    assert resolve_choices(fp32, Target(device=torch.device("cpu"))).precision.key == "fp32"  # a CPU has no TF32

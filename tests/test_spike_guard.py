@@ -17,7 +17,7 @@ from conftest import run_trainer
 from gpt2.core.config import TrainConfig
 from gpt2.data.shards import write_shard
 from gpt2.distributed.group import Dist
-from gpt2.train.run_log import Metrics
+from gpt2.train.run_log import RunLog
 from gpt2.train.spike_guard import SpikeGuard, verdict_of
 
 STEP_TOKENS = 512
@@ -109,7 +109,7 @@ def test_state_round_trips_into_another_window_and_none_leaves_a_fresh_guard():
 
 def test_observe_counts_spikes_within_the_window_and_says_so(tmp_path, capsys):
     guard = guard_for(spike_rollback_after=2)
-    log = Metrics(Dist(0, 0, 1, 1, torch.device("cpu")), tmp_path)
+    log = RunLog(Dist(0, 0, 1, 1, torch.device("cpu")), tmp_path)
     assert not guard.observe(10, verdict_of([1.0, 9.0, 0.0]), 11.0, 1.0, log)
     assert not guard.observe(19, verdict_of([1.0, 9.0, 0.0]), 11.0, 1.0, log)  # step 10 is out of the window
     assert guard.observe(20, verdict_of([1.0, 9.0, 0.0]), 11.0, 1.0, log)

@@ -405,9 +405,9 @@ def test_loss_cli_and_the_trainer_say_how_many_val_tokens_their_loss_is_over(run
 
 def test_the_trainers_val_line_names_its_token_count(tmp_path, capsys):
     from gpt2.distributed.group import single_process
-    from gpt2.train.run_log import Metrics
+    from gpt2.train.run_log import RunLog
 
-    log = Metrics(single_process(), tmp_path)
+    log = RunLog(single_process(), tmp_path)
     log.log_eval(50, 102_400, 6.18676, 8192)
     log.close()
     assert capsys.readouterr().out.strip() == "step     50 | val loss 6.1868 | ppl 486.27 | 8,192 val tokens"

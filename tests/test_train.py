@@ -336,13 +336,13 @@ def test_read_metrics_skips_a_torn_line_and_a_missing_file_with_missing_ok(tmp_p
 def test_read_metrics_refuses_a_damaged_line_that_is_not_the_last(tmp_path):
     """Only the last line can be torn (by a live writer or a crash); anywhere else it is damage."""
     from gpt2.distributed.group import Dist
-    from gpt2.train.run_log import Metrics
+    from gpt2.train.run_log import RunLog
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 10.0}\n{"step": 2, "lo\n{"step": 3, "loss": 9.0}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record .* the metrics log is damaged"):
         read_metrics(path)
-    log = Metrics(Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")), tmp_path)
+    log = RunLog(Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")), tmp_path)
     with pytest.raises(ValueError, match="metrics.jsonl:2"):
         log.truncate_after(3)  # a resume says so rather than dropping step 2's record unseen
     log.close()
@@ -353,11 +353,11 @@ def test_a_resume_warns_when_a_cut_line_loses_rows_it_will_not_log_again(tmp_pat
     resume. The rows the resume will not log again are named; a cut row of a later step (logged again
     as the resumed run reaches it) is dropped without a word."""
     from gpt2.distributed.group import Dist
-    from gpt2.train.run_log import Metrics
+    from gpt2.train.run_log import RunLog
 
     path = tmp_path / "metrics.jsonl"
     rows = '{"step": 1, "loss": 10.0}\n{"step": 2, "loss": 9.5}\n'
-    log = Metrics(Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")), tmp_path)
+    log = RunLog(Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu")), tmp_path)
     for cut, resume_at, warning in (
         (
             '{"step": 3, "lo',
@@ -386,7 +386,7 @@ def test_micro_batch_size_auto_resolves_on_rank_0_within_what_fits(tmp_path, cap
     from gpt2.distributed.group import Dist
     from gpt2.plan.hardware import Hardware
     from gpt2.plan.memory import AUTO_HEADROOM, max_micro_batch_size
-    from gpt2.train.run_log import Metrics
+    from gpt2.train.run_log import RunLog
     from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
@@ -396,7 +396,7 @@ def test_micro_batch_size_auto_resolves_on_rank_0_within_what_fits(tmp_path, cap
             data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size="auto", total_batch_size=256 * 48
         ),
     )
-    log = Metrics(dist, tmp_path)
+    log = RunLog(dist, tmp_path)
     roomy = resolve_auto(cfg, dist, log).cfg
     b = roomy.train.micro_batch_size
     assert 48 % b == 0 and roomy.train.dtype == "float32"
@@ -415,7 +415,7 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
     from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
     from gpt2.distributed.group import Dist
     from gpt2.plan.hardware import GIB, Hardware
-    from gpt2.train.run_log import Metrics
+    from gpt2.train.run_log import RunLog
     from gpt2.train.startup import resolve_auto
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
@@ -423,7 +423,7 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
         ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
         TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size=8, total_batch_size=512),
     )  # 512 tokens, compiled: full-logits peak 0.10 GiB
-    log = Metrics(dist, tmp_path)
+    log = RunLog(dist, tmp_path)
     roomy = Hardware(name="roomy", memory_bytes=8 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
     small = Hardware(name="small", memory_bytes=3 * GIB // 2, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
     full, why_full = (r := resolve_auto(cfg, dist, log, hardware=roomy)).cfg, r.loss
@@ -666,7 +666,7 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
     import gpt2
     from gpt2.distributed.group import Dist
     from gpt2.train.cli import parse_config
-    from gpt2.train.run_log import Metrics
+    from gpt2.train.run_log import RunLog
     from gpt2.train.startup import check_data
     from gpt2.train.trainer import build, train_step
 
@@ -687,7 +687,7 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
         ]
     )
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    parts = build(cfg, dist, Metrics(dist, tmp_path), check_data(cfg, 1))
+    parts = build(cfg, dist, RunLog(dist, tmp_path), check_data(cfg, 1))
     assert parts.accum_steps == 2
     train_step(parts, cfg, dist, False)  # warm-up
 

@@ -84,7 +84,7 @@ def sharded_state(model: torch.nn.Module, optimizer) -> dict:
     }
 
 
-def save(model: torch.nn.Module, optimizer, directory: Path) -> None:
+def save_dcp(model: torch.nn.Module, optimizer, directory: Path) -> None:
     """Every rank writes its shards into directory (DCP's files: __<rank>_0.distcp, .metadata by rank 0)."""
     import torch.distributed.checkpoint as dcp
 

@@ -59,7 +59,7 @@ class ResumePoint:
 
 
 @dataclass(frozen=True)
-class Start:
+class StartDecision:
     """How this run begins, the same on every rank (choose_start)."""
 
     point: ResumePoint | None
@@ -132,19 +132,19 @@ def _raise_problems(reports: list[tuple], what: str) -> None:
         raise ckpt.CheckpointError(f"{what}, but {listed}{more}. {SHARED_DIR_HINT}")
 
 
-def _decide(resume: str, out_dir: str | Path, warn) -> tuple[Start, str | None]:
+def _decide(resume: str, out_dir: str | Path, warn) -> tuple[StartDecision, str | None]:
     """Rank 0's decision (reads the directory, writes nothing), and the run id whose checkpoints
     count in out_dir (rundir.ANY_RUN where nothing records it)."""
     out = Path(out_dir)
     counted = rundir.ANY_RUN if resume == "never" else rundir.directory_run_id(out)
     path = ckpt.resolve_resume(resume, out, warn=warn, run_id=counted)  # verifies the sha256 of what it picks
     if path is None:  # everything of an earlier run goes aside, whatever its id: a fresh start shares nothing
-        return Start(None, rundir.new_run_id(), rundir.records_present(out)), counted
+        return StartDecision(None, rundir.new_run_id(), rundir.records_present(out)), counted
     point = _point(path)
     if counted in (rundir.ANY_RUN, point.run_id):  # RUN's own run (or nothing recorded): it continues
         explicit = resume != "auto" and ckpt.is_checkpoint(resume)  # a run directory, like auto, takes the newest
         abandon = ckpt.later_checkpoints(out, point.step, point.run_id) if explicit else ()
-        return Start(point, point.run_id, abandon=abandon), counted
+        return StartDecision(point, point.run_id, abandon=abandon), counted
     # --resume PATH of another run into a directory that holds its own: the directory becomes the
     # resumed run's, and its earlier records go aside as at a fresh start.
     if out.resolve() in path.resolve().parents:
@@ -153,10 +153,10 @@ def _decide(resume: str, out_dir: str | Path, warn) -> tuple[Start, str | None]:
             f"{counted or '(no run id)'} (its {rundir.RUN_INFO}); copy the checkpoint and its .json sidecar to a "
             "new --out-dir and resume there"
         )
-    return Start(point, point.run_id, rundir.records_present(out)), counted
+    return StartDecision(point, point.run_id, rundir.records_present(out)), counted
 
 
-def choose_start(resume: str, out_dir: str | Path, dist: Dist, warn) -> Start:
+def choose_start(resume: str, out_dir: str | Path, dist: Dist, warn) -> StartDecision:
     """--resume auto|never|PATH -> how every rank begins: the checkpoint to load (or a fresh start),
     the run id, and which earlier records rank 0 moves aside (set_aside_earlier_run does that).
 
@@ -205,7 +205,7 @@ def choose_resume(resume: str, out_dir: str | Path, dist: Dist, warn) -> ResumeP
     return choose_start(resume, out_dir, dist, warn).point
 
 
-def set_aside_earlier_run(start: Start, out_dir: str | Path, dist: Dist) -> Path | None:
+def set_aside_earlier_run(start: StartDecision, out_dir: str | Path, dist: Dist) -> Path | None:
     """Rank 0 moves start.set_aside into RUN/previous-<UTC time>/ (returned on rank 0); every rank waits.
 
     Called after choose_start, whose closing collective means no rank still reads the directory,
@@ -223,7 +223,7 @@ def set_aside_earlier_run(start: Start, out_dir: str | Path, dist: Dist) -> Path
     )
 
 
-def set_aside_abandoned(start: Start, out_dir: str | Path, dist: Dist) -> Path | None:
+def set_aside_abandoned(start: StartDecision, out_dir: str | Path, dist: Dist) -> Path | None:
     """Rank 0 moves start.abandon (the resumed run's checkpoints past start.point) into
     RUN/checkpoints/abandoned-<step>-<UTC time>/ (returned on rank 0) and copies RUN/metrics.jsonl
     there whole, the abandoned branch's log (restore then cuts RUN's back to the resumed step); every
@@ -246,7 +246,7 @@ def set_aside_abandoned(start: Start, out_dir: str | Path, dist: Dist) -> Path |
     )
 
 
-def restore_sidecar(start: Start, out_dir: str | Path, dist: Dist) -> Path | None:
+def restore_sidecar(start: StartDecision, out_dir: str | Path, dist: Dist) -> Path | None:
     """Rank 0 writes the sidecar of the resumed checkpoint again when it was lost (start.point.sidecar
     False) and the checkpoint is in this run directory: retention counts only checkpoints with one,
     and would otherwise delete it at the next save. Returns the sidecar written; a failure to write

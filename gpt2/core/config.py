@@ -175,6 +175,12 @@ def model_config_problems(cfg: ModelConfig) -> list[str]:
             f"vocab_size={cfg.vocab_size} is smaller than the GPT-2 tokenizer's {GPT2_VOCAB_SIZE} "
             f"tokens; use {GPT2_VOCAB_SIZE} or the padded {PADDED_VOCAB_SIZE}"
         )
+    return p + _architecture_problems(cfg)
+
+
+def _architecture_problems(cfg: ModelConfig) -> list[str]:
+    """Dropout, attention, the MLP's activation, the norm, RoPE and the logit cap (sizes already checked)."""
+    p = []
     if not 0.0 <= cfg.dropout < 1.0:
         p.append(f"dropout={cfg.dropout} must be in [0, 1)")
     if cfg.attn_impl not in ATTN_IMPLS:
@@ -648,8 +654,19 @@ class TrainConfig:
 
 
 def train_config_problems(cfg: TrainConfig) -> list[str]:
-    from gpt2.core.precision import DTYPES  # here, not at the top: data_prep imports this module without torch
+    """Every problem of a TrainConfig, one line each, in the order of its parts."""
+    return [
+        *_size_problems(cfg),
+        *_setting_problems(cfg),
+        *_parallel_and_precision_problems(cfg),
+        *_optimizer_problems(cfg),
+        *_distributed_problems(cfg),
+        *_start_problems(cfg),
+    ]
 
+
+def _size_problems(cfg: TrainConfig) -> list[str]:
+    """Counts and intervals: the micro-batch, the steps, the intervals, the compile cache's name."""
     p = []
     positive = (
         "total_batch_size",
@@ -682,6 +699,14 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     for name in non_negative:
         if getattr(cfg, name) < 0:
             p.append(f"{name}={getattr(cfg, name)} must be >= 0")
+    return p
+
+
+def _setting_problems(cfg: TrainConfig) -> list[str]:
+    """Named choices (device, data checks and order, dtype) and the learning rates."""
+    from gpt2.core.precision import DTYPES  # here, not at the top: data_prep imports this module without torch
+
+    p = []
     if cfg.device not in DEVICES:
         p.append(f"device={cfg.device!r} must be one of {DEVICES}")
     if cfg.verify_data not in VERIFY_DATA:
@@ -694,6 +719,12 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"lr={cfg.lr} must be > 0")
     if not 0 <= cfg.min_lr <= cfg.lr:
         p.append(f"min_lr={cfg.min_lr} must be between 0 and lr={cfg.lr}")
+    return p
+
+
+def _parallel_and_precision_problems(cfg: TrainConfig) -> list[str]:
+    """Parallelism, compilation, the loss path, the FP8 head, activation checkpointing."""
+    p = []
     if cfg.parallel not in PARALLELS:
         p.append(f"parallel={cfg.parallel!r} must be one of {PARALLELS}")
     p += fsdp_problems(cfg)
@@ -709,6 +740,12 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append("fp8_head=True with parallel=fsdp is not supported (the head's weight is sharded); use ddp")
     if cfg.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         p.append(f"activation_checkpointing={cfg.activation_checkpointing!r} must be one of {ACTIVATION_CHECKPOINTING}")
+    return p
+
+
+def _optimizer_problems(cfg: TrainConfig) -> list[str]:
+    """The optimizer's and the spike guard's settings."""
+    p = []
     if cfg.optimizer not in OPTIMIZERS:
         p.append(f"optimizer={cfg.optimizer!r} must be one of {OPTIMIZERS}")
     if cfg.muon_lr <= 0 or not 0 <= cfg.muon_momentum < 1 or cfg.muon_weight_decay < 0:
@@ -724,6 +761,12 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
         p.append("weight_decay and grad_clip must be >= 0 and eps > 0")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         p.append(f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
+    return p
+
+
+def _distributed_problems(cfg: TrainConfig) -> list[str]:
+    """DDP's buckets, garbage collection, the collectives' timeouts."""
+    p = []
     if not cfg.ddp_bucket_cap_mb >= 1:
         p.append(
             f"ddp_bucket_cap_mb={cfg.ddp_bucket_cap_mb} must be >= 1 (MiB): torch.compile splits the "
@@ -734,6 +777,12 @@ def train_config_problems(cfg: TrainConfig) -> list[str]:
     for name in ("dist_timeout_s", "dist_step_timeout_s"):
         if getattr(cfg, name) <= 0:
             p.append(f"{name}={getattr(cfg, name)} must be > 0")
+    return p
+
+
+def _start_problems(cfg: TrainConfig) -> list[str]:
+    """How the run starts (resume, init_from) and what it evaluates from a file (HellaSwag)."""
+    p = []
     if cfg.hellaswag_interval and not cfg.hellaswag_file:
         p.append("hellaswag_interval needs hellaswag_file: a HellaSwag jsonl path (downloaded there if missing)")
     if cfg.resume in ("", None):

@@ -45,7 +45,7 @@ def enable() -> None:
     compat.inductor_deterministic()
 
 
-def describe() -> str:
+def describe_determinism() -> str:
     """The start-up line: what this process's torch has set (not what was asked for)."""
     inductor = compat.inductor_deterministic_mode()
     return (

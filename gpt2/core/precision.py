@@ -118,7 +118,7 @@ def make_scaler(dtype: str, device: torch.device | str) -> torch.amp.GradScaler:
     return Precision(dtype, dtype).scaler(device)
 
 
-def resolve(requested: str, device: torch.device | str, *, tf32: bool = False) -> Precision:
+def resolve_precision(requested: str, device: torch.device | str, *, tf32: bool = False) -> Precision:
     """auto -> the fast dtype for device (see the module docstring); an explicit name is kept. tf32: the
     run's --tf32, which counts on a CUDA device only."""
     if requested not in DTYPES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int, decay_steps: int = 0) -> float:
@@ -43,6 +44,22 @@ def grad_accum_steps(total_tokens: int, micro_batch: int, seq_len: int, world_si
             + dividing_sizes(total_tokens, micro_batch, seq_len, world_size)
         )
     return total_tokens // per_step
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One optimizer step's tokens across the ranks: micro_batch_size sequences of seq_len tokens in each
+    micro-step of each of world_size ranks, total_batch_size tokens in all."""
+
+    micro_batch_size: int
+    seq_len: int
+    total_batch_size: int
+    world_size: int = 1
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-steps per optimizer step (grad_accum_steps: a ValueError naming the fix when they do not divide)."""
+        return grad_accum_steps(self.total_batch_size, self.micro_batch_size, self.seq_len, self.world_size)
 
 
 def dividing_sizes(total_tokens: int, micro_batch: int, seq_len: int, world_size: int) -> str:

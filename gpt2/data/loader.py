@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
-from gpt2.core.schedule import grad_accum_steps
+from gpt2.core.schedule import BatchLayout
 from gpt2.data.check import out_of_vocab
 from gpt2.data.permutation import Permutation
 from gpt2.data.shards import TOKEN_DTYPE, ShardError, ShardFiles, read_header
@@ -199,12 +199,9 @@ class TrainLoader:
     def __init__(
         self,
         shards: ShardSet,
+        layout: BatchLayout,
         *,
-        micro_batch_size: int,
-        seq_len: int,
-        total_batch_size: int,
         rank: int,
-        world_size: int,
         seed: int,
         device: torch.device,
         pin_memory: bool = True,
@@ -212,7 +209,9 @@ class TrainLoader:
         max_open_shards: int | None = None,
         defer_bad_tokens: bool = False,
     ) -> None:
-        accum_steps = grad_accum_steps(total_batch_size, micro_batch_size, seq_len, world_size)
+        accum_steps = layout.accum_steps
+        micro_batch_size, seq_len, total_batch_size = layout.micro_batch_size, layout.seq_len, layout.total_batch_size
+        world_size = layout.world_size
         if order not in DATA_ORDERS:
             raise ValueError(f"data order {order!r} must be one of {DATA_ORDERS}")
         if shards.total_tokens < total_batch_size + 1:

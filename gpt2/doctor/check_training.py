@@ -14,7 +14,7 @@ from gpt2.doctor.train_runs import QUIET_FLAGS, TrainRun, compare_losses, loss_t
 from gpt2.plan.flops import flops_per_token, format_flops
 from gpt2.plan.hardware import device_hardware
 from gpt2.plan.memory import PLAN_ERROR
-from gpt2.plan.resolve import Target, resolve
+from gpt2.plan.resolve import Target, resolve_choices
 
 
 def train_flags(ctx: Context) -> list[str]:
@@ -42,7 +42,7 @@ def one_rank_run(ctx: Context) -> TrainRun:
     return ctx.runs.get("train-1rank") or ctx.train("train-1rank", train_flags(ctx))
 
 
-def run_config(run: TrainRun) -> RunConfig:
+def train_run_config(run: TrainRun) -> RunConfig:
     """The config a finished run resolved (auto micro-batch, dtype and loss path made concrete)."""
     cfg = run.info()["config"]
     return RunConfig(ModelConfig(**cfg["model"]), TrainConfig(**cfg["train"]))
@@ -54,7 +54,7 @@ def training(ctx: Context) -> Section:
     if not run.ok:
         s.fail(f"train_ddp.py --preset gpt2 failed: {run.failure()} (log: {run.log})")
         return s
-    cfg, info, records = run_config(run), run.info(), run.records()
+    cfg, info, records = train_run_config(run), run.info(), run.records()
     tc, warm = cfg.train, ctx.scale.train_warmup
     tok_s = median_after_warmup(records, "tok_per_s", warm)
     s.info(
@@ -88,7 +88,7 @@ def memory_rows(s: Section, ctx: Context, cfg: RunConfig, records: list[dict], p
     """CUDA: the trainer's logged torch.cuda.max_memory_allocated against the planner's total for this run,
     which is held within PLAN_ERROR of the measured peak (gpt2/plan/memory.py): the check allows that much
     over it. A CPU run logs its RSS over the whole process: not the same quantity."""
-    planned = resolve(cfg, Target(hardware=device_hardware(ctx.device, peak))).plan.memory.total
+    planned = resolve_choices(cfg, Target(hardware=device_hardware(ctx.device, peak))).plan.memory.total
     measured = max(r["mem_mb"] for r in records) * 2**20
     if ctx.device.type != "cuda":
         s.note(

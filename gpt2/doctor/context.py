@@ -90,7 +90,7 @@ class Context:
     def auto_precision(self) -> precision.Precision:
         """--dtype auto on this device, as the trainer resolves it (measured and cached on a CPU)."""
         if self._prec is None:
-            self._prec = precision.resolve("auto", self.device)
+            self._prec = precision.resolve_precision("auto", self.device)
         return self._prec
 
     def data_dir(self) -> Path:

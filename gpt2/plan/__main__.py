@@ -33,7 +33,7 @@ from gpt2.plan.budget import WRITE_BYTES_PER_S
 from gpt2.plan.hardware import GPUS
 from gpt2.plan.planner import Plan, check_fits
 from gpt2.plan.report import format_plan, format_stop
-from gpt2.plan.resolve import Target, resolve
+from gpt2.plan.resolve import Target, resolve_choices
 
 DEFAULT_GPU = "A100-80GB"
 """What a plan is for without --gpu or --gpu-memory-gb. Not this machine's device, unlike train_ddp.py
@@ -143,7 +143,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         world_size=args.world_size, gpu=gpu, gpu_memory_gb=args.gpu_memory_gb, gpu_peak_tflops=args.gpu_peak_tflops
     )
     tokens = None if args.tokens is None else int(args.tokens)
-    return resolve(RunConfig(cfg, TrainConfig(**train)), target, tokens=tokens, mfu=args.mfu).plan
+    return resolve_choices(RunConfig(cfg, TrainConfig(**train)), target, tokens=tokens, mfu=args.mfu).plan
 
 
 def planned_for(args: argparse.Namespace, p: Plan) -> str:

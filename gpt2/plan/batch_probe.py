@@ -69,7 +69,7 @@ def candidates(sizes: list[int], modelled: int, seq_len: int) -> list[int]:
     return sorted({modelled, middle, largest})
 
 
-def probe_key(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict:
+def batch_probe_key(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict:
     return {
         **precision.peak_key("cpu", precision.Precision(dtype, dtype).torch_dtype),
         "probe": "micro-batch",
@@ -81,7 +81,7 @@ def probe_key(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict:
     }
 
 
-def probe_path(key: dict) -> Path:
+def batch_probe_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return precision.peak_cache_dir() / f"micro-batch-{digest}.json"
 
@@ -92,8 +92,8 @@ def micro_batch_rates(
     """Each candidate micro-batch's tokens/s on this CPU with the loss path the run would take at it
     (`losses`: micro-batch -> full or chunked), from the cache or measured (then cached atomically)."""
     sizes = sorted(losses)
-    key = probe_key(cfg, dtype, losses)
-    path = probe_path(key)
+    key = batch_probe_key(cfg, dtype, losses)
+    path = batch_probe_path(key)
     if refresh is None:
         refresh = precision.refresh_requested()
     entry = None if refresh else precision.read_cache_entry(path, key)
@@ -108,7 +108,7 @@ def micro_batch_rates(
             rates = None
     if rates is None:
         before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
-        rates = measure(cfg, dtype, losses)
+        rates = time_micro_batches(cfg, dtype, losses)
         after = host_memory.resident_peak_bytes()
         if None not in (before, high, after):
             peak = after - before if after > high else 0
@@ -116,7 +116,7 @@ def micro_batch_rates(
     return MicroBatchRates(rates, str(path), peak)
 
 
-def measure(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict[int, float]:
+def time_micro_batches(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict[int, float]:
     """tokens/s of a fresh model's forward + backward at each micro-batch of `losses`, with its loss path
     (module docstring)."""
     from gpt2.model.gpt import GPT

@@ -65,7 +65,7 @@ class EagerLossTimes:
         )
 
 
-def probe_key(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> dict:
+def loss_probe_key(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> dict:
     """The machine (precision.peak_key: CPU, threads, torch) and the shape the times depend on."""
     return {
         **precision.peak_key(device, precision.Precision(dtype, dtype).torch_dtype),
@@ -76,7 +76,7 @@ def probe_key(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int
     }
 
 
-def probe_path(key: dict) -> Path:
+def loss_probe_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return precision.peak_cache_dir() / f"eager-loss-{digest}.json"
 
@@ -87,15 +87,15 @@ def eager_loss_times(
     """Both paths' times at this shape on this CPU, from the cache or measured (then cached atomically).
     refresh=None reads precision.REFRESH_PEAK_ENV, as the matmul peaks do."""
     tokens = min(tokens, PROBE_MAX_TOKENS)
-    key = probe_key(device, dtype, tokens, n_embd, vocab_size)
-    path = probe_path(key)
+    key = loss_probe_key(device, dtype, tokens, n_embd, vocab_size)
+    path = loss_probe_path(key)
     if refresh is None:
         refresh = precision.refresh_requested()
     entry = None if refresh else precision.read_cache_entry(path, key)
     peak = None
     if entry is None or not all(isinstance(entry.get(k), float) and entry[k] > 0 for k in ("full_s", "chunked_s")):
         before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
-        full_s, chunked_s = measure(device, dtype, tokens, n_embd, vocab_size)
+        full_s, chunked_s = time_loss_paths(device, dtype, tokens, n_embd, vocab_size)
         after = host_memory.resident_peak_bytes()
         if None not in (before, high, after):  # what it raised the process's peak to, above what it held
             peak = after - before if after > high else 0
@@ -104,7 +104,7 @@ def eager_loss_times(
     return EagerLossTimes(entry["full_s"], entry["chunked_s"], str(path), peak)
 
 
-def measure(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> tuple[float, float]:
+def time_loss_paths(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> tuple[float, float]:
     """(full, chunked) seconds: GPT.forward's two loss paths on random activations and a GPT-2-scale
     weight, under the run's autocast, the padded vocabulary rows masked as the model masks them."""
     from gpt2.model.gpt import GPT2_VOCAB_SIZE

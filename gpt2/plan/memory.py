@@ -275,54 +275,24 @@ def memory(
     if accum_steps is None:
         accum_steps = grad_accum_steps(tc.total_batch_size, micro_batch_size, seq_len, world_size)
     checkpointed = tc.activation_checkpointing == "full" if checkpointed is None else checkpointed
-    return _memory(
-        model,
-        micro_batch_size,
-        seq_len,
-        world_size=world_size,
-        dtype=Precision.of_config(tc, hardware.device_type).key,
-        device_type=hardware.device_type,
-        device_memory=hardware.memory_bytes,
-        optimizer=tc.optimizer,
-        parallel=tc.parallel,
-        chunked_loss=tc.loss_impl != "full",
-        accum_steps=accum_steps,
-        compiled=tc.compile,
-        checkpointed=checkpointed,
-    )
-
-
-def _memory(
-    cfg: ModelConfig,
-    micro_batch_size: int,
-    seq_len: int,
-    *,
-    world_size: int,
-    dtype: str,
-    device_type: str,
-    chunked_loss: bool,
-    device_memory: int,
-    optimizer: str,
-    parallel: str,
-    accum_steps: int,
-    compiled: bool,
-    checkpointed: bool,
-) -> Memory:
-    n = param_count(cfg)
+    dtype = Precision.of_config(tc, hardware.device_type).key
+    device_type, device_memory = hardware.device_type, hardware.memory_bytes
+    optimizer, parallel, chunked_loss, compiled = tc.optimizer, tc.parallel, tc.loss_impl != "full", tc.compile
+    n = param_count(model)
     autocast = dtype in AUTOCAST_DTYPES
-    flash = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=True)
-    explicit = activation_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=False)
+    flash = activation_bytes(model, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=True)
+    explicit = activation_bytes(model, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=False)
     saved = activation_bytes(
-        cfg,
+        model,
         micro_batch_size,
         seq_len,
         dtype=dtype,
         device_type=device_type,
-        flash=cfg.attn_impl != "explicit",
+        flash=model.attn_impl != "explicit",
         checkpointed=True,
     )
     logits = loss_bytes(
-        cfg,
+        model,
         micro_batch_size * seq_len,
         dtype=dtype,
         chunked=chunked_loss,
@@ -332,18 +302,18 @@ def _memory(
     )
     backward = 0
     if device_type == "cpu" and not checkpointed:  # CUDA's plan is as measured on H100/H200 (block_backward_bytes)
-        attn = cfg.attn_impl != "explicit"
+        attn = model.attn_impl != "explicit"
         active = flash if attn else explicit
-        peak = block_backward_bytes(cfg, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=attn)
+        peak = block_backward_bytes(model, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=attn)
         backward = max(0, peak - active - logits)
     mem = Memory(
         weights=4 * n,
-        autocast_weights=2 * matmul_weight_count(cfg) if autocast else 0,
+        autocast_weights=2 * matmul_weight_count(model) if autocast else 0,
         gradients=4 * n,  # also DDP's buckets: gradient_as_bucket_view=True makes them one storage
-        optimizer=optimizer_bytes(cfg, optimizer),
+        optimizer=optimizer_bytes(model, optimizer),
         activations_flash=flash,
         activations_explicit=explicit,
-        activations=saved if checkpointed else explicit if cfg.attn_impl == "explicit" else flash,
+        activations=saved if checkpointed else explicit if model.attn_impl == "explicit" else flash,
         activations_checkpointed=saved,
         checkpointed=checkpointed,
         logits=logits,
@@ -356,7 +326,7 @@ def _memory(
     if parallel == "ddp" or world_size == 1:  # fsdp at world size 1: the trainer does not shard
         return mem
     return fsdp_memory(
-        mem, cfg, world_size, dtype=dtype, device_type=device_type, optimizer=optimizer, accum_steps=accum_steps
+        mem, model, world_size, dtype=dtype, device_type=device_type, optimizer=optimizer, accum_steps=accum_steps
     )
 
 

@@ -1,4 +1,4 @@
-"""The start-up's decisions in one function: resolve(cfg, target) settles --dtype auto,
+"""The start-up's decisions in one function: resolve_choices(cfg, target) settles --dtype auto,
 --activation-checkpointing auto, --micro-batch-size auto, --loss-impl auto and the memory plan of a run
 on the Target hardware. A real start (gpt2/train/startup.py, on rank 0, which broadcasts the answer) and
 train_ddp.py --dry-run (gpt2/train/dryrun.py) both call it, so a rehearsal cannot decide otherwise than
@@ -14,6 +14,7 @@ throughput model) and, for an uncompiled --loss-impl auto, which loss path is fa
 from __future__ import annotations
 
 import dataclasses
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from gpt2.core.precision import Precision
 from gpt2.model.fp8 import fp8_problem
 from gpt2.plan.ac_choice import ACChoice, choose_activation_checkpointing
 from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
-from gpt2.plan.flops import device_peak_flops, peak_problem
+from gpt2.plan.flops import device_peak_flops, mig_profile, peak_problem
 from gpt2.plan.hardware import Hardware, custom_hardware, device_hardware, gpu_native_bf16
 from gpt2.plan.loss_choice import LossChoice, choose_loss_impl
 from gpt2.plan.planner import Plan, plan
@@ -58,7 +59,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Resolved:
-    """What resolve decided: the run's concrete config and each choice with its reason."""
+    """What resolve_choices decided: the run's concrete config and each choice with its reason."""
 
     cfg: RunConfig
     """--dtype, --activation-checkpointing, --micro-batch-size and --loss-impl made concrete."""
@@ -76,7 +77,7 @@ class Resolved:
         return self.plan.hardware
 
 
-def resolve(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens: int | None = None) -> Resolved:
+def resolve_choices(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens: int | None = None) -> Resolved:
     """Every start-up decision of cfg on target (the module docstring's order). Raises the ValueError a
     real start stops with (a model that fits nowhere, a batch that does not divide). tokens: the plan's
     budget (default max_steps x total_batch_size); mfu: the plan's assumed utilisation."""
@@ -118,7 +119,7 @@ def target_precision(requested: str, target: Target, *, tf32: bool) -> Precision
     would pick: bf16 where its data sheet lists bf16 tensor cores (every GPU in the table), a custom one
     taken to have them."""
     if target.device is not None:
-        return precision.resolve(requested, target.device, tf32=tf32)
+        return precision.resolve_precision(requested, target.device, tf32=tf32)
     if gpu_native_bf16(target.gpu):
         why = (
             f"{target.gpu} has native bf16 (its data sheet's bf16 tensor-core peak)"
@@ -139,16 +140,30 @@ def target_hardware(target: Target, prec: Precision) -> Hardware:
         return target.hardware
     if target.device is None:
         return custom_hardware(target.gpu, prec.key, memory_gb=target.gpu_memory_gb, peak_tflops=target.gpu_peak_tflops)
-    return device_hardware(target.device, mfu_peak(target.device, prec), processes_per_host=target.processes_per_host)
+    return device_hardware(
+        target.device, mfu_peak(target.device, prec)[0], processes_per_host=target.processes_per_host
+    )
 
 
-def mfu_peak(device: torch.device, prec: Precision) -> float | None:
-    """This device's peak FLOP/s in prec for MFU and the plan's time estimates, or None: no data-sheet
-    peak (an unlisted GPU, a MIG slice), or a CPU probe below the sanity floor."""
+def mfu_peak(device: torch.device, prec: Precision) -> tuple[float | None, str]:
+    """This device's peak FLOP/s in prec for MFU and the plan's time estimates, and where there is none, why
+    (the start-up logs it as "mfu n/a: why"): no data-sheet peak (an unlisted GPU, a MIG slice), or a CPU
+    probe below the sanity floor."""
     peak = device_peak_flops(device, prec.torch_dtype, tf32=prec.tf32)
-    if peak is None or peak_problem(peak, device, torch.get_num_threads()):
-        return None
-    return peak
+    if peak is None:
+        name = device_name(device)
+        mig = mig_profile(name) if device.type == "cuda" else None
+        if mig:
+            return None, f"{name} is a MIG slice ({mig}), whose peak no data sheet gives"
+        return None, f"{name} has no data-sheet peak in gpt2/plan/flops.py (add it there)"
+    if why := peak_problem(peak, device, torch.get_num_threads()):
+        return None, why
+    return peak, ""
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's processor string."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
 
 
 def batch_measure(cfg: RunConfig, prec: Precision, hardware: Hardware, world: int, target: Target):

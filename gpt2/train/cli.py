@@ -121,7 +121,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
 """--help's headings, each with its config fields in the order shown (torchtitan groups its config alike, so a
 person finds a flag by scanning a heading). Every ModelConfig and TrainConfig field is in exactly one."""
 REQUIRED_FIELDS = ("data_dir", "out_dir")
-"""Fields with no usable default: a run names them (resolve says so, --help shows them as required)."""
+"""Fields with no usable default: a run names them (config_from_args says so, --help shows them as required)."""
 HELP_WIDTH = 100
 """The terminal width --help is laid out for: at this width (or wider) every flag is one line."""
 HELP_COLUMN = 36
@@ -410,7 +410,7 @@ def parse_command(argv: list[str] | None = None) -> tuple[RunConfig, Rehearsal |
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return resolve(args), rehearsal_of(args)
+        return config_from_args(args), rehearsal_of(args)
     except ValueError as e:
         parser.exit(2, f"train_ddp.py: error: {e}\n")
 
@@ -440,7 +440,7 @@ def rehearsal_of(args: argparse.Namespace) -> Rehearsal | None:
     return r
 
 
-def resolve(args: argparse.Namespace) -> RunConfig:
+def config_from_args(args: argparse.Namespace) -> RunConfig:
     file_values = _split_file_values(load_toml(args.config), args.config) if args.config else {}
     preset = args.preset or file_values.pop("preset", None)
     if preset is not None and preset not in PRESETS:
@@ -483,9 +483,9 @@ def resolve(args: argparse.Namespace) -> RunConfig:
 def shape_from_weights(spec: str, model_values: dict, given_by: dict) -> dict:
     """The model fields with --init-from's shape (gpt2/train/init_from.py reads it without the weights); a
     value given otherwise (flag, --config, --preset) that differs is an error naming both."""
-    from gpt2.train.init_from import describe  # here: a run without --init-from never imports it
+    from gpt2.train.init_from import describe_source  # here: a run without --init-from never imports it
 
-    shape = describe(spec).shape
+    shape = describe_source(spec).shape
     clashes = [
         f"{given_by.get(k, k)} gives {k}={model_values[k]!r}, the weights have {k}={v!r}"
         for k, v in shape.items()

@@ -1,7 +1,7 @@
 """train_ddp.py --dry-run: a real run's start-up up to its first step, without a process group or weights.
 
 It takes the trainer's own steps in the trainer's order (gpt2/train/startup.py: resolve_device, check_data,
-then gpt2/plan/resolve.py's resolve, the one function that decides the precision, activation checkpointing,
+then gpt2/plan/resolve.py's resolve_choices, the one function that decides the precision, activation checkpointing,
 micro-batch and loss path and plans the memory for a real start too; the batch maths, the loaders,
 choose_start; gpt2/train/state.py: check_compatible), so the first error it meets is the one a real run
 stops with, word for word, and the numbers it prints are the ones a real run would use. It writes nothing.
@@ -32,13 +32,13 @@ from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.resume import choose_start
 from gpt2.ckpt.rundir import LOCK, live_holder
 from gpt2.core.config import RunConfig, describe_model
-from gpt2.core.schedule import grad_accum_steps
+from gpt2.core.schedule import BatchLayout, grad_accum_steps
 from gpt2.data.check import verify_shards
 from gpt2.data.loader import EvalLoader, TrainLoader, find_shards
 from gpt2.data.shards import ShardError
 from gpt2.distributed.group import Dist, resolve_device, set_cpu_threads, world_from_env
 from gpt2.plan.hardware import GIB
-from gpt2.plan.resolve import Target, resolve
+from gpt2.plan.resolve import Target, resolve_choices
 from gpt2.train.cli import Rehearsal
 from gpt2.train.startup import (
     check_data,
@@ -54,7 +54,7 @@ GPUS_PER_NODE = 8
 
 
 class Log:
-    """What the trainer's Metrics prints, without its files: info to out, warnings marked."""
+    """What the trainer's RunLog prints, without its files: info to out, warnings marked."""
 
     def __init__(self, out) -> None:
         self.out = out
@@ -99,7 +99,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
             )
         )
     with rank_threads(cfg, target):  # a CPU's peaks are per thread count: measure with a rank's
-        resolved = resolve(cfg, target)
+        resolved = resolve_choices(cfg, target)
     log_auto(resolved, log)
     cfg = resolved.cfg
     tc, mb = cfg.train, cfg.train.micro_batch_size
@@ -113,11 +113,8 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
         loaders = [
             TrainLoader(
                 train_shards,
-                micro_batch_size=mb,
-                seq_len=cfg.model.block_size,
-                total_batch_size=tc.total_batch_size,
+                BatchLayout(mb, cfg.model.block_size, tc.total_batch_size, world),
                 rank=rank,
-                world_size=world,
                 seed=tc.seed,
                 device=torch.device("cpu"),
                 order=tc.data_order,

@@ -12,7 +12,7 @@ from the source, and the model's shape with them. Three kinds of source, told ap
     checkpoints/): its newest checkpoint with a sidecar and the right size, verified (sha256) as it loads.
 
 Two moments:
-  1. describe(spec), when the command line is parsed (every rank; --dry-run too): the source's shape,
+  1. describe_source(spec), when the command line is parsed (every rank; --dry-run too): the source's shape,
      from config.json or the checkpoint's recorded config, without reading the weights.
   2. start_from_weights(), in build(): rank 0 alone reads the weights into the model it has just built
      and hashes the files for config.json's record. Hashing reads every byte once more: about a second
@@ -85,7 +85,7 @@ class Source:
         return f"{what}: {shape}"
 
 
-def describe(spec: str) -> Source:
+def describe_source(spec: str) -> Source:
     """The source --init-from names, and its shape; ValueError (one line) saying what is wrong."""
     path = Path(spec)
     if spec in HUB_NAMES and not (path / "config.json").is_file():
@@ -263,7 +263,7 @@ def start_from_weights(
     if dist.is_main:
         t0 = time.perf_counter()
         try:
-            record = _load(model, describe(spec))
+            record = _load(model, describe_source(spec))
         except (ValueError, OSError, RuntimeError, KeyError) as e:  # CheckpointError is a ValueError
             problem = _one_line(e) if _one_line(e).startswith("--init-from") else f"--init-from {spec}: {_one_line(e)}"
         else:
@@ -377,7 +377,7 @@ def rehearsal_line(spec: str, resumed_step: int) -> str:
             f"init from  --init-from {spec} would not be read: the run resumes its own checkpoint (step {resumed_step})"
         )
     return (
-        f"init from  {describe(spec).describe()}; rank 0 reads and hashes the weights at start-up (not now), "
+        f"init from  {describe_source(spec).describe()}; rank 0 reads and hashes the weights at start-up (not now), "
         "step, optimizer, schedule and data position start fresh"
     )
 

@@ -30,7 +30,7 @@ def _fmt(value, spec: str) -> str:
     return "nan" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
 
 
-class Metrics:
+class RunLog:
     def __init__(
         self,
         dist: Dist,

@@ -24,7 +24,7 @@ from gpt2.distributed.group import Dist
 from gpt2.train import muon
 from gpt2.train.cli import parse_config
 from gpt2.train.optim import make_optimizer, param_groups
-from gpt2.train.run_log import Metrics, read_metrics
+from gpt2.train.run_log import RunLog, read_metrics
 from gpt2.train.startup import check_data, configure_backends, resolve_auto
 from gpt2.train.state import Parts
 from gpt2.train.trainer import StepStats, build, close_run, evaluate, memory_mb, train_step
@@ -41,7 +41,7 @@ class Session:
         is the chunked one and `auto` activation checkpointing is off (build's defaults)."""
         configure_backends(cfg.train, dist)
         self.dist = dist
-        self.log = Metrics(dist, cfg.train.out_dir)
+        self.log = RunLog(dist, cfg.train.out_dir)
         if resolve:
             cfg = resolve_auto(cfg, dist, self.log).cfg
         self.cfg = cfg

@@ -51,7 +51,7 @@ from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import resume
 from gpt2.core.config import RunConfig, TrainConfig
 from gpt2.distributed.group import Dist, broadcast_object, set_timeout
-from gpt2.train.run_log import Metrics
+from gpt2.train.run_log import RunLog
 from gpt2.train.state import Parts, finish_background_write, restore
 
 MIN_SPREAD = 0.01
@@ -137,7 +137,7 @@ class SpikeGuard:
         """judge's numbers when the guard is off: no spike, no z."""
         return torch.zeros(VERDICT_SIZE, device=device)
 
-    def observe(self, step: int, verdict: Verdict, loss: float, grad_norm: float, log: Metrics) -> bool:
+    def observe(self, step: int, verdict: Verdict, loss: float, grad_norm: float, log: RunLog) -> bool:
         """Step `step`'s verdict, read with its other numbers: a spike's line and record. Returns whether
         the spikes within the last window now call for a rollback."""
         while self.spikes and self.spikes[0]["step"] <= step - self.window:
@@ -239,7 +239,7 @@ def verdict_of(numbers: list[float]) -> Verdict:
     return Verdict(spike > 0, loss_z, norm_z)
 
 
-def roll_back(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> bool:
+def roll_back(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog) -> bool:
     """Every rank alike (the decision came from all-reduced numbers): restore the newest checkpoint
     from before the first spike in the window, keep the data position (past the spiking batches),
     move later checkpoints aside. Returns whether it did (parts.step is then the checkpoint's). Raises
@@ -262,7 +262,7 @@ def roll_back(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> bool:
         set_timeout(dist, tc.dist_step_timeout_s)
 
 
-def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics) -> bool:
+def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog) -> bool:
     guard, tc = parts.guard, cfg.train
     spikes = list(guard.spikes)
     first, last = spikes[0]["step"], spikes[-1]["step"]
@@ -300,7 +300,7 @@ def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: Metr
         )
         return False
     point, abandon = target
-    moved = resume.set_aside_abandoned(resume.Start(point, parts.run_id, abandon=abandon), tc.out_dir, dist)
+    moved = resume.set_aside_abandoned(resume.StartDecision(point, parts.run_id, abandon=abandon), tc.out_dir, dist)
     problem = None
     try:
         restore(parts, Path(point.path), cfg, dist, log)  # model, optimizer, scaler, rng, guard; the log cut back

@@ -1,6 +1,6 @@
 """A run's start-up, before its first step: everything that decides how it runs and can refuse it.
 
-check_data (before any process group), begin() (the first line, and where the run starts: a
+check_data (before any process group), announce_start() (the first line, and where the run starts: a
 checkpoint or fresh), then prepare(): the precision, activation checkpointing, micro-batch, loss path and
 memory plan (gpt2/plan/resolve.py decides them on rank 0, every rank takes its answer), the MFU peak,
 the network line, "nothing to train", and the earlier run's files or an abandoned branch's checkpoints
@@ -8,7 +8,7 @@ moved aside; announce_compile() before the build, write_run_info and announce() 
 rehearses the same functions without
 a process group, so its first error is a real run's.
 
-What the console shows: a few lines (Metrics.info); the plan term by term is Metrics.detail, written to
+What the console shows: a few lines (RunLog.info); the plan term by term is RunLog.detail, written to
 RUN/train.log and printed only with --verbose, so a newcomer reads what runs, and a refusal or
 "nothing to train" is not preceded by a 30-line plan.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import socket
 import sys
 import time
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 
 from gpt2.ckpt.checkpoint import CheckpointError
-from gpt2.ckpt.resume import Start, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
+from gpt2.ckpt.resume import StartDecision, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
 from gpt2.ckpt.rundir import LOCK, RUN_INFO, TRAIN_LOG, RunDirBusy, RunLock
 from gpt2.core import determinism, host_memory, precision
 from gpt2.core.atomic import atomic_write_text
@@ -43,12 +42,12 @@ from gpt2.data.shards import ShardError
 from gpt2.distributed.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.distributed.fsdp import gathered_param_bytes
 from gpt2.distributed.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
-from gpt2.plan.flops import device_peak_flops, format_flops, mig_profile, peak_problem
+from gpt2.plan.flops import format_flops
 from gpt2.plan.hardware import gib
 from gpt2.plan.measure import warm_up
 from gpt2.plan.memory import CPU_HEAP_SLACK_BYTES, resident_total
-from gpt2.plan.resolve import Resolved, Target, resolve
-from gpt2.train.run_log import Metrics
+from gpt2.plan.resolve import Resolved, Target, device_name, mfu_peak, resolve_choices
+from gpt2.train.run_log import RunLog
 from gpt2.train.state import check_resumable
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Startup:
+class PreparedRun:
     """What prepare() decided: the run's concrete config and what its log and run info report."""
 
     cfg: RunConfig
@@ -70,7 +69,7 @@ class Startup:
     network: NetworkCost | None
     plan: Plan
     """The memory plan the run was checked against (its first step is measured against it too)."""
-    start: Start
+    start: StartDecision
     """Where every rank begins: a checkpoint to resume, or a fresh start (gpt2/ckpt/resume.py)."""
 
 
@@ -105,7 +104,7 @@ def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
             lock.release()
 
 
-def begin(cfg: RunConfig, dist: Dist, log: Metrics) -> Start:
+def announce_start(cfg: RunConfig, dist: Dist, log: RunLog) -> StartDecision:
     """The run's first line (before any measuring or building: a slow start is never silent), then where
     it starts (choose_start: a checkpoint to resume, or fresh)."""
     log.info(
@@ -115,7 +114,7 @@ def begin(cfg: RunConfig, dist: Dist, log: Metrics) -> Start:
     return choose_start(cfg.train.resume, cfg.train.out_dir, dist, warn=log.warn)
 
 
-def finished_message(start: Start, tc: TrainConfig) -> str | None:
+def finished_message(start: StartDecision, tc: TrainConfig) -> str | None:
     """The one line of a run whose checkpoint has reached --max-steps already (the quick start run a
     second time), or None. Every rank has the same start, so every rank returns alike."""
     if start.point is None or start.point.step < tc.max_steps:
@@ -128,9 +127,9 @@ def finished_message(start: Start, tc: TrainConfig) -> str | None:
 
 
 def prepare(
-    cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None], start: Start
-) -> Startup | None:
-    """Every check that can refuse the configuration, then the moves the start decision (begin) needs: a
+    cfg: RunConfig, dist: Dist, log: RunLog, shards: tuple[ShardSet, ShardSet | None], start: StartDecision
+) -> PreparedRun | None:
+    """Every check that can refuse the configuration, then the moves the start decision (announce_start) needs: a
     refused run moves nothing, and the earlier run's records go aside before the first write into RUN
     (the sinks opened here, restore, config.json). shards: check_data's, read here by verify_data.
     None: start's checkpoint has reached --max-steps already (finished_message says so), nothing moved.
@@ -143,12 +142,12 @@ def prepare(
     try:
         if cfg.train.deterministic:  # train_ddp.py turned it on before CUDA's first use; callers of the trainer too
             determinism.enable()
-            log.info(determinism.describe())
+            log.info(determinism.describe_determinism())
         verify_data(cfg, shards, dist, log)
         cfg = keep_decisions(cfg, start, dist, log)
         resolved = resolve_auto(cfg, dist, log)
         cfg, prec, loss, tc = resolved.cfg, resolved.precision, resolved.loss, resolved.cfg.train
-        peak = mfu_peak(dist, prec, log)
+        peak = log_mfu_peak(dist, prec, log)
         plan = check_memory(resolved, log)
         network = log_network_cost(cfg, dist, plan, log)
         log_epochs(cfg, shards[0].total_tokens, log)  # after the refusals: a run that cannot start needs no warning
@@ -187,10 +186,10 @@ def prepare(
         if restored is not None:
             log.info(f"wrote {restored.name} again for the checkpoint resumed without it")
     log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict(), log_file=True)
-    return Startup(cfg, prec, loss, peak, network, plan, start)
+    return PreparedRun(cfg, prec, loss, peak, network, plan, start)
 
 
-def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: ShardSet) -> None:
+def check_before_moving(start: StartDecision, cfg: RunConfig, dist: Dist, train_shards: ShardSet) -> None:
     """A resume that moves files aside (--resume PATH of another run: the directory's earlier run; of
     an earlier checkpoint of this run: its later checkpoints): the checkpoint's refusals (another
     shape, optimizer, data, seed...) come first, else a refused resume would leave the directory's own
@@ -211,7 +210,7 @@ def check_before_moving(start: Start, cfg: RunConfig, dist: Dist, train_shards: 
         raise CheckpointError(problem)
 
 
-def announce(cfg: RunConfig, dist: Dist, parts: Parts, log: Metrics) -> None:
+def announce(cfg: RunConfig, dist: Dist, parts: Parts, log: RunLog) -> None:
     """The run's shape in one line."""
     tc = cfg.train
     log.info(
@@ -224,7 +223,7 @@ def announce(cfg: RunConfig, dist: Dist, parts: Parts, log: Metrics) -> None:
         log.info(line)
 
 
-def announce_compile(tc: TrainConfig, dist: Dist, log: Metrics) -> None:
+def announce_compile(tc: TrainConfig, dist: Dist, log: RunLog) -> None:
     """Before build: torch.compile works when a graph is first run, and the first one can be in build
     itself (DDP's bucket-settling step), so the line that explains a silent minute comes before it."""
     if not tc.compile:
@@ -370,7 +369,7 @@ def check_out_dir(out_dir: str) -> None:
         raise ValueError(f"--out-dir {out_dir}: cannot write in {path} ({why}); pass a writable --out-dir")
 
 
-def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: Metrics) -> None:
+def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: RunLog) -> None:
     """--verify-data's reading part (gpt2/data/check.py verify_shards), by rank 0 alone: it reads up to
     every shard once, which every rank of a node doing it too would multiply. Every rank raises its
     ShardError or none does."""
@@ -459,7 +458,7 @@ def log_auto(r: Resolved, log) -> None:
 
 
 def start_target(dist: Dist, hardware=None) -> Target:
-    """The hardware of this start, measured by resolve on rank 0: its device shared by the ranks on this
+    """The hardware of this start, measured by resolve_choices on rank 0: its device shared by the ranks on this
     host. hardware: given instead of measured (tests pass a cap)."""
     return Target(
         world_size=dist.world_size, processes_per_host=dist.local_world_size, device=dist.device, hardware=hardware
@@ -472,7 +471,7 @@ timing probe or a free-memory reading can decide otherwise on a busy machine, an
 precision changes the numbers (the resume would not continue bit for bit)."""
 
 
-def keep_decisions(cfg: RunConfig, start: Start, dist: Dist, log: Metrics) -> RunConfig:
+def keep_decisions(cfg: RunConfig, start: StartDecision, dist: Dist, log: RunLog) -> RunConfig:
     """cfg with each KEPT_ON_RESUME field left at auto set to the value the continued run decided (its
     RUN/config.json, of the same run id, on as many ranks), each said in one line; a flag given now wins."""
     kept = None
@@ -501,9 +500,9 @@ def decided_before(info_path: Path, run_id: str | None, world_size: int) -> dict
     return {k: train[k] for k in KEPT_ON_RESUME if k in train}
 
 
-def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> Resolved:
+def resolve_auto(cfg: RunConfig, dist: Dist, log: RunLog, hardware=None) -> Resolved:
     """--dtype, --activation-checkpointing, --micro-batch-size and --loss-impl auto made concrete, and the
-    memory plan, by gpt2/plan/resolve.py's resolve (the one place they are decided; the dry run calls it
+    memory plan, by gpt2/plan/resolve.py's resolve_choices (the one place they are decided; the dry run calls it
     too). Rank 0 measures and decides and every rank takes its answer: ranks that chose differently would
     compute different things silently. A model that fits nowhere is rank 0's finding too: every rank
     raises its error, none waits.
@@ -513,7 +512,7 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> Res
     decision = None
     if dist.is_main:
         try:
-            decision = ("ok", resolve(cfg, start_target(dist, hardware)))
+            decision = ("ok", resolve_choices(cfg, start_target(dist, hardware)))
         except ValueError as e:
             decision = ("error", str(e))
     kind, answer = broadcast_object(decision, dist)
@@ -523,23 +522,12 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: Metrics, hardware=None) -> Res
     return answer
 
 
-def mfu_peak(dist: Dist, prec: precision.Precision, log: Metrics) -> float | None:
-    """This rank's peak FLOP/s for MFU, or None (logged as "mfu n/a: why"): an unlisted GPU, or a CPU
-    probe that is clearly wrong."""
-    peak = device_peak_flops(dist.device, prec.torch_dtype, tf32=prec.tf32)
+def log_mfu_peak(dist: Dist, prec: precision.Precision, log: RunLog) -> float | None:
+    """This rank's peak FLOP/s for MFU (gpt2/plan/resolve.py mfu_peak), or None, logged as "mfu n/a: why"."""
+    peak, why = mfu_peak(dist.device, prec)
     if peak is None:
-        name = device_name(dist.device)
-        mig = mig_profile(name) if dist.device.type == "cuda" else None
-        log.info(
-            f"mfu n/a: {name} is a MIG slice ({mig}), whose peak no data sheet gives"
-            if mig
-            else f"mfu n/a: {name} has no data-sheet peak in gpt2/plan/flops.py (add it there)"
-        )
-        return None
-    if why := peak_problem(peak, dist.device, torch.get_num_threads()):
         log.info(f"mfu n/a: {why}")
-        return None
-    if dist.device.type == "cpu":
+    elif dist.device.type == "cpu":
         log.detail(
             f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
             f"{precision.PEAK_PROBES} matmul probes, cached in {precision.peak_cache_dir()} "
@@ -554,10 +542,6 @@ def forget_cpu_peak(device: torch.device, dtype: str) -> None:
     if device.type == "cpu":
         for d in {precision.Precision(dtype, dtype).torch_dtype, torch.float32}:
             precision.forget_peak(str(device), d)
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
 
 
 def check_memory(r: Resolved, log) -> Plan:
@@ -660,7 +644,7 @@ def _duration(seconds: float) -> str:
     )
 
 
-def log_network_cost(cfg: RunConfig, dist: Dist, p, log: Metrics) -> NetworkCost | None:
+def log_network_cost(cfg: RunConfig, dist: Dist, p, log: RunLog) -> NetworkCost | None:
     """Several ranks: time one gradient bucket's all-reduce and say what a step's collectives would
     cost against the plan's compute per step (DDP's all-reduce, or fsdp's all-gathers and
     reduce-scatter; one line; a warning above WARN_SHARE). None on one process."""

@@ -38,6 +38,7 @@ from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import dcp as dcp_io
 from gpt2.ckpt.writer import CheckpointWriteError, CheckpointWriter
 from gpt2.core.config import ModelConfig, RunConfig
+from gpt2.core.schedule import BatchLayout
 from gpt2.data.loader import EvalLoader, TrainLoader
 from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import is_sharded
@@ -45,7 +46,7 @@ from gpt2.distributed.group import Dist, all_gather_object, barrier, broadcast_o
 from gpt2.distributed.straggler import ComputeClock
 from gpt2.model.gpt import GPT
 from gpt2.train.optim import optimizer_kind
-from gpt2.train.run_log import Metrics
+from gpt2.train.run_log import RunLog
 
 TOKENIZER = "gpt2"
 """The tokenizer every checkpoint records; another is refused on resume."""
@@ -187,7 +188,7 @@ def components(parts: Parts, dist: Dist) -> dict[str, Stateful]:
 # ------------------------------------------------------------------ compatibility
 
 
-def check_compatible(saved: dict, cfg: RunConfig, log: Metrics) -> None:
+def check_compatible(saved: dict, cfg: RunConfig, log: RunLog) -> None:
     """Refuse a checkpoint of a different model or tokenizer; log other changed settings."""
     # Through ModelConfig: a checkpoint from before an option was added lacks its key, and its default
     # (off: GPT-2's layout) is what that checkpoint was trained with.
@@ -241,11 +242,8 @@ def check_resumable(path: Path, cfg: RunConfig, train_shards, dist: Dist) -> Non
     check_compatible(state, cfg, _Quiet())
     loader = TrainLoader(
         train_shards,
-        micro_batch_size=tc.micro_batch_size,
-        seq_len=cfg.model.block_size,
-        total_batch_size=tc.total_batch_size,
+        BatchLayout(tc.micro_batch_size, cfg.model.block_size, tc.total_batch_size, dist.world_size),
         rank=dist.rank,
-        world_size=dist.world_size,
         seed=tc.seed,
         device=torch.device("cpu"),
         pin_memory=False,
@@ -260,7 +258,7 @@ def check_resumable(path: Path, cfg: RunConfig, train_shards, dist: Dist) -> Non
 # ------------------------------------------------------------------ put back
 
 
-def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: Metrics) -> None:
+def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: RunLog) -> None:
     # Verified by choose_resume (hashed once per node). mmap: the tensors stay in the page cache,
     # which the ranks of a node share, so host memory does not grow with ranks x checkpoint size.
     state = ckpt.load_checkpoint(path, verify=False, mmap=True)
@@ -354,7 +352,7 @@ def checkpoint_state(parts: Parts, cfg: RunConfig, dist: Dist, rngs: list[dict],
 
 
 def save(
-    parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, requeue: dict | None = None, *, background: bool = False
+    parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog, requeue: dict | None = None, *, background: bool = False
 ) -> None:
     """Every rank contributes its RNG state; rank 0 writes.
 
@@ -415,9 +413,7 @@ def save(
         barrier(dist)
 
 
-def save_sharded(
-    parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, rngs: list[dict], requeue: dict | None
-) -> None:
+def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog, rngs: list[dict], requeue: dict | None) -> None:
     """Every rank writes its shards into step_*.tmp/ (no rank gathers the model), fsyncs and hashes
     them; rank 0 publishes the directory (rename, sidecar, `latest`, retention: checkpoint.publish_sharded).
 
@@ -431,7 +427,7 @@ def save_sharded(
     tmp = ckpt.sharded_temp_dir(tc.out_dir, parts.step)
     problem = _attempt(lambda: ckpt.begin_sharded(tc.out_dir, parts.step)) if dist.is_main else None
     _raise_any(all_gather_object(problem, dist), parts.step)  # the directory exists before anyone writes
-    problem = _attempt(lambda: dcp_io.save(parts.model, parts.optimizer, tmp), tmp)
+    problem = _attempt(lambda: dcp_io.save_dcp(parts.model, parts.optimizer, tmp), tmp)
     if dist.is_main and problem is None:
         problem = _attempt(
             lambda: ckpt.write_train_state(
@@ -489,7 +485,7 @@ def _raise_any(problems: list[str | None], step: int) -> None:
         )
 
 
-def finish_background_write(parts: Parts, log: Metrics) -> str | None:
+def finish_background_write(parts: Parts, log: RunLog) -> str | None:
     """Rank 0: wait for the checkpoint write in flight; its error as a message, or None."""
     if parts.writer is None:
         return None

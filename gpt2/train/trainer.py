@@ -20,12 +20,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt2.ckpt import checkpoint as ckpt
-from gpt2.ckpt.resume import Start, agree_on_step, choose_start
+from gpt2.ckpt.resume import StartDecision, agree_on_step, choose_start
 from gpt2.ckpt.writer import CheckpointWriter
 from gpt2.core import precision
 from gpt2.core.compat import ddp_no_buffer_sync
 from gpt2.core.config import EOT_TOKEN, RunConfig, TrainConfig
-from gpt2.core.schedule import grad_accum_steps, lr_at
+from gpt2.core.schedule import BatchLayout, grad_accum_steps, lr_at
 from gpt2.data.loader import EvalLoader, ShardSet, TrainLoader
 from gpt2.data.shards import ShardError
 from gpt2.distributed import preempt
@@ -41,12 +41,12 @@ from gpt2.train.compile_cache import CompileCache
 from gpt2.train.gc_steps import collect_at_steps, collect_if_due
 from gpt2.train.memory_watch import MemoryWatch
 from gpt2.train.optim import make_optimizer
-from gpt2.train.run_log import Metrics, plot_loss_curve
+from gpt2.train.run_log import RunLog, plot_loss_curve
 from gpt2.train.spike_guard import VERDICT_SIZE, SpikeGuard, roll_back, verdict_of
 from gpt2.train.startup import (
     announce,
     announce_compile,
-    begin,
+    announce_start,
     check_data,
     configure_backends,
     finished_message,
@@ -64,7 +64,11 @@ class NonFiniteError(RuntimeError):
 
 
 def build(
-    cfg: RunConfig, dist: Dist, log: Metrics, shards: tuple[ShardSet, ShardSet | None], start: Start | None = None
+    cfg: RunConfig,
+    dist: Dist,
+    log: RunLog,
+    shards: tuple[ShardSet, ShardSet | None],
+    start: StartDecision | None = None,
 ) -> Parts:
     """The model, optimizer and loaders, restored from start.point when resuming.
 
@@ -103,17 +107,14 @@ def build(
     optimizer = make_optimizer(model, tc, dist.device, dist)
     loader = TrainLoader(
         train_shards,
-        micro_batch_size=tc.micro_batch_size,
-        seq_len=mc.block_size,
-        total_batch_size=tc.total_batch_size,
+        BatchLayout(tc.micro_batch_size, mc.block_size, tc.total_batch_size, dist.world_size),
         rank=dist.rank,
-        world_size=dist.world_size,
         seed=tc.seed,
         device=dist.device,
         pin_memory=tc.pin_memory,
         order=tc.data_order,
-        defer_bad_tokens=True,
-    )  # train_step stops every rank alike
+        defer_bad_tokens=True,  # train_step stops every rank alike
+    )
     val_loader = None
     if val_shards is not None:
         val_loader = EvalLoader(
@@ -580,21 +581,21 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     configure_backends(tc, dist)
     # The console only, for now: RUN/train.log, TensorBoard and W&B write into RUN, which may still hold
     # an earlier run's records until the start is decided and they are moved aside (prepare).
-    log = Metrics(dist, tc.out_dir, verbose=tc.verbose, log_file=True)
+    log = RunLog(dist, tc.out_dir, verbose=tc.verbose, log_file=True)
     if shards is None:
         shards = check_data(cfg, dist.world_size)
-    start = begin(cfg, dist, log)
-    run = prepare(cfg, dist, log, shards, start)
-    if run is None:  # finished already, e.g. the quick start run a second time
+    start = announce_start(cfg, dist, log)
+    prepared = prepare(cfg, dist, log, shards, start)
+    if prepared is None:  # finished already, e.g. the quick start run a second time
         log.info(finished_message(start, tc))
         log.close()
         return 0
-    cfg, tc = run.cfg, run.cfg.train
+    cfg, tc = prepared.cfg, prepared.cfg.train
     announce_compile(tc, dist, log)
     cache = compile_cache.use(tc.compile_cache, tc.out_dir, dist, log) if tc.compile else None
-    watch = MemoryWatch.start(run.plan.memory.total, run.plan.hardware.reserve_bytes, dist.device)
-    parts = build(cfg, dist, log, shards, run.start)
-    write_run_info(cfg, dist, parts, run.peak, run.prec, run.loss, run.network)
+    watch = MemoryWatch.start(prepared.plan.memory.total, prepared.plan.hardware.reserve_bytes, dist.device)
+    parts = build(cfg, dist, log, shards, prepared.start)
+    write_run_info(cfg, dist, parts, prepared.peak, prepared.prec, prepared.loss, prepared.network)
     announce(cfg, dist, parts, log)
     if parts.step == 0 and parts.val_loader is not None:
         log.log_eval(0, 0, evaluate(parts, cfg, dist), parts.val_loader.tokens)
@@ -608,7 +609,7 @@ def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest
     try:
         with collect_at_steps(tc.gc_interval):  # every rank's garbage collection at the same steps
             code = run_loop(
-                Run(cfg, dist, log, parts, stop_request, run.peak, hellaswag=hellaswag, watch=watch, cache=cache)
+                Run(cfg, dist, log, parts, stop_request, prepared.peak, hellaswag=hellaswag, watch=watch, cache=cache)
             )
         compile_cache.finish(cache, dist, log)  # seals what this run compiled, for the next start
         return code
@@ -630,7 +631,7 @@ class Run:
 
     cfg: RunConfig
     dist: Dist
-    log: Metrics
+    log: RunLog
     parts: Parts
     stop_request: preempt.StopRequest
     peak: float | None
@@ -768,7 +769,7 @@ def report(run: Run, stats: StepStats, act: Actions) -> bool:
     return out["stop"]
 
 
-def log_stragglers(log: Metrics, step: int, rank_s: list[float], log_index: int) -> None:
+def log_stragglers(log: RunLog, step: int, rank_s: list[float], log_index: int) -> None:
     """On a log step: the slowest rank named when it holds the others up; every rank's time now and then."""
     line = straggler_line(step, rank_s)
     if line:
@@ -872,7 +873,7 @@ def tokens_at(parts: Parts, cfg: RunConfig, step: int) -> int:
     return parts.tokens - (parts.step - step) * cfg.train.total_batch_size
 
 
-def close_run(parts: Parts, dist: Dist, log: Metrics) -> None:
+def close_run(parts: Parts, dist: Dist, log: RunLog) -> None:
     """After the loop, however it ended: the write in flight, the log, the loaders' open shard files."""
     if dist.is_main and parts.writer is not None:  # an error or a stop: let the write in flight finish
         problem = finish_background_write(parts, log)
@@ -909,7 +910,7 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     return tokenizer.decode(cut_at_stop(out[0, len(prompt) :].tolist(), EOT_TOKEN))  # the text ends at <|endoftext|>
 
 
-def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: Metrics, examples, step: int) -> None:
+def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog, examples, step: int) -> None:
     from gpt2.train.scoring import hellaswag_eval
 
     hs = hellaswag_eval(parts.model, examples, dist, dist.device, dtype=cfg.train.dtype, progress=False)
