@@ -332,6 +332,16 @@ def run_nanogpt(tree: Path, dataset: str, out: Path, steps: int, every: int, win
     return {"val": val, "times": counted_times(times, {i for i in range(len(times)) if i % every == 0})}
 
 
+def progress_line(nano: dict, target: float) -> str:
+    """nanoGPT's run as soon as it ends (a long bench stopped before its table keeps these): its val by step
+    and its counted step times."""
+    t = nano["times"]
+    return (
+        f"  nanoGPT run 1: val {dict(sorted(nano['val'].items()))}; target {target:.4f}; {len(t)} steps, median "
+        f"{statistics.median(t):.3f} s/step, {sum(t):.1f} s counted"
+    )
+
+
 def make_contender(label: str, flags: list[str], data: Path, out: Path, dist) -> Contender:
     cfg = parse_config(flags + QUIET + ["--data-dir", str(data), "--out-dir", str(out)])
     return Contender(label, cfg, Session(cfg, dist))
@@ -359,7 +369,8 @@ def run_ours(contenders: list[Contender], windows, target: float | None, every: 
             if step % every == 0 or step == c.cfg.train.max_steps:
                 c.val[step] = evaluate_ours(c, windows)
                 print(
-                    f"  {c.label}: step {step} val {c.val[step]:.4f} ({sum(c.times):.0f} s)",
+                    f"  {c.label}: step {step} val {c.val[step]:.4f} ({sum(c.times):.0f} s, median "
+                    f"{statistics.median(c.times):.3f} s/step)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -485,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                 nano_runs.append(
                     run_nanogpt(tree, dataset, Path(tmp) / "nano0", args.steps, args.eval_every, windows, shape.nano)
                 )
-                print(f"  nanoGPT run 1: val {nano_runs[0]['val']}", file=sys.stderr, flush=True)
+                print(progress_line(nano_runs[0], target=nano_runs[0]["val"][args.steps]), file=sys.stderr, flush=True)
             target = nano_runs[0]["val"][args.steps] if nano_runs else args.target
             dist = single_process("cpu")
             contenders = [

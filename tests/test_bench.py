@@ -757,3 +757,14 @@ def test_time_to_loss_runs_the_presets_at_the_large_shape():
     preset = parse_config(["--preset", "speedrun", *ttl.SHAPES["large"].preset_flags, *common])
     assert (preset.model.n_embd, preset.model.block_size, preset.train.max_steps) == (384, 256, 600)
     assert preset.model.rope and preset.train.muon_lr == 0.01
+
+
+def test_time_to_loss_says_nanogpts_numbers_as_soon_as_its_run_ends():
+    """A long bench (--shape large: ~40 minutes of nanoGPT on 2 cores) stopped before its table keeps them."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import time_to_loss as ttl
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    line = ttl.progress_line({"val": {20: 5.0, 10: 6.0}, "times": [1.0, 3.0, 2.0]}, target=5.0)
+    assert line == "  nanoGPT run 1: val {10: 6.0, 20: 5.0}; target 5.0000; 3 steps, median 2.000 s/step, 6.0 s counted"
