@@ -224,7 +224,7 @@ def run_rows(args, done) -> list[Profile]:
             rows.append(measure("nanoGPT", step, sync, **kw))
             done(rows)
             del model, opt, step
-        session = Session(cfg, single(args.device), resolve=True)
+        session = Session(cfg, single(args.device))
         try:
             torch._dynamo.reset()
             from gpt2.model.gpt import GPT

@@ -6,7 +6,8 @@ start-up (issue 55's before/after, in docs/architecture.md).
 
 Runs train_ddp.py in this process (--preset debug, one process, CPU, 1 step, a fresh --out-dir) under
 sys.setprofile and stops counting at the first call of the trainer's train_step. Counted: functions
-defined in gpt2/ or train_ddp.py (Python's own calls, torch's and numpy's are not), each call once;
+defined in gpt2/ or train_ddp.py (Python's own calls, torch's and numpy's are not; nor the bodies of
+modules and classes that an import runs), each function once;
 a "switch" is a call whose caller is in another of the project's modules; a "round trip" is a switch
 from gpt2/train/trainer.py into gpt2/train/startup.py after the first one (the trainer handing the
 start-up's order back and forth).
@@ -15,6 +16,7 @@ start-up's order back and forth).
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import tempfile
 from collections import Counter
@@ -55,6 +57,8 @@ class Trace:
         if frame.f_code.co_name == "train_step" and module == TRAINER:
             self.done = True
             return
+        if not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+            return  # a module's or a class's body, run by an import: not the start-up's work
         self.functions[(module, frame.f_code.co_qualname)] += 1
         caller = frame.f_back
         while caller is not None and module_of(caller.f_code.co_filename) is None:

@@ -396,7 +396,7 @@ def profile_ours(shape: Shape, mode: str, data: Path, out: Path, steps: int, top
         str(mode == "compiled").lower(),
     ]
     torch._dynamo.reset()
-    session = Session(parse_config(flags), single_process("cpu"), resolve=True)
+    session = Session(parse_config(flags), single_process("cpu"))
     cfg = session.cfg
     for _ in range(2):
         session.step()

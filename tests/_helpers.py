@@ -499,3 +499,14 @@ def model_body(model, idx):
     for block in t.h:
         x = block(x)
     return t.ln_f(x)
+
+
+def built(cfg, dist, log=None):
+    """The trainer's parts for cfg as a real start builds them (gpt2/train/build.py build), from the start-up's
+    record (its `auto` flags decided: resolve_auto) and check_data's shards, in a new directory."""
+    from gpt2.train.build import build
+    from gpt2.train.run_log import RunLog
+    from gpt2.train.startup import check_data, resolve_auto
+
+    log = log or RunLog(dist, cfg.train.out_dir)
+    return build(resolve_auto(cfg, dist, log), dist, log, check_data(cfg, dist.world_size))

@@ -36,7 +36,7 @@ def test_the_value_is_validated_in_one_line():
 
 def loss_and_grads(cfg: ModelConfig, checkpointed: bool, compile_as: str | None = None):
     """One fp32 forward and backward of a fresh seeded model: the loss and every parameter's gradient."""
-    from gpt2.train.trainer import compile_sharded
+    from gpt2.train.build import compile_sharded
 
     torch.manual_seed(0)
     model = GPT(cfg, activation_checkpointing=checkpointed)

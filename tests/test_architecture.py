@@ -303,7 +303,7 @@ def test_training_pulls_in_checkpoint_loading_and_hugging_face_only_for_init_fro
     """The trainer scores with gpt2/train/scoring.py; ckpt/load.py (any checkpoint or HF directory),
     model/hf.py (the conversion) and eval.py (their command line) are for the tools. A run reaches the
     conversion only through gpt2/train/init_from.py (--init-from), which imports it inside its functions,
-    and which the trainer and the command line import only inside the function that needs it: a run
+    and which the build and the command line import only inside the function that needs it: a run
     without --init-from imports none of them, nor transformers, safetensors or huggingface_hub."""
     tools_only = {"ckpt.load", "model.hf", "eval"}
     init_from = "train.init_from"
@@ -313,7 +313,7 @@ def test_training_pulls_in_checkpoint_loading_and_hugging_face_only_for_init_fro
     assert import_closure(init_from) & tools_only == {"model.hf"}  # ckpt.load's jobs it does with ckpt.checkpoint
     assert top_level_gpt2_imports(MODULE_PATHS[init_from]) & tools_only == set()  # lazily, in its functions
     importers = sorted(m for m, p in MODULE_PATHS.items() if init_from in imported_gpt2_modules(p))
-    assert importers == ["train.cli", "train.dryrun", "train.trainer"], importers
+    assert importers == ["train.build", "train.cli", "train.dryrun"], importers
     assert all(init_from not in top_level_gpt2_imports(MODULE_PATHS[m]) for m in importers)
     assert {"ckpt.load", "train.scoring", "data.hellaswag"} <= import_closure("eval")  # the CLI is where they meet
     loaded = subprocess.run([sys.executable, "-c", NO_HF_RUN], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import spawn_ranks
+from _helpers import built, spawn_ranks
 
 STEPS = 10
 
@@ -68,8 +68,7 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
 
     from gpt2.distributed.group import Dist
     from gpt2.train.run_log import RunLog
-    from gpt2.train.startup import check_data
-    from gpt2.train.trainer import build, evaluate, train_step
+    from gpt2.train.trainer import evaluate, train_step
 
     tdist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
     dist = Dist(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=torch.device("cpu"))
@@ -77,7 +76,7 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
     result = {}
     for compiled in (False, True):
         cfg = _config(Path(data_dir), Path(tmp) / f"run_{compiled}", compile=compiled)
-        parts = build(cfg, dist, RunLog(dist, cfg.train.out_dir), check_data(cfg, 2))
+        parts = built(cfg, dist, RunLog(dist, cfg.train.out_dir))
         # As the trainer does at step 0: the model is first compiled for evaluation, outside DDP's
         # forward (eval mode, no grad); training must still get the graphs split at the buckets.
         val_loss = evaluate(parts, cfg, dist)
@@ -145,12 +144,10 @@ def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare
 
     from gpt2.distributed.group import Dist, usable_cpus
     from gpt2.train.run_log import RunLog
-    from gpt2.train.startup import check_data
-    from gpt2.train.trainer import build
 
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     with inductor_config.patch(compile_threads=99):  # restored after (torch's own config patcher)
         for compiled, expected in ((False, 99), (True, usable_cpus())):
             cfg = _config(shakespeare_shards, tmp_path / str(compiled), compile=compiled)
-            build(cfg, dist, RunLog(dist, cfg.train.out_dir), check_data(cfg, 1))
+            built(cfg, dist, RunLog(dist, cfg.train.out_dir))
             assert inductor_config.compile_threads == expected

@@ -64,6 +64,8 @@ def test_blackwell_peaks_and_no_mfu_claimed_for_a_mig_slice(monkeypatch, capsys,
     assert gpu_table_peak("NVIDIA A100-SXM4-40GB MIG 1g.5gb", torch.bfloat16) is None
     assert gpu_table_peak("NVIDIA H100 80GB HBM3 MIG 7g.80gb", torch.bfloat16) is None
 
+    from types import SimpleNamespace
+
     from gpt2.core.precision import Precision
     from gpt2.distributed.group import Dist
     from gpt2.train import startup
@@ -74,7 +76,9 @@ def test_blackwell_peaks_and_no_mfu_claimed_for_a_mig_slice(monkeypatch, capsys,
 
     monkeypatch.setattr(resolve, "device_name", lambda device: "NVIDIA H100 80GB HBM3 MIG 3g.40gb")
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cuda", 0))
-    assert startup.log_mfu_peak(dist, Precision("bfloat16", "bfloat16", tf32=True), RunLog(dist, tmp_path)) is None
+    peak, why = resolve.mfu_peak(dist.device, Precision("bfloat16", "bfloat16", tf32=True))  # the record's
+    assert peak is None
+    startup.log_mfu_peak(SimpleNamespace(peak=peak, peak_why=why), dist, RunLog(dist, tmp_path))
     assert "mfu n/a: NVIDIA H100 80GB HBM3 MIG 3g.40gb is a MIG slice (3g.40gb)" in capsys.readouterr().out
 
 
@@ -292,7 +296,7 @@ def test_an_mfu_above_100_percent_is_not_shown():
 
 
 def test_a_peak_proved_wrong_is_dropped_from_the_cache(peak_cache, monkeypatch):
-    from gpt2.train.startup import forget_cpu_peak
+    from gpt2.train.trainer import forget_cpu_peak
 
     peak_cache["rates"] = iter([50e9] * precision.PEAK_PROBES + [150e9] * precision.PEAK_PROBES)
     assert peak_rate("cpu", torch.float32) == 50e9

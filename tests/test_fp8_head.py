@@ -141,16 +141,16 @@ def test_a_run_with_the_fp8_head_learns_as_the_plain_one(tmp_path, shakespeare_s
 
 
 def test_autotune_reaches_the_blocks_only(monkeypatch):
-    from gpt2.train import trainer
+    from gpt2.train import build as trainer_build
 
     model = tiny(False)
     seen = []
     for block in model.transformer.h:
         monkeypatch.setattr(block, "compile", lambda **kw: seen.append(kw))
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(("head", kw)) or fn)
-    trainer.compile_sharded(model, autotune=True)
+    trainer_build.compile_sharded(model, autotune=True)
     assert seen == [{"options": {"max_autotune_gemm": True}}] * 2 + [("head", {})]
-    assert trainer.autotune_options(False) == {}
+    assert trainer_build.autotune_options(False) == {}
 
 
 def test_fp8_bench_verdict_is_the_mean_over_seeds_with_every_seed_shown():

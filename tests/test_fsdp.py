@@ -301,13 +301,12 @@ def test_muon_under_fsdp_trains_like_muon_under_ddp(tmp_path, shakespeare_shards
 
 
 def test_parallel_notes_say_what_fsdp_does_at_each_world_size():
-    two = Dist(0, 0, 2, 2, torch.device("cpu"))
-    assert parallel_notes(TrainConfig(), two) == []
-    (one,) = parallel_notes(TrainConfig(parallel="fsdp"), single_process())
+    assert parallel_notes(TrainConfig(), "ddp", 2) == []
+    (one,) = parallel_notes(TrainConfig(parallel="fsdp"), "single", 1)
     assert "one process: nothing to shard, training the plain model" in one
-    (sharded,) = parallel_notes(TrainConfig(parallel="fsdp"), two)
+    (sharded,) = parallel_notes(TrainConfig(parallel="fsdp"), "fsdp", 2)
     assert "sharded over 2 ranks" in sharded
-    notes = parallel_notes(TrainConfig(parallel="fsdp", ddp_bucket_cap_mb=50), two)
+    notes = parallel_notes(TrainConfig(parallel="fsdp", ddp_bucket_cap_mb=50), "fsdp", 2)
     assert len(notes) == 2 and "--ddp-bucket-cap-mb 50 ignored" in notes[1]
 
 
@@ -358,7 +357,7 @@ def test_compile_sharded_compiles_the_blocks_and_the_head_and_loss(monkeypatch, 
 
     from gpt2.core.config import ModelConfig
     from gpt2.model.gpt import GPT
-    from gpt2.train.trainer import compile_sharded
+    from gpt2.train.build import compile_sharded
 
     backend, plain_compile = EagerAndRecordGraphs(), torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: plain_compile(fn, backend=backend, fullgraph=True))

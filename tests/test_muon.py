@@ -11,6 +11,7 @@ import pytest
 import torch
 from _helpers import (
     assert_same_state,
+    built,
     hold_after_step,
     inject_nan,
     launch,
@@ -234,8 +235,7 @@ def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, s
     from gpt2.distributed.group import Dist
     from gpt2.train.cli import parse_config
     from gpt2.train.run_log import RunLog
-    from gpt2.train.startup import check_data
-    from gpt2.train.trainer import build, train_step
+    from gpt2.train.trainer import train_step
 
     cfg = parse_config(
         [
@@ -262,7 +262,7 @@ def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, s
         ]
     )
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
-    parts = build(cfg, dist, RunLog(dist, tmp_path), check_data(cfg, 1))
+    parts = built(cfg, dist, RunLog(dist, tmp_path))
     before = {n: p.detach().clone() for n, p in parts.model.named_parameters()}
     outs = [train_step(parts, cfg, dist, False) for _ in range(3)]
     assert [o["skipped"] for o in outs] == [False, True, False]  # step 1's NaN loss: no update at all

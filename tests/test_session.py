@@ -13,9 +13,7 @@ from gpt2.train.session import Session, parse_config, plain_newton_schulz
 def test_a_session_steps_to_the_trainers_own_losses(tmp_path, shakespeare_shards):
     flags = tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=0, eval_tokens=256)
     assert import_train_ddp().main([*flags, "--out-dir", str(tmp_path / "run")]) == 0
-    session = Session(
-        parse_config([*flags, "--out-dir", str(tmp_path / "session")]), single_process("cpu"), resolve=True
-    )  # the auto flags settled as the run settles them
+    session = Session(parse_config([*flags, "--out-dir", str(tmp_path / "session")]), single_process("cpu"))
     got = {}
     for _ in range(2):
         stats = session.step()

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from _helpers import built
 from conftest import TINY_MODEL_FLAGS, run_trainer
 
 from gpt2.train.run_log import read_metrics
@@ -573,6 +574,7 @@ def test_warmup_that_does_not_end_before_max_steps_is_said_in_one_line():
 def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespeare_shards, monkeypatch, capsys):
     """torch.compile compiles a graph when it first runs, and under DDP the first one runs inside build
     (its bucket-settling step): the line that explains a silent minute is on the console before build."""
+    import gpt2.train.startup as startup
     import gpt2.train.trainer as trainer
     from gpt2.distributed.group import single_process
     from gpt2.train.cli import parse_config
@@ -583,7 +585,7 @@ def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespear
     def build(*args, **kwargs):
         raise Building(capsys.readouterr().out)
 
-    monkeypatch.setattr(trainer, "build", build)
+    monkeypatch.setattr(startup, "build", build)
     cfg = parse_config(
         [
             *TINY_MODEL_FLAGS,
@@ -605,9 +607,9 @@ def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespear
             "1",
         ]
     )
-    with pytest.raises(Building) as built:
+    with pytest.raises(Building) as caught:
         trainer.train(cfg, single_process())
-    assert "compiling: torch.compile builds each graph the first time it runs" in str(built.value), built.value
+    assert "compiling: torch.compile builds each graph the first time it runs" in str(caught.value), caught.value
 
 
 def test_auto_dtype_is_logged_and_recorded_with_its_reason(tmp_path, shakespeare_shards):
@@ -667,8 +669,7 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
     from gpt2.distributed.group import Dist
     from gpt2.train.cli import parse_config
     from gpt2.train.run_log import RunLog
-    from gpt2.train.startup import check_data
-    from gpt2.train.trainer import build, train_step
+    from gpt2.train.trainer import train_step
 
     cfg = parse_config(
         [
@@ -687,7 +688,7 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
         ]
     )
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    parts = build(cfg, dist, RunLog(dist, tmp_path), check_data(cfg, 1))
+    parts = built(cfg, dist, RunLog(dist, tmp_path))
     assert parts.accum_steps == 2
     train_step(parts, cfg, dist, False)  # warm-up
 

@@ -20,6 +20,7 @@ stale_reason decides when the next start may take it over.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 from gpt2.core.atomic import fsync_dir
+from gpt2.distributed.group import Dist, broadcast_object
 
 RUN_INFO = "config.json"
 """RUN/config.json: the run's config, versions and hardware, and its run id (written by the trainer)."""
@@ -402,3 +404,34 @@ def _remove_if_unchanged(lock: Path, raw: bytes, aside: Path) -> bool:
         pass
     aside.unlink()
     return False
+
+
+@contextlib.contextmanager
+def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
+    """Hold RUN/run.lock (gpt2/ckpt/rundir.py) for the block, on rank 0, and release it however the block
+    ends. Rank 0 takes it before anything in RUN is touched; every rank takes its answer from the
+    broadcast, so a refusal (RunDirBusy, exit 2) is every rank's and none trains into a held directory.
+    Held by one process, so --dry-run (which never enters the block) and the other ranks take nothing."""
+    decision, lock = None, None
+    if dist.is_main:
+        try:
+            lock = RunLock.acquire(out_dir)
+            decision = ("ok", lock.taken_over)
+        except (ValueError, OSError) as e:  # RunDirBusy is a ValueError
+            decision = (
+                "error",
+                str(e)
+                if isinstance(e, RunDirBusy)
+                else f"cannot take {Path(out_dir) / LOCK} ({type(e).__name__}: {e}); check --out-dir and "
+                "its permissions",
+            )
+    try:  # from here the lock, if taken, is released whatever fails (the broadcast too)
+        kind, detail = broadcast_object(decision, dist)
+        if kind == "error":
+            raise RunDirBusy(detail)
+        if detail is not None and dist.is_main:
+            info(f"run dir    took over {out_dir} from {detail}")
+        yield
+    finally:
+        if lock is not None:
+            lock.release()

@@ -1,8 +1,11 @@
-"""The start-up's decisions in one function: resolve_choices(cfg, target) settles --dtype auto,
---activation-checkpointing auto, --micro-batch-size auto, --loss-impl auto and the memory plan of a run
-on the Target hardware. A real start (gpt2/train/startup.py, on rank 0, which broadcasts the answer) and
-train_ddp.py --dry-run (gpt2/train/dryrun.py) both call it, so a rehearsal cannot decide otherwise than
-the start it rehearses; only their Targets differ (measured here, or a GPU given by flags).
+"""The start-up's decisions in one function and one record: resolve_choices(cfg, target, start=...) settles
+--dtype auto, --activation-checkpointing auto, --micro-batch-size auto, --loss-impl auto, the memory plan,
+the parallelism in effect, the accumulation steps, what torch.compile compiles and the MFU peak of a run on
+the Target hardware, and keeps the resume point it is given (Resolved: every part of the start-up and the
+build reads these from it, none decides them again). A real start (gpt2/train/startup.py, on rank 0,
+which broadcasts the answer) and train_ddp.py --dry-run (gpt2/train/dryrun.py) both call it, so a
+rehearsal cannot decide otherwise than the start it rehearses; only their Targets differ (measured here,
+or a GPU given by flags).
 
 The order is the decisions' dependencies: the precision; the hardware in it (a peak is per dtype);
 activation checkpointing (before the micro-batch, which auto then sizes with its memory); the micro-batch;
@@ -22,6 +25,8 @@ import torch
 from gpt2.core import precision
 from gpt2.core.config import RunConfig
 from gpt2.core.precision import Precision
+from gpt2.core.schedule import grad_accum_steps
+from gpt2.core.start_point import StartDecision
 from gpt2.model.fp8 import fp8_problem
 from gpt2.plan.ac_choice import ACChoice, choose_activation_checkpointing
 from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
@@ -57,9 +62,14 @@ class Target:
         return "cuda" if self.device is None else self.device.type
 
 
+FRESH = StartDecision(point=None, run_id=None)
+"""A start at step 0 that moves nothing aside: what a plan, a rehearsal or a benchmark resolves for."""
+
+
 @dataclass(frozen=True)
 class Resolved:
-    """What resolve_choices decided: the run's concrete config and each choice with its reason."""
+    """What resolve_choices decided: the run's concrete config and each choice with its reason; the one
+    record of a start's decisions (the trainer's start-up, its dry run, the benchmarks' Session)."""
 
     cfg: RunConfig
     """--dtype, --activation-checkpointing, --micro-batch-size and --loss-impl made concrete."""
@@ -69,23 +79,48 @@ class Resolved:
     loss: LossChoice
     plan: Plan
     """The memory plan and time estimates of cfg on hardware (not yet checked: planner.check_fits)."""
+    parallel: str
+    """What runs: "fsdp" (--parallel fsdp over several ranks), "ddp" (several ranks), or "single" (one
+    process: --parallel fsdp with one rank trains the plain model)."""
+    accum_steps: int
+    """Micro-steps per optimizer step on each rank (gpt2/core/schedule.py)."""
+    compile: str
+    """What torch.compile compiles: "off", "model" (the whole model), or "blocks" (each block, then the
+    head and loss: --compile-scope blocks, and always under fsdp, whose units each gather their weights)."""
+    peak: float | None
+    """This device's peak FLOP/s for MFU and the plan's time (mfu_peak), or None: then peak_why says why."""
+    peak_why: str
+    start: StartDecision
+    """Where every rank begins (gpt2/ckpt/resume.py choose_start): a checkpoint to resume, or FRESH."""
     warning: str | None = None
     """An explicit 16-bit dtype that this device emulates (slow), else None."""
+    network: dict | None = None
+    """Several ranks: what a step's collectives cost, measured by the start-up (gpt2/distributed/bandwidth.py
+    NetworkCost.to_dict()); None on one process, in a plan and in a rehearsal."""
 
     @property
     def hardware(self) -> Hardware:
         return self.plan.hardware
 
 
-def resolve_choices(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens: int | None = None) -> Resolved:
+def resolve_choices(
+    cfg: RunConfig,
+    target: Target,
+    *,
+    mfu: float = 0.4,
+    tokens: int | None = None,
+    start: StartDecision = FRESH,
+) -> Resolved:
     """Every start-up decision of cfg on target (the module docstring's order). Raises the ValueError a
     real start stops with (a model that fits nowhere, a batch that does not divide). tokens: the plan's
-    budget (default max_steps x total_batch_size); mfu: the plan's assumed utilisation."""
+    budget (default max_steps x total_batch_size); mfu: the plan's assumed utilisation; start: the resume
+    point the start-up chose (kept in the record)."""
     tc, world = cfg.train, target.world_size
     if tc.fp8_head and (why := fp8_problem(target.device)):
         raise ValueError(why)
     prec = target_precision(tc.dtype, target, tf32=tc.tf32 and target.device_type == "cuda")
-    hardware = target_hardware(target, prec)
+    peak, peak_why = mfu_peak(target.device, prec) if target.device is not None else (None, "no device here")
+    hardware = target_hardware(target, prec, peak)
     # Each decision made concrete in cfg before the next reads it (the module docstring's order).
     cfg = with_train(cfg, dtype=prec.dtype)
     ac = choose_activation_checkpointing(cfg, hardware, world_size=world)
@@ -106,7 +141,36 @@ def resolve_choices(cfg: RunConfig, target: Target, *, mfu: float = 0.4, tokens:
     p = plan(cfg, hardware, world_size=world, mfu=mfu, tokens=tokens)
     p = dataclasses.replace(p, micro_batch_choice=mb if auto_mb else None)
     warning = None if target.device is None else precision.emulation_warning(prec, target.device)
-    return Resolved(cfg, prec, ac, mb, loss, p, warning)
+    return Resolved(
+        cfg,
+        prec,
+        ac,
+        mb,
+        loss,
+        p,
+        parallel=parallelism(tc.parallel, world),
+        accum_steps=grad_accum_steps(tc.total_batch_size, mb.size, cfg.model.block_size, world),
+        compile=compiled_scope(tc.compile, tc.compile_scope, parallelism(tc.parallel, world)),
+        peak=peak,
+        peak_why=peak_why,
+        start=start,
+        warning=warning,
+    )
+
+
+def parallelism(requested: str, world_size: int) -> str:
+    """--parallel at this world size: "fsdp" or "ddp" over several ranks, "single" for one process."""
+    if world_size == 1:
+        return "single"
+    return "fsdp" if requested == "fsdp" else "ddp"
+
+
+def compiled_scope(compile_: bool, scope: str, parallel: str) -> str:
+    """What torch.compile compiles: "off"; "blocks" under fsdp (a compiled region never spans two units'
+    gathers, torchtitan's way) or with --compile-scope blocks; else "model"."""
+    if not compile_:
+        return "off"
+    return "blocks" if parallel == "fsdp" or scope == "blocks" else "model"
 
 
 def with_train(cfg: RunConfig, **changes) -> RunConfig:
@@ -132,7 +196,7 @@ def target_precision(requested: str, target: Target, *, tf32: bool) -> Precision
     )
 
 
-def target_hardware(target: Target, prec: Precision) -> Hardware:
+def target_hardware(target: Target, prec: Precision, peak: float | None) -> Hardware:
     """What the planner sizes for: the given hardware, the named or custom GPU, or this machine's device
     shared by the processes_per_host ranks on it, with the peak the trainer's MFU uses (None where the
     data sheets have none, or a CPU probe was disturbed: gpt2/plan/flops.py peak_problem)."""
@@ -140,9 +204,7 @@ def target_hardware(target: Target, prec: Precision) -> Hardware:
         return target.hardware
     if target.device is None:
         return custom_hardware(target.gpu, prec.key, memory_gb=target.gpu_memory_gb, peak_tflops=target.gpu_peak_tflops)
-    return device_hardware(
-        target.device, mfu_peak(target.device, prec)[0], processes_per_host=target.processes_per_host
-    )
+    return device_hardware(target.device, peak, processes_per_host=target.processes_per_host)
 
 
 def mfu_peak(device: torch.device, prec: Precision) -> tuple[float | None, str]:

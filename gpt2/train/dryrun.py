@@ -32,7 +32,7 @@ from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.resume import choose_start
 from gpt2.ckpt.rundir import LOCK, live_holder
 from gpt2.core.config import RunConfig, describe_model
-from gpt2.core.schedule import BatchLayout, grad_accum_steps
+from gpt2.core.schedule import BatchLayout
 from gpt2.data.check import verify_shards
 from gpt2.data.loader import EvalLoader, TrainLoader, find_shards
 from gpt2.data.shards import ShardError
@@ -107,7 +107,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     if train_shards is not None:  # after the refusals, as the real start-up
         log_epochs(cfg, train_shards.total_tokens, log)
     log_warmup(tc, log)
-    accum = grad_accum_steps(tc.total_batch_size, mb, cfg.model.block_size, world)  # as build() computes it
+    accum = resolved.accum_steps  # the record build() takes it from
     loaders = None
     if train_shards is not None:  # the loaders a real run builds, one per rank, none of them reading
         loaders = [

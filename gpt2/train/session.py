@@ -24,28 +24,27 @@ from gpt2.distributed.group import Dist
 from gpt2.train import muon
 from gpt2.train.cli import parse_config
 from gpt2.train.optim import make_optimizer, param_groups
-from gpt2.train.run_log import RunLog, read_metrics
-from gpt2.train.startup import check_data, configure_backends, resolve_auto
+from gpt2.train.run_log import read_metrics
+from gpt2.train.startup import start
 from gpt2.train.state import Parts
-from gpt2.train.trainer import StepStats, build, close_run, evaluate, memory_mb, train_step
+from gpt2.train.trainer import StepStats, close_run, evaluate, memory_mb, train_step
 
 __all__ = ["Session", "parse_config", "read_metrics", "make_optimizer", "param_groups", "plain_newton_schulz"]
 
 
 class Session:
-    """One run's model, optimizer and loaders as the trainer builds them (build()), stepped on demand."""
+    """One run as the trainer starts it (gpt2/train/startup.py start: the same decisions, plan and build),
+    stepped on demand."""
 
-    def __init__(self, cfg: RunConfig, dist: Dist, *, resolve: bool = False) -> None:
-        """Threads and backends as the trainer sets them, then build(). resolve: settle the `auto` flags
-        (--dtype, --micro-batch-size, --loss-impl, ...) as a real start does; without it an `auto` loss
-        is the chunked one and `auto` activation checkpointing is off (build's defaults)."""
-        configure_backends(cfg.train, dist)
-        self.dist = dist
-        self.log = RunLog(dist, cfg.train.out_dir)
-        if resolve:
-            cfg = resolve_auto(cfg, dist, self.log).cfg
-        self.cfg = cfg
-        self.parts: Parts | None = build(cfg, dist, self.log, check_data(cfg, dist.world_size))
+    def __init__(self, cfg: RunConfig, dist: Dist) -> None:
+        """The trainer's start-up, whole: threads and backends, the checks, every `auto` flag decided as a
+        real start decides it (--dtype, --micro-batch-size, --loss-impl, ...), the plan, the build. A
+        directory holding a checkpoint of this run resumes it, as train_ddp.py would."""
+        run = start(cfg, dist)
+        if run is None:
+            raise ValueError(f"{cfg.train.out_dir} already finished --max-steps {cfg.train.max_steps}: nothing to step")
+        self.dist, self.log, self.cfg, self.decided = dist, run.log, run.cfg, run.decided
+        self.parts: Parts | None = run.parts
         self.step_s: list[float] = []
         """Each step's wall time (s), as step() measured it: on CUDA the queueing time unless it was read."""
 

@@ -1,12 +1,18 @@
-"""A run's start-up, before its first step: everything that decides how it runs and can refuse it.
+"""A run's start-up: start(cfg, dist) -> Run, everything from the config to the first step, read top to
+bottom in the order it happens (its body is the list).
 
-check_data (before any process group), announce_start() (the first line, and where the run starts: a
-checkpoint or fresh), then prepare(): the precision, activation checkpointing, micro-batch, loss path and
-memory plan (gpt2/plan/resolve.py decides them on rank 0, every rank takes its answer), the MFU peak,
-the network line, "nothing to train", and the earlier run's files or an abandoned branch's checkpoints
-moved aside; announce_compile() before the build, write_run_info and announce() after it. gpt2/train/dryrun.py
-rehearses the same functions without
-a process group, so its first error is a real run's.
+  the run directory and the backends (threads, TF32, the allocator)
+  check_data            the shards, the batch maths, the flags' packages (before any process group)
+  announce_start        the first line; where the run begins (gpt2/ckpt/resume.py: a checkpoint, or fresh)
+  decide_run            every choice in one record (gpt2/plan/resolve.py Resolved: precision, activation
+                        checkpointing, micro-batch, loss path, parallelism, accumulation, compile, MFU peak,
+                        the resume point, the memory plan) and every refusal, before anything is moved
+  make_room             the earlier run's files aside; the log's files opened
+  build                 the model, optimizer and loaders as the record says (gpt2/train/build.py)
+  write_run_info, announce, HellaSwag, the background checkpoint writer
+
+train_ddp.py --dry-run (gpt2/train/dryrun.py) rehearses check_data and decide_run's parts without a process
+group, so its first error is a real run's; the benchmarks' Session (gpt2/train/session.py) is start().
 
 What the console shows: a few lines (RunLog.info); the plan term by term is RunLog.detail, written to
 RUN/train.log and printed only with --verbose, so a newcomer reads what runs, and a refusal or
@@ -15,13 +21,12 @@ RUN/train.log and printed only with --verbose, so a newcomer reads what runs, an
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,7 +35,8 @@ import torch
 
 from gpt2.ckpt.checkpoint import CheckpointError
 from gpt2.ckpt.resume import StartDecision, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
-from gpt2.ckpt.rundir import LOCK, RUN_INFO, TRAIN_LOG, RunDirBusy, RunLock
+from gpt2.ckpt.rundir import RUN_INFO, TRAIN_LOG
+from gpt2.ckpt.writer import CheckpointWriter
 from gpt2.core import determinism, host_memory, precision
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
@@ -39,6 +45,7 @@ from gpt2.core.schedule import grad_accum_steps, lr_at
 from gpt2.data.check import check_listed, prep_command, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
 from gpt2.data.shards import ShardError
+from gpt2.distributed import preempt
 from gpt2.distributed.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.distributed.fsdp import gathered_param_bytes
 from gpt2.distributed.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
@@ -46,62 +53,115 @@ from gpt2.plan.flops import format_flops
 from gpt2.plan.hardware import gib
 from gpt2.plan.measure import warm_up
 from gpt2.plan.memory import CPU_HEAP_SLACK_BYTES, resident_total
-from gpt2.plan.resolve import Resolved, Target, device_name, mfu_peak, resolve_choices
+from gpt2.plan.resolve import FRESH, Resolved, Target, device_name, resolve_choices
+from gpt2.train import compile_cache
+from gpt2.train.build import build
+from gpt2.train.compile_cache import CompileCache
+from gpt2.train.memory_watch import MemoryWatch
 from gpt2.train.run_log import RunLog
-from gpt2.train.state import check_resumable
+from gpt2.train.state import Parts, check_resumable
+from gpt2.train.step_clock import StepClock
 
 if TYPE_CHECKING:
-    from gpt2.plan.loss_choice import LossChoice
     from gpt2.plan.planner import Plan
-    from gpt2.train.state import Parts
 
 
-@dataclass(frozen=True)
-class PreparedRun:
-    """What prepare() decided: the run's concrete config and what its log and run info report."""
+def start(
+    cfg: RunConfig,
+    dist: Dist,
+    *,
+    shards: tuple[ShardSet, ShardSet | None] | None = None,
+    stop_request: preempt.StopRequest | None = None,
+    hardware=None,
+) -> Run | None:
+    """A run from its config to its first step, in the order things happen; None when its checkpoint
+    has reached --max-steps already (said in one line). The caller holds the run directory's lock
+    (gpt2/ckpt/rundir.py own_run_dir) and the signal handlers (stop_request).
+
+    shards: check_data's result (train_ddp.py checks before the process group starts), else checked here.
+    hardware: what the planner sizes for instead of this device (tests pass a cap)."""
+    tc = cfg.train
+    make_run_dir(tc.out_dir, dist)  # RUN exists; a requeue marker there is not this run's
+    configure_backends(tc, dist)  # threads, TF32, the allocator
+    # The console only, for now: RUN/train.log, TensorBoard and W&B write into RUN, which may still hold
+    # an earlier run's records until the start is decided and they are moved aside (make_room).
+    log = RunLog(dist, tc.out_dir, verbose=tc.verbose, log_file=True)
+    shards = shards or check_data(cfg, dist.world_size)  # the shards and the batch maths
+    at = announce_start(cfg, dist, log)  # the first line; where the run begins: a checkpoint, or fresh
+    decided = decide_run(cfg, dist, log, shards, at, hardware)  # every choice and every refusal, in one record
+    if decided is None:  # finished already, e.g. the quick start run a second time
+        log.info(finished_message(at, tc))
+        log.close()
+        return None
+    make_room(decided, dist, log)  # the earlier run's files aside; the log's files opened
+    announce_compile(decided, dist, log)
+    cache = compile_cache.use(tc.compile_cache, tc.out_dir, dist, log) if decided.compile != "off" else None
+    watch = MemoryWatch.start(decided.plan.memory.total, decided.plan.hardware.reserve_bytes, dist.device)
+    parts = build(decided, dist, log, shards)  # the model, optimizer and loaders, restored when resuming
+    write_run_info(decided, dist, parts)
+    announce(decided, dist, parts, log)
+    hellaswag = None
+    if tc.hellaswag_interval:
+        from gpt2.data.hellaswag import prepare_hellaswag
+
+        hellaswag = prepare_hellaswag(tc.hellaswag_file, dist)  # collective: rank 0 downloads if missing
+    if dist.is_main and tc.async_ckpt:
+        parts.writer = CheckpointWriter(dist.device)
+    return Run(
+        decided.cfg,
+        dist,
+        log,
+        parts,
+        stop_request,
+        decided.peak,
+        decided,
+        hellaswag=hellaswag,
+        watch=watch,
+        cache=cache,
+    )
+
+
+@dataclass
+class Run:
+    """One run as its loop sees it, passed whole to every function of the loop (litgpt's `state`): what
+    start() made, and what the loop carries from step to step."""
 
     cfg: RunConfig
-    """--dtype, --micro-batch-size and --loss-impl auto made concrete."""
-    prec: precision.Precision
-    loss: LossChoice
+    """The run's concrete config (decided.cfg: no `auto` left)."""
+    dist: Dist
+    log: RunLog
+    parts: Parts
+    stop_request: preempt.StopRequest | None
     peak: float | None
-    """This rank's peak FLOP/s for MFU, or None (MFU n/a)."""
-    network: NetworkCost | None
-    plan: Plan
-    """The memory plan the run was checked against (its first step is measured against it too)."""
-    start: StartDecision
-    """Where every rank begins: a checkpoint to resume, or a fresh start (gpt2/ckpt/resume.py)."""
+    """The matmul peak MFU is measured against (FLOP/s); None without one, or once an MFU proved it wrong."""
+    decided: Resolved | None = None
+    """The start-up's record of every decision (gpt2/plan/resolve.py)."""
+    hellaswag: list | None = None
+    """HellaSwag's examples (--hellaswag-interval), or None."""
+    watch: MemoryWatch | None = None
+    """The first step's check against the memory plan (gpt2/train/memory_watch.py); None once done."""
+    cache: CompileCache | None = None
+    """torch.compile's cache (gpt2/train/compile_cache.py): sealed once after the first step, so a run
+    killed later (no signal, no end) still leaves its step's graphs for the next start; None once sealed."""
+    bad_steps: int = 0
+    """Consecutive steps skipped for a non-finite loss or gradient norm (NonFiniteError at --max-bad-steps)."""
+    clock: StepClock | None = None
+    """Each step's time (gpt2/train/step_clock.py); run_loop makes it when None (tests pass a fake clock)."""
+    step_s: list[tuple[int, float]] = field(default_factory=list)
+    """(step, seconds) of every step read: the run's closing summary."""
+    rolled_back: bool = False
+    """report() has just rolled the run back (gpt2/train/spike_guard.py): the step in hand is void."""
 
 
-@contextlib.contextmanager
-def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
-    """Hold RUN/run.lock (gpt2/ckpt/rundir.py) for the block, on rank 0, and release it however the block
-    ends. Rank 0 takes it before anything in RUN is touched; every rank takes its answer from the
-    broadcast, so a refusal (RunDirBusy, exit 2) is every rank's and none trains into a held directory.
-    Held by one process, so --dry-run (which never enters the block) and the other ranks take nothing."""
-    decision, lock = None, None
+def make_run_dir(out_dir: str, dist: Dist) -> None:
+    """RUN, created (every rank: on a node-local disk each node needs its own); rank 0 removes RUN/requeue,
+    which says "the last run stopped on a signal": not true of this one."""
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # check_data looked; this is the race (or a path it could not judge)
+        raise ValueError(f"--out-dir {out_dir}: cannot create it ({e.strerror}); pass a writable --out-dir") from None
     if dist.is_main:
-        try:
-            lock = RunLock.acquire(out_dir)
-            decision = ("ok", lock.taken_over)
-        except (ValueError, OSError) as e:  # RunDirBusy is a ValueError
-            decision = (
-                "error",
-                str(e)
-                if isinstance(e, RunDirBusy)
-                else f"cannot take {Path(out_dir) / LOCK} ({type(e).__name__}: {e}); check --out-dir and "
-                "its permissions",
-            )
-    try:  # from here the lock, if taken, is released whatever fails (the broadcast too)
-        kind, detail = broadcast_object(decision, dist)
-        if kind == "error":
-            raise RunDirBusy(detail)
-        if detail is not None and dist.is_main:
-            info(f"run dir    took over {out_dir} from {detail}")
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
+        preempt.clear_requeue_marker(out_dir)
 
 
 def announce_start(cfg: RunConfig, dist: Dist, log: RunLog) -> StartDecision:
@@ -126,18 +186,22 @@ def finished_message(start: StartDecision, tc: TrainConfig) -> str | None:
     )
 
 
-def prepare(
-    cfg: RunConfig, dist: Dist, log: RunLog, shards: tuple[ShardSet, ShardSet | None], start: StartDecision
-) -> PreparedRun | None:
-    """Every check that can refuse the configuration, then the moves the start decision (announce_start) needs: a
-    refused run moves nothing, and the earlier run's records go aside before the first write into RUN
-    (the sinks opened here, restore, config.json). shards: check_data's, read here by verify_data.
-    None: start's checkpoint has reached --max-steps already (finished_message says so), nothing moved.
+def decide_run(
+    cfg: RunConfig,
+    dist: Dist,
+    log: RunLog,
+    shards: tuple[ShardSet, ShardSet | None],
+    start: StartDecision,
+    hardware=None,
+) -> Resolved | None:
+    """Every decision and every check that can refuse the configuration, before anything in RUN is moved
+    or written: the data read (--verify-data), a resumed run's own `auto` choices kept, the record of
+    every choice (resolve_auto), the MFU peak, the memory plan, the network, the epochs and warmup, the
+    resume's compatibility. None: start's checkpoint has reached --max-steps already (nothing moved).
 
-    The checks' lines are held until they all pass: a refusal, or "nothing to train", is the console's
-    first line after `starting` (with --verbose, after what was decided before it). Most of them are
-    detail (the plan term by term): RUN/train.log and --verbose; the console gets the precision, the
-    micro-batch and one plan line."""
+    The lines are held until they all pass: a refusal, or "nothing to train", is the console's first line
+    after `starting` (with --verbose, after what was decided before it). Most are detail (the plan term by
+    term): RUN/train.log and --verbose; the console gets the precision, the micro-batch and one plan line."""
     log.hold()
     try:
         if cfg.train.deterministic:  # train_ddp.py turned it on before CUDA's first use; callers of the trainer too
@@ -145,21 +209,29 @@ def prepare(
             log.info(determinism.describe_determinism())
         verify_data(cfg, shards, dist, log)
         cfg = keep_decisions(cfg, start, dist, log)
-        resolved = resolve_auto(cfg, dist, log)
-        cfg, prec, loss, tc = resolved.cfg, resolved.precision, resolved.loss, resolved.cfg.train
-        peak = log_mfu_peak(dist, prec, log)
-        plan = check_memory(resolved, log)
-        network = log_network_cost(cfg, dist, plan, log)
-        log_epochs(cfg, shards[0].total_tokens, log)  # after the refusals: a run that cannot start needs no warning
-        log_warmup(tc, log)
-        check_before_moving(start, cfg, dist, shards[0])
+        decided = resolve_auto(cfg, dist, log, hardware, start=start)
+        log_mfu_peak(decided, dist, log)
+        check_memory(decided, log)
+        cost = log_network_cost(decided, dist, log)
+        decided = replace(decided, network=None if cost is None else cost.to_dict())
+        log_epochs(decided.cfg, shards[0].total_tokens, log)  # after the refusals: no warning for a refused run
+        log_warmup(decided.cfg.train, log)
+        check_before_moving(start, decided.cfg, dist, shards[0])
     except BaseException:
         log.release(console=False)
         raise
-    if finished_message(start, tc) is not None:
+    if finished_message(start, decided.cfg.train) is not None:
         log.release(console=False)
         return None
     log.release()
+    return decided
+
+
+def make_room(decided: Resolved, dist: Dist, log: RunLog) -> None:
+    """The moves the start decision needs, before the first write into RUN: the earlier run's records,
+    or an abandoned branch's checkpoints, aside (nothing deleted); a resumed checkpoint's lost sidecar
+    written again; then the log's files (train.log, TensorBoard, W&B) opened."""
+    start, tc = decided.start, decided.cfg.train
     moved = set_aside_earlier_run(start, tc.out_dir, dist)
     if moved is not None:
         why = "fresh start" if start.point is None else f"resuming run {start.run_id} from {start.point.path}"
@@ -185,8 +257,9 @@ def prepare(
     else:
         if restored is not None:
             log.info(f"wrote {restored.name} again for the checkpoint resumed without it")
-    log.open_sinks(tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=cfg.to_dict(), log_file=True)
-    return PreparedRun(cfg, prec, loss, peak, network, plan, start)
+    log.open_sinks(
+        tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=decided.cfg.to_dict(), log_file=True
+    )
 
 
 def check_before_moving(start: StartDecision, cfg: RunConfig, dist: Dist, train_shards: ShardSet) -> None:
@@ -210,25 +283,26 @@ def check_before_moving(start: StartDecision, cfg: RunConfig, dist: Dist, train_
         raise CheckpointError(problem)
 
 
-def announce(cfg: RunConfig, dist: Dist, parts: Parts, log: RunLog) -> None:
+def announce(decided: Resolved, dist: Dist, parts: Parts, log: RunLog) -> None:
     """The run's shape in one line."""
+    cfg = decided.cfg
     tc = cfg.train
     log.info(
         f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
-        f"parallel {tc.parallel} | {parts.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} "
+        f"parallel {tc.parallel} | {decided.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} "
         "per step | "
         f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}"
     )
-    for line in parallel_notes(tc, dist):
+    for line in parallel_notes(tc, decided.parallel, dist.world_size):
         log.info(line)
 
 
-def announce_compile(tc: TrainConfig, dist: Dist, log: RunLog) -> None:
+def announce_compile(decided: Resolved, dist: Dist, log: RunLog) -> None:
     """Before build: torch.compile works when a graph is first run, and the first one can be in build
     itself (DDP's bucket-settling step), so the line that explains a silent minute comes before it."""
-    if not tc.compile:
+    if decided.compile == "off":
         return
-    first = "DDP's bucket-settling step, " if dist.is_distributed and tc.parallel != "fsdp" else ""
+    first = "DDP's bucket-settling step, " if decided.parallel == "ddp" else ""
     workers = compile_threads(usable_cpus(), dist.local_world_size)  # what build's set_compile_threads sets
     log.info(
         f"compiling: torch.compile builds each graph the first time it runs ({first}the first evaluation, "
@@ -237,17 +311,18 @@ def announce_compile(tc: TrainConfig, dist: Dist, log: RunLog) -> None:
     )
 
 
-def parallel_notes(tc: TrainConfig, dist: Dist) -> list[str]:
-    """What --parallel fsdp does at this world size, and the flags it ignores (one line each)."""
+def parallel_notes(tc: TrainConfig, parallel: str, world_size: int) -> list[str]:
+    """What --parallel fsdp does at this world size (parallel: the record's, in effect), and the flags it
+    ignores (one line each)."""
     if tc.parallel != "fsdp":
         return []
-    if not dist.is_distributed:
+    if parallel != "fsdp":
         return [
             "parallel   fsdp with one process: nothing to shard, training the plain model "
             "(launch with torchrun --nproc_per_node=N to shard over N ranks)"
         ]
     notes = [
-        f"parallel   fsdp: weights, gradients and optimizer state sharded over {dist.world_size} ranks "
+        f"parallel   fsdp: weights, gradients and optimizer state sharded over {world_size} ranks "
         "(fully_shard per block, then the root)"
     ]
     if tc.ddp_bucket_cap_mb != TrainConfig.__dataclass_fields__["ddp_bucket_cap_mb"].default:
@@ -500,19 +575,20 @@ def decided_before(info_path: Path, run_id: str | None, world_size: int) -> dict
     return {k: train[k] for k in KEPT_ON_RESUME if k in train}
 
 
-def resolve_auto(cfg: RunConfig, dist: Dist, log: RunLog, hardware=None) -> Resolved:
+def resolve_auto(cfg: RunConfig, dist: Dist, log: RunLog, hardware=None, *, start: StartDecision = FRESH) -> Resolved:
     """--dtype, --activation-checkpointing, --micro-batch-size and --loss-impl auto made concrete, and the
     memory plan, by gpt2/plan/resolve.py's resolve_choices (the one place they are decided; the dry run calls it
     too). Rank 0 measures and decides and every rank takes its answer: ranks that chose differently would
     compute different things silently. A model that fits nowhere is rank 0's finding too: every rank
     raises its error, none waits.
 
-    hardware: what the planner sizes for (default: this device, measured; tests pass a cap).
+    hardware: what the planner sizes for (default: this device, measured; tests pass a cap). start: the
+    resume point choose_start found (kept in the record; FRESH for a run built in a new directory).
     """
     decision = None
     if dist.is_main:
         try:
-            decision = ("ok", resolve_choices(cfg, start_target(dist, hardware)))
+            decision = ("ok", resolve_choices(cfg, start_target(dist, hardware), start=start))
         except ValueError as e:
             decision = ("error", str(e))
     kind, answer = broadcast_object(decision, dist)
@@ -522,26 +598,17 @@ def resolve_auto(cfg: RunConfig, dist: Dist, log: RunLog, hardware=None) -> Reso
     return answer
 
 
-def log_mfu_peak(dist: Dist, prec: precision.Precision, log: RunLog) -> float | None:
-    """This rank's peak FLOP/s for MFU (gpt2/plan/resolve.py mfu_peak), or None, logged as "mfu n/a: why"."""
-    peak, why = mfu_peak(dist.device, prec)
+def log_mfu_peak(decided: Resolved, dist: Dist, log: RunLog) -> None:
+    """The peak FLOP/s MFU is measured against (the record's, gpt2/plan/resolve.py mfu_peak), or "mfu n/a: why"."""
+    peak = decided.peak
     if peak is None:
-        log.info(f"mfu n/a: {why}")
+        log.info(f"mfu n/a: {decided.peak_why}")
     elif dist.device.type == "cpu":
         log.detail(
             f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
             f"{precision.PEAK_PROBES} matmul probes, cached in {precision.peak_cache_dir()} "
             f"({precision.REFRESH_PEAK_ENV}=1 measures again)"
         )
-    return peak
-
-
-def forget_cpu_peak(device: torch.device, dtype: str) -> None:
-    """An MFU above 100% proved the measured peak wrong: the next run must not read it from the cache.
-    device_peak_flops took the larger of the dtype's and fp32's peaks, so both go."""
-    if device.type == "cpu":
-        for d in {precision.Precision(dtype, dtype).torch_dtype, torch.float32}:
-            precision.forget_peak(str(device), d)
 
 
 def check_memory(r: Resolved, log) -> Plan:
@@ -644,15 +711,14 @@ def _duration(seconds: float) -> str:
     )
 
 
-def log_network_cost(cfg: RunConfig, dist: Dist, p, log: RunLog) -> NetworkCost | None:
+def log_network_cost(decided: Resolved, dist: Dist, log: RunLog) -> NetworkCost | None:
     """Several ranks: time one gradient bucket's all-reduce and say what a step's collectives would
     cost against the plan's compute per step (DDP's all-reduce, or fsdp's all-gathers and
     reduce-scatter; one line; a warning above WARN_SHARE). None on one process."""
-    tc = cfg.train
+    tc, p = decided.cfg.train, decided.plan
     fsdp = None
     if tc.parallel == "fsdp":
-        accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, dist.world_size)
-        fsdp = fsdp_traffic(p.n_params, gathered_param_bytes(tc.dtype, dist.device), accum)
+        fsdp = fsdp_traffic(p.n_params, gathered_param_bytes(tc.dtype, dist.device), decided.accum_steps)
     cost = measure_network(
         dist, bucket_cap_mb=tc.ddp_bucket_cap_mb, n_params=p.n_params, step_compute_s=p.step_time_s, fsdp=fsdp
     )
@@ -664,30 +730,24 @@ def log_network_cost(cfg: RunConfig, dist: Dist, p, log: RunLog) -> NetworkCost 
     return cost
 
 
-def write_run_info(
-    cfg: RunConfig,
-    dist: Dist,
-    parts: Parts,
-    peak: float | None,
-    prec: precision.Precision,
-    loss: LossChoice,
-    network: NetworkCost | None = None,
-) -> None:
+def write_run_info(decided: Resolved, dist: Dist, parts: Parts) -> None:
+    """RUN/config.json (rank 0): the run's concrete config and what the start-up decided, for a resume's
+    keep_decisions, the tools and a person."""
     if not dist.is_main:
         return
     import tiktoken
 
     info = {
         "run_id": parts.run_id,
-        "config": cfg.to_dict(),
+        "config": decided.cfg.to_dict(),
         "world_size": dist.world_size,
         "device": str(dist.device),
         "device_name": device_name(dist.device),
-        "precision": prec.to_dict(),
-        "loss": loss.to_dict(),
-        "accum_steps": parts.accum_steps,
+        "precision": decided.precision.to_dict(),
+        "loss": decided.loss.to_dict(),
+        "accum_steps": decided.accum_steps,
         "params": parts.model.num_params(),
-        "peak_flops_per_rank": peak,
+        "peak_flops_per_rank": decided.peak,
         "hostname": socket.gethostname(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {
@@ -697,8 +757,8 @@ def write_run_info(
             "tiktoken": tiktoken.__version__,
         },
     }
-    if network is not None:  # several ranks: the start-up all-reduce measurement (gpt2/distributed/bandwidth.py)
-        info["network"] = network.to_dict()
+    if decided.network is not None:  # several ranks: the start-up's all-reduce (gpt2/distributed/bandwidth.py)
+        info["network"] = decided.network
     if parts.init_from is not None:  # --init-from: where the weights came from (gpt2/train/init_from.py)
         info["init_from"] = parts.init_from
-    atomic_write_text(Path(cfg.train.out_dir) / RUN_INFO, json.dumps(info, indent=2))
+    atomic_write_text(Path(decided.cfg.train.out_dir) / RUN_INFO, json.dumps(info, indent=2))

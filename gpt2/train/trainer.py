@@ -1,8 +1,9 @@
-"""The training loop: build(), train_step(), due(), train(). Importable and testable.
+"""The training loop: train(), run_loop(), train_step(), due(). Importable and testable.
 
-One step, top to bottom: train() -> run_loop() -> train_step() (this file; the model's forward in
-gpt2/model/gpt.py), then due() says what else the step owes (evaluate, sample, save, stop) and save()
-writes the checkpoint (gpt2/train/state.py). What runs before the first step is gpt2/train/startup.py.
+train() takes the run directory and the signals, then start() (gpt2/train/startup.py) makes the run, from
+its config to its first step, in one call. One step, top to bottom: run_loop() -> train_step() (this file;
+the model's forward in gpt2/model/gpt.py), then due() says what else the step owes (evaluate, sample, save,
+stop) and save() writes the checkpoint (gpt2/train/state.py).
 Everything distributed goes through the `Dist` passed in; nothing reads the environment.
 """
 
@@ -13,226 +14,35 @@ import functools
 import math
 import resource
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt2.ckpt import checkpoint as ckpt
-from gpt2.ckpt.resume import StartDecision, agree_on_step, choose_start
-from gpt2.ckpt.writer import CheckpointWriter
+from gpt2.ckpt.rundir import own_run_dir
 from gpt2.core import precision
-from gpt2.core.compat import ddp_no_buffer_sync
 from gpt2.core.config import EOT_TOKEN, RunConfig, TrainConfig
-from gpt2.core.schedule import BatchLayout, grad_accum_steps, lr_at
-from gpt2.data.loader import EvalLoader, ShardSet, TrainLoader
+from gpt2.core.schedule import lr_at
+from gpt2.data.loader import ShardSet, TrainLoader
 from gpt2.data.shards import ShardError
 from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import clip_grad_norm, is_sharded, no_grad_sync
-from gpt2.distributed.fsdp import shard as shard_fsdp
-from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_compile_threads, set_timeout
+from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_timeout
 from gpt2.distributed.hang import HangDumps
 from gpt2.distributed.straggler import ComputeClock, straggler_line, times_record
-from gpt2.model.gpt import GPT, TOP_K, cut_at_stop
+from gpt2.model.gpt import TOP_K, cut_at_stop
 from gpt2.plan.flops import checked_mfu, mfu
 from gpt2.train import compile_cache
-from gpt2.train.compile_cache import CompileCache
 from gpt2.train.gc_steps import collect_at_steps, collect_if_due
-from gpt2.train.memory_watch import MemoryWatch
-from gpt2.train.optim import make_optimizer
 from gpt2.train.run_log import RunLog, plot_loss_curve
-from gpt2.train.spike_guard import VERDICT_SIZE, SpikeGuard, roll_back, verdict_of
-from gpt2.train.startup import (
-    announce,
-    announce_compile,
-    announce_start,
-    check_data,
-    configure_backends,
-    finished_message,
-    forget_cpu_peak,
-    own_run_dir,
-    prepare,
-    write_run_info,
-)
-from gpt2.train.state import Parts, finish_background_write, restore, rng_state, save, set_rng_state
+from gpt2.train.spike_guard import VERDICT_SIZE, roll_back, verdict_of
+from gpt2.train.startup import Run, start
+from gpt2.train.state import Parts, finish_background_write, save
 from gpt2.train.step_clock import StepClock, StepMarks
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive non-finite steps: the run stops without checkpointing the bad state."""
-
-
-def build(
-    cfg: RunConfig,
-    dist: Dist,
-    log: RunLog,
-    shards: tuple[ShardSet, ShardSet | None],
-    start: StartDecision | None = None,
-) -> Parts:
-    """The model, optimizer and loaders, restored from start.point when resuming.
-
-    start: train()'s decision (choose_start, made before anything is written); None decides here,
-    for callers that build in a new directory (tests, benchmarks): nothing is moved aside then.
-    """
-    tc, mc = cfg.train, cfg.model
-    train_shards, val_shards = shards
-    accum = grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, mc.block_size, dist.world_size)
-    if start is None:
-        start = choose_start(tc.resume, tc.out_dir, dist, warn=log.warn)
-    torch.manual_seed(tc.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-    # loss_impl is resolved by resolve_auto; callers that build without it (tests, benchmarks) and
-    # leave it auto get the chunked loss, the one that is safe on memory.
-    # The same for activation_checkpointing: auto unresolved is none. Set at construction, before
-    # fully_shard and torch.compile see the blocks (torchtitan's order: AC, then compile, then FSDP).
-    model = GPT(
-        mc,
-        loss_impl="full" if tc.loss_impl == "full" else "chunked",
-        activation_checkpointing=tc.activation_checkpointing == "full",
-        fp8_head=tc.fp8_head,
-    ).to(dist.device)
-    fsdp = tc.parallel == "fsdp" and dist.is_distributed
-    init_record = None
-    if tc.init_from:  # the source's weights over the fresh ones (the random numbers drawn are the same)
-        from gpt2.train.init_from import start_from_weights
-
-        init_record = start_from_weights(
-            model, tc.init_from, start.point, tc.out_dir, start.run_id, dist, log, broadcast=fsdp
-        )
-    if fsdp:  # before the optimizer: it must hold the shards, not the full weights
-        model = shard_fsdp(model, dist, tc.dtype)
-    # From here on each rank draws its own random numbers: with one seed for all, every rank would
-    # drop out the same units (dropout > 0) and the ranks' noise would not average out.
-    torch.manual_seed(tc.seed + dist.rank)
-    optimizer = make_optimizer(model, tc, dist.device, dist)
-    loader = TrainLoader(
-        train_shards,
-        BatchLayout(tc.micro_batch_size, mc.block_size, tc.total_batch_size, dist.world_size),
-        rank=dist.rank,
-        seed=tc.seed,
-        device=dist.device,
-        pin_memory=tc.pin_memory,
-        order=tc.data_order,
-        defer_bad_tokens=True,  # train_step stops every rank alike
-    )
-    val_loader = None
-    if val_shards is not None:
-        val_loader = EvalLoader(
-            val_shards,
-            micro_batch_size=tc.micro_batch_size,
-            seq_len=mc.block_size,
-            eval_tokens=tc.eval_tokens,
-            rank=dist.rank,
-            world_size=dist.world_size,
-            device=dist.device,
-            pin_memory=tc.pin_memory,
-        )
-        if val_loader.clamped:
-            log.warn(
-                f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all {val_loader.tokens} tokens"
-            )
-    parts = Parts(model, model, optimizer, loader, val_loader, accum, precision.make_scaler(tc.dtype, dist.device))
-    parts.run_id, parts.init_from = start.run_id, init_record
-    parts.guard = SpikeGuard(tc, dist.device) if tc.spike_guard else None  # before restore: its state is checkpointed
-    if parts.guard is not None and tc.compile and dist.device.type == "cuda":
-        parts.guard.fuse()  # its 25 kernels in a few: on CUDA the host's launches are the step's bound
-    point = start.point
-    if point is not None:
-        problem = None
-        try:
-            restore(parts, Path(point.path), cfg, dist, log)
-        except ckpt.CheckpointError as e:
-            problem = str(e)
-        agree_on_step(parts.step, problem, dist)  # the same error on every rank, or the same step
-    if tc.compile:
-        set_compile_threads(dist)  # before the first compilation, which starts inductor's workers
-    if fsdp:  # FSDP's units each gather their weights: compile each block, not the whole (torchtitan's way)
-        train_model = model
-        if tc.compile:
-            compile_sharded(model)
-    elif tc.compile and tc.compile_scope == "blocks":  # each block alone, then the head and loss: less to compile
-        train_model = model
-        compile_sharded(model, autotune=tc.autotune)
-    else:
-        train_model = torch.compile(model, **autotune_options(tc.autotune)) if tc.compile else model
-    if dist.is_distributed and not fsdp:
-        train_model = wrap_ddp(train_model, tc, dist)
-        settle_buckets(train_model, parts.loader.B, parts.loader.T, cfg.train.dtype, dist)
-    parts.train_model = train_model
-    return parts
-
-
-def autotune_options(autotune: bool) -> dict:
-    """torch.compile's arguments for --autotune: inductor times each matmul shape against its
-    Triton templates and keeps the fastest (GEMMs only: max_autotune_gemm, not the pointwise kernels)."""
-    return {"options": {"max_autotune_gemm": True}} if autotune else {}
-
-
-def compile_sharded(model: GPT, *, autotune: bool = False) -> None:
-    """torch.compile for a model sharded per block (--parallel fsdp): each block in place (torchtitan's
-    way: a compiled region never spans two FSDP units' gathers), and the root's final LayerNorm, LM
-    head and loss (GPT.head_loss) as one more region. The head and loss are the memory-bound part that
-    compile fuses (the loss's cast, softmax and gradient; planned per logit by gpt2/plan/ as compiled),
-    and would otherwise run eager under fsdp while DDP's whole-model compile fuses them. The embedding
-    lookups between the regions stay eager (a gather and an add)."""
-    for block in model.transformer.h:
-        block.compile(**autotune_options(autotune))  # autotuned: the blocks only, the head as without it
-    model.head_loss = torch.compile(model.head_loss)  # an instance attribute: forward calls self.head_loss
-
-
-def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: str, dist: Dist) -> None:
-    """One synced backward of a dummy micro-batch, gradients and random numbers discarded: DDP's
-    buckets take their final layout before the first step.
-
-    DDP all-reduces a process's first backward as one bucket in parameter order and then rebuilds
-    its buckets in the order the gradients became ready. With 3 or more ranks a sum's rounding
-    depends on where an element sits in the all-reduced buffer (the ring's chunks), so a resumed
-    run's first step summed the gradients differently from the uninterrupted run's same step and
-    the runs drifted apart (found by the 4-node x 2-rank rehearsal in tests/test_multinode.py; with
-    2 ranks a sum is exact either way). Now every step of every run uses the same buckets. Costs one
-    micro-step's forward, backward and all-reduce at start-up.
-    """
-    cuda = dist.device.type == "cuda"
-    saved = rng_state(cuda)  # dropout draws here must not shift the training's random numbers
-    x = torch.zeros(batch, seq_len, dtype=torch.long, device=dist.device)
-    with collective("DDP's first (bucket-settling) gradient all-reduce"):
-        with precision.autocast(dtype, dist.device):
-            _, loss = ddp_model(x, x, return_logits=False)
-        loss.backward()
-    for p in ddp_model.parameters():
-        p.grad = None
-    set_rng_state(saved, cuda)
-
-
-DDP_DEFAULT_BUCKET_CAP_MB = 25.0
-"""torch's own default bucket size (TrainConfig.ddp_bucket_cap_mb's default)."""
-
-
-def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
-    """DDP around the (compiled) model; its all-reduces overlap the compiled backward.
-
-    torch.compile is lazy: the model is compiled at the first training step, inside DDP's forward,
-    where dynamo's DDPOptimizer splits the graph at DDP's buckets, so each bucket's all-reduce starts
-    when its backward graph ends (tests/test_ddp_compile.py). Compile-then-DDP over the alternatives
-    (DDP-then-compile, each block compiled): docs/training.md, "DDP and torch.compile", with the
-    measurements and the command behind them.
-    """
-    # Gradients as views into the all-reduce buckets: no second copy of every gradient (memory)
-    # and no copy in and out of the buckets each step (the maths is unchanged). No buffer sync
-    # before each forward: the only buffer (the padded vocab's -inf logit bias) is a constant every
-    # rank builds identically (it is still synced once, at init; gpt2/core/compat.py names the keyword).
-    # bucket_cap_mb=None at DDP's default
-    # keeps DDP's small first bucket (1 MiB, also dynamo's first split); any other value applies
-    # to every bucket.
-    cap = None if tc.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else tc.ddp_bucket_cap_mb
-    with collective("DDP's broadcast of the initial weights"):
-        return DDP(
-            train_model,
-            device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-            bucket_cap_mb=cap,
-            gradient_as_bucket_view=True,
-            **ddp_no_buffer_sync(),
-        )
 
 
 def no_sync(train_model: torch.nn.Module):
@@ -556,7 +366,7 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
     """Run training to max_steps (or until a stop signal). Returns 0, or EXIT_REQUEUE after a signal.
 
     shards: check_data's result; train_ddp.py checks before the process group starts, in-process
-    callers (tests) may leave it to this function."""
+    callers (tests) may leave it to the start-up."""
     # Signals are recorded from the start: one that arrives while building or restoring stops the
     # run at the first step boundary (with a checkpoint) instead of killing the process. The run
     # directory is this run's alone from before its first touch to the end (gpt2/ckpt/rundir.py).
@@ -565,56 +375,18 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
         own_run_dir(cfg.train.out_dir, dist),
         HangDumps(cfg.train.out_dir, dist),
     ):
-        return _train(cfg, dist, shards, stop_request)
-
-
-def _train(cfg: RunConfig, dist: Dist, shards, stop_request: preempt.StopRequest) -> int:
-    tc = cfg.train
-    try:
-        Path(tc.out_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # check_data looked; this is the race (or a path it could not judge)
-        raise ValueError(
-            f"--out-dir {tc.out_dir}: cannot create it ({e.strerror}); pass a writable --out-dir"
-        ) from None
-    if dist.is_main:  # RUN/requeue says "the last run stopped on a signal": not true of this one
-        preempt.clear_requeue_marker(tc.out_dir)
-    configure_backends(tc, dist)
-    # The console only, for now: RUN/train.log, TensorBoard and W&B write into RUN, which may still hold
-    # an earlier run's records until the start is decided and they are moved aside (prepare).
-    log = RunLog(dist, tc.out_dir, verbose=tc.verbose, log_file=True)
-    if shards is None:
-        shards = check_data(cfg, dist.world_size)
-    start = announce_start(cfg, dist, log)
-    prepared = prepare(cfg, dist, log, shards, start)
-    if prepared is None:  # finished already, e.g. the quick start run a second time
-        log.info(finished_message(start, tc))
-        log.close()
-        return 0
-    cfg, tc = prepared.cfg, prepared.cfg.train
-    announce_compile(tc, dist, log)
-    cache = compile_cache.use(tc.compile_cache, tc.out_dir, dist, log) if tc.compile else None
-    watch = MemoryWatch.start(prepared.plan.memory.total, prepared.plan.hardware.reserve_bytes, dist.device)
-    parts = build(cfg, dist, log, shards, prepared.start)
-    write_run_info(cfg, dist, parts, prepared.peak, prepared.prec, prepared.loss, prepared.network)
-    announce(cfg, dist, parts, log)
-    if parts.step == 0 and parts.val_loader is not None:
-        log.log_eval(0, 0, evaluate(parts, cfg, dist), parts.val_loader.tokens)
-    hellaswag = None
-    if tc.hellaswag_interval:
-        from gpt2.data.hellaswag import prepare_hellaswag
-
-        hellaswag = prepare_hellaswag(tc.hellaswag_file, dist)  # collective: rank 0 downloads if missing
-    if dist.is_main and tc.async_ckpt:
-        parts.writer = CheckpointWriter(dist.device)
-    try:
-        with collect_at_steps(tc.gc_interval):  # every rank's garbage collection at the same steps
-            code = run_loop(
-                Run(cfg, dist, log, parts, stop_request, prepared.peak, hellaswag=hellaswag, watch=watch, cache=cache)
-            )
-        compile_cache.finish(cache, dist, log)  # seals what this run compiled, for the next start
-        return code
-    finally:
-        close_run(parts, dist, log)
+        run = start(cfg, dist, shards=shards, stop_request=stop_request)  # gpt2/train/startup.py
+        if run is None:  # finished already, e.g. the quick start run a second time
+            return 0
+        try:
+            if run.parts.step == 0 and run.parts.val_loader is not None:  # where the curve begins
+                run.log.log_eval(0, 0, evaluate(run.parts, run.cfg, dist), run.parts.val_loader.tokens)
+            with collect_at_steps(run.cfg.train.gc_interval):  # every rank's garbage collection at the same steps
+                code = run_loop(run)
+            compile_cache.finish(run.cache, dist, run.log)  # seals what this run compiled, for the next start
+            return code
+        finally:
+            close_run(run.parts, dist, run.log)
 
 
 def reads_lag(device: torch.device) -> bool:
@@ -622,39 +394,6 @@ def reads_lag(device: torch.device) -> bool:
     them at once would drain the queue at every step; on a CPU each op has finished when it returns,
     so a late read saves nothing and the numbers are read (logged, acted on) at their own step."""
     return device.type == "cuda"
-
-
-@dataclass
-class Run:
-    """One run as its loop sees it, passed whole to every function of the loop (litgpt's `state`):
-    what train() made, and what the loop carries from step to step."""
-
-    cfg: RunConfig
-    dist: Dist
-    log: RunLog
-    parts: Parts
-    stop_request: preempt.StopRequest
-    peak: float | None
-    """The matmul peak MFU is measured against (FLOP/s); None without one, or once an MFU proved it wrong."""
-    hellaswag: list | None = None
-    """HellaSwag's examples (--hellaswag-interval), or None."""
-    watch: MemoryWatch | None = None
-    """The first step's check against the memory plan (gpt2/train/memory_watch.py); None once done."""
-    cache: CompileCache | None = None
-    """torch.compile's cache (gpt2/train/compile_cache.py): sealed once after the first step, so a run
-    killed later (no signal, no end) still leaves its step's graphs for the next start; None once sealed."""
-    bad_steps: int = 0
-    """Consecutive steps skipped for a non-finite loss or gradient norm (NonFiniteError at --max-bad-steps)."""
-    clock: StepClock | None = None
-    """Each step's time (gpt2/train/step_clock.py); run_loop makes it when None (tests pass a fake clock)."""
-    step_s: list[tuple[int, float]] = field(default_factory=list)
-    """(step, seconds) of every step read: the run's closing summary."""
-    rolled_back: bool = False
-    """report() has just rolled the run back (gpt2/train/spike_guard.py): the step in hand is void."""
-
-    def due(self, step: int) -> Actions:
-        """The actions step `step` owes, decided once (the stop vote is applied when read: voted_stop)."""
-        return due(step, self.cfg.train, has_val=self.parts.val_loader is not None, has_hellaswag=bool(self.hellaswag))
 
 
 def run_loop(run: Run) -> int:
@@ -684,7 +423,7 @@ def run_loop(run: Run) -> int:
             set_timeout(run.dist, tc.dist_step_timeout_s)
             slow_phase = False
         check_first_step(run)
-        act = run.due(parts.step)
+        act = due(parts.step, tc, has_val=parts.val_loader is not None, has_hellaswag=bool(run.hellaswag))
         # The previous step's numbers: ready, this step is queued behind them. A stop it voted for is
         # this step's stop (every rank reads the vote at the same point).
         stop = report(run, *pending) if pending is not None else False
@@ -807,6 +546,14 @@ def perform(run: Run, act: Actions) -> None:
 def measured_peak(device: torch.device) -> bool:
     """Whether MFU's peak on this device was measured (a CPU's matmul probe), not a data sheet's (a GPU's)."""
     return device.type == "cpu"
+
+
+def forget_cpu_peak(device: torch.device, dtype: str) -> None:
+    """An MFU above 100% proved the measured peak wrong: the next run must not read it from the cache.
+    device_peak_flops took the larger of the dtype's and fp32's peaks, so both go."""
+    if device.type == "cpu":
+        for d in {precision.Precision(dtype, dtype).torch_dtype, torch.float32}:
+            precision.forget_peak(str(device), d)
 
 
 def log_step(run: Run, out: dict, dt: float, step: int) -> None:
