@@ -6,7 +6,7 @@
 A shape where the state dominates: 355M parameters hold 16 bytes each under AdamW (weights, gradients,
 two moments: 5.7 GB per DDP rank), one 128-token sequence holds little. Each parallel mode runs in its
 own two fresh processes (torch.multiprocessing spawn, gloo, one thread each), which do what the trainer
-does: gpt2/train/trainer.py build() (DDP, or FSDP2's fully_shard on each block and the root) and --steps calls
+does: gpt2/train/build.py build() (DDP, or FSDP2's fully_shard on each block and the root) and --steps calls
 of train_step(), no checkpoint (the checkpoint under fsdp is not this bench's subject), then report.
 
 What is measured: each rank's peak resident set size (getrusage's ru_maxrss, the kernel's high-water

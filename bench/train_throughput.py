@@ -6,7 +6,7 @@
 Workload: GPT-2 shape with 6 layers, 6 heads, width 384, block 256, vocab 50304, micro-batch 8,
 4,096 tokens per optimizer step (2 micro-batches on one process, 1 on each of two), random tokens.
 Rows, each timed after --warmup steps (compilation happens there) as the median of --steps steps:
-  fp32 eager / fp32 compiled / bf16 compiled    in this process, through gpt2.train.session: build() and
+  fp32 eager / fp32 compiled / bf16 compiled    in this process, through gpt2.train.session: start() and
                                                 train_step() as the trainer runs them (chunked loss,
                                                 fused AdamW), cores/1 threads (configure_backends);
                                                 the in-process rows take one step each in turn
@@ -14,7 +14,7 @@ Rows, each timed after --warmup steps (compilation happens there) as the median 
   fp32 compiled, --loss-impl full               the same with the full-logits loss: what
                                                 --loss-impl auto takes where the logits fit
                                                 comfortably; the rows above are built with the
-                                                chunked loss (build() without resolve_auto)
+                                                chunked loss (--loss-impl chunked in the workload)
   bf16 compiled, plain loss + for-loop AdamW    the trainer before its chunked loss and fused AdamW:
                                                 the model's (B, T, V) logits and F.cross_entropy, and
                                                 AdamW(foreach=False, fused=False)
@@ -102,6 +102,8 @@ WORKLOAD = [
     str(MICRO_BATCH),
     "--total-batch-size",
     str(TOKENS_PER_STEP),
+    "--loss-impl",
+    "chunked",  # the rows' loss unless one names another: a Session decides auto as the trainer does
     "--eval-tokens",
     "0",
     "--sample-interval",
