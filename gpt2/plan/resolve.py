@@ -119,8 +119,11 @@ def resolve_choices(
     if tc.fp8_head and (why := fp8_problem(target.device)):
         raise ValueError(why)
     prec = target_precision(tc.dtype, target, tf32=tc.tf32 and target.device_type == "cuda")
-    peak, peak_why = mfu_peak(target.device, prec) if target.device is not None else (None, "no device here")
+    peak, peak_why = mfu_peak(target.device, prec) if target.device is not None else (None, "")
     hardware = target_hardware(target, prec, peak)
+    if target.device is None:  # a hypothetical GPU: its data sheet's peak, or why there is none
+        peak = hardware.peak_flops
+        peak_why = "" if peak is not None else f"{hardware.name} has no data-sheet peak (pass --gpu-peak-tflops)"
     # Each decision made concrete in cfg before the next reads it (the module docstring's order).
     cfg = with_train(cfg, dtype=prec.dtype)
     ac = choose_activation_checkpointing(cfg, hardware, world_size=world)

@@ -1,10 +1,13 @@
 """train_ddp.py --dry-run: a real run's start-up up to its first step, without a process group or weights.
 
-It takes the trainer's own steps in the trainer's order (gpt2/train/startup.py: resolve_device, check_data,
-then gpt2/plan/resolve.py's resolve_choices, the one function that decides the precision, activation checkpointing,
-micro-batch and loss path and plans the memory for a real start too; the batch maths, the loaders,
-choose_start; gpt2/train/state.py: check_compatible), so the first error it meets is the one a real run
-stops with, word for word, and the numbers it prints are the ones a real run would use. It writes nothing.
+It is the trainer's own start-up, start(cfg, dist, rehearse=target) in gpt2/train/startup.py, with writes
+and process groups off: the same check_data, resume decision, keep-on-resume, record of every choice
+(gpt2/plan/resolve.py: precision, activation checkpointing, micro-batch, loss path, parallelism,
+accumulation, compile, the memory plan), epochs and warmup checks, so the first error it meets is the one
+a real run stops with, word for word, and the numbers it prints are the ones a real run would use. Then it
+reports what the start-up would build: each rank's loader, the checkpoint it would resume (checked with
+gpt2/train/state.py check_compatible, its weights not read), the checkpoint size, the first step's
+schedule. It writes nothing.
 
 Where to rehearse: this launch (torchrun's WORLD_SIZE, else one process, on this machine's device),
 or a hypothetical cluster: --world-size N [--nproc-per-node K] and a GPU, --gpu NAME (gpt2/plan/
@@ -29,24 +32,17 @@ from pathlib import Path
 import torch
 
 from gpt2.ckpt import checkpoint as ckpt
-from gpt2.ckpt.resume import choose_start
 from gpt2.ckpt.rundir import LOCK, live_holder
 from gpt2.core.config import RunConfig, describe_model
 from gpt2.core.schedule import BatchLayout
-from gpt2.data.check import verify_shards
+from gpt2.core.start_point import StartDecision
 from gpt2.data.loader import EvalLoader, TrainLoader, find_shards
 from gpt2.data.shards import ShardError
 from gpt2.distributed.group import Dist, resolve_device, set_cpu_threads, world_from_env
 from gpt2.plan.hardware import GIB
-from gpt2.plan.resolve import Target, resolve_choices
+from gpt2.plan.resolve import Target
 from gpt2.train.cli import Rehearsal
-from gpt2.train.startup import (
-    check_data,
-    check_plan,
-    log_auto,
-    log_epochs,
-    log_warmup,
-)
+from gpt2.train.startup import check_data, start
 from gpt2.train.state import check_compatible, tokens_of
 
 GPUS_PER_NODE = 8
@@ -68,6 +64,16 @@ class Log:
     def detail(self, message: str) -> None:  # a rehearsal shows the whole plan: that is what it is for
         self.out(message)
 
+    def hold(self) -> None:  # the start-up holds a real run's lines until its checks pass; these print as they come
+        pass
+
+    def release(self, *, console: bool = True) -> None:
+        pass
+
+
+ONE_PROCESS = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+"""The rehearsal's process: no process group; the Target says what it rehearses."""
+
 
 def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     """Print the run up to its first step and return 0; raise the ValueError (ShardError,
@@ -88,26 +94,13 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     )
     target, device_desc = rehearsal_target(cfg, r, world, per_node, info.local_rank)
     out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
-    data_here = Path(tc.data_dir).is_dir()
-    train_shards, val_shards = check_data(cfg, world, shards=data_here)
+    shards = check_data(cfg, world, shards=Path(tc.data_dir).is_dir())
+    train_shards, val_shards = shards
     report_data(cfg, train_shards, val_shards, out)
-    if train_shards is not None:  # what rank 0 of a real run reads before its first step
-        out(
-            "data       "
-            + verify_shards(
-                tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})}, tc.verify_data
-            )
-        )
     with rank_threads(cfg, target):  # a CPU's peaks are per thread count: measure with a rank's
-        resolved = resolve_choices(cfg, target)
-    log_auto(resolved, log)
-    cfg = resolved.cfg
+        decided = start(cfg, ONE_PROCESS, shards=shards, rehearse=target, log=log).decided  # the real start-up's
+    cfg, plan, accum = decided.cfg, decided.plan, decided.accum_steps
     tc, mb = cfg.train, cfg.train.micro_batch_size
-    plan = check_plan(resolved, log)
-    if train_shards is not None:  # after the refusals, as the real start-up
-        log_epochs(cfg, train_shards.total_tokens, log)
-    log_warmup(tc, log)
-    accum = resolved.accum_steps  # the record build() takes it from
     loaders = None
     if train_shards is not None:  # the loaders a real run builds, one per rank, none of them reading
         loaders = [
@@ -134,7 +127,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
             ).clamped
         ):
             log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; a real run evaluates on all of them")
-    step, position = resume_decision(cfg, loaders, log)
+    step, position = resume_decision(cfg, decided.start, loaders, log)
     if tc.init_from:  # the source's shape is cfg.model's already (gpt2/train/cli.py); its weights are not read
         from gpt2.train.init_from import rehearsal_line
 
@@ -245,9 +238,11 @@ def report_data(cfg: RunConfig, train_shards, val_shards, out) -> None:
     )
 
 
-def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log) -> tuple[int, int]:
-    """What --resume would load (rank 0's decision, its sha256 verified; the weights are not read),
-    checked against this run as a real resume checks it. Returns (step, loader position)."""
+def resume_decision(
+    cfg: RunConfig, start: StartDecision, loaders: list[TrainLoader] | None, log: Log
+) -> tuple[int, int]:
+    """What --resume would load (the start-up's choose_start, its sha256 verified; the weights are not
+    read), checked against this run as a real resume checks it. Returns (step, loader position)."""
     tc = cfg.train
     holder = live_holder(tc.out_dir)
     if holder is not None:  # own_run_dir would refuse a real start now; the rehearsal goes on, and exits 0
@@ -256,8 +251,6 @@ def resume_decision(cfg: RunConfig, loaders: list[TrainLoader] | None, log: Log)
             "start now would be refused (exit 2) and touch nothing. The dry run took no lock; what follows is "
             "what a start would do once that run has ended"
         )
-    one = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    start = choose_start(tc.resume, tc.out_dir, one, warn=log.warn)
     if start.set_aside:  # what set_aside_earlier_run would move before the run writes anything
         log.info(
             f"run dir    {tc.out_dir} holds another run's {', '.join(start.set_aside)}: a real run moves them "

@@ -73,22 +73,31 @@ def start(
     shards: tuple[ShardSet, ShardSet | None] | None = None,
     stop_request: preempt.StopRequest | None = None,
     hardware=None,
+    rehearse: Target | None = None,
+    log=None,
 ) -> Run | None:
     """A run from its config to its first step, in the order things happen; None when its checkpoint
     has reached --max-steps already (said in one line). The caller holds the run directory's lock
     (gpt2/ckpt/rundir.py own_run_dir) and the signal handlers (stop_request).
 
     shards: check_data's result (train_ddp.py checks before the process group starts), else checked here.
-    hardware: what the planner sizes for instead of this device (tests pass a cap)."""
+    hardware: what the planner sizes for instead of this device (tests pass a cap).
+    rehearse: train_ddp.py --dry-run (gpt2/train/dryrun.py) on this Target, with one process and its own
+    log: the same steps with writes and process groups off, up to the record; returns a Run whose parts
+    are None (nothing is built), also for a finished run (the dry run says so itself)."""
     tc = cfg.train
-    make_run_dir(tc.out_dir, dist)  # RUN exists; a requeue marker there is not this run's
-    configure_backends(tc, dist)  # threads, TF32, the allocator
+    if rehearse is None:
+        make_run_dir(tc.out_dir, dist)  # RUN exists; a requeue marker there is not this run's
+        configure_backends(tc, dist)  # threads, TF32, the allocator
     # The console only, for now: RUN/train.log, TensorBoard and W&B write into RUN, which may still hold
     # an earlier run's records until the start is decided and they are moved aside (make_room).
-    log = RunLog(dist, tc.out_dir, verbose=tc.verbose, log_file=True)
+    log = log or RunLog(dist, tc.out_dir, verbose=tc.verbose, log_file=True)
     shards = shards or check_data(cfg, dist.world_size)  # the shards and the batch maths
-    at = announce_start(cfg, dist, log)  # the first line; where the run begins: a checkpoint, or fresh
-    decided = decide_run(cfg, dist, log, shards, at, hardware)  # every choice and every refusal, in one record
+    at = announce_start(cfg, dist, log, quiet=rehearse is not None)  # where the run begins: a checkpoint, or fresh
+    target = rehearse or start_target(dist, hardware)
+    decided = decide_run(cfg, dist, log, shards, at, target, rehearse=rehearse is not None)  # every choice, refusal
+    if rehearse is not None:
+        return Run(decided.cfg, dist, log, None, None, decided.peak, decided)
     if decided is None:  # finished already, e.g. the quick start run a second time
         log.info(finished_message(at, tc))
         log.close()
@@ -164,13 +173,14 @@ def make_run_dir(out_dir: str, dist: Dist) -> None:
         preempt.clear_requeue_marker(out_dir)
 
 
-def announce_start(cfg: RunConfig, dist: Dist, log: RunLog) -> StartDecision:
-    """The run's first line (before any measuring or building: a slow start is never silent), then where
-    it starts (choose_start: a checkpoint to resume, or fresh)."""
-    log.info(
-        f"starting   {dist.world_size} rank(s) on {dist.device}: checking the data, choosing precision, "
-        "planning memory, building the model"
-    )
+def announce_start(cfg: RunConfig, dist: Dist, log: RunLog, *, quiet: bool = False) -> StartDecision:
+    """The run's first line (before any measuring or building: a slow start is never silent; not in a
+    rehearsal, quiet), then where it starts (choose_start: a checkpoint to resume, or fresh)."""
+    if not quiet:
+        log.info(
+            f"starting   {dist.world_size} rank(s) on {dist.device}: checking the data, choosing precision, "
+            "planning memory, building the model"
+        )
     return choose_start(cfg.train.resume, cfg.train.out_dir, dist, warn=log.warn)
 
 
@@ -192,35 +202,43 @@ def decide_run(
     log: RunLog,
     shards: tuple[ShardSet, ShardSet | None],
     start: StartDecision,
-    hardware=None,
+    target: Target,
+    *,
+    rehearse: bool = False,
 ) -> Resolved | None:
     """Every decision and every check that can refuse the configuration, before anything in RUN is moved
     or written: the data read (--verify-data), a resumed run's own `auto` choices kept, the record of
-    every choice (resolve_auto), the MFU peak, the memory plan, the network, the epochs and warmup, the
-    resume's compatibility. None: start's checkpoint has reached --max-steps already (nothing moved).
+    every choice (resolve_auto on target), the MFU peak, the memory plan, the network, the epochs and
+    warmup, the resume's compatibility. None: start's checkpoint has reached --max-steps already (nothing
+    moved). rehearse: the dry run's (no data read when it is absent here, the plan without the resident
+    warm-up, no network timing, the resume checked by the dry run itself, a finished run's record too).
 
     The lines are held until they all pass: a refusal, or "nothing to train", is the console's first line
     after `starting` (with --verbose, after what was decided before it). Most are detail (the plan term by
     term): RUN/train.log and --verbose; the console gets the precision, the micro-batch and one plan line."""
     log.hold()
     try:
-        if cfg.train.deterministic:  # train_ddp.py turned it on before CUDA's first use; callers of the trainer too
+        if cfg.train.deterministic and not rehearse:  # train_ddp.py turned it on before CUDA's first use
             determinism.enable()
             log.info(determinism.describe_determinism())
-        verify_data(cfg, shards, dist, log)
+        if shards[0] is not None:  # a dry run planning a cluster from a laptop may have no data here
+            verify_data(cfg, shards, dist, log)
         cfg = keep_decisions(cfg, start, dist, log)
-        decided = resolve_auto(cfg, dist, log, hardware, start=start)
+        decided = resolve_auto(cfg, dist, log, start=start, target=target)
         log_mfu_peak(decided, dist, log)
-        check_memory(decided, log)
-        cost = log_network_cost(decided, dist, log)
-        decided = replace(decided, network=None if cost is None else cost.to_dict())
-        log_epochs(decided.cfg, shards[0].total_tokens, log)  # after the refusals: no warning for a refused run
+        check_plan(decided, log) if rehearse else check_memory(decided, log)
+        if not rehearse:
+            cost = log_network_cost(decided, dist, log)
+            decided = replace(decided, network=None if cost is None else cost.to_dict())
+        if shards[0] is not None:  # after the refusals: no warning for a refused run
+            log_epochs(decided.cfg, shards[0].total_tokens, log)
         log_warmup(decided.cfg.train, log)
-        check_before_moving(start, decided.cfg, dist, shards[0])
+        if not rehearse:
+            check_before_moving(start, decided.cfg, dist, shards[0])
     except BaseException:
         log.release(console=False)
         raise
-    if finished_message(start, decided.cfg.train) is not None:
+    if not rehearse and finished_message(start, decided.cfg.train) is not None:
         log.release(console=False)
         return None
     log.release()
@@ -575,20 +593,30 @@ def decided_before(info_path: Path, run_id: str | None, world_size: int) -> dict
     return {k: train[k] for k in KEPT_ON_RESUME if k in train}
 
 
-def resolve_auto(cfg: RunConfig, dist: Dist, log: RunLog, hardware=None, *, start: StartDecision = FRESH) -> Resolved:
-    """--dtype, --activation-checkpointing, --micro-batch-size and --loss-impl auto made concrete, and the
-    memory plan, by gpt2/plan/resolve.py's resolve_choices (the one place they are decided; the dry run calls it
-    too). Rank 0 measures and decides and every rank takes its answer: ranks that chose differently would
-    compute different things silently. A model that fits nowhere is rank 0's finding too: every rank
-    raises its error, none waits.
+def resolve_auto(
+    cfg: RunConfig,
+    dist: Dist,
+    log: RunLog,
+    hardware=None,
+    *,
+    start: StartDecision = FRESH,
+    target: Target | None = None,
+) -> Resolved:
+    """Every `auto` flag made concrete, with the run's other decisions and its memory plan, in one record:
+    gpt2/plan/resolve.py's resolve_choices (the one place they are decided). Rank 0 measures and decides
+    and every rank takes its answer: ranks that chose differently would compute different things
+    silently. A model that fits nowhere is rank 0's finding too: every rank raises its error, none waits.
 
     hardware: what the planner sizes for (default: this device, measured; tests pass a cap). start: the
     resume point choose_start found (kept in the record; FRESH for a run built in a new directory).
+    target: the hardware resolved for (default: this start's, start_target; the dry run's may be a
+    hypothetical GPU).
     """
+    target = target or start_target(dist, hardware)
     decision = None
     if dist.is_main:
         try:
-            decision = ("ok", resolve_choices(cfg, start_target(dist, hardware), start=start))
+            decision = ("ok", resolve_choices(cfg, target, start=start))
         except ValueError as e:
             decision = ("error", str(e))
     kind, answer = broadcast_object(decision, dist)
@@ -603,7 +631,7 @@ def log_mfu_peak(decided: Resolved, dist: Dist, log: RunLog) -> None:
     peak = decided.peak
     if peak is None:
         log.info(f"mfu n/a: {decided.peak_why}")
-    elif dist.device.type == "cpu":
+    elif decided.hardware.device_type == "cpu":
         log.detail(
             f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
             f"{precision.PEAK_PROBES} matmul probes, cached in {precision.peak_cache_dir()} "
