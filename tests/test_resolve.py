@@ -63,8 +63,8 @@ CASES = {  # name: (flags, world size, free memory now in GiB)
 
 
 def start_lines(cfg, world: int) -> list[str]:
-    """What a real start on this machine logs of its decisions and plan (startup.prepare's resolve_auto and
-    check_memory), for rank 0 of `world` ranks on this host."""
+    """What a real start on this machine logs of its decisions and plan (startup.decide_run's resolve_auto,
+    log_mfu_peak and the plan), for rank 0 of `world` ranks on this host."""
     dist = Dist(rank=0, local_rank=0, world_size=world, local_world_size=world, device=torch.device("cpu"))
     startup.configure_backends(cfg.train, dist)  # the threads a rank trains (and measures peaks) with
     lines = []
@@ -74,6 +74,7 @@ def start_lines(cfg, world: int) -> list[str]:
     else:  # rank 0's decision, which resolve_auto broadcasts (no process group here)
         resolved = resolve_choices(cfg, startup.start_target(dist))
         startup.log_auto(resolved, log)
+    startup.log_mfu_peak(resolved, dist, log)
     startup.check_plan(resolved, log)
     return lines
 
