@@ -162,7 +162,7 @@ def run_rounds(model: GPT, opt, state: dict, root: Path, reps: int, tokens: int,
     )
 
     def fwd_bwd():
-        with precision.autocast(dtype, device):
+        with precision.Precision(dtype, dtype).autocast(device):  # the --dtype flag's name
             _, loss = model(x, x, return_logits=False)
         loss.backward()
 

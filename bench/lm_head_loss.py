@@ -37,9 +37,10 @@ import torch.nn.functional as F
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
-from gpt2.core.precision import autocast, resolve_precision
+from gpt2.core.precision import Precision
 from gpt2.model.loss import linear_cross_entropy, loss_chunk_logits, loss_chunks
 from gpt2.plan.measure import measured_peak_bytes
+from gpt2.plan.precision_choice import resolve_precision
 
 MIB = 2**20
 
@@ -63,7 +64,7 @@ def make_step(
 ) -> Callable[[], torch.Tensor]:
     def step() -> torch.Tensor:
         x.grad = w.grad = None
-        with autocast(dtype, x.device):
+        with Precision(dtype, dtype).autocast(x.device):  # the --dtype flag's name
             loss = loss_fn(x, w, bias, y)
         loss.backward()
         return loss.detach()

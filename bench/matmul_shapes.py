@@ -25,6 +25,7 @@ from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core import precision
 from gpt2.model.gpt import GPT2_VOCAB_SIZE
+from gpt2.plan import matmul_peak
 
 
 def step_matmuls(tokens: int, h: int, vocab: int) -> list[tuple[str, int, int, int, int]]:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shapes = step_matmuls(args.tokens, args.n_embd, args.vocab_size)
     rates = {d: [rate(m, k, n, d, args.repeats) for _, m, k, n, _ in shapes] for d in dtypes}
-    peaks = dict(zip(dtypes, precision.peak_rates("cpu", tuple(dtypes))))
+    peaks = dict(zip(dtypes, matmul_peak.peak_rates("cpu", tuple(dtypes))))
     lines = [
         f"{args.n_layer} layers x {args.n_embd} wide, {args.tokens:,} tokens per micro-batch, vocab "
         f"{args.vocab_size:,}; {args.threads} thread(s), best of {args.repeats}; torch {torch.__version__}",

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpt2.core import precision  # noqa: E402
+from gpt2.plan import matmul_peak  # noqa: E402
 
 GOAL = 1.10
 SHAPES = {
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             "--log-interval", "1", "--warmup-steps", "1",
             *(["--num-threads", str(args.num_threads)] if args.num_threads else []),
         ]  # fmt: skip
-        for stale in precision.peak_cache_dir().glob("micro-batch-*.json"):
+        for stale in matmul_peak.peak_cache_dir().glob("micro-batch-*.json"):
             stale.unlink()  # auto measures, as a first run of the shape does
         times: dict = {b: None for b in fixed}
         auto_s, took = None, None

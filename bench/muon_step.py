@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from gpt2.core import precision
 from gpt2.core.config import ModelConfig, TrainConfig
 from gpt2.model.gpt import GPT
+from gpt2.plan import matmul_peak
 from gpt2.plan.flops import flops_per_token
 from gpt2.train.session import make_optimizer, plain_newton_schulz
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 dt = step(n)
                 if i:
                     times[n].append(dt)
-    peak = precision.matmul_rate("cpu", torch.float32, n=2048, budget_s=1.0, fresh=True)
+    peak = matmul_peak.matmul_rate("cpu", torch.float32, n=2048, budget_s=1.0, fresh=True)
     train_s = flops_per_token(mc) * TOKENS_PER_STEP / peak  # the training step's FLOPs at the peak rate
     adamw = statistics.median(times[names[0]])
     print(

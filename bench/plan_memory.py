@@ -27,10 +27,11 @@ from gpt2.plan.memory import memory, run_config  # noqa: E402
 CHILD = """
 import json, resource, sys
 from gpt2.core.config import ModelConfig
+from gpt2.core.precision import Precision
 from gpt2.plan.measure import resident_training_peak
 a = json.loads(sys.argv[1])
 r0 = resource.getrusage(resource.RUSAGE_SELF)
-peak = resident_training_peak(ModelConfig(**a["cfg"]), a["B"], dtype=a["dtype"], loss_impl=a["loss"],
+peak = resident_training_peak(ModelConfig(**a["cfg"]), a["B"], prec=Precision.from_key(a["dtype"]), loss_impl=a["loss"],
                               compiled=a["compiled"], steps=a["steps"], tuned_malloc=a["tuned"])
 r1 = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps([peak, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime]))

@@ -57,10 +57,10 @@ import torch
 from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
-from gpt2.core import precision
 from gpt2.core.config import RunConfig
 from gpt2.distributed.group import single_process
 from gpt2.model.gpt import GPT
+from gpt2.plan import precision_choice
 from gpt2.train.session import Session, parse_config
 
 RECIPE_STEPS = 200
@@ -532,7 +532,7 @@ def header(command: str, load0: float, target: float, tree, args) -> list[str]:
     return [
         f"command: `{command.strip()}`",
         f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {platform.machine()}, {os.cpu_count()} cores, "
-        f"avx512_bf16: {precision.cpu_bf16_instructions()}; nanoGPT "
+        f"avx512_bf16: {precision_choice.cpu_bf16_instructions()}; nanoGPT "
         + (nanogpt.PINNED[:12] if tree else "not run (--nanogpt none)")
         + f"; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end",
         f"target: val {target:.4f} ("

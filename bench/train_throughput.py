@@ -44,7 +44,7 @@ matmuls are not measured faster than fp32 (AVX2 only, where bf16 is emulated ~50
 rows run fp32 and are named so, the "fp32 compiled" row is not repeated, and no bf16 peak is taken.
 DDP efficiency = (N processes x 1 thread tokens/s) / (1 process x N threads tokens/s).
 MFU = model FLOPs (gpt2.plan.flops.flops_per_token: 6N + 12LhT) per second over the matmul peak
-measured in this run (gpt2.core.precision.matmul_rate on a fixed 2048^3 matmul, taken at the start and
+measured in this run (gpt2.plan.matmul_peak.matmul_rate on a fixed 2048^3 matmul, taken at the start and
 after every round; the best of them, the least-disturbed measurement). On a shared machine the
 wall-clock numbers move with the load, so the in-process rows also give MFU by CPU time: FLOPs per CPU-second over the
 peak's FLOPs per
@@ -72,6 +72,7 @@ from gpt2.core import precision
 from gpt2.core.config import GPT2_VOCAB_SIZE, RunConfig
 from gpt2.data.shards import write_shard
 from gpt2.distributed.group import Dist, WorldInfo, exit_after_group, single_process
+from gpt2.plan import matmul_peak, precision_choice
 from gpt2.plan.flops import flops_per_token
 from gpt2.train.session import Session, param_groups, parse_config, read_metrics
 
@@ -147,23 +148,23 @@ PEAK_N, PEAK_BUDGET_S = 2048, 1.0
 class Peaks:
     """The best of every peak measurement in the run, per dtype (fp32, and the auto dtype).
 
-    Each measurement is gpt2.core.precision.matmul_rate's fixed-size 2048^3 matmul, taken afresh (not
+    Each measurement is gpt2.plan.matmul_peak.matmul_rate's fixed-size 2048^3 matmul, taken afresh (not
     its per-process cache) with wall-clock and process CPU-time rates from the same calls.
     """
 
     def __init__(self, low: str) -> None:
         self.low = low
-        self.best: dict[str, precision.MatmulRate] = {}
+        self.best: dict[str, matmul_peak.MatmulRate] = {}
 
     def measure(self) -> None:
         for name, dtype in {
             "fp32": torch.float32,
             self.low: precision.Precision.from_key(self.low).torch_dtype,
         }.items():
-            p = precision.matmul_rate("cpu", dtype, n=PEAK_N, budget_s=PEAK_BUDGET_S, fresh=True, cpu_time=True)
+            p = matmul_peak.matmul_rate("cpu", dtype, n=PEAK_N, budget_s=PEAK_BUDGET_S, fresh=True, cpu_time=True)
             old = self.best.get(name)
             self.best[name] = (
-                p if old is None else precision.MatmulRate(max(p.wall, old.wall), max(p.cpu, old.cpu), p.n)
+                p if old is None else matmul_peak.MatmulRate(max(p.wall, old.wall), max(p.cpu, old.cpu), p.n)
             )
 
 
@@ -594,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/train_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
     start_load = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
-    auto = precision.resolve_precision("auto", "cpu")  # the dtype of the "bf16" rows, where bf16 is fast here
+    auto = precision_choice.resolve_precision("auto", "cpu")  # the dtype of the "bf16" rows, where bf16 is fast here
     low = auto.short
     peaks, rows = Peaks(low), []
     peaks.measure()

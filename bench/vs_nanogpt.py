@@ -22,7 +22,7 @@ Every row is a real process; the rows run round-robin, --rounds times (A B C ...
 shared machine's load falls on all alike. s/step: the median of every round's steps after --warmup
 (compilation happens there), each step timed by its own program (nanoGPT's printed `time`, our
 metrics.jsonl `step_s`: both the whole iteration, data included). MFU: model FLOPs (gpt2.plan.flops:
-6N + 12LhT per token) per second over the matmul peak of the row's dtype (gpt2.core.precision.peak_rate,
+6N + 12LhT per token) per second over the matmul peak of the row's dtype (gpt2.plan.matmul_peak.peak_rate,
 measured once per machine and cached, the trainer's own MFU reference). Goals (issue 23): ours at
 defaults no slower than nanoGPT's best mode at the shape (>= 1.00x), and MFU >= 75% at W1.
 --profile: torch.profiler over our trainer's steps (in this process, built as train_ddp.py builds it)
@@ -74,6 +74,7 @@ from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core import precision
+from gpt2.plan import matmul_peak, precision_choice
 from gpt2.plan.flops import flops_per_token, format_flops, gpu_table_peak
 from gpt2.train.session import parse_config, read_metrics
 
@@ -332,7 +333,7 @@ def measure(
 
 
 def peak(dtype: str) -> float:
-    return precision.peak_rate("cpu", precision.Precision(dtype, dtype).torch_dtype)
+    return matmul_peak.peak_rate("cpu", precision.Precision(dtype, dtype).torch_dtype)
 
 
 def report_lines(rows: list[Row], shapes: dict[str, Shape], key: str) -> list[str]:
@@ -926,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"command: `{command.strip()}`",
         f"date: {now:%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {platform.machine()}, {os.cpu_count()} "
-        f"cores, avx512_bf16: {precision.cpu_bf16_instructions()}; nanoGPT "
+        f"cores, avx512_bf16: {precision_choice.cpu_bf16_instructions()}; nanoGPT "
         + (f"{nanogpt.PINNED[:12]}" if tree else "not run (--nanogpt none)"),
         f"median of {args.rounds} x {args.steps} steps per row after {args.warmup} warm-up steps per run; "
         f"rows round-robin; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end",

@@ -20,9 +20,11 @@ from pathlib import Path
 from gpt2.ckpt.load import load_any
 from gpt2.core import precision
 from gpt2.core.args import OneLineParser
+from gpt2.core.precision import FLOAT32, Precision
 from gpt2.data.hellaswag import HELLASWAG_URL, default_data_path, prepare_hellaswag
 from gpt2.distributed.group import Dist, broadcast_object
 from gpt2.model.gpt import GPT, unwrap
+from gpt2.plan import precision_choice
 from gpt2.train.scoring import hellaswag_eval, loader_loss
 
 
@@ -33,7 +35,7 @@ def val_shards_loss(
     *,
     eval_tokens: int,
     batch_size: int,
-    dtype: str = "float32",
+    prec: Precision = FLOAT32,
     progress: bool = False,
 ) -> dict:
     """Loss, perplexity and token count over the first eval_tokens of data_dir's val shards.
@@ -69,7 +71,7 @@ def val_shards_loss(
             f"--eval-tokens {eval_tokens} is less than one sequence of block_size="
             f"{model.config.block_size} tokens (or the val shards are that short)"
         )
-    loss = loader_loss(model, loader, dtype, dist, progress=progress)
+    loss = loader_loss(model, loader, prec, dist, progress=progress)
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": loader.tokens, "clamped": loader.clamped}
 
 
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=precision.DTYPES,
         default="auto",
-        help="autocast dtype (auto: what this device runs fast, see gpt2/core/precision.py)",
+        help="autocast dtype (auto: what this device runs fast, see gpt2/plan/precision_choice.py)",
     )
     common.add_argument("--json", action="store_true", help="print the result as one JSON line")
     common.add_argument(
@@ -135,8 +137,8 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
             dist = setup(info, device, timeout_s=600.0)
             set_cpu_threads(dist, args.num_threads)
             # rank 0 chooses for every rank (auto measures the CPU: ranks must not disagree)
-            chosen = precision.resolve_precision(args.dtype, device).dtype if dist.is_main else None
-            dtype = broadcast_object(chosen, dist)
+            chosen = precision_choice.resolve_precision(args.dtype, device) if dist.is_main else None
+            prec = broadcast_object(chosen, dist)  # the command line's string, parsed once, on rank 0
             if args.task == "hellaswag":
                 examples = prepare_hellaswag(args.data, dist, url=args.url, limit=args.limit)
             else:
@@ -146,7 +148,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
                     dist,
                     eval_tokens=args.eval_tokens,
                     batch_size=args.batch_size,
-                    dtype=dtype,
+                    prec=prec,
                     progress=True,
                 )
         except ValueError as e:
@@ -154,7 +156,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
                 print(f"gpt2.eval: error: {' '.join(str(e).split())}", file=sys.stderr)
             return 2, dist is not None
         if args.task == "hellaswag":
-            result = hellaswag_eval(model, examples, dist, device, dtype=dtype)
+            result = hellaswag_eval(model, examples, dist, device, prec=prec)
         if dist.is_main:
             print(json.dumps(result) if args.json else _describe(args.task, result, source))
         return 0, dist is not None

@@ -30,11 +30,12 @@ from gpt2.core.args import OneLineParser
 from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 from gpt2.model.gpt import GPT, TOP_K, unwrap
 from gpt2.model.tokenizer import encode_prompt, get_encoding
+from gpt2.plan import precision_choice
 
 
 def sampling_autocast(dtype: str, device: torch.device):
-    """Autocast for a dtype name, auto included (gpt2.core.precision picks what the device runs fast)."""
-    return precision.autocast(precision.resolve_precision(dtype, device).dtype, device)
+    """Autocast for a dtype name, auto included (gpt2.plan.precision_choice picks what the device runs fast)."""
+    return precision_choice.resolve_precision(dtype, device).autocast(device)  # the command line's string, parsed here
 
 
 @torch.no_grad()
@@ -170,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=precision.DTYPES,
         default="auto",
-        help="autocast dtype (auto: what this device runs fast, see gpt2/core/precision.py)",
+        help="autocast dtype (auto: what this device runs fast, see gpt2/plan/precision_choice.py)",
     )
     return parser
 

@@ -4,6 +4,7 @@ every guarantee the largest-that-fits rule gave (fits, divides, FSDP, a clear er
 import pytest
 
 from gpt2.core.config import ModelConfig, model_preset
+from gpt2.core.precision import FLOAT32
 from gpt2.plan.batch_choice import TIE, MicroBatchChoice, choose_micro_batch, lm_head_share, micro_step_seconds
 from gpt2.plan.hardware import GIB, Hardware, gpu_hardware
 from gpt2.plan.memory import AUTO_HEADROOM, max_micro_batch_size, memory, run_config
@@ -198,18 +199,17 @@ def test_on_a_cpu_auto_takes_the_fastest_measured_candidate_not_the_models_pick(
 
 
 def test_the_cpu_probe_times_each_candidate_once_per_shape_and_caches_it(tmp_path, monkeypatch):
-    from gpt2.core import precision
-    from gpt2.plan import batch_probe
+    from gpt2.plan import batch_probe, matmul_peak
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(precision.REFRESH_PEAK_ENV, raising=False)
+    monkeypatch.delenv(matmul_peak.REFRESH_PEAK_ENV, raising=False)
     cfg = ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=16)
     seen = []
     from gpt2.model.gpt import GPT
 
     real = GPT.forward
     monkeypatch.setattr(GPT, "forward", lambda self, *a, **k: seen.append(self.loss_impl) or real(self, *a, **k))
-    first = batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 4: "chunked"})
+    first = batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 4: "chunked"})
     assert sorted(first.rates) == [1, 4] and all(r > 0 for r in first.rates.values())
     assert set(seen) == {"full", "chunked"}  # each candidate timed with its own loss path
     assert first.peak_bytes is not None and first.cache.startswith(str(tmp_path))
@@ -218,9 +218,9 @@ def test_the_cpu_probe_times_each_candidate_once_per_shape_and_caches_it(tmp_pat
         raise AssertionError("measured again")
 
     monkeypatch.setattr(batch_probe, "time_micro_batches", measured_again)
-    again = batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 4: "chunked"})
+    again = batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 4: "chunked"})
     assert again.rates == first.rates and again.peak_bytes is None  # from the cache
     with pytest.raises(AssertionError, match="measured again"):  # another loss path: another measurement
-        batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 4: "full"})
+        batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 4: "full"})
     with pytest.raises(AssertionError, match="measured again"):  # other candidates too
-        batch_probe.micro_batch_rates(cfg, "float32", {1: "full", 2: "full", 4: "chunked"})
+        batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 2: "full", 4: "chunked"})

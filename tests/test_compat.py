@@ -16,6 +16,7 @@ import torch
 from conftest import REPO
 
 from gpt2.core import compat
+from gpt2.core.precision import Precision
 
 try:
     import tomllib
@@ -88,7 +89,7 @@ def test_fsdp_api_matches_the_feature_and_is_sharded_never_raises():
     api = compat.fsdp_api()
     assert (api is not None) == compat.feature_available("fsdp")
     assert is_sharded(torch.nn.Linear(2, 2)) is False  # on every torch, FSDP or not (checkpoints call it)
-    assert mixed_precision("bfloat16", torch.device("cpu")) is None
+    assert mixed_precision(Precision("bfloat16", "bfloat16"), torch.device("cpu")) is None
 
 
 def _set_timeout_without_warnings(tmp_path):
@@ -127,6 +128,7 @@ warnings.simplefilter("error")
 import torch, torch.distributed as tdist
 import gpt2.train.trainer
 from gpt2.core import compat
+from gpt2.core.precision import Precision
 from torch.nn.parallel import DistributedDataParallel as DDP
 tdist.init_process_group("gloo", store=tdist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=1)
 DDP(torch.nn.Linear(4, 4), **compat.ddp_no_buffer_sync())

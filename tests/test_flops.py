@@ -3,7 +3,7 @@ import torch
 
 from gpt2.core import precision
 from gpt2.core.config import ModelConfig, model_preset, param_count
-from gpt2.core.precision import peak_rate
+from gpt2.plan import matmul_peak, precision_choice
 from gpt2.plan.flops import (
     checked_mfu,
     device_peak_flops,
@@ -13,6 +13,7 @@ from gpt2.plan.flops import (
     mfu,
     peak_problem,
 )
+from gpt2.plan.matmul_peak import peak_rate
 
 
 def test_flops_per_token_matches_hand_count():
@@ -188,7 +189,7 @@ def test_device_peak_flops_measures_on_cpu_and_never_below_fp32():
     fp32 = peak_rate("cpu", torch.float32)
     assert device_peak_flops("cpu", torch.float32, tf32=False) == fp32
     for dtype in (torch.bfloat16, torch.float16):
-        # measured with fp32 again, alternately (gpt2.core.precision.peak_rates): compare with both as they now are
+        # measured with fp32 again, alternately (gpt2.plan.matmul_peak.peak_rates): compare with both as they now are
         assert device_peak_flops("cpu", dtype, tf32=False) == max(
             peak_rate("cpu", torch.float32), peak_rate("cpu", dtype)
         )
@@ -205,8 +206,8 @@ def test_device_peak_flops_cuda_is_the_table_entry():
 def peak_cache(tmp_path, monkeypatch):
     """An empty user cache and a fresh process's view of it; every probe counted, at a chosen rate."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv(precision.REFRESH_PEAK_ENV, raising=False)
-    monkeypatch.setattr(precision, "_PEAKS", {})
+    monkeypatch.delenv(matmul_peak.REFRESH_PEAK_ENV, raising=False)
+    monkeypatch.setattr(matmul_peak, "_PEAKS", {})
     probes = {"n": 0, "rates": iter([])}
 
     def fake_probe(device, dtype, **kwargs):
@@ -214,23 +215,23 @@ def peak_cache(tmp_path, monkeypatch):
         probes["n"] += 1
         return next(probes["rates"])
 
-    monkeypatch.setattr(precision, "matmul_rate", fake_probe)
+    monkeypatch.setattr(matmul_peak, "matmul_rate", fake_probe)
     return probes
 
 
 def test_the_cpu_peak_is_the_best_of_several_probes_measured_once_and_cached_on_disk(peak_cache, monkeypatch):
     peak_cache["rates"] = iter([40e9, 150e9, 90e9, 151e9, 120e9])  # another tenant slowed most of them
     assert peak_rate("cpu", torch.float32) == 151e9
-    assert peak_cache["n"] == precision.PEAK_PROBES
-    [entry] = (precision.peak_cache_dir()).glob("matmul-peak-float32-*.json")
-    assert precision.peak_cache_dir().parent.name == "cache"  # under $XDG_CACHE_HOME/gpt2-ddp
-    assert not list(precision.peak_cache_dir().glob("*.tmp"))  # written through a temp file, renamed
-    monkeypatch.setattr(precision, "_PEAKS", {})  # a new process on the same machine
+    assert peak_cache["n"] == matmul_peak.PEAK_PROBES
+    [entry] = (matmul_peak.peak_cache_dir()).glob("matmul-peak-float32-*.json")
+    assert matmul_peak.peak_cache_dir().parent.name == "cache"  # under $XDG_CACHE_HOME/gpt2-ddp
+    assert not list(matmul_peak.peak_cache_dir().glob("*.tmp"))  # written through a temp file, renamed
+    monkeypatch.setattr(matmul_peak, "_PEAKS", {})  # a new process on the same machine
     assert peak_rate("cpu", torch.float32) == 151e9 and device_peak_flops("cpu", torch.float32, tf32=False) == 151e9
-    assert peak_cache["n"] == precision.PEAK_PROBES  # read back, not measured again
+    assert peak_cache["n"] == matmul_peak.PEAK_PROBES  # read back, not measured again
     torch.set_num_threads(torch.get_num_threads() + 1)  # another thread count is another peak
-    peak_cache["rates"] = iter([300e9] * precision.PEAK_PROBES)
-    assert peak_rate("cpu", torch.float32) == 300e9 and peak_cache["n"] == 2 * precision.PEAK_PROBES
+    peak_cache["rates"] = iter([300e9] * matmul_peak.PEAK_PROBES)
+    assert peak_rate("cpu", torch.float32) == 300e9 and peak_cache["n"] == 2 * matmul_peak.PEAK_PROBES
 
 
 def test_a_comparison_measures_both_dtypes_alternately_under_the_same_load(peak_cache, monkeypatch):
@@ -244,45 +245,45 @@ def test_a_comparison_measures_both_dtypes_alternately_under_the_same_load(peak_
         seen.append(dtype)
         return next(rates[dtype])
 
-    monkeypatch.setattr(precision, "matmul_rate", probe)
-    monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: True)
-    assert precision.resolve_precision("auto", "cpu").dtype == "float32"
-    assert seen == [torch.bfloat16, torch.float32] * precision.PEAK_PROBES
+    monkeypatch.setattr(matmul_peak, "matmul_rate", probe)
+    monkeypatch.setattr(precision_choice, "cpu_bf16_instructions", lambda: True)
+    assert precision_choice.resolve_precision("auto", "cpu").dtype == "float32"
+    assert seen == [torch.bfloat16, torch.float32] * matmul_peak.PEAK_PROBES
     assert (
-        device_peak_flops("cpu", torch.bfloat16, tf32=False) == 210e9 and len(seen) == 2 * precision.PEAK_PROBES
+        device_peak_flops("cpu", torch.bfloat16, tf32=False) == 210e9 and len(seen) == 2 * matmul_peak.PEAK_PROBES
     )  # shared
 
 
 def test_the_refresh_variable_measures_the_cached_peak_again(peak_cache, monkeypatch):
-    peak_cache["rates"] = iter([100e9] * precision.PEAK_PROBES + [160e9] * precision.PEAK_PROBES)
+    peak_cache["rates"] = iter([100e9] * matmul_peak.PEAK_PROBES + [160e9] * matmul_peak.PEAK_PROBES)
     assert peak_rate("cpu", torch.float32) == 100e9
-    monkeypatch.setattr(precision, "_PEAKS", {})
-    monkeypatch.setenv(precision.REFRESH_PEAK_ENV, "1")
-    assert peak_rate("cpu", torch.float32) == 160e9 and peak_cache["n"] == 2 * precision.PEAK_PROBES
-    assert peak_rate("cpu", torch.float32) == 160e9 and peak_cache["n"] == 2 * precision.PEAK_PROBES  # once
-    monkeypatch.setattr(precision, "_PEAKS", {})
-    monkeypatch.delenv(precision.REFRESH_PEAK_ENV)
-    assert peak_rate("cpu", torch.float32) == 160e9 and peak_cache["n"] == 2 * precision.PEAK_PROBES  # replaced
+    monkeypatch.setattr(matmul_peak, "_PEAKS", {})
+    monkeypatch.setenv(matmul_peak.REFRESH_PEAK_ENV, "1")
+    assert peak_rate("cpu", torch.float32) == 160e9 and peak_cache["n"] == 2 * matmul_peak.PEAK_PROBES
+    assert peak_rate("cpu", torch.float32) == 160e9 and peak_cache["n"] == 2 * matmul_peak.PEAK_PROBES  # once
+    monkeypatch.setattr(matmul_peak, "_PEAKS", {})
+    monkeypatch.delenv(matmul_peak.REFRESH_PEAK_ENV)
+    assert peak_rate("cpu", torch.float32) == 160e9 and peak_cache["n"] == 2 * matmul_peak.PEAK_PROBES  # replaced
 
 
 def test_a_damaged_cache_file_is_measured_again(peak_cache, monkeypatch):
-    peak_cache["rates"] = iter([100e9] * (2 * precision.PEAK_PROBES))
+    peak_cache["rates"] = iter([100e9] * (2 * matmul_peak.PEAK_PROBES))
     peak_rate("cpu", torch.float32)
-    [entry] = precision.peak_cache_dir().glob("*.json")
+    [entry] = matmul_peak.peak_cache_dir().glob("*.json")
     entry.write_text('{"key": ')
-    monkeypatch.setattr(precision, "_PEAKS", {})
-    assert peak_rate("cpu", torch.float32) == 100e9 and peak_cache["n"] == 2 * precision.PEAK_PROBES
+    monkeypatch.setattr(matmul_peak, "_PEAKS", {})
+    assert peak_rate("cpu", torch.float32) == 100e9 and peak_cache["n"] == 2 * matmul_peak.PEAK_PROBES
 
 
 def test_a_peak_below_the_sanity_floor_gives_no_mfu_and_is_not_cached(peak_cache, monkeypatch):
     threads = torch.get_num_threads()
-    peak_cache["rates"] = iter([0.04e9] * precision.PEAK_PROBES)  # the "peak 0.0 TFLOP/s" of the issue
+    peak_cache["rates"] = iter([0.04e9] * matmul_peak.PEAK_PROBES)  # the "peak 0.0 TFLOP/s" of the issue
     peak = device_peak_flops("cpu", torch.float32, tf32=False)
     assert peak == 0.04e9
-    assert not list(precision.peak_cache_dir().glob("*.json"))  # the next run measures again
+    assert not list(matmul_peak.peak_cache_dir().glob("*.json"))  # the next run measures again
     why = peak_problem(peak, "cpu", threads)
-    assert why and "0.0000400 TFLOP/s" in why and "disturbed" in why and precision.REFRESH_PEAK_ENV in why
-    assert peak_problem(precision.CPU_PEAK_FLOOR_PER_THREAD * threads, "cpu", threads) is None
+    assert why and "0.0000400 TFLOP/s" in why and "disturbed" in why and matmul_peak.REFRESH_PEAK_ENV in why
+    assert peak_problem(matmul_peak.CPU_PEAK_FLOOR_PER_THREAD * threads, "cpu", threads) is None
     assert peak_problem(1e9, "cuda", 1) is None  # data-sheet peaks are not probes
 
 
@@ -298,11 +299,11 @@ def test_an_mfu_above_100_percent_is_not_shown():
 def test_a_peak_proved_wrong_is_dropped_from_the_cache(peak_cache, monkeypatch):
     from gpt2.train.trainer import forget_cpu_peak
 
-    peak_cache["rates"] = iter([50e9] * precision.PEAK_PROBES + [150e9] * precision.PEAK_PROBES)
+    peak_cache["rates"] = iter([50e9] * matmul_peak.PEAK_PROBES + [150e9] * matmul_peak.PEAK_PROBES)
     assert peak_rate("cpu", torch.float32) == 50e9
-    forget_cpu_peak(torch.device("cpu"), "bfloat16")  # the trainer, after an MFU above 100%
-    assert not list(precision.peak_cache_dir().glob("*.json"))
-    assert peak_rate("cpu", torch.float32) == 150e9 and peak_cache["n"] == 2 * precision.PEAK_PROBES
+    forget_cpu_peak(torch.device("cpu"), precision.Precision("bfloat16", "bfloat16"))  # after an MFU > 100%
+    assert not list(matmul_peak.peak_cache_dir().glob("*.json"))
+    assert peak_rate("cpu", torch.float32) == 150e9 and peak_cache["n"] == 2 * matmul_peak.PEAK_PROBES
 
 
 def test_peaks_are_printed_with_enough_digits_to_tell_them_apart():
@@ -328,8 +329,8 @@ def test_the_trainer_shows_no_mfu_from_a_cached_peak_below_the_floor(tmp_path, s
         for threads in range(1, max(16, os.cpu_count() or 1) + 1):  # whatever the run uses
             torch.set_num_threads(threads)
             for dtype in (torch.float32, torch.bfloat16):  # bf16 too: --dtype's reason compares the two
-                key = precision.peak_key("cpu", dtype)
-                path = cache / "gpt2-ddp" / precision.peak_cache_path(key).name
+                key = matmul_peak.peak_key("cpu", dtype)
+                path = cache / "gpt2-ddp" / matmul_peak.peak_cache_path(key).name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps({"key": key, "flop_s": 0.04e9}))
     finally:
@@ -366,7 +367,7 @@ def test_the_trainer_shows_no_mfu_from_a_cached_peak_below_the_floor(tmp_path, s
             "--plot",
             "false",
         ],
-        env={"XDG_CACHE_HOME": str(cache), precision.REFRESH_PEAK_ENV: "0"},
+        env={"XDG_CACHE_HOME": str(cache), matmul_peak.REFRESH_PEAK_ENV: "0"},
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mfu n/a: the measured CPU matmul peak 0.0000400 TFLOP/s is below" in run.stdout

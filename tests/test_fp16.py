@@ -81,11 +81,12 @@ def test_an_overflow_is_skipped_by_the_scaler_and_is_not_a_bad_step(tmp_path, sh
 
     made = []
 
-    def huge_scaler(dtype, device):
-        made.append(torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-8, enabled=dtype == "float16"))
+    def huge_scaler(self, device):
+        enabled = self.dtype == "float16"
+        made.append(torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-8, enabled=enabled))
         return made[-1]
 
-    monkeypatch.setattr(precision, "make_scaler", huge_scaler)
+    monkeypatch.setattr(precision.Precision, "scaler", huge_scaler)
     run_dir = tmp_path / "run"
     code = import_train_ddp().main(
         flags(shakespeare_shards, run_dir, dtype="float16", max_steps=8, extra=["--max-bad-steps", "1"])

@@ -13,6 +13,7 @@ from _helpers import FP32_CPU, losses, records, run, spawn_ranks
 from conftest import TINY_MODEL_FLAGS
 
 from gpt2.core.config import TrainConfig
+from gpt2.core.precision import FLOAT32, Precision
 from gpt2.distributed.group import Dist, single_process
 from gpt2.train.startup import parallel_notes
 
@@ -409,10 +410,10 @@ def test_mixed_precision_policy_on_cuda_only_bf16_params_fp32_reduce():
     """No CUDA needed: the policy is a plain object. CPU keeps autocast over fp32 shards (None)."""
     from gpt2.distributed.fsdp import mixed_precision
 
-    policy = mixed_precision("bfloat16", torch.device("cuda", 0))
+    policy = mixed_precision(Precision("bfloat16", "bfloat16"), torch.device("cuda", 0))
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
-    assert mixed_precision("float32", torch.device("cuda", 0)) is None
-    assert mixed_precision("bfloat16", torch.device("cpu")) is None
+    assert mixed_precision(FLOAT32, torch.device("cuda", 0)) is None
+    assert mixed_precision(Precision("bfloat16", "bfloat16"), torch.device("cpu")) is None
 
 
 def test_the_cuda_bf16_policy_trains_a_bf16_residual_stream_where_ddp_keeps_fp32():

@@ -8,19 +8,19 @@ import json
 import pytest
 import torch
 
-from gpt2.core import precision
-from gpt2.plan import loss_probe
+from gpt2.core.precision import FLOAT32
+from gpt2.plan import loss_probe, matmul_peak
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv(precision.REFRESH_PEAK_ENV, raising=False)
+    monkeypatch.delenv(matmul_peak.REFRESH_PEAK_ENV, raising=False)
     return tmp_path / "cache" / "gpt2-ddp"
 
 
 def test_times_are_measured_once_per_shape_and_read_from_the_cache_after(cache, monkeypatch):
-    first = loss_probe.eager_loss_times("cpu", "float32", 256, 64, 50304)
+    first = loss_probe.eager_loss_times("cpu", FLOAT32, 256, 64, 50304)
     assert first.full_s > 0 and first.chunked_s > 0 and first.cache.startswith(str(cache))
     entry = json.loads(open(first.cache).read())
     assert entry["key"]["tokens"] == 256 and entry["key"]["n_embd"] == 64 and entry["key"]["dtype"] == "float32"
@@ -30,23 +30,23 @@ def test_times_are_measured_once_per_shape_and_read_from_the_cache_after(cache, 
         raise AssertionError("measured again although cached")
 
     monkeypatch.setattr(loss_probe, "time_loss_paths", no_measurement)
-    again = loss_probe.eager_loss_times("cpu", "float32", 256, 64, 50304)
+    again = loss_probe.eager_loss_times("cpu", FLOAT32, 256, 64, 50304)
     assert (again.full_s, again.chunked_s, again.cache) == (first.full_s, first.chunked_s, first.cache)
     with pytest.raises(AssertionError, match="measured again"):  # another shape is another measurement
-        loss_probe.eager_loss_times("cpu", "float32", 512, 64, 50304)
+        loss_probe.eager_loss_times("cpu", FLOAT32, 512, 64, 50304)
     with pytest.raises(AssertionError, match="measured again"):  # and so is the refresh variable
-        monkeypatch.setenv(precision.REFRESH_PEAK_ENV, "1")
-        loss_probe.eager_loss_times("cpu", "float32", 256, 64, 50304)
+        monkeypatch.setenv(matmul_peak.REFRESH_PEAK_ENV, "1")
+        loss_probe.eager_loss_times("cpu", FLOAT32, 256, 64, 50304)
 
 
 def test_a_corrupt_or_foreign_cache_entry_is_measured_again(cache):
-    key = loss_probe.loss_probe_key("cpu", "float32", 128, 32, 50304)
+    key = loss_probe.loss_probe_key("cpu", FLOAT32, 128, 32, 50304)
     path = loss_probe.loss_probe_path(key)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    assert loss_probe.eager_loss_times("cpu", "float32", 128, 32, 50304).full_s > 0
+    assert loss_probe.eager_loss_times("cpu", FLOAT32, 128, 32, 50304).full_s > 0
     path.write_text(json.dumps({"key": {**key, "tokens": 1}, "full_s": 9.0, "chunked_s": 9.0}))
-    assert loss_probe.eager_loss_times("cpu", "float32", 128, 32, 50304).full_s != 9.0
+    assert loss_probe.eager_loss_times("cpu", FLOAT32, 128, 32, 50304).full_s != 9.0
 
 
 def test_the_probe_times_the_models_two_loss_paths_which_agree(monkeypatch):
@@ -60,7 +60,7 @@ def test_the_probe_times_the_models_two_loss_paths_which_agree(monkeypatch):
     monkeypatch.setattr(
         loss_probe, "linear_cross_entropy", lambda *a: seen.append(("chunked", real_lce(*a))) or seen[-1][1]
     )
-    loss_probe.time_loss_paths("cpu", "float32", 300, 32, 50304)
+    loss_probe.time_loss_paths("cpu", FLOAT32, 300, 32, 50304)
     full = [v.item() for k, v in seen if k == "full"]
     chunked = [v.item() for k, v in seen if k == "chunked"]
     assert len(full) == len(chunked) == 1 + loss_probe.PROBE_ROUNDS
@@ -91,7 +91,7 @@ def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_
     r = resolve_auto(cfg, dist, log, hardware=roomy)
     resolved, choice = r.cfg, r.loss
     log.close()
-    times = loss_probe.eager_loss_times("cpu", "float32", 4 * 64, 64, 50304)  # now from the cache
+    times = loss_probe.eager_loss_times("cpu", FLOAT32, 4 * 64, 64, 50304)  # now from the cache
     assert resolved.train.loss_impl == ("full" if times.full_is_faster else "chunked") == choice.impl
     assert times.describe() in choice.reason and f"({choice.reason})" in capsys.readouterr().out
 
@@ -106,13 +106,14 @@ def test_the_probe_is_bounded_and_its_peak_is_measured_once(tmp_path):
     from conftest import REPO
 
     code = (
+        "from gpt2.core.precision import FLOAT32\n"
         "from gpt2.plan import loss_probe as p\n"
-        "a = p.eager_loss_times('cpu', 'float32', 4096, 64, 50304)\n"
-        "b = p.eager_loss_times('cpu', 'float32', 2048, 64, 50304)\n"
+        "a = p.eager_loss_times('cpu', FLOAT32, 4096, 64, 50304)\n"
+        "b = p.eager_loss_times('cpu', FLOAT32, 2048, 64, 50304)\n"
         "import json; print(json.dumps([a.peak_bytes, b.peak_bytes, a.cache == b.cache]))\n"
     )
     env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)}
-    env.pop(precision.REFRESH_PEAK_ENV, None)
+    env.pop(matmul_peak.REFRESH_PEAK_ENV, None)
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     first, cached, same = json.loads(done.stdout.strip().splitlines()[-1])

@@ -20,10 +20,11 @@ from gpt2.plan.memory import PLAN_ERROR, loss_bytes, memory, run_config
 MEASURE = """
 import json, sys
 from gpt2.core.config import ModelConfig
+from gpt2.core.precision import Precision
 from gpt2.plan.measure import resident_training_peak
 a = json.loads(sys.argv[1])
-cfg = ModelConfig(**a["cfg"])
-print(json.dumps(resident_training_peak(cfg, a["B"], dtype=a["dtype"], loss_impl=a["loss"], compiled=a["compiled"])))
+cfg, prec = ModelConfig(**a["cfg"]), Precision.from_key(a["dtype"])
+print(json.dumps(resident_training_peak(cfg, a["B"], prec=prec, loss_impl=a["loss"], compiled=a["compiled"])))
 """
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident peak is read from /proc")
@@ -50,7 +51,7 @@ def measured(cfg: ModelConfig, B: int, dtype: str, loss: str, compiled: bool) ->
 
 def native_bf16() -> bool:
     """Whether bf16 matmuls are at least as fast as fp32 here (else emulated, ~40x slower on AVX2-only CPUs)."""
-    from gpt2.core.precision import peak_rates
+    from gpt2.plan.matmul_peak import peak_rates
 
     bf16, fp32 = peak_rates("cpu", (torch.bfloat16, torch.float32))
     return bf16 >= fp32

@@ -273,10 +273,10 @@ def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, s
 
 
 def test_newton_schulz_dtype_follows_the_runs_agreed_dtype_not_a_per_rank_measurement(monkeypatch):
-    import gpt2.core.precision
+    import gpt2.plan.matmul_peak
 
-    monkeypatch.setattr(gpt2.core.precision, "matmul_rate", lambda *a, **k: pytest.fail("measured on this rank"))
-    monkeypatch.setattr(gpt2.core.precision, "peak_rates", lambda *a, **k: pytest.fail("measured on this rank"))
+    monkeypatch.setattr(gpt2.plan.matmul_peak, "matmul_rate", lambda *a, **k: pytest.fail("measured on this rank"))
+    monkeypatch.setattr(gpt2.plan.matmul_peak, "peak_rates", lambda *a, **k: pytest.fail("measured on this rank"))
     model = tiny_model()
     for dtype, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float32)):
         opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer="muon", dtype=dtype), CPU)

@@ -7,15 +7,17 @@ import time
 import pytest
 import torch
 
-from gpt2.core import precision
-from gpt2.core.precision import Precision, emulation_warning, make_scaler, matmul_rate, resolve_precision
+from gpt2.core.precision import Precision
+from gpt2.plan import matmul_peak, precision_choice
+from gpt2.plan.matmul_peak import matmul_rate
+from gpt2.plan.precision_choice import emulation_warning, resolve_precision
 
 
 def fake_rates(monkeypatch, **gflops):
     """Replace the CPU measurement (rates in GFLOP/s per dtype name) on a CPU listing bf16 instructions."""
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-    monkeypatch.setattr(precision, "peak_rates", lambda device, dtypes: [gflops[names[d]] * 1e9 for d in dtypes])
-    monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: True)
+    monkeypatch.setattr(matmul_peak, "peak_rates", lambda device, dtypes: [gflops[names[d]] * 1e9 for d in dtypes])
+    monkeypatch.setattr(precision_choice, "cpu_bf16_instructions", lambda: True)
 
 
 AVX2_CPUINFO = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\n"
@@ -24,18 +26,18 @@ ARM_CPUINFO = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
 
 
 def test_cpu_bf16_instructions_are_read_from_cpuinfo():
-    assert precision.cpu_bf16_instructions(AVX2_CPUINFO) is False
-    assert precision.cpu_bf16_instructions(SPR_CPUINFO) is True
-    assert precision.cpu_bf16_instructions(ARM_CPUINFO) is True
-    assert precision.cpu_bf16_instructions("") is None  # not Linux, or no flags line: measure instead
+    assert precision_choice.cpu_bf16_instructions(AVX2_CPUINFO) is False
+    assert precision_choice.cpu_bf16_instructions(SPR_CPUINFO) is True
+    assert precision_choice.cpu_bf16_instructions(ARM_CPUINFO) is True
+    assert precision_choice.cpu_bf16_instructions("") is None  # not Linux, or no flags line: measure instead
 
 
 def test_auto_on_a_cpu_without_bf16_instructions_picks_fp32_without_measuring(monkeypatch):
     """A loaded machine can stall the fp32 timing and make emulated bf16 look faster: no flag, no bf16."""
-    parse = precision.cpu_bf16_instructions
-    monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: parse(AVX2_CPUINFO))
-    monkeypatch.setattr(precision, "peak_rates", lambda device, dtypes: pytest.fail("measured anyway"))
-    monkeypatch.setattr(precision, "matmul_rate", lambda *a, **k: pytest.fail("measured anyway"))
+    parse = precision_choice.cpu_bf16_instructions
+    monkeypatch.setattr(precision_choice, "cpu_bf16_instructions", lambda: parse(AVX2_CPUINFO))
+    monkeypatch.setattr(matmul_peak, "peak_rates", lambda device, dtypes: pytest.fail("measured anyway"))
+    monkeypatch.setattr(matmul_peak, "matmul_rate", lambda *a, **k: pytest.fail("measured anyway"))
     p = resolve_precision("auto", "cpu")
     assert p.dtype == "float32" and "no bf16 instructions" in p.reason
 
@@ -58,7 +60,7 @@ def test_auto_on_cpu_follows_the_measurement(monkeypatch, bf16, fp32, expected):
 
 @pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float16")])
 def test_auto_on_cuda_asks_for_native_bf16(monkeypatch, native, expected):
-    monkeypatch.setattr(precision, "cuda_native_bf16", lambda device: native)
+    monkeypatch.setattr(precision_choice, "cuda_native_bf16", lambda device: native)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4" if not native else "A100")
     p = resolve_precision("auto", torch.device("cuda", 0))
     assert p.dtype == expected
@@ -75,7 +77,7 @@ def test_cuda_native_bf16_excludes_emulation(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", fake)
     monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
-    assert precision.cuda_native_bf16(torch.device("cuda", 0)) is False
+    assert precision_choice.cuda_native_bf16(torch.device("cuda", 0)) is False
     assert seen == {"including_emulation": False}
 
 
@@ -89,7 +91,7 @@ def test_explicit_dtype_is_kept_and_an_emulated_one_warns(monkeypatch):
     assert emulation_warning(resolve_precision("auto", "cpu"), "cpu") is None
     fake_rates(monkeypatch, bfloat16=400.0, float32=150.0, float16=1.0)
     assert emulation_warning(resolve_precision("bfloat16", "cpu"), "cpu") is None
-    monkeypatch.setattr(precision, "cuda_native_bf16", lambda device: False)
+    monkeypatch.setattr(precision_choice, "cuda_native_bf16", lambda device: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
     warning = emulation_warning(resolve_precision("bfloat16", torch.device("cuda", 0)), torch.device("cuda", 0))
     assert warning and "auto would pick float16" in warning
@@ -116,7 +118,7 @@ def test_matmul_rate_fixed_size_fresh_and_cpu_time():
     """The benchmarks' variants: a fixed size, a fresh measurement, wall and CPU-time rates together."""
     cached = matmul_rate("cpu", torch.float32, n=256, budget_s=0.05)
     both = matmul_rate("cpu", torch.float32, n=256, budget_s=0.05, cpu_time=True)
-    assert isinstance(both, precision.MatmulRate) and both.wall == cached and both.n == 256  # one cached measurement
+    assert isinstance(both, matmul_peak.MatmulRate) and both.wall == cached and both.n == 256  # one cached measurement
     assert 1e8 < both.cpu < 1e14
     again = matmul_rate("cpu", torch.float32, n=256, budget_s=0.05, fresh=True, cpu_time=True)
     assert again.n == 256 and 1e8 < again.wall < 1e14 and 1e8 < again.cpu < 1e14
@@ -128,17 +130,17 @@ def test_matmul_rate_fixed_size_fresh_and_cpu_time():
 
 def test_auto_on_this_cpu_picks_fp32_without_bf16_instructions_else_the_faster_measured_dtype():
     p = resolve_precision("auto", "cpu")
-    if precision.cpu_bf16_instructions() is False:
+    if precision_choice.cpu_bf16_instructions() is False:
         assert p.dtype == "float32"
         return
-    bf16, fp32 = precision.peak_rate("cpu", torch.bfloat16), precision.peak_rate("cpu", torch.float32)
-    assert p.dtype == ("bfloat16" if bf16 >= precision.CPU_BF16_MIN_SPEEDUP * fp32 else "float32")
+    bf16, fp32 = matmul_peak.peak_rate("cpu", torch.bfloat16), matmul_peak.peak_rate("cpu", torch.float32)
+    assert p.dtype == ("bfloat16" if bf16 >= precision_choice.CPU_BF16_MIN_SPEEDUP * fp32 else "float32")
 
 
 def test_scaler_only_for_float16():
-    assert make_scaler("float16", "cpu").is_enabled()
-    assert not make_scaler("bfloat16", "cpu").is_enabled()
-    assert not make_scaler("float32", "cpu").is_enabled()
+    assert Precision("float16", "float16").scaler("cpu").is_enabled()
+    assert not Precision("bfloat16", "bfloat16").scaler("cpu").is_enabled()
+    assert not Precision("float32", "float32").scaler("cpu").is_enabled()
 
 
 def test_precision_is_one_value_that_knows_its_names_dtype_autocast_and_scaler():

@@ -366,7 +366,7 @@ class TrainConfig:
 
     The autocast dtype: bfloat16, float16 (with a loss scaler) or float32 (no autocast). auto picks bf16 on
     GPUs with native bf16, fp16 on older GPUs, and on a CPU bf16 only where it measures faster than fp32
-    (gpt2/core/precision.py says why). Weights and optimizer stay fp32."""
+    (gpt2/plan/precision_choice.py says why). Weights and optimizer stay fp32."""
     compile: bool = True
     """torch.compile the model.
 

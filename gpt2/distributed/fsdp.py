@@ -19,11 +19,12 @@ import contextlib
 import torch
 
 from gpt2.core.compat import fsdp_api
+from gpt2.core.precision import FLOAT32, Precision
 from gpt2.distributed.group import Dist
 from gpt2.model.gpt import GPT
 
 
-def mixed_precision(dtype: str, device: torch.device):
+def mixed_precision(prec: Precision, device: torch.device):
     """FSDP2's MixedPrecisionPolicy for --dtype on CUDA, or None (fp32 everywhere, or CPU autocast).
 
     On CUDA with bf16 the gathered weights are cast to bf16 once per unit (param_dtype): the
@@ -51,25 +52,25 @@ def mixed_precision(dtype: str, device: torch.device):
     check fsdp against DDP bitwise, not this.
     """
     api = fsdp_api()  # None on a torch without FSDP2 (only --parallel ddp runs there)
-    if api is None or device.type != "cuda" or dtype not in ("bfloat16", "float16"):
+    if api is None or device.type != "cuda" or prec.dtype not in ("bfloat16", "float16"):
         return None
-    return api.MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+    return api.MixedPrecisionPolicy(param_dtype=prec.torch_dtype, reduce_dtype=torch.float32)
 
 
-def gathered_param_bytes(dtype: str, device: torch.device) -> int:
+def gathered_param_bytes(prec: Precision, device: torch.device) -> int:
     """Bytes per parameter an all-gather moves: the policy's param_dtype, else the fp32 shards'."""
-    policy = mixed_precision(dtype, device)
+    policy = mixed_precision(prec, device)
     return 4 if policy is None else torch.empty((), dtype=policy.param_dtype).element_size()
 
 
-def shard(model: GPT, dist: Dist, dtype: str = "float32") -> GPT:
+def shard(model: GPT, dist: Dist, prec: Precision = FLOAT32) -> GPT:
     """fully_shard each block, then the root, over all ranks (in place; returns the model)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     fully_shard = fsdp_api().fully_shard  # present: missing_features refused --parallel fsdp before here
 
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
-    policy = mixed_precision(dtype, dist.device)
+    policy = mixed_precision(prec, dist.device)
     kwargs = {"mp_policy": policy} if policy is not None else {}
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, **kwargs)

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2.core import precision
 from gpt2.core.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig, RunConfig, TrainConfig
+from gpt2.core.precision import Precision
 from gpt2.distributed.group import single_process
 from gpt2.model.gpt import GPT, CausalSelfAttention
+from gpt2.plan import matmul_peak
 from gpt2.plan.flops import device_peak_flops, flops_per_token
 from gpt2.plan.measure import measured_peak_bytes
 from gpt2.train.optim import make_optimizer
@@ -79,7 +80,7 @@ TF32_OFF_CUDA = "n/a (CUDA only)"
 
 
 def without_bf16(rungs: tuple[Rung, ...], why: str) -> tuple[tuple[Rung, ...], dict[str, str]]:
-    """The ladder for a device whose fast dtype is not bf16 (gpt2.core.precision.fast_dtype: a CPU where bf16
+    """The ladder for a device whose fast dtype is not bf16 (gpt2.plan.precision_choice.fast_dtype: a CPU where bf16
     is emulated or slower than fp32, a GPU before Ampere): the bf16 rung skipped with `why`, the rungs
     after it in fp32. Returns the rungs and the skipped rungs' notes (run_ladder's `skip`)."""
     out = tuple(r if r.name == "bf16" else dataclasses.replace(r, bf16=False) for r in rungs)
@@ -181,6 +182,7 @@ def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.devic
     compiles), warmed up: a compiled rung compiles here."""
     cfg = rung_config(rung, shape, batch, device)
     tc = cfg.train
+    prec = Precision(tc.dtype, tc.dtype)  # a rung's dtype is one of the ladder's own names, never auto
     dist = single_process(device)
     torch.manual_seed(tc.seed)
     model = GPT(cfg.model).to(device)
@@ -193,7 +195,8 @@ def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.devic
         loader=FixedBatch(x, y),
         val_loader=None,
         accum_steps=1,
-        scaler=precision.make_scaler(tc.dtype, device),
+        scaler=prec.scaler(device),
+        precision=prec,
     )
 
     def step() -> float:
@@ -237,7 +240,7 @@ def time_interleaved(
 
 
 PEAK_MEASUREMENT = dict(budget_s=1.0, min_time_s=0.05)
-"""The CPU peak's matmul (gpt2.core.precision.matmul_rate): the size doubles up to 2048 until one call
+"""The CPU peak's matmul (gpt2.plan.matmul_peak.matmul_rate): the size doubles up to 2048 until one call
 takes 50 ms, then it is timed for the rest of about a second. A fast fp32 or bf16 matmul reaches
 2048^3 (under load too: a call of a small one can take 15 ms of thread wake-ups alone); an emulated
 bf16 one stops at 256-512 instead of spending a minute per 2048^3 call."""
@@ -248,7 +251,7 @@ def cpu_peaks(peaks: dict[str, float | None]) -> None:
     gpt2.plan.flops.device_peak_flops, the bf16 peak is never below fp32's: where bf16 is emulated, the
     compiled rungs can run fp32 kernels."""
     rate = {
-        name: precision.matmul_rate("cpu", dtype, fresh=True, **PEAK_MEASUREMENT)
+        name: matmul_peak.matmul_rate("cpu", dtype, fresh=True, **PEAK_MEASUREMENT)
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
     }
     peaks["fp32"] = max(peaks["fp32"], rate["fp32"])

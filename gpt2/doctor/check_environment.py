@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from gpt2.core import precision
 from gpt2.distributed.group import usable_cpus
 from gpt2.doctor.context import Context
 from gpt2.doctor.results import WARN, Section
 from gpt2.doctor.sdpa_probe import first_line
+from gpt2.plan import matmul_peak, precision_choice
 
 
 def environment(ctx: Context) -> Section:
@@ -48,7 +48,7 @@ def cuda_rows(s: Section) -> None:
     s.info("driver", driver or "unknown (no /proc/driver/nvidia/version, no nvidia-smi)")
     s.info("CUDA (torch build), cuDNN", f"{torch.version.cuda}, {torch.backends.cudnn.version()}")
     s.info("NCCL", nccl_version())
-    native = [precision.cuda_native_bf16(torch.device("cuda", i)) for i in range(n)]
+    native = [precision_choice.cuda_native_bf16(torch.device("cuda", i)) for i in range(n)]
     if all(native):
         s.info("native bf16", "yes")
     else:  # a working node, but not for the bf16 recipe: say so without failing it
@@ -67,9 +67,9 @@ def cuda_rows(s: Section) -> None:
 
 
 def cpu_rows(s: Section) -> None:
-    cpu = precision.peak_key("cpu", torch.float32)["cpu"]
+    cpu = matmul_peak.peak_key("cpu", torch.float32)["cpu"]
     s.info("devices", f"cpu: {cpu}, {usable_cpus()} usable core(s); no CUDA device")
-    flags = precision.cpu_bf16_instructions()
+    flags = precision_choice.cpu_bf16_instructions()
     s.info(
         "bf16 instructions",
         {

@@ -12,6 +12,7 @@ import torch
 from gpt2.core import precision
 from gpt2.core.config import ModelConfig, model_preset
 from gpt2.doctor.train_runs import FAST_FLAGS, TrainRun, model_flags, run_train, write_synthetic_shards
+from gpt2.plan import precision_choice
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Context:
     def auto_precision(self) -> precision.Precision:
         """--dtype auto on this device, as the trainer resolves it (measured and cached on a CPU)."""
         if self._prec is None:
-            self._prec = precision.resolve_precision("auto", self.device)
+            self._prec = precision_choice.resolve_precision("auto", self.device)
         return self._prec
 
     def data_dir(self) -> Path:

@@ -95,7 +95,7 @@ REFERENCE_FLAGS = [
 """The slow, plain path every fast one is compared with: fp32 without TF32, eager, softmax(QK^T)V."""
 FAST_FLAGS = ["--dtype", "auto", "--compile", "true", "--attn-impl", "sdpa", "--tf32", "true", "--loss-impl", "auto"]
 """The defaults a real run takes: the device's fast dtype (bf16 on a GPU with native bf16; on a CPU what
-gpt2.core.precision measures faster), torch.compile, SDPA (flash where the device has it), TF32."""
+gpt2.plan.precision_choice measures faster), torch.compile, SDPA (flash where the device has it), TF32."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ way; gradients accumulating as in a step) at up to three candidates (the model's
 fits and divides, one between), after one untimed call, each timed twice (in one order, then the other)
 and those within CLOSE of the fastest a third time; each candidate's tokens/s is its fastest (a single
 reading at 2 sequences of 6 x 384, taken while another job ran, was 3x slow and decided wrongly).
-Cached per machine (precision.peak_key: the CPU, its threads, torch), shape, dtype, loss path and
+Cached per machine (matmul_peak.peak_key: the CPU, its threads, torch), shape, dtype, loss path and
 candidates, as the loss probe is (gpt2/plan/loss_probe.py), so a run measures once per shape. The
 optimizer step is left out: it runs once a step whatever the micro-batch.
 """
@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
-from gpt2.core import host_memory, precision
+from gpt2.core import host_memory
 from gpt2.core.config import ModelConfig
+from gpt2.core.precision import Precision
+from gpt2.plan import matmul_peak
 
 CLOSE = 0.10
 """Candidates within this fraction of the fastest after two timed calls each are timed a third time, each
@@ -69,9 +71,9 @@ def candidates(sizes: list[int], modelled: int, seq_len: int) -> list[int]:
     return sorted({modelled, middle, largest})
 
 
-def batch_probe_key(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict:
+def batch_probe_key(cfg: ModelConfig, prec: Precision, losses: dict[int, str]) -> dict:
     return {
-        **precision.peak_key("cpu", precision.Precision(dtype, dtype).torch_dtype),
+        **matmul_peak.peak_key("cpu", prec.torch_dtype),
         "probe": "micro-batch",
         "model": {
             k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias")
@@ -83,20 +85,20 @@ def batch_probe_key(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dic
 
 def batch_probe_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return precision.peak_cache_dir() / f"micro-batch-{digest}.json"
+    return matmul_peak.peak_cache_dir() / f"micro-batch-{digest}.json"
 
 
 def micro_batch_rates(
-    cfg: ModelConfig, dtype: str, losses: dict[int, str], *, refresh: bool | None = None
+    cfg: ModelConfig, prec: Precision, losses: dict[int, str], *, refresh: bool | None = None
 ) -> MicroBatchRates:
     """Each candidate micro-batch's tokens/s on this CPU with the loss path the run would take at it
     (`losses`: micro-batch -> full or chunked), from the cache or measured (then cached atomically)."""
     sizes = sorted(losses)
-    key = batch_probe_key(cfg, dtype, losses)
+    key = batch_probe_key(cfg, prec, losses)
     path = batch_probe_path(key)
     if refresh is None:
-        refresh = precision.refresh_requested()
-    entry = None if refresh else precision.read_cache_entry(path, key)
+        refresh = matmul_peak.refresh_requested()
+    entry = None if refresh else matmul_peak.read_cache_entry(path, key)
     peak = None
     rates = None
     if entry is not None:
@@ -108,15 +110,15 @@ def micro_batch_rates(
             rates = None
     if rates is None:
         before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
-        rates = time_micro_batches(cfg, dtype, losses)
+        rates = time_micro_batches(cfg, prec, losses)
         after = host_memory.resident_peak_bytes()
         if None not in (before, high, after):
             peak = after - before if after > high else 0
-        precision.write_cache_entry(path, key, {"rates": {str(b): r for b, r in rates.items()}})
+        matmul_peak.write_cache_entry(path, key, {"rates": {str(b): r for b, r in rates.items()}})
     return MicroBatchRates(rates, str(path), peak)
 
 
-def time_micro_batches(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> dict[int, float]:
+def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]) -> dict[int, float]:
     """tokens/s of a fresh model's forward + backward at each micro-batch of `losses`, with its loss path
     (module docstring)."""
     from gpt2.model.gpt import GPT
@@ -140,7 +142,7 @@ def time_micro_batches(cfg: ModelConfig, dtype: str, losses: dict[int, str]) -> 
         loss.backward()  # accumulating into .grad, as a step's micro-steps do
         return time.perf_counter() - t0
 
-    with precision.autocast(dtype, "cpu"):
+    with prec.autocast("cpu"):
         micro_step(sizes[0])  # untimed: first-call allocations, lazy initialisation, the gradients made
         for b in sizes:
             best[b] = micro_step(b)

@@ -26,7 +26,8 @@ import re
 import torch
 
 from gpt2.core.config import ModelConfig, lookup_tables, param_count, weight_shapes
-from gpt2.core.precision import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, Precision, peak_rates
+from gpt2.core.precision import Precision
+from gpt2.plan.matmul_peak import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, peak_rates
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets (for GeForce and RTX cards the
 # architecture whitepapers' "with FP32 accumulate" rows, which training's matmuls use), FLOP/s.
@@ -150,7 +151,7 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *, tf32: b
     selects the TF32 peak.
 
     A CPU has no data sheet to compare with, so it gets its measured matmul peak
-    (`precision.peak_rates`: the best of several probes, cached per machine). An autocast run's
+    (`matmul_peak.peak_rates`: the best of several probes, cached per machine). An autocast run's
     peak is the faster of its dtype's rate and fp32's: where bf16 is emulated, compiled kernels may
     compute in fp32, and MFU must be measured against the kernels that can actually run, so that it
     never exceeds 1.

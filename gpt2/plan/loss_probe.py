@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpt2.core import host_memory, precision
+from gpt2.core import host_memory
+from gpt2.core.precision import Precision
 from gpt2.model.loss import linear_cross_entropy
+from gpt2.plan import matmul_peak
 
 PROBE_MAX_TOKENS = 512
 """The probe's tokens at most (a run's micro-batch of tokens above it is timed at this many): eager's full
@@ -65,10 +67,10 @@ class EagerLossTimes:
         )
 
 
-def loss_probe_key(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> dict:
-    """The machine (precision.peak_key: CPU, threads, torch) and the shape the times depend on."""
+def loss_probe_key(device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int) -> dict:
+    """The machine (matmul_peak.peak_key: CPU, threads, torch) and the shape the times depend on."""
     return {
-        **precision.peak_key(device, precision.Precision(dtype, dtype).torch_dtype),
+        **matmul_peak.peak_key(device, prec.torch_dtype),
         "probe": "eager-loss",
         "tokens": tokens,
         "n_embd": n_embd,
@@ -78,33 +80,33 @@ def loss_probe_key(device: str, dtype: str, tokens: int, n_embd: int, vocab_size
 
 def loss_probe_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return precision.peak_cache_dir() / f"eager-loss-{digest}.json"
+    return matmul_peak.peak_cache_dir() / f"eager-loss-{digest}.json"
 
 
 def eager_loss_times(
-    device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int, *, refresh: bool | None = None
+    device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int, *, refresh: bool | None = None
 ) -> EagerLossTimes:
     """Both paths' times at this shape on this CPU, from the cache or measured (then cached atomically).
-    refresh=None reads precision.REFRESH_PEAK_ENV, as the matmul peaks do."""
+    refresh=None reads matmul_peak.REFRESH_PEAK_ENV, as the matmul peaks do."""
     tokens = min(tokens, PROBE_MAX_TOKENS)
-    key = loss_probe_key(device, dtype, tokens, n_embd, vocab_size)
+    key = loss_probe_key(device, prec, tokens, n_embd, vocab_size)
     path = loss_probe_path(key)
     if refresh is None:
-        refresh = precision.refresh_requested()
-    entry = None if refresh else precision.read_cache_entry(path, key)
+        refresh = matmul_peak.refresh_requested()
+    entry = None if refresh else matmul_peak.read_cache_entry(path, key)
     peak = None
     if entry is None or not all(isinstance(entry.get(k), float) and entry[k] > 0 for k in ("full_s", "chunked_s")):
         before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
-        full_s, chunked_s = time_loss_paths(device, dtype, tokens, n_embd, vocab_size)
+        full_s, chunked_s = time_loss_paths(device, prec, tokens, n_embd, vocab_size)
         after = host_memory.resident_peak_bytes()
         if None not in (before, high, after):  # what it raised the process's peak to, above what it held
             peak = after - before if after > high else 0
         entry = {"full_s": full_s, "chunked_s": chunked_s}
-        precision.write_cache_entry(path, key, entry)
+        matmul_peak.write_cache_entry(path, key, entry)
     return EagerLossTimes(entry["full_s"], entry["chunked_s"], str(path), peak)
 
 
-def time_loss_paths(device: str, dtype: str, tokens: int, n_embd: int, vocab_size: int) -> tuple[float, float]:
+def time_loss_paths(device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int) -> tuple[float, float]:
     """(full, chunked) seconds: GPT.forward's two loss paths on random activations and a GPT-2-scale
     weight, under the run's autocast, the padded vocabulary rows masked as the model masks them."""
     from gpt2.model.gpt import GPT2_VOCAB_SIZE
@@ -127,7 +129,7 @@ def time_loss_paths(device: str, dtype: str, tokens: int, n_embd: int, vocab_siz
 
     paths = {"full": full, "chunked": chunked}
     best = {name: float("inf") for name in paths}
-    with precision.autocast(dtype, device):
+    with prec.autocast(device):
         for i in range(1 + PROBE_ROUNDS):
             for name in list(paths) if i % 2 == 0 else list(paths)[::-1]:
                 x.grad = weight.grad = None

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from gpt2.core.precision import FLOAT32, Precision
+
 
 def measured_peak_bytes(fn, device: torch.device | str) -> int:
     """Peak bytes allocated while fn() runs, above what was allocated when it started.
@@ -67,14 +69,12 @@ def _quiet_kineto():
         os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
-def train_steps(model: torch.nn.Module, batch: int, steps: int, *, dtype: str, compiled: bool = False) -> None:
+def train_steps(model: torch.nn.Module, batch: int, steps: int, *, prec: Precision, compiled: bool = False) -> None:
     """`steps` training steps of model as the trainer takes them on a CPU: fused AdamW, autocast in dtype, the
     loss of `model(x, y, return_logits=False)` on random tokens, backward, the gradients' norm clipped in one
     foreach pass, step, zero_grad(set_to_none=True); torch.compile first when compiled."""
-    from gpt2.core import precision
     from gpt2.model.gpt import GPT2_VOCAB_SIZE
 
-    prec = precision.Precision.from_key(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     call = torch.compile(model) if compiled else model
     gen = torch.Generator().manual_seed(0)
@@ -89,7 +89,7 @@ def train_steps(model: torch.nn.Module, batch: int, steps: int, *, dtype: str, c
         opt.zero_grad(set_to_none=True)
 
 
-def warm_up(cfg, *, dtype: str = "fp32", loss_impl: str = "chunked", compiled: bool = False) -> None:
+def warm_up(cfg, *, prec: Precision = FLOAT32, loss_impl: str = "chunked", compiled: bool = False) -> None:
     """Two training steps of a 1-layer, 8-wide model like cfg (its vocabulary, attention, bias) on a run's paths
     (dtype, loss, compilation): what the libraries load and keep on first use is then in the process, not what
     a real model of cfg adds. On a CPU that is tens of MiB of resident memory a plan of tensors does not count:
@@ -102,14 +102,14 @@ def warm_up(cfg, *, dtype: str = "fp32", loss_impl: str = "chunked", compiled: b
     tiny = cfg.replace(n_layer=1, n_head=1, n_kv_head=None, n_embd=8, block_size=8, dropout=0.0)
     with torch.random.fork_rng(devices=[]):  # the run's random numbers are not the warm-up's
         torch.manual_seed(0)
-        train_steps(GPT(tiny, loss_impl=loss_impl), 1, 2, dtype=dtype, compiled=compiled)
+        train_steps(GPT(tiny, loss_impl=loss_impl), 1, 2, prec=prec, compiled=compiled)
 
 
 def resident_training_peak(
     cfg,
     micro_batch_size: int,
     *,
-    dtype: str = "fp32",
+    prec: Precision = FLOAT32,
     loss_impl: str = "chunked",
     compiled: bool = False,
     steps: int = 2,
@@ -132,12 +132,12 @@ def resident_training_peak(
 
     if tuned_malloc:
         host_memory.return_freed_memory()
-    warm_up(cfg, dtype=dtype, loss_impl=loss_impl, compiled=compiled)
+    warm_up(cfg, prec=prec, loss_impl=loss_impl, compiled=compiled)
     if compiled:
         torch._dynamo.reset()
     start = host_memory.resident_bytes()
     if start is None or not host_memory.reset_resident_peak():
         raise RuntimeError("the resident peak is measured through /proc/self (Linux 4.0 or later)")
     torch.manual_seed(0)
-    train_steps(GPT(cfg, loss_impl=loss_impl), micro_batch_size, steps, dtype=dtype, compiled=compiled)
+    train_steps(GPT(cfg, loss_impl=loss_impl), micro_batch_size, steps, prec=prec, compiled=compiled)
     return host_memory.resident_peak_bytes() - start

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2.core import precision
 from gpt2.core.config import RunConfig
 from gpt2.core.precision import Precision
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.core.start_point import StartDecision
 from gpt2.model.fp8 import fp8_problem
+from gpt2.plan import precision_choice
 from gpt2.plan.ac_choice import ACChoice, choose_activation_checkpointing
 from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
 from gpt2.plan.flops import device_peak_flops, mig_profile, peak_problem
@@ -143,7 +143,7 @@ def resolve_choices(
     tokens = tc.max_steps * tc.total_batch_size if tokens is None else tokens
     p = plan(cfg, hardware, world_size=world, mfu=mfu, tokens=tokens)
     p = dataclasses.replace(p, micro_batch_choice=mb if auto_mb else None)
-    warning = None if target.device is None else precision.emulation_warning(prec, target.device)
+    warning = None if target.device is None else precision_choice.emulation_warning(prec, target.device)
     return Resolved(
         cfg,
         prec,
@@ -182,19 +182,19 @@ def with_train(cfg: RunConfig, **changes) -> RunConfig:
 
 
 def target_precision(requested: str, target: Target, *, tf32: bool) -> Precision:
-    """--dtype on the target: this device's fast dtype (gpt2/core/precision.py), or what a hypothetical GPU
+    """--dtype on the target: this device's fast dtype (gpt2/plan/precision_choice.py), or what a hypothetical GPU
     would pick: bf16 where its data sheet lists bf16 tensor cores (every GPU in the table), a custom one
     taken to have them."""
     if target.device is not None:
-        return precision.resolve_precision(requested, target.device, tf32=tf32)
+        return precision_choice.resolve_precision(requested, target.device, tf32=tf32)
     if gpu_native_bf16(target.gpu):
         why = (
             f"{target.gpu} has native bf16 (its data sheet's bf16 tensor-core peak)"
             if target.gpu
             else "a custom GPU is taken to have native bf16 (Ampere or newer; pass --dtype float16 for an older one)"
         )
-        return precision.decide(requested, "bfloat16", why, tf32=tf32)
-    return precision.decide(
+        return precision_choice.decide(requested, "bfloat16", why, tf32=tf32)
+    return precision_choice.decide(
         requested, "float16", f"{target.gpu} has no native bf16: fp16 with a loss scaler", tf32=tf32
     )
 
@@ -245,7 +245,7 @@ def batch_measure(cfg: RunConfig, prec: Precision, hardware: Hardware, world: in
         probe = eager_measure(at_b, prec, b, device)
         return choose_loss_impl(at_b, hardware, world_size=world, measure_eager=probe).impl
 
-    return lambda sizes: micro_batch_rates(cfg.model, prec.dtype, {b: loss_at(b) for b in sizes})
+    return lambda sizes: micro_batch_rates(cfg.model, prec, {b: loss_at(b) for b in sizes})
 
 
 def eager_measure(cfg: RunConfig, prec: Precision, mb: int, device: torch.device | None):
@@ -256,4 +256,4 @@ def eager_measure(cfg: RunConfig, prec: Precision, mb: int, device: torch.device
     from gpt2.plan.loss_probe import eager_loss_times
 
     m = cfg.model
-    return lambda: eager_loss_times(str(device), prec.dtype, mb * m.block_size, m.n_embd, m.vocab_size)
+    return lambda: eager_loss_times(str(device), prec, mb * m.block_size, m.n_embd, m.vocab_size)

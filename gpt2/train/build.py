@@ -16,9 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.resume import agree_on_step
-from gpt2.core import precision
 from gpt2.core.compat import ddp_no_buffer_sync
 from gpt2.core.config import TrainConfig
+from gpt2.core.precision import Precision
 from gpt2.core.schedule import BatchLayout
 from gpt2.data.loader import EvalLoader, ShardSet, TrainLoader
 from gpt2.distributed.fsdp import shard as shard_fsdp
@@ -54,7 +54,7 @@ def build(decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet, Sh
             model, tc.init_from, start.point, tc.out_dir, start.run_id, dist, log, broadcast=fsdp
         )
     if fsdp:  # before the optimizer: it must hold the shards, not the full weights
-        model = shard_fsdp(model, dist, tc.dtype)
+        model = shard_fsdp(model, dist, decided.precision)
     # From here on each rank draws its own random numbers: with one seed for all, every rank would
     # drop out the same units (dropout > 0) and the ranks' noise would not average out.
     torch.manual_seed(tc.seed + dist.rank)
@@ -85,8 +85,8 @@ def build(decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet, Sh
             log.warn(
                 f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all {val_loader.tokens} tokens"
             )
-    scaler = precision.make_scaler(tc.dtype, dist.device)
-    parts = Parts(model, model, optimizer, loader, val_loader, decided.accum_steps, scaler)
+    prec = decided.precision
+    parts = Parts(model, model, optimizer, loader, val_loader, decided.accum_steps, prec.scaler(dist.device), prec)
     parts.run_id, parts.init_from = start.run_id, init_record
     parts.guard = SpikeGuard(tc, dist.device) if tc.spike_guard else None  # before restore: its state is checkpointed
     if parts.guard is not None and decided.compile != "off" and dist.device.type == "cuda":
@@ -101,7 +101,7 @@ def build(decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet, Sh
     parts.train_model = compiled(model, decided, dist)
     if decided.parallel == "ddp":
         parts.train_model = wrap_ddp(parts.train_model, tc, dist)
-        settle_buckets(parts.train_model, parts.loader.B, parts.loader.T, tc.dtype, dist)
+        settle_buckets(parts.train_model, parts.loader.B, parts.loader.T, prec, dist)
     return parts
 
 
@@ -136,7 +136,7 @@ def compile_sharded(model: GPT, *, autotune: bool = False) -> None:
     model.head_loss = torch.compile(model.head_loss)  # an instance attribute: forward calls self.head_loss
 
 
-def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: str, dist: Dist) -> None:
+def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, prec: Precision, dist: Dist) -> None:
     """One synced backward of a dummy micro-batch, gradients and random numbers discarded: DDP's
     buckets take their final layout before the first step.
 
@@ -152,7 +152,7 @@ def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, dtype: 
     saved = rng_state(cuda)  # dropout draws here must not shift the training's random numbers
     x = torch.zeros(batch, seq_len, dtype=torch.long, device=dist.device)
     with collective("DDP's first (bucket-settling) gradient all-reduce"):
-        with precision.autocast(dtype, dist.device):
+        with prec.autocast(dist.device):
             _, loss = ddp_model(x, x, return_logits=False)
         loss.backward()
     for p in ddp_model.parameters():

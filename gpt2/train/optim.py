@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from gpt2.core.config import TrainConfig
-from gpt2.core.precision import cuda_native_bf16
 from gpt2.distributed.group import Dist
+from gpt2.plan.precision_choice import cuda_native_bf16
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

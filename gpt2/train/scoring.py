@@ -21,8 +21,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from gpt2.core import precision
 from gpt2.core.config import EOT_TOKEN
+from gpt2.core.precision import FLOAT32, Precision
 from gpt2.data.hellaswag import N_ENDINGS, Example
 from gpt2.distributed.group import Dist, all_reduce_sum
 from gpt2.model.gpt import GPT, unwrap
@@ -30,7 +30,7 @@ from gpt2.model.tokenizer import encode
 
 
 @torch.no_grad()
-def loader_loss(model: torch.nn.Module, loader, dtype: str, dist: Dist, *, progress: bool = False) -> float:
+def loader_loss(model: torch.nn.Module, loader, prec: Precision, dist: Dist, *, progress: bool = False) -> float:
     """Mean loss per token over an EvalLoader's fixed set, reduced over ranks (the trainer's evaluation).
 
     Runs the model (plain, compiled or DDP-wrapped: DDP's own wrapper is skipped) in eval mode and
@@ -42,7 +42,7 @@ def loader_loss(model: torch.nn.Module, loader, dtype: str, dist: Dist, *, progr
     model.eval()
     totals = torch.zeros(2, device=dist.device, dtype=torch.float64)
     try:
-        with precision.autocast(dtype, dist.device):
+        with prec.autocast(dist.device):
             batches = (
                 loader
                 if not (progress and dist.is_main)
@@ -108,7 +108,7 @@ def hellaswag_eval(
     dist: Dist,
     device: torch.device,
     *,
-    dtype: str = "float32",
+    prec: Precision = FLOAT32,
     progress: bool = True,
 ) -> dict:
     """acc and acc_norm over examples, this rank scoring examples rank, rank+W, ...; counts all-reduced.
@@ -132,7 +132,7 @@ def hellaswag_eval(
         desc=f"hellaswag (rank 0 of {dist.world_size})",
     )
     try:
-        with precision.autocast(dtype, device):
+        with prec.autocast(device):
             for i, counted in bar:
                 ex = examples[i]
                 tokens, mask = example_rows(ex, model.config.block_size)

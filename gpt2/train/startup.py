@@ -37,7 +37,7 @@ from gpt2.ckpt.checkpoint import CheckpointError
 from gpt2.ckpt.resume import StartDecision, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
 from gpt2.ckpt.rundir import RUN_INFO, TRAIN_LOG
 from gpt2.ckpt.writer import CheckpointWriter
-from gpt2.core import determinism, host_memory, precision
+from gpt2.core import determinism, host_memory
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
 from gpt2.core.config import TRAIN_PRESETS, RunConfig, TrainConfig
@@ -49,6 +49,7 @@ from gpt2.distributed import preempt
 from gpt2.distributed.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.distributed.fsdp import gathered_param_bytes
 from gpt2.distributed.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
+from gpt2.plan import matmul_peak
 from gpt2.plan.flops import format_flops
 from gpt2.plan.hardware import gib
 from gpt2.plan.measure import warm_up
@@ -634,8 +635,8 @@ def log_mfu_peak(decided: Resolved, dist: Dist, log: RunLog) -> None:
     elif decided.hardware.device_type == "cpu":
         log.detail(
             f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
-            f"{precision.PEAK_PROBES} matmul probes, cached in {precision.peak_cache_dir()} "
-            f"({precision.REFRESH_PEAK_ENV}=1 measures again)"
+            f"{matmul_peak.PEAK_PROBES} matmul probes, cached in {matmul_peak.peak_cache_dir()} "
+            f"({matmul_peak.REFRESH_PEAK_ENV}=1 measures again)"
         )
 
 
@@ -649,7 +650,7 @@ def check_memory(r: Resolved, log) -> Plan:
         # kernels' code paged in from libtorch), taken now by a tiny model's steps (uncompiled: a compile would
         # cost seconds), so that what the process holds is read with it: ~45 MiB that neither held nor the plan
         # counted (issue 54).
-        warm_up(r.cfg.model, dtype=r.precision.key, loss_impl=r.cfg.train.loss_impl)
+        warm_up(r.cfg.model, prec=r.precision, loss_impl=r.cfg.train.loss_impl)
         held = host_memory.resident_bytes()
     probes = [b for b in (r.loss.probe_bytes, r.micro_batch.probe_bytes) if b is not None]
     log_path = Path(r.cfg.train.out_dir) / TRAIN_LOG
@@ -746,7 +747,7 @@ def log_network_cost(decided: Resolved, dist: Dist, log: RunLog) -> NetworkCost 
     tc, p = decided.cfg.train, decided.plan
     fsdp = None
     if tc.parallel == "fsdp":
-        fsdp = fsdp_traffic(p.n_params, gathered_param_bytes(tc.dtype, dist.device), decided.accum_steps)
+        fsdp = fsdp_traffic(p.n_params, gathered_param_bytes(decided.precision, dist.device), decided.accum_steps)
     cost = measure_network(
         dist, bucket_cap_mb=tc.ddp_bucket_cap_mb, n_params=p.n_params, step_compute_s=p.step_time_s, fsdp=fsdp
     )

@@ -38,6 +38,7 @@ from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import dcp as dcp_io
 from gpt2.ckpt.writer import CheckpointWriteError, CheckpointWriter
 from gpt2.core.config import ModelConfig, RunConfig
+from gpt2.core.precision import Precision
 from gpt2.core.schedule import BatchLayout
 from gpt2.data.loader import EvalLoader, TrainLoader
 from gpt2.distributed import preempt
@@ -64,6 +65,8 @@ class Parts:
     accum_steps: int
     scaler: torch.amp.GradScaler
     """Scales the loss under float16 (its gradients would underflow); disabled, a pass-through, otherwise."""
+    precision: Precision
+    """The run's precision (the start-up's record): the autocast of every forward, training's and evaluation's."""
     step: int = 0
     tokens: int = 0
     """Training tokens consumed by the steps so far: each step adds its --total-batch-size, so a resume

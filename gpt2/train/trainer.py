@@ -31,6 +31,7 @@ from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, coll
 from gpt2.distributed.hang import HangDumps
 from gpt2.distributed.straggler import ComputeClock, straggler_line, times_record
 from gpt2.model.gpt import TOP_K, cut_at_stop
+from gpt2.plan import matmul_peak
 from gpt2.plan.flops import checked_mfu, mfu
 from gpt2.train import compile_cache
 from gpt2.train.gc_steps import collect_at_steps, collect_if_due
@@ -171,7 +172,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     tc = cfg.train
     lr = set_lr(parts, tc)
     loss_sum = None
-    autocast = precision.autocast(tc.dtype, dist.device)
+    autocast = parts.precision.autocast(dist.device)
     # This rank's own compute time, up to the gradient sync (gpt2/distributed/straggler.py): it names the
     # slowest rank, so with one rank there is nobody to compare and no clock (two CUDA events a step).
     timed = dist.world_size > 1
@@ -548,12 +549,12 @@ def measured_peak(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def forget_cpu_peak(device: torch.device, dtype: str) -> None:
+def forget_cpu_peak(device: torch.device, prec: precision.Precision) -> None:
     """An MFU above 100% proved the measured peak wrong: the next run must not read it from the cache.
     device_peak_flops took the larger of the dtype's and fp32's peaks, so both go."""
     if device.type == "cpu":
-        for d in {precision.Precision(dtype, dtype).torch_dtype, torch.float32}:
-            precision.forget_peak(str(device), d)
+        for d in {prec.torch_dtype, torch.float32}:
+            matmul_peak.forget_peak(str(device), d)
 
 
 def log_step(run: Run, out: dict, dt: float, step: int) -> None:
@@ -570,7 +571,7 @@ def log_step(run: Run, out: dict, dt: float, step: int) -> None:
     )
     if why and measured:  # once: the peak is wrong for the rest of the run too
         run.log.info(f"mfu n/a: {why}")
-        forget_cpu_peak(dist.device, tc.dtype)
+        forget_cpu_peak(dist.device, run.parts.precision)
         run.peak = None
     elif why:
         run.log.warn(f"step {step:>6} | mfu n/a: {why}")
@@ -636,7 +637,7 @@ def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
     """Mean loss per token over the fixed validation set, reduced over ranks."""
     from gpt2.train.scoring import loader_loss
 
-    return loader_loss(parts.train_model, parts.val_loader, cfg.train.dtype, dist)
+    return loader_loss(parts.train_model, parts.val_loader, parts.precision, dist)
 
 
 def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
@@ -649,7 +650,7 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     gen = torch.Generator(device=dist.device).manual_seed(tc.seed + parts.step)
     idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
     parts.model.eval()
-    with precision.autocast(tc.dtype, dist.device):
+    with parts.precision.autocast(dist.device):
         out = parts.model.generate(
             idx, tc.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen, stop_token=EOT_TOKEN
         )
@@ -660,7 +661,7 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
 def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog, examples, step: int) -> None:
     from gpt2.train.scoring import hellaswag_eval
 
-    hs = hellaswag_eval(parts.model, examples, dist, dist.device, dtype=cfg.train.dtype, progress=False)
+    hs = hellaswag_eval(parts.model, examples, dist, dist.device, prec=parts.precision, progress=False)
     log.record(
         {
             "step": step,
