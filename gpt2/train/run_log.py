@@ -41,13 +41,16 @@ class RunLog:
         run_config: dict | None = None,
         verbose: bool = True,
         log_file: bool = False,
+        console: bool = True,
     ) -> None:
         """verbose: detail lines on the console too (the trainer passes --verbose; other callers see all).
+        console: False keeps info and detail lines off the console (a benchmark's Session: the start-up's lines
+        go to RUN/train.log alone); warnings still reach stderr.
         log_file: keep every line for RUN/train.log, which open_sinks(log_file=True) opens (until then they
         wait in memory: RUN may still hold an earlier run's records)."""
         self.active = dist.is_main
         self.path = Path(out_dir) / "metrics.jsonl"
-        self.verbose = verbose
+        self.verbose, self.console = verbose, console
         self._tb = self._wandb = self._text = None
         self._pending: list[str] | None = [] if log_file else None
         self._held: list[tuple[str, str]] | None = None
@@ -131,7 +134,7 @@ class RunLog:
     def _emit(self, kind: str, message: str) -> None:
         if kind == "warn":
             print(message, file=sys.stderr, flush=True)
-        elif kind == "info" or self.verbose:
+        elif self.console and (kind == "info" or self.verbose):
             print(message, flush=True)
         if self._text is not None:
             self._append_text([message])

@@ -24,7 +24,7 @@ from gpt2.distributed.group import Dist
 from gpt2.train import muon
 from gpt2.train.cli import parse_config
 from gpt2.train.optim import make_optimizer, param_groups
-from gpt2.train.run_log import read_metrics
+from gpt2.train.run_log import RunLog, read_metrics
 from gpt2.train.startup import start
 from gpt2.train.state import Parts
 from gpt2.train.trainer import StepStats, close_run, evaluate, memory_mb, train_step
@@ -38,9 +38,11 @@ class Session:
 
     def __init__(self, cfg: RunConfig, dist: Dist) -> None:
         """The trainer's start-up, whole: threads and backends, the checks, every `auto` flag decided as a
-        real start decides it (--dtype, --micro-batch-size, --loss-impl, ...), the plan, the build. A
-        directory holding a checkpoint of this run resumes it, as train_ddp.py would."""
-        run = start(cfg, dist)
+        real start decides it (--dtype, --micro-batch-size, --loss-impl, ...), the plan, the build; its lines
+        go to RUN/train.log, not the console (warnings still reach stderr). A directory holding a checkpoint of
+        this run resumes it, as train_ddp.py would."""
+        quiet = RunLog(dist, cfg.train.out_dir, verbose=False, log_file=True, console=False)  # train.log alone
+        run = start(cfg, dist, log=quiet)
         if run is None:
             raise ValueError(f"{cfg.train.out_dir} already finished --max-steps {cfg.train.max_steps}: nothing to step")
         self.dist, self.log, self.cfg, self.decided = dist, run.log, run.cfg, run.decided

@@ -382,9 +382,10 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
         try:
             if run.parts.step == 0 and run.parts.val_loader is not None:  # where the curve begins
                 run.log.log_eval(0, 0, evaluate(run.parts, run.cfg, dist), run.parts.val_loader.tokens)
+            cache = run.cache  # run_loop seals it after the first step and drops it from the run
             with collect_at_steps(run.cfg.train.gc_interval):  # every rank's garbage collection at the same steps
                 code = run_loop(run)
-            compile_cache.finish(run.cache, dist, run.log)  # seals what this run compiled, for the next start
+            compile_cache.finish(cache, dist, run.log)  # seals what this run compiled, for the next start
             return code
         finally:
             close_run(run.parts, dist, run.log)
