@@ -144,6 +144,7 @@ def resolve_choices(
     p = plan(cfg, hardware, world_size=world, mfu=mfu, tokens=tokens)
     p = dataclasses.replace(p, micro_batch_choice=mb if auto_mb else None)
     warning = None if target.device is None else precision_choice.emulation_warning(prec, target.device)
+    parallel = parallelism(tc.parallel, world)
     return Resolved(
         cfg,
         prec,
@@ -151,9 +152,9 @@ def resolve_choices(
         mb,
         loss,
         p,
-        parallel=parallelism(tc.parallel, world),
+        parallel=parallel,
         accum_steps=grad_accum_steps(tc.total_batch_size, mb.size, cfg.model.block_size, world),
-        compile=compiled_scope(tc.compile, tc.compile_scope, parallelism(tc.parallel, world)),
+        compile=compiled_scope(tc.compile, tc.compile_scope, parallel),
         peak=peak,
         peak_why=peak_why,
         start=start,

@@ -38,7 +38,7 @@ from gpt2.core.schedule import BatchLayout
 from gpt2.core.start_point import StartDecision
 from gpt2.data.loader import EvalLoader, TrainLoader, find_shards
 from gpt2.data.shards import ShardError
-from gpt2.distributed.group import Dist, resolve_device, set_cpu_threads, world_from_env
+from gpt2.distributed.group import Dist, resolve_device, set_cpu_threads, single_process, world_from_env
 from gpt2.plan.hardware import GIB
 from gpt2.plan.resolve import Target
 from gpt2.train.cli import Rehearsal
@@ -71,10 +71,6 @@ class Log:
         pass
 
 
-ONE_PROCESS = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-"""The rehearsal's process: no process group; the Target says what it rehearses."""
-
-
 def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     """Print the run up to its first step and return 0; raise the ValueError (ShardError,
     CheckpointError) a real run would stop with."""
@@ -98,7 +94,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     train_shards, val_shards = shards
     report_data(cfg, train_shards, val_shards, out)
     with rank_threads(cfg, target):  # a CPU's peaks are per thread count: measure with a rank's
-        decided = start(cfg, ONE_PROCESS, shards=shards, rehearse=target, log=log).decided  # the real start-up's
+        decided = start(cfg, single_process(), shards=shards, rehearse=target, log=log).decided  # the real start-up's
     cfg, plan, accum = decided.cfg, decided.plan, decided.accum_steps
     tc, mb = cfg.train, cfg.train.micro_batch_size
     loaders = None

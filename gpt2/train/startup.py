@@ -227,7 +227,10 @@ def decide_run(
         cfg = keep_decisions(cfg, start, dist, log)
         decided = resolve_auto(cfg, dist, log, start=start, target=target)
         log_mfu_peak(decided, dist, log)
-        check_plan(decided, log) if rehearse else check_memory(decided, log)
+        if rehearse:  # the plan alone: no resident warm-up in a process that trains nothing
+            check_plan(decided, log)
+        else:
+            check_memory(decided, log)
         if not rehearse:
             cost = log_network_cost(decided, dist, log)
             decided = replace(decided, network=None if cost is None else cost.to_dict())
