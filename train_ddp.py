@@ -58,7 +58,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
 
     if rehearsal is not None:
         return dry_run(cfg, rehearsal), False
-    if cfg.train.deterministic:  # before CUDA's first use: cuBLAS reads its workspace setting then
+    if cfg.train.compute.deterministic:  # before CUDA's first use: cuBLAS reads its workspace setting then
         from gpt2.core import determinism
 
         try:
@@ -71,15 +71,15 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     try:
         info = world_from_env()
         try:  # everything a user can get wrong is checked before the process group starts
-            device = resolve_device(cfg.train.device, info.local_rank)
+            device = resolve_device(cfg.train.compute.device, info.local_rank)
             shards = check_data(cfg, info.world_size)
         except ValueError as e:  # ShardError is one too
             return refuse_before_group(e, info), False  # no process group yet
         if info.world_size > 1:  # NCCL reads its Flight Recorder settings when the group starts
             from gpt2.distributed.hang import flight_recorder_env
 
-            flight_recorder_env(cfg.train.out_dir, device.type)
-        dist = setup(info, device, cfg.train.dist_timeout_s)
+            flight_recorder_env(cfg.train.ckpt.out_dir, device.type)
+        dist = setup(info, device, cfg.train.distributed.dist_timeout_s)
         code = train(cfg, dist, shards)
         agreed = True
         return (stop_exit_code() if code == EXIT_REQUEUE else code), True
@@ -101,8 +101,9 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         print(
             f"train_ddp.py: error: rank {rank}: a collective operation failed "
             f"({(str(e).splitlines() or [type(e).__name__])[0]}); "
-            f"another rank died, or did not answer within --dist-step-timeout-s {cfg.train.dist_step_timeout_s:g} "
-            f"(steady training) or --dist-timeout-s {cfg.train.dist_timeout_s:g} (start-up, checkpoints, "
+            "another rank died, or did not answer within --dist-step-timeout-s "
+            f"{cfg.train.distributed.dist_step_timeout_s:g} "
+            f"(steady training) or --dist-timeout-s {cfg.train.distributed.dist_timeout_s:g} (start-up, checkpoints, "
             "evaluation): its own log says why. Restarting (torchrun --max-restarts, a requeue) with --resume "
             "auto continues from the newest checkpoint",
             file=sys.stderr,
@@ -114,7 +115,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         # Rank 0 writing into RUN (metrics.jsonl, config.json, a plot) after RUN became read-only,
         # full or forbidden mid-run: one line, not the error chained to the lock's removal. Not
         # agreed: rank 0 fails alone, and its exit ends its peers' next collective.
-        print(f"train_ddp.py: error: {run_dir_failure(e, cfg.train.out_dir, dist)}", file=sys.stderr)
+        print(f"train_ddp.py: error: {run_dir_failure(e, cfg.train.ckpt.out_dir, dist)}", file=sys.stderr)
         return 1, dist is not None
     except RuntimeError as e:
         if not is_compile_failure(e):

@@ -48,9 +48,9 @@ def trainer_like_state(preset: str, device: torch.device | None = None):
     device = torch.device("cpu") if device is None else device
     torch.manual_seed(0)
     mc = model_preset(preset)
-    tc = TrainConfig(data_dir="d", out_dir="o", dtype="float32")
+    tc = TrainConfig.of(data_dir="d", out_dir="o", dtype="float32")
     model = GPT(mc).to(device)
-    opt = make_optimizer(model, tc, device)
+    opt = make_optimizer(model, tc.optim, device, peak_lr=tc.schedule.lr, dtype="float32")
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()

@@ -16,12 +16,12 @@ def val_curve(
 ) -> tuple[dict[int, float], list[float]]:
     """({step: val loss} at step 0, every eval_every steps and the last, [seconds of each step]).
 
-    Trains to cfg.train.max_steps in cfg.train.out_dir; adjust(session), if given, changes the built
+    Trains to cfg.train.schedule.max_steps in cfg.train.ckpt.out_dir; adjust(session), if given, changes the built
     session before step 0 (e.g. another train loader). Progress goes to stderr, one line per evaluation."""
     session = Session(cfg, single_process("cpu"))
     if adjust is not None:
         adjust(session)
-    steps = cfg.train.max_steps
+    steps = cfg.train.schedule.max_steps
     val = {0: session.evaluate()}
     while session.steps < steps:
         session.step()

@@ -118,7 +118,7 @@ def run(name: str, data_dir: Path, out_dir: Path, steps: int, eval_every: int) -
     )
 
     def random_windows(session) -> None:
-        session.loader = RandomWindows(data_dir, micro_batch_size=16, seq_len=64, seed=cfg.train.seed)
+        session.loader = RandomWindows(data_dir, micro_batch_size=16, seq_len=64, seed=cfg.train.data.seed)
 
     return val_curve(cfg, name, eval_every, random_windows if name == "random (ref)" else None)[0]
 

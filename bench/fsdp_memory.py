@@ -153,7 +153,12 @@ def predicted(args: argparse.Namespace, mode: str, accum: int) -> int:
 
     cfg = parse_config(train_args(args, Path("d"), Path("o"), mode))
     planned = run_config(
-        cfg.model, args.micro_batch_size, dtype="fp32", world_size=WORLD, optimizer=cfg.train.optimizer, parallel=mode
+        cfg.model,
+        args.micro_batch_size,
+        dtype="fp32",
+        world_size=WORLD,
+        optimizer=cfg.train.optim.optimizer,
+        parallel=mode,
     )  # the chunked loss, uncompiled
     return memory(planned, device_hardware("cpu", None), world_size=WORLD, accum_steps=accum).total
 

@@ -230,14 +230,14 @@ def run_rows(args, done) -> list[Profile]:
             from gpt2.model.gpt import GPT
 
             torch.manual_seed(1337)
-            model = GPT(session.cfg.model, loss_impl=session.cfg.train.loss_impl).to(device)
+            model = GPT(session.cfg.model, loss_impl=session.cfg.train.compute.loss_impl).to(device)
             opt = torch.optim.AdamW(
                 model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda or None
             )
             step = nano_loop(
                 compiled(model), opt, token_batches(args.data_dir, batch, block, device), autocast, ours=True
             )
-            rows.append(measure(f"ours model (loss {session.cfg.train.loss_impl})", step, sync, **kw))
+            rows.append(measure(f"ours model (loss {session.cfg.train.compute.loss_impl})", step, sync, **kw))
             done(rows)
             del model, opt, step
             torch._dynamo.reset()
@@ -253,7 +253,7 @@ def run_rows(args, done) -> list[Profile]:
             if args.no_bias_row:  # ours model without the padded vocab's -inf logit bias (nanoGPT has none)
                 torch._dynamo.reset()
                 torch.manual_seed(1337)
-                model = GPT(session.cfg.model, loss_impl=session.cfg.train.loss_impl).to(device)
+                model = GPT(session.cfg.model, loss_impl=session.cfg.train.compute.loss_impl).to(device)
                 model.logit_bias = None
                 opt = torch.optim.AdamW(
                     model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda or None

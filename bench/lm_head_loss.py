@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    torch.backends.cuda.matmul.allow_tf32 = True  # as the trainer (TrainConfig.tf32); only fp32 on CUDA
+    torch.backends.cuda.matmul.allow_tf32 = True  # as the trainer (TrainConfig.compute.tf32); only fp32 on CUDA
     dtype = resolve_precision(args.dtype, device).dtype
     n, h, V = args.batch * args.seq_len, args.n_embd, args.vocab_size
     gen = torch.Generator().manual_seed(0)

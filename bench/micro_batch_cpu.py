@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from gpt2.core.config import train_values  # noqa: E402
 from gpt2.plan import matmul_peak  # noqa: E402
 
 GOAL = 1.10
@@ -54,7 +55,7 @@ def one_run(flags: list[str], out: Path) -> tuple[float | None, int | None, floa
     if done.returncode != 0:
         print(done.stderr[-2000:], file=sys.stderr)
         return None, None, took
-    conf = json.loads((out / "config.json").read_text())["config"]["train"]
+    conf = train_values(json.loads((out / "config.json").read_text())["config"]["train"])
     return step_seconds(out / "metrics.jsonl"), conf["micro_batch_size"], took
 
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from gpt2.core.config import ModelConfig, TrainConfig
+from gpt2.core.config import ModelConfig, OptimConfig
 from gpt2.model.gpt import GPT
 from gpt2.plan import matmul_peak
 from gpt2.plan.flops import flops_per_token
@@ -50,9 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opts = {
-        kind: make_optimizer(
-            model, TrainConfig(data_dir="d", out_dir="o", optimizer=kind, dtype="float32"), torch.device("cpu")
-        )
+        kind: make_optimizer(model, OptimConfig(optimizer=kind), torch.device("cpu"), peak_lr=6e-4, dtype="float32")
         for kind in ("adamw", "muon")
     }
 

@@ -366,7 +366,7 @@ def run_ours(contenders: list[Contender], windows, target: float | None, every: 
             c.session.step()
             c.times.append(time.perf_counter() - t0)
             step = c.session.steps
-            if step % every == 0 or step == c.cfg.train.max_steps:
+            if step % every == 0 or step == c.cfg.train.schedule.max_steps:
                 c.val[step] = evaluate_ours(c, windows)
                 print(
                     f"  {c.label}: step {step} val {c.val[step]:.4f} ({sum(c.times):.0f} s, median "
@@ -376,7 +376,7 @@ def run_ours(contenders: list[Contender], windows, target: float | None, every: 
                 )
                 if target is not None and c.val[step] <= target:
                     c.reached = step
-            if c.reached is not None or step >= c.cfg.train.max_steps:
+            if c.reached is not None or step >= c.cfg.train.schedule.max_steps:
                 live.remove(c)
                 c.session.close()
                 c.session = None  # free the model and optimizer
@@ -589,7 +589,7 @@ def table(
             f"| {c.label} | {c.reached if c.reached is not None else f'not by {last}'} | "
             f"{statistics.median(t) if t else math.nan:.3f} | {'-' if secs is None else f'{secs:.1f}'} | "
             f"{ratio} | {c.val[last]:.4f} | {'-' if robust is None else f'{robust:.1f}'} | {robust_ratio} | "
-            f"{'-' if c.reached is None else f'{c.reached * c.cfg.train.total_batch_size:,}'} |"
+            f"{'-' if c.reached is None else f'{c.reached * c.cfg.train.batch.total_batch_size:,}'} |"
         )
     summary = [
         f"- --preset {preset} over {len(ratios)} seed(s), {what} vs nanoGPT: "

@@ -207,10 +207,10 @@ def prepare(name: str, cfg: RunConfig, dist: Dist, *, plain_loss: bool, loop_ada
     if loop_adamw:
         tc = cfg.train
         session.optimizer = torch.optim.AdamW(
-            param_groups(session.model, tc.weight_decay),
-            lr=tc.lr,
-            betas=(tc.beta1, tc.beta2),
-            eps=tc.eps,
+            param_groups(session.model, tc.optim.weight_decay),
+            lr=tc.schedule.lr,
+            betas=(tc.optim.beta1, tc.optim.beta2),
+            eps=tc.optim.eps,
             foreach=False,
             fused=False,
         )
@@ -245,7 +245,7 @@ def run_in_process(contenders: list[Contender], dist: Dist, peaks: Peaks, *, ste
             Row(
                 c.name,
                 f"1 x {torch.get_num_threads()}",
-                c.cfg.train.dtype,
+                c.cfg.train.compute.dtype,
                 step_s,
                 TOKENS_PER_STEP / step_s,
                 cpu_s=statistics.median(cpu for _, cpu in c.times),

@@ -74,6 +74,7 @@ from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core import precision
+from gpt2.core.config import train_values
 from gpt2.plan import matmul_peak, precision_choice
 from gpt2.plan.flops import flops_per_token, format_flops, gpu_table_peak
 from gpt2.train.session import parse_config, read_metrics
@@ -96,7 +97,7 @@ class Shape:
     @property
     def default_compile(self) -> bool:
         """What our trainer does with no --compile flag at this shape (the default, or the preset's)."""
-        return parse_config([*self.ours, "--data-dir", "unused", "--out-dir", "unused"]).train.compile
+        return parse_config([*self.ours, "--data-dir", "unused", "--out-dir", "unused"]).train.compute.compile
 
 
 SHAPES = {
@@ -264,7 +265,7 @@ def run_train(flags: list[str], out: Path, timeout: int = 7200) -> OursRun:
     log = out / "train.log"  # every start-up line; the console has only the short start-up
     return OursRun(
         [r["step_s"] for r in records],
-        conf["config"]["train"],
+        train_values(conf["config"]["train"]),
         startup_said(log.read_text() if log.is_file() else done.stdout + done.stderr),
         max((r["mem_mb"] for r in records if r.get("mem_mb") is not None), default=None),
     )
@@ -407,7 +408,8 @@ def profile_ours(shape: Shape, mode: str, data: Path, out: Path, steps: int, top
     session.close()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
     return [
-        f"profile: ours at defaults, {mode}, {shape.name} ({cfg.train.dtype}, loss {cfg.train.loss_impl}), "
+        f"profile: ours at defaults, {mode}, {shape.name} ({cfg.train.compute.dtype}, loss "
+        f"{cfg.train.compute.loss_impl}), "
         f"{steps} steps, top {top} ops by self CPU time:",
         "",
         "```",

@@ -508,5 +508,12 @@ def built(cfg, dist, log=None):
     from gpt2.train.run_log import RunLog
     from gpt2.train.startup import check_data, resolve_auto
 
-    log = log or RunLog(dist, cfg.train.out_dir)
+    log = log or RunLog(dist, cfg.train.ckpt.out_dir)
     return build(resolve_auto(cfg, dist, log), dist, log, check_data(cfg, dist.world_size))
+
+
+def optimizer_of(model, tc, device, dist=None):
+    """The optimizer build() makes for a TrainConfig: its optim section, the schedule's peak lr and its dtype."""
+    from gpt2.train.optim import make_optimizer
+
+    return make_optimizer(model, tc.optim, device, peak_lr=tc.schedule.lr, dtype=tc.compute.dtype, dist=dist)

@@ -25,13 +25,13 @@ TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 
 
 def test_the_value_is_validated_in_one_line():
-    assert TrainConfig().activation_checkpointing == "auto"
+    assert TrainConfig().compute.activation_checkpointing == "auto"
     with pytest.raises(
         ValueError,
         match=r"activation_checkpointing='selective' must be one of "
         r"\('auto', 'none', 'full'\)",
     ):
-        TrainConfig(activation_checkpointing="selective")
+        TrainConfig.of(activation_checkpointing="selective")
 
 
 def loss_and_grads(cfg: ModelConfig, checkpointed: bool, compile_as: str | None = None):

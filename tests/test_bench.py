@@ -494,7 +494,7 @@ def test_the_speed_preset_is_the_last_row_of_the_time_to_loss_ablation():
         "seed",
         "data_order",
     )
-    assert {k: getattr(preset.train, k) for k in learning} == {k: getattr(last.train, k) for k in learning}
+    assert {k: preset.train.flat()[k] for k in learning} == {k: last.train.flat()[k] for k in learning}
     assert preset.model == last.model  # GPT-2's architecture at nanoGPT's small Shakespeare shape
 
 
@@ -753,10 +753,15 @@ def test_time_to_loss_runs_the_presets_at_the_large_shape():
     large = parse_config([*ttl.SHAPES["large"].recipe, *common])
     m, t = large.model, large.train
     assert (m.n_layer, m.n_head, m.n_embd, m.block_size) == (6, 6, 384, 256)
-    assert (t.micro_batch_size, t.total_batch_size, t.max_steps, t.warmup_steps) == (8, 2048, 600, 60)
+    assert (t.batch.micro_batch_size, t.batch.total_batch_size, t.schedule.max_steps, t.schedule.warmup_steps) == (
+        8,
+        2048,
+        600,
+        60,
+    )
     preset = parse_config(["--preset", "speedrun", *ttl.SHAPES["large"].preset_flags, *common])
-    assert (preset.model.n_embd, preset.model.block_size, preset.train.max_steps) == (384, 256, 600)
-    assert preset.model.rope and preset.train.muon_lr == 0.01
+    assert (preset.model.n_embd, preset.model.block_size, preset.train.schedule.max_steps) == (384, 256, 600)
+    assert preset.model.rope and preset.train.optim.muon_lr == 0.01
 
 
 def test_time_to_loss_says_nanogpts_numbers_as_soon_as_its_run_ends():

@@ -388,7 +388,7 @@ def test_process_killed_inside_torch_save_leaves_the_previous_checkpoint_selecte
 def run_config(**changes) -> RunConfig:
     model = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64}
     model.update({k: changes.pop(k) for k in list(changes) if k in ModelConfig.__dataclass_fields__})
-    return RunConfig(ModelConfig(**model), TrainConfig(data_dir="d", out_dir="o", **changes))
+    return RunConfig(ModelConfig(**model), TrainConfig.of(data_dir="d", out_dir="o", **changes))
 
 
 def test_incompatible_model_shape_or_tokenizer_is_refused():

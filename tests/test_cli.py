@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from gpt2.core.config import MODEL_PRESETS, TRAIN_ONLY_PRESETS, TRAIN_PRESETS, ModelConfig, TrainConfig
+from gpt2.core.config import MODEL_PRESETS, TRAIN_ONLY_PRESETS, TRAIN_PRESETS, TRAIN_SECTIONS, ModelConfig, TrainConfig
 from gpt2.train.cli import HELP_WIDTH, PRESETS, build_parser, parse_config, shown_default
 
 BASE = ["--data-dir", "d", "--out-dir", "o"]
@@ -15,17 +15,17 @@ BASE = ["--data-dir", "d", "--out-dir", "o"]
 
 def test_defaults_are_the_fast_settings():
     cfg = parse_config(BASE)
-    assert cfg.train.dtype == "auto" and cfg.train.compile is True  # auto: what the device runs fast
+    assert cfg.train.compute.dtype == "auto" and cfg.train.compute.compile is True  # auto: what the device runs fast
     assert cfg.model.vocab_size == 50304 and cfg.model.attn_impl == "sdpa"
-    assert cfg.train.total_batch_size == 524_288
+    assert cfg.train.batch.total_batch_size == 524_288
 
 
 def test_micro_batch_size_auto_from_flag_and_file(tmp_path):
-    assert parse_config(BASE + ["--micro-batch-size", "auto"]).train.micro_batch_size == "auto"
-    assert parse_config(BASE + ["--micro-batch-size", "12"]).train.micro_batch_size == 12
+    assert parse_config(BASE + ["--micro-batch-size", "auto"]).train.batch.micro_batch_size == "auto"
+    assert parse_config(BASE + ["--micro-batch-size", "12"]).train.batch.micro_batch_size == 12
     toml = tmp_path / "c.toml"
     toml.write_text('micro_batch_size = "auto"\n')
-    assert parse_config(BASE + ["--config", str(toml)]).train.micro_batch_size == "auto"
+    assert parse_config(BASE + ["--config", str(toml)]).train.batch.micro_batch_size == "auto"
     toml.write_text('micro_batch_size = "many"\n')
     with pytest.raises(SystemExit):
         parse_config(BASE + ["--config", str(toml)])
@@ -35,13 +35,17 @@ def test_precedence_defaults_preset_file_flags(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text("lr = 2e-3\nmax_steps = 77\n[model]\nn_layer = 3\n")
     cfg = parse_config(BASE + ["--preset", "debug"])
-    assert cfg.model.n_layer == 4 and cfg.train.lr == TRAIN_PRESETS["debug"]["lr"]  # preset over defaults
-    assert cfg.train.weight_decay == TrainConfig().weight_decay  # default where the preset is silent
+    assert cfg.model.n_layer == 4 and cfg.train.schedule.lr == TRAIN_PRESETS["debug"]["lr"]  # preset over defaults
+    assert cfg.train.optim.weight_decay == TrainConfig().optim.weight_decay  # default where the preset is silent
     cfg = parse_config(BASE + ["--preset", "debug", "--config", str(toml)])
-    assert cfg.model.n_layer == 3 and cfg.train.lr == 2e-3 and cfg.train.max_steps == 77  # file over preset
+    assert (
+        cfg.model.n_layer == 3 and cfg.train.schedule.lr == 2e-3 and cfg.train.schedule.max_steps == 77
+    )  # file over preset
     assert cfg.model.n_embd == 128  # still the preset's
     cfg = parse_config(BASE + ["--preset", "debug", "--config", str(toml), "--lr", "5e-4", "--n-layer", "2"])
-    assert cfg.train.lr == 5e-4 and cfg.model.n_layer == 2 and cfg.train.max_steps == 77  # flags over file
+    assert (
+        cfg.train.schedule.lr == 5e-4 and cfg.model.n_layer == 2 and cfg.train.schedule.max_steps == 77
+    )  # flags over file
 
 
 def test_every_field_is_a_kebab_case_flag():
@@ -51,16 +55,16 @@ def test_every_field_is_a_kebab_case_flag():
     from gpt2.train.cli import build_parser
 
     flags = {a for action in build_parser()._actions for a in action.option_strings}
-    for cls in (ModelConfig, TrainConfig):
+    for cls in (ModelConfig, *TRAIN_SECTIONS.values()):
         for f in dataclasses.fields(cls):
             assert "--" + f.name.replace("_", "-") in flags
 
 
 def test_a_bare_boolean_flag_means_true():
-    assert parse_config(BASE + ["--verbose"]).train.verbose is True
-    assert parse_config(BASE + ["--verbose", "false", "--compile"]).train.verbose is False
-    assert parse_config(BASE + ["--compile", "--max-steps", "3"]).train.compile is True
-    assert parse_config(BASE).train.verbose is False
+    assert parse_config(BASE + ["--verbose"]).train.log.verbose is True
+    assert parse_config(BASE + ["--verbose", "false", "--compile"]).train.log.verbose is False
+    assert parse_config(BASE + ["--compile", "--max-steps", "3"]).train.compute.compile is True
+    assert parse_config(BASE).train.log.verbose is False
 
 
 @pytest.mark.parametrize(
@@ -380,14 +384,18 @@ HEADINGS = [
     "preset and config file",
     "model",
     "data",
-    "batch and schedule",
-    "optimizer",
-    "precision and compile",
-    "checkpoints and resume",
-    "evaluation and logging",
+    "batch",
+    "schedule",
+    "optim",
+    "spike",
+    "compute",
+    "ckpt",
+    "eval",
+    "log",
     "distributed",
     "dry run",
 ]
+"""The model's heading, then one per TrainConfig section, named as the section is (cfg.train.optim: optim)."""
 
 
 def help_page(monkeypatch, columns: int = HELP_WIDTH) -> str:
@@ -405,9 +413,12 @@ def test_help_puts_every_flag_under_a_heading_on_one_line_with_its_default(monke
     grouped = [a.dest for title in HEADINGS for a in groups[title]]
     fields = [
         f"{section}.{f.name}"
-        for section, cls in (("model", ModelConfig), ("train", TrainConfig))
+        for section, cls in (("model", ModelConfig), *TRAIN_SECTIONS.items())
         for f in dataclasses.fields(cls)
     ]
+    assert HEADINGS[1:-1] == ["model", *TRAIN_SECTIONS]
+    for title in HEADINGS[1:-1]:  # each heading holds its section's fields, in the section's order
+        assert [a.dest for a in groups[title]] == [f for f in fields if f.startswith(title + ".")] or title == "model"
     assert len(grouped) == len(set(grouped)) and set(fields) <= set(grouped)
     page = help_page(monkeypatch).splitlines()
     assert max(map(len, page)) <= HELP_WIDTH - 2
@@ -417,12 +428,16 @@ def test_help_puts_every_flag_under_a_heading_on_one_line_with_its_default(monke
         [line] = [x for x in page if re.match(rf"  {flag}( \S+)?  ", x)]  # the flag, its metavar, the help column
         assert line.endswith(action.help), (line, action.help)  # flag and help on one line, not wrapped
     shown = {a.dest: a.help for a in parser._actions[1:]}
-    for section, cls in (("model", ModelConfig), ("train", TrainConfig)):
+    for section, cls in (("model", ModelConfig), *TRAIN_SECTIONS.items()):
         for f in dataclasses.fields(cls):
             expected = "(required)" if f.name in ("data_dir", "out_dir") else f"(default: {shown_default(f.default)})"
             assert shown[f"{section}.{f.name}"].endswith(expected)
-    assert shown["train.compile"].endswith("(default: true)") and shown["train.lr"].endswith("(default: 0.0006)")
-    assert shown["train.init_from"].endswith("(default: none)") and shown["model.n_kv_head"].endswith("(default: none)")
+    assert shown["compute.compile"].endswith("(default: true)") and shown["schedule.lr"].endswith(
+        "(default: 0.0006)"
+    )
+    assert shown["ckpt.init_from"].endswith("(default: none)") and shown["model.n_kv_head"].endswith(
+        "(default: none)"
+    )
 
 
 def test_help_shows_what_each_preset_sets_as_the_flags_it_stands_for(monkeypatch):

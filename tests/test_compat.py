@@ -71,7 +71,7 @@ def test_trainer_refuses_a_missing_feature_before_any_process_group(monkeypatch,
     monkeypatch.setattr(compat, "has_muon", lambda: False)
     cfg = RunConfig(
         model=model_preset("debug"),
-        train=TrainConfig(
+        train=TrainConfig.of(
             data_dir=str(tmp_path),
             out_dir=str(tmp_path / "run"),
             optimizer="muon",

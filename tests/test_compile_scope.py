@@ -38,7 +38,7 @@ def test_each_block_compiled_gives_the_whole_models_losses(tmp_path, shakespeare
 
 def test_a_compile_scope_other_than_model_or_blocks_is_refused():
     with pytest.raises(ValueError, match=r"compile_scope='layers' must be one of \('model', 'blocks'\)"):
-        TrainConfig(compile_scope="layers")
+        TrainConfig.of(compile_scope="layers")
     done = subprocess.run(
         [sys.executable, "train_ddp.py", "--data-dir", "d", "--out-dir", "o", "--compile-scope", "layers"],
         cwd=REPO,

@@ -106,18 +106,18 @@ def test_mqa_and_gqa_shapes_are_accepted():
 def test_ddp_bucket_cap_below_one_mib_is_refused_with_the_reason():
     from gpt2.core.config import TrainConfig
 
-    assert TrainConfig(ddp_bucket_cap_mb=1).ddp_bucket_cap_mb == 1
+    assert TrainConfig.of(ddp_bucket_cap_mb=1).distributed.ddp_bucket_cap_mb == 1
     with pytest.raises(ValueError, match=r"ddp_bucket_cap_mb=0.5 must be >= 1 \(MiB\): torch.compile splits"):
-        TrainConfig(ddp_bucket_cap_mb=0.5)
+        TrainConfig.of(ddp_bucket_cap_mb=0.5)
 
 
 def test_loss_impl_is_validated_and_defaults_to_auto():
     from gpt2.core.config import TrainConfig
 
-    assert TrainConfig().loss_impl == "auto"
-    assert TrainConfig(loss_impl="full").loss_impl == "full"
+    assert TrainConfig().compute.loss_impl == "auto"
+    assert TrainConfig.of(loss_impl="full").compute.loss_impl == "full"
     with pytest.raises(ValueError, match=r"loss_impl='fused' must be one of \('auto', 'chunked', 'full'\)"):
-        TrainConfig(loss_impl="fused")
+        TrainConfig.of(loss_impl="fused")
 
 
 # ---- the one parameter counter and the weights it counts ----
@@ -209,20 +209,25 @@ def test_shape_fields_are_the_marked_fields():
 def test_non_finite_floats_are_refused_in_one_line_naming_the_flag(cls, field, value):
     """--grad-clip nan passed `>= 0` (every comparison with nan is false) and disabled clipping; --lr inf
     passed `> 0` and turned the weights to NaN. Every float field, in one check."""
-    import gpt2.core.config
+    from gpt2.core.config import TrainConfig
 
     with pytest.raises(ValueError) as err:
-        getattr(gpt2.core.config, cls)(**{field: value})
+        (TrainConfig.of if cls == "TrainConfig" else ModelConfig)(**{field: value})
     flag = "--" + field.replace("_", "-")
     assert str(err.value) == f"{flag} {value}: not a finite number; nan and inf are refused, give a number"
 
 
 def test_every_float_field_is_checked_for_finiteness():
-    from gpt2.core.config import TrainConfig
+    from gpt2.core.config import TRAIN_SECTIONS
 
-    floats = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls) if f.type == "float"]
+    floats = {
+        name: cls
+        for cls in (ModelConfig, *TRAIN_SECTIONS.values())
+        for f in dataclasses.fields(cls)
+        if f.type == "float"
+        for name in [f.name]
+    }
     assert len(floats) == 17  # dropout, rope_base, lr, min_lr, ..., dist_step_timeout_s, spike_loss_z, spike_norm_z
-    for name in floats:
-        cls = ModelConfig if name in {f.name for f in dataclasses.fields(ModelConfig)} else TrainConfig
+    for name, cls in floats.items():
         with pytest.raises(ValueError, match="not a finite number"):
             cls(**{name: float("inf")})

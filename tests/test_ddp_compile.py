@@ -76,7 +76,7 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
     result = {}
     for compiled in (False, True):
         cfg = _config(Path(data_dir), Path(tmp) / f"run_{compiled}", compile=compiled)
-        parts = built(cfg, dist, RunLog(dist, cfg.train.out_dir))
+        parts = built(cfg, dist, RunLog(dist, cfg.train.ckpt.out_dir))
         # As the trainer does at step 0: the model is first compiled for evaluation, outside DDP's
         # forward (eval mode, no grad); training must still get the graphs split at the buckets.
         val_loss = evaluate(parts, cfg, dist)
@@ -149,5 +149,5 @@ def test_build_bounds_the_compile_workers_before_compiling(tmp_path, shakespeare
     with inductor_config.patch(compile_threads=99):  # restored after (torch's own config patcher)
         for compiled, expected in ((False, 99), (True, usable_cpus())):
             cfg = _config(shakespeare_shards, tmp_path / str(compiled), compile=compiled)
-            built(cfg, dist, RunLog(dist, cfg.train.out_dir))
+            built(cfg, dist, RunLog(dist, cfg.train.ckpt.out_dir))
             assert inductor_config.compile_threads == expected

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _helpers import import_train_ddp, tiny_run_flags
+from _helpers import import_train_ddp, optimizer_of, tiny_run_flags
 from conftest import REPO
 
 from gpt2.data.shards import write_shard
@@ -432,7 +432,7 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
         find_shards(data_dir, "train"),
         BatchLayout(4, 64, 512, 2),
         rank=0,
-        seed=cfg.train.seed,
+        seed=cfg.train.data.seed,
         device=torch.device("cpu"),
     )
     for _ in range(3):
@@ -456,7 +456,7 @@ def test_resume_decision_without_loading_weights(train_ddp, data_dir, tmp_path, 
         find_shards(data_dir, "train"),
         BatchLayout(4, 64, 512, 2),
         rank=1,
-        seed=cfg.train.seed,
+        seed=cfg.train.data.seed,
         device=torch.device("cpu"),
     )
     rank1.load_state_dict(loader.state_dict())
@@ -685,11 +685,10 @@ def test_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
     from gpt2.model.gpt import GPT
     from gpt2.plan.hardware import device_hardware
     from gpt2.plan.memory import memory, run_config
-    from gpt2.train.optim import make_optimizer
 
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
     model = GPT(cfg)
-    opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", fused_adamw=False), torch.device("cpu"))
+    opt = optimizer_of(model, TrainConfig.of(data_dir="d", out_dir="o", fused_adamw=False), torch.device("cpu"))
     x = torch.randint(0, 50257, (2, 64))
     model(x, x)[1].backward()
     opt.step()

@@ -86,11 +86,11 @@ def test_training_loss_takes_the_fp8_head_and_evaluation_the_exact_one():
 
 def test_the_fp8_head_needs_the_full_logits_and_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="fp8_head=True computes the full logits: use --loss-impl full or auto"):
-        TrainConfig(fp8_head=True, loss_impl="chunked")
+        TrainConfig.of(fp8_head=True, loss_impl="chunked")
     with pytest.raises(ValueError, match="fp8_head=True with dtype=float16"):
-        TrainConfig(fp8_head=True, dtype="float16")
+        TrainConfig.of(fp8_head=True, dtype="float16")
     with pytest.raises(ValueError, match="fp8_head=True with parallel=fsdp is not supported"):
-        TrainConfig(fp8_head=True, parallel="fsdp")
+        TrainConfig.of(fp8_head=True, parallel="fsdp")
     with pytest.raises(ValueError, match="needs loss_impl='full'"):
         GPT(ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=8), loss_impl="chunked", fp8_head=True)
 
@@ -99,7 +99,7 @@ def test_auto_loss_path_is_the_full_one_with_the_fp8_head_and_says_why():
     hw = Hardware(name="cpu-test", memory_bytes=24 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
     cfg = RunConfig(
         ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
-        TrainConfig(micro_batch_size=4, dtype="float32", compile=False),
+        TrainConfig.of(micro_batch_size=4, dtype="float32", compile=False),
     )
     assert choose_loss_impl(cfg, hw).impl == "chunked"  # uncompiled and unmeasured: chunked, without the option
     fp8_cfg = RunConfig(cfg.model, cfg.train.replace(fp8_head=True))

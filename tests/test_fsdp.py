@@ -95,7 +95,7 @@ def test_fsdp_trains_like_ddp_and_like_one_process(tmp_path, shakespeare_shards,
     assert_same_steps(fsdp, ddp, tol=1e-5)
     assert_same_steps(fsdp, one, tol=1e-5)
     info = json.loads((fsdp / "config.json").read_text())
-    assert info["config"]["train"]["parallel"] == "fsdp" and info["accum_steps"] == total // 512
+    assert info["config"]["train"]["distributed"]["parallel"] == "fsdp" and info["accum_steps"] == total // 512
     assert json.loads((one / "config.json").read_text())["accum_steps"] == total // 256
     assert "world size 2 | parallel fsdp |" in launched.stdout
     assert "parallel   fsdp: weights, gradients and optimizer state sharded over 2 ranks" in launched.stdout
@@ -267,9 +267,9 @@ def test_evaluation_sampling_and_hellaswag_run_on_every_rank_under_fsdp(tmp_path
 
 def test_fp16_is_refused_with_fsdp_naming_the_fix():
     with pytest.raises(ValueError, match="dtype=float16 is not supported with parallel=fsdp.*--dtype bfloat16"):
-        TrainConfig(parallel="fsdp", dtype="float16")
-    TrainConfig(parallel="ddp", dtype="float16")  # fine under ddp
-    TrainConfig(parallel="fsdp", dtype="bfloat16", optimizer="muon")
+        TrainConfig.of(parallel="fsdp", dtype="float16")
+    TrainConfig.of(parallel="ddp", dtype="float16")  # fine under ddp
+    TrainConfig.of(parallel="fsdp", dtype="bfloat16", optimizer="muon")
 
 
 def test_a_refused_combination_is_one_error_line_before_any_work(tmp_path, shakespeare_shards):
@@ -303,11 +303,11 @@ def test_muon_under_fsdp_trains_like_muon_under_ddp(tmp_path, shakespeare_shards
 
 def test_parallel_notes_say_what_fsdp_does_at_each_world_size():
     assert parallel_notes(TrainConfig(), "ddp", 2) == []
-    (one,) = parallel_notes(TrainConfig(parallel="fsdp"), "single", 1)
+    (one,) = parallel_notes(TrainConfig.of(parallel="fsdp"), "single", 1)
     assert "one process: nothing to shard, training the plain model" in one
-    (sharded,) = parallel_notes(TrainConfig(parallel="fsdp"), "fsdp", 2)
+    (sharded,) = parallel_notes(TrainConfig.of(parallel="fsdp"), "fsdp", 2)
     assert "sharded over 2 ranks" in sharded
-    notes = parallel_notes(TrainConfig(parallel="fsdp", ddp_bucket_cap_mb=50), "fsdp", 2)
+    notes = parallel_notes(TrainConfig.of(parallel="fsdp", ddp_bucket_cap_mb=50), "fsdp", 2)
     assert len(notes) == 2 and "--ddp-bucket-cap-mb 50 ignored" in notes[1]
 
 
@@ -399,7 +399,10 @@ def test_compiled_blocks_train_under_fsdp_and_evaluate_and_sample(tmp_path, shak
     for s in le:
         assert lc[s] == pytest.approx(le[s], abs=1e-4), (s, lc[s], le[s])
     info = json.loads((compiled / "config.json").read_text())
-    assert info["config"]["train"]["compile"] is True and info["config"]["train"]["parallel"] == "fsdp"
+    assert (
+        info["config"]["train"]["compute"]["compile"] is True
+        and info["config"]["train"]["distributed"]["parallel"] == "fsdp"
+    )
     val = [r for r in records(compiled) if "val_loss" in r]
     assert [r["step"] for r in val] == [0, 5]
     assert [r["step"] for r in records(compiled) if "sample" in r] == [5]

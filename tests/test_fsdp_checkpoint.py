@@ -194,11 +194,11 @@ def test_an_incompatible_sharded_checkpoint_is_refused_before_loading(reference)
     model = ModelConfig(**saved["config"]["model"])
     wider = ModelConfig(**{**saved["config"]["model"], "n_embd": 128})
     with pytest.raises(ckpt.CheckpointError, match="model shape differs.*n_embd: checkpoint 64 vs now 128"):
-        check_compatible(saved, RunConfig(wider, TrainConfig(data_dir="d", out_dir="o")), Log())
+        check_compatible(saved, RunConfig(wider, TrainConfig.of(data_dir="d", out_dir="o")), Log())
     other = "trained with --optimizer adamw, this run asks for --optimizer muon"
     with pytest.raises(ckpt.CheckpointError, match=other):
-        check_compatible(saved, RunConfig(model, TrainConfig(data_dir="d", out_dir="o", optimizer="muon")), Log())
-    check_compatible(saved, RunConfig(model, TrainConfig(data_dir="d", out_dir="o")), Log())
+        check_compatible(saved, RunConfig(model, TrainConfig.of(data_dir="d", out_dir="o", optimizer="muon")), Log())
+    check_compatible(saved, RunConfig(model, TrainConfig.of(data_dir="d", out_dir="o")), Log())
 
 
 def test_retention_keeps_k_directories_and_a_rewrite_replaces_the_step(tmp_path):

@@ -80,7 +80,14 @@ def test_our_rows_are_the_gpt2_preset_at_a_fixed_micro_batch_or_at_its_defaults(
         50304,
     )
     t = fixed.train
-    assert (t.micro_batch_size, t.total_batch_size, t.compile, t.device, t.dtype, t.max_steps) == (
+    assert (
+        t.batch.micro_batch_size,
+        t.batch.total_batch_size,
+        t.compute.compile,
+        t.compute.device,
+        t.compute.dtype,
+        t.schedule.max_steps,
+    ) == (
         12,
         12 * 1024,
         True,
@@ -88,9 +95,13 @@ def test_our_rows_are_the_gpt2_preset_at_a_fixed_micro_batch_or_at_its_defaults(
         "auto",
         30,
     )  # one micro-step per step, as nanoGPT's rows; dtype auto: bf16 there
-    assert (t.eval_interval, t.sample_interval, t.ckpt_interval, t.log_interval) == (0, 0, 0, 1)
+    assert (t.eval.eval_interval, t.eval.sample_interval, t.ckpt.ckpt_interval, t.log.log_interval) == (0, 0, 0, 1)
     default = parse_config(vs.ours_batch_flags(shape, None, device="cuda", data=tmp_path, out=tmp_path, steps=30)).train
-    assert (default.micro_batch_size, default.total_batch_size, default.compile) == ("auto", 524_288, True)
+    assert (default.batch.micro_batch_size, default.batch.total_batch_size, default.compute.compile) == (
+        "auto",
+        524_288,
+        True,
+    )
 
 
 def test_nanogpt_log_parsing_takes_iteration_times_losses_and_the_wrappers_peak_memory():

@@ -27,10 +27,10 @@ def anonymous():
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 if sys.argv[1] == "trainer":
-    from gpt2.core.config import TrainConfig
+    from gpt2.core.config import ComputeConfig
     from gpt2.distributed.group import Dist
     from gpt2.train.startup import configure_backends
-    configure_backends(TrainConfig(data_dir="d", out_dir="o"), Dist(rank=0, local_rank=0, world_size=1,
+    configure_backends(ComputeConfig(), Dist(rank=0, local_rank=0, world_size=1,
                        local_world_size=1, device=torch.device("cpu")))
 start = anonymous()
 a = torch.ones(4 * 2**20); del a

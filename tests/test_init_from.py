@@ -129,7 +129,7 @@ def test_step_0_is_the_source_model_and_the_rest_starts_fresh(tmp_path, source, 
     else:
         assert record["kind"] == "checkpoint" and record["step"] == 5
         assert record["path"] == str(source["ckpt"].resolve()) and record["sha256"] == sha256(source["ckpt"])
-    assert info["config"]["train"]["init_from"] == str(source[kind])
+    assert info["config"]["train"]["ckpt"]["init_from"] == str(source[kind])
     assert "init from " in done.stdout and "start fresh" in done.stdout
 
 
@@ -211,7 +211,7 @@ def test_bad_sources_and_conflicting_flags_are_refused_in_one_line(tmp_path, sou
 
     cfg = parse_config([*base, "--preset", "finetune", "--init-from", str(source["hf"]), "--dropout", "0.1"])
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.vocab_size, cfg.model.dropout) == (2, 64, 50304, 0.1)
-    assert cfg.train.lr == 3e-5 and cfg.train.decay_steps == 20
+    assert cfg.train.schedule.lr == 3e-5 and cfg.train.schedule.decay_steps == 20
 
 
 def test_the_hub_unreachable_is_one_line_naming_the_directory_form(tmp_path, monkeypatch):

@@ -77,7 +77,7 @@ def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     cfg = RunConfig(
         ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
-        TrainConfig(
+        TrainConfig.of(
             data_dir="d",
             out_dir=str(tmp_path),
             dtype="float32",
@@ -92,7 +92,7 @@ def test_an_uncompiled_auto_run_on_this_cpu_chooses_by_the_measurement_and_logs_
     resolved, choice = r.cfg, r.loss
     log.close()
     times = loss_probe.eager_loss_times("cpu", FLOAT32, 4 * 64, 64, 50304)  # now from the cache
-    assert resolved.train.loss_impl == ("full" if times.full_is_faster else "chunked") == choice.impl
+    assert resolved.train.compute.loss_impl == ("full" if times.full_is_faster else "chunked") == choice.impl
     assert times.describe() in choice.reason and f"({choice.reason})" in capsys.readouterr().out
 
 

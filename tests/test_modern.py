@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import optimizer_of
 
 from gpt2.core.config import ARCHS, GPT2_VOCAB_SIZE, ModelConfig, param_count
 from gpt2.model.gpt import GPT, RMS_EPS, KVCache, apply_rope, rms_norm, rope_tables
@@ -303,17 +304,17 @@ def test_cached_generation_equals_uncached_past_the_block():
 @pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.torch_feature("muon"))])
 def test_both_optimizers_train_every_option(optimizer):
     from gpt2.core.config import TrainConfig
-    from gpt2.train.optim import make_optimizer, split_params
+    from gpt2.train.optim import split_params
 
     model = GPT(tiny(**MODERN, n_kv_head=2)).train()
     if optimizer == "muon":
         muon, adamw = split_params(model)
         assert "lm_head.weight" in dict(adamw) and "transformer.wte.weight" in dict(adamw)
         assert all(".h." in f".{n}" for n, _ in muon)
-    tc = TrainConfig(optimizer=optimizer, lr=3e-3, muon_lr=0.02, dtype="float32")
-    opt = make_optimizer(model, tc, torch.device("cpu"))
+    tc = TrainConfig.of(optimizer=optimizer, lr=3e-3, muon_lr=0.02, dtype="float32")
+    opt = optimizer_of(model, tc, torch.device("cpu"))
     for group in opt.param_groups:
-        group["lr"] = group.get("lr_scale", 1.0) * tc.lr
+        group["lr"] = group.get("lr_scale", 1.0) * tc.schedule.lr
     idx, y = batch(T=16)
     losses = []
     for _ in range(6):

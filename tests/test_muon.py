@@ -17,6 +17,7 @@ from _helpers import (
     launch,
     load_ckpt,
     losses,
+    optimizer_of,
     patched_train_script,
     release_run,
     run,
@@ -28,7 +29,7 @@ from conftest import TINY_MODEL_FLAGS, run_trainer
 from gpt2.core.compat import has_muon
 from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
 from gpt2.model.gpt import GPT
-from gpt2.train.optim import Optimizers, make_optimizer, split_params
+from gpt2.train.optim import Optimizers, split_params
 
 if has_muon():  # torch >= 2.9: gpt2/train/muon.py subclasses torch.optim.Muon
     from gpt2.train.muon import Muon, newton_schulz
@@ -44,7 +45,7 @@ def tiny_model(**kw) -> GPT:
 
 def test_every_parameter_is_in_exactly_one_group_and_muon_gets_only_block_matrices():
     model = tiny_model()
-    opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer="muon"), CPU)
+    opt = optimizer_of(model, TrainConfig.of(data_dir="d", out_dir="o", optimizer="muon"), CPU)
     assert isinstance(opt, Optimizers) and set(opt.optimizers) == {"adamw", "muon"}
     groups = {name: [p for g in o.param_groups for p in g["params"]] for name, o in opt.optimizers.items()}
     everything = [p for ps in groups.values() for p in ps]
@@ -68,7 +69,7 @@ def test_split_params_and_plain_adamw_is_unchanged():
     model = tiny_model()
     muon, adamw = split_params(model)
     assert len(muon) + len(adamw) == len(list(model.parameters()))
-    opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o"), CPU)
+    opt = optimizer_of(model, TrainConfig.of(data_dir="d", out_dir="o"), CPU)
     assert type(opt) is torch.optim.AdamW  # the default builds exactly what it built before
 
 
@@ -135,8 +136,8 @@ def test_planner_counts_muons_state_as_allocated():
     from gpt2.plan.memory import optimizer_bytes
 
     model = tiny_model()
-    cfg = RunConfig(model.config, TrainConfig(data_dir="d", out_dir="o", optimizer="muon", fused_adamw=False))
-    opt = make_optimizer(model, cfg.train, CPU)
+    cfg = RunConfig(model.config, TrainConfig.of(data_dir="d", out_dir="o", optimizer="muon", fused_adamw=False))
+    opt = optimizer_of(model, cfg.train, CPU)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
@@ -155,13 +156,13 @@ def test_checkpoint_of_one_optimizer_is_refused_by_the_other():
 
     model = tiny_model()
     for saved_kind, now_kind in (("adamw", "muon"), ("muon", "adamw")):
-        tc = TrainConfig(data_dir="d", out_dir="o", optimizer=saved_kind)
+        tc = TrainConfig.of(data_dir="d", out_dir="o", optimizer=saved_kind)
         saved = {
             "config": RunConfig(model.config, tc).to_dict(),
             "tokenizer": "gpt2",
-            "optimizer": make_optimizer(model, tc, CPU).state_dict(),
+            "optimizer": optimizer_of(model, tc, CPU).state_dict(),
         }
-        now = RunConfig(model.config, TrainConfig(data_dir="d", out_dir="o", optimizer=now_kind))
+        now = RunConfig(model.config, TrainConfig.of(data_dir="d", out_dir="o", optimizer=now_kind))
         with pytest.raises(
             ckpt.CheckpointError,
             match=f"trained with --optimizer {saved_kind}, this run asks for "
@@ -279,7 +280,7 @@ def test_newton_schulz_dtype_follows_the_runs_agreed_dtype_not_a_per_rank_measur
     monkeypatch.setattr(gpt2.plan.matmul_peak, "peak_rates", lambda *a, **k: pytest.fail("measured on this rank"))
     model = tiny_model()
     for dtype, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float32)):
-        opt = make_optimizer(model, TrainConfig(data_dir="d", out_dir="o", optimizer="muon", dtype=dtype), CPU)
+        opt = optimizer_of(model, TrainConfig.of(data_dir="d", out_dir="o", optimizer="muon", dtype=dtype), CPU)
         assert opt.optimizers["muon"].ns_dtype == expected
 
 

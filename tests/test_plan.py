@@ -560,7 +560,7 @@ def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
         return resolve_choices(cfg, Target(hardware=hw)).plan
 
     def run(cfg, hw, **train):
-        return plan_run(RunConfig(cfg, TrainConfig(dtype="float32", **train)), hw)
+        return plan_run(RunConfig(cfg, TrainConfig.of(dtype="float32", **train)), hw)
 
     full = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048)  # compiled (TrainConfig's default)
     assert not full.memory.chunked_loss
@@ -574,8 +574,8 @@ def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
     # --micro-batch-size auto: the throughput model's, the same whatever --loss-impl says (it weighs auto's
     # loss at each size); on an A100-80GB that is 16 sequences, where auto takes the fused full loss.
     gpt2, a100 = model_preset("gpt2"), gpu_hardware("A100-80GB", "bf16")
-    auto = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16")), a100)
-    forced = plan_run(RunConfig(gpt2, TrainConfig(dtype="bfloat16", loss_impl="chunked")), a100)
+    auto = plan_run(RunConfig(gpt2, TrainConfig.of(dtype="bfloat16")), a100)
+    forced = plan_run(RunConfig(gpt2, TrainConfig.of(dtype="bfloat16", loss_impl="chunked")), a100)
     assert auto.micro_batch_size == forced.micro_batch_size == 16
     assert not auto.memory.chunked_loss and forced.memory.chunked_loss
 
@@ -667,9 +667,9 @@ def test_gpt2_xl_on_8_24gb_cards_fits_with_fsdp_and_not_with_ddp():
         match=r"gpt2-xl does not fit on RTX4090-24GB .* with DDP at world size 8.*"
         r"--parallel fsdp \(state sharded over the 8 ranks",
     ):
-        resolve_choices(RunConfig(model_preset("gpt2-xl"), TrainConfig(**train)), Target(hardware=hw, world_size=8))
+        resolve_choices(RunConfig(model_preset("gpt2-xl"), TrainConfig.of(**train)), Target(hardware=hw, world_size=8))
     p = resolve_choices(
-        RunConfig(model_preset("gpt2-xl"), TrainConfig(**train, parallel="fsdp")), Target(hardware=hw, world_size=8)
+        RunConfig(model_preset("gpt2-xl"), TrainConfig.of(**train, parallel="fsdp")), Target(hardware=hw, world_size=8)
     ).plan
     assert p.fits and p.micro_batch_size >= 1 and p.grad_accum_steps > 1
     state = p.memory.weights + p.memory.gradients + p.memory.optimizer

@@ -66,7 +66,7 @@ def start_lines(cfg, world: int) -> list[str]:
     """What a real start on this machine logs of its decisions and plan (startup.decide_run's resolve_auto,
     log_mfu_peak and the plan), for rank 0 of `world` ranks on this host."""
     dist = Dist(rank=0, local_rank=0, world_size=world, local_world_size=world, device=torch.device("cpu"))
-    startup.configure_backends(cfg.train, dist)  # the threads a rank trains (and measures peaks) with
+    startup.configure_backends(cfg.train.compute, dist)  # the threads a rank trains (and measures peaks) with
     lines = []
     log = dryrun.Log(lines.append)  # info, warnings and the plan's detail, as the dry run shows them
     if world == 1:
@@ -112,15 +112,15 @@ def test_resolve_makes_every_auto_concrete_once_and_records_its_reasons(tmp_path
     cap = Hardware(name="capped", memory_bytes=8 * GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB)
     r = resolve_choices(cfg, Target(device=torch.device("cpu"), hardware=cap))
     tc = r.cfg.train
-    assert isinstance(tc.micro_batch_size, int) and tc.loss_impl in ("full", "chunked")
-    assert tc.activation_checkpointing in ("none", "full") and tc.dtype == "float32"
+    assert isinstance(tc.batch.micro_batch_size, int) and tc.compute.loss_impl in ("full", "chunked")
+    assert tc.compute.activation_checkpointing in ("none", "full") and tc.compute.dtype == "float32"
     assert r.precision == Precision("float32", "float32", r.precision.reason) and r.hardware is cap
     assert (r.plan.micro_batch_size, r.plan.dtype, r.plan.memory.chunked_loss) == (
-        tc.micro_batch_size,
+        tc.batch.micro_batch_size,
         "fp32",
-        tc.loss_impl == "chunked",
+        tc.compute.loss_impl == "chunked",
     )
-    assert r.micro_batch.size == tc.micro_batch_size and r.plan.micro_batch_choice == r.micro_batch
+    assert r.micro_batch.size == tc.batch.micro_batch_size and r.plan.micro_batch_choice == r.micro_batch
     assert r.loss.reason and r.ac.reason and r.precision.reason
     again = resolve_choices(r.cfg, Target(device=torch.device("cpu"), hardware=cap))  # concrete stays as it is
     assert again.cfg == r.cfg and again.plan.micro_batch_choice is None

@@ -643,7 +643,7 @@ def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoin
     the fresh run's."""
     import shutil
 
-    data_dir = json.loads((reference / "config.json").read_text())["config"]["train"]["data_dir"]
+    data_dir = json.loads((reference / "config.json").read_text())["config"]["train"]["data"]["data_dir"]
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     fresh = run(flags(data_dir, run_dir, "--resume", "never", "--max-steps", "5"), nproc=2, log_dir=tmp_path / "fresh")

@@ -14,7 +14,7 @@ import torch
 from _helpers import assert_same_state, import_train_ddp, load_ckpt, losses, records, tiny_run_flags
 from conftest import run_trainer
 
-from gpt2.core.config import TrainConfig
+from gpt2.core.config import SpikeConfig, TrainConfig
 from gpt2.data.shards import write_shard
 from gpt2.distributed.group import Dist
 from gpt2.train.run_log import RunLog
@@ -28,7 +28,7 @@ POISON_TOKEN = 50000
 
 
 def guard_for(**kw) -> SpikeGuard:
-    return SpikeGuard(TrainConfig(**{"spike_window": 8, **kw}), torch.device("cpu"))
+    return SpikeGuard(SpikeConfig(**{"spike_window": 8, **kw}), torch.device("cpu"))
 
 
 def feed(guard: SpikeGuard, pairs) -> list[list[float]]:
@@ -126,7 +126,7 @@ def test_observe_counts_spikes_within_the_window_and_says_so(tmp_path, capsys):
 
 def test_a_window_too_short_for_a_spread_is_refused():
     with pytest.raises(ValueError, match="spike_window=4 must be >= 8"):
-        TrainConfig(spike_window=4)
+        TrainConfig.of(spike_window=4)
 
 
 # ------------------------------------------------------------------ whole runs on poisoned shards

@@ -192,6 +192,6 @@ def test_a_speed_preset_run_from_before_the_architecture_options_resumes_as_it_w
     # Bitwise on the machine that wrote the fixture; other CPUs' fp32 kernels may round differently.
     assert [losses[3], losses[4]] == pytest.approx([expected["losses"]["3"], expected["losses"]["4"]], abs=1e-5)
     new = ckpt.load_checkpoint(run_dir / "checkpoints" / "step_00000004.pt", verify=True)
-    assert new["config"]["train"]["optimizer"] == "muon"
+    assert new["config"]["train"]["optim"]["optimizer"] == "muon"
     sums = {k: float(v.double().abs().sum()) for k, v in new["model"].items()}
     assert sums == pytest.approx(expected["weights_abs_sum"], rel=1e-5)

@@ -201,7 +201,10 @@ def test_compiled_bf16_run_logs_sane_numbers(tmp_path, shakespeare_shards):
         assert not r["skipped"]
     assert steps[-1]["loss"] < steps[0]["loss"]
     info = json.loads((run_dir / "config.json").read_text())
-    assert info["config"]["train"]["compile"] is True and info["config"]["train"]["dtype"] == "bfloat16"
+    assert (
+        info["config"]["train"]["compute"]["compile"] is True
+        and info["config"]["train"]["compute"]["dtype"] == "bfloat16"
+    )
     assert info["versions"]["torch"] == torch.__version__
     # the checkpoint of a compiled model has no _orig_mod. prefix
     state = torch.load(run_dir / "checkpoints" / "step_00000006.pt", map_location="cpu", weights_only=True)
@@ -393,21 +396,21 @@ def test_micro_batch_size_auto_resolves_on_rank_0_within_what_fits(tmp_path, cap
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     cfg = RunConfig(
         ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=256),
-        TrainConfig(
+        TrainConfig.of(
             data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size="auto", total_batch_size=256 * 48
         ),
     )
     log = RunLog(dist, tmp_path)
     roomy = resolve_auto(cfg, dist, log).cfg
-    b = roomy.train.micro_batch_size
-    assert 48 % b == 0 and roomy.train.dtype == "float32"
+    b = roomy.train.batch.micro_batch_size
+    assert 48 % b == 0 and roomy.train.compute.dtype == "float32"
     assert f"micro-batch auto: {b} sequences, the fastest by the throughput model" in capsys.readouterr().out
     cap = Hardware(
         name="capped cpu", memory_bytes=200 * 2**20, peak_flops=1e11, device_type="cpu", reserve_bytes=0
     )  # with the plan's margin, 10 sequences fit in 200 MiB
     fits = max_micro_batch_size(cfg, cap, headroom=AUTO_HEADROOM)
     capped = resolve_auto(cfg, dist, log, hardware=cap).cfg
-    assert capped.train.micro_batch_size <= fits < 48 and 48 % capped.train.micro_batch_size == 0
+    assert capped.train.batch.micro_batch_size <= fits < 48 and 48 % capped.train.batch.micro_batch_size == 0
 
 
 def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path, capsys):
@@ -422,7 +425,7 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     cfg = RunConfig(
         ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
-        TrainConfig(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size=8, total_batch_size=512),
+        TrainConfig.of(data_dir="d", out_dir=str(tmp_path), dtype="float32", micro_batch_size=8, total_batch_size=512),
     )  # 512 tokens, compiled: full-logits peak 0.10 GiB
     log = RunLog(dist, tmp_path)
     roomy = Hardware(name="roomy", memory_bytes=8 * GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB)
@@ -431,7 +434,11 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
     chunked, why_chunked = (r := resolve_auto(cfg, dist, log, hardware=small)).cfg, r.loss
     forced = resolve_auto(RunConfig(cfg.model, cfg.train.replace(loss_impl="full")), dist, log, hardware=small).cfg
     log.close()
-    assert (full.train.loss_impl, chunked.train.loss_impl, forced.train.loss_impl) == ("full", "chunked", "full")
+    assert (full.train.compute.loss_impl, chunked.train.compute.loss_impl, forced.train.compute.loss_impl) == (
+        "full",
+        "chunked",
+        "full",
+    )
     out = capsys.readouterr().out
     assert f"loss       full logits: F.cross_entropy over the (B, T, V) logits ({why_full.reason})" in out
     assert "auto: full-logits peak 0.10 GiB at micro-batch 8 > 1/8 of 0.50 GiB usable" in why_chunked.reason
@@ -482,7 +489,7 @@ def test_loss_impl_full_and_chunked_train_alike_and_the_choice_is_logged_and_rec
         assert ("LM head + loss peak" in run.stdout) == (impl == "full")
         runs[impl] = text
         info = json.loads((tmp_path / impl / "config.json").read_text())
-        assert info["config"]["train"]["loss_impl"] == impl and info["loss"]["impl"] == impl
+        assert info["config"]["train"]["compute"]["loss_impl"] == impl and info["loss"]["impl"] == impl
         line = [ln for ln in text.splitlines() if ln.startswith("loss       ")]
         assert len(line) == 1 and f"--loss-impl {impl}" in line[0] and info["loss"]["reason"] in line[0]
         label = "(full logits: all B*T*V at once" if impl == "full" else "(chunked: never all B*T*V logits"
@@ -534,7 +541,7 @@ def test_micro_batch_size_auto_end_to_end(tmp_path, shakespeare_shards):
     ]
     assert "warning: --warmup-steps 715" in run.stderr
     info = json.loads((run_dir / "config.json").read_text())
-    b = info["config"]["train"]["micro_batch_size"]  # 512 tokens = 8 x 64: a divisor of 8
+    b = info["config"]["train"]["batch"]["micro_batch_size"]  # 512 tokens = 8 x 64: a divisor of 8
     # uncompiled on a CPU the candidates are timed (gpt2/plan/batch_probe.py), elsewhere the throughput model picks
     assert re.search(
         rf"micro-batch auto: {b} sequences, the fastest (measured on this CPU|by the throughput model)", run.stdout
@@ -553,7 +560,7 @@ def test_warmup_that_does_not_end_before_max_steps_is_said_in_one_line():
     class Log:
         warn = said.append
 
-    log_warmup(TrainConfig(data_dir="d", out_dir="o", warmup_steps=1000, max_steps=3, lr=6e-4), Log)
+    log_warmup(TrainConfig.of(data_dir="d", out_dir="o", warmup_steps=1000, max_steps=3, lr=6e-4), Log)
     assert len(said) == 1 and "\n" not in said[0], said
     assert said[0].startswith(
         "--warmup-steps 1,000 is more than twice --max-steps 3: the learning rate only rises, "
@@ -565,9 +572,9 @@ def test_warmup_that_does_not_end_before_max_steps_is_said_in_one_line():
         dict(warmup_steps=3, max_steps=2),
         dict(warmup_steps=6, max_steps=3),
     ):
-        log_warmup(TrainConfig(data_dir="d", out_dir="o", **fine), Log)
+        log_warmup(TrainConfig.of(data_dir="d", out_dir="o", **fine), Log)
     assert len(said) == 1
-    log_warmup(TrainConfig(data_dir="d", out_dir="o", warmup_steps=7, max_steps=3), Log)
+    log_warmup(TrainConfig.of(data_dir="d", out_dir="o", warmup_steps=7, max_steps=3), Log)
     assert len(said) == 2 and "(42.9% of --lr" in said[1]
 
 
@@ -648,7 +655,7 @@ def test_auto_dtype_is_logged_and_recorded_with_its_reason(tmp_path, shakespeare
     p = info["precision"]
     assert p["requested"] == "auto" and p["dtype"] in ("bfloat16", "float32")
     assert "GFLOP/s" in p["reason"] or "no bf16 instructions" in p["reason"]  # measured, or not worth measuring
-    assert info["config"]["train"]["dtype"] == p["dtype"]  # the run's config holds what actually ran
+    assert info["config"]["train"]["compute"]["dtype"] == p["dtype"]  # the run's config holds what actually ran
     assert f"precision  {p['dtype']}: {p['reason']}" in run.stdout
     # the first line comes before any measuring or building, so a slow start is never silent
     assert run.stdout.splitlines()[0].startswith("starting ")

@@ -15,7 +15,7 @@ from _helpers import import_train_ddp, inject_nan, load_ckpt, losses, records, t
 from gpt2.core.config import TrainConfig
 from gpt2.train.trainer import Actions, due
 
-TC = TrainConfig(
+TC = TrainConfig.of(
     max_steps=10,
     log_interval=2,
     eval_interval=4,
@@ -27,7 +27,7 @@ TC = TrainConfig(
 
 
 def steps_where(what: str, tc: TrainConfig = TC, **kwargs) -> list[int]:
-    return [s for s in range(1, tc.max_steps + 1) if getattr(due(s, tc, **kwargs), what)]
+    return [s for s in range(1, tc.schedule.max_steps + 1) if getattr(due(s, tc, **kwargs), what)]
 
 
 def test_each_action_at_its_interval_and_all_at_the_last_step():
@@ -43,7 +43,7 @@ def test_each_action_at_its_interval_and_all_at_the_last_step():
 def test_a_stop_vote_read_later_gives_the_actions_due_would_have_given():
     """run_loop decides a step's actions once and applies the stop vote when it reads it (voted_stop):
     the same actions as due(step, stop_requested=...), at every step (the last included: no stop there)."""
-    for step in range(1, TC.max_steps + 1):
+    for step in range(1, TC.schedule.max_steps + 1):
         for vote in (False, True):
             assert due(step, TC).voted_stop(vote) == due(step, TC, stop_requested=vote), (step, vote)
 

@@ -11,13 +11,12 @@ import threading
 
 import pytest
 import torch
-from _helpers import assert_same_state, import_train_ddp, losses, no_space_after, tiny_run_flags
+from _helpers import assert_same_state, import_train_ddp, losses, no_space_after, optimizer_of, tiny_run_flags
 
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.writer import CheckpointWriteError, CheckpointWriter, HostCopier
 from gpt2.core.config import ModelConfig, TrainConfig
 from gpt2.model.gpt import GPT
-from gpt2.train.optim import make_optimizer
 
 GUARD_S = 120  # a deadlock guard only: correct code never comes near it
 
@@ -26,7 +25,7 @@ def trained_parts(device="cpu"):
     """A tiny GPT (tied embedding/head) and AdamW after one step: every state tensor exists."""
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)).to(device)
-    opt = make_optimizer(model, TrainConfig(fused_adamw=False), torch.device(device))
+    opt = optimizer_of(model, TrainConfig.of(fused_adamw=False), torch.device(device))
     train_one_step(model, opt)
     return model, opt
 

@@ -28,6 +28,8 @@ checkpoint with another value cannot be resumed (ModelConfig.shape_fields)."""
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
+    """The model's shape and its architecture options (each off by default: GPT-2 as released)."""
+
     n_layer: int = field(default=12, metadata=SHAPE)
     """Number of transformer blocks."""
     n_head: int = field(default=12, metadata=SHAPE)
@@ -348,110 +350,46 @@ VERIFY_DATA = ("quick", "auto", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class DataConfig:
+    """The token shards and the order a run reads them in."""
+
     data_dir: str = ""
     """Directory of *train*.bin and *val*.bin shards.
 
     Token shards: data_prep's, or llm.c's and modded-nanogpt's."""
-    out_dir: str = ""
-    """Run directory: checkpoints, metrics, logs.
+    data_order: str = "shuffled"
+    """Window order: shuffled or sequential.
 
-    It holds metrics.jsonl, train.log, config.json, checkpoints/ and the loss curve."""
-    device: str = "auto"
-    """auto (CUDA if present, else CPU), cpu or cuda.
+    shuffled: each epoch visits every window of block_size+1 tokens once, in a random order (rows of a batch
+    from all over the corpus); sequential: consecutive windows of the token stream, for corpora that are
+    shuffled already. Validation is always the fixed first eval_tokens, in order."""
+    verify_data: str = "auto"
+    """Shard check at start-up: quick, auto or full.
 
-    Each rank uses cuda:LOCAL_RANK."""
-    dtype: str = "auto"
-    """Matmul dtype: auto, bfloat16, float16, float32.
+    How much of the data start-up checks against data_prep's manifest.json and the vocabulary
+    (gpt2/data/check.py): quick (every shard listed, with its split and token count; no reading), auto (quick,
+    plus the sha256 and token ids of every shard when they total at most 1 GiB, else of the val shards) or
+    full (every shard's sha256 and token ids). Every training batch's token ids are checked as it is loaded,
+    whatever this says."""
+    seed: int = 1337
+    """Seed for initialisation and data order."""
 
-    The autocast dtype: bfloat16, float16 (with a loss scaler) or float32 (no autocast). auto picks bf16 on
-    GPUs with native bf16, fp16 on older GPUs, and on a CPU bf16 only where it measures faster than fp32
-    (gpt2/plan/precision_choice.py says why). Weights and optimizer stay fp32."""
-    compile: bool = True
-    """torch.compile the model.
+    def __post_init__(self) -> None:
+        refuse_invalid(self)
 
-    With inductor, on CUDA and on a CPU."""
-    compile_scope: str = "model"
-    """What torch.compile compiles: model or blocks.
+    def problems(self) -> list[str]:
+        p = []
+        if self.verify_data not in VERIFY_DATA:
+            p.append(f"verify_data={self.verify_data!r} must be one of {VERIFY_DATA}")
+        if self.data_order not in ("shuffled", "sequential"):
+            p.append(f"data_order={self.data_order!r} must be shuffled or sequential")
+        return p
 
-    model: the whole model as one region (torch.compile(model)); blocks: each transformer block alone and the
-    final LayerNorm, LM head and loss as one more region (what --parallel fsdp always does), the embedding
-    lookups between them eager: less compile time (docs/training.md measured 2.3-2.8x less on a CPU), the
-    same losses. Sampling and HellaSwag then run the compiled blocks (a recompile per generated length).
-    No effect without --compile."""
-    autotune: bool = False
-    """GEMM autotuning in the compiled regions.
 
-    With --compile-scope blocks the transformer blocks only (the head and loss as without it); with model, the
-    whole model (inductor's max_autotune_gemm). Each matmul shape is timed against Triton's candidate kernels
-    at the first compile: minutes more compile time, for what docs/performance.md measured (no gain at 124M on
-    an H200). No effect without --compile."""
-    compile_cache: str = "auto"
-    """torch.compile's cache: auto, off or a directory.
+@dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """How many tokens a step takes, and in what pieces."""
 
-    auto: out_dir/compile-cache (a requeued or resumed run loads what the last start compiled instead of
-    compiling again), or $TORCHINDUCTOR_CACHE_DIR where the environment sets it; a directory: shared by the
-    runs that name it. A subdirectory per torch release, Python, Triton and device kind; a corrupt or
-    foreign cache is cleared with one warning (gpt2/train/compile_cache.py, docs/performance.md)."""
-    tf32: bool = True
-    """Allow TF32 matmuls on CUDA.
-
-    No effect on a CPU."""
-    deterministic: bool = False
-    """Bitwise-repeatable runs (slower).
-
-    Deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, inductor's
-    deterministic mode; gpt2/core/determinism.py): two runs of one config on one machine give the same losses
-    bit for bit, on a GPU too. Slower (deterministic attention and embedding backward): docs/training.md,
-    "Deterministic runs"."""
-    fused_adamw: bool = True
-    """Use the fused AdamW kernel.
-
-    One kernel per step; on CUDA, and on a CPU since torch 2.4."""
-    pin_memory: bool = True
-    """Pinned host buffers on CUDA.
-
-    Pinned host buffers and non-blocking copies on CUDA; no effect on a CPU."""
-    num_threads: int = 0
-    """CPU threads per rank (0: cores / local ranks).
-
-    Threads for intra-op parallelism; 0 shares this node's cores among its ranks."""
-    ddp_bucket_cap_mb: float = 25.0
-    """DDP's gradient bucket size in MiB.
-
-    DDP's own default is 25. Each bucket's all-reduce starts as soon as backward has produced its gradients,
-    also when compiled (one backward graph per bucket); the start-up bandwidth test times one bucket. At least
-    1: torch.compile's first graph split is 1 MiB."""
-    parallel: str = "ddp"
-    """How the ranks share the model: ddp or fsdp.
-
-    ddp (every rank holds all weights, gradients and optimizer state; gradients all-reduced) or fsdp
-    (PyTorch's FSDP2 `fully_shard` on each block and the root: each rank holds 1/world_size of them and
-    gathers a block's weights only while computing it; gpt2/distributed/fsdp.py). fsdp is for models whose
-    state does not fit one device under DDP (`python -m gpt2.plan` says)."""
-    loss_impl: str = "auto"
-    """LM-head loss: full, chunked or auto.
-
-    full (F.cross_entropy over the (B, T, V) logits, the fastest compiled), chunked (gpt2/model/loss.py: never
-    all the logits at once) or auto: full when the model is compiled, the planner's peak of the full-logits
-    loss is at most 1/8 of the device's usable memory and the whole plan with it still fits, else chunked
-    (gpt2/plan/ choose_loss_impl; logged with its reason). Both give the same loss and gradients to float
-    rounding."""
-    fp8_head: bool = False
-    """The LM head's matmuls in FP8 (training only).
-
-    torch._scaled_mm with one dynamic scale per tensor (gpt2/model/fp8.py): twice the BF16 rate on an
-    H100/H200 for the largest matmul of a small model. Takes the full-logits loss; evaluation, sampling and
-    export keep the exact head. Needs FP8 tensor cores (compute capability 8.9+) or, on a CPU, a torch with
-    _scaled_mm there (slow: for tests). docs/performance.md has its A/B."""
-    activation_checkpointing: str = "auto"
-    """Recompute blocks: none, full or auto.
-
-    none, full (every transformer block saves only its input and recomputes its forward in the backward: most
-    of the activation memory for about a third more block FLOPs, which MFU does not count) or auto: full only
-    where the run does not fit without it (no micro-batch fits, or the explicit --micro-batch-size's plan does
-    not) and does with it, else none (gpt2/plan/ choose_activation_checkpointing; logged with its reason). A
-    run-time choice: losses and gradients are the same, and checkpoints resume either way."""
     micro_batch_size: int | str = "auto"
     """Sequences per rank per micro-step, or auto.
 
@@ -461,6 +399,22 @@ class TrainConfig:
     """Tokens per optimizer step, over all ranks.
 
     Summed over all ranks and accumulation steps."""
+
+    def __post_init__(self) -> None:
+        refuse_invalid(self)
+
+    def problems(self) -> list[str]:
+        p = []
+        mb = self.micro_batch_size
+        if mb != "auto" and (not isinstance(mb, int) or isinstance(mb, bool) or mb < 1):
+            p.append(f"micro_batch_size={mb!r} must be a positive integer or auto")
+        return p + _at_least(self, 1, "total_batch_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """How long the run is and its learning rate at each step."""
+
     max_steps: int = 19_073
     """Optimizer steps to train for.
 
@@ -476,6 +430,29 @@ class TrainConfig:
 
     0: cosine decay from warmup to max_steps. N > 0: warmup-stable-decay: the peak lr until max_steps - N,
     then linear decay to min_lr over the last N steps."""
+
+    def __post_init__(self) -> None:
+        refuse_invalid(self)
+
+    def problems(self) -> list[str]:
+        p = _at_least(self, 1, "max_steps") + _at_least(self, 0, "warmup_steps", "decay_steps")
+        if not self.lr > 0:
+            p.append(f"lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            p.append(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
+        return p
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """The optimizer and its settings, and gradient clipping."""
+
+    optimizer: str = "adamw"
+    """adamw, or muon on the blocks' matrices.
+
+    muon: Muon (torch.optim.Muon's update) on the 2-D weights inside the transformer blocks and AdamW (lr,
+    betas, eps, weight_decay above) on embeddings, the tied LM head, biases and LayerNorm (gpt2/train/optim.py
+    says why). Every group follows the same warmup and cosine schedule."""
     weight_decay: float = 0.1
     """AdamW weight decay, on 2-D weights only.
 
@@ -488,12 +465,10 @@ class TrainConfig:
     GPT-3 used 0.95: steadier than 0.999 on large batches."""
     eps: float = 1e-8
     """AdamW epsilon."""
-    optimizer: str = "adamw"
-    """adamw, or muon on the blocks' matrices.
+    fused_adamw: bool = True
+    """Use the fused AdamW kernel.
 
-    muon: Muon (torch.optim.Muon's update) on the 2-D weights inside the transformer blocks and AdamW (lr,
-    betas, eps, weight_decay above) on embeddings, the tied LM head, biases and LayerNorm (gpt2/train/optim.py
-    says why). Every group follows the same warmup and cosine schedule."""
+    One kernel per step; on CUDA, and on a CPU since torch 2.4."""
     muon_lr: float = 0.02
     """Muon's peak learning rate.
 
@@ -511,89 +486,30 @@ class TrainConfig:
     """Clip the global gradient norm to this (0: off).
 
     0 disables clipping; the norm is still logged."""
-    eval_interval: int = 250
-    """Steps between val evaluations (0: the end only).
 
-    Validation-loss evaluations; 0 disables them except at the end."""
-    eval_tokens: int = 10_485_760
-    """Validation tokens per evaluation.
+    def __post_init__(self) -> None:
+        refuse_invalid(self)
 
-    The first eval_tokens of the val shards, the same on every run."""
-    hellaswag_interval: int = 0
-    """Steps between HellaSwag evaluations (0: none).
+    def problems(self) -> list[str]:
+        p = []
+        if self.optimizer not in OPTIMIZERS:
+            p.append(f"optimizer={self.optimizer!r} must be one of {OPTIMIZERS}")
+        if self.muon_lr <= 0 or not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
+            p.append(
+                f"muon_lr={self.muon_lr} must be > 0, muon_momentum={self.muon_momentum} in [0, 1) and "
+                f"muon_weight_decay={self.muon_weight_decay} >= 0"
+            )
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
+            p.append("weight_decay and grad_clip must be >= 0 and eps > 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            p.append(f"beta1={self.beta1}, beta2={self.beta2} must be in [0, 1)")
+        return p
 
-    And one at the end. Needs hellaswag_file."""
-    hellaswag_file: str = ""
-    """HellaSwag jsonl (downloaded there if missing).
 
-    Rows of ctx, endings, label; rank 0 downloads the validation set there if it is missing."""
-    sample_interval: int = 1000
-    """Steps between text samples (0: none).
+@dataclass(frozen=True, kw_only=True)
+class SpikeConfig:
+    """Steps skipped, rolled back or stopped on: non-finite steps and loss spikes."""
 
-    Rank 0 prints them."""
-    sample_tokens: int = 32
-    """Tokens generated per sample."""
-    sample_prompt: str = ""
-    """Prompt for samples (none: <|endoftext|>)."""
-    log_interval: int = 1
-    """Steps between log lines and metrics.jsonl records."""
-    ckpt_interval: int = 1000
-    """Steps between checkpoints (0: the final only).
-
-    One is always written at the end; 0 writes only that one."""
-    keep_checkpoints: int = 3
-    """How many recent checkpoints to keep."""
-    async_ckpt: bool = True
-    """Write periodic checkpoints in the background.
-
-    Training stalls only while rank 0 copies the state to host memory (which then holds a second copy of it
-    until the write ends). The final checkpoint and a signal stop's are always written before the run ends."""
-    verify_data: str = "auto"
-    """Shard check at start-up: quick, auto or full.
-
-    How much of the data start-up checks against data_prep's manifest.json and the vocabulary
-    (gpt2/data/check.py): quick (every shard listed, with its split and token count; no reading), auto (quick,
-    plus the sha256 and token ids of every shard when they total at most 1 GiB, else of the val shards) or
-    full (every shard's sha256 and token ids). Every training batch's token ids are checked as it is loaded,
-    whatever this says."""
-    resume: str = "auto"
-    """auto (the newest checkpoint), never, or a path.
-
-    auto: the newest valid checkpoint in out_dir, else a fresh start; or a checkpoint path."""
-    init_from: str = ""
-    """Start a new run from trained weights.
-
-    Step, optimizer, schedule, data position and run id start fresh. The weights: a Hugging Face GPT-2
-    directory (`python -m gpt2.export`'s, or OpenAI's save_pretrained layout), a hub name (gpt2, gpt2-medium,
-    gpt2-large, gpt2-xl; needs the network and huggingface_hub), or one of our checkpoints (step_*.pt, a
-    sharded step_*/ directory, a run directory: its newest checkpoint). The model shape comes from the
-    weights. A run directory holding this run's own checkpoint resumes it instead (--resume auto: a requeue
-    with the same command continues; gpt2/train/init_from.py)."""
-    seed: int = 1337
-    """Seed for initialisation and data order."""
-    data_order: str = "shuffled"
-    """Window order: shuffled or sequential.
-
-    shuffled: each epoch visits every window of block_size+1 tokens once, in a random order (rows of a batch
-    from all over the corpus); sequential: consecutive windows of the token stream, for corpora that are
-    shuffled already. Validation is always the fixed first eval_tokens, in order."""
-    dist_timeout_s: float = 600.0
-    """Collective timeout in the slow phases (s).
-
-    The slow phases: start-up (process group, resume, the first step and its compilation) and every
-    checkpoint, evaluation and sample plus the step after it. A dead peer raises an error (gloo) or aborts the
-    process (NCCL) instead of hanging."""
-    dist_step_timeout_s: float = 300.0
-    """Collective timeout in steady training (s).
-
-    Set after the first step: a peer that died or hangs mid-run is found this fast. It bounds how far ranks
-    may drift apart within one step."""
-    gc_interval: int = 50
-    """Steps between Python GC runs (0: its own).
-
-    After start-up the collector is frozen and turned off, and every rank collects at the same step
-    every gc_interval steps (torchtitan's gc_freq): no rank pauses for a collection while the others
-    wait for it at the next all-reduce (gpt2/train/gc_steps.py; docs/performance.md has the measurement)."""
     max_bad_steps: int = 3
     """Non-finite steps in a row (skipped) before a stop.
 
@@ -625,6 +541,224 @@ class TrainConfig:
     """Rollbacks before the run stops with an error.
 
     Spikes that come back after this many rollbacks are not the data's alone: the run stops with one line."""
+
+    def __post_init__(self) -> None:
+        refuse_invalid(self)
+
+    def problems(self) -> list[str]:
+        p = _at_least(self, 1, "max_bad_steps", "spike_rollback_after", "spike_max_rollbacks")
+        if self.spike_window < 8:  # a standard deviation of fewer steps is noise itself
+            p.append(f"spike_window={self.spike_window} must be >= 8")
+        if not (self.spike_loss_z > 0 and self.spike_norm_z > 0):
+            p.append(f"spike_loss_z={self.spike_loss_z} and spike_norm_z={self.spike_norm_z} must be > 0")
+        return p
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeConfig:
+    """The device, precision, compilation and the memory choices."""
+
+    device: str = "auto"
+    """auto (CUDA if present, else CPU), cpu or cuda.
+
+    Each rank uses cuda:LOCAL_RANK."""
+    dtype: str = "auto"
+    """Matmul dtype: auto, bfloat16, float16, float32.
+
+    The autocast dtype: bfloat16, float16 (with a loss scaler) or float32 (no autocast). auto picks bf16 on
+    GPUs with native bf16, fp16 on older GPUs, and on a CPU bf16 only where it measures faster than fp32
+    (gpt2/plan/precision_choice.py says why). Weights and optimizer stay fp32."""
+    tf32: bool = True
+    """Allow TF32 matmuls on CUDA.
+
+    No effect on a CPU."""
+    compile: bool = True
+    """torch.compile the model.
+
+    With inductor, on CUDA and on a CPU."""
+    compile_scope: str = "model"
+    """What torch.compile compiles: model or blocks.
+
+    model: the whole model as one region (torch.compile(model)); blocks: each transformer block alone and the
+    final LayerNorm, LM head and loss as one more region (what --parallel fsdp always does), the embedding
+    lookups between them eager: less compile time (docs/training.md measured 2.3-2.8x less on a CPU), the
+    same losses. Sampling and HellaSwag then run the compiled blocks (a recompile per generated length).
+    No effect without --compile."""
+    autotune: bool = False
+    """GEMM autotuning in the compiled regions.
+
+    With --compile-scope blocks the transformer blocks only (the head and loss as without it); with model, the
+    whole model (inductor's max_autotune_gemm). Each matmul shape is timed against Triton's candidate kernels
+    at the first compile: minutes more compile time, for what docs/performance.md measured (no gain at 124M on
+    an H200). No effect without --compile."""
+    compile_cache: str = "auto"
+    """torch.compile's cache: auto, off or a directory.
+
+    auto: out_dir/compile-cache (a requeued or resumed run loads what the last start compiled instead of
+    compiling again), or $TORCHINDUCTOR_CACHE_DIR where the environment sets it; a directory: shared by the
+    runs that name it. A subdirectory per torch release, Python, Triton and device kind; a corrupt or
+    foreign cache is cleared with one warning (gpt2/train/compile_cache.py, docs/performance.md)."""
+    deterministic: bool = False
+    """Bitwise-repeatable runs (slower).
+
+    Deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, inductor's
+    deterministic mode; gpt2/core/determinism.py): two runs of one config on one machine give the same losses
+    bit for bit, on a GPU too. Slower (deterministic attention and embedding backward): docs/training.md,
+    "Deterministic runs"."""
+    loss_impl: str = "auto"
+    """LM-head loss: full, chunked or auto.
+
+    full (F.cross_entropy over the (B, T, V) logits, the fastest compiled), chunked (gpt2/model/loss.py: never
+    all the logits at once) or auto: full when the model is compiled, the planner's peak of the full-logits
+    loss is at most 1/8 of the device's usable memory and the whole plan with it still fits, else chunked
+    (gpt2/plan/ choose_loss_impl; logged with its reason). Both give the same loss and gradients to float
+    rounding."""
+    fp8_head: bool = False
+    """The LM head's matmuls in FP8 (training only).
+
+    torch._scaled_mm with one dynamic scale per tensor (gpt2/model/fp8.py): twice the BF16 rate on an
+    H100/H200 for the largest matmul of a small model. Takes the full-logits loss; evaluation, sampling and
+    export keep the exact head. Needs FP8 tensor cores (compute capability 8.9+) or, on a CPU, a torch with
+    _scaled_mm there (slow: for tests). docs/performance.md has its A/B."""
+    activation_checkpointing: str = "auto"
+    """Recompute blocks: none, full or auto.
+
+    none, full (every transformer block saves only its input and recomputes its forward in the backward: most
+    of the activation memory for about a third more block FLOPs, which MFU does not count) or auto: full only
+    where the run does not fit without it (no micro-batch fits, or the explicit --micro-batch-size's plan does
+    not) and does with it, else none (gpt2/plan/ choose_activation_checkpointing; logged with its reason). A
+    run-time choice: losses and gradients are the same, and checkpoints resume either way."""
+    num_threads: int = 0
+    """CPU threads per rank (0: cores / local ranks).
+
+    Threads for intra-op parallelism; 0 shares this node's cores among its ranks."""
+    pin_memory: bool = True
+    """Pinned host buffers on CUDA.
+
+    Pinned host buffers and non-blocking copies on CUDA; no effect on a CPU."""
+
+    def __post_init__(self) -> None:
+        refuse_invalid(self)
+
+    def problems(self) -> list[str]:
+        from gpt2.core.precision import DTYPES  # here, not at the top: data_prep imports this module without torch
+
+        p = _at_least(self, 0, "num_threads")
+        if self.device not in DEVICES:
+            p.append(f"device={self.device!r} must be one of {DEVICES}")
+        if self.dtype not in DTYPES:
+            p.append(f"dtype={self.dtype!r} must be one of {DTYPES}")
+        if not self.compile_cache.strip():
+            p.append("compile_cache='' must be auto, off or a directory")
+        if self.compile_scope not in COMPILE_SCOPES:
+            p.append(f"compile_scope={self.compile_scope!r} must be one of {COMPILE_SCOPES}")
+        if self.loss_impl not in LOSS_IMPLS:
+            p.append(f"loss_impl={self.loss_impl!r} must be one of {LOSS_IMPLS}")
+        if self.fp8_head and self.loss_impl == "chunked":
+            p.append("fp8_head=True computes the full logits: use --loss-impl full or auto with --fp8-head")
+        if self.fp8_head and self.dtype == "float16":
+            p.append("fp8_head=True with dtype=float16: the loss scaler's range and FP8's do not mix; use bfloat16")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            p.append(
+                f"activation_checkpointing={self.activation_checkpointing!r} must be one of {ACTIVATION_CHECKPOINTING}"
+            )
+        return p
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """The run directory, its checkpoints and how a run starts."""
+
+    out_dir: str = ""
+    """Run directory: checkpoints, metrics, logs.
+
+    It holds metrics.jsonl, train.log, config.json, checkpoints/ and the loss curve."""
+    ckpt_interval: int = 1000
+    """Steps between checkpoints (0: the final only).
+
+    One is always written at the end; 0 writes only that one."""
+    keep_checkpoints: int = 3
+    """How many recent checkpoints to keep."""
+    async_ckpt: bool = True
+    """Write periodic checkpoints in the background.
+
+    Training stalls only while rank 0 copies the state to host memory (which then holds a second copy of it
+    until the write ends). The final checkpoint and a signal stop's are always written before the run ends."""
+    resume: str = "auto"
+    """auto (the newest checkpoint), never, or a path.
+
+    auto: the newest valid checkpoint in out_dir, else a fresh start; or a checkpoint path."""
+    init_from: str = ""
+    """Start a new run from trained weights.
+
+    Step, optimizer, schedule, data position and run id start fresh. The weights: a Hugging Face GPT-2
+    directory (`python -m gpt2.export`'s, or OpenAI's save_pretrained layout), a hub name (gpt2, gpt2-medium,
+    gpt2-large, gpt2-xl; needs the network and huggingface_hub), or one of our checkpoints (step_*.pt, a
+    sharded step_*/ directory, a run directory: its newest checkpoint). The model shape comes from the
+    weights. A run directory holding this run's own checkpoint resumes it instead (--resume auto: a requeue
+    with the same command continues; gpt2/train/init_from.py)."""
+
+    def __post_init__(self) -> None:
+        refuse_invalid(self)
+
+    def problems(self) -> list[str]:
+        p = _at_least(self, 1, "keep_checkpoints") + _at_least(self, 0, "ckpt_interval")
+        if self.resume in ("", None):
+            p.append("resume must be auto, never, or a checkpoint path")
+        if self.init_from and self.resume not in ("auto", "never"):
+            p.append(
+                f"init_from={self.init_from!r} starts a new run from weights and resume={self.resume!r} continues "
+                "a run: pass one of them (a requeued --init-from run resumes its own checkpoint with --resume auto)"
+            )
+        return p
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Validation loss, HellaSwag and text samples during training."""
+
+    eval_interval: int = 250
+    """Steps between val evaluations (0: the end only).
+
+    Validation-loss evaluations; 0 disables them except at the end."""
+    eval_tokens: int = 10_485_760
+    """Validation tokens per evaluation.
+
+    The first eval_tokens of the val shards, the same on every run."""
+    hellaswag_interval: int = 0
+    """Steps between HellaSwag evaluations (0: none).
+
+    And one at the end. Needs hellaswag_file."""
+    hellaswag_file: str = ""
+    """HellaSwag jsonl (downloaded there if missing).
+
+    Rows of ctx, endings, label; rank 0 downloads the validation set there if it is missing."""
+    sample_interval: int = 1000
+    """Steps between text samples (0: none).
+
+    Rank 0 prints them."""
+    sample_tokens: int = 32
+    """Tokens generated per sample."""
+    sample_prompt: str = ""
+    """Prompt for samples (none: <|endoftext|>)."""
+
+    def __post_init__(self) -> None:
+        refuse_invalid(self)
+
+    def problems(self) -> list[str]:
+        p = _at_least(self, 1, "sample_tokens")
+        p += _at_least(self, 0, "eval_interval", "eval_tokens", "sample_interval", "hellaswag_interval")
+        if self.hellaswag_interval and not self.hellaswag_file:
+            p.append("hellaswag_interval needs hellaswag_file: a HellaSwag jsonl path (downloaded there if missing)")
+        return p
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """What the run writes about itself and where."""
+
+    log_interval: int = 1
+    """Steps between log lines and metrics.jsonl records."""
     verbose: bool = False
     """The whole start-up plan on the console too.
 
@@ -644,164 +778,198 @@ class TrainConfig:
     Needs wandb."""
 
     def __post_init__(self) -> None:
-        refuse_non_finite(self)
-        problems = train_config_problems(self)
+        refuse_invalid(self)
+
+    def problems(self) -> list[str]:
+        return _at_least(self, 1, "log_interval")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """How ranks share the model and how long they wait for each other."""
+
+    parallel: str = "ddp"
+    """How the ranks share the model: ddp or fsdp.
+
+    ddp (every rank holds all weights, gradients and optimizer state; gradients all-reduced) or fsdp
+    (PyTorch's FSDP2 `fully_shard` on each block and the root: each rank holds 1/world_size of them and
+    gathers a block's weights only while computing it; gpt2/distributed/fsdp.py). fsdp is for models whose
+    state does not fit one device under DDP (`python -m gpt2.plan` says)."""
+    ddp_bucket_cap_mb: float = 25.0
+    """DDP's gradient bucket size in MiB.
+
+    DDP's own default is 25. Each bucket's all-reduce starts as soon as backward has produced its gradients,
+    also when compiled (one backward graph per bucket); the start-up bandwidth test times one bucket. At least
+    1: torch.compile's first graph split is 1 MiB."""
+    dist_timeout_s: float = 600.0
+    """Collective timeout in the slow phases (s).
+
+    The slow phases: start-up (process group, resume, the first step and its compilation) and every
+    checkpoint, evaluation and sample plus the step after it. A dead peer raises an error (gloo) or aborts the
+    process (NCCL) instead of hanging."""
+    dist_step_timeout_s: float = 300.0
+    """Collective timeout in steady training (s).
+
+    Set after the first step: a peer that died or hangs mid-run is found this fast. It bounds how far ranks
+    may drift apart within one step."""
+    gc_interval: int = 50
+    """Steps between Python GC runs (0: its own).
+
+    After start-up the collector is frozen and turned off, and every rank collects at the same step
+    every gc_interval steps (torchtitan's gc_freq): no rank pauses for a collection while the others
+    wait for it at the next all-reduce (gpt2/train/gc_steps.py; docs/performance.md has the measurement)."""
+
+    def __post_init__(self) -> None:
+        refuse_invalid(self)
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.parallel not in PARALLELS:
+            p.append(f"parallel={self.parallel!r} must be one of {PARALLELS}")
+        if not self.ddp_bucket_cap_mb >= 1:
+            p.append(
+                f"ddp_bucket_cap_mb={self.ddp_bucket_cap_mb} must be >= 1 (MiB): torch.compile splits the "
+                "backward at DDP's buckets and its first split is 1 MiB"
+            )
+        if self.gc_interval < 0:
+            p.append(f"gc_interval={self.gc_interval} must be >= 0 (0: Python's own garbage collection)")
+        for name in ("dist_timeout_s", "dist_step_timeout_s"):
+            if getattr(self, name) <= 0:
+                p.append(f"{name}={getattr(self, name)} must be > 0")
+        return p
+
+
+TRAIN_SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "batch": BatchConfig,
+    "schedule": ScheduleConfig,
+    "optim": OptimConfig,
+    "spike": SpikeConfig,
+    "compute": ComputeConfig,
+    "ckpt": CheckpointConfig,
+    "eval": EvalConfig,
+    "log": LogConfig,
+    "distributed": DistributedConfig,
+}
+"""TrainConfig's sections by attribute, in --help's order: each is a heading of --help and may be a table of a
+--config file ([optim] lr = 3e-4), and each validates itself; TrainConfig checks what spans two of them."""
+
+SECTION_OF: dict[str, str] = {f.name: s for s, c in TRAIN_SECTIONS.items() for f in dataclasses.fields(c)}
+"""Each training field (a flag's name: lr, parallel, ...) -> its section. The names are unique across sections,
+so a flag, a preset entry or a flat config file names a field without its section."""
+
+INVALID_TRAINING = "invalid training config:\n  - "
+
+
+def refuse_invalid(section) -> None:
+    """A section's __post_init__: non-finite floats first (refuse_non_finite says why), then its problems."""
+    refuse_non_finite(section)
+    problems = section.problems()
+    if problems:
+        raise ValueError(INVALID_TRAINING + "\n  - ".join(problems))
+
+
+def _at_least(section, low: int, *names: str) -> list[str]:
+    return [f"{n}={getattr(section, n)} must be >= {low}" for n in names if getattr(section, n) < low]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How to train: one section per --help heading, each a frozen dataclass that validates itself.
+
+    Parts take the section they need (SpikeGuard(tc.spike), make_optimizer(..., tc.optim, ...)). The flag
+    vocabulary is flat (--lr, --parallel): TrainConfig.of(**flags) and replace(**flags) place each name in its
+    section (SECTION_OF), and a config written flat by an older version (config.json, a checkpoint, a --config
+    file) loads through from_dict."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in TRAIN_SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"TrainConfig.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+        problems = cross_section_problems(self)
         if problems:
-            raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
+            raise ValueError(INVALID_TRAINING + "\n  - ".join(problems))
+
+    @classmethod
+    def of(cls, **values) -> TrainConfig:
+        """From flat field names (as flags and presets give them), every problem of every section at once."""
+        unknown = sorted(set(values) - set(SECTION_OF))
+        if unknown:
+            raise TypeError(f"unknown training fields {unknown}; see train_ddp.py --help")
+        per_section: dict[str, dict] = {s: {} for s in TRAIN_SECTIONS}
+        for name, value in values.items():
+            per_section[SECTION_OF[name]][name] = value
+        built, problems = {}, []
+        for s, section_cls in TRAIN_SECTIONS.items():
+            try:
+                built[s] = section_cls(**per_section[s])
+            except ValueError as e:
+                if not str(e).startswith(INVALID_TRAINING):
+                    raise  # a non-finite number: its own one line
+                problems += str(e).removeprefix(INVALID_TRAINING).split("\n  - ")
+        if problems:
+            raise ValueError(INVALID_TRAINING + "\n  - ".join(problems))
+        return cls(**built)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainConfig:
+        """A TrainConfig from to_dict()'s sections or a flat dict (what versions before the sections wrote)."""
+        return cls.of(**train_values(data))
 
     def replace(self, **changes) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
+        """A new validated config with these fields (flat names, as flags) changed."""
+        return TrainConfig.of(**{**self.flat(), **changes})
+
+    def flat(self) -> dict:
+        """Every field by its flag's name, in --help's order."""
+        return {
+            f.name: getattr(getattr(self, s), f.name)
+            for s in TRAIN_SECTIONS
+            for f in dataclasses.fields(getattr(self, s))
+        }
+
+    def to_dict(self) -> dict:
+        return {s: dataclasses.asdict(getattr(self, s)) for s in TRAIN_SECTIONS}
 
 
-def train_config_problems(cfg: TrainConfig) -> list[str]:
-    """Every problem of a TrainConfig, one line each, in the order of its parts."""
-    return [
-        *_size_problems(cfg),
-        *_setting_problems(cfg),
-        *_parallel_and_precision_problems(cfg),
-        *_optimizer_problems(cfg),
-        *_distributed_problems(cfg),
-        *_start_problems(cfg),
-    ]
+def train_values(data: dict) -> dict:
+    """The flat {field: value} of a saved training config, sectioned (to_dict) or flat (before the sections);
+    unvalidated, so a record with fields this version no longer has can still be compared."""
+    flat = {}
+    for key, value in data.items():
+        if key in TRAIN_SECTIONS and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
 
 
-def _size_problems(cfg: TrainConfig) -> list[str]:
-    """Counts and intervals: the micro-batch, the steps, the intervals, the compile cache's name."""
+def cross_section_problems(tc: TrainConfig) -> list[str]:
+    """What no one section can see: settings of two sections that cannot go together."""
     p = []
-    positive = (
-        "total_batch_size",
-        "max_steps",
-        "log_interval",
-        "keep_checkpoints",
-        "sample_tokens",
-        "max_bad_steps",
-        "spike_rollback_after",
-        "spike_max_rollbacks",
-    )
-    non_negative = (
-        "warmup_steps",
-        "decay_steps",
-        "eval_interval",
-        "eval_tokens",
-        "sample_interval",
-        "ckpt_interval",
-        "num_threads",
-        "hellaswag_interval",
-    )
-    if not cfg.compile_cache.strip():
-        p.append("compile_cache='' must be auto, off or a directory")
-    mb = cfg.micro_batch_size
-    if mb != "auto" and (not isinstance(mb, int) or isinstance(mb, bool) or mb < 1):
-        p.append(f"micro_batch_size={mb!r} must be a positive integer or auto")
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            p.append(f"{name}={getattr(cfg, name)} must be >= 1")
-    for name in non_negative:
-        if getattr(cfg, name) < 0:
-            p.append(f"{name}={getattr(cfg, name)} must be >= 0")
-    return p
-
-
-def _setting_problems(cfg: TrainConfig) -> list[str]:
-    """Named choices (device, data checks and order, dtype) and the learning rates."""
-    from gpt2.core.precision import DTYPES  # here, not at the top: data_prep imports this module without torch
-
-    p = []
-    if cfg.device not in DEVICES:
-        p.append(f"device={cfg.device!r} must be one of {DEVICES}")
-    if cfg.verify_data not in VERIFY_DATA:
-        p.append(f"verify_data={cfg.verify_data!r} must be one of {VERIFY_DATA}")
-    if cfg.data_order not in ("shuffled", "sequential"):
-        p.append(f"data_order={cfg.data_order!r} must be shuffled or sequential")
-    if cfg.dtype not in DTYPES:
-        p.append(f"dtype={cfg.dtype!r} must be one of {DTYPES}")
-    if not cfg.lr > 0:
-        p.append(f"lr={cfg.lr} must be > 0")
-    if not 0 <= cfg.min_lr <= cfg.lr:
-        p.append(f"min_lr={cfg.min_lr} must be between 0 and lr={cfg.lr}")
-    return p
-
-
-def _parallel_and_precision_problems(cfg: TrainConfig) -> list[str]:
-    """Parallelism, compilation, the loss path, the FP8 head, activation checkpointing."""
-    p = []
-    if cfg.parallel not in PARALLELS:
-        p.append(f"parallel={cfg.parallel!r} must be one of {PARALLELS}")
-    p += fsdp_problems(cfg)
-    if cfg.compile_scope not in COMPILE_SCOPES:
-        p.append(f"compile_scope={cfg.compile_scope!r} must be one of {COMPILE_SCOPES}")
-    if cfg.loss_impl not in LOSS_IMPLS:
-        p.append(f"loss_impl={cfg.loss_impl!r} must be one of {LOSS_IMPLS}")
-    if cfg.fp8_head and cfg.loss_impl == "chunked":
-        p.append("fp8_head=True computes the full logits: use --loss-impl full or auto with --fp8-head")
-    if cfg.fp8_head and cfg.dtype == "float16":
-        p.append("fp8_head=True with dtype=float16: the loss scaler's range and FP8's do not mix; use bfloat16")
-    if cfg.fp8_head and cfg.parallel == "fsdp":
+    if tc.compute.fp8_head and tc.distributed.parallel == "fsdp":
         p.append("fp8_head=True with parallel=fsdp is not supported (the head's weight is sharded); use ddp")
-    if cfg.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        p.append(f"activation_checkpointing={cfg.activation_checkpointing!r} must be one of {ACTIVATION_CHECKPOINTING}")
-    return p
+    return p + fsdp_problems(tc)
 
 
-def _optimizer_problems(cfg: TrainConfig) -> list[str]:
-    """The optimizer's and the spike guard's settings."""
-    p = []
-    if cfg.optimizer not in OPTIMIZERS:
-        p.append(f"optimizer={cfg.optimizer!r} must be one of {OPTIMIZERS}")
-    if cfg.muon_lr <= 0 or not 0 <= cfg.muon_momentum < 1 or cfg.muon_weight_decay < 0:
-        p.append(
-            f"muon_lr={cfg.muon_lr} must be > 0, muon_momentum={cfg.muon_momentum} in [0, 1) and "
-            f"muon_weight_decay={cfg.muon_weight_decay} >= 0"
-        )
-    if cfg.spike_window < 8:  # a standard deviation of fewer steps is noise itself
-        p.append(f"spike_window={cfg.spike_window} must be >= 8")
-    if not (cfg.spike_loss_z > 0 and cfg.spike_norm_z > 0):
-        p.append(f"spike_loss_z={cfg.spike_loss_z} and spike_norm_z={cfg.spike_norm_z} must be > 0")
-    if cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.eps <= 0:
-        p.append("weight_decay and grad_clip must be >= 0 and eps > 0")
-    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
-        p.append(f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
-    return p
-
-
-def _distributed_problems(cfg: TrainConfig) -> list[str]:
-    """DDP's buckets, garbage collection, the collectives' timeouts."""
-    p = []
-    if not cfg.ddp_bucket_cap_mb >= 1:
-        p.append(
-            f"ddp_bucket_cap_mb={cfg.ddp_bucket_cap_mb} must be >= 1 (MiB): torch.compile splits the "
-            "backward at DDP's buckets and its first split is 1 MiB"
-        )
-    if cfg.gc_interval < 0:
-        p.append(f"gc_interval={cfg.gc_interval} must be >= 0 (0: Python's own garbage collection)")
-    for name in ("dist_timeout_s", "dist_step_timeout_s"):
-        if getattr(cfg, name) <= 0:
-            p.append(f"{name}={getattr(cfg, name)} must be > 0")
-    return p
-
-
-def _start_problems(cfg: TrainConfig) -> list[str]:
-    """How the run starts (resume, init_from) and what it evaluates from a file (HellaSwag)."""
-    p = []
-    if cfg.hellaswag_interval and not cfg.hellaswag_file:
-        p.append("hellaswag_interval needs hellaswag_file: a HellaSwag jsonl path (downloaded there if missing)")
-    if cfg.resume in ("", None):
-        p.append("resume must be auto, never, or a checkpoint path")
-    if cfg.init_from and cfg.resume not in ("auto", "never"):
-        p.append(
-            f"init_from={cfg.init_from!r} starts a new run from weights and resume={cfg.resume!r} continues "
-            "a run: pass one of them (a requeued --init-from run resumes its own checkpoint with --resume auto)"
-        )
-    return p
-
-
-def fsdp_problems(cfg: TrainConfig) -> list[str]:
+def fsdp_problems(tc: TrainConfig) -> list[str]:
     """What --parallel fsdp cannot train (refused at any world size, so a config that starts on one
     process does not fail later on eight)."""
-    if cfg.parallel != "fsdp":
+    if tc.distributed.parallel != "fsdp":
         return []
     p = []
-    if cfg.dtype == "float16":
+    if tc.compute.dtype == "float16":
         # fp16 needs a loss scaler whose inf/NaN check sees every rank's shard of the gradients;
         # torch's GradScaler checks only this rank's, so ranks could disagree on skipping a step.
         p.append(
@@ -819,7 +987,12 @@ class RunConfig:
     train: TrainConfig
 
     def to_dict(self) -> dict:
-        return {"model": dataclasses.asdict(self.model), "train": dataclasses.asdict(self.train)}
+        return {"model": dataclasses.asdict(self.model), "train": self.train.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunConfig:
+        """to_dict()'s inverse; also reads the flat training configs written before the sections."""
+        return cls(ModelConfig(**data["model"]), TrainConfig.from_dict(data["train"]))
 
 
 SPEED_RECIPE = dict(

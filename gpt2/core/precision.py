@@ -46,8 +46,8 @@ class Precision:
 
     @classmethod
     def of_config(cls, tc, device_type: str) -> Precision:
-        """A resolved TrainConfig's precision (tc.dtype is not auto) on a device type."""
-        return cls(tc.dtype, tc.dtype, tf32=tc.tf32 and device_type == "cuda")
+        """A resolved TrainConfig's precision (tc.compute.dtype is not auto) on a device type."""
+        return cls(tc.compute.dtype, tc.compute.dtype, tf32=tc.compute.tf32 and device_type == "cuda")
 
     @classmethod
     def from_key(cls, key: str) -> Precision:

@@ -163,7 +163,7 @@ class FixedBatch:
 def rung_config(rung: Rung, shape: ModelConfig, batch: int, device: torch.device) -> RunConfig:
     """The training run a rung is: its switches as the trainer's settings, one micro-batch per step."""
     model = shape.replace(attn_impl=rung.attn_impl, vocab_size=rung.vocab_size)
-    train = TrainConfig(
+    train = TrainConfig.of(
         device=device.type,
         dtype="bfloat16" if rung.bf16 else "float32",
         compile=rung.compile,
@@ -182,16 +182,16 @@ def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.devic
     compiles), warmed up: a compiled rung compiles here."""
     cfg = rung_config(rung, shape, batch, device)
     tc = cfg.train
-    prec = Precision(tc.dtype, tc.dtype)  # a rung's dtype is one of the ladder's own names, never auto
+    prec = Precision(tc.compute.dtype, tc.compute.dtype)  # a rung's dtype is one of the ladder's own names, never auto
     dist = single_process(device)
-    torch.manual_seed(tc.seed)
+    torch.manual_seed(tc.data.seed)
     model = GPT(cfg.model).to(device)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, GPT2_VOCAB_SIZE, (2, batch, shape.block_size), generator=gen).to(device)
     parts = Parts(
         model=model,
-        train_model=torch.compile(model) if tc.compile else model,
-        optimizer=make_optimizer(model, tc, device),
+        train_model=torch.compile(model) if tc.compute.compile else model,
+        optimizer=make_optimizer(model, tc.optim, device, peak_lr=tc.schedule.lr, dtype=tc.compute.dtype),
         loader=FixedBatch(x, y),
         val_loader=None,
         accum_steps=1,
@@ -201,7 +201,7 @@ def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.devic
 
     def step() -> float:
         # TF32 is set per step (the trainer sets it once, in configure_backends): rungs alternate.
-        with matmul_precision(tc.tf32 and device.type == "cuda"):
+        with matmul_precision(tc.compute.tf32 and device.type == "cuda"):
             return train_step(parts, cfg, dist, False)["loss"]
 
     first_loss = step()  # same seed and tokens on every rung: these should agree closely

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from gpt2.ckpt.checkpoint import load_checkpoint
+from gpt2.core.config import train_values
 from gpt2.doctor.context import Context
 from gpt2.doctor.results import Section
 from gpt2.doctor.train_runs import (
@@ -64,12 +65,12 @@ LEARNS_MARGIN = 0.01
 def fast_settings(run: TrainRun, device: torch.device) -> tuple[str, bool]:
     """(dtype, whether TF32 matmuls ran) of a finished run, from its config.json."""
     info = run.info()
-    return info["precision"]["dtype"], bool(info["config"]["train"]["tf32"]) and device.type == "cuda"
+    return info["precision"]["dtype"], bool(train_values(info["config"]["train"])["tf32"]) and device.type == "cuda"
 
 
 def settings_line(info: dict, tf32: bool) -> str:
     """What a finished run computed with, from its config.json: dtype, compile, attention, TF32, loss."""
-    train, model = info["config"]["train"], info["config"]["model"]
+    train, model = train_values(info["config"]["train"]), info["config"]["model"]
     return (
         f"{info['precision']['dtype']}, {'torch.compile' if train['compile'] else 'eager'}, "
         f"attention {model['attn_impl']}, TF32 {'on' if tf32 else 'off'}, {info['loss']['impl']} loss"

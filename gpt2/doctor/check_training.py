@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
+from gpt2.core.config import RunConfig
 from gpt2.doctor.check_correctness import fast_settings, loss_span
 from gpt2.doctor.context import Context
 from gpt2.doctor.results import NA, Section
@@ -44,8 +44,7 @@ def one_rank_run(ctx: Context) -> TrainRun:
 
 def train_run_config(run: TrainRun) -> RunConfig:
     """The config a finished run resolved (auto micro-batch, dtype and loss path made concrete)."""
-    cfg = run.info()["config"]
-    return RunConfig(ModelConfig(**cfg["model"]), TrainConfig(**cfg["train"]))
+    return RunConfig.from_dict(run.info()["config"])
 
 
 def training(ctx: Context) -> Section:
@@ -60,8 +59,9 @@ def training(ctx: Context) -> Section:
     s.info(
         "run",
         f"--preset gpt2{' (tiny shape)' if ctx.device.type == 'cpu' else ''}: micro-batch "
-        f"{tc.micro_batch_size} (auto) x {cfg.model.block_size}, {info['accum_steps']} micro-step(s), "
-        f"{tc.dtype}, compile {tc.compile}, {tc.loss_impl} loss; {len(records)} steps in {run.seconds:.0f} s",
+        f"{tc.batch.micro_batch_size} (auto) x {cfg.model.block_size}, {info['accum_steps']} micro-step(s), "
+        f"{tc.compute.dtype}, compile {tc.compute.compile}, {tc.compute.loss_impl} loss; {len(records)} steps in "
+        f"{run.seconds:.0f} s",
     )
     s.info("tokens/s", f"{tok_s:,.0f} (median of steps {warm + 1}-{len(records)})")
     peak = info.get("peak_flops_per_rank")
@@ -73,9 +73,9 @@ def training(ctx: Context) -> Section:
         "mfu": mfu,
         "peak_flops": peak,
         "seconds": run.seconds,
-        "micro_batch_size": tc.micro_batch_size,
+        "micro_batch_size": tc.batch.micro_batch_size,
         "accum_steps": info["accum_steps"],
-        "dtype": tc.dtype,
+        "dtype": tc.compute.dtype,
         "losses": run.losses(),
         **memory_rows(s, ctx, cfg, records, peak),
     }

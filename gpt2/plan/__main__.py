@@ -143,7 +143,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         world_size=args.world_size, gpu=gpu, gpu_memory_gb=args.gpu_memory_gb, gpu_peak_tflops=args.gpu_peak_tflops
     )
     tokens = None if args.tokens is None else int(args.tokens)
-    return resolve_choices(RunConfig(cfg, TrainConfig(**train)), target, tokens=tokens, mfu=args.mfu).plan
+    return resolve_choices(RunConfig(cfg, TrainConfig.of(**train)), target, tokens=tokens, mfu=args.mfu).plan
 
 
 def planned_for(args: argparse.Namespace, p: Plan) -> str:

@@ -50,10 +50,14 @@ class ACChoice:
 
 
 def choose_activation_checkpointing(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1) -> ACChoice:
-    """none or full for cfg.train.activation_checkpointing (auto: the module docstring's rule) at world_size.
-    Decided before the micro-batch (cfg.train.micro_batch_size, a number or auto), which auto then sizes
+    """none or full for cfg.train.compute.activation_checkpointing (auto: the module docstring's rule) at world_size.
+    Decided before the micro-batch (cfg.train.batch.micro_batch_size, a number or auto), which auto then sizes
     with the chosen activation memory."""
-    model, requested, micro_batch_size = cfg.model, cfg.train.activation_checkpointing, cfg.train.micro_batch_size
+    model, requested, micro_batch_size = (
+        cfg.model,
+        cfg.train.compute.activation_checkpointing,
+        cfg.train.batch.micro_batch_size,
+    )
     seq_len = model.block_size
     share = recompute_flops_per_token(model, seq_len) / flops_per_token(model, seq_len)
     if requested == "none":

@@ -102,7 +102,7 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int, m
     one between are timed (at most PROBE_MAX_TOKENS a micro-step), and the smallest within MEASURED_TIE of
     the fastest is taken."""
     model, tc, seq_len = cfg.model, cfg.train, cfg.model.block_size
-    grad_accum_steps(tc.total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
+    grad_accum_steps(tc.batch.total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
     fits = max_micro_batch_size(cfg, hardware, world_size=world_size, headroom=AUTO_HEADROOM)
     margin = f"fits with the plan's {PLAN_ERROR:.0%} margin up to {fits}"
     if not fits:
@@ -110,9 +110,9 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int, m
         margin = f"none fits with the plan's {PLAN_ERROR:.0%} margin; without it up to {fits}"
     if not fits:
         raise ValueError(does_not_fit(cfg, hardware, world_size=world_size))
-    seqs = tc.total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
+    seqs = tc.batch.total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
     sizes = [b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0]
-    if tc.parallel == "fsdp" and world_size > 1:
+    if tc.distributed.parallel == "fsdp" and world_size > 1:
         return MicroBatchChoice(
             sizes[-1],
             f"the largest that {margin} and divides the global batch (fsdp: every "
@@ -120,7 +120,7 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int, m
         )
 
     def chunked(b: int) -> bool:
-        if not tc.compile:
+        if not tc.compute.compile:
             return False  # uncompiled, which loss is faster is measured at start-up, not modelled
         at_b = RunConfig(model, tc.replace(micro_batch_size=b, loss_impl="auto"))
         return choose_loss_impl(at_b, hardware, world_size=world_size).impl == "chunked"

@@ -147,7 +147,7 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *, tf32: b
     An unlisted one gets None (callers show MFU as n/a), not a measured rate: a measured matmul
     rate is an achievable rate, below the data-sheet peak, so MFU against it would be inflated and
     not comparable with anyone else's. tf32: whether fp32 matmuls run on TF32 tensor cores (the run's
-    TrainConfig.tf32), passed rather than read back from torch's global state; for fp32 on CUDA it
+    TrainConfig.compute.tf32), passed rather than read back from torch's global state; for fp32 on CUDA it
     selects the TF32 peak.
 
     A CPU has no data sheet to compare with, so it gets its measured matmul peak

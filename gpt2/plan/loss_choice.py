@@ -62,7 +62,7 @@ class LossChoice:
 
 def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1, measure_eager=None) -> LossChoice:
     """The loss path for cfg's micro-batch, already chosen (see FULL_LOSS_MEMORY_SHARE), at world_size.
-    Requested: cfg.train.loss_impl, auto, chunked or full. Uncompiled (cfg.train.compile), auto takes
+    Requested: cfg.train.compute.loss_impl, auto, chunked or full. Uncompiled (cfg.train.compute.compile), auto takes
     the full loss only where it also fits and measure_eager() (gpt2.plan.loss_probe.EagerLossTimes of this
     CPU at this shape, asked only then) found it clearly faster; with nothing to measure (None: a GPU, a
     rehearsal for other hardware), the chunked one. The memory counts the run's activation checkpointing.
@@ -70,10 +70,10 @@ def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1,
     explicit micro-batch (same threshold); one that only exceeds the share or the reserve is taken,
     and the reason says so."""
     tc = cfg.train
-    requested, micro_batch_size, compiled = tc.loss_impl, tc.micro_batch_size, tc.compile
+    requested, micro_batch_size, compiled = tc.compute.loss_impl, tc.batch.micro_batch_size, tc.compute.compile
     if requested == "chunked":
         return LossChoice("chunked", "--loss-impl chunked")
-    if tc.fp8_head and requested == "auto":
+    if tc.compute.fp8_head and requested == "auto":
         requested = "full"  # the FP8 head multiplies the whole logits at once (gpt2/model/fp8.py)
     # What the full loss really holds: compiled, inductor's fused loss (COMPILED_FULL_LOSS_BYTES);
     # uncompiled, eager's several (B, T, V) tensors.
@@ -99,7 +99,7 @@ def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1,
             )
         over = [] if peak <= share else [f"above the 1/{FULL_LOSS_MEMORY_SHARE} share auto allows"]
         over += [] if total <= usable else [f"plan {gib(total)} over the {gib(usable)} usable"]
-        how = "--fp8-head" if tc.fp8_head and tc.loss_impl == "auto" else "--loss-impl full"
+        how = "--fp8-head" if tc.compute.fp8_head and tc.compute.loss_impl == "auto" else "--loss-impl full"
         return LossChoice("full", f"{how}; {logits}" + (f", {' and '.join(over)}" if over else ""))
     if peak > share:
         return LossChoice("chunked", f"auto: {logits} > 1/{FULL_LOSS_MEMORY_SHARE} of {gib(usable)} usable")

@@ -250,7 +250,9 @@ def run_config(
     if "total_batch_size" not in train:
         train["total_batch_size"] = micro_batch_size * model.block_size * world_size
     train.setdefault("compile", False)
-    return RunConfig(model, TrainConfig(dtype=prec.dtype, tf32=prec.tf32, micro_batch_size=micro_batch_size, **train))
+    return RunConfig(
+        model, TrainConfig.of(dtype=prec.dtype, tf32=prec.tf32, micro_batch_size=micro_batch_size, **train)
+    )
 
 
 def memory(
@@ -270,14 +272,19 @@ def memory(
     checkpointed (default: activation_checkpointing is full). The device's total bytes size the loss's
     chunks on CUDA (see loss_bytes)."""
     tc, model = cfg.train, cfg.model
-    micro_batch_size = tc.micro_batch_size if micro_batch_size is None else micro_batch_size
+    micro_batch_size = tc.batch.micro_batch_size if micro_batch_size is None else micro_batch_size
     seq_len = model.block_size
     if accum_steps is None:
-        accum_steps = grad_accum_steps(tc.total_batch_size, micro_batch_size, seq_len, world_size)
-    checkpointed = tc.activation_checkpointing == "full" if checkpointed is None else checkpointed
+        accum_steps = grad_accum_steps(tc.batch.total_batch_size, micro_batch_size, seq_len, world_size)
+    checkpointed = tc.compute.activation_checkpointing == "full" if checkpointed is None else checkpointed
     dtype = Precision.of_config(tc, hardware.device_type).key
     device_type, device_memory = hardware.device_type, hardware.memory_bytes
-    optimizer, parallel, chunked_loss, compiled = tc.optimizer, tc.parallel, tc.loss_impl != "full", tc.compile
+    optimizer, parallel, chunked_loss, compiled = (
+        tc.optim.optimizer,
+        tc.distributed.parallel,
+        tc.compute.loss_impl != "full",
+        tc.compute.compile,
+    )
     n = param_count(model)
     autocast = dtype in AUTOCAST_DTYPES
     flash = activation_bytes(model, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=True)
@@ -538,7 +545,7 @@ def max_micro_batch_size(
         )
 
     whole = None  # the micro-batch with no accumulation, when there is one
-    total_batch_size = cfg.train.total_batch_size
+    total_batch_size = cfg.train.batch.total_batch_size
     if accumulate is None and total_batch_size % (seq_len * world_size) == 0:
         whole = total_batch_size // (seq_len * world_size)
     if not fits(1):
@@ -563,8 +570,12 @@ def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:
     """The one message for a model that cannot train even one sequence per device: which model, where,
     what it needs against what there is, and the changes that would make it fit."""
     tc = cfg.train
-    checkpointed = tc.activation_checkpointing == "full"
-    dtype, optimizer, parallel = Precision.of_config(tc, hardware.device_type).key, tc.optimizer, tc.parallel
+    checkpointed = tc.compute.activation_checkpointing == "full"
+    dtype, optimizer, parallel = (
+        Precision.of_config(tc, hardware.device_type).key,
+        tc.optim.optimizer,
+        tc.distributed.parallel,
+    )
 
     def one(checkpointed: bool = checkpointed, **change) -> Memory:
         run = sizing(RunConfig(cfg.model, tc.replace(**change)))

@@ -39,7 +39,7 @@ class Plan:
     """Largest micro-batch whose total fits in hardware memory minus its reserve (0 if none)."""
     flops_per_token: float
     parallel: str = "ddp"
-    """ddp or fsdp (TrainConfig.parallel): what memory counts (Memory.shards)."""
+    """ddp or fsdp (TrainConfig.distributed.parallel): what memory counts (Memory.shards)."""
     micro_batch_choice: MicroBatchChoice | None = None
     """--micro-batch-size auto's choice and its reason, where resolve made it; None: given."""
     recompute_flops_per_token: float = 0.0
@@ -109,19 +109,19 @@ def plan(
     """Memory per device, the largest micro-batch that fits, and time estimates of the run cfg (its
     micro-batch a number, its dtype not auto) on hardware at world_size. Pure arithmetic.
 
-    cfg.train.total_batch_size must be a multiple of micro_batch_size * block_size * world_size. The memory
+    cfg.train.batch.total_batch_size must be a multiple of micro_batch_size * block_size * world_size. The memory
     counts the loss path loss_impl names (chunked unless full; the largest micro-batch is always the chunked
     loss's, see choose_loss_impl) and the compilation (the full loss's peak differs, loss_bytes);
     activation_checkpointing full: every block recomputed in the backward (its memory and its extra FLOPs).
     tokens: the budget of the time estimates, or None; mfu: their assumed utilisation.
     """
     model, tc = cfg.model, cfg.train
-    seq_len, micro_batch_size = model.block_size, tc.micro_batch_size
-    checkpointed = tc.activation_checkpointing == "full"
+    seq_len, micro_batch_size = model.block_size, tc.batch.micro_batch_size
+    checkpointed = tc.compute.activation_checkpointing == "full"
     problems = _plan_problems(micro_batch_size, world_size, mfu, tokens)
     if problems:
         raise ValueError("invalid plan:\n  - " + "\n  - ".join(problems))
-    grad_accum_steps(tc.total_batch_size, micro_batch_size, seq_len, world_size)  # whole, else its error
+    grad_accum_steps(tc.batch.total_batch_size, micro_batch_size, seq_len, world_size)  # whole, else its error
     return Plan(
         cfg=model,
         run=cfg,
@@ -130,14 +130,14 @@ def plan(
         world_size=world_size,
         dtype=Precision.of_config(tc, hardware.device_type).key,
         hardware=hardware,
-        total_batch_size=tc.total_batch_size,
+        total_batch_size=tc.batch.total_batch_size,
         tokens=tokens,
         mfu=mfu,
         n_params=param_count(model),
         n_params_formula=count_params_formula(model),
         memory=memory(cfg, hardware, world_size=world_size),
         flops_per_token=flops_per_token(model, seq_len),
-        parallel=tc.parallel,
+        parallel=tc.distributed.parallel,
         recompute_flops_per_token=recompute_flops_per_token(model, seq_len) if checkpointed else 0.0,
         max_micro_batch_size=max_micro_batch_size(cfg, hardware, world_size=world_size),
     )

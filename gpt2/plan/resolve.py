@@ -116,9 +116,9 @@ def resolve_choices(
     budget (default max_steps x total_batch_size); mfu: the plan's assumed utilisation; start: the resume
     point the start-up chose (kept in the record)."""
     tc, world = cfg.train, target.world_size
-    if tc.fp8_head and (why := fp8_problem(target.device)):
+    if tc.compute.fp8_head and (why := fp8_problem(target.device)):
         raise ValueError(why)
-    prec = target_precision(tc.dtype, target, tf32=tc.tf32 and target.device_type == "cuda")
+    prec = target_precision(tc.compute.dtype, target, tf32=tc.compute.tf32 and target.device_type == "cuda")
     peak, peak_why = mfu_peak(target.device, prec) if target.device is not None else (None, "")
     hardware = target_hardware(target, prec, peak)
     if target.device is None:  # a hypothetical GPU: its data sheet's peak, or why there is none
@@ -128,11 +128,11 @@ def resolve_choices(
     cfg = with_train(cfg, dtype=prec.dtype)
     ac = choose_activation_checkpointing(cfg, hardware, world_size=world)
     cfg = with_train(cfg, activation_checkpointing=ac.mode)
-    auto_mb = tc.micro_batch_size == "auto"
+    auto_mb = tc.batch.micro_batch_size == "auto"
     mb = (
         choose_micro_batch(cfg, hardware, world_size=world, measure=batch_measure(cfg, prec, hardware, world, target))
         if auto_mb
-        else MicroBatchChoice(tc.micro_batch_size, "--micro-batch-size")
+        else MicroBatchChoice(tc.batch.micro_batch_size, "--micro-batch-size")
     )
     cfg = with_train(cfg, micro_batch_size=mb.size)
     loss = choose_loss_impl(
@@ -140,11 +140,11 @@ def resolve_choices(
     )
     cfg = with_train(cfg, loss_impl=loss.impl)
     tc = cfg.train
-    tokens = tc.max_steps * tc.total_batch_size if tokens is None else tokens
+    tokens = tc.schedule.max_steps * tc.batch.total_batch_size if tokens is None else tokens
     p = plan(cfg, hardware, world_size=world, mfu=mfu, tokens=tokens)
     p = dataclasses.replace(p, micro_batch_choice=mb if auto_mb else None)
     warning = None if target.device is None else precision_choice.emulation_warning(prec, target.device)
-    parallel = parallelism(tc.parallel, world)
+    parallel = parallelism(tc.distributed.parallel, world)
     return Resolved(
         cfg,
         prec,
@@ -153,8 +153,8 @@ def resolve_choices(
         loss,
         p,
         parallel=parallel,
-        accum_steps=grad_accum_steps(tc.total_batch_size, mb.size, cfg.model.block_size, world),
-        compile=compiled_scope(tc.compile, tc.compile_scope, parallel),
+        accum_steps=grad_accum_steps(tc.batch.total_batch_size, mb.size, cfg.model.block_size, world),
+        compile=compiled_scope(tc.compute.compile, tc.compute.compile_scope, parallel),
         peak=peak,
         peak_why=peak_why,
         start=start,
@@ -237,7 +237,7 @@ def batch_measure(cfg: RunConfig, prec: Precision, hardware: Hardware, world: in
     tokens/s at a few micro-batches, each with the loss path --loss-impl would take at it; cached); None
     elsewhere (a GPU, a compiled run, a rehearsal for other hardware)."""
     device = target.device
-    if device is None or device.type != "cpu" or cfg.train.compile:
+    if device is None or device.type != "cpu" or cfg.train.compute.compile:
         return None
     from gpt2.plan.batch_probe import micro_batch_rates
 

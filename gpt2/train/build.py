@@ -37,58 +37,61 @@ def build(decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet, Sh
     tc, mc = cfg.train, cfg.model
     train_shards, val_shards = shards
     start, fsdp = decided.start, decided.parallel == "fsdp"
-    torch.manual_seed(tc.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    torch.manual_seed(tc.data.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
     # Activation checkpointing is set at construction, before fully_shard and torch.compile see the blocks
     # (torchtitan's order: AC, then compile, then FSDP).
     model = GPT(
         mc,
-        loss_impl=tc.loss_impl,
-        activation_checkpointing=tc.activation_checkpointing == "full",
-        fp8_head=tc.fp8_head,
+        loss_impl=tc.compute.loss_impl,
+        activation_checkpointing=tc.compute.activation_checkpointing == "full",
+        fp8_head=tc.compute.fp8_head,
     ).to(dist.device)
     init_record = None
-    if tc.init_from:  # the source's weights over the fresh ones (the random numbers drawn are the same)
+    if tc.ckpt.init_from:  # the source's weights over the fresh ones (the random numbers drawn are the same)
         from gpt2.train.init_from import start_from_weights
 
         init_record = start_from_weights(
-            model, tc.init_from, start.point, tc.out_dir, start.run_id, dist, log, broadcast=fsdp
+            model, tc.ckpt.init_from, start.point, tc.ckpt.out_dir, start.run_id, dist, log, broadcast=fsdp
         )
     if fsdp:  # before the optimizer: it must hold the shards, not the full weights
         model = shard_fsdp(model, dist, decided.precision)
     # From here on each rank draws its own random numbers: with one seed for all, every rank would
     # drop out the same units (dropout > 0) and the ranks' noise would not average out.
-    torch.manual_seed(tc.seed + dist.rank)
-    optimizer = make_optimizer(model, tc, dist.device, dist)
+    torch.manual_seed(tc.data.seed + dist.rank)
+    optimizer = make_optimizer(model, tc.optim, dist.device, peak_lr=tc.schedule.lr, dtype=tc.compute.dtype, dist=dist)
     loader = TrainLoader(
         train_shards,
-        BatchLayout(tc.micro_batch_size, mc.block_size, tc.total_batch_size, dist.world_size),
+        BatchLayout(tc.batch.micro_batch_size, mc.block_size, tc.batch.total_batch_size, dist.world_size),
         rank=dist.rank,
-        seed=tc.seed,
+        seed=tc.data.seed,
         device=dist.device,
-        pin_memory=tc.pin_memory,
-        order=tc.data_order,
+        pin_memory=tc.compute.pin_memory,
+        order=tc.data.data_order,
         defer_bad_tokens=True,  # train_step stops every rank alike
     )
     val_loader = None
     if val_shards is not None:
         val_loader = EvalLoader(
             val_shards,
-            micro_batch_size=tc.micro_batch_size,
+            micro_batch_size=tc.batch.micro_batch_size,
             seq_len=mc.block_size,
-            eval_tokens=tc.eval_tokens,
+            eval_tokens=tc.eval.eval_tokens,
             rank=dist.rank,
             world_size=dist.world_size,
             device=dist.device,
-            pin_memory=tc.pin_memory,
+            pin_memory=tc.compute.pin_memory,
         )
         if val_loader.clamped:
             log.warn(
-                f"--eval-tokens {tc.eval_tokens} exceeds the val shards; evaluating on all {val_loader.tokens} tokens"
+                f"--eval-tokens {tc.eval.eval_tokens} exceeds the val shards; evaluating on all {val_loader.tokens} "
+                "tokens"
             )
     prec = decided.precision
     parts = Parts(model, model, optimizer, loader, val_loader, decided.accum_steps, prec.scaler(dist.device), prec)
     parts.run_id, parts.init_from = start.run_id, init_record
-    parts.guard = SpikeGuard(tc, dist.device) if tc.spike_guard else None  # before restore: its state is checkpointed
+    parts.guard = (
+        SpikeGuard(tc.spike, dist.device) if tc.spike.spike_guard else None
+    )  # before restore: its state is checkpointed
     if parts.guard is not None and decided.compile != "off" and dist.device.type == "cuda":
         parts.guard.fuse()  # its 25 kernels in a few: on CUDA the host's launches are the step's bound
     if start.point is not None:
@@ -113,9 +116,9 @@ def compiled(model: GPT, decided: Resolved, dist: Dist) -> torch.nn.Module:
     set_compile_threads(dist)  # before the first compilation, which starts inductor's workers
     tc = decided.cfg.train
     if decided.compile == "blocks":  # fsdp's units each gather their weights; or less to compile
-        compile_sharded(model, autotune=tc.autotune and decided.parallel != "fsdp")
+        compile_sharded(model, autotune=tc.compute.autotune and decided.parallel != "fsdp")
         return model
-    return torch.compile(model, **autotune_options(tc.autotune))
+    return torch.compile(model, **autotune_options(tc.compute.autotune))
 
 
 def autotune_options(autotune: bool) -> dict:
@@ -161,7 +164,7 @@ def settle_buckets(ddp_model: torch.nn.Module, batch: int, seq_len: int, prec: P
 
 
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0
-"""torch's own default bucket size (TrainConfig.ddp_bucket_cap_mb's default)."""
+"""torch's own default bucket size (TrainConfig.distributed.ddp_bucket_cap_mb's default)."""
 
 
 def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
@@ -180,7 +183,7 @@ def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
     # bucket_cap_mb=None at DDP's default
     # keeps DDP's small first bucket (1 MiB, also dynamo's first split); any other value applies
     # to every bucket.
-    cap = None if tc.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else tc.ddp_bucket_cap_mb
+    cap = None if tc.distributed.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else tc.distributed.ddp_bucket_cap_mb
     with collective("DDP's broadcast of the initial weights"):
         return DDP(
             train_model,

@@ -28,6 +28,7 @@ from gpt2.core.config import (
     MODEL_PRESETS,
     TRAIN_ONLY_PRESETS,
     TRAIN_PRESETS,
+    TRAIN_SECTIONS,
     ModelConfig,
     RunConfig,
     TrainConfig,
@@ -36,90 +37,32 @@ from gpt2.core.config import (
 PRESETS = sorted({*MODEL_PRESETS, *TRAIN_PRESETS})
 """--preset's names: a model shape with its recipe, or a recipe alone (finetune: the shape comes from --init-from)."""
 
-FLAG_GROUPS: dict[str, tuple[str, ...]] = {
-    "model": (
-        "n_layer",
-        "n_head",
-        "n_kv_head",
-        "n_embd",
-        "block_size",
-        "vocab_size",
-        "bias",
-        "dropout",
-        "attn_impl",
-        "rope",
-        "rope_base",
-        "qk_norm",
-        "mlp_act",
-        "norm",
-        "tie_embeddings",
-        "logit_softcap",
-        "zero_init_proj",
-        "doc_attention",
-    ),
-    "data": ("data_dir", "data_order", "verify_data", "seed"),
-    "batch and schedule": (
-        "micro_batch_size",
-        "total_batch_size",
-        "max_steps",
-        "lr",
-        "min_lr",
-        "warmup_steps",
-        "decay_steps",
-    ),
-    "optimizer": (
-        "optimizer",
-        "weight_decay",
-        "beta1",
-        "beta2",
-        "eps",
-        "fused_adamw",
-        "muon_lr",
-        "muon_momentum",
-        "muon_weight_decay",
-        "grad_clip",
-        "max_bad_steps",
-        "spike_guard",
-        "spike_window",
-        "spike_loss_z",
-        "spike_norm_z",
-        "spike_rollback_after",
-        "spike_max_rollbacks",
-    ),
-    "precision and compile": (
-        "device",
-        "dtype",
-        "tf32",
-        "compile",
-        "compile_scope",
-        "autotune",
-        "compile_cache",
-        "deterministic",
-        "loss_impl",
-        "fp8_head",
-        "activation_checkpointing",
-        "num_threads",
-        "pin_memory",
-    ),
-    "checkpoints and resume": ("out_dir", "ckpt_interval", "keep_checkpoints", "async_ckpt", "resume", "init_from"),
-    "evaluation and logging": (
-        "eval_interval",
-        "eval_tokens",
-        "hellaswag_interval",
-        "hellaswag_file",
-        "sample_interval",
-        "sample_tokens",
-        "sample_prompt",
-        "log_interval",
-        "verbose",
-        "plot",
-        "tensorboard",
-        "wandb_project",
-    ),
-    "distributed": ("parallel", "ddp_bucket_cap_mb", "dist_timeout_s", "dist_step_timeout_s", "gc_interval"),
-}
-"""--help's headings, each with its config fields in the order shown (torchtitan groups its config alike, so a
-person finds a flag by scanning a heading). Every ModelConfig and TrainConfig field is in exactly one."""
+MODEL_FLAGS = (
+    "n_layer",
+    "n_head",
+    "n_kv_head",
+    "n_embd",
+    "block_size",
+    "vocab_size",
+    "bias",
+    "dropout",
+    "attn_impl",
+    "rope",
+    "rope_base",
+    "qk_norm",
+    "mlp_act",
+    "norm",
+    "tie_embeddings",
+    "logit_softcap",
+    "zero_init_proj",
+    "doc_attention",
+)
+"""The model heading's fields in the order --help shows them (the shape first, then the options)."""
+SECTIONS: dict[str, type] = {"model": ModelConfig, **TRAIN_SECTIONS}
+"""--help's headings: the model, then TrainConfig's sections, each with its fields in the order declared (the
+model's in MODEL_FLAGS'); a heading's name is its config section's (cfg.train.optim: "optim"), which is
+also its table's name in a --config file. torchtitan groups its config alike, so a person finds a flag by
+scanning a heading."""
 REQUIRED_FIELDS = ("data_dir", "out_dir")
 """Fields with no usable default: a run names them (config_from_args says so, --help shows them as required)."""
 HELP_WIDTH = 100
@@ -213,6 +156,10 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def _first_line(doc: str) -> str:
+    return inspect.cleandoc(doc).split("\n\n")[0].replace("\n", " ")
+
+
 def shown_default(value) -> str:
     """A default as --help shows it: as the flag is typed (true, auto, 0.0006), "none" for None or empty."""
     if isinstance(value, bool):
@@ -264,8 +211,13 @@ def presets_epilog(width: int = HELP_WIDTH - 2) -> str:
 
 
 def _fields():
-    """(section, field, type) for every config field, model first."""
-    for section, cls in (("model", ModelConfig), ("train", TrainConfig)):
+    """(section, field, type) for every config field in --help's order: the model's, then each training section's."""
+    model = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    if set(model) != set(MODEL_FLAGS):
+        raise RuntimeError(f"ModelConfig fields {sorted(set(model) ^ set(MODEL_FLAGS))}: list them in MODEL_FLAGS")
+    for name in MODEL_FLAGS:
+        yield "model", model[name], _field_type(ModelConfig, model[name])
+    for section, cls in TRAIN_SECTIONS.items():
         for f in dataclasses.fields(cls):
             yield section, f, _field_type(cls, f)
 
@@ -299,15 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--config", metavar="FILE.toml", default=None, help="TOML file of field = value lines (default: none)"
     )
-    fields = {f.name: (section, f, typ) for section, f, typ in _fields()}
-    if ungrouped := sorted(set(fields) - {name for names in FLAG_GROUPS.values() for name in names}):
-        raise RuntimeError(
-            f"config fields {ungrouped} have no --help heading: add them to FLAG_GROUPS in gpt2/train/cli.py"
-        )
-    for title, names in FLAG_GROUPS.items():
-        group = parser.add_argument_group(title)
-        for name in names:
-            add_field_flag(group, *fields[name])
+    groups = {}
+    for section, f, typ in _fields():
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section, _first_line(SECTIONS[section].__doc__))
+        add_field_flag(groups[section], section, f, typ)
     rehearsal = parser.add_argument_group(
         "dry run",
         "--dry-run goes through everything up to the first step and prints it; exit 0, or 2 with the\n"
@@ -334,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_field_flag(group, section: str, f: dataclasses.Field, typ) -> None:
     """A config field's flag: --kebab-case, its docstring's first line and its default as help."""
-    cls = ModelConfig if section == "model" else TrainConfig
+    cls = SECTIONS[section]
     default = "required" if f.name in REQUIRED_FIELDS else f"default: {shown_default(f.default)}"
     kwargs = dict(
         dest=f"{section}.{f.name}", default=None, help=f"{field_docs(cls)[f.name].removesuffix('.')} ({default})"
@@ -367,27 +315,29 @@ def load_toml(path: str) -> dict:
 
 
 def _split_file_values(data: dict, path: str) -> dict[str, dict]:
-    """Flat or sectioned TOML -> {"model": {...}, "train": {...}}; unknown keys are errors."""
-    known = {section: {f.name: typ for s, f, typ in _fields() if s == section} for section in ("model", "train")}
+    """A --config file's values -> {"model": {...}, "train": {...}} (flat field names); unknown keys are errors.
+
+    The file names a field flat (lr = 3e-4), in its section's table ([optim] lr = 3e-4, as --help's headings
+    name them; also [train.optim]), or in a [model] or [train] table (what versions before the sections read)."""
+    known = {name: (section, typ) for section, f, typ in _fields() for name in [f.name]}
     out: dict[str, dict] = {"model": {}, "train": {}}
-    flat, shown = {}, {}
+    entries = []  # (name, value, as the file writes it)
     for key, value in data.items():
-        if key in ("model", "train") and isinstance(value, dict):
-            for k, v in value.items():
-                flat[(key, k.replace("-", "_"))] = v
-                shown[(key, k.replace("-", "_"))] = f"{key}.{k}"
-        elif key in ("preset", "arch"):
+        if key in ("preset", "arch"):
             out[key] = value
+        elif key in ("model", "train", *TRAIN_SECTIONS) and isinstance(value, dict):
+            for k, v in value.items():
+                if key == "train" and k in TRAIN_SECTIONS and isinstance(v, dict):
+                    entries += [(kk.replace("-", "_"), vv, f"train.{k}.{kk}", k) for kk, vv in v.items()]
+                else:
+                    entries.append((k.replace("-", "_"), v, f"{key}.{k}", key))
         else:
-            name = key.replace("-", "_")
-            section = "model" if name in known["model"] else "train"
-            flat[(section, name)] = value
-            shown[(section, name)] = key
-    unknown = [shown[(s, k)] for (s, k) in flat if k not in known[s]]
+            entries.append((key.replace("-", "_"), value, key, None))
+    unknown = [shown for name, _, shown, table in entries if not _belongs(name, table, known)]
     if unknown:
         raise ValueError(f"--config {path}: unknown keys {unknown}; see train_ddp.py --help for the fields")
-    for (section, name), value in flat.items():
-        typ = known[section][name]
+    for name, value, _, _ in entries:
+        section, typ = known[name]
         if typ is float_or_none:  # TOML has no null: the word none, or a number
             value, typ = (None, type(None)) if str(value).lower() == "none" else (value, float)
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
@@ -396,8 +346,16 @@ def _split_file_values(data: dict, path: str) -> dict[str, dict]:
             typ = int if value != "auto" else str
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             raise ValueError(f"--config {path}: {name} = {value!r} should be of type {typ.__name__}")
-        out[section][name] = value
+        out["model" if section == "model" else "train"][name] = value
     return out
+
+
+def _belongs(name: str, table: str | None, known: dict) -> bool:
+    """Whether a --config key is a field of the table it is in (None: flat, any field; train: any training field)."""
+    if name not in known:
+        return False
+    section = known[name][0]
+    return table is None or table == section or (table == "train" and section != "model")
 
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
@@ -464,14 +422,14 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     for key, value in vars(args).items():
         if "." in key and (value is not None or key in nullable):
             section, name = key.split(".", 1)
-            values[section][name] = value
+            values["model" if section == "model" else "train"][name] = value
             given_by[name] = "--" + name.replace("_", "-")
-    train = TrainConfig(**values["train"])
-    missing = ["--" + name.replace("_", "-") for name in REQUIRED_FIELDS if not getattr(train, name)]
+    train = TrainConfig.of(**values["train"])
+    missing = ["--" + name.replace("_", "-") for name in REQUIRED_FIELDS if not train.flat()[name]]
     if missing:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
-    if train.init_from:
-        values["model"] = shape_from_weights(train.init_from, values["model"], given_by)
+    if train.ckpt.init_from:
+        values["model"] = shape_from_weights(train.ckpt.init_from, values["model"], given_by)
     elif preset in TRAIN_ONLY_PRESETS:
         raise ValueError(
             f"--preset {preset} is a recipe for trained weights: add --init-from (a Hugging Face "

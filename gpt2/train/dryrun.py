@@ -84,29 +84,30 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
         "nothing written"
     )
     out(
-        f"config     {describe_model(cfg.model)} | total_batch_size {tc.total_batch_size:,} tokens | "
-        f"micro_batch_size {tc.micro_batch_size} | max_steps {tc.max_steps:,} | {tc.optimizer} | "
-        f"dtype {tc.dtype} | parallel {tc.parallel} | data order {tc.data_order} | resume {tc.resume}"
+        f"config     {describe_model(cfg.model)} | total_batch_size {tc.batch.total_batch_size:,} tokens | "
+        f"micro_batch_size {tc.batch.micro_batch_size} | max_steps {tc.schedule.max_steps:,} | {tc.optim.optimizer} | "
+        f"dtype {tc.compute.dtype} | parallel {tc.distributed.parallel} | data order {tc.data.data_order} | resume "
+        f"{tc.ckpt.resume}"
     )
     target, device_desc = rehearsal_target(cfg, r, world, per_node, info.local_rank)
     out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
-    shards = check_data(cfg, world, shards=Path(tc.data_dir).is_dir())
+    shards = check_data(cfg, world, shards=Path(tc.data.data_dir).is_dir())
     train_shards, val_shards = shards
     report_data(cfg, train_shards, val_shards, out)
     with rank_threads(cfg, target):  # a CPU's peaks are per thread count: measure with a rank's
         decided = start(cfg, single_process(), shards=shards, rehearse=target, log=log).decided  # the real start-up's
     cfg, plan, accum = decided.cfg, decided.plan, decided.accum_steps
-    tc, mb = cfg.train, cfg.train.micro_batch_size
+    tc, mb = cfg.train, cfg.train.batch.micro_batch_size
     loaders = None
     if train_shards is not None:  # the loaders a real run builds, one per rank, none of them reading
         loaders = [
             TrainLoader(
                 train_shards,
-                BatchLayout(mb, cfg.model.block_size, tc.total_batch_size, world),
+                BatchLayout(mb, cfg.model.block_size, tc.batch.total_batch_size, world),
                 rank=rank,
-                seed=tc.seed,
+                seed=tc.data.seed,
                 device=torch.device("cpu"),
-                order=tc.data_order,
+                order=tc.data.data_order,
             )
             for rank in range(world)
         ]
@@ -116,22 +117,23 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
                 val_shards,
                 micro_batch_size=mb,
                 seq_len=cfg.model.block_size,
-                eval_tokens=tc.eval_tokens,
+                eval_tokens=tc.eval.eval_tokens,
                 rank=0,
                 world_size=world,
                 device=torch.device("cpu"),
             ).clamped
         ):
-            log.warn(f"--eval-tokens {tc.eval_tokens} exceeds the val shards; a real run evaluates on all of them")
+            log.warn(f"--eval-tokens {tc.eval.eval_tokens} exceeds the val shards; a real run evaluates on all of them")
     step, position = resume_decision(cfg, decided.start, loaders, log)
-    if tc.init_from:  # the source's shape is cfg.model's already (gpt2/train/cli.py); its weights are not read
+    if tc.ckpt.init_from:  # the source's shape is cfg.model's already (gpt2/train/cli.py); its weights are not read
         from gpt2.train.init_from import rehearsal_line
 
-        out(rehearsal_line(tc.init_from, step))
+        out(rehearsal_line(tc.ckpt.init_from, step))
     report_checkpoint(cfg, plan, out)
-    if step >= tc.max_steps:
+    if step >= tc.schedule.max_steps:
         out(
-            f"nothing to train: {tc.out_dir} already finished step {step} of --max-steps {tc.max_steps}; a real "
+            f"nothing to train: {tc.ckpt.out_dir} already finished step {step} of --max-steps "
+            f"{tc.schedule.max_steps}; a real "
             "run would say so and exit 0"
         )
         return 0
@@ -171,12 +173,12 @@ def rehearsal_target(cfg: RunConfig, r: Rehearsal, world: int, per_node: int, lo
     """The hardware to rehearse on (gpt2/plan/resolve.py Target): this machine's device, shared by the
     per_node ranks on it, or the hypothetical GPU the flags name; and the device in words."""
     if not r.hypothetical_gpu:
-        device = resolve_device(cfg.train.device, local_rank)  # the real run's first check, same error
+        device = resolve_device(cfg.train.compute.device, local_rank)  # the real run's first check, same error
         return (
             Target(world_size=world, processes_per_host=per_node, device=device),
             f"{device} (this machine; --gpu NAME rehearses on a GPU of python -m gpt2.plan's table)",
         )
-    if cfg.train.device == "cpu":
+    if cfg.train.compute.device == "cpu":
         raise ValueError("--gpu/--gpu-memory-gb rehearse a CUDA run, but --device cpu asks for the CPU: drop one")
     name = r.gpu or f"a custom GPU ({r.gpu_memory_gb:g} GiB)"
     return (
@@ -207,7 +209,7 @@ def rank_threads(cfg: RunConfig, target: Target):
         local_world_size=target.processes_per_host,
         device=target.device,
     )
-    set_cpu_threads(one, cfg.train.num_threads)
+    set_cpu_threads(one, cfg.train.compute.num_threads)
     try:
         yield
     finally:
@@ -218,18 +220,18 @@ def report_data(cfg: RunConfig, train_shards, val_shards, out) -> None:
     tc = cfg.train
     if train_shards is None:
         try:
-            find_shards(tc.data_dir, "train")
+            find_shards(tc.data.data_dir, "train")
             problem = "(none)"
         except ShardError as e:
             problem = str(e)
         out(
-            f"data       SKIPPED: --data-dir {tc.data_dir} does not exist here. A real run needs it and stops "
+            f"data       SKIPPED: --data-dir {tc.data.data_dir} does not exist here. A real run needs it and stops "
             f"with: {problem}"
         )
         return
     val = f"val {val_shards.total_tokens:,} tokens in {len(val_shards.paths)} shard(s)" if val_shards else "no val"
     out(
-        f"data       {tc.data_dir}: train {train_shards.total_tokens:,} tokens in {len(train_shards.paths)} "
+        f"data       {tc.data.data_dir}: train {train_shards.total_tokens:,} tokens in {len(train_shards.paths)} "
         f"shard(s), {val}; headers checked"
     )
 
@@ -240,27 +242,31 @@ def resume_decision(
     """What --resume would load (the start-up's choose_start, its sha256 verified; the weights are not
     read), checked against this run as a real resume checks it. Returns (step, loader position)."""
     tc = cfg.train
-    holder = live_holder(tc.out_dir)
+    holder = live_holder(tc.ckpt.out_dir)
     if holder is not None:  # own_run_dir would refuse a real start now; the rehearsal goes on, and exits 0
         log.warn(
-            f"{tc.out_dir} is in use by another training run ({holder}; {Path(tc.out_dir) / LOCK}): a real "
+            f"{tc.ckpt.out_dir} is in use by another training run ({holder}; {Path(tc.ckpt.out_dir) / LOCK}): a real "
             "start now would be refused (exit 2) and touch nothing. The dry run took no lock; what follows is "
             "what a start would do once that run has ended"
         )
     if start.set_aside:  # what set_aside_earlier_run would move before the run writes anything
         log.info(
-            f"run dir    {tc.out_dir} holds another run's {', '.join(start.set_aside)}: a real run moves them "
+            f"run dir    {tc.ckpt.out_dir} holds another run's {', '.join(start.set_aside)}: a real run moves them "
             "into a previous-<UTC time>/ folder there (nothing deleted)"
         )
     if start.abandon:  # what set_aside_abandoned would move
         log.info(
             f"run dir    {start.point.path} is an earlier checkpoint of this run: a real run moves its later "
-            f"{', '.join(start.abandon)} into {ckpt.checkpoint_dir(tc.out_dir)}/{ckpt.ABANDONED_PREFIX}"
+            f"{', '.join(start.abandon)} into {ckpt.checkpoint_dir(tc.ckpt.out_dir)}/{ckpt.ABANDONED_PREFIX}"
             f"{start.point.step:08d}-<UTC time>/ (nothing deleted), so --resume auto never returns to them"
         )
     point = start.point
     if point is None:
-        why = "--resume never" if tc.resume == "never" else f"no valid checkpoint in {ckpt.checkpoint_dir(tc.out_dir)}"
+        why = (
+            "--resume never"
+            if tc.ckpt.resume == "never"
+            else f"no valid checkpoint in {ckpt.checkpoint_dir(tc.ckpt.out_dir)}"
+        )
         log.info(f"resume     {why}: a fresh start at step 0")
         return 0, 0
     # mmap: the tensors stay in the file; only the config, loader and step are looked at.
@@ -285,8 +291,9 @@ def report_checkpoint(cfg: RunConfig, plan, out) -> None:
 
     tc, m = cfg.train, plan.memory
     size = checkpoint_bytes(plan.cfg, m.optimizer_name)  # the number the planner's stop budget uses
-    kept = f", {tc.keep_checkpoints} kept: ~{tc.keep_checkpoints * size / GIB:.2f} GiB in {tc.out_dir}/checkpoints"
-    every = f"every {tc.ckpt_interval} steps and at the end" if tc.ckpt_interval else "at the end"
+    keep = tc.ckpt.keep_checkpoints
+    kept = f", {keep} kept: ~{keep * size / GIB:.2f} GiB in {tc.ckpt.out_dir}/checkpoints"
+    every = f"every {tc.ckpt.ckpt_interval} steps and at the end" if tc.ckpt.ckpt_interval else "at the end"
     if m.shards > 1:  # the plan's weights and optimizer are one rank's shards: the checkpoint is all of them
         out(
             f"checkpoint ~{size / GIB:.2f} GiB in all (fp32 weights + {m.optimizer_name} state), each of the "
@@ -302,7 +309,7 @@ def report_checkpoint(cfg: RunConfig, plan, out) -> None:
 def report_schedule(cfg: RunConfig, loaders, world: int, accum: int, mb: int, step: int, position: int, out) -> None:
     """Each rank's part of the first step (the module docstring of gpt2/data/loader.py has the layout)."""
     tc, T = cfg.train, cfg.model.block_size
-    rows = tc.total_batch_size // T
+    rows = tc.batch.total_batch_size // T
     if loaders is None:
         out(
             f"loader     step {step}: rows [0, {rows}) of its global batch (windows need the data); "
@@ -316,11 +323,11 @@ def report_schedule(cfg: RunConfig, loaders, world: int, accum: int, mb: int, st
     n = loaders[0].n_windows
     what = (
         "windows of the fixed shard order, in epoch "
-        if tc.data_order == "shuffled"
+        if tc.data.data_order == "shuffled"
         else "windows of the stream (shards reshuffled each epoch), in epoch "
     )
     out(
-        f"loader     {tc.data_order}: {n:,} windows of {T + 1} tokens; step {step} takes places "
+        f"loader     {tc.data.data_order}: {n:,} windows of {T + 1} tokens; step {step} takes places "
         f"[{position // T:,}, {position // T + rows:,}) of the order ({what}{(position // T) // n}); each rank's "
         "window indices:"
     )

@@ -1,4 +1,4 @@
-"""--init-from: a new run that starts from trained weights (TrainConfig.init_from).
+"""--init-from: a new run that starts from trained weights (TrainConfig.ckpt.init_from).
 
 The step, optimizer state, schedule, data position and run id start fresh; only the weights come
 from the source, and the model's shape with them. Three kinds of source, told apart by the path:

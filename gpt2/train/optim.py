@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from gpt2.core.config import TrainConfig
+from gpt2.core.config import OptimConfig
 from gpt2.distributed.group import Dist
 from gpt2.plan.precision_choice import cuda_native_bf16
 
@@ -86,16 +86,26 @@ def optimizer_kind(state: dict) -> str:
     return "muon" if "optimizers" in state else "adamw"
 
 
-def make_adamw(params, cfg: TrainConfig, device: torch.device, weight_decay: float) -> torch.optim.AdamW:
+def make_adamw(params, cfg: OptimConfig, lr: float, device: torch.device) -> torch.optim.AdamW:
     # One kernel per step instead of ~10 small ops per tensor (CUDA, and CPU since torch 2.4).
     fused = cfg.fused_adamw and device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+    return torch.optim.AdamW(params, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device, dist: Dist | None = None):
-    """The run's optimizer; `dist` (several ranks) spreads Muon's orthogonalisation over them (gpt2/train/muon.py)."""
+def make_optimizer(
+    model: torch.nn.Module,
+    cfg: OptimConfig,
+    device: torch.device,
+    *,
+    peak_lr: float,
+    dtype: str,
+    dist: Dist | None = None,
+):
+    """The run's optimizer. peak_lr is the schedule's (Muon's groups scale it to muon_lr), dtype the run's
+    resolved --dtype (Muon's Newton-Schulz dtype on a CPU); `dist` (several ranks) spreads Muon's
+    orthogonalisation over them (gpt2/train/muon.py)."""
     if cfg.optimizer == "adamw":
-        return make_adamw(param_groups(model, cfg.weight_decay), cfg, device, cfg.weight_decay)
+        return make_adamw(param_groups(model, cfg.weight_decay), cfg, peak_lr, device)
     from gpt2.train.muon import Muon
 
     muon, adamw = split_params(model)
@@ -103,7 +113,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     # slower on a CPU, and fp16's range is too narrow for the iteration's Gram matrices. Decided from
     # what every rank agrees on (the GPU model; on a CPU the run's dtype, which rank 0 chose), never
     # from a per-rank measurement: ranks orthogonalising in different dtypes would drift apart.
-    native = cuda_native_bf16(device) if device.type == "cuda" else cfg.dtype == "bfloat16"
+    native = cuda_native_bf16(device) if device.type == "cuda" else dtype == "bfloat16"
     ns_dtype = torch.bfloat16 if native else torch.float32
     return Optimizers(
         adamw=make_adamw(
@@ -112,11 +122,11 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
                 {"params": [p for _, p in adamw if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
             ],
             cfg,
+            peak_lr,
             device,
-            cfg.weight_decay,
         ),
         muon=Muon(
-            [{"params": [p for _, p in muon], "lr_scale": cfg.muon_lr / cfg.lr}],
+            [{"params": [p for _, p in muon], "lr_scale": cfg.muon_lr / peak_lr}],
             lr=cfg.muon_lr,
             momentum=cfg.muon_momentum,
             weight_decay=cfg.muon_weight_decay,

@@ -41,10 +41,12 @@ class Session:
         real start decides it (--dtype, --micro-batch-size, --loss-impl, ...), the plan, the build; its lines
         go to RUN/train.log, not the console (warnings still reach stderr). A directory holding a checkpoint of
         this run resumes it, as train_ddp.py would."""
-        quiet = RunLog(dist, cfg.train.out_dir, verbose=False, log_file=True, console=False)  # train.log alone
+        quiet = RunLog(dist, cfg.train.ckpt.out_dir, verbose=False, log_file=True, console=False)  # train.log alone
         run = start(cfg, dist, log=quiet)
         if run is None:
-            raise ValueError(f"{cfg.train.out_dir} already finished --max-steps {cfg.train.max_steps}: nothing to step")
+            raise ValueError(
+                f"{cfg.train.ckpt.out_dir} already finished --max-steps {cfg.train.schedule.max_steps}: nothing to step"
+            )
         self.dist, self.log, self.cfg, self.decided = dist, run.log, run.cfg, run.decided
         self.parts: Parts | None = run.parts
         self.step_s: list[float] = []
@@ -107,7 +109,7 @@ class Session:
     def tokens_per_s(self, last: int | None = None) -> float:
         """--total-batch-size tokens over the median of the last `last` step times (default: all)."""
         times = sorted(self.step_s[-last:] if last else self.step_s)
-        return self.cfg.train.total_batch_size / times[len(times) // 2]
+        return self.cfg.train.batch.total_batch_size / times[len(times) // 2]
 
     def memory_mb(self) -> float:
         """Peak memory so far: CUDA's allocated peak, or the process's resident peak on a CPU."""

@@ -49,7 +49,7 @@ import torch
 
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import resume
-from gpt2.core.config import RunConfig, TrainConfig
+from gpt2.core.config import RunConfig, SpikeConfig
 from gpt2.distributed.group import Dist, broadcast_object, set_timeout
 from gpt2.train.run_log import RunLog
 from gpt2.train.state import Parts, finish_background_write, restore
@@ -85,9 +85,9 @@ class SpikeGuard:
     gradient norm, and how many there are. The host part: the steps of the spikes within the last
     window, and the rollbacks so far (checkpointed too, so a resume decides as the run would have)."""
 
-    def __init__(self, tc: TrainConfig, device: torch.device) -> None:
-        self.window, self.loss_z, self.norm_z = tc.spike_window, tc.spike_loss_z, tc.spike_norm_z
-        self.rollback_after, self.max_rollbacks = tc.spike_rollback_after, tc.spike_max_rollbacks
+    def __init__(self, cfg: SpikeConfig, device: torch.device) -> None:
+        self.window, self.loss_z, self.norm_z = cfg.spike_window, cfg.spike_loss_z, cfg.spike_norm_z
+        self.rollback_after, self.max_rollbacks = cfg.spike_rollback_after, cfg.spike_max_rollbacks
         self.history = torch.zeros(2, self.window, device=device)  # rows: log loss, log grad norm
         self.count = torch.zeros((), dtype=torch.long, device=device)
         self._zero = torch.zeros((), device=device)  # judge's z where nothing is judged: made once, never written
@@ -255,11 +255,11 @@ def roll_back(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog) -> bool:
             "near these steps, then resume from the last checkpoint (or raise --spike-max-rollbacks)"
         )
     # Rank 0 hashes the checkpoint and every rank loads it: a slow phase, under --dist-timeout-s (as a save).
-    set_timeout(dist, tc.dist_timeout_s)
+    set_timeout(dist, tc.distributed.dist_timeout_s)
     try:
         return _roll_back_to_checkpoint(parts, cfg, dist, log)
     finally:
-        set_timeout(dist, tc.dist_step_timeout_s)
+        set_timeout(dist, tc.distributed.dist_step_timeout_s)
 
 
 def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog) -> bool:
@@ -272,9 +272,9 @@ def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: RunL
     target = None
     if dist.is_main:
         try:
-            target = _target(tc.out_dir, first, parts.run_id)
+            target = _target(tc.ckpt.out_dir, first, parts.run_id)
         except OSError as e:  # the directory unreadable: no checkpoint to go back to (said below); rank 0 must
-            log.warn(f"spike guard: cannot list {ckpt.checkpoint_dir(tc.out_dir)} ({e})")  # reach the broadcast
+            log.warn(f"spike guard: cannot list {ckpt.checkpoint_dir(tc.ckpt.out_dir)} ({e})")  # reach the broadcast
     target = broadcast_object(target, dist)
     guard.rollbacks += 1
     rollbacks, position = guard.rollbacks, parts.loader.state_dict()
@@ -300,7 +300,9 @@ def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: RunL
         )
         return False
     point, abandon = target
-    moved = resume.set_aside_abandoned(resume.StartDecision(point, parts.run_id, abandon=abandon), tc.out_dir, dist)
+    moved = resume.set_aside_abandoned(
+        resume.StartDecision(point, parts.run_id, abandon=abandon), tc.ckpt.out_dir, dist
+    )
     problem = None
     try:
         restore(parts, Path(point.path), cfg, dist, log)  # model, optimizer, scaler, rng, guard; the log cut back

@@ -40,7 +40,7 @@ from gpt2.ckpt.writer import CheckpointWriter
 from gpt2.core import determinism, host_memory
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
-from gpt2.core.config import TRAIN_PRESETS, RunConfig, TrainConfig
+from gpt2.core.config import TRAIN_PRESETS, ComputeConfig, DistributedConfig, RunConfig, TrainConfig, train_values
 from gpt2.core.schedule import grad_accum_steps, lr_at
 from gpt2.data.check import check_listed, prep_command, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
@@ -88,11 +88,11 @@ def start(
     are None (nothing is built), also for a finished run (the dry run says so itself)."""
     tc = cfg.train
     if rehearse is None:
-        make_run_dir(tc.out_dir, dist)  # RUN exists; a requeue marker there is not this run's
-        configure_backends(tc, dist)  # threads, TF32, the allocator
+        make_run_dir(tc.ckpt.out_dir, dist)  # RUN exists; a requeue marker there is not this run's
+        configure_backends(tc.compute, dist)  # threads, TF32, the allocator
     # The console only, for now: RUN/train.log, TensorBoard and W&B write into RUN, which may still hold
     # an earlier run's records until the start is decided and they are moved aside (make_room).
-    log = log or RunLog(dist, tc.out_dir, verbose=tc.verbose, log_file=True)
+    log = log or RunLog(dist, tc.ckpt.out_dir, verbose=tc.log.verbose, log_file=True)
     shards = shards or check_data(cfg, dist.world_size)  # the shards and the batch maths
     at = announce_start(cfg, dist, log, quiet=rehearse is not None)  # where the run begins: a checkpoint, or fresh
     target = rehearse or start_target(dist, hardware)
@@ -105,17 +105,19 @@ def start(
         return None
     make_room(decided, dist, log)  # the earlier run's files aside; the log's files opened
     announce_compile(decided, dist, log)
-    cache = compile_cache.use(tc.compile_cache, tc.out_dir, dist, log) if decided.compile != "off" else None
+    cache = (
+        compile_cache.use(tc.compute.compile_cache, tc.ckpt.out_dir, dist, log) if decided.compile != "off" else None
+    )
     watch = MemoryWatch.start(decided.plan.memory.total, decided.plan.hardware.reserve_bytes, dist.device)
     parts = build(decided, dist, log, shards)  # the model, optimizer and loaders, restored when resuming
     write_run_info(decided, dist, parts)
     announce(decided, dist, parts, log)
     hellaswag = None
-    if tc.hellaswag_interval:
+    if tc.eval.hellaswag_interval:
         from gpt2.data.hellaswag import prepare_hellaswag
 
-        hellaswag = prepare_hellaswag(tc.hellaswag_file, dist)  # collective: rank 0 downloads if missing
-    if dist.is_main and tc.async_ckpt:
+        hellaswag = prepare_hellaswag(tc.eval.hellaswag_file, dist)  # collective: rank 0 downloads if missing
+    if dist.is_main and tc.ckpt.async_ckpt:
         parts.writer = CheckpointWriter(dist.device)
     return Run(
         decided.cfg,
@@ -182,17 +184,17 @@ def announce_start(cfg: RunConfig, dist: Dist, log: RunLog, *, quiet: bool = Fal
             f"starting   {dist.world_size} rank(s) on {dist.device}: checking the data, choosing precision, "
             "planning memory, building the model"
         )
-    return choose_start(cfg.train.resume, cfg.train.out_dir, dist, warn=log.warn)
+    return choose_start(cfg.train.ckpt.resume, cfg.train.ckpt.out_dir, dist, warn=log.warn)
 
 
 def finished_message(start: StartDecision, tc: TrainConfig) -> str | None:
     """The one line of a run whose checkpoint has reached --max-steps already (the quick start run a
     second time), or None. Every rank has the same start, so every rank returns alike."""
-    if start.point is None or start.point.step < tc.max_steps:
+    if start.point is None or start.point.step < tc.schedule.max_steps:
         return None
     return (
-        f"nothing to train: {tc.out_dir} already finished step {start.point.step} of --max-steps "
-        f"{tc.max_steps}. Pass a larger --max-steps to continue this run, or another --out-dir (or --resume "
+        f"nothing to train: {tc.ckpt.out_dir} already finished step {start.point.step} of --max-steps "
+        f"{tc.schedule.max_steps}. Pass a larger --max-steps to continue this run, or another --out-dir (or --resume "
         "never, which moves this run's files into a previous-* folder) to start a new one"
     )
 
@@ -219,7 +221,7 @@ def decide_run(
     term): RUN/train.log and --verbose; the console gets the precision, the micro-batch and one plan line."""
     log.hold()
     try:
-        if cfg.train.deterministic and not rehearse:  # train_ddp.py turned it on before CUDA's first use
+        if cfg.train.compute.deterministic and not rehearse:  # train_ddp.py turned it on before CUDA's first use
             determinism.enable()
             log.info(determinism.describe_determinism())
         if shards[0] is not None:  # a dry run planning a cluster from a laptop may have no data here
@@ -254,14 +256,14 @@ def make_room(decided: Resolved, dist: Dist, log: RunLog) -> None:
     or an abandoned branch's checkpoints, aside (nothing deleted); a resumed checkpoint's lost sidecar
     written again; then the log's files (train.log, TensorBoard, W&B) opened."""
     start, tc = decided.start, decided.cfg.train
-    moved = set_aside_earlier_run(start, tc.out_dir, dist)
+    moved = set_aside_earlier_run(start, tc.ckpt.out_dir, dist)
     if moved is not None:
         why = "fresh start" if start.point is None else f"resuming run {start.run_id} from {start.point.path}"
         log.info(
-            f"{why}: moved the earlier run's {', '.join(start.set_aside)} from {tc.out_dir} into {moved}/ "
+            f"{why}: moved the earlier run's {', '.join(start.set_aside)} from {tc.ckpt.out_dir} into {moved}/ "
             "(nothing deleted)"
         )
-    abandoned = set_aside_abandoned(start, tc.out_dir, dist)
+    abandoned = set_aside_abandoned(start, tc.ckpt.out_dir, dist)
     if abandoned is not None:
         log.info(
             f"resuming from {start.point.path} (step {start.point.step}), an earlier checkpoint of this run: "
@@ -270,7 +272,7 @@ def make_room(decided: Resolved, dist: Dist, log: RunLog) -> None:
             f"goes on from step {start.point.step}"
         )
     try:
-        restored = restore_sidecar(start, tc.out_dir, dist)
+        restored = restore_sidecar(start, tc.ckpt.out_dir, dist)
     except OSError as e:  # the resume needs no sidecar: it goes on, and says what retention will do
         log.warn(
             f"could not write the lost sidecar of {start.point.path} again ({e.strerror or e}); the next "
@@ -280,7 +282,10 @@ def make_room(decided: Resolved, dist: Dist, log: RunLog) -> None:
         if restored is not None:
             log.info(f"wrote {restored.name} again for the checkpoint resumed without it")
     log.open_sinks(
-        tensorboard=tc.tensorboard, wandb_project=tc.wandb_project, run_config=decided.cfg.to_dict(), log_file=True
+        tensorboard=tc.log.tensorboard,
+        wandb_project=tc.log.wandb_project,
+        run_config=decided.cfg.to_dict(),
+        log_file=True,
     )
 
 
@@ -311,9 +316,11 @@ def announce(decided: Resolved, dist: Dist, parts: Parts, log: RunLog) -> None:
     tc = cfg.train
     log.info(
         f"model {parts.model.num_params():,} parameters | world size {dist.world_size} | "
-        f"parallel {tc.parallel} | {decided.accum_steps} micro-steps of {tc.micro_batch_size}x{cfg.model.block_size} "
+        f"parallel {tc.distributed.parallel} | {decided.accum_steps} micro-steps of "
+        f"{tc.batch.micro_batch_size}x{cfg.model.block_size} "
         "per step | "
-        f"{tc.total_batch_size:,} tokens/step | device {dist.device} | {tc.dtype} | compile {tc.compile}"
+        f"{tc.batch.total_batch_size:,} tokens/step | device {dist.device} | {tc.compute.dtype} | compile "
+        f"{tc.compute.compile}"
     )
     for line in parallel_notes(tc, decided.parallel, dist.world_size):
         log.info(line)
@@ -336,7 +343,7 @@ def announce_compile(decided: Resolved, dist: Dist, log: RunLog) -> None:
 def parallel_notes(tc: TrainConfig, parallel: str, world_size: int) -> list[str]:
     """What --parallel fsdp does at this world size (parallel: the record's, in effect), and the flags it
     ignores (one line each)."""
-    if tc.parallel != "fsdp":
+    if tc.distributed.parallel != "fsdp":
         return []
     if parallel != "fsdp":
         return [
@@ -347,15 +354,15 @@ def parallel_notes(tc: TrainConfig, parallel: str, world_size: int) -> list[str]
         f"parallel   fsdp: weights, gradients and optimizer state sharded over {world_size} ranks "
         "(fully_shard per block, then the root)"
     ]
-    if tc.ddp_bucket_cap_mb != TrainConfig.__dataclass_fields__["ddp_bucket_cap_mb"].default:
+    if tc.distributed.ddp_bucket_cap_mb != DistributedConfig().ddp_bucket_cap_mb:
         notes.append(
-            f"parallel   --ddp-bucket-cap-mb {tc.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
+            f"parallel   --ddp-bucket-cap-mb {tc.distributed.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
             "each block's gradients as one unit, it has no DDP buckets"
         )
     return notes
 
 
-def configure_backends(cfg: TrainConfig, dist: Dist) -> None:
+def configure_backends(cfg: ComputeConfig, dist: Dist) -> None:
     if dist.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
@@ -371,49 +378,49 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
     is absent). The shards' cheap manifest checks run here; reading them is verify_data's (rank 0).
     """
     tc = cfg.train
-    missing = missing_features(optimizer=tc.optimizer, parallel=tc.parallel)
+    missing = missing_features(optimizer=tc.optim.optimizer, parallel=tc.distributed.parallel)
     if missing:  # this torch lacks a feature asked for: say which release has it, before anything starts
         raise ValueError("; ".join(missing))
-    if tc.micro_batch_size == "auto":  # sized later, by the planner: here only "some micro-batch divides"
-        grad_accum_steps(tc.total_batch_size, 1, cfg.model.block_size, world_size)
+    if tc.batch.micro_batch_size == "auto":  # sized later, by the planner: here only "some micro-batch divides"
+        grad_accum_steps(tc.batch.total_batch_size, 1, cfg.model.block_size, world_size)
     else:
-        grad_accum_steps(tc.total_batch_size, tc.micro_batch_size, cfg.model.block_size, world_size)
-    if 0 < tc.eval_tokens < cfg.model.block_size:
+        grad_accum_steps(tc.batch.total_batch_size, tc.batch.micro_batch_size, cfg.model.block_size, world_size)
+    if 0 < tc.eval.eval_tokens < cfg.model.block_size:
         raise ValueError(
-            f"--eval-tokens {tc.eval_tokens} is less than one sequence of --block-size "
+            f"--eval-tokens {tc.eval.eval_tokens} is less than one sequence of --block-size "
             f"{cfg.model.block_size}: evaluation would score nothing (val loss nan); raise it, or "
             "--eval-tokens 0 to train without validation"
         )
-    train_shards = find_shards(tc.data_dir, "train") if shards else None
-    val_shards = find_val_shards(cfg) if shards and tc.eval_tokens > 0 else None
+    train_shards = find_shards(tc.data.data_dir, "train") if shards else None
+    val_shards = find_val_shards(cfg) if shards and tc.eval.eval_tokens > 0 else None
     if shards:  # the machine the run is on (a dry run from a laptop checks neither)
-        check_out_dir(tc.out_dir)
-        check_listed(tc.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})})
+        check_out_dir(tc.ckpt.out_dir)
+        check_listed(tc.data.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})})
     import importlib.util
 
     for wanted, package, flag in (
-        (tc.tensorboard, "tensorboard", "--tensorboard"),
-        (tc.wandb_project, "wandb", "--wandb-project"),
+        (tc.log.tensorboard, "tensorboard", "--tensorboard"),
+        (tc.log.wandb_project, "wandb", "--wandb-project"),
     ):
         if wanted and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag} needs the {package} package: pip install {package}, or drop the flag")
-    if tc.sample_interval:
+    if tc.eval.sample_interval:
         from gpt2.model.tokenizer import TokenizerFilesError, encode_prompt, get_encoding
 
         try:  # too long, or no tokenizer files on an offline machine: an error now, not at the first sample
             get_encoding()  # samples are decoded with it, whatever the prompt (an empty one needs no encoding)
-            encode_prompt(tc.sample_prompt, cfg.model.block_size)
+            encode_prompt(tc.eval.sample_prompt, cfg.model.block_size)
         except TokenizerFilesError as e:
             raise ValueError(
-                f"the samples (--sample-interval {tc.sample_interval}) need the tokenizer: {e}; "
+                f"the samples (--sample-interval {tc.eval.sample_interval}) need the tokenizer: {e}; "
                 "or pass --sample-interval 0"
             ) from None
         except ValueError as e:
             raise ValueError(f"--sample-prompt: {e}") from None
-    if tc.hellaswag_interval and Path(tc.hellaswag_file).is_file():
+    if tc.eval.hellaswag_interval and Path(tc.eval.hellaswag_file).is_file():
         from gpt2.data.hellaswag import load_examples
 
-        load_examples(tc.hellaswag_file)  # a malformed line fails here (file:line), before any process group
+        load_examples(tc.eval.hellaswag_file)  # a malformed line fails here (file:line), before any process group
     return train_shards, val_shards
 
 
@@ -423,9 +430,9 @@ def find_val_shards(cfg: RunConfig) -> ShardSet:
     tokens gave `val loss nan` (0 / 0) at every evaluation and exit 0."""
     tc, block = cfg.train, cfg.model.block_size
     try:
-        val = find_shards(tc.data_dir, "val")
+        val = find_shards(tc.data.data_dir, "val")
     except ShardError as e:
-        if not Path(tc.data_dir).is_dir():
+        if not Path(tc.data.data_dir).is_dir():
             raise
         raise ShardError(
             f"{str(e).split(';')[0]}. The run evaluates on them at step 0 and at the end (--eval-interval "
@@ -434,7 +441,7 @@ def find_val_shards(cfg: RunConfig) -> ShardSet:
         ) from None
     if val.total_tokens < block + 1:
         raise ShardError(
-            f"--data-dir {tc.data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
+            f"--data-dir {tc.data.data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
             f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
             f"loss nan); {prepare_val(cfg)}; or pass --eval-tokens 0 to train without validation"
         )
@@ -445,7 +452,7 @@ def prepare_val(cfg: RunConfig) -> str:
     """How to get a val split for this run: data_prep's command for the data directory's corpus (from
     its manifest) with val tokens for the run's evaluation, at least one sequence; or the flag to use."""
     tc, block = cfg.train, cfg.model.block_size
-    found = prep_command(tc.data_dir, tc.eval_tokens, block + 1)
+    found = prep_command(tc.data.data_dir, tc.eval.eval_tokens, block + 1)
     if found is None:  # no manifest (llm.c's shards): the corpus is unknown here
         return f"prepare a val split with data_prep's --val-tokens N (N > {block})"
     command, out = found
@@ -475,7 +482,7 @@ def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: 
     outcome = None
     if dist.is_main:
         try:
-            outcome = ("ok", verify_shards(cfg.train.data_dir, sets, cfg.train.verify_data))
+            outcome = ("ok", verify_shards(cfg.train.data.data_dir, sets, cfg.train.data.verify_data))
         except (ShardError, OSError) as e:
             outcome = ("error", str(e))
     kind, text = broadcast_object(outcome, dist)
@@ -496,14 +503,15 @@ def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
     """How many passes over the train split the planned tokens (max_steps x total_batch_size) make, as a
     line; a warning when it is more than MANY_EPOCHS. Returns the epochs."""
     tc = cfg.train
-    planned = tc.max_steps * tc.total_batch_size
+    planned = tc.schedule.max_steps * tc.batch.total_batch_size
     epochs = planned / train_tokens
     log.detail(
-        f"epochs     {epochs:,.2f} over the train split: {tc.max_steps:,} steps x {tc.total_batch_size:,} "
+        f"epochs     {epochs:,.2f} over the train split: {tc.schedule.max_steps:,} steps x "
+        f"{tc.batch.total_batch_size:,} "
         f"tokens = {planned:,} tokens planned, the train shards hold {train_tokens:,}"
     )
     if epochs > MANY_EPOCHS:
-        one = max(1, train_tokens // tc.total_batch_size)
+        one = max(1, train_tokens // tc.batch.total_batch_size)
         log.warn(
             f"the run repeats the train split {epochs:,.0f} times (more than {MANY_EPOCHS} epochs): the model "
             f"will memorise this corpus more than it learns; about {one:,} step(s) make one epoch, so pass "
@@ -525,19 +533,24 @@ def log_warmup(tc: TrainConfig, log) -> None:
     a few steps of a preset's recipe (--preset gpt2 --max-steps 10, warmup 715) are how a smoke test runs,
     and what it checks (it starts, steps, saves, resumes) does not need the schedule; a run meant to learn
     gets one line that says why it will not."""
-    if tc.warmup_steps <= tc.max_steps or tc.max_steps / tc.warmup_steps >= WARMUP_REACH:
+    if (
+        tc.schedule.warmup_steps <= tc.schedule.max_steps
+        or tc.schedule.max_steps / tc.schedule.warmup_steps >= WARMUP_REACH
+    ):
         return
     last = lr_at(
-        tc.max_steps - 1,
-        max_lr=tc.lr,
-        min_lr=tc.min_lr,
-        warmup_steps=tc.warmup_steps,
-        max_steps=tc.max_steps,
-        decay_steps=tc.decay_steps,
+        tc.schedule.max_steps - 1,
+        max_lr=tc.schedule.lr,
+        min_lr=tc.schedule.min_lr,
+        warmup_steps=tc.schedule.warmup_steps,
+        max_steps=tc.schedule.max_steps,
+        decay_steps=tc.schedule.decay_steps,
     )
     log.warn(
-        f"--warmup-steps {tc.warmup_steps:,} is more than twice --max-steps {tc.max_steps:,}: the learning rate "
-        f"only rises, to {last:.3g} ({last / tc.lr:.1%} of --lr {tc.lr:g}) at the last step, and never decays. "
+        f"--warmup-steps {tc.schedule.warmup_steps:,} is more than twice --max-steps {tc.schedule.max_steps:,}: the "
+        "learning rate "
+        f"only rises, to {last:.3g} ({last / tc.schedule.lr:.1%} of --lr {tc.schedule.lr:g}) at the last step, and "
+        "never decays. "
         f"Fine for a smoke test; to train, pass --warmup-steps well below --max-steps (the gpt2 recipe warms up "
         f"for 715 of its 19,073 steps)"
     )
@@ -573,15 +586,15 @@ def keep_decisions(cfg: RunConfig, start: StartDecision, dist: Dist, log: RunLog
     RUN/config.json, of the same run id, on as many ranks), each said in one line; a flag given now wins."""
     kept = None
     if dist.is_main and start.point is not None:
-        kept = decided_before(Path(cfg.train.out_dir) / RUN_INFO, start.run_id, dist.world_size)
+        kept = decided_before(Path(cfg.train.ckpt.out_dir) / RUN_INFO, start.run_id, dist.world_size)
     kept = broadcast_object(kept, dist) or {}
-    changes = {k: v for k, v in kept.items() if getattr(cfg.train, k) == "auto" and v != "auto"}
+    changes = {k: v for k, v in kept.items() if cfg.train.flat()[k] == "auto" and v != "auto"}
     for k, v in changes.items():
         flag = "--" + k.replace("_", "-")
         log.info(f"resume: {flag} auto keeps {v!r}, the run's own choice (pass {flag} to decide otherwise)")
     if not changes:
         return cfg
-    return RunConfig(cfg.model, replace(cfg.train, **changes))
+    return RunConfig(cfg.model, cfg.train.replace(**changes))
 
 
 def decided_before(info_path: Path, run_id: str | None, world_size: int) -> dict | None:
@@ -589,7 +602,7 @@ def decided_before(info_path: Path, run_id: str | None, world_size: int) -> dict
     unreadable, or another world size (the micro-batch and memory were decided per rank)."""
     try:
         info = json.loads(info_path.read_text())
-        train = info["config"]["train"]
+        train = train_values(info["config"]["train"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if info.get("run_id") != run_id or info.get("world_size") != world_size:
@@ -653,10 +666,10 @@ def check_memory(r: Resolved, log) -> Plan:
         # kernels' code paged in from libtorch), taken now by a tiny model's steps (uncompiled: a compile would
         # cost seconds), so that what the process holds is read with it: ~45 MiB that neither held nor the plan
         # counted (issue 54).
-        warm_up(r.cfg.model, prec=r.precision, loss_impl=r.cfg.train.loss_impl)
+        warm_up(r.cfg.model, prec=r.precision, loss_impl=r.cfg.train.compute.loss_impl)
         held = host_memory.resident_bytes()
     probes = [b for b in (r.loss.probe_bytes, r.micro_batch.probe_bytes) if b is not None]
-    log_path = Path(r.cfg.train.out_dir) / TRAIN_LOG
+    log_path = Path(r.cfg.train.ckpt.out_dir) / TRAIN_LOG
     log.info(plan_line(p, log_path, shown=log.verbose, held=held, probe=max(probes, default=None)))
     return p
 
@@ -714,16 +727,17 @@ def gpu_recipe_on_cpu(cfg: RunConfig, p) -> str | None:
     cluster it rehearses (a dry run plans the same run); a CPU run is told instead, before any step."""
     tc, recipe, debug = cfg.train, TrainConfig(), TRAIN_PRESETS["debug"]
     parts = []
-    if tc.total_batch_size >= recipe.total_batch_size:
+    if tc.batch.total_batch_size >= recipe.batch.total_batch_size:
         pace = (
             "no time estimate without a peak"
             if p.step_time_s is None or p.hours is None
-            else f"~{_duration(p.step_time_s)} each, {_duration(p.hours * 3600)} for {tc.max_steps:,} steps at the "
+            else f"~{_duration(p.step_time_s)} each, {_duration(p.hours * 3600)} for "
+            f"{tc.schedule.max_steps:,} steps at the "
             "plan's estimate"
         )
-        parts.append(f"{tc.total_batch_size:,}-token steps ({pace})")
-    if tc.eval_tokens >= recipe.eval_tokens:
-        parts.append(f"{tc.eval_tokens:,} tokens per evaluation")
+        parts.append(f"{tc.batch.total_batch_size:,}-token steps ({pace})")
+    if tc.eval.eval_tokens >= recipe.eval.eval_tokens:
+        parts.append(f"{tc.eval.eval_tokens:,} tokens per evaluation")
     if p.hardware.device_type != "cpu" or not parts:
         return None
     return (
@@ -749,10 +763,14 @@ def log_network_cost(decided: Resolved, dist: Dist, log: RunLog) -> NetworkCost 
     reduce-scatter; one line; a warning above WARN_SHARE). None on one process."""
     tc, p = decided.cfg.train, decided.plan
     fsdp = None
-    if tc.parallel == "fsdp":
+    if tc.distributed.parallel == "fsdp":
         fsdp = fsdp_traffic(p.n_params, gathered_param_bytes(decided.precision, dist.device), decided.accum_steps)
     cost = measure_network(
-        dist, bucket_cap_mb=tc.ddp_bucket_cap_mb, n_params=p.n_params, step_compute_s=p.step_time_s, fsdp=fsdp
+        dist,
+        bucket_cap_mb=tc.distributed.ddp_bucket_cap_mb,
+        n_params=p.n_params,
+        step_compute_s=p.step_time_s,
+        fsdp=fsdp,
     )
     if cost is not None:
         log.detail(format_network_cost(cost) + (f" at the planner's {p.mfu:.0%} MFU" if cost.share is not None else ""))
@@ -793,4 +811,4 @@ def write_run_info(decided: Resolved, dist: Dist, parts: Parts) -> None:
         info["network"] = decided.network
     if parts.init_from is not None:  # --init-from: where the weights came from (gpt2/train/init_from.py)
         info["init_from"] = parts.init_from
-    atomic_write_text(Path(decided.cfg.train.out_dir) / RUN_INFO, json.dumps(info, indent=2))
+    atomic_write_text(Path(decided.cfg.train.ckpt.out_dir) / RUN_INFO, json.dumps(info, indent=2))

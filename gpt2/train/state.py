@@ -37,7 +37,7 @@ import torch
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import dcp as dcp_io
 from gpt2.ckpt.writer import CheckpointWriteError, CheckpointWriter
-from gpt2.core.config import ModelConfig, RunConfig
+from gpt2.core.config import ModelConfig, RunConfig, train_values
 from gpt2.core.precision import Precision
 from gpt2.core.schedule import BatchLayout
 from gpt2.data.loader import EvalLoader, TrainLoader
@@ -195,7 +195,7 @@ def check_compatible(saved: dict, cfg: RunConfig, log: RunLog) -> None:
     """Refuse a checkpoint of a different model or tokenizer; log other changed settings."""
     # Through ModelConfig: a checkpoint from before an option was added lacks its key, and its default
     # (off: GPT-2's layout) is what that checkpoint was trained with.
-    old_model, old_train = ModelConfig(**saved["config"]["model"]).to_dict(), saved["config"]["train"]
+    old_model, old_train = ModelConfig(**saved["config"]["model"]).to_dict(), train_values(saved["config"]["train"])
     shape = [
         f"{k}: checkpoint {old_model[k]} vs now {getattr(cfg.model, k)}"
         for k in ModelConfig.shape_fields()
@@ -208,20 +208,17 @@ def check_compatible(saved: dict, cfg: RunConfig, log: RunLog) -> None:
             + ". Use the same shape flags, or start fresh with --resume never"
         )
     saved_optimizer = saved.get("optimizer_kind") or optimizer_kind(saved.get("optimizer", {}))
-    if saved_optimizer != cfg.train.optimizer:
+    if saved_optimizer != cfg.train.optim.optimizer:
         raise ckpt.CheckpointError(
             f"the checkpoint was trained with --optimizer {saved_optimizer}, this run asks for "
-            f"--optimizer {cfg.train.optimizer}: their states differ (AdamW keeps two moments per parameter, "
+            f"--optimizer {cfg.train.optim.optimizer}: their states differ (AdamW keeps two moments per parameter, "
             f"Muon one momentum per block matrix). Resume with --optimizer {saved_optimizer}, or start fresh "
             "with --resume never"
         )
     if saved.get("tokenizer") != TOKENIZER:
         raise ckpt.CheckpointError(f"checkpoint tokenizer {saved.get('tokenizer')!r} is not gpt2")
-    changed = {
-        k: (v, getattr(cfg.train, k))
-        for k, v in old_train.items()
-        if k not in ("resume", "verbose") and getattr(cfg.train, k, v) != v
-    }
+    now = cfg.train.flat()
+    changed = {k: (v, now[k]) for k, v in old_train.items() if k not in ("resume", "verbose") and now.get(k, v) != v}
     for k, (old, new) in changed.items():
         log.info(f"resume: {k} changed from {old!r} to {new!r}")
 
@@ -245,12 +242,12 @@ def check_resumable(path: Path, cfg: RunConfig, train_shards, dist: Dist) -> Non
     check_compatible(state, cfg, _Quiet())
     loader = TrainLoader(
         train_shards,
-        BatchLayout(tc.micro_batch_size, cfg.model.block_size, tc.total_batch_size, dist.world_size),
+        BatchLayout(tc.batch.micro_batch_size, cfg.model.block_size, tc.batch.total_batch_size, dist.world_size),
         rank=dist.rank,
-        seed=tc.seed,
+        seed=tc.data.seed,
         device=torch.device("cpu"),
         pin_memory=False,
-        order=tc.data_order,
+        order=tc.data.data_order,
     )
     try:
         load_components({"loader": loader}, state, path)
@@ -269,7 +266,7 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: RunLog) -
     load_weights_and_moments(parts, path, state)
     rest = {k: c for k, c in components(parts, dist).items() if k not in ("model", "optimizer")}
     load_components(rest, state, path)
-    if parts.loader.order != cfg.train.data_order:
+    if parts.loader.order != cfg.train.data.data_order:
         log.info(
             f"resume: {path} predates --data-order; continuing with the {parts.loader.order} order "
             "it was trained with (start fresh, --resume never, for the shuffled one)"
@@ -293,7 +290,7 @@ def tokens_of(state: dict) -> int:
     it now) was a run whose batch never changed: its steps x its --total-batch-size."""
     if "tokens" in state:
         return int(state["tokens"])
-    return int(state["step"]) * int(state["config"]["train"]["total_batch_size"])
+    return int(state["step"]) * int(train_values(state["config"]["train"])["total_batch_size"])
 
 
 def load_weights_and_moments(parts: Parts, path: Path, state: dict) -> None:
@@ -380,10 +377,10 @@ def save(
         state = checkpoint_state(parts, cfg, dist, [rng for rng, _ in gathered])
         if background:
             parts.writer.submit(
-                cfg.train.out_dir,
+                cfg.train.ckpt.out_dir,
                 parts.step,
                 state,
-                keep=cfg.train.keep_checkpoints,
+                keep=cfg.train.ckpt.keep_checkpoints,
                 run_id=parts.run_id,
                 warn=log.warn,
             )
@@ -391,24 +388,24 @@ def save(
         else:
             try:
                 path = ckpt.save_checkpoint(
-                    cfg.train.out_dir,
+                    cfg.train.ckpt.out_dir,
                     parts.step,
                     state,
-                    keep=cfg.train.keep_checkpoints,
+                    keep=cfg.train.ckpt.keep_checkpoints,
                     run_id=parts.run_id,
                     warn=log.warn,
                 )
             except (OSError, RuntimeError) as e:  # torch's RuntimeError hides ENOSPC in its context
                 problem = (
                     f"writing the checkpoint of step {parts.step} failed "
-                    f"({ckpt.write_failure(e, ckpt.checkpoint_dir(cfg.train.out_dir))}). The newest complete "
+                    f"({ckpt.write_failure(e, ckpt.checkpoint_dir(cfg.train.ckpt.out_dir))}). The newest complete "
                     "checkpoint is the one before it; free space or fix the run directory, then resume "
                     "with --resume auto"
                 )
             else:
                 log.info(f"saved checkpoint {path}")
                 if requeue is not None:  # after the checkpoint: the marker promises a complete one
-                    preempt.write_requeue_marker(cfg.train.out_dir, {**requeue, "checkpoint": path.name})
+                    preempt.write_requeue_marker(cfg.train.ckpt.out_dir, {**requeue, "checkpoint": path.name})
     if not background:
         problem = broadcast_object(problem, dist)  # every rank raises rank 0's failure, none waits for it
         if problem is not None:
@@ -427,8 +424,8 @@ def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog, rngs: li
     CheckpointWriteError, and the newest valid checkpoint stays the one before.
     """
     tc, t0 = cfg.train, time.perf_counter()
-    tmp = ckpt.sharded_temp_dir(tc.out_dir, parts.step)
-    problem = _attempt(lambda: ckpt.begin_sharded(tc.out_dir, parts.step)) if dist.is_main else None
+    tmp = ckpt.sharded_temp_dir(tc.ckpt.out_dir, parts.step)
+    problem = _attempt(lambda: ckpt.begin_sharded(tc.ckpt.out_dir, parts.step)) if dist.is_main else None
     _raise_any(all_gather_object(problem, dist), parts.step)  # the directory exists before anyone writes
     problem = _attempt(lambda: dcp_io.save_dcp(parts.model, parts.optimizer, tmp), tmp)
     if dist.is_main and problem is None:
@@ -450,18 +447,23 @@ def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog, rngs: li
         problem = _attempt(
             lambda: path.append(
                 ckpt.publish_sharded(
-                    tc.out_dir, parts.step, every, keep=tc.keep_checkpoints, run_id=parts.run_id, warn=log.warn
+                    tc.ckpt.out_dir,
+                    parts.step,
+                    every,
+                    keep=tc.ckpt.keep_checkpoints,
+                    run_id=parts.run_id,
+                    warn=log.warn,
                 )
             )
         )
         if problem is None:
-            sync = "; synchronous: --async-ckpt applies to .pt checkpoints" if tc.async_ckpt else ""
+            sync = "; synchronous: --async-ckpt applies to .pt checkpoints" if tc.ckpt.async_ckpt else ""
             log.info(
                 f"saved checkpoint {path[0]} (sharded: {len(every)} files from {dist.world_size} ranks in "
                 f"{time.perf_counter() - t0:.1f} s{sync})"
             )
             if requeue is not None:  # after the checkpoint: the marker promises a complete one
-                preempt.write_requeue_marker(tc.out_dir, {**requeue, "checkpoint": path[0].name})
+                preempt.write_requeue_marker(tc.ckpt.out_dir, {**requeue, "checkpoint": path[0].name})
     _raise_any(all_gather_object(problem, dist), parts.step)  # nobody leaves before it is published
 
 

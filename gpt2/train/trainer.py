@@ -200,15 +200,15 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
             with collective("the gradient all-reduce") if last and dist.is_distributed else contextlib.nullcontext():
                 parts.scaler.scale(loss).backward()
     parts.scaler.unscale_(parts.optimizer)  # clip and measure the true gradients (a no-op unless fp16)
-    clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+    clip = tc.optim.grad_clip if tc.optim.grad_clip > 0 else float("inf")
     # The global norm of every rank's shards under FSDP, and the same number under DDP (gpt2/distributed/fsdp.py).
     grad_norm = clip_grad_norm(parts.model.parameters(), clip, dist)
     out = step_stats(parts, lr, loss_sum, grad_norm, stop_requested, dist)
     update(parts, out, dist)
     parts.loader.advance()
     parts.step += 1
-    parts.tokens += tc.total_batch_size
-    if parts.step < tc.max_steps:
+    parts.tokens += tc.batch.total_batch_size
+    if parts.step < tc.schedule.max_steps:
         prefetch(parts)
     return out
 
@@ -217,11 +217,11 @@ def set_lr(parts: Parts, tc: TrainConfig) -> float:
     """The schedule's learning rate for step parts.step, set on every parameter group; returns it."""
     lr = lr_at(
         parts.step,
-        max_lr=tc.lr,
-        min_lr=tc.min_lr,
-        warmup_steps=tc.warmup_steps,
-        max_steps=tc.max_steps,
-        decay_steps=tc.decay_steps,
+        max_lr=tc.schedule.lr,
+        min_lr=tc.schedule.min_lr,
+        warmup_steps=tc.schedule.warmup_steps,
+        max_steps=tc.schedule.max_steps,
+        decay_steps=tc.schedule.decay_steps,
     )
     for group in parts.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
@@ -345,14 +345,14 @@ def due(
     """The actions after optimizer step `step` (1-based: steps done). stop_requested: any rank's signal
     (train_step's vote); has_val / has_hellaswag: whether there is a set to evaluate; unusual: a
     skipped or overflowed step, always logged."""
-    final = step == tc.max_steps
+    final = step == tc.schedule.max_steps
     stop = stop_requested and not final  # a signal at the last step changes nothing: the run is complete
     return Actions(
-        log=step % tc.log_interval == 0 or unusual or final,
-        evaluate=has_val and (final or _every(step, tc.eval_interval)),
-        hellaswag=has_hellaswag and (final or _every(step, tc.hellaswag_interval)),
-        sample=bool(tc.sample_interval) and (final or _every(step, tc.sample_interval)),
-        save=stop or final or _every(step, tc.ckpt_interval),
+        log=step % tc.log.log_interval == 0 or unusual or final,
+        evaluate=has_val and (final or _every(step, tc.eval.eval_interval)),
+        hellaswag=has_hellaswag and (final or _every(step, tc.eval.hellaswag_interval)),
+        sample=bool(tc.eval.sample_interval) and (final or _every(step, tc.eval.sample_interval)),
+        save=stop or final or _every(step, tc.ckpt.ckpt_interval),
         final=final,
         stop=stop,
     )
@@ -373,8 +373,8 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
     # directory is this run's alone from before its first touch to the end (gpt2/ckpt/rundir.py).
     with (
         preempt.StopRequest() as stop_request,
-        own_run_dir(cfg.train.out_dir, dist),
-        HangDumps(cfg.train.out_dir, dist),
+        own_run_dir(cfg.train.ckpt.out_dir, dist),
+        HangDumps(cfg.train.ckpt.out_dir, dist),
     ):
         run = start(cfg, dist, shards=shards, stop_request=stop_request)  # gpt2/train/startup.py
         if run is None:  # finished already, e.g. the quick start run a second time
@@ -383,7 +383,9 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
             if run.parts.step == 0 and run.parts.val_loader is not None:  # where the curve begins
                 run.log.log_eval(0, 0, evaluate(run.parts, run.cfg, dist), run.parts.val_loader.tokens)
             cache = run.cache  # run_loop seals it after the first step and drops it from the run
-            with collect_at_steps(run.cfg.train.gc_interval):  # every rank's garbage collection at the same steps
+            with collect_at_steps(
+                run.cfg.train.distributed.gc_interval
+            ):  # every rank's garbage collection at the same steps
                 code = run_loop(run)
             compile_cache.finish(cache, dist, run.log)  # seals what this run compiled, for the next start
             return code
@@ -414,15 +416,15 @@ def run_loop(run: Run) -> int:
     clock = run.clock = run.clock or StepClock(run.dist.device)
     pending: tuple[StepStats, Actions] | None = None  # a step read late, with what it owed
     slow_phase = True  # start-up: collectives run under --dist-timeout-s until a step has completed
-    while parts.step < tc.max_steps:
+    while parts.step < tc.schedule.max_steps:
         begin, after_gap = clock.begin()
         # A failed background checkpoint write votes to stop like a signal: every rank stops after
         # this step and the stop's save raises the write's error on every rank (state.save).
         out = train_step(parts, run.cfg, run.dist, run.stop_request.signum is not None or write_failed(parts))
         out.marks = StepMarks(begin, clock.mark(), after_gap)
-        collect_if_due(parts.step, tc.gc_interval)
+        collect_if_due(parts.step, tc.distributed.gc_interval)
         if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
-            set_timeout(run.dist, tc.dist_step_timeout_s)
+            set_timeout(run.dist, tc.distributed.dist_step_timeout_s)
             slow_phase = False
         check_first_step(run)
         act = due(parts.step, tc, has_val=parts.val_loader is not None, has_hellaswag=bool(run.hellaswag))
@@ -446,19 +448,19 @@ def run_loop(run: Run) -> int:
             clock.gap()  # the next step is timed from its own start, not across this work
             # Every rank decides this alike. The long timeout also covers the next step, whose
             # collectives wait for the ranks still busy here (rank 0 sampling or writing).
-            set_timeout(run.dist, tc.dist_timeout_s)
+            set_timeout(run.dist, tc.distributed.dist_timeout_s)
             slow_phase = True
         perform(run, act)
         if (act.stop or act.final) and (summary := steps_summary(run)):
             run.log.info(summary)
         if act.stop:
             run.log.info(
-                f"stopped by signal at step {parts.step}; checkpoint written; wrote {tc.out_dir}/"
+                f"stopped by signal at step {parts.step}; checkpoint written; wrote {tc.ckpt.out_dir}/"
                 f"{preempt.REQUEUE_MARKER} (requeue and resume with --resume auto)"
             )
             return preempt.EXIT_REQUEUE
-    if run.dist.is_main and tc.plot:
-        png = plot_loss_curve(run.log.path, Path(tc.out_dir) / "loss_curve.png")
+    if run.dist.is_main and tc.log.plot:
+        png = plot_loss_curve(run.log.path, Path(tc.ckpt.out_dir) / "loss_curve.png")
         run.log.info(f"loss curve: {png}" if png else "loss curve skipped: matplotlib is not installed")
     return 0
 
@@ -497,11 +499,11 @@ def report(run: Run, stats: StepStats, act: Actions) -> bool:
     run.bad_steps = run.bad_steps + 1 if out["skipped"] else (run.bad_steps if out["overflow"] else 0)
     if act.log or out["skipped"] or out["overflow"] or out["guard"].spike:  # an unusual step is always logged
         log_step(run, out, dt, step)
-        log_stragglers(run.log, step, out["rank_s"], step // max(1, tc.log_interval))
+        log_stragglers(run.log, step, out["rank_s"], step // max(1, tc.log.log_interval))
     parts = run.parts
     if parts.guard is not None and parts.guard.observe(step, out["guard"], out["loss"], out["grad_norm"], run.log):
         run.rolled_back = roll_back(parts, run.cfg, run.dist, run.log)  # or SpikeGuardError at --spike-max-rollbacks
-    if run.bad_steps >= tc.max_bad_steps:
+    if run.bad_steps >= tc.spike.max_bad_steps:
         raise NonFiniteError(
             f"{run.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step {step});"
             " their updates were skipped and no checkpoint was written from them. Lower --lr, raise "
@@ -541,7 +543,7 @@ def perform(run: Run, act: Actions) -> None:
             dist,
             log,
             requeue={"step": step, "signal": run.stop_request.name} if act.stop else None,
-            background=cfg.train.async_ckpt and not (act.stop or act.final),
+            background=cfg.train.ckpt.async_ckpt and not (act.stop or act.final),
         )
 
 
@@ -563,7 +565,7 @@ def log_step(run: Run, out: dict, dt: float, step: int) -> None:
     peak wrong, which is dropped (run.peak = None); against a GPU's data-sheet peak it proves this step's
     time wrong, and only this step's MFU is left out."""
     parts, tc, dist = run.parts, run.cfg.train, run.dist
-    tok_s = tc.total_batch_size / dt
+    tok_s = tc.batch.total_batch_size / dt
     measured = measured_peak(dist.device)
     step_mfu, why = (
         checked_mfu(tok_s / dist.world_size, run.cfg.model, run.peak, measured=measured, step_s=dt)
@@ -594,7 +596,7 @@ def log_step(run: Run, out: dict, dt: float, step: int) -> None:
                 else {}
             ),
         },
-        tc.max_steps,
+        tc.schedule.max_steps,
     )
 
 
@@ -605,7 +607,7 @@ def steps_summary(run: Run) -> str | None:
     if not times:
         return None
     median = statistics.median(times)
-    tok_s = run.cfg.train.total_batch_size / median
+    tok_s = run.cfg.train.batch.total_batch_size / median
     value = mfu(tok_s / run.dist.world_size, run.cfg.model, run.peak) if run.peak else None
     first, last = run.step_s[1][0], run.step_s[-1][0]
     return (
@@ -619,7 +621,7 @@ def tokens_at(parts: Parts, cfg: RunConfig, step: int) -> int:
     """Tokens consumed up to step `step` (at most parts.step, and of this run's steps: every step since
     the start or resume took --total-batch-size tokens). A step's numbers are read one step late on
     CUDA (run_loop), when parts.tokens already counts the next."""
-    return parts.tokens - (parts.step - step) * cfg.train.total_batch_size
+    return parts.tokens - (parts.step - step) * cfg.train.batch.total_batch_size
 
 
 def close_run(parts: Parts, dist: Dist, log: RunLog) -> None:
@@ -647,13 +649,13 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     from gpt2.model import tokenizer
 
     tc = cfg.train
-    prompt = tokenizer.encode_prompt(tc.sample_prompt, cfg.model.block_size)  # checked in check_data
-    gen = torch.Generator(device=dist.device).manual_seed(tc.seed + parts.step)
+    prompt = tokenizer.encode_prompt(tc.eval.sample_prompt, cfg.model.block_size)  # checked in check_data
+    gen = torch.Generator(device=dist.device).manual_seed(tc.data.seed + parts.step)
     idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
     parts.model.eval()
     with parts.precision.autocast(dist.device):
         out = parts.model.generate(
-            idx, tc.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen, stop_token=EOT_TOKEN
+            idx, tc.eval.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen, stop_token=EOT_TOKEN
         )
     parts.model.train()
     return tokenizer.decode(cut_at_stop(out[0, len(prompt) :].tolist(), EOT_TOKEN))  # the text ends at <|endoftext|>
