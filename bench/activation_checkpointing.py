@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpt2.core.config import ModelConfig, param_count  # noqa: E402
+from gpt2.core.precision import Precision  # noqa: E402
 from gpt2.model.gpt import GPT  # noqa: E402
 from gpt2.plan.flops import flops_per_token, recompute_flops_per_token  # noqa: E402
 from gpt2.plan.hardware import device_hardware  # noqa: E402
@@ -63,7 +64,11 @@ def measure(cfg: ModelConfig, checkpointed: bool, batch: int, steps: int, device
 
 
 def planned(cfg: ModelConfig, checkpointed: bool, batch: int, device: torch.device) -> int:
-    m = memory(run_config(cfg, batch, dtype="fp32"), device_hardware(device, None), checkpointed=checkpointed)
+    m = memory(
+        run_config(cfg, batch, prec=Precision.from_key("fp32")),
+        device_hardware(device, None),
+        checkpointed=checkpointed,
+    )
     return m.activations + m.logits + m.gradients
 
 

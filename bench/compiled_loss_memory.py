@@ -23,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpt2.core.config import ModelConfig  # noqa: E402
+from gpt2.core.precision import Precision
 from gpt2.plan.measure import measured_peak_bytes  # noqa: E402
 from gpt2.plan.memory import loss_bytes
 
@@ -67,9 +68,9 @@ def main(argv=None) -> int:
     print("|---|---:|---:|")
     for name, fn, compiled in (("eager", head_and_loss, False), ("compiled", torch.compile(head_and_loss), True)):
         got = peak_per_logit(fn, device, dtype, tokens, args.vocab, args.width)
-        planned = loss_bytes(cfg, tokens, dtype=dtype, chunked=False, compiled=compiled, device_type=device.type) / (
-            tokens * args.vocab
-        )
+        planned = loss_bytes(
+            cfg, tokens, prec=Precision.from_key(dtype), chunked=False, compiled=compiled, device_type=device.type
+        ) / (tokens * args.vocab)
         print(f"| {name} | {got:.2f} | {planned:g} |", flush=True)
     return 0
 

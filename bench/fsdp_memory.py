@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpt2.core.precision import Precision
+
 MODES = ("ddp", "fsdp")
 WORLD = 2
 GOAL = 0.6
@@ -155,7 +157,7 @@ def predicted(args: argparse.Namespace, mode: str, accum: int) -> int:
     planned = run_config(
         cfg.model,
         args.micro_batch_size,
-        dtype="fp32",
+        prec=Precision.from_key("fp32"),
         world_size=WORLD,
         optimizer=cfg.train.optim.optimizer,
         parallel=mode,

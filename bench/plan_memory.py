@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpt2.core.config import ModelConfig  # noqa: E402
+from gpt2.core.precision import Precision  # noqa: E402
 from gpt2.plan.hardware import device_hardware  # noqa: E402
 from gpt2.plan.memory import memory, run_config  # noqa: E402
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for h, B, dtype, loss in GRID[: args.rows]:
         cfg = ModelConfig(n_layer=2, n_head=max(1, h // 32), n_embd=h, block_size=64)
-        run_cfg = run_config(cfg, B, dtype=dtype, loss_impl=loss, compile=args.compiled)
+        run_cfg = run_config(cfg, B, prec=Precision.from_key(dtype), loss_impl=loss, compile=args.compiled)
         plan = memory(run_cfg, device_hardware("cpu", None)).total
         (d, dt), (t, tt) = (run(cfg, B, dtype, loss, args.compiled, args.steps, tuned) for tuned in (False, True))
         # cpu seconds include the warm-up's (small beside the steps here); per step:

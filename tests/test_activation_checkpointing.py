@@ -13,6 +13,7 @@ from _helpers import FP32_CPU, losses, model_body, run, tiny_run_flags
 from conftest import TINY_MODEL_FLAGS
 
 from gpt2.core.config import ModelConfig, TrainConfig, model_preset
+from gpt2.core.precision import Precision
 from gpt2.model.gpt import GPT
 from gpt2.plan.ac_choice import choose_activation_checkpointing
 from gpt2.plan.hardware import GIB, Hardware, gpu_hardware
@@ -103,18 +104,18 @@ def test_activation_bytes_with_it_within_15pct_of_measured_peak(dtype):
     model.zero_grad(set_to_none=True)
     measured = measured_peak_bytes(forward_backward, "cpu")
     s = 2 if dtype == "bf16" else 4
-    estimate = activation_bytes(cfg, B, T, dtype=dtype, device_type="cpu", checkpointed=True) - B * T * (
-        s * cfg.n_embd + 8
-    )  # the LM head's input and the targets: not in the body
+    estimate = activation_bytes(
+        cfg, B, T, prec=Precision.from_key(dtype), device_type="cpu", checkpointed=True
+    ) - B * T * (s * cfg.n_embd + 8)  # the LM head's input and the targets: not in the body
     if dtype == "bf16":  # autocast's cached bf16 weight copies, alive until the forward's autocast ends
         estimate += 2 * (matmul_weight_count(cfg) - cfg.vocab_size * cfg.n_embd)
     assert estimate == pytest.approx(measured, rel=0.15)
-    plain = activation_bytes(cfg, B, T, dtype=dtype, device_type="cpu")
-    assert plain > 2 * activation_bytes(cfg, B, T, dtype=dtype, device_type="cpu", checkpointed=True)
+    plain = activation_bytes(cfg, B, T, prec=Precision.from_key(dtype), device_type="cpu")
+    assert plain > 2 * activation_bytes(cfg, B, T, prec=Precision.from_key(dtype), device_type="cpu", checkpointed=True)
 
 
 def test_the_planner_counts_its_memory_and_recompute():
-    cfg, hw = model_preset("gpt2-xl"), gpu_hardware("A100-40GB", "bf16")
+    cfg, hw = model_preset("gpt2-xl"), gpu_hardware("A100-40GB", Precision.from_key("bf16"))
     off = plan(run_config(cfg, 4, activation_checkpointing="none"), hw)
     on = plan(run_config(cfg, 4, activation_checkpointing="full"), hw)
     assert not off.fits and on.fits  # issue 34: 38.9 GiB at micro-batch 4 without it
@@ -135,7 +136,7 @@ def choice(cfg, requested="auto", *, mb="auto", hw, total=524_288, world_size=1)
 
 def test_auto_picks_none_where_a_micro_batch_fits_and_full_where_none_does():
     cfg = model_preset("gpt2-xl")
-    roomy = gpu_hardware("A100-80GB", "bf16")
+    roomy = gpu_hardware("A100-80GB", Precision.from_key("bf16"))
     assert choice(cfg, hw=roomy, total=524_288).mode == "none"
     assert choice(cfg, mb=4, hw=roomy, total=524_288).mode == "none"
     # Room for one sequence with it (and a little more), with auto's margin, not without: nothing fits without it.
@@ -152,13 +153,13 @@ def test_auto_picks_none_where_a_micro_batch_fits_and_full_where_none_does():
     assert auto.mode == "full" and auto.reason.startswith("auto: no micro-batch fits without it, up to ")
     assert "+32% FLOPs recomputed, not in MFU" in auto.describe()
     # An explicit micro-batch whose plan does not fit without it (issue 34's 38.9 of 37.4 GiB usable): full.
-    a100 = gpu_hardware("A100-40GB", "bf16")
+    a100 = gpu_hardware("A100-40GB", Precision.from_key("bf16"))
     assert choice(cfg, mb=4, hw=a100, total=524_288).mode == "full"
     assert choice(cfg, mb=1, hw=a100, total=524_288).mode == "none"
     assert choice(cfg, "none", hw=tight).mode == "none" and choice(cfg, "full", hw=roomy).mode == "full"
     # The state alone overflows (gpt2-xl under DDP on a 24 GB card): it cannot help, and auto says so.
     assert (
-        choice(cfg, hw=gpu_hardware("RTX4090-24GB", "bf16"), total=524_288).reason
+        choice(cfg, hw=gpu_hardware("RTX4090-24GB", Precision.from_key("bf16")), total=524_288).reason
         == "auto: no micro-batch fits even with it"
     )
 

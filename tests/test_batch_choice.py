@@ -4,7 +4,7 @@ every guarantee the largest-that-fits rule gave (fits, divides, FSDP, a clear er
 import pytest
 
 from gpt2.core.config import ModelConfig, model_preset
-from gpt2.core.precision import FLOAT32
+from gpt2.core.precision import FLOAT32, Precision
 from gpt2.plan.batch_choice import TIE, MicroBatchChoice, choose_micro_batch, lm_head_share, micro_step_seconds
 from gpt2.plan.hardware import GIB, Hardware, gpu_hardware
 from gpt2.plan.memory import AUTO_HEADROOM, max_micro_batch_size, memory, run_config
@@ -16,7 +16,9 @@ ISSUE_41 = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)  # issue 4
 
 def run(cfg, mb="auto", total=524_288, world=1, dtype="bf16", **train):
     """cfg's run with this micro-batch and global batch (compiled unless compile=False)."""
-    return run_config(cfg, mb, dtype=dtype, world_size=world, total_batch_size=total, **{"compile": True, **train})
+    return run_config(
+        cfg, mb, prec=Precision.from_key(dtype), world_size=world, total_batch_size=total, **{"compile": True, **train}
+    )
 
 
 def choose(cfg, hw, total=524_288, world=1, dtype="bf16", **train):
@@ -27,7 +29,7 @@ def choose(cfg, hw, total=524_288, world=1, dtype="bf16", **train):
 def test_gpt2_on_each_gpu_takes_the_fastest_micro_batch_not_the_largest(gpu, expected):
     """The gpt2 preset (bf16, compiled, 524,288 tokens): 16-32 sequences, where the fused full loss fits its
     share, not the 80-170 that fit (the largest-that-fits rule took 128 on an H100 with the 20-chunk loss)."""
-    cfg, hw = model_preset("gpt2"), gpu_hardware(gpu, "bf16")
+    cfg, hw = model_preset("gpt2"), gpu_hardware(gpu, Precision.from_key("bf16"))
     choice = choose(cfg, hw)
     largest = max_micro_batch_size(run(cfg), hw, headroom=AUTO_HEADROOM)
     assert choice.size == expected and largest >= 4 * expected
@@ -36,7 +38,7 @@ def test_gpt2_on_each_gpu_takes_the_fastest_micro_batch_not_the_largest(gpu, exp
 
 
 def test_the_model_weighs_the_fixed_cost_and_the_chunked_loss():
-    cfg, h100 = model_preset("gpt2"), gpu_hardware("H100-80GB", "bf16")
+    cfg, h100 = model_preset("gpt2"), gpu_hardware("H100-80GB", Precision.from_key("bf16"))
 
     def rate(b, chunked=False):
         return b / micro_step_seconds(
@@ -55,7 +57,7 @@ def test_issue_41s_tiny_model_on_a_cpu_takes_a_few_sequences_not_thousands():
     beside its compute: a few sequences are as fast."""
     choice = choose(ISSUE_41, CPU, dtype="fp32", compile=False)
     assert 1 <= choice.size <= 64 and 8192 % choice.size == 0
-    assert memory(run_config(ISSUE_41, choice.size, dtype="fp32"), CPU).total < GIB // 4
+    assert memory(run_config(ISSUE_41, choice.size, prec=Precision.from_key("fp32")), CPU).total < GIB // 4
 
 
 @pytest.mark.parametrize("gib", [4, 5, 8, 24])
@@ -76,14 +78,15 @@ def test_auto_fits_with_its_margin_and_divides(gib):
     )
     assert 1 <= b <= fits and 32 % b == 0
     assert (
-        memory(run_config(cfg, b, dtype="fp32", world_size=2), hw, world_size=2).total * AUTO_HEADROOM
+        memory(run_config(cfg, b, prec=Precision.from_key("fp32"), world_size=2), hw, world_size=2).total
+        * AUTO_HEADROOM
         <= hw.usable_bytes
     )
 
 
 def test_without_room_for_the_margin_the_largest_that_fits_is_taken_and_said():
     cfg = model_preset("gpt2")
-    need = memory(run_config(cfg, 1, dtype="fp32"), CPU, accum_steps=2).total
+    need = memory(run_config(cfg, 1, prec=Precision.from_key("fp32")), CPU, accum_steps=2).total
     hw = Hardware(
         name="tight", memory_bytes=int(need * 1.1) + GIB, peak_flops=1e11, device_type="cpu", reserve_bytes=GIB
     )
@@ -108,12 +111,16 @@ def test_free_memory_bounds_auto_on_a_cpu():
     tight = max_micro_batch_size(run(cfg, dtype="fp32"), busy, headroom=AUTO_HEADROOM)
     assert tight < loose
     b = choose(cfg, busy, total=64 * 1024, dtype="fp32").size
-    assert memory(run_config(cfg, b, dtype="fp32", total_batch_size=64 * 1024), busy).total * AUTO_HEADROOM <= 5 * GIB
+    assert (
+        memory(run_config(cfg, b, prec=Precision.from_key("fp32"), total_batch_size=64 * 1024), busy).total
+        * AUTO_HEADROOM
+        <= 5 * GIB
+    )
 
 
 def test_under_fsdp_auto_keeps_the_largest_that_fits_and_divides():
     cfg = model_preset("gpt2-large")
-    hw = gpu_hardware("RTX4090-24GB", "bf16")
+    hw = gpu_hardware("RTX4090-24GB", Precision.from_key("bf16"))
     for world in (2, 8, 64):
         choice = choose(cfg, hw, world=world, parallel="fsdp")
         seqs = 524288 // 1024 // world

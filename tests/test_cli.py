@@ -432,12 +432,8 @@ def test_help_puts_every_flag_under_a_heading_on_one_line_with_its_default(monke
         for f in dataclasses.fields(cls):
             expected = "(required)" if f.name in ("data_dir", "out_dir") else f"(default: {shown_default(f.default)})"
             assert shown[f"{section}.{f.name}"].endswith(expected)
-    assert shown["compute.compile"].endswith("(default: true)") and shown["schedule.lr"].endswith(
-        "(default: 0.0006)"
-    )
-    assert shown["ckpt.init_from"].endswith("(default: none)") and shown["model.n_kv_head"].endswith(
-        "(default: none)"
-    )
+    assert shown["compute.compile"].endswith("(default: true)") and shown["schedule.lr"].endswith("(default: 0.0006)")
+    assert shown["ckpt.init_from"].endswith("(default: none)") and shown["model.n_kv_head"].endswith("(default: none)")
 
 
 def test_help_shows_what_each_preset_sets_as_the_flags_it_stands_for(monkeypatch):

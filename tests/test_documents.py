@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt2.core.config import EOT_TOKEN
+from gpt2.core.precision import Precision
 from gpt2.model.documents import dense_mask, document_ids
 
 E = EOT_TOKEN
@@ -148,7 +149,7 @@ def test_the_planner_counts_the_dense_document_mask_as_measured():
     cfg = tiny().replace(n_kv_head=4, block_size=64)
     on = cfg.replace(doc_attention=True)
     measured = saved(on) - saved(cfg)
-    planned = activation_bytes(on, 4, 64, dtype="fp32", device_type="cpu") - activation_bytes(
-        cfg, 4, 64, dtype="fp32", device_type="cpu"
+    planned = activation_bytes(on, 4, 64, prec=Precision.from_key("fp32"), device_type="cpu") - activation_bytes(
+        cfg, 4, 64, prec=Precision.from_key("fp32"), device_type="cpu"
     )
     assert measured == planned == 2 * 4 * 4 * 64 * 64  # 2 layers x fp32 x B x T x T

@@ -17,6 +17,7 @@ import torch
 from _helpers import import_train_ddp, optimizer_of, tiny_run_flags
 from conftest import REPO
 
+from gpt2.core.precision import Precision
 from gpt2.data.shards import write_shard
 
 WORLD_SIZES = (1, 8, 16, 32, 64)
@@ -693,7 +694,7 @@ def test_checkpoint_size_estimate_is_what_a_save_writes(tmp_path):
     model(x, x)[1].backward()
     opt.step()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
-    m = memory(run_config(cfg, 1, dtype="fp32"), device_hardware("cpu", None))
+    m = memory(run_config(cfg, 1, prec=Precision.from_key("fp32")), device_hardware("cpu", None))
     written = (tmp_path / "c.pt").stat().st_size
     assert abs(written - (m.weights + m.optimizer)) / written < 0.02, (written, m.weights + m.optimizer)
 

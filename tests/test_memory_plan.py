@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gpt2.core.config import ModelConfig
+from gpt2.core.precision import Precision
 from gpt2.plan.hardware import GIB, Hardware
 from gpt2.plan.memory import PLAN_ERROR, loss_bytes, memory, run_config
 
@@ -86,7 +87,7 @@ def test_the_plan_is_within_its_error_of_the_measured_peak(n_embd, n_layer, B, d
     if dtype == "bf16" and not native_bf16():
         pytest.skip("bf16 is emulated on this CPU: a bf16 point would take ~40x as long")
     cfg = tiny(n_embd, n_layer)
-    plan = memory(run_config(cfg, B, dtype=dtype, loss_impl=loss, compile=compiled), CPU).total
+    plan = memory(run_config(cfg, B, prec=Precision.from_key(dtype), loss_impl=loss, compile=compiled), CPU).total
     peak = measured(cfg, B, dtype, loss, compiled)
     assert abs(peak - plan) <= PLAN_ERROR * plan, f"measured {peak / 2**20:.0f} MiB, plan {plan / 2**20:.0f} MiB"
 
@@ -102,14 +103,19 @@ def test_the_loss_terms_are_the_hand_count_of_what_each_path_keeps():
     rows = loss_chunks(N, loss_chunk_logits("cuda", mem80) // V)[1]
     chunk = rows * V * (4 + 4 + 2) + V * h * (2 + 4) + N * h * 4
     assert (rows, loss_chunks(N, loss_chunk_logits("cuda", mem80) // V)[0]) == (6554, 20)  # B=128 on an H100
-    assert loss_bytes(cfg, N, dtype="bf16", device_memory=mem80) == chunk
-    assert loss_bytes(cfg, N, dtype="bf16", device_memory=mem80, compiled=True) == chunk
-    assert loss_bytes(cfg, N, dtype="fp32", device_memory=mem80) == rows * V * 8 + V * h * 8 + N * h * 4
-    assert loss_bytes(cfg, 2048, dtype="bf16", chunked=False) == 2048 * V * 12
-    assert loss_bytes(cfg, 2048, dtype="bf16", chunked=False, compiled=True) == 2048 * V * 2 * 2
-    assert loss_bytes(cfg, 2048, dtype="bf16", chunked=False, compiled=True, device_type="cpu") == 2048 * V * 2
+    assert loss_bytes(cfg, N, prec=Precision.from_key("bf16"), device_memory=mem80) == chunk
+    assert loss_bytes(cfg, N, prec=Precision.from_key("bf16"), device_memory=mem80, compiled=True) == chunk
+    assert (
+        loss_bytes(cfg, N, prec=Precision.from_key("fp32"), device_memory=mem80) == rows * V * 8 + V * h * 8 + N * h * 4
+    )
+    assert loss_bytes(cfg, 2048, prec=Precision.from_key("bf16"), chunked=False) == 2048 * V * 12
+    assert loss_bytes(cfg, 2048, prec=Precision.from_key("bf16"), chunked=False, compiled=True) == 2048 * V * 2 * 2
+    assert (
+        loss_bytes(cfg, 2048, prec=Precision.from_key("bf16"), chunked=False, compiled=True, device_type="cpu")
+        == 2048 * V * 2
+    )
     # a micro-batch of few tokens: the buffers are as large as the tokens, not a whole chunk
-    assert loss_bytes(cfg, 64, dtype="fp32", device_type="cpu") == max(
+    assert loss_bytes(cfg, 64, prec=Precision.from_key("fp32"), device_type="cpu") == max(
         64 * V * 8 + V * h * 8 + 64 * h * 4, 2 * 64 * h * 4 + V * h * 4
     )
 
@@ -147,7 +153,7 @@ def test_the_cuda_chunk_arithmetic_measured_on_this_cpu(dtype):
     # forward) and the weight's fp32 gradient (the plan's gradients term; on this CPU a bf16 matmul into the
     # (V, h) part also takes an fp32 scratch of that size, which the gradients term covers).
     copy, grad = (V * h * 2 if dtype == "bf16" else 0), V * h * 4
-    planned = loss_bytes(cfg, N, dtype=dtype, device_type="cuda", device_memory=device_memory)
+    planned = loss_bytes(cfg, N, prec=Precision.from_key(dtype), device_type="cuda", device_memory=device_memory)
     assert (planned + copy) * 0.85 <= peak <= (planned + copy + grad) * 1.15, (peak, planned, copy, grad)
 
 
@@ -160,16 +166,18 @@ def test_the_last_blocks_backward_counts_where_the_loss_peak_is_the_smaller_on_a
 
     cfg = ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128)
     N, h = 1024 * 128, 128
-    mem = memory(run_config(cfg, 1024, dtype="fp32", loss_impl="chunked"), CPU)
-    saved = activation_bytes(cfg, 1024, 128, dtype="fp32", device_type="cpu")
-    assert block_backward_bytes(cfg, 1024, 128, dtype="fp32", device_type="cpu") == saved + N * (12 * h - 8)
+    mem = memory(run_config(cfg, 1024, prec=Precision.from_key("fp32"), loss_impl="chunked"), CPU)
+    saved = activation_bytes(cfg, 1024, 128, prec=Precision.from_key("fp32"), device_type="cpu")
+    assert block_backward_bytes(cfg, 1024, 128, prec=Precision.from_key("fp32"), device_type="cpu") == saved + N * (
+        12 * h - 8
+    )
     assert mem.block_backward == saved + N * (12 * h - 8) - mem.activations - mem.logits > 0
     assert mem.total == mem.static + mem.activations + mem.logits + mem.block_backward
-    assert memory(run_config(cfg, 8, dtype="fp32", loss_impl="chunked"), CPU).block_backward == 0
-    ac = run_config(cfg, 1024, dtype="fp32", loss_impl="chunked", activation_checkpointing="full")
+    assert memory(run_config(cfg, 8, prec=Precision.from_key("fp32"), loss_impl="chunked"), CPU).block_backward == 0
+    ac = run_config(cfg, 1024, prec=Precision.from_key("fp32"), loss_impl="chunked", activation_checkpointing="full")
     assert memory(ac, CPU).block_backward == 0
     h100 = Hardware(name="H100", memory_bytes=80 * GIB, peak_flops=None, device_type="cuda")
-    assert memory(run_config(cfg, 1024, dtype="fp32", loss_impl="chunked"), h100).block_backward == 0
+    assert memory(run_config(cfg, 1024, prec=Precision.from_key("fp32"), loss_impl="chunked"), h100).block_backward == 0
 
 
 RESIDENT_RUN = [  # issue 54's smallest row: the debug preset's width at 2 x 64 tokens x 8, 2 micro-steps

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from _helpers import optimizer_of
 
 from gpt2.core.config import ARCHS, GPT2_VOCAB_SIZE, ModelConfig, param_count
+from gpt2.core.precision import Precision
 from gpt2.model.gpt import GPT, RMS_EPS, KVCache, apply_rope, rms_norm, rope_tables
 
 MODERN = ARCHS["modern"]
@@ -341,7 +342,9 @@ def test_the_untied_head_adds_its_weight_gradient_and_moments_but_no_flops():
     assert flops_per_token(untied) == flops_per_token(cfg)  # the embedding is a lookup once untied
     hw = Hardware(name="test", memory_bytes=80 * 2**30, peak_flops=1e15)
     for optimizer, state in (("adamw", 8), ("muon", 8)):  # the head is AdamW's under Muon too
-        a, b = (memory(run_config(m, 4, dtype="bf16", optimizer=optimizer), hw) for m in (cfg, untied))
+        a, b = (
+            memory(run_config(m, 4, prec=Precision.from_key("bf16"), optimizer=optimizer), hw) for m in (cfg, untied)
+        )
         assert b.weights - a.weights == 4 * Vh and b.gradients - a.gradients == 4 * Vh
         assert b.optimizer - a.optimizer == state * Vh
         assert b.autocast_weights == a.autocast_weights  # one matrix for the head's matmul either way
@@ -356,7 +359,9 @@ def test_rope_drops_the_position_table_and_saves_rotated_q_and_k():
     assert param_count(rope) == param_count(cfg) - cfg.block_size * cfg.n_embd
     assert flops_per_token(rope) == flops_per_token(cfg)  # the table was a lookup: never counted
     for dtype, s in (("bf16", 2), ("fp32", 4)):
-        extra = activation_bytes(rope, 3, 64, dtype=dtype) - activation_bytes(cfg, 3, 64, dtype=dtype)
+        extra = activation_bytes(rope, 3, 64, prec=Precision.from_key(dtype)) - activation_bytes(
+            cfg, 3, 64, prec=Precision.from_key(dtype)
+        )
         assert extra == 3 * 64 * cfg.n_layer * s * 2 * cfg.n_embd  # q and k, MHA
 
 
@@ -390,9 +395,9 @@ def test_the_planner_counts_what_a_block_saves_with_qk_norm_and_rope():
         cfg = base.replace(**options)
         for autocast, dtype in ((False, "fp32"), (True, "bf16")):
             measured = saved(cfg, autocast) - saved(base, autocast)
-            planned = activation_bytes(cfg, 2, 64, dtype=dtype, device_type="cpu") - activation_bytes(
-                base, 2, 64, dtype=dtype, device_type="cpu"
-            )
+            planned = activation_bytes(
+                cfg, 2, 64, prec=Precision.from_key(dtype), device_type="cpu"
+            ) - activation_bytes(base, 2, 64, prec=Precision.from_key(dtype), device_type="cpu")
             assert planned == measured, (options, dtype)
 
 

@@ -10,6 +10,7 @@ import torch
 from _helpers import model_body
 
 from gpt2.core.config import MODEL_PRESETS, ModelConfig, model_preset
+from gpt2.core.precision import Precision
 from gpt2.model.gpt import GPT
 from gpt2.plan.hardware import GIB, Hardware, device_hardware, gpu_hardware
 from gpt2.plan.measure import measured_peak_bytes
@@ -34,10 +35,11 @@ def run(cfg, mb=1, *, seq_len=None, chunked_loss=True, compiled=False, activatio
     cfg = cfg if seq_len is None else cfg.replace(block_size=seq_len)
     if train.get("total_batch_size") is None:
         train.pop("total_batch_size", None)
-    train.setdefault("dtype", "bf16")
+    prec = Precision.from_key(train.pop("dtype", "bf16"))  # the tests name the planner's keys
     return run_config(
         cfg,
         mb,
+        prec=prec,
         loss_impl="chunked" if chunked_loss else "full",
         compile=compiled,
         activation_checkpointing="full" if activation_checkpointing else "none",
@@ -76,14 +78,18 @@ def test_param_count_equals_module(name, vocab):
     cfg = model_preset(name, vocab_size=vocab)
     with torch.device("meta"):  # gpt2-xl without allocating 6 GB
         model = GPT(cfg)
-    p = planned(cfg, micro_batch_size=1, hardware=gpu_hardware("H200", "bf16"))
+    p = planned(cfg, micro_batch_size=1, hardware=gpu_hardware("H200", Precision.from_key("bf16")))
     assert p.n_params == sum(t.numel() for t in model.parameters())  # the module, not the counter again
     if cfg.bias and cfg.tie_embeddings and not cfg.rope:  # GPT-2's layout: the closed form is exact
         assert p.n_params_formula == p.n_params
 
 
 def test_known_gpt2_numbers():
-    p = planned(model_preset("gpt2", vocab_size=50257), micro_batch_size=1, hardware=gpu_hardware("A100-80GB", "bf16"))
+    p = planned(
+        model_preset("gpt2", vocab_size=50257),
+        micro_batch_size=1,
+        hardware=gpu_hardware("A100-80GB", Precision.from_key("bf16")),
+    )
     assert p.n_params == 124_439_808  # "124M"
     assert p.memory.weights == 4 * 124_439_808
     assert p.memory.optimizer == 8 * 124_439_808
@@ -148,7 +154,7 @@ def test_activation_estimate_within_25pct_of_measured_peak(attn_impl, dtype):
     s = 2 if dtype == "bf16" else 4
     lm_head_input_and_targets = B * T * (s * cfg.n_embd + 8)  # counted by the planner, absent here
     estimate = (
-        activation_bytes(cfg, B, T, dtype=dtype, device_type="cpu", flash=attn_impl != "explicit")
+        activation_bytes(cfg, B, T, prec=Precision.from_key(dtype), device_type="cpu", flash=attn_impl != "explicit")
         - lm_head_input_and_targets
     )
     if dtype == "bf16":
@@ -185,15 +191,17 @@ def test_total_within_25pct_of_measured_training_step_peak(chunked):
 
 def test_max_micro_batch_size_monotonic_and_tight():
     cfg = model_preset("gpt2")
-    sizes = [largest(cfg, 1024, gpu_hardware(g, "bf16")) for g in ("A100-40GB", "A100-80GB", "H200")]
+    sizes = [
+        largest(cfg, 1024, gpu_hardware(g, Precision.from_key("bf16"))) for g in ("A100-40GB", "A100-80GB", "H200")
+    ]
     assert 0 < sizes[0] < sizes[1] < sizes[2]
-    by_len = [largest(cfg, t, gpu_hardware("A100-40GB", "bf16")) for t in (256, 512, 1024)]
+    by_len = [largest(cfg, t, gpu_hardware("A100-40GB", Precision.from_key("bf16"))) for t in (256, 512, 1024)]
     assert by_len[0] > by_len[1] > by_len[2]
-    explicit = largest(cfg.replace(attn_impl="explicit"), 1024, gpu_hardware("A100-40GB", "bf16"))
+    explicit = largest(cfg.replace(attn_impl="explicit"), 1024, gpu_hardware("A100-40GB", Precision.from_key("bf16")))
     assert explicit < sizes[0]
-    fp32 = largest(cfg, 1024, gpu_hardware("A100-40GB", "fp32"), dtype="fp32")
+    fp32 = largest(cfg, 1024, gpu_hardware("A100-40GB", Precision.from_key("fp32")), dtype="fp32")
     assert fp32 < sizes[0]
-    hw = gpu_hardware("A100-40GB", "bf16")
+    hw = gpu_hardware("A100-40GB", Precision.from_key("bf16"))
     b = sizes[0]
     assert planned(cfg, micro_batch_size=b, hardware=hw).fits
     assert not planned(cfg, micro_batch_size=b + 1, hardware=hw).fits
@@ -202,7 +210,7 @@ def test_max_micro_batch_size_monotonic_and_tight():
 
 def test_check_fits_refuses_with_the_fix():
     cfg = model_preset("gpt2")
-    hw = gpu_hardware("A100-40GB", "bf16")
+    hw = gpu_hardware("A100-40GB", Precision.from_key("bf16"))
     check_fits(planned(cfg, micro_batch_size=16, hardware=hw))  # fits: no error
     p = planned(cfg, micro_batch_size=128, hardware=hw, total_batch_size=524288)
     assert p.memory.total > hw.memory_bytes
@@ -211,7 +219,7 @@ def test_check_fits_refuses_with_the_fix():
 
 
 def test_batch_and_time_arithmetic():
-    hw = gpu_hardware("A100-40GB", "bf16")
+    hw = gpu_hardware("A100-40GB", Precision.from_key("bf16"))
     assert hw.peak_flops == 312e12
     p = planned(
         model_preset("gpt2"),
@@ -239,7 +247,7 @@ def test_batch_and_time_arithmetic():
 
 def test_plan_without_a_peak_leaves_the_time_estimates_out():
     """An unlisted GPU has no data-sheet peak (gpt2.plan.flops.device_peak_flops gives None)."""
-    a100 = gpu_hardware("A100-40GB", "bf16")
+    a100 = gpu_hardware("A100-40GB", Precision.from_key("bf16"))
     hw = Hardware(name="NVIDIA Future GPU", memory_bytes=a100.memory_bytes, peak_flops=None)
     p = planned(
         model_preset("gpt2"), micro_batch_size=16, hardware=hw, world_size=8, total_batch_size=524288, tokens=10 * 10**9
@@ -265,7 +273,7 @@ def test_plan_rejects_bad_input_with_every_problem():
         plan(run_config(model_preset("gpt2"), "auto", total_batch_size=524288), CPU, world_size=0, mfu=40, tokens=0)
     assert all(s in str(e.value) for s in ("micro_batch_size='auto'", "world_size=0", "mfu=40", "tokens=0"))
     with pytest.raises(ValueError, match="unknown GPU"):
-        gpu_hardware("T4", "bf16")
+        gpu_hardware("T4", Precision.from_key("bf16"))
 
 
 def test_cli_runs():
@@ -336,11 +344,11 @@ def test_trainer_helpers():
     assert hw.device_type == "cpu" and 0 < hw.memory_bytes < 2**50
     assert device_hardware("cpu", 1e11).memory_bytes == pytest.approx(2 * hw.memory_bytes, abs=1)
     cfg = model_preset("gpt2")
-    a100 = gpu_hardware("A100-80GB", "bf16").memory_bytes
+    a100 = gpu_hardware("A100-80GB", Precision.from_key("bf16")).memory_bytes
     assert mem(cfg, 4, 1024, dtype="fp16", device_memory=a100) == mem(cfg, 4, 1024, dtype="bf16", device_memory=a100)
     assert mem(cfg, 4, 1024, dtype="tf32", device_memory=a100) == mem(cfg, 4, 1024, dtype="fp32", device_memory=a100)
-    assert gpu_hardware("H100-80GB", "fp16").peak_flops == 989e12
-    assert gpu_hardware("A100-80GB", "tf32").peak_flops == 156e12
+    assert gpu_hardware("H100-80GB", Precision.from_key("fp16")).peak_flops == 989e12
+    assert gpu_hardware("A100-80GB", Precision.from_key("tf32")).peak_flops == 156e12
 
 
 def test_loss_bytes_counts_the_chunk_the_model_uses(monkeypatch):
@@ -359,7 +367,10 @@ def test_loss_bytes_counts_the_chunk_the_model_uses(monkeypatch):
     rows = seen[0]
     assert 0 < rows < tokens  # in several chunks
     # its fp32 logits and logsumexp's exp, the fp32 (V, h) part and its sum, grad_x (the backward's is smaller)
-    assert loss_bytes(cfg, tokens, dtype="fp32", device_type="cpu") == rows * V * 8 + V * h * 8 + tokens * h * 4
+    assert (
+        loss_bytes(cfg, tokens, prec=Precision.from_key("fp32"), device_type="cpu")
+        == rows * V * 8 + V * h * 8 + tokens * h * 4
+    )
 
 
 def test_cuda_loss_bytes_follow_the_devices_memory():
@@ -368,7 +379,7 @@ def test_cuda_loss_bytes_follow_the_devices_memory():
     cfg, tokens = model_preset("gpt2"), 64 * 1024
     V, h = cfg.vocab_size, cfg.n_embd
     for gpu, chunk_rows in (("A100-80GB", 6554), ("A100-40GB", 3277)):
-        hw = gpu_hardware(gpu, "bf16")
+        hw = gpu_hardware(gpu, Precision.from_key("bf16"))
         assert loss_chunks(tokens, loss_chunk_logits("cuda", hw.memory_bytes) // V)[1] == chunk_rows
         expected = chunk_rows * V * 10 + V * h * 6 + tokens * h * 4  # + the bf16 twin; the part in bf16
         assert loss_bytes(cfg, tokens, device_memory=hw.memory_bytes) == expected
@@ -382,12 +393,22 @@ def test_cuda_loss_bytes_follow_the_devices_memory():
 def test_the_autocast_copies_line_names_the_plans_dtype(dtype):
     """`python -m gpt2.plan --dtype fp16` once printed "autocast bf16 copies"."""
     text = format_plan(
-        planned(model_preset("gpt2"), micro_batch_size=4, hardware=gpu_hardware("A100-80GB", dtype), dtype=dtype)
+        planned(
+            model_preset("gpt2"),
+            micro_batch_size=4,
+            hardware=gpu_hardware("A100-80GB", Precision.from_key(dtype)),
+            dtype=dtype,
+        )
     )
     other = {"bf16": "fp16", "fp16": "bf16"}[dtype]
     assert f"autocast {dtype} copies" in text and f"autocast {other}" not in text
     assert "autocast" not in format_plan(
-        planned(model_preset("gpt2"), micro_batch_size=4, dtype="fp32", hardware=gpu_hardware("A100-80GB", "fp32"))
+        planned(
+            model_preset("gpt2"),
+            micro_batch_size=4,
+            dtype="fp32",
+            hardware=gpu_hardware("A100-80GB", Precision.from_key("fp32")),
+        )
     )
 
 
@@ -422,16 +443,18 @@ def _choose(requested, hw, mb=8, cfg=W1, dtype="fp32", compiled=True, measure_ea
     from gpt2.plan.loss_choice import choose_loss_impl
 
     return choose_loss_impl(
-        run_config(cfg, mb, dtype=dtype, loss_impl=requested, compile=compiled), hw, measure_eager=measure_eager
+        run_config(cfg, mb, prec=Precision.from_key(dtype), loss_impl=requested, compile=compiled),
+        hw,
+        measure_eager=measure_eager,
     )
 
 
 def test_auto_loss_impl_takes_full_logits_on_a_big_device_and_chunks_on_a_small_one():
     from gpt2.plan.loss_choice import FULL_LOSS_MEMORY_SHARE
 
-    assert loss_bytes(W1, 8 * 256, dtype="fp32", chunked=False) == 8 * 256 * 50304 * 12  # eager: the
+    assert loss_bytes(W1, 8 * 256, prec=Precision.from_key("fp32"), chunked=False) == 8 * 256 * 50304 * 12  # eager: the
     # log-probs and two gradients, fp32; compiled on a CPU: the logits, their gradient written over them
-    peak = loss_bytes(W1, 8 * 256, dtype="fp32", chunked=False, compiled=True, device_type="cpu")
+    peak = loss_bytes(W1, 8 * 256, prec=Precision.from_key("fp32"), chunked=False, compiled=True, device_type="cpu")
     assert peak == 8 * 256 * 50304 * 4
     big = _choose("auto", _cpu(24))  # this workload on a 24 GiB host: 0.38 GiB is 1.7% of 23 GiB usable
     assert big.impl == "full" and "auto: full-logits peak 0.38 GiB at micro-batch 8 <= 1/8 of 23.00 GiB" in big.reason
@@ -492,7 +515,7 @@ def test_auto_loss_impl_chunks_when_the_full_logits_are_within_the_share_but_the
     hw = Hardware(
         name="tight", memory_bytes=chunked.total + GIB, peak_flops=None, device_type="cpu", reserve_bytes=GIB
     )  # fits exactly with the chunked loss
-    full_peak = loss_bytes(cfg, 2 * 1024, dtype="bf16", chunked=False)
+    full_peak = loss_bytes(cfg, 2 * 1024, prec=Precision.from_key("bf16"), chunked=False)
     assert chunked.logits < full_peak <= chunked.total // FULL_LOSS_MEMORY_SHARE
     choice = _choose("auto", hw, mb=2, cfg=cfg, dtype="bf16", compiled=False)  # eager's peak, full_peak
     assert choice.impl == "chunked" and "is within 1/8" in choice.reason and "does not fit" in choice.reason
@@ -526,11 +549,14 @@ def test_a_compiled_gpu_run_takes_the_fused_full_loss_where_eagers_peak_would_ha
     the full loss; eager's 14 bytes (10.7 GiB) is over the share and chunks, as every compiled run at
     micro-batch >= 16 did when the planner counted eager's peak for compiled code (then 14 bytes; 12 since
     issue 41, 9.2 GiB: within the share, but uncompiled and unmeasured it stays chunked)."""
-    gpt2, a100 = model_preset("gpt2"), gpu_hardware("A100-80GB", "bf16")
+    gpt2, a100 = model_preset("gpt2"), gpu_hardware("A100-80GB", Precision.from_key("bf16"))
     compiled = _choose("auto", a100, mb=16, cfg=gpt2, dtype="bf16")
     assert compiled.impl == "full" and "auto: full-logits peak 3.07 GiB at micro-batch 16 <= 1/8" in compiled.reason
     assert _choose("auto", a100, mb=16, cfg=gpt2, dtype="bf16", compiled=False).impl == "chunked"
-    assert loss_bytes(gpt2, 16 * 1024, dtype="bf16", chunked=False, compiled=True) == 16 * 1024 * 50304 * 4
+    assert (
+        loss_bytes(gpt2, 16 * 1024, prec=Precision.from_key("bf16"), chunked=False, compiled=True)
+        == 16 * 1024 * 50304 * 4
+    )
     assert _choose("auto", a100, mb=64, cfg=gpt2, dtype="bf16").impl == "chunked"  # 12.3 GiB: over the share
 
 
@@ -564,16 +590,18 @@ def test_the_plan_counts_the_chosen_loss_path_and_the_micro_batch_comes_first():
 
     full = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048)  # compiled (TrainConfig's default)
     assert not full.memory.chunked_loss
-    assert full.memory.logits == loss_bytes(W1, 2048, dtype="fp32", chunked=False, compiled=True, device_type="cpu")
+    assert full.memory.logits == loss_bytes(
+        W1, 2048, prec=Precision.from_key("fp32"), chunked=False, compiled=True, device_type="cpu"
+    )
     assert "LM head + loss peak    0.38 GiB  (full logits: all B*T*V at once" in format_plan(full)
     eager = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048, compile=False, loss_impl="full")
-    assert eager.memory.logits == loss_bytes(W1, 2048, dtype="fp32", chunked=False)
+    assert eager.memory.logits == loss_bytes(W1, 2048, prec=Precision.from_key("fp32"), chunked=False)
     chunked = run(W1, _cpu(24), micro_batch_size=8, total_batch_size=2048, loss_impl="chunked")
     assert chunked.memory.chunked_loss and "(chunked: never all B*T*V logits at once)" in format_plan(chunked)
     assert chunked.memory.total < full.memory.total
     # --micro-batch-size auto: the throughput model's, the same whatever --loss-impl says (it weighs auto's
     # loss at each size); on an A100-80GB that is 16 sequences, where auto takes the fused full loss.
-    gpt2, a100 = model_preset("gpt2"), gpu_hardware("A100-80GB", "bf16")
+    gpt2, a100 = model_preset("gpt2"), gpu_hardware("A100-80GB", Precision.from_key("bf16"))
     auto = plan_run(RunConfig(gpt2, TrainConfig.of(dtype="bfloat16")), a100)
     forced = plan_run(RunConfig(gpt2, TrainConfig.of(dtype="bfloat16", loss_impl="chunked")), a100)
     assert auto.micro_batch_size == forced.micro_batch_size == 16
@@ -652,7 +680,11 @@ def test_fsdp_at_world_size_1_is_ddp():
     for dtype in ("bf16", "fp32"):
         kw = dict(dtype=dtype, device_memory=40 * GIB)
         assert mem(cfg, 4, 1024, **kw, parallel="fsdp", accum_steps=8) == mem(cfg, 4, 1024, **kw)
-    text = format_plan(planned(cfg, micro_batch_size=4, hardware=gpu_hardware("A100-40GB", "bf16"), parallel="fsdp"))
+    text = format_plan(
+        planned(
+            cfg, micro_batch_size=4, hardware=gpu_hardware("A100-40GB", Precision.from_key("bf16")), parallel="fsdp"
+        )
+    )
     assert "fsdp at world size 1: nothing to shard" in text and "gathered" not in text
 
 
@@ -660,7 +692,7 @@ def test_gpt2_xl_on_8_24gb_cards_fits_with_fsdp_and_not_with_ddp():
     from gpt2.core.config import TRAIN_PRESETS, RunConfig, TrainConfig
     from gpt2.plan.resolve import Target, resolve_choices
 
-    hw = gpu_hardware("RTX4090-24GB", "bf16")
+    hw = gpu_hardware("RTX4090-24GB", Precision.from_key("bf16"))
     train = dict(TRAIN_PRESETS["gpt2-xl"], data_dir="d", out_dir="o", dtype="bfloat16")
     with pytest.raises(
         ValueError,
@@ -686,7 +718,7 @@ def test_no_sync_accumulation_is_counted_and_the_reduce_scatter_choice_reported(
     from gpt2.plan.memory import gathered_elements
 
     cfg = model_preset("gpt2-xl")
-    a100 = gpu_hardware("A100-40GB", "bf16")
+    a100 = gpu_hardware("A100-40GB", Precision.from_key("bf16"))
     once = planned(cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=8 * 1024 * 8)
     accum = planned(
         cfg, micro_batch_size=8, hardware=a100, world_size=8, parallel="fsdp", total_batch_size=4 * 8 * 1024 * 8

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpt2.core.precision import Precision
 from gpt2.train import run_log
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,7 +175,9 @@ def test_readme_stop_budget_table_follows_the_planner_and_the_defaults_cover_eve
     for name, gb, step, writes, need_grace, need_lead in rows:
         cfg = model_preset(name)
         p = plan(
-            run_config(cfg, 1, world_size=8, total_batch_size=524288), gpu_hardware("A100-80GB", "bf16"), world_size=8
+            run_config(cfg, 1, world_size=8, total_batch_size=524288),
+            gpu_hardware("A100-80GB", Precision.from_key("bf16")),
+            world_size=8,
         )
         b = StopBudget(checkpoint_bytes(cfg), p.step_time_s, 1e9)
         assert (gb, step, writes) == (f"{b.checkpoint_bytes / 1e9:.2f}", f"{b.step_s:.1f}", f"{b.writes_s:.1f}"), name

@@ -63,6 +63,16 @@ class Precision:
         return getattr(torch, self.dtype)
 
     @property
+    def autocasts(self) -> bool:
+        """Matmuls in 16 bits under autocast (bfloat16, float16); float32 runs none."""
+        return self.dtype != "float32"
+
+    @property
+    def matmul_bytes(self) -> int:
+        """Bytes per element of what autocast's matmuls take and give: the planner's s."""
+        return 2 if self.autocasts else 4
+
+    @property
     def short(self) -> str:
         """'bf16', 'fp16' or 'fp32', as the log says it."""
         return SHORT_NAMES[self.dtype]
@@ -89,3 +99,5 @@ class Precision:
 
 FLOAT32 = Precision("float32", "float32")
 """Plain float32 (no autocast, no scaler): what a caller without a run's precision evaluates in."""
+BFLOAT16 = Precision("bfloat16", "bfloat16")
+"""bf16 autocast over fp32 weights: what the planner assumes when a caller names no precision (a GPU's)."""

@@ -62,10 +62,9 @@ class Hardware:
         return usable if self.available_bytes is None else min(usable, self.available_bytes - self.reserve_bytes)
 
 
-def gpu_hardware(name: str, dtype: str) -> Hardware:
-    """One of the GPUS by name, with its data-sheet peak for dtype."""
+def gpu_hardware(name: str, prec: Precision) -> Hardware:
+    """One of the GPUS by name, with its data-sheet peak in prec (its dtype, and TF32 for float32)."""
     memory, sheet_name = known_gpu(name)
-    prec = Precision.from_key(dtype)
     peak = gpu_table_peak(sheet_name, prec.torch_dtype, tf32=prec.tf32)
     return Hardware(name=name, memory_bytes=int(memory), peak_flops=peak)
 
@@ -79,7 +78,7 @@ def known_gpu(name: str) -> tuple[float, str]:
 
 
 def custom_hardware(
-    gpu: str | None, dtype: str, *, memory_gb: float | None = None, peak_tflops: float | None = None
+    gpu: str | None, prec: Precision, *, memory_gb: float | None = None, peak_tflops: float | None = None
 ) -> Hardware:
     """--gpu NAME and/or --gpu-memory-gb/--gpu-peak-tflops (which override the named GPU's figures):
     the device `python -m gpt2.plan` and `train_ddp.py --dry-run` plan for."""
@@ -87,7 +86,7 @@ def custom_hardware(
         raise ValueError("name a GPU (--gpu, one of " + ", ".join(GPUS) + ") or give --gpu-memory-gb")
     if memory_gb is not None and not memory_gb > 0 or peak_tflops is not None and not peak_tflops > 0:
         raise ValueError(f"--gpu-memory-gb {memory_gb} and --gpu-peak-tflops {peak_tflops} must be > 0")
-    hw = gpu_hardware(gpu, dtype) if gpu is not None else Hardware(name="custom", memory_bytes=0, peak_flops=None)
+    hw = gpu_hardware(gpu, prec) if gpu is not None else Hardware(name="custom", memory_bytes=0, peak_flops=None)
     return dataclasses.replace(
         hw,
         name="custom" if memory_gb is not None else hw.name,

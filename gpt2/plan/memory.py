@@ -75,7 +75,7 @@ from gpt2.core.config import (
     param_count,
     weight_shapes,
 )
-from gpt2.core.precision import AUTOCAST_DTYPES, Precision
+from gpt2.core.precision import BFLOAT16, Precision
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.plan.hardware import Hardware, gib, usable_note
 
@@ -191,7 +191,7 @@ def loss_bytes(
     cfg: ModelConfig,
     tokens: int,
     *,
-    dtype: str = "bf16",
+    prec: Precision = BFLOAT16,
     chunked: bool = True,
     device_type: str = "cuda",
     device_memory: int | None = None,
@@ -217,7 +217,7 @@ def loss_bytes(
     """
     from gpt2.model.loss import loss_chunk_logits, loss_chunks
 
-    s = 2 if dtype in AUTOCAST_DTYPES else 4
+    s = prec.matmul_bytes
     V, h = cfg.vocab_size, cfg.n_embd
     if not chunked:
         per_logit = COMPILED_FULL_LOSS_BYTES.get(device_type, 2) * s if compiled else EAGER_FULL_LOSS_BYTES
@@ -240,13 +240,12 @@ loss holds its softcap in the buffers it has (gpt2/model/loss.py _capped_chunk):
 
 
 def run_config(
-    model: ModelConfig, micro_batch_size: int | str, *, dtype: str = "bf16", world_size: int = 1, **train
+    model: ModelConfig, micro_batch_size: int | str, *, prec: Precision = BFLOAT16, world_size: int = 1, **train
 ) -> RunConfig:
-    """The RunConfig a bench or test sizing a bare model plans: dtype in the planner's names (bf16, fp16,
-    tf32, fp32: gpt2/core/precision.py PLAN_DTYPES), these TrainConfig fields, and by default a global
+    """The RunConfig a bench or test sizing a bare model plans: in prec (its dtype and TF32), these TrainConfig
+    fields, and by default a global
     batch of one micro-step on each of world_size ranks (no accumulation) and no torch.compile (the plain
     model a bench measures)."""
-    prec = Precision.from_key(dtype)
     if "total_batch_size" not in train:
         train["total_batch_size"] = micro_batch_size * model.block_size * world_size
     train.setdefault("compile", False)
@@ -277,7 +276,7 @@ def memory(
     if accum_steps is None:
         accum_steps = grad_accum_steps(tc.batch.total_batch_size, micro_batch_size, seq_len, world_size)
     checkpointed = tc.compute.activation_checkpointing == "full" if checkpointed is None else checkpointed
-    dtype = Precision.of_config(tc, hardware.device_type).key
+    prec = Precision.of_config(tc, hardware.device_type)
     device_type, device_memory = hardware.device_type, hardware.memory_bytes
     optimizer, parallel, chunked_loss, compiled = (
         tc.optim.optimizer,
@@ -286,14 +285,14 @@ def memory(
         tc.compute.compile,
     )
     n = param_count(model)
-    autocast = dtype in AUTOCAST_DTYPES
-    flash = activation_bytes(model, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=True)
-    explicit = activation_bytes(model, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=False)
+    autocast = prec.autocasts
+    flash = activation_bytes(model, micro_batch_size, seq_len, prec=prec, device_type=device_type, flash=True)
+    explicit = activation_bytes(model, micro_batch_size, seq_len, prec=prec, device_type=device_type, flash=False)
     saved = activation_bytes(
         model,
         micro_batch_size,
         seq_len,
-        dtype=dtype,
+        prec=prec,
         device_type=device_type,
         flash=model.attn_impl != "explicit",
         checkpointed=True,
@@ -301,7 +300,7 @@ def memory(
     logits = loss_bytes(
         model,
         micro_batch_size * seq_len,
-        dtype=dtype,
+        prec=prec,
         chunked=chunked_loss,
         device_type=device_type,
         device_memory=device_memory,
@@ -311,7 +310,7 @@ def memory(
     if device_type == "cpu" and not checkpointed:  # CUDA's plan is as measured on H100/H200 (block_backward_bytes)
         attn = model.attn_impl != "explicit"
         active = flash if attn else explicit
-        peak = block_backward_bytes(model, micro_batch_size, seq_len, dtype=dtype, device_type=device_type, flash=attn)
+        peak = block_backward_bytes(model, micro_batch_size, seq_len, prec=prec, device_type=device_type, flash=attn)
         backward = max(0, peak - active - logits)
     mem = Memory(
         weights=4 * n,
@@ -333,17 +332,24 @@ def memory(
     if parallel == "ddp" or world_size == 1:  # fsdp at world size 1: the trainer does not shard
         return mem
     return fsdp_memory(
-        mem, model, world_size, dtype=dtype, device_type=device_type, optimizer=optimizer, accum_steps=accum_steps
+        mem, model, world_size, prec=prec, device_type=device_type, optimizer=optimizer, accum_steps=accum_steps
     )
 
 
 def fsdp_memory(
-    mem: Memory, cfg: ModelConfig, world_size: int, *, dtype: str, device_type: str, optimizer: str, accum_steps: int
+    mem: Memory,
+    cfg: ModelConfig,
+    world_size: int,
+    *,
+    prec: Precision,
+    device_type: str,
+    optimizer: str,
+    accum_steps: int,
 ) -> Memory:
     """DDP's memory made FSDP's over world_size ranks: the state sharded (padded), plus what is unsharded
     in flight (module docstring). Activations and the loss are unchanged."""
     shapes = weight_shapes(cfg)
-    policy = dtype in AUTOCAST_DTYPES and device_type == "cuda"  # the mixed-precision policy: bf16/fp16 params
+    policy = prec.autocasts and device_type == "cuda"  # the mixed-precision policy: bf16/fp16 params
     s = 2 if policy else 4
     root = {k: v for k, v in shapes.items() if ".h." not in f".{k}"}
     block = {k: v for k, v in shapes.items() if k.startswith("transformer.h.0.")}
@@ -412,7 +418,7 @@ def activation_bytes(
     batch: int,
     seq_len: int,
     *,
-    dtype: str = "bf16",
+    prec: Precision = BFLOAT16,
     device_type: str = "cuda",
     flash: bool = True,
     checkpointed: bool = False,
@@ -428,7 +434,7 @@ def activation_bytes(
     So L blocks' activations become L inputs plus one block's activations (and its causal mask), plus
     that block's backward transients, which the uncheckpointed count leaves out as small beside L blocks.
     """
-    s = 2 if dtype in AUTOCAST_DTYPES else 4
+    s = prec.matmul_bytes
     h, nh, L, T = cfg.n_embd, cfg.n_head, cfg.n_layer, seq_len
     qkv_out = cfg.qkv_dim
     layer_norm = 4 * h + (4 if cfg.norm == "rmsnorm" else 8)  # its input, and rstd (LayerNorm: and the mean)
@@ -446,7 +452,7 @@ def activation_bytes(
         # softmax output; no SDPA output copy. CUDA autocast runs softmax in fp32 and then the
         # AV matmul saves its own bf16 copy of the probabilities: 4 + 2 bytes. CPU autocast
         # keeps softmax in bf16.
-        probs = 6 if (dtype in AUTOCAST_DTYPES and device_type == "cuda") else s
+        probs = 6 if (prec.autocasts and device_type == "cuda") else s
         # (q and k made by qk_norm or RoPE replace the contiguous copies counted here: only the norm's own.)
         attn = s * h + 3 * s * h + probs * nh * T + s * h + qk_bytes(cfg, s, new_qk=False)
         per_layer_mask = T * T  # the boolean causal mask, built per layer
@@ -462,7 +468,7 @@ def activation_bytes(
         if not flash:
             dropout += nh * T * ((1 if cuda else s) + s)
         elif not cuda:
-            dropout += nh * T * 12 + (3 * s * h if dtype in AUTOCAST_DTYPES else 0)
+            dropout += nh * T * 12 + (3 * s * h if prec.autocasts else 0)
     per_token_layer = 2 * layer_norm + attn + mlp + dropout
     if cfg.doc_attention and device_type != "cuda":
         # The dense document mask (gpt2/model/documents.py): SDPA turns the boolean (B, 1, T, T) into an additive
@@ -481,7 +487,13 @@ def activation_bytes(
 
 
 def block_backward_bytes(
-    cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str = "bf16", device_type: str = "cuda", flash: bool = True
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    *,
+    prec: Precision = BFLOAT16,
+    device_type: str = "cuda",
+    flash: bool = True,
 ) -> int:
     """Bytes alive in the backward of the last block, without activation checkpointing (the gradients aside): every
     block's saved activations and the token ids and targets (activation_bytes), the final LayerNorm's and the LM
@@ -493,9 +505,9 @@ def block_backward_bytes(
     + loss (the loss's chunk is fixed, these grow with the tokens), the (V, h) gradient of the tied weight beside
     it; counted so, the plan is within 5 MiB of it (bench/plan_resident.py's debug-1024 row). On CUDA the loss's
     chunk is sized from the device's memory and the plan was measured as it is: not counted there (memory)."""
-    s = 2 if dtype in AUTOCAST_DTYPES else 4
+    s = prec.matmul_bytes
     h = cfg.n_embd
-    saved = activation_bytes(cfg, batch, seq_len, dtype=dtype, device_type=device_type, flash=flash)
+    saved = activation_bytes(cfg, batch, seq_len, prec=prec, device_type=device_type, flash=flash)
     freed = batch * seq_len * ((4 * h + 8) + s * h)  # ln_f's input, mean and rstd; the LM head's input
     return saved - freed + batch * seq_len * (4 * h + s * cfg.mlp_dim)
 
@@ -571,8 +583,8 @@ def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:
     what it needs against what there is, and the changes that would make it fit."""
     tc = cfg.train
     checkpointed = tc.compute.activation_checkpointing == "full"
-    dtype, optimizer, parallel = (
-        Precision.of_config(tc, hardware.device_type).key,
+    prec, optimizer, parallel = (
+        Precision.of_config(tc, hardware.device_type),
         tc.optim.optimizer,
         tc.distributed.parallel,
     )
@@ -603,7 +615,7 @@ def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:
         )
     if need.static <= usable:  # the micro-batch's own memory is what overflows: shorter or 16-bit helps
         options.append("a shorter --block-size")
-        if dtype not in AUTOCAST_DTYPES:
+        if not prec.autocasts:
             options.append("--dtype bfloat16")
     if optimizer == "adamw" and one(optimizer="muon").total <= usable:
         options.append(f"--optimizer muon (one moment per block matrix: {gib(one(optimizer='muon').total)})")

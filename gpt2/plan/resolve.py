@@ -207,7 +207,7 @@ def target_hardware(target: Target, prec: Precision, peak: float | None) -> Hard
     if target.hardware is not None:
         return target.hardware
     if target.device is None:
-        return custom_hardware(target.gpu, prec.key, memory_gb=target.gpu_memory_gb, peak_tflops=target.gpu_peak_tflops)
+        return custom_hardware(target.gpu, prec, memory_gb=target.gpu_memory_gb, peak_tflops=target.gpu_peak_tflops)
     return device_hardware(target.device, peak, processes_per_host=target.processes_per_host)
 
 
