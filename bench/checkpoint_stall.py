@@ -50,7 +50,7 @@ def trainer_like_state(preset: str, device: torch.device | None = None):
     mc = model_preset(preset)
     tc = TrainConfig.of(data_dir="d", out_dir="o", dtype="float32")
     model = GPT(mc).to(device)
-    opt = make_optimizer(model, tc.optim, device, peak_lr=tc.schedule.lr, dtype="float32")
+    opt = make_optimizer(model, tc.optim, device, peak_lr=tc.schedule.lr, prec=precision.FLOAT32)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()

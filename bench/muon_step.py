@@ -22,6 +22,7 @@ import time
 import torch
 
 from gpt2.core.config import ModelConfig, OptimConfig
+from gpt2.core.precision import FLOAT32
 from gpt2.model.gpt import GPT
 from gpt2.plan import matmul_peak
 from gpt2.plan.flops import flops_per_token
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opts = {
-        kind: make_optimizer(model, OptimConfig(optimizer=kind), torch.device("cpu"), peak_lr=6e-4, dtype="float32")
+        kind: make_optimizer(model, OptimConfig(optimizer=kind), torch.device("cpu"), peak_lr=6e-4, prec=FLOAT32)
         for kind in ("adamw", "muon")
     }
 

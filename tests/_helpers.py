@@ -513,7 +513,11 @@ def built(cfg, dist, log=None):
 
 
 def optimizer_of(model, tc, device, dist=None):
-    """The optimizer build() makes for a TrainConfig: its optim section, the schedule's peak lr and its dtype."""
+    """The optimizer build() makes for a TrainConfig: its optim section, the schedule's peak lr and its dtype
+    (auto: float32, what a CPU without native bf16 resolves it to)."""
+    from gpt2.core.precision import FLOAT32, Precision
     from gpt2.train.optim import make_optimizer
 
-    return make_optimizer(model, tc.optim, device, peak_lr=tc.schedule.lr, dtype=tc.compute.dtype, dist=dist)
+    dtype = tc.compute.dtype
+    prec = FLOAT32 if dtype == "auto" else Precision(dtype, dtype)
+    return make_optimizer(model, tc.optim, device, peak_lr=tc.schedule.lr, prec=prec, dist=dist)

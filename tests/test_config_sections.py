@@ -21,6 +21,7 @@ from gpt2.core.config import (
     TrainConfig,
     train_values,
 )
+from gpt2.core.precision import FLOAT32
 from gpt2.train.cli import parse_config
 
 KEPT = Path(__file__).resolve().parent / "data" / "config_v1"
@@ -121,5 +122,5 @@ def test_parts_take_their_section():
     from gpt2.core.config import ModelConfig
 
     model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))
-    opt = make_optimizer(model, OptimConfig(beta1=0.8), torch.device("cpu"), peak_lr=1e-3, dtype="float32")
+    opt = make_optimizer(model, OptimConfig(beta1=0.8), torch.device("cpu"), peak_lr=1e-3, prec=FLOAT32)
     assert opt.param_groups[0]["betas"] == (0.8, 0.95) and opt.param_groups[0]["lr"] == 1e-3

@@ -191,7 +191,7 @@ def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.devic
     parts = Parts(
         model=model,
         train_model=torch.compile(model) if tc.compute.compile else model,
-        optimizer=make_optimizer(model, tc.optim, device, peak_lr=tc.schedule.lr, dtype=tc.compute.dtype),
+        optimizer=make_optimizer(model, tc.optim, device, peak_lr=tc.schedule.lr, prec=prec),
         loader=FixedBatch(x, y),
         val_loader=None,
         accum_steps=1,

@@ -58,7 +58,7 @@ def build(decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet, Sh
     # From here on each rank draws its own random numbers: with one seed for all, every rank would
     # drop out the same units (dropout > 0) and the ranks' noise would not average out.
     torch.manual_seed(tc.data.seed + dist.rank)
-    optimizer = make_optimizer(model, tc.optim, dist.device, peak_lr=tc.schedule.lr, dtype=tc.compute.dtype, dist=dist)
+    optimizer = make_optimizer(model, tc.optim, dist.device, peak_lr=tc.schedule.lr, prec=decided.precision, dist=dist)
     loader = TrainLoader(
         train_shards,
         BatchLayout(tc.batch.micro_batch_size, mc.block_size, tc.batch.total_batch_size, dist.world_size),

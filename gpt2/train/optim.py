@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from gpt2.core.config import OptimConfig
+from gpt2.core.precision import Precision
 from gpt2.distributed.group import Dist
 from gpt2.plan.precision_choice import cuda_native_bf16
 
@@ -98,11 +99,11 @@ def make_optimizer(
     device: torch.device,
     *,
     peak_lr: float,
-    dtype: str,
+    prec: Precision,
     dist: Dist | None = None,
 ):
-    """The run's optimizer. peak_lr is the schedule's (Muon's groups scale it to muon_lr), dtype the run's
-    resolved --dtype (Muon's Newton-Schulz dtype on a CPU); `dist` (several ranks) spreads Muon's
+    """The run's optimizer. peak_lr is the schedule's (Muon's groups scale it to muon_lr), prec the run's
+    precision (Muon's Newton-Schulz dtype on a CPU); `dist` (several ranks) spreads Muon's
     orthogonalisation over them (gpt2/train/muon.py)."""
     if cfg.optimizer == "adamw":
         return make_adamw(param_groups(model, cfg.weight_decay), cfg, peak_lr, device)
@@ -113,7 +114,7 @@ def make_optimizer(
     # slower on a CPU, and fp16's range is too narrow for the iteration's Gram matrices. Decided from
     # what every rank agrees on (the GPU model; on a CPU the run's dtype, which rank 0 chose), never
     # from a per-rank measurement: ranks orthogonalising in different dtypes would drift apart.
-    native = cuda_native_bf16(device) if device.type == "cuda" else dtype == "bfloat16"
+    native = cuda_native_bf16(device) if device.type == "cuda" else prec.dtype == "bfloat16"
     ns_dtype = torch.bfloat16 if native else torch.float32
     return Optimizers(
         adamw=make_adamw(
