@@ -11,7 +11,7 @@ matmul peaks it measures and caches: gpt2/plan/matmul_peak.py.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,10 +39,17 @@ class Precision:
     reason: str = ""
     tf32: bool = False
     """float32 matmuls on TF32 tensor cores (--tf32 on a CUDA device; a CPU has none)."""
+    autocasts: bool = field(init=False, repr=False, compare=False)
+    """Matmuls in 16 bits under autocast (bfloat16, float16); float32 runs none. Derived, stored: the planner
+    asks it for every micro-batch it sizes."""
+    matmul_bytes: int = field(init=False, repr=False, compare=False)
+    """Bytes per element of what autocast's matmuls take and give: the memory model's s."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SHORT_NAMES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {tuple(SHORT_NAMES)}")
+        object.__setattr__(self, "autocasts", self.dtype != "float32")
+        object.__setattr__(self, "matmul_bytes", 2 if self.autocasts else 4)
 
     @classmethod
     def of_config(cls, tc, device_type: str) -> Precision:
@@ -61,16 +68,6 @@ class Precision:
     def torch_dtype(self) -> torch.dtype:
         """What matmuls run in (float32 for tf32 too: the tensor cores round its inputs)."""
         return getattr(torch, self.dtype)
-
-    @property
-    def autocasts(self) -> bool:
-        """Matmuls in 16 bits under autocast (bfloat16, float16); float32 runs none."""
-        return self.dtype != "float32"
-
-    @property
-    def matmul_bytes(self) -> int:
-        """Bytes per element of what autocast's matmuls take and give: the planner's s."""
-        return 2 if self.autocasts else 4
 
     @property
     def short(self) -> str:
