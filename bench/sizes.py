@@ -41,6 +41,15 @@ LOSS_LINE = re.compile(r"^loss\s{2,}([^:(]+)", re.M)
 AC_LINE = re.compile(r"^activation checkpointing (\S+?)[:\s]", re.M)
 
 
+def flat_train(train: dict) -> dict:
+    """config.json's training fields by name: its sections merged (a config from before the sections is
+    flat already). gpt2.core.config.train_values's rule, here without importing the library: this script
+    only drives train_ddp.py."""
+    return {k: v for section in train.values() if isinstance(section, dict) for k, v in section.items()} | {
+        k: v for k, v in train.items() if not isinstance(v, dict)
+    }
+
+
 def mib(value: str, unit: str) -> float:
     return float(value) * (1024 if unit == "GiB" else 1)
 
@@ -244,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         took = time.time() - t0
         log = (out / "train.log").read_text(errors="replace") if (out / "train.log").is_file() else ""
         conf = json.loads((out / "config.json").read_text())["config"] if (out / "config.json").is_file() else {}
-        train = {**conf.get("train", {}), "block_size": conf.get("model", {}).get("block_size")}
+        train = {**flat_train(conf.get("train", {})), "block_size": conf.get("model", {}).get("block_size")}
         row = parse_run(log, read_jsonl(out / "metrics.jsonl"), train)
         row["run_s"] = round(took, 1)
         if rc != 0:

@@ -103,7 +103,7 @@ def test_a_small_memory_cap_changes_the_decision_and_both_paths_take_it(tmp_path
     impls = {}
     for free in (1.3, 16):
         monkeypatch.setattr(host_memory, "available_bytes", lambda free=free: int(free * GIB))
-        impls[free] = resolve_choices(cfg, Target(device=torch.device("cpu"))).cfg.train.loss_impl
+        impls[free] = resolve_choices(cfg, Target(device=torch.device("cpu"))).cfg.train.compute.loss_impl
     assert impls == {1.3: "chunked", 16: "full"}
 
 
