@@ -7,15 +7,15 @@ Each rung keeps every switch of the rung before it and adds one:
   compile  torch.compile
   flash    fused SDPA with is_causal (flash / memory-efficient kernels)
   vocab    vocab padded to 50304 (a multiple of 128)
-A rung is the trainer's own training step, `gpt2.train.trainer.train_step`, on one fixed batch of random
-tokens: GPT.forward with its chunked loss (as in training), backward, gradient clipping and the
-project's fused AdamW (`gpt2.train.optim.make_optimizer`). The switches are the run's own settings
-(TrainConfig dtype, tf32, compile; ModelConfig attn_impl, vocab_size), so each rung runs the code
-a training run with those settings runs. Each is timed after warm-up (compilation happens there)
-as the median of its timed steps, taken in rounds of one step of every rung so that background
-load on a shared machine hits all rungs alike. Then, optionally, the model's attention kernels alone
-(its CausalSelfAttention with attn_impl explicit, sdpa_mask and sdpa): forward+backward, with a
-check that their outputs and gradients agree.
+A rung is a training run: its switches are the run's own settings (TrainConfig dtype, tf32, compile;
+ModelConfig attn_impl, vocab_size), the trainer's start-up builds it (`gpt2.train.startup.start`: the
+record, the plan, `build`, as a real run with those flags builds it, on synthetic shards in a temporary
+directory), and each timed step is the trainer's own `train_step` on one fixed batch of random tokens:
+GPT.forward with its chunked loss, backward, gradient clipping and the fused AdamW. Each is timed after
+warm-up (compilation happens there) as the median of its timed steps, taken in rounds of one step of every
+rung so that background load on a shared machine hits all rungs alike. Then, optionally, the model's
+attention kernels alone (its CausalSelfAttention with attn_impl explicit, sdpa_mask and sdpa):
+forward+backward, with a check that their outputs and gradients agree.
 
 `bench/ladder.py` (Markdown tables and a chart) and `python -m gpt2.doctor` (a node check) run it.
 """
@@ -25,22 +25,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from gpt2.core.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig, RunConfig, TrainConfig
-from gpt2.core.precision import Precision
 from gpt2.distributed.group import single_process
-from gpt2.model.gpt import GPT, CausalSelfAttention
+from gpt2.doctor.train_runs import write_synthetic_shards
+from gpt2.model.gpt import CausalSelfAttention
 from gpt2.plan import matmul_peak
 from gpt2.plan.flops import device_peak_flops, flops_per_token
 from gpt2.plan.measure import measured_peak_bytes
-from gpt2.train.optim import make_optimizer
-from gpt2.train.state import Parts
-from gpt2.train.trainer import train_step
+from gpt2.train.run_log import RunLog
+from gpt2.train.startup import start
+from gpt2.train.trainer import close_run, train_step
 
 # build-nanogpt's A100 measurements (GPT-2 124M, B=16, T=1024).
 DOC_A100_TOKENS_PER_S = {
@@ -142,6 +144,8 @@ class PreparedRung:
     first_loss: float
     state_bytes: int
     """Parameters and AdamW moments: live before every step."""
+    close: Callable[[], None]
+    """The run's log and writer, once it is timed."""
 
 
 class FixedBatch:
@@ -159,61 +163,85 @@ class FixedBatch:
     def advance(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
 
-def rung_config(rung: Rung, shape: ModelConfig, batch: int, device: torch.device) -> RunConfig:
-    """The training run a rung is: its switches as the trainer's settings, one micro-batch per step."""
+
+def rung_config(rung: Rung, shape: ModelConfig, batch: int, device: torch.device, work_dir: Path) -> RunConfig:
+    """The training run a rung is: its switches as the trainer's settings, one micro-batch per step, on
+    work_dir/data's shards, in work_dir/<rung>. Pinned as the ladder has always measured: the chunked loss,
+    no recomputation, no spike guard (a few small kernels a step); and nothing written that a timing does
+    not need (no evaluation, samples, checkpoints, plot, compile cache of its own)."""
     model = shape.replace(attn_impl=rung.attn_impl, vocab_size=rung.vocab_size)
     train = TrainConfig.of(
+        data_dir=str(work_dir / "data"),
+        out_dir=str(work_dir / rung.name),
         device=device.type,
         dtype="bfloat16" if rung.bf16 else "float32",
         compile=rung.compile,
         tf32=rung.tf32,
         micro_batch_size=batch,
         total_batch_size=batch * shape.block_size,
+        max_steps=LADDER_MAX_STEPS,
         lr=6e-4,
         warmup_steps=0,
         seed=0,
+        loss_impl="chunked",
+        activation_checkpointing="none",
+        spike_guard=False,
+        eval_interval=0,
+        eval_tokens=batch * shape.block_size,
+        sample_interval=0,
+        ckpt_interval=0,
+        async_ckpt=False,
+        compile_cache="off",
+        plot=False,
     )
     return RunConfig(model, train)
 
 
-def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.device, *, warmup: int) -> PreparedRung:
-    """The trainer's parts for one rung (model, optimizer, scaler, compiled as gpt2.train.trainer.build
-    compiles), warmed up: a compiled rung compiles here."""
-    cfg = rung_config(rung, shape, batch, device)
-    tc = cfg.train
-    prec = Precision(tc.compute.dtype, tc.compute.dtype)  # a rung's dtype is one of the ladder's own names, never auto
+LADDER_MAX_STEPS = 100
+"""A rung's --max-steps: only its schedule's length (the ladder times a few steps; the first loss is taken
+before any update)."""
+
+
+def write_ladder_shards(work_dir: Path, shape: ModelConfig, batch: int) -> None:
+    """Synthetic shards the rungs' loaders open (each rung then steps on its one fixed batch): a tenth of
+    LADDER_MAX_STEPS' batches (the start-up warns of a run of more than 10 epochs), and one evaluation's
+    validation tokens."""
+    window = batch * (shape.block_size + 1)
+    steps = -(-LADDER_MAX_STEPS // 10) + 1
+    write_synthetic_shards(work_dir / "data", steps * window, val_tokens=max(16_384, window), seed=0)
+
+
+def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.device, *, warmup: int, work_dir: Path):
+    """One rung as the trainer starts a run with its settings (start(): the record, the plan, build(),
+    compiled as the trainer compiles), warmed up: a compiled rung compiles here. -> PreparedRung"""
+    cfg = rung_config(rung, shape, batch, device, work_dir)
     dist = single_process(device)
-    torch.manual_seed(tc.data.seed)
-    model = GPT(cfg.model).to(device)
+    log = RunLog(dist, cfg.train.ckpt.out_dir, verbose=False, log_file=True, console=False)  # its train.log alone
+    run = start(cfg, dist, log=log)
+    parts, cfg = run.parts, run.cfg
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, GPT2_VOCAB_SIZE, (2, batch, shape.block_size), generator=gen).to(device)
-    parts = Parts(
-        model=model,
-        train_model=torch.compile(model) if tc.compute.compile else model,
-        optimizer=make_optimizer(model, tc.optim, device, peak_lr=tc.schedule.lr, prec=prec),
-        loader=FixedBatch(x, y),
-        val_loader=None,
-        accum_steps=1,
-        scaler=prec.scaler(device),
-        precision=prec,
-    )
+    parts.loader.close()
+    parts.loader, parts.prefetched = FixedBatch(x, y), None  # every rung the same tokens
 
     def step() -> float:
         # TF32 is set per step (the trainer sets it once, in configure_backends): rungs alternate.
-        with matmul_precision(tc.compute.tf32 and device.type == "cuda"):
+        with matmul_precision(cfg.train.compute.tf32 and device.type == "cuda"):
             return train_step(parts, cfg, dist, False)["loss"]
 
     first_loss = step()  # same seed and tokens on every rung: these should agree closely
     for _ in range(max(warmup - 1, 1 if rung.compile else 0)):
         step()
-    state = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+    state = sum(p.numel() * p.element_size() for p in parts.model.parameters()) + sum(
         t.numel() * t.element_size()
         for s in parts.optimizer.state.values()
         for t in s.values()
         if isinstance(t, torch.Tensor)
     )
-    return PreparedRung(rung, cfg.model, step, first_loss, state)
+    return PreparedRung(rung, cfg.model, step, first_loss, state, lambda: close_run(parts, dist, log))
 
 
 def time_interleaved(
@@ -324,22 +352,28 @@ def run_ladder(
     if device.type != "cuda":
         skip.setdefault("tf32", TF32_OFF_CUDA)
     prepared = {}
-    for rung in rungs:
-        if rung.name in skip:
-            continue
-        t0 = time.perf_counter()
-        prepared[rung.name] = prepare_rung(rung, shape, batch, device, warmup=warmup)
-        if progress is not None:
-            progress(f"prepared {rung.name} in {time.perf_counter() - t0:.0f} s")
-    times = time_interleaved(list(prepared.values()), device, steps, peaks)
-    results = []
-    for rung in rungs:
-        if rung.name not in prepared:
-            results.append(RungResult(rung, note=skip[rung.name]))
-            continue
-        p = prepared[rung.name]
-        peak_memory = p.state_bytes + measured_peak_bytes(p.step, device)
-        results.append(rung_result(p, times[rung.name], batch, device, peaks, peak_memory))
+    with tempfile.TemporaryDirectory(prefix="ladder-") as work:
+        write_ladder_shards(Path(work), shape, batch)
+        try:
+            for rung in rungs:
+                if rung.name in skip:
+                    continue
+                t0 = time.perf_counter()
+                prepared[rung.name] = prepare_rung(rung, shape, batch, device, warmup=warmup, work_dir=Path(work))
+                if progress is not None:
+                    progress(f"prepared {rung.name} in {time.perf_counter() - t0:.0f} s")
+            times = time_interleaved(list(prepared.values()), device, steps, peaks)
+            results = []
+            for rung in rungs:
+                if rung.name not in prepared:
+                    results.append(RungResult(rung, note=skip[rung.name]))
+                    continue
+                p = prepared[rung.name]
+                peak_memory = p.state_bytes + measured_peak_bytes(p.step, device)
+                results.append(rung_result(p, times[rung.name], batch, device, peaks, peak_memory))
+        finally:
+            for p in prepared.values():
+                p.close()
     return results
 
 
