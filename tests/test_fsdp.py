@@ -302,12 +302,12 @@ def test_muon_under_fsdp_trains_like_muon_under_ddp(tmp_path, shakespeare_shards
 
 
 def test_parallel_notes_say_what_fsdp_does_at_each_world_size():
-    assert parallel_notes(TrainConfig(), "ddp", 2) == []
-    (one,) = parallel_notes(TrainConfig.of(parallel="fsdp"), "single", 1)
+    assert parallel_notes(TrainConfig().distributed, "ddp", 2) == []
+    (one,) = parallel_notes(TrainConfig.of(parallel="fsdp").distributed, "single", 1)
     assert "one process: nothing to shard, training the plain model" in one
-    (sharded,) = parallel_notes(TrainConfig.of(parallel="fsdp"), "fsdp", 2)
+    (sharded,) = parallel_notes(TrainConfig.of(parallel="fsdp").distributed, "fsdp", 2)
     assert "sharded over 2 ranks" in sharded
-    notes = parallel_notes(TrainConfig.of(parallel="fsdp", ddp_bucket_cap_mb=50), "fsdp", 2)
+    notes = parallel_notes(TrainConfig.of(parallel="fsdp", ddp_bucket_cap_mb=50).distributed, "fsdp", 2)
     assert len(notes) == 2 and "--ddp-bucket-cap-mb 50 ignored" in notes[1]
 
 

@@ -167,7 +167,9 @@ def test_precision_is_one_value_that_knows_its_names_dtype_autocast_and_scaler()
     )
     assert Precision("bfloat16", "bfloat16", tf32=True).key == "bf16"  # tf32 is about fp32 matmuls only
     tc = TrainConfig.of(dtype="float32", tf32=True)
-    assert Precision.of_config(tc, "cuda").key == "tf32" and Precision.of_config(tc, "cpu").key == "fp32"
+    assert (
+        Precision.of_config(tc.compute, "cuda").key == "tf32" and Precision.of_config(tc.compute, "cpu").key == "fp32"
+    )
     assert Precision("auto", "bfloat16", "why").to_dict() == {"requested": "auto", "dtype": "bfloat16", "reason": "why"}
     assert set(PLAN_DTYPES) == {*SHORT_NAMES.values(), "tf32"} and set(AUTOCAST_DTYPES) < set(PLAN_DTYPES)
     for bad in ("fp8", "auto", "bf16"):

@@ -560,7 +560,7 @@ def test_warmup_that_does_not_end_before_max_steps_is_said_in_one_line():
     class Log:
         warn = said.append
 
-    log_warmup(TrainConfig.of(data_dir="d", out_dir="o", warmup_steps=1000, max_steps=3, lr=6e-4), Log)
+    log_warmup(TrainConfig.of(data_dir="d", out_dir="o", warmup_steps=1000, max_steps=3, lr=6e-4).schedule, Log)
     assert len(said) == 1 and "\n" not in said[0], said
     assert said[0].startswith(
         "--warmup-steps 1,000 is more than twice --max-steps 3: the learning rate only rises, "
@@ -572,9 +572,9 @@ def test_warmup_that_does_not_end_before_max_steps_is_said_in_one_line():
         dict(warmup_steps=3, max_steps=2),
         dict(warmup_steps=6, max_steps=3),
     ):
-        log_warmup(TrainConfig.of(data_dir="d", out_dir="o", **fine), Log)
+        log_warmup(TrainConfig.of(data_dir="d", out_dir="o", **fine).schedule, Log)
     assert len(said) == 1
-    log_warmup(TrainConfig.of(data_dir="d", out_dir="o", warmup_steps=7, max_steps=3), Log)
+    log_warmup(TrainConfig.of(data_dir="d", out_dir="o", warmup_steps=7, max_steps=3).schedule, Log)
     assert len(said) == 2 and "(42.9% of --lr" in said[1]
 
 

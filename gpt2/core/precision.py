@@ -52,9 +52,9 @@ class Precision:
         object.__setattr__(self, "matmul_bytes", 2 if self.autocasts else 4)
 
     @classmethod
-    def of_config(cls, tc, device_type: str) -> Precision:
-        """A resolved TrainConfig's precision (tc.compute.dtype is not auto) on a device type."""
-        return cls(tc.compute.dtype, tc.compute.dtype, tf32=tc.compute.tf32 and device_type == "cuda")
+    def of_config(cls, compute, device_type: str) -> Precision:
+        """A resolved config's precision (its ComputeConfig, whose dtype is not auto) on a device type."""
+        return cls(compute.dtype, compute.dtype, tf32=compute.tf32 and device_type == "cuda")
 
     @classmethod
     def from_key(cls, key: str) -> Precision:

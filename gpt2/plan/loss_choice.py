@@ -81,7 +81,7 @@ def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1,
     peak = loss_bytes(
         cfg.model,
         micro_batch_size * cfg.model.block_size,
-        prec=Precision.of_config(tc, hardware.device_type),
+        prec=Precision.of_config(tc.compute, hardware.device_type),
         chunked=False,
         compiled=compiled,
         device_type=hardware.device_type,

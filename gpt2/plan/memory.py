@@ -276,7 +276,7 @@ def memory(
     if accum_steps is None:
         accum_steps = grad_accum_steps(tc.batch.total_batch_size, micro_batch_size, seq_len, world_size)
     checkpointed = tc.compute.activation_checkpointing == "full" if checkpointed is None else checkpointed
-    prec = Precision.of_config(tc, hardware.device_type)
+    prec = Precision.of_config(tc.compute, hardware.device_type)
     device_type, device_memory = hardware.device_type, hardware.memory_bytes
     optimizer, parallel, chunked_loss, compiled = (
         tc.optim.optimizer,
@@ -584,7 +584,7 @@ def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:
     tc = cfg.train
     checkpointed = tc.compute.activation_checkpointing == "full"
     prec, optimizer, parallel = (
-        Precision.of_config(tc, hardware.device_type),
+        Precision.of_config(tc.compute, hardware.device_type),
         tc.optim.optimizer,
         tc.distributed.parallel,
     )

@@ -128,7 +128,7 @@ def plan(
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
         world_size=world_size,
-        dtype=Precision.of_config(tc, hardware.device_type).key,
+        dtype=Precision.of_config(tc.compute, hardware.device_type).key,
         hardware=hardware,
         total_batch_size=tc.batch.total_batch_size,
         tokens=tokens,

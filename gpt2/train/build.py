@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.resume import agree_on_step
 from gpt2.core.compat import ddp_no_buffer_sync
-from gpt2.core.config import TrainConfig
+from gpt2.core.config import DistributedConfig
 from gpt2.core.precision import Precision
 from gpt2.core.schedule import BatchLayout
 from gpt2.data.loader import EvalLoader, ShardSet, TrainLoader
@@ -103,7 +103,7 @@ def build(decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet, Sh
         agree_on_step(parts.step, problem, dist)  # the same error on every rank, or the same step
     parts.train_model = compiled(model, decided, dist)
     if decided.parallel == "ddp":
-        parts.train_model = wrap_ddp(parts.train_model, tc, dist)
+        parts.train_model = wrap_ddp(parts.train_model, tc.distributed, dist)
         settle_buckets(parts.train_model, parts.loader.B, parts.loader.T, prec, dist)
     return parts
 
@@ -167,7 +167,7 @@ DDP_DEFAULT_BUCKET_CAP_MB = 25.0
 """torch's own default bucket size (TrainConfig.distributed.ddp_bucket_cap_mb's default)."""
 
 
-def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
+def wrap_ddp(train_model: torch.nn.Module, cfg: DistributedConfig, dist: Dist) -> DDP:
     """DDP around the (compiled) model; its all-reduces overlap the compiled backward.
 
     torch.compile is lazy: the model is compiled at the first training step, inside DDP's forward,
@@ -183,7 +183,7 @@ def wrap_ddp(train_model: torch.nn.Module, tc: TrainConfig, dist: Dist) -> DDP:
     # bucket_cap_mb=None at DDP's default
     # keeps DDP's small first bucket (1 MiB, also dynamo's first split); any other value applies
     # to every bucket.
-    cap = None if tc.distributed.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else tc.distributed.ddp_bucket_cap_mb
+    cap = None if cfg.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else cfg.ddp_bucket_cap_mb
     with collective("DDP's broadcast of the initial weights"):
         return DDP(
             train_model,

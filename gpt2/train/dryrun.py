@@ -33,7 +33,7 @@ import torch
 
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.rundir import LOCK, live_holder
-from gpt2.core.config import RunConfig, describe_model
+from gpt2.core.config import ComputeConfig, RunConfig, describe_model
 from gpt2.core.schedule import BatchLayout
 from gpt2.core.start_point import StartDecision
 from gpt2.data.loader import EvalLoader, TrainLoader, find_shards
@@ -89,12 +89,12 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
         f"dtype {tc.compute.dtype} | parallel {tc.distributed.parallel} | data order {tc.data.data_order} | resume "
         f"{tc.ckpt.resume}"
     )
-    target, device_desc = rehearsal_target(cfg, r, world, per_node, info.local_rank)
+    target, device_desc = rehearsal_target(cfg.train.compute, r, world, per_node, info.local_rank)
     out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
     shards = check_data(cfg, world, shards=Path(tc.data.data_dir).is_dir())
     train_shards, val_shards = shards
     report_data(cfg, train_shards, val_shards, out)
-    with rank_threads(cfg, target):  # a CPU's peaks are per thread count: measure with a rank's
+    with rank_threads(cfg.train.compute, target):  # a CPU's peaks are per thread count: measure with a rank's
         decided = start(cfg, single_process(), shards=shards, rehearse=target, log=log).decided  # the real start-up's
     cfg, plan, accum = decided.cfg, decided.plan, decided.accum_steps
     tc, mb = cfg.train, cfg.train.batch.micro_batch_size
@@ -169,16 +169,18 @@ def nodes_layout(r: Rehearsal, world: int, info) -> int:
     return GPUS_PER_NODE
 
 
-def rehearsal_target(cfg: RunConfig, r: Rehearsal, world: int, per_node: int, local_rank: int) -> tuple[Target, str]:
+def rehearsal_target(
+    cfg: ComputeConfig, r: Rehearsal, world: int, per_node: int, local_rank: int
+) -> tuple[Target, str]:
     """The hardware to rehearse on (gpt2/plan/resolve.py Target): this machine's device, shared by the
     per_node ranks on it, or the hypothetical GPU the flags name; and the device in words."""
     if not r.hypothetical_gpu:
-        device = resolve_device(cfg.train.compute.device, local_rank)  # the real run's first check, same error
+        device = resolve_device(cfg.device, local_rank)  # the real run's first check, same error
         return (
             Target(world_size=world, processes_per_host=per_node, device=device),
             f"{device} (this machine; --gpu NAME rehearses on a GPU of python -m gpt2.plan's table)",
         )
-    if cfg.train.compute.device == "cpu":
+    if cfg.device == "cpu":
         raise ValueError("--gpu/--gpu-memory-gb rehearse a CUDA run, but --device cpu asks for the CPU: drop one")
     name = r.gpu or f"a custom GPU ({r.gpu_memory_gb:g} GiB)"
     return (
@@ -194,7 +196,7 @@ def rehearsal_target(cfg: RunConfig, r: Rehearsal, world: int, per_node: int, lo
 
 
 @contextlib.contextmanager
-def rank_threads(cfg: RunConfig, target: Target):
+def rank_threads(cfg: ComputeConfig, target: Target):
     """On this machine's CPU, the torch threads one rank of the rehearsed run would use (set_cpu_threads, as
     the trainer's configure_backends sets them) for the block, then this process's again: a CPU's matmul
     peak, which --dtype auto and --micro-batch-size auto use, is measured and cached per thread count."""
@@ -209,7 +211,7 @@ def rank_threads(cfg: RunConfig, target: Target):
         local_world_size=target.processes_per_host,
         device=target.device,
     )
-    set_cpu_threads(one, cfg.train.compute.num_threads)
+    set_cpu_threads(one, cfg.num_threads)
     try:
         yield
     finally:

@@ -40,7 +40,16 @@ from gpt2.ckpt.writer import CheckpointWriter
 from gpt2.core import determinism, host_memory
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
-from gpt2.core.config import TRAIN_PRESETS, ComputeConfig, DistributedConfig, RunConfig, TrainConfig, train_values
+from gpt2.core.config import (
+    TRAIN_PRESETS,
+    ComputeConfig,
+    DataConfig,
+    DistributedConfig,
+    RunConfig,
+    ScheduleConfig,
+    TrainConfig,
+    train_values,
+)
 from gpt2.core.schedule import grad_accum_steps, lr_at
 from gpt2.data.check import check_listed, prep_command, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
@@ -225,7 +234,7 @@ def decide_run(
             determinism.enable()
             log.info(determinism.describe_determinism())
         if shards[0] is not None:  # a dry run planning a cluster from a laptop may have no data here
-            verify_data(cfg, shards, dist, log)
+            verify_data(cfg.train.data, shards, dist, log)
         cfg = keep_decisions(cfg, start, dist, log)
         decided = resolve_auto(cfg, dist, log, start=start, target=target)
         log_mfu_peak(decided, dist, log)
@@ -238,7 +247,7 @@ def decide_run(
             decided = replace(decided, network=None if cost is None else cost.to_dict())
         if shards[0] is not None:  # after the refusals: no warning for a refused run
             log_epochs(decided.cfg, shards[0].total_tokens, log)
-        log_warmup(decided.cfg.train, log)
+        log_warmup(decided.cfg.train.schedule, log)
         if not rehearse:
             check_before_moving(start, decided.cfg, dist, shards[0])
     except BaseException:
@@ -322,7 +331,7 @@ def announce(decided: Resolved, dist: Dist, parts: Parts, log: RunLog) -> None:
         f"{tc.batch.total_batch_size:,} tokens/step | device {dist.device} | {tc.compute.dtype} | compile "
         f"{tc.compute.compile}"
     )
-    for line in parallel_notes(tc, decided.parallel, dist.world_size):
+    for line in parallel_notes(tc.distributed, decided.parallel, dist.world_size):
         log.info(line)
 
 
@@ -340,10 +349,10 @@ def announce_compile(decided: Resolved, dist: Dist, log: RunLog) -> None:
     )
 
 
-def parallel_notes(tc: TrainConfig, parallel: str, world_size: int) -> list[str]:
+def parallel_notes(cfg: DistributedConfig, parallel: str, world_size: int) -> list[str]:
     """What --parallel fsdp does at this world size (parallel: the record's, in effect), and the flags it
     ignores (one line each)."""
-    if tc.distributed.parallel != "fsdp":
+    if cfg.parallel != "fsdp":
         return []
     if parallel != "fsdp":
         return [
@@ -354,9 +363,9 @@ def parallel_notes(tc: TrainConfig, parallel: str, world_size: int) -> list[str]
         f"parallel   fsdp: weights, gradients and optimizer state sharded over {world_size} ranks "
         "(fully_shard per block, then the root)"
     ]
-    if tc.distributed.ddp_bucket_cap_mb != DistributedConfig().ddp_bucket_cap_mb:
+    if cfg.ddp_bucket_cap_mb != DistributedConfig().ddp_bucket_cap_mb:
         notes.append(
-            f"parallel   --ddp-bucket-cap-mb {tc.distributed.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
+            f"parallel   --ddp-bucket-cap-mb {cfg.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
             "each block's gradients as one unit, it has no DDP buckets"
         )
     return notes
@@ -473,7 +482,7 @@ def check_out_dir(out_dir: str) -> None:
         raise ValueError(f"--out-dir {out_dir}: cannot write in {path} ({why}); pass a writable --out-dir")
 
 
-def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: RunLog) -> None:
+def verify_data(cfg: DataConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: RunLog) -> None:
     """--verify-data's reading part (gpt2/data/check.py verify_shards), by rank 0 alone: it reads up to
     every shard once, which every rank of a node doing it too would multiply. Every rank raises its
     ShardError or none does."""
@@ -482,7 +491,7 @@ def verify_data(cfg: RunConfig, shards: tuple[ShardSet, ShardSet | None], dist: 
     outcome = None
     if dist.is_main:
         try:
-            outcome = ("ok", verify_shards(cfg.train.data.data_dir, sets, cfg.train.data.verify_data))
+            outcome = ("ok", verify_shards(cfg.data_dir, sets, cfg.verify_data))
         except (ShardError, OSError) as e:
             outcome = ("error", str(e))
     kind, text = broadcast_object(outcome, dist)
@@ -527,29 +536,26 @@ says little about the recipe. Up to it the schedule is only compressed (a warmup
 reaches --lr), which short test runs do on purpose (tests/: 2 steps with a 3-step warmup)."""
 
 
-def log_warmup(tc: TrainConfig, log) -> None:
+def log_warmup(cfg: ScheduleConfig, log) -> None:
     """One warning when --warmup-steps is more than twice --max-steps (WARMUP_REACH): the learning rate only
     rises, to max_steps/warmup_steps of --lr at the last step, and never decays. A warning, not a refusal:
     a few steps of a preset's recipe (--preset gpt2 --max-steps 10, warmup 715) are how a smoke test runs,
     and what it checks (it starts, steps, saves, resumes) does not need the schedule; a run meant to learn
     gets one line that says why it will not."""
-    if (
-        tc.schedule.warmup_steps <= tc.schedule.max_steps
-        or tc.schedule.max_steps / tc.schedule.warmup_steps >= WARMUP_REACH
-    ):
+    if cfg.warmup_steps <= cfg.max_steps or cfg.max_steps / cfg.warmup_steps >= WARMUP_REACH:
         return
     last = lr_at(
-        tc.schedule.max_steps - 1,
-        max_lr=tc.schedule.lr,
-        min_lr=tc.schedule.min_lr,
-        warmup_steps=tc.schedule.warmup_steps,
-        max_steps=tc.schedule.max_steps,
-        decay_steps=tc.schedule.decay_steps,
+        cfg.max_steps - 1,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        warmup_steps=cfg.warmup_steps,
+        max_steps=cfg.max_steps,
+        decay_steps=cfg.decay_steps,
     )
     log.warn(
-        f"--warmup-steps {tc.schedule.warmup_steps:,} is more than twice --max-steps {tc.schedule.max_steps:,}: the "
+        f"--warmup-steps {cfg.warmup_steps:,} is more than twice --max-steps {cfg.max_steps:,}: the "
         "learning rate "
-        f"only rises, to {last:.3g} ({last / tc.schedule.lr:.1%} of --lr {tc.schedule.lr:g}) at the last step, and "
+        f"only rises, to {last:.3g} ({last / cfg.lr:.1%} of --lr {cfg.lr:g}) at the last step, and "
         "never decays. "
         f"Fine for a smoke test; to train, pass --warmup-steps well below --max-steps (the gpt2 recipe warms up "
         f"for 715 of its 19,073 steps)"

@@ -21,7 +21,7 @@ import torch
 
 from gpt2.ckpt.rundir import own_run_dir
 from gpt2.core import precision
-from gpt2.core.config import EOT_TOKEN, RunConfig, TrainConfig
+from gpt2.core.config import EOT_TOKEN, RunConfig, ScheduleConfig, TrainConfig
 from gpt2.core.schedule import lr_at
 from gpt2.data.loader import ShardSet, TrainLoader
 from gpt2.data.shards import ShardError
@@ -170,7 +170,7 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     trainer's loop asks one step later on CUDA, run_loop). Otherwise they are read before the update.
     """
     tc = cfg.train
-    lr = set_lr(parts, tc)
+    lr = set_lr(parts, tc.schedule)
     loss_sum = None
     autocast = parts.precision.autocast(dist.device)
     # This rank's own compute time, up to the gradient sync (gpt2/distributed/straggler.py): it names the
@@ -213,15 +213,15 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     return out
 
 
-def set_lr(parts: Parts, tc: TrainConfig) -> float:
+def set_lr(parts: Parts, cfg: ScheduleConfig) -> float:
     """The schedule's learning rate for step parts.step, set on every parameter group; returns it."""
     lr = lr_at(
         parts.step,
-        max_lr=tc.schedule.lr,
-        min_lr=tc.schedule.min_lr,
-        warmup_steps=tc.schedule.warmup_steps,
-        max_steps=tc.schedule.max_steps,
-        decay_steps=tc.schedule.decay_steps,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        warmup_steps=cfg.warmup_steps,
+        max_steps=cfg.max_steps,
+        decay_steps=cfg.decay_steps,
     )
     for group in parts.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
