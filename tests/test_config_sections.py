@@ -118,7 +118,7 @@ def test_parts_take_their_section():
 
     guard = SpikeGuard(SpikeConfig(spike_window=16, spike_loss_z=5.0), torch.device("cpu"))
     assert (guard.window, guard.loss_z) == (16, 5.0)
-    assert inspect.signature(make_optimizer).parameters["cfg"].annotation in ("OptimConfig", OptimConfig)
+    assert inspect.signature(make_optimizer).parameters["optim"].annotation in ("OptimConfig", OptimConfig)
     from gpt2.core.config import ModelConfig
 
     model = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8))

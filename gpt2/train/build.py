@@ -167,7 +167,7 @@ DDP_DEFAULT_BUCKET_CAP_MB = 25.0
 """torch's own default bucket size (TrainConfig.distributed.ddp_bucket_cap_mb's default)."""
 
 
-def wrap_ddp(train_model: torch.nn.Module, cfg: DistributedConfig, dist: Dist) -> DDP:
+def wrap_ddp(train_model: torch.nn.Module, distributed: DistributedConfig, dist: Dist) -> DDP:
     """DDP around the (compiled) model; its all-reduces overlap the compiled backward.
 
     torch.compile is lazy: the model is compiled at the first training step, inside DDP's forward,
@@ -183,7 +183,7 @@ def wrap_ddp(train_model: torch.nn.Module, cfg: DistributedConfig, dist: Dist) -
     # bucket_cap_mb=None at DDP's default
     # keeps DDP's small first bucket (1 MiB, also dynamo's first split); any other value applies
     # to every bucket.
-    cap = None if cfg.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else cfg.ddp_bucket_cap_mb
+    cap = None if distributed.ddp_bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else distributed.ddp_bucket_cap_mb
     with collective("DDP's broadcast of the initial weights"):
         return DDP(
             train_model,

@@ -170,17 +170,17 @@ def nodes_layout(r: Rehearsal, world: int, info) -> int:
 
 
 def rehearsal_target(
-    cfg: ComputeConfig, r: Rehearsal, world: int, per_node: int, local_rank: int
+    compute: ComputeConfig, r: Rehearsal, world: int, per_node: int, local_rank: int
 ) -> tuple[Target, str]:
     """The hardware to rehearse on (gpt2/plan/resolve.py Target): this machine's device, shared by the
     per_node ranks on it, or the hypothetical GPU the flags name; and the device in words."""
     if not r.hypothetical_gpu:
-        device = resolve_device(cfg.device, local_rank)  # the real run's first check, same error
+        device = resolve_device(compute.device, local_rank)  # the real run's first check, same error
         return (
             Target(world_size=world, processes_per_host=per_node, device=device),
             f"{device} (this machine; --gpu NAME rehearses on a GPU of python -m gpt2.plan's table)",
         )
-    if cfg.device == "cpu":
+    if compute.device == "cpu":
         raise ValueError("--gpu/--gpu-memory-gb rehearse a CUDA run, but --device cpu asks for the CPU: drop one")
     name = r.gpu or f"a custom GPU ({r.gpu_memory_gb:g} GiB)"
     return (
@@ -196,7 +196,7 @@ def rehearsal_target(
 
 
 @contextlib.contextmanager
-def rank_threads(cfg: ComputeConfig, target: Target):
+def rank_threads(compute: ComputeConfig, target: Target):
     """On this machine's CPU, the torch threads one rank of the rehearsed run would use (set_cpu_threads, as
     the trainer's configure_backends sets them) for the block, then this process's again: a CPU's matmul
     peak, which --dtype auto and --micro-batch-size auto use, is measured and cached per thread count."""
@@ -211,7 +211,7 @@ def rank_threads(cfg: ComputeConfig, target: Target):
         local_world_size=target.processes_per_host,
         device=target.device,
     )
-    set_cpu_threads(one, cfg.num_threads)
+    set_cpu_threads(one, compute.num_threads)
     try:
         yield
     finally:

@@ -87,15 +87,15 @@ def optimizer_kind(state: dict) -> str:
     return "muon" if "optimizers" in state else "adamw"
 
 
-def make_adamw(params, cfg: OptimConfig, lr: float, device: torch.device) -> torch.optim.AdamW:
+def make_adamw(params, optim: OptimConfig, lr: float, device: torch.device) -> torch.optim.AdamW:
     # One kernel per step instead of ~10 small ops per tensor (CUDA, and CPU since torch 2.4).
-    fused = cfg.fused_adamw and device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(params, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+    fused = optim.fused_adamw and device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(params, lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused or None)
 
 
 def make_optimizer(
     model: torch.nn.Module,
-    cfg: OptimConfig,
+    optim: OptimConfig,
     device: torch.device,
     *,
     peak_lr: float,
@@ -105,8 +105,8 @@ def make_optimizer(
     """The run's optimizer. peak_lr is the schedule's (Muon's groups scale it to muon_lr), prec the run's
     precision (Muon's Newton-Schulz dtype on a CPU); `dist` (several ranks) spreads Muon's
     orthogonalisation over them (gpt2/train/muon.py)."""
-    if cfg.optimizer == "adamw":
-        return make_adamw(param_groups(model, cfg.weight_decay), cfg, peak_lr, device)
+    if optim.optimizer == "adamw":
+        return make_adamw(param_groups(model, optim.weight_decay), optim, peak_lr, device)
     from gpt2.train.muon import Muon
 
     muon, adamw = split_params(model)
@@ -119,18 +119,18 @@ def make_optimizer(
     return Optimizers(
         adamw=make_adamw(
             [
-                {"params": [p for _, p in adamw if p.dim() >= 2], "weight_decay": cfg.weight_decay, "lr_scale": 1.0},
+                {"params": [p for _, p in adamw if p.dim() >= 2], "weight_decay": optim.weight_decay, "lr_scale": 1.0},
                 {"params": [p for _, p in adamw if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
             ],
-            cfg,
+            optim,
             peak_lr,
             device,
         ),
         muon=Muon(
-            [{"params": [p for _, p in muon], "lr_scale": cfg.muon_lr / peak_lr}],
-            lr=cfg.muon_lr,
-            momentum=cfg.muon_momentum,
-            weight_decay=cfg.muon_weight_decay,
+            [{"params": [p for _, p in muon], "lr_scale": optim.muon_lr / peak_lr}],
+            lr=optim.muon_lr,
+            momentum=optim.muon_momentum,
+            weight_decay=optim.muon_weight_decay,
             nesterov=True,
             adjust_lr_fn="original",
             ns_dtype=ns_dtype,

@@ -85,9 +85,9 @@ class SpikeGuard:
     gradient norm, and how many there are. The host part: the steps of the spikes within the last
     window, and the rollbacks so far (checkpointed too, so a resume decides as the run would have)."""
 
-    def __init__(self, cfg: SpikeConfig, device: torch.device) -> None:
-        self.window, self.loss_z, self.norm_z = cfg.spike_window, cfg.spike_loss_z, cfg.spike_norm_z
-        self.rollback_after, self.max_rollbacks = cfg.spike_rollback_after, cfg.spike_max_rollbacks
+    def __init__(self, spike: SpikeConfig, device: torch.device) -> None:
+        self.window, self.loss_z, self.norm_z = spike.spike_window, spike.spike_loss_z, spike.spike_norm_z
+        self.rollback_after, self.max_rollbacks = spike.spike_rollback_after, spike.spike_max_rollbacks
         self.history = torch.zeros(2, self.window, device=device)  # rows: log loss, log grad norm
         self.count = torch.zeros((), dtype=torch.long, device=device)
         self._zero = torch.zeros((), device=device)  # judge's z where nothing is judged: made once, never written

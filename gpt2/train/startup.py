@@ -349,10 +349,10 @@ def announce_compile(decided: Resolved, dist: Dist, log: RunLog) -> None:
     )
 
 
-def parallel_notes(cfg: DistributedConfig, parallel: str, world_size: int) -> list[str]:
+def parallel_notes(distributed: DistributedConfig, parallel: str, world_size: int) -> list[str]:
     """What --parallel fsdp does at this world size (parallel: the record's, in effect), and the flags it
     ignores (one line each)."""
-    if cfg.parallel != "fsdp":
+    if distributed.parallel != "fsdp":
         return []
     if parallel != "fsdp":
         return [
@@ -363,21 +363,21 @@ def parallel_notes(cfg: DistributedConfig, parallel: str, world_size: int) -> li
         f"parallel   fsdp: weights, gradients and optimizer state sharded over {world_size} ranks "
         "(fully_shard per block, then the root)"
     ]
-    if cfg.ddp_bucket_cap_mb != DistributedConfig().ddp_bucket_cap_mb:
+    if distributed.ddp_bucket_cap_mb != DistributedConfig().ddp_bucket_cap_mb:
         notes.append(
-            f"parallel   --ddp-bucket-cap-mb {cfg.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
+            f"parallel   --ddp-bucket-cap-mb {distributed.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
             "each block's gradients as one unit, it has no DDP buckets"
         )
     return notes
 
 
-def configure_backends(cfg: ComputeConfig, dist: Dist) -> None:
+def configure_backends(compute: ComputeConfig, dist: Dist) -> None:
     if dist.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-        torch.backends.cudnn.allow_tf32 = cfg.tf32
+        torch.backends.cuda.matmul.allow_tf32 = compute.tf32
+        torch.backends.cudnn.allow_tf32 = compute.tf32
     else:  # freed tensors go back to the system: the process holds what the memory plan counts
         host_memory.return_freed_memory()
-    set_cpu_threads(dist, cfg.num_threads)
+    set_cpu_threads(dist, compute.num_threads)
 
 
 def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple[ShardSet | None, ShardSet | None]:
@@ -482,7 +482,7 @@ def check_out_dir(out_dir: str) -> None:
         raise ValueError(f"--out-dir {out_dir}: cannot write in {path} ({why}); pass a writable --out-dir")
 
 
-def verify_data(cfg: DataConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: RunLog) -> None:
+def verify_data(data: DataConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: RunLog) -> None:
     """--verify-data's reading part (gpt2/data/check.py verify_shards), by rank 0 alone: it reads up to
     every shard once, which every rank of a node doing it too would multiply. Every rank raises its
     ShardError or none does."""
@@ -491,7 +491,7 @@ def verify_data(cfg: DataConfig, shards: tuple[ShardSet, ShardSet | None], dist:
     outcome = None
     if dist.is_main:
         try:
-            outcome = ("ok", verify_shards(cfg.data_dir, sets, cfg.verify_data))
+            outcome = ("ok", verify_shards(data.data_dir, sets, data.verify_data))
         except (ShardError, OSError) as e:
             outcome = ("error", str(e))
     kind, text = broadcast_object(outcome, dist)
@@ -536,26 +536,26 @@ says little about the recipe. Up to it the schedule is only compressed (a warmup
 reaches --lr), which short test runs do on purpose (tests/: 2 steps with a 3-step warmup)."""
 
 
-def log_warmup(cfg: ScheduleConfig, log) -> None:
+def log_warmup(schedule: ScheduleConfig, log) -> None:
     """One warning when --warmup-steps is more than twice --max-steps (WARMUP_REACH): the learning rate only
     rises, to max_steps/warmup_steps of --lr at the last step, and never decays. A warning, not a refusal:
     a few steps of a preset's recipe (--preset gpt2 --max-steps 10, warmup 715) are how a smoke test runs,
     and what it checks (it starts, steps, saves, resumes) does not need the schedule; a run meant to learn
     gets one line that says why it will not."""
-    if cfg.warmup_steps <= cfg.max_steps or cfg.max_steps / cfg.warmup_steps >= WARMUP_REACH:
+    if schedule.warmup_steps <= schedule.max_steps or schedule.max_steps / schedule.warmup_steps >= WARMUP_REACH:
         return
     last = lr_at(
-        cfg.max_steps - 1,
-        max_lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        warmup_steps=cfg.warmup_steps,
-        max_steps=cfg.max_steps,
-        decay_steps=cfg.decay_steps,
+        schedule.max_steps - 1,
+        max_lr=schedule.lr,
+        min_lr=schedule.min_lr,
+        warmup_steps=schedule.warmup_steps,
+        max_steps=schedule.max_steps,
+        decay_steps=schedule.decay_steps,
     )
     log.warn(
-        f"--warmup-steps {cfg.warmup_steps:,} is more than twice --max-steps {cfg.max_steps:,}: the "
+        f"--warmup-steps {schedule.warmup_steps:,} is more than twice --max-steps {schedule.max_steps:,}: the "
         "learning rate "
-        f"only rises, to {last:.3g} ({last / cfg.lr:.1%} of --lr {cfg.lr:g}) at the last step, and "
+        f"only rises, to {last:.3g} ({last / schedule.lr:.1%} of --lr {schedule.lr:g}) at the last step, and "
         "never decays. "
         f"Fine for a smoke test; to train, pass --warmup-steps well below --max-steps (the gpt2 recipe warms up "
         f"for 715 of its 19,073 steps)"

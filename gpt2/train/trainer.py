@@ -213,15 +213,15 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     return out
 
 
-def set_lr(parts: Parts, cfg: ScheduleConfig) -> float:
+def set_lr(parts: Parts, schedule: ScheduleConfig) -> float:
     """The schedule's learning rate for step parts.step, set on every parameter group; returns it."""
     lr = lr_at(
         parts.step,
-        max_lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        warmup_steps=cfg.warmup_steps,
-        max_steps=cfg.max_steps,
-        decay_steps=cfg.decay_steps,
+        max_lr=schedule.lr,
+        min_lr=schedule.min_lr,
+        warmup_steps=schedule.warmup_steps,
+        max_steps=schedule.max_steps,
+        decay_steps=schedule.decay_steps,
     )
     for group in parts.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
