@@ -91,6 +91,11 @@ class ModelConfig:
 
     In the loss (both --loss-impl paths), evaluation and sampling alike (Gemma 2's soft-capping;
     modded-nanogpt's 15 at 124M)."""
+    zero_init_proj: bool = False
+    """Zero-initialise the output projections.
+
+    attn.c_proj and mlp.c_proj of every block, and the untied LM head (modded-nanogpt's): each block starts
+    as the identity. Only the initialisation: a checkpoint resumes either way."""
     doc_attention: bool = False
     """Attend within documents only.
 
@@ -98,11 +103,6 @@ class ModelConfig:
     opens each (data_prep writes [EOT] + text); plain causal attention also sees the documents before it in
     the window. FlexAttention on compiled CUDA, an exact dense mask elsewhere (gpt2/model/documents.py).
     How the weights are trained, not what they hold: a checkpoint resumes either way and exports as GPT-2."""
-    zero_init_proj: bool = False
-    """Zero-initialise the output projections.
-
-    attn.c_proj and mlp.c_proj of every block, and the untied LM head (modded-nanogpt's): each block starts
-    as the identity. Only the initialisation: a checkpoint resumes either way."""
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -349,8 +349,25 @@ ACTIVATION_CHECKPOINTING = ("auto", "none", "full")
 VERIFY_DATA = ("quick", "auto", "full")
 
 
+INVALID_TRAINING = "invalid training config:\n  - "
+
+
+class TrainSection:
+    """What every TrainConfig section is: made frozen, it refuses non-finite numbers first (refuse_non_finite
+    says why), then its own problems(), in one error."""
+
+    def problems(self) -> list[str]:
+        return []
+
+    def __post_init__(self) -> None:
+        refuse_non_finite(self)
+        problems = self.problems()
+        if problems:
+            raise ValueError(INVALID_TRAINING + "\n  - ".join(problems))
+
+
 @dataclass(frozen=True, kw_only=True)
-class DataConfig:
+class DataConfig(TrainSection):
     """The token shards and the order a run reads them in."""
 
     data_dir: str = ""
@@ -374,9 +391,6 @@ class DataConfig:
     seed: int = 1337
     """Seed for initialisation and data order."""
 
-    def __post_init__(self) -> None:
-        refuse_invalid(self)
-
     def problems(self) -> list[str]:
         p = []
         if self.verify_data not in VERIFY_DATA:
@@ -387,7 +401,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BatchConfig:
+class BatchConfig(TrainSection):
     """How many tokens a step takes, and in what pieces."""
 
     micro_batch_size: int | str = "auto"
@@ -400,9 +414,6 @@ class BatchConfig:
 
     Summed over all ranks and accumulation steps."""
 
-    def __post_init__(self) -> None:
-        refuse_invalid(self)
-
     def problems(self) -> list[str]:
         p = []
         mb = self.micro_batch_size
@@ -412,7 +423,7 @@ class BatchConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScheduleConfig:
+class ScheduleConfig(TrainSection):
     """How long the run is and its learning rate at each step."""
 
     max_steps: int = 19_073
@@ -431,9 +442,6 @@ class ScheduleConfig:
     0: cosine decay from warmup to max_steps. N > 0: warmup-stable-decay: the peak lr until max_steps - N,
     then linear decay to min_lr over the last N steps."""
 
-    def __post_init__(self) -> None:
-        refuse_invalid(self)
-
     def problems(self) -> list[str]:
         p = _at_least(self, 1, "max_steps") + _at_least(self, 0, "warmup_steps", "decay_steps")
         if not self.lr > 0:
@@ -444,7 +452,7 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptimConfig:
+class OptimConfig(TrainSection):
     """The optimizer and its settings, and gradient clipping."""
 
     optimizer: str = "adamw"
@@ -487,9 +495,6 @@ class OptimConfig:
 
     0 disables clipping; the norm is still logged."""
 
-    def __post_init__(self) -> None:
-        refuse_invalid(self)
-
     def problems(self) -> list[str]:
         p = []
         if self.optimizer not in OPTIMIZERS:
@@ -507,7 +512,7 @@ class OptimConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpikeConfig:
+class SpikeConfig(TrainSection):
     """Steps skipped, rolled back or stopped on: non-finite steps and loss spikes."""
 
     max_bad_steps: int = 3
@@ -542,9 +547,6 @@ class SpikeConfig:
 
     Spikes that come back after this many rollbacks are not the data's alone: the run stops with one line."""
 
-    def __post_init__(self) -> None:
-        refuse_invalid(self)
-
     def problems(self) -> list[str]:
         p = _at_least(self, 1, "max_bad_steps", "spike_rollback_after", "spike_max_rollbacks")
         if self.spike_window < 8:  # a standard deviation of fewer steps is noise itself
@@ -555,7 +557,7 @@ class SpikeConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ComputeConfig:
+class ComputeConfig(TrainSection):
     """The device, precision, compilation and the memory choices."""
 
     device: str = "auto"
@@ -637,9 +639,6 @@ class ComputeConfig:
 
     Pinned host buffers and non-blocking copies on CUDA; no effect on a CPU."""
 
-    def __post_init__(self) -> None:
-        refuse_invalid(self)
-
     def problems(self) -> list[str]:
         from gpt2.core.precision import DTYPES  # here, not at the top: data_prep imports this module without torch
 
@@ -666,7 +665,7 @@ class ComputeConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
+class CheckpointConfig(TrainSection):
     """The run directory, its checkpoints and how a run starts."""
 
     out_dir: str = ""
@@ -698,9 +697,6 @@ class CheckpointConfig:
     weights. A run directory holding this run's own checkpoint resumes it instead (--resume auto: a requeue
     with the same command continues; gpt2/train/init_from.py)."""
 
-    def __post_init__(self) -> None:
-        refuse_invalid(self)
-
     def problems(self) -> list[str]:
         p = _at_least(self, 1, "keep_checkpoints") + _at_least(self, 0, "ckpt_interval")
         if self.resume in ("", None):
@@ -714,7 +710,7 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig:
+class EvalConfig(TrainSection):
     """Validation loss, HellaSwag and text samples during training."""
 
     eval_interval: int = 250
@@ -742,9 +738,6 @@ class EvalConfig:
     sample_prompt: str = ""
     """Prompt for samples (none: <|endoftext|>)."""
 
-    def __post_init__(self) -> None:
-        refuse_invalid(self)
-
     def problems(self) -> list[str]:
         p = _at_least(self, 1, "sample_tokens")
         p += _at_least(self, 0, "eval_interval", "eval_tokens", "sample_interval", "hellaswag_interval")
@@ -754,7 +747,7 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LogConfig:
+class LogConfig(TrainSection):
     """What the run writes about itself and where."""
 
     log_interval: int = 1
@@ -777,15 +770,12 @@ class LogConfig:
 
     Needs wandb."""
 
-    def __post_init__(self) -> None:
-        refuse_invalid(self)
-
     def problems(self) -> list[str]:
         return _at_least(self, 1, "log_interval")
 
 
 @dataclass(frozen=True, kw_only=True)
-class DistributedConfig:
+class DistributedConfig(TrainSection):
     """How ranks share the model and how long they wait for each other."""
 
     parallel: str = "ddp"
@@ -818,9 +808,6 @@ class DistributedConfig:
     After start-up the collector is frozen and turned off, and every rank collects at the same step
     every gc_interval steps (torchtitan's gc_freq): no rank pauses for a collection while the others
     wait for it at the next all-reduce (gpt2/train/gc_steps.py; docs/performance.md has the measurement)."""
-
-    def __post_init__(self) -> None:
-        refuse_invalid(self)
 
     def problems(self) -> list[str]:
         p = []
@@ -857,16 +844,6 @@ TRAIN_SECTIONS: dict[str, type] = {
 SECTION_OF: dict[str, str] = {f.name: s for s, c in TRAIN_SECTIONS.items() for f in dataclasses.fields(c)}
 """Each training field (a flag's name: lr, parallel, ...) -> its section. The names are unique across sections,
 so a flag, a preset entry or a flat config file names a field without its section."""
-
-INVALID_TRAINING = "invalid training config:\n  - "
-
-
-def refuse_invalid(section) -> None:
-    """A section's __post_init__: non-finite floats first (refuse_non_finite says why), then its problems."""
-    refuse_non_finite(section)
-    problems = section.problems()
-    if problems:
-        raise ValueError(INVALID_TRAINING + "\n  - ".join(problems))
 
 
 def _at_least(section, low: int, *names: str) -> list[str]:

@@ -37,30 +37,9 @@ from gpt2.core.config import (
 PRESETS = sorted({*MODEL_PRESETS, *TRAIN_PRESETS})
 """--preset's names: a model shape with its recipe, or a recipe alone (finetune: the shape comes from --init-from)."""
 
-MODEL_FLAGS = (
-    "n_layer",
-    "n_head",
-    "n_kv_head",
-    "n_embd",
-    "block_size",
-    "vocab_size",
-    "bias",
-    "dropout",
-    "attn_impl",
-    "rope",
-    "rope_base",
-    "qk_norm",
-    "mlp_act",
-    "norm",
-    "tie_embeddings",
-    "logit_softcap",
-    "zero_init_proj",
-    "doc_attention",
-)
-"""The model heading's fields in the order --help shows them (the shape first, then the options)."""
 SECTIONS: dict[str, type] = {"model": ModelConfig, **TRAIN_SECTIONS}
-"""--help's headings: the model, then TrainConfig's sections, each with its fields in the order declared (the
-model's in MODEL_FLAGS'); a heading's name is its config section's (cfg.train.optim: "optim"), which is
+"""--help's headings: the model, then TrainConfig's sections, each with its fields in the order declared; a
+heading's name is its config section's (cfg.train.optim: "optim"), which is
 also its table's name in a --config file. torchtitan groups its config alike, so a person finds a flag by
 scanning a heading."""
 REQUIRED_FIELDS = ("data_dir", "out_dir")
@@ -212,12 +191,7 @@ def presets_epilog(width: int = HELP_WIDTH - 2) -> str:
 
 def _fields():
     """(section, field, type) for every config field in --help's order: the model's, then each training section's."""
-    model = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    if set(model) != set(MODEL_FLAGS):
-        raise RuntimeError(f"ModelConfig fields {sorted(set(model) ^ set(MODEL_FLAGS))}: list them in MODEL_FLAGS")
-    for name in MODEL_FLAGS:
-        yield "model", model[name], _field_type(ModelConfig, model[name])
-    for section, cls in TRAIN_SECTIONS.items():
+    for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             yield section, f, _field_type(cls, f)
 
@@ -425,7 +399,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             values["model" if section == "model" else "train"][name] = value
             given_by[name] = "--" + name.replace("_", "-")
     train = TrainConfig.of(**values["train"])
-    missing = ["--" + name.replace("_", "-") for name in REQUIRED_FIELDS if not train.flat()[name]]
+    given = train.flat()
+    missing = ["--" + name.replace("_", "-") for name in REQUIRED_FIELDS if not given[name]]
     if missing:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
     if train.ckpt.init_from:

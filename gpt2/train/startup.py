@@ -594,7 +594,8 @@ def keep_decisions(cfg: RunConfig, start: StartDecision, dist: Dist, log: RunLog
     if dist.is_main and start.point is not None:
         kept = decided_before(Path(cfg.train.ckpt.out_dir) / RUN_INFO, start.run_id, dist.world_size)
     kept = broadcast_object(kept, dist) or {}
-    changes = {k: v for k, v in kept.items() if cfg.train.flat()[k] == "auto" and v != "auto"}
+    now = cfg.train.flat()
+    changes = {k: v for k, v in kept.items() if now[k] == "auto" and v != "auto"}
     for k, v in changes.items():
         flag = "--" + k.replace("_", "-")
         log.info(f"resume: {flag} auto keeps {v!r}, the run's own choice (pass {flag} to decide otherwise)")
