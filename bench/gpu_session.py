@@ -107,6 +107,12 @@ STOP_GRACE_S = 10
 """A step over its time gets SIGINT this long before its limit and SIGKILL at it (at most a quarter of it)."""
 REFRESH_S = 30
 """While a step runs, the session's report is rewritten at least this often (and at every row it reports)."""
+RESUME_STEPS = ["--steps", "128", "--ckpt-step", "8"]
+"""The resume check's runs on a GPU: step 8's checkpoint (1.5 GB) took 3.1 s to write in the background on
+an H200 (2026-11-28), while a 16-step run's last 8 steps took 0.5 s, so the run had finished before it could
+be killed; 120 steps after the checkpoint are ~6.6 s at defaults (55 ms each), ~9 s deterministic (78 ms)."""
+RESUME_ALONE_S = 540
+"""`resume` run alone by name (its own device call): both rows, 7 runs with a cold compile each (~45 s)."""
 AUTO_LINE = re.compile(r"micro-batch auto:\s*(\d+)\s+sequences?\b")
 """The trainer's start-up line saying what --micro-batch-size auto took (more may follow on the line)."""
 
@@ -202,7 +208,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
         device, shape, base, eager = "cuda", "gpt2", BASE_MICRO_BATCH, []
         vs_steps = ["--steps", "15", "--warmup", "5"]  # a B=12 step: ~30 ms
         defaults_steps = ["--steps", "7", "--warmup", "3"]  # a 524,288-token step: ~1 s
-        resume = ["--shape", "gpt2", "--steps", "16", "--ckpt-step", "8", "--data-dir", str(data)]
+        resume = ["--shape", "gpt2", *RESUME_STEPS, "--data-dir", str(data)]
         resume_tail = []
         realrun = ["--eval-tokens", "65536"]
     bench = [
@@ -406,7 +412,7 @@ def headroom_steps(quick: dict[str, Step], work: Path, *, cpu_smoke: bool = Fals
         size = ["--device", "cuda", "--sizes", "gpt2", "--steps", "6"]
         small, large = "32", "64"
         fp8 = ["--device", "cuda", "--dtype", "bfloat16", "--steps", "200", "--seeds", "1337,1,2"]
-        resume = ["--shape", "gpt2", "--steps", "16", "--ckpt-step", "8", "--rows", "default", "--data-dir", str(data)]
+        resume = ["--shape", "gpt2", *RESUME_STEPS, "--rows", "default", "--data-dir", str(data)]
         resume_tail = []
 
     def sizes(name: str, variant: list[str], limit: int, **kw) -> Step:
@@ -1163,6 +1169,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if len(steps) == 1:
         steps = [replace(steps[0], optional=False)]  # a step run alone by name is the call's whole point
+        if steps[0].name == "resume":
+            steps = [replace(steps[0], limit_s=RESUME_ALONE_S * (CPU_SMOKE_SCALE if args.cpu_smoke else 1))]
     scale = CPU_SMOKE_SCALE if args.cpu_smoke else 1
     plans = {"quick": BUDGET_S, "lease": LEASE_BUDGET_S, "headroom": LEASE_BUDGET_S}
     budget = args.budget_s or (plans[args.what] * scale if args.what in plans else sum(s.limit_s for s in steps))

@@ -1,6 +1,6 @@
 """Exact resume after kill -9: the continuation of a killed and resumed run against an uninterrupted one.
 
-    python bench/resume_check.py --device cuda --data-dir .gpu/data --steps 16 --ckpt-step 8   # GPT-2 124M, bf16,
+    python bench/resume_check.py --device cuda --data-dir .gpu/data --steps 128 --ckpt-step 8   # GPT-2 124M, bf16,
     compiled
     python bench/resume_check.py --device cpu --shape tiny --steps 6 --ckpt-step 2 --data-dir D   # seconds
 
@@ -86,6 +86,8 @@ QUIET = [
     "--keep-checkpoints",
     "2",
 ]
+TABLE_MAX_ROWS = 24
+"""Longer runs' tables show some steps only (shown_steps); the JSON holds every loss."""
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 ROWS = {"deterministic": ["--deterministic", "true"], "default": []}
 """Each row's train_ddp.py flags beyond the shape's, in the order the rows run (the exact check first)."""
@@ -212,7 +214,27 @@ def run_and_kill(flags: list[str], out: Path, step: int, log: Path, timeout: flo
         proc.wait()
     if proc.returncode != -signal.SIGKILL:
         raise RuntimeError(f"the run was not killed: it ended with exit {proc.returncode} first; raise --steps")
-    return max(losses(out), default=0)
+    return killed_before_the_end(max(losses(out), default=0), steps_of(flags), step)
+
+
+def steps_of(flags: list[str]) -> int:
+    """--max-steps N of a run's flags."""
+    return int(flags[flags.index("--max-steps") + 1])
+
+
+def killed_before_the_end(last: int, steps: int, ckpt_step: int) -> int:
+    """last, the step the killed run had logged, when the kill came before its last step. A run that had
+    logged all its steps was not interrupted mid-run: its losses after ckpt_step are an uninterrupted run's,
+    and a resume would start from whatever checkpoint its final save left. On an H200 (2026-11-28) step 8's
+    1.5 GB checkpoint was still being written in the background when the 16-step run logged its last step
+    (steps of 55 ms): the check then compared two uninterrupted runs and called it a resume."""
+    if last >= steps:
+        raise RuntimeError(
+            f"the run had logged all {steps} steps before step {ckpt_step}'s checkpoint was complete (its "
+            f"background write outlasted the {steps - ckpt_step} steps after it), so it was not killed mid-run: "
+            "raise --steps"
+        )
+    return last
 
 
 def run_row(args, extra: list[str], work: Path, check: Check, progress) -> None:
@@ -319,7 +341,7 @@ def loss_table(check: Check) -> list[str]:
         "| step | A uninterrupted | C killed + resumed | C - A | B repeat | B - A |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
-    for s in sorted(set(check.a) | set(check.c)):
+    for s in shown_steps(check):
         a, c, b = check.a.get(s), check.c.get(s), check.b.get(s)
         rows.append(
             "| "
@@ -335,6 +357,17 @@ def loss_table(check: Check) -> list[str]:
             + " |"
         )
     return rows
+
+
+def shown_steps(check: Check) -> list[int]:
+    """The table's steps: all of a short run; of a long one (a GPU's 128 steps), those up to 4 past the
+    checkpoint, the last 4, and where C and A differ most."""
+    steps = sorted(set(check.a) | set(check.c))
+    if len(steps) <= TABLE_MAX_ROWS:
+        return steps
+    diffs = {s: abs(check.c[s] - check.a[s]) for s in steps if s in check.a and s in check.c}
+    worst = [max(diffs, key=diffs.get)] if diffs else []
+    return sorted({*steps[: check.ckpt_step + 4], *steps[-4:], *worst})
 
 
 def cost_line(checks: list[Check]) -> list[str]:
@@ -386,7 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gpt2")
     ap.add_argument("--data-dir", type=Path, required=True, help="token shards (e.g. .gpu/data)")
-    ap.add_argument("--steps", type=int, default=16, help="N: steps of every run")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=128,
+        help="N: steps of every run (enough after K for the checkpoint's background write: killed_before_the_end)",
+    )
     ap.add_argument("--ckpt-step", type=int, default=8, help="K: the checkpoint interval; C is killed after step K's")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {list(ROWS)}, run in that order")
     ap.add_argument(

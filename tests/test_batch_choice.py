@@ -25,10 +25,12 @@ def choose(cfg, hw, total=524_288, world=1, dtype="bf16", **train):
     return choose_micro_batch(run(cfg, total=total, world=world, dtype=dtype, **train), hw, world_size=world)
 
 
-@pytest.mark.parametrize("gpu, expected", [("H100-80GB", 32), ("H200", 32), ("A100-80GB", 16), ("A100-40GB", 8)])
+@pytest.mark.parametrize("gpu, expected", [("H100-80GB", 32), ("H200", 64), ("A100-80GB", 16), ("A100-40GB", 16)])
 def test_gpt2_on_each_gpu_takes_the_fastest_micro_batch_not_the_largest(gpu, expected):
-    """The gpt2 preset (bf16, compiled, 524,288 tokens): 16-32 sequences, where the fused full loss fits its
-    share, not the 80-170 that fit (the largest-that-fits rule took 128 on an H100 with the 20-chunk loss)."""
+    """The gpt2 preset (bf16, compiled, 524,288 tokens): 16-64 sequences, where the fused full loss fits its
+    share, not the 80-300 that fit (the largest-that-fits rule took 128 on an H100 with the 20-chunk loss).
+    The H200 takes 64: there the full loss still fits its share at 64, which ran 3.2% faster than 32
+    (1.000 against 1.032 s a step, 2026-11-28, docs/performance.md); on an H100 64 needs the chunked loss."""
     cfg, hw = model_preset("gpt2"), gpu_hardware(gpu, Precision.from_key("bf16"))
     choice = choose(cfg, hw)
     largest = max_micro_batch_size(run(cfg), hw, headroom=AUTO_HEADROOM)
@@ -46,7 +48,8 @@ def test_the_model_weighs_the_fixed_cost_and_the_chunked_loss():
         )
 
     assert rate(1) < rate(16) < rate(32) < rate(64) < rate(128)  # the fixed cost spread over more tokens
-    assert rate(32) / rate(16) - 1 < 0.03 and rate(64) / rate(32) - 1 < TIE  # little gained past 16-32
+    # the H200's measured gains (2026-11-28): 32 -> 64 3.2% with the full loss both; the model ~2.7%
+    assert TIE < rate(64) / rate(32) - 1 < 0.04 and rate(128) / rate(64) - 1 < TIE  # little past 64
     assert rate(64, chunked=True) < rate(32)  # the chunked loss costs more than the larger micro-batch gains
     assert 0.25 < lm_head_share(cfg, 1024) < 0.3  # 6 V h of GPT-2's ~855 MFLOP per token
 

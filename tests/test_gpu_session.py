@@ -901,3 +901,47 @@ def test_the_sizes_step_at_tiny_stand_ins_on_the_cpu(prepared, tmp_path):
     )
     assert "| debug:3 | 8 x 2 |" in step["report"]
     assert not list(root.glob("work/sizes-cpu-smoke/runs/*/checkpoints/*.pt"))  # each save deleted once read
+
+
+def test_a_killed_run_that_had_logged_all_its_steps_is_not_taken_for_a_resume():
+    """The H200's lease of 2026-11-28: step 8's checkpoint took 3.1 s to write in the background, the 16-step
+    run's last 8 steps 0.5 s, so the SIGKILL came after its last step; the check then compared two
+    uninterrupted runs as if one had resumed. Now that run is refused, naming the fix."""
+    assert resume_check.killed_before_the_end(11, 16, 8) == 11
+    with pytest.raises(RuntimeError, match=r"logged all 16 steps before step 8's checkpoint.*raise --steps"):
+        resume_check.killed_before_the_end(16, 16, 8)
+    assert resume_check.steps_of(["--preset", "gpt2", "--max-steps", "128", "--ckpt-interval", "8"]) == 128
+    check = resume_check.Check(8, 16)
+    check.problems.append("the run had logged all 16 steps ...")
+    check.c = check.a = {s: 1.0 for s in range(1, 17)}
+    passed, lines = resume_check.verdict(check, 1e-6)
+    assert not passed and "- the killed run: not made" in lines
+
+
+def test_on_a_gpu_the_resume_check_leaves_the_checkpoint_seconds_to_be_written_and_a_long_table_is_cut():
+    quick = {s.name: s for s in gpu_session.quick_steps(Path("/w"))}
+    for step in (quick["resume"], gpu_session.headroom_steps(quick, Path("/w"))[-1]):
+        cmd = step.cmd
+        steps, ckpt = int(cmd[cmd.index("--steps") + 1]), int(cmd[cmd.index("--ckpt-step") + 1])
+        assert (steps - ckpt) * 0.055 >= 2 * 3.1  # 55 ms steps, a 3.1 s write (module constant's note)
+    check = resume_check.Check(8, 128)
+    check.a = {s: 10.0 - s / 100 for s in range(1, 129)}
+    check.c = {**check.a, 70: check.a[70] + 1e-3}
+    shown = resume_check.shown_steps(check)
+    assert shown == [*range(1, 13), 70, 125, 126, 127, 128]
+    short = resume_check.Check(2, 6)
+    short.a = short.c = {s: 1.0 for s in range(1, 7)}
+    assert resume_check.shown_steps(short) == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_run_alone_gets_a_whole_call():
+    dry = subprocess.run(
+        [sys.executable, "bench/gpu_session.py", "resume", "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.startswith(f"resume\t{gpu_session.RESUME_ALONE_S} s\t"), dry.stdout
+    assert "--steps 128 --ckpt-step 8" in dry.stdout and "timeout_s=570" in dry.stdout

@@ -332,10 +332,10 @@ def test_cli_runs():
     )
     assert preset.returncode == 0, preset.stderr
     assert (
-        "micro_batch_size=8 x seq_len=1024 x world_size=32 = 262,144 tokens/micro-step; "
-        "total_batch_size=524,288 -> 2 accumulation step(s)"
+        "micro_batch_size=16 x seq_len=1024 x world_size=32 = 524,288 tokens/micro-step; "
+        "total_batch_size=524,288 -> 1 accumulation step(s)"
     ) in preset.stdout
-    assert "micro-batch auto: 8 sequences, the fastest by the throughput model" in preset.stdout  # as a start says
+    assert "micro-batch auto: 16 sequences, the fastest by the throughput model" in preset.stdout  # as a start says
     assert "budget     10.00B tokens: 19,073 steps" in preset.stdout
 
 

@@ -9,14 +9,17 @@ past it the chunked loss runs the LM head ~1.3x slower (gpt2/plan/loss_choice.py
 The model (micro_step_seconds, a pure function): a micro-step of B sequences of T tokens takes
     layers x OVERHEAD_S_PER_LAYER  +  B x T x flops_per_token / (peak x MFU) x (1 + chunked-loss extra)
 and auto takes the smallest micro-batch whose modelled tokens/s is within TIE of the best one's: below
-that the model cannot tell them apart, and a smaller micro-batch leaves memory free. The constants, from
-what is known rather than fitted: on CUDA ~150 us per block and micro-step (a compiled block is ~10
-kernels forward and ~20 backward at ~5 us of launch and tail each); GPT-2 124M at 40% of an H100's bf16
-peak then spends 5.6% of a 16-sequence micro-step on it, 2.9% at 32 and 1.5% at 64: a step gains little
-past B = 16-32, as measured runs of it show. For the gpt2 preset that makes 32 on an H100 or H200 (64 is
-within 2% on an H200, where the full loss still fits at 64), 16 on an A100-80GB and 8 on an A100-40GB,
-whose lower peak makes the fixed cost a smaller share, and whose full-loss share ends at 16
-(tests/test_batch_choice.py holds the table). On a CPU
+that the model cannot tell them apart, and a smaller micro-batch leaves memory free. On CUDA the fixed cost is
+measured: ~285 us per block and micro-step, 4.0 ms for GPT-2 124M's 12 blocks and 2 ends. Two runs of the
+gpt2 preset on an H200 (2026-11-28, docs/performance.md), both with the full loss, took 1.032 s a step at
+32 x 16 and 1.000 s at 64 x 8: a + 32 b = 64.4 ms and a + 64 b = 124.8 ms a micro-step give a = 4.0 ms;
+the FP8 head's pair gave 3.6 ms, and an H100's B = 12 and 16 steps ~4 ms once its optimizer step is
+taken out. (The estimate before, ~150 us from ~30 kernels at ~5 us each, chose 32 on the H200, which
+left those 3.2% unused.) GPT-2 124M at 40% of an H100's bf16 peak then spends 10% of a 16-sequence
+micro-step on it, 5.3% at 32, 2.7% at 64. For the gpt2 preset that makes 64 on an H200, 32 on an H100
+(at 64 the full loss passes its share of 80 GB and the chunked one costs more than the micro-batch
+gains), 16 on an A100-80GB or A100-40GB, whose lower peak makes the fixed cost a smaller share, and 8 on a
+24 GB card (tests/test_batch_choice.py holds the table). On a CPU
 each eager operation costs the host microseconds, ~250 us per block and micro-step, small beside a
 CPU's compute per token, so the model takes a few sequences; but a CPU's micro-step also does work the
 model does not hold (the dense (V, h) gradients of the tied embedding and LM head, every micro-step),
@@ -38,9 +41,9 @@ from gpt2.plan.hardware import Hardware
 from gpt2.plan.loss_choice import choose_loss_impl
 from gpt2.plan.memory import AUTO_HEADROOM, PLAN_ERROR, does_not_fit, max_micro_batch_size
 
-OVERHEAD_S_PER_LAYER = {"cuda": 150e-6, "cpu": 250e-6}
+OVERHEAD_S_PER_LAYER = {"cuda": 285e-6, "cpu": 250e-6}
 """Seconds per transformer block of a micro-step's fixed cost (the embedding and the LM head count as one
-block each), by device type (module docstring)."""
+block each), by device type (module docstring: CUDA's measured on an H200 and an H100, the CPU's estimated)."""
 ASSUMED_PEAK_FLOPS = {"cuda": 312e12, "cpu": 1e11}
 """Where the hardware has no peak (an unlisted GPU, a CPU whose probe failed): an A100's bf16 data-sheet
 peak, and a CPU of a few cores."""
