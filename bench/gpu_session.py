@@ -398,8 +398,9 @@ def headroom_steps(quick: dict[str, Step], work: Path, *, cpu_smoke: bool = Fals
     124M defaults (bench/sizes.py --sizes gpt2, the whole model compiled, each run its own cold compile
     cache) plain, with --fp8-head as auto chooses, with --fp8-head at the plain run's micro-batch 32, and plain
     at 64 with the full logits (the FP8 run's batch and loss path); the FP8 loss over three seeds
-    (bench/fp8_head.py); then, in what is left, the resume check's default-kernels row. cpu_smoke: tiny
-    stand-ins, eager, float32."""
+    (bench/fp8_head.py); then, in what is left, the resume check's default-kernels row. The fourth lease (an
+    H200, 2026-11-28) ran it: the micro-batch was most of the gain, and auto on an H200 now takes 64 itself,
+    so there `base` is the 64 row. cpu_smoke: tiny stand-ins, eager, float32."""
     py, data = python_cmd(), gpu_dir() / "data"
     scale = CPU_SMOKE_SCALE if cpu_smoke else 1
     if cpu_smoke:
