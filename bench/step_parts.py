@@ -14,6 +14,9 @@ untimed step. The rows step round-robin (one step of each in turn), so they shar
   ours, modern + AdamW         --preset speedrun's architecture (docs/modern.md) with AdamW
   ours, modern + Muon          --preset speedrun's architecture and optimizer (Muon on the blocks' matrices)
   ours, modern + Muon, no doc mask   the same, attention causal only (--doc-attention false)
+  the trainer's train_step      --preset speedrun at this shape through gpt2.train.session (what
+                               bench/time_to_loss.py --shape large times): its loss path as auto chose it
+                               (named in the row), its clip, spike guard and bookkeeping; one number a step
 Each of ours takes --loss-impl as given (default full: the (B, T, V) logits and F.cross_entropy, nanoGPT's path).
 """
 
@@ -37,13 +40,21 @@ from emit import emit  # bench/emit.py
 
 from gpt2.core.config import ARCHS, MODEL_PRESETS, ModelConfig, OptimConfig
 from gpt2.core.precision import FLOAT32
+from gpt2.distributed.group import single_process
 from gpt2.model.gpt import GPT
-from gpt2.train.session import make_optimizer
+from gpt2.train.session import Session, make_optimizer, parse_config
 
 SHAPE = dict(n_layer=6, n_head=6, n_embd=384, block_size=256)
 BATCH = 8
 LR = 1e-3
 PHASES = ("forward + loss", "backward", "update")
+TRAINER_FLAGS = [
+    *("--preset", "speedrun", "--n-layer", "6", "--n-head", "6", "--n-embd", "384", "--block-size", "256"),
+    *("--micro-batch-size", "8", "--total-batch-size", "2048", "--max-steps", "600", "--device", "cpu"),
+    *("--eval-interval", "0", "--eval-tokens", "0", "--sample-interval", "0", "--ckpt-interval", "0"),
+    *("--plot", "false", "--log-interval", "1000"),
+]
+"""bench/time_to_loss.py --shape large's --preset speedrun row (its QUIET flags and the shape's)."""
 
 
 @dataclass
@@ -90,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5, help="timed steps of each row (median), after one untimed")
     ap.add_argument("--loss-impl", choices=("full", "chunked"), default="full", help="ours' loss path")
+    ap.add_argument(
+        "--rows",
+        default="nano,gpt2,modern-adamw,modern-muon,no-doc,trainer",
+        help="which rows, stepped round-robin: nano, gpt2, modern-adamw, modern-muon, no-doc, trainer (one alone: "
+        "without the others' allocations in the same process)",
+    )
     ap.add_argument("--work", type=Path, default=Path("runs/step_parts"), help="the corpus's shards go here")
     nanogpt.add_side_by_side_flags(ap)
     args = ap.parse_args(argv)
@@ -105,13 +122,28 @@ def main(argv: list[str] | None = None) -> int:
     gpt2_arch = ModelConfig(**SHAPE, vocab_size=50304, **ARCHS["gpt2"])
     speedrun = {k: v for k, v in MODEL_PRESETS["speedrun"].items() if k not in SHAPE}
     modern = ModelConfig(**SHAPE, vocab_size=50304, **speedrun)
-    rows = [nano(tree)] if tree else []
-    rows += [
-        ours("ours, GPT-2 architecture + AdamW", gpt2_arch, "adamw", args.loss_impl),
-        ours("ours, modern + AdamW", modern, "adamw", args.loss_impl),
-        ours("ours, modern + Muon (--preset speedrun)", modern, "muon", args.loss_impl),
-        ours("ours, modern + Muon, no doc mask", replace(modern, doc_attention=False), "muon", args.loss_impl),
-    ]
+    makers = {
+        "nano": lambda: nano(tree),
+        "gpt2": lambda: ours("ours, GPT-2 architecture + AdamW", gpt2_arch, "adamw", args.loss_impl),
+        "modern-adamw": lambda: ours("ours, modern + AdamW", modern, "adamw", args.loss_impl),
+        "modern-muon": lambda: ours("ours, modern + Muon (--preset speedrun)", modern, "muon", args.loss_impl),
+        "no-doc": lambda: ours(
+            "ours, modern + Muon, no doc mask", replace(modern, doc_attention=False), "muon", args.loss_impl
+        ),
+    }
+    wanted = [r for r in args.rows.split(",") if r]
+    if bad := set(wanted) - {*makers, "trainer"}:
+        ap.error(f"--rows: unknown {sorted(bad)}; choose from {[*makers, 'trainer']}")
+    rows = [makers[r]() for r in wanted if r in makers and (r != "nano" or tree)]
+    session = (
+        Session(
+            parse_config([*TRAINER_FLAGS, "--data-dir", str(data), "--out-dir", str(args.work / "run")]),
+            single_process("cpu"),
+        )
+        if "trainer" in wanted
+        else None
+    )
+    trainer_s: list[float] = []
     rng = np.random.default_rng(0)
     T = SHAPE["block_size"]
     for i in range(args.steps + 1):
@@ -123,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             if i:  # the first allocates the optimizers' state
                 for p in PHASES:
                     row.times[p].append(took[p])
+        if session is not None:
+            session.step()
+            if i:
+                trainer_s.append(session.step_s[-1])
+    if session is not None:
+        session.close()
 
     command = "python bench/step_parts.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [
@@ -141,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         base = base or total
         cells = " | ".join(f"{m:.3f}" for m in med)
         lines.append(f"| {row.name} | {cells} | {total:.3f} | {total / base:.2f}x |")
+    if session is not None:
+        total = statistics.median(trainer_s)
+        base = base or total
+        name = f"the trainer's train_step (--preset speedrun, loss {session.decided.loss.impl})"
+        lines.append(f"| {name} | - | - | - | {total:.3f} | {total / base:.2f}x |")
     emit("\n".join(lines), args.md)
     return 0
 
