@@ -7,7 +7,9 @@ bench/time_to_loss.py --shape large found each of `--preset speedrun`'s steps ~1
 shape 0.89x). This takes a step apart at that shape (6 layers x 384, 6 heads, block 256, 8 x 256 tokens of the
 corpus, float32, eager: what both programs run on a CPU) into forward with the loss, backward, and the update
 (clip, optimizer step, zero_grad), each timed with time.perf_counter, the median over --steps steps after one
-untimed step. The rows step round-robin (one step of each in turn), so they share the machine's load:
+untimed step. The rows step round-robin (one step of each in turn), so they share the machine's load; the
+trainer row's start-up configures the whole process (gpt2/core/host_memory.py among others) and slows every
+row in it, so --rows R runs one alone:
   nanoGPT                      its own model.py (GPT-2's architecture, biases, tied head) and its own
                                configure_optimizers (AdamW, weight decay on the 2-D weights), clip 1.0
   ours, GPT-2 architecture     gpt2.model.GPT with nanoGPT's architecture and AdamW (fused where torch has it)
