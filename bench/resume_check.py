@@ -224,10 +224,11 @@ def steps_of(flags: list[str]) -> int:
 
 def killed_before_the_end(last: int, steps: int, ckpt_step: int) -> int:
     """last, the step the killed run had logged, when the kill came before its last step. A run that had
-    logged all its steps was not interrupted mid-run: its losses after ckpt_step are an uninterrupted run's,
-    and a resume would start from whatever checkpoint its final save left. On an H200 (2026-11-28) step 8's
-    1.5 GB checkpoint was still being written in the background when the 16-step run logged its last step
-    (steps of 55 ms): the check then compared two uninterrupted runs and called it a resume."""
+    logged all its steps was killed in its final save, not during training: a resume from ckpt_step still
+    re-runs the steps after it, but nothing was interrupted mid-step, and until the resumed run ends the
+    row holds only the killed run's own, uninterrupted losses. On an H200 (2026-11-28) step 8's 1.5 GB
+    checkpoint was still being written in the background when the 16-step run logged its last step (steps
+    of 55 ms); the default row's resumed run then ran out of the call's time."""
     if last >= steps:
         raise RuntimeError(
             f"the run had logged all {steps} steps before step {ckpt_step}'s checkpoint was complete (its "

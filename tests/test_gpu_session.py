@@ -905,8 +905,8 @@ def test_the_sizes_step_at_tiny_stand_ins_on_the_cpu(prepared, tmp_path):
 
 def test_a_killed_run_that_had_logged_all_its_steps_is_not_taken_for_a_resume():
     """The H200's lease of 2026-11-28: step 8's checkpoint took 3.1 s to write in the background, the 16-step
-    run's last 8 steps 0.5 s, so the SIGKILL came after its last step; the check then compared two
-    uninterrupted runs as if one had resumed. Now that run is refused, naming the fix."""
+    run's last 8 steps 0.5 s, so the SIGKILL came in the final save, after the last step: no kill during
+    training. Now that run is refused, naming the fix."""
     assert resume_check.killed_before_the_end(11, 16, 8) == 11
     with pytest.raises(RuntimeError, match=r"logged all 16 steps before step 8's checkpoint.*raise --steps"):
         resume_check.killed_before_the_end(16, 16, 8)
