@@ -59,7 +59,7 @@ def test_a_cpu_run_gives_freed_tensors_back_where_glibcs_defaults_keep_them():
     assert kept_after_free("default") >= 6 * 2**20  # the 8 MiB block stays in the heap
     assert kept_after_free("trainer") < 2 * 2**20  # the trainer's start-up (configure_backends) returns it
     # A user's own malloc setting wins: under a 32 MiB mmap threshold and a 64 MiB trim threshold the 16 MiB
-    # block comes from the heap and stays there freed, trainer or not (the trainer's 1 MiB would unmap it).
+    # block comes from the heap and stays there freed, trainer or not (the trainer's 4 MiB would unmap it).
     user = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20)}
     assert kept_after_free("trainer", user, block="a") >= 12 * 2**20
     assert kept_after_free("trainer", block="a") < 2 * 2**20
