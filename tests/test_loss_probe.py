@@ -135,7 +135,9 @@ def test_the_cpu_plan_line_is_the_resident_total_with_its_parts():
 
     assert CPU_HEAP_SLACK_BYTES == GIB // 16  # 0.06 GiB below
     mem = SimpleNamespace(total=GIB // 4)
-    p = SimpleNamespace(memory=mem, usable_bytes=20 * GIB, step_time_s=2.9, mfu=0.4, world_size=1)
+    # 32 x 256 tokens x 128 wide in fp32: a 4 MiB activation is mapped, so only the small tensors' slack counts
+    shape = dict(cfg=SimpleNamespace(n_layer=4, n_embd=128), micro_batch_size=32, seq_len=256)
+    p = SimpleNamespace(memory=mem, usable_bytes=20 * GIB, step_time_s=2.9, mfu=0.4, world_size=1, **shape)
     line = plan_line(p, "run/train.log", shown=False, held=3 * GIB // 10)
     assert line.startswith(
         "plan       0.61 GiB resident per rank (0.25 GiB to train + 0.06 GiB the heap keeps, of 20.00 GiB usable, "
@@ -146,10 +148,38 @@ def test_the_cpu_plan_line_is_the_resident_total_with_its_parts():
     assert "the probes' 0.50 GiB at this first run of the shape)" in probed
     below = plan_line(p, "run/train.log", shown=False, held=3 * GIB // 10, probe=GIB // 4)  # under train + heap
     assert below.startswith("plan       0.61 GiB resident per rank") and "probe" not in below
-    ranks = SimpleNamespace(memory=mem, usable_bytes=20 * GIB, step_time_s=2.9, mfu=0.4, world_size=2)
+    ranks = SimpleNamespace(memory=mem, usable_bytes=20 * GIB, step_time_s=2.9, mfu=0.4, world_size=2, **shape)
     two = plan_line(ranks, "run/train.log", shown=False, held=3 * GIB // 10, probe=GIB // 2)
     assert two.startswith("plan       0.61 GiB resident per rank, 0.80 GiB on rank 0 (0.25 GiB to train")
     assert "rank 0's probes' 0.50 GiB at this first run of the shape)" in two
     assert plan_line(p, "run/train.log", shown=False).startswith(
         "plan       0.25 GiB of 20.00 GiB usable per rank, ~2.9"
     )
+
+
+def test_the_heap_slack_counts_activations_the_heap_serves():
+    """Under the 4 MiB mmap threshold a step's activations come from glibc's heap and leave holes that grow with
+    them and with the depth (gpt2.plan.memory's comment: 26 and 113 MiB past the flat slack, measured at 4 x 256
+    and 6 x 384 wide); at the threshold and above they are mapped, and only the small tensors' slack is left."""
+    from types import SimpleNamespace
+
+    from gpt2.core.host_memory import MMAP_THRESHOLD_BYTES
+    from gpt2.plan.hardware import GIB
+    from gpt2.plan.memory import CPU_HEAP_SLACK_BYTES, HEAP_HOLES_PER_LAYER, heap_slack
+    from gpt2.train.startup import plan_line
+
+    MIB = 2**20
+    three_mib = 8 * 256 * 384 * 4  # the larger shape's activation: 6 x 384, 8 x 256 tokens
+    assert three_mib < MMAP_THRESHOLD_BYTES
+    assert heap_slack(6, 384, 8 * 256) == CPU_HEAP_SLACK_BYTES + HEAP_HOLES_PER_LAYER * 6 * three_mib == 208 * MIB
+    assert heap_slack(6, 384, 8 * 256) > CPU_HEAP_SLACK_BYTES + 113 * MIB  # the measured excess, 6 x 384
+    assert heap_slack(4, 256, 8 * 256) > CPU_HEAP_SLACK_BYTES + 26 * MIB  # and at 4 x 256
+    assert heap_slack(6, 384, 16 * 256) == CPU_HEAP_SLACK_BYTES  # 6 MiB activations are mapped
+    assert heap_slack(12, 768, 32 * 1024) == CPU_HEAP_SLACK_BYTES
+    mem = SimpleNamespace(total=GIB)
+    p = SimpleNamespace(
+        memory=mem, usable_bytes=20 * GIB, step_time_s=2.9, mfu=0.4, world_size=1,
+        cfg=SimpleNamespace(n_layer=6, n_embd=384), micro_batch_size=8, seq_len=256,
+    )  # fmt: skip
+    line = plan_line(p, "run/train.log", shown=False, held=GIB // 2)
+    assert line.startswith("plan       1.70 GiB resident per rank (1.00 GiB to train + 0.20 GiB the heap keeps,")

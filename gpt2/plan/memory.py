@@ -75,6 +75,7 @@ from gpt2.core.config import (
     param_count,
     weight_shapes,
 )
+from gpt2.core.host_memory import MMAP_THRESHOLD_BYTES
 from gpt2.core.precision import BFLOAT16, Precision
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.plan.hardware import Hardware, gib, usable_note
@@ -145,27 +146,39 @@ plan that is PLAN_ERROR low still fits."""
 
 # A CPU process's resident peak is more than its tensors at their peak (Memory.total, which the CPU allocator's
 # own events match to the MiB at 4 x 128 and 4 x 256 wide with gradient accumulation): glibc's heap, which serves
-# every block under the 1 MiB mmap threshold (gpt2.core.host_memory.return_freed_memory), gives back only what
-# is free at its top. The blocks freed between a step's small tensors (at 128 wide an (8, 128, 128) fp32
-# activation is 512 KiB; biases, LayerNorm statistics, small weights' gradients, the autograd graph) stay
-# resident as holes that later allocations do not all fill: 13-48 MiB of free heap (mallinfo2) after a few
-# steps of the debug preset's shapes, the most at 8 x 128 tokens. In train_ddp.py runs (bench/plan_resident.py,
-# issue 54) the peak above what the process held after its warm-up plus Memory.total was up to 36 MiB at 3 steps
-# of the debug preset's 8 x 128 tokens with 2 micro-steps, 48 MiB after 40 (it grows over the first ~12 steps,
-# then stays), 15-24 MiB at 256 and 384 wide. It does not grow with the model or the micro-batch (blocks of 1 MiB
-# and more are mapped and unmapped on their own): one amount per process.
+# every block under the mmap threshold (4 MiB, gpt2.core.host_memory.return_freed_memory), gives back only what
+# is free at its top. The blocks freed between a step's tensors stay resident as holes that later allocations do
+# not all fill. Two parts, both measured by bench/plan_resident.py (docs/training.md):
+# - the small tensors of any shape (biases, norm statistics, small weights' gradients, the autograd graph):
+#   13-48 MiB of free heap (mallinfo2) after a few steps of the debug preset's shapes (at 1 MiB activations and
+#   less), up to 48 MiB after 40 steps (it grows over the first ~12 steps, then stays): CPU_HEAP_SLACK_BYTES;
+# - where one activation (micro-batch x block x n_embd in fp32) is under the threshold, the activations
+#   themselves come from the heap, and the holes grow with them and with the depth: at 4 x 256 wide, 8 x 256
+#   tokens (2 MiB activations) the peak passed the flat 64 MiB by 26 MiB, at 6 x 384 (3 MiB) by 113 MiB,
+#   about 3 and 6 activations a layer: HEAP_HOLES_PER_LAYER counts 8.
+# It does not otherwise grow with the model or the micro-batch (larger blocks are mapped and unmapped on their own).
 CPU_HEAP_SLACK_BYTES = 64 * 2**20
-"""What glibc's heap keeps resident beyond the live tensors of a CPU training process (above): the most measured
-(48 MiB) and a margin. Counted in the CPU plan line's resident total (resident_total), not in Memory.total: the
-micro-batch search, the fit check and the GPU plan are unchanged."""
+"""What glibc's heap keeps resident beyond the live tensors of a CPU training process for its small tensors
+(above): the most measured (48 MiB) and a margin."""
+HEAP_HOLES_PER_LAYER = 8
+"""Activations' worth of heap holes per layer where one activation is under the mmap threshold (above)."""
 
 
-def resident_total(train: int, held: int, probe: int | None = None) -> int:
+def heap_slack(n_layer: int, n_embd: int, tokens_per_micro_step: int) -> int:
+    """What glibc's heap keeps beside the live tensors of a CPU training step (the comment above): counted in the
+    CPU plan line's resident total (resident_total), not in Memory.total, so the micro-batch search, the fit
+    check and the GPU plan do not take it."""
+    activation = tokens_per_micro_step * n_embd * 4
+    in_heap = activation if activation < MMAP_THRESHOLD_BYTES else 0
+    return CPU_HEAP_SLACK_BYTES + HEAP_HOLES_PER_LAYER * n_layer * in_heap
+
+
+def resident_total(train: int, held: int, probe: int | None = None, *, heap: int = CPU_HEAP_SLACK_BYTES) -> int:
     """A CPU process's resident peak as planned (the start-up's plan line): what it held when it planned
     (after gpt2.plan.measure.warm_up: the libraries' first use) plus the larger of training's growth (train:
-    Memory.total, and CPU_HEAP_SLACK_BYTES for the heap's holes) and the loss probe's measured growth (probe:
+    Memory.total, and heap for the heap's holes, heap_slack) and the loss probe's measured growth (probe:
     a resident peak of its own, holes and all; None where it did not run in this process)."""
-    return held + max(train + CPU_HEAP_SLACK_BYTES, probe or 0)
+    return held + max(train + heap, probe or 0)
 
 
 # The plain loss compiled: inductor fuses the fp32 cast, log-softmax and the target pick into

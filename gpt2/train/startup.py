@@ -62,7 +62,7 @@ from gpt2.plan import matmul_peak
 from gpt2.plan.flops import format_flops
 from gpt2.plan.hardware import gib
 from gpt2.plan.measure import warm_up
-from gpt2.plan.memory import CPU_HEAP_SLACK_BYTES, resident_total
+from gpt2.plan.memory import heap_slack, resident_total
 from gpt2.plan.resolve import FRESH, Resolved, Target, device_name, resolve_choices
 from gpt2.train import compile_cache
 from gpt2.train.build import build
@@ -698,7 +698,9 @@ def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe:
     if held is None:
         memory = f"{gib(p.memory.total)} of {gib(p.usable_bytes)} usable per rank"
     else:
-        total, rank0 = resident_total(p.memory.total, held), resident_total(p.memory.total, held, probe)
+        heap = heap_slack(p.cfg.n_layer, p.cfg.n_embd, p.micro_batch_size * p.seq_len)
+        total = resident_total(p.memory.total, held, heap=heap)
+        rank0 = resident_total(p.memory.total, held, probe, heap=heap)
         several = rank0 != total and p.world_size > 1
         whose = "rank 0's" if several else "the"
         probed = "" if rank0 == total else f"; {whose} probes' {gib(probe)} at this first run of the shape"
@@ -706,7 +708,7 @@ def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe:
             f"{gib(total)} resident per rank, {gib(rank0)} on rank 0" if several else f"{gib(rank0)} resident per rank"
         )
         memory = (
-            f"{each} ({gib(p.memory.total)} to train + {gib(CPU_HEAP_SLACK_BYTES)} the heap keeps, of "
+            f"{each} ({gib(p.memory.total)} to train + {gib(heap)} the heap keeps, of "
             f"{gib(p.usable_bytes)} usable, + {gib(held)} held before it: Python, torch, the data{probed})"
         )
     return f"plan       {memory}, {speed}; the whole plan is {where}"
