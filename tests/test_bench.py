@@ -5,6 +5,7 @@ Tiny settings: these check that the scripts work against the current code, not t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -773,3 +774,34 @@ def test_time_to_loss_says_nanogpts_numbers_as_soon_as_its_run_ends():
         sys.path.remove(str(REPO / "bench"))
     line = ttl.progress_line({"val": {20: 5.0, 10: 6.0}, "times": [1.0, 3.0, 2.0]}, target=5.0)
     assert line == "  nanoGPT run 1: val {10: 6.0, 20: 5.0}; target 5.0000; 3 steps, median 2.000 s/step, 6.0 s counted"
+
+
+def test_time_to_loss_horizon_rows_end_the_speedrun_presets_decay_sooner():
+    """--rows horizon: --preset speedrun at the large shape with each shorter --max-steps, and nothing else
+    changed; the small shape has none and says so."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import time_to_loss as ttl
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from gpt2.train.cli import parse_config
+
+    common = ["--data-dir", "d", "--out-dir", "o"]
+    large = ttl.SHAPES["large"]
+    preset = parse_config(["--preset", "speedrun", *large.preset_flags, *common])
+    rows = ttl.horizon_rows(large)
+    assert len(rows) == len(large.horizons) >= 1 and all(h < large.steps for h in large.horizons)
+    for (label, flags), h in zip(rows, large.horizons):
+        cfg = parse_config(flags + common)
+        assert not label.startswith("--preset")  # not counted toward the preset's goal
+        assert cfg.train.schedule.max_steps == h and cfg.model == preset.model
+        assert dataclasses.replace(cfg.train.schedule, max_steps=large.steps) == preset.train.schedule
+        assert dataclasses.replace(cfg.train, schedule=preset.train.schedule) == preset.train
+    out = subprocess.run(
+        [sys.executable, "bench/time_to_loss.py", "--nanogpt", "none", "--target", "5", "--rows", "horizon"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "--rows horizon needs --shape large" in out.stderr
