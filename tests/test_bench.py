@@ -604,7 +604,8 @@ def test_gpu_profile_runs_our_rows_on_a_cpu_and_says_it_saw_no_kernels(tmp_path)
         timeout=600,
     )
     rows = table_rows(out.split("\n\n**")[0], "row")
-    assert [r[0] for r in rows] == ["ours model (loss full)", "ours"]
+    # the label names the loss path the planner picked; uncompiled on a CPU that is a timed probe's choice
+    assert [r[0] for r in rows] in (["ours model (loss full)", "ours"], ["ours model (loss chunked)", "ours"])
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
     assert out.count("no device kernels (a CPU run)") == 2 and out.strip().endswith(md.read_text().strip())
 
