@@ -683,8 +683,14 @@ def test_plan_resident_reads_each_ranks_total_from_the_plan_line():
         sys.path.remove(str(REPO / "bench"))
 
     def plan(world_size: int, probe: int | None) -> dict:
+        # 32 x 256 tokens x 128 wide in fp32: a 4 MiB activation is mapped, so the heap's slack is the flat 64 MiB
+        shape = dict(cfg=SimpleNamespace(n_layer=4, n_embd=128), micro_batch_size=32, seq_len=256)
         p = SimpleNamespace(
-            memory=SimpleNamespace(total=GIB // 4), usable_bytes=20 * GIB, step_time_s=None, world_size=world_size
+            memory=SimpleNamespace(total=GIB // 4),
+            usable_bytes=20 * GIB,
+            step_time_s=None,
+            world_size=world_size,
+            **shape,
         )
         return plan_resident.plan_of("starting\n" + plan_line(p, "x", shown=False, held=GIB // 2, probe=probe))
 
