@@ -466,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if "horizon" in rows and not shape.horizons:
+        print(f"{prog}: error: --rows horizon needs --shape large (the small shape has no horizons)", file=sys.stderr)
+        return 2
     if args.nanogpt == "none" and args.target is None:
         print(f"{prog}: error: without nanoGPT (--nanogpt none) give the target: --target LOSS", file=sys.stderr)
         return 2
@@ -501,11 +504,6 @@ def main(argv: list[str] | None = None) -> int:
     if "modern" in rows:
         plan += modern_rows(shape.preset_flags)
     if "horizon" in rows:
-        if not shape.horizons:
-            print(
-                f"{prog}: error: --rows horizon needs --shape large (the small shape has no horizons)", file=sys.stderr
-            )
-            return 2
         plan += horizon_rows(shape)
     if "speedrun" in rows:
         plan += [
