@@ -7,7 +7,8 @@
 --shape large is issue 56's larger shape: 6 layers x 384 (6 heads), block 256, 8 x 256 tokens a step, nanoGPT's
 recipe over 600 steps (warmup 60, cosine to lr/10); its recipe rows of ours take the same shape and horizon, the
 presets the same shape with their own horizon (200 steps), learning rates and warmups (tuned at the small shape);
---rows horizon runs --preset speedrun with other horizons.
+--rows horizon runs --preset speedrun with other horizons; --rows optim runs it with each of its optimizer
+settings (the two learning rates, Muon's momentum, AdamW's beta2 and weight decay) moved one step alone.
 
 The recipe is nanoGPT's small Shakespeare one on GPT-2 tokens (--corpus through data_prep, one document
 per paragraph, the first 30,000 tokens as val): 4 layers, 4 heads, 128 wide, block 64, batch 16 (1,024
@@ -241,6 +242,17 @@ MODERN_TRIED = [
     ("tried, not kept: + AdamW beta1 0.8", ["--beta1", "0.8"]),
     ("tried, not kept: + horizon 200 -> 50 steps", ["--max-steps", "50"]),
 ]
+OPTIM_MOVES = [
+    # (row label, flags): --preset speedrun's optimizer settings, each moved one step alone (seed 1337). Run of
+    # 2026-12-06 (Shakespeare, evaluated every step; docs/performance.md): every row took 34-37 steps against the
+    # preset's 35, so the preset sits on a flat optimum of these settings and none was changed.
+    ("AdamW part lr 8e-3 -> 1.2e-2", ["--lr", "1.2e-2", "--min-lr", "1.2e-3"]),
+    ("AdamW part lr 8e-3 -> 1.6e-2", ["--lr", "1.6e-2", "--min-lr", "1.6e-3"]),
+    ("Muon lr 0.01 -> 0.015", ["--muon-lr", "0.015"]),
+    ("Muon momentum 0.95 -> 0.9", ["--muon-momentum", "0.9"]),
+    ("AdamW beta2 0.95 -> 0.99", ["--beta2", "0.99"]),
+    ("AdamW weight decay 0.1 -> 0", ["--weight-decay", "0"]),
+]
 MODERN_PRESET = "speedrun"
 GOALS = {PRESET: 0.40, MODERN_PRESET: 0.15}
 """Each preset's goal at the small shape, its wall-clock to the target over nanoGPT's (issues 45 and 56)."""
@@ -285,6 +297,18 @@ def horizon_rows(shape: Shape) -> list[tuple[str, list[str]]]:
             ["--preset", MODERN_PRESET, *shape.preset_flags, "--max-steps", str(h), "--seed", "1337"],
         )
         for h in shape.horizons
+    ]
+
+
+def optim_rows(shape: Shape) -> list[tuple[str, list[str]]]:
+    """(label, full flags) of --preset speedrun at the shape with each of OPTIM_MOVES alone (seed 1337); the
+    labels do not start with --preset, so the rows do not count toward the preset's goal."""
+    return [
+        (
+            f"{label} (--preset {MODERN_PRESET}, seed 1337)",
+            ["--preset", MODERN_PRESET, *shape.preset_flags, *extra, "--seed", "1337"],
+        )
+        for label, extra in OPTIM_MOVES
     ]
 
 
@@ -407,6 +431,41 @@ def time_to(times: list[float], step: int | None) -> float | None:
     return None if step is None else sum(times[:step])
 
 
+def planned_rows(rows: set[str], shape: Shape, seeds: int) -> list[tuple[str, list[str]]]:
+    """(label, full flags) of every row of ours asked for, in the table's order."""
+    plan: list[tuple[str, list[str]]] = []
+    if "adamw" in rows:
+        plan.append(("ours AdamW (nanoGPT's recipe)", shape.recipe))
+    abl = ablation_rows(shape.recipe)
+    if "muon" in rows:
+        plan.append(abl[0])
+    if "ablation" in rows:
+        plan += abl[1:-1] + tried_rows(shape.recipe)
+    if "preset" in rows:
+        plan += [
+            (
+                f"--preset {PRESET} ({ABLATION[-1][0]}), seed {1337 + i}",
+                ["--preset", PRESET, *shape.preset_flags, "--seed", str(1337 + i)],
+            )
+            for i in range(seeds)
+        ]
+    if "modern" in rows:
+        plan += modern_rows(shape.preset_flags)
+    if "horizon" in rows:
+        plan += horizon_rows(shape)
+    if "optim" in rows:
+        plan += optim_rows(shape)
+    if "speedrun" in rows:
+        plan += [
+            (
+                f"--preset {MODERN_PRESET}, seed {1337 + i}",
+                ["--preset", MODERN_PRESET, *shape.preset_flags, "--seed", str(1337 + i)],
+            )
+            for i in range(seeds)
+        ]
+    return plan
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -433,7 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="adamw,muon,ablation,preset",
         help="which rows of ours: adamw, muon, ablation (the cumulative changes), preset (--preset speed's seeds), "
         "modern (the architecture options' cumulative changes), speedrun (--preset speedrun's seeds), "
-        "horizon (--preset speedrun with each of the shape's other --max-steps; --shape large)",
+        "horizon (--preset speedrun with each of the shape's other --max-steps; --shape large), optim (--preset "
+        "speedrun with each of its optimizer settings moved one step, seed 1337)",
     )
     ap.add_argument(
         "--nano-runs",
@@ -459,10 +519,10 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = shape.steps if args.steps is None else args.steps
     args.eval_every = shape.eval_every if args.eval_every is None else args.eval_every
     rows = set(args.rows.split(","))
-    if bad := rows - {"adamw", "muon", "ablation", "preset", "modern", "speedrun", "horizon"}:
+    if bad := rows - {"adamw", "muon", "ablation", "preset", "modern", "speedrun", "horizon", "optim"}:
         print(
             f"{prog}: error: unknown rows {sorted(bad)}: choose from adamw, muon, ablation, preset, modern, speedrun, "
-            "horizon",
+            "horizon, optim",
             file=sys.stderr,
         )
         return 2
@@ -485,34 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps == shape.steps
         else ["--max-steps", str(args.steps), "--warmup-steps", "1", "--decay-steps", "0"]
     )
-    plan: list[tuple[str, list[str]]] = []
-    if "adamw" in rows:
-        plan.append(("ours AdamW (nanoGPT's recipe)", shape.recipe))
-    abl = ablation_rows(shape.recipe)
-    if "muon" in rows:
-        plan.append(abl[0])
-    if "ablation" in rows:
-        plan += abl[1:-1] + tried_rows(shape.recipe)
-    if "preset" in rows:
-        plan += [
-            (
-                f"--preset {PRESET} ({ABLATION[-1][0]}), seed {1337 + i}",
-                ["--preset", PRESET, *shape.preset_flags, "--seed", str(1337 + i)],
-            )
-            for i in range(args.seeds)
-        ]
-    if "modern" in rows:
-        plan += modern_rows(shape.preset_flags)
-    if "horizon" in rows:
-        plan += horizon_rows(shape)
-    if "speedrun" in rows:
-        plan += [
-            (
-                f"--preset {MODERN_PRESET}, seed {1337 + i}",
-                ["--preset", MODERN_PRESET, *shape.preset_flags, "--seed", str(1337 + i)],
-            )
-            for i in range(args.seeds)
-        ]
+    plan = planned_rows(rows, shape, args.seeds)
     nano_runs = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "shakespeare"

@@ -784,6 +784,44 @@ def test_time_to_loss_says_nanogpts_numbers_as_soon_as_its_run_ends():
     assert line == "  nanoGPT run 1: val {10: 6.0, 20: 5.0}; target 5.0000; 3 steps, median 2.000 s/step, 6.0 s counted"
 
 
+def test_time_to_loss_optim_rows_move_one_setting_of_the_speedrun_preset_from_its_own_value():
+    """--rows optim: --preset speedrun with one optimizer setting moved (the learning rate with its floor), each
+    label naming the preset's value it moves from, and no row counted toward the preset's goal."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import time_to_loss as ttl
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from gpt2.train.cli import parse_config
+
+    common = ["--data-dir", "d", "--out-dir", "o"]
+    names = {"lr": "AdamW part lr", "muon_lr": "Muon lr", "muon_momentum": "Muon momentum", "beta2": "AdamW beta2"}
+    names["weight_decay"] = "AdamW weight decay"
+    for shape in ttl.SHAPES.values():
+        preset = parse_config(["--preset", "speedrun", *shape.preset_flags, *common])
+        rows = ttl.optim_rows(shape)
+        assert len(rows) == len(ttl.OPTIM_MOVES) >= 1
+        assert ttl.planned_rows({"optim"}, shape, seeds=3) == rows
+        for label, flags in rows:
+            cfg = parse_config(flags + common)
+            assert not label.startswith("--preset") and cfg.model == preset.model
+            moved = {
+                f: (getattr(getattr(preset.train, sec), f), getattr(getattr(cfg.train, sec), f))
+                for sec in ("optim", "schedule")
+                for f in vars(getattr(cfg.train, sec))
+                if getattr(getattr(cfg.train, sec), f) != getattr(getattr(preset.train, sec), f)
+            }
+            main = [f for f in moved if f != "min_lr"]
+            assert len(main) == 1 and label.startswith(names[main[0]]), (label, moved)
+            was, now = moved[main[0]]
+            said = re.search(r" (\S+) -> (\S+)$", label.split(" (--preset")[0])
+            assert (float(said[1]), float(said[2])) == pytest.approx((was, now)) and now != was
+            if main[0] == "lr":  # the floor stays a tenth of the peak, as in the preset
+                assert moved["min_lr"][1] == pytest.approx(now / 10)
+            rest = dataclasses.replace(cfg.train, optim=preset.train.optim, schedule=preset.train.schedule)
+            assert rest == preset.train
+
+
 def test_time_to_loss_horizon_rows_end_the_speedrun_presets_decay_sooner():
     """--rows horizon: --preset speedrun at the large shape with each other --max-steps, and nothing else
     changed; the small shape has none and says so."""
