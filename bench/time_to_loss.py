@@ -431,6 +431,14 @@ def time_to(times: list[float], step: int | None) -> float | None:
     return None if step is None else sum(times[:step])
 
 
+def seed_rows(preset: str, note: str, shape: Shape, seeds: int) -> list[tuple[str, list[str]]]:
+    """(label, full flags) of --preset at the shape with seeds 1337, 1338, ...: the rows judged by the goal."""
+    return [
+        (f"--preset {preset}{note}, seed {seed}", ["--preset", preset, *shape.preset_flags, "--seed", str(seed)])
+        for seed in range(1337, 1337 + seeds)
+    ]
+
+
 def planned_rows(rows: set[str], shape: Shape, seeds: int) -> list[tuple[str, list[str]]]:
     """(label, full flags) of every row of ours asked for, in the table's order."""
     plan: list[tuple[str, list[str]]] = []
@@ -442,13 +450,7 @@ def planned_rows(rows: set[str], shape: Shape, seeds: int) -> list[tuple[str, li
     if "ablation" in rows:
         plan += abl[1:-1] + tried_rows(shape.recipe)
     if "preset" in rows:
-        plan += [
-            (
-                f"--preset {PRESET} ({ABLATION[-1][0]}), seed {1337 + i}",
-                ["--preset", PRESET, *shape.preset_flags, "--seed", str(1337 + i)],
-            )
-            for i in range(seeds)
-        ]
+        plan += seed_rows(PRESET, f" ({ABLATION[-1][0]})", shape, seeds)
     if "modern" in rows:
         plan += modern_rows(shape.preset_flags)
     if "horizon" in rows:
@@ -456,13 +458,7 @@ def planned_rows(rows: set[str], shape: Shape, seeds: int) -> list[tuple[str, li
     if "optim" in rows:
         plan += optim_rows(shape)
     if "speedrun" in rows:
-        plan += [
-            (
-                f"--preset {MODERN_PRESET}, seed {1337 + i}",
-                ["--preset", MODERN_PRESET, *shape.preset_flags, "--seed", str(1337 + i)],
-            )
-            for i in range(seeds)
-        ]
+        plan += seed_rows(MODERN_PRESET, "", shape, seeds)
     return plan
 
 

@@ -805,12 +805,9 @@ def test_time_to_loss_optim_rows_move_one_setting_of_the_speedrun_preset_from_it
         for label, flags in rows:
             cfg = parse_config(flags + common)
             assert not label.startswith("--preset") and cfg.model == preset.model
-            moved = {
-                f: (getattr(getattr(preset.train, sec), f), getattr(getattr(cfg.train, sec), f))
-                for sec in ("optim", "schedule")
-                for f in vars(getattr(cfg.train, sec))
-                if getattr(getattr(cfg.train, sec), f) != getattr(getattr(preset.train, sec), f)
-            }
+            before = {**vars(preset.train.optim), **vars(preset.train.schedule)}
+            after = {**vars(cfg.train.optim), **vars(cfg.train.schedule)}
+            moved = {f: (before[f], now) for f, now in after.items() if now != before[f]}
             main = [f for f in moved if f != "min_lr"]
             assert len(main) == 1 and label.startswith(names[main[0]]), (label, moved)
             was, now = moved[main[0]]
