@@ -17,7 +17,7 @@ TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR are removed from the runs' environm
 them), and each model's run directory is new, so the first start compiles from scratch.
 Models: debug (the debug preset, 4 layers x 128) and gpt2 (GPT-2 124M: 12 x 768, block 1024, one
 sequence per step), both float32 (no bf16 emulation to vary with the CPU), no evaluation or samples.
-Data: --corpus (default ../shared/data/tinyshakespeare.txt) through data_prep, one document per paragraph.
+Data: --corpus (default tests/data/tinyshakespeare.txt) through data_prep, one document per paragraph.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The text corpus of the benchmarks that train or tokenize: --corpus PATH, checked before any work.
 
-The default is ../shared/data/tinyshakespeare.txt beside the repository (Karpathy's char-rnn
-tinyshakespeare input.txt, public domain; docs/data.md says where to get it). Any UTF-8
+The default is tests/data/tinyshakespeare.txt, which ships with the repository (Karpathy's char-rnn
+tinyshakespeare input.txt, public domain). Any UTF-8
 .txt file works: the numbers in the docs are for tinyshakespeare.
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+DEFAULT_CORPUS = REPO / "tests" / "data" / "tinyshakespeare.txt"
 
 
 def add_corpus_flag(ap: argparse.ArgumentParser) -> None:

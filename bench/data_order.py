@@ -5,7 +5,7 @@
 
 Recipe (nanoGPT's small CPU recipe): 4 layers, 4 heads, 128 wide, block 64, micro-batch 16
 (1,024 tokens per step, one process), lr 1e-3 cosine to 1e-4, warmup 20, 200 steps, AdamW (0.9, 0.95),
-weight decay 0.1, clip 1.0, fp32, seed 1337. Data: --corpus (default ../shared/data/tinyshakespeare.txt) through
+weight decay 0.1, clip 1.0, fp32, seed 1337. Data: --corpus (default tests/data/tinyshakespeare.txt) through
 data_prep
 with one document per paragraph and the first 30,000 tokens as val (documents in corpus order, so val
 is the beginning of the text). Every row runs the trainer's own build(), train_step() and evaluate();

@@ -4,7 +4,7 @@
     python bench/optimizers.py --shapes small --steps 30 --eval-every 10   # a smoke run
     python bench/optimizers.py --results runs.json      # keep each run's curve; a rerun skips finished ones
 
-Shapes (data: --corpus, default ../shared/data/tinyshakespeare.txt, through data_prep, one document per paragraph, the
+Shapes (data: --corpus, default tests/data/tinyshakespeare.txt, through data_prep, one document per paragraph, the
 first 30,000 tokens as val; fp32; seed 1337; warmup 20 steps, cosine to lr/10; clip 1.0; wd 0.1):
   small    4 layers, 4 heads, 128 wide, block 64, 16 sequences (1,024 tokens) per step, eager
            (bench/data_order.py's recipe, nanoGPT's small CPU one)

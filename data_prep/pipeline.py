@@ -15,7 +15,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from data_prep import sources
@@ -23,6 +23,7 @@ from data_prep.encode import encode_batches, make_batches
 from data_prep.prep_config import PrepConfig, UserError
 from data_prep.shard_writer import (
     ShardWriter,
+    load_manifest,
     missing_dirs,
     new_manifest,
     open_output,
@@ -54,6 +55,8 @@ class Summary:
     skipped_files: tuple[str, ...] = ()
     repaired: tuple[str, ...] = ()
     """Shards of a finished job this run wrote again (they were missing or damaged)."""
+    val_select: str = ""
+    """How the val documents were chosen (PrepConfig.resolved_val_select), said in the summary."""
 
     @property
     def tokens(self) -> int:
@@ -86,7 +89,16 @@ class Summary:
             )
         if self.val_tokens == 0:  # only --val-tokens 0 does this (VAL_RULE); the trainer needs to be told too
             out.append("no val split (--val-tokens 0): train on it with --eval-tokens 0")
+        elif self.val_select:
+            out.append(VAL_SELECTED[self.val_select])
         return out
+
+
+VAL_SELECTED = {
+    "spread": "val split: whole documents chosen by a hash of their text, from all over the corpus (--val-select "
+    "first takes the first documents instead)",
+    "first": "val split: the first documents in source order (--val-select first, or a streamed --hf-dataset)",
+}
 
 
 def resolve_val_tokens(cfg: PrepConfig, corpus: sources.Corpus) -> tuple[int, str]:
@@ -113,10 +125,30 @@ def prepare(cfg: PrepConfig, *, log: Callable[[str], None] = print) -> Summary:
         raise
 
 
+def earlier_select(cfg: PrepConfig, val_tokens: int, log: Callable[[str], None]) -> PrepConfig:
+    """cfg, or cfg with --val-select first where --out holds this job begun by an earlier version, when an
+    explicit --val-tokens took the first documents: its shards and val split stay valid, and a line says so."""
+    if cfg.val_select is not None or cfg.resolved_val_select != "spread":
+        return cfg
+    try:
+        old = load_manifest(cfg.out)
+    except UserError:
+        return cfg  # open_output names the unreadable manifest
+    first = replace(cfg, val_select="first")
+    if old is None or old.get("settings") != job_settings(first, val_tokens):
+        return cfg
+    log(
+        f"{cfg.out}: continuing the job as it began, its val split the first documents (--val-select first, "
+        "what --val-tokens chose before spread became the rule for local files)"
+    )
+    return first
+
+
 def run_job(cfg: PrepConfig, log: Callable[[str], None]) -> Summary:
     start_s = time.perf_counter()
     corpus = sources.plan(cfg)
     val_tokens, rule = resolve_val_tokens(cfg, corpus)
+    cfg = earlier_select(cfg, val_tokens, log)
     if cfg.resolved_val_select == "spread":
         rule += "; documents chosen by the blake2b hash of their text (lowest first)"
     manifest = new_manifest(corpus.description, job_settings(cfg, val_tokens), rule)
@@ -174,6 +206,7 @@ def run_job(cfg: PrepConfig, log: Callable[[str], None]) -> Summary:
         time.perf_counter() - start_s,
         resumed,
         corpus.skipped_files,
+        val_select=cfg.resolved_val_select,
     )
 
 

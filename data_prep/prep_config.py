@@ -36,6 +36,14 @@ class WorkerDied(UserError):
     as a UserError, with exit status 1 (an accident of the machine, not of the input; rerun to resume)."""
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """A directory that `datasets`' save_to_disk wrote: a Dataset (state.json beside dataset_info.json) or a
+    DatasetDict of splits (dataset_dict.json). Read with load_from_disk, not as the JSON files it holds."""
+    return path.is_dir() and (
+        (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+    )
+
+
 def default_workers() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -53,6 +61,7 @@ class PrepConfig:
     """A Hugging Face dataset name (or a builder name such as 'json' with hf_data_files), streamed."""
     hf_config: str | None = None
     hf_split: str = "train"
+    """The split of a Hugging Face dataset, or of a saved DatasetDict (--source DIR or --hf-dataset DIR)."""
     hf_data_files: tuple[str, ...] = ()
     """data_files passed to load_dataset (lets --hf-dataset json/parquet/text read local files)."""
     shard_tokens: int = DEFAULT_SHARD_TOKENS
@@ -60,8 +69,9 @@ class PrepConfig:
     val_tokens: int | None = None
     """Tokens (whole documents) for val; None: the default budget, see sources.default_val_tokens."""
     val_select: str | None = None
-    """spread or first (see VAL_SELECT); None: spread when val_tokens is None and the sources are local
-    files, else first (an explicit --val-tokens alone keeps the split earlier versions made)."""
+    """spread or first (see VAL_SELECT); None: spread for local files (whatever --val-tokens says: it sets the
+    size, not the choice), first for a streamed --hf-dataset, whose size is unknown up front. A job an earlier
+    version began with --val-tokens (which then meant first) continues with first (pipeline.earlier_select)."""
     workers: int = 1
     """Tokenizer processes; 1 tokenizes in this process."""
     text_field: str = "text"
@@ -74,6 +84,11 @@ class PrepConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))
+        if self.hf_dataset and not self.sources and is_saved_dataset(Path(self.hf_dataset)):
+            # A directory save_to_disk wrote is local data: read it as --source DIR does (load_from_disk), where
+            # load_dataset would only say "use load_from_disk".
+            object.__setattr__(self, "sources", (self.hf_dataset,))
+            object.__setattr__(self, "hf_dataset", None)
         problems = config_problems(self)
         if problems:
             raise UserError("; ".join(problems))
@@ -82,7 +97,7 @@ class PrepConfig:
     def resolved_val_select(self) -> str:
         if self.val_select is not None:
             return self.val_select
-        return "spread" if self.val_tokens is None and self.sources else "first"
+        return "spread" if self.sources else "first"
 
     @property
     def settings(self) -> dict:

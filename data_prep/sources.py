@@ -31,9 +31,14 @@ from data_prep.prep_config import (
     DEFAULT_VAL_FRACTION,
     PrepConfig,
     UserError,
+    is_saved_dataset,
 )
 
 KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SAVED = "saved"
+"""The kind of a directory that `datasets`' save_to_disk wrote (prep_config.is_saved_dataset): one source,
+read with load_from_disk (its split chosen by --hf-split, its text by --text-field, as for parquet)."""
+READ_WHAT = ", ".join(KINDS) + " files or datasets' save_to_disk directories"
 BYTES_PER_TOKEN = 4
 """GPT-2 BPE averages ~4 bytes of English per token (Shakespeare 3.3, web text ~4.5): the default
 val budget is estimated from source bytes with this ratio."""
@@ -50,7 +55,7 @@ class SourceFile:
     path: str
     """Absolute path."""
     kind: str
-    """The datasets builder that reads it: text, json or parquet."""
+    """The datasets builder that reads it: text, json or parquet; or SAVED (a save_to_disk directory)."""
     bytes: int
     mtime_ns: int
 
@@ -81,11 +86,24 @@ class Corpus:
 
 
 def stat_source(path: Path, kind: str) -> SourceFile:
+    if kind == SAVED:  # a directory: its files' bytes and newest mtime stand for it in the fingerprint
+        try:
+            stats = [p.stat() for p in sorted(path.rglob("*")) if p.is_file()]
+        except OSError as e:
+            raise unreadable(str(path), e) from None
+        return SourceFile(
+            str(path.resolve()), kind, sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats)
+        )
     try:
         st = path.stat()
     except OSError as e:  # a dangling link in a source directory, or a file gone since it was listed
         raise unreadable(str(path), e) from None
     return SourceFile(str(path.resolve()), kind, st.st_size, st.st_mtime_ns)
+
+
+def kind_of(path: Path) -> str:
+    """The kind of a path walk_sorted found: a save_to_disk directory, else by its suffix."""
+    return SAVED if path.is_dir() else KINDS[path.suffix.lower()]
 
 
 def unreadable(path: str, e: OSError) -> UserError:
@@ -124,6 +142,9 @@ def discover(paths: tuple[str, ...], exclude: Path, unread: list[Path] | None = 
         path = Path(arg)
         if not path.exists():
             raise UserError(f"--source {arg}: no such file or directory")
+        if is_saved_dataset(path):
+            found.append(stat_source(path, SAVED))
+            continue
         if path.is_file():
             kind = KINDS.get(path.suffix.lower())
             if kind is None:
@@ -132,9 +153,9 @@ def discover(paths: tuple[str, ...], exclude: Path, unread: list[Path] | None = 
                 )
             found.append(stat_source(path, kind))
             continue
-        in_dir = [stat_source(p, KINDS[p.suffix.lower()]) for p in walk_sorted(path, exclude, unread)]
+        in_dir = [stat_source(p, kind_of(p)) for p in walk_sorted(path, exclude, unread)]
         if not in_dir:
-            raise UserError(f"--source {arg}: the directory holds no {', '.join(KINDS)} files")
+            raise UserError(f"--source {arg}: the directory holds no {READ_WHAT}")
         found.extend(in_dir)
     seen = set()
     for f in found:
@@ -147,12 +168,15 @@ def discover(paths: tuple[str, ...], exclude: Path, unread: list[Path] | None = 
 
 
 def walk_sorted(root: Path, exclude: Path, unread: list[Path] | None = None) -> list[Path]:
-    """Supported files under root sorted by relative path (as `sorted(rglob)` would, component-wise);
-    hidden entries and the output directory are skipped; unread gets the other files, sorted alike."""
+    """Supported files under root sorted by relative path (as `sorted(rglob)` would, component-wise), and
+    save_to_disk directories (each one source, not walked into); hidden entries and the output directory
+    are skipped; unread gets the other files, sorted alike."""
     found, other = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and (here / d).resolve() != exclude]
+        found += [here / d for d in dirnames if is_saved_dataset(here / d)]
+        dirnames[:] = [d for d in dirnames if not is_saved_dataset(here / d)]
         for n in filenames:
             if not n.startswith("."):
                 (found if Path(n).suffix.lower() in KINDS else other).append(here / n)
@@ -170,7 +194,7 @@ def plan_local(cfg: PrepConfig) -> Corpus:
     return Corpus(
         groups=group_files(files, cfg.txt_sample_by),
         description={"files": [f.describe() for f in files]},
-        estimated_tokens=sum(text_bytes(f, cfg.text_field) for f in files) // BYTES_PER_TOKEN,
+        estimated_tokens=sum(text_bytes(f, cfg) for f in files) // BYTES_PER_TOKEN,
         skipped_files=tuple(str(p.resolve()) for p in unread),
         skipped_why=tuple(f"not a {', '.join(KINDS)} file" for _ in unread),
     )
@@ -207,6 +231,8 @@ def check_file(f: SourceFile, cfg: PrepConfig) -> bool:
         check_first_jsonl_record(f.path, cfg.text_field)
     elif f.kind == "parquet":
         check_parquet_schema(f.path, cfg.text_field)
+    elif f.kind == SAVED:
+        open_saved(f.path, cfg.hf_split, cfg.text_field)
     elif f.kind == "text" and cfg.on_decode_error != "replace" and (bad := first_bad_utf8(f.path)) is not None:
         offset, line = bad
         if cfg.on_decode_error == "fail":
@@ -287,8 +313,11 @@ def default_val_tokens(corpus: Corpus) -> tuple[int, str]:
     )
 
 
-def text_bytes(f: SourceFile, text_field: str) -> int:
-    """Bytes of text a file holds; for parquet the uncompressed size of the text column."""
+def text_bytes(f: SourceFile, cfg: PrepConfig) -> int:
+    """Bytes of text a file holds; for parquet the uncompressed size of the text column, for a saved dataset
+    its text column's Arrow bytes (memory-mapped: nothing is read)."""
+    if f.kind == SAVED:
+        return open_saved(f.path, cfg.hf_split, cfg.text_field).data.nbytes
     if f.kind != "parquet":
         return f.bytes
     import pyarrow.parquet as pq
@@ -301,7 +330,7 @@ def text_bytes(f: SourceFile, text_field: str) -> int:
     for rg in range(meta.num_row_groups):
         group = meta.row_group(rg)
         for c in range(group.num_columns):
-            if group.column(c).path_in_schema == text_field:
+            if group.column(c).path_in_schema == cfg.text_field:
                 total += group.column(c).total_uncompressed_size
     return total
 
@@ -370,6 +399,9 @@ def jsonl_line_problem(raw: bytes, text_field: str) -> str | None:
     return None
 
 
+JSON_EXPECTED = "a .json/.jsonl source holds JSON lines (one object a line) or one JSON array of objects"
+
+
 def locate_json_problem(path: str, text_field: str) -> str | None:
     """'file:line: problem' for the first bad line of a JSON-lines file, or None if none is found."""
     with open(path, "rb") as f:
@@ -377,8 +409,29 @@ def locate_json_problem(path: str, text_field: str) -> str | None:
             if raw.strip() and (problem := jsonl_line_problem(raw, text_field)):
                 if lineno == 1 and raw.lstrip().startswith(b"["):
                     return None  # a JSON array file: line numbers mean nothing
+                if lineno == 1 and raw.lstrip().startswith(b"{") and (whole := json_object_problem(path, text_field)):
+                    return whole
                 return f"{path}:{lineno}: {problem}"
     return None
+
+
+def json_object_problem(path: str, text_field: str) -> str | None:
+    """What is wrong with a file that is one JSON object written over several lines (pretty-printed), or None
+    when it is not one: valid JSON, but a single object is not a list of records."""
+    try:
+        with open(path, "rb") as f:
+            whole = json.load(f)
+    except (ValueError, OSError):
+        return None
+    if not isinstance(whole, dict):
+        return None
+    keys = ", ".join(list(whole)[:8])
+    lists = [k for k, v in whole.items() if isinstance(v, list)]
+    hint = f"; its list field {lists[0]!r} may hold the records: write them one a line" if lists else ""
+    return (
+        f"{path}: valid JSON, but one object written over several lines (fields: {keys}), where "
+        f"{JSON_EXPECTED}, each with a {text_field!r} field{hint}"
+    )
 
 
 def check_parquet_schema(path: str, text_field: str) -> None:
@@ -501,10 +554,12 @@ class RecordReader:
 
     def load(self, group: Group, paths: list[str] = ()):
         """The streaming dataset of group: the HF dataset, or `paths` (group's files as
-        readable_paths gives them) through the builder of their kind."""
+        readable_paths gives them) through the builder of their kind; a saved dataset memory-mapped."""
         import datasets
 
         cfg = self.cfg
+        if group.kind == SAVED:
+            return open_saved(paths[0], cfg.hf_split, cfg.text_field)
         if group.kind == "hf":
             try:
                 ds = datasets.load_dataset(
@@ -534,3 +589,32 @@ class RecordReader:
         elif group.kind == "parquet":
             kwargs = {"columns": [cfg.text_field]}
         return datasets.load_dataset(group.kind, data_files=list(paths), split="train", streaming=True, **kwargs)
+
+
+def open_saved(path: str, split: str, text_field: str):
+    """A save_to_disk directory as a Dataset of its text column alone (memory-mapped), a DatasetDict's `split`
+    of it. Any problem (not loadable, no such split, no such column, a column that
+    is not text) is one UserError naming the fix."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:  # a damaged directory: datasets' own words, first line
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path}: a datasets save_to_disk directory that cannot be loaded ({first})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        splits = list(ds)
+        if split not in ds:
+            raise UserError(
+                f"{path}: the saved DatasetDict has no split {split!r} (splits: {', '.join(splits)}); choose one "
+                "with --hf-split"
+            )
+        ds = ds[split]
+    if text_field not in ds.column_names:
+        raise UserError(
+            f"{path}: no column {text_field!r} (columns: {', '.join(ds.column_names[:8])}); choose one with --text-field"
+        )
+    kind = ds.data.schema.field(text_field).type
+    if not is_text_type(kind):
+        raise UserError(f"{path}: column {text_field!r} has type {kind}, not string")
+    return ds.select_columns([text_field])

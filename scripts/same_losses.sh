@@ -2,7 +2,7 @@
 # A refactor's check: fixed-seed losses of this checkout against another revision's, bitwise.
 #   bash scripts/same_losses.sh REV [WORK_DIR]
 # Trains the debug preset on one CPU process (8 steps, val every 4) and the same under FSDP on 2 gloo ranks
-# (6 steps, val every 3) with each tree, on the same shards (tinyshakespeare, ../shared/data), and compares
+# (6 steps, val every 3) with each tree, on the same shards (tinyshakespeare, tests/data), and compares
 # every train and val loss of metrics.jsonl exactly. Prints one line per run; exits 1 on any difference.
 # REV's tree is a `git archive` in WORK_DIR, run with this checkout's .venv (torch, tiktoken, numpy).
 set -euo pipefail
@@ -10,11 +10,11 @@ cd "$(dirname "$0")/.."
 REV=${1:?usage: bash scripts/same_losses.sh REV [WORK_DIR]}
 WORK=${2:-$(mktemp -d)}
 PY=${PYTHON:-$PWD/.venv/bin/python}
-CORPUS=${CORPUS:-../shared/data/tinyshakespeare.txt}
+CORPUS=${CORPUS:-tests/data/tinyshakespeare.txt}
 [ -f "$CORPUS" ] || { echo "same_losses: no corpus at $CORPUS (set CORPUS=FILE.txt)" >&2; exit 2; }
 mkdir -p "$WORK/old" "$WORK/runs"
 git archive "$REV" | tar -x -C "$WORK/old"
-"$PY" -m data_prep --source "$CORPUS" --out "$WORK/shards" --txt-sample-by paragraph --val-tokens 20000 \
+"$PY" -m data_prep --source "$CORPUS" --out "$WORK/shards" --txt-sample-by paragraph --val-tokens 20000 --val-select first \
   --shard-tokens 160000 --workers 1 > "$WORK/prep.log" 2>&1
 common=(--preset debug --device cpu --log-interval 1 --sample-interval 0 --plot false --resume never
         --data-dir "$WORK/shards")

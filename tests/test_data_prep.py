@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,7 +189,7 @@ def test_txt_dir_round_trip_equals_sequential_tokenization(tmp_path, paragraphs)
         (src / name).write_text(text)
     order = ["a.txt", "b_sub/x.txt", "b_sub/y.txt", "c.txt", "z.txt"]  # sorted walk; .md and hidden skipped
     out = tmp_path / "out"
-    run(dict(sources=(str(src),), out=out, shard_tokens=1000, val_tokens=5))
+    run(dict(sources=(str(src),), out=out, shard_tokens=1000, val_tokens=5, val_select="first"))
 
     want = expected_tokens([docs[n] for n in order])
     got = np.concatenate([split_tokens(out, "val"), split_tokens(out, "train")])
@@ -213,7 +214,7 @@ def test_records_round_trip(tmp_path, paragraphs, fmt):
     else:
         src = write_parquet(tmp_path / "c.parquet", docs)
     out = tmp_path / "out"
-    run(dict(sources=(str(src),), out=out, shard_tokens=4096, val_tokens=300))
+    run(dict(sources=(str(src),), out=out, shard_tokens=4096, val_tokens=300, val_select="first"))
     got = np.concatenate([split_tokens(out, "val"), split_tokens(out, "train")])
     np.testing.assert_array_equal(got, expected_tokens(docs))
 
@@ -239,7 +240,7 @@ def test_workers_1_and_2_write_identical_bytes(tmp_path, paragraphs, shakespeare
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     outs = {1: tmp_path / "out1", 2: tmp_path / "out2"}
     for workers, out in outs.items():  # (the CLI with --workers 2 runs in the kill tests below)
-        run(dict(sources=(str(src),), out=out, shard_tokens=50000, val_tokens=20000, workers=workers))
+        run(dict(sources=(str(src),), out=out, shard_tokens=50000, val_tokens=20000, workers=workers, val_select="first"))
     assert all_bytes(outs[1]) == all_bytes(outs[2])
     got = np.concatenate([split_tokens(outs[2], "val"), split_tokens(outs[2], "train")])
     np.testing.assert_array_equal(got, expected_tokens(docs))
@@ -255,12 +256,12 @@ def test_val_takes_whole_documents_crossing_the_mark_goes_to_val(tmp_path, parag
     mark = int(cum[9]) + 1  # one token into document 10: document 10 crosses the mark
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     out = tmp_path / "out"
-    run(dict(sources=(str(src),), out=out, shard_tokens=10**6, val_tokens=mark))
+    run(dict(sources=(str(src),), out=out, shard_tokens=10**6, val_tokens=mark, val_select="first"))
     np.testing.assert_array_equal(split_tokens(out, "val"), expected_tokens(docs[:11]))
     np.testing.assert_array_equal(split_tokens(out, "train"), expected_tokens(docs[11:]))
     # Exactly on a document boundary: that document is the last one in val.
     out2 = tmp_path / "out2"
-    run(dict(sources=(str(src),), out=out2, shard_tokens=10**6, val_tokens=int(cum[9])))
+    run(dict(sources=(str(src),), out=out2, shard_tokens=10**6, val_tokens=int(cum[9]), val_select="first"))
     np.testing.assert_array_equal(split_tokens(out2, "val"), expected_tokens(docs[:10]))
 
 
@@ -268,7 +269,7 @@ def test_val_larger_than_a_shard_spans_several_val_shards(tmp_path, paragraphs):
     docs = paragraphs[:300]
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     out = tmp_path / "out"
-    run(dict(sources=(str(src),), out=out, shard_tokens=1000, val_tokens=3500))
+    run(dict(sources=(str(src),), out=out, shard_tokens=1000, val_tokens=3500, val_select="first"))
     val = split_files(out, "val")
     assert [p.name for p in val] == ["val_000000.bin", "val_000001.bin", "val_000002.bin", "val_000003.bin"]
     assert [read_header(p) for p in val[:3]] == [1000] * 3 and read_header(val[3]) >= 500
@@ -373,6 +374,30 @@ def test_default_val_of_a_tiny_corpus_leaves_most_to_train(tmp_path, paragraphs)
     run(dict(sources=(str(src),), out=out))
     m = json.loads((out / "manifest.json").read_text())
     assert 0 < m["totals"]["val_tokens"] and m["totals"]["train_tokens"] > 0.7 * m["totals"]["tokens"]
+
+
+def test_val_tokens_sets_the_size_and_keeps_the_spread_choice_which_the_summary_names(tmp_path, paragraphs, capsys):
+    """Issue 78: --val-tokens N alone used to switch the split to the first documents (all of one manual on a
+    corpus of manuals), silently. Now it sets the size only; --val-select first takes the first documents; the
+    summary says which ran. A job an earlier version began that way continues as it began, and says so."""
+    src = write_jsonl(tmp_path / "c.jsonl", topic_corpus(paragraphs, topics=20, per_topic=20))
+    common = ("--source", str(src), "--shard-tokens", "5000", "--val-tokens", "2000", "--workers", "1")
+    rc, out, _ = main_inproc(*common, "--out", str(tmp_path / "sized"), capsys=capsys)
+    assert rc == 0 and "val split: whole documents chosen by a hash of their text" in out, out
+    spread = val_records(tmp_path / "sized")
+    assert spread != list(range(len(spread))) and max(spread) > 200, spread  # from all over, not the first topic
+    rc, out, _ = main_inproc(*common, "--val-select", "first", "--out", str(tmp_path / "first"), capsys=capsys)
+    assert rc == 0 and "val split: the first documents in source order" in out
+    assert val_records(tmp_path / "first") == list(range(len(val_records(tmp_path / "first"))))
+    # An earlier version's job with --val-tokens and no --val-select (its settings without val_select): the same
+    # command still finds it its own job (no refusal of "different settings"), with the first rule's bytes.
+    earlier = tmp_path / "earlier"
+    shutil.copytree(tmp_path / "first", earlier)
+    m = json.loads((earlier / "manifest.json").read_text())
+    assert "val_select" not in m["settings"]  # how the first rule was always recorded (fingerprint unchanged)
+    rc, out, err = main_inproc(*common, "--out", str(earlier), capsys=capsys)
+    assert rc == 0 and "continuing the job as it began, its val split the first documents" in err, err
+    assert all_bytes(earlier) == all_bytes(tmp_path / "first")
 
 
 def test_explicit_val_tokens_can_be_spread(tmp_path, paragraphs):
@@ -1112,6 +1137,50 @@ def test_hf_dataset_streaming_path_with_local_files(tmp_path, paragraphs, builde
         capsys=capsys,
     )
     assert rc == 2 and "no column 'body'" in err
+
+
+def test_a_saved_dataset_directory_is_read_as_one_source(tmp_path, paragraphs, capsys):
+    """A directory `datasets`' save_to_disk wrote (issue 78): read with load_from_disk through --source and
+    through --hf-dataset alike, its text column chosen by --text-field (as for parquet), a DatasetDict's split
+    by --hf-split; in a --source directory it is one source, not its JSON files. Each problem is one line."""
+    import datasets
+
+    docs = paragraphs[:150]
+    ds = datasets.Dataset.from_dict({"body": docs, "n": list(range(len(docs)))})
+    ds.save_to_disk(str(tmp_path / "saved"), max_shard_size="20KB")  # several .arrow files
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(5))}).save_to_disk(str(tmp_path / "dict"))
+    (tmp_path / "tree").mkdir()
+    ds.save_to_disk(str(tmp_path / "tree" / "b_saved"))
+    write_jsonl(tmp_path / "tree" / "a.jsonl", paragraphs[150:160], field="body")
+    common = ("--text-field", "body", "--shard-tokens", "3000", "--val-tokens", "500", "--workers", "1")
+    for name, source in [
+        ("source", ("--source", str(tmp_path / "saved"))),
+        ("hf", ("--hf-dataset", str(tmp_path / "saved"))),
+        ("dict", ("--source", str(tmp_path / "dict"))),
+        ("tree", ("--source", str(tmp_path / "tree"))),
+    ]:
+        out = tmp_path / f"out-{name}"
+        rc, stdout, err = main_inproc(*source, "--out", str(out), *common, capsys=capsys)
+        want = (paragraphs[150:160] + docs) if name == "tree" else docs
+        assert rc == 0 and f"documents {len(want)}" in stdout, (name, err)
+        got = np.concatenate([split_tokens(out, "val"), split_tokens(out, "train")])
+        np.testing.assert_array_equal(np.sort(got), np.sort(expected_tokens(want)), err_msg=name)
+        assert "val split: whole documents chosen by a hash of their text" in stdout  # local data: spread
+    rc, _, err = main_inproc("--source", str(tmp_path / "dict"), "--hf-split", "validation", "--out",
+                             str(tmp_path / "o1"), *common, capsys=capsys)  # fmt: skip
+    assert rc == 2 and "has no split 'validation' (splits: train, test); choose one with --hf-split" in err
+    rc, _, err = main_inproc("--source", str(tmp_path / "saved"), "--out", str(tmp_path / "o2"), capsys=capsys)
+    assert rc == 2 and "no column 'text' (columns: body, n); choose one with --text-field" in err, err
+    assert "not valid JSON" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_pretty_printed_json_object_is_named_as_one_object_not_invalid_json(tmp_path, capsys):
+    src = tmp_path / "one.json"
+    src.write_text(json.dumps({"docs": [{"text": "a b"}, {"text": "c d"}]}, indent=2))
+    rc, _, err = main_inproc("--source", str(src), "--out", str(tmp_path / "o"), "--val-tokens", "0", capsys=capsys)
+    assert rc == 2 and "not valid JSON" not in err, err
+    assert "valid JSON, but one object written over several lines (fields: docs)" in err
+    assert "JSON lines (one object a line) or one JSON array of objects" in err and "'docs'" in err
 
 
 # ---------------------------------------------------------------------------------------------- format, internals

@@ -134,3 +134,26 @@ def test_the_walkthrough_starts_several_processes_with_the_quiet_launcher():
     script = (REPO / "scripts" / "quickstart.sh").read_text()
     assert '"$PYTHON" -m gpt2.launch --standalone --nproc_per_node="$NPROC" train_ddp.py' in script
     assert "torch.distributed.run" not in script
+
+
+def test_the_suite_needs_nothing_beside_the_clone():
+    """A fresh clone runs README's test command alone (issue 78): the corpus the tests train on is a tracked file
+    of this repository, and no test reaches outside it for data; where CI has ../shared/data beside the clone,
+    it holds the same bytes, so CI and a user's clone test the same thing."""
+    import hashlib
+    import subprocess
+
+    from conftest import REPO, SHAKESPEARE
+
+    assert REPO in SHAKESPEARE.resolve().parents, SHAKESPEARE
+    tracked = subprocess.run(
+        ["git", "ls-files", "--error-unmatch", str(SHAKESPEARE.relative_to(REPO))], cwd=REPO, capture_output=True
+    )
+    assert tracked.returncode == 0 or not (REPO / ".git").exists(), "tests/data/tinyshakespeare.txt is not tracked"
+    outside = " / ".join(['"shared"', '"data"'])  # how conftest.py named ../shared/data before
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        assert outside not in path.read_text(), f"{path} reads ../shared/data: ship what it needs"
+    beside = REPO.parent.joinpath("shared", "data", SHAKESPEARE.name)
+    if beside.is_file():
+        digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (SHAKESPEARE, beside)]
+        assert digest[0] == digest[1], f"{SHAKESPEARE} and {beside} differ"
