@@ -10,6 +10,24 @@ SHAKESPEARE = REPO / "tests" / "data" / "tinyshakespeare.txt"
 fresh clone runs them alone; CI's ../shared/data holds the same bytes (test_data_prep.py checks that)."""
 
 
+XDIST_MAX_WORKERS = 8
+"""`-n auto`'s ceiling: each worker holds torch (~0.5 GB) and starts runs of 2-4 processes of its own."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`pytest -n auto` (README's test command): one worker a CPU this process may use (its affinity mask, as
+    the trainer counts them, not the node's), at most XDIST_MAX_WORKERS."""
+    from gpt2.distributed.group import usable_cpus
+
+    return min(usable_cpus(), XDIST_MAX_WORKERS)
+
+
+def xdist_workers() -> int:
+    """How many pytest-xdist workers share this machine (1 without xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 def pytest_configure(config):
     # The trainer's compiled runs keep torch.compile's caches in RUN/compile-cache (gpt2/train/compile_cache.py),
     # and every test's RUN is new: compiled tests would each compile from scratch (minutes on 2 cores).
@@ -21,8 +39,21 @@ def pytest_configure(config):
     os.environ.setdefault(
         "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     )
+    if getattr(config.option, "dist", "no") == "load":
+        # `-n N` alone deals tests out one by one; loadgroup does the same but keeps each group on one worker
+        # (pytest_collection_modifyitems groups the tests that share a module-scoped fixture: computed once).
+        config.option.dist = "loadgroup"
+    if xdist_workers() > 1:
+        # Workers share the cores: each takes its share for its own torch (OpenMP threads that outnumber the cores
+        # spin against each other, several times slower), and the runs it starts inherit the same share.
+        from gpt2.distributed.group import usable_cpus
+
+        share = max(1, usable_cpus() // xdist_workers())
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test's group from these marks
 def pytest_collection_modifyitems(config, items):
     # GPU tests skip where there is no CUDA device, and a feature's tests where this torch lacks the
     # feature (the compatibility runs on the oldest supported torch: test_torch_range.py asserts the
@@ -31,6 +62,10 @@ def pytest_collection_modifyitems(config, items):
 
     no_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
+        if shares_a_module_fixture(item) and not any(item.iter_markers("xdist_group")):
+            # Under `-n`, a module-scoped fixture (a reference run, a prepared corpus) would be made again by
+            # every worker that runs one of its tests: the module's tests go to one worker.
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_cuda)
         for mark in item.iter_markers("torch_feature"):
@@ -41,6 +76,12 @@ def pytest_collection_modifyitems(config, items):
                         reason=f"{feature} needs torch >= {FIRST_RELEASE[feature]}; this is torch {torch_version()}"
                     )
                 )
+
+
+def shares_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope in ("module", "class", "package") for fixturedefs in defs for d in fixturedefs)
 
 
 @pytest.fixture(scope="session")
