@@ -619,6 +619,75 @@ def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespear
     assert "compiling: torch.compile builds each graph the first time it runs" in str(caught.value), caught.value
 
 
+class Building(Exception):
+    """Raised in place of build: the start-up has decided everything and built nothing."""
+
+
+def start_up_to_build(argv: list[str], monkeypatch, capsys) -> tuple[str, str]:
+    """A real start-up of argv (one process) stopped where it would build the model: its stdout and stderr."""
+    import gpt2.train.startup as startup
+    import gpt2.train.trainer as trainer
+    from gpt2.distributed.group import single_process
+    from gpt2.train.cli import parse_config
+
+    def build(*args, **kwargs):
+        raise Building
+
+    monkeypatch.setattr(startup, "build", build)
+    with pytest.raises(Building):
+        trainer.train(parse_config(argv), single_process())
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+def tiny_start(shakespeare_shards, out_dir, *flags: str) -> list[str]:
+    return [
+        *TINY_MODEL_FLAGS,
+        *FP32,
+        "--data-dir",
+        str(shakespeare_shards),
+        "--out-dir",
+        str(out_dir),
+        "--micro-batch-size",
+        "2",
+        "--total-batch-size",
+        "128",
+        "--max-steps",
+        "1",
+        "--eval-tokens",
+        "0",
+        *flags,
+    ]
+
+
+def test_autotune_without_compile_and_an_fp8_head_on_a_cpu_are_each_a_warning(
+    tmp_path, shakespeare_shards, monkeypatch, capsys
+):
+    """--autotune without --compile tunes nothing, --fp8-head on a CPU runs emulated FP8 (much slower): a start
+    says each in one warning line before anything is built; without them, neither line."""
+    from gpt2.model.fp8 import fp8_problem
+
+    autotune = (
+        "warning: --autotune does nothing without --compile: it times the compiled regions' matmul kernels, and "
+        "nothing is compiled; pass --compile true, or drop --autotune"
+    )
+    fp8 = "warning: --fp8-head on a CPU runs the LM head's FP8 matmuls emulated (a CPU has no FP8 units;"
+    _, err = start_up_to_build(
+        tiny_start(shakespeare_shards, tmp_path / "a", "--autotune", "true"), monkeypatch, capsys
+    )
+    assert autotune in err.splitlines() and fp8 not in err, err
+    _, err = start_up_to_build(tiny_start(shakespeare_shards, tmp_path / "b"), monkeypatch, capsys)
+    assert "--autotune" not in err and fp8 not in err, err
+    if fp8_problem("cpu") is None:  # this torch has FP8 matmuls on a CPU (else --fp8-head is refused there)
+        _, err = start_up_to_build(
+            tiny_start(shakespeare_shards, tmp_path / "c", "--fp8-head", "true"), monkeypatch, capsys
+        )
+        lines = [line for line in err.splitlines() if line.startswith(fp8)]
+        assert len(lines) == 1 and lines[0].endswith(
+            "drop --fp8-head (it speeds up GPUs with FP8 tensor cores: H100, H200, L4, L40)"
+        ), err
+
+
 def test_auto_dtype_is_logged_and_recorded_with_its_reason(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
     run = run_trainer(

@@ -238,6 +238,8 @@ def decide_run(
         cfg = keep_decisions(cfg, start, dist, log)
         decided = resolve_auto(cfg, dist, log, start=start, target=target)
         log_mfu_peak(decided, dist, log)
+        for note in compute_notes(decided.cfg.train.compute, decided.hardware.device_type):
+            log.warn(note)
         if rehearse:  # the plan alone: no resident warm-up in a process that trains nothing
             check_plan(decided, log)
         else:
@@ -367,6 +369,25 @@ def parallel_notes(distributed: DistributedConfig, parallel: str, world_size: in
         notes.append(
             f"parallel   --ddp-bucket-cap-mb {distributed.ddp_bucket_cap_mb:g} ignored: fsdp reduce-scatters "
             "each block's gradients as one unit, it has no DDP buckets"
+        )
+    return notes
+
+
+def compute_notes(compute: ComputeConfig, device_type: str) -> list[str]:
+    """Compute flags that will not do what they promise on this run, one warning each: --autotune without
+    --compile (it tunes the compiled regions' matmuls, and there are none), --fp8-head on a CPU (no FP8
+    units: torch emulates `_scaled_mm`, which is there for tests, and the step is much slower)."""
+    notes = []
+    if compute.autotune and not compute.compile:
+        notes.append(
+            "--autotune does nothing without --compile: it times the compiled regions' matmul kernels, and "
+            "nothing is compiled; pass --compile true, or drop --autotune"
+        )
+    if compute.fp8_head and device_type == "cpu":
+        notes.append(
+            "--fp8-head on a CPU runs the LM head's FP8 matmuls emulated (a CPU has no FP8 units; the path is "
+            "there for tests): each step is much slower than without it; drop --fp8-head (it speeds up GPUs "
+            "with FP8 tensor cores: H100, H200, L4, L40)"
         )
     return notes
 
