@@ -465,8 +465,8 @@ def find_val_shards(cfg: RunConfig) -> ShardSet:
     try:
         val = find_shards(tc.data.data_dir, "val")
     except ShardError as e:
-        if not Path(tc.data.data_dir).is_dir():
-            raise
+        if not Path(tc.data.data_dir).is_dir() or any(Path(tc.data.data_dir).glob("*val*.bin")):
+            raise  # no directory, or a damaged val shard: its own line says how to find and repair it
         raise ShardError(
             f"{str(e).split(';')[0]}. The run evaluates on them at step 0 and at the end (--eval-interval "
             f"0 leaves out only the evaluations in between): {prepare_val(cfg)}; or pass --eval-tokens 0 "
