@@ -15,7 +15,11 @@ stopped ones listed as failures with exit code -15, in which the rank's own erro
 50. This prints instead which rank(s) failed first and with which exit code, that the others were
 stopped by torchrun, and that the failing rank's own message is above; then exits 1, as torchrun
 does for any failed worker (the slurm/ scripts and --max-restarts go by that; the worker's code is
-in the summary). Everything else (arguments, output, torchrun's log lines) is torchrun's.
+in the summary). Everything else (arguments, output, torchrun's log lines) is torchrun's, but for one
+block: with several workers per node and no OMP_NUM_THREADS, torchrun sets it to 1 for them under a
+5-line "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default" banner; this
+sets the same 1 itself first, so the banner never prints (on a CPU the trainer sets each rank's torch threads
+anyway: gpt2/distributed/group.py set_cpu_threads). An OMP_NUM_THREADS of the user's is left as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import determine_local_world_size, get_args_parser
 from torch.distributed.run import main as torchrun_main
 
 EXIT_SIGNALLED = 1
@@ -94,9 +99,32 @@ def confirmed_stop(out_dir: str | None, since: float) -> Path | None:
         return None
 
 
+def local_workers(argv: list[str]) -> int | None:
+    """Workers per node of the torchrun command argv (--nproc-per-node: a number, or gpu, cpu, auto), or None
+    where torchrun would refuse the arguments (it says why itself)."""
+    parser = get_args_parser()
+    parser.error = _refuse  # argparse would print and exit; torchrun_main reports its own argument errors
+    try:
+        return determine_local_world_size(parser.parse_args(argv).nproc_per_node)
+    except (ValueError, RuntimeError):
+        return None
+
+
+def _refuse(message: str):
+    raise ValueError(message)
+
+
+def set_omp_threads(argv: list[str], env=None) -> None:
+    """OMP_NUM_THREADS=1 for several workers per node where it is unset: what torchrun sets, without its banner."""
+    env = os.environ if env is None else env
+    if "OMP_NUM_THREADS" not in env and (local_workers(argv) or 0) > 1:
+        env["OMP_NUM_THREADS"] = "1"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     started = time.time() - 1.0  # mtimes have coarse clocks on some filesystems
+    set_omp_threads(argv)  # torchrun's own default, set before torchrun prints a 5-line banner to say so
     try:
         torchrun_main(argv)
     except SignalException as e:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from gpt2.core import precision
-from gpt2.core.args import OneLineParser
+from gpt2.core.args import OneLineParser, one_line_notes
 from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 from gpt2.model.gpt import GPT, TOP_K, unwrap
 from gpt2.model.tokenizer import encode_prompt, get_encoding
@@ -177,11 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with one_line_notes("gpt2.sample"):  # e.g. a checkpoint that lost its sidecar: one line, not a UserWarning
+        return run_sample(args)
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    """main after parsing: load the model, then stream the samples; 2 for a user error (one line)."""
     from gpt2.ckpt.load import load_any
     from gpt2.distributed.group import resolve_device
     from gpt2.model.hf import MissingExtraError
 
-    args = build_parser().parse_args(argv)
     top_k = args.top_k or None
     try:  # everything the user can get wrong, before any generation
         problems = _sampling_problems(args.num_samples, args.max_new_tokens, args.temperature, top_k)

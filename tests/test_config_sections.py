@@ -82,6 +82,32 @@ def test_a_config_file_may_use_the_sections_as_tables(tmp_path, capsys):
     assert "unknown keys ['optim.max_steps']" in capsys.readouterr().err
 
 
+def test_the_docs_read_each_field_from_its_own_section():
+    """The docs cited `cfg.train.optim.lr`, but lr lives in the schedule section: every `cfg.train.SECTION.FIELD`
+    in docs/ and the README names a field of that section."""
+    import re
+
+    repo = KEPT.parents[2]
+    cited = [
+        (page.name, section, name)
+        for page in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+        for section, name in re.findall(r"cfg\.train\.(\w+)\.(\w+)", page.read_text())
+    ]
+    assert cited, "the docs cite no field: the check checks nothing"
+    wrong = [c for c in cited if c[1] not in TRAIN_SECTIONS or SECTION_OF.get(c[2]) != c[1]]
+    assert wrong == [], wrong
+
+
+def test_a_runs_config_json_is_not_a_config_file_and_the_docs_say_so(capsys):
+    """docs/training.md said a run's config.json still loads next to --config; --config reads TOML only and
+    refuses it in one line, which the page now says."""
+    with pytest.raises(SystemExit):
+        parse_config(["--config", str(KEPT / "config.json"), *REQUIRED])
+    assert "config.json: not valid TOML" in capsys.readouterr().err
+    page = " ".join((KEPT.parents[2] / "docs" / "training.md").read_text().split())
+    assert "`--config RUN/config.json` is refused as not valid TOML" in page
+
+
 def test_each_section_validates_itself_and_the_config_reports_every_problem_at_once():
     with pytest.raises(ValueError, match=r"beta1=1.5, beta2=0.95 must be in \[0, 1\)"):
         OptimConfig(beta1=1.5)

@@ -240,7 +240,11 @@ def test_workers_1_and_2_write_identical_bytes(tmp_path, paragraphs, shakespeare
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     outs = {1: tmp_path / "out1", 2: tmp_path / "out2"}
     for workers, out in outs.items():  # (the CLI with --workers 2 runs in the kill tests below)
-        run(dict(sources=(str(src),), out=out, shard_tokens=50000, val_tokens=20000, workers=workers, val_select="first"))
+        run(
+            dict(
+                sources=(str(src),), out=out, shard_tokens=50000, val_tokens=20000, workers=workers, val_select="first"
+            )
+        )
     assert all_bytes(outs[1]) == all_bytes(outs[2])
     got = np.concatenate([split_tokens(outs[2], "val"), split_tokens(outs[2], "train")])
     np.testing.assert_array_equal(got, expected_tokens(docs))

@@ -128,6 +128,31 @@ def test_the_command_printed_for_a_missing_val_split_runs(tmp_path, shakespeare_
     assert find_shards(new_dir, "val").total_tokens >= 1024  # the run's --eval-tokens: it can start there
 
 
+def test_a_damaged_val_shard_header_says_how_to_find_and_repair_it_and_the_repair_runs(data, tmp_path, capsys):
+    """A val shard whose header was zeroed was answered with "prepare the corpus again with a val split" into a
+    new directory. It is a damaged shard of a data_prep run: the line names `python -m data_prep verify DIR`
+    and the same data_prep command, which the test runs: it rewrites the shard, and verify then passes."""
+    from data_prep.__main__ import main as data_prep_main
+
+    with open(data / "val_000000.bin", "r+b") as f:
+        f.write(b"\0" * HEADER_BYTES)
+    code, err, _ = train(data, tmp_path / "run", capsys)
+    line = one_error(err)
+    assert code == 2 and "val_000000.bin: bad magic number 0" in line, line
+    assert "prepare the corpus again" not in line and "--eval-tokens 0" not in line
+    assert f"so it is damaged: `python -m data_prep verify {data}` lists every damaged shard" in line
+    verify, rerun = re.findall(r"`([^`]+)`", line)
+    argv = shlex.split(rerun)
+    assert argv[:3] == ["python", "-m", "data_prep"] and argv[argv.index("--out") + 1] == str(data)
+    assert data_prep_main(shlex.split(verify)[3:]) == 1  # the damage it names
+    done = subprocess.run(
+        [sys.executable, *argv[1:], "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "rewrote val_000000.bin" in done.stdout, done.stdout + done.stderr
+    assert "continuing the job as it began" not in done.stderr  # the job's own command: nothing to adapt
+    assert data_prep_main(["verify", str(data)]) == 0
+
+
 # ------------------------------------------------------------------ item 6: the manifest
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from gpt2.launch import EXIT_REQUEUE, EXIT_SIGNALLED, out_dir_of
+from gpt2.launch import EXIT_REQUEUE, EXIT_SIGNALLED, out_dir_of, set_omp_threads
 
 # A worker that says when it is ready, then stops cleanly on SIGTERM as the trainer does; with a third
 # argument it confirms the stop as the trainer does after its checkpoint (RUN/requeue).
@@ -130,3 +130,32 @@ def test_a_trainer_refusing_its_flags_on_every_rank_leaves_its_line_and_a_short_
         "torchrun: rank 1 failed (exit code 2)",
     ), err  # whether torchrun stopped one first
     assert "Traceback" not in err and "ChildFailedError" not in err and len(err.splitlines()) <= 15, err
+
+
+def test_several_workers_get_torchruns_one_omp_thread_without_its_banner(tmp_path):
+    """torchrun sets OMP_NUM_THREADS=1 for several workers per node under a 5-line "Setting OMP_NUM_THREADS
+    environment variable ..." banner; the quiet launcher sets it first, so the workers get the same 1 and the
+    banner is gone. One worker, or a value of the user's, is left as it is."""
+    script = tmp_path / "omp.py"
+    script.write_text("import os\nprint('OMP', os.environ.get('OMP_NUM_THREADS'), flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "gpt2.launch", "--standalone", "--nproc_per_node=2", str(script)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines().count("OMP 1") == 2, done.stdout
+    assert "OMP_NUM_THREADS" not in done.stderr and "*****" not in done.stderr, done.stderr
+    for argv, before, after in (
+        (["--nproc_per_node=2", "x.py"], {}, {"OMP_NUM_THREADS": "1"}),
+        (["--nproc-per-node", "2", "x.py"], {"OMP_NUM_THREADS": "4"}, {"OMP_NUM_THREADS": "4"}),  # the user's
+        (["--nproc_per_node=1", "x.py"], {}, {}),  # torchrun leaves one worker's alone
+        (["--no-such-flag", "x.py"], {}, {}),  # torchrun's own error follows
+    ):
+        env = dict(before)
+        set_omp_threads(argv, env)
+        assert env == after, argv

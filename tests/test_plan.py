@@ -766,6 +766,39 @@ def test_plan_cli_says_in_its_first_line_which_gpu_and_that_the_default_is_not_t
     assert capsys.readouterr().out.splitlines()[0] == "plan for   1 x custom (--gpu-memory-gb)"
 
 
+def test_plan_cli_takes_the_training_spellings_the_presets_own_micro_batch_and_a_cpu(capsys):
+    """python -m gpt2.plan spelled --dtype bf16 where train_ddp.py spells bfloat16, assumed an auto micro-batch
+    (16) for the debug preset, which fixes 8, and had no CPU target. Now it takes train_ddp.py's spellings
+    (the short ones stay as aliases), each preset's own micro-batch and optimizer, and --device cpu."""
+    from gpt2.plan.__main__ import main
+
+    def plan(*argv: str) -> list[str]:
+        assert main(list(argv)) == 0
+        return capsys.readouterr().out.splitlines()
+
+    for long, short in (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32")):
+        assert plan("--preset", "gpt2", "--dtype", long) == plan("--preset", "gpt2", "--dtype", short)
+    assert (
+        plan("--preset", "gpt2", "--dtype", "auto")
+        == plan("--preset", "gpt2")
+        == plan("--preset", "gpt2", "--dtype", "bf16")
+    )
+    assert "peak 19.5 TFLOP/s (fp32)" in "\n".join(plan("--dtype", "float32"))  # float32 without TF32, as fp32 was
+    debug = plan("--preset", "debug")
+    assert not any(line.startswith("micro-batch auto") for line in debug)
+    assert "batch      micro_batch_size=8 x seq_len=128 x world_size=1 = 1,024 tokens/micro-step" in "\n".join(debug)
+    assert plan("--preset", "debug", "--micro-batch-size", "auto")[1].startswith("micro-batch auto: ")
+    assert any(line.startswith("  optimizer (Muon+AdamW)") for line in plan("--preset", "speed"))
+    cpu = plan("--preset", "debug", "--device", "cpu")
+    assert cpu[0] == "plan for   1 x cpu (--device cpu: this machine's, measured)", cpu[0]
+    assert any(line.startswith("hardware   1 x cpu: ") for line in cpu) and "MemAvailable" in "\n".join(cpu)
+    assert main(["--device", "cpu", "--gpu", "H200"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --device cpu plans for this machine's CPU; --gpu/--gpu-memory-gb/--gpu-peak-tflops plan for a GPU: "
+        "drop one"
+    )
+
+
 def test_plan_cli_parallel_fsdp(capsys):
     from gpt2.plan.__main__ import main
 

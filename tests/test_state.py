@@ -14,8 +14,9 @@ import torch
 from conftest import run_trainer
 
 from gpt2.ckpt import checkpoint as ckpt
+from gpt2.core.config import ModelConfig, RunConfig, TrainConfig
 from gpt2.train.run_log import read_metrics
-from gpt2.train.state import OptimizerState, RankRng, ScalerState, load_components, rng_state
+from gpt2.train.state import OptimizerState, RankRng, ScalerState, check_compatible, load_components, rng_state
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "checkpoint_v1"
 """Step 2 of a 4-step run written by the trainer before gpt2/train/state.py (expected.json: the command,
@@ -103,6 +104,44 @@ def test_a_checkpoint_from_before_resumes_and_trains_two_more_steps(tmp_path, sh
     before = ckpt.load_checkpoint(old, verify=True)
     assert key_shape(new) == {**key_shape(before), "top": sorted([*before, "spike_guard"])}  # the guard's state is new
     assert new["step"] == 4 and new["world_size"] == 1 and new["loader"]["position"] > before["loader"]["position"]
+
+
+class Lines:
+    """Stands in for RunLog: the lines it would print."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, message: str) -> None:
+        self.lines.append(message)
+
+
+def resumed_lines(saved_flags: dict, step: int, **now) -> list[str]:
+    """What check_compatible says when a run of saved_flags, checkpointed at step, resumes with now's flags."""
+    model = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8)
+    saved = {"config": RunConfig(model, TrainConfig.of(**saved_flags)).to_dict(), "tokenizer": "gpt2", "step": step}
+    log = Lines()
+    check_compatible(saved, RunConfig(model, TrainConfig.of(**{**saved_flags, **now})), log)
+    return log.lines
+
+
+def test_a_longer_max_steps_on_resume_says_how_the_learning_rate_moves():
+    """A finished 50-step cosine run extended to 100 steps: its next step (51 in the log) trains at 5.87e-4,
+    not the old horizon's 1e-4 (min_lr), and one line says so with the ways to keep it; no line where
+    max_steps is the same, or where the rate at the step is the same (warmup-stable-decay's stable part)."""
+    flags = dict(data_dir="d", out_dir="o", max_steps=50, lr=1e-3, min_lr=1e-4, warmup_steps=5)
+    lines = resumed_lines(flags, 50, max_steps=100)
+    assert lines == [
+        "resume: max_steps changed from 50 to 100",
+        "resume: --max-steps 50 -> 100 stretches the learning-rate schedule over the new horizon: step 51, the "
+        "first after the checkpoint, trains at lr 5.87e-04 where the old one gave 1.00e-04. To keep the old rate "
+        "pass --max-steps 50, or a constant one with --lr 0.0001 --min-lr 0.0001; a run meant to be extended can "
+        "use --decay-steps N (warmup-stable-decay: --lr until the last N steps, so a longer --max-steps moves "
+        "only the decay)",
+    ]
+    assert resumed_lines(flags, 50, lr=2e-3) == ["resume: lr changed from 0.001 to 0.002"]
+    stable = resumed_lines({**flags, "decay_steps": 10}, 30, max_steps=100)
+    assert stable == ["resume: max_steps changed from 50 to 100"]
 
 
 def test_optimizer_state_keeps_this_runs_hyperparameters():

@@ -255,6 +255,23 @@ def test_prompt_longer_than_block_size_is_an_error(run_dir, capsys):
     assert sample(model, "the" + " the" * 63, max_new_tokens=3)  # exactly block_size is fine
 
 
+def test_a_warning_while_loading_is_one_note_line_not_a_raw_user_warning(run_dir, tmp_path, capsys):
+    """A run directory whose newest checkpoint lost its sidecar loads with a warning; gpt2.sample prints it as
+    its own `gpt2.sample: note:` line, not Python's `checkpoint.py:N: UserWarning:` and the source line."""
+    import shutil
+
+    from gpt2.sample import main
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (copy / "checkpoints" / "step_00000005.json").unlink()
+    assert main(["--checkpoint", str(copy), "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "UserWarning" not in "\n".join(err)
+    assert err[0].startswith("gpt2.sample: note: checkpoint ") and "has lost its sidecar step_00000005.json" in err[0]
+    assert err[1].startswith("loaded checkpoint step 5 from ") and len(err) == 2
+
+
 def test_missing_checkpoint_exits_2_with_one_line(capsys):
     from gpt2.eval import main as eval_main
     from gpt2.export import main as export_main

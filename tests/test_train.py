@@ -9,6 +9,7 @@ import torch
 from _helpers import built
 from conftest import TINY_MODEL_FLAGS, run_trainer
 
+from gpt2.train.cli import parse_config
 from gpt2.train.run_log import read_metrics
 
 FP32 = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sample-interval", "0", "--plot", "false"]
@@ -617,6 +618,127 @@ def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespear
     with pytest.raises(Building) as caught:
         trainer.train(cfg, single_process())
     assert "compiling: torch.compile builds each graph the first time it runs" in str(caught.value), caught.value
+
+
+class Building(Exception):
+    """Raised in place of build: the start-up has decided everything and built nothing."""
+
+
+def start_up_to_build(argv: list[str], monkeypatch, capsys) -> tuple[str, str]:
+    """A real start-up of argv (one process) stopped where it would build the model: its stdout and stderr."""
+    import gpt2.train.startup as startup
+    import gpt2.train.trainer as trainer
+    from gpt2.distributed.group import single_process
+
+    def build(*args, **kwargs):
+        raise Building
+
+    monkeypatch.setattr(startup, "build", build)
+    with pytest.raises(Building):
+        trainer.train(parse_config(argv), single_process())
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+def tiny_start(shakespeare_shards, out_dir, *flags: str) -> list[str]:
+    return [
+        *TINY_MODEL_FLAGS,
+        *FP32,
+        "--data-dir",
+        str(shakespeare_shards),
+        "--out-dir",
+        str(out_dir),
+        "--micro-batch-size",
+        "2",
+        "--total-batch-size",
+        "128",
+        "--max-steps",
+        "1",
+        "--eval-tokens",
+        "0",
+        *flags,
+    ]
+
+
+def test_autotune_without_compile_and_an_fp8_head_on_a_cpu_are_each_a_warning(
+    tmp_path, shakespeare_shards, monkeypatch, capsys
+):
+    """--autotune without --compile tunes nothing, --fp8-head on a CPU runs emulated FP8 (much slower): a start
+    says each in one warning line before anything is built; without them, neither line."""
+    from gpt2.model.fp8 import fp8_problem
+
+    autotune = (
+        "warning: --autotune does nothing without --compile: it times the compiled regions' matmul kernels, and "
+        "nothing is compiled; pass --compile true, or drop --autotune"
+    )
+    fp8 = "warning: --fp8-head on a CPU runs the LM head's FP8 matmuls emulated (a CPU has no FP8 units;"
+    _, err = start_up_to_build(
+        tiny_start(shakespeare_shards, tmp_path / "a", "--autotune", "true"), monkeypatch, capsys
+    )
+    assert autotune in err.splitlines() and fp8 not in err, err
+    _, err = start_up_to_build(tiny_start(shakespeare_shards, tmp_path / "b"), monkeypatch, capsys)
+    assert "--autotune" not in err and fp8 not in err, err
+    if fp8_problem("cpu") is None:  # this torch has FP8 matmuls on a CPU (else --fp8-head is refused there)
+        _, err = start_up_to_build(
+            tiny_start(shakespeare_shards, tmp_path / "c", "--fp8-head", "true"), monkeypatch, capsys
+        )
+        lines = [line for line in err.splitlines() if line.startswith(fp8)]
+        assert len(lines) == 1 and lines[0].endswith(
+            "drop --fp8-head (it speeds up GPUs with FP8 tensor cores: H100, H200, L4, L40)"
+        ), err
+
+
+def test_a_disk_without_room_for_a_checkpoint_is_refused_at_start_up_and_one_short_of_the_kept_ones_warned(
+    tmp_path, shakespeare_shards, monkeypatch, capsys
+):
+    """A full disk was said only when the first save failed, steps in. Now the start-up compares the free space
+    (shutil.disk_usage, faked here) with the plan's checkpoint size: less than one is refused in one line,
+    less than the most the run adds at once (--keep-checkpoints 3 and 3 saves: 3) is one warning."""
+    import shutil
+    from collections import namedtuple
+
+    from gpt2.core.config import ModelConfig
+    from gpt2.plan.budget import checkpoint_bytes
+    from gpt2.train.startup import disk_verdict, saves_of
+
+    size = checkpoint_bytes(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64))
+    usage = namedtuple("usage", "total used free")
+    free = [0]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - free[0], free[0]))
+    run = tmp_path / "run"
+    argv = tiny_start(shakespeare_shards, run, "--max-steps", "3", "--ckpt-interval", "1", "--keep-checkpoints", "3")
+    free[0] = 1_000_000
+    with pytest.raises(ValueError) as refused:
+        start_up_to_build(argv, monkeypatch, capsys)
+    assert str(refused.value) == (
+        f"--out-dir {run}: 1.0 MB free on its disk, and a checkpoint of this model and optimizer is "
+        f"~{size / 1e6:,.1f} MB: the first save would fail; free disk space, or pass an --out-dir on a disk with "
+        "room (--ckpt-interval 0 still writes the final one)"
+    )
+    free[0] = int(2.5 * size)
+    _, err = start_up_to_build(argv, monkeypatch, capsys)
+    warnings = [line for line in err.splitlines() if line.startswith(f"warning: --out-dir {run}")]
+    assert warnings == [
+        f"warning: --out-dir {run}: {free[0] / 1e6:,.1f} MB free on its disk holds 2 checkpoint(s) and a checkpoint "
+        f"of this model and optimizer is ~{size / 1e6:,.1f} MB; with --keep-checkpoints 3 this run adds up to 3 at "
+        f"once ({3 * size / 1e6:,.1f} MB; a new one is written before the oldest is deleted), so a later save will "
+        "fail: free disk space, or pass --keep-checkpoints 1, --ckpt-interval 0 (the final checkpoint only) or an "
+        "--out-dir on a disk with room"
+    ], err
+    free[0] = 3 * size
+    _, err = start_up_to_build(argv, monkeypatch, capsys)
+    assert "free on its disk" not in err, err
+    # How many a run adds at once: up to --keep-checkpoints + 1 (the new one before the oldest goes), fewer
+    # when it saves fewer times; a resume whose own checkpoints are there adds only what retention does not replace.
+    tc = parse_config(argv).train
+    assert [saves_of(tc, step) for step in (0, 2, 3)] == [3, 1, 0]
+    assert saves_of(parse_config([*argv, "--ckpt-interval", "0"]).train, 0) == 1
+    assert saves_of(parse_config([*argv, "--max-steps", "10", "--ckpt-interval", "4"]).train, 0) == 3  # 4, 8, 10
+    verdict = dict(free=2 * size, size=size, keep=3)
+    assert disk_verdict("o", **verdict, saves=10, held=3) == (None, None)  # one more, then down to 3
+    assert disk_verdict("o", **verdict, saves=1, held=0) == (None, None)
+    assert disk_verdict("o", **verdict, saves=10, held=1)[1] is not None  # 3 more at once: 2 fit
+    assert disk_verdict("o", **verdict, saves=0, held=0) == (None, None)  # a finished run writes nothing
 
 
 def test_auto_dtype_is_logged_and_recorded_with_its_reason(tmp_path, shakespeare_shards):

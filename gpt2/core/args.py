@@ -1,10 +1,13 @@
 """The argument parser every command shares (train_ddp.py, sample, eval, export, plan, doctor, metrics): its
-errors are one line, and a mistyped flag gets the flag it probably meant."""
+errors are one line, and a mistyped flag gets the flag it probably meant; a tool's warnings as one-line notes."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import sys
+import warnings
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -47,3 +50,17 @@ def unrecognized(extras: list[str], options: list[str]) -> str:
     if not any("did you mean" in p for p in parts):
         parts.append("--help lists the flags")
     return "; ".join(parts)
+
+
+@contextlib.contextmanager
+def one_line_notes(tool: str):
+    """Warnings raised inside (ours, e.g. a checkpoint that lost its sidecar, or a library's) printed as
+    the tool's own line, `gpt2.sample: note: MESSAGE` on stderr, instead of Python's `FILE:LINE: UserWarning:
+    MESSAGE` followed by the source line that raised it, which reads like a crash to a user."""
+
+    def note(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"{tool}: note: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = note
+        yield

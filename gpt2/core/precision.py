@@ -20,8 +20,12 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 SHORT_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 """Each resolved dtype's short name: the planner's, the peak tables' and the log's."""
 PLAN_DTYPES = ("bf16", "fp16", "fp32", "tf32")
-"""The planner's dtypes (`python -m gpt2.plan --dtype`): the short names, and tf32, float32 with TF32
-matmuls (fp32 memory, the TF32 peak). bf16/fp16 are autocast over fp32 weights."""
+"""The planner's keys (Precision.from_key): the short names, and tf32, float32 with TF32 matmuls (fp32
+memory, the TF32 peak). bf16/fp16 are autocast over fp32 weights. `python -m gpt2.plan --dtype` takes these,
+auto and the training spellings (PLAN_DTYPE_CHOICES)."""
+PLAN_DTYPE_CHOICES = (*DTYPES, "tf32", *SHORT_NAMES.values())
+"""`python -m gpt2.plan --dtype`: train_ddp.py's names (auto, bfloat16, float16, float32: float32 without TF32),
+tf32, and the short names the planner took first (bf16, fp16, fp32), kept as aliases."""
 AUTOCAST_DTYPES = ("bf16", "fp16")
 """The planner's dtypes that run matmuls in 16 bits under autocast."""
 
@@ -58,9 +62,12 @@ class Precision:
 
     @classmethod
     def from_key(cls, key: str) -> Precision:
-        """The planner's name as a precision (`python -m gpt2.plan --dtype`): tf32 is float32 with TF32."""
+        """The planner's name as a precision (`python -m gpt2.plan --dtype`, not auto): a short name, tf32
+        (float32 with TF32) or a training spelling (float32 without TF32)."""
+        if key in SHORT_NAMES:
+            key = SHORT_NAMES[key]
         if key not in PLAN_DTYPES:
-            raise ValueError(f"dtype={key!r} must be one of {PLAN_DTYPES}")
+            raise ValueError(f"dtype={key!r} must be one of {PLAN_DTYPE_CHOICES[1:]}")
         name = "float32" if key == "tf32" else next(n for n, s in SHORT_NAMES.items() if s == key)
         return cls(name, name, tf32=key == "tf32")
 

@@ -58,10 +58,7 @@ def prep_command(data_dir: str | Path, eval_tokens: int, min_tokens: int) -> tup
     a val split for an evaluation of eval_tokens (at most a tenth of the corpus, at least min_tokens)
     into a new directory beside it, and that directory; None when data_dir has no readable manifest
     to take the sources from (llm.c's shards)."""
-    try:
-        manifest = read_manifest(data_dir)
-    except ShardError:
-        return None
+    manifest = _manifest_or_none(data_dir)
     if manifest is None:
         return None
     data_dir = Path(data_dir)
@@ -71,6 +68,42 @@ def prep_command(data_dir: str | Path, eval_tokens: int, min_tokens: int) -> tup
     n = 2
     while out.exists():  # data_prep refuses a directory of another job: a new one
         out, n = data_dir.with_name(f"{data_dir.name}-val{n}"), n + 1
+    return shlex.join(_prep_args(manifest, out, val_tokens)), out
+
+
+def repair_hint(data_dir: str | Path, name: str) -> str:
+    """For a damaged shard `name` that data_dir's manifest lists: how to find every damaged shard (`python -m
+    data_prep verify DIR`) and rewrite them (the same data_prep command again: a rerun over a finished job
+    re-encodes just the missing or damaged shards), as "; ..." to append to the error; "" without a manifest
+    listing it (llm.c's shards: their sources are unknown here)."""
+    manifest = _manifest_or_none(data_dir)
+    if manifest is None or name not in {e["file"] for e in manifest["shards"]}:
+        return ""
+    data_dir = Path(data_dir)
+    val_tokens = (manifest.get("settings") or {}).get("val_tokens")
+    rerun = None
+    if val_tokens is not None:
+        args = _prep_args(manifest, data_dir, val_tokens)
+        if "val_select" not in manifest.get("settings", {}) and "files" in manifest.get("sources", {}):
+            args += ["--val-select", "first"]  # the job's own rule (its fingerprint leaves first out)
+        rerun = shlex.join(args)
+    again = f"the same data_prep command again, `{rerun}`," if rerun else "the data_prep command that wrote it again"
+    return (
+        f"; data_prep wrote it ({data_dir / MANIFEST} lists it), so it is damaged: `python -m data_prep verify "
+        f"{shlex.quote(str(data_dir))}` lists every damaged shard, and {again} rewrites them from the sources"
+    )
+
+
+def _manifest_or_none(data_dir: str | Path) -> dict | None:
+    """data_dir's manifest, or None where there is none or it cannot be read (the hints then say less)."""
+    try:
+        return read_manifest(data_dir)
+    except ShardError:
+        return None
+
+
+def _prep_args(manifest: dict, out: Path, val_tokens: int) -> list[str]:
+    """The data_prep command line for the manifest's sources and settings into out, with val_tokens."""
     sources, settings = manifest.get("sources", {}), manifest.get("settings", {})
     if "files" in sources:
         where = ["--source", *manifest.get("source_args", [f["path"] for f in sources["files"]])]
@@ -91,7 +124,7 @@ def prep_command(data_dir: str | Path, eval_tokens: int, min_tokens: int) -> tup
     for flag, value in flags.items():
         if value is not None:
             args += [flag, str(value)]
-    return shlex.join(args), out
+    return args
 
 
 def read_manifest(data_dir: str | Path) -> dict | None:

@@ -33,7 +33,7 @@ import torch
 
 from gpt2.core.config import EOT_TOKEN, GPT2_VOCAB_SIZE
 from gpt2.core.schedule import BatchLayout
-from gpt2.data.check import out_of_vocab
+from gpt2.data.check import out_of_vocab, repair_hint
 from gpt2.data.permutation import Permutation
 from gpt2.data.shards import TOKEN_DTYPE, ShardError, ShardFiles, read_header
 
@@ -88,7 +88,10 @@ def find_shards(data_dir: str | Path, split: str) -> ShardSet:
         raise ShardError(f"--data-dir {data_dir}: no *{split}*.bin shards; {how}")
     sizes = []
     for p in paths:
-        n = read_header(p)
+        try:
+            n = read_header(p)
+        except ShardError as e:  # a damaged shard of a data_prep run: how to find the others and repair them
+            raise ShardError(f"{e}{repair_hint(data_dir, p.name)}") from None
         if n == 0:
             raise ShardError(f"{p}: shard holds no tokens; delete it or re-run data_prep")
         sizes.append(n)

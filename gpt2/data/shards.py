@@ -57,7 +57,8 @@ def read_header(path: str | os.PathLike) -> int:
     header = np.frombuffer(raw, dtype="<i4")
     if header[0] != MAGIC:
         raise ShardError(
-            f"{path}: bad magic number {header[0]} (expected {MAGIC}); not an llm.c/modded-nanogpt token shard"
+            f"{path}: bad magic number {header[0]} (expected {MAGIC}); not an llm.c/modded-nanogpt token shard, or its "
+            "header is damaged"
         )
     if header[1] != VERSION:
         raise ShardError(

@@ -2,9 +2,11 @@
 
     python -m gpt2.plan --preset gpt2 --world-size 8 --gpu A100-40GB
 
-plans the run `train_ddp.py --preset gpt2` makes on 8 such GPUs: the training preset's global batch
-and budget (gpt2/core/config.py TRAIN_PRESETS) and its micro-batch (auto: the fastest by the throughput
-model among those that fit and divide); --micro-batch-size, --total-batch-size and --tokens override them.
+plans the run `train_ddp.py --preset gpt2` makes on 8 such GPUs: the training preset's global batch,
+budget, micro-batch and optimizer (gpt2/core/config.py TRAIN_PRESETS; a micro-batch of auto: the fastest
+by the throughput model among those that fit and divide); --micro-batch-size, --total-batch-size,
+--optimizer and --tokens override them. `--device cpu` plans for this machine's CPU instead, measured
+as train_ddp.py --device cpu measures it.
 
 The planner's parts: hardware.py (the GPUs it knows), memory.py (bytes per device), loss_choice.py
 (--loss-impl auto), ac_choice.py (--activation-checkpointing auto), budget.py (the stop budget of a SLURM signal),
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from gpt2.core.args import OneLineParser
 from gpt2.core.config import (
     ACTIVATION_CHECKPOINTING,
@@ -28,7 +32,8 @@ from gpt2.core.config import (
     TrainConfig,
     model_preset,
 )
-from gpt2.core.precision import PLAN_DTYPES, Precision
+from gpt2.core.precision import PLAN_DTYPE_CHOICES, Precision
+from gpt2.distributed.group import usable_cpus
 from gpt2.plan.budget import WRITE_BYTES_PER_S
 from gpt2.plan.hardware import GPUS
 from gpt2.plan.planner import Plan, check_fits
@@ -59,11 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--micro-batch-size",
         type=_int_or_auto,
-        default="auto",
-        help="sequences per device per micro-step (default auto, as the training presets)",
+        help="sequences per device per micro-step, or auto (default: the preset's, as train_ddp.py takes it: "
+        "auto for the GPT-2 presets, 8 for debug)",
     )
     ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument("--dtype", default="bf16", choices=PLAN_DTYPES)
+    ap.add_argument(
+        "--dtype",
+        choices=PLAN_DTYPE_CHOICES,
+        help="as train_ddp.py's --dtype (default: the preset's, else auto); float32 plans plain fp32 matmuls, "
+        "tf32 float32 on TF32 tensor cores (what train_ddp.py's float32 runs on a GPU unless --tf32 false); "
+        "bf16, fp16 and fp32 are the same as bfloat16, float16 and float32",
+    )
+    ap.add_argument(
+        "--device",
+        choices=("cpu",),
+        help="cpu: plan for this machine's CPU (its free memory and measured matmul peak, as train_ddp.py "
+        "--device cpu plans), instead of a GPU of the table",
+    )
     ap.add_argument(
         "--gpu",
         choices=list(GPUS),
@@ -83,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="training budget in tokens, e.g. 10e9 (default: the preset's max_steps x total batch)",
     )
     ap.add_argument("--mfu", type=float, default=0.4, help="assumed MFU for time estimates (default 0.4)")
-    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"), help="what the optimizer state counts")
+    ap.add_argument(
+        "--optimizer", choices=("adamw", "muon"), help="what the optimizer state counts (default: the preset's)"
+    )
     ap.add_argument(
         "--parallel",
         default="ddp",
@@ -126,33 +145,53 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     cfg = model_preset(args.preset, **{**ARCHS.get(args.arch or "gpt2"), **overrides})
     train = {
         **TRAIN_PRESETS.get(args.preset, {}),
-        "micro_batch_size": args.micro_batch_size,
-        "optimizer": args.optimizer,
         "loss_impl": args.loss_impl,
         "parallel": args.parallel,
         "activation_checkpointing": args.activation_checkpointing,
     }
-    prec = Precision.from_key(args.dtype)
-    train["dtype"], train["tf32"] = prec.dtype, prec.tf32
-    if args.total_batch_size is not None:
-        train["total_batch_size"] = args.total_batch_size
+    for flag in ("micro_batch_size", "optimizer", "total_batch_size"):  # None: the preset's (or the default)
+        if getattr(args, flag) is not None:
+            train[flag] = getattr(args, flag)
+    if args.dtype == "auto":
+        train["dtype"] = "auto"
+    elif args.dtype is not None:  # None: the preset's dtype (speed's float32) or auto, with --tf32's default
+        prec = Precision.from_key(args.dtype)
+        train["dtype"], train["tf32"] = prec.dtype, prec.tf32
     if args.world_size < 1:
         raise ValueError(f"world_size={args.world_size} must be >= 1")
+    run = RunConfig(cfg, TrainConfig.of(**train))
+    tokens = None if args.tokens is None else int(args.tokens)
+    target = plan_target(args)
+    if target.device is not None:  # a CPU's peak is per thread count: one rank's share, as train_ddp.py sets it
+        torch.set_num_threads(max(1, usable_cpus() // args.world_size))
+    return resolve_choices(run, target, tokens=tokens, mfu=args.mfu).plan
+
+
+def plan_target(args: argparse.Namespace) -> Target:
+    """The hardware the plan is for: this machine's CPU (--device cpu, shared by --world-size ranks as
+    train_ddp.py's start-up shares it), or a GPU of the table or a custom one (default DEFAULT_GPU)."""
+    if args.device == "cpu":
+        if args.gpu or args.gpu_memory_gb is not None or args.gpu_peak_tflops is not None:
+            raise ValueError(
+                "--device cpu plans for this machine's CPU; --gpu/--gpu-memory-gb/--gpu-peak-tflops "
+                "plan for a GPU: drop one"
+            )
+        return Target(world_size=args.world_size, processes_per_host=args.world_size, device=torch.device("cpu"))
     gpu = args.gpu or (None if args.gpu_memory_gb is not None else DEFAULT_GPU)
-    target = Target(
+    return Target(
         world_size=args.world_size, gpu=gpu, gpu_memory_gb=args.gpu_memory_gb, gpu_peak_tflops=args.gpu_peak_tflops
     )
-    tokens = None if args.tokens is None else int(args.tokens)
-    return resolve_choices(RunConfig(cfg, TrainConfig.of(**train)), target, tokens=tokens, mfu=args.mfu).plan
 
 
 def planned_for(args: argparse.Namespace, p: Plan) -> str:
     """The first line: which device the plan is for, and whether that was chosen or is the default."""
+    if args.device == "cpu":
+        return f"plan for   {p.world_size} x {p.hardware.name} (--device cpu: this machine's, measured)"
     if args.gpu is None and args.gpu_memory_gb is None:
         return (
             f"plan for   {p.world_size} x {DEFAULT_GPU}, the default --gpu, not this machine's device "
-            f"(--gpu NAME plans for another: {', '.join(GPUS)}; or --gpu-memory-gb; train_ddp.py --dry-run "
-            "rehearses on this machine)"
+            f"(--gpu NAME plans for another: {', '.join(GPUS)}; or --gpu-memory-gb; --device cpu for this "
+            "machine's CPU; train_ddp.py --dry-run rehearses on this machine)"
         )
     how = "--gpu-memory-gb" if args.gpu_memory_gb is not None else "--gpu"
     return f"plan for   {p.world_size} x {p.hardware.name} ({how})"

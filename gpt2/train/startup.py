@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gpt2.ckpt.checkpoint import CheckpointError
+from gpt2.ckpt.checkpoint import CheckpointError, belongs, checkpoint_dir, list_checkpoints
 from gpt2.ckpt.resume import StartDecision, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
 from gpt2.ckpt.rundir import RUN_INFO, TRAIN_LOG
 from gpt2.ckpt.writer import CheckpointWriter
@@ -59,6 +60,7 @@ from gpt2.distributed.bandwidth import NetworkCost, format_network_cost, fsdp_tr
 from gpt2.distributed.fsdp import gathered_param_bytes
 from gpt2.distributed.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
 from gpt2.plan import matmul_peak
+from gpt2.plan.budget import checkpoint_bytes
 from gpt2.plan.flops import format_flops
 from gpt2.plan.hardware import gib
 from gpt2.plan.measure import warm_up
@@ -238,11 +240,14 @@ def decide_run(
         cfg = keep_decisions(cfg, start, dist, log)
         decided = resolve_auto(cfg, dist, log, start=start, target=target)
         log_mfu_peak(decided, dist, log)
+        for note in compute_notes(decided.cfg.train.compute, decided.hardware.device_type):
+            log.warn(note)
         if rehearse:  # the plan alone: no resident warm-up in a process that trains nothing
             check_plan(decided, log)
         else:
             check_memory(decided, log)
         if not rehearse:
+            check_disk(decided, dist, log)
             cost = log_network_cost(decided, dist, log)
             decided = replace(decided, network=None if cost is None else cost.to_dict())
         if shards[0] is not None:  # after the refusals: no warning for a refused run
@@ -371,6 +376,25 @@ def parallel_notes(distributed: DistributedConfig, parallel: str, world_size: in
     return notes
 
 
+def compute_notes(compute: ComputeConfig, device_type: str) -> list[str]:
+    """Compute flags that will not do what they promise on this run, one warning each: --autotune without
+    --compile (it tunes the compiled regions' matmuls, and there are none), --fp8-head on a CPU (no FP8
+    units: torch emulates `_scaled_mm`, which is there for tests, and the step is much slower)."""
+    notes = []
+    if compute.autotune and not compute.compile:
+        notes.append(
+            "--autotune does nothing without --compile: it times the compiled regions' matmul kernels, and "
+            "nothing is compiled; pass --compile true, or drop --autotune"
+        )
+    if compute.fp8_head and device_type == "cpu":
+        notes.append(
+            "--fp8-head on a CPU runs the LM head's FP8 matmuls emulated (a CPU has no FP8 units; the path is "
+            "there for tests): each step is much slower than without it; drop --fp8-head (it speeds up GPUs "
+            "with FP8 tensor cores: H100, H200, L4, L40)"
+        )
+    return notes
+
+
 def configure_backends(compute: ComputeConfig, dist: Dist) -> None:
     if dist.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = compute.tf32
@@ -441,8 +465,8 @@ def find_val_shards(cfg: RunConfig) -> ShardSet:
     try:
         val = find_shards(tc.data.data_dir, "val")
     except ShardError as e:
-        if not Path(tc.data.data_dir).is_dir():
-            raise
+        if not Path(tc.data.data_dir).is_dir() or any(Path(tc.data.data_dir).glob("*val*.bin")):
+            raise  # no directory, or a damaged val shard: its own line says how to find and repair it
         raise ShardError(
             f"{str(e).split(';')[0]}. The run evaluates on them at step 0 and at the end (--eval-interval "
             f"0 leaves out only the evaluations in between): {prepare_val(cfg)}; or pass --eval-tokens 0 "
@@ -679,6 +703,77 @@ def check_memory(r: Resolved, log) -> Plan:
     log_path = Path(r.cfg.train.ckpt.out_dir) / TRAIN_LOG
     log.info(plan_line(p, log_path, shown=log.verbose, held=held, probe=max(probes, default=None)))
     return p
+
+
+def check_disk(decided: Resolved, dist: Dist, log: RunLog) -> None:
+    """The free space where RUN/checkpoints is (or will be) against the plan's checkpoint size, read by rank 0
+    before the first step: a full disk was said only when the first save failed, steps in. Not enough for
+    one checkpoint is refused (every rank raises alike); enough for one but not for the most this run holds
+    at once (--keep-checkpoints, and the new one written before the oldest is deleted) is one warning."""
+    verdict = (None, None)
+    if dist.is_main:
+        tc, start = decided.cfg.train, decided.start
+        ckdir = checkpoint_dir(tc.ckpt.out_dir)
+        existing = next(p for p in (ckdir, *ckdir.parents) if p.exists())  # the file system it will be on
+        held = 0  # this run's checkpoints already on the disk, which retention replaces rather than adds to
+        if start.point is not None and not start.set_aside:
+            held = sum(
+                1 for c in list_checkpoints(tc.ckpt.out_dir) if c.name not in start.abandon and belongs(c, start.run_id)
+            )
+        verdict = disk_verdict(
+            tc.ckpt.out_dir,
+            free=shutil.disk_usage(existing).free,
+            size=checkpoint_bytes(decided.plan.cfg, decided.plan.memory.optimizer_name),
+            keep=tc.ckpt.keep_checkpoints,
+            saves=saves_of(tc, 0 if start.point is None else start.point.step),
+            held=held,
+        )
+    problem, warning = broadcast_object(verdict, dist)
+    if problem is not None:
+        raise ValueError(problem)
+    if warning is not None:
+        log.warn(warning)
+
+
+def saves_of(tc: TrainConfig, step: int) -> int:
+    """Checkpoints a run from step to --max-steps writes: one every --ckpt-interval steps, and the final one."""
+    end, every = tc.schedule.max_steps, tc.ckpt.ckpt_interval
+    if step >= end:
+        return 0
+    if not every:
+        return 1
+    return end // every - step // every + (1 if end % every else 0)
+
+
+def disk_verdict(
+    out_dir: str, *, free: int, size: int, keep: int, saves: int, held: int
+) -> tuple[str | None, str | None]:
+    """(refusal, warning) for a run that writes `saves` checkpoints of ~size bytes into out_dir with `free`
+    bytes free and `held` of its own there: a refusal when one does not fit, a warning when the most it adds
+    at once does not (each save writes the new checkpoint, then deletes those past --keep-checkpoints)."""
+    if not saves:
+        return None, None
+    need = f"a checkpoint of this model and optimizer is ~{_mb(size)}"
+    if free < size:
+        return (
+            f"--out-dir {out_dir}: {_mb(free)} free on its disk, and {need}: the first save would fail; free "
+            "disk space, or pass an --out-dir on a disk with room (--ckpt-interval 0 still writes the final one)"
+        ), None
+    more = max(1, min(keep + 1 - held, saves))
+    if free >= more * size:
+        return None, None
+    fits = free // size
+    fewer = f"--keep-checkpoints {fits - 1}, " if fits > 1 else ""
+    return None, (
+        f"--out-dir {out_dir}: {_mb(free)} free on its disk holds {fits} checkpoint(s) and {need}; with "
+        f"--keep-checkpoints {keep} this run adds up to {more} at once ({_mb(more * size)}; a new one is written "
+        f"before the oldest is deleted), so a later save will fail: free disk space, or pass {fewer}"
+        "--ckpt-interval 0 (the final checkpoint only) or an --out-dir on a disk with room"
+    )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
 
 
 def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe: int | None = None) -> str:

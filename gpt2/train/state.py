@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -37,9 +37,9 @@ import torch
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import dcp as dcp_io
 from gpt2.ckpt.writer import CheckpointWriteError, CheckpointWriter
-from gpt2.core.config import ModelConfig, RunConfig, train_values
+from gpt2.core.config import ModelConfig, RunConfig, ScheduleConfig, train_values
 from gpt2.core.precision import Precision
-from gpt2.core.schedule import BatchLayout
+from gpt2.core.schedule import BatchLayout, lr_at
 from gpt2.data.loader import EvalLoader, TrainLoader
 from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import is_sharded
@@ -221,6 +221,39 @@ def check_compatible(saved: dict, cfg: RunConfig, log: RunLog) -> None:
     changed = {k: (v, now[k]) for k, v in old_train.items() if k not in ("resume", "verbose") and now.get(k, v) != v}
     for k, (old, new) in changed.items():
         log.info(f"resume: {k} changed from {old!r} to {new!r}")
+    if "max_steps" in changed and (note := horizon_note(old_train["max_steps"], cfg.train.schedule, saved.get("step"))):
+        log.info(note)
+
+
+def horizon_note(old_max_steps: int, schedule: ScheduleConfig, step: int | None) -> str | None:
+    """One line when a resume's new --max-steps moves the learning rate of its next step (step, the
+    checkpoint's, counted from 0: the log numbers it step + 1, and so does the line). The decay is stretched
+    over the new horizon, so a finished run extended climbs back from min_lr towards --lr. None where the
+    rate there is the same (still warming up, or warmup-stable-decay's stable part) or the step is unknown."""
+    if step is None:
+        return None
+    new, old = lr_of(schedule, step), lr_of(replace(schedule, max_steps=old_max_steps), step)
+    if new == old:
+        return None
+    return (
+        f"resume: --max-steps {old_max_steps} -> {schedule.max_steps} stretches the learning-rate schedule over the "
+        f"new horizon: step {step + 1}, the first after the checkpoint, trains at lr {new:.2e} where the old one "
+        f"gave {old:.2e}. To keep the old rate pass --max-steps {old_max_steps}, or a constant one with --lr "
+        f"{old:.3g} --min-lr {old:.3g}; a run meant to be extended can use --decay-steps N (warmup-stable-decay: "
+        "--lr until the last N steps, so a longer --max-steps moves only the decay)"
+    )
+
+
+def lr_of(schedule: ScheduleConfig, step: int) -> float:
+    """The schedule's learning rate at step (what the trainer's set_lr sets)."""
+    return lr_at(
+        step,
+        max_lr=schedule.lr,
+        min_lr=schedule.min_lr,
+        warmup_steps=schedule.warmup_steps,
+        max_steps=schedule.max_steps,
+        decay_steps=schedule.decay_steps,
+    )
 
 
 class _Quiet:
