@@ -208,11 +208,13 @@ def test_on_a_cpu_auto_takes_the_fastest_measured_candidate_not_the_models_pick(
     assert 800 >= (1 - MEASURED_TIE) * 825 and close.size == 4  # within the tie: the smaller one
 
 
-def test_the_cpu_probe_times_each_candidate_once_per_shape_and_caches_it(tmp_path, monkeypatch):
+def test_the_cpu_probe_times_each_candidate_once_per_shape_and_caches_it(tmp_path, monkeypatch, fake_clock):
     from gpt2.plan import batch_probe, matmul_peak
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(matmul_peak.REFRESH_PEAK_ENV, raising=False)
+    monkeypatch.setattr(batch_probe, "_RATES", {})
+    fake_clock.times.update({"1": 0.1, "4": 0.2})  # a quiet machine: 4 sequences take twice 1's time a call
     cfg = ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=16)
     seen = []
     from gpt2.model.gpt import GPT
@@ -228,9 +230,73 @@ def test_the_cpu_probe_times_each_candidate_once_per_shape_and_caches_it(tmp_pat
         raise AssertionError("measured again")
 
     monkeypatch.setattr(batch_probe, "time_micro_batches", measured_again)
+    monkeypatch.setattr(batch_probe, "_RATES", {})  # a new process
     again = batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 4: "chunked"})
     assert again.rates == first.rates and again.peak_bytes is None  # from the cache
     with pytest.raises(AssertionError, match="measured again"):  # another loss path: another measurement
         batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 4: "full"})
     with pytest.raises(AssertionError, match="measured again"):  # other candidates too
         batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 2: "full", 4: "chunked"})
+
+
+def rounds_of(per_call_s: dict[int, list[float]], load=None):
+    """Rounds of the micro-batch probe as paired.measure_rounds returns them: each candidate's seconds a call."""
+    from gpt2.plan.paired import Load, Rounds, Timing
+
+    load = load or Load(0.3, 2, 0.0)
+    return Rounds({str(b): [Timing(t, t) for t in ts] for b, ts in per_call_s.items()}, load)
+
+
+def calls(tokens_per_s: list[float], b: int, seq_len: int = 128) -> list[float]:
+    return [b * seq_len / r for r in tokens_per_s]
+
+
+def test_the_pairs_decide_the_micro_batch_where_the_fastest_reading_of_each_would_not():
+    """Issue 73's failure for the micro-batch: 8 sequences run 10% faster than 2, but one call at 2 ran in a
+    quiet window. The fastest reading of each (the rule before) took 2; the pairs' medians take 8."""
+    from gpt2.plan.batch_probe import decide_micro_batch
+
+    at_2, at_8 = [1000, 1010, 1300, 990, 1000], [1100, 1105, 1095, 1100, 1110]
+    assert max(at_2) > max(at_8)  # what the best-of rule saw
+    chosen, why, _, doubt = decide_micro_batch(rounds_of({2: calls(at_2, 2), 8: calls(at_8, 8)}), [2, 8], 128)
+    assert chosen == 8 and doubt is None
+    assert why == "8 1.10x 2's speed, 4 of 5 pairs agree (wall clock), load 0.3 on 2 CPU(s)"
+
+
+def test_the_smallest_within_the_tie_is_taken_and_a_disagreement_takes_the_largest():
+    from gpt2.plan.batch_probe import decide_micro_batch
+    from gpt2.plan.paired import Load
+
+    quiet = {1: calls([90] * 5, 1), 4: calls([800, 805, 795, 800, 802], 4), 32: calls([825] * 5, 32)}
+    chosen, why, _, doubt = decide_micro_batch(rounds_of(quiet), [1, 4, 32], 128)
+    assert chosen == 4 and doubt is None and "32 1.03x 4's speed" in why and "within the 5% tie" in why
+    apart = {1: calls([90] * 5, 1), 4: calls([336] * 5, 4), 32: calls([825] * 5, 32)}
+    assert decide_micro_batch(rounds_of(apart), [1, 4, 32], 128)[:2] == (
+        32,
+        "32 2.46x 4's speed, 5 of 5 pairs agree (wall clock), load 0.3 on 2 CPU(s)",
+    )
+    # a busy machine: 4 is the fastest by its median, 2's is 25% slower, but two of five rounds say the opposite
+    busy = Load(6.5, 2, 0.5)
+    split = {2: calls([1000, 600, 1000, 600, 600], 2), 4: calls([800] * 5, 4), 8: calls([700] * 5, 8)}
+    chosen, why, _, doubt = decide_micro_batch(rounds_of(split, busy), [2, 4, 8], 128)
+    assert chosen == 8 and why.endswith(", so the largest") and "3 of 5 pairs agree (4 needed" in why
+    assert doubt == "load average 6.5 above the 2 CPU(s)"
+    smallest_best = {1: calls([900] * 5, 1), 4: calls([600] * 5, 4)}  # the smallest is the fastest
+    assert decide_micro_batch(rounds_of(smallest_best), [1, 4], 128)[0] == 1
+
+
+def test_a_busy_machines_micro_batch_is_not_cached_and_says_so(tmp_path, monkeypatch, fake_clock):
+    from gpt2.plan import batch_probe
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(batch_probe, "_RATES", {})
+    fake_clock.times.update({"1": 0.1, "4": 0.2})
+    fake_clock.wait_share = 0.45  # another job took the cores a moment ago: not yet in the load average
+    cfg = ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=16)
+    measured = batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 4: "full"})
+    assert measured.choose() == 4 and not list(tmp_path.glob("**/micro-batch-*.json"))
+    assert measured.describe() == (
+        "measured on this CPU, tokens/s by micro-batch (medians) 1: 160, 4: 320: 4 2.00x 1's speed, 5 of 5 pairs "
+        "agree (cpu clock), load 0.3 on 2 CPU(s), 45% of the time waiting for a CPU; not cached: its threads "
+        "waited for a CPU 45% of the time"
+    )
