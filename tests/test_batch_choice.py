@@ -297,6 +297,6 @@ def test_a_busy_machines_micro_batch_is_not_cached_and_says_so(tmp_path, monkeyp
     assert measured.choose() == 4 and not list(tmp_path.glob("**/micro-batch-*.json"))
     assert measured.describe() == (
         "measured on this CPU, tokens/s by micro-batch (medians) 1: 160, 4: 320: 4 2.00x 1's speed, 5 of 5 pairs "
-        "agree (cpu clock), load 0.3 on 2 CPU(s), 45% of the time waiting for a CPU; not cached: its threads "
-        "waited for a CPU 45% of the time"
+        "agree (cpu clock), load 0.3 on 2 CPU(s), 45% of the time waiting for a CPU (not cached: its threads "
+        "waited for a CPU 45% of the time)"
     )

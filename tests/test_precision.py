@@ -153,6 +153,20 @@ def test_matmul_rate_fixed_size_fresh_and_cpu_time():
     assert time.perf_counter() - t0 < 2.0 and slow.n <= 2048  # the search bounds even emulated bf16
 
 
+def test_a_busy_machine_does_not_stop_the_matmul_size_search_early(monkeypatch):
+    """Issue 73's bench, under load, found fp32 probed at n=128: another process held the core while a small
+    matmul ran, its wall time passed min_time_s, and the search stopped. It grows until the process's CPU
+    time per thread says so too. Here every wall-clock reading is 60 ms after the last (always "long
+    enough" by the wall clock); the CPU time is this process's own."""
+    import types
+
+    ticks = iter(range(10**6))
+    fake_time = types.SimpleNamespace(perf_counter=lambda: 0.06 * next(ticks), process_time=time.process_time)
+    monkeypatch.setattr(matmul_peak, "time", fake_time)
+    rate = matmul_rate("cpu", torch.float32, budget_s=0.2, min_time_s=0.05, fresh=True, cpu_time=True)
+    assert rate.n >= 512  # not 128: a 512^3 fp32 matmul takes 50 ms of CPU time per thread only below 3 GFLOP/s
+
+
 def test_auto_on_this_cpu_picks_fp32_without_bf16_instructions_else_what_the_pairs_decide(monkeypatch, tmp_path):
     """This machine, measured (whatever its load): the dtype is the one the reason gives."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

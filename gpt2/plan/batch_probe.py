@@ -56,7 +56,9 @@ class MicroBatchRates:
     """The paired decision (decide_micro_batch); None: rates given without pairs, where the MEASURED_TIE rule
     on them decides."""
     why: str = ""
-    """The verdict that decided it (paired.Verdict.describe), and where it is cached or why not."""
+    """The verdict that decided it (paired.Verdict.describe)."""
+    source: str = ""
+    """Where it is cached, or why it is not."""
 
     def choose(self) -> int:
         """The micro-batch auto takes: the paired decision, or the smallest within MEASURED_TIE of the fastest."""
@@ -69,7 +71,7 @@ class MicroBatchRates:
         shown = ", ".join(f"{b}: {r:,.0f}" for b, r in sorted(self.rates.items()))
         if self.chosen is None:
             return f"measured on this CPU, tokens/s by micro-batch {shown} (cached in {self.cache})"
-        return f"measured on this CPU, tokens/s by micro-batch (medians) {shown}: {self.why}"
+        return f"measured on this CPU, tokens/s by micro-batch (medians) {shown}: {self.why} ({self.source})"
 
 
 _RATES: dict[str, MicroBatchRates] = {}
@@ -139,12 +141,13 @@ def micro_batch_rates(
     if doubt is None:
         values = {"rates": {str(b): r for b, r in rates.items()}, "chosen": chosen, "why": why}
         matmul_peak.write_trusted_entry(path, key, values, load)
-        measured = MicroBatchRates(rates, str(path), peak, chosen, f"{why}; cached in {path}")
+        measured = MicroBatchRates(rates, str(path), peak, chosen, why, f"cached in {path}")
     elif cached is not None:  # a re-check on a busy machine keeps the quiet measurement
         matmul_peak.restart_recheck(path, key)
-        measured = replace(cached, peak_bytes=peak, why=f"{cached.why}; its re-check now was doubtful: {doubt}")
+        recheck = f"{cached.source}; its re-check now was doubtful: {doubt}"
+        measured = replace(cached, peak_bytes=peak, source=recheck)
     else:
-        measured = MicroBatchRates(rates, str(path), peak, chosen, f"{why}; not cached: {doubt}")
+        measured = MicroBatchRates(rates, str(path), peak, chosen, why, f"not cached: {doubt}")
     _RATES[str(path)] = measured
     return measured
 
@@ -157,9 +160,8 @@ def _cached_rates(entry: dict, path: Path, sizes: list[int]) -> MicroBatchRates 
         return None
     if sorted(rates) != sizes or chosen not in rates or not all(r > 0 for r in rates.values()):
         return None
-    return MicroBatchRates(
-        rates, str(path), None, chosen, f"{entry['why']}; measured {entry['measured']}, cached in {path}"
-    )
+    source = f"measured {entry['measured']}, cached in {path}"
+    return MicroBatchRates(rates, str(path), None, chosen, entry["why"], source)
 
 
 def decide_micro_batch(
