@@ -7,7 +7,7 @@ import pytest
 from conftest import FakeClock
 
 from gpt2.plan import paired
-from gpt2.plan.paired import Load, Timing, Verdict, compare, measure_rounds
+from gpt2.plan.paired import Comparison, Load, Timing, compare, measure_rounds
 
 QUIET = Load(0.3, 2, 0.0)
 ISSUE_LOAD = Load(7.73, 2, None)
@@ -68,7 +68,7 @@ def test_the_load_that_keeps_a_measurement_out_of_the_cache():
     assert waited.describe() == "load 0.5 on 2 CPU(s), 40% of the time waiting for a CPU"
     assert Load(None, 4).busy() is None and Load(None, 4).describe() == "load n/a on 4 CPU(s)"
     v = compare([(1.0, 2.0)] * 5, load=waited, margin=0.1, clock="cpu")
-    assert Verdict.from_dict(v.to_dict()) == v
+    assert Comparison.from_dict(v.to_dict()) == v
 
 
 def test_one_outlier_does_not_scatter_the_pairs_but_many_do():

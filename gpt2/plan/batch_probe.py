@@ -56,7 +56,7 @@ class MicroBatchRates:
     """The paired decision (decide_micro_batch); None: rates given without pairs, where the MEASURED_TIE rule
     on them decides."""
     why: str = ""
-    """The verdict that decided it (paired.Verdict.describe)."""
+    """The verdict that decided it (paired.Comparison.describe)."""
     source: str = ""
     """Where it is cached, or why it is not."""
 
@@ -171,11 +171,11 @@ def decide_micro_batch(
     the fastest by its median time per token; from the smallest up, a candidate whose pairs with the best tie
     (within MEASURED_TIE) is taken, one they find slower is passed over; where they disagree (or the smallest
     is the best and its pairs with the next disagree), the largest candidate, and the measurement is doubtful.
-    why: the verdict that decided (paired.Verdict.describe); doubt: why it may not be cached, or None (a tie
+    why: the verdict that decided (paired.Comparison.describe); doubt: why it may not be cached, or None (a tie
     is this rule's own outcome here, not a doubt)."""
     per = {b: float(b * seq_len) for b in sizes}
 
-    def verdict(a: int, b: int) -> paired.Verdict:
+    def verdict(a: int, b: int) -> paired.Comparison:
         return rounds.verdict(str(a), str(b), margin=MEASURED_TIE, per_a=per[a], per_b=per[b])
 
     best = min(sizes, key=lambda b: rounds.median_s(str(b), per[b]))
@@ -202,7 +202,7 @@ def decide_micro_batch(
     return chosen, _told(deciding, chosen, best, sizes), rounds.load, doubt
 
 
-def _told(v: paired.Verdict, chosen: int, best: int, sizes: list[int]) -> str:
+def _told(v: paired.Comparison, chosen: int, best: int, sizes: list[int]) -> str:
     """The deciding verdict in words, its candidates named as they were compared."""
     if chosen == best and best == sizes[0]:
         return v.describe(str(best), str(sizes[1]))

@@ -62,7 +62,7 @@ class EagerLossTimes:
     """Measured now: how far the probe raised the process's resident high-water mark above the resident set
     it started from (0 when it stayed below an earlier mark: it added nothing to the peak a user reads);
     None when the times came from the cache or the memory cannot be read (off Linux)."""
-    verdict: paired.Verdict | None = None
+    verdict: paired.Comparison | None = None
     """The paired comparison (A: full, B: chunked) that decides; None: times given without one (the
     FULL_MARGIN rule on the two times decides)."""
     source: str = ""
@@ -110,7 +110,7 @@ def eager_loss_times(
     device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int, *, refresh: bool | None = None
 ) -> EagerLossTimes:
     """Both paths' times at this shape on this CPU and the pairs' verdict, from the cache or measured (then
-    cached atomically where paired.Verdict.doubt finds nothing against it). refresh=None reads
+    cached atomically where paired.Comparison.doubt finds nothing against it). refresh=None reads
     matmul_peak.REFRESH_PEAK_ENV, as the matmul peaks do."""
     tokens = min(tokens, PROBE_MAX_TOKENS)
     key = loss_probe_key(device, prec, tokens, n_embd, vocab_size)
@@ -147,7 +147,7 @@ def eager_loss_times(
 
 
 def _cached_times(entry: dict, path: Path) -> EagerLossTimes:
-    verdict = paired.Verdict.from_dict(entry["verdict"])
+    verdict = paired.Comparison.from_dict(entry["verdict"])
     source = f"measured {entry['measured']}, cached in {path}"
     return EagerLossTimes(float(entry["full_s"]), float(entry["chunked_s"]), str(path), None, verdict, source)
 

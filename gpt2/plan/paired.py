@@ -15,7 +15,7 @@ process's own CPU time, which counts what ran and not the waits (measured on 2 c
 and fp32 matmul rates by the wall clock fell 4x over a minute while by CPU time they moved 10%, their
 ratio 2.1-2.7 by either).
 
-What is never cached (`Verdict.doubt`): a measurement under a load average above the CPUs this process
+What is never cached (`Comparison.doubt`): a measurement under a load average above the CPUs this process
 may use or with its threads waiting for a CPU, one whose pairs scatter (SPREAD), and one that did not
 decide (a tie: the ratio within the margin; or a disagreement: too few pairs agree). The caller then
 falls back to a rule that needs no measurement and says so, and measures again at the next start. A
@@ -86,7 +86,7 @@ class Load:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Comparison:
     """Which of A and B was faster, and how sure: the paired comparison's result."""
 
     winner: str | None
@@ -139,12 +139,12 @@ class Verdict:
         return {**asdict(self), "load": self.load.to_dict()}
 
     @classmethod
-    def from_dict(cls, d: dict) -> Verdict:
+    def from_dict(cls, d: dict) -> Comparison:
         fields = ("winner", "ratio", "agree", "pairs", "spread", "margin", "clock")
         return cls(**{k: d[k] for k in fields}, load=Load.from_dict(d["load"]))
 
 
-def compare(pairs: list[tuple[float, float]], *, load: Load, margin: float, clock: str = "wall") -> Verdict:
+def compare(pairs: list[tuple[float, float]], *, load: Load, margin: float, clock: str = "wall") -> Comparison:
     """The verdict on (a_seconds, b_seconds) pairs, each pair timed back to back: A wins when the ratio of
     the medians (B's over A's) is beyond 1 + margin and at least AGREE_SHARE of the pairs say A was faster;
     B likewise; otherwise None (a tie, or a disagreement). A pure function."""
@@ -153,9 +153,9 @@ def compare(pairs: list[tuple[float, float]], *, load: Load, margin: float, cloc
     ratio = statistics.median(b for _, b in pairs) / statistics.median(a for a, _ in pairs)
     own = [b / a for a, b in pairs]
     agree = sum(r > 1 for r in own) if ratio >= 1 else sum(r < 1 for r in own)
-    v = Verdict(None, ratio, agree, len(pairs), spread(own), margin, clock, load)
+    v = Comparison(None, ratio, agree, len(pairs), spread(own), margin, clock, load)
     if not v.tie and agree >= v.needed:
-        return Verdict("a" if ratio > 1 else "b", ratio, agree, len(pairs), v.spread, margin, clock, load)
+        return Comparison("a" if ratio > 1 else "b", ratio, agree, len(pairs), v.spread, margin, clock, load)
     return v
 
 
@@ -237,7 +237,7 @@ class Rounds:
         """name's times on the deciding clock, per unit of work."""
         return [(t.cpu_s if self.clock == "cpu" else t.wall_s) / per for t in self.times[name]]
 
-    def verdict(self, a: str, b: str, *, margin: float, per_a: float = 1.0, per_b: float = 1.0) -> Verdict:
+    def verdict(self, a: str, b: str, *, margin: float, per_a: float = 1.0, per_b: float = 1.0) -> Comparison:
         """a against b, paired by round, per unit of work (per_a, per_b: each call's tokens, FLOPs)."""
         pairs = list(zip(self.seconds(a, per_a), self.seconds(b, per_b)))
         return compare(pairs, load=self.load, margin=margin, clock=self.clock)

@@ -113,7 +113,7 @@ def cpu_dtype_choice(device: str, flags: bool | None) -> tuple[str, str]:
     fields = ("verdict", "bf16_flop_s", "fp32_flop_s")
     entry, due = (None, False) if refresh else matmul_peak.read_trusted_entry(path, key, fields)
     if entry is not None and not due:
-        verdict, bf16, fp32 = paired.Verdict.from_dict(entry["verdict"]), entry["bf16_flop_s"], entry["fp32_flop_s"]
+        verdict, bf16, fp32 = paired.Comparison.from_dict(entry["verdict"]), entry["bf16_flop_s"], entry["fp32_flop_s"]
         source = f"measured {entry['measured']}, cached in {path}"
     else:
         rounds = matmul_peak.probe_peaks(device, (torch.bfloat16, torch.float32), keep_cached=not refresh)
@@ -125,7 +125,11 @@ def cpu_dtype_choice(device: str, flags: bool | None) -> tuple[str, str]:
             source = f"cached in {path}"
         elif entry is not None:  # a re-check on a busy machine keeps the quiet verdict
             matmul_peak.restart_recheck(path, key)
-            verdict, bf16, fp32 = paired.Verdict.from_dict(entry["verdict"]), entry["bf16_flop_s"], entry["fp32_flop_s"]
+            verdict, bf16, fp32 = (
+                paired.Comparison.from_dict(entry["verdict"]),
+                entry["bf16_flop_s"],
+                entry["fp32_flop_s"],
+            )
             source = f"measured {entry['measured']}, cached in {path}; its re-check now was doubtful: {doubt}"
         else:
             source = f"not cached: {doubt}; the next run measures again"
@@ -133,7 +137,9 @@ def cpu_dtype_choice(device: str, flags: bool | None) -> tuple[str, str]:
     return _CHOICES[str(path)]
 
 
-def dtype_from(verdict: paired.Verdict, bf16: float, fp32: float, flags: bool | None, source: str) -> tuple[str, str]:
+def dtype_from(
+    verdict: paired.Comparison, bf16: float, fp32: float, flags: bool | None, source: str
+) -> tuple[str, str]:
     """(dtype name, reason) from bf16's verdict against fp32 (A: bf16) and their median FLOP/s."""
     measured = (
         f"CPU matmuls measured at bf16 {bf16 / 1e9:.1f} vs fp32 {fp32 / 1e9:.1f} GFLOP/s (medians of "
