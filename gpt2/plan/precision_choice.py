@@ -33,7 +33,7 @@ from gpt2.plan import matmul_peak, paired
 
 DTYPE_TIE = 0.10
 """bf16 and fp32 matmul rates within 10% of each other are a tie on a CPU: the rule from the hardware decides
-(bf16's half-size activations and gradients traffic then cost nothing in speed)."""
+(bf16 where the CPU lists bf16 instructions: as fast by the matmuls, and its activations are half the size)."""
 
 
 def resolve_precision(requested: str, device: torch.device | str, *, tf32: bool = False) -> Precision:
