@@ -10,11 +10,11 @@ model's forward and backward (the run's dtype, the loss path the run would take 
 full logits at 2 sequences of 6 x 384 ran 2x the tokens/s of 8, where the chunked loss ranks them the other
 way; gradients accumulating as in a step) at up to three candidates (the model's pick, the largest that
 fits and divides, one between), after one untimed call at the largest, in PROBE_ROUNDS rounds, each round
-every candidate once, the order reversed every other round (gpt2/plan/paired.py). The fastest by its median
-time per token is the best; each smaller candidate is compared with it pair by pair (decide_micro_batch): the
-smallest within MEASURED_TIE of it (a tie) is taken, one the pairs find slower is not, and where they disagree
-(the machine too busy to tell) the largest candidate is taken, which on a CPU is never far from the best
-(issue 54's three shapes: the best, or within 2%).
+every candidate once, the order reversed every other round (gpt2/plan/paired.py). The largest candidate is
+the hardware's rule on a CPU (issue 54's three shapes ran fastest at their largest, or within 2%); the
+fastest of the others by its median time per token is compared with it pair by pair (decide_micro_batch) and
+taken only where it runs more than MEASURED_TIE faster with the pairs agreeing. A tie, or pairs that disagree
+(the machine too busy to tell), keep the largest.
 Cached per machine (matmul_peak.peak_key: the CPU, its threads, torch), shape, dtype, loss path and
 candidates, as the loss probe is (gpt2/plan/loss_probe.py), so a run measures once per shape; but only a
 measurement that decided on a quiet machine (issue 73), re-checked every paired.RECHECK_RUNS-th run. The
@@ -39,8 +39,9 @@ PROBE_ROUNDS = 5
 """Rounds of timed calls, every candidate once a round: a decision between two needs paired.AGREE_SHARE of
 the rounds (4 of 5) to agree."""
 MEASURED_TIE = 0.05
-"""auto takes the smallest candidate within this fraction of the fastest measured one: a CPU's timings move
-by a few percent from run to run, and the smaller micro-batch holds less memory."""
+"""auto leaves the largest candidate for a smaller one only where the smaller runs more than this fraction
+faster (issue 73: within it, a tie, the hardware's rule holds: on a CPU the largest micro-step amortises the
+per-micro-step work best; before, the smallest within it was taken, which flipped with a few percent of noise)."""
 
 
 @dataclass(frozen=True)
@@ -53,19 +54,21 @@ class MicroBatchRates:
     """Measured now: how far the probe raised the process's resident high-water mark above what it held
     (0: not above an earlier mark); None from the cache or off Linux (the plan line counts it)."""
     chosen: int | None = None
-    """The paired decision (decide_micro_batch); None: rates given without pairs, where the MEASURED_TIE rule
-    on them decides."""
+    """The paired decision (decide_micro_batch); None: rates given without pairs, where the same rule on the
+    rates decides (choose)."""
     why: str = ""
     """The verdict that decided it (paired.Comparison.describe)."""
     source: str = ""
     """Where it is cached, or why it is not."""
 
     def choose(self) -> int:
-        """The micro-batch auto takes: the paired decision, or the smallest within MEASURED_TIE of the fastest."""
+        """The micro-batch auto takes: the paired decision, or, from rates alone, the largest unless the fastest
+        runs more than MEASURED_TIE faster."""
         if self.chosen is not None:
             return self.chosen
-        fastest = max(self.rates.values())
-        return min(b for b, r in self.rates.items() if r >= (1 - MEASURED_TIE) * fastest)
+        largest = max(self.rates)
+        fastest = max(self.rates, key=self.rates.get)
+        return fastest if self.rates[fastest] > (1 + MEASURED_TIE) * self.rates[largest] else largest
 
     def describe(self) -> str:
         shown = ", ".join(f"{b}: {r:,.0f}" for b, r in sorted(self.rates.items()))
@@ -167,47 +170,26 @@ def _cached_rates(entry: dict, path: Path, sizes: list[int]) -> MicroBatchRates 
 def decide_micro_batch(
     rounds: paired.Rounds, sizes: list[int], seq_len: int
 ) -> tuple[int, str, paired.Load, str | None]:
-    """(micro-batch, why, load, doubt) from the rounds (named by str(size)), a pure function of them: the best is
-    the fastest by its median time per token; from the smallest up, a candidate whose pairs with the best tie
-    (within MEASURED_TIE) is taken, one they find slower is passed over; where they disagree (or the smallest
-    is the best and its pairs with the next disagree), the largest candidate, and the measurement is doubtful.
-    why: the verdict that decided (paired.Comparison.describe); doubt: why it may not be cached, or None (a tie
-    is this rule's own outcome here, not a doubt)."""
+    """(micro-batch, why, load, doubt) from the rounds (named by str(size)), a pure function of them: the largest
+    candidate (the hardware's rule on a CPU: issue 54's three shapes ran fastest at their largest, or within
+    2%), unless the fastest of the others by median time per token runs faster than it by more than
+    MEASURED_TIE with paired.AGREE_SHARE of their pairs agreeing; then that one. A tie keeps the largest (a
+    decision: cached); a disagreement keeps it too, but the measurement is doubtful. why: the verdict of that
+    candidate against the largest (paired.Comparison.describe); doubt: why it may not be cached, or None."""
+    largest = sizes[-1]
+    if len(sizes) == 1:
+        return largest, f"one candidate, {rounds.load.describe()}", rounds.load, rounds.load.busy()
     per = {b: float(b * seq_len) for b in sizes}
-
-    def verdict(a: int, b: int) -> paired.Comparison:
-        return rounds.verdict(str(a), str(b), margin=MEASURED_TIE, per_a=per[a], per_b=per[b])
-
-    best = min(sizes, key=lambda b: rounds.median_s(str(b), per[b]))
-    chosen, deciding, scatter = best, None, 0.0
-    for b in [b for b in sizes if b < best]:
-        deciding = verdict(b, best)
-        scatter = max(scatter, deciding.spread)
-        if deciding.tie:
-            chosen = b
-            break
-        if deciding.winner is None:  # the pairs disagree: too busy to tell
-            return sizes[-1], f"{deciding.describe(str(b), str(best))}, so the largest", rounds.load, deciding.doubt()
-    if deciding is None and len(sizes) > 1:  # the smallest is the best: its verdict against the next
-        deciding = verdict(best, sizes[1])
-        scatter = deciding.spread
-        if deciding.winner is None and not deciding.tie:
-            why = f"{deciding.describe(str(best), str(sizes[1]))}, so the largest"
-            return sizes[-1], why, rounds.load, deciding.doubt()
-    if deciding is None:
-        return chosen, f"one candidate, {rounds.load.describe()}", rounds.load, rounds.load.busy()
+    rival = min(sizes[:-1], key=lambda b: rounds.median_s(str(b), per[b]))
+    v = rounds.verdict(str(rival), str(largest), margin=MEASURED_TIE, per_a=per[rival], per_b=per[largest])
+    chosen = rival if v.winner == "a" else largest
+    why = v.describe(str(rival), str(largest)) + ("" if v.winner or v.tie else ", so the largest")
     doubt = rounds.load.busy()
-    if doubt is None and scatter > paired.MAX_SPREAD:
-        doubt = f"its pairs scatter by {scatter:.0%} (more than {paired.MAX_SPREAD:.0%})"
-    return chosen, _told(deciding, chosen, best, sizes), rounds.load, doubt
-
-
-def _told(v: paired.Comparison, chosen: int, best: int, sizes: list[int]) -> str:
-    """The deciding verdict in words, its candidates named as they were compared."""
-    if chosen == best and best == sizes[0]:
-        return v.describe(str(best), str(sizes[1]))
-    smaller = chosen if chosen != best else max(b for b in sizes if b < best)
-    return v.describe(str(smaller), str(best))
+    if doubt is None and v.spread > paired.MAX_SPREAD:
+        doubt = f"its pairs scatter by {v.spread:.0%} (more than {paired.MAX_SPREAD:.0%})"
+    if doubt is None and v.winner is None and not v.tie:
+        doubt = v.doubt()
+    return chosen, why, rounds.load, doubt
 
 
 def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]) -> paired.Rounds:
