@@ -172,3 +172,60 @@ def run_trainer(args: list[str], *, nproc: int = 1, timeout: float = 600, env: d
         ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+class FakeClock:
+    """gpt2.plan.paired.Clock on a scripted machine (issue 73's tests): each call of `name` takes times[name]
+    seconds, a number or a list taken in turn, each a number (both clocks) or a (wall, cpu) pair; a name not
+    scripted takes what its function returns when that is a paired.Timing (a matmul probe's own), else 1 s.
+    The functions run unless run=False (their memory is real). The load average, the CPUs and the share of
+    the time spent waiting for a CPU are as given; calls lists the names in the order they were timed."""
+
+    def __init__(self, times=None, *, load=0.3, cores=2, wait_share=0.0, run=True):
+        self.times = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in (times or {}).items()}
+        self.load, self.n_cores, self.wait_share, self.run = load, cores, wait_share, run
+        self.calls, self.now, self.waited = [], 0.0, 0.0
+
+    def time(self, name, fn):
+        from gpt2.plan.paired import Timing
+
+        out = fn() if self.run else None
+        scripted = self.times.get(name)
+        if isinstance(scripted, list):
+            t = scripted.pop(0) if len(scripted) > 1 else scripted[0]
+        else:
+            t = scripted
+        if t is None:
+            timing = out if isinstance(out, Timing) else Timing(1.0, 1.0)
+        else:
+            timing = Timing(*t) if isinstance(t, tuple) else Timing(t, t)
+        self.calls.append(name)
+        self.now += timing.wall_s
+        self.waited += self.wait_share * timing.wall_s * self.threads()
+        return timing
+
+    def threads(self):
+        return 1
+
+    def waited_s(self):
+        return self.waited
+
+    def load_average(self):
+        return self.load
+
+    def cores(self):
+        return self.n_cores
+
+    def monotonic(self):
+        return self.now
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """Every probe measures with a FakeClock: a quiet machine (load 0.3 on 2 CPUs, no waits), every call 1 s
+    until the test scripts it (fake_clock.times[name] = ...)."""
+    from gpt2.plan import paired
+
+    clock = FakeClock()
+    monkeypatch.setattr(paired, "CLOCK", clock)
+    return clock

@@ -849,3 +849,37 @@ def test_time_to_loss_horizon_rows_end_the_speedrun_presets_decay_sooner():
         timeout=300,
     )
     assert out.returncode == 2 and "--rows horizon needs --shape large" in out.stderr
+
+
+def test_auto_under_load_judges_issue_73s_goals_and_runs_a_trial(tmp_path, monkeypatch, fake_clock):
+    """bench/auto_under_load.py's summary (the loaded trials' decisions against the quiet ones', the cache
+    entries they wrote) and one trial in this process, on conftest's fake clock (a quiet machine, no real
+    timing: the bench's own trials measure in fresh processes)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import auto_under_load as bench
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from gpt2.plan import batch_probe, loss_probe, matmul_peak, precision_choice
+
+    usual = {"dtype": "bfloat16", "loss": "full", "micro_batch": 8, "cached": []}
+    line, ok = bench.summary([usual] * 10, [usual] * 9 + [{**usual, "loss": "chunked"}])
+    assert ok and line.endswith("loaded trials with the same: 9 of 10 (goal >= 90%); loaded trials that wrote a "
+                                "cache entry: 0 (goal 0): PASS")  # fmt: skip
+    assert not bench.summary([usual] * 10, [usual] * 8 + [{**usual, "micro_batch": 1}] * 2)[1]
+    assert not bench.summary([usual] * 10, [usual] * 9 + [{**usual, "cached": ["peak"]}])[1]
+    names = ["matmul-peak-float32-ab.json", "dtype-choice-cd.json", "eager-loss-ef.json", "micro-batch-01.json"]
+    assert bench.cache_kinds(names) == ["dtype", "loss", "micro-batch", "peak"] and bench.cache_kinds([]) == []
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for module, cache in [(matmul_peak, "_PEAKS"), (precision_choice, "_CHOICES"), (loss_probe, "_TIMES"),
+                          (batch_probe, "_RATES")]:  # fmt: skip
+        monkeypatch.setattr(module, cache, {})
+    fake_clock.run = False  # seconds a FLOP for the matmul probes, seconds a call for the rest
+    fake_clock.times.update(bfloat16=1 / 400e9, float32=1 / 150e9, full=0.2, chunked=0.3)
+    result = bench.trial("debug")
+    assert result["micro_batch"] == 8 and result["dtype"] in ("bfloat16", "float32")  # float32: no bf16 instructions
+    assert set(result["reasons"]) == {"precision", "micro_batch", "loss", "peak"} and len(result["load"]) == 2
+    assert bench.table([("quiet", 1, {**result, "cached": ["peak"]})], reasons=False)[2].startswith(
+        f"| 1 | quiet | {result['dtype']} | {result['loss']} | 8 |"
+    )

@@ -175,7 +175,7 @@ def test_device_peak_flops_unlisted_cuda_gpu_is_none_not_measured(monkeypatch):
     def no_measuring(*args, **kwargs):
         raise AssertionError("a CUDA peak must not be measured")
 
-    monkeypatch.setattr(gpt2.plan.flops, "peak_rates", no_measuring)
+    monkeypatch.setattr(gpt2.plan.flops, "measured_peaks", no_measuring)
     _fake_cuda(monkeypatch, "Some Future GPU")
     assert device_peak_flops("cuda", torch.bfloat16, tf32=False) is None
     _fake_cuda(monkeypatch, "Tesla T4")
@@ -203,24 +203,31 @@ def test_device_peak_flops_cuda_is_the_table_entry():
 
 
 @pytest.fixture
-def peak_cache(tmp_path, monkeypatch):
-    """An empty user cache and a fresh process's view of it; every probe counted, at a chosen rate."""
+def peak_cache(tmp_path, monkeypatch, fake_clock):
+    """An empty user cache and a fresh process's view of it on a quiet machine (conftest's fake_clock); every
+    probe counted, at a chosen rate."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(matmul_peak.REFRESH_PEAK_ENV, raising=False)
     monkeypatch.setattr(matmul_peak, "_PEAKS", {})
-    probes = {"n": 0, "rates": iter([])}
+    monkeypatch.setattr(precision_choice, "_CHOICES", {})
+    probes = {"n": 0, "rates": iter([]), "clock": fake_clock}
 
     def fake_probe(device, dtype, **kwargs):
-        assert kwargs["fresh"] and kwargs["min_time_s"] >= 0.05  # a probe long enough to matter
+        assert kwargs["fresh"] and kwargs["min_time_s"] >= 0.05 and kwargs["cpu_time"]  # a probe long enough
         probes["n"] += 1
-        return next(probes["rates"])
+        return rate_of(next(probes["rates"]))
 
     monkeypatch.setattr(matmul_peak, "matmul_rate", fake_probe)
     return probes
 
 
+def rate_of(flop_s: float) -> matmul_peak.MatmulRate:
+    """A probe's result at flop_s, by the wall clock and (per thread) by CPU time alike."""
+    return matmul_peak.MatmulRate(flop_s, flop_s / torch.get_num_threads(), 1024)
+
+
 def test_the_cpu_peak_is_the_best_of_several_probes_measured_once_and_cached_on_disk(peak_cache, monkeypatch):
-    peak_cache["rates"] = iter([40e9, 150e9, 90e9, 151e9, 120e9])  # another tenant slowed most of them
+    peak_cache["rates"] = iter([40e9, 150e9, 149e9, 151e9, 148e9])  # another tenant slowed one of them
     assert peak_rate("cpu", torch.float32) == 151e9
     assert peak_cache["n"] == matmul_peak.PEAK_PROBES
     [entry] = (matmul_peak.peak_cache_dir()).glob("matmul-peak-float32-*.json")
@@ -243,12 +250,13 @@ def test_a_comparison_measures_both_dtypes_alternately_under_the_same_load(peak_
 
     def probe(device, dtype, **kwargs):
         seen.append(dtype)
-        return next(rates[dtype])
+        return rate_of(next(rates[dtype]))
 
     monkeypatch.setattr(matmul_peak, "matmul_rate", probe)
     monkeypatch.setattr(precision_choice, "cpu_bf16_instructions", lambda: True)
     assert precision_choice.resolve_precision("auto", "cpu").dtype == "float32"
-    assert seen == [torch.bfloat16, torch.float32] * matmul_peak.PEAK_PROBES
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert seen == [bf16, fp32, fp32, bf16, bf16, fp32, fp32, bf16, bf16, fp32]  # paired, A B B A: issue 73
     assert (
         device_peak_flops("cpu", torch.bfloat16, tf32=False) == 210e9 and len(seen) == 2 * matmul_peak.PEAK_PROBES
     )  # shared
@@ -264,6 +272,113 @@ def test_the_refresh_variable_measures_the_cached_peak_again(peak_cache, monkeyp
     monkeypatch.setattr(matmul_peak, "_PEAKS", {})
     monkeypatch.delenv(matmul_peak.REFRESH_PEAK_ENV)
     assert peak_rate("cpu", torch.float32) == 160e9 and peak_cache["n"] == 2 * matmul_peak.PEAK_PROBES  # replaced
+
+
+ISSUE_FP32 = [17.7e9, 15.9e9, 15.7e9, 184.4e9, 4.9e9]
+"""Issue 73's fp32 probes (its cache entry's probes_flop_s), measured at load average 7.73 on 2 cores."""
+
+
+def peak_lines(prec: precision.Precision) -> tuple[float | None, list[str]]:
+    """MFU's peak for prec on this CPU as a start decides it (gpt2/plan/resolve.py) and the line it logs."""
+    from types import SimpleNamespace
+
+    from gpt2.distributed.group import Dist
+    from gpt2.plan import resolve
+    from gpt2.train import dryrun, startup
+
+    cpu = torch.device("cpu")
+    dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=cpu)
+    peak, why = resolve.mfu_peak(cpu, prec)
+    how = resolve.cpu_peak(cpu, prec.torch_dtype).how
+    decided = SimpleNamespace(peak=peak, peak_why=why, peak_how=how, hardware=SimpleNamespace(device_type="cpu"))
+    lines = []
+    startup.log_mfu_peak(decided, dist, dryrun.Log(lines.append))
+    return peak, lines
+
+
+def test_a_peak_measured_under_load_is_neither_cached_nor_used_for_mfu(peak_cache):
+    """Issue 73: MFU against a peak taken while other jobs ran would swing with them. The probes' wall rates
+    are the issue's; the plan still gets the measurement (its step time is for a loaded machine too)."""
+    from gpt2.plan import resolve
+
+    peak_cache["clock"].load = 7.73
+    peak_cache["rates"] = iter(ISSUE_FP32)
+    fp32 = precision.Precision("float32", "float32")
+    peak, lines = peak_lines(fp32)
+    assert peak is None and not list(matmul_peak.peak_cache_dir().glob("*.json"))
+    assert lines == [
+        "mfu n/a: the CPU matmul peak 0.184 TFLOP/s is doubtful (the best of 5 float32 matmul probes (n=1024), "
+        "measured now at load 7.7 on 2 CPU(s); not cached: load average 7.7 above the 2 CPU(s)), and MFU against "
+        "it would move with the load; a quieter start measures and caches it (GPT2_DDP_REFRESH_PEAK=1 forces a "
+        "measurement)"
+    ]
+    assert resolve.plan_peak(torch.device("cpu"), fp32, None) == 184.4e9 and peak_cache["n"] == 5  # measured once
+
+
+def test_scattered_probes_on_a_quiet_machine_are_not_cached_either(peak_cache):
+    peak_cache["rates"] = iter(ISSUE_FP32)
+    [m] = matmul_peak.measured_peaks("cpu", (torch.float32,))
+    assert (
+        m.flop_s == 184.4e9
+        and m.doubt == "its best probe is 11.60x their median"
+        and not list(matmul_peak.peak_cache_dir().glob("*.json"))
+    )
+
+
+def test_the_peak_line_says_how_the_peak_was_measured_and_where_it_is_cached(peak_cache, monkeypatch):
+    peak_cache["rates"] = iter([150e9] * matmul_peak.PEAK_PROBES)
+    peak, lines = peak_lines(precision.Precision("float32", "float32"))
+    [path] = matmul_peak.peak_cache_dir().glob("matmul-peak-float32-*.json")
+    threads = torch.get_num_threads()
+    assert peak == 150e9 and lines == [
+        f"peak       0.150 TFLOP/s per rank ({threads} thread(s)): the best of 5 float32 matmul probes (n=1024), "
+        f"measured now at load 0.3 on 2 CPU(s); cached in {path} (GPT2_DDP_REFRESH_PEAK=1 measures again)"
+    ]
+    monkeypatch.setattr(matmul_peak, "_PEAKS", {})  # the next run reads it, with when it was measured
+    entry = __import__("json").loads(path.read_text())
+    assert entry["trusted"] and entry["load"] == {"load_average": 0.3, "cores": 2, "wait_share": 0.0}
+    _, lines = peak_lines(precision.Precision("float32", "float32"))
+    assert f"(n=1024), measured {entry['measured']} at load 0.3 on 2 CPU(s); cached in {path}" in lines[0]
+
+
+def test_a_cache_entry_written_before_issue_73_is_measured_again(peak_cache):
+    """The issue's own entry (best of five, no record of its load but the load average): doubtful, so measured
+    again, and the new quiet measurement replaces it."""
+    import json
+
+    key = matmul_peak.peak_key("cpu", torch.float32)
+    path = matmul_peak.peak_cache_path(key)
+    path.parent.mkdir(parents=True)
+    old = {"key": key, "flop_s": 184.4e9, "probes_flop_s": ISSUE_FP32, "load_average_1min": 7.73}
+    path.write_text(json.dumps({**old, "measured": "2026-12-01T10:00:00+0000"}))
+    peak_cache["rates"] = iter([33.5e9] * matmul_peak.PEAK_PROBES)
+    assert peak_rate("cpu", torch.float32) == 33.5e9 and peak_cache["n"] == matmul_peak.PEAK_PROBES
+    assert json.loads(path.read_text())["flop_s"] == 33.5e9
+
+
+def test_a_cached_peak_is_measured_again_every_recheck_runs_and_a_busy_recheck_keeps_it(peak_cache, monkeypatch):
+    from gpt2.plan import paired
+
+    peak_cache["rates"] = iter([150e9] * matmul_peak.PEAK_PROBES)
+    assert peak_rate("cpu", torch.float32) == 150e9  # measured and cached (run 1)
+    for _ in range(paired.RECHECK_RUNS - 1):  # runs 2 .. RECHECK_RUNS read it
+        monkeypatch.setattr(matmul_peak, "_PEAKS", {})
+        assert peak_rate("cpu", torch.float32) == 150e9
+    assert peak_cache["n"] == matmul_peak.PEAK_PROBES
+    monkeypatch.setattr(matmul_peak, "_PEAKS", {})
+    peak_cache["clock"].load = 5.0  # the re-check falls on a busy start: it keeps the quiet peak
+    peak_cache["rates"] = iter([40e9] * matmul_peak.PEAK_PROBES)
+    [m] = matmul_peak.measured_peaks("cpu", (torch.float32,))
+    assert peak_cache["n"] == 2 * matmul_peak.PEAK_PROBES and m.flop_s == 150e9 and m.doubt is None
+    assert "its re-check now was doubtful: load average 5.0 above the 2 CPU(s)" in m.how
+    for _ in range(paired.RECHECK_RUNS - 1):  # counted from 0 again: not re-measured at every busy start
+        monkeypatch.setattr(matmul_peak, "_PEAKS", {})
+        assert peak_rate("cpu", torch.float32) == 150e9
+    assert peak_cache["n"] == 2 * matmul_peak.PEAK_PROBES
+    monkeypatch.setattr(matmul_peak, "_PEAKS", {})
+    peak_cache["clock"].load = 0.2  # a quiet re-check replaces it
+    peak_cache["rates"] = iter([170e9] * matmul_peak.PEAK_PROBES)
+    assert peak_rate("cpu", torch.float32) == 170e9 and peak_cache["n"] == 3 * matmul_peak.PEAK_PROBES
 
 
 def test_a_damaged_cache_file_is_measured_again(peak_cache, monkeypatch):
@@ -332,7 +447,9 @@ def test_the_trainer_shows_no_mfu_from_a_cached_peak_below_the_floor(tmp_path, s
                 key = matmul_peak.peak_key("cpu", dtype)
                 path = cache / "gpt2-ddp" / matmul_peak.peak_cache_path(key).name
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"key": key, "flop_s": 0.04e9}))
+                load = {"load_average": 0.1, "cores": 2, "wait_share": 0.0}
+                entry = {"key": key, "flop_s": 0.04e9, "how": "a probe", "trusted": True, "load": load}
+                path.write_text(json.dumps({**entry, "measured": "2026-12-01T10:00:00+0000"}))
     finally:
         torch.set_num_threads(real)
     run = run_trainer(

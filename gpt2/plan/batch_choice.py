@@ -102,8 +102,9 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int, m
     for, so that --loss-impl never changes the micro-batch (gpt2/plan/loss_choice.py: both paths then run
     the same batch maths). measure: on this machine's CPU, uncompiled, a callable taking candidate
     micro-batches and returning gpt2.plan.batch_probe.MicroBatchRates: the model's pick, the largest and
-    one between are timed (at most PROBE_MAX_TOKENS a micro-step), and the smallest within MEASURED_TIE of
-    the fastest is taken."""
+    one between are timed (at most PROBE_MAX_TOKENS a micro-step), and the largest is taken unless a smaller
+    one runs more than MEASURED_TIE faster (MicroBatchRates.choose: by the paired timings where there are
+    some)."""
     model, tc, seq_len = cfg.model, cfg.train, cfg.model.block_size
     grad_accum_steps(tc.batch.total_batch_size, 1, seq_len, world_size)  # some micro-batch divides: else its error
     fits = max_micro_batch_size(cfg, hardware, world_size=world_size, headroom=AUTO_HEADROOM)
@@ -146,11 +147,10 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int, m
         from gpt2.plan.batch_probe import MEASURED_TIE, candidates
 
         measured = measure(candidates(sizes, pick, seq_len))
-        fastest = max(measured.rates.values())
-        chosen = min(b for b, r in measured.rates.items() if r >= (1 - MEASURED_TIE) * fastest)
+        chosen = measured.choose()
         return MicroBatchChoice(
             chosen,
-            f"the fastest {measured.describe()}, the smallest within {MEASURED_TIE:.0%} of the best (the "
+            f"{measured.describe()}: the largest unless a smaller one runs more than {MEASURED_TIE:.0%} faster (the "
             f"throughput model, which does not know a CPU's per-micro-step work, took {pick}); {margin} and "
             "divides the global batch",
             measured.peak_bytes,

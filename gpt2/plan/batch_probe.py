@@ -9,11 +9,15 @@ and the loss's chunk loop starts afresh. Rather than model a CPU's memory system
 model's forward and backward (the run's dtype, the loss path the run would take at that micro-batch:
 full logits at 2 sequences of 6 x 384 ran 2x the tokens/s of 8, where the chunked loss ranks them the other
 way; gradients accumulating as in a step) at up to three candidates (the model's pick, the largest that
-fits and divides, one between), after one untimed call, each timed twice (in one order, then the other)
-and those within CLOSE of the fastest a third time; each candidate's tokens/s is its fastest (a single
-reading at 2 sequences of 6 x 384, taken while another job ran, was 3x slow and decided wrongly).
+fits and divides, one between), after one untimed call at the largest, in PROBE_ROUNDS rounds, each round
+every candidate once, the order reversed every other round (gpt2/plan/paired.py). The largest candidate is
+the hardware's rule on a CPU (issue 54's three shapes ran fastest at their largest, or within 2%); the
+fastest of the others by its median time per token is compared with it pair by pair (decide_micro_batch) and
+taken only where it runs more than MEASURED_TIE faster with the pairs agreeing. A tie, or pairs that disagree
+(the machine too busy to tell), keep the largest.
 Cached per machine (matmul_peak.peak_key: the CPU, its threads, torch), shape, dtype, loss path and
-candidates, as the loss probe is (gpt2/plan/loss_probe.py), so a run measures once per shape. The
+candidates, as the loss probe is (gpt2/plan/loss_probe.py), so a run measures once per shape; but only a
+measurement that decided on a quiet machine (issue 73), re-checked every paired.RECHECK_RUNS-th run. The
 optimizer step is left out: it runs once a step whatever the micro-batch.
 """
 
@@ -21,8 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,29 +33,52 @@ import torch
 from gpt2.core import host_memory
 from gpt2.core.config import ModelConfig
 from gpt2.core.precision import Precision
-from gpt2.plan import matmul_peak
+from gpt2.plan import matmul_peak, paired
 
-CLOSE = 0.10
-"""Candidates within this fraction of the fastest after two timed calls each are timed a third time, each
-keeping its fastest: a close call gets one more reading."""
+PROBE_ROUNDS = 5
+"""Rounds of timed calls, every candidate once a round: a decision between two needs paired.AGREE_SHARE of
+the rounds (4 of 5) to agree."""
 MEASURED_TIE = 0.05
-"""auto takes the smallest candidate within this fraction of the fastest measured one: a CPU's timings move
-by a few percent from run to run, and the smaller micro-batch holds less memory."""
+"""auto leaves the largest candidate for a smaller one only where the smaller runs more than this fraction
+faster (issue 73: within it, a tie, the hardware's rule holds: on a CPU the largest micro-step amortises the
+per-micro-step work best; before, the smallest within it was taken, which flipped with a few percent of noise)."""
 
 
 @dataclass(frozen=True)
 class MicroBatchRates:
-    """Measured tokens/s per candidate micro-batch; the cache file that holds them."""
+    """Measured tokens/s per candidate micro-batch, the one chosen from them and why; the cache file."""
 
     rates: dict[int, float]
     cache: str
     peak_bytes: int | None = None
     """Measured now: how far the probe raised the process's resident high-water mark above what it held
     (0: not above an earlier mark); None from the cache or off Linux (the plan line counts it)."""
+    chosen: int | None = None
+    """The paired decision (decide_micro_batch); None: rates given without pairs, where the same rule on the
+    rates decides (choose)."""
+    why: str = ""
+    """The verdict that decided it (paired.Comparison.describe)."""
+    source: str = ""
+    """Where it is cached, or why it is not."""
+
+    def choose(self) -> int:
+        """The micro-batch auto takes: the paired decision, or, from rates alone, the largest unless the fastest
+        runs more than MEASURED_TIE faster."""
+        if self.chosen is not None:
+            return self.chosen
+        largest = max(self.rates)
+        fastest = max(self.rates, key=self.rates.get)
+        return fastest if self.rates[fastest] > (1 + MEASURED_TIE) * self.rates[largest] else largest
 
     def describe(self) -> str:
         shown = ", ".join(f"{b}: {r:,.0f}" for b, r in sorted(self.rates.items()))
-        return f"measured on this CPU, tokens/s by micro-batch {shown} (cached in {self.cache})"
+        if self.chosen is None:
+            return f"measured on this CPU, tokens/s by micro-batch {shown} (cached in {self.cache})"
+        return f"measured on this CPU, tokens/s by micro-batch (medians) {shown}: {self.why} ({self.source})"
+
+
+_RATES: dict[str, MicroBatchRates] = {}
+"""micro_batch_rates' per-process answers, by cache file (a dry run in the same process gets the same)."""
 
 
 PROBE_MAX_TOKENS = 4096
@@ -92,35 +118,84 @@ def micro_batch_rates(
     cfg: ModelConfig, prec: Precision, losses: dict[int, str], *, refresh: bool | None = None
 ) -> MicroBatchRates:
     """Each candidate micro-batch's tokens/s on this CPU with the loss path the run would take at it
-    (`losses`: micro-batch -> full or chunked), from the cache or measured (then cached atomically)."""
+    (`losses`: micro-batch -> full or chunked) and the one to take (decide_micro_batch), from the cache or
+    measured (then cached atomically where nothing speaks against it: the load, the pairs' scatter, a
+    disagreement)."""
     sizes = sorted(losses)
     key = batch_probe_key(cfg, prec, losses)
     path = batch_probe_path(key)
+    if str(path) in _RATES:
+        return _RATES[str(path)]
     if refresh is None:
         refresh = matmul_peak.refresh_requested()
-    entry = None if refresh else matmul_peak.read_cache_entry(path, key)
+    entry, due = (None, False) if refresh else matmul_peak.read_trusted_entry(path, key, ("rates", "chosen", "why"))
+    cached = _cached_rates(entry, path, sizes) if entry is not None else None
+    if cached is not None and not due:
+        _RATES[str(path)] = cached
+        return cached
+    before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
+    rounds = time_micro_batches(cfg, prec, losses)
+    after = host_memory.resident_peak_bytes()
     peak = None
-    rates = None
-    if entry is not None:
-        try:
-            rates = {int(b): float(r) for b, r in entry["rates"].items()}
-        except (KeyError, TypeError, ValueError, AttributeError):
-            rates = None
-        if rates is not None and (sorted(rates) != sorted(sizes) or not all(r > 0 for r in rates.values())):
-            rates = None
-    if rates is None:
-        before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
-        rates = time_micro_batches(cfg, prec, losses)
-        after = host_memory.resident_peak_bytes()
-        if None not in (before, high, after):
-            peak = after - before if after > high else 0
-        matmul_peak.write_cache_entry(path, key, {"rates": {str(b): r for b, r in rates.items()}})
-    return MicroBatchRates(rates, str(path), peak)
+    if None not in (before, high, after):
+        peak = after - before if after > high else 0
+    chosen, why, load, doubt = decide_micro_batch(rounds, sizes, cfg.block_size)
+    rates = {b: b * cfg.block_size / rounds.median_s(str(b)) for b in sizes}
+    if doubt is None:
+        values = {"rates": {str(b): r for b, r in rates.items()}, "chosen": chosen, "why": why}
+        matmul_peak.write_trusted_entry(path, key, values, load)
+        measured = MicroBatchRates(rates, str(path), peak, chosen, why, f"cached in {path}")
+    elif cached is not None:  # a re-check on a busy machine keeps the quiet measurement
+        matmul_peak.restart_recheck(path, key)
+        recheck = f"{cached.source}; its re-check now was doubtful: {doubt}"
+        measured = replace(cached, peak_bytes=peak, source=recheck)
+    else:
+        measured = MicroBatchRates(rates, str(path), peak, chosen, why, f"not cached: {doubt}")
+    _RATES[str(path)] = measured
+    return measured
 
 
-def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]) -> dict[int, float]:
-    """tokens/s of a fresh model's forward + backward at each micro-batch of `losses`, with its loss path
-    (module docstring)."""
+def _cached_rates(entry: dict, path: Path, sizes: list[int]) -> MicroBatchRates | None:
+    try:
+        rates = {int(b): float(r) for b, r in entry["rates"].items()}
+        chosen = int(entry["chosen"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if sorted(rates) != sizes or chosen not in rates or not all(r > 0 for r in rates.values()):
+        return None
+    source = f"measured {entry['measured']}, cached in {path}"
+    return MicroBatchRates(rates, str(path), None, chosen, entry["why"], source)
+
+
+def decide_micro_batch(
+    rounds: paired.Rounds, sizes: list[int], seq_len: int
+) -> tuple[int, str, paired.Load, str | None]:
+    """(micro-batch, why, load, doubt) from the rounds (named by str(size)), a pure function of them: the largest
+    candidate (the hardware's rule on a CPU: issue 54's three shapes ran fastest at their largest, or within
+    2%), unless the fastest of the others by median time per token runs faster than it by more than
+    MEASURED_TIE with paired.AGREE_SHARE of their pairs agreeing; then that one. A tie keeps the largest (a
+    decision: cached); a disagreement keeps it too, but the measurement is doubtful. why: the verdict of that
+    candidate against the largest (paired.Comparison.describe); doubt: why it may not be cached, or None."""
+    largest = sizes[-1]
+    if len(sizes) == 1:
+        return largest, f"one candidate, {rounds.load.describe()}", rounds.load, rounds.load.busy()
+    per = {b: float(b * seq_len) for b in sizes}
+    rival = min(sizes[:-1], key=lambda b: rounds.median_s(str(b), per[b]))
+    v = rounds.verdict(str(rival), str(largest), margin=MEASURED_TIE, per_a=per[rival], per_b=per[largest])
+    chosen = rival if v.winner == "a" else largest
+    why = v.describe(str(rival), str(largest)) + ("" if v.winner or v.tie else ", so the largest")
+    doubt = rounds.load.busy()
+    if doubt is None and v.spread > paired.MAX_SPREAD:
+        doubt = f"its pairs scatter by {v.spread:.0%} (more than {paired.MAX_SPREAD:.0%})"
+    if doubt is None and v.winner is None and not v.tie:
+        doubt = v.doubt()
+    return chosen, why, rounds.load, doubt
+
+
+def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]) -> paired.Rounds:
+    """A fresh model's forward + backward at each micro-batch of `losses`, with its loss path, in PROBE_ROUNDS
+    rounds (paired.measure_rounds, each named by str(size)) after one untimed call at the largest (module
+    docstring)."""
     from gpt2.model.gpt import GPT
 
     gen = torch.Generator().manual_seed(0)
@@ -132,23 +207,16 @@ def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]
         torch.random.set_rng_state(torch_state)  # the run's own draws are not moved by the probe
     T, sizes = cfg.block_size, sorted(losses)
     batches = {b: torch.randint(0, 50257, (2, b, T), generator=gen) for b in sizes}
-    best = {b: float("inf") for b in sizes}
 
-    def micro_step(b: int) -> float:
-        x, y = batches[b]
-        model.loss_impl = losses[b]  # a plain attribute, read at each forward (uncompiled)
-        t0 = time.perf_counter()
-        _, loss = model(x, y, return_logits=False)
-        loss.backward()  # accumulating into .grad, as a step's micro-steps do
-        return time.perf_counter() - t0
+    def micro_step(b: int):
+        def run() -> None:
+            x, y = batches[b]
+            model.loss_impl = losses[b]  # a plain attribute, read at each forward (uncompiled)
+            _, loss = model(x, y, return_logits=False)
+            loss.backward()  # accumulating into .grad, as a step's micro-steps do
+
+        return run
 
     with prec.autocast("cpu"):
-        micro_step(sizes[0])  # untimed: first-call allocations, lazy initialisation, the gradients made
-        for b in sizes:
-            best[b] = micro_step(b)
-        for b in reversed(sizes):  # a second reading each, in the other order: one busy moment is not a verdict
-            best[b] = min(best[b], micro_step(b))
-        fastest = min(best[b] / b for b in sizes)
-        for b in [b for b in sizes if best[b] / b <= (1 + CLOSE) * fastest]:
-            best[b] = min(best[b], micro_step(b))
-    return {b: b * T / best[b] for b in sizes}
+        micro_step(sizes[-1])()  # untimed: the largest allocations, lazy initialisation, the gradients made
+        return paired.measure_rounds({str(b): micro_step(b) for b in sizes}, PROBE_ROUNDS)

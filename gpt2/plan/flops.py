@@ -27,7 +27,7 @@ import torch
 
 from gpt2.core.config import ModelConfig, lookup_tables, param_count, weight_shapes
 from gpt2.core.precision import Precision
-from gpt2.plan.matmul_peak import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, peak_rates
+from gpt2.plan.matmul_peak import CPU_PEAK_FLOOR_PER_THREAD, REFRESH_PEAK_ENV, MeasuredPeak, measured_peaks
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's data sheets (for GeForce and RTX cards the
 # architecture whitepapers' "with FP32 accumulate" rows, which training's matmuls use), FLOP/s.
@@ -150,16 +150,22 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *, tf32: b
     TrainConfig.compute.tf32), passed rather than read back from torch's global state; for fp32 on CUDA it
     selects the TF32 peak.
 
-    A CPU has no data sheet to compare with, so it gets its measured matmul peak
-    (`matmul_peak.peak_rates`: the best of several probes, cached per machine). An autocast run's
-    peak is the faster of its dtype's rate and fp32's: where bf16 is emulated, compiled kernels may
-    compute in fp32, and MFU must be measured against the kernels that can actually run, so that it
-    never exceeds 1.
+    A CPU has no data sheet to compare with, so it gets its measured matmul peak (cpu_peak), measured
+    or not doubtful: whether MFU may use it is gpt2/plan/resolve.py mfu_peak's question.
     """
     device = torch.device(device)
     if device.type == "cuda":
         return gpu_table_peak(torch.cuda.get_device_name(device), dtype, tf32=tf32)
-    return max(peak_rates(str(device), (dtype, torch.float32)))
+    return cpu_peak(device, dtype).flop_s
+
+
+def cpu_peak(device: torch.device | str, dtype: torch.dtype) -> MeasuredPeak:
+    """A CPU's measured matmul peak for a run in dtype, with how it was measured and, where the measurement
+    was doubtful (a busy machine, scattered probes), why (`matmul_peak.measured_peaks`: the best of several
+    probes, cached per machine where quiet). An autocast run's peak is the faster of its dtype's rate and
+    fp32's: where bf16 is emulated, compiled kernels may compute in fp32, and MFU must be measured against
+    the kernels that can actually run, so that it never exceeds 1."""
+    return max(measured_peaks(str(device), (dtype, torch.float32)), key=lambda m: m.flop_s)
 
 
 def format_flops(flop_s: float) -> str:
@@ -181,6 +187,17 @@ def peak_problem(peak: float, device: torch.device | str, threads: int) -> str |
         f"the measured CPU matmul peak {format_flops(peak)} is below {CPU_PEAK_FLOOR_PER_THREAD / 1e9:g} "
         f"GFLOP/s per thread x {threads} thread(s): the probe was disturbed (a busy machine), so no MFU is "
         f"shown; it is not cached, the next run measures again ({REFRESH_PEAK_ENV}=1 forces it)"
+    )
+
+
+def doubtful_peak(peak: MeasuredPeak) -> str | None:
+    """Why a measured CPU peak is not used for MFU (measured on a busy machine: MFU against it would swing
+    with the load), or None."""
+    if peak.doubt is None:
+        return None
+    return (
+        f"the CPU matmul peak {format_flops(peak.flop_s)} is doubtful ({peak.how}), and MFU against it would "
+        f"move with the load; a quieter start measures and caches it ({REFRESH_PEAK_ENV}=1 forces a measurement)"
     )
 
 

@@ -9,15 +9,18 @@ cheap and the full path's passes over the (N, V) fp32 logits dominate, which the
 cache; at 384 wide the matmuls dominate and the chunks' smaller matmuls, and the weight-gradient sum
 they add to once per chunk, cost more. Where the crossover lies moves with the CPU's caches and its
 bf16 support, so it is measured: the LM head and loss alone, forward and backward, both paths
-alternating, on the run's micro-batch of tokens (at most PROBE_MAX_TOKENS) and in its dtype.
+alternating in PROBE_ROUNDS pairs (gpt2/plan/paired.py), on the run's micro-batch of tokens (at most
+PROBE_MAX_TOKENS) and in its dtype. The full loss is taken where the pairs decide it is faster by more
+than FULL_MARGIN; a tie or a disagreement keeps the chunked one, which holds less memory. Cached per
+machine and shape only when the pairs decided on a quiet machine (issue 73), re-checked every
+paired.RECHECK_RUNS-th run that reads it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 from gpt2.core import host_memory
 from gpt2.core.precision import Precision
 from gpt2.model.loss import linear_cross_entropy
-from gpt2.plan import matmul_peak
+from gpt2.plan import matmul_peak, paired
 
 PROBE_MAX_TOKENS = 512
 """The probe's tokens at most (a run's micro-batch of tokens above it is timed at this many): eager's full
@@ -35,13 +38,17 @@ a small run's own (issue 58: a first run of a new shape peaked at 3,516 MiB agai
 512 tokens it is ~0.3 GiB, below the smallest run's own; both paths' times grow linearly in the tokens
 past a few hundred (each is matmuls over the rows and passes over the logits), so the choice is the same."""
 
-PROBE_ROUNDS = 2
-"""Timed calls of each path (after one untimed call each), alternating; each path's time is its fastest."""
+PROBE_ROUNDS = 6
+"""Pairs of timed calls, full and chunked back to back in alternating order (after one untimed call of each):
+a decision needs paired.AGREE_SHARE of them (5 of 6) to agree."""
 
 FULL_MARGIN = 0.9
 """auto takes the full loss uncompiled only when it measured at most this fraction of the chunked
 loss's time: near a tie the chunked loss, which holds less memory, stays, and a probe's noise does not
-flip a shape's choice from one run to the next."""
+flip a shape's choice from one run to the next. The pairs' tie margin is its inverse (1/0.9: 11%)."""
+
+LOSS_TIE = 1 / FULL_MARGIN - 1
+"""paired.compare's margin for the loss paths: a ratio within 1 +- 11% is a tie (the chunked loss)."""
 
 
 @dataclass(frozen=True)
@@ -55,16 +62,32 @@ class EagerLossTimes:
     """Measured now: how far the probe raised the process's resident high-water mark above the resident set
     it started from (0 when it stayed below an earlier mark: it added nothing to the peak a user reads);
     None when the times came from the cache or the memory cannot be read (off Linux)."""
+    verdict: paired.Comparison | None = None
+    """The paired comparison (A: full, B: chunked) that decides; None: times given without one (the
+    FULL_MARGIN rule on the two times decides)."""
+    source: str = ""
+    """Cached, or why not."""
 
     @property
     def full_is_faster(self) -> bool:
+        if self.verdict is not None:
+            return self.verdict.winner == "a"
         return self.full_s <= FULL_MARGIN * self.chunked_s
 
     def describe(self) -> str:
+        times = f"full {self.full_s * 1e3:,.0f} ms vs chunked {self.chunked_s * 1e3:,.0f} ms"
+        if self.verdict is None:
+            return f"measured at this shape: {times} per micro-step's LM head + loss (cached in {self.cache})"
+        undecided = "" if self.verdict.winner else ": undecided, so the chunked loss (it holds less memory)"
         return (
-            f"measured at this shape: full {self.full_s * 1e3:,.0f} ms vs chunked "
-            f"{self.chunked_s * 1e3:,.0f} ms per micro-step's LM head + loss (cached in {self.cache})"
+            f"measured at this shape: {times} per micro-step's LM head + loss (medians): "
+            f"{self.verdict.describe('full', 'chunked')}{undecided}; {self.source}"
         )
+
+
+_TIMES: dict[str, EagerLossTimes] = {}
+"""eager_loss_times' per-process answers, by cache file: one start asks once per shape (the micro-batch
+probe asks for each candidate, the loss choice again), and a dry run in the same process gets the same."""
 
 
 def loss_probe_key(device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int) -> dict:
@@ -86,29 +109,53 @@ def loss_probe_path(key: dict) -> Path:
 def eager_loss_times(
     device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int, *, refresh: bool | None = None
 ) -> EagerLossTimes:
-    """Both paths' times at this shape on this CPU, from the cache or measured (then cached atomically).
-    refresh=None reads matmul_peak.REFRESH_PEAK_ENV, as the matmul peaks do."""
+    """Both paths' times at this shape on this CPU and the pairs' verdict, from the cache or measured (then
+    cached atomically where paired.Comparison.doubt finds nothing against it). refresh=None reads
+    matmul_peak.REFRESH_PEAK_ENV, as the matmul peaks do."""
     tokens = min(tokens, PROBE_MAX_TOKENS)
     key = loss_probe_key(device, prec, tokens, n_embd, vocab_size)
     path = loss_probe_path(key)
+    if str(path) in _TIMES:
+        return _TIMES[str(path)]
     if refresh is None:
         refresh = matmul_peak.refresh_requested()
-    entry = None if refresh else matmul_peak.read_cache_entry(path, key)
-    peak = None
-    if entry is None or not all(isinstance(entry.get(k), float) and entry[k] > 0 for k in ("full_s", "chunked_s")):
+    fields = ("full_s", "chunked_s", "verdict")
+    entry, due = (None, False) if refresh else matmul_peak.read_trusted_entry(path, key, fields)
+    if entry is not None and not due:
+        times = _cached_times(entry, path)
+    else:
         before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
-        full_s, chunked_s = time_loss_paths(device, prec, tokens, n_embd, vocab_size)
+        rounds = time_loss_paths(device, prec, tokens, n_embd, vocab_size)
         after = host_memory.resident_peak_bytes()
+        peak = None
         if None not in (before, high, after):  # what it raised the process's peak to, above what it held
             peak = after - before if after > high else 0
-        entry = {"full_s": full_s, "chunked_s": chunked_s}
-        matmul_peak.write_cache_entry(path, key, entry)
-    return EagerLossTimes(entry["full_s"], entry["chunked_s"], str(path), peak)
+        verdict = rounds.verdict("full", "chunked", margin=LOSS_TIE)
+        full_s, chunked_s = rounds.median_s("full"), rounds.median_s("chunked")
+        if (doubt := verdict.doubt()) is None:
+            values = {"full_s": full_s, "chunked_s": chunked_s, "verdict": verdict.to_dict()}
+            matmul_peak.write_trusted_entry(path, key, values, verdict.load)
+            times = EagerLossTimes(full_s, chunked_s, str(path), peak, verdict, f"cached in {path}")
+        elif entry is not None:  # a re-check on a busy machine keeps the quiet measurement
+            matmul_peak.restart_recheck(path, key)
+            kept = _cached_times(entry, path)
+            times = replace(kept, peak_bytes=peak, source=f"{kept.source}; its re-check now was doubtful: {doubt}")
+        else:
+            times = EagerLossTimes(full_s, chunked_s, str(path), peak, verdict, f"not cached: {doubt}")
+    _TIMES[str(path)] = times
+    return times
 
 
-def time_loss_paths(device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int) -> tuple[float, float]:
-    """(full, chunked) seconds: GPT.forward's two loss paths on random activations and a GPT-2-scale
-    weight, under the run's autocast, the padded vocabulary rows masked as the model masks them."""
+def _cached_times(entry: dict, path: Path) -> EagerLossTimes:
+    verdict = paired.Comparison.from_dict(entry["verdict"])
+    source = f"measured {entry['measured']}, cached in {path}"
+    return EagerLossTimes(float(entry["full_s"]), float(entry["chunked_s"]), str(path), None, verdict, source)
+
+
+def time_loss_paths(device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int) -> paired.Rounds:
+    """GPT.forward's two loss paths ('full', 'chunked') timed in PROBE_ROUNDS alternating pairs after one
+    untimed call each, on random activations and a GPT-2-scale weight, under the run's autocast, the padded
+    vocabulary rows masked as the model masks them."""
     from gpt2.model.gpt import GPT2_VOCAB_SIZE
 
     gen = torch.Generator().manual_seed(0)
@@ -121,20 +168,14 @@ def time_loss_paths(device: str, prec: Precision, tokens: int, n_embd: int, voca
     targets = torch.randint(0, min(vocab_size, GPT2_VOCAB_SIZE), (tokens,), generator=gen).to(device)
 
     def full() -> None:
+        x.grad = weight.grad = None
         logits = F.linear(x, weight, bias)
         F.cross_entropy(logits.float(), targets, ignore_index=-1).backward()
 
     def chunked() -> None:
+        x.grad = weight.grad = None
         linear_cross_entropy(x, weight, bias, targets).backward()
 
-    paths = {"full": full, "chunked": chunked}
-    best = {name: float("inf") for name in paths}
     with prec.autocast(device):
-        for i in range(1 + PROBE_ROUNDS):
-            for name in list(paths) if i % 2 == 0 else list(paths)[::-1]:
-                x.grad = weight.grad = None
-                t0 = time.perf_counter()
-                paths[name]()
-                if i:  # the first round is untimed: allocations, lazy initialisation
-                    best[name] = min(best[name], time.perf_counter() - t0)
-    return best["full"], best["chunked"]
+        full(), chunked()  # untimed: allocations, lazy initialisation
+        return paired.measure_rounds({"full": full, "chunked": chunked}, PROBE_ROUNDS)

@@ -1,8 +1,12 @@
 """A device's matmul rate, measured: the peak FLOP/s a CPU's MFU and the plan's times are against, and
 what --dtype auto compares on a CPU with bf16 instructions (gpt2/plan/precision_choice.py). Several short
-probes, the best kept, cached per machine (CPU model, threads, torch) under ~/.cache/gpt2-ddp, so a run
-measures once per machine; GPUs use their data sheets instead (gpt2/plan/flops.py). Also the probes'
-shared cache entry format (read_cache_entry, write_cache_entry), which the loss and micro-batch probes use.
+probes per dtype, the dtypes' alternating (gpt2/plan/paired.py), the best kept; cached per machine (CPU
+model, threads, torch) under ~/.cache/gpt2-ddp where the measurement was not doubtful (not under load, its
+probes not scattered), so a quiet run measures once per machine and a busy one measures again until a quiet
+one can be cached; GPUs use their data sheets instead (gpt2/plan/flops.py). Also the probes' shared cache
+entry format (read_cache_entry, write_cache_entry; read_trusted_entry and write_trusted_entry for a
+measurement that passed paired's checks, re-checked every paired.RECHECK_RUNS-th read), which the loss and
+micro-batch probes use.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +25,7 @@ from pathlib import Path
 import torch
 
 from gpt2.core.atomic import atomic_write_text
+from gpt2.plan import paired
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,9 @@ def matmul_rate(
     The size doubles from 128 until one matmul takes min_time_s (long enough for the timer and for
     the BLAS to reach its plateau) or reaches the largest useful size; then it is timed until the
     budget is spent and the best time taken. Bounded on any device and dtype: an emulated bf16
-    matmul (1 GFLOP/s) stops growing at n=256, a fast one at 1024-2048 (CPU) or 8192 (GPU).
+    matmul (1 GFLOP/s) stops growing at n=256, a fast one at 1024-2048 (CPU) or 8192 (GPU). On a CPU
+    "takes min_time_s" is by the wall clock and by the process's CPU time per thread alike: on a busy
+    machine a small matmul's wall time is mostly waiting for a core, and the size would stop too soon.
     With n, that size alone is timed (no search; one untimed call, then at least one timed call and
     more while the budget lasts): a fixed workload such as a benchmark's 2048^3.
 
@@ -86,6 +94,7 @@ def _measure_matmul(
         return time.perf_counter() - t0, time.process_time() - c0
 
     max_n = 8192 if dev.type == "cuda" else 2048
+    threads = torch.get_num_threads() if dev.type == "cpu" else 1
     deadline = time.perf_counter() + budget_s
     size = n or 128
     while True:
@@ -94,7 +103,11 @@ def _measure_matmul(
         torch.mm(a, b)  # the first call builds the kernel (oneDNN) or warms the clocks
         sync()
         wall, cpu = timed(a, b)
-        if n is not None or wall >= min_time_s or size >= max_n or time.perf_counter() > deadline:
+        if dev.type == "cuda":
+            done = wall >= min_time_s or time.perf_counter() > deadline
+        else:  # both clocks: another process stretches a small matmul's wall time (issue 73: fp32 stopped at 128)
+            done = min(wall, cpu / threads) >= min_time_s
+        if n is not None or done or size >= max_n:
             break
         size *= 2
     while time.perf_counter() + wall < deadline:
@@ -105,7 +118,8 @@ def _measure_matmul(
 
 
 PEAK_PROBES = 5
-"""A CPU peak is the best of this many probes: another tenant's burst slows some of them, rarely all."""
+"""A CPU peak comes from this many probes per dtype, the dtypes' probes alternating (paired.measure_rounds):
+the best of them is the peak, their pairs decide --dtype auto (gpt2/plan/precision_choice.py)."""
 PEAK_PROBE_S = 0.3
 """Each probe's time budget (seconds)."""
 PEAK_MIN_MATMUL_S = 0.05
@@ -116,10 +130,24 @@ CPU_PEAK_FLOOR_PER_THREAD = 2e9
 of the machine: one SSE2 core at 2 GHz does 16 GFLOP/s in fp32, and the peak of an autocast run is
 never below fp32's (gpt2.plan.flops.device_peak_flops). Such a value is neither cached nor used for MFU."""
 REFRESH_PEAK_ENV = "GPT2_DDP_REFRESH_PEAK"
-"""Set to 1 to measure the CPU peaks again and overwrite the cached ones."""
+"""Set to 1 to measure the CPU peaks (and the probes' decisions) again and overwrite the cached ones."""
 
-_PEAKS: dict[str, float] = {}
-"""peak_rate's per-process cache, by cache key."""
+
+@dataclass(frozen=True)
+class MeasuredPeak:
+    """A CPU's peak matmul FLOP/s in one dtype, and how it was measured."""
+
+    flop_s: float
+    how: str
+    """'the best of 5 bfloat16 matmul probes (n=2048, alternating with float32's), measured ... at load 0.4 on
+    2 CPU(s)', with where it is cached."""
+    doubt: str | None = None
+    """Why it is neither cached nor used for MFU (measured under load, scattered probes, below the floor),
+    or None."""
+
+
+_PEAKS: dict[str, MeasuredPeak] = {}
+"""measured_peaks' per-process cache, by cache file."""
 
 
 def peak_cache_dir() -> Path:
@@ -159,42 +187,108 @@ def peak_cache_path(key: dict) -> Path:
 
 
 def peak_rate(device: str, dtype: torch.dtype, *, refresh: bool | None = None) -> float:
-    """A CPU's peak matmul FLOP/s in dtype (see peak_rates)."""
+    """A CPU's peak matmul FLOP/s in dtype (see measured_peaks)."""
     return peak_rates(device, (dtype,), refresh=refresh)[0]
 
 
 def peak_rates(device: str, dtypes: tuple[torch.dtype, ...], *, refresh: bool | None = None) -> list[float]:
-    """A CPU's peak matmul FLOP/s in each dtype: the best of PEAK_PROBES probes, measured once per
-    machine, dtype, thread count and torch version and cached in peak_cache_dir() (written atomically).
+    """A CPU's peak matmul FLOP/s in each dtype (measured_peaks' values)."""
+    return [m.flop_s for m in measured_peaks(device, dtypes, refresh=refresh)]
 
-    When any of them must be measured, all are, their probes alternating: a comparison (bf16 against
-    fp32 for --dtype auto, an autocast peak against fp32's) is then between rates taken under the same
-    load. refresh=None reads GPT2_DDP_REFRESH_PEAK: 1 measures again and replaces the cached values
-    (once per process). An fp32 value below CPU_PEAK_FLOOR_PER_THREAD is returned but never cached:
-    the next run measures again (emulated bf16 or fp16 is genuinely that slow, so only fp32 has a
-    floor). An unreadable or unwritable cache only costs a measurement.
+
+def measured_peaks(device: str, dtypes: tuple[torch.dtype, ...], *, refresh: bool | None = None) -> list[MeasuredPeak]:
+    """A CPU's peak matmul FLOP/s in each dtype: the best of PEAK_PROBES probes, measured once per machine,
+    dtype, thread count and torch version and cached in peak_cache_dir() (written atomically) where the
+    measurement is not doubtful (measured under load, its probes scattered, or an fp32 rate below
+    CPU_PEAK_FLOOR_PER_THREAD: probe_peaks); a doubtful one is returned with its doubt, which keeps it out of
+    MFU, and the next run measures again. A cached peak is measured again on every paired.RECHECK_RUNS-th
+    run that reads it; a doubtful re-check keeps it.
+
+    When any of them must be measured, all are, their probes alternating: a comparison (bf16 against fp32
+    for --dtype auto, an autocast peak against fp32's) is then between rates taken under the same load.
+    refresh=None reads GPT2_DDP_REFRESH_PEAK: 1 measures again and replaces the cached values (once per
+    process). An unreadable or unwritable cache only costs a measurement; an entry written before issue 73
+    (no record of its load) is measured again.
     """
     dtypes = tuple(dict.fromkeys(dtypes))
-    keys = [peak_key(device, d) for d in dtypes]
-    paths = [str(peak_cache_path(k)) for k in keys]
+    paths = [str(peak_cache_path(peak_key(device, d))) for d in dtypes]
     if all(p in _PEAKS for p in paths):  # a refresh happens once per process, not at every call
         return [_PEAKS[p] for p in paths]
     if refresh is None:
         refresh = refresh_requested()
-    cached = [None if refresh else _PEAKS.get(p) or _read_peak(Path(p), k) for p, k in zip(paths, keys)]
-    if any(r is None for r in cached):
-        probes = [[] for _ in dtypes]
-        for _ in range(PEAK_PROBES):
-            for i, d in enumerate(dtypes):
-                probes[i].append(
-                    matmul_rate(device, d, budget_s=PEAK_PROBE_S, min_time_s=PEAK_MIN_MATMUL_S, fresh=True)
-                )
-        cached = [max(p) for p in probes]
-        for d, p, k, rate, ps in zip(dtypes, paths, keys, cached, probes):
-            if d != torch.float32 or rate >= CPU_PEAK_FLOOR_PER_THREAD * k["threads"]:
-                _write_peak(Path(p), k, rate, ps)
-    _PEAKS.update(zip(paths, cached))
-    return cached
+    missing = refresh
+    for p, d in zip(paths, dtypes):
+        if p not in _PEAKS and not refresh:
+            cached, due = _read_peak(device, d)
+            missing = missing or cached is None or due
+            if cached is not None and not due:
+                _PEAKS[p] = cached
+    if missing:
+        probe_peaks(device, dtypes, keep_cached=not refresh)
+    return [_PEAKS[p] for p in paths]
+
+
+def probe_peaks(device: str, dtypes: tuple[torch.dtype, ...], *, keep_cached: bool = True) -> paired.Rounds:
+    """PEAK_PROBES probes of each dtype, alternating (paired.measure_rounds: A, B, B, A, ...), each the best
+    call of a matmul_rate probe at the size its first one found; each dtype's peak, the best of its probes,
+    is cached and kept for this process where the measurement is not doubtful. A doubtful one does not
+    replace a cached peak (keep_cached: a re-check); else it is this process's, with its doubt. Returns the
+    rounds: gpt2/plan/precision_choice.py decides bf16 against fp32 from their pairs."""
+    dtypes = tuple(dict.fromkeys(dtypes))
+    sizes: dict[str, int | None] = {}
+
+    def probe(d: torch.dtype):
+        name = _name(d)
+
+        def run() -> paired.Timing:
+            rate = matmul_rate(
+                device, d, budget_s=PEAK_PROBE_S, min_time_s=PEAK_MIN_MATMUL_S, n=sizes.get(name), fresh=True,
+                cpu_time=True,
+            )  # fmt: skip
+            sizes.setdefault(name, rate.n)
+            return paired.Timing(1.0 / rate.wall, 1.0 / (rate.cpu * torch.get_num_threads()))
+
+        return run
+
+    rounds = paired.measure_rounds({_name(d): probe(d) for d in dtypes}, PEAK_PROBES)
+    others = {_name(d) for d in dtypes}
+    for d in dtypes:
+        name, key = _name(d), peak_key(device, d)
+        path = peak_cache_path(key)
+        rates = [1.0 / s for s in rounds.seconds(name)]
+        walls = [1.0 / t.wall_s for t in rounds.times[name]]
+        peak = max(walls)
+        doubt = rounds.load.busy()
+        if doubt is None and paired.spread(rates) > paired.MAX_SPREAD:
+            doubt = f"its probes scatter by {paired.spread(rates):.0%} (more than {paired.MAX_SPREAD:.0%})"
+        if doubt is None and peak > (1 + paired.MAX_SPREAD) * statistics.median(walls):  # one lucky window
+            doubt = f"its best probe is {peak / statistics.median(walls):.2f}x their median"
+        if doubt is None and d == torch.float32 and peak < CPU_PEAK_FLOOR_PER_THREAD * key["threads"]:
+            doubt = f"below {CPU_PEAK_FLOOR_PER_THREAD / 1e9:g} GFLOP/s per thread"
+        beside = sorted(others - {name})
+        how = f"the best of {len(walls)} {name} matmul probes (n={sizes.get(name)}" + (
+            f", alternating with {', '.join(beside)}'s)" if beside else ")"
+        )
+        measured = f"{how}, measured now at {rounds.load.describe()}"
+        if doubt is None:
+            cpu = [1.0 / t.cpu_s for t in rounds.times[name]]
+            values = {"flop_s": peak, "probes_flop_s": walls, "probes_cpu_flop_s": cpu, "n": sizes.get(name)}
+            write_trusted_entry(path, key, {**values, "how": how}, rounds.load)
+            _PEAKS[str(path)] = MeasuredPeak(peak, f"{measured}; cached in {path}")
+            continue
+        kept = _PEAKS.get(str(path))
+        if keep_cached and (kept is None or kept.doubt is not None):
+            kept, _ = _read_peak(device, d, count=False)
+        if keep_cached and kept is not None and kept.doubt is None:  # a re-check on a busy machine
+            restart_recheck(path, key)
+            _PEAKS[str(path)] = MeasuredPeak(kept.flop_s, f"{kept.how} (its re-check now was doubtful: {doubt})")
+        else:
+            _PEAKS[str(path)] = MeasuredPeak(peak, f"{measured}; not cached: {doubt}", doubt)
+    return rounds
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def forget_peak(device: str, dtype: torch.dtype) -> None:
@@ -235,13 +329,57 @@ def write_cache_entry(path: Path, key: dict, values: dict) -> None:
         pass  # a read-only home: measured every run, which is what happened before the cache
 
 
-def _read_peak(path: Path, key: dict) -> float | None:
+def read_trusted_entry(
+    path: Path, key: dict, fields: tuple[str, ...], *, count: bool = True
+) -> tuple[dict | None, bool]:
+    """A cache entry for key that a measurement passing every check wrote (write_trusted_entry: an entry
+    without that record, as every entry before issue 73, is None: measured again), and whether this read
+    is its re-check (every paired.RECHECK_RUNS-th; count=False reads without counting this run)."""
     entry = read_cache_entry(path, key)
+    if entry is None or entry.get("trusted") is not True or not isinstance(entry.get("load"), dict):
+        return None, False
+    if any(f not in entry for f in fields):
+        return None, False
+    if not count:
+        return entry, False
+    runs = entry.get("runs", 0)
+    runs = (runs if isinstance(runs, int) else 0) + 1
+    if runs >= paired.RECHECK_RUNS:
+        return entry, True
+    _rewrite(path, {**entry, "runs": runs})
+    return entry, False
+
+
+def write_trusted_entry(path: Path, key: dict, values: dict, load: paired.Load) -> None:
+    """values under key, marked as a measurement that may be cached, with the load it was measured under and
+    its count of runs towards the next re-check (write_cache_entry)."""
+    write_cache_entry(path, key, {**values, "load": load.to_dict(), "trusted": True, "runs": 0})
+
+
+def restart_recheck(path: Path, key: dict) -> None:
+    """A cached entry whose re-check was doubtful stays, counted from 0 again (a busy machine does not pay a
+    measurement at every start)."""
+    entry = read_cache_entry(path, key)
+    if entry is not None:
+        _rewrite(path, {**entry, "runs": 0})
+
+
+def _rewrite(path: Path, entry: dict) -> None:
+    with contextlib.suppress(OSError):
+        atomic_write_text(path, json.dumps(entry, indent=1) + "\n")
+
+
+def _read_peak(device: str, dtype: torch.dtype, *, count: bool = True) -> tuple[MeasuredPeak | None, bool]:
+    """The cached peak (None: none, unreadable, doubtful or written before issue 73) and whether this read is
+    its re-check (count: this run is counted towards it)."""
+    key = peak_key(device, dtype)
+    path = peak_cache_path(key)
+    entry, due = read_trusted_entry(path, key, ("flop_s", "how"), count=count)
     try:
-        return float(entry["flop_s"]) if entry is not None and entry["flop_s"] > 0 else None
+        if entry is None or not float(entry["flop_s"]) > 0:
+            return None, False
+        load = paired.Load.from_dict(entry["load"]).describe()
+        how = f"{entry['how']}, measured {entry['measured']} at {load}; cached in {path}"
+        return MeasuredPeak(float(entry["flop_s"]), how), due
     except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _write_peak(path: Path, key: dict, rate: float, probes: list[float]) -> None:
-    write_cache_entry(path, key, {"flop_s": rate, "probes_flop_s": probes})
+        return None, False

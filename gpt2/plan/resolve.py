@@ -30,7 +30,7 @@ from gpt2.model.fp8 import fp8_problem
 from gpt2.plan import precision_choice
 from gpt2.plan.ac_choice import ACChoice, choose_activation_checkpointing
 from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
-from gpt2.plan.flops import device_peak_flops, mig_profile, peak_problem
+from gpt2.plan.flops import cpu_peak, device_peak_flops, doubtful_peak, mig_profile, peak_problem
 from gpt2.plan.hardware import Hardware, custom_hardware, device_hardware, gpu_native_bf16
 from gpt2.plan.loss_choice import LossChoice, choose_loss_impl
 from gpt2.plan.planner import Plan, plan
@@ -88,7 +88,8 @@ class Resolved:
     """What torch.compile compiles: "off", "model" (the whole model), or "blocks" (each block, then the
     head and loss: --compile-scope blocks, and always under fsdp, whose units each gather their weights)."""
     peak: float | None
-    """This device's peak FLOP/s for MFU and the plan's time (mfu_peak), or None: then peak_why says why."""
+    """This device's peak FLOP/s for MFU (mfu_peak), or None: then peak_why says why. The plan's times use
+    hardware.peak_flops (plan_peak: on a busy CPU, the measured peak MFU does not use)."""
     peak_why: str
     start: StartDecision
     """Where every rank begins (gpt2/ckpt/resume.py choose_start): a checkpoint to resume, or FRESH."""
@@ -97,6 +98,9 @@ class Resolved:
     network: dict | None = None
     """Several ranks: what a step's collectives cost, measured by the start-up (gpt2/distributed/bandwidth.py
     NetworkCost.to_dict()); None on one process, in a plan and in a rehearsal."""
+    peak_how: str = ""
+    """On this machine's CPU: how its matmul peak was measured (gpt2.plan.matmul_peak.MeasuredPeak.how), used
+    for MFU or not; "" elsewhere."""
 
     @property
     def hardware(self) -> Hardware:
@@ -120,7 +124,7 @@ def resolve_choices(
         raise ValueError(why)
     prec = target_precision(tc.compute.dtype, target, tf32=tc.compute.tf32 and target.device_type == "cuda")
     peak, peak_why = mfu_peak(target.device, prec) if target.device is not None else (None, "")
-    hardware = target_hardware(target, prec, peak)
+    hardware = target_hardware(target, prec, plan_peak(target.device, prec, peak))
     if target.device is None:  # a hypothetical GPU: its data sheet's peak, or why there is none
         peak = hardware.peak_flops
         peak_why = "" if peak is not None else f"{hardware.name} has no data-sheet peak (pass --gpu-peak-tflops)"
@@ -159,6 +163,7 @@ def resolve_choices(
         peak_why=peak_why,
         start=start,
         warning=warning,
+        peak_how=cpu_peak(target.device, prec.torch_dtype).how if on_cpu(target.device) else "",
     )
 
 
@@ -212,9 +217,9 @@ def target_hardware(target: Target, prec: Precision, peak: float | None) -> Hard
 
 
 def mfu_peak(device: torch.device, prec: Precision) -> tuple[float | None, str]:
-    """This device's peak FLOP/s in prec for MFU and the plan's time estimates, and where there is none, why
-    (the start-up logs it as "mfu n/a: why"): no data-sheet peak (an unlisted GPU, a MIG slice), or a CPU
-    probe below the sanity floor."""
+    """This device's peak FLOP/s in prec for MFU, and where there is none, why (the start-up logs it as "mfu
+    n/a: why"): no data-sheet peak (an unlisted GPU, a MIG slice), a CPU probe below the sanity floor, or a
+    CPU peak measured on a busy machine (issue 73: MFU must not swing with the load)."""
     peak = device_peak_flops(device, prec.torch_dtype, tf32=prec.tf32)
     if peak is None:
         name = device_name(device)
@@ -224,7 +229,23 @@ def mfu_peak(device: torch.device, prec: Precision) -> tuple[float | None, str]:
         return None, f"{name} has no data-sheet peak in gpt2/plan/flops.py (add it there)"
     if why := peak_problem(peak, device, torch.get_num_threads()):
         return None, why
+    if on_cpu(device) and (why := doubtful_peak(cpu_peak(device, prec.torch_dtype))):
+        return None, why
     return peak, ""
+
+
+def plan_peak(device: torch.device | None, prec: Precision, peak: float | None) -> float | None:
+    """The peak the plan's times and the throughput model use: MFU's; on this machine's CPU whose measured peak
+    MFU may not use because the machine was busy, that measurement still (a step time estimated under load
+    is for steps under load too), but not one below the sanity floor."""
+    if peak is not None or not on_cpu(device):
+        return peak
+    measured = cpu_peak(device, prec.torch_dtype).flop_s
+    return None if peak_problem(measured, device, torch.get_num_threads()) else measured
+
+
+def on_cpu(device: torch.device | None) -> bool:
+    return device is not None and device.type == "cpu"
 
 
 def device_name(device: torch.device) -> str:

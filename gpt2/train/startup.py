@@ -681,8 +681,7 @@ def log_mfu_peak(decided: Resolved, dist: Dist, log: RunLog) -> None:
         log.info(f"mfu n/a: {decided.peak_why}")
     elif decided.hardware.device_type == "cpu":
         log.detail(
-            f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): the best of "
-            f"{matmul_peak.PEAK_PROBES} matmul probes, cached in {matmul_peak.peak_cache_dir()} "
+            f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): {decided.peak_how} "
             f"({matmul_peak.REFRESH_PEAK_ENV}=1 measures again)"
         )
 
