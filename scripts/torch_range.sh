@@ -59,7 +59,7 @@ for v in "${VERSIONS[@]}"; do
   echo "torch_range: torch $got: ${#SUBSET[@]} test files"
   set +e
   # The subset's default tests, and test_torch_range (slow in the main suite, where .ci/run's long pass runs it).
-  "$py" -m pytest -q -p no:cacheprovider -m "not slurm and not soak and (not slow or torch_range)" "${SUBSET[@]}"
+  "$py" -m pytest -q -n auto -p no:cacheprovider -m "not slurm and not soak and (not slow or torch_range)" "${SUBSET[@]}"
   rc=$?
   set -e
   if [ "$KEEP" != 1 ]; then rm -rf "$env"; fi

@@ -78,6 +78,33 @@ def pytest_collection_modifyitems(config, items):
                 )
 
 
+CPU_REPORT_ENV = "GPT2_TEST_CPU_REPORT"
+"""A file path: each test's CPU seconds (this process and the processes it started and waited for: torchrun, its
+ranks, data_prep) and wall seconds are appended to it as JSON lines. CPU time barely moves with the machine's
+load, where wall time does: docs/testing.md's table of where the suite's time goes is read from it."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get(CPU_REPORT_ENV)
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    c0, t0 = cpu(), time.perf_counter()
+    yield
+    row = {"test": item.nodeid, "cpu_s": round(cpu() - c0, 2), "wall_s": round(time.perf_counter() - t0, 2)}
+    with open(path, "a") as f:  # one line a write: workers of `-n` append to the same file
+        f.write(json.dumps(row) + "\n")
+
+
 def shares_a_module_fixture(item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     defs = info.name2fixturedefs.values() if info is not None else ()

@@ -344,7 +344,9 @@ def read_trusted_entry(
         return entry, False
     runs = entry.get("runs", 0)
     runs = (runs if isinstance(runs, int) else 0) + 1
-    if runs >= paired.RECHECK_RUNS:
+    if runs >= paired.RECHECK_RUNS and paired.quiet_now():
+        # Due, and the machine quiet enough for a re-check to count: under load it would be doubtful and keep
+        # the entry anyway, after the probes' seconds; the count waits for a quiet start instead.
         return entry, True
     _rewrite(path, {**entry, "runs": runs})
     return entry, False

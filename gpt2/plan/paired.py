@@ -19,7 +19,7 @@ What is never cached (`Comparison.doubt`): a measurement under a load average ab
 may use or with its threads waiting for a CPU, one whose pairs scatter (SPREAD), and one that did not
 decide (a tie: the ratio within the margin; or a disagreement: too few pairs agree). The caller then
 falls back to a rule that needs no measurement and says so, and measures again at the next start. A
-cached decision is measured again on every RECHECK_RUNS-th start that reads it.
+cached decision is measured again on every RECHECK_RUNS-th start that reads it (the first quiet one from then).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ MAX_WAIT_SHARE = 0.10
 """Above this share of its threads' time spent waiting for a CPU, a measurement was contended: it is
 decided by CPU time and not cached."""
 RECHECK_RUNS = 10
-"""A cached decision is measured again on every RECHECK_RUNS-th start that reads it (the new one replaces it
-where it may be cached; a doubtful re-check keeps the cached one)."""
+"""A cached decision is measured again on every RECHECK_RUNS-th start that reads it, or the first quiet start
+after (quiet_now: a re-check under load would only be doubtful; the new one replaces it where it may be cached;
+a doubtful re-check keeps the cached one)."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,14 @@ class Clock:
 
 CLOCK = Clock()
 """The clock every probe measures with (tests replace it with a fake)."""
+
+
+def quiet_now(clock: Clock | None = None) -> bool:
+    """Whether a measurement now could be cached as far as the load average says: at most the CPUs this process
+    may use (where it cannot be read, yes: the measurement's own checks still apply)."""
+    clock = clock or CLOCK
+    load = clock.load_average()
+    return load is None or load <= clock.cores()
 
 
 @dataclass(frozen=True)
