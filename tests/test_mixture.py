@@ -512,3 +512,45 @@ def load_ckpt_loader(run_dir: Path) -> dict:
     if path.is_dir():
         return torch.load(path / "train.pt", map_location="cpu", weights_only=True)["loader"]
     return load_ckpt(run_dir, MAX_STEPS)["loader"]
+
+
+def test_eval_dry_run_and_plot_of_a_mixture(tmp_path, sources, reference, capsys):
+    """`python -m gpt2.eval loss --data-dir A,B` gives a line per source (the trainer's val_loss/NAME) and with
+    --data-weights their mean (its val_loss); --dry-run shows the mixture and, resuming the reference with
+    other --data-weights, says the change in one line; the loss plot draws a curve per source."""
+    from _helpers import import_train_ddp
+
+    from gpt2.eval import main
+    from gpt2.train.run_log import plot_loss_curve
+
+    common = ["--checkpoint", str(reference), "--eval-tokens", "512", "--batch-size", "4", "--device", "cpu"]
+    common += ["--num-threads", "1", "--dtype", "float32", "--data-dir", ",".join(map(str, sources))]
+    assert main(["loss", *common, "--data-weights", "3,1", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    final = [r for r in records(reference) if "val_loss" in r][-1]
+    for name in ("shakespeare", "code"):
+        assert got["sources"][name]["loss"] == pytest.approx(final[f"val_loss/{name}"], abs=1e-5)
+    assert got["loss"] == pytest.approx(final["val_loss"], abs=1e-5)
+    assert main(["loss", *common]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(" on ")[1].split(":")[0] for line in lines] == ["shakespeare", "code"], lines
+    assert main(["loss", *common, "--data-weights", "1"]) == 2
+    assert "--data-weights gives 1 weight(s) for 2 --data-dir directories" in capsys.readouterr().err
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(reference / "checkpoints")
+    (run_dir / "config.json").symlink_to(reference / "config.json")
+    argv = flags(sources, run_dir, "--data-weights", "1,1", "--data-weight-schedule", "", "--max-steps", "20")
+    assert import_train_ddp().main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "mixture    shakespeare 0.5: 310,752 train tokens" in out
+    assert (
+        "resume: mixture weights shakespeare 0.25, code 0.75 -> shakespeare 0.5, code 0.5 from step 8 (the position "
+        "in each source is kept)"
+    ) in out
+    rows = [line for line in out.splitlines() if line.startswith("  rank ")]
+    assert len(rows) == 2 and all(w.split(":")[0] in ("shakespeare", "code") for w in rows[0].split(": ")[1].split())
+
+    png = plot_loss_curve(reference / "metrics.jsonl", tmp_path / "curve.png")
+    assert png is None or png.stat().st_size > 0
