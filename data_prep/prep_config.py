@@ -40,7 +40,8 @@ def is_saved_dataset(path: Path) -> bool:
     """A directory that `datasets`' save_to_disk wrote: a Dataset (state.json beside dataset_info.json) or a
     DatasetDict of splits (dataset_dict.json). Read with load_from_disk, not as the JSON files it holds."""
     return path.is_dir() and (
-        (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+        (path / "dataset_dict.json").is_file()
+        or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
     )
 
 

@@ -91,9 +91,7 @@ def stat_source(path: Path, kind: str) -> SourceFile:
             stats = [p.stat() for p in sorted(path.rglob("*")) if p.is_file()]
         except OSError as e:
             raise unreadable(str(path), e) from None
-        return SourceFile(
-            str(path.resolve()), kind, sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats)
-        )
+        return SourceFile(str(path.resolve()), kind, sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats))
     try:
         st = path.stat()
     except OSError as e:  # a dangling link in a source directory, or a file gone since it was listed
@@ -612,7 +610,8 @@ def open_saved(path: str, split: str, text_field: str):
         ds = ds[split]
     if text_field not in ds.column_names:
         raise UserError(
-            f"{path}: no column {text_field!r} (columns: {', '.join(ds.column_names[:8])}); choose one with --text-field"
+            f"{path}: no column {text_field!r} (columns: {', '.join(ds.column_names[:8])}); "
+            "choose one with --text-field"
         )
     kind = ds.data.schema.field(text_field).type
     if not is_text_type(kind):
