@@ -32,6 +32,7 @@ from data_prep.shard_writer import (
     val_runs,
 )
 from data_prep.verify import shard_damage
+from gpt2.core.config import TRAIN_PRESETS
 
 SPREAD_OVERSAMPLE = 2
 """Spread: documents whose hash falls in the lowest SPREAD_OVERSAMPLE x budget/estimate of the hash
@@ -188,6 +189,10 @@ def run_job(cfg: PrepConfig, log: Callable[[str], None]) -> Summary:
     n_records = sum(reader.group_records)
     if n_records == 0:
         raise UserError("empty corpus: the sources hold no documents")
+    try:
+        check_split(val.tokens, train.tokens, val_tokens, 0)
+    except UserError as e:  # the manifest stays incomplete: the trainer refuses the directory
+        raise UserError(f"{e}; delete {cfg.out} first (its shards are this split's)") from None
     totals = {
         "documents": n_records,
         "tokens": val.tokens + train.tokens,
@@ -225,24 +230,46 @@ def choose_val(reader: sources.RecordReader, cfg: PrepConfig, corpus: sources.Co
     if budget == 0:
         return []
     if cfg.resolved_val_select == "first":
-        return first_val(reader, cfg, budget)
+        return first_val(reader, cfg, budget, corpus)
     rate = min(1.0, SPREAD_OVERSAMPLE * budget / max(1, corpus.estimated_tokens or 1))
     while True:
         counts, n_records = candidate_tokens(reader, cfg, rate)
-        chosen, total = [], 0
-        for _, record, n in sorted(counts):
-            if total >= budget:
-                break
-            chosen.append(record)
-            total += n
+        chosen, total = spread_choice(sorted(counts), budget)
         if total >= budget or rate == 1.0:
             break
         rate = min(1.0, rate * 4)
+    if not chosen and counts:  # every document far larger than the budget: the first in hash order, as before
+        _, record, total = min(counts)
+        chosen = [record]
     if n_records == 0:
         raise UserError("empty corpus: the sources hold no documents")
     if len(chosen) == n_records:
         raise all_val(n_records, total, budget)
+    taken = set(chosen)
+    largest = max((n for _, record, n in counts if record in taken), default=0)
+    if rate == 1.0:  # every document was counted: the split's sizes are known exactly
+        check_split(total, sum(n for _, _, n in counts) - total, budget, largest)
+    else:
+        check_estimated_split(total, corpus, budget, largest)
     return to_runs(sorted(chosen))
+
+
+VAL_DOC_LIMIT = 4
+"""The spread choice passes over a document of more than this many times the val budget (it stays in train): a
+corpus of a few large documents gave val a whole book, or 18.2M of its 18.2M tokens (issue 74)."""
+
+
+def spread_choice(ordered: list[tuple[int, int, int]], budget: int) -> tuple[list[int], int]:
+    """The val records from (hash, record, tokens) in hash order, and their tokens: whole documents until
+    the budget is met, passing over those far larger than it (VAL_DOC_LIMIT)."""
+    chosen, total = [], 0
+    for _, record, n in ordered:
+        if total >= budget:
+            break
+        if n <= VAL_DOC_LIMIT * budget:
+            chosen.append(record)
+            total += n
+    return chosen, total
 
 
 def candidate_tokens(reader: sources.RecordReader, cfg: PrepConfig, rate: float) -> tuple[list, int]:
@@ -267,14 +294,19 @@ def candidate_tokens(reader: sources.RecordReader, cfg: PrepConfig, rate: float)
     return [(hashes[r], r, n) for r, n in tokens.items()], n_records
 
 
-def first_val(reader: sources.RecordReader, cfg: PrepConfig, budget: int) -> list[list[int]]:
+def first_val(
+    reader: sources.RecordReader, cfg: PrepConfig, budget: int, corpus: sources.Corpus | None = None
+) -> list[list[int]]:
     """The rule of earlier versions: the first documents in source order."""
-    total, end = 0, 0
+    total, end, sizes = 0, 0, {}
     for batch, _, counts in encode_batches(make_batches(enumerate(reader.records(0))), cfg.workers):
         for record, first, n in zip(batch.records, batch.first, counts.tolist()):
             if first and total >= budget:
+                if corpus is not None:
+                    check_estimated_split(total, corpus, budget, max(sizes.values(), default=0))
                 return [[0, record]]
             total += n
+            sizes[record] = sizes.get(record, 0) + n
             end = record + 1
     raise all_val(end, total, budget)
 
@@ -303,6 +335,50 @@ def all_val(n_records: int, tokens: int, budget: int) -> UserError:
         f"all {n_records:,} documents ({tokens:,} tokens) would go to val (val budget {budget:,} "
         f"tokens), and {VAL_RULE}: pass a smaller --val-tokens (or 0 for no val split)"
     )
+
+
+MIN_TRAIN_TOKENS = min(p["total_batch_size"] for p in TRAIN_PRESETS.values()) + 1
+"""A train split must hold one optimizer step of the smallest preset (speed's 1,024 tokens, and the token after)."""
+ESTIMATE_MARGIN = 2
+"""Before tokenizing the train split its size is estimated from source bytes (bytes / 4: code is nearer 2.3,
+so an estimate may be half the truth): refused then only when val exceeds this many times the estimate; the
+exact check follows once the train split is written (check_split in run_job)."""
+
+
+def lopsided(val: int, train: int, budget: int, largest: int, *, estimated: bool = False) -> str:
+    """Why a split is refused and the ways out."""
+    about = "about " if estimated else ""
+    why = (
+        f"val would be larger than train ({about}{val:,} against {about}{train:,} tokens)"
+        if train < val
+        else f"train would hold {about}{train:,} tokens, less than one optimizer step of the smallest preset "
+        f"({MIN_TRAIN_TOKENS:,})"
+    )
+    big = (
+        f"; a document of {largest:,} tokens crossed the val target of {budget:,} and went to val whole: split it "
+        "(.jsonl: several records; .txt: --txt-sample-by paragraph)"
+        if largest > 2 * max(budget, 1)
+        else ""
+    )
+    return (
+        f"{why}{big}. Pass a smaller --val-tokens (or 0 for no val split), or --val-select first (the first "
+        "documents in source order) to choose other documents"
+    )
+
+
+def check_split(val: int, train: int, budget: int, largest: int) -> None:
+    """The split's exact sizes: train at least as large as val and one optimizer step; else UserError."""
+    if val and (train < val or train < MIN_TRAIN_TOKENS):
+        raise UserError(lopsided(val, train, budget, largest))
+
+
+def check_estimated_split(val: int, corpus: sources.Corpus, budget: int, largest: int) -> None:
+    """Before the train split is tokenized: refused when the estimate leaves no doubt (ESTIMATE_MARGIN)."""
+    if corpus.estimated_tokens is None:  # a streamed dataset of unknown size: the exact check after writing
+        return
+    train = corpus.estimated_tokens - val
+    if val > ESTIMATE_MARGIN * max(train, 0):
+        raise UserError(lopsided(val, max(train, 0), budget, largest, estimated=True))
 
 
 def to_runs(records: list[int]) -> list[list[int]]:

@@ -2,6 +2,7 @@
 
     python -m gpt2.eval hellaswag --checkpoint RUN [--data hellaswag_val.jsonl]
     python -m gpt2.eval loss --checkpoint RUN --data-dir DIR [--eval-tokens N]
+    python -m gpt2.eval loss --checkpoint RUN --data-dir A,B [--data-weights 0.75,0.25]   # a line per source
     torchrun --standalone --nproc_per_node=8 -m gpt2.eval hellaswag --checkpoint RUN
 
 The scoring itself is gpt2/train/scoring.py's (the trainer runs the same functions), the HellaSwag file
@@ -20,6 +21,7 @@ from pathlib import Path
 from gpt2.ckpt.load import load_any
 from gpt2.core import precision
 from gpt2.core.args import OneLineParser
+from gpt2.core.config import data_dirs, normalised, parse_weights, source_name
 from gpt2.core.precision import FLOAT32, Precision
 from gpt2.data.hellaswag import HELLASWAG_URL, default_data_path, prepare_hellaswag
 from gpt2.distributed.group import Dist, broadcast_object
@@ -75,6 +77,40 @@ def val_shards_loss(
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": loader.tokens, "clamped": loader.clamped}
 
 
+def loss_sources(args: argparse.Namespace) -> tuple[list[str], list[str], list[float] | None]:
+    """--data-dir's directories, their names and --data-weights, checked before anything loads."""
+    dirs = data_dirs(args.data_dir)
+    weights = None
+    if len(dirs) > 1 and args.data_weights:
+        weights = parse_weights(args.data_weights, "--data-weights")
+        if len(weights) != len(dirs):
+            raise ValueError(f"--data-weights gives {len(weights)} weight(s) for {len(dirs)} --data-dir directories")
+    elif args.data_weights:
+        raise ValueError("--data-weights weighs several --data-dir directories (A,B): one needs none")
+    names = [source_name(d) for d in dirs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--data-dir {args.data_dir}: two directories of one name; each source is named by its own")
+    return dirs, names, weights
+
+
+def sources_loss(model: GPT, args: argparse.Namespace, dist: Dist, prec: Precision) -> dict:
+    """val_shards_loss of --data-dir's one directory; of each of several ({"sources": {NAME: result}}, NAME
+    its directory's name, and with --data-weights "loss": their weighted mean, as the trainer's val_loss)."""
+    dirs, names, weights = loss_sources(args)
+    results = {
+        name: val_shards_loss(
+            model, d, dist, eval_tokens=args.eval_tokens, batch_size=args.batch_size, prec=prec, progress=True
+        )
+        for name, d in zip(names, dirs)
+    }
+    if len(dirs) == 1:
+        return results[names[0]]
+    out = {"sources": results}
+    if weights is not None:
+        out["loss"] = sum(w * results[n]["loss"] for n, w in zip(names, normalised(weights)))
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="python -m gpt2.eval",
@@ -106,7 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     hs.add_argument("--url", default=HELLASWAG_URL, help="where to download the file from when missing")
     hs.add_argument("--limit", type=int, default=None, help="only the first N examples")
     loss = sub.add_parser("loss", parents=[common], help="validation loss and perplexity on *val*.bin shards")
-    loss.add_argument("--data-dir", required=True, help="directory holding *val*.bin shards")
+    loss.add_argument(
+        "--data-dir", required=True, help="directory holding *val*.bin shards; A,B,...: each source of a mixture"
+    )
+    loss.add_argument(
+        "--data-weights", default="", help="with several --data-dir: also their weighted mean (the trainer's val_loss)"
+    )
     loss.add_argument("--eval-tokens", type=int, default=10_485_760, help="tokens to evaluate (from the start)")
     loss.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass per rank")
     return parser
@@ -132,6 +173,8 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
                 raise ValueError(f"--limit {args.limit} must be >= 1")
             if args.task == "loss" and (args.eval_tokens < 1 or args.batch_size < 1):
                 raise ValueError("--eval-tokens and --batch-size must be >= 1")
+            if args.task == "loss":
+                loss_sources(args)  # the directories and weights, before the model loads
             device = resolve_device(args.device, info.local_rank)
             model, source = load_any(args.checkpoint, device)
             dist = setup(info, device, timeout_s=600.0)
@@ -142,15 +185,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
             if args.task == "hellaswag":
                 examples = prepare_hellaswag(args.data, dist, url=args.url, limit=args.limit)
             else:
-                result = val_shards_loss(
-                    model,
-                    args.data_dir,
-                    dist,
-                    eval_tokens=args.eval_tokens,
-                    batch_size=args.batch_size,
-                    prec=prec,
-                    progress=True,
-                )
+                result = sources_loss(model, args, dist, prec)
         except ValueError as e:
             if info is None or info.rank == 0:
                 print(f"gpt2.eval: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -171,6 +206,15 @@ def _describe(task: str, r: dict, source: dict) -> str:
             f"hellaswag {where}: acc {r['acc']:.4f} ({r['correct']}/{r['n']}) | "
             f"acc_norm {r['acc_norm']:.4f} ({r['correct_norm']}/{r['n']})"
         )
+    if "sources" in r:  # several --data-dir: a line each, then the weighted mean when weights were given
+        lines = [_loss_line(f"{where} on {name}", one) for name, one in r["sources"].items()]
+        if "loss" in r:
+            lines.append(f"val loss {where}, weighted mean (--data-weights): {r['loss']:.4f}")
+        return "\n".join(lines)
+    return _loss_line(where, r)
+
+
+def _loss_line(where: str, r: dict) -> str:
     clamped = " (all the val shards hold)" if r["clamped"] else ""
     return f"val loss {where}: {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | {r['tokens']:,} val tokens{clamped}"
 

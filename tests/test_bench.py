@@ -883,3 +883,25 @@ def test_auto_under_load_judges_issue_73s_goals_and_runs_a_trial(tmp_path, monke
     assert bench.table([("quiet", 1, {**result, "cached": ["peak"]})], reasons=False)[2].startswith(
         f"| 1 | quiet | {result['dtype']} | {result['loss']} | 8 |"
     )
+
+
+def test_mixture_bench_prints_the_cost_and_shares_tables():
+    """bench/mixture.py at a tiny count of steps: the cost rows at 1, 2 and 8 sources, the shares within 0.5%."""
+    out = run_bench(
+        "bench/mixture.py",
+        "--tables",
+        "cost,shares",
+        "--shapes",
+        "debug",
+        "--loader-steps",
+        "3",
+        "--train-steps",
+        "1",
+        "--rounds",
+        "1",
+        timeout=600,
+    )
+    cost = [line for line in out.splitlines() if line.startswith("| debug |")]
+    assert [row.split("|")[2].strip() for row in cost] == ["1", "2", "8"], out
+    shares = [line for line in out.splitlines() if line.startswith(("| 0.", "| 1 /", "| 8 sources"))]
+    assert len(shares) == 4 and all(float(row.split("|")[3].strip(" %")) < 0.5 for row in shares), out

@@ -302,8 +302,9 @@ def test_default_val_budget_rule():
 def test_one_rule_for_the_val_split_of_tiny_corpora_is_said_at_prep_time(tmp_path, capsys):
     """3 tokens in one .txt file used to be prepared with no val split and no word (its default budget
     rounded to 0), while a 32 KB one-document corpus was refused. Now both, and a one-record .jsonl, are
-    refused with the same line (pipeline.VAL_RULE) and its two ways out; two tiny documents make a val
-    split of one; --val-tokens 0 prepares without val and says what training then needs."""
+    refused with the same line (pipeline.VAL_RULE) and its two ways out; two tiny documents would leave
+    train less than one optimizer step (refused, issue 74); twenty make a val split that leaves train the
+    larger part; --val-tokens 0 prepares without val and says what training then needs."""
     tiny, big, record = tmp_path / "tiny.txt", tmp_path / "big.txt", tmp_path / "one.jsonl"
     tiny.write_text("Hello world")
     big.write_text("word " * 6500)
@@ -317,10 +318,40 @@ def test_one_rule_for_the_val_split_of_tiny_corpora_is_said_at_prep_time(tmp_pat
     assert len({e.split("), and ")[1] for e in errors}) == 1, errors  # the same rule, word for word
     assert "a .txt file is one document" in errors[0] and "8,002 tokens" in errors[2]
     write_jsonl(tmp_path / "two.jsonl", ["Hello", "world again"])
-    rc, out, _ = main_inproc("--source", str(tmp_path / "two.jsonl"), "--out", str(tmp_path / "two"), capsys=capsys)
-    assert rc == 0 and len(val_records(tmp_path / "two")) == 1 and "(val 2, train 3)" in out, out
+    rc, _, err = main_inproc("--source", str(tmp_path / "two.jsonl"), "--out", str(tmp_path / "two"), capsys=capsys)
+    assert rc == 2 and "train would hold 3 tokens, less than one optimizer step of the smallest preset (1,025)" in err
+    write_jsonl(tmp_path / "many.jsonl", [f"document {i}: " + "word " * 100 for i in range(20)])
+    rc, out, _ = main_inproc("--source", str(tmp_path / "many.jsonl"), "--out", str(tmp_path / "many"), capsys=capsys)
+    assert rc == 0 and len(val_records(tmp_path / "many")) == 3 and "(val 315, train 1,785)" in out, out
     rc, out, _ = main_inproc("--source", str(tiny), "--out", str(tmp_path / "none"), "--val-tokens", "0", capsys=capsys)
     assert rc == 0 and "no val split (--val-tokens 0): train on it with --eval-tokens 0" in out, out
+
+
+def test_a_split_that_leaves_val_larger_than_train_is_refused_with_the_ways_out(tmp_path, capsys):
+    """Issue 74: a .jsonl of a large document and a tiny one put the large one in val and left 5 train tokens,
+    exit 0. The spread choice now passes over a document far larger than its target (it stays in train); the
+    first documents in source order, a large one first, are refused before any shard is written, with the
+    ways out; a split the byte estimate let through is refused once its train split is counted, before the
+    manifest calls the directory complete."""
+    big = "line of text\n" * 8000  # its hash is below "Hello world"'s: spread meets it first
+    src = write_jsonl(tmp_path / "two.jsonl", ["Hello world", big])
+    rc, out, _ = main_inproc("--source", str(src), "--out", str(tmp_path / "spread"), capsys=capsys)
+    assert rc == 0 and val_records(tmp_path / "spread") == [0] and "(val 3, train 32,001)" in out, out
+    src = write_jsonl(tmp_path / "first.jsonl", [big, "Hello world"])
+    args = ("--source", str(src), "--out", str(tmp_path / "out"), "--val-select", "first", "--val-tokens", "100")
+    rc, out, err = main_inproc(*args, capsys=capsys)
+    assert rc == 2 and not out and len(err.strip().splitlines()) == 1, err
+    assert "error: val would be larger than train (about 32,001 against about 0 tokens)" in err, err
+    assert "a document of 32,001 tokens crossed the val target of 100 and went to val whole: split it" in err
+    assert "Pass a smaller --val-tokens (or 0 for no val split), or --val-select first" in err
+    assert not (tmp_path / "out").exists()  # refused before any work: nothing left behind
+    # "word " is 5 bytes a token: the estimate (bytes / 4) finds more train than there is; the count refuses it
+    src = write_jsonl(tmp_path / "close.jsonl", ["word " * 2000, "word " * 1500])
+    args = ("--source", str(src), "--out", str(tmp_path / "close"), "--val-select", "first", "--val-tokens", "10")
+    rc, out, err = main_inproc(*args, capsys=capsys)
+    assert rc == 2 and "val would be larger than train (2,002 against 1,502 tokens)" in err, err
+    assert f"delete {tmp_path / 'close'} first" in err
+    assert not json.loads((tmp_path / "close" / "manifest.json").read_text())["complete"]
 
 
 def val_records(out: Path) -> list[int]:

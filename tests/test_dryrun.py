@@ -159,6 +159,10 @@ def substitute(args: list[str], previous: list[str], data_dir: Path, out_dir: Pa
     out, i = [], 0
     while i < len(args):
         word = args[i]
+        if word == "--data-dir" and i + 1 < len(args) and "," in args[i + 1]:  # a mixture: a link per source
+            out += [word, ",".join(str(source_link(data_dir, name)) for name in args[i + 1].split(","))]
+            i += 2
+            continue
         if word in PLACEHOLDER_VALUE and i + 1 < len(args):
             out += [word, str(data_dir if word == "--data-dir" else out_dir)]
             i += 2
@@ -169,6 +173,15 @@ def substitute(args: list[str], previous: list[str], data_dir: Path, out_dir: Pa
             out.append(re.sub(r"^RUN(?=/|$)", str(out_dir), word))
         i += 1
     return out
+
+
+def source_link(data_dir: Path, source: str) -> Path:
+    """A mixture's source, named as the docs name it (data/code: code), linked to the test's data dir."""
+    link = data_dir.parent / "sources" / Path(source).name
+    link.parent.mkdir(exist_ok=True)
+    if not link.exists():
+        link.symlink_to(data_dir)
+    return link
 
 
 def documented_runs(data_dir: Path, out_dir: Path) -> list[tuple[str, list[str], bool, int | None]]:

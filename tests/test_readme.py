@@ -36,7 +36,7 @@ def test_every_data_dir_in_readme_is_prepared_by_a_readme_command():
             used.append((words[words.index("verify") + 1], " ".join(words)))
         elif "data_prep" in words:
             prepared |= set(flag_values(words, "--out"))
-        used += [(d, " ".join(words)) for d in flag_values(words, "--data-dir")]
+        used += [(d, " ".join(words)) for v in flag_values(words, "--data-dir") for d in v.split(",")]  # a mixture
     assert {"data/shakespeare", "data/fineweb10B"} <= prepared  # the names the training commands use
     assert len(used) >= 8  # the training, SLURM and eval commands were found
     unprepared = [(d, cmd) for d, cmd in used if d not in prepared and not is_placeholder(d)]

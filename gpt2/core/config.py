@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from pathlib import PurePath
 
 # The GPT-2 BPE has 50,257 tokens (50,000 merges + 256 bytes + <|endoftext|>).
 GPT2_VOCAB_SIZE = 50257
@@ -371,9 +372,23 @@ class DataConfig(TrainSection):
     """The token shards and the order a run reads them in."""
 
     data_dir: str = ""
-    """Directory of *train*.bin and *val*.bin shards.
+    """Shard directory; A,B,...: a mixture of several.
 
-    Token shards: data_prep's, or llm.c's and modded-nanogpt's."""
+    *train*.bin and *val*.bin token shards: data_prep's, or llm.c's and modded-nanogpt's. A,B,...: a mixture,
+    each training sequence drawn from one of them at --data-weights (docs/data.md, "Mixtures"); each source
+    is named by its directory's name in the log and metrics.jsonl (tokens/NAME, val_loss/NAME)."""
+    data_weights: str = ""
+    """Weights of the --data-dir sources: W1,W2.
+
+    Each source's share of the training sequences: one positive number per directory of --data-dir, in its
+    order, normalised to sum to 1 (a line says so when they do not). Needed with several directories; a
+    resume may change them (the position in each source is kept, a line says so)."""
+    data_weight_schedule: str = ""
+    """Mixture weights from a step on: STEP:W1,W2.
+
+    Entries separated by spaces or semicolons, each taking effect at optimizer step STEP (or N% of
+    --max-steps: `90%:0.2,0.8` trains the last 10% of the steps at 0.2/0.8, "anneal on the high-quality
+    part"); a weight may be 0 here. Each change is said in the log at its step and resumes exactly."""
     data_order: str = "shuffled"
     """Window order: shuffled or sequential.
 
@@ -397,7 +412,120 @@ class DataConfig(TrainSection):
             p.append(f"verify_data={self.verify_data!r} must be one of {VERIFY_DATA}")
         if self.data_order not in ("shuffled", "sequential"):
             p.append(f"data_order={self.data_order!r} must be shuffled or sequential")
+        return p + mixture_problems(self)
+
+    @property
+    def dirs(self) -> list[str]:
+        """--data-dir's directories: one, or the sources of a mixture."""
+        return data_dirs(self.data_dir)
+
+    @property
+    def names(self) -> list[str]:
+        """Each source's name: its directory's (tokens/NAME, val_loss/NAME in metrics.jsonl)."""
+        return [source_name(d) for d in self.dirs]
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """--data-weights normalised to sum to 1 (one source: (1.0,))."""
+        if len(self.dirs) < 2:
+            return (1.0,)
+        return normalised(parse_weights(self.data_weights, "data_weights"))
+
+
+def data_dirs(data_dir: str) -> list[str]:
+    """The directories of a --data-dir value: one, or several comma-separated (a mixture)."""
+    return [d.strip() for d in data_dir.split(",")] if data_dir.strip() else []
+
+
+def source_name(directory: str) -> str:
+    """A mixture source's name: its directory's last component (data/code/ -> code)."""
+    return PurePath(directory.rstrip("/")).name or directory
+
+
+def parse_weights(text: str, what: str, *, zero_ok: bool = False) -> list[float]:
+    """W1,W2,... as floats, each finite and > 0 (>= 0 with zero_ok, at least one > 0): ValueError naming `what`."""
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{what}={text!r} must be comma-separated numbers, e.g. 0.75,0.25") from None
+    bad = [w for w in weights if not math.isfinite(w) or w < 0 or (w == 0 and not zero_ok)]
+    if bad:
+        raise ValueError(
+            f"{what}={text!r} has the weight {bad[0]:g}: every weight must be a finite number > 0"
+            + (" (0 allowed here)" if zero_ok else "")
+        )
+    if not sum(weights) > 0:
+        raise ValueError(f"{what}={text!r}: at least one weight must be > 0")
+    return weights
+
+
+def normalised(weights: list[float]) -> tuple[float, ...]:
+    total = sum(weights)
+    return tuple(w / total for w in weights)
+
+
+def schedule_entries(text: str, n_sources: int) -> list[tuple[str, list[float]]]:
+    """--data-weight-schedule's entries as (STEP or N%, weights), unresolved: ValueError on bad syntax."""
+    entries = []
+    for entry in text.replace(";", " ").split():
+        when, sep, weights = entry.partition(":")
+        if not sep:
+            raise ValueError(f"data_weight_schedule entry {entry!r} must be STEP:W1,W2 (or N%:W1,W2)")
+        number = when[:-1] if when.endswith("%") else when
+        try:
+            value = float(number) if when.endswith("%") else int(number)
+        except ValueError:
+            raise ValueError(
+                f"data_weight_schedule entry {entry!r}: {when!r} must be a step or N% of max_steps"
+            ) from None
+        if value < 0 or (when.endswith("%") and value > 100):
+            raise ValueError(f"data_weight_schedule entry {entry!r}: {when!r} must be a step >= 0 or 0%..100%")
+        parsed = parse_weights(weights, f"data_weight_schedule entry {entry!r}", zero_ok=True)
+        if len(parsed) != n_sources:
+            raise ValueError(
+                f"data_weight_schedule entry {entry!r} has {len(parsed)} weight(s) for {n_sources} --data-dir sources"
+            )
+        entries.append((when, parsed))
+    return entries
+
+
+def mixture_problems(data: DataConfig) -> list[str]:
+    """The mixture flags: the sources' names distinct, one weight each, the schedule's syntax."""
+    dirs = data.dirs
+    if len(dirs) < 2 and not data.data_weight_schedule:
+        if data.data_weights and len(data.data_weights.split(",")) != 1:
+            return [f"data_weights={data.data_weights!r} gives several weights for one --data-dir source"]
+        return []
+    if any(not d for d in dirs):
+        return [f"data_dir={data.data_dir!r} has an empty entry: name each source directory, A,B"]
+    if len(dirs) < 2:
+        return ["data_weight_schedule needs a mixture: several --data-dir directories, A,B"]
+    p = []
+    names = [source_name(d) for d in dirs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        same = [d for d in dirs if source_name(d) == twice[0]]
+        p.append(
+            f"data_dir names two sources {twice[0]!r} ({', '.join(same)}): a source is named by its directory's "
+            "name in the log and metrics; rename one directory (or link it under another name)"
+        )
+    if not data.data_weights:
+        p.append(
+            f"data_dir names {len(dirs)} sources: pass --data-weights with {len(dirs)} weights, their shares of the "
+            f"training sequences (e.g. --data-weights {','.join(['1'] * len(dirs))} for equal shares)"
+        )
         return p
+    try:
+        weights = parse_weights(data.data_weights, "data_weights")
+        if len(weights) != len(dirs):
+            p.append(
+                f"data_weights={data.data_weights!r} gives {len(weights)} weight(s) for the {len(dirs)} --data-dir "
+                f"sources ({', '.join(names)}): one each, in --data-dir's order"
+            )
+        schedule_entries(data.data_weight_schedule, len(dirs))
+    except ValueError as e:
+        p.append(str(e))
+    return p
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -932,9 +1060,29 @@ def train_values(data: dict) -> dict:
     return flat
 
 
+def weight_changes(tc: TrainConfig) -> list[tuple[int, tuple[float, ...]]]:
+    """The mixture's weights by step: [(0, --data-weights), (STEP, weights), ...] normalised, N% resolved
+    against --max-steps (rounded down), in step order. One source: [(0, (1.0,))]."""
+    data = tc.data
+    changes = [(0, data.weights)]
+    if len(data.dirs) < 2:
+        return changes
+    for when, weights in schedule_entries(data.data_weight_schedule, len(data.dirs)):
+        step = int(float(when[:-1]) * tc.schedule.max_steps // 100) if when.endswith("%") else int(when)
+        changes.append((step, normalised(weights)))
+    return changes
+
+
 def cross_section_problems(tc: TrainConfig) -> list[str]:
     """What no one section can see: settings of two sections that cannot go together."""
     p = []
+    if tc.data.data_weight_schedule:
+        steps = [s for s, _ in weight_changes(tc)[1:]]
+        if steps != sorted(set(steps)):
+            p.append(
+                f"data_weight_schedule={tc.data.data_weight_schedule!r} takes effect at steps {steps} (with "
+                f"max_steps={tc.schedule.max_steps}): give its entries in increasing step order, one per step"
+            )
     if tc.compute.fp8_head and tc.distributed.parallel == "fsdp":
         p.append("fp8_head=True with parallel=fsdp is not supported (the head's weight is sharded); use ddp")
     return p + fsdp_problems(tc)

@@ -338,6 +338,12 @@ class TrainLoader:
     def load_state_dict(self, state: dict) -> None:
         """Resume the order the checkpoint was written with: checkpoints from before data orders
         existed (no "order") read the stream sequentially, and go on doing so."""
+        if "sources" in state:  # gpt2/data/mixture.py MixtureLoader's
+            names = ", ".join(name for name, _ in state["sources"])
+            raise ValueError(
+                f"the checkpoint was trained on a mixture of {names}, this run reads one --data-dir: pass the "
+                "checkpoint's --data-dir and --data-weights to resume it, or start fresh with --resume never"
+            )
         if state["shards"] != self.shards.fingerprint():
             differ = shard_difference(state["shards"], self.shards.fingerprint())
             raise ValueError(

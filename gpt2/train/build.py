@@ -17,10 +17,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.resume import agree_on_step
 from gpt2.core.compat import ddp_no_buffer_sync
-from gpt2.core.config import DistributedConfig
+from gpt2.core.config import DistributedConfig, weight_changes
 from gpt2.core.precision import Precision
 from gpt2.core.schedule import BatchLayout
-from gpt2.data.loader import EvalLoader, ShardSet, TrainLoader
+from gpt2.data.loader import ShardSet
+from gpt2.data.mixture import MixedShards, eval_loader, train_loader
 from gpt2.distributed.fsdp import shard as shard_fsdp
 from gpt2.distributed.group import Dist, collective, set_compile_threads
 from gpt2.model.gpt import GPT
@@ -31,7 +32,9 @@ from gpt2.train.spike_guard import SpikeGuard
 from gpt2.train.state import Parts, restore, rng_state, set_rng_state
 
 
-def build(decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet, ShardSet | None]) -> Parts:
+def build(
+    decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet | MixedShards, ShardSet | MixedShards | None]
+) -> Parts:
     """The model, optimizer and loaders of the decided run, restored from decided.start.point when resuming."""
     cfg = decided.cfg
     tc, mc = cfg.train, cfg.model
@@ -59,9 +62,10 @@ def build(decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet, Sh
     # drop out the same units (dropout > 0) and the ranks' noise would not average out.
     torch.manual_seed(tc.data.seed + dist.rank)
     optimizer = make_optimizer(model, tc.optim, dist.device, peak_lr=tc.schedule.lr, prec=decided.precision, dist=dist)
-    loader = TrainLoader(
+    loader = train_loader(  # TrainLoader, or a MixtureLoader for several --data-dir sources
         train_shards,
         BatchLayout(tc.batch.micro_batch_size, mc.block_size, tc.batch.total_batch_size, dist.world_size),
+        changes=weight_changes(tc),
         rank=dist.rank,
         seed=tc.data.seed,
         device=dist.device,
@@ -71,8 +75,9 @@ def build(decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet, Sh
     )
     val_loader = None
     if val_shards is not None:
-        val_loader = EvalLoader(
+        val_loader = eval_loader(
             val_shards,
+            tc.data.weights,
             micro_batch_size=tc.batch.micro_batch_size,
             seq_len=mc.block_size,
             eval_tokens=tc.eval.eval_tokens,
@@ -82,9 +87,10 @@ def build(decided: Resolved, dist: Dist, log: RunLog, shards: tuple[ShardSet, Sh
             pin_memory=tc.compute.pin_memory,
         )
         if val_loader.clamped:
+            which = "" if val_loader.clamped is True else f" of {', '.join(val_loader.clamped)}"
             log.warn(
-                f"--eval-tokens {tc.eval.eval_tokens} exceeds the val shards; evaluating on all {val_loader.tokens} "
-                "tokens"
+                f"--eval-tokens {tc.eval.eval_tokens} exceeds the val shards{which}; evaluating on all "
+                f"{val_loader.tokens} tokens"
             )
     prec = decided.precision
     parts = Parts(model, model, optimizer, loader, val_loader, decided.accum_steps, prec.scaler(dist.device), prec)

@@ -33,10 +33,11 @@ import torch
 
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.rundir import LOCK, live_holder
-from gpt2.core.config import ComputeConfig, RunConfig, describe_model
+from gpt2.core.config import ComputeConfig, RunConfig, describe_model, weight_changes
 from gpt2.core.schedule import BatchLayout
 from gpt2.core.start_point import StartDecision
-from gpt2.data.loader import EvalLoader, TrainLoader, find_shards
+from gpt2.data.loader import ShardSet, TrainLoader, find_shards
+from gpt2.data.mixture import MixedShards, MixtureLoader, eval_loader, train_loader
 from gpt2.data.shards import ShardError
 from gpt2.distributed.group import Dist, resolve_device, set_cpu_threads, single_process, world_from_env
 from gpt2.plan.hardware import GIB
@@ -91,7 +92,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     )
     target, device_desc = rehearsal_target(cfg.train.compute, r, world, per_node, info.local_rank)
     out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
-    shards = check_data(cfg, world, shards=Path(tc.data.data_dir).is_dir())
+    shards = check_data(cfg, world, shards=any(Path(d).is_dir() for d in tc.data.dirs))
     train_shards, val_shards = shards
     report_data(cfg, train_shards, val_shards, out)
     with rank_threads(cfg.train.compute, target):  # a CPU's peaks are per thread count: measure with a rank's
@@ -101,9 +102,10 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     loaders = None
     if train_shards is not None:  # the loaders a real run builds, one per rank, none of them reading
         loaders = [
-            TrainLoader(
+            train_loader(
                 train_shards,
                 BatchLayout(mb, cfg.model.block_size, tc.batch.total_batch_size, world),
+                changes=weight_changes(tc),
                 rank=rank,
                 seed=tc.data.seed,
                 device=torch.device("cpu"),
@@ -113,8 +115,9 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
         ]
         if (
             val_shards is not None
-            and EvalLoader(
+            and eval_loader(
                 val_shards,
+                tc.data.weights,
                 micro_batch_size=mb,
                 seq_len=cfg.model.block_size,
                 eval_tokens=tc.eval.eval_tokens,
@@ -222,7 +225,8 @@ def report_data(cfg: RunConfig, train_shards, val_shards, out) -> None:
     tc = cfg.train
     if train_shards is None:
         try:
-            find_shards(tc.data.data_dir, "train")
+            for d in tc.data.dirs:
+                find_shards(d, "train")
             problem = "(none)"
         except ShardError as e:
             problem = str(e)
@@ -231,10 +235,17 @@ def report_data(cfg: RunConfig, train_shards, val_shards, out) -> None:
             f"with: {problem}"
         )
         return
-    val = f"val {val_shards.total_tokens:,} tokens in {len(val_shards.paths)} shard(s)" if val_shards else "no val"
-    out(
-        f"data       {tc.data.data_dir}: train {train_shards.total_tokens:,} tokens in {len(train_shards.paths)} "
-        f"shard(s), {val}; headers checked"
+    if isinstance(train_shards, MixedShards):  # a line per source
+        for k, (d, train) in enumerate(zip(train_shards.dirs, train_shards.sets)):
+            out(f"data       {describe_shards(d, train, val_shards.sets[k] if val_shards else None)}")
+        return
+    out(f"data       {describe_shards(tc.data.data_dir, train_shards, val_shards)}")
+
+
+def describe_shards(data_dir: str, train: ShardSet, val: ShardSet | None) -> str:
+    val_part = f"val {val.total_tokens:,} tokens in {len(val.paths)} shard(s)" if val else "no val"
+    return (
+        f"{data_dir}: train {train.total_tokens:,} tokens in {len(train.paths)} shard(s), {val_part}; headers checked"
     )
 
 
@@ -275,11 +286,15 @@ def resume_decision(
     state = ckpt.load_checkpoint(point.path, verify=False, mmap=True)
     check_compatible(state, cfg, log)
     position = int(state["loader"]["position"])
-    for loader in loaders or []:
+    for rank, loader in enumerate(loaders or []):
         try:
             loader.load_state_dict(state["loader"])
         except ValueError as e:  # as gpt2/train/state.py restore words it
             raise ckpt.CheckpointError(f"{point.path}: {e}") from None
+        if isinstance(loader, MixtureLoader):  # other --data-weights now: said as the real resume says it
+            loader.at_step(int(state["step"]))
+            for line in loader.news() if rank == 0 else []:
+                log.info(line)
     log.info(
         f"resume     would load {point.path} (step {point.step}, {tokens_of(state):,} tokens, "
         f"{point.bytes / GIB:.2f} GiB, sha256 {point.sha256[:12]}... verified; saved at world size "
@@ -322,18 +337,26 @@ def report_schedule(cfg: RunConfig, loaders, world: int, accum: int, mb: int, st
                 first = (m * world + rank) * mb
                 out(f"  rank {rank:>3} micro-step {m:>3}: rows {first}..{first + mb - 1}")
         return
-    n = loaders[0].n_windows
-    what = (
-        "windows of the fixed shard order, in epoch "
-        if tc.data.data_order == "shuffled"
-        else "windows of the stream (shards reshuffled each epoch), in epoch "
-    )
-    out(
-        f"loader     {tc.data.data_order}: {n:,} windows of {T + 1} tokens; step {step} takes places "
-        f"[{position // T:,}, {position // T + rows:,}) of the order ({what}{(position // T) // n}); each rank's "
-        "window indices:"
-    )
+    if isinstance(loaders[0], MixtureLoader):
+        sources = ", ".join(f"{s.name} {s.n_windows:,}" for s in loaders[0].sources)
+        out(
+            f"loader     mixture, each source {tc.data.data_order}: windows of {T + 1} tokens ({sources}); step "
+            f"{step} takes sequences [{position // T:,}, {position // T + rows:,}) of the mixture; each rank's "
+            "source:window:"
+        )
+    else:
+        n = loaders[0].n_windows
+        what = (
+            "windows of the fixed shard order, in epoch "
+            if tc.data.data_order == "shuffled"
+            else "windows of the stream (shards reshuffled each epoch), in epoch "
+        )
+        out(
+            f"loader     {tc.data.data_order}: {n:,} windows of {T + 1} tokens; step {step} takes places "
+            f"[{position // T:,}, {position // T + rows:,}) of the order ({what}{(position // T) // n}); each "
+            "rank's window indices:"
+        )
     for rank, loader in enumerate(loaders):
         for m in range(accum):
             ids = loader.windows_of(m)
-            out(f"  rank {rank:>3} micro-step {m:>3}: " + " ".join(str(int(i)) for i in ids))
+            out(f"  rank {rank:>3} micro-step {m:>3}: " + " ".join(str(i) for i in ids))

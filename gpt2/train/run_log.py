@@ -171,13 +171,19 @@ class RunLog:
             f"{rec['tok_per_s']:>9,.0f} tok/s | mfu {_fmt_mfu(rec.get('mfu'))} | mem {rec['mem_mb']:,.0f} MB{skipped}"
         )
 
-    def log_eval(self, step: int, tokens: int, val_loss: float, val_tokens: int) -> None:
+    def log_eval(
+        self, step: int, tokens: int, val_loss: float, val_tokens: int, per_source: dict[str, float] | None = None
+    ) -> None:
         """val_tokens: how many tokens the loss is the mean over (the first --eval-tokens of the val split,
-        as whole sequences), said on the line: `python -m gpt2.eval loss` over another count (its default
-        is 10M: all of a small val split) gives another number for the same checkpoint."""
-        self.record({"step": step, "tokens": tokens, "val_loss": val_loss, "val_tokens": val_tokens})
+        as whole sequences; of each source's, for a mixture), said on the line: `python -m gpt2.eval loss`
+        over another count (its default is 10M: all of a small val split) gives another number for the same
+        checkpoint. per_source: a mixture's val_loss/NAME, val_loss being their weighted mean."""
+        per_source = per_source or {}
+        by_source = {f"val_loss/{name}": loss for name, loss in per_source.items()}
+        self.record({"step": step, "tokens": tokens, "val_loss": val_loss, **by_source, "val_tokens": val_tokens})
+        each = " (" + ", ".join(f"{name} {loss:.4f}" for name, loss in per_source.items()) + ")" if per_source else ""
         self.info(
-            f"step {step:>6} | val loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50)):.2f} | "
+            f"step {step:>6} | val loss {val_loss:.4f}{each} | ppl {math.exp(min(val_loss, 50)):.2f} | "
             f"{val_tokens:,} val tokens"
         )
 
@@ -267,11 +273,14 @@ def plot_loss_curve(metrics_path: str | Path, out_png: str | Path) -> Path | Non
         (r["tokens"], r["loss"]) for r in recs if "loss" in r and r.get("loss") is not None and math.isfinite(r["loss"])
     ]
     val = [(r["tokens"], r["val_loss"]) for r in recs if "val_loss" in r]
+    sources = sorted({k for r in recs for k in r if k.startswith("val_loss/")})  # a mixture's, one curve each
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if train:
         ax.plot(*zip(*train), label="train loss", linewidth=1)
     if val:
-        ax.plot(*zip(*val), "o-", label="val loss")
+        ax.plot(*zip(*val), "o-", label="val loss (weighted mean)" if sources else "val loss")
+    for key in sources:
+        ax.plot(*zip(*[(r["tokens"], r[key]) for r in recs if key in r]), ".--", label=f"val loss {key[9:]}")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)

@@ -49,11 +49,14 @@ from gpt2.core.config import (
     RunConfig,
     ScheduleConfig,
     TrainConfig,
+    parse_weights,
     train_values,
+    weight_changes,
 )
 from gpt2.core.schedule import grad_accum_steps, lr_at
-from gpt2.data.check import check_listed, prep_command, verify_shards
+from gpt2.data.check import check_listed, prep_command, read_manifest, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
+from gpt2.data.mixture import MixedShards, describe_weights, planned_draws
 from gpt2.data.shards import ShardError
 from gpt2.distributed import preempt
 from gpt2.distributed.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
@@ -250,7 +253,9 @@ def decide_run(
             check_disk(decided, dist, log)
             cost = log_network_cost(decided, dist, log)
             decided = replace(decided, network=None if cost is None else cost.to_dict())
-        if shards[0] is not None:  # after the refusals: no warning for a refused run
+        if isinstance(shards[0], MixedShards):  # after the refusals: no warning for a refused run
+            log_mixture(decided.cfg, shards[0], log)
+        elif shards[0] is not None:
             log_epochs(decided.cfg, shards[0].total_tokens, log)
         log_warmup(decided.cfg.train.schedule, log)
         if not rehearse:
@@ -404,8 +409,11 @@ def configure_backends(compute: ComputeConfig, dist: Dist) -> None:
     set_cpu_threads(dist, compute.num_threads)
 
 
-def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple[ShardSet | None, ShardSet | None]:
-    """Validate shards and batch maths before any process group or model exists.
+def check_data(
+    cfg: RunConfig, world_size: int, *, shards: bool = True
+) -> tuple[ShardSet | MixedShards | None, ShardSet | MixedShards | None]:
+    """Validate shards and batch maths before any process group or model exists: each --data-dir source's
+    train shards, and its val shards when the run evaluates (MixedShards for a mixture's sources).
 
     shards=False checks everything but the shards and --out-dir (train_ddp.py --dry-run where --data-dir
     is absent). The shards' cheap manifest checks run here; reading them is verify_data's (rank 0).
@@ -424,11 +432,22 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
             f"{cfg.model.block_size}: evaluation would score nothing (val loss nan); raise it, or "
             "--eval-tokens 0 to train without validation"
         )
-    train_shards = find_shards(tc.data.data_dir, "train") if shards else None
-    val_shards = find_val_shards(cfg) if shards and tc.eval.eval_tokens > 0 else None
+    train_shards, val_shards = None, None
     if shards:  # the machine the run is on (a dry run from a laptop checks neither)
+        found = [
+            (find_shards(d, "train"), find_val_shards(cfg, d) if tc.eval.eval_tokens > 0 else None)
+            for d in tc.data.dirs
+        ]
         check_out_dir(tc.ckpt.out_dir)
-        check_listed(tc.data.data_dir, {"train": train_shards, **({"val": val_shards} if val_shards else {})})
+        if len(found) > 1:
+            check_same_tokenizer(tc.data.dirs)
+        for d, (train, val) in zip(tc.data.dirs, found):
+            check_listed(d, {"train": train, **({"val": val} if val else {})})
+        train_shards, val_shards = found[0]
+        if len(found) > 1:
+            names, dirs = tuple(tc.data.names), tuple(tc.data.dirs)
+            train_shards = MixedShards(names, dirs, tuple(t for t, _ in found))
+            val_shards = MixedShards(names, dirs, tuple(v for _, v in found)) if val_shards else None
     import importlib.util
 
     for wanted, package, flag in (
@@ -457,35 +476,55 @@ def check_data(cfg: RunConfig, world_size: int, *, shards: bool = True) -> tuple
     return train_shards, val_shards
 
 
-def find_val_shards(cfg: RunConfig) -> ShardSet:
-    """The val shards, which a run with --eval-tokens > 0 needs even with --eval-interval 0 (it still
-    evaluates at step 0 and at the end), holding at least one sequence: fewer than block_size + 1
-    tokens gave `val loss nan` (0 / 0) at every evaluation and exit 0."""
-    tc, block = cfg.train, cfg.model.block_size
+def find_val_shards(cfg: RunConfig, data_dir: str) -> ShardSet:
+    """data_dir's val shards (one source of --data-dir), which a run with --eval-tokens > 0 needs even with
+    --eval-interval 0 (it still evaluates at step 0 and at the end), holding at least one sequence: fewer than
+    block_size + 1 tokens gave `val loss nan` (0 / 0) at every evaluation and exit 0. A mixture evaluates
+    every source (val_loss/NAME), so each needs its own."""
+    block = cfg.model.block_size
     try:
-        val = find_shards(tc.data.data_dir, "val")
+        val = find_shards(data_dir, "val")
     except ShardError as e:
-        if not Path(tc.data.data_dir).is_dir() or any(Path(tc.data.data_dir).glob("*val*.bin")):
+        if not Path(data_dir).is_dir() or any(Path(data_dir).glob("*val*.bin")):
             raise  # no directory, or a damaged val shard: its own line says how to find and repair it
         raise ShardError(
             f"{str(e).split(';')[0]}. The run evaluates on them at step 0 and at the end (--eval-interval "
-            f"0 leaves out only the evaluations in between): {prepare_val(cfg)}; or pass --eval-tokens 0 "
+            f"0 leaves out only the evaluations in between): {prepare_val(cfg, data_dir)}; or pass --eval-tokens 0 "
             "to train without validation"
         ) from None
     if val.total_tokens < block + 1:
         raise ShardError(
-            f"--data-dir {tc.data.data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
+            f"--data-dir {data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
             f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
-            f"loss nan); {prepare_val(cfg)}; or pass --eval-tokens 0 to train without validation"
+            f"loss nan); {prepare_val(cfg, data_dir)}; or pass --eval-tokens 0 to train without validation"
         )
     return val
 
 
-def prepare_val(cfg: RunConfig) -> str:
-    """How to get a val split for this run: data_prep's command for the data directory's corpus (from
-    its manifest) with val tokens for the run's evaluation, at least one sequence; or the flag to use."""
+def check_same_tokenizer(dirs: list[str]) -> None:
+    """A mixture's sources must share the tokenizer and vocabulary: their manifests (data_prep's) say which.
+    One line naming two that differ; sources without a manifest (llm.c's) are GPT-2's by their format,
+    and their token ids are checked like every source's."""
+    seen = {}
+    for d in dirs:
+        manifest = read_manifest(d)
+        if manifest is not None:
+            seen[d] = (manifest.get("tokenizer"), manifest.get("vocab_size"), manifest.get("eot_token"))
+    if len(set(seen.values())) > 1:
+        (a, ta), *rest = seen.items()
+        b, tb = next((d, t) for d, t in rest if t != ta)
+        raise ShardError(
+            f"--data-dir sources {a} and {b} were prepared with different tokenizers ({ta[0]!r}, vocab {ta[1]}, "
+            f"EOT {ta[2]} against {tb[0]!r}, vocab {tb[1]}, EOT {tb[2]}, their manifest.json say): a mixture's "
+            "sources share one vocabulary; prepare each with this project's `python -m data_prep`"
+        )
+
+
+def prepare_val(cfg: RunConfig, data_dir: str) -> str:
+    """How to get a val split for data_dir: data_prep's command for its corpus (from its manifest) with val
+    tokens for the run's evaluation, at least one sequence; or the flag to use."""
     tc, block = cfg.train, cfg.model.block_size
-    found = prep_command(tc.data.data_dir, tc.eval.eval_tokens, block + 1)
+    found = prep_command(data_dir, tc.eval.eval_tokens, block + 1)
     if found is None:  # no manifest (llm.c's shards): the corpus is unknown here
         return f"prepare a val split with data_prep's --val-tokens N (N > {block})"
     command, out = found
@@ -511,17 +550,27 @@ def verify_data(data: DataConfig, shards: tuple[ShardSet, ShardSet | None], dist
     every shard once, which every rank of a node doing it too would multiply. Every rank raises its
     ShardError or none does."""
     train, val = shards
-    sets = {"train": train, **({"val": val} if val is not None else {})}
     outcome = None
     if dist.is_main:
         try:
-            outcome = ("ok", verify_shards(data.data_dir, sets, data.verify_data))
+            said = []
+            for k, d in enumerate(data.dirs):  # one source, or each of a mixture's
+                sets = {"train": source_set(train, k), **({"val": source_set(val, k)} if val is not None else {})}
+                said.append(verify_shards(d, sets, data.verify_data))
+            texts = said if len(said) == 1 else [f"{n}: {t}" for n, t in zip(data.names, said)]
+            outcome = ("ok", texts)
         except (ShardError, OSError) as e:
             outcome = ("error", str(e))
     kind, text = broadcast_object(outcome, dist)
     if kind == "error":
         raise ShardError(text)
-    log.detail(f"data       {text}")
+    for line in text:
+        log.detail(f"data       {line}")
+
+
+def source_set(shards: ShardSet | MixedShards, k: int) -> ShardSet:
+    """Source k's shards: a mixture's k-th, or the one source's."""
+    return shards.sets[k] if isinstance(shards, MixedShards) else shards
 
 
 MANY_EPOCHS = 10
@@ -550,6 +599,40 @@ def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
             f"will memorise this corpus more than it learns; about {one:,} step(s) make one epoch, so pass "
             f"--max-steps {one * MANY_EPOCHS:,} or fewer, or prepare more data"
         )
+    return epochs
+
+
+def log_mixture(cfg: RunConfig, train: MixedShards, log) -> list[float]:
+    """A mixture's sources in one line (weights, train tokens, the epochs each makes by --max-steps, the
+    schedule's weights included), its weight changes one line each, the normalisation when --data-weights
+    do not sum to 1, and a warning for a source past MANY_EPOCHS. Returns each source's epochs."""
+    tc = cfg.train
+    given = parse_weights(tc.data.data_weights, "data_weights")
+    if abs(sum(given) - 1) > 1e-9:
+        log.info(
+            f"mixture    --data-weights {tc.data.data_weights} sum to {sum(given):g}, not 1: normalised to "
+            f"{describe_weights(train.names, tc.data.weights)}"
+        )
+    changes = weight_changes(tc)
+    rows = tc.batch.total_batch_size // cfg.model.block_size
+    draws = planned_draws(changes, rows, tc.schedule.max_steps)
+    epochs = [n * cfg.model.block_size / s.total_tokens for n, s in zip(draws, train.sets)]
+    log.info(
+        "mixture    "
+        + "; ".join(
+            f"{name} {w:.4g}: {s.total_tokens:,} train tokens, {e:,.2f} epochs by step {tc.schedule.max_steps:,}"
+            for name, w, s, e in zip(train.names, changes[0][1], train.sets, epochs)
+        )
+    )
+    for step, weights in changes[1:]:
+        if step < tc.schedule.max_steps:
+            log.info(f"mixture    from step {step:,}: {describe_weights(train.names, weights)} (weight schedule)")
+    for name, e in zip(train.names, epochs):
+        if e > MANY_EPOCHS:
+            log.warn(
+                f"the run repeats source {name} {e:,.0f} times (more than {MANY_EPOCHS} epochs): the model will "
+                f"memorise it more than it learns; lower its weight or --max-steps, or add data to it"
+            )
     return epochs
 
 

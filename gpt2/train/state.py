@@ -6,7 +6,8 @@ torchtitan's checkpoint manager keeps its stateful components), plus the run's c
     model       the raw GPT's weights (never the compiled or DDP wrapper's: no `_orig_mod.` prefix)
     optimizer   AdamW's or Muon's state; this run's hyperparameters win over the saved ones
     scaler      fp16's GradScaler (empty when disabled)
-    loader      the data position, seed, shard fingerprint and order (gpt2/data/loader.py)
+    loader      the data position, seed, shard fingerprint and order (gpt2/data/loader.py); a mixture's
+                also each source's fingerprint and the weights' segments (gpt2/data/mixture.py)
     rng         every rank's Python, NumPy, torch (and CUDA) generators: one entry per rank
     spike_guard the loss-spike guard's history and decisions (gpt2/train/spike_guard.py); absent with the
                 guard off, and from checkpoints older than it (a fresh guard then)
@@ -37,10 +38,11 @@ import torch
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import dcp as dcp_io
 from gpt2.ckpt.writer import CheckpointWriteError, CheckpointWriter
-from gpt2.core.config import ModelConfig, RunConfig, ScheduleConfig, train_values
+from gpt2.core.config import ModelConfig, RunConfig, ScheduleConfig, train_values, weight_changes
 from gpt2.core.precision import Precision
 from gpt2.core.schedule import BatchLayout, lr_at
 from gpt2.data.loader import EvalLoader, TrainLoader
+from gpt2.data.mixture import MixtureEval, MixtureLoader, train_loader
 from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import is_sharded
 from gpt2.distributed.group import Dist, all_gather_object, barrier, broadcast_object
@@ -60,8 +62,8 @@ class Parts:
     model: GPT
     train_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    loader: TrainLoader
-    val_loader: EvalLoader | None
+    loader: TrainLoader | MixtureLoader
+    val_loader: EvalLoader | MixtureEval | None
     accum_steps: int
     scaler: torch.amp.GradScaler
     """Scales the loss under float16 (its gradients would underflow); disabled, a pass-through, otherwise."""
@@ -273,9 +275,10 @@ def check_resumable(path: Path, cfg: RunConfig, train_shards, dist: Dist) -> Non
     tc = cfg.train
     state = ckpt.load_checkpoint(path, verify=False, mmap=True)  # verified by choose_start
     check_compatible(state, cfg, _Quiet())
-    loader = TrainLoader(
+    loader = train_loader(
         train_shards,
         BatchLayout(tc.batch.micro_batch_size, cfg.model.block_size, tc.batch.total_batch_size, dist.world_size),
+        changes=weight_changes(tc),
         rank=dist.rank,
         seed=tc.data.seed,
         device=torch.device("cpu"),
@@ -299,6 +302,10 @@ def restore(parts: Parts, path: Path, cfg: RunConfig, dist: Dist, log: RunLog) -
     load_weights_and_moments(parts, path, state)
     rest = {k: c for k, c in components(parts, dist).items() if k not in ("model", "optimizer")}
     load_components(rest, state, path)
+    if isinstance(parts.loader, MixtureLoader):  # the weights of this step: other --data-weights start here
+        parts.loader.at_step(state["step"])
+        for line in parts.loader.news():
+            log.info(line)
     if parts.loader.order != cfg.train.data.data_order:
         log.info(
             f"resume: {path} predates --data-order; continuing with the {parts.loader.order} order "

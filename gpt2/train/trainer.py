@@ -24,6 +24,7 @@ from gpt2.core import precision
 from gpt2.core.config import EOT_TOKEN, RunConfig, ScheduleConfig, TrainConfig
 from gpt2.core.schedule import lr_at
 from gpt2.data.loader import ShardSet, TrainLoader
+from gpt2.data.mixture import MixedShards, MixtureEval, MixtureLoader
 from gpt2.data.shards import ShardError
 from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import clip_grad_norm, is_sharded, no_grad_sync
@@ -67,6 +68,8 @@ class StepStats:
     def __init__(self, step: int, lr: float, numbers: torch.Tensor, world_size: int, scaler_enabled: bool) -> None:
         self.step, self.lr, self.world_size, self.scaler_enabled = step, lr, world_size, scaler_enabled
         self.marks: StepMarks | None = None  # run_loop's marks around the step's launch (its time)
+        self.sources: dict = {}  # a mixture's tokens/NAME and epochs/NAME after the step (train_step)
+        self.news: list[str] = []  # a mixture's weight change and epochs begun after the step: logged after its row
         self._event = None
         self.numbers = numbers  # on the device: train_step's update decides its skip there (update)
         if numbers.device.type == "cuda":
@@ -157,7 +160,7 @@ def prefetch(parts: Parts) -> None:
     device work instead of following it. (Micro-steps after the first are read while the previous
     one's backward runs, as train_step's loop comes round.) Keyed by the loader's position: a
     resume or anything else that moves the loader makes micro_batch() read afresh."""
-    if isinstance(parts.loader, TrainLoader):
+    if isinstance(parts.loader, (TrainLoader, MixtureLoader)):
         parts.prefetched = (parts.loader.position, parts.loader.micro_batch(0))
 
 
@@ -208,6 +211,9 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     parts.loader.advance()
     parts.step += 1
     parts.tokens += tc.batch.total_batch_size
+    if isinstance(parts.loader, MixtureLoader):  # the next step's weights (a schedule's change), each source's tokens
+        parts.loader.at_step(parts.step)
+        out.sources, out.news = parts.loader.source_numbers(), parts.loader.news()
     if parts.step < tc.schedule.max_steps:
         prefetch(parts)
     return out
@@ -363,7 +369,9 @@ def _every(step: int, interval: int) -> bool:
     return bool(interval) and step % interval == 0
 
 
-def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] | None = None) -> int:
+def train(
+    cfg: RunConfig, dist: Dist, shards: tuple[ShardSet | MixedShards, ShardSet | MixedShards | None] | None = None
+) -> int:
     """Run training to max_steps (or until a stop signal). Returns 0, or EXIT_REQUEUE after a signal.
 
     shards: check_data's result; train_ddp.py checks before the process group starts, in-process
@@ -381,7 +389,8 @@ def train(cfg: RunConfig, dist: Dist, shards: tuple[ShardSet, ShardSet | None] |
             return 0
         try:
             if run.parts.step == 0 and run.parts.val_loader is not None:  # where the curve begins
-                run.log.log_eval(0, 0, evaluate(run.parts, run.cfg, dist), run.parts.val_loader.tokens)
+                loss, per_source = evaluate_sources(run.parts, run.cfg, dist)
+                run.log.log_eval(0, 0, loss, run.parts.val_loader.tokens, per_source)
             cache = run.cache  # run_loop seals it after the first step and drops it from the run
             with collect_at_steps(
                 run.cfg.train.distributed.gc_interval
@@ -498,8 +507,10 @@ def report(run: Run, stats: StepStats, act: Actions) -> bool:
     run.step_s.append((step, dt))
     run.bad_steps = run.bad_steps + 1 if out["skipped"] else (run.bad_steps if out["overflow"] else 0)
     if act.log or out["skipped"] or out["overflow"] or out["guard"].spike:  # an unusual step is always logged
-        log_step(run, out, dt, step)
+        log_step(run, out, dt, step, stats.sources)
         log_stragglers(run.log, step, out["rank_s"], step // max(1, tc.log.log_interval))
+    for line in stats.news:  # a mixture's: after the row of the step they follow
+        run.log.info(line)
     parts = run.parts
     if parts.guard is not None and parts.guard.observe(step, out["guard"], out["loss"], out["grad_norm"], run.log):
         run.rolled_back = roll_back(parts, run.cfg, run.dist, run.log)  # or SpikeGuardError at --spike-max-rollbacks
@@ -526,7 +537,8 @@ def perform(run: Run, act: Actions) -> None:
     parts, cfg, dist, log = run.parts, run.cfg, run.dist, run.log
     step = parts.step
     if act.evaluate:
-        log.log_eval(step, tokens_at(parts, cfg, step), evaluate(parts, cfg, dist), parts.val_loader.tokens)
+        loss, per_source = evaluate_sources(parts, cfg, dist)
+        log.log_eval(step, tokens_at(parts, cfg, step), loss, parts.val_loader.tokens, per_source)
     if act.hellaswag:
         log_hellaswag(parts, cfg, dist, log, run.hellaswag, step)
     # A sharded model's every forward all-gathers weights: every rank generates (same prompt, same
@@ -560,10 +572,11 @@ def forget_cpu_peak(device: torch.device, prec: precision.Precision) -> None:
             matmul_peak.forget_peak(str(device), d)
 
 
-def log_step(run: Run, out: dict, dt: float, step: int) -> None:
-    """The metrics line of step `step`. An MFU over 100%: against a CPU's measured peak it proves the
-    peak wrong, which is dropped (run.peak = None); against a GPU's data-sheet peak it proves this step's
-    time wrong, and only this step's MFU is left out."""
+def log_step(run: Run, out: dict, dt: float, step: int, sources: dict | None = None) -> None:
+    """The metrics line of step `step` (sources: a mixture's tokens/NAME and epochs/NAME, as its row's last
+    columns). An MFU over 100%: against a CPU's measured peak it proves the peak wrong, which is dropped
+    (run.peak = None); against a GPU's data-sheet peak it proves this step's time wrong, and only this step's
+    MFU is left out."""
     parts, tc, dist = run.parts, run.cfg.train, run.dist
     tok_s = tc.batch.total_batch_size / dt
     measured = measured_peak(dist.device)
@@ -595,6 +608,7 @@ def log_step(run: Run, out: dict, dt: float, step: int) -> None:
                 if parts.scaler.is_enabled()
                 else {}
             ),
+            **(sources or {}),
         },
         tc.schedule.max_steps,
     )
@@ -637,10 +651,21 @@ def close_run(parts: Parts, dist: Dist, log: RunLog) -> None:
 
 
 def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
-    """Mean loss per token over the fixed validation set, reduced over ranks."""
+    """Mean loss per token over the fixed validation set, reduced over ranks (a mixture: the weighted mean
+    of its sources', evaluate_sources)."""
+    return evaluate_sources(parts, cfg, dist)[0]
+
+
+def evaluate_sources(parts: Parts, cfg: RunConfig, dist: Dist) -> tuple[float, dict[str, float]]:
+    """The validation loss and, for a mixture, each source's ({NAME: loss}, each over that source's first
+    --eval-tokens), the loss being their mean at the --data-weights (MixtureEval.mean); one source: {}."""
     from gpt2.train.scoring import loader_loss
 
-    return loader_loss(parts.train_model, parts.val_loader, parts.precision, dist)
+    val = parts.val_loader
+    if not isinstance(val, MixtureEval):
+        return loader_loss(parts.train_model, val, parts.precision, dist), {}
+    losses = {name: loader_loss(parts.train_model, one, parts.precision, dist) for name, one in val.loaders.items()}
+    return val.mean(losses), losses
 
 
 def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
