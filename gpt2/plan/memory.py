@@ -78,6 +78,7 @@ from gpt2.core.config import (
 from gpt2.core.host_memory import MMAP_THRESHOLD_BYTES
 from gpt2.core.precision import BFLOAT16, Precision
 from gpt2.core.schedule import grad_accum_steps
+from gpt2.model import documents
 from gpt2.plan.hardware import Hardware, gib, usable_note
 
 
@@ -299,16 +300,11 @@ def memory(
     )
     n = param_count(model)
     autocast = prec.autocasts
-    flash = activation_bytes(model, micro_batch_size, seq_len, prec=prec, device_type=device_type, flash=True)
-    explicit = activation_bytes(model, micro_batch_size, seq_len, prec=prec, device_type=device_type, flash=False)
+    where = dict(prec=prec, device_type=device_type, compiled=compiled)
+    flash = activation_bytes(model, micro_batch_size, seq_len, flash=True, **where)
+    explicit = activation_bytes(model, micro_batch_size, seq_len, flash=False, **where)
     saved = activation_bytes(
-        model,
-        micro_batch_size,
-        seq_len,
-        prec=prec,
-        device_type=device_type,
-        flash=model.attn_impl != "explicit",
-        checkpointed=True,
+        model, micro_batch_size, seq_len, flash=model.attn_impl != "explicit", checkpointed=True, **where
     )
     logits = loss_bytes(
         model,
@@ -435,8 +431,12 @@ def activation_bytes(
     device_type: str = "cuda",
     flash: bool = True,
     checkpointed: bool = False,
+    compiled: bool = False,
 ) -> int:
     """Bytes autograd saves for backward outside the loss: embeddings, blocks, final LayerNorm.
+
+    compiled: attention runs compiled (the whole model or each block: any --compile-scope, fsdp's too), which
+    with doc_attention on CUDA takes FlexAttention's block mask (documents.flex_applies) instead of the dense one.
 
     s is the matmul dtype's size. Under autocast the residual stream and LayerNorms stay fp32, so
     every LayerNorm saves a 4-byte input plus fp32 mean and rstd per token.
@@ -483,10 +483,13 @@ def activation_bytes(
         elif not cuda:
             dropout += nh * T * 12 + (3 * s * h if prec.autocasts else 0)
     per_token_layer = 2 * layer_norm + attn + mlp + dropout
-    if cfg.doc_attention and device_type != "cuda":
+    flex = documents.flex_applies(device_type, compiled=compiled, dropout=cfg.dropout > 0, explicit=not flash)
+    if cfg.doc_attention and not flex:
         # The dense document mask (gpt2/model/documents.py): SDPA turns the boolean (B, 1, T, T) into an additive
-        # mask of q's dtype in every layer and saves it (measured with saved_tensors_hooks: s bytes per element
-        # per layer). On CUDA, compiled, FlexAttention's block mask is a few bytes per 128 x 128 block: not counted.
+        # mask of q's dtype in every layer and saves it (measured with saved_tensors_hooks on a CPU: s bytes per
+        # element per layer; on CUDA, eager, the memory-efficient kernel takes the same additive mask and saves it
+        # for its backward). Wherever FlexAttention runs (CUDA, attention compiled under any --compile-scope or
+        # fsdp), its block mask is a few bytes per 128 x 128 block and attention saves what flash does: not counted.
         per_token_layer += s * T
     per_token_rest = 8 + 8 + layer_norm + s * h  # token ids, targets, ln_f, LM-head input
     per_token_rest += (h if device_type == "cuda" else 4 * h) if cfg.dropout > 0 else 0  # embedding's
@@ -585,10 +588,12 @@ def max_micro_batch_size(
 
 
 def sizing(cfg: RunConfig) -> RunConfig:
-    """cfg as the micro-batch search and the does-not-fit message count it: the chunked loss, uncompiled.
-    Why not the run's loss path: the loss is chosen after the micro-batch, for it (gpt2/plan/loss_choice.py),
-    and the chunked loss is the one every micro-batch can take."""
-    return RunConfig(cfg.model, cfg.train.replace(loss_impl="chunked", compile=False, fp8_head=False))
+    """cfg as the micro-batch search and the does-not-fit message count it: the chunked loss (which counts the
+    same compiled or not), without the FP8 head (which needs the full loss). Why not the run's loss path: the
+    loss is chosen after the micro-batch, for it (gpt2/plan/loss_choice.py), and the chunked loss is the one
+    every micro-batch can take. The compilation stays the run's: with doc_attention on CUDA it decides whether
+    attention saves the dense mask (activation_bytes)."""
+    return RunConfig(cfg.model, cfg.train.replace(loss_impl="chunked", fp8_head=False))
 
 
 def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:
