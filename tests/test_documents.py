@@ -284,3 +284,38 @@ def test_the_planner_counts_the_dense_mask_wherever_it_runs_and_none_where_flexa
     dropout = base.replace(dropout=0.1)
     with_dropout = memory(run_config(dropout.replace(doc_attention=True), B, compile=True), hw).activations
     assert with_dropout - memory(run_config(dropout, B, compile=True), hw).activations == mask
+
+
+def test_the_start_up_says_how_much_of_the_attention_mfu_counts_the_mask_skips(tmp_path, shakespeare_shards):
+    """Issue 75: MFU counts attention as the full T x T; with --doc-attention the start-up's `documents` line
+    (train.log, --verbose) gives the share the mask keeps on this data and the share of the counted FLOPs it skips."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    flags = ["--preset", "speedrun", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path / "run")]
+    done = subprocess.run(
+        [sys.executable, "train_ddp.py", *flags, "--dry-run", "--verbose"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = re.search(
+        r"^documents  --doc-attention keeps ([\d.]+)% of causal attention's .* windows of 64\); MFU counts "
+        r"attention as the full T x T: of the FLOPs it counts the mask skips ([\d.]+)%, beside",
+        done.stdout,
+        re.M,
+    )
+    assert line and 0 < float(line[1]) < 100 and 0 < float(line[2]) < 1, done.stdout[-3000:]
+    plain = subprocess.run(
+        [sys.executable, "train_ddp.py", *flags, "--dry-run", "--verbose", "--doc-attention", "false"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert plain.returncode == 0 and "--doc-attention keeps" not in plain.stdout, plain.stderr[-2000:]
