@@ -224,9 +224,17 @@ def test_on_cuda_every_compile_scope_trains_doc_attention_as_the_dense_mask(scop
     """The GPU check's (gpu-tests): FlexAttention's generated kernel, the whole model compiled or each block
     alone (--compile-scope blocks, fsdp's), with rope, against the dense mask eager: the same loss and
     gradients to fp32 rounding (TF32 off)."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32  # a torch setting, not an attribute monkeypatch can restore
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        compare_on_cuda(scope)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def compare_on_cuda(scope: str) -> None:
     from gpt2.train.build import compile_sharded
 
-    torch.backends.cuda.matmul.allow_tf32 = False
     cfg = tiny(doc_attention=True, rope=True).replace(n_embd=64, block_size=256)
     idx = torch.randint(0, 50000, (4, 257), generator=torch.Generator().manual_seed(6))
     idx[:, ::37] = E
@@ -236,7 +244,10 @@ def test_on_cuda_every_compile_scope_trains_doc_attention_as_the_dense_mask(scop
     flex = model(cfg).train().cuda()
     torch._dynamo.reset()
     if scope == "blocks":
+        from torch.nn.attention.flex_attention import BlockMask
+
         compile_sharded(flex)
+        assert isinstance(flex.document_mask(idx[:, :-1], None), BlockMask)  # the path under test, not the dense one
         call = flex
     else:
         call = torch.compile(flex)
