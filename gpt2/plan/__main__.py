@@ -134,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--compile",
-        default="true",
         choices=("true", "false"),
-        help="torch.compile, as train_ddp.py's (default true): what the loss and the document mask hold depends on it",
+        help="torch.compile, as train_ddp.py's (default: the preset's, else true): what the loss and the document "
+        "mask hold depends on it",
     )
     ap.add_argument(
         "--activation-checkpointing",
@@ -170,7 +170,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     }
     if args.fp8_head:
         train["fp8_head"] = True
-    if args.compile == "false" or "compile" not in train:  # the preset's (speed: false) unless turned off
+    if args.compile is not None:  # None: the preset's (speed: false), else TrainConfig's (true)
         train["compile"] = args.compile == "true"
     for flag in ("micro_batch_size", "optimizer", "total_batch_size"):  # None: the preset's (or the default)
         if getattr(args, flag) is not None:
