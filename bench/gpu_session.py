@@ -438,6 +438,72 @@ def headroom_steps(quick: dict[str, Step], work: Path, *, cpu_smoke: bool = Fals
     ]
 
 
+PATHS_TESTS = ["tests/test_documents.py", "tests/test_writer.py", "tests/test_loss.py"]
+"""The paths session's gpu tests: the document mask's compiled kernels against the dense mask (every compile
+scope), the background checkpoint's pageable copy above its bound, the chunked loss's custom op's Triton code."""
+
+
+def gpu_count() -> int:
+    """GPUs this machine shows (nvidia-smi -L, within CUDA_VISIBLE_DEVICES where it is set), without importing
+    torch into the runner; 0 where there is no nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    count = sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return count if visible is None else min(count, len([v for v in visible.split(",") if v.strip()]))
+
+
+def paths_steps(quick: dict[str, Step], work: Path, *, cpu_smoke: bool = False, gpus: int | None = None) -> list[Step]:
+    """Issue 75's never-run GPU paths in one lease's call (600 s): env, then each path as a real run of the 124M
+    preset at its defaults but for the path's flags (bench/sizes.py --sizes gpt2 --steps 4: the planner's
+    choices, tokens/s, MFU, the peak memory against the plan; each run its own cold compile cache): Muon, --arch
+    modern, --doc-attention with the whole model compiled and with --compile-scope blocks (FlexAttention in
+    each compiled block, new), the chunked loss's custom op compiled on CUDA (--loss-impl chunked), --fp8-head
+    eager (the plan's count of its gradient copies, measured on a CPU only); then the gpu tests of those paths
+    (PATHS_TESTS); last, FSDP with Muon over 2 ranks, which needs 2 GPUs (FSDP at world size 1 trains the plain
+    model): skipped with the reason on one. cpu_smoke: the same commands at tiny stand-ins, eager, float32, the
+    FSDP row over 2 gloo ranks. gpus: the GPUs here (default gpu_count())."""
+    py, data = python_cmd(), gpu_dir() / "data"
+    scale = CPU_SMOKE_SCALE if cpu_smoke else 1
+    if cpu_smoke:
+        size = ["--device", "cpu", "--steps", "1", "--compile", "false", "--dtype", "float32", "--sizes", "debug:2"]
+        eager = ["--compile", "false"]
+    else:
+        size = ["--device", "cuda", "--sizes", "gpt2", "--steps", "4"]
+        eager = ["--compile", "false"]
+    gpus = gpu_count() if gpus is None else gpus
+
+    def sizes(name: str, variant: list[str], limit: int, **kw) -> Step:
+        label = ["--label", " ".join(v.lstrip("-") for v in variant)] if variant else []
+        cmd = [*py, "bench/sizes.py", *size, "--data-dir", str(data), "--work", str(work / "runs")]
+        cmd += [*label, "--md", str(work / f"{name}.md"), "--json", str(work / f"{name}.json"), *variant]
+        cmd += ["--compile-cache", str(work / "compile-cache" / name)]  # its own, cold: compile times compare
+        return Step(name, cmd, limit * scale, report=f"{name}.md", **kw)
+
+    two = (
+        ""
+        if cpu_smoke or gpus >= 2
+        else f"needs 2 GPUs (this machine shows {gpus}): FSDP at world size 1 trains the plain model"
+    )
+    tests = [*pytest_cmd(), *PATHS_TESTS, "-m", "gpu", "--junitxml", str(work / "paths-tests.xml")]
+    return [
+        quick["env"],
+        sizes("muon", ["--optimizer", "muon"], 70),  # a 124M defaults run: ~36 s cold compile + 4 steps of ~1 s
+        sizes("modern", ["--arch", "modern"], 70),
+        sizes("doc-attention", ["--doc-attention"], 75),  # FlexAttention's kernel compiled: a longer compile
+        sizes("doc-attention-blocks", ["--doc-attention", "--compile-scope", "blocks"], 75),
+        sizes("chunked-loss", ["--loss-impl", "chunked"], 70),
+        Step("paths-tests", tests, 60 * scale, junit="paths-tests.xml"),
+        sizes("fp8-eager", ["--fp8-head", *eager], 60, optional=True, min_s=45 * scale),  # eager: no compile
+        sizes("fsdp-muon", ["--nproc", "2", "--parallel", "fsdp", "--optimizer", "muon"], 90, needs=two),
+    ]
+
+
 def single_steps(work: Path, *, cpu_smoke: bool = False) -> dict[str, Step]:
     """Steps outside quick, each run alone by name (each its own device call). cpu_smoke: sizes at tiny
     stand-ins (--preset debug at 2 and 3 layers, eager, 1 step each)."""
@@ -1090,6 +1156,8 @@ def build_parser() -> argparse.ArgumentParser:
         "what",
         help="prepare | quick | lease (quick's first four steps, then sizes, in one 600 s call) | headroom (the "
         "124M FP8 head A/Bs at both micro-batches, its loss over 3 seeds, resume's default row; one 600 s call) "
+        "| paths (the paths no GPU has run: Muon, --arch modern, --doc-attention under both compile scopes, the "
+        "chunked loss's op, eager --fp8-head, their gpu tests, FSDP with Muon on 2 GPUs; one 600 s call) "
         "| env | defaults-rows "
         "| a step: "
         + ", ".join(
@@ -1131,6 +1199,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def session_steps(what: str, work: Path, *, cpu_smoke: bool = False) -> list[Step] | None:
+    """The steps of a session (quick, lease, headroom, paths) or of one step run alone by name; None: unknown."""
+    quick = {s.name: s for s in quick_steps(work, cpu_smoke=cpu_smoke)}
+    singles = single_steps(work, cpu_smoke=cpu_smoke)
+    sessions = {
+        "quick": lambda: list(quick.values()),
+        "lease": lambda: lease_steps(quick, singles, CPU_SMOKE_SCALE if cpu_smoke else 1),
+        "headroom": lambda: headroom_steps(quick, work, cpu_smoke=cpu_smoke),
+        "paths": lambda: paths_steps(quick, work, cpu_smoke=cpu_smoke),
+    }
+    if what in sessions:
+        return sessions[what]()
+    if what in quick or what in singles:
+        return [quick.get(what) or singles[what]]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)  # defaults-rows: bench/vs_nanogpt.py's flags after --
@@ -1152,19 +1237,11 @@ def main(argv: list[str] | None = None) -> int:
         return defaults_rows(args)
     name = args.what + ("-cpu-smoke" if args.cpu_smoke else "")
     work = work_root() / name
-    quick = {s.name: s for s in quick_steps(work, cpu_smoke=args.cpu_smoke)}
-    singles = single_steps(work, cpu_smoke=args.cpu_smoke)
-    if args.what == "quick":
-        steps = list(quick.values())
-    elif args.what == "lease":
-        steps = lease_steps(quick, singles, CPU_SMOKE_SCALE if args.cpu_smoke else 1)
-    elif args.what == "headroom":
-        steps = headroom_steps(quick, work, cpu_smoke=args.cpu_smoke)
-    elif args.what in quick or args.what in singles:
-        steps = [quick.get(args.what) or singles[args.what]]
-    else:
+    steps = session_steps(args.what, work, cpu_smoke=args.cpu_smoke)
+    if steps is None:
+        names = [s.name for s in quick_steps(work)] + list(single_steps(work))
         print(
-            f"gpu_session.py: error: unknown {args.what!r}: prepare, quick, env, or a step of {[*quick, *singles]}",
+            f"gpu_session.py: error: unknown {args.what!r}: prepare, quick, env, or a step of {names}",
             file=sys.stderr,
         )
         return 2
@@ -1173,7 +1250,7 @@ def main(argv: list[str] | None = None) -> int:
         if steps[0].name == "resume":
             steps = [replace(steps[0], limit_s=RESUME_ALONE_S * (CPU_SMOKE_SCALE if args.cpu_smoke else 1))]
     scale = CPU_SMOKE_SCALE if args.cpu_smoke else 1
-    plans = {"quick": BUDGET_S, "lease": LEASE_BUDGET_S, "headroom": LEASE_BUDGET_S}
+    plans = {"quick": BUDGET_S, "lease": LEASE_BUDGET_S, "headroom": LEASE_BUDGET_S, "paths": LEASE_BUDGET_S}
     budget = args.budget_s or (plans[args.what] * scale if args.what in plans else sum(s.limit_s for s in steps))
     if args.dry_run:
         for s in steps:
@@ -1183,9 +1260,8 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"\t(low priority: runs if {s.min_s} s or more are left)" if s.optional else "")
             )
         required = sum(s.limit_s for s in steps if not s.optional)
-        call = {"quick": CALL_TIMEOUT_S, "lease": LEASE_CALL_TIMEOUT_S, "headroom": LEASE_CALL_TIMEOUT_S}.get(
-            args.what, min(600, int(budget) + 30)
-        )
+        call = {"quick": CALL_TIMEOUT_S, "lease": LEASE_CALL_TIMEOUT_S, "headroom": LEASE_CALL_TIMEOUT_S}
+        call = {**call, "paths": LEASE_CALL_TIMEOUT_S}.get(args.what, min(600, int(budget) + 30))
         extra = [s for s in steps if s.optional]
         print(
             f"total {required} s of limits, budget {budget:.0f} s"

@@ -4,11 +4,12 @@ the device did (bench/gpu_session.py's `sizes` step, run alone by name: the leas
     python bench/sizes.py --device cuda --data-dir .gpu/data --work runs/sizes --md sizes.md
 
 Per size (--sizes: presets, or PRESET:N_LAYER, the CPU smoke test's stand-ins) one real `train_ddp.py
---preset NAME` run with no evaluation, samples or checkpoints (it is given more steps than it runs and
-killed with SIGKILL once --steps steps are logged: gpt2-xl's save alone is ~19 GB), read back from its
-train.log and metrics.jsonl: the micro-batch auto took, the loss path,
-activation checkpointing, tokens/s and MFU of the last step, the peak memory (mem_mb: the largest
-torch.cuda.max_memory_allocated of its steps) beside the start-up plan's total, and their ratio. A size
+--preset NAME` run (--nproc N: N ranks on this machine, through python -m gpt2.launch) with no evaluation,
+samples or checkpoints (it is given more steps than it runs and killed with SIGKILL once --steps steps are
+logged: gpt2-xl's save alone is ~19 GB), read back from its train.log and metrics.jsonl: the micro-batch
+auto took, the loss path, activation checkpointing, tokens/s and MFU of the last step, the peak memory
+(mem_mb: the largest torch.cuda.max_memory_allocated of rank 0's steps) beside the start-up plan's total,
+and their ratio. A size
 that would not finish before the deadline (--deadline-s, default bench/gpu_session.py's
 GPU_SESSION_DEADLINE) is skipped and recorded; the sizes run smallest first.
 """
@@ -99,11 +100,20 @@ def logged_steps(metrics: Path) -> int:
     return sum(1 for r in read_jsonl(metrics) if "step_s" in r)
 
 
-def run_steps(flags: list[str], metrics: Path, steps: int, deadline: float | None, poll_s: float = 0.5):
-    """train_ddp.py with flags until `steps` steps are in its metrics.jsonl, then SIGKILL (no save, no
-    stop checkpoint): 0; its own exit status if it ended first (a failure: it was given more steps);
-    "timeout" past the deadline."""
-    proc = subprocess.Popen([sys.executable, "train_ddp.py", *flags], cwd=REPO, start_new_session=True)
+def launch_cmd(nproc: int) -> list[str]:
+    """train_ddp.py alone, or nproc ranks on this machine (python -m gpt2.launch: torchrun, its tracebacks aside)."""
+    if nproc <= 1:
+        return [sys.executable, "train_ddp.py"]
+    return [sys.executable, "-m", "gpt2.launch", "--standalone", f"--nproc_per_node={nproc}", "train_ddp.py"]
+
+
+def run_steps(
+    flags: list[str], metrics: Path, steps: int, deadline: float | None, poll_s: float = 0.5, *, nproc: int = 1
+):
+    """train_ddp.py with flags (nproc ranks: launch_cmd) until `steps` steps are in its metrics.jsonl, then
+    SIGKILL to its process group (no save, no stop checkpoint): 0; its own exit status if it ended first (a
+    failure: it was given more steps); "timeout" past the deadline."""
+    proc = subprocess.Popen([*launch_cmd(nproc), *flags], cwd=REPO, start_new_session=True)
     try:
         while proc.poll() is None:
             if logged_steps(metrics) >= steps:
@@ -192,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--label", default="", help="a suffix for every row's name (an A/B's variant: the flags after the options)"
     )
+    ap.add_argument(
+        "--nproc", type=int, default=1, help="ranks per run on this machine (python -m gpt2.launch; default 1)"
+    )
     ap.add_argument("--md", type=Path)
     ap.add_argument("--json", type=Path)
     args, extra = ap.parse_known_args(argv)  # the rest goes to every train_ddp.py (e.g. --compile false)
@@ -247,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             "1",
             *extra,
         ]
-        print("$ python train_ddp.py " + " ".join(flags), flush=True)
+        print("$ " + " ".join([*launch_cmd(args.nproc)[1:], *flags]), flush=True)
         t0 = time.time()
-        rc = run_steps(flags, out / "metrics.jsonl", steps, None if deadline is None else deadline)
+        rc = run_steps(flags, out / "metrics.jsonl", steps, None if deadline is None else deadline, nproc=args.nproc)
         took = time.time() - t0
         log = (out / "train.log").read_text(errors="replace") if (out / "train.log").is_file() else ""
         conf = json.loads((out / "config.json").read_text())["config"] if (out / "config.json").is_file() else {}

@@ -48,8 +48,9 @@ tokens/s from the median step time; MFU against the device's data-sheet dense pe
 (gpt2/plan/flops.py's table, the device named by torch.cuda.get_device_name; on a CPU the measured peak);
 peak memory: ours the largest `mem_mb` of metrics.jsonl (torch.cuda.max_memory_allocated), nanoGPT the
 same counter printed at exit by a wrapper around its unchanged train.py (nanogpt.MEASURE_MEMORY); on a
-CPU both are the process's max RSS. Goals (GPU issue, part 1): ours >= 1.00x nanoGPT's tokens/s at the
-same micro-batch, and >= 45% MFU at defaults on an H100. --json writes the rows, after every row.
+CPU both are the process's max RSS. Goals: ours >= SAME_BATCH_GOAL (1.03x) nanoGPT's tokens/s at the same
+micro-batch, and >= 45% MFU at defaults on an H100; a verdict from fewer than SETTLED_ROUNDS rounds is marked
+as not settled. --json writes the rows, after every row.
 """
 
 from __future__ import annotations
@@ -178,6 +179,12 @@ QUIET = (
     "--seed",
     "1337",
 )
+SAME_BATCH_GOAL = 1.03
+"""Ours against nanoGPT's own train.py at the same micro-batch: at least this ratio of tokens/s (the second H100
+lease's bar, docs/performance.md; the first lease's was 1.00x)."""
+SETTLED_ROUNDS = 3
+"""A same-micro-batch verdict is settled by the median of at least this many alternated rounds: one round's
+1.09x on the second H100 lease read 1.03x in the profiled pair of the same call (docs/performance.md)."""
 BY_BATCH_ONLY = ("gpt2", "smoke")
 """Shapes whose nanoGPT batch differs from ours' global batch: compared by micro-batch only."""
 NANO_FIXED = dict(
@@ -613,8 +620,11 @@ def row_peak(device: Device, dtype: str) -> float | None:
     return peak(dtype)
 
 
-def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[str, float | None]) -> list[str]:
-    """The table and the goals of the micro-batch layout (rows without numbers say why)."""
+def by_batch_report(
+    rows: list[Row], shape: Shape, device: Device, peaks: dict[str, float | None], *, rounds: int = SETTLED_ROUNDS
+) -> list[str]:
+    """The table and the goals of the micro-batch layout (rows without numbers say why); rounds: how many
+    alternated rounds the rows' medians come from (fewer than SETTLED_ROUNDS: the speed verdict is not settled)."""
     cfg = parse_config([*shape.ours, "--data-dir", "unused", "--out-dir", "unused"])
     per_token = flops_per_token(cfg.model)
     done = [r for r in rows if r.times]
@@ -662,7 +672,12 @@ def by_batch_report(rows: list[Row], shape: Shape, device: Device, peaks: dict[s
             ratio = tok_s(r) / tok_s(nano[r.micro_batch])
             notes.append(
                 f"- ours B={r.micro_batch} against nanoGPT B={r.micro_batch}: **{ratio:.2f}x** tokens/s "
-                f"(goal >= 1.00x): {'met' if ratio >= 1 else 'NOT met'}"
+                f"(goal >= {SAME_BATCH_GOAL:.2f}x): {'met' if ratio >= SAME_BATCH_GOAL else 'NOT met'}"
+                + (
+                    ""
+                    if rounds >= SETTLED_ROUNDS
+                    else f" in {rounds} round(s): not settled (the median of >= {SETTLED_ROUNDS} alternated rounds is)"
+                )
             )
     default = next((r for r in done if r.who == "ours" and r.micro_batch is None and not r.extra), None)
     if default:
@@ -757,7 +772,7 @@ def main_by_batch(args, shape_key: str, tree: Path | None, command: str) -> int:
             + ("" if args.compile else "; every row EAGER (--no-compile: a smoke test, not a measurement)"),
             "",
         ]
-        text = "\n".join(head + by_batch_report(rows, shape, device, peaks))
+        text = "\n".join(head + by_batch_report(rows, shape, device, peaks, rounds=args.rounds))
         if args.json:
             Path(args.json).write_text(rows_json(rows, device, peaks, meta) + "\n")
         if args.md:

@@ -495,3 +495,24 @@ def test_the_trainer_shows_no_mfu_from_a_cached_peak_below_the_floor(tmp_path, s
     steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert len(steps) == 2 and all(r["mfu"] is None for r in steps)
     assert "mfu   n/a" in run.stdout
+
+
+def test_the_share_of_causal_attention_a_document_mask_keeps_and_what_mfu_counts_of_it():
+    """Issue 75: MFU at --doc-attention counts the full T x T attention; the start-up says how much the mask skips at
+    the data's document lengths. The share against a hand count, and the skipped share of the counted FLOPs."""
+    import numpy as np
+
+    from gpt2.plan.flops import flops_per_token, within_document_share
+
+    E = 50256
+    # window 1: [E 1 2 E] -> documents of 3 and 1 tokens: 6 + 1 of 10 causal pairs; window 2: one document, 10 of 10
+    share = within_document_share(np.array([E, 1, 2, E, 3, 4, 5, 6, 7]), 4, E)
+    assert (share.kept, share.windows, share.documents) == (0.85, 2, 2)
+    assert within_document_share(np.arange(64), 8, E).kept == 1.0  # no EOT: plain causal attention
+    assert within_document_share(np.full(16, E), 8, E).kept == 8 / 36  # every token its own document
+    with pytest.raises(ValueError, match="no window of 8"):
+        within_document_share(np.arange(5), 8, E)
+    cfg = model_preset("gpt2")
+    attention = 12 * 12 * 768 * 1024 / flops_per_token(cfg)  # 13.2% of the FLOPs MFU counts
+    assert share.skipped_of_counted(cfg) == pytest.approx(attention * 0.15 / 2)
+    assert within_document_share(np.arange(64), 8, E).skipped_of_counted(cfg) == 0.0

@@ -173,3 +173,30 @@ def test_fp8_bench_verdict_is_the_mean_over_seeds_with_every_seed_shown():
     assert not ok and "mean +0.0275" in text and "FAIL" in text
     text, ok = fp8_head.report(rows((2.50, 2.50), (2.50, None)), "cmd", 0.02, [0, 1])
     assert not ok and "1 of 2 seed(s) measured" in text
+
+
+def test_shapes_that_scaled_mm_refuses_on_cuda_are_refused_at_start_up_in_one_line():
+    """Issue 75: _scaled_mm on CUDA needs n_embd, vocab_size and the micro-step's tokens (the weight gradient's
+    inner dimension) to be multiples of 16; the config took any vocab >= 50,257 and the check saw only the
+    compute capability, so a run would fail at its first backward on the GPU. Refused before any step, the
+    same on every device (a CPU's _scaled_mm does not check: a rehearsal must)."""
+    from gpt2.plan.resolve import Target, resolve_choices
+
+    gpt2 = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
+    assert fp8.fp8_shape_problem(gpt2, 3) is None  # 3 x 64 tokens
+    assert fp8.fp8_shape_problem(gpt2.replace(vocab_size=50257)) == (
+        "--fp8-head: torch._scaled_mm needs multiples of 16 in the LM head's matmuls, and vocab_size=50257 is not: "
+        "use an --n-embd and a --vocab-size that are multiples of 16 (GPT-2's padded 50304 is), a "
+        "--micro-batch-size whose product with --block-size is, or drop --fp8-head"
+    )
+    odd = ModelConfig(n_layer=2, n_head=2, n_embd=72, block_size=60)
+    why = fp8.fp8_shape_problem(odd, 3)
+    assert "n_embd=72 and micro_batch_size x block_size = 3 x 60 = 180 tokens are not" in why
+    assert fp8.fp8_shape_problem(odd, 4) is not None and fp8.fp8_shape_problem(odd.replace(n_embd=80), 4) is None
+    for cfg, mb, what in ((gpt2.replace(vocab_size=50260), 4, "vocab_size=50260"), (odd.replace(n_embd=80), 3, "180")):
+        run = RunConfig(cfg, TrainConfig.of(fp8_head=True, micro_batch_size=mb, total_batch_size=mb * cfg.block_size))
+        for target in (Target(gpu="H100-80GB"), Target(device=torch.device("cpu"))):
+            with pytest.raises(ValueError, match=rf"^--fp8-head: torch._scaled_mm .*{what}[^\n]*$"):
+                resolve_choices(run, target)
+    fine = RunConfig(gpt2, TrainConfig.of(fp8_head=True, micro_batch_size=3, total_batch_size=3 * 64))
+    assert resolve_choices(fine, Target(gpu="H100-80GB")).cfg.train.compute.fp8_head

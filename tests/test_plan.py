@@ -810,3 +810,26 @@ def test_plan_cli_parallel_fsdp(capsys):
     assert "FSDP over 8 ranks" in out and "fits       yes" in out
     with pytest.raises(SystemExit):
         main([*argv, "--parallel", "zero3"])
+
+
+def test_docs_training_holds_the_planners_doc_attention_and_fp8_rows_at_every_gpt2_size():
+    """Issue 75: the planner's rows for --doc-attention and --fp8-head at gpt2..gpt2-xl on an H100 are in
+    docs/training.md, as python -m gpt2.plan gives them now (a change to the plan changes the table)."""
+    from conftest import REPO
+
+    from gpt2.plan.__main__ import build_parser, plan_from_args
+    from gpt2.plan.hardware import gib
+
+    text = (REPO / "docs" / "training.md").read_text()
+    variants = [[], ["--doc-attention"], ["--doc-attention", "--compile", "false"], ["--fp8-head"]]
+    variants.append(["--fp8-head", "--compile", "false"])
+    for preset in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
+        for variant in variants:
+            p = plan_from_args(build_parser().parse_args(["--preset", preset, "--gpu", "H100-80GB", *variant]))
+            m = p.memory
+            row = (
+                f"| {preset} | {' '.join(variant) or '(defaults)'} | {p.micro_batch_size} x {p.grad_accum_steps} "
+                f"| {'chunked' if m.chunked_loss else 'full'} | {'full' if m.checkpointed else 'none'} "
+                f"| {gib(m.activations)} | {gib(m.logits)} | {gib(m.total)} | {p.max_micro_batch_size} |"
+            )
+            assert row in text, row

@@ -320,3 +320,86 @@ def test_a_background_write_on_a_full_disk_says_no_space_and_names_the_directory
     ), message
     assert "unexpected pos" not in message and "\n" not in message
     assert ckpt.list_checkpoints(tmp_path) == []  # the temp file went with the error
+
+
+# ------------------------------------------------------------------ the host copy's bound (issue 75 item 4)
+
+
+def test_the_host_copy_is_kept_and_pinned_up_to_its_bound_and_above_it_held_only_while_written():
+    """Rank 0's copy lived for the whole run, pinned: ~1.5 GB at 124M, ~19 GB at gpt2-xl. Kept (pinned on CUDA)
+    up to CHECKPOINT_COPY_KEEP_BYTES, pageable and released after each write above it."""
+    from gpt2.core.config import MODEL_PRESETS
+    from gpt2.core.host_memory import CHECKPOINT_COPY_KEEP_BYTES, checkpoint_copy_kept
+    from gpt2.plan.budget import checkpoint_bytes
+
+    small, xl = (checkpoint_bytes(ModelConfig(**MODEL_PRESETS[p])) for p in ("gpt2", "gpt2-xl"))
+    assert small < CHECKPOINT_COPY_KEEP_BYTES < xl
+    assert checkpoint_copy_kept(small, cuda=True) == (True, True)  # 124M: as measured by bench/checkpoint_stall.py
+    assert checkpoint_copy_kept(small, cuda=False) == (False, True)
+    assert checkpoint_copy_kept(xl, cuda=True) == checkpoint_copy_kept(xl, cuda=False) == (False, False)
+
+
+def test_a_copy_over_the_bound_is_released_when_its_write_ends_and_writes_the_same_file(tmp_path, monkeypatch):
+    from gpt2.core import host_memory
+
+    model, opt = trained_parts()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    writer = CheckpointWriter(torch.device("cpu"))
+    writer.submit(tmp_path, 1, live_state(model, opt, 1), keep=3)
+    writer.wait()
+    assert writer.copier.kept and writer.copier._flat is not None  # under the bound: kept for the next save
+    monkeypatch.setattr(host_memory, "CHECKPOINT_COPY_KEEP_BYTES", 1024)  # this tiny state is now "large"
+    writer.submit(tmp_path, 2, live_state(model, opt, 2), keep=3)
+    writer.wait_copied()
+    train_one_step(model, opt)  # the update after the copy: the file holds the state as the save found it
+    done = writer.wait()
+    assert not writer.copier.kept and writer.copier._flat is None  # held only while the write was in flight
+    state = ckpt.load_checkpoint(done["path"])
+    assert all(torch.equal(state["model"][k], v) for k, v in want.items())
+    writer.submit(tmp_path, 3, live_state(model, opt, 3), keep=3)  # a new buffer for the next save
+    assert writer.wait()["step"] == 3 and writer.copier._flat is None
+
+
+def test_the_plans_host_line_counts_rank_0s_copy():
+    """Issue 75 item 4: the plan said nothing of the host copy; its host line gives its size and how long it lives."""
+    from gpt2.core.config import MODEL_PRESETS
+    from gpt2.core.precision import BFLOAT16
+    from gpt2.plan.hardware import gpu_hardware
+    from gpt2.plan.memory import run_config
+    from gpt2.plan.planner import plan
+    from gpt2.plan.report import format_plan
+
+    h100 = gpu_hardware("H100-80GB", BFLOAT16)
+
+    def host(preset: str, world: int = 1, **train) -> str:
+        cfg = ModelConfig(**MODEL_PRESETS[preset])
+        p = plan(run_config(cfg, 1, prec=BFLOAT16, world_size=world, **train), h100, world_size=world)
+        return next(line for line in format_plan(p).splitlines() if line.startswith("host "))
+
+    assert host("gpt2") == (
+        "host       rank 0's copy of the state for a background checkpoint (--async-ckpt): 1.39 GiB (pinned, kept "
+        "from the first save to the end of the run); the other ranks hold none"
+    )
+    assert "17.41 GiB (pageable, held only while a write is in flight: over 4.00 GiB, it is not kept)" in host(
+        "gpt2-xl"
+    )
+    assert host("gpt2", async_ckpt=False).startswith("host       no checkpoint copy: --async-ckpt false")
+    assert host("gpt2-xl", world=2, parallel="fsdp").startswith("host       no checkpoint copy: fsdp's sharded")
+
+
+@pytest.mark.gpu
+def test_over_the_bound_the_cuda_copy_is_pageable_made_by_the_writer_thread_and_released(tmp_path, monkeypatch):
+    from gpt2.core import host_memory
+
+    monkeypatch.setattr(host_memory, "CHECKPOINT_COPY_KEEP_BYTES", 1024)
+    model, opt = trained_parts("cuda")
+    copier = HostCopier(pinned=True)
+    want = {k: v.cpu() for k, v in model.state_dict().items()}
+    first = copier.copy(live_state(model, opt, 1))
+    assert copier.copies_pending and not copier.kept  # the writer thread's copies, not the side stream's
+    copier.finish()  # what the writer thread does; train_step's wait_copied waits for it before the update
+    train_one_step(model, opt)
+    assert all(torch.equal(first["model"][k], want[k]) for k in want)
+    assert not first["model"]["transformer.wte.weight"].is_pinned()
+    copier.release()
+    assert copier._flat is None

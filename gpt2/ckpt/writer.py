@@ -17,10 +17,14 @@ Rules:
     every step and stops every rank at the next one (its stop vote), and `wait()` raises the error
     (CheckpointWriteError), which the trainer sends to every rank (gpt2/train/state.py save).
 Memory: the copy is a second copy of the state in rank 0's host memory (a 124M AdamW run: ~1.5 GB;
-gpt2-xl: ~19 GB), from the first periodic save to the end of the run: its buffers are kept and reused
-(on CUDA they are pinned, which is slow to allocate and makes the device-to-host copy asynchronous;
-on a CPU, copying into memory already touched is 2-3x faster than a fresh clone). The other ranks
-hold no copy. --async-ckpt false saves synchronously and holds none.
+gpt2-xl: ~19 GB). Up to CHECKPOINT_COPY_KEEP_BYTES (gpt2/core/host_memory.py, 4 GiB) its buffer is kept
+from the first periodic save to the end of the run and reused (on CUDA pinned, which is slow to allocate
+and makes the device-to-host copy asynchronous; on a CPU, copying into memory already touched is 2-3x
+faster than a fresh clone). Above it the buffer is ordinary pageable memory, allocated at each save and
+freed when its write ends, so the host holds it only while a write is in flight; on CUDA the writer thread
+then makes the device-to-host copies (on a side stream, after the step the save was asked at), and the next
+optimizer update waits for them as on a CPU. The plan's host line counts it (gpt2/plan/report.py). The other
+ranks hold no copy. --async-ckpt false saves synchronously and holds none.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 import torch
 
 from gpt2.ckpt import checkpoint as ckpt
+from gpt2.core.host_memory import checkpoint_copy_kept
 
 
 class CheckpointWriteError(RuntimeError):
@@ -64,11 +69,18 @@ class HostCopier:
     storage holding everything). On CUDA the device-to-host copies run on a side stream that first
     waits for the training stream: they overlap the next forward and backward instead of queueing
     ahead of them, and the next optimizer update waits for them on the device (wait_copied).
+    A state over CHECKPOINT_COPY_KEEP_BYTES gets a pageable buffer instead, dropped by release() once its
+    write is done (kept False), its CUDA tensors copied by finish_host (the module docstring).
     """
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
+        """Pin a kept buffer for CUDA tensors (the trainer's device is CUDA)."""
+        self.kept = True
+        """Whether the last copy's buffer is kept for the next save (else release() drops it)."""
         self._flat: torch.Tensor | None = None  # the host buffer, uint8
+        self._flat_pinned = False
+        self._ready = None  # on the training stream at copy(): the writer thread's CUDA copies start after it
         self._jobs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host slice, source bytes) not yet copied
         self._event = None  # recorded on the side stream after the CUDA copies; the writer thread waits on it
         self._copied_event = None  # the same event, for the training stream's wait (wait_copied, main thread)
@@ -82,10 +94,12 @@ class HostCopier:
         for key, src in sources.items():
             offsets[key] = total
             total += -(-src.numel() // ALIGN_BYTES) * ALIGN_BYTES
-        if self._flat is None or self._flat.numel() < total:
+        cuda = any(src.device.type == "cuda" for src in sources.values())
+        pin, self.kept = checkpoint_copy_kept(total, cuda=self.pinned and cuda)
+        if self._flat is None or self._flat.numel() < total or self._flat_pinned != pin:
             self._flat = None  # the old buffer goes before the new one is allocated
-            pin = self.pinned and any(src.device.type == "cuda" for src in sources.values())
             self._flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+            self._flat_pinned = pin
         flat_np = self._flat.numpy()
         self._jobs = []
         hosts = {}
@@ -98,11 +112,21 @@ class HostCopier:
         if device:
             self._jobs = [(dst, src) for dst, src in self._jobs if not self._on_device(src)]
             self._copy_on_side_stream(device)
+        if any(src.device.type == "cuda" for _, src in self._jobs):  # into pageable memory, by finish_host
+            self._ready = torch.cuda.Event()
+            self._ready.record()  # the state as the step left it
         return out
 
     def _on_device(self, src: torch.Tensor) -> bool:
-        """Whether src's copy is queued on the device (CUDA) rather than made by finish_host()."""
-        return src.device.type == "cuda"
+        """Whether src's copy is queued on the device (CUDA, into the pinned buffer) rather than made by
+        finish_host() (a host tensor, or a CUDA one copied into pageable memory, which blocks the caller)."""
+        return src.device.type == "cuda" and self._flat_pinned
+
+    def release(self) -> None:
+        """After the copy's write: drop a buffer that is not kept (over CHECKPOINT_COPY_KEEP_BYTES), whose memory
+        goes back once the written copy is gone too; a kept one stays for the next save."""
+        if not self.kept:
+            self._flat = None
 
     def _copy_on_side_stream(self, jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self._stream is None:
@@ -145,6 +169,17 @@ class HostCopier:
             self._event = None
 
     def _run_jobs(self) -> None:
+        if self._ready is not None:  # CUDA tensors into pageable memory: on a side stream, after the step
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_event(self._ready)
+            self._ready = None
+            with torch.cuda.stream(self._stream):  # each copy returns once its bytes have landed
+                self._copy_jobs()
+            return
+        self._copy_jobs()
+
+    def _copy_jobs(self) -> None:
         for buf, src in self._jobs:
             buf.copy_(src)  # a real copy: training changes src
         self._jobs = []
@@ -252,6 +287,8 @@ class CheckpointWriter:
             result["copy_s"], result["write_s"] = t1 - t0, time.perf_counter() - t1
         except BaseException as e:  # kept for wait(): an exception in a thread is otherwise only printed
             result["error"] = e
+        finally:
+            self.copier.release()  # a buffer over the bound is held only while its write is in flight
 
     def wait(self) -> dict | None:
         """Wait for the write in flight; its result ({step, path, copy_s, write_s}), or None if none.

@@ -102,7 +102,8 @@ class ModelConfig:
 
     A token attends to the earlier tokens of its own document, documents being marked by the EOT token that
     opens each (data_prep writes [EOT] + text); plain causal attention also sees the documents before it in
-    the window. FlexAttention on compiled CUDA, an exact dense mask elsewhere (gpt2/model/documents.py).
+    the window. FlexAttention on CUDA wherever attention is compiled (any --compile-scope, fsdp), an exact dense
+    mask elsewhere (gpt2/model/documents.py).
     How the weights are trained, not what they hold: a checkpoint resumes either way and exports as GPT-2."""
 
     def __post_init__(self) -> None:

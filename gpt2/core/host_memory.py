@@ -23,6 +23,21 @@ TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 glibc's own dynamic rule keeps it)."""
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters, from glibc's malloc.h
 
+CHECKPOINT_COPY_KEEP_BYTES = 4 * 2**30
+"""Rank 0's host copy of the state for a background checkpoint (gpt2/ckpt/writer.py) is kept from save to save,
+and pinned on CUDA, up to this size: a 124M AdamW run's 1.5 GB (pinning is slow to allocate, and the pinned
+device-to-host copies overlap the next step: bench/checkpoint_stall.py). Above it (gpt2-medium's 5.7 GB with
+AdamW, gpt2-xl's 19 GB) the copy is ordinary pageable memory held only while a write is in flight, freed when
+the write ends: a run's host does not give up a second copy of the state for its whole length. The plan's host
+line says which (gpt2/plan/report.py)."""
+
+
+def checkpoint_copy_kept(copy_bytes: int, *, cuda: bool) -> tuple[bool, bool]:
+    """(pinned, kept) for a background checkpoint's host copy of copy_bytes (CHECKPOINT_COPY_KEEP_BYTES): kept from
+    save to save up to the bound, and then pinned when the state is on CUDA; above it neither."""
+    kept = copy_bytes <= CHECKPOINT_COPY_KEEP_BYTES
+    return kept and cuda, kept
+
 
 def return_freed_memory() -> bool:
     """Make glibc return a freed tensor's memory to the system (a CPU run calls this before its model exists).

@@ -74,6 +74,12 @@ def read_header(path: str | os.PathLike) -> int:
     return n_tokens
 
 
+def read_tokens(path: str | os.PathLike, count: int) -> np.ndarray:
+    """The first `count` tokens of a shard (fewer if it holds fewer), its header validated."""
+    n = min(count, read_header(path))
+    return np.fromfile(path, dtype=TOKEN_DTYPE, count=n, offset=HEADER_BYTES)
+
+
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
     """Write tokens atomically: temp file in the same directory, fsync, rename.
 

@@ -71,6 +71,31 @@ def logits_dtype(device_type: str) -> torch.dtype:
     return torch.float32
 
 
+SCALED_MM_MULTIPLE = 16
+"""torch._scaled_mm on CUDA needs its inner dimension and both of its second operand's to be multiples of 16
+(torch/_meta_registrations.py _check_scaled_mm_sizes; a CPU does not check them). The head's three matmuls put
+there: n_embd and vocab_size (the forward, (N, C) @ (C, V), and the input's gradient, (N, V) @ (V, C)) and
+the micro-step's tokens N = micro_batch_size x block_size (the weight's gradient, (V, N) @ (N, C))."""
+
+
+def fp8_shape_problem(cfg, micro_batch_size: int | None = None) -> str | None:
+    """Why --fp8-head cannot run at this model's shape (cfg: ModelConfig) and micro-batch (None: not yet known,
+    the tokens are not checked), in one line naming the fix; None: every dimension _scaled_mm requires is a
+    multiple of SCALED_MM_MULTIPLE. The same rule on every device, so a CPU rehearsal refuses what a GPU would."""
+    m = SCALED_MM_MULTIPLE
+    bad = [f"{name}={getattr(cfg, name)}" for name in ("n_embd", "vocab_size") if getattr(cfg, name) % m]
+    tokens = None if micro_batch_size is None else micro_batch_size * cfg.block_size
+    if tokens is not None and tokens % m:
+        bad.append(f"micro_batch_size x block_size = {micro_batch_size} x {cfg.block_size} = {tokens} tokens")
+    if not bad:
+        return None
+    return (
+        f"--fp8-head: torch._scaled_mm needs multiples of {m} in the LM head's matmuls, and {' and '.join(bad)} "
+        f"{'is' if len(bad) == 1 else 'are'} not: use an --n-embd and a --vocab-size that are multiples of {m} "
+        f"(GPT-2's padded 50304 is), a --micro-batch-size whose product with --block-size is, or drop --fp8-head"
+    )
+
+
 def fp8_problem(device: torch.device | str | None) -> str | None:
     """Why --fp8-head cannot run on device (None: it can). A CUDA device needs FP8 tensor cores; elsewhere
     (a CPU) `_scaled_mm` must exist in this torch: it runs there for tests, slowly."""

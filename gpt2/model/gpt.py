@@ -247,6 +247,10 @@ class GPT(nn.Module):
         # torch.compile traces the model, so the compiled graph has one path (no graph break, no
         # recompilation). The trainer sets it from the planner's choice (gpt2/plan/ choose_loss_impl).
         self.loss_impl = loss_impl
+        # Whether each block is compiled alone (--compile-scope blocks, --parallel fsdp; set by gpt2/train/
+        # build.py compile_sharded): forward then runs eager while attention runs compiled, so doc_attention's
+        # mask is FlexAttention's BlockMask there too (gpt2/model/documents.py flex_available).
+        self.compiled_blocks = False
         # activation_checkpointing: every block recomputes its forward in the backward (Block.checkpointed;
         # the trainer resolves --activation-checkpointing, gpt2/plan/ choose_activation_checkpointing).
         # Modules are made (and so initialised, by _init_weights) in GPT-2's order; an option only leaves
@@ -337,13 +341,13 @@ class GPT(nn.Module):
 
     def document_mask(self, idx: Tensor, kv_cache: KVCache | None):
         """doc_attention's mask for these tokens (gpt2/model/documents.py): their document numbers, continuing
-        the cache's last one and written into it, against every key's so far. FlexAttention has no dropout:
-        with dropout on, the dense mask."""
+        the cache's last one and written into it, against every key's so far. FlexAttention has no dropout
+        and the explicit attention is the reference that materialises the scores: with either, the dense mask."""
         if kv_cache is None:
             ids = documents.document_ids(idx)
-            if self.training and self.config.dropout > 0:
+            if (self.training and self.config.dropout > 0) or self.config.attn_impl == "explicit":
                 return documents.dense_mask(ids, ids)
-            return documents.doc_mask(ids, ids)
+            return documents.doc_mask(ids, ids, blocks_compiled=self.compiled_blocks)
         start, end = kv_cache.pos, kv_cache.pos + idx.size(1)
         first = kv_cache.docs[:, start - 1] if start > 0 else None
         kv_cache.docs[:, start:end] = documents.document_ids(idx, first)

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--arch", choices=sorted(ARCHS), help="architecture options, as train_ddp.py's --arch (default: gpt2's)"
     )
+    ap.add_argument(
+        "--doc-attention",
+        action="store_true",
+        help="attention within documents, as train_ddp.py's: the dense mask counted where it runs (a CPU, eager "
+        "CUDA), none where FlexAttention runs (compiled CUDA)",
+    )
     ap.add_argument("--block-size", type=int, help="sequence length (default: the preset's)")
     ap.add_argument(
         "--micro-batch-size",
@@ -122,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the loss path the memory counts (default auto: as train_ddp.py chooses it)",
     )
     ap.add_argument(
+        "--fp8-head",
+        action="store_true",
+        help="the LM head's matmuls in FP8, as train_ddp.py's (the full loss, and its FP8 copies counted)",
+    )
+    ap.add_argument(
+        "--compile",
+        choices=("true", "false"),
+        help="torch.compile, as train_ddp.py's (default: the preset's, else true): what the loss and the document "
+        "mask hold depends on it",
+    )
+    ap.add_argument(
         "--activation-checkpointing",
         default="auto",
         choices=ACTIVATION_CHECKPOINTING,
@@ -142,6 +159,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "attn_impl", "block_size")
         if getattr(args, k) is not None
     }
+    if args.doc_attention:
+        overrides["doc_attention"] = True
     cfg = model_preset(args.preset, **{**ARCHS.get(args.arch or "gpt2"), **overrides})
     train = {
         **TRAIN_PRESETS.get(args.preset, {}),
@@ -149,6 +168,10 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         "parallel": args.parallel,
         "activation_checkpointing": args.activation_checkpointing,
     }
+    if args.fp8_head:
+        train["fp8_head"] = True
+    if args.compile is not None:  # None: the preset's (speed: false), else TrainConfig's (true)
+        train["compile"] = args.compile == "true"
     for flag in ("micro_batch_size", "optimizer", "total_batch_size"):  # None: the preset's (or the default)
         if getattr(args, flag) is not None:
             train[flag] = getattr(args, flag)

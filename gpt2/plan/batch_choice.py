@@ -124,8 +124,8 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int, m
         )
 
     def chunked(b: int) -> bool:
-        if not tc.compute.compile:
-            return False  # uncompiled, which loss is faster is measured at start-up, not modelled
+        if not tc.compute.compile or tc.compute.fp8_head:
+            return False  # uncompiled, which loss is faster is measured at start-up, not modelled; FP8: full
         at_b = RunConfig(model, tc.replace(micro_batch_size=b, loss_impl="auto"))
         return choose_loss_impl(at_b, hardware, world_size=world_size).impl == "chunked"
 

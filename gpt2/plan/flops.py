@@ -14,7 +14,9 @@ LayerNorm are not: the convention counts matmuls.
 
 6 = 2 (multiply-add) * 3 (forward + the two backward matmuls). 12*L*h*T is attention's QK^T and
 AV: 2 matmuls * 2 FLOPs * T*h per token per layer, times 3 for forward+backward. It counts the full
-T x T score matrix although causal kernels skip half of it: the convention, not the kernel's work.
+T x T score matrix although causal kernels skip half of it: the convention, not the kernel's work. With
+--doc-attention the mask skips more (the pairs across documents): still counted, and the start-up says how much
+at the data's own document lengths (within_document_share; gpt2/train/startup.py log_doc_attention_share).
 Recomputation (activation checkpointing) is not counted: that is the "model" in MFU.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -99,6 +102,43 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> f
     T = cfg.block_size if seq_len is None else seq_len
     blocks = sum(math.prod(s) for name, s in weight_shapes(cfg).items() if ".h." in f".{name}")
     return 2.0 * blocks + 4.0 * cfg.n_layer * cfg.n_embd * T
+
+
+@dataclass(frozen=True)
+class DocumentShare:
+    """How much of causal attention --doc-attention keeps on some tokens (within_document_share)."""
+
+    kept: float
+    """Of causal attention's (query, key) pairs, the share within one document: what the mask keeps."""
+    windows: int
+    documents: int
+    """EOTs in those windows: the documents that start there."""
+
+    def skipped_of_counted(self, cfg: ModelConfig, seq_len: int | None = None) -> float:
+        """Of the FLOPs per token MFU counts (flops_per_token), the share the mask skips: attention's 12LhT is
+        counted as the full T x T, a causal kernel computes about half of it, the mask (1 - kept) of that half."""
+        T = cfg.block_size if seq_len is None else seq_len
+        return 12.0 * cfg.n_layer * cfg.n_embd * T / flops_per_token(cfg, T) * (1 - self.kept) / 2
+
+
+def within_document_share(tokens, seq_len: int, eot: int) -> DocumentShare:
+    """Of the causal (query, key) pairs of the windows of seq_len tokens cut from tokens at multiples of seq_len
+    (the loader's windows start anywhere: the share over many is the same), the share within one document, a
+    document starting at each eot (gpt2/model/documents.py): the attention --doc-attention's mask keeps, before
+    FlexAttention's 128 x 128 block granularity (which computes a little more)."""
+    import numpy as np
+
+    n = len(tokens) // seq_len
+    if n == 0:
+        raise ValueError(f"{len(tokens)} tokens hold no window of {seq_len}")
+    windows = np.asarray(tokens[: n * seq_len]).reshape(n, seq_len)
+    starts = windows == eot
+    docs = np.cumsum(starts, axis=1)  # each token's document number within its window
+    kept = 0
+    for row in docs:  # a document of k tokens keeps k(k+1)/2 causal pairs
+        k = np.bincount(row).astype(np.float64)
+        kept += float((k * (k + 1) / 2).sum())
+    return DocumentShare(kept / (n * seq_len * (seq_len + 1) / 2), n, int(starts.sum()))
 
 
 def mfu(tokens_per_s: float, cfg: ModelConfig, peak: float, seq_len: int | None = None) -> float:

@@ -85,6 +85,7 @@ def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1,
         chunked=False,
         compiled=compiled,
         device_type=hardware.device_type,
+        fp8=tc.compute.fp8_head,
     )
     total = memory(full, hardware, world_size=world_size).total
     usable = hardware.usable_bytes

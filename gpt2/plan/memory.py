@@ -19,8 +19,9 @@ CPU allocator in tests/test_plan.py):
                reused (gpt2/model/loss.py); full, eager, 12 bytes per logit (cross-entropy's fp32
                log-probabilities and, in its backward, two fp32 gradients); full, compiled, the logits in
                the matmul dtype with their gradient written over them on a CPU, beside them counted on CUDA
-               (COMPILED_FULL_LOSS_BYTES); chunked, compiled, as eager (one opaque op to the compiler).
-               loss_bytes counts each.
+               (COMPILED_FULL_LOSS_BYTES); chunked, compiled, as eager (one opaque op to the compiler);
+               --fp8-head, the full loss with the e5m2 copies of its gradient (FP8_COPY_BYTES; eager, under
+               the loss's own 12 bytes per logit). loss_bytes counts each.
   last block's backward
                on a CPU without activation checkpointing, where the loss's peak is the smaller: the last block's
                backward transients beside every block's activations (block_backward_bytes); a narrow model at a
@@ -78,6 +79,7 @@ from gpt2.core.config import (
 from gpt2.core.host_memory import MMAP_THRESHOLD_BYTES
 from gpt2.core.precision import BFLOAT16, Precision
 from gpt2.core.schedule import grad_accum_steps
+from gpt2.model import documents
 from gpt2.plan.hardware import Hardware, gib, usable_note
 
 
@@ -209,9 +211,11 @@ def loss_bytes(
     device_type: str = "cuda",
     device_memory: int | None = None,
     compiled: bool = False,
+    fp8: bool = False,
 ) -> int:
     """Peak bytes of the LM head + cross-entropy for `tokens` positions, beyond the weights, their
     gradients and the activations that reach the LM head (counted elsewhere). s: the matmul dtype's size.
+    fp8: the head's matmuls in FP8 (--fp8-head, the full loss only; FP8_COPY_BYTES).
 
     chunked (gpt2.model.loss.linear_cross_entropy, what --loss-impl chunked runs), its forward: one
     chunk of rows' buffers, reused by every chunk: the fp32 logits (then the softmax gradient), the
@@ -234,7 +238,11 @@ def loss_bytes(
     V, h = cfg.vocab_size, cfg.n_embd
     if not chunked:
         per_logit = COMPILED_FULL_LOSS_BYTES.get(device_type, 2) * s if compiled else EAGER_FULL_LOSS_BYTES
+        if fp8 and compiled:  # eager, the FP8 head's copies stay under the loss's own 12 bytes (FP8_COPY_BYTES)
+            per_logit = max(per_logit, s + FP8_COPY_BYTES.get(device_type, 2))
         return tokens * V * (per_logit + (SOFTCAP_FULL_LOSS_BYTES if cfg.logit_softcap is not None else 0))
+    if fp8:
+        raise ValueError("loss_bytes: fp8=True computes the full logits (chunked=False)")
     if device_type == "cuda" and device_memory is None:
         raise ValueError("loss_bytes needs device_memory on cuda: the loss's chunk size depends on it")
     _, rows = loss_chunks(tokens, max(1, loss_chunk_logits(device_type, device_memory) // V))
@@ -246,6 +254,28 @@ def loss_bytes(
 
 EAGER_FULL_LOSS_BYTES = 12
 """Bytes per logit of the plain loss uncompiled, fp32 or under autocast (loss_bytes)."""
+# The FP8 head (--fp8-head, gpt2/model/fp8.py) with the full loss. Its backward quantises the loss's (N, V)
+# gradient g: abs(g) for the amax, g.float(), the scaled copy, the clamped copy, then the e5m2 gradient and its
+# transposed copy (the weight gradient's operand), each (N, V): 6.6 GB each in fp32 at 32 x 1,024 tokens.
+# - Eager, they come one or two at a time after cross-entropy's backward has freed its fp32 buffers: at most g
+#   and two fp32 copies, 2 + 4 + 4 bytes per logit under bf16 autocast (4 + 4 + 4 in fp32), not above the eager
+#   loss's own 12. Measured with the CPU allocator's events, _scaled_mm replaced by an op that allocates its
+#   output alone (as on CUDA; a CPU's own emulates it through fp32 copies), head + cross-entropy at 2,048 x 4,096
+#   logits: 11.86 bytes per logit with FP8, 11.81 (fp32) and 11.91 (bf16) without (tests/test_memory_plan.py
+#   holds it). Nothing added.
+# - Compiled, inductor fuses the abs and amax into one reduction and the scaling, clamp and cast into the kernel
+#   that writes the e5m2 gradient, but _scaled_mm is an extern kernel: its operands (the e5m2 gradient and its
+#   transposed copy, 1 byte each) exist beside the matmul-dtype gradient written over the saved logits: s + 2
+#   bytes per logit, never counted below the plain compiled loss. On a CPU, bf16, the same stand-in op: 2.89
+#   bytes per logit against the plain loss's 2.27 (s + 1 counted). On an H200 (docs/performance.md, the fourth
+#   lease, 2026-11-28, bench/sizes.py rows at 64 x 1,024 tokens, compiled, bf16) the FP8 head peaked at 35,691 MiB
+#   and the plain full loss at 29,666 MiB: 1.9 bytes per logit apart (1.9 at 32 x 1,024 too: 18,935 and 15,950),
+#   s + 2 = 4 for FP8, which is the plain loss's count on CUDA (2s, COMPILED_FULL_LOSS_BYTES; the plain runs
+#   peaked 0.83-0.84x their plan there).
+# The saved e4m3 input and weight (1 byte per element) and the weight's transient fp32 copies in the forward
+# are (N + V) x h, not per logit: not counted.
+FP8_COPY_BYTES = {"cpu": 1, "cuda": 2}
+"""Bytes per logit the FP8 head's e5m2 gradient copies hold beside the compiled full loss's gradient (above)."""
 SOFTCAP_FULL_LOSS_BYTES = 4
 """Bytes per logit logit_softcap adds to the full loss: the fp32 tanh its backward keeps (12 -> 16 measured
 eager on a CPU, fp32 and bf16, with gpt2.plan.measure). Compiled it is counted too, not measured. The chunked
@@ -299,16 +329,11 @@ def memory(
     )
     n = param_count(model)
     autocast = prec.autocasts
-    flash = activation_bytes(model, micro_batch_size, seq_len, prec=prec, device_type=device_type, flash=True)
-    explicit = activation_bytes(model, micro_batch_size, seq_len, prec=prec, device_type=device_type, flash=False)
+    where = dict(prec=prec, device_type=device_type, compiled=compiled)
+    flash = activation_bytes(model, micro_batch_size, seq_len, flash=True, **where)
+    explicit = activation_bytes(model, micro_batch_size, seq_len, flash=False, **where)
     saved = activation_bytes(
-        model,
-        micro_batch_size,
-        seq_len,
-        prec=prec,
-        device_type=device_type,
-        flash=model.attn_impl != "explicit",
-        checkpointed=True,
+        model, micro_batch_size, seq_len, flash=model.attn_impl != "explicit", checkpointed=True, **where
     )
     logits = loss_bytes(
         model,
@@ -318,6 +343,7 @@ def memory(
         device_type=device_type,
         device_memory=device_memory,
         compiled=compiled,
+        fp8=tc.compute.fp8_head and not chunked_loss,
     )
     backward = 0
     if device_type == "cpu" and not checkpointed:  # CUDA's plan is as measured on H100/H200 (block_backward_bytes)
@@ -435,8 +461,12 @@ def activation_bytes(
     device_type: str = "cuda",
     flash: bool = True,
     checkpointed: bool = False,
+    compiled: bool = False,
 ) -> int:
     """Bytes autograd saves for backward outside the loss: embeddings, blocks, final LayerNorm.
+
+    compiled: attention runs compiled (the whole model or each block: any --compile-scope, fsdp's too), which
+    with doc_attention on CUDA takes FlexAttention's block mask (documents.flex_applies) instead of the dense one.
 
     s is the matmul dtype's size. Under autocast the residual stream and LayerNorms stay fp32, so
     every LayerNorm saves a 4-byte input plus fp32 mean and rstd per token.
@@ -483,10 +513,13 @@ def activation_bytes(
         elif not cuda:
             dropout += nh * T * 12 + (3 * s * h if prec.autocasts else 0)
     per_token_layer = 2 * layer_norm + attn + mlp + dropout
-    if cfg.doc_attention and device_type != "cuda":
+    flex = documents.flex_applies(device_type, compiled=compiled, dropout=cfg.dropout > 0, explicit=not flash)
+    if cfg.doc_attention and not flex:
         # The dense document mask (gpt2/model/documents.py): SDPA turns the boolean (B, 1, T, T) into an additive
-        # mask of q's dtype in every layer and saves it (measured with saved_tensors_hooks: s bytes per element
-        # per layer). On CUDA, compiled, FlexAttention's block mask is a few bytes per 128 x 128 block: not counted.
+        # mask of q's dtype in every layer and saves it (measured with saved_tensors_hooks on a CPU: s bytes per
+        # element per layer; on CUDA, eager, the memory-efficient kernel takes the same additive mask and saves it
+        # for its backward). Wherever FlexAttention runs (CUDA, attention compiled under any --compile-scope or
+        # fsdp), its block mask is a few bytes per 128 x 128 block and attention saves what flash does: not counted.
         per_token_layer += s * T
     per_token_rest = 8 + 8 + layer_norm + s * h  # token ids, targets, ln_f, LM-head input
     per_token_rest += (h if device_type == "cuda" else 4 * h) if cfg.dropout > 0 else 0  # embedding's
@@ -585,10 +618,16 @@ def max_micro_batch_size(
 
 
 def sizing(cfg: RunConfig) -> RunConfig:
-    """cfg as the micro-batch search and the does-not-fit message count it: the chunked loss, uncompiled.
-    Why not the run's loss path: the loss is chosen after the micro-batch, for it (gpt2/plan/loss_choice.py),
-    and the chunked loss is the one every micro-batch can take."""
-    return RunConfig(cfg.model, cfg.train.replace(loss_impl="chunked", compile=False, fp8_head=False))
+    """cfg as the micro-batch search and the does-not-fit message count it: the chunked loss (which counts the
+    same compiled or not). Why not the run's loss path: the loss is chosen after the micro-batch, for it
+    (gpt2/plan/loss_choice.py), and the chunked loss is the one every micro-batch can take; but for the FP8
+    head, which multiplies the whole logits at once at every micro-batch: then the full loss with its FP8
+    copies (loss_bytes), so that auto never takes a micro-batch whose FP8 head does not fit. The compilation
+    stays the run's: it decides what the full loss holds, and with doc_attention on CUDA whether attention
+    saves the dense mask (activation_bytes)."""
+    if cfg.train.compute.fp8_head:
+        return RunConfig(cfg.model, cfg.train.replace(loss_impl="full"))
+    return RunConfig(cfg.model, cfg.train.replace(loss_impl="chunked"))
 
 
 def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:
@@ -611,7 +650,7 @@ def does_not_fit(cfg: RunConfig, hardware: Hardware, *, world_size: int) -> str:
     need, usable = one(), hardware.usable_bytes
     sharded = parallel == "fsdp" and world_size > 1
     options = ["a smaller model (a smaller --preset, or --n-layer/--n-embd)"]
-    if not sharded and world_size > 1 and one(parallel="fsdp").total <= usable:
+    if not sharded and world_size > 1 and not tc.compute.fp8_head and one(parallel="fsdp").total <= usable:
         options.append(
             f"--parallel fsdp (state sharded over the {world_size} ranks: {gib(one(parallel='fsdp').total)})"
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gpt2.core.config import ARCHS, ModelConfig
+from gpt2.core.host_memory import CHECKPOINT_COPY_KEEP_BYTES, checkpoint_copy_kept
 from gpt2.core.precision import AUTOCAST_DTYPES
 from gpt2.plan.budget import STOP_MARGIN_S, WRITE_BYTES_PER_S, StopBudget, checkpoint_bytes
 from gpt2.plan.flops import format_flops
@@ -79,6 +80,7 @@ def format_plan(p: Plan) -> str:
         ),
         f"  total                  {gib(m.total)}  of {gib(p.usable_bytes)} usable {usable_note(hw)}",
         f"fits       {'yes' if p.fits else 'NO'}; largest micro_batch_size that fits: {p.max_micro_batch_size}",
+        format_host(p),
         *([accum] if (accum := format_accumulation(p)) else []),
         f"compute    {human(p.flops_per_token)}FLOP/token (6N + 12*L*h*T); "
         + (
@@ -94,6 +96,30 @@ def format_plan(p: Plan) -> str:
             f"{p.hours:.2f} h ({p.hours * p.world_size:.1f} device-hours)"
         )
     return "\n".join(lines)
+
+
+def format_host(p: Plan) -> str:
+    """One line: what rank 0's host holds beside the run for its background checkpoints (gpt2/ckpt/writer.py), a
+    copy of the state that is kept and pinned up to CHECKPOINT_COPY_KEEP_BYTES, and pageable and held only while
+    a write is in flight above it; none where checkpoints are written synchronously."""
+    if p.memory.shards > 1:
+        return (
+            "host       no checkpoint copy: fsdp's sharded checkpoints are written synchronously by every rank "
+            "(--async-ckpt applies to .pt checkpoints)"
+        )
+    if not p.run.train.ckpt.async_ckpt:
+        return "host       no checkpoint copy: --async-ckpt false writes each checkpoint synchronously"
+    size = checkpoint_bytes(p.cfg, p.memory.optimizer_name)
+    pinned, kept = checkpoint_copy_kept(size, cuda=p.hardware.device_type == "cuda")
+    how = (
+        f"{'pinned, ' if pinned else ''}kept from the first save to the end of the run"
+        if kept
+        else f"pageable, held only while a write is in flight: over {gib(CHECKPOINT_COPY_KEEP_BYTES)}, it is not kept"
+    )
+    return (
+        f"host       rank 0's copy of the state for a background checkpoint (--async-ckpt): {gib(size)} ({how}); "
+        "the other ranks hold none"
+    )
 
 
 def _recompute_line(p: Plan) -> str:

@@ -26,7 +26,7 @@ from gpt2.core.config import RunConfig
 from gpt2.core.precision import Precision
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.core.start_point import StartDecision
-from gpt2.model.fp8 import fp8_problem
+from gpt2.model.fp8 import fp8_problem, fp8_shape_problem
 from gpt2.plan import precision_choice
 from gpt2.plan.ac_choice import ACChoice, choose_activation_checkpointing
 from gpt2.plan.batch_choice import MicroBatchChoice, choose_micro_batch
@@ -120,7 +120,7 @@ def resolve_choices(
     budget (default max_steps x total_batch_size); mfu: the plan's assumed utilisation; start: the resume
     point the start-up chose (kept in the record)."""
     tc, world = cfg.train, target.world_size
-    if tc.compute.fp8_head and (why := fp8_problem(target.device)):
+    if tc.compute.fp8_head and (why := fp8_problem(target.device) or fp8_shape_problem(cfg.model)):
         raise ValueError(why)
     prec = target_precision(tc.compute.dtype, target, tf32=tc.compute.tf32 and target.device_type == "cuda")
     peak, peak_why = mfu_peak(target.device, prec) if target.device is not None else (None, "")
@@ -139,6 +139,8 @@ def resolve_choices(
         else MicroBatchChoice(tc.batch.micro_batch_size, "--micro-batch-size")
     )
     cfg = with_train(cfg, micro_batch_size=mb.size)
+    if tc.compute.fp8_head and (why := fp8_shape_problem(cfg.model, mb.size)):
+        raise ValueError(why)  # the weight gradient's inner dimension: the micro-step's tokens
     loss = choose_loss_impl(
         cfg, hardware, world_size=world, measure_eager=eager_measure(cfg, prec, mb.size, target.device)
     )

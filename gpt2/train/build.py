@@ -139,7 +139,9 @@ def compile_sharded(model: GPT, *, autotune: bool = False) -> None:
     head and loss (GPT.head_loss) as one more region. The head and loss are the memory-bound part that
     compile fuses (the loss's cast, softmax and gradient; planned per logit by gpt2/plan/ as compiled),
     and would otherwise run eager under fsdp while DDP's whole-model compile fuses them. The embedding
-    lookups between the regions stay eager (a gather and an add)."""
+    lookups between the regions stay eager (a gather and an add), and so does the building of doc_attention's
+    mask, which is FlexAttention's BlockMask for the compiled blocks (GPT.compiled_blocks)."""
+    model.compiled_blocks = True  # before the first forward: the attention each block runs is compiled
     for block in model.transformer.h:
         block.compile(**autotune_options(autotune))  # autotuned: the blocks only, the head as without it
     model.head_loss = torch.compile(model.head_loss)  # an instance attribute: forward calls self.head_loss

@@ -42,10 +42,12 @@ from gpt2.core import determinism, host_memory
 from gpt2.core.atomic import atomic_write_text
 from gpt2.core.compat import missing_features
 from gpt2.core.config import (
+    EOT_TOKEN,
     TRAIN_PRESETS,
     ComputeConfig,
     DataConfig,
     DistributedConfig,
+    ModelConfig,
     RunConfig,
     ScheduleConfig,
     TrainConfig,
@@ -57,14 +59,14 @@ from gpt2.core.schedule import grad_accum_steps, lr_at
 from gpt2.data.check import check_listed, prep_command, read_manifest, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
 from gpt2.data.mixture import MixedShards, describe_weights, planned_draws
-from gpt2.data.shards import ShardError
+from gpt2.data.shards import ShardError, read_tokens
 from gpt2.distributed import preempt
 from gpt2.distributed.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.distributed.fsdp import gathered_param_bytes
 from gpt2.distributed.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
 from gpt2.plan import matmul_peak
 from gpt2.plan.budget import checkpoint_bytes
-from gpt2.plan.flops import format_flops
+from gpt2.plan.flops import format_flops, within_document_share
 from gpt2.plan.hardware import gib
 from gpt2.plan.measure import warm_up
 from gpt2.plan.memory import heap_slack, resident_total
@@ -243,6 +245,8 @@ def decide_run(
         cfg = keep_decisions(cfg, start, dist, log)
         decided = resolve_auto(cfg, dist, log, start=start, target=target)
         log_mfu_peak(decided, dist, log)
+        if decided.cfg.model.doc_attention and shards[0] is not None:
+            log_doc_attention_share(decided.cfg.model, shards[0], log)
         for note in compute_notes(decided.cfg.train.compute, decided.hardware.device_type):
             log.warn(note)
         if rehearse:  # the plan alone: no resident warm-up in a process that trains nothing
@@ -767,6 +771,34 @@ def log_mfu_peak(decided: Resolved, dist: Dist, log: RunLog) -> None:
             f"peak       {format_flops(peak)} per rank ({torch.get_num_threads()} thread(s)): {decided.peak_how} "
             f"({matmul_peak.REFRESH_PEAK_ENV}=1 measures again)"
         )
+
+
+DOC_SHARE_TOKENS = 1 << 20
+"""Tokens of the first train shards log_doc_attention_share reads (2 MiB: a few milliseconds)."""
+
+
+def log_doc_attention_share(model: ModelConfig, train: ShardSet, log: RunLog) -> None:
+    """--doc-attention: MFU counts attention as the full T x T (gpt2/plan/flops.py), of which the mask computes less
+    the shorter this data's documents are. One line (train.log, --verbose) says how much, measured on the first
+    DOC_SHARE_TOKENS tokens of the train shards, so each MFU of the run can be read beside it."""
+    tokens, left = [], DOC_SHARE_TOKENS
+    for path in train.paths:
+        if left <= 0:
+            break
+        tokens.append(read_tokens(path, left))
+        left -= len(tokens[-1])
+    T = model.block_size
+    try:
+        share = within_document_share(np.concatenate(tokens), T, EOT_TOKEN)
+    except ValueError:  # fewer tokens than one window: nothing to say
+        return
+    causal = share.skipped_of_counted(model) / (1 - share.kept) if share.kept < 1 else None
+    log.detail(
+        f"documents  --doc-attention keeps {share.kept:.1%} of causal attention's (query, key) pairs on this data "
+        f"({share.documents:,} documents start in the first {share.windows:,} windows of {T}); MFU counts attention "
+        f"as the full T x T: of the FLOPs it counts the mask skips {share.skipped_of_counted(model):.1%}"
+        + (f", beside the {causal:.1%} causality skips with or without it" if causal is not None else "")
+    )
 
 
 def check_memory(r: Resolved, log) -> Plan:
