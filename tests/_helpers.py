@@ -21,10 +21,14 @@ FP32_CPU = ["--device", "cpu", "--dtype", "float32", "--compile", "false", "--sa
 
 
 def tiny_run_flags(data_dir: Path, *, max_steps: int, ckpt_interval: int, eval_tokens: int = 1024) -> list[str]:
-    """A 2-layer model, 512 tokens per step (2 ranks x 4 x 64, or 1 rank x 2 accumulation steps)."""
+    """A 2-layer model, 512 tokens per step (2 ranks x 4 x 64, or 1 rank x 2 accumulation steps). The loss path is
+    pinned as the micro-batch is: uncompiled, auto measures this CPU (gpt2/plan/loss_probe.py) and caches nothing
+    measured under load (issue 73), so two runs a test compares could otherwise take different paths."""
     return [
         *TINY_MODEL_FLAGS,
         *FP32_CPU,
+        "--loss-impl",
+        "chunked",
         "--data-dir",
         str(data_dir),
         "--micro-batch-size",

@@ -39,6 +39,8 @@ def pytest_configure(config):
     os.environ.setdefault(
         "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     )
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without -n), before any test or worker
+        session_probe_cache(config)
     if getattr(config.option, "dist", "no") == "load":
         # `-n N` alone deals tests out one by one; loadgroup does the same but keeps each group on one worker
         # (pytest_collection_modifyitems groups the tests that share a module-scoped fixture: computed once).
@@ -51,6 +53,43 @@ def pytest_configure(config):
         share = max(1, usable_cpus() // xdist_workers())
         os.environ["OMP_NUM_THREADS"] = str(share)
         torch.set_num_threads(share)
+
+
+def session_probe_cache(config) -> None:
+    """The suite's own XDG_CACHE_HOME, with this CPU's matmul peaks (MFU's, --dtype auto's) measured once in it
+    before any test, at each thread count the tests' trainers run with: every process the tests start reads them.
+
+    Issue 73's rules cache no measurement taken under load, and `-n auto` keeps the cores busy: every trainer start
+    would measure its probes again (seconds of matmuls each, hundreds of starts), MFU would read n/a and --dtype
+    auto could decide differently from run to run. So here, once, the measurement is made as a start makes it and
+    cached whatever the load (its doubt waived), which is what a first run did before that issue. Tests of the
+    probes and the cache use their own XDG_CACHE_HOME and fake clocks; removed when the session ends."""
+    import shutil
+    import tempfile
+
+    from gpt2.distributed.group import usable_cpus
+    from gpt2.plan import matmul_peak, paired, precision_choice
+
+    cache = tempfile.mkdtemp(prefix="gpt2-ddp-tests-cache-")
+    os.environ["XDG_CACHE_HOME"] = cache
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+    threads, mp = torch.get_num_threads(), pytest.MonkeyPatch()
+    mp.setattr(paired.Load, "busy", lambda self: None)
+    mp.setattr(paired.Comparison, "doubt", lambda self: None)
+    mp.setattr(matmul_peak, "CPU_PEAK_FLOOR_PER_THREAD", 0.0)
+    try:
+        for n in sorted({max(1, usable_cpus() // ranks) for ranks in (1, 2, 3, 4)}):
+            torch.set_num_threads(n)  # the trainer's: its CPUs over its local ranks (distributed.group)
+            flags = precision_choice.cpu_bf16_instructions()
+            if flags is False:  # fp32 picked without measuring: the peaks alone (an autocast run's MFU reads bf16's)
+                matmul_peak.measured_peaks("cpu", (torch.bfloat16, torch.float32))
+            else:  # the pairs that decide bf16 against fp32, both peaks cached with the verdict
+                precision_choice.cpu_dtype_choice("cpu", flags)
+    finally:
+        mp.undo()
+        torch.set_num_threads(threads)
+        matmul_peak._PEAKS.clear()  # this process reads them from the cache as any other does
+        precision_choice._CHOICES.clear()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test's group from these marks
