@@ -412,12 +412,24 @@ def test_the_guards_median_is_torch_medians_from_a_sort(n):
 
 
 def _judge_before(guard: SpikeGuard, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-    """judge as it was before its ops were cut (60 a step): the reference its bits are held to."""
+    """judge written plainly, step by step, a row at a time (the detrended rule of issue 78, before its ops were
+    cut): the reference its bits are held to."""
     from gpt2.train.spike_guard import MAD_TO_SIGMA, MIN_SPREAD, _lower_median
 
     x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()
-    centre = _lower_median(guard.history)
-    spread = (MAD_TO_SIGMA * _lower_median((guard.history - centre[:, None]).abs())).clamp_min(MIN_SPREAD)
+    w = guard.window
+    half, recent = w // 2, max(2, w // 4)
+    steps = torch.arange(w, dtype=torch.float32)
+    centre, spread = torch.zeros(2), torch.zeros(2)
+    for row in range(2):
+        h = guard.history[row]
+        slopes = torch.stack([(h[i + half] - h[i]) / half for i in range(half)])
+        slope = _lower_median(slopes[None])[0]
+        rest = h - slope * steps
+        level = _lower_median(rest[None])[0]
+        mad = _lower_median((rest - level).abs()[None])[0]
+        spread[row] = (MAD_TO_SIGMA * mad).clamp_min(MIN_SPREAD)
+        centre[row] = torch.maximum(level + slope * w, _lower_median(h[w - recent :][None])[0])
     z = (x - centre) / spread
     finite = torch.isfinite(x).all()
     full = guard.count >= guard.window

@@ -1,0 +1,171 @@
+"""The spike guard's statistic against the one before issue 78, on real runs: poisoned stretches caught, clean runs
+left alone (docs/spike_guard.md, "The statistic").
+
+Each run trains with the guard off and logs every step (loss, gradient norm), so that both statistics are replayed
+over the same numbers: the guard's own (gpt2/train/spike_guard.py _expected: a line through the window, never
+below its newest quarter's median, the spread about the line) and the median and MAD of the window's level that
+it replaced. A step is a spike under either as the guard decides: loss z over --spike-loss-z, or gradient-norm z
+over --spike-norm-z with the loss z over half its limit. The replay keeps every step in the history (no skip), so
+both read the same windows.
+
+Runs (the debug preset, the quick start's, on --corpus by paragraph, its first 20,000 tokens val):
+  poisoned  --data-order sequential, steps FIRST..FIRST+4 of one repeated token (at 101-105: the guard's first judged
+            steps, its window holding the whole early fall of the loss, where a doubled loss scored z 5.9 before;
+            at 111-115, as issue 78 tried it); each token id its own row (50000: ~2x the loss; 383: ~1.5x)
+  clean     the debug preset shuffled and sequential (150 steps), and the learning-parity recipe against nanoGPT
+            (bench/time_to_loss.py's, 200 steps): the largest z either statistic gives a healthy step
+Usage: python bench/spike_stat.py [--corpus FILE] [--md FILE]   (~8 minutes on 2 CPU cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from corpus import REPO, add_corpus_flag, prepare_by_paragraph, require_corpus
+from emit import emit
+
+WINDOW, LOSS_Z, NORM_Z = 100, 6.0, 6.0  # the guard's defaults
+MIN_SPREAD, MAD_TO_SIGMA = 0.01, 1.4826
+STEP_TOKENS = 2048  # the debug preset's global batch
+POISONS = [(101, 50000), (101, 383), (111, 50000), (111, 383)]
+PARITY = (
+    "--n-layer 4 --n-head 4 --n-embd 128 --block-size 64 --micro-batch-size 16 --total-batch-size 1024 --lr 1e-3 "
+    "--min-lr 1e-4 --warmup-steps 20 --max-steps 200 --beta1 0.9 --beta2 0.95 --weight-decay 0.1 --grad-clip 1.0 "
+    "--compile false --dtype float32 --data-order shuffled"
+).split()
+QUIET = [
+    "--device",
+    "cpu",
+    "--sample-interval",
+    "0",
+    "--plot",
+    "false",
+    "--log-interval",
+    "1",
+    "--spike-guard",
+    "false",
+]
+
+
+def lower_median(a: np.ndarray) -> float:
+    return float(np.sort(a)[(len(a) - 1) // 2])
+
+
+def level_rule(h: np.ndarray) -> tuple[float, float]:
+    """Before issue 78: the window's median and MAD."""
+    c = lower_median(h)
+    return c, max(MAD_TO_SIGMA * lower_median(np.abs(h - c)), MIN_SPREAD)
+
+
+def trend_rule(h: np.ndarray) -> tuple[float, float]:
+    """The guard's (spike_guard._expected), written out in numpy."""
+    w = len(h)
+    half, recent = w // 2, max(2, w // 4)
+    slope = lower_median((h[half : 2 * half] - h[:half]) / half)
+    rest = h - slope * np.arange(w)
+    level = lower_median(rest)
+    spread = max(MAD_TO_SIGMA * lower_median(np.abs(rest - level)), MIN_SPREAD)
+    return max(level + slope * w, lower_median(h[w - recent :])), spread
+
+
+def replay(rows: list[dict], rule, window: int = WINDOW) -> dict[int, tuple[float, float]]:
+    """{step: (loss z, norm z)} of every judged step (a full window before it), the history every step."""
+    history, out = [], {}
+    for r in rows:
+        x = np.log([max(r["loss"], 1e-30), max(r["grad_norm"], 1e-30)])
+        if len(history) >= window:
+            h = np.array(history[-window:])
+            out[r["step"]] = tuple((x[j] - c) / s for j, (c, s) in enumerate(rule(h[:, j]) for j in range(2)))
+        history.append(x)
+    return out
+
+
+def spike(z: tuple[float, float]) -> bool:
+    return z[0] > LOSS_Z or (z[1] > NORM_Z and z[0] > LOSS_Z / 2)
+
+
+def train(out: Path, args: list[str]) -> list[dict]:
+    """One run of train_ddp.py (guard off, every step logged); its training rows."""
+    cmd = [sys.executable, str(REPO / "train_ddp.py"), *args, *QUIET, "--out-dir", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"spike_stat: {' '.join(cmd[1:3])} ... failed:\n{done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r and "grad_norm" in r]
+
+
+def poison(data: Path, dest: Path, first: int, token: int) -> Path:
+    """data's shards with the 5 steps from `first` (sequential order) one repeated token."""
+    from gpt2.data.shards import write_shard
+
+    dest.mkdir()
+    shutil.copy(data / "val_000000.bin", dest)
+    tokens = np.concatenate([np.fromfile(p, dtype=np.uint16, offset=1024) for p in sorted(data.glob("train_*.bin"))])
+    tokens[(first - 1) * STEP_TOKENS : (first + 4) * STEP_TOKENS + 1] = token
+    write_shard(dest / "train_000000.bin", tokens)
+    return dest
+
+
+def poisoned_row(rows: list[dict], first: int, token: int) -> str:
+    before, now = replay(rows, level_rule)[first], replay(rows, trend_rule)[first]
+    losses = {r["step"]: r["loss"] for r in rows}
+    ratio = losses[first] / float(np.median([losses[s] for s in range(first - 10, first)]))
+    verdict = ["caught" if spike(z) else "**missed**" for z in (before, now)]
+    return (
+        f"| steps {first}-{first + 4}, token {token} | {losses[first]:.2f} ({ratio:.2f}x) | "
+        f"{before[0]:.1f} / {before[1]:.1f}: {verdict[0]} | {now[0]:.1f} / {now[1]:.1f}: {verdict[1]} |"
+    )
+
+
+def clean_row(name: str, rows: list[dict]) -> str:
+    cells = []
+    for rule in (level_rule, trend_rule):
+        zs = replay(rows, rule).values()
+        false = sum(spike(z) for z in zs)
+        cells.append(f"{max(z[0] for z in zs):.2f} / {max(z[1] for z in zs):.2f}, {false} false")
+    return f"| {name} ({len(rows)} steps) | - | {cells[0]} | {cells[1]} |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_corpus_flag(ap)
+    ap.add_argument("--md", type=Path, help="also write the table here")
+    args = ap.parse_args(argv)
+    require_corpus(args.corpus, "spike_stat.py")
+    sys.path.insert(0, str(REPO))
+    with tempfile.TemporaryDirectory(prefix="spike_stat-") as tmp:
+        work = Path(tmp)
+        prepare_by_paragraph(args.corpus, work / "data", "spike_stat.py", val_tokens=20_000)
+        debug = ["--preset", "debug", "--data-order", "sequential"]
+        lines = [
+            f"window {WINDOW}, limits z {LOSS_Z:g} (loss) / {NORM_Z:g} (norm, with the loss over half its limit)",
+            "",
+            "| run | loss (x the 10 steps before) | loss z / norm z before (window median, MAD) "
+            "| loss z / norm z now (trend, newest quarter's floor) |",
+            "|---|---:|---|---|",
+        ]
+        for first, token in POISONS:
+            data = poison(work / "data", work / f"data-{first}-{token}", first, token)
+            rows = train(work / f"poison-{first}-{token}", [*debug, "--data-dir", str(data), "--max-steps", "120"])
+            lines.append(poisoned_row(rows, first, token))
+        for name, extra in [
+            ("clean, debug preset, sequential", debug),
+            ("clean, debug preset, shuffled", ["--preset", "debug"]),
+            ("clean, learning-parity recipe", PARITY),
+        ]:
+            lines.append(
+                clean_row(name, train(work / name.replace(" ", "_"), [*extra, "--data-dir", str(work / "data")]))
+            )
+    emit("\n".join(lines), args.md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
