@@ -886,9 +886,9 @@ def test_auto_under_load_judges_issue_73s_goals_and_runs_a_trial(tmp_path, monke
 
 
 def test_mixture_bench_prints_the_cost_and_shares_tables():
-    """bench/mixture.py at a tiny count of steps: the cost rows at 1, 2 and 8 sources, the shares within 0.5%."""
+    """bench/mixed_corpora.py at a tiny count of steps: the cost rows at 1, 2 and 8 sources, the shares within 0.5%."""
     out = run_bench(
-        "bench/mixture.py",
+        "bench/mixed_corpora.py",
         "--tables",
         "cost,shares",
         "--shapes",

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -719,16 +720,15 @@ def tmpfs(tmp_path):
 
 
 def test_a_real_full_disk_and_a_read_only_out_dir_are_one_line(tmp_path, shakespeare_shards, tmpfs):
-    full = tmpfs("4m")  # metrics and config.json fit; a ~40 MB checkpoint does not
+    # A disk too small for one checkpoint (~40 MB) is refused before the first step (78 item 5's start-up check).
+    small = tmpfs("4m")
     run = subprocess.run(
         [
             sys.executable,
             str(REPO / "train_ddp.py"),
             *tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=2, eval_tokens=256),
             "--out-dir",
-            str(full / "run"),
-            "--async-ckpt",
-            "false",
+            str(small / "run"),
         ],
         cwd=REPO,
         capture_output=True,
@@ -736,8 +736,34 @@ def test_a_real_full_disk_and_a_read_only_out_dir_are_one_line(tmp_path, shakesp
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    errors = [line for line in run.stderr.splitlines() if line.strip()]
-    assert run.returncode == 1 and len(errors) == 1, run.stderr[-3000:]
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.startswith(f"train_ddp.py: error: --out-dir {small / 'run'}: ") and run.stderr.count("\n") == 1
+    assert "free on its disk, and a checkpoint of this model and optimizer is ~" in run.stderr
+    # A disk with room at the start that fills up under the run (another job's files): the save's real ENOSPC
+    # is one line naming the directory. The run holds after step 1 while the test fills the disk.
+    full, release = tmpfs("64m"), tmp_path / "release"
+    job = launch(
+        [
+            *tiny_run_flags(shakespeare_shards, max_steps=2, ckpt_interval=2, eval_tokens=256),
+            "--out-dir",
+            str(full / "run"),
+            "--async-ckpt",
+            "false",
+        ],
+        nproc=1,
+        log_dir=tmp_path / "logs",
+        script=patched_train_script(tmp_path, hold_after_step(1, release)),
+    )
+    try:
+        wait_for_step(job, full / "run", 1)
+        with open(full / "filler", "wb") as filler:  # leaves ~1 MB: metrics lines fit, a checkpoint does not
+            filler.write(b"\0" * (shutil.disk_usage(full).free - (1 << 20)))
+        release.touch()
+        assert job.wait() == 1
+    finally:
+        job.kill()
+    errors = [line for line in job.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, job.stderr[-3000:]
     assert errors[0].startswith(
         f"train_ddp.py: error: writing the checkpoint of step 2 failed (No space left on "
         f"device in {full / 'run' / 'checkpoints'} ("

@@ -152,8 +152,12 @@ def test_torch_range_installs_past_a_site_wide_pip_cap():
     """A machine whose pip configuration caps torch (a constraint file) must still get the release named:
     every pip call in the torch-range venvs reads no configuration file, and the script checks the torch it got."""
     script = (REPO / "scripts" / "torch_range.sh").read_text()
-    pip_lines = [line for line in script.splitlines() if "-m pip install" in line and not line.lstrip().startswith("#")]
-    assert len(pip_lines) >= 3, pip_lines  # pip itself, torch, the project
-    assert all('"${nocfg[@]}"' in line for line in pip_lines), pip_lines
+    lines = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
+    installs = [line for line in lines if "pip install" in line]  # pip's own, and uv's pip interface
+    assert any('"$UV" pip install' in line for line in installs), installs
+    assert any("-m pip install" in line for line in installs), installs  # the fallback where uv is missing
+    assert all('"${nocfg[@]}"' in line for line in installs), installs
+    # torch and the project each go through install(), whichever installer it takes
+    assert sum(line.lstrip().startswith("install ") for line in lines) >= 2
     assert "nocfg=(env PIP_CONFIG_FILE=/dev/null)" in script
     assert "asked for torch $v" in script

@@ -28,13 +28,18 @@ KEPT = Path(__file__).resolve().parent / "data" / "config_v1"
 """Written by git d1ce9c0, the last version with the flat TrainConfig: a tiny run's config.json, two --config
 files (flat keys; [model] and [train] tables) and, beside each, the RunConfig.to_dict() it parsed to there."""
 REQUIRED = ["--data-dir", "D", "--out-dir", "O"]
+ADDED_SINCE = {"data_weights": "", "data_weight_schedule": ""}
+"""Fields added after d1ce9c0 (issue 74's mixtures), with the defaults that keep what an older file meant: one
+source, no weights."""
 
 
 def test_every_training_field_is_in_exactly_one_section_and_the_flags_are_unchanged():
     fields = [f.name for cls in TRAIN_SECTIONS.values() for f in dataclasses.fields(cls)]
-    assert len(fields) == len(set(fields)) == len(SECTION_OF) == 64
+    assert len(fields) == len(set(fields)) == len(SECTION_OF) == 64 + len(ADDED_SINCE)
     old_flat = json.loads((KEPT / "flat.expected.json").read_text())["train"]
-    assert set(fields) == set(old_flat)  # the same 64 names d1ce9c0 had: every flag and preset key still means it
+    # the 64 names d1ce9c0 had, every flag and preset key still meaning it, and the mixture's two since
+    assert set(fields) == set(old_flat) | set(ADDED_SINCE)
+    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data"]
     for preset in TRAIN_PRESETS.values():
         assert set(preset) <= set(SECTION_OF)
 
@@ -45,7 +50,7 @@ def test_a_config_json_written_before_the_sections_loads_and_a_resume_keeps_its_
     info = json.loads((KEPT / "config.json").read_text())
     old_train = info["config"]["train"]
     cfg = RunConfig.from_dict(info["config"])
-    assert cfg.train.flat() == old_train  # every value where it was, read from its section
+    assert cfg.train.flat() == old_train | ADDED_SINCE  # every value where it was, read from its section
     assert (cfg.train.batch.micro_batch_size, cfg.train.compute.loss_impl, cfg.train.ckpt.out_dir) == (
         2,
         "chunked",
@@ -63,7 +68,7 @@ def test_config_files_written_for_the_flat_config_parse_as_they_did(name):
     expected = json.loads((KEPT / f"{name}.expected.json").read_text())
     cfg = parse_config(["--config", str(KEPT / f"{name}.toml"), *REQUIRED])
     assert cfg == RunConfig.from_dict(expected)
-    assert cfg.train.flat() == expected["train"]
+    assert cfg.train.flat() == expected["train"] | ADDED_SINCE
 
 
 def test_a_config_file_may_use_the_sections_as_tables(tmp_path, capsys):

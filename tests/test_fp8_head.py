@@ -122,7 +122,9 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line(monkeypatch):
 def test_a_run_with_the_fp8_head_learns_as_the_plain_one(tmp_path, shakespeare_shards):
     """Four steps of the tiny model, eager fp32, with and without --fp8-head: the same start, losses close."""
     got = {}
-    for name, extra in (("plain", []), ("fp8", ["--fp8-head"])):
+    # Both take the full-logits loss (tiny_run_flags pins the chunked one): the plain run by name, the FP8 one
+    # by --loss-impl auto, whose reason the log must give.
+    for name, extra in (("plain", ["--loss-impl", "full"]), ("fp8", ["--fp8-head", "--loss-impl", "auto"])):
         flags = tiny_run_flags(shakespeare_shards, max_steps=4, ckpt_interval=0)
         done = subprocess.run(
             [sys.executable, "train_ddp.py", *flags, *extra, "--out-dir", str(tmp_path / name)],

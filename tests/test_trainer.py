@@ -289,10 +289,15 @@ def test_the_skip_flag_is_the_old_ones_for_non_finite_losses_and_norms_bad_token
         assert torch.equal(skip_flag(numbers), _skip_before(numbers)), (loss, stop, bad, norm, spike)
 
 
-BOOKKEEPING_OPS = 41
+BOOKKEEPING_OPS = 50
 """The non-view aten ops one steady-state train_step dispatches outside the model's forward and backward and
 the optimizer's step and zero_grad, one rank, no accumulation, the guard on (bench/step_overhead.py's
-bookkeeping row; 76 before the per-step bookkeeping was cut: clock, flags, clip, stats, guard, skip flag)."""
+bookkeeping row; 76 before the per-step bookkeeping was cut: clock, flags, clip, stats, guard, skip flag; 41
+after, 50 since the guard judges about the window's trend, issue 78: a line's slope, level and the newest
+quarter's median are 9 kernels more when eager; on CUDA with a compiled model the verdict is one compiled graph,
+SpikeGuard.fuse)."""
+GUARD_OPS = 34
+"""Of those, the spike guard's (its verdict and history update), eager."""
 
 
 def test_the_steps_bookkeeping_stays_within_its_op_count(tmp_path, shakespeare_shards):
@@ -307,4 +312,4 @@ def test_the_steps_bookkeeping_stays_within_its_op_count(tmp_path, shakespeare_s
         sys.path.remove(str(REPO / "bench"))
     counts = bookkeeping_ops(shakespeare_shards, tmp_path)
     assert counts["ops"] <= BOOKKEEPING_OPS, counts
-    assert counts["guard off"] <= BOOKKEEPING_OPS - 25, counts  # the guard's 25 kernels are its alone
+    assert counts["guard off"] <= BOOKKEEPING_OPS - GUARD_OPS, counts  # the guard's kernels are its alone

@@ -128,7 +128,7 @@ class SpikeGuard:
 
     def fuse(self) -> None:
         """The verdict as one torch.compile'd graph (the trainer's choice on CUDA with a compiled model):
-        a few kernels instead of 25 a step, where the host's launches are what the device waits for.
+        a few kernels instead of 34 a step, where the host's launches are what the device waits for.
         Not bitwise the eager verdict (inductor fuses the arithmetic), so CPU runs keep the eager one. Should
         its compilation fail, the verdict falls back to eager with one warning (the run goes on)."""
         self._verdict = torch.compile(_verdict, fullgraph=True, dynamic=False)

@@ -1,9 +1,9 @@
 """Data mixtures (--data-dir A,B --data-weights): what one costs per step, how closely each source gets its
 weight, and what mixing does to each source's validation loss (docs/data.md, "Mixtures").
 
-    python bench/mixture.py                                   # the three tables (~15 min on 2 busy cores)
-    python bench/mixture.py --tables cost,shares              # the first two (~3 min)
-    python bench/mixture.py --tables learning --steps 200     # Shakespeare + code, 0.5/0.5, against each alone
+    python bench/mixed_corpora.py                               # the three tables (~15 min on 2 busy cores)
+    python bench/mixed_corpora.py --tables cost,shares              # the first two (~3 min)
+    python bench/mixed_corpora.py --tables learning --steps 200     # Shakespeare + code, 0.5/0.5, against each alone
 
 cost: the same tokens (tests/data/tinyshakespeare.txt, or --corpus) as 1 source, or cut into 2 or 8 sources
     mixed at equal weights. Per optimizer step: the train loader's own host time (every micro-batch of the
