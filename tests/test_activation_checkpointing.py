@@ -62,7 +62,8 @@ def test_eager_losses_and_gradients_are_bitwise_equal(dropout):
     assert all(torch.equal(grads[n], grads_ac[n]) for n in grads)
 
 
-@pytest.mark.parametrize("compile_as", ["whole", pytest.param("per_block", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("compile_as", ["whole", "per_block"])
 def test_compiled_losses_and_gradients_match(compile_as):
     """Inductor on CPU, compiled with and without: dynamo traces the checkpoint inside Block.forward as one
     region and the partitioner recomputes it. Measured bitwise equal (torch 2.13); asserted to 1e-6."""
@@ -220,6 +221,7 @@ def _flags(data_dir, out_dir, *extra):
 
 @pytest.mark.torch_feature("fsdp")
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.slow
 def test_two_ranks_train_the_same_with_and_without_it(tmp_path, shakespeare_shards, parallel):
     """2 gloo ranks, fp32 eager, 2 micro-steps per step (FSDP's no-sync on the first): the same losses with
     --activation-checkpointing full as with none, to the last bit, and the start-up line says so."""

@@ -178,6 +178,7 @@ def _flags(data_dir, out_dir):
     ]
 
 
+@pytest.mark.slow
 def test_two_ranks_log_the_network_line_and_record_it_one_process_does_not(tmp_path, shakespeare_shards):
     two = run_trainer(_flags(shakespeare_shards, tmp_path / "two"), nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]

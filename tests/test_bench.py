@@ -33,6 +33,7 @@ def test_prep_throughput_prints_its_table_with_identical_bytes():
     assert int(cells[1].replace(",", "")) > 100_000
 
 
+@pytest.mark.slow
 def test_eager_loss_compares_the_chunked_and_plain_loss_on_the_same_batch():
     out = run_bench("bench/eager_loss.py", "--rounds", "2", "--steps", "1", "--threads", "1", timeout=300)
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| loss")]
@@ -83,6 +84,7 @@ def test_loss_bench_times_chunked_and_plain_eager_and_compiled():
     assert max(losses) - min(losses) < 1e-4  # the same maths on every row
 
 
+@pytest.mark.slow
 def test_ladder_runs_the_trainers_step_and_the_models_attention_kernels(tmp_path):
     out = run_bench(
         "bench/ladder.py",
@@ -241,6 +243,7 @@ def test_optimizer_sweeps_go_past_an_edge_while_the_best_lr_is_there():
     assert sweep([1e-3, 2e-3], bowl(1e-4), extend=0) == 1e-3 and tried == [1e-3, 2e-3]
 
 
+@pytest.mark.slow
 def test_muon_step_bench_times_both_optimizers_and_both_iterations():
     out = run_bench("bench/muon_step.py", "--reps", "1", timeout=300)
     rows = [line for line in out.splitlines() if line.startswith("| ") and "optimizer.step()" not in line]
@@ -341,6 +344,7 @@ def table_rows(out: str, first_cell: str) -> list[list[str]]:
     ]
 
 
+@pytest.mark.slow
 def test_vs_nanogpt_times_ours_at_defaults_and_fp32_without_nanogpt():
     out = run_bench(
         "bench/vs_nanogpt.py",
@@ -566,6 +570,7 @@ def test_activation_checkpointing_bench_prints_both_rows():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident peak is read from /proc")
+@pytest.mark.slow
 def test_plan_memory_bench_prints_the_plan_against_both_malloc_settings():
     out = subprocess.run(
         [sys.executable, str(REPO / "bench" / "plan_memory.py"), "--rows", "1"],
@@ -725,6 +730,7 @@ def test_the_speedrun_preset_is_the_last_row_of_the_modern_ablation():
     assert all(flags[:2] == ["--preset", ttl.MODERN_PRESET] for _, flags in rows[len(ttl.MODERN) - 1 :])
 
 
+@pytest.mark.slow
 def test_time_to_loss_runs_the_speedrun_preset_and_judges_its_goal():
     out = run_bench(
         "bench/time_to_loss.py",
@@ -738,6 +744,7 @@ def test_time_to_loss_runs_the_speedrun_preset_and_judges_its_goal():
     assert rows[0][8] == "1,024"  # tokens to the target: 1 step of 16 x 64
 
 
+@pytest.mark.slow
 def test_time_to_loss_runs_the_presets_at_the_large_shape():
     """--shape large: 6L/384, block 256, 8 x 256 tokens a step, for nanoGPT's recipe and the preset rows alike."""
     out = run_bench(
@@ -885,6 +892,7 @@ def test_auto_under_load_judges_issue_73s_goals_and_runs_a_trial(tmp_path, monke
     )
 
 
+@pytest.mark.slow
 def test_mixture_bench_prints_the_cost_and_shares_tables():
     """bench/mixed_corpora.py at a tiny count of steps: the cost rows at 1, 2 and 8 sources, the shares within 0.5%."""
     out = run_bench(

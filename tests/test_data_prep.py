@@ -1460,7 +1460,7 @@ def test_the_pools_shutdown_race_is_gone(tmp_path, shakespeare_path):
     assert proc.returncode == 0 and proc.stdout.count("stopped early") == POOL_RACE_LOOPS, proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # a stress campaign; CI keeps the single repair and the killed-rerun tests
 def test_many_repairing_reruns_never_hang(tmp_path, shakespeare_path):
     """The issue's stress test: a finished job's early shard deleted and repaired by the real command,
     REPAIR_LOOPS times (tiny documents, one word each, so each batch is tens of thousands of strings).

@@ -147,6 +147,7 @@ def test_a_failed_check_exits_1_with_the_table_printed(tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_the_precision_check_fails_for_a_different_computation(tmp_path):
     """The reference's own settings with another seed (another init and data order) as the "fast" path:
     1e-2..0.2 nats away per step, far outside the fp32 tolerance."""

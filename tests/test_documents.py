@@ -180,7 +180,9 @@ def test_every_compile_scope_takes_the_block_mask_on_cuda_and_eager_the_dense_on
     assert isinstance(explicit.document_mask(idx, None), torch.Tensor)  # the reference stays the reference
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager-flex", "compiled-blocks"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager-flex", "compiled-blocks"]
+)
 def test_the_block_mask_path_gives_the_dense_references_loss(monkeypatch, compiled):
     """The path the blocks scope and fsdp now take on a GPU, run on this CPU: the BlockMask built eagerly in
     GPT.forward, handed to FlexAttention (eager: its reference implementation; compiled: each block compiled
@@ -297,6 +299,7 @@ def test_the_planner_counts_the_dense_mask_wherever_it_runs_and_none_where_flexa
     assert with_dropout - memory(run_config(dropout, B, compile=True), hw).activations == mask
 
 
+@pytest.mark.slow
 def test_the_start_up_says_how_much_of_the_attention_mfu_counts_the_mask_skips(tmp_path, shakespeare_shards):
     """Issue 75: MFU counts attention as the full T x T; with --doc-attention the start-up's `documents` line
     (train.log, --verbose) gives the share the mask keeps on this data and the share of the counted FLOPs it skips."""

@@ -815,6 +815,7 @@ def test_fsdp_dry_run_on_this_cpu_at_two_ranks(train_ddp, data_dir, tmp_path, ca
     assert "FSDP over 2 ranks" in out and "gathered weights" in out and "(fp32:" in out
 
 
+@pytest.mark.slow
 def test_the_gpt2_recipe_on_a_cpu_is_said_in_one_line_with_the_debug_preset(train_ddp, data_dir, tmp_path, capsys):
     """Issue 41: a tiny model with no --preset on a CPU takes the gpt2 recipe's 524,288-token steps and 10M eval
     tokens; the start-up (and so its dry run) says so once, with the plan's time and --preset debug. A CPU-sized

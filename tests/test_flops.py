@@ -432,6 +432,7 @@ def test_peaks_are_printed_with_enough_digits_to_tell_them_apart():
     assert format_flops(83.5e12) == "83.5 TFLOP/s" and format_flops(1e12) == "1.00 TFLOP/s"
 
 
+@pytest.mark.slow
 def test_the_trainer_shows_no_mfu_from_a_cached_peak_below_the_floor(tmp_path, shakespeare_shards):
     """End to end: a cache entry that is clearly wrong (as a disturbed probe would have been, had it
     been cached) makes the run log "mfu n/a:" and record no MFU, instead of MFU 80-93%."""

@@ -51,6 +51,7 @@ def flags(data_dir, out_dir, *, dtype: str, max_steps: int, ckpt_interval: int =
     ]
 
 
+@pytest.mark.slow
 def test_fp16_with_grad_scaler_tracks_fp32(tmp_path, shakespeare_shards):
     runs = {}
     for dtype in ("float32", "float16"):
@@ -73,6 +74,7 @@ def test_fp16_with_grad_scaler_tracks_fp32(tmp_path, shakespeare_shards):
     assert info["precision"]["dtype"] == "float16" and info["precision"]["requested"] == "float16"
 
 
+@pytest.mark.slow
 def test_an_overflow_is_skipped_by_the_scaler_and_is_not_a_bad_step(tmp_path, shakespeare_shards, monkeypatch, capsys):
     """A loss scale of 2^40 overflows fp16 for sure; with --max-bad-steps 1 the run would stop at the
     first overflow if overflows counted as non-finite steps. The scaler lowers its scale (by 2^-8
@@ -104,6 +106,7 @@ def test_an_overflow_is_skipped_by_the_scaler_and_is_not_a_bad_step(tmp_path, sh
     assert "update skipped by the loss scaler" in out.out
 
 
+@pytest.mark.slow
 def test_fp16_resume_is_bitwise_exact_with_the_scalers_state(tmp_path, shakespeare_shards):
     """Resuming the step-4 checkpoint reproduces the uninterrupted run's step-8 state bitwise, the
     loss scale included (2 ranks, so the scaler's overflow check agrees across ranks too)."""

@@ -119,6 +119,7 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line(monkeypatch):
     assert fp8.fp8_problem(torch.device("cuda", 0)) is None
 
 
+@pytest.mark.slow
 def test_a_run_with_the_fp8_head_learns_as_the_plain_one(tmp_path, shakespeare_shards):
     """Four steps of the tiny model, eager fp32, with and without --fp8-head: the same start, losses close."""
     got = {}

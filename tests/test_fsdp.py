@@ -75,7 +75,8 @@ def assert_same_steps(a, b, *, tol: float, steps: int = 10) -> None:
     assert max(na.values()) > 1.0  # clipping was active on some step, so the clipped update is compared too
 
 
-@pytest.mark.parametrize("total", [pytest.param(512, marks=pytest.mark.slow), 1024], ids=["accum1", "accum2"])
+@pytest.mark.slow
+@pytest.mark.parametrize("total", [512, 1024], ids=["accum1", "accum2"])
 def test_fsdp_trains_like_ddp_and_like_one_process(tmp_path, shakespeare_shards, total):
     """2 gloo ranks under fsdp == 2 under ddp == 1 process with accumulation (the same global batch),
     10 AdamW steps in fp32: losses and grad norms within 1e-5. total 1024 takes 2 micro-steps per rank,
@@ -214,6 +215,7 @@ def test_foreach_clip_gives_the_per_tensor_loops_numbers(sizes, monkeypatch):
         assert all(torch.allclose(p.grad, r, rtol=1e-6, atol=0) for p, r in zip(params, ref))
 
 
+@pytest.mark.slow
 def test_evaluation_sampling_and_hellaswag_run_on_every_rank_under_fsdp(tmp_path, shakespeare_shards):
     """The things rank 0 used to do alone, now collectives under fsdp, finish and agree with ddp's:
     a sample (--sample-interval), validation over 9 sequences (rank 0 has 2 batches, rank 1 one
@@ -285,6 +287,7 @@ def test_a_refused_combination_is_one_error_line_before_any_work(tmp_path, shake
 
 
 @pytest.mark.torch_feature("muon")
+@pytest.mark.slow
 def test_muon_under_fsdp_trains_like_muon_under_ddp(tmp_path, shakespeare_shards):
     """--optimizer muon with fsdp: each sharded matrix gathered for Newton-Schulz (gpt2/train/muon.py), each
     rank applying its rows: 2 ranks, 2 micro-steps each, 10 steps, losses and norms within 1e-5 of ddp's."""

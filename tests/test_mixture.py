@@ -462,6 +462,7 @@ def test_a_mixture_trains_logs_each_source_and_resumes_after_kill_9(tmp_path, so
     assert_same_state(load_ckpt(run_dir, MAX_STEPS), load_ckpt(reference, MAX_STEPS))
 
 
+@pytest.mark.slow
 def test_a_mixture_stopped_by_sigterm_resumes_on_one_rank_with_the_same_batches(tmp_path, sources, reference):
     """SIGTERM to a 2-rank run held after step 2: it stops after step 3 or 4 with a checkpoint; then the rest on one
     process with 2 micro-steps: the same losses (to fp32 rounding: the ranks' sum is another order), the same data and
@@ -499,6 +500,7 @@ def test_a_mixture_stopped_by_sigterm_resumes_on_one_rank_with_the_same_batches(
 
 
 @pytest.mark.torch_feature("fsdp")
+@pytest.mark.slow
 def test_fsdp_with_a_mixture_computes_what_ddp_does(tmp_path, sources, reference):
     done = run(flags(sources, tmp_path / "run", "--parallel", "fsdp"), nproc=2, log_dir=tmp_path)
     assert done.proc.returncode == 0, done.output()

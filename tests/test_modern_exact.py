@@ -36,6 +36,7 @@ def flags(data_dir, out_dir, *extra):
     ]
 
 
+@pytest.mark.slow
 def test_kill_9_resumes_the_modern_model_bitwise(tmp_path, shakespeare_shards):
     reference = uninterrupted_run(flags(shakespeare_shards, tmp_path / "ref" / "run"), tmp_path / "ref", MAX_STEPS)
     run_dir, release = tmp_path / "run", tmp_path / "release"
@@ -59,6 +60,7 @@ def test_kill_9_resumes_the_modern_model_bitwise(tmp_path, shakespeare_shards):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.slow
 def test_two_modern_ranks_equal_one_with_accumulation(tmp_path, shakespeare_shards, optimizer):
     """2 ranks x 4 == 1 rank x 2 micro-steps x 4, every option on; and it learns (the equality is not trivial)."""
     extra = ["--optimizer", optimizer, "--ckpt-interval", "0"]
@@ -72,6 +74,7 @@ def test_two_modern_ranks_equal_one_with_accumulation(tmp_path, shakespeare_shar
     assert a[MAX_STEPS] < a[1] - 0.1
 
 
+@pytest.mark.slow
 def test_fsdp_equals_ddp_with_the_modern_model(tmp_path, shakespeare_shards):
     extra = ["--ckpt-interval", "0"]
     ddp = run(flags(shakespeare_shards, tmp_path / "ddp", *extra), nproc=2, log_dir=tmp_path / "ld")

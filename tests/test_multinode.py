@@ -157,6 +157,7 @@ def run_flags(data_dir: Path, run_dir: Path, max_steps: int, ckpt_interval: int)
 
 
 @needs_root
+@pytest.mark.slow
 def test_resume_is_rank_0s_decision_and_a_node_that_cannot_see_it_fails_before_training(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -203,6 +204,7 @@ preempt.write_requeue_marker = slow_write
 
 
 @needs_root
+@pytest.mark.slow
 def test_requeue_marker_is_on_disk_before_any_node_can_leave_the_stop(tmp_path, shakespeare_shards):
     """The stop's exit says "requeue" on one node while the other node's torchrun is killed as soon as
     that node's torchrun exits (srun --kill-on-bad-exit=1): the marker must exist anyway."""

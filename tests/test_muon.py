@@ -231,6 +231,7 @@ def test_kill_9_and_resume_with_muon_is_bitwise_continues_on_one_rank_and_adamw_
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
 
 
+@pytest.mark.slow
 def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, shakespeare_shards, monkeypatch):
     inject_nan(monkeypatch, 1)
     from gpt2.distributed.group import Dist
@@ -297,7 +298,9 @@ def test_owners_balance_the_iterations_flops_and_are_the_same_table_everywhere()
     assert owners([(8, 8)], 4) == [0]  # more ranks than matrices: the rest own nothing
 
 
-@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "ns_dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)], ids=["fp32", "bf16"]
+)
 def test_spread_orthogonalisation_is_bitwise_the_single_process_step(tmp_path, ns_dtype):
     """On 2 and 3 ranks, each rank orthogonalises only the matrices it owns and receives the rest in
     one all-gather per step: the parameters and momentum are bit for bit what one process computes,

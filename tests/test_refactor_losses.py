@@ -90,8 +90,9 @@ CASES = {
 }
 """case -> (processes, extra flags); the resume case stops at step RESUME_AT, then continues with --resume."""
 
-MARKS = {
-    "debug_fsdp_2proc": pytest.mark.torch_feature("fsdp"),
+MARKS = {  # the FSDP and resume cases in CI's long pass: the default suite keeps the DDP one
+    "debug_fsdp_2proc": (pytest.mark.torch_feature("fsdp"), pytest.mark.slow),
+    "debug_resume_1proc": pytest.mark.slow,
     "debug_muon_1proc": pytest.mark.torch_feature("muon"),
 }
 

@@ -80,6 +80,7 @@ def start_lines(cfg, world: int) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_the_dry_run_decides_what_a_real_start_on_this_machine_decides(case, tmp_path, monkeypatch):
     flags, world, free_gib = CASES[case]
     monkeypatch.setattr(host_memory, "available_bytes", lambda: int(free_gib * GIB))

@@ -88,6 +88,7 @@ def test_kill_9_one_rank_torchrun_restarts_and_reproduces_the_run(tmp_path, shak
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(
     tmp_path, shakespeare_shards, reference, request
 ):
@@ -128,6 +129,7 @@ def test_sigterm_to_torchrun_checkpoints_then_resume_auto_reproduces_the_run(
     assert_same_state(load_ckpt(run_dir, MAX_STEPS), load_ckpt(reference, MAX_STEPS))
 
 
+@pytest.mark.slow
 def test_nan_step_skipped_then_signal_to_one_worker_stops_every_rank_without_restart(tmp_path, shakespeare_shards):
     """A NaN loss at one step (tests/_helpers.nan_at_step): that update is skipped on every rank and training goes on.
     Then SIGUSR1 straight to rank 1 under --max-restarts 1: all ranks stop at one step boundary and exit 0, so
@@ -165,6 +167,7 @@ def test_nan_step_skipped_then_signal_to_one_worker_stops_every_rank_without_res
     assert not all(torch.equal(after["model"][k], skipped["model"][k]) for k in after["model"])
 
 
+@pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_one_rank_and_sigterm_exits_3(tmp_path, shakespeare_shards, reference):
     """A 2-rank checkpoint continues on 1 process (2 accumulation steps) with the same losses; plain
     `python train_ddp.py` stopped by SIGTERM (twice: the second lands during the step or the save)
@@ -226,6 +229,7 @@ def test_consecutive_nan_steps_stop_the_run_without_a_checkpoint_of_them(
     assert [r["step"] for r in records(run_dir) if r.get("skipped")] == [3]
 
 
+@pytest.mark.slow
 def test_dead_peer_gives_an_error_within_the_step_timeout_not_a_hang(tmp_path, shakespeare_shards):
     """Start-up's long timeout (600 s) gives way to the steady-state one (3 s) after the first step."""
     run_dir = tmp_path / "run"
@@ -343,6 +347,7 @@ ckpt.save_checkpoint, ckpt._HashingWriter.write = save_checkpoint, write
 """
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, shakespeare_shards, reference):
     """Rank 0's writer thread hangs half-way through step 6's file; training goes on past it (step 7);
     then kill -9 of the whole group. Step 3 is the newest valid checkpoint and --resume auto
@@ -404,6 +409,7 @@ trainer.save = save
 """
 
 
+@pytest.mark.slow
 def test_a_failed_background_write_stops_every_rank_with_one_error(tmp_path, shakespeare_shards):
     """Rank 0's writer fails at step 3; at the next step (4; it was the next save, step 6) every rank
     votes to stop, learns the error through the stop's save and exits: no rank is left waiting in a
@@ -573,6 +579,7 @@ def test_checkpoints_whose_sidecars_are_gone_resume_and_export(tmp_path, shakesp
     assert sorted(sidecar_run_ids(run_dir)) == ["step_00000002", "step_00000003"]
 
 
+@pytest.mark.slow
 def test_the_issues_scenario_auto_never_resumes_the_earlier_run(tmp_path, shakespeare_shards, capsys):
     """Issue 26: a run to step 6, a fresh run (--resume never) to step 4, its newest checkpoint truncated:
     --resume auto continues the new run from its step 2, exactly, not the old run from step 6."""
@@ -636,6 +643,7 @@ def test_a_checkpoint_without_the_token_count_counts_its_steps_at_its_batch():
     assert tokens_of({**saved, "tokens": 5000}) == 5000
 
 
+@pytest.mark.slow
 def test_two_ranks_start_fresh_apart_and_auto_ignores_the_earlier_runs_checkpoint(tmp_path, reference):
     """2 ranks: a fresh start in the reference run's directory (8 steps), its newest checkpoint
     truncated, and the earlier run's step 8 put back into checkpoints/ (a stray, the highest step):
@@ -695,6 +703,7 @@ def stop_during_step(monkeypatch, step: int) -> None:
     monkeypatch.setattr(trainer, "train_step", train_step)
 
 
+@pytest.mark.slow
 def test_a_rollback_moves_the_later_checkpoints_aside_and_a_requeue_continues_the_new_branch(
     tmp_path, shakespeare_shards, capsys, monkeypatch
 ):
@@ -848,6 +857,7 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
+@pytest.mark.slow
 def test_kill_9_of_torchrun_stops_its_workers_with_a_checkpoint(tmp_path, shakespeare_shards, reference):
     """Issue 32: torchrun killed with SIGKILL left its workers training and writing checkpoints. Now the
     kernel sends each worker SIGTERM (PR_SET_PDEATHSIG): every rank stops at the same step with a
@@ -894,6 +904,7 @@ def test_kill_9_of_torchrun_stops_its_workers_with_a_checkpoint(tmp_path, shakes
     assert_same_state(load_ckpt(run_dir, MAX_STEPS), load_ckpt(reference, MAX_STEPS))
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_runs_own_auto_decisions_unless_a_flag_changes_them(tmp_path, shakespeare_shards, capsys):
     """Issue 58: a resume of an unchanged command printed `resume: loss_impl changed from 'chunked' to
     'full'` (a timing probe decided afresh on a busier machine), so the resumed run computed otherwise.

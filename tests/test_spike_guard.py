@@ -291,6 +291,7 @@ def test_an_old_checkpoint_without_guard_state_resumes_with_a_fresh_guard(tmp_pa
     assert load_ckpt(run_dir, 4)["spike_guard"]["count"] == 2  # a fresh guard's history: steps 3 and 4
 
 
+@pytest.mark.slow
 def test_no_false_alarm_a_healthy_run_trains_bitwise_the_same_guard_on_or_off(tmp_path, shakespeare_shards, capsys):
     """Default thresholds, the shortest window allowed (8), so the guard judges 6 of the 14 steps."""
 
@@ -399,8 +400,17 @@ GUARD_COST = 0.005
 """Issue 54's goal at the default lr: the guarded run at most this above the unguarded one."""
 
 
-@pytest.mark.slow  # 3 runs of 30 steps per case
-@pytest.mark.parametrize("nproc,lr", [(1, "high"), (2, "high"), (4, "high"), (1, "default")])
+# 3 runs of 30 steps per case: CI's long pass takes the 2-rank one, the rest are soak (by hand; a function-level
+# slow mark would let `-m "slurm or slow"` select them too)
+@pytest.mark.parametrize(
+    "nproc,lr",
+    [
+        pytest.param(1, "high", marks=pytest.mark.soak),
+        pytest.param(2, "high", marks=pytest.mark.slow),
+        pytest.param(4, "high", marks=pytest.mark.soak),
+        pytest.param(1, "default", marks=pytest.mark.soak),
+    ],
+)
 def test_a_poisoned_stretch_hurts_without_the_guard_and_not_with_it(tmp_path, shakespeare_shards, nproc, lr):
     """The same 512 tokens a step on every rank count (4 ranks: micro-batches of 2), the same poisoned steps.
     The guard skips the poisoned steps it meets, rolls back past them and meets the rest under its halved

@@ -37,8 +37,9 @@ CKPT_INTERVAL = 2
 TORCH_WARNING = re.compile(r"\b\w*Warning\b")
 """A Python warning's category as warnings.warn prints it (FutureWarning, UserWarning, ...)."""
 
-# The compatibility runs select it by torch_range; the default suite leaves it to them (slow).
-pytestmark = [pytest.mark.slow, pytest.mark.torch_range]
+# scripts/torch_range.sh runs it on the oldest and the newest torch; neither the default suite nor the long pass
+# (pyproject.toml addopts) runs it a third time on the main venv's.
+pytestmark = pytest.mark.torch_range
 
 
 def flags(data_dir, run_dir, *extra) -> list[str]:

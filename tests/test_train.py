@@ -149,6 +149,7 @@ def test_torchrun_training_on_shakespeare_lowers_validation_loss(tmp_path, shake
     assert run.stdout.count("step     30/30") == 1
 
 
+@pytest.mark.slow
 def test_compiled_bf16_run_logs_sane_numbers(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
     run = run_trainer(
@@ -212,6 +213,7 @@ def test_compiled_bf16_run_logs_sane_numbers(tmp_path, shakespeare_shards):
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in state["model"])
 
 
+@pytest.mark.slow
 def test_readme_quickstart_script_runs_twice(tmp_path):
     """README's first command, shortened by flags passed through to train_ddp.py, run twice in a row:
     the second run reuses the data and says the run is finished. PYTHON: the interpreter this test
@@ -446,6 +448,7 @@ def test_loss_impl_auto_is_decided_by_rank_0_for_the_device_and_logged(tmp_path,
     assert f"({why_chunked.reason})" in out and "loss       chunked: " in out
 
 
+@pytest.mark.slow
 def test_loss_impl_full_and_chunked_train_alike_and_the_choice_is_logged_and_recorded(tmp_path, shakespeare_shards):
     """Real runs with --loss-impl full and chunked: the same per-step losses to 1e-5 (fp32), the choice in the
     start-up lines and config.json, and the dry run of the same command prints the same decision."""
@@ -509,6 +512,7 @@ def test_loss_impl_full_and_chunked_train_alike_and_the_choice_is_logged_and_rec
     ]
 
 
+@pytest.mark.slow
 def test_micro_batch_size_auto_end_to_end(tmp_path, shakespeare_shards):
     run_dir = tmp_path / "run"
     run = run_trainer(
@@ -844,6 +848,7 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
     assert len(reads) == 2 and all(r.startswith("tolist from trainer.py") for r in reads), reads
 
 
+@pytest.mark.slow
 def test_a_compiler_failure_at_the_first_step_is_reported_as_one_and_not_as_a_dead_rank(tmp_path, shakespeare_shards):
     """2 ranks under torchrun, DDP + compile, no C++ compiler for inductor (CXX names none, a fresh kernel
     cache so nothing compiled earlier is reused): the first compile runs inside the bucket-settling

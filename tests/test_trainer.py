@@ -128,6 +128,7 @@ def _run(tmp_path, shards, name, monkeypatch, *, lag: bool, extra=(), max_steps=
     return code, run_dir
 
 
+@pytest.mark.slow
 def test_late_reads_train_and_checkpoint_exactly_as_reads_at_once(tmp_path, shakespeare_shards, monkeypatch):
     """CUDA's loop (each step's numbers read after the next step is queued) on a CPU: the same losses,
     every step logged once, the same checkpoints; a NaN step is skipped on the device and logged late.

@@ -15,13 +15,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+
+# torch.distributed.checkpoint is imported where it is used: it is ~0.9 s of every process's start-up (it
+# brings torch.distributed.tensor), and only sharded checkpoints need it.
 
 
 def _checked(call, *args, **kwargs):
@@ -78,6 +74,8 @@ def _per_inner(optimizer, value_of) -> dict:
 def sharded_state(model: torch.nn.Module, optimizer) -> dict:
     """This rank's {"model", "optimizer"} state: DTensor shards under FSDP, whole tensors otherwise.
     (An optimizer without moments yet gets them initialised, as DCP's loading needs.)"""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     return {
         "model": _untied(get_model_state_dict(model), _tied(model)),
         "optimizer": _per_inner(optimizer, lambda o: get_optimizer_state_dict(model, o)),
@@ -95,6 +93,7 @@ def load(model: torch.nn.Module, optimizer, directory: Path) -> None:
     """Fill model and optimizer from directory: each rank reads the slices its shards cover (DCP
     reshards when the world size or the parallelism differs). Collective when a process group exists."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = sharded_state(model, optimizer)
     _checked(dcp.load, state, checkpoint_id=str(directory))
@@ -136,6 +135,8 @@ def named_optimizer_state(saved: dict, model: torch.nn.Module, optimizer) -> dic
 def load_full(model: torch.nn.Module, optimizer, model_state: dict, optimizer_state: dict) -> None:
     """Whole tensors (a .pt checkpoint, every rank holding them) into a sharded model and its
     optimizer: each rank keeps its slice. optimizer_state: named_optimizer_state's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
     full = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=full)
     for name, o in inner_optimizers(optimizer).items():

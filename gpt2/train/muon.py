@@ -32,9 +32,10 @@ shared results (the Muon matrices in ns_dtype once, as under DDP) on every rank.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr
 
 from gpt2.core.compat import all_gather_into
@@ -149,7 +150,7 @@ class Muon(torch.optim.Muon):
             ortho: list[Tensor | None] = [None] * len(params)
             for i, (grad, buf) in enumerate(zip(grads, bufs)):
                 buf.lerp_(grad, 1 - momentum)
-                sharded = isinstance(grad, DTensor)
+                sharded = _is_dtensor(grad)
                 if owner[i] == rank or sharded:  # a shard is gathered by every rank: the same collectives
                     update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                     if sharded:
@@ -209,8 +210,17 @@ class Muon(torch.optim.Muon):
         """The update of a whole matrix, or (FSDP) of this rank's shard of it: the same rows of the
         whole orthogonalised matrix as the shard's (sliced here, no communication)."""
         scale = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)  # the whole matrix's shape
-        if isinstance(param, DTensor):
+        if _is_dtensor(param):
+            from torch.distributed.tensor import distribute_tensor
+
             ortho = distribute_tensor(ortho, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param = param.to_local()  # a view: updated in place
         param.mul_(1 - lr * group["weight_decay"])
         param.add_(ortho, alpha=-scale)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    """Whether t is a DTensor (an FSDP shard), without importing torch.distributed.tensor: that import is ~0.7 s
+    of every process's start-up, and where nothing has imported it (no FSDP) no tensor can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
