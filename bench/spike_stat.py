@@ -1,12 +1,14 @@
-"""The spike guard's statistic against the one before issue 78, on real runs: poisoned stretches caught, clean runs
-left alone (docs/spike_guard.md, "The statistic").
+"""The spike guard's statistic against a detrended one, on real runs: poisoned stretches caught, clean runs left
+alone (issue 78 item 4; docs/spike_guard.md, "A known limit").
 
 Each run trains with the guard off and logs every step (loss, gradient norm), so that both statistics are replayed
-over the same numbers: the guard's own (gpt2/train/spike_guard.py _expected: a line through the window, never
-below its newest quarter's median, the spread about the line) and the median and MAD of the window's level that
-it replaced. A step is a spike under either as the guard decides: loss z over --spike-loss-z, or gradient-norm z
-over --spike-norm-z with the loss z over half its limit. The replay keeps every step in the history (no skip), so
-both read the same windows.
+over the same numbers: the guard's own (gpt2/train/spike_guard.py: the window's median and MAD, the spread at least
+1%) and a trend rule tried for issue 78 and not adopted (a robust line through the window: the slope the lower
+median of half-window slopes, the level the lower median of what it leaves, the spread the MAD about it, at least
+TREND_MIN_SPREAD; the expected value the line's next step, never below the newest quarter's lower median). A step
+is a spike under either as the guard decides: loss z over --spike-loss-z, or gradient-norm z over --spike-norm-z
+with the loss z over half its limit. The replay keeps every step in the history (no skip), so both read the same
+windows.
 
 Runs (the debug preset, the quick start's, on --corpus by paragraph, its first 20,000 tokens val):
   poisoned  --data-order sequential, steps FIRST..FIRST+4 of one repeated token (at 101-105: the guard's first judged
@@ -32,7 +34,10 @@ from corpus import REPO, add_corpus_flag, prepare_by_paragraph, require_corpus
 from emit import emit
 
 WINDOW, LOSS_Z, NORM_Z = 100, 6.0, 6.0  # the guard's defaults
-MIN_SPREAD, MAD_TO_SIGMA = 0.01, 1.4826
+MIN_SPREAD, MAD_TO_SIGMA = 0.01, 1.4826  # the guard's (gpt2/train/spike_guard.py)
+TREND_MIN_SPREAD = 0.03
+"""The trend rule's floor: about a line the spread is the noise alone, and at 1-2% the tiny test model's clean
+batches after a rollback, and a high-lr run's own excursions, scored over the limits (tests/test_spike_guard.py)."""
 STEP_TOKENS = 2048  # the debug preset's global batch
 POISONS = [(101, 50000), (101, 383), (111, 50000), (111, 383)]
 PARITY = (
@@ -59,19 +64,19 @@ def lower_median(a: np.ndarray) -> float:
 
 
 def level_rule(h: np.ndarray) -> tuple[float, float]:
-    """Before issue 78: the window's median and MAD."""
+    """The guard's: the window's median and MAD."""
     c = lower_median(h)
     return c, max(MAD_TO_SIGMA * lower_median(np.abs(h - c)), MIN_SPREAD)
 
 
 def trend_rule(h: np.ndarray) -> tuple[float, float]:
-    """The guard's (spike_guard._expected), written out in numpy."""
+    """The trend rule (issue 78's try, not adopted)."""
     w = len(h)
     half, recent = w // 2, max(2, w // 4)
     slope = lower_median((h[half : 2 * half] - h[:half]) / half)
     rest = h - slope * np.arange(w)
     level = lower_median(rest)
-    spread = max(MAD_TO_SIGMA * lower_median(np.abs(rest - level)), MIN_SPREAD)
+    spread = max(MAD_TO_SIGMA * lower_median(np.abs(rest - level)), TREND_MIN_SPREAD)
     return max(level + slope * w, lower_median(h[w - recent :])), spread
 
 
@@ -147,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = [
             f"window {WINDOW}, limits z {LOSS_Z:g} (loss) / {NORM_Z:g} (norm, with the loss over half its limit)",
             "",
-            "| run | loss (x the 10 steps before) | loss z / norm z before (window median, MAD) "
-            "| loss z / norm z now (trend, newest quarter's floor) |",
+            "| run | loss (x the 10 steps before) | loss z / norm z, the guard (window median, MAD) "
+            "| loss z / norm z, the trend rule (not adopted) |",
             "|---|---:|---|---|",
         ]
         for first, token in POISONS:

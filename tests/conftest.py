@@ -42,9 +42,12 @@ def pytest_configure(config):
     if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without -n), before any test or worker
         session_probe_cache(config)
     if getattr(config.option, "dist", "no") == "load":
-        # `-n N` alone deals tests out one by one; loadgroup does the same but keeps each group on one worker
-        # (pytest_collection_modifyitems groups the tests that share a module-scoped fixture: computed once).
-        config.option.dist = "loadgroup"
+        # `-n N` alone deals tests out one by one, so a module-scoped fixture (a reference run, a prepared corpus,
+        # a local SLURM) would be made again by every worker that runs one of its tests, and torn down by one while
+        # another still used it (CI, 2026-12-06: slurmctld stopped under a running job). loadfile keeps each test
+        # file on one worker. (loadgroup, per fixture, would be finer, but with pytest >= 9.2 xdist 3.8 can no
+        # longer name a test's group in its id, so it groups nothing.)
+        config.option.dist = "loadfile"
     if xdist_workers() > 1:
         # Workers share the cores: each takes its share for its own torch (OpenMP threads that outnumber the cores
         # spin against each other, several times slower), and the runs it starts inherit the same share.
@@ -92,7 +95,6 @@ def session_probe_cache(config) -> None:
         precision_choice._CHOICES.clear()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test's group from these marks
 def pytest_collection_modifyitems(config, items):
     # GPU tests skip where there is no CUDA device, and a feature's tests where this torch lacks the
     # feature (the compatibility runs on the oldest supported torch: test_torch_range.py asserts the
@@ -101,10 +103,6 @@ def pytest_collection_modifyitems(config, items):
 
     no_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if shares_a_module_fixture(item) and not any(item.iter_markers("xdist_group")):
-            # Under `-n`, a module-scoped fixture (a reference run, a prepared corpus) would be made again by
-            # every worker that runs one of its tests: the module's tests go to one worker.
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_cuda)
         for mark in item.iter_markers("torch_feature"):
@@ -142,12 +140,6 @@ def pytest_runtest_protocol(item, nextitem):
     row = {"test": item.nodeid, "cpu_s": round(cpu() - c0, 2), "wall_s": round(time.perf_counter() - t0, 2)}
     with open(path, "a") as f:  # one line a write: workers of `-n` append to the same file
         f.write(json.dumps(row) + "\n")
-
-
-def shares_a_module_fixture(item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.values() if info is not None else ()
-    return any(d.scope in ("module", "class", "package") for fixturedefs in defs for d in fixturedefs)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ after --spike-max-rollbacks; resume bitwise exact with the guard's state; no fal
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 
@@ -53,36 +52,6 @@ def test_a_loss_far_above_a_full_history_is_a_spike_and_stays_out_of_the_history
     assert torch.equal(guard.history, before)  # a spike does not become history
     assert feed(guard, [(6.5, 1.0)])[0][0] == 0.0
     assert not torch.equal(guard.history, before)  # a healthy step does
-
-
-def early_fall(n: int = 100, seed: int = 0) -> list[tuple[float, float]]:
-    """A loss falling fast and then slower (10.5 to ~6), a gradient norm settling, 2% and 10% noise: the window
-    the guard judges its first steps against at the default --spike-window 100."""
-    rng = np.random.default_rng(seed)
-    steps = np.arange(n)
-    loss = (6.0 + 4.5 * np.exp(-steps / 25)) * np.exp(rng.normal(0, 0.02, n))
-    norm = (0.8 + 1.5 * np.exp(-steps / 30)) * np.exp(rng.normal(0, 0.1, n))
-    return list(zip(loss.tolist(), norm.tolist()))
-
-
-def test_a_doubled_loss_after_the_early_fall_is_a_spike_and_the_fall_itself_is_not():
-    """Issue 78: with the window still holding the loss's early fall, the window's median and MAD made its spread
-    wide, and a doubled loss (z 5.3 here; 5.2-5.9 in real runs, docs/spike_guard.md) passed the limit of 6. About
-    the window's trend it scores far above; the fall's own steps, judged as they come, never do."""
-    from gpt2.train.spike_guard import MAD_TO_SIGMA, _lower_median
-
-    history = early_fall(160)
-    guard, clean = guard_for(spike_window=100), guard_for(spike_window=100)
-    assert [v[0] for v in feed(guard, history[:100]) + feed(clean, history[:100])] == [0.0] * 200
-    doubled = 2 * history[99][0]
-    spike, loss_z, _ = feed(guard, [(doubled, 1.0)])[0]  # the first judged step
-    assert spike == 1.0 and loss_z > 10
-    window = torch.tensor(history[:100]).log()[:, 0]  # what the window's median and MAD made of it
-    centre = _lower_median(window[None])[0]
-    old_z = (math.log(doubled) - centre) / (MAD_TO_SIGMA * _lower_median((window - centre).abs()[None])[0])
-    assert 4 < old_z < 6
-    judged = feed(clean, history[100:])  # the fall goes on, slower: no false alarm
-    assert not any(v[0] for v in judged) and max(v[1] for v in judged) < 3
 
 
 def test_a_gradient_norm_spike_alone_is_not_one_with_the_loss_up_it_is():
@@ -291,7 +260,6 @@ def test_an_old_checkpoint_without_guard_state_resumes_with_a_fresh_guard(tmp_pa
     assert load_ckpt(run_dir, 4)["spike_guard"]["count"] == 2  # a fresh guard's history: steps 3 and 4
 
 
-@pytest.mark.slow
 def test_no_false_alarm_a_healthy_run_trains_bitwise_the_same_guard_on_or_off(tmp_path, shakespeare_shards, capsys):
     """Default thresholds, the shortest window allowed (8), so the guard judges 6 of the 14 steps."""
 
@@ -453,24 +421,12 @@ def test_the_guards_median_is_torch_medians_from_a_sort(n):
 
 
 def _judge_before(guard: SpikeGuard, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-    """judge written plainly, step by step, a row at a time (the detrended rule of issue 78, before its ops were
-    cut): the reference its bits are held to."""
+    """judge as it was before its ops were cut (60 a step): the reference its bits are held to."""
     from gpt2.train.spike_guard import MAD_TO_SIGMA, MIN_SPREAD, _lower_median
 
     x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()
-    w = guard.window
-    half, recent = w // 2, max(2, w // 4)
-    steps = torch.arange(w, dtype=torch.float32)
-    centre, spread = torch.zeros(2), torch.zeros(2)
-    for row in range(2):
-        h = guard.history[row]
-        slopes = torch.stack([(h[i + half] - h[i]) / half for i in range(half)])
-        slope = _lower_median(slopes[None])[0]
-        rest = h - slope * steps
-        level = _lower_median(rest[None])[0]
-        mad = _lower_median((rest - level).abs()[None])[0]
-        spread[row] = (MAD_TO_SIGMA * mad).clamp_min(MIN_SPREAD)
-        centre[row] = torch.maximum(level + slope * w, _lower_median(h[w - recent :][None])[0])
+    centre = _lower_median(guard.history)
+    spread = (MAD_TO_SIGMA * _lower_median((guard.history - centre[:, None]).abs())).clamp_min(MIN_SPREAD)
     z = (x - centre) / spread
     finite = torch.isfinite(x).all()
     full = guard.count >= guard.window

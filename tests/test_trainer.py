@@ -290,14 +290,11 @@ def test_the_skip_flag_is_the_old_ones_for_non_finite_losses_and_norms_bad_token
         assert torch.equal(skip_flag(numbers), _skip_before(numbers)), (loss, stop, bad, norm, spike)
 
 
-BOOKKEEPING_OPS = 50
+BOOKKEEPING_OPS = 41
 """The non-view aten ops one steady-state train_step dispatches outside the model's forward and backward and
 the optimizer's step and zero_grad, one rank, no accumulation, the guard on (bench/step_overhead.py's
-bookkeeping row; 76 before the per-step bookkeeping was cut: clock, flags, clip, stats, guard, skip flag; 41
-after, 50 since the guard judges about the window's trend, issue 78: a line's slope, level and the newest
-quarter's median are 9 kernels more when eager; on CUDA with a compiled model the verdict is one compiled graph,
-SpikeGuard.fuse)."""
-GUARD_OPS = 34
+bookkeeping row; 76 before the per-step bookkeeping was cut: clock, flags, clip, stats, guard, skip flag)."""
+GUARD_OPS = 25
 """Of those, the spike guard's (its verdict and history update), eager."""
 
 
