@@ -148,14 +148,16 @@ class FakeDeviceCopier(HostCopier):
 
     def __init__(self, device_ptrs: set[int]) -> None:
         super().__init__(pinned=False)
-        self.device_ptrs, self.release, self.device_waits = device_ptrs, threading.Event(), 0
+        # `unblock`, not `release`: HostCopier.release() is the writer's call after each write (a name shadowed
+        # here made that call raise in the writer thread, after the save)
+        self.device_ptrs, self.unblock, self.device_waits = device_ptrs, threading.Event(), 0
 
     def _on_device(self, src):
         return src.data_ptr() in self.device_ptrs
 
     def _copy_on_side_stream(self, jobs):
         def side_stream():
-            assert self.release.wait(GUARD_S), "the test never released the device copy"
+            assert self.unblock.wait(GUARD_S), "the test never released the device copy"
             for dst, src in jobs:
                 dst.copy_(src)
 
@@ -195,7 +197,7 @@ def test_wait_copied_does_not_block_the_host_on_the_devices_copy(tmp_path, monke
         assert fake.device_waits == 1  # the update is ordered after the copies on the device
         assert not saved.is_set()  # the writer does not read the buffer before the device's copies land
     finally:
-        fake.release.set()
+        fake.unblock.set()
     done = writer.wait()
     state = ckpt.load_checkpoint(done["path"])
     assert all(torch.equal(state["model"][k], v) for k, v in want.items())
