@@ -1,6 +1,8 @@
 """--micro-batch-size auto: the throughput model's micro-batch, on a table of configurations and hardware, and
 every guarantee the largest-that-fits rule gave (fits, divides, FSDP, a clear error)."""
 
+import re
+
 import pytest
 
 from gpt2.core.config import ModelConfig, model_preset
@@ -310,3 +312,32 @@ def test_a_busy_machines_micro_batch_is_not_cached_and_says_so(tmp_path, monkeyp
         "agree (cpu clock), load 0.3 on 2 CPU(s), 45% of the time waiting for a CPU (not cached: its threads "
         "waited for a CPU 45% of the time)"
     )
+
+
+def test_a_probe_over_its_budget_times_nothing_takes_the_largest_and_says_why(tmp_path, monkeypatch):
+    """GPT-2 124M on a 2-core CPU: the untimed call at the largest candidate took ~8 s, so the rounds would take
+    ~130 s; past PROBE_BUDGET_S auto takes the largest (the CPU's rule) without timing, and caches nothing."""
+    from gpt2.plan import batch_probe
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(batch_probe, "_RATES", {})
+    monkeypatch.setattr(batch_probe, "PROBE_BUDGET_S", 0.0)  # any call is over it
+
+    def timed(*a, **k):
+        raise AssertionError("timed past the budget")
+
+    monkeypatch.setattr(batch_probe.paired, "measure_rounds", timed)
+    cfg = ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=16)
+    rates = batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 2: "full", 4: "full"})
+    assert rates.choose() == 4 and rates.rates == {} and not list(tmp_path.glob("**/micro-batch-*.json"))
+    assert re.fullmatch(
+        r"not measured on this CPU: timing 3 micro-batches in 5 rounds would take ~\d+ s \(over the probe's 0 s\), "
+        r"so the largest, the CPU's rule",
+        rates.describe(),
+    )
+    assert batch_probe.rounds_estimate_s(8.0, [1, 2, 4]) == 8.0 * 5 * 7 / 4  # each call its share of 4's tokens
+    choice = choose_micro_batch(
+        run(model_preset("debug"), total=4096, dtype="fp32", compile=False), CPU, world_size=1, measure=lambda s: rates
+    )
+    assert choice.size == 4 and choice.describe().startswith("micro-batch auto: 4 sequences, not measured on this CPU")
+    assert "(the throughput model took 1)" in choice.reason

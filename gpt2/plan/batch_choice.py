@@ -148,6 +148,12 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int, m
 
         measured = measure(candidates(sizes, pick, seq_len))
         chosen = measured.choose()
+        if not measured.rates:  # the probe's budget: nothing timed
+            return MicroBatchChoice(
+                chosen,
+                f"{measured.describe()} (the throughput model took {pick}); {margin} and divides the global batch",
+                measured.peak_bytes,
+            )
         return MicroBatchChoice(
             chosen,
             f"{measured.describe()}: the largest unless a smaller one runs more than {MEASURED_TIE:.0%} faster (the "

@@ -14,7 +14,9 @@ every candidate once, the order reversed every other round (gpt2/plan/paired.py)
 the hardware's rule on a CPU (issue 54's three shapes ran fastest at their largest, or within 2%); the
 fastest of the others by its median time per token is compared with it pair by pair (decide_micro_batch) and
 taken only where it runs more than MEASURED_TIE faster with the pairs agreeing. A tie, or pairs that disagree
-(the machine too busy to tell), keep the largest.
+(the machine too busy to tell), keep the largest. So does a probe that would outlast PROBE_BUDGET_S (GPT-2
+124M on a 2-core CPU: ~130 s of timed calls, for a choice the rule makes within a few percent): the untimed call
+says how long the rounds would take, and past the budget none is timed.
 Cached per machine (matmul_peak.peak_key: the CPU, its threads, torch), shape, dtype, loss path and
 candidates, as the loss probe is (gpt2/plan/loss_probe.py), so a run measures once per shape; but only a
 measurement that decided on a quiet machine (issue 73), re-checked every paired.RECHECK_RUNS-th run. The
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -71,6 +74,8 @@ class MicroBatchRates:
         return fastest if self.rates[fastest] > (1 + MEASURED_TIE) * self.rates[largest] else largest
 
     def describe(self) -> str:
+        if not self.rates:
+            return f"not measured on this CPU: {self.why}"
         shown = ", ".join(f"{b}: {r:,.0f}" for b, r in sorted(self.rates.items()))
         if self.chosen is None:
             return f"measured on this CPU, tokens/s by micro-batch {shown} (cached in {self.cache})"
@@ -79,6 +84,12 @@ class MicroBatchRates:
 
 _RATES: dict[str, MicroBatchRates] = {}
 """micro_batch_rates' per-process answers, by cache file (a dry run in the same process gets the same)."""
+
+
+PROBE_BUDGET_S = 30.0
+"""The longest the timed rounds may take, estimated from the untimed call at the largest candidate (each
+candidate's call as its share of that one's tokens): past it auto takes the largest, the hardware's rule, without
+timing (a dry run of the gpt2 preset on a 2-core CPU spent 130 s here; the debug preset's rounds take ~1 s)."""
 
 
 PROBE_MAX_TOKENS = 4096
@@ -139,6 +150,13 @@ def micro_batch_rates(
     peak = None
     if None not in (before, high, after):
         peak = after - before if after > high else 0
+    if isinstance(rounds, float):  # over the budget: the rule, nothing timed and nothing cached
+        why = (
+            f"timing {len(sizes)} micro-batches in {PROBE_ROUNDS} rounds would take ~{rounds:.0f} s (over the probe's "
+            f"{PROBE_BUDGET_S:.0f} s), so the largest, the CPU's rule"
+        )
+        _RATES[str(path)] = MicroBatchRates({}, str(path), peak, sizes[-1], why, "not cached")
+        return _RATES[str(path)]
     chosen, why, load, doubt = decide_micro_batch(rounds, sizes, cfg.block_size)
     rates = {b: b * cfg.block_size / rounds.median_s(str(b)) for b in sizes}
     if doubt is None:
@@ -192,10 +210,16 @@ def decide_micro_batch(
     return chosen, why, rounds.load, doubt
 
 
-def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]) -> paired.Rounds:
+def rounds_estimate_s(largest_call_s: float, sizes: list[int]) -> float:
+    """The timed rounds' seconds, from one call at the largest of `sizes`: each call costs its share of that
+    one's tokens (an over-estimate: the first call also allocates and initialises)."""
+    return largest_call_s * PROBE_ROUNDS * sum(sizes) / sizes[-1]
+
+
+def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]) -> paired.Rounds | float:
     """A fresh model's forward + backward at each micro-batch of `losses`, with its loss path, in PROBE_ROUNDS
     rounds (paired.measure_rounds, each named by str(size)) after one untimed call at the largest (module
-    docstring)."""
+    docstring); or, where that call says the rounds would outlast PROBE_BUDGET_S, their estimated seconds."""
     from gpt2.model.gpt import GPT
 
     gen = torch.Generator().manual_seed(0)
@@ -218,5 +242,9 @@ def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]
         return run
 
     with prec.autocast("cpu"):
+        started = time.perf_counter()
         micro_step(sizes[-1])()  # untimed: the largest allocations, lazy initialisation, the gradients made
+        estimate = rounds_estimate_s(time.perf_counter() - started, sizes)
+        if estimate > PROBE_BUDGET_S:
+            return estimate
         return paired.measure_rounds({str(b): micro_step(b) for b in sizes}, PROBE_ROUNDS)
