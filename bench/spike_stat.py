@@ -1,21 +1,18 @@
-"""The spike guard's statistic against a detrended one, on real runs: poisoned stretches caught, clean runs left
-alone (issue 78 item 4; docs/spike_guard.md, "A known limit").
+"""The spike guard's rule before and after its loss-ratio part, on real runs: poisoned stretches caught, clean runs
+left alone (issue 78 item 4; docs/spike_guard.md, "The first judged steps").
 
-Each run trains with the guard off and logs every step (loss, gradient norm), so that both statistics are replayed
-over the same numbers: the guard's own (gpt2/train/spike_guard.py: the window's median and MAD, the spread at least
-1%) and a trend rule tried for issue 78 and not adopted (a robust line through the window: the slope the lower
-median of half-window slopes, the level the lower median of what it leaves, the spread the MAD about it, at least
-TREND_MIN_SPREAD; the expected value the line's next step, never below the newest quarter's lower median). A step
-is a spike under either as the guard decides: loss z over --spike-loss-z, or gradient-norm z over --spike-norm-z
-with the loss z over half its limit. The replay keeps every step in the history (no skip), so both read the same
-windows.
+Each run trains with the guard off and logs every step (loss, gradient norm), so that both rules are replayed over
+the same numbers, with the guard's statistic (gpt2/train/spike_guard.py: the window's median and MAD of the logs,
+the spread at least 1%). Before: a spike is a loss z over --spike-loss-z, or a gradient-norm z over --spike-norm-z
+with the loss z over half its limit. Now: also a loss LOSS_RATIO x the window's median with the loss z over half its
+limit. The replay keeps every step in the history (no skip), so both read the same windows.
 
 Runs (the debug preset, the quick start's, on --corpus by paragraph, its first 20,000 tokens val):
   poisoned  --data-order sequential, steps FIRST..FIRST+4 of one repeated token (at 101-105: the guard's first judged
-            steps, its window holding the whole early fall of the loss, where a doubled loss scored z 5.9 before;
-            at 111-115, as issue 78 tried it); each token id its own row (50000: ~2x the loss; 383: ~1.5x)
+            steps, its window holding the whole early fall of the loss, where a doubled loss scored z 5.9; at
+            111-115, as issue 78 tried it); each token id its own row (50000: ~2x the loss; 383: ~1.5x)
   clean     the debug preset shuffled and sequential (150 steps), and the learning-parity recipe against nanoGPT
-            (bench/time_to_loss.py's, 200 steps): the largest z either statistic gives a healthy step
+            (bench/time_to_loss.py's, 200 steps): the largest z and ratio a healthy step reaches, and false alarms
 Usage: python bench/spike_stat.py [--corpus FILE] [--md FILE]   (~8 minutes on 2 CPU cores)
 """
 
@@ -35,9 +32,7 @@ from emit import emit
 
 WINDOW, LOSS_Z, NORM_Z = 100, 6.0, 6.0  # the guard's defaults
 MIN_SPREAD, MAD_TO_SIGMA = 0.01, 1.4826  # the guard's (gpt2/train/spike_guard.py)
-TREND_MIN_SPREAD = 0.03
-"""The trend rule's floor: about a line the spread is the noise alone, and at 1-2% the tiny test model's clean
-batches after a rollback, and a high-lr run's own excursions, scored over the limits (tests/test_spike_guard.py)."""
+LOSS_RATIO = 1.5  # the guard's (gpt2/train/spike_guard.py)
 STEP_TOKENS = 2048  # the debug preset's global batch
 POISONS = [(101, 50000), (101, 383), (111, 50000), (111, 383)]
 PARITY = (
@@ -64,36 +59,31 @@ def lower_median(a: np.ndarray) -> float:
 
 
 def level_rule(h: np.ndarray) -> tuple[float, float]:
-    """The guard's: the window's median and MAD."""
+    """The guard's statistic: the window's median and MAD."""
     c = lower_median(h)
     return c, max(MAD_TO_SIGMA * lower_median(np.abs(h - c)), MIN_SPREAD)
 
 
-def trend_rule(h: np.ndarray) -> tuple[float, float]:
-    """The trend rule (issue 78's try, not adopted)."""
-    w = len(h)
-    half, recent = w // 2, max(2, w // 4)
-    slope = lower_median((h[half : 2 * half] - h[:half]) / half)
-    rest = h - slope * np.arange(w)
-    level = lower_median(rest)
-    spread = max(MAD_TO_SIGMA * lower_median(np.abs(rest - level)), TREND_MIN_SPREAD)
-    return max(level + slope * w, lower_median(h[w - recent :])), spread
-
-
-def replay(rows: list[dict], rule, window: int = WINDOW) -> dict[int, tuple[float, float]]:
-    """{step: (loss z, norm z)} of every judged step (a full window before it), the history every step."""
+def replay(rows: list[dict], window: int = WINDOW) -> dict[int, tuple[float, float, float]]:
+    """{step: (loss z, norm z, loss / the window's median loss)} of every judged step (a full window before it), the
+    history every step."""
     history, out = [], {}
     for r in rows:
         x = np.log([max(r["loss"], 1e-30), max(r["grad_norm"], 1e-30)])
         if len(history) >= window:
             h = np.array(history[-window:])
-            out[r["step"]] = tuple((x[j] - c) / s for j, (c, s) in enumerate(rule(h[:, j]) for j in range(2)))
+            (c0, s0), (c1, s1) = level_rule(h[:, 0]), level_rule(h[:, 1])
+            out[r["step"]] = ((x[0] - c0) / s0, (x[1] - c1) / s1, float(np.exp(x[0] - c0)))
         history.append(x)
     return out
 
 
-def spike(z: tuple[float, float]) -> bool:
+def spike_before(z: tuple[float, float, float]) -> bool:
     return z[0] > LOSS_Z or (z[1] > NORM_Z and z[0] > LOSS_Z / 2)
+
+
+def spike_now(z: tuple[float, float, float]) -> bool:
+    return spike_before(z) or (z[2] > LOSS_RATIO and z[0] > LOSS_Z / 2)
 
 
 def train(out: Path, args: list[str]) -> list[dict]:
@@ -119,23 +109,20 @@ def poison(data: Path, dest: Path, first: int, token: int) -> Path:
 
 
 def poisoned_row(rows: list[dict], first: int, token: int) -> str:
-    before, now = replay(rows, level_rule)[first], replay(rows, trend_rule)[first]
-    losses = {r["step"]: r["loss"] for r in rows}
-    ratio = losses[first] / float(np.median([losses[s] for s in range(first - 10, first)]))
-    verdict = ["caught" if spike(z) else "**missed**" for z in (before, now)]
+    z = replay(rows)
+    caught = [sum(rule(z[s]) for s in range(first, first + 5)) for rule in (spike_before, spike_now)]
+    loss, zf = {r["step"]: r["loss"] for r in rows}[first], z[first]
     return (
-        f"| steps {first}-{first + 4}, token {token} | {losses[first]:.2f} ({ratio:.2f}x) | "
-        f"{before[0]:.1f} / {before[1]:.1f}: {verdict[0]} | {now[0]:.1f} / {now[1]:.1f}: {verdict[1]} |"
+        f"| steps {first}-{first + 4}, token {token} | {loss:.2f}: {zf[2]:.2f}x, z {zf[0]:.1f} / {zf[1]:.1f} | "
+        f"{caught[0]} of 5 | {caught[1]} of 5 |"
     )
 
 
 def clean_row(name: str, rows: list[dict]) -> str:
-    cells = []
-    for rule in (level_rule, trend_rule):
-        zs = replay(rows, rule).values()
-        false = sum(spike(z) for z in zs)
-        cells.append(f"{max(z[0] for z in zs):.2f} / {max(z[1] for z in zs):.2f}, {false} false")
-    return f"| {name} ({len(rows)} steps) | - | {cells[0]} | {cells[1]} |"
+    zs = list(replay(rows).values())
+    top = f"{max(z[2] for z in zs):.2f}x, z {max(z[0] for z in zs):.2f} / {max(z[1] for z in zs):.2f}"
+    alarms = [sum(rule(z) for z in zs) for rule in (spike_before, spike_now)]
+    return f"| {name} ({len(rows)} steps) | largest: {top} | {alarms[0]} false | {alarms[1]} false |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         prepare_by_paragraph(args.corpus, work / "data", "spike_stat.py", val_tokens=20_000)
         debug = ["--preset", "debug", "--data-order", "sequential"]
         lines = [
-            f"window {WINDOW}, limits z {LOSS_Z:g} (loss) / {NORM_Z:g} (norm, with the loss over half its limit)",
+            f"window {WINDOW}, limits z {LOSS_Z:g} (loss) / {NORM_Z:g} (norm, with the loss over half its limit); "
+            f"now also a loss {LOSS_RATIO:g}x the window's median with the loss over half its limit",
             "",
-            "| run | loss (x the 10 steps before) | loss z / norm z, the guard (window median, MAD) "
-            "| loss z / norm z, the trend rule (not adopted) |",
-            "|---|---:|---|---|",
+            "| run | first step: loss, x the window's median, loss z / norm z | caught before | caught now |",
+            "|---|---|---:|---:|",
         ]
         for first, token in POISONS:
             data = poison(work / "data", work / f"data-{first}-{token}", first, token)

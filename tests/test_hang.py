@@ -93,6 +93,8 @@ def test_flight_recorder_is_turned_on_for_nccl_only_keeping_the_users_settings(t
 # ---------------------------------------------------------------- through torchrun
 
 STEP_TIMEOUT_S = 8
+SHUTDOWN_S = 5
+"""torchrun's shutdown wait for the runs here (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)."""
 
 
 def _start(run_dir: Path, data: Path, nproc: int, slow_rank: int) -> subprocess.Popen:
@@ -131,7 +133,14 @@ def _start(run_dir: Path, data: Path, nproc: int, slow_rank: int) -> subprocess.
         "--dist-step-timeout-s",
         str(STEP_TIMEOUT_S),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GPT2_TEST_SLOW_RANK": f"{slow_rank}:4x"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GPT2_TEST_SLOW_RANK": f"{slow_rank}:4x",
+        # torchrun's wait between its SIGTERM and SIGKILL (30 s by default): a stopped rank cannot act on the SIGTERM,
+        # so the run ends this much after its peers have dumped and left
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_S),
+    }
     cmd = [
         sys.executable,
         "-m",
@@ -236,8 +245,8 @@ def hang_run(tmp_path: Path, data: Path, nproc: int, slow_rank: int, stopped: in
     assert re.search(rf"hang dump: rank {min(live)} .*never arrived at collective #\d+: {stopped} ", output), output[
         -4000:
     ]
-    # Within the step timeout, the wait for the other ranks' reports and torchrun's 30 s shutdown wait (plus slack).
-    assert ended_s < STEP_TIMEOUT_S + HANG_GRACE_S + 30 + 120, ended_s
+    # Within the step timeout, the wait for the other ranks' reports and torchrun's shutdown wait (plus slack).
+    assert ended_s < STEP_TIMEOUT_S + HANG_GRACE_S + SHUTDOWN_S + 120, ended_s
 
 
 def check_stragglers(run_dir: Path, output: str, nproc: int, slow_rank: int) -> None:
@@ -253,8 +262,8 @@ def test_two_ranks_name_the_straggler_and_dump_every_rank_on_sigusr2(tmp_path, s
     hang_run(tmp_path, shakespeare_shards, nproc=2, slow_rank=1, stopped=None)
 
 
-# Slow: a stopped rank costs torchrun's 30 s wait before its SIGKILL, on top of the timeout. CI's long pass stops
-# one of 2 ranks; the 4-rank cases add no path it lacks: soak only (a function-level slow mark would let
+# Slow: a stopped rank costs torchrun's wait before its SIGKILL (SHUTDOWN_S here), on top of the timeout. CI's long
+# pass stops one of 2 ranks; the 4-rank cases add no path it lacks: soak only (a function-level slow mark would let
 # `-m "slurm or slow"` select them too).
 @pytest.mark.parametrize(
     "nproc, slow_rank, stopped",

@@ -6,6 +6,7 @@ holds the source's weights."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import shutil
 
@@ -221,10 +222,13 @@ def test_bad_sources_and_conflicting_flags_are_refused_in_one_line(tmp_path, sou
 
 
 def test_the_hub_unreachable_is_one_line_naming_the_directory_form(tmp_path, monkeypatch):
+    # huggingface_hub (datasets' dependency) reads HF_HUB_OFFLINE once, at its import: imported before the variable
+    # is set, as an earlier test in this worker may have, its retries took ~25 s to fail (CI, 2026-12-06)
+    importlib.import_module("huggingface_hub")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as unreachable as no network, without its retries
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # an empty cache
     line = refusal(["--data-dir", "d", "--out-dir", str(tmp_path / "run"), "--init-from", "gpt2-xl"])
-    assert "--init-from gpt2-xl: the Hugging Face hub is unreachable" in line
+    assert "--init-from gpt2-xl: the Hugging Face hub is unreachable (HF_HUB_OFFLINE is set)" in line
     assert "snapshot_download('openai-community/gpt2-xl'" in line and "pass --init-from gpt2-xl-hf" in line
 
 

@@ -5,6 +5,7 @@ after --spike-max-rollbacks; resume bitwise exact with the guard's state; no fal
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 
@@ -59,6 +60,25 @@ def test_a_gradient_norm_spike_alone_is_not_one_with_the_loss_up_it_is():
     feed(guard, healthy(8))
     assert feed(guard, [(6.5, 50.0)])[0][0] == 0.0  # z of the norm ~40, the loss ordinary: clipping's business
     assert feed(guard, [(6.5 * 1.25, 50.0)])[0][0] == 1.0  # the loss 25% up as well (> half the threshold)
+
+
+def test_a_loss_1_5x_the_windows_median_is_a_spike_where_the_early_fall_widens_the_spread():
+    """Issue 78: at the debug preset's first judged steps the window still held the loss's early fall, and a
+    doubled loss scored z 5.2-5.9, under the limit of 6: trained on. A loss LOSS_RATIO (1.5x) the window's
+    median is a spike with its z over half the limit; a smaller rise, or a wider scatter, is not."""
+    from gpt2.train.spike_guard import LOSS_RATIO
+
+    falling = [8.0, 7.2, 6.6, 6.3, 6.0, 5.7, 5.5, 5.3]  # median 6.0, spread (1.4826 MAD of the logs) ~0.13
+    guard = guard_for()
+    feed(guard, [(loss, 1.0) for loss in falling])
+    spike, loss_z, _ = feed(guard, [(2 * 5.3, 1.0)])[0]  # the newest loss doubled: 1.77x the median
+    assert 2 * 5.3 / 6.0 > LOSS_RATIO and 3 < loss_z < 6 and spike == 1.0
+    spike, loss_z, _ = feed(guard, [(1.3 * 5.3, 1.0)])[0]  # 1.15x the median: ordinary
+    assert spike == 0.0 and loss_z < 3
+    wide = guard_for()  # the same fall with twice the scatter: 1.6x the median is under 3 sigma of it
+    feed(wide, [(6.0 * (loss / 6.0) ** 2, 1.0) for loss in falling])
+    spike, loss_z, _ = feed(wide, [(1.6 * 6.0, 1.0)])[0]
+    assert loss_z < 3 and spike == 0.0
 
 
 def test_a_flat_history_does_not_make_noise_a_spike_and_non_finite_steps_are_not_spikes():
@@ -422,7 +442,7 @@ def test_the_guards_median_is_torch_medians_from_a_sort(n):
 
 def _judge_before(guard: SpikeGuard, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
     """judge as it was before its ops were cut (60 a step): the reference its bits are held to."""
-    from gpt2.train.spike_guard import MAD_TO_SIGMA, MIN_SPREAD, _lower_median
+    from gpt2.train.spike_guard import LOSS_RATIO, MAD_TO_SIGMA, MIN_SPREAD, _lower_median
 
     x = torch.stack([loss.float(), grad_norm.float()]).clamp_min(1e-30).log()
     centre = _lower_median(guard.history)
@@ -430,7 +450,8 @@ def _judge_before(guard: SpikeGuard, loss: torch.Tensor, grad_norm: torch.Tensor
     z = (x - centre) / spread
     finite = torch.isfinite(x).all()
     full = guard.count >= guard.window
-    spike = full & finite & ((z[0] > guard.loss_z) | ((z[1] > guard.norm_z) & (z[0] > guard.loss_z / 2)))
+    ratio = (x[0] - centre[0]) > math.log(LOSS_RATIO)  # the loss 1.5x the window's median (issue 78)
+    spike = full & finite & ((z[0] > guard.loss_z) | (((z[1] > guard.norm_z) | ratio) & (z[0] > guard.loss_z / 2)))
     accept = finite & ~spike
     shifted = torch.cat([guard.history[:, 1:], x.unsqueeze(1)], dim=1)
     guard.history.copy_(torch.where(accept, shifted, guard.history))
@@ -443,6 +464,8 @@ def test_the_verdict_and_history_are_bitwise_the_old_judges_on_every_kind_of_ste
     """Spikes, norm-only excursions, NaN, +-inf, zero, a filling window: the same bits as before."""
     steps = healthy(12) + [(20.0, 1.0), (6.5, 50.0), (13.0, 50.0), (float("nan"), 1.0), (6.5, float("inf"))]
     steps += [(float("-inf"), 1.0), (0.0, 0.0), (6.5, float("nan")), (1e-38, 1e38)] + healthy(6, seed=1)
+    wide = [(6.5 * float(np.exp(0.2 * np.sin(i))), 1.0) for i in range(10)]  # a spread of ~0.2: the ratio decides
+    steps += wide + [(6.5 * 1.55, 1.0), (6.5 * 1.45, 1.0), (6.5 * 2.2, 1.0), (6.5 * 1.55, 30.0)]
     limits = {"spike_loss_z": 2.7, "spike_norm_z": 3.3}  # not whole: compared in fp32 either way
     for new, old in ((guard_for(), guard_for()), (guard_for(**limits), guard_for(**limits))):
         _judge_both(new, old, steps)
@@ -468,3 +491,27 @@ def test_the_fused_verdict_decides_as_the_eager_one():
         b = fused.judge(torch.tensor(loss), torch.tensor(norm))
         assert a[0] == b[0] and int(eager.count) == int(fused.count), (loss, norm)
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4) and torch.allclose(eager.history, fused.history, rtol=1e-5)
+
+
+@pytest.mark.parametrize("last", [(2 * 5.3, 1.0), (1.3 * 5.3, 1.0), (13.0, 1.0), (6.0, 40.0), (7.0, 40.0)])
+def test_bench_spike_stat_replays_the_guards_rule(last, monkeypatch):
+    """bench/spike_stat.py judges logged runs by a copy of the guard's rule in numpy (docs/spike_guard.md's table):
+    on the same steps it decides as the guard does, with the same z."""
+    from conftest import REPO
+
+    from gpt2.train.spike_guard import LOSS_RATIO
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import spike_stat
+
+    falling = [8.0, 7.2, 6.6, 6.3, 6.0, 5.7, 5.5, 5.3]
+    guard = guard_for()
+    spike, loss_z, norm_z = feed(guard, [(loss, 1.0) for loss in falling] + [last])[-1]
+    rows = [
+        {"step": i + 1, "loss": loss, "grad_norm": norm}
+        for i, (loss, norm) in enumerate([*[(x, 1.0) for x in falling], last])
+    ]
+    z = spike_stat.replay(rows, window=8)[9]
+    assert spike_stat.spike_now(z) == (spike == 1.0)
+    assert z[0] == pytest.approx(loss_z, rel=1e-5) and z[1] == pytest.approx(norm_z, rel=1e-5, abs=1e-5)
+    assert spike_stat.LOSS_RATIO == LOSS_RATIO

@@ -219,9 +219,13 @@ retries take ~25 s to say the same."""
 
 
 def _hub_unreachable() -> str | None:
-    """Why the hub cannot be reached (no route to its host within HUB_PROBE_TIMEOUT_S), or None to let
-    huggingface_hub try: also when a proxy or HF_HUB_OFFLINE decides the route, which it handles itself."""
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE")):
+    """Why the hub cannot be reached (HF_HUB_OFFLINE set, or no route to its host within HUB_PROBE_TIMEOUT_S), or
+    None to let huggingface_hub try: also when a proxy decides the route, which it handles itself. HF_HUB_OFFLINE
+    is read here, not left to huggingface_hub, which reads it once at its import: set after that (a notebook, a
+    test), its retries took ~25 s to fail."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None
     host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
     try:
