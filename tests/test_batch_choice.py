@@ -307,11 +307,15 @@ def test_a_busy_machines_micro_batch_is_not_cached_and_says_so(tmp_path, monkeyp
     cfg = ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=16)
     measured = batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 4: "full"})
     assert measured.choose() == 4 and not list(tmp_path.glob("**/micro-batch-*.json"))
-    assert measured.describe() == (
+    assert measured.describe() == (  # by the CPU clock a forward and backward's many kernels decide nothing
         "measured on this CPU, tokens/s by micro-batch (medians) 1: 160, 4: 320: 4 2.00x 1's speed, 5 of 5 pairs "
-        "agree (cpu clock), load 0.3 on 2 CPU(s), 45% of the time waiting for a CPU (not cached: its threads "
-        "waited for a CPU 45% of the time)"
+        "agree (undecided: by the CPU clock, which counts a many-kernel call's spinning threads) (cpu clock), load "
+        "0.3 on 2 CPU(s), 45% of the time waiting for a CPU, so the largest (not cached: its threads waited for a "
+        "CPU 45% of the time)"
     )
+    fake_clock.times.update({"1": 0.01, "4": 0.2})  # 1 twice as fast a token: quiet, the pairs would take it
+    monkeypatch.setattr(batch_probe, "_RATES", {})
+    assert batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 4: "full"}).choose() == 4  # contended: the rule
 
 
 def test_a_probe_over_its_budget_times_nothing_takes_the_largest_and_says_why(tmp_path, monkeypatch):

@@ -63,6 +63,21 @@ def test_one_lucky_call_does_not_flip_the_loss_path_and_a_busy_machine_caches_no
     )
 
 
+def test_under_contention_the_pairs_decide_nothing_and_the_chunked_loss_stays(cache, fake_clock):
+    """Issue 73's bench: quiet trials took the chunked loss in 9 of 10, loaded ones (threads waiting for a CPU, so
+    timed by CPU time) the full one in 10 of 10, 6 of 6 pairs agreeing: the chunk loop's many kernels spin their
+    threads while a peer waits, and the CPU clock counts it. Contended, the pairs decide nothing: chunked."""
+    fake_clock.times.update(full=0.20, chunked=0.30)
+    fake_clock.wait_share = 0.7
+    times = loss_probe.eager_loss_times("cpu", FLOAT32, 256, 64, 50304)
+    assert not times.full_is_faster and times.verdict.agree == 6 and not list(cache.glob("*.json"))
+    assert "full 1.50x chunked's speed, 6 of 6 pairs agree (undecided: by the CPU clock" in times.describe()
+    assert times.describe().endswith(
+        "70% of the time waiting for a CPU: undecided, so the chunked loss (it holds less memory); not cached: its "
+        "threads waited for a CPU 70% of the time"
+    )
+
+
 def test_a_tie_keeps_the_chunked_loss_and_is_not_cached(cache, fake_clock):
     fake_clock.times.update(full=0.29, chunked=0.30)
     times = loss_probe.eager_loss_times("cpu", FLOAT32, 256, 64, 50304)

@@ -199,7 +199,9 @@ def decide_micro_batch(
         return largest, f"one candidate, {rounds.load.describe()}", rounds.load, rounds.load.busy()
     per = {b: float(b * seq_len) for b in sizes}
     rival = min(sizes[:-1], key=lambda b: rounds.median_s(str(b), per[b]))
-    v = rounds.verdict(str(rival), str(largest), margin=MEASURED_TIE, per_a=per[rival], per_b=per[largest])
+    v = rounds.verdict(
+        str(rival), str(largest), margin=MEASURED_TIE, per_a=per[rival], per_b=per[largest], cpu_clock_decides=False
+    )
     chosen = rival if v.winner == "a" else largest
     why = v.describe(str(rival), str(largest)) + ("" if v.winner or v.tie else ", so the largest")
     doubt = rounds.load.busy()

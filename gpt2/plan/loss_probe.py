@@ -130,7 +130,7 @@ def eager_loss_times(
         peak = None
         if None not in (before, high, after):  # what it raised the process's peak to, above what it held
             peak = after - before if after > high else 0
-        verdict = rounds.verdict("full", "chunked", margin=LOSS_TIE)
+        verdict = rounds.verdict("full", "chunked", margin=LOSS_TIE, cpu_clock_decides=False)  # a loop of chunks
         full_s, chunked_s = rounds.median_s("full"), rounds.median_s("chunked")
         if (doubt := verdict.doubt()) is None:
             values = {"full_s": full_s, "chunked_s": chunked_s, "verdict": verdict.to_dict()}

@@ -13,7 +13,12 @@ Which clock: the wall clock where this process had its cores; where its threads 
 MAX_WAIT_SHARE of their time waiting for a CPU (Linux's schedstat run_delay: runnable, not running), the
 process's own CPU time, which counts what ran and not the waits (measured on 2 cores at load 5.5: bf16
 and fp32 matmul rates by the wall clock fell 4x over a minute while by CPU time they moved 10%, their
-ratio 2.1-2.7 by either).
+ratio 2.1-2.7 by either). That holds for one large kernel a call (the matmul probes), not for a call of
+many small ones: each one's worker threads wait for each other at its end, spinning on a CPU while a
+descheduled peer is away, and that spin is CPU time. Under a competing load the chunked loss (a loop of
+chunks) read slower than the full one in 10 of 10 trials where quiet trials took it in 9 of 10 (issue 73,
+docs/training.md). So a comparison of many-kernel calls (the loss paths, the micro-batches) decides
+nothing by the CPU clock (`cpu_clock_decides=False`): the caller's rule does, and nothing is cached.
 
 What is never cached (`Comparison.doubt`): a measurement under a load average above the CPUs this process
 may use or with its threads waiting for a CPU, one whose pairs scatter (SPREAD), and one that did not
@@ -104,6 +109,8 @@ class Comparison:
     clock: str
     """'wall' or 'cpu' (the process's CPU time, where the measurement was contended)."""
     load: Load
+    undecided: str = ""
+    """Why the pairs decide nothing although they agree (a many-kernel comparison by the CPU clock); '' else."""
 
     @property
     def tie(self) -> bool:
@@ -122,6 +129,8 @@ class Comparison:
             return f"its pairs scatter by {self.spread:.0%} (more than {MAX_SPREAD:.0%})"
         if self.tie:
             return f"a tie (within {self.margin:.0%})"
+        if self.undecided:
+            return f"undecided {self.undecided}"
         if self.winner is None:
             return f"only {self.agree} of {self.pairs} pairs agree ({self.needed} needed)"
         return None
@@ -132,6 +141,8 @@ class Comparison:
         verdict = f"{fast} {r:.2f}x {slow}'s speed, {self.agree} of {self.pairs} pairs agree"
         if self.tie:
             verdict += f", within the {self.margin:.0%} tie"
+        elif self.undecided:
+            verdict += f" (undecided: {self.undecided})"
         elif self.winner is None:
             verdict += f" ({self.needed} needed: undecided)"
         return f"{verdict} ({self.clock} clock), {self.load.describe()}"
@@ -142,19 +153,33 @@ class Comparison:
     @classmethod
     def from_dict(cls, d: dict) -> Comparison:
         fields = ("winner", "ratio", "agree", "pairs", "spread", "margin", "clock")
-        return cls(**{k: d[k] for k in fields}, load=Load.from_dict(d["load"]))
+        return cls(**{k: d[k] for k in fields}, load=Load.from_dict(d["load"]), undecided=d.get("undecided", ""))
 
 
-def compare(pairs: list[tuple[float, float]], *, load: Load, margin: float, clock: str = "wall") -> Comparison:
+CPU_CLOCK_UNDECIDED = "by the CPU clock, which counts a many-kernel call's spinning threads"
+"""What a comparison says when the CPU clock may not decide it (the module docstring)."""
+
+
+def compare(
+    pairs: list[tuple[float, float]],
+    *,
+    load: Load,
+    margin: float,
+    clock: str = "wall",
+    cpu_clock_decides: bool = True,
+) -> Comparison:
     """The verdict on (a_seconds, b_seconds) pairs, each pair timed back to back: A wins when the ratio of
     the medians (B's over A's) is beyond 1 + margin and at least AGREE_SHARE of the pairs say A was faster;
-    B likewise; otherwise None (a tie, or a disagreement). A pure function."""
+    B likewise; otherwise None (a tie, or a disagreement; or, by the CPU clock where cpu_clock_decides is
+    False, undecided whatever the pairs say). A pure function."""
     if not pairs or any(a <= 0 or b <= 0 for a, b in pairs):
         raise ValueError(f"pairs must be non-empty positive seconds, got {pairs}")
     ratio = statistics.median(b for _, b in pairs) / statistics.median(a for a, _ in pairs)
     own = [b / a for a, b in pairs]
     agree = sum(r > 1 for r in own) if ratio >= 1 else sum(r < 1 for r in own)
     v = Comparison(None, ratio, agree, len(pairs), spread(own), margin, clock, load)
+    if not v.tie and agree >= v.needed and clock == "cpu" and not cpu_clock_decides:
+        return Comparison(None, ratio, agree, len(pairs), v.spread, margin, clock, load, CPU_CLOCK_UNDECIDED)
     if not v.tie and agree >= v.needed:
         return Comparison("a" if ratio > 1 else "b", ratio, agree, len(pairs), v.spread, margin, clock, load)
     return v
@@ -246,10 +271,20 @@ class Rounds:
         """name's times on the deciding clock, per unit of work."""
         return [(t.cpu_s if self.clock == "cpu" else t.wall_s) / per for t in self.times[name]]
 
-    def verdict(self, a: str, b: str, *, margin: float, per_a: float = 1.0, per_b: float = 1.0) -> Comparison:
-        """a against b, paired by round, per unit of work (per_a, per_b: each call's tokens, FLOPs)."""
+    def verdict(
+        self,
+        a: str,
+        b: str,
+        *,
+        margin: float,
+        per_a: float = 1.0,
+        per_b: float = 1.0,
+        cpu_clock_decides: bool = True,
+    ) -> Comparison:
+        """a against b, paired by round, per unit of work (per_a, per_b: each call's tokens, FLOPs).
+        cpu_clock_decides: False for calls of many kernels (the module docstring)."""
         pairs = list(zip(self.seconds(a, per_a), self.seconds(b, per_b)))
-        return compare(pairs, load=self.load, margin=margin, clock=self.clock)
+        return compare(pairs, load=self.load, margin=margin, clock=self.clock, cpu_clock_decides=cpu_clock_decides)
 
     def median_s(self, name: str, per: float = 1.0) -> float:
         return statistics.median(self.seconds(name, per))
