@@ -22,6 +22,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.trial:
         print(json.dumps(trial(args.shape)))
         return 0
+    # A SIGTERM (a killed bench) ends by SystemExit, so the finally below stops the load processes (they outlived
+    # a killed bench once and loaded the machine for minutes).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = []
     for i in range(1, args.trials + 1):
         rows.append(("quiet", i, run_trial(args.shape)))

@@ -4,8 +4,8 @@ left alone (issue 78 item 4; docs/spike_guard.md, "The first judged steps").
 Each run trains with the guard off and logs every step (loss, gradient norm), so that both rules are replayed over
 the same numbers, with the guard's statistic (gpt2/train/spike_guard.py: the window's median and MAD of the logs,
 the spread at least 1%). Before: a spike is a loss z over --spike-loss-z, or a gradient-norm z over --spike-norm-z
-with the loss z over half its limit. Now: also a loss LOSS_RATIO x the window's median with the loss z over half its
-limit. The replay keeps every step in the history (no skip), so both read the same windows.
+with the loss z over half its limit. Now: also a loss LOSS_RATIO x the window's median with the loss z over a third
+of its limit (RATIO_Z_SHARE). The replay keeps every step in the history (no skip), so both read the same windows.
 
 Runs (the debug preset, the quick start's, on --corpus by paragraph, its first 20,000 tokens val):
   poisoned  --data-order sequential, steps FIRST..FIRST+4 of one repeated token (at 101-105: the guard's first judged
@@ -13,7 +13,8 @@ Runs (the debug preset, the quick start's, on --corpus by paragraph, its first 2
             111-115, as issue 78 tried it); each token id its own row (50000: ~2x the loss; 383: ~1.5x)
   clean     the debug preset shuffled and sequential (150 steps), and the learning-parity recipe against nanoGPT
             (bench/time_to_loss.py's, 200 steps): the largest z and ratio a healthy step reaches, and false alarms
-Usage: python bench/spike_stat.py [--corpus FILE] [--md FILE]   (~8 minutes on 2 CPU cores)
+Usage: python bench/spike_stat.py [--corpus FILE] [--md FILE] [--poisons 101:50000,...] [--no-clean]
+       (~8 minutes on 2 CPU cores for all seven runs)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from emit import emit
 
 WINDOW, LOSS_Z, NORM_Z = 100, 6.0, 6.0  # the guard's defaults
 MIN_SPREAD, MAD_TO_SIGMA = 0.01, 1.4826  # the guard's (gpt2/train/spike_guard.py)
-LOSS_RATIO = 1.5  # the guard's (gpt2/train/spike_guard.py)
+LOSS_RATIO, RATIO_Z_SHARE = 1.5, 3.0  # the guard's (gpt2/train/spike_guard.py)
 STEP_TOKENS = 2048  # the debug preset's global batch
 POISONS = [(101, 50000), (101, 383), (111, 50000), (111, 383)]
 PARITY = (
@@ -83,7 +84,7 @@ def spike_before(z: tuple[float, float, float]) -> bool:
 
 
 def spike_now(z: tuple[float, float, float]) -> bool:
-    return spike_before(z) or (z[2] > LOSS_RATIO and z[0] > LOSS_Z / 2)
+    return spike_before(z) or (z[2] > LOSS_RATIO and z[0] > LOSS_Z / RATIO_Z_SHARE)
 
 
 def train(out: Path, args: list[str]) -> list[dict]:
@@ -129,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_corpus_flag(ap)
     ap.add_argument("--md", type=Path, help="also write the table here")
+    ap.add_argument(
+        "--poisons",
+        default=",".join(f"{f}:{t}" for f, t in POISONS),
+        help="the poisoned runs, FIRST_STEP:TOKEN,... (default: %(default)s)",
+    )
+    ap.add_argument("--no-clean", action="store_true", help="leave out the clean runs")
     args = ap.parse_args(argv)
     require_corpus(args.corpus, "spike_stat.py")
     sys.path.insert(0, str(REPO))
@@ -138,20 +145,21 @@ def main(argv: list[str] | None = None) -> int:
         debug = ["--preset", "debug", "--data-order", "sequential"]
         lines = [
             f"window {WINDOW}, limits z {LOSS_Z:g} (loss) / {NORM_Z:g} (norm, with the loss over half its limit); "
-            f"now also a loss {LOSS_RATIO:g}x the window's median with the loss over half its limit",
+            f"now also a loss {LOSS_RATIO:g}x the window's median with the loss over 1/{RATIO_Z_SHARE:g} of its limit",
             "",
             "| run | first step: loss, x the window's median, loss z / norm z | caught before | caught now |",
             "|---|---|---:|---:|",
         ]
-        for first, token in POISONS:
+        for first, token in (tuple(int(v) for v in item.split(":")) for item in args.poisons.split(",")):
             data = poison(work / "data", work / f"data-{first}-{token}", first, token)
             rows = train(work / f"poison-{first}-{token}", [*debug, "--data-dir", str(data), "--max-steps", "120"])
             lines.append(poisoned_row(rows, first, token))
-        for name, extra in [
+        clean = [
             ("clean, debug preset, sequential", debug),
             ("clean, debug preset, shuffled", ["--preset", "debug"]),
             ("clean, learning-parity recipe", PARITY),
-        ]:
+        ]
+        for name, extra in [] if args.no_clean else clean:
             lines.append(
                 clean_row(name, train(work / name.replace(" ", "_"), [*extra, "--data-dir", str(work / "data")]))
             )

@@ -290,12 +290,12 @@ def test_the_skip_flag_is_the_old_ones_for_non_finite_losses_and_norms_bad_token
         assert torch.equal(skip_flag(numbers), _skip_before(numbers)), (loss, stop, bad, norm, spike)
 
 
-BOOKKEEPING_OPS = 43
+BOOKKEEPING_OPS = 44
 """The non-view aten ops one steady-state train_step dispatches outside the model's forward and backward and
 the optimizer's step and zero_grad, one rank, no accumulation, the guard on (bench/step_overhead.py's
 bookkeeping row; 76 before the per-step bookkeeping was cut: clock, flags, clip, stats, guard, skip flag; 41
-before the guard's loss-ratio rule, issue 78: its comparison and one `or`)."""
-GUARD_OPS = 27
+before the guard's loss-ratio rule, issue 78: its comparison, an `and` and an `or`)."""
+GUARD_OPS = 28
 """Of those, the spike guard's (its verdict and history update), eager."""
 
 

@@ -26,14 +26,15 @@ The thresholds and why (docs/spike_guard.md shows a run that uses them):
     and the z-score of ordinary noise over it would be large; no change under 1% counts as a spike;
   - a full window before judging: the first steps' falling loss and rising norm are no history to
     judge against (and the fast start of training is where a spike can be told least from progress);
-  - a spike is a loss 6 sigma above the history, or a loss 1.5x the history's median (LOSS_RATIO) or a gradient norm
-    6 sigma above, either with the loss 3 sigma above. The ratio: at the first judged steps the window still holds
-    the loss's early fall, a wide spread, and a doubled loss at the debug preset's steps 111-115 scored z 5.2 (issue
-    78, the GNU info manuals); a ratio is what a bad batch is, and the 3 sigma keeps a noisy run's scatter out. The
-    norm with the loss: the norm alone spikes in healthy early training (z 25-40 in a tiny model, with ordinary
-    losses, and clipping absorbs those), while a poisoned batch's loss is 9-11 sigmas out (the tests'). The debug
-    preset (the quick start's), the speed preset and the learning-parity recipe train bitwise the same guard on or
-    off (tests/test_spike_guard.py).
+  - a spike is a loss 6 sigma above the history; or a gradient norm 6 sigma above with the loss 3 sigma above; or a
+    loss 1.5x the history's median (LOSS_RATIO) with the loss 2 sigma above (RATIO_Z_SHARE). The ratio: at the first
+    judged steps the window still holds the loss's early fall, a wide spread, and a doubled loss at the debug
+    preset's steps 111-115 scored z 5.2 (issue 78, the GNU info manuals); a ratio is what a bad batch is, and the 2
+    sigma keeps a noisy run's scatter out (a code corpus read in order: clean steps up to 1.41x at z 1.9). The norm
+    with the loss: the norm alone spikes in healthy early training (z 25-40 in a tiny model, with ordinary losses,
+    and clipping absorbs those), while a poisoned batch's loss is 9-11 sigmas out (the tests'). The debug preset
+    (the quick start's), the speed preset and the learning-parity recipe train bitwise the same guard on or off
+    (tests/test_spike_guard.py).
   - after a rollback, the loss limit is halved for the next --spike-window steps (PROBATION): the model is
     the checkpoint's again, and the poison that made it spike scores lower against that model (a poisoned
     stretch's last batches scored z 4.7 after a rollback, under the limit of 6, and were trained on); the
@@ -66,10 +67,14 @@ MAD_TO_SIGMA = 1.4826
 
 
 LOSS_RATIO = 1.5
-"""A loss this many times the window's median is a spike whenever its z is over half --spike-loss-z (the module
-docstring): poisoned batches of the debug preset ran 1.5-2.1x, its healthy steps and the learning-parity recipe's at
-most 1.02x (bench/spike_stat.py, docs/spike_guard.md)."""
+"""A loss this many times the window's median is a spike whenever its z is over --spike-loss-z / RATIO_Z_SHARE (the
+module docstring): poisoned batches of the debug preset ran 1.5-2.6x; healthy steps at most 1.02x on Shakespeare,
+1.41x on a code corpus read in order (bench/spike_stat.py, docs/spike_guard.md)."""
 LOG_LOSS_RATIO = math.log(LOSS_RATIO)
+RATIO_Z_SHARE = 3.0
+"""The ratio rule's loss z must be over --spike-loss-z / RATIO_Z_SHARE (2 at the default): on a code corpus read in
+order, whose clean steps reached 1.41x their window's median at z 1.9, a doubled loss at the first judged steps
+scored z 2.4 (bench/spike_stat.py)."""
 
 PROBATION_FACTOR = 0.5
 """The loss limits' scale for --spike-window steps after a rollback (the module docstring says why)."""
@@ -101,17 +106,19 @@ class SpikeGuard:
         self.history = torch.zeros(2, self.window, device=device)  # rows: log loss, log grad norm
         self.count = torch.zeros((), dtype=torch.long, device=device)
         self._zero = torch.zeros((), device=device)  # judge's z where nothing is judged: made once, never written
-        # The thresholds as _verdict compares z with them, in one kernel: [[loss z, norm z], [loss z / 2, never]].
-        limits = [[self.loss_z, self.norm_z], [self.loss_z / 2, float("inf")]]
-        self._limits = torch.tensor(limits, device=device)
-        strict = self.loss_z * PROBATION_FACTOR
-        self._strict = torch.tensor([[strict, self.norm_z], [strict / 2, float("inf")]], device=device)
+        # The thresholds as _verdict compares z (loss z, norm z) with them, in one kernel: [[loss z, norm z], [loss z /
+        # 2, never], [loss z / RATIO_Z_SHARE, never]] (the norm rule's loss part, the ratio rule's).
+        self._limits = torch.tensor(self._limit_rows(self.loss_z), device=device)
+        self._strict = torch.tensor(self._limit_rows(self.loss_z * PROBATION_FACTOR), device=device)
         self.probation = 0
         """Steps still judged with the loss limits scaled by PROBATION_FACTOR (set by a rollback)."""
         self._verdict = _verdict  # eager; fuse() compiles it
         self.spikes: deque[dict] = deque()
         """The spikes within the last window, oldest first: {step, loss, grad_norm, loss_z, grad_norm_z}."""
         self.rollbacks = 0
+
+    def _limit_rows(self, loss_z: float) -> list[list[float]]:
+        return [[loss_z, self.norm_z], [loss_z / 2, float("inf")], [loss_z / RATIO_Z_SHARE, float("inf")]]
 
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """[spike (0.0 or 1.0), loss z, norm z] as one fp32 device tensor; the step is appended to
@@ -137,7 +144,7 @@ class SpikeGuard:
 
     def fuse(self) -> None:
         """The verdict as one torch.compile'd graph (the trainer's choice on CUDA with a compiled model):
-        a few kernels instead of 27 a step, where the host's launches are what the device waits for.
+        a few kernels instead of 28 a step, where the host's launches are what the device waits for.
         Not bitwise the eager verdict (inductor fuses the arithmetic), so CPU runs keep the eager one. Should
         its compilation fail, the verdict falls back to eager with one warning (the run goes on)."""
         self._verdict = torch.compile(_verdict, fullgraph=True, dynamic=False)
@@ -224,13 +231,13 @@ def _verdict(
     # The norm alone is no spike: early training has gradient-norm excursions of z 25-40 with ordinary
     # losses (a tiny model's steps 24-27, docs/spike_guard.md), which --grad-clip absorbs. With the
     # loss up by half its threshold as well, it is a batch the model does not fit.
-    over = z > limits  # [[loss z over its limit, norm z over its], [loss z over half its, False]]
+    over = z > limits  # [[loss z over its limit, norm z over its], [loss z over half its, -], [over a third, -]]
     # A loss LOSS_RATIO x the window's median is a batch the model does not fit, however wide the spread: early in
     # a run the window holds the loss's fast fall, which widens the MAD (a doubled loss at the debug preset's
-    # first judged steps scored z 5.2, issue 78). With the loss z over half its limit, so that a noisy run's own
+    # first judged steps scored z 5.2, issue 78). With the loss z over a third of its limit, so that a noisy run's own
     # scatter is not.
     ratio = above[0] > LOG_LOSS_RATIO
-    spike = judged & (over[0, 0] | ((over[0, 1] | ratio) & over[1, 0]))
+    spike = judged & (over[0, 0] | (over[0, 1] & over[1, 0]) | (ratio & over[2, 0]))
     accept = finite ^ spike  # finite & ~spike: a spike is finite
     shifted = torch.cat([history[:, 1:], x.unsqueeze(1)], dim=1)
     torch.where(accept, shifted, history, out=history)  # elementwise: each element read before it is written
