@@ -911,11 +911,14 @@ def test_the_sizes_step_at_tiny_stand_ins_on_the_cpu(prepared, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     step = json.loads((tmp_path / "sizes-cpu-smoke.json").read_text())["steps"][0]
     assert step["status"] == "ok", step
-    # the loss path is --loss-impl auto's, measured on this CPU (gpt2/plan/loss_probe.py): either may come
-    assert re.search(
-        r"\| debug:2 \| 8 x 2 \| - \| (full logits|chunked) \| none \| 1 \| [\d.]+ \| [\d,]+ \| [\d.]+% \|",
-        step["report"],
-    )
+    # the loss path is --loss-impl auto's, measured on this CPU (gpt2/plan/loss_probe.py): either may come;
+    # the MFU is '-' where the CPU's matmul peak was measured doubtful (a busy machine: CI's other worker)
+    # and the steps may be 2 where the second was logged before the kill came
+    row = next((line for line in step["report"].splitlines() if line.startswith("| debug:2 |")), "")
+    assert re.fullmatch(
+        r"\| debug:2 \| 8 x 2 \| - \| (full logits|chunked) \| none \| [12] \| [\d.]+ \| [\d,]+ \| ([\d.]+%|-) \|.*",
+        row,
+    ), step["report"]
     assert "| debug:3 | 8 x 2 |" in step["report"]
     assert not list(root.glob("work/sizes-cpu-smoke/runs/*/checkpoints/*.pt"))  # each save deleted once read
 
