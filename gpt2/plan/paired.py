@@ -38,8 +38,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 AGREE_SHARE = 0.8
-"""A decision needs at least this share of the pairs to point the way the ratio of the medians does
-(4 of 5, 5 of 6)."""
+"""A decision needs at least this share of the pairs to point the way the ratio of the medians does, each
+by more than the margin on its own (4 of 5, 5 of 6). Counting a pair that points the right way by less
+would let a true ratio at the margin decide either way from run to run (issue 73's bench: the loss paths
+at 1.05-1.20x against an 11% margin went full in 5 quiet trials and chunked in 5); beyond it on its own,
+such a ratio is a tie in most runs and the rule decides, the same way every time."""
 MAX_SPREAD = 0.15
 """A measurement whose pairs' ratios lie further than this (as a fraction, the median deviation from
 their median) is not cached: quiet, a CPU's matmul or forward-and-backward repeats within a few percent."""
@@ -100,7 +103,7 @@ class Comparison:
     ratio: float
     """How many times A's speed B's is: the median of B's times over the median of A's (> 1: A faster)."""
     agree: int
-    """Pairs whose own ratio points the way `ratio` does."""
+    """Pairs whose own ratio points the way `ratio` does by more than the margin (AGREE_SHARE)."""
     pairs: int
     spread: float
     """The pairs' median deviation from their median ratio, as a fraction."""
@@ -169,14 +172,16 @@ def compare(
     cpu_clock_decides: bool = True,
 ) -> Comparison:
     """The verdict on (a_seconds, b_seconds) pairs, each pair timed back to back: A wins when the ratio of
-    the medians (B's over A's) is beyond 1 + margin and at least AGREE_SHARE of the pairs say A was faster;
+    the medians (B's over A's) is beyond 1 + margin and at least AGREE_SHARE of the pairs say A was faster
+    by more than the margin too;
     B likewise; otherwise None (a tie, or a disagreement; or, by the CPU clock where cpu_clock_decides is
     False, undecided whatever the pairs say). A pure function."""
     if not pairs or any(a <= 0 or b <= 0 for a, b in pairs):
         raise ValueError(f"pairs must be non-empty positive seconds, got {pairs}")
     ratio = statistics.median(b for _, b in pairs) / statistics.median(a for a, _ in pairs)
     own = [b / a for a, b in pairs]
-    agree = sum(r > 1 for r in own) if ratio >= 1 else sum(r < 1 for r in own)
+    beyond = 1 + margin
+    agree = sum(r > beyond for r in own) if ratio >= 1 else sum(r * beyond < 1 for r in own)
     v = Comparison(None, ratio, agree, len(pairs), spread(own), margin, clock, load)
     if not v.tie and agree >= v.needed and clock == "cpu" and not cpu_clock_decides:
         return Comparison(None, ratio, agree, len(pairs), v.spread, margin, clock, load, CPU_CLOCK_UNDECIDED)
