@@ -103,14 +103,31 @@ def test_the_docs_read_each_field_from_its_own_section():
     assert wrong == [], wrong
 
 
-def test_a_runs_config_json_is_not_a_config_file_and_the_docs_say_so(capsys):
-    """docs/training.md said a run's config.json still loads next to --config; --config reads TOML only and
-    refuses it in one line, which the page now says."""
+def test_a_runs_config_json_repeats_that_run_with_a_new_out_dir_and_the_docs_say_so(tmp_path, capsys):
+    """Issue 77: `--config RUN/config.json` was refused as not valid TOML, where a new user tried it to repeat a run.
+    The record (this version's sections, or d1ce9c0's flat layout) now reads as a config file, all but its
+    out_dir: the new run's is required, and a flag beside it wins."""
+    cfg = parse_config(["--preset", "speedrun", "--lr", "2e-3", "--micro-batch-size", "4", *REQUIRED])
+    record = tmp_path / "run" / "config.json"
+    record.parent.mkdir()
+    record.write_text(json.dumps({"run_id": "r", "config": cfg.to_dict(), "world_size": 1}))
+    again = parse_config(["--config", str(record), "--out-dir", "NEW"])
+    assert again == RunConfig(cfg.model, cfg.train.replace(out_dir="NEW"))
+    assert again.model.doc_attention and again.train.schedule.lr == 2e-3  # the preset's and the flag's values
+    assert parse_config(["--config", str(record), "--out-dir", "NEW", "--lr", "1e-3"]).train.schedule.lr == 1e-3
+    old = json.loads((KEPT / "config.json").read_text())["config"]  # flat, as d1ce9c0 wrote it
+    kept = parse_config(["--config", str(KEPT / "config.json"), "--out-dir", "NEW"])
+    assert kept == RunConfig(RunConfig.from_dict(old).model, RunConfig.from_dict(old).train.replace(out_dir="NEW"))
     with pytest.raises(SystemExit):
-        parse_config(["--config", str(KEPT / "config.json"), *REQUIRED])
-    assert "config.json: not valid TOML" in capsys.readouterr().err
+        parse_config(["--config", str(record)])
+    err = capsys.readouterr().err
+    assert f"--out-dir is required with --config {record}" in err and f"--out-dir {record.parent} --resume auto" in err
+    (tmp_path / "other.json").write_text('{"metrics": []}')
+    with pytest.raises(SystemExit):
+        parse_config(["--config", str(tmp_path / "other.json"), "--out-dir", "NEW"])
+    assert "not a run's config.json" in capsys.readouterr().err
     page = " ".join((KEPT.parents[2] / "docs" / "training.md").read_text().split())
-    assert "`--config RUN/config.json` is refused as not valid TOML" in page
+    assert "`--config RUN/config.json --out-dir NEW` reads the record every run writes" in page
 
 
 def test_each_section_validates_itself_and_the_config_reports_every_problem_at_once():

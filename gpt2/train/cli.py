@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import math
 import sys
 import textwrap
@@ -223,7 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Architecture options at once: gpt2 or modern (default: none)",
     )
     start.add_argument(
-        "--config", metavar="FILE.toml", default=None, help="TOML file of field = value lines (default: none)"
+        "--config",
+        metavar="FILE.toml",
+        default=None,
+        help="TOML file, or RUN/config.json to repeat a run (default: none)",
     )
     groups = {}
     for section, f, typ in _fields():
@@ -281,11 +285,35 @@ def load_toml(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--config {path}: no such file")
+    if p.suffix == ".json":
+        return load_run_record(p)
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"--config {path}: not valid TOML: {e}") from None
     return data
+
+
+def load_run_record(path: Path) -> dict:
+    """A run's RUN/config.json (what every run writes: its whole config under "config", as the TOML tables
+    [model] and [train.SECTION] hold it) as a --config file's values, to repeat that run. Its out_dir is not
+    taken: that is the recorded run's own directory, which a repeat would resume or collide with; the new
+    run's --out-dir is given as a flag."""
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path}: not valid JSON: {e}") from None
+    config = record.get("config", record) if isinstance(record, dict) else None
+    if not isinstance(config, dict) or not isinstance(config.get("train"), dict):
+        raise ValueError(
+            f'--config {path}: not a run\'s config.json (no "config" with model and train settings); '
+            "give a run's RUN/config.json or a TOML file of field = value lines"
+        )
+    train = {k: dict(v) if isinstance(v, dict) else v for k, v in config["train"].items()}
+    for table in (train, train.get("ckpt", {})):  # flat (an older run's record) or in its section
+        if isinstance(table, dict):
+            table.pop("out_dir", None)
+    return {"model": dict(config.get("model", {})), "train": train}
 
 
 def _split_file_values(data: dict, path: str) -> dict[str, dict]:
@@ -401,6 +429,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     train = TrainConfig.of(**values["train"])
     given = train.flat()
     missing = ["--" + name.replace("_", "-") for name in REQUIRED_FIELDS if not given[name]]
+    if "--out-dir" in missing and args.config and Path(args.config).suffix == ".json":
+        raise ValueError(
+            f"--out-dir is required with --config {args.config}: a run's record repeats its settings, not its "
+            f"directory; give the new run's (to continue that run instead: --out-dir {Path(args.config).parent} "
+            "--resume auto, with no --config)"
+        )
     if missing:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
     if train.ckpt.init_from:
