@@ -28,7 +28,7 @@ KEPT = Path(__file__).resolve().parent / "data" / "config_v1"
 """Written by git d1ce9c0, the last version with the flat TrainConfig: a tiny run's config.json, two --config
 files (flat keys; [model] and [train] tables) and, beside each, the RunConfig.to_dict() it parsed to there."""
 REQUIRED = ["--data-dir", "D", "--out-dir", "O"]
-ADDED_SINCE = {"data_weights": "", "data_weight_schedule": ""}
+ADDED_SINCE = {"data_weights": "", "data_weight_schedule": "", "embed_lr": None, "head_lr": None}
 """Fields added after d1ce9c0 (issue 74's mixtures), with the defaults that keep what an older file meant: one
 source, no weights."""
 
@@ -37,9 +37,10 @@ def test_every_training_field_is_in_exactly_one_section_and_the_flags_are_unchan
     fields = [f.name for cls in TRAIN_SECTIONS.values() for f in dataclasses.fields(cls)]
     assert len(fields) == len(set(fields)) == len(SECTION_OF) == 64 + len(ADDED_SINCE)
     old_flat = json.loads((KEPT / "flat.expected.json").read_text())["train"]
-    # the 64 names d1ce9c0 had, every flag and preset key still meaning it, and the mixture's two since
+    # the 64 names d1ce9c0 had, every flag and preset key still meaning it, the mixture's two since, and the
+    # embeddings' and head's learning rates
     assert set(fields) == set(old_flat) | set(ADDED_SINCE)
-    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data"]
+    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data", "optim", "optim"]
     for preset in TRAIN_PRESETS.values():
         assert set(preset) <= set(SECTION_OF)
 

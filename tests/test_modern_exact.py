@@ -1,6 +1,6 @@
 """Issue 56's "still exact" with every architecture option and attention within documents on: real processes
 (torchrun, gloo, CPU, fp32). A kill -9 resumes bitwise; 2 ranks equal 1 with accumulation (Muon and AdamW);
-FSDP equals DDP."""
+FSDP equals DDP. The embeddings' and the head's own learning rates (--embed-lr, --head-lr) are on throughout."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from _helpers import (
     wait_for_step,
 )
 
-MODERN = ["--arch", "modern", "--doc-attention"]
+MODERN = ["--arch", "modern", "--doc-attention", "--embed-lr", "0.03", "--head-lr", "0.002"]
+"""Every option on, the embeddings' and the untied head's own learning rates too (issue 76)."""
 MAX_STEPS, CKPT_INTERVAL = 6, 3
 
 

@@ -25,11 +25,49 @@ from gpt2.distributed.group import Dist
 from gpt2.plan.precision_choice import cuda_native_bf16
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def param_groups(model: torch.nn.Module, weight_decay: float, optim: OptimConfig | None = None, peak_lr: float = 1.0):
+    """AdamW's groups: 2-D weights decayed, the rest not; then the embeddings' and the head's own groups where
+    --embed-lr or --head-lr sets them (after the two, so a run without them has today's groups exactly)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return adamw_groups(named, weight_decay, optim, peak_lr)
+
+
+def adamw_groups(named, weight_decay: float, optim: OptimConfig | None, peak_lr: float) -> list[dict]:
+    own = own_lr_groups(named, optim, peak_lr, weight_decay)
+    taken = {id(p) for g in own for p in g["params"]}
+    rest = [p for _, p in named if id(p) not in taken]
+    groups = [
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if own or optim is not None and optim.optimizer == "muon":
+        for g in groups:
+            g["lr_scale"] = 1.0
+    return groups + own
+
+
+EMBEDDINGS = ("transformer.wte.weight", "transformer.wpe.weight")
+HEAD = "lm_head.weight"
+
+
+def own_lr_groups(named, optim: OptimConfig | None, peak_lr: float, weight_decay: float) -> list[dict]:
+    """The groups --embed-lr and --head-lr ask for, each with its lr as a share of the schedule's peak (the
+    trainer sets lr * lr_scale every step); [] where neither is set. A tied head is the token embedding,
+    named once (as transformer.wte.weight): --head-lr needs an untied one."""
+    if optim is None:
+        return []
+    names = {n for n, _ in named}
+    if optim.head_lr is not None and HEAD not in names:
+        raise ValueError(
+            f"--head-lr {optim.head_lr:g} needs an untied LM head (--tie-embeddings false): tied, the head is the "
+            "token embedding, whose rate --embed-lr sets"
+        )
+    out = []
+    for lr, wanted in ((optim.embed_lr, EMBEDDINGS), (optim.head_lr, (HEAD,))):
+        params = [p for n, p in named if n in wanted]
+        if lr is not None and params:
+            out.append({"params": params, "weight_decay": weight_decay, "lr_scale": lr / peak_lr})
+    return out
 
 
 def is_muon_param(name: str, p: torch.Tensor) -> bool:
@@ -106,7 +144,7 @@ def make_optimizer(
     precision (Muon's Newton-Schulz dtype on a CPU); `dist` (several ranks) spreads Muon's
     orthogonalisation over them (gpt2/train/muon.py)."""
     if optim.optimizer == "adamw":
-        return make_adamw(param_groups(model, optim.weight_decay), optim, peak_lr, device)
+        return make_adamw(param_groups(model, optim.weight_decay, optim, peak_lr), optim, peak_lr, device)
     from gpt2.train.muon import Muon
 
     muon, adamw = split_params(model)
@@ -117,15 +155,7 @@ def make_optimizer(
     native = cuda_native_bf16(device) if device.type == "cuda" else prec.dtype == "bfloat16"
     ns_dtype = torch.bfloat16 if native else torch.float32
     return Optimizers(
-        adamw=make_adamw(
-            [
-                {"params": [p for _, p in adamw if p.dim() >= 2], "weight_decay": optim.weight_decay, "lr_scale": 1.0},
-                {"params": [p for _, p in adamw if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
-            ],
-            optim,
-            peak_lr,
-            device,
-        ),
+        adamw=make_adamw(adamw_groups(adamw, optim.weight_decay, optim, peak_lr), optim, peak_lr, device),
         muon=Muon(
             [{"params": [p for _, p in muon], "lr_scale": optim.muon_lr / peak_lr}],
             lr=optim.muon_lr,

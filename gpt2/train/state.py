@@ -217,6 +217,17 @@ def check_compatible(saved: dict, cfg: RunConfig, log: RunLog) -> None:
             f"Muon one momentum per block matrix). Resume with --optimizer {saved_optimizer}, or start fresh "
             "with --resume never"
         )
+    own = [
+        "--" + k.replace("_", "-")
+        for k in ("embed_lr", "head_lr")
+        if (old_train.get(k) is None) != (getattr(cfg.train.optim, k) is None)
+    ]
+    if own:
+        raise ckpt.CheckpointError(
+            f"{' and '.join(own)}: set in one of the checkpoint and this run, not in the other, so their AdamW "
+            "groups differ; resume with the checkpoint's setting (its value may change), or start fresh with "
+            "--resume never"
+        )
     if saved.get("tokenizer") != TOKENIZER:
         raise ckpt.CheckpointError(f"checkpoint tokenizer {saved.get('tokenizer')!r} is not gpt2")
     now = cfg.train.flat()
