@@ -11,6 +11,7 @@ from gpt2.ckpt import checkpoint as ckpt
 from gpt2.core.config import ModelConfig, OptimConfig, ScheduleConfig
 from gpt2.core.precision import FLOAT32
 from gpt2.model.gpt import GPT
+from gpt2.train.cli import parse_config
 from gpt2.train.optim import make_optimizer
 from gpt2.train.state import check_compatible
 from gpt2.train.trainer import set_lr
@@ -104,9 +105,17 @@ def test_the_first_adamw_step_moves_the_embedding_by_its_own_rate():
     assert (dict(m.named_parameters())[fc].detach() - before[fc]).abs().max() == pytest.approx(0.01, rel=1e-3)
 
 
-def test_a_head_lr_with_a_tied_head_is_one_line_naming_the_flag():
+def test_a_head_lr_with_a_tied_head_is_one_line_naming_the_flag(capsys):
+    """Refused with the flags (also by --dry-run, before any process starts) and where the groups are made."""
     with pytest.raises(ValueError, match=r"--head-lr 0.002 needs an untied LM head \(--tie-embeddings false\)"):
         make_optimizer(model(), OptimConfig(head_lr=0.002), CPU, peak_lr=0.01, prec=FLOAT32)
+    with pytest.raises(SystemExit):
+        parse_config(["--preset", "gpt2", "--head-lr", "0.002", "--data-dir", "D", "--out-dir", "O"])
+    assert "--head-lr 0.002 needs an untied LM head" in capsys.readouterr().err
+    untied = parse_config(
+        ["--preset", "gpt2", "--arch", "modern", "--head-lr", "0.002", "--data-dir", "D", "--out-dir", "O"]
+    )
+    assert untied.train.optim.head_lr == 0.002
 
 
 def test_a_resume_may_change_their_values_but_not_whether_they_are_set():

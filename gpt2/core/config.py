@@ -1119,6 +1119,17 @@ def fsdp_problems(tc: TrainConfig) -> list[str]:
     return p
 
 
+def tied_head_lr_problem(tie_embeddings: bool, optim: OptimConfig) -> str | None:
+    """--head-lr asks for the head's own AdamW group, which a tied head cannot have (it is the token
+    embedding); checked with the flags (gpt2/train/cli.py) and where the groups are made (gpt2/train/optim.py)."""
+    if optim.head_lr is None or not tie_embeddings:
+        return None
+    return (
+        f"--head-lr {optim.head_lr:g} needs an untied LM head (--tie-embeddings false): tied, the head is the "
+        "token embedding, whose rate --embed-lr sets"
+    )
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a training run needs: the model and how to train it."""

@@ -33,6 +33,7 @@ from gpt2.core.config import (
     ModelConfig,
     RunConfig,
     TrainConfig,
+    tied_head_lr_problem,
 )
 
 PRESETS = sorted({*MODEL_PRESETS, *TRAIN_PRESETS})
@@ -444,7 +445,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             f"--preset {preset} is a recipe for trained weights: add --init-from (a Hugging Face "
             "GPT-2 directory, a checkpoint or run directory of ours, or a hub name)"
         )
-    return RunConfig(ModelConfig(**values["model"]), train)
+    model = ModelConfig(**values["model"])
+    if problem := tied_head_lr_problem(model.tie_embeddings, train.optim):
+        raise ValueError(problem)
+    return RunConfig(model, train)
 
 
 def shape_from_weights(spec: str, model_values: dict, given_by: dict) -> dict:

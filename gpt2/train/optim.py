@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from gpt2.core.config import OptimConfig
+from gpt2.core.config import OptimConfig, tied_head_lr_problem
 from gpt2.core.precision import Precision
 from gpt2.distributed.group import Dist
 from gpt2.plan.precision_choice import cuda_native_bf16
@@ -56,12 +56,8 @@ def own_lr_groups(named, optim: OptimConfig | None, peak_lr: float, weight_decay
     named once (as transformer.wte.weight): --head-lr needs an untied one."""
     if optim is None:
         return []
-    names = {n for n, _ in named}
-    if optim.head_lr is not None and HEAD not in names:
-        raise ValueError(
-            f"--head-lr {optim.head_lr:g} needs an untied LM head (--tie-embeddings false): tied, the head is the "
-            "token embedding, whose rate --embed-lr sets"
-        )
+    if problem := tied_head_lr_problem(HEAD not in {n for n, _ in named}, optim):
+        raise ValueError(problem)
     out = []
     for lr, wanted in ((optim.embed_lr, EMBEDDINGS), (optim.head_lr, (HEAD,))):
         params = [p for n, p in named if n in wanted]
