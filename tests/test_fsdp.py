@@ -76,12 +76,12 @@ def assert_same_steps(a, b, *, tol: float, steps: int = 10) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("total", [512, 1024], ids=["accum1", "accum2"])
-def test_fsdp_trains_like_ddp_and_like_one_process(tmp_path, shakespeare_shards, total):
+def test_fsdp_trains_like_ddp_and_like_one_process(tmp_path, shakespeare_shards):
     """2 gloo ranks under fsdp == 2 under ddp == 1 process with accumulation (the same global batch),
-    10 AdamW steps in fp32: losses and grad norms within 1e-5. total 1024 takes 2 micro-steps per rank,
-    the first under FSDP's no-sync (no reduce-scatter until the last); 512 (one micro-step, slow: the
-    default suite keeps the case that covers both paths) syncs every micro-step."""
+    10 AdamW steps in fp32: losses and grad norms within 1e-5. 1024 tokens take 2 micro-steps per rank, the
+    first under FSDP's no-sync (no reduce-scatter until the last), the last reduce-scattering: both paths of a
+    step. (A 512-token case, one micro-step, ran both paths' second half again: dropped for CI's time, issue 72.)"""
+    total = 1024
     fsdp = tmp_path / "fsdp"
     launched = run(
         flags(shakespeare_shards, fsdp, total=total, extra=("--parallel", "fsdp")),

@@ -896,7 +896,7 @@ def test_sizes_reads_the_planners_choices_and_the_peak_against_the_plan():
     assert sizes.spec_flags("debug:3") == ["--preset", "debug", "--n-layer", "3"]
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # by hand before a GPU lease (bench/README.md, "On a GPU"), as quick's smokes: not in CI
 def test_the_sizes_step_at_tiny_stand_ins_on_the_cpu(prepared, tmp_path):
     """`sizes --cpu-smoke`: --preset debug at 2 and 3 layers, eager, one step each (~20 s on 2 cores)."""
     root, env, _ = prepared
@@ -1001,7 +1001,7 @@ def test_paths_runs_every_never_run_gpu_path_in_one_600_s_call(tmp_path):
     assert dry.returncode == 0 and dry.stdout.splitlines()[-1].endswith('timeout_s=600, carry=[".gpu"]'), dry.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # by hand before a GPU lease (bench/README.md, "On a GPU"), as quick's smokes: not in CI
 def test_paths_cpu_smoke_runs_every_step_at_tiny_stand_ins(prepared, tmp_path):
     """`paths --cpu-smoke`: the same commands at --preset debug with 2 layers, eager, one step each, FSDP with Muon
     over 2 gloo ranks: a lease spends no time on a typo (~3 minutes on 2 loaded cores)."""

@@ -333,6 +333,7 @@ def _weight_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple(shapes.items())
 
 
+@functools.cache  # pure in a frozen config; the planner counts at every micro-batch it tries
 def param_count(cfg: ModelConfig, *, include_position: bool = True) -> int:
     """Exact parameter count of `GPT(cfg)` (a tied LM head counted once), for any layout and option: the
     one counter (GPT.num_params, the planner, FLOPs per token). include_position=False leaves out the

@@ -61,6 +61,7 @@ At world size 1 the trainer does not shard (no process group): the plan is DDP's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -387,25 +388,36 @@ def fsdp_memory(
 ) -> Memory:
     """DDP's memory made FSDP's over world_size ranks: the state sharded (padded), plus what is unsharded
     in flight (module docstring). Activations and the loss are unchanged."""
-    shapes = weight_shapes(cfg)
     policy = prec.autocasts and device_type == "cuda"  # the mixed-precision policy: bf16/fp16 params
     s = 2 if policy else 4
-    root = {k: v for k, v in shapes.items() if ".h." not in f".{k}"}
-    block = {k: v for k, v in shapes.items() if k.startswith("transformer.h.0.")}
-    root_n = gathered_elements(root.values(), world_size)
-    block_n = gathered_elements(block.values(), world_size)
-    head = TOKEN_EMBEDDING if cfg.tie_embeddings else LM_HEAD  # the LM head's weight
-    tied_n = gathered_elements([shapes[head]], world_size)  # its gradient: in loss_bytes
+    sharded, gathered, root_n, block_n, tied_n = _fsdp_elements(cfg, world_size)
     return dataclasses.replace(
         mem,
         shards=world_size,
-        weights=4 * sharded_elements(shapes.values(), world_size),
-        gradients=4 * sharded_elements(shapes.values(), world_size),
+        weights=4 * sharded,
+        gradients=4 * sharded,
         optimizer=optimizer_bytes(cfg, optimizer, world_size=world_size),
         autocast_weights=0 if policy else mem.autocast_weights,
         gathered=s * (root_n + min(2, cfg.n_layer) * block_n),
         unit_gradients=s * (root_n - tied_n) + (s + 4) * block_n,
-        accum_gradients=4 * gathered_elements(shapes.values(), world_size) if accum_steps > 1 else 0,
+        accum_gradients=4 * gathered if accum_steps > 1 else 0,
+    )
+
+
+@functools.cache  # the planner's micro-batch search asks for the same model's counts at every size it tries
+def _fsdp_elements(cfg: ModelConfig, world_size: int) -> tuple[int, int, int, int, int]:
+    """(one rank's shard of every parameter, all of them gathered, the root module's gathered (embeddings,
+    final norm, an untied head), one block's gathered, the LM head weight's gathered) in elements."""
+    shapes = weight_shapes(cfg)
+    root = [v for k, v in shapes.items() if ".h." not in f".{k}"]
+    block = [v for k, v in shapes.items() if k.startswith("transformer.h.0.")]
+    head = TOKEN_EMBEDDING if cfg.tie_embeddings else LM_HEAD  # the LM head's weight
+    return (
+        sharded_elements(shapes.values(), world_size),
+        gathered_elements(shapes.values(), world_size),
+        gathered_elements(root, world_size),
+        gathered_elements(block, world_size),
+        gathered_elements([shapes[head]], world_size),  # its gradient: in loss_bytes
     )
 
 
@@ -424,6 +436,7 @@ def gathered_elements(shapes, world_size: int) -> int:
     return world_size * sharded_elements(shapes, world_size)
 
 
+@functools.cache  # pure in a frozen config; the planner asks thousands of times
 def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw", *, world_size: int = 1) -> int:
     """AdamW: two fp32 moments per parameter. Muon: one fp32 momentum per block matrix, AdamW's two
     for the rest (embeddings, biases, LayerNorm; gpt2/train/optim.py). world_size > 1: one rank's FSDP
@@ -438,6 +451,7 @@ def optimizer_bytes(cfg: ModelConfig, optimizer: str = "adamw", *, world_size: i
     return 8 * sharded_elements(rest, world_size) + 4 * sharded_elements(muon, world_size)
 
 
+@functools.cache  # pure in a frozen config; the planner asks thousands of times
 def matmul_weight_count(cfg: ModelConfig) -> int:
     """Elements of every weight that goes through a matmul (autocast keeps a bf16 copy of each): every
     matrix of config.weight_shapes but the lookup tables (the position embedding; the token embedding
@@ -446,6 +460,7 @@ def matmul_weight_count(cfg: ModelConfig) -> int:
     return sum(math.prod(s) for name, s in weight_shapes(cfg).items() if len(s) == 2 and name not in lookups)
 
 
+@functools.cache  # pure in a frozen config; the planner asks thousands of times
 def block_matrix_count(cfg: ModelConfig) -> int:
     """Elements of the matrices inside the transformer blocks: what Muon updates (gpt2/train/optim.py
     is_muon_param: 2-D and under .h.)."""
