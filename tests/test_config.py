@@ -34,7 +34,11 @@ def test_presets_default_to_padded_vocab_and_mha():
     for name in MODEL_PRESETS:
         cfg = model_preset(name)
         assert cfg.vocab_size == PADDED_VOCAB_SIZE == 50304 and PADDED_VOCAB_SIZE % 128 == 0
-        assert cfg.n_kv_head == cfg.n_head and cfg.bias == (name != "speedrun") and cfg.attn_impl == "sdpa"
+        assert (
+            cfg.n_kv_head == cfg.n_head
+            and cfg.bias == (name not in ("speedrun", "gpt2-speedrun"))
+            and cfg.attn_impl == "sdpa"
+        )
         assert cfg.head_dim * cfg.n_head == cfg.n_embd
 
 
@@ -227,7 +231,9 @@ def test_every_float_field_is_checked_for_finiteness():
         if f.type == "float"
         for name in [f.name]
     }
-    assert len(floats) == 17  # dropout, rope_base, lr, min_lr, ..., dist_step_timeout_s, spike_loss_z, spike_norm_z
+    assert (
+        len(floats) == 18
+    )  # dropout, rope_base, lr, min_lr, muon_momentum_start, ..., dist_step_timeout_s, spike_loss_z, spike_norm_z
     for name, cls in floats.items():
         with pytest.raises(ValueError, match="not a finite number"):
             cls(**{name: float("inf")})

@@ -28,7 +28,14 @@ KEPT = Path(__file__).resolve().parent / "data" / "config_v1"
 """Written by git d1ce9c0, the last version with the flat TrainConfig: a tiny run's config.json, two --config
 files (flat keys; [model] and [train] tables) and, beside each, the RunConfig.to_dict() it parsed to there."""
 REQUIRED = ["--data-dir", "D", "--out-dir", "O"]
-ADDED_SINCE = {"data_weights": "", "data_weight_schedule": "", "embed_lr": None, "head_lr": None}
+ADDED_SINCE = {
+    "data_weights": "",
+    "data_weight_schedule": "",
+    "embed_lr": None,
+    "head_lr": None,
+    "muon_momentum_warmup": 0,
+    "muon_momentum_start": 0.85,
+}
 """Fields added after d1ce9c0 (issue 74's mixtures), with the defaults that keep what an older file meant: one
 source, no weights."""
 
@@ -38,9 +45,9 @@ def test_every_training_field_is_in_exactly_one_section_and_the_flags_are_unchan
     assert len(fields) == len(set(fields)) == len(SECTION_OF) == 64 + len(ADDED_SINCE)
     old_flat = json.loads((KEPT / "flat.expected.json").read_text())["train"]
     # the 64 names d1ce9c0 had, every flag and preset key still meaning it, the mixture's two since, and the
-    # embeddings' and head's learning rates
+    # embeddings' and head's learning rates, Muon's momentum warmup
     assert set(fields) == set(old_flat) | set(ADDED_SINCE)
-    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data", "optim", "optim"]
+    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data", *["optim"] * 4]
     for preset in TRAIN_PRESETS.values():
         assert set(preset) <= set(SECTION_OF)
 

@@ -1,6 +1,7 @@
 """Issue 56's "still exact" with every architecture option and attention within documents on: real processes
 (torchrun, gloo, CPU, fp32). A kill -9 resumes bitwise; 2 ranks equal 1 with accumulation (Muon and AdamW);
-FSDP equals DDP. The embeddings' and the head's own learning rates (--embed-lr, --head-lr) are on throughout."""
+FSDP equals DDP. The embeddings' and the head's own learning rates (--embed-lr, --head-lr) are on throughout; the
+kill -9 and FSDP runs train with --preset gpt2-speedrun's recipe (Muon's momentum warmup too, issue 76)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ from _helpers import (
 
 MODERN = ["--arch", "modern", "--doc-attention", "--embed-lr", "0.03", "--head-lr", "0.002"]
 """Every option on, the embeddings' and the untied head's own learning rates too (issue 76)."""
+GPT2_SPEEDRUN = ["--preset", "gpt2-speedrun", "--muon-momentum-warmup", "5"]
+"""The GPT-2-size recipe (issue 76) at the tiny shape: the modern model, attention within documents, Muon with its
+momentum warming up over steps 0-4 (so a resume at step 3 lands inside the warmup and runs past its end), the
+embeddings' and the head's rates, no weight decay or clipping, the WSD schedule to 0."""
 MAX_STEPS, CKPT_INTERVAL = 6, 3
 
 
-def flags(data_dir, out_dir, *extra):
+def flags(data_dir, out_dir, *extra, recipe=MODERN):
     return [
+        *recipe,
         *tiny_run_flags(data_dir, max_steps=MAX_STEPS, ckpt_interval=CKPT_INTERVAL),
-        *MODERN,
         "--out-dir",
         str(out_dir),
         *extra,
@@ -38,11 +43,13 @@ def flags(data_dir, out_dir, *extra):
 
 
 @pytest.mark.slow
-def test_kill_9_resumes_the_modern_model_bitwise(tmp_path, shakespeare_shards):
-    reference = uninterrupted_run(flags(shakespeare_shards, tmp_path / "ref" / "run"), tmp_path / "ref", MAX_STEPS)
+def test_kill_9_resumes_the_gpt2_speedrun_recipe_bitwise(tmp_path, shakespeare_shards):
+    """The modern model under the GPT-2-size recipe (Muon's momentum warmup, the own rates): bitwise after kill -9."""
+    ref_flags = flags(shakespeare_shards, tmp_path / "ref" / "run", recipe=GPT2_SPEEDRUN)
+    reference = uninterrupted_run(ref_flags, tmp_path / "ref", MAX_STEPS)
     run_dir, release = tmp_path / "run", tmp_path / "release"
     job = launch(
-        flags(shakespeare_shards, run_dir),
+        flags(shakespeare_shards, run_dir, recipe=GPT2_SPEEDRUN),
         nproc=2,
         log_dir=tmp_path,
         max_restarts=1,
@@ -64,7 +71,7 @@ def test_kill_9_resumes_the_modern_model_bitwise(tmp_path, shakespeare_shards):
 @pytest.mark.slow
 def test_two_modern_ranks_equal_one_with_accumulation(tmp_path, shakespeare_shards, optimizer):
     """2 ranks x 4 == 1 rank x 2 micro-steps x 4, every option on; and it learns (the equality is not trivial)."""
-    extra = ["--optimizer", optimizer, "--ckpt-interval", "0"]
+    extra = ["--optimizer", optimizer, "--ckpt-interval", "0", "--muon-momentum-warmup", "4"]
     two = run(flags(shakespeare_shards, tmp_path / "two", *extra), nproc=2, log_dir=tmp_path / "l2")
     assert two.proc.returncode == 0, two.output()
     one = run(flags(shakespeare_shards, tmp_path / "one", *extra), nproc=1, log_dir=tmp_path / "l1")
@@ -76,12 +83,17 @@ def test_two_modern_ranks_equal_one_with_accumulation(tmp_path, shakespeare_shar
 
 
 @pytest.mark.slow
-def test_fsdp_equals_ddp_with_the_modern_model(tmp_path, shakespeare_shards):
+def test_fsdp_equals_ddp_with_the_gpt2_speedrun_recipe(tmp_path, shakespeare_shards):
+    """Muon's sharded matrices gathered for Newton-Schulz, the momentum warmup on the sharded groups."""
     extra = ["--ckpt-interval", "0"]
-    ddp = run(flags(shakespeare_shards, tmp_path / "ddp", *extra), nproc=2, log_dir=tmp_path / "ld")
+    ddp = run(
+        flags(shakespeare_shards, tmp_path / "ddp", *extra, recipe=GPT2_SPEEDRUN), nproc=2, log_dir=tmp_path / "ld"
+    )
     assert ddp.proc.returncode == 0, ddp.output()
     fsdp = run(
-        flags(shakespeare_shards, tmp_path / "fsdp", *extra, "--parallel", "fsdp"), nproc=2, log_dir=tmp_path / "lf"
+        flags(shakespeare_shards, tmp_path / "fsdp", *extra, "--parallel", "fsdp", recipe=GPT2_SPEEDRUN),
+        nproc=2,
+        log_dir=tmp_path / "lf",
     )
     assert fsdp.proc.returncode == 0, fsdp.output()
     a, b = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")

@@ -833,3 +833,19 @@ def test_docs_training_holds_the_planners_doc_attention_and_fp8_rows_at_every_gp
                 f"| {gib(m.activations)} | {gib(m.logits)} | {gib(m.total)} | {p.max_micro_batch_size} |"
             )
             assert row in text, row
+
+
+@pytest.mark.parametrize("preset", ["speedrun", "gpt2-speedrun"])
+def test_a_presets_architecture_is_planned_unless_arch_overrides_it(preset):
+    """`python -m gpt2.plan --preset gpt2-speedrun` planned GPT-2's architecture (124.48M, tied) where train_ddp.py
+    trains the modern one (162.2M untied at 124M's shape): --arch's default laid gpt2's options over the preset's."""
+    from gpt2.core.config import param_count
+    from gpt2.plan.__main__ import build_parser, plan_from_args
+    from gpt2.train.cli import parse_config
+
+    trained = parse_config(["--preset", preset, "--data-dir", "D", "--out-dir", "O"]).model
+    planned = plan_from_args(build_parser().parse_args(["--preset", preset, "--gpu", "H100-80GB"]))
+    assert planned.cfg == trained and not trained.tie_embeddings and trained.rope
+    assert planned.n_params == param_count(trained)
+    gpt2_arch = plan_from_args(build_parser().parse_args(["--preset", preset, "--gpu", "H100-80GB", "--arch", "gpt2"]))
+    assert gpt2_arch.cfg.tie_embeddings and not gpt2_arch.cfg.rope

@@ -228,6 +228,23 @@ MODEL_PRESETS: dict[str, dict] = {
         bias=False,
         doc_attention=True,
     ),
+    # GPT-2 124M's shape with the modern architecture (ARCHS["modern"], spelled out here: its soft-cap of 15 with
+    # it) and attention within documents: the speedrun records' model at this size (docs/modern.md).
+    "gpt2-speedrun": dict(
+        n_layer=12,
+        n_head=12,
+        n_embd=768,
+        block_size=1024,
+        rope=True,
+        qk_norm=True,
+        mlp_act="relu2",
+        norm="rmsnorm",
+        tie_embeddings=False,
+        logit_softcap=15.0,
+        zero_init_proj=True,
+        bias=False,
+        doc_attention=True,
+    ),
 }
 
 
@@ -616,6 +633,14 @@ class OptimConfig(TrainSection):
     also Keller Jordan's default."""
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
+    muon_momentum_warmup: int = 0
+    """Steps of Muon's momentum warmup (0: none).
+
+    Linear from --muon-momentum-start at step 0 to --muon-momentum at this step (gpt2/core/schedule.py
+    momentum_at); 0: --muon-momentum from the first step. modded-nanogpt's record of 2024-11-06 rises from 0.85
+    to 0.95 over 500 steps."""
+    muon_momentum_start: float = 0.85
+    """Muon's momentum at step 0 of its warmup."""
     muon_weight_decay: float = 0.0
     """Muon's decoupled weight decay.
 
@@ -644,6 +669,11 @@ class OptimConfig(TrainSection):
             p.append(
                 f"muon_lr={self.muon_lr} must be > 0, muon_momentum={self.muon_momentum} in [0, 1) and "
                 f"muon_weight_decay={self.muon_weight_decay} >= 0"
+            )
+        if self.muon_momentum_warmup < 0 or not 0 <= self.muon_momentum_start < 1:
+            p.append(
+                f"muon_momentum_warmup={self.muon_momentum_warmup} must be >= 0 steps and "
+                f"muon_momentum_start={self.muon_momentum_start} in [0, 1)"
             )
         for name in ("embed_lr", "head_lr"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
@@ -1210,6 +1240,30 @@ TRAIN_PRESETS: dict[str, dict] = {
     # modern ablation): AdamW's part (embeddings, the untied head) at 8e-3, Muon at 0.01, a 2-step warmup; the
     # cosine to step 200 kept (a 40- or 50-step horizon gave no fewer steps to the target).
     "speedrun": {**SPEED_RECIPE, "lr": 8e-3, "min_lr": 8e-4, "muon_lr": 0.01, "warmup_steps": 2},
+    # modded-nanogpt's record of 2024-11-03 (UntieEmbed: 3.2762 val loss on FineWeb at step 4,578, its log in
+    # docs/modern.md), with the next record's Muon momentum warmup: 524,288 tokens a step, Adam (0.9, 0.95) on the
+    # token embedding at 0.3 and the untied head at 0.002, Muon at 0.02 with momentum 0.95, no weight decay, no
+    # warmup, constant, then linear to 0 over the last 1,308 steps; no clipping (the record has none). lr is
+    # AdamW's rate for any other parameter (this architecture has none: no biases, rms_norm without weights).
+    "gpt2-speedrun": dict(
+        micro_batch_size="auto",
+        total_batch_size=524_288,
+        max_steps=4578,
+        lr=0.02,
+        min_lr=0.0,
+        warmup_steps=0,
+        decay_steps=1308,
+        optimizer="muon",
+        muon_lr=0.02,
+        muon_momentum=0.95,
+        muon_momentum_warmup=500,
+        muon_momentum_start=0.85,
+        embed_lr=0.3,
+        head_lr=0.002,
+        weight_decay=0.0,
+        grad_clip=0.0,
+        eval_interval=125,
+    ),
     # Fine-tuning trained weights on a small corpus (needs --init-from; the shape comes from the weights):
     # nanoGPT's finetune_shakespeare.py recipe (lr 3e-5, few steps, frequent evaluation) with a short warmup
     # and warmup-stable-decay: 3e-5 held, then linear to 3e-6 over the last 20 steps. 32,768 tokens per

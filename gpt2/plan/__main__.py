@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         ap.add_argument("--" + name.replace("_", "-"), type=int, help="override the preset's " + name)
     ap.add_argument("--attn-impl", choices=("sdpa", "sdpa_mask", "explicit"))
     ap.add_argument(
-        "--arch", choices=sorted(ARCHS), help="architecture options, as train_ddp.py's --arch (default: gpt2's)"
+        "--arch", choices=sorted(ARCHS), help="architecture options, as train_ddp.py's --arch (default: the preset's)"
     )
     ap.add_argument(
         "--doc-attention",
@@ -161,7 +161,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     }
     if args.doc_attention:
         overrides["doc_attention"] = True
-    cfg = model_preset(args.preset, **{**ARCHS.get(args.arch or "gpt2"), **overrides})
+    cfg = model_preset(args.preset, **{**(ARCHS[args.arch] if args.arch else {}), **overrides})  # over the preset's
     train = {
         **TRAIN_PRESETS.get(args.preset, {}),
         "loss_impl": args.loss_impl,

@@ -21,8 +21,8 @@ import torch
 
 from gpt2.ckpt.rundir import own_run_dir
 from gpt2.core import precision
-from gpt2.core.config import EOT_TOKEN, RunConfig, ScheduleConfig, TrainConfig
-from gpt2.core.schedule import lr_at
+from gpt2.core.config import EOT_TOKEN, OptimConfig, RunConfig, ScheduleConfig, TrainConfig
+from gpt2.core.schedule import lr_at, momentum_at
 from gpt2.data.loader import ShardSet, TrainLoader
 from gpt2.data.mixture import MixedShards, MixtureEval, MixtureLoader
 from gpt2.data.shards import ShardError
@@ -174,6 +174,8 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     """
     tc = cfg.train
     lr = set_lr(parts, tc.schedule)
+    if tc.optim.optimizer == "muon" and tc.optim.muon_momentum_warmup:
+        set_muon_momentum(parts, tc.optim)
     loss_sum = None
     autocast = parts.precision.autocast(dist.device)
     # This rank's own compute time, up to the gradient sync (gpt2/distributed/straggler.py): it names the
@@ -232,6 +234,17 @@ def set_lr(parts: Parts, schedule: ScheduleConfig) -> float:
     for group in parts.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups: --muon-lr on the same schedule
     return lr
+
+
+def set_muon_momentum(parts: Parts, optim: OptimConfig) -> None:
+    """--muon-momentum-warmup: Muon's momentum for step parts.step on its groups (the only ones with a
+    "momentum"; AdamW's are betas). A function of the step alone, so a resumed run sets what it would have."""
+    momentum = momentum_at(
+        parts.step, start=optim.muon_momentum_start, end=optim.muon_momentum, warmup_steps=optim.muon_momentum_warmup
+    )
+    for group in parts.optimizer.param_groups:
+        if "momentum" in group:
+            group["momentum"] = momentum
 
 
 def step_stats(
