@@ -8,7 +8,8 @@
 recipe over 600 steps (warmup 60, cosine to lr/10); its recipe rows of ours take the same shape and horizon, the
 presets the same shape with their own horizon (200 steps), learning rates and warmups (tuned at the small shape);
 --rows horizon runs --preset speedrun with other horizons; --rows optim runs it with each of its optimizer
-settings (the two learning rates, Muon's momentum, AdamW's beta2 and weight decay) moved one step alone.
+settings (the two learning rates, Muon's momentum, AdamW's beta2 and weight decay) moved one step alone; --rows
+techniques runs it with each of issue 76's techniques alone (Polar Express, Muon's momentum warmup), at --seeds seeds.
 
 The recipe is nanoGPT's small Shakespeare one on GPT-2 tokens (--corpus through data_prep, one document
 per paragraph, the first 30,000 tokens as val): 4 layers, 4 heads, 128 wide, block 64, batch 16 (1,024
@@ -253,6 +254,12 @@ OPTIM_MOVES = [
     ("AdamW beta2 0.95 -> 0.99", ["--beta2", "0.99"]),
     ("AdamW weight decay 0.1 -> 0", ["--weight-decay", "0"]),
 ]
+TECHNIQUES = [
+    # (row label, flags): issue 76's techniques, each an opt-in option added alone to --preset speedrun (its seeds).
+    ("+ Polar Express (--muon-ortho polar_express)", ["--muon-ortho", "polar_express"]),
+    # The record of 2024-11-06 warms Muon's momentum up over 500 of its 3,200 steps: 31 of this preset's 200.
+    ("+ Muon momentum warmup 0.85 -> 0.95 over 31 steps", ["--muon-momentum-warmup", "31"]),
+]
 MODERN_PRESET = "speedrun"
 GOALS = {PRESET: 0.40, MODERN_PRESET: 0.15}
 """Each preset's goal at the small shape, its wall-clock to the target over nanoGPT's (issues 45 and 56)."""
@@ -439,6 +446,19 @@ def seed_rows(preset: str, note: str, shape: Shape, seeds: int) -> list[tuple[st
     ]
 
 
+def technique_rows(shape: Shape, seeds: int) -> list[tuple[str, list[str]]]:
+    """(label, full flags) of --preset speedrun at the shape with each of TECHNIQUES alone, at each seed; the labels
+    do not start with --preset, so the rows do not count toward the preset's goal."""
+    return [
+        (
+            f"{label} (--preset {MODERN_PRESET}, seed {seed})",
+            ["--preset", MODERN_PRESET, *shape.preset_flags, *extra, "--seed", str(seed)],
+        )
+        for label, extra in TECHNIQUES
+        for seed in range(1337, 1337 + seeds)
+    ]
+
+
 def planned_rows(rows: set[str], shape: Shape, seeds: int) -> list[tuple[str, list[str]]]:
     """(label, full flags) of every row of ours asked for, in the table's order."""
     plan: list[tuple[str, list[str]]] = []
@@ -457,6 +477,8 @@ def planned_rows(rows: set[str], shape: Shape, seeds: int) -> list[tuple[str, li
         plan += horizon_rows(shape)
     if "optim" in rows:
         plan += optim_rows(shape)
+    if "techniques" in rows:
+        plan += technique_rows(shape, seeds)
     if "speedrun" in rows:
         plan += seed_rows(MODERN_PRESET, "", shape, seeds)
     return plan
@@ -489,7 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="which rows of ours: adamw, muon, ablation (the cumulative changes), preset (--preset speed's seeds), "
         "modern (the architecture options' cumulative changes), speedrun (--preset speedrun's seeds), "
         "horizon (--preset speedrun with each of the shape's other --max-steps; --shape large), optim (--preset "
-        "speedrun with each of its optimizer settings moved one step, seed 1337)",
+        "speedrun with each of its optimizer settings moved one step, seed 1337), techniques (--preset speedrun "
+        "with each of issue 76's techniques alone, at each seed)",
     )
     ap.add_argument(
         "--nano-runs",
@@ -515,10 +538,10 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = shape.steps if args.steps is None else args.steps
     args.eval_every = shape.eval_every if args.eval_every is None else args.eval_every
     rows = set(args.rows.split(","))
-    if bad := rows - {"adamw", "muon", "ablation", "preset", "modern", "speedrun", "horizon", "optim"}:
+    if bad := rows - {"adamw", "muon", "ablation", "preset", "modern", "speedrun", "horizon", "optim", "techniques"}:
         print(
             f"{prog}: error: unknown rows {sorted(bad)}: choose from adamw, muon, ablation, preset, modern, speedrun, "
-            "horizon, optim",
+            "horizon, optim, techniques",
             file=sys.stderr,
         )
         return 2

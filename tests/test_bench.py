@@ -826,6 +826,57 @@ def test_time_to_loss_optim_rows_move_one_setting_of_the_speedrun_preset_from_it
             assert rest == preset.train
 
 
+def test_time_to_loss_technique_rows_add_one_technique_to_the_speedrun_preset_at_each_seed():
+    """--rows techniques (issue 76): --preset speedrun with exactly one technique's option changed, at each seed,
+    none counted toward the preset's goal."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import time_to_loss as ttl
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from gpt2.train.cli import parse_config
+
+    common = ["--data-dir", "d", "--out-dir", "o"]
+    for shape in ttl.SHAPES.values():
+        preset = parse_config(["--preset", "speedrun", *shape.preset_flags, *common])
+        rows = ttl.technique_rows(shape, seeds=2)
+        assert ttl.planned_rows({"techniques"}, shape, seeds=2) == rows and len(rows) == 2 * len(ttl.TECHNIQUES)
+        changed = []
+        for label, flags in rows:
+            cfg = parse_config(flags + common)
+            assert not label.startswith("--preset") and label.endswith(("seed 1337)", "seed 1338)"))
+            moved = {
+                f: v
+                for f, v in {**vars(cfg.train.optim), **vars(cfg.model)}.items()
+                if v != {**vars(preset.train.optim), **vars(preset.model)}[f]
+            }
+            assert len(moved) == 1, (label, moved)
+            changed.append(next(iter(moved.items())))
+        assert ("muon_ortho", "polar_express") in changed and ("muon_momentum_warmup", 31) in changed
+
+
+def test_gpt2_recipe_bench_scales_each_presets_schedule_to_the_run():
+    """bench/gpt2_recipe.py: warmup, decay and the momentum warmup the same share of 200 steps as of the preset's."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import gpt2_recipe
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    assert gpt2_recipe.scaled_schedule("gpt2", 200) == ["--max-steps", "200", "--warmup-steps", "7"]
+    assert gpt2_recipe.scaled_schedule("gpt2-speedrun", 200) == [
+        *("--max-steps", "200", "--decay-steps", "57", "--muon-momentum-warmup", "22"),
+    ]
+    assert gpt2_recipe.scaled_schedule("gpt2-speedrun", 2)[2:] == ["--decay-steps", "1", "--muon-momentum-warmup", "1"]
+
+
+@pytest.mark.slow
+def test_gpt2_recipe_bench_prints_both_presets_val_by_step():
+    out = run_bench("bench/gpt2_recipe.py", "--steps", "2", "--eval-every", "1", "--val-tokens", "256", timeout=600)
+    rows = table_rows(out, "step")
+    assert [r[0] for r in rows] == ["0", "1", "2"] and all(math.isfinite(float(r[2])) for r in rows)
+    assert "gpt2's final val loss" in out and "median s/step: gpt2 " in out
+
+
 def test_time_to_loss_horizon_rows_end_the_speedrun_presets_decay_sooner():
     """--rows horizon: --preset speedrun at the large shape with each other --max-steps, and nothing else
     changed; the small shape has none and says so."""

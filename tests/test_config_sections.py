@@ -33,6 +33,7 @@ ADDED_SINCE = {
     "data_weight_schedule": "",
     "embed_lr": None,
     "head_lr": None,
+    "muon_ortho": "newton_schulz",
     "muon_momentum_warmup": 0,
     "muon_momentum_start": 0.85,
 }
@@ -45,9 +46,9 @@ def test_every_training_field_is_in_exactly_one_section_and_the_flags_are_unchan
     assert len(fields) == len(set(fields)) == len(SECTION_OF) == 64 + len(ADDED_SINCE)
     old_flat = json.loads((KEPT / "flat.expected.json").read_text())["train"]
     # the 64 names d1ce9c0 had, every flag and preset key still meaning it, the mixture's two since, and the
-    # embeddings' and head's learning rates, Muon's momentum warmup
+    # embeddings' and head's learning rates, Muon's orthogonalisation and momentum warmup
     assert set(fields) == set(old_flat) | set(ADDED_SINCE)
-    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data", *["optim"] * 4]
+    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data", *["optim"] * 5]
     for preset in TRAIN_PRESETS.values():
         assert set(preset) <= set(SECTION_OF)
 

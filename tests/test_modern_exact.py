@@ -25,10 +25,11 @@ from _helpers import (
 
 MODERN = ["--arch", "modern", "--doc-attention", "--embed-lr", "0.03", "--head-lr", "0.002"]
 """Every option on, the embeddings' and the untied head's own learning rates too (issue 76)."""
-GPT2_SPEEDRUN = ["--preset", "gpt2-speedrun", "--muon-momentum-warmup", "5"]
+GPT2_SPEEDRUN = ["--preset", "gpt2-speedrun", "--muon-momentum-warmup", "5", "--muon-ortho", "polar_express"]
 """The GPT-2-size recipe (issue 76) at the tiny shape: the modern model, attention within documents, Muon with its
 momentum warming up over steps 0-4 (so a resume at step 3 lands inside the warmup and runs past its end), the
-embeddings' and the head's rates, no weight decay or clipping, the WSD schedule to 0."""
+embeddings' and the head's rates, no weight decay or clipping, the WSD schedule to 0; and Polar Express for
+Muon's orthogonalisation (issue 76's techniques, each opt-in: every one on here)."""
 MAX_STEPS, CKPT_INTERVAL = 6, 3
 
 
@@ -71,7 +72,16 @@ def test_kill_9_resumes_the_gpt2_speedrun_recipe_bitwise(tmp_path, shakespeare_s
 @pytest.mark.slow
 def test_two_modern_ranks_equal_one_with_accumulation(tmp_path, shakespeare_shards, optimizer):
     """2 ranks x 4 == 1 rank x 2 micro-steps x 4, every option on; and it learns (the equality is not trivial)."""
-    extra = ["--optimizer", optimizer, "--ckpt-interval", "0", "--muon-momentum-warmup", "4"]
+    extra = [
+        "--optimizer",
+        optimizer,
+        "--ckpt-interval",
+        "0",
+        "--muon-momentum-warmup",
+        "4",
+        "--muon-ortho",
+        "polar_express",
+    ]
     two = run(flags(shakespeare_shards, tmp_path / "two", *extra), nproc=2, log_dir=tmp_path / "l2")
     assert two.proc.returncode == 0, two.output()
     one = run(flags(shakespeare_shards, tmp_path / "one", *extra), nproc=1, log_dir=tmp_path / "l1")

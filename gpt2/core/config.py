@@ -362,6 +362,7 @@ def param_count(cfg: ModelConfig, *, include_position: bool = True) -> int:
 
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
+MUON_ORTHOS = ("newton_schulz", "polar_express")  # --muon-ortho: gpt2/train/muon.py
 LOSS_IMPLS = ("auto", "chunked", "full")
 COMPILE_SCOPES = ("model", "blocks")
 PARALLELS = ("ddp", "fsdp")
@@ -633,6 +634,11 @@ class OptimConfig(TrainSection):
     also Keller Jordan's default."""
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
+    muon_ortho: str = "newton_schulz"
+    """Muon's orthogonaliser.
+
+    newton_schulz (torch.optim.Muon's quintic, 5 times) or polar_express: 5 quintics of their own (Amsel et al.
+    2025, modded-nanogpt's record of 2025-09-29), the same FLOPs, singular values closer to 1 (gpt2/train/muon.py)."""
     muon_momentum_warmup: int = 0
     """Steps of Muon's momentum warmup (0: none).
 
@@ -670,6 +676,8 @@ class OptimConfig(TrainSection):
                 f"muon_lr={self.muon_lr} must be > 0, muon_momentum={self.muon_momentum} in [0, 1) and "
                 f"muon_weight_decay={self.muon_weight_decay} >= 0"
             )
+        if self.muon_ortho not in MUON_ORTHOS:
+            p.append(f"muon_ortho={self.muon_ortho!r} must be one of {MUON_ORTHOS}")
         if self.muon_momentum_warmup < 0 or not 0 <= self.muon_momentum_start < 1:
             p.append(
                 f"muon_momentum_warmup={self.muon_momentum_warmup} must be >= 0 steps and "

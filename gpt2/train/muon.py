@@ -39,36 +39,74 @@ from torch import Tensor
 from torch.optim._muon import _adjust_lr
 
 from gpt2.core.compat import all_gather_into
+from gpt2.core.config import MUON_ORTHOS as ORTHOGONALISERS  # --muon-ortho's choices
 from gpt2.distributed.group import Dist, collective
+
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+"""Polar Express's coefficients for 5 steps (Amsel, Persson, Musco, Gower, 2025: arXiv 2505.16932; computed with a
+safety factor of 2e-2 and a cushion of 2, as modded-nanogpt's record of 2025-09-29 uses them): each step's
+quintic is chosen for the singular values that step can still hold, so 5 steps take them closer to 1 than one
+fixed quintic repeated does."""
+POLAR_EXPRESS_SAFETY = 2e-2
+"""The input is divided by its Frobenius norm x (1 + this): the coefficients assume singular values <= 1 with
+this margin for the rounding of a 16-bit iteration."""
 
 
 def newton_schulz(
-    g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+    g: Tensor,
+    coefficients: tuple[float, float, float] | tuple[tuple[float, float, float], ...],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype,
+    *,
+    safety: float | None = None,
 ) -> Tensor:
-    """The quintic Newton-Schulz iteration of torch.optim.Muon (Keller Jordan's), in `dtype`.
+    """The quintic Newton-Schulz iteration of torch.optim.Muon (Keller Jordan's), in `dtype`: x <- a x + (b A + c A^2) x
+    with A = x x^T, from g over its Frobenius norm.
 
-    Returns an approximately orthogonal matrix U S' V^T (S' ~ 1) for g = U S V^T, in `dtype`.
+    coefficients: one (a, b, c) for every step, or one per step (Polar Express, with safety: the norm scaled by
+    1 + safety, as its coefficients assume). Returns an approximately orthogonal matrix U S' V^T (S' ~ 1) for
+    g = U S V^T, in `dtype`.
     """
-    a, b, c = coefficients
+    per_step = per_step_coefficients(coefficients, steps)
     x = g.to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:  # iterate on the wide orientation: the Gram matrix is the smaller one
         x = x.T
-    x = x.div(x.norm().clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
-    if use_gram_form(tuple(x.shape), steps, dtype):
-        x = _gram_form(x, coefficients, steps)
+    if safety is None:
+        x = x.div(x.norm().clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
     else:
-        for _ in range(steps):
+        x = x.div(x.norm() * (1 + safety) + eps)
+    if use_gram_form(tuple(x.shape), steps, dtype):
+        x = _gram_form(x, per_step)
+    else:
+        for a, b, c in per_step:
             gram = x @ x.T
             update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
             x = torch.addmm(x, update, x, beta=a)
     return x.T if tall else x
 
 
-def _gram_form(x: Tensor, coefficients: tuple[float, float, float], steps: int) -> Tensor:
+def per_step_coefficients(coefficients, steps: int) -> list[tuple[float, float, float]]:
+    """One (a, b, c) a step: a single triple repeated, or a sequence of exactly `steps` triples."""
+    if len(coefficients) == 3 and all(isinstance(v, (int, float)) for v in coefficients):
+        return [tuple(coefficients)] * steps
+    if len(coefficients) != steps:
+        raise ValueError(f"{len(coefficients)} coefficient triples for {steps} steps: give one a step, or one triple")
+    return [tuple(c) for c in coefficients]
+
+
+def _gram_form(x: Tensor, per_step: list[tuple[float, float, float]]) -> Tensor:
     """The same iteration, carried on the (m, m) Gram matrix of a wide (m, n) x.
 
-    Each step is x <- M x with M = aI + bA + cA^2 and A = x x^T, a polynomial in A. All the M's are
+    Each step is x <- M x with M = aI + bA + cA^2 and A = x x^T, a polynomial in A (each step's own a, b, c
+    for Polar Express). All the M's are
     polynomials in the first A, so they commute with every A, and the next Gram matrix is
     M A M^T = M (M A). So the iterates are x_k = R_k x_0 with R_k = M_{k-1} ... M_0, and x_0 is
     multiplied only twice (A_0 and R x_0): 2 m^2 n + (4 steps - 3) m^3 multiply-adds instead of
@@ -78,14 +116,13 @@ def _gram_form(x: Tensor, coefficients: tuple[float, float, float], steps: int) 
     precision rounding gives A spurious negative eigenvalues that the products amplify, and restart
     the iteration from x to stabilise it; we use it only in fp32 and keep torch's loop in 16-bit.
     """
-    a, b, c = coefficients
     gram = x @ x.T
     r = None
-    for k in range(steps):
+    for k, (a, b, c) in enumerate(per_step):
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         poly.diagonal().add_(a)
         r = poly if r is None else poly @ r
-        if k < steps - 1:
+        if k < len(per_step) - 1:
             gram = poly @ (poly @ gram)
     return r @ x
 
@@ -130,10 +167,28 @@ class Muon(torch.optim.Muon):
     """Momentum, then orthogonalisation of the (Nesterov) update, decoupled weight decay and a
     shape-adjusted lr: torch.optim.Muon's step with the iteration in `ns_dtype`."""
 
-    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, dist: Dist | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        params,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        dist: Dist | None = None,
+        ortho: str = "newton_schulz",
+        **kwargs,
+    ) -> None:
         super().__init__(params, **kwargs)
+        if ortho not in ORTHOGONALISERS:
+            raise ValueError(f"ortho={ortho!r} must be one of {ORTHOGONALISERS}")
         self.ns_dtype = ns_dtype
         self.dist = dist if dist is not None and dist.is_distributed else None
+        self.ortho = ortho
+
+    def orthogonalise(self, update: Tensor, group: dict) -> Tensor:
+        """The group's Newton-Schulz (its ns_coefficients, ns_steps and eps, as torch's), or Polar Express's."""
+        if self.ortho == "polar_express":
+            steps = len(POLAR_EXPRESS)
+            return newton_schulz(update, POLAR_EXPRESS, steps, group["eps"], self.ns_dtype, safety=POLAR_EXPRESS_SAFETY)
+        return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -157,9 +212,7 @@ class Muon(torch.optim.Muon):
                         with collective("gathering a sharded matrix for Muon"):
                             update = update.full_tensor()
                 if owner[i] == rank:
-                    ortho[i] = newton_schulz(
-                        update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
-                    )
+                    ortho[i] = self.orthogonalise(update, group)
                     if world == 1:  # apply at once: one matrix's update alive at a time
                         self._apply(group, params[i], ortho[i], lr)
                         ortho[i] = None

@@ -161,5 +161,6 @@ def make_optimizer(
             adjust_lr_fn="original",
             ns_dtype=ns_dtype,
             dist=dist,
+            ortho=optim.muon_ortho,
         ),
     )
