@@ -12,7 +12,8 @@ tuned for 524,288-token steps at full width, not for this size: the table is a s
 per token here too, not a tuned comparison. Both step round-robin in one process; one validation estimator for
 both (bench/time_to_loss.py's: the first --val-tokens val tokens of Shakespeare in block-size windows), every
 --eval-every steps. Columns: each run's val loss at each evaluated step; below, the step at which gpt2-speedrun
-first reaches gpt2's final val loss (its tokens over gpt2's), and each run's median s/step.
+first reaches gpt2's final val loss (its tokens over gpt2's), and each run's median s/step. Exit status 0 when it
+reaches it, 1 when not within the run (the sanity check failed; a few-step smoke run may read either).
 """
 
 from __future__ import annotations

@@ -870,11 +870,22 @@ def test_gpt2_recipe_bench_scales_each_presets_schedule_to_the_run():
 
 
 @pytest.mark.slow
-def test_gpt2_recipe_bench_prints_both_presets_val_by_step():
-    out = run_bench("bench/gpt2_recipe.py", "--steps", "2", "--eval-every", "1", "--val-tokens", "256", timeout=600)
+def test_gpt2_recipe_bench_prints_both_presets_val_by_step_and_exits_by_its_verdict():
+    """A 2-step smoke: the table, and an exit status that says the verdict (0: gpt2-speedrun reached gpt2's final
+    val loss, 1: not within the run; in 2 steps either may happen, CI's run of 4481749 read 1)."""
+    done = subprocess.run(
+        [sys.executable, "bench/gpt2_recipe.py", "--steps", "2", "--eval-every", "1", "--val-tokens", "256"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = done.stdout
+    assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-2000:]
     rows = table_rows(out, "step")
-    assert [r[0] for r in rows] == ["0", "1", "2"] and all(math.isfinite(float(r[2])) for r in rows)
+    assert [r[0] for r in rows] == ["0", "1", "2"] and all(math.isfinite(float(r[3])) for r in rows)
     assert "gpt2's final val loss" in out and "median s/step: gpt2 " in out
+    assert ("gpt2-speedrun reaches it at step" in out) == (done.returncode == 0), out
 
 
 def test_time_to_loss_horizon_rows_end_the_speedrun_presets_decay_sooner():
