@@ -202,6 +202,19 @@ def _architecture_problems(cfg: ModelConfig) -> list[str]:
     return p
 
 
+MODERN = dict(
+    rope=True,
+    qk_norm=True,
+    mlp_act="relu2",
+    norm="rmsnorm",
+    tie_embeddings=False,
+    logit_softcap=15.0,
+    zero_init_proj=True,
+    bias=False,
+)
+"""--arch modern's options (ARCHS below says why the cap is 15), which the speedrun presets build on."""
+
+
 # Model shapes of the four OpenAI releases, plus a tiny model that trains in minutes on a CPU.
 MODEL_PRESETS: dict[str, dict] = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # 124M
@@ -210,41 +223,18 @@ MODEL_PRESETS: dict[str, dict] = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),  # 1558M
     "debug": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "speed": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),  # nanoGPT's small Shakespeare model
-    # The speed preset's shape with the modern architecture (ARCHS["modern"], spelled out here) less the logit
+    # The speed preset's shape with the modern architecture (MODERN) less the logit
     # soft-cap, and attention within documents: bench/time_to_loss.py's modern ablation says what each gives
     # (the cap cost 16% more s/step on a CPU at GPT-2's vocabulary for no fewer steps; docs/performance.md).
-    "speedrun": dict(
-        n_layer=4,
-        n_head=4,
-        n_embd=128,
-        block_size=64,
-        rope=True,
-        qk_norm=True,
-        mlp_act="relu2",
-        norm="rmsnorm",
-        tie_embeddings=False,
-        logit_softcap=None,
-        zero_init_proj=True,
-        bias=False,
-        doc_attention=True,
-    ),
-    # GPT-2 124M's shape with the modern architecture (ARCHS["modern"], spelled out here: its soft-cap of 15 with
-    # it) and attention within documents: the speedrun records' model at this size (docs/modern.md).
-    "gpt2-speedrun": dict(
-        n_layer=12,
-        n_head=12,
-        n_embd=768,
-        block_size=1024,
-        rope=True,
-        qk_norm=True,
-        mlp_act="relu2",
-        norm="rmsnorm",
-        tie_embeddings=False,
-        logit_softcap=15.0,
-        zero_init_proj=True,
-        bias=False,
-        doc_attention=True,
-    ),
+    "speedrun": {
+        **dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
+        **MODERN,
+        "logit_softcap": None,
+        "doc_attention": True,
+    },
+    # GPT-2 124M's shape with the modern architecture (its soft-cap of 15 with it) and attention within documents:
+    # the speedrun records' model at this size (docs/modern.md).
+    "gpt2-speedrun": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, **MODERN, doc_attention=True),
 }
 
 
@@ -263,16 +253,7 @@ ARCHS: dict[str, dict] = {
         zero_init_proj=False,
         bias=True,
     ),
-    "modern": dict(
-        rope=True,
-        qk_norm=True,
-        mlp_act="relu2",
-        norm="rmsnorm",
-        tie_embeddings=False,
-        logit_softcap=15.0,
-        zero_init_proj=True,
-        bias=False,
-    ),
+    "modern": MODERN,
 }
 """--arch's names and the ModelConfig fields each sets: gpt2 every option off (the defaults), modern on."""
 
