@@ -259,6 +259,12 @@ TECHNIQUES = [
     ("+ Polar Express (--muon-ortho polar_express)", ["--muon-ortho", "polar_express"]),
     # The record of 2024-11-06 warms Muon's momentum up over 500 of its 3,200 steps: 31 of this preset's 200.
     ("+ Muon momentum warmup 0.85 -> 0.95 over 31 steps", ["--muon-momentum-warmup", "31"]),
+    # The records of 2024-12-04 to 12-17 mix 3 tables into 6 of 12 layers' values: 1 table into 2 of these 4.
+    ("+ value embeddings (--value-embeds 1)", ["--value-embeds", "1"]),
+    ("+ U-net skip connections (--unet-skips)", ["--unet-skips", "true"]),
+    # Cautious weight decay gates a decay: beside it the same decay ungated, which the preset does not have.
+    ("+ Muon weight decay 0.1", ["--muon-weight-decay", "0.1"]),
+    ("+ Muon weight decay 0.1, cautious (--cautious-wd)", ["--muon-weight-decay", "0.1", "--cautious-wd", "true"]),
 ]
 MODERN_PRESET = "speedrun"
 GOALS = {PRESET: 0.40, MODERN_PRESET: 0.15}

@@ -827,8 +827,8 @@ def test_time_to_loss_optim_rows_move_one_setting_of_the_speedrun_preset_from_it
 
 
 def test_time_to_loss_technique_rows_add_one_technique_to_the_speedrun_preset_at_each_seed():
-    """--rows techniques (issue 76): --preset speedrun with exactly one technique's option changed, at each seed,
-    none counted toward the preset's goal."""
+    """--rows techniques (issue 76): --preset speedrun with exactly one technique's option changed (cautious weight
+    decay: with the decay it gates), at each seed, none counted toward the preset's goal."""
     sys.path.insert(0, str(REPO / "bench"))
     try:
         import time_to_loss as ttl
@@ -850,9 +850,13 @@ def test_time_to_loss_technique_rows_add_one_technique_to_the_speedrun_preset_at
                 for f, v in {**vars(cfg.train.optim), **vars(cfg.model)}.items()
                 if v != {**vars(preset.train.optim), **vars(preset.model)}[f]
             }
+            if "cautious" in label:  # the gate, beside the decay it gates (the row before it)
+                assert moved == {"muon_weight_decay": 0.1, "cautious_wd": True}, (label, moved)
+                continue
             assert len(moved) == 1, (label, moved)
             changed.append(next(iter(moved.items())))
         assert ("muon_ortho", "polar_express") in changed and ("muon_momentum_warmup", 31) in changed
+        assert {("value_embeds", 1), ("unet_skips", True), ("muon_weight_decay", 0.1)} <= set(changed)
 
 
 def test_gpt2_recipe_bench_scales_each_presets_schedule_to_the_run():

@@ -136,6 +136,7 @@ SHAPES = {
     "untied": dict(tie_embeddings=False),
     "rmsnorm": dict(norm="rmsnorm"),
     "modern": dict(ARCHS["modern"], n_kv_head=2),
+    "value_unet": dict(ARCHS["modern"], n_kv_head=2, value_embeds=1, unet_skips=True),
 }
 
 
@@ -163,6 +164,11 @@ def test_param_count_of_each_option_against_gpt2s():
     assert param_count(cfg.replace(norm="rmsnorm")) == n - (2 * L + 1) * 2 * h
     for unchanged in (dict(qk_norm=True), dict(mlp_act="relu2"), dict(logit_softcap=15.0), dict(zero_init_proj=True)):
         assert param_count(cfg.replace(**unchanged)) == n, unchanged
+    # value_embeds: k tables as wide as the values (n_kv_head x head_dim) and two mixing weights in each of the 2k
+    # layers that take one; unet_skips: a weight per skip, n_layer // 2 of them (one with 3 layers).
+    assert param_count(cfg.replace(value_embeds=1)) == n + V * h + 2 * 2
+    assert param_count(cfg.replace(value_embeds=1, n_kv_head=1)) == param_count(cfg.replace(n_kv_head=1)) + V * 8 + 4
+    assert param_count(cfg.replace(unet_skips=True)) == n + 1
     assert "lm_head.weight" in weight_shapes(cfg.replace(tie_embeddings=False))
     assert "transformer.wpe.weight" not in weight_shapes(cfg.replace(rope=True))
 
@@ -190,6 +196,8 @@ def test_shape_fields_are_the_marked_fields():
         "norm",
         "tie_embeddings",
         "logit_softcap",
+        "value_embeds",
+        "unet_skips",
     )
     assert {f.name for f in dataclasses.fields(ModelConfig)} - set(ModelConfig.shape_fields()) == {
         "dropout",

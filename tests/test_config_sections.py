@@ -36,6 +36,7 @@ ADDED_SINCE = {
     "muon_ortho": "newton_schulz",
     "muon_momentum_warmup": 0,
     "muon_momentum_start": 0.85,
+    "cautious_wd": False,
 }
 """Fields added after d1ce9c0 (issue 74's mixtures), with the defaults that keep what an older file meant: one
 source, no weights."""
@@ -48,7 +49,7 @@ def test_every_training_field_is_in_exactly_one_section_and_the_flags_are_unchan
     # the 64 names d1ce9c0 had, every flag and preset key still meaning it, the mixture's two since, and the
     # embeddings' and head's learning rates, Muon's orthogonalisation and momentum warmup
     assert set(fields) == set(old_flat) | set(ADDED_SINCE)
-    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data", *["optim"] * 5]
+    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data", *["optim"] * 6]
     for preset in TRAIN_PRESETS.values():
         assert set(preset) <= set(SECTION_OF)
 

@@ -25,11 +25,14 @@ from _helpers import (
 
 MODERN = ["--arch", "modern", "--doc-attention", "--embed-lr", "0.03", "--head-lr", "0.002"]
 """Every option on, the embeddings' and the untied head's own learning rates too (issue 76)."""
-GPT2_SPEEDRUN = ["--preset", "gpt2-speedrun", "--muon-momentum-warmup", "5", "--muon-ortho", "polar_express"]
+GPT2_SPEEDRUN = [
+    *("--preset", "gpt2-speedrun", "--muon-momentum-warmup", "5", "--muon-ortho", "polar_express"),
+    *("--value-embeds", "1", "--unet-skips", "true", "--cautious-wd", "true", "--muon-weight-decay", "0.1"),
+]
 """The GPT-2-size recipe (issue 76) at the tiny shape: the modern model, attention within documents, Muon with its
 momentum warming up over steps 0-4 (so a resume at step 3 lands inside the warmup and runs past its end), the
-embeddings' and the head's rates, no weight decay or clipping, the WSD schedule to 0; and Polar Express for
-Muon's orthogonalisation (issue 76's techniques, each opt-in: every one on here)."""
+embeddings' and the head's rates, no clipping, the WSD schedule to 0; and issue 76's techniques, each opt-in, every
+one on here: Polar Express for Muon's orthogonalisation, value embeddings, U-net skips, cautious weight decay."""
 MAX_STEPS, CKPT_INTERVAL = 6, 3
 
 
@@ -81,6 +84,8 @@ def test_two_modern_ranks_equal_one_with_accumulation(tmp_path, shakespeare_shar
         "4",
         "--muon-ortho",
         "polar_express",
+        *("--value-embeds", "1", "--unet-skips", "true"),
+        *(("--cautious-wd", "true", "--muon-weight-decay", "0.1") if optimizer == "muon" else ()),
     ]
     two = run(flags(shakespeare_shards, tmp_path / "two", *extra), nproc=2, log_dir=tmp_path / "l2")
     assert two.proc.returncode == 0, two.output()

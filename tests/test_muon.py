@@ -397,3 +397,50 @@ def test_the_flag_reaches_muon_and_a_wrong_name_is_refused():
     assert plain.ortho == "newton_schulz"  # the default: torch's iteration, as before
     with pytest.raises(ValueError, match=r"muon_ortho='polar' must be one of \('newton_schulz', 'polar_express'\)"):
         OptimConfig(muon_ortho="polar")
+
+
+def test_cautious_weight_decay_decays_only_where_the_update_shrinks_the_weight():
+    """--cautious-wd against the rule written out (arXiv 2510.12402, modded-nanogpt's record of 2025-11-10):
+    p <- p - lr*wd*p*[ortho*p >= 0] - scale*ortho, on a matrix whose update has the weight's sign at some entries
+    and not at others; off, every entry decays (the default step, unchanged)."""
+    from gpt2.core.config import OptimConfig
+    from gpt2.train.muon import _adjust_lr
+
+    torch.manual_seed(0)
+    p0, g = torch.randn(48, 16), torch.randn(48, 16)
+    lr, wd, momentum = 0.05, 0.5, 0.95
+
+    def one_step(cautious: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        p = torch.nn.Parameter(p0.clone())
+        muon = Muon(
+            [p], lr=lr, momentum=momentum, weight_decay=wd, nesterov=True, adjust_lr_fn="original",
+            ns_dtype=torch.float32, cautious_wd=cautious,
+        )  # fmt: skip
+        p.grad = g.clone()
+        muon.step()
+        group = muon.param_groups[0]
+        update = g.lerp((1 - momentum) * g, momentum)  # Nesterov's first step from an empty buffer
+        return p.detach(), muon.orthogonalise(update, group), group
+
+    got, ortho, group = one_step(True)
+    scale = _adjust_lr(lr, "original", p0.shape)
+    shrinks = ortho * p0 >= 0
+    assert 0.2 < shrinks.float().mean() < 0.8  # both kinds of entry are there
+    want = torch.where(shrinks, p0 * (1 - lr * wd), p0) - scale * ortho
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    plain, _, _ = one_step(False)
+    torch.testing.assert_close(plain, p0 * (1 - lr * wd) - scale * ortho, rtol=0, atol=1e-6)
+    assert not torch.allclose(plain[~shrinks], got[~shrinks])
+    torch.testing.assert_close(plain[shrinks], got[shrinks], rtol=0, atol=1e-6)
+    assert make_muon_from_flags(cautious_wd=True).cautious_wd and not make_muon_from_flags().cautious_wd
+    with pytest.raises(ValueError, match=r"cautious_wd=True gates Muon's weight decay: add --optimizer muon"):
+        OptimConfig(cautious_wd=True)
+
+
+def make_muon_from_flags(**optim):
+    from gpt2.core.config import OptimConfig
+    from gpt2.core.precision import FLOAT32
+    from gpt2.train.optim import make_optimizer
+
+    cfg = OptimConfig(optimizer="muon", **optim)
+    return make_optimizer(tiny_model(), cfg, CPU, peak_lr=0.01, prec=FLOAT32).optimizers["muon"]

@@ -105,6 +105,20 @@ class ModelConfig:
     the window. FlexAttention on CUDA wherever attention is compiled (any --compile-scope, fsdp), an exact dense
     mask elsewhere (gpt2/model/documents.py).
     How the weights are trained, not what they hold: a checkpoint resumes either way and exports as GPT-2."""
+    value_embeds: int = field(default=0, metadata=SHAPE)
+    """Value-embedding tables (0: none).
+
+    k token-indexed tables of n_kv_head x head_dim, each mixed into the values of two layers, the first k and
+    the last k in U-net order (layer i and layer n_layer-k+i take table i; the middle layers none), as
+    v = a * v + b * table[token] with a and b learned per layer from 0.5 (modded-nanogpt's records of 2024-12-04
+    to 2024-12-17, which use 3). Lookups, no matmul: k x vocab_size x kv width more parameters, no more FLOPs.
+    Needs 2k <= n_layer."""
+    unet_skips: bool = field(default=False, metadata=SHAPE)
+    """U-net skip connections between the blocks.
+
+    The first n_layer // 2 blocks' outputs are kept and added, last first, to the inputs of the last n_layer // 2
+    (block n_layer-1-i takes block i's), each scaled by a learned weight from 1 (modded-nanogpt's record of
+    2024-11-10): n_layer // 2 more parameters (transformer.skip.weight)."""
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -199,7 +213,31 @@ def _architecture_problems(cfg: ModelConfig) -> list[str]:
         p.append(f"rope_base={cfg.rope_base} must be > 1")
     if cfg.logit_softcap is not None and not cfg.logit_softcap > 0:
         p.append(f"logit_softcap={cfg.logit_softcap} must be > 0, or none for no cap")
+    k = cfg.value_embeds
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0 or 2 * k > cfg.n_layer:
+        p.append(
+            f"value_embeds={k!r} must be an integer from 0 to n_layer // 2 = {cfg.n_layer // 2}: each table feeds "
+            "one of the first and one of the last layers"
+        )
     return p
+
+
+def value_embed_table(cfg: ModelConfig, layer: int) -> int | None:
+    """The value-embedding table layer `layer` mixes into its values (ModelConfig.value_embeds), or None:
+    the first k layers take tables 0..k-1 and the last k the same tables again, in the same order."""
+    k, n = cfg.value_embeds, cfg.n_layer
+    if layer < k:
+        return layer
+    if layer >= n - k:
+        return layer - (n - k)
+    return None
+
+
+def unet_halves(cfg: ModelConfig) -> tuple[int, int]:
+    """(skips, first decoder block) of unet_skips: the first n_layer // 2 blocks keep their outputs, which the
+    last n_layer // 2 take, last first (block n_layer-1-i takes block i's; with an odd n_layer the middle block
+    takes none). Weights: one per skip."""
+    return cfg.n_layer // 2, cfg.n_layer - cfg.n_layer // 2
 
 
 MODERN = dict(
@@ -284,11 +322,17 @@ LM_HEAD = "lm_head.weight"
 
 
 def lookup_tables(cfg: ModelConfig) -> tuple[str, ...]:
-    """The weights only indexed, never multiplied: the position table (if any) and, when the LM head is
-    untied, the token embedding (the head's matmul has its own weight). FLOPs and autocast copies leave
+    """The weights only indexed, never multiplied: the position table (if any), the value embeddings and, when
+    the LM head is untied, the token embedding (the head's matmul has its own weight). FLOPs and autocast copies leave
     them out (gpt2/plan/flops.py, gpt2/plan/memory.py)."""
     names = () if cfg.rope else (POSITION_EMBEDDING,)
+    names += value_embed_names(cfg)
     return names if cfg.tie_embeddings else (*names, TOKEN_EMBEDDING)
+
+
+def value_embed_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The value-embedding tables' weights (ModelConfig.value_embeds): lookups, trained like the embeddings."""
+    return tuple(f"transformer.ve.{j}.weight" for j in range(cfg.value_embeds))
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -308,24 +352,34 @@ def _weight_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     def linear(n_in: int, n_out: int) -> dict:
         return {"weight": (n_out, n_in), **({"bias": (n_out,)} if cfg.bias else {})}
 
-    block = {
-        "ln_1": norm,
-        "attn.c_attn": linear(h, cfg.qkv_dim),
-        "attn.c_proj": linear(h, h),
-        "ln_2": norm,
-        "mlp.c_fc": linear(h, cfg.mlp_dim),
-        "mlp.c_proj": linear(cfg.mlp_dim, h),
-    }
+    def block(i: int) -> dict:
+        # value_embeds: a layer with a table has its two mixing weights, the attention module's own parameter,
+        # which named_parameters lists before its submodules'.
+        lambdas = {} if value_embed_table(cfg, i) is None else {"attn": {"v_lambdas": (2,)}}
+        return {
+            "ln_1": norm,
+            **lambdas,
+            "attn.c_attn": linear(h, cfg.qkv_dim),
+            "attn.c_proj": linear(h, h),
+            "ln_2": norm,
+            "mlp.c_fc": linear(h, cfg.mlp_dim),
+            "mlp.c_proj": linear(cfg.mlp_dim, h),
+        }
+
     shapes = {TOKEN_EMBEDDING: (cfg.vocab_size, h)}
     if not cfg.rope:  # RoPE rotates q and k instead of adding a learned position
         shapes[POSITION_EMBEDDING] = (cfg.block_size, h)
     for i in range(cfg.n_layer):
         shapes |= {
             f"transformer.h.{i}.{module}.{kind}": shape
-            for module, params in block.items()
+            for module, params in block(i).items()
             for kind, shape in params.items()
         }
     shapes |= {f"transformer.ln_f.{kind}": shape for kind, shape in norm.items()}
+    # The options' own modules come after GPT-2's, in the order GPT registers them.
+    shapes |= {name: (cfg.vocab_size, cfg.n_kv_head * cfg.head_dim) for name in value_embed_names(cfg)}
+    if cfg.unet_skips:
+        shapes["transformer.skip.weight"] = (unet_halves(cfg)[0],)
     if not cfg.tie_embeddings:
         shapes[LM_HEAD] = (cfg.vocab_size, h)
     return tuple(shapes.items())
@@ -632,11 +686,17 @@ class OptimConfig(TrainSection):
     """Muon's decoupled weight decay.
 
     p *= 1 - muon_lr * muon_weight_decay each step."""
+    cautious_wd: bool = False
+    """Decay only where Muon shrinks the weight.
+
+    Cautious weight decay (Chen et al. 2025, arXiv 2510.12402; modded-nanogpt's record of 2025-11-10): the
+    decay of --muon-weight-decay applies to the entries whose update has the weight's sign, and leaves the
+    others alone. Needs --muon-weight-decay > 0 to do anything."""
     embed_lr: float | None = None
     """The embeddings' peak lr.
 
-    None: --lr's. The token and position embeddings in AdamW groups of their own, on the same schedule (a share of lr
-    each step, as Muon's groups are): modded-nanogpt's records train them far faster than the rest (0.3
+    None: --lr's. The token, position and value embeddings in AdamW groups of their own, on the same schedule (a
+    share of lr each step, as Muon's groups are): modded-nanogpt's records train them far faster than the rest (0.3
     against the head's 0.002 at GPT-2 size, its record of 2024-11-03). Tied to the head, the one matrix
     takes embed_lr."""
     head_lr: float | None = None
@@ -659,6 +719,8 @@ class OptimConfig(TrainSection):
             )
         if self.muon_ortho not in MUON_ORTHOS:
             p.append(f"muon_ortho={self.muon_ortho!r} must be one of {MUON_ORTHOS}")
+        if self.cautious_wd and self.optimizer != "muon":
+            p.append("cautious_wd=True gates Muon's weight decay: add --optimizer muon, or drop --cautious-wd")
         if self.muon_momentum_warmup < 0 or not 0 <= self.muon_momentum_start < 1:
             p.append(
                 f"muon_momentum_warmup={self.muon_momentum_warmup} must be >= 0 steps and "

@@ -5,8 +5,9 @@ optional grouped-query heads and a KV cache for generation.
 ModelConfig's architecture options (each off by default, docs/modern.md) change parts of it: rotary
 positions instead of the learned table (rope), RMS-normalised queries and keys (qk_norm), a ReLU^2 MLP
 (mlp_act), parameter-free RMSNorm (norm), an untied LM head (tie_embeddings), soft-capped logits
-(logit_softcap) and zero-initialised output projections (zero_init_proj). Off, the model is the GPT-2
-above: the same parameters, initialised by the same random draws in the same order.
+(logit_softcap), zero-initialised output projections (zero_init_proj), value embeddings (value_embeds) and U-net
+skip connections (unet_skips). Off, the model is the GPT-2 above: the same parameters, initialised by the same
+random draws in the same order.
 
 This module does no printing and knows nothing of torch.distributed.
 """
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig, param_count
+from gpt2.core.config import GPT2_VOCAB_SIZE, ModelConfig, param_count, unet_halves, value_embed_table
 from gpt2.model import documents
 from gpt2.model.fp8 import fp8_linear, logits_dtype
 from gpt2.model.loss import linear_cross_entropy
@@ -125,12 +126,21 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.residual_projection = True  # scaled init, see GPT._init_weights
         self.c_proj.zero_init = cfg.zero_init_proj
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        if value_embed_table(cfg, layer) is not None:
+            # value_embeds: v = a * v + b * value embedding, (a, b) from (0.5, 0.5) as modded-nanogpt's.
+            self.v_lambdas = nn.Parameter(torch.full((2,), 0.5))
 
     def forward(
-        self, x: Tensor, kv_cache: KVCache | None = None, rope: tuple[Tensor, Tensor] | None = None, docs=None
+        self,
+        x: Tensor,
+        kv_cache: KVCache | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        docs=None,
+        ve: Tensor | None = None,
     ) -> Tensor:
         """rope: the (cos, sin) of these positions (rope_tables) with ModelConfig.rope, else None. docs: the
-        documents' mask with ModelConfig.doc_attention (attend), else None."""
+        documents' mask with ModelConfig.doc_attention (attend), else None. ve: this layer's value embedding of
+        the tokens (B, T, n_kv_head * head_dim) with ModelConfig.value_embeds, else None."""
         B, T, C = x.shape
         kv_dim = self.n_kv_head * self.head_dim
         q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
@@ -144,6 +154,8 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:  # the cache then holds rotated keys: each is rotated once, at its own position
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
+        if ve is not None:  # in v's dtype: an fp32 table would make v, and what SDPA saves, fp32 under autocast
+            v = self.v_lambdas[0].to(v.dtype) * v + self.v_lambdas[1].to(v.dtype) * ve.to(v.dtype)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
@@ -207,19 +219,48 @@ class Block(nn.Module):
         self.checkpointed = checkpointed
 
     def forward(
-        self, x: Tensor, kv_cache: KVCache | None = None, rope: tuple[Tensor, Tensor] | None = None, docs=None
+        self,
+        x: Tensor,
+        kv_cache: KVCache | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        docs=None,
+        ve: Tensor | None = None,
     ) -> Tensor:
         if self.checkpointed and torch.is_grad_enabled():
             # Saves only x (B, T, h); backward reruns the block's forward for what it needs (the
             # RNG state is restored first, so dropout draws the same mask).
-            return checkpoint(self._forward, x, kv_cache, rope, docs, use_reentrant=False)
-        return self._forward(x, kv_cache, rope, docs)
+            return checkpoint(self._forward, x, kv_cache, rope, docs, ve, use_reentrant=False)
+        return self._forward(x, kv_cache, rope, docs, ve)
 
     def _forward(
-        self, x: Tensor, kv_cache: KVCache | None, rope: tuple[Tensor, Tensor] | None = None, docs=None
+        self,
+        x: Tensor,
+        kv_cache: KVCache | None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        docs=None,
+        ve: Tensor | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, rope, docs)
+        x = x + self.attn(self.ln_1(x), kv_cache, rope, docs, ve)
         return x + self.mlp(self.ln_2(x))
+
+
+def value_embedding(cfg: ModelConfig) -> nn.Embedding:
+    """One value-embedding table (value_embeds): a value per token, as wide as one layer's values. Made without
+    drawing (nn.Embedding's own init would), and drawn by GPT after every other weight: GPT-2's draws stay
+    GPT-2's, a tied LM head's included (drawn when apply reaches lm_head, after the tables' modules)."""
+    kv = cfg.n_kv_head * cfg.head_dim
+    table = nn.Embedding(cfg.vocab_size, kv, _weight=torch.empty(cfg.vocab_size, kv))
+    table.drawn_last = True
+    return table
+
+
+class UNetSkipWeights(nn.Module):
+    """unet_skips' weights, one per skip connection, from 1: a module of its own so that the state-dict name
+    (transformer.skip.weight) sits after GPT-2's."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
 
 
 LOSS_IMPLS = ("chunked", "full")
@@ -262,6 +303,9 @@ class GPT(nn.Module):
                 drop=nn.Dropout(cfg.dropout),
                 h=nn.ModuleList(Block(cfg, i, checkpointed=activation_checkpointing) for i in range(cfg.n_layer)),
                 ln_f=make_norm(cfg),
+                # The options' own modules after GPT-2's, so that without them every draw is GPT-2's.
+                **({"ve": nn.ModuleList(map(value_embedding, [cfg] * cfg.value_embeds))} if cfg.value_embeds else {}),
+                **({"skip": UNetSkipWeights(unet_halves(cfg)[0])} if cfg.unet_skips else {}),
             )
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -278,6 +322,8 @@ class GPT(nn.Module):
         else:
             self.logit_bias = None
         self.apply(self._init_weights)
+        for table in self.transformer.ve if cfg.value_embeds else ():
+            nn.init.normal_(table.weight, mean=0.0, std=0.02)  # as the token embedding
 
     def _init_weights(self, module: nn.Module) -> None:
         # GPT-2 init: N(0, 0.02); projections into the residual stream scaled by 1/sqrt(2*n_layer)
@@ -294,7 +340,7 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
+        elif isinstance(module, nn.Embedding) and not getattr(module, "drawn_last", False):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self) -> int:
@@ -326,8 +372,7 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
         docs = self.document_mask(idx, kv_cache) if self.config.doc_attention else None
-        for block in self.transformer.h:
-            x = block(x, kv_cache, rope, docs)
+        x = self.blocks(x, idx, kv_cache, rope, docs)
         if kv_cache is not None:
             kv_cache.pos += T
         if targets is not None and not return_logits:
@@ -338,6 +383,20 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
         return (logits if return_logits else None), loss
+
+    def blocks(self, x: Tensor, idx: Tensor, kv_cache: KVCache | None, rope, docs) -> Tensor:
+        """Every block in turn, with each layer's value embedding (value_embeds) and the U-net skips (unet_skips)."""
+        tables = [table(idx) for table in self.transformer.ve] if self.config.value_embeds else []
+        encoder, decoder = unet_halves(self.config) if self.config.unet_skips else (0, 0)
+        kept = []
+        for i, block in enumerate(self.transformer.h):
+            if encoder and i >= decoder:  # the last `encoder` blocks take the first ones' outputs, last first
+                x = x + self.transformer.skip.weight[i - decoder].to(x.dtype) * kept.pop()
+            j = value_embed_table(self.config, i) if tables else None
+            x = block(x, kv_cache, rope, docs, None if j is None else tables[j])
+            if i < encoder:
+                kept.append(x)
+        return x
 
     def document_mask(self, idx: Tensor, kv_cache: KVCache | None):
         """doc_attention's mask for these tokens (gpt2/model/documents.py): their document numbers, continuing

@@ -101,6 +101,8 @@ WHAT_GPT2_HAS = {
     "norm": "LayerNorm with a gain and a bias",
     "tie_embeddings": "the LM head tied to the token embedding; this export writes no separate head",
     "logit_softcap": "no cap on the logits",
+    "value_embeds": "no value embeddings",
+    "unet_skips": "no skip connections between blocks",
 }
 """The architecture options (ModelConfig, docs/modern.md) GPT2LMHeadModel has no setting for: what it has instead."""
 

@@ -99,7 +99,11 @@ def warm_up(cfg, *, prec: Precision = FLOAT32, loss_impl: str = "chunked", compi
     does before it measures."""
     from gpt2.model.gpt import GPT
 
-    tiny = cfg.replace(n_layer=1, n_head=1, n_kv_head=None, n_embd=8, block_size=8, dropout=0.0)
+    # Two layers with value embeddings: one table is the most a 1-layer model could not have.
+    layers = 2 if cfg.value_embeds else 1
+    tiny = cfg.replace(
+        n_layer=layers, n_head=1, n_kv_head=None, n_embd=8, block_size=8, dropout=0.0, value_embeds=layers // 2
+    )
     with torch.random.fork_rng(devices=[]):  # the run's random numbers are not the warm-up's
         torch.manual_seed(0)
         train_steps(GPT(tiny, loss_impl=loss_impl), 1, 2, prec=prec, compiled=compiled)

@@ -537,14 +537,32 @@ def activation_bytes(
         # fsdp), its block mask is a few bytes per 128 x 128 block and attention saves what flash does: not counted.
         per_token_layer += s * T
     per_token_rest = 8 + 8 + layer_norm + s * h  # token ids, targets, ln_f, LM-head input
+    # value_embeds: a layer with a table saves the mixed values SDPA takes (where it took a view of c_attn's output)
+    # and, for its mixing weight, the table's values: under autocast a copy cast to v's dtype per layer, else the
+    # fp32 lookup itself, one per table (measured with saved_tensors_hooks, tests/test_value_unet.py).
+    # Checkpointed, each table's fp32 lookup is an input every checkpoint keeps, and one layer's exist at a time.
+    kv = cfg.n_kv_head * cfg.head_dim
+    value_layers = 2 * cfg.value_embeds
+    per_value_layer = 2 * s * kv if prec.autocasts else s * kv
+    tables = 0 if prec.autocasts else cfg.value_embeds * 4 * kv
+    lambdas = value_layers * 2 * s if prec.autocasts else 0  # the mixing weights cast, per layer
+    # unet_skips: with an even n_layer the first decoder block takes its own input as its skip, so that input is
+    # saved by the skip's product and the sum by the block: one fp32 residual more (odd: the middle block has none).
+    per_token_rest += 4 * h if cfg.unet_skips and cfg.n_layer % 2 == 0 else 0
     per_token_rest += (h if device_type == "cuda" else 4 * h) if cfg.dropout > 0 else 0  # embedding's
     if checkpointed:
         # With so little saved, the backward's own transients in the block being differentiated show: the
         # gradient arriving at its output (fp32 residual) and the MLP hidden's gradient (4h wide). Measured
         # against the CPU allocator's peak in tests/test_activation_checkpointing.py.
         backward = 4 * h + s * cfg.mlp_dim
-        return batch * T * (L * 4 * h + per_token_layer + backward + per_token_rest) + min(L, 1) * per_layer_mask
-    return batch * T * (L * per_token_layer + per_token_rest) + L * per_layer_mask
+        values = cfg.value_embeds * 4 * kv + min(value_layers, 1) * per_value_layer
+        return (
+            batch * T * (L * 4 * h + per_token_layer + backward + per_token_rest + values)
+            + min(L, 1) * per_layer_mask
+            + lambdas
+        )
+    values = value_layers * per_value_layer + tables
+    return batch * T * (L * per_token_layer + per_token_rest + values) + L * per_layer_mask + lambdas
 
 
 def block_backward_bytes(

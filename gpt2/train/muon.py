@@ -174,6 +174,7 @@ class Muon(torch.optim.Muon):
         ns_dtype: torch.dtype = torch.bfloat16,
         dist: Dist | None = None,
         ortho: str = "newton_schulz",
+        cautious_wd: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(params, **kwargs)
@@ -182,6 +183,8 @@ class Muon(torch.optim.Muon):
         self.ns_dtype = ns_dtype
         self.dist = dist if dist is not None and dist.is_distributed else None
         self.ortho = ortho
+        # An attribute, not a group key: a saved state's groups replace these ones on load, and older ones lack it.
+        self.cautious_wd = cautious_wd
 
     def orthogonalise(self, update: Tensor, group: dict) -> Tensor:
         """The group's Newton-Schulz (its ns_coefficients, ns_steps and eps, as torch's), or Polar Express's."""
@@ -258,17 +261,21 @@ class Muon(torch.optim.Muon):
             for i, part in zip(mine[src], parts):
                 self._apply(group, params[i], part.view(params[i].shape), lr)
 
-    @staticmethod
-    def _apply(group: dict, param: Tensor, ortho: Tensor, lr: float) -> None:
+    def _apply(self, group: dict, param: Tensor, ortho: Tensor, lr: float) -> None:
         """The update of a whole matrix, or (FSDP) of this rank's shard of it: the same rows of the
-        whole orthogonalised matrix as the shard's (sliced here, no communication)."""
+        whole orthogonalised matrix as the shard's (sliced here, no communication). cautious_wd: the decay
+        only where the update (param -= scale * ortho) has the weight's sign, so shrinks it too."""
         scale = _adjust_lr(lr, group["adjust_lr_fn"], param.shape)  # the whole matrix's shape
         if _is_dtensor(param):
             from torch.distributed.tensor import distribute_tensor
 
             ortho = distribute_tensor(ortho, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param = param.to_local()  # a view: updated in place
-        param.mul_(1 - lr * group["weight_decay"])
+        decay = lr * group["weight_decay"]
+        if self.cautious_wd and decay:
+            param.sub_(param * (ortho * param >= 0) * decay)
+        else:
+            param.mul_(1 - decay)
         param.add_(ortho, alpha=-scale)
 
 

@@ -9,7 +9,8 @@ is meaningful for a matrix that maps activations to activations. So the 2-D weig
 transformer blocks (attention qkv and output, MLP in and out: ~85M of GPT-2 small's 124M) go to
 Muon. Everything else stays on AdamW: the token embedding is a lookup table whose rows are updated
 independently (and tied to the LM head, whose update scale is that of the logits), the position
-embedding likewise, and biases and LayerNorm gains are vectors, which Muon does not define. An untied
+embedding and the value embeddings likewise, and biases, LayerNorm gains and the value-embedding and U-net
+mixing weights are vectors, which Muon does not define. An untied
 LM head (ModelConfig.tie_embeddings=False, lm_head.weight) is outside the blocks, so AdamW's too: it maps
 to the logits, not to hidden activations. This is the split of modded-nanogpt's speedrun records and of
 torch.optim.Muon's documentation.
@@ -47,7 +48,12 @@ def adamw_groups(named, weight_decay: float, optim: OptimConfig | None, peak_lr:
 
 
 EMBEDDINGS = ("transformer.wte.weight", "transformer.wpe.weight")
+VALUE_EMBEDDINGS = "transformer.ve."  # ModelConfig.value_embeds' tables: lookups, trained as the embeddings
 HEAD = "lm_head.weight"
+
+
+def is_embedding(name: str) -> bool:
+    return name in EMBEDDINGS or name.startswith(VALUE_EMBEDDINGS)
 
 
 def own_lr_groups(named, optim: OptimConfig | None, peak_lr: float, weight_decay: float) -> list[dict]:
@@ -59,8 +65,8 @@ def own_lr_groups(named, optim: OptimConfig | None, peak_lr: float, weight_decay
     if problem := tied_head_lr_problem(HEAD not in {n for n, _ in named}, optim):
         raise ValueError(problem)
     out = []
-    for lr, wanted in ((optim.embed_lr, EMBEDDINGS), (optim.head_lr, (HEAD,))):
-        params = [p for n, p in named if n in wanted]
+    for lr, wanted in ((optim.embed_lr, is_embedding), (optim.head_lr, lambda name: name == HEAD)):
+        params = [p for n, p in named if wanted(n)]
         if lr is not None and params:
             out.append({"params": params, "weight_decay": weight_decay, "lr_scale": lr / peak_lr})
     return out
@@ -162,5 +168,6 @@ def make_optimizer(
             ns_dtype=ns_dtype,
             dist=dist,
             ortho=optim.muon_ortho,
+            cautious_wd=optim.cautious_wd,
         ),
     )
