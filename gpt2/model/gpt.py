@@ -97,6 +97,10 @@ def rope_tables(pos: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor
     return angles.cos(), angles.sin()
 
 
+Rope = tuple[Tensor, Tensor] | None
+"""The (cos, sin) of a forward's positions (rope_tables) with ModelConfig.rope, else None."""
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (B, T, heads, hd) with each pair (j, j + hd/2) rotated by its position's angle j, in fp32 (the
     angles of long positions need it), returned in x's dtype."""
@@ -131,12 +135,7 @@ class CausalSelfAttention(nn.Module):
             self.v_lambdas = nn.Parameter(torch.full((2,), 0.5))
 
     def forward(
-        self,
-        x: Tensor,
-        kv_cache: KVCache | None = None,
-        rope: tuple[Tensor, Tensor] | None = None,
-        docs=None,
-        ve: Tensor | None = None,
+        self, x: Tensor, kv_cache: KVCache | None = None, rope: Rope = None, docs=None, ve: Tensor | None = None
     ) -> Tensor:
         """rope: the (cos, sin) of these positions (rope_tables) with ModelConfig.rope, else None. docs: the
         documents' mask with ModelConfig.doc_attention (attend), else None. ve: this layer's value embedding of
@@ -219,12 +218,7 @@ class Block(nn.Module):
         self.checkpointed = checkpointed
 
     def forward(
-        self,
-        x: Tensor,
-        kv_cache: KVCache | None = None,
-        rope: tuple[Tensor, Tensor] | None = None,
-        docs=None,
-        ve: Tensor | None = None,
+        self, x: Tensor, kv_cache: KVCache | None = None, rope: Rope = None, docs=None, ve: Tensor | None = None
     ) -> Tensor:
         if self.checkpointed and torch.is_grad_enabled():
             # Saves only x (B, T, h); backward reruns the block's forward for what it needs (the
@@ -233,12 +227,7 @@ class Block(nn.Module):
         return self._forward(x, kv_cache, rope, docs, ve)
 
     def _forward(
-        self,
-        x: Tensor,
-        kv_cache: KVCache | None,
-        rope: tuple[Tensor, Tensor] | None = None,
-        docs=None,
-        ve: Tensor | None = None,
+        self, x: Tensor, kv_cache: KVCache | None, rope: Rope = None, docs=None, ve: Tensor | None = None
     ) -> Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, rope, docs, ve)
         return x + self.mlp(self.ln_2(x))
