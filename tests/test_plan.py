@@ -849,3 +849,22 @@ def test_a_presets_architecture_is_planned_unless_arch_overrides_it(preset):
     assert planned.n_params == param_count(trained)
     gpt2_arch = plan_from_args(build_parser().parse_args(["--preset", preset, "--gpu", "H100-80GB", "--arch", "gpt2"]))
     assert gpt2_arch.cfg.tie_embeddings and not gpt2_arch.cfg.rope
+
+
+def test_the_planner_takes_the_value_embeddings_and_the_unet_skips_as_the_trainer_does():
+    """`python -m gpt2.plan --value-embeds 3 --unet-skips` plans the model train_ddp.py's same flags make: its
+    parameters (3 tables of 50304 x 768 at GPT-2 size, 6 layers' 2 mixing weights, 6 skip weights), and FLOPs per
+    token that grow by 6 per mixing or skip weight only (6N counts every parameter but the lookups, and the tables
+    are lookups)."""
+    from gpt2.core.config import param_count
+    from gpt2.plan.__main__ import build_parser, plan_from_args
+    from gpt2.plan.flops import flops_per_token
+    from gpt2.train.cli import parse_config
+
+    flags = ["--preset", "gpt2-speedrun", "--value-embeds", "3", "--unet-skips"]
+    trained = parse_config([*flags[:-1], "--unet-skips", "true", "--data-dir", "D", "--out-dir", "O"]).model
+    planned = plan_from_args(build_parser().parse_args([*flags, "--gpu", "H100-80GB"]))
+    plain = plan_from_args(build_parser().parse_args(["--preset", "gpt2-speedrun", "--gpu", "H100-80GB"]))
+    assert planned.cfg == trained and (trained.value_embeds, trained.unet_skips) == (3, True)
+    assert planned.n_params == param_count(trained) == plain.n_params + 3 * 50304 * 768 + 6 * 2 + 6
+    assert flops_per_token(planned.cfg, 1024) - flops_per_token(plain.cfg, 1024) == 6 * (6 * 2 + 6)

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention within documents, as train_ddp.py's: the dense mask counted where it runs (a CPU, eager "
         "CUDA), none where FlexAttention runs (compiled CUDA)",
     )
+    ap.add_argument(
+        "--value-embeds", type=int, help="value-embedding tables, as train_ddp.py's: their weights and saved values"
+    )
+    ap.add_argument("--unet-skips", action="store_true", help="U-net skip connections, as train_ddp.py's")
     ap.add_argument("--block-size", type=int, help="sequence length (default: the preset's)")
     ap.add_argument(
         "--micro-batch-size",
@@ -156,11 +160,12 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     """The run `train_ddp.py --preset P` would make (TRAIN_PRESETS[P]), with the flags' overrides."""
     overrides = {
         k: getattr(args, k)
-        for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "attn_impl", "block_size")
+        for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "attn_impl", "block_size", "value_embeds")
         if getattr(args, k) is not None
     }
-    if args.doc_attention:
-        overrides["doc_attention"] = True
+    for flag in ("doc_attention", "unet_skips"):
+        if getattr(args, flag):
+            overrides[flag] = True
     cfg = model_preset(args.preset, **{**(ARCHS[args.arch] if args.arch else {}), **overrides})  # over the preset's
     train = {
         **TRAIN_PRESETS.get(args.preset, {}),
