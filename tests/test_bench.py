@@ -17,8 +17,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def bench_process(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    """`python ARGS...` in the repository, its output captured: for a test that reads the exit status itself."""
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
 def run_bench(*args: str, timeout: int) -> str:
-    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    done = bench_process(*args, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "USDT" not in done.stderr, done.stderr[-3000:]  # kineto's profiler_start/stop lines (gpt2.plan)
     return done.stdout
@@ -877,12 +882,8 @@ def test_gpt2_recipe_bench_scales_each_presets_schedule_to_the_run():
 def test_gpt2_recipe_bench_prints_both_presets_val_by_step_and_exits_by_its_verdict():
     """A 2-step smoke: the table, and an exit status that says the verdict (0: gpt2-speedrun reached gpt2's final
     val loss, 1: not within the run; in 2 steps either may happen, CI's run of 4481749 read 1)."""
-    done = subprocess.run(
-        [sys.executable, "bench/gpt2_recipe.py", "--steps", "2", "--eval-every", "1", "--val-tokens", "256"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    done = bench_process(
+        "bench/gpt2_recipe.py", "--steps", "2", "--eval-every", "1", "--val-tokens", "256", timeout=600
     )
     out = done.stdout
     assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-2000:]
@@ -914,13 +915,7 @@ def test_time_to_loss_horizon_rows_end_the_speedrun_presets_decay_sooner():
         assert cfg.train.schedule.max_steps == h and cfg.model == preset.model
         assert dataclasses.replace(cfg.train.schedule, max_steps=own) == preset.train.schedule
         assert dataclasses.replace(cfg.train, schedule=preset.train.schedule) == preset.train
-    out = subprocess.run(
-        [sys.executable, "bench/time_to_loss.py", "--nanogpt", "none", "--target", "5", "--rows", "horizon"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = bench_process("bench/time_to_loss.py", "--nanogpt", "none", "--target", "5", "--rows", "horizon", timeout=300)
     assert out.returncode == 2 and "--rows horizon needs --shape large" in out.stderr
 
 
