@@ -61,6 +61,7 @@ from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
 
 from gpt2.core.config import TRAIN_PRESETS, RunConfig
+from gpt2.core.schedule import tokens_before
 from gpt2.distributed.group import single_process
 from gpt2.model.gpt import GPT
 from gpt2.plan import precision_choice
@@ -254,6 +255,8 @@ OPTIM_MOVES = [
     ("AdamW beta2 0.95 -> 0.99", ["--beta2", "0.99"]),
     ("AdamW weight decay 0.1 -> 0", ["--weight-decay", "0"]),
 ]
+HALF = "half"
+"""In a TECHNIQUES row's flags: half the shape's micro-batch for the preset (technique_rows puts the number in)."""
 TECHNIQUES = [
     # (row label, flags): issue 76's techniques, each an opt-in option added alone to --preset speedrun (its seeds).
     ("+ Polar Express (--muon-ortho polar_express)", ["--muon-ortho", "polar_express"]),
@@ -265,6 +268,14 @@ TECHNIQUES = [
     # Cautious weight decay gates a decay: beside it the same decay ungated, which the preset does not have.
     ("+ Muon weight decay 0.1", ["--muon-weight-decay", "0.1"]),
     ("+ Muon weight decay 0.1, cautious (--cautious-wd)", ["--muon-weight-decay", "0.1", "--cautious-wd", "true"]),
+    # A batch warmup needs 2 micro-steps a step (the presets take theirs in 1): the same halved micro-batch alone
+    # first, its control. modded-nanogpt's record of 2026-07-17 grows its batch in thirds over its run; here the
+    # first half of the steps to the target take half the batch.
+    ("+ micro-batch halved (the batch warmup's control)", ["--micro-batch-size", HALF]),
+    (
+        "+ batch warmup: half the batch for 16 steps",
+        ["--micro-batch-size", HALF, "--batch-warmup-steps", "16", "--batch-warmup-stages", "1"],
+    ),
 ]
 MODERN_PRESET = "speedrun"
 GOALS = {PRESET: 0.40, MODERN_PRESET: 0.15}
@@ -452,15 +463,23 @@ def seed_rows(preset: str, note: str, shape: Shape, seeds: int) -> list[tuple[st
     ]
 
 
+def tokens_to(cfg: RunConfig, steps: int) -> int:
+    """The tokens a run's first `steps` steps read (less than steps x the batch in a --batch-warmup-steps)."""
+    b = cfg.train.batch
+    return tokens_before(
+        steps, total=b.total_batch_size, warmup_steps=b.batch_warmup_steps, stages=b.batch_warmup_stages
+    )
+
+
 def technique_rows(shape: Shape, seeds: int) -> list[tuple[str, list[str]]]:
     """(label, full flags) of --preset speedrun at the shape with each of TECHNIQUES alone, at each seed; the labels
     do not start with --preset, so the rows do not count toward the preset's goal."""
+    preset = ["--preset", MODERN_PRESET, *shape.preset_flags]
+    half = str(parse_config([*preset, "--data-dir", "-", "--out-dir", "-"]).train.batch.micro_batch_size // 2)
     return [
-        (
-            f"{label} (--preset {MODERN_PRESET}, seed {seed})",
-            ["--preset", MODERN_PRESET, *shape.preset_flags, *extra, "--seed", str(seed)],
-        )
-        for label, extra in TECHNIQUES
+        (f"{label} (--preset {MODERN_PRESET}, seed {seed})", [*preset, *extra, "--seed", str(seed)])
+        for label, flags in TECHNIQUES
+        for extra in [[half if f == HALF else f for f in flags]]
         for seed in range(1337, 1337 + seeds)
     ]
 
@@ -675,7 +694,7 @@ def table(
             f"| {c.label} | {c.reached if c.reached is not None else f'not by {last}'} | "
             f"{statistics.median(t) if t else math.nan:.3f} | {'-' if secs is None else f'{secs:.1f}'} | "
             f"{ratio} | {c.val[last]:.4f} | {'-' if robust is None else f'{robust:.1f}'} | {robust_ratio} | "
-            f"{'-' if c.reached is None else f'{c.reached * c.cfg.train.batch.total_batch_size:,}'} |"
+            f"{'-' if c.reached is None else f'{tokens_to(c.cfg, c.reached):,}'} |"
         )
     summary = [
         f"- --preset {preset} over {len(ratios)} seed(s), {what} vs nanoGPT: "

@@ -852,16 +852,21 @@ def test_time_to_loss_technique_rows_add_one_technique_to_the_speedrun_preset_at
             assert not label.startswith("--preset") and label.endswith(("seed 1337)", "seed 1338)"))
             moved = {
                 f: v
-                for f, v in {**vars(cfg.train.optim), **vars(cfg.model)}.items()
-                if v != {**vars(preset.train.optim), **vars(preset.model)}[f]
+                for f, v in {**vars(cfg.train.optim), **vars(cfg.train.batch), **vars(cfg.model)}.items()
+                if v != {**vars(preset.train.optim), **vars(preset.train.batch), **vars(preset.model)}[f]
             }
             if "cautious" in label:  # the gate, beside the decay it gates (the row before it)
                 assert moved == {"muon_weight_decay": 0.1, "cautious_wd": True}, (label, moved)
+                continue
+            half = preset.train.batch.micro_batch_size // 2
+            if "batch warmup:" in label:  # with the halved micro-batch it needs, its control the row before it
+                assert moved == {"micro_batch_size": half, "batch_warmup_steps": 16, "batch_warmup_stages": 1}
                 continue
             assert len(moved) == 1, (label, moved)
             changed.append(next(iter(moved.items())))
         assert ("muon_ortho", "polar_express") in changed and ("muon_momentum_warmup", 31) in changed
         assert {("value_embeds", 1), ("unet_skips", True), ("muon_weight_decay", 0.1)} <= set(changed)
+        assert ("micro_batch_size", preset.train.batch.micro_batch_size // 2) in changed
 
 
 def test_gpt2_recipe_bench_scales_each_presets_schedule_to_the_run():

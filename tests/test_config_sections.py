@@ -37,6 +37,8 @@ ADDED_SINCE = {
     "muon_momentum_warmup": 0,
     "muon_momentum_start": 0.85,
     "cautious_wd": False,
+    "batch_warmup_steps": 0,
+    "batch_warmup_stages": 3,
 }
 """Fields added after d1ce9c0 (issue 74's mixtures), with the defaults that keep what an older file meant: one
 source, no weights."""
@@ -49,7 +51,7 @@ def test_every_training_field_is_in_exactly_one_section_and_the_flags_are_unchan
     # the 64 names d1ce9c0 had, every flag and preset key still meaning it, the mixture's two since, and the
     # embeddings' and head's learning rates, Muon's orthogonalisation and momentum warmup
     assert set(fields) == set(old_flat) | set(ADDED_SINCE)
-    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data", *["optim"] * 6]
+    assert [SECTION_OF[name] for name in ADDED_SINCE] == ["data", "data", *["optim"] * 6, "batch", "batch"]
     for preset in TRAIN_PRESETS.values():
         assert set(preset) <= set(SECTION_OF)
 

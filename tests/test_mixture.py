@@ -101,9 +101,13 @@ def test_each_source_gets_its_weight_at_every_scale(weights):
 
 def test_planned_draws_follow_a_schedule_of_weights():
     # 10 steps of 4 sequences at 0.75/0.25, then 0/1 from step 10 on, to step 20
-    got = planned_draws([(0, (0.75, 0.25)), (10, (0.0, 1.0))], rows_per_step=4, steps=20)
+    got = planned_draws([(0, (0.75, 0.25)), (10, (0.0, 1.0))], lambda step: 4 * step, steps=20)
     assert got == [30, 50]
-    assert planned_draws([(0, (0.5, 0.5)), (30, (1.0, 0.0))], rows_per_step=4, steps=20) == [40, 40]  # past the end
+    past_the_end = planned_draws([(0, (0.5, 0.5)), (30, (1.0, 0.0))], lambda step: 4 * step, steps=20)
+    assert past_the_end == [40, 40]
+    # a batch warmup: steps 0-9 take 2 rows each (20 at 0.75/0.25: 15 + 5), then 4 each (40 at 0/1)
+    warm = planned_draws([(0, (0.75, 0.25)), (10, (0.0, 1.0))], lambda s: 2 * min(s, 10) + 4 * max(0, s - 10), 20)
+    assert warm == [15, 45]
 
 
 # ---- the loader ------------------------------------------------------------------------------------------

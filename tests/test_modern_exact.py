@@ -1,7 +1,8 @@
 """Issue 56's "still exact" with every architecture option and attention within documents on: real processes
 (torchrun, gloo, CPU, fp32). A kill -9 resumes bitwise; 2 ranks equal 1 with accumulation (Muon and AdamW);
-FSDP equals DDP. The embeddings' and the head's own learning rates (--embed-lr, --head-lr) are on throughout; the
-kill -9 and FSDP runs train with --preset gpt2-speedrun's recipe (Muon's momentum warmup too, issue 76)."""
+FSDP equals DDP; each with issue 76's batch warmup on (BATCH_WARMUP). The embeddings' and the head's own learning
+rates (--embed-lr, --head-lr) are on throughout; the kill -9 and FSDP runs train with --preset gpt2-speedrun's
+recipe (Muon's momentum warmup too, issue 76)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ momentum warming up over steps 0-4 (so a resume at step 3 lands inside the warmu
 embeddings' and the head's rates, no clipping, the WSD schedule to 0; and issue 76's techniques, each opt-in, every
 one on here: Polar Express for Muon's orthogonalisation, value embeddings, U-net skips, cautious weight decay."""
 MAX_STEPS, CKPT_INTERVAL = 6, 3
+BATCH_WARMUP = ["--micro-batch-size", "2", "--batch-warmup-steps", "4", "--batch-warmup-stages", "1"]
+"""Issue 76's batch warmup: steps 0-3 take half of the 512 tokens (1 of 2 micro-steps on each of 2 ranks, 2 of 4 on
+one), so the kill -9's checkpoint at step 3 lands inside it and the resume runs past its end."""
 
 
 def flags(data_dir, out_dir, *extra, recipe=MODERN):
@@ -49,11 +53,11 @@ def flags(data_dir, out_dir, *extra, recipe=MODERN):
 @pytest.mark.slow
 def test_kill_9_resumes_the_gpt2_speedrun_recipe_bitwise(tmp_path, shakespeare_shards):
     """The modern model under the GPT-2-size recipe (Muon's momentum warmup, the own rates): bitwise after kill -9."""
-    ref_flags = flags(shakespeare_shards, tmp_path / "ref" / "run", recipe=GPT2_SPEEDRUN)
+    ref_flags = flags(shakespeare_shards, tmp_path / "ref" / "run", *BATCH_WARMUP, recipe=GPT2_SPEEDRUN)
     reference = uninterrupted_run(ref_flags, tmp_path / "ref", MAX_STEPS)
     run_dir, release = tmp_path / "run", tmp_path / "release"
     job = launch(
-        flags(shakespeare_shards, run_dir, recipe=GPT2_SPEEDRUN),
+        flags(shakespeare_shards, run_dir, *BATCH_WARMUP, recipe=GPT2_SPEEDRUN),
         nproc=2,
         log_dir=tmp_path,
         max_restarts=1,
@@ -74,7 +78,8 @@ def test_kill_9_resumes_the_gpt2_speedrun_recipe_bitwise(tmp_path, shakespeare_s
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 @pytest.mark.slow
 def test_two_modern_ranks_equal_one_with_accumulation(tmp_path, shakespeare_shards, optimizer):
-    """2 ranks x 4 == 1 rank x 2 micro-steps x 4, every option on; and it learns (the equality is not trivial)."""
+    """2 ranks x 2 micro-steps x 2 == 1 rank x 4 micro-steps x 2 (half of each in the batch warmup), every option
+    on; and it learns (the equality is not trivial)."""
     extra = [
         "--optimizer",
         optimizer,
@@ -86,6 +91,7 @@ def test_two_modern_ranks_equal_one_with_accumulation(tmp_path, shakespeare_shar
         "polar_express",
         *("--value-embeds", "1", "--unet-skips", "true"),
         *(("--cautious-wd", "true", "--muon-weight-decay", "0.1") if optimizer == "muon" else ()),
+        *BATCH_WARMUP,
     ]
     two = run(flags(shakespeare_shards, tmp_path / "two", *extra), nproc=2, log_dir=tmp_path / "l2")
     assert two.proc.returncode == 0, two.output()
@@ -100,7 +106,7 @@ def test_two_modern_ranks_equal_one_with_accumulation(tmp_path, shakespeare_shar
 @pytest.mark.slow
 def test_fsdp_equals_ddp_with_the_gpt2_speedrun_recipe(tmp_path, shakespeare_shards):
     """Muon's sharded matrices gathered for Newton-Schulz, the momentum warmup on the sharded groups."""
-    extra = ["--ckpt-interval", "0"]
+    extra = ["--ckpt-interval", "0", *BATCH_WARMUP]
     ddp = run(
         flags(shakespeare_shards, tmp_path / "ddp", *extra, recipe=GPT2_SPEEDRUN), nproc=2, log_dir=tmp_path / "ld"
     )

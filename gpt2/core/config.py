@@ -596,13 +596,33 @@ class BatchConfig(TrainSection):
     """Tokens per optimizer step, over all ranks.
 
     Summed over all ranks and accumulation steps."""
+    batch_warmup_steps: int = 0
+    """Steps over which the batch grows to total_batch_size (0: off).
+
+    0: every step takes total_batch_size. N > 0: the first N steps take a growing part of it, in
+    batch_warmup_stages equal stretches: 1/(stages+1), 2/(stages+1), ... of the tokens (fewer micro-steps on
+    every rank, the same data order), then all of it (modded-nanogpt's batch size schedule)."""
+    batch_warmup_stages: int = 3
+    """The batch warmup's smaller batches: stages 3 takes 1/4, 2/4, 3/4 of it.
+
+    Each stage must be whole micro-steps: the micro-steps per rank divide by stages + 1."""
 
     def problems(self) -> list[str]:
         p = []
         mb = self.micro_batch_size
         if mb != "auto" and (not isinstance(mb, int) or isinstance(mb, bool) or mb < 1):
             p.append(f"micro_batch_size={mb!r} must be a positive integer or auto")
-        return p + _at_least(self, 1, "total_batch_size")
+        p += _at_least(self, 1, "total_batch_size", "batch_warmup_stages") + _at_least(self, 0, "batch_warmup_steps")
+        parts = self.batch_warmup_stages + 1
+        if not p and self.batch_warmup_steps and self.total_batch_size % parts:
+            alts = [str(d - 1) for d in range(2, 10) if self.total_batch_size % d == 0]
+            p.append(
+                f"batch_warmup_stages={self.batch_warmup_stages} grows the batch in steps of 1/{parts} of "
+                f"total_batch_size={self.total_batch_size}, which does not divide by {parts}: pass "
+                + (f"--batch-warmup-stages {' or '.join(alts)}, or " if alts else "")
+                + f"a --total-batch-size that divides by {parts}"
+            )
+        return p
 
 
 @dataclass(frozen=True, kw_only=True)

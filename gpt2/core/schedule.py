@@ -89,3 +89,55 @@ def dividing_sizes(total_tokens: int, micro_batch: int, seq_len: int, world_size
         f"--total-batch-size {totals} (multiples of {per_step}); no smaller --micro-batch-size would, as "
         f"{total_tokens} is not a multiple of block_size*world_size = {seq_len * world_size}"
     )
+
+
+def batch_tokens_at(step: int, *, total: int, warmup_steps: int, stages: int) -> int:
+    """Tokens optimizer step `step` (from 0) takes under --batch-warmup-steps: in stage j of `stages` equal
+    stretches of the first warmup_steps steps (j = step * stages // warmup_steps), (j + 1) / (stages + 1) of
+    total; total from warmup_steps on, and throughout without a warmup. modded-nanogpt's record of
+    2026-07-17 grows its batch in thirds over its run (8, 16, 24 x 2048 x 8 tokens): small, cheap steps
+    while the early gradients point the same way, the whole batch once they need averaging. total is a
+    multiple of stages + 1 (BatchConfig checks it), so every stage is a whole number of tokens."""
+    if step >= warmup_steps:
+        return total
+    return total * (step * stages // warmup_steps + 1) // (stages + 1)
+
+
+def tokens_before(step: int, *, total: int, warmup_steps: int, stages: int) -> int:
+    """Tokens steps 0 .. step - 1 take (batch_tokens_at summed), in O(stages): stage j holds the steps s
+    with j * warmup_steps <= s * stages < (j + 1) * warmup_steps."""
+    done, warm = 0, min(step, warmup_steps)
+    for j in range(stages if warm else 0):
+        first = -(-j * warmup_steps // stages)  # ceil(j * warmup_steps / stages)
+        end = min(warm, -(-(j + 1) * warmup_steps // stages))
+        if end > first:
+            done += (end - first) * (total * (j + 1) // (stages + 1))
+    return done + (step - warm) * total
+
+
+def warmup_micro_steps(accum_steps: int, tokens: int, total: int) -> int:
+    """Micro-steps per rank of a step that takes `tokens` of the total's: its prefix of the layout (micro-step
+    m of rank r reads global rows (m * world + r) * B ...: the first k micro-steps of every rank are the
+    global batch's first k * world * B rows, whatever the world size). A ValueError when it is not whole."""
+    k, rest = divmod(accum_steps * tokens, total)
+    if rest or k < 1:
+        raise ValueError(f"a step of {tokens} tokens is not a whole number of the {accum_steps} micro-steps of {total}")
+    return k
+
+
+def batch_warmup_problem(total_tokens: int, micro_batch: int, seq_len: int, world_size: int, stages: int) -> str:
+    """Why --batch-warmup-stages cannot step this layout's batch in whole micro-steps ("" when it can): its
+    smallest stage, total_tokens / (stages + 1), must itself be micro_batch sequences on every rank, k times."""
+    parts, accum = stages + 1, grad_accum_steps(total_tokens, micro_batch, seq_len, world_size)
+    if accum % parts == 0:
+        return ""
+    seqs = total_tokens // (seq_len * world_size)  # sequences per rank per step
+    sizes = [b for b in range(1, micro_batch) if seqs % b == 0 and (seqs // b) % parts == 0]
+    alts = [d - 1 for d in range(2, accum + 1) if accum % d == 0]
+    fixes = [f"--micro-batch-size {' or '.join(map(str, sizes[-3:]))}"] if sizes else []
+    fixes += [f"--batch-warmup-stages {' or '.join(map(str, alts[:3]))}"] if alts else []
+    return (
+        f"--batch-warmup-stages {stages} steps the batch by 1/{parts} of it, whole micro-steps each, but a step is "
+        f"{accum} micro-step(s) per rank (micro_batch_size={micro_batch}, {world_size} rank(s)), which does not "
+        f"divide by {parts}: pass " + (" or ".join(fixes) if fixes else "a larger --total-batch-size")
+    )

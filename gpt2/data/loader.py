@@ -316,9 +316,10 @@ class TrainLoader:
         self._id_block = (first, block)
         return block[0]
 
-    def advance(self) -> None:
-        """Move to the next optimizer step's global batch."""
-        self.position += self.G
+    def advance(self, tokens: int | None = None) -> None:
+        """Move to the next optimizer step's global batch, past `tokens` (default: a whole step's; a batch
+        warmup's smaller step took the first micro-steps of the full one's rows, gpt2/core/schedule.py)."""
+        self.position += self.G if tokens is None else tokens
 
     def close(self) -> None:
         """Close the shard files and stop the read threads (also done when garbage-collected)."""

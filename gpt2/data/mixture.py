@@ -178,14 +178,15 @@ def weights_at(changes: list[tuple[int, tuple[int, ...]]], step: int) -> tuple[i
     return [w for s, w in changes if s <= step][-1]
 
 
-def planned_draws(changes, rows_per_step: int, steps: int) -> list[int]:
-    """Each source's sequences after `steps` optimizer steps of a fresh run (the plan and the dry run)."""
+def planned_draws(changes, rows_before, steps: int) -> list[int]:
+    """Each source's sequences after `steps` optimizer steps of a fresh run (the plan and the dry run);
+    rows_before(step): the sequences steps 0 .. step - 1 take."""
     changes = [(s, quantize(w)) for s, w in changes]
     schedule = Schedule([Segment(0, (0,) * len(changes[0][1]), weights_at(changes, 0))])
     for step, weights in changes:
         if 0 < step < steps:
-            schedule.change(step * rows_per_step, weights)
-    return schedule.drawn(steps * rows_per_step)
+            schedule.change(rows_before(step), weights)
+    return schedule.drawn(rows_before(steps))
 
 
 def describe_weights(names, weights) -> str:
@@ -359,10 +360,11 @@ class MixtureLoader:
 
     # -- moving on
 
-    def advance(self) -> None:
-        """Move to the next optimizer step's global batch; remember the epochs that began in this one."""
+    def advance(self, tokens: int | None = None) -> None:
+        """Move to the next optimizer step's global batch, past `tokens` (default: a whole step's, as
+        TrainLoader.advance); remember the epochs that began in this one."""
         before = self.drawn()
-        self.position += self.G
+        self.position += self.G if tokens is None else tokens
         for k, (source, n0, n1) in enumerate(zip(self.sources, before, self.drawn())):
             if n1 > n0 and source.epoch(n1 - 1) > source.epoch(max(n0 - 1, 0)):
                 self._epochs_begun.append((k, source.epoch(n1 - 1)))

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpt2.core.config import ModelConfig, RunConfig
-from gpt2.core.schedule import grad_accum_steps
+from gpt2.core.schedule import batch_warmup_problem, grad_accum_steps
 from gpt2.plan.flops import flops_per_token
 from gpt2.plan.hardware import Hardware
 from gpt2.plan.loss_choice import choose_loss_impl
@@ -115,7 +115,11 @@ def choose_micro_batch(cfg: RunConfig, hardware: Hardware, *, world_size: int, m
     if not fits:
         raise ValueError(does_not_fit(cfg, hardware, world_size=world_size))
     seqs = tc.batch.total_batch_size // (seq_len * world_size)  # sequences per rank per optimizer step
-    sizes = [b for b in range(1, min(fits, seqs) + 1) if seqs % b == 0]
+    # A batch warmup steps the batch by 1/(stages + 1) of it, whole micro-steps each (BatchConfig).
+    parts = tc.batch.batch_warmup_stages + 1 if tc.batch.batch_warmup_steps else 1
+    sizes = [b for b in range(1, min(fits, seqs) + 1) if seqs % (b * parts) == 0]
+    if not sizes:  # check_data refused the layouts where even 1 sequence does not divide
+        raise ValueError(batch_warmup_problem(tc.batch.total_batch_size, 1, seq_len, world_size, parts - 1))
     if tc.distributed.parallel == "fsdp" and world_size > 1:
         return MicroBatchChoice(
             sizes[-1],

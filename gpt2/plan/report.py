@@ -45,7 +45,7 @@ def format_plan(p: Plan) -> str:
         ),
         f"batch      micro_batch_size={p.micro_batch_size} x seq_len={p.seq_len} x world_size={p.world_size}"
         f" = {p.tokens_per_micro_step:,} tokens/micro-step; total_batch_size={p.total_batch_size:,} "
-        f"-> {p.grad_accum_steps} accumulation step(s)",
+        f"-> {p.grad_accum_steps} accumulation step(s)" + _batch_warmup(p),
         _memory_heading(p),
         f"  weights                {gib(m.weights)}  (fp32, 4 B/param{_per_shard(m)})",
     ]
@@ -129,6 +129,17 @@ def _recompute_line(p: Plan) -> str:
         f"(+{share:.0%}) recomputed, not in MFU; the estimate above spends {p.mfu:.0%} of the peak on both, "
         f"so the run's logged MFU would be {p.model_mfu:.0%}"
     )
+
+
+def _batch_warmup(p) -> str:
+    """The batch line's tail for --batch-warmup-steps: its stages' micro-steps (the first of each rank's)."""
+    b = p.run.train.batch
+    if not b.batch_warmup_steps:
+        return ""
+    n = b.batch_warmup_stages + 1
+    steps = ", ".join(str(p.grad_accum_steps * j // n) for j in range(1, n))
+    stretches = f"{b.batch_warmup_stages} equal stretches"
+    return f"; steps 0-{b.batch_warmup_steps - 1} warm up with {steps} of them ({stretches})"
 
 
 def _memory_heading(p: Plan) -> str:

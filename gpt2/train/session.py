@@ -27,7 +27,7 @@ from gpt2.train.optim import make_optimizer, param_groups
 from gpt2.train.run_log import RunLog, read_metrics
 from gpt2.train.startup import start
 from gpt2.train.state import Parts
-from gpt2.train.trainer import StepStats, close_run, evaluate, memory_mb, train_step
+from gpt2.train.trainer import StepStats, close_run, evaluate, memory_mb, step_tokens, train_step
 
 __all__ = ["Session", "parse_config", "read_metrics", "make_optimizer", "param_groups", "plain_newton_schulz"]
 
@@ -107,9 +107,15 @@ class Session:
         return self.parts.accum_steps
 
     def tokens_per_s(self, last: int | None = None) -> float:
-        """--total-batch-size tokens over the median of the last `last` step times (default: all)."""
-        times = sorted(self.step_s[-last:] if last else self.step_s)
-        return self.cfg.train.batch.total_batch_size / times[len(times) // 2]
+        """--total-batch-size tokens over the median of the last `last` step times (default: all); with a
+        batch warmup, the median of the steps' own rates (each step's tokens over its time)."""
+        batch, first = self.cfg.train.batch, max(0, len(self.step_s) - (last or len(self.step_s)))
+        if not batch.batch_warmup_steps:
+            times = sorted(self.step_s[first:])
+            return batch.total_batch_size / times[len(times) // 2]
+        start = self.parts.step - len(self.step_s)  # the 0-based step of step_s[0]
+        rates = sorted(step_tokens(batch, start + i) / s for i, s in enumerate(self.step_s) if i >= first)
+        return rates[len(rates) // 2]
 
     def memory_mb(self) -> float:
         """Peak memory so far: CUDA's allocated peak, or the process's resident peak on a CPU."""

@@ -44,6 +44,7 @@ from gpt2.core.compat import missing_features
 from gpt2.core.config import (
     EOT_TOKEN,
     TRAIN_PRESETS,
+    BatchConfig,
     ComputeConfig,
     DataConfig,
     DistributedConfig,
@@ -55,7 +56,7 @@ from gpt2.core.config import (
     train_values,
     weight_changes,
 )
-from gpt2.core.schedule import grad_accum_steps, lr_at
+from gpt2.core.schedule import batch_warmup_problem, grad_accum_steps, lr_at, tokens_before
 from gpt2.data.check import check_listed, prep_command, read_manifest, verify_shards
 from gpt2.data.loader import ShardSet, find_shards
 from gpt2.data.mixture import MixedShards, describe_weights, planned_draws
@@ -345,6 +346,14 @@ def announce(decided: Resolved, dist: Dist, parts: Parts, log: RunLog) -> None:
         f"{tc.batch.total_batch_size:,} tokens/step | device {dist.device} | {tc.compute.dtype} | compile "
         f"{tc.compute.compile}"
     )
+    b = tc.batch
+    if b.batch_warmup_steps:
+        n = b.batch_warmup_stages + 1
+        log.info(
+            f"batch      warmup over steps 0-{b.batch_warmup_steps - 1}: {b.batch_warmup_stages} equal stretches "
+            f"taking {', '.join(f'{j}/{n}' for j in range(1, n))} of each step's tokens (the first micro-steps "
+            f"of each rank's {decided.accum_steps}); all of them from step {b.batch_warmup_steps}"
+        )
     for line in parallel_notes(tc.distributed, decided.parallel, dist.world_size):
         log.info(line)
 
@@ -413,6 +422,19 @@ def configure_backends(compute: ComputeConfig, dist: Dist) -> None:
     set_cpu_threads(dist, compute.num_threads)
 
 
+def check_layout(bc: BatchConfig, T: int, world_size: int) -> None:
+    """The batch divides into micro-steps on world_size ranks, and a batch warmup's stages into whole ones: a
+    ValueError naming the sizes that would. auto is sized later, by the planner: here only "some micro-batch
+    divides" (1 sequence), and the planner then takes a micro-batch that divides the stages too."""
+    mb = 1 if bc.micro_batch_size == "auto" else bc.micro_batch_size
+    grad_accum_steps(bc.total_batch_size, mb, T, world_size)
+    problem = bc.batch_warmup_steps and batch_warmup_problem(
+        bc.total_batch_size, mb, T, world_size, bc.batch_warmup_stages
+    )
+    if problem:
+        raise ValueError(problem)
+
+
 def check_data(
     cfg: RunConfig, world_size: int, *, shards: bool = True
 ) -> tuple[ShardSet | MixedShards | None, ShardSet | MixedShards | None]:
@@ -426,10 +448,7 @@ def check_data(
     missing = missing_features(optimizer=tc.optim.optimizer, parallel=tc.distributed.parallel)
     if missing:  # this torch lacks a feature asked for: say which release has it, before anything starts
         raise ValueError("; ".join(missing))
-    if tc.batch.micro_batch_size == "auto":  # sized later, by the planner: here only "some micro-batch divides"
-        grad_accum_steps(tc.batch.total_batch_size, 1, cfg.model.block_size, world_size)
-    else:
-        grad_accum_steps(tc.batch.total_batch_size, tc.batch.micro_batch_size, cfg.model.block_size, world_size)
+    check_layout(tc.batch, cfg.model.block_size, world_size)
     if 0 < tc.eval.eval_tokens < cfg.model.block_size:
         raise ValueError(
             f"--eval-tokens {tc.eval.eval_tokens} is less than one sequence of --block-size "
@@ -585,16 +604,24 @@ Language Models"); more than 10 is past any deliberate choice, and usually a pre
 for a 10B-token corpus pointed at a small one (--preset gpt2 on 700K tokens: ~14,000 epochs)."""
 
 
+def planned_tokens(batch: BatchConfig, steps: int) -> int:
+    """The tokens steps 0 .. steps - 1 of a fresh run take (--batch-warmup-steps' smaller steps counted)."""
+    return tokens_before(
+        steps, total=batch.total_batch_size, warmup_steps=batch.batch_warmup_steps, stages=batch.batch_warmup_stages
+    )
+
+
 def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
     """How many passes over the train split the planned tokens (max_steps x total_batch_size) make, as a
     line; a warning when it is more than MANY_EPOCHS. Returns the epochs."""
     tc = cfg.train
-    planned = tc.schedule.max_steps * tc.batch.total_batch_size
+    planned = planned_tokens(tc.batch, tc.schedule.max_steps)
     epochs = planned / train_tokens
+    warm = f" (less in the {tc.batch.batch_warmup_steps:,}-step batch warmup)" if tc.batch.batch_warmup_steps else ""
     log.detail(
         f"epochs     {epochs:,.2f} over the train split: {tc.schedule.max_steps:,} steps x "
         f"{tc.batch.total_batch_size:,} "
-        f"tokens = {planned:,} tokens planned, the train shards hold {train_tokens:,}"
+        f"tokens{warm} = {planned:,} tokens planned, the train shards hold {train_tokens:,}"
     )
     if epochs > MANY_EPOCHS:
         one = max(1, train_tokens // tc.batch.total_batch_size)
@@ -618,8 +645,8 @@ def log_mixture(cfg: RunConfig, train: MixedShards, log) -> list[float]:
             f"{describe_weights(train.names, tc.data.weights)}"
         )
     changes = weight_changes(tc)
-    rows = tc.batch.total_batch_size // cfg.model.block_size
-    draws = planned_draws(changes, rows, tc.schedule.max_steps)
+    T = cfg.model.block_size
+    draws = planned_draws(changes, lambda step: planned_tokens(tc.batch, step) // T, tc.schedule.max_steps)
     epochs = [n * cfg.model.block_size / s.total_tokens for n, s in zip(draws, train.sets)]
     log.info(
         "mixture    "

@@ -21,8 +21,8 @@ import torch
 
 from gpt2.ckpt.rundir import own_run_dir
 from gpt2.core import precision
-from gpt2.core.config import EOT_TOKEN, OptimConfig, RunConfig, ScheduleConfig, TrainConfig
-from gpt2.core.schedule import lr_at, momentum_at
+from gpt2.core.config import EOT_TOKEN, BatchConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig
+from gpt2.core.schedule import batch_tokens_at, lr_at, momentum_at, tokens_before, warmup_micro_steps
 from gpt2.data.loader import ShardSet, TrainLoader
 from gpt2.data.mixture import MixedShards, MixtureEval, MixtureLoader
 from gpt2.data.shards import ShardError
@@ -185,16 +185,19 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
         parts.clock = ComputeClock(dist)
     if timed:
         parts.clock.start()
-    for micro_step in range(parts.accum_steps):
+    # --batch-warmup-steps: a smaller step is the first micro-steps of the full one's (schedule.warmup_micro_steps)
+    tokens = step_tokens(tc.batch, parts.step)
+    micro_steps = warmup_micro_steps(parts.accum_steps, tokens, tc.batch.total_batch_size)
+    for micro_step in range(micro_steps):
         x, y = micro_batch(parts, micro_step)
         # Decide gradient sync before the forward pass: DDP registers its hooks during forward.
-        last = micro_step == parts.accum_steps - 1
+        last = micro_step == micro_steps - 1
         sync = contextlib.nullcontext() if last or not dist.is_distributed else no_sync(parts.train_model)
         with sync:
             with autocast:
                 _, loss = parts.train_model(x, y, return_logits=False)  # the model's loss_impl path
-            if parts.accum_steps > 1:  # x / 1 is x bitwise: no kernel for it without accumulation
-                loss = loss / parts.accum_steps
+            if micro_steps > 1:  # x / 1 is x bitwise: no kernel for it without accumulation
+                loss = loss / micro_steps
             # The first micro-step's loss is the sum so far (0 + x is x): no zeros, no add, at 1 micro-step.
             loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach()
             if last and timed:
@@ -210,9 +213,9 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     grad_norm = clip_grad_norm(parts.model.parameters(), clip, dist)
     out = step_stats(parts, lr, loss_sum, grad_norm, stop_requested, dist)
     update(parts, out, dist)
-    parts.loader.advance()
+    parts.loader.advance(tokens)
     parts.step += 1
-    parts.tokens += tc.batch.total_batch_size
+    parts.tokens += tokens
     if isinstance(parts.loader, MixtureLoader):  # the next step's weights (a schedule's change), each source's tokens
         parts.loader.at_step(parts.step)
         out.sources, out.news = parts.loader.source_numbers(), parts.loader.news()
@@ -591,7 +594,7 @@ def log_step(run: Run, out: dict, dt: float, step: int, sources: dict | None = N
     (run.peak = None); against a GPU's data-sheet peak it proves this step's time wrong, and only this step's
     MFU is left out."""
     parts, tc, dist = run.parts, run.cfg.train, run.dist
-    tok_s = tc.batch.total_batch_size / dt
+    tok_s = step_tokens(tc.batch, step - 1) / dt  # step counts the steps done: its own is step - 1 from 0
     measured = measured_peak(dist.device)
     step_mfu, why = (
         checked_mfu(tok_s / dist.world_size, run.cfg.model, run.peak, measured=measured, step_s=dt)
@@ -634,7 +637,11 @@ def steps_summary(run: Run) -> str | None:
     if not times:
         return None
     median = statistics.median(times)
-    tok_s = run.cfg.train.batch.total_batch_size / median
+    batch = run.cfg.train.batch
+    if batch.batch_warmup_steps:  # steps of several sizes: the median of their rates
+        tok_s = statistics.median(step_tokens(batch, step - 1) / s for step, s in run.step_s[1:])
+    else:
+        tok_s = batch.total_batch_size / median
     value = mfu(tok_s / run.dist.world_size, run.cfg.model, run.peak) if run.peak else None
     first, last = run.step_s[1][0], run.step_s[-1][0]
     return (
@@ -644,11 +651,21 @@ def steps_summary(run: Run) -> str | None:
     )
 
 
+def step_tokens(batch: BatchConfig, step: int) -> int:
+    """The tokens optimizer step `step` (from 0) takes: --total-batch-size, less in a --batch-warmup-steps."""
+    return batch_tokens_at(
+        step, total=batch.total_batch_size, warmup_steps=batch.batch_warmup_steps, stages=batch.batch_warmup_stages
+    )
+
+
 def tokens_at(parts: Parts, cfg: RunConfig, step: int) -> int:
-    """Tokens consumed up to step `step` (at most parts.step, and of this run's steps: every step since
-    the start or resume took --total-batch-size tokens). A step's numbers are read one step late on
-    CUDA (run_loop), when parts.tokens already counts the next."""
-    return parts.tokens - (parts.step - step) * cfg.train.batch.total_batch_size
+    """Tokens consumed up to step `step` (at most parts.step): parts.tokens less the steps since (read one step
+    late on CUDA, run_loop, when parts.tokens already counts the next)."""
+    b = cfg.train.batch
+    later = functools.partial(
+        tokens_before, total=b.total_batch_size, warmup_steps=b.batch_warmup_steps, stages=b.batch_warmup_stages
+    )
+    return parts.tokens - (later(parts.step) - later(step))
 
 
 def close_run(parts: Parts, dist: Dist, log: RunLog) -> None:
