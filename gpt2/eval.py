@@ -24,7 +24,7 @@ from gpt2.core.args import OneLineParser
 from gpt2.core.config import data_dirs, normalised, parse_weights, source_name
 from gpt2.core.precision import FLOAT32, Precision
 from gpt2.data.hellaswag import HELLASWAG_URL, default_data_path, prepare_hellaswag
-from gpt2.distributed.group import Dist, broadcast_object
+from gpt2.distributed.group import Dist, rank0_decides
 from gpt2.model.gpt import GPT, unwrap
 from gpt2.plan import precision_choice
 from gpt2.train.scoring import hellaswag_eval, loader_loss
@@ -50,15 +50,7 @@ def val_shards_loss(
     shards = find_shards(data_dir, "val")
     # Their manifest, sha256 and token ids (an id the model cannot embed crashed the first forward), read
     # by rank 0 for every rank: val shards are small (the trainer reads them whole too).
-    problem = None
-    if dist.is_main:
-        try:
-            verify_shards(data_dir, {"val": shards}, "full")
-        except ValueError as e:
-            problem = str(e)
-    problem = broadcast_object(problem, dist)
-    if problem:
-        raise ValueError(problem)
+    rank0_decides(lambda: verify_shards(data_dir, {"val": shards}, "full"), dist, errors=(ValueError,))
     loader = EvalLoader(
         shards,
         micro_batch_size=batch_size,
@@ -180,8 +172,8 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
             dist = setup(info, device, timeout_s=600.0)
             set_cpu_threads(dist, args.num_threads)
             # rank 0 chooses for every rank (auto measures the CPU: ranks must not disagree)
-            chosen = precision_choice.resolve_precision(args.dtype, device) if dist.is_main else None
-            prec = broadcast_object(chosen, dist)  # the command line's string, parsed once, on rank 0
+            choose = lambda: precision_choice.resolve_precision(args.dtype, device)  # noqa: E731
+            prec = rank0_decides(choose, dist, errors=(ValueError,))
             if args.task == "hellaswag":
                 examples = prepare_hellaswag(args.data, dist, url=args.url, limit=args.limit)
             else:

@@ -1,8 +1,9 @@
 """gpt2/distributed/group.py: the per-rank share of the node's CPUs for inductor's compile workers; the
-rank's device."""
+rank's device; rank0_decides, the one way rank 0 decides for every rank."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._inductor.config as inductor_config
 
@@ -141,3 +142,51 @@ def test_resolve_device_uses_the_one_visible_gpu_whatever_local_rank_and_refuses
     with pytest.raises(ValueError, match="LOCAL_RANK=4 but only 4 CUDA devices are visible"):
         resolve_device("cuda", 4)
     assert resolve_device("cpu", 7) == torch.device("cpu")
+
+
+def test_rank0_decides_runs_on_rank_0_alone_and_every_rank_returns_or_raises_its_outcome(monkeypatch):
+    """Rank 0 decides; every rank takes what the broadcast carries (one rank's view at a time, the broadcast
+    replaced by what rank 0 sent); an error of `errors` is every rank's, anything else rank 0's alone."""
+    from gpt2.distributed import group
+    from gpt2.distributed.group import rank0_decides
+
+    def view(rank: int) -> Dist:
+        return Dist(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=torch.device("cpu"))
+
+    sent, calls = [], []
+    monkeypatch.setattr(group, "broadcast_object", lambda obj, dist: sent.append(obj) or obj)
+
+    def decide():
+        calls.append(1)
+        return {"micro_batch": 4}
+
+    assert rank0_decides(decide, view(0)) == {"micro_batch": 4} and calls == [1]
+    monkeypatch.setattr(group, "broadcast_object", lambda obj, dist: sent[-1])  # rank 1 receives rank 0's
+    assert rank0_decides(decide, view(1)) == {"micro_batch": 4} and calls == [1]  # rank 1 never decides
+
+    def refuse():
+        raise ValueError("no micro-batch fits: pass --activation-checkpointing full")
+
+    monkeypatch.setattr(group, "broadcast_object", lambda obj, dist: sent.append(obj) or obj)
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match="no micro-batch fits: pass --activation-checkpointing full"):
+            rank0_decides(refuse, view(rank), errors=(ValueError,))
+        monkeypatch.setattr(group, "broadcast_object", lambda obj, dist: sent[-1])
+    with pytest.raises(ValueError):  # not in errors: rank 0 raises before its broadcast
+        rank0_decides(refuse, view(0), errors=(OSError,))
+
+
+def test_rank0_decides_is_the_one_place_rank_0_broadcasts_a_decision():
+    """Issue 77: 'rank 0 decides, then broadcasts' was written by hand at 13 call sites; now once."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    files = [*(repo / "gpt2").rglob("*.py"), *(repo / "data_prep").rglob("*.py"), repo / "train_ddp.py"]
+    sites = [
+        f"{f.relative_to(repo)}:{i}"
+        for f in files
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if re.search(r"\bbroadcast_object\(", line) and not line.lstrip().startswith("def ")
+    ]
+    assert sites == ["gpt2/distributed/group.py:" + sites[0].split(":")[1]] and len(sites) == 1, sites

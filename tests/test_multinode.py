@@ -513,15 +513,18 @@ def test_loading_a_checkpoint_on_two_local_ranks_holds_about_one_copy_in_host_me
 
 
 def _view(monkeypatch, rank: int, local_rank: int, rank0_decision, others):
-    """Run choose_resume as `rank`, with rank 0's broadcast decision (kind, Start or message, the newest
-    checkpoint rank 0 sees, its host, the run id whose checkpoints count) and the other ranks' reports given."""
+    """Run choose_resume as `rank`, with rank 0's broadcast decision ((its Start, the newest checkpoint rank 0
+    sees, its host, the run id whose checkpoints count), or the error it raised) and the other ranks' reports
+    given."""
     import torch
 
     from gpt2.ckpt import resume
+    from gpt2.distributed import group
     from gpt2.distributed.group import Dist
 
     dist = Dist(rank=rank, local_rank=local_rank, world_size=2, local_world_size=1, device=torch.device("cpu"))
-    monkeypatch.setattr(resume, "broadcast_object", lambda obj, d: rank0_decision if rank else obj)
+    sent = (rank0_decision, None) if isinstance(rank0_decision, Exception) else (None, rank0_decision)
+    monkeypatch.setattr(group, "broadcast_object", lambda obj, d: sent if rank else obj)  # rank0_decides' own
     monkeypatch.setattr(resume, "all_gather_object", lambda obj, d: sorted([obj, *others]))
     return dist
 
@@ -541,7 +544,7 @@ def test_a_rank_that_sees_rank_0s_checkpoint_agrees_and_rehashes_once_per_node(t
     point = resume._point(path)
     hashed = []
     monkeypatch.setattr(resume.ckpt, "verify_checkpoint", lambda p: hashed.append(p))
-    decision = ("ok", resume.StartDecision(point, point.run_id), path.name, "node1", "*")
+    decision = (resume.StartDecision(point, point.run_id), path.name, "node1", "*")
     for local_rank in (0, 1):
         dist = _view(monkeypatch, 1, local_rank, decision, [(0, "node1", None)])
         assert resume.choose_resume("auto", tmp_path, dist, warn=print) == point
@@ -561,7 +564,7 @@ def test_a_rank_that_sees_another_file_under_the_same_name_refuses(tmp_path, mon
         monkeypatch,
         1,
         1,
-        ("ok", resume.StartDecision(point, None), "step_00000006.pt", "node1", "*"),
+        (resume.StartDecision(point, None), "step_00000006.pt", "node1", "*"),
         [(0, "node1", None)],
     )
     with pytest.raises(CheckpointError, match=r"rank 1 on \S+: sees a different step_00000006.pt"):
@@ -573,9 +576,7 @@ def test_rank_0_starting_fresh_while_another_node_sees_a_checkpoint_is_refused(t
     from gpt2.ckpt.checkpoint import CheckpointError
 
     _checkpoint(tmp_path, 6)  # what this rank (node 1) sees; rank 0 on node2 saw nothing
-    dist = _view(
-        monkeypatch, 1, 0, ("ok", resume.StartDecision(None, "new-run"), None, "node2", "*"), [(0, "node2", None)]
-    )
+    dist = _view(monkeypatch, 1, 0, (resume.StartDecision(None, "new-run"), None, "node2", "*"), [(0, "node2", None)])
     with pytest.raises(
         CheckpointError,
         match=r"rank 0 on node2 found no checkpoint .* would start fresh, but "
@@ -588,7 +589,7 @@ def test_rank_0s_error_is_raised_on_every_rank(tmp_path, monkeypatch):
     from gpt2.ckpt import resume
     from gpt2.ckpt.checkpoint import CheckpointError
 
-    dist = _view(monkeypatch, 1, 0, ("error", "--resume x.pt: no such checkpoint file", None, "node1", None), [])
+    dist = _view(monkeypatch, 1, 0, CheckpointError("--resume x.pt: no such checkpoint file"), [])
     with pytest.raises(CheckpointError, match="no such checkpoint file"):
         resume.choose_resume("x.pt", tmp_path, dist, warn=print)
 

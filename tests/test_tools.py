@@ -737,14 +737,14 @@ def test_missing_data_file_is_downloaded_or_the_error_says_how_to_get_it(tmp_pat
 
 def test_hellaswag_examples_reach_other_ranks_without_the_file(tmp_path, monkeypatch):
     """Rank 0 reads (or downloads) the file and broadcasts the examples: another node need not see it."""
-    import gpt2.data.hellaswag
+    from gpt2.distributed import group
 
     source = write_hellaswag(tmp_path / "rank0_only.jsonl")
     sent = []
-    monkeypatch.setattr(gpt2.data.hellaswag, "broadcast_object", lambda obj, dist: sent.append(obj) or obj)
+    monkeypatch.setattr(group, "broadcast_object", lambda obj, dist: sent.append(obj) or obj)  # rank0_decides'
     examples = prepare_hellaswag(source, ONE, url="http://127.0.0.1:9/never-fetched")
     rank1 = Dist(rank=1, local_rank=0, world_size=2, local_world_size=1, device=torch.device("cpu"))
-    monkeypatch.setattr(gpt2.data.hellaswag, "broadcast_object", lambda obj, dist: sent[0])  # what rank 0 sent
+    monkeypatch.setattr(group, "broadcast_object", lambda obj, dist: sent[0])  # what rank 0 sent
     got = prepare_hellaswag(tmp_path / "not_on_this_node.jsonl", rank1, url="http://127.0.0.1:9/never-fetched")
     assert got == examples and len(got) == 7
     assert not (tmp_path / "not_on_this_node.jsonl").exists()  # rank 1 neither read nor downloaded

@@ -35,7 +35,7 @@ from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import rundir
 from gpt2.core.atomic import atomic_write_bytes
 from gpt2.core.start_point import ResumePoint, StartDecision
-from gpt2.distributed.group import Dist, all_gather_object, broadcast_object
+from gpt2.distributed.group import Dist, all_gather_object, rank0_decides
 
 SHARED_DIR_HINT = (
     "Every rank must see the same run directory: put --out-dir on a filesystem every node "
@@ -132,22 +132,17 @@ def choose_start(resume: str, out_dir: str | Path, dist: Dist, warn) -> StartDec
     CheckpointError on every rank when rank 0's choice is not usable everywhere.
     """
     host = socket.gethostname()
-    decision = None
-    if dist.is_main:
+
+    def decide() -> tuple[StartDecision, str | None, str, str | None]:
         try:
             start, counted = _decide(resume, out_dir, warn)
-            decision = ("ok", start, newest_seen(out_dir, counted), host, counted)
-        except (ckpt.CheckpointError, OSError, ValueError) as e:
-            decision = (
-                "error",
-                f"--resume {resume}: {e}" if not isinstance(e, ckpt.CheckpointError) else str(e),
-                None,
-                host,
-                None,
-            )
-    kind, start, rank0_newest, rank0_host, counted = broadcast_object(decision, dist)
-    if kind == "error":
-        raise ckpt.CheckpointError(start)
+            return start, newest_seen(out_dir, counted), host, counted
+        except (OSError, ValueError) as e:
+            if isinstance(e, ckpt.CheckpointError):
+                raise
+            raise ckpt.CheckpointError(f"--resume {resume}: {e}") from None
+
+    start, rank0_newest, rank0_host, counted = rank0_decides(decide, dist, errors=(ckpt.CheckpointError,))
     if not dist.is_distributed:
         return start
     point = start.point

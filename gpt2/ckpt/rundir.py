@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from gpt2.core.atomic import fsync_dir
-from gpt2.distributed.group import Dist, broadcast_object
+from gpt2.distributed.group import Dist, rank0_decides
 
 RUN_INFO = "config.json"
 """RUN/config.json: the run's config, versions and hardware, and its run id (written by the trainer)."""
@@ -412,26 +412,24 @@ def own_run_dir(out_dir: str | Path, dist: Dist, info=print):
     ends. Rank 0 takes it before anything in RUN is touched; every rank takes its answer from the
     broadcast, so a refusal (RunDirBusy, exit 2) is every rank's and none trains into a held directory.
     Held by one process, so --dry-run (which never enters the block) and the other ranks take nothing."""
-    decision, lock = None, None
-    if dist.is_main:
+    held: list[RunLock] = []  # rank 0's, once taken
+
+    def take() -> str | None:
         try:
-            lock = RunLock.acquire(out_dir)
-            decision = ("ok", lock.taken_over)
-        except (ValueError, OSError) as e:  # RunDirBusy is a ValueError
-            decision = (
-                "error",
-                str(e)
-                if isinstance(e, RunDirBusy)
-                else f"cannot take {Path(out_dir) / LOCK} ({type(e).__name__}: {e}); check --out-dir and "
-                "its permissions",
-            )
+            held.append(RunLock.acquire(out_dir))
+        except RunDirBusy:
+            raise
+        except (ValueError, OSError) as e:
+            raise RunDirBusy(
+                f"cannot take {Path(out_dir) / LOCK} ({type(e).__name__}: {e}); check --out-dir and its permissions"
+            ) from None
+        return held[0].taken_over
+
     try:  # from here the lock, if taken, is released whatever fails (the broadcast too)
-        kind, detail = broadcast_object(decision, dist)
-        if kind == "error":
-            raise RunDirBusy(detail)
-        if detail is not None and dist.is_main:
-            info(f"run dir    took over {out_dir} from {detail}")
+        taken_over = rank0_decides(take, dist, errors=(RunDirBusy,))
+        if taken_over is not None and dist.is_main:
+            info(f"run dir    took over {out_dir} from {taken_over}")
         yield
     finally:
-        if lock is not None:
-            lock.release()
+        if held:
+            held[0].release()

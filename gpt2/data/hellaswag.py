@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2.core.atomic import atomic_write
-from gpt2.distributed.group import Dist, broadcast_object
+from gpt2.distributed.group import Dist, rank0_decides
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 N_ENDINGS = 4
@@ -101,16 +101,11 @@ def prepare_hellaswag(
     0's node: other nodes may not see rank 0's cache. A failure raises on every rank.
     """
     path = Path(path) if path else default_data_path()
-    result = None
-    if dist.is_main:
-        try:
-            if not path.is_file():
-                print(f"{path} not found: downloading {url}", file=sys.stderr, flush=True)
-                download(url, path)
-            result = ("ok", load_examples(path, limit))
-        except ValueError as e:
-            result = ("error", str(e))
-    kind, value = broadcast_object(result, dist)
-    if kind == "error":
-        raise ValueError(value)
-    return value
+
+    def read() -> list[Example]:
+        if not path.is_file():
+            print(f"{path} not found: downloading {url}", file=sys.stderr, flush=True)
+            download(url, path)
+        return load_examples(path, limit)
+
+    return rank0_decides(read, dist, errors=(ValueError,))

@@ -8,12 +8,16 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as tdist
 
 from gpt2.core.compat import set_default_timeout
+
+T = TypeVar("T")
 
 
 class CollectiveError(RuntimeError):
@@ -296,6 +300,25 @@ def broadcast_object(obj, dist: Dist):
     with collective("broadcast_object"):
         tdist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def rank0_decides(decide: Callable[[], T], dist: Dist, *, errors: tuple[type[Exception], ...] = ()) -> T:
+    """Rank 0 runs decide() and every rank returns its value: "rank 0 decides, then broadcasts", written once.
+
+    An exception of `errors` that decide() raises is raised on every rank instead (the same type and message),
+    so no rank goes on alone and none waits in a collective for a rank that has failed. decide() must let
+    nothing else escape: rank 0 would die before the broadcast the others wait in (until the timeout). Other
+    ranks never call decide()."""
+    outcome = None
+    if dist.is_main:
+        try:
+            outcome = (None, decide())
+        except errors as e:
+            outcome = (e, None)  # rank 0 raises e itself, its traceback kept; the others an unpickled copy
+    error, value = broadcast_object(outcome, dist)
+    if error is not None:
+        raise error
+    return value
 
 
 def exit_rank(code: int, grouped: bool) -> None:

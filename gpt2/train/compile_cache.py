@@ -41,7 +41,7 @@ import torch
 
 from gpt2.core import compat
 from gpt2.core.atomic import atomic_write_text
-from gpt2.distributed.group import Dist, all_gather_object, barrier, broadcast_object
+from gpt2.distributed.group import Dist, all_gather_object, barrier, rank0_decides
 
 AUTO = "auto"
 OFF = "off"
@@ -271,21 +271,21 @@ def use(setting: str, out_dir: str, dist: Dist, log) -> CompileCache | None:
     base, exclusive = root
     key = cache_key(dist.device)
     keys = {key_name(k): k for k in all_gather_object(key, dist)}  # a node of another GPU kind: its own
-    warnings, usable = [], True
-    if dist.is_main:
+
+    def checked() -> tuple[list[str], bool]:
+        warnings = []
         try:
             for name, k in sorted(keys.items()):
                 warnings += check(base / name, k, exclusive)
         except OSError as e:  # unwritable or full: the run goes on, compiling as if it had no cache
-            warnings, usable = (
-                [
-                    f"compile cache: {base}: {e.strerror or e}; compiling without it (pass a writable "
-                    f"--compile-cache DIR, or --compile-cache off)"
-                ],
-                False,
-            )
+            return [
+                f"compile cache: {base}: {e.strerror or e}; compiling without it (pass a writable "
+                f"--compile-cache DIR, or --compile-cache off)"
+            ], False
+        return warnings, True
+
     # Also the barrier: no rank compiles before rank 0 has checked.
-    warnings, usable = broadcast_object((warnings, usable), dist)
+    warnings, usable = rank0_decides(checked, dist)
     for w in warnings:
         log.warn(w)
     if not usable:

@@ -45,7 +45,7 @@ import torch
 
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.core.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, ModelConfig
-from gpt2.distributed.group import Dist, broadcast_object, collective
+from gpt2.distributed.group import Dist, collective, rank0_decides
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 HUB_REPO = "openai-community/{}"
@@ -263,24 +263,24 @@ def start_from_weights(
             f"(step {point.step}); it began from {spec}"
         )
         return earlier_record(out_dir, run_id) if dist.is_main else None
-    record, problem = None, None
-    if dist.is_main:
+
+    def load() -> dict:
         t0 = time.perf_counter()
         try:
             record = _load(model, describe_source(spec))
         except (ValueError, OSError, RuntimeError, KeyError) as e:  # CheckpointError is a ValueError
-            problem = _one_line(e) if _one_line(e).startswith("--init-from") else f"--init-from {spec}: {_one_line(e)}"
-        else:
-            log.info(
-                f"init from  {record['source']} | rank 0 read and hashed {record['bytes'] / 2**30:.2f} GiB in "
-                f"{time.perf_counter() - t0:.1f} s; step, optimizer, schedule and data position start fresh"
-            )
-    problem = broadcast_object(problem, dist)
-    if problem is not None:
-        raise ValueError(problem)
+            line = _one_line(e)
+            raise ValueError(line if line.startswith("--init-from") else f"--init-from {spec}: {line}") from None
+        log.info(
+            f"init from  {record['source']} | rank 0 read and hashed {record['bytes'] / 2**30:.2f} GiB in "
+            f"{time.perf_counter() - t0:.1f} s; step, optimizer, schedule and data position start fresh"
+        )
+        return record
+
+    record = rank0_decides(load, dist, errors=(ValueError,))
     if broadcast and dist.is_distributed:
         broadcast_weights(model, dist)
-    return record
+    return record if dist.is_main else None
 
 
 def broadcast_weights(model: torch.nn.Module, dist: Dist) -> None:

@@ -55,7 +55,7 @@ import torch
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import resume
 from gpt2.core.config import RunConfig, SpikeConfig
-from gpt2.distributed.group import Dist, broadcast_object, set_timeout
+from gpt2.distributed.group import Dist, rank0_decides, set_timeout
 from gpt2.train.run_log import RunLog
 from gpt2.train.state import Parts, finish_background_write, restore
 
@@ -292,13 +292,15 @@ def _roll_back_to_checkpoint(parts: Parts, cfg: RunConfig, dist: Dist, log: RunL
     if dist.is_main and parts.writer is not None:  # a write in flight must land before the directory is read
         if problem := finish_background_write(parts, log):
             log.warn(problem)
-    target = None
-    if dist.is_main:
+
+    def target_of() -> Path | None:
         try:
-            target = _target(tc.ckpt.out_dir, first, parts.run_id)
-        except OSError as e:  # the directory unreadable: no checkpoint to go back to (said below); rank 0 must
-            log.warn(f"spike guard: cannot list {ckpt.checkpoint_dir(tc.ckpt.out_dir)} ({e})")  # reach the broadcast
-    target = broadcast_object(target, dist)
+            return _target(tc.ckpt.out_dir, first, parts.run_id)
+        except OSError as e:  # the directory unreadable: no checkpoint to go back to (said below)
+            log.warn(f"spike guard: cannot list {ckpt.checkpoint_dir(tc.ckpt.out_dir)} ({e})")
+            return None
+
+    target = rank0_decides(target_of, dist)
     guard.rollbacks += 1
     rollbacks, position = guard.rollbacks, parts.loader.state_dict()
     # Just past the last spike's batches: on CUDA (late reads, gpt2/train/trainer.py run_loop) the loader is a

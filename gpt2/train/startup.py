@@ -64,7 +64,7 @@ from gpt2.data.shards import ShardError, read_tokens
 from gpt2.distributed import preempt
 from gpt2.distributed.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.distributed.fsdp import gathered_param_bytes
-from gpt2.distributed.group import Dist, broadcast_object, compile_threads, set_cpu_threads, usable_cpus
+from gpt2.distributed.group import Dist, compile_threads, rank0_decides, set_cpu_threads, usable_cpus
 from gpt2.plan import matmul_peak
 from gpt2.plan.budget import checkpoint_bytes
 from gpt2.plan.flops import format_flops, within_document_share
@@ -323,15 +323,14 @@ def check_before_moving(start: StartDecision, cfg: RunConfig, dist: Dist, train_
     Rank 0 checks; every rank raises its error alike."""
     if start.point is None or not (start.set_aside or start.abandon or finished_message(start, cfg.train)):
         return
-    problem = None
-    if dist.is_main:
+
+    def check() -> None:
         try:
             check_resumable(Path(start.point.path), cfg, train_shards, dist)
         except ValueError as e:  # CheckpointError, or a checkpoint too damaged to say
-            problem = str(e)
-    problem = broadcast_object(problem, dist)
-    if problem is not None:
-        raise CheckpointError(problem)
+            raise CheckpointError(str(e)) from None
+
+    rank0_decides(check, dist, errors=(CheckpointError,))
 
 
 def announce(decided: Resolved, dist: Dist, parts: Parts, log: RunLog) -> None:
@@ -573,21 +572,18 @@ def verify_data(data: DataConfig, shards: tuple[ShardSet, ShardSet | None], dist
     every shard once, which every rank of a node doing it too would multiply. Every rank raises its
     ShardError or none does."""
     train, val = shards
-    outcome = None
-    if dist.is_main:
+
+    def verify() -> list[str]:
+        said = []
         try:
-            said = []
             for k, d in enumerate(data.dirs):  # one source, or each of a mixture's
                 sets = {"train": source_set(train, k), **({"val": source_set(val, k)} if val is not None else {})}
                 said.append(verify_shards(d, sets, data.verify_data))
-            texts = said if len(said) == 1 else [f"{n}: {t}" for n, t in zip(data.names, said)]
-            outcome = ("ok", texts)
-        except (ShardError, OSError) as e:
-            outcome = ("error", str(e))
-    kind, text = broadcast_object(outcome, dist)
-    if kind == "error":
-        raise ShardError(text)
-    for line in text:
+        except OSError as e:
+            raise ShardError(str(e)) from None
+        return said if len(said) == 1 else [f"{n}: {t}" for n, t in zip(data.names, said)]
+
+    for line in rank0_decides(verify, dist, errors=(ShardError,)):
         log.detail(f"data       {line}")
 
 
@@ -728,10 +724,10 @@ precision changes the numbers (the resume would not continue bit for bit)."""
 def keep_decisions(cfg: RunConfig, start: StartDecision, dist: Dist, log: RunLog) -> RunConfig:
     """cfg with each KEPT_ON_RESUME field left at auto set to the value the continued run decided (its
     RUN/config.json, of the same run id, on as many ranks), each said in one line; a flag given now wins."""
-    kept = None
-    if dist.is_main and start.point is not None:
-        kept = decided_before(Path(cfg.train.ckpt.out_dir) / RUN_INFO, start.run_id, dist.world_size)
-    kept = broadcast_object(kept, dist) or {}
+    kept = {}
+    if start.point is not None:
+        info = Path(cfg.train.ckpt.out_dir) / RUN_INFO
+        kept = rank0_decides(lambda: decided_before(info, start.run_id, dist.world_size), dist) or {}
     now = cfg.train.flat()
     changes = {k: v for k, v in kept.items() if now[k] == "auto" and v != "auto"}
     for k, v in changes.items():
@@ -775,15 +771,7 @@ def resolve_auto(
     hypothetical GPU).
     """
     target = target or start_target(dist, hardware)
-    decision = None
-    if dist.is_main:
-        try:
-            decision = ("ok", resolve_choices(cfg, target, start=start))
-        except ValueError as e:
-            decision = ("error", str(e))
-    kind, answer = broadcast_object(decision, dist)
-    if kind == "error":
-        raise ValueError(answer)
+    answer = rank0_decides(lambda: resolve_choices(cfg, target, start=start), dist, errors=(ValueError,))
     log_auto(answer, log)
     return answer
 
@@ -851,8 +839,8 @@ def check_disk(decided: Resolved, dist: Dist, log: RunLog) -> None:
     before the first step: a full disk was said only when the first save failed, steps in. Not enough for
     one checkpoint is refused (every rank raises alike); enough for one but not for the most this run holds
     at once (--keep-checkpoints, and the new one written before the oldest is deleted) is one warning."""
-    verdict = (None, None)
-    if dist.is_main:
+
+    def verdict() -> tuple[str | None, str | None]:
         tc, start = decided.cfg.train, decided.start
         ckdir = checkpoint_dir(tc.ckpt.out_dir)
         existing = next(p for p in (ckdir, *ckdir.parents) if p.exists())  # the file system it will be on
@@ -861,7 +849,7 @@ def check_disk(decided: Resolved, dist: Dist, log: RunLog) -> None:
             held = sum(
                 1 for c in list_checkpoints(tc.ckpt.out_dir) if c.name not in start.abandon and belongs(c, start.run_id)
             )
-        verdict = disk_verdict(
+        return disk_verdict(
             tc.ckpt.out_dir,
             free=shutil.disk_usage(existing).free,
             size=checkpoint_bytes(decided.plan.cfg, decided.plan.memory.optimizer_name),
@@ -869,7 +857,8 @@ def check_disk(decided: Resolved, dist: Dist, log: RunLog) -> None:
             saves=saves_of(tc, 0 if start.point is None else start.point.step),
             held=held,
         )
-    problem, warning = broadcast_object(verdict, dist)
+
+    problem, warning = rank0_decides(verdict, dist)
     if problem is not None:
         raise ValueError(problem)
     if warning is not None:

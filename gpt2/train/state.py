@@ -45,7 +45,7 @@ from gpt2.data.loader import EvalLoader, TrainLoader
 from gpt2.data.mixture import MixtureEval, MixtureLoader, train_loader
 from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import is_sharded
-from gpt2.distributed.group import Dist, all_gather_object, barrier, broadcast_object
+from gpt2.distributed.group import Dist, all_gather_object, barrier, rank0_decides
 from gpt2.distributed.straggler import ComputeClock
 from gpt2.model.gpt import GPT
 from gpt2.train.optim import optimizer_kind
@@ -424,44 +424,33 @@ def save(
     if is_sharded(parts.model):
         save_sharded(parts, cfg, dist, log, [rng for rng, _ in gathered], requeue)
         return
-    if dist.is_main:
+    out_dir, keep = cfg.train.ckpt.out_dir, cfg.train.ckpt.keep_checkpoints
+
+    def write() -> None:  # rank 0's
         state = checkpoint_state(parts, cfg, dist, [rng for rng, _ in gathered])
         if background:
-            parts.writer.submit(
-                cfg.train.ckpt.out_dir,
-                parts.step,
-                state,
-                keep=cfg.train.ckpt.keep_checkpoints,
-                run_id=parts.run_id,
-                warn=log.warn,
-            )
+            parts.writer.submit(out_dir, parts.step, state, keep=keep, run_id=parts.run_id, warn=log.warn)
             log.info(f"checkpoint of step {parts.step}: writing it in the background")
-        else:
-            try:
-                path = ckpt.save_checkpoint(
-                    cfg.train.ckpt.out_dir,
-                    parts.step,
-                    state,
-                    keep=cfg.train.ckpt.keep_checkpoints,
-                    run_id=parts.run_id,
-                    warn=log.warn,
-                )
-            except (OSError, RuntimeError) as e:  # torch's RuntimeError hides ENOSPC in its context
-                problem = (
-                    f"writing the checkpoint of step {parts.step} failed "
-                    f"({ckpt.write_failure(e, ckpt.checkpoint_dir(cfg.train.ckpt.out_dir))}). The newest complete "
-                    "checkpoint is the one before it; free space or fix the run directory, then resume "
-                    "with --resume auto"
-                )
-            else:
-                log.info(f"saved checkpoint {path}")
-                if requeue is not None:  # after the checkpoint: the marker promises a complete one
-                    preempt.write_requeue_marker(cfg.train.ckpt.out_dir, {**requeue, "checkpoint": path.name})
-    if not background:
-        problem = broadcast_object(problem, dist)  # every rank raises rank 0's failure, none waits for it
-        if problem is not None:
-            raise CheckpointWriteError(problem)
-        barrier(dist)
+            return
+        try:
+            path = ckpt.save_checkpoint(out_dir, parts.step, state, keep=keep, run_id=parts.run_id, warn=log.warn)
+        except (OSError, RuntimeError) as e:  # torch's RuntimeError hides ENOSPC in its context
+            raise CheckpointWriteError(
+                f"writing the checkpoint of step {parts.step} failed "
+                f"({ckpt.write_failure(e, ckpt.checkpoint_dir(out_dir))}). The newest complete "
+                "checkpoint is the one before it; free space or fix the run directory, then resume "
+                "with --resume auto"
+            ) from None
+        log.info(f"saved checkpoint {path}")
+        if requeue is not None:  # after the checkpoint: the marker promises a complete one
+            preempt.write_requeue_marker(out_dir, {**requeue, "checkpoint": path.name})
+
+    if background:  # the writer reports a failure at a later step (gpt2/ckpt/writer.py): nobody waits here
+        if dist.is_main:
+            write()
+        return
+    rank0_decides(write, dist, errors=(CheckpointWriteError,))  # every rank raises rank 0's failure, none waits
+    barrier(dist)
 
 
 def save_sharded(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog, rngs: list[dict], requeue: dict | None) -> None:
