@@ -27,106 +27,126 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str] | None = None) -> tuple[int, bool]:
     """main's work: its exit code, and whether this process started a process group (exit_rank)."""
-    import os
-
-    launcher = os.getppid()  # first: under torchrun, the agent that started this worker
-    from gpt2.distributed.preempt import stop_with_launcher
-
-    stop_with_launcher(launcher)  # a worker whose torchrun dies stops (with a checkpoint), not trains on
-
-    from gpt2.train.cli import parse_command
-
-    # The flags first: a typo is one line at once, not after torch's import (seconds; ~25 s seen on a
-    # loaded machine).
-    cfg, rehearsal = parse_command(argv)  # exits 2 with a message on bad flags or values
-    from torch.distributed import DistError
-
-    from gpt2.ckpt.writer import CheckpointWriteError
-    from gpt2.distributed.group import (
-        CollectiveError,
-        compile_failure_message,
-        is_compile_failure,
-        resolve_device,
-        setup,
-        teardown,
-        world_from_env,
-    )
-    from gpt2.distributed.preempt import EXIT_REQUEUE, stop_exit_code
-    from gpt2.train.spike_guard import SpikeGuardError
-    from gpt2.train.startup import check_data
-    from gpt2.train.trainer import NonFiniteError, train
-
+    cfg, rehearsal = flags_first(argv)
     if rehearsal is not None:
         return dry_run(cfg, rehearsal), False
-    if cfg.train.compute.deterministic:  # before CUDA's first use: cuBLAS reads its workspace setting then
-        from gpt2.core import determinism
+    from gpt2.distributed.group import setup, teardown, world_from_env
+    from gpt2.distributed.preempt import EXIT_REQUEUE, stop_exit_code
+    from gpt2.train.trainer import train
 
-        try:
-            determinism.enable()
-        except ValueError as e:
-            print(f"train_ddp.py: error: {e}", file=sys.stderr)
-            return 2, False
-    dist = None
-    agreed = False  # every rank ends the same way (teardown's barrier): set on each path where that is known
+    dist, agreed = None, False  # agreed: every rank ends the same way (teardown's barrier)
     try:
         info = world_from_env()
         try:  # everything a user can get wrong is checked before the process group starts
-            device = resolve_device(cfg.train.compute.device, info.local_rank)
-            shards = check_data(cfg, info.world_size)
+            device, shards = preflight(cfg, info)
         except ValueError as e:  # ShardError is one too
             return refuse_before_group(e, info), False  # no process group yet
-        if info.world_size > 1:  # NCCL reads its Flight Recorder settings when the group starts
-            from gpt2.distributed.hang import flight_recorder_env
-
-            flight_recorder_env(cfg.train.ckpt.out_dir, device.type)
         dist = setup(info, device, cfg.train.distributed.dist_timeout_s)
         code = train(cfg, dist, shards)
         agreed = True
         return (stop_exit_code() if code == EXIT_REQUEUE else code), True
-    except ValueError as e:  # found after start-up alike on every rank (a CheckpointError, a model that
-        # does not fit): one message is enough
-        agreed = True
-        if dist is None or dist.is_main:
-            print(f"train_ddp.py: error: {e}", file=sys.stderr)
-        return 2, dist is not None
-    except (NonFiniteError, SpikeGuardError, CheckpointWriteError) as e:  # raised alike on every rank: one message
-        agreed = True
-        if dist is None or dist.is_main:
-            print(f"train_ddp.py: error: {e}", file=sys.stderr)
-        return 1, dist is not None
-    except (CollectiveError, DistError) as e:
-        # A peer died (connection closed) or hangs (--dist-timeout-s expired). Saying so beats a
-        # bare traceback; torchrun --max-restarts or a requeue then resumes from the checkpoint.
-        rank = dist.rank if dist is not None else "?"
-        print(
-            f"train_ddp.py: error: rank {rank}: a collective operation failed "
-            f"({(str(e).splitlines() or [type(e).__name__])[0]}); "
-            "another rank died, or did not answer within --dist-step-timeout-s "
-            f"{cfg.train.distributed.dist_step_timeout_s:g} "
-            f"(steady training) or --dist-timeout-s {cfg.train.distributed.dist_timeout_s:g} (start-up, checkpoints, "
-            "evaluation): its own log says why. Restarting (torchrun --max-restarts, a requeue) with --resume "
-            "auto continues from the newest checkpoint",
-            file=sys.stderr,
-        )
-        return 1, dist is not None
-    except OSError as e:
-        if e.errno is None:
+    except Exception as e:
+        failure = failure_of(e, cfg, dist)
+        if failure is None:  # not one of ours: the traceback says more than a line would
             raise
-        # Rank 0 writing into RUN (metrics.jsonl, config.json, a plot) after RUN became read-only,
-        # full or forbidden mid-run: one line, not the error chained to the lock's removal. Not
-        # agreed: rank 0 fails alone, and its exit ends its peers' next collective.
-        print(f"train_ddp.py: error: {run_dir_failure(e, cfg.train.ckpt.out_dir, dist)}", file=sys.stderr)
-        return 1, dist is not None
-    except RuntimeError as e:
-        if not is_compile_failure(e):
-            raise
-        # Not agreed: a rank on a node without the compiler fails alone, and its peers are left in
-        # their first collective until its exit ends the group.
-        rank = dist.rank if dist is not None else "?"
-        print(f"train_ddp.py: error: rank {rank}: {compile_failure_message(e)}", file=sys.stderr)
-        return 1, dist is not None
+        code, agreed, line = failure
+        if line is not None:
+            print(f"train_ddp.py: error: {line}", file=sys.stderr)
+        return code, dist is not None
     finally:
         teardown(dist, agreed=agreed)
+
+
+def flags_first(argv: list[str] | None):
+    """The RunConfig and --dry-run's target from argv, before torch's import: a typo is one line at once, not
+    after seconds (~25 s seen on a loaded machine); exits 2 with a message on bad flags or values. First of all,
+    under torchrun, this worker stops (with a checkpoint) when the agent that started it dies."""
+    import os
+
+    launcher = os.getppid()
+    from gpt2.distributed.preempt import stop_with_launcher
+
+    stop_with_launcher(launcher)
+    from gpt2.train.cli import parse_command
+
+    return parse_command(argv)
+
+
+def preflight(cfg, info):
+    """The checks before the process group starts, (device, shards) or a ValueError: --deterministic (before
+    CUDA's first use: cuBLAS reads its workspace setting then), the device, the data; and NCCL's Flight Recorder
+    settings, which it reads when the group starts."""
+    from gpt2.distributed.group import resolve_device
+    from gpt2.train.startup import check_data
+
+    if cfg.train.compute.deterministic:
+        from gpt2.core import determinism
+
+        determinism.enable()
+    device = resolve_device(cfg.train.compute.device, info.local_rank)
+    shards = check_data(cfg, info.world_size)
+    if info.world_size > 1:
+        from gpt2.distributed.hang import flight_recorder_env
+
+        flight_recorder_env(cfg.train.ckpt.out_dir, device.type)
+    return device, shards
+
+
+def failure_of(e: Exception, cfg, dist) -> tuple[int, bool, str | None] | None:
+    """An exception that ended the run -> (exit code, agreed, its one line or None for none): the first row of
+    failure_table() it matches, or None (not one of ours: raised as it is). Agreed: every rank raised it alike
+    (only rank 0 says it); not agreed: this rank failed alone, and its exit ends its peers' next collective."""
+    rank = dist.rank if dist is not None else "?"
+    for kinds, code, agreed, when, line in failure_table():
+        if isinstance(e, kinds) and when(e):
+            said = line(e, rank, cfg, dist)
+            return code, agreed, said if (not agreed or dist is None or dist.is_main) else None
+    return None
+
+
+def failure_table() -> list[tuple]:
+    """The exit codes (module docstring) by exception, first match wins: (types, code, agreed, when, line)."""
+    from torch.distributed import DistError
+
+    from gpt2.ckpt.writer import CheckpointWriteError
+    from gpt2.distributed.group import CollectiveError, compile_failure_message, is_compile_failure
+    from gpt2.train.spike_guard import SpikeGuardError
+    from gpt2.train.trainer import NonFiniteError
+
+    def always(_):
+        return True
+
+    def said(e, rank, cfg, dist):
+        return str(e)
+
+    def compile_failed(e, rank, cfg, dist):
+        return f"rank {rank}: {compile_failure_message(e)}"
+
+    def run_dir(e, rank, cfg, dist):
+        return run_dir_failure(e, cfg, dist)
+
+    return [
+        # found after start-up alike on every rank (a CheckpointError, a model that does not fit)
+        (ValueError, 2, True, always, said),
+        ((NonFiniteError, SpikeGuardError, CheckpointWriteError), 1, True, always, said),
+        # a peer died (connection closed) or hangs (--dist-timeout-s expired): saying so beats a bare traceback
+        ((CollectiveError, DistError), 1, False, always, collective_failure),
+        # rank 0 writing into RUN after it became read-only, full or forbidden mid-run: one line, not the error
+        # chained to the lock's removal
+        (OSError, 1, False, lambda e: e.errno is not None, run_dir),
+        # a rank on a node without the compiler fails alone; its peers wait in their first collective until then
+        (RuntimeError, 1, False, is_compile_failure, compile_failed),
+    ]
+
+
+def collective_failure(e, rank, cfg, dist) -> str:
+    d = cfg.train.distributed
+    return (
+        f"rank {rank}: a collective operation failed ({(str(e).splitlines() or [type(e).__name__])[0]}); another "
+        f"rank died, or did not answer within --dist-step-timeout-s {d.dist_step_timeout_s:g} (steady training) or "
+        f"--dist-timeout-s {d.dist_timeout_s:g} (start-up, checkpoints, evaluation): its own log says why. "
+        "Restarting (torchrun --max-restarts, a requeue) with --resume auto continues from the newest checkpoint"
+    )
 
 
 PEER_REFUSAL_GRACE_S = 20.0
@@ -151,13 +171,14 @@ def refuse_before_group(e: ValueError, info) -> int:
     return 2
 
 
-def run_dir_failure(e: OSError, out_dir: str, dist) -> str:
+def run_dir_failure(e: OSError, cfg, dist) -> str:
     """An OSError of the run in one line: the file and the system's words, what to do, and whether
     RUN/run.lock stays behind (a read-only RUN: the next start takes it over, its holder having exited)."""
     from pathlib import Path
 
     from gpt2.ckpt.rundir import LOCK
 
+    out_dir = cfg.train.ckpt.out_dir
     rank = dist.rank if dist is not None else "?"
     lock = Path(out_dir) / LOCK
     stays = f"; {lock} could not be removed: the next start takes it over" if lock.exists() else ""

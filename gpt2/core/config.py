@@ -597,13 +597,13 @@ class BatchConfig(TrainSection):
 
     Summed over all ranks and accumulation steps."""
     batch_warmup_steps: int = 0
-    """Steps over which the batch grows to total_batch_size (0: off).
+    """Smaller batches for the first N steps (0: off).
 
     0: every step takes total_batch_size. N > 0: the first N steps take a growing part of it, in
     batch_warmup_stages equal stretches: 1/(stages+1), 2/(stages+1), ... of the tokens (fewer micro-steps on
     every rank, the same data order), then all of it (modded-nanogpt's batch size schedule)."""
     batch_warmup_stages: int = 3
-    """The batch warmup's smaller batches: stages 3 takes 1/4, 2/4, 3/4 of it.
+    """The warmup's batch sizes: 3 takes 1/4, 2/4, 3/4.
 
     Each stage must be whole micro-steps: the micro-steps per rank divide by stages + 1."""
 
