@@ -97,7 +97,7 @@ class RandomWindows:
         y = np.stack([self.tokens[i + 1 : i + 1 + self.T] for i in ix])
         return torch.from_numpy(x), torch.from_numpy(y)
 
-    def advance(self) -> None:
+    def advance(self, tokens: int | None = None) -> None:
         pass
 
 

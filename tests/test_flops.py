@@ -183,9 +183,13 @@ def test_device_peak_flops_unlisted_cuda_gpu_is_none_not_measured(monkeypatch):
     assert device_peak_flops("cuda", torch.float16, tf32=False) == 65e12
 
 
-def test_device_peak_flops_measures_on_cpu_and_never_below_fp32():
+def test_device_peak_flops_measures_on_cpu_and_never_below_fp32(tmp_path, monkeypatch):
     """MFU is against the kernels that can run: where bf16 is emulated, compiled code may run fp32
-    kernels faster than the bf16 "peak", so an autocast peak is at least the fp32 rate."""
+    kernels faster than the bf16 "peak", so an autocast peak is at least the fp32 rate. In a cache of its own: its
+    fp16 peak is measured alternating with fp32's, which would otherwise rewrite the session's fp32 peak (measured
+    under the suite's load) for every later trainer start."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(matmul_peak, "_PEAKS", {})
     fp32 = peak_rate("cpu", torch.float32)
     assert device_peak_flops("cpu", torch.float32, tf32=False) == fp32
     for dtype in (torch.bfloat16, torch.float16):

@@ -1,6 +1,7 @@
 """--fp8-head (gpt2/model/fp8.py): the LM head's three matmuls in FP8 with per-tensor scales, training's
-loss only. On a CPU `_scaled_mm` runs (slowly) in the torch releases that have it there, so the maths is
-tested here; the speed and the 200-step loss A/B are the GPU's (bench/fp8_head.py, docs/performance.md)."""
+loss only. On a CPU the matmuls run in fp32 on the FP8 values (fp8._mm; held here to torch's own CPU `_scaled_mm`
+where this torch has it), so the maths is tested here; the speed and the 200-step loss A/B are the GPU's
+(bench/fp8_head.py, docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,25 @@ GIB = 2**30
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_cpus_fp32_matmul_is_torchs_scaled_mm_in_each_layout_the_head_uses(out_dtype):
+    """fp8._mm on a CPU (fp32 on the FP8 values: torch's CPU kernel takes a minute a head matmul on some CPUs)
+    against torch._scaled_mm itself, with the operands laid out as the forward and both backward matmuls pass them
+    (a row-major, b column-major, as CUDA requires), at shapes small enough for the slow kernel."""
+    g = torch.Generator().manual_seed(0)
+    x, w, grad = torch.randn(32, 64, generator=g), torch.randn(96, 64, generator=g), torch.randn(32, 96, generator=g)
+    (xq, xs), (wq, ws), (gq, gs) = fp8.to_fp8(x, fp8.E4M3), fp8.to_fp8(w, fp8.E4M3), fp8.to_fp8(grad, fp8.E5M2)
+    for a, b, sa, sb in (
+        (xq, wq.t(), xs, ws),  # forward: (N, C) @ (C, V)
+        (gq, wq.t().contiguous().t(), gs, ws),  # grad_x: (N, V) @ (V, C)
+        (gq.t().contiguous(), xq.t().contiguous().t(), gs, xs),  # grad_w: (V, N) @ (N, C)
+    ):
+        ours = fp8._mm(a, b, sa, sb, out_dtype)
+        theirs = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        assert ours.dtype == theirs.dtype == out_dtype and ours.shape == theirs.shape
+        assert rel(ours, theirs) < (1e-6 if out_dtype == torch.float32 else 4e-3), rel(ours, theirs)
 
 
 def test_fp8_linear_is_the_matmul_to_fp8s_precision_forward_and_backward():

@@ -160,7 +160,7 @@ class FixedBatch:
     def micro_batch(self, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x, self.y
 
-    def advance(self) -> None:
+    def advance(self, tokens: int | None = None) -> None:
         pass
 
     def close(self) -> None:
