@@ -552,6 +552,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the target val loss when nanoGPT is not run (--nanogpt none); else nanoGPT's",
     )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="keep the rows of ours whose label contains TEXT (repeatable: any of them), e.g. --only 'batch warmup'",
+    )
     nanogpt.add_side_by_side_flags(ap)
     return ap
 
@@ -579,6 +586,11 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.eval_every, args.seeds, args.val_tokens) < 1:
         print(f"{prog}: error: --steps, --eval-every, --seeds and --val-tokens must be at least 1", file=sys.stderr)
         return 2
+    plan = [row for row in planned_rows(rows, shape, args.seeds) if any(t in row[0] for t in args.only or [""])]
+    if not plan:
+        only = " ".join(f"--only {t!r}" for t in args.only)
+        print(f"{prog}: error: {only} keeps none of the rows of --rows {args.rows}", file=sys.stderr)
+        return 2
     require_corpus(args.corpus, prog)
     tree = nanogpt.tree_or_exit(args.nanogpt, args.nanogpt_commit, prog)
     command = "python bench/time_to_loss.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -589,7 +601,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps == shape.steps
         else ["--max-steps", str(args.steps), "--warmup-steps", "1", "--decay-steps", "0"]
     )
-    plan = planned_rows(rows, shape, args.seeds)
     nano_runs = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "shakespeare"

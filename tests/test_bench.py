@@ -922,6 +922,9 @@ def test_time_to_loss_horizon_rows_end_the_speedrun_presets_decay_sooner():
         assert dataclasses.replace(cfg.train, schedule=preset.train.schedule) == preset.train
     out = bench_process("bench/time_to_loss.py", "--nanogpt", "none", "--target", "5", "--rows", "horizon", timeout=300)
     assert out.returncode == 2 and "--rows horizon needs --shape large" in out.stderr
+    only = ["--nanogpt", "none", "--target", "5", "--rows", "techniques", "--only", "no such row"]
+    out = bench_process("bench/time_to_loss.py", *only, timeout=300)  # refused before any work
+    assert out.returncode == 2 and "--only 'no such row' keeps none of the rows of --rows techniques" in out.stderr
 
 
 def test_auto_under_load_judges_issue_73s_goals_and_runs_a_trial(tmp_path, monkeypatch, fake_clock):

@@ -286,24 +286,6 @@ def test_a_refused_combination_is_one_error_line_before_any_work(tmp_path, shake
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.torch_feature("muon")
-@pytest.mark.slow
-def test_muon_under_fsdp_trains_like_muon_under_ddp(tmp_path, shakespeare_shards):
-    """--optimizer muon with fsdp: each sharded matrix gathered for Newton-Schulz (gpt2/train/muon.py), each
-    rank applying its rows: 2 ranks, 2 micro-steps each, 10 steps, losses and norms within 1e-5 of ddp's."""
-    fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
-    muon = ("--optimizer", "muon")
-    ok(
-        run(
-            flags(shakespeare_shards, fsdp, total=1024, extra=(*muon, "--parallel", "fsdp")),
-            nproc=2,
-            log_dir=tmp_path / "log_fsdp",
-        )
-    )
-    ok(run(flags(shakespeare_shards, ddp, total=1024, extra=muon), nproc=2, log_dir=tmp_path / "log_ddp"))
-    assert_same_steps(fsdp, ddp, tol=1e-5)
-
-
 def test_parallel_notes_say_what_fsdp_does_at_each_world_size():
     assert parallel_notes(TrainConfig().distributed, "ddp", 2) == []
     (one,) = parallel_notes(TrainConfig.of(parallel="fsdp").distributed, "single", 1)

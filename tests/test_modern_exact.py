@@ -105,7 +105,10 @@ def test_two_modern_ranks_equal_one_with_accumulation(tmp_path, shakespeare_shar
 
 @pytest.mark.slow
 def test_fsdp_equals_ddp_with_the_gpt2_speedrun_recipe(tmp_path, shakespeare_shards):
-    """Muon's sharded matrices gathered for Newton-Schulz, the momentum warmup on the sharded groups."""
+    """Muon's sharded matrices gathered for Newton-Schulz (gpt2/train/muon.py), each rank applying its rows, the
+    momentum warmup on the sharded groups; both of FSDP's micro-step paths (the batch warmup's 1 micro-step a rank,
+    then 2: no-sync, then the reduce-scatter). test_fsdp.py's plain-GPT-2 Muon case (10 steps, 1e-5) was folded
+    into this one (issue 72): the same optimizer path, at 2 x the CPU time."""
     extra = ["--ckpt-interval", "0", *BATCH_WARMUP]
     ddp = run(
         flags(shakespeare_shards, tmp_path / "ddp", *extra, recipe=GPT2_SPEEDRUN), nproc=2, log_dir=tmp_path / "ld"
