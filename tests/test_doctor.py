@@ -5,7 +5,6 @@ that raises is reported FAILED with one line while the others run."""
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 import sys
@@ -28,11 +27,13 @@ SECTION_NAMES = ["environment", "attention", "correctness", "resume", "training"
 
 @pytest.fixture(scope="module")
 def cpu_doctor(tmp_path_factory):
-    """One full CPU run, the opt-in ladder and 2 gloo ranks too (about 1.5 minutes on 2 idle cores with
-    torch.compile's cache warm; longer cold or under load), shared by the tests below."""
+    """One CPU run as a user's first: every section but the opt-in ladder, 2 gloo ranks (about 3 minutes on 2
+    loaded cores), shared by the tests below. The ladder (6 more models, 3 compiled: 50 s alone, 100-150 s under
+    the long pass's load) is its own: its table in test_the_ladder_section_tables_every_rung, its rungs' real runs
+    in tests/test_bench.py's ladder smoke, the whole --full run in soak."""
     out = tmp_path_factory.mktemp("doctor")
     done = subprocess.run(
-        [sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--full", "--ranks", "2", "--out", str(out)],
+        [sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--ranks", "2", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -47,7 +48,8 @@ def test_cpu_run_passes_and_prints_one_table(cpu_doctor):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert report["exit_status"] == 0 and report["device"] == "cpu" and report["complete"] is True
     assert list(report["sections"]) == SECTION_NAMES
-    assert {n: s["status"] for n, s in report["sections"].items()} == {n: "ok" for n in SECTION_NAMES}
+    expected = {n: "ok" for n in SECTION_NAMES} | {"ladder": "skipped"}  # opt-in: --full or --only ladder
+    assert {n: s["status"] for n, s in report["sections"].items()} == expected
     table = done.stdout.strip()
     assert table.startswith("gpt2 doctor: cpu") and "exit 0: all checks passed" in table.splitlines()[0]
     assert "| section | check | result | status |" in table
@@ -88,11 +90,46 @@ def test_measured_numbers_are_positive_and_consistent(cpu_doctor):
     assert ranks["network"]["busbw_bytes_per_s"] > 0 and ranks["speedup"] > 0
     cmp = ranks["comparison"]
     assert cmp["steps"] == list(range(1, 13)) and cmp["max_abs_diff"] <= cmp["tolerance"]  # 2 ranks = 1 rank
-    rungs = {r["rung"]["name"]: r for r in sec["ladder"]["data"]["rungs"]}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_ladder_section_tables_every_rung_and_what_it_could_not_run(tmp_path, monkeypatch, dtype):
+    """check_ladder's rows and data for the CPU's rungs, run_ladder's results stood in (its real runs: the bench
+    ladder smoke): what ran with tokens/s, step-up and MFU, TF32 n/a on a CPU, and where --dtype auto picks fp32,
+    the rungs from bf16 on in fp32 (without_bf16)."""
+    from gpt2.core import precision
+    from gpt2.doctor import check_ladder
+    from gpt2.doctor.acceleration import LADDER, RungResult
+
+    seen = {}
+
+    def run_ladder(rungs, shape, batch, device, *, steps, warmup, peaks, skip, progress):
+        seen["rungs"], seen["skip"] = [r.name for r in rungs], dict(skip)
+        return [
+            RungResult(r, note=skip[r.name])
+            if r.name in skip
+            else RungResult(r, ms_per_step=100.0 - i, tokens_per_s=2560.0 + 100 * i, mfu_own=0.1, own_peak_name="fp32",
+                            first_loss=10.9)
+            for i, r in enumerate(rungs)
+        ]  # fmt: skip
+
+    monkeypatch.setattr(check_ladder, "run_ladder", run_ladder)
+    monkeypatch.setattr(check_ladder, "initial_peaks", lambda device: {"fp32": 1e11})
+    ctx = Context(torch.device("cpu"), SCALES["cpu"], tmp_path, 2, 60, lambda _: None)
+    monkeypatch.setattr(Context, "auto_precision", lambda self: precision.Precision(dtype, dtype))
+    section = run_section("ladder", check_ladder.ladder, ctx)
+    assert section.status == "ok" and seen["rungs"] == [r.name for r in LADDER]
+    rows = {r.check.split(":")[0]: r for r in section.rows}
+    assert rows["tf32"].status == "n/a" and "n/a on cpu" in rows["tf32"].result and "A100 49,000" in rows["tf32"].result
+    assert rows["base"].status == "ok" and "2,560 tokens/s, MFU 10.0% (fp32), 100 ms/step" in rows["base"].result
+    if dtype == "bfloat16":
+        assert rows["bf16"].status == "ok" and "2,760 tokens/s (1.08x)" in rows["bf16"].result
+        assert rows["compile"].check == "compile: + torch.compile"
+    else:  # no bf16 rung to time: it says why, and the compiled rungs run in fp32
+        assert rows["bf16"].status == "n/a" and "n/a: --dtype auto picks float32 here" in rows["bf16"].result
+        assert rows["compile"].check == "compile: + torch.compile (fp32)" and "(1.12x)" in rows["compile"].result
+    rungs = {r["rung"]["name"]: r for r in section.data["rungs"]}
     assert list(rungs) == ["base", "tf32", "bf16", "compile", "flash", "vocab"]
-    assert rungs["tf32"]["tokens_per_s"] is None and rungs["tf32"]["note"].startswith("n/a on cpu")
-    ran = [r for r in rungs.values() if r["tokens_per_s"] is not None]
-    assert len(ran) >= 4 and all(r["tokens_per_s"] > 0 and math.isfinite(r["first_loss"]) for r in ran)
     assert [r["a100_tokens_per_s"] for r in rungs.values()] == [16_000, 49_000, 54_500, 126_000, 170_000, 175_000]
 
 
@@ -279,3 +316,23 @@ def test_the_json_is_rewritten_after_every_section(tmp_path, monkeypatch):
     assert "INCOMPLETE: still running" in seen["txt"].splitlines()[0] and "| environment (" in seen["txt"]
     final = json.loads((tmp_path / "doctor.json").read_text())
     assert final["complete"] is True and list(final["sections"]) == ["environment", "training"]
+
+
+@pytest.mark.soak  # the opt-in ladder's 6 real rungs (3 compiled): ~50 s alone, 100-150 s under load; by hand
+def test_the_full_cpu_run_times_every_rung_of_the_ladder(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--only", "ladder", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rungs = {
+        r["rung"]["name"]: r
+        for r in json.loads((tmp_path / "doctor.json").read_text())["sections"]["ladder"]["data"]["rungs"]
+    }
+    assert list(rungs) == ["base", "tf32", "bf16", "compile", "flash", "vocab"]
+    assert rungs["tf32"]["tokens_per_s"] is None and rungs["tf32"]["note"].startswith("n/a on cpu")
+    ran = [r for r in rungs.values() if r["tokens_per_s"] is not None]
+    assert len(ran) >= 4 and all(r["tokens_per_s"] > 0 and 10.5 < r["first_loss"] < 11.2 for r in ran)
