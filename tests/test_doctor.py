@@ -32,14 +32,19 @@ def cpu_doctor(tmp_path_factory):
     the long pass's load) is its own: its table in test_the_ladder_section_tables_every_rung, its rungs' real runs
     in tests/test_bench.py's ladder smoke, the whole --full run in soak."""
     out = tmp_path_factory.mktemp("doctor")
-    done = subprocess.run(
-        [sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--ranks", "2", "--out", str(out)],
+    done = doctor_on_cpu(out, "--ranks", "2")
+    return done, json.loads((out / "doctor.json").read_text()), out
+
+
+def doctor_on_cpu(out, *args: str) -> subprocess.CompletedProcess:
+    """`python -m gpt2.doctor --device cpu ARGS --out OUT`, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "gpt2.doctor", "--device", "cpu", *args, "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=1500,
     )
-    return done, json.loads((out / "doctor.json").read_text()), out
 
 
 @pytest.mark.slow  # the shared full CPU run: ~3 minutes
@@ -146,25 +151,7 @@ def test_attention_section_names_the_kernel_the_profiler_saw(cpu_doctor):
 def test_a_failed_check_exits_1_with_the_table_printed(tmp_path):
     """Training processes killed by --timeout-s: correctness and resume cannot pass; the table still prints."""
     skip = "environment,attention,training,ranks,ladder"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gpt2.doctor",
-            "--device",
-            "cpu",
-            "--skip",
-            skip,
-            "--timeout-s",
-            "1",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = doctor_on_cpu(tmp_path, "--skip", skip, "--timeout-s", "1")
     assert done.returncode == 1, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert "exit 1: a CHECK FAILED" in lines[0]
@@ -320,13 +307,7 @@ def test_the_json_is_rewritten_after_every_section(tmp_path, monkeypatch):
 
 @pytest.mark.soak  # the opt-in ladder's 6 real rungs (3 compiled): ~50 s alone, 100-150 s under load; by hand
 def test_the_full_cpu_run_times_every_rung_of_the_ladder(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "gpt2.doctor", "--device", "cpu", "--only", "ladder", "--out", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
+    done = doctor_on_cpu(tmp_path, "--only", "ladder")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     rungs = {
         r["rung"]["name"]: r
