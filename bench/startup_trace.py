@@ -10,7 +10,9 @@ defined in gpt2/ or train_ddp.py (Python's own calls, torch's and numpy's are no
 modules and classes that an import runs), each function once;
 a "switch" is a call whose caller is in another of the project's modules; a "round trip" is a switch
 from gpt2/train/trainer.py into gpt2/train/startup.py after the first one (the trainer handing the
-start-up's order back and forth).
+start-up's order back and forth); the "call depth" is the longest chain of the project's own functions on the
+stack at any call (main > run > ... > the deepest helper; comprehensions and lambdas are not counted), printed
+with --deepest.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Trace:
         self.switches = 0
         self.trainer_to_startup = 0
         self.done = False
-        self._last: str | None = None
+        self.deepest: list[str] = []
 
     def __call__(self, frame, event, arg) -> None:
         if self.done or event != "call":
@@ -60,6 +62,7 @@ class Trace:
         if not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
             return  # a module's or a class's body, run by an import: not the start-up's work
         self.functions[(module, frame.f_code.co_qualname)] += 1
+        self._measure_depth(frame)
         caller = frame.f_back
         while caller is not None and module_of(caller.f_code.co_filename) is None:
             caller = caller.f_back  # through torch's and the standard library's frames
@@ -68,6 +71,16 @@ class Trace:
             self.switches += 1
             if source == TRAINER and module == STARTUP:
                 self.trainer_to_startup += 1
+
+    def _measure_depth(self, frame) -> None:
+        chain = []
+        while frame is not None:
+            module = module_of(frame.f_code.co_filename)
+            if module is not None and not frame.f_code.co_name.startswith("<"):
+                chain.append(f"{module.rsplit('.', 1)[-1]}.{frame.f_code.co_name}")
+            frame = frame.f_back
+        if len(chain) > len(self.deepest):
+            self.deepest = chain[::-1]
 
     @property
     def modules(self) -> list[str]:
@@ -78,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", required=True)
     p.add_argument("--list", action="store_true", help="print the modules and their functions")
+    p.add_argument("--deepest", action="store_true", help="print the deepest chain of the project's calls")
     p.add_argument("extra", nargs="*", help="more train_ddp.py flags (after --)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -99,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| functions entered | {len(trace.functions)} |")
     print(f"| module switches | {trace.switches} |")
     print(f"| trainer -> start-up calls | {trace.trainer_to_startup} |")
+    print(f"| call depth | {len(trace.deepest)} |")
+    if args.deepest:
+        print(" > ".join(trace.deepest))
     if args.list:
         for m in trace.modules:
             names = sorted(f for mod, f in trace.functions if mod == m)
