@@ -3,11 +3,10 @@ does (the same losses, bit for bit, as train_ddp.py with the same flags), reads 
 
 from __future__ import annotations
 
-import torch
 from _helpers import import_train_ddp, losses, tiny_run_flags
 
 from gpt2.distributed.group import single_process
-from gpt2.train.session import Session, parse_config, plain_newton_schulz
+from gpt2.train.session import Session, parse_config
 
 
 def test_a_session_steps_to_the_trainers_own_losses(tmp_path, shakespeare_shards):
@@ -24,13 +23,3 @@ def test_a_session_steps_to_the_trainers_own_losses(tmp_path, shakespeare_shards
     assert session.evaluate() > 0
     session.close()
     assert session.parts is None
-
-
-def test_plain_newton_schulz_switches_the_gram_form_off_and_back():
-    from gpt2.train import muon
-
-    gram = muon.use_gram_form
-    assert gram((384, 1536), 5, torch.float32)  # a wide fp32 matrix: the Gram form by default
-    with plain_newton_schulz():
-        assert not muon.use_gram_form((384, 1536), 5, torch.float32)
-    assert muon.use_gram_form is gram

@@ -16,7 +16,8 @@ MMAP_THRESHOLD_BYTES = 4 << 20
 
 4 MiB, not less: each mapped block costs a page fault per 4 KiB every time it is allocated again, and a step
 allocates its activations afresh. At 1 MiB a step of 6 x 384 wide, 8 x 256 tokens (3 MiB activations) took
-4.6-4.9 s against 3.6 s at 4 MiB or at glibc's defaults (bench/step_parts.py's trainer row, docs/performance.md);
+4.6-4.9 s against 3.6 s at 4 MiB or at glibc's defaults (bench/step_parts.py's trainer row, removed after
+a823994; docs/performance.md);
 the memory plan holds at 4 MiB as it did at 1 (bench/plan_resident.py, docs/training.md)."""
 TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 """Free memory above this at the top of glibc's heap goes back to the system (twice the mmap threshold, as
@@ -48,7 +49,7 @@ def return_freed_memory() -> bool:
     grows past the memory plan by a different amount run to run. With a fixed 4 MiB threshold every tensor
     of 4 MiB or more (the large ones that grow with the micro-batch) is mapped and unmapped on its own, at
     the cost of a page fault per 4 KiB when it is allocated again, and the heap's holes stay small (both
-    measured by bench/plan_memory.py: its table in bench/README.md).
+    measured by bench/plan_memory.py, removed after a823994: its table in bench/README.md).
     Returns whether it was set (glibc only).
 
     A malloc setting the user made (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or glibc.malloc tunables

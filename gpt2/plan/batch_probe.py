@@ -95,8 +95,9 @@ timing (a dry run of the gpt2 preset on a 2-core CPU spent 130 s here; the debug
 PROBE_MAX_TOKENS = 4096
 """The largest micro-step the probe times, in tokens: past a thousand or so tokens a CPU's throughput is flat
 (the per-micro-step work is then a small share: the debug preset's 8 x 128 ran within 2% of 32 x 128,
-bench/micro_batch_cpu.py), while the time and memory of one timed call grow with it. The gpt2 recipe's
-524,288 tokens at the debug preset's 128 would otherwise time 4,096 sequences at once (a dry run hung on it)."""
+bench/micro_batch_cpu.py, removed after a823994), while the time and memory of one timed call grow with it.
+The gpt2 recipe's 524,288 tokens at the debug preset's 128 would otherwise time 4,096 sequences at once (a dry
+run hung on it)."""
 
 
 def candidates(sizes: list[int], modelled: int, seq_len: int) -> list[int]:

@@ -116,7 +116,7 @@ def choose_loss_impl(cfg: RunConfig, hardware: Hardware, *, world_size: int = 1,
             return LossChoice(
                 "chunked",
                 f"auto: uncompiled and not measured on {hardware.name}, the chunked loss "
-                "(the faster one uncompiled at small widths, bench/eager_loss.py)",
+                "(the faster one uncompiled at small widths: bench/README.md, Eager loss)",
             )
         eager_times = measure_eager()
         probed = eager_times.peak_bytes

@@ -129,7 +129,7 @@ def resident_training_peak(
     libraries' first-use costs (threads, kernels, the compiler) that a plan leaves to its reserve. Run it in
     a fresh process: memory that earlier work freed but the process kept would be reused and not counted.
     Linux only (VmHWM, reset through /proc/self/clear_refs): elsewhere a RuntimeError. tuned_malloc=False
-    leaves glibc's defaults (bench/plan_memory.py compares the two).
+    leaves glibc's defaults (bench/README.md has the two compared, by bench/plan_memory.py, removed after a823994).
     """
     from gpt2.core import host_memory
     from gpt2.model.gpt import GPT

@@ -6,7 +6,7 @@ of milliseconds. In a synchronous step every rank then waits for the one collect
 Python's making). Here: after start-up everything alive is frozen (gc.freeze: moved out of the
 collector's sight, it is never scanned again), automatic collection is off, and every `interval`
 steps each rank collects the young generations at the same step. docs/performance.md has the
-measurement (bench/gc_spread.py) that decided the default.
+measurement (bench/gc_spread.py, removed after a823994) that decided the default.
 """
 
 from __future__ import annotations

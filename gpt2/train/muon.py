@@ -3,7 +3,8 @@
 torch 2.13's Muon always orthogonalises in bfloat16. That is right on GPUs and on CPUs with native
 bf16 matmuls, but where bf16 is emulated (AVX2-only CPUs) it makes a Muon step of the 4-layer,
 128-wide model take 0.90 s instead of 0.035 s in fp32, far more than the training step itself
-(`python bench/muon_step.py --small --bf16`). This subclass keeps torch's parameter groups,
+(bench/muon_step.py --small --bf16, removed after a823994; docs/optimizers.md). This subclass keeps
+torch's parameter groups,
 hyper-parameters and state (one `momentum_buffer` per matrix, so checkpoints are torch's format) and
 its update, term for term; only the dtype of the iteration is a parameter. With ns_dtype=bfloat16 it
 computes exactly what torch.optim.Muon computes (tested bitwise). In fp32, a wide matrix's

@@ -14,14 +14,12 @@ votes): what a benchmark times is the training step itself.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
 from gpt2.core.config import RunConfig
 from gpt2.distributed.group import Dist
-from gpt2.train import muon
 from gpt2.train.cli import parse_config
 from gpt2.train.optim import make_optimizer, param_groups
 from gpt2.train.run_log import RunLog, read_metrics
@@ -29,7 +27,7 @@ from gpt2.train.startup import start
 from gpt2.train.state import Parts
 from gpt2.train.trainer import StepStats, close_run, evaluate, memory_mb, step_tokens, train_step
 
-__all__ = ["Session", "parse_config", "read_metrics", "make_optimizer", "param_groups", "plain_newton_schulz"]
+__all__ = ["Session", "parse_config", "read_metrics", "make_optimizer", "param_groups"]
 
 
 class Session:
@@ -62,7 +60,7 @@ class Session:
 
     def evaluate(self) -> float:
         """Mean validation loss per token over --eval-tokens, reduced over ranks (the trainer's evaluation)."""
-        return evaluate(self.parts, self.cfg, self.dist)
+        return evaluate(self.parts, self.dist)
 
     @property
     def steps(self) -> int:
@@ -126,15 +124,3 @@ class Session:
         if self.parts is not None:
             close_run(self.parts, self.dist, self.log)
             self.parts = None
-
-
-@contextlib.contextmanager
-def plain_newton_schulz():
-    """Muon's Newton-Schulz iteration in its plain form only (no Gram form) while inside: what
-    bench/muon_step.py times the Gram form against."""
-    gram = muon.use_gram_form
-    muon.use_gram_form = lambda *args: False
-    try:
-        yield
-    finally:
-        muon.use_gram_form = gram
