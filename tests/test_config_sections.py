@@ -166,6 +166,23 @@ def test_replace_and_flat_speak_the_flags_vocabulary():
     assert train_values(tc.to_dict()) == tc.flat() == train_values(tc.flat())
 
 
+def test_replace_replaces_only_the_sections_it_changes_and_still_checks_across_them():
+    """Issue 77: a change of one field replaces its section, not the whole config through the flat fields; the
+    result is the config the flat rebuild gave, every problem is still reported at once, and across sections."""
+    tc = TrainConfig.of(lr=1e-3, parallel="fsdp")
+    changed = tc.replace(micro_batch_size=4, lr=2e-3)
+    assert changed == TrainConfig.of(**{**tc.flat(), "micro_batch_size": 4, "lr": 2e-3})
+    untouched = [s for s in TRAIN_SECTIONS if s not in ("batch", "schedule")]
+    assert all(getattr(changed, s) is getattr(tc, s) for s in untouched)
+    with pytest.raises(ValueError) as err:
+        tc.replace(beta1=1.5, max_steps=0)
+    assert str(err.value).splitlines()[0] == "invalid training config:" and len(str(err.value).splitlines()) == 3
+    with pytest.raises(ValueError, match="fp8_head=True with parallel=fsdp"):  # TrainConfig's own check
+        tc.replace(fp8_head=True)
+    with pytest.raises(TypeError, match=r"unknown training fields \['learning_rate'\]"):
+        tc.replace(learning_rate=1e-3)
+
+
 def test_parts_take_their_section():
     """The spike guard and the optimizer are made from their sections alone (issue 55's examples)."""
     import inspect

@@ -79,7 +79,7 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
         parts = built(cfg, dist, RunLog(dist, cfg.train.ckpt.out_dir))
         # As the trainer does at step 0: the model is first compiled for evaluation, outside DDP's
         # forward (eval mode, no grad); training must still get the graphs split at the buckets.
-        val_loss = evaluate(parts, cfg, dist)
+        val_loss = evaluate(parts, dist)
         counters.clear()
         losses = [train_step(parts, cfg, dist, False)["loss"] for _ in range(STEPS)]
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -89,4 +89,5 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+    with atomic_write(path) as f:
+        f.write(text.encode())

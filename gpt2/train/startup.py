@@ -259,9 +259,9 @@ def decide_run(
             cost = log_network_cost(decided, dist, log)
             decided = replace(decided, network=None if cost is None else cost.to_dict())
         if isinstance(shards[0], MixedShards):  # after the refusals: no warning for a refused run
-            log_mixture(decided.cfg, shards[0], log)
+            log_mixture(decided.cfg.train, decided.cfg.model.block_size, shards[0], log)
         elif shards[0] is not None:
-            log_epochs(decided.cfg, shards[0].total_tokens, log)
+            log_epochs(decided.cfg.train.batch, decided.cfg.train.schedule.max_steps, shards[0].total_tokens, log)
         log_warmup(decided.cfg.train.schedule, log)
         if not rehearse:
             check_before_moving(start, decided.cfg, dist, shards[0])
@@ -456,8 +456,9 @@ def check_data(
         )
     train_shards, val_shards = None, None
     if shards:  # the machine the run is on (a dry run from a laptop checks neither)
+        block, eval_tokens = cfg.model.block_size, tc.eval.eval_tokens
         found = [
-            (find_shards(d, "train"), find_val_shards(cfg, d) if tc.eval.eval_tokens > 0 else None)
+            (find_shards(d, "train"), find_val_shards(d, block, eval_tokens) if eval_tokens > 0 else None)
             for d in tc.data.dirs
         ]
         check_out_dir(tc.ckpt.out_dir)
@@ -498,12 +499,11 @@ def check_data(
     return train_shards, val_shards
 
 
-def find_val_shards(cfg: RunConfig, data_dir: str) -> ShardSet:
+def find_val_shards(data_dir: str, block: int, eval_tokens: int) -> ShardSet:
     """data_dir's val shards (one source of --data-dir), which a run with --eval-tokens > 0 needs even with
     --eval-interval 0 (it still evaluates at step 0 and at the end), holding at least one sequence: fewer than
     block_size + 1 tokens gave `val loss nan` (0 / 0) at every evaluation and exit 0. A mixture evaluates
     every source (val_loss/NAME), so each needs its own."""
-    block = cfg.model.block_size
     try:
         val = find_shards(data_dir, "val")
     except ShardError as e:
@@ -511,14 +511,15 @@ def find_val_shards(cfg: RunConfig, data_dir: str) -> ShardSet:
             raise  # no directory, or a damaged val shard: its own line says how to find and repair it
         raise ShardError(
             f"{str(e).split(';')[0]}. The run evaluates on them at step 0 and at the end (--eval-interval "
-            f"0 leaves out only the evaluations in between): {prepare_val(cfg, data_dir)}; or pass --eval-tokens 0 "
-            "to train without validation"
+            f"0 leaves out only the evaluations in between): {prepare_val(data_dir, eval_tokens, block)}; or pass "
+            "--eval-tokens 0 to train without validation"
         ) from None
     if val.total_tokens < block + 1:
         raise ShardError(
             f"--data-dir {data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
             f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
-            f"loss nan); {prepare_val(cfg, data_dir)}; or pass --eval-tokens 0 to train without validation"
+            f"loss nan); {prepare_val(data_dir, eval_tokens, block)}; or pass --eval-tokens 0 to train without "
+            "validation"
         )
     return val
 
@@ -542,11 +543,10 @@ def check_same_tokenizer(dirs: list[str]) -> None:
         )
 
 
-def prepare_val(cfg: RunConfig, data_dir: str) -> str:
+def prepare_val(data_dir: str, eval_tokens: int, block: int) -> str:
     """How to get a val split for data_dir: data_prep's command for its corpus (from its manifest) with val
-    tokens for the run's evaluation, at least one sequence; or the flag to use."""
-    tc, block = cfg.train, cfg.model.block_size
-    found = prep_command(data_dir, tc.eval.eval_tokens, block + 1)
+    tokens for the run's evaluation (--eval-tokens), at least one sequence of block + 1; or the flag to use."""
+    found = prep_command(data_dir, eval_tokens, block + 1)
     if found is None:  # no manifest (llm.c's shards): the corpus is unknown here
         return f"prepare a val split with data_prep's --val-tokens N (N > {block})"
     command, out = found
@@ -607,20 +607,18 @@ def planned_tokens(batch: BatchConfig, steps: int) -> int:
     )
 
 
-def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
+def log_epochs(batch: BatchConfig, max_steps: int, train_tokens: int, log) -> float:
     """How many passes over the train split the planned tokens (max_steps x total_batch_size) make, as a
     line; a warning when it is more than MANY_EPOCHS. Returns the epochs."""
-    tc = cfg.train
-    planned = planned_tokens(tc.batch, tc.schedule.max_steps)
+    planned = planned_tokens(batch, max_steps)
     epochs = planned / train_tokens
-    warm = f" (less in the {tc.batch.batch_warmup_steps:,}-step batch warmup)" if tc.batch.batch_warmup_steps else ""
+    warm = f" (less in the {batch.batch_warmup_steps:,}-step batch warmup)" if batch.batch_warmup_steps else ""
     log.detail(
-        f"epochs     {epochs:,.2f} over the train split: {tc.schedule.max_steps:,} steps x "
-        f"{tc.batch.total_batch_size:,} "
+        f"epochs     {epochs:,.2f} over the train split: {max_steps:,} steps x {batch.total_batch_size:,} "
         f"tokens{warm} = {planned:,} tokens planned, the train shards hold {train_tokens:,}"
     )
     if epochs > MANY_EPOCHS:
-        one = max(1, train_tokens // tc.batch.total_batch_size)
+        one = max(1, train_tokens // batch.total_batch_size)
         log.warn(
             f"the run repeats the train split {epochs:,.0f} times (more than {MANY_EPOCHS} epochs): the model "
             f"will memorise this corpus more than it learns; about {one:,} step(s) make one epoch, so pass "
@@ -629,11 +627,11 @@ def log_epochs(cfg: RunConfig, train_tokens: int, log) -> float:
     return epochs
 
 
-def log_mixture(cfg: RunConfig, train: MixedShards, log) -> list[float]:
+def log_mixture(tc: TrainConfig, T: int, train: MixedShards, log) -> list[float]:
     """A mixture's sources in one line (weights, train tokens, the epochs each makes by --max-steps, the
     schedule's weights included), its weight changes one line each, the normalisation when --data-weights
-    do not sum to 1, and a warning for a source past MANY_EPOCHS. Returns each source's epochs."""
-    tc = cfg.train
+    do not sum to 1, and a warning for a source past MANY_EPOCHS. Returns each source's epochs. T: the
+    block size (tokens per row)."""
     given = parse_weights(tc.data.data_weights, "data_weights")
     if abs(sum(given) - 1) > 1e-9:
         log.info(
@@ -641,9 +639,8 @@ def log_mixture(cfg: RunConfig, train: MixedShards, log) -> list[float]:
             f"{describe_weights(train.names, tc.data.weights)}"
         )
     changes = weight_changes(tc)
-    T = cfg.model.block_size
     draws = planned_draws(changes, lambda step: planned_tokens(tc.batch, step) // T, tc.schedule.max_steps)
-    epochs = [n * cfg.model.block_size / s.total_tokens for n, s in zip(draws, train.sets)]
+    epochs = [n * T / s.total_tokens for n, s in zip(draws, train.sets)]
     log.info(
         "mixture    "
         + "; ".join(
@@ -948,18 +945,18 @@ def check_plan(r: Resolved, log) -> Plan:
     log.detail(format_plan(p))
     log.detail(format_stop(p))  # the SLURM signal lead and grace this run's checkpoint needs
     check_fits(p)
-    if note := gpu_recipe_on_cpu(r.cfg, p):
+    if note := gpu_recipe_on_cpu(r.cfg.train, p):
         log.warn(note)
     return p
 
 
-def gpu_recipe_on_cpu(cfg: RunConfig, p) -> str | None:
+def gpu_recipe_on_cpu(tc: TrainConfig, p) -> str | None:
     """On a CPU, the gpt2 recipe's batch or evaluation (TrainConfig's defaults, what a run without --preset
     gets): one line with the plan's time for it and the debug preset as the CPU-sized recipe, else None.
 
     The defaults stay the recipe's whatever the device, so a flag means the same on a laptop and on the
     cluster it rehearses (a dry run plans the same run); a CPU run is told instead, before any step."""
-    tc, recipe, debug = cfg.train, TrainConfig(), TRAIN_PRESETS["debug"]
+    recipe, debug = TrainConfig(), TRAIN_PRESETS["debug"]
     parts = []
     if tc.batch.total_batch_size >= recipe.batch.total_batch_size:
         pace = (

@@ -405,7 +405,7 @@ def train(
             return 0
         try:
             if run.parts.step == 0 and run.parts.val_loader is not None:  # where the curve begins
-                loss, per_source = evaluate_sources(run.parts, run.cfg, dist)
+                loss, per_source = evaluate_sources(run.parts, dist)
                 run.log.log_eval(0, 0, loss, run.parts.val_loader.tokens, per_source)
             cache = run.cache  # run_loop seals it after the first step and drops it from the run
             with collect_at_steps(
@@ -553,10 +553,10 @@ def perform(run: Run, act: Actions) -> None:
     parts, cfg, dist, log = run.parts, run.cfg, run.dist, run.log
     step = parts.step
     if act.evaluate:
-        loss, per_source = evaluate_sources(parts, cfg, dist)
-        log.log_eval(step, tokens_at(parts, cfg, step), loss, parts.val_loader.tokens, per_source)
+        loss, per_source = evaluate_sources(parts, dist)
+        log.log_eval(step, tokens_at(parts, cfg.train.batch, step), loss, parts.val_loader.tokens, per_source)
     if act.hellaswag:
-        log_hellaswag(parts, cfg, dist, log, run.hellaswag, step)
+        log_hellaswag(parts, cfg.train.batch, dist, log, run.hellaswag, step)
     # A sharded model's every forward all-gathers weights: every rank generates (same prompt, same
     # seeded generator, so the same tokens), rank 0 logs. A replicated model samples on rank 0 alone.
     if act.sample and (dist.is_main or is_sharded(parts.model)):
@@ -613,7 +613,7 @@ def log_step(run: Run, out: dict, dt: float, step: int, sources: dict | None = N
             "loss": out["loss"],
             "lr": out["lr"],
             "grad_norm": out["grad_norm"],
-            "tokens": tokens_at(parts, run.cfg, step),
+            "tokens": tokens_at(parts, run.cfg.train.batch, step),
             "step_s": dt,
             "tok_per_s": tok_s,
             "mfu": step_mfu,
@@ -658,10 +658,9 @@ def step_tokens(batch: BatchConfig, step: int) -> int:
     )
 
 
-def tokens_at(parts: Parts, cfg: RunConfig, step: int) -> int:
+def tokens_at(parts: Parts, b: BatchConfig, step: int) -> int:
     """Tokens consumed up to step `step` (at most parts.step): parts.tokens less the steps since (read one step
     late on CUDA, run_loop, when parts.tokens already counts the next)."""
-    b = cfg.train.batch
     later = functools.partial(
         tokens_before, total=b.total_batch_size, warmup_steps=b.batch_warmup_steps, stages=b.batch_warmup_stages
     )
@@ -680,13 +679,13 @@ def close_run(parts: Parts, dist: Dist, log: RunLog) -> None:
             loader.close()
 
 
-def evaluate(parts: Parts, cfg: RunConfig, dist: Dist) -> float:
+def evaluate(parts: Parts, dist: Dist) -> float:
     """Mean loss per token over the fixed validation set, reduced over ranks (a mixture: the weighted mean
     of its sources', evaluate_sources)."""
-    return evaluate_sources(parts, cfg, dist)[0]
+    return evaluate_sources(parts, dist)[0]
 
 
-def evaluate_sources(parts: Parts, cfg: RunConfig, dist: Dist) -> tuple[float, dict[str, float]]:
+def evaluate_sources(parts: Parts, dist: Dist) -> tuple[float, dict[str, float]]:
     """The validation loss and, for a mixture, each source's ({NAME: loss}, each over that source's first
     --eval-tokens), the loss being their mean at the --data-weights (MixtureEval.mean); one source: {}."""
     from gpt2.train.scoring import loader_loss
@@ -716,14 +715,14 @@ def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
     return tokenizer.decode(cut_at_stop(out[0, len(prompt) :].tolist(), EOT_TOKEN))  # the text ends at <|endoftext|>
 
 
-def log_hellaswag(parts: Parts, cfg: RunConfig, dist: Dist, log: RunLog, examples, step: int) -> None:
+def log_hellaswag(parts: Parts, batch: BatchConfig, dist: Dist, log: RunLog, examples, step: int) -> None:
     from gpt2.train.scoring import hellaswag_eval
 
     hs = hellaswag_eval(parts.model, examples, dist, dist.device, prec=parts.precision, progress=False)
     log.record(
         {
             "step": step,
-            "tokens": tokens_at(parts, cfg, step),
+            "tokens": tokens_at(parts, batch, step),
             "hellaswag_acc": hs["acc"],
             "hellaswag_acc_norm": hs["acc_norm"],
         }
