@@ -30,53 +30,18 @@ import torch
 from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
 from curve import val_curve  # bench/curve.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
+from flags import NANOGPT_ADAMW, NANOGPT_LR, NANOGPT_SHAPE, NO_OUTPUTS  # bench/flags.py
 
 from gpt2.data.loader import TokenStream, find_shards
 from gpt2.train.session import parse_config
 
 RECIPE = [
-    "--device",
-    "cpu",
-    "--dtype",
-    "float32",
-    "--compile",
-    "false",
-    "--n-layer",
-    "4",
-    "--n-head",
-    "4",
-    "--n-embd",
-    "128",
-    "--block-size",
-    "64",
-    "--micro-batch-size",
-    "16",
-    "--total-batch-size",
-    "1024",
-    "--lr",
-    "1e-3",
-    "--min-lr",
-    "1e-4",
-    "--warmup-steps",
-    "20",
-    "--beta1",
-    "0.9",
-    "--beta2",
-    "0.95",
-    "--weight-decay",
-    "0.1",
-    "--grad-clip",
-    "1.0",
-    "--seed",
-    "1337",
-    "--eval-tokens",
-    "10000000",
-    "--sample-interval",
-    "0",
-    "--ckpt-interval",
-    "0",
-    "--plot",
-    "false",
+    *"--device cpu --dtype float32 --compile false".split(),
+    *NANOGPT_SHAPE,
+    *NANOGPT_LR,
+    *NANOGPT_ADAMW,
+    *"--seed 1337 --eval-tokens 10000000".split(),
+    *NO_OUTPUTS,
 ]
 
 

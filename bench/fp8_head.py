@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from flags import NO_OUTPUTS  # bench/flags.py (a script's directory is on sys.path)
+
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = ["--preset", "debug", "--n-layer", "6", "--n-embd", "384", "--n-head", "6", "--block-size", "256"]
 BATCH = ["--micro-batch-size", "8", "--total-batch-size", "2048"]
@@ -130,18 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         str(args.steps),
         "--eval-tokens",
         str(args.eval_tokens),
-        "--sample-interval",
-        "0",
-        "--ckpt-interval",
-        "0",
-        "--plot",
-        "false",
-        "--log-interval",
-        "1",
-        "--loss-impl",
-        "full",
-        "--compile",
-        "false",
+        *NO_OUTPUTS,
+        *"--log-interval 1 --loss-impl full --compile false".split(),
         *extra,  # after the defaults: a flag given here wins (argparse keeps the last)
     ]
     seeds = [int(s) for s in args.seeds.split(",")]

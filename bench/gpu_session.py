@@ -58,6 +58,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from flags import SMOKE_SHAPE  # bench/flags.py (a script's directory is on sys.path)
+
 REPO = Path(__file__).resolve().parent.parent
 DIR_ENV, WORK_ENV = "GPU_SESSION_DIR", "GPU_SESSION_WORK"
 """Where prepare's files and the runs go instead of .gpu/ and runs/gpu_session/ (tests: a temp dir)."""
@@ -191,18 +193,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
         vs_steps = defaults_steps = ["--steps", "1", "--warmup", "1"]
         # The exact row only: its kill -9 and resume are the step's path; the default row adds 3 more
         # processes of the same code (tests/test_gpu_session.py runs it in the slow pass).
-        resume = [
-            "--shape",
-            "tiny",
-            "--steps",
-            "4",
-            "--ckpt-step",
-            "2",
-            "--rows",
-            "deterministic",
-            "--data-dir",
-            str(data),
-        ]
+        resume = [*"--shape tiny --steps 4 --ckpt-step 2 --rows deterministic".split(), "--data-dir", str(data)]
         resume_tail = ["--", "--dtype", "float32"]
     else:
         device, shape, base, eager = "cuda", "gpt2", BASE_MICRO_BATCH, []
@@ -239,18 +230,7 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
         str(data),
         "--out-dir",
         str(work / "realrun"),
-        "--max-steps",
-        "8",
-        "--eval-interval",
-        "4",
-        "--ckpt-interval",
-        "0",
-        "--sample-interval",
-        "0",
-        "--log-interval",
-        "1",
-        "--plot",
-        "false",
+        *"--max-steps 8 --eval-interval 4 --ckpt-interval 0 --sample-interval 0 --log-interval 1 --plot false".split(),
         *realrun,
     ]
     steps = [
@@ -351,23 +331,9 @@ def quick_steps(work: Path, *, cpu_smoke: bool = False) -> list[Step]:
 
 
 def vs_shape_flags(shape: str) -> list[str]:
-    """train_ddp.py's flags for bench/vs_nanogpt.py's shapes gpt2 and smoke (SHAPES' `ours`; not imported
-    here: that would import torch into the runner)."""
-    return {
-        "gpt2": ["--preset", "gpt2"],
-        "smoke": [
-            "--n-layer",
-            "2",
-            "--n-head",
-            "2",
-            "--n-embd",
-            "64",
-            "--block-size",
-            "32",
-            "--total-batch-size",
-            "256",
-        ],
-    }[shape]
+    """train_ddp.py's flags for bench/vs_nanogpt.py's shapes gpt2 and smoke (SHAPES' `ours`; not imported from
+    there: that would import torch into the runner). smoke's are bench/flags.py's SMOKE_SHAPE, as vs_nanogpt's are."""
+    return {"gpt2": ["--preset", "gpt2"], "smoke": list(SMOKE_SHAPE)}[shape]
 
 
 LEASE_BUDGET_S = 545
@@ -517,14 +483,7 @@ def single_steps(work: Path, *, cpu_smoke: bool = False) -> dict[str, Step]:
     stall = [
         *python_cmd(),
         "bench/checkpoint_stall.py",
-        "--device",
-        "cuda",
-        "--preset",
-        "gpt2",
-        "--reps",
-        "3",
-        "--tokens",
-        "16384",
+        *"--device cuda --preset gpt2 --reps 3 --tokens 16384".split(),
         "--dir",
         str(work),
     ]

@@ -32,67 +32,12 @@ import torch
 from corpus import add_corpus_flag, prepare_by_paragraph, require_corpus  # bench/corpus.py
 from curve import val_curve  # bench/curve.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
+from flags import NANOGPT_ADAMW, NANOGPT_SHAPE, NO_OUTPUTS, W1_SHAPE  # bench/flags.py
 
 from gpt2.train.session import parse_config
 
-COMMON = [
-    "--device",
-    "cpu",
-    "--dtype",
-    "float32",
-    "--warmup-steps",
-    "20",
-    "--beta1",
-    "0.9",
-    "--beta2",
-    "0.95",
-    "--weight-decay",
-    "0.1",
-    "--grad-clip",
-    "1.0",
-    "--seed",
-    "1337",
-    "--sample-interval",
-    "0",
-    "--ckpt-interval",
-    "0",
-    "--plot",
-    "false",
-]
-SHAPES = {
-    "small": [
-        "--n-layer",
-        "4",
-        "--n-head",
-        "4",
-        "--n-embd",
-        "128",
-        "--block-size",
-        "64",
-        "--micro-batch-size",
-        "16",
-        "--total-batch-size",
-        "1024",
-        "--compile",
-        "false",
-    ],
-    "medium": [
-        "--n-layer",
-        "6",
-        "--n-head",
-        "6",
-        "--n-embd",
-        "384",
-        "--block-size",
-        "256",
-        "--micro-batch-size",
-        "8",
-        "--total-batch-size",
-        "2048",
-        "--compile",
-        "true",
-    ],
-}
+COMMON = [*"--device cpu --dtype float32 --warmup-steps 20".split(), *NANOGPT_ADAMW, "--seed", "1337", *NO_OUTPUTS]
+SHAPES = {"small": [*NANOGPT_SHAPE, "--compile", "false"], "medium": [*W1_SHAPE, "--compile", "true"]}
 DEFAULT_ADAMW_LRS = {"small": "1e-3,2e-3,4e-3", "medium": "1e-3,2e-3"}
 DEFAULT_MUON_LRS = {"small": "0.01,0.02,0.04", "medium": "0.02,0.04"}
 

@@ -51,41 +51,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 SHAPES = {
     "gpt2": ["--preset", "gpt2", "--micro-batch-size", "12", "--total-batch-size", "24576", "--warmup-steps", "10"],
-    "tiny": [
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "64",
-        "--block-size",
-        "64",
-        "--micro-batch-size",
-        "2",
-        "--total-batch-size",
-        "256",
-        "--warmup-steps",
-        "2",
-        "--compile",
-        "false",
-    ],
+    "tiny": (
+        "--n-layer 2 --n-head 2 --n-embd 64 --block-size 64 --micro-batch-size 2 --total-batch-size 256 "
+        "--warmup-steps 2 --compile false"
+    ).split(),
 }
-QUIET = [
-    "--eval-interval",
-    "0",
-    "--eval-tokens",
-    "0",
-    "--sample-interval",
-    "0",
-    "--plot",
-    "false",
-    "--log-interval",
-    "1",
-    "--seed",
-    "1337",
-    "--keep-checkpoints",
-    "2",
-]
+QUIET = (
+    "--eval-interval 0 --eval-tokens 0 --sample-interval 0 --plot false --log-interval 1 --seed 1337 "
+    "--keep-checkpoints 2"
+).split()
 TABLE_MAX_ROWS = 24
 """Longer runs' tables show some steps only (shown_steps); the JSON holds every loss."""
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")

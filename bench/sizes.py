@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from flags import QUIET_RUN  # bench/flags.py (a script's directory is on sys.path)
+
 REPO = Path(__file__).resolve().parent.parent
 DEADLINE_ENV = "GPU_SESSION_DEADLINE"
 SIZES = "gpt2-medium,gpt2-large,gpt2-xl"
@@ -246,16 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             str(out),
             "--max-steps",
             str(steps + 1000),  # never reached: the run is killed once `steps` are logged, before any save
-            "--eval-interval",
-            "0",
-            "--eval-tokens",
-            "0",
-            "--sample-interval",
-            "0",
-            "--ckpt-interval",
-            "0",
-            "--plot",
-            "false",
+            *QUIET_RUN,
             "--log-interval",
             "1",
             *extra,

@@ -30,29 +30,14 @@ from pathlib import Path
 import numpy as np
 from corpus import REPO, add_corpus_flag, prepare_by_paragraph, require_corpus
 from emit import emit
+from flags import PARITY  # bench/flags.py
 
 WINDOW, LOSS_Z, NORM_Z = 100, 6.0, 6.0  # the guard's defaults
 MIN_SPREAD, MAD_TO_SIGMA = 0.01, 1.4826  # the guard's (gpt2/train/spike_guard.py)
 LOSS_RATIO, RATIO_Z_SHARE = 1.5, 3.0  # the guard's (gpt2/train/spike_guard.py)
 STEP_TOKENS = 2048  # the debug preset's global batch
 POISONS = [(101, 50000), (101, 383), (111, 50000), (111, 383)]
-PARITY = (
-    "--n-layer 4 --n-head 4 --n-embd 128 --block-size 64 --micro-batch-size 16 --total-batch-size 1024 --lr 1e-3 "
-    "--min-lr 1e-4 --warmup-steps 20 --max-steps 200 --beta1 0.9 --beta2 0.95 --weight-decay 0.1 --grad-clip 1.0 "
-    "--compile false --dtype float32 --data-order shuffled"
-).split()
-QUIET = [
-    "--device",
-    "cpu",
-    "--sample-interval",
-    "0",
-    "--plot",
-    "false",
-    "--log-interval",
-    "1",
-    "--spike-guard",
-    "false",
-]
+QUIET = "--device cpu --sample-interval 0 --plot false --log-interval 1 --spike-guard false".split()
 
 
 def lower_median(a: np.ndarray) -> float:

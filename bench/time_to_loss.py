@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
+from flags import PARITY, PARITY_STEPS, QUIET_RUN, W1_SHAPE  # bench/flags.py
 
 from gpt2.core.config import TRAIN_PRESETS, RunConfig
 from gpt2.core.schedule import tokens_before
@@ -67,59 +68,10 @@ from gpt2.model.gpt import GPT
 from gpt2.plan import precision_choice
 from gpt2.train.session import Session, parse_config
 
-RECIPE_STEPS = 200
-QUIET = [
-    "--device",
-    "cpu",
-    "--eval-interval",
-    "0",
-    "--eval-tokens",
-    "0",
-    "--sample-interval",
-    "0",
-    "--ckpt-interval",
-    "0",
-    "--plot",
-    "false",
-    "--log-interval",
-    "1000",
-]
-RECIPE = [
-    "--n-layer",
-    "4",
-    "--n-head",
-    "4",
-    "--n-embd",
-    "128",
-    "--block-size",
-    "64",
-    "--micro-batch-size",
-    "16",
-    "--total-batch-size",
-    "1024",
-    "--lr",
-    "1e-3",
-    "--min-lr",
-    "1e-4",
-    "--warmup-steps",
-    "20",
-    "--max-steps",
-    str(RECIPE_STEPS),
-    "--beta1",
-    "0.9",
-    "--beta2",
-    "0.95",
-    "--weight-decay",
-    "0.1",
-    "--grad-clip",
-    "1.0",
-    "--compile",
-    "false",
-    "--dtype",
-    "float32",
-    "--data-order",
-    "shuffled",
-]
+RECIPE_STEPS = PARITY_STEPS
+QUIET = ["--device", "cpu", *QUIET_RUN, "--log-interval", "1000"]
+RECIPE = PARITY
+"""nanoGPT's small Shakespeare recipe (the module docstring) over RECIPE_STEPS steps: bench/flags.py's PARITY."""
 NANO_RECIPE = dict(
     n_layer=4,
     n_head=4,
@@ -199,10 +151,7 @@ LARGE_SHAPE = Shape(
     # The presets at that size with their own horizon (200 steps), learning rates and warmups, as tuned at the
     # small shape. Until 2026-12-06 they ran nanoGPT's 600-step horizon here, which left their learning rate high
     # when they read the target: 240 steps (runs of 2026-11-28 and 12-04) against 140 with their own.
-    [
-        *("--n-layer", "6", "--n-head", "6", "--n-embd", "384", "--block-size", "256"),
-        *("--micro-batch-size", "8", "--total-batch-size", "2048"),
-    ],
+    W1_SHAPE,
     {"speedrun": 0.35},
     # --rows horizon, tried on 2026-12-06 (steps to the target, evaluated every 20): 240 -> 180 steps,
     # 180 -> 140, the preset's own 200 -> 140; nanoGPT's 600 -> 240 (the rows of 11-28 and 12-04).

@@ -86,46 +86,13 @@ SMALL_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "128", "--block-si
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO_BATCH, BLOCK, TOKENS_PER_STEP = 8, 256, 4096
-WORKLOAD = [
-    "--device",
-    "cpu",
-    "--n-layer",
-    "6",
-    "--n-head",
-    "6",
-    "--n-embd",
-    "384",
-    "--block-size",
-    str(BLOCK),
-    "--vocab-size",
-    "50304",
-    "--micro-batch-size",
-    str(MICRO_BATCH),
-    "--total-batch-size",
-    str(TOKENS_PER_STEP),
-    "--loss-impl",
-    "chunked",  # the rows' loss unless one names another: a Session decides auto as the trainer does
-    "--eval-tokens",
-    "0",
-    "--sample-interval",
-    "0",
-    "--ckpt-interval",
-    "0",
-    "--keep-checkpoints",
-    "1",
-    "--plot",
-    "false",
-    "--log-interval",
-    "1",
-    "--warmup-steps",
-    "2",
-    "--lr",
-    "3e-4",
-    "--min-lr",
-    "3e-5",
-    "--seed",
-    "1337",
-]
+WORKLOAD = (
+    f"--device cpu --n-layer 6 --n-head 6 --n-embd 384 --block-size {BLOCK} --vocab-size 50304 "
+    f"--micro-batch-size {MICRO_BATCH} --total-batch-size {TOKENS_PER_STEP} "
+    "--loss-impl chunked "  # the rows' loss unless one names another: a Session decides auto as the trainer does
+    "--eval-tokens 0 --sample-interval 0 --ckpt-interval 0 --keep-checkpoints 1 --plot false --log-interval 1 "
+    "--warmup-steps 2 --lr 3e-4 --min-lr 3e-5 --seed 1337"
+).split()
 
 
 @dataclass(frozen=True)
@@ -443,10 +410,7 @@ def _run_order(data_dir: Path, run: Path, order: str, *, steps: int, warmup: int
     args = [
         *WORKLOAD,
         *(SMALL_MODEL if small else []),
-        "--dtype",
-        "float32",
-        "--num-threads",
-        "1",
+        *"--dtype float32 --num-threads 1".split(),
         "--total-batch-size",
         str(tokens),
         "--ddp-bucket-cap-mb",

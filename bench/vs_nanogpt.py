@@ -73,6 +73,7 @@ import nanogpt  # bench/nanogpt.py
 import torch
 from corpus import prepare_by_paragraph, require_corpus  # bench/corpus.py
 from emit import emit  # bench/emit.py (a script's directory is on sys.path)
+from flags import QUIET_RUN, SMOKE_SHAPE, W1_SHAPE  # bench/flags.py
 
 from gpt2.core import precision
 from gpt2.core.config import train_values
@@ -104,20 +105,7 @@ class Shape:
 SHAPES = {
     "w1": Shape(
         "W1: 6L 6H 384w, block 256, 8 x 256",
-        (
-            "--n-layer",
-            "6",
-            "--n-head",
-            "6",
-            "--n-embd",
-            "384",
-            "--block-size",
-            "256",
-            "--micro-batch-size",
-            "8",
-            "--total-batch-size",
-            "2048",
-        ),
+        tuple(W1_SHAPE),
         dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8, gradient_accumulation_steps=1),
         2048,
     ),
@@ -135,20 +123,7 @@ SHAPES = {
     ),
     "tiny": Shape(
         "tiny: 2L 2H 64w, block 32, 2 x 32",
-        (
-            "--n-layer",
-            "2",
-            "--n-head",
-            "2",
-            "--n-embd",
-            "64",
-            "--block-size",
-            "32",
-            "--micro-batch-size",
-            "2",
-            "--total-batch-size",
-            "64",
-        ),
+        tuple("--n-layer 2 --n-head 2 --n-embd 64 --block-size 32 --micro-batch-size 2 --total-batch-size 64".split()),
         dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=2, gradient_accumulation_steps=1),
         64,
     ),
@@ -156,29 +131,12 @@ SHAPES = {
     # auto as --preset gpt2 leaves it, 8 sequences per step for auto to split.
     "smoke": Shape(
         "smoke: 2L 2H 64w, block 32, micro-batch auto of 8 x 32",
-        ("--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--total-batch-size", "256"),
+        tuple(SMOKE_SHAPE),
         dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=2, gradient_accumulation_steps=1),
         256,
     ),
 }
-QUIET = (
-    "--device",
-    "cpu",
-    "--eval-interval",
-    "0",
-    "--eval-tokens",
-    "0",
-    "--sample-interval",
-    "0",
-    "--ckpt-interval",
-    "0",
-    "--plot",
-    "false",
-    "--log-interval",
-    "1",
-    "--seed",
-    "1337",
-)
+QUIET = ("--device", "cpu", *QUIET_RUN, "--log-interval", "1", "--seed", "1337")
 SAME_BATCH_GOAL = 1.03
 """Ours against nanoGPT's own train.py at the same micro-batch: at least this ratio of tokens/s (the second H100
 lease's bar, docs/performance.md; the first lease's was 1.00x)."""
