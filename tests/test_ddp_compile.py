@@ -81,9 +81,9 @@ def _rank(rank: int, data_dir: str, tmp: str) -> None:
         # forward (eval mode, no grad); training must still get the graphs split at the buckets.
         val_loss = evaluate(parts, dist)
         counters.clear()
-        losses = [train_step(parts, cfg, dist, False)["loss"] for _ in range(STEPS)]
+        losses = [train_step(parts, cfg.train, dist, False)["loss"] for _ in range(STEPS)]
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            train_step(parts, cfg, dist, False)
+            train_step(parts, cfg.train, dist, False)
         events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()]
         backward = [(s, e) for name, s, e in events if name == "CompiledFunctionBackward"]
         reduces = [s for name, s, _ in events if name == "c10d::allreduce_"]

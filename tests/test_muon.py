@@ -266,7 +266,7 @@ def test_fp16_scaler_clipping_and_the_nonfinite_guard_work_with_muon(tmp_path, s
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
     parts = built(cfg, dist, RunLog(dist, tmp_path))
     before = {n: p.detach().clone() for n, p in parts.model.named_parameters()}
-    outs = [train_step(parts, cfg, dist, False) for _ in range(3)]
+    outs = [train_step(parts, cfg.train, dist, False) for _ in range(3)]
     assert [o["skipped"] for o in outs] == [False, True, False]  # step 1's NaN loss: no update at all
     assert all(math.isfinite(o["loss"]) for o in (outs[0], outs[2]))
     moved = {n for n, p in parts.model.named_parameters() if not torch.equal(p, before[n])}

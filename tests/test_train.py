@@ -823,7 +823,7 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
     dist = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     parts = built(cfg, dist, RunLog(dist, tmp_path))
     assert parts.accum_steps == 2
-    train_step(parts, cfg, dist, False)  # warm-up
+    train_step(parts, cfg.train, dist, False)  # warm-up
 
     package = str(Path(gpt2.__file__).parent)
     host_side = {str(Path(package) / name) for name in ("data.py", "permutation.py")}
@@ -841,7 +841,7 @@ def test_a_training_step_reads_nothing_from_the_device_and_its_numbers_come_in_o
     for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
     monkeypatch.setattr(torch.cuda, "synchronize", counting("synchronize", torch.cuda.synchronize))
-    outs = [train_step(parts, cfg, dist, False) for _ in range(3)]
+    outs = [train_step(parts, cfg.train, dist, False) for _ in range(3)]
     assert reads == []
     assert math.isfinite(outs[0]["loss"]) and math.isfinite(outs[0]["grad_norm"]) and outs[0]["stop"] is False
     assert outs[0]["skipped"] is False and outs[2]["loss"] != outs[0]["loss"]

@@ -230,7 +230,7 @@ def prepare_rung(rung: Rung, shape: ModelConfig, batch: int, device: torch.devic
     def step() -> float:
         # TF32 is set per step (the trainer sets it once, in configure_backends): rungs alternate.
         with matmul_precision(cfg.train.compute.tf32 and device.type == "cuda"):
-            return train_step(parts, cfg, dist, False)["loss"]
+            return train_step(parts, cfg.train, dist, False)["loss"]
 
     first_loss = step()  # same seed and tokens on every rung: these should agree closely
     for _ in range(max(warmup - 1, 1 if rung.compile else 0)):

@@ -33,7 +33,7 @@ import torch
 
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt.rundir import LOCK, live_holder
-from gpt2.core.config import ComputeConfig, RunConfig, describe_model, weight_changes
+from gpt2.core.config import CheckpointConfig, ComputeConfig, DataConfig, RunConfig, describe_model, weight_changes
 from gpt2.core.schedule import BatchLayout
 from gpt2.core.start_point import StartDecision
 from gpt2.data.loader import ShardSet, TrainLoader, find_shards
@@ -94,7 +94,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
     shards = check_data(cfg, world, shards=any(Path(d).is_dir() for d in tc.data.dirs))
     train_shards, val_shards = shards
-    report_data(cfg, train_shards, val_shards, out)
+    report_data(cfg.train.data, train_shards, val_shards, out)
     with rank_threads(cfg.train.compute, target):  # a CPU's peaks are per thread count: measure with a rank's
         decided = start(cfg, single_process(), shards=shards, rehearse=target, log=log).decided  # the real start-up's
     cfg, plan, accum = decided.cfg, decided.plan, decided.accum_steps
@@ -132,7 +132,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
         from gpt2.train.init_from import rehearsal_line
 
         out(rehearsal_line(tc.ckpt.init_from, step))
-    report_checkpoint(cfg, plan, out)
+    report_checkpoint(cfg.train.ckpt, plan, out)
     if step >= tc.schedule.max_steps:
         out(
             f"nothing to train: {tc.ckpt.out_dir} already finished step {step} of --max-steps "
@@ -221,17 +221,16 @@ def rank_threads(compute: ComputeConfig, target: Target):
         torch.set_num_threads(before)
 
 
-def report_data(cfg: RunConfig, train_shards, val_shards, out) -> None:
-    tc = cfg.train
+def report_data(data: DataConfig, train_shards, val_shards, out) -> None:
     if train_shards is None:
         try:
-            for d in tc.data.dirs:
+            for d in data.dirs:
                 find_shards(d, "train")
             problem = "(none)"
         except ShardError as e:
             problem = str(e)
         out(
-            f"data       SKIPPED: --data-dir {tc.data.data_dir} does not exist here. A real run needs it and stops "
+            f"data       SKIPPED: --data-dir {data.data_dir} does not exist here. A real run needs it and stops "
             f"with: {problem}"
         )
         return
@@ -239,7 +238,7 @@ def report_data(cfg: RunConfig, train_shards, val_shards, out) -> None:
         for k, (d, train) in enumerate(zip(train_shards.dirs, train_shards.sets)):
             out(f"data       {describe_shards(d, train, val_shards.sets[k] if val_shards else None)}")
         return
-    out(f"data       {describe_shards(tc.data.data_dir, train_shards, val_shards)}")
+    out(f"data       {describe_shards(data.data_dir, train_shards, val_shards)}")
 
 
 def describe_shards(data_dir: str, train: ShardSet, val: ShardSet | None) -> str:
@@ -303,14 +302,14 @@ def resume_decision(
     return int(state["step"]), position
 
 
-def report_checkpoint(cfg: RunConfig, plan, out) -> None:
+def report_checkpoint(ckpt: CheckpointConfig, plan, out) -> None:
     from gpt2.plan.budget import checkpoint_bytes
 
-    tc, m = cfg.train, plan.memory
+    m = plan.memory
     size = checkpoint_bytes(plan.cfg, m.optimizer_name)  # the number the planner's stop budget uses
-    keep = tc.ckpt.keep_checkpoints
-    kept = f", {keep} kept: ~{keep * size / GIB:.2f} GiB in {tc.ckpt.out_dir}/checkpoints"
-    every = f"every {tc.ckpt.ckpt_interval} steps and at the end" if tc.ckpt.ckpt_interval else "at the end"
+    keep = ckpt.keep_checkpoints
+    kept = f", {keep} kept: ~{keep * size / GIB:.2f} GiB in {ckpt.out_dir}/checkpoints"
+    every = f"every {ckpt.ckpt_interval} steps and at the end" if ckpt.ckpt_interval else "at the end"
     if m.shards > 1:  # the plan's weights and optimizer are one rank's shards: the checkpoint is all of them
         out(
             f"checkpoint ~{size / GIB:.2f} GiB in all (fp32 weights + {m.optimizer_name} state), each of the "

@@ -54,7 +54,7 @@ class Session:
         """One optimizer step (train_step, no stop vote). Its numbers stay on the device until read
         (stats["loss"], stats["grad_norm"]): reading them waits for the step."""
         t0 = time.perf_counter()
-        stats = train_step(self.parts, self.cfg, self.dist, False)
+        stats = train_step(self.parts, self.cfg.train, self.dist, False)
         self.step_s.append(time.perf_counter() - t0)
         return stats
 

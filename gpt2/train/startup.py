@@ -45,6 +45,7 @@ from gpt2.core.config import (
     EOT_TOKEN,
     TRAIN_PRESETS,
     BatchConfig,
+    CheckpointConfig,
     ComputeConfig,
     DataConfig,
     DistributedConfig,
@@ -111,7 +112,7 @@ def start(
     # an earlier run's records until the start is decided and they are moved aside (make_room).
     log = log or RunLog(dist, tc.ckpt.out_dir, verbose=tc.log.verbose, log_file=True)
     shards = shards or check_data(cfg, dist.world_size)  # the shards and the batch maths
-    at = announce_start(cfg, dist, log, quiet=rehearse is not None)  # where the run begins: a checkpoint, or fresh
+    at = announce_start(tc.ckpt, dist, log, quiet=rehearse is not None)  # where the run begins: a checkpoint, or fresh
     target = rehearse or start_target(dist, hardware)
     decided = decide_run(cfg, dist, log, shards, at, target, rehearse=rehearse is not None)  # every choice, refusal
     if rehearse is not None:
@@ -193,7 +194,7 @@ def make_run_dir(out_dir: str, dist: Dist) -> None:
         preempt.clear_requeue_marker(out_dir)
 
 
-def announce_start(cfg: RunConfig, dist: Dist, log: RunLog, *, quiet: bool = False) -> StartDecision:
+def announce_start(ckpt: CheckpointConfig, dist: Dist, log: RunLog, *, quiet: bool = False) -> StartDecision:
     """The run's first line (before any measuring or building: a slow start is never silent; not in a
     rehearsal, quiet), then where it starts (choose_start: a checkpoint to resume, or fresh)."""
     if not quiet:
@@ -201,7 +202,7 @@ def announce_start(cfg: RunConfig, dist: Dist, log: RunLog, *, quiet: bool = Fal
             f"starting   {dist.world_size} rank(s) on {dist.device}: checking the data, choosing precision, "
             "planning memory, building the model"
         )
-    return choose_start(cfg.train.ckpt.resume, cfg.train.ckpt.out_dir, dist, warn=log.warn)
+    return choose_start(ckpt.resume, ckpt.out_dir, dist, warn=log.warn)
 
 
 def finished_message(start: StartDecision, tc: TrainConfig) -> str | None:

@@ -164,7 +164,7 @@ def prefetch(parts: Parts) -> None:
         parts.prefetched = (parts.loader.position, parts.loader.micro_batch(0))
 
 
-def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -> StepStats:
+def train_step(parts: Parts, tc: TrainConfig, dist: Dist, stop_requested: bool) -> StepStats:
     """One optimizer step: accumulate micro-batches, sync gradients on the last, clip, update.
 
     Returns the step's StepStats. Where the skip can be decided on the device (skips_on_device: fused
@@ -172,7 +172,6 @@ def train_step(parts: Parts, cfg: RunConfig, dist: Dist, stop_requested: bool) -
     micro-batch are queued behind the forward and backward, and the numbers are read when asked (the
     trainer's loop asks one step later on CUDA, run_loop). Otherwise they are read before the update.
     """
-    tc = cfg.train
     lr = set_lr(parts, tc.schedule)
     if tc.optim.optimizer == "muon" and tc.optim.muon_momentum_warmup:
         set_muon_momentum(parts, tc.optim)
@@ -445,7 +444,7 @@ def run_loop(run: Run) -> int:
         begin, after_gap = clock.begin()
         # A failed background checkpoint write votes to stop like a signal: every rank stops after
         # this step and the stop's save raises the write's error on every rank (state.save).
-        out = train_step(parts, run.cfg, run.dist, run.stop_request.signum is not None or write_failed(parts))
+        out = train_step(parts, run.cfg.train, run.dist, run.stop_request.signum is not None or write_failed(parts))
         out.marks = StepMarks(begin, clock.mark(), after_gap)
         collect_if_due(parts.step, tc.distributed.gc_interval)
         if slow_phase:  # steady state: a dead or hung peer is found within --dist-step-timeout-s
