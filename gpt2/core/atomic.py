@@ -89,5 +89,4 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    with atomic_write(path) as f:
-        f.write(text.encode())
+    atomic_write_bytes(path, text.encode())
