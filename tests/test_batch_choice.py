@@ -4,6 +4,7 @@ every guarantee the largest-that-fits rule gave (fits, divides, FSDP, a clear er
 import re
 
 import pytest
+import torch
 
 from gpt2.core.config import ModelConfig, model_preset
 from gpt2.core.precision import FLOAT32, Precision
@@ -234,7 +235,7 @@ def test_the_cpu_probe_times_each_candidate_once_per_shape_and_caches_it(tmp_pat
     assert set(seen) == {"full", "chunked"}  # each candidate timed with its own loss path
     assert first.peak_bytes is not None and first.cache.startswith(str(tmp_path))
 
-    def measured_again(*a):
+    def measured_again(*a, **k):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(batch_probe, "time_micro_batches", measured_again)
@@ -325,23 +326,115 @@ def test_a_probe_over_its_budget_times_nothing_takes_the_largest_and_says_why(tm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(batch_probe, "_RATES", {})
-    monkeypatch.setattr(batch_probe, "PROBE_BUDGET_S", 0.0)  # any call is over it
+    monkeypatch.setattr(batch_probe.paired, "PROBE_BUDGET_S", 0.0)  # any call is over it
+    monkeypatch.setattr(batch_probe, "_TOKEN_S", {})
 
     def timed(*a, **k):
         raise AssertionError("timed past the budget")
 
     monkeypatch.setattr(batch_probe.paired, "measure_rounds", timed)
     cfg = ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=16)
+    seen = []
+    from gpt2.model.gpt import GPT
+
+    real = GPT.forward
+    monkeypatch.setattr(GPT, "forward", lambda self, x, *a, **k: seen.append(x.shape[0]) or real(self, x, *a, **k))
     rates = batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 2: "full", 4: "full"})
     assert rates.choose() == 4 and rates.rates == {} and not list(tmp_path.glob("**/micro-batch-*.json"))
+    assert seen == [1]  # the smallest call said it: the largest never ran
     assert re.fullmatch(
         r"not measured on this CPU: timing 3 micro-batches in 5 rounds would take ~\d+ s \(over the probe's 0 s\), "
         r"so the largest, the CPU's rule",
         rates.describe(),
     )
-    assert batch_probe.rounds_estimate_s(8.0, [1, 2, 4]) == 8.0 * 5 * 7 / 4  # each call its share of 4's tokens
+    # another candidate set at this shape (a dry run's next world size): the call before says it, none runs
+    again = batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 2: "full"})
+    assert seen == [1] and again.choose() == 2 and "would take ~" in again.describe()
+    assert batch_probe.rounds_estimate_s(8.0, 4, [1, 2, 4]) == 8.0 * 5 * 7 / 4  # each call its share of 4's tokens
+    assert batch_probe.rounds_estimate_s(2.0, 1, [1, 2, 4]) == 2.0 * 5 * 7  # from the smallest: 7 of its calls
     choice = choose_micro_batch(
         run(model_preset("debug"), total=4096, dtype="fp32", compile=False), CPU, world_size=1, measure=lambda s: rates
     )
     assert choice.size == 4 and choice.describe().startswith("micro-batch auto: 4 sequences, not measured on this CPU")
     assert "(the throughput model took 1)" in choice.reason
+
+
+def test_a_probe_whose_flops_at_the_peak_outlast_the_budget_makes_no_call(tmp_path, monkeypatch):
+    """On an AVX2-only CPU one untimed call at GPT-2 124M's largest candidate took over 450 s, at every world
+    size of a dry run. The rounds' FLOPs at the CPU's measured matmul peak (which no call beats) now say it first."""
+    from gpt2.model.gpt import GPT
+    from gpt2.plan import batch_probe
+    from gpt2.plan.flops import flops_per_token
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(batch_probe, "_RATES", {})
+    monkeypatch.setattr(batch_probe, "_TOKEN_S", {})
+
+    def called(*a, **k):
+        raise AssertionError("a call ran")
+
+    monkeypatch.setattr(GPT, "forward", called)
+    cfg = model_preset("gpt2")
+    peak = 5e11  # an AVX2 2-core CPU's fp32 peak is ~0.1-0.2 TFLOP/s
+    floor = 5 * (1 + 2 + 4) * 1024 * flops_per_token(cfg) / peak
+    assert batch_probe.rounds_floor_s(cfg, [1, 2, 4], peak) == pytest.approx(floor) and floor > 30
+    rates = batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "chunked", 2: "chunked", 4: "chunked"}, peak_flop_s=peak)
+    assert rates.choose() == 4 and rates.rates == {} and not list(tmp_path.glob("**/micro-batch-*.json"))
+    assert rates.describe() == (
+        f"not measured on this CPU: timing 3 micro-batches in 5 rounds would take at least ~{floor:.0f} s (their "
+        "FLOPs at the CPU's matmul peak) (over the probe's 30 s), so the largest, the CPU's rule"
+    )
+
+
+def test_a_peak_within_the_budget_still_times_and_the_peak_measured_now_is_passed(tmp_path, monkeypatch, fake_clock):
+    from gpt2.core.config import RunConfig, TrainConfig
+    from gpt2.plan import batch_probe, loss_probe, resolve
+    from gpt2.plan.matmul_peak import MeasuredPeak
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(batch_probe, "_RATES", {})
+    fake_clock.times.update({"1": 0.1, "4": 0.2})
+    cfg = ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=16)
+    rates = batch_probe.micro_batch_rates(cfg, FLOAT32, {1: "full", 4: "full"}, peak_flop_s=1e11)
+    assert sorted(rates.rates) == [1, 4] and rates.choose() == 4  # timed: its floor is milliseconds
+
+    passed = []
+    monkeypatch.setattr(batch_probe, "micro_batch_rates", lambda *a, peak_flop_s, **k: passed.append(peak_flop_s))
+    monkeypatch.setattr(loss_probe, "eager_loss_times", lambda *a, peak_flop_s, **k: passed.append(peak_flop_s))
+    monkeypatch.setattr(resolve, "choose_loss_impl", lambda *a, measure_eager, **k: measure_eager() or FULL)
+    run_cfg = RunConfig(cfg, TrainConfig.of(data_dir="d", out_dir="o", compile=False))
+    target = resolve.Target(device=torch.device("cpu"))
+    # a peak measured under load is low, its floor too high: the probe it skips would be doubtful there too
+    for doubt in (None, "measured under load"):
+        passed.clear()
+        monkeypatch.setattr(resolve, "cpu_peak", lambda *a, d=doubt: MeasuredPeak(6e9, "test", d))
+        resolve.batch_measure(run_cfg, FLOAT32, CPU, 1, target)([1, 4])
+        assert passed == [6e9, 6e9, 6e9]  # each candidate's loss probe, then the micro-batch probe
+
+
+FULL = type("Full", (), {"impl": "full"})
+
+
+def test_a_loss_probe_over_its_budget_keeps_the_chunked_loss_and_caches_nothing(tmp_path, monkeypatch):
+    """GPT-2's head (768 x 50,304 at 512 tokens) with 4 threads on an AVX2 CPU's 2 cores: 15 s a full-loss call,
+    210 s of a dry run in its rounds. Its FLOPs at the peak measured now (6 GFLOP/s there) say it before any
+    call; where no peak is given, the untimed calls say it."""
+    from gpt2.plan import loss_probe
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(loss_probe, "_TIMES", {})
+
+    def timed(*a, **k):
+        raise AssertionError("timed past the budget")
+
+    monkeypatch.setattr(loss_probe.paired, "measure_rounds", timed)
+    floor = 6 * 2 * 6 * 512 * 768 * 50304 / 6e9
+    times = loss_probe.eager_loss_times("cpu", FLOAT32, 4096, 768, 50304, refresh=True, peak_flop_s=6e9)
+    assert not times.full_is_faster and not list(tmp_path.glob("**/eager-loss-*.json"))
+    assert times.describe() == (
+        f"not measured at this shape: timing both paths in 6 pairs would take at least ~{floor:.0f} s (their FLOPs "
+        "at the CPU's matmul peak) (over the probe's 30 s), so the chunked loss (it holds less memory)"
+    )
+    monkeypatch.setattr(loss_probe.paired, "PROBE_BUDGET_S", 0.0)  # any untimed call is over it
+    small = loss_probe.eager_loss_times("cpu", FLOAT32, 64, 16, 512, refresh=True)
+    assert not small.full_is_faster and re.search(r"would take ~\d+ s \(over the probe's 0 s\)", small.describe())

@@ -30,7 +30,7 @@ def test_times_are_measured_once_per_shape_and_read_from_the_cache_after(cache, 
     assert entry["key"]["tokens"] == 256 and entry["key"]["n_embd"] == 64 and entry["key"]["dtype"] == "float32"
     assert (entry["full_s"], entry["chunked_s"]) == (first.full_s, first.chunked_s)
 
-    def no_measurement(*a):
+    def no_measurement(*a, **k):
         raise AssertionError("measured again although cached")
 
     monkeypatch.setattr(loss_probe, "time_loss_paths", no_measurement)

@@ -9,14 +9,16 @@ and the loss's chunk loop starts afresh. Rather than model a CPU's memory system
 model's forward and backward (the run's dtype, the loss path the run would take at that micro-batch:
 full logits at 2 sequences of 6 x 384 ran 2x the tokens/s of 8, where the chunked loss ranks them the other
 way; gradients accumulating as in a step) at up to three candidates (the model's pick, the largest that
-fits and divides, one between), after one untimed call at the largest, in PROBE_ROUNDS rounds, each round
-every candidate once, the order reversed every other round (gpt2/plan/paired.py). The largest candidate is
+fits and divides, one between), after one untimed call at the smallest and one at the largest, in PROBE_ROUNDS
+rounds, each round every candidate once, the order reversed every other round (gpt2/plan/paired.py). The largest candidate is
 the hardware's rule on a CPU (issue 54's three shapes ran fastest at their largest, or within 2%); the
 fastest of the others by its median time per token is compared with it pair by pair (decide_micro_batch) and
 taken only where it runs more than MEASURED_TIE faster with the pairs agreeing. A tie, or pairs that disagree
-(the machine too busy to tell), keep the largest. So does a probe that would outlast PROBE_BUDGET_S (GPT-2
-124M on a 2-core CPU: ~130 s of timed calls, for a choice the rule makes within a few percent): the untimed call
-says how long the rounds would take, and past the budget none is timed.
+(the machine too busy to tell), keep the largest. So does a probe that would outlast paired.PROBE_BUDGET_S (GPT-2
+124M on a 2-core CPU: ~130 s of timed calls, for a choice the rule makes within a few percent), known as cheaply
+as it can be (over_budget): first from the FLOPs at the CPU's measured matmul peak, which no call beats, then
+from the untimed calls, the smallest first (on an AVX2-only CPU one call at GPT-2 124M's largest, 4 x 1024
+tokens, took over 450 s, and a dry run at several world sizes paid it at each).
 Cached per machine (matmul_peak.peak_key: the CPU, its threads, torch), shape, dtype, loss path and
 candidates, as the loss probe is (gpt2/plan/loss_probe.py), so a run measures once per shape; but only a
 measurement that decided on a quiet machine (issue 73), re-checked every paired.RECHECK_RUNS-th run. The
@@ -37,6 +39,7 @@ from gpt2.core import host_memory
 from gpt2.core.config import ModelConfig
 from gpt2.core.precision import Precision
 from gpt2.plan import matmul_peak, paired
+from gpt2.plan.flops import flops_per_token
 
 PROBE_ROUNDS = 5
 """Rounds of timed calls, every candidate once a round: a decision between two needs paired.AGREE_SHARE of
@@ -86,12 +89,6 @@ _RATES: dict[str, MicroBatchRates] = {}
 """micro_batch_rates' per-process answers, by cache file (a dry run in the same process gets the same)."""
 
 
-PROBE_BUDGET_S = 30.0
-"""The longest the timed rounds may take, estimated from the untimed call at the largest candidate (each
-candidate's call as its share of that one's tokens): past it auto takes the largest, the hardware's rule, without
-timing (a dry run of the gpt2 preset on a 2-core CPU spent 130 s here; the debug preset's rounds take ~1 s)."""
-
-
 PROBE_MAX_TOKENS = 4096
 """The largest micro-step the probe times, in tokens: past a thousand or so tokens a CPU's throughput is flat
 (the per-micro-step work is then a small share: the debug preset's 8 x 128 ran within 2% of 32 x 128,
@@ -127,12 +124,18 @@ def batch_probe_path(key: dict) -> Path:
 
 
 def micro_batch_rates(
-    cfg: ModelConfig, prec: Precision, losses: dict[int, str], *, refresh: bool | None = None
+    cfg: ModelConfig,
+    prec: Precision,
+    losses: dict[int, str],
+    *,
+    refresh: bool | None = None,
+    peak_flop_s: float | None = None,
 ) -> MicroBatchRates:
     """Each candidate micro-batch's tokens/s on this CPU with the loss path the run would take at it
     (`losses`: micro-batch -> full or chunked) and the one to take (decide_micro_batch), from the cache or
     measured (then cached atomically where nothing speaks against it: the load, the pairs' scatter, a
-    disagreement)."""
+    disagreement). peak_flop_s: the CPU's matmul peak measured now (gpt2/plan/resolve.py probe_peak), or None;
+    it only tells a probe over its budget before any call."""
     sizes = sorted(losses)
     key = batch_probe_key(cfg, prec, losses)
     path = batch_probe_path(key)
@@ -146,15 +149,15 @@ def micro_batch_rates(
         _RATES[str(path)] = cached
         return cached
     before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
-    rounds = time_micro_batches(cfg, prec, losses)
+    rounds = time_micro_batches(cfg, prec, losses, peak_flop_s=peak_flop_s)
     after = host_memory.resident_peak_bytes()
     peak = None
     if None not in (before, high, after):
         peak = after - before if after > high else 0
-    if isinstance(rounds, float):  # over the budget: the rule, nothing timed and nothing cached
+    if isinstance(rounds, paired.OverBudget):  # the rule, nothing timed and nothing cached
         why = (
-            f"timing {len(sizes)} micro-batches in {PROBE_ROUNDS} rounds would take ~{rounds:.0f} s (over the probe's "
-            f"{PROBE_BUDGET_S:.0f} s), so the largest, the CPU's rule"
+            f"timing {len(sizes)} micro-batches in {PROBE_ROUNDS} rounds would take {rounds.how} (over the probe's "
+            f"{paired.PROBE_BUDGET_S:.0f} s), so the largest, the CPU's rule"
         )
         _RATES[str(path)] = MicroBatchRates({}, str(path), peak, sizes[-1], why, "not cached")
         return _RATES[str(path)]
@@ -213,18 +216,44 @@ def decide_micro_batch(
     return chosen, why, rounds.load, doubt
 
 
-def rounds_estimate_s(largest_call_s: float, sizes: list[int]) -> float:
-    """The timed rounds' seconds, from one call at the largest of `sizes`: each call costs its share of that
-    one's tokens (an over-estimate: the first call also allocates and initialises)."""
-    return largest_call_s * PROBE_ROUNDS * sum(sizes) / sizes[-1]
+_TOKEN_S: dict[tuple, float] = {}
+"""Seconds per token of the fastest untimed call so far, by shape (model, dtype, threads), in this process: a
+dry run at several world sizes (each its own candidates) calls a shape too large for the budget once."""
 
 
-def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]) -> paired.Rounds | float:
+def rounds_estimate_s(call_s: float, at: int, sizes: list[int]) -> float:
+    """The timed rounds' seconds, from one call at micro-batch `at`: each call costs its share of that one's
+    tokens (an over-estimate where `at` is the smallest, or the first call, which also allocates: a CPU's
+    throughput per token rises with the micro-batch, if at all)."""
+    return call_s * PROBE_ROUNDS * sum(sizes) / at
+
+
+def rounds_floor_s(cfg: ModelConfig, sizes: list[int], peak_flop_s: float) -> float:
+    """The least the timed rounds could take: their training FLOPs at the CPU's matmul peak."""
+    return PROBE_ROUNDS * sum(sizes) * cfg.block_size * flops_per_token(cfg) / peak_flop_s
+
+
+def time_micro_batches(
+    cfg: ModelConfig, prec: Precision, losses: dict[int, str], *, peak_flop_s: float | None = None
+) -> paired.Rounds | paired.OverBudget:
     """A fresh model's forward + backward at each micro-batch of `losses`, with its loss path, in PROBE_ROUNDS
-    rounds (paired.measure_rounds, each named by str(size)) after one untimed call at the largest (module
-    docstring); or, where that call says the rounds would outlast PROBE_BUDGET_S, their estimated seconds."""
+    rounds (paired.measure_rounds, each named by str(size)) after one untimed call at the smallest and one at the
+    largest; or, where the rounds would outlast paired.PROBE_BUDGET_S, paired.OverBudget, known before any call from their
+    FLOPs at peak_flop_s where given, else from an earlier call at this shape (_TOKEN_S), else from the untimed
+    calls, each checked as soon as it returns (the smallest first: a shape too large for the budget costs one
+    small call)."""
     from gpt2.model.gpt import GPT
 
+    T, sizes = cfg.block_size, sorted(losses)
+    if peak_flop_s:
+        floor = rounds_floor_s(cfg, sizes, peak_flop_s)
+        if floor > paired.PROBE_BUDGET_S:
+            return paired.OverBudget(floor, f"at least ~{floor:.0f} s (their FLOPs at the CPU's matmul peak)")
+    shape = (cfg, str(prec.torch_dtype), torch.get_num_threads())
+    if shape in _TOKEN_S:  # another candidate set of a shape already called (a dry run's next world size)
+        estimate = _TOKEN_S[shape] * T * PROBE_ROUNDS * sum(sizes)
+        if estimate > paired.PROBE_BUDGET_S:
+            return paired.OverBudget(estimate, f"~{estimate:.0f} s")
     gen = torch.Generator().manual_seed(0)
     torch_state = torch.random.get_rng_state()
     try:
@@ -232,7 +261,6 @@ def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]
         model = GPT(cfg)
     finally:
         torch.random.set_rng_state(torch_state)  # the run's own draws are not moved by the probe
-    T, sizes = cfg.block_size, sorted(losses)
     batches = {b: torch.randint(0, 50257, (2, b, T), generator=gen) for b in sizes}
 
     def micro_step(b: int):
@@ -245,9 +273,12 @@ def time_micro_batches(cfg: ModelConfig, prec: Precision, losses: dict[int, str]
         return run
 
     with prec.autocast("cpu"):
-        started = time.perf_counter()
-        micro_step(sizes[-1])()  # untimed: the largest allocations, lazy initialisation, the gradients made
-        estimate = rounds_estimate_s(time.perf_counter() - started, sizes)
-        if estimate > PROBE_BUDGET_S:
-            return estimate
+        for b in dict.fromkeys((sizes[0], sizes[-1])):  # untimed: allocations, lazy initialisation, the gradients
+            started = time.perf_counter()
+            micro_step(b)()
+            call_s = time.perf_counter() - started
+            _TOKEN_S[shape] = min(_TOKEN_S.get(shape, float("inf")), call_s / (b * T))
+            estimate = rounds_estimate_s(call_s, b, sizes)
+            if estimate > paired.PROBE_BUDGET_S:
+                return paired.OverBudget(estimate, f"~{estimate:.0f} s")
         return paired.measure_rounds({str(b): micro_step(b) for b in sizes}, PROBE_ROUNDS)

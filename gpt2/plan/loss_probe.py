@@ -13,13 +13,17 @@ alternating in PROBE_ROUNDS pairs (gpt2/plan/paired.py), on the run's micro-batc
 PROBE_MAX_TOKENS) and in its dtype. The full loss is taken where the pairs decide it is faster by more
 than FULL_MARGIN; a tie or a disagreement keeps the chunked one, which holds less memory. Cached per
 machine and shape only when the pairs decided on a quiet machine (issue 73), re-checked every
-paired.RECHECK_RUNS-th run that reads it.
+paired.RECHECK_RUNS-th run that reads it. A probe whose rounds would outlast paired.PROBE_BUDGET_S times
+nothing and keeps the chunked loss (GPT-2's 768 x 50,304 head with 4 threads on an AVX2 CPU's 2 cores ran
+15 s a full-loss call, and its rounds took 210 s of a dry run): their FLOPs at the CPU's matmul peak say it
+before any call, else the untimed calls.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -67,14 +71,24 @@ class EagerLossTimes:
     FULL_MARGIN rule on the two times decides)."""
     source: str = ""
     """Cached, or why not."""
+    over_budget: str = ""
+    """Not timed: how long the rounds would take (the times are then the untimed calls', or the floor's)."""
 
     @property
     def full_is_faster(self) -> bool:
+        if self.over_budget:
+            return False
         if self.verdict is not None:
             return self.verdict.winner == "a"
         return self.full_s <= FULL_MARGIN * self.chunked_s
 
     def describe(self) -> str:
+        if self.over_budget:
+            return (
+                f"not measured at this shape: timing both paths in {PROBE_ROUNDS} pairs would take "
+                f"{self.over_budget} (over the probe's {paired.PROBE_BUDGET_S:.0f} s), so the chunked loss (it "
+                "holds less memory)"
+            )
         times = f"full {self.full_s * 1e3:,.0f} ms vs chunked {self.chunked_s * 1e3:,.0f} ms"
         if self.verdict is None:
             return f"measured at this shape: {times} per micro-step's LM head + loss (cached in {self.cache})"
@@ -107,11 +121,19 @@ def loss_probe_path(key: dict) -> Path:
 
 
 def eager_loss_times(
-    device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int, *, refresh: bool | None = None
+    device: str,
+    prec: Precision,
+    tokens: int,
+    n_embd: int,
+    vocab_size: int,
+    *,
+    refresh: bool | None = None,
+    peak_flop_s: float | None = None,
 ) -> EagerLossTimes:
     """Both paths' times at this shape on this CPU and the pairs' verdict, from the cache or measured (then
     cached atomically where paired.Comparison.doubt finds nothing against it). refresh=None reads
-    matmul_peak.REFRESH_PEAK_ENV, as the matmul peaks do."""
+    matmul_peak.REFRESH_PEAK_ENV, as the matmul peaks do. peak_flop_s: the CPU's matmul peak measured now,
+    which tells a probe over its budget before any call (time_loss_paths)."""
     tokens = min(tokens, PROBE_MAX_TOKENS)
     key = loss_probe_key(device, prec, tokens, n_embd, vocab_size)
     path = loss_probe_path(key)
@@ -125,11 +147,15 @@ def eager_loss_times(
         times = _cached_times(entry, path)
     else:
         before, high = host_memory.resident_bytes(), host_memory.resident_peak_bytes()
-        rounds = time_loss_paths(device, prec, tokens, n_embd, vocab_size)
+        rounds = time_loss_paths(device, prec, tokens, n_embd, vocab_size, peak_flop_s=peak_flop_s)
         after = host_memory.resident_peak_bytes()
         peak = None
         if None not in (before, high, after):  # what it raised the process's peak to, above what it held
             peak = after - before if after > high else 0
+        if isinstance(rounds, paired.OverBudget):  # the chunked loss, nothing timed and nothing cached
+            over = EagerLossTimes(0.0, 0.0, str(path), peak, None, "not cached", over_budget=rounds.how)
+            _TIMES[str(path)] = over
+            return over
         verdict = rounds.verdict("full", "chunked", margin=LOSS_TIE, cpu_clock_decides=False)  # a loop of chunks
         full_s, chunked_s = rounds.median_s("full"), rounds.median_s("chunked")
         if (doubt := verdict.doubt()) is None:
@@ -152,11 +178,20 @@ def _cached_times(entry: dict, path: Path) -> EagerLossTimes:
     return EagerLossTimes(float(entry["full_s"]), float(entry["chunked_s"]), str(path), None, verdict, source)
 
 
-def time_loss_paths(device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int) -> paired.Rounds:
+def time_loss_paths(
+    device: str, prec: Precision, tokens: int, n_embd: int, vocab_size: int, *, peak_flop_s: float | None = None
+) -> paired.Rounds | paired.OverBudget:
     """GPT.forward's two loss paths ('full', 'chunked') timed in PROBE_ROUNDS alternating pairs after one
     untimed call each, on random activations and a GPT-2-scale weight, under the run's autocast, the padded
-    vocabulary rows masked as the model masks them."""
+    vocabulary rows masked as the model masks them; or paired.OverBudget where the rounds would outlast
+    paired.PROBE_BUDGET_S: from their FLOPs (each call the head's forward and backward, 6 x tokens x n_embd x
+    vocabulary) at peak_flop_s before any call, else from the untimed calls."""
     from gpt2.model.gpt import GPT2_VOCAB_SIZE
+
+    if peak_flop_s:
+        floor = PROBE_ROUNDS * 2 * 6.0 * tokens * n_embd * vocab_size / peak_flop_s
+        if floor > paired.PROBE_BUDGET_S:
+            return paired.OverBudget(floor, f"at least ~{floor:.0f} s (their FLOPs at the CPU's matmul peak)")
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, n_embd, generator=gen).to(device).requires_grad_()
@@ -177,5 +212,9 @@ def time_loss_paths(device: str, prec: Precision, tokens: int, n_embd: int, voca
         linear_cross_entropy(x, weight, bias, targets).backward()
 
     with prec.autocast(device):
+        started = time.perf_counter()
         full(), chunked()  # untimed: allocations, lazy initialisation
+        estimate = PROBE_ROUNDS * (time.perf_counter() - started)  # an over-estimate: the first calls allocate
+        if estimate > paired.PROBE_BUDGET_S:
+            return paired.OverBudget(estimate, f"~{estimate:.0f} s")
         return paired.measure_rounds({"full": full, "chunked": chunked}, PROBE_ROUNDS)

@@ -55,6 +55,21 @@ after (quiet_now: a re-check under load would only be doubtful; the new one repl
 a doubtful re-check keeps the cached one)."""
 
 
+PROBE_BUDGET_S = 30.0
+"""The longest a probe's timed rounds may take (gpt2/plan/batch_probe.py, loss_probe.py): past it the probe
+times nothing and the run takes the choice it makes without a measurement (a dry run of the gpt2 preset on a
+2-core CPU spent 130 s in the micro-batch probe; the debug preset's rounds take ~1 s)."""
+
+
+@dataclass(frozen=True)
+class OverBudget:
+    """A probe's timed rounds would outlast PROBE_BUDGET_S: what it returns instead of them."""
+
+    seconds: float
+    how: str
+    """'~130 s' (from an untimed call) or 'at least ~200 s (their FLOPs at the CPU's matmul peak)'."""
+
+
 @dataclass(frozen=True)
 class Load:
     """What else ran while a measurement did."""

@@ -257,7 +257,8 @@ def device_name(device: torch.device) -> str:
 
 def batch_measure(cfg: RunConfig, prec: Precision, hardware: Hardware, world: int, target: Target):
     """On this machine's CPU, uncompiled, what --micro-batch-size auto measures (gpt2/plan/batch_probe.py:
-    tokens/s at a few micro-batches, each with the loss path --loss-impl would take at it; cached); None
+    tokens/s at a few micro-batches, each with the loss path --loss-impl would take at it; cached; the CPU's
+    matmul peak tells a probe over its budget before any call); None
     elsewhere (a GPU, a compiled run, a rehearsal for other hardware)."""
     device = target.device
     if device is None or device.type != "cpu" or cfg.train.compute.compile:
@@ -269,7 +270,11 @@ def batch_measure(cfg: RunConfig, prec: Precision, hardware: Hardware, world: in
         probe = eager_measure(at_b, prec, b, device)
         return choose_loss_impl(at_b, hardware, world_size=world, measure_eager=probe).impl
 
-    return lambda sizes: micro_batch_rates(cfg.model, prec, {b: loss_at(b) for b in sizes})
+    def measure(sizes: list[int]):
+        losses = {b: loss_at(b) for b in sizes}
+        return micro_batch_rates(cfg.model, prec, losses, peak_flop_s=probe_peak(device, prec))
+
+    return measure
 
 
 def eager_measure(cfg: RunConfig, prec: Precision, mb: int, device: torch.device | None):
@@ -280,4 +285,16 @@ def eager_measure(cfg: RunConfig, prec: Precision, mb: int, device: torch.device
     from gpt2.plan.loss_probe import eager_loss_times
 
     m = cfg.model
-    return lambda: eager_loss_times(str(device), prec, mb * m.block_size, m.n_embd, m.vocab_size)
+    return lambda: eager_loss_times(
+        str(device), prec, mb * m.block_size, m.n_embd, m.vocab_size, peak_flop_s=probe_peak(device, prec)
+    )
+
+
+def probe_peak(device: torch.device, prec: Precision) -> float:
+    """The matmul FLOP/s a CPU probe's calls cannot beat, to know a probe over its budget before any call: this
+    run's MFU peak (measured already, or cached), even where MFU may not use it. One measured under load is
+    low, so its floor too high, and a busy machine may skip a probe a quiet one would run; but that probe,
+    under the same load, would be doubtful, not cached, and keep the same choice (the largest micro-batch,
+    the chunked loss). On 2 cores with --num-threads 4 the peak probe ran at 6 GFLOP/s and the probes' calls
+    as slowly: 300 s of a dry run."""
+    return cpu_peak(device, prec.torch_dtype).flop_s
