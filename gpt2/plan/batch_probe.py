@@ -1,28 +1,27 @@
 """--micro-batch-size auto on a CPU, uncompiled: a few micro-steps timed at a few micro-batches, then cached.
 
-The throughput model (gpt2/plan/batch_choice.py) counts a micro-step's fixed cost as the host's launches,
-~250 us per block on a CPU, and so took 1 sequence for the debug preset; measured on a 2-core AVX2 CPU
-that ran 1.6-1.7x slower than 32 (issue 54: 17.2 against 10.3 s a 4,096-token step). What it misses is
-work every micro-step does whatever its size, which on a CPU is not small: the tied embedding's dense
-(V, h) gradient and the LM head's weight gradient are each a pass over 50304 x h floats per micro-step,
-and the loss's chunk loop starts afresh. Rather than model a CPU's memory system, this measures: the
-model's forward and backward (the run's dtype, the loss path the run would take at that micro-batch:
-full logits at 2 sequences of 6 x 384 ran 2x the tokens/s of 8, where the chunked loss ranks them the other
-way; gradients accumulating as in a step) at up to three candidates (the model's pick, the largest that
-fits and divides, one between), after one untimed call at the smallest and one at the largest, in PROBE_ROUNDS
-rounds, each round every candidate once, the order reversed every other round (gpt2/plan/paired.py). The largest candidate is
-the hardware's rule on a CPU (issue 54's three shapes ran fastest at their largest, or within 2%); the
-fastest of the others by its median time per token is compared with it pair by pair (decide_micro_batch) and
-taken only where it runs more than MEASURED_TIE faster with the pairs agreeing. A tie, or pairs that disagree
-(the machine too busy to tell), keep the largest. So does a probe that would outlast paired.PROBE_BUDGET_S (GPT-2
-124M on a 2-core CPU: ~130 s of timed calls, for a choice the rule makes within a few percent), known as cheaply
-as it can be (over_budget): first from the FLOPs at the CPU's measured matmul peak, which no call beats, then
-from the untimed calls, the smallest first (on an AVX2-only CPU one call at GPT-2 124M's largest, 4 x 1024
-tokens, took over 450 s, and a dry run at several world sizes paid it at each).
-Cached per machine (matmul_peak.peak_key: the CPU, its threads, torch), shape, dtype, loss path and
-candidates, as the loss probe is (gpt2/plan/loss_probe.py), so a run measures once per shape; but only a
-measurement that decided on a quiet machine (issue 73), re-checked every paired.RECHECK_RUNS-th run. The
-optimizer step is left out: it runs once a step whatever the micro-batch.
+The throughput model (gpt2/plan/batch_choice.py) counts a micro-step's fixed cost as the host's launches, ~250 us
+per block on a CPU, and so took 1 sequence for the debug preset; measured on a 2-core AVX2 CPU that ran 1.6-1.7x
+slower than 32 (issue 54: 17.2 against 10.3 s a 4,096-token step). What it misses is work every micro-step does
+whatever its size, which on a CPU is not small: the tied embedding's dense (V, h) gradient and the LM head's weight
+gradient are each a pass over 50304 x h floats per micro-step, and the loss's chunk loop starts afresh. Rather than
+model a CPU's memory system, this measures: the model's forward and backward (the run's dtype, the loss path the run
+would take at that micro-batch: full logits at 2 sequences of 6 x 384 ran 2x the tokens/s of 8, where the chunked
+loss ranks them the other way; gradients accumulating as in a step) at up to three candidates (the model's pick, the
+largest that fits and divides, one between), after one untimed call at the smallest and one at the largest, in
+PROBE_ROUNDS rounds, each round every candidate once, the order reversed every other round (gpt2/plan/paired.py).
+The largest candidate is the hardware's rule on a CPU (issue 54's three shapes ran fastest at their largest, or
+within 2%); the fastest of the others by its median time per token is compared with it pair by pair
+(decide_micro_batch) and taken only where it runs more than MEASURED_TIE faster with the pairs agreeing. A tie, or
+pairs that disagree (the machine too busy to tell), keep the largest. So does a probe that would outlast
+paired.PROBE_BUDGET_S (GPT-2 124M on a 2-core CPU: ~130 s of timed calls, for a choice the rule makes within a few
+percent), known as cheaply as it can be (time_micro_batches): from the FLOPs at the CPU's matmul peak measured now,
+which no call beats, or an earlier call at the shape, or the untimed calls, the smallest first (on an AVX2-only CPU
+one call at GPT-2 124M's largest, 4 x 1024 tokens, took over 450 s, and a dry run at several world sizes paid it at
+each). Cached per machine (matmul_peak.peak_key: the CPU, its threads, torch), shape, dtype, loss path and
+candidates, as the loss probe is (gpt2/plan/loss_probe.py), so a run measures once per shape; but only a measurement
+that decided on a quiet machine (issue 73), re-checked every paired.RECHECK_RUNS-th run. The optimizer step is left
+out: it runs once a step whatever the micro-batch.
 """
 
 from __future__ import annotations
@@ -236,12 +235,12 @@ def rounds_floor_s(cfg: ModelConfig, sizes: list[int], peak_flop_s: float) -> fl
 def time_micro_batches(
     cfg: ModelConfig, prec: Precision, losses: dict[int, str], *, peak_flop_s: float | None = None
 ) -> paired.Rounds | paired.OverBudget:
-    """A fresh model's forward + backward at each micro-batch of `losses`, with its loss path, in PROBE_ROUNDS
-    rounds (paired.measure_rounds, each named by str(size)) after one untimed call at the smallest and one at the
-    largest; or, where the rounds would outlast paired.PROBE_BUDGET_S, paired.OverBudget, known before any call from their
-    FLOPs at peak_flop_s where given, else from an earlier call at this shape (_TOKEN_S), else from the untimed
-    calls, each checked as soon as it returns (the smallest first: a shape too large for the budget costs one
-    small call)."""
+    """resh model's forward + backward at each micro-batch of `losses`, with its loss path, in PROBE_ROUNDS
+    rounds (paired.measure_rounds, each named by str(size)) after one untimed call at the smallest and one at
+    the largest; or, where the rounds would outlast paired.PROBE_BUDGET_S, paired.OverBudget, known before any
+    call from their FLOPs at peak_flop_s where given, else from an earlier call at this shape (_TOKEN_S), else
+    from the untimed calls, each checked as soon as it returns (the smallest first: a shape too large for the
+    budget costs one small call)."""
     from gpt2.model.gpt import GPT
 
     T, sizes = cfg.block_size, sorted(losses)
