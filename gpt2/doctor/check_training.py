@@ -68,6 +68,7 @@ def training(ctx: Context) -> Section:
     mfu = tok_s * flops_per_token(cfg.model) / peak if peak else None
     source = "the data sheet's" if ctx.device.type == "cuda" else "the measured matmul"
     s.info("MFU", f"{mfu:.1%} of {source} {format_flops(peak)}" if mfu else "n/a: no peak for this device")
+    planned = resolve_choices(cfg, Target(hardware=device_hardware(ctx.device, peak))).plan.memory.total
     s.data = {
         "tokens_per_s": tok_s,
         "mfu": mfu,
@@ -77,18 +78,17 @@ def training(ctx: Context) -> Section:
         "accum_steps": info["accum_steps"],
         "dtype": tc.compute.dtype,
         "losses": run.losses(),
-        **memory_rows(s, ctx, cfg, records, peak),
+        **memory_rows(s, ctx, planned, records),
     }
     first, last = loss_span(run)
     s.check("losses finite", all(map(math.isfinite, run.losses().values())), f"{first:.4f} -> {last:.4f}")
     return s
 
 
-def memory_rows(s: Section, ctx: Context, cfg: RunConfig, records: list[dict], peak: float | None) -> dict:
-    """CUDA: the trainer's logged torch.cuda.max_memory_allocated against the planner's total for this run,
-    which is held within PLAN_ERROR of the measured peak (gpt2/plan/memory.py): the check allows that much
-    over it. A CPU run logs its RSS over the whole process: not the same quantity."""
-    planned = resolve_choices(cfg, Target(hardware=device_hardware(ctx.device, peak))).plan.memory.total
+def memory_rows(s: Section, ctx: Context, planned: int, records: list[dict]) -> dict:
+    """CUDA: the trainer's logged torch.cuda.max_memory_allocated against the planner's total for this run
+    (`planned`), which is held within PLAN_ERROR of the measured peak (gpt2/plan/memory.py): the check allows
+    that much over it. A CPU run logs its RSS over the whole process: not the same quantity."""
     measured = max(r["mem_mb"] for r in records) * 2**20
     if ctx.device.type != "cuda":
         s.note(

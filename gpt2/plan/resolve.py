@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2.core.config import RunConfig
+from gpt2.core.config import ModelConfig, RunConfig
 from gpt2.core.precision import Precision
 from gpt2.core.schedule import grad_accum_steps
 from gpt2.core.start_point import StartDecision
@@ -142,7 +142,7 @@ def resolve_choices(
     if tc.compute.fp8_head and (why := fp8_shape_problem(cfg.model, mb.size)):
         raise ValueError(why)  # the weight gradient's inner dimension: the micro-step's tokens
     loss = choose_loss_impl(
-        cfg, hardware, world_size=world, measure_eager=eager_measure(cfg, prec, mb.size, target.device)
+        cfg, hardware, world_size=world, measure_eager=eager_measure(cfg.model, prec, mb.size, target.device)
     )
     cfg = with_train(cfg, loss_impl=loss.impl)
     tc = cfg.train
@@ -267,7 +267,7 @@ def batch_measure(cfg: RunConfig, prec: Precision, hardware: Hardware, world: in
 
     def loss_at(b: int) -> str:
         at_b = with_train(cfg, micro_batch_size=b)
-        probe = eager_measure(at_b, prec, b, device)
+        probe = eager_measure(cfg.model, prec, b, device)
         return choose_loss_impl(at_b, hardware, world_size=world, measure_eager=probe).impl
 
     def measure(sizes: list[int]):
@@ -277,14 +277,13 @@ def batch_measure(cfg: RunConfig, prec: Precision, hardware: Hardware, world: in
     return measure
 
 
-def eager_measure(cfg: RunConfig, prec: Precision, mb: int, device: torch.device | None):
+def eager_measure(m: ModelConfig, prec: Precision, mb: int, device: torch.device | None):
     """On this machine's CPU, what --loss-impl auto measures uncompiled (gpt2/plan/loss_probe.py: which path
     is faster at the run's shape, cached); None elsewhere (a GPU, or a rehearsal for other hardware)."""
     if device is None or device.type != "cpu":
         return None
     from gpt2.plan.loss_probe import eager_loss_times
 
-    m = cfg.model
     return lambda: eager_loss_times(
         str(device), prec, mb * m.block_size, m.n_embd, m.vocab_size, peak_flop_s=probe_peak(device, prec)
     )

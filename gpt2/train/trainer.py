@@ -21,7 +21,15 @@ import torch
 
 from gpt2.ckpt.rundir import own_run_dir
 from gpt2.core import precision
-from gpt2.core.config import EOT_TOKEN, BatchConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig
+from gpt2.core.config import (
+    EOT_TOKEN,
+    BatchConfig,
+    EvalConfig,
+    OptimConfig,
+    RunConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 from gpt2.core.schedule import batch_tokens_at, lr_at, momentum_at, tokens_before, warmup_micro_steps
 from gpt2.data.loader import ShardSet, TrainLoader
 from gpt2.data.mixture import MixedShards, MixtureEval, MixtureLoader
@@ -559,7 +567,7 @@ def perform(run: Run, act: Actions) -> None:
     # A sharded model's every forward all-gathers weights: every rank generates (same prompt, same
     # seeded generator, so the same tokens), rank 0 logs. A replicated model samples on rank 0 alone.
     if act.sample and (dist.is_main or is_sharded(parts.model)):
-        text = sample_text(parts, cfg, dist)
+        text = sample_text(parts, cfg.train.eval, cfg.train.data.seed, cfg.model.block_size, dist)
         if dist.is_main:
             log.record({"step": step, "sample": text})
             log.info(f"sample at step {step}: {text!r}")
@@ -696,19 +704,18 @@ def evaluate_sources(parts: Parts, dist: Dist) -> tuple[float, dict[str, float]]
     return val.mean(losses), losses
 
 
-def sample_text(parts: Parts, cfg: RunConfig, dist: Dist) -> str:
-    """A text sample (KV-cache generation, its own RNG: training is unaffected). Rank 0's alone, or
-    under FSDP every rank's (a collective: each forward gathers the weights)."""
+def sample_text(parts: Parts, ev: EvalConfig, seed: int, block_size: int, dist: Dist) -> str:
+    """A text sample (KV-cache generation, its own RNG seeded by the run's seed and the step: training is
+    unaffected). Rank 0's alone, or under FSDP every rank's (a collective: each forward gathers the weights)."""
     from gpt2.model import tokenizer
 
-    tc = cfg.train
-    prompt = tokenizer.encode_prompt(tc.eval.sample_prompt, cfg.model.block_size)  # checked in check_data
-    gen = torch.Generator(device=dist.device).manual_seed(tc.data.seed + parts.step)
+    prompt = tokenizer.encode_prompt(ev.sample_prompt, block_size)  # checked in check_data
+    gen = torch.Generator(device=dist.device).manual_seed(seed + parts.step)
     idx = torch.tensor([prompt], dtype=torch.long, device=dist.device)
     parts.model.eval()
     with parts.precision.autocast(dist.device):
         out = parts.model.generate(
-            idx, tc.eval.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen, stop_token=EOT_TOKEN
+            idx, ev.sample_tokens, temperature=1.0, top_k=TOP_K, generator=gen, stop_token=EOT_TOKEN
         )
     parts.model.train()
     return tokenizer.decode(cut_at_stop(out[0, len(prompt) :].tolist(), EOT_TOKEN))  # the text ends at <|endoftext|>
