@@ -1,7 +1,7 @@
 """train_ddp.py --dry-run: a real run's start-up up to its first step, without a process group or weights.
 
-It is the trainer's own start-up, start(cfg, dist, rehearse=target) in gpt2/train/startup.py, with writes
-and process groups off: the same check_data, resume decision, keep-on-resume, record of every choice
+It is the trainer's own start-up's pre-flight, decide_run in gpt2/train/startup.py, without the writes
+and process groups of start(): the same check_data, resume decision, keep-on-resume, record of every choice
 (gpt2/plan/resolve.py: precision, activation checkpointing, micro-batch, loss path, parallelism,
 accumulation, compile, the memory plan), epochs and warmup checks, so the first error it meets is the one
 a real run stops with, word for word, and the numbers it prints are the ones a real run would use. Then it
@@ -43,7 +43,7 @@ from gpt2.distributed.group import Dist, resolve_device, set_cpu_threads, single
 from gpt2.plan.hardware import GIB
 from gpt2.plan.resolve import Target
 from gpt2.train.cli import Rehearsal
-from gpt2.train.startup import check_data, start
+from gpt2.train.startup import announce_start, check_data, decide_run
 from gpt2.train.state import check_compatible, tokens_of
 
 GPUS_PER_NODE = 8
@@ -64,12 +64,6 @@ class Log:
 
     def detail(self, message: str) -> None:  # a rehearsal shows the whole plan: that is what it is for
         self.out(message)
-
-    def hold(self) -> None:  # the start-up holds a real run's lines until its checks pass; these print as they come
-        pass
-
-    def release(self, *, console: bool = True) -> None:
-        pass
 
 
 def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
@@ -96,7 +90,9 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     train_shards, val_shards = shards
     report_data(cfg.train.data, train_shards, val_shards, out)
     with rank_threads(cfg.train.compute, target):  # a CPU's peaks are per thread count: measure with a rank's
-        decided = start(cfg, single_process(), shards=shards, rehearse=target, log=log).decided  # the real start-up's
+        dist = single_process()
+        at = announce_start(tc.ckpt, dist, log, quiet=True)  # where a real start would begin
+        decided = decide_run(cfg, dist, log, shards, at, target)  # the real start-up's pre-flight
     cfg, plan, accum = decided.cfg, decided.plan, decided.accum_steps
     tc, mb = cfg.train, cfg.train.batch.micro_batch_size
     loaders = None

@@ -4,15 +4,18 @@ bottom in the order it happens (its body is the list).
   the run directory and the backends (threads, TF32, the allocator)
   check_data            the shards, the batch maths, the flags' packages (before any process group)
   announce_start        the first line; where the run begins (gpt2/ckpt/resume.py: a checkpoint, or fresh)
-  decide_run            every choice in one record (gpt2/plan/resolve.py Resolved: precision, activation
-                        checkpointing, micro-batch, loss path, parallelism, accumulation, compile, MFU peak,
-                        the resume point, the memory plan) and every refusal, before anything is moved
+  decide_run            the pre-flight: every choice in one record (gpt2/plan/resolve.py Resolved: precision,
+                        activation checkpointing, micro-batch, loss path, parallelism, accumulation, compile,
+                        MFU peak, the resume point, the memory plan) and every refusal the config and the data
+                        can meet, nothing written
+  check_this_machine    what only this machine can say: the memory this process holds, the disk, the network,
+                        a resume's refusals before it moves files; then, all passed, the held lines are shown
   make_room             the earlier run's files aside; the log's files opened
   build                 the model, optimizer and loaders as the record says (gpt2/train/build.py)
   write_run_info, announce, HellaSwag, the background checkpoint writer
 
-train_ddp.py --dry-run (gpt2/train/dryrun.py) rehearses check_data and decide_run's parts without a process
-group, so its first error is a real run's; the benchmarks' Session (gpt2/train/session.py) is start().
+train_ddp.py --dry-run (gpt2/train/dryrun.py) runs check_data and decide_run without a process group or
+a write, so its first error is a real run's; the benchmarks' Session (gpt2/train/session.py) is start().
 
 What the console shows: a few lines (RunLog.info); the plan term by term is RunLog.detail, written to
 RUN/train.log and printed only with --verbose, so a newcomer reads what runs, and a refusal or
@@ -92,7 +95,6 @@ def start(
     shards: tuple[ShardSet, ShardSet | None] | None = None,
     stop_request: preempt.StopRequest | None = None,
     hardware=None,
-    rehearse: Target | None = None,
     log=None,
 ) -> Run | None:
     """A run from its config to its first step, in the order things happen; None when its checkpoint
@@ -100,27 +102,33 @@ def start(
     (gpt2/ckpt/rundir.py own_run_dir) and the signal handlers (stop_request).
 
     shards: check_data's result (train_ddp.py checks before the process group starts), else checked here.
-    hardware: what the planner sizes for instead of this device (tests pass a cap).
-    rehearse: train_ddp.py --dry-run (gpt2/train/dryrun.py) on this Target, with one process and its own
-    log: the same steps with writes and process groups off, up to the record; returns a Run whose parts
-    are None (nothing is built), also for a finished run (the dry run says so itself)."""
+    hardware: what the planner sizes for instead of this device (tests pass a cap)."""
     tc = cfg.train
-    if rehearse is None:
-        make_run_dir(tc.ckpt.out_dir, dist)  # RUN exists; a requeue marker there is not this run's
-        configure_backends(tc.compute, dist)  # threads, TF32, the allocator
+    make_run_dir(tc.ckpt.out_dir, dist)  # RUN exists; a requeue marker there is not this run's
+    configure_backends(tc.compute, dist)  # threads, TF32, the allocator
     # The console only, for now: RUN/train.log, TensorBoard and W&B write into RUN, which may still hold
     # an earlier run's records until the start is decided and they are moved aside (make_room).
     log = log or RunLog(dist, tc.ckpt.out_dir, verbose=tc.log.verbose, log_file=True)
     shards = shards or check_data(cfg, dist.world_size)  # the shards and the batch maths
-    at = announce_start(tc.ckpt, dist, log, quiet=rehearse is not None)  # where the run begins: a checkpoint, or fresh
-    target = rehearse or start_target(dist, hardware)
-    decided = decide_run(cfg, dist, log, shards, at, target, rehearse=rehearse is not None)  # every choice, refusal
-    if rehearse is not None:
-        return Run(decided.cfg, dist, log, None, None, decided.peak, decided)
-    if decided is None:  # finished already, e.g. the quick start run a second time
+    at = announce_start(tc.ckpt, dist, log)  # where the run begins: a checkpoint, or fresh
+    # Every line of the decisions and checks is held until they all pass: a refusal, or "nothing to train", is
+    # the console's first line after `starting` (with --verbose, after what was decided before it).
+    log.hold()
+    try:
+        if tc.compute.deterministic:  # train_ddp.py turned it on before CUDA's first use; in-process callers here
+            determinism.enable()
+            log.info(determinism.describe_determinism())
+        decided = decide_run(cfg, dist, log, shards, at, start_target(dist, hardware))  # every choice, refusal
+        decided = check_this_machine(decided, dist, log, shards[0])  # what only a real start can check
+    except BaseException:
+        log.release(console=False)
+        raise
+    if finished_message(at, decided.cfg.train) is not None:  # finished already, e.g. the quick start run again
+        log.release(console=False)
         log.info(finished_message(at, tc))
         log.close()
         return None
+    log.release()
     make_room(decided, dist, log)  # the earlier run's files aside; the log's files opened
     announce_compile(decided, dist, log)
     cache = (
@@ -224,56 +232,44 @@ def decide_run(
     shards: tuple[ShardSet, ShardSet | None],
     start: StartDecision,
     target: Target,
-    *,
-    rehearse: bool = False,
-) -> Resolved | None:
-    """Every decision and every check that can refuse the configuration, before anything in RUN is moved
-    or written: the data read (--verify-data), a resumed run's own `auto` choices kept, the record of
-    every choice (resolve_auto on target), the MFU peak, the memory plan, the network, the epochs and
-    warmup, the resume's compatibility. None: start's checkpoint has reached --max-steps already (nothing
-    moved). rehearse: the dry run's (no data read when it is absent here, the plan without the resident
-    warm-up, no network timing, the resume checked by the dry run itself, a finished run's record too).
+) -> Resolved:
+    """The pre-flight: every decision, and every check that needs only the config, the data, the run
+    directory's checkpoints and the target's hardware (nothing of this process, nothing written): the data
+    read (--verify-data), a resumed run's own `auto` choices kept, the record of every choice (resolve_auto
+    on target), the MFU peak, the memory plan, the epochs and warmup. A real start (start, then
+    check_this_machine) and the dry run (gpt2/train/dryrun.py, on a target that may be a hypothetical
+    cluster) run it alike, so the dry run's first error is a real run's, word for word.
 
-    The lines are held until they all pass: a refusal, or "nothing to train", is the console's first line
-    after `starting` (with --verbose, after what was decided before it). Most are detail (the plan term by
-    term): RUN/train.log and --verbose; the console gets the precision, the micro-batch and one plan line."""
-    log.hold()
-    try:
-        if cfg.train.compute.deterministic and not rehearse:  # train_ddp.py turned it on before CUDA's first use
-            determinism.enable()
-            log.info(determinism.describe_determinism())
-        if shards[0] is not None:  # a dry run planning a cluster from a laptop may have no data here
-            verify_data(cfg.train.data, shards, dist, log)
-        cfg = keep_decisions(cfg, start, dist, log)
-        decided = resolve_auto(cfg, dist, log, start=start, target=target)
-        log_mfu_peak(decided, dist, log)
-        if decided.cfg.model.doc_attention and shards[0] is not None:
-            log_doc_attention_share(decided.cfg.model, shards[0], log)
-        for note in compute_notes(decided.cfg.train.compute, decided.hardware.device_type):
-            log.warn(note)
-        if rehearse:  # the plan alone: no resident warm-up in a process that trains nothing
-            check_plan(decided, log)
-        else:
-            check_memory(decided, log)
-        if not rehearse:
-            check_disk(decided, dist, log)
-            cost = log_network_cost(decided, dist, log)
-            decided = replace(decided, network=None if cost is None else cost.to_dict())
-        if isinstance(shards[0], MixedShards):  # after the refusals: no warning for a refused run
-            log_mixture(decided.cfg.train, decided.cfg.model.block_size, shards[0], log)
-        elif shards[0] is not None:
-            log_epochs(decided.cfg.train.batch, decided.cfg.train.schedule.max_steps, shards[0].total_tokens, log)
-        log_warmup(decided.cfg.train.schedule, log)
-        if not rehearse:
-            check_before_moving(start, decided.cfg, dist, shards[0])
-    except BaseException:
-        log.release(console=False)
-        raise
-    if not rehearse and finished_message(start, decided.cfg.train) is not None:
-        log.release(console=False)
-        return None
-    log.release()
+    Most lines are detail (the plan term by term): RUN/train.log and --verbose; the console gets the
+    precision and the micro-batch."""
+    if shards[0] is not None:  # a dry run planning a cluster from a laptop may have no data here
+        verify_data(cfg.train.data, shards, dist, log)
+    cfg = keep_decisions(cfg, start, dist, log)
+    decided = resolve_auto(cfg, dist, log, start=start, target=target)
+    log_mfu_peak(decided, dist, log)
+    if decided.cfg.model.doc_attention and shards[0] is not None:
+        log_doc_attention_share(decided.cfg.model, shards[0], log)
+    for note in compute_notes(decided.cfg.train.compute, decided.hardware.device_type):
+        log.warn(note)
+    check_plan(decided, log)
+    if isinstance(shards[0], MixedShards):
+        log_mixture(decided.cfg.train, decided.cfg.model.block_size, shards[0], log)
+    elif shards[0] is not None:
+        log_epochs(decided.cfg.train.batch, decided.cfg.train.schedule.max_steps, shards[0].total_tokens, log)
+    log_warmup(decided.cfg.train.schedule, log)
     return decided
+
+
+def check_this_machine(decided: Resolved, dist: Dist, log: RunLog, train_shards: ShardSet | None) -> Resolved:
+    """After the pre-flight, what only a start on this machine checks, before anything in RUN is moved or
+    written: the memory this process holds beside the plan (one console line), the disk for the checkpoints,
+    the network's cost of a step, and a resume's refusals before it moves files aside. Returns the record
+    with the network's cost."""
+    check_memory(decided, log)
+    check_disk(decided, dist, log)
+    cost = log_network_cost(decided, dist, log)
+    check_before_moving(decided.start, decided.cfg, dist, train_shards)
+    return replace(decided, network=None if cost is None else cost.to_dict())
 
 
 def make_room(decided: Resolved, dist: Dist, log: RunLog) -> None:
@@ -814,11 +810,10 @@ def log_doc_attention_share(model: ModelConfig, train: ShardSet, log: RunLog) ->
     )
 
 
-def check_memory(r: Resolved, log) -> Plan:
-    """Print the planner's summary of the resolved run and refuse a configuration that clearly cannot fit,
-    before allocating. Returns the plan (gpt2.plan.planner.Plan)."""
-    p = check_plan(r, log)
-    held = None
+def check_memory(r: Resolved, log) -> None:
+    """The plan's console line, with what this process holds beside it (check_plan, in the pre-flight, has
+    refused a configuration that clearly cannot fit and logged the plan in detail)."""
+    p, held = r.plan, None
     if p.hardware.device_type == "cpu":
         # What the first step loads and keeps whatever the model (torch._dynamo, which torch.optim imports; the
         # kernels' code paged in from libtorch), taken now by a tiny model's steps (uncompiled: a compile would
@@ -829,7 +824,6 @@ def check_memory(r: Resolved, log) -> Plan:
     probes = [b for b in (r.loss.probe_bytes, r.micro_batch.probe_bytes) if b is not None]
     log_path = Path(r.cfg.train.ckpt.out_dir) / TRAIN_LOG
     log.info(plan_line(p, log_path, shown=log.verbose, held=held, probe=max(probes, default=None)))
-    return p
 
 
 def check_disk(decided: Resolved, dist: Dist, log: RunLog) -> None:
