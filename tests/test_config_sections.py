@@ -57,7 +57,7 @@ def test_every_training_field_is_in_exactly_one_section_and_the_flags_are_unchan
 
 
 def test_a_config_json_written_before_the_sections_loads_and_a_resume_keeps_its_auto_choices(tmp_path):
-    from gpt2.train.startup import KEPT_ON_RESUME, decided_before
+    from gpt2.ckpt.resume import KEPT_ON_RESUME, decided_before
 
     info = json.loads((KEPT / "config.json").read_text())
     old_train = info["config"]["train"]

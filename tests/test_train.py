@@ -701,9 +701,9 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_at_start_up_and_one_sho
     import shutil
     from collections import namedtuple
 
+    from gpt2.ckpt.disk import disk_verdict, saves_of
     from gpt2.core.config import ModelConfig
     from gpt2.plan.budget import checkpoint_bytes
-    from gpt2.train.startup import disk_verdict, saves_of
 
     size = checkpoint_bytes(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64))
     usage = namedtuple("usage", "total used free")

@@ -22,18 +22,23 @@ explicit, earlier checkpoint of RUN's own run (a rollback past a loss spike) mov
 checkpoints into RUN/checkpoints/abandoned-*/ (`set_aside_abandoned`): else a requeue with --resume
 auto would take the newest, of the branch the rollback left.
 
+A resumed run keeps its own `auto` decisions (KEPT_ON_RESUME, `keep_decisions`): the precision, micro-batch,
+loss path and activation checkpointing its RUN/config.json records, so it continues bit for bit.
+
 Every step is a collective that every rank reaches, even when it failed locally: one rank raising
 alone would leave the others waiting in the next collective until the timeout.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import rundir
 from gpt2.core.atomic import atomic_write_bytes
+from gpt2.core.config import RunConfig, train_values
 from gpt2.core.start_point import ResumePoint, StartDecision
 from gpt2.distributed.group import Dist, all_gather_object, rank0_decides
 
@@ -266,3 +271,40 @@ def agree_on_step(step: int, problem: str | None, dist: Dist) -> None:
     if len(steps) > 1:
         by_step = ", ".join(f"rank {r} on {h}: step {s}" for r, h, _, s in reports)
         raise ckpt.CheckpointError(f"ranks resumed at different steps ({by_step}). {SHARED_DIR_HINT}")
+
+
+KEPT_ON_RESUME = ("dtype", "activation_checkpointing", "micro_batch_size", "loss_impl")
+"""--FLAG auto decisions a resumed run takes from the run it continues instead of deciding afresh: a
+timing probe or a free-memory reading can decide otherwise on a busy machine, and another loss path or
+precision changes the numbers (the resume would not continue bit for bit)."""
+
+
+def keep_decisions(cfg: RunConfig, start: StartDecision, dist: Dist, say) -> RunConfig:
+    """cfg with each KEPT_ON_RESUME field left at auto set to the value the continued run decided (its
+    RUN/config.json, of the same run id, on as many ranks), each said in one line by say (the log's info);
+    a flag given now wins."""
+    kept = {}
+    if start.point is not None:
+        info = Path(cfg.train.ckpt.out_dir) / rundir.RUN_INFO
+        kept = rank0_decides(lambda: decided_before(info, start.run_id, dist.world_size), dist) or {}
+    now = cfg.train.flat()
+    changes = {k: v for k, v in kept.items() if now[k] == "auto" and v != "auto"}
+    for k, v in changes.items():
+        flag = "--" + k.replace("_", "-")
+        say(f"resume: {flag} auto keeps {v!r}, the run's own choice (pass {flag} to decide otherwise)")
+    if not changes:
+        return cfg
+    return RunConfig(cfg.model, cfg.train.replace(**changes))
+
+
+def decided_before(info_path: Path, run_id: str | None, world_size: int) -> dict | None:
+    """KEPT_ON_RESUME's values in the continued run's config.json, or None: no such file, another run's,
+    unreadable, or another world size (the micro-batch and memory were decided per rank)."""
+    try:
+        info = json.loads(info_path.read_text())
+        train = train_values(info["config"]["train"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if info.get("run_id") != run_id or info.get("world_size") != world_size:
+        return None
+    return {k: train[k] for k in KEPT_ON_RESUME if k in train}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
 import time
@@ -37,8 +36,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gpt2.ckpt.checkpoint import CheckpointError, belongs, checkpoint_dir, list_checkpoints
-from gpt2.ckpt.resume import StartDecision, choose_start, restore_sidecar, set_aside_abandoned, set_aside_earlier_run
+from gpt2.ckpt.checkpoint import CheckpointError
+from gpt2.ckpt.disk import check_disk
+from gpt2.ckpt.resume import (
+    StartDecision,
+    choose_start,
+    keep_decisions,
+    restore_sidecar,
+    set_aside_abandoned,
+    set_aside_earlier_run,
+)
 from gpt2.ckpt.rundir import RUN_INFO, TRAIN_LOG
 from gpt2.ckpt.writer import CheckpointWriter
 from gpt2.core import determinism, host_memory
@@ -57,7 +64,6 @@ from gpt2.core.config import (
     ScheduleConfig,
     TrainConfig,
     parse_weights,
-    train_values,
     weight_changes,
 )
 from gpt2.core.schedule import batch_warmup_problem, grad_accum_steps, lr_at, tokens_before
@@ -244,7 +250,7 @@ def decide_run(
     precision and the micro-batch."""
     if shards[0] is not None:  # a dry run planning a cluster from a laptop may have no data here
         verify_data(cfg.train.data, shards, dist, log)
-    cfg = keep_decisions(cfg, start, dist, log)
+    cfg = keep_decisions(cfg, start, dist, log.info)
     decided = resolve_auto(cfg, dist, log, start=start, target=target)
     log_mfu_peak(decided, dist, log)
     if decided.cfg.model.doc_attention and shards[0] is not None:
@@ -266,7 +272,8 @@ def check_this_machine(decided: Resolved, dist: Dist, log: RunLog, train_shards:
     the network's cost of a step, and a resume's refusals before it moves files aside. Returns the record
     with the network's cost."""
     check_memory(decided, log)
-    check_disk(decided, dist, log)
+    size = checkpoint_bytes(decided.plan.cfg, decided.plan.memory.optimizer_name)
+    check_disk(decided.cfg.train, decided.start, size, dist, log.warn)
     cost = log_network_cost(decided, dist, log)
     check_before_moving(decided.start, decided.cfg, dist, train_shards)
     return replace(decided, network=None if cost is None else cost.to_dict())
@@ -709,42 +716,6 @@ def start_target(dist: Dist, hardware=None) -> Target:
     )
 
 
-KEPT_ON_RESUME = ("dtype", "activation_checkpointing", "micro_batch_size", "loss_impl")
-"""--FLAG auto decisions a resumed run takes from the run it continues instead of deciding afresh: a
-timing probe or a free-memory reading can decide otherwise on a busy machine, and another loss path or
-precision changes the numbers (the resume would not continue bit for bit)."""
-
-
-def keep_decisions(cfg: RunConfig, start: StartDecision, dist: Dist, log: RunLog) -> RunConfig:
-    """cfg with each KEPT_ON_RESUME field left at auto set to the value the continued run decided (its
-    RUN/config.json, of the same run id, on as many ranks), each said in one line; a flag given now wins."""
-    kept = {}
-    if start.point is not None:
-        info = Path(cfg.train.ckpt.out_dir) / RUN_INFO
-        kept = rank0_decides(lambda: decided_before(info, start.run_id, dist.world_size), dist) or {}
-    now = cfg.train.flat()
-    changes = {k: v for k, v in kept.items() if now[k] == "auto" and v != "auto"}
-    for k, v in changes.items():
-        flag = "--" + k.replace("_", "-")
-        log.info(f"resume: {flag} auto keeps {v!r}, the run's own choice (pass {flag} to decide otherwise)")
-    if not changes:
-        return cfg
-    return RunConfig(cfg.model, cfg.train.replace(**changes))
-
-
-def decided_before(info_path: Path, run_id: str | None, world_size: int) -> dict | None:
-    """KEPT_ON_RESUME's values in the continued run's config.json, or None: no such file, another run's,
-    unreadable, or another world size (the micro-batch and memory were decided per rank)."""
-    try:
-        info = json.loads(info_path.read_text())
-        train = train_values(info["config"]["train"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if info.get("run_id") != run_id or info.get("world_size") != world_size:
-        return None
-    return {k: train[k] for k in KEPT_ON_RESUME if k in train}
-
-
 def resolve_auto(
     cfg: RunConfig,
     dist: Dist,
@@ -824,78 +795,6 @@ def check_memory(r: Resolved, log) -> None:
     probes = [b for b in (r.loss.probe_bytes, r.micro_batch.probe_bytes) if b is not None]
     log_path = Path(r.cfg.train.ckpt.out_dir) / TRAIN_LOG
     log.info(plan_line(p, log_path, shown=log.verbose, held=held, probe=max(probes, default=None)))
-
-
-def check_disk(decided: Resolved, dist: Dist, log: RunLog) -> None:
-    """The free space where RUN/checkpoints is (or will be) against the plan's checkpoint size, read by rank 0
-    before the first step: a full disk was said only when the first save failed, steps in. Not enough for
-    one checkpoint is refused (every rank raises alike); enough for one but not for the most this run holds
-    at once (--keep-checkpoints, and the new one written before the oldest is deleted) is one warning."""
-
-    def verdict() -> tuple[str | None, str | None]:
-        tc, start = decided.cfg.train, decided.start
-        ckdir = checkpoint_dir(tc.ckpt.out_dir)
-        existing = next(p for p in (ckdir, *ckdir.parents) if p.exists())  # the file system it will be on
-        held = 0  # this run's checkpoints already on the disk, which retention replaces rather than adds to
-        if start.point is not None and not start.set_aside:
-            held = sum(
-                1 for c in list_checkpoints(tc.ckpt.out_dir) if c.name not in start.abandon and belongs(c, start.run_id)
-            )
-        return disk_verdict(
-            tc.ckpt.out_dir,
-            free=shutil.disk_usage(existing).free,
-            size=checkpoint_bytes(decided.plan.cfg, decided.plan.memory.optimizer_name),
-            keep=tc.ckpt.keep_checkpoints,
-            saves=saves_of(tc, 0 if start.point is None else start.point.step),
-            held=held,
-        )
-
-    problem, warning = rank0_decides(verdict, dist)
-    if problem is not None:
-        raise ValueError(problem)
-    if warning is not None:
-        log.warn(warning)
-
-
-def saves_of(tc: TrainConfig, step: int) -> int:
-    """Checkpoints a run from step to --max-steps writes: one every --ckpt-interval steps, and the final one."""
-    end, every = tc.schedule.max_steps, tc.ckpt.ckpt_interval
-    if step >= end:
-        return 0
-    if not every:
-        return 1
-    return end // every - step // every + (1 if end % every else 0)
-
-
-def disk_verdict(
-    out_dir: str, *, free: int, size: int, keep: int, saves: int, held: int
-) -> tuple[str | None, str | None]:
-    """(refusal, warning) for a run that writes `saves` checkpoints of ~size bytes into out_dir with `free`
-    bytes free and `held` of its own there: a refusal when one does not fit, a warning when the most it adds
-    at once does not (each save writes the new checkpoint, then deletes those past --keep-checkpoints)."""
-    if not saves:
-        return None, None
-    need = f"a checkpoint of this model and optimizer is ~{_mb(size)}"
-    if free < size:
-        return (
-            f"--out-dir {out_dir}: {_mb(free)} free on its disk, and {need}: the first save would fail; free "
-            "disk space, or pass an --out-dir on a disk with room (--ckpt-interval 0 still writes the final one)"
-        ), None
-    more = max(1, min(keep + 1 - held, saves))
-    if free >= more * size:
-        return None, None
-    fits = free // size
-    fewer = f"--keep-checkpoints {fits - 1}, " if fits > 1 else ""
-    return None, (
-        f"--out-dir {out_dir}: {_mb(free)} free on its disk holds {fits} checkpoint(s) and {need}; with "
-        f"--keep-checkpoints {keep} this run adds up to {more} at once ({_mb(more * size)}; a new one is written "
-        f"before the oldest is deleted), so a later save will fail: free disk space, or pass {fewer}"
-        "--ckpt-interval 0 (the final checkpoint only) or an --out-dir on a disk with room"
-    )
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
 
 
 def plan_line(p, log_path: Path, *, shown: bool, held: int | None = None, probe: int | None = None) -> str:
