@@ -633,12 +633,12 @@ def test_step_overhead_times_the_loops_host_work_against_nanogpts_ways(tmp_path)
 
 
 def test_plan_resident_reads_each_ranks_total_from_the_plan_line():
-    """bench/plan_resident.py parses what gpt2/train/startup.py plan_line prints: one rank, and two ranks where
+    """bench/plan_resident.py parses what gpt2/plan/report.py plan_line prints: one rank, and two ranks where
     rank 0's loss probe makes its total apart (the bench compares each rank's peak with its own total)."""
     from types import SimpleNamespace
 
     from gpt2.plan.hardware import GIB
-    from gpt2.train.startup import plan_line
+    from gpt2.plan.report import plan_line
 
     sys.path.insert(0, str(REPO / "bench"))
     try:

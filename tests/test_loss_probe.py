@@ -198,7 +198,7 @@ def test_the_cpu_plan_line_is_the_resident_total_with_its_parts():
 
     from gpt2.plan.hardware import GIB
     from gpt2.plan.memory import CPU_HEAP_SLACK_BYTES
-    from gpt2.train.startup import plan_line
+    from gpt2.plan.report import plan_line
 
     assert CPU_HEAP_SLACK_BYTES == GIB // 16  # 0.06 GiB below
     mem = SimpleNamespace(total=GIB // 4)
@@ -233,7 +233,7 @@ def test_the_heap_slack_counts_activations_the_heap_serves():
     from gpt2.core.host_memory import MMAP_THRESHOLD_BYTES
     from gpt2.plan.hardware import GIB
     from gpt2.plan.memory import CPU_HEAP_SLACK_BYTES, HEAP_HOLES_PER_LAYER, heap_slack
-    from gpt2.train.startup import plan_line
+    from gpt2.plan.report import plan_line
 
     MIB = 2**20
     three_mib = 8 * 256 * 384 * 4  # the larger shape's activation: 6 x 384, 8 x 256 tokens

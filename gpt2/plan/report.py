@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from gpt2.core.config import ARCHS, ModelConfig
+from gpt2.core.config import ARCHS, TRAIN_PRESETS, ModelConfig, TrainConfig
 from gpt2.core.host_memory import CHECKPOINT_COPY_KEEP_BYTES, checkpoint_copy_kept
 from gpt2.core.precision import AUTOCAST_DTYPES
 from gpt2.plan.budget import STOP_MARGIN_S, WRITE_BYTES_PER_S, StopBudget, checkpoint_bytes
 from gpt2.plan.flops import format_flops
 from gpt2.plan.hardware import gib, human, usable_note
-from gpt2.plan.memory import Memory, max_micro_batch_size
+from gpt2.plan.memory import Memory, heap_slack, max_micro_batch_size, resident_total
 from gpt2.plan.planner import Plan
 
 
@@ -195,3 +195,75 @@ def format_accumulation(p: Plan) -> str | None:
     else:
         verdict = "fits neither way"
     return f"accumulate FSDP no-sync (counted): {gib(m.total)}; {rs}. {verdict}"
+
+
+def plan_line(p, log_path, *, shown: bool, held: int | None = None, probe: int | None = None) -> str:
+    """The plan in one console line (the start-up's, gpt2/train/startup.py check_memory): memory against the
+    device, the estimated speed, where the rest is. shown: --verbose printed the whole plan above it. held: on
+    a CPU, what this process holds now (Python, torch, the loaders, the libraries' first use: check_memory
+    warms them up first): the plan counts what training adds to it, a user reads the sum (`/usr/bin/time -v`'s
+    maximum resident set, per process), so the line gives the sum and its parts (gpt2.plan.memory.resident_total).
+    probe: what the start-up's probes (the loss path's, auto's micro-batch's) grew by in this start (a new
+    shape), counted where it is above training's own; they run on rank 0 alone, so with several ranks the line
+    gives rank 0's total apart."""
+    speed = (
+        "no time estimate (no peak FLOP/s)"
+        if p.step_time_s is None
+        else f"~{p.step_time_s:.3g} s/step at {p.mfu:.0%} MFU"
+    )
+    where = "above" if shown else f"in {log_path} (--verbose prints it)"
+    if held is None:
+        memory = f"{gib(p.memory.total)} of {gib(p.usable_bytes)} usable per rank"
+    else:
+        heap = heap_slack(p.cfg.n_layer, p.cfg.n_embd, p.micro_batch_size * p.seq_len)
+        total = resident_total(p.memory.total, held, heap=heap)
+        rank0 = resident_total(p.memory.total, held, probe, heap=heap)
+        several = rank0 != total and p.world_size > 1
+        whose = "rank 0's" if several else "the"
+        probed = "" if rank0 == total else f"; {whose} probes' {gib(probe)} at this first run of the shape"
+        each = (
+            f"{gib(total)} resident per rank, {gib(rank0)} on rank 0" if several else f"{gib(rank0)} resident per rank"
+        )
+        memory = (
+            f"{each} ({gib(p.memory.total)} to train + {gib(heap)} the heap keeps, of "
+            f"{gib(p.usable_bytes)} usable, + {gib(held)} held before it: Python, torch, the data{probed})"
+        )
+    return f"plan       {memory}, {speed}; the whole plan is {where}"
+
+
+def gpu_recipe_on_cpu(tc: TrainConfig, p) -> str | None:
+    """On a CPU, the gpt2 recipe's batch or evaluation (TrainConfig's defaults, what a run without --preset
+    gets): one line with the plan's time for it and the debug preset as the CPU-sized recipe, else None.
+
+    The defaults stay the recipe's whatever the device, so a flag means the same on a laptop and on the
+    cluster it rehearses (a dry run plans the same run); a CPU run is told instead, before any step."""
+    recipe, debug = TrainConfig(), TRAIN_PRESETS["debug"]
+    parts = []
+    if tc.batch.total_batch_size >= recipe.batch.total_batch_size:
+        pace = (
+            "no time estimate without a peak"
+            if p.step_time_s is None or p.hours is None
+            else f"~{_duration(p.step_time_s)} each, {_duration(p.hours * 3600)} for "
+            f"{tc.schedule.max_steps:,} steps at the "
+            "plan's estimate"
+        )
+        parts.append(f"{tc.batch.total_batch_size:,}-token steps ({pace})")
+    if tc.eval.eval_tokens >= recipe.eval.eval_tokens:
+        parts.append(f"{tc.eval.eval_tokens:,} tokens per evaluation")
+    if p.hardware.device_type != "cpu" or not parts:
+        return None
+    return (
+        f"recipe: the gpt2 recipe's {' and '.join(parts)} on a CPU (the defaults without --preset); for a "
+        f"CPU-sized run pass --preset debug ({debug['total_batch_size']:,}-token steps, {debug['eval_tokens']:,} "
+        "eval tokens) or set --total-batch-size and --eval-tokens"
+    )
+
+
+def _duration(seconds: float) -> str:
+    return (
+        f"{seconds:.0f} s"
+        if seconds < 120
+        else f"{seconds / 60:.0f} min"
+        if seconds < 7200
+        else f"{seconds / 3600:.1f} h"
+    )
