@@ -56,7 +56,6 @@ from gpt2.core.config import (
     BatchConfig,
     CheckpointConfig,
     ComputeConfig,
-    DataConfig,
     DistributedConfig,
     ModelConfig,
     RunConfig,
@@ -66,10 +65,11 @@ from gpt2.core.config import (
     weight_changes,
 )
 from gpt2.core.schedule import batch_warmup_problem, grad_accum_steps, lr_at, tokens_before
-from gpt2.data.check import check_listed, prep_command, read_manifest, verify_shards
+from gpt2.data.check import check_listed
 from gpt2.data.loader import ShardSet, find_shards
 from gpt2.data.mixture import MixedShards, describe_weights, planned_draws
-from gpt2.data.shards import ShardError, read_tokens
+from gpt2.data.preflight import check_same_tokenizer, find_val_shards, verify_data
+from gpt2.data.shards import read_tokens
 from gpt2.distributed import preempt
 from gpt2.distributed.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.distributed.fsdp import gathered_param_bytes
@@ -247,7 +247,7 @@ def decide_run(
     Most lines are detail (the plan term by term): RUN/train.log and --verbose; the console gets the
     precision and the micro-batch."""
     if shards[0] is not None:  # a dry run planning a cluster from a laptop may have no data here
-        verify_data(cfg.train.data, shards, dist, log)
+        verify_data(cfg.train.data, shards, dist, log.detail)
     cfg = keep_decisions(cfg, start, dist, log.info)
     decided = resolve_auto(cfg, dist, log, start=start, target=target)
     log_mfu_peak(decided, dist, log)
@@ -501,60 +501,6 @@ def check_data(
     return train_shards, val_shards
 
 
-def find_val_shards(data_dir: str, block: int, eval_tokens: int) -> ShardSet:
-    """data_dir's val shards (one source of --data-dir), which a run with --eval-tokens > 0 needs even with
-    --eval-interval 0 (it still evaluates at step 0 and at the end), holding at least one sequence: fewer than
-    block_size + 1 tokens gave `val loss nan` (0 / 0) at every evaluation and exit 0. A mixture evaluates
-    every source (val_loss/NAME), so each needs its own."""
-    try:
-        val = find_shards(data_dir, "val")
-    except ShardError as e:
-        if not Path(data_dir).is_dir() or any(Path(data_dir).glob("*val*.bin")):
-            raise  # no directory, or a damaged val shard: its own line says how to find and repair it
-        raise ShardError(
-            f"{str(e).split(';')[0]}. The run evaluates on them at step 0 and at the end (--eval-interval "
-            f"0 leaves out only the evaluations in between): {prepare_val(data_dir, eval_tokens, block)}; or pass "
-            "--eval-tokens 0 to train without validation"
-        ) from None
-    if val.total_tokens < block + 1:
-        raise ShardError(
-            f"--data-dir {data_dir}: the val shards hold {val.total_tokens:,} tokens, fewer than one "
-            f"sequence of --block-size {block} needs ({block + 1}): evaluation would score nothing (val "
-            f"loss nan); {prepare_val(data_dir, eval_tokens, block)}; or pass --eval-tokens 0 to train without "
-            "validation"
-        )
-    return val
-
-
-def check_same_tokenizer(dirs: list[str]) -> None:
-    """A mixture's sources must share the tokenizer and vocabulary: their manifests (data_prep's) say which.
-    One line naming two that differ; sources without a manifest (llm.c's) are GPT-2's by their format,
-    and their token ids are checked like every source's."""
-    seen = {}
-    for d in dirs:
-        manifest = read_manifest(d)
-        if manifest is not None:
-            seen[d] = (manifest.get("tokenizer"), manifest.get("vocab_size"), manifest.get("eot_token"))
-    if len(set(seen.values())) > 1:
-        (a, ta), *rest = seen.items()
-        b, tb = next((d, t) for d, t in rest if t != ta)
-        raise ShardError(
-            f"--data-dir sources {a} and {b} were prepared with different tokenizers ({ta[0]!r}, vocab {ta[1]}, "
-            f"EOT {ta[2]} against {tb[0]!r}, vocab {tb[1]}, EOT {tb[2]}, their manifest.json say): a mixture's "
-            "sources share one vocabulary; prepare each with this project's `python -m data_prep`"
-        )
-
-
-def prepare_val(data_dir: str, eval_tokens: int, block: int) -> str:
-    """How to get a val split for data_dir: data_prep's command for its corpus (from its manifest) with val
-    tokens for the run's evaluation (--eval-tokens), at least one sequence of block + 1; or the flag to use."""
-    found = prep_command(data_dir, eval_tokens, block + 1)
-    if found is None:  # no manifest (llm.c's shards): the corpus is unknown here
-        return f"prepare a val split with data_prep's --val-tokens N (N > {block})"
-    command, out = found
-    return f"prepare the corpus again with a val split, `{command}`, and pass --data-dir {out}"
-
-
 def check_out_dir(out_dir: str) -> None:
     """--out-dir, or the nearest directory above it that exists, must be writable: otherwise the first
     mkdir or write raised OSError (EROFS, EACCES) with a traceback after the process group started.
@@ -567,31 +513,6 @@ def check_out_dir(out_dir: str) -> None:
     if not os.access(path, os.W_OK | os.X_OK):
         why = "a read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "no permission to write there"
         raise ValueError(f"--out-dir {out_dir}: cannot write in {path} ({why}); pass a writable --out-dir")
-
-
-def verify_data(data: DataConfig, shards: tuple[ShardSet, ShardSet | None], dist: Dist, log: RunLog) -> None:
-    """--verify-data's reading part (gpt2/data/check.py verify_shards), by rank 0 alone: it reads up to
-    every shard once, which every rank of a node doing it too would multiply. Every rank raises its
-    ShardError or none does."""
-    train, val = shards
-
-    def verify() -> list[str]:
-        said = []
-        try:
-            for k, d in enumerate(data.dirs):  # one source, or each of a mixture's
-                sets = {"train": source_set(train, k), **({"val": source_set(val, k)} if val is not None else {})}
-                said.append(verify_shards(d, sets, data.verify_data))
-        except OSError as e:
-            raise ShardError(str(e)) from None
-        return said if len(said) == 1 else [f"{n}: {t}" for n, t in zip(data.names, said)]
-
-    for line in rank0_decides(verify, dist, errors=(ShardError,)):
-        log.detail(f"data       {line}")
-
-
-def source_set(shards: ShardSet | MixedShards, k: int) -> ShardSet:
-    """Source k's shards: a mixture's k-th, or the one source's."""
-    return shards.sets[k] if isinstance(shards, MixedShards) else shards
 
 
 MANY_EPOCHS = 10
