@@ -32,6 +32,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         return dry_run(cfg, rehearsal), False
     from gpt2.distributed.group import setup, teardown, world_from_env
     from gpt2.distributed.preempt import EXIT_REQUEUE, stop_exit_code
+    from gpt2.train.startup import run_guards, start
     from gpt2.train.trainer import train
 
     dist, agreed = None, False  # agreed: every rank ends the same way (teardown's barrier)
@@ -42,7 +43,9 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         except ValueError as e:  # ShardError is one too
             return refuse_before_group(e, info), False  # no process group yet
         dist = setup(info, device, cfg.train.distributed.dist_timeout_s)
-        code = train(cfg, dist, shards)
+        with run_guards(cfg.train.ckpt.out_dir, dist) as stop_request:  # signals, the run directory's lock, hang dumps
+            run = start(cfg, dist, shards=shards, stop_request=stop_request)  # from the config to the first step
+            code = 0 if run is None else train(run)  # None: finished already (the quick start run a second time)
         agreed = True
         return (stop_exit_code() if code == EXIT_REQUEUE else code), True
     except Exception as e:

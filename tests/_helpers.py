@@ -505,6 +505,16 @@ def model_body(model, idx):
     return t.ln_f(x)
 
 
+def train_in_process(cfg, dist) -> int:
+    """What train_ddp.py does once its process group is up, in this process: the run's guards, start, train."""
+    from gpt2.train.startup import run_guards, start
+    from gpt2.train.trainer import train
+
+    with run_guards(cfg.train.ckpt.out_dir, dist) as stop_request:
+        run = start(cfg, dist, stop_request=stop_request)
+        return 0 if run is None else train(run)
+
+
 def built(cfg, dist, log=None):
     """The trainer's parts for cfg as a real start builds them (gpt2/train/build.py build), from the start-up's
     record (its `auto` flags decided: resolve_auto) and check_data's shards, in a new directory."""

@@ -417,13 +417,13 @@ def test_a_shard_changed_during_the_run_is_named(shard_dir):
 
 
 def test_the_trainer_closes_its_loaders(tmp_path, shakespeare_shards, monkeypatch):
+    from _helpers import train_in_process
     from conftest import TINY_MODEL_FLAGS
 
     from gpt2.data.loader import EvalLoader as Eval
     from gpt2.data.loader import TrainLoader as Train
     from gpt2.distributed.group import Dist
     from gpt2.train.cli import parse_config
-    from gpt2.train.trainer import train
 
     closed = []
     for cls in (Train, Eval):
@@ -455,7 +455,7 @@ def test_the_trainer_closes_its_loaders(tmp_path, shakespeare_shards, monkeypatc
             "false",
         ]
     )
-    assert train(cfg, Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)) == 0
+    assert train_in_process(cfg, Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)) == 0
     assert sorted(closed) == ["EvalLoader", "TrainLoader"]
     assert fds_into(shakespeare_shards) == 0
 

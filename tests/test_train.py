@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from _helpers import built
+from _helpers import built, train_in_process
 from conftest import TINY_MODEL_FLAGS, run_trainer
 
 from gpt2.train.cli import parse_config
@@ -587,7 +587,6 @@ def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespear
     """torch.compile compiles a graph when it first runs, and under DDP the first one runs inside build
     (its bucket-settling step): the line that explains a silent minute is on the console before build."""
     import gpt2.train.startup as startup
-    import gpt2.train.trainer as trainer
     from gpt2.distributed.group import single_process
     from gpt2.train.cli import parse_config
 
@@ -620,7 +619,7 @@ def test_the_compile_line_comes_before_anything_is_compiled(tmp_path, shakespear
         ]
     )
     with pytest.raises(Building) as caught:
-        trainer.train(cfg, single_process())
+        train_in_process(cfg, single_process())
     assert "compiling: torch.compile builds each graph the first time it runs" in str(caught.value), caught.value
 
 
@@ -631,7 +630,6 @@ class Building(Exception):
 def start_up_to_build(argv: list[str], monkeypatch, capsys) -> tuple[str, str]:
     """A real start-up of argv (one process) stopped where it would build the model: its stdout and stderr."""
     import gpt2.train.startup as startup
-    import gpt2.train.trainer as trainer
     from gpt2.distributed.group import single_process
 
     def build(*args, **kwargs):
@@ -639,7 +637,7 @@ def start_up_to_build(argv: list[str], monkeypatch, capsys) -> tuple[str, str]:
 
     monkeypatch.setattr(startup, "build", build)
     with pytest.raises(Building):
-        trainer.train(parse_config(argv), single_process())
+        train_in_process(parse_config(argv), single_process())
     captured = capsys.readouterr()
     return captured.out, captured.err
 

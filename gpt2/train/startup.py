@@ -24,6 +24,7 @@ RUN/train.log and printed only with --verbose, so a newcomer reads what runs, an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -46,7 +47,7 @@ from gpt2.ckpt.resume import (
     set_aside_abandoned,
     set_aside_earlier_run,
 )
-from gpt2.ckpt.rundir import RUN_INFO, TRAIN_LOG
+from gpt2.ckpt.rundir import RUN_INFO, TRAIN_LOG, own_run_dir
 from gpt2.ckpt.writer import CheckpointWriter
 from gpt2.core import determinism, host_memory
 from gpt2.core.atomic import atomic_write_text
@@ -74,6 +75,7 @@ from gpt2.distributed import preempt
 from gpt2.distributed.bandwidth import NetworkCost, format_network_cost, fsdp_traffic, measure_network, network_warning
 from gpt2.distributed.fsdp import gathered_param_bytes
 from gpt2.distributed.group import Dist, compile_threads, rank0_decides, set_cpu_threads, usable_cpus
+from gpt2.distributed.hang import HangDumps
 from gpt2.plan import matmul_peak
 from gpt2.plan.budget import checkpoint_bytes
 from gpt2.plan.flops import format_flops, within_document_share
@@ -102,8 +104,8 @@ def start(
     log=None,
 ) -> Run | None:
     """A run from its config to its first step, in the order things happen; None when its checkpoint
-    has reached --max-steps already (said in one line). The caller holds the run directory's lock
-    (gpt2/ckpt/rundir.py own_run_dir) and the signal handlers (stop_request).
+    has reached --max-steps already (said in one line). The caller holds the run's guards (run_guards: the
+    run directory's lock, the signal handlers whose record is stop_request, the hang dumps).
 
     shards: check_data's result (train_ddp.py checks before the process group starts), else checked here.
     hardware: what the planner sizes for instead of this device (tests pass a cap)."""
@@ -161,6 +163,16 @@ def start(
         watch=watch,
         cache=cache,
     )
+
+
+@contextlib.contextmanager
+def run_guards(out_dir: str, dist: Dist):
+    """What a run holds from before its first touch of RUN to its end, around start() and the trainer's train():
+    the stop signals recorded (yielded: one that arrives while building or restoring stops the run at the first
+    step boundary, with a checkpoint, instead of killing the process), the run directory this run's alone
+    (gpt2/ckpt/rundir.py own_run_dir) and the hang dumps (gpt2/distributed/hang.py)."""
+    with preempt.StopRequest() as stop_request, own_run_dir(out_dir, dist), HangDumps(out_dir, dist):
+        yield stop_request
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The training loop: train(), run_loop(), train_step(), due(). Importable and testable.
 
-train() takes the run directory and the signals, then start() (gpt2/train/startup.py) makes the run, from
-its config to its first step, in one call. One step, top to bottom: run_loop() -> train_step() (this file;
-the model's forward in gpt2/model/gpt.py), then due() says what else the step owes (evaluate, sample, save,
+train(run) trains the Run that start() (gpt2/train/startup.py) made, from its config to its first step
+(train_ddp.py: the run's guards, start, train). One step, top to bottom: run_loop() -> train_step() (this
+file; the model's forward in gpt2/model/gpt.py), then due() says what else the step owes (evaluate, sample, save,
 stop) and save() writes the checkpoint (gpt2/train/state.py).
 Everything distributed goes through the `Dist` passed in; nothing reads the environment.
 """
@@ -19,25 +19,22 @@ from pathlib import Path
 
 import torch
 
-from gpt2.ckpt.rundir import own_run_dir
 from gpt2.core import precision
 from gpt2.core.config import (
     EOT_TOKEN,
     BatchConfig,
     EvalConfig,
     OptimConfig,
-    RunConfig,
     ScheduleConfig,
     TrainConfig,
 )
 from gpt2.core.schedule import batch_tokens_at, lr_at, momentum_at, tokens_before, warmup_micro_steps
-from gpt2.data.loader import ShardSet, TrainLoader
-from gpt2.data.mixture import MixedShards, MixtureEval, MixtureLoader
+from gpt2.data.loader import TrainLoader
+from gpt2.data.mixture import MixtureEval, MixtureLoader
 from gpt2.data.shards import ShardError
 from gpt2.distributed import preempt
 from gpt2.distributed.fsdp import clip_grad_norm, is_sharded, no_grad_sync
 from gpt2.distributed.group import Dist, all_gather_object, all_reduce_sum, collective, set_timeout
-from gpt2.distributed.hang import HangDumps
 from gpt2.distributed.straggler import ComputeClock, straggler_line, times_record
 from gpt2.model.gpt import TOP_K, cut_at_stop
 from gpt2.plan import matmul_peak
@@ -46,7 +43,7 @@ from gpt2.train import compile_cache
 from gpt2.train.gc_steps import collect_at_steps, collect_if_due
 from gpt2.train.run_log import RunLog, plot_loss_curve
 from gpt2.train.spike_guard import VERDICT_SIZE, roll_back, verdict_of
-from gpt2.train.startup import Run, start
+from gpt2.train.startup import Run
 from gpt2.train.state import Parts, finish_background_write, save
 from gpt2.train.step_clock import StepClock, StepMarks
 
@@ -392,37 +389,23 @@ def _every(step: int, interval: int) -> bool:
     return bool(interval) and step % interval == 0
 
 
-def train(
-    cfg: RunConfig, dist: Dist, shards: tuple[ShardSet | MixedShards, ShardSet | MixedShards | None] | None = None
-) -> int:
-    """Run training to max_steps (or until a stop signal). Returns 0, or EXIT_REQUEUE after a signal.
-
-    shards: check_data's result; train_ddp.py checks before the process group starts, in-process
-    callers (tests) may leave it to the start-up."""
-    # Signals are recorded from the start: one that arrives while building or restoring stops the
-    # run at the first step boundary (with a checkpoint) instead of killing the process. The run
-    # directory is this run's alone from before its first touch to the end (gpt2/ckpt/rundir.py).
-    with (
-        preempt.StopRequest() as stop_request,
-        own_run_dir(cfg.train.ckpt.out_dir, dist),
-        HangDumps(cfg.train.ckpt.out_dir, dist),
-    ):
-        run = start(cfg, dist, shards=shards, stop_request=stop_request)  # gpt2/train/startup.py
-        if run is None:  # finished already, e.g. the quick start run a second time
-            return 0
-        try:
-            if run.parts.step == 0 and run.parts.val_loader is not None:  # where the curve begins
-                loss, per_source = evaluate_sources(run.parts, dist)
-                run.log.log_eval(0, 0, loss, run.parts.val_loader.tokens, per_source)
-            cache = run.cache  # run_loop seals it after the first step and drops it from the run
-            with collect_at_steps(
-                run.cfg.train.distributed.gc_interval
-            ):  # every rank's garbage collection at the same steps
-                code = run_loop(run)
-            compile_cache.finish(cache, dist, run.log)  # seals what this run compiled, for the next start
-            return code
-        finally:
-            close_run(run.parts, dist, run.log)
+def train(run: Run) -> int:
+    """Train the run start() made (gpt2/train/startup.py) to --max-steps, or until a stop signal: its step-0
+    evaluation (where the curve begins), the loop, then the compile cache sealed and the run closed. Returns 0,
+    or EXIT_REQUEUE after a signal. The caller holds the run's guards (startup.run_guards: the signals, the run
+    directory's lock, the hang dumps) around start() and this."""
+    dist = run.dist
+    try:
+        if run.parts.step == 0 and run.parts.val_loader is not None:
+            loss, per_source = evaluate_sources(run.parts, dist)
+            run.log.log_eval(0, 0, loss, run.parts.val_loader.tokens, per_source)
+        cache = run.cache  # run_loop seals it after the first step and drops it from the run
+        with collect_at_steps(run.cfg.train.distributed.gc_interval):  # every rank's collection at the same steps
+            code = run_loop(run)
+        compile_cache.finish(cache, dist, run.log)  # seals what this run compiled, for the next start
+        return code
+    finally:
+        close_run(run.parts, dist, run.log)
 
 
 def reads_lag(device: torch.device) -> bool:
