@@ -87,7 +87,7 @@ def preflight(cfg, info):
 
         determinism.enable()
     device = resolve_device(cfg.train.compute.device, info.local_rank)
-    shards = check_data(cfg, info.world_size)
+    shards = check_data(cfg.train, cfg.model.block_size, info.world_size)
     if info.world_size > 1:
         from gpt2.distributed.hang import flight_recorder_env
 

@@ -523,7 +523,7 @@ def built(cfg, dist, log=None):
     from gpt2.train.startup import check_data, resolve_auto
 
     log = log or RunLog(dist, cfg.train.ckpt.out_dir)
-    return build(resolve_auto(cfg, dist, log), dist, log, check_data(cfg, dist.world_size))
+    return build(resolve_auto(cfg, dist, log), dist, log, check_data(cfg.train, cfg.model.block_size, dist.world_size))
 
 
 def optimizer_of(model, tc, device, dist=None):

@@ -244,7 +244,7 @@ def test_missing_optional_sink_is_refused_before_start(tmp_path, shakespeare_sha
         ["--preset", "debug", "--data-dir", str(shakespeare_shards), "--out-dir", str(tmp_path), "--wandb-project", "p"]
     )
     with pytest.raises(ValueError, match="--wandb-project needs the wandb package"):
-        check_data(cfg, 1)
+        check_data(cfg.train, cfg.model.block_size, 1)
 
 
 def _refuse_batch(launcher: list[str], shards, run_dir) -> subprocess.CompletedProcess:
@@ -338,10 +338,15 @@ def test_sample_prompt_longer_than_the_block_is_refused_before_start(tmp_path, s
         "--sample-interval",
         "5",
     ]
-    check_data(parse_config([*flags, "--sample-prompt", "To be or not to be"]), 1)  # fits: accepted
+
+    def checked(argv):
+        cfg = parse_config(argv)
+        return check_data(cfg.train, cfg.model.block_size, 1)
+
+    checked([*flags, "--sample-prompt", "To be or not to be"])  # fits: accepted
     with pytest.raises(ValueError, match=r"--sample-prompt: the prompt is \d+ tokens but the model's block_size is 16"):
-        check_data(parse_config([*flags, "--sample-prompt", "word " * 40]), 1)
-    check_data(parse_config([*flags, "--sample-interval", "0", "--sample-prompt", "word " * 40]), 1)  # never sampled
+        checked([*flags, "--sample-prompt", "word " * 40])
+    checked([*flags, "--sample-interval", "0", "--sample-prompt", "word " * 40])  # never sampled
 
 
 def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, shakespeare_shards, monkeypatch, capsys):
@@ -349,6 +354,7 @@ def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, sha
     dead-peer advice); any other RuntimeError propagates whatever its text says."""
     from _helpers import import_train_ddp
 
+    import gpt2.train.startup
     import gpt2.train.trainer
     from gpt2.distributed.group import CollectiveError, collective
 
@@ -366,6 +372,7 @@ def test_collective_failures_are_told_apart_by_type_not_by_message(tmp_path, sha
         with collective("the gradient all-reduce"):
             raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:39625")
 
+    monkeypatch.setattr(gpt2.train.startup, "start", lambda *args, **kwargs: "the run")  # the failure is train's
     monkeypatch.setattr(gpt2.train.trainer, "train", fails_in_a_collective)
     assert train_ddp.main(flags) == 1
     err = capsys.readouterr().err

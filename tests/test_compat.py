@@ -78,7 +78,7 @@ def test_trainer_refuses_a_missing_feature_before_any_process_group(monkeypatch,
         ),
     )
     with pytest.raises(ValueError, match=r"--optimizer muon needs torch >= 2\.9"):
-        check_data(cfg, world_size=1)
+        check_data(cfg.train, cfg.model.block_size, world_size=1)
 
 
 def test_fsdp_api_matches_the_feature_and_is_sharded_never_raises():

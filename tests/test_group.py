@@ -3,6 +3,8 @@ rank's device; rank0_decides, the one way rank 0 decides for every rank."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._inductor.config as inductor_config
@@ -80,11 +82,14 @@ def test_the_trainer_exits_through_the_barrier_when_every_rank_ends_alike(monkey
     monkeypatch.setattr(gpt2.distributed.group, "world_from_env", lambda env=None: world)
     monkeypatch.setattr(gpt2.distributed.group, "setup", lambda info, device, timeout_s: Dist(0, 0, 2, 2, device))
     monkeypatch.setattr(gpt2.distributed.group, "teardown", lambda dist, agreed=False: seen.append(agreed))
-    monkeypatch.setattr(gpt2.train.startup, "check_data", lambda cfg, world_size: None)
+    monkeypatch.setattr(gpt2.train.startup, "check_data", lambda tc, block_size, world_size: None)
+    monkeypatch.setattr(gpt2.train.startup, "run_guards", lambda out_dir, dist: contextlib.nullcontext())
+    monkeypatch.setattr(gpt2.train.startup, "start", lambda cfg, dist, shards, stop_request: "the run")
     argv = ["--preset", "debug", "--device", "cpu", "--data-dir", str(tmp_path), "--out-dir", str(tmp_path / "run")]
 
     def ending(outcome):
-        def train(cfg, dist, shards):
+        def train(run):
+            assert run == "the run"
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome

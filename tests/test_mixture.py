@@ -351,7 +351,7 @@ def test_each_source_is_checked_before_any_work(mixed, tmp_path):
                 **{"eval_tokens": 32, "sample_interval": 0, **extra},
             ),
         )
-        return check_data(cfg, 1)
+        return check_data(cfg.train, cfg.model.block_size, 1)
 
     alpha, beta = mixed.dirs[:2]
     train, val = check([alpha, beta])

@@ -38,7 +38,7 @@ from pathlib import Path
 from gpt2.ckpt import checkpoint as ckpt
 from gpt2.ckpt import rundir
 from gpt2.core.atomic import atomic_write_bytes
-from gpt2.core.config import RunConfig, train_values
+from gpt2.core.config import TrainConfig, train_values
 from gpt2.core.start_point import ResumePoint, StartDecision
 from gpt2.distributed.group import Dist, all_gather_object, rank0_decides
 
@@ -279,22 +279,20 @@ timing probe or a free-memory reading can decide otherwise on a busy machine, an
 precision changes the numbers (the resume would not continue bit for bit)."""
 
 
-def keep_decisions(cfg: RunConfig, start: StartDecision, dist: Dist, say) -> RunConfig:
-    """cfg with each KEPT_ON_RESUME field left at auto set to the value the continued run decided (its
+def keep_decisions(tc: TrainConfig, start: StartDecision, dist: Dist, say) -> TrainConfig:
+    """tc with each KEPT_ON_RESUME field left at auto set to the value the continued run decided (its
     RUN/config.json, of the same run id, on as many ranks), each said in one line by say (the log's info);
     a flag given now wins."""
     kept = {}
     if start.point is not None:
-        info = Path(cfg.train.ckpt.out_dir) / rundir.RUN_INFO
+        info = Path(tc.ckpt.out_dir) / rundir.RUN_INFO
         kept = rank0_decides(lambda: decided_before(info, start.run_id, dist.world_size), dist) or {}
-    now = cfg.train.flat()
+    now = tc.flat()
     changes = {k: v for k, v in kept.items() if now[k] == "auto" and v != "auto"}
     for k, v in changes.items():
         flag = "--" + k.replace("_", "-")
         say(f"resume: {flag} auto keeps {v!r}, the run's own choice (pass {flag} to decide otherwise)")
-    if not changes:
-        return cfg
-    return RunConfig(cfg.model, cfg.train.replace(**changes))
+    return tc.replace(**changes) if changes else tc
 
 
 def decided_before(info_path: Path, run_id: str | None, world_size: int) -> dict | None:

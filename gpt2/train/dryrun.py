@@ -86,7 +86,7 @@ def rehearse(cfg: RunConfig, r: Rehearsal, *, env=None, out=print) -> int:
     )
     target, device_desc = rehearsal_target(cfg.train.compute, r, world, per_node, info.local_rank)
     out(f"world      {world} rank(s) = {world // per_node} node(s) x {per_node} on {device_desc}")
-    shards = check_data(cfg, world, shards=any(Path(d).is_dir() for d in tc.data.dirs))
+    shards = check_data(tc, cfg.model.block_size, world, shards=any(Path(d).is_dir() for d in tc.data.dirs))
     train_shards, val_shards = shards
     report_data(cfg.train.data, train_shards, val_shards, out)
     with rank_threads(cfg.train.compute, target):  # a CPU's peaks are per thread count: measure with a rank's

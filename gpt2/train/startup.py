@@ -115,7 +115,7 @@ def start(
     # The console only, for now: RUN/train.log, TensorBoard and W&B write into RUN, which may still hold
     # an earlier run's records until the start is decided and they are moved aside (make_room).
     log = log or RunLog(dist, tc.ckpt.out_dir, verbose=tc.log.verbose, log_file=True)
-    shards = shards or check_data(cfg, dist.world_size)  # the shards and the batch maths
+    shards = shards or check_data(tc, cfg.model.block_size, dist.world_size)  # the shards and the batch maths
     at = announce_start(tc.ckpt, dist, log)  # where the run begins: a checkpoint, or fresh
     # Every line of the decisions and checks is held until they all pass: a refusal, or "nothing to train", is
     # the console's first line after `starting` (with --verbose, after what was decided before it).
@@ -260,7 +260,7 @@ def decide_run(
     precision and the micro-batch."""
     if shards[0] is not None:  # a dry run planning a cluster from a laptop may have no data here
         verify_data(cfg.train.data, shards, dist, log.detail)
-    cfg = keep_decisions(cfg, start, dist, log.info)
+    cfg = RunConfig(cfg.model, keep_decisions(cfg.train, start, dist, log.info))
     decided = resolve_auto(cfg, dist, log, start=start, target=target)
     log_mfu_peak(decided, dist, log)
     if decided.cfg.model.doc_attention and shards[0] is not None:
@@ -449,28 +449,28 @@ def check_layout(bc: BatchConfig, T: int, world_size: int) -> None:
 
 
 def check_data(
-    cfg: RunConfig, world_size: int, *, shards: bool = True
+    tc: TrainConfig, block_size: int, world_size: int, *, shards: bool = True
 ) -> tuple[ShardSet | MixedShards | None, ShardSet | MixedShards | None]:
     """Validate shards and batch maths before any process group or model exists: each --data-dir source's
     train shards, and its val shards when the run evaluates (MixedShards for a mixture's sources).
 
-    shards=False checks everything but the shards and --out-dir (train_ddp.py --dry-run where --data-dir
-    is absent). The shards' cheap manifest checks run here; reading them is verify_data's (rank 0).
+    block_size: the model's sequence length. shards=False checks everything but the shards and --out-dir
+    (train_ddp.py --dry-run where --data-dir is absent). The shards' cheap manifest checks run here; reading
+    them is verify_data's (rank 0).
     """
-    tc = cfg.train
     missing = missing_features(optimizer=tc.optim.optimizer, parallel=tc.distributed.parallel)
     if missing:  # this torch lacks a feature asked for: say which release has it, before anything starts
         raise ValueError("; ".join(missing))
-    check_layout(tc.batch, cfg.model.block_size, world_size)
-    if 0 < tc.eval.eval_tokens < cfg.model.block_size:
+    check_layout(tc.batch, block_size, world_size)
+    if 0 < tc.eval.eval_tokens < block_size:
         raise ValueError(
             f"--eval-tokens {tc.eval.eval_tokens} is less than one sequence of --block-size "
-            f"{cfg.model.block_size}: evaluation would score nothing (val loss nan); raise it, or "
+            f"{block_size}: evaluation would score nothing (val loss nan); raise it, or "
             "--eval-tokens 0 to train without validation"
         )
     train_shards, val_shards = None, None
     if shards:  # the machine the run is on (a dry run from a laptop checks neither)
-        block, eval_tokens = cfg.model.block_size, tc.eval.eval_tokens
+        block, eval_tokens = block_size, tc.eval.eval_tokens
         found = [
             (find_shards(d, "train"), find_val_shards(d, block, eval_tokens) if eval_tokens > 0 else None)
             for d in tc.data.dirs
@@ -498,7 +498,7 @@ def check_data(
 
         try:  # too long, or no tokenizer files on an offline machine: an error now, not at the first sample
             get_encoding()  # samples are decoded with it, whatever the prompt (an empty one needs no encoding)
-            encode_prompt(tc.eval.sample_prompt, cfg.model.block_size)
+            encode_prompt(tc.eval.sample_prompt, block_size)
         except TokenizerFilesError as e:
             raise ValueError(
                 f"the samples (--sample-interval {tc.eval.sample_interval}) need the tokenizer: {e}; "
