@@ -129,9 +129,10 @@ def start(
     except BaseException:
         log.release(console=False)
         raise
-    if finished_message(at, decided.cfg.train) is not None:  # finished already, e.g. the quick start run again
+    finished = finished_message(at, tc)  # the step count and directory no decision changes
+    if finished is not None:  # finished already, e.g. the quick start run a second time
         log.release(console=False)
-        log.info(finished_message(at, tc))
+        log.info(finished)
         log.close()
         return None
     log.release()
